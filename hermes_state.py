@@ -1,0 +1,1351 @@
+"""SessionDB: an AI agent's sessions and messages in one SQLite file.
+
+Owns the connections (one writer, one reader per thread), the journal policy,
+the write path (BEGIN IMMEDIATE with retry and jitter inside a time budget),
+self-repair of damaged files at open, the token-count queue, the public
+session/message/lineage/routing/meta/lock API, and `python -m hermes_state`.
+
+Schema work lives in hermes_state_schema, search in hermes_state_search,
+export and import in hermes_state_portability; all SQL text lives in
+hermes_state_common.
+"""
+
+import argparse
+import atexit
+import json
+import logging
+import os
+import random
+import socket
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections import namedtuple
+from pathlib import Path
+
+from hermes_constants import get_default_db_path, set_hermes_home_override, reset_hermes_home_override
+from hermes_state_common import (
+    BUMP_MESSAGE_COUNTS_SQL,
+    BUMP_REWIND_COUNT_SQL,
+    COMPRESSION_END_REASON,
+    COUNT_ACTIVE_MESSAGES_SQL,
+    COUNT_SESSION_MESSAGES_SQL,
+    DEACTIVATE_AFTER_SQL,
+    DELETE_META_SQL,
+    DELETE_ROUTING_KEYS_SQL,
+    DELETE_ROUTING_SCOPE_SQL,
+    END_SESSION_SQL,
+    INSERT_MESSAGE_SQL,
+    INSERT_SYSTEM_PROMPT_SQL,
+    MESSAGE_JSON_FIELDS,
+    MESSAGE_WRITE_COLUMNS,
+    REACTIVATE_SQL,
+    REFRESH_LOCK_SQL,
+    RELEASE_LOCK_SQL,
+    REOPEN_SESSION_SQL,
+    SCHEMA_VERSION,
+    SELECT_ACTIVE_COUNT_INPUTS_SQL,
+    SELECT_COMPRESSION_CHILD_SQL,
+    SELECT_ID_PREFIX_SQL,
+    SELECT_LOCK_SQL,
+    SELECT_MESSAGE_OWNER_SQL,
+    SELECT_MESSAGES_SQL,
+    SELECT_META_PREFIX_SQL,
+    SELECT_META_SQL,
+    SELECT_LINEAGE_LINK_SQL,
+    SELECT_PRUNABLE_SQL,
+    SELECT_ROUTING_SQL,
+    SELECT_SCHEMA_VERSION_SQL,
+    SELECT_SESSION_BY_TITLE_SQL,
+    SELECT_SESSION_SQL,
+    SELECT_SYSTEM_PROMPT_SQL,
+    SELECT_TITLE_OWNER_SQL,
+    SELECT_TITLE_SQL,
+    SESSION_CASCADE_DELETE_SQL,
+    SESSION_EXISTS_SQL,
+    SESSION_RICH_COLUMNS_SQL,
+    SET_ARCHIVED_SQL,
+    SET_MESSAGE_COUNTS_SQL,
+    SET_PINNED_SQL,
+    SET_TITLE_SQL,
+    TITLE_MAX_LENGTH,
+    UPDATE_TOKEN_COUNTS_SQL,
+    UPSERT_LOCK_SQL,
+    UPSERT_META_SQL,
+    UPSERT_MODEL_USAGE_SQL,
+    UPSERT_ROUTING_SQL,
+    chunked,
+    placeholders,
+    prefix_bounds,
+)
+from hermes_state_portability import SessionPortabilityMixin
+from hermes_state_schema import SessionSchemaMixin, declared_columns, is_lock_error, prompt_hash
+from hermes_state_search import SessionSearchMixin, sqlite_supports_fts5, sqlite_supports_trigram
+
+logger = logging.getLogger("hermes_state")
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
+FILE_MODE = 0o600
+
+WRITE_BUDGET_SECONDS = 20.0
+# Jitter of the whole-callback retry: short sleeps while contention is likely
+# brief, longer ones once it has lasted; random so that writers spread out.
+EARLY_RETRY_WINDOW = 2.0
+EARLY_JITTER = (0.02, 0.15)
+LATE_JITTER = (0.25, 1.0)
+# Polling of the cross-process writer lock: a holder keeps it for well under a
+# millisecond, so waiters poll often rather than sleep long.
+FILE_LOCK_POLL = (0.0002, 0.002)
+WRITER_BUSY_TIMEOUT = 0.1
+# With automatic checkpoints off, a PASSIVE checkpoint runs under the writer
+# lock every this many commits of one connection.
+CHECKPOINT_EVERY_COMMITS = 500
+# Queued token counts older than this are applied by the next call that queues more.
+TOKEN_QUEUE_MAX_AGE = 1.0
+SESSION_ID_MAX_LENGTH = 256
+LIST_LIMIT_MAX = 10_000
+
+
+class StoreLockedError(sqlite3.OperationalError):
+    """The store stayed locked by another writer for the whole write budget."""
+
+
+# ---------------------------------------------------------------------------
+# Journal policy
+# ---------------------------------------------------------------------------
+
+JournalPolicy = namedtuple("JournalPolicy", "mode writer_lock autocheckpoint reason")
+
+
+def sqlite_has_wal_reset_bug(version=sqlite3.sqlite_version_info):
+    """SQLite 3.7.0 to 3.51.2 can corrupt a WAL store when two connections write
+    or checkpoint at the same instant; fixed in 3.51.3, backported to 3.44.6 and 3.50.7."""
+    version = tuple(version[:3])
+    if version < (3, 7, 0) or version >= (3, 51, 3):
+        return False
+    if (3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0):
+        return False
+    return True
+
+
+def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None):
+    """The journal mode for this runtime, and why (see README, "Journal policy")."""
+    override = (override if override is not None else os.environ.get("HERMES_STATE_JOURNAL", "")).strip().lower()
+    label = "SQLite " + ".".join(map(str, version[:3]))
+    if override == "delete":
+        return JournalPolicy("delete", True, None, "HERMES_STATE_JOURNAL=delete: rollback journal")
+    if override not in ("", "wal"):
+        raise ValueError(f"HERMES_STATE_JOURNAL must be 'wal' or 'delete', not {override!r}")
+    if sqlite_has_wal_reset_bug(version):
+        return JournalPolicy("wal", True, 0, f"{label} has the WAL-reset race (3.7.0-3.51.2): WAL with "
+                                             "every write and checkpoint under state.db.lock, "
+                                             "automatic checkpoints off")
+    return JournalPolicy("wal", False, None, f"{label} is free of the WAL-reset race: plain WAL")
+
+
+# ---------------------------------------------------------------------------
+# Cross-process writer lock
+# ---------------------------------------------------------------------------
+
+if sys.platform == "win32":
+    import msvcrt
+
+    def _try_lock_fd(fd):
+        try:
+            os.lseek(fd, 0, os.SEEK_SET)
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+
+    def _unlock_fd(fd):
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+else:
+    import fcntl
+
+    def _try_lock_fd(fd):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def _unlock_fd(fd):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+class WriterFileLock:
+    """An exclusive lock on `<store>.lock` shared by every process using the store.
+
+    Reentrant for its owner (callers serialise their threads first); the OS
+    drops it when the process dies, so a killed writer never leaves it held.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        self._depth = 0
+
+    def acquire(self, deadline):
+        """Take the lock, polling until time.monotonic() reaches `deadline`; False if it does."""
+        if self._depth:
+            self._depth += 1
+            return True
+        while not _try_lock_fd(self._fd):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(remaining, random.uniform(*FILE_LOCK_POLL)))
+        self._depth = 1
+        return True
+
+    def release(self):
+        self._depth -= 1
+        if self._depth == 0:
+            _unlock_fd(self._fd)
+
+    def close(self):
+        os.close(self._fd)
+
+
+# ---------------------------------------------------------------------------
+# Self-repair of damaged files
+# ---------------------------------------------------------------------------
+
+
+def damage_reason(path):
+    """'empty', 'zeroed' or 'notsqlite' for a file SQLite cannot use as a store; None if healthy."""
+    with open(path, "rb") as handle:
+        header = handle.read(len(SQLITE_HEADER))
+    if not header:
+        return "empty"
+    if header == SQLITE_HEADER:
+        return None
+    if not header.strip(b"\x00"):
+        return "zeroed"
+    return "notsqlite"
+
+
+def set_aside(path, reason):
+    """Rename a damaged store and its sidecars to `<name>.<reason>-<time>-<pid>.bak[-wal|-shm]`.
+
+    Sidecars keep their suffix on the backup's name, so opening the .bak file
+    with SQLite still finds its own WAL. Returns the backup path. Deletes nothing.
+    """
+    path = Path(path)
+    backup = path.with_name(f"{path.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.bak")
+    for suffix in ("",) + SIDECAR_SUFFIXES:
+        source = Path(str(path) + suffix)
+        if source.exists():
+            target = Path(str(backup) + suffix)
+            os.replace(source, target)
+            os.chmod(target, FILE_MODE)
+    return backup
+
+
+def _create_private_file(path):
+    """Create an empty file readable by its owner only (SQLite gives -wal/-shm the same mode)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    except FileExistsError:
+        return
+    os.close(fd)
+    os.chmod(path, FILE_MODE)
+
+
+# ---------------------------------------------------------------------------
+# Token-count queue
+# ---------------------------------------------------------------------------
+
+TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
+                "reasoning_tokens", "api_call_count")
+
+
+class TokenQueue:
+    """Token counts added up in memory, applied later in one write."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending = {}
+        self._oldest = None
+
+    def add(self, session_id, model, counts):
+        with self._lock:
+            totals = self._pending.setdefault((session_id, model), [0] * len(TOKEN_FIELDS))
+            for i, value in enumerate(counts):
+                totals[i] += value
+            if self._oldest is None:
+                self._oldest = time.monotonic()
+
+    def is_stale(self):
+        oldest = self._oldest
+        return oldest is not None and time.monotonic() - oldest > TOKEN_QUEUE_MAX_AGE
+
+    def __bool__(self):
+        return bool(self._pending)
+
+    def take(self):
+        with self._lock:
+            batch, self._pending, self._oldest = self._pending, {}, None
+            return batch
+
+    def put_back(self, batch):
+        for (session_id, model), counts in batch.items():
+            self.add(session_id, model, counts)
+
+
+def apply_token_batch(conn, batch):
+    now = time.time()
+    for (session_id, model), counts in batch.items():
+        conn.execute(UPDATE_TOKEN_COUNTS_SQL, (*counts, model, session_id))
+        if model:
+            conn.execute(UPSERT_MODEL_USAGE_SQL, (session_id, model, *counts[:5], counts[5], now, now))
+
+
+# ---------------------------------------------------------------------------
+# Value checks shared by the API
+# ---------------------------------------------------------------------------
+
+
+def _require_text(name, value, *, max_length=None, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string")
+    if max_length is not None and len(value) > max_length:
+        raise ValueError(f"{name} is {len(value)} characters; the limit is {max_length}")
+    return value
+
+
+def _require_int(name, value, *, minimum=0, maximum=None, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} is {value}; the limit is {maximum}")
+    return value
+
+
+def _json_text(name, value, *, want_object=False):
+    """Structured values are stored as JSON text; text is checked to be JSON."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            raise ValueError(f"{name} must be JSON text or a JSON-serialisable value") from None
+        if want_object and not isinstance(decoded, dict):
+            raise ValueError(f"{name} must be a JSON object")
+        return value
+    if want_object and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object")
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} is not JSON-serialisable: {exc}") from None
+
+
+def count_tool_calls(tool_calls):
+    """How many calls a stored `tool_calls` value holds (a JSON list, or text of one)."""
+    if isinstance(tool_calls, str):
+        try:
+            tool_calls = json.loads(tool_calls)
+        except ValueError:
+            return 0
+    return len(tool_calls) if isinstance(tool_calls, list) else 0
+
+
+def decode_message(row):
+    """A message row as a dict with `tool_calls` decoded from its JSON text."""
+    message = dict(row)
+    raw = message.get("tool_calls")
+    if isinstance(raw, str):
+        try:
+            message["tool_calls"] = json.loads(raw)
+        except ValueError:
+            pass
+    return message
+
+
+def normalize_title(title):
+    """Strip a title; empty means no title. Raises ValueError past TITLE_MAX_LENGTH."""
+    if title is None:
+        return None
+    if not isinstance(title, str):
+        raise ValueError("title must be a string or None")
+    title = " ".join(title.split())
+    if len(title) > TITLE_MAX_LENGTH:
+        raise ValueError(f"title is {len(title)} characters; the limit is {TITLE_MAX_LENGTH}")
+    return title or None
+
+
+def lock_holder_name():
+    """A compression-lock holder name whose process this host can check for liveness."""
+    return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}"
+
+
+def _pid_alive(pid):
+    if sys.platform == "win32":
+        import ctypes
+        handle = ctypes.windll.kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
+        if not handle:
+            return False
+        ctypes.windll.kernel32.CloseHandle(handle)
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def holder_is_alive(holder):
+    """False only when `holder` names a process on this host that no longer exists."""
+    parts = holder.split(":")
+    if len(parts) < 2 or parts[0] != socket.gethostname() or not parts[1].isdigit():
+        return True
+    return _pid_alive(int(parts[1]))
+
+
+# Session columns a caller may not set through create_session: identity,
+# counters kept by the store, and the prompt hash derived from system_prompt.
+_PROTECTED_SESSION_FIELDS = {"id", "source", "message_count", "tool_call_count", "system_prompt",
+                             "system_prompt_hash"}
+
+
+class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin):
+    """The agent's state store. Thread-safe; open one per process.
+
+    `SessionDB(db_path=None, read_only=False)`: `db_path` defaults to
+    `<hermes home>/state.db`. A read-only open runs no DDL and no repair.
+    `connection_factory` replaces `sqlite3.connect` (tests use it to simulate
+    runtimes without FTS5); `write_budget` is how long a write waits for a
+    busy store before StoreLockedError.
+    """
+
+    def __init__(self, db_path=None, read_only=False, *, connection_factory=None,
+                 write_budget=WRITE_BUDGET_SECONDS, journal=None):
+        self.db_path = Path(db_path) if db_path is not None else get_default_db_path()
+        self.read_only = read_only
+        self.write_budget = float(write_budget)
+        self.policy = choose_journal_policy(override=journal)
+        self.repairs = []
+        self._connect = connection_factory or sqlite3.connect
+        self._local = threading.local()
+        self._readers = []
+        self._readers_lock = threading.Lock()
+        self._write_lock = threading.RLock()
+        self._writer = None
+        self._file_lock = None
+        self._commits = 0
+        self._tokens = TokenQueue()
+        self._closed = False
+        if read_only:
+            self._open_read_only()
+        else:
+            self._open_writable()
+        self._atexit = _make_atexit_close(self)
+        atexit.register(self._atexit)
+
+    # -- opening and closing -------------------------------------------------
+
+    def _open_read_only(self):
+        if not self.db_path.exists():
+            raise FileNotFoundError(f"no state store at {self.db_path}")
+        self.stale_schema = self._stale_schema_report()
+        if self.stale_schema:
+            logger.info("store %s predates this release (%s); a writable open upgrades it",
+                        self.db_path, "; ".join(self.stale_schema))
+        self._init_search_read_only()
+
+    def _open_writable(self):
+        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        self._file_lock = WriterFileLock(str(self.db_path) + ".lock")
+        # Creating, repairing and upgrading the file happen under the writer lock,
+        # so two processes opening a new store never see each other's half-made file.
+        if not self._file_lock.acquire(time.monotonic() + self.write_budget):
+            self._file_lock.close()
+            raise StoreLockedError(f"state store {self.db_path} stayed locked for {self.write_budget:.0f}s "
+                                   "while opening; nothing was written")
+        try:
+            self._repair_damaged_file()
+            _create_private_file(self.db_path)
+            self._writer = self._new_connection(str(self.db_path), uri=False,
+                                                timeout=WRITER_BUSY_TIMEOUT)
+            self._apply_journal_policy()
+            self._init_schema()
+            self.stale_schema = []
+        except BaseException:
+            self._close_connections()
+            raise
+        finally:
+            self._file_lock.release()
+
+    def _repair_damaged_file(self):
+        if not self.db_path.exists():
+            return
+        reason = damage_reason(self.db_path)
+        if reason is None:
+            return
+        backup = set_aside(self.db_path, reason)
+        message = f"state store {self.db_path} was {reason}; kept it as {backup} and created a fresh store"
+        self.repairs.append(message)
+        logger.warning(message)
+
+    def _new_connection(self, target, *, uri, timeout):
+        conn = self._connect(target, uri=uri, timeout=timeout, isolation_level=None,
+                             check_same_thread=False)
+        conn.row_factory = sqlite3.Row
+        return conn
+
+    def _apply_journal_policy(self):
+        conn = self._writer
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0].lower()
+        if mode != self.policy.mode:
+            mode = conn.execute(f"PRAGMA journal_mode={self.policy.mode}").fetchone()[0].lower()
+            if mode != self.policy.mode:
+                logger.warning("journal mode of %s stays %s (wanted %s: another connection holds it)",
+                               self.db_path, mode, self.policy.mode)
+        conn.execute("PRAGMA synchronous=NORMAL")
+        if self.policy.autocheckpoint is not None:
+            conn.execute(f"PRAGMA wal_autocheckpoint={self.policy.autocheckpoint}")
+        self.journal_mode = mode
+
+    def close(self):
+        """Apply queued token counts, then close every connection. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            if self._writer is not None and self._tokens:
+                self._execute_write(lambda conn: None)
+        finally:
+            self._closed = True
+            atexit.unregister(self._atexit)
+            self._close_connections()
+
+    def _close_connections(self):
+        # The last connection to close checkpoints the WAL; under the writer
+        # lock that checkpoint cannot race another process's write.
+        locked = self._file_lock is not None and self._file_lock.acquire(time.monotonic() + self.write_budget)
+        try:
+            with self._readers_lock:
+                readers, self._readers = self._readers, []
+            for conn in readers:
+                conn.close()
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+        finally:
+            if locked:
+                self._file_lock.release()
+            if self._file_lock is not None:
+                self._file_lock.close()
+                self._file_lock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    # -- the write path ------------------------------------------------------
+
+    def _execute_write(self, fn):
+        """Run `fn(conn)` in one BEGIN IMMEDIATE transaction and return its result.
+
+        Rolls back on any error. On "database is locked"/"busy" the whole
+        callback is retried after a random pause (20-150 ms for the first 2 s,
+        then 250 ms-1 s) until `write_budget` runs out, then StoreLockedError.
+        Queued token counts ride along in the same transaction.
+        """
+        self._check_open()
+        start = time.monotonic()
+        deadline = start + self.write_budget
+        if not self._write_lock.acquire(timeout=self.write_budget):
+            raise self._locked_error(start, "another thread of this process kept writing")
+        batch = self._tokens.take()
+        try:
+            while True:
+                try:
+                    return self._write_once(fn, batch, deadline)
+                except sqlite3.OperationalError as exc:
+                    if isinstance(exc, StoreLockedError) or not is_lock_error(exc):
+                        raise
+                    elapsed = time.monotonic() - start
+                    pause = random.uniform(*(EARLY_JITTER if elapsed < EARLY_RETRY_WINDOW else LATE_JITTER))
+                    if elapsed + pause >= self.write_budget:
+                        raise self._locked_error(start, str(exc)) from exc
+                    time.sleep(pause)
+        except BaseException:
+            self._tokens.put_back(batch)
+            raise
+        finally:
+            self._write_lock.release()
+
+    def _write_once(self, fn, batch, deadline):
+        use_file_lock = self.policy.writer_lock and self._file_lock is not None
+        if use_file_lock and not self._file_lock.acquire(deadline):
+            raise self._locked_error(deadline - self.write_budget, "another process held state.db.lock")
+        try:
+            conn = self._writer
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                apply_token_batch(conn, batch)
+                result = fn(conn)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            self._after_commit(conn)
+            return result
+        finally:
+            if use_file_lock:
+                self._file_lock.release()
+
+    def _after_commit(self, conn):
+        self._commits += 1
+        if self.policy.autocheckpoint == 0 and self._commits % CHECKPOINT_EVERY_COMMITS == 0:
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def _locked_error(self, start, cause):
+        waited = time.monotonic() - start
+        return StoreLockedError(
+            f"state store {self.db_path} was locked for {waited:.1f}s (budget {self.write_budget:.1f}s): "
+            f"{cause}; no data was written")
+
+    def _check_open(self):
+        if self._closed:
+            raise sqlite3.ProgrammingError("SessionDB is closed")
+        if self.read_only:
+            raise PermissionError(f"state store {self.db_path} was opened read-only")
+
+    # -- the read path -------------------------------------------------------
+
+    def _reader(self):
+        """This thread's read connection: reads never queue behind the writer."""
+        if self._closed:
+            raise sqlite3.ProgrammingError("SessionDB is closed")
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            # mode=ro: a read connection can never write, nor checkpoint on close.
+            conn = self._new_connection(self.db_path.resolve().as_uri() + "?mode=ro", uri=True,
+                                        timeout=self.write_budget)
+            with self._readers_lock:
+                self._readers.append(conn)
+            self._local.conn = conn
+        return conn
+
+    def _read_all(self, sql, params=()):
+        return self._reader().execute(sql, params).fetchall()
+
+    def _read_one(self, sql, params=()):
+        return self._reader().execute(sql, params).fetchone()
+
+    def _read_value(self, sql, params=()):
+        row = self._read_one(sql, params)
+        return None if row is None else row[0]
+
+    def _flush_token_counts(self):
+        """Apply queued token counts now, for a read that must see them."""
+        if self._tokens and not self.read_only:
+            self._execute_write(lambda conn: None)
+
+    # -- sessions ------------------------------------------------------------
+
+    def create_session(self, session_id, source, model=None, model_config=None, system_prompt=None,
+                       parent_session_id=None, **fields):
+        """Create a session and return its id; an id that exists is left as it is.
+
+        `fields` may name any other `sessions` column (`user_id`, `cwd`,
+        `title`, `started_at`, ...). `model_config` is a dict or JSON text of
+        an object. `system_prompt` is stored once in `system_prompts` by hash.
+        """
+        values = self._session_values(session_id, source, model, model_config, parent_session_id, fields)
+        _require_text("system_prompt", system_prompt, allow_none=True)
+        digest = prompt_hash(system_prompt) if system_prompt is not None else None
+        if digest:
+            values["system_prompt_hash"] = digest
+        columns = ", ".join(values)
+        sql = f"INSERT INTO sessions ({columns}) VALUES ({placeholders(len(values))})"
+
+        def write(conn):
+            if conn.execute(SESSION_EXISTS_SQL, (session_id,)).fetchone():
+                return
+            self._check_title_free(conn, values.get("title"), session_id)
+            if digest:
+                conn.execute(INSERT_SYSTEM_PROMPT_SQL, (digest, system_prompt))
+            conn.execute(sql, tuple(values.values()))
+
+        self._execute_write(write)
+        return session_id
+
+    def ensure_session(self, session_id, source="cli", **fields):
+        """Create the session if it does not exist yet (e.g. on resume); return its id."""
+        return self.create_session(session_id, source, **fields)
+
+    def _session_values(self, session_id, source, model, model_config, parent_session_id, fields):
+        _require_text("session_id", session_id, max_length=SESSION_ID_MAX_LENGTH)
+        _require_text("source", source)
+        allowed = declared_columns()["sessions"]
+        for name in fields:
+            if name not in allowed or name in _PROTECTED_SESSION_FIELDS:
+                raise ValueError(f"unknown or protected session field {name!r}")
+        values = {"id": session_id, "source": source, "started_at": time.time()}
+        values.update(fields)
+        values["model"] = _require_text("model", model, allow_none=True)
+        values["model_config"] = _json_text("model_config", model_config, want_object=True)
+        values["parent_session_id"] = _require_text("parent_session_id", parent_session_id, allow_none=True)
+        if "title" in values:
+            values["title"] = normalize_title(values["title"])
+        return values
+
+    def _check_title_free(self, conn, title, session_id):
+        if title is None:
+            return
+        owner = conn.execute(SELECT_TITLE_OWNER_SQL, (title, session_id)).fetchone()
+        if owner:
+            raise ValueError(f"title {title!r} is already used by session {owner[0]}")
+
+    def end_session(self, session_id, end_reason):
+        """Mark a session ended now with `end_reason`; False if there is no such session."""
+        _require_text("end_reason", end_reason)
+        return self._update_rows(END_SESSION_SQL, (time.time(), end_reason, session_id)) > 0
+
+    def reopen_session(self, session_id):
+        """Clear a session's end; False if there is no such session."""
+        return self._update_rows(REOPEN_SESSION_SQL, (session_id,)) > 0
+
+    def _update_rows(self, sql, params):
+        return self._execute_write(lambda conn: conn.execute(sql, params).rowcount)
+
+    def get_session(self, session_id):
+        """Every column of a session, `system_prompt` resolved; None for an unknown id."""
+        self._flush_token_counts()
+        row = self._read_one(SELECT_SESSION_SQL, (session_id,))
+        return None if row is None else self._resolve_prompt(dict(row), {})
+
+    def _resolve_prompt(self, session, cache):
+        digest = session.get("system_prompt_hash")
+        if digest and session.get("system_prompt") is None:
+            if digest not in cache:
+                cache[digest] = self._read_value(SELECT_SYSTEM_PROMPT_SQL, (digest,))
+            session["system_prompt"] = cache[digest]
+        return session
+
+    def set_session_title(self, session_id, title):
+        """Set (or with None/"" clear) a title; titles are unique. False for an unknown session."""
+        title = normalize_title(title)
+
+        def write(conn):
+            self._check_title_free(conn, title, session_id)
+            return conn.execute(SET_TITLE_SQL, (title, session_id)).rowcount > 0
+
+        return self._execute_write(write)
+
+    def get_session_title(self, session_id):
+        return self._read_value(SELECT_TITLE_SQL, (session_id,))
+
+    def get_session_by_title(self, title):
+        """The session holding `title`, or None."""
+        session_id = self._read_value(SELECT_SESSION_BY_TITLE_SQL, (normalize_title(title),))
+        return None if session_id is None else self.get_session(session_id)
+
+    def resolve_session_id(self, id_or_prefix):
+        """The id itself if it exists, else the only id starting with it; None if none or ambiguous."""
+        if not isinstance(id_or_prefix, str) or not id_or_prefix:
+            return None
+        if self._read_one(SESSION_EXISTS_SQL, (id_or_prefix,)):
+            return id_or_prefix
+        matches = self._read_all(SELECT_ID_PREFIX_SQL, prefix_bounds(id_or_prefix))
+        return matches[0][0] if len(matches) == 1 else None
+
+    def update_token_counts(self, session_id, input_tokens=0, output_tokens=0, model=None,
+                            cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=0,
+                            api_call_count=0):
+        """Add token counts to a session (and to its per-model usage row when `model` is given).
+
+        Queued and applied with the next write, by any read that needs them
+        exact, by close(), at interpreter exit, or when the queue is a second old.
+        """
+        counts = [_require_int(name, value) for name, value in zip(
+            TOKEN_FIELDS, (input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
+                           reasoning_tokens, api_call_count))]
+        _require_text("model", model, allow_none=True)
+        self._check_open()
+        stale = self._tokens.is_stale()
+        self._tokens.add(session_id, model, counts)
+        if stale:
+            self._flush_token_counts()
+
+    def set_session_archived(self, session_id, archived=True):
+        return self._update_rows(SET_ARCHIVED_SQL, (int(bool(archived)), session_id)) > 0
+
+    def set_session_pinned(self, session_id, pinned=True):
+        return self._update_rows(SET_PINNED_SQL, (int(bool(pinned)), session_id)) > 0
+
+    def delete_session(self, session_id):
+        """Delete a session with its messages, usage and lock; its children become roots."""
+        return self._execute_write(lambda conn: _delete_sessions(conn, [session_id])) > 0
+
+    def prune_sessions(self, older_than_days=90, source=None):
+        """Delete ended sessions started more than `older_than_days` ago; returns how many."""
+        ids = self.prunable_session_ids(older_than_days, source)
+        return self._execute_write(lambda conn: _delete_sessions(conn, ids)) if ids else 0
+
+    def prunable_session_ids(self, older_than_days=90, source=None):
+        """The ids prune_sessions would delete (for a dry run)."""
+        if isinstance(older_than_days, bool) or not isinstance(older_than_days, (int, float)) \
+                or older_than_days < 0:
+            raise ValueError("older_than_days must be a number >= 0")
+        sql, params = SELECT_PRUNABLE_SQL, [time.time() - older_than_days * 86400]
+        if source is not None:
+            sql, params = sql + " AND source = ?", params + [source]
+        return [row[0] for row in self._read_all(sql, params)]
+
+    def list_sessions_rich(self, source=None, limit=20, offset=0, include_archived=False,
+                           exclude_sources=None):
+        """Sessions newest first, each with `preview` (first user message) and `last_active`."""
+        _require_int("limit", limit, minimum=1, maximum=LIST_LIMIT_MAX)
+        _require_int("offset", offset)
+        self._flush_token_counts()
+        where, params = _session_filters(source, exclude_sources, include_archived)
+        rows = self._read_all(f"{SESSION_RICH_COLUMNS_SQL} {where} ORDER BY s.started_at DESC, s.id DESC "
+                              "LIMIT ? OFFSET ?", params + [limit, offset])
+        cache = {}
+        return [self._resolve_prompt(dict(row), cache) for row in rows]
+
+    def session_count(self, source=None, include_archived=True, exclude_sources=None):
+        where, params = _session_filters(source, exclude_sources, include_archived)
+        return self._read_value(f"SELECT COUNT(*) FROM sessions AS s {where}", params)
+
+    # -- messages ------------------------------------------------------------
+
+    def append_message(self, session_id, role, content=None, tool_name=None, tool_calls=None,
+                       tool_call_id=None, token_count=None, finish_reason=None, reasoning=None,
+                       reasoning_content=None, reasoning_details=None, codex_reasoning_items=None,
+                       codex_message_items=None, platform_message_id=None, api_content=None,
+                       display_kind=None, display_metadata=None, effect_disposition=None,
+                       timestamp=None):
+        """Append one message and return its id; the session's counts move in the same transaction."""
+        fields = dict(locals())
+        del fields["self"], fields["session_id"]
+        row, calls = _message_row(session_id, fields)
+
+        def write(conn):
+            message_id = conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
+            _bump_counts(conn, session_id, 1, calls)
+            return message_id
+
+        return self._execute_write(write)
+
+    def append_messages_batch(self, session_id, messages):
+        """Append many messages (dicts of append_message's arguments) in one transaction."""
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError("messages must be a list of dicts")
+        rows, calls = [], 0
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise ValueError(f"messages[{index}] must be a dict")
+            try:
+                row, n = _message_row(session_id, message)
+            except ValueError as exc:
+                raise ValueError(f"messages[{index}]: {exc}") from None
+            rows.append(row)
+            calls += n
+        if not rows:
+            return 0
+
+        def write(conn):
+            conn.executemany(INSERT_MESSAGE_SQL, rows)
+            _bump_counts(conn, session_id, len(rows), calls)
+            return len(rows)
+
+        return self._execute_write(write)
+
+    def get_messages(self, session_id, include_inactive=False, limit=None, offset=0, after_id=None):
+        """A session's messages in id order, `tool_calls` decoded; active ones unless asked."""
+        sql, params = SELECT_MESSAGES_SQL, [session_id]
+        if not include_inactive:
+            sql += " AND active = 1"
+        if after_id is not None:
+            sql, params = sql + " AND id > ?", params + [_require_int("after_id", after_id)]
+        sql += " ORDER BY id"
+        if limit is not None or offset:
+            sql += " LIMIT ? OFFSET ?"
+            params += [_require_int("limit", limit, allow_none=True) or -1, _require_int("offset", offset)]
+        return [decode_message(row) for row in self._read_all(sql, params)]
+
+    def get_messages_as_conversation(self, session_id):
+        """Active messages as chat-API dicts: role, content, and tool_calls/tool_call_id when set."""
+        conversation = []
+        for message in self.get_messages(session_id):
+            turn = {"role": message["role"], "content": message["content"]}
+            for key in ("tool_calls", "tool_call_id"):
+                if message.get(key):
+                    turn[key] = message[key]
+            conversation.append(turn)
+        return conversation
+
+    def message_count(self, session_id=None):
+        """Active messages in one session, or in the whole store."""
+        if session_id is None:
+            return self._read_value(COUNT_ACTIVE_MESSAGES_SQL)
+        return self._read_value(COUNT_SESSION_MESSAGES_SQL, (session_id,))
+
+    def rewind_to_message(self, session_id, target_message_id):
+        """Deactivate every message after `target_message_id`; returns how many. Undo: restore_rewound."""
+        _require_int("target_message_id", target_message_id)
+
+        def write(conn):
+            owner = conn.execute(SELECT_MESSAGE_OWNER_SQL, (target_message_id,)).fetchone()
+            if owner is None or owner[0] != session_id:
+                raise ValueError(f"message {target_message_id} is not in session {session_id!r}")
+            hidden = conn.execute(DEACTIVATE_AFTER_SQL, (session_id, target_message_id)).rowcount
+            if hidden:
+                conn.execute(BUMP_REWIND_COUNT_SQL, (session_id,))
+                _recount(conn, session_id)
+            return hidden
+
+        return self._execute_write(write)
+
+    def restore_rewound(self, session_id):
+        """Reactivate the messages a rewind hid; returns how many."""
+        def write(conn):
+            shown = conn.execute(REACTIVATE_SQL, (session_id,)).rowcount
+            if shown:
+                _recount(conn, session_id)
+            return shown
+
+        return self._execute_write(write)
+
+    # -- compression lineage -------------------------------------------------
+
+    def get_compression_lineage(self, session_id):
+        """[root, ..., tip] ids of the compression chain through `session_id` ([] if unknown).
+
+        A parent belongs to the chain when it ended with end_reason 'compression'.
+        """
+        if self._read_one(SESSION_EXISTS_SQL, (session_id,)) is None:
+            return []
+        chain, seen = [session_id], {session_id}
+        row = self._read_one(SELECT_LINEAGE_LINK_SQL, (session_id,))
+        while row["parent_session_id"]:
+            parent = row["parent_session_id"]
+            row = self._read_one(SELECT_LINEAGE_LINK_SQL, (parent,))
+            if row is None or parent in seen or row["end_reason"] != COMPRESSION_END_REASON:
+                break
+            chain.insert(0, parent)
+            seen.add(parent)
+        current = session_id
+        while True:
+            child = self._read_value(SELECT_COMPRESSION_CHILD_SQL, (current,))
+            if child is None or child in seen:
+                break
+            chain.append(child)
+            seen.add(child)
+            current = child
+        return chain
+
+    def get_compression_tip(self, session_id):
+        """The newest segment of the compression chain through `session_id`, or None."""
+        chain = self.get_compression_lineage(session_id)
+        return chain[-1] if chain else None
+
+    # -- gateway routing -----------------------------------------------------
+
+    def save_gateway_routing_entry(self, session_key, entry_json, *, scope=""):
+        row = _routing_row(session_key, entry_json, scope)
+        self._execute_write(lambda conn: conn.execute(UPSERT_ROUTING_SQL, row))
+
+    def load_gateway_routing_entries(self, *, scope=""):
+        """{session_key: entry_json} for one scope."""
+        return {key: entry for key, entry in self._read_all(SELECT_ROUTING_SQL, (scope,))}
+
+    def delete_gateway_routing_entries(self, keys, *, scope=""):
+        """Delete these keys from one scope; returns how many rows went."""
+        keys = list(keys)
+
+        def write(conn):
+            return sum(conn.execute(DELETE_ROUTING_KEYS_SQL.format(placeholders(len(chunk))),
+                                    [scope, *chunk]).rowcount for chunk in chunked(keys))
+
+        return self._execute_write(write) if keys else 0
+
+    def replace_gateway_routing_entries(self, entries, *, scope=""):
+        """Make one scope hold exactly `entries` ({session_key: entry_json}), atomically."""
+        rows = [_routing_row(key, entry, scope) for key, entry in dict(entries).items()]
+
+        def write(conn):
+            conn.execute(DELETE_ROUTING_SCOPE_SQL, (scope,))
+            conn.executemany(UPSERT_ROUTING_SQL, rows)
+
+        self._execute_write(write)
+
+    # -- state_meta ------------------------------------------------------------
+
+    def get_meta(self, key):
+        return self._read_value(SELECT_META_SQL, (key,))
+
+    def set_meta(self, key, value):
+        """Store `value` as text under `key`; None removes the key."""
+        _require_text("key", key)
+        if value is None:
+            self._execute_write(lambda conn: conn.execute(DELETE_META_SQL, (key,)))
+        else:
+            self._execute_write(lambda conn: conn.execute(UPSERT_META_SQL, (key, str(value))))
+
+    def list_meta_prefix(self, prefix):
+        """{key: value} for every key starting with `prefix` (case-sensitive)."""
+        return {key: value for key, value in self._read_all(SELECT_META_PREFIX_SQL, prefix_bounds(prefix))}
+
+    # -- compression locks -------------------------------------------------------
+
+    def try_acquire_compression_lock(self, session_id, holder, ttl_seconds=300.0):
+        """Take the session's compression lock for `holder`; False if someone alive holds it.
+
+        An expired lock, or one whose holder names a dead process on this host,
+        is taken over. Re-acquiring your own lock refreshes it.
+        """
+        _require_text("holder", holder)
+        ttl = _require_ttl(ttl_seconds)
+
+        def write(conn):
+            now = time.time()
+            row = conn.execute(SELECT_LOCK_SQL, (session_id,)).fetchone()
+            if row and row["holder"] != holder and row["expires_at"] > now and holder_is_alive(row["holder"]):
+                return False
+            conn.execute(UPSERT_LOCK_SQL, (session_id, holder, now, now + ttl))
+            return True
+
+        return self._execute_write(write)
+
+    def refresh_compression_lock(self, session_id, holder, ttl_seconds=300.0):
+        """Extend a lock `holder` holds; False if it holds none."""
+        expires = time.time() + _require_ttl(ttl_seconds)
+        return self._update_rows(REFRESH_LOCK_SQL, (expires, session_id, holder)) > 0
+
+    def release_compression_lock(self, session_id, holder):
+        """Release a lock `holder` holds; False if it holds none."""
+        return self._update_rows(RELEASE_LOCK_SQL, (session_id, holder)) > 0
+
+    def get_compression_lock_holder(self, session_id):
+        """Who holds the session's lock now (None when free or expired)."""
+        row = self._read_one(SELECT_LOCK_SQL, (session_id,))
+        return row["holder"] if row and row["expires_at"] > time.time() else None
+
+    # -- store facts ---------------------------------------------------------------
+
+    def schema_version(self):
+        return self._read_value(SELECT_SCHEMA_VERSION_SQL)
+
+    def stats(self):
+        """Counts and sizes for `stats`: sessions, messages, sources, file size, versions."""
+        self._flush_token_counts()
+        by_source = {row[0]: row[1] for row in self._read_all(
+            "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source")}
+        return {
+            "db_path": str(self.db_path),
+            "db_bytes": _store_bytes(self.db_path),
+            "sessions": sum(by_source.values()),
+            "sessions_by_source": by_source,
+            "messages_active": self.message_count(),
+            "messages_total": self._read_value("SELECT COUNT(*) FROM messages"),
+            "schema_version": self.schema_version(),
+            "fts_layout": self.fts_layout(),
+        }
+
+    def doctor(self):
+        """Integrity, layouts, breadcrumbs, journal and runtime facts; `ok` is False on damage."""
+        integrity = [row[0] for row in self._read_all("PRAGMA integrity_check")]
+        report = {
+            "db_path": str(self.db_path),
+            "integrity_check": integrity,
+            "ok": integrity == ["ok"],
+            "sqlite_version": sqlite3.sqlite_version,
+            "fts5": sqlite_supports_fts5(self._connect),
+            "trigram": sqlite_supports_trigram(self._connect),
+            "wal_reset_bug": sqlite_has_wal_reset_bug(),
+            "journal_mode": self._read_value("PRAGMA journal_mode"),
+            "journal_policy": self.policy.reason,
+            "schema_version": self.schema_version(),
+            "schema_version_of_release": SCHEMA_VERSION,
+            "stale_schema": self.stale_schema,
+            "repairs_at_open": self.repairs,
+        }
+        report.update(self.search_health())
+        return report
+
+
+# ---------------------------------------------------------------------------
+# Helpers of the API that take a connection inside a write
+# ---------------------------------------------------------------------------
+
+
+def _make_atexit_close(db):
+    ref = weakref.ref(db)
+
+    def close_at_exit():
+        live = ref()
+        if live is not None:
+            live.close()
+
+    return close_at_exit
+
+
+def _session_filters(source, exclude_sources, include_archived):
+    clauses, params = [], []
+    if source is not None:
+        clauses.append("s.source = ?")
+        params.append(source)
+    if exclude_sources:
+        clauses.append(f"s.source NOT IN ({placeholders(len(exclude_sources))})")
+        params.extend(exclude_sources)
+    if not include_archived:
+        clauses.append("COALESCE(s.archived, 0) = 0")
+    return ("WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+
+def _message_row(session_id, fields):
+    """Check one message's fields; returns (row in MESSAGE_WRITE_COLUMNS order, tool-call count)."""
+    unknown = set(fields) - set(MESSAGE_WRITE_COLUMNS)
+    if unknown:
+        raise ValueError(f"unknown message field {sorted(unknown)[0]!r}")
+    _require_text("session_id", session_id)
+    _require_text("role", fields.get("role"))
+    values = {}
+    for column in MESSAGE_WRITE_COLUMNS[2:]:
+        value = fields.get(column)
+        if column in MESSAGE_JSON_FIELDS:
+            value = _json_text(column, value)
+        elif column == "token_count":
+            value = _require_int("token_count", value, allow_none=True)
+        elif column == "timestamp":
+            value = time.time() if value is None else value
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError("timestamp must be a number (seconds since the epoch)")
+        elif value is not None and not isinstance(value, str):
+            raise ValueError(f"{column} must be a string or None")
+        values[column] = value
+    row = (session_id, fields["role"]) + tuple(values.values())
+    return row, count_tool_calls(values["tool_calls"])
+
+
+def _bump_counts(conn, session_id, messages, calls):
+    if conn.execute(BUMP_MESSAGE_COUNTS_SQL, (messages, calls, session_id)).rowcount == 0:
+        raise ValueError(f"unknown session_id {session_id!r}")
+
+
+def _recount(conn, session_id):
+    rows = conn.execute(SELECT_ACTIVE_COUNT_INPUTS_SQL, (session_id,)).fetchall()
+    calls = sum(count_tool_calls(row["tool_calls"]) for row in rows)
+    conn.execute(SET_MESSAGE_COUNTS_SQL, (len(rows), calls, session_id))
+
+
+def _delete_sessions(conn, session_ids):
+    """Delete sessions with everything hanging off them; children become roots. Returns how many."""
+    deleted = 0
+    for chunk in chunked(session_ids):
+        marks = placeholders(len(chunk))
+        for template in SESSION_CASCADE_DELETE_SQL:
+            count = conn.execute(template.format(marks), chunk).rowcount
+        deleted += count
+    return deleted
+
+
+def _routing_row(session_key, entry_json, scope):
+    _require_text("session_key", session_key)
+    if not isinstance(scope, str):
+        raise ValueError("scope must be a string")
+    entry = entry_json if isinstance(entry_json, str) else _json_text("entry_json", entry_json)
+    return (scope, session_key, entry, time.time())
+
+
+def _require_ttl(ttl_seconds):
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, (int, float)) or ttl_seconds <= 0:
+        raise ValueError("ttl_seconds must be a number > 0")
+    return float(ttl_seconds)
+
+
+def _store_bytes(db_path):
+    return sum(os.path.getsize(str(db_path) + suffix) for suffix in ("", "-wal")
+               if os.path.exists(str(db_path) + suffix))
+
+
+# ---------------------------------------------------------------------------
+# Command line: python -m hermes_state
+# ---------------------------------------------------------------------------
+
+
+def _print_json(value, out):
+    json.dump(value, out, ensure_ascii=False, indent=2, default=str)
+    out.write("\n")
+
+
+def _format_time(ts):
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
+
+
+def _print_session_list(sessions, out):
+    for s in sessions:
+        title = s.get("title") or (s.get("preview") or "").replace("\n", " ")
+        out.write(f"{s['id']:<24} {s['source']:<10} {_format_time(s.get('last_active')):<17} "
+                  f"{s.get('message_count') or 0:>5} msgs  {title[:60]}\n")
+
+
+def _print_session(export, out):
+    fields = ("id", "source", "model", "title", "parent_session_id", "end_reason", "message_count",
+              "tool_call_count", "input_tokens", "output_tokens")
+    for key in fields:
+        out.write(f"{key:>18}: {export.get(key)}\n")
+    if export.get("lineage_session_ids"):
+        out.write(f"{'lineage':>18}: {' -> '.join(export['lineage_session_ids'])}\n")
+    for message in export["messages"]:
+        label = message["role"] + (f" ({message['tool_name']})" if message.get("tool_name") else "")
+        out.write(f"\n[{message['id']}] {label} at {_format_time(message['timestamp'])}\n")
+        if message.get("content"):
+            text = message["content"]
+            out.write((text if len(text) <= 400 else text[:400] + f" ... ({len(text)} chars)") + "\n")
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", {}) if isinstance(call, dict) else {}
+            out.write(f"  -> {function.get('name', '?')}({function.get('arguments', '')})\n")
+
+
+def _cmd_list(db, args, out):
+    sessions = db.list_sessions_rich(source=args.source, limit=args.limit, offset=args.offset,
+                                     include_archived=args.archived)
+    if args.json:
+        _print_json(sessions, out)
+    else:
+        _print_session_list(sessions, out)
+    return 0
+
+
+def _cmd_show(db, args, out):
+    session_id = db.resolve_session_id(args.session_id)
+    if session_id is None:
+        sys.stderr.write(f"error: no session matches {args.session_id!r} (unknown or ambiguous)\n")
+        return 1
+    export = db.export_session_lineage(session_id) if args.lineage else db.export_session(session_id)
+    if args.json:
+        _print_json(export, out)
+    else:
+        _print_session(export, out)
+    return 0
+
+
+def _cmd_stats(db, args, out):
+    stats = db.stats()
+    if args.json:
+        _print_json(stats, out)
+    else:
+        for key, value in stats.items():
+            out.write(f"{key:>20}: {value}\n")
+    return 0
+
+
+def _cmd_doctor(db, args, out):
+    report = db.doctor()
+    if args.json:
+        _print_json(report, out)
+    else:
+        for key, value in report.items():
+            out.write(f"{key:>26}: {value}\n")
+    return 0 if report["ok"] else 1
+
+
+def _cmd_demo(args, out):
+    home = Path(tempfile.mkdtemp(prefix="hermes-demo-"))
+    token = set_hermes_home_override(home)
+    try:
+        with SessionDB() as db:
+            build_demo_history(db)
+            out.write("== sessions (python -m hermes_state list)\n")
+            _print_session_list(db.list_sessions_rich(limit=20), out)
+            tip = db.get_compression_tip("demo-refactor-1")
+            out.write(f"\n== the compression chain ending in {tip}, shown as one session\n")
+            _print_session(db.export_session_lineage(tip), out)
+            out.write("\n== one conversation in Chinese\n")
+            _print_session(db.export_session("demo-zh"), out)
+            out.write(f"\nstore: {db.db_path}\n"
+                      f"try:   python3 -m hermes_state --db {db.db_path} list\n")
+    finally:
+        reset_hermes_home_override(token)
+    return 0
+
+
+def build_demo_history(db):
+    """A small agent history: English and Chinese, tool calls, a compression chain."""
+    prompt = "You are a helpful coding agent. 你是一个编程助手。"
+    db.create_session("demo-refactor-1", "cli", model="demo-model", system_prompt=prompt,
+                      cwd="/home/demo/app", title="Refactor the config loader")
+    call = [{"id": "call_1", "type": "function",
+             "function": {"name": "terminal", "arguments": json.dumps({"command": "pytest -q"})}}]
+    db.append_message("demo-refactor-1", "user", "Please refactor my-app.config.ts and run the tests.")
+    db.append_message("demo-refactor-1", "assistant", "Running the test suite first.", tool_calls=call)
+    db.append_message("demo-refactor-1", "tool", "12 passed in 0.41s", tool_name="terminal",
+                      tool_call_id="call_1")
+    db.update_token_counts("demo-refactor-1", input_tokens=812, output_tokens=64, model="demo-model")
+    db.end_session("demo-refactor-1", COMPRESSION_END_REASON)
+    db.create_session("demo-refactor-2", "cli", model="demo-model", system_prompt=prompt,
+                      parent_session_id="demo-refactor-1")
+    db.append_message("demo-refactor-2", "user", "[summary] Tests pass; now split the loader.")
+    db.append_message("demo-refactor-2", "assistant", "Split into load() and validate().")
+    db.create_session("demo-zh", "telegram", model="demo-model", system_prompt=prompt, title="数据库迁移")
+    db.append_message("demo-zh", "user", "帮我检查一下数据库迁移脚本，会话历史不能丢。")
+    db.append_message("demo-zh", "assistant", "好的，我先备份 state.db，再运行迁移。")
+    db.end_session("demo-zh", "user_exit")
+
+
+def build_parser():
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--db", default=argparse.SUPPRESS, help="store path (default: <home>/state.db)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print data as JSON")
+    parser = argparse.ArgumentParser(prog="python -m hermes_state", parents=[common],
+                                     description="The agent's session store.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    listing = commands.add_parser("list", parents=[common], help="sessions, newest first")
+    listing.add_argument("--source")
+    listing.add_argument("--limit", type=int, default=20)
+    listing.add_argument("--offset", type=int, default=0)
+    listing.add_argument("--archived", action="store_true", help="include archived sessions")
+    show = commands.add_parser("show", parents=[common], help="one session with its messages")
+    show.add_argument("session_id", metavar="ID", help="a session id or a unique prefix of one")
+    show.add_argument("--lineage", action="store_true", help="the whole compression chain as one session")
+    commands.add_parser("stats", parents=[common], help="counts and sizes")
+    commands.add_parser("doctor", parents=[common], help="integrity, layouts, journal, runtime")
+    commands.add_parser("demo", parents=[common], help="build and show an example store in a temp home")
+    return parser
+
+
+_COMMANDS = {"list": _cmd_list, "show": _cmd_show, "stats": _cmd_stats, "doctor": _cmd_doctor}
+
+
+def main(argv=None, out=None):
+    """Entry point of `python -m hermes_state`; returns the exit status."""
+    out = out or sys.stdout
+    args = build_parser().parse_args(argv)
+    args.json = getattr(args, "json", False)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
+    try:
+        if args.command == "demo":
+            return _cmd_demo(args, out)
+        db_path = getattr(args, "db", None)
+        with SessionDB(db_path) as db:
+            return _COMMANDS[args.command](db, args, out)
+    except (ValueError, OSError, sqlite3.Error) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

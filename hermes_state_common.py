@@ -1,0 +1,484 @@
+"""Shared constants of the state layer: schema, SQL, limits, meta keys.
+
+Owns every piece of SQL text the other modules run, the version numbers and the
+limits, plus a few pure helpers for building SQL (identifier quoting, LIKE
+escaping, id chunking, script splitting). It must not open or touch a
+connection: the mixins and SessionDB do that, and import from here so that
+none of them has to import another.
+"""
+
+import sqlite3
+
+# ---------------------------------------------------------------------------
+# Versions and names
+# ---------------------------------------------------------------------------
+
+# Only for data migrations that cannot be declared (backfills, tagging). Columns
+# never need a bump: they come from SCHEMA_SQL on every open.
+SCHEMA_VERSION = 26
+
+META_FTS_STORAGE_VERSION = "fts_storage_version"
+META_FTS_OPTIMIZE_AVAILABLE = "fts_optimize_available"
+META_FTS_REBUILD_HIGH_WATER = "fts_rebuild_high_water"
+META_FTS_REBUILD_PROGRESS = "fts_rebuild_progress"
+META_FTS_STALE = "fts_stale"
+META_FTS_CJK_STALE = "fts_cjk_stale"
+
+COMPRESSION_END_REASON = "compression"
+GATEWAY_ROUTING_PK = ["scope", "session_key"]
+
+# ---------------------------------------------------------------------------
+# Limits
+# ---------------------------------------------------------------------------
+
+TITLE_MAX_LENGTH = 100
+PREVIEW_CHARS = 80
+CONTEXT_CHARS = 200
+# Far below SQLite's default SQLITE_MAX_VARIABLE_NUMBER (999 before 3.32).
+SQL_CHUNK_SIZE = 500
+# Sessions migrated per transaction by resumable data migrations.
+MIGRATION_CHUNK_SIZE = 200
+
+# ---------------------------------------------------------------------------
+# Schema: the only description of tables and columns (hermes-agent schema 26).
+# Tables only. Every index lives in DEFERRED_INDEX_SQL, run after the columns
+# are reconciled, because an older store may lack any column an index names.
+# ---------------------------------------------------------------------------
+
+SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS schema_version (
+    version INTEGER NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS system_prompts (
+    hash TEXT PRIMARY KEY,
+    prompt TEXT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    source TEXT NOT NULL,
+    user_id TEXT,
+    session_key TEXT,
+    chat_id TEXT,
+    chat_type TEXT,
+    thread_id TEXT,
+    display_name TEXT,
+    origin_json TEXT,
+    expiry_finalized INTEGER DEFAULT 0,
+    model TEXT,
+    model_config TEXT,
+    system_prompt TEXT,
+    system_prompt_hash TEXT,
+    parent_session_id TEXT,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    end_reason TEXT,
+    message_count INTEGER DEFAULT 0,
+    tool_call_count INTEGER DEFAULT 0,
+    input_tokens INTEGER DEFAULT 0,
+    output_tokens INTEGER DEFAULT 0,
+    cache_read_tokens INTEGER DEFAULT 0,
+    cache_write_tokens INTEGER DEFAULT 0,
+    reasoning_tokens INTEGER DEFAULT 0,
+    cwd TEXT,
+    git_branch TEXT,
+    git_repo_root TEXT,
+    git_metadata_generation INTEGER NOT NULL DEFAULT 0,
+    billing_provider TEXT,
+    billing_base_url TEXT,
+    billing_mode TEXT,
+    estimated_cost_usd REAL,
+    actual_cost_usd REAL,
+    cost_status TEXT,
+    cost_source TEXT,
+    pricing_version TEXT,
+    title TEXT,
+    title_source TEXT,
+    last_activity_at REAL,
+    last_activity_description TEXT,
+    last_activity_provenance TEXT,
+    api_call_count INTEGER DEFAULT 0,
+    handoff_state TEXT,
+    handoff_platform TEXT,
+    handoff_error TEXT,
+    compression_failure_cooldown_until REAL,
+    compression_failure_error TEXT,
+    compression_fallback_streak INTEGER NOT NULL DEFAULT 0,
+    compression_ineffective_count INTEGER NOT NULL DEFAULT 0,
+    profile_name TEXT,
+    rewind_count INTEGER NOT NULL DEFAULT 0,
+    archived INTEGER NOT NULL DEFAULT 0,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    hidden INTEGER NOT NULL DEFAULT 0,
+    last_read_at REAL,
+    FOREIGN KEY (parent_session_id) REFERENCES sessions(id),
+    FOREIGN KEY (system_prompt_hash) REFERENCES system_prompts(hash)
+);
+
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    session_id TEXT NOT NULL REFERENCES sessions(id),
+    role TEXT NOT NULL,
+    content TEXT,
+    tool_call_id TEXT,
+    tool_calls TEXT,
+    tool_name TEXT,
+    effect_disposition TEXT,
+    timestamp REAL NOT NULL,
+    token_count INTEGER,
+    finish_reason TEXT,
+    reasoning TEXT,
+    reasoning_content TEXT,
+    reasoning_details TEXT,
+    codex_reasoning_items TEXT,
+    codex_message_items TEXT,
+    platform_message_id TEXT,
+    observed INTEGER DEFAULT 0,
+    active INTEGER NOT NULL DEFAULT 1,
+    compacted INTEGER NOT NULL DEFAULT 0,
+    api_content TEXT,
+    display_kind TEXT,
+    display_metadata TEXT
+);
+
+CREATE TABLE IF NOT EXISTS session_model_usage (
+    session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+    model TEXT NOT NULL,
+    billing_provider TEXT NOT NULL DEFAULT '',
+    billing_base_url TEXT NOT NULL DEFAULT '',
+    billing_mode TEXT NOT NULL DEFAULT '',
+    task TEXT NOT NULL DEFAULT '',
+    api_call_count INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0,
+    cache_read_tokens INTEGER NOT NULL DEFAULT 0,
+    cache_write_tokens INTEGER NOT NULL DEFAULT 0,
+    reasoning_tokens INTEGER NOT NULL DEFAULT 0,
+    estimated_cost_usd REAL NOT NULL DEFAULT 0,
+    actual_cost_usd REAL NOT NULL DEFAULT 0,
+    cost_status TEXT,
+    cost_source TEXT,
+    first_seen REAL,
+    last_seen REAL,
+    PRIMARY KEY (session_id, model, billing_provider, billing_base_url, billing_mode, task)
+);
+
+CREATE TABLE IF NOT EXISTS state_meta (
+    key TEXT PRIMARY KEY,
+    value TEXT
+);
+
+CREATE TABLE IF NOT EXISTS gateway_routing (
+    scope TEXT NOT NULL DEFAULT '',
+    session_key TEXT NOT NULL,
+    entry_json TEXT NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (scope, session_key)
+);
+
+CREATE TABLE IF NOT EXISTS gateway_hygiene_state (
+    session_key TEXT PRIMARY KEY,
+    failure_streak INTEGER NOT NULL DEFAULT 0
+);
+
+CREATE TABLE IF NOT EXISTS compression_locks (
+    session_id TEXT PRIMARY KEY,
+    holder TEXT NOT NULL,
+    acquired_at REAL NOT NULL,
+    expires_at REAL NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS session_turn_leases (
+    conversation_id TEXT PRIMARY KEY,
+    holder TEXT NOT NULL,
+    acquired_at REAL NOT NULL,
+    expires_at REAL NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS async_delegations (
+    delegation_id TEXT PRIMARY KEY,
+    origin_session TEXT NOT NULL,
+    origin_ui_session_id TEXT NOT NULL DEFAULT '',
+    parent_session_id TEXT,
+    state TEXT NOT NULL,
+    dispatched_at REAL NOT NULL,
+    completed_at REAL,
+    updated_at REAL NOT NULL,
+    event_json TEXT,
+    result_json TEXT,
+    delivery_state TEXT NOT NULL DEFAULT 'pending',
+    delivery_attempts INTEGER NOT NULL DEFAULT 0,
+    delivered_at REAL,
+    owner_pid INTEGER,
+    owner_started_at INTEGER,
+    task_json TEXT,
+    delivery_claim TEXT,
+    delivery_claimed_at REAL
+);
+"""
+
+# name -> DDL, created after _reconcile_columns in this order. Names and
+# definitions are hermes-agent's, so both projects recognise each other's.
+DEFERRED_INDEX_SQL = {
+    "idx_sessions_source": "CREATE INDEX IF NOT EXISTS idx_sessions_source ON sessions(source)",
+    "idx_sessions_source_id": "CREATE INDEX IF NOT EXISTS idx_sessions_source_id ON sessions(source, id)",
+    "idx_sessions_parent": "CREATE INDEX IF NOT EXISTS idx_sessions_parent ON sessions(parent_session_id)",
+    "idx_sessions_started": "CREATE INDEX IF NOT EXISTS idx_sessions_started ON sessions(started_at DESC)",
+    "idx_messages_session": "CREATE INDEX IF NOT EXISTS idx_messages_session ON messages(session_id, timestamp)",
+    "idx_messages_session_id": "CREATE INDEX IF NOT EXISTS idx_messages_session_id ON messages(session_id, id)",
+    "idx_messages_assistant_calls_by_session": (
+        "CREATE INDEX IF NOT EXISTS idx_messages_assistant_calls_by_session ON messages(session_id)"
+        " WHERE role = 'assistant' AND tool_calls IS NOT NULL"),
+    "idx_compression_locks_expires": (
+        "CREATE INDEX IF NOT EXISTS idx_compression_locks_expires ON compression_locks(expires_at)"),
+    "idx_session_turn_leases_expires": (
+        "CREATE INDEX IF NOT EXISTS idx_session_turn_leases_expires ON session_turn_leases(expires_at)"),
+    "idx_session_model_usage_session": (
+        "CREATE INDEX IF NOT EXISTS idx_session_model_usage_session ON session_model_usage(session_id)"),
+    "idx_session_model_usage_model": (
+        "CREATE INDEX IF NOT EXISTS idx_session_model_usage_model ON session_model_usage(model)"),
+    "idx_async_delegations_delivery": (
+        "CREATE INDEX IF NOT EXISTS idx_async_delegations_delivery"
+        " ON async_delegations(delivery_state, completed_at)"),
+    "idx_messages_platform_msg_id": (
+        "CREATE INDEX IF NOT EXISTS idx_messages_platform_msg_id"
+        " ON messages(session_id, platform_message_id) WHERE platform_message_id IS NOT NULL"),
+    "idx_messages_session_active": (
+        "CREATE INDEX IF NOT EXISTS idx_messages_session_active ON messages(session_id, active, timestamp)"),
+    "idx_messages_active_null": (
+        "CREATE INDEX IF NOT EXISTS idx_messages_active_null ON messages(active) WHERE active IS NULL"),
+    "idx_sessions_session_key": (
+        "CREATE INDEX IF NOT EXISTS idx_sessions_session_key ON sessions(session_key, started_at DESC)"),
+    "idx_sessions_gateway_peer": (
+        "CREATE INDEX IF NOT EXISTS idx_sessions_gateway_peer"
+        " ON sessions(source, user_id, chat_id, chat_type, thread_id, started_at DESC)"),
+    "idx_sessions_handoff_state": (
+        "CREATE INDEX IF NOT EXISTS idx_sessions_handoff_state ON sessions(handoff_state, started_at)"),
+    "idx_sessions_system_prompt_hash": (
+        "CREATE INDEX IF NOT EXISTS idx_sessions_system_prompt_hash ON sessions(system_prompt_hash)"),
+}
+
+# Kept apart from DEFERRED_INDEX_SQL: building it can fail on duplicate titles,
+# which the schema mixin repairs before retrying.
+TITLE_INDEX_NAME = "idx_sessions_title_unique"
+TITLE_INDEX_SQL = (
+    "CREATE UNIQUE INDEX IF NOT EXISTS idx_sessions_title_unique ON sessions(title) WHERE title IS NOT NULL")
+
+# ---------------------------------------------------------------------------
+# Schema maintenance SQL
+# ---------------------------------------------------------------------------
+
+SELECT_SCHEMA_OBJECTS_SQL = "SELECT type, name, sql FROM sqlite_master"
+SELECT_SCHEMA_VERSION_SQL = "SELECT MAX(version) FROM schema_version"
+INSERT_SCHEMA_VERSION_SQL = "INSERT INTO schema_version (version) VALUES (?)"
+UPDATE_SCHEMA_VERSION_SQL = "UPDATE schema_version SET version = ?"
+HAS_NULL_ACTIVE_SQL = "SELECT 1 FROM messages WHERE active IS NULL LIMIT 1"
+REPAIR_NULL_ACTIVE_SQL = "UPDATE messages SET active = 1 WHERE active IS NULL"
+# Every row holding a duplicated title except the newest one keeps its title.
+CLEAR_OLDER_DUPLICATE_TITLES_SQL = """
+UPDATE sessions SET title = NULL
+WHERE title IS NOT NULL
+  AND EXISTS (
+    SELECT 1 FROM sessions AS newer
+    WHERE newer.title = sessions.title
+      AND (newer.started_at > sessions.started_at
+           OR (newer.started_at = sessions.started_at AND newer.rowid > sessions.rowid)))
+"""
+GATEWAY_ROUTING_SIDE_TABLE = "gateway_routing_pk_heal"
+HAS_INLINE_PROMPT_SQL = "SELECT 1 FROM sessions WHERE system_prompt IS NOT NULL LIMIT 1"
+SELECT_INLINE_PROMPTS_SQL = "SELECT id, system_prompt FROM sessions WHERE system_prompt IS NOT NULL LIMIT ?"
+MOVE_INLINE_PROMPT_SQL = "UPDATE sessions SET system_prompt = NULL, system_prompt_hash = ? WHERE id = ?"
+INSERT_SYSTEM_PROMPT_SQL = "INSERT OR IGNORE INTO system_prompts (hash, prompt) VALUES (?, ?)"
+SELECT_SYSTEM_PROMPT_SQL = "SELECT prompt FROM system_prompts WHERE hash = ?"
+
+# ---------------------------------------------------------------------------
+# Session SQL
+# ---------------------------------------------------------------------------
+
+SELECT_SESSION_SQL = "SELECT * FROM sessions WHERE id = ?"
+SESSION_EXISTS_SQL = "SELECT 1 FROM sessions WHERE id = ?"
+END_SESSION_SQL = "UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ?"
+REOPEN_SESSION_SQL = "UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?"
+SET_TITLE_SQL = "UPDATE sessions SET title = ? WHERE id = ?"
+SELECT_TITLE_SQL = "SELECT title FROM sessions WHERE id = ?"
+SELECT_SESSION_BY_TITLE_SQL = "SELECT id FROM sessions WHERE title = ?"
+SELECT_TITLE_OWNER_SQL = "SELECT id FROM sessions WHERE title = ? AND id <> ?"
+SELECT_ID_PREFIX_SQL = "SELECT id FROM sessions WHERE id >= ? AND id < ? ORDER BY id LIMIT 2"
+SET_ARCHIVED_SQL = "UPDATE sessions SET archived = ? WHERE id = ?"
+SET_PINNED_SQL = "UPDATE sessions SET pinned = ? WHERE id = ?"
+SELECT_LINEAGE_LINK_SQL = "SELECT parent_session_id, end_reason FROM sessions WHERE id = ?"
+SELECT_COMPRESSION_CHILD_SQL = """
+SELECT child.id FROM sessions AS child
+JOIN sessions AS parent ON parent.id = child.parent_session_id
+WHERE child.parent_session_id = ? AND parent.end_reason = 'compression'
+ORDER BY child.started_at DESC, child.id DESC LIMIT 1
+"""
+# Deleting sessions, in this order, for a chunk of ids ({} is the placeholders):
+# children become roots, then everything hanging off the sessions, then them.
+SESSION_CASCADE_DELETE_SQL = (
+    "UPDATE sessions SET parent_session_id = NULL WHERE parent_session_id IN ({})",
+    "DELETE FROM messages WHERE session_id IN ({})",
+    "DELETE FROM session_model_usage WHERE session_id IN ({})",
+    "DELETE FROM compression_locks WHERE session_id IN ({})",
+    "DELETE FROM sessions WHERE id IN ({})",
+)
+SELECT_PRUNABLE_SQL = "SELECT id FROM sessions WHERE ended_at IS NOT NULL AND started_at < ?"
+
+# The list view: one row per session with the first user message as a preview
+# and the time of its last message. Both subqueries ride the (session_id, id)
+# and (session_id, timestamp) indexes.
+SESSION_RICH_COLUMNS_SQL = f"""
+SELECT s.*,
+  (SELECT substr(m.content, 1, {PREVIEW_CHARS}) FROM messages AS m
+   WHERE m.session_id = s.id AND m.role = 'user' AND m.active = 1
+   ORDER BY m.id LIMIT 1) AS preview,
+  COALESCE((SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = s.id),
+           s.started_at) AS last_active
+FROM sessions AS s
+"""
+
+SELECT_LAST_ACTIVE_SQL = """
+SELECT COALESCE((SELECT MAX(timestamp) FROM messages WHERE session_id = s.id), s.started_at)
+FROM sessions AS s WHERE s.id = ?
+"""
+
+UPDATE_TOKEN_COUNTS_SQL = """
+UPDATE sessions SET
+  input_tokens = COALESCE(input_tokens, 0) + ?,
+  output_tokens = COALESCE(output_tokens, 0) + ?,
+  cache_read_tokens = COALESCE(cache_read_tokens, 0) + ?,
+  cache_write_tokens = COALESCE(cache_write_tokens, 0) + ?,
+  reasoning_tokens = COALESCE(reasoning_tokens, 0) + ?,
+  api_call_count = COALESCE(api_call_count, 0) + ?,
+  model = COALESCE(model, ?)
+WHERE id = ?
+"""
+UPSERT_MODEL_USAGE_SQL = """
+INSERT INTO session_model_usage (
+  session_id, model, input_tokens, output_tokens, cache_read_tokens,
+  cache_write_tokens, reasoning_tokens, api_call_count, first_seen, last_seen)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (session_id, model, billing_provider, billing_base_url, billing_mode, task) DO UPDATE SET
+  input_tokens = input_tokens + excluded.input_tokens,
+  output_tokens = output_tokens + excluded.output_tokens,
+  cache_read_tokens = cache_read_tokens + excluded.cache_read_tokens,
+  cache_write_tokens = cache_write_tokens + excluded.cache_write_tokens,
+  reasoning_tokens = reasoning_tokens + excluded.reasoning_tokens,
+  api_call_count = api_call_count + excluded.api_call_count,
+  last_seen = excluded.last_seen
+"""
+
+# ---------------------------------------------------------------------------
+# Message SQL
+# ---------------------------------------------------------------------------
+
+# The columns append_message writes, in the order of INSERT_MESSAGE_SQL.
+MESSAGE_WRITE_COLUMNS = (
+    "session_id", "role", "content", "tool_call_id", "tool_calls", "tool_name",
+    "effect_disposition", "timestamp", "token_count", "finish_reason", "reasoning",
+    "reasoning_content", "reasoning_details", "codex_reasoning_items",
+    "codex_message_items", "platform_message_id", "api_content", "display_kind",
+    "display_metadata",
+)
+# Message fields that hold structured values and are stored as JSON text.
+MESSAGE_JSON_FIELDS = (
+    "tool_calls", "reasoning_details", "codex_reasoning_items", "codex_message_items",
+    "display_metadata",
+)
+INSERT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
+    ", ".join(MESSAGE_WRITE_COLUMNS), ", ".join("?" for _ in MESSAGE_WRITE_COLUMNS))
+BUMP_MESSAGE_COUNTS_SQL = """
+UPDATE sessions SET
+  message_count = COALESCE(message_count, 0) + ?,
+  tool_call_count = COALESCE(tool_call_count, 0) + ?
+WHERE id = ?
+"""
+# Recounts come from the rows themselves (after a rewind, a restore or an
+# import), computed in Python so that no JSON1 build option is needed.
+SELECT_ACTIVE_COUNT_INPUTS_SQL = "SELECT role, tool_calls FROM messages WHERE session_id = ? AND active = 1"
+SET_MESSAGE_COUNTS_SQL = "UPDATE sessions SET message_count = ?, tool_call_count = ? WHERE id = ?"
+SELECT_MESSAGES_SQL = "SELECT * FROM messages WHERE session_id = ?"
+COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
+COUNT_SESSION_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE session_id = ? AND active = 1"
+SELECT_MESSAGE_OWNER_SQL = "SELECT session_id FROM messages WHERE id = ?"
+DEACTIVATE_AFTER_SQL = "UPDATE messages SET active = 0 WHERE session_id = ? AND id > ? AND active = 1"
+REACTIVATE_SQL = "UPDATE messages SET active = 1 WHERE session_id = ? AND active = 0"
+BUMP_REWIND_COUNT_SQL = "UPDATE sessions SET rewind_count = COALESCE(rewind_count, 0) + 1 WHERE id = ?"
+
+# ---------------------------------------------------------------------------
+# Routing, meta and lock SQL
+# ---------------------------------------------------------------------------
+
+UPSERT_ROUTING_SQL = """
+INSERT INTO gateway_routing (scope, session_key, entry_json, updated_at) VALUES (?, ?, ?, ?)
+ON CONFLICT (scope, session_key) DO UPDATE SET
+  entry_json = excluded.entry_json, updated_at = excluded.updated_at
+"""
+SELECT_ROUTING_SQL = "SELECT session_key, entry_json FROM gateway_routing WHERE scope = ? ORDER BY session_key"
+DELETE_ROUTING_KEYS_SQL = "DELETE FROM gateway_routing WHERE scope = ? AND session_key IN ({})"
+DELETE_ROUTING_SCOPE_SQL = "DELETE FROM gateway_routing WHERE scope = ?"
+
+SELECT_META_SQL = "SELECT value FROM state_meta WHERE key = ?"
+UPSERT_META_SQL = "INSERT INTO state_meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+DELETE_META_SQL = "DELETE FROM state_meta WHERE key = ?"
+SELECT_META_PREFIX_SQL = "SELECT key, value FROM state_meta WHERE key >= ? AND key < ? ORDER BY key"
+
+SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
+UPSERT_LOCK_SQL = """
+INSERT INTO compression_locks (session_id, holder, acquired_at, expires_at) VALUES (?, ?, ?, ?)
+ON CONFLICT (session_id) DO UPDATE SET
+  holder = excluded.holder, acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
+"""
+REFRESH_LOCK_SQL = "UPDATE compression_locks SET expires_at = ? WHERE session_id = ? AND holder = ?"
+RELEASE_LOCK_SQL = "DELETE FROM compression_locks WHERE session_id = ? AND holder = ?"
+
+# ---------------------------------------------------------------------------
+# Small pure helpers
+# ---------------------------------------------------------------------------
+
+
+def quote_identifier(name):
+    """`name` as a double-quoted SQL identifier, embedded quotes doubled."""
+    return '"' + str(name).replace('"', '""') + '"'
+
+
+def escape_like(text, escape="\\"):
+    """`text` with LIKE's wildcards escaped; use with `LIKE ? ESCAPE '\\'`."""
+    return (text.replace(escape, escape + escape)
+            .replace("%", escape + "%")
+            .replace("_", escape + "_"))
+
+
+def prefix_bounds(prefix):
+    """(low, high) such that `col >= low AND col < high` matches exactly the
+    strings starting with `prefix`: case-sensitive, index-friendly, no LIKE."""
+    return prefix, prefix + "\U0010ffff"
+
+
+def chunked(items, size=SQL_CHUNK_SIZE):
+    """Yield lists of at most `size` items, so IN (...) stays under SQLite's variable limit."""
+    items = list(items)
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def placeholders(count):
+    """`?, ?, ?` for `count` values."""
+    return ", ".join("?" for _ in range(count))
+
+
+def split_sql_statements(script):
+    """Split a script into complete statements, letting SQLite judge where each ends.
+
+    Used instead of executescript(), which commits any open transaction first.
+    """
+    statements, pending = [], ""
+    for line in script.splitlines(keepends=True):
+        pending += line
+        if sqlite3.complete_statement(pending):
+            statements.append(pending.strip())
+            pending = ""
+    if pending.strip():
+        statements.append(pending.strip())
+    return statements

@@ -1,0 +1,298 @@
+"""SessionSchemaMixin: bring any store, old or new, to the declared schema.
+
+Owns the open-time schema pass: creating missing tables, adding missing
+columns (SCHEMA_SQL is the only description of them), deferred indexes,
+table-shape heals, data repairs and data migrations, and the probe statements
+read-only callers use to detect a stale store. It never removes a column, a
+table or a row, and never touches the search index layout.
+
+It relies on SessionDB for `_execute_write(fn)` (one BEGIN IMMEDIATE
+transaction, retried on lock) and `self.db_path`; it never imports hermes_state.
+"""
+
+import functools
+import hashlib
+import logging
+import sqlite3
+import time
+
+from hermes_state_common import (
+    CLEAR_OLDER_DUPLICATE_TITLES_SQL,
+    DEFERRED_INDEX_SQL,
+    GATEWAY_ROUTING_PK,
+    GATEWAY_ROUTING_SIDE_TABLE,
+    HAS_INLINE_PROMPT_SQL,
+    HAS_NULL_ACTIVE_SQL,
+    INSERT_SCHEMA_VERSION_SQL,
+    INSERT_SYSTEM_PROMPT_SQL,
+    MIGRATION_CHUNK_SIZE,
+    MOVE_INLINE_PROMPT_SQL,
+    REPAIR_NULL_ACTIVE_SQL,
+    SCHEMA_SQL,
+    SCHEMA_VERSION,
+    SELECT_INLINE_PROMPTS_SQL,
+    SELECT_SCHEMA_OBJECTS_SQL,
+    SELECT_SCHEMA_VERSION_SQL,
+    TITLE_INDEX_NAME,
+    TITLE_INDEX_SQL,
+    UPDATE_SCHEMA_VERSION_SQL,
+    quote_identifier,
+    split_sql_statements,
+)
+
+logger = logging.getLogger("hermes_state")
+
+
+def is_lock_error(exc):
+    """True for SQLite's "database is locked" / "busy": worth retrying, never swallowing."""
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
+def prompt_hash(prompt):
+    """The key of a system prompt in `system_prompts`: hex SHA-256 of its UTF-8 text."""
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+
+
+def _column_type_expr(col_type, notnull, default, in_pk):
+    expr = col_type or ""
+    if notnull and not in_pk:
+        expr += " NOT NULL"
+    if default is not None:
+        expr += f" DEFAULT {default}"
+    return expr.strip()
+
+
+@functools.lru_cache(maxsize=None)
+def _declared_schema(sql):
+    """Run `sql` in a scratch in-memory database and read back what SQLite parsed.
+
+    Returns {table: (create_sql, {column: type_expr})} in creation order. SQLite
+    does the parsing, so DEFAULT expressions with commas, inline REFERENCES and
+    CHECK constraints need no regex.
+    """
+    scratch = sqlite3.connect(":memory:")
+    try:
+        scratch.executescript(sql)
+        tables = scratch.execute(
+            "SELECT name, sql FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+        ).fetchall()
+        schema = {}
+        for name, create_sql in tables:
+            columns = {}
+            for _cid, col, col_type, notnull, default, pk in scratch.execute(
+                    f"PRAGMA table_info({quote_identifier(name)})"):
+                columns[col] = _column_type_expr(col_type, notnull, default, pk > 0)
+            schema[name] = (create_sql, columns)
+        return schema
+    finally:
+        scratch.close()
+
+
+def declared_columns(sql=SCHEMA_SQL):
+    """{table: {column: type_expr}} for the tables `sql` declares."""
+    return {table: cols for table, (_ddl, cols) in _declared_schema(sql).items()}
+
+
+def live_columns(conn, table):
+    """Column names of `table` as it is on disk, in order (empty if it does not exist)."""
+    return [row[1] for row in conn.execute(f"PRAGMA table_info({quote_identifier(table)})")]
+
+
+def live_primary_key(conn, table):
+    """The primary-key column names of `table` on disk, in key order."""
+    rows = conn.execute(f"PRAGMA table_info({quote_identifier(table)})").fetchall()
+    return [row[1] for row in sorted((r for r in rows if r[5] > 0), key=lambda r: r[5])]
+
+
+def schema_read_probe_statements(sql=SCHEMA_SQL):
+    """One `SELECT "t"."c", ... FROM "t" LIMIT 0` per declared table.
+
+    A read-only caller runs these to learn whether the store lacks a table or
+    column. Columns are table-qualified: a bare double-quoted name that does
+    not resolve silently becomes a string literal and would hide the gap.
+    """
+    statements = []
+    for table, columns in declared_columns(sql).items():
+        qt = quote_identifier(table)
+        cols = ", ".join(f"{qt}.{quote_identifier(c)}" for c in columns)
+        statements.append(f"SELECT {cols} FROM {qt} LIMIT 0")
+    return statements
+
+
+class SessionSchemaMixin:
+    """Open-time schema work for SessionDB (see the module docstring)."""
+
+    _parse_schema_columns = staticmethod(declared_columns)
+    schema_read_probe_statements = staticmethod(schema_read_probe_statements)
+
+    def _init_schema(self):
+        """The writable open's schema pass: structure in one transaction, then data migrations.
+
+        Every step reads before it writes, so opening a store that is already
+        current takes the write lock briefly and changes nothing.
+        """
+        self._execute_write(self._apply_schema)
+        self._migrate_inline_system_prompts()
+
+    def _apply_schema(self, conn):
+        objects = {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
+        self._create_missing_tables(conn, objects)
+        self._reconcile_columns(conn)
+        self._heal_gateway_routing_pk(conn)
+        self._ensure_deferred_indexes(conn, objects)
+        self._repair_null_active(conn)
+        self._ensure_title_index(conn, objects)
+        self._apply_search_schema(conn, objects)
+        self._stamp_schema_version(conn)
+
+    def _apply_search_schema(self, conn, objects):
+        """Hook for the search mixin's index generation; the schema owns no FTS."""
+
+    # -- structure --------------------------------------------------------
+
+    def _create_missing_tables(self, conn, objects):
+        for table, (create_sql, _cols) in _declared_schema(SCHEMA_SQL).items():
+            if table not in objects:
+                conn.execute(create_sql)
+                logger.info("schema: created table %s", table)
+
+    def _reconcile_columns(self, conn):
+        """ADD COLUMN every declared column the live table lacks, whatever schema_version says."""
+        added = 0
+        for table, declared in declared_columns().items():
+            live = set(live_columns(conn, table))
+            for column, type_expr in declared.items():
+                if column not in live and self._add_column(conn, table, column, type_expr):
+                    added += 1
+        return added
+
+    def _add_column(self, conn, table, column, type_expr):
+        if "NOT NULL" in type_expr and "DEFAULT" not in type_expr:
+            # SQLite cannot add a NOT NULL column without a default to a table
+            # that has rows; old rows have no value, so the column is nullable here.
+            type_expr = type_expr.replace("NOT NULL", "").strip()
+        sql = f"ALTER TABLE {quote_identifier(table)} ADD COLUMN {quote_identifier(column)} {type_expr}"
+        try:
+            conn.execute(sql)
+        except sqlite3.OperationalError as exc:
+            if is_lock_error(exc):
+                raise
+            if "duplicate column" not in str(exc).lower():
+                logger.warning("schema: could not add %s.%s (%s); the open goes on", table, column, exc)
+            return False
+        logger.info("schema: added column %s.%s %s", table, column, type_expr)
+        return True
+
+    def _heal_gateway_routing_pk(self, conn):
+        """Rebuild gateway_routing keyed on (scope, session_key) if an old store keys it otherwise.
+
+        Rows are copied oldest first with INSERT OR REPLACE, so on a collision
+        the newest wins. A row that lost a collision stays in a kept side table.
+        """
+        pk = live_primary_key(conn, "gateway_routing")
+        if not pk or pk == GATEWAY_ROUTING_PK:
+            return
+        side = f"{GATEWAY_ROUTING_SIDE_TABLE}_{time.strftime('%Y%m%d_%H%M%S')}"
+        create_sql = _declared_schema(SCHEMA_SQL)["gateway_routing"][0]
+        conn.execute(f"ALTER TABLE gateway_routing RENAME TO {quote_identifier(side)}")
+        conn.execute(create_sql)
+        conn.execute(
+            "INSERT OR REPLACE INTO gateway_routing (scope, session_key, entry_json, updated_at) "
+            f"SELECT COALESCE(scope, ''), session_key, entry_json, COALESCE(updated_at, 0) "
+            f"FROM {quote_identifier(side)} ORDER BY updated_at ASC")
+        copied = conn.execute(f"SELECT COUNT(*) FROM {quote_identifier(side)}").fetchone()[0]
+        kept = conn.execute("SELECT COUNT(*) FROM gateway_routing").fetchone()[0]
+        if copied == kept:
+            conn.execute(f"DROP TABLE {quote_identifier(side)}")
+            logger.info("schema: rebuilt gateway_routing on (scope, session_key), %d rows kept", kept)
+        else:
+            logger.warning("schema: rebuilt gateway_routing on (scope, session_key); %d older colliding "
+                           "rows were superseded and are kept in table %s", copied - kept, side)
+
+    def _ensure_deferred_indexes(self, conn, objects):
+        for name, sql in DEFERRED_INDEX_SQL.items():
+            if name in objects:
+                continue
+            try:
+                conn.execute(sql)
+            except sqlite3.OperationalError as exc:
+                if is_lock_error(exc):
+                    raise
+                logger.warning("schema: index %s not built (%s); the open goes on", name, exc)
+
+    # -- data repairs -----------------------------------------------------
+
+    def _repair_null_active(self, conn):
+        """Rows an older reconciler left with active NULL were hidden from history; show them."""
+        if conn.execute(HAS_NULL_ACTIVE_SQL).fetchone() is None:
+            return
+        fixed = conn.execute(REPAIR_NULL_ACTIVE_SQL).rowcount
+        logger.info("schema: repaired %d messages whose active flag was NULL", fixed)
+
+    def _ensure_title_index(self, conn, objects):
+        """Titles are unique when not NULL; on duplicates the newest row keeps the title."""
+        if TITLE_INDEX_NAME in objects:
+            return
+        try:
+            conn.execute(TITLE_INDEX_SQL)
+            return
+        except sqlite3.IntegrityError:
+            cleared = conn.execute(CLEAR_OLDER_DUPLICATE_TITLES_SQL).rowcount
+            logger.warning("schema: cleared %d duplicate titles (the newest session keeps each)", cleared)
+        conn.execute(TITLE_INDEX_SQL)
+
+    def _stamp_schema_version(self, conn):
+        if self._schema_version_held_back(conn):
+            return
+        current = conn.execute(SELECT_SCHEMA_VERSION_SQL).fetchone()[0]
+        if current is None:
+            conn.execute(INSERT_SCHEMA_VERSION_SQL, (SCHEMA_VERSION,))
+        elif current < SCHEMA_VERSION:
+            conn.execute(UPDATE_SCHEMA_VERSION_SQL, (SCHEMA_VERSION,))
+            logger.info("schema: version %d -> %d", current, SCHEMA_VERSION)
+        elif current > SCHEMA_VERSION:
+            logger.info("schema: store is at version %d, newer than this release (%d); "
+                        "opened without changing it", current, SCHEMA_VERSION)
+
+    def _schema_version_held_back(self, conn):
+        """Hook: the search mixin holds the version back on a runtime without FTS5."""
+        return False
+
+    # -- data migrations (resumable, one chunk per transaction) ------------
+
+    def _migrate_inline_system_prompts(self):
+        """Move `sessions.system_prompt` text of old stores into `system_prompts`, keyed by SHA-256.
+
+        Gated on the data, not on schema_version: rows still holding inline
+        text are the work left, so an interrupted run resumes where it stopped.
+        """
+        if self._read_one(HAS_INLINE_PROMPT_SQL) is None:
+            return
+        moved = 0
+        while True:
+            done = self._execute_write(self._move_inline_prompt_chunk)
+            if not done:
+                break
+            moved += done
+        logger.info("schema: moved %d inline system prompts into system_prompts", moved)
+
+    def _move_inline_prompt_chunk(self, conn):
+        rows = conn.execute(SELECT_INLINE_PROMPTS_SQL, (MIGRATION_CHUNK_SIZE,)).fetchall()
+        for session_id, prompt in rows:
+            digest = prompt_hash(prompt)
+            conn.execute(INSERT_SYSTEM_PROMPT_SQL, (digest, prompt))
+            conn.execute(MOVE_INLINE_PROMPT_SQL, (digest, session_id))
+        return len(rows)
+
+    # -- read-only callers ---------------------------------------------------
+
+    def _stale_schema_report(self):
+        """The probe statements that fail on this store (empty when it is current)."""
+        failures = []
+        for statement in schema_read_probe_statements():
+            try:
+                self._read_all(statement)
+            except sqlite3.OperationalError as exc:
+                failures.append(f"{statement.split(' FROM ')[-1].split()[0]}: {exc}")
+        return failures
