@@ -483,12 +483,12 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
                                                 timeout=WRITER_BUSY_TIMEOUT)
             self._apply_journal_policy()
             self._init_schema()
-            self.stale_schema = []
         except BaseException:
+            self._file_lock.release()
             self._close_connections()
             raise
-        finally:
-            self._file_lock.release()
+        self._file_lock.release()
+        self.stale_schema = []
 
     def _repair_damaged_file(self):
         if not self.db_path.exists():

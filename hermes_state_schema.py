@@ -54,13 +54,24 @@ def prompt_hash(prompt):
     return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
 
 
-def _column_type_expr(col_type, notnull, default, in_pk):
-    expr = col_type or ""
+def _default_clause(scratch, default):
+    """`DEFAULT x`, parenthesised when x is an expression: table_info drops the
+    parentheses of `DEFAULT (1 + 2)`, and ALTER TABLE needs them back."""
+    try:
+        scratch.execute(f"CREATE TEMP TABLE default_probe (x DEFAULT {default})")
+        scratch.execute("DROP TABLE temp.default_probe")
+        return f"DEFAULT {default}"
+    except sqlite3.OperationalError:
+        return f"DEFAULT ({default})"
+
+
+def _column_type_expr(scratch, col_type, notnull, default, in_pk):
+    parts = [col_type] if col_type else []
     if notnull and not in_pk:
-        expr += " NOT NULL"
+        parts.append("NOT NULL")
     if default is not None:
-        expr += f" DEFAULT {default}"
-    return expr.strip()
+        parts.append(_default_clause(scratch, default))
+    return " ".join(parts)
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,8 +92,8 @@ def _declared_schema(sql):
         for name, create_sql in tables:
             columns = {}
             for _cid, col, col_type, notnull, default, pk in scratch.execute(
-                    f"PRAGMA table_info({quote_identifier(name)})"):
-                columns[col] = _column_type_expr(col_type, notnull, default, pk > 0)
+                    f"PRAGMA table_info({quote_identifier(name)})").fetchall():
+                columns[col] = _column_type_expr(scratch, col_type, notnull, default, pk > 0)
             schema[name] = (create_sql, columns)
         return schema
     finally:
@@ -190,8 +201,8 @@ class SessionSchemaMixin:
         Rows are copied oldest first with INSERT OR REPLACE, so on a collision
         the newest wins. A row that lost a collision stays in a kept side table.
         """
-        pk = live_primary_key(conn, "gateway_routing")
-        if not pk or pk == GATEWAY_ROUTING_PK:
+        if not live_columns(conn, "gateway_routing") or \
+                live_primary_key(conn, "gateway_routing") == GATEWAY_ROUTING_PK:
             return
         side = f"{GATEWAY_ROUTING_SIDE_TABLE}_{time.strftime('%Y%m%d_%H%M%S')}"
         create_sql = _declared_schema(SCHEMA_SQL)["gateway_routing"][0]

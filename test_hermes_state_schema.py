@@ -1,0 +1,207 @@
+"""Schema layer: parsing the declared schema, reconciling and healing hand-built old stores."""
+
+import sqlite3
+
+from hermes_state import SessionDB
+from hermes_state_common import DEFERRED_INDEX_SQL, SCHEMA_SQL, SCHEMA_VERSION, TITLE_INDEX_NAME
+from hermes_state_schema import declared_columns, schema_read_probe_statements
+from test_support import V26_DB, TempDirTestCase, dump_hash, fixture_path, schema_snapshot
+
+# The oldest shape of the two main tables, as an early hermes-agent shipped them.
+OLD_SESSIONS = """
+CREATE TABLE sessions (id TEXT PRIMARY KEY, source TEXT NOT NULL, model TEXT,
+                       system_prompt TEXT, parent_session_id TEXT, started_at REAL NOT NULL,
+                       ended_at REAL, end_reason TEXT, message_count INTEGER DEFAULT 0,
+                       tool_call_count INTEGER DEFAULT 0, title TEXT);
+CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL,
+                       role TEXT NOT NULL, content TEXT, tool_call_id TEXT, tool_calls TEXT,
+                       tool_name TEXT, timestamp REAL NOT NULL);
+"""
+
+
+class DeclaredSchema(TempDirTestCase):
+
+    def test_columns_are_read_back_from_sqlite(self):
+        columns = declared_columns()
+        self.assertEqual(columns["messages"]["active"], "INTEGER NOT NULL DEFAULT 1")
+        self.assertEqual(columns["messages"]["id"], "INTEGER")
+        self.assertEqual(columns["gateway_routing"]["scope"], "TEXT DEFAULT ''")  # NOT NULL, but in the PK
+        self.assertEqual(columns["gateway_routing"]["session_key"], "TEXT")  # NOT NULL but part of the PK
+        self.assertEqual(columns["sessions"]["expiry_finalized"], "INTEGER DEFAULT 0")
+
+    def test_parsing_handles_what_a_regex_would_not(self):
+        columns = declared_columns('CREATE TABLE "we""ird" (a TEXT DEFAULT \'x,y\', '
+                                   'b INTEGER NOT NULL DEFAULT (1 + 2) CHECK (b > 0), '
+                                   'c TEXT REFERENCES other(id))')
+        self.assertEqual(columns, {'we"ird': {"a": "TEXT DEFAULT 'x,y'",
+                                              "b": "INTEGER NOT NULL DEFAULT (1 + 2)", "c": "TEXT"}})
+
+    def test_probe_statements_qualify_every_column(self):
+        statements = schema_read_probe_statements()
+        self.assertEqual(len(statements), len(declared_columns()))
+        sessions_probe = next(s for s in statements if s.endswith('FROM "sessions" LIMIT 0'))
+        self.assertIn('"sessions"."title"', sessions_probe)
+        conn = sqlite3.connect(":memory:")
+        conn.executescript(SCHEMA_SQL)
+        for statement in statements:
+            conn.execute(statement)
+        conn.execute("ALTER TABLE sessions DROP COLUMN title")
+        with self.assertRaises(sqlite3.OperationalError):
+            conn.execute(sessions_probe)
+
+    def test_a_new_store_has_hermes_agent_tables_and_columns(self):
+        path = self.tmp / "state.db"
+        SessionDB(path).close()
+        ours = schema_snapshot(path)[1]
+        theirs = schema_snapshot(fixture_path(V26_DB))[1]
+        for table, columns in theirs.items():
+            if table.startswith("messages_fts") or table == "sqlite_sequence":
+                continue
+            self.assertEqual(ours[table], columns, table)
+        conn = self.raw(path)
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        self.assertTrue(set(DEFERRED_INDEX_SQL) | {TITLE_INDEX_NAME} <= names)
+        self.assertEqual(conn.execute("SELECT version FROM schema_version").fetchall()[0][0], SCHEMA_VERSION)
+
+
+class OldStoresHeal(TempDirTestCase):
+
+    def build(self, script, rows=()):
+        path = self.tmp / "state.db"
+        conn = sqlite3.connect(path)
+        conn.executescript(script)
+        for sql, params in rows:
+            conn.execute(sql, params)
+        conn.commit()
+        conn.close()
+        return path
+
+    def test_missing_columns_are_added_with_their_defaults(self):
+        path = self.build(OLD_SESSIONS, [
+            ("INSERT INTO sessions (id, source, started_at) VALUES ('old', 'cli', 1)", ()),
+            ("INSERT INTO messages (session_id, role, content, timestamp) VALUES ('old', 'user', 'hi', 1)", ()),
+        ])
+        with SessionDB(path) as db:
+            session = db.get_session("old")
+            self.assertEqual((session["archived"], session["pinned"], session["rewind_count"]), (0, 0, 0))
+            self.assertEqual([m["content"] for m in db.get_messages("old")], ["hi"])
+            self.assertEqual(db.get_messages("old")[0]["active"], 1)
+            db.append_message("old", "assistant", "hello again")
+            self.assertEqual(db.message_count("old"), 2)
+        info = {r[1]: r for r in self.raw(path).execute("PRAGMA table_info(messages)")}
+        self.assertEqual((info["active"][3], info["active"][4]), (1, "1"))
+        self.assertEqual(set(info), set(declared_columns()["messages"]))
+
+    def test_any_older_subset_opens_whatever_version_it_claims(self):
+        # Tables with a single column each, and a version that says "current".
+        script = "".join(f'CREATE TABLE "{t}" ("{next(iter(c))}");' for t, c in declared_columns().items())
+        path = self.build(script + "INSERT INTO schema_version VALUES (26);")
+        with SessionDB(path) as db:
+            db.create_session("s1", "cli")
+            db.append_message("s1", "user", "works")
+            self.assertEqual(db.get_messages("s1")[0]["content"], "works")
+
+    def test_gateway_routing_keyed_on_session_key_is_rebuilt(self):
+        path = self.build(
+            "CREATE TABLE gateway_routing (session_key TEXT PRIMARY KEY, entry_json TEXT NOT NULL, "
+            "updated_at REAL NOT NULL);",
+            [("INSERT INTO gateway_routing VALUES (?, ?, ?)", (f"k{i}", f'{{"n": {i}}}', i)) for i in range(5)])
+        with SessionDB(path) as db:
+            self.assertEqual(db.load_gateway_routing_entries(), {f"k{i}": f'{{"n": {i}}}' for i in range(5)})
+            db.save_gateway_routing_entry("k1", "{}", scope="other")
+            self.assertEqual(db.load_gateway_routing_entries(scope="other"), {"k1": "{}"})
+        pk = [r[1] for r in sorted(self.raw(path).execute("PRAGMA table_info(gateway_routing)"),
+                                   key=lambda r: r[5]) if r[5]]
+        self.assertEqual(pk, ["scope", "session_key"])
+        content = dump_hash(path)
+        SessionDB(path).close()
+        self.assertEqual(dump_hash(path), content)
+
+    def test_gateway_routing_collision_keeps_the_newest_and_the_loser_aside(self):
+        path = self.build(
+            "CREATE TABLE gateway_routing (session_key TEXT, entry_json TEXT NOT NULL, updated_at REAL NOT NULL);",
+            [("INSERT INTO gateway_routing VALUES (?, ?, ?)", row) for row in
+             [("k", "new", 20.0), ("k", "old", 10.0), ("j", "only", 5.0)]])
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            with SessionDB(path) as db:
+                self.assertEqual(db.load_gateway_routing_entries(), {"k": "new", "j": "only"})
+        self.assertIn("superseded", "\n".join(logs.output))
+        side = [r[0] for r in self.raw(path).execute(
+            "SELECT name FROM sqlite_master WHERE name LIKE 'gateway_routing_pk_heal%'")]
+        self.assertEqual(len(side), 1)
+        self.assertEqual(self.raw(path).execute(f'SELECT COUNT(*) FROM "{side[0]}"').fetchone()[0], 3)
+
+    def test_messages_with_null_active_become_visible(self):
+        path = self.build(OLD_SESSIONS + "ALTER TABLE messages ADD COLUMN active INTEGER;", [
+            ("INSERT INTO sessions (id, source, started_at) VALUES ('s', 'cli', 1)", ()),
+        ] + [("INSERT INTO messages (session_id, role, content, timestamp) VALUES ('s', 'user', ?, 1)",
+              (f"m{i}",)) for i in range(3)])
+        with self.assertLogs("hermes_state", "INFO") as logs:
+            with SessionDB(path) as db:
+                self.assertEqual([m["content"] for m in db.get_messages("s")], ["m0", "m1", "m2"])
+        self.assertIn("repaired 3 messages", "\n".join(logs.output))
+        self.assertEqual(self.raw(path).execute("SELECT COUNT(*) FROM messages WHERE active IS NULL")
+                         .fetchone()[0], 0)
+
+    def test_duplicate_titles_stay_on_the_newest_session_only(self):
+        path = self.build(OLD_SESSIONS, [
+            ("INSERT INTO sessions (id, source, started_at, title) VALUES (?, 'cli', ?, ?)", row)
+            for row in [("a", 1, "same"), ("b", 3, "same"), ("c", 2, "same"), ("d", 1, "other")]])
+        with SessionDB(path) as db:
+            self.assertEqual([db.get_session_title(s) for s in "abcd"], [None, "same", None, "other"])
+            with self.assertRaisesRegex(ValueError, "already used by session b"):
+                db.set_session_title("a", "same")
+        indexes = [r[1] for r in self.raw(path).execute("PRAGMA index_list(sessions)")]
+        self.assertIn(TITLE_INDEX_NAME, indexes)
+
+    def test_a_newer_schema_version_is_kept(self):
+        path = self.tmp / "state.db"
+        SessionDB(path).close()
+        conn = self.raw(path)
+        conn.execute("UPDATE schema_version SET version = 99")
+        conn.commit()
+        with self.assertLogs("hermes_state", "INFO") as logs:
+            with SessionDB(path) as db:
+                self.assertEqual(db.schema_version(), 99)
+                db.create_session("s", "cli")
+        self.assertIn("newer than this release", "\n".join(logs.output))
+
+    def test_read_only_open_changes_no_ddl(self):
+        path = self.build(OLD_SESSIONS, [("INSERT INTO sessions (id, source, started_at, system_prompt) "
+                                          "VALUES ('s', 'cli', 1, 'be brief')", ())])
+        before, content = schema_snapshot(path), path.read_bytes()
+        with SessionDB(path, read_only=True) as db:
+            self.assertTrue(db.stale_schema)
+            self.assertEqual(db.get_session("s")["system_prompt"], "be brief")
+        self.assertEqual(schema_snapshot(path), before)
+        self.assertEqual(path.read_bytes(), content)
+
+    def test_inline_prompt_migration_resumes_after_an_interruption(self):
+        rows = [("INSERT INTO sessions (id, source, started_at, system_prompt) VALUES (?, 'cli', 1, ?)",
+                 (f"s{i:03d}", f"prompt {i % 7}")) for i in range(450)]
+        path = self.build(OLD_SESSIONS, rows)
+
+        class CrashOnSecondChunk(sqlite3.Connection):
+            chunks = 0
+
+            def execute(self, sql, *args):
+                if sql.startswith("SELECT id, system_prompt FROM sessions"):
+                    type(self).chunks += 1
+                    if type(self).chunks == 2:
+                        raise sqlite3.OperationalError("disk I/O error")
+                return super().execute(sql, *args)
+
+        def crashing(*args, **kwargs):
+            return sqlite3.connect(*args, factory=CrashOnSecondChunk, **kwargs)
+
+        with self.assertRaises(sqlite3.OperationalError):
+            SessionDB(path, connection_factory=crashing)
+        conn = self.raw(path)
+        self.assertEqual(conn.execute("SELECT COUNT(*) FROM sessions WHERE system_prompt IS NULL")
+                         .fetchone()[0], 200)
+        with SessionDB(path) as db:
+            self.assertEqual({db.get_session(f"s{i:03d}")["system_prompt"] for i in range(450)},
+                             {f"prompt {i}" for i in range(7)})
+        self.assertEqual(conn.execute("SELECT COUNT(*) FROM system_prompts").fetchone()[0], 7)
+        self.assertEqual(conn.execute("SELECT COUNT(*) FROM sessions WHERE system_prompt IS NOT NULL")
+                         .fetchone()[0], 0)
