@@ -2,12 +2,10 @@
 
 Owns every piece of SQL text the other modules run, the version numbers and the
 limits, plus a few pure helpers for building SQL (identifier quoting, LIKE
-escaping, id chunking, script splitting). It must not open or touch a
+escaping, prefix ranges, id chunking). It must not open or touch a
 connection: the mixins and SessionDB do that, and import from here so that
 none of them has to import another.
 """
-
-import sqlite3
 
 # ---------------------------------------------------------------------------
 # Versions and names
@@ -466,19 +464,3 @@ def chunked(items, size=SQL_CHUNK_SIZE):
 def placeholders(count):
     """`?, ?, ?` for `count` values."""
     return ", ".join("?" for _ in range(count))
-
-
-def split_sql_statements(script):
-    """Split a script into complete statements, letting SQLite judge where each ends.
-
-    Used instead of executescript(), which commits any open transaction first.
-    """
-    statements, pending = [], ""
-    for line in script.splitlines(keepends=True):
-        pending += line
-        if sqlite3.complete_statement(pending):
-            statements.append(pending.strip())
-            pending = ""
-    if pending.strip():
-        statements.append(pending.strip())
-    return statements

@@ -37,7 +37,6 @@ from hermes_state_common import (
     TITLE_INDEX_SQL,
     UPDATE_SCHEMA_VERSION_SQL,
     quote_identifier,
-    split_sql_statements,
 )
 
 logger = logging.getLogger("hermes_state")

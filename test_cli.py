@@ -1,0 +1,63 @@
+"""`python -m hermes_state`: exit codes, stdout data, stderr diagnostics."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from test_support import REPO, V22_DB, TempDirTestCase
+
+
+class CommandLine(TempDirTestCase):
+
+    def run_cli(self, *args):
+        env = dict(os.environ, HERMES_HOME=str(self.tmp / "home"), PYTHONPATH=str(REPO))
+        return subprocess.run([sys.executable, "-m", "hermes_state", *args], capture_output=True,
+                              text=True, env=env, cwd=self.tmp, timeout=120)
+
+    def test_demo_builds_and_shows_an_example_store(self):
+        result = self.run_cli("demo")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("demo-refactor-1 -> demo-refactor-2", result.stdout)
+        self.assertIn("帮我检查一下数据库迁移脚本", result.stdout)
+        store = Path(result.stdout.split("store: ")[1].split()[0])
+        self.addCleanup(shutil.rmtree, store.parent, True)
+        listed = self.run_cli("--db", str(store), "list", "--json")
+        self.assertEqual(sorted(s["id"] for s in json.loads(listed.stdout)),
+                         ["demo-refactor-1", "demo-refactor-2", "demo-zh"])
+
+    def test_list_show_stats_doctor_on_a_real_store(self):
+        db = str(self.copy_fixture(V22_DB))
+        listed = self.run_cli("list", "--db", db, "--limit", "50", "--json")
+        self.assertEqual(listed.returncode, 0, listed.stderr)
+        self.assertEqual(len(json.loads(listed.stdout)), 20)
+        shown = self.run_cli("--db", db, "show", "bench_000001", "--lineage", "--json")
+        export = json.loads(shown.stdout)
+        self.assertEqual(export["lineage_session_ids"], ["bench_000000", "bench_000001"])
+        self.assertEqual((len(export["messages"]), export["message_count"]), (32, 32))
+        text = self.run_cli("--db", db, "show", "bench_000003")
+        self.assertIn("terminal(", text.stdout)
+        stats = json.loads(self.run_cli("--db", db, "stats", "--json").stdout)
+        self.assertEqual((stats["sessions"], stats["messages_active"]), (20, 320))
+        doctor = self.run_cli("--db", db, "doctor", "--json")
+        self.assertEqual(doctor.returncode, 0, doctor.stderr)
+        report = json.loads(doctor.stdout)
+        self.assertEqual(report["integrity_check"], ["ok"])
+        self.assertEqual(report["fts_layout"], "legacy")
+        self.assertEqual(report["search_meta"]["fts_optimize_available"], "1")
+        for key in ("sqlite_version", "journal_mode", "journal_policy", "fts5", "trigram"):
+            self.assertIn(key, report)
+
+    def test_failures_exit_1_and_usage_errors_exit_2(self):
+        db = str(self.tmp / "state.db")
+        missing = self.run_cli("--db", db, "show", "nope")
+        self.assertEqual(missing.returncode, 1)
+        self.assertIn("no session matches 'nope'", missing.stderr)
+        self.assertEqual(missing.stdout, "")
+        self.assertEqual(self.run_cli("frobnicate").returncode, 2)
+        self.assertEqual(self.run_cli("list", "--limit", "many").returncode, 2)
+        too_many = self.run_cli("--db", db, "list", "--limit", "99999")
+        self.assertEqual(too_many.returncode, 1)
+        self.assertIn("limit is 99999; the limit is 10000", too_many.stderr)
