@@ -1,0 +1,297 @@
+"""Many processes and threads on one store, locks held too long, writers killed, damaged files."""
+
+import multiprocessing
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+from hermes_state import (
+    CHECKPOINT_EVERY_COMMITS, SessionDB, StoreLockedError, choose_journal_policy, sqlite_has_wal_reset_bug,
+)
+from test_support import REPO, TempDirTestCase, tracing_factory
+
+CALL = [{"id": "c", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]
+APPENDS = 300
+
+
+def _append_worker(path, worker):
+    """Append APPENDS messages to this worker's own session and APPENDS to the shared one."""
+    with SessionDB(path) as db:
+        db.create_session(f"own{worker}", "cli")
+        db.create_session("shared", "cli")
+        for i in range(APPENDS):
+            calls = CALL if i % 3 == 0 else None
+            db.append_message(f"own{worker}", "assistant", f"w{worker} m{i}", tool_calls=calls)
+            db.append_message("shared", "assistant", f"w{worker} s{i}", tool_calls=calls)
+
+
+def run_python(code, *args):
+    """Start `code` in a fresh interpreter that can import the product."""
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+HOLD_SQLITE_LOCK = """
+import sqlite3, sys, time
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+conn.execute("COMMIT")
+"""
+
+HOLD_WRITER_FILE_LOCK = """
+import sys, time
+from hermes_state import WriterFileLock
+lock = WriterFileLock(sys.argv[1] + ".lock")
+assert lock.acquire(time.monotonic() + 5)
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+APPEND_UNTIL_KILLED = """
+import sys
+from hermes_state import SessionDB
+db = SessionDB(sys.argv[1])
+db.create_session("victim", "cli")
+i = 0
+while True:
+    calls = [{"id": "c", "type": "function", "function": {"name": "t", "arguments": "{}"}}] if i % 2 else None
+    if i % 10 == 0:
+        db.append_messages_batch("victim", [{"role": "user", "content": "b" * 3000}] * 5)
+    else:
+        db.append_message("victim", "assistant", "x" * 5000, tool_calls=calls)
+    print(i, flush=True)
+    i += 1
+"""
+
+
+class ManyWriters(TempDirTestCase):
+
+    def test_four_processes_keep_every_row_and_exact_counts(self):
+        path = str(self.tmp / "state.db")
+        SessionDB(path).close()
+        ctx = multiprocessing.get_context("spawn")
+        workers = [ctx.Process(target=_append_worker, args=(path, w)) for w in range(4)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(120)
+            self.assertEqual(worker.exitcode, 0)
+        calls_per_session = len(range(0, APPENDS, 3))
+        with SessionDB(path) as db:
+            for w in range(4):
+                session = db.get_session(f"own{w}")
+                self.assertEqual((session["message_count"], session["tool_call_count"]),
+                                 (APPENDS, calls_per_session))
+                self.assertEqual([m["content"] for m in db.get_messages(f"own{w}")],
+                                 [f"w{w} m{i}" for i in range(APPENDS)])
+            shared = db.get_session("shared")
+            self.assertEqual((shared["message_count"], shared["tool_call_count"]),
+                             (4 * APPENDS, 4 * calls_per_session))
+            self.assertEqual(db.message_count(), 8 * APPENDS)
+        self.assertEqual(self.raw(path).execute("PRAGMA integrity_check").fetchone()[0], "ok")
+
+    def test_one_writer_and_three_reader_threads(self):
+        db = SessionDB(self.tmp / "state.db")
+        self.addCleanup(db.close)
+        db.create_session("s", "cli")
+        errors, stop = [], threading.Event()
+
+        def writer():
+            try:
+                while not stop.is_set():
+                    db.append_message("s", "user", "hello " * 50)
+                    db.update_token_counts("s", input_tokens=1)
+            except Exception as exc:  # collected and asserted below
+                errors.append(exc)
+
+        def reader():
+            last = 0
+            try:
+                while not stop.is_set():
+                    count = len(db.get_messages("s"))
+                    db.list_sessions_rich()
+                    db.get_session("s")
+                    if count < last:
+                        errors.append(AssertionError(f"count went back from {last} to {count}"))
+                    last = count
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        time.sleep(2.5)
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        self.assertEqual(errors, [])
+        written = db.message_count("s")
+        self.assertGreater(written, 100)
+        self.assertEqual(db.get_session("s")["input_tokens"], written)
+
+
+class LockedStore(TempDirTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.path = self.tmp / "state.db"
+        with SessionDB(self.path) as db:
+            db.create_session("s", "cli")
+
+    def hold(self, script, seconds):
+        holder = run_python(script, self.path, seconds)
+        self.addCleanup(holder.communicate)
+        self.addCleanup(holder.kill)
+        line = holder.stdout.readline().strip()
+        if line != "locked":
+            self.fail(f"the lock holder did not start: {holder.stderr.read()}")
+        return holder
+
+    def test_a_write_lock_held_for_two_seconds_is_waited_out(self):
+        with SessionDB(self.path) as db:
+            self.hold(HOLD_SQLITE_LOCK, 2)
+            start = time.monotonic()
+            read_started = time.monotonic()
+            self.assertEqual(db.get_session("s")["id"], "s")  # reads do not queue behind the writer
+            self.assertLess(time.monotonic() - read_started, 0.5)
+            db.append_message("s", "user", "after the wait")
+            self.assertGreater(time.monotonic() - start, 1.5)
+            self.assertEqual(db.message_count("s"), 1)
+
+    def test_a_lock_held_past_the_budget_gives_a_clear_error_and_no_row(self):
+        with SessionDB(self.path, write_budget=1.0) as db:
+            self.hold(HOLD_SQLITE_LOCK, 4)
+            with self.assertRaises(StoreLockedError) as caught:
+                db.append_message("s", "user", "never written")
+            message = str(caught.exception)
+            self.assertRegex(message, r"was locked for \d+\.\ds \(budget 1\.0s\)")
+            self.assertIn("no data was written", message)
+            self.assertEqual(db.message_count("s"), 0)
+            self.assertEqual(db.get_session("s")["message_count"], 0)
+
+    def test_a_hung_writer_holding_the_lock_file_gives_the_same_error(self):
+        with SessionDB(self.path, write_budget=0.5) as db:
+            if not db.policy.writer_lock:
+                self.skipTest("this runtime does not need the writer lock")
+            self.hold(HOLD_WRITER_FILE_LOCK, 3)
+            with self.assertRaisesRegex(StoreLockedError, "state.db.lock; no data was written"):
+                db.set_meta("k", "v")
+            self.assertIsNone(db.get_meta("k"))
+
+
+class KilledWriter(TempDirTestCase):
+
+    def test_sigkill_mid_work_leaves_a_clean_store_with_every_committed_row(self):
+        path = self.tmp / "state.db"
+        previous = 0
+        for kill_after in (40, 300):
+            writer = run_python(APPEND_UNTIL_KILLED, path)
+            committed = -1
+            for line in writer.stdout:
+                committed = int(line)
+                if committed >= kill_after:
+                    break
+            writer.send_signal(signal.SIGKILL if hasattr(signal, "SIGKILL") else signal.SIGTERM)
+            writer.communicate()
+            conn = sqlite3.connect(path)
+            self.assertEqual(conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")
+            conn.close()
+            with SessionDB(path) as db:
+                rows = db.get_messages("victim")
+                session = db.get_session("victim")
+                self.assertEqual(session["message_count"], len(rows))
+                self.assertEqual(session["tool_call_count"], sum(len(m["tool_calls"] or []) for m in rows))
+                # Every reported step is there (5 rows every tenth step, else 1); at most
+                # one more step committed between its print and the kill.
+                reported = sum(5 if i % 10 == 0 else 1 for i in range(committed + 1))
+                self.assertGreaterEqual(len(rows) - previous, reported)
+                self.assertLessEqual(len(rows) - previous, reported + 5)
+                previous = len(rows)
+
+
+class DamagedFiles(TempDirTestCase):
+
+    def open_damaged(self, content, reason, wal=None):
+        path = self.tmp / "state.db"
+        path.write_bytes(content)
+        if wal is not None:
+            (self.tmp / "state.db-wal").write_bytes(wal)
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            db = SessionDB(path)
+        with db:
+            db.create_session("fresh", "cli")
+            self.assertEqual(len(db.repairs), 1)
+        backups = sorted(p.name for p in self.tmp.iterdir() if ".bak" in p.name)
+        self.assertRegex(backups[0], rf"^state\.db\.{reason}-\d{{8}}-\d{{6}}-{os.getpid()}\.bak$")
+        self.assertIn(backups[0], "\n".join(logs.output))
+        self.assertEqual((self.tmp / backups[0]).read_bytes(), content)
+        if wal is not None:
+            self.assertEqual(backups[1], backups[0] + "-wal")
+            self.assertEqual((self.tmp / backups[1]).read_bytes(), wal)
+        return backups
+
+    def test_zeroed_file(self):
+        self.open_damaged(b"\x00" * 8192, "zeroed")
+
+    def test_garbage_file_with_a_wal_sidecar(self):
+        self.open_damaged(b"this is not a database, it is a shopping list\n" * 40, "notsqlite",
+                          wal=b"stray wal bytes")
+
+    def test_empty_file(self):
+        self.open_damaged(b"", "empty")
+
+    def test_a_healthy_store_is_never_renamed(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+        for _ in range(3):
+            with SessionDB(path) as db:
+                self.assertEqual(db.repairs, [])
+                self.assertEqual(db.session_count(), 1)
+        self.assertEqual([p.name for p in self.tmp.iterdir() if ".bak" in p.name], [])
+
+
+class JournalPolicy(TempDirTestCase):
+
+    def test_wal_reset_bug_versions(self):
+        affected = [(3, 7, 0), (3, 40, 1), (3, 44, 5), (3, 50, 6), (3, 51, 2)]
+        fixed = [(3, 6, 23), (3, 44, 6), (3, 44, 9), (3, 50, 7), (3, 51, 3), (3, 52, 0)]
+        for version in affected:
+            self.assertTrue(sqlite_has_wal_reset_bug(version), version)
+        for version in fixed:
+            self.assertFalse(sqlite_has_wal_reset_bug(version), version)
+
+    def test_policy_choice_and_override(self):
+        self.assertEqual(choose_journal_policy((3, 40, 1), "").writer_lock, True)
+        self.assertEqual(choose_journal_policy((3, 40, 1), "").autocheckpoint, 0)
+        self.assertEqual(choose_journal_policy((3, 51, 3), "").writer_lock, False)
+        self.assertEqual(choose_journal_policy((3, 51, 3), "delete").mode, "delete")
+        with self.assertRaisesRegex(ValueError, "HERMES_STATE_JOURNAL must be 'wal' or 'delete'"):
+            choose_journal_policy((3, 40, 1), "memory")
+
+    def test_the_store_follows_the_policy(self):
+        with SessionDB(self.tmp / "delete.db", journal="delete") as db:
+            self.assertEqual(db.doctor()["journal_mode"], "delete")
+        with SessionDB(self.tmp / "wal.db") as db:
+            report = db.doctor()
+            self.assertEqual(report["journal_mode"], "wal")
+            self.assertEqual(report["journal_policy"], db.policy.reason)
+
+    def test_checkpoints_run_under_the_lock_when_automatic_ones_are_off(self):
+        statements = []
+        with SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements),
+                       journal="wal") as db:
+            if db.policy.autocheckpoint != 0:
+                self.skipTest("this runtime keeps automatic checkpoints")
+            self.assertEqual(db._writer.execute("PRAGMA wal_autocheckpoint").fetchone()[0], 0)
+            db.create_session("s", "cli")
+            db.append_messages_batch("s", [{"role": "user", "content": "x"}] * 3)
+            for _ in range(2 * CHECKPOINT_EVERY_COMMITS):
+                db.append_message("s", "user", "x")
+        self.assertEqual(sum("wal_checkpoint" in s for s in statements), 2)
