@@ -1,6 +1,6 @@
 """SessionDB: an AI agent's sessions and messages in one SQLite file.
 
-Owns the connections (one writer, one reader per thread), the journal policy,
+Owns the connections (one writer, a pool of readers), the journal policy,
 the write path (BEGIN IMMEDIATE with retry and jitter inside a time budget),
 self-repair of damaged files at open, the token-count queue, the public
 session/message/lineage/routing/meta/lock API, and `python -m hermes_state`.
@@ -15,6 +15,7 @@ import atexit
 import json
 import logging
 import os
+import queue
 import random
 import socket
 import sqlite3
@@ -440,7 +441,7 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         self.policy = choose_journal_policy(override=journal)
         self.repairs = []
         self._connect = connection_factory or sqlite3.connect
-        self._local = threading.local()
+        self._idle_readers = queue.SimpleQueue()
         self._readers = []
         self._readers_lock = threading.Lock()
         self._write_lock = threading.RLock()
@@ -631,25 +632,31 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
 
     # -- the read path -------------------------------------------------------
 
-    def _reader(self):
-        """This thread's read connection: reads never queue behind the writer."""
-        if self._closed:
-            raise sqlite3.ProgrammingError("SessionDB is closed")
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            # mode=ro: a read connection can never write, nor checkpoint on close.
-            conn = self._new_connection(self.db_path.resolve().as_uri() + "?mode=ro", uri=True,
-                                        timeout=self.write_budget)
-            with self._readers_lock:
-                self._readers.append(conn)
-            self._local.conn = conn
-        return conn
-
     def _read_all(self, sql, params=()):
-        return self._reader().execute(sql, params).fetchall()
+        """Run a read on a pooled read connection: reads never queue behind the writer."""
+        conn = self._borrow_reader()
+        try:
+            return conn.execute(sql, params).fetchall()
+        finally:
+            self._idle_readers.put(conn)
 
     def _read_one(self, sql, params=()):
-        return self._reader().execute(sql, params).fetchone()
+        rows = self._read_all(sql, params)
+        return rows[0] if rows else None
+
+    def _borrow_reader(self):
+        if self._closed:
+            raise sqlite3.ProgrammingError("SessionDB is closed")
+        try:
+            return self._idle_readers.get_nowait()
+        except queue.Empty:
+            pass
+        # mode=ro: a read connection can never write, nor checkpoint on close.
+        conn = self._new_connection(self.db_path.resolve().as_uri() + "?mode=ro", uri=True,
+                                    timeout=self.write_budget)
+        with self._readers_lock:
+            self._readers.append(conn)
+        return conn
 
     def _read_value(self, sql, params=()):
         row = self._read_one(sql, params)

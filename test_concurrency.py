@@ -295,3 +295,20 @@ class JournalPolicy(TempDirTestCase):
             for _ in range(2 * CHECKPOINT_EVERY_COMMITS):
                 db.append_message("s", "user", "x")
         self.assertEqual(sum("wal_checkpoint" in s for s in statements), 2)
+
+
+class ReaderPool(TempDirTestCase):
+
+    def test_short_lived_threads_reuse_pooled_readers(self):
+        db = SessionDB(self.tmp / "state.db")
+        self.addCleanup(db.close)
+        db.create_session("s", "cli")
+        for _ in range(50):
+            thread = threading.Thread(target=db.get_session, args=("s",))
+            thread.start()
+            thread.join()
+        readers = list(db._readers)
+        self.assertEqual(len(readers), 1)
+        db.close()
+        with self.assertRaises(sqlite3.ProgrammingError):
+            readers[0].execute("SELECT 1")

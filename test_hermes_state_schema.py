@@ -147,10 +147,11 @@ class OldStoresHeal(TempDirTestCase):
         path = self.build(OLD_SESSIONS, [
             ("INSERT INTO sessions (id, source, started_at, title) VALUES (?, 'cli', ?, ?)", row)
             for row in [("a", 1, "same"), ("b", 3, "same"), ("c", 2, "same"), ("d", 1, "other")]])
-        with SessionDB(path) as db:
+        with self.assertLogs("hermes_state", "WARNING") as logs, SessionDB(path) as db:
             self.assertEqual([db.get_session_title(s) for s in "abcd"], [None, "same", None, "other"])
             with self.assertRaisesRegex(ValueError, "already used by session b"):
                 db.set_session_title("a", "same")
+        self.assertIn("cleared 2 duplicate titles", "\n".join(logs.output))
         indexes = [r[1] for r in self.raw(path).execute("PRAGMA index_list(sessions)")]
         self.assertIn(TITLE_INDEX_NAME, indexes)
 
