@@ -35,7 +35,6 @@ from hermes_state_common import (
     COUNT_ACTIVE_MESSAGES_SQL,
     COUNT_SESSION_MESSAGES_SQL,
     DEACTIVATE_AFTER_SQL,
-    DELETE_META_SQL,
     DELETE_ROUTING_KEYS_SQL,
     DELETE_ROUTING_SCOPE_SQL,
     END_SESSION_SQL,
@@ -75,16 +74,16 @@ from hermes_state_common import (
     TITLE_MAX_LENGTH,
     UPDATE_TOKEN_COUNTS_SQL,
     UPSERT_LOCK_SQL,
-    UPSERT_META_SQL,
     UPSERT_MODEL_USAGE_SQL,
     UPSERT_ROUTING_SQL,
     chunked,
     placeholders,
     prefix_bounds,
+    store_file_bytes,
 )
 from hermes_state_portability import SessionPortabilityMixin
-from hermes_state_schema import SessionSchemaMixin, declared_columns, is_lock_error, prompt_hash
-from hermes_state_search import SessionSearchMixin, sqlite_supports_fts5, sqlite_supports_trigram
+from hermes_state_schema import SessionSchemaMixin, declared_columns, is_lock_error, prompt_hash, write_meta
+from hermes_state_search import SessionSearchMixin, runtime_capabilities
 
 logger = logging.getLogger("hermes_state")
 
@@ -448,6 +447,8 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         self._writer = None
         self._file_lock = None
         self._commits = 0
+        self._search_commits = 0
+        self.fts_caps = runtime_capabilities(self._connect)
         self._tokens = TokenQueue()
         self._closed = False
         if read_only:
@@ -466,7 +467,6 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         if self.stale_schema:
             logger.info("store %s predates this release (%s); a writable open upgrades it",
                         self.db_path, "; ".join(self.stale_schema))
-        self._init_search_read_only()
 
     def _open_writable(self):
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
@@ -484,6 +484,7 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
                                                 timeout=WRITER_BUSY_TIMEOUT)
             self._apply_journal_policy()
             self._init_schema()
+            self._init_search()
         except BaseException:
             self._file_lock.release()
             self._close_connections()
@@ -560,13 +561,14 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
 
     # -- the write path ------------------------------------------------------
 
-    def _execute_write(self, fn):
+    def _execute_write(self, fn, *, transaction=True):
         """Run `fn(conn)` in one BEGIN IMMEDIATE transaction and return its result.
 
         Rolls back on any error. On "database is locked"/"busy" the whole
         callback is retried after a random pause (20-150 ms for the first 2 s,
         then 250 ms-1 s) until `write_budget` runs out, then StoreLockedError.
-        Queued token counts ride along in the same transaction.
+        Queued token counts ride along in the same transaction. With
+        `transaction=False` (VACUUM cannot run in one) only the locks are taken.
         """
         self._check_open()
         start = time.monotonic()
@@ -577,7 +579,7 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         try:
             while True:
                 try:
-                    return self._write_once(fn, batch, deadline)
+                    return self._write_once(fn, batch, deadline, transaction)
                 except sqlite3.OperationalError as exc:
                     if isinstance(exc, StoreLockedError) or not is_lock_error(exc):
                         raise
@@ -592,26 +594,31 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         finally:
             self._write_lock.release()
 
-    def _write_once(self, fn, batch, deadline):
+    def _write_once(self, fn, batch, deadline, transaction):
         use_file_lock = self.policy.writer_lock and self._file_lock is not None
         if use_file_lock and not self._file_lock.acquire(deadline):
             raise self._locked_error(deadline - self.write_budget, "another process held state.db.lock")
         try:
-            conn = self._writer
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                apply_token_batch(conn, batch)
-                result = fn(conn)
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            self._after_commit(conn)
-            return result
+            if not transaction:
+                return fn(self._writer)
+            return self._in_transaction(self._writer, fn, batch)
         finally:
             if use_file_lock:
                 self._file_lock.release()
+
+    def _in_transaction(self, conn, fn, batch):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            apply_token_batch(conn, batch)
+            result = fn(conn)
+            self._maintain_search(conn)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        self._after_commit(conn)
+        return result
 
     def _after_commit(self, conn):
         self._commits += 1
@@ -1006,10 +1013,7 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
     def set_meta(self, key, value):
         """Store `value` as text under `key`; None removes the key."""
         _require_text("key", key)
-        if value is None:
-            self._execute_write(lambda conn: conn.execute(DELETE_META_SQL, (key,)))
-        else:
-            self._execute_write(lambda conn: conn.execute(UPSERT_META_SQL, (key, str(value))))
+        self._execute_write(lambda conn: write_meta(conn, key, value))
 
     def list_meta_prefix(self, prefix):
         """{key: value} for every key starting with `prefix` (case-sensitive)."""
@@ -1052,6 +1056,16 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
 
     # -- store facts ---------------------------------------------------------------
 
+    def vacuum(self):
+        """Rewrite the file without free pages, then truncate the WAL; under the writer lock."""
+        self._flush_token_counts()
+
+        def run(conn):
+            conn.execute("VACUUM")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+        self._execute_write(run, transaction=False)
+
     def schema_version(self):
         return self._read_value(SELECT_SCHEMA_VERSION_SQL)
 
@@ -1062,7 +1076,7 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
             "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source")}
         return {
             "db_path": str(self.db_path),
-            "db_bytes": _store_bytes(self.db_path),
+            "db_bytes": store_file_bytes(self.db_path),
             "sessions": sum(by_source.values()),
             "sessions_by_source": by_source,
             "messages_active": self.message_count(),
@@ -1079,8 +1093,8 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
             "integrity_check": integrity,
             "ok": integrity == ["ok"],
             "sqlite_version": sqlite3.sqlite_version,
-            "fts5": sqlite_supports_fts5(self._connect),
-            "trigram": sqlite_supports_trigram(self._connect),
+            "fts5": self.fts_caps.fts5,
+            "trigram": self.fts_caps.trigram,
             "wal_reset_bug": sqlite_has_wal_reset_bug(),
             "journal_mode": self._read_value("PRAGMA journal_mode"),
             "journal_policy": self.policy.reason,
@@ -1183,11 +1197,6 @@ def _require_ttl(ttl_seconds):
     return float(ttl_seconds)
 
 
-def _store_bytes(db_path):
-    return sum(os.path.getsize(str(db_path) + suffix) for suffix in ("", "-wal")
-               if os.path.exists(str(db_path) + suffix))
-
-
 # ---------------------------------------------------------------------------
 # Command line: python -m hermes_state
 # ---------------------------------------------------------------------------
@@ -1270,6 +1279,59 @@ def _cmd_doctor(db, args, out):
     return 0 if report["ok"] else 1
 
 
+def _print_hits(hits, out):
+    for hit in hits:
+        out.write(f"{hit['session_id']}  [{hit['id']}] {hit['role']} at {_format_time(hit['timestamp'])}\n"
+                  f"    {hit['snippet'].replace(chr(10), ' ')}\n")
+
+
+def _cmd_search(db, args, out):
+    hits = db.search_messages(args.query, source_filter=args.source, role_filter=args.role,
+                              limit=args.limit, offset=args.offset, sort=args.sort,
+                              include_inactive=args.include_inactive)
+    if args.json:
+        _print_json(hits, out)
+    else:
+        _print_hits(hits, out)
+    return 0
+
+
+def _cmd_optimize(db, args, out):
+    db.optimize_fts()
+    out.write(f"merged the search index segments of {db.db_path}\n")
+    return 0
+
+
+def _report_progress(progress):
+    percent = progress["percent"]
+    done = f" {percent:5.1f}%" if percent is not None else ""
+    counts = f" ({progress['indexed']}/{progress['total']})" if progress["total"] else ""
+    sys.stderr.write(f"optimize-storage: {progress['phase']}{done}{counts}\n")
+
+
+def _cmd_optimize_storage(db, args, out):
+    if not args.yes:
+        prompt = (f"Rebuild the search index of {db.db_path} in the current layout"
+                  f"{'' if args.no_vacuum else ' and VACUUM it'}? [y/N] ")
+        if not sys.stdin or not sys.stdin.isatty():
+            sys.stderr.write("error: optimize-storage asks before it starts; pass --yes to run it unattended\n")
+            return 1
+        if input(prompt).strip().lower() not in ("y", "yes"):
+            sys.stderr.write("nothing was changed\n")
+            return 1
+    try:
+        result = db.optimize_fts_storage(progress_cb=_report_progress, vacuum=not args.no_vacuum)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted; the store is consistent, run optimize-storage again to resume\n")
+        return 1
+    if args.json:
+        _print_json(result, out)
+    else:
+        out.write(f"{db.db_path}: {result['bytes_before'] / 1e6:.1f} MB -> {result['bytes_after'] / 1e6:.1f} MB, "
+                  f"layout {result['fts_layout']}\n")
+    return 0
+
+
 def _cmd_demo(args, out):
     home = Path(tempfile.mkdtemp(prefix="hermes-demo-"))
     token = set_hermes_home_override(home)
@@ -1328,13 +1390,27 @@ def build_parser():
     show = commands.add_parser("show", parents=[common], help="one session with its messages")
     show.add_argument("session_id", metavar="ID", help="a session id or a unique prefix of one")
     show.add_argument("--lineage", action="store_true", help="the whole compression chain as one session")
+    search = commands.add_parser("search", parents=[common], help="full-text search over messages")
+    search.add_argument("query")
+    search.add_argument("--source", action="append", help="only this source (repeatable)")
+    search.add_argument("--role", action="append", help="only this role (repeatable); 'tool' searches tool output")
+    search.add_argument("--limit", type=int, default=20)
+    search.add_argument("--offset", type=int, default=0)
+    search.add_argument("--sort", choices=["relevance", "newest", "oldest"])
+    search.add_argument("--include-inactive", action="store_true", help="include rewound messages")
+    commands.add_parser("optimize", parents=[common], help="merge the search index segments")
+    storage = commands.add_parser("optimize-storage", parents=[common],
+                                  help="move an old search index layout to the current one, then VACUUM")
+    storage.add_argument("--no-vacuum", action="store_true", help="rebuild now, reclaim the space later")
+    storage.add_argument("--yes", action="store_true", help="do not ask before starting")
     commands.add_parser("stats", parents=[common], help="counts and sizes")
     commands.add_parser("doctor", parents=[common], help="integrity, layouts, journal, runtime")
     commands.add_parser("demo", parents=[common], help="build and show an example store in a temp home")
     return parser
 
 
-_COMMANDS = {"list": _cmd_list, "show": _cmd_show, "stats": _cmd_stats, "doctor": _cmd_doctor}
+_COMMANDS = {"list": _cmd_list, "show": _cmd_show, "search": _cmd_search, "optimize": _cmd_optimize,
+             "optimize-storage": _cmd_optimize_storage, "stats": _cmd_stats, "doctor": _cmd_doctor}
 
 
 def main(argv=None, out=None):
@@ -1349,7 +1425,7 @@ def main(argv=None, out=None):
         db_path = getattr(args, "db", None)
         with SessionDB(db_path) as db:
             return _COMMANDS[args.command](db, args, out)
-    except (ValueError, OSError, sqlite3.Error) as exc:
+    except (ValueError, OSError, RuntimeError, sqlite3.Error) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 1
 

@@ -7,6 +7,8 @@ connection: the mixins and SessionDB do that, and import from here so that
 none of them has to import another.
 """
 
+from pathlib import Path
+
 # ---------------------------------------------------------------------------
 # Versions and names
 # ---------------------------------------------------------------------------
@@ -32,6 +34,11 @@ GATEWAY_ROUTING_PK = ["scope", "session_key"]
 TITLE_MAX_LENGTH = 100
 PREVIEW_CHARS = 80
 CONTEXT_CHARS = 200
+SNIPPET_CHARS = 120
+# A query longer than this is cut; more terms than this are dropped.
+QUERY_MAX_CHARS = 1000
+QUERY_MAX_TERMS = 32
+SEARCH_LIMIT_MAX = 1000
 # Far below SQLite's default SQLITE_MAX_VARIABLE_NUMBER (999 before 3.32).
 SQL_CHUNK_SIZE = 500
 # Sessions migrated per transaction by resumable data migrations.
@@ -264,6 +271,263 @@ TITLE_INDEX_SQL = (
     "CREATE UNIQUE INDEX IF NOT EXISTS idx_sessions_title_unique ON sessions(title) WHERE title IS NOT NULL")
 
 # ---------------------------------------------------------------------------
+# Full-text search: three index generations
+#
+# legacy   hermes-agent 0.19 and older: inline messages_fts(content) and
+#          messages_fts_trigram(content), each holding its own copy of
+#          content || tool_name || tool_calls for every row, tool rows included.
+# external hermes-agent 0.20: external-content tables reading `messages` (and
+#          a view without tool rows for the trigram index).
+# current  this project: external content over projection views. A tool row
+#          gives the word index only a bounded prefix of its content; the
+#          trigram index has no tool rows and no tool_calls; 1-2 character CJK
+#          terms live in messages_fts_cjk, written by Python from a queue that
+#          plain-SQL triggers fill, so any writer keeps it correct.
+#
+# Every trigger of the external and current generations first tests the
+# backfill predicate: a row is indexed iff id <= progress OR id > high water.
+# ---------------------------------------------------------------------------
+
+FTS_STORAGE_VERSION = 2
+FTS_WORD_TABLE = "messages_fts"
+FTS_TRIGRAM_TABLE = "messages_fts_trigram"
+FTS_CJK_TABLE = "messages_fts_cjk"
+CJK_PENDING_TABLE = "messages_cjk_pending"
+FTS_OLD_SUFFIX = "_old"
+FTS_INDEXES = ("word", "trigram", "cjk")
+FTS_INDEX_TABLES = {"word": FTS_WORD_TABLE, "trigram": FTS_TRIGRAM_TABLE, "cjk": FTS_CJK_TABLE}
+
+# Tool output (base64, file dumps) is most of the bytes; the word index keeps
+# this much of each tool row. A role filter including "tool" searches the rest.
+TOOL_INDEX_PREFIX_CHARS = 2048
+# CJK letters: kana, CJK extension A, unified ideographs, hangul, compatibility ideographs.
+CJK_CHAR_CLASS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+CJK_GLOB = f"'*[{CJK_CHAR_CLASS}]*'"
+
+_INDEXED = """(({row}.id > COALESCE((SELECT CAST(value AS INTEGER) FROM state_meta
+                            WHERE key = 'fts_rebuild_high_water'), -1)
+   OR {row}.id <= COALESCE((SELECT CAST(value AS INTEGER) FROM state_meta
+                            WHERE key = 'fts_rebuild_progress'), -1)))"""
+_NEW_INDEXED = _INDEXED.format(row="new")
+_OLD_INDEXED = _INDEXED.format(row="old")
+_TOOL_PREFIX = "CASE WHEN {row}.role = 'tool' THEN substr({row}.content, 1, %d) ELSE {row}.content END" \
+    % TOOL_INDEX_PREFIX_CHARS
+
+CURRENT_FTS_TABLES_SQL = (
+    f"""CREATE VIEW IF NOT EXISTS messages_fts_projection AS
+SELECT id, {_TOOL_PREFIX.format(row="messages")} AS content, tool_name, tool_calls FROM messages""",
+    """CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
+    content, tool_name, tool_calls, content='messages_fts_projection', content_rowid='id')""",
+    """CREATE VIEW IF NOT EXISTS messages_fts_trigram_projection AS
+SELECT id, content FROM messages WHERE role <> 'tool'""",
+    """CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts_trigram USING fts5(
+    content, content='messages_fts_trigram_projection', content_rowid='id', tokenize='trigram')""",
+    """CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts_cjk USING fts5(
+    terms, tokenize='unicode61 remove_diacritics 0')""",
+    "CREATE TABLE IF NOT EXISTS messages_cjk_pending (id INTEGER PRIMARY KEY)",
+)
+# Which table each current index needs (the trigram one also needs its tokenizer).
+CURRENT_FTS_INDEX_DDL = {
+    "word": CURRENT_FTS_TABLES_SQL[0:2],
+    "trigram": CURRENT_FTS_TABLES_SQL[2:4],
+    "cjk": CURRENT_FTS_TABLES_SQL[4:6],
+}
+
+_WORD_ROW = "{row}.id, " + _TOOL_PREFIX + ", {row}.tool_name, {row}.tool_calls"
+CURRENT_FTS_TRIGGERS = {
+    "word": {
+        "messages_fts_insert": f"""CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages
+WHEN {_NEW_INDEXED}
+BEGIN
+    INSERT INTO messages_fts(rowid, content, tool_name, tool_calls) VALUES ({_WORD_ROW.format(row="new")});
+END""",
+        "messages_fts_delete": f"""CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages
+WHEN {_OLD_INDEXED}
+BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content, tool_name, tool_calls)
+    VALUES ('delete', {_WORD_ROW.format(row="old")});
+END""",
+        "messages_fts_update": f"""CREATE TRIGGER messages_fts_update
+AFTER UPDATE OF content, tool_name, tool_calls, role ON messages
+WHEN (old.content IS NOT new.content OR old.tool_name IS NOT new.tool_name
+      OR old.tool_calls IS NOT new.tool_calls OR old.role IS NOT new.role)
+ AND {_OLD_INDEXED}
+BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content, tool_name, tool_calls)
+    VALUES ('delete', {_WORD_ROW.format(row="old")});
+    INSERT INTO messages_fts(rowid, content, tool_name, tool_calls) VALUES ({_WORD_ROW.format(row="new")});
+END""",
+    },
+    "trigram": {
+        "messages_fts_trigram_insert": f"""CREATE TRIGGER messages_fts_trigram_insert AFTER INSERT ON messages
+WHEN new.role <> 'tool' AND {_NEW_INDEXED}
+BEGIN
+    INSERT INTO messages_fts_trigram(rowid, content) VALUES (new.id, new.content);
+END""",
+        "messages_fts_trigram_delete": f"""CREATE TRIGGER messages_fts_trigram_delete AFTER DELETE ON messages
+WHEN old.role <> 'tool' AND {_OLD_INDEXED}
+BEGIN
+    INSERT INTO messages_fts_trigram(messages_fts_trigram, rowid, content) VALUES ('delete', old.id, old.content);
+END""",
+        "messages_fts_trigram_update": f"""CREATE TRIGGER messages_fts_trigram_update
+AFTER UPDATE OF content, role ON messages
+WHEN (old.content IS NOT new.content OR old.role IS NOT new.role) AND {_OLD_INDEXED}
+BEGIN
+    INSERT INTO messages_fts_trigram(messages_fts_trigram, rowid, content)
+    SELECT 'delete', old.id, old.content WHERE old.role <> 'tool';
+    INSERT INTO messages_fts_trigram(rowid, content) SELECT new.id, new.content WHERE new.role <> 'tool';
+END""",
+    },
+    "cjk": {
+        "messages_fts_cjk_insert": f"""CREATE TRIGGER messages_fts_cjk_insert AFTER INSERT ON messages
+WHEN new.role <> 'tool' AND new.content GLOB {CJK_GLOB} AND {_NEW_INDEXED}
+BEGIN
+    INSERT OR IGNORE INTO messages_cjk_pending(id) VALUES (new.id);
+END""",
+        "messages_fts_cjk_delete": f"""CREATE TRIGGER messages_fts_cjk_delete AFTER DELETE ON messages
+WHEN old.role <> 'tool' AND old.content GLOB {CJK_GLOB} AND {_OLD_INDEXED}
+BEGIN
+    DELETE FROM messages_fts_cjk WHERE rowid = old.id;
+    DELETE FROM messages_cjk_pending WHERE id = old.id;
+END""",
+        "messages_fts_cjk_update": f"""CREATE TRIGGER messages_fts_cjk_update AFTER UPDATE OF content, role ON messages
+WHEN (old.content IS NOT new.content OR old.role IS NOT new.role) AND {_OLD_INDEXED}
+BEGIN
+    DELETE FROM messages_fts_cjk WHERE rowid = old.id;
+    DELETE FROM messages_cjk_pending WHERE id = old.id;
+    INSERT INTO messages_cjk_pending(id) SELECT new.id WHERE new.role <> 'tool' AND new.content GLOB {CJK_GLOB};
+END""",
+    },
+}
+
+# hermes-agent 0.20's triggers, recreated as they were if one goes missing.
+_EXTERNAL_ROW = "{row}.id, {row}.content, {row}.tool_name, {row}.tool_calls"
+EXTERNAL_FTS_TRIGGERS = {
+    "word": {
+        "messages_fts_insert": f"""CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages
+WHEN {_NEW_INDEXED}
+BEGIN
+    INSERT INTO messages_fts(rowid, content, tool_name, tool_calls) VALUES ({_EXTERNAL_ROW.format(row="new")});
+END""",
+        "messages_fts_delete": f"""CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages
+WHEN {_OLD_INDEXED}
+BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content, tool_name, tool_calls)
+    VALUES ('delete', {_EXTERNAL_ROW.format(row="old")});
+END""",
+        "messages_fts_update": f"""CREATE TRIGGER messages_fts_update
+AFTER UPDATE OF content, tool_name, tool_calls ON messages
+WHEN (old.content IS NOT new.content OR old.tool_name IS NOT new.tool_name OR old.tool_calls IS NOT new.tool_calls)
+ AND {_OLD_INDEXED}
+BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content, tool_name, tool_calls)
+    VALUES ('delete', {_EXTERNAL_ROW.format(row="old")});
+    INSERT INTO messages_fts(rowid, content, tool_name, tool_calls) VALUES ({_EXTERNAL_ROW.format(row="new")});
+END""",
+    },
+    "trigram": {
+        "messages_fts_trigram_insert": f"""CREATE TRIGGER messages_fts_trigram_insert AFTER INSERT ON messages
+WHEN new.role <> 'tool' AND {_NEW_INDEXED}
+BEGIN
+    INSERT INTO messages_fts_trigram(rowid, content, tool_name, tool_calls)
+    VALUES ({_EXTERNAL_ROW.format(row="new")});
+END""",
+        "messages_fts_trigram_delete": f"""CREATE TRIGGER messages_fts_trigram_delete AFTER DELETE ON messages
+WHEN old.role <> 'tool' AND {_OLD_INDEXED}
+BEGIN
+    INSERT INTO messages_fts_trigram(messages_fts_trigram, rowid, content, tool_name, tool_calls)
+    VALUES ('delete', {_EXTERNAL_ROW.format(row="old")});
+END""",
+        "messages_fts_trigram_update": f"""CREATE TRIGGER messages_fts_trigram_update
+AFTER UPDATE OF content, tool_name, tool_calls, role ON messages
+WHEN (old.content IS NOT new.content OR old.tool_name IS NOT new.tool_name
+      OR old.tool_calls IS NOT new.tool_calls OR old.role IS NOT new.role)
+ AND {_OLD_INDEXED}
+BEGIN
+    INSERT INTO messages_fts_trigram(messages_fts_trigram, rowid, content, tool_name, tool_calls)
+    SELECT 'delete', {_EXTERNAL_ROW.format(row="old")} WHERE old.role <> 'tool';
+    INSERT INTO messages_fts_trigram(rowid, content, tool_name, tool_calls)
+    SELECT {_EXTERNAL_ROW.format(row="new")} WHERE new.role <> 'tool';
+END""",
+    },
+}
+
+# hermes-agent 0.19's inline triggers. The update triggers are the narrowed
+# form: the shipped ones fired AFTER UPDATE ON messages, for any column.
+_LEGACY_TEXT = "COALESCE({row}.content, '') || ' ' || COALESCE({row}.tool_name, '') || ' ' || COALESCE({row}.tool_calls, '')"
+
+
+def _legacy_triggers(table):
+    new_text, changed = _LEGACY_TEXT.format(row="new"), (
+        "old.content IS NOT new.content OR old.tool_name IS NOT new.tool_name "
+        "OR old.tool_calls IS NOT new.tool_calls")
+    return {
+        f"{table}_insert": f"""CREATE TRIGGER {table}_insert AFTER INSERT ON messages BEGIN
+    INSERT INTO {table}(rowid, content) VALUES (new.id, {new_text});
+END""",
+        f"{table}_delete": f"""CREATE TRIGGER {table}_delete AFTER DELETE ON messages BEGIN
+    DELETE FROM {table} WHERE rowid = old.id;
+END""",
+        f"{table}_update": f"""CREATE TRIGGER {table}_update AFTER UPDATE OF content, tool_name, tool_calls ON messages
+WHEN {changed}
+BEGIN
+    DELETE FROM {table} WHERE rowid = old.id;
+    INSERT INTO {table}(rowid, content) VALUES (new.id, {new_text});
+END""",
+    }
+
+
+LEGACY_FTS_TRIGGERS = {"word": _legacy_triggers("messages_fts"), "trigram": _legacy_triggers("messages_fts_trigram")}
+LEGACY_REBUILD_SQL = {
+    "word": ("DELETE FROM messages_fts",
+             f"INSERT INTO messages_fts(rowid, content) SELECT id, {_LEGACY_TEXT.format(row='messages')} FROM messages"),
+    "trigram": ("DELETE FROM messages_fts_trigram",
+                "INSERT INTO messages_fts_trigram(rowid, content) "
+                f"SELECT id, {_LEGACY_TEXT.format(row='messages')} FROM messages"),
+}
+FTS_TRIGGERS = {"legacy": LEGACY_FTS_TRIGGERS, "external": EXTERNAL_FTS_TRIGGERS, "current": CURRENT_FTS_TRIGGERS}
+SELECT_TABLE_SQL_SQL = "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?"
+TABLE_EXISTS_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+SELECT_FTS_TRIGGERS_SQL = "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND name LIKE 'messages_fts%'"
+
+# Backfill of the current generation, one id range (lo, hi] at a time.
+BACKFILL_SQL = {
+    "word": "INSERT INTO messages_fts(rowid, content, tool_name, tool_calls) "
+            "SELECT id, content, tool_name, tool_calls FROM messages_fts_projection WHERE id > ? AND id <= ?",
+    "trigram": "INSERT INTO messages_fts_trigram(rowid, content) "
+               "SELECT id, content FROM messages_fts_trigram_projection WHERE id > ? AND id <= ?",
+    "cjk": "INSERT OR IGNORE INTO messages_cjk_pending(id) SELECT id FROM messages "
+           f"WHERE id > ? AND id <= ? AND role <> 'tool' AND content GLOB {CJK_GLOB}",
+}
+# Emptying the current generation before a full rebuild.
+RESET_INDEX_SQL = {
+    "word": ("INSERT INTO messages_fts(messages_fts) VALUES ('delete-all')",),
+    "trigram": ("INSERT INTO messages_fts_trigram(messages_fts_trigram) VALUES ('delete-all')",),
+    "cjk": ("DELETE FROM messages_fts_cjk", "DELETE FROM messages_cjk_pending"),
+}
+SELECT_CJK_PENDING_SQL = """
+SELECT p.id, m.content FROM messages_cjk_pending AS p JOIN messages AS m ON m.id = p.id
+ORDER BY p.id LIMIT ?
+"""
+UPSERT_CJK_TERMS_SQL = "INSERT OR REPLACE INTO messages_fts_cjk(rowid, terms) VALUES (?, ?)"
+DELETE_CJK_PENDING_SQL = "DELETE FROM messages_cjk_pending WHERE id = ?"
+HAS_CJK_PENDING_SQL = "SELECT 1 FROM messages_cjk_pending LIMIT 1"
+SELECT_MAX_MESSAGE_ID_SQL = "SELECT COALESCE(MAX(id), 0) FROM messages"
+SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestamp, m.tool_name,
+       s.source, s.model, s.started_at AS session_started"""
+SELECT_CONTEXT_BEFORE_SQL = """SELECT role, substr(content, 1, ?) AS content FROM messages
+WHERE session_id = ? AND id < ? AND active = 1 ORDER BY id DESC LIMIT 1"""
+SELECT_CONTEXT_AFTER_SQL = """SELECT role, substr(content, 1, ?) AS content FROM messages
+WHERE session_id = ? AND id > ? AND active = 1 ORDER BY id ASC LIMIT 1"""
+# Estimated bytes of text the current generation indexes (for the disk pre-check).
+SELECT_INDEXED_TEXT_BYTES_SQL = f"""
+SELECT COALESCE(SUM(CASE WHEN role = 'tool' THEN MIN(LENGTH(CAST(content AS BLOB)), {TOOL_INDEX_PREFIX_CHARS})
+                         ELSE LENGTH(CAST(content AS BLOB)) END), 0),
+       COALESCE(SUM(CASE WHEN role = 'tool' THEN 0 ELSE LENGTH(CAST(content AS BLOB)) END), 0)
+FROM messages
+"""
+
+# ---------------------------------------------------------------------------
 # Schema maintenance SQL
 # ---------------------------------------------------------------------------
 
@@ -418,7 +682,8 @@ DELETE_ROUTING_KEYS_SQL = "DELETE FROM gateway_routing WHERE scope = ? AND sessi
 DELETE_ROUTING_SCOPE_SQL = "DELETE FROM gateway_routing WHERE scope = ?"
 
 SELECT_META_SQL = "SELECT value FROM state_meta WHERE key = ?"
-UPSERT_META_SQL = "INSERT INTO state_meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+# Delete then insert rather than an upsert: an old state_meta may lack its primary key.
+INSERT_META_SQL = "INSERT INTO state_meta (key, value) VALUES (?, ?)"
 DELETE_META_SQL = "DELETE FROM state_meta WHERE key = ?"
 SELECT_META_PREFIX_SQL = "SELECT key, value FROM state_meta WHERE key >= ? AND key < ? ORDER BY key"
 
@@ -464,3 +729,9 @@ def chunked(items, size=SQL_CHUNK_SIZE):
 def placeholders(count):
     """`?, ?, ?` for `count` values."""
     return ", ".join("?" for _ in range(count))
+
+
+def store_file_bytes(path):
+    """Bytes of a store on disk: the file and its WAL."""
+    path = Path(path)
+    return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())

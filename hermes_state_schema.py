@@ -19,10 +19,12 @@ import time
 from hermes_state_common import (
     CLEAR_OLDER_DUPLICATE_TITLES_SQL,
     DEFERRED_INDEX_SQL,
+    DELETE_META_SQL,
     GATEWAY_ROUTING_PK,
     GATEWAY_ROUTING_SIDE_TABLE,
     HAS_INLINE_PROMPT_SQL,
     HAS_NULL_ACTIVE_SQL,
+    INSERT_META_SQL,
     INSERT_SCHEMA_VERSION_SQL,
     INSERT_SYSTEM_PROMPT_SQL,
     MIGRATION_CHUNK_SIZE,
@@ -31,6 +33,7 @@ from hermes_state_common import (
     SCHEMA_SQL,
     SCHEMA_VERSION,
     SELECT_INLINE_PROMPTS_SQL,
+    SELECT_META_SQL,
     SELECT_SCHEMA_OBJECTS_SQL,
     SELECT_SCHEMA_VERSION_SQL,
     TITLE_INDEX_NAME,
@@ -62,6 +65,21 @@ def _default_clause(scratch, default):
         return f"DEFAULT {default}"
     except sqlite3.OperationalError:
         return f"DEFAULT ({default})"
+
+
+def read_meta(conn, key):
+    """A state_meta value read inside a write, or None."""
+    row = conn.execute(SELECT_META_SQL, (key,)).fetchone()
+    return None if row is None else row[0]
+
+
+def write_meta(conn, key, value):
+    """Set (or with None remove) a state_meta key; writes nothing when it already holds `value`."""
+    if read_meta(conn, key) == value:
+        return
+    conn.execute(DELETE_META_SQL, (key,))
+    if value is not None:
+        conn.execute(INSERT_META_SQL, (key, str(value)))
 
 
 def _column_type_expr(scratch, col_type, notnull, default, in_pk):
@@ -153,11 +171,7 @@ class SessionSchemaMixin:
         self._ensure_deferred_indexes(conn, objects)
         self._repair_null_active(conn)
         self._ensure_title_index(conn, objects)
-        self._apply_search_schema(conn, objects)
         self._stamp_schema_version(conn)
-
-    def _apply_search_schema(self, conn, objects):
-        """Hook for the search mixin's index generation; the schema owns no FTS."""
 
     # -- structure --------------------------------------------------------
 

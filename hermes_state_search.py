@@ -1,28 +1,95 @@
-"""SessionSearchMixin: the full-text index generations and what they can answer.
+"""SessionSearchMixin: full-text search and the search index's own version line.
 
-Owns telling the search index layouts apart (legacy inline, hermes-agent's
-external content, ours), the runtime capability probes (FTS5, trigram), the
-search breadcrumbs in `state_meta`, and search health for `doctor`. It never
-rebuilds an index layout on open: moving a legacy store to the current layout
-is an explicit, separate operation.
+Owns: telling the three index generations apart (see hermes_state_common),
+keeping each generation's triggers whole (per index, never mixing
+generations), degrading on runtimes without FTS5 or the trigram tokenizer,
+the query sanitiser and router, the LIKE fallback, the CJK side index, and
+optimize-storage (the only path from an old generation to the current one).
 
-It relies on SessionDB for `_read_one`/`_read_all`/`_execute_write`; it never
-imports hermes_state.
+It never rebuilds an index layout on open. It relies on SessionDB for
+`_execute_write`, `_read_all`/`_read_one`/`_read_value`, `vacuum()` and
+`db_path`; it never imports hermes_state.
 """
 
+import logging
+import re
+import shutil
 import sqlite3
+import time
+from collections import namedtuple
 
+from hermes_state_schema import read_meta, write_meta
 from hermes_state_common import (
+    BACKFILL_SQL,
+    CJK_CHAR_CLASS,
+    CJK_PENDING_TABLE,
+    CONTEXT_CHARS,
+    CURRENT_FTS_INDEX_DDL,
+    DELETE_CJK_PENDING_SQL,
+    FTS_INDEX_TABLES,
+    FTS_OLD_SUFFIX,
+    FTS_STORAGE_VERSION,
+    FTS_TRIGGERS,
+    FTS_TRIGRAM_TABLE,
+    FTS_WORD_TABLE,
+    HAS_CJK_PENDING_SQL,
+    LEGACY_REBUILD_SQL,
     META_FTS_CJK_STALE,
     META_FTS_OPTIMIZE_AVAILABLE,
+    META_FTS_REBUILD_HIGH_WATER,
+    META_FTS_REBUILD_PROGRESS,
     META_FTS_STALE,
     META_FTS_STORAGE_VERSION,
+    QUERY_MAX_CHARS,
+    QUERY_MAX_TERMS,
+    RESET_INDEX_SQL,
+    SEARCH_COLUMNS_SQL,
+    SEARCH_LIMIT_MAX,
+    SELECT_CJK_PENDING_SQL,
+    SELECT_CONTEXT_AFTER_SQL,
+    SELECT_CONTEXT_BEFORE_SQL,
+    SELECT_FTS_TRIGGERS_SQL,
+    SELECT_INDEXED_TEXT_BYTES_SQL,
+    SELECT_MAX_MESSAGE_ID_SQL,
     SELECT_META_SQL,
-    UPSERT_META_SQL,
+    SELECT_SCHEMA_OBJECTS_SQL,
+    SELECT_TABLE_SQL_SQL,
+    SNIPPET_CHARS,
+    TABLE_EXISTS_SQL,
+    UPSERT_CJK_TERMS_SQL,
+    escape_like,
+    placeholders,
+    quote_identifier,
+    store_file_bytes,
 )
 
-FTS_TABLE = "messages_fts"
-SELECT_FTS_DDL_SQL = "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?"
+logger = logging.getLogger("hermes_state")
+
+BACKFILL_CHUNK_IDS = 1000
+DROP_CHUNK_ROWS = 500
+CJK_DRAIN_CHUNK = 500
+OPTIMIZE_PAUSE = 0.01
+# Pending CJK rows are indexed with every this-many commits of a writer.
+CJK_DRAIN_EVERY_COMMITS = 64
+LEFTOVER_VIEWS = ("messages_fts_trigram_src",)
+SORTS = (None, "relevance", "newest", "oldest")
+# What the fallback searches: the same fields the word index holds.
+LIKE_COLUMNS = ("content", "tool_name", "tool_calls")
+
+CJK_RE = re.compile(f"[{CJK_CHAR_CLASS}]")
+CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
+# Characters with a meaning in FTS5 query syntax; a user's word keeps none of them.
+FTS_SYNTAX_RE = re.compile(r"[\"^*():{}\[\]+~'`]")
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+Capabilities = namedtuple("Capabilities", "fts5 trigram")
+Term = namedtuple("Term", "text prefix")
+IndexState = namedtuple("IndexState", "layout usable high_water progress cjk_pending tool_rows")
+
+
+# ---------------------------------------------------------------------------
+# Runtime capabilities
+# ---------------------------------------------------------------------------
 
 
 def _probe(connect, ddl):
@@ -32,7 +99,7 @@ def _probe(connect, ddl):
         return False
     try:
         conn.execute(ddl)
-        conn.execute("DROP TABLE probe")
+        conn.execute("DROP TABLE temp.probe")
         return True
     except sqlite3.Error:
         return False
@@ -50,48 +117,676 @@ def sqlite_supports_trigram(connect=sqlite3.connect):
     return _probe(connect, "CREATE VIRTUAL TABLE temp.probe USING fts5(x, tokenize='trigram')")
 
 
-def fts_layout_of(ddl):
-    """Which generation a `messages_fts` DDL belongs to.
+def runtime_capabilities(connect=sqlite3.connect):
+    fts5 = sqlite_supports_fts5(connect)
+    return Capabilities(fts5, fts5 and sqlite_supports_trigram(connect))
 
-    'legacy': hermes-agent 0.19 and older, an inline table of `content` only
-    (detected by the DDL not naming tool_name); 'external': external content
-    read straight from `messages`; 'none' when there is no index.
-    """
+
+def free_disk_bytes(path):
+    """Free bytes on the filesystem holding `path` (the optimize-storage pre-check)."""
+    return shutil.disk_usage(path).free
+
+
+# ---------------------------------------------------------------------------
+# Generations on disk
+# ---------------------------------------------------------------------------
+
+
+def fts_layout_of(ddl):
+    """The generation a `messages_fts` DDL belongs to: 'none', 'legacy' (no
+    tool_name column), 'current' (reads our projection view) or 'external'."""
     if ddl is None:
         return "none"
     if "tool_name" not in ddl:
         return "legacy"
-    return "external"
+    return "current" if "messages_fts_projection" in ddl else "external"
+
+
+def _layout(objects):
+    return fts_layout_of(objects.get(FTS_WORD_TABLE, (None, None))[1])
+
+
+def _schema_objects(conn):
+    return {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
+
+
+def _stale_key(index):
+    """The breadcrumb that stops an index from serving: the trigram index has its own."""
+    return META_FTS_CJK_STALE if index == "trigram" else META_FTS_STALE
+
+
+def _old_tables(objects):
+    return [name for name in (FTS_WORD_TABLE + FTS_OLD_SUFFIX, FTS_TRIGRAM_TABLE + FTS_OLD_SUFFIX)
+            if name in objects]
+
+
+def cjk_terms(text):
+    """The CJK side index's terms for `text`: every CJK letter and every adjacent pair."""
+    terms = set()
+    for run in CJK_RUN_RE.findall(text or ""):
+        terms.update(run)
+        terms.update(run[i:i + 2] for i in range(len(run) - 1))
+    return " ".join(sorted(terms))
+
+
+def drain_cjk_pending(conn, limit=CJK_DRAIN_CHUNK):
+    """Index up to `limit` queued rows into messages_fts_cjk; returns how many were taken."""
+    rows = conn.execute(SELECT_CJK_PENDING_SQL, (limit,)).fetchall()
+    for message_id, content in rows:
+        if content is not None:
+            conn.execute(UPSERT_CJK_TERMS_SQL, (message_id, cjk_terms(content)))
+        conn.execute(DELETE_CJK_PENDING_SQL, (message_id,))
+    return len(rows)
+
+
+# ---------------------------------------------------------------------------
+# Query parsing: user text to an AND/OR/NOT tree of quoted terms
+# ---------------------------------------------------------------------------
+
+
+def _clean_word(word):
+    prefix = word.endswith("*")
+    word = FTS_SYNTAX_RE.sub("", word).lstrip("-")
+    return word, prefix
+
+
+def _tokens(query):
+    """Phrases, words and operators; nothing from the user reaches MATCH unquoted."""
+    tokens = []
+    for phrase, word in re.findall(r'"([^"]*)"|(\S+)', CONTROL_RE.sub(" ", query[:QUERY_MAX_CHARS])):
+        if word in ("AND", "OR", "NOT"):
+            tokens.append(word)
+            continue
+        text, prefix = (" ".join(phrase.split()), False) if phrase else _clean_word(word)
+        if any(ch.isalnum() for ch in text):
+            tokens.append(Term(text, prefix and not phrase))
+    return tokens
+
+
+def _normalise(tokens):
+    """Drop dangling operators, keep the last of a run of them, cap the terms."""
+    cleaned, terms = [], 0
+    for token in tokens:
+        if isinstance(token, Term):
+            if terms == QUERY_MAX_TERMS:
+                break
+            terms += 1
+            cleaned.append(token)
+        elif cleaned:
+            if isinstance(cleaned[-1], str):
+                cleaned[-1] = token
+            else:
+                cleaned.append(token)
+    while cleaned and isinstance(cleaned[-1], str):
+        cleaned.pop()
+    return cleaned
+
+
+def parse_query(query):
+    """A tree of ('term', Term) / ('and'|'or', [nodes]) / ('not', left, right), or None.
+
+    OR binds loosest, then AND (also implicit between terms), then the binary
+    NOT ("a NOT b" is a and not b). Parentheses are not syntax here.
+    """
+    tokens = _normalise(_tokens(query))
+    if not tokens:
+        return None
+    position = 0
+
+    def take(op):
+        nonlocal position
+        if position < len(tokens) and tokens[position] == op:
+            position += 1
+            return True
+        return False
+
+    def term():
+        nonlocal position
+        position += 1
+        return ("term", tokens[position - 1])
+
+    def not_expr():
+        node = term()
+        while take("NOT"):
+            node = ("not", node, term())
+        return node
+
+    def and_expr():
+        nodes = [not_expr()]
+        while position < len(tokens) and tokens[position] != "OR":
+            take("AND")
+            nodes.append(not_expr())
+        return nodes[0] if len(nodes) == 1 else ("and", nodes)
+
+    nodes = [and_expr()]
+    while take("OR"):
+        nodes.append(and_expr())
+    return nodes[0] if len(nodes) == 1 else ("or", nodes)
+
+
+def _leaves(node):
+    if node[0] == "term":
+        return [node[1]]
+    children = node[1] if node[0] in ("and", "or") else node[1:]
+    return [term for child in children for term in _leaves(child)]
+
+
+def _positive_terms(node):
+    """Terms a hit must contain (not those after NOT), for snippets."""
+    if node[0] == "term":
+        return [node[1]]
+    if node[0] == "not":
+        return _positive_terms(node[1])
+    return [term for child in node[1] for term in _positive_terms(child)]
+
+
+def _fts_string(term):
+    return '"' + term.text.replace('"', '""') + '"' + ("*" if term.prefix else "")
+
+
+def _route(term, state):
+    """The index that answers `term`, or None for the LIKE fallback."""
+    if CJK_RE.search(term.text):
+        if len(term.text) >= 3 and "trigram" in state.usable:
+            return "trigram"
+        if len(term.text) <= 2 and all(CJK_RE.match(ch) for ch in term.text) and "cjk" in state.usable:
+            return "cjk"
+        return None
+    if "word" in state.usable:
+        return "word"
+    if len(term.text) >= 3 and "trigram" in state.usable:
+        return "trigram"
+    return None
+
+
+def _like_sql(term, state):
+    """The fallback for one term. A CJK term skips tool rows unless they were asked
+    for, as the trigram and CJK indexes do, so every route gives the same answer."""
+    pattern = f"%{escape_like(term.text)}%"
+    # COALESCE: a NULL column must read as "no match", or NOT (...) would drop the row.
+    sql = " OR ".join(f"COALESCE(m.{column}, '') LIKE ? ESCAPE '\\'" for column in LIKE_COLUMNS)
+    sql = f"({sql})"
+    if CJK_RE.search(term.text) and not state.tool_rows:
+        sql = f"(m.role <> 'tool' AND {sql})"
+    return sql, [pattern] * 3
+
+
+def _leaf_sql(term, index, state):
+    like, like_params = _like_sql(term, state)
+    if index is None:
+        return like, like_params
+    table = FTS_INDEX_TABLES[index]
+    sql, params = f"m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH ?)", [_fts_string(term)]
+    if index != "word":
+        sql = f"m.role <> 'tool' AND {sql}"
+    if state.high_water is not None:
+        # Rows a backfill has not reached yet are not in any index of this generation.
+        sql += f" OR (m.id > ? AND m.id <= ? AND {like})"
+        params += [state.progress, state.high_water] + like_params
+    if index == "cjk" and state.cjk_pending:
+        sql += f" OR (m.id IN (SELECT id FROM {CJK_PENDING_TABLE}) AND {like})"
+        params += like_params
+    return f"({sql})", params
+
+
+def _tree_sql(node, routes, state):
+    kind = node[0]
+    if kind == "term":
+        return _leaf_sql(node[1], routes[node[1]], state)
+    if kind == "not":
+        left, lp = _tree_sql(node[1], routes, state)
+        right, rp = _tree_sql(node[2], routes, state)
+        return f"({left} AND NOT {right})", lp + rp
+    parts = [_tree_sql(child, routes, state) for child in node[1]]
+    joiner = " AND " if kind == "and" else " OR "
+    return "(" + joiner.join(p[0] for p in parts) + ")", [x for p in parts for x in p[1]]
+
+
+def _match_string(node):
+    kind = node[0]
+    if kind == "term":
+        return _fts_string(node[1])
+    if kind == "not":
+        return f"({_match_string(node[1])} NOT {_match_string(node[2])})"
+    joiner = " AND " if kind == "and" else " OR "
+    return "(" + joiner.join(_match_string(child) for child in node[1]) + ")"
+
+
+def make_snippet(content, terms):
+    """About SNIPPET_CHARS of `content` around the first term found, the match in >>> <<<."""
+    content = content or ""
+    lowered = content.casefold()
+    for term in terms:
+        at = lowered.find(term.text.casefold())
+        if at >= 0:
+            start = max(0, at - SNIPPET_CHARS // 2)
+            end = min(len(content), at + len(term.text) + SNIPPET_CHARS // 2)
+            return ("..." if start else "") + content[start:at] + ">>>" + content[at:at + len(term.text)] \
+                + "<<<" + content[at + len(term.text):end] + ("..." if end < len(content) else "")
+    return content[:SNIPPET_CHARS] + ("..." if len(content) > SNIPPET_CHARS else "")
+
+
+def _as_list(name, value):
+    if value is None:
+        return []
+    values = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(v, str) for v in values):
+        raise ValueError(f"{name} must be a string or a list of strings")
+    return values
 
 
 class SessionSearchMixin:
     """Search-side behaviour of SessionDB (see the module docstring)."""
 
-    def _apply_search_schema(self, conn, objects):
-        """On open: leave each generation as it is; flag a legacy store as optimizable."""
-        layout = fts_layout_of(objects.get(FTS_TABLE, (None, None))[1])
-        if layout == "legacy" and _meta(conn, META_FTS_OPTIMIZE_AVAILABLE) != "1":
-            conn.execute(UPSERT_META_SQL, (META_FTS_OPTIMIZE_AVAILABLE, "1"))
+    # -- open ------------------------------------------------------------------
 
-    def _init_search_read_only(self):
-        """A read-only open only looks; nothing to prepare yet."""
+    def _init_search(self):
+        """Writable open: keep this generation's triggers whole, rebuild what is stale.
+
+        A store without any index gets the current generation, built in chunks
+        right away; an old generation is left as it is and flagged optimizable.
+        """
+        started_backfill = self._execute_write(self._apply_search_schema)
+        while started_backfill and self.fts_rebuild_step():
+            pass
+
+    def _schema_version_held_back(self, conn):
+        """Without FTS5 the store keeps its schema version (see README)."""
+        return not self.fts_caps.fts5
+
+    def _apply_search_schema(self, conn):
+        objects = _schema_objects(conn)
+        layout = _layout(objects)
+        started_backfill = False
+        if layout == "none" and self.fts_caps.fts5:
+            started_backfill = self._create_current_generation(conn)
+            objects, layout = _schema_objects(conn), "current"
+        if layout == "current":
+            self._create_missing_index_tables(conn, objects)
+            objects = _schema_objects(conn)
+        if layout != "none":
+            self._sync_triggers(conn, layout, objects)
+            self._rebuild_stale_indexes(conn, layout)
+        if layout == "current" and "cjk" in self._usable_indexes(layout, objects):
+            drain_cjk_pending(conn, limit=10 * CJK_DRAIN_CHUNK)
+        if layout in ("legacy", "external"):
+            write_meta(conn, META_FTS_OPTIMIZE_AVAILABLE, "1")
+        self._stamp_if_complete(conn)
+        return started_backfill
+
+    def _usable_indexes(self, layout, objects):
+        """The indexes of this generation that exist and this runtime can maintain."""
+        usable = set()
+        for index in FTS_TRIGGERS.get(layout, {}):
+            if FTS_INDEX_TABLES[index] in objects and self.fts_caps.fts5 and \
+                    (index != "trigram" or self.fts_caps.trigram):
+                usable.add(index)
+        return usable
+
+    def _create_current_generation(self, conn):
+        """Tables and triggers of the current generation; existing rows become a pending backfill."""
+        for index in self._buildable_indexes():
+            for ddl in CURRENT_FTS_INDEX_DDL[index] + tuple(FTS_TRIGGERS["current"][index].values()):
+                conn.execute(ddl)
+        high_water = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
+        if high_water:
+            write_meta(conn, META_FTS_REBUILD_HIGH_WATER, str(high_water))
+            write_meta(conn, META_FTS_REBUILD_PROGRESS, "0")
+        return bool(high_water)
+
+    def _buildable_indexes(self):
+        return [index for index in CURRENT_FTS_INDEX_DDL if index != "trigram" or self.fts_caps.trigram]
+
+    def _create_missing_index_tables(self, conn, objects):
+        """An index this runtime could not build before (no trigram) is built now."""
+        if not self.fts_caps.fts5:
+            return
+        for index in self._buildable_indexes():
+            if FTS_INDEX_TABLES[index] not in objects:
+                for ddl in CURRENT_FTS_INDEX_DDL[index]:
+                    conn.execute(ddl)
+                write_meta(conn, _stale_key(index), "1")
+
+    def _sync_triggers(self, conn, layout, objects):
+        """Per index: all of its generation's triggers, or none when the runtime cannot maintain it."""
+        present = dict(conn.execute(SELECT_FTS_TRIGGERS_SQL).fetchall())
+        usable = self._usable_indexes(layout, objects)
+        for index, triggers in FTS_TRIGGERS[layout].items():
+            if index not in usable:
+                dropped = [name for name in triggers if name in present]
+                for name in dropped:
+                    conn.execute(f"DROP TRIGGER {quote_identifier(name)}")
+                if dropped or (FTS_INDEX_TABLES[index] in objects and not self.fts_caps.fts5):
+                    write_meta(conn, _stale_key(index), "1")
+                continue
+            for name, ddl in triggers.items():
+                if name not in present:
+                    # Rows written while it was missing are not indexed: rebuild.
+                    conn.execute(ddl)
+                    write_meta(conn, _stale_key(index), "1")
+                elif layout == "legacy" and "UPDATE OF" not in present[name] and "UPDATE ON" in present[name]:
+                    conn.execute(f"DROP TRIGGER {quote_identifier(name)}")
+                    conn.execute(ddl)
+
+    def _rebuild_stale_indexes(self, conn, layout):
+        objects = _schema_objects(conn)
+        usable = self._usable_indexes(layout, objects)
+        for key, indexes in ((META_FTS_STALE, ("word", "cjk")), (META_FTS_CJK_STALE, ("trigram",))):
+            if read_meta(conn, key) is None:
+                continue
+            targets = [index for index in indexes if index in FTS_TRIGGERS[layout]]
+            if not all(index in usable for index in targets):
+                continue
+            for index in targets:
+                self._rebuild_index(conn, layout, index)
+            write_meta(conn, key, None)
+            logger.info("search: rebuilt the %s index of %s", "/".join(targets), self.db_path)
+
+    def _rebuild_index(self, conn, layout, index):
+        table = FTS_INDEX_TABLES[index]
+        if layout == "legacy":
+            for sql in LEGACY_REBUILD_SQL[index]:
+                conn.execute(sql)
+        elif index == "cjk":
+            for sql in RESET_INDEX_SQL["cjk"]:
+                conn.execute(sql)
+            conn.execute(BACKFILL_SQL["cjk"], (0, conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]))
+            while drain_cjk_pending(conn):
+                pass
+        else:
+            conn.execute(f"INSERT INTO {table}({table}) VALUES ('rebuild')")
+
+    def _stamp_if_complete(self, conn):
+        """Stamp fts_storage_version only when the current generation is whole and alone."""
+        objects = _schema_objects(conn)
+        complete = (_layout(objects) == "current"
+                    and all(table in objects for table in FTS_INDEX_TABLES.values())
+                    and not _old_tables(objects)
+                    and not any(read_meta(conn, key) for key in (META_FTS_REBUILD_HIGH_WATER, META_FTS_STALE,
+                                                            META_FTS_CJK_STALE)))
+        if complete:
+            write_meta(conn, META_FTS_STORAGE_VERSION, str(FTS_STORAGE_VERSION))
+            write_meta(conn, META_FTS_OPTIMIZE_AVAILABLE, "0")
+        return complete
+
+    def _maintain_search(self, conn):
+        """Called inside writes: now and then, index the queued CJK rows."""
+        self._search_commits += 1
+        if self._search_commits % CJK_DRAIN_EVERY_COMMITS == 0 and self.fts_caps.fts5 and \
+                conn.execute(TABLE_EXISTS_SQL, (CJK_PENDING_TABLE,)).fetchone() and \
+                conn.execute(HAS_CJK_PENDING_SQL).fetchone():
+            drain_cjk_pending(conn)
+
+    # -- state ---------------------------------------------------------------
 
     def fts_layout(self):
-        """'legacy', 'external' or 'none': the index generation on disk."""
-        row = self._read_one(SELECT_FTS_DDL_SQL, (FTS_TABLE,))
-        return fts_layout_of(row[0] if row else None)
+        """'none', 'legacy', 'external' or 'current': the index generation on disk."""
+        return fts_layout_of(self._read_value(SELECT_TABLE_SQL_SQL, (FTS_WORD_TABLE,)))
 
     def fts_optimize_available(self):
-        """True when the store still has the legacy index that optimize-storage would shrink."""
+        """True when the store has an older index generation that optimize-storage would shrink."""
         return self._read_value(SELECT_META_SQL, (META_FTS_OPTIMIZE_AVAILABLE,)) == "1"
+
+    def _index_state(self):
+        objects = {name: (kind, sql) for kind, name, sql in self._read_all(SELECT_SCHEMA_OBJECTS_SQL)}
+        layout = _layout(objects)
+        meta = {key: self._read_value(SELECT_META_SQL, (key,)) for key in (
+            META_FTS_STALE, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)}
+        usable = {index for index in self._usable_indexes(layout, objects) if not meta[_stale_key(index)]}
+        high_water = meta[META_FTS_REBUILD_HIGH_WATER]
+        pending = CJK_PENDING_TABLE in objects and self._read_one(HAS_CJK_PENDING_SQL) is not None
+        return IndexState(layout, usable, int(high_water) if high_water else None,
+                          int(meta[META_FTS_REBUILD_PROGRESS] or 0), pending, False)
+
+    def fts_rebuild_status(self):
+        """What a backfill or an optimize still has to do, or None when nothing is pending."""
+        objects = {name: (kind, sql) for kind, name, sql in self._read_all(SELECT_SCHEMA_OBJECTS_SQL)}
+        high_water = self._read_value(SELECT_META_SQL, (META_FTS_REBUILD_HIGH_WATER,))
+        if high_water:
+            progress = int(self._read_value(SELECT_META_SQL, (META_FTS_REBUILD_PROGRESS,)) or 0)
+            total = int(high_water)
+            return {"phase": "backfill", "indexed": progress, "total": total,
+                    "percent": round(100.0 * progress / total, 1) if total else 100.0}
+        old = _old_tables(objects)
+        if old:
+            return {"phase": "drop-old", "tables": old, "indexed": None, "total": None, "percent": None}
+        return None
 
     def search_health(self):
         """The search facts `doctor` reports."""
-        meta = {key: self._read_value(SELECT_META_SQL, (key,)) for key in (
-            META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE, META_FTS_STALE, META_FTS_CJK_STALE)}
-        return {"fts_layout": self.fts_layout(), "search_meta": meta}
+        objects = {name: (kind, sql) for kind, name, sql in self._read_all(SELECT_SCHEMA_OBJECTS_SQL)}
+        layout = _layout(objects)
+        triggers = {name for name, (kind, _sql) in objects.items() if kind == "trigger"}
+        return {
+            "fts_layout": layout,
+            "fts_storage_version_of_release": FTS_STORAGE_VERSION,
+            "fts_triggers_complete": {index: all(name in triggers for name in names)
+                                      for index, names in FTS_TRIGGERS.get(layout, {}).items()},
+            "search_meta": {key: self._read_value(SELECT_META_SQL, (key,)) for key in (
+                META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE, META_FTS_STALE, META_FTS_CJK_STALE,
+                META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)},
+            "fts_rebuild": self.fts_rebuild_status(),
+            "searchable_by_index": sorted(self._index_state().usable),
+        }
+
+    # -- search --------------------------------------------------------------
+
+    def search_messages(self, query, source_filter=None, exclude_sources=None, role_filter=None,
+                        limit=20, offset=0, sort=None, include_inactive=False):
+        """Messages matching `query`, best first (bm25) unless `sort` is 'newest' or 'oldest'.
+
+        Each hit: id, session_id, role, snippet, timestamp, tool_name, source,
+        model, session_started, context (the message before and after). Words
+        use the word index; CJK terms of 3+ characters the trigram index, of 1-2
+        the CJK side index; anything an index cannot answer falls back to LIKE.
+        No query string raises; an empty one returns [].
+        """
+        if not isinstance(query, str):
+            raise ValueError("query must be a string")
+        if sort not in SORTS:
+            raise ValueError(f"sort must be one of {SORTS[1:]}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= SEARCH_LIMIT_MAX:
+            raise ValueError(f"limit must be an integer from 1 to {SEARCH_LIMIT_MAX}")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError("offset must be an integer >= 0")
+        roles = _as_list("role_filter", role_filter)
+        sources, excluded = _as_list("source_filter", source_filter), _as_list("exclude_sources", exclude_sources)
+        tree = parse_query(query)
+        if tree is None:
+            return []
+        filters, filter_params = _search_filters(roles, sources, excluded, include_inactive)
+        state = self._index_state()
+        if "tool" in roles:
+            state = state._replace(usable=set(), tool_rows=True)  # tool rows are only whole in the fallback
+        try:
+            rows = self._run_search(tree, state, filters, filter_params, sort, limit, offset)
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc).lower():
+                raise
+            self._mark_index_stale(exc)
+            rows = self._run_search(tree, state._replace(usable=set()), filters, filter_params, sort, limit,
+                                    offset)
+        terms = _positive_terms(tree)
+        return [self._hit(row, terms) for row in rows]
+
+    def _run_search(self, tree, state, filters, filter_params, sort, limit, offset):
+        routes = {term: _route(term, state) for term in _leaves(tree)}
+        tables = {routes[t] for t in routes}
+        single = len(tables) == 1 and None not in tables and state.high_water is None and \
+            not (tables == {"cjk"} and state.cjk_pending)
+        order = {"newest": "m.timestamp DESC, m.id DESC", "oldest": "m.timestamp ASC, m.id ASC"}.get(sort)
+        if single:
+            index = tables.pop()
+            table = FTS_INDEX_TABLES[index]
+            # The legacy trigram index still holds tool rows; the current ones do not.
+            no_tools = " AND m.role <> 'tool'" if index != "word" else ""
+            sql = (f"{SEARCH_COLUMNS_SQL} FROM {table} JOIN messages AS m ON m.id = {table}.rowid "
+                   f"JOIN sessions AS s ON s.id = m.session_id WHERE {table} MATCH ?{no_tools} {filters} "
+                   f"ORDER BY {order or f'{table}.rank, m.id'} LIMIT ? OFFSET ?")
+            params = [_match_string(tree)] + filter_params
+        else:
+            where, params = _tree_sql(tree, routes, state)
+            sql = (f"{SEARCH_COLUMNS_SQL} FROM messages AS m JOIN sessions AS s ON s.id = m.session_id "
+                   f"WHERE {where} {filters} ORDER BY {order or 'm.timestamp DESC, m.id DESC'} LIMIT ? OFFSET ?")
+            params += filter_params
+        return self._read_all(sql, params + [limit, offset])
+
+    def _mark_index_stale(self, exc):
+        logger.warning("search: the index of %s failed (%s); answering by the fallback until it is "
+                          "rebuilt at the next open", self.db_path, exc)
+        if not self.read_only:
+            self._execute_write(lambda conn: write_meta(conn, META_FTS_STALE, "1"))
+
+    def _hit(self, row, terms):
+        hit = {key: row[key] for key in ("id", "session_id", "role", "timestamp", "tool_name", "source",
+                                         "model", "session_started")}
+        hit["snippet"] = make_snippet(row["content"], terms)
+        hit["context"] = [dict(r) for sql in (SELECT_CONTEXT_BEFORE_SQL, SELECT_CONTEXT_AFTER_SQL)
+                          for r in self._read_all(sql, (CONTEXT_CHARS, row["session_id"], row["id"]))]
+        return hit
+
+    # -- maintenance -----------------------------------------------------------
+
+    def fts_rebuild_step(self):
+        """Do one short transaction of pending index work; True while more remains."""
+        return self._execute_write(self._rebuild_step)
+
+    def _rebuild_step(self, conn):
+        objects = _schema_objects(conn)
+        if read_meta(conn, META_FTS_REBUILD_HIGH_WATER) is not None:
+            self._backfill_chunk(conn, objects)
+            return True
+        if CJK_PENDING_TABLE in objects and self.fts_caps.fts5 and drain_cjk_pending(conn):
+            return True
+        old = _old_tables(objects)
+        if old:
+            _drop_old_chunk(conn, old[0], objects)
+            return True
+        for view in LEFTOVER_VIEWS:
+            if view in objects:
+                conn.execute(f"DROP VIEW {quote_identifier(view)}")
+        self._stamp_if_complete(conn)
+        return False
+
+    def _backfill_chunk(self, conn, objects):
+        high_water = int(read_meta(conn, META_FTS_REBUILD_HIGH_WATER))
+        progress = int(read_meta(conn, META_FTS_REBUILD_PROGRESS) or 0)
+        upper = min(progress + BACKFILL_CHUNK_IDS, high_water)
+        for index in self._usable_indexes("current", objects):
+            conn.execute(BACKFILL_SQL[index], (progress, upper))
+        if upper >= high_water:
+            write_meta(conn, META_FTS_REBUILD_HIGH_WATER, None)
+            write_meta(conn, META_FTS_REBUILD_PROGRESS, None)
+        else:
+            write_meta(conn, META_FTS_REBUILD_PROGRESS, str(upper))
+
+    def rebuild_fts(self):
+        """Rebuild every index of the store's generation from the messages, in one transaction."""
+        def rebuild(conn):
+            layout = _layout(_schema_objects(conn))
+            for index in self._usable_indexes(layout, _schema_objects(conn)):
+                self._rebuild_index(conn, layout, index)
+            return layout
+        return self._execute_write(rebuild)
+
+    def optimize_fts(self):
+        """Merge each index's segments (FTS5 'optimize') and index queued CJK rows."""
+        while self.fts_rebuild_step():
+            pass
+
+        def merge(conn):
+            objects = _schema_objects(conn)
+            for index in self._usable_indexes(_layout(objects), objects):
+                table = FTS_INDEX_TABLES[index]
+                conn.execute(f"INSERT INTO {table}({table}) VALUES ('optimize')")
+        self._execute_write(merge)
+
+    def optimize_fts_storage(self, *, progress_cb=None, vacuum=True):
+        """Move an old index generation to the current one, then VACUUM, then stamp.
+
+        Chunked short transactions with pauses between them, so live writers
+        are never blocked for long; interrupt it at any point (Ctrl-C, kill -9)
+        and run it again to resume. Raises OSError before starting when the disk
+        has too little free space. Returns sizes before and after.
+        """
+        if not self.fts_caps.fts5:
+            raise RuntimeError("optimize-storage needs a SQLite with FTS5; this one has none")
+        report = progress_cb or (lambda _progress: None)
+        before = store_file_bytes(self.db_path)
+        self._check_disk_space(vacuum)
+        report({"phase": "prepare", "percent": 0.0, "indexed": 0, "total": None})
+        self._execute_write(self._begin_optimize)
+        while True:
+            status = self.fts_rebuild_status() or {"phase": "finish", "percent": 100.0}
+            report({"phase": status["phase"], "percent": status.get("percent"),
+                    "indexed": status.get("indexed"), "total": status.get("total")})
+            if not self.fts_rebuild_step():
+                break
+            time.sleep(OPTIMIZE_PAUSE)
+        if vacuum:
+            report({"phase": "vacuum", "percent": None, "indexed": None, "total": None})
+            self.vacuum()
+        stamped = self._execute_write(self._stamp_if_complete)
+        report({"phase": "done", "percent": 100.0, "indexed": None, "total": None})
+        return {"bytes_before": before, "bytes_after": store_file_bytes(self.db_path), "stamped": stamped,
+                "fts_layout": self.fts_layout()}
+
+    def _begin_optimize(self, conn):
+        """Set the old generation aside and put the current one in its place, in one transaction."""
+        objects = _schema_objects(conn)
+        layout = _layout(objects)
+        if layout == "current":
+            return
+        for name, _sql in conn.execute(SELECT_FTS_TRIGGERS_SQL).fetchall():
+            conn.execute(f"DROP TRIGGER {quote_identifier(name)}")
+        for table in (FTS_WORD_TABLE, FTS_TRIGRAM_TABLE):
+            if table in objects:
+                conn.execute(f"ALTER TABLE {table} RENAME TO {table}{FTS_OLD_SUFFIX}")
+        self._create_current_generation(conn)
+        for key in (META_FTS_STORAGE_VERSION, META_FTS_STALE, META_FTS_CJK_STALE):
+            write_meta(conn, key, None)
+        logger.info("search: optimize-storage set the %s index of %s aside", layout, self.db_path)
+
+    def _check_disk_space(self, vacuum):
+        word_bytes, trigram_bytes = self._read_one(SELECT_INDEXED_TEXT_BYTES_SQL)
+        new_index = 2 * word_bytes + 4 * trigram_bytes
+        need = new_index + (store_file_bytes(self.db_path) if vacuum else 0)
+        free = free_disk_bytes(self.db_path.parent)
+        if free < need:
+            hint = "" if not vacuum else (f"; with --no-vacuum (rebuild now, reclaim later) it needs about "
+                                          f"{new_index / 1e6:.1f} MB")
+            raise OSError(f"optimize-storage needs about {need / 1e6:.1f} MB free next to {self.db_path} "
+                          f"(new index{' plus a VACUUM copy of the file' if vacuum else ''}); only "
+                          f"{free / 1e6:.1f} MB are free{hint}. Nothing was changed.")
 
 
-def _meta(conn, key):
-    row = conn.execute(SELECT_META_SQL, (key,)).fetchone()
-    return None if row is None else row[0]
+def _drop_old_chunk(conn, table, objects):
+    """Empty an old index a chunk at a time through its shadow tables, then drop it.
+
+    The structure records (ids up to 10 in _data) stay until the DROP, which needs them.
+    """
+    for shadow, where in ((f"{table}_data", "id > 10"), (f"{table}_content", "1")):
+        if shadow not in objects:
+            continue
+        quoted = quote_identifier(shadow)
+        try:
+            deleted = conn.execute(f"DELETE FROM {quoted} WHERE rowid IN (SELECT rowid FROM {quoted} "
+                                   f"WHERE {where} LIMIT {DROP_CHUNK_ROWS})").rowcount
+        except sqlite3.OperationalError:
+            break  # shadow tables are read-only in defensive mode: drop the whole table at once
+        if deleted:
+            return
+    conn.execute(f"DROP TABLE {quote_identifier(table)}")
+
+
+def _search_filters(roles, sources, excluded, include_inactive):
+    clauses, params = [], []
+    if not include_inactive:
+        clauses.append("m.active = 1")
+    for column, values, negate in (("m.role", roles, False), ("s.source", sources, False),
+                                   ("s.source", excluded, True)):
+        if values:
+            clauses.append(f"{column} {'NOT ' if negate else ''}IN ({placeholders(len(values))})")
+            params += values
+    return "".join(f" AND {c}" for c in clauses), params
+

@@ -339,14 +339,14 @@ class RoutingMetaLocks(StoreTestCase):
             self.db.save_gateway_routing_entry("", "{}")
 
     def test_meta(self):
-        self.db.set_meta("fts_a", "1")
-        self.db.set_meta("fts_b", 2)
-        self.db.set_meta("ftsXc", "3")
+        self.db.set_meta("app_a", "1")
+        self.db.set_meta("app_b", 2)
+        self.db.set_meta("appXc", "3")
         self.db.set_meta("other", "x")
-        self.assertEqual(self.db.get_meta("fts_b"), "2")
-        self.assertEqual(self.db.list_meta_prefix("fts_"), {"fts_a": "1", "fts_b": "2"})
-        self.db.set_meta("fts_a", None)
-        self.assertIsNone(self.db.get_meta("fts_a"))
+        self.assertEqual(self.db.get_meta("app_b"), "2")
+        self.assertEqual(self.db.list_meta_prefix("app_"), {"app_a": "1", "app_b": "2"})
+        self.db.set_meta("app_a", None)
+        self.assertIsNone(self.db.get_meta("app_a"))
 
     def test_compression_lock_takeover_rules(self):
         self.assertTrue(self.db.try_acquire_compression_lock("s", "one"))

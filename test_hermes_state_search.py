@@ -1,32 +1,83 @@
-"""Search side: index generations on disk, capability probes, optimize breadcrumbs."""
+"""Search: query parsing, routing, the CJK side index, degraded runtimes, optimize-storage."""
 
+import json
+import os
+import random
+import re
+import signal
 import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from unittest import mock
 
+import hermes_state_search
 from hermes_state import SessionDB
-from hermes_state_search import fts_layout_of, sqlite_supports_fts5, sqlite_supports_trigram
-from test_support import V22_DB, V26_DB, TempDirTestCase
+from hermes_state_common import FTS_STORAGE_VERSION, SCHEMA_VERSION, TOOL_INDEX_PREFIX_CHARS
+from hermes_state_search import (
+    cjk_terms, fts_layout_of, parse_query, sqlite_supports_fts5, sqlite_supports_trigram,
+)
+from test_support import (
+    REPO, V22_DB, V26_DB, TempDirTestCase, dump_hash, tracing_factory, without_fts5, without_trigram,
+)
+
+CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
+LEGACY_LIMIT_BYTES = 1_200_000  # hermes-agent's own optimize-storage result on the legacy fixture
 
 
-def without_fts5(*args, **kwargs):
-    """A runtime whose SQLite was built without FTS5, as SQLite itself reports it."""
-    class NoFts5(sqlite3.Connection):
-        def execute(self, sql, *rest):
-            if "fts5" in sql.lower():
-                raise sqlite3.OperationalError("no such module: fts5")
-            return super().execute(sql, *rest)
-    return sqlite3.connect(*args, factory=NoFts5, **kwargs)
+def active_messages(path):
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    conn.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in conn.execute("SELECT * FROM messages WHERE active = 1 ORDER BY id")]
+    finally:
+        conn.close()
 
 
-def without_trigram(*args, **kwargs):
-    class NoTrigram(sqlite3.Connection):
-        def execute(self, sql, *rest):
-            if "trigram" in sql.lower():
-                raise sqlite3.OperationalError("no such tokenizer: trigram")
-            return super().execute(sql, *rest)
-    return sqlite3.connect(*args, factory=NoTrigram, **kwargs)
+def cjk_queries(messages, per_length=25, seed=3):
+    """Distinct CJK substrings of 1 to 6 characters from non-tool messages."""
+    found = {n: set() for n in range(1, 7)}
+    for message in messages:
+        if message["role"] == "tool":
+            continue
+        for run in CJK.findall(message["content"] or ""):
+            for n in range(1, 7):
+                found[n].update(run[i:i + n] for i in range(len(run) - n + 1))
+    rng = random.Random(seed)
+    return [q for n in range(1, 7) for q in rng.sample(sorted(found[n]), min(per_length, len(found[n])))]
 
 
-class Layouts(TempDirTestCase):
+def word_queries(messages):
+    words = set()
+    for message in messages:
+        if message["role"] != "tool":
+            words.update(w.lower() for w in re.findall(r"[A-Za-z]{3,}", message["content"] or ""))
+    return sorted(words) + ["def", "return"]
+
+
+def fts_integrity_check(path, tables=("messages_fts", "messages_fts_trigram", "messages_fts_cjk")):
+    """FTS5's own integrity-check on each index (autocommit: it must not hold a transaction open)."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        for table in tables:
+            conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
+    finally:
+        conn.close()
+
+
+def hit_ids(db, query, **kwargs):
+    """Every hit's id, page by page."""
+    ids, offset = set(), 0
+    while True:
+        page = db.search_messages(query, limit=1000, offset=offset, **kwargs)
+        ids.update(hit["id"] for hit in page)
+        if len(page) < 1000:
+            return ids
+        offset += 1000
+
+
+class Probes(TempDirTestCase):
 
     def test_probes_see_the_runtime(self):
         self.assertTrue(sqlite_supports_fts5())
@@ -40,9 +91,468 @@ class Layouts(TempDirTestCase):
         self.assertEqual(fts_layout_of("CREATE VIRTUAL TABLE messages_fts USING fts5(content)"), "legacy")
         self.assertEqual(fts_layout_of("CREATE VIRTUAL TABLE messages_fts USING fts5(content, tool_name, "
                                        "tool_calls, content='messages', content_rowid='id')"), "external")
+        self.assertEqual(fts_layout_of("... content='messages_fts_projection' ... tool_name"), "current")
 
-    def test_only_a_legacy_store_is_flagged_for_optimize(self):
-        for name, layout, flagged in ((V22_DB, "legacy", True), (V26_DB, "external", False)):
+    def test_older_generations_are_flagged_for_optimize_and_left_alone(self):
+        for name, layout in ((V22_DB, "legacy"), (V26_DB, "external")):
             with self.subTest(fixture=name), SessionDB(self.copy_fixture(name)) as db:
                 self.assertEqual(db.fts_layout(), layout)
-                self.assertIs(db.fts_optimize_available(), flagged)
+                self.assertTrue(db.fts_optimize_available())
+                self.assertIsNone(db.fts_rebuild_status())
+
+    def test_a_new_store_is_on_the_current_generation_and_stamped(self):
+        with SessionDB(self.tmp / "state.db") as db:
+            self.assertEqual(db.fts_layout(), "current")
+            self.assertFalse(db.fts_optimize_available())
+            self.assertEqual(db.get_meta("fts_storage_version"), str(FTS_STORAGE_VERSION))
+            self.assertTrue(all(db.search_health()["fts_triggers_complete"].values()))
+
+
+class QueryParsing(TempDirTestCase):
+
+    def test_operators_phrases_and_dangling_syntax(self):
+        term = hermes_state_search.Term
+        self.assertEqual(parse_query('alpha "beta gamma" OR delta NOT eps'), (
+            "or", [("and", [("term", term("alpha", False)), ("term", term("beta gamma", False))]),
+                   ("not", ("term", term("delta", False)), ("term", term("eps", False)))]))
+        self.assertEqual(parse_query("AND OR alpha OR"), ("term", term("alpha", False)))
+        self.assertEqual(parse_query('"unbalanced alpha'), (
+            "and", [("term", term("unbalanced", False)), ("term", term("alpha", False))]))
+        self.assertEqual(parse_query("my-app.config.ts"), ("term", term("my-app.config.ts", False)))
+        self.assertEqual(parse_query("pref*"), ("term", term("pref", True)))
+        self.assertIsNone(parse_query('*** ^^^ () "" AND NOT'))
+        self.assertEqual(len(hermes_state_search._leaves(parse_query("w " * 100))), 32)
+
+    def test_cjk_terms_are_letters_and_adjacent_pairs(self):
+        self.assertEqual(cjk_terms("会话 abc 历史"), "会 会话 历 历史 史 话")
+        self.assertEqual(cjk_terms("no cjk"), "")
+
+
+class SearchBehaviour(TempDirTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.db = SessionDB(self.tmp / "state.db")
+        self.addCleanup(self.db.close)
+        db = self.db
+        db.create_session("a", "cli", model="m1", started_at=1)
+        db.create_session("b", "telegram", model="m2", started_at=2)
+        self.ids = {
+            "deploy": db.append_message("a", "user", "deploy the service to staging", timestamp=10),
+            "reply": db.append_message("a", "assistant", "deploy deploy deploy: staging is ready", timestamp=11),
+            "config": db.append_message("a", "user", "edit my-app.config.ts please", timestamp=12),
+            "percent": db.append_message("b", "user", "disk is 100% full, use a_b not axb", timestamp=13),
+            "zh": db.append_message("b", "user", "请检查会话历史和数据库迁移", timestamp=14),
+            "zh2": db.append_message("b", "assistant", "好的，会话已保存", timestamp=15),
+            "tool": db.append_message("b", "tool", "x" * TOOL_INDEX_PREFIX_CHARS + " needle_beyond_prefix 会话",
+                                      tool_name="terminal", timestamp=16),
+            "late": db.append_message("b", "assistant", "staging again", timestamp=17),
+        }
+
+    def ids_for(self, query, **kwargs):
+        return {hit["id"] for hit in self.db.search_messages(query, limit=100, **kwargs)}
+
+    def test_hit_shape_snippet_and_context(self):
+        hits = self.db.search_messages("ready")
+        self.assertEqual(len(hits), 1)
+        hit = hits[0]
+        self.assertEqual(set(hit), {"id", "session_id", "role", "snippet", "timestamp", "tool_name", "source",
+                                    "model", "session_started", "context"})
+        self.assertEqual((hit["id"], hit["source"], hit["model"], hit["session_started"]),
+                         (self.ids["reply"], "cli", "m1", 1))
+        self.assertIn(">>>ready<<<", hit["snippet"])
+        self.assertEqual(hit["context"], [{"role": "user", "content": "deploy the service to staging"},
+                                          {"role": "user", "content": "edit my-app.config.ts please"}])
+
+    def test_ranking_and_sorting(self):
+        self.assertEqual([h["id"] for h in self.db.search_messages("deploy")][0], self.ids["reply"])  # bm25
+        self.assertEqual([h["id"] for h in self.db.search_messages("staging", sort="oldest")],
+                         [self.ids["deploy"], self.ids["reply"], self.ids["late"]])
+        self.assertEqual([h["id"] for h in self.db.search_messages("staging", sort="newest", limit=1, offset=1)],
+                         [self.ids["reply"]])
+
+    def test_boolean_operators_and_phrases(self):
+        self.assertEqual(self.ids_for("deploy staging"), {self.ids["deploy"], self.ids["reply"]})
+        self.assertEqual(self.ids_for("ready OR again"), {self.ids["reply"], self.ids["late"]})
+        self.assertEqual(self.ids_for("staging NOT ready"), {self.ids["deploy"], self.ids["late"]})
+        self.assertEqual(self.ids_for('"the service"'), {self.ids["deploy"]})
+        self.assertEqual(self.ids_for('"service the"'), set())
+        self.assertEqual(self.ids_for("my-app.config.ts"), {self.ids["config"]})
+        self.assertEqual(self.ids_for("stag*"), {self.ids["deploy"], self.ids["reply"], self.ids["late"]})
+
+    def test_cjk_of_every_length_and_mixed_with_words(self):
+        self.assertEqual(self.ids_for("会"), {self.ids["zh"], self.ids["zh2"]})
+        self.assertEqual(self.ids_for("会话"), {self.ids["zh"], self.ids["zh2"]})
+        self.assertEqual(self.ids_for("会话历史"), {self.ids["zh"]})
+        self.assertEqual(self.ids_for("数据库 迁移"), {self.ids["zh"]})
+        self.assertEqual(self.ids_for("会话 NOT 保存"), {self.ids["zh"]})
+        self.assertEqual(self.ids_for("会话 OR staging"), {self.ids["zh"], self.ids["zh2"], self.ids["deploy"],
+                                                          self.ids["reply"], self.ids["late"]})
+
+    def test_short_cjk_is_answered_by_the_side_index_not_a_scan(self):
+        statements = []
+        self.db.close()
+        with SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements)) as db:
+            self.assertIsNone(db._read_one("SELECT 1 FROM messages_cjk_pending"))  # drained at open
+            statements.clear()
+            self.assertEqual(len(db.search_messages("会话")), 2)
+        searches = [s for s in statements if "FROM messages_fts_cjk" in s or "LIKE" in s]
+        self.assertTrue(searches)
+        self.assertFalse([s for s in searches if "LIKE" in s])
+
+    def test_queued_cjk_rows_are_found_before_they_are_indexed(self):
+        message_id = self.db.append_message("a", "user", "新的会话内容")
+        self.assertIsNotNone(self.db._read_one("SELECT 1 FROM messages_cjk_pending WHERE id = ?", (message_id,)))
+        self.assertIn(message_id, self.ids_for("会话"))
+        self.assertIn(message_id, self.ids_for("新"))
+
+    def test_tool_rows_index_a_prefix_and_a_tool_filter_searches_them_whole(self):
+        self.assertEqual(self.ids_for("needle_beyond_prefix"), set())
+        self.assertEqual(self.ids_for("needle_beyond_prefix", role_filter=["tool"]), {self.ids["tool"]})
+        self.assertNotIn(self.ids["tool"], self.ids_for("会话"))
+        self.assertEqual(self.ids_for("会话", role_filter="tool"), {self.ids["tool"]})
+
+    def test_filters_and_inactive_rows(self):
+        self.assertEqual(self.ids_for("staging", source_filter="telegram"), {self.ids["late"]})
+        self.assertEqual(self.ids_for("staging", exclude_sources=["telegram"]),
+                         {self.ids["deploy"], self.ids["reply"]})
+        self.assertEqual(self.ids_for("staging", role_filter=["user"]), {self.ids["deploy"]})
+        self.db.rewind_to_message("a", self.ids["deploy"])
+        self.assertEqual(self.ids_for("ready"), set())
+        self.assertEqual(self.ids_for("ready", include_inactive=True), {self.ids["reply"]})
+
+    def test_fallback_escapes_like_wildcards(self):
+        self.assertEqual(self.ids_for("100%", role_filter=["user"]), {self.ids["percent"]})
+        self.assertEqual(self.ids_for("a_b", role_filter=["user", "tool"]), {self.ids["percent"]})
+        self.assertEqual(self.ids_for("x_b", role_filter=["user", "tool"]), set())
+
+    def test_bad_arguments_are_value_errors(self):
+        for kwargs, message in ((dict(limit=0), "limit"), (dict(limit=5000), "limit"), (dict(offset=-1), "offset"),
+                                (dict(sort="random"), "sort"), (dict(role_filter=[1]), "role_filter")):
+            with self.subTest(kwargs=kwargs), self.assertRaisesRegex(ValueError, message):
+                self.db.search_messages("x", **kwargs)
+        with self.assertRaisesRegex(ValueError, "query must be a string"):
+            self.db.search_messages(None)
+
+    def test_no_query_string_raises(self):
+        rng = random.Random(11)
+        alphabet = ['"', "'", "*", "^", "(", ")", ":", "-", "+", "~", "\x00", "\x01", " ", "AND", "OR", "NOT",
+                    "NEAR", "{", "}", "[", "]", "会", "话", "历史", "😀", "🧪", "a", "b", "staging", ".", "%", "_",
+                    "\\", "\n", "\t", "é", "ß", "'", ",", ";", "--", "/*", "x" * 40]
+        queries = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(2500)]
+        queries += ["会" * 100_000, "a " * 50_000, '"' * 999, "NOT " * 1000 + "staging", "\x00" * 100]
+        stores = [(self.db, "current")]
+        for name in (V22_DB, V26_DB):
+            fixture_db = SessionDB(self.copy_fixture(name))
+            self.addCleanup(fixture_db.close)
+            stores.append((fixture_db, name))
+        fallback = SessionDB(self.tmp / "state.db", connection_factory=without_fts5)
+        self.addCleanup(fallback.close)
+        stores.append((fallback, "no fts5"))
+        for db, label in stores:
+            for query in queries if label == "current" else queries[:400] + queries[-5:]:
+                try:
+                    db.search_messages(query, limit=5)
+                except Exception as exc:  # pragma: no cover - the assertion below reports it
+                    self.fail(f"{label}: search_messages({query[:60]!r}) raised {exc!r}")
+
+
+class CjkOnFixtures(TempDirTestCase):
+
+    def check_every_cjk_query(self, db, messages):
+        by_id = {m["id"]: m for m in messages}
+        for query in cjk_queries(messages):
+            expected = {m["id"] for m in messages if m["role"] != "tool" and query in (m["content"] or "")}
+            got = hit_ids(db, query)
+            self.assertTrue(expected <= got, f"{query!r}: missing {sorted(expected - got)}")
+            for message_id in got:
+                message = by_id[message_id]
+                haystack = " ".join(str(message[k] or "") for k in ("content", "tool_name", "tool_calls"))
+                self.assertIn(query, haystack, f"{query!r} returned message {message_id} without it")
+
+    def test_every_message_containing_a_cjk_string_is_found_on_both_fixtures(self):
+        for name in (V22_DB, V26_DB):
+            with self.subTest(fixture=name):
+                path = self.copy_fixture(name)
+                messages = active_messages(path)
+                with SessionDB(path) as db:
+                    self.check_every_cjk_query(db, messages)
+                    self.assertEqual(len(hit_ids(db, "会话")), 3)
+                    db.optimize_fts_storage()
+                    self.check_every_cjk_query(db, messages)
+
+
+class OptimizeStorage(TempDirTestCase):
+
+    def answers(self, db, queries):
+        return {query: hit_ids(db, query) for query in queries}
+
+    def assert_optimized(self, path, before_cjk, before_words, cjk, words):
+        size = sum(os.path.getsize(str(path) + s) for s in ("", "-wal") if os.path.exists(str(path) + s))
+        self.assertLessEqual(size, LEGACY_LIMIT_BYTES)
+        fts_integrity_check(path)
+        conn = sqlite3.connect(path, isolation_level=None)
+        self.assertEqual(conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")
+        leftovers = conn.execute("SELECT name FROM sqlite_master WHERE name LIKE '%_old%' "
+                                 "OR name = 'messages_fts_trigram_src'").fetchall()
+        conn.close()
+        self.assertEqual(leftovers, [])
+        with SessionDB(path) as db:
+            self.assertEqual(db.fts_layout(), "current")
+            self.assertFalse(db.fts_optimize_available())
+            self.assertEqual(db.get_meta("fts_storage_version"), str(FTS_STORAGE_VERSION))
+            self.assertIsNone(db.fts_rebuild_status())
+            self.assertEqual(self.answers(db, cjk), before_cjk)
+            after_words = self.answers(db, words)
+            for word in words:
+                self.assertTrue(before_words[word] <= after_words[word], word)
+
+    def baseline(self, name):
+        path = self.copy_fixture(name)
+        messages = active_messages(path)
+        cjk, words = cjk_queries(messages, per_length=8), word_queries(messages)
+        with SessionDB(path) as db:
+            return path, self.answers(db, cjk), self.answers(db, words), cjk, words
+
+    def test_legacy_fixture_shrinks_and_answers_the_same(self):
+        path, before_cjk, before_words, cjk, words = self.baseline(V22_DB)
+        progress = []
+        with SessionDB(path) as db:
+            result = db.optimize_fts_storage(progress_cb=progress.append)
+        self.assertEqual({p["phase"] for p in progress} >= {"prepare", "backfill", "drop-old", "vacuum", "done"},
+                         True, progress)
+        self.assertTrue(all(set(p) == {"phase", "percent", "indexed", "total"} for p in progress))
+        self.assertGreater(result["bytes_before"], 4_000_000)
+        self.assert_optimized(path, before_cjk, before_words, cjk, words)
+
+    def test_hermes_external_fixture_moves_to_the_current_generation(self):
+        path, before_cjk, before_words, cjk, words = self.baseline(V26_DB)
+        with SessionDB(path) as db:
+            db.optimize_fts_storage()
+        self.assert_optimized(path, before_cjk, before_words, cjk, words)
+
+    def test_no_vacuum_rebuilds_now_and_a_later_run_reclaims(self):
+        path, before_cjk, before_words, cjk, words = self.baseline(V22_DB)
+        with SessionDB(path) as db:
+            result = db.optimize_fts_storage(vacuum=False)
+            self.assertTrue(result["stamped"])
+            self.assertGreater(result["bytes_after"], LEGACY_LIMIT_BYTES)
+            db.optimize_fts_storage()
+        self.assert_optimized(path, before_cjk, before_words, cjk, words)
+
+    def test_too_little_disk_is_refused_before_anything_changes(self):
+        path = self.copy_fixture(V22_DB)
+        with SessionDB(path) as db:
+            content = dump_hash(path)
+            with mock.patch.object(hermes_state_search, "free_disk_bytes", return_value=500_000):
+                with self.assertRaisesRegex(OSError, r"needs about \d+\.\d MB free .* only 0\.5 MB are free; "
+                                                     r"with --no-vacuum .* about \d+\.\d MB"):
+                    db.optimize_fts_storage()
+            self.assertEqual(db.fts_layout(), "legacy")
+        self.assertEqual(dump_hash(path), content)
+
+    def test_ctrl_c_at_every_step_then_a_rerun_finishes(self):
+        path, before_cjk, before_words, cjk, words = self.baseline(V22_DB)
+        with mock.patch.object(hermes_state_search, "BACKFILL_CHUNK_IDS", 40), \
+                mock.patch.object(hermes_state_search, "DROP_CHUNK_ROWS", 20):
+            for stop_at in range(1, 200):
+                calls = []
+
+                def interrupt(progress):
+                    calls.append(progress)
+                    if len(calls) == stop_at:
+                        raise KeyboardInterrupt
+
+                with SessionDB(path) as db:
+                    try:
+                        db.optimize_fts_storage(progress_cb=interrupt)
+                        break
+                    except KeyboardInterrupt:
+                        pass
+        self.assertGreater(stop_at, 10)
+        self.assert_optimized(path, before_cjk, before_words, cjk, words)
+
+    def test_sigkill_at_several_points_then_a_rerun_finishes(self):
+        path, before_cjk, before_words, cjk, words = self.baseline(V22_DB)
+        script = ("import sys, hermes_state_search as s; from hermes_state import SessionDB\n"
+                  "s.BACKFILL_CHUNK_IDS, s.DROP_CHUNK_ROWS, s.OPTIMIZE_PAUSE = 30, 15, 0.02\n"
+                  "db = SessionDB(sys.argv[1])\n"
+                  "db.optimize_fts_storage(progress_cb=lambda p: print(p['phase'], flush=True))\n")
+        for kill_after in (1, 3, 6, 10, 15):
+            child = subprocess.Popen([sys.executable, "-c", script, str(path)], cwd=REPO, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            lines = 0
+            for _line in child.stdout:
+                lines += 1
+                if lines >= kill_after:
+                    break
+            child.send_signal(signal.SIGKILL)
+            child.communicate()
+            conn = sqlite3.connect(path, isolation_level=None)
+            self.assertEqual(conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")
+            conn.close()
+        with SessionDB(path) as db:
+            self.assertEqual(self.answers(db, cjk), before_cjk)  # correct while half-done, too
+            db.optimize_fts_storage()
+        self.assert_optimized(path, before_cjk, before_words, cjk, words)
+
+    def test_live_writers_keep_writing_during_optimize(self):
+        path = self.copy_fixture(V22_DB)
+        latencies, errors, stop = [], [], threading.Event()
+
+        def writer():
+            with SessionDB(path) as db:
+                while not stop.is_set():
+                    start = time.monotonic()
+                    try:
+                        db.append_message("bench_000003", "user", "written during optimize 会话进行中")
+                    except Exception as exc:
+                        errors.append(exc)
+                    latencies.append(time.monotonic() - start)
+                    time.sleep(0.002)
+
+        thread = threading.Thread(target=writer)
+        with mock.patch.object(hermes_state_search, "BACKFILL_CHUNK_IDS", 50):
+            thread.start()
+            with SessionDB(path) as db:
+                db.optimize_fts_storage()
+            stop.set()
+            thread.join()
+        self.assertEqual(errors, [])
+        self.assertLess(max(latencies), 2.0)
+        with SessionDB(path) as db:
+            written = db._read_value("SELECT COUNT(*) FROM messages WHERE content LIKE 'written during%'")
+            self.assertEqual(len(hit_ids(db, "optimize")), written)
+            self.assertEqual(len(hit_ids(db, "进行")), written)
+
+    def test_cli_optimize_storage_reports_progress_on_stderr(self):
+        path = self.copy_fixture(V22_DB)
+        result = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(path), "optimize-storage",
+                                 "--yes"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("backfill", result.stderr)
+        self.assertIn("MB", result.stdout)
+        refused = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.copy_fixture(V26_DB)),
+                                  "optimize-storage"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                                 stdin=subprocess.DEVNULL)
+        self.assertEqual(refused.returncode, 1)
+        self.assertIn("--yes", refused.stderr)
+
+
+class DegradedRuntimes(TempDirTestCase):
+
+    def fts_triggers(self, path):
+        conn = sqlite3.connect(path, isolation_level=None)
+        try:
+            return {r[0] for r in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'trigger' AND name LIKE 'messages_fts%'")}
+        finally:
+            conn.close()
+
+    def test_without_fts5_writes_go_on_and_the_index_catches_up_later(self):
+        path = self.copy_fixture(V22_DB)
+        with SessionDB(path, connection_factory=without_fts5) as db:
+            self.assertEqual(self.fts_triggers(path), set())
+            self.assertEqual(db.schema_version(), 22)  # held back until FTS5 is there
+            self.assertEqual(db.get_meta("fts_stale"), "1")
+            new_id = db.append_message("bench_000004", "user", "written without fts5: kiwi 猕猴桃")
+            db.delete_session("bench_000002")
+            self.assertEqual(hit_ids(db, "kiwi"), {new_id})
+            self.assertEqual(hit_ids(db, "猕猴桃"), {new_id})
+            self.assertEqual(len(hit_ids(db, "会话")), 3)
+        with SessionDB(path) as db:
+            self.assertEqual(len(self.fts_triggers(path)), 6)
+            self.assertEqual(db.schema_version(), SCHEMA_VERSION)
+            self.assertIsNone(db.get_meta("fts_stale"))
+            self.assertEqual(db._index_state().usable, {"word", "trigram"})
+            self.assertEqual(hit_ids(db, "kiwi"), {new_id})
+            self.assertEqual(hit_ids(db, "猕猴桃"), {new_id})
+        conn = sqlite3.connect(path, isolation_level=None)
+        self.addCleanup(conn.close)
+        legacy_rows = conn.execute("SELECT COUNT(*) FROM messages_fts").fetchone()[0]
+        self.assertEqual(legacy_rows, conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0])
+
+    def test_current_generation_without_fts5_then_back(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            before = db.append_message("s", "user", "indexed apple 苹果")
+        with SessionDB(path, connection_factory=without_fts5) as db:
+            during = db.append_message("s", "user", "unindexed apple 苹果")
+            db.rewind_to_message("s", during)
+            self.assertEqual(hit_ids(db, "apple"), {before, during})
+            self.assertEqual(hit_ids(db, "苹果"), {before, during})
+        with SessionDB(path) as db:
+            self.assertEqual(len(self.fts_triggers(path)), 9)
+            self.assertEqual(db._index_state().usable, {"word", "trigram", "cjk"})
+            self.assertEqual(hit_ids(db, "apple"), {before, during})
+            self.assertEqual(hit_ids(db, "苹果"), {before, during})
+            self.assertEqual(db.get_meta("fts_storage_version"), str(FTS_STORAGE_VERSION))
+        fts_integrity_check(path)
+
+    def test_without_trigram_the_word_index_serves_and_cjk_falls_back(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            first = db.append_message("s", "user", "banana 香蕉奶昔")
+        with SessionDB(path, connection_factory=without_trigram) as db:
+            triggers = self.fts_triggers(path)
+            self.assertFalse([t for t in triggers if "trigram" in t])
+            self.assertEqual(len(triggers), 6)
+            self.assertEqual(db.get_meta("fts_cjk_stale"), "1")
+            self.assertEqual(db._index_state().usable, {"word", "cjk"})
+            second = db.append_message("s", "user", "banana 香蕉奶昔 again")
+            self.assertEqual(hit_ids(db, "banana"), {first, second})
+            self.assertEqual(hit_ids(db, "香蕉奶昔"), {first, second})
+            self.assertEqual(hit_ids(db, "香蕉"), {first, second})
+        with SessionDB(path) as db:
+            self.assertIsNone(db.get_meta("fts_cjk_stale"))
+            self.assertEqual(db._index_state().usable, {"word", "trigram", "cjk"})
+            self.assertEqual(hit_ids(db, "香蕉奶昔"), {first, second})
+
+    def test_a_new_store_on_a_runtime_without_trigram_builds_it_later(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path, connection_factory=without_trigram) as db:
+            db.create_session("s", "cli")
+            message = db.append_message("s", "user", "长一点的中文句子")
+            self.assertEqual(hit_ids(db, "中文句子"), {message})
+            self.assertIsNone(db.get_meta("fts_storage_version"))
+        with SessionDB(path) as db:
+            self.assertEqual(hit_ids(db, "中文句子"), {message})
+            self.assertEqual(db.get_meta("fts_storage_version"), str(FTS_STORAGE_VERSION))
+
+    def test_a_corrupt_index_is_not_served_and_is_rebuilt_at_the_next_open(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            ids = [db.append_message("s", "user", f"cherry number {i}") for i in range(50)]
+        conn = sqlite3.connect(path, isolation_level=None)
+        rng = random.Random(5)
+        for block_id, size in conn.execute("SELECT id, length(block) FROM messages_fts_data WHERE id > 10").fetchall():
+            conn.execute("UPDATE messages_fts_data SET block = ? WHERE id = ?",
+                         (bytes(rng.getrandbits(8) for _ in range(size)), block_id))
+        conn.close()
+        with self.assertLogs("hermes_state", "WARNING"):
+            with SessionDB(path) as db:
+                self.assertEqual(hit_ids(db, "cherry"), set(ids))
+                self.assertEqual(db.get_meta("fts_stale"), "1")
+        with SessionDB(path) as db:
+            self.assertIsNone(db.get_meta("fts_stale"))
+            self.assertEqual(hit_ids(db, "cherry"), set(ids))
+        fts_integrity_check(path, ("messages_fts",))
+
+    def test_read_only_handles_search_without_writing(self):
+        path = self.copy_fixture(V26_DB)
+        content = dump_hash(path)
+        with SessionDB(path, read_only=True) as db:
+            self.assertEqual(len(hit_ids(db, "会话")), 3)
+            self.assertGreater(len(hit_ids(db, "migration")), 10)
+        self.assertEqual(dump_hash(path), content)
+
+    def test_doctor_reports_search_health(self):
+        with SessionDB(self.copy_fixture(V22_DB)) as db:
+            report = db.doctor()
+        self.assertEqual(report["fts_layout"], "legacy")
+        self.assertEqual(report["fts_triggers_complete"], {"word": True, "trigram": True})
+        self.assertEqual(report["searchable_by_index"], ["trigram", "word"])
+        json.dumps(report)

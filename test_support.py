@@ -5,6 +5,7 @@ Not a test module itself; it holds no TestCase. Fixtures are read from
 """
 
 import hashlib
+import re
 import os
 import shutil
 import sqlite3
@@ -77,13 +78,57 @@ def schema_snapshot(path):
 
 
 def tracing_factory(statements):
-    """A connection factory that records every statement SQLite runs."""
-    def connect(*args, **kwargs):
-        conn = sqlite3.connect(*args, **kwargs)
-        conn.set_trace_callback(statements.append)
+    """A connection factory that records every statement SQLite runs on the store
+    (not on the scratch in-memory connections of the capability probes)."""
+    def connect(database, *args, **kwargs):
+        conn = sqlite3.connect(database, *args, **kwargs)
+        if database != ":memory:":
+            conn.set_trace_callback(statements.append)
         return conn
     return connect
 
 
 def write_statements(statements):
     return [s for s in statements if s.lstrip().upper().startswith(WRITE_VERBS)]
+
+
+# Runtimes without FTS5 or without the trigram tokenizer. An authorizer sees
+# every table a statement touches, trigger bodies included, at prepare time,
+# so a write to `messages` fails while an FTS trigger exists, as it would on
+# such a runtime; the error carries SQLite's own message.
+FTS_VTABLES = re.compile(r"^messages_fts(_trigram|_cjk)?(_old)?$")
+TRIGRAM_VTABLES = re.compile(r"^messages_fts_trigram(_old)?$")
+_TOUCH = (sqlite3.SQLITE_READ, sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE,
+          sqlite3.SQLITE_DROP_VTABLE, sqlite3.SQLITE_CREATE_VTABLE)
+
+
+def _degraded_factory(message, vtables, ddl_marker):
+    class Degraded(sqlite3.Connection):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.set_authorizer(self._authorize)
+
+        @staticmethod
+        def _authorize(action, arg1, arg2, _db, _trigger):
+            name = arg2 if action == sqlite3.SQLITE_CREATE_VTABLE else arg1
+            if action in _TOUCH and name and vtables.match(name):
+                return sqlite3.SQLITE_DENY
+            return sqlite3.SQLITE_OK
+
+        def execute(self, sql, *args):
+            if ddl_marker in sql.lower():
+                raise sqlite3.OperationalError(message)
+            try:
+                return super().execute(sql, *args)
+            except sqlite3.DatabaseError as exc:
+                if "not authorized" in str(exc) or "prohibited" in str(exc):
+                    raise sqlite3.OperationalError(message) from None
+                raise
+
+    def connect(*args, **kwargs):
+        return sqlite3.connect(*args, factory=Degraded, **kwargs)
+    return connect
+
+
+without_fts5 = _degraded_factory("no such module: fts5", FTS_VTABLES, "using fts5")
+without_trigram = _degraded_factory("no such tokenizer: trigram", TRIGRAM_VTABLES, "tokenize='trigram'")
