@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import sqlite3
 import statistics
 import sys
@@ -163,8 +164,9 @@ def bench_processes(folder, journal, processes):
             "errors": sum(o[2] for o in outcomes), "stored": stored, "expected": processes * PROCESS_MESSAGES}
 
 
-def bench_open(folder, journal):
-    path = fresh_store(folder, f"open-{journal}.db", journal)
+def build_large_store(folder, journal):
+    """OPEN_STORE_MESSAGES messages of agent history in 50 sessions, written in batches."""
+    path = fresh_store(folder, f"large-{journal}.db", journal)
     history = agent_history(2_000)
     with SessionDB(path, journal=journal) as db:
         for i in range(OPEN_STORE_MESSAGES // len(history)):
@@ -172,18 +174,51 @@ def bench_open(folder, journal):
             db.create_session(session_id, "cli")
             for j in range(0, len(history), 500):
                 db.append_messages_batch(session_id, history[j:j + 500])
-    ours, raw = [], []
-    for _ in range(5):
+    return path
+
+
+def median_seconds(fn, runs=7):
+    times = []
+    for _ in range(runs):
         start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_open(path, journal):
+    def open_close():
         SessionDB(path, journal=journal).close()
-        ours.append(time.perf_counter() - start)
-        start = time.perf_counter()
+
+    def raw_open():
         conn = sqlite3.connect(path)
         conn.execute("SELECT COUNT(*) FROM sessions").fetchone()
         conn.close()
-        raw.append(time.perf_counter() - start)
-    return {"ours_ms": statistics.median(ours) * 1000, "raw_ms": statistics.median(raw) * 1000,
+
+    return {"ours_ms": median_seconds(open_close) * 1000, "raw_ms": median_seconds(raw_open) * 1000,
             "bytes": os.path.getsize(path)}
+
+
+def searches():
+    """One query of each kind; the CJK ones are cut from the history so that they occur."""
+    run = next(r for m in agent_history(50) for r in re.findall(f"[{CJK}]{{4,}}", m["content"]))
+    return (("word", "migration"), ("two words", "schema parser"), ("phrase", '"index tokens"'),
+            ("CJK, 4 characters", run[:4]), ("CJK, 2 characters", run[:2]), ("CJK, 1 character", run[0]))
+
+
+def bench_search(path, journal):
+    """Latency of each kind of query, and of a full LIKE scan for the 2-character CJK query."""
+    queries = searches()
+    with SessionDB(path, journal=journal) as db:
+        results = {label: (median_seconds(lambda q=query: db.search_messages(q)) * 1000,
+                           len(db.search_messages(query, limit=1000)))
+                   for label, query in queries}
+    two = dict(queries)["CJK, 2 characters"]
+    conn = sqlite3.connect(path)
+    scan = median_seconds(lambda: conn.execute(
+        "SELECT COUNT(*) FROM messages WHERE content LIKE ?", (f"%{two}%",)).fetchone(), runs=3) * 1000
+    conn.close()
+    return results, scan
 
 
 def row(label, value, note=""):
@@ -220,9 +255,15 @@ def main():
             row(f"[{label}] 4 processes appending at once, total", f"{four['rate']:,.0f} msg/s",
                 f"ratio {four['rate'] / one['rate']:.2f} (target >= 0.8), errors {four['errors']}, "
                 f"rows {four['stored']}/{four['expected']}")
-        opened = bench_open(folder, policy.mode)
+        large = build_large_store(folder, policy.mode)
+        opened = bench_open(large, policy.mode)
         row(f"open a {OPEN_STORE_MESSAGES:,}-message store ({opened['bytes'] / 1e6:.0f} MB)",
             f"{opened['ours_ms']:.1f} ms", f"raw sqlite3 connect + query {opened['raw_ms']:.1f} ms")
+        searches, scan = bench_search(large, policy.mode)
+        for label, (ms, hits) in searches.items():
+            row(f"search at {OPEN_STORE_MESSAGES:,} messages: {label}", f"{ms:.1f} ms", f"{hits} hits (top 20 fetched)")
+        row(f"full LIKE scan of the same store for the 2-character query", f"{scan:.1f} ms",
+            f"CJK 2-char search / scan = 1/{scan / searches['CJK, 2 characters'][0]:.0f} (target <= 1/20)")
 
 
 if __name__ == "__main__":

@@ -608,10 +608,11 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
 
     def _in_transaction(self, conn, fn, batch):
         conn.execute("BEGIN IMMEDIATE")
+        changes = conn.total_changes
         try:
             apply_token_batch(conn, batch)
             result = fn(conn)
-            self._maintain_search(conn)
+            self._maintain_search(conn, conn.total_changes - changes)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -1345,6 +1346,9 @@ def _cmd_demo(args, out):
             _print_session(db.export_session_lineage(tip), out)
             out.write("\n== one conversation in Chinese\n")
             _print_session(db.export_session("demo-zh"), out)
+            for query in ("my-app.config.ts", "迁移", "会话历史"):
+                out.write(f"\n== search {query!r} (python -m hermes_state search ...)\n")
+                _print_hits(db.search_messages(query), out)
             out.write(f"\nstore: {db.db_path}\n"
                       f"try:   python3 -m hermes_state --db {db.db_path} list\n")
     finally:

@@ -69,8 +69,10 @@ BACKFILL_CHUNK_IDS = 1000
 DROP_CHUNK_ROWS = 500
 CJK_DRAIN_CHUNK = 500
 OPTIMIZE_PAUSE = 0.01
-# Pending CJK rows are indexed with every this-many commits of a writer.
+# Queued CJK rows are indexed with every this-many commits of a writer, and
+# right away by any transaction that changed at least BULK_CHANGES rows.
 CJK_DRAIN_EVERY_COMMITS = 64
+BULK_CHANGES = 64
 LEFTOVER_VIEWS = ("messages_fts_trigram_src",)
 SORTS = (None, "relevance", "newest", "oldest")
 # What the fallback searches: the same fields the word index holds.
@@ -408,7 +410,8 @@ class SessionSearchMixin:
             self._sync_triggers(conn, layout, objects)
             self._rebuild_stale_indexes(conn, layout)
         if layout == "current" and "cjk" in self._usable_indexes(layout, objects):
-            drain_cjk_pending(conn, limit=10 * CJK_DRAIN_CHUNK)
+            while drain_cjk_pending(conn) == CJK_DRAIN_CHUNK:
+                pass
         if layout in ("legacy", "external"):
             write_meta(conn, META_FTS_OPTIMIZE_AVAILABLE, "1")
         self._stamp_if_complete(conn)
@@ -509,13 +512,15 @@ class SessionSearchMixin:
             write_meta(conn, META_FTS_OPTIMIZE_AVAILABLE, "0")
         return complete
 
-    def _maintain_search(self, conn):
-        """Called inside writes: now and then, index the queued CJK rows."""
+    def _maintain_search(self, conn, changes):
+        """Called at the end of every write transaction that changed `changes` rows:
+        index the queued CJK rows now and then, and always after a bulk write."""
         self._search_commits += 1
-        if self._search_commits % CJK_DRAIN_EVERY_COMMITS == 0 and self.fts_caps.fts5 and \
-                conn.execute(TABLE_EXISTS_SQL, (CJK_PENDING_TABLE,)).fetchone() and \
-                conn.execute(HAS_CJK_PENDING_SQL).fetchone():
-            drain_cjk_pending(conn)
+        if changes < BULK_CHANGES and self._search_commits % CJK_DRAIN_EVERY_COMMITS:
+            return
+        if self.fts_caps.fts5 and conn.execute(TABLE_EXISTS_SQL, (CJK_PENDING_TABLE,)).fetchone():
+            while drain_cjk_pending(conn) == CJK_DRAIN_CHUNK:
+                pass
 
     # -- state ---------------------------------------------------------------
 
