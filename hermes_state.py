@@ -2,15 +2,15 @@
 
 Owns the connections (one writer, a pool of readers), the journal policy,
 the write path (BEGIN IMMEDIATE with retry and jitter inside a time budget),
-self-repair of damaged files at open, the token-count queue, the public
-session/message/lineage/routing/meta/lock API, and `python -m hermes_state`.
+self-repair of damaged files at open, the token-count queue, and the public
+session/message/lineage/routing/meta/lock API. `python -m hermes_state` runs
+the command line in hermes_state_cli.
 
 Schema work lives in hermes_state_schema, search in hermes_state_search,
 export and import in hermes_state_portability; all SQL text lives in
 hermes_state_common.
 """
 
-import argparse
 import atexit
 import json
 import logging
@@ -20,14 +20,13 @@ import random
 import socket
 import sqlite3
 import sys
-import tempfile
 import threading
 import time
 import weakref
 from collections import namedtuple
 from pathlib import Path
 
-from hermes_constants import get_default_db_path, set_hermes_home_override, reset_hermes_home_override
+from hermes_constants import get_default_db_path
 from hermes_state_common import (
     BUMP_MESSAGE_COUNTS_SQL,
     BUMP_REWIND_COUNT_SQL,
@@ -1198,241 +1197,7 @@ def _require_ttl(ttl_seconds):
     return float(ttl_seconds)
 
 
-# ---------------------------------------------------------------------------
-# Command line: python -m hermes_state
-# ---------------------------------------------------------------------------
-
-
-def _print_json(value, out):
-    json.dump(value, out, ensure_ascii=False, indent=2, default=str)
-    out.write("\n")
-
-
-def _format_time(ts):
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
-
-
-def _print_session_list(sessions, out):
-    for s in sessions:
-        title = s.get("title") or (s.get("preview") or "").replace("\n", " ")
-        out.write(f"{s['id']:<24} {s['source']:<10} {_format_time(s.get('last_active')):<17} "
-                  f"{s.get('message_count') or 0:>5} msgs  {title[:60]}\n")
-
-
-def _print_session(export, out):
-    fields = ("id", "source", "model", "title", "parent_session_id", "end_reason", "message_count",
-              "tool_call_count", "input_tokens", "output_tokens")
-    for key in fields:
-        out.write(f"{key:>18}: {export.get(key)}\n")
-    if export.get("lineage_session_ids"):
-        out.write(f"{'lineage':>18}: {' -> '.join(export['lineage_session_ids'])}\n")
-    for message in export["messages"]:
-        label = message["role"] + (f" ({message['tool_name']})" if message.get("tool_name") else "")
-        out.write(f"\n[{message['id']}] {label} at {_format_time(message['timestamp'])}\n")
-        if message.get("content"):
-            text = message["content"]
-            out.write((text if len(text) <= 400 else text[:400] + f" ... ({len(text)} chars)") + "\n")
-        for call in message.get("tool_calls") or []:
-            function = call.get("function", {}) if isinstance(call, dict) else {}
-            out.write(f"  -> {function.get('name', '?')}({function.get('arguments', '')})\n")
-
-
-def _cmd_list(db, args, out):
-    sessions = db.list_sessions_rich(source=args.source, limit=args.limit, offset=args.offset,
-                                     include_archived=args.archived)
-    if args.json:
-        _print_json(sessions, out)
-    else:
-        _print_session_list(sessions, out)
-    return 0
-
-
-def _cmd_show(db, args, out):
-    session_id = db.resolve_session_id(args.session_id)
-    if session_id is None:
-        sys.stderr.write(f"error: no session matches {args.session_id!r} (unknown or ambiguous)\n")
-        return 1
-    export = db.export_session_lineage(session_id) if args.lineage else db.export_session(session_id)
-    if args.json:
-        _print_json(export, out)
-    else:
-        _print_session(export, out)
-    return 0
-
-
-def _cmd_stats(db, args, out):
-    stats = db.stats()
-    if args.json:
-        _print_json(stats, out)
-    else:
-        for key, value in stats.items():
-            out.write(f"{key:>20}: {value}\n")
-    return 0
-
-
-def _cmd_doctor(db, args, out):
-    report = db.doctor()
-    if args.json:
-        _print_json(report, out)
-    else:
-        for key, value in report.items():
-            out.write(f"{key:>26}: {value}\n")
-    return 0 if report["ok"] else 1
-
-
-def _print_hits(hits, out):
-    for hit in hits:
-        out.write(f"{hit['session_id']}  [{hit['id']}] {hit['role']} at {_format_time(hit['timestamp'])}\n"
-                  f"    {hit['snippet'].replace(chr(10), ' ')}\n")
-
-
-def _cmd_search(db, args, out):
-    hits = db.search_messages(args.query, source_filter=args.source, role_filter=args.role,
-                              limit=args.limit, offset=args.offset, sort=args.sort,
-                              include_inactive=args.include_inactive)
-    if args.json:
-        _print_json(hits, out)
-    else:
-        _print_hits(hits, out)
-    return 0
-
-
-def _cmd_optimize(db, args, out):
-    db.optimize_fts()
-    out.write(f"merged the search index segments of {db.db_path}\n")
-    return 0
-
-
-def _report_progress(progress):
-    percent = progress["percent"]
-    done = f" {percent:5.1f}%" if percent is not None else ""
-    counts = f" ({progress['indexed']}/{progress['total']})" if progress["total"] else ""
-    sys.stderr.write(f"optimize-storage: {progress['phase']}{done}{counts}\n")
-
-
-def _cmd_optimize_storage(db, args, out):
-    if not args.yes:
-        prompt = (f"Rebuild the search index of {db.db_path} in the current layout"
-                  f"{'' if args.no_vacuum else ' and VACUUM it'}? [y/N] ")
-        if not sys.stdin or not sys.stdin.isatty():
-            sys.stderr.write("error: optimize-storage asks before it starts; pass --yes to run it unattended\n")
-            return 1
-        if input(prompt).strip().lower() not in ("y", "yes"):
-            sys.stderr.write("nothing was changed\n")
-            return 1
-    try:
-        result = db.optimize_fts_storage(progress_cb=_report_progress, vacuum=not args.no_vacuum)
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted; the store is consistent, run optimize-storage again to resume\n")
-        return 1
-    if args.json:
-        _print_json(result, out)
-    else:
-        out.write(f"{db.db_path}: {result['bytes_before'] / 1e6:.1f} MB -> {result['bytes_after'] / 1e6:.1f} MB, "
-                  f"layout {result['fts_layout']}\n")
-    return 0
-
-
-def _cmd_demo(args, out):
-    home = Path(tempfile.mkdtemp(prefix="hermes-demo-"))
-    token = set_hermes_home_override(home)
-    try:
-        with SessionDB() as db:
-            build_demo_history(db)
-            out.write("== sessions (python -m hermes_state list)\n")
-            _print_session_list(db.list_sessions_rich(limit=20), out)
-            tip = db.get_compression_tip("demo-refactor-1")
-            out.write(f"\n== the compression chain ending in {tip}, shown as one session\n")
-            _print_session(db.export_session_lineage(tip), out)
-            out.write("\n== one conversation in Chinese\n")
-            _print_session(db.export_session("demo-zh"), out)
-            for query in ("my-app.config.ts", "迁移", "会话历史"):
-                out.write(f"\n== search {query!r} (python -m hermes_state search ...)\n")
-                _print_hits(db.search_messages(query), out)
-            out.write(f"\nstore: {db.db_path}\n"
-                      f"try:   python3 -m hermes_state --db {db.db_path} list\n")
-    finally:
-        reset_hermes_home_override(token)
-    return 0
-
-
-def build_demo_history(db):
-    """A small agent history: English and Chinese, tool calls, a compression chain."""
-    prompt = "You are a helpful coding agent. 你是一个编程助手。"
-    db.create_session("demo-refactor-1", "cli", model="demo-model", system_prompt=prompt,
-                      cwd="/home/demo/app", title="Refactor the config loader")
-    call = [{"id": "call_1", "type": "function",
-             "function": {"name": "terminal", "arguments": json.dumps({"command": "pytest -q"})}}]
-    db.append_message("demo-refactor-1", "user", "Please refactor my-app.config.ts and run the tests.")
-    db.append_message("demo-refactor-1", "assistant", "Running the test suite first.", tool_calls=call)
-    db.append_message("demo-refactor-1", "tool", "12 passed in 0.41s", tool_name="terminal",
-                      tool_call_id="call_1")
-    db.update_token_counts("demo-refactor-1", input_tokens=812, output_tokens=64, model="demo-model")
-    db.end_session("demo-refactor-1", COMPRESSION_END_REASON)
-    db.create_session("demo-refactor-2", "cli", model="demo-model", system_prompt=prompt,
-                      parent_session_id="demo-refactor-1")
-    db.append_message("demo-refactor-2", "user", "[summary] Tests pass; now split the loader.")
-    db.append_message("demo-refactor-2", "assistant", "Split into load() and validate().")
-    db.create_session("demo-zh", "telegram", model="demo-model", system_prompt=prompt, title="数据库迁移")
-    db.append_message("demo-zh", "user", "帮我检查一下数据库迁移脚本，会话历史不能丢。")
-    db.append_message("demo-zh", "assistant", "好的，我先备份 state.db，再运行迁移。")
-    db.end_session("demo-zh", "user_exit")
-
-
-def build_parser():
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--db", default=argparse.SUPPRESS, help="store path (default: <home>/state.db)")
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print data as JSON")
-    parser = argparse.ArgumentParser(prog="python -m hermes_state", parents=[common],
-                                     description="The agent's session store.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    listing = commands.add_parser("list", parents=[common], help="sessions, newest first")
-    listing.add_argument("--source")
-    listing.add_argument("--limit", type=int, default=20)
-    listing.add_argument("--offset", type=int, default=0)
-    listing.add_argument("--archived", action="store_true", help="include archived sessions")
-    show = commands.add_parser("show", parents=[common], help="one session with its messages")
-    show.add_argument("session_id", metavar="ID", help="a session id or a unique prefix of one")
-    show.add_argument("--lineage", action="store_true", help="the whole compression chain as one session")
-    search = commands.add_parser("search", parents=[common], help="full-text search over messages")
-    search.add_argument("query")
-    search.add_argument("--source", action="append", help="only this source (repeatable)")
-    search.add_argument("--role", action="append", help="only this role (repeatable); 'tool' searches tool output")
-    search.add_argument("--limit", type=int, default=20)
-    search.add_argument("--offset", type=int, default=0)
-    search.add_argument("--sort", choices=["relevance", "newest", "oldest"])
-    search.add_argument("--include-inactive", action="store_true", help="include rewound messages")
-    commands.add_parser("optimize", parents=[common], help="merge the search index segments")
-    storage = commands.add_parser("optimize-storage", parents=[common],
-                                  help="move an old search index layout to the current one, then VACUUM")
-    storage.add_argument("--no-vacuum", action="store_true", help="rebuild now, reclaim the space later")
-    storage.add_argument("--yes", action="store_true", help="do not ask before starting")
-    commands.add_parser("stats", parents=[common], help="counts and sizes")
-    commands.add_parser("doctor", parents=[common], help="integrity, layouts, journal, runtime")
-    commands.add_parser("demo", parents=[common], help="build and show an example store in a temp home")
-    return parser
-
-
-_COMMANDS = {"list": _cmd_list, "show": _cmd_show, "search": _cmd_search, "optimize": _cmd_optimize,
-             "optimize-storage": _cmd_optimize_storage, "stats": _cmd_stats, "doctor": _cmd_doctor}
-
-
-def main(argv=None, out=None):
-    """Entry point of `python -m hermes_state`; returns the exit status."""
-    out = out or sys.stdout
-    args = build_parser().parse_args(argv)
-    args.json = getattr(args, "json", False)
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
-    try:
-        if args.command == "demo":
-            return _cmd_demo(args, out)
-        db_path = getattr(args, "db", None)
-        with SessionDB(db_path) as db:
-            return _COMMANDS[args.command](db, args, out)
-    except (ValueError, OSError, RuntimeError, sqlite3.Error) as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 1
-
-
 if __name__ == "__main__":
+    from hermes_state_cli import main
+
     sys.exit(main())

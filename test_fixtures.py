@@ -6,7 +6,7 @@ import sqlite3
 from hermes_state import SessionDB
 from hermes_state_common import SCHEMA_VERSION
 from test_support import (
-    FIXTURE_DBS, V22_DB, V26_DB, TempDirTestCase, dump_hash, schema_snapshot, tracing_factory,
+    FIXTURE_DBS, V22_DB, TempDirTestCase, dump_hash, schema_snapshot, tracing_factory,
     write_statements,
 )
 
