@@ -12,6 +12,7 @@ hermes_state_common.
 """
 
 import atexit
+import hashlib
 import json
 import logging
 import os
@@ -20,13 +21,15 @@ import random
 import socket
 import sqlite3
 import sys
+import tempfile
 import threading
 import time
 import weakref
+import zipfile
 from collections import namedtuple
 from pathlib import Path
 
-from hermes_constants import get_default_db_path
+from hermes_constants import STATE_DB_FILENAME, get_default_db_path
 from hermes_state_common import (
     BUMP_MESSAGE_COUNTS_SQL,
     BUMP_REWIND_COUNT_SQL,
@@ -1066,6 +1069,26 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
 
         self._execute_write(run, transaction=False)
 
+    def backup(self, out_path):
+        """Write a zip of the whole home: the store as a consistent snapshot taken with
+        SQLite's backup API (never a copy of a live file), plus every other file of
+        the home, plus a manifest with each file's SHA-256. Created 0600."""
+        out_path = Path(out_path).resolve()
+        home = self.db_path.parent
+        with tempfile.TemporaryDirectory(prefix="hermes-backup-") as scratch:
+            snapshot = Path(scratch) / STATE_DB_FILENAME
+            target = sqlite3.connect(snapshot)
+            source = self._borrow_reader()
+            try:
+                source.backup(target)
+                target.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
+            finally:
+                self._idle_readers.put(source)
+                target.close()
+            members = [(snapshot, STATE_DB_FILENAME)] + [
+                (path, path.relative_to(home).as_posix()) for path in _home_files(home, self.db_path, out_path)]
+            return _write_backup_zip(out_path, members)
+
     def schema_version(self):
         return self._read_value(SELECT_SCHEMA_VERSION_SQL)
 
@@ -1105,6 +1128,133 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         }
         report.update(self.search_health())
         return report
+
+
+# ---------------------------------------------------------------------------
+# Whole-home backup and restore (the "ops import"; session import is another entry point)
+# ---------------------------------------------------------------------------
+
+BACKUP_MANIFEST = "hermes_backup.json"
+BACKUP_MAX_BYTES = 64 * 1024 ** 3
+
+
+def _store_files(db_path):
+    """The store and everything SQLite or this library keeps beside it."""
+    return {Path(str(db_path) + suffix) for suffix in ("",) + SIDECAR_SUFFIXES + (".lock",)}
+
+
+def _home_files(home, db_path, out_path):
+    """Every regular file of the home except the live store, its sidecars and the archive itself."""
+    skip = _store_files(db_path) | {out_path}
+    for path in sorted(home.rglob("*")):
+        if path.is_file() and not path.is_symlink() and path.resolve() not in skip and path not in skip:
+            yield path
+
+
+def _sha256_file(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_backup_zip(out_path, members):
+    manifest = {"format": "hermes_state backup v1", "created_at": time.time(), "files": []}
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as archive:
+        for path, name in members:
+            archive.write(path, name)
+            manifest["files"].append({"name": name, "bytes": path.stat().st_size, "sha256": _sha256_file(path)})
+        archive.writestr(BACKUP_MANIFEST, json.dumps(manifest, indent=2))
+    return {"archive": str(out_path), "files": [f["name"] for f in manifest["files"]]}
+
+
+def _safe_member_name(name):
+    parts = Path(name).parts
+    return bool(parts) and not Path(name).is_absolute() and ".." not in parts and ":" not in parts[0] \
+        and not name.startswith(("/", "\\"))
+
+
+def _read_backup_manifest(archive):
+    """The archive's manifest, after checking every member is named safely and listed."""
+    try:
+        manifest = json.loads(archive.read(BACKUP_MANIFEST))
+        files = {entry["name"]: entry for entry in manifest["files"]}
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ValueError(f"not a hermes_state backup: no readable {BACKUP_MANIFEST} ({exc})") from None
+    names = set(archive.namelist()) - {BACKUP_MANIFEST}
+    unsafe = [n for n in names | set(files) if not _safe_member_name(n)]
+    if unsafe:
+        raise ValueError(f"backup refused: unsafe file names {sorted(unsafe)[:5]}")
+    if names != set(files) or STATE_DB_FILENAME not in files:
+        raise ValueError("backup refused: its files do not match its manifest, or it has no state.db")
+    total = sum(archive.getinfo(name).file_size for name in names)
+    if total > BACKUP_MAX_BYTES:
+        raise ValueError(f"backup refused: it unpacks to {total} bytes; the limit is {BACKUP_MAX_BYTES}")
+    return files
+
+
+def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_BUDGET_SECONDS):
+    """Put a whole backup of the home back: the store and every other file.
+
+    Refuses to replace an existing store unless `force`; even then nothing is
+    deleted: the old store is set aside as `state.db.pre-restore-<time>-<pid>.bak`
+    and other replaced files move to `.pre-restore-<time>/`. Every file is checked
+    against the manifest's SHA-256 and the store against SQLite before anything moves.
+    """
+    db_path = Path(db_path) if db_path is not None else get_default_db_path()
+    home = db_path.parent
+    if db_path.exists() and db_path.stat().st_size and not force:
+        raise FileExistsError(f"{db_path} exists; restore replaces a whole home only with --force "
+                              "(the current store is then kept as a .bak file)")
+    home.mkdir(parents=True, exist_ok=True)
+    lock = WriterFileLock(str(db_path) + ".lock")
+    if not lock.acquire(time.monotonic() + write_budget):
+        lock.close()
+        raise StoreLockedError(f"state store {db_path} is being written; restore waited {write_budget:.0f}s")
+    try:
+        with zipfile.ZipFile(archive_path) as archive, \
+                tempfile.TemporaryDirectory(prefix=".restore-", dir=home) as scratch:
+            files = _read_backup_manifest(archive)
+            for name, entry in files.items():
+                archive.extract(name, scratch)
+                if _sha256_file(Path(scratch) / name) != entry["sha256"]:
+                    raise ValueError(f"backup refused: {name} does not match its SHA-256")
+            _check_restored_store(Path(scratch) / STATE_DB_FILENAME)
+            return _swap_in(Path(scratch), files, db_path)
+    finally:
+        lock.release()
+        lock.close()
+
+
+def _check_restored_store(path):
+    if damage_reason(path) is not None:
+        raise ValueError("backup refused: its state.db is not a SQLite database")
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        verdict = conn.execute("PRAGMA quick_check").fetchone()[0]
+    finally:
+        conn.close()
+    if verdict != "ok":
+        raise ValueError(f"backup refused: its state.db fails quick_check ({verdict})")
+
+
+def _swap_in(scratch, files, db_path):
+    home, moved, stamp = db_path.parent, [], time.strftime("%Y%m%d-%H%M%S")
+    if db_path.exists():
+        moved.append(str(set_aside(db_path, "pre-restore")))
+    for name in files:
+        target = db_path if name == STATE_DB_FILENAME else home / name
+        if target.exists() and name != STATE_DB_FILENAME:
+            kept = home / f".pre-restore-{stamp}" / name
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(target, kept)
+            moved.append(str(kept))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(scratch / name, target)
+    os.chmod(db_path, FILE_MODE)
+    return {"restored": sorted(files), "moved_aside": moved, "db_path": str(db_path)}
 
 
 # ---------------------------------------------------------------------------

@@ -15,8 +15,11 @@ import time
 from pathlib import Path
 
 from hermes_constants import reset_hermes_home_override, set_hermes_home_override
-from hermes_state import SessionDB
+from hermes_state import SessionDB, restore_home
 from hermes_state_common import COMPRESSION_END_REASON
+from hermes_state_portability import EXPORT_FORMATS, validate_import, write_export
+
+IMPORT_CHUNK = 500
 
 def _print_json(value, out):
     json.dump(value, out, ensure_ascii=False, indent=2, default=str)
@@ -148,6 +151,101 @@ def _cmd_optimize_storage(db, args, out):
     return 0
 
 
+def _cmd_export(db, args, out):
+    if args.session_id:
+        session_id = db.resolve_session_id(args.session_id)
+        export = None if session_id is None else (
+            db.export_session_lineage(session_id) if args.lineage else db.export_session(session_id))
+        if export is None:
+            sys.stderr.write(f"error: no session matches {args.session_id!r} (unknown or ambiguous)\n")
+            return 1
+        exports = [export]
+    else:
+        exports = db.export_all(source=args.source)
+    count = write_export(exports, args.format, args.out, redact_secrets=args.redact)
+    sys.stderr.write(f"exported {count} sessions as {args.format} to {args.out}"
+                     f"{' (redacted, best effort)' if args.redact else ''}\n")
+    return 0
+
+
+def _read_jsonl_chunks(path):
+    """The file's sessions in chunks of IMPORT_CHUNK; ValueError names a line that is not JSON."""
+    chunks, chunk = [], []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                chunk.append(json.loads(line))
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
+            if len(chunk) == IMPORT_CHUNK:
+                chunks.append(chunk)
+                chunk = []
+    return chunks + ([chunk] if chunk else [])
+
+
+def _cmd_import(db, args, out):
+    chunks = _read_jsonl_chunks(args.file)
+    rejected = False
+    for number, chunk in enumerate(chunks):
+        for error in validate_import(chunk, db.import_limits()):
+            rejected = True
+            where = f"session {number * IMPORT_CHUNK + error['index']}"
+            who = f" ({error['session_id']})" if "session_id" in error else ""
+            sys.stderr.write(f"error: {where}{who}: {error['error']}\n")
+    if rejected:
+        sys.stderr.write("the import was rejected; nothing was written\n")
+        return 1
+    totals = {"imported": 0, "skipped": 0, "detached": 0}
+    for chunk in chunks:
+        result = db.import_sessions(chunk)
+        for key in totals:
+            totals[key] += result[key]
+    if args.json:
+        _print_json(totals, out)
+    else:
+        out.write(f"imported {totals['imported']}, skipped {totals['skipped']}, detached {totals['detached']}\n")
+    return 0
+
+
+def _cmd_delete(db, args, out):
+    session_id = db.resolve_session_id(args.session_id)
+    if session_id is None or not db.delete_session(session_id):
+        sys.stderr.write(f"error: no session matches {args.session_id!r} (unknown or ambiguous)\n")
+        return 1
+    out.write(f"deleted {session_id}\n")
+    return 0
+
+
+def _cmd_prune(db, args, out):
+    ids = db.prunable_session_ids(args.older_than, source=args.source)
+    if not args.dry_run:
+        db.prune_sessions(args.older_than, source=args.source)
+    if args.json:
+        _print_json({"dry_run": args.dry_run, "sessions": ids}, out)
+    else:
+        verb = "would delete" if args.dry_run else "deleted"
+        out.write(f"{verb} {len(ids)} ended sessions started more than {args.older_than:g} days ago\n")
+        for session_id in ids:
+            out.write(f"  {session_id}\n")
+    return 0
+
+
+def _cmd_backup(db, args, out):
+    result = db.backup(args.out)
+    out.write(f"backed up {len(result['files'])} files of {db.db_path.parent} to {result['archive']}\n")
+    return 0
+
+
+def _cmd_restore(args, out):
+    result = restore_home(args.archive, getattr(args, "db", None), force=args.force)
+    for kept in result["moved_aside"]:
+        sys.stderr.write(f"kept the replaced file as {kept}\n")
+    out.write(f"restored {len(result['restored'])} files into {Path(result['db_path']).parent}\n")
+    return 0
+
+
 def _cmd_demo(args, out):
     home = Path(tempfile.mkdtemp(prefix="hermes-demo-"))
     token = set_hermes_home_override(home)
@@ -222,6 +320,26 @@ def build_parser():
                                   help="move an old search index layout to the current one, then VACUUM")
     storage.add_argument("--no-vacuum", action="store_true", help="rebuild now, reclaim the space later")
     storage.add_argument("--yes", action="store_true", help="do not ask before starting")
+    export = commands.add_parser("export", parents=[common], help="write sessions out (jsonl, md, qmd, html, trace)")
+    export.add_argument("out", metavar="OUT", help="file (folder for md/qmd); '-' is stdout for jsonl and trace")
+    export.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl")
+    export.add_argument("--session-id", help="one session (an id or a unique prefix) instead of all")
+    export.add_argument("--lineage", action="store_true", help="with --session-id: its whole compression chain")
+    export.add_argument("--source", help="only sessions from this source")
+    export.add_argument("--redact", action="store_true", help="mask secrets in every string (best effort)")
+    importing = commands.add_parser("import", parents=[common], help="add sessions from a jsonl export")
+    importing.add_argument("file", metavar="FILE")
+    delete = commands.add_parser("delete", parents=[common], help="delete one session and its messages")
+    delete.add_argument("session_id", metavar="ID")
+    prune = commands.add_parser("prune", parents=[common], help="delete old ended sessions")
+    prune.add_argument("--older-than", type=float, required=True, metavar="DAYS")
+    prune.add_argument("--source")
+    prune.add_argument("--dry-run", action="store_true", help="only list what would go")
+    backup = commands.add_parser("backup", parents=[common], help="zip the whole home, store included")
+    backup.add_argument("out", metavar="OUT.zip")
+    restore = commands.add_parser("restore", parents=[common], help="put a whole home back from a backup")
+    restore.add_argument("archive", metavar="ARCHIVE")
+    restore.add_argument("--force", action="store_true", help="replace an existing store (it is kept as .bak)")
     commands.add_parser("stats", parents=[common], help="counts and sizes")
     commands.add_parser("doctor", parents=[common], help="integrity, layouts, journal, runtime")
     commands.add_parser("demo", parents=[common], help="build and show an example store in a temp home")
@@ -229,18 +347,25 @@ def build_parser():
 
 
 _COMMANDS = {"list": _cmd_list, "show": _cmd_show, "search": _cmd_search, "optimize": _cmd_optimize,
-             "optimize-storage": _cmd_optimize_storage, "stats": _cmd_stats, "doctor": _cmd_doctor}
+             "optimize-storage": _cmd_optimize_storage, "stats": _cmd_stats, "doctor": _cmd_doctor,
+             "export": _cmd_export, "import": _cmd_import, "delete": _cmd_delete, "prune": _cmd_prune,
+             "backup": _cmd_backup}
 
 
 def main(argv=None, out=None):
     """Entry point of `python -m hermes_state`; returns the exit status."""
     out = out or sys.stdout
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     args.json = getattr(args, "json", False)
+    if getattr(args, "lineage", False) and args.command == "export" and not args.session_id:
+        parser.error("export --lineage needs --session-id")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
     try:
         if args.command == "demo":
             return _cmd_demo(args, out)
+        if args.command == "restore":
+            return _cmd_restore(args, out)
         db_path = getattr(args, "db", None)
         with SessionDB(db_path) as db:
             return _COMMANDS[args.command](db, args, out)

@@ -661,6 +661,20 @@ WHERE id = ?
 SELECT_ACTIVE_COUNT_INPUTS_SQL = "SELECT role, tool_calls FROM messages WHERE session_id = ? AND active = 1"
 SET_MESSAGE_COUNTS_SQL = "UPDATE sessions SET message_count = ?, tool_call_count = ? WHERE id = ?"
 SELECT_MESSAGES_SQL = "SELECT * FROM messages WHERE session_id = ?"
+# Import keeps a message's flags along with what append_message writes.
+IMPORT_MESSAGE_COLUMNS = MESSAGE_WRITE_COLUMNS + ("observed", "active", "compacted")
+# Runtime ownership an import never restores: gateway routing and identity,
+# handoffs, rewinds, pins, activity, compression cooldowns and streaks.
+IMPORT_RUNTIME_FIELDS = frozenset({
+    "session_key", "chat_id", "chat_type", "thread_id", "user_id", "display_name", "origin_json",
+    "expiry_finalized", "handoff_state", "handoff_platform", "handoff_error", "rewind_count", "pinned",
+    "last_activity_at", "last_activity_description", "last_activity_provenance", "last_read_at",
+    "compression_failure_cooldown_until", "compression_failure_error", "compression_fallback_streak",
+    "compression_ineffective_count",
+})
+SET_PARENT_SQL = "UPDATE sessions SET parent_session_id = ? WHERE id = ?"
+# Oldest first, so that an export lists parents before their children.
+SELECT_EXPORT_SESSION_IDS_SQL = "SELECT id FROM sessions {where} ORDER BY started_at, id"
 COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
 COUNT_SESSION_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE session_id = ? AND active = 1"
 SELECT_MESSAGE_OWNER_SQL = "SELECT session_id FROM messages WHERE id = ?"
