@@ -16,10 +16,12 @@ import statistics
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 from hermes_state import SessionDB, choose_journal_policy
 from hermes_state_common import BUMP_MESSAGE_COUNTS_SQL, INSERT_MESSAGE_SQL
+from hermes_state_portability import write_export
 
 HISTORY_MESSAGES = 20_000
 PROCESS_MESSAGES = 3_000
@@ -221,6 +223,31 @@ def bench_search(path, journal):
     return results, scan
 
 
+def bench_portability(folder, history, journal):
+    """Export the 20,000-message history (throughput and peak Python memory), then import it."""
+    path = fresh_store(folder, f"export-{journal}.db", journal)
+    with SessionDB(path, journal=journal) as db:
+        for i in range(0, len(history), 400):  # 50 sessions of 400 messages
+            db.create_session(f"x{i}", "cli")
+            db.append_messages_batch(f"x{i}", history[i:i + 400])
+        out = Path(folder) / "export.jsonl"
+        tracemalloc.start()
+        start = time.perf_counter()
+        write_export(db.export_all(), "jsonl", str(out))
+        exported = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    payload = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    with SessionDB(fresh_store(folder, f"import-{journal}.db", journal), journal=journal) as db:
+        start = time.perf_counter()
+        for i in range(0, len(payload), 10):
+            result = db.import_sessions(payload[i:i + 10])
+            assert result["ok"], result["errors"][:3]
+        imported = time.perf_counter() - start
+    return {"export_rate": rate(len(history), exported), "import_rate": rate(len(history), imported),
+            "peak_mb": peak / 1e6, "file_mb": out.stat().st_size / 1e6}
+
+
 def row(label, value, note=""):
     print(f"| {label:<58} | {value:>16} | {note}")
 
@@ -255,6 +282,11 @@ def main():
             row(f"[{label}] 4 processes appending at once, total", f"{four['rate']:,.0f} msg/s",
                 f"ratio {four['rate'] / one['rate']:.2f} (target >= 0.8), errors {four['errors']}, "
                 f"rows {four['stored']}/{four['expected']}")
+        moved = bench_portability(folder, history, policy.mode)
+        row("export_all to jsonl, 20,000 messages", f"{moved['export_rate']:,.0f} msg/s",
+            f"{moved['file_mb']:.0f} MB written; peak Python memory {moved['peak_mb']:.1f} MB")
+        row("import_sessions, same 20,000 messages (10 sessions a call)", f"{moved['import_rate']:,.0f} msg/s",
+            "validated, then one transaction per call")
         large = build_large_store(folder, policy.mode)
         opened = bench_open(large, policy.mode)
         row(f"open a {OPEN_STORE_MESSAGES:,}-message store ({opened['bytes'] / 1e6:.0f} MB)",
