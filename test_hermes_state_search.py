@@ -556,3 +556,29 @@ class DegradedRuntimes(TempDirTestCase):
         self.assertEqual(report["fts_triggers_complete"], {"word": True, "trigram": True})
         self.assertEqual(report["searchable_by_index"], ["trigram", "word"])
         json.dumps(report)
+
+
+class Maintenance(TempDirTestCase):
+
+    def test_rebuild_optimize_and_the_cli(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            ids = [db.append_message("s", "user", f"plum {i} 李子树") for i in range(70)]
+            self.assertEqual(db.rebuild_fts(), "current")
+            self.assertEqual(hit_ids(db, "plum"), set(ids))
+            db.optimize_fts()
+            self.assertIsNone(db._read_one("SELECT 1 FROM messages_cjk_pending"))
+            self.assertEqual(hit_ids(db, "李子"), set(ids))
+        fts_integrity_check(path)
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        found = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(path), "search", "李子",
+                                "--limit", "3", "--json"], capture_output=True, text=True, env=env, timeout=60)
+        self.assertEqual(found.returncode, 0, found.stderr)
+        self.assertEqual(len(json.loads(found.stdout)), 3)
+        text = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(path), "search", "plum 69"],
+                              capture_output=True, text=True, env=env, timeout=60)
+        self.assertIn(">>>plum<<< 69", text.stdout)
+        merged = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(path), "optimize"],
+                                capture_output=True, text=True, env=env, timeout=60)
+        self.assertEqual(merged.returncode, 0, merged.stderr)
