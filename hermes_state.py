@@ -1214,6 +1214,8 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
         lock.close()
         raise StoreLockedError(f"state store {db_path} is being written; restore waited {write_budget:.0f}s")
     try:
+        if not zipfile.is_zipfile(archive_path):
+            raise ValueError(f"backup refused: {archive_path} is not a zip archive")
         with zipfile.ZipFile(archive_path) as archive, \
                 tempfile.TemporaryDirectory(prefix=".restore-", dir=home) as scratch:
             files = _read_backup_manifest(archive)

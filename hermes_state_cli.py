@@ -8,6 +8,7 @@ progress and diagnostics on stderr) and exit codes (0 success, 1 failure,
 import argparse
 import json
 import logging
+import os
 import sqlite3
 import sys
 import tempfile
@@ -246,6 +247,18 @@ def _cmd_restore(args, out):
     return 0
 
 
+def _cmd_serve(args, out):
+    from hermes_state_server import serve
+
+    token = os.environ.get("HERMES_STATE_TOKEN", "").strip() or None
+    try:
+        return serve(getattr(args, "db", None), args.host, args.port, allow_remote=args.allow_remote,
+                     token=token, out=out)
+    except ValueError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+
+
 def _cmd_demo(args, out):
     home = Path(tempfile.mkdtemp(prefix="hermes-demo-"))
     token = set_hermes_home_override(home)
@@ -340,6 +353,10 @@ def build_parser():
     restore = commands.add_parser("restore", parents=[common], help="put a whole home back from a backup")
     restore.add_argument("archive", metavar="ARCHIVE")
     restore.add_argument("--force", action="store_true", help="replace an existing store (it is kept as .bak)")
+    server = commands.add_parser("serve", parents=[common], help="local HTTP API and session browser")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8765)
+    server.add_argument("--allow-remote", action="store_true", help="allow a host that is not loopback")
     commands.add_parser("stats", parents=[common], help="counts and sizes")
     commands.add_parser("doctor", parents=[common], help="integrity, layouts, journal, runtime")
     commands.add_parser("demo", parents=[common], help="build and show an example store in a temp home")
@@ -366,6 +383,8 @@ def main(argv=None, out=None):
             return _cmd_demo(args, out)
         if args.command == "restore":
             return _cmd_restore(args, out)
+        if args.command == "serve":
+            return _cmd_serve(args, out)
         db_path = getattr(args, "db", None)
         with SessionDB(db_path) as db:
             return _COMMANDS[args.command](db, args, out)

@@ -437,6 +437,10 @@ class BackupRestore(StoreCase):
             ("notdb.zip", not_sqlite, not_sqlite_manifest, "not a SQLite database"),
         ]
         target = self.tmp / "target" / "state.db"
+        not_zip = self.tmp / "not.zip"
+        not_zip.write_bytes(b"PK but not really")
+        with self.assertRaisesRegex(ValueError, "is not a zip archive"):
+            restore_home(not_zip, target)
         for name, files, manifest_obj, message in cases:
             files = {k: v for k, v in files.items() if k != "hermes_backup.json"}
             with self.subTest(name), self.assertRaisesRegex(ValueError, message):

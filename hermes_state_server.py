@@ -1,0 +1,490 @@
+"""`python -m hermes_state serve`: a local HTTP API over SessionDB, and a page to browse it.
+
+Owns the HTTP side only: routing, the bearer-token check, body limits, JSON
+errors, and the self-contained browser page. Every answer is a SessionDB call
+(list, export, search, import_sessions, backup, restore_home); nothing here
+touches SQL. Session import (`/api/sessions/import`) and whole-home restore
+(`/api/ops/import`) stay two different endpoints.
+"""
+
+import base64
+import hmac
+import ipaddress
+import json
+import re
+import secrets
+import sys
+import tempfile
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from hermes_state import SessionDB, restore_home
+
+MAX_BODY_BYTES = 25 * 1024 * 1024
+DEFAULT_PORT = 8765
+PAGE_LIMIT_MAX = 200
+
+
+class ApiError(Exception):
+    """An error answered as {"error": message} with an HTTP status."""
+
+    def __init__(self, status, message, **extra):
+        super().__init__(message)
+        self.status, self.message, self.extra = status, message, extra
+
+
+class ReadWriteGate:
+    """Many requests at once, or one whole-home restore alone."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+
+    def __enter__(self):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+            self._readers += 1
+
+    def __exit__(self, *exc_info):
+        with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    def exclusive(self):
+        gate = self
+
+        class Exclusive:
+            def __enter__(self):
+                with gate._cond:
+                    gate._cond.wait_for(lambda: not gate._writing)
+                    gate._writing = True
+                    gate._cond.wait_for(lambda: gate._readers == 0)
+
+            def __exit__(self, *exc_info):
+                with gate._cond:
+                    gate._writing = False
+                    gate._cond.notify_all()
+
+        return Exclusive()
+
+
+def is_loopback(host):
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _int_param(query, name, default, maximum):
+    raw = query.get(name, [str(default)])[-1]
+    if not raw.isdigit() or not 0 <= int(raw) <= maximum:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be an integer from 0 to {maximum}")
+    return int(raw)
+
+
+class StateServer(ThreadingHTTPServer):
+    """The HTTP server: one SessionDB shared by all request threads."""
+
+    daemon_threads = True
+
+    def __init__(self, db_path=None, host="127.0.0.1", port=DEFAULT_PORT, token=None, allow_remote=False):
+        if not is_loopback(host) and not allow_remote:
+            raise ValueError(f"refusing to listen on {host}: not a loopback address; pass --allow-remote "
+                             "to expose the store beyond this machine")
+        self.db = SessionDB(db_path)
+        self.db_path = self.db.db_path
+        self.token = token or secrets.token_urlsafe(32)
+        self.gate = ReadWriteGate()
+        self.log_stream = sys.stderr
+        super().__init__((host, port), ApiHandler)
+
+    @property
+    def url(self):
+        host, port = self.server_address[:2]
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{port}/"
+
+    def restore(self, archive_path, force):
+        """Swap the whole home while no request runs, then reopen the store."""
+        with self.gate.exclusive():
+            self.db.close()
+            try:
+                return restore_home(archive_path, self.db_path, force=force)
+            finally:
+                self.db = SessionDB(self.db_path)
+
+    def server_close(self):
+        super().server_close()
+        self.db.close()
+
+
+class ApiHandler(BaseHTTPRequestHandler):
+    """Routes, the token check, body limits and JSON errors."""
+
+    server_version = "hermes_state"
+    protocol_version = "HTTP/1.1"
+
+    ROUTES = (
+        (re.compile(r"^/$"), {"GET": "page"}),
+        (re.compile(r"^/api/sessions$"), {"GET": "list_sessions"}),
+        (re.compile(r"^/api/sessions/import$"), {"POST": "import_sessions"}),
+        (re.compile(r"^/api/sessions/(?P<session_id>[^/]+)$"), {"GET": "show_session"}),
+        (re.compile(r"^/api/search$"), {"GET": "search"}),
+        (re.compile(r"^/api/ops/export$"), {"GET": "ops_export"}),
+        (re.compile(r"^/api/ops/import$"), {"POST": "ops_import"}),
+    )
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def do_PUT(self):
+        self._dispatch("PUT")
+
+    def do_DELETE(self):
+        self._dispatch("DELETE")
+
+    def do_PATCH(self):
+        self._dispatch("PATCH")
+
+    def log_message(self, fmt, *args):
+        """Method, path and status only: no query strings, no headers, so no token in a log line."""
+
+    def log_request(self, code="-", size="-"):
+        path = urlsplit(self.path).path
+        self.server.log_stream.write(f"{self.log_date_time_string()} {self.command} {path} {int(code)}\n")
+
+    def _dispatch(self, method):
+        self._body_read = False
+        try:
+            parts = urlsplit(self.path)
+            handler, params = self._route(method, parts.path)
+            if handler != "page":
+                self._check_token()
+            query = parse_qs(parts.query, keep_blank_values=True)
+            if handler == "ops_import":
+                getattr(self, handler)(query, **params)
+                return
+            with self.server.gate:
+                getattr(self, handler)(query, **params)
+        except ApiError as exc:
+            headers = exc.extra.pop("headers", None)
+            if self.headers.get("Content-Length", "0") != "0" and not self._body_read:
+                self.close_connection = True  # the unread body must not be taken for the next request
+            self._send_json({"error": exc.message, **exc.extra}, exc.status, headers)
+        except Exception as exc:  # an answer, never a dropped connection
+            self.server.log_stream.write(f"internal error on {self.command} {urlsplit(self.path).path}: {exc!r}\n")
+            self._send_json({"error": "internal error; see the server's log"}, HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    def _route(self, method, path):
+        for pattern, methods in self.ROUTES:
+            match = pattern.match(path)
+            if match:
+                if method not in methods:
+                    raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"{method} is not allowed on {path}",
+                                   headers={"Allow": ", ".join(methods)})
+                return methods[method], {k: unquote(v) for k, v in match.groupdict().items()}
+        raise ApiError(HTTPStatus.NOT_FOUND, f"no such path: {path}")
+
+    def _check_token(self):
+        header = self.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 self.server.token.encode()):
+            raise ApiError(HTTPStatus.UNAUTHORIZED, "a valid 'Authorization: Bearer <token>' header is required",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def _read_json(self):
+        """The request body as JSON, refused before reading when it is over MAX_BODY_BYTES."""
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
+        if int(length) > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                           f"the body is {int(length)} bytes; the limit is {MAX_BODY_BYTES}")
+        body = self.rfile.read(int(length))
+        self._body_read = True
+        try:
+            return json.loads(body.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"malformed JSON: {exc}") from None
+
+    def _send(self, status, body, content_type, headers=None):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Referrer-Policy", "no-referrer")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _send_json(self, value, status=HTTPStatus.OK, headers=None):
+        body = json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
+        self._send(status, body, "application/json; charset=utf-8", headers)
+
+    # -- endpoints ---------------------------------------------------------------
+
+    def page(self, query):
+        nonce = secrets.token_urlsafe(16)
+        body = PAGE_HTML.replace("{nonce}", nonce).encode("utf-8")
+        self._send(HTTPStatus.OK, body, "text/html; charset=utf-8", {
+            "Content-Security-Policy": f"default-src 'none'; script-src 'nonce-{nonce}'; "
+                                       "style-src 'unsafe-inline'; connect-src 'self'; base-uri 'none'; "
+                                       "form-action 'none'; frame-ancestors 'none'"})
+
+    def list_sessions(self, query):
+        limit = _int_param(query, "limit", 50, PAGE_LIMIT_MAX) or 1
+        offset = _int_param(query, "offset", 0, 10 ** 9)
+        source = query.get("source", [None])[-1] or None
+        db = self.server.db
+        self._send_json({"sessions": db.list_sessions_rich(source=source, limit=limit, offset=offset),
+                         "total": db.session_count(source=source, include_archived=False),
+                         "limit": limit, "offset": offset})
+
+    def show_session(self, query, session_id):
+        db = self.server.db
+        lineage = query.get("lineage", ["0"])[-1] in ("1", "true")
+        export = db.export_session_lineage(session_id) if lineage else db.export_session(session_id)
+        if export is None:
+            raise ApiError(HTTPStatus.NOT_FOUND, f"no session {session_id!r}")
+        self._send_json(export)
+
+    def search(self, query):
+        text = query.get("q", [""])[-1]
+        try:
+            hits = self.server.db.search_messages(
+                text, limit=_int_param(query, "limit", 20, PAGE_LIMIT_MAX) or 1,
+                offset=_int_param(query, "offset", 0, 10 ** 9), role_filter=query.get("role") or None,
+                source_filter=query.get("source") or None)
+        except ValueError as exc:
+            raise ApiError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        self._send_json({"query": text, "hits": hits})
+
+    def import_sessions(self, query):
+        body = self._read_json()
+        if not isinstance(body, dict) or "sessions" not in body:
+            raise ApiError(HTTPStatus.BAD_REQUEST, 'the body must be {"sessions": [...]}')
+        try:
+            result = self.server.db.import_sessions(body["sessions"])
+        except ValueError as exc:
+            raise ApiError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        if not result["ok"]:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "the import was rejected; nothing was written",
+                           **{k: v for k, v in result.items()})
+        self._send_json(result)
+
+    def ops_export(self, query):
+        with tempfile.TemporaryDirectory(prefix="hermes-ops-export-") as scratch:
+            archive = Path(scratch) / "hermes-home.zip"
+            self.server.db.backup(archive)
+            body = archive.read_bytes()
+        self._send(HTTPStatus.OK, body, "application/zip",
+                   {"Content-Disposition": 'attachment; filename="hermes-home.zip"'})
+
+    def ops_import(self, query):
+        body = self._read_json()
+        if not isinstance(body, dict) or not isinstance(body.get("archive"), str):
+            raise ApiError(HTTPStatus.BAD_REQUEST, 'the body must be {"archive": "<base64 zip>", "force": false}')
+        try:
+            archive = base64.b64decode(body["archive"], validate=True)
+        except ValueError:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "archive is not valid base64") from None
+        with tempfile.TemporaryDirectory(prefix="hermes-ops-import-") as scratch:
+            path = Path(scratch) / "backup.zip"
+            path.write_bytes(archive)
+            try:
+                result = self.server.restore(path, force=body.get("force") is True)
+            except FileExistsError as exc:
+                raise ApiError(HTTPStatus.CONFLICT, f'{exc} (send "force": true)') from None
+            except (ValueError, OSError) as exc:
+                raise ApiError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        self._send_json(result)
+
+
+def serve(db_path=None, host="127.0.0.1", port=DEFAULT_PORT, allow_remote=False, token=None, out=None):
+    """Run the server until interrupted; prints the page's URL (with the token in its fragment)."""
+    out = out or sys.stdout
+    server = StateServer(db_path, host, port, token=token, allow_remote=allow_remote)
+    out.write(f"hermes_state serving {server.db_path}\n"
+              f"open {server.url}#token={server.token}\n"
+              f"API: Authorization: Bearer {server.token}\n")
+    out.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+PAGE_HTML = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>Hermes sessions</title>
+<style>
+* { box-sizing: border-box; }
+body { margin: 0; font: 14px/1.5 system-ui, "Noto Sans CJK SC", "PingFang SC", "Microsoft YaHei", sans-serif;
+       color: #0f172a; display: grid; grid-template-columns: 22rem 1fr; height: 100vh; }
+aside { border-right: 1px solid #e2e8f0; display: flex; flex-direction: column; min-height: 0; }
+aside header { padding: .8rem; border-bottom: 1px solid #e2e8f0; }
+aside h1 { font-size: 1.1rem; margin: 0 0 .5rem; }
+input[type=search] { width: 100%; padding: .45rem .6rem; border: 1px solid #cbd5e1; border-radius: 6px; font: inherit; }
+#list { overflow-y: auto; flex: 1; }
+.item { padding: .55rem .8rem; border-bottom: 1px solid #f1f5f9; cursor: pointer; }
+.item:hover, .item.active { background: #f8fafc; }
+.item .title { font-weight: 600; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.item .sub { color: #64748b; font-size: 12px; }
+.item .snippet { font-size: 13px; color: #334155; }
+mark { background: #fde68a; }
+button.more { margin: .6rem .8rem; }
+main { overflow-y: auto; overflow-x: hidden; padding: 1rem 1.5rem; }
+summary { overflow-wrap: anywhere; cursor: pointer; }
+.meta { color: #475569; font-size: 13px; }
+.message { border: 1px solid #e2e8f0; border-radius: 8px; margin: .6rem 0; padding: .5rem .8rem; }
+.role-assistant { background: #f1f5f9; } .role-tool { background: #f0f9ff; }
+.role { font-weight: 600; text-transform: capitalize; } .time { color: #64748b; font-size: 12px; margin-left: .5rem; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; margin: .3rem 0; font-family: ui-monospace, monospace; }
+.call { background: #1e293b; color: #f8fafc; border-radius: 6px; padding: .3rem .6rem; font-size: 13px; margin: .3rem 0; }
+.error { color: #b91c1c; padding: .8rem; }
+.segment { margin-top: 1.2rem; padding-top: .4rem; border-top: 2px dashed #cd7f32; color: #92400e; font-size: 12px; }
+</style></head>
+<body>
+<aside>
+  <header><h1>Hermes sessions</h1>
+  <input type="search" id="q" placeholder="Search messages (words, phrases, 中文)" autocomplete="off"></header>
+  <div id="list"></div>
+</aside>
+<main id="view"><p class="meta">Pick a session on the left, or search.</p></main>
+<script nonce="{nonce}">
+"use strict";
+const fragment = new URLSearchParams(location.hash.slice(1));
+if (fragment.get("token")) sessionStorage.setItem("hermes_token", fragment.get("token"));
+if (location.hash) history.replaceState(null, "", location.pathname);
+const token = sessionStorage.getItem("hermes_token") || "";
+const list = document.getElementById("list"), view = document.getElementById("view");
+let offset = 0;
+
+function el(tag, cls, text) {
+  const node = document.createElement(tag);
+  if (cls) node.className = cls;
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  return node;
+}
+function when(ts) { return ts ? new Date(ts * 1000).toLocaleString() : ""; }
+async function api(path) {
+  const response = await fetch(path, {headers: {Authorization: "Bearer " + token}});
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.error || response.statusText);
+  return body;
+}
+function fail(where, error) { where.replaceChildren(el("p", "error", error.message)); }
+function marked(snippet) {
+  const span = el("span", "snippet");
+  snippet.split(/(>>>|<<<)/).reduce((inside, part) => {
+    if (part === ">>>") return true;
+    if (part === "<<<") return false;
+    span.append(inside ? el("mark", null, part) : document.createTextNode(part));
+    return inside;
+  }, false);
+  return span;
+}
+async function loadSessions(more) {
+  if (!more) { offset = 0; list.replaceChildren(); }
+  try {
+    const page = await api("/api/sessions?limit=50&offset=" + offset);
+    list.querySelector("button.more")?.remove();
+    for (const s of page.sessions) {
+      const item = el("div", "item");
+      item.append(el("div", "title", s.title || s.preview || s.id),
+                  el("div", "sub", s.source + " · " + when(s.last_active) + " · " + (s.message_count || 0) + " msgs"));
+      item.onclick = () => showSession(s.id);
+      list.append(item);
+    }
+    offset += page.sessions.length;
+    if (offset < page.total) {
+      const button = el("button", "more", "More sessions");
+      button.onclick = () => loadSessions(true);
+      list.append(button);
+    }
+  } catch (error) { fail(list, error); }
+}
+async function search(text) {
+  if (!text.trim()) return loadSessions(false);
+  try {
+    const result = await api("/api/search?limit=50&q=" + encodeURIComponent(text));
+    list.replaceChildren();
+    if (!result.hits.length) list.append(el("p", "meta", "No messages match."));
+    for (const hit of result.hits) {
+      const item = el("div", "item");
+      item.append(el("div", "sub", hit.session_id + " · " + hit.role + " · " + when(hit.timestamp)), marked(hit.snippet));
+      item.onclick = () => showSession(hit.session_id);
+      list.append(item);
+    }
+  } catch (error) { fail(list, error); }
+}
+function messageNode(m) {
+  const node = el("div", "message role-" + m.role);
+  node.append(el("span", "role", m.role + (m.tool_name ? " · " + m.tool_name : "")), el("span", "time", when(m.timestamp)));
+  const text = m.content || "";
+  if (m.role === "tool" && text.length > 600) {
+    const fold = el("details"), summary = el("summary", null, text.slice(0, 200) + "… (" + text.length + " characters)");
+    fold.append(summary, el("pre", null, text));
+    node.append(fold);
+  } else {
+    node.append(el("pre", null, text));
+  }
+  for (const call of m.tool_calls || []) {
+    const fn = call.function || {};
+    node.append(el("div", "call", "→ " + fn.name + "(" + (fn.arguments || "") + ")"));
+  }
+  return node;
+}
+async function showSession(id) {
+  try {
+    const s = await api("/api/sessions/" + encodeURIComponent(id) + "?lineage=1");
+    const header = el("header");
+    header.append(el("h2", null, s.title || s.id),
+                  el("p", "meta", [s.source, s.model, when(s.started_at), s.message_count + " messages"].join(" · ")));
+    if (s.lineage_session_ids && s.lineage_session_ids.length > 1)
+      header.append(el("p", "meta", "Compression lineage: " + s.lineage_session_ids.join(" → ")));
+    if (s.system_prompt) {
+      const prompt = el("details");
+      prompt.append(el("summary", null, "System prompt"), el("pre", null, s.system_prompt));
+      header.append(prompt);
+    }
+    const body = [header];
+    for (const segment of s.segments) {
+      if (s.segments.length > 1) body.push(el("div", "segment", "Segment " + segment.id));
+      for (const m of segment.messages) body.push(messageNode(m));
+    }
+    view.replaceChildren(...body);
+  } catch (error) { fail(view, error); }
+}
+let pending;
+document.getElementById("q").addEventListener("input", (event) => {
+  clearTimeout(pending);
+  pending = setTimeout(() => search(event.target.value), 250);
+});
+if (fragment.get("q")) {
+  document.getElementById("q").value = fragment.get("q");
+  search(fragment.get("q"));
+} else {
+  loadSessions(false);
+}
+if (fragment.get("session")) showSession(fragment.get("session"));
+</script>
+</body></html>
+"""

@@ -1,0 +1,220 @@
+"""The local HTTP API and page, over a real loopback socket with urllib."""
+
+import base64
+import http.client
+import io
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from hermes_state import SessionDB
+from hermes_state_server import MAX_BODY_BYTES, StateServer, is_loopback
+from test_support import TempDirTestCase, fixture_path
+
+TOKEN = "t0ken-for-tests"
+
+
+def fixture_sessions():
+    with open(fixture_path("hermes_v26_export.jsonl"), encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+class ServerCase(TempDirTestCase):
+
+    def start(self, home="home", token=TOKEN):
+        server = StateServer(self.tmp / home / "state.db", "127.0.0.1", 0, token=token)
+        server.log_stream = io.StringIO()
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+
+        def stop():
+            server.shutdown()
+            server.server_close()
+            thread.join(10)
+
+        self.addCleanup(stop)
+        return server
+
+    def setUp(self):
+        super().setUp()
+        self.server = self.start()
+
+    def call(self, path, method="GET", body=None, token=TOKEN, server=None, raw=False):
+        server = server or self.server
+        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode("utf-8"))
+        request = urllib.request.Request(server.url.rstrip("/") + path, data=data, method=method)
+        if token is not None:
+            request.add_header("Authorization", f"Bearer {token}")
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                payload = response.read()
+                return response.status, payload if raw else json.loads(payload)
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+
+class Endpoints(ServerCase):
+
+    def test_import_list_show_search(self):
+        status, result = self.call("/api/sessions/import", "POST", {"sessions": fixture_sessions()})
+        self.assertEqual((status, result["ok"], result["imported"], result["detached"]), (200, True, 20, 0))
+        status, page = self.call("/api/sessions?limit=5&offset=5")
+        self.assertEqual((status, len(page["sessions"]), page["total"], page["offset"]), (200, 5, 20, 5))
+        self.assertIn("preview", page["sessions"][0])
+        status, session = self.call("/api/sessions/bench_000003")
+        self.assertEqual((status, session["id"], len(session["messages"])), (200, "bench_000003", 16))
+        status, chain = self.call("/api/sessions/bench_000006?lineage=1")
+        self.assertEqual(chain["lineage_session_ids"], ["bench_000005", "bench_000006"])
+        status, found = self.call("/api/search?q=" + urllib.request.quote("会话"))
+        self.assertEqual((status, len(found["hits"])), (200, 3))
+        self.assertIn(">>>会话<<<", found["hits"][0]["snippet"])
+        status, found = self.call("/api/search?q=migration&role=user&limit=3")
+        self.assertEqual(status, 200)
+        self.assertTrue(found["hits"] and all(h["role"] == "user" for h in found["hits"]))
+
+    def test_an_import_is_then_found_by_search(self):
+        entry = {"id": "fresh", "source": "api", "messages": [{"role": "user", "content": "quokka 袋鼠岛", "timestamp": 5}]}
+        self.assertEqual(self.call("/api/sessions/import", "POST", {"sessions": [entry]})[0], 200)
+        self.assertEqual([h["session_id"] for h in self.call("/api/search?q=quokka")[1]["hits"]], ["fresh"])
+        self.assertEqual([h["session_id"] for h in self.call("/api/search?q=" + urllib.request.quote("袋鼠"))[1]["hits"]],
+                         ["fresh"])
+
+    def test_error_statuses_are_json_with_a_message(self):
+        cases = [
+            (self.call("/api/sessions", token=None), 401),
+            (self.call("/api/sessions", token="wrong"), 401),
+            (self.call("/api/nothing"), 404),
+            (self.call("/api/sessions/ghost"), 404),
+            (self.call("/api/sessions", "DELETE"), 405),
+            (self.call("/api/search", "POST", {}), 405),
+            (self.call("/api/sessions/import", "POST", b"{not json"), 400),
+            (self.call("/api/sessions/import", "POST", {"nope": 1}), 400),
+            (self.call("/api/sessions/import", "POST", {"sessions": "x"}), 400),
+            (self.call("/api/sessions?limit=abc"), 400),
+            (self.call("/api/search?q=x&limit=99999"), 400),
+            (self.call("/api/ops/import", "POST", {"archive": "%%%"}), 400),
+        ]
+        for (status, body), expected in cases:
+            self.assertEqual(status, expected, body)
+            self.assertIsInstance(body["error"], str)
+            self.assertTrue(body["error"])
+
+    def test_a_rejected_import_answers_400_with_every_error(self):
+        status, body = self.call("/api/sessions/import", "POST",
+                                 {"sessions": [{"id": ""}, {"id": "x", "messages": [{"role": ""}]}]})
+        self.assertEqual(status, 400)
+        self.assertEqual([e["index"] for e in body["errors"]], [0, 1])
+        self.assertFalse(body["ok"])
+        self.assertEqual(self.call("/api/sessions")[1]["total"], 0)
+
+    def test_bodies_over_the_cap_get_413_before_they_are_read(self):
+        host, port = self.server.server_address[:2]
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.putrequest("POST", "/api/sessions/import")
+        conn.putheader("Authorization", f"Bearer {TOKEN}")
+        conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
+        conn.endheaders()
+        response = conn.getresponse()
+        self.assertEqual(response.status, 413)
+        self.assertIn("the limit is 26214400", json.loads(response.read())["error"])
+        conn.close()
+
+    def test_the_page_is_self_contained_and_carries_no_data(self):
+        request = urllib.request.Request(self.server.url)
+        with urllib.request.urlopen(request, timeout=10) as response:
+            page = response.read().decode("utf-8")
+            csp = response.headers["Content-Security-Policy"]
+        self.assertIn("default-src 'none'", csp)
+        self.assertNotRegex(page, r"(src|href)=\"?https?:")
+        self.assertNotIn(TOKEN, page)
+        self.assertIn('sessionStorage.setItem("hermes_token"', page)
+        self.assertIn("textContent", page)
+        self.assertNotIn("innerHTML", page)
+
+    def test_token_never_reaches_the_log(self):
+        self.call("/api/search?q=secret-query")
+        self.call("/api/sessions", token="wrong")
+        log = self.server.log_stream.getvalue()
+        self.assertIn("GET /api/search 200", log)
+        self.assertIn("GET /api/sessions 401", log)
+        self.assertNotIn(TOKEN, log)
+        self.assertNotIn("secret-query", log)
+
+    def test_only_loopback_unless_allowed(self):
+        self.assertTrue(is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost"))
+        self.assertFalse(is_loopback("0.0.0.0") or is_loopback("192.168.1.5"))
+        with self.assertRaisesRegex(ValueError, "--allow-remote"):
+            StateServer(self.tmp / "x.db", "0.0.0.0", 0, token=TOKEN)
+
+
+class OpsBackupRestore(ServerCase):
+
+    def test_a_downloaded_backup_restores_into_another_home(self):
+        self.call("/api/sessions/import", "POST", {"sessions": fixture_sessions()})
+        (self.tmp / "home" / "notes.txt").write_text("keep me")
+        status, archive = self.call("/api/ops/export", raw=True)
+        self.assertEqual(status, 200)
+        self.assertEqual(archive[:2], b"PK")
+        other = self.start(home="other")
+        body = {"archive": base64.b64encode(archive).decode()}
+        status, conflict = self.call("/api/ops/import", "POST", body, server=other)
+        self.assertEqual(status, 409)
+        self.assertIn('"force": true', conflict["error"])
+        status, result = self.call("/api/ops/import", "POST", dict(body, force=True), server=other)
+        self.assertEqual(status, 200, result)
+        self.assertIn("notes.txt", result["restored"])
+        self.assertEqual((self.tmp / "other" / "notes.txt").read_text(), "keep me")
+        self.assertEqual(self.call("/api/sessions", server=other)[1]["total"], 20)
+        self.assertEqual(len(self.call("/api/search?q=" + urllib.request.quote("会话"), server=other)[1]["hits"]), 3)
+
+    def test_a_hostile_archive_is_refused(self):
+        status, body = self.call("/api/ops/import", "POST", {"archive": base64.b64encode(b"PK not a zip").decode(),
+                                                             "force": True})
+        self.assertEqual(status, 400)
+        self.assertEqual(self.call("/api/sessions")[0], 200)
+
+
+class Concurrency(ServerCase):
+
+    def test_ten_clients_reading_and_importing(self):
+        errors, imported, stop = [], [], threading.Event()
+
+        def client(number):
+            i = 0
+            while not stop.is_set():
+                try:
+                    if number % 3 == 0:
+                        session_id = f"c{number}-{i}"
+                        entry = {"id": session_id, "source": "load",
+                                 "messages": [{"role": "user", "content": f"load {number} {i} 并发"}] * 20}
+                        status, body = self.call("/api/sessions/import", "POST", {"sessions": [entry]})
+                        if status != 200:
+                            errors.append(body)
+                        imported.append(session_id)
+                    else:
+                        for path in ("/api/sessions?limit=20", "/api/search?q=load",
+                                     "/api/search?q=" + urllib.request.quote("并发")):
+                            status, body = self.call(path)
+                            if status != 200:
+                                errors.append(body)
+                except Exception as exc:  # collected and asserted below
+                    errors.append(repr(exc))
+                i += 1
+
+        threads = [threading.Thread(target=client, args=(n,)) for n in range(10)]
+        for thread in threads:
+            thread.start()
+        time.sleep(3)
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        self.assertEqual(errors, [])
+        self.assertGreater(len(imported), 10)
+        with SessionDB(self.tmp / "home" / "state.db", read_only=True) as db:
+            stored = {s["id"] for s in db.list_sessions_rich(limit=10_000)}
+            self.assertEqual(stored, set(imported))
+            self.assertEqual(db.message_count(), 20 * len(imported))
