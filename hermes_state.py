@@ -79,6 +79,7 @@ from hermes_state_common import (
     UPSERT_MODEL_USAGE_SQL,
     UPSERT_ROUTING_SQL,
     chunked,
+    count_tool_calls,
     placeholders,
     prefix_bounds,
     store_file_bytes,
@@ -352,16 +353,6 @@ def _json_text(name, value, *, want_object=False):
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name} is not JSON-serialisable: {exc}") from None
-
-
-def count_tool_calls(tool_calls):
-    """How many calls a stored `tool_calls` value holds (a JSON list, or text of one)."""
-    if isinstance(tool_calls, str):
-        try:
-            tool_calls = json.loads(tool_calls)
-        except ValueError:
-            return 0
-    return len(tool_calls) if isinstance(tool_calls, list) else 0
 
 
 def decode_message(row):

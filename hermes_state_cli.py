@@ -27,6 +27,21 @@ def _print_json(value, out):
     out.write("\n")
 
 
+def _emit(args, out, value, print_text):
+    """`value` as JSON with --json, else as text through `print_text(value, out)`."""
+    if args.json:
+        _print_json(value, out)
+    else:
+        print_text(value, out)
+
+
+def _print_fields(width):
+    def print_fields(mapping, out):
+        for key, value in mapping.items():
+            out.write(f"{key:>{width}}: {value}\n")
+    return print_fields
+
+
 def _format_time(ts):
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
 
@@ -59,10 +74,7 @@ def _print_session(export, out):
 def _cmd_list(db, args, out):
     sessions = db.list_sessions_rich(source=args.source, limit=args.limit, offset=args.offset,
                                      include_archived=args.archived)
-    if args.json:
-        _print_json(sessions, out)
-    else:
-        _print_session_list(sessions, out)
+    _emit(args, out, sessions, _print_session_list)
     return 0
 
 
@@ -72,30 +84,18 @@ def _cmd_show(db, args, out):
         sys.stderr.write(f"error: no session matches {args.session_id!r} (unknown or ambiguous)\n")
         return 1
     export = db.export_session_lineage(session_id) if args.lineage else db.export_session(session_id)
-    if args.json:
-        _print_json(export, out)
-    else:
-        _print_session(export, out)
+    _emit(args, out, export, _print_session)
     return 0
 
 
 def _cmd_stats(db, args, out):
-    stats = db.stats()
-    if args.json:
-        _print_json(stats, out)
-    else:
-        for key, value in stats.items():
-            out.write(f"{key:>20}: {value}\n")
+    _emit(args, out, db.stats(), _print_fields(20))
     return 0
 
 
 def _cmd_doctor(db, args, out):
     report = db.doctor()
-    if args.json:
-        _print_json(report, out)
-    else:
-        for key, value in report.items():
-            out.write(f"{key:>26}: {value}\n")
+    _emit(args, out, report, _print_fields(26))
     return 0 if report["ok"] else 1
 
 
@@ -109,10 +109,7 @@ def _cmd_search(db, args, out):
     hits = db.search_messages(args.query, source_filter=args.source, role_filter=args.role,
                               limit=args.limit, offset=args.offset, sort=args.sort,
                               include_inactive=args.include_inactive)
-    if args.json:
-        _print_json(hits, out)
-    else:
-        _print_hits(hits, out)
+    _emit(args, out, hits, _print_hits)
     return 0
 
 

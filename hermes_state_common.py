@@ -7,6 +7,7 @@ connection: the mixins and SessionDB do that, and import from here so that
 none of them has to import another.
 """
 
+import json
 from pathlib import Path
 
 # ---------------------------------------------------------------------------
@@ -333,51 +334,63 @@ CURRENT_FTS_INDEX_DDL = {
     "cjk": CURRENT_FTS_TABLES_SQL[4:6],
 }
 
-_WORD_ROW = "{row}.id, " + _TOOL_PREFIX + ", {row}.tool_name, {row}.tool_calls"
-CURRENT_FTS_TRIGGERS = {
-    "word": {
+def _word_triggers(row, watched):
+    """The three triggers of an external-content word index; `row` is the
+    indexed tuple with a {row} slot for new/old, `watched` the columns it reads."""
+    columns = "rowid, content, tool_name, tool_calls"
+    changed = " OR ".join(f"old.{c} IS NOT new.{c}" for c in watched)
+    return {
         "messages_fts_insert": f"""CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages
 WHEN {_NEW_INDEXED}
 BEGIN
-    INSERT INTO messages_fts(rowid, content, tool_name, tool_calls) VALUES ({_WORD_ROW.format(row="new")});
+    INSERT INTO messages_fts({columns}) VALUES ({row.format(row="new")});
 END""",
         "messages_fts_delete": f"""CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages
 WHEN {_OLD_INDEXED}
 BEGIN
-    INSERT INTO messages_fts(messages_fts, rowid, content, tool_name, tool_calls)
-    VALUES ('delete', {_WORD_ROW.format(row="old")});
+    INSERT INTO messages_fts(messages_fts, {columns}) VALUES ('delete', {row.format(row="old")});
 END""",
-        "messages_fts_update": f"""CREATE TRIGGER messages_fts_update
-AFTER UPDATE OF content, tool_name, tool_calls, role ON messages
-WHEN (old.content IS NOT new.content OR old.tool_name IS NOT new.tool_name
-      OR old.tool_calls IS NOT new.tool_calls OR old.role IS NOT new.role)
- AND {_OLD_INDEXED}
+        "messages_fts_update": f"""CREATE TRIGGER messages_fts_update AFTER UPDATE OF {", ".join(watched)} ON messages
+WHEN ({changed}) AND {_OLD_INDEXED}
 BEGIN
-    INSERT INTO messages_fts(messages_fts, rowid, content, tool_name, tool_calls)
-    VALUES ('delete', {_WORD_ROW.format(row="old")});
-    INSERT INTO messages_fts(rowid, content, tool_name, tool_calls) VALUES ({_WORD_ROW.format(row="new")});
+    INSERT INTO messages_fts(messages_fts, {columns}) VALUES ('delete', {row.format(row="old")});
+    INSERT INTO messages_fts({columns}) VALUES ({row.format(row="new")});
 END""",
-    },
-    "trigram": {
+    }
+
+
+def _trigram_triggers(indexed, watched):
+    """The three triggers of an external-content trigram index without tool rows;
+    `indexed` are its columns, `watched` the message columns it depends on."""
+    columns = ", ".join(("rowid",) + indexed)
+    values = {side: ", ".join((f"{side}.id",) + tuple(f"{side}.{c}" for c in indexed)) for side in ("new", "old")}
+    changed = " OR ".join(f"old.{c} IS NOT new.{c}" for c in watched)
+    return {
         "messages_fts_trigram_insert": f"""CREATE TRIGGER messages_fts_trigram_insert AFTER INSERT ON messages
 WHEN new.role <> 'tool' AND {_NEW_INDEXED}
 BEGIN
-    INSERT INTO messages_fts_trigram(rowid, content) VALUES (new.id, new.content);
+    INSERT INTO messages_fts_trigram({columns}) VALUES ({values["new"]});
 END""",
         "messages_fts_trigram_delete": f"""CREATE TRIGGER messages_fts_trigram_delete AFTER DELETE ON messages
 WHEN old.role <> 'tool' AND {_OLD_INDEXED}
 BEGIN
-    INSERT INTO messages_fts_trigram(messages_fts_trigram, rowid, content) VALUES ('delete', old.id, old.content);
+    INSERT INTO messages_fts_trigram(messages_fts_trigram, {columns}) VALUES ('delete', {values["old"]});
 END""",
         "messages_fts_trigram_update": f"""CREATE TRIGGER messages_fts_trigram_update
-AFTER UPDATE OF content, role ON messages
-WHEN (old.content IS NOT new.content OR old.role IS NOT new.role) AND {_OLD_INDEXED}
+AFTER UPDATE OF {", ".join(watched)} ON messages
+WHEN ({changed}) AND {_OLD_INDEXED}
 BEGIN
-    INSERT INTO messages_fts_trigram(messages_fts_trigram, rowid, content)
-    SELECT 'delete', old.id, old.content WHERE old.role <> 'tool';
-    INSERT INTO messages_fts_trigram(rowid, content) SELECT new.id, new.content WHERE new.role <> 'tool';
+    INSERT INTO messages_fts_trigram(messages_fts_trigram, {columns})
+    SELECT 'delete', {values["old"]} WHERE old.role <> 'tool';
+    INSERT INTO messages_fts_trigram({columns}) SELECT {values["new"]} WHERE new.role <> 'tool';
 END""",
-    },
+    }
+
+
+CURRENT_FTS_TRIGGERS = {
+    "word": _word_triggers("{row}.id, " + _TOOL_PREFIX + ", {row}.tool_name, {row}.tool_calls",
+                           ("content", "tool_name", "tool_calls", "role")),
+    "trigram": _trigram_triggers(("content",), ("content", "role")),
     "cjk": {
         "messages_fts_cjk_insert": f"""CREATE TRIGGER messages_fts_cjk_insert AFTER INSERT ON messages
 WHEN new.role <> 'tool' AND new.content GLOB {CJK_GLOB} AND {_NEW_INDEXED}
@@ -400,56 +413,13 @@ END""",
     },
 }
 
-# hermes-agent 0.20's triggers, recreated as they were if one goes missing.
-_EXTERNAL_ROW = "{row}.id, {row}.content, {row}.tool_name, {row}.tool_calls"
+# hermes-agent 0.20's triggers (full tool output; trigram with tool_name and
+# tool_calls), recreated the same way if one goes missing.
 EXTERNAL_FTS_TRIGGERS = {
-    "word": {
-        "messages_fts_insert": f"""CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages
-WHEN {_NEW_INDEXED}
-BEGIN
-    INSERT INTO messages_fts(rowid, content, tool_name, tool_calls) VALUES ({_EXTERNAL_ROW.format(row="new")});
-END""",
-        "messages_fts_delete": f"""CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages
-WHEN {_OLD_INDEXED}
-BEGIN
-    INSERT INTO messages_fts(messages_fts, rowid, content, tool_name, tool_calls)
-    VALUES ('delete', {_EXTERNAL_ROW.format(row="old")});
-END""",
-        "messages_fts_update": f"""CREATE TRIGGER messages_fts_update
-AFTER UPDATE OF content, tool_name, tool_calls ON messages
-WHEN (old.content IS NOT new.content OR old.tool_name IS NOT new.tool_name OR old.tool_calls IS NOT new.tool_calls)
- AND {_OLD_INDEXED}
-BEGIN
-    INSERT INTO messages_fts(messages_fts, rowid, content, tool_name, tool_calls)
-    VALUES ('delete', {_EXTERNAL_ROW.format(row="old")});
-    INSERT INTO messages_fts(rowid, content, tool_name, tool_calls) VALUES ({_EXTERNAL_ROW.format(row="new")});
-END""",
-    },
-    "trigram": {
-        "messages_fts_trigram_insert": f"""CREATE TRIGGER messages_fts_trigram_insert AFTER INSERT ON messages
-WHEN new.role <> 'tool' AND {_NEW_INDEXED}
-BEGIN
-    INSERT INTO messages_fts_trigram(rowid, content, tool_name, tool_calls)
-    VALUES ({_EXTERNAL_ROW.format(row="new")});
-END""",
-        "messages_fts_trigram_delete": f"""CREATE TRIGGER messages_fts_trigram_delete AFTER DELETE ON messages
-WHEN old.role <> 'tool' AND {_OLD_INDEXED}
-BEGIN
-    INSERT INTO messages_fts_trigram(messages_fts_trigram, rowid, content, tool_name, tool_calls)
-    VALUES ('delete', {_EXTERNAL_ROW.format(row="old")});
-END""",
-        "messages_fts_trigram_update": f"""CREATE TRIGGER messages_fts_trigram_update
-AFTER UPDATE OF content, tool_name, tool_calls, role ON messages
-WHEN (old.content IS NOT new.content OR old.tool_name IS NOT new.tool_name
-      OR old.tool_calls IS NOT new.tool_calls OR old.role IS NOT new.role)
- AND {_OLD_INDEXED}
-BEGIN
-    INSERT INTO messages_fts_trigram(messages_fts_trigram, rowid, content, tool_name, tool_calls)
-    SELECT 'delete', {_EXTERNAL_ROW.format(row="old")} WHERE old.role <> 'tool';
-    INSERT INTO messages_fts_trigram(rowid, content, tool_name, tool_calls)
-    SELECT {_EXTERNAL_ROW.format(row="new")} WHERE new.role <> 'tool';
-END""",
-    },
+    "word": _word_triggers("{row}.id, {row}.content, {row}.tool_name, {row}.tool_calls",
+                           ("content", "tool_name", "tool_calls")),
+    "trigram": _trigram_triggers(("content", "tool_name", "tool_calls"),
+                                 ("content", "tool_name", "tool_calls", "role")),
 }
 
 # hermes-agent 0.19's inline triggers. The update triggers are the narrowed
@@ -713,6 +683,16 @@ RELEASE_LOCK_SQL = "DELETE FROM compression_locks WHERE session_id = ? AND holde
 # ---------------------------------------------------------------------------
 # Small pure helpers
 # ---------------------------------------------------------------------------
+
+
+def count_tool_calls(tool_calls):
+    """How many calls a `tool_calls` value holds (a list, or JSON text of one)."""
+    if isinstance(tool_calls, str):
+        try:
+            tool_calls = json.loads(tool_calls)
+        except ValueError:
+            return 0
+    return len(tool_calls) if isinstance(tool_calls, list) else 0
 
 
 def quote_identifier(name):

@@ -22,6 +22,7 @@ from hermes_state_common import (
     IMPORT_MESSAGE_COLUMNS,
     IMPORT_RUNTIME_FIELDS,
     INSERT_SYSTEM_PROMPT_SQL,
+    MESSAGE_JSON_FIELDS,
     SELECT_EXPORT_SESSION_IDS_SQL,
     SELECT_LAST_ACTIVE_SQL,
     SELECT_LINEAGE_LINK_SQL,
@@ -29,6 +30,7 @@ from hermes_state_common import (
     SESSION_EXISTS_SQL,
     SET_MESSAGE_COUNTS_SQL,
     SET_PARENT_SQL,
+    count_tool_calls,
     placeholders,
     quote_identifier,
 )
@@ -180,17 +182,9 @@ def validate_import(sessions, limits):
 # ---------------------------------------------------------------------------
 
 
-def _json_text(value):
+def _as_json_text(value):
+    """A validated structured value as the JSON text the store keeps."""
     return value if value is None or isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-
-
-def _tool_call_count(tool_calls):
-    if isinstance(tool_calls, str):
-        try:
-            tool_calls = json.loads(tool_calls)
-        except ValueError:
-            return 0
-    return len(tool_calls) if isinstance(tool_calls, list) else 0
 
 
 def _session_row(entry, session_columns):
@@ -204,7 +198,7 @@ def _session_row(entry, session_columns):
     if row.get("started_at") is None:
         timestamps = [m.get("timestamp") for m in entry.get("messages", []) if m.get("timestamp") is not None]
         row["started_at"] = min(timestamps) if timestamps else time.time()
-    row["model_config"] = _json_text(row.get("model_config"))
+    row["model_config"] = _as_json_text(row.get("model_config"))
     return row
 
 
@@ -214,9 +208,8 @@ def _message_rows(session_id, messages, started_at):
     for message in messages:
         values = {column: message.get(column) for column in IMPORT_MESSAGE_COLUMNS}
         values["session_id"] = session_id
-        for column in ("tool_calls", "reasoning_details", "codex_reasoning_items", "codex_message_items",
-                       "display_metadata"):
-            values[column] = _json_text(values[column])
+        for column in MESSAGE_JSON_FIELDS:
+            values[column] = _as_json_text(values[column])
         if values["timestamp"] is None:
             values["timestamp"] = started_at
         values["active"] = 0 if values["active"] == 0 else 1
@@ -224,7 +217,7 @@ def _message_rows(session_id, messages, started_at):
         values["compacted"] = values["compacted"] or 0
         if values["active"]:
             active += 1
-            calls += _tool_call_count(values["tool_calls"])
+            calls += count_tool_calls(values["tool_calls"])
         rows.append(tuple(values.values()))
     return rows, active, calls
 

@@ -10,21 +10,9 @@ import sys
 from hermes_constants import reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB, lock_holder_name
 from hermes_state_common import TITLE_MAX_LENGTH
-from test_support import TempDirTestCase
+from test_support import StoreTestCase, TempDirTestCase
 
 CALL = [{"id": "call_1", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]
-
-
-class StoreTestCase(TempDirTestCase):
-
-    def setUp(self):
-        super().setUp()
-        self.path = self.tmp / "state.db"
-        self.db = SessionDB(self.path)
-        self.addCleanup(self.db.close)
-
-    def session_row(self, session_id):
-        return self.raw(self.path).execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
 
 
 class Opening(TempDirTestCase):

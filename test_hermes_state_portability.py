@@ -6,14 +6,13 @@ import json
 import os
 import random
 import re
-import sqlite3
 import subprocess
 import sys
 import zipfile
 
 from hermes_state import SessionDB, restore_home
 from hermes_state_portability import markdown_document, redact_text, write_export
-from test_support import REPO, V26_DB, TempDirTestCase, dump_hash, fixture_path
+from test_support import REPO, V26_DB, StoreTestCase, TempDirTestCase, dump_hash, fixture_path
 
 EXPORTS = ("hermes_v22_export.jsonl", "hermes_v26_export.jsonl")
 RUNTIME = {"session_key": "agent:main:telegram:dm:42", "chat_id": "42", "user_id": "u1", "handoff_state": "pending",
@@ -32,13 +31,6 @@ def session(session_id, parent=None, messages=1):
                          for i in range(messages)]}
 
 
-class StoreCase(TempDirTestCase):
-
-    def setUp(self):
-        super().setUp()
-        self.path = self.tmp / "state.db"
-        self.db = SessionDB(self.path)
-        self.addCleanup(self.db.close)
 
 
 class Exports(TempDirTestCase):
@@ -85,7 +77,7 @@ class Exports(TempDirTestCase):
         self.assertEqual(telegram, [f"bench_{i:06d}" for i in (0, 3, 6, 9, 12, 15, 18)])
 
 
-class ImportFixtures(StoreCase):
+class ImportFixtures(StoreTestCase):
 
     def test_each_fixture_export_imports_whole_and_only_once(self):
         for name in EXPORTS:
@@ -142,7 +134,7 @@ class ImportFixtures(StoreCase):
         self.assertEqual(self.db.get_session_title("mine"), "Shared title")
 
 
-class ImportRejects(StoreCase):
+class ImportRejects(StoreTestCase):
 
     def assert_rejected(self, payload, index, message):
         before = dump_hash(self.path)
@@ -249,7 +241,7 @@ class ImportRejects(StoreCase):
         self.assertGreater(outcomes["rejected"], 1000, outcomes)
 
 
-class Renderers(StoreCase):
+class Renderers(StoreTestCase):
 
     def setUp(self):
         super().setUp()
@@ -366,7 +358,7 @@ class Redaction(TempDirTestCase):
         self.assertIn("[REDACTED]", export["messages"][0]["tool_calls"][0]["function"]["arguments"])
 
 
-class BackupRestore(StoreCase):
+class BackupRestore(StoreTestCase):
 
     def setUp(self):
         super().setUp()

@@ -52,6 +52,21 @@ class TempDirTestCase(unittest.TestCase):
         return conn
 
 
+class StoreTestCase(TempDirTestCase):
+    """A fresh writable SessionDB at self.path, closed after the test."""
+
+    def setUp(self):
+        super().setUp()
+        from hermes_state import SessionDB
+        self.path = self.tmp / "state.db"
+        self.db = SessionDB(self.path)
+        self.addCleanup(self.db.close)
+
+    def session_row(self, session_id):
+        """The session's row as raw sqlite3 reads it."""
+        return self.raw(self.path).execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
+
+
 def dump_hash(path):
     """SHA-256 of the logical content (iterdump), independent of page layout."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
