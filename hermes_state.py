@@ -32,6 +32,10 @@ from pathlib import Path
 from hermes_constants import STATE_DB_FILENAME, get_default_db_path
 from hermes_state_common import (
     BUMP_MESSAGE_COUNTS_SQL,
+    CHECKPOINT_PASSIVE_SQL,
+    CHECKPOINT_TRUNCATE_SQL,
+    COUNT_ALL_MESSAGES_SQL,
+    COUNT_SESSIONS_SQL,
     BUMP_REWIND_COUNT_SQL,
     COMPRESSION_END_REASON,
     COUNT_ACTIVE_MESSAGES_SQL,
@@ -41,9 +45,14 @@ from hermes_state_common import (
     DELETE_ROUTING_SCOPE_SQL,
     END_SESSION_SQL,
     INSERT_MESSAGE_SQL,
+    INSERT_SESSION_SQL,
+    INTEGRITY_CHECK_SQL,
+    JOURNAL_MODE_SQL,
+    LIST_SESSIONS_RICH_SQL,
     INSERT_SYSTEM_PROMPT_SQL,
     MESSAGE_JSON_FIELDS,
     MESSAGE_WRITE_COLUMNS,
+    QUICK_CHECK_SQL,
     REACTIVATE_SQL,
     REFRESH_LOCK_SQL,
     RELEASE_LOCK_SQL,
@@ -68,16 +77,20 @@ from hermes_state_common import (
     SELECT_TITLE_SQL,
     SESSION_CASCADE_DELETE_SQL,
     SESSION_EXISTS_SQL,
-    SESSION_RICH_COLUMNS_SQL,
+    SESSIONS_BY_SOURCE_SQL,
     SET_ARCHIVED_SQL,
     SET_MESSAGE_COUNTS_SQL,
     SET_PINNED_SQL,
+    SET_AUTOCHECKPOINT_SQL,
+    SET_JOURNAL_MODE_SQL,
     SET_TITLE_SQL,
+    SYNCHRONOUS_NORMAL_SQL,
     TITLE_MAX_LENGTH,
     UPDATE_TOKEN_COUNTS_SQL,
     UPSERT_LOCK_SQL,
     UPSERT_MODEL_USAGE_SQL,
     UPSERT_ROUTING_SQL,
+    VACUUM_SQL,
     chunked,
     count_tool_calls,
     placeholders,
@@ -504,15 +517,15 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
 
     def _apply_journal_policy(self):
         conn = self._writer
-        mode = conn.execute("PRAGMA journal_mode").fetchone()[0].lower()
+        mode = conn.execute(JOURNAL_MODE_SQL).fetchone()[0].lower()
         if mode != self.policy.mode:
-            mode = conn.execute(f"PRAGMA journal_mode={self.policy.mode}").fetchone()[0].lower()
+            mode = conn.execute(SET_JOURNAL_MODE_SQL.format(mode=self.policy.mode)).fetchone()[0].lower()
             if mode != self.policy.mode:
                 logger.warning("journal mode of %s stays %s (wanted %s: another connection holds it)",
                                self.db_path, mode, self.policy.mode)
-        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute(SYNCHRONOUS_NORMAL_SQL)
         if self.policy.autocheckpoint is not None:
-            conn.execute(f"PRAGMA wal_autocheckpoint={self.policy.autocheckpoint}")
+            conn.execute(SET_AUTOCHECKPOINT_SQL.format(pages=self.policy.autocheckpoint))
         self.journal_mode = mode
 
     def close(self):
@@ -617,7 +630,7 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
     def _after_commit(self, conn):
         self._commits += 1
         if self.policy.autocheckpoint == 0 and self._commits % CHECKPOINT_EVERY_COMMITS == 0:
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            conn.execute(CHECKPOINT_PASSIVE_SQL)
 
     def _locked_error(self, start, cause):
         waited = time.monotonic() - start
@@ -683,8 +696,7 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         digest = prompt_hash(system_prompt) if system_prompt is not None else None
         if digest:
             values["system_prompt_hash"] = digest
-        columns = ", ".join(values)
-        sql = f"INSERT INTO sessions ({columns}) VALUES ({placeholders(len(values))})"
+        sql = INSERT_SESSION_SQL.format(columns=", ".join(values), values=placeholders(len(values)))
 
         def write(conn):
             if conn.execute(SESSION_EXISTS_SQL, (session_id,)).fetchone():
@@ -827,14 +839,13 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         _require_int("offset", offset)
         self._flush_token_counts()
         where, params = _session_filters(source, exclude_sources, include_archived)
-        rows = self._read_all(f"{SESSION_RICH_COLUMNS_SQL} {where} ORDER BY s.started_at DESC, s.id DESC "
-                              "LIMIT ? OFFSET ?", params + [limit, offset])
+        rows = self._read_all(LIST_SESSIONS_RICH_SQL.format(where=where), params + [limit, offset])
         cache = {}
         return [self._resolve_prompt(dict(row), cache) for row in rows]
 
     def session_count(self, source=None, include_archived=True, exclude_sources=None):
         where, params = _session_filters(source, exclude_sources, include_archived)
-        return self._read_value(f"SELECT COUNT(*) FROM sessions AS s {where}", params)
+        return self._read_value(COUNT_SESSIONS_SQL.format(where=where), params)
 
     # -- messages ------------------------------------------------------------
 
@@ -1055,8 +1066,8 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         self._flush_token_counts()
 
         def run(conn):
-            conn.execute("VACUUM")
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            conn.execute(VACUUM_SQL)
+            conn.execute(CHECKPOINT_TRUNCATE_SQL)
 
         self._execute_write(run, transaction=False)
 
@@ -1072,7 +1083,7 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
             source = self._borrow_reader()
             try:
                 source.backup(target)
-                target.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
+                target.execute(SET_JOURNAL_MODE_SQL.format(mode="DELETE"))  # one self-contained file
             finally:
                 self._idle_readers.put(source)
                 target.close()
@@ -1086,22 +1097,21 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
     def stats(self):
         """Counts and sizes for `stats`: sessions, messages, sources, file size, versions."""
         self._flush_token_counts()
-        by_source = {row[0]: row[1] for row in self._read_all(
-            "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source")}
+        by_source = {row[0]: row[1] for row in self._read_all(SESSIONS_BY_SOURCE_SQL)}
         return {
             "db_path": str(self.db_path),
             "db_bytes": store_file_bytes(self.db_path),
             "sessions": sum(by_source.values()),
             "sessions_by_source": by_source,
             "messages_active": self.message_count(),
-            "messages_total": self._read_value("SELECT COUNT(*) FROM messages"),
+            "messages_total": self._read_value(COUNT_ALL_MESSAGES_SQL),
             "schema_version": self.schema_version(),
             "fts_layout": self.fts_layout(),
         }
 
     def doctor(self):
         """Integrity, layouts, breadcrumbs, journal and runtime facts; `ok` is False on damage."""
-        integrity = [row[0] for row in self._read_all("PRAGMA integrity_check")]
+        integrity = [row[0] for row in self._read_all(INTEGRITY_CHECK_SQL)]
         report = {
             "db_path": str(self.db_path),
             "integrity_check": integrity,
@@ -1110,7 +1120,7 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
             "fts5": self.fts_caps.fts5,
             "trigram": self.fts_caps.trigram,
             "wal_reset_bug": sqlite_has_wal_reset_bug(),
-            "journal_mode": self._read_value("PRAGMA journal_mode"),
+            "journal_mode": self._read_value(JOURNAL_MODE_SQL),
             "journal_policy": self.policy.reason,
             "schema_version": self.schema_version(),
             "schema_version_of_release": SCHEMA_VERSION,
@@ -1226,7 +1236,7 @@ def _check_restored_store(path):
         raise ValueError("backup refused: its state.db is not a SQLite database")
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        verdict = conn.execute("PRAGMA quick_check").fetchone()[0]
+        verdict = conn.execute(QUICK_CHECK_SQL).fetchone()[0]
     finally:
         conn.close()
     if verdict != "ok":

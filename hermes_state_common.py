@@ -456,6 +456,13 @@ LEGACY_REBUILD_SQL = {
                 f"SELECT id, {_LEGACY_TEXT.format(row='messages')} FROM messages"),
 }
 FTS_TRIGGERS = {"legacy": LEGACY_FTS_TRIGGERS, "external": EXTERNAL_FTS_TRIGGERS, "current": CURRENT_FTS_TRIGGERS}
+# FTS5 commands ('rebuild', 'optimize', 'delete-all', 'integrity-check') on one index.
+FTS_COMMAND_SQL = "INSERT INTO {table}({table}) VALUES ('{command}')"
+# Emptying an old index through a shadow table, a chunk at a time.
+DELETE_SHADOW_CHUNK_SQL = "DELETE FROM {shadow} WHERE rowid IN (SELECT rowid FROM {shadow} WHERE {where} LIMIT {limit})"
+FTS_PROBE_DROP_SQL = "DROP TABLE temp.probe"
+FTS5_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x)"
+TRIGRAM_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x, tokenize='trigram')"
 SELECT_TABLE_SQL_SQL = "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?"
 TABLE_EXISTS_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 SELECT_FTS_TRIGGERS_SQL = "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND name LIKE 'messages_fts%'"
@@ -485,6 +492,25 @@ HAS_CJK_PENDING_SQL = "SELECT 1 FROM messages_cjk_pending LIMIT 1"
 SELECT_MAX_MESSAGE_ID_SQL = "SELECT COALESCE(MAX(id), 0) FROM messages"
 SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestamp, m.tool_name,
        s.source, s.model, s.started_at AS session_started"""
+# A query answered by one index, ranked by it ({order} may be its bm25 rank).
+SEARCH_BY_INDEX_SQL = (SEARCH_COLUMNS_SQL + """
+FROM {table} JOIN messages AS m ON m.id = {table}.rowid JOIN sessions AS s ON s.id = m.session_id
+WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {order} LIMIT ? OFFSET ?""")
+# A query whose terms use several indexes or the fallback: one predicate per term.
+SEARCH_BY_PREDICATE_SQL = (SEARCH_COLUMNS_SQL + """
+FROM messages AS m JOIN sessions AS s ON s.id = m.session_id
+WHERE {where} {filters} ORDER BY {order} LIMIT ? OFFSET ?""")
+SEARCH_ORDERS = {"rank": "{table}.rank, m.id", "newest": "m.timestamp DESC, m.id DESC",
+                 "oldest": "m.timestamp ASC, m.id ASC"}
+# Term predicates: an index match, a row a backfill has not reached, a queued CJK row.
+TERM_IN_INDEX_SQL = "m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH ?)"
+TERM_IN_BACKFILL_GAP_SQL = " OR (m.id > ? AND m.id <= ? AND {like})"
+TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM messages_cjk_pending) AND {like})"
+# The fallback: NULL columns read as '' so that NOT (...) never turns NULL and drops a row.
+TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE(m.{column}, '') LIKE ? ESCAPE '\\'"
+                                   for column in ("content", "tool_name", "tool_calls")) + ")"
+TERM_LIKE_PARAMS = 3
+NOT_TOOL_ROW_SQL = "m.role <> 'tool'"
 SELECT_CONTEXT_BEFORE_SQL = """SELECT role, substr(content, 1, ?) AS content FROM messages
 WHERE session_id = ? AND id < ? AND active = 1 ORDER BY id DESC LIMIT 1"""
 SELECT_CONTEXT_AFTER_SQL = """SELECT role, substr(content, 1, ?) AS content FROM messages
@@ -502,6 +528,17 @@ FROM messages
 # ---------------------------------------------------------------------------
 
 SELECT_SCHEMA_OBJECTS_SQL = "SELECT type, name, sql FROM sqlite_master"
+TABLE_INFO_SQL = "PRAGMA table_info({table})"
+# The gateway_routing key heal, over a side table named by the caller.
+RENAME_TABLE_SQL = "ALTER TABLE {table} RENAME TO {new_name}"
+COPY_ROUTING_OLDEST_FIRST_SQL = """INSERT OR REPLACE INTO gateway_routing (scope, session_key, entry_json, updated_at)
+SELECT COALESCE(scope, ''), session_key, entry_json, COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at ASC"""
+COUNT_ROWS_SQL = "SELECT COUNT(*) FROM {table}"
+DROP_TABLE_SQL = "DROP TABLE {table}"
+DROP_VIEW_SQL = "DROP VIEW {view}"
+DROP_TRIGGER_SQL = "DROP TRIGGER {trigger}"
+ADD_COLUMN_SQL = "ALTER TABLE {table} ADD COLUMN {column} {type_expr}"
+DEFAULT_PROBE_SQL = ("CREATE TEMP TABLE default_probe (x DEFAULT {default})", "DROP TABLE temp.default_probe")
 SELECT_SCHEMA_VERSION_SQL = "SELECT MAX(version) FROM schema_version"
 INSERT_SCHEMA_VERSION_SQL = "INSERT INTO schema_version (version) VALUES (?)"
 UPDATE_SCHEMA_VERSION_SQL = "UPDATE schema_version SET version = ?"
@@ -529,6 +566,8 @@ SELECT_SYSTEM_PROMPT_SQL = "SELECT prompt FROM system_prompts WHERE hash = ?"
 # ---------------------------------------------------------------------------
 
 SELECT_SESSION_SQL = "SELECT * FROM sessions WHERE id = ?"
+INSERT_SESSION_SQL = "INSERT INTO sessions ({columns}) VALUES ({values})"
+COUNT_SESSIONS_SQL = "SELECT COUNT(*) FROM sessions AS s {where}"
 SESSION_EXISTS_SQL = "SELECT 1 FROM sessions WHERE id = ?"
 END_SESSION_SQL = "UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ?"
 REOPEN_SESSION_SQL = "UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?"
@@ -574,6 +613,8 @@ SELECT_LAST_ACTIVE_SQL = """
 SELECT COALESCE((SELECT MAX(timestamp) FROM messages WHERE session_id = s.id), s.started_at)
 FROM sessions AS s WHERE s.id = ?
 """
+
+LIST_SESSIONS_RICH_SQL = SESSION_RICH_COLUMNS_SQL + " {where} ORDER BY s.started_at DESC, s.id DESC LIMIT ? OFFSET ?"
 
 UPDATE_TOKEN_COUNTS_SQL = """
 UPDATE sessions SET
@@ -642,10 +683,14 @@ IMPORT_RUNTIME_FIELDS = frozenset({
     "compression_failure_cooldown_until", "compression_failure_error", "compression_fallback_streak",
     "compression_ineffective_count",
 })
+IMPORT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
+    ", ".join(IMPORT_MESSAGE_COLUMNS), ", ".join("?" for _ in IMPORT_MESSAGE_COLUMNS))
 SET_PARENT_SQL = "UPDATE sessions SET parent_session_id = ? WHERE id = ?"
 # Oldest first, so that an export lists parents before their children.
 SELECT_EXPORT_SESSION_IDS_SQL = "SELECT id FROM sessions {where} ORDER BY started_at, id"
 COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
+COUNT_ALL_MESSAGES_SQL = "SELECT COUNT(*) FROM messages"
+SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source"
 COUNT_SESSION_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE session_id = ? AND active = 1"
 SELECT_MESSAGE_OWNER_SQL = "SELECT session_id FROM messages WHERE id = ?"
 DEACTIVATE_AFTER_SQL = "UPDATE messages SET active = 0 WHERE session_id = ? AND id > ? AND active = 1"
@@ -679,6 +724,20 @@ ON CONFLICT (session_id) DO UPDATE SET
 """
 REFRESH_LOCK_SQL = "UPDATE compression_locks SET expires_at = ? WHERE session_id = ? AND holder = ?"
 RELEASE_LOCK_SQL = "DELETE FROM compression_locks WHERE session_id = ? AND holder = ?"
+
+# ---------------------------------------------------------------------------
+# Connection settings and checks
+# ---------------------------------------------------------------------------
+
+JOURNAL_MODE_SQL = "PRAGMA journal_mode"
+SET_JOURNAL_MODE_SQL = "PRAGMA journal_mode={mode}"
+SYNCHRONOUS_NORMAL_SQL = "PRAGMA synchronous=NORMAL"
+SET_AUTOCHECKPOINT_SQL = "PRAGMA wal_autocheckpoint={pages}"
+CHECKPOINT_PASSIVE_SQL = "PRAGMA wal_checkpoint(PASSIVE)"
+CHECKPOINT_TRUNCATE_SQL = "PRAGMA wal_checkpoint(TRUNCATE)"
+VACUUM_SQL = "VACUUM"
+INTEGRITY_CHECK_SQL = "PRAGMA integrity_check"
+QUICK_CHECK_SQL = "PRAGMA quick_check"
 
 # ---------------------------------------------------------------------------
 # Small pure helpers

@@ -20,7 +20,9 @@ import time
 
 from hermes_state_common import (
     IMPORT_MESSAGE_COLUMNS,
+    IMPORT_MESSAGE_SQL,
     IMPORT_RUNTIME_FIELDS,
+    INSERT_SESSION_SQL,
     INSERT_SYSTEM_PROMPT_SQL,
     MESSAGE_JSON_FIELDS,
     SELECT_EXPORT_SESSION_IDS_SQL,
@@ -571,11 +573,10 @@ class SessionPortabilityMixin:
             if isinstance(prompt, str):
                 row["system_prompt_hash"] = prompt_hash(prompt)
                 conn.execute(INSERT_SYSTEM_PROMPT_SQL, (row["system_prompt_hash"], prompt))
-            columns = ", ".join(quote_identifier(c) for c in row)
-            conn.execute(f"INSERT INTO sessions ({columns}) VALUES ({placeholders(len(row))})", tuple(row.values()))
+            conn.execute(INSERT_SESSION_SQL.format(columns=", ".join(quote_identifier(c) for c in row),
+                                                   values=placeholders(len(row))), tuple(row.values()))
             rows, active, calls = _message_rows(session_id, entry.get("messages", []), row["started_at"])
-            conn.executemany(f"INSERT INTO messages ({', '.join(IMPORT_MESSAGE_COLUMNS)}) "
-                             f"VALUES ({placeholders(len(IMPORT_MESSAGE_COLUMNS))})", rows)
+            conn.executemany(IMPORT_MESSAGE_SQL, rows)
             conn.execute(SET_MESSAGE_COUNTS_SQL, (active, calls, session_id))
             imported.append(session_id)
             if entry.get("parent_session_id"):

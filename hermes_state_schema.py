@@ -17,6 +17,13 @@ import sqlite3
 import time
 
 from hermes_state_common import (
+    ADD_COLUMN_SQL,
+    COPY_ROUTING_OLDEST_FIRST_SQL,
+    COUNT_ROWS_SQL,
+    DEFAULT_PROBE_SQL,
+    DROP_TABLE_SQL,
+    RENAME_TABLE_SQL,
+    TABLE_INFO_SQL,
     CLEAR_OLDER_DUPLICATE_TITLES_SQL,
     DEFERRED_INDEX_SQL,
     DELETE_META_SQL,
@@ -60,8 +67,8 @@ def _default_clause(scratch, default):
     """`DEFAULT x`, parenthesised when x is an expression: table_info drops the
     parentheses of `DEFAULT (1 + 2)`, and ALTER TABLE needs them back."""
     try:
-        scratch.execute(f"CREATE TEMP TABLE default_probe (x DEFAULT {default})")
-        scratch.execute("DROP TABLE temp.default_probe")
+        for sql in DEFAULT_PROBE_SQL:
+            scratch.execute(sql.format(default=default))
         return f"DEFAULT {default}"
     except sqlite3.OperationalError:
         return f"DEFAULT ({default})"
@@ -109,7 +116,7 @@ def _declared_schema(sql):
         for name, create_sql in tables:
             columns = {}
             for _cid, col, col_type, notnull, default, pk in scratch.execute(
-                    f"PRAGMA table_info({quote_identifier(name)})").fetchall():
+                    TABLE_INFO_SQL.format(table=quote_identifier(name))).fetchall():
                 columns[col] = _column_type_expr(scratch, col_type, notnull, default, pk > 0)
             schema[name] = (create_sql, columns)
         return schema
@@ -124,12 +131,12 @@ def declared_columns(sql=SCHEMA_SQL):
 
 def live_columns(conn, table):
     """Column names of `table` as it is on disk, in order (empty if it does not exist)."""
-    return [row[1] for row in conn.execute(f"PRAGMA table_info({quote_identifier(table)})")]
+    return [row[1] for row in conn.execute(TABLE_INFO_SQL.format(table=quote_identifier(table)))]
 
 
 def live_primary_key(conn, table):
     """The primary-key column names of `table` on disk, in key order."""
-    rows = conn.execute(f"PRAGMA table_info({quote_identifier(table)})").fetchall()
+    rows = conn.execute(TABLE_INFO_SQL.format(table=quote_identifier(table))).fetchall()
     return [row[1] for row in sorted((r for r in rows if r[5] > 0), key=lambda r: r[5])]
 
 
@@ -196,7 +203,7 @@ class SessionSchemaMixin:
             # SQLite cannot add a NOT NULL column without a default to a table
             # that has rows; old rows have no value, so the column is nullable here.
             type_expr = type_expr.replace("NOT NULL", "").strip()
-        sql = f"ALTER TABLE {quote_identifier(table)} ADD COLUMN {quote_identifier(column)} {type_expr}"
+        sql = ADD_COLUMN_SQL.format(table=quote_identifier(table), column=quote_identifier(column), type_expr=type_expr)
         try:
             conn.execute(sql)
         except sqlite3.OperationalError as exc:
@@ -217,18 +224,14 @@ class SessionSchemaMixin:
         if not live_columns(conn, "gateway_routing") or \
                 live_primary_key(conn, "gateway_routing") == GATEWAY_ROUTING_PK:
             return
-        side = f"{GATEWAY_ROUTING_SIDE_TABLE}_{time.strftime('%Y%m%d_%H%M%S')}"
-        create_sql = _declared_schema(SCHEMA_SQL)["gateway_routing"][0]
-        conn.execute(f"ALTER TABLE gateway_routing RENAME TO {quote_identifier(side)}")
-        conn.execute(create_sql)
-        conn.execute(
-            "INSERT OR REPLACE INTO gateway_routing (scope, session_key, entry_json, updated_at) "
-            f"SELECT COALESCE(scope, ''), session_key, entry_json, COALESCE(updated_at, 0) "
-            f"FROM {quote_identifier(side)} ORDER BY updated_at ASC")
-        copied = conn.execute(f"SELECT COUNT(*) FROM {quote_identifier(side)}").fetchone()[0]
-        kept = conn.execute("SELECT COUNT(*) FROM gateway_routing").fetchone()[0]
+        side = quote_identifier(f"{GATEWAY_ROUTING_SIDE_TABLE}_{time.strftime('%Y%m%d_%H%M%S')}")
+        conn.execute(RENAME_TABLE_SQL.format(table="gateway_routing", new_name=side))
+        conn.execute(_declared_schema(SCHEMA_SQL)["gateway_routing"][0])
+        conn.execute(COPY_ROUTING_OLDEST_FIRST_SQL.format(side=side))
+        copied = conn.execute(COUNT_ROWS_SQL.format(table=side)).fetchone()[0]
+        kept = conn.execute(COUNT_ROWS_SQL.format(table="gateway_routing")).fetchone()[0]
         if copied == kept:
-            conn.execute(f"DROP TABLE {quote_identifier(side)}")
+            conn.execute(DROP_TABLE_SQL.format(table=side))
             logger.info("schema: rebuilt gateway_routing on (scope, session_key), %d rows kept", kept)
         else:
             logger.warning("schema: rebuilt gateway_routing on (scope, session_key); %d older colliding "

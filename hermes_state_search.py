@@ -20,6 +20,15 @@ from collections import namedtuple
 
 from hermes_state_schema import read_meta, write_meta
 from hermes_state_common import (
+    DELETE_SHADOW_CHUNK_SQL,
+    DROP_TABLE_SQL,
+    DROP_TRIGGER_SQL,
+    DROP_VIEW_SQL,
+    FTS5_PROBE_SQL,
+    FTS_COMMAND_SQL,
+    FTS_PROBE_DROP_SQL,
+    RENAME_TABLE_SQL,
+    TRIGRAM_PROBE_SQL,
     BACKFILL_SQL,
     CJK_CHAR_CLASS,
     CJK_PENDING_TABLE,
@@ -43,7 +52,10 @@ from hermes_state_common import (
     QUERY_MAX_CHARS,
     QUERY_MAX_TERMS,
     RESET_INDEX_SQL,
-    SEARCH_COLUMNS_SQL,
+    NOT_TOOL_ROW_SQL,
+    SEARCH_BY_INDEX_SQL,
+    SEARCH_BY_PREDICATE_SQL,
+    SEARCH_ORDERS,
     SEARCH_LIMIT_MAX,
     SELECT_CJK_PENDING_SQL,
     SELECT_CONTEXT_AFTER_SQL,
@@ -56,6 +68,11 @@ from hermes_state_common import (
     SELECT_TABLE_SQL_SQL,
     SNIPPET_CHARS,
     TABLE_EXISTS_SQL,
+    TERM_IN_BACKFILL_GAP_SQL,
+    TERM_IN_CJK_QUEUE_SQL,
+    TERM_IN_INDEX_SQL,
+    TERM_LIKE_PARAMS,
+    TERM_LIKE_SQL,
     UPSERT_CJK_TERMS_SQL,
     escape_like,
     placeholders,
@@ -75,8 +92,6 @@ CJK_DRAIN_EVERY_COMMITS = 64
 BULK_CHANGES = 64
 LEFTOVER_VIEWS = ("messages_fts_trigram_src",)
 SORTS = (None, "relevance", "newest", "oldest")
-# What the fallback searches: the same fields the word index holds.
-LIKE_COLUMNS = ("content", "tool_name", "tool_calls")
 
 CJK_RE = re.compile(f"[{CJK_CHAR_CLASS}]")
 CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
@@ -101,7 +116,7 @@ def _probe(connect, ddl):
         return False
     try:
         conn.execute(ddl)
-        conn.execute("DROP TABLE temp.probe")
+        conn.execute(FTS_PROBE_DROP_SQL)
         return True
     except sqlite3.Error:
         return False
@@ -111,12 +126,12 @@ def _probe(connect, ddl):
 
 def sqlite_supports_fts5(connect=sqlite3.connect):
     """True if connections made by `connect` can create an FTS5 table."""
-    return _probe(connect, "CREATE VIRTUAL TABLE temp.probe USING fts5(x)")
+    return _probe(connect, FTS5_PROBE_SQL)
 
 
 def sqlite_supports_trigram(connect=sqlite3.connect):
     """True if they also have FTS5's trigram tokenizer (SQLite 3.34 and later)."""
-    return _probe(connect, "CREATE VIRTUAL TABLE temp.probe USING fts5(x, tokenize='trigram')")
+    return _probe(connect, TRIGRAM_PROBE_SQL)
 
 
 def runtime_capabilities(connect=sqlite3.connect):
@@ -304,29 +319,25 @@ def _route(term, state):
 def _like_sql(term, state):
     """The fallback for one term. A CJK term skips tool rows unless they were asked
     for, as the trigram and CJK indexes do, so every route gives the same answer."""
-    pattern = f"%{escape_like(term.text)}%"
-    # COALESCE: a NULL column must read as "no match", or NOT (...) would drop the row.
-    sql = " OR ".join(f"COALESCE(m.{column}, '') LIKE ? ESCAPE '\\'" for column in LIKE_COLUMNS)
-    sql = f"({sql})"
+    sql = TERM_LIKE_SQL
     if CJK_RE.search(term.text) and not state.tool_rows:
-        sql = f"(m.role <> 'tool' AND {sql})"
-    return sql, [pattern] * 3
+        sql = f"({NOT_TOOL_ROW_SQL} AND {sql})"
+    return sql, [f"%{escape_like(term.text)}%"] * TERM_LIKE_PARAMS
 
 
 def _leaf_sql(term, index, state):
     like, like_params = _like_sql(term, state)
     if index is None:
         return like, like_params
-    table = FTS_INDEX_TABLES[index]
-    sql, params = f"m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH ?)", [_fts_string(term)]
+    sql, params = TERM_IN_INDEX_SQL.format(table=FTS_INDEX_TABLES[index]), [_fts_string(term)]
     if index != "word":
-        sql = f"m.role <> 'tool' AND {sql}"
+        sql = f"{NOT_TOOL_ROW_SQL} AND {sql}"
     if state.high_water is not None:
-        # Rows a backfill has not reached yet are not in any index of this generation.
-        sql += f" OR (m.id > ? AND m.id <= ? AND {like})"
+        # Rows a backfill has not reached yet are in no index of this generation.
+        sql += TERM_IN_BACKFILL_GAP_SQL.format(like=like)
         params += [state.progress, state.high_water] + like_params
     if index == "cjk" and state.cjk_pending:
-        sql += f" OR (m.id IN (SELECT id FROM {CJK_PENDING_TABLE}) AND {like})"
+        sql += TERM_IN_CJK_QUEUE_SQL.format(like=like)
         params += like_params
     return f"({sql})", params
 
@@ -458,7 +469,7 @@ class SessionSearchMixin:
             if index not in usable:
                 dropped = [name for name in triggers if name in present]
                 for name in dropped:
-                    conn.execute(f"DROP TRIGGER {quote_identifier(name)}")
+                    conn.execute(DROP_TRIGGER_SQL.format(trigger=quote_identifier(name)))
                 if dropped or (FTS_INDEX_TABLES[index] in objects and not self.fts_caps.fts5):
                     write_meta(conn, _stale_key(index), "1")
                 continue
@@ -468,7 +479,7 @@ class SessionSearchMixin:
                     conn.execute(ddl)
                     write_meta(conn, _stale_key(index), "1")
                 elif layout == "legacy" and "UPDATE OF" not in present[name] and "UPDATE ON" in present[name]:
-                    conn.execute(f"DROP TRIGGER {quote_identifier(name)}")
+                    conn.execute(DROP_TRIGGER_SQL.format(trigger=quote_identifier(name)))
                     conn.execute(ddl)
 
     def _rebuild_stale_indexes(self, conn, layout):
@@ -497,7 +508,7 @@ class SessionSearchMixin:
             while drain_cjk_pending(conn):
                 pass
         else:
-            conn.execute(f"INSERT INTO {table}({table}) VALUES ('rebuild')")
+            conn.execute(FTS_COMMAND_SQL.format(table=table, command="rebuild"))
 
     def _stamp_if_complete(self, conn):
         """Stamp fts_storage_version only when the current generation is whole and alone."""
@@ -619,20 +630,18 @@ class SessionSearchMixin:
         tables = {routes[t] for t in routes}
         single = len(tables) == 1 and None not in tables and state.high_water is None and \
             not (tables == {"cjk"} and state.cjk_pending)
-        order = {"newest": "m.timestamp DESC, m.id DESC", "oldest": "m.timestamp ASC, m.id ASC"}.get(sort)
         if single:
             index = tables.pop()
             table = FTS_INDEX_TABLES[index]
             # The legacy trigram index still holds tool rows; the current ones do not.
-            no_tools = " AND m.role <> 'tool'" if index != "word" else ""
-            sql = (f"{SEARCH_COLUMNS_SQL} FROM {table} JOIN messages AS m ON m.id = {table}.rowid "
-                   f"JOIN sessions AS s ON s.id = m.session_id WHERE {table} MATCH ?{no_tools} {filters} "
-                   f"ORDER BY {order or f'{table}.rank, m.id'} LIMIT ? OFFSET ?")
+            no_tools = f" AND {NOT_TOOL_ROW_SQL}" if index != "word" else ""
+            order = SEARCH_ORDERS[sort if sort in ("newest", "oldest") else "rank"].format(table=table)
+            sql = SEARCH_BY_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters, order=order)
             params = [_match_string(tree)] + filter_params
         else:
             where, params = _tree_sql(tree, routes, state)
-            sql = (f"{SEARCH_COLUMNS_SQL} FROM messages AS m JOIN sessions AS s ON s.id = m.session_id "
-                   f"WHERE {where} {filters} ORDER BY {order or 'm.timestamp DESC, m.id DESC'} LIMIT ? OFFSET ?")
+            order = SEARCH_ORDERS["oldest" if sort == "oldest" else "newest"]
+            sql = SEARCH_BY_PREDICATE_SQL.format(where=where, filters=filters, order=order)
             params += filter_params
         return self._read_all(sql, params + [limit, offset])
 
@@ -669,7 +678,7 @@ class SessionSearchMixin:
             return True
         for view in LEFTOVER_VIEWS:
             if view in objects:
-                conn.execute(f"DROP VIEW {quote_identifier(view)}")
+                conn.execute(DROP_VIEW_SQL.format(view=quote_identifier(view)))
         self._stamp_if_complete(conn)
         return False
 
@@ -703,7 +712,7 @@ class SessionSearchMixin:
             objects = _schema_objects(conn)
             for index in self._usable_indexes(_layout(objects), objects):
                 table = FTS_INDEX_TABLES[index]
-                conn.execute(f"INSERT INTO {table}({table}) VALUES ('optimize')")
+                conn.execute(FTS_COMMAND_SQL.format(table=table, command="optimize"))
         self._execute_write(merge)
 
     def optimize_fts_storage(self, *, progress_cb=None, vacuum=True):
@@ -743,10 +752,10 @@ class SessionSearchMixin:
         if layout == "current":
             return
         for name, _sql in conn.execute(SELECT_FTS_TRIGGERS_SQL).fetchall():
-            conn.execute(f"DROP TRIGGER {quote_identifier(name)}")
+            conn.execute(DROP_TRIGGER_SQL.format(trigger=quote_identifier(name)))
         for table in (FTS_WORD_TABLE, FTS_TRIGRAM_TABLE):
             if table in objects:
-                conn.execute(f"ALTER TABLE {table} RENAME TO {table}{FTS_OLD_SUFFIX}")
+                conn.execute(RENAME_TABLE_SQL.format(table=table, new_name=table + FTS_OLD_SUFFIX))
         self._create_current_generation(conn)
         for key in (META_FTS_STORAGE_VERSION, META_FTS_STALE, META_FTS_CJK_STALE):
             write_meta(conn, key, None)
@@ -773,15 +782,14 @@ def _drop_old_chunk(conn, table, objects):
     for shadow, where in ((f"{table}_data", "id > 10"), (f"{table}_content", "1")):
         if shadow not in objects:
             continue
-        quoted = quote_identifier(shadow)
         try:
-            deleted = conn.execute(f"DELETE FROM {quoted} WHERE rowid IN (SELECT rowid FROM {quoted} "
-                                   f"WHERE {where} LIMIT {DROP_CHUNK_ROWS})").rowcount
+            deleted = conn.execute(DELETE_SHADOW_CHUNK_SQL.format(
+                shadow=quote_identifier(shadow), where=where, limit=DROP_CHUNK_ROWS)).rowcount
         except sqlite3.OperationalError:
             break  # shadow tables are read-only in defensive mode: drop the whole table at once
         if deleted:
             return
-    conn.execute(f"DROP TABLE {quote_identifier(table)}")
+    conn.execute(DROP_TABLE_SQL.format(table=quote_identifier(table)))
 
 
 def _search_filters(roles, sources, excluded, include_inactive):
