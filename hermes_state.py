@@ -1185,7 +1185,9 @@ def _read_backup_manifest(archive):
     except (KeyError, ValueError, TypeError) as exc:
         raise ValueError(f"not a hermes_state backup: no readable {BACKUP_MANIFEST} ({exc})") from None
     names = set(archive.namelist()) - {BACKUP_MANIFEST}
-    unsafe = [n for n in names | set(files) if not _safe_member_name(n)]
+    # A sidecar beside the restored store would be replayed by SQLite as its journal.
+    sidecars = {STATE_DB_FILENAME + suffix for suffix in SIDECAR_SUFFIXES + (".lock",)}
+    unsafe = [n for n in names | set(files) if not _safe_member_name(n) or n in sidecars]
     if unsafe:
         raise ValueError(f"backup refused: unsafe file names {sorted(unsafe)[:5]}")
     if names != set(files) or STATE_DB_FILENAME not in files:

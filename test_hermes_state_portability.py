@@ -421,8 +421,10 @@ class BackupRestore(StoreTestCase):
         not_sqlite = dict(members, **{"state.db": b"not a database"})
         not_sqlite_manifest = dict(manifest, files=[dict(f, sha256=hashlib.sha256(b"not a database").hexdigest())
                                                     if f["name"] == "state.db" else f for f in manifest["files"]])
+        wal_manifest = dict(manifest, files=manifest["files"] + [{"name": "state.db-wal", "bytes": 1, "sha256": "0"}])
         cases = [
             ("no-manifest.zip", {"state.db": members["state.db"]}, None, "no readable hermes_backup.json"),
+            ("sidecar.zip", dict(members, **{"state.db-wal": b"x"}), wal_manifest, "unsafe file names"),
             ("escape.zip", dict(members, **{"../evil": b"x"}), escaping, "unsafe file names"),
             ("extra.zip", dict(members, **{"stowaway": b"x"}), manifest, "do not match its manifest"),
             ("tampered.zip", tampered_files, manifest, "config.yaml does not match its SHA-256"),
