@@ -128,55 +128,59 @@ def validate_import(sessions, limits):
         raise ValueError("sessions must be a list")
     if len(sessions) > limits["sessions"]:
         raise ValueError(f"sessions has {len(sessions)} entries; the limit is {limits['sessions']}")
-    session_kinds, message_kinds = _column_kinds("sessions"), _column_kinds("messages")
-    errors, seen = [], set()
-    total_messages = total_bytes = 0
+    kinds = (_column_kinds("sessions"), _column_kinds("messages"))
+    errors, seen, totals = [], set(), {"messages": 0, "bytes": 0}
     for index, entry in enumerate(sessions):
-        def fail(message, session_id=None):
+        session_id = entry.get("id") if isinstance(entry, dict) else None
+        for message in _entry_errors(entry, seen, totals, limits, kinds):
             error = {"index": index, "error": message}
-            if session_id is not None:
+            if isinstance(session_id, str) and session_id:
                 error["session_id"] = session_id
             errors.append(error)
-
-        if not isinstance(entry, dict):
-            fail("entry must be an object")
-            continue
-        session_id = entry.get("id")
-        if not isinstance(session_id, str) or not session_id:
-            fail("id must be a non-empty string")
-            continue
-        if len(session_id) > ID_MAX_LENGTH:
-            fail(f"id is {len(session_id)} characters; the limit is {ID_MAX_LENGTH}", session_id)
-            continue
-        if session_id in seen:
-            fail("duplicate id in the payload", session_id)
-        seen.add(session_id)
-        try:
-            size = _compact_size(entry)
-        except (TypeError, ValueError, RecursionError):
-            fail("entry is not plain JSON (numbers, strings, lists, objects)", session_id)
-            continue
-        total_bytes += size
-        if size > limits["session_bytes"]:
-            fail(f"entry is {size} bytes as compact JSON; the limit is {limits['session_bytes']}", session_id)
-        if total_bytes > limits["total_bytes"]:
-            fail(f"the payload passes {limits['total_bytes']} bytes as compact JSON here", session_id)
-        messages = entry.get("messages", [])
-        if not isinstance(messages, list):
-            fail("messages must be a list of objects", session_id)
-            messages = []
-        total_messages += len(messages)
-        if len(messages) > limits["messages_per_session"]:
-            fail(f"messages has {len(messages)} entries; the limit is {limits['messages_per_session']}",
-                 session_id)
-        if total_messages > limits["total_messages"]:
-            fail(f"the payload passes {limits['total_messages']} messages here", session_id)
-        for error in _session_errors(entry, session_kinds):
-            fail(error, session_id)
-        for position, message in enumerate(messages):
-            for error in _message_errors(position, message, message_kinds):
-                fail(error, session_id)
     return errors
+
+
+def _entry_errors(entry, seen, totals, limits, kinds):
+    """Every problem of one entry; adds its id to `seen` and its size to the running `totals`."""
+    if not isinstance(entry, dict):
+        yield "entry must be an object"
+        return
+    session_id = entry.get("id")
+    if not isinstance(session_id, str) or not session_id:
+        yield "id must be a non-empty string"
+        return
+    if len(session_id) > ID_MAX_LENGTH:
+        yield f"id is {len(session_id)} characters; the limit is {ID_MAX_LENGTH}"
+        return
+    if session_id in seen:
+        yield "duplicate id in the payload"
+    seen.add(session_id)
+    yield from _size_errors(entry, totals, limits)
+    messages = entry.get("messages", [])
+    if not isinstance(messages, list):
+        yield "messages must be a list of objects"
+        messages = []
+    totals["messages"] += len(messages)
+    if len(messages) > limits["messages_per_session"]:
+        yield f"messages has {len(messages)} entries; the limit is {limits['messages_per_session']}"
+    if totals["messages"] > limits["total_messages"]:
+        yield f"the payload passes {limits['total_messages']} messages here"
+    yield from _session_errors(entry, kinds[0])
+    for position, message in enumerate(messages):
+        yield from _message_errors(position, message, kinds[1])
+
+
+def _size_errors(entry, totals, limits):
+    try:
+        size = _compact_size(entry)
+    except (TypeError, ValueError, RecursionError):
+        yield "entry is not plain JSON (numbers, strings, lists, objects)"
+        return
+    totals["bytes"] += size
+    if size > limits["session_bytes"]:
+        yield f"entry is {size} bytes as compact JSON; the limit is {limits['session_bytes']}"
+    if totals["bytes"] > limits["total_bytes"]:
+        yield f"the payload passes {limits['total_bytes']} bytes as compact JSON here"
 
 
 # ---------------------------------------------------------------------------
