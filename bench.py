@@ -19,7 +19,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from hermes_state import SessionDB, choose_journal_policy
+from hermes_state import CHECKPOINT_EVERY_COMMITS, SessionDB, choose_journal_policy
 from hermes_state_common import BUMP_MESSAGE_COUNTS_SQL, INSERT_MESSAGE_SQL
 from hermes_state_portability import write_export
 
@@ -74,11 +74,20 @@ def fresh_store(folder, name, journal):
     return path
 
 
-def raw_connection(path):
+def raw_connection(path, journal):
+    """Plain sqlite3 with the store's journal, synchronous and checkpoint settings."""
     conn = sqlite3.connect(path, isolation_level=None)
-    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
     conn.execute("PRAGMA synchronous=NORMAL")
-    return conn, mode
+    policy = choose_journal_policy(override=journal)
+    if policy.autocheckpoint is not None:
+        conn.execute(f"PRAGMA wal_autocheckpoint={policy.autocheckpoint}")
+    return conn, policy.autocheckpoint == 0
+
+
+def raw_commit(conn, commits, manual_checkpoints):
+    conn.execute("COMMIT")
+    if manual_checkpoints and commits % CHECKPOINT_EVERY_COMMITS == 0:
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
 
 def rate(count, seconds):
@@ -96,14 +105,14 @@ def bench_append(folder, history, journal):
 
     results = {"ours": ours}
     for label, bump in (("raw_same_work", True), ("raw_insert_only", False)):
-        conn, _mode = raw_connection(fresh_store(folder, f"{label}-{journal}.db", journal))
+        conn, manual = raw_connection(fresh_store(folder, f"{label}-{journal}.db", journal), journal)
         start = time.perf_counter()
-        for message in history:
+        for commits, message in enumerate(history, 1):
             conn.execute("BEGIN IMMEDIATE")
             conn.execute(INSERT_MESSAGE_SQL, raw_row("bench", message))
             if bump:
                 conn.execute(BUMP_MESSAGE_COUNTS_SQL, (1, 1 if message.get("tool_calls") else 0, "bench"))
-            conn.execute("COMMIT")
+            raw_commit(conn, commits, manual)
         results[label] = rate(len(history), time.perf_counter() - start)
         conn.close()
     return results
@@ -117,13 +126,13 @@ def bench_batch(folder, history, journal):
         for batch in batches:
             db.append_messages_batch("bench", batch)
         ours = rate(len(history), time.perf_counter() - start)
-    conn, _mode = raw_connection(fresh_store(folder, f"batch-raw-{journal}.db", journal))
+    conn, manual = raw_connection(fresh_store(folder, f"batch-raw-{journal}.db", journal), journal)
     start = time.perf_counter()
-    for batch in batches:
+    for commits, batch in enumerate(batches, 1):
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(INSERT_MESSAGE_SQL, [raw_row("bench", m) for m in batch])
         conn.execute(BUMP_MESSAGE_COUNTS_SQL, (len(batch), 0, "bench"))
-        conn.execute("COMMIT")
+        raw_commit(conn, commits, manual)
     raw = rate(len(history), time.perf_counter() - start)
     conn.close()
     return {"ours": ours, "raw": raw}
