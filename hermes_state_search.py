@@ -85,6 +85,10 @@ logger = logging.getLogger("hermes_state")
 BACKFILL_CHUNK_IDS = 1000
 DROP_CHUNK_ROWS = 500
 CJK_DRAIN_CHUNK = 500
+# At most this many queued CJK rows are indexed in one transaction (open or
+# maintenance), so a foreign writer's backlog never means one long write lock;
+# the rest stays answerable through the queue and goes with later writes.
+CJK_DRAIN_MAX_ROWS = 10_000
 OPTIMIZE_PAUSE = 0.01
 # Queued CJK rows are indexed with every this-many commits of a writer, and
 # right away by any transaction that changed at least BULK_CHANGES rows.
@@ -420,9 +424,6 @@ class SessionSearchMixin:
         if layout != "none":
             self._sync_triggers(conn, layout, objects)
             self._rebuild_stale_indexes(conn, layout)
-        if layout == "current" and "cjk" in self._usable_indexes(layout, objects):
-            while drain_cjk_pending(conn) == CJK_DRAIN_CHUNK:
-                pass
         if layout in ("legacy", "external"):
             write_meta(conn, META_FTS_OPTIMIZE_AVAILABLE, "1")
         self._stamp_if_complete(conn)
@@ -525,13 +526,13 @@ class SessionSearchMixin:
 
     def _maintain_search(self, conn, changes):
         """Called at the end of every write transaction that changed `changes` rows:
-        index the queued CJK rows now and then, and always after a bulk write."""
+        index queued CJK rows after a bulk write and on every 64th commit, starting
+        with the first (the open's own schema pass), at most CJK_DRAIN_MAX_ROWS."""
         self._search_commits += 1
-        if changes < BULK_CHANGES and self._search_commits % CJK_DRAIN_EVERY_COMMITS:
+        if changes < BULK_CHANGES and self._search_commits % CJK_DRAIN_EVERY_COMMITS != 1:
             return
         if self.fts_caps.fts5 and conn.execute(TABLE_EXISTS_SQL, (CJK_PENDING_TABLE,)).fetchone():
-            while drain_cjk_pending(conn) == CJK_DRAIN_CHUNK:
-                pass
+            drain_cjk_pending(conn, CJK_DRAIN_MAX_ROWS)
 
     # -- state ---------------------------------------------------------------
 

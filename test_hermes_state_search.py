@@ -582,3 +582,23 @@ class Maintenance(TempDirTestCase):
         merged = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(path), "optimize"],
                                 capture_output=True, text=True, env=env, timeout=60)
         self.assertEqual(merged.returncode, 0, merged.stderr)
+
+
+class ForeignWriters(TempDirTestCase):
+
+    def test_a_foreign_backlog_is_indexed_in_bounded_steps_and_found_meanwhile(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+        conn = sqlite3.connect(path, isolation_level=None)  # a writer that is not this library
+        conn.execute("BEGIN")
+        conn.executemany("INSERT INTO messages (session_id, role, content, timestamp) VALUES ('s', 'user', ?, 1)",
+                         [(f"外部写入 {i}",) for i in range(12_000)])
+        conn.execute("COMMIT")
+        queued = conn.execute("SELECT COUNT(*) FROM messages_cjk_pending").fetchone()[0]
+        self.assertEqual(queued, 12_000)
+        with mock.patch.object(hermes_state_search, "CJK_DRAIN_MAX_ROWS", 10_000):
+            with SessionDB(path) as db:
+                self.assertEqual(db._read_value("SELECT COUNT(*) FROM messages_cjk_pending"), 2_000)
+                self.assertEqual(len(hit_ids(db, "外部")), 12_000)
+        conn.close()
