@@ -385,6 +385,11 @@ def main(argv=None, out=None):
         db_path = getattr(args, "db", None)
         with SessionDB(db_path) as db:
             return _COMMANDS[args.command](db, args, out)
+    except BrokenPipeError:
+        # The reader went away (`... | head`): stop quietly, and keep Python from
+        # complaining about the unflushed stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, OSError, RuntimeError, sqlite3.Error) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 1

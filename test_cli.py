@@ -61,3 +61,13 @@ class CommandLine(TempDirTestCase):
         too_many = self.run_cli("--db", db, "list", "--limit", "99999")
         self.assertEqual(too_many.returncode, 1)
         self.assertIn("limit is 99999; the limit is 10000", too_many.stderr)
+
+    def test_a_closed_pipe_ends_the_output_quietly(self):
+        if os.name != "posix":
+            self.skipTest("uses a POSIX shell pipeline")
+        db = str(self.copy_fixture(V22_DB))
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        pipeline = subprocess.run(f'"{sys.executable}" -m hermes_state --db "{db}" export - | head -c 100 > /dev/null',
+                                  shell=True, capture_output=True, text=True, env=env, timeout=60)
+        self.assertNotIn("Broken pipe", pipeline.stderr)
+        self.assertNotIn("Traceback", pipeline.stderr)

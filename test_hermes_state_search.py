@@ -386,7 +386,7 @@ class OptimizeStorage(TempDirTestCase):
                 lines += 1
                 if lines >= kill_after:
                     break
-            child.send_signal(signal.SIGKILL)
+            child.send_signal(getattr(signal, "SIGKILL", signal.SIGTERM))
             child.communicate()
             conn = sqlite3.connect(path, isolation_level=None)
             self.assertEqual(conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")
