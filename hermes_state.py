@@ -630,9 +630,14 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         return result
 
     def _after_commit(self, conn):
+        """Checkpoint now and then. The data is committed: nothing here may raise into
+        the retry loop, which would run the callback a second time."""
         self._commits += 1
         if self.policy.autocheckpoint == 0 and self._commits % CHECKPOINT_EVERY_COMMITS == 0:
-            conn.execute(CHECKPOINT_PASSIVE_SQL)
+            try:
+                conn.execute(CHECKPOINT_PASSIVE_SQL)
+            except sqlite3.Error as exc:
+                logger.info("checkpoint of %s deferred to the next one: %s", self.db_path, exc)
 
     def _locked_error(self, start, cause):
         waited = time.monotonic() - start

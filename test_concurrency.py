@@ -312,3 +312,25 @@ class ReaderPool(TempDirTestCase):
         db.close()
         with self.assertRaises(sqlite3.ProgrammingError):
             readers[0].execute("SELECT 1")
+
+
+class CommittedMeansOnce(TempDirTestCase):
+
+    def test_a_failing_checkpoint_after_commit_does_not_repeat_the_write(self):
+        class CheckpointFails(sqlite3.Connection):
+            def execute(self, sql, *args):
+                if "wal_checkpoint(PASSIVE)" in sql:
+                    raise sqlite3.OperationalError("database is locked")
+                return super().execute(sql, *args)
+
+        def connect(*args, **kwargs):
+            return sqlite3.connect(*args, factory=CheckpointFails, **kwargs)
+
+        with SessionDB(self.tmp / "state.db", connection_factory=connect, journal="wal") as db:
+            if db.policy.autocheckpoint != 0:
+                self.skipTest("this runtime keeps automatic checkpoints")
+            db.create_session("s", "cli")
+            for i in range(CHECKPOINT_EVERY_COMMITS + 10):
+                db.append_message("s", "user", f"m{i}")
+            self.assertEqual(db.message_count("s"), CHECKPOINT_EVERY_COMMITS + 10)
+            self.assertEqual(db.get_session("s")["message_count"], CHECKPOINT_EVERY_COMMITS + 10)
