@@ -455,7 +455,6 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         self._writer = None
         self._file_lock = None
         self._commits = 0
-        self._search_commits = 0
         self.fts_caps = runtime_capabilities(self._connect)
         self._tokens = TokenQueue()
         self._closed = False
@@ -528,7 +527,6 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         conn.execute(SYNCHRONOUS_NORMAL_SQL)
         if self.policy.autocheckpoint is not None:
             conn.execute(SET_AUTOCHECKPOINT_SQL.format(pages=self.policy.autocheckpoint))
-        self.journal_mode = mode
 
     def close(self):
         """Apply queued token counts, then close every connection. Safe to call twice."""

@@ -295,7 +295,6 @@ FTS_TRIGRAM_TABLE = "messages_fts_trigram"
 FTS_CJK_TABLE = "messages_fts_cjk"
 CJK_PENDING_TABLE = "messages_cjk_pending"
 FTS_OLD_SUFFIX = "_old"
-FTS_INDEXES = ("word", "trigram", "cjk")
 FTS_INDEX_TABLES = {"word": FTS_WORD_TABLE, "trigram": FTS_TRIGRAM_TABLE, "cjk": FTS_CJK_TABLE}
 
 # Tool output (base64, file dumps) is most of the bytes; the word index keeps
@@ -711,6 +710,7 @@ DELETE_ROUTING_KEYS_SQL = "DELETE FROM gateway_routing WHERE scope = ? AND sessi
 DELETE_ROUTING_SCOPE_SQL = "DELETE FROM gateway_routing WHERE scope = ?"
 
 SELECT_META_SQL = "SELECT value FROM state_meta WHERE key = ?"
+SELECT_META_KEYS_SQL = "SELECT key, value FROM state_meta WHERE key IN ({})"
 # Delete then insert rather than an upsert: an old state_meta may lack its primary key.
 INSERT_META_SQL = "INSERT INTO state_meta (key, value) VALUES (?, ?)"
 DELETE_META_SQL = "DELETE FROM state_meta WHERE key = ?"

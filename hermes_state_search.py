@@ -63,6 +63,7 @@ from hermes_state_common import (
     SELECT_FTS_TRIGGERS_SQL,
     SELECT_INDEXED_TEXT_BYTES_SQL,
     SELECT_MAX_MESSAGE_ID_SQL,
+    SELECT_META_KEYS_SQL,
     SELECT_META_SQL,
     SELECT_SCHEMA_OBJECTS_SQL,
     SELECT_TABLE_SQL_SQL,
@@ -423,7 +424,7 @@ class SessionSearchMixin:
             objects = _schema_objects(conn)
         if layout != "none":
             self._sync_triggers(conn, layout, objects)
-            self._rebuild_stale_indexes(conn, layout)
+            self._rebuild_stale_indexes(conn, layout, objects)
         if layout in ("legacy", "external"):
             write_meta(conn, META_FTS_OPTIMIZE_AVAILABLE, "1")
         self._stamp_if_complete(conn)
@@ -483,8 +484,7 @@ class SessionSearchMixin:
                     conn.execute(DROP_TRIGGER_SQL.format(trigger=quote_identifier(name)))
                     conn.execute(ddl)
 
-    def _rebuild_stale_indexes(self, conn, layout):
-        objects = _schema_objects(conn)
+    def _rebuild_stale_indexes(self, conn, layout, objects):
         usable = self._usable_indexes(layout, objects)
         for key, indexes in ((META_FTS_STALE, ("word", "cjk")), (META_FTS_CJK_STALE, ("trigram",))):
             if read_meta(conn, key) is None:
@@ -528,8 +528,8 @@ class SessionSearchMixin:
         """Called at the end of every write transaction that changed `changes` rows:
         index queued CJK rows after a bulk write and on every 64th commit, starting
         with the first (the open's own schema pass), at most CJK_DRAIN_MAX_ROWS."""
-        self._search_commits += 1
-        if changes < BULK_CHANGES and self._search_commits % CJK_DRAIN_EVERY_COMMITS != 1:
+        commit_number = self._commits + 1  # this transaction's, counted by the write path
+        if changes < BULK_CHANGES and commit_number % CJK_DRAIN_EVERY_COMMITS != 1:
             return
         if self.fts_caps.fts5 and conn.execute(TABLE_EXISTS_SQL, (CJK_PENDING_TABLE,)).fetchone():
             drain_cjk_pending(conn, CJK_DRAIN_MAX_ROWS)
@@ -544,11 +544,20 @@ class SessionSearchMixin:
         """True when the store has an older index generation that optimize-storage would shrink."""
         return self._read_value(SELECT_META_SQL, (META_FTS_OPTIMIZE_AVAILABLE,)) == "1"
 
+    def _read_objects(self):
+        """{name: (type, sql)} of sqlite_master, through a read connection."""
+        return {name: (kind, sql) for kind, name, sql in self._read_all(SELECT_SCHEMA_OBJECTS_SQL)}
+
+    def _read_meta(self, *keys):
+        """{key: value or None} for these state_meta keys, in one query."""
+        found = dict(self._read_all(SELECT_META_KEYS_SQL.format(placeholders(len(keys))), keys))
+        return {key: found.get(key) for key in keys}
+
     def _index_state(self):
-        objects = {name: (kind, sql) for kind, name, sql in self._read_all(SELECT_SCHEMA_OBJECTS_SQL)}
+        objects = self._read_objects()
         layout = _layout(objects)
-        meta = {key: self._read_value(SELECT_META_SQL, (key,)) for key in (
-            META_FTS_STALE, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)}
+        meta = self._read_meta(META_FTS_STALE, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
+                               META_FTS_REBUILD_PROGRESS)
         usable = {index for index in self._usable_indexes(layout, objects) if not meta[_stale_key(index)]}
         high_water = meta[META_FTS_REBUILD_HIGH_WATER]
         pending = CJK_PENDING_TABLE in objects and self._read_one(HAS_CJK_PENDING_SQL) is not None
@@ -557,21 +566,20 @@ class SessionSearchMixin:
 
     def fts_rebuild_status(self):
         """What a backfill or an optimize still has to do, or None when nothing is pending."""
-        objects = {name: (kind, sql) for kind, name, sql in self._read_all(SELECT_SCHEMA_OBJECTS_SQL)}
-        high_water = self._read_value(SELECT_META_SQL, (META_FTS_REBUILD_HIGH_WATER,))
-        if high_water:
-            progress = int(self._read_value(SELECT_META_SQL, (META_FTS_REBUILD_PROGRESS,)) or 0)
-            total = int(high_water)
+        meta = self._read_meta(META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)
+        if meta[META_FTS_REBUILD_HIGH_WATER]:
+            progress = int(meta[META_FTS_REBUILD_PROGRESS] or 0)
+            total = int(meta[META_FTS_REBUILD_HIGH_WATER])
             return {"phase": "backfill", "indexed": progress, "total": total,
                     "percent": round(100.0 * progress / total, 1) if total else 100.0}
-        old = _old_tables(objects)
+        old = _old_tables(self._read_objects())
         if old:
             return {"phase": "drop-old", "tables": old, "indexed": None, "total": None, "percent": None}
         return None
 
     def search_health(self):
         """The search facts `doctor` reports."""
-        objects = {name: (kind, sql) for kind, name, sql in self._read_all(SELECT_SCHEMA_OBJECTS_SQL)}
+        objects = self._read_objects()
         layout = _layout(objects)
         triggers = {name for name, (kind, _sql) in objects.items() if kind == "trigger"}
         return {
@@ -579,9 +587,9 @@ class SessionSearchMixin:
             "fts_storage_version_of_release": FTS_STORAGE_VERSION,
             "fts_triggers_complete": {index: all(name in triggers for name in names)
                                       for index, names in FTS_TRIGGERS.get(layout, {}).items()},
-            "search_meta": {key: self._read_value(SELECT_META_SQL, (key,)) for key in (
-                META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE, META_FTS_STALE, META_FTS_CJK_STALE,
-                META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)},
+            "search_meta": self._read_meta(META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE, META_FTS_STALE,
+                                           META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
+                                           META_FTS_REBUILD_PROGRESS),
             "fts_rebuild": self.fts_rebuild_status(),
             "searchable_by_index": sorted(self._index_state().usable),
         }
@@ -698,8 +706,9 @@ class SessionSearchMixin:
     def rebuild_fts(self):
         """Rebuild every index of the store's generation from the messages, in one transaction."""
         def rebuild(conn):
-            layout = _layout(_schema_objects(conn))
-            for index in self._usable_indexes(layout, _schema_objects(conn)):
+            objects = _schema_objects(conn)
+            layout = _layout(objects)
+            for index in self._usable_indexes(layout, objects):
                 self._rebuild_index(conn, layout, index)
             return layout
         return self._execute_write(rebuild)
