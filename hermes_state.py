@@ -1115,8 +1115,11 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         }
 
     def doctor(self):
-        """Integrity, layouts, breadcrumbs, journal and runtime facts; `ok` is False on damage."""
-        integrity = [row[0] for row in self._read_all(INTEGRITY_CHECK_SQL)]
+        """Integrity, layouts, breadcrumbs, journal and runtime facts; `ok` is False on damage.
+
+        Never raises on a damaged file: a check that cannot run is reported as such.
+        """
+        integrity = _checked(lambda: [row[0] for row in self._read_all(INTEGRITY_CHECK_SQL)])
         report = {
             "db_path": str(self.db_path),
             "integrity_check": integrity,
@@ -1125,14 +1128,15 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
             "fts5": self.fts_caps.fts5,
             "trigram": self.fts_caps.trigram,
             "wal_reset_bug": sqlite_has_wal_reset_bug(),
-            "journal_mode": self._read_value(JOURNAL_MODE_SQL),
+            "journal_mode": _checked(lambda: self._read_value(JOURNAL_MODE_SQL)),
             "journal_policy": self.policy.reason,
-            "schema_version": self.schema_version(),
+            "schema_version": _checked(self.schema_version),
             "schema_version_of_release": SCHEMA_VERSION,
             "stale_schema": self.stale_schema,
             "repairs_at_open": self.repairs,
         }
-        report.update(self.search_health())
+        search = _checked(self.search_health)
+        report.update(search if isinstance(search, dict) else {"search_health": search})
         return report
 
 
@@ -1270,6 +1274,14 @@ def _swap_in(scratch, files, db_path):
 # ---------------------------------------------------------------------------
 # Helpers of the API that take a connection inside a write
 # ---------------------------------------------------------------------------
+
+
+def _checked(read):
+    """`read()`, or what stopped it, for a report about a store that may be damaged."""
+    try:
+        return read()
+    except sqlite3.DatabaseError as exc:
+        return [f"could not run: {exc}"]
 
 
 def _make_atexit_close(db):

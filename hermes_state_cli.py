@@ -93,8 +93,16 @@ def _cmd_stats(db, args, out):
     return 0
 
 
-def _cmd_doctor(db, args, out):
-    report = db.doctor()
+def _cmd_doctor(args, out):
+    """The report of a writable open; if the file is too damaged to open that way,
+    the report of a read-only look (no repair, no DDL) with the open's error."""
+    db_path = getattr(args, "db", None)
+    try:
+        with SessionDB(db_path) as db:
+            report = db.doctor()
+    except sqlite3.DatabaseError as exc:
+        with SessionDB(db_path, read_only=True) as db:
+            report = {"open_error": str(exc), **db.doctor(), "ok": False}
     _emit(args, out, report, _print_fields(26))
     return 0 if report["ok"] else 1
 
@@ -361,7 +369,7 @@ def build_parser():
 
 
 _COMMANDS = {"list": _cmd_list, "show": _cmd_show, "search": _cmd_search, "optimize": _cmd_optimize,
-             "optimize-storage": _cmd_optimize_storage, "stats": _cmd_stats, "doctor": _cmd_doctor,
+             "optimize-storage": _cmd_optimize_storage, "stats": _cmd_stats,
              "export": _cmd_export, "import": _cmd_import, "delete": _cmd_delete, "prune": _cmd_prune,
              "backup": _cmd_backup}
 
@@ -378,6 +386,8 @@ def main(argv=None, out=None):
     try:
         if args.command == "demo":
             return _cmd_demo(args, out)
+        if args.command == "doctor":
+            return _cmd_doctor(args, out)
         if args.command == "restore":
             return _cmd_restore(args, out)
         if args.command == "serve":

@@ -3,10 +3,12 @@
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
+from hermes_state import SessionDB
 from test_support import REPO, V22_DB, TempDirTestCase
 
 
@@ -71,3 +73,31 @@ class CommandLine(TempDirTestCase):
                                   shell=True, capture_output=True, text=True, env=env, timeout=60)
         self.assertNotIn("Broken pipe", pipeline.stderr)
         self.assertNotIn("Traceback", pipeline.stderr)
+
+    def damage_page_of(self, name):
+        """A store whose page holding `name` is garbage."""
+        path = self.tmp / f"{name}.db"
+        with SessionDB(path, journal="delete") as db:
+            db.create_session("s", "cli")
+            for i in range(300):
+                db.append_message("s", "user", f"m{i} " * 20)
+        conn = sqlite3.connect(path)
+        root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (name,)).fetchone()[0]
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        conn.close()
+        with open(path, "r+b") as handle:
+            handle.seek((root - 1) * page_size)
+            handle.write(b"\x0d" + b"\xff" * 50)
+        return path
+
+    def test_doctor_reports_damage_instead_of_failing(self):
+        for name, open_fails in (("idx_sessions_started", False), ("sessions", True)):
+            with self.subTest(damaged=name):
+                path = self.damage_page_of(name)
+                result = self.run_cli("--db", str(path), "doctor", "--json")
+                self.assertEqual(result.returncode, 1, result.stderr)
+                report = json.loads(result.stdout)
+                self.assertFalse(report["ok"])
+                self.assertNotEqual(report["integrity_check"], ["ok"])
+                self.assertEqual("malformed" in report.get("open_error", ""), open_fails)
+        self.assertEqual([p.name for p in self.tmp.iterdir() if ".bak" in p.name], [])  # diagnosed, not moved

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from unittest import mock
 
 from hermes_state import (
     CHECKPOINT_EVERY_COMMITS, SessionDB, StoreLockedError, choose_journal_policy, sqlite_has_wal_reset_bug,
@@ -334,3 +335,41 @@ class CommittedMeansOnce(TempDirTestCase):
                 db.append_message("s", "user", f"m{i}")
             self.assertEqual(db.message_count("s"), CHECKPOINT_EVERY_COMMITS + 10)
             self.assertEqual(db.get_session("s")["message_count"], CHECKPOINT_EVERY_COMMITS + 10)
+
+
+
+class ThreadsOfOneProcess(TempDirTestCase):
+
+    def test_a_thread_that_keeps_the_write_lock_past_the_budget_gives_the_clear_error(self):
+        with SessionDB(self.tmp / "state.db", write_budget=0.3) as db:
+            db.create_session("s", "cli")
+            held, release = threading.Event(), threading.Event()
+
+            def hog():
+                with db._write_lock:
+                    held.set()
+                    release.wait(10)
+
+            thread = threading.Thread(target=hog)
+            thread.start()
+            held.wait(5)
+            try:
+                with self.assertRaisesRegex(StoreLockedError, "another thread of this process kept writing; "
+                                                              "no data was written"):
+                    db.append_message("s", "user", "never written")
+            finally:
+                release.set()
+                thread.join(10)
+            self.assertEqual(db.message_count("s"), 0)
+
+
+class JournalFromEnvironment(TempDirTestCase):
+
+    def test_hermes_state_journal_is_read_from_the_environment(self):
+        with mock.patch.dict(os.environ, {"HERMES_STATE_JOURNAL": " DELETE "}):
+            with SessionDB(self.tmp / "state.db") as db:
+                self.assertEqual(db.policy.mode, "delete")
+                self.assertEqual(db.doctor()["journal_mode"], "delete")
+        with mock.patch.dict(os.environ, {"HERMES_STATE_JOURNAL": "memory"}):
+            with self.assertRaisesRegex(ValueError, "HERMES_STATE_JOURNAL must be 'wal' or 'delete'"):
+                SessionDB(self.tmp / "other.db")

@@ -6,7 +6,10 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import time
+from unittest import mock
 
+import hermes_state
 from hermes_constants import reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB, lock_holder_name
 from hermes_state_common import TITLE_MAX_LENGTH
@@ -157,6 +160,15 @@ class Sessions(StoreTestCase):
         self.db.update_token_counts("s", input_tokens=6)
         self.db.close()
         self.assertEqual(self.session_row("s")["input_tokens"], 10)
+
+    def test_a_queue_older_than_its_age_limit_is_applied_by_the_next_update(self):
+        self.db.create_session("s", "cli")
+        with mock.patch.object(hermes_state, "TOKEN_QUEUE_MAX_AGE", 0.05):
+            self.db.update_token_counts("s", input_tokens=2)
+            self.assertEqual(self.session_row("s")["input_tokens"], 0)
+            time.sleep(0.1)
+            self.db.update_token_counts("s", input_tokens=3)
+            self.assertEqual(self.session_row("s")["input_tokens"], 5)
 
     def test_token_counts_survive_a_normal_interpreter_exit(self):
         self.db.create_session("s", "cli")

@@ -101,6 +101,16 @@ class OldStoresHeal(TempDirTestCase):
             db.append_message("s1", "user", "works")
             self.assertEqual(db.get_messages("s1")[0]["content"], "works")
 
+    def test_a_column_or_index_that_cannot_be_built_is_logged_and_the_open_goes_on(self):
+        path = self.build("CREATE VIEW compression_locks AS SELECT 'x' AS session_id;")
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            with SessionDB(path) as db:
+                db.create_session("s", "cli")
+                self.assertEqual(db.get_session("s")["id"], "s")
+        output = "\n".join(logs.output)
+        self.assertIn("could not add compression_locks.holder", output)
+        self.assertIn("index idx_compression_locks_expires not built", output)
+
     def test_gateway_routing_keyed_on_session_key_is_rebuilt(self):
         path = self.build(
             "CREATE TABLE gateway_routing (session_key TEXT PRIMARY KEY, entry_json TEXT NOT NULL, "

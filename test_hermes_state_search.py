@@ -602,3 +602,14 @@ class ForeignWriters(TempDirTestCase):
                 self.assertEqual(db._read_value("SELECT COUNT(*) FROM messages_cjk_pending"), 2_000)
                 self.assertEqual(len(hit_ids(db, "外部")), 12_000)
         conn.close()
+
+
+class NoFts5Refusal(TempDirTestCase):
+
+    def test_optimize_storage_refuses_a_runtime_without_fts5_and_changes_nothing(self):
+        path = self.copy_fixture(V22_DB)
+        with SessionDB(path, connection_factory=without_fts5) as db:
+            content = dump_hash(path)
+            with self.assertRaisesRegex(RuntimeError, "needs a SQLite with FTS5"):
+                db.optimize_fts_storage()
+        self.assertEqual(dump_hash(path), content)

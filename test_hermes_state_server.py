@@ -123,6 +123,17 @@ class Endpoints(ServerCase):
         self.assertIn("the limit is 26214400", json.loads(response.read())["error"])
         conn.close()
 
+    def test_a_body_without_a_length_gets_411(self):
+        host, port = self.server.server_address[:2]
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.putrequest("POST", "/api/sessions/import")
+        conn.putheader("Authorization", f"Bearer {TOKEN}")
+        conn.endheaders()
+        response = conn.getresponse()
+        self.assertEqual(response.status, 411)
+        self.assertIn("Content-Length", json.loads(response.read())["error"])
+        conn.close()
+
     def test_the_page_is_self_contained_and_carries_no_data(self):
         request = urllib.request.Request(self.server.url)
         with urllib.request.urlopen(request, timeout=10) as response:
