@@ -10,6 +10,7 @@ It reads through SessionDB's public readers and writes through
 `_execute_write`; it never imports hermes_state.
 """
 
+import contextlib
 import hashlib
 import html
 import json
@@ -469,23 +470,15 @@ def _write_markdown_folder(exports, fmt, folder):
     return count
 
 
-class _open_private:
+@contextlib.contextmanager
+def _open_private(path):
     """A text file created 0600 (exports hold prompts and messages), or stdout for '-'."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __enter__(self):
-        if self.path == "-":
-            self.handle = None
-            return sys.stdout
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        self.handle = os.fdopen(fd, "w", encoding="utf-8", newline="\n")
-        return self.handle
-
-    def __exit__(self, *exc_info):
-        if self.handle is not None:
-            self.handle.close()
+    if path == "-":
+        yield sys.stdout
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+        yield handle
 
 
 class SessionPortabilityMixin:

@@ -8,6 +8,7 @@ touches SQL. Session import (`/api/sessions/import`) and whole-home restore
 """
 
 import base64
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -37,39 +38,37 @@ class ApiError(Exception):
 
 
 class ReadWriteGate:
-    """Many requests at once, or one whole-home restore alone."""
+    """Many requests at once (`shared`), or one whole-home restore alone (`exclusive`)."""
 
     def __init__(self):
         self._cond = threading.Condition()
         self._readers = 0
         self._writing = False
 
-    def __enter__(self):
+    @contextlib.contextmanager
+    def shared(self):
         with self._cond:
             self._cond.wait_for(lambda: not self._writing)
             self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
 
-    def __exit__(self, *exc_info):
-        with self._cond:
-            self._readers -= 1
-            self._cond.notify_all()
-
+    @contextlib.contextmanager
     def exclusive(self):
-        gate = self
-
-        class Exclusive:
-            def __enter__(self):
-                with gate._cond:
-                    gate._cond.wait_for(lambda: not gate._writing)
-                    gate._writing = True
-                    gate._cond.wait_for(lambda: gate._readers == 0)
-
-            def __exit__(self, *exc_info):
-                with gate._cond:
-                    gate._writing = False
-                    gate._cond.notify_all()
-
-        return Exclusive()
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+            self._writing = True
+            self._cond.wait_for(lambda: self._readers == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
 
 
 def is_loopback(host):
@@ -173,7 +172,7 @@ class ApiHandler(BaseHTTPRequestHandler):
             if handler == "ops_import":
                 getattr(self, handler)(query, **params)
                 return
-            with self.server.gate:
+            with self.server.gate.shared():
                 getattr(self, handler)(query, **params)
         except ApiError as exc:
             headers = exc.extra.pop("headers", None)
