@@ -232,6 +232,9 @@ class DamagedFiles(TempDirTestCase):
         self.assertRegex(backups[0], rf"^state\.db\.{reason}-\d{{8}}-\d{{6}}-{os.getpid()}\.bak$")
         self.assertIn(backups[0], "\n".join(logs.output))
         self.assertEqual((self.tmp / backups[0]).read_bytes(), content)
+        if os.name == "posix":
+            for name in backups:
+                self.assertEqual(os.stat(self.tmp / name).st_mode & 0o777, 0o600, name)
         if wal is not None:
             self.assertEqual(backups[1], backups[0] + "-wal")
             self.assertEqual((self.tmp / backups[1]).read_bytes(), wal)
