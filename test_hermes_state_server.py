@@ -111,28 +111,30 @@ class Endpoints(ServerCase):
         self.assertFalse(body["ok"])
         self.assertEqual(self.call("/api/sessions")[1]["total"], 0)
 
-    def test_bodies_over_the_cap_get_413_before_they_are_read(self):
+    def post_headers_only(self, headers):
+        """POST to the import endpoint with these headers and no body: (status, error message)."""
         host, port = self.server.server_address[:2]
         conn = http.client.HTTPConnection(host, port, timeout=10)
-        conn.putrequest("POST", "/api/sessions/import")
-        conn.putheader("Authorization", f"Bearer {TOKEN}")
-        conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
-        conn.endheaders()
-        response = conn.getresponse()
-        self.assertEqual(response.status, 413)
-        self.assertIn("the limit is 26214400", json.loads(response.read())["error"])
-        conn.close()
+        try:
+            conn.putrequest("POST", "/api/sessions/import")
+            conn.putheader("Authorization", f"Bearer {TOKEN}")
+            for name, value in headers.items():
+                conn.putheader(name, value)
+            conn.endheaders()
+            response = conn.getresponse()
+            return response.status, json.loads(response.read())["error"]
+        finally:
+            conn.close()
+
+    def test_bodies_over_the_cap_get_413_before_they_are_read(self):
+        status, error = self.post_headers_only({"Content-Length": str(MAX_BODY_BYTES + 1)})
+        self.assertEqual(status, 413)
+        self.assertIn("the limit is 26214400", error)
 
     def test_a_body_without_a_length_gets_411(self):
-        host, port = self.server.server_address[:2]
-        conn = http.client.HTTPConnection(host, port, timeout=10)
-        conn.putrequest("POST", "/api/sessions/import")
-        conn.putheader("Authorization", f"Bearer {TOKEN}")
-        conn.endheaders()
-        response = conn.getresponse()
-        self.assertEqual(response.status, 411)
-        self.assertIn("Content-Length", json.loads(response.read())["error"])
-        conn.close()
+        status, error = self.post_headers_only({})
+        self.assertEqual(status, 411)
+        self.assertIn("Content-Length", error)
 
     def test_the_page_is_self_contained_and_carries_no_data(self):
         request = urllib.request.Request(self.server.url)
