@@ -1,10 +1,11 @@
 # make test  - the whole suite (python3 -m unittest), closing with "N passed, N failed, N skipped"
+# make test-all - the suite once per CPython found (pyenv's 3.8+, else python3), then a total line
 # make bench - speed and memory ratios, printed as a table
 # make demo  - build and show an example store in a temporary home
 SHELL := /bin/bash
 PYTHON ?= python3
 
-.PHONY: test bench demo
+.PHONY: test test-all bench demo
 
 test:
 	@log=$$(mktemp); \
@@ -17,6 +18,26 @@ test:
 	  END { failed = n["failures"] + n["errors"]; if (status != 0 && failed == 0) failed = 1; \
 	        printf "%d passed, %d failed, %d skipped\n", ran - failed - n["skipped"], failed, n["skipped"] }' "$$log"; \
 	rm -f "$$log"; \
+	exit $$status
+
+# One "N passed, N failed, N skipped" line per interpreter, the sum last in the same form.
+test-all:
+	@if command -v pyenv >/dev/null 2>&1; then \
+	  pythons=$$(ls -d "$$(pyenv root)"/versions/3.* 2>/dev/null | sort -V | \
+	    awk -F/ '{ split($$NF, v, "."); if (v[2] >= 8) print $$0 "/bin/python" }'); \
+	fi; \
+	[ -n "$${pythons:-}" ] || pythons=python3; \
+	status=0; total_p=0; total_f=0; total_s=0; \
+	for py in $$pythons; do \
+	  line=$$($(MAKE) --no-print-directory test PYTHON="$$py" 2>&1 | tail -n 1) || status=1; \
+	  version=$$("$$py" -c 'import platform; print(platform.python_version())'); \
+	  echo "python $$version: $$line"; \
+	  set -- $$(echo "$$line" | grep -oE '[0-9]+ (passed|failed|skipped)' | awk '{print $$1}'); \
+	  if [ $$# -ne 3 ]; then status=1; set -- 0 1 0; fi; \
+	  total_p=$$((total_p + $$1)); total_f=$$((total_f + $$2)); total_s=$$((total_s + $$3)); \
+	done; \
+	[ $$total_f -eq 0 ] || status=1; \
+	echo "$$total_p passed, $$total_f failed, $$total_s skipped"; \
 	exit $$status
 
 bench:

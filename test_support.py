@@ -1,9 +1,12 @@
 """Helpers shared by the test suites: temp folders, fixture copies, raw reads.
 
-Not a test module itself; it holds no TestCase. Fixtures are read from
-../shared/fixtures (or $HERMES_FIXTURES) and always copied before opening.
+Not a test module itself; it holds no TestCase. Fixtures live gzipped in
+fixtures/ inside the repo; each is unpacked once per run into a private
+temp folder, read-only, and tests copy it again before opening it writable.
 """
 
+import atexit
+import gzip
 import hashlib
 import re
 import os
@@ -14,7 +17,7 @@ import unittest
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent
-FIXTURES = Path(os.environ.get("HERMES_FIXTURES", REPO.parent / "shared" / "fixtures"))
+FIXTURES = REPO / "fixtures"
 V22_DB = "hermes_v22_legacy_fts.db"
 V26_DB = "hermes_v26_split.db"
 FIXTURE_DBS = (V22_DB, V26_DB)
@@ -22,11 +25,25 @@ FIXTURE_DBS = (V22_DB, V26_DB)
 WRITE_VERBS = ("INSERT", "UPDATE", "DELETE", "REPLACE", "CREATE", "ALTER", "DROP")
 
 
+_UNPACKED = None
+
+
 def fixture_path(name):
-    path = FIXTURES / name
+    """A read-only, unpacked copy of fixtures/<name>.gz, made once per test run."""
+    global _UNPACKED
+    packed = FIXTURES / (name + ".gz")
+    if not packed.exists():
+        raise AssertionError(f"fixture {packed} is missing from the repository")
+    if _UNPACKED is None:
+        _UNPACKED = Path(tempfile.mkdtemp(prefix="hermes-fixtures-"))
+        atexit.register(shutil.rmtree, _UNPACKED, True)
+    path = _UNPACKED / name
     if not path.exists():
-        raise AssertionError(f"fixture {path} is missing: the suite needs ../shared/fixtures "
-                             "(or HERMES_FIXTURES pointing at a copy)")
+        scratch = path.with_name(name + ".part")
+        with gzip.open(packed, "rb") as source, open(scratch, "wb") as target:
+            shutil.copyfileobj(source, target)
+        os.chmod(scratch, 0o444)
+        os.replace(scratch, path)
     return path
 
 
