@@ -2,13 +2,14 @@
 
 Owns the connections (one writer, a pool of readers), the journal policy,
 the write path (BEGIN IMMEDIATE with retry and jitter inside a time budget),
-self-repair of damaged files at open, the token-count queue, and the public
-session/message/lineage/routing/meta/lock API. `python -m hermes_state` runs
-the command line in hermes_state_cli.
+self-repair of damaged files at open, close, the meta methods, whole-home
+backup and restore, and the class statement that composes the mixins.
+`python -m hermes_state` runs the command line in hermes_state_cli.
 
-Schema work lives in hermes_state_schema, search in hermes_state_search,
-export and import in hermes_state_portability; all SQL text lives in
-hermes_state_common.
+The public API lives in the concern mixins (sessions, messages, titles,
+usage, gateway, maintenance, search, schema, portability); each imports only
+hermes_state_common, hermes_state_schema's helpers and the standard library.
+This module never holds session or message logic of its own.
 """
 
 import atexit
@@ -18,7 +19,6 @@ import logging
 import os
 import queue
 import random
-import socket
 import sqlite3
 import sys
 import tempfile
@@ -31,75 +31,27 @@ from pathlib import Path
 
 from hermes_constants import STATE_DB_FILENAME, get_default_db_path
 from hermes_state_common import (
-    BUMP_MESSAGE_COUNTS_SQL,
     CHECKPOINT_PASSIVE_SQL,
-    CHECKPOINT_TRUNCATE_SQL,
-    COUNT_ALL_MESSAGES_SQL,
-    COUNT_SESSIONS_SQL,
-    BUMP_REWIND_COUNT_SQL,
-    COMPRESSION_END_REASON,
-    COUNT_ACTIVE_MESSAGES_SQL,
-    COUNT_SESSION_MESSAGES_SQL,
-    DEACTIVATE_AFTER_SQL,
-    DELETE_ROUTING_KEYS_SQL,
-    DELETE_ROUTING_SCOPE_SQL,
-    END_SESSION_SQL,
-    INSERT_MESSAGE_SQL,
-    INSERT_SESSION_SQL,
-    INTEGRITY_CHECK_SQL,
     JOURNAL_MODE_SQL,
-    LIST_SESSIONS_RICH_SQL,
-    INSERT_SYSTEM_PROMPT_SQL,
-    MESSAGE_JSON_FIELDS,
-    MESSAGE_WRITE_COLUMNS,
     QUICK_CHECK_SQL,
-    REACTIVATE_SQL,
-    REFRESH_LOCK_SQL,
-    RELEASE_LOCK_SQL,
-    REOPEN_SESSION_SQL,
-    SCHEMA_VERSION,
-    SELECT_ACTIVE_COUNT_INPUTS_SQL,
-    SELECT_COMPRESSION_CHILD_SQL,
-    SELECT_ID_PREFIX_SQL,
-    SELECT_LOCK_SQL,
-    SELECT_MESSAGE_OWNER_SQL,
-    SELECT_MESSAGES_SQL,
     SELECT_META_PREFIX_SQL,
     SELECT_META_SQL,
-    SELECT_LINEAGE_LINK_SQL,
-    SELECT_PRUNABLE_SQL,
-    SELECT_ROUTING_SQL,
-    SELECT_SCHEMA_VERSION_SQL,
-    SELECT_SESSION_BY_TITLE_SQL,
-    SELECT_SESSION_SQL,
-    SELECT_SYSTEM_PROMPT_SQL,
-    SELECT_TITLE_OWNER_SQL,
-    SELECT_TITLE_SQL,
-    SESSION_CASCADE_DELETE_SQL,
-    SESSION_EXISTS_SQL,
-    SESSIONS_BY_SOURCE_SQL,
-    SET_ARCHIVED_SQL,
-    SET_MESSAGE_COUNTS_SQL,
-    SET_PINNED_SQL,
     SET_AUTOCHECKPOINT_SQL,
     SET_JOURNAL_MODE_SQL,
-    SET_TITLE_SQL,
     SYNCHRONOUS_NORMAL_SQL,
-    TITLE_MAX_LENGTH,
-    UPDATE_TOKEN_COUNTS_SQL,
-    UPSERT_LOCK_SQL,
-    UPSERT_MODEL_USAGE_SQL,
-    UPSERT_ROUTING_SQL,
-    VACUUM_SQL,
-    chunked,
-    count_tool_calls,
-    placeholders,
     prefix_bounds,
-    store_file_bytes,
+    require_text,
+    sqlite_has_wal_reset_bug,
 )
+from hermes_state_gateway import SessionGatewayMixin
+from hermes_state_maintenance import SessionMaintenanceMixin
+from hermes_state_messages import SessionMessagesMixin
 from hermes_state_portability import SessionPortabilityMixin
-from hermes_state_schema import SessionSchemaMixin, declared_columns, is_lock_error, prompt_hash, write_meta
+from hermes_state_schema import SessionSchemaMixin, is_lock_error, write_meta
 from hermes_state_search import SessionSearchMixin, runtime_capabilities
+from hermes_state_sessions import SessionSessionsMixin
+from hermes_state_titles import SessionTitlesMixin
+from hermes_state_usage import SessionUsageMixin, TokenQueue, apply_token_batch
 
 logger = logging.getLogger("hermes_state")
 
@@ -122,10 +74,6 @@ WRITER_BUSY_TIMEOUT = 0.1
 # With automatic checkpoints off, a PASSIVE checkpoint runs under the writer
 # lock every this many commits of one connection.
 CHECKPOINT_EVERY_COMMITS = 500
-# Queued token counts older than this are applied by the next call that queues more.
-TOKEN_QUEUE_MAX_AGE = 1.0
-SESSION_ID_MAX_LENGTH = 256
-LIST_LIMIT_MAX = 10_000
 
 
 class StoreLockedError(sqlite3.OperationalError):
@@ -137,17 +85,6 @@ class StoreLockedError(sqlite3.OperationalError):
 # ---------------------------------------------------------------------------
 
 JournalPolicy = namedtuple("JournalPolicy", "mode writer_lock autocheckpoint reason")
-
-
-def sqlite_has_wal_reset_bug(version=sqlite3.sqlite_version_info):
-    """SQLite 3.7.0 to 3.51.2 can corrupt a WAL store when two connections write
-    or checkpoint at the same instant; fixed in 3.51.3, backported to 3.44.6 and 3.50.7."""
-    version = tuple(version[:3])
-    if version < (3, 7, 0) or version >= (3, 51, 3):
-        return False
-    if (3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0):
-        return False
-    return True
 
 
 def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None):
@@ -276,161 +213,9 @@ def _create_private_file(path):
     os.chmod(path, FILE_MODE)
 
 
-# ---------------------------------------------------------------------------
-# Token-count queue
-# ---------------------------------------------------------------------------
-
-TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
-                "reasoning_tokens", "api_call_count")
-
-
-class TokenQueue:
-    """Token counts added up in memory, applied later in one write."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._pending = {}
-        self._oldest = None
-
-    def add(self, session_id, model, counts):
-        with self._lock:
-            totals = self._pending.setdefault((session_id, model), [0] * len(TOKEN_FIELDS))
-            for i, value in enumerate(counts):
-                totals[i] += value
-            if self._oldest is None:
-                self._oldest = time.monotonic()
-
-    def is_stale(self):
-        oldest = self._oldest
-        return oldest is not None and time.monotonic() - oldest > TOKEN_QUEUE_MAX_AGE
-
-    def __bool__(self):
-        return bool(self._pending)
-
-    def take(self):
-        with self._lock:
-            batch, self._pending, self._oldest = self._pending, {}, None
-            return batch
-
-    def put_back(self, batch):
-        for (session_id, model), counts in batch.items():
-            self.add(session_id, model, counts)
-
-
-def apply_token_batch(conn, batch):
-    now = time.time()
-    for (session_id, model), counts in batch.items():
-        conn.execute(UPDATE_TOKEN_COUNTS_SQL, (*counts, model, session_id))
-        if model:
-            conn.execute(UPSERT_MODEL_USAGE_SQL, (session_id, model, *counts[:5], counts[5], now, now))
-
-
-# ---------------------------------------------------------------------------
-# Value checks shared by the API
-# ---------------------------------------------------------------------------
-
-
-def _require_text(name, value, *, max_length=None, allow_none=False):
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{name} must be a non-empty string")
-    if max_length is not None and len(value) > max_length:
-        raise ValueError(f"{name} is {len(value)} characters; the limit is {max_length}")
-    return value
-
-
-def _require_int(name, value, *, minimum=0, maximum=None, allow_none=False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} is {value}; the limit is {maximum}")
-    return value
-
-
-def _json_text(name, value, *, want_object=False):
-    """Structured values are stored as JSON text; text is checked to be JSON."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            decoded = json.loads(value)
-        except ValueError:
-            raise ValueError(f"{name} must be JSON text or a JSON-serialisable value") from None
-        if want_object and not isinstance(decoded, dict):
-            raise ValueError(f"{name} must be a JSON object")
-        return value
-    if want_object and not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object")
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name} is not JSON-serialisable: {exc}") from None
-
-
-def decode_message(row):
-    """A message row as a dict with `tool_calls` decoded from its JSON text."""
-    message = dict(row)
-    raw = message.get("tool_calls")
-    if isinstance(raw, str):
-        try:
-            message["tool_calls"] = json.loads(raw)
-        except ValueError:
-            pass
-    return message
-
-
-def normalize_title(title):
-    """Strip a title; empty means no title. Raises ValueError past TITLE_MAX_LENGTH."""
-    if title is None:
-        return None
-    if not isinstance(title, str):
-        raise ValueError("title must be a string or None")
-    title = " ".join(title.split())
-    if len(title) > TITLE_MAX_LENGTH:
-        raise ValueError(f"title is {len(title)} characters; the limit is {TITLE_MAX_LENGTH}")
-    return title or None
-
-
-def lock_holder_name():
-    """A compression-lock holder name whose process this host can check for liveness."""
-    return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}"
-
-
-def _pid_alive(pid):
-    if sys.platform == "win32":
-        import ctypes
-        handle = ctypes.windll.kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
-        if not handle:
-            return False
-        ctypes.windll.kernel32.CloseHandle(handle)
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def holder_is_alive(holder):
-    """False only when `holder` names a process on this host that no longer exists."""
-    parts = holder.split(":")
-    if len(parts) < 2 or parts[0] != socket.gethostname() or not parts[1].isdigit():
-        return True
-    return _pid_alive(int(parts[1]))
-
-
-# Session columns a caller may not set through create_session: identity,
-# counters kept by the store, and the prompt hash derived from system_prompt.
-_PROTECTED_SESSION_FIELDS = {"id", "source", "message_count", "tool_call_count", "system_prompt",
-                             "system_prompt_hash"}
-
-
-class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin):
+class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, SessionUsageMixin,
+                SessionGatewayMixin, SessionMaintenanceMixin, SessionSearchMixin, SessionSchemaMixin,
+                SessionPortabilityMixin):
     """The agent's state store. Thread-safe; open one per process.
 
     `SessionDB(db_path=None, read_only=False)`: `db_path` defaults to
@@ -681,339 +466,9 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
         row = self._read_one(sql, params)
         return None if row is None else row[0]
 
-    def _flush_token_counts(self):
-        """Apply queued token counts now, for a read that must see them."""
-        if self._tokens and not self.read_only:
-            self._execute_write(lambda conn: None)
-
-    # -- sessions ------------------------------------------------------------
-
-    def create_session(self, session_id, source, model=None, model_config=None, system_prompt=None,
-                       parent_session_id=None, **fields):
-        """Create a session and return its id; an id that exists is left as it is.
-
-        `fields` may name any other `sessions` column (`user_id`, `cwd`,
-        `title`, `started_at`, ...). `model_config` is a dict or JSON text of
-        an object. `system_prompt` is stored once in `system_prompts` by hash.
-        """
-        values = self._session_values(session_id, source, model, model_config, parent_session_id, fields)
-        _require_text("system_prompt", system_prompt, allow_none=True)
-        digest = prompt_hash(system_prompt) if system_prompt is not None else None
-        if digest:
-            values["system_prompt_hash"] = digest
-        sql = INSERT_SESSION_SQL.format(columns=", ".join(values), values=placeholders(len(values)))
-
-        def write(conn):
-            if conn.execute(SESSION_EXISTS_SQL, (session_id,)).fetchone():
-                return
-            self._check_title_free(conn, values.get("title"), session_id)
-            if digest:
-                conn.execute(INSERT_SYSTEM_PROMPT_SQL, (digest, system_prompt))
-            conn.execute(sql, tuple(values.values()))
-
-        self._execute_write(write)
-        return session_id
-
-    def ensure_session(self, session_id, source="cli", **fields):
-        """Create the session if it does not exist yet (e.g. on resume); return its id."""
-        return self.create_session(session_id, source, **fields)
-
-    def _session_values(self, session_id, source, model, model_config, parent_session_id, fields):
-        _require_text("session_id", session_id, max_length=SESSION_ID_MAX_LENGTH)
-        _require_text("source", source)
-        allowed = declared_columns()["sessions"]
-        for name in fields:
-            if name not in allowed or name in _PROTECTED_SESSION_FIELDS:
-                raise ValueError(f"unknown or protected session field {name!r}")
-        values = {"id": session_id, "source": source, "started_at": time.time()}
-        values.update(fields)
-        values["model"] = _require_text("model", model, allow_none=True)
-        values["model_config"] = _json_text("model_config", model_config, want_object=True)
-        values["parent_session_id"] = _require_text("parent_session_id", parent_session_id, allow_none=True)
-        if "title" in values:
-            values["title"] = normalize_title(values["title"])
-        return values
-
-    def _check_title_free(self, conn, title, session_id):
-        if title is None:
-            return
-        owner = conn.execute(SELECT_TITLE_OWNER_SQL, (title, session_id)).fetchone()
-        if owner:
-            raise ValueError(f"title {title!r} is already used by session {owner[0]}")
-
-    def end_session(self, session_id, end_reason):
-        """Mark a session ended now with `end_reason`; False if there is no such session."""
-        _require_text("end_reason", end_reason)
-        return self._update_rows(END_SESSION_SQL, (time.time(), end_reason, session_id)) > 0
-
-    def reopen_session(self, session_id):
-        """Clear a session's end; False if there is no such session."""
-        return self._update_rows(REOPEN_SESSION_SQL, (session_id,)) > 0
-
     def _update_rows(self, sql, params):
+        """One-statement write; returns the number of rows it changed."""
         return self._execute_write(lambda conn: conn.execute(sql, params).rowcount)
-
-    def get_session(self, session_id):
-        """Every column of a session, `system_prompt` resolved; None for an unknown id."""
-        self._flush_token_counts()
-        row = self._read_one(SELECT_SESSION_SQL, (session_id,))
-        return None if row is None else self._resolve_prompt(dict(row), {})
-
-    def _resolve_prompt(self, session, cache):
-        digest = session.get("system_prompt_hash")
-        if digest and session.get("system_prompt") is None:
-            if digest not in cache:
-                cache[digest] = self._read_value(SELECT_SYSTEM_PROMPT_SQL, (digest,))
-            session["system_prompt"] = cache[digest]
-        return session
-
-    def set_session_title(self, session_id, title):
-        """Set (or with None/"" clear) a title; titles are unique. False for an unknown session."""
-        title = normalize_title(title)
-
-        def write(conn):
-            self._check_title_free(conn, title, session_id)
-            return conn.execute(SET_TITLE_SQL, (title, session_id)).rowcount > 0
-
-        return self._execute_write(write)
-
-    def get_session_title(self, session_id):
-        return self._read_value(SELECT_TITLE_SQL, (session_id,))
-
-    def get_session_by_title(self, title):
-        """The session holding `title`, or None."""
-        session_id = self._read_value(SELECT_SESSION_BY_TITLE_SQL, (normalize_title(title),))
-        return None if session_id is None else self.get_session(session_id)
-
-    def resolve_session_id(self, id_or_prefix):
-        """The id itself if it exists, else the only id starting with it; None if none or ambiguous."""
-        if not isinstance(id_or_prefix, str) or not id_or_prefix:
-            return None
-        if self._read_one(SESSION_EXISTS_SQL, (id_or_prefix,)):
-            return id_or_prefix
-        matches = self._read_all(SELECT_ID_PREFIX_SQL, prefix_bounds(id_or_prefix))
-        return matches[0][0] if len(matches) == 1 else None
-
-    def update_token_counts(self, session_id, input_tokens=0, output_tokens=0, model=None,
-                            cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=0,
-                            api_call_count=0):
-        """Add token counts to a session (and to its per-model usage row when `model` is given).
-
-        Queued and applied with the next write, by any read that needs them
-        exact, by close(), at interpreter exit, or when the queue is a second old.
-        """
-        counts = [_require_int(name, value) for name, value in zip(
-            TOKEN_FIELDS, (input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
-                           reasoning_tokens, api_call_count))]
-        _require_text("model", model, allow_none=True)
-        self._check_open()
-        stale = self._tokens.is_stale()
-        self._tokens.add(session_id, model, counts)
-        if stale:
-            self._flush_token_counts()
-
-    def set_session_archived(self, session_id, archived=True):
-        return self._update_rows(SET_ARCHIVED_SQL, (int(bool(archived)), session_id)) > 0
-
-    def set_session_pinned(self, session_id, pinned=True):
-        return self._update_rows(SET_PINNED_SQL, (int(bool(pinned)), session_id)) > 0
-
-    def delete_session(self, session_id):
-        """Delete a session with its messages, usage and lock; its children become roots."""
-        return self._execute_write(lambda conn: _delete_sessions(conn, [session_id])) > 0
-
-    def prune_sessions(self, older_than_days=90, source=None):
-        """Delete ended sessions started more than `older_than_days` ago; returns how many."""
-        ids = self.prunable_session_ids(older_than_days, source)
-        return self._execute_write(lambda conn: _delete_sessions(conn, ids)) if ids else 0
-
-    def prunable_session_ids(self, older_than_days=90, source=None):
-        """The ids prune_sessions would delete (for a dry run)."""
-        if isinstance(older_than_days, bool) or not isinstance(older_than_days, (int, float)) \
-                or older_than_days < 0:
-            raise ValueError("older_than_days must be a number >= 0")
-        sql, params = SELECT_PRUNABLE_SQL, [time.time() - older_than_days * 86400]
-        if source is not None:
-            sql, params = sql + " AND source = ?", params + [source]
-        return [row[0] for row in self._read_all(sql, params)]
-
-    def list_sessions_rich(self, source=None, limit=20, offset=0, include_archived=False,
-                           exclude_sources=None):
-        """Sessions newest first, each with `preview` (first user message) and `last_active`."""
-        _require_int("limit", limit, minimum=1, maximum=LIST_LIMIT_MAX)
-        _require_int("offset", offset)
-        self._flush_token_counts()
-        where, params = _session_filters(source, exclude_sources, include_archived)
-        rows = self._read_all(LIST_SESSIONS_RICH_SQL.format(where=where), params + [limit, offset])
-        cache = {}
-        return [self._resolve_prompt(dict(row), cache) for row in rows]
-
-    def session_count(self, source=None, include_archived=True, exclude_sources=None):
-        where, params = _session_filters(source, exclude_sources, include_archived)
-        return self._read_value(COUNT_SESSIONS_SQL.format(where=where), params)
-
-    # -- messages ------------------------------------------------------------
-
-    def append_message(self, session_id, role, content=None, tool_name=None, tool_calls=None,
-                       tool_call_id=None, token_count=None, finish_reason=None, reasoning=None,
-                       reasoning_content=None, reasoning_details=None, codex_reasoning_items=None,
-                       codex_message_items=None, platform_message_id=None, api_content=None,
-                       display_kind=None, display_metadata=None, effect_disposition=None,
-                       timestamp=None):
-        """Append one message and return its id; the session's counts move in the same transaction."""
-        fields = dict(locals())
-        del fields["self"], fields["session_id"]
-        row, calls = _message_row(session_id, fields)
-
-        def write(conn):
-            message_id = conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
-            _bump_counts(conn, session_id, 1, calls)
-            return message_id
-
-        return self._execute_write(write)
-
-    def append_messages_batch(self, session_id, messages):
-        """Append many messages (dicts of append_message's arguments) in one transaction."""
-        if not isinstance(messages, (list, tuple)):
-            raise ValueError("messages must be a list of dicts")
-        rows, calls = [], 0
-        for index, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise ValueError(f"messages[{index}] must be a dict")
-            try:
-                row, n = _message_row(session_id, message)
-            except ValueError as exc:
-                raise ValueError(f"messages[{index}]: {exc}") from None
-            rows.append(row)
-            calls += n
-        if not rows:
-            return 0
-
-        def write(conn):
-            conn.executemany(INSERT_MESSAGE_SQL, rows)
-            _bump_counts(conn, session_id, len(rows), calls)
-            return len(rows)
-
-        return self._execute_write(write)
-
-    def get_messages(self, session_id, include_inactive=False, limit=None, offset=0, after_id=None):
-        """A session's messages in id order, `tool_calls` decoded; active ones unless asked."""
-        sql, params = SELECT_MESSAGES_SQL, [session_id]
-        if not include_inactive:
-            sql += " AND active = 1"
-        if after_id is not None:
-            sql, params = sql + " AND id > ?", params + [_require_int("after_id", after_id)]
-        sql += " ORDER BY id"
-        if limit is not None or offset:
-            sql += " LIMIT ? OFFSET ?"
-            params += [_require_int("limit", limit, allow_none=True) or -1, _require_int("offset", offset)]
-        return [decode_message(row) for row in self._read_all(sql, params)]
-
-    def get_messages_as_conversation(self, session_id):
-        """Active messages as chat-API dicts: role, content, and tool_calls/tool_call_id when set."""
-        conversation = []
-        for message in self.get_messages(session_id):
-            turn = {"role": message["role"], "content": message["content"]}
-            for key in ("tool_calls", "tool_call_id"):
-                if message.get(key):
-                    turn[key] = message[key]
-            conversation.append(turn)
-        return conversation
-
-    def message_count(self, session_id=None):
-        """Active messages in one session, or in the whole store."""
-        if session_id is None:
-            return self._read_value(COUNT_ACTIVE_MESSAGES_SQL)
-        return self._read_value(COUNT_SESSION_MESSAGES_SQL, (session_id,))
-
-    def rewind_to_message(self, session_id, target_message_id):
-        """Deactivate every message after `target_message_id`; returns how many. Undo: restore_rewound."""
-        _require_int("target_message_id", target_message_id)
-
-        def write(conn):
-            owner = conn.execute(SELECT_MESSAGE_OWNER_SQL, (target_message_id,)).fetchone()
-            if owner is None or owner[0] != session_id:
-                raise ValueError(f"message {target_message_id} is not in session {session_id!r}")
-            hidden = conn.execute(DEACTIVATE_AFTER_SQL, (session_id, target_message_id)).rowcount
-            if hidden:
-                conn.execute(BUMP_REWIND_COUNT_SQL, (session_id,))
-                _recount(conn, session_id)
-            return hidden
-
-        return self._execute_write(write)
-
-    def restore_rewound(self, session_id):
-        """Reactivate the messages a rewind hid; returns how many."""
-        def write(conn):
-            shown = conn.execute(REACTIVATE_SQL, (session_id,)).rowcount
-            if shown:
-                _recount(conn, session_id)
-            return shown
-
-        return self._execute_write(write)
-
-    # -- compression lineage -------------------------------------------------
-
-    def get_compression_lineage(self, session_id):
-        """[root, ..., tip] ids of the compression chain through `session_id` ([] if unknown).
-
-        A parent belongs to the chain when it ended with end_reason 'compression'.
-        """
-        if self._read_one(SESSION_EXISTS_SQL, (session_id,)) is None:
-            return []
-        chain, seen = [session_id], {session_id}
-        row = self._read_one(SELECT_LINEAGE_LINK_SQL, (session_id,))
-        while row["parent_session_id"]:
-            parent = row["parent_session_id"]
-            row = self._read_one(SELECT_LINEAGE_LINK_SQL, (parent,))
-            if row is None or parent in seen or row["end_reason"] != COMPRESSION_END_REASON:
-                break
-            chain.insert(0, parent)
-            seen.add(parent)
-        current = session_id
-        while True:
-            child = self._read_value(SELECT_COMPRESSION_CHILD_SQL, (current,))
-            if child is None or child in seen:
-                break
-            chain.append(child)
-            seen.add(child)
-            current = child
-        return chain
-
-    def get_compression_tip(self, session_id):
-        """The newest segment of the compression chain through `session_id`, or None."""
-        chain = self.get_compression_lineage(session_id)
-        return chain[-1] if chain else None
-
-    # -- gateway routing -----------------------------------------------------
-
-    def save_gateway_routing_entry(self, session_key, entry_json, *, scope=""):
-        row = _routing_row(session_key, entry_json, scope)
-        self._execute_write(lambda conn: conn.execute(UPSERT_ROUTING_SQL, row))
-
-    def load_gateway_routing_entries(self, *, scope=""):
-        """{session_key: entry_json} for one scope."""
-        return {key: entry for key, entry in self._read_all(SELECT_ROUTING_SQL, (scope,))}
-
-    def delete_gateway_routing_entries(self, keys, *, scope=""):
-        """Delete these keys from one scope; returns how many rows went."""
-        keys = list(keys)
-
-        def write(conn):
-            return sum(conn.execute(DELETE_ROUTING_KEYS_SQL.format(placeholders(len(chunk))),
-                                    [scope, *chunk]).rowcount for chunk in chunked(keys))
-
-        return self._execute_write(write) if keys else 0
-
-    def replace_gateway_routing_entries(self, entries, *, scope=""):
-        """Make one scope hold exactly `entries` ({session_key: entry_json}), atomically."""
-        rows = [_routing_row(key, entry, scope) for key, entry in dict(entries).items()]
-
-        def write(conn):
-            conn.execute(DELETE_ROUTING_SCOPE_SQL, (scope,))
-            conn.executemany(UPSERT_ROUTING_SQL, rows)
-
-        self._execute_write(write)
 
     # -- state_meta ------------------------------------------------------------
 
@@ -1022,59 +477,14 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
 
     def set_meta(self, key, value):
         """Store `value` as text under `key`; None removes the key."""
-        _require_text("key", key)
+        require_text("key", key)
         self._execute_write(lambda conn: write_meta(conn, key, value))
 
     def list_meta_prefix(self, prefix):
         """{key: value} for every key starting with `prefix` (case-sensitive)."""
         return {key: value for key, value in self._read_all(SELECT_META_PREFIX_SQL, prefix_bounds(prefix))}
 
-    # -- compression locks -------------------------------------------------------
-
-    def try_acquire_compression_lock(self, session_id, holder, ttl_seconds=300.0):
-        """Take the session's compression lock for `holder`; False if someone alive holds it.
-
-        An expired lock, or one whose holder names a dead process on this host,
-        is taken over. Re-acquiring your own lock refreshes it.
-        """
-        _require_text("holder", holder)
-        ttl = _require_ttl(ttl_seconds)
-
-        def write(conn):
-            now = time.time()
-            row = conn.execute(SELECT_LOCK_SQL, (session_id,)).fetchone()
-            if row and row["holder"] != holder and row["expires_at"] > now and holder_is_alive(row["holder"]):
-                return False
-            conn.execute(UPSERT_LOCK_SQL, (session_id, holder, now, now + ttl))
-            return True
-
-        return self._execute_write(write)
-
-    def refresh_compression_lock(self, session_id, holder, ttl_seconds=300.0):
-        """Extend a lock `holder` holds; False if it holds none."""
-        expires = time.time() + _require_ttl(ttl_seconds)
-        return self._update_rows(REFRESH_LOCK_SQL, (expires, session_id, holder)) > 0
-
-    def release_compression_lock(self, session_id, holder):
-        """Release a lock `holder` holds; False if it holds none."""
-        return self._update_rows(RELEASE_LOCK_SQL, (session_id, holder)) > 0
-
-    def get_compression_lock_holder(self, session_id):
-        """Who holds the session's lock now (None when free or expired)."""
-        row = self._read_one(SELECT_LOCK_SQL, (session_id,))
-        return row["holder"] if row and row["expires_at"] > time.time() else None
-
-    # -- store facts ---------------------------------------------------------------
-
-    def vacuum(self):
-        """Rewrite the file without free pages, then truncate the WAL; under the writer lock."""
-        self._flush_token_counts()
-
-        def run(conn):
-            conn.execute(VACUUM_SQL)
-            conn.execute(CHECKPOINT_TRUNCATE_SQL)
-
-        self._execute_write(run, transaction=False)
+    # -- backup ----------------------------------------------------------------
 
     def backup(self, out_path):
         """Write a zip of the whole home: the store as a consistent snapshot taken with
@@ -1095,49 +505,6 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
             members = [(snapshot, STATE_DB_FILENAME)] + [
                 (path, path.relative_to(home).as_posix()) for path in _home_files(home, self.db_path, out_path)]
             return _write_backup_zip(out_path, members)
-
-    def schema_version(self):
-        return self._read_value(SELECT_SCHEMA_VERSION_SQL)
-
-    def stats(self):
-        """Counts and sizes for `stats`: sessions, messages, sources, file size, versions."""
-        self._flush_token_counts()
-        by_source = {row[0]: row[1] for row in self._read_all(SESSIONS_BY_SOURCE_SQL)}
-        return {
-            "db_path": str(self.db_path),
-            "db_bytes": store_file_bytes(self.db_path),
-            "sessions": sum(by_source.values()),
-            "sessions_by_source": by_source,
-            "messages_active": self.message_count(),
-            "messages_total": self._read_value(COUNT_ALL_MESSAGES_SQL),
-            "schema_version": self.schema_version(),
-            "fts_layout": self.fts_layout(),
-        }
-
-    def doctor(self):
-        """Integrity, layouts, breadcrumbs, journal and runtime facts; `ok` is False on damage.
-
-        Never raises on a damaged file: a check that cannot run is reported as such.
-        """
-        integrity = _checked(lambda: [row[0] for row in self._read_all(INTEGRITY_CHECK_SQL)])
-        report = {
-            "db_path": str(self.db_path),
-            "integrity_check": integrity,
-            "ok": integrity == ["ok"],
-            "sqlite_version": sqlite3.sqlite_version,
-            "fts5": self.fts_caps.fts5,
-            "trigram": self.fts_caps.trigram,
-            "wal_reset_bug": sqlite_has_wal_reset_bug(),
-            "journal_mode": _checked(lambda: self._read_value(JOURNAL_MODE_SQL)),
-            "journal_policy": self.policy.reason,
-            "schema_version": _checked(self.schema_version),
-            "schema_version_of_release": SCHEMA_VERSION,
-            "stale_schema": self.stale_schema,
-            "repairs_at_open": self.repairs,
-        }
-        search = _checked(self.search_health)
-        report.update(search if isinstance(search, dict) else {"search_health": search})
-        return report
 
 
 # ---------------------------------------------------------------------------
@@ -1271,19 +638,6 @@ def _swap_in(scratch, files, db_path):
     return {"restored": sorted(files), "moved_aside": moved, "db_path": str(db_path)}
 
 
-# ---------------------------------------------------------------------------
-# Helpers of the API that take a connection inside a write
-# ---------------------------------------------------------------------------
-
-
-def _checked(read):
-    """`read()`, or what stopped it, for a report about a store that may be damaged."""
-    try:
-        return read()
-    except sqlite3.DatabaseError as exc:
-        return [f"could not run: {exc}"]
-
-
 def _make_atexit_close(db):
     ref = weakref.ref(db)
 
@@ -1293,80 +647,6 @@ def _make_atexit_close(db):
             live.close()
 
     return close_at_exit
-
-
-def _session_filters(source, exclude_sources, include_archived):
-    clauses, params = [], []
-    if source is not None:
-        clauses.append("s.source = ?")
-        params.append(source)
-    if exclude_sources:
-        clauses.append(f"s.source NOT IN ({placeholders(len(exclude_sources))})")
-        params.extend(exclude_sources)
-    if not include_archived:
-        clauses.append("COALESCE(s.archived, 0) = 0")
-    return ("WHERE " + " AND ".join(clauses)) if clauses else "", params
-
-
-def _message_row(session_id, fields):
-    """Check one message's fields; returns (row in MESSAGE_WRITE_COLUMNS order, tool-call count)."""
-    unknown = set(fields) - set(MESSAGE_WRITE_COLUMNS)
-    if unknown:
-        raise ValueError(f"unknown message field {sorted(unknown)[0]!r}")
-    _require_text("session_id", session_id)
-    _require_text("role", fields.get("role"))
-    values = {}
-    for column in MESSAGE_WRITE_COLUMNS[2:]:
-        value = fields.get(column)
-        if column in MESSAGE_JSON_FIELDS:
-            value = _json_text(column, value)
-        elif column == "token_count":
-            value = _require_int("token_count", value, allow_none=True)
-        elif column == "timestamp":
-            value = time.time() if value is None else value
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError("timestamp must be a number (seconds since the epoch)")
-        elif value is not None and not isinstance(value, str):
-            raise ValueError(f"{column} must be a string or None")
-        values[column] = value
-    row = (session_id, fields["role"]) + tuple(values.values())
-    return row, count_tool_calls(values["tool_calls"])
-
-
-def _bump_counts(conn, session_id, messages, calls):
-    if conn.execute(BUMP_MESSAGE_COUNTS_SQL, (messages, calls, session_id)).rowcount == 0:
-        raise ValueError(f"unknown session_id {session_id!r}")
-
-
-def _recount(conn, session_id):
-    rows = conn.execute(SELECT_ACTIVE_COUNT_INPUTS_SQL, (session_id,)).fetchall()
-    calls = sum(count_tool_calls(row["tool_calls"]) for row in rows)
-    conn.execute(SET_MESSAGE_COUNTS_SQL, (len(rows), calls, session_id))
-
-
-def _delete_sessions(conn, session_ids):
-    """Delete sessions with everything hanging off them; children become roots. Returns how many."""
-    deleted = 0
-    for chunk in chunked(session_ids):
-        marks = placeholders(len(chunk))
-        for template in SESSION_CASCADE_DELETE_SQL:
-            count = conn.execute(template.format(marks), chunk).rowcount
-        deleted += count
-    return deleted
-
-
-def _routing_row(session_key, entry_json, scope):
-    _require_text("session_key", session_key)
-    if not isinstance(scope, str):
-        raise ValueError("scope must be a string")
-    entry = entry_json if isinstance(entry_json, str) else _json_text("entry_json", entry_json)
-    return (scope, session_key, entry, time.time())
-
-
-def _require_ttl(ttl_seconds):
-    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, (int, float)) or ttl_seconds <= 0:
-        raise ValueError("ttl_seconds must be a number > 0")
-    return float(ttl_seconds)
 
 
 if __name__ == "__main__":

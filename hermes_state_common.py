@@ -8,6 +8,7 @@ none of them has to import another.
 """
 
 import json
+import sqlite3
 from pathlib import Path
 
 # ---------------------------------------------------------------------------
@@ -788,3 +789,90 @@ def store_file_bytes(path):
     """Bytes of a store on disk: the file and its WAL."""
     path = Path(path)
     return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
+
+
+def sqlite_has_wal_reset_bug(version=sqlite3.sqlite_version_info):
+    """SQLite 3.7.0 to 3.51.2 can corrupt a WAL store when two connections write
+    or checkpoint at the same instant; fixed in 3.51.3, backported to 3.44.6 and 3.50.7."""
+    version = tuple(version[:3])
+    if version < (3, 7, 0) or version >= (3, 51, 3):
+        return False
+    if (3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0):
+        return False
+    return True
+
+
+# Limits of the public API.
+SESSION_ID_MAX_LENGTH = 256
+LIST_LIMIT_MAX = 10_000
+# Queued token counts older than this are applied by the next call that queues more.
+TOKEN_QUEUE_MAX_AGE = 1.0
+
+
+# ---------------------------------------------------------------------------
+# Value checks shared by the API: each names the field and the limit
+# ---------------------------------------------------------------------------
+
+
+def require_text(name, value, *, max_length=None, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string")
+    if max_length is not None and len(value) > max_length:
+        raise ValueError(f"{name} is {len(value)} characters; the limit is {max_length}")
+    return value
+
+
+def require_int(name, value, *, minimum=0, maximum=None, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} is {value}; the limit is {maximum}")
+    return value
+
+
+def json_text(name, value, *, want_object=False):
+    """Structured values are stored as JSON text; text is checked to be JSON."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            raise ValueError(f"{name} must be JSON text or a JSON-serialisable value") from None
+        if want_object and not isinstance(decoded, dict):
+            raise ValueError(f"{name} must be a JSON object")
+        return value
+    if want_object and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object")
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} is not JSON-serialisable: {exc}") from None
+
+
+def decode_message(row):
+    """A message row as a dict with `tool_calls` decoded from its JSON text."""
+    message = dict(row)
+    raw = message.get("tool_calls")
+    if isinstance(raw, str):
+        try:
+            message["tool_calls"] = json.loads(raw)
+        except ValueError:
+            pass
+    return message
+
+
+def normalize_title(title):
+    """Strip a title; empty means no title. Raises ValueError past TITLE_MAX_LENGTH."""
+    if title is None:
+        return None
+    if not isinstance(title, str):
+        raise ValueError("title must be a string or None")
+    title = " ".join(title.split())
+    if len(title) > TITLE_MAX_LENGTH:
+        raise ValueError(f"title is {len(title)} characters; the limit is {TITLE_MAX_LENGTH}")
+    return title or None

@@ -9,9 +9,10 @@ import sys
 import time
 from unittest import mock
 
-import hermes_state
+import hermes_state_usage
 from hermes_constants import reset_hermes_home_override, set_hermes_home_override
-from hermes_state import SessionDB, lock_holder_name
+from hermes_state import SessionDB
+from hermes_state_gateway import lock_holder_name
 from hermes_state_common import TITLE_MAX_LENGTH
 from test_support import StoreTestCase, TempDirTestCase
 
@@ -163,7 +164,7 @@ class Sessions(StoreTestCase):
 
     def test_a_queue_older_than_its_age_limit_is_applied_by_the_next_update(self):
         self.db.create_session("s", "cli")
-        with mock.patch.object(hermes_state, "TOKEN_QUEUE_MAX_AGE", 0.05):
+        with mock.patch.object(hermes_state_usage, "TOKEN_QUEUE_MAX_AGE", 0.05):
             self.db.update_token_counts("s", input_tokens=2)
             self.assertEqual(self.session_row("s")["input_tokens"], 0)
             time.sleep(0.1)
