@@ -29,7 +29,11 @@ test-all:
 	[ -n "$${pythons:-}" ] || pythons=python3; \
 	status=0; total_p=0; total_f=0; total_s=0; \
 	for py in $$pythons; do \
-	  line=$$($(MAKE) --no-print-directory test PYTHON="$$py" 2>&1 | tail -n 1) || status=1; \
+	  log=$$(mktemp); $(MAKE) --no-print-directory test PYTHON="$$py" > "$$log" 2>&1 || status=1; \
+	  line=$$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$$log" | tail -n 1); \
+	  [ -n "$$line" ] || line="0 passed, 1 failed, 0 skipped (no summary: $$(tail -n 1 "$$log"))"; \
+	  if grep -qE '^(FAIL|ERROR):' "$$log"; then grep -E '^(FAIL|ERROR):' "$$log" | sed 's/^/  /'; fi; \
+	  rm -f "$$log"; \
 	  version=$$("$$py" -c 'import platform; print(platform.python_version())'); \
 	  echo "python $$version: $$line"; \
 	  set -- $$(echo "$$line" | grep -oE '[0-9]+ (passed|failed|skipped)' | awk '{print $$1}'); \

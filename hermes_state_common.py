@@ -876,3 +876,53 @@ def normalize_title(title):
     if len(title) > TITLE_MAX_LENGTH:
         raise ValueError(f"title is {len(title)} characters; the limit is {TITLE_MAX_LENGTH}")
     return title or None
+
+
+# ---------------------------------------------------------------------------
+# Errors callers catch by class (hermes-agent imports them from hermes_state)
+# ---------------------------------------------------------------------------
+
+# The transcript sizes past which resume and in-memory export refuse; 0 in the
+# caller's config turns a guard off.
+MAX_SAFE_RESUME_MESSAGES = 20_000
+MAX_SAFE_EXPORT_MESSAGES = 20_000
+
+
+class SessionResumeTooLargeError(ValueError):
+    """Resuming would load more active messages than MAX_SAFE_RESUME_MESSAGES."""
+
+    def __init__(self, message_count, limit=MAX_SAFE_RESUME_MESSAGES, scope="across its lineage"):
+        self.message_count, self.limit = message_count, limit
+        super().__init__(f"session has at least {message_count} active messages {scope}; safe resume "
+                         f"limit is {limit}. Export the session instead, or set "
+                         "sessions.max_resume_messages: 0 in config.yaml to disable the guard.")
+
+
+class SessionExportTooLargeError(ValueError):
+    """An in-memory export would hold more active messages than MAX_SAFE_EXPORT_MESSAGES."""
+
+    def __init__(self, session_id, message_count, limit=MAX_SAFE_EXPORT_MESSAGES):
+        self.session_id, self.message_count, self.limit = session_id, message_count, limit
+        super().__init__(f"session '{session_id}' has at least {message_count} active messages; "
+                         f"safe in-memory export limit is {limit}")
+
+
+class CompressionSessionClosedError(RuntimeError):
+    """A write aimed at a session that compression has already ended."""
+
+    def __init__(self, session_id):
+        self.session_id = session_id
+        super().__init__(f"Session {session_id!r} is closed by compression; "
+                         "adopt its live continuation before appending messages")
+
+
+class CompressionSessionBusyError(RuntimeError):
+    """Someone other than the compression-lock holder tried to write the session."""
+
+
+class SessionCompressionInProgressError(CompressionSessionBusyError):
+    """A live compression lock blocked the write; it is transient, so waiting helps."""
+
+
+class SessionTurnLeaseLostError(RuntimeError):
+    """A write named a turn-lease holder that no longer holds the lease; never retried."""
