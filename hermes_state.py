@@ -50,6 +50,7 @@ from hermes_state_portability import SessionPortabilityMixin
 from hermes_state_schema import SessionSchemaMixin, is_lock_error, write_meta
 from hermes_state_search import SessionSearchMixin, runtime_capabilities
 from hermes_state_sessions import SessionSessionsMixin
+from hermes_state_telegram import SessionTelegramMixin
 from hermes_state_titles import SessionTitlesMixin
 from hermes_state_usage import SessionUsageMixin, TokenQueue, apply_token_batch
 
@@ -214,8 +215,8 @@ def _create_private_file(path):
 
 
 class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, SessionUsageMixin,
-                SessionGatewayMixin, SessionMaintenanceMixin, SessionSearchMixin, SessionSchemaMixin,
-                SessionPortabilityMixin):
+                SessionGatewayMixin, SessionTelegramMixin, SessionMaintenanceMixin, SessionSearchMixin,
+                SessionSchemaMixin, SessionPortabilityMixin):
     """The agent's state store. Thread-safe; open one per process.
 
     `SessionDB(db_path=None, read_only=False)`: `db_path` defaults to

@@ -1,0 +1,203 @@
+"""Telegram DM topic mode: which private chats use topics, and which topic
+thread is bound to which session.
+
+Owns the tables `telegram_dm_topic_mode` and `telegram_dm_topic_bindings`.
+They are created only when a user opts in (`apply_telegram_topic_migration`,
+called by `enable_telegram_topic_mode` and `bind_telegram_topic`), never at
+open, as hermes-agent does: a store nobody ran `/topic` on keeps its schema.
+Every read answers as if empty while the tables are absent, and never
+creates them. Relies on SessionDB's write and read paths; never writes a
+session or message row.
+"""
+
+import sqlite3
+import time
+
+from hermes_state_schema import read_meta, write_meta
+
+TOPIC_SCHEMA_META_KEY = "telegram_dm_topic_schema_version"
+TOPIC_SCHEMA_VERSION = "2"
+
+_BINDINGS_TABLE_SQL = """CREATE TABLE {name} (
+    chat_id TEXT NOT NULL,
+    thread_id TEXT NOT NULL,
+    user_id TEXT NOT NULL,
+    session_key TEXT NOT NULL,
+    session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+    managed_mode TEXT NOT NULL DEFAULT 'auto',
+    linked_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (chat_id, thread_id)
+)"""
+
+_TOPIC_TABLES_SQL = [
+    """CREATE TABLE IF NOT EXISTS telegram_dm_topic_mode (
+    chat_id TEXT PRIMARY KEY,
+    user_id TEXT NOT NULL,
+    enabled INTEGER NOT NULL DEFAULT 1,
+    activated_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    has_topics_enabled INTEGER,
+    allows_users_to_create_topics INTEGER,
+    capability_checked_at REAL,
+    intro_message_id TEXT,
+    pinned_message_id TEXT
+)""",
+    _BINDINGS_TABLE_SQL.format(name="IF NOT EXISTS telegram_dm_topic_bindings"),
+]
+_BINDING_INDEXES_SQL = [
+    "CREATE UNIQUE INDEX IF NOT EXISTS idx_telegram_dm_topic_bindings_session"
+    " ON telegram_dm_topic_bindings(session_id)",
+    "CREATE INDEX IF NOT EXISTS idx_telegram_dm_topic_bindings_user ON telegram_dm_topic_bindings(user_id, chat_id)",
+]
+_DISABLE_MODE_SQL = "UPDATE telegram_dm_topic_mode SET enabled = 0, updated_at = ? WHERE chat_id = ?"
+
+
+def _flag(value):
+    return None if value is None else int(bool(value))
+
+
+class SessionTelegramMixin:
+    """SessionDB's methods for Telegram DM topic mode."""
+
+    def apply_telegram_topic_migration(self):
+        """Create the topic-mode tables if absent, and give an early bindings table
+        (no ON DELETE CASCADE on session_id) the cascade; returns None. Idempotent."""
+        def write(conn):
+            for sql in _TOPIC_TABLES_SQL + _BINDING_INDEXES_SQL:
+                conn.execute(sql)
+            version = read_meta(conn, TOPIC_SCHEMA_META_KEY)
+            if not (version and str(version).isdigit() and int(version) >= 2):
+                keys = conn.execute("PRAGMA foreign_key_list(telegram_dm_topic_bindings)").fetchall()
+                if any(key[2] == "sessions" and (key[6] or "") != "CASCADE" for key in keys):
+                    _rebuild_bindings_with_cascade(conn)
+            write_meta(conn, TOPIC_SCHEMA_META_KEY, TOPIC_SCHEMA_VERSION)
+
+        self._execute_write(write)
+
+    def enable_telegram_topic_mode(self, *, chat_id, user_id, has_topics_enabled=None,
+                                   allows_users_to_create_topics=None):
+        """Turn topic mode on for one private chat (creating the tables first); returns None."""
+        self.apply_telegram_topic_migration()
+        now = time.time()
+        self._update_rows(
+            """INSERT INTO telegram_dm_topic_mode (chat_id, user_id, enabled, activated_at, updated_at,
+                   has_topics_enabled, allows_users_to_create_topics, capability_checked_at)
+               VALUES (?, ?, 1, ?, ?, ?, ?, ?)
+               ON CONFLICT(chat_id) DO UPDATE SET user_id = excluded.user_id, enabled = 1,
+                   updated_at = excluded.updated_at, has_topics_enabled = excluded.has_topics_enabled,
+                   allows_users_to_create_topics = excluded.allows_users_to_create_topics,
+                   capability_checked_at = excluded.capability_checked_at""",
+            (str(chat_id), str(user_id), now, now, _flag(has_topics_enabled),
+             _flag(allows_users_to_create_topics), now))
+
+    def disable_telegram_topic_mode(self, *, chat_id, clear_bindings=True):
+        """Turn topic mode off for one chat and, unless told otherwise, drop its
+        bindings; returns None. A no-op while the tables do not exist."""
+        def write(conn):
+            if not _topic_tables_exist(conn):
+                return
+            conn.execute(_DISABLE_MODE_SQL, (time.time(), str(chat_id)))
+            if clear_bindings:
+                conn.execute("DELETE FROM telegram_dm_topic_bindings WHERE chat_id = ?", (str(chat_id),))
+
+        self._execute_write(write)
+
+    def is_telegram_topic_mode_enabled(self, *, chat_id, user_id):
+        """True if this chat and user have topic mode on; False too when the tables do not exist."""
+        row = self._topic_read_one("SELECT enabled FROM telegram_dm_topic_mode WHERE chat_id = ? AND user_id = ?",
+                                   (str(chat_id), str(user_id)))
+        return bool(row and row[0])
+
+    def get_telegram_topic_binding(self, *, chat_id, thread_id):
+        """The binding row of one topic thread as a dict, or None."""
+        row = self._topic_read_one("SELECT * FROM telegram_dm_topic_bindings WHERE chat_id = ? AND thread_id = ?",
+                                   (str(chat_id), str(thread_id)))
+        return dict(row) if row else None
+
+    def get_telegram_topic_binding_by_session(self, *, session_id):
+        """The binding row of the topic a session is bound to, or None."""
+        row = self._topic_read_one("SELECT * FROM telegram_dm_topic_bindings WHERE session_id = ?",
+                                   (str(session_id),))
+        return dict(row) if row else None
+
+    def is_telegram_session_linked_to_topic(self, *, session_id):
+        """True if the session is bound to any topic thread."""
+        return self.get_telegram_topic_binding_by_session(session_id=session_id) is not None
+
+    def list_telegram_topic_bindings_for_chat(self, *, chat_id):
+        """One chat's bindings as dicts, most recently updated first ([] without the tables)."""
+        try:
+            rows = self._read_all("SELECT * FROM telegram_dm_topic_bindings WHERE chat_id = ?"
+                                  " ORDER BY updated_at DESC", (str(chat_id),))
+        except sqlite3.OperationalError:
+            return []
+        return [dict(row) for row in rows]
+
+    def bind_telegram_topic(self, *, chat_id, thread_id, user_id, session_key, session_id, managed_mode="auto"):
+        """Bind a topic thread to a session (creating the tables first); returns None.
+
+        Binding the same pair again refreshes it. Raises ValueError when the
+        session is already bound to another thread; nothing is written then.
+        """
+        self.apply_telegram_topic_migration()
+        chat_id, thread_id, session_id = str(chat_id), str(thread_id), str(session_id)
+        now = time.time()
+
+        def write(conn):
+            bound = conn.execute("SELECT chat_id, thread_id FROM telegram_dm_topic_bindings WHERE session_id = ?",
+                                 (session_id,)).fetchone()
+            if bound is not None and (str(bound[0]), str(bound[1])) != (chat_id, thread_id):
+                raise ValueError("session is already linked to another Telegram topic")
+            conn.execute(
+                """INSERT INTO telegram_dm_topic_bindings (chat_id, thread_id, user_id, session_key, session_id,
+                       managed_mode, linked_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+                   ON CONFLICT(chat_id, thread_id) DO UPDATE SET user_id = excluded.user_id,
+                       session_key = excluded.session_key, session_id = excluded.session_id,
+                       managed_mode = excluded.managed_mode, updated_at = excluded.updated_at""",
+                (chat_id, thread_id, str(user_id), str(session_key), session_id, managed_mode, now, now))
+
+        self._execute_write(write)
+
+    def delete_telegram_topic_binding(self, *, chat_id, thread_id):
+        """Remove one thread's binding; returns how many rows went (0 without the tables).
+
+        When it was the chat's last binding, topic mode for the chat is turned
+        off in the same transaction, so nothing keeps steering messages to a
+        chat with no topics left. Never raises for a missing table.
+        """
+        chat_id = str(chat_id)
+
+        def write(conn):
+            if not _topic_tables_exist(conn):
+                return 0
+            deleted = conn.execute("DELETE FROM telegram_dm_topic_bindings WHERE chat_id = ? AND thread_id = ?",
+                                   (chat_id, str(thread_id))).rowcount
+            if deleted and not conn.execute("SELECT 1 FROM telegram_dm_topic_bindings WHERE chat_id = ? LIMIT 1",
+                                            (chat_id,)).fetchone():
+                conn.execute(_DISABLE_MODE_SQL, (time.time(), chat_id))
+            return deleted
+
+        return self._execute_write(write)
+
+    def _topic_read_one(self, sql, params):
+        try:
+            return self._read_one(sql, params)
+        except sqlite3.OperationalError:  # the opt-in tables do not exist yet
+            return None
+
+
+def _topic_tables_exist(conn):
+    return conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name IN"
+                        " ('telegram_dm_topic_mode', 'telegram_dm_topic_bindings')").fetchone()[0] == 2
+
+
+def _rebuild_bindings_with_cascade(conn):
+    """SQLite cannot alter a foreign key: copy the table into one declared with the cascade."""
+    conn.execute(_BINDINGS_TABLE_SQL.format(name="telegram_dm_topic_bindings_new"))
+    conn.execute("INSERT INTO telegram_dm_topic_bindings_new SELECT chat_id, thread_id, user_id, session_key,"
+                 " session_id, managed_mode, linked_at, updated_at FROM telegram_dm_topic_bindings")
+    conn.execute("DROP TABLE telegram_dm_topic_bindings")
+    conn.execute("ALTER TABLE telegram_dm_topic_bindings_new RENAME TO telegram_dm_topic_bindings")
+    for sql in _BINDING_INDEXES_SQL:
+        conn.execute(sql)

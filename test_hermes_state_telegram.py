@@ -1,0 +1,85 @@
+"""Telegram DM topic mode: opt-in tables, bindings, and reads that never create anything."""
+
+import sqlite3
+
+from test_support import StoreTestCase
+
+TABLES = ("telegram_dm_topic_mode", "telegram_dm_topic_bindings")
+
+
+class TopicMode(StoreTestCase):
+
+    def tables(self):
+        names = {row[0] for row in self.raw(self.path).execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        return [name for name in TABLES if name in names]
+
+    def test_reads_answer_empty_and_create_nothing_before_the_opt_in(self):
+        self.assertFalse(self.db.is_telegram_topic_mode_enabled(chat_id="1", user_id="2"))
+        self.assertIsNone(self.db.get_telegram_topic_binding(chat_id="1", thread_id="9"))
+        self.assertIsNone(self.db.get_telegram_topic_binding_by_session(session_id="s"))
+        self.assertFalse(self.db.is_telegram_session_linked_to_topic(session_id="s"))
+        self.assertEqual(self.db.list_telegram_topic_bindings_for_chat(chat_id="1"), [])
+        self.assertEqual(self.db.delete_telegram_topic_binding(chat_id="1", thread_id="9"), 0)
+        self.db.disable_telegram_topic_mode(chat_id="1")
+        self.assertEqual(self.tables(), [])
+
+    def test_enable_creates_the_tables_and_turns_the_chat_on(self):
+        self.db.enable_telegram_topic_mode(chat_id=1, user_id=2, has_topics_enabled=True)
+        self.assertEqual(self.tables(), list(TABLES))
+        self.assertTrue(self.db.is_telegram_topic_mode_enabled(chat_id="1", user_id="2"))
+        self.assertFalse(self.db.is_telegram_topic_mode_enabled(chat_id="1", user_id="3"))
+        row = self.raw(self.path).execute("SELECT * FROM telegram_dm_topic_mode").fetchone()
+        self.assertEqual((row["chat_id"], row["has_topics_enabled"], row["allows_users_to_create_topics"]),
+                         ("1", 1, None))
+        self.assertEqual(self.db.get_meta("telegram_dm_topic_schema_version"), "2")
+
+    def test_a_session_binds_to_one_thread_only(self):
+        for sid in ("s1", "s2"):
+            self.db.create_session(sid, "telegram")
+        self.db.bind_telegram_topic(chat_id=1, thread_id=10, user_id=2, session_key="k1", session_id="s1")
+        self.db.bind_telegram_topic(chat_id=1, thread_id=10, user_id=2, session_key="k1b", session_id="s1")
+        with self.assertRaisesRegex(ValueError, "already linked to another Telegram topic"):
+            self.db.bind_telegram_topic(chat_id=1, thread_id=11, user_id=2, session_key="k", session_id="s1")
+        self.db.bind_telegram_topic(chat_id=1, thread_id=11, user_id=2, session_key="k2", session_id="s2")
+        binding = self.db.get_telegram_topic_binding(chat_id="1", thread_id="10")
+        self.assertEqual((binding["session_id"], binding["session_key"], binding["managed_mode"]), ("s1", "k1b", "auto"))
+        self.assertEqual(self.db.get_telegram_topic_binding_by_session(session_id="s2")["thread_id"], "11")
+        self.assertTrue(self.db.is_telegram_session_linked_to_topic(session_id="s1"))
+        self.assertEqual(len(self.db.list_telegram_topic_bindings_for_chat(chat_id=1)), 2)
+
+    def test_deleting_the_last_binding_turns_the_chat_off(self):
+        self.db.create_session("s1", "telegram")
+        self.db.create_session("s2", "telegram")
+        self.db.enable_telegram_topic_mode(chat_id="1", user_id="2")
+        self.db.bind_telegram_topic(chat_id=1, thread_id=10, user_id=2, session_key="k", session_id="s1")
+        self.db.bind_telegram_topic(chat_id=1, thread_id=11, user_id=2, session_key="k", session_id="s2")
+        self.assertEqual(self.db.delete_telegram_topic_binding(chat_id=1, thread_id=10), 1)
+        self.assertTrue(self.db.is_telegram_topic_mode_enabled(chat_id="1", user_id="2"))
+        self.assertEqual(self.db.delete_telegram_topic_binding(chat_id=1, thread_id=11), 1)
+        self.assertFalse(self.db.is_telegram_topic_mode_enabled(chat_id="1", user_id="2"))
+
+    def test_disable_clears_bindings_unless_asked_to_keep_them(self):
+        self.db.create_session("s1", "telegram")
+        self.db.enable_telegram_topic_mode(chat_id="1", user_id="2")
+        self.db.bind_telegram_topic(chat_id=1, thread_id=10, user_id=2, session_key="k", session_id="s1")
+        self.db.disable_telegram_topic_mode(chat_id="1", clear_bindings=False)
+        self.assertFalse(self.db.is_telegram_topic_mode_enabled(chat_id="1", user_id="2"))
+        self.assertTrue(self.db.is_telegram_session_linked_to_topic(session_id="s1"))
+        self.db.disable_telegram_topic_mode(chat_id="1")
+        self.assertFalse(self.db.is_telegram_session_linked_to_topic(session_id="s1"))
+
+    def test_an_early_bindings_table_gets_its_cascade_and_keeps_its_rows(self):
+        self.db.create_session("s1", "telegram")
+        conn = self.raw(self.path)
+        conn.execute("""CREATE TABLE telegram_dm_topic_bindings (chat_id TEXT NOT NULL, thread_id TEXT NOT NULL,
+            user_id TEXT NOT NULL, session_key TEXT NOT NULL, session_id TEXT NOT NULL REFERENCES sessions(id),
+            managed_mode TEXT NOT NULL DEFAULT 'auto', linked_at REAL NOT NULL, updated_at REAL NOT NULL,
+            PRIMARY KEY (chat_id, thread_id))""")
+        conn.execute("INSERT INTO telegram_dm_topic_bindings VALUES ('1', '10', '2', 'k', 's1', 'auto', 1, 1)")
+        conn.commit()
+        self.db.apply_telegram_topic_migration()
+        keys = conn.execute("PRAGMA foreign_key_list(telegram_dm_topic_bindings)").fetchall()
+        self.assertEqual([key[6] for key in keys], ["CASCADE"])
+        self.assertEqual(self.db.get_telegram_topic_binding(chat_id="1", thread_id="10")["session_id"], "s1")
+        with self.assertRaises(sqlite3.IntegrityError):
+            conn.execute("INSERT INTO telegram_dm_topic_bindings VALUES ('1', '11', '2', 'k', 's1', 'auto', 1, 1)")
