@@ -1,8 +1,9 @@
-"""Who is routed to a session or may work on it: gateway routing entries and
-compression locks.
+"""Who is routed to a session or may work on it: gateway routing entries,
+compression locks and handoffs between the CLI and the gateway.
 
-Owns `gateway_routing` and `compression_locks`. Relies on SessionDB's write
-and read paths. Never changes a session or message row.
+Owns `gateway_routing`, `compression_locks` and the `handoff_*` columns of
+`sessions`. Relies on SessionDB's write and read paths. Never changes any
+other session column or a message row.
 """
 
 import os
@@ -26,9 +27,12 @@ from hermes_state_common import (
     require_text,
 )
 
+# hermes-agent keeps the first 500 characters of a handoff's error.
+HANDOFF_ERROR_MAX_CHARS = 500
+
 
 class SessionGatewayMixin:
-    """SessionDB's methods for gateway routing and compression locks."""
+    """SessionDB's methods for gateway routing, compression locks and handoffs."""
 
     def save_gateway_routing_entry(self, session_key, entry_json, *, scope=""):
         row = _routing_row(session_key, entry_json, scope)
@@ -90,6 +94,46 @@ class SessionGatewayMixin:
         """Who holds the session's lock now (None when free or expired)."""
         row = self._read_one(SELECT_LOCK_SQL, (session_id,))
         return row["holder"] if row and row["expires_at"] > time.time() else None
+
+
+    # -- handoffs ----------------------------------------------------------------
+    # A handoff moves a session from the CLI to a gateway platform: the CLI
+    # requests it (pending), one gateway claims it (running), then completes or
+    # fails it. Each step is a compare-and-set, so two gateways never both claim.
+
+    def request_handoff(self, session_id, platform):
+        """Mark the session pending handoff to `platform`; False if unknown or a handoff is in flight."""
+        return self._update_rows(
+            "UPDATE sessions SET handoff_state = 'pending', handoff_platform = ?, handoff_error = NULL"
+            " WHERE id = ? AND (handoff_state IS NULL OR handoff_state IN ('completed', 'failed'))",
+            (platform, session_id)) > 0
+
+    def claim_handoff(self, session_id):
+        """Move a pending handoff to running; True only for the one caller that did."""
+        return self._update_rows("UPDATE sessions SET handoff_state = 'running'"
+                                 " WHERE id = ? AND handoff_state = 'pending'", (session_id,)) > 0
+
+    def complete_handoff(self, session_id):
+        """Mark the handoff completed (whatever its state); returns None."""
+        self._update_rows("UPDATE sessions SET handoff_state = 'completed', handoff_error = NULL WHERE id = ?",
+                          (session_id,))
+
+    def fail_handoff(self, session_id, error):
+        """Mark the handoff failed with `error`, cut to HANDOFF_ERROR_MAX_CHARS; returns None."""
+        self._update_rows("UPDATE sessions SET handoff_state = 'failed', handoff_error = ? WHERE id = ?",
+                          (str(error)[:HANDOFF_ERROR_MAX_CHARS], session_id))
+
+    def get_handoff_state(self, session_id):
+        """{"state", "platform", "error"} of the session's handoff, or None for an unknown session."""
+        row = self._read_one("SELECT handoff_state, handoff_platform, handoff_error FROM sessions WHERE id = ?",
+                             (session_id,))
+        return None if row is None else {"state": row[0], "platform": row[1], "error": row[2]}
+
+    def list_pending_handoffs(self):
+        """Every session row with a pending handoff, oldest first, `system_prompt` resolved."""
+        rows = self._read_all("SELECT * FROM sessions WHERE handoff_state = 'pending' ORDER BY started_at")
+        cache = {}
+        return [self._resolve_prompt(dict(row), cache) for row in rows]
 
 
 def lock_holder_name():
