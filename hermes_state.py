@@ -12,7 +12,10 @@ hermes_state_common, hermes_state_schema's helpers and the standard library.
 This module never holds session or message logic of its own.
 """
 
+import asyncio
 import atexit
+import contextvars
+import functools
 import hashlib
 import json
 import logging
@@ -648,6 +651,28 @@ def _make_atexit_close(db):
             live.close()
 
     return close_at_exit
+
+
+class AsyncSessionDB:
+    """A SessionDB for asyncio code: every method call runs in a worker thread
+    and is awaited, so a busy store never blocks the event loop. Attributes that
+    are not methods are returned as they are. No method returns a live cursor,
+    so nothing crosses threads unsafely."""
+
+    def __init__(self, db):
+        self._db = db
+
+    def __getattr__(self, name):
+        attr = getattr(self._db, name)
+        if not callable(attr):
+            return attr
+
+        async def in_thread(*args, **kwargs):
+            # The caller's context (a per-task home override) goes along, as asyncio.to_thread does.
+            call = functools.partial(contextvars.copy_context().run, attr, *args, **kwargs)
+            return await asyncio.get_running_loop().run_in_executor(None, call)
+
+        return in_thread
 
 
 if __name__ == "__main__":

@@ -374,3 +374,20 @@ class RoutingMetaLocks(StoreTestCase):
         self.assertTrue(self.db.try_acquire_compression_lock("s", dead_holder, ttl_seconds=600))
         self.assertTrue(self.db.try_acquire_compression_lock("s", lock_holder_name()))
         self.assertFalse(self.db.try_acquire_compression_lock("s", "somebody-else"))
+
+
+class AsyncDoor(StoreTestCase):
+
+    def test_async_session_db_awaits_methods_in_a_thread_and_passes_attributes_through(self):
+        import asyncio
+        from hermes_state import AsyncSessionDB
+        door = AsyncSessionDB(self.db)
+
+        async def run():
+            await door.create_session("a", "gateway")
+            await door.append_message("a", "user", "hi")
+            return await door.get_messages("a")
+
+        messages = asyncio.run(run())
+        self.assertEqual([m["content"] for m in messages], ["hi"])
+        self.assertEqual(door.db_path, self.db.db_path)
