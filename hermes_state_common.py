@@ -789,6 +789,12 @@ TOKEN_QUEUE_MAX_AGE = 1.0
 _BARE_BILLING_PROVIDERS = frozenset({"auto", "custom"})
 
 
+class UsageValueError(ValueError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
+    """A token, cost or route value that cannot be stored. Also the sqlite3 classes
+    hermes-agent raises for such values (at insert or bind time), so callers that
+    catch those still catch it."""
+
+
 # ---------------------------------------------------------------------------
 # Value checks shared by the API: each names the field and the limit
 # ---------------------------------------------------------------------------

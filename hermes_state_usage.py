@@ -15,7 +15,7 @@ import sqlite3
 import threading
 import time
 
-from hermes_state_common import TOKEN_QUEUE_MAX_AGE
+from hermes_state_common import TOKEN_QUEUE_MAX_AGE, UsageValueError
 
 logger = logging.getLogger("hermes_state")
 
@@ -82,12 +82,6 @@ ON CONFLICT (session_id, model, billing_provider, billing_base_url, billing_mode
 """
 
 
-class UsageValueError(ValueError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
-    """A token, cost or route value that cannot be stored. Also the sqlite3 classes
-    hermes-agent raises for such values (at insert or bind time), so callers that
-    catch those still catch it."""
-
-
 class SessionUsageMixin:
     """SessionDB's methods for tokens and cost."""
 
@@ -129,7 +123,7 @@ class SessionUsageMixin:
             logger.warning("token counts for session %r dropped: %s", session_id, exc)
             return
         stale = self._tokens.is_stale()
-        self._tokens.add(self, session_id, delta)
+        self._tokens.add(self, delta)
         if stale:
             self.flush_token_counts()
 
@@ -168,14 +162,12 @@ class SessionUsageMixin:
         """
         if not session_id or not task:
             return
-        row = {name: _count(name, value) for name, value in (
-            ("input_tokens", input_tokens), ("output_tokens", output_tokens),
-            ("cache_read_tokens", cache_read_tokens), ("cache_write_tokens", cache_write_tokens),
-            ("reasoning_tokens", reasoning_tokens),
-            ("api_call_count", 1 if api_call_count is None else api_call_count))}
-        row["api_call_count"] = int(row["api_call_count"])
+        counts = dict(input_tokens=input_tokens, output_tokens=output_tokens, cache_read_tokens=cache_read_tokens,
+                      cache_write_tokens=cache_write_tokens, reasoning_tokens=reasoning_tokens,
+                      api_call_count=1 if api_call_count is None else api_call_count)
+        row = {name: _count(name, value) for name, value in counts.items()}
         row.update(session_id=_session_id(session_id), task=_text("task", task),
-                   model=_text("model", model) or "unknown",
+                   api_call_count=int(row["api_call_count"]), model=_text("model", model) or "unknown",
                    billing_provider=_text("billing_provider", billing_provider) or "",
                    billing_base_url=_text("billing_base_url", billing_base_url) or "", billing_mode="",
                    estimated_cost_usd=_cost("estimated_cost_usd", estimated_cost_usd) or 0.0,
@@ -187,7 +179,6 @@ class SessionUsageMixin:
             conn.execute(_ADD_MODEL_USAGE_SQL, row)
 
         self._execute_write(write)
-
 
     def update_session_billing_route(self, session_id, *, provider, base_url, billing_mode=None):
         """Record the route a session runs on after a model switch; None, also for an unknown id.
@@ -234,12 +225,15 @@ class SessionUsageMixin:
 
 def _bind_update_arguments(kwargs):
     """queue_token_counts' keywords as update_token_counts' arguments (TypeError for an unknown one)."""
-    bound = _UPDATE_SIGNATURE.bind(None, "-", **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
+    unknown = kwargs.keys() - _UPDATE_DEFAULTS.keys()
+    if unknown:
+        raise TypeError(f"update_token_counts() got an unexpected keyword argument {min(unknown)!r}")
+    return {**_UPDATE_DEFAULTS, **kwargs}
 
 
-_UPDATE_SIGNATURE = inspect.signature(SessionUsageMixin.update_token_counts)
+_UPDATE_DEFAULTS = {name: parameter.default for name, parameter in
+                    inspect.signature(SessionUsageMixin.update_token_counts).parameters.items()
+                    if parameter.default is not inspect.Parameter.empty}
 
 
 def _token_delta(session_id, arguments):
@@ -267,38 +261,34 @@ def _count(name, value):
             value = float(value) if any(c in value for c in ".eE") else int(value)
         except ValueError:
             raise UsageValueError(f"{name} must be a number, not {value!r}") from None
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int) and _SQLITE_INT_RANGE[0] <= value <= _SQLITE_INT_RANGE[1]:
-        return value
-    if isinstance(value, float):
-        return value
+    if isinstance(value, float) or isinstance(value, int) and _SQLITE_INT_RANGE[0] <= value <= _SQLITE_INT_RANGE[1]:
+        return int(value) if isinstance(value, bool) else value
     raise UsageValueError(f"{name} must be a number within SQLite's integer range, not {value!r}")
 
 
 def _cost(name, value):
     if value is None:
         return None
-    if isinstance(value, (int, float, str)):
-        try:
-            return float(value)
-        except ValueError:
-            raise UsageValueError(f"{name} must be a number, not {value!r}") from None
-    raise UsageValueError(f"{name} must be a number, not {type(value).__name__}")
+    if not isinstance(value, (int, float, str)):
+        raise UsageValueError(f"{name} must be a number, not {type(value).__name__}")
+    try:
+        return float(value)
+    except ValueError:
+        raise UsageValueError(f"{name} must be a number, not {value!r}") from None
 
 
 def _text(name, value):
     """A route or status value: text; a number is stored as its text, as SQLite would."""
-    if value is None or isinstance(value, str):
-        if value is not None:
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise UsageValueError(f"{name} holds a lone surrogate") from None
-        return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    raise UsageValueError(f"{name} must be a string, not {type(value).__name__}")
+    if value is not None and not isinstance(value, str):
+        raise UsageValueError(f"{name} must be a string, not {type(value).__name__}")
+    if value is not None and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageValueError(f"{name} holds a lone surrogate") from None
+    return value
 
 
 def _merge(into, delta):
@@ -372,7 +362,7 @@ class TokenQueue:
         self._since = None
         self._owner = None
 
-    def add(self, owner, session_id, delta):
+    def add(self, owner, delta):
         with self._lock:
             if self._pending and _mergeable(self._pending[-1], delta):
                 _merge(self._pending[-1], delta)
