@@ -42,6 +42,7 @@ from hermes_state_common import (
     SET_AUTOCHECKPOINT_SQL,
     SET_JOURNAL_MODE_SQL,
     SYNCHRONOUS_NORMAL_SQL,
+    _BARE_BILLING_PROVIDERS,
     prefix_bounds,
     require_text,
     sqlite_has_wal_reset_bug,
@@ -322,8 +323,8 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
         if self._closed:
             return
         try:
-            if self._writer is not None and self._tokens:
-                self._execute_write(lambda conn: None)
+            if self._writer is not None:
+                self.flush_token_counts(timeout=self.write_budget)
         finally:
             self._closed = True
             atexit.unregister(self._atexit)

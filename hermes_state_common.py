@@ -8,6 +8,7 @@ none of them has to import another.
 """
 
 import json
+import re
 import sqlite3
 from pathlib import Path
 
@@ -34,6 +35,12 @@ GATEWAY_ROUTING_PK = ["scope", "session_key"]
 # ---------------------------------------------------------------------------
 
 TITLE_MAX_LENGTH = 100
+# Who wrote a title, lowest authority first: an automatic title replaces only
+# a title of lower authority; a user's title is never replaced automatically.
+TITLE_SOURCE_DERIVED = "derived"
+TITLE_SOURCE_LLM = "llm"
+TITLE_SOURCE_USER = "user"
+TITLE_SOURCE_RANK = {TITLE_SOURCE_DERIVED: 0, TITLE_SOURCE_LLM: 1, TITLE_SOURCE_USER: 2}
 PREVIEW_CHARS = 80
 CONTEXT_CHARS = 200
 SNIPPET_CHARS = 120
@@ -571,9 +578,6 @@ COUNT_SESSIONS_SQL = "SELECT COUNT(*) FROM sessions AS s {where}"
 SESSION_EXISTS_SQL = "SELECT 1 FROM sessions WHERE id = ?"
 END_SESSION_SQL = "UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ?"
 REOPEN_SESSION_SQL = "UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?"
-SET_TITLE_SQL = "UPDATE sessions SET title = ? WHERE id = ?"
-SELECT_TITLE_SQL = "SELECT title FROM sessions WHERE id = ?"
-SELECT_SESSION_BY_TITLE_SQL = "SELECT id FROM sessions WHERE title = ?"
 SELECT_TITLE_OWNER_SQL = "SELECT id FROM sessions WHERE title = ? AND id <> ?"
 SELECT_ID_PREFIX_SQL = "SELECT id FROM sessions WHERE id >= ? AND id < ? ORDER BY id LIMIT 2"
 SET_ARCHIVED_SQL = "UPDATE sessions SET archived = ? WHERE id = ?"
@@ -615,32 +619,6 @@ FROM sessions AS s WHERE s.id = ?
 """
 
 LIST_SESSIONS_RICH_SQL = SESSION_RICH_COLUMNS_SQL + " {where} ORDER BY s.started_at DESC, s.id DESC LIMIT ? OFFSET ?"
-
-UPDATE_TOKEN_COUNTS_SQL = """
-UPDATE sessions SET
-  input_tokens = COALESCE(input_tokens, 0) + ?,
-  output_tokens = COALESCE(output_tokens, 0) + ?,
-  cache_read_tokens = COALESCE(cache_read_tokens, 0) + ?,
-  cache_write_tokens = COALESCE(cache_write_tokens, 0) + ?,
-  reasoning_tokens = COALESCE(reasoning_tokens, 0) + ?,
-  api_call_count = COALESCE(api_call_count, 0) + ?,
-  model = COALESCE(model, ?)
-WHERE id = ?
-"""
-UPSERT_MODEL_USAGE_SQL = """
-INSERT INTO session_model_usage (
-  session_id, model, input_tokens, output_tokens, cache_read_tokens,
-  cache_write_tokens, reasoning_tokens, api_call_count, first_seen, last_seen)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT (session_id, model, billing_provider, billing_base_url, billing_mode, task) DO UPDATE SET
-  input_tokens = input_tokens + excluded.input_tokens,
-  output_tokens = output_tokens + excluded.output_tokens,
-  cache_read_tokens = cache_read_tokens + excluded.cache_read_tokens,
-  cache_write_tokens = cache_write_tokens + excluded.cache_write_tokens,
-  reasoning_tokens = reasoning_tokens + excluded.reasoning_tokens,
-  api_call_count = api_call_count + excluded.api_call_count,
-  last_seen = excluded.last_seen
-"""
 
 # ---------------------------------------------------------------------------
 # Message SQL
@@ -807,6 +785,14 @@ SESSION_ID_MAX_LENGTH = 256
 LIST_LIMIT_MAX = 10_000
 # Queued token counts older than this are applied by the next call that queues more.
 TOKEN_QUEUE_MAX_AGE = 1.0
+# Billing providers that name a bucket rather than a route one can resume on.
+_BARE_BILLING_PROVIDERS = frozenset({"auto", "custom"})
+
+
+class UsageValueError(ValueError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
+    """A token, cost or route value that cannot be stored. Also the sqlite3 classes
+    hermes-agent raises for such values (at insert or bind time), so callers that
+    catch those still catch it."""
 
 
 # ---------------------------------------------------------------------------
@@ -866,15 +852,29 @@ def decode_message(row):
     return message
 
 
+# Characters a title never keeps: C0 controls other than whitespace, DEL,
+# zero-width and joiner characters, line/paragraph separators, bidi embeddings,
+# overrides and isolates, the BOM and the interlinear/object replacement marks.
+_TITLE_DROPPED = dict.fromkeys([*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F,
+                                *range(0x200B, 0x2010), *range(0x2028, 0x202F), *range(0x2060, 0x206A),
+                                0xFEFF, *range(0xFFF9, 0xFFFD)])
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def normalize_title(title):
-    """Strip a title; empty means no title. Raises ValueError past TITLE_MAX_LENGTH."""
-    if title is None:
+    """A title as stored: invisible and control characters dropped, whitespace
+    collapsed; None for a falsy or blank title.
+
+    Lone surrogates become U+FFFD. Raises TypeError for a title that is not a
+    string, ValueError "Title too long (N chars, max 100)" past TITLE_MAX_LENGTH.
+    """
+    if not title:
         return None
     if not isinstance(title, str):
-        raise ValueError("title must be a string or None")
-    title = " ".join(title.split())
+        raise TypeError(f"title must be a string, not {type(title).__name__}")
+    title = " ".join(_LONE_SURROGATE.sub("\ufffd", title).translate(_TITLE_DROPPED).split())
     if len(title) > TITLE_MAX_LENGTH:
-        raise ValueError(f"title is {len(title)} characters; the limit is {TITLE_MAX_LENGTH}")
+        raise ValueError(f"Title too long ({len(title)} chars, max {TITLE_MAX_LENGTH})")
     return title or None
 
 

@@ -1,21 +1,85 @@
-"""Tokens and cost: the in-memory token queue and the session counters it feeds.
+"""Tokens and cost: the counters of `sessions`, the per-route rows of
+`session_model_usage`, and the in-memory queue of token deltas.
 
-Owns the token columns of `sessions` and `session_model_usage`. The queue is
-applied inside whichever write comes next (SessionDB's write path calls
-`apply_token_batch`), by a read that must be exact, by close and at exit.
-Never writes messages.
+Owns the token, cost and billing columns of `sessions` and every row of
+`session_model_usage`. A queued delta is applied inside whichever write comes
+next (SessionDB's write path calls `apply_token_batch` first in the same
+transaction), by `flush_token_counts` (reads that must be exact call it), by
+close() and at interpreter exit. Creates a bare session row ('unknown' source)
+when a delta names a session that does not exist. Never writes messages.
 """
 
+import inspect
+import logging
+import sqlite3
 import threading
 import time
 
-from hermes_state_common import (
-    TOKEN_QUEUE_MAX_AGE,
-    UPDATE_TOKEN_COUNTS_SQL,
-    UPSERT_MODEL_USAGE_SQL,
-    require_int,
-    require_text,
-)
+from hermes_state_common import TOKEN_QUEUE_MAX_AGE, UsageValueError
+
+logger = logging.getLogger("hermes_state")
+
+COUNT_FIELDS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
+                "reasoning_tokens", "api_call_count")
+COST_FIELDS = ("estimated_cost_usd", "actual_cost_usd")
+# Two queued deltas merge only when all of these match: they feed the
+# first-wins and last-wins columns and the usage row's key.
+ROUTE_FIELDS = ("model", "cost_status", "cost_source", "pricing_version",
+                "billing_provider", "billing_base_url", "billing_mode")
+_ROUTE_COLUMNS = ("model", "billing_provider", "billing_base_url", "billing_mode")
+_SQLITE_INT_RANGE = (-(1 << 63), (1 << 63) - 1)
+
+# SessionDBs holding queued deltas: kept alive so that the exit hook (which
+# holds a weak reference) still finds and closes one its owner dropped unclosed.
+_UNFLUSHED = set()
+
+_INSERT_BARE_SESSION_SQL = """
+INSERT INTO sessions (id, source, model, started_at) VALUES (?, 'unknown', ?, ?)
+ON CONFLICT (id) DO UPDATE SET model = excluded.model
+WHERE sessions.model IS NULL AND excluded.model IS NOT NULL
+"""
+
+
+def _counters_sql(absolute):
+    """The sessions UPDATE of one delta: counters added to, or set to the caller's totals."""
+    counts = [f"{c} = :{c}" if absolute else f"{c} = COALESCE({c}, 0) + :{c}" for c in COUNT_FIELDS]
+    estimated = ("COALESCE(:estimated_cost_usd, 0)" if absolute
+                 else "COALESCE(estimated_cost_usd, 0) + COALESCE(:estimated_cost_usd, 0)")
+    actual = ":actual_cost_usd" if absolute else "COALESCE(actual_cost_usd, 0) + :actual_cost_usd"
+    return f"""UPDATE sessions SET {", ".join(counts)},
+  estimated_cost_usd = {estimated},
+  actual_cost_usd = CASE WHEN :actual_cost_usd IS NULL THEN actual_cost_usd ELSE {actual} END,
+  cost_status = COALESCE(:cost_status, cost_status),
+  cost_source = COALESCE(:cost_source, cost_source),
+  pricing_version = COALESCE(:pricing_version, pricing_version),
+  {", ".join(f"{c} = COALESCE({c}, :fill_{c})" for c in _ROUTE_COLUMNS)}
+WHERE id = :session_id"""
+
+
+_ADD_COUNTERS_SQL = _counters_sql(absolute=False)
+_SET_COUNTERS_SQL = _counters_sql(absolute=True)
+
+_ADD_MODEL_USAGE_SQL = """
+INSERT INTO session_model_usage (
+  session_id, model, billing_provider, billing_base_url, billing_mode, task, api_call_count,
+  input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, reasoning_tokens,
+  estimated_cost_usd, actual_cost_usd, cost_status, cost_source, first_seen, last_seen)
+VALUES (:session_id, :model, :billing_provider, :billing_base_url, :billing_mode, :task, :api_call_count,
+  :input_tokens, :output_tokens, :cache_read_tokens, :cache_write_tokens, :reasoning_tokens,
+  :estimated_cost_usd, :actual_cost_usd, :cost_status, :cost_source, :now, :now)
+ON CONFLICT (session_id, model, billing_provider, billing_base_url, billing_mode, task) DO UPDATE SET
+  api_call_count = api_call_count + excluded.api_call_count,
+  input_tokens = input_tokens + excluded.input_tokens,
+  output_tokens = output_tokens + excluded.output_tokens,
+  cache_read_tokens = cache_read_tokens + excluded.cache_read_tokens,
+  cache_write_tokens = cache_write_tokens + excluded.cache_write_tokens,
+  reasoning_tokens = reasoning_tokens + excluded.reasoning_tokens,
+  estimated_cost_usd = estimated_cost_usd + excluded.estimated_cost_usd,
+  actual_cost_usd = actual_cost_usd + excluded.actual_cost_usd,
+  cost_status = COALESCE(excluded.cost_status, cost_status),
+  cost_source = COALESCE(excluded.cost_source, cost_source),
+  last_seen = excluded.last_seen
+"""
 
 
 class SessionUsageMixin:
@@ -23,68 +87,312 @@ class SessionUsageMixin:
 
     def update_token_counts(self, session_id, input_tokens=0, output_tokens=0, model=None,
                             cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=0,
-                            api_call_count=0):
-        """Add token counts to a session (and to its per-model usage row when `model` is given).
+                            estimated_cost_usd=None, actual_cost_usd=None, cost_status=None,
+                            cost_source=None, pricing_version=None, billing_provider=None,
+                            billing_base_url=None, billing_mode=None, api_call_count=0,
+                            absolute=False):
+        """Add one API call's tokens and cost to a session now (with `absolute`, set its
+        totals); None. Creates the session row, source 'unknown', when it is missing.
 
-        Queued and applied with the next write, by any read that needs them
-        exact, by close(), at interpreter exit, or when the queue is a second old.
+        Counters add up; cost_status, cost_source and pricing_version keep the last
+        value given; model and billing_* fill only empty columns, except that the
+        first call that counts usage (api_call_count still 0) records its own route.
+        Each incremental delta also adds to the session_model_usage row of its route.
+        Raises UsageValueError (a ValueError) for a value that cannot be stored,
+        before anything is written.
         """
-        counts = [require_int(name, value) for name, value in zip(
-            TOKEN_FIELDS, (input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
-                           reasoning_tokens, api_call_count))]
-        require_text("model", model, allow_none=True)
-        self._check_open()
+        delta = _token_delta(session_id, dict(locals()))
+        self._execute_write(lambda conn: write_token_delta(conn, session_id, delta, time.time()))
+
+    def queue_token_counts(self, session_id, **kwargs):
+        """Queue update_token_counts(session_id, **kwargs) to ride with the next write; None.
+
+        Reads that must be exact flush the queue first, and close() and
+        interpreter exit apply what is left; a queue older than
+        TOKEN_QUEUE_MAX_AGE is applied by the next call. Like hermes-agent's
+        background writer it never raises for a bad delta: it logs a warning and
+        drops it. After close() it raises like update_token_counts.
+        """
+        if self._closed:
+            return self.update_token_counts(session_id, **kwargs)
+        try:
+            if self.read_only:
+                raise PermissionError(f"state store {self.db_path} was opened read-only")
+            delta = _token_delta(session_id, _bind_update_arguments(kwargs))
+        except (TypeError, ValueError, PermissionError) as exc:
+            logger.warning("token counts for session %r dropped: %s", session_id, exc)
+            return
         stale = self._tokens.is_stale()
-        self._tokens.add(session_id, model, counts)
+        self._tokens.add(self, delta)
         if stale:
-            self._flush_token_counts()
+            self.flush_token_counts()
 
-    def _flush_token_counts(self):
-        """Apply queued token counts now, for a read that must see them."""
-        if self._tokens and not self.read_only:
+    def flush_token_counts(self, timeout=5.0):
+        """Apply every queued token delta now; True when none is left queued.
+
+        False when another thread kept this SessionDB's write lock for `timeout`
+        seconds, or the write failed (logged; the deltas stay queued). Never raises.
+        """
+        if not self._tokens:
+            return True
+        if self._closed or self.read_only or not self._write_lock.acquire(timeout=max(timeout, 0)):
+            return False
+        try:
             self._execute_write(lambda conn: None)
+            return True
+        except Exception as exc:  # the contract: a flush reports, it never raises into a turn
+            logger.warning("queued token counts not written yet (%d deltas kept): %s", len(self._tokens), exc)
+            return False
+        finally:
+            self._write_lock.release()
+
+    _flush_token_counts = flush_token_counts
+
+    def record_auxiliary_usage(self, session_id, task, *, model=None, billing_provider=None,
+                               billing_base_url=None, input_tokens=0, output_tokens=0,
+                               cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=0,
+                               estimated_cost_usd=None, api_call_count=1):
+        """Add an auxiliary call's usage (vision, compression, title generation, ...) to the
+        session_model_usage row of its model, provider and `task`; None.
+
+        Leaves the sessions counters alone (the main loop owns them). Does nothing
+        when `session_id` or `task` is empty; creates a bare session row when the
+        session is missing. Raises UsageValueError for a value that cannot be
+        stored, before anything is written.
+        """
+        if not session_id or not task:
+            return
+        counts = dict(input_tokens=input_tokens, output_tokens=output_tokens, cache_read_tokens=cache_read_tokens,
+                      cache_write_tokens=cache_write_tokens, reasoning_tokens=reasoning_tokens,
+                      api_call_count=1 if api_call_count is None else api_call_count)
+        row = {name: _count(name, value) for name, value in counts.items()}
+        row.update(session_id=_session_id(session_id), task=_text("task", task),
+                   api_call_count=int(row["api_call_count"]), model=_text("model", model) or "unknown",
+                   billing_provider=_text("billing_provider", billing_provider) or "",
+                   billing_base_url=_text("billing_base_url", billing_base_url) or "", billing_mode="",
+                   estimated_cost_usd=_cost("estimated_cost_usd", estimated_cost_usd) or 0.0,
+                   actual_cost_usd=0.0, cost_status=None, cost_source=None)
+
+        def write(conn):
+            row["now"] = time.time()
+            conn.execute(_INSERT_BARE_SESSION_SQL, (row["session_id"], None, row["now"]))
+            conn.execute(_ADD_MODEL_USAGE_SQL, row)
+
+        self._execute_write(write)
+
+    def update_session_billing_route(self, session_id, *, provider, base_url, billing_mode=None):
+        """Record the route a session runs on after a model switch; None, also for an unknown id.
+
+        Unlike the token path it overwrites billing_provider and billing_base_url
+        (billing_mode only when given), and drops the stored system prompt, whose
+        header names the old route, so that the next turn stores a fresh one.
+        """
+        route = (_text("provider", provider), _text("base_url", base_url), _text("billing_mode", billing_mode))
+
+        def write(conn):
+            conn.execute("UPDATE sessions SET billing_provider = ?, billing_base_url = ?,"
+                         " billing_mode = COALESCE(?, billing_mode), system_prompt = NULL,"
+                         " system_prompt_hash = NULL WHERE id = ?", (*route, session_id))
+            conn.execute("DELETE FROM system_prompts WHERE NOT EXISTS"
+                         " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
+
+        self._execute_write(write)
+
+    def get_dominant_session_model_route(self, session_id):
+        """{model, billing_provider, billing_base_url, billing_mode, api_call_count} of the
+        main-loop route that served most of the session's calls; None when no counted
+        call names both a model and a provider."""
+        self.flush_token_counts()
+        row = self._read_one(
+            "SELECT model, billing_provider, billing_base_url, billing_mode, api_call_count"
+            " FROM session_model_usage WHERE session_id = ? AND task = '' AND model <> 'unknown'"
+            " AND billing_provider <> '' ORDER BY api_call_count DESC, input_tokens + output_tokens"
+            " + cache_read_tokens + cache_write_tokens + reasoning_tokens DESC, last_seen DESC LIMIT 1",
+            (session_id,))
+        return None if row is None else dict(row)
+
+    def usage_totals(self, *, min_message_count=1, include_archived=False):
+        """{"tokens": input + output tokens, "cost_usd": actual cost where known, else the
+        estimate} summed over root sessions with at least `min_message_count` messages."""
+        self.flush_token_counts()
+        archived = "" if include_archived else " AND COALESCE(archived, 0) = 0"
+        tokens, cost = self._read_one(
+            "SELECT COALESCE(SUM(COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0)), 0),"
+            " COALESCE(SUM(COALESCE(actual_cost_usd, estimated_cost_usd, 0)), 0) FROM sessions"
+            " WHERE parent_session_id IS NULL AND message_count >= ?" + archived, (min_message_count,))
+        return {"tokens": int(tokens or 0), "cost_usd": float(cost or 0.0)}
 
 
-TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
-                "reasoning_tokens", "api_call_count")
+def _bind_update_arguments(kwargs):
+    """queue_token_counts' keywords as update_token_counts' arguments (TypeError for an unknown one)."""
+    unknown = kwargs.keys() - _UPDATE_DEFAULTS.keys()
+    if unknown:
+        raise TypeError(f"update_token_counts() got an unexpected keyword argument {min(unknown)!r}")
+    return {**_UPDATE_DEFAULTS, **kwargs}
+
+
+_UPDATE_DEFAULTS = {name: parameter.default for name, parameter in
+                    inspect.signature(SessionUsageMixin.update_token_counts).parameters.items()
+                    if parameter.default is not inspect.Parameter.empty}
+
+
+def _token_delta(session_id, arguments):
+    """One delta with every value checked and in the form SQLite will store."""
+    delta = {name: _count(name, arguments[name]) for name in COUNT_FIELDS}
+    delta.update({name: _cost(name, arguments[name]) for name in COST_FIELDS})
+    delta.update({name: _text(name, arguments[name]) for name in ROUTE_FIELDS})
+    delta["absolute"] = bool(arguments["absolute"])
+    delta["session_id"] = _session_id(session_id)
+    return delta
+
+
+def _session_id(value):
+    if not isinstance(value, str):
+        raise UsageValueError(f"session_id must be a string, not {type(value).__name__}")
+    return value
+
+
+def _count(name, value):
+    """A token count or call count: None counts as 0, numeric text as its number."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            raise UsageValueError(f"{name} must be a number, not {value!r}") from None
+    if isinstance(value, float) or isinstance(value, int) and _SQLITE_INT_RANGE[0] <= value <= _SQLITE_INT_RANGE[1]:
+        return int(value) if isinstance(value, bool) else value
+    raise UsageValueError(f"{name} must be a number within SQLite's integer range, not {value!r}")
+
+
+def _cost(name, value):
+    if value is None:
+        return None
+    if not isinstance(value, (int, float, str)):
+        raise UsageValueError(f"{name} must be a number, not {type(value).__name__}")
+    try:
+        return float(value)
+    except ValueError:
+        raise UsageValueError(f"{name} must be a number, not {value!r}") from None
+
+
+def _text(name, value):
+    """A route or status value: text; a number is stored as its text, as SQLite would."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if value is not None and not isinstance(value, str):
+        raise UsageValueError(f"{name} must be a string, not {type(value).__name__}")
+    if value is not None and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageValueError(f"{name} holds a lone surrogate") from None
+    return value
+
+
+def _merge(into, delta):
+    """Fold an adjacent delta of the same session and route into `into`."""
+    for name in COUNT_FIELDS:
+        into[name] += delta[name]
+    for name in COST_FIELDS:
+        if delta[name] is not None:
+            into[name] = (into[name] or 0.0) + delta[name]
+
+
+def _mergeable(last, delta):
+    return not last["absolute"] and not delta["absolute"] and last["session_id"] == delta["session_id"] \
+        and all(last[name] == delta[name] for name in ROUTE_FIELDS)
+
+
+def _uses_route(delta):
+    return any(delta[name] for name in COUNT_FIELDS + COST_FIELDS)
+
+
+def write_token_delta(conn, session_id, delta, now):
+    """Apply one checked delta inside the caller's transaction."""
+    conn.execute(_INSERT_BARE_SESSION_SQL, (session_id, delta["model"], now))
+    counted = _uses_route(delta)
+    held = conn.execute("SELECT model, billing_provider, api_call_count FROM sessions WHERE id = ?",
+                        (session_id,)).fetchone()
+    # Until a call has been counted the row only holds the route asked for at
+    # creation; the first call that counts usage (after a fallback, maybe
+    # another route) names the route the session really ran on.
+    if (counted and not (held["api_call_count"] or 0) and delta["model"] and delta["billing_provider"]
+            and (held["model"], held["billing_provider"]) != (delta["model"], delta["billing_provider"])):
+        conn.execute("UPDATE sessions SET model = ?, billing_provider = ?, billing_base_url = ?, billing_mode = ?"
+                     " WHERE id = ?", (*(delta[c] for c in _ROUTE_COLUMNS), session_id))
+    params = dict(delta, **{f"fill_{c}": delta[c] if counted else None for c in _ROUTE_COLUMNS})
+    conn.execute(_SET_COUNTERS_SQL if delta["absolute"] else _ADD_COUNTERS_SQL, params)
+    if delta["absolute"] or not any(delta[name] for name in COUNT_FIELDS + ("estimated_cost_usd",)):
+        return
+    # The usage row's route: the delta's, else what the session row holds now.
+    route = conn.execute("SELECT model, billing_provider, billing_base_url, billing_mode FROM sessions"
+                         " WHERE id = ?", (session_id,)).fetchone()
+    row = dict(params, task="", now=now, model=delta["model"] or route["model"] or "unknown",
+               estimated_cost_usd=delta["estimated_cost_usd"] or 0.0,
+               actual_cost_usd=delta["actual_cost_usd"] or 0.0,
+               **{c: delta[c] or route[c] or "" for c in _ROUTE_COLUMNS[1:]})
+    conn.execute(_ADD_MODEL_USAGE_SQL, row)
+
+
+def apply_token_batch(conn, batch):
+    """Apply queued deltas in the order they were queued, inside the caller's transaction.
+
+    A delta SQLite still refuses (a trigger of another program, say) is logged
+    and dropped under its own savepoint, so it can never block the write it rides with.
+    """
+    now = time.time()
+    for delta in batch:
+        conn.execute("SAVEPOINT token_delta")
+        try:
+            write_token_delta(conn, delta["session_id"], delta, now)
+        except (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError) as exc:
+            conn.execute("ROLLBACK TO token_delta")
+            logger.warning("queued token counts for session %r dropped: %s", delta["session_id"], exc)
+        conn.execute("RELEASE token_delta")
 
 
 class TokenQueue:
-    """Token counts added up in memory, applied later in one write."""
+    """Token deltas in call order, adjacent ones of one session and route merged."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._pending = {}
-        self._oldest = None
+        self._pending = []
+        self._since = None
+        self._owner = None
 
-    def add(self, session_id, model, counts):
+    def add(self, owner, delta):
         with self._lock:
-            totals = self._pending.setdefault((session_id, model), [0] * len(TOKEN_FIELDS))
-            for i, value in enumerate(counts):
-                totals[i] += value
-            if self._oldest is None:
-                self._oldest = time.monotonic()
+            if self._pending and _mergeable(self._pending[-1], delta):
+                _merge(self._pending[-1], delta)
+            else:
+                self._pending.append(delta)
+            if self._since is None:
+                self._since, self._owner = time.monotonic(), owner
+                _UNFLUSHED.add(owner)
 
     def is_stale(self):
-        oldest = self._oldest
-        return oldest is not None and time.monotonic() - oldest > TOKEN_QUEUE_MAX_AGE
+        since = self._since
+        return since is not None and time.monotonic() - since > TOKEN_QUEUE_MAX_AGE
 
     def __bool__(self):
         return bool(self._pending)
 
+    def __len__(self):
+        return len(self._pending)
+
     def take(self):
         with self._lock:
-            batch, self._pending, self._oldest = self._pending, {}, None
+            batch, self._pending, self._since = self._pending, [], None
+            _UNFLUSHED.discard(self._owner)
             return batch
 
     def put_back(self, batch):
-        for (session_id, model), counts in batch.items():
-            self.add(session_id, model, counts)
-
-
-def apply_token_batch(conn, batch):
-    now = time.time()
-    for (session_id, model), counts in batch.items():
-        conn.execute(UPDATE_TOKEN_COUNTS_SQL, (*counts, model, session_id))
-        if model:
-            conn.execute(UPSERT_MODEL_USAGE_SQL, (session_id, model, *counts[:5], counts[5], now, now))
+        """Return a batch whose write failed, ahead of anything queued since."""
+        if not batch:
+            return
+        with self._lock:
+            self._pending[:0] = batch
+            self._since = time.monotonic() if self._since is None else self._since
+            _UNFLUSHED.add(self._owner)

@@ -159,7 +159,7 @@ class OldStoresHeal(TempDirTestCase):
             for row in [("a", 1, "same"), ("b", 3, "same"), ("c", 2, "same"), ("d", 1, "other")]])
         with self.assertLogs("hermes_state", "WARNING") as logs, SessionDB(path) as db:
             self.assertEqual([db.get_session_title(s) for s in "abcd"], [None, "same", None, "other"])
-            with self.assertRaisesRegex(ValueError, "already used by session b"):
+            with self.assertRaisesRegex(ValueError, "already in use by session b"):
                 db.set_session_title("a", "same")
         self.assertIn("cleared 2 duplicate titles", "\n".join(logs.output))
         indexes = [r[1] for r in self.raw(path).execute("PRAGMA index_list(sessions)")]

@@ -1,0 +1,333 @@
+"""Tokens and cost: update_token_counts, the token queue, auxiliary usage, routes and totals."""
+
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+from hermes_state import SessionDB
+from test_support import StoreTestCase
+
+SESSION_COLUMNS = ("source", "model", "input_tokens", "output_tokens", "cache_read_tokens",
+                   "cache_write_tokens", "reasoning_tokens", "api_call_count", "estimated_cost_usd",
+                   "actual_cost_usd", "cost_status", "cost_source", "pricing_version",
+                   "billing_provider", "billing_base_url", "billing_mode")
+USAGE_KEY = ("model", "billing_provider", "billing_base_url", "billing_mode", "task")
+USAGE_VALUES = ("api_call_count", "input_tokens", "output_tokens", "cache_read_tokens",
+                "cache_write_tokens", "reasoning_tokens", "estimated_cost_usd", "actual_cost_usd",
+                "cost_status", "cost_source")
+
+# One agent turn as hermes-agent's conversation loop reports it: a fallback
+# route answers first, then a /model switch, then back.
+TURN = [
+    ("s", dict(input_tokens=100, output_tokens=20, model="fallback", billing_provider="openrouter",
+               billing_base_url="https://or", estimated_cost_usd=0.01, cost_status="estimated",
+               cost_source="pricing_table", api_call_count=1)),
+    ("s", dict(input_tokens=50, output_tokens=5, cache_read_tokens=40, model="fallback",
+               billing_provider="openrouter", billing_base_url="https://or", estimated_cost_usd=0.02,
+               cost_status="estimated", cost_source="pricing_table", api_call_count=1)),
+    ("other", dict(input_tokens=1, api_call_count=1)),
+    ("s", dict(input_tokens=7, reasoning_tokens=3, model="sub", billing_provider="anthropic",
+               billing_mode="subscription_included", cost_status="included", api_call_count=1)),
+    ("s", dict(output_tokens=9, model="fallback", billing_provider="openrouter", actual_cost_usd=0.5,
+               cost_status="actual", pricing_version="2026-01", api_call_count=1)),
+]
+
+
+class UsageTestCase(StoreTestCase):
+    """Reads of the stored token columns and usage rows."""
+
+    def session_row(self, session_id):
+        row = self.raw(self.path).execute(f"SELECT {', '.join(SESSION_COLUMNS)} FROM sessions WHERE id = ?",
+                                          (session_id,)).fetchone()
+        return None if row is None else dict(row)
+
+    def usage_rows(self, session_id):
+        rows = self.raw(self.path).execute("SELECT * FROM session_model_usage WHERE session_id = ?"
+                                           " ORDER BY first_seen, rowid", (session_id,))
+        return {tuple(row[k] for k in USAGE_KEY): {k: row[k] for k in USAGE_VALUES} for row in rows}
+
+
+class UpdateTokenCounts(UsageTestCase):
+
+    def test_every_parameter_is_written_at_once_in_the_reference_order(self):
+        self.db.create_session("s", "cli")
+        self.db.update_token_counts("s", 10, 5, "m", 1, 2, 3, 0.5, 0.25, "estimated", "table", "v1",
+                                    "prov", "https://x", "paid", 1, False)
+        self.assertEqual(self.session_row("s"), dict(
+            source="cli", model="m", input_tokens=10, output_tokens=5, cache_read_tokens=1,
+            cache_write_tokens=2, reasoning_tokens=3, api_call_count=1, estimated_cost_usd=0.5,
+            actual_cost_usd=0.25, cost_status="estimated", cost_source="table", pricing_version="v1",
+            billing_provider="prov", billing_base_url="https://x", billing_mode="paid"))
+        self.assertEqual(self.usage_rows("s"), {("m", "prov", "https://x", "paid", ""): dict(
+            api_call_count=1, input_tokens=10, output_tokens=5, cache_read_tokens=1, cache_write_tokens=2,
+            reasoning_tokens=3, estimated_cost_usd=0.5, actual_cost_usd=0.25, cost_status="estimated",
+            cost_source="table")})
+
+    def test_a_missing_session_is_created_with_source_unknown_and_the_model(self):
+        self.db.update_token_counts("new", model="m")
+        row = self.session_row("new")
+        self.assertEqual((row["source"], row["model"], row["input_tokens"], row["estimated_cost_usd"]),
+                         ("unknown", "m", 0, 0.0))
+        self.assertEqual(self.usage_rows("new"), {})  # nothing was counted
+        self.assertIsNotNone(self.db.get_session("new")["started_at"])
+
+    def test_counters_add_statuses_keep_the_last_value_and_routes_fill_only_empty_columns(self):
+        self.db.create_session("s", "cli", model="requested")
+        self.db.update_token_counts("s", input_tokens=3, cost_status="estimated", billing_provider="p1",
+                                    api_call_count=1)
+        self.db.update_token_counts("s", input_tokens=4, cost_status="actual", billing_provider="p2",
+                                    model="other")
+        row = self.session_row("s")
+        self.assertEqual((row["input_tokens"], row["cost_status"], row["billing_provider"], row["model"]),
+                         (7, "actual", "p1", "requested"))
+        self.assertIsNone(row["actual_cost_usd"])  # stays NULL until a provider reports one
+
+    def test_the_first_counted_call_records_the_route_that_answered(self):
+        self.db.create_session("s", "cli", model="primary")
+        self.db.update_token_counts("s", input_tokens=1, model="fallback", billing_provider="fb",
+                                    billing_base_url="https://fb", api_call_count=1)
+        self.db.update_token_counts("s", input_tokens=1, model="third", billing_provider="t", api_call_count=1)
+        row = self.session_row("s")
+        self.assertEqual((row["model"], row["billing_provider"], row["billing_base_url"]),
+                         ("fallback", "fb", "https://fb"))
+        self.assertEqual(sorted(key[0] for key in self.usage_rows("s")), ["fallback", "third"])
+
+    def test_absolute_totals_replace_the_counters_and_add_no_usage_row(self):
+        self.db.update_token_counts("s", input_tokens=5, model="m", actual_cost_usd=0.4, api_call_count=1)
+        self.db.update_token_counts("s", input_tokens=100, output_tokens=50, api_call_count=9, absolute=True)
+        row = self.session_row("s")
+        self.assertEqual((row["input_tokens"], row["output_tokens"], row["api_call_count"],
+                          row["estimated_cost_usd"], row["actual_cost_usd"]), (100, 50, 9, 0.0, 0.4))
+        self.assertEqual(list(self.usage_rows("s").values())[0]["input_tokens"], 5)
+
+    def test_a_usage_row_without_a_model_takes_the_sessions_route_or_unknown(self):
+        self.db.create_session("s", "cli", model="m")
+        self.db.update_token_counts("s", input_tokens=1)
+        self.db.update_token_counts("bare", input_tokens=1)
+        self.assertEqual(list(self.usage_rows("s")), [("m", "", "", "", "")])
+        self.assertEqual(list(self.usage_rows("bare")), [("unknown", "", "", "", "")])
+
+    def test_numeric_text_and_none_are_accepted_as_hermes_agent_accepts_them(self):
+        self.db.update_token_counts("s", input_tokens="12", output_tokens=None, estimated_cost_usd="0.5",
+                                    model=7, api_call_count=True)
+        row = self.session_row("s")
+        self.assertEqual((row["input_tokens"], row["output_tokens"], row["estimated_cost_usd"], row["model"],
+                          row["api_call_count"]), (12, 0, 0.5, "7", 1))
+
+    def test_bad_values_raise_the_reference_class_and_write_nothing(self):
+        cases = [
+            (dict(session_id=None, input_tokens=1), sqlite3.IntegrityError, "session_id must be a string"),
+            (dict(session_id="s", estimated_cost_usd="abc"), ValueError, "estimated_cost_usd must be a number"),
+            (dict(session_id="s", input_tokens="many"), ValueError, "input_tokens must be a number"),
+            (dict(session_id="s", cost_status={"a": 1}), sqlite3.ProgrammingError, "cost_status must be a string"),
+            (dict(session_id="s", input_tokens=1 << 70), ValueError, "SQLite's integer range"),
+            (dict(session_id="s", model="\ud800"), ValueError, "model holds a lone surrogate"),
+            (dict(session_id="s", bogus=1), TypeError, "bogus"),
+        ]
+        for kwargs, error, message in cases:
+            with self.subTest(kwargs=kwargs), self.assertRaisesRegex(error, message):
+                self.db.update_token_counts(**kwargs)
+        self.assertEqual(self.raw(self.path).execute("SELECT COUNT(*) FROM sessions").fetchone()[0], 0)
+        self.assertEqual(self.usage_rows("s"), {})
+
+
+class TokenQueue(UsageTestCase):
+
+    def stored(self, path):
+        conn = self.raw(path)
+        sessions = [tuple(r) for r in conn.execute(f"SELECT id, {', '.join(SESSION_COLUMNS)} FROM sessions"
+                                                   " ORDER BY id")]
+        usage = [tuple(r) for r in conn.execute(
+            f"SELECT session_id, {', '.join(USAGE_KEY + USAGE_VALUES)} FROM session_model_usage"
+            " ORDER BY session_id, model, billing_provider, billing_mode")]
+        return sessions, usage
+
+    def input_tokens(self, session_id):
+        row = self.raw(self.path).execute("SELECT input_tokens FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        return None if row is None else row[0]
+
+    def test_a_queued_turn_stores_exactly_what_the_same_calls_made_one_by_one_store(self):
+        self.db.create_session("s", "cli", model="requested")
+        with SessionDB(self.tmp / "direct.db") as direct:
+            direct.create_session("s", "cli", model="requested")
+            for session_id, kwargs in TURN:
+                self.db.queue_token_counts(session_id, **kwargs)
+                direct.update_token_counts(session_id, **kwargs)
+        self.assertEqual(self.input_tokens("s"), 0)  # still queued
+        self.assertTrue(self.db.flush_token_counts())
+        self.assertEqual(self.stored(self.path), self.stored(self.tmp / "direct.db"))
+        self.assertEqual(self.input_tokens("s"), 157)
+
+    def test_reads_that_need_the_counts_see_them(self):
+        self.db.create_session("s", "cli")
+        self.db.queue_token_counts("s", input_tokens=3, model="m", billing_provider="p", api_call_count=1)
+        self.assertEqual(self.db.get_session("s")["input_tokens"], 3)
+        self.db.queue_token_counts("s", input_tokens=2, model="m", billing_provider="p", api_call_count=1)
+        self.assertEqual(self.db.list_sessions_rich()[0]["input_tokens"], 5)
+        self.db.queue_token_counts("s", input_tokens=1, model="m", billing_provider="p", api_call_count=1)
+        self.assertEqual(self.db.get_dominant_session_model_route("s")["api_call_count"], 3)
+
+    def test_queued_counts_ride_with_the_next_write(self):
+        self.db.create_session("s", "cli")
+        self.db.queue_token_counts("s", input_tokens=4, api_call_count=1)
+        self.db.append_message("s", "user", "hi")
+        self.assertEqual(self.input_tokens("s"), 4)
+
+    def test_a_write_that_fails_keeps_the_queue_in_order(self):
+        self.db.create_session("s", "cli")
+        self.db.queue_token_counts("s", cost_status="first", input_tokens=1)
+
+        def write_that_fails(conn):
+            # Another caller queues while this write holds the batch taken from the queue.
+            self.db.queue_token_counts("s", cost_status="second", input_tokens=1)
+            raise ValueError("the write's own error")
+
+        with self.assertRaisesRegex(ValueError, "the write's own error"):
+            self.db._execute_write(write_that_fails)
+        self.assertTrue(self.db.flush_token_counts())
+        row = self.raw(self.path).execute("SELECT input_tokens, cost_status FROM sessions WHERE id = 's'").fetchone()
+        self.assertEqual(tuple(row), (2, "second"))
+
+    def test_a_bad_delta_is_logged_and_dropped_never_raised(self):
+        self.db.create_session("s", "cli")
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            self.assertIsNone(self.db.queue_token_counts("s", bogus=1))
+            self.assertIsNone(self.db.queue_token_counts("s", input_tokens="lots"))
+            self.assertIsNone(self.db.queue_token_counts(None, input_tokens=1))
+        self.assertEqual(len(logs.output), 3)
+        self.db.queue_token_counts("s", input_tokens=2)
+        self.db.append_message("s", "user", "the next write is not blocked")
+        self.assertEqual(self.input_tokens("s"), 2)
+
+    def test_flush_gives_up_after_its_timeout_and_keeps_the_counts(self):
+        self.db.create_session("s", "cli")
+        held, release = threading.Event(), threading.Event()
+
+        def hold_the_write_lock():
+            self.db._execute_write(lambda conn: (held.set(), release.wait(10)))
+
+        holder = threading.Thread(target=hold_the_write_lock)
+        holder.start()
+        try:
+            held.wait(10)
+            self.db.queue_token_counts("s", input_tokens=5)
+            started = time.monotonic()
+            self.assertFalse(self.db.flush_token_counts(timeout=0.2))
+            self.assertLess(time.monotonic() - started, 2)
+        finally:
+            release.set()
+            holder.join(10)
+        self.assertEqual(self.input_tokens("s"), 0)
+        self.assertTrue(self.db.flush_token_counts())
+        self.assertEqual(self.input_tokens("s"), 5)
+
+    def test_counts_queued_from_many_threads_all_arrive(self):
+        self.db.create_session("s", "cli")
+
+        def queue_many():
+            for _ in range(200):
+                self.db.queue_token_counts("s", input_tokens=1, api_call_count=1, model="m")
+
+        threads = [threading.Thread(target=queue_many) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        session = self.db.get_session("s")
+        self.assertEqual((session["input_tokens"], session["api_call_count"]), (800, 800))
+
+    def test_close_applies_the_queue_and_later_calls_raise_like_update_token_counts(self):
+        self.db.create_session("s", "cli")
+        self.db.queue_token_counts("s", input_tokens=6)
+        self.db.close()
+        self.assertEqual(self.input_tokens("s"), 6)
+        self.assertTrue(self.db.flush_token_counts())
+        with self.assertRaises(sqlite3.ProgrammingError):
+            self.db.queue_token_counts("s", input_tokens=1)
+
+    def run_and_exit_without_close(self, body):
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from hermes_state import SessionDB\n"
+                "db = SessionDB(sys.argv[2])\n" + body)
+        subprocess.run([sys.executable, "-c", code, os.getcwd(), str(self.path)], check=True, timeout=60)
+
+    def test_the_queue_survives_an_interpreter_exit_without_close(self):
+        self.db.create_session("s", "cli")
+        self.run_and_exit_without_close("db.queue_token_counts('s', input_tokens=41, model='m')")
+        self.assertEqual(self.db.get_session("s")["input_tokens"], 41)
+
+    def test_the_queue_survives_its_sessiondb_being_dropped_unclosed(self):
+        self.db.create_session("s", "cli")
+        self.run_and_exit_without_close("db.queue_token_counts('s', input_tokens=8)\n"
+                                        "del db\nimport gc; gc.collect()")
+        self.assertEqual(self.db.get_session("s")["input_tokens"], 8)
+
+
+class AuxiliaryUsage(UsageTestCase):
+
+    def test_an_auxiliary_call_adds_to_its_task_row_and_leaves_the_session_counters(self):
+        self.db.update_token_counts("s", input_tokens=10, model="main", billing_provider="p", api_call_count=1)
+        for _ in range(2):
+            self.db.record_auxiliary_usage("s", "vision", model="vm", billing_provider="g", input_tokens=4,
+                                           output_tokens=1, estimated_cost_usd=0.01)
+        self.db.record_auxiliary_usage("s", "background_review", input_tokens=3, api_call_count=5)
+        self.db.record_auxiliary_usage("s", "title_generation", api_call_count=None)
+        rows = self.usage_rows("s")
+        self.assertEqual(rows[("vm", "g", "", "", "vision")]["input_tokens"], 8)
+        self.assertEqual(rows[("vm", "g", "", "", "vision")]["api_call_count"], 2)
+        self.assertAlmostEqual(rows[("vm", "g", "", "", "vision")]["estimated_cost_usd"], 0.02)
+        self.assertEqual(rows[("unknown", "", "", "", "background_review")]["api_call_count"], 5)
+        self.assertEqual(rows[("unknown", "", "", "", "title_generation")]["api_call_count"], 1)
+        self.assertEqual(self.session_row("s")["input_tokens"], 10)
+
+    def test_a_missing_session_gets_a_bare_row_and_empty_ids_are_ignored(self):
+        self.db.record_auxiliary_usage("new", "compression", model="m")
+        self.assertEqual((self.session_row("new")["source"], self.session_row("new")["model"]), ("unknown", None))
+        self.assertIsNone(self.db.record_auxiliary_usage("", "vision"))
+        self.assertIsNone(self.db.record_auxiliary_usage("s", None))
+        self.assertIsNone(self.session_row("s"))
+
+    def test_bad_auxiliary_values_raise_valueerror_and_write_nothing(self):
+        for kwargs in (dict(api_call_count="abc"), dict(estimated_cost_usd="abc"), dict(input_tokens=[1])):
+            with self.subTest(kwargs=kwargs), self.assertRaises(ValueError):
+                self.db.record_auxiliary_usage("s", "vision", **kwargs)
+        self.assertIsNone(self.session_row("s"))
+
+
+class RoutesAndTotals(UsageTestCase):
+
+    def test_the_dominant_route_is_the_main_loop_route_with_most_calls(self):
+        for model, provider in (("a", "pa"), ("b", "pb"), ("b", "pb"), ("unknown", "pu")):
+            self.db.queue_token_counts("s", input_tokens=1, model=model, billing_provider=provider, api_call_count=1)
+        self.db.record_auxiliary_usage("s", "vision", model="v", billing_provider="pv", api_call_count=50)
+        self.assertEqual(self.db.get_dominant_session_model_route("s"), dict(
+            model="b", billing_provider="pb", billing_base_url="", billing_mode="", api_call_count=2))
+        self.assertIsNone(self.db.get_dominant_session_model_route("missing"))
+
+    def test_a_billing_route_change_overwrites_the_route_and_drops_the_stored_prompt(self):
+        self.db.create_session("s", "cli", model="m", system_prompt="Provider: old")
+        self.db.update_token_counts("s", input_tokens=1, billing_provider="old", billing_mode="paid")
+        self.assertIsNone(self.db.update_session_billing_route("s", provider="new", base_url="https://n"))
+        row = self.raw(self.path).execute("SELECT billing_provider, billing_base_url, billing_mode, system_prompt,"
+                                          " system_prompt_hash FROM sessions WHERE id = 's'").fetchone()
+        self.assertEqual(tuple(row), ("new", "https://n", "paid", None, None))
+        self.assertEqual(self.raw(self.path).execute("SELECT COUNT(*) FROM system_prompts").fetchone()[0], 0)
+        self.assertIsNone(self.db.update_session_billing_route("missing", provider="x", base_url="y"))
+
+    def test_usage_totals_sum_root_sessions_with_messages_preferring_the_billed_cost(self):
+        self.db.create_session("a", "cli")
+        self.db.create_session("b", "cli")
+        self.db.create_session("child", "cli", parent_session_id="a")
+        for session_id in ("a", "b", "child"):
+            self.db.append_message(session_id, "user", "hi")
+        self.db.queue_token_counts("a", input_tokens=100, output_tokens=50, estimated_cost_usd=0.5)
+        self.db.queue_token_counts("b", input_tokens=7, output_tokens=1, estimated_cost_usd=9.0, actual_cost_usd=0.25)
+        self.db.queue_token_counts("child", input_tokens=1000)
+        self.db.queue_token_counts("empty", input_tokens=3)
+        self.assertEqual(self.db.usage_totals(), {"tokens": 158, "cost_usd": 0.75})
+        self.assertEqual(self.db.usage_totals(min_message_count=0)["tokens"], 161)
+        self.db.set_session_archived("b", True)
+        self.assertEqual(self.db.usage_totals(), {"tokens": 150, "cost_usd": 0.5})
+        self.assertEqual(self.db.usage_totals(include_archived=True)["tokens"], 158)
