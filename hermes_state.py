@@ -371,7 +371,8 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
         deadline = start + self.write_budget
         if not self._write_lock.acquire(timeout=self.write_budget):
             raise self._locked_error(start, "another thread of this process kept writing")
-        batch = self._tokens.take()
+        # Without a transaction (VACUUM) there is nothing for queued counts to ride in.
+        batch = self._tokens.take() if transaction else []
         try:
             while True:
                 try:

@@ -176,6 +176,13 @@ class TokenQueue(UsageTestCase):
         self.db.append_message("s", "user", "hi")
         self.assertEqual(self.input_tokens("s"), 4)
 
+    def test_a_write_outside_a_transaction_leaves_the_queue_for_the_next_one(self):
+        self.db.create_session("s", "cli")
+        self.db.queue_token_counts("s", input_tokens=7)
+        self.db._execute_write(lambda conn: None, transaction=False)  # what vacuum() runs
+        self.db.close()
+        self.assertEqual(self.session_row("s")["input_tokens"], 7)
+
     def test_a_write_that_fails_keeps_the_queue_in_order(self):
         self.db.create_session("s", "cli")
         self.db.queue_token_counts("s", cost_status="first", input_tokens=1)
