@@ -107,11 +107,10 @@ class SessionMessagesMixin:
                 session_id, messages[start:start + chunk_rows], compression_lock_holder,
                 turn_lease_holder, turn_lease_ttl_seconds=turn_lease_ttl_seconds)
                 for start in range(0, len(messages), chunk_rows))
-        rows = _message_rows(session_id, messages)
 
         def write(conn):
             self._admit_transcript_write(conn, session_id, turn_lease_holder, turn_lease_ttl_seconds)
-            inserted, calls = _insert_rows(conn, rows)
+            inserted, calls = self._insert_message_rows(conn, session_id, messages)
             conn.execute(BUMP_MESSAGE_COUNTS_SQL, (inserted, calls, session_id))
             return inserted
 
@@ -125,16 +124,29 @@ class SessionMessagesMixin:
         set to the new rows. Raises CompressionSessionClosedError for a
         session compression ended, UnknownSessionError for an unknown one.
         """
-        rows = _message_rows(session_id, messages)
         drop = ("UPDATE messages SET active = 0 WHERE session_id = ? AND active = 1" if archive_dropped
                 else "DELETE FROM messages WHERE session_id = ?" + (" AND active = 1" if active_only else ""))
 
         def write(conn):
-            _check_open_session(conn, session_id, must_exist=bool(rows))
+            _check_open_session(conn, session_id, must_exist=bool(messages))
             conn.execute(drop, (session_id,))
-            conn.execute(SET_MESSAGE_COUNTS_SQL, (*_insert_rows(conn, rows), session_id))
+            conn.execute(SET_MESSAGE_COUNTS_SQL, (*self._insert_message_rows(conn, session_id, messages),
+                                                  session_id))
 
         self._execute_write(write)
+
+    def _insert_message_rows(self, conn, session_id, messages):
+        """Inside a write: insert message dicts (read as append_messages_batch reads them)
+        as live rows, stamping each dict's `_row_id`; returns (rows inserted, tool calls).
+        The session's counters are the caller's: compaction and replacement set them."""
+        now, inserted, calls = time.time(), 0, 0
+        for message in messages:
+            row, row_calls, stamp = _message_row(session_id, message, now)
+            row_id = conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
+            if isinstance(message, dict):
+                message["_row_id"] = row_id
+            inserted, calls, now = inserted + 1, calls + row_calls, max(now + 1e-6, stamp + 1e-6)
+        return inserted, calls
 
     def _admit_transcript_write(self, conn, session_id, lease_holder, lease_ttl):
         if lease_holder:
@@ -372,26 +384,6 @@ def _message_row(session_id, message, default_time, direct=False):
            _text_or_none(get("api_content")), _text_or_none(get("display_kind")),
            _display_metadata_text(get("display_metadata")))
     return row, calls, stamp
-
-
-def _message_rows(session_id, messages):
-    """[(row, tool calls, source dict)] for a batch, checked and encoded before any lock."""
-    rows, now = [], time.time()
-    for message in messages:
-        row, calls, stamp = _message_row(session_id, message, now)
-        rows.append((row, calls, message))
-        now = max(now + 1e-6, stamp + 1e-6)
-    return rows
-
-
-def _insert_rows(conn, rows):
-    """Inside a write: insert encoded rows, stamping each source dict's `_row_id`;
-    returns (rows inserted, tool calls among them)."""
-    for row, _, message in rows:
-        row_id = conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
-        if isinstance(message, dict):
-            message["_row_id"] = row_id
-    return len(rows), sum(calls for _, calls, _ in rows)
 
 
 def _check_open_session(conn, session_id, must_exist=True):

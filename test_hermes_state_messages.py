@@ -400,7 +400,7 @@ class RewindAndReplace(MessageTestCase):
         self.db.replace_messages("s", [{"role": "user", "content": "only"}])
         self.assertEqual([tuple(row) for row in self.stored(column="content, active")], [("only", 1)])
 
-    def test_replace_messages_checks_everything_before_it_deletes(self):
+    def test_a_bad_message_rolls_the_whole_replacement_back(self):
         self.db.append_message("s", "user", "kept")
         for messages, error in ((None, TypeError), ([{"role": "user"}, "bad"], AttributeError)):
             with self.subTest(messages=messages), self.assertRaises(error):
