@@ -624,13 +624,15 @@ LIST_SESSIONS_RICH_SQL = SESSION_RICH_COLUMNS_SQL + " {where} ORDER BY s.started
 # Message SQL
 # ---------------------------------------------------------------------------
 
-# The columns append_message writes, in the order of INSERT_MESSAGE_SQL.
+# The columns every message insert writes, in hermes-agent's order. `active`
+# is always written: on an old store its column may have no default, and a row
+# left NULL there is invisible to every reader.
 MESSAGE_WRITE_COLUMNS = (
     "session_id", "role", "content", "tool_call_id", "tool_calls", "tool_name",
     "effect_disposition", "timestamp", "token_count", "finish_reason", "reasoning",
     "reasoning_content", "reasoning_details", "codex_reasoning_items",
-    "codex_message_items", "platform_message_id", "api_content", "display_kind",
-    "display_metadata",
+    "codex_message_items", "platform_message_id", "observed", "active", "api_content",
+    "display_kind", "display_metadata",
 )
 # Message fields that hold structured values and are stored as JSON text.
 MESSAGE_JSON_FIELDS = (
@@ -645,13 +647,18 @@ UPDATE sessions SET
   tool_call_count = COALESCE(tool_call_count, 0) + ?
 WHERE id = ?
 """
-# Recounts come from the rows themselves (after a rewind, a restore or an
-# import), computed in Python so that no JSON1 build option is needed.
-SELECT_ACTIVE_COUNT_INPUTS_SQL = "SELECT role, tool_calls FROM messages WHERE session_id = ? AND active = 1"
 SET_MESSAGE_COUNTS_SQL = "UPDATE sessions SET message_count = ?, tool_call_count = ? WHERE id = ?"
 SELECT_MESSAGES_SQL = "SELECT * FROM messages WHERE session_id = ?"
+# What a chat-API conversation is built from (get_messages_as_conversation, resume).
+CONVERSATION_ROW_COLUMNS = (
+    "id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason, "
+    "reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items, "
+    "platform_message_id, observed, timestamp, api_content, display_kind, display_metadata")
+# Structured content (a multimodal list of parts, a dict) is stored as this
+# prefix plus JSON, as hermes-agent stores it; NUL never starts real text.
+CONTENT_JSON_PREFIX = "\x00json:"
 # Import keeps a message's flags along with what append_message writes.
-IMPORT_MESSAGE_COLUMNS = MESSAGE_WRITE_COLUMNS + ("observed", "active", "compacted")
+IMPORT_MESSAGE_COLUMNS = MESSAGE_WRITE_COLUMNS + ("compacted",)
 # Runtime ownership an import never restores: gateway routing and identity,
 # handoffs, rewinds, pins, activity, compression cooldowns and streaks.
 IMPORT_RUNTIME_FIELDS = frozenset({
@@ -669,11 +676,6 @@ SELECT_EXPORT_SESSION_IDS_SQL = "SELECT id FROM sessions {where} ORDER BY starte
 COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
 COUNT_ALL_MESSAGES_SQL = "SELECT COUNT(*) FROM messages"
 SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source"
-COUNT_SESSION_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE session_id = ? AND active = 1"
-SELECT_MESSAGE_OWNER_SQL = "SELECT session_id FROM messages WHERE id = ?"
-DEACTIVATE_AFTER_SQL = "UPDATE messages SET active = 0 WHERE session_id = ? AND id > ? AND active = 1"
-REACTIVATE_SQL = "UPDATE messages SET active = 1 WHERE session_id = ? AND active = 0"
-BUMP_REWIND_COUNT_SQL = "UPDATE sessions SET rewind_count = COALESCE(rewind_count, 0) + 1 WHERE id = ?"
 
 # ---------------------------------------------------------------------------
 # Routing, meta and lock SQL
@@ -840,15 +842,61 @@ def json_text(name, value, *, want_object=False):
         raise ValueError(f"{name} is not JSON-serialisable: {exc}") from None
 
 
-def decode_message(row):
-    """A message row as a dict with `tool_calls` decoded from its JSON text."""
-    message = dict(row)
-    raw = message.get("tool_calls")
-    if isinstance(raw, str):
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def scrub_surrogates(value):
+    """Text with lone surrogates (which SQLite cannot encode) replaced by U+FFFD; other values as they are."""
+    return _SURROGATES.sub("\ufffd", value) if isinstance(value, str) else value
+
+
+def encode_content(content):
+    """A message's content as stored: text scrubbed, scalars as they are, anything
+    else as CONTENT_JSON_PREFIX + JSON, or as its str() when it is not JSON-serialisable."""
+    if content is None or isinstance(content, (str, bytes, int, float)):
+        return scrub_surrogates(content)
+    try:
+        return CONTENT_JSON_PREFIX + json.dumps(content)
+    except (TypeError, ValueError):
+        return scrub_surrogates(str(content))
+
+
+def decode_content(stored):
+    """encode_content reversed; text that only looks encoded comes back as it is."""
+    if isinstance(stored, str) and stored.startswith(CONTENT_JSON_PREFIX):
         try:
-            message["tool_calls"] = json.loads(raw)
+            return json.loads(stored[len(CONTENT_JSON_PREFIX):])
         except ValueError:
             pass
+    return stored
+
+
+def loads_or(text, fallback):
+    """JSON text decoded, or `fallback` when it is not JSON."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return fallback
+
+
+def decode_display_metadata(stored):
+    """A stored display_metadata as a dict (twice-encoded rows unwrapped); None when it is not an object."""
+    meta = loads_or(stored, None) if isinstance(stored, str) else stored
+    if isinstance(meta, str):
+        meta = loads_or(meta, None)
+    return meta if isinstance(meta, dict) else None
+
+
+def decode_message(row):
+    """A message row as hermes-agent's get_messages returns it: content and
+    tool_calls decoded (unreadable tool_calls give []), display_metadata a dict or None."""
+    message = dict(row)
+    if "content" in message:
+        message["content"] = decode_content(message["content"])
+    if message.get("tool_calls"):
+        message["tool_calls"] = loads_or(message["tool_calls"], [])
+    if message.get("display_metadata") is not None:
+        message["display_metadata"] = decode_display_metadata(message["display_metadata"])
     return message
 
 
@@ -926,3 +974,11 @@ class SessionCompressionInProgressError(CompressionSessionBusyError):
 
 class SessionTurnLeaseLostError(RuntimeError):
     """A write named a turn-lease holder that no longer holds the lease; never retried."""
+
+
+class UnknownSessionError(ValueError, sqlite3.IntegrityError):
+    """A message aimed at a session that does not exist; hermes-agent's foreign key raises IntegrityError."""
+
+    def __init__(self, session_id):
+        self.session_id = session_id
+        super().__init__(f"unknown session_id {session_id!r}; nothing was written")

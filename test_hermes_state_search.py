@@ -479,7 +479,7 @@ class DegradedRuntimes(TempDirTestCase):
             before = db.append_message("s", "user", "indexed apple 苹果")
         with SessionDB(path, connection_factory=without_fts5) as db:
             during = db.append_message("s", "user", "unindexed apple 苹果")
-            db.rewind_to_message("s", during)
+            db.rewind_to_message("s", db.append_message("s", "user", "withdrawn apple 苹果"))
             self.assertEqual(hit_ids(db, "apple"), {before, during})
             self.assertEqual(hit_ids(db, "苹果"), {before, during})
         with SessionDB(path) as db:
