@@ -13,12 +13,15 @@ hermes_state_common.
 """
 
 import atexit
+import errno
 import hashlib
+import itertools
 import json
 import logging
 import os
 import queue
 import random
+import shutil
 import socket
 import sqlite3
 import sys
@@ -27,6 +30,7 @@ import threading
 import time
 import weakref
 import zipfile
+import zlib
 from collections import namedtuple
 from pathlib import Path
 
@@ -408,20 +412,44 @@ _set_aside_guard = threading.Lock()
 
 
 def set_aside(path, reason):
-    """Rename a damaged store and its sidecars to `<name>.<reason>-<time>-<pid>.bak[-wal|-shm]`.
+    """Rename a damaged store and its sidecars to `<name>.<reason>-<time>-<pid>[-<n>].bak[-wal|-shm]`.
 
     Sidecars keep their suffix on the backup's name, so opening the .bak file
-    with SQLite still finds its own WAL. Returns the backup path. Deletes nothing.
+    with SQLite still finds its own WAL. `-<n>` counts up while any of those
+    names is taken; nothing is ever renamed onto an existing file. Returns the
+    backup path. Deletes nothing.
     """
     path = Path(path)
-    backup = path.with_name(f"{path.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.bak")
-    for suffix in ("",) + SIDECAR_SUFFIXES:
-        source = Path(str(path) + suffix)
-        if source.exists():
-            target = Path(str(backup) + suffix)
-            os.replace(source, target)
-            os.chmod(target, FILE_MODE)
+    suffixes = ("",) + SIDECAR_SUFFIXES
+    stem = f"{path.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    with _set_aside_guard:
+        for n in itertools.count(1):
+            backup = path.with_name(stem + (f"-{n}" if n > 1 else "") + ".bak")
+            if not any(os.path.lexists(str(backup) + suffix) for suffix in suffixes):
+                break
+        for suffix in suffixes:
+            source = Path(str(path) + suffix)
+            if source.exists():
+                target = Path(str(backup) + suffix)
+                _move_without_replacing(source, target)
+                os.chmod(target, FILE_MODE)
     return backup
+
+
+def _move_without_replacing(source, target):
+    """Rename `source` to `target`; FileExistsError, moving nothing, when `target` exists."""
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except FileExistsError:
+        raise
+    except (OSError, NotImplementedError):
+        # No hard link possible here (a directory, FAT, some network file systems).
+        # POSIX rename replaces silently, so look first; Windows refuses by itself.
+        if os.path.lexists(target):
+            raise FileExistsError(errno.EEXIST, "refusing to replace an existing file", str(target)) from None
+        os.rename(source, target)
+        return
+    os.unlink(source)
 
 
 def _create_private_file(path):
@@ -1323,6 +1351,16 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
 BACKUP_MANIFEST = "hermes_backup.json"
 BACKUP_MAX_BYTES = 64 * 1024 ** 3
 SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3", ".db3")
+# A restore leaves this much free behind it: a tenth of what it unpacks, at least 64 MiB.
+RESTORE_FREE_MARGIN = 64 * 1024 ** 2
+# Past the floor, a backup may unpack to at most this many times its own size.
+# Deflate tops out near 1032:1; backups of the fixture stores and of 2,000
+# messages measured 2.3-2.6:1, a fresh empty store 40:1 (250 KB, under the
+# floor), so 100 stops decompression bombs and nothing a home really holds.
+RESTORE_MAX_RATIO = 100
+RESTORE_RATIO_FLOOR = 64 * 1024 ** 2
+# What zipfile raises on a damaged archive, beyond BadZipFile.
+_DAMAGED_ARCHIVE = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError)
 
 
 def _store_files(db_path):
@@ -1418,19 +1456,41 @@ def _read_backup_manifest(archive):
         raise ValueError(f"backup refused: unsafe file names {sorted(unsafe)[:5]}")
     if names != set(files) or STATE_DB_FILENAME not in files:
         raise ValueError("backup refused: its files do not match its manifest, or it has no state.db")
-    total = sum(archive.getinfo(name).file_size for name in names)
-    if total > BACKUP_MAX_BYTES:
-        raise ValueError(f"backup refused: it unpacks to {total} bytes; the limit is {BACKUP_MAX_BYTES}")
     return files
 
 
+def _check_unpacked_size(archive, archive_path, home):
+    """Refuse, before anything is written, an archive that would fill the disk or is a bomb.
+
+    The sizes are the archive's own claims; zipfile stops unpacking a member at its claim.
+    """
+    total = sum(info.file_size for info in archive.infolist() if info.filename != BACKUP_MANIFEST)
+    where = next(parent for parent in (home, *home.parents) if parent.exists())
+    free = shutil.disk_usage(where).free
+    needed = total + max(total // 10, RESTORE_FREE_MARGIN)
+    if needed > free:
+        raise ValueError(f"backup refused: it unpacks to {total} bytes and {where} has {free} bytes free "
+                         f"(a restore needs {needed} with its margin); nothing was written")
+    packed = os.path.getsize(archive_path)
+    if total > max(RESTORE_MAX_RATIO * packed, RESTORE_RATIO_FLOOR):
+        raise ValueError(f"backup refused: it unpacks to {total} bytes, more than {RESTORE_MAX_RATIO} times "
+                         f"its own {packed} bytes; nothing was written")
+    if total > BACKUP_MAX_BYTES:
+        raise ValueError(f"backup refused: it unpacks to {total} bytes; the limit is {BACKUP_MAX_BYTES}")
+
+
 def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_BUDGET_SECONDS):
-    """Put a whole backup of the home back: the store and every other file.
+    """Put a whole backup of the home back; returns {"restored", "moved_aside", "db_path"}.
 
     Refuses to replace an existing store unless `force`; even then nothing is
-    deleted: the old store is set aside as `state.db.pre-restore-<time>-<pid>.bak`
-    and other replaced files move to `.pre-restore-<time>/`. Every file is checked
-    against the manifest's SHA-256 and the store against SQLite before anything moves.
+    deleted: the old store is set aside as `state.db.pre-restore-<time>-<pid>[-<n>].bak`
+    and other replaced files move to a new `.pre-restore-<time>[-<n>]/`. Before
+    anything is written it refuses (ValueError) an archive that is damaged, not
+    ours, unpacks past the free space or to more than RESTORE_MAX_RATIO times
+    its size; every file is checked against the manifest's SHA-256 and the store
+    against SQLite before anything moves. Files keep their archived mode, never
+    group- or world-writable; a new home is created 0700. RuntimeError while
+    this process has the store open: the swap would happen under its connections.
     """
     db_path = Path(db_path) if db_path is not None else get_default_db_path()
     home = db_path.parent
@@ -1440,26 +1500,45 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
     if db_path.exists() and db_path.stat().st_size and not force:
         raise FileExistsError(f"{db_path} exists; restore replaces a whole home only with --force "
                               "(the current store is then kept as a .bak file)")
-    home.mkdir(parents=True, exist_ok=True)
-    lock = WriterFileLock(str(db_path) + ".lock")
-    if not lock.acquire(time.monotonic() + write_budget):
-        lock.close()
-        raise StoreLockedError(f"state store {db_path} is being written; restore waited {write_budget:.0f}s")
+    if not zipfile.is_zipfile(archive_path):
+        raise ValueError(f"backup refused: {archive_path} is not a zip archive")
     try:
-        if not zipfile.is_zipfile(archive_path):
-            raise ValueError(f"backup refused: {archive_path} is not a zip archive")
-        with zipfile.ZipFile(archive_path) as archive, \
-                tempfile.TemporaryDirectory(prefix=".restore-", dir=home) as scratch:
+        with zipfile.ZipFile(archive_path) as archive:
             files = _read_backup_manifest(archive)
-            for name, entry in files.items():
-                archive.extract(name, scratch)
-                if _sha256_file(Path(scratch) / name) != entry["sha256"]:
-                    raise ValueError(f"backup refused: {name} does not match its SHA-256")
-            _check_restored_store(Path(scratch) / STATE_DB_FILENAME)
-            return _swap_in(Path(scratch), files, db_path)
-    finally:
-        lock.release()
-        lock.close()
+            _check_unpacked_size(archive, archive_path, home)
+            if not home.exists():
+                home.parent.mkdir(parents=True, exist_ok=True)
+                os.mkdir(home, 0o700)
+            lock = WriterFileLock(str(db_path) + ".lock")
+            if not lock.acquire(time.monotonic() + write_budget):
+                lock.close()
+                raise StoreLockedError(f"state store {db_path} is being written; restore waited {write_budget:.0f}s")
+            try:
+                with tempfile.TemporaryDirectory(prefix=".restore-", dir=home) as scratch:
+                    _unpack_verified(archive, files, Path(scratch))
+                    _check_restored_store(Path(scratch) / STATE_DB_FILENAME)
+                    return _swap_in(Path(scratch), files, db_path)
+            finally:
+                lock.release()
+                lock.close()
+    except _DAMAGED_ARCHIVE as exc:
+        raise ValueError(f"backup refused: {archive_path} is damaged ({exc}); nothing was restored") from None
+
+
+def _unpack_verified(archive, files, scratch):
+    for name, entry in files.items():
+        info = archive.getinfo(name)
+        path = Path(archive.extract(info, scratch))
+        if _sha256_file(path) != entry["sha256"]:
+            raise ValueError(f"backup refused: {name} does not match its SHA-256")
+        os.chmod(path, _restored_mode(info))
+
+
+def _restored_mode(info):
+    """The member's mode as archived, minus group/world write and special bits; 0600 if it has none."""
+    if info.create_system != 3 or not info.external_attr >> 16:  # 3: made on Unix, with a mode
+        return FILE_MODE
+    return (info.external_attr >> 16) & 0o755
 
 
 def _check_restored_store(path):
@@ -1474,19 +1553,45 @@ def _check_restored_store(path):
         raise ValueError(f"backup refused: its state.db fails quick_check ({verdict})")
 
 
+def _private_dirs(path, top):
+    """Create `path` and its missing parents below `top`, each 0700."""
+    missing = []
+    while path != top and not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+
+
+def _new_private_dir(parent, stem):
+    """A new, empty 0700 folder `<stem>[-<n>]` in `parent`: never one that exists."""
+    for n in itertools.count(1):
+        folder = parent / (stem + (f"-{n}" if n > 1 else ""))
+        try:
+            os.mkdir(folder, 0o700)
+            return folder
+        except FileExistsError:
+            continue
+
+
 def _swap_in(scratch, files, db_path):
-    home, moved, stamp = db_path.parent, [], time.strftime("%Y%m%d-%H%M%S")
+    home, moved, kept_dir = db_path.parent, [], None
     if db_path.exists():
         moved.append(str(set_aside(db_path, "pre-restore")))
     for name in files:
         target = db_path if name == STATE_DB_FILENAME else home / name
-        if target.exists() and name != STATE_DB_FILENAME:
-            kept = home / f".pre-restore-{stamp}" / name
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(target, kept)
+        if name != STATE_DB_FILENAME and os.path.lexists(target):
+            if kept_dir is None:
+                kept_dir = _new_private_dir(home, f".pre-restore-{time.strftime('%Y%m%d-%H%M%S')}")
+            kept = kept_dir / name
+            _private_dirs(kept.parent, kept_dir)
+            _move_without_replacing(target, kept)
             moved.append(str(kept))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(scratch / name, target)
+        _private_dirs(target.parent, home)
+        _move_without_replacing(scratch / name, target)
     os.chmod(db_path, FILE_MODE)
     return {"restored": sorted(files), "moved_aside": moved, "db_path": str(db_path)}
 

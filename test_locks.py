@@ -1,20 +1,26 @@
-"""Locks we never break.
+"""Locks we never break, set-aside names that never collide, restores that stay safe.
 
 On POSIX, closing any descriptor of a file drops every fcntl lock the process
 holds on it, SQLite's own included. These tests hold real SQLite locks in this
 process, let another process try to take them, and check that nothing we do
 in between (opening a second SessionDB, doctor, stats, backup) lets it in.
+They also cover what restore must never do: overwrite a kept copy, fill the
+disk, widen a file's mode, or answer a damaged archive with a traceback.
 """
 
 import ast
+import hashlib
+import json
+import os
 import sqlite3
 import subprocess
 import sys
 import threading
+import time
 import zipfile
 from pathlib import Path
 
-from hermes_state import SessionDB, StoreLockedError, damage_reason
+from hermes_state import SessionDB, StoreLockedError, damage_reason, restore_home, set_aside
 from test_support import REPO, TempDirTestCase
 
 # Asks for SQLite's write lock on every line it reads and says whether it got it.
@@ -246,3 +252,169 @@ class TheRuleInTheSource(TempDirTestCase):
     def test_the_readme_states_the_rule(self):
         readme = (REPO / "README.md").read_text(encoding="utf-8")
         self.assertTrue("\n## Locks we never break\n" in readme, "README has no 'Locks we never break' section")
+
+
+class SetAsideNames(TempDirTestCase):
+
+    def test_a_set_aside_never_replaces_a_kept_file(self):
+        path = self.tmp / "state.db"
+        stamps = {time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() + d)) for d in range(3)}
+        kept = {}
+        for stamp in stamps:
+            for suffix in ("", "-wal"):
+                name = self.tmp / f"state.db.zeroed-{stamp}-{os.getpid()}.bak{suffix}"
+                name.write_bytes(f"kept earlier {stamp}{suffix}".encode())
+                kept[name] = name.read_bytes()
+        for round_ in range(3):
+            path.write_bytes(bytes(4096))
+            Path(str(path) + "-wal").write_bytes(f"wal {round_}".encode())
+            backup = set_aside(path, "zeroed")
+            self.assertNotIn(backup, kept)
+            self.assertEqual(Path(str(backup) + "-wal").read_bytes(), f"wal {round_}".encode())
+            kept[backup] = backup.read_bytes()
+        for name, content in kept.items():
+            self.assertEqual(name.read_bytes(), content, name)
+        self.assertFalse(path.exists())
+
+
+def backup_of(tmp, files, modes=None):
+    """A backup archive of a home holding `files` (name -> bytes) and a small store."""
+    home = tmp / "source-home"
+    home.mkdir()
+    for name, data in files.items():
+        (home / name).parent.mkdir(parents=True, exist_ok=True)
+        (home / name).write_bytes(data)
+        if modes and name in modes:
+            os.chmod(home / name, modes[name])
+    with SessionDB(home / "state.db") as db:
+        db.create_session("s", "cli")
+        db.append_message("s", "user", "from the backup")
+        db.backup(tmp / "home.zip")
+    return tmp / "home.zip"
+
+
+class RestoreSafety(TempDirTestCase):
+
+    def run_cli(self, *args):
+        env = dict(os.environ, HERMES_HOME=str(self.tmp / "cli-home"), PYTHONPATH=str(REPO))
+        return subprocess.run([sys.executable, "-m", "hermes_state", *args], capture_output=True, text=True,
+                              env=env, cwd=self.tmp, timeout=120)
+
+    def test_two_forced_restores_in_the_same_second_keep_every_replaced_file(self):
+        archive = backup_of(self.tmp, {"config.yaml": b"model: backup\n"})
+        home = self.tmp / "home"
+        restore_home(archive, home / "state.db")
+        # Names a restore in this second (or the next two) would pick today are taken already.
+        decoys = {}
+        for delta in range(3):
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() + delta))
+            decoys[home / f"state.db.pre-restore-{stamp}-{os.getpid()}.bak"] = b"an earlier kept store"
+            decoys[home / f".pre-restore-{stamp}" / "config.yaml"] = b"an earlier kept config"
+        for name, data in decoys.items():
+            name.parent.mkdir(exist_ok=True)
+            name.write_bytes(data)
+        moved = []
+        for round_ in range(2):
+            (home / "config.yaml").write_bytes(f"model: live {round_}\n".encode())
+            with SessionDB(home / "state.db") as db:
+                db.create_session(f"live{round_}", "cli")
+            moved += restore_home(archive, home / "state.db", force=True)["moved_aside"]
+        self.assertEqual(len(moved), 4)
+        self.assertEqual(len(set(moved)), 4)
+        for name, data in decoys.items():
+            self.assertEqual(name.read_bytes(), data, name)
+        configs = sorted(Path(p).read_bytes() for p in moved if p.endswith("config.yaml"))
+        self.assertEqual(configs, [b"model: live 0\n", b"model: live 1\n"])
+        stores = [p for p in moved if p.endswith(".bak")]
+        for round_, store in enumerate(stores):
+            conn = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
+            self.addCleanup(conn.close)
+            self.assertEqual(conn.execute("SELECT count(*) FROM sessions WHERE id = ?",
+                                          (f"live{round_}",)).fetchone()[0], 1)
+
+    def test_restore_refuses_an_archive_that_unpacks_past_the_free_space_before_writing_anything(self):
+        archive = backup_of(self.tmp, {"notes.txt": b"x" * 1000})
+        # The central directory now claims a petabyte; zipfile would stop at that size while
+        # unpacking, so the claimed sizes are what a restore must check before it starts.
+        with zipfile.ZipFile(archive, "a") as claim:
+            claim.getinfo("notes.txt").file_size = 1 << 50
+            claim.comment = b"sizes rewritten"
+        home = self.tmp / "target"
+        with self.assertRaisesRegex(ValueError, r"backup refused: it unpacks to \d+ bytes.* free"):
+            restore_home(archive, home / "state.db")
+        self.assertFalse(home.exists())
+
+    def test_restore_refuses_an_archive_that_unpacks_to_far_more_than_its_size(self):
+        archive = self.tmp / "zeros.zip"
+        zeros = bytes(1 << 20)
+        digest = hashlib.sha256()
+        with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as out:
+            with out.open("blob.bin", "w") as member:
+                for _ in range(80):
+                    member.write(zeros)
+                    digest.update(zeros)
+            with zipfile.ZipFile(backup_of(self.tmp, {})) as good:
+                out.writestr("state.db", good.read("state.db"))
+                manifest = json.loads(good.read("hermes_backup.json"))
+        manifest["files"].append({"name": "blob.bin", "bytes": 80 << 20, "sha256": digest.hexdigest()})
+        with zipfile.ZipFile(archive, "a") as out:
+            out.writestr("hermes_backup.json", json.dumps(manifest))
+        self.assertLess(archive.stat().st_size, 1 << 20)
+        home = self.tmp / "target"
+        with self.assertRaisesRegex(ValueError, r"backup refused: it unpacks to \d+ bytes, more than 100 times"):
+            restore_home(archive, home / "state.db")
+        self.assertFalse(home.exists())
+
+    def test_restore_keeps_each_mode_never_wider_and_creates_a_private_home(self):
+        if os.name != "posix":
+            self.skipTest("POSIX modes")
+        modes = {".env": 0o600, "bin/run.sh": 0o750, "notes.txt": 0o644, "shared.txt": 0o666}
+        archive = backup_of(self.tmp, {name: b"x" for name in modes}, modes)
+        home = self.tmp / "new-home"
+        restore_home(archive, home / "state.db")
+        self.assertEqual(os.stat(home).st_mode & 0o777, 0o700)
+        self.assertEqual(os.stat(home / "bin").st_mode & 0o777, 0o700)
+        self.assertEqual(os.stat(home / "state.db").st_mode & 0o777, 0o600)
+        got = {name: os.stat(home / name).st_mode & 0o777 for name in modes}
+        self.assertEqual(got, {".env": 0o600, "bin/run.sh": 0o750, "notes.txt": 0o644, "shared.txt": 0o644})
+
+    def damaged_archives(self):
+        archive = backup_of(self.tmp, {"notes.txt": b"some notes " * 100})
+        data = bytearray(archive.read_bytes())
+        with zipfile.ZipFile(archive) as read:
+            info = read.getinfo("notes.txt")
+        name_length = int.from_bytes(data[info.header_offset + 26:info.header_offset + 28], "little")
+        extra_length = int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
+        start = info.header_offset + 30 + name_length + extra_length
+        bad_stream = bytearray(data)
+        bad_stream[start] = 0xFF  # deflate block type 3 does not exist: zlib.error
+        bad_header = bytearray(data)
+        bad_header[info.header_offset:info.header_offset + 4] = b"XXXX"  # BadZipFile
+        cases = {}
+        for name, content in (("bad-stream.zip", bad_stream), ("bad-header.zip", bad_header)):
+            cases[name] = self.tmp / name
+            cases[name].write_bytes(bytes(content))
+        return cases
+
+    def test_a_damaged_archive_is_a_clean_error_in_the_api_and_the_cli(self):
+        for name, archive in self.damaged_archives().items():
+            with self.subTest(name):
+                home = self.tmp / ("api-" + name)
+                with self.assertRaisesRegex(ValueError, "backup refused: .* is damaged"):
+                    restore_home(archive, home / "state.db")
+                self.assertFalse((home / "state.db").exists())
+                result = self.run_cli("--db", str(self.tmp / ("cli-" + name) / "state.db"), "restore", str(archive))
+                self.assertEqual(result.returncode, 1, result.stderr)
+                self.assertRegex(result.stderr, r"^error: backup refused: .* is damaged")
+                self.assertNotIn("Traceback", result.stderr)
+
+    def test_restore_refuses_while_this_process_has_the_store_open(self):
+        archive = backup_of(self.tmp, {})
+        home = self.tmp / "home"
+        restore_home(archive, home / "state.db")
+        with SessionDB(home / "state.db") as db:
+            db.create_session("live", "cli")
+            with self.assertRaisesRegex(RuntimeError, "this process has .* open"):
+                restore_home(archive, home / "state.db", force=True)
+            self.assertEqual(db.session_count(), 2)
+        self.assertEqual([p.name for p in home.iterdir() if "pre-restore" in p.name], [])
