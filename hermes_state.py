@@ -660,7 +660,11 @@ class SessionDB(SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin)
     def _open_read_only(self):
         if not self.db_path.exists():
             raise FileNotFoundError(f"no state store at {self.db_path}")
-        self.stale_schema = self._stale_schema_report()
+        try:
+            self.stale_schema = self._stale_schema_report()
+        except sqlite3.DatabaseError as exc:
+            # A look, not a repair: a file too damaged to probe still opens, so doctor can report on it.
+            self.stale_schema = [f"could not run: {exc}"]
         if self.stale_schema:
             logger.info("store %s predates this release (%s); a writable open upgrades it",
                         self.db_path, "; ".join(self.stale_schema))

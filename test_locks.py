@@ -418,3 +418,22 @@ class RestoreSafety(TempDirTestCase):
                 restore_home(archive, home / "state.db", force=True)
             self.assertEqual(db.session_count(), 2)
         self.assertEqual([p.name for p in home.iterdir() if "pre-restore" in p.name], [])
+
+
+class DoctorOnATruncatedStore(TempDirTestCase):
+
+    def test_doctor_prints_its_report_with_the_open_error(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            db.append_messages_batch("s", [{"role": "user", "content": "hello " * 200}] * 200)
+        os.truncate(path, path.stat().st_size // 2)
+        env = dict(os.environ, HERMES_HOME=str(self.tmp / "home"), PYTHONPATH=str(REPO))
+        result = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(path), "doctor", "--json"],
+                                capture_output=True, text=True, env=env, cwd=self.tmp, timeout=120)
+        self.assertEqual(result.returncode, 1, result.stderr)
+        report = json.loads(result.stdout)
+        self.assertFalse(report["ok"])
+        self.assertIn("malformed", report["open_error"])
+        self.assertEqual(report["db_path"], str(path))
+        self.assertEqual(sorted(p.name for p in self.tmp.iterdir() if ".bak" in p.name), [])
