@@ -2,13 +2,17 @@
 
 Owns every piece of SQL text the other modules run, the version numbers and the
 limits, plus a few pure helpers for building SQL (identifier quoting, LIKE
-escaping, prefix ranges, id chunking). It must not open or touch a
-connection: the mixins and SessionDB do that, and import from here so that
-none of them has to import another.
+escaping, prefix ranges, id chunking), the exception classes callers catch,
+and the persistence-error helpers hermes-agent imports from hermes_state
+(classifying a failed write, remembering why the last open failed). It must
+not open or touch a connection: the mixins and SessionDB do that, and import
+from here so that none of them has to import another.
 """
 
+import errno
 import json
 import sqlite3
+import threading
 from pathlib import Path
 
 # ---------------------------------------------------------------------------
@@ -926,3 +930,83 @@ class SessionCompressionInProgressError(CompressionSessionBusyError):
 
 class SessionTurnLeaseLostError(RuntimeError):
     """A write named a turn-lease holder that no longer holds the lease; never retried."""
+
+
+# ---------------------------------------------------------------------------
+# Persistence errors (hermes-agent imports these from hermes_state and shows
+# their texts to users; names, causes and wording are hermes-agent's)
+# ---------------------------------------------------------------------------
+
+# Every answer classify_persistence_error can give; callers iterate it.
+PERSISTENCE_ERROR_CAUSES = ("locked", "compression", "compression_closed", "turn_lease", "disk", "unknown")
+# Error texts of filesystems where WAL cannot work (NFS/SMB locking, FUSE, ZFS).
+_WAL_INCOMPAT_MARKERS = ("locking protocol", "not authorized", "disk i/o error")
+MALFORMED_DB_MARKERS = ("malformed database schema", "database disk image is malformed")
+# Plain substrings, so an OSError, SQLITE_FULL and a text passed through RPC all match.
+DISK_FULL_MARKERS = ("no space left on device", "not enough space", "database or disk is full", "disk full",
+                     "full disk", "enospc")
+SESSION_DB_UNAVAILABLE = "Session database not available"
+WAL_INCOMPAT_HINT = " (state.db may be on NFS/SMB/FUSE/ZFS \u2014 see https://www.sqlite.org/wal.html)"
+
+_last_init_error = None
+_last_init_error_lock = threading.Lock()
+
+
+def is_malformed_db_error(exc):
+    """True for SQLite's malformed-schema or malformed-image error; False for anything else."""
+    return isinstance(exc, sqlite3.DatabaseError) and any(marker in str(exc).lower() for marker in MALFORMED_DB_MARKERS)
+
+
+def is_disk_full_error(exc):
+    """True when `exc` (an exception or its text) says the disk is full; False for None."""
+    if exc is None:
+        return False
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    text = str(exc).lower()
+    return any(marker in text for marker in DISK_FULL_MARKERS)
+
+
+def classify_persistence_error(exc_or_str):
+    """The cause of a failed session write, one of PERSISTENCE_ERROR_CAUSES; 'unknown' for None.
+
+    The exception classes decide first, then words of the text (which may have
+    crossed an RPC boundary as a string): a turn lease, a session closed by
+    compression, a compression in progress, lock contention, then disk trouble
+    (full, read-only, permissions).
+    """
+    if exc_or_str is None:
+        return "unknown"
+    for cls, cause in ((SessionTurnLeaseLostError, "turn_lease"), (CompressionSessionClosedError, "compression_closed"),
+                       (CompressionSessionBusyError, "compression")):
+        if isinstance(exc_or_str, cls):
+            return cause
+    text = str(exc_or_str).lower()
+    for words, cause in ((("turn lease",), "turn_lease"), (("closed by compression",), "compression_closed"),
+                         (("being compressed", "compression lease"), "compression"), (("locked", "busy"), "locked"),
+                         (("disk", "readonly", "read-only"), "disk")):
+        if any(word in text for word in words):
+            return cause
+    return "disk" if is_disk_full_error(exc_or_str) else "unknown"
+
+
+def _set_last_init_error(message):
+    """Remember why opening the store failed (None forgets it). SessionDB sets it and never
+    clears it, so another thread's successful open cannot hide the cause from a user."""
+    global _last_init_error
+    with _last_init_error_lock:
+        _last_init_error = message
+
+
+def get_last_init_error():
+    """Why the last SessionDB() of this process failed to open ('<Class>: <message>'); None if none has."""
+    return _last_init_error
+
+
+def format_session_db_unavailable(prefix=SESSION_DB_UNAVAILABLE):
+    """The user-facing 'session database not available' sentence, with the cause when one is known."""
+    cause = get_last_init_error()
+    if not cause:
+        return f"{prefix}."
+    hint = WAL_INCOMPAT_HINT if any(marker in cause.lower() for marker in _WAL_INCOMPAT_MARKERS) else ""
+    return f"{prefix}: {cause}{hint}."
