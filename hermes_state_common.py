@@ -31,6 +31,11 @@ META_FTS_STALE = "fts_stale"
 META_FTS_CJK_STALE = "fts_cjk_stale"
 
 COMPRESSION_END_REASON = "compression"
+# End reasons of a session that a reset replaced with an empty one (gateway
+# /new and /reset, idle and daily expiry, ...): hermes-agent's session_search
+# treats their transcripts as gone from the live context. Its name and values are
+# hermes-agent's (tools/session_search_tool.py imports it from here).
+_RESET_END_REASONS = ("session_reset", "session_switch", "idle", "daily", "suspended", "resume_pending_expired")
 GATEWAY_ROUTING_PK = ["scope", "session_key"]
 
 # ---------------------------------------------------------------------------
@@ -39,12 +44,12 @@ GATEWAY_ROUTING_PK = ["scope", "session_key"]
 
 TITLE_MAX_LENGTH = 100
 PREVIEW_CHARS = 80
+# A search hit's context gives each neighbour at most this many characters.
 CONTEXT_CHARS = 200
 SNIPPET_CHARS = 120
 # A query longer than this is cut; more terms than this are dropped.
 QUERY_MAX_CHARS = 1000
 QUERY_MAX_TERMS = 32
-SEARCH_LIMIT_MAX = 1000
 # Far below SQLite's default SQLITE_MAX_VARIABLE_NUMBER (999 before 3.32).
 SQL_CHUNK_SIZE = 500
 # Sessions migrated per transaction by resumable data migrations.
@@ -496,8 +501,10 @@ HAS_CJK_PENDING_SQL = "SELECT 1 FROM messages_cjk_pending LIMIT 1"
 SELECT_MAX_MESSAGE_ID_SQL = "SELECT COALESCE(MAX(id), 0) FROM messages"
 SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestamp, m.tool_name,
        s.source, s.model, s.started_at AS session_started"""
-# A query answered by one index, ranked by it ({order} may be its bm25 rank).
-SEARCH_BY_INDEX_SQL = (SEARCH_COLUMNS_SQL + """
+# A query answered by one index, ranked by it ({order} may be its bm25 rank). A
+# word or trigram index cuts the snippet itself, as hermes-agent's search does.
+FTS_SNIPPET_SQL = "snippet({table}, -1, '>>>', '<<<', '...', 40)"
+SEARCH_BY_INDEX_SQL = (SEARCH_COLUMNS_SQL + """, {snippet} AS index_snippet
 FROM {table} JOIN messages AS m ON m.id = {table}.rowid JOIN sessions AS s ON s.id = m.session_id
 WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {order} LIMIT ? OFFSET ?""")
 # A query whose terms use several indexes or the fallback: one predicate per term.
@@ -515,10 +522,6 @@ TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE(m.{column}, '') LIKE ? ESCAPE '\\'"
                                    for column in ("content", "tool_name", "tool_calls")) + ")"
 TERM_LIKE_PARAMS = 3
 NOT_TOOL_ROW_SQL = "m.role <> 'tool'"
-SELECT_CONTEXT_BEFORE_SQL = """SELECT role, substr(content, 1, ?) AS content FROM messages
-WHERE session_id = ? AND id < ? AND active = 1 ORDER BY id DESC LIMIT 1"""
-SELECT_CONTEXT_AFTER_SQL = """SELECT role, substr(content, 1, ?) AS content FROM messages
-WHERE session_id = ? AND id > ? AND active = 1 ORDER BY id ASC LIMIT 1"""
 # Estimated bytes of text the current generation indexes (for the disk pre-check).
 SELECT_INDEXED_TEXT_BYTES_SQL = f"""
 SELECT COALESCE(SUM(CASE WHEN role = 'tool' THEN MIN(LENGTH(CAST(content AS BLOB)), {TOOL_INDEX_PREFIX_CHARS})
