@@ -1,9 +1,11 @@
 """SessionDB: an AI agent's sessions and messages in one SQLite file.
 
-Owns the connections (one writer, a pool of readers), the journal policy,
-the write path (BEGIN IMMEDIATE with retry and jitter inside a time budget),
-self-repair of damaged files at open, close, the meta methods, whole-home
-backup and restore, and the class statement that composes the mixins.
+Owns the connections (one writer, a pool of readers, and the `_conn`/`_lock`
+pair hermes-agent runs its own SQL through), the journal policy, the write
+path (BEGIN IMMEDIATE with retry and jitter inside a time budget), recording
+why an open failed, self-repair of damaged files at open, close, the meta
+methods, whole-home backup and restore, and the class statement that
+composes the mixins.
 `python -m hermes_state` runs the command line in hermes_state_cli.
 
 The public API lives in the concern mixins (sessions, messages, titles,
@@ -33,6 +35,8 @@ from hermes_constants import get_hermes_home
 from hermes_state_common import (  # noqa: F401  (persistence errors: re-exported for hermes-agent)
     CHECKPOINT_PASSIVE_SQL,
     JOURNAL_MODE_SQL,
+    CompressionSessionBusyError,
+    CompressionSessionClosedError,
     PERSISTENCE_ERROR_CAUSES,
     QUICK_CHECK_SQL,
     SELECT_META_PREFIX_SQL,
@@ -40,6 +44,8 @@ from hermes_state_common import (  # noqa: F401  (persistence errors: re-exporte
     SET_AUTOCHECKPOINT_SQL,
     SET_JOURNAL_MODE_SQL,
     SYNCHRONOUS_NORMAL_SQL,
+    SessionCompressionInProgressError,
+    SessionTurnLeaseLostError,
     _WAL_INCOMPAT_MARKERS,
     _set_last_init_error,
     classify_persistence_error,

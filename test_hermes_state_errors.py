@@ -122,7 +122,8 @@ class PersistenceErrors(TempDirTestCase):
     def test_hermes_state_exports_them(self):
         for name in ("classify_persistence_error", "PERSISTENCE_ERROR_CAUSES", "is_disk_full_error",
                      "is_malformed_db_error", "format_session_db_unavailable", "get_last_init_error",
-                     "_set_last_init_error", "_WAL_INCOMPAT_MARKERS"):
+                     "_set_last_init_error", "_WAL_INCOMPAT_MARKERS", "CompressionSessionClosedError",
+                     "CompressionSessionBusyError", "SessionCompressionInProgressError", "SessionTurnLeaseLostError"):
             with self.subTest(name=name):
                 self.assertIs(getattr(hermes_state, name), getattr(hermes_state_common, name))
 
