@@ -107,6 +107,13 @@ CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
 FTS_SYNTAX_RE = re.compile(r"[\"^*():{}\[\]+~'`]")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
+# One neighbour of a search hit in its session, in (timestamp, id) order.
+_NEIGHBOUR_SQL = """SELECT * FROM (SELECT role, content FROM messages WHERE session_id = :s AND timestamp = :t AND {same}
+              ORDER BY id {order} LIMIT 1)
+UNION ALL SELECT * FROM (SELECT role, content FROM messages WHERE session_id = :s AND {other}
+                        ORDER BY timestamp {order}, id {order} LIMIT 1)
+LIMIT 1"""
+
 Capabilities = namedtuple("Capabilities", "fts5 trigram")
 Term = namedtuple("Term", "text prefix")
 # `substring`: the retry of a query whose words found nothing, matching them inside longer tokens.
@@ -724,21 +731,18 @@ class SessionSearchMixin:
         values = dict(row)
         values["snippet"] = values.get("index_snippet") or make_snippet(row["content"], terms)
         if "context" in fields:
-            values["context"] = self._context(row["id"])
+            values["context"] = self._context(row)
         return {field: values[field] for field in fields}
 
-    def _context(self, message_id):
-        """[before, the message, after] as {role, content}: neighbours by time in its session, any state."""
-        # Row values keep both neighbour lookups on idx_messages_session (session_id, timestamp).
-        rows = self._read_all("""
-SELECT * FROM (SELECT m.role, m.content FROM messages AS m, messages AS hit
-               WHERE hit.id = ?1 AND m.session_id = hit.session_id AND (m.timestamp, m.id) < (hit.timestamp, hit.id)
-               ORDER BY m.timestamp DESC, m.id DESC LIMIT 1)
-UNION ALL SELECT role, content FROM messages WHERE id = ?1
-UNION ALL
-SELECT * FROM (SELECT m.role, m.content FROM messages AS m, messages AS hit
-               WHERE hit.id = ?1 AND m.session_id = hit.session_id AND (m.timestamp, m.id) > (hit.timestamp, hit.id)
-               ORDER BY m.timestamp, m.id LIMIT 1)""", (message_id,))
+    def _context(self, hit):
+        """[before, the hit, after] as {role, content}: neighbours by (timestamp, id) in its session, any state."""
+        # Equal timestamps are common (a batch shares one): each neighbour is an
+        # index seek, first among rows of the same time by id, then across times.
+        rows = self._read_all(f"""
+SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id < :i", other="timestamp < :t", order="DESC")})
+UNION ALL SELECT role, content FROM messages WHERE id = :i
+UNION ALL SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id > :i", other="timestamp > :t", order="ASC")})""",
+                              {"s": hit["session_id"], "t": hit["timestamp"], "i": hit["id"]})
         return [{"role": role, "content": context_text(content)} for role, content in rows]
 
     # -- maintenance -----------------------------------------------------------

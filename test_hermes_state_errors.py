@@ -10,6 +10,7 @@ import errno
 import sqlite3
 import threading
 import time
+from unittest import mock
 
 import hermes_state
 import hermes_state_common
@@ -315,3 +316,5 @@ class HermesConstantsImports(TempDirTestCase):
         finally:
             reset_hermes_home_override(token)
         self.assertEqual(hermes_state.DEFAULT_DB_PATH.name, "state.db")
+        with mock.patch.object(hermes_state, "DEFAULT_DB_PATH", self.tmp / "pinned.db"):
+            self.assertEqual(hermes_state._default_db_path(), self.tmp / "pinned.db")  # hermes-agent's tests do this

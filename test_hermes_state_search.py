@@ -181,6 +181,11 @@ class SearchBehaviour(TempDirTestCase):
         self.assertEqual(db.search_messages("first")[0]["context"],
                          [{"role": "user", "content": "first words of c"},
                           {"role": "assistant", "content": "inserted later, earlier in time"}])
+        db.create_session("d", "cli")
+        db.append_messages_batch("d", [{"role": "user", "content": f"batch {word}", "timestamp": 40}
+                                       for word in ("one", "two", "three")])
+        self.assertEqual([c["content"] for c in db.search_messages("two")[0]["context"]],
+                         ["batch one", "batch two", "batch three"])
         context = db.search_messages("see this", include_inactive=True)[0]["context"]
         self.assertEqual(context, [{"role": "assistant", "content": "y" * 200}, {"role": "user", "content": "see this"},
                                    {"role": "user", "content": "[multimodal content]"}])
