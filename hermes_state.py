@@ -33,16 +33,26 @@ from hermes_constants import STATE_DB_FILENAME, get_default_db_path
 from hermes_state_common import (
     CHECKPOINT_PASSIVE_SQL,
     JOURNAL_MODE_SQL,
+    MAX_SAFE_EXPORT_MESSAGES,
+    MAX_SAFE_RESUME_MESSAGES,
     QUICK_CHECK_SQL,
     SELECT_META_PREFIX_SQL,
     SELECT_META_SQL,
     SET_AUTOCHECKPOINT_SQL,
     SET_JOURNAL_MODE_SQL,
     SYNCHRONOUS_NORMAL_SQL,
+    CompressionSessionBusyError,
+    SessionCompressionInProgressError,
+    SessionExportTooLargeError,
+    SessionResumeTooLargeError,
     prefix_bounds,
     require_text,
+    resolved_max_export_messages,
+    resolved_max_resume_messages,
     sqlite_has_wal_reset_bug,
+    workspace_key,
 )
+from hermes_state_compression import SessionCompressionMixin
 from hermes_state_gateway import SessionGatewayMixin
 from hermes_state_maintenance import SessionMaintenanceMixin
 from hermes_state_messages import SessionMessagesMixin
@@ -213,9 +223,9 @@ def _create_private_file(path):
     os.chmod(path, FILE_MODE)
 
 
-class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, SessionUsageMixin,
-                SessionGatewayMixin, SessionMaintenanceMixin, SessionSearchMixin, SessionSchemaMixin,
-                SessionPortabilityMixin):
+class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMixin, SessionTitlesMixin,
+                SessionUsageMixin, SessionGatewayMixin, SessionMaintenanceMixin, SessionSearchMixin,
+                SessionSchemaMixin, SessionPortabilityMixin):
     """The agent's state store. Thread-safe; open one per process.
 
     `SessionDB(db_path=None, read_only=False)`: `db_path` defaults to

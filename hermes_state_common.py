@@ -926,3 +926,62 @@ class SessionCompressionInProgressError(CompressionSessionBusyError):
 
 class SessionTurnLeaseLostError(RuntimeError):
     """A write named a turn-lease holder that no longer holds the lease; never retried."""
+
+
+# ---------------------------------------------------------------------------
+# Sessions: bad rows, reset boundaries, resume caps, workspaces
+# ---------------------------------------------------------------------------
+
+
+class SessionRowError(ValueError, sqlite3.IntegrityError):
+    """A session row the store refuses: no usable id or source, or a parent that does
+    not exist. hermes-agent's store fails on these with IntegrityError."""
+
+
+class SessionInputTypeError(ValueError, TypeError, AttributeError):
+    """A value of the wrong type for a session or compaction write (hermes-agent fails
+    on these with TypeError or AttributeError, so callers may catch either)."""
+
+
+# End reasons that start a new user-visible conversation: a child that rides
+# its parent's routing key across one of these is a reset, not a continuation.
+_RESET_END_REASONS = ("session_reset", "session_switch", "idle", "daily", "suspended",
+                      "resume_pending_expired")
+
+def _configured_limit(key, fallback):
+    # hermes-agent's config.yaml (`sessions.<key>`) sets the cap; 0 turns the guard
+    # off. Outside hermes-agent there is no config loader, so the constant holds.
+    try:
+        from hermes_cli.config import load_config_readonly
+        value = (load_config_readonly().get("sessions") or {}).get(key)
+        limit = fallback if value is None else int(value)
+    except Exception:
+        return fallback
+    return limit if limit >= 0 else fallback
+
+
+def resolved_max_resume_messages():
+    """The resume cap from config.yaml's sessions.max_resume_messages (0 turns it off), else MAX_SAFE_RESUME_MESSAGES."""
+    return _configured_limit("max_resume_messages", MAX_SAFE_RESUME_MESSAGES)
+
+
+def resolved_max_export_messages():
+    """The in-memory export cap from sessions.max_export_messages (0 turns it off), else MAX_SAFE_EXPORT_MESSAGES."""
+    return _configured_limit("max_export_messages", MAX_SAFE_EXPORT_MESSAGES)
+
+
+def workspace_key(row):
+    """A session's workspace: its git repo root when known, else its cwd; None when it has neither."""
+    root = (row.get("git_repo_root") or "").strip()
+    return root or (row.get("cwd") or "").strip() or None
+
+
+def cwd_prefix_clause(prefix, alias="s"):
+    """(SQL, params) matching sessions whose cwd is `prefix` or lies under it (either separator).
+
+    LIKE, as hermes-agent matches, so ASCII letters compare without case.
+    """
+    prefix = prefix.rstrip("/\\") or prefix
+    escaped = escape_like(prefix)
+    return (f"({alias}.cwd = ? OR {alias}.cwd LIKE ? ESCAPE '\\' OR {alias}.cwd LIKE ? ESCAPE '\\')",
+            [prefix, escaped + "/%", escaped + "\\\\%"])
