@@ -40,6 +40,8 @@ from hermes_state_schema import prompt_hash
 # any real chain, short enough that damaged links cannot loop for long.
 LINEAGE_MAX_DEPTH = 100
 RESUME_MAX_DEPTH = 32
+# A continuation this old with no API call was abandoned (hermes-agent's #20001).
+ORPHANED_CONTINUATION_AGE = 7 * 86400
 # Structured message content (multimodal parts) is stored as this prefix plus
 # JSON; NUL never occurs in text, so a plain string can never be mistaken for it.
 CONTENT_JSON_PREFIX = "\x00json:"
@@ -358,6 +360,22 @@ class SessionCompressionMixin:
                 raise RuntimeError(f"compression parent {parent_session_id!r} changed during publication")
 
         self._execute_write(write)
+
+    def finalize_orphaned_compression_sessions(self):
+        """End, as 'orphaned_compression', continuations never used for a week; returns how many.
+
+        Such a continuation has messages (its handoff) but no API call and no
+        end, and its parent ended by compression. Nothing is deleted.
+        """
+        now = time.time()
+        return self._update_rows(
+            "UPDATE sessions SET ended_at = ?, end_reason = 'orphaned_compression'"
+            " WHERE api_call_count = 0 AND end_reason IS NULL AND ended_at IS NULL AND started_at < ?"
+            " AND parent_session_id IS NOT NULL"
+            " AND EXISTS (SELECT 1 FROM sessions AS p WHERE p.id = sessions.parent_session_id"
+            "             AND p.end_reason = 'compression' AND p.ended_at IS NOT NULL)"
+            " AND EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = sessions.id)",
+            (now, now - ORPHANED_CONTINUATION_AGE))
 
     def _insert_message_rows(self, conn, session_id, messages):
         """Inside a write: insert message dicts as live rows, as hermes-agent's compactor hands them over.
