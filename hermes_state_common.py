@@ -565,26 +565,14 @@ SELECT_SYSTEM_PROMPT_SQL = "SELECT prompt FROM system_prompts WHERE hash = ?"
 # Session SQL
 # ---------------------------------------------------------------------------
 
-SELECT_SESSION_SQL = "SELECT * FROM sessions WHERE id = ?"
 INSERT_SESSION_SQL = "INSERT INTO sessions ({columns}) VALUES ({values})"
-COUNT_SESSIONS_SQL = "SELECT COUNT(*) FROM sessions AS s {where}"
 SESSION_EXISTS_SQL = "SELECT 1 FROM sessions WHERE id = ?"
-END_SESSION_SQL = "UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ?"
-REOPEN_SESSION_SQL = "UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?"
 SET_TITLE_SQL = "UPDATE sessions SET title = ? WHERE id = ?"
 SELECT_TITLE_SQL = "SELECT title FROM sessions WHERE id = ?"
 SELECT_SESSION_BY_TITLE_SQL = "SELECT id FROM sessions WHERE title = ?"
 SELECT_TITLE_OWNER_SQL = "SELECT id FROM sessions WHERE title = ? AND id <> ?"
 SELECT_ID_PREFIX_SQL = "SELECT id FROM sessions WHERE id >= ? AND id < ? ORDER BY id LIMIT 2"
-SET_ARCHIVED_SQL = "UPDATE sessions SET archived = ? WHERE id = ?"
-SET_PINNED_SQL = "UPDATE sessions SET pinned = ? WHERE id = ?"
 SELECT_LINEAGE_LINK_SQL = "SELECT parent_session_id, end_reason FROM sessions WHERE id = ?"
-SELECT_COMPRESSION_CHILD_SQL = """
-SELECT child.id FROM sessions AS child
-JOIN sessions AS parent ON parent.id = child.parent_session_id
-WHERE child.parent_session_id = ? AND parent.end_reason = 'compression'
-ORDER BY child.started_at DESC, child.id DESC LIMIT 1
-"""
 # Deleting sessions, in this order, for a chunk of ids ({} is the placeholders):
 # children become roots, then everything hanging off the sessions, then them.
 SESSION_CASCADE_DELETE_SQL = (

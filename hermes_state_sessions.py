@@ -8,12 +8,12 @@ indexes or the schema; titles' rules live in hermes_state_titles, compression
 and resume in hermes_state_compression.
 """
 
+import collections
 import json
 import sqlite3
 import time
 
 from hermes_state_common import (
-    COUNT_SESSIONS_SQL,
     INSERT_SYSTEM_PROMPT_SQL,
     LIST_LIMIT_MAX,
     LIST_SESSIONS_RICH_SQL,
@@ -271,6 +271,22 @@ class SessionSessionsMixin:
         self._update_rows("UPDATE sessions SET model_config = ?, model = COALESCE(?, model) WHERE id = ?",
                           (model_config_json, model, session_id))
 
+    def patch_session_model_config(self, session_id, patch):
+        """Merge `patch` into model_config (a None value removes its key); returns None.
+
+        Nothing for an unknown session or an empty patch.
+        """
+        if not session_id or not patch:
+            return
+
+        def write(conn):
+            row = conn.execute("SELECT model_config FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            if row is not None:
+                conn.execute("UPDATE sessions SET model_config = ? WHERE id = ?",
+                             (merge_model_config(row["model_config"], patch), session_id))
+
+        self._execute_write(write)
+
     def update_session_cwd(self, session_id, cwd, git_branch=None, git_repo_root=None, replace_git_meta=False):
         """Record the session's cwd and claim a new git-metadata generation; returns it, None if unknown.
 
@@ -297,6 +313,17 @@ class SessionSessionsMixin:
                                     (session_id,)).fetchone()[0])
 
         return self._execute_write(write)
+
+    def publish_session_git_metadata(self, session_id, cwd, generation, git_branch=None, git_repo_root=None):
+        """Record a git probe's branch and repo root if its cwd claim is still current; False if not."""
+        branch, root = (git_branch or "").strip(), (git_repo_root or "").strip()
+        if not session_id or not cwd or isinstance(generation, bool) or not isinstance(generation, int) \
+                or generation < 1 or not (branch or root):
+            return False
+        sets = {k: v for k, v in (("git_branch", branch), ("git_repo_root", root)) if v}
+        return self._update_rows(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in sets)}"
+                                 " WHERE id = ? AND cwd = ? AND git_metadata_generation = ?",
+                                 (*sets.values(), session_id, cwd, generation)) == 1
 
     # -- deleting ---------------------------------------------------------------------
 
@@ -337,10 +364,9 @@ class SessionSessionsMixin:
         and resets, without subagent runs or compression continuations.
         """
         clauses, params = [], []
-        include = [source] if source else list(sources or [])
-        for column, values, negate in (("s.source", include, ""), ("s.source", exclude_sources or [], "NOT ")):
+        for values, operator in (([source] if source else sources, "IN"), (exclude_sources, "NOT IN")):
             if values:
-                clauses.append(f"{column} {negate}IN ({placeholders(len(values))})")
+                clauses.append(f"s.source {operator} ({placeholders(len(values))})")
                 params.extend(values)
         if cwd_prefix:
             clause, clause_params = cwd_prefix_clause(cwd_prefix)
@@ -349,19 +375,32 @@ class SessionSessionsMixin:
         if min_message_count > 0:
             clauses.append("s.message_count >= ?")
             params.append(min_message_count)
+        return sum(self._tally_sessions(clauses, params, include_archived, archived_only, exclude_children).values())
+
+    def session_count_by_source(self, *, include_archived=False, archived_only=False, exclude_children=False):
+        """{source: sessions}, largest first (an empty source counts as 'cli'); {} for an empty store."""
+        tally = self._tally_sessions([], [], include_archived, archived_only, exclude_children)
+        return dict(sorted(tally.items(), key=lambda item: (-item[1], item[0])))
+
+    def session_count_ge(self, n=1):
+        """True when the store holds at least `n` sessions, archived ones included."""
+        return len(self._read_all("SELECT 1 FROM sessions LIMIT ?", (n,))) >= n
+
+    def _tally_sessions(self, clauses, params, include_archived, archived_only, exclude_children):
         if archived_only or not include_archived:
-            clauses.append("s.archived = ?")
-            params.append(1 if archived_only else 0)
+            clauses, params = clauses + ["s.archived = ?"], params + [1 if archived_only else 0]
         where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+        source = "COALESCE(NULLIF(s.source, ''), 'cli')"
         if not exclude_children:
-            return self._read_value(COUNT_SESSIONS_SQL.format(where=where), params)
+            return dict(self._read_all(f"SELECT {source}, COUNT(*) FROM sessions AS s {where} GROUP BY 1", params))
         # Which child is listable depends on markers inside model_config, read
         # here rather than with JSON1 so that every SQLite build counts alike.
         rows = self._read_all(
-            "SELECT s.model_config, s.started_at, s.session_key, s.parent_session_id AS parent,"
+            f"SELECT {source} AS source, s.model_config, s.started_at, s.session_key, s.parent_session_id AS parent,"
             " p.end_reason AS parent_end_reason, p.ended_at AS parent_ended_at, p.session_key AS parent_key"
             f" FROM sessions AS s LEFT JOIN sessions AS p ON p.id = s.parent_session_id {where}", params)
-        return sum(1 for row in rows if _is_listable(row))
+        return collections.Counter(row["source"] for row in rows if _is_listable(row))
+
 
 def _is_listable(row):
     """A root, branch or reset row that is not a subagent run (session_count's exclude_children)."""

@@ -208,6 +208,26 @@ class ModelAndCwd(SessionTestCase):
         self.db.update_session_meta("s", None, model="m1")
         self.assertEqual((self.row("s")["model"], self.row("s")["model_config"]), ("m1", None))
 
+    def test_a_config_patch_merges_and_a_none_value_removes_its_key(self):
+        self.db.create_session("s", "cli", model_config={"a": 1, "b": 2})
+        self.db.patch_session_model_config("s", {"a": None, "c": [1]})
+        self.assertEqual(json.loads(self.row("s")["model_config"]), {"b": 2, "c": [1]})
+        self.db.patch_session_model_config("s", {"b": None, "c": None})
+        self.assertIsNone(self.row("s")["model_config"])
+        self.db.patch_session_model_config("ghost", {"a": 1})
+        self.assertIsNone(self.row("ghost"))
+
+    def test_git_metadata_lands_only_for_the_current_cwd_claim(self):
+        self.db.create_session("s", "cli")
+        first = self.db.update_session_cwd("s", "/w")
+        self.assertTrue(self.db.publish_session_git_metadata("s", "/w", first, "main", "/w"))
+        self.assertFalse(self.db.publish_session_git_metadata("s", "/w", first + 1, "stale"))
+        self.assertFalse(self.db.publish_session_git_metadata("s", "/w", True, "bool is no generation"))
+        self.assertFalse(self.db.publish_session_git_metadata("s", "/w", first, " ", ""))
+        self.db.update_session_cwd("s", "/v")
+        self.assertFalse(self.db.publish_session_git_metadata("s", "/w", first, "late"))
+        self.assertEqual((self.row("s")["git_branch"], self.row("s")["git_repo_root"]), (None, None))
+
     def test_each_cwd_claim_gets_a_new_generation_and_a_move_replaces_git_metadata(self):
         self.db.create_session("s", "cli")
         self.assertEqual(self.db.update_session_cwd("s", "/w", git_branch=" main ", git_repo_root="/w"), 1)
@@ -249,6 +269,18 @@ class Counting(SessionTestCase):
         self.assertEqual(count(cwd_prefix="/rep_o"), 1)
         self.assertEqual(count(min_message_count=1), 1)
         self.assertEqual(count(exclude_children=True), 5)
+
+    def test_counts_by_source_and_at_least_n(self):
+        for session_id, source in (("a", "cli"), ("b", ""), ("c", "telegram"), ("d", "telegram")):
+            self.db.create_session(session_id, source)
+        self.db.end_session("a", "compression")
+        self.db.create_session("a2", "cli", parent_session_id="a")
+        self.db.set_session_archived("d", True)
+        self.assertEqual(list(self.db.session_count_by_source().items()), [("cli", 3), ("telegram", 1)])
+        self.assertEqual(self.db.session_count_by_source(exclude_children=True, include_archived=True),
+                         {"cli": 2, "telegram": 2})
+        self.assertEqual(self.db.session_count_by_source(archived_only=True), {"telegram": 1})
+        self.assertEqual([self.db.session_count_ge(n) for n in (0, 5, 6)], [True, True, False])
 
     def test_resolve_session_id_takes_hermes_agents_keyword(self):
         self.db.create_session("20260101_abc", "cli")
