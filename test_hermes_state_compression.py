@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -193,7 +194,8 @@ class ResumeCaps(CompressionTestCase):
         script = ("import hermes_state as h; "
                   "print(h.resolved_max_resume_messages(), h.resolved_max_export_messages())")
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                             env={"PYTHONPATH": f"{REPO}:{package.parent}", "HERMES_HOME": str(self.tmp)}).stdout
+                             env={"PYTHONPATH": os.pathsep.join((str(REPO), str(package.parent))),
+                                  "HERMES_HOME": str(self.tmp)}).stdout
         self.assertEqual(out.split(), ["0", str(hermes_state.MAX_SAFE_EXPORT_MESSAGES)])
 
 
