@@ -936,6 +936,7 @@ class SessionInputTypeError(ValueError, TypeError, AttributeError):
 _RESET_END_REASONS = ("session_reset", "session_switch", "idle", "daily", "suspended",
                       "resume_pending_expired")
 
+
 def _configured_limit(key, fallback):
     # hermes-agent's config.yaml (`sessions.<key>`) sets the cap; 0 turns the guard
     # off. Outside hermes-agent there is no config loader, so the constant holds.
@@ -949,12 +950,12 @@ def _configured_limit(key, fallback):
 
 
 def resolved_max_resume_messages():
-    """The resume cap from config.yaml's sessions.max_resume_messages (0 turns it off), else MAX_SAFE_RESUME_MESSAGES."""
+    """The resume cap: config.yaml's sessions.max_resume_messages (0 = off), else MAX_SAFE_RESUME_MESSAGES."""
     return _configured_limit("max_resume_messages", MAX_SAFE_RESUME_MESSAGES)
 
 
 def resolved_max_export_messages():
-    """The in-memory export cap from sessions.max_export_messages (0 turns it off), else MAX_SAFE_EXPORT_MESSAGES."""
+    """The in-memory export cap: sessions.max_export_messages (0 = off), else MAX_SAFE_EXPORT_MESSAGES."""
     return _configured_limit("max_export_messages", MAX_SAFE_EXPORT_MESSAGES)
 
 

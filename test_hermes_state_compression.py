@@ -56,8 +56,8 @@ class Lineage(CompressionTestCase):
 
     def test_the_tip_never_follows_a_fork_and_an_unknown_id_is_its_own_tip(self):
         self.chain("a", "b")
-        for session_id, config, source in (("br", {"_branched_from": "b"}, "cli"), ("dl", {"_delegate_from": "x"}, "cli"),
-                                           ("tl", None, "tool")):
+        forks = (("br", {"_branched_from": "b"}, "cli"), ("dl", {"_delegate_from": "x"}, "cli"), ("tl", None, "tool"))
+        for session_id, config, source in forks:
             self.db.create_session(session_id, source, parent_session_id="a", model_config=config)
             self.sql("UPDATE sessions SET last_activity_at = 1e12 WHERE id = ?", (session_id,))
         self.assertEqual(self.db.get_compression_tip("a"), "b")
