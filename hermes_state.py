@@ -54,6 +54,7 @@ from hermes_state_common import (
     require_text,
     sqlite_has_wal_reset_bug,
 )
+from hermes_state_compression import SessionCompressionMixin
 from hermes_state_gateway import SessionGatewayMixin
 from hermes_state_maintenance import SessionMaintenanceMixin
 from hermes_state_messages import SessionMessagesMixin
@@ -75,10 +76,17 @@ from hermes_state_common import (  # noqa: F401
     get_last_init_error,
     is_disk_full_error,
     is_malformed_db_error,
+    MAX_SAFE_EXPORT_MESSAGES,
+    MAX_SAFE_RESUME_MESSAGES,
     PERSISTENCE_ERROR_CAUSES,
+    resolved_max_export_messages,
+    resolved_max_resume_messages,
     SessionCompressionInProgressError,
+    SessionExportTooLargeError,
+    SessionResumeTooLargeError,
     SessionTurnLeaseLostError,
     _WAL_INCOMPAT_MARKERS,
+    workspace_key,
 )
 
 logger = logging.getLogger("hermes_state")
@@ -511,9 +519,9 @@ def _create_private_file(path):
         os.chmod(path, FILE_MODE)
 
 
-class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, SessionUsageMixin,
-                SessionGatewayMixin, SessionTelegramMixin, SessionMaintenanceMixin, SessionSearchMixin,
-                SessionSchemaMixin, SessionPortabilityMixin):
+class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMixin, SessionTitlesMixin,
+                SessionUsageMixin, SessionGatewayMixin, SessionTelegramMixin, SessionMaintenanceMixin,
+                SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin):
     """The agent's state store. Thread-safe; open one per process.
 
     `SessionDB(db_path=None, read_only=False)`: `db_path` defaults to

@@ -35,7 +35,9 @@ COMPRESSION_END_REASON = "compression"
 # End reasons of a session that a reset replaced with an empty one (gateway
 # /new and /reset, idle and daily expiry, ...): hermes-agent's session_search
 # treats their transcripts as gone from the live context. Its name and values are
-# hermes-agent's (tools/session_search_tool.py imports it from here).
+# hermes-agent's (tools/session_search_tool.py imports it from here). A child
+# that rides its parent's routing key across one of these is a reset, not a
+# continuation.
 _RESET_END_REASONS = ("session_reset", "session_switch", "idle", "daily", "suspended", "resume_pending_expired")
 GATEWAY_ROUTING_PK = ["scope", "session_key"]
 
@@ -579,23 +581,11 @@ SELECT_SYSTEM_PROMPT_SQL = "SELECT prompt FROM system_prompts WHERE hash = ?"
 # Session SQL
 # ---------------------------------------------------------------------------
 
-SELECT_SESSION_SQL = "SELECT * FROM sessions WHERE id = ?"
 INSERT_SESSION_SQL = "INSERT INTO sessions ({columns}) VALUES ({values})"
-COUNT_SESSIONS_SQL = "SELECT COUNT(*) FROM sessions AS s {where}"
 SESSION_EXISTS_SQL = "SELECT 1 FROM sessions WHERE id = ?"
-END_SESSION_SQL = "UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ?"
-REOPEN_SESSION_SQL = "UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?"
 SELECT_TITLE_OWNER_SQL = "SELECT id FROM sessions WHERE title = ? AND id <> ?"
 SELECT_ID_PREFIX_SQL = "SELECT id FROM sessions WHERE id >= ? AND id < ? ORDER BY id LIMIT 2"
-SET_ARCHIVED_SQL = "UPDATE sessions SET archived = ? WHERE id = ?"
-SET_PINNED_SQL = "UPDATE sessions SET pinned = ? WHERE id = ?"
 SELECT_LINEAGE_LINK_SQL = "SELECT parent_session_id, end_reason FROM sessions WHERE id = ?"
-SELECT_COMPRESSION_CHILD_SQL = """
-SELECT child.id FROM sessions AS child
-JOIN sessions AS parent ON parent.id = child.parent_session_id
-WHERE child.parent_session_id = ? AND parent.end_reason = 'compression'
-ORDER BY child.started_at DESC, child.id DESC LIMIT 1
-"""
 # Deleting sessions, in this order, for a chunk of ids ({} is the placeholders):
 # children become roots, then everything hanging off the sessions, then them.
 SESSION_CASCADE_DELETE_SQL = (
@@ -1069,3 +1059,82 @@ def format_session_db_unavailable(prefix=SESSION_DB_UNAVAILABLE):
         return f"{prefix}."
     hint = WAL_INCOMPAT_HINT if any(marker in cause.lower() for marker in _WAL_INCOMPAT_MARKERS) else ""
     return f"{prefix}: {cause}{hint}."
+
+
+# ---------------------------------------------------------------------------
+# Sessions: bad rows, reset boundaries, resume caps, workspaces
+# ---------------------------------------------------------------------------
+
+
+class SessionRowError(ValueError, sqlite3.IntegrityError):
+    """A session row the store refuses: no usable id or source, or a parent that does
+    not exist. hermes-agent's store fails on these with IntegrityError."""
+
+
+class SessionInputTypeError(ValueError, TypeError, AttributeError):
+    """A value of the wrong type for a session or compaction write (hermes-agent fails
+    on these with TypeError or AttributeError, so callers may catch either)."""
+
+
+def _configured_limit(key, fallback):
+    # hermes-agent's config.yaml (`sessions.<key>`) sets the cap; 0 turns the guard
+    # off. Outside hermes-agent there is no config loader, so the constant holds.
+    try:
+        from hermes_cli.config import load_config_readonly
+        value = (load_config_readonly().get("sessions") or {}).get(key)
+        limit = fallback if value is None else int(value)
+    except Exception:
+        return fallback
+    return limit if limit >= 0 else fallback
+
+
+def resolved_max_resume_messages():
+    """The resume cap: config.yaml's sessions.max_resume_messages (0 = off), else MAX_SAFE_RESUME_MESSAGES."""
+    return _configured_limit("max_resume_messages", MAX_SAFE_RESUME_MESSAGES)
+
+
+def resolved_max_export_messages():
+    """The in-memory export cap: sessions.max_export_messages (0 = off), else MAX_SAFE_EXPORT_MESSAGES."""
+    return _configured_limit("max_export_messages", MAX_SAFE_EXPORT_MESSAGES)
+
+
+def workspace_key(row):
+    """A session's workspace: its git repo root when known, else its cwd; None when it has neither."""
+    root = (row.get("git_repo_root") or "").strip()
+    return root or (row.get("cwd") or "").strip() or None
+
+
+def cwd_prefix_clause(prefix, alias="s"):
+    """(SQL, params) matching sessions whose cwd is `prefix` or lies under it (either separator).
+
+    LIKE, as hermes-agent matches, so ASCII letters compare without case.
+    """
+    prefix = prefix.rstrip("/\\") or prefix
+    escaped = escape_like(prefix)
+    return (f"({alias}.cwd = ? OR {alias}.cwd LIKE ? ESCAPE '\\' OR {alias}.cwd LIKE ? ESCAPE '\\')",
+            [prefix, escaped + "/%", escaped + "\\\\%"])
+
+
+# ---------------------------------------------------------------------------
+# Lineage: parent links and the markers that tell a fork from a continuation
+# ---------------------------------------------------------------------------
+
+# A walk along parent links stops after this many hops (a loop stops it sooner).
+LINEAGE_MAX_HOPS = 100
+
+
+def json_object(raw):
+    """A stored JSON object (model_config, ...) as a dict; {} for NULL, bad JSON or a non-object."""
+    value = loads_or(raw, None) if isinstance(raw, str) else raw
+    return value if isinstance(value, dict) else {}
+
+
+def is_fork_child(row):
+    """True when a session row (source, model_config, parent_session_id) is a branch,
+    delegate or tool child of its parent rather than a compression continuation."""
+    if row["source"] == "tool":
+        return True
+    config = json_object(row["model_config"])
+    markers = (config.get("_branched_from"), config.get("_delegate_from"))
+    parent = row["parent_session_id"]
+    return parent in markers if parent else markers != (None, None)

@@ -19,22 +19,24 @@ from hermes_state_common import (
     CONVERSATION_ROW_COLUMNS,
     COUNT_ALL_MESSAGES_SQL,
     INSERT_MESSAGE_SQL,
+    LINEAGE_MAX_HOPS,
     SELECT_MESSAGES_SQL,
     SET_MESSAGE_COUNTS_SQL,
     CompressionSessionClosedError,
-    SessionTurnLeaseLostError,
-    UnknownSessionError,
     decode_content,
     decode_display_metadata,
     decode_message,
     encode_content,
+    is_fork_child,
+    json_object,
     loads_or,
     placeholders,
     scrub_surrogates,
+    SessionTurnLeaseLostError,
+    UnknownSessionError,
 )
 
 # hermes-agent follows at most this many parent links when it gathers a lineage.
-LINEAGE_MAX_HOPS = 100
 # Assistant turns that a later answer supersedes when alternation is repaired.
 _VERIFICATION_FINISHES = ("verification_required", "verify_hook_continue")
 # Prompts of hermes-agent's background skill/memory review that old builds wrote
@@ -178,7 +180,7 @@ class SessionMessagesMixin:
         current, seen = (lineage_row(session_id) if session_id else None), {session_id}
         while current is not None:
             parent_id = current["parent_session_id"]
-            if not parent_id or parent_id in seen or _is_fork_child(current):
+            if not parent_id or parent_id in seen or is_fork_child(current):
                 break
             parent = lineage_row(parent_id)
             if parent is None or parent["end_reason"] != COMPRESSION_END_REASON:
@@ -276,7 +278,7 @@ class SessionMessagesMixin:
         """True for a /branch copy (model_config names `_branched_from`)."""
         if not session_id:
             return False
-        config = _json_object(self._read_value("SELECT model_config FROM sessions WHERE id = ?", (session_id,)))
+        config = json_object(self._read_value("SELECT model_config FROM sessions WHERE id = ?", (session_id,)))
         return bool(config.get("_branched_from"))
 
     def message_count(self, session_id=None):
@@ -423,21 +425,6 @@ def _display_metadata_text(value):
     if isinstance(value, str):
         value = loads_or(value, None)
     return json.dumps(value) if isinstance(value, dict) else None
-
-
-def _json_object(raw):
-    value = loads_or(raw, None) if isinstance(raw, str) else raw
-    return value if isinstance(value, dict) else {}
-
-
-def _is_fork_child(row):
-    """True when a session row is a branch, delegate or tool child rather than a compression continuation."""
-    if row["source"] == "tool":
-        return True
-    config = _json_object(row["model_config"])
-    markers = (config.get("_branched_from"), config.get("_delegate_from"))
-    parent = row["parent_session_id"]
-    return parent in markers if parent else markers != (None, None)
 
 
 def _one_per_generation(rows):

@@ -14,7 +14,7 @@ from hermes_constants import reset_hermes_home_override, set_hermes_home_overrid
 from hermes_state import SessionDB
 from hermes_state_gateway import lock_holder_name
 from hermes_state_common import TITLE_MAX_LENGTH
-from test_support import StoreTestCase, TempDirTestCase
+from test_support import StoreTestCase, TempDirTestCase, backdate
 
 
 class Opening(TempDirTestCase):
@@ -76,35 +76,32 @@ class Sessions(StoreTestCase):
         self.db.create_session("s", "telegram", model="second")
         self.assertEqual(self.db.get_session("s")["model"], "first")
         self.assertEqual(self.db.ensure_session("t"), "t")
-        self.assertEqual(self.db.get_session("t")["source"], "cli")
+        self.assertEqual(self.db.get_session("t")["source"], "unknown")
 
     def test_bad_session_input_names_the_field(self):
         cases = [
             (dict(session_id="", source="cli"), "session_id"),
             (dict(session_id="x" * 300, source="cli"), "session_id is 300 characters; the limit is 256"),
             (dict(session_id="s", source=None), "source"),
-            (dict(session_id="s", source="cli", model_config="[1, 2]"), "model_config must be a JSON object"),
-            (dict(session_id="s", source="cli", model_config="{oops"), "model_config"),
-            (dict(session_id="s", source="cli", message_count=5), "protected session field 'message_count'"),
-            (dict(session_id="s", source="cli", colour="red"), "unknown or protected session field 'colour'"),
-            (dict(session_id="s", source="cli", title="t" * (TITLE_MAX_LENGTH + 1)),
-             rf"Title too long \({TITLE_MAX_LENGTH + 1} chars, max {TITLE_MAX_LENGTH}\)"),
+            (dict(session_id="s", source="cli", model_config={"x": {1}}), "model_config is not JSON-serialisable"),
+            (dict(session_id="s", source="cli", parent_session_id="ghost"), "parent_session_id 'ghost'"),
         ]
         for kwargs, message in cases:
             with self.subTest(kwargs=list(kwargs)), self.assertRaisesRegex(ValueError, message):
                 self.db.create_session(**kwargs)
+        for kwargs in (dict(message_count=5), dict(colour="red"), dict(title="t")):
+            with self.subTest(kwargs=list(kwargs)), self.assertRaises(TypeError):
+                self.db.create_session("s", "cli", **kwargs)
         self.assertEqual(self.db.session_count(), 0)
 
     def test_titles_are_unique_normalised_and_clearable(self):
-        self.db.create_session("a", "cli", title="  Fix   the build ")
+        self.db.create_session("a", "cli")
+        self.db.set_session_title("a", "  Fix   the build ")
         self.db.create_session("b", "cli")
         self.assertEqual(self.db.get_session_title("a"), "Fix the build")
         self.assertEqual(self.db.get_session_by_title("Fix the build")["id"], "a")
         with self.assertRaisesRegex(ValueError, "Title 'Fix the build' is already in use by session a"):
             self.db.set_session_title("b", "Fix the build")
-        with self.assertRaisesRegex(ValueError, "already in use"):
-            self.db.create_session("c", "cli", title="Fix the build")
-        self.assertIsNone(self.db.get_session("c"))
         self.assertTrue(self.db.set_session_title("a", ""))
         self.assertIsNone(self.db.get_session_title("a"))
         self.assertTrue(self.db.set_session_title("b", "Fix the build"))
@@ -122,17 +119,18 @@ class Sessions(StoreTestCase):
 
     def test_end_reopen_archive_pin(self):
         self.db.create_session("s", "cli")
-        self.assertTrue(self.db.end_session("s", "user_exit"))
+        self.db.end_session("s", "user_exit")
         self.assertEqual(self.db.get_session("s")["end_reason"], "user_exit")
         self.assertIsNotNone(self.db.get_session("s")["ended_at"])
-        self.assertTrue(self.db.reopen_session("s"))
+        self.db.reopen_session("s")
         self.assertIsNone(self.db.get_session("s")["ended_at"])
-        self.assertTrue(self.db.set_session_archived("s"))
-        self.assertTrue(self.db.set_session_pinned("s"))
+        self.assertTrue(self.db.set_session_archived("s", True))
+        self.assertTrue(self.db.set_session_pinned("s", True))
         self.assertEqual(self.db.list_sessions_rich(), [])
         listed = self.db.list_sessions_rich(include_archived=True)
         self.assertEqual([(s["id"], s["pinned"]) for s in listed], [("s", 1)])
-        self.assertFalse(self.db.end_session("missing", "x"))
+        self.db.end_session("missing", "x")
+        self.assertIsNone(self.db.get_session("missing"))
 
     def test_token_counts_are_queued_and_exact_when_read(self):
         self.db.create_session("s", "cli")
@@ -191,10 +189,10 @@ class Sessions(StoreTestCase):
         day = 86400
         import time
         now = time.time()
-        self.db.create_session("old_ended", "cli", started_at=now - 100 * day)
+        for session_id, source in (("old_ended", "cli"), ("old_open", "cli"), ("old_other", "telegram")):
+            self.db.create_session(session_id, source)
+            backdate(self.db, session_id, now - 100 * day)
         self.db.end_session("old_ended", "user_exit")
-        self.db.create_session("old_open", "cli", started_at=now - 100 * day)
-        self.db.create_session("old_other", "telegram", started_at=now - 100 * day)
         self.db.end_session("old_other", "user_exit")
         self.db.create_session("new_ended", "cli")
         self.db.end_session("new_ended", "user_exit")
@@ -206,8 +204,10 @@ class Sessions(StoreTestCase):
             self.db.prune_sessions(-1)
 
     def test_list_sessions_rich_previews_and_filters(self):
-        self.db.create_session("a", "cli", started_at=1)
-        self.db.create_session("b", "telegram", started_at=2)
+        self.db.create_session("a", "cli")
+        self.db.create_session("b", "telegram")
+        backdate(self.db, "a", 1)
+        backdate(self.db, "b", 2)
         self.db.append_message("a", "assistant", "not a preview", timestamp=5)
         self.db.append_message("a", "user", "x" * 300, timestamp=9)
         listed = self.db.list_sessions_rich()
@@ -226,22 +226,25 @@ class Sessions(StoreTestCase):
 class Lineage(StoreTestCase):
 
     def test_compression_chain_in_both_directions(self):
-        self.db.create_session("a", "cli", started_at=1)
+        self.db.create_session("a", "cli")
         self.db.end_session("a", "compression")
-        self.db.create_session("b", "cli", parent_session_id="a", started_at=2)
+        self.db.create_session("b", "cli", parent_session_id="a")
         self.db.end_session("b", "compression")
-        self.db.create_session("c", "cli", parent_session_id="b", started_at=3)
-        self.db.create_session("branch", "cli", parent_session_id="c", started_at=4)  # c did not compress
+        self.db.create_session("c", "cli", parent_session_id="b")
+        self.db.create_session("branch", "cli", parent_session_id="c")  # c did not compress
         for member in "abc":
             self.assertEqual(self.db.get_compression_lineage(member), ["a", "b", "c"])
         self.assertEqual(self.db.get_compression_tip("a"), "c")
         self.assertEqual(self.db.get_compression_lineage("branch"), ["branch"])
         self.assertEqual(self.db.get_compression_lineage("ghost"), [])
-        self.assertIsNone(self.db.get_compression_tip("ghost"))
+        self.assertEqual(self.db.get_compression_tip("ghost"), "ghost")
 
     def test_a_cycle_in_parent_links_does_not_loop(self):
-        self.db.create_session("x", "cli", parent_session_id="y", end_reason="compression")
-        self.db.create_session("y", "cli", parent_session_id="x", end_reason="compression")
+        self.db.create_session("x", "cli")
+        self.db.create_session("y", "cli", parent_session_id="x")
+        self.db._execute_write(lambda conn: conn.execute("UPDATE sessions SET parent_session_id = 'y' WHERE id = 'x'"))
+        self.db.end_session("x", "compression")
+        self.db.end_session("y", "compression")
         self.assertEqual(sorted(self.db.get_compression_lineage("x")), ["x", "y"])
 
 

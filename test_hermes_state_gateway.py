@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from test_support import REPO, StoreTestCase
+from test_support import REPO, StoreTestCase, backdate
 
 # Each process opens the store, says it is ready, waits for the go file, then claims.
 CLAIMER = """
@@ -51,8 +51,10 @@ class Handoffs(StoreTestCase):
         self.assertFalse(self.db.claim_handoff("nope"))
 
     def test_pending_handoffs_are_listed_oldest_first_with_their_prompt(self):
-        self.db.create_session("new", "cli", system_prompt="be brief", started_at=200.0)
-        self.db.create_session("old", "cli", started_at=100.0)
+        self.db.create_session("new", "cli", system_prompt="be brief")
+        self.db.create_session("old", "cli")
+        backdate(self.db, "new", 200.0)
+        backdate(self.db, "old", 100.0)
         for sid in ("new", "old"):
             self.db.request_handoff(sid, "slack")
         rows = self.db.list_pending_handoffs()

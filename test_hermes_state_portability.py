@@ -127,7 +127,8 @@ class ImportFixtures(StoreTestCase):
             self.assertEqual((len(lineage["messages"]), lineage["message_count"]), (32, 32))
 
     def test_an_imported_title_that_is_taken_keeps_both(self):
-        self.db.create_session("mine", "cli", title="Shared title")
+        self.db.create_session("mine", "cli")
+        self.db.set_session_title("mine", "Shared title")
         entry = session("theirs")
         entry["title"] = "Shared title"
         self.assertTrue(self.db.import_sessions([entry])["ok"])
@@ -246,7 +247,8 @@ class Renderers(StoreTestCase):
 
     def setUp(self):
         super().setUp()
-        self.db.create_session("r1", "cli", title="<b>Render</b> me", model="m", system_prompt="be <careful>")
+        self.db.create_session("r1", "cli", model="m", system_prompt="be <careful>")
+        self.db.set_session_title("r1", "<b>Render</b> me")
         self.db.append_message("r1", "user", "<script>alert('x')</script> & 会话")
         self.db.append_message("r1", "assistant", "calling", tool_calls=[{"id": "c1", "type": "function",
                                "function": {"name": "terminal", "arguments": "{\"command\": \"ls </tmp>\"}"}}])

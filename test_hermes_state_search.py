@@ -19,7 +19,7 @@ from hermes_state_search import (
     cjk_terms, fts_layout_of, parse_query, sqlite_supports_fts5, sqlite_supports_trigram,
 )
 from test_support import (
-    REPO, V22_DB, V26_DB, TempDirTestCase, dump_hash, tracing_factory, without_fts5, without_trigram,
+    REPO, V22_DB, V26_DB, TempDirTestCase, backdate, dump_hash, tracing_factory, without_fts5, without_trigram,
 )
 
 CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
@@ -135,8 +135,10 @@ class SearchBehaviour(TempDirTestCase):
         self.db = SessionDB(self.tmp / "state.db")
         self.addCleanup(self.db.close)
         db = self.db
-        db.create_session("a", "cli", model="m1", started_at=1)
-        db.create_session("b", "telegram", model="m2", started_at=2)
+        db.create_session("a", "cli", model="m1")
+        db.create_session("b", "telegram", model="m2")
+        backdate(db, "a", 1)
+        backdate(db, "b", 2)
         self.ids = {
             "deploy": db.append_message("a", "user", "deploy the service to staging", timestamp=10),
             "reply": db.append_message("a", "assistant", "deploy deploy deploy: staging is ready", timestamp=11),

@@ -1,7 +1,7 @@
 """Titles: sanitising, uniqueness, who set them, and lookups by title."""
 
 from hermes_state import SessionDB
-from test_support import StoreTestCase
+from test_support import StoreTestCase, backdate
 
 
 class SanitizeTitle(StoreTestCase):
@@ -123,7 +123,8 @@ class TitleLookups(StoreTestCase):
         super().setUp()
         for number, (session_id, title) in enumerate([("p1", "proj"), ("p2", "proj #2"), ("p10", "proj #10"),
                                                       ("wild", "pro_j"), ("pct", "50% off")]):
-            self.db.create_session(session_id, "cli", started_at=1000.0 + number)
+            self.db.create_session(session_id, "cli")
+            backdate(self.db, session_id, 1000.0 + number)
             self.db.set_session_title(session_id, title)
 
     def test_resolve_prefers_the_newest_numbered_continuation(self):

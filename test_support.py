@@ -47,6 +47,12 @@ def fixture_path(name):
     return path
 
 
+def backdate(db, session_id, started_at):
+    """Set a session's started_at: create_session, like hermes-agent's, stamps the time of the call."""
+    db._execute_write(lambda conn: conn.execute("UPDATE sessions SET started_at = ? WHERE id = ?",
+                                                (started_at, session_id)))
+
+
 class TempDirTestCase(unittest.TestCase):
     """A fresh temporary folder per test, removed afterwards."""
 

@@ -1,0 +1,424 @@
+"""Compression and resume: the lineage of a conversation whose context was
+compacted, and what a resume loads.
+
+Owns in-place compaction (`archive_and_compact`), publishing a continuation
+session (`publish_compression_child`), the lineage reads (root, tip, chain),
+the choice of the session a resume lands on, and the caps that refuse to
+load or export a transcript too large to hold in memory. Relies on
+SessionDB's write and read paths and, for the chat-API shape of a resumed
+transcript, on the messages mixin's `get_messages_as_conversation`. Never
+changes a session's own fields beyond its counts, model_config and end, and
+never touches the search indexes or the schema.
+
+Markers inside model_config (`_branched_from`, `_delegate_from`,
+`_reset_from`) tell forks from continuations; they are read in Python, not
+with JSON1, so that every SQLite build walks a lineage the same way.
+"""
+
+import json
+import time
+
+from hermes_state_common import (
+    COMPRESSION_END_REASON,
+    INSERT_SYSTEM_PROMPT_SQL,
+    LINEAGE_MAX_HOPS,
+    _RESET_END_REASONS,
+    CompressionSessionBusyError,
+    cwd_prefix_clause,
+    is_fork_child,
+    json_object,
+    placeholders,
+    resolved_max_export_messages,
+    resolved_max_resume_messages,
+    SessionCompressionInProgressError,
+    SessionExportTooLargeError,
+    SessionInputTypeError,
+    SessionResumeTooLargeError,
+    SessionRowError,
+)
+from hermes_state_schema import prompt_hash
+
+# How far a walk along parent or child links goes before it stops: far beyond
+# any real chain, short enough that damaged links cannot loop for long.
+RESUME_MAX_DEPTH = 32
+# A continuation this old with no API call was abandoned (hermes-agent's #20001).
+ORPHANED_CONTINUATION_AGE = 7 * 86400
+# Structured message content (multimodal parts) is stored as this prefix plus
+# JSON; NUL never occurs in text, so a plain string can never be mistaken for it.
+CONTENT_JSON_PREFIX = "\x00json:"
+
+# Recency of a session: its newest heartbeat or message, else its start.
+_LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(v) FROM (SELECT {a}.last_activity_at AS v UNION ALL"
+                    " SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = {a}.id)), {a}.started_at)")
+_LINK_SQL = "SELECT id, source, model_config, parent_session_id, end_reason FROM sessions WHERE id = ?"
+_ACTIVE_COUNT_SQL = "SELECT COUNT(*) FROM (SELECT 1 FROM messages WHERE session_id IN ({}) AND active = 1 LIMIT ?)"
+# The continuations of a compressed parent, best first: ones that compressed
+# again, then live ones, then the most recently active.
+_TIP_CANDIDATES_SQL = f"""
+SELECT c.id, c.model_config FROM sessions AS p JOIN sessions AS c ON c.parent_session_id = p.id
+WHERE p.id = ? AND p.end_reason = 'compression' AND COALESCE(c.source, '') <> 'tool'
+ORDER BY CASE WHEN c.end_reason = 'compression' THEN 0 WHEN c.ended_at IS NULL THEN 1 ELSE 2 END,
+         {_LAST_ACTIVE_SQL.format(a="c")} DESC, c.started_at DESC, c.id DESC"""
+# Columns a concurrent tail keeps when it is copied after a compacted set.
+_TAIL_SQL = "SELECT id, tool_calls FROM messages WHERE session_id = ? AND active = 1 AND id > ?"
+
+
+class SessionCompressionMixin:
+    """SessionDB's methods for compaction, compression lineage and resume."""
+
+    # -- lineage ----------------------------------------------------------------
+
+    def get_conversation_root(self, session_id):
+        """The id at the top of the session's parent links (any kind of parent); the id itself if it has none."""
+        chain = self._session_lineage_root_to_tip(session_id)
+        return chain[0] if chain and chain[0] else session_id
+
+    def get_compression_tip(self, session_id):
+        """The newest continuation of the compression chain from `session_id`; the id itself when it has none.
+
+        An unknown id is returned as it is. Branch, delegate and tool children
+        are never followed.
+        """
+        current, seen = session_id, {session_id}
+        for _ in range(LINEAGE_MAX_HOPS):
+            rows = self._read_all(_TIP_CANDIDATES_SQL, (current,))
+            child = next((row["id"] for row in rows if not _marked(json_object(row["model_config"]))), None)
+            if not child or child in seen:
+                break
+            seen.add(child)
+            current = child
+        return current
+
+    def get_compression_lineage(self, session_id):
+        """[root, ..., tip] ids of the compression chain through `session_id`; [] for an unknown id.
+
+        A fork (branch, delegate or tool child) is its own chain of one. Each
+        compressed segment continues in its oldest continuation child.
+        """
+        session = self._read_one(_LINK_SQL, (session_id,))
+        if session is None:
+            return []
+        if is_fork_child(session):
+            return [session_id]
+        root, ancestors = session, {session_id}
+        while self._continues_compression(root):
+            parent = self._read_one(_LINK_SQL, (root["parent_session_id"],))
+            if parent is None or parent["id"] in ancestors:
+                break
+            root = parent
+            ancestors.add(root["id"])
+        lineage, current = [root["id"]], root
+        while current["end_reason"] == COMPRESSION_END_REASON:
+            children = self._read_all("SELECT id, source, model_config, parent_session_id, end_reason"
+                                      " FROM sessions WHERE parent_session_id = ? ORDER BY started_at",
+                                      (current["id"],))
+            child = next((row for row in children if not is_fork_child(row)), None)
+            if child is None or child["id"] in lineage:
+                break
+            lineage.append(child["id"])
+            current = child
+        return lineage if session_id in lineage else [session_id]
+
+    def _continues_compression(self, session):
+        """True when the session is a continuation of a parent that ended by compression."""
+        parent_id = session["parent_session_id"]
+        if not parent_id or is_fork_child(session):
+            return False
+        reason = self._read_value("SELECT end_reason FROM sessions WHERE id = ?", (parent_id,))
+        return reason == COMPRESSION_END_REASON
+
+    # -- resume -----------------------------------------------------------------
+
+    def search_sessions(self, source=None, limit=20, offset=0, workspace_key=None):
+        """Sessions most recently active first, each with `last_active` and `system_prompt` resolved.
+
+        `workspace_key` keeps the sessions of one workspace: a git repo root,
+        or a cwd at or under it for sessions without one. [] when none match.
+        """
+        clauses, params = [], []
+        if source:
+            clauses.append("s.source = ?")
+            params.append(source)
+        if workspace_key:
+            prefix = workspace_key.rstrip("/\\") or workspace_key
+            clause, clause_params = cwd_prefix_clause(prefix)
+            clauses.append(f"(s.git_repo_root = ? OR (COALESCE(s.git_repo_root, '') = '' AND {clause}))")
+            params += [prefix, *clause_params]
+        where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
+        self._flush_token_counts()
+        return self._read_sessions(f", {_LAST_ACTIVE_SQL.format(a='s')} AS last_active",
+                                   f"{where} ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ? OFFSET ?",
+                                   (*params, limit, offset))
+
+    def resolve_resume_session_id(self, session_id):
+        """The session a resume of `session_id` should load: the deepest continuation holding messages.
+
+        Follows the compression tip first, then newest children that are not
+        branches, delegates, resets or tool runs. The id itself when none of
+        them holds a message.
+        """
+        if not session_id:
+            return session_id
+        session_id = self.get_compression_tip(session_id) or session_id
+        current, seen, best = session_id, {session_id}, None
+        for _ in range(RESUME_MAX_DEPTH):
+            if self._read_one("SELECT 1 FROM messages WHERE session_id = ? LIMIT 1", (current,)):
+                best = current
+            child = self._resume_child(current)
+            if not child or child in seen:
+                break
+            seen.add(child)
+            current = child
+        return best if best is not None else session_id
+
+    def _resume_child(self, parent_id):
+        parent = self._read_one("SELECT end_reason, session_key FROM sessions WHERE id = ?", (parent_id,))
+        reset_parent = parent is not None and parent["end_reason"] in _RESET_END_REASONS
+        rows = self._read_all("SELECT id, source, model_config, session_key FROM sessions"
+                              " WHERE parent_session_id = ? ORDER BY started_at DESC, id DESC", (parent_id,))
+        for row in rows:
+            config = json_object(row["model_config"])
+            legacy_reset = reset_parent and row["session_key"] and row["session_key"] == parent["session_key"]
+            if not (_marked(config) or config.get("_reset_from") is not None or legacy_reset
+                    or row["source"] == "tool"):
+                return row["id"]
+        return None
+
+    def get_resume_conversations(self, session_id):
+        """(model_history, display_history) for a resume; ([], []) for an unknown session.
+
+        model_history is the session's own active messages, alternation
+        repaired; display_history is its whole lineage, root first (the
+        session alone for a branch). Both carry `_row_id`.
+        """
+        model = self.get_messages_as_conversation(session_id, repair_alternation=True, include_row_ids=True)
+        display = self.get_messages_as_conversation(session_id, include_ancestors=True, include_row_ids=True)
+        return model, display
+
+    def get_resume_message_count(self, session_id):
+        """Active messages a full resume would load, across the lineage; 0 for an unknown session."""
+        ids = self._session_lineage_root_to_tip(session_id)
+        return self._read_value(f"SELECT COUNT(*) FROM messages WHERE session_id IN ({placeholders(len(ids))})"
+                                " AND active = 1", ids)
+
+    def assert_resume_safe(self, session_id, max_messages=None):
+        """The lineage's active message count, up to `max_messages` + 1; 0 when the cap is 0 (off).
+
+        The cap defaults to config.yaml's sessions.max_resume_messages. Raises
+        SessionResumeTooLargeError past it, ValueError for a negative cap.
+        """
+        limit = _cap(max_messages, resolved_max_resume_messages)
+        if limit == 0:
+            return 0
+        ids = self._session_lineage_root_to_tip(session_id)
+        count = self._read_value(_ACTIVE_COUNT_SQL.format(placeholders(len(ids))), (*ids, limit + 1))
+        if count > limit:
+            raise SessionResumeTooLargeError(count, limit)
+        return count
+
+    def assert_export_safe(self, session_id, max_messages=None):
+        """The session's own active message count, up to `max_messages` + 1; 0 when the cap is 0 (off).
+
+        The cap defaults to config.yaml's sessions.max_export_messages. Raises
+        SessionExportTooLargeError past it, ValueError for a negative cap.
+        """
+        limit = _cap(max_messages, resolved_max_export_messages)
+        if limit == 0:
+            return 0
+        count = self._read_value(_ACTIVE_COUNT_SQL.format("?"), (session_id, limit + 1))
+        if count > limit:
+            raise SessionExportTooLargeError(session_id, count, limit)
+        return count
+
+    # -- compaction -------------------------------------------------------------
+
+    def get_active_message_watermark(self, session_id):
+        """The id of the session's newest active message; 0 when it has none."""
+        return self._read_value("SELECT COALESCE(MAX(id), 0) FROM messages WHERE session_id = ? AND active = 1",
+                                (session_id,))
+
+    def archive_and_compact(self, session_id, compacted_messages, model_config_patch=None, watermark=None,
+                            lock_holder=None):
+        """Replace the live transcript with `compacted_messages`, keeping the old turns; returns the new active count.
+
+        In one transaction: every active message becomes active=0, compacted=1
+        (still searchable, never deleted), the compacted set is inserted, and
+        messages that arrived after `watermark` are copied after it as live
+        rows. `model_config_patch` is merged into model_config (a None value
+        removes a key). With `lock_holder`, the commit requires that holder to
+        still hold the session's compression lock, else
+        SessionCompressionInProgressError. An unknown session raises
+        SessionRowError (a ValueError) unless there is nothing to write.
+        """
+        messages = _message_dicts("compacted_messages", compacted_messages)
+        if model_config_patch is not None and not isinstance(model_config_patch, dict):
+            raise SessionInputTypeError("model_config_patch must be a dict or None, not "
+                                        f"{type(model_config_patch).__name__}")
+        watermark = None if watermark is None else int(watermark)
+
+        def write(conn):
+            if lock_holder is not None and not _holds_lock(conn, session_id, lock_holder):
+                raise SessionCompressionInProgressError(
+                    f"compression lock of session {session_id!r} was lost before commit; "
+                    "the compaction was not published")
+            row = conn.execute("SELECT model_config FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            if row is None:
+                if model_config_patch is not None or messages:
+                    raise SessionRowError(f"session {session_id!r} does not exist; nothing was compacted")
+                return 0
+            tail = [] if watermark is None else conn.execute(_TAIL_SQL + " ORDER BY id",
+                                                             (session_id, watermark)).fetchall()
+            conn.execute("UPDATE messages SET active = 0, compacted = 1 WHERE session_id = ? AND active = 1",
+                         (session_id,))
+            count, calls = self._insert_message_rows(conn, session_id, messages)
+            count, calls = count + len(tail), calls + _copy_tail(conn, tail, session_id)
+            sets, params = "message_count = ?, tool_call_count = ?", [count, calls]
+            if model_config_patch is not None:
+                sets += ", model_config = ?"
+                params.append(_merged_config(row["model_config"], model_config_patch))
+            conn.execute(f"UPDATE sessions SET {sets} WHERE id = ?", (*params, session_id))
+            return count
+
+        return self._execute_write(write)
+
+    def publish_compression_child(self, *, parent_session_id, child_session_id, source, messages, model=None,
+                                  model_config=None, system_prompt=None, cwd=None, profile_name=None,
+                                  compression_lock_holder=None, require_compression_lease=True,
+                                  watermark=None, watermark_ceiling=None):
+        """End the parent by compression and create its continuation with `messages`, atomically; returns None.
+
+        The child inherits the parent's git metadata, profile and gateway
+        routing (and cwd unless given). Parent messages after `watermark` (and
+        at most `watermark_ceiling`) are copied after the handoff. Raises
+        CompressionSessionBusyError when the lease is required and
+        `compression_lock_holder` no longer holds it, RuntimeError for an
+        unknown or ended parent or an empty handoff, sqlite3.IntegrityError
+        for a child id in use; nothing is written then.
+        """
+        if not isinstance(child_session_id, str) or not child_session_id:
+            raise SessionRowError("child_session_id must be a non-empty string; nothing was published")
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise SessionInputTypeError(f"system_prompt must be a string or None, not {type(system_prompt).__name__}")
+        handoff = _message_dicts("messages", messages) if messages else []
+        config = json.dumps(model_config) if model_config else None
+        digest = None if system_prompt is None else prompt_hash(system_prompt)
+        low = None if watermark is None else int(watermark)
+        high = None if watermark_ceiling is None else int(watermark_ceiling)
+
+        def write(conn):
+            if require_compression_lease and not (compression_lock_holder and _holds_lock(
+                    conn, parent_session_id, compression_lock_holder)):
+                raise CompressionSessionBusyError(f"compression lease of {parent_session_id!r} was lost "
+                                                  "before publication")
+            parent = conn.execute("SELECT * FROM sessions WHERE id = ?", (parent_session_id,)).fetchone()
+            if parent is None:
+                raise RuntimeError(f"compression parent {parent_session_id!r} does not exist")
+            if parent["ended_at"] is not None:
+                raise RuntimeError(f"compression parent {parent_session_id!r} has already ended")
+            if not handoff:
+                raise RuntimeError("a compression child needs a non-empty handoff")
+            if digest:
+                conn.execute(INSERT_SYSTEM_PROMPT_SQL, (digest, system_prompt))
+            row = {"id": child_session_id, "source": source, "model": model, "model_config": config,
+                   "system_prompt_hash": digest, "parent_session_id": parent_session_id,
+                   "cwd": cwd or parent["cwd"], "profile_name": profile_name or parent["profile_name"],
+                   "started_at": time.time()}
+            for column in ("git_branch", "git_repo_root", "user_id", "session_key", "chat_id", "chat_type",
+                           "thread_id", "display_name", "origin_json"):
+                row[column] = parent[column]
+            conn.execute(f"INSERT INTO sessions ({', '.join(row)}) VALUES ({placeholders(len(row))})",
+                         tuple(row.values()))
+            count, calls = self._insert_message_rows(conn, child_session_id, handoff)
+            if low is not None:
+                sql, params = _TAIL_SQL, [parent_session_id, low]
+                if high is not None:
+                    sql, params = sql + " AND id <= ?", params + [high]
+                tail = conn.execute(sql + " ORDER BY id", params).fetchall()
+                count, calls = count + len(tail), calls + _copy_tail(conn, tail, child_session_id)
+            conn.execute("UPDATE sessions SET message_count = ?, tool_call_count = ? WHERE id = ?",
+                         (count, calls, child_session_id))
+            ended = conn.execute("UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ? AND ended_at IS NULL",
+                                 (time.time(), COMPRESSION_END_REASON, parent_session_id)).rowcount
+            if ended != 1:
+                raise RuntimeError(f"compression parent {parent_session_id!r} changed during publication")
+
+        self._execute_write(write)
+
+    def finalize_orphaned_compression_sessions(self):
+        """End, as 'orphaned_compression', continuations never used for a week; returns how many.
+
+        Such a continuation has messages (its handoff) but no API call and no
+        end, and its parent ended by compression. Nothing is deleted.
+        """
+        now = time.time()
+        return self._update_rows(
+            "UPDATE sessions SET ended_at = ?, end_reason = 'orphaned_compression'"
+            " WHERE api_call_count = 0 AND end_reason IS NULL AND ended_at IS NULL AND started_at < ?"
+            " AND parent_session_id IS NOT NULL"
+            " AND EXISTS (SELECT 1 FROM sessions AS p WHERE p.id = sessions.parent_session_id"
+            "             AND p.end_reason = 'compression' AND p.ended_at IS NOT NULL)"
+            " AND EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = sessions.id)",
+            (now, now - ORPHANED_CONTINUATION_AGE))
+
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def _marked(config):
+    """True when model_config carries a branch or delegate marker (the tip walk never follows those)."""
+    return config.get("_branched_from") is not None or config.get("_delegate_from") is not None
+
+
+def _merged_config(text, patch):
+    config = json_object(text)
+    for key, value in patch.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    return json.dumps(config) if config else None
+
+
+def _holds_lock(conn, session_id, holder):
+    row = conn.execute("SELECT holder, expires_at FROM compression_locks WHERE session_id = ?",
+                       (session_id,)).fetchone()
+    return row is not None and row["holder"] == holder and float(row["expires_at"]) > time.time()
+
+
+def _cap(max_messages, resolve):
+    limit = resolve() if max_messages is None else max_messages
+    if limit < 0:
+        raise ValueError(f"max_messages must be >= 0, not {limit}")
+    return limit
+
+
+def _message_dicts(name, messages):
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+        raise SessionInputTypeError(f"{name} must be a list of message dicts; nothing was written")
+    return messages
+
+
+def _copy_tail(conn, tail, session_id):
+    """Copy messages (rows of _TAIL_SQL) as live rows of `session_id`, every column but the id
+    kept byte for byte; returns the tool calls they hold."""
+    if not tail:
+        return 0
+    keep = [row[1] for row in conn.execute("PRAGMA table_info(messages)")
+            if row[1] not in ("id", "session_id", "active", "compacted")]
+    columns = ", ".join(keep)
+    ids = [row["id"] for row in tail]
+    conn.execute(f"INSERT INTO messages ({columns}, session_id, active, compacted) SELECT {columns}, ?, 1, 0"
+                 f" FROM messages WHERE id IN ({placeholders(len(ids))}) ORDER BY id", (session_id, *ids))
+    calls = 0
+    for row in tail:
+        try:
+            parsed = json.loads(row["tool_calls"]) if row["tool_calls"] else None
+        except ValueError:
+            parsed = None
+        calls += len(parsed) if isinstance(parsed, list) else 0
+    return calls
+
+

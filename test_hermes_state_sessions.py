@@ -1,0 +1,288 @@
+"""Session rows with hermes-agent's contract: create and fill in, prompts, ends, flags, model and cwd, counts."""
+
+import json
+import sqlite3
+
+from hermes_state_common import SessionInputTypeError, SessionRowError
+from test_support import StoreTestCase, backdate
+
+
+class SessionTestCase(StoreTestCase):
+
+    def row(self, session_id):
+        found = self.raw(self.path).execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        return None if found is None else dict(found)
+
+    def prompts(self):
+        return [row[0] for row in self.raw(self.path).execute("SELECT prompt FROM system_prompts ORDER BY prompt")]
+
+    def sql(self, statement, params=()):
+        self.db._execute_write(lambda conn: conn.execute(statement, params))
+
+
+class CreateSession(SessionTestCase):
+
+    def test_a_new_session_stores_every_keyword_and_its_prompt_once(self):
+        self.db.create_session("s", "telegram", model="m", model_config={"k": "é"}, system_prompt="be brief",
+                               user_id="u", session_key="sk", chat_id="c", chat_type="dm", thread_id="t",
+                               cwd="/w", profile_name="p", git_repo_root="/w", origin_json='{"o": 1}',
+                               display_name="d")
+        row = self.row("s")
+        self.assertEqual(row["model_config"], '{"k": "\\u00e9"}')
+        self.assertIsNone(row["system_prompt"])
+        self.assertEqual(self.db.get_session("s")["system_prompt"], "be brief")
+        self.assertEqual([row[k] for k in ("source", "user_id", "session_key", "chat_id", "chat_type", "thread_id",
+                                           "cwd", "profile_name", "git_repo_root", "origin_json", "display_name")],
+                         ["telegram", "u", "sk", "c", "dm", "t", "/w", "p", "/w", '{"o": 1}', "d"])
+        self.assertEqual(self.prompts(), ["be brief"])
+
+    def test_an_empty_model_config_is_stored_as_null(self):
+        self.db.create_session("s", "cli", model_config={})
+        self.assertIsNone(self.row("s")["model_config"])
+
+    def test_an_existing_id_gains_only_what_it_still_lacks(self):
+        self.db.create_session("s", "telegram", user_id="u1")
+        self.db.create_session("s", "cli", model="m", user_id="u2", cwd="/w", system_prompt="first")
+        self.db.create_session("s", "other", model="m2", cwd="/z", model_config={"b": 2}, system_prompt="second")
+        row = self.row("s")
+        self.assertEqual((row["source"], row["user_id"], row["model"], row["cwd"]), ("telegram", "u1", "m", "/w"))
+        self.assertEqual(row["model_config"], '{"b": 2}')
+        self.assertEqual(self.db.get_session("s")["system_prompt"], "first")
+        self.assertEqual(self.prompts(), ["first"])
+
+    def test_a_config_made_at_a_reset_joins_the_real_config(self):
+        self.db.create_session("p", "cli")
+        self.db.create_session("r", "telegram", model_config={"_reset_from": "p"})
+        self.db.create_session("r", "telegram", model_config={"x": 1})
+        self.assertEqual(self.row("r")["model_config"], '{"x":1,"_reset_from":"p"}')
+        self.db.create_session("r2", "telegram", model_config={"_reset_from": "p", "k": 1})
+        self.db.create_session("r2", "telegram", model_config={"x": 1})
+        self.assertEqual(json.loads(self.row("r2")["model_config"]), {"_reset_from": "p", "k": 1})
+
+    def test_a_child_inherits_where_it_works_and_a_compression_child_its_routing(self):
+        self.db.create_session("p", "telegram", cwd="/repo", git_repo_root="/repo", profile_name="work",
+                               user_id="U", session_key="SK", chat_id="C", display_name="D")
+        self.sql("UPDATE sessions SET git_branch = 'main' WHERE id = 'p'")
+        self.db.create_session("fork", "cli", parent_session_id="p")
+        fork = self.row("fork")
+        self.assertEqual((fork["cwd"], fork["git_repo_root"], fork["git_branch"], fork["profile_name"]),
+                         ("/repo", "/repo", "main", "work"))
+        self.assertEqual((fork["user_id"], fork["session_key"]), (None, None))
+        self.db.end_session("p", "compression")
+        self.db.create_session("next", "cli", parent_session_id="p", cwd="/own")
+        child = self.row("next")
+        self.assertEqual((child["cwd"], child["user_id"], child["session_key"], child["chat_id"],
+                          child["display_name"]), ("/own", "U", "SK", "C", "D"))
+
+    def test_a_legacy_inline_prompt_is_read_and_replaced_by_a_hashed_one(self):
+        self.sql("INSERT INTO sessions (id, source, started_at, system_prompt) VALUES ('old', 'cli', 1, 'inline')")
+        self.assertEqual(self.db.get_session("old")["system_prompt"], "inline")
+        self.db.create_session("old", "cli", system_prompt="hashed")
+        self.assertIsNone(self.row("old")["system_prompt"])
+        self.assertEqual(self.db.get_session("old")["system_prompt"], "hashed")
+
+    def test_ensure_session_defaults_to_an_unknown_source(self):
+        self.assertEqual(self.db.ensure_session("e"), "e")
+        self.assertEqual(self.db.ensure_session("f", model="m", cwd="/x"), "f")
+        self.assertEqual((self.row("e")["source"], self.row("f")["model"], self.row("f")["cwd"]),
+                         ("unknown", "m", "/x"))
+
+    def test_bad_input_raises_hermes_agents_class_and_writes_nothing(self):
+        cases = [
+            (TypeError, ("s", "cli", "positional model"), {}),
+            (TypeError, ("s", "cli"), {"title": "not a create keyword"}),
+            (sqlite3.IntegrityError, ("s", None), {}),
+            (sqlite3.IntegrityError, ("s", "cli"), {"parent_session_id": "ghost"}),
+            (sqlite3.IntegrityError, (None, "cli"), {}),
+            (AttributeError, ("s", "cli"), {"system_prompt": 5}),
+            (TypeError, ("s", "cli"), {"model_config": {"x": {1, 2}}, "system_prompt": "p"}),
+        ]
+        for error, args, kwargs in cases:
+            with self.subTest(args=args, kwargs=kwargs), self.assertRaises(error):
+                self.db.create_session(*args, **kwargs)
+        self.assertIsInstance(SessionRowError("x"), ValueError)
+        self.assertIsInstance(SessionInputTypeError("x"), ValueError)
+        self.assertEqual(self.db.session_count(include_archived=True), 0)
+        self.assertEqual(self.prompts(), [])
+
+    def test_an_id_too_long_for_the_store_names_the_limit(self):
+        with self.assertRaisesRegex(SessionRowError, "300 characters; the limit is 256"):
+            self.db.create_session("x" * 300, "cli")
+
+
+class SystemPrompt(SessionTestCase):
+
+    def test_update_replaces_the_prompt_and_drops_the_unused_one(self):
+        self.db.create_session("s", "cli", system_prompt="one")
+        self.db.create_session("t", "cli", system_prompt="one")
+        self.db.update_system_prompt("s", "two")
+        self.assertEqual((self.db.get_session("s")["system_prompt"], self.db.get_session("t")["system_prompt"]),
+                         ("two", "one"))
+        self.db.update_system_prompt("t", None)
+        self.assertIsNone(self.db.get_session("t")["system_prompt"])
+        self.assertEqual(self.prompts(), ["two"])
+
+    def test_an_unknown_session_or_a_bad_prompt_writes_nothing(self):
+        self.db.update_system_prompt("ghost", "orphan")
+        self.db.create_session("s", "cli", system_prompt="kept")
+        with self.assertRaises(AttributeError):
+            self.db.update_system_prompt("s", 5)
+        self.assertEqual(self.prompts(), ["kept"])
+        self.assertIsNone(self.db.get_session("ghost"))
+
+
+class EndAndReopen(SessionTestCase):
+
+    def test_the_first_end_wins_until_reopened(self):
+        self.db.create_session("s", "cli")
+        self.assertIsNone(self.db.end_session("s", "compression"))
+        self.db.end_session("s", "user_exit")
+        self.assertEqual(self.row("s")["end_reason"], "compression")
+        self.assertIsNone(self.db.reopen_session("s"))
+        self.assertEqual((self.row("s")["ended_at"], self.row("s")["end_reason"]), (None, None))
+        self.db.end_session("s", "user_exit")
+        self.assertEqual(self.row("s")["end_reason"], "user_exit")
+
+    def test_reopening_a_reset_marks_the_children_that_rode_its_routing_key(self):
+        self.db.create_session("p", "telegram", session_key="K")
+        self.db.create_session("same", "telegram", session_key="K", parent_session_id="p")
+        self.db.create_session("marked", "telegram", session_key="K", parent_session_id="p",
+                               model_config={"_reset_from": "elsewhere"})
+        self.db.create_session("other", "telegram", session_key="L", parent_session_id="p")
+        self.db.end_session("p", "session_reset")
+        self.db.reopen_session("p")
+        self.assertEqual(self.row("same")["model_config"], '{"_reset_from":"p"}')
+        self.assertEqual(json.loads(self.row("marked")["model_config"]), {"_reset_from": "elsewhere"})
+        self.assertIsNone(self.row("other")["model_config"])
+
+
+class ChainFlags(SessionTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.db.create_session("a", "cli")
+        self.db.end_session("a", "compression")
+        self.db.create_session("b", "cli", parent_session_id="a")
+        self.db.create_session("fork", "cli", parent_session_id="b")
+        self.db.create_session("lone", "cli")
+
+    def flags(self, column):
+        return {row[0]: row[1] for row in self.raw(self.path).execute(f"SELECT id, {column} FROM sessions")}
+
+    def test_each_flag_covers_the_whole_compression_chain_and_nothing_else(self):
+        for setter, column in ((self.db.set_session_archived, "archived"), (self.db.set_session_pinned, "pinned"),
+                               (self.db.set_session_hidden, "hidden")):
+            with self.subTest(column=column):
+                self.assertTrue(setter("b", True))
+                self.assertEqual(self.flags(column), {"a": 1, "b": 1, "fork": 0, "lone": 0})
+                self.assertTrue(setter("a", False))
+                self.assertEqual(set(self.flags(column).values()), {0})
+                self.assertFalse(setter("ghost", True))
+
+    def test_read_is_a_watermark_and_unread_is_zero(self):
+        self.assertTrue(self.db.set_session_read("a"))
+        read = self.flags("last_read_at")
+        self.assertGreater(read["b"], 0)
+        self.assertIsNone(read["lone"])
+        self.db.set_session_read("b", read=False)
+        self.assertEqual((self.flags("last_read_at")["a"], self.flags("last_read_at")["b"]), (0.0, 0.0))
+
+
+class ModelAndCwd(SessionTestCase):
+
+    def test_a_model_switch_keeps_lineage_markers_and_drops_the_prompt(self):
+        self.db.create_session("s", "cli", model="m0", system_prompt="for m0",
+                               model_config={"browser_model_lock": {"x": 1}, "_branched_from": "q"})
+        self.db.update_session_model("s", "m1", provider="p1")
+        row = self.row("s")
+        self.assertEqual(row["model"], "m1")
+        self.assertEqual(json.loads(row["model_config"]), {"_branched_from": "q", "model": "m1", "provider": "p1"})
+        self.assertEqual((row["system_prompt_hash"], self.prompts()), (None, []))
+        self.db.update_session_model("ghost", "m")
+        self.assertIsNone(self.row("ghost"))
+
+    def test_update_session_meta_replaces_the_config_and_keeps_the_model_unless_given(self):
+        self.db.create_session("s", "cli", model="m0")
+        self.db.update_session_meta("s", '{"z": 1}')
+        self.assertEqual((self.row("s")["model"], self.row("s")["model_config"]), ("m0", '{"z": 1}'))
+        self.db.update_session_meta("s", None, model="m1")
+        self.assertEqual((self.row("s")["model"], self.row("s")["model_config"]), ("m1", None))
+
+    def test_a_config_patch_merges_and_a_none_value_removes_its_key(self):
+        self.db.create_session("s", "cli", model_config={"a": 1, "b": 2})
+        self.db.patch_session_model_config("s", {"a": None, "c": [1]})
+        self.assertEqual(json.loads(self.row("s")["model_config"]), {"b": 2, "c": [1]})
+        self.db.patch_session_model_config("s", {"b": None, "c": None})
+        self.assertIsNone(self.row("s")["model_config"])
+        self.db.patch_session_model_config("ghost", {"a": 1})
+        self.assertIsNone(self.row("ghost"))
+
+    def test_git_metadata_lands_only_for_the_current_cwd_claim(self):
+        self.db.create_session("s", "cli")
+        first = self.db.update_session_cwd("s", "/w")
+        self.assertTrue(self.db.publish_session_git_metadata("s", "/w", first, "main", "/w"))
+        self.assertFalse(self.db.publish_session_git_metadata("s", "/w", first + 1, "stale"))
+        self.assertFalse(self.db.publish_session_git_metadata("s", "/w", True, "bool is no generation"))
+        self.assertFalse(self.db.publish_session_git_metadata("s", "/w", first, " ", ""))
+        self.db.update_session_cwd("s", "/v")
+        self.assertFalse(self.db.publish_session_git_metadata("s", "/w", first, "late"))
+        self.assertEqual((self.row("s")["git_branch"], self.row("s")["git_repo_root"]), (None, None))
+
+    def test_each_cwd_claim_gets_a_new_generation_and_a_move_replaces_git_metadata(self):
+        self.db.create_session("s", "cli")
+        self.assertEqual(self.db.update_session_cwd("s", "/w", git_branch=" main ", git_repo_root="/w"), 1)
+        self.assertEqual(self.db.update_session_cwd("s", "/w", git_branch=""), 2)
+        self.assertEqual((self.row("s")["git_branch"], self.row("s")["git_repo_root"]), ("main", "/w"))
+        self.assertEqual(self.db.update_session_cwd("s", "/v"), 3)
+        self.assertEqual((self.row("s")["cwd"], self.row("s")["git_branch"], self.row("s")["git_repo_root"]),
+                         ("/v", None, None))
+        self.db.update_session_cwd("s", "/v", git_branch="dev", replace_git_meta=True)
+        self.assertEqual((self.row("s")["git_branch"], self.row("s")["git_repo_root"]), ("dev", None))
+        self.assertIsNone(self.db.update_session_cwd("ghost", "/v"))
+        self.assertIsNone(self.db.update_session_cwd("s", ""))
+        self.assertEqual(self.row("s")["git_metadata_generation"], 4)
+
+
+class Counting(SessionTestCase):
+
+    def test_session_count_filters_as_hermes_agent_does(self):
+        self.db.create_session("root", "cli", cwd="/repo/app")
+        self.db.create_session("near", "telegram", cwd="/repoX")
+        self.db.create_session("under", "cli", cwd="/rep_o/x")
+        self.db.end_session("root", "compression")
+        self.db.create_session("cont", "cli", parent_session_id="root")
+        self.db.create_session("sub", "cli", parent_session_id="cont", model_config={"_delegate_from": "cont"})
+        self.db.create_session("br", "cli", parent_session_id="cont", model_config={"_branched_from": "cont"})
+        self.db.create_session("gw", "telegram", session_key="K")
+        self.db.end_session("gw", "idle")
+        self.db.create_session("reset", "telegram", session_key="K", parent_session_id="gw")
+        self.db.append_message("cont", "user", "hello")
+        self.db.set_session_archived("near", True)
+        count = self.db.session_count
+        self.assertEqual(count(), 7)
+        self.assertEqual(count(include_archived=True), 8)
+        self.assertEqual(count(archived_only=True), 1)
+        self.assertEqual(count(source="telegram", include_archived=True), 3)
+        self.assertEqual(count(sources=["cli", "telegram"]), 7)
+        self.assertEqual(count(exclude_sources=["cli"]), 2)
+        self.assertEqual(count(cwd_prefix="/repo/"), 4)  # the root and the three children that inherit its cwd
+        self.assertEqual(count(cwd_prefix="/rep_o"), 1)
+        self.assertEqual(count(min_message_count=1), 1)
+        self.assertEqual(count(exclude_children=True), 5)
+
+    def test_counts_by_source_and_at_least_n(self):
+        for session_id, source in (("a", "cli"), ("b", ""), ("c", "telegram"), ("d", "telegram")):
+            self.db.create_session(session_id, source)
+        self.db.end_session("a", "compression")
+        self.db.create_session("a2", "cli", parent_session_id="a")
+        self.db.set_session_archived("d", True)
+        self.assertEqual(list(self.db.session_count_by_source().items()), [("cli", 3), ("telegram", 1)])
+        self.assertEqual(self.db.session_count_by_source(exclude_children=True, include_archived=True),
+                         {"cli": 2, "telegram": 2})
+        self.assertEqual(self.db.session_count_by_source(archived_only=True), {"telegram": 1})
+        self.assertEqual([self.db.session_count_ge(n) for n in (0, 5, 6)], [True, True, False])
+
+    def test_resolve_session_id_takes_hermes_agents_keyword(self):
+        self.db.create_session("20260101_abc", "cli")
+        backdate(self.db, "20260101_abc", 1)
+        self.assertEqual(self.db.resolve_session_id(session_id_or_prefix="2026"), "20260101_abc")
