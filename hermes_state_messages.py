@@ -339,28 +339,18 @@ class SessionMessagesMixin:
         return self._rows_to_conversation(rows, include_ancestors=include_ancestors,
                                           repair_alternation=repair_alternation, include_row_ids=include_row_ids)
 
-    def get_resume_conversations(self, session_id):
-        """(model history, display history) of a resume, both with `_row_id`s: the session's
-        active rows with alternation repaired, and the whole lineage (a branch's own rows
-        only) as include_ancestors shows it. ([], []) for an unknown session."""
-        rows = self._lineage_rows(session_id)
-        return (self._rows_to_conversation([row for row in rows if row["session_id"] == session_id],
-                                           repair_alternation=True, include_row_ids=True),
-                self._rows_to_conversation(rows, include_ancestors=True, include_row_ids=True))
-
     def get_ancestor_display_prefix(self, session_id):
-        """The ancestors' part of the resume display history (no row ids); [] for a
-        branch, a session without parent, or an unknown one."""
-        rows = [row for row in self._lineage_rows(session_id) if row["session_id"] != session_id]
-        return self._rows_to_conversation(rows, include_ancestors=True) if rows else []
-
-    def _lineage_rows(self, session_id):
-        """Active rows (CONVERSATION_ROW_COLUMNS and session_id) of the session's parent
-        chain, root first; of the session alone for a branch."""
-        session_ids = ([session_id] if self._is_explicit_branch_session(session_id)
-                       else self._session_lineage_root_to_tip(session_id))
-        return self._read_all(f"SELECT session_id, {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
-                              f"({placeholders(len(session_ids))}) AND active = 1 ORDER BY id", session_ids)
+        """The ancestors' part of a resume's display history (get_messages_as_conversation
+        with include_ancestors, without the session's own rows); [] for a branch, a
+        session without parent, or an unknown one."""
+        if self._is_explicit_branch_session(session_id):
+            return []
+        ancestors = self._session_lineage_root_to_tip(session_id)[:-1]
+        if not ancestors:
+            return []
+        rows = self._read_all(f"SELECT {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
+                              f"({placeholders(len(ancestors))}) AND active = 1 ORDER BY id", ancestors)
+        return self._rows_to_conversation(rows, include_ancestors=True)
 
     def _rows_to_conversation(self, rows, *, include_ancestors=False, repair_alternation=False,
                               include_row_ids=False):
@@ -396,13 +386,6 @@ class SessionMessagesMixin:
             return False
         config = _json_object(self._read_value("SELECT model_config FROM sessions WHERE id = ?", (session_id,)))
         return bool(config.get("_branched_from"))
-
-    def get_active_message_watermark(self, session_id):
-        """Id of the session's newest active message (what a compaction keeps rows after); 0 when none."""
-        if not session_id:
-            return 0
-        return int(self._read_value("SELECT COALESCE(MAX(id), 0) FROM messages WHERE session_id = ? AND active = 1",
-                                    (session_id,)))
 
     def get_messages_around(self, session_id, around_message_id, window=5):
         """{"window", "messages_before", "messages_after"}: the message `around_message_id`

@@ -477,14 +477,6 @@ class StampingTheLatestRow(MessageTestCase):
                 self.assertIs(stamp("s", role="assistant", **kwargs), False)
         self.assertIs(stamp("", role="assistant", content="same", display_kind="x"), False)
 
-    def test_the_watermark_is_the_newest_active_id(self):
-        ids = [self.db.append_message("s", "user", f"m{i}") for i in range(3)]
-        self.assertEqual(self.db.get_active_message_watermark("s"), ids[2])
-        self.db.rewind_to_message("s", ids[1])
-        self.assertEqual(self.db.get_active_message_watermark("s"), ids[0])
-        self.assertEqual((self.db.get_active_message_watermark("ghost"), self.db.get_active_message_watermark("")),
-                         (0, 0))
-
 
 class Reactions(MessageTestCase):
 
@@ -596,7 +588,7 @@ class Views(MessageTestCase):
         self.assertEqual(self.db.find_pr_url_messages([]), [])
 
 
-class ResumeViews(MessageTestCase):
+class AncestorPrefix(MessageTestCase):
 
     def setUp(self):
         super().setUp()
@@ -604,16 +596,8 @@ class ResumeViews(MessageTestCase):
             self.db.append_message("s", role, content)
         self.db.end_session("s", "compression")
         self.db.create_session("tip", "cli", parent_session_id="s")
-        self.tip = [self.db.append_message("tip", role, content) for role, content in
-                    (("user", "q2"), ("user", "q3"), ("assistant", "a3"))]
-
-    def test_resume_gives_the_repaired_tip_and_the_whole_lineage_with_row_ids(self):
-        model, display = self.db.get_resume_conversations("tip")
-        self.assertEqual([(m["content"], m["_row_id"]) for m in model],
-                         [("q2\n\nq3", self.tip[0]), ("a3", self.tip[2])])
-        self.assertEqual([m["content"] for m in display], ["q1", "a1", "q2", "q3", "a3"])  # the replayed q2 once
-        self.assertTrue(all("_row_id" in m for m in display))
-        self.assertEqual(self.db.get_resume_conversations("ghost"), ([], []))
+        for role, content in (("user", "q2"), ("user", "q3"), ("assistant", "a3")):
+            self.db.append_message("tip", role, content)
 
     def test_the_ancestor_prefix_is_the_lineage_before_the_tip(self):
         self.assertEqual([(m["content"], "_row_id" in m) for m in self.db.get_ancestor_display_prefix("tip")],
@@ -623,7 +607,6 @@ class ResumeViews(MessageTestCase):
         for session_id in ("s", "branch", "ghost"):
             with self.subTest(session_id=session_id):
                 self.assertEqual(self.db.get_ancestor_display_prefix(session_id), [])
-        self.assertEqual([m["content"] for m in self.db.get_resume_conversations("branch")[1]], ["b"])
 
 
 class RecentUserTurns(MessageTestCase):
