@@ -1,5 +1,7 @@
 """The transcript: append (one, a batch, a whole replacement), read back, the
-chat-API conversation, rewind and restore, and the turn-lease check of a write.
+chat-API conversation, rewind and restore, and the turn-lease check of a write;
+reactions, the stamps on a turn's latest row, the windows session_search reads,
+the ancestor prefix of a resume and the recent user turns /undo picks from.
 
 Owns message rows and the session counters that move with them in the same
 transaction. Relies on SessionDB's write and read paths; the search indexes
@@ -19,11 +21,11 @@ from hermes_state_common import (
     CONVERSATION_ROW_COLUMNS,
     COUNT_ALL_MESSAGES_SQL,
     INSERT_MESSAGE_SQL,
+    PREVIEW_CHARS,
     SELECT_MESSAGES_SQL,
     SET_MESSAGE_COUNTS_SQL,
     CompressionSessionClosedError,
     SessionTurnLeaseLostError,
-    PREVIEW_CHARS,
     UnknownSessionError,
     chunked,
     decode_content,
