@@ -897,6 +897,66 @@ def decode_message(row):
     return message
 
 
+# How hermes-agent shows a user turn: a /skill turn embeds the whole skill body
+# after this prefix, and a compaction handoff is stored as a user turn too.
+SKILL_SCAFFOLD_PREFIX = "[IMPORTANT: The user has invoked the "
+# Joins the head and tail of a long scaffolded excerpt; a description stops there.
+SKILL_EXCERPT_JOINT = "\x1e"
+_SKILL_NAME = re.compile(re.escape(SKILL_SCAFFOLD_PREFIX) + r'"([^"]*)"')
+# (marker of the scaffold's kind, where the typed instruction starts, where it
+# ends, which occurrence counts): a bundle puts it first, a single skill last.
+_SKILL_INSTRUCTION_SPANS = (
+    (" skill bundle,", "\nUser instruction: ", "\n\n[Loaded as part of the ", str.find),
+    ("The full skill content is loaded below.]",
+     "The user has provided the following instruction alongside the skill invocation: ",
+     "\n\n[Runtime note:", str.rfind),
+)
+# Every handoff text hermes-agent's compaction has written starts with one of these;
+# a merged handoff carries it after the delimiter.
+_COMPACTION_SUMMARY_LEADS = (
+    "[CONTEXT COMPACTION — REFERENCE ONLY] Earlier turns were compacted into the summary below.",
+    "[CONTEXT SUMMARY]:")
+_MERGED_SUMMARY_DELIMITER = "[END OF PRIOR CONTEXT — COMPACTION SUMMARY BELOW]"
+
+
+def describe_skill_invocation(content, separator=" — "):
+    """A /skill turn as the user typed it: "/work — fix it", or "/work" when bare;
+    None when `content` is not skill scaffolding."""
+    if not isinstance(content, str) or not content.startswith(SKILL_SCAFFOLD_PREFIX):
+        return None
+    match = _SKILL_NAME.match(content)
+    name, instruction = (match.group(1).strip() if match else ""), ""
+    for marker, start, end, locate in _SKILL_INSTRUCTION_SPANS:
+        if marker in content:
+            at = locate(content, start)
+            instruction = content[at + len(start):].split(end)[0] if at >= 0 else ""
+            break
+    instruction = " ".join(instruction.split(SKILL_EXCERPT_JOINT)[0].split())
+    label = name if name.startswith("/") else "/" + name
+    if instruction:
+        return f"{label}{separator}{instruction}" if name else instruction
+    return label if name else None
+
+
+def content_text(content):
+    """The text of a decoded content: the text parts of a multimodal list joined by newlines."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = (part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
+                 for part in content)
+        return "\n".join(part for part in parts if isinstance(part, str) and part)
+    return str(content)
+
+
+def is_compaction_summary(content):
+    """True for a compaction handoff, alone or merged after earlier turns' text."""
+    text = content_text(content).lstrip()
+    if _MERGED_SUMMARY_DELIMITER in text:
+        text = text.split(_MERGED_SUMMARY_DELIMITER, 1)[1].lstrip()
+    return text.startswith(_COMPACTION_SUMMARY_LEADS)
+
+
 # Characters a title never keeps: C0 controls other than whitespace, DEL,
 # zero-width and joiner characters, line/paragraph separators, bidi embeddings,
 # overrides and isolates, the BOM and the interlinear/object replacement marks.

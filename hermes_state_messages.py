@@ -1,5 +1,7 @@
 """The transcript: append (one, a batch, a whole replacement), read back, the
-chat-API conversation, rewind and restore, and the turn-lease check of a write.
+chat-API conversation, rewind and restore, and the turn-lease check of a write;
+reactions, the stamps on a turn's latest row, the windows session_search reads,
+the ancestor prefix of a resume and the recent user turns /undo picks from.
 
 Owns message rows and the session counters that move with them in the same
 transaction. Relies on SessionDB's write and read paths; the search indexes
@@ -15,24 +17,28 @@ import time
 
 from hermes_state_common import (
     BUMP_MESSAGE_COUNTS_SQL,
+    chunked,
     COMPRESSION_END_REASON,
+    CompressionSessionClosedError,
     CONVERSATION_ROW_COLUMNS,
     COUNT_ALL_MESSAGES_SQL,
-    INSERT_MESSAGE_SQL,
-    LINEAGE_MAX_HOPS,
-    SELECT_MESSAGES_SQL,
-    SET_MESSAGE_COUNTS_SQL,
-    CompressionSessionClosedError,
     decode_content,
     decode_display_metadata,
     decode_message,
+    describe_skill_invocation,
     encode_content,
+    INSERT_MESSAGE_SQL,
+    is_compaction_summary,
     is_fork_child,
     json_object,
+    LINEAGE_MAX_HOPS,
     loads_or,
     placeholders,
+    PREVIEW_CHARS,
     scrub_surrogates,
+    SELECT_MESSAGES_SQL,
     SessionTurnLeaseLostError,
+    SET_MESSAGE_COUNTS_SQL,
     UnknownSessionError,
 )
 
@@ -136,6 +142,97 @@ class SessionMessagesMixin:
                                                   session_id))
 
         self._execute_write(write)
+
+    def set_latest_user_api_content(self, session_id, content, api_content):
+        """Store `api_content` on the session's newest active user message if its content
+        is `content`; returns the rows changed (0 when it is not, or there is none)."""
+        return self._update_rows(
+            "UPDATE messages SET api_content = ? WHERE id = (SELECT id FROM messages WHERE session_id = ? "
+            "AND role = 'user' AND active = 1 ORDER BY id DESC LIMIT 1) AND content IS ?",
+            (scrub_surrogates(api_content), session_id, encode_content(content)))
+
+    def set_latest_matching_message_display_kind(self, session_id, *, role, content, display_kind,
+                                                 display_metadata=None):
+        """Set display_kind and display_metadata (replaced, None clears it) on the newest
+        active `role` message whose content is `content`; False when there is none or
+        session_id, content or display_kind is empty."""
+        if not session_id or not content or not display_kind:
+            return False
+        return self._update_rows(
+            "UPDATE messages SET display_kind = ?, display_metadata = ? WHERE id = (SELECT id FROM messages "
+            "WHERE session_id = ? AND role = ? AND content = ? AND active = 1 ORDER BY id DESC LIMIT 1)",
+            (scrub_surrogates(display_kind), _display_metadata_text(display_metadata), session_id, role,
+             encode_content(content))) > 0
+
+    # -- reactions: kept in a message's display_metadata, so they travel with its row --
+
+    REACTIONS_METADATA_KEY = "reactions"
+
+    def set_message_reaction(self, session_id, message_row_id, emoji, *, author="user"):
+        """Give `author` the reaction `emoji` on message `message_row_id` (one per author:
+        the same emoji again, an empty one or None takes it back); returns the message's
+        reactions after the write, None when the message is not in the session."""
+        if not session_id or message_row_id is None:
+            return None
+
+        def write(conn):
+            row = conn.execute("SELECT display_metadata FROM messages WHERE id = ? AND session_id = ?",
+                               (message_row_id, session_id)).fetchone()
+            if row is None:
+                return None
+            meta = decode_display_metadata(row[0]) or {}
+            listed = meta.get(self.REACTIONS_METADATA_KEY)
+            listed = [r for r in listed if isinstance(r, dict)] if isinstance(listed, list) else []
+            previous = next((r for r in listed if r.get("author") == author), None)
+            reactions = [r for r in listed if r.get("author") != author]
+            if emoji and not (previous is not None and previous.get("emoji") == emoji):
+                reactions.append({"emoji": scrub_surrogates(emoji), "author": author, "at": time.time()})
+            if reactions:
+                meta[self.REACTIONS_METADATA_KEY] = reactions
+            else:
+                meta.pop(self.REACTIONS_METADATA_KEY, None)
+            conn.execute("UPDATE messages SET display_metadata = ? WHERE id = ?",
+                         (_display_metadata_text(meta), message_row_id))
+            return reactions
+
+        return self._execute_write(write)
+
+    def get_message_reactions(self, session_id, message_row_id):
+        """The reactions on message `message_row_id` of the session; [] when none."""
+        if not session_id or message_row_id is None:
+            return []
+        meta = decode_display_metadata(self._read_value(
+            "SELECT display_metadata FROM messages WHERE id = ? AND session_id = ?", (message_row_id, session_id)))
+        reactions = (meta or {}).get(self.REACTIONS_METADATA_KEY)
+        return [r for r in reactions if isinstance(r, dict)] if isinstance(reactions, list) else []
+
+    def take_unseen_reactions(self, session_id, *, author="user"):
+        """`author`'s reactions on active messages not taken before, oldest message first,
+        as {"row_id", "role", "emoji", "text"}; each is marked seen. [] when none."""
+        if not session_id:
+            return []
+
+        def write(conn):
+            taken = []
+            for row in conn.execute("SELECT id, role, content, display_metadata FROM messages WHERE session_id = ? "
+                                    "AND active = 1 AND display_metadata IS NOT NULL ORDER BY id",
+                                    (session_id,)).fetchall():
+                meta = decode_display_metadata(row["display_metadata"]) or {}
+                reactions = meta.get(self.REACTIONS_METADATA_KEY)
+                fresh = [r for r in reactions if isinstance(r, dict) and r.get("author") == author
+                         and not r.get("seen")] if isinstance(reactions, list) else []
+                if not fresh:
+                    continue
+                text = decode_content(row["content"])
+                for reaction in fresh:
+                    reaction["seen"] = True
+                    taken.append({"row_id": row["id"], "role": row["role"], "emoji": reaction.get("emoji") or "",
+                                  "text": text if isinstance(text, str) else ""})
+                conn.execute("UPDATE messages SET display_metadata = ? WHERE id = ?",
+                             (_display_metadata_text(meta), row["id"]))
+            return taken
+
+        return self._execute_write(write)
 
     def _insert_message_rows(self, conn, session_id, messages):
         """Inside a write: insert message dicts (read as append_messages_batch reads them)
@@ -246,6 +343,19 @@ class SessionMessagesMixin:
         return self._rows_to_conversation(rows, include_ancestors=include_ancestors,
                                           repair_alternation=repair_alternation, include_row_ids=include_row_ids)
 
+    def get_ancestor_display_prefix(self, session_id):
+        """The ancestors' part of a resume's display history (get_messages_as_conversation
+        with include_ancestors, without the session's own rows); [] for a branch, a
+        session without parent, or an unknown one."""
+        if self._is_explicit_branch_session(session_id):
+            return []
+        ancestors = self._session_lineage_root_to_tip(session_id)[:-1]
+        if not ancestors:
+            return []
+        rows = self._read_all(f"SELECT {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
+                              f"({placeholders(len(ancestors))}) AND active = 1 ORDER BY id", ancestors)
+        return self._rows_to_conversation(rows, include_ancestors=True)
+
     def _rows_to_conversation(self, rows, *, include_ancestors=False, repair_alternation=False,
                               include_row_ids=False):
         """Rows of CONVERSATION_ROW_COLUMNS (id order) as get_messages_as_conversation returns them."""
@@ -280,6 +390,80 @@ class SessionMessagesMixin:
             return False
         config = json_object(self._read_value("SELECT model_config FROM sessions WHERE id = ?", (session_id,)))
         return bool(config.get("_branched_from"))
+
+    def get_messages_around(self, session_id, around_message_id, window=5):
+        """{"window", "messages_before", "messages_after"}: the message `around_message_id`
+        with up to `window` messages of the session on each side (rewound ones too), as
+        get_messages rows in id order, and how many of each side it holds. An empty
+        window and zero counts when the message is not in the session."""
+        window = max(window, 0)
+        if self._read_one("SELECT 1 FROM messages WHERE id = ? AND session_id = ?",
+                          (around_message_id, session_id)) is None:
+            return {"window": [], "messages_before": 0, "messages_after": 0}
+        before = self._read_all("SELECT * FROM messages WHERE session_id = ? AND id <= ? ORDER BY id DESC LIMIT ?",
+                                (session_id, around_message_id, window + 1))
+        after = self._read_all("SELECT * FROM messages WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?",
+                               (session_id, around_message_id, window))
+        return {"window": [decode_message(row) for row in [*before[::-1], *after]],
+                "messages_before": max(0, len(before) - 1), "messages_after": len(after)}
+
+    def get_anchored_view(self, session_id, around_message_id, window=5, bookend=3,
+                          keep_roles=("user", "assistant")):
+        """get_messages_around's dict, its window cut to `keep_roles` (the anchor always
+        stays), plus "bookend_start"/"bookend_end": the session's first and last `bookend`
+        messages with text in `keep_roles` outside the window. `keep_roles=None` keeps
+        every role. All empty when the message is not in the session."""
+        view = self.get_messages_around(session_id, around_message_id, window=window)
+        rows, bookend = view["window"], max(bookend, 0)
+        view.update(bookend_start=[], bookend_end=[])
+        if not rows:
+            return view
+        if keep_roles is not None:
+            kept = set(keep_roles)
+            view["window"] = [m for m in rows if m.get("id") == around_message_id or m.get("role") in kept]
+        if bookend > 0:
+            roles = "" if keep_roles is None else f" AND role IN ({placeholders(len(keep_roles))})"
+            sql = f"SELECT * FROM messages WHERE session_id = ? AND id {{}} ?{roles} AND length(content) > 0 " \
+                  "ORDER BY id {} LIMIT ?"
+            for key, side, order, edge in (("bookend_start", "<", "", rows[0]), ("bookend_end", ">", "DESC", rows[-1])):
+                found = self._read_all(sql.format(side, order), (session_id, edge["id"], *(keep_roles or ()), bookend))
+                view[key] = [decode_message(row) for row in (found[::-1] if order else found)]
+        return view
+
+    def list_recent_user_messages(self, session_id, limit=20, include_inactive=False):
+        """The session's newest `limit` user turns, newest first, as {"id", "timestamp",
+        "preview"}; [] when none. Rows with a display_kind and compaction handoffs are not
+        turns; the preview is the text (a /skill turn as typed), whitespace collapsed,
+        cut to 80 characters."""
+        rows = self._read_all("SELECT id, timestamp, content FROM messages WHERE session_id = ? AND role = 'user'"
+                              f"{'' if include_inactive else ' AND active = 1'} AND (display_kind IS NULL OR "
+                              "display_kind = '') ORDER BY id DESC LIMIT ?", (session_id, int(limit) * 2 + 5))
+        turns = []
+        for row in rows:
+            if len(turns) >= int(limit):
+                break
+            content = decode_content(row["content"])
+            if is_compaction_summary(content):
+                continue
+            if isinstance(content, list):
+                preview = " ".join(part.get("text", "") for part in content
+                                   if isinstance(part, dict) and part.get("type") == "text" and part.get("text"))
+                preview = preview.strip() or "[multimodal content]"
+            else:
+                preview = (describe_skill_invocation(content) or content) if isinstance(content, str) else ""
+            preview = " ".join(preview.split())
+            turns.append({"id": row["id"], "timestamp": row["timestamp"],
+                          "preview": preview[:PREVIEW_CHARS - 3] + "..." if len(preview) > PREVIEW_CHARS else preview})
+        return turns
+
+    def find_pr_url_messages(self, session_ids):
+        """Tool results of these sessions that mention "/pull/" (rewound ones too), oldest
+        first per chunk of 900 sessions, as {"session_id", "content"} with content as stored."""
+        return [{"session_id": row[0], "content": row[1]}
+                for chunk in chunked([sid for sid in session_ids if sid], 900)
+                for row in self._read_all(f"SELECT session_id, content FROM messages WHERE session_id IN "
+                                          f"({placeholders(len(chunk))}) AND role = 'tool' AND content LIKE "
+                                          "'%/pull/%' ORDER BY id", chunk)]
 
     def message_count(self, session_id=None):
         """Messages stored in one session, or in the whole store when `session_id` is empty;

@@ -443,3 +443,207 @@ class SmallReads(MessageTestCase):
         self.db.rewind_to_message("s", ids[0])
         self.assertIsNone(self.db.get_message_role("s", ids[1]))  # inactive
         self.assertTrue(self.db.has_platform_message_id("s", "p1"))  # inactive rows still count
+
+
+class StampingTheLatestRow(MessageTestCase):
+
+    def test_api_content_lands_only_on_the_newest_active_user_row_with_that_content(self):
+        first = self.db.append_message("s", "user", "question")
+        parts = [{"type": "text", "text": "look"}]
+        second = self.db.append_message("s", "user", parts)
+        self.assertEqual(self.db.set_latest_user_api_content("s", "question", "sent"), 0)  # not the newest
+        self.assertEqual(self.db.set_latest_user_api_content("s", parts, "sent \ud800"), 1)
+        self.assertEqual([tuple(row) for row in self.stored(column="id, api_content")],
+                         [(first, None), (second, "sent \ufffd")])
+        self.db.rewind_to_message("s", second)
+        self.assertEqual(self.db.set_latest_user_api_content("s", "question", "again"), 1)
+        self.assertEqual((self.db.set_latest_user_api_content("ghost", "question", "x"),
+                          self.db.set_latest_user_api_content(None, "question", "x")), (0, 0))
+
+    def test_display_kind_goes_on_the_newest_active_match_and_replaces_its_metadata(self):
+        older = self.db.append_message("s", "assistant", "same", display_metadata={"old": 1})
+        newer = self.db.append_message("s", "assistant", "same", display_metadata={"old": 2})
+        self.db.append_message("s", "user", "same")
+        stamp = self.db.set_latest_matching_message_display_kind
+        self.assertIs(stamp("s", role="assistant", content="same", display_kind="note"), True)
+        rows = {row["id"]: row for row in self.stored()}
+        self.assertEqual((rows[newer]["display_kind"], rows[newer]["display_metadata"]), ("note", None))
+        self.assertEqual(rows[older]["display_metadata"], '{"old": 1}')
+        self.assertIs(stamp("s", role="assistant", content="same", display_kind="n", display_metadata='{"k": 1}'), True)
+        self.assertEqual(self.stored()[1]["display_metadata"], '{"k": 1}')
+        for kwargs in (dict(content="", display_kind="x"), dict(content="same", display_kind=""),
+                       dict(content="other", display_kind="x")):
+            with self.subTest(**kwargs):
+                self.assertIs(stamp("s", role="assistant", **kwargs), False)
+        self.assertIs(stamp("", role="assistant", content="same", display_kind="x"), False)
+
+
+class Reactions(MessageTestCase):
+
+    def test_one_reaction_per_author_toggled_replaced_and_cleared(self):
+        row = self.db.append_message("s", "assistant", "answer", display_metadata={"keep": True})
+        react = self.db.set_message_reaction
+
+        def emojis(reactions):
+            return [(r["author"], r["emoji"]) for r in reactions]
+
+        self.assertEqual(emojis(react("s", row, "👍")), [("user", "👍")])
+        self.assertEqual(emojis(react("s", row, "❤", author="bot")), [("user", "👍"), ("bot", "❤")])
+        self.assertEqual(emojis(react("s", row, "🔥")), [("bot", "❤"), ("user", "🔥")])
+        self.assertEqual(emojis(react("s", row, "🔥")), [("bot", "❤")])  # the same emoji again takes it back
+        self.assertEqual(emojis(react("s", row, None, author="bot")), [])
+        self.assertEqual(json.loads(self.stored()[0]["display_metadata"]), {"keep": True})
+        self.assertEqual(emojis(react("s", str(row), "😀")), [("user", "😀")])
+        self.assertIsInstance(self.db.get_message_reactions("s", row)[0]["at"], float)
+        self.assertEqual(react("s", row, ""), [])
+        self.db.create_session("other", "cli")
+        for args in (("other", row, "x"), ("s", 999, "x"), ("", row, "x"), ("s", None, "x")):
+            with self.subTest(args=args):
+                self.assertIsNone(react(*args))
+        self.assertEqual((self.db.get_message_reactions("other", row), self.db.get_message_reactions("s", None)),
+                         ([], []))
+
+    def test_unseen_reactions_are_taken_once_in_message_order(self):
+        first = self.db.append_message("s", "user", "question")
+        second = self.db.append_message("s", "assistant", [{"type": "text", "text": "parts"}])
+        rewound = self.db.append_message("s", "user", "withdrawn")
+        for row, emoji, author in ((second, "👍", "user"), (first, "❤", "user"), (first, "🤖", "bot"),
+                                   (rewound, "👎", "user")):
+            self.db.set_message_reaction("s", row, emoji, author=author)
+        self.db.rewind_to_message("s", rewound)
+        self.assertEqual(self.db.take_unseen_reactions("s"), [
+            {"row_id": first, "role": "user", "emoji": "❤", "text": "question"},
+            {"row_id": second, "role": "assistant", "emoji": "👍", "text": ""}])
+        self.assertEqual(self.db.take_unseen_reactions("s"), [])
+        self.assertEqual([r["emoji"] for r in self.db.take_unseen_reactions("s", author="bot")], ["🤖"])
+        self.assertTrue(all(r["seen"] for r in self.db.get_message_reactions("s", first)))
+        self.db.set_message_reaction("s", first, "🎉")  # a new reaction is unseen again
+        self.assertEqual([r["emoji"] for r in self.db.take_unseen_reactions("s")], ["🎉"])
+        self.assertEqual((self.db.take_unseen_reactions(""), self.db.take_unseen_reactions("ghost")), ([], []))
+
+    def test_odd_stored_metadata_is_read_as_hermes_agent_reads_it(self):
+        ids = [self.db.append_message("s", "user", f"m{i}") for i in range(4)]
+        conn = self.raw(self.path)
+        for row, raw in zip(ids, (json.dumps(json.dumps({"reactions": [{"emoji": "A", "author": "user"}]})),
+                                  "not json", json.dumps({"reactions": "nope"}),
+                                  json.dumps({"reactions": [1, {"emoji": "B", "author": "user"}]}))):
+            conn.execute("UPDATE messages SET display_metadata = ? WHERE id = ?", (raw, row))
+        conn.commit()
+        self.assertEqual([(r["row_id"], r["emoji"]) for r in self.db.take_unseen_reactions("s")],
+                         [(ids[0], "A"), (ids[3], "B")])
+        self.assertEqual(json.loads(self.stored()[0]["display_metadata"]),  # unwrapped when rewritten
+                         {"reactions": [{"emoji": "A", "author": "user", "seen": True}]})
+        self.assertEqual([r["emoji"] for r in self.db.set_message_reaction("s", ids[1], "C")], ["C"])
+        self.assertEqual(self.db.set_message_reaction("s", ids[3], "B"), [])  # the junk entry is dropped
+
+
+class Views(MessageTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.ids = [self.db.append_message("s", role, content, tool_calls=CALL if content is None else None,
+                                           tool_call_id="call_1" if role == "tool" else None)
+                    for role, content in (("user", "opening"), ("assistant", None), ("tool", "out /pull/7"),
+                                          ("assistant", "a1"), ("user", "q2"), ("assistant", "a2"),
+                                          ("user", "q3"), ("assistant", "closing"))]
+
+    def test_messages_around_an_anchor_count_both_sides_rewound_rows_included(self):
+        ids = self.ids
+        view = self.db.get_messages_around("s", ids[3], window=2)
+        self.assertEqual([m["id"] for m in view["window"]], ids[1:6])
+        self.assertEqual((view["messages_before"], view["messages_after"]), (2, 2))
+        self.assertEqual(view["window"][0]["tool_calls"], CALL)
+        edge = self.db.get_messages_around("s", ids[1], window=5)
+        self.assertEqual((len(edge["window"]), edge["messages_before"], edge["messages_after"]), (7, 1, 5))
+        self.assertEqual([m["id"] for m in self.db.get_messages_around("s", ids[3], window=-4)["window"]], [ids[3]])
+        self.db.rewind_to_message("s", ids[6])
+        self.assertEqual(self.db.get_messages_around("s", ids[7], 1)["window"][-1]["active"], 0)
+        empty = {"window": [], "messages_before": 0, "messages_after": 0}
+        self.db.create_session("other", "cli")
+        self.assertEqual((self.db.get_messages_around("other", ids[3]), self.db.get_messages_around("s", 999)),
+                         (empty, empty))
+
+    def test_the_anchored_view_filters_the_window_and_adds_bookends_outside_it(self):
+        ids = self.ids
+        view = self.db.get_anchored_view("s", ids[2], window=1, bookend=3)
+        self.assertEqual([m["id"] for m in view["window"]], ids[1:4])  # the tool anchor stays
+        self.assertEqual([m["content"] for m in view["bookend_start"]], ["opening"])
+        self.assertEqual([m["content"] for m in view["bookend_end"]], ["a2", "q3", "closing"])
+        self.assertEqual((view["messages_before"], view["messages_after"]), (1, 1))
+        raw = self.db.get_anchored_view("s", ids[5], window=1, bookend=10, keep_roles=None)
+        self.assertEqual([m["id"] for m in raw["window"]], ids[4:7])
+        self.assertEqual([m["id"] for m in raw["bookend_start"]], [ids[0], ids[2], ids[3]])  # needs text
+        self.assertEqual(self.db.get_anchored_view("s", ids[3], bookend=-1)["bookend_end"], [])
+        self.assertEqual(self.db.get_anchored_view("s", 999), {"window": [], "messages_before": 0,
+                                                               "messages_after": 0, "bookend_start": [],
+                                                               "bookend_end": []})
+
+    def test_pr_urls_are_found_in_tool_results_of_the_given_sessions(self):
+        self.db.create_session("t", "cli")
+        self.db.append_message("t", "tool", "https://x/PULL/9")
+        self.db.append_message("t", "user", "/pull/ in a user turn")
+        self.assertEqual(self.db.find_pr_url_messages(["t", "", None, "s", "ghost"]),
+                         [{"session_id": "s", "content": "out /pull/7"},
+                          {"session_id": "t", "content": "https://x/PULL/9"}])
+        self.assertEqual(self.db.find_pr_url_messages([]), [])
+
+
+class AncestorPrefix(MessageTestCase):
+
+    def setUp(self):
+        super().setUp()
+        for role, content in (("user", "q1"), ("assistant", "a1"), ("user", "q2")):
+            self.db.append_message("s", role, content)
+        self.db.end_session("s", "compression")
+        self.db.create_session("tip", "cli", parent_session_id="s")
+        for role, content in (("user", "q2"), ("user", "q3"), ("assistant", "a3")):
+            self.db.append_message("tip", role, content)
+
+    def test_the_ancestor_prefix_is_the_lineage_before_the_tip(self):
+        self.assertEqual([(m["content"], "_row_id" in m) for m in self.db.get_ancestor_display_prefix("tip")],
+                         [("q1", False), ("a1", False), ("q2", False)])
+        self.db.create_session("branch", "cli", parent_session_id="tip", model_config={"_branched_from": "tip"})
+        self.db.append_message("branch", "user", "b")
+        for session_id in ("s", "branch", "ghost"):
+            with self.subTest(session_id=session_id):
+                self.assertEqual(self.db.get_ancestor_display_prefix(session_id), [])
+
+
+class RecentUserTurns(MessageTestCase):
+
+    SKILL = ('[IMPORTANT: The user has invoked the "work" skill. The full skill content is loaded below.]\n\nbody\n\n'
+             'The user has provided the following instruction alongside the skill invocation: fix  the\nleak'
+             '\n\n[Runtime note: x]')
+
+    def test_previews_are_the_users_turns_newest_first(self):
+        summary = ("[CONTEXT COMPACTION — REFERENCE ONLY] Earlier turns were compacted into the summary below. "
+                   "And so on.")
+        merged = "prior [END OF PRIOR CONTEXT — COMPACTION SUMMARY BELOW]\n[CONTEXT SUMMARY]: s"
+        parts = [{"type": "text", "text": " a "}, {"type": "text", "text": "b"}]
+        rows = [self.db.append_message("s", "user", content, display_kind=kind) for content, kind in (
+            ("first\n  line", None), (self.SKILL, None), (parts, None), ([{"type": "image_url"}], None),
+            (summary, None), (merged, None), ("switched model", "model_switch"), ("y" * 100, None))]
+        recent = self.db.list_recent_user_messages("s")
+        self.assertEqual([r["preview"] for r in recent],
+                         ["y" * 77 + "...", "[multimodal content]", "a b", "/work — fix the leak", "first line"])
+        self.assertEqual([r["id"] for r in recent], [rows[7], rows[3], rows[2], rows[1], rows[0]])
+        self.assertEqual(set(recent[0]), {"id", "timestamp", "preview"})
+        self.assertEqual(len(self.db.list_recent_user_messages("s", limit=2)), 2)
+        self.assertEqual(self.db.list_recent_user_messages("s", limit=0), [])
+        self.db.rewind_to_message("s", rows[7])
+        self.assertEqual(self.db.list_recent_user_messages("s", 1)[0]["id"], rows[3])
+        self.assertEqual(self.db.list_recent_user_messages("s", 1, include_inactive=True)[0]["id"], rows[7])
+
+
+class MessageText(MessageTestCase):
+
+    def test_skill_turns_are_described_as_typed(self):
+        from hermes_state_common import describe_skill_invocation
+        bundle = ('[IMPORTANT: The user has invoked the "/clean /work" skill bundle, loaded below.]\n'
+                  'User instruction: do both\n\n[Loaded as part of the bundle]\nbody')
+        bare = '[IMPORTANT: The user has invoked the "plan" skill. The full skill content is loaded below.]\n\nbody'
+        cut = RecentUserTurns.SKILL.replace("fix  the", "fix\x1ethe")
+        self.assertEqual([describe_skill_invocation(text) for text in (RecentUserTurns.SKILL, bundle, bare, cut)],
+                         ["/work — fix the leak", "/clean /work — do both", "/plan", "/work — fix"])
+        self.assertEqual(describe_skill_invocation(bundle, separator=" "), "/clean /work do both")
+        self.assertEqual([describe_skill_invocation(x) for x in ("plain", None, ["x"])], [None, None, None])
