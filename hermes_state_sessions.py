@@ -126,21 +126,6 @@ class SessionSessionsMixin:
     def set_session_pinned(self, session_id, pinned=True):
         return self._update_rows(SET_PINNED_SQL, (int(bool(pinned)), session_id)) > 0
 
-    def delete_session(self, session_id):
-        """Delete a session with its messages, usage and lock; its children become roots."""
-        return self._execute_write(lambda conn: self._delete_sessions_in(conn, [session_id])) > 0
-
-    def _delete_sessions_in(self, conn, session_ids):
-        """Inside a write: delete sessions with everything hanging off them; children
-        become roots. Returns how many. Maintenance's prune calls it too."""
-        deleted = 0
-        for chunk in chunked(session_ids):
-            marks = placeholders(len(chunk))
-            for template in SESSION_CASCADE_DELETE_SQL:
-                count = conn.execute(template.format(marks), chunk).rowcount
-            deleted += count
-        return deleted
-
     def list_sessions_rich(self, source=None, limit=20, offset=0, include_archived=False,
                            exclude_sources=None):
         """Sessions newest first, each with `preview` (first user message) and `last_active`."""
