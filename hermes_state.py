@@ -35,6 +35,7 @@ from pathlib import Path
 from hermes_constants import STATE_DB_FILENAME, get_default_db_path
 from hermes_state_common import (
     CHECKPOINT_PASSIVE_SQL,
+    DEFERRED_INDEX_SQL,
     JOURNAL_MODE_SQL,
     QUICK_CHECK_SQL,
     SELECT_META_PREFIX_SQL,
@@ -46,6 +47,16 @@ from hermes_state_common import (
     prefix_bounds,
     require_text,
     sqlite_has_wal_reset_bug,
+)
+from hermes_state_doctor import (
+    _backup_db_file,
+    _db_opens_cleanly,
+    _wal_reset_repair_hint,
+    collect_state_db_stats,
+    count_db_holders,
+    is_sqlite_wal_reset_vulnerable,
+    repair_state_db_schema,
+    sqlite_source_id,
 )
 from hermes_state_gateway import SessionGatewayMixin
 from hermes_state_maintenance import SessionMaintenanceMixin
