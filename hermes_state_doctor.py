@@ -27,6 +27,11 @@ import sys
 import time
 from pathlib import Path
 
+if sys.platform == "win32":
+    import msvcrt
+else:
+    import fcntl
+
 from hermes_state_common import (
     FILE_MODE,
     META_FTS_CJK_STALE,
@@ -437,29 +442,21 @@ def _exclusive(lock_path, wait):
         os.close(fd)
 
 
-if sys.platform == "win32":
-    import msvcrt
-
-    def _try_lock(fd):
-        try:
+def _try_lock(fd):
+    try:
+        if sys.platform == "win32":
             os.lseek(fd, 0, os.SEEK_SET)
             msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-            return True
-        except OSError:
-            return False
+        else:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
 
-    def _unlock(fd):
+
+def _unlock(fd):
+    if sys.platform == "win32":
         os.lseek(fd, 0, os.SEEK_SET)
         msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
-else:
-    import fcntl
-
-    def _try_lock(fd):
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except OSError:
-            return False
-
-    def _unlock(fd):
+    else:
         fcntl.flock(fd, fcntl.LOCK_UN)
