@@ -363,7 +363,8 @@ class SessionMaintenanceMixin:
         """[{session_id, content}] of the tool results in these sessions that mention '/pull/',
         oldest first per session; [] if none."""
         ids = [sid for sid in session_ids if sid]
-        return [{"session_id": row[0], "content": row[1]} for chunk in chunked(ids) for row in self._read_all(
+        # hermes-agent's chunks of 900, so that more ids than one chunk come back in the same order.
+        return [{"session_id": row[0], "content": row[1]} for chunk in chunked(ids, 900) for row in self._read_all(
             f"SELECT session_id, content FROM messages WHERE session_id IN ({placeholders(len(chunk))})"
             " AND role = 'tool' AND content LIKE '%/pull/%' ORDER BY id", chunk)]
 
