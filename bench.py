@@ -60,7 +60,7 @@ def agent_history(count, seed=7):
 def raw_row(session_id, message):
     """The row raw sqlite3 inserts: the same values append_message stores."""
     values = {column: None for column in INSERT_MESSAGE_SQL.split("(")[1].split(")")[0].split(", ")}
-    values.update(message, session_id=session_id, timestamp=time.time())
+    values.update(message, session_id=session_id, timestamp=time.time(), observed=0, active=1)
     if values["tool_calls"] is not None:
         values["tool_calls"] = json.dumps(values["tool_calls"], ensure_ascii=False)
     return tuple(values.values())

@@ -1,10 +1,13 @@
 """SessionDB: an AI agent's sessions and messages in one SQLite file.
 
-Owns the connections (one writer, a pool of readers), the journal policy,
-the write path (BEGIN IMMEDIATE with retry and jitter inside a time budget),
-self-repair of damaged files at open, close, the meta methods, whole-home
-backup and restore, and the class statement that composes the mixins.
-`python -m hermes_state` runs the command line in hermes_state_cli.
+Owns the connections (one writer, a pool of readers, and the `_conn`/`_lock`
+pair hermes-agent runs its own SQL through), the journal policy, the write
+path (BEGIN IMMEDIATE with retry and jitter inside a time budget), recording
+why an open failed, self-repair of damaged files at open, close, the meta
+methods, whole-home backup and restore, and the class statement that
+composes the mixins. `python -m hermes_state` runs the command line in
+hermes_state_cli. Never opens the store or its sidecars except through
+SQLite (README, "Locks we never break").
 
 The public API lives in the concern mixins (sessions, messages, titles,
 usage, gateway, maintenance, search, schema, portability); each imports only
@@ -15,13 +18,16 @@ This module never holds session or message logic of its own.
 import asyncio
 import atexit
 import contextvars
+import errno
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
 import queue
 import random
+import shutil
 import sqlite3
 import sys
 import tempfile
@@ -29,10 +35,11 @@ import threading
 import time
 import weakref
 import zipfile
+import zlib
 from collections import namedtuple
 from pathlib import Path
 
-from hermes_constants import STATE_DB_FILENAME, get_default_db_path
+from hermes_constants import get_hermes_home
 from hermes_state_common import (
     CHECKPOINT_PASSIVE_SQL,
     DEFERRED_INDEX_SQL,
@@ -43,7 +50,7 @@ from hermes_state_common import (
     SET_AUTOCHECKPOINT_SQL,
     SET_JOURNAL_MODE_SQL,
     SYNCHRONOUS_NORMAL_SQL,
-    _BARE_BILLING_PROVIDERS,
+    _set_last_init_error,
     prefix_bounds,
     require_text,
     sqlite_has_wal_reset_bug,
@@ -69,7 +76,37 @@ from hermes_state_telegram import SessionTelegramMixin
 from hermes_state_titles import SessionTitlesMixin
 from hermes_state_usage import SessionUsageMixin, TokenQueue, apply_token_batch
 
+# Names hermes-agent imports from this module although they live in another.
+from hermes_state_common import (  # noqa: F401
+    _BARE_BILLING_PROVIDERS,
+    classify_persistence_error,
+    CompressionSessionBusyError,
+    CompressionSessionClosedError,
+    format_session_db_unavailable,
+    get_last_init_error,
+    is_disk_full_error,
+    is_malformed_db_error,
+    PERSISTENCE_ERROR_CAUSES,
+    SessionCompressionInProgressError,
+    SessionTurnLeaseLostError,
+    _WAL_INCOMPAT_MARKERS,
+)
+
 logger = logging.getLogger("hermes_state")
+
+STATE_DB_FILENAME = "state.db"
+# hermes-agent's names for the default store: the path as the home was at import,
+# and the function that follows a home changed since (or a re-pointed constant).
+DEFAULT_DB_PATH = get_hermes_home() / STATE_DB_FILENAME
+_IMPORTED_DEFAULT_DB_PATH = DEFAULT_DB_PATH
+
+
+def _default_db_path():
+    """`<hermes home>/state.db` as of now; DEFAULT_DB_PATH instead if someone re-pointed it."""
+    if DEFAULT_DB_PATH != _IMPORTED_DEFAULT_DB_PATH:
+        return DEFAULT_DB_PATH
+    return get_hermes_home() / STATE_DB_FILENAME
+
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
@@ -87,6 +124,7 @@ LATE_JITTER = (0.25, 1.0)
 # throughput with four, against 0.85-0.89 when polling every 0.2-2 ms.
 FILE_LOCK_POLL = (0.001, 0.004)
 WRITER_BUSY_TIMEOUT = 0.1
+BUSY_TIMEOUT_SQL = "PRAGMA busy_timeout = {ms}"
 # With automatic checkpoints off, a PASSIVE checkpoint runs under the writer
 # lock every this many commits of one connection.
 CHECKPOINT_EVERY_COMMITS = 500
@@ -153,13 +191,17 @@ else:
 class WriterFileLock:
     """An exclusive lock on `<store>.lock` shared by every process using the store.
 
-    Reentrant for its owner (callers serialise their threads first); the OS
-    drops it when the process dies, so a killed writer never leaves it held.
+    The OS drops it when the process dies, so a killed writer never leaves it
+    held. Every WriterFileLock of one process on one file shares a single
+    descriptor, closed with the last of them: where flock is emulated with
+    fcntl locks (NFS, some Unixes), closing a second descriptor would drop the
+    lock the first one holds. Inside the process a threading lock decides who
+    goes next. Reentrant for its owner (callers serialise their threads first).
     """
 
     def __init__(self, path):
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        self._file = _attach_lock_file(self.path)
         self._depth = 0
 
     def acquire(self, deadline):
@@ -167,9 +209,12 @@ class WriterFileLock:
         if self._depth:
             self._depth += 1
             return True
-        while not _try_lock_fd(self._fd):
+        if not self._file.turn.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        while not _try_lock_fd(self._file.fd):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                self._file.turn.release()
                 return False
             time.sleep(min(remaining, random.uniform(*FILE_LOCK_POLL)))
         self._depth = 1
@@ -178,10 +223,198 @@ class WriterFileLock:
     def release(self):
         self._depth -= 1
         if self._depth == 0:
-            _unlock_fd(self._fd)
+            _unlock_fd(self._file.fd)
+            self._file.turn.release()
 
     def close(self):
-        os.close(self._fd)
+        if self._depth:
+            self._depth = 1
+            self.release()
+        _detach_lock_file(self._file)
+
+
+class _SharedLockFile:
+    """One descriptor of a lock file for the whole process, and whose turn it is."""
+
+    def __init__(self, fd, key):
+        self.fd, self.key, self.users, self.turn = fd, key, 0, threading.Lock()
+
+
+_lock_files = {}  # (st_dev, st_ino) -> _SharedLockFile
+_lock_files_guard = threading.Lock()
+
+
+def _attach_lock_file(path):
+    with _lock_files_guard:
+        shared = _lock_files.get(_file_key(path))
+        if shared is None:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+            stat = os.fstat(fd)
+            shared = _lock_files[(stat.st_dev, stat.st_ino)] = _SharedLockFile(fd, (stat.st_dev, stat.st_ino))
+        shared.users += 1
+        return shared
+
+
+def _detach_lock_file(shared):
+    with _lock_files_guard:
+        shared.users -= 1
+        if shared.users == 0:
+            if _lock_files.get(shared.key) is shared:  # a forked child forgot it already
+                del _lock_files[shared.key]
+            os.close(shared.fd)
+
+
+# ---------------------------------------------------------------------------
+# Locks we never break: our connections per file, and the one raw access
+# ---------------------------------------------------------------------------
+#
+# On POSIX, closing any descriptor of a file drops every fcntl lock this
+# process holds on it, the locks of SQLite's own connections included
+# (sqlite.org/howtocorrupt.html, 2.2). So the store and its sidecars are
+# opened by SQLite alone. The only exception is _raw_store_access, which runs
+# while this process holds no connection of ours to the file, and holds the
+# registry's lock from the check to the close so that none can open meanwhile.
+
+_held_files = {}  # (st_dev, st_ino) -> our open SQLite connections to that file
+_held_files_guard = threading.Lock()
+
+
+def _file_key(path):
+    """(st_dev, st_ino) of `path`, or None when there is no such file."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return (stat.st_dev, stat.st_ino)
+
+
+def _hold(path):
+    """Count one more connection of ours to `path`, before it opens; returns what _release takes."""
+    key = _file_key(path)
+    if key is not None:
+        with _held_files_guard:
+            _held_files[key] = _held_files.get(key, 0) + 1
+    return key
+
+
+def _release(key):
+    """Count one connection less, after it closed."""
+    with _held_files_guard:
+        left = _held_files.pop(key, 0) - 1
+        if left > 0:
+            _held_files[key] = left
+
+
+def _store_of(path):
+    """The store a sidecar path belongs to; a path that is no sidecar, unchanged."""
+    path = str(path)
+    return next((path[:-len(suffix)] for suffix in SIDECAR_SUFFIXES if path.endswith(suffix)), path)
+
+
+def _connections_held(path):
+    """How many SQLite connections this process holds to `path` (a store or one of its sidecars)."""
+    with _held_files_guard:
+        return sum(_held_files.get(_file_key(p), 0) for p in {str(path), _store_of(path)})
+
+
+def _forget_after_fork():
+    """A forked child holds none of its parent's fcntl locks, connections or lock-file turns."""
+    global _held_files_guard, _lock_files_guard, _set_aside_guard
+    _held_files.clear()
+    _lock_files.clear()
+    _held_files_guard, _lock_files_guard, _set_aside_guard = threading.Lock(), threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _raw_store_access(path, flags, use):
+    """`use(fd)` on a plain descriptor of a store file, closed before returning.
+
+    Returns None, opening nothing, while this process holds a SQLite
+    connection to the file (or to the store it is a sidecar of).
+    The only place in the product that opens a store file without SQLite.
+    """
+    with _held_files_guard:
+        if any(_held_files.get(_file_key(p)) for p in {str(path), _store_of(path)}):
+            return None
+        fd = os.open(path, flags | getattr(os, "O_BINARY", 0), FILE_MODE)
+        try:
+            return use(fd)
+        finally:
+            os.close(fd)
+
+
+class CallerLock:
+    """`SessionDB._lock`: what hermes-agent holds around SQL it runs on `SessionDB._conn`.
+
+    It takes the write path's thread lock (an RLock, so our own methods may run
+    inside it) and, where the journal policy serialises writers across
+    processes, state.db.lock too: a statement a caller writes through `_conn`
+    then never races another process's write or checkpoint. While it is held,
+    the writer waits out a busy store for the whole write budget, since the
+    caller has no retry loop. A transaction the caller opened and left open is
+    rolled back when the outermost hold ends, so no later write finds one.
+    """
+
+    def __init__(self, db):
+        self._db = db
+        self._depth = 0
+        self._held_file_lock = False
+        self._open_before = False
+
+    def acquire(self, blocking=True, timeout=-1):
+        """Take the lock; False if `timeout` (or not `blocking`) ran out. StoreLockedError if the
+        other processes' lock stays held for the write budget."""
+        db = self._db
+        if not db._write_lock.acquire(blocking, timeout):
+            return False
+        try:
+            if self._depth == 0:
+                self._hold_writer(db)
+            self._depth += 1
+        except BaseException:
+            db._write_lock.release()
+            raise
+        return True
+
+    def _hold_writer(self, db):
+        writer = db._writer
+        if writer is None:
+            return
+        start = time.monotonic()
+        self._held_file_lock = db.policy.writer_lock and db._file_lock is not None
+        if self._held_file_lock and not db._file_lock.acquire(start + db.write_budget):
+            self._held_file_lock = False
+            raise db._locked_error(start, "another process held state.db.lock")
+        self._open_before = writer.in_transaction
+        writer.execute(BUSY_TIMEOUT_SQL.format(ms=int(db.write_budget * 1000)))
+
+    def release(self):
+        db = self._db
+        try:
+            if self._depth == 1 and db._writer is not None:
+                writer = db._writer
+                try:
+                    if writer.in_transaction and not self._open_before:
+                        logger.warning("a caller left a transaction open on %s; rolled it back", db.db_path)
+                        writer.execute("ROLLBACK")
+                    writer.execute(BUSY_TIMEOUT_SQL.format(ms=int(WRITER_BUSY_TIMEOUT * 1000)))
+                finally:
+                    if self._held_file_lock:
+                        self._held_file_lock = False
+                        db._file_lock.release()
+        finally:
+            self._depth -= 1
+            db._write_lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.release()
 
 
 # ---------------------------------------------------------------------------
@@ -189,44 +422,104 @@ class WriterFileLock:
 # ---------------------------------------------------------------------------
 
 
+def _is_not_a_database(exc):
+    # SQLITE_NOTADB; older SQLite says "file is encrypted or is not a database".
+    return "not a database" in str(exc)
+
+
+def _sqlite_rejects(path):
+    """True when a fresh read-only SQLite connection finds `path` is not a database.
+
+    `immutable=1`: SQLite reads the main file's first page and nothing else,
+    takes no lock, and never creates a -shm beside a damaged file's stray WAL.
+    Its descriptor is still SQLite's, whose close waits while other connections
+    of this process hold locks on the file.
+    """
+    key = _hold(path)
+    try:
+        conn = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro&immutable=1", uri=True)
+        try:
+            conn.execute("PRAGMA schema_version").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        # Unreadable or malformed is not this kind of damage: the writable open meets it and says so.
+        return _is_not_a_database(exc)
+    finally:
+        _release(key)
+    return False
+
+
 def damage_reason(path):
-    """'empty', 'zeroed' or 'notsqlite' for a file SQLite cannot use as a store; None if healthy."""
-    with open(path, "rb") as handle:
-        header = handle.read(len(SQLITE_HEADER))
-    if not header:
+    """'empty', 'zeroed' or 'notsqlite' for a file SQLite cannot use as a store; None if healthy.
+
+    SQLite judges the file. Only when it answers "not a database" and this
+    process holds no connection to the file is the header read, to tell a
+    zeroed file from another kind; otherwise the answer is 'notsqlite'.
+    """
+    if os.stat(path).st_size == 0:
         return "empty"
-    if header == SQLITE_HEADER:
+    if not _sqlite_rejects(path):
         return None
-    if not header.strip(b"\x00"):
-        return "zeroed"
-    return "notsqlite"
+    header = _raw_store_access(path, os.O_RDONLY, lambda fd: os.read(fd, len(SQLITE_HEADER)))
+    return "zeroed" if header and not header.strip(b"\x00") else "notsqlite"
+
+
+_set_aside_guard = threading.Lock()
 
 
 def set_aside(path, reason):
-    """Rename a damaged store and its sidecars to `<name>.<reason>-<time>-<pid>.bak[-wal|-shm]`.
+    """Rename a damaged store and its sidecars to `<name>.<reason>-<time>-<pid>[-<n>].bak[-wal|-shm]`.
 
     Sidecars keep their suffix on the backup's name, so opening the .bak file
-    with SQLite still finds its own WAL. Returns the backup path. Deletes nothing.
+    with SQLite still finds its own WAL. `-<n>` counts up while any of those
+    names is taken; nothing is ever renamed onto an existing file. Returns the
+    backup path. Deletes nothing.
     """
     path = Path(path)
-    backup = path.with_name(f"{path.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.bak")
-    for suffix in ("",) + SIDECAR_SUFFIXES:
-        source = Path(str(path) + suffix)
-        if source.exists():
-            target = Path(str(backup) + suffix)
-            os.replace(source, target)
-            os.chmod(target, FILE_MODE)
+    suffixes = ("",) + SIDECAR_SUFFIXES
+    stem = f"{path.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    with _set_aside_guard:
+        for n in itertools.count(1):
+            backup = path.with_name(stem + (f"-{n}" if n > 1 else "") + ".bak")
+            if not any(os.path.lexists(str(backup) + suffix) for suffix in suffixes):
+                break
+        for suffix in suffixes:
+            source = Path(str(path) + suffix)
+            if source.exists():
+                target = Path(str(backup) + suffix)
+                _move_without_replacing(source, target)
+                os.chmod(target, FILE_MODE)
     return backup
 
 
-def _create_private_file(path):
-    """Create an empty file readable by its owner only (SQLite gives -wal/-shm the same mode)."""
+def _move_without_replacing(source, target):
+    """Rename `source` to `target`; FileExistsError, moving nothing, when `target` exists."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        os.link(source, target, follow_symlinks=False)
+    except FileExistsError:
+        raise
+    except (OSError, NotImplementedError):
+        # No hard link possible here (a directory, FAT, some network file systems).
+        # POSIX rename replaces silently, so look first; Windows refuses by itself.
+        if os.path.lexists(target):
+            raise FileExistsError(errno.EEXIST, "refusing to replace an existing file", str(target)) from None
+        os.rename(source, target)
+        return
+    os.unlink(source)
+
+
+def _create_private_file(path):
+    """Create an empty file readable by its owner only (SQLite gives -wal/-shm the same mode).
+
+    O_EXCL never opens a file that exists, so no lock of ours can be dropped here.
+    """
+    try:
+        created = _raw_store_access(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: True)
     except FileExistsError:
         return
-    os.close(fd)
-    os.chmod(path, FILE_MODE)
+    if created:
+        os.chmod(path, FILE_MODE)
 
 
 class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, SessionUsageMixin,
@@ -243,26 +536,34 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
 
     def __init__(self, db_path=None, read_only=False, *, connection_factory=None,
                  write_budget=WRITE_BUDGET_SECONDS, journal=None):
-        self.db_path = Path(db_path) if db_path is not None else get_default_db_path()
+        self.db_path = Path(db_path) if db_path is not None else _default_db_path()
         self.read_only = read_only
         self.write_budget = float(write_budget)
-        self.policy = choose_journal_policy(override=journal)
         self.repairs = []
         self._connect = connection_factory or sqlite3.connect
         self._idle_readers = queue.SimpleQueue()
         self._readers = []
         self._readers_lock = threading.Lock()
         self._write_lock = threading.RLock()
+        self._lock = CallerLock(self)
         self._writer = None
+        self._held_keys = []
+        self._direct_reader = None
         self._file_lock = None
         self._commits = 0
         self.fts_caps = runtime_capabilities(self._connect)
         self._tokens = TokenQueue()
         self._closed = False
-        if read_only:
-            self._open_read_only()
-        else:
-            self._open_writable()
+        try:
+            self.policy = choose_journal_policy(override=journal)
+            if read_only:
+                self._open_read_only()
+            else:
+                self._open_writable()
+        except Exception as exc:
+            # hermes-agent tells the user why its store is unavailable from this.
+            _set_last_init_error(f"{type(exc).__name__}: {exc}")
+            raise
         self._atexit = _make_atexit_close(self)
         atexit.register(self._atexit)
 
@@ -271,7 +572,11 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
     def _open_read_only(self):
         if not self.db_path.exists():
             raise FileNotFoundError(f"no state store at {self.db_path}")
-        self.stale_schema = self._stale_schema_report()
+        try:
+            self.stale_schema = self._stale_schema_report()
+        except sqlite3.DatabaseError as exc:
+            # A look, not a repair: a file too damaged to probe still opens, so doctor can report on it.
+            self.stale_schema = [f"could not run: {exc}"]
         if self.stale_schema:
             logger.info("store %s predates this release (%s); a writable open upgrades it",
                         self.db_path, "; ".join(self.stale_schema))
@@ -310,10 +615,20 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
         message = f"state store {self.db_path} was {reason}; kept it as {backup} and created a fresh store"
         self.repairs.append(message)
         logger.warning(message)
+        if reason != "empty":  # hermes-agent opens an empty file as is, but reports a zeroed one
+            _set_last_init_error(message)
 
     def _new_connection(self, target, *, uri, timeout):
-        conn = self._connect(target, uri=uri, timeout=timeout, isolation_level=None,
-                             check_same_thread=False)
+        """A connection to the store, counted in the process-wide registry until
+        _close_connections closes it (see "Locks we never break")."""
+        key = _hold(self.db_path)
+        try:
+            conn = self._connect(target, uri=uri, timeout=timeout, isolation_level=None,
+                                 check_same_thread=False)
+        except BaseException:
+            _release(key)
+            raise
+        self._held_keys.append(key)
         conn.row_factory = sqlite3.Row
         return conn
 
@@ -353,6 +668,9 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
+            for key in self._held_keys:
+                _release(key)
+            self._held_keys = []
         finally:
             if locked:
                 self._file_lock.release()
@@ -366,35 +684,54 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
     def __exit__(self, *exc_info):
         self.close()
 
+    # -- connections hermes-agent reaches into ----------------------------------
+
+    @property
+    def _conn(self):
+        """The connection hermes-agent runs its own SQL on (rows are sqlite3.Row); None once closed.
+
+        The writer, or for a read-only open a read-only connection of its own.
+        Hold `self._lock` around any write through it (see CallerLock).
+        """
+        if self._closed:
+            return None
+        if not self.read_only:
+            return self._writer
+        with self._write_lock:
+            if self._direct_reader is None:
+                self._direct_reader = self._borrow_reader()
+            return self._direct_reader
+
     # -- the write path ------------------------------------------------------
 
-    def _execute_write(self, fn, *, transaction=True):
+    def _execute_write(self, fn, patience_s=None, *, transaction=True):
         """Run `fn(conn)` in one BEGIN IMMEDIATE transaction and return its result.
 
         Rolls back on any error. On "database is locked"/"busy" the whole
         callback is retried after a random pause (20-150 ms for the first 2 s,
-        then 250 ms-1 s) until `write_budget` runs out, then StoreLockedError.
-        Queued token counts ride along in the same transaction. With
-        `transaction=False` (VACUUM cannot run in one) only the locks are taken.
+        then 250 ms-1 s) until `patience_s` (default `write_budget`) runs out,
+        then StoreLockedError. Queued token counts ride along in the same
+        transaction. With `transaction=False` (VACUUM cannot run in one) only
+        the locks are taken. `fn` must not commit: the commit is ours.
         """
         self._check_open()
+        budget = self.write_budget if patience_s is None else float(patience_s)
         start = time.monotonic()
-        deadline = start + self.write_budget
-        if not self._write_lock.acquire(timeout=self.write_budget):
-            raise self._locked_error(start, "another thread of this process kept writing")
+        if not self._write_lock.acquire(timeout=budget):
+            raise self._locked_error(start, "another thread of this process kept writing", budget)
         # Without a transaction (VACUUM) there is nothing for queued counts to ride in.
         batch = self._tokens.take() if transaction else []
         try:
             while True:
                 try:
-                    return self._write_once(fn, batch, deadline, transaction)
+                    return self._write_once(fn, batch, start, budget, transaction)
                 except sqlite3.OperationalError as exc:
                     if isinstance(exc, StoreLockedError) or not is_lock_error(exc):
                         raise
                     elapsed = time.monotonic() - start
                     pause = random.uniform(*(EARLY_JITTER if elapsed < EARLY_RETRY_WINDOW else LATE_JITTER))
-                    if elapsed + pause >= self.write_budget:
-                        raise self._locked_error(start, str(exc)) from exc
+                    if elapsed + pause >= budget:
+                        raise self._locked_error(start, str(exc), budget) from exc
                     time.sleep(pause)
         except BaseException:
             self._tokens.put_back(batch)
@@ -402,10 +739,10 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
         finally:
             self._write_lock.release()
 
-    def _write_once(self, fn, batch, deadline, transaction):
+    def _write_once(self, fn, batch, start, budget, transaction):
         use_file_lock = self.policy.writer_lock and self._file_lock is not None
-        if use_file_lock and not self._file_lock.acquire(deadline):
-            raise self._locked_error(deadline - self.write_budget, "another process held state.db.lock")
+        if use_file_lock and not self._file_lock.acquire(start + budget):
+            raise self._locked_error(start, "another process held state.db.lock", budget)
         try:
             if not transaction:
                 return fn(self._writer)
@@ -439,10 +776,12 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
             except sqlite3.Error as exc:
                 logger.info("checkpoint of %s deferred to the next one: %s", self.db_path, exc)
 
-    def _locked_error(self, start, cause):
+    def _locked_error(self, start, cause, budget=None):
+        """StoreLockedError for a wait that began at `start` with `budget` seconds (default write_budget)."""
+        budget = self.write_budget if budget is None else budget
         waited = time.monotonic() - start
         return StoreLockedError(
-            f"state store {self.db_path} was locked for {waited:.1f}s (budget {self.write_budget:.1f}s): "
+            f"state store {self.db_path} was locked for {waited:.1f}s (budget {budget:.1f}s): "
             f"{cause}; no data was written")
 
     def _check_open(self):
@@ -504,23 +843,26 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
     # -- backup ----------------------------------------------------------------
 
     def backup(self, out_path):
-        """Write a zip of the whole home: the store as a consistent snapshot taken with
-        SQLite's backup API (never a copy of a live file), plus every other file of
-        the home, plus a manifest with each file's SHA-256. Created 0600."""
+        """Write a zip of the whole home; returns {"archive", "files"}. Created 0600.
+
+        The store, and every other SQLite file of the home (`*.db`, `*.sqlite`,
+        `*.sqlite3`, `*.db3`), go in as consistent snapshots taken with SQLite's
+        backup API, never as copies of live files, and without their sidecars;
+        then every other file, and a manifest with each file's SHA-256.
+        """
         out_path = Path(out_path).resolve()
         home = self.db_path.parent
         with tempfile.TemporaryDirectory(prefix="hermes-backup-") as scratch:
             snapshot = Path(scratch) / STATE_DB_FILENAME
-            target = sqlite3.connect(snapshot)
             source = self._borrow_reader()
             try:
-                source.backup(target)
-                target.execute(SET_JOURNAL_MODE_SQL.format(mode="DELETE"))  # one self-contained file
+                _snapshot(source, snapshot)
             finally:
                 self._idle_readers.put(source)
-                target.close()
-            members = [(snapshot, STATE_DB_FILENAME)] + [
-                (path, path.relative_to(home).as_posix()) for path in _home_files(home, self.db_path, out_path)]
+            members = [(snapshot, STATE_DB_FILENAME)]
+            for path in _home_files(home, self.db_path, out_path):
+                copy = _sqlite_snapshot(path, Path(scratch) / f"{len(members)}.db") if _may_be_sqlite(path) else None
+                members.append((copy or path, path.relative_to(home).as_posix()))
             return _write_backup_zip(out_path, members)
 
 
@@ -530,6 +872,17 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
 
 BACKUP_MANIFEST = "hermes_backup.json"
 BACKUP_MAX_BYTES = 64 * 1024 ** 3
+SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3", ".db3")
+# A restore leaves this much free behind it: a tenth of what it unpacks, at least 64 MiB.
+RESTORE_FREE_MARGIN = 64 * 1024 ** 2
+# Past the floor, a backup may unpack to at most this many times its own size.
+# Deflate tops out near 1032:1; backups of the fixture stores and of 2,000
+# messages measured 2.3-2.6:1, a fresh empty store 40:1 (250 KB, under the
+# floor), so 100 stops decompression bombs and nothing a home really holds.
+RESTORE_MAX_RATIO = 100
+RESTORE_RATIO_FLOOR = 64 * 1024 ** 2
+# What zipfile raises on a damaged archive, beyond BadZipFile.
+_DAMAGED_ARCHIVE = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError)
 
 
 def _store_files(db_path):
@@ -538,11 +891,51 @@ def _store_files(db_path):
 
 
 def _home_files(home, db_path, out_path):
-    """Every regular file of the home except the live store, its sidecars and the archive itself."""
+    """Every regular file of the home except the live store, its sidecars, the
+    sidecars of other SQLite files, and the archive itself."""
     skip = _store_files(db_path) | {out_path}
+    skip_keys = {_file_key(path) for path in skip} - {None}
     for path in sorted(home.rglob("*")):
-        if path.is_file() and not path.is_symlink() and path.resolve() not in skip and path not in skip:
-            yield path
+        if not path.is_file() or path.is_symlink() or path in skip or path.resolve() in skip \
+                or _file_key(path) in skip_keys:
+            continue
+        store = Path(_store_of(path))
+        if store != path and _may_be_sqlite(store):
+            continue  # its store goes in as a snapshot; a copy of a live sidecar is worse than none
+        yield path
+
+
+def _may_be_sqlite(path):
+    """Backed up through SQLite: our connections hold it, or its name says it is a database."""
+    return path.suffix.lower() in SQLITE_SUFFIXES or _connections_held(path) > 0
+
+
+def _snapshot(source, target_path):
+    """Copy the database of connection `source` to `target_path`, as one self-contained file."""
+    target = sqlite3.connect(target_path)
+    try:
+        source.backup(target)
+        target.execute(SET_JOURNAL_MODE_SQL.format(mode="DELETE"))
+    finally:
+        target.close()
+
+
+def _sqlite_snapshot(path, target_path):
+    """`target_path` holding a snapshot of the SQLite file `path`; None when SQLite says it is no database."""
+    key = _hold(path)
+    try:
+        source = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=WRITE_BUDGET_SECONDS)
+        try:
+            _snapshot(source, target_path)
+        finally:
+            source.close()
+    except sqlite3.DatabaseError as exc:
+        if not _is_not_a_database(exc):
+            raise
+        return None  # not a database, so no connection can hold it: a plain copy is safe
+    finally:
+        _release(key)
+    return target_path
 
 
 def _sha256_file(path):
@@ -585,45 +978,89 @@ def _read_backup_manifest(archive):
         raise ValueError(f"backup refused: unsafe file names {sorted(unsafe)[:5]}")
     if names != set(files) or STATE_DB_FILENAME not in files:
         raise ValueError("backup refused: its files do not match its manifest, or it has no state.db")
-    total = sum(archive.getinfo(name).file_size for name in names)
-    if total > BACKUP_MAX_BYTES:
-        raise ValueError(f"backup refused: it unpacks to {total} bytes; the limit is {BACKUP_MAX_BYTES}")
     return files
 
 
+def _check_unpacked_size(archive, archive_path, home):
+    """Refuse, before anything is written, an archive that would fill the disk or is a bomb.
+
+    The sizes are the archive's own claims; zipfile stops unpacking a member at its claim.
+    """
+    total = sum(info.file_size for info in archive.infolist() if info.filename != BACKUP_MANIFEST)
+    where = next(parent for parent in (home, *home.parents) if parent.exists())
+    free = shutil.disk_usage(where).free
+    needed = total + max(total // 10, RESTORE_FREE_MARGIN)
+    if needed > free:
+        raise ValueError(f"backup refused: it unpacks to {total} bytes and {where} has {free} bytes free "
+                         f"(a restore needs {needed} with its margin); nothing was written")
+    packed = os.path.getsize(archive_path)
+    if total > max(RESTORE_MAX_RATIO * packed, RESTORE_RATIO_FLOOR):
+        raise ValueError(f"backup refused: it unpacks to {total} bytes, more than {RESTORE_MAX_RATIO} times "
+                         f"its own {packed} bytes; nothing was written")
+    if total > BACKUP_MAX_BYTES:
+        raise ValueError(f"backup refused: it unpacks to {total} bytes; the limit is {BACKUP_MAX_BYTES}")
+
+
 def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_BUDGET_SECONDS):
-    """Put a whole backup of the home back: the store and every other file.
+    """Put a whole backup of the home back; returns {"restored", "moved_aside", "db_path"}.
 
     Refuses to replace an existing store unless `force`; even then nothing is
-    deleted: the old store is set aside as `state.db.pre-restore-<time>-<pid>.bak`
-    and other replaced files move to `.pre-restore-<time>/`. Every file is checked
-    against the manifest's SHA-256 and the store against SQLite before anything moves.
+    deleted: the old store is set aside as `state.db.pre-restore-<time>-<pid>[-<n>].bak`
+    and other replaced files move to a new `.pre-restore-<time>[-<n>]/`. Before
+    anything is written it refuses (ValueError) an archive that is damaged, not
+    ours, unpacks past the free space or to more than RESTORE_MAX_RATIO times
+    its size; every file is checked against the manifest's SHA-256 and the store
+    against SQLite before anything moves. Files keep their archived mode, never
+    group- or world-writable; a new home is created 0700. RuntimeError while
+    this process has the store open: the swap would happen under its connections.
     """
-    db_path = Path(db_path) if db_path is not None else get_default_db_path()
+    db_path = Path(db_path) if db_path is not None else _default_db_path()
     home = db_path.parent
+    if _connections_held(db_path):
+        raise RuntimeError(f"restore refused: this process has {db_path} open; close every SessionDB on it "
+                           "first; nothing was written")
     if db_path.exists() and db_path.stat().st_size and not force:
         raise FileExistsError(f"{db_path} exists; restore replaces a whole home only with --force "
                               "(the current store is then kept as a .bak file)")
-    home.mkdir(parents=True, exist_ok=True)
-    lock = WriterFileLock(str(db_path) + ".lock")
-    if not lock.acquire(time.monotonic() + write_budget):
-        lock.close()
-        raise StoreLockedError(f"state store {db_path} is being written; restore waited {write_budget:.0f}s")
+    if not zipfile.is_zipfile(archive_path):
+        raise ValueError(f"backup refused: {archive_path} is not a zip archive")
     try:
-        if not zipfile.is_zipfile(archive_path):
-            raise ValueError(f"backup refused: {archive_path} is not a zip archive")
-        with zipfile.ZipFile(archive_path) as archive, \
-                tempfile.TemporaryDirectory(prefix=".restore-", dir=home) as scratch:
+        with zipfile.ZipFile(archive_path) as archive:
             files = _read_backup_manifest(archive)
-            for name, entry in files.items():
-                archive.extract(name, scratch)
-                if _sha256_file(Path(scratch) / name) != entry["sha256"]:
-                    raise ValueError(f"backup refused: {name} does not match its SHA-256")
-            _check_restored_store(Path(scratch) / STATE_DB_FILENAME)
-            return _swap_in(Path(scratch), files, db_path)
-    finally:
-        lock.release()
-        lock.close()
+            _check_unpacked_size(archive, archive_path, home)
+            if not home.exists():
+                home.parent.mkdir(parents=True, exist_ok=True)
+                os.mkdir(home, 0o700)
+            lock = WriterFileLock(str(db_path) + ".lock")
+            if not lock.acquire(time.monotonic() + write_budget):
+                lock.close()
+                raise StoreLockedError(f"state store {db_path} is being written; restore waited {write_budget:.0f}s")
+            try:
+                with tempfile.TemporaryDirectory(prefix=".restore-", dir=home) as scratch:
+                    _unpack_verified(archive, files, Path(scratch))
+                    _check_restored_store(Path(scratch) / STATE_DB_FILENAME)
+                    return _swap_in(Path(scratch), files, db_path)
+            finally:
+                lock.release()
+                lock.close()
+    except _DAMAGED_ARCHIVE as exc:
+        raise ValueError(f"backup refused: {archive_path} is damaged ({exc}); nothing was restored") from None
+
+
+def _unpack_verified(archive, files, scratch):
+    for name, entry in files.items():
+        info = archive.getinfo(name)
+        path = Path(archive.extract(info, scratch))
+        if _sha256_file(path) != entry["sha256"]:
+            raise ValueError(f"backup refused: {name} does not match its SHA-256")
+        os.chmod(path, _restored_mode(info))
+
+
+def _restored_mode(info):
+    """The member's mode as archived, minus group/world write and special bits; 0600 if it has none."""
+    if info.create_system != 3 or not info.external_attr >> 16:  # 3: made on Unix, with a mode
+        return FILE_MODE
+    return (info.external_attr >> 16) & 0o755
 
 
 def _check_restored_store(path):
@@ -638,19 +1075,45 @@ def _check_restored_store(path):
         raise ValueError(f"backup refused: its state.db fails quick_check ({verdict})")
 
 
+def _private_dirs(path, top):
+    """Create `path` and its missing parents below `top`, each 0700."""
+    missing = []
+    while path != top and not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+
+
+def _new_private_dir(parent, stem):
+    """A new, empty 0700 folder `<stem>[-<n>]` in `parent`: never one that exists."""
+    for n in itertools.count(1):
+        folder = parent / (stem + (f"-{n}" if n > 1 else ""))
+        try:
+            os.mkdir(folder, 0o700)
+            return folder
+        except FileExistsError:
+            continue
+
+
 def _swap_in(scratch, files, db_path):
-    home, moved, stamp = db_path.parent, [], time.strftime("%Y%m%d-%H%M%S")
+    home, moved, kept_dir = db_path.parent, [], None
     if db_path.exists():
         moved.append(str(set_aside(db_path, "pre-restore")))
     for name in files:
         target = db_path if name == STATE_DB_FILENAME else home / name
-        if target.exists() and name != STATE_DB_FILENAME:
-            kept = home / f".pre-restore-{stamp}" / name
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(target, kept)
+        if name != STATE_DB_FILENAME and os.path.lexists(target):
+            if kept_dir is None:
+                kept_dir = _new_private_dir(home, f".pre-restore-{time.strftime('%Y%m%d-%H%M%S')}")
+            kept = kept_dir / name
+            _private_dirs(kept.parent, kept_dir)
+            _move_without_replacing(target, kept)
             moved.append(str(kept))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(scratch / name, target)
+        _private_dirs(target.parent, home)
+        _move_without_replacing(scratch / name, target)
     os.chmod(db_path, FILE_MODE)
     return {"restored": sorted(files), "moved_aside": moved, "db_path": str(db_path)}
 

@@ -49,9 +49,8 @@ logger = logging.getLogger("hermes_state")
 _FTS_TABLES = ("messages_fts", "messages_fts_trigram", "messages_fts_cjk")
 _SIDECARS = ("-wal", "-shm", "-journal")
 # How long a repair waits for another process's repair (hermes-agent's lock file
-# and timeout, so its processes and ours take turns), and for our writers.
+# and timeout, so its processes and ours take turns).
 REPAIR_LOCK_WAIT = 120.0
-WRITER_LOCK_WAIT = 20.0
 
 
 # -- the SQLite runtime ----------------------------------------------------------
@@ -319,8 +318,9 @@ def repair_state_db_schema(db_path, *, backup=True):
     builds the indexes again). A healthy store reports 'already_healthy'.
     Unless `backup` is False, nothing is touched before `_backup_db_file`
     succeeded. Sessions and messages are never modified. Serialised across
-    processes by `<name>.repair.lock` (as hermes-agent does) and, during the
-    surgery, by our writers' `<name>.lock`.
+    processes by `<name>.repair.lock`, as hermes-agent does. Our writers'
+    `<name>.lock` is not taken: a second descriptor of it, closed, could drop
+    the lock a SessionDB of this process holds where flock is emulated.
     """
     report = {"repaired": False, "strategy": None, "backup_path": None, "error": None}
     db_path = Path(db_path)
@@ -343,20 +343,19 @@ def repair_state_db_schema(db_path, *, backup=True):
                 report["error"] = ("pre-repair backup refused; aborting schema repair to avoid mutating "
                                    f"the only copy of the damaged DB: {why}")
                 return report
-        with _exclusive(Path(f"{db_path}.lock"), WRITER_LOCK_WAIT):
-            for strategy, surgery in _STRATEGIES:
+        for strategy, surgery in _STRATEGIES:
+            try:
+                conn = _connect(db_path)
                 try:
-                    conn = _connect(db_path)
-                    try:
-                        surgery(conn)
-                    finally:
-                        conn.close()
-                    report["error"] = _db_opens_cleanly(db_path)
-                except sqlite3.DatabaseError as exc:
-                    report["error"] = str(exc)
-                logger.warning("state.db repair %s on %s: %s", strategy, db_path, report["error"] or "healthy")
-                if report["error"] is None:
-                    return dict(report, repaired=True, strategy=strategy)
+                    surgery(conn)
+                finally:
+                    conn.close()
+                report["error"] = _db_opens_cleanly(db_path)
+            except sqlite3.DatabaseError as exc:
+                report["error"] = str(exc)
+            logger.warning("state.db repair %s on %s: %s", strategy, db_path, report["error"] or "healthy")
+            if report["error"] is None:
+                return dict(report, repaired=True, strategy=strategy)
     logger.error("state.db repair could not recover %s (backup: %s)", db_path, report["backup_path"])
     return report
 
@@ -419,7 +418,7 @@ def _bump_schema_cookie(conn):
 
 @contextlib.contextmanager
 def _exclusive(lock_path, wait):
-    """Yields True while holding an exclusive lock on `lock_path` (never a store file), False if it
+    """Yields True while holding an exclusive lock on `lock_path` (the repair lock, never a store file), False if it
     stayed taken for `wait` seconds. A lock file that cannot be opened yields True: the repair
     still runs, serialised within this process only."""
     try:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from hermes_state_common import (
     CHECKPOINT_TRUNCATE_SQL,
+    COUNT_ACTIVE_MESSAGES_SQL,
     COUNT_ALL_MESSAGES_SQL,
     FILE_MODE,
     INTEGRITY_CHECK_SQL,
@@ -482,7 +483,7 @@ class SessionMaintenanceMixin:
             "db_bytes": store_file_bytes(self.db_path),
             "sessions": sum(by_source.values()),
             "sessions_by_source": by_source,
-            "messages_active": self.message_count(),
+            "messages_active": self._read_value(COUNT_ACTIVE_MESSAGES_SQL),
             "messages_total": self._read_value(COUNT_ALL_MESSAGES_SQL),
             "schema_version": self.schema_version(),
             "fts_layout": self.fts_layout(),

@@ -1,168 +1,589 @@
-"""The transcript: append, read back, conversation shape, rewind and restore.
+"""The transcript: append (one, a batch, a whole replacement), read back, the
+chat-API conversation, rewind and restore, and the turn-lease check of a write.
 
 Owns message rows and the session counters that move with them in the same
 transaction. Relies on SessionDB's write and read paths; the search indexes
 follow by trigger and by `_maintain_search`. Never edits a session's other
-fields.
+fields, and never takes or releases a lease (the gateway mixin does).
+Values are stored as hermes-agent stores them, so both programs read each
+other's rows: what it accepts we accept, what it raises we raise.
 """
 
+import json
+import re
 import time
 
 from hermes_state_common import (
     BUMP_MESSAGE_COUNTS_SQL,
-    BUMP_REWIND_COUNT_SQL,
-    COUNT_ACTIVE_MESSAGES_SQL,
-    COUNT_SESSION_MESSAGES_SQL,
-    DEACTIVATE_AFTER_SQL,
+    COMPRESSION_END_REASON,
+    CONVERSATION_ROW_COLUMNS,
+    COUNT_ALL_MESSAGES_SQL,
     INSERT_MESSAGE_SQL,
-    MESSAGE_JSON_FIELDS,
-    MESSAGE_WRITE_COLUMNS,
-    REACTIVATE_SQL,
-    SELECT_ACTIVE_COUNT_INPUTS_SQL,
     SELECT_MESSAGES_SQL,
-    SELECT_MESSAGE_OWNER_SQL,
     SET_MESSAGE_COUNTS_SQL,
-    count_tool_calls,
+    CompressionSessionClosedError,
+    SessionTurnLeaseLostError,
+    UnknownSessionError,
+    decode_content,
+    decode_display_metadata,
     decode_message,
-    json_text,
-    require_int,
-    require_text,
+    encode_content,
+    loads_or,
+    placeholders,
+    scrub_surrogates,
 )
+
+# hermes-agent follows at most this many parent links when it gathers a lineage.
+LINEAGE_MAX_HOPS = 100
+# Assistant turns that a later answer supersedes when alternation is repaired.
+_VERIFICATION_FINISHES = ("verification_required", "verify_hook_continue")
+# Prompts of hermes-agent's background skill/memory review that old builds wrote
+# into the user's session; replayed, they turn the agent into the curator.
+_REVIEW_HARNESS_PREFIXES = (
+    "Review the conversation above and update the skill library",
+    "Review the conversation above and consider saving to memory",
+)
+# A bare tool marker such as "[memory]" that old builds saved as an answer.
+_STALE_MARKER = re.compile(r"\[[A-Za-z_][A-Za-z0-9_.-]*\]")
+# Recalled-memory blocks hermes-agent injects into prompts; never replayed.
+_MEMORY_BLOCK = re.compile(r"<\s*memory-context\s*>[\s\S]*?</\s*memory-context\s*>", re.I)
+_MEMORY_NOTE = re.compile(
+    r"\[System note:\s*The following is recalled memory context,\s*NOT new user input\.\s*Treat as "
+    r"(?:informational background data|authoritative reference data[^\]]*)\.\]\s*", re.I)
+_MEMORY_TAG = re.compile(r"</?\s*memory-context\s*>", re.I)
 
 
 class SessionMessagesMixin:
     """SessionDB's methods for the transcript."""
 
+    # -- writes ------------------------------------------------------------------
+
     def append_message(self, session_id, role, content=None, tool_name=None, tool_calls=None,
                        tool_call_id=None, token_count=None, finish_reason=None, reasoning=None,
                        reasoning_content=None, reasoning_details=None, codex_reasoning_items=None,
-                       codex_message_items=None, platform_message_id=None, api_content=None,
-                       display_kind=None, display_metadata=None, effect_disposition=None,
-                       timestamp=None):
-        """Append one message and return its id; the session's counts move in the same transaction."""
+                       codex_message_items=None, platform_message_id=None, observed=False,
+                       effect_disposition=None, timestamp=None, api_content=None, display_kind=None,
+                       display_metadata=None, compression_lock_holder=None, turn_lease_holder=None,
+                       turn_lease_ttl_seconds=300.0):
+        """Append one message and return its id; the session's counts move in the same transaction.
+
+        A list or dict `content` is stored as JSON and read back as it was;
+        structured fields may be given as values or as JSON text. Raises
+        CompressionSessionClosedError for a session compression ended,
+        SessionTurnLeaseLostError when `turn_lease_holder` does not hold the
+        conversation's turn lease, UnknownSessionError (an IntegrityError) for
+        an unknown session; nothing is written then. `compression_lock_holder`
+        is accepted and not checked: as in hermes-agent, appends never wait
+        for a compression, which keeps the rows that arrive meanwhile.
+        """
         fields = dict(locals())
-        del fields["self"], fields["session_id"]
-        row, calls = _message_row(session_id, fields)
+        for name in ("self", "session_id", "compression_lock_holder", "turn_lease_holder",
+                     "turn_lease_ttl_seconds"):
+            del fields[name]
+        row, calls, _ = _message_row(session_id, fields, time.time(), direct=True)
 
         def write(conn):
+            self._admit_transcript_write(conn, session_id, turn_lease_holder, turn_lease_ttl_seconds)
             message_id = conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
-            _bump_counts(conn, session_id, 1, calls)
+            conn.execute(BUMP_MESSAGE_COUNTS_SQL, (1, calls, session_id))
             return message_id
 
         return self._execute_write(write)
 
-    def append_messages_batch(self, session_id, messages):
-        """Append many messages (dicts of append_message's arguments) in one transaction."""
-        if not isinstance(messages, (list, tuple)):
-            raise ValueError("messages must be a list of dicts")
-        rows, calls = [], 0
-        for index, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise ValueError(f"messages[{index}] must be a dict")
-            try:
-                row, n = _message_row(session_id, message)
-            except ValueError as exc:
-                raise ValueError(f"messages[{index}]: {exc}") from None
-            rows.append(row)
-            calls += n
-        if not rows:
+    def append_messages_batch(self, session_id, messages, compression_lock_holder=None,
+                              turn_lease_holder=None, chunk_rows=None, turn_lease_ttl_seconds=300.0):
+        """Append message dicts in one transaction and return how many; 0 for none.
+
+        Each dict takes append_message's fields (`message_id` stands for
+        `platform_message_id`; reasoning fields are kept on assistant rows
+        only) and gets its new row id as `_row_id`. Missing timestamps count
+        up from now, one microsecond apart. With `chunk_rows`, every chunk of
+        that many rows is its own transaction. Raises as append_message does.
+        """
+        if not messages:
             return 0
+        if chunk_rows is not None and len(messages) > chunk_rows:
+            return sum(self.append_messages_batch(
+                session_id, messages[start:start + chunk_rows], compression_lock_holder,
+                turn_lease_holder, turn_lease_ttl_seconds=turn_lease_ttl_seconds)
+                for start in range(0, len(messages), chunk_rows))
 
         def write(conn):
-            conn.executemany(INSERT_MESSAGE_SQL, rows)
-            _bump_counts(conn, session_id, len(rows), calls)
-            return len(rows)
+            self._admit_transcript_write(conn, session_id, turn_lease_holder, turn_lease_ttl_seconds)
+            inserted, calls = self._insert_message_rows(conn, session_id, messages)
+            conn.execute(BUMP_MESSAGE_COUNTS_SQL, (inserted, calls, session_id))
+            return inserted
 
         return self._execute_write(write)
 
-    def get_messages(self, session_id, include_inactive=False, limit=None, offset=0, after_id=None):
-        """A session's messages in id order, `tool_calls` decoded; active ones unless asked."""
-        sql, params = SELECT_MESSAGES_SQL, [session_id]
-        if not include_inactive:
-            sql += " AND active = 1"
-        if after_id is not None:
-            sql, params = sql + " AND id > ?", params + [require_int("after_id", after_id)]
-        sql += " ORDER BY id"
-        if limit is not None or offset:
-            sql += " LIMIT ? OFFSET ?"
-            params += [require_int("limit", limit, allow_none=True) or -1, require_int("offset", offset)]
-        return [decode_message(row) for row in self._read_all(sql, params)]
+    def replace_messages(self, session_id, messages, active_only=False, archive_dropped=False):
+        """Make `messages` the session's whole live transcript in one transaction; returns None.
 
-    def get_messages_as_conversation(self, session_id):
-        """Active messages as chat-API dicts: role, content, and tool_calls/tool_call_id when set."""
-        conversation = []
-        for message in self.get_messages(session_id):
-            turn = {"role": message["role"], "content": message["content"]}
-            for key in ("tool_calls", "tool_call_id"):
-                if message.get(key):
-                    turn[key] = message[key]
-            conversation.append(turn)
-        return conversation
+        The rows it replaces are deleted (only the active ones with
+        `active_only`), or kept inactive with `archive_dropped`; the counts are
+        set to the new rows. Raises CompressionSessionClosedError for a
+        session compression ended, UnknownSessionError for an unknown one.
+        """
+        drop = ("UPDATE messages SET active = 0 WHERE session_id = ? AND active = 1" if archive_dropped
+                else "DELETE FROM messages WHERE session_id = ?" + (" AND active = 1" if active_only else ""))
+
+        def write(conn):
+            _check_open_session(conn, session_id, must_exist=bool(messages))
+            conn.execute(drop, (session_id,))
+            conn.execute(SET_MESSAGE_COUNTS_SQL, (*self._insert_message_rows(conn, session_id, messages),
+                                                  session_id))
+
+        self._execute_write(write)
+
+    def _insert_message_rows(self, conn, session_id, messages):
+        """Inside a write: insert message dicts (read as append_messages_batch reads them)
+        as live rows, stamping each dict's `_row_id`; returns (rows inserted, tool calls).
+        The session's counters are the caller's: compaction and replacement set them."""
+        now, inserted, calls = time.time(), 0, 0
+        for message in messages:
+            row, row_calls, stamp = _message_row(session_id, message, now)
+            row_id = conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
+            if isinstance(message, dict):
+                message["_row_id"] = row_id
+            inserted, calls, now = inserted + 1, calls + row_calls, max(now + 1e-6, stamp + 1e-6)
+        return inserted, calls
+
+    def _admit_transcript_write(self, conn, session_id, lease_holder, lease_ttl):
+        if lease_holder:
+            self._check_turn_lease(conn, session_id, lease_holder, lease_ttl)
+        _check_open_session(conn, session_id)
+
+    def _check_turn_lease(self, conn, session_id, holder, ttl):
+        """Inside a write: raise SessionTurnLeaseLostError unless `holder` holds the turn
+        lease of the conversation `session_id` belongs to. A lapsed lease nobody took
+        over is still the holder's: it is renewed for `ttl` seconds (at least 0.1)."""
+        key = self._turn_lease_key(conn, session_id)
+        lease = conn.execute("SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?",
+                             (key,)).fetchone()
+        if lease is None or lease["holder"] != holder:
+            raise SessionTurnLeaseLostError(
+                f"Session turn lease lost; refusing transcript write for {session_id!r}")
+        now = time.time()
+        if float(lease["expires_at"]) <= now:
+            conn.execute("UPDATE session_turn_leases SET expires_at = ? WHERE conversation_id = ? AND holder = ?",
+                         (now + max(0.1, float(ttl)), key, holder))
+
+    def _turn_lease_key(self, conn, session_id):
+        """The id a conversation's turn lease is kept under: the root of the compression
+        chain through `session_id` (a branch, delegate or tool child starts its own)."""
+        def lineage_row(sid):
+            return conn.execute("SELECT id, parent_session_id, source, model_config, end_reason "
+                                "FROM sessions WHERE id = ?", (sid,)).fetchone()
+
+        current, seen = (lineage_row(session_id) if session_id else None), {session_id}
+        while current is not None:
+            parent_id = current["parent_session_id"]
+            if not parent_id or parent_id in seen or _is_fork_child(current):
+                break
+            parent = lineage_row(parent_id)
+            if parent is None or parent["end_reason"] != COMPRESSION_END_REASON:
+                break
+            seen.add(parent_id)
+            current = parent
+        return str(current["id"] or session_id) if current is not None else session_id
+
+    # -- reads ---------------------------------------------------------------------
+
+    def get_messages(self, session_id, include_inactive=False, include_compacted=False, limit=None,
+                     offset=0, latest=False, after_id=None):
+        """A session's messages in id order as row dicts (content, tool_calls and
+        display_metadata decoded); [] for an unknown session.
+
+        Active rows by default; `include_compacted` adds the rows compaction kept
+        (each message once, the live copy first), `include_inactive` every row.
+        `limit`/`offset` page from the oldest, or from the newest with `latest`
+        (the page still oldest first); `after_id` pages by id. Raises
+        ValueError when `after_id` is combined with `latest`, `offset` or
+        `include_compacted`.
+        """
+        if after_id is not None and (latest or offset):
+            raise ValueError("after_id is incompatible with latest/offset paging")
+        if after_id is not None and include_compacted:
+            raise ValueError("after_id is incompatible with include_compacted (it pages by offset)")
+        sql = SELECT_MESSAGES_SQL + ("" if include_inactive else " AND (active = 1 OR compacted = 1)"
+                                     if include_compacted else " AND active = 1")
+        if include_compacted:
+            rows = _one_per_generation(self._read_all(sql + " ORDER BY id", (session_id,)))
+            rows = rows[::-1] if latest else rows
+            rows = rows[offset:] if limit is None else rows[offset:][:limit]
+        else:
+            params = [session_id]
+            if after_id is not None:
+                sql, params = sql + " AND id > ?", params + [after_id]
+            sql += " ORDER BY id DESC" if latest else " ORDER BY id"
+            if limit is not None or offset:
+                sql, params = sql + " LIMIT ? OFFSET ?", params + [-1 if limit is None else limit, offset]
+            rows = self._read_all(sql, params)
+        return [decode_message(row) for row in (rows[::-1] if latest else rows)]
+
+    def get_messages_as_conversation(self, session_id, include_ancestors=False, include_inactive=False,
+                                     repair_alternation=False, include_row_ids=False):
+        """The session as chat-API message dicts, oldest first; [] for an unknown session.
+
+        Each has `role` and `content` plus, when set, `timestamp`, tool fields,
+        `message_id` (the platform's), `api_content`, `display_*`, and on
+        assistant turns `finish_reason` and the reasoning fields decoded
+        (`reasoning_content` even when ""). Recalled-memory blocks are cut from
+        user and assistant text. `include_ancestors` prepends the parent chain
+        (not for a branch, whose rows are already a copy), skipping replayed
+        user turns; `repair_alternation` applies hermes-agent's pre-request
+        repair; `include_row_ids` adds each row's id as `_row_id`.
+        """
+        session_ids = [session_id]
+        if include_ancestors and not self._is_explicit_branch_session(session_id):
+            session_ids = self._session_lineage_root_to_tip(session_id)
+        rows = self._read_all(
+            f"SELECT {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
+            f"({placeholders(len(session_ids))}){'' if include_inactive else ' AND active = 1'} ORDER BY id",
+            session_ids)
+        return self._rows_to_conversation(rows, include_ancestors=include_ancestors,
+                                          repair_alternation=repair_alternation, include_row_ids=include_row_ids)
+
+    def _rows_to_conversation(self, rows, *, include_ancestors=False, repair_alternation=False,
+                              include_row_ids=False):
+        """Rows of CONVERSATION_ROW_COLUMNS (id order) as get_messages_as_conversation returns them."""
+        messages = []
+        for row in rows:
+            message = _conversation_message(row, include_row_ids)
+            if not (include_ancestors and _is_replayed_user_turn(messages, message)):
+                messages.append(message)
+        messages = _without_review_harness(messages)
+        for message in messages:
+            if _is_stale_marker(message):
+                message["content"] = ""
+        if repair_alternation:
+            repair_alternation_in_place(messages)
+        return messages
+
+    def _session_lineage_root_to_tip(self, session_id):
+        """`session_id` with every ancestor by parent link, root first (a loop or
+        LINEAGE_MAX_HOPS ends the walk); [session_id] for an unknown id."""
+        chain, current = [], session_id
+        while current and current not in chain and len(chain) < LINEAGE_MAX_HOPS:
+            chain.append(current)
+            row = self._read_one("SELECT parent_session_id FROM sessions WHERE id = ?", (current,))
+            if row is None:
+                break
+            current = row[0]
+        return chain[::-1] or [session_id]
+
+    def _is_explicit_branch_session(self, session_id):
+        """True for a /branch copy (model_config names `_branched_from`)."""
+        if not session_id:
+            return False
+        config = _json_object(self._read_value("SELECT model_config FROM sessions WHERE id = ?", (session_id,)))
+        return bool(config.get("_branched_from"))
 
     def message_count(self, session_id=None):
-        """Active messages in one session, or in the whole store."""
-        if session_id is None:
-            return self._read_value(COUNT_ACTIVE_MESSAGES_SQL)
-        return self._read_value(COUNT_SESSION_MESSAGES_SQL, (session_id,))
+        """Messages stored in one session, or in the whole store when `session_id` is empty;
+        rewound and compacted rows count too, as in hermes-agent."""
+        if session_id:
+            return self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ?", (session_id,))
+        return self._read_value(COUNT_ALL_MESSAGES_SQL)
+
+    def latest_message_row_id(self, session_id, *, role="user", offset=0, require_text=True):
+        """Id of the newest active `role` message (`offset` steps back that many); None
+        when there is none, or for a role other than user/assistant or a negative offset.
+
+        With `require_text`, rows without visible text (tool-call-only turns) are skipped.
+        """
+        if not session_id or role not in ("user", "assistant") or offset < 0:
+            return None
+        text = "AND content IS NOT NULL AND TRIM(content) != '' " if require_text else ""
+        return self._read_value("SELECT id FROM messages WHERE session_id = ? AND role = ? AND active = 1 "
+                                f"{text}ORDER BY id DESC LIMIT 1 OFFSET ?", (session_id, role, int(offset)))
+
+    def latest_user_message_row_id(self, session_id):
+        """Id of the newest active user message with text; None when there is none."""
+        return self.latest_message_row_id(session_id, role="user")
+
+    def get_message_role(self, session_id, row_id):
+        """Role of the active message `row_id` of the session; None when there is none."""
+        if not session_id:
+            return None
+        return self._read_value("SELECT role FROM messages WHERE id = ? AND session_id = ? AND active = 1",
+                                (int(row_id), session_id))
+
+    def has_platform_message_id(self, session_id, platform_message_id):
+        """True if the session has a message (active or not) with this platform message id."""
+        return self._read_one("SELECT 1 FROM messages WHERE session_id = ? AND platform_message_id = ? LIMIT 1",
+                              (session_id, platform_message_id)) is not None
+
+    # -- rewind ----------------------------------------------------------------------
 
     def rewind_to_message(self, session_id, target_message_id):
-        """Deactivate every message after `target_message_id`; returns how many. Undo: restore_rewound."""
-        require_int("target_message_id", target_message_id)
+        """Withdraw the user message `target_message_id` and everything after it (kept
+        inactive); returns {"rewound_count", "target_message", "new_head_id"}.
+
+        `target_message` is the row as it was, content decoded; `new_head_id` the
+        newest message still active, or None. The session's rewind_count goes up
+        by one on every call; its message_count stays (hermes-agent's). Raises
+        ValueError, writing nothing, when the message is not in the session or
+        is not a user message. Undo with restore_rewound.
+        """
+        target = self._read_one("SELECT * FROM messages WHERE id = ? AND session_id = ?",
+                                (target_message_id, session_id))
+        if target is None:
+            raise ValueError(f"message {target_message_id!r} is not in session {session_id!r}")
+        if target["role"] != "user":
+            raise ValueError(f"rewind target must be a 'user' message, not {target['role']!r} "
+                             f"(message {target_message_id!r})")
+        target = dict(target, content=decode_content(target["content"]))
 
         def write(conn):
-            owner = conn.execute(SELECT_MESSAGE_OWNER_SQL, (target_message_id,)).fetchone()
-            if owner is None or owner[0] != session_id:
-                raise ValueError(f"message {target_message_id} is not in session {session_id!r}")
-            hidden = conn.execute(DEACTIVATE_AFTER_SQL, (session_id, target_message_id)).rowcount
-            if hidden:
-                conn.execute(BUMP_REWIND_COUNT_SQL, (session_id,))
-                _recount(conn, session_id)
-            return hidden
+            rewound = conn.execute("UPDATE messages SET active = 0 WHERE session_id = ? AND id >= ? AND active = 1",
+                                   (session_id, target_message_id)).rowcount
+            conn.execute("UPDATE sessions SET rewind_count = COALESCE(rewind_count, 0) + 1 WHERE id = ?",
+                         (session_id,))
+            return rewound
 
-        return self._execute_write(write)
+        rewound = self._execute_write(write)
+        head = self._read_value("SELECT MAX(id) FROM messages WHERE session_id = ? AND active = 1", (session_id,))
+        return {"rewound_count": rewound, "target_message": target, "new_head_id": head}
 
-    def restore_rewound(self, session_id):
-        """Reactivate the messages a rewind hid; returns how many."""
-        def write(conn):
-            shown = conn.execute(REACTIVATE_SQL, (session_id,)).rowcount
-            if shown:
-                _recount(conn, session_id)
-            return shown
-
-        return self._execute_write(write)
+    def restore_rewound(self, session_id, since_message_id):
+        """Make every inactive message of the session from `since_message_id` on active
+        again; returns how many (0 for an unknown session)."""
+        return self._update_rows("UPDATE messages SET active = 1 WHERE session_id = ? AND id >= ? AND active = 0",
+                                 (session_id, since_message_id))
 
 
-def _message_row(session_id, fields):
-    """Check one message's fields; returns (row in MESSAGE_WRITE_COLUMNS order, tool-call count)."""
-    unknown = set(fields) - set(MESSAGE_WRITE_COLUMNS)
-    if unknown:
-        raise ValueError(f"unknown message field {sorted(unknown)[0]!r}")
-    require_text("session_id", session_id)
-    require_text("role", fields.get("role"))
-    values = {}
-    for column in MESSAGE_WRITE_COLUMNS[2:]:
-        value = fields.get(column)
-        if column in MESSAGE_JSON_FIELDS:
-            value = json_text(column, value)
-        elif column == "token_count":
-            value = require_int("token_count", value, allow_none=True)
-        elif column == "timestamp":
-            value = time.time() if value is None else value
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError("timestamp must be a number (seconds since the epoch)")
-        elif value is not None and not isinstance(value, str):
-            raise ValueError(f"{column} must be a string or None")
-        values[column] = value
-    row = (session_id, fields["role"]) + tuple(values.values())
-    return row, count_tool_calls(values["tool_calls"])
+# -- encoding rows ---------------------------------------------------------------
 
 
-def _bump_counts(conn, session_id, messages, calls):
-    if conn.execute(BUMP_MESSAGE_COUNTS_SQL, (messages, calls, session_id)).rowcount == 0:
-        raise ValueError(f"unknown session_id {session_id!r}")
+def _message_row(session_id, message, default_time, direct=False):
+    """(row in MESSAGE_WRITE_COLUMNS order, tool calls it counts, its timestamp).
+
+    `direct` is append_message's reading of the fields; otherwise the batch
+    one: a missing role is "unknown", reasoning is kept on assistant rows only,
+    and `message_id` stands in for `platform_message_id`.
+    """
+    get = message.get
+    role = get("role", "unknown")
+
+    def reasoning(key):
+        return get(key) if direct or role == "assistant" else None
+
+    tool_calls = get("tool_calls")
+    if isinstance(tool_calls, str):
+        tool_calls = loads_or(tool_calls, [])
+    calls = 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
+    stamp = _timestamp(get("timestamp"), default_time)
+    platform_id = get("platform_message_id") if direct else get("platform_message_id") or get("message_id")
+    row = (session_id, role, encode_content(get("content")), get("tool_call_id"),
+           json.dumps(tool_calls) if tool_calls else None, scrub_surrogates(get("tool_name")),
+           get("effect_disposition"), stamp, get("token_count"), get("finish_reason"),
+           scrub_surrogates(reasoning("reasoning")), scrub_surrogates(reasoning("reasoning_content")),
+           _json_field(reasoning("reasoning_details")), _json_field(reasoning("codex_reasoning_items")),
+           _json_field(reasoning("codex_message_items")), platform_id, 1 if get("observed") else 0, 1,
+           _text_or_none(get("api_content")), _text_or_none(get("display_kind")),
+           _display_metadata_text(get("display_metadata")))
+    return row, calls, stamp
 
 
-def _recount(conn, session_id):
-    rows = conn.execute(SELECT_ACTIVE_COUNT_INPUTS_SQL, (session_id,)).fetchall()
-    calls = sum(count_tool_calls(row["tool_calls"]) for row in rows)
-    conn.execute(SET_MESSAGE_COUNTS_SQL, (len(rows), calls, session_id))
+def _check_open_session(conn, session_id, must_exist=True):
+    row = conn.execute("SELECT ended_at, end_reason FROM sessions WHERE id = ?", (session_id,)).fetchone()
+    if row is None:
+        if must_exist:
+            raise UnknownSessionError(session_id)
+    elif row["ended_at"] is not None and row["end_reason"] == COMPRESSION_END_REASON:
+        raise CompressionSessionClosedError(session_id)
+
+
+def _timestamp(value, default):
+    """Seconds since the epoch from a number, numeric text or a datetime; `default` otherwise."""
+    if value is None:
+        return default
+    try:
+        return float(value.timestamp()) if hasattr(value, "timestamp") else float(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _json_field(value):
+    """A structured reasoning field as stored: text as given (never encoded twice), values as JSON."""
+    if not value:
+        return None
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _text_or_none(value):
+    return scrub_surrogates(value) if isinstance(value, str) else None
+
+
+def _display_metadata_text(value):
+    """display_metadata as stored: JSON of an object, from a dict or JSON text; anything else is dropped."""
+    if not value:
+        return None
+    if isinstance(value, str):
+        value = loads_or(value, None)
+    return json.dumps(value) if isinstance(value, dict) else None
+
+
+def _json_object(raw):
+    value = loads_or(raw, None) if isinstance(raw, str) else raw
+    return value if isinstance(value, dict) else {}
+
+
+def _is_fork_child(row):
+    """True when a session row is a branch, delegate or tool child rather than a compression continuation."""
+    if row["source"] == "tool":
+        return True
+    config = _json_object(row["model_config"])
+    markers = (config.get("_branched_from"), config.get("_delegate_from"))
+    parent = row["parent_session_id"]
+    return parent in markers if parent else markers != (None, None)
+
+
+def _one_per_generation(rows):
+    """Compaction copies its kept tail into each generation: one row per message
+    (same role, content, time and tool fields), preferring the live one, then the newest."""
+    best = {}
+    for row in rows:
+        key = tuple(row[k] for k in ("role", "content", "timestamp", "tool_call_id", "tool_calls", "tool_name"))
+        if key not in best or (row["active"], row["id"]) > (best[key]["active"], best[key]["id"]):
+            best[key] = row
+    return sorted(best.values(), key=lambda row: row["id"])
+
+
+# -- the conversation --------------------------------------------------------------
+
+
+def _conversation_message(row, include_row_id):
+    role, content = row["role"], decode_content(row["content"])
+    if role in ("user", "assistant") and isinstance(content, str):
+        content = _MEMORY_TAG.sub("", _MEMORY_NOTE.sub("", _MEMORY_BLOCK.sub("", content))).strip()
+    message = {"role": role, "content": content}
+    if include_row_id and row["id"] is not None:
+        message["_row_id"] = row["id"]
+    for key in ("api_content", "display_kind"):
+        if row[key]:
+            message[key] = row[key]
+    meta = decode_display_metadata(row["display_metadata"]) if row["display_metadata"] else None
+    if meta is not None:
+        message["display_metadata"] = meta
+    for key in ("timestamp", "tool_call_id", "tool_name", "effect_disposition"):
+        if row[key]:
+            message[key] = row[key]
+    if row["tool_calls"]:
+        message["tool_calls"] = loads_or(row["tool_calls"], [])
+    if row["platform_message_id"]:
+        message["message_id"] = row["platform_message_id"]
+    if row["observed"]:
+        message["observed"] = True
+    if role == "assistant":
+        for key in ("finish_reason", "reasoning"):
+            if row[key]:
+                message[key] = row[key]
+        if row["reasoning_content"] is not None:
+            message["reasoning_content"] = row["reasoning_content"]
+        for key in ("reasoning_details", "codex_reasoning_items", "codex_message_items"):
+            if row[key]:
+                message[key] = loads_or(row[key], None)
+    return message
+
+
+def _is_replayed_user_turn(messages, message):
+    """True when a user turn repeats one already there with no assistant answer between."""
+    content = message["content"]
+    if message["role"] != "user" or not isinstance(content, str) or not content:
+        return False
+    for earlier in reversed(messages):
+        if earlier["role"] == "user" and earlier["content"] == content:
+            return True
+        if earlier["role"] == "assistant" and (earlier["content"] or earlier.get("tool_calls")):
+            return False
+    return False
+
+
+def _without_review_harness(messages):
+    """Drop background-review prompts and the assistant answer right after each."""
+    kept, skip_answer = [], False
+    for message in messages:
+        content = message["content"]
+        if message["role"] in ("user", "system") and isinstance(content, str) \
+                and content.lstrip().startswith(_REVIEW_HARNESS_PREFIXES):
+            skip_answer = True
+            continue
+        answer, skip_answer = skip_answer and message["role"] == "assistant", False
+        if not answer:
+            kept.append(message)
+    return kept
+
+
+def _is_stale_marker(message):
+    content = message["content"]
+    return (message["role"] == "assistant" and bool(message.get("tool_calls")) and isinstance(content, str)
+            and _STALE_MARKER.fullmatch(content.strip()) is not None)
+
+
+def _is_codex_interim(message):
+    return bool(message.get("codex_reasoning_items") or message.get("codex_message_items")
+                or message.get("finish_reason") == "incomplete")
+
+
+def repair_alternation_in_place(messages):
+    """hermes-agent's pre-request alternation repair; returns how many repairs it made.
+
+    Back-to-back assistant turns merge (tool calls joined, text joined by a
+    newline; a verification candidate is replaced; Codex interim turns are
+    left alone), tool results no preceding assistant call asked for are
+    dropped (a repeated one too), and back-to-back user turns with text merge
+    with a blank line (their api_content dropped).
+    """
+    repairs, collapsed = 0, []
+    for message in messages:
+        previous = collapsed[-1] if collapsed else None
+        if previous is None or not message.get("role") == previous.get("role") == "assistant" \
+                or _is_codex_interim(message) or _is_codex_interim(previous):
+            collapsed.append(message)
+            continue
+        repairs += 1
+        if previous.get("finish_reason") in _VERIFICATION_FINISHES:
+            collapsed[-1] = message
+            continue
+        calls = list(previous.get("tool_calls") or []) + list(message.get("tool_calls") or [])
+        if calls:
+            previous["tool_calls"] = calls
+        else:
+            previous.pop("tool_calls", None)
+        first, second = previous.get("content"), message.get("content")
+        if isinstance(first, str) and isinstance(second, str):
+            previous["content"] = "\n".join(part for part in (first.strip(), second.strip()) if part)
+        elif not first and second is not None:
+            previous["content"] = second
+        if not previous.get("reasoning_content") and message.get("reasoning_content"):
+            previous["reasoning_content"] = message["reasoning_content"]
+    answered, kept = set(), []
+    for message in collapsed:
+        role = message.get("role")
+        if role == "assistant":
+            answered = {call.get(key) for call in (message.get("tool_calls") or []) if isinstance(call, dict)
+                        for key in ("id", "call_id") if call.get(key)}
+        elif role == "tool":
+            if message.get("tool_call_id") not in answered:
+                repairs += 1
+                continue
+            answered.discard(message.get("tool_call_id"))
+        elif role == "user":
+            answered = set()
+        kept.append(message)
+    merged = []
+    for message in kept:
+        previous = merged[-1] if merged else None
+        first, second = (previous or {}).get("content", ""), message.get("content", "")
+        if previous is not None and message.get("role") == previous.get("role") == "user" \
+                and isinstance(first, str) and isinstance(second, str):
+            previous["content"] = first + "\n\n" + second if first and second else first or second
+            previous.pop("api_content", None)
+            repairs += 1
+            continue
+        merged.append(message)
+    if repairs:
+        messages[:] = merged
+    return repairs

@@ -344,7 +344,7 @@ def _md_body(export):
     parts.append("## Messages\n\n")
     for message in export["messages"]:
         label = message["role"].capitalize() + (f" — {message['tool_name']}" if message.get("tool_name") else "")
-        parts.append(f"### {label} — {iso_time(message['timestamp'])}\n\n{message.get('content') or ''}\n\n")
+        parts.append(f"### {label} — {iso_time(message['timestamp'])}\n\n{_content_text(message)}\n\n")
         if message.get("tool_calls"):
             calls = json.dumps(message["tool_calls"], ensure_ascii=False, indent=2)
             parts.append(f"#### Tool calls\n\n```json\n{calls}\n```\n\n")
@@ -398,9 +398,15 @@ details {{ margin: .3rem 0; }}
 HTML_FOLD_CHARS = 600
 
 
+def _content_text(message):
+    """A message's content as text: multimodal parts (a list) are shown as their JSON."""
+    content = message.get("content")
+    return content if isinstance(content, str) else "" if content is None else json.dumps(content, ensure_ascii=False)
+
+
 def _html_content(message):
     """The message text; a long tool output folds away behind its first lines."""
-    text = message.get("content") or ""
+    text = _content_text(message)
     if message["role"] != "tool" or len(text) <= HTML_FOLD_CHARS:
         return f"<pre>{html.escape(text)}</pre>"
     return (f"<details><summary><pre>{html.escape(text[:200])}… ({len(text):,} characters)</pre></summary>"

@@ -16,8 +16,6 @@ from hermes_state_gateway import lock_holder_name
 from hermes_state_common import TITLE_MAX_LENGTH
 from test_support import StoreTestCase, TempDirTestCase
 
-CALL = [{"id": "call_1", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]
-
 
 class Opening(TempDirTestCase):
 
@@ -192,81 +190,6 @@ class Sessions(StoreTestCase):
         self.assertEqual(self.db.session_count(source="telegram"), 1)
         with self.assertRaisesRegex(ValueError, "limit is 20000; the limit is 10000"):
             self.db.list_sessions_rich(limit=20000)
-
-
-class Messages(StoreTestCase):
-
-    def setUp(self):
-        super().setUp()
-        self.db.create_session("s", "cli")
-
-    def test_append_keeps_counts_exact_and_decodes_tool_calls(self):
-        first = self.db.append_message("s", "user", "hello")
-        self.db.append_message("s", "assistant", "calling", tool_calls=CALL + CALL, reasoning="think",
-                               finish_reason="tool_calls", token_count=12)
-        self.db.append_message("s", "tool", "ok", tool_name="terminal", tool_call_id="call_1")
-        row = self.session_row("s")
-        self.assertEqual((row["message_count"], row["tool_call_count"]), (3, 2))
-        messages = self.db.get_messages("s")
-        self.assertEqual(messages[0]["id"], first)
-        self.assertEqual(messages[1]["tool_calls"], CALL + CALL)
-        self.assertEqual(messages[1]["reasoning"], "think")
-        raw = self.raw(self.path).execute("SELECT tool_calls FROM messages WHERE id = ?", (first + 1,))
-        self.assertEqual(json.loads(raw.fetchone()[0]), CALL + CALL)
-        self.assertEqual(self.db.get_messages_as_conversation("s"), [
-            {"role": "user", "content": "hello"},
-            {"role": "assistant", "content": "calling", "tool_calls": CALL + CALL},
-            {"role": "tool", "content": "ok", "tool_call_id": "call_1"},
-        ])
-
-    def test_bad_message_input_writes_nothing(self):
-        cases = [
-            (dict(role=""), "role must be a non-empty string"),
-            (dict(role="user", content=5), "content must be a string or None"),
-            (dict(role="user", token_count=-3), "token_count must be an integer >= 0"),
-            (dict(role="user", tool_calls=object()), "tool_calls is not JSON-serialisable"),
-            (dict(role="user", tool_calls="{bad json"), "tool_calls must be JSON text"),
-            (dict(role="user", timestamp="yesterday"), "timestamp must be a number"),
-        ]
-        for kwargs, message in cases:
-            with self.subTest(kwargs=kwargs), self.assertRaisesRegex(ValueError, message):
-                self.db.append_message("s", **kwargs)
-        with self.assertRaisesRegex(ValueError, "unknown session_id 'ghost'"):
-            self.db.append_message("ghost", "user", "lost?")
-        self.assertEqual(self.raw(self.path).execute("SELECT COUNT(*) FROM messages").fetchone()[0], 0)
-
-    def test_batch_is_all_or_nothing(self):
-        with self.assertRaisesRegex(ValueError, r"messages\[1\]: role"):
-            self.db.append_messages_batch("s", [{"role": "user", "content": "a"}, {"content": "no role"}])
-        self.assertEqual(self.db.message_count("s"), 0)
-        count = self.db.append_messages_batch("s", [{"role": "user", "content": "a"},
-                                                    {"role": "assistant", "tool_calls": CALL}])
-        self.assertEqual(count, 2)
-        row = self.session_row("s")
-        self.assertEqual((row["message_count"], row["tool_call_count"]), (2, 1))
-        with self.assertRaisesRegex(ValueError, "unknown message field 'colour'"):
-            self.db.append_messages_batch("s", [{"role": "user", "colour": "red"}])
-
-    def test_get_messages_paging_and_after_id(self):
-        ids = [self.db.append_message("s", "user", f"m{i}") for i in range(5)]
-        self.assertEqual([m["content"] for m in self.db.get_messages("s", limit=2, offset=1)], ["m1", "m2"])
-        self.assertEqual([m["content"] for m in self.db.get_messages("s", after_id=ids[2])], ["m3", "m4"])
-        self.assertEqual(self.db.message_count(), 5)
-
-    def test_rewind_and_restore(self):
-        ids = [self.db.append_message("s", "user" if i % 2 == 0 else "assistant", f"m{i}",
-                                      tool_calls=CALL if i == 3 else None) for i in range(5)]
-        self.assertEqual(self.db.rewind_to_message("s", ids[1]), 3)
-        self.assertEqual([m["content"] for m in self.db.get_messages("s")], ["m0", "m1"])
-        self.assertEqual(len(self.db.get_messages("s", include_inactive=True)), 5)
-        row = self.session_row("s")
-        self.assertEqual((row["message_count"], row["tool_call_count"], row["rewind_count"]), (2, 0, 1))
-        self.assertEqual(self.db.restore_rewound("s"), 3)
-        row = self.session_row("s")
-        self.assertEqual((row["message_count"], row["tool_call_count"]), (5, 1))
-        self.db.create_session("other", "cli")
-        with self.assertRaisesRegex(ValueError, "is not in session 'other'"):
-            self.db.rewind_to_message("other", ids[0])
 
 
 class Lineage(StoreTestCase):

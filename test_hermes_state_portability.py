@@ -54,8 +54,9 @@ class Exports(TempDirTestCase):
         self.assertIsNone(self.db.export_session("ghost"))
 
     def test_export_leaves_out_rewound_messages(self):
-        first = self.db.export_session("bench_000003")["messages"][3]["id"]
-        self.db.rewind_to_message("bench_000003", first)
+        fifth = self.db.export_session("bench_000003")["messages"][4]
+        self.assertEqual(fifth["role"], "user")
+        self.db.rewind_to_message("bench_000003", fifth["id"])
         self.assertEqual(len(self.db.export_session("bench_000003")["messages"]), 4)
 
     def test_lineage_export_is_one_logical_session(self):
@@ -285,6 +286,14 @@ class Renderers(StoreTestCase):
         for seen in ('class="role">user', 'class="role">assistant', "terminal", "→ terminal(",
                      "ls &lt;/tmp&gt;", "1,600 characters", "<details><summary>System prompt"):
             self.assertIn(seen, page)
+
+    def test_multimodal_content_renders_as_its_json_in_md_and_html(self):
+        self.db.append_message("r1", "user", [{"type": "text", "text": "parts <of> a prompt"}])
+        text, _digest = markdown_document(self.db.export_session("r1"))
+        self.assertIn('[{"type": "text", "text": "parts <of> a prompt"}]', text)
+        out = self.tmp / "page.html"
+        write_export(self.db.export_all(), "html", str(out))
+        self.assertIn("parts &lt;of&gt; a prompt", out.read_text(encoding="utf-8"))
 
     def test_trace_is_one_event_a_line(self):
         out = self.tmp / "trace.jsonl"

@@ -1,0 +1,445 @@
+"""The transcript mixin on real temporary stores: hermes-agent's contract for
+appends, reads, the chat-API conversation, rewind, replace and the turn lease."""
+
+import datetime
+import json
+import sqlite3
+import time
+
+from hermes_state import SessionDB
+from hermes_state_common import (
+    CompressionSessionClosedError,
+    SessionTurnLeaseLostError,
+)
+from test_support import StoreTestCase
+
+CALL = [{"id": "call_1", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]
+# Binding an unsupported type: ProgrammingError since Python 3.11, InterfaceError before.
+BIND_ERRORS = (sqlite3.ProgrammingError, sqlite3.InterfaceError)
+
+
+class MessageTestCase(StoreTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.db.create_session("s", "cli")
+
+    def stored(self, session_id="s", column="*"):
+        return self.raw(self.path).execute(
+            f"SELECT {column} FROM messages WHERE session_id = ? ORDER BY id", (session_id,)).fetchall()
+
+    def counts(self, session_id="s"):
+        row = self.session_row(session_id)
+        return row["message_count"], row["tool_call_count"]
+
+    def lease(self, conversation_id, holder, expires_in=60.0):
+        conn = self.raw(self.path)
+        conn.execute("INSERT OR REPLACE INTO session_turn_leases VALUES (?, ?, ?, ?)",
+                     (conversation_id, holder, time.time(), time.time() + expires_in))
+        conn.commit()
+
+
+class Appending(MessageTestCase):
+
+    def test_append_returns_the_row_id_and_counts_tool_calls_as_hermes_agent(self):
+        first = self.db.append_message("s", "user", "hello")
+        self.db.append_message("s", "assistant", None, tool_calls=CALL + CALL)
+        self.db.append_message("s", "assistant", None, tool_calls={"not": "a list"})  # counts as one
+        self.db.append_message("s", "assistant", None, tool_calls="{not json")  # counts as none
+        self.assertEqual([row["id"] for row in self.stored()], [first, first + 1, first + 2, first + 3])
+        self.assertEqual(self.counts(), (4, 3))
+        self.assertEqual([row[0] for row in self.stored(column="tool_calls")],
+                         [None, json.dumps(CALL + CALL), '{"not": "a list"}', None])
+
+    def test_structured_values_are_stored_and_read_back_as_hermes_agent_does(self):
+        parts = [{"type": "text", "text": "what is this é"}, {"type": "image_url", "image_url": {"url": "x"}}]
+        self.db.append_message("s", "user", parts, display_metadata={"k": 1})
+        self.db.append_message("s", "assistant", "ok", tool_calls=json.dumps(CALL), reasoning_details=[{"t": "é"}],
+                               codex_reasoning_items="kept as given", display_metadata='{"j": 2}')
+        self.db.append_message("s", "user", "x", display_metadata="[1]")
+        content, meta = self.stored(column="content, display_metadata")[0]
+        self.assertEqual(content, "\x00json:" + json.dumps(parts))
+        self.assertEqual(meta, '{"k": 1}')
+        second = self.stored()[1]
+        self.assertEqual(second["tool_calls"], json.dumps(CALL))  # never encoded twice
+        self.assertEqual(second["reasoning_details"], '[{"t": "\\u00e9"}]')
+        self.assertEqual(second["codex_reasoning_items"], "kept as given")
+        self.assertEqual(second["display_metadata"], '{"j": 2}')
+        self.assertIsNone(self.stored()[2]["display_metadata"])  # not an object: dropped
+        messages = self.db.get_messages("s")
+        self.assertEqual(messages[0]["content"], parts)
+        self.assertEqual(messages[0]["display_metadata"], {"k": 1})
+        self.assertEqual(messages[1]["tool_calls"], CALL)
+        self.assertEqual(self.db.get_messages_as_conversation("s")[0]["content"], parts)
+
+    def test_inputs_hermes_agent_accepts_are_stored_the_way_it_stores_them(self):
+        before = time.time()
+        cases = [
+            (dict(role="user", content=5), "content", "5"),
+            (dict(role="user", content=object), "content", str(object)),
+            (dict(role="user", content="lone \ud800 surrogate"), "content", "lone \ufffd surrogate"),
+            (dict(role="", content="empty role"), "role", ""),
+            (dict(role="user", token_count="many"), "token_count", "many"),
+            (dict(role="user", observed="yes"), "observed", 1),
+            (dict(role="user", api_content=5, display_kind=7), "api_content", None),
+            (dict(role="user", timestamp="12.5"), "timestamp", 12.5),
+            (dict(role="user", timestamp=datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc)),
+             "timestamp", 1577836800.0),
+        ]
+        for kwargs, column, expected in cases:
+            with self.subTest(kwargs=kwargs):
+                message_id = self.db.append_message("s", **kwargs)
+                self.assertEqual(self.raw(self.path).execute(
+                    f"SELECT {column} FROM messages WHERE id = ?", (message_id,)).fetchone()[0], expected)
+        stamp = self.db.append_message("s", "user", timestamp="yesterday")
+        self.assertGreaterEqual(self.db.get_messages("s")[-1]["timestamp"], before)
+        self.assertEqual(self.db.get_messages("s")[-1]["id"], stamp)
+
+    def test_bad_input_raises_what_hermes_agent_raises_and_writes_nothing(self):
+        cases = [
+            (dict(role=None), sqlite3.IntegrityError),
+            (dict(role="tool", tool_call_id={"x": 1}), BIND_ERRORS),
+            (dict(role="assistant", finish_reason=["stop"]), BIND_ERRORS),
+            (dict(role="assistant", reasoning_details=object()), TypeError),
+            (dict(role="user", display_metadata={"bad": object()}), TypeError),
+        ]
+        for kwargs, error in cases:
+            with self.subTest(kwargs=kwargs), self.assertRaises(error):
+                self.db.append_message("s", **kwargs)
+        for call in (lambda: self.db.append_message("ghost", "user", "lost?"),
+                     lambda: self.db.append_messages_batch("ghost", [{"role": "user"}])):
+            with self.assertRaises(sqlite3.IntegrityError) as caught:
+                call()
+            self.assertIsInstance(caught.exception, ValueError)
+        self.assertEqual(self.raw(self.path).execute("SELECT COUNT(*) FROM messages").fetchone()[0], 0)
+        self.assertEqual(self.counts(), (0, 0))
+
+    def test_every_insert_writes_active_so_an_old_store_without_its_default_shows_the_row(self):
+        path = self.tmp / "old.db"
+        conn = sqlite3.connect(path)
+        conn.executescript("""
+            CREATE TABLE sessions (id TEXT PRIMARY KEY, source TEXT NOT NULL, started_at REAL NOT NULL,
+                                   message_count INTEGER DEFAULT 0, tool_call_count INTEGER DEFAULT 0);
+            CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL,
+                                   role TEXT NOT NULL, content TEXT, timestamp REAL NOT NULL, active INTEGER);
+            INSERT INTO sessions VALUES ('old', 'cli', 1, 3, 0);
+            INSERT INTO messages (session_id, role, content, timestamp, active)
+                VALUES ('old', 'user', 'a', 1, 1), ('old', 'assistant', 'b', 2, 1), ('old', 'user', 'c', 3, 1);
+        """)
+        conn.close()
+        with SessionDB(path) as db:
+            db.append_message("old", "assistant", "appended today")
+            self.assertEqual(len(db.get_messages("old")), 4)
+            db.append_messages_batch("old", [{"role": "user", "content": "batched"}])
+            self.assertEqual(len(db.get_messages_as_conversation("old")), 5)
+            db.replace_messages("old", [{"role": "user", "content": "replaced"}])
+            self.assertEqual([m["content"] for m in db.get_messages("old")], ["replaced"])
+        self.assertEqual(self.raw(path).execute("SELECT COUNT(*) FROM messages WHERE active IS NULL").fetchone()[0],
+                         0)
+
+    def test_a_session_ended_by_compression_refuses_every_transcript_write(self):
+        self.db.append_message("s", "user", "before")
+        self.db.end_session("s", "compression")
+        writes = (lambda: self.db.append_message("s", "user", "late"),
+                  lambda: self.db.append_messages_batch("s", [{"role": "user", "content": "late"}]),
+                  lambda: self.db.replace_messages("s", []))
+        for write in writes:
+            with self.assertRaises(CompressionSessionClosedError):
+                write()
+        self.assertEqual([row["content"] for row in self.stored()], ["before"])
+        self.db.create_session("done", "cli")
+        self.db.end_session("done", "user_exit")
+        self.db.append_message("done", "user", "an ended session still takes messages")
+
+    def test_a_compression_lock_held_by_someone_else_does_not_block_appends(self):
+        self.assertTrue(self.db.try_acquire_compression_lock("s", "compressor"))
+        self.db.append_message("s", "user", "meanwhile", compression_lock_holder="agent")
+        self.db.append_messages_batch("s", [{"role": "user"}], compression_lock_holder="agent")
+        self.assertEqual(len(self.stored()), 2)
+
+    def test_a_turn_lease_holder_must_hold_the_conversations_lease(self):
+        for holder in ("me", "you"):
+            with self.subTest(holder=holder), self.assertRaises(SessionTurnLeaseLostError):
+                self.db.append_message("s", "user", "no lease yet", turn_lease_holder=holder)
+        self.lease("s", "me")
+        self.db.append_message("s", "user", "mine", turn_lease_holder="me")
+        with self.assertRaises(SessionTurnLeaseLostError):
+            self.db.append_messages_batch("s", [{"role": "user"}], turn_lease_holder="you")
+        self.assertEqual([row["content"] for row in self.stored()], ["mine"])
+        self.lease("s", "me", expires_in=-10)  # lapsed, nobody took it over: still mine, renewed
+        self.db.append_message("s", "user", "renewed", turn_lease_holder="me", turn_lease_ttl_seconds=-5)
+        expires = self.raw(self.path).execute("SELECT expires_at FROM session_turn_leases").fetchone()[0]
+        self.assertAlmostEqual(expires, time.time() + 0.1, delta=0.5)
+
+    def test_the_turn_lease_is_the_compression_roots_but_a_branch_has_its_own(self):
+        self.db.end_session("s", "compression")
+        self.db.create_session("tip", "cli", parent_session_id="s")
+        self.db.create_session("branch", "cli", parent_session_id="tip", model_config={"_branched_from": "tip"})
+        self.lease("s", "me")
+        self.db.append_message("tip", "user", "leased through the root", turn_lease_holder="me")
+        with self.assertRaises(SessionTurnLeaseLostError):
+            self.db.append_message("branch", "user", "not the branch's lease", turn_lease_holder="me")
+        self.lease("branch", "me")
+        self.db.append_message("branch", "user", "its own lease", turn_lease_holder="me")
+
+
+class Batches(MessageTestCase):
+
+    def test_batch_reads_each_dict_as_hermes_agent_does_and_stamps_row_ids(self):
+        batch = [
+            {"content": "no role"},
+            {"role": "user", "content": "hi", "reasoning": "dropped", "message_id": "pm1", "observed": 1},
+            {"role": "assistant", "tool_calls": CALL, "reasoning": "think", "reasoning_content": "",
+             "reasoning_details": [{"a": 1}]},
+            {"role": "tool", "content": "out", "tool_call_id": "call_1", "platform_message_id": "pm2",
+             "message_id": "ignored"},
+            {"role": "user", "content": "stamped", "timestamp": 5},
+        ]
+        self.assertEqual(self.db.append_messages_batch("s", batch), 5)
+        rows = self.stored()
+        self.assertEqual([m["_row_id"] for m in batch], [row["id"] for row in rows])
+        self.assertEqual([row["role"] for row in rows], ["unknown", "user", "assistant", "tool", "user"])
+        self.assertIsNone(rows[1]["reasoning"])
+        self.assertEqual((rows[2]["reasoning"], rows[2]["reasoning_content"]), ("think", ""))
+        self.assertEqual([row["platform_message_id"] for row in rows], [None, "pm1", None, "pm2", None])
+        self.assertEqual([row["observed"] for row in rows], [0, 1, 0, 0, 0])
+        stamps = [row["timestamp"] for row in rows]
+        self.assertEqual([round((b - a) * 1e6) for a, b in zip(stamps[:3], stamps[1:4])], [1, 1, 1])
+        self.assertEqual(stamps[4], 5)
+        self.assertEqual(self.counts(), (5, 1))
+
+    def test_a_batch_is_all_or_nothing(self):
+        for batch, error in (([{"role": "user"}, "not a dict"], AttributeError),
+                             ([{"role": "user"}, {"role": None}], sqlite3.IntegrityError)):
+            with self.subTest(batch=batch), self.assertRaises(error):
+                self.db.append_messages_batch("s", batch)
+        self.assertEqual((len(self.stored()), self.counts()), (0, (0, 0)))
+
+    def test_an_empty_batch_returns_zero_even_for_an_unknown_session(self):
+        self.assertEqual(self.db.append_messages_batch("ghost", []), 0)
+        self.assertEqual(self.db.append_messages_batch("ghost", None), 0)
+
+    def test_chunk_rows_commits_each_chunk_on_its_own(self):
+        self.assertEqual(self.db.append_messages_batch("s", [{"role": "user"}] * 5, chunk_rows=2), 5)
+        with self.assertRaises(sqlite3.IntegrityError):
+            self.db.append_messages_batch("s", [{"role": "user"}, {"role": "user"}, {"role": None}], chunk_rows=2)
+        self.assertEqual(len(self.stored()), 7)
+
+
+class Reading(MessageTestCase):
+
+    def test_get_messages_pages_from_either_end_or_by_id(self):
+        ids = [self.db.append_message("s", "user", f"m{i}") for i in range(5)]
+
+        def contents(**kwargs):
+            return [m["content"] for m in self.db.get_messages("s", **kwargs)]
+
+        self.assertEqual(contents(limit=2, offset=1), ["m1", "m2"])
+        self.assertEqual(contents(offset=3), ["m3", "m4"])
+        self.assertEqual(contents(limit=2, latest=True), ["m3", "m4"])
+        self.assertEqual(contents(limit=2, offset=1, latest=True), ["m2", "m3"])
+        self.assertEqual(contents(after_id=ids[2]), ["m3", "m4"])
+        for kwargs in (dict(latest=True), dict(offset=1), dict(include_compacted=True)):
+            with self.subTest(kwargs=kwargs), self.assertRaises(ValueError):
+                self.db.get_messages("s", after_id=ids[0], **kwargs)
+        self.assertEqual(self.db.get_messages("ghost"), [])
+        columns = [row[1] for row in self.raw(self.path).execute("PRAGMA table_info(messages)")]
+        self.assertEqual(list(self.db.get_messages("s")[0]), columns)
+
+    def test_include_compacted_shows_each_compacted_message_once_and_never_rewound_ones(self):
+        for i in range(3):
+            self.db.append_message("s", "user", f"k{i}", timestamp=100 + i)
+        conn = self.raw(self.path)
+        conn.execute("UPDATE messages SET active = 0, compacted = 1")
+        conn.execute("INSERT INTO messages (session_id, role, content, timestamp, active, compacted) "
+                     "SELECT session_id, role, content, timestamp, 1, 0 FROM messages WHERE content = 'k2'")
+        conn.execute("INSERT INTO messages (session_id, role, content, timestamp, active, compacted) "
+                     "VALUES ('s', 'user', 'rewound', 300, 0, 0)")
+        conn.commit()
+
+        def seen(**kwargs):
+            return [(m["content"], m["active"]) for m in self.db.get_messages("s", **kwargs)]
+
+        self.assertEqual(seen(), [("k2", 1)])
+        self.assertEqual(seen(include_compacted=True), [("k0", 0), ("k1", 0), ("k2", 1)])
+        self.assertEqual(seen(include_compacted=True, latest=True, limit=2), [("k1", 0), ("k2", 1)])
+        self.assertEqual(len(seen(include_inactive=True)), 5)
+
+    def test_the_conversation_carries_hermes_agents_fields(self):
+        self.db.append_message("s", "user", "hi", platform_message_id="pm1", observed=True,
+                               display_kind="synthetic", display_metadata={"k": 1}, api_content="hi + memory")
+        self.db.append_message("s", "assistant", "calling", tool_calls=CALL, finish_reason="tool_calls",
+                               reasoning="think", reasoning_content="", reasoning_details=[{"type": "r"}],
+                               codex_reasoning_items=[{"id": "rs"}], codex_message_items="not json")
+        self.db.append_message("s", "tool", "ok", tool_name="terminal", tool_call_id="call_1",
+                               reasoning="never shown on a tool row", effect_disposition="applied")
+        user, assistant, tool = self.db.get_messages_as_conversation("s", include_row_ids=True)
+        stamps = [row[0] for row in self.stored(column="timestamp")]
+        ids = [row[0] for row in self.stored(column="id")]
+        self.assertEqual(user, {"role": "user", "content": "hi", "_row_id": ids[0], "api_content": "hi + memory",
+                                "display_kind": "synthetic", "display_metadata": {"k": 1}, "timestamp": stamps[0],
+                                "message_id": "pm1", "observed": True})
+        self.assertEqual(assistant, {"role": "assistant", "content": "calling", "_row_id": ids[1],
+                                     "timestamp": stamps[1], "tool_calls": CALL, "finish_reason": "tool_calls",
+                                     "reasoning": "think", "reasoning_content": "",
+                                     "reasoning_details": [{"type": "r"}], "codex_reasoning_items": [{"id": "rs"}],
+                                     "codex_message_items": None})
+        self.assertEqual(tool, {"role": "tool", "content": "ok", "_row_id": ids[2], "timestamp": stamps[2],
+                                "tool_call_id": "call_1", "tool_name": "terminal", "effect_disposition": "applied"})
+        self.assertNotIn("_row_id", self.db.get_messages_as_conversation("s")[0])
+
+    def test_the_conversation_leaves_out_recalled_memory_review_prompts_and_stale_markers(self):
+        self.db.append_message("s", "user", "<memory-context>secret</memory-context>hello [System note: The "
+                               "following is recalled memory context, NOT new user input. Treat as informational "
+                               "background data.] there </MEMORY-CONTEXT> ")
+        self.db.append_message("s", "assistant", " [memory] ", tool_calls=CALL)
+        self.db.append_message("s", "tool", "<memory-context>tool text is kept</memory-context>",
+                               tool_call_id="call_1")
+        self.db.append_message("s", "user", "Review the conversation above and consider saving to memory.")
+        self.db.append_message("s", "assistant", "curator reply")
+        self.db.append_message("s", "user", "real question")
+        self.assertEqual([(m["role"], m["content"]) for m in self.db.get_messages_as_conversation("s")], [
+            ("user", "hello there"), ("assistant", ""),
+            ("tool", "<memory-context>tool text is kept</memory-context>"), ("user", "real question")])
+
+    def test_ancestors_join_the_compression_chain_but_not_a_branch(self):
+        for role, content in (("user", "q1"), ("assistant", "a1"), ("user", "q2")):
+            self.db.append_message("s", role, content)
+        self.db.end_session("s", "compression")
+        self.db.create_session("tip", "cli", parent_session_id="s")
+        rewound = self.db.append_message("tip", "user", "q2")  # replayed into the continuation
+        self.db.append_message("tip", "assistant", "a2")
+        self.db.create_session("branch", "cli", parent_session_id="tip", model_config={"_branched_from": "tip"})
+        self.db.append_message("branch", "user", "branch question")
+
+        def turns(session_id, **kwargs):
+            return [m["content"] for m in self.db.get_messages_as_conversation(session_id, **kwargs)]
+
+        self.assertEqual(turns("tip"), ["q2", "a2"])
+        self.assertEqual(turns("tip", include_ancestors=True), ["q1", "a1", "q2", "a2"])
+        self.assertEqual(turns("branch", include_ancestors=True), ["branch question"])
+        self.assertEqual(turns("ghost", include_ancestors=True), [])
+        self.db.rewind_to_message("tip", rewound)
+        self.assertEqual(turns("tip", include_ancestors=True), ["q1", "a1", "q2"])
+        self.assertEqual(turns("tip", include_inactive=True), ["q2", "a2"])
+
+    def test_repair_alternation_merges_and_drops_as_hermes_agents_repair(self):
+        sequence = [
+            ("user", "a", {}), ("user", "b", {"api_content": "b as sent"}),
+            ("assistant", "x", {"tool_calls": CALL}), ("assistant", " y ", {"reasoning_content": "rc"}),
+            ("tool", "result", {"tool_call_id": "call_1"}), ("tool", "duplicate", {"tool_call_id": "call_1"}),
+            ("tool", "orphan", {"tool_call_id": "zz"}),
+            ("assistant", "candidate", {"finish_reason": "verification_required"}), ("assistant", "final", {}),
+            ("assistant", "codex interim", {"codex_reasoning_items": [1]}), ("assistant", "after codex", {}),
+        ]
+        for role, content, extra in sequence:
+            self.db.append_message("s", role, content, **extra)
+        repaired = [{k: v for k, v in m.items() if k != "timestamp"}
+                    for m in self.db.get_messages_as_conversation("s", repair_alternation=True)]
+        self.assertEqual(repaired, [
+            {"role": "user", "content": "a\n\nb"},
+            {"role": "assistant", "content": "x\ny", "tool_calls": CALL, "reasoning_content": "rc"},
+            {"role": "tool", "content": "result", "tool_call_id": "call_1"},
+            {"role": "assistant", "content": "final"},
+            {"role": "assistant", "content": "codex interim", "codex_reasoning_items": [1]},
+            {"role": "assistant", "content": "after codex"},
+        ])
+        self.assertEqual(len(self.db.get_messages_as_conversation("s")), len(sequence))
+
+
+class RewindAndReplace(MessageTestCase):
+
+    def append_turns(self, count):
+        return [self.db.append_message("s", "user" if i % 2 == 0 else "assistant", f"m{i}",
+                                       tool_calls=CALL if i == 3 else None) for i in range(count)]
+
+    def test_rewind_withdraws_the_user_message_and_everything_after_it(self):
+        ids = self.append_turns(5)
+        result = self.db.rewind_to_message("s", ids[2])
+        self.assertEqual(set(result), {"rewound_count", "target_message", "new_head_id"})
+        self.assertEqual((result["rewound_count"], result["new_head_id"]), (3, ids[1]))
+        self.assertEqual((result["target_message"]["id"], result["target_message"]["content"]), (ids[2], "m2"))
+        self.assertEqual(result["target_message"]["active"], 1)  # the row as it was
+        self.assertEqual([m["content"] for m in self.db.get_messages("s")], ["m0", "m1"])
+        self.assertEqual(len(self.db.get_messages("s", include_inactive=True)), 5)
+        self.assertEqual(self.counts(), (5, 1))  # hermes-agent leaves the counters as they were
+        again = self.db.rewind_to_message("s", ids[2])
+        self.assertEqual(again["rewound_count"], 0)
+        self.assertEqual(self.session_row("s")["rewind_count"], 2)
+
+    def test_rewind_refuses_a_non_user_or_foreign_target_without_writing(self):
+        ids = self.append_turns(2)
+        self.db.create_session("other", "cli")
+        for session_id, target in (("s", ids[1]), ("other", ids[0]), ("s", 999)):
+            with self.subTest(target=target), self.assertRaises(ValueError):
+                self.db.rewind_to_message(session_id, target)
+        self.assertEqual(self.session_row("s")["rewind_count"], 0)
+        self.assertEqual(len(self.db.get_messages("s")), 2)
+
+    def test_restore_rewound_reactivates_from_the_given_id_on(self):
+        ids = self.append_turns(5)
+        self.db.rewind_to_message("s", ids[0])
+        self.assertEqual(self.db.restore_rewound("s", ids[3]), 2)
+        self.assertEqual([m["content"] for m in self.db.get_messages("s")], ["m3", "m4"])
+        self.assertEqual(self.db.restore_rewound("s", ids[0]), 3)
+        self.assertEqual(self.db.restore_rewound("ghost", 0), 0)
+
+    def test_replace_messages_rewrites_the_live_transcript_in_its_three_modes(self):
+        ids = self.append_turns(4)
+        self.db.rewind_to_message("s", ids[2])
+        new = [{"role": "user", "content": "n1"}, {"role": "assistant", "content": "n2", "tool_calls": CALL + CALL}]
+        self.assertIsNone(self.db.replace_messages("s", new, active_only=True))
+        self.assertEqual([tuple(row) for row in self.stored(column="content, active")],
+                         [("m2", 0), ("m3", 0), ("n1", 1), ("n2", 1)])
+        self.assertEqual([m["_row_id"] for m in new], [row[0] for row in self.stored(column="id")][2:])
+        self.assertEqual(self.counts(), (2, 2))
+        self.db.replace_messages("s", [{"role": "user", "content": "z"}], archive_dropped=True)
+        self.assertEqual([tuple(row) for row in self.stored(column="content, active, compacted")],
+                         [("m2", 0, 0), ("m3", 0, 0), ("n1", 0, 0), ("n2", 0, 0), ("z", 1, 0)])
+        self.assertEqual(self.counts(), (1, 0))
+        self.db.replace_messages("s", [{"role": "user", "content": "only"}])
+        self.assertEqual([tuple(row) for row in self.stored(column="content, active")], [("only", 1)])
+
+    def test_a_bad_message_rolls_the_whole_replacement_back(self):
+        self.db.append_message("s", "user", "kept")
+        for messages, error in ((None, TypeError), ([{"role": "user"}, "bad"], AttributeError)):
+            with self.subTest(messages=messages), self.assertRaises(error):
+                self.db.replace_messages("s", messages)
+        self.assertEqual([row[0] for row in self.stored(column="content")], ["kept"])
+        self.assertIsNone(self.db.replace_messages("ghost", []))
+        with self.assertRaises(sqlite3.IntegrityError):
+            self.db.replace_messages("ghost", [{"role": "user"}])
+
+
+class SmallReads(MessageTestCase):
+
+    def test_message_count_counts_every_stored_row_as_hermes_agent(self):
+        ids = [self.db.append_message("s", "user", f"m{i}") for i in range(3)]
+        self.db.create_session("t", "cli")
+        self.db.append_message("t", "user", "other")
+        self.db.rewind_to_message("s", ids[1])
+        self.assertEqual(self.db.message_count("s"), 3)
+        self.assertEqual((self.db.message_count(), self.db.message_count("")), (4, 4))
+        self.assertEqual(self.db.message_count("ghost"), 0)
+
+    def test_latest_row_id_role_and_platform_id_lookups(self):
+        ids = [self.db.append_message("s", role, content, platform_message_id=pm, tool_calls=calls)
+               for role, content, pm, calls in (("user", "u1", "p1", None), ("assistant", "a1", None, None),
+                                                ("user", "   ", None, None), ("assistant", None, None, CALL),
+                                                ("user", "u2", None, None))]
+        latest = self.db.latest_message_row_id
+        self.assertEqual((latest("s"), latest("s", offset=1), latest("s", offset=2)), (ids[4], ids[0], None))
+        self.assertEqual(latest("s", role="assistant"), ids[1])
+        self.assertEqual(latest("s", role="assistant", require_text=False), ids[3])
+        self.assertEqual((latest("s", role="tool"), latest("s", offset=-1), latest("")), (None, None, None))
+        self.assertEqual(self.db.latest_user_message_row_id("s"), ids[4])
+        self.assertEqual((self.db.get_message_role("s", ids[1]), self.db.get_message_role("s", str(ids[1]))),
+                         ("assistant", "assistant"))
+        self.assertIsNone(self.db.get_message_role("t", ids[1]))
+        with self.assertRaises(ValueError):
+            self.db.get_message_role("s", "not a number")
+        self.assertEqual((self.db.has_platform_message_id("s", "p1"), self.db.has_platform_message_id("s", "p2")),
+                         (True, False))
+        self.db.rewind_to_message("s", ids[0])
+        self.assertIsNone(self.db.get_message_role("s", ids[1]))  # inactive
+        self.assertTrue(self.db.has_platform_message_id("s", "p1"))  # inactive rows still count
