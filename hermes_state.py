@@ -42,6 +42,7 @@ from pathlib import Path
 from hermes_constants import get_hermes_home
 from hermes_state_common import (
     CHECKPOINT_PASSIVE_SQL,
+    DEFERRED_INDEX_SQL,
     JOURNAL_MODE_SQL,
     QUICK_CHECK_SQL,
     SELECT_META_PREFIX_SQL,
@@ -67,6 +68,16 @@ from hermes_state_titles import SessionTitlesMixin
 from hermes_state_usage import SessionUsageMixin, TokenQueue, apply_token_batch
 
 # Names hermes-agent imports from this module although they live in another.
+from hermes_state_doctor import (  # noqa: F401
+    _backup_db_file,
+    _db_opens_cleanly,
+    _wal_reset_repair_hint,
+    collect_state_db_stats,
+    count_db_holders,
+    is_sqlite_wal_reset_vulnerable,
+    repair_state_db_schema,
+    sqlite_source_id,
+)
 from hermes_state_common import (  # noqa: F401
     _BARE_BILLING_PROVIDERS,
     classify_persistence_error,

@@ -225,14 +225,14 @@ def _cmd_delete(db, args, out):
 
 
 def _cmd_prune(db, args, out):
-    ids = db.prunable_session_ids(args.older_than, source=args.source)
+    ids = [row["id"] for row in db.list_prune_candidates(args.older_than, source=args.source)]
     if not args.dry_run:
         db.prune_sessions(args.older_than, source=args.source)
     if args.json:
         _print_json({"dry_run": args.dry_run, "sessions": ids}, out)
     else:
         verb = "would delete" if args.dry_run else "deleted"
-        out.write(f"{verb} {len(ids)} ended sessions started more than {args.older_than:g} days ago\n")
+        out.write(f"{verb} {len(ids)} ended sessions inactive for more than {args.older_than:g} days\n")
         for session_id in ids:
             out.write(f"  {session_id}\n")
     return 0

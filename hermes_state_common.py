@@ -66,7 +66,7 @@ MIGRATION_CHUNK_SIZE = 200
 
 # ---------------------------------------------------------------------------
 # Schema: the only description of tables and columns (hermes-agent schema 26).
-# Tables only. Every index lives in DEFERRED_INDEX_SQL, run after the columns
+# Tables only. Every index lives in DEFERRED_INDEXES, run after the columns
 # are reconciled, because an older store may lack any column an index names.
 # ---------------------------------------------------------------------------
 
@@ -245,7 +245,7 @@ CREATE TABLE IF NOT EXISTS async_delegations (
 
 # name -> DDL, created after _reconcile_columns in this order. Names and
 # definitions are hermes-agent's, so both projects recognise each other's.
-DEFERRED_INDEX_SQL = {
+DEFERRED_INDEXES = {
     "idx_sessions_source": "CREATE INDEX IF NOT EXISTS idx_sessions_source ON sessions(source)",
     "idx_sessions_source_id": "CREATE INDEX IF NOT EXISTS idx_sessions_source_id ON sessions(source, id)",
     "idx_sessions_parent": "CREATE INDEX IF NOT EXISTS idx_sessions_parent ON sessions(parent_session_id)",
@@ -283,8 +283,10 @@ DEFERRED_INDEX_SQL = {
     "idx_sessions_system_prompt_hash": (
         "CREATE INDEX IF NOT EXISTS idx_sessions_system_prompt_hash ON sessions(system_prompt_hash)"),
 }
+# hermes-agent's name and type for the same indexes: one script of statements.
+DEFERRED_INDEX_SQL = "".join(sql + ";\n" for sql in DEFERRED_INDEXES.values())
 
-# Kept apart from DEFERRED_INDEX_SQL: building it can fail on duplicate titles,
+# Kept apart from DEFERRED_INDEXES: building it can fail on duplicate titles,
 # which the schema mixin repairs before retrying.
 TITLE_INDEX_NAME = "idx_sessions_title_unique"
 TITLE_INDEX_SQL = (
@@ -587,15 +589,15 @@ SELECT_TITLE_OWNER_SQL = "SELECT id FROM sessions WHERE title = ? AND id <> ?"
 SELECT_ID_PREFIX_SQL = "SELECT id FROM sessions WHERE id >= ? AND id < ? ORDER BY id LIMIT 2"
 SELECT_LINEAGE_LINK_SQL = "SELECT parent_session_id, end_reason FROM sessions WHERE id = ?"
 # Deleting sessions, in this order, for a chunk of ids ({} is the placeholders):
-# children become roots, then everything hanging off the sessions, then them.
+# children become roots, then the rows hermes-agent's foreign keys take with a
+# session (it deletes messages itself; usage goes by ON DELETE CASCADE), then
+# the sessions. Its compression_locks rows have no foreign key and stay.
 SESSION_CASCADE_DELETE_SQL = (
     "UPDATE sessions SET parent_session_id = NULL WHERE parent_session_id IN ({})",
     "DELETE FROM messages WHERE session_id IN ({})",
     "DELETE FROM session_model_usage WHERE session_id IN ({})",
-    "DELETE FROM compression_locks WHERE session_id IN ({})",
     "DELETE FROM sessions WHERE id IN ({})",
 )
-SELECT_PRUNABLE_SQL = "SELECT id FROM sessions WHERE ended_at IS NOT NULL AND started_at < ?"
 
 # The list view: one row per session with the first user message as a preview
 # and the time of its last message. Both subqueries ride the (session_id, id)
@@ -778,6 +780,9 @@ def sqlite_has_wal_reset_bug(version=sqlite3.sqlite_version_info):
         return False
     return True
 
+
+# Files we create beside the store (backups, copies) are its owner's only, as the store is.
+FILE_MODE = 0o600
 
 # Limits of the public API.
 SESSION_ID_MAX_LENGTH = 256

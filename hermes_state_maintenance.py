@@ -1,59 +1,477 @@
-"""Keeping the store healthy: prune, vacuum, stats and doctor.
+"""Keeping the store healthy: prune, archive and delete sessions; vacuum, stats,
+doctor; the small reports and one-shot fixes hermes-agent's commands run.
 
-Owns the reports about the store and the deletes prune makes (through the
-sessions mixin's `_delete_sessions_in`). Relies on SessionDB's write and read
-paths and on the search mixin's `search_health`/`fts_layout`. Never repairs
-anything by itself: repairs happen at open, in hermes_state_schema.
+Owns which sessions a prune, an archive or a delete selects, and what a delete
+takes with it: the messages, usage rows and Telegram topic bindings that
+hermes-agent's foreign keys remove with a session, the delegate subagents a
+parent spawned, the system prompts no session uses any more, and the transcript
+files of a `sessions_dir`. Relies on SessionDB's write and read paths, the
+sessions mixin's `set_session_archived` and `_resolve_prompt`, and the search
+mixin's `optimize_fts`, `search_health` and `fts_layout`. Never repairs the
+schema: that happens at open (hermes_state_schema) or in hermes_state_doctor.
 """
 
+import datetime
+import glob
+import json
+import logging
+import os
+import re
 import sqlite3
 import time
+from pathlib import Path
 
 from hermes_state_common import (
     CHECKPOINT_TRUNCATE_SQL,
     COUNT_ACTIVE_MESSAGES_SQL,
     COUNT_ALL_MESSAGES_SQL,
+    FILE_MODE,
     INTEGRITY_CHECK_SQL,
     JOURNAL_MODE_SQL,
     SCHEMA_VERSION,
-    SELECT_PRUNABLE_SQL,
     SELECT_SCHEMA_VERSION_SQL,
+    SESSION_CASCADE_DELETE_SQL,
+    SESSION_RICH_COLUMNS_SQL,
     SESSIONS_BY_SOURCE_SQL,
+    TABLE_EXISTS_SQL,
     VACUUM_SQL,
+    chunked,
+    escape_like,
+    placeholders,
+    prefix_bounds,
     sqlite_has_wal_reset_bug,
     store_file_bytes,
 )
+from hermes_state_schema import write_meta
+
+logger = logging.getLogger("hermes_state")
+
+# Activity for prune and archive filters: the newest message, else the start.
+_LAST_ACTIVE = "COALESCE((SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = s.id), s.started_at)"
+# Activity for the idle archive: the fresher of the heartbeat and the newest message, else the start.
+_LAST_TOUCHED = ("COALESCE((SELECT MAX(v) FROM (SELECT s.last_activity_at AS v UNION ALL SELECT MAX(m.timestamp)"
+                 " FROM messages AS m WHERE m.session_id = s.id)), s.started_at)")
+_TOKENS = "(COALESCE(s.input_tokens, 0) + COALESCE(s.output_tokens, 0))"
+_COST = "COALESCE(s.actual_cost_usd, s.estimated_cost_usd, 0)"
+# Prune deletes only ended sessions; count_open_prune_matches flips this guard alone.
+_ENDED = "s.ended_at IS NOT NULL"
+
+# hermes-agent's bulk prune/archive filters, all ANDed. "bound": applies when not
+# None; "exact": when truthy; "like": case-insensitive substring of a column;
+# "lower": case-insensitive equality; "cwd": the path or anything under it;
+# "flag": archived True/False selects one side, anything else both.
+_PRUNE_FILTERS = {
+    "last_active_before": ("bound", _LAST_ACTIVE + " < ?"),
+    "last_active_after": ("bound", _LAST_ACTIVE + " >= ?"),
+    "started_before": ("bound", "s.started_at < ?"),
+    "started_after": ("bound", "s.started_at >= ?"),
+    "source": ("exact", "s.source = ?"),
+    "title_like": ("like", "s.title"),
+    "end_reason": ("exact", "s.end_reason = ?"),
+    "cwd_prefix": ("cwd", None),
+    "min_messages": ("bound", "s.message_count >= ?"),
+    "max_messages": ("bound", "s.message_count <= ?"),
+    "model_like": ("like", "s.model"),
+    "provider": ("lower", "LOWER(COALESCE(s.billing_provider, '')) = ?"),
+    "user_id": ("exact", "s.user_id = ?"),
+    "chat_id": ("exact", "s.chat_id = ?"),
+    "chat_type": ("exact", "s.chat_type = ?"),
+    "branch_like": ("like", "s.git_branch"),
+    "min_tokens": ("bound", _TOKENS + " >= ?"),
+    "max_tokens": ("bound", _TOKENS + " <= ?"),
+    "min_cost": ("bound", _COST + " >= ?"),
+    "max_cost": ("bound", _COST + " <= ?"),
+    "min_tool_calls": ("bound", "COALESCE(s.tool_call_count, 0) >= ?"),
+    "max_tool_calls": ("bound", "COALESCE(s.tool_call_count, 0) <= ?"),
+    "archived": ("flag", None),
+}
+
+# Sessions the "delete empty" button removes: ended, unarchived, no messages counted.
+_EMPTY_SESSIONS_WHERE = "WHERE message_count = 0 AND ended_at IS NOT NULL AND archived = 0"
+_DELEGATE_ROWS_SQL = ("SELECT id, parent_session_id, model_config FROM sessions"
+                      " WHERE instr(model_config, '_delegate_from') > 0")
+_DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS"
+                              " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
+_DELETE_BINDINGS_SQL = "DELETE FROM telegram_dm_topic_bindings WHERE session_id IN ({})"
+_HAS_CHILD_SQL = "SELECT 1 FROM sessions WHERE parent_session_id IN ({}) LIMIT 1"
+
+# A tool call's bare "[name]" marker that old hermes-agent releases stored as
+# an assistant's content (hermes-agent #78148).
+_STALE_MARKER_RE = re.compile(r"\[[A-Za-z_][A-Za-z0-9_.-]*\]")
+_MARKER_CANDIDATES_SQL = ("SELECT id, content FROM messages WHERE role = 'assistant'"
+                          " AND tool_calls IS NOT NULL AND tool_calls != ''")
+# The first user turn of a session titled from a /skill invocation (hermes-agent's skill_commands).
+_SKILL_SCAFFOLD_LIKE = "[IMPORTANT: The user has invoked the %"
+# Finish reasons that end a turn in an error rather than a reply.
+_ERROR_FINISH_REASONS = frozenset({"error", "agent_error", "content_filter"})
 
 
 class SessionMaintenanceMixin:
-    """SessionDB's methods for keeping the store healthy."""
+    """SessionDB's methods for pruning, archiving, deleting and reporting on the store."""
 
-    def prune_sessions(self, older_than_days=90, source=None):
-        """Delete ended sessions started more than `older_than_days` ago; returns how many."""
-        ids = self.prunable_session_ids(older_than_days, source)
-        return self._execute_write(lambda conn: self._delete_sessions_in(conn, ids)) if ids else 0
+    # -- selecting sessions for prune and archive ------------------------------
 
-    def prunable_session_ids(self, older_than_days=90, source=None):
-        """The ids prune_sessions would delete (for a dry run)."""
-        if isinstance(older_than_days, bool) or not isinstance(older_than_days, (int, float)) \
-                or older_than_days < 0:
-            raise ValueError("older_than_days must be a number >= 0")
-        sql, params = SELECT_PRUNABLE_SQL, [time.time() - older_than_days * 86400]
-        if source is not None:
-            sql, params = sql + " AND source = ?", params + [source]
-        return [row[0] for row in self._read_all(sql, params)]
+    def list_prune_candidates(self, older_than_days=None, source=None, **filters):
+        """Rows a matching prune_sessions or archive_sessions would touch, least recently active first.
+
+        Each row has id, source, title, model, started_at, last_active, ended_at,
+        message_count and archived. Only ended sessions qualify. `older_than_days`
+        means inactive that long (newest message, else start) unless a
+        `last_active_before` or `started_before` filter is given. An unknown
+        filter name raises TypeError.
+        """
+        where, params = _prune_where(older_than_days, source, filters)
+        return [dict(row) for row in self._read_all(
+            "SELECT s.id, s.source, s.title, s.model, s.started_at, " + _LAST_ACTIVE + " AS last_active,"
+            f" s.ended_at, s.message_count, s.archived FROM sessions AS s WHERE {_ENDED}{where}"
+            " ORDER BY last_active ASC, s.started_at ASC", params)]
+
+    def count_open_prune_matches(self, older_than_days=None, source=None, **filters):
+        """How many sessions still open match the same filters (prune skips them); 0 if none."""
+        where, params = _prune_where(older_than_days, source, filters)
+        return int(self._read_value(f"SELECT COUNT(*) FROM sessions AS s WHERE s.ended_at IS NULL{where}", params))
+
+    def prune_sessions(self, older_than_days=90, source=None, sessions_dir=None, **filters):
+        """Delete the ended sessions matching the filters (see list_prune_candidates); returns how many.
+
+        Their children become roots. With `sessions_dir`, their transcript files
+        there go too, after the commit.
+        """
+        where, params = _prune_where(older_than_days, source, filters)
+
+        def write(conn):
+            ids = [row[0] for row in conn.execute(f"SELECT s.id FROM sessions AS s WHERE {_ENDED}{where}", params)]
+            self._delete_sessions_in(conn, ids)
+            return ids
+
+        removed = self._execute_write(write)
+        _remove_transcripts(sessions_dir, removed)
+        return len(removed)
+
+    def archive_sessions(self, older_than_days=None, source=None, **filters):
+        """Archive every session list_prune_candidates selects, each with its compression chain;
+        returns how many matched. Selects only unarchived ones unless `archived` is given."""
+        filters.setdefault("archived", False)
+        rows = self.list_prune_candidates(older_than_days, source, **filters)
+        for row in rows:
+            self.set_session_archived(row["id"], True)
+        return len(rows)
+
+    def archive_stale_sessions(self, idle_days, *, exclude_pinned=True):
+        """Archive sessions, open or ended, untouched for `idle_days`; returns how many.
+
+        Touched is the fresher of the activity heartbeat and the newest message.
+        Only chain tips and standalone sessions qualify; each archives its whole
+        compression chain. A missing or negative `idle_days` archives nothing.
+        """
+        if idle_days is None or idle_days < 0:
+            return 0
+        pinned = " AND s.pinned = 0" if exclude_pinned else ""
+        ids = [row[0] for row in self._read_all(
+            "SELECT s.id FROM sessions AS s WHERE s.archived = 0 AND COALESCE(s.end_reason, '') <> 'compression'"
+            f"{pinned} AND {_LAST_TOUCHED} < ? ORDER BY s.started_at ASC", (time.time() - float(idle_days) * 86400,))]
+        for session_id in ids:
+            self.set_session_archived(session_id, True)
+        return len(ids)
+
+    def maybe_auto_prune_and_vacuum(self, retention_days=90, min_interval_hours=24, vacuum=True,
+                                    sessions_dir=None, min_vacuum_interval_days=30):
+        """Prune sessions inactive `retention_days`, at most once per `min_interval_hours`, and
+        VACUUM after a prune that deleted something, at most once per `min_vacuum_interval_days`.
+
+        Returns {"skipped", "pruned", "vacuumed"}, plus "error" when something
+        failed: it never raises.
+        """
+        result = {"skipped": False, "pruned": 0, "vacuumed": False}
+        try:
+            now = time.time()
+            if _within(self.get_meta("last_auto_prune"), now, min_interval_hours * 3600):
+                result["skipped"] = True
+                return result
+            result["pruned"] = self.prune_sessions(older_than_days=retention_days, sessions_dir=sessions_dir)
+            vacuum_due = not _within(self.get_meta("last_vacuum"), now, min_vacuum_interval_days * 86400)
+            if vacuum and result["pruned"] and vacuum_due:
+                try:
+                    self.vacuum()
+                    result["vacuumed"] = True
+                    self.set_meta("last_vacuum", str(now))
+                except Exception as exc:
+                    logger.warning("state.db VACUUM failed: %s", exc)
+            self.set_meta("last_auto_prune", str(now))
+        except Exception as exc:
+            logger.warning("state.db auto-maintenance failed: %s", exc)
+            result["error"] = str(exc)
+        return result
+
+    def maybe_auto_archive(self, idle_days=3, min_interval_hours=24, exclude_pinned=True):
+        """archive_stale_sessions at most once per `min_interval_hours`.
+
+        Returns {"skipped", "archived"}, plus "error" when something failed: it never raises.
+        """
+        result = {"skipped": False, "archived": 0}
+        try:
+            now = time.time()
+            if _within(self.get_meta("last_auto_archive"), now, min_interval_hours * 3600):
+                result["skipped"] = True
+                return result
+            result["archived"] = self.archive_stale_sessions(idle_days, exclude_pinned=exclude_pinned)
+            self.set_meta("last_auto_archive", str(now))
+        except Exception as exc:
+            logger.warning("state.db auto-archive failed: %s", exc)
+            result["error"] = str(exc)
+        return result
+
+    # -- deleting ----------------------------------------------------------------
+
+    def get_session_delete_targets(self, session_id):
+        """[session_id, its delegate subagents sorted] as delete_session would remove them; [] if unknown."""
+        if not self._read_one("SELECT 1 FROM sessions WHERE id = ?", (session_id,)):
+            return []
+        return [session_id] + sorted(_delegate_descendants(self._read_all(_DELEGATE_ROWS_SQL), [session_id]))
+
+    def delete_session(self, session_id, sessions_dir=None, expected_delete_ids=None):
+        """Delete a session with its delegate subagents; False if unknown.
+
+        Other children become roots. With `expected_delete_ids`, nothing is
+        deleted (False) unless the session and its delegates are exactly that
+        set when the write starts. With `sessions_dir`, their transcript files
+        there go too, after the commit.
+        """
+        expected = None if expected_delete_ids is None else set(expected_delete_ids)
+
+        def write(conn):
+            if not conn.execute("SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone():
+                return None
+            delegates = _delegate_descendants(conn.execute(_DELEGATE_ROWS_SQL), [session_id])
+            if expected is not None and expected != delegates | {session_id}:
+                return None
+            self._delete_sessions_in(conn, sorted(delegates) + [session_id])
+            return sorted(delegates) + [session_id]
+
+        removed = self._execute_write(write)
+        _remove_transcripts(sessions_dir, removed)
+        return removed is not None
+
+    def delete_sessions(self, session_ids, sessions_dir=None):
+        """Delete the sessions of `session_ids` that exist, with their delegates, in one
+        transaction; returns how many of the given ones existed. Other values are skipped."""
+        wanted = list({sid for sid in session_ids or () if isinstance(sid, str) and sid})
+
+        def write(conn):
+            existing = [row[0] for chunk in chunked(wanted) for row in conn.execute(
+                f"SELECT id FROM sessions WHERE id IN ({placeholders(len(chunk))})", chunk)]
+            delegates = _delegate_descendants(conn.execute(_DELEGATE_ROWS_SQL), existing) if existing else set()
+            self._delete_sessions_in(conn, sorted(delegates) + existing)
+            return sorted(delegates), existing
+
+        delegates, existing = self._execute_write(write) if wanted else ([], [])
+        _remove_transcripts(sessions_dir, delegates + existing)
+        return len(existing)
+
+    def delete_session_if_empty(self, session_id, sessions_dir=None):
+        """Delete a session that has no title, no messages and no children; False otherwise."""
+        def write(conn):
+            empty = conn.execute(
+                "SELECT 1 FROM sessions AS s WHERE s.id = ? AND s.title IS NULL"
+                " AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)"
+                " AND NOT EXISTS (SELECT 1 FROM sessions AS c WHERE c.parent_session_id = s.id)",
+                (session_id,)).fetchone()
+            return bool(empty) and self._delete_sessions_in(conn, [session_id]) > 0
+
+        deleted = self._execute_write(write)
+        if deleted:
+            _remove_transcripts(sessions_dir, [session_id])
+        return deleted
+
+    def count_empty_sessions(self):
+        """How many ended, unarchived sessions have no messages (what delete_empty_sessions removes)."""
+        return self._read_value(f"SELECT COUNT(*) FROM sessions {_EMPTY_SESSIONS_WHERE}")
+
+    def delete_empty_sessions(self, sessions_dir=None):
+        """Delete every ended, unarchived session without messages; returns how many."""
+        def write(conn):
+            ids = [row[0] for row in conn.execute(f"SELECT id FROM sessions {_EMPTY_SESSIONS_WHERE}")]
+            self._delete_sessions_in(conn, ids)
+            return ids
+
+        removed = self._execute_write(write)
+        _remove_transcripts(sessions_dir, removed)
+        return len(removed)
+
+    def prune_empty_ghost_sessions(self, sessions_dir=None):
+        """Delete ended, untitled TUI sessions older than a day that never got a message; returns how many.
+
+        Raises sqlite3.IntegrityError, deleting nothing, if one of them has
+        child sessions (hermes-agent's foreign key refuses that delete).
+        """
+        def write(conn):
+            ids = [row[0] for row in conn.execute(
+                "SELECT id FROM sessions AS s WHERE source = 'tui' AND title IS NULL AND ended_at IS NOT NULL"
+                " AND started_at < ? AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)",
+                (time.time() - 86400,))]
+            if any(conn.execute(_HAS_CHILD_SQL.format(placeholders(len(c))), c).fetchone() for c in chunked(ids)):
+                raise sqlite3.IntegrityError("FOREIGN KEY constraint failed")
+            self._delete_sessions_in(conn, ids)
+            return ids
+
+        removed = self._execute_write(write)
+        _remove_transcripts(sessions_dir, removed)
+        return len(removed)
+
+    def _delete_sessions_in(self, conn, session_ids):
+        """Inside a write: delete sessions with the rows hermes-agent removes with them
+        (messages, usage, topic bindings) and the system prompts left unused; their
+        children become roots. Returns how many sessions went."""
+        bindings = conn.execute(TABLE_EXISTS_SQL, ("telegram_dm_topic_bindings",)).fetchone()
+        deleted = 0
+        for chunk in chunked(session_ids):
+            marks = placeholders(len(chunk))
+            if bindings:
+                conn.execute(_DELETE_BINDINGS_SQL.format(marks), chunk)
+            for template in SESSION_CASCADE_DELETE_SQL:
+                count = conn.execute(template.format(marks), chunk).rowcount
+            deleted += count
+        if deleted:
+            conn.execute(_DELETE_UNUSED_PROMPTS_SQL)
+        return deleted
+
+    # -- reports -------------------------------------------------------------------
+
+    def session_lifecycle_statuses(self, session_ids):
+        """{id: status} from each session's last message: 'complete', 'interrupted', 'error',
+        or 'empty' for a session without messages (or an unknown id); {} for no ids."""
+        ids = [sid for sid in session_ids or () if sid]
+        statuses = dict.fromkeys(ids, "empty")
+        for chunk in chunked(ids):
+            for row in self._read_all(
+                    "SELECT m.session_id, m.role, m.tool_calls IS NOT NULL, m.finish_reason FROM messages AS m"
+                    " JOIN (SELECT MAX(id) AS last_id FROM messages WHERE session_id IN"
+                    f" ({placeholders(len(chunk))}) GROUP BY session_id) AS last ON m.id = last.last_id", chunk):
+                statuses[row[0]] = _lifecycle_status(row[1], row[2], row[3])
+        return statuses
+
+    def list_cron_job_runs(self, job_id, limit=20, offset=0):
+        """The sessions cron job `job_id` ran (ids `cron_<job_id>_...`), newest first, shaped
+        as list_sessions_rich rows; [] if none."""
+        rows = self._read_all(
+            SESSION_RICH_COLUMNS_SQL + " WHERE s.source = 'cron' AND s.id >= ? AND s.id < ?"
+            " ORDER BY s.started_at DESC, s.id DESC LIMIT ? OFFSET ?",
+            (*prefix_bounds(f"cron_{job_id}_"), limit, offset))
+        cache = {}
+        return [self._resolve_prompt(dict(row), cache) for row in rows]
+
+    def find_pr_url_messages(self, session_ids):
+        """[{session_id, content}] of the tool results in these sessions that mention '/pull/',
+        oldest first per session; [] if none."""
+        ids = [sid for sid in session_ids if sid]
+        # hermes-agent's chunks of 900, so that more ids than one chunk come back in the same order.
+        return [{"session_id": row[0], "content": row[1]} for chunk in chunked(ids, 900) for row in self._read_all(
+            f"SELECT session_id, content FROM messages WHERE session_id IN ({placeholders(len(chunk))})"
+            " AND role = 'tool' AND content LIKE '%/pull/%' ORDER BY id", chunk)]
+
+    def list_skill_scaffolded_sessions(self, limit=200):
+        """[{id, title, content}] of titled sessions whose first user turn was a /skill invocation,
+        newest first; `content` is that whole turn. [] if none."""
+        return [dict(row) for row in self._read_all(
+            "SELECT s.id, s.title, m.content FROM sessions AS s JOIN messages AS m ON m.id ="
+            " (SELECT f.id FROM messages AS f WHERE f.session_id = s.id AND f.role = 'user'"
+            " AND f.content IS NOT NULL ORDER BY f.timestamp, f.id LIMIT 1)"
+            " WHERE s.title IS NOT NULL AND m.content LIKE ? ORDER BY s.started_at DESC LIMIT ?",
+            (_SKILL_SCAFFOLD_LIKE, int(limit)))]
+
+    def logical_size_bytes(self):
+        """page_count * page_size: the store's size once its WAL is checkpointed; None if unreadable."""
+        try:
+            return int(self._read_value("PRAGMA page_count")) * int(self._read_value("PRAGMA page_size"))
+        except Exception as exc:
+            logger.debug("could not read the logical size of %s: %s", self.db_path, exc)
+            return None
+
+    # -- one-shot fixes ---------------------------------------------------------------
+
+    def backfill_repo_roots(self, cwd_to_root):
+        """Record `cwd_to_root[cwd]` as git_repo_root of sessions in that cwd that have none; returns None."""
+        pairs = [(root, cwd) for cwd, root in cwd_to_root.items() if root and cwd]
+        if pairs:
+            self._execute_write(lambda conn: conn.executemany(
+                "UPDATE sessions SET git_repo_root = ? WHERE cwd = ? AND COALESCE(git_repo_root, '') = ''", pairs))
+
+    def retag_kanban_worker_sessions(self, workspaces_root):
+        """Move 'cli' sessions run in `workspaces_root` or below to source 'kanban', once per root;
+        returns how many changed (0 on later calls)."""
+        prefix = str(workspaces_root).rstrip("/\\")
+        gate = f"kanban_worker_source_retagged:{prefix}"
+        if not prefix or self.get_meta(gate) == "1":
+            return 0
+
+        def write(conn):
+            count = conn.execute(
+                "UPDATE sessions SET source = 'kanban' WHERE source = 'cli' AND (cwd = ? OR cwd LIKE ? ESCAPE '\\')",
+                (prefix, escape_like(prefix) + "/%")).rowcount
+            write_meta(conn, gate, "1")
+            return count
+
+        return self._execute_write(write)
+
+    def purge_stale_tool_call_markers(self, *, dry_run=False, backup=True):
+        """Empty the content of assistant tool-call rows whose content is only a stale "[name]" marker.
+
+        Returns {"dry_run", "rows_affected", "row_ids", "backup_path"}. A dry run
+        writes nothing. Otherwise, when rows are affected and `backup`, the store
+        is first copied with VACUUM INTO to `<name>.pre-clean-markers-backup-<time>`.
+        """
+        def affected(rows):
+            return [row[0] for row in rows if isinstance(row[1], str) and _STALE_MARKER_RE.fullmatch(row[1].strip())]
+
+        ids = affected(self._read_all(_MARKER_CANDIDATES_SQL))
+        report = {"dry_run": bool(dry_run), "rows_affected": len(ids), "row_ids": ids, "backup_path": None}
+        if dry_run or not ids:
+            return report
+        if backup:
+            report["backup_path"] = str(self._vacuum_into_beside("pre-clean-markers-backup"))
+
+        def write(conn):
+            found = affected(conn.execute(_MARKER_CANDIDATES_SQL))
+            for chunk in chunked(found):
+                conn.execute(f"UPDATE messages SET content = '' WHERE id IN ({placeholders(len(chunk))})", chunk)
+            return found
+
+        report["row_ids"] = self._execute_write(write)
+        report["rows_affected"] = len(report["row_ids"])
+        return report
+
+    def _vacuum_into_beside(self, label):
+        """A consistent copy of the store, made by SQLite, as `<name>.<label>-<time>[_n]`, owner-only."""
+        stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+        target, n = self.db_path.with_name(f"{self.db_path.name}.{label}-{stamp}"), 0
+        while target.exists():
+            n += 1
+            target = self.db_path.with_name(f"{self.db_path.name}.{label}-{stamp}_{n}")
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))  # private from the start
+        self._read_value("VACUUM INTO ?", (str(target),))
+        return target
+
+    # -- vacuum, stats and doctor ----------------------------------------------------
 
     def vacuum(self):
-        """Rewrite the file without free pages, then truncate the WAL; under the writer lock."""
+        """Merge the search indexes' segments, rewrite the file without free pages, truncate the WAL;
+        returns how many indexes were merged (0 if merging failed)."""
         self._flush_token_counts()
+        try:
+            merged = self.optimize_fts()
+        except Exception as exc:
+            logger.warning("FTS optimize before VACUUM failed: %s", exc)
+            merged = 0
 
         def run(conn):
             conn.execute(VACUUM_SQL)
             conn.execute(CHECKPOINT_TRUNCATE_SQL)
 
         self._execute_write(run, transaction=False)
+        return merged
 
     def schema_version(self):
+        """The store's schema version (hermes-agent's numbering); None if it has none."""
         return self._read_value(SELECT_SCHEMA_VERSION_SQL)
 
     def stats(self):
@@ -95,6 +513,98 @@ class SessionMaintenanceMixin:
         search = _checked(self.search_health)
         report.update(search if isinstance(search, dict) else {"search_health": search})
         return report
+
+
+def _prune_where(older_than_days, source, filters):
+    """(" AND ..." conditions, params) of hermes-agent's prune filters; TypeError for an unknown one."""
+    unknown = sorted(set(filters) - set(_PRUNE_FILTERS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+    filters = dict(filters, source=source)
+    if older_than_days is not None and filters.get("last_active_before") is None \
+            and filters.get("started_before") is None:
+        filters["last_active_before"] = time.time() - older_than_days * 86400
+    where, params = [], []
+    for name, (kind, sql) in _PRUNE_FILTERS.items():
+        value = filters.get(name)
+        if kind == "bound" and value is not None or kind == "exact" and value:
+            where.append(sql)
+            params.append(value)
+        elif kind == "like" and value:
+            where.append(f"LOWER(COALESCE({sql}, '')) LIKE ? ESCAPE '\\'")
+            params.append(f"%{escape_like(value.lower())}%")
+        elif kind == "lower" and value:
+            where.append(sql)
+            params.append(value.lower())
+        elif kind == "cwd" and value:
+            prefix = value.rstrip("/\\") or value
+            where.append("(s.cwd = ? OR s.cwd LIKE ? ESCAPE '\\' OR s.cwd LIKE ? ESCAPE '\\')")
+            params.extend([prefix, escape_like(prefix) + "/%", escape_like(prefix) + "\\\\%"])
+        elif kind == "flag" and (value is True or value is False):
+            where.append(f"s.archived = {int(value)}")
+    return "".join(" AND " + clause for clause in where), params
+
+
+def _within(stamp, now, seconds):
+    """True if the state_meta time `stamp` is less than `seconds` before `now`; False if absent or garbled."""
+    try:
+        return bool(stamp) and now - float(stamp) < seconds
+    except (TypeError, ValueError):
+        return False
+
+
+def _delegate_descendants(rows, parent_ids):
+    """Ids of the delegate subagents under `parent_ids`, at any depth, never the parents.
+
+    `rows` are (id, parent_session_id, model_config). A delegate carries
+    model_config["_delegate_from"]: a child is one whose marker names a parent,
+    or which has a marker and a parent's id as parent_session_id.
+    """
+    marked = []
+    for session_id, parent, config in rows:
+        try:
+            marker = json.loads(config).get("_delegate_from")
+        except (TypeError, ValueError, AttributeError):
+            continue
+        if marker is not None:
+            marked.append((session_id, parent, marker if isinstance(marker, str) else None))
+    found = frontier = set(parent_ids)
+    while frontier:
+        frontier = {sid for sid, parent, marker in marked
+                    if sid not in found and (marker in frontier or parent in frontier)}
+        found = found | frontier
+    return found - set(parent_ids)
+
+
+def _remove_transcripts(sessions_dir, session_ids):
+    """Remove `<id>.json`, `<id>.jsonl` and `request_dump_<id>_*.json` of each session from
+    `sessions_dir`, as hermes-agent does. A file that cannot be removed stays, silently;
+    an id that would reach outside the folder is skipped."""
+    if sessions_dir is None or not session_ids:
+        return
+    folder = Path(sessions_dir)
+    for session_id in map(str, session_ids):
+        if Path(session_id).is_absolute() or ".." in Path(session_id).parts:
+            continue
+        try:
+            dumps = list(folder.glob(f"request_dump_{glob.escape(session_id)}_*.json"))
+        except (OSError, ValueError):
+            dumps = []
+        for path in [folder / f"{session_id}.json", folder / f"{session_id}.jsonl"] + dumps:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+
+def _lifecycle_status(role, has_tool_calls, finish_reason):
+    """'error', 'interrupted' or 'complete' for a session whose last message has these fields."""
+    if (finish_reason or "").strip().lower() in _ERROR_FINISH_REASONS:
+        return "error"
+    role = (role or "").strip().lower()
+    if role in ("user", "tool") or role == "assistant" and has_tool_calls:
+        return "interrupted"
+    return "complete"
 
 
 def _checked(read):

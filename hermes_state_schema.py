@@ -25,7 +25,8 @@ from hermes_state_common import (
     RENAME_TABLE_SQL,
     TABLE_INFO_SQL,
     CLEAR_OLDER_DUPLICATE_TITLES_SQL,
-    DEFERRED_INDEX_SQL,
+    DEFERRED_INDEX_SQL,  # re-exported: hermes-agent's name
+    DEFERRED_INDEXES,
     DELETE_META_SQL,
     GATEWAY_ROUTING_PK,
     GATEWAY_ROUTING_SIDE_TABLE,
@@ -238,7 +239,7 @@ class SessionSchemaMixin:
                            "rows were superseded and are kept in table %s", copied - kept, side)
 
     def _ensure_deferred_indexes(self, conn, objects):
-        for name, sql in DEFERRED_INDEX_SQL.items():
+        for name, sql in DEFERRED_INDEXES.items():
             if name in objects:
                 continue
             try:

@@ -785,16 +785,18 @@ UNION ALL SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id > :i", other="timestamp
         return self._execute_write(rebuild)
 
     def optimize_fts(self):
-        """Merge each index's segments (FTS5 'optimize') and index queued CJK rows."""
+        """Merge each index's segments (FTS5 'optimize') and index queued CJK rows; returns how many indexes."""
         while self.fts_rebuild_step():
             pass
 
         def merge(conn):
             objects = _schema_objects(conn)
-            for index in self._usable_indexes(_layout(objects), objects):
+            indexes = self._usable_indexes(_layout(objects), objects)
+            for index in indexes:
                 table = FTS_INDEX_TABLES[index]
                 conn.execute(FTS_COMMAND_SQL.format(table=table, command="optimize"))
-        self._execute_write(merge)
+            return len(indexes)
+        return self._execute_write(merge)
 
     def optimize_fts_storage(self, *, progress_cb=None, vacuum=True):
         """Move an old index generation to the current one, then VACUUM, then stamp.

@@ -19,13 +19,11 @@ from hermes_state_common import (
     LIST_SESSIONS_RICH_SQL,
     SELECT_ID_PREFIX_SQL,
     SELECT_SYSTEM_PROMPT_SQL,
-    SESSION_CASCADE_DELETE_SQL,
     SESSION_EXISTS_SQL,
     SESSION_ID_MAX_LENGTH,
     SessionInputTypeError,
     SessionRowError,
     _RESET_END_REASONS,
-    chunked,
     cwd_prefix_clause,
     placeholders,
     prefix_bounds,
@@ -326,21 +324,6 @@ class SessionSessionsMixin:
                                  (*sets.values(), session_id, cwd, generation)) == 1
 
     # -- deleting ---------------------------------------------------------------------
-
-    def delete_session(self, session_id):
-        """Delete a session with its messages, usage and lock; its children become roots."""
-        return self._execute_write(lambda conn: self._delete_sessions_in(conn, [session_id])) > 0
-
-    def _delete_sessions_in(self, conn, session_ids):
-        """Inside a write: delete sessions with everything hanging off them; children
-        become roots. Returns how many. Maintenance's prune calls it too."""
-        deleted = 0
-        for chunk in chunked(session_ids):
-            marks = placeholders(len(chunk))
-            for template in SESSION_CASCADE_DELETE_SQL:
-                count = conn.execute(template.format(marks), chunk).rowcount
-            deleted += count
-        return deleted
 
     # -- listing -------------------------------------------------------------------------
 

@@ -172,37 +172,6 @@ class Sessions(StoreTestCase):
         subprocess.run([sys.executable, "-c", code, os.getcwd(), str(self.path)], check=True, timeout=60)
         self.assertEqual(self.db.get_session("s")["input_tokens"], 41)
 
-    def test_delete_session_takes_everything_with_it_and_frees_children(self):
-        self.db.create_session("p", "cli")
-        self.db.create_session("c", "cli", parent_session_id="p")
-        self.db.append_message("p", "user", "x")
-        self.db.update_token_counts("p", input_tokens=1, model="m")
-        self.assertTrue(self.db.try_acquire_compression_lock("p", "h"))
-        self.assertTrue(self.db.delete_session("p"))
-        self.assertFalse(self.db.delete_session("p"))
-        conn = self.raw(self.path)
-        for table in ("messages", "session_model_usage", "compression_locks"):
-            self.assertEqual(conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0], 0, table)
-        self.assertIsNone(self.db.get_session("c")["parent_session_id"])
-
-    def test_prune_deletes_only_old_ended_sessions(self):
-        day = 86400
-        import time
-        now = time.time()
-        for session_id, source in (("old_ended", "cli"), ("old_open", "cli"), ("old_other", "telegram")):
-            self.db.create_session(session_id, source)
-            backdate(self.db, session_id, now - 100 * day)
-        self.db.end_session("old_ended", "user_exit")
-        self.db.end_session("old_other", "user_exit")
-        self.db.create_session("new_ended", "cli")
-        self.db.end_session("new_ended", "user_exit")
-        self.assertEqual(sorted(self.db.prunable_session_ids(90)), ["old_ended", "old_other"])
-        self.assertEqual(self.db.prune_sessions(90, source="cli"), 1)
-        self.assertEqual(self.db.prune_sessions(90), 1)
-        self.assertEqual(sorted(s["id"] for s in self.db.list_sessions_rich()), ["new_ended", "old_open"])
-        with self.assertRaisesRegex(ValueError, "older_than_days"):
-            self.db.prune_sessions(-1)
-
     def test_list_sessions_rich_previews_and_filters(self):
         self.db.create_session("a", "cli")
         self.db.create_session("b", "telegram")

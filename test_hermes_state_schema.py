@@ -3,7 +3,7 @@
 import sqlite3
 
 from hermes_state import SessionDB
-from hermes_state_common import DEFERRED_INDEX_SQL, SCHEMA_SQL, SCHEMA_VERSION, TITLE_INDEX_NAME
+from hermes_state_common import DEFERRED_INDEXES, SCHEMA_SQL, SCHEMA_VERSION, TITLE_INDEX_NAME
 from hermes_state_schema import declared_columns, schema_read_probe_statements
 from test_support import V26_DB, TempDirTestCase, dump_hash, fixture_path, schema_snapshot
 
@@ -60,7 +60,7 @@ class DeclaredSchema(TempDirTestCase):
             self.assertEqual(ours[table], columns, table)
         conn = self.raw(path)
         names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
-        self.assertTrue(set(DEFERRED_INDEX_SQL) | {TITLE_INDEX_NAME} <= names)
+        self.assertTrue(set(DEFERRED_INDEXES) | {TITLE_INDEX_NAME} <= names)
         self.assertEqual(conn.execute("SELECT version FROM schema_version").fetchall()[0][0], SCHEMA_VERSION)
 
 

@@ -213,6 +213,12 @@ RAW_OPENS = {
     ("hermes_state_portability", "_open_private"): "an export file",
     ("hermes_state_server", "ApiHandler.ops_export"): "the archive in a scratch folder",
     ("hermes_state_server", "ApiHandler.ops_import"): "the uploaded archive in a scratch folder",
+    ("hermes_state_doctor", "_backup_db_file"): "copies byte for byte only a file SQLite cannot read, and only "
+                                                "while /proc/self/fd shows no descriptor of ours on it or a sidecar",
+    ("hermes_state_doctor", "_exclusive"): "state.db.repair.lock, which only repairs lock",
+    ("hermes_state_doctor", "_sqlite_copy"): "creates the new backup file (O_EXCL) before SQLite fills it",
+    ("hermes_state_maintenance", "SessionMaintenanceMixin._vacuum_into_beside"): "creates the new copy (O_EXCL) "
+                                                                                "before VACUUM INTO fills it",
 }
 RAW_OPENERS = {"open", "read_bytes", "read_text", "write_bytes", "write_text", "copy", "copy2",
                "copyfile", "copyfileobj", "mmap"}

@@ -1,0 +1,232 @@
+"""The doctor and repair helpers hermes-agent imports from hermes_state, on real damaged stores."""
+
+import os
+import sqlite3
+import stat
+import subprocess
+import sys
+import textwrap
+import unittest
+from pathlib import Path
+
+import hermes_state
+from hermes_state import (
+    DEFERRED_INDEX_SQL, SessionDB, _backup_db_file, _db_opens_cleanly, _wal_reset_repair_hint,
+    collect_state_db_stats, count_db_holders, is_sqlite_wal_reset_vulnerable, repair_state_db_schema,
+    sqlite_source_id,
+)
+from hermes_state_common import DEFERRED_INDEXES, SCHEMA_SQL
+from test_support import TempDirTestCase
+
+HAS_PROC = os.path.isdir("/proc/self/fd")
+
+
+class DoctorTestCase(TempDirTestCase):
+
+    def store(self, name="state.db", messages=30):
+        path = self.tmp / name
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            for i in range(messages):
+                db.append_message("s", "user", f"hello world message {i}")
+        return path
+
+    def damage(self, path, *statements):
+        conn = sqlite3.connect(path)
+        conn.execute("PRAGMA writable_schema=ON")
+        for sql in statements:
+            conn.execute(sql)
+        conn.commit()
+        conn.close()
+
+    def message_count(self, path):
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+        finally:
+            conn.close()
+
+    def backups(self):
+        return sorted(p.name for p in self.tmp.iterdir() if ".malformed-backup-" in p.name)
+
+
+class Runtime(unittest.TestCase):
+
+    def test_wal_reset_exposure_by_version(self):
+        cases = {(3, 7, 0): True, (3, 6, 23): False, (3, 45, 1): True, (3, 44, 6): False, (3, 50, 7): False,
+                 (3, 51, 2): True, (3, 51, 3): False, (3, 51): True, (4, 0, 0): False}
+        for version, vulnerable in cases.items():
+            self.assertIs(is_sqlite_wal_reset_vulnerable(version), vulnerable, version)
+        self.assertIs(is_sqlite_wal_reset_vulnerable(), is_sqlite_wal_reset_vulnerable(sqlite3.sqlite_version_info))
+
+    def test_source_id_and_repair_hint_are_text(self):
+        self.assertTrue(sqlite_source_id().startswith("20"))
+        self.assertIn("SQLite 3.51.3", _wal_reset_repair_hint())
+
+    def test_deferred_index_sql_is_one_script_of_the_same_indexes(self):
+        conn = sqlite3.connect(":memory:")
+        conn.executescript(SCHEMA_SQL)
+        conn.executescript(DEFERRED_INDEX_SQL)
+        names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        self.assertTrue(set(DEFERRED_INDEXES) <= names)
+
+
+class HealthProbe(DoctorTestCase):
+
+    def test_a_healthy_store_opens_cleanly_and_the_probe_leaves_no_row(self):
+        path = self.store()
+        self.assertIsNone(_db_opens_cleanly(path))
+        conn = sqlite3.connect(path)
+        self.addCleanup(conn.close)
+        self.assertEqual(conn.execute("SELECT COUNT(*) FROM sessions").fetchone()[0], 1)
+
+    def test_a_missing_store_is_reported_and_not_created(self):
+        self.assertIsNotNone(_db_opens_cleanly(self.tmp / "missing.db"))
+        self.assertFalse((self.tmp / "missing.db").exists())
+
+    def test_duplicate_schema_and_broken_search_index_are_reported(self):
+        dup = self.store("dup.db")
+        self.damage(dup, "INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'state_meta'")
+        self.assertIn("malformed database schema", _db_opens_cleanly(dup))
+        fts = self.store("fts.db")
+        self.damage(fts, "UPDATE messages_fts_data SET block = X'0000' WHERE id = 10")
+        self.assertIsNotNone(_db_opens_cleanly(fts))
+        junk = self.tmp / "junk.db"
+        junk.write_bytes(b"not a database" * 100)
+        self.assertIn("not a database", _db_opens_cleanly(junk))
+
+
+class Repair(DoctorTestCase):
+
+    def test_a_healthy_store_is_left_alone(self):
+        path = self.store()
+        self.assertEqual(repair_state_db_schema(path),
+                         {"repaired": True, "strategy": "already_healthy", "backup_path": None, "error": None})
+        self.assertEqual(self.backups(), [])
+        self.assertIn("does not exist", repair_state_db_schema(self.tmp / "nope.db")["error"])
+
+    def test_duplicate_schema_entries_go_after_a_private_backup_of_the_damage(self):
+        path = self.store()
+        self.damage(path, "INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'messages_fts'")
+        with self.assertLogs("hermes_state", "WARNING"):
+            report = repair_state_db_schema(path)
+        self.assertEqual((report["repaired"], report["strategy"], report["error"]), (True, "dedup_schema", None))
+        self.assertEqual([os.path.basename(report["backup_path"])], self.backups())
+        if os.name == "posix":
+            self.assertEqual(stat.S_IMODE(os.stat(report["backup_path"]).st_mode), 0o600)
+        self.assertIn("malformed database schema", _db_opens_cleanly(report["backup_path"]))
+        self.assertEqual(self.message_count(path), 30)
+        with SessionDB(path) as db:
+            self.assertEqual(len(db.search_messages("hello", limit=100)), 30)
+
+    def test_a_search_index_that_rejects_writes_is_rebuilt_in_place(self):
+        path = self.store()
+        self.damage(path, "UPDATE messages_fts_data SET block = X'0000' WHERE id = 10")
+        with self.assertLogs("hermes_state", "WARNING"):
+            report = repair_state_db_schema(path, backup=False)
+        self.assertEqual((report["strategy"], report["backup_path"]), ("rebuild_fts", None))
+        with SessionDB(path) as db:
+            db.append_message("s", "user", "hello after repair")
+            self.assertEqual(len(db.search_messages("hello", limit=100)), 31)
+
+    def test_an_unparsable_search_table_is_dropped_and_built_again_at_the_next_open(self):
+        path = self.store()
+        self.damage(path, "UPDATE sqlite_master SET sql = 'CREATE VIRTUAL TABLE messages_fts USING fts5(' "
+                          "WHERE name = 'messages_fts'")
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            report = repair_state_db_schema(path)
+        self.assertEqual((report["repaired"], report["strategy"]), (True, "drop_fts_rebuild"))
+        self.assertEqual(len(logs.records), 4)  # each strategy tried, least destructive first
+        self.assertEqual(self.message_count(path), 30)
+        with SessionDB(path) as db:
+            self.assertEqual(len(db.search_messages("world", limit=100)), 30)
+            self.assertEqual(db.fts_layout(), "current")
+
+    def test_a_file_sqlite_cannot_read_is_kept_byte_for_byte_and_reported(self):
+        path = self.tmp / "state.db"
+        path.write_bytes(b"garbage" * 1000)
+        with self.assertLogs("hermes_state", "WARNING"):
+            report = repair_state_db_schema(path)
+        self.assertFalse(report["repaired"])
+        self.assertIn("not a database", report["error"])
+        self.assertEqual(Path(report["backup_path"]).read_bytes(), b"garbage" * 1000)
+        self.assertEqual(path.read_bytes(), b"garbage" * 1000)
+
+
+class Backup(DoctorTestCase):
+
+    def test_a_store_in_use_is_copied_by_sqlite_with_its_wal_content(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            db.append_message("s", "user", "only in the wal so far")
+            copy, why = _backup_db_file(path)
+            again, _ = _backup_db_file(path)
+        self.assertIsNone(why)
+        self.assertNotEqual(copy, again)
+        self.assertEqual(self.message_count(copy), 1)
+        self.assertFalse(os.path.exists(f"{copy}-wal"))
+
+    @unittest.skipUnless(HAS_PROC, "needs /proc to see this process's descriptors")
+    def test_an_unreadable_file_this_process_holds_is_not_copied_raw(self):
+        path = self.tmp / "state.db"
+        path.write_bytes(b"garbage" * 1000)
+        held = sqlite3.connect(path)
+        self.addCleanup(held.close)
+        copy, why = _backup_db_file(path)
+        self.assertIsNone(copy)
+        self.assertIn("this process has it open", why)
+        self.assertEqual(self.backups(), [])
+
+    def test_doctor_reads_never_cancel_this_process_s_own_write_lock(self):
+        """A descriptor closed on the store drops every POSIX lock of the process, SQLite's included."""
+        path = self.store(messages=3)
+        conn = sqlite3.connect(path, isolation_level=None)
+        self.addCleanup(conn.close)
+        conn.execute("PRAGMA journal_mode=DELETE")
+        conn.execute("BEGIN IMMEDIATE")
+        self.assertIsNotNone(_backup_db_file(path)[0])
+        self.assertEqual(collect_state_db_stats(path)["messages"], 3)
+        count_db_holders(path)
+        probe = textwrap.dedent("""
+            import sqlite3, sys
+            conn = sqlite3.connect(sys.argv[1], timeout=0, isolation_level=None)
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                sys.exit("locked" if "locked" in str(exc) else str(exc))
+            sys.exit("got the write lock")
+        """)
+        result = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=60)
+        self.assertEqual(result.stderr.strip(), "locked")
+
+
+class Reports(DoctorTestCase):
+
+    def test_stats_snapshot_of_a_store_and_of_a_missing_one(self):
+        path = self.store()
+        stats = collect_state_db_stats(path)
+        self.assertEqual((stats["messages"], stats["sessions"], stats["journal_mode"]), (30, 1, "wal"))
+        self.assertEqual(stats["logical_size_bytes"], stats["page_count"] * stats["page_size"])
+        self.assertEqual(stats["fts_tables"], {"messages_fts": True, "messages_fts_trigram": True,
+                                               "messages_fts_cjk": True})
+        self.assertEqual((stats["fts_rebuild_pending"], stats["fts_rebuild_high_water"]), (False, None))
+        missing = collect_state_db_stats(self.tmp / "missing.db")
+        self.assertEqual(set(missing), set(stats))
+        self.assertEqual(missing["wal_size_bytes"], 0)
+        self.assertIsNone(missing["sessions"])
+        self.assertFalse((self.tmp / "missing.db").exists())
+
+    @unittest.skipUnless(sys.platform.startswith("linux"), "holders are read from /proc on Linux")
+    def test_holders_are_counted_per_process(self):
+        path = self.store()
+        self.assertEqual(count_db_holders(path), 0)
+        with SessionDB(path) as db:
+            db.create_session("t", "cli")
+            self.assertEqual(count_db_holders(path), 1)
+
+    def test_hermes_agent_finds_every_helper_on_hermes_state(self):
+        for name in ("_backup_db_file", "_db_opens_cleanly", "_wal_reset_repair_hint", "collect_state_db_stats",
+                     "count_db_holders", "is_sqlite_wal_reset_vulnerable", "repair_state_db_schema",
+                     "sqlite_source_id", "DEFERRED_INDEX_SQL"):
+            self.assertTrue(hasattr(hermes_state, name), name)
