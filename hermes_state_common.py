@@ -754,6 +754,23 @@ def count_tool_calls(tool_calls):
     return len(tool_calls) if isinstance(tool_calls, list) else 0
 
 
+def normalize_title(title):
+    """A title with its whitespace collapsed; None for None or an empty one.
+
+    Raises ValueError for a title that is not a string, or is longer than
+    TITLE_MAX_LENGTH once collapsed. set_session_title and import_sessions
+    share this rule.
+    """
+    if title is None:
+        return None
+    if not isinstance(title, str):
+        raise ValueError("title must be a string or None")
+    title = " ".join(title.split())
+    if len(title) > TITLE_MAX_LENGTH:
+        raise ValueError(f"title is {len(title)} characters; the limit is {TITLE_MAX_LENGTH}")
+    return title or None
+
+
 def quote_identifier(name):
     """`name` as a double-quoted SQL identifier, embedded quotes doubled."""
     return '"' + str(name).replace('"', '""') + '"'

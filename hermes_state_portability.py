@@ -33,7 +33,9 @@ from hermes_state_common import (
     SESSION_EXISTS_SQL,
     SET_MESSAGE_COUNTS_SQL,
     SET_PARENT_SQL,
+    TITLE_MAX_LENGTH,
     count_tool_calls,
+    normalize_title,
     placeholders,
     quote_identifier,
 )
@@ -64,14 +66,46 @@ def _column_kinds(table):
 
 def _value_error(field, value, kind):
     """Why `value` cannot go into a column of `kind`, or None if it can."""
-    if value is None or kind == "any":
+    if value is None:
         return None
+    if isinstance(value, int) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 63:
+        return f"{field} does not fit in a 64-bit integer"  # sqlite3 raises OverflowError on it
     if kind == "text" and not isinstance(value, str):
         return f"{field} must be a string"
     if kind == "integer" and (isinstance(value, bool) or not isinstance(value, int)):
         return f"{field} must be an integer"
     if kind == "real" and (isinstance(value, bool) or not isinstance(value, (int, float))):
         return f"{field} must be a number"
+    return None
+
+
+def _depth(value, limit):
+    """How deep lists and objects nest in `value`; stops counting past `limit`.
+    A loop, not recursion, so that any nesting gets an answer."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (list, dict)):
+            if level > limit:
+                return level
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _nesting_error(field, value, limit):
+    """Why `value`, or the JSON text it holds, nests too deep to store and export again, or None."""
+    if isinstance(value, str):
+        if value.lstrip()[:1] not in ("[", "{"):
+            return None
+        try:
+            value = json.loads(value)
+        except RecursionError:
+            return f"{field} nests lists and objects more than {limit} levels deep"
+        except ValueError:
+            return None  # text that is not JSON is stored as text
+    if _depth(value, limit) > limit:
+        return f"{field} nests lists and objects more than {limit} levels deep"
     return None
 
 
@@ -87,11 +121,17 @@ def _json_object_error(field, value):
     return f"{field} must be a JSON object"
 
 
-def _session_errors(entry, session_kinds):
+def _session_errors(entry, session_kinds, depth_limit):
     errors = []
     for field, value in entry.items():
         if field == "model_config":
-            error = _json_object_error(field, value)
+            error = _nesting_error(field, value, depth_limit) or _json_object_error(field, value)
+        elif field == "title":
+            try:
+                normalize_title(value)
+                error = None
+            except ValueError as exc:
+                error = str(exc)
         elif field in session_kinds:
             error = _value_error(field, value, session_kinds[field])
         else:
@@ -101,7 +141,7 @@ def _session_errors(entry, session_kinds):
     return errors
 
 
-def _message_errors(index, message, message_kinds):
+def _message_errors(index, message, message_kinds, depth_limit):
     if not isinstance(message, dict):
         return [f"messages[{index}] must be an object"]
     errors = []
@@ -109,13 +149,17 @@ def _message_errors(index, message, message_kinds):
     if not isinstance(role, str) or not role:
         errors.append(f"messages[{index}].role must be a non-empty string")
     for field, value in message.items():
+        name = f"messages[{index}].{field}"
+        error = None
         if field == "tool_calls":
             if value is not None and not isinstance(value, (list, dict, str)):
-                errors.append(f"messages[{index}].tool_calls must be a list, an object or JSON text")
+                error = f"{name} must be a list, an object or JSON text"
         elif field in message_kinds and field != "role":
-            error = _value_error(f"messages[{index}].{field}", value, message_kinds[field])
-            if error:
-                errors.append(error)
+            error = _value_error(name, value, message_kinds[field])
+        if not error and field in MESSAGE_JSON_FIELDS:
+            error = _nesting_error(name, value, depth_limit)
+        if error:
+            errors.append(error)
     return errors
 
 
@@ -156,6 +200,12 @@ def _entry_errors(entry, seen, totals, limits, kinds):
     if session_id in seen:
         yield "duplicate id in the payload"
     seen.add(session_id)
+    # The limit counts from a field's value; an entry adds three levels around it
+    # (the entry, its messages list, a message).
+    envelope_limit = limits["depth"] + 3
+    if _depth(entry, envelope_limit) > envelope_limit:
+        yield f"entry nests lists and objects more than {envelope_limit} levels deep"
+        return
     yield from _size_errors(entry, totals, limits)
     messages = entry.get("messages", [])
     if not isinstance(messages, list):
@@ -166,9 +216,9 @@ def _entry_errors(entry, seen, totals, limits, kinds):
         yield f"messages has {len(messages)} entries; the limit is {limits['messages_per_session']}"
     if totals["messages"] > limits["total_messages"]:
         yield f"the payload passes {limits['total_messages']} messages here"
-    yield from _session_errors(entry, kinds[0])
+    yield from _session_errors(entry, kinds[0], limits["depth"])
     for position, message in enumerate(messages):
-        yield from _message_errors(position, message, kinds[1])
+        yield from _message_errors(position, message, kinds[1], limits["depth"])
 
 
 def _size_errors(entry, totals, limits):
@@ -198,8 +248,11 @@ def _session_row(entry, session_columns):
     """The columns imported for a session: history, never runtime ownership or counters."""
     skipped = IMPORT_RUNTIME_FIELDS | {"id", "parent_session_id", "message_count", "tool_call_count",
                                        "system_prompt", "system_prompt_hash"}
-    row = {column: entry[column] for column in session_columns if column in entry and column not in skipped}
+    # A null leaves the column to its default: several are NOT NULL DEFAULT 0.
+    row = {column: entry[column] for column in session_columns
+           if entry.get(column) is not None and column not in skipped}
     row["id"] = entry["id"]
+    row["title"] = normalize_title(row.get("title"))
     if not isinstance(row.get("source"), str) or not row["source"]:
         row["source"] = "import"
     if row.get("started_at") is None:
@@ -489,6 +542,9 @@ class SessionPortabilityMixin:
     _IMPORT_MAX_TOTAL_MESSAGES = 50_000
     _IMPORT_MAX_SESSION_BYTES = 5 * 1024 * 1024
     _IMPORT_MAX_TOTAL_BYTES = 25 * 1024 * 1024
+    # Lists and objects inside one field; deeper values could not be exported again
+    # (json and the renderers recurse), and no agent writes them.
+    _IMPORT_MAX_DEPTH = 100
 
     # -- export ----------------------------------------------------------------
 
@@ -533,23 +589,27 @@ class SessionPortabilityMixin:
     # -- import ----------------------------------------------------------------
 
     def import_limits(self):
+        """The limits of one import_sessions call, by name: what validate_import checks."""
         return {"sessions": self._IMPORT_MAX_SESSIONS, "messages_per_session": self._IMPORT_MAX_MESSAGES_PER_SESSION,
                 "total_messages": self._IMPORT_MAX_TOTAL_MESSAGES, "session_bytes": self._IMPORT_MAX_SESSION_BYTES,
-                "total_bytes": self._IMPORT_MAX_TOTAL_BYTES}
+                "total_bytes": self._IMPORT_MAX_TOTAL_BYTES, "depth": self._IMPORT_MAX_DEPTH}
 
-    def import_sessions(self, sessions):
+    def import_sessions(self, sessions, *, limits=None):
         """Add exported sessions to the store: history, not runtime ownership.
 
         Pass 1 checks the whole payload and writes nothing if anything is wrong:
         {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": [...]}.
         Pass 2, one transaction: ids already stored are skipped (never
-        overwritten); messages get fresh ids; counts are recomputed; routing,
-        identity, handoff, rewind, pin, activity and compression-cooldown fields
-        are not restored; then parent links are attached unless the parent is
-        unknown or the link would close a cycle (counted in `detached`).
-        Raises ValueError if `sessions` is not a list or has over 500 entries.
+        overwritten); messages get fresh ids; counts are recomputed; titles
+        follow set_session_title's rules, and one another session holds gets
+        the id appended; routing, identity, handoff, rewind, pin, activity and
+        compression-cooldown fields are not restored; then parent links are
+        attached unless the parent is unknown or the link would close a cycle
+        (counted in `detached`). `limits` replaces import_limits() for this
+        call (the command line lifts the totals to import a whole file at once).
+        Raises ValueError if `sessions` is not a list or has too many entries.
         """
-        errors = validate_import(sessions, self.import_limits())
+        errors = validate_import(sessions, limits or self.import_limits())
         if errors:
             return {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": errors}
         result = self._execute_write(lambda conn: self._write_import(conn, sessions))
@@ -565,7 +625,7 @@ class SessionPortabilityMixin:
                 skipped.append(session_id)
                 continue
             row = _session_row(entry, session_columns)
-            row["title"] = _free_title(conn, row.get("title"), session_id)
+            row["title"] = _free_title(conn, row["title"], session_id)
             prompt = entry.get("system_prompt")
             if isinstance(prompt, str):
                 row["system_prompt_hash"] = prompt_hash(prompt)
@@ -589,9 +649,17 @@ class SessionPortabilityMixin:
                 "imported_ids": imported, "skipped_ids": skipped}
 
 
-def _free_title(conn, title, session_id):
-    """Titles are unique: an imported title another session holds gets the id appended."""
-    if not title or conn.execute(SELECT_TITLE_OWNER_SQL, (title, session_id)).fetchone() is None:
-        return title
-    return f"{title} [{session_id}]"
+# Past this many characters an id is shortened in a title suffix, to leave room for the title.
+TITLE_SUFFIX_ID_CHARS = 40
 
+
+def _free_title(conn, title, session_id):
+    """A title no other session holds: `title`, else "title [id]", else "title [id] (2)", (3), ...;
+    each cut to fit TITLE_MAX_LENGTH. None stays None."""
+    tag = session_id if len(session_id) <= TITLE_SUFFIX_ID_CHARS else session_id[:TITLE_SUFFIX_ID_CHARS] + "…"
+    candidate, number = title, 1
+    while candidate is not None and conn.execute(SELECT_TITLE_OWNER_SQL, (candidate, session_id)).fetchone():
+        suffix = f" [{tag}]" if number == 1 else f" [{tag}] ({number})"
+        candidate = normalize_title(title[:max(0, TITLE_MAX_LENGTH - len(suffix))] + suffix)
+        number += 1
+    return candidate

@@ -177,6 +177,51 @@ class ImportRejects(StoreTestCase):
         self.assertEqual([e["index"] for e in all_errors], [0, 1, 3])
         self.assertEqual(all_errors[2]["session_id"], "y")
 
+    def test_input_sqlite_or_json_would_refuse_is_a_clean_rejection(self):
+        deep_text = '{"a":' * 100_000 + "1" + "}" * 100_000
+        cases = [
+            ("session integer past 64 bits", dict(session("m"), input_tokens=2 ** 64),
+             "input_tokens does not fit in a 64-bit integer"),
+            ("message integer past 64 bits", dict(session("m"), messages=[{"role": "user", "token_count": -2 ** 63 - 1}]),
+             r"messages\[0\]\.token_count does not fit in a 64-bit integer"),
+            ("deep model_config text", dict(session("m"), model_config=deep_text),
+             "model_config nests lists and objects more than 100 levels deep"),
+            ("deep tool_calls text", dict(session("m"), messages=[{"role": "assistant", "tool_calls": "[" * 100_000}]),
+             r"messages\[0\]\.tool_calls nests lists and objects more than 100 levels deep"),
+            ("deep display_metadata text", dict(session("m"), messages=[
+                {"role": "assistant", "display_metadata": "[" * 150 + "]" * 150}]),
+             r"messages\[0\]\.display_metadata nests lists and objects more than 100 levels deep"),
+            ("deep tool_calls list", dict(session("m"), messages=[{"role": "assistant", "tool_calls": json.loads(
+                "[" * 150 + "]" * 150)}]), "entry nests lists and objects more than 103 levels deep"),
+            ("title past the cap", dict(session("m"), title="t" * 101), "title is 101 characters; the limit is 100"),
+        ]
+        for label, bad, message in cases:
+            with self.subTest(label):
+                self.assert_rejected([session("good"), bad], 1, message)
+
+    def test_imported_titles_follow_the_rules_of_set_session_title(self):
+        self.db.create_session("mine", "cli", title="Shared")
+        self.db.create_session("squatter", "cli", title="Shared [theirs]")
+        long_id = "i" * 200
+        payload = [dict(session("e1"), title=""), dict(session("e2"), title="  "), dict(session("e3"), title=None),
+                   dict(session("spaced"), title="  A \t spaced\n title "),
+                   dict(session("theirs"), title="Shared"), dict(session("twin"), title="Shared"),
+                   dict(session(long_id), title="L" * 100), dict(session("long2"), title="L" * 100),
+                   dict(session("nulls"), archived=None, hidden=None, pinned=None)]
+        result = self.db.import_sessions(payload)
+        self.assertEqual((result["ok"], result["imported"]), (True, len(payload)), result["errors"])
+        titles = {entry["id"]: self.db.get_session_title(entry["id"]) for entry in payload}
+        self.assertEqual([titles["e1"], titles["e2"], titles["e3"]], [None, None, None])
+        self.assertEqual(titles["spaced"], "A spaced title")
+        self.assertEqual(titles["theirs"], "Shared [theirs] (2)")
+        self.assertEqual(titles["twin"], "Shared [twin]")
+        self.assertEqual(titles[long_id], "L" * 100)
+        self.assertEqual(titles["long2"], "L" * 92 + " [long2]")
+        self.assertEqual(len(set(titles.values()) - {None}), 5)
+        self.assertTrue(all(title is None or len(title) <= 100 for title in titles.values()))
+        row = self.session_row("nulls")
+        self.assertEqual((row["archived"], row["hidden"], row["pinned"]), (0, 0, 0))
+
     def test_limits(self):
         with self.assertRaisesRegex(ValueError, "sessions must be a list"):
             self.db.import_sessions({"id": "x"})
