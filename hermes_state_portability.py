@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 
 from hermes_state_common import (
@@ -387,20 +388,37 @@ def trace_lines(export):
     return "".join(json.dumps(event, ensure_ascii=False) + "\n" for event in events)
 
 
+def _md_text(text):
+    """Free text for a Markdown body: HTML in it shows as text, as in the html export."""
+    return html.escape(str(text), quote=False)
+
+
+def _code(text):
+    """`text` as one Markdown code span whatever backticks or line breaks it holds
+    (a code span shows a line break as a space anyway)."""
+    text = " ".join(str(text).splitlines())
+    ticks = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
+
+
 def _md_body(export):
-    parts = [f"# {export.get('title') or export['id']}\n\n", f"Session ID: `{export['id']}`\n\n",
-             f"Source: `{export.get('source')}`\n\n"]
+    parts = [f"# {_md_text(export.get('title') or export['id'])}\n\n", f"Session ID: {_code(export['id'])}\n\n",
+             f"Source: {_code(export.get('source'))}\n\n"]
     if export.get("lineage_session_ids"):
-        parts.append(f"Lineage: {' -> '.join(f'`{s}`' for s in export['lineage_session_ids'])}\n\n")
+        parts.append(f"Lineage: {' -> '.join(_code(s) for s in export['lineage_session_ids'])}\n\n")
     if export.get("system_prompt"):
-        parts.append(f"## System prompt\n\n{export['system_prompt']}\n\n")
+        parts.append(f"## System prompt\n\n{_md_text(export['system_prompt'])}\n\n")
     parts.append("## Messages\n\n")
     for message in export["messages"]:
         label = message["role"].capitalize() + (f" — {message['tool_name']}" if message.get("tool_name") else "")
-        parts.append(f"### {label} — {iso_time(message['timestamp'])}\n\n{message.get('content') or ''}\n\n")
+        parts.append(f"### {_md_text(label)} — {iso_time(message['timestamp'])}\n\n"
+                     f"{_md_text(message.get('content') or '')}\n\n")
         if message.get("tool_calls"):
             calls = json.dumps(message["tool_calls"], ensure_ascii=False, indent=2)
-            parts.append(f"#### Tool calls\n\n```json\n{calls}\n```\n\n")
+            # Inside a fence HTML is not rendered; the fence outlasts any backticks in the calls.
+            fence = "`" * max(3, max((len(run) for run in re.findall(r"`+", calls)), default=0) + 1)
+            parts.append(f"#### Tool calls\n\n{fence}json\n{calls}\n{fence}\n\n")
     return "".join(parts)
 
 
@@ -410,8 +428,10 @@ def _front_matter(export, fmt):
               "model": export.get("model"), "cwd": export.get("cwd"), "archived": bool(export.get("archived")),
               "message_count": export.get("message_count"), "tool_call_count": export.get("tool_call_count"),
               "format": fmt, "exported_at": iso_time(time.time()), "exporter": "hermes_state export v1"}
-    return "---\n" + "".join(f"{key}: {json.dumps(value, ensure_ascii=False)}\n" for key, value in fields.items()) \
-        + "---\n\n"
+    # Quarto renders a title as Markdown, so the strings here are escaped like the body.
+    lines = (f"{key}: {json.dumps(_md_text(value) if isinstance(value, str) else value, ensure_ascii=False)}\n"
+             for key, value in fields.items())
+    return "---\n" + "".join(lines) + "---\n\n"
 
 
 def markdown_document(export, fmt="md"):
@@ -420,7 +440,7 @@ def markdown_document(export, fmt="md"):
     body = _md_body(export)
     digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
     verification = ("## Export verification\n\n"
-                    f"- Session id: `{export['id']}`\n"
+                    f"- Session id: {_code(export['id'])}\n"
                     f"- Exported messages: `{len(export['messages'])}`\n"
                     f"- Source DB message count at export: `{export.get('message_count')}`\n"
                     f"- SHA256 of exported body: `{digest}`\n")
@@ -488,7 +508,11 @@ def html_section(export):
 
 def write_export(exports, fmt, out, *, redact_secrets=False):
     """Render a stream of exports in `fmt` to `out` (a path; a folder for md/qmd; '-' for
-    stdout with jsonl and trace). Returns how many sessions were written."""
+    stdout with jsonl and trace). Returns how many sessions were written.
+
+    Files are written under temporary names and renamed when the last session is
+    written: an export that fails part-way leaves no partial file behind.
+    """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(EXPORT_FORMATS)}")
     if out == "-" and fmt not in ("jsonl", "trace"):
@@ -496,7 +520,7 @@ def write_export(exports, fmt, out, *, redact_secrets=False):
     exports = (redact(e) for e in exports) if redact_secrets else exports
     if fmt in ("md", "qmd"):
         return _write_markdown_folder(exports, fmt, out)
-    with _open_private(out) as handle:
+    with _private_output(out) as handle:
         if fmt == "html":
             handle.write(HTML_HEAD.format(title="Hermes sessions"))
         count = 0
@@ -508,30 +532,72 @@ def write_export(exports, fmt, out, *, redact_secrets=False):
     return count
 
 
+# The readable part of a Markdown file name; the hash after it keeps names unique.
+FILE_NAME_ID_CHARS = 64
+
+
+def markdown_file_name(session_id, fmt, taken=()):
+    """A file name for one session: its id's safe characters (at most FILE_NAME_ID_CHARS)
+    and the start of the id's SHA-256, so that ids differing only in unsafe characters,
+    in case, or past the cut get different names. The whole hash if the short one is in `taken`."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", session_id)[:FILE_NAME_ID_CHARS].strip("._-") or "session"
+    digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
+    name = f"{readable}-{digest[:12]}.{fmt}"
+    return name if name not in taken else f"{readable}-{digest}.{fmt}"
+
+
 def _write_markdown_folder(exports, fmt, folder):
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    count = 0
-    with _open_private(os.path.join(folder, "manifest.jsonl")) as manifest:
+    pending, names, manifest = [], set(), []  # pending: (temporary path, final path)
+    try:
         for export in exports:
             text, digest = markdown_document(export, fmt)
-            name = re.sub(r"[^A-Za-z0-9._-]", "_", export["id"]) + f".{fmt}"
-            with _open_private(os.path.join(folder, name)) as handle:
-                handle.write(text)
-            manifest.write(json.dumps({"session_id": export["id"], "file": name, "body_sha256": digest,
-                                       "messages": len(export["messages"])}, ensure_ascii=False) + "\n")
-            count += 1
-    return count
+            name = markdown_file_name(export["id"], fmt, names)
+            names.add(name)
+            pending.append((_write_private_temp(folder, name, text), os.path.join(folder, name)))
+            manifest.append(json.dumps({"session_id": export["id"], "file": name, "body_sha256": digest,
+                                        "messages": len(export["messages"])}, ensure_ascii=False) + "\n")
+        pending.append((_write_private_temp(folder, "manifest.jsonl", "".join(manifest)),
+                        os.path.join(folder, "manifest.jsonl")))
+    except BaseException:
+        for temporary, _final in pending:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+        raise
+    for temporary, final in pending:
+        os.replace(temporary, final)
+    return len(manifest)
+
+
+def _write_private_temp(folder, name, text):
+    """`text` in a new 0600 file of `folder` under a temporary name; returns its path."""
+    fd, temporary = tempfile.mkstemp(prefix=f".{name[:80]}.", suffix=".part", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    return temporary
 
 
 @contextlib.contextmanager
-def _open_private(path):
-    """A text file created 0600 (exports hold prompts and messages), or stdout for '-'."""
+def _private_output(path):
+    """A text file (exports hold prompts and messages) created 0600 under a temporary
+    name and renamed to `path` when the block ends well, removed when it fails; stdout for '-'."""
     if path == "-":
         yield sys.stdout
         return
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-        yield handle
+    folder, name = os.path.split(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(prefix=f".{name[:80]}.", suffix=".part", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            yield handle
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 class SessionPortabilityMixin:

@@ -11,7 +11,7 @@ import sys
 import zipfile
 
 from hermes_state import SessionDB, restore_home
-from hermes_state_portability import markdown_document, redact_text, write_export
+from hermes_state_portability import markdown_document, markdown_file_name, redact_text, write_export
 from test_support import REPO, V26_DB, StoreTestCase, TempDirTestCase, dump_hash, fixture_path
 
 EXPORTS = ("hermes_v22_export.jsonl", "hermes_v26_export.jsonl")
@@ -300,16 +300,89 @@ class Renderers(StoreTestCase):
         for fmt in ("md", "qmd"):
             folder = self.tmp / fmt
             self.assertEqual(write_export(self.db.export_all(), fmt, str(folder)), 1)
-            text = (folder / f"r1.{fmt}").read_text(encoding="utf-8")
+            name = markdown_file_name("r1", fmt)
+            self.assertRegex(name, rf"^r1-[0-9a-f]{{12}}\.{fmt}$")
+            text = (folder / name).read_text(encoding="utf-8")
             self.assertTrue(text.startswith("---\nsession_id: \"r1\"\n"))
             self.assertIn(f'format: "{fmt}"', text)
             body = text.split("---\n\n", 1)[1].split("## Export verification")[0]
             digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
             self.assertIn(f"- SHA256 of exported body: `{digest}`", text)
             manifest = [json.loads(line) for line in (folder / "manifest.jsonl").read_text().splitlines()]
-            self.assertEqual(manifest, [{"session_id": "r1", "file": f"r1.{fmt}", "body_sha256": digest,
+            self.assertEqual(manifest, [{"session_id": "r1", "file": name, "body_sha256": digest,
                                          "messages": 3}])
             self.assertIn("### Tool — terminal", text)
+
+    def test_md_and_qmd_give_every_session_its_own_bounded_file(self):
+        cjk = ("会话一", "会话二")  # same length, no safe character: once the same file name
+        ids = ["a/b", "a_b", "a:b", "A_B", *cjk, "x" * 256, "é" * 200, "..", "-"]
+        for session_id in ids:
+            self.db.create_session(session_id, "cli")
+            self.db.append_message(session_id, "user", f"from {session_id}")
+        for fmt in ("md", "qmd"):
+            folder = self.tmp / f"many-{fmt}"
+            self.assertEqual(write_export(self.db.export_all(), fmt, str(folder)), len(ids) + 1)
+            manifest = [json.loads(line) for line in (folder / "manifest.jsonl").read_text().splitlines()]
+            files = {entry["session_id"]: entry["file"] for entry in manifest}
+            self.assertEqual(len(set(files.values())), len(ids) + 1)
+            self.assertEqual(len({name.lower() for name in files.values()}), len(ids) + 1)  # case-blind disks too
+            self.assertEqual(sorted(p.name for p in folder.iterdir()), sorted([*files.values(), "manifest.jsonl"]))
+            for session_id in ids:
+                name = files[session_id]
+                self.assertLessEqual(len(name.encode()), 100)
+                self.assertFalse(name.startswith("."))
+                self.assertIn(f"from {session_id}", (folder / name).read_text(encoding="utf-8"))
+
+    def test_md_and_qmd_escape_html_in_text_as_the_html_export_does(self):
+        odd_id = "x`<b>\n\n<img src=x onerror=alert(1)>"
+        self.db.create_session(odd_id, "cli", title="<i>title</i>", system_prompt="<style>p{}</style>")
+        self.db.append_message(odd_id, "tool", "```\n</pre><script>1</script>", tool_name="<t>", tool_call_id="c")
+        for fmt in ("md", "qmd"):
+            folder = self.tmp / f"escaped-{fmt}"
+            write_export(self.db.export_all(), fmt, str(folder))
+            mine = (folder / markdown_file_name("r1", fmt)).read_text(encoding="utf-8")
+            odd = (folder / markdown_file_name(odd_id, fmt)).read_text(encoding="utf-8")
+            with self.subTest(fmt=fmt):
+                self.assertIn("&lt;script&gt;alert('x')&lt;/script&gt; &amp; 会话", mine)
+                self.assertIn("# &lt;b&gt;Render&lt;/b&gt; me", mine)
+                self.assertIn('title: "&lt;b&gt;Render&lt;/b&gt; me"', mine)
+                self.assertIn('"arguments": "{\\"command\\": \\"ls </tmp>\\"}"', mine)  # a fence keeps code as code
+                self.assertIn("# &lt;i&gt;title&lt;/i&gt;", odd)
+                self.assertIn("&lt;style&gt;p{}&lt;/style&gt;", odd)
+                self.assertIn("### Tool — &lt;t&gt; — ", odd)
+                self.assertIn("&lt;/pre&gt;&lt;script&gt;1&lt;/script&gt;", odd)
+                for raw in ("<script>", "<style>", "<i>", "<t>", "</pre>"):
+                    self.assertNotIn(raw, odd)
+                # The id keeps its characters inside code spans (where HTML is not rendered),
+                # fenced by more backticks than it holds, its line breaks shown as spaces.
+                span = "``x`<b>  <img src=x onerror=alert(1)>``"
+                self.assertEqual(odd.count("<img"), odd.count(span))
+                self.assertIn(f"Session ID: {span}", odd)
+
+    def test_a_failed_export_leaves_no_partial_file(self):
+        def failing():
+            yield self.db.export_session("r1")
+            raise RuntimeError("the store went away")
+
+        exports = self.tmp / "exports"
+        exports.mkdir()
+        for fmt in ("jsonl", "html", "trace"):
+            with self.subTest(fmt=fmt), self.assertRaisesRegex(RuntimeError, "went away"):
+                write_export(failing(), fmt, str(exports / f"out.{fmt}"))
+            self.assertEqual(list(exports.iterdir()), [])
+        kept = exports / "kept.jsonl"
+        kept.write_text("the previous export\n")
+        with self.assertRaisesRegex(RuntimeError, "went away"):
+            write_export(failing(), "jsonl", str(kept))
+        self.assertEqual([p.name for p in exports.iterdir()], ["kept.jsonl"])
+        self.assertEqual(kept.read_text(), "the previous export\n")
+        for fmt in ("md", "qmd"):
+            folder = self.tmp / f"folder-{fmt}"
+            folder.mkdir()
+            (folder / "notes.txt").write_text("mine")
+            with self.subTest(fmt=fmt), self.assertRaisesRegex(RuntimeError, "went away"):
+                write_export(failing(), fmt, str(folder))
+            self.assertEqual([p.name for p in folder.iterdir()], ["notes.txt"])
 
     def test_markdown_matches_the_hermes_agent_sample_shape(self):
         sample = fixture_path("hermes_v26_export_sample.md").read_text(encoding="utf-8")
