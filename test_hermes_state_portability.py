@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import sqlite3
 import subprocess
 import sys
 import zipfile
@@ -610,3 +611,45 @@ class CommandLine(TempDirTestCase):
         broken = self.run_cli("import", str(bad))
         self.assertEqual(broken.returncode, 1)
         self.assertIn("bad.jsonl:2: not JSON", broken.stderr)
+
+    def test_import_of_a_file_is_one_transaction_past_500_sessions(self):
+        sessions = self.tmp / "many.jsonl"
+        sessions.write_text("".join(json.dumps(session(f"s{i:04d}")) + "\n" for i in range(600)))
+        store = self.tmp / "refusing.db"
+        with SessionDB(store):
+            pass
+        conn = sqlite3.connect(store)
+        conn.execute("CREATE TRIGGER refuse_one AFTER INSERT ON sessions WHEN NEW.id = 's0550'"
+                     " BEGIN SELECT RAISE(ABORT, 'refused by a test trigger'); END")
+        conn.commit()
+        conn.close()
+        refused = self.run_cli("--db", str(store), "import", str(sessions))
+        self.assertEqual(refused.returncode, 1)
+        self.assertIn("refused by a test trigger", refused.stderr)
+        self.assertIn("nothing was written", refused.stderr)
+        self.assertNotIn("Traceback", refused.stderr)
+        self.assertEqual(json.loads(self.run_cli("--db", str(store), "stats", "--json").stdout)["sessions"], 0)
+        whole = self.run_cli("import", str(sessions))
+        self.assertEqual((whole.returncode, whole.stdout), (0, "imported 600, skipped 0, detached 0\n"), whole.stderr)
+
+    def test_input_that_would_raise_is_a_clean_error_without_a_traceback(self):
+        bad = self.tmp / "bad.jsonl"
+        entries = [session("ok"), dict(session("big"), input_tokens=2 ** 64),
+                   dict(session("deep"), model_config='{"a":' * 50_000 + "1" + "}" * 50_000),
+                   dict(session("t1"), title=""), dict(session("t2"), title="")]
+        bad.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+        result = self.run_cli("import", str(bad))
+        self.assertEqual(result.returncode, 1, result.stderr)
+        self.assertNotIn("Traceback", result.stderr)
+        self.assertIn("session 1 (big): input_tokens does not fit in a 64-bit integer", result.stderr)
+        self.assertIn("session 2 (deep): model_config nests lists and objects more than 100 levels deep",
+                      result.stderr)
+        self.assertEqual(json.loads(self.run_cli("stats", "--json").stdout)["sessions"], 0)
+        bad.write_text("".join(json.dumps(entry) + "\n" for entry in (entries[0], *entries[3:])))
+        titles = self.run_cli("import", str(bad))
+        self.assertEqual((titles.returncode, titles.stdout), (0, "imported 3, skipped 0, detached 0\n"), titles.stderr)
+        bad.write_text(json.dumps(session("x")) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+        deep = self.run_cli("import", str(bad))
+        self.assertEqual(deep.returncode, 1)
+        self.assertIn("bad.jsonl:2: JSON nested too deep to read", deep.stderr)
+        self.assertNotIn("Traceback", deep.stderr)
