@@ -340,7 +340,7 @@ SECRET_PATTERNS = (
     ("password in a URL (user:password@host, also :password@ and passwords holding @)",
      "redis://:p@ss@cache.internal:6379/0",
      ("://",),
-     r"(?i)\b[a-z][a-z0-9+.-]*://[^\s:/@\"'<>]*:(?P<secret>[^\s\"'<>]+?)"
+     r"(?i)\b[a-z][a-z0-9+.-]*://[^\s:/@\"'<>]{0,256}:(?P<secret>[^\s\"'<>]{1,256}?)"
      r"@(?=(?:[\w.-]+|\[[0-9a-f:.]+\])(?::\d+)?(?:[/?#\s\"'<>\\,;)\]]|$))"),
     ("Slack webhook", "https://hooks.slack.com/services/T0EXAMPLE/B0EXAMPLE/abcdefghijklmnopqrstuvwx",
      ("hooks.slack.com",),
@@ -403,7 +403,8 @@ SECRET_PATTERNS = (
      r"|fw_[A-Za-z0-9]{20,}|nvapi-[A-Za-z0-9_-]{40,})"),
     ("developer services: Shopify, DigitalOcean, Vault, Postman, Atlassian, Mailgun, Mailchimp, Sentry, "
      "Databricks, Linear, Notion, Square, Grafana, Doppler, Heroku", "dapi0123456789abcdef0123456789abcdef",
-     ("shp", "_v1_", "hvs.", "hvb.", "pmak-", "atatt", "key-", "-us", "sntr", "dapi", "lin_", "secret_", "ntn_", "sq0", "eaaa", "gls", "glc_", "dp.", "hrku-"),
+     ("shp", "_v1_", "hvs.", "hvb.", "pmak-", "atatt", "key-", "-us", "sntr", "dapi", "lin_", "secret_", "ntn_",
+      "sq0", "eaaa", "gls", "glc_", "dp.", "hrku-"),
      r"(?<![\w-])(?P<secret>shp(?:at|ca|pa|ss)_[a-fA-F0-9]{32}|do[opr]_v1_[a-f0-9]{64}|hv[sb]\.[A-Za-z0-9_-]{24,}"
      r"|PMAK-[a-f0-9]{24}-[a-f0-9]{34}|ATATT[A-Za-z0-9_=-]{50,}|key-[0-9a-f]{32}|[0-9a-f]{32}-us\d{1,2}"
      r"|sntr[ysu]_[A-Za-z0-9+/=_]{30,}|dapi[0-9a-f]{32}|lin_(?:api|oauth)_[A-Za-z0-9]{40}"
@@ -518,7 +519,7 @@ def _redact(value, key, exempt, depth):
 def _redact_string(text, depth):
     """JSON text is walked as JSON and written back only if something was masked;
     any other text goes through redact_text."""
-    if text[:1] in "{[" or text.lstrip()[:1] in ("{", "["):
+    if text.lstrip()[:1] in ("{", "["):
         try:
             decoded = json.loads(text)
         except (ValueError, RecursionError):

@@ -226,7 +226,7 @@ class StateServer(ThreadingHTTPServer):
         """A client that went away mid-request is nobody's error; anything else is logged
         to the server's log, not printed to the terminal."""
         error = sys.exc_info()[1]
-        if not isinstance(error, (ConnectionError, TimeoutError)):
+        if not isinstance(error, (ConnectionError, TimeoutError, socket.timeout)):
             self.log_stream.write(f"error while serving {client_address[0]}: {traceback.format_exc()}")
 
     def restore(self, archive_path, force):
@@ -244,6 +244,7 @@ class StateServer(ThreadingHTTPServer):
 
 
 def json_response(value, status=HTTPStatus.OK, headers=None):
+    """`value` as a JSON Response."""
     body = json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
     return Response(status, body, "application/json; charset=utf-8", headers or {})
 

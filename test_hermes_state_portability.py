@@ -183,7 +183,8 @@ class ImportRejects(StoreTestCase):
         cases = [
             ("session integer past 64 bits", dict(session("m"), input_tokens=2 ** 64),
              "input_tokens does not fit in a 64-bit integer"),
-            ("message integer past 64 bits", dict(session("m"), messages=[{"role": "user", "token_count": -2 ** 63 - 1}]),
+            ("message integer past 64 bits",
+             dict(session("m"), messages=[{"role": "user", "token_count": -2 ** 63 - 1}]),
              r"messages\[0\]\.token_count does not fit in a 64-bit integer"),
             ("deep model_config text", dict(session("m"), model_config=deep_text),
              "model_config nests lists and objects more than 100 levels deep"),
