@@ -263,9 +263,12 @@ def corpus():
     add("url query access_token", f"https://graph.example.com/me?fields=id&access_token={s}", s)
 
     # Prose.
-    add("password then a word with a digit", "password Pa55w0rd", "Pa55w0rd")
-    add("my password is", "my password is swordfish, do not share", "swordfish")
-    add("the passphrase is quoted", "The passphrase is 'correct horse staple' for the vault", "correct horse staple")
+    s = "Pa" + rand(ALNUM, 4) + "w0rd"
+    add("password then a word with a digit", f"password {s}", s)
+    s = rand(string.ascii_lowercase, 9)
+    add("my password is", f"my password is {s}, do not share", s)
+    s = "correct horse " + rand(string.ascii_lowercase, 7)
+    add("the passphrase is quoted", f"The passphrase is '{s}' for the vault", s)
     s = rand(HEX, 32)
     add("api key said in prose", f"Your API key is {s}.", s)
     s = rand(ALNUM, 10) + "9"
