@@ -18,9 +18,8 @@ from pathlib import Path
 from hermes_constants import reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB, restore_home
 from hermes_state_common import COMPRESSION_END_REASON
-from hermes_state_portability import EXPORT_FORMATS, validate_import, write_export
+from hermes_state_portability import EXPORT_FORMATS, write_export
 
-IMPORT_CHUNK = 500
 
 def _print_json(value, out):
     json.dump(value, out, ensure_ascii=False, indent=2, default=str)
@@ -174,40 +173,40 @@ def _cmd_export(db, args, out):
     return 0
 
 
-def _read_jsonl_chunks(path):
-    """The file's sessions in chunks of IMPORT_CHUNK; ValueError names a line that is not JSON."""
-    chunks, chunk = [], []
+def _read_jsonl(path):
+    """The file's sessions, one JSON value a line; ValueError names a line that cannot be read."""
+    sessions = []
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             try:
-                chunk.append(json.loads(line))
+                sessions.append(json.loads(line))
+            except RecursionError:
+                raise ValueError(f"{path}:{number}: JSON nested too deep to read") from None
             except ValueError as exc:
                 raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
-            if len(chunk) == IMPORT_CHUNK:
-                chunks.append(chunk)
-                chunk = []
-    return chunks + ([chunk] if chunk else [])
+    return sessions
 
 
 def _cmd_import(db, args, out):
-    chunks = _read_jsonl_chunks(args.file)
-    rejected = False
-    for number, chunk in enumerate(chunks):
-        for error in validate_import(chunk, db.import_limits()):
-            rejected = True
-            where = f"session {number * IMPORT_CHUNK + error['index']}"
+    sessions = _read_jsonl(args.file)
+    # The whole file is one import_sessions call, so one transaction: all of it or nothing.
+    # Each session keeps its limits; the totals of one API call do not apply to a file.
+    limits = dict(db.import_limits(), sessions=len(sessions), total_messages=float("inf"),
+                  total_bytes=float("inf"))
+    try:
+        result = db.import_sessions(sessions, limits=limits)
+    except sqlite3.Error as exc:
+        sys.stderr.write(f"error: {exc}\nthe import was rolled back; nothing was written\n")
+        return 1
+    if not result["ok"]:
+        for error in result["errors"]:
             who = f" ({error['session_id']})" if "session_id" in error else ""
-            sys.stderr.write(f"error: {where}{who}: {error['error']}\n")
-    if rejected:
+            sys.stderr.write(f"error: session {error['index']}{who}: {error['error']}\n")
         sys.stderr.write("the import was rejected; nothing was written\n")
         return 1
-    totals = {"imported": 0, "skipped": 0, "detached": 0}
-    for chunk in chunks:
-        result = db.import_sessions(chunk)
-        for key in totals:
-            totals[key] += result[key]
+    totals = {key: result[key] for key in ("imported", "skipped", "detached")}
     if args.json:
         _print_json(totals, out)
     else:

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 
 from hermes_state_common import (
@@ -33,7 +34,9 @@ from hermes_state_common import (
     SESSION_EXISTS_SQL,
     SET_MESSAGE_COUNTS_SQL,
     SET_PARENT_SQL,
+    TITLE_MAX_LENGTH,
     count_tool_calls,
+    normalize_title,
     placeholders,
     quote_identifier,
 )
@@ -64,14 +67,46 @@ def _column_kinds(table):
 
 def _value_error(field, value, kind):
     """Why `value` cannot go into a column of `kind`, or None if it can."""
-    if value is None or kind == "any":
+    if value is None:
         return None
+    if isinstance(value, int) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 63:
+        return f"{field} does not fit in a 64-bit integer"  # sqlite3 raises OverflowError on it
     if kind == "text" and not isinstance(value, str):
         return f"{field} must be a string"
     if kind == "integer" and (isinstance(value, bool) or not isinstance(value, int)):
         return f"{field} must be an integer"
     if kind == "real" and (isinstance(value, bool) or not isinstance(value, (int, float))):
         return f"{field} must be a number"
+    return None
+
+
+def _depth(value, limit):
+    """How deep lists and objects nest in `value`; stops counting past `limit`.
+    A loop, not recursion, so that any nesting gets an answer."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (list, dict)):
+            if level > limit:
+                return level
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _nesting_error(field, value, limit):
+    """Why `value`, or the JSON text it holds, nests too deep to store and export again, or None."""
+    if isinstance(value, str):
+        if value.lstrip()[:1] not in ("[", "{"):
+            return None
+        try:
+            value = json.loads(value)
+        except RecursionError:
+            return f"{field} nests lists and objects more than {limit} levels deep"
+        except ValueError:
+            return None  # text that is not JSON is stored as text
+    if _depth(value, limit) > limit:
+        return f"{field} nests lists and objects more than {limit} levels deep"
     return None
 
 
@@ -87,11 +122,17 @@ def _json_object_error(field, value):
     return f"{field} must be a JSON object"
 
 
-def _session_errors(entry, session_kinds):
+def _session_errors(entry, session_kinds, depth_limit):
     errors = []
     for field, value in entry.items():
         if field == "model_config":
-            error = _json_object_error(field, value)
+            error = _nesting_error(field, value, depth_limit) or _json_object_error(field, value)
+        elif field == "title":
+            try:
+                normalize_title(value)
+                error = None
+            except (TypeError, ValueError) as exc:
+                error = str(exc)
         elif field in session_kinds:
             error = _value_error(field, value, session_kinds[field])
         else:
@@ -101,7 +142,7 @@ def _session_errors(entry, session_kinds):
     return errors
 
 
-def _message_errors(index, message, message_kinds):
+def _message_errors(index, message, message_kinds, depth_limit):
     if not isinstance(message, dict):
         return [f"messages[{index}] must be an object"]
     errors = []
@@ -109,13 +150,17 @@ def _message_errors(index, message, message_kinds):
     if not isinstance(role, str) or not role:
         errors.append(f"messages[{index}].role must be a non-empty string")
     for field, value in message.items():
+        name = f"messages[{index}].{field}"
+        error = None
         if field == "tool_calls":
             if value is not None and not isinstance(value, (list, dict, str)):
-                errors.append(f"messages[{index}].tool_calls must be a list, an object or JSON text")
+                error = f"{name} must be a list, an object or JSON text"
         elif field in message_kinds and field != "role":
-            error = _value_error(f"messages[{index}].{field}", value, message_kinds[field])
-            if error:
-                errors.append(error)
+            error = _value_error(name, value, message_kinds[field])
+        if not error and field in MESSAGE_JSON_FIELDS:
+            error = _nesting_error(name, value, depth_limit)
+        if error:
+            errors.append(error)
     return errors
 
 
@@ -156,6 +201,12 @@ def _entry_errors(entry, seen, totals, limits, kinds):
     if session_id in seen:
         yield "duplicate id in the payload"
     seen.add(session_id)
+    # The limit counts from a field's value; an entry adds three levels around it
+    # (the entry, its messages list, a message).
+    envelope_limit = limits["depth"] + 3
+    if _depth(entry, envelope_limit) > envelope_limit:
+        yield f"entry nests lists and objects more than {envelope_limit} levels deep"
+        return
     yield from _size_errors(entry, totals, limits)
     messages = entry.get("messages", [])
     if not isinstance(messages, list):
@@ -166,9 +217,9 @@ def _entry_errors(entry, seen, totals, limits, kinds):
         yield f"messages has {len(messages)} entries; the limit is {limits['messages_per_session']}"
     if totals["messages"] > limits["total_messages"]:
         yield f"the payload passes {limits['total_messages']} messages here"
-    yield from _session_errors(entry, kinds[0])
+    yield from _session_errors(entry, kinds[0], limits["depth"])
     for position, message in enumerate(messages):
-        yield from _message_errors(position, message, kinds[1])
+        yield from _message_errors(position, message, kinds[1], limits["depth"])
 
 
 def _size_errors(entry, totals, limits):
@@ -198,8 +249,11 @@ def _session_row(entry, session_columns):
     """The columns imported for a session: history, never runtime ownership or counters."""
     skipped = IMPORT_RUNTIME_FIELDS | {"id", "parent_session_id", "message_count", "tool_call_count",
                                        "system_prompt", "system_prompt_hash"}
-    row = {column: entry[column] for column in session_columns if column in entry and column not in skipped}
+    # A null leaves the column to its default: several are NOT NULL DEFAULT 0.
+    row = {column: entry[column] for column in session_columns
+           if entry.get(column) is not None and column not in skipped}
     row["id"] = entry["id"]
+    row["title"] = normalize_title(row.get("title"))
     if not isinstance(row.get("source"), str) or not row["source"]:
         row["source"] = "import"
     if row.get("started_at") is None:
@@ -246,54 +300,253 @@ def _would_close_cycle(conn, child, parent):
 # ---------------------------------------------------------------------------
 
 REDACTED = "[REDACTED]"
+
+# A name that says its value is a secret: it holds one of the words, or its last
+# part (after _ . - or a camelCase hump) is one of the tails. "DB_PASS",
+# "x-auth-token", "AccountKey" and "aws_secret_access_key" are such names;
+# "token_count", "max_tokens" and "monkey" are not. Case does not matter.
+_SECRET_WORDS = ("passw(?:or)?d|passphrase|passcode|secret|credential|private[_.-]?key"
+                 "|api[_.-]?key|access[_.-]?key|cookie")
+_SECRET_TAILS = "key|token|pass|pwd|pw|pin|auth|authorization|sig|signature|dsn"
+SECRET_NAME = (rf"(?:[\w.-]*(?:{_SECRET_WORDS})[\w.-]*"
+               rf"|(?:[\w.-]*?(?:[_.-]|(?-i:(?<=[a-z0-9])(?=[A-Z]))))?(?:{_SECRET_TAILS}))")
+
+# What follows such a name. A quoted value keeps its quotes ("...", '...', and \"...\"
+# inside JSON held in a string); an Authorization scheme stays readable. An unquoted value
+# after ":" or a spaced "=" (YAML, headers, INI, code) runs to the end of the line; after a
+# tight "=" (env files, URL queries, connection strings) to the next space, quote or &.
+_SCHEME = r"(?:(?:bearer|basic|token|bot|digest|negotiate|apikey)[ \t]+)?"
+_QUOTED = (rf"(?:(?P<q>[\"']){_SCHEME}(?P<secret_q>(?:\\.|(?!(?P=q))[^\\\n])*)(?P=q)"
+           rf"|\\(?P<eq>[\"']){_SCHEME}(?P<secret_e>(?:(?!\\(?P=eq)).)*)\\(?P=eq))")
+_NAMED = rf"(?<![\w.-])(?P<nq>\\?[\"']?)(?:{SECRET_NAME})(?P=nq)"
+_TO_LINE_END = rf"{_SCHEME}(?P<secret_l>(?:(?!\\[nrt\"])[^\r\n])+)"
+_TO_WORD_END = r"(?P<secret_w>[^\s\"'&<>\\]+)"
+# The needs (see below) of the patterns built on SECRET_NAME, and of AWS key ids.
+_NAME_WORDS = ("pass", "pwd", "pw", "secret", "credential", "key", "token", "auth", "sig", "cookie", "dsn", "pin")
+_AWS_KEY_IDS = ("akia", "asia", "abia", "acca")
+
+# (name, example, needs, pattern): what each group named secret* matched is masked, the rest
+# kept. A pattern runs only on text whose lower-case form holds one of its `needs`: a quick
+# substring test that spares most text most patterns. Run in this order.
 SECRET_PATTERNS = (
-    # PEM private keys, whole blocks.
-    (re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?-----END [A-Z0-9 ]*PRIVATE KEY-----", re.S), REDACTED),
-    # Authorization headers keep their scheme.
-    (re.compile(r"(?i)(authorization[\"']?\s*[:=]\s*[\"']?(?:bearer|basic|token|bot)?\s*)[^\s\"',;]+"),
-     r"\1" + REDACTED),
-    (re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1" + REDACTED),
-    # JSON Web Tokens.
-    (re.compile(r"\beyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}"), REDACTED),
-    # Vendor API keys by their prefixes.
-    (re.compile(r"\b(?:sk|rk|pk)-(?:proj-|ant-|live-|test-)?[A-Za-z0-9_-]{16,}"), REDACTED),
-    (re.compile(r"\b(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}"), REDACTED),
-    (re.compile(r"\b(?:ghp|gho|ghs|ghu|ghr)_[A-Za-z0-9]{20,}|\bgithub_pat_[A-Za-z0-9_]{20,}"), REDACTED),
-    (re.compile(r"\bxox[abprs]-[A-Za-z0-9-]{10,}"), REDACTED),
-    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), REDACTED),
-    (re.compile(r"\bAIza[0-9A-Za-z_-]{30,}"), REDACTED),
-    (re.compile(r"\b(?:glpat|hf|npm)_?-?[A-Za-z0-9_-]{20,}"), REDACTED),
-    # Passwords in connection strings: scheme://user:password@host.
-    (re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^:/\s@]+:)[^@\s/]+(@)"), r"\1" + REDACTED + r"\2"),
-    # KEY=value and "key": "value" where the name says it is a secret.
-    (re.compile(r"(?i)\b([A-Z0-9_.-]*(?:api[_-]?key|secret|token|passw(?:or)?d|pwd|credential)[A-Z0-9_.-]*"
-                r"\s*=\s*)([\"']?)[^\s\"']+\2"), r"\1\2" + REDACTED + r"\2"),
-    (re.compile(r"(?i)(\"[A-Z0-9_.-]*(?:api[_-]?key|secret|token|passw(?:or)?d|pwd|credential)[A-Z0-9_.-]*\""
-                r"\s*:\s*\")[^\"]+(\")"), r"\1" + REDACTED + r"\2"),
+    ("private key block (PEM, OpenSSH, PGP), with or without its END line",
+     "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----",
+     ("private key",),
+     r"(?s)(?P<secret>-----BEGIN[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----"
+     r"(?:.*?-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----|.*))"),
+    ("PuTTY private key", "PuTTY-User-Key-File-3: ssh-ed25519\nPrivate-Lines: 1\nAAAAIEXAMPLE\nPrivate-MAC: 0a1b",
+     ("putty-user-key-file",),
+     r"(?s)(?P<secret>PuTTY-User-Key-File-\d+:(?:.*?Private-MAC: *[0-9a-f]+|.*))"),
+    ("password in a URL (user:password@host, also :password@ and passwords holding @)",
+     "redis://:p@ss@cache.internal:6379/0",
+     ("://",),
+     r"(?i)\b[a-z][a-z0-9+.-]*://[^\s:/@\"'<>]{0,256}:(?P<secret>[^\s\"'<>]{1,256}?)"
+     r"@(?=(?:[\w.-]+|\[[0-9a-f:.]+\])(?::\d+)?(?:[/?#\s\"'<>\\,;)\]]|$))"),
+    ("Slack webhook", "https://hooks.slack.com/services/T0EXAMPLE/B0EXAMPLE/abcdefghijklmnopqrstuvwx",
+     ("hooks.slack.com",),
+     r"hooks\.slack\.com/(?:services|workflows|triggers)/(?P<secret>[A-Za-z0-9/_-]+)"),
+    ("Discord webhook", "https://discord.com/api/webhooks/123456789012345678/abcdefGHIJKL-mnopqrst_uvwx",
+     ("/api/webhooks/",),
+     r"discord(?:app)?\.com/api/webhooks/\d+/(?P<secret>[A-Za-z0-9_-]+)"),
+    ("AWS access key id with its secret key beside it", "AKIAIOSFODNN7EXAMPLE,wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+     _AWS_KEY_IDS,
+     r"(?<![A-Z0-9])(?P<secret>(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16})[\s,;:|\"']+"
+     r"(?P<secret2>[A-Za-z0-9/+]{40})(?![A-Za-z0-9/+])"),
+    ("AWS access key id", "AKIAIOSFODNN7EXAMPLE",
+     _AWS_KEY_IDS,
+     r"(?<![A-Z0-9])(?P<secret>(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16})(?![A-Z0-9])"),
+    ("sk- keys: OpenAI (sk-, sk-proj-, sk-svcacct-), Anthropic (sk-ant-), OpenRouter, DeepSeek",
+     "sk-ant-api03-EXAMPLEexampleEXAMPLEexample",
+     ("sk-",),
+     r"(?<![\w-])(?P<secret>sk-[A-Za-z0-9_-]{20,})"),
+    ("Stripe keys and webhook secrets, sk_ keys (ElevenLabs)", "whsec_EXAMPLEexampleEXAMPLEexample",
+     ("sk_", "rk_", "pk_", "whsec_"),
+     r"(?<![\w-])(?P<secret>(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{10,}|sk_[A-Za-z0-9]{32,}"
+     r"|whsec_[A-Za-z0-9+/=]{20,})"),
+    ("GitHub tokens", "ghp_EXAMPLEexampleEXAMPLEexample012345",
+     ("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
+     r"(?<![\w-])(?P<secret>gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})"),
+    ("GitLab tokens", "glpat-EXAMPLEexample012345",
+     ("gl",),
+     r"(?<![\w-])(?P<secret>gl(?:pat|dt|rt|ptt|ft|imt|oas|cbt|soat|agent)-[A-Za-z0-9_-]{20,})"),
+    ("Slack tokens", "xapp-1-A0EXAMPLE-1234567890-abcdef0123456789",
+     ("xox", "xapp-"),
+     r"(?<![\w-])(?P<secret>xox[a-z](?:\.xox[a-z])?-[A-Za-z0-9-]{10,}|xapp-\d-[A-Za-z0-9-]{10,})"),
+    ("Discord bot token", "MTIzNDU2Nzg5MDEyMzQ1Njc4.GaBcDe.EXAMPLEexampleEXAMPLEexample0123",
+     (".",),
+     r"(?<![\w-])(?P<secret>[MNO][A-Za-z0-9_-]{23,27}\.[A-Za-z0-9_-]{6}\.[A-Za-z0-9_-]{27,40})(?![\w-])"),
+    ("Telegram bot token", "123456789:AAEXAMPLEexampleEXAMPLEexample01234",
+     (":",),
+     r"(?<!\d)(?P<secret>\d{6,12}:[A-Za-z0-9_-]{30,})(?![\w-])"),
+    ("SendGrid key", "SG.EXAMPLEexample012345.EXAMPLEexampleEXAMPLEexampleEXAMPLEexample0",
+     ("sg.",),
+     r"(?<![\w-])(?P<secret>SG\.[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,})"),
+    ("Twilio account and key ids", "SK0123456789abcdef0123456789abcdef",
+     ("ac", "sk"),
+     r"(?<![\w-])(?P<secret>(?:AC|SK)[0-9a-f]{32})(?![\w-])"),
+    ("Google API key, OAuth client secret, access and refresh tokens", "GOCSPX-EXAMPLEexampleEXAMPLEexam",
+     ("aiza", "gocspx-", "ya29.", "1//0"),
+     r"(?<![\w-])(?P<secret>AIza[0-9A-Za-z_-]{35}|GOCSPX-[A-Za-z0-9_-]{20,}|ya29\.[A-Za-z0-9_-]{20,}"
+     r"|1//0[A-Za-z0-9_-]{30,})"),
+    ("Azure AD client secret", "abc8Q~EXAMPLEexampleEXAMPLEexample012",
+     ("q~",),
+     r"(?<![\w~.-])(?P<secret>[A-Za-z0-9_~.-]{3}\dQ~[A-Za-z0-9_~.-]{31,34})"),
+    ("Hugging Face, npm, PyPI tokens", "hf_EXAMPLEexampleEXAMPLEexample0123",
+     ("hf_", "api_org_", "npm_", "pypi-"),
+     r"(?<![\w-])(?P<secret>hf_[A-Za-z0-9]{30,}|api_org_[A-Za-z0-9]{30,}|npm_[A-Za-z0-9]{36}"
+     r"|pypi-[A-Za-z0-9_-]{50,})"),
+    ("AI services: Groq, xAI, Replicate, Perplexity, Tavily, Firecrawl, LangSmith, Fireworks, NVIDIA",
+     "gsk_EXAMPLEexampleEXAMPLEexampleEXAMPLEexample01",
+     ("gsk_", "xai-", "r8_", "pplx-", "tvly-", "fc-", "lsv2_", "fw_", "nvapi-"),
+     r"(?<![\w-])(?P<secret>gsk_[A-Za-z0-9]{40,}|xai-[A-Za-z0-9]{40,}|r8_[A-Za-z0-9]{30,}|pplx-[A-Za-z0-9]{40,}"
+     r"|tvly-(?:dev-)?[A-Za-z0-9]{20,}|fc-[a-f0-9]{32}|lsv2_(?:pt|sk)_[a-f0-9]{32}_[a-f0-9]{10}"
+     r"|fw_[A-Za-z0-9]{20,}|nvapi-[A-Za-z0-9_-]{40,})"),
+    ("developer services: Shopify, DigitalOcean, Vault, Postman, Atlassian, Mailgun, Mailchimp, Sentry, "
+     "Databricks, Linear, Notion, Square, Grafana, Doppler, Heroku", "dapi0123456789abcdef0123456789abcdef",
+     ("shp", "_v1_", "hvs.", "hvb.", "pmak-", "atatt", "key-", "-us", "sntr", "dapi", "lin_", "secret_", "ntn_",
+      "sq0", "eaaa", "gls", "glc_", "dp.", "hrku-"),
+     r"(?<![\w-])(?P<secret>shp(?:at|ca|pa|ss)_[a-fA-F0-9]{32}|do[opr]_v1_[a-f0-9]{64}|hv[sb]\.[A-Za-z0-9_-]{24,}"
+     r"|PMAK-[a-f0-9]{24}-[a-f0-9]{34}|ATATT[A-Za-z0-9_=-]{50,}|key-[0-9a-f]{32}|[0-9a-f]{32}-us\d{1,2}"
+     r"|sntr[ysu]_[A-Za-z0-9+/=_]{30,}|dapi[0-9a-f]{32}|lin_(?:api|oauth)_[A-Za-z0-9]{40}"
+     r"|(?:secret|ntn)_[A-Za-z0-9]{40,}|(?:sq0atp|sq0csp|EAAA)[A-Za-z0-9_-]{22,}|glsa_[A-Za-z0-9_]{32,}"
+     r"|glc_[A-Za-z0-9+/=]{30,}|dp\.(?:st|pt|ct|sa)\.[A-Za-z0-9_.-]{40,}|HRKU-[A-Za-z0-9_-]{30,})"),
+    ("JSON Web Token", "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJlLWV4YW1wbGU",
+     ("eyj",),
+     r"(?<![\w-])(?P<secret>eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*)"),
+    ("secret name, then : or = and a value (env, YAML, JSON, TOML, INI, headers, code, URL queries)",
+     'db:\n  password: "pa ss w0rd"\nexport AZURE_OPENAI_KEY=0123456789abcdef',
+     _NAME_WORDS,
+     rf"(?i){_NAMED}(?:[ \t]*(?::=|=>|:(?!//)|=)[ \t]*{_QUOTED}"
+     rf"|(?:[ \t]*(?::=|=>|:(?!//))[ \t]*|[ \t]+=[ \t]*|=[ \t]+){_TO_LINE_END}|=(?![=\s]){_TO_WORD_END})"),
+    ("name/value pair with a secret name (JSON environment and header lists)",
+     '{"name": "DB_PASSWORD", "value": "hunter2"}',
+     ("value",),
+     rf"(?i)(?P<nq>\\?[\"'])(?:name|key)(?P=nq)[ \t]*:[ \t]*(?P=nq)(?:{SECRET_NAME})(?P=nq)[ \t]*,[ \t]*"
+     rf"(?P=nq)value(?P=nq)[ \t]*:[ \t]*(?:{_QUOTED}|{_TO_WORD_END})"),
+    ("name/value pair with a secret name (YAML environment lists)", "- name: DB_PASSWORD\n  value: hunter2",
+     ("value",),
+     rf"(?i)\bname:[ \t]*[\"']?(?:{SECRET_NAME})[\"']?\s+value:[ \t]*(?:{_QUOTED}|{_TO_LINE_END})"),
+    ("command-line option with a secret name, also in an argument list", "mysql --password hunter2 -h db",
+     _NAME_WORDS,
+     rf"(?i)(?<![\w.-])--?(?:{SECRET_NAME})(?:[ \t]+|\\?[\"'][ \t]*,[ \t]*)(?!-)(?:{_QUOTED}|{_TO_WORD_END})"),
+    ("curl -u user:password", "curl -u admin:hunter2 https://example.com",
+     ("-u", "--user"),
+     r"(?:\s-u|--user)[ \t]*[\"']?[^\s:\"']*:(?P<secret>[^\s\"']+)"),
+    (".netrc line", "machine api.example.com login bob password hunter2",
+     ("machine",),
+     r"(?i)\bmachine[ \t]+\S+(?:[ \t]+login[ \t]+\S+)?[ \t]+password[ \t]+(?P<secret>\S+)"),
+    ("password said in prose", "the password is 'swordfish'",
+     ("pass", "pwd"),
+     r"(?i)\b(?:pass(?:word|phrase|code)|passwd|pwd)[ \t]+(?:is|was|:|=|->)[ \t]+"
+     r"(?:(?P<pq>[\"'`])(?P<secret_q>[^\"'`\n]+)(?P=pq)|(?P<secret>[^\s\"'`]+))"),
+    ("password followed by a word with a digit", "password Pa55w0rd",
+     ("pass", "pwd"),
+     r"(?i)\b(?:pass(?:word|phrase|code)|passwd|pwd)[ \t]+[\"'`]?(?P<secret>(?=[^\s\"'`]*\d)[^\s\"'`]{4,})"),
+    ("token, secret or key said in prose, when the value looks like one", "my api key is 0123456789abcdef",
+     ("secret", "token", "key"),
+     r"(?i)\b(?:secret|token|api[ _-]?key|access[ _-]?key|key)[ \t]+(?:is|was|:|=|->)[ \t]+[\"'`]?"
+     r"(?P<secret>(?=[^\s\"'`]*\d)[^\s\"'`]{8,}|[^\s\"'`]{16,})"),
+    ("bearer token anywhere", "curl -H 'Authorization: Bearer abc123def456'",
+     ("bearer",),
+     r"(?i)\bbearer[ \t]+(?P<secret>(?=[A-Za-z0-9._~+/=-]*\d)[A-Za-z0-9._~+/=-]{8,})"),
 )
-# Keys whose values are identifiers, never secrets: redaction leaves them alone.
+_COMPILED_PATTERNS = tuple((needs, re.compile(pattern)) for _name, _example, needs, pattern in SECRET_PATTERNS)
+_SECRET_NAME_RE = re.compile(SECRET_NAME, re.I)
+_SECRET_OPTION_RE = re.compile(rf"--?(?:{SECRET_NAME})", re.I)
+
+# Keys of an export whose values identify something (ids, roles, models, sources): never
+# masked, wherever they sit in the export. JSON inside a string has no such keys.
 ID_KEYS = frozenset({"id", "session_id", "parent_session_id", "tool_call_id", "lineage_session_ids",
-                     "system_prompt_hash"})
+                     "system_prompt_hash", "role", "model", "source", "session_key"})
+# Past this depth a value is masked whole instead of walked: the walk recurses.
+REDACT_MAX_DEPTH = 100
+
+
+def _mask(match):
+    """The match with every secret* group that took part replaced by REDACTED."""
+    spans = sorted(match.span(name) for name, value in match.groupdict().items()
+                   if name.startswith("secret") and value)
+    text, position, parts = match.string, match.start(), []
+    for start, end in spans:
+        parts += [text[position:start], REDACTED]
+        position = end
+    parts.append(text[position:match.end()])
+    return "".join(parts)
 
 
 def redact_text(text):
-    """`text` with every recognised secret replaced by [REDACTED]. Best effort, not a guarantee."""
-    for pattern, replacement in SECRET_PATTERNS:
-        text = pattern.sub(replacement, text)
+    """`text` with every secret SECRET_PATTERNS recognises replaced by [REDACTED].
+    Best effort, not a guarantee; see the README's security notes."""
+    lowered = text.lower()
+    for needs, pattern in _COMPILED_PATTERNS:
+        if any(need in lowered for need in needs):
+            text = pattern.sub(_mask, text)
     return text
 
 
-def redact(value, key=None):
-    """A copy of an export with every string redacted, identifiers excepted."""
-    if key in ID_KEYS:
-        return value
+def redact(export):
+    """A copy of an export with every secret masked and every identifier (ID_KEYS) kept.
+
+    Strings go through redact_text; a value whose key is a secret name (api_key,
+    DB_PASS, X-API-Key, ...) is masked whole; JSON held in a string (tool
+    arguments, model_config) is walked as JSON, so its keys count too.
+    """
+    return _redact(export, None, ID_KEYS, 0)
+
+
+def _is_secret_value(value):
     if isinstance(value, str):
-        return redact_text(value)
+        return value not in ("", REDACTED)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _redact(value, key, exempt, depth):
+    if key in exempt:
+        return value
+    if depth > REDACT_MAX_DEPTH:
+        return REDACTED
+    if isinstance(key, str) and _is_secret_value(value) and _SECRET_NAME_RE.fullmatch(key):
+        return REDACTED
+    if isinstance(value, str):
+        return _redact_string(value, depth)
     if isinstance(value, dict):
-        return {k: redact(v, k) for k, v in value.items()}
+        return _redact_mapping(value, exempt, depth + 1)
     if isinstance(value, list):
-        return [redact(item, key) for item in value]
+        return _redact_list(value, key, exempt, depth + 1)
     return value
+
+
+def _redact_string(text, depth):
+    """JSON text is walked as JSON and written back only if something was masked;
+    any other text goes through redact_text."""
+    if text.lstrip()[:1] in ("{", "["):
+        try:
+            decoded = json.loads(text)
+        except (ValueError, RecursionError):
+            decoded = None
+        if isinstance(decoded, (dict, list)):
+            cleaned = _redact(decoded, None, frozenset(), depth + 1)
+            return text if cleaned == decoded else json.dumps(cleaned, ensure_ascii=False)
+    return redact_text(text)
+
+
+def _redact_mapping(mapping, exempt, depth):
+    """Each value under its own key; in a {"name": <secret name>, "value": ...} pair
+    (environment lists, header lists) the value is masked too."""
+    label = mapping.get("name", mapping.get("key"))
+    paired = isinstance(label, str) and _SECRET_NAME_RE.fullmatch(label) is not None
+    return {key: REDACTED if paired and key == "value" and _is_secret_value(value)
+            else _redact(value, key, exempt, depth) for key, value in mapping.items()}
+
+
+def _redact_list(items, key, exempt, depth):
+    """Each item under the list's key; in an argument list, the item after a
+    secret option ("--password", "hunter2") is masked too."""
+    cleaned, after_option = [], False
+    for item in items:
+        cleaned.append(REDACTED if after_option and _is_secret_value(item) else _redact(item, key, exempt, depth))
+        after_option = isinstance(item, str) and _SECRET_OPTION_RE.fullmatch(item) is not None
+    return cleaned
 
 
 # ---------------------------------------------------------------------------
@@ -334,20 +587,37 @@ def trace_lines(export):
     return "".join(json.dumps(event, ensure_ascii=False) + "\n" for event in events)
 
 
+def _md_text(text):
+    """Free text for a Markdown body: HTML in it shows as text, as in the html export."""
+    return html.escape(str(text), quote=False)
+
+
+def _code(text):
+    """`text` as one Markdown code span whatever backticks or line breaks it holds
+    (a code span shows a line break as a space anyway)."""
+    text = " ".join(str(text).splitlines())
+    ticks = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
+
+
 def _md_body(export):
-    parts = [f"# {export.get('title') or export['id']}\n\n", f"Session ID: `{export['id']}`\n\n",
-             f"Source: `{export.get('source')}`\n\n"]
+    parts = [f"# {_md_text(export.get('title') or export['id'])}\n\n", f"Session ID: {_code(export['id'])}\n\n",
+             f"Source: {_code(export.get('source'))}\n\n"]
     if export.get("lineage_session_ids"):
-        parts.append(f"Lineage: {' -> '.join(f'`{s}`' for s in export['lineage_session_ids'])}\n\n")
+        parts.append(f"Lineage: {' -> '.join(_code(s) for s in export['lineage_session_ids'])}\n\n")
     if export.get("system_prompt"):
-        parts.append(f"## System prompt\n\n{export['system_prompt']}\n\n")
+        parts.append(f"## System prompt\n\n{_md_text(export['system_prompt'])}\n\n")
     parts.append("## Messages\n\n")
     for message in export["messages"]:
         label = message["role"].capitalize() + (f" — {message['tool_name']}" if message.get("tool_name") else "")
-        parts.append(f"### {label} — {iso_time(message['timestamp'])}\n\n{_content_text(message)}\n\n")
+        parts.append(f"### {_md_text(label)} — {iso_time(message['timestamp'])}\n\n"
+                     f"{_md_text(_content_text(message))}\n\n")
         if message.get("tool_calls"):
             calls = json.dumps(message["tool_calls"], ensure_ascii=False, indent=2)
-            parts.append(f"#### Tool calls\n\n```json\n{calls}\n```\n\n")
+            # Inside a fence HTML is not rendered; the fence outlasts any backticks in the calls.
+            fence = "`" * max(3, max((len(run) for run in re.findall(r"`+", calls)), default=0) + 1)
+            parts.append(f"#### Tool calls\n\n{fence}json\n{calls}\n{fence}\n\n")
     return "".join(parts)
 
 
@@ -357,8 +627,10 @@ def _front_matter(export, fmt):
               "model": export.get("model"), "cwd": export.get("cwd"), "archived": bool(export.get("archived")),
               "message_count": export.get("message_count"), "tool_call_count": export.get("tool_call_count"),
               "format": fmt, "exported_at": iso_time(time.time()), "exporter": "hermes_state export v1"}
-    return "---\n" + "".join(f"{key}: {json.dumps(value, ensure_ascii=False)}\n" for key, value in fields.items()) \
-        + "---\n\n"
+    # Quarto renders a title as Markdown, so the strings here are escaped like the body.
+    lines = (f"{key}: {json.dumps(_md_text(value) if isinstance(value, str) else value, ensure_ascii=False)}\n"
+             for key, value in fields.items())
+    return "---\n" + "".join(lines) + "---\n\n"
 
 
 def markdown_document(export, fmt="md"):
@@ -367,7 +639,7 @@ def markdown_document(export, fmt="md"):
     body = _md_body(export)
     digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
     verification = ("## Export verification\n\n"
-                    f"- Session id: `{export['id']}`\n"
+                    f"- Session id: {_code(export['id'])}\n"
                     f"- Exported messages: `{len(export['messages'])}`\n"
                     f"- Source DB message count at export: `{export.get('message_count')}`\n"
                     f"- SHA256 of exported body: `{digest}`\n")
@@ -441,7 +713,11 @@ def html_section(export):
 
 def write_export(exports, fmt, out, *, redact_secrets=False):
     """Render a stream of exports in `fmt` to `out` (a path; a folder for md/qmd; '-' for
-    stdout with jsonl and trace). Returns how many sessions were written."""
+    stdout with jsonl and trace). Returns how many sessions were written.
+
+    Files are written under temporary names and renamed when the last session is
+    written: an export that fails part-way leaves no partial file behind.
+    """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(EXPORT_FORMATS)}")
     if out == "-" and fmt not in ("jsonl", "trace"):
@@ -449,7 +725,7 @@ def write_export(exports, fmt, out, *, redact_secrets=False):
     exports = (redact(e) for e in exports) if redact_secrets else exports
     if fmt in ("md", "qmd"):
         return _write_markdown_folder(exports, fmt, out)
-    with _open_private(out) as handle:
+    with _private_output(out) as handle:
         if fmt == "html":
             handle.write(HTML_HEAD.format(title="Hermes sessions"))
         count = 0
@@ -461,30 +737,72 @@ def write_export(exports, fmt, out, *, redact_secrets=False):
     return count
 
 
+# The readable part of a Markdown file name; the hash after it keeps names unique.
+FILE_NAME_ID_CHARS = 64
+
+
+def markdown_file_name(session_id, fmt, taken=()):
+    """A file name for one session: its id's safe characters (at most FILE_NAME_ID_CHARS)
+    and the start of the id's SHA-256, so that ids differing only in unsafe characters,
+    in case, or past the cut get different names. The whole hash if the short one is in `taken`."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", session_id)[:FILE_NAME_ID_CHARS].strip("._-") or "session"
+    digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
+    name = f"{readable}-{digest[:12]}.{fmt}"
+    return name if name not in taken else f"{readable}-{digest}.{fmt}"
+
+
 def _write_markdown_folder(exports, fmt, folder):
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    count = 0
-    with _open_private(os.path.join(folder, "manifest.jsonl")) as manifest:
+    pending, names, manifest = [], set(), []  # pending: (temporary path, final path)
+    try:
         for export in exports:
             text, digest = markdown_document(export, fmt)
-            name = re.sub(r"[^A-Za-z0-9._-]", "_", export["id"]) + f".{fmt}"
-            with _open_private(os.path.join(folder, name)) as handle:
-                handle.write(text)
-            manifest.write(json.dumps({"session_id": export["id"], "file": name, "body_sha256": digest,
-                                       "messages": len(export["messages"])}, ensure_ascii=False) + "\n")
-            count += 1
-    return count
+            name = markdown_file_name(export["id"], fmt, names)
+            names.add(name)
+            pending.append((_write_private_temp(folder, name, text), os.path.join(folder, name)))
+            manifest.append(json.dumps({"session_id": export["id"], "file": name, "body_sha256": digest,
+                                        "messages": len(export["messages"])}, ensure_ascii=False) + "\n")
+        pending.append((_write_private_temp(folder, "manifest.jsonl", "".join(manifest)),
+                        os.path.join(folder, "manifest.jsonl")))
+    except BaseException:
+        for temporary, _final in pending:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+        raise
+    for temporary, final in pending:
+        os.replace(temporary, final)
+    return len(manifest)
+
+
+def _write_private_temp(folder, name, text):
+    """`text` in a new 0600 file of `folder` under a temporary name; returns its path."""
+    fd, temporary = tempfile.mkstemp(prefix=f".{name[:80]}.", suffix=".part", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    return temporary
 
 
 @contextlib.contextmanager
-def _open_private(path):
-    """A text file created 0600 (exports hold prompts and messages), or stdout for '-'."""
+def _private_output(path):
+    """A text file (exports hold prompts and messages) created 0600 under a temporary
+    name and renamed to `path` when the block ends well, removed when it fails; stdout for '-'."""
     if path == "-":
         yield sys.stdout
         return
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-        yield handle
+    folder, name = os.path.split(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(prefix=f".{name[:80]}.", suffix=".part", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            yield handle
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 class SessionPortabilityMixin:
@@ -495,6 +813,9 @@ class SessionPortabilityMixin:
     _IMPORT_MAX_TOTAL_MESSAGES = 50_000
     _IMPORT_MAX_SESSION_BYTES = 5 * 1024 * 1024
     _IMPORT_MAX_TOTAL_BYTES = 25 * 1024 * 1024
+    # Lists and objects inside one field; deeper values could not be exported again
+    # (json and the renderers recurse), and no agent writes them.
+    _IMPORT_MAX_DEPTH = 100
 
     # -- export ----------------------------------------------------------------
 
@@ -539,23 +860,27 @@ class SessionPortabilityMixin:
     # -- import ----------------------------------------------------------------
 
     def import_limits(self):
+        """The limits of one import_sessions call, by name: what validate_import checks."""
         return {"sessions": self._IMPORT_MAX_SESSIONS, "messages_per_session": self._IMPORT_MAX_MESSAGES_PER_SESSION,
                 "total_messages": self._IMPORT_MAX_TOTAL_MESSAGES, "session_bytes": self._IMPORT_MAX_SESSION_BYTES,
-                "total_bytes": self._IMPORT_MAX_TOTAL_BYTES}
+                "total_bytes": self._IMPORT_MAX_TOTAL_BYTES, "depth": self._IMPORT_MAX_DEPTH}
 
-    def import_sessions(self, sessions):
+    def import_sessions(self, sessions, *, limits=None):
         """Add exported sessions to the store: history, not runtime ownership.
 
         Pass 1 checks the whole payload and writes nothing if anything is wrong:
         {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": [...]}.
         Pass 2, one transaction: ids already stored are skipped (never
-        overwritten); messages get fresh ids; counts are recomputed; routing,
-        identity, handoff, rewind, pin, activity and compression-cooldown fields
-        are not restored; then parent links are attached unless the parent is
-        unknown or the link would close a cycle (counted in `detached`).
-        Raises ValueError if `sessions` is not a list or has over 500 entries.
+        overwritten); messages get fresh ids; counts are recomputed; titles
+        follow set_session_title's rules, and one another session holds gets
+        the id appended; routing, identity, handoff, rewind, pin, activity and
+        compression-cooldown fields are not restored; then parent links are
+        attached unless the parent is unknown or the link would close a cycle
+        (counted in `detached`). `limits` replaces import_limits() for this
+        call (the command line lifts the totals to import a whole file at once).
+        Raises ValueError if `sessions` is not a list or has too many entries.
         """
-        errors = validate_import(sessions, self.import_limits())
+        errors = validate_import(sessions, limits or self.import_limits())
         if errors:
             return {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": errors}
         result = self._execute_write(lambda conn: self._write_import(conn, sessions))
@@ -571,7 +896,7 @@ class SessionPortabilityMixin:
                 skipped.append(session_id)
                 continue
             row = _session_row(entry, session_columns)
-            row["title"] = _free_title(conn, row.get("title"), session_id)
+            row["title"] = _free_title(conn, row["title"], session_id)
             prompt = entry.get("system_prompt")
             if isinstance(prompt, str):
                 row["system_prompt_hash"] = prompt_hash(prompt)
@@ -595,9 +920,17 @@ class SessionPortabilityMixin:
                 "imported_ids": imported, "skipped_ids": skipped}
 
 
-def _free_title(conn, title, session_id):
-    """Titles are unique: an imported title another session holds gets the id appended."""
-    if not title or conn.execute(SELECT_TITLE_OWNER_SQL, (title, session_id)).fetchone() is None:
-        return title
-    return f"{title} [{session_id}]"
+# Past this many characters an id is shortened in a title suffix, to leave room for the title.
+TITLE_SUFFIX_ID_CHARS = 40
 
+
+def _free_title(conn, title, session_id):
+    """A title no other session holds: `title`, else "title [id]", else "title [id] (2)", (3), ...;
+    each cut to fit TITLE_MAX_LENGTH. None stays None."""
+    tag = session_id if len(session_id) <= TITLE_SUFFIX_ID_CHARS else session_id[:TITLE_SUFFIX_ID_CHARS] + "…"
+    candidate, number = title, 1
+    while candidate is not None and conn.execute(SELECT_TITLE_OWNER_SQL, (candidate, session_id)).fetchone():
+        suffix = f" [{tag}]" if number == 1 else f" [{tag}] ({number})"
+        candidate = normalize_title(title[:max(0, TITLE_MAX_LENGTH - len(suffix))] + suffix)
+        number += 1
+    return candidate

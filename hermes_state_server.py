@@ -1,22 +1,27 @@
 """`python -m hermes_state serve`: a local HTTP API over SessionDB, and a page to browse it.
 
-Owns the HTTP side only: routing, the bearer-token check, body limits, JSON
-errors, and the self-contained browser page. Every answer is a SessionDB call
-(list, export, search, import_sessions, backup, restore_home); nothing here
-touches SQL. Session import (`/api/sessions/import`) and whole-home restore
+Owns the HTTP side only: routing, the bearer-token and Host checks, socket
+timeouts and the connection limit, body limits, JSON errors, and the
+self-contained browser page. Every answer is a SessionDB call (list, export,
+search, import_sessions, backup, restore_home); nothing here touches SQL.
+Session import (`/api/sessions/import`) and whole-home restore
 (`/api/ops/import`) stay two different endpoints.
 """
 
 import base64
+import collections
 import contextlib
 import hmac
 import ipaddress
 import json
 import re
 import secrets
+import socket
 import sys
 import tempfile
 import threading
+import time
+import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -27,6 +32,17 @@ from hermes_state import SessionDB, restore_home
 MAX_BODY_BYTES = 25 * 1024 * 1024
 DEFAULT_PORT = 8765
 PAGE_LIMIT_MAX = 200
+# The shortest HERMES_STATE_TOKEN taken; the generated one has 43 characters (256 bits).
+TOKEN_MIN_CHARS = 32
+# A socket silent this long is dropped: an idle keep-alive connection, or a body that stalls.
+READ_TIMEOUT_SECONDS = 10
+# A request line, its headers and its body must all have arrived by then, so that a
+# client sending a byte now and then cannot keep its thread either.
+REQUEST_READ_SECONDS = 60
+# Connections served at once (a thread each); one more is answered 503 and closed.
+MAX_CONNECTIONS = 32
+
+Response = collections.namedtuple("Response", "status body content_type headers")
 
 
 class ApiError(Exception):
@@ -80,15 +96,29 @@ def is_loopback(host):
         return False
 
 
+def _whole_number(text, digits=18):
+    """`text` as an int if it is 1 to `digits` ASCII digits, else None ("²" is a digit to
+    str.isdigit but not to int)."""
+    return int(text) if re.fullmatch(rf"[0-9]{{1,{digits}}}", text) else None
+
+
 def _int_param(query, name, default, maximum):
-    raw = query.get(name, [str(default)])[-1]
-    if not raw.isdigit() or not 0 <= int(raw) <= maximum:
+    value = _whole_number(query.get(name, [str(default)])[-1])
+    if value is None or value > maximum:
         raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be an integer from 0 to {maximum}")
-    return int(raw)
+    return value
+
+
+def loggable(text, limit=1000):
+    """`text` fit for one log line: control characters, line breaks and backslashes
+    escaped, cut at `limit` characters."""
+    text = text[:limit] + ("…" if len(text) > limit else "")
+    return "".join(ch if ch.isprintable() and ch != "\\" else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
 
 
 class StateServer(ThreadingHTTPServer):
-    """The HTTP server: one SessionDB shared by all request threads."""
+    """The HTTP server: one SessionDB shared by at most `max_connections` request threads."""
 
     daemon_threads = True
 
@@ -96,18 +126,108 @@ class StateServer(ThreadingHTTPServer):
         if not is_loopback(host) and not allow_remote:
             raise ValueError(f"refusing to listen on {host}: not a loopback address; pass --allow-remote "
                              "to expose the store beyond this machine")
-        self.db = SessionDB(db_path)
-        self.db_path = self.db.db_path
+        if token and len(token) < TOKEN_MIN_CHARS:
+            raise ValueError(f"the token (HERMES_STATE_TOKEN) is {len(token)} characters; "
+                             f"the minimum is {TOKEN_MIN_CHARS}")
         self.token = token or secrets.token_urlsafe(32)
+        self.read_timeout = READ_TIMEOUT_SECONDS
+        self.request_read_seconds = REQUEST_READ_SECONDS
+        self.max_connections = MAX_CONNECTIONS
+        self._connections = 0
+        self._connections_lock = threading.Lock()
         self.gate = ReadWriteGate()
         self.log_stream = sys.stderr
-        super().__init__((host, port), ApiHandler)
+        self.db = SessionDB(db_path)
+        self.db_path = self.db.db_path
+        try:
+            super().__init__((host, port), ApiHandler)
+        except BaseException:
+            self.db.close()
+            raise
 
     @property
     def url(self):
         host, port = self.server_address[:2]
         host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{port}/"
+
+    @property
+    def open_connections(self):
+        """How many connections are being served now."""
+        return self._connections
+
+    def host_allowed(self, header):
+        """True if a request's Host header names an address this server listens on, with
+        its port: a page on another site that renamed itself to 127.0.0.1 (DNS rebinding)
+        still sends its own name."""
+        try:
+            parts = urlsplit("//" + (header or ""))
+            name, port = parts.hostname, parts.port or 80
+        except ValueError:
+            return False
+        if not name or parts.netloc != header or "@" in header or port != self.server_address[1]:
+            return False
+        bound = ipaddress.ip_address(self.server_address[0])
+        if name == "localhost":
+            return bound.is_loopback or bound.is_unspecified
+        try:
+            address = ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        if bound.is_unspecified:
+            return True
+        return address.is_loopback if bound.is_loopback else address == bound
+
+    def process_request(self, request, client_address):
+        """A thread for the connection while fewer than `max_connections` are served; else a 503."""
+        with self._connections_lock:
+            busy = self._connections >= self.max_connections
+            self._connections += not busy
+        if busy:
+            self._refuse_busy(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._connection_ended()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connection_ended()
+
+    def _connection_ended(self):
+        with self._connections_lock:
+            self._connections -= 1
+
+    def _refuse_busy(self, request):
+        body = json.dumps({"error": f"the server already serves {self.max_connections} connections; "
+                                    "retry in a moment"}).encode("utf-8")
+        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
+                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode("ascii")
+        self.log_stream.write(f"{time.strftime('%d/%b/%Y %H:%M:%S')} - - 503 (connection limit)\n")
+        try:
+            request.settimeout(0.2)
+            request.sendall(head + body)
+            request.shutdown(socket.SHUT_WR)
+            # Read what the client sent before closing: closing over unread data would reset
+            # the connection and could discard the answer. Bounded, as this is the accept loop.
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline and request.recv(65536):
+                pass
+        except OSError:
+            pass
+        finally:
+            request.close()
+
+    def handle_error(self, request, client_address):
+        """A client that went away mid-request is nobody's error; anything else is logged
+        to the server's log, not printed to the terminal."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, (ConnectionError, TimeoutError, socket.timeout)):
+            self.log_stream.write(f"error while serving {client_address[0]}: {traceback.format_exc()}")
 
     def restore(self, archive_path, force):
         """Swap the whole home while no request runs, then reopen the store."""
@@ -123,12 +243,25 @@ class StateServer(ThreadingHTTPServer):
         self.db.close()
 
 
+def json_response(value, status=HTTPStatus.OK, headers=None):
+    """`value` as a JSON Response."""
+    body = json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
+    return Response(status, body, "application/json; charset=utf-8", headers or {})
+
+
 class ApiHandler(BaseHTTPRequestHandler):
-    """Routes, the token check, body limits and JSON errors."""
+    """Routes, the token and Host checks, timeouts, body limits and JSON errors.
+
+    A request is read whole (headers, then the body) before it enters the server's
+    gate, and its answer is written after it leaves: a slow client holds its own
+    thread only, never a restore or the other requests.
+    """
 
     server_version = "hermes_state"
     protocol_version = "HTTP/1.1"
 
+    # For a path several routes match (/api/sessions/import names a session too), the first
+    # route that takes the method wins.
     ROUTES = (
         (re.compile(r"^/$"), {"GET": "page"}),
         (re.compile(r"^/api/sessions$"), {"GET": "list_sessions"}),
@@ -138,6 +271,25 @@ class ApiHandler(BaseHTTPRequestHandler):
         (re.compile(r"^/api/ops/export$"), {"GET": "ops_export"}),
         (re.compile(r"^/api/ops/import$"), {"POST": "ops_import"}),
     )
+
+    def setup(self):
+        self.timeout = self.server.read_timeout  # a socket timeout on every read and write
+        super().setup()
+
+    def handle_one_request(self):
+        self._watchdog = threading.Timer(self.server.request_read_seconds, self._stop_reading)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        try:
+            super().handle_one_request()
+        finally:
+            self._watchdog.cancel()
+
+    def _stop_reading(self):
+        """The request took too long to arrive: end the reads that wait for the rest of it."""
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RD)
 
     def do_GET(self):
         self._dispatch("GET")
@@ -158,39 +310,62 @@ class ApiHandler(BaseHTTPRequestHandler):
         """Method, path and status only: no query strings, no headers, so no token in a log line."""
 
     def log_request(self, code="-", size="-"):
-        path = urlsplit(self.path).path
-        self.server.log_stream.write(f"{self.log_date_time_string()} {self.command} {path} {int(code)}\n")
+        # http.server also logs requests it could not parse (a request line over 64 KiB
+        # has no path), and the method and path may hold any character.
+        path = urlsplit(getattr(self, "path", "") or "").path
+        self.server.log_stream.write(f"{self.log_date_time_string()} {loggable(self.command or '-')} "
+                                     f"{loggable(path or '-')} {getattr(code, 'value', code)}\n")
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own errors (a bad or too long request line, too many headers,
+        an unknown method) as JSON, like every other error."""
+        self.close_connection = True
+        reason = self.responses.get(code, ("error",))[0]
+        self._send(json_response({"error": message or reason}, code, {"Connection": "close"}))
 
     def _dispatch(self, method):
         self._body_read = False
         try:
+            if not self.server.host_allowed(self.headers.get("Host")):
+                raise ApiError(HTTPStatus.MISDIRECTED_REQUEST,
+                               f"Host {self.headers.get('Host')!r} is not an address this server listens on")
             parts = urlsplit(self.path)
             handler, params = self._route(method, parts.path)
             if handler != "page":
                 self._check_token()
             query = parse_qs(parts.query, keep_blank_values=True)
-            if handler == "ops_import":
-                getattr(self, handler)(query, **params)
-                return
-            with self.server.gate.shared():
-                getattr(self, handler)(query, **params)
+            args = (query, self._read_json()) if method == "POST" else (query,)
+            self._watchdog.cancel()  # the request is in; answering it may take as long as it takes
+            if handler == "ops_import":  # the restore takes the gate itself, alone
+                response = getattr(self, handler)(*args, **params)
+            else:
+                with self.server.gate.shared():
+                    response = getattr(self, handler)(*args, **params)
+            self._send(response)
         except ApiError as exc:
             headers = exc.extra.pop("headers", None)
-            if self.headers.get("Content-Length", "0") != "0" and not self._body_read:
-                self.close_connection = True  # the unread body must not be taken for the next request
-            self._send_json({"error": exc.message, **exc.extra}, exc.status, headers)
+            self._send(json_response({"error": exc.message, **exc.extra}, exc.status, headers))
         except Exception as exc:  # an answer, never a dropped connection
-            self.server.log_stream.write(f"internal error on {self.command} {urlsplit(self.path).path}: {exc!r}\n")
-            self._send_json({"error": "internal error; see the server's log"}, HTTPStatus.INTERNAL_SERVER_ERROR)
+            self.server.log_stream.write(f"internal error on {loggable(self.command)} "
+                                         f"{loggable(urlsplit(self.path).path)}: {exc!r}\n")
+            self._send(json_response({"error": "internal error; see the server's log"},
+                                     HTTPStatus.INTERNAL_SERVER_ERROR))
+        finally:
+            if not self._body_read and (self.headers.get("Content-Length", "0") != "0"
+                                        or "Transfer-Encoding" in self.headers):
+                self.close_connection = True  # an unread body must not be taken for the next request
 
     def _route(self, method, path):
+        allowed = []
         for pattern, methods in self.ROUTES:
             match = pattern.match(path)
-            if match:
-                if method not in methods:
-                    raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"{method} is not allowed on {path}",
-                                   headers={"Allow": ", ".join(methods)})
+            if match and method in methods:
                 return methods[method], {k: unquote(v) for k, v in match.groupdict().items()}
+            if match:
+                allowed += [m for m in methods if m not in allowed]
+        if allowed:
+            raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"{method} is not allowed on {path}",
+                           headers={"Allow": ", ".join(allowed)})
         raise ApiError(HTTPStatus.NOT_FOUND, f"no such path: {path}")
 
     def _check_token(self):
@@ -203,42 +378,60 @@ class ApiHandler(BaseHTTPRequestHandler):
 
     def _read_json(self):
         """The request body as JSON, refused before reading when it is over MAX_BODY_BYTES."""
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        header = self.headers.get("Content-Length")
+        if header is None:
             raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
-        if int(length) > MAX_BODY_BYTES:
+        length = _whole_number(header)
+        if length is None:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"Content-Length must be a number of bytes, not {header!r}")
+        if length > MAX_BODY_BYTES:
             self.close_connection = True
             raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                           f"the body is {int(length)} bytes; the limit is {MAX_BODY_BYTES}")
-        body = self.rfile.read(int(length))
+                           f"the body is {length} bytes; the limit is {MAX_BODY_BYTES}")
+        chunks, received = [], 0
+        try:
+            while received < length:
+                chunk = self.rfile.read1(min(length - received, 1 << 16))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                received += len(chunk)
+        except OSError:  # the socket timed out, or the watchdog ended the read
+            pass
+        body = b"".join(chunks)
         self._body_read = True
+        if len(body) < length:
+            self.close_connection = True
+            raise ApiError(HTTPStatus.REQUEST_TIMEOUT, f"the body stopped after {len(body)} of {length} bytes")
         try:
             return json.loads(body.decode("utf-8"))
+        except RecursionError:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "malformed JSON: nested too deep") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"malformed JSON: {exc}") from None
 
-    def _send(self, status, body, content_type, headers=None):
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
+    def _send(self, response):
+        self.send_response(response.status)
+        self.send_header("Content-Type", response.content_type)
+        self.send_header("Content-Length", str(len(response.body)))
         self.send_header("Cache-Control", "no-store")
         self.send_header("X-Content-Type-Options", "nosniff")
         self.send_header("Referrer-Policy", "no-referrer")
-        for name, value in (headers or {}).items():
+        for name, value in response.headers.items():
             self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(body)
+        # The socket timeout bounds each write; in 1 MiB pieces, a large answer to a reader
+        # that keeps reading is not cut, and one to a reader that stopped still ends.
+        body = memoryview(response.body)
+        for start in range(0, len(body), 1 << 20):
+            self.wfile.write(body[start:start + (1 << 20)])
 
-    def _send_json(self, value, status=HTTPStatus.OK, headers=None):
-        body = json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
-        self._send(status, body, "application/json; charset=utf-8", headers)
-
-    # -- endpoints ---------------------------------------------------------------
+    # -- endpoints: each returns a Response, written after the gate is left -------
 
     def page(self, query):
         nonce = secrets.token_urlsafe(16)
         body = PAGE_HTML.replace("{nonce}", nonce).encode("utf-8")
-        self._send(HTTPStatus.OK, body, "text/html; charset=utf-8", {
+        return Response(HTTPStatus.OK, body, "text/html; charset=utf-8", {
             "Content-Security-Policy": f"default-src 'none'; script-src 'nonce-{nonce}'; "
                                        "style-src 'unsafe-inline'; connect-src 'self'; base-uri 'none'; "
                                        "form-action 'none'; frame-ancestors 'none'"})
@@ -248,9 +441,9 @@ class ApiHandler(BaseHTTPRequestHandler):
         offset = _int_param(query, "offset", 0, 10 ** 9)
         source = query.get("source", [None])[-1] or None
         db = self.server.db
-        self._send_json({"sessions": db.list_sessions_rich(source=source, limit=limit, offset=offset),
-                         "total": db.session_count(source=source, include_archived=False),
-                         "limit": limit, "offset": offset})
+        return json_response({"sessions": db.list_sessions_rich(source=source, limit=limit, offset=offset),
+                              "total": db.session_count(source=source, include_archived=False),
+                              "limit": limit, "offset": offset})
 
     def show_session(self, query, session_id):
         db = self.server.db
@@ -258,7 +451,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         export = db.export_session_lineage(session_id) if lineage else db.export_session(session_id)
         if export is None:
             raise ApiError(HTTPStatus.NOT_FOUND, f"no session {session_id!r}")
-        self._send_json(export)
+        return json_response(export)
 
     def search(self, query):
         text = query.get("q", [""])[-1]
@@ -269,10 +462,9 @@ class ApiHandler(BaseHTTPRequestHandler):
                 source_filter=query.get("source") or None)
         except ValueError as exc:
             raise ApiError(HTTPStatus.BAD_REQUEST, str(exc)) from None
-        self._send_json({"query": text, "hits": hits})
+        return json_response({"query": text, "hits": hits})
 
-    def import_sessions(self, query):
-        body = self._read_json()
+    def import_sessions(self, query, body):
         if not isinstance(body, dict) or "sessions" not in body:
             raise ApiError(HTTPStatus.BAD_REQUEST, 'the body must be {"sessions": [...]}')
         try:
@@ -282,18 +474,17 @@ class ApiHandler(BaseHTTPRequestHandler):
         if not result["ok"]:
             raise ApiError(HTTPStatus.BAD_REQUEST, "the import was rejected; nothing was written",
                            **{k: v for k, v in result.items()})
-        self._send_json(result)
+        return json_response(result)
 
     def ops_export(self, query):
         with tempfile.TemporaryDirectory(prefix="hermes-ops-export-") as scratch:
             archive = Path(scratch) / "hermes-home.zip"
             self.server.db.backup(archive)
             body = archive.read_bytes()
-        self._send(HTTPStatus.OK, body, "application/zip",
-                   {"Content-Disposition": 'attachment; filename="hermes-home.zip"'})
+        return Response(HTTPStatus.OK, body, "application/zip",
+                        {"Content-Disposition": 'attachment; filename="hermes-home.zip"'})
 
-    def ops_import(self, query):
-        body = self._read_json()
+    def ops_import(self, query, body):
         if not isinstance(body, dict) or not isinstance(body.get("archive"), str):
             raise ApiError(HTTPStatus.BAD_REQUEST, 'the body must be {"archive": "<base64 zip>", "force": false}')
         try:
@@ -309,7 +500,7 @@ class ApiHandler(BaseHTTPRequestHandler):
                 raise ApiError(HTTPStatus.CONFLICT, f'{exc} (send "force": true)') from None
             except (ValueError, OSError) as exc:
                 raise ApiError(HTTPStatus.BAD_REQUEST, str(exc)) from None
-        self._send_json(result)
+        return json_response(result)
 
 
 def serve(db_path=None, host="127.0.0.1", port=DEFAULT_PORT, allow_remote=False, token=None, out=None):

@@ -6,12 +6,13 @@ import json
 import os
 import random
 import re
+import sqlite3
 import subprocess
 import sys
 import zipfile
 
 from hermes_state import SessionDB, restore_home
-from hermes_state_portability import markdown_document, redact_text, write_export
+from hermes_state_portability import markdown_document, markdown_file_name, redact_text, write_export
 from test_support import REPO, V26_DB, StoreTestCase, TempDirTestCase, dump_hash, fixture_path
 
 EXPORTS = ("hermes_v22_export.jsonl", "hermes_v26_export.jsonl")
@@ -179,6 +180,54 @@ class ImportRejects(StoreTestCase):
         self.assertEqual([e["index"] for e in all_errors], [0, 1, 3])
         self.assertEqual(all_errors[2]["session_id"], "y")
 
+    def test_input_sqlite_or_json_would_refuse_is_a_clean_rejection(self):
+        deep_text = '{"a":' * 100_000 + "1" + "}" * 100_000
+        cases = [
+            ("session integer past 64 bits", dict(session("m"), input_tokens=2 ** 64),
+             "input_tokens does not fit in a 64-bit integer"),
+            ("message integer past 64 bits",
+             dict(session("m"), messages=[{"role": "user", "token_count": -2 ** 63 - 1}]),
+             r"messages\[0\]\.token_count does not fit in a 64-bit integer"),
+            ("deep model_config text", dict(session("m"), model_config=deep_text),
+             "model_config nests lists and objects more than 100 levels deep"),
+            ("deep tool_calls text", dict(session("m"), messages=[{"role": "assistant", "tool_calls": "[" * 100_000}]),
+             r"messages\[0\]\.tool_calls nests lists and objects more than 100 levels deep"),
+            ("deep display_metadata text", dict(session("m"), messages=[
+                {"role": "assistant", "display_metadata": "[" * 150 + "]" * 150}]),
+             r"messages\[0\]\.display_metadata nests lists and objects more than 100 levels deep"),
+            ("deep tool_calls list", dict(session("m"), messages=[{"role": "assistant", "tool_calls": json.loads(
+                "[" * 150 + "]" * 150)}]), "entry nests lists and objects more than 103 levels deep"),
+            ("title past the cap", dict(session("m"), title="t" * 101), r"Title too long \(101 chars, max 100\)"),
+        ]
+        for label, bad, message in cases:
+            with self.subTest(label):
+                self.assert_rejected([session("good"), bad], 1, message)
+
+    def test_imported_titles_follow_the_rules_of_set_session_title(self):
+        self.db.create_session("mine", "cli")
+        self.db.set_session_title("mine", "Shared")
+        self.db.create_session("squatter", "cli")
+        self.db.set_session_title("squatter", "Shared [theirs]")
+        long_id = "i" * 200
+        payload = [dict(session("e1"), title=""), dict(session("e2"), title="  "), dict(session("e3"), title=None),
+                   dict(session("spaced"), title="  A \t spaced\n title "),
+                   dict(session("theirs"), title="Shared"), dict(session("twin"), title="Shared"),
+                   dict(session(long_id), title="L" * 100), dict(session("long2"), title="L" * 100),
+                   dict(session("nulls"), archived=None, hidden=None, pinned=None)]
+        result = self.db.import_sessions(payload)
+        self.assertEqual((result["ok"], result["imported"]), (True, len(payload)), result["errors"])
+        titles = {entry["id"]: self.db.get_session_title(entry["id"]) for entry in payload}
+        self.assertEqual([titles["e1"], titles["e2"], titles["e3"]], [None, None, None])
+        self.assertEqual(titles["spaced"], "A spaced title")
+        self.assertEqual(titles["theirs"], "Shared [theirs] (2)")
+        self.assertEqual(titles["twin"], "Shared [twin]")
+        self.assertEqual(titles[long_id], "L" * 100)
+        self.assertEqual(titles["long2"], "L" * 92 + " [long2]")
+        self.assertEqual(len(set(titles.values()) - {None}), 5)
+        self.assertTrue(all(title is None or len(title) <= 100 for title in titles.values()))
+        row = self.session_row("nulls")
+        self.assertEqual((row["archived"], row["hidden"], row["pinned"]), (0, 0, 0))
+
     def test_limits(self):
         with self.assertRaisesRegex(ValueError, "sessions must be a list"):
             self.db.import_sessions({"id": "x"})
@@ -258,16 +307,90 @@ class Renderers(StoreTestCase):
         for fmt in ("md", "qmd"):
             folder = self.tmp / fmt
             self.assertEqual(write_export(self.db.export_all(), fmt, str(folder)), 1)
-            text = (folder / f"r1.{fmt}").read_text(encoding="utf-8")
+            name = markdown_file_name("r1", fmt)
+            self.assertRegex(name, rf"^r1-[0-9a-f]{{12}}\.{fmt}$")
+            text = (folder / name).read_text(encoding="utf-8")
             self.assertTrue(text.startswith("---\nsession_id: \"r1\"\n"))
             self.assertIn(f'format: "{fmt}"', text)
             body = text.split("---\n\n", 1)[1].split("## Export verification")[0]
             digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
             self.assertIn(f"- SHA256 of exported body: `{digest}`", text)
             manifest = [json.loads(line) for line in (folder / "manifest.jsonl").read_text().splitlines()]
-            self.assertEqual(manifest, [{"session_id": "r1", "file": f"r1.{fmt}", "body_sha256": digest,
+            self.assertEqual(manifest, [{"session_id": "r1", "file": name, "body_sha256": digest,
                                          "messages": 3}])
             self.assertIn("### Tool — terminal", text)
+
+    def test_md_and_qmd_give_every_session_its_own_bounded_file(self):
+        cjk = ("会话一", "会话二")  # same length, no safe character: once the same file name
+        ids = ["a/b", "a_b", "a:b", "A_B", *cjk, "x" * 256, "é" * 200, "..", "-"]
+        for session_id in ids:
+            self.db.create_session(session_id, "cli")
+            self.db.append_message(session_id, "user", f"from {session_id}")
+        for fmt in ("md", "qmd"):
+            folder = self.tmp / f"many-{fmt}"
+            self.assertEqual(write_export(self.db.export_all(), fmt, str(folder)), len(ids) + 1)
+            manifest = [json.loads(line) for line in (folder / "manifest.jsonl").read_text().splitlines()]
+            files = {entry["session_id"]: entry["file"] for entry in manifest}
+            self.assertEqual(len(set(files.values())), len(ids) + 1)
+            self.assertEqual(len({name.lower() for name in files.values()}), len(ids) + 1)  # case-blind disks too
+            self.assertEqual(sorted(p.name for p in folder.iterdir()), sorted([*files.values(), "manifest.jsonl"]))
+            for session_id in ids:
+                name = files[session_id]
+                self.assertLessEqual(len(name.encode()), 100)
+                self.assertFalse(name.startswith("."))
+                self.assertIn(f"from {session_id}", (folder / name).read_text(encoding="utf-8"))
+
+    def test_md_and_qmd_escape_html_in_text_as_the_html_export_does(self):
+        odd_id = "x`<b>\n\n<img src=x onerror=alert(1)>"
+        self.db.create_session(odd_id, "cli", system_prompt="<style>p{}</style>")
+        self.db.set_session_title(odd_id, "<i>title</i>")
+        self.db.append_message(odd_id, "tool", "```\n</pre><script>1</script>", tool_name="<t>", tool_call_id="c")
+        for fmt in ("md", "qmd"):
+            folder = self.tmp / f"escaped-{fmt}"
+            write_export(self.db.export_all(), fmt, str(folder))
+            mine = (folder / markdown_file_name("r1", fmt)).read_text(encoding="utf-8")
+            odd = (folder / markdown_file_name(odd_id, fmt)).read_text(encoding="utf-8")
+            with self.subTest(fmt=fmt):
+                self.assertIn("&lt;script&gt;alert('x')&lt;/script&gt; &amp; 会话", mine)
+                self.assertIn("# &lt;b&gt;Render&lt;/b&gt; me", mine)
+                self.assertIn('title: "&lt;b&gt;Render&lt;/b&gt; me"', mine)
+                self.assertIn('"arguments": "{\\"command\\": \\"ls </tmp>\\"}"', mine)  # a fence keeps code as code
+                self.assertIn("# &lt;i&gt;title&lt;/i&gt;", odd)
+                self.assertIn("&lt;style&gt;p{}&lt;/style&gt;", odd)
+                self.assertIn("### Tool — &lt;t&gt; — ", odd)
+                self.assertIn("&lt;/pre&gt;&lt;script&gt;1&lt;/script&gt;", odd)
+                for raw in ("<script>", "<style>", "<i>", "<t>", "</pre>"):
+                    self.assertNotIn(raw, odd)
+                # The id keeps its characters inside code spans (where HTML is not rendered),
+                # fenced by more backticks than it holds, its line breaks shown as spaces.
+                span = "``x`<b>  <img src=x onerror=alert(1)>``"
+                self.assertEqual(odd.count("<img"), odd.count(span))
+                self.assertIn(f"Session ID: {span}", odd)
+
+    def test_a_failed_export_leaves_no_partial_file(self):
+        def failing():
+            yield self.db.export_session("r1")
+            raise RuntimeError("the store went away")
+
+        exports = self.tmp / "exports"
+        exports.mkdir()
+        for fmt in ("jsonl", "html", "trace"):
+            with self.subTest(fmt=fmt), self.assertRaisesRegex(RuntimeError, "went away"):
+                write_export(failing(), fmt, str(exports / f"out.{fmt}"))
+            self.assertEqual(list(exports.iterdir()), [])
+        kept = exports / "kept.jsonl"
+        kept.write_text("the previous export\n")
+        with self.assertRaisesRegex(RuntimeError, "went away"):
+            write_export(failing(), "jsonl", str(kept))
+        self.assertEqual([p.name for p in exports.iterdir()], ["kept.jsonl"])
+        self.assertEqual(kept.read_text(), "the previous export\n")
+        for fmt in ("md", "qmd"):
+            folder = self.tmp / f"folder-{fmt}"
+            folder.mkdir()
+            (folder / "notes.txt").write_text("mine")
+            with self.subTest(fmt=fmt), self.assertRaisesRegex(RuntimeError, "went away"):
+                write_export(failing(), fmt, str(folder))
+            self.assertEqual([p.name for p in folder.iterdir()], ["notes.txt"])
 
     def test_markdown_matches_the_hermes_agent_sample_shape(self):
         sample = fixture_path("hermes_v26_export_sample.md").read_text(encoding="utf-8")
@@ -292,7 +415,7 @@ class Renderers(StoreTestCase):
     def test_multimodal_content_renders_as_its_json_in_md_and_html(self):
         self.db.append_message("r1", "user", [{"type": "text", "text": "parts <of> a prompt"}])
         text, _digest = markdown_document(self.db.export_session("r1"))
-        self.assertIn('[{"type": "text", "text": "parts <of> a prompt"}]', text)
+        self.assertIn('[{"type": "text", "text": "parts &lt;of&gt; a prompt"}]', text)
         out = self.tmp / "page.html"
         write_export(self.db.export_all(), "html", str(out))
         self.assertIn("parts &lt;of&gt; a prompt", out.read_text(encoding="utf-8"))
@@ -503,3 +626,45 @@ class CommandLine(TempDirTestCase):
         broken = self.run_cli("import", str(bad))
         self.assertEqual(broken.returncode, 1)
         self.assertIn("bad.jsonl:2: not JSON", broken.stderr)
+
+    def test_import_of_a_file_is_one_transaction_past_500_sessions(self):
+        sessions = self.tmp / "many.jsonl"
+        sessions.write_text("".join(json.dumps(session(f"s{i:04d}")) + "\n" for i in range(600)))
+        store = self.tmp / "refusing.db"
+        with SessionDB(store):
+            pass
+        conn = sqlite3.connect(store)
+        conn.execute("CREATE TRIGGER refuse_one AFTER INSERT ON sessions WHEN NEW.id = 's0550'"
+                     " BEGIN SELECT RAISE(ABORT, 'refused by a test trigger'); END")
+        conn.commit()
+        conn.close()
+        refused = self.run_cli("--db", str(store), "import", str(sessions))
+        self.assertEqual(refused.returncode, 1)
+        self.assertIn("refused by a test trigger", refused.stderr)
+        self.assertIn("nothing was written", refused.stderr)
+        self.assertNotIn("Traceback", refused.stderr)
+        self.assertEqual(json.loads(self.run_cli("--db", str(store), "stats", "--json").stdout)["sessions"], 0)
+        whole = self.run_cli("import", str(sessions))
+        self.assertEqual((whole.returncode, whole.stdout), (0, "imported 600, skipped 0, detached 0\n"), whole.stderr)
+
+    def test_input_that_would_raise_is_a_clean_error_without_a_traceback(self):
+        bad = self.tmp / "bad.jsonl"
+        entries = [session("ok"), dict(session("big"), input_tokens=2 ** 64),
+                   dict(session("deep"), model_config='{"a":' * 50_000 + "1" + "}" * 50_000),
+                   dict(session("t1"), title=""), dict(session("t2"), title="")]
+        bad.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+        result = self.run_cli("import", str(bad))
+        self.assertEqual(result.returncode, 1, result.stderr)
+        self.assertNotIn("Traceback", result.stderr)
+        self.assertIn("session 1 (big): input_tokens does not fit in a 64-bit integer", result.stderr)
+        self.assertIn("session 2 (deep): model_config nests lists and objects more than 100 levels deep",
+                      result.stderr)
+        self.assertEqual(json.loads(self.run_cli("stats", "--json").stdout)["sessions"], 0)
+        bad.write_text("".join(json.dumps(entry) + "\n" for entry in (entries[0], *entries[3:])))
+        titles = self.run_cli("import", str(bad))
+        self.assertEqual((titles.returncode, titles.stdout), (0, "imported 3, skipped 0, detached 0\n"), titles.stderr)
+        bad.write_text(json.dumps(session("x")) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+        deep = self.run_cli("import", str(bad))
+        self.assertEqual(deep.returncode, 1)
+        self.assertIn("bad.jsonl:2: JSON nested too deep to read", deep.stderr)
+        self.assertNotIn("Traceback", deep.stderr)

@@ -4,6 +4,10 @@ import base64
 import http.client
 import io
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -11,9 +15,9 @@ import urllib.request
 
 from hermes_state import SessionDB
 from hermes_state_server import MAX_BODY_BYTES, StateServer, is_loopback
-from test_support import TempDirTestCase, fixture_path
+from test_support import REPO, TempDirTestCase, fixture_path
 
-TOKEN = "t0ken-for-tests"
+TOKEN = "t0ken-for-tests-" + "x" * 20
 
 
 def fixture_sessions():
@@ -231,3 +235,169 @@ class Concurrency(ServerCase):
             stored = {s["id"] for s in db.list_sessions_rich(limit=10_000)}
             self.assertEqual(stored, set(imported))
             self.assertEqual(db.message_count(), 20 * len(imported))
+
+
+def read_response(sock):
+    """(status, JSON body) of the HTTP response waiting on `sock`."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return response.status, json.loads(response.read())
+
+
+class Hardening(ServerCase):
+
+    def raw(self, data, timeout=10):
+        """Send `data` as is on a new connection; (status, JSON body) of the answer."""
+        with socket.create_connection(self.server.server_address[:2], timeout=timeout) as sock:
+            sock.sendall(data)
+            return read_response(sock)
+
+    def head(self, method="GET", path="/api/sessions", extra=b""):
+        host = "%s:%d" % self.server.server_address[:2]
+        return (f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n".encode()
+                + extra + b"\r\n")
+
+    def test_digits_that_int_refuses_are_a_400_not_a_500(self):
+        for path in ("/api/sessions?limit=%C2%B2", "/api/search?q=x&offset=%D9%A3",
+                     "/api/sessions?limit=" + "9" * 5000):
+            status, body = self.call(path)
+            self.assertEqual(status, 400, body)
+            self.assertIn("must be an integer", body["error"])
+        status, body = self.raw(self.head("POST", "/api/sessions/import", b"Content-Length: \xb2\r\n"))
+        self.assertEqual(status, 400, body)
+        self.assertIn("Content-Length must be a number of bytes", body["error"])
+
+    def test_a_json_body_nested_100k_deep_is_a_400(self):
+        status, body = self.call("/api/sessions/import", "POST", b"[" * 100_000 + b"]" * 100_000)
+        self.assertEqual((status, body["error"]), (400, "malformed JSON: nested too deep"))
+        deep_config = {"id": "deep", "source": "cli", "model_config": '{"a":' * 100_000 + "1" + "}" * 100_000}
+        big_number = {"id": "big", "source": "cli", "input_tokens": 2 ** 64}
+        status, body = self.call("/api/sessions/import", "POST", {"sessions": [deep_config, big_number]})
+        self.assertEqual(status, 400, body)
+        self.assertEqual([e["session_id"] for e in body["errors"]], ["deep", "big"])
+        self.assertEqual(self.call("/api/sessions")[1]["total"], 0)
+
+    def test_a_request_line_over_64_kib_gets_414(self):
+        status, body = self.raw(b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(status, 414)
+        self.assertIn("error", body)
+        self.assertRegex(self.server.log_stream.getvalue(), r"- - 414\n")
+        self.assertEqual(self.call("/api/sessions")[0], 200)
+
+    def test_control_characters_in_method_and_path_are_escaped_in_the_log(self):
+        status, _body = self.raw(self.head("GE\x1bT", "/x\x1b[31m\x07\x7f"))
+        self.assertEqual(status, 501)
+        status, _body = self.raw(self.head("GET", "/api/\x1b]0;pwned\x07"))
+        self.assertEqual(status, 404)
+        log = self.server.log_stream.getvalue()
+        self.assertNotRegex(log, r"[\x00-\x08\x0b-\x1f\x7f]")
+        self.assertIn("GE\\x1bT /x\\x1b[31m\\x07\\x7f 501", log)
+        self.assertIn("GET /api/\\x1b]0;pwned\\x07 404", log)
+
+    def test_a_session_whose_id_is_import_can_be_fetched(self):
+        entry = {"id": "import", "source": "cli", "messages": [{"role": "user", "content": "named import"}]}
+        self.assertEqual(self.call("/api/sessions/import", "POST", {"sessions": [entry]})[0], 200)
+        status, session = self.call("/api/sessions/import")
+        self.assertEqual((status, session["id"], session["messages"][0]["content"]), (200, "import", "named import"))
+        status, body = self.call("/api/sessions/other", "POST", {})
+        self.assertEqual(status, 405)
+
+    def test_a_stalled_body_holds_neither_a_restore_nor_other_requests(self):
+        self.call("/api/sessions/import", "POST", {"sessions": fixture_sessions()})
+        archive = base64.b64encode(self.call("/api/ops/export", raw=True)[1]).decode()
+        slow = socket.create_connection(self.server.server_address[:2], timeout=30)
+        self.addCleanup(slow.close)
+        slow.sendall(self.head("POST", "/api/sessions/import", b"Content-Length: 1000\r\n") + b'{"sessions": [')
+        time.sleep(0.5)  # the server is now waiting for the rest of that body
+        started = time.monotonic()
+        status, result = self.call("/api/ops/import", "POST", {"archive": archive, "force": True})
+        self.assertEqual(status, 200, result)
+        self.assertEqual(self.call("/api/sessions?limit=1")[1]["total"], 20)
+        self.assertEqual(self.call("/", raw=True)[0], 200)
+        self.assertLess(time.monotonic() - started, 8)
+
+    def test_silent_stalled_and_dripping_clients_are_dropped(self):
+        self.server.read_timeout, self.server.request_read_seconds = 0.5, 2
+        address = self.server.server_address[:2]
+        idle = socket.create_connection(address, timeout=10)
+        self.addCleanup(idle.close)
+        started = time.monotonic()
+        self.assertEqual(idle.recv(100), b"")  # closed without a word
+        self.assertLess(time.monotonic() - started, 5)
+        stalled = socket.create_connection(address, timeout=10)
+        self.addCleanup(stalled.close)
+        stalled.sendall(self.head("POST", "/api/sessions/import", b"Content-Length: 100\r\n") + b"{")
+        status, body = read_response(stalled)
+        self.assertEqual(status, 408)
+        self.assertIn("the body stopped after 1 of 100 bytes", body["error"])
+        drip = socket.create_connection(address, timeout=10)
+        self.addCleanup(drip.close)
+        request = self.head("GET", "/api/sessions", b"X-Pad: " + b"y" * 200 + b"\r\n")
+        started, ended = time.monotonic(), None
+        for byte in request:  # one byte every 0.2 s: never silent for 0.5 s, done after 40 s
+            try:
+                drip.sendall(bytes([byte]))
+                time.sleep(0.2)
+                drip.settimeout(0.001)
+                if drip.recv(1) == b"":
+                    ended = time.monotonic()
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                ended = time.monotonic()
+                break
+        self.assertIsNotNone(ended, "the dripping client was never dropped")
+        self.assertLess(ended - started, 6)
+
+    def test_connections_past_the_limit_get_a_503_at_once(self):
+        self.server.max_connections = 3
+        address = self.server.server_address[:2]
+        held = [socket.create_connection(address, timeout=10) for _ in range(3)]
+        for sock in held:
+            self.addCleanup(sock.close)
+        deadline = time.monotonic() + 5
+        while self.server.open_connections < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, body = self.call("/api/sessions")
+        self.assertEqual(status, 503)
+        self.assertIn("retry in a moment", body["error"])
+        for sock in held:
+            sock.close()
+        deadline, status = time.monotonic() + 5, None
+        while status != 200 and time.monotonic() < deadline:
+            status = self.call("/api/sessions")[0]
+        self.assertEqual(status, 200)
+
+    def test_a_token_under_32_characters_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "is 31 characters; the minimum is 32"):
+            StateServer(self.tmp / "short.db", "127.0.0.1", 0, token="t" * 31)
+        self.assertFalse((self.tmp / "short.db").exists())
+        env = dict(os.environ, HERMES_STATE_TOKEN="too-short", PYTHONPATH=str(REPO))
+        result = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.tmp / "cli.db"), "serve",
+                                 "--port", "0"], capture_output=True, text=True, env=env, timeout=60)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("error: the token (HERMES_STATE_TOKEN) is 9 characters; the minimum is 32", result.stderr)
+
+    def test_the_host_header_must_name_an_address_the_server_listens_on(self):
+        port = self.server.server_address[1]
+
+        def status_for(host):
+            conn = http.client.HTTPConnection(*self.server.server_address[:2], timeout=10)
+            try:
+                conn.putrequest("GET", "/api/sessions", skip_host=True)
+                if host is not None:
+                    conn.putheader("Host", host)
+                conn.putheader("Authorization", f"Bearer {TOKEN}")
+                conn.endheaders()
+                return conn.getresponse().status
+            finally:
+                conn.close()
+
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST:{port}", f"[::1]:{port}",
+                     f"127.0.0.2:{port}"):
+            self.assertEqual(status_for(host), 200, host)
+        for host in (f"evil.example:{port}", f"localhost.evil.example:{port}", "127.0.0.1", f"127.0.0.1:{port + 1}",
+                     f"10.0.0.1:{port}", f"user@127.0.0.1:{port}", f"127.0.0.1:{port}/x", "", None):
+            self.assertEqual(status_for(host), 421, host)
+        self.assertEqual(self.call("/", raw=True)[0], 200)

@@ -208,9 +208,8 @@ RAW_OPENS = {
     ("hermes_state", "_write_backup_zip"): "the archive being written (its members: snapshots and "
                                            "files SQLite does not hold)",
     ("hermes_constants", "_in_container"): "/proc files, never a store",
-    ("hermes_state_cli", "_read_jsonl_chunks"): "the jsonl file being imported",
+    ("hermes_state_cli", "_read_jsonl"): "the jsonl file being imported",
     ("hermes_state_cli", "main"): "os.devnull",
-    ("hermes_state_portability", "_open_private"): "an export file",
     ("hermes_state_server", "ApiHandler.ops_export"): "the archive in a scratch folder",
     ("hermes_state_server", "ApiHandler.ops_import"): "the uploaded archive in a scratch folder",
     ("hermes_state_doctor", "_backup_db_file"): "copies byte for byte only a file SQLite cannot read, and only "
