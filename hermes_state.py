@@ -67,6 +67,14 @@ from hermes_state_usage import SessionUsageMixin, TokenQueue, apply_token_batch
 from hermes_state_common import (  # noqa: F401
     _BARE_BILLING_PROVIDERS,
 )
+from hermes_state_wal import (  # noqa: F401
+    _WAL_INCOMPAT_MARKERS,
+    WalUnsupportedError,
+    apply_database_pragmas,
+    apply_wal_with_fallback,
+    preflight_db_writability,
+    resolve_journal_mode,
+)
 
 logger = logging.getLogger("hermes_state")
 
