@@ -1,12 +1,13 @@
 """SessionDB: an AI agent's sessions and messages in one SQLite file.
 
-Owns the connections (one writer, a pool of readers), the journal policy,
-the write path (BEGIN IMMEDIATE with retry and jitter inside a time budget),
-self-repair of damaged files at open, close, the meta methods, whole-home
-backup and restore, and the class statement that composes the mixins.
-`python -m hermes_state` runs the command line in hermes_state_cli. Never
-opens the store or its sidecars except through SQLite (README, "Locks we
-never break").
+Owns the connections (one writer, a pool of readers, and the `_conn`/`_lock`
+pair hermes-agent runs its own SQL through), the journal policy, the write
+path (BEGIN IMMEDIATE with retry and jitter inside a time budget), recording
+why an open failed, self-repair of damaged files at open, close, the meta
+methods, whole-home backup and restore, and the class statement that
+composes the mixins. `python -m hermes_state` runs the command line in
+hermes_state_cli. Never opens the store or its sidecars except through
+SQLite (README, "Locks we never break").
 
 The public API lives in the concern mixins (sessions, messages, titles,
 usage, gateway, maintenance, search, schema, portability); each imports only
@@ -38,7 +39,7 @@ import zlib
 from collections import namedtuple
 from pathlib import Path
 
-from hermes_constants import STATE_DB_FILENAME, get_default_db_path
+from hermes_constants import get_hermes_home
 from hermes_state_common import (
     CHECKPOINT_PASSIVE_SQL,
     JOURNAL_MODE_SQL,
@@ -48,6 +49,7 @@ from hermes_state_common import (
     SET_AUTOCHECKPOINT_SQL,
     SET_JOURNAL_MODE_SQL,
     SYNCHRONOUS_NORMAL_SQL,
+    _set_last_init_error,
     prefix_bounds,
     require_text,
     sqlite_has_wal_reset_bug,
@@ -66,6 +68,17 @@ from hermes_state_usage import SessionUsageMixin, TokenQueue, apply_token_batch
 # Names hermes-agent imports from this module although they live in another.
 from hermes_state_common import (  # noqa: F401
     _BARE_BILLING_PROVIDERS,
+    classify_persistence_error,
+    CompressionSessionBusyError,
+    CompressionSessionClosedError,
+    format_session_db_unavailable,
+    get_last_init_error,
+    is_disk_full_error,
+    is_malformed_db_error,
+    PERSISTENCE_ERROR_CAUSES,
+    SessionCompressionInProgressError,
+    SessionTurnLeaseLostError,
+    _WAL_INCOMPAT_MARKERS,
 )
 from hermes_state_wal import (  # noqa: F401
     _WAL_INCOMPAT_MARKERS,
@@ -77,6 +90,20 @@ from hermes_state_wal import (  # noqa: F401
 )
 
 logger = logging.getLogger("hermes_state")
+
+STATE_DB_FILENAME = "state.db"
+# hermes-agent's names for the default store: the path as the home was at import,
+# and the function that follows a home changed since (or a re-pointed constant).
+DEFAULT_DB_PATH = get_hermes_home() / STATE_DB_FILENAME
+_IMPORTED_DEFAULT_DB_PATH = DEFAULT_DB_PATH
+
+
+def _default_db_path():
+    """`<hermes home>/state.db` as of now; DEFAULT_DB_PATH instead if someone re-pointed it."""
+    if DEFAULT_DB_PATH != _IMPORTED_DEFAULT_DB_PATH:
+        return DEFAULT_DB_PATH
+    return get_hermes_home() / STATE_DB_FILENAME
+
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
@@ -94,6 +121,7 @@ LATE_JITTER = (0.25, 1.0)
 # throughput with four, against 0.85-0.89 when polling every 0.2-2 ms.
 FILE_LOCK_POLL = (0.001, 0.004)
 WRITER_BUSY_TIMEOUT = 0.1
+BUSY_TIMEOUT_SQL = "PRAGMA busy_timeout = {ms}"
 # With automatic checkpoints off, a PASSIVE checkpoint runs under the writer
 # lock every this many commits of one connection.
 CHECKPOINT_EVERY_COMMITS = 500
@@ -315,6 +343,77 @@ def _raw_store_access(path, flags, use):
             os.close(fd)
 
 
+class CallerLock:
+    """`SessionDB._lock`: what hermes-agent holds around SQL it runs on `SessionDB._conn`.
+
+    It takes the write path's thread lock (an RLock, so our own methods may run
+    inside it) and, where the journal policy serialises writers across
+    processes, state.db.lock too: a statement a caller writes through `_conn`
+    then never races another process's write or checkpoint. While it is held,
+    the writer waits out a busy store for the whole write budget, since the
+    caller has no retry loop. A transaction the caller opened and left open is
+    rolled back when the outermost hold ends, so no later write finds one.
+    """
+
+    def __init__(self, db):
+        self._db = db
+        self._depth = 0
+        self._held_file_lock = False
+        self._open_before = False
+
+    def acquire(self, blocking=True, timeout=-1):
+        """Take the lock; False if `timeout` (or not `blocking`) ran out. StoreLockedError if the
+        other processes' lock stays held for the write budget."""
+        db = self._db
+        if not db._write_lock.acquire(blocking, timeout):
+            return False
+        try:
+            if self._depth == 0:
+                self._hold_writer(db)
+            self._depth += 1
+        except BaseException:
+            db._write_lock.release()
+            raise
+        return True
+
+    def _hold_writer(self, db):
+        writer = db._writer
+        if writer is None:
+            return
+        start = time.monotonic()
+        self._held_file_lock = db.policy.writer_lock and db._file_lock is not None
+        if self._held_file_lock and not db._file_lock.acquire(start + db.write_budget):
+            self._held_file_lock = False
+            raise db._locked_error(start, "another process held state.db.lock")
+        self._open_before = writer.in_transaction
+        writer.execute(BUSY_TIMEOUT_SQL.format(ms=int(db.write_budget * 1000)))
+
+    def release(self):
+        db = self._db
+        try:
+            if self._depth == 1 and db._writer is not None:
+                writer = db._writer
+                try:
+                    if writer.in_transaction and not self._open_before:
+                        logger.warning("a caller left a transaction open on %s; rolled it back", db.db_path)
+                        writer.execute("ROLLBACK")
+                    writer.execute(BUSY_TIMEOUT_SQL.format(ms=int(WRITER_BUSY_TIMEOUT * 1000)))
+                finally:
+                    if self._held_file_lock:
+                        self._held_file_lock = False
+                        db._file_lock.release()
+        finally:
+            self._depth -= 1
+            db._write_lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.release()
+
+
 # ---------------------------------------------------------------------------
 # Self-repair of damaged files
 # ---------------------------------------------------------------------------
@@ -434,27 +533,34 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
 
     def __init__(self, db_path=None, read_only=False, *, connection_factory=None,
                  write_budget=WRITE_BUDGET_SECONDS, journal=None):
-        self.db_path = Path(db_path) if db_path is not None else get_default_db_path()
+        self.db_path = Path(db_path) if db_path is not None else _default_db_path()
         self.read_only = read_only
         self.write_budget = float(write_budget)
-        self.policy = choose_journal_policy(override=journal)
         self.repairs = []
         self._connect = connection_factory or sqlite3.connect
         self._idle_readers = queue.SimpleQueue()
         self._readers = []
         self._readers_lock = threading.Lock()
         self._write_lock = threading.RLock()
+        self._lock = CallerLock(self)
         self._writer = None
         self._held_keys = []
+        self._direct_reader = None
         self._file_lock = None
         self._commits = 0
         self.fts_caps = runtime_capabilities(self._connect)
         self._tokens = TokenQueue()
         self._closed = False
-        if read_only:
-            self._open_read_only()
-        else:
-            self._open_writable()
+        try:
+            self.policy = choose_journal_policy(override=journal)
+            if read_only:
+                self._open_read_only()
+            else:
+                self._open_writable()
+        except Exception as exc:
+            # hermes-agent tells the user why its store is unavailable from this.
+            _set_last_init_error(f"{type(exc).__name__}: {exc}")
+            raise
         self._atexit = _make_atexit_close(self)
         atexit.register(self._atexit)
 
@@ -506,6 +612,8 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
         message = f"state store {self.db_path} was {reason}; kept it as {backup} and created a fresh store"
         self.repairs.append(message)
         logger.warning(message)
+        if reason != "empty":  # hermes-agent opens an empty file as is, but reports a zeroed one
+            _set_last_init_error(message)
 
     def _new_connection(self, target, *, uri, timeout):
         """A connection to the store, counted in the process-wide registry until
@@ -573,35 +681,54 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
     def __exit__(self, *exc_info):
         self.close()
 
+    # -- connections hermes-agent reaches into ----------------------------------
+
+    @property
+    def _conn(self):
+        """The connection hermes-agent runs its own SQL on (rows are sqlite3.Row); None once closed.
+
+        The writer, or for a read-only open a read-only connection of its own.
+        Hold `self._lock` around any write through it (see CallerLock).
+        """
+        if self._closed:
+            return None
+        if not self.read_only:
+            return self._writer
+        with self._write_lock:
+            if self._direct_reader is None:
+                self._direct_reader = self._borrow_reader()
+            return self._direct_reader
+
     # -- the write path ------------------------------------------------------
 
-    def _execute_write(self, fn, *, transaction=True):
+    def _execute_write(self, fn, patience_s=None, *, transaction=True):
         """Run `fn(conn)` in one BEGIN IMMEDIATE transaction and return its result.
 
         Rolls back on any error. On "database is locked"/"busy" the whole
         callback is retried after a random pause (20-150 ms for the first 2 s,
-        then 250 ms-1 s) until `write_budget` runs out, then StoreLockedError.
-        Queued token counts ride along in the same transaction. With
-        `transaction=False` (VACUUM cannot run in one) only the locks are taken.
+        then 250 ms-1 s) until `patience_s` (default `write_budget`) runs out,
+        then StoreLockedError. Queued token counts ride along in the same
+        transaction. With `transaction=False` (VACUUM cannot run in one) only
+        the locks are taken. `fn` must not commit: the commit is ours.
         """
         self._check_open()
+        budget = self.write_budget if patience_s is None else float(patience_s)
         start = time.monotonic()
-        deadline = start + self.write_budget
-        if not self._write_lock.acquire(timeout=self.write_budget):
-            raise self._locked_error(start, "another thread of this process kept writing")
+        if not self._write_lock.acquire(timeout=budget):
+            raise self._locked_error(start, "another thread of this process kept writing", budget)
         # Without a transaction (VACUUM) there is nothing for queued counts to ride in.
         batch = self._tokens.take() if transaction else []
         try:
             while True:
                 try:
-                    return self._write_once(fn, batch, deadline, transaction)
+                    return self._write_once(fn, batch, start, budget, transaction)
                 except sqlite3.OperationalError as exc:
                     if isinstance(exc, StoreLockedError) or not is_lock_error(exc):
                         raise
                     elapsed = time.monotonic() - start
                     pause = random.uniform(*(EARLY_JITTER if elapsed < EARLY_RETRY_WINDOW else LATE_JITTER))
-                    if elapsed + pause >= self.write_budget:
-                        raise self._locked_error(start, str(exc)) from exc
+                    if elapsed + pause >= budget:
+                        raise self._locked_error(start, str(exc), budget) from exc
                     time.sleep(pause)
         except BaseException:
             self._tokens.put_back(batch)
@@ -609,10 +736,10 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
         finally:
             self._write_lock.release()
 
-    def _write_once(self, fn, batch, deadline, transaction):
+    def _write_once(self, fn, batch, start, budget, transaction):
         use_file_lock = self.policy.writer_lock and self._file_lock is not None
-        if use_file_lock and not self._file_lock.acquire(deadline):
-            raise self._locked_error(deadline - self.write_budget, "another process held state.db.lock")
+        if use_file_lock and not self._file_lock.acquire(start + budget):
+            raise self._locked_error(start, "another process held state.db.lock", budget)
         try:
             if not transaction:
                 return fn(self._writer)
@@ -646,10 +773,12 @@ class SessionDB(SessionSessionsMixin, SessionMessagesMixin, SessionTitlesMixin, 
             except sqlite3.Error as exc:
                 logger.info("checkpoint of %s deferred to the next one: %s", self.db_path, exc)
 
-    def _locked_error(self, start, cause):
+    def _locked_error(self, start, cause, budget=None):
+        """StoreLockedError for a wait that began at `start` with `budget` seconds (default write_budget)."""
+        budget = self.write_budget if budget is None else budget
         waited = time.monotonic() - start
         return StoreLockedError(
-            f"state store {self.db_path} was locked for {waited:.1f}s (budget {self.write_budget:.1f}s): "
+            f"state store {self.db_path} was locked for {waited:.1f}s (budget {budget:.1f}s): "
             f"{cause}; no data was written")
 
     def _check_open(self):
@@ -882,7 +1011,7 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
     group- or world-writable; a new home is created 0700. RuntimeError while
     this process has the store open: the swap would happen under its connections.
     """
-    db_path = Path(db_path) if db_path is not None else get_default_db_path()
+    db_path = Path(db_path) if db_path is not None else _default_db_path()
     home = db_path.parent
     if _connections_held(db_path):
         raise RuntimeError(f"restore refused: this process has {db_path} open; close every SessionDB on it "

@@ -2,14 +2,18 @@
 
 Owns every piece of SQL text the other modules run, the version numbers and the
 limits, plus a few pure helpers for building SQL (identifier quoting, LIKE
-escaping, prefix ranges, id chunking). It must not open or touch a
-connection: the mixins and SessionDB do that, and import from here so that
-none of them has to import another.
+escaping, prefix ranges, id chunking), the exception classes callers catch,
+and the persistence-error helpers hermes-agent imports from hermes_state
+(classifying a failed write, remembering why the last open failed). It must
+not open or touch a connection: the mixins and SessionDB do that, and import
+from here so that none of them has to import another.
 """
 
+import errno
 import json
 import re
 import sqlite3
+import threading
 from pathlib import Path
 
 # ---------------------------------------------------------------------------
@@ -28,6 +32,11 @@ META_FTS_STALE = "fts_stale"
 META_FTS_CJK_STALE = "fts_cjk_stale"
 
 COMPRESSION_END_REASON = "compression"
+# End reasons of a session that a reset replaced with an empty one (gateway
+# /new and /reset, idle and daily expiry, ...): hermes-agent's session_search
+# treats their transcripts as gone from the live context. Its name and values are
+# hermes-agent's (tools/session_search_tool.py imports it from here).
+_RESET_END_REASONS = ("session_reset", "session_switch", "idle", "daily", "suspended", "resume_pending_expired")
 GATEWAY_ROUTING_PK = ["scope", "session_key"]
 
 # ---------------------------------------------------------------------------
@@ -42,12 +51,12 @@ TITLE_SOURCE_LLM = "llm"
 TITLE_SOURCE_USER = "user"
 TITLE_SOURCE_RANK = {TITLE_SOURCE_DERIVED: 0, TITLE_SOURCE_LLM: 1, TITLE_SOURCE_USER: 2}
 PREVIEW_CHARS = 80
+# A search hit's context gives each neighbour at most this many characters.
 CONTEXT_CHARS = 200
 SNIPPET_CHARS = 120
 # A query longer than this is cut; more terms than this are dropped.
 QUERY_MAX_CHARS = 1000
 QUERY_MAX_TERMS = 32
-SEARCH_LIMIT_MAX = 1000
 # Far below SQLite's default SQLITE_MAX_VARIABLE_NUMBER (999 before 3.32).
 SQL_CHUNK_SIZE = 500
 # Sessions migrated per transaction by resumable data migrations.
@@ -499,8 +508,10 @@ HAS_CJK_PENDING_SQL = "SELECT 1 FROM messages_cjk_pending LIMIT 1"
 SELECT_MAX_MESSAGE_ID_SQL = "SELECT COALESCE(MAX(id), 0) FROM messages"
 SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestamp, m.tool_name,
        s.source, s.model, s.started_at AS session_started"""
-# A query answered by one index, ranked by it ({order} may be its bm25 rank).
-SEARCH_BY_INDEX_SQL = (SEARCH_COLUMNS_SQL + """
+# A query answered by one index, ranked by it ({order} may be its bm25 rank). A
+# word or trigram index cuts the snippet itself, as hermes-agent's search does.
+FTS_SNIPPET_SQL = "snippet({table}, -1, '>>>', '<<<', '...', 40)"
+SEARCH_BY_INDEX_SQL = (SEARCH_COLUMNS_SQL + """, {snippet} AS index_snippet
 FROM {table} JOIN messages AS m ON m.id = {table}.rowid JOIN sessions AS s ON s.id = m.session_id
 WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {order} LIMIT ? OFFSET ?""")
 # A query whose terms use several indexes or the fallback: one predicate per term.
@@ -518,10 +529,6 @@ TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE(m.{column}, '') LIKE ? ESCAPE '\\'"
                                    for column in ("content", "tool_name", "tool_calls")) + ")"
 TERM_LIKE_PARAMS = 3
 NOT_TOOL_ROW_SQL = "m.role <> 'tool'"
-SELECT_CONTEXT_BEFORE_SQL = """SELECT role, substr(content, 1, ?) AS content FROM messages
-WHERE session_id = ? AND id < ? AND active = 1 ORDER BY id DESC LIMIT 1"""
-SELECT_CONTEXT_AFTER_SQL = """SELECT role, substr(content, 1, ?) AS content FROM messages
-WHERE session_id = ? AND id > ? AND active = 1 ORDER BY id ASC LIMIT 1"""
 # Estimated bytes of text the current generation indexes (for the disk pre-check).
 SELECT_INDEXED_TEXT_BYTES_SQL = f"""
 SELECT COALESCE(SUM(CASE WHEN role = 'tool' THEN MIN(LENGTH(CAST(content AS BLOB)), {TOOL_INDEX_PREFIX_CHARS})
@@ -982,3 +989,83 @@ class UnknownSessionError(ValueError, sqlite3.IntegrityError):
     def __init__(self, session_id):
         self.session_id = session_id
         super().__init__(f"unknown session_id {session_id!r}; nothing was written")
+
+
+# ---------------------------------------------------------------------------
+# Persistence errors (hermes-agent imports these from hermes_state and shows
+# their texts to users; names, causes and wording are hermes-agent's)
+# ---------------------------------------------------------------------------
+
+# Every answer classify_persistence_error can give; callers iterate it.
+PERSISTENCE_ERROR_CAUSES = ("locked", "compression", "compression_closed", "turn_lease", "disk", "unknown")
+# Error texts of filesystems where WAL cannot work (NFS/SMB locking, FUSE, ZFS).
+_WAL_INCOMPAT_MARKERS = ("locking protocol", "not authorized", "disk i/o error")
+MALFORMED_DB_MARKERS = ("malformed database schema", "database disk image is malformed")
+# Plain substrings, so an OSError, SQLITE_FULL and a text passed through RPC all match.
+DISK_FULL_MARKERS = ("no space left on device", "not enough space", "database or disk is full", "disk full",
+                     "full disk", "enospc")
+SESSION_DB_UNAVAILABLE = "Session database not available"
+WAL_INCOMPAT_HINT = " (state.db may be on NFS/SMB/FUSE/ZFS \u2014 see https://www.sqlite.org/wal.html)"
+
+_last_init_error = None
+_last_init_error_lock = threading.Lock()
+
+
+def is_malformed_db_error(exc):
+    """True for SQLite's malformed-schema or malformed-image error; False for anything else."""
+    return isinstance(exc, sqlite3.DatabaseError) and any(marker in str(exc).lower() for marker in MALFORMED_DB_MARKERS)
+
+
+def is_disk_full_error(exc):
+    """True when `exc` (an exception or its text) says the disk is full; False for None."""
+    if exc is None:
+        return False
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    text = str(exc).lower()
+    return any(marker in text for marker in DISK_FULL_MARKERS)
+
+
+def classify_persistence_error(exc_or_str):
+    """The cause of a failed session write, one of PERSISTENCE_ERROR_CAUSES; 'unknown' for None.
+
+    The exception classes decide first, then words of the text (which may have
+    crossed an RPC boundary as a string): a turn lease, a session closed by
+    compression, a compression in progress, lock contention, then disk trouble
+    (full, read-only, permissions).
+    """
+    if exc_or_str is None:
+        return "unknown"
+    for cls, cause in ((SessionTurnLeaseLostError, "turn_lease"), (CompressionSessionClosedError, "compression_closed"),
+                       (CompressionSessionBusyError, "compression")):
+        if isinstance(exc_or_str, cls):
+            return cause
+    text = str(exc_or_str).lower()
+    for words, cause in ((("turn lease",), "turn_lease"), (("closed by compression",), "compression_closed"),
+                         (("being compressed", "compression lease"), "compression"), (("locked", "busy"), "locked"),
+                         (("disk", "readonly", "read-only"), "disk")):
+        if any(word in text for word in words):
+            return cause
+    return "disk" if is_disk_full_error(exc_or_str) else "unknown"
+
+
+def _set_last_init_error(message):
+    """Remember why opening the store failed (None forgets it). SessionDB sets it and never
+    clears it, so another thread's successful open cannot hide the cause from a user."""
+    global _last_init_error
+    with _last_init_error_lock:
+        _last_init_error = message
+
+
+def get_last_init_error():
+    """Why the last SessionDB() of this process failed to open ('<Class>: <message>'); None if none has."""
+    return _last_init_error
+
+
+def format_session_db_unavailable(prefix=SESSION_DB_UNAVAILABLE):
+    """The user-facing 'session database not available' sentence, with the cause when one is known."""
+    cause = get_last_init_error()
+    if not cause:
+        return f"{prefix}."
+    hint = WAL_INCOMPAT_HINT if any(marker in cause.lower() for marker in _WAL_INCOMPAT_MARKERS) else ""
+    return f"{prefix}: {cause}{hint}."

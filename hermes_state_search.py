@@ -20,6 +20,7 @@ from collections import namedtuple
 
 from hermes_state_schema import read_meta, write_meta
 from hermes_state_common import (
+    decode_content,
     DELETE_SHADOW_CHUNK_SQL,
     DROP_TABLE_SQL,
     DROP_TRIGGER_SQL,
@@ -27,6 +28,7 @@ from hermes_state_common import (
     FTS5_PROBE_SQL,
     FTS_COMMAND_SQL,
     FTS_PROBE_DROP_SQL,
+    FTS_SNIPPET_SQL,
     RENAME_TABLE_SQL,
     TRIGRAM_PROBE_SQL,
     BACKFILL_SQL,
@@ -56,10 +58,7 @@ from hermes_state_common import (
     SEARCH_BY_INDEX_SQL,
     SEARCH_BY_PREDICATE_SQL,
     SEARCH_ORDERS,
-    SEARCH_LIMIT_MAX,
     SELECT_CJK_PENDING_SQL,
-    SELECT_CONTEXT_AFTER_SQL,
-    SELECT_CONTEXT_BEFORE_SQL,
     SELECT_FTS_TRIGGERS_SQL,
     SELECT_INDEXED_TEXT_BYTES_SQL,
     SELECT_MAX_MESSAGE_ID_SQL,
@@ -96,7 +95,9 @@ OPTIMIZE_PAUSE = 0.01
 CJK_DRAIN_EVERY_COMMITS = 64
 BULK_CHANGES = 64
 LEFTOVER_VIEWS = ("messages_fts_trigram_src",)
-SORTS = (None, "relevance", "newest", "oldest")
+# A hit's keys in hermes-agent's order; `fields=` picks some of them.
+SEARCH_RESULT_FIELDS = ("id", "session_id", "role", "snippet", "timestamp", "tool_name", "source", "model",
+                        "session_started", "context")
 
 CJK_RE = re.compile(f"[{CJK_CHAR_CLASS}]")
 CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
@@ -104,9 +105,17 @@ CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
 FTS_SYNTAX_RE = re.compile(r"[\"^*():{}\[\]+~'`]")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
+# One neighbour of a search hit in its session, in (timestamp, id) order.
+_NEIGHBOUR_SQL = """SELECT * FROM (SELECT role, content FROM messages WHERE session_id = :s AND timestamp = :t AND {same}
+              ORDER BY id {order} LIMIT 1)
+UNION ALL SELECT * FROM (SELECT role, content FROM messages WHERE session_id = :s AND {other}
+                        ORDER BY timestamp {order}, id {order} LIMIT 1)
+LIMIT 1"""
+
 Capabilities = namedtuple("Capabilities", "fts5 trigram")
 Term = namedtuple("Term", "text prefix")
-IndexState = namedtuple("IndexState", "layout usable high_water progress cjk_pending tool_rows")
+# `substring`: the retry of a query whose words found nothing, matching them inside longer tokens.
+IndexState = namedtuple("IndexState", "layout usable high_water progress cjk_pending tool_rows substring")
 
 
 # ---------------------------------------------------------------------------
@@ -302,12 +311,20 @@ def _positive_terms(node):
     return [term for child in node[1] for term in _positive_terms(child)]
 
 
+def _substring_retry(tree):
+    """True when words that found nothing should be tried inside longer tokens
+    ('youer' in '修改youer服务端'), as hermes-agent does: no CJK, every term 3+ characters."""
+    return all(len(term.text) >= 3 and not CJK_RE.search(term.text) for term in _leaves(tree))
+
+
 def _fts_string(term):
     return '"' + term.text.replace('"', '""') + '"' + ("*" if term.prefix else "")
 
 
 def _route(term, state):
     """The index that answers `term`, or None for the LIKE fallback."""
+    if state.substring:
+        return "trigram" if len(term.text) >= 3 and "trigram" in state.usable else None
     if CJK_RE.search(term.text):
         if len(term.text) >= 3 and "trigram" in state.usable:
             return "trigram"
@@ -322,10 +339,11 @@ def _route(term, state):
 
 
 def _like_sql(term, state):
-    """The fallback for one term. A CJK term skips tool rows unless they were asked
-    for, as the trigram and CJK indexes do, so every route gives the same answer."""
+    """The fallback for one term. A CJK term (and a substring retry) skips tool rows
+    unless they were asked for, as the trigram and CJK indexes do, so every route
+    gives the same answer."""
     sql = TERM_LIKE_SQL
-    if CJK_RE.search(term.text) and not state.tool_rows:
+    if (state.substring or CJK_RE.search(term.text)) and not state.tool_rows:
         sql = f"({NOT_TOOL_ROW_SQL} AND {sql})"
     return sql, [f"%{escape_like(term.text)}%"] * TERM_LIKE_PARAMS
 
@@ -384,13 +402,42 @@ def make_snippet(content, terms):
     return content[:SNIPPET_CHARS] + ("..." if len(content) > SNIPPET_CHARS else "")
 
 
-def _as_list(name, value):
+def _as_list(value):
+    """A filter's values (one string is one value); None for no filter."""
     if value is None:
-        return []
-    values = [value] if isinstance(value, str) else list(value)
-    if not all(isinstance(v, str) for v in values):
-        raise ValueError(f"{name} must be a string or a list of strings")
-    return values
+        return None
+    return [value] if isinstance(value, str) else list(value)
+
+
+def search_fields(fields):
+    """The hit keys `fields` asks for, in SEARCH_RESULT_FIELDS order; all of them for None."""
+    if fields is None:
+        return SEARCH_RESULT_FIELDS
+    if isinstance(fields, str):
+        raise TypeError("search fields must be a collection of field names, not a string")
+    wanted = set(fields)
+    unknown = wanted.difference(SEARCH_RESULT_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown search result field(s): {', '.join(sorted(unknown))}")
+    return tuple(field for field in SEARCH_RESULT_FIELDS if field in wanted)
+
+
+def context_text(content):
+    """A message's text as a hit's context shows it: list content as its text parts
+    (or '[multimodal content]'), no content as '', at most CONTEXT_CHARS."""
+    content = decode_content(content)
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        content = " ".join(text for text in texts if text and isinstance(text, str)).strip() \
+            or "[multimodal content]"
+    return content[:CONTEXT_CHARS] if isinstance(content, str) else ""
+
+
+def _index_failure(exc):
+    """True for an error that says an index is damaged, not that the store is busy or the input bad."""
+    if isinstance(exc, (sqlite3.IntegrityError, sqlite3.ProgrammingError)):
+        return False
+    return not (isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc).lower())
 
 
 class SessionSearchMixin:
@@ -562,9 +609,17 @@ class SessionSearchMixin:
         high_water = meta[META_FTS_REBUILD_HIGH_WATER]
         pending = CJK_PENDING_TABLE in objects and self._read_one(HAS_CJK_PENDING_SQL) is not None
         return IndexState(layout, usable, int(high_water) if high_water else None,
-                          int(meta[META_FTS_REBUILD_PROGRESS] or 0), pending, False)
+                          int(meta[META_FTS_REBUILD_PROGRESS] or 0), pending, False, False)
 
     def fts_rebuild_status(self):
+        """{pending: True, total, indexed, percent (whole, 0-100)} while a backfill runs; None otherwise."""
+        status = self._rebuild_phase()
+        if status is None or status["phase"] != "backfill" or not status["total"]:
+            return None
+        return {"pending": True, "total": status["total"], "indexed": status["indexed"],
+                "percent": min(100, 100 * status["indexed"] // status["total"])}
+
+    def _rebuild_phase(self):
         """What a backfill or an optimize still has to do, or None when nothing is pending."""
         meta = self._read_meta(META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)
         if meta[META_FTS_REBUILD_HIGH_WATER]:
@@ -590,51 +645,55 @@ class SessionSearchMixin:
             "search_meta": self._read_meta(META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE, META_FTS_STALE,
                                            META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
                                            META_FTS_REBUILD_PROGRESS),
-            "fts_rebuild": self.fts_rebuild_status(),
+            "fts_rebuild": self._rebuild_phase(),
             "searchable_by_index": sorted(self._index_state().usable),
         }
 
     # -- search --------------------------------------------------------------
 
     def search_messages(self, query, source_filter=None, exclude_sources=None, role_filter=None,
-                        limit=20, offset=0, sort=None, include_inactive=False):
-        """Messages matching `query`, best first (bm25) unless `sort` is 'newest' or 'oldest'.
+                        limit=20, offset=0, sort=None, include_inactive=False, fields=None):
+        """Messages matching `query`, best first (bm25) unless `sort` is 'newest' or 'oldest'; [] for no query.
 
-        Each hit: id, session_id, role, snippet, timestamp, tool_name, source,
-        model, session_started, context (the message before and after). Words
-        use the word index; CJK terms of 3+ characters the trigram index, of 1-2
-        the CJK side index; anything an index cannot answer falls back to LIKE.
-        No query string raises; an empty one returns [].
+        Each hit has SEARCH_RESULT_FIELDS, or only those `fields` names; its
+        context is the message before it, itself and the one after, each
+        {role, content} cut to CONTEXT_CHARS. Words use the word index; CJK
+        terms of 3+ characters the trigram index, of 1-2 the CJK side index;
+        anything an index cannot answer falls back to LIKE. Words that match no
+        whole token are retried as substrings. Rewound messages are left out
+        unless `include_inactive`; compacted ones are found. An unknown sort
+        means relevance; `limit` and `offset` go to SQLite as they are (a
+        negative limit is no limit). A string `fields` raises TypeError, an
+        unknown field ValueError.
         """
-        if not isinstance(query, str):
-            raise ValueError("query must be a string")
-        if sort not in SORTS:
-            raise ValueError(f"sort must be one of {SORTS[1:]}")
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= SEARCH_LIMIT_MAX:
-            raise ValueError(f"limit must be an integer from 1 to {SEARCH_LIMIT_MAX}")
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise ValueError("offset must be an integer >= 0")
-        roles = _as_list("role_filter", role_filter)
-        sources, excluded = _as_list("source_filter", source_filter), _as_list("exclude_sources", exclude_sources)
+        fields = search_fields(fields)
+        if not query or not query.strip():
+            return []
         tree = parse_query(query)
         if tree is None:
             return []
-        filters, filter_params = _search_filters(roles, sources, excluded, include_inactive)
+        sort = sort.strip().lower() if isinstance(sort, str) else None
+        roles = _as_list(role_filter) or []
+        filters, filter_params = _search_filters(roles, _as_list(source_filter), _as_list(exclude_sources),
+                                                 include_inactive)
         state = self._index_state()
         if "tool" in roles:
             state = state._replace(usable=set(), tool_rows=True)  # tool rows are only whole in the fallback
+        search = (tree, filters, filter_params, sort, limit, offset)
         try:
-            rows = self._run_search(tree, state, filters, filter_params, sort, limit, offset)
+            rows = self._run_search(state, *search)
         except sqlite3.DatabaseError as exc:
-            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc).lower():
+            if not _index_failure(exc):
                 raise
             self._mark_index_stale(exc)
-            rows = self._run_search(tree, state._replace(usable=set()), filters, filter_params, sort, limit,
-                                    offset)
+            state = state._replace(usable=set())
+            rows = self._run_search(state, *search)
+        if not rows and "word" in state.usable and _substring_retry(tree):
+            rows = self._run_search(state._replace(substring=True), *search)
         terms = _positive_terms(tree)
-        return [self._hit(row, terms) for row in rows]
+        return [self._hit(row, terms, fields) for row in rows]
 
-    def _run_search(self, tree, state, filters, filter_params, sort, limit, offset):
+    def _run_search(self, state, tree, filters, filter_params, sort, limit, offset):
         routes = {term: _route(term, state) for term in _leaves(tree)}
         tables = {routes[t] for t in routes}
         single = len(tables) == 1 and None not in tables and state.high_water is None and \
@@ -645,7 +704,9 @@ class SessionSearchMixin:
             # The legacy trigram index still holds tool rows; the current ones do not.
             no_tools = f" AND {NOT_TOOL_ROW_SQL}" if index != "word" else ""
             order = SEARCH_ORDERS[sort if sort in ("newest", "oldest") else "rank"].format(table=table)
-            sql = SEARCH_BY_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters, order=order)
+            snippet = "NULL" if index == "cjk" else FTS_SNIPPET_SQL.format(table=table)
+            sql = SEARCH_BY_INDEX_SQL.format(table=table, snippet=snippet, no_tools=no_tools, filters=filters,
+                                             order=order)
             params = [_match_string(tree)] + filter_params
         else:
             where, params = _tree_sql(tree, routes, state)
@@ -660,13 +721,23 @@ class SessionSearchMixin:
         if not self.read_only:
             self._execute_write(lambda conn: write_meta(conn, META_FTS_STALE, "1"))
 
-    def _hit(self, row, terms):
-        hit = {key: row[key] for key in ("id", "session_id", "role", "timestamp", "tool_name", "source",
-                                         "model", "session_started")}
-        hit["snippet"] = make_snippet(row["content"], terms)
-        hit["context"] = [dict(r) for sql in (SELECT_CONTEXT_BEFORE_SQL, SELECT_CONTEXT_AFTER_SQL)
-                          for r in self._read_all(sql, (CONTEXT_CHARS, row["session_id"], row["id"]))]
-        return hit
+    def _hit(self, row, terms, fields):
+        values = dict(row)
+        values["snippet"] = values.get("index_snippet") or make_snippet(row["content"], terms)
+        if "context" in fields:
+            values["context"] = self._context(row)
+        return {field: values[field] for field in fields}
+
+    def _context(self, hit):
+        """[before, the hit, after] as {role, content}: neighbours by (timestamp, id) in its session, any state."""
+        # Equal timestamps are common (a batch shares one): each neighbour is an
+        # index seek, first among rows of the same time by id, then across times.
+        rows = self._read_all(f"""
+SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id < :i", other="timestamp < :t", order="DESC")})
+UNION ALL SELECT role, content FROM messages WHERE id = :i
+UNION ALL SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id > :i", other="timestamp > :t", order="ASC")})""",
+                              {"s": hit["session_id"], "t": hit["timestamp"], "i": hit["id"]})
+        return [{"role": role, "content": context_text(content)} for role, content in rows]
 
     # -- maintenance -----------------------------------------------------------
 
@@ -741,7 +812,7 @@ class SessionSearchMixin:
         report({"phase": "prepare", "percent": 0.0, "indexed": 0, "total": None})
         self._execute_write(self._begin_optimize)
         while True:
-            status = self.fts_rebuild_status() or {"phase": "finish", "percent": 100.0}
+            status = self._rebuild_phase() or {"phase": "finish", "percent": 100.0}
             report({"phase": status["phase"], "percent": status.get("percent"),
                     "indexed": status.get("indexed"), "total": status.get("total")})
             if not self.fts_rebuild_step():
@@ -803,13 +874,14 @@ def _drop_old_chunk(conn, table, objects):
 
 
 def _search_filters(roles, sources, excluded, include_inactive):
+    """SQL and parameters of the filters, as hermes-agent reads them: an empty source
+    list matches nothing, an empty role or excluded list filters nothing."""
     clauses, params = [], []
     if not include_inactive:
-        clauses.append("m.active = 1")
-    for column, values, negate in (("m.role", roles, False), ("s.source", sources, False),
+        clauses.append("(m.active = 1 OR m.compacted = 1)")  # rewound rows are hidden, compacted ones kept
+    for column, values, negate in (("m.role", roles or None, False), ("s.source", sources, False),
                                    ("s.source", excluded, True)):
-        if values:
+        if values is not None:
             clauses.append(f"{column} {'NOT ' if negate else ''}IN ({placeholders(len(values))})")
             params += values
     return "".join(f" AND {c}" for c in clauses), params
-
