@@ -81,7 +81,6 @@ from hermes_state_common import (  # noqa: F401
     _WAL_INCOMPAT_MARKERS,
 )
 from hermes_state_wal import (  # noqa: F401
-    _WAL_INCOMPAT_MARKERS,
     WalUnsupportedError,
     apply_database_pragmas,
     apply_wal_with_fallback,

@@ -32,11 +32,11 @@ from hermes_state_common import (
     UPSERT_ROUTING_SQL,
     _BARE_BILLING_PROVIDERS,
     chunked,
+    classify_persistence_error,
     json_text,
     placeholders,
     require_text,
 )
-from hermes_state_schema import is_lock_error
 
 logger = logging.getLogger("hermes_state")
 
@@ -225,7 +225,7 @@ class SessionGatewayMixin:
                                                        patience_s=acquire_patience_s):
                     return True
             except sqlite3.Error as exc:
-                if not is_lock_error(exc):
+                if classify_persistence_error(exc) != "locked":
                     raise
             now = time.monotonic()
             if now >= deadline:

@@ -25,13 +25,10 @@ import time
 from pathlib import Path
 
 from hermes_constants import get_hermes_home
-from hermes_state_common import sqlite_has_wal_reset_bug
+from hermes_state_common import _WAL_INCOMPAT_MARKERS, sqlite_has_wal_reset_bug
 
 logger = logging.getLogger("hermes_state")
 
-# Error texts of filesystems where WAL cannot work: NFS/SMB locking, FUSE mounts
-# refusing the pragma, ZFS corrupting the -shm under bursts of connections.
-_WAL_INCOMPAT_MARKERS = ("locking protocol", "not authorized", "disk i/o error")
 # A checkpoint truncates the WAL back to this, so one huge transaction does not
 # leave a WAL of its size on disk for good.
 WAL_SIZE_LIMIT_BYTES = 64 * 1024 * 1024

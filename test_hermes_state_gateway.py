@@ -4,8 +4,10 @@ between the CLI and a gateway, and the repairs of gateway sessions."""
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import unittest
 
@@ -148,6 +150,19 @@ class TurnLeases(StoreTestCase):
         self.assertFalse(self.db.acquire_session_turn_lease("s", "b", wait_seconds=0.05,
                                                            should_abort=lambda: 1 / 0, on_wait=lambda _: 1 / 0))
         self.assertLess(time.monotonic() - start, 5)
+
+    def test_acquire_keeps_waiting_through_a_store_locked_past_the_write_budget(self):
+        impatient = SessionDB(self.path, write_budget=0.2)
+        self.addCleanup(impatient.close)
+        blocker = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self.addCleanup(blocker.close)
+        blocker.execute("BEGIN IMMEDIATE")
+        unlock = threading.Timer(0.8, blocker.execute, ("COMMIT",))
+        unlock.start()
+        self.addCleanup(unlock.cancel)
+        started = time.monotonic()
+        self.assertTrue(impatient.acquire_session_turn_lease("s", "a", wait_seconds=30, poll_interval_seconds=0.05))
+        self.assertGreaterEqual(time.monotonic() - started, 0.7)
 
     def test_a_write_of_a_holder_whose_lease_was_taken_over_is_refused(self):
         self.db.create_session("s", "cli")
