@@ -71,13 +71,9 @@ def apply_wal_with_fallback(conn, *, db_label="state.db", require_wal=False):
     current = _current_mode(conn)
     if current == "wal":
         return _tune_wal(conn)
-    asked_delete = resolve_journal_mode() == "delete"
-    if sqlite_has_wal_reset_bug():
-        return _keep_out_of_wal(conn, current, db_label, verify=asked_delete)
-    if asked_delete:
-        if current is None:
-            raise sqlite3.OperationalError(_UNVERIFIED_DELETE)
-        return _require_delete(conn)
+    asked_delete, has_bug = resolve_journal_mode() == "delete", sqlite_has_wal_reset_bug()
+    if has_bug or asked_delete:
+        return _rollback_journal(conn, current, db_label if has_bug else None, verify=asked_delete)
     try:
         mode = _set_mode_with_retry(conn, "WAL")
     except sqlite3.OperationalError as exc:
@@ -199,13 +195,14 @@ def _set_mode_with_retry(conn, mode):
             time.sleep(MODE_RETRY_PAUSE)
 
 
-def _keep_out_of_wal(conn, current, db_label, verify):
-    """On a runtime with the WAL-reset bug: a rollback journal, unless the mode cannot be read or
-    another connection holds the file, then the mode stays (and is reported as WAL, which it may be)."""
+def _rollback_journal(conn, current, bug_label, verify):
+    """A rollback journal, unless the mode cannot be read or another connection holds the file: then
+    the mode stays (reported as WAL when unreadable, which it may be). `verify` (the operator asked for
+    it) raises instead. `bug_label` names the database in the WAL-reset-bug warning; None warns not."""
     if current is None:
         if verify:
             raise sqlite3.OperationalError(_UNVERIFIED_DELETE)
-        _warn_reset_bug(db_label, "its journal mode cannot be read, so it is left as it is")
+        _warn_reset_bug(bug_label, "its journal mode cannot be read, so it is left as it is")
         return "wal"
     try:
         mode = _set_mode_no_wait(conn, "DELETE")
@@ -213,20 +210,13 @@ def _keep_out_of_wal(conn, current, db_label, verify):
         if verify:
             raise
         if "locked" in str(exc).lower() or "busy" in str(exc).lower():
-            _warn_reset_bug(db_label, "another connection holds it, so its journal mode is left as it is")
+            _warn_reset_bug(bug_label, "another connection holds it, so its journal mode is left as it is")
             return current
         mode = "delete"
     if verify and mode != "delete":
         raise sqlite3.OperationalError(f"journal_mode=delete was asked for but SQLite set {mode or 'nothing'!r}")
-    _warn_reset_bug(db_label, "it uses a rollback journal instead of WAL")
+    _warn_reset_bug(bug_label, "it uses a rollback journal instead of WAL")
     return "delete"
-
-
-def _require_delete(conn):
-    mode = _set_mode_no_wait(conn, "DELETE")
-    if mode != "delete":
-        raise sqlite3.OperationalError(f"journal_mode=delete was asked for but SQLite set {mode or 'nothing'!r}")
-    return mode
 
 
 def _tune_wal(conn):
@@ -244,6 +234,8 @@ def _tune_wal(conn):
 
 
 def _warn_reset_bug(db_label, action):
+    if db_label is None:
+        return
     _warn_once(db_label, logging.WARNING,
                f"SQLite {sqlite3.sqlite_version} has the WAL-reset bug (https://sqlite.org/wal.html#walresetbug; "
                f"fixed in 3.51.3, 3.50.7 and 3.44.6), and this connection does not take hermes_state's writer "
