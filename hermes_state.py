@@ -99,6 +99,13 @@ from hermes_state_common import (  # noqa: F401
     _WAL_INCOMPAT_MARKERS,
     workspace_key,
 )
+from hermes_state_wal import (  # noqa: F401
+    WalUnsupportedError,
+    apply_database_pragmas,
+    apply_wal_with_fallback,
+    preflight_db_writability,
+    resolve_journal_mode,
+)
 
 logger = logging.getLogger("hermes_state")
 

@@ -1189,9 +1189,9 @@ LINEAGE_MAX_HOPS = 100
 
 
 def json_object(raw):
-    """A stored JSON object (model_config, ...) as a dict; {} for NULL, bad JSON or a non-object."""
+    """A stored JSON object (model_config, ...) as a new dict; {} for NULL, bad JSON or a non-object."""
     value = loads_or(raw, None) if isinstance(raw, str) else raw
-    return value if isinstance(value, dict) else {}
+    return dict(value) if isinstance(value, dict) else {}
 
 
 def is_fork_child(row):

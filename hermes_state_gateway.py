@@ -1,18 +1,28 @@
 """Who is routed to a session or may work on it: gateway routing entries,
-compression locks and handoffs between the CLI and the gateway.
+compression locks, turn leases, handoffs between the CLI and the gateway,
+and the repairs of gateway sessions hermes-agent runs (reset boundaries,
+orphaned rows, never-active rows, the browser runtime lock).
 
-Owns `gateway_routing`, `compression_locks` and the `handoff_*` columns of
-`sessions`. Relies on SessionDB's write and read paths. Never changes any
-other session column or a message row.
+Owns `gateway_routing`, `compression_locks`, `session_turn_leases`, the
+`handoff_*` columns of `sessions`, and of the other session columns only
+what those repairs change: the routing identity an orphan adopts, the end of
+a reset or superseded session, `model_config.browser_model_lock`. Relies on
+SessionDB's write and read paths, `_turn_lease_key` (messages) and
+`delete_session` (sessions). Never changes a message row.
 """
 
+import json
+import logging
 import os
+import re
 import socket
+import sqlite3
 import sys
 import threading
 import time
 
 from hermes_state_common import (
+    json_object,
     DELETE_ROUTING_KEYS_SQL,
     DELETE_ROUTING_SCOPE_SQL,
     REFRESH_LOCK_SQL,
@@ -21,40 +31,95 @@ from hermes_state_common import (
     SELECT_ROUTING_SQL,
     UPSERT_LOCK_SQL,
     UPSERT_ROUTING_SQL,
+    _BARE_BILLING_PROVIDERS,
     chunked,
+    classify_persistence_error,
     json_text,
     placeholders,
     require_text,
 )
 
+logger = logging.getLogger("hermes_state")
+
 # hermes-agent keeps the first 500 characters of a handoff's error.
 HANDOFF_ERROR_MAX_CHARS = 500
 
+# hermes-agent's holders name their process as a `pid=N` field.
+_HOLDER_PID = re.compile(r"(?:^|:)pid=(\d+)(?::|$)")
+# A keyed predecessor must have fallen quiet this close to an orphan's start.
+ORPHAN_ADOPTION_MAX_GAP_S = 900.0
+# Ends a gateway may still resume a session from (older cleanup bugs), so a reset may replace them.
+_RECOVERABLE_END_REASONS_SQL = "('agent_close', 'ws_orphan_reap')"
+
+
+def _last_active_sql(alias):
+    """SQL for when a session was last active: its activity mark or newest message, else its start."""
+    return (f"COALESCE((SELECT MAX(v) FROM (SELECT {alias}.last_activity_at AS v UNION ALL"
+            f" SELECT MAX(timestamp) FROM messages WHERE session_id = {alias}.id)), {alias}.started_at)")
+
+
+_NEVER_ACTIVE_SQL = """
+SELECT s.id, s.session_key, s.source, s.chat_id, s.chat_type, s.user_id, s.started_at FROM sessions AS s
+WHERE s.session_key IS NOT NULL AND s.ended_at IS NULL AND s.title IS NULL AND s.last_activity_at IS NULL
+  AND COALESCE(s.message_count, 0) = 0 AND COALESCE(s.tool_call_count, 0) = 0
+  AND COALESCE(s.api_call_count, 0) = 0 AND COALESCE(s.input_tokens, 0) = 0
+  AND COALESCE(s.output_tokens, 0) = 0 AND COALESCE(s.pinned, 0) = 0 AND COALESCE(s.archived, 0) = 0
+  AND s.started_at < ? AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)
+ORDER BY s.started_at
+"""
+_ORPHANS_SQL = f"""
+SELECT o.id, o.source, o.user_id, o.started_at, o.parent_session_id, o.model_config,
+  {_last_active_sql("o")} AS last_active,
+  (SELECT COUNT(*) FROM messages AS m WHERE m.session_id = o.id) AS message_count
+FROM sessions AS o
+WHERE o.session_key IS NULL AND COALESCE(o.source, '') != 'tool'
+  AND EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = o.id)
+ORDER BY o.started_at
+"""
+_DONORS_SQL = f"""
+SELECT d.id, d.session_key, d.source, d.user_id, {_last_active_sql("d")} AS last_active
+FROM sessions AS d WHERE d.session_key IS NOT NULL
+"""
+_SELECT_LEASE_SQL = "SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?"
+_DELETE_LEASE_SQL = "DELETE FROM session_turn_leases WHERE conversation_id = ? AND holder = ?"
+
 
 class SessionGatewayMixin:
-    """SessionDB's methods for gateway routing, compression locks and handoffs."""
+    """SessionDB's methods for gateway routing, compression locks, turn leases, handoffs and gateway sessions."""
+
+    # -- routing ---------------------------------------------------------------
+    # One row per (scope, session_key) holding the gateway's serialised entry;
+    # hermes-agent passes its sessions folder as the scope. As there, an empty
+    # key or entry is skipped rather than refused.
 
     def save_gateway_routing_entry(self, session_key, entry_json, *, scope=""):
+        """Store one routing entry (JSON text, or a value to encode); returns None, skipping an empty one."""
+        if not session_key or not entry_json:
+            return
         row = _routing_row(session_key, entry_json, scope)
         self._execute_write(lambda conn: conn.execute(UPSERT_ROUTING_SQL, row))
 
     def load_gateway_routing_entries(self, *, scope=""):
-        """{session_key: entry_json} for one scope."""
+        """{session_key: entry_json} for one scope; {} when it has none."""
         return {key: entry for key, entry in self._read_all(SELECT_ROUTING_SQL, (scope,))}
 
-    def delete_gateway_routing_entries(self, keys, *, scope=""):
-        """Delete these keys from one scope; returns how many rows went."""
-        keys = list(keys)
+    def delete_gateway_routing_entries(self, session_keys, *, scope=""):
+        """Delete these keys from one scope; returns None (unknown keys are no error)."""
+        keys = list(session_keys or ())
 
         def write(conn):
-            return sum(conn.execute(DELETE_ROUTING_KEYS_SQL.format(placeholders(len(chunk))),
-                                    [scope, *chunk]).rowcount for chunk in chunked(keys))
+            for chunk in chunked(keys):
+                conn.execute(DELETE_ROUTING_KEYS_SQL.format(placeholders(len(chunk))), [scope, *chunk])
 
-        return self._execute_write(write) if keys else 0
+        if keys:
+            self._execute_write(write)
 
     def replace_gateway_routing_entries(self, entries, *, scope=""):
-        """Make one scope hold exactly `entries` ({session_key: entry_json}), atomically."""
-        rows = [_routing_row(key, entry, scope) for key, entry in dict(entries).items()]
+        """Make one scope hold exactly `entries` ({session_key: entry_json}), atomically; returns None.
+
+        Pairs with an empty key or entry are left out, as a save would skip them.
+        """
+        rows = [_routing_row(key, entry, scope) for key, entry in dict(entries or {}).items() if key and entry]
 
         def write(conn):
             conn.execute(DELETE_ROUTING_SCOPE_SQL, (scope,))
@@ -62,11 +127,24 @@ class SessionGatewayMixin:
 
         self._execute_write(write)
 
+    def _delete_routing_entries_for_sessions(self, conn, session_ids):
+        """Inside a write: drop the routing entries (any scope) whose entry names one of
+        `session_ids`; returns how many. The target lives inside entry_json, so it is matched here."""
+        doomed = []
+        for scope, key, entry in conn.execute("SELECT scope, session_key, entry_json FROM gateway_routing"):
+            target = json_object(entry).get("session_id")
+            if isinstance(target, str) and target in session_ids:
+                doomed.append((scope, key))
+        conn.executemany("DELETE FROM gateway_routing WHERE scope = ? AND session_key = ?", doomed)
+        return len(doomed)
+
+    # -- compression locks -------------------------------------------------------
+
     def try_acquire_compression_lock(self, session_id, holder, ttl_seconds=300.0):
         """Take the session's compression lock for `holder`; False if someone alive holds it.
 
-        An expired lock, or one whose holder names a dead process on this host,
-        is taken over. Re-acquiring your own lock refreshes it.
+        An expired lock, or one whose holder names a dead process of this host
+        (see holder_is_alive), is taken over. Re-acquiring your own lock refreshes it.
         """
         require_text("holder", holder)
         ttl = _require_ttl(ttl_seconds)
@@ -95,6 +173,88 @@ class SessionGatewayMixin:
         row = self._read_one(SELECT_LOCK_SQL, (session_id,))
         return row["holder"] if row and row["expires_at"] > time.time() else None
 
+    # -- turn leases -------------------------------------------------------------
+    # One agent turn at a time per conversation, across processes. The lease is
+    # kept under the root of the compression chain (`_turn_lease_key`), so a turn
+    # keeps it when compression rotates the session; every write that names a
+    # holder checks it in its own transaction (`_check_turn_lease`). As in
+    # hermes-agent, an empty id or holder is no lease (False), never an error.
+
+    def try_acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0, patience_s=None):
+        """Take the conversation's turn lease for `holder` now; False if someone else holds it.
+
+        A lease past its expiry, or whose holder names a dead process of this
+        host, is taken over. Holding it already is True and leaves its expiry
+        as it was. `ttl_seconds` counts at least 0.1. `patience_s` bounds the
+        wait for a busy store (default: the write budget).
+        """
+        if not session_id or not holder:
+            return False
+        ttl = max(0.1, float(ttl_seconds))
+
+        def write(conn):
+            key, now = self._turn_lease_key(conn, session_id), time.time()
+            row = conn.execute(_SELECT_LEASE_SQL, (key,)).fetchone()
+            if row is not None and (float(row["expires_at"]) <= now or not holder_is_alive(row["holder"])):
+                conn.execute(_DELETE_LEASE_SQL, (key, row["holder"]))
+            conn.execute("INSERT OR IGNORE INTO session_turn_leases (conversation_id, holder, acquired_at,"
+                         " expires_at) VALUES (?, ?, ?, ?)", (key, holder, now, now + ttl))
+            return conn.execute(_SELECT_LEASE_SQL, (key,)).fetchone()["holder"] == holder
+
+        return self._execute_write(write, patience_s=patience_s)
+
+    def acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0, wait_seconds=1800.0,
+                                   poll_interval_seconds=1.0, on_wait=None, wait_notice_interval_seconds=15.0,
+                                   should_abort=None, acquire_patience_s=0.5):
+        """Wait up to `wait_seconds` for the turn lease; True once `holder` has it, False on
+        timeout or when `should_abort()` says so.
+
+        Polls every `poll_interval_seconds` (at least 0.01) without holding
+        any lock in between. `on_wait(elapsed)` is called after the first miss
+        and then every `wait_notice_interval_seconds`; errors of either
+        callback are logged and ignored. A store busy past the write budget
+        counts as a miss; any other error is raised.
+        """
+        deadline = time.monotonic() + max(0.0, float(wait_seconds))
+        notice_every = max(0.0, float(wait_notice_interval_seconds))
+        started = last_notice = None
+        while True:
+            if should_abort is not None and _callback_says(should_abort):
+                return False
+            try:
+                if self.try_acquire_session_turn_lease(session_id, holder, ttl_seconds=ttl_seconds,
+                                                       patience_s=acquire_patience_s):
+                    return True
+            except sqlite3.Error as exc:
+                if classify_persistence_error(exc) != "locked":
+                    raise
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            started = now if started is None else started
+            if on_wait is not None and (last_notice is None or now - last_notice >= notice_every):
+                _callback_says(on_wait, now - started)
+                last_notice = now
+            time.sleep(min(max(0.01, float(poll_interval_seconds)), deadline - now))
+
+    def refresh_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0):
+        """Extend the lease by `ttl_seconds` from now (at least 0.1); False unless `holder` holds it."""
+        if not session_id or not holder:
+            return False
+        ttl = max(0.1, float(ttl_seconds))
+
+        def write(conn):
+            key = self._turn_lease_key(conn, session_id)
+            return conn.execute("UPDATE session_turn_leases SET expires_at = ? WHERE conversation_id = ?"
+                                " AND holder = ?", (time.time() + ttl, key, holder)).rowcount > 0
+
+        return self._execute_write(write)
+
+    def release_session_turn_lease(self, session_id, holder):
+        """Give the lease up if `holder` holds it; returns None (releasing twice is no error)."""
+        if session_id and holder:
+            self._execute_write(lambda conn: conn.execute(
+                _DELETE_LEASE_SQL, (self._turn_lease_key(conn, session_id), holder)))
 
     # -- handoffs ----------------------------------------------------------------
     # A handoff moves a session from the CLI to a gateway platform: the CLI
@@ -135,6 +295,162 @@ class SessionGatewayMixin:
         cache = {}
         return [self._resolve_prompt(dict(row), cache) for row in rows]
 
+    # -- gateway sessions ------------------------------------------------------------
+    # Rows the gateway keys by `session_key`: the end of a reset, rows opened and
+    # never used, and orphans that lost their routing identity to a failed write.
+
+    @staticmethod
+    def session_gateway_runtime(session_meta):
+        """The provider route a session row last ran on, as a dict; {} when the row names none.
+
+        Reads `model_config` (JSON text or a dict): its `gateway_runtime` when that
+        names a provider, else its top-level provider/base_url/api_mode, else the
+        row's billing_provider unless that is a bucket ('auto', 'custom'), else
+        whatever `gateway_runtime` holds. None values are left out; unreadable
+        JSON reads as empty.
+        """
+        meta = session_meta or {}
+        config = json_object(meta.get("model_config"))
+        runtime = config.get("gateway_runtime")
+        runtime = {k: v for k, v in runtime.items() if v is not None} if isinstance(runtime, dict) else {}
+        if runtime.get("provider"):
+            return runtime
+        top_level = {key: config[key] for key in ("provider", "base_url", "api_mode") if config.get(key)}
+        if top_level:
+            return top_level
+        billing = str(meta.get("billing_provider") or "").strip()
+        return {"provider": billing} if billing and billing.lower() not in _BARE_BILLING_PROVIDERS else runtime
+
+    def update_session_runtime_lock(self, session_id, *, model=None, provider=None, model_options=None,
+                                    route_source=None, confirmed=False):
+        """Record the model route a browser or API client pinned; returns None, and writes nothing
+        for an unknown session.
+
+        The lock goes to `model_config.browser_model_lock` (other keys kept),
+        `model` unless None to the model column, and the cached system prompt
+        is cleared, so the next turn rebuilds it naming the route. Raises
+        TypeError for `model_options` JSON cannot hold, before anything is written.
+        """
+        lock = {"provider": provider or "", "model": model or "", "model_options": model_options or {},
+                "route_source": route_source or "", "confirmed": bool(confirmed), "updated_at": time.time()}
+        json.dumps(lock)
+
+        def write(conn):
+            row = conn.execute("SELECT model_config FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            if row is None:
+                return
+            config = json_object(row["model_config"])
+            config["browser_model_lock"] = lock
+            conn.execute("UPDATE sessions SET model_config = ?, model = COALESCE(?, model), system_prompt = NULL,"
+                         " system_prompt_hash = NULL WHERE id = ?", (json.dumps(config), model, session_id))
+            conn.execute("DELETE FROM system_prompts WHERE NOT EXISTS"
+                         " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
+
+        self._execute_write(write)
+
+    def promote_to_session_reset(self, session_id, reason="session_reset"):
+        """End the session now with `reason`, a reset boundary gateway recovery never crosses;
+        False when the row is missing, already ended for another reason, or the write failed.
+
+        An open row is ended, and so is one ended as 'agent_close' or
+        'ws_orphan_reap' (ends recovery would resume); any other end stays.
+        """
+        if not session_id:
+            return False
+        try:
+            return self._update_rows(
+                f"UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ?"
+                f" AND (ended_at IS NULL OR end_reason IN {_RECOVERABLE_END_REASONS_SQL})",
+                (time.time(), reason, session_id)) > 0
+        except Exception:  # as in hermes-agent: a reset boundary never raises into the gateway
+            logger.warning("could not mark session %r as reset", session_id, exc_info=True)
+            return False
+
+    def list_never_active_keyed_sessions(self, *, older_than_days):
+        """Open gateway sessions started over `older_than_days` ago and never used, oldest first;
+        [] when there are none.
+
+        Never used: no message, title, token, tool or API call or recorded
+        activity; pinned and archived rows are kept out. Each is a dict of id,
+        session_key, source, chat_id, chat_type, user_id, started_at.
+        """
+        cutoff = time.time() - float(older_than_days) * 86400.0
+        return [dict(row) for row in self._read_all(_NEVER_ACTIVE_SQL, (cutoff,))]
+
+    def prune_never_active_keyed_sessions(self, *, older_than_days, sessions_dir=None):
+        """Delete the sessions list_never_active_keyed_sessions lists and the routing entries
+        naming them; returns (sessions deleted, routing entries deleted).
+
+        The routing entries go first, so the gateway never routes to a deleted
+        row; each session is deleted through delete_session.
+        """
+        ids = {row["id"] for row in self.list_never_active_keyed_sessions(older_than_days=older_than_days)}
+        if not ids:
+            return (0, 0)
+        routing = self._execute_write(lambda conn: self._delete_routing_entries_for_sessions(conn, ids))
+        extra = {} if sessions_dir is None else {"sessions_dir": sessions_dir}
+        return (sum(1 for session_id in sorted(ids) if self.delete_session(session_id, **extra)), routing)
+
+    def find_orphaned_gateway_sessions(self, *, max_gap_s=None):
+        """Sessions with messages but no `session_key`, oldest first, each with the keyed session
+        it continues when exactly one can be named; [] when there are none.
+
+        The predecessor (donor) is the parent when that is keyed and of the same
+        source (evidence 'lineage'), else the one keyed session of the same
+        source and a compatible user that fell quiet within `max_gap_s`
+        (default ORPHAN_ADOPTION_MAX_GAP_S) of the orphan's start, before its
+        last activity ('contiguity'). Branch, delegate and tool sessions are not
+        orphans. Each dict: orphan_id, source, message_count, started_at,
+        last_active, donor_id, session_key, evidence, adoptable, reason; an
+        orphan whose donor is missing, ambiguous or claimed by another orphan is
+        not adoptable and `reason` says why.
+        """
+        gap = ORPHAN_ADOPTION_MAX_GAP_S if max_gap_s is None else float(max_gap_s)
+        orphans = [row for row in self._read_all(_ORPHANS_SQL) if not _is_fork_or_delegate(row["model_config"])]
+        donors = {row["id"]: row for row in self._read_all(_DONORS_SQL)} if orphans else {}
+        records = [_orphan_record(orphan, donors, gap) for orphan in orphans]
+        claims = {}
+        for record in records:
+            if record["adoptable"]:
+                claims[record["donor_id"]] = claims.get(record["donor_id"], 0) + 1
+        for record in records:
+            if claims.get(record["donor_id"], 0) > 1:
+                record.update(adoptable=False, reason="ambiguous: more than one unkeyed session claims this predecessor")
+        return records
+
+    def adopt_orphaned_gateway_session(self, orphan_id, donor_id):
+        """Give `orphan_id` the routing identity of `donor_id` and end the donor as
+        'superseded_by_repair'; False when either is missing, the donor has no key,
+        the orphan has one, or their sources differ.
+
+        Checked again inside the write, so a gateway that healed either row
+        meanwhile makes this a no-op. Identity columns the orphan already has
+        are kept; a missing parent becomes the donor.
+        """
+        if not orphan_id or not donor_id or orphan_id == donor_id:
+            return False
+
+        def write(conn):
+            donor = conn.execute("SELECT session_key, chat_id, chat_type, thread_id, user_id, origin_json,"
+                                 " display_name, source FROM sessions WHERE id = ?", (donor_id,)).fetchone()
+            orphan = conn.execute("SELECT session_key, source FROM sessions WHERE id = ?", (orphan_id,)).fetchone()
+            if (donor is None or orphan is None or not donor["session_key"] or orphan["session_key"]
+                    or (donor["source"] or "") != (orphan["source"] or "")):
+                return False
+            conn.execute("UPDATE sessions SET session_key = ?, chat_id = COALESCE(chat_id, ?),"
+                         " chat_type = COALESCE(chat_type, ?), thread_id = COALESCE(thread_id, ?),"
+                         " user_id = COALESCE(user_id, ?), origin_json = COALESCE(origin_json, ?),"
+                         " display_name = COALESCE(display_name, ?),"
+                         " parent_session_id = COALESCE(parent_session_id, ?)"
+                         " WHERE id = ? AND session_key IS NULL", (*tuple(donor)[:7], donor_id, orphan_id))
+            # Not an end recovery resumes ('agent_close'), or the donor could win the chat back.
+            conn.execute("UPDATE sessions SET ended_at = COALESCE(ended_at, ?), end_reason = 'superseded_by_repair'"
+                         " WHERE id = ?", (time.time(), donor_id))
+            return True
+
+        return self._execute_write(write)
+
+
 
 def lock_holder_name():
     """A compression-lock holder name whose process this host can check for liveness."""
@@ -142,6 +458,8 @@ def lock_holder_name():
 
 
 def _pid_alive(pid):
+    if pid <= 0 or pid >= 2 ** 31:
+        return True  # not a process id we can probe (0 would signal our own group)
     if sys.platform == "win32":
         import ctypes
         handle = ctypes.windll.kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
@@ -153,17 +471,72 @@ def _pid_alive(pid):
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except OSError:
         return True
     return True
 
 
 def holder_is_alive(holder):
-    """False only when `holder` names a process on this host that no longer exists."""
-    parts = holder.split(":")
-    if len(parts) < 2 or parts[0] != socket.gethostname() or not parts[1].isdigit():
-        return True
-    return _pid_alive(int(parts[1]))
+    """False only when `holder` names a process of this host that no longer exists.
+
+    Two namings carry a process id: hermes-agent's `pid=N:...` (its store is
+    host-local, so N is a process of this host) and ours, `host:pid:thread`
+    (see lock_holder_name). This process and any other name count as alive.
+    """
+    text = str(holder or "")
+    match = _HOLDER_PID.search(text)
+    if match:
+        pid = int(match.group(1))
+    else:
+        parts = text.split(":")
+        if len(parts) < 2 or parts[0] != socket.gethostname() or not parts[1].isdigit():
+            return True
+        pid = int(parts[1])
+    return pid == os.getpid() or _pid_alive(pid)
+
+
+def _callback_says(callback, *args):
+    """A caller's callback's answer; its errors are logged and read as no."""
+    try:
+        return callback(*args)
+    except Exception:  # a caller's UI callback must not end the wait
+        logger.debug("callback %r failed", callback, exc_info=True)
+        return False
+
+
+def _is_fork_or_delegate(model_config):
+    """A branch or delegate session: keyless by design, never an orphan."""
+    config = json_object(model_config)
+    return config.get("_branched_from") is not None or config.get("_delegate_from") is not None
+
+
+def _orphan_record(orphan, donors, gap):
+    """find_orphaned_gateway_sessions' dict for one orphan, given every keyed session by id."""
+    donor, reason, source = None, "", orphan["source"] or ""
+    if orphan["parent_session_id"]:
+        evidence = "lineage"
+        parent = donors.get(orphan["parent_session_id"])
+        if parent is not None and (parent["source"] or "") == source:
+            donor = parent
+        else:
+            reason = "parent session carries no gateway identity of this source"
+    else:
+        evidence, start, last, user = "contiguity", orphan["started_at"] or 0, orphan["last_active"], orphan["user_id"]
+        candidates = [d for d in donors.values()
+                      if (d["source"] or "") == source and (not d["user_id"] or not user or d["user_id"] == user)
+                      and d["last_active"] is not None and last is not None
+                      and start - gap <= d["last_active"] <= start + gap and d["last_active"] < last]
+        if len(candidates) == 1:
+            donor = candidates[0]
+        elif candidates:
+            reason = "ambiguous: more than one keyed predecessor matches this window"
+        else:
+            reason = f"no keyed predecessor fell quiet within {gap:.0f}s of this session's start"
+    return {"orphan_id": orphan["id"], "source": orphan["source"], "message_count": orphan["message_count"],
+            "started_at": orphan["started_at"], "last_active": orphan["last_active"],
+            "donor_id": donor["id"] if donor else None, "session_key": donor["session_key"] if donor else None,
+            "evidence": evidence if donor else "", "adoptable": donor is not None, "reason": reason}
+
 
 
 def _routing_row(session_key, entry_json, scope):

@@ -1,0 +1,278 @@
+"""Journal mode and file checks for hermes-agent's other SQLite databases.
+
+hermes-agent opens kanban.db, the cron and response stores, its memory store
+and tables of its own inside state.db with plain sqlite3 connections, and
+asks this module for their journal mode (`apply_wal_with_fallback`), their
+tuning pragmas (`apply_database_pragmas`) and whether their files are
+writable (`preflight_db_writability`). Those connections never take our
+writer lock, so on a runtime with SQLite's WAL-reset bug a file not yet in
+WAL stays out of it; a file already in WAL is never switched back, because
+other processes may hold it open (README, "Journal policy").
+
+Owns no table and no connection: it sets pragmas on the connection it is
+handed and only stats and chmods files (never opens one, see "Locks we never
+break"). Imports hermes_constants, hermes_state_common and the standard
+library; SessionDB's own journal policy lives in hermes_state.
+"""
+
+import logging
+import os
+import sqlite3
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+
+from hermes_constants import get_hermes_home
+from hermes_state_common import _WAL_INCOMPAT_MARKERS, sqlite_has_wal_reset_bug
+
+logger = logging.getLogger("hermes_state")
+
+# A checkpoint truncates the WAL back to this, so one huge transaction does not
+# leave a WAL of its size on disk for good.
+WAL_SIZE_LIMIT_BYTES = 64 * 1024 * 1024
+# The `database:` keys of hermes-agent's config.yaml applied as integer pragmas.
+CONFIG_PRAGMAS = ("cache_size", "mmap_size", "temp_store", "wal_autocheckpoint", "journal_size_limit")
+# A mode read that fails with a disk I/O error is retried: on some virtual disks it is transient.
+MODE_READ_TRIES = 4
+MODE_RETRY_PAUSE = 0.05
+
+_warned = set()
+_warned_lock = threading.Lock()
+
+
+class WalUnsupportedError(sqlite3.OperationalError):
+    """WAL was required (`require_wal=True`) and the filesystem refused it."""
+
+
+def resolve_journal_mode():
+    """'wal' or 'delete': HERMES_STATE_JOURNAL when set, else `database.journal_mode` of
+    hermes-agent's config.yaml when hermes-agent is installed, else 'wal'."""
+    raw = os.environ.get("HERMES_STATE_JOURNAL", "").strip().lower()
+    if not raw:
+        raw = str(_hermes_config().get("journal_mode", "wal")).strip().lower()
+    return raw if raw in ("wal", "delete") else "wal"
+
+
+def apply_wal_with_fallback(conn, *, db_label="state.db", require_wal=False):
+    """Set the journal mode of `conn`'s database; returns the mode now in force ('wal' or 'delete').
+
+    A database already in WAL stays in WAL. Otherwise: on a runtime with the
+    WAL-reset bug, or when the operator asked for 'delete', it gets a rollback
+    journal; else WAL, falling back to a rollback journal (logged once per
+    `db_label`) on a filesystem that refuses WAL, or raising WalUnsupportedError
+    there when `require_wal`. A switch away from WAL is only made while no
+    other connection holds the file; when the mode cannot be read, or another
+    connection appears, the mode is left as it is. Raises sqlite3.OperationalError
+    when 'delete' was asked for and cannot be verified, and for errors that
+    are not a filesystem's refusal of WAL.
+    """
+    current = _current_mode(conn)
+    if current == "wal":
+        return _tune_wal(conn)
+    asked_delete, has_bug = resolve_journal_mode() == "delete", sqlite_has_wal_reset_bug()
+    if has_bug or asked_delete:
+        return _rollback_journal(conn, current, db_label if has_bug else None, verify=asked_delete)
+    try:
+        mode = _set_mode_with_retry(conn, "WAL")
+    except sqlite3.OperationalError as exc:
+        if not any(marker in str(exc).lower() for marker in _WAL_INCOMPAT_MARKERS) or _current_mode(conn) in (
+                "wal", None):
+            raise
+        if require_wal:
+            raise WalUnsupportedError(str(exc)) from exc
+        _warn_once(db_label, logging.ERROR, f"WAL is not supported on this filesystem ({exc}); using a rollback "
+                                            "journal, which works there but lets a write block readers")
+        _set_mode_no_wait(conn, "DELETE")
+        return "delete"
+    if mode == "wal":
+        return _tune_wal(conn)
+    # Some network filesystems refuse WAL without an error and keep the old mode.
+    if require_wal:
+        raise WalUnsupportedError(f"journal_mode=WAL was refused (the mode stayed {mode!r})")
+    _warn_once(db_label, logging.ERROR, f"WAL was refused without an error (the mode stayed {mode!r})")
+    return mode or "delete"
+
+
+def apply_database_pragmas(conn, *, db_label="state.db"):
+    """Apply the integer pragmas of the `database:` section of hermes-agent's config.yaml
+    (CONFIG_PRAGMAS); returns None. Missing config, bad values and refused pragmas are skipped."""
+    config = _hermes_config()
+    for name in CONFIG_PRAGMAS:
+        raw = config.get(name)
+        if raw is None:
+            continue
+        try:
+            conn.execute(f"PRAGMA {name}={int(str(raw).strip())}")
+        except ValueError:
+            logger.warning("%s: database.%s=%r is not an integer; ignored", db_label, name, raw)
+        except sqlite3.Error as exc:
+            logger.warning("%s: PRAGMA %s not applied: %s", db_label, name, exc)
+
+
+def preflight_db_writability(db_path, *, db_label="state.db"):
+    """Make sure the database, its -wal and -shm and their folder are readable and writable
+    before a connection opens; returns None.
+
+    A file inside the hermes home that is not gets `chmod u+rw` (folders
+    u+rwx); anything else, or a chmod that does not help, raises
+    sqlite3.OperationalError naming the file and the command that fixes it.
+    Never deletes or truncates a file (a -wal holds committed data).
+    `:memory:` and `file:` URIs are skipped.
+    """
+    raw = str(db_path)
+    if raw == ":memory:" or raw.startswith("file:"):
+        return
+    path = Path(raw)
+    try:
+        home = Path(get_hermes_home()).resolve()
+    except Exception:  # no home: nothing is ours to repair
+        home = None
+    if path.parent.is_dir():
+        _ensure_writable(path.parent, home, db_label, folder=True)
+    for suffix in ("", "-wal", "-shm"):
+        candidate = path.with_name(path.name + suffix)
+        if candidate.is_file():
+            _ensure_writable(candidate, home, db_label, folder=False)
+
+
+# ---------------------------------------------------------------------------
+
+_UNVERIFIED_DELETE = ("journal_mode=delete was asked for but the current mode cannot be read (the database "
+                      "is locked; another process may hold it in WAL); the journal mode was left as it is")
+
+
+def _hermes_config():
+    """The `database:` section of hermes-agent's config.yaml; {} without hermes-agent or a readable one."""
+    try:
+        from hermes_cli.config import load_config_readonly
+        section = (load_config_readonly() or {}).get("database", {})
+    except Exception:  # hermes-agent missing or its config unreadable: our defaults
+        return {}
+    return section if isinstance(section, dict) else {}
+
+
+def _current_mode(conn):
+    """The database's journal mode, lower case; None when it cannot be read."""
+    for attempt in range(MODE_READ_TRIES):
+        try:
+            row = conn.execute("PRAGMA journal_mode").fetchone()
+        except sqlite3.OperationalError as exc:
+            if "disk i/o error" not in str(exc).lower() or attempt == MODE_READ_TRIES - 1:
+                return None
+            time.sleep(MODE_RETRY_PAUSE)
+            continue
+        mode = row[0] if row else None
+        if isinstance(mode, bytes):
+            mode = mode.decode("ascii", "replace")
+        return str(mode).strip().lower() if mode is not None else None
+    return None
+
+
+def _set_mode_no_wait(conn, mode):
+    """PRAGMA journal_mode=<mode> with busy_timeout 0, so that any other connection holding
+    the file makes it fail at once instead of slipping in between that connection's
+    transactions; returns the mode SQLite reports ('' for none)."""
+    previous = conn.execute("PRAGMA busy_timeout").fetchone()[0]
+    conn.execute("PRAGMA busy_timeout=0")
+    try:
+        row = conn.execute(f"PRAGMA journal_mode={mode}").fetchone()
+        return str(row[0]).strip().lower() if row and row[0] is not None else ""
+    finally:
+        conn.execute(f"PRAGMA busy_timeout={int(previous)}")
+
+
+def _set_mode_with_retry(conn, mode):
+    """PRAGMA journal_mode=<mode>, tried again twice after a disk I/O error (transient on some disks)."""
+    for attempt in range(3):
+        try:
+            row = conn.execute(f"PRAGMA journal_mode={mode}").fetchone()
+            return str(row[0]).strip().lower() if row and row[0] is not None else ""
+        except sqlite3.OperationalError as exc:
+            if "disk i/o error" not in str(exc).lower() or attempt == 2:
+                raise
+            time.sleep(MODE_RETRY_PAUSE)
+
+
+def _rollback_journal(conn, current, bug_label, verify):
+    """A rollback journal, unless the mode cannot be read or another connection holds the file: then
+    the mode stays (reported as WAL when unreadable, which it may be). `verify` (the operator asked for
+    it) raises instead. `bug_label` names the database in the WAL-reset-bug warning; None warns not."""
+    if current is None:
+        if verify:
+            raise sqlite3.OperationalError(_UNVERIFIED_DELETE)
+        _warn_reset_bug(bug_label, "its journal mode cannot be read, so it is left as it is")
+        return "wal"
+    try:
+        mode = _set_mode_no_wait(conn, "DELETE")
+    except sqlite3.OperationalError as exc:
+        if verify:
+            raise
+        if "locked" in str(exc).lower() or "busy" in str(exc).lower():
+            _warn_reset_bug(bug_label, "another connection holds it, so its journal mode is left as it is")
+            return current
+        mode = "delete"
+    if verify and mode != "delete":
+        raise sqlite3.OperationalError(f"journal_mode=delete was asked for but SQLite set {mode or 'nothing'!r}")
+    _warn_reset_bug(bug_label, "it uses a rollback journal instead of WAL")
+    return "delete"
+
+
+def _tune_wal(conn):
+    """Settings every WAL connection gets: a bounded WAL, and on macOS real write barriers
+    (its fsync does not order writes unless asked to). Best effort; returns 'wal'."""
+    statements = [f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}"]
+    if sys.platform == "darwin":
+        statements += ["PRAGMA checkpoint_fullfsync=1", "PRAGMA synchronous=FULL"]
+    for statement in statements:
+        try:
+            conn.execute(statement)
+        except sqlite3.OperationalError as exc:
+            logger.debug("%s not applied: %s", statement, exc)
+    return "wal"
+
+
+def _warn_reset_bug(db_label, action):
+    if db_label is None:
+        return
+    _warn_once(db_label, logging.WARNING,
+               f"SQLite {sqlite3.sqlite_version} has the WAL-reset bug (https://sqlite.org/wal.html#walresetbug; "
+               f"fixed in 3.51.3, 3.50.7 and 3.44.6), and this connection does not take hermes_state's writer "
+               f"lock: {action}")
+
+
+def _warn_once(db_label, level, text):
+    """Log `text` once per process and database label, so a database opened per operation does not flood the log."""
+    with _warned_lock:
+        if (db_label, level) in _warned:
+            return
+        _warned.add((db_label, level))
+    logger.log(level, "%s: %s", db_label, text)
+
+
+def _ensure_writable(path, home, db_label, folder):
+    if os.access(path, os.R_OK | os.W_OK):
+        return
+    if home is not None and _inside(path, home):
+        try:
+            os.chmod(path, path.stat().st_mode | stat.S_IRUSR | stat.S_IWUSR | (stat.S_IXUSR if folder else 0))
+        except OSError:
+            pass
+        if os.access(path, os.R_OK | os.W_OK):
+            logger.info("%s: made %s readable and writable for its owner", db_label, path)
+            return
+    mode = "u+rwx" if folder else "u+rw"
+    keep_wal = (" Keep the -wal file: it holds committed data that goes into the database once it is writable."
+                if path.name.endswith("-wal") else "")
+    raise sqlite3.OperationalError(
+        f"{db_label} is not writable: the {'folder' if folder else 'file'} {path} is read-only for this user. "
+        f"Fix it with: chmod {mode} '{path}' (a file of another user may need sudo or chown).{keep_wal}")
+
+
+def _inside(path, home):
+    try:
+        resolved = path.resolve()
+    except (OSError, ValueError):
+        return False
+    return resolved == home or home in resolved.parents
