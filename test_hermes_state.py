@@ -285,6 +285,13 @@ class Messages(StoreTestCase):
         self.assertEqual([m["content"] for m in self.db.get_messages("s", after_id=ids[2])], ["m3", "m4"])
         self.assertEqual(self.db.message_count(), 5)
 
+    def test_message_count_counts_what_history_shows(self):
+        ids = [self.db.append_message("s", "user", f"m{i}") for i in range(4)]
+        self.db.rewind_to_message("s", ids[0])
+        self.assertEqual((self.db.message_count("s"), self.db.message_count()), (1, 1))
+        self.db.restore_rewound("s")
+        self.assertEqual((self.db.message_count("s"), self.db.message_count()), (4, 4))
+
     def test_rewind_and_restore(self):
         ids = [self.db.append_message("s", "user" if i % 2 == 0 else "assistant", f"m{i}",
                                       tool_calls=CALL if i == 3 else None) for i in range(5)]
