@@ -533,6 +533,7 @@ class SessionPortabilityMixin:
     # -- import ----------------------------------------------------------------
 
     def import_limits(self):
+        """{name: limit} of import_sessions: sessions, messages_per_session, total_messages, session_bytes, total_bytes."""
         return {"sessions": self._IMPORT_MAX_SESSIONS, "messages_per_session": self._IMPORT_MAX_MESSAGES_PER_SESSION,
                 "total_messages": self._IMPORT_MAX_TOTAL_MESSAGES, "session_bytes": self._IMPORT_MAX_SESSION_BYTES,
                 "total_bytes": self._IMPORT_MAX_TOTAL_BYTES}
