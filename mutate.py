@@ -15,6 +15,7 @@ follow it. Either makes the run fail, so the list cannot rot silently.
     python3 mutate.py 'cycle-*' pk-heal-oldest-wins   # some, by name or pattern
     python3 mutate.py --list | --check     # list them; only check they still apply
     python3 mutate.py --quick NAME         # only the mutant's own tests (no score)
+    python3 mutate.py --quick NAME --tests test_x.Class.test_y   # does this test kill it?
 
 Each mutant names the tests that should kill it; they run first and a failure
 there is a kill. Only when they pass does the whole suite run. Slow (minutes),
@@ -202,6 +203,18 @@ MUTANTS = [
            "                    if elapsed + pause >= self.write_budget * 1000:\n",
            "the retry loop never gives up while the store stays locked",
            ["test_concurrency.LockedStore"]),
+    Mutant("retry-pauses-stay-short", "hermes_state.py",
+           "LATE_JITTER = (0.25, 1.0)\n",
+           "LATE_JITTER = (0.02, 0.15)\n",
+           "timing only: after 2 s of contention a writer keeps retrying every 20-150 ms instead of backing "
+           "off to 250 ms-1 s; the same rows are written, with more wake-ups",
+           ["test_concurrency.LockedStore"]),
+    Mutant("writer-lock-polled-slowly", "hermes_state.py",
+           "FILE_LOCK_POLL = (0.001, 0.004)\n",
+           "FILE_LOCK_POLL = (0.05, 0.2)\n",
+           "timing only: waiters poll the writer lock 50 times less often; every write still lands, "
+           "throughput with several processes drops (make bench measures it, the suite does not)",
+           ["test_concurrency.ManyWriters"]),
     Mutant("no-retry-on-busy", "hermes_state.py",
            "                    if isinstance(exc, StoreLockedError) or not is_lock_error(exc):\n",
            "                    if True:\n",
@@ -554,12 +567,12 @@ def run_mutant(mutant, timeout, quick, known_failures=frozenset()):
     return Result(mutant, "SURVIVED", time.monotonic() - start, detail)
 
 
-def baseline(timeout):
-    """(status, failing test ids) of the suite on an unmutated copy."""
+def baseline(timeout, tests=None):
+    """(status, failing test ids) of the suite, or of `tests`, on an unmutated copy."""
     with tempfile.TemporaryDirectory(prefix="mutant-baseline-") as scratch:
         copy = Path(scratch)
         copy_repo(REPO, copy)
-        status, output = run_tests(copy, SUITE, timeout)
+        status, output = run_tests(copy, ("-m", "unittest", *tests) if tests else SUITE, timeout)
         return status, (failing_tests(output) if status == "fail" else [])
 
 
@@ -616,10 +629,16 @@ def main(argv=None):
     parser.add_argument("--min-score", type=float, default=MIN_SCORE, help="fail below this percentage")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run first")
     parser.add_argument("--quick", action="store_true", help="only each mutant's own tests, not the suite")
+    parser.add_argument("--tests", nargs="+", metavar="TEST", help="with --quick: these tests instead of each "
+                        "mutant's own (does a given test kill a given bug?)")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
     parser.add_argument("--check", action="store_true", help="only check that every mutant still applies")
     args = parser.parse_args(argv)
     mutants = select(args.names)
+    if args.tests:
+        if not args.quick:
+            parser.error("--tests goes with --quick (a score always runs the whole suite)")
+        mutants = [m._replace(tests=list(args.tests)) for m in mutants]
     if args.list:
         for mutant in mutants:
             print(f"{mutant.name:<38} {mutant.module:<28} {mutant.behaviour}")
@@ -636,8 +655,9 @@ def main(argv=None):
     known_failures = []
     try:
         if not args.no_baseline:
-            print("baseline: the suite on an unmutated copy ...", flush=True)
-            status, known_failures = baseline(args.timeout)
+            tests = sorted({t for m in mutants for t in m.tests if not problem_with(m)}) if args.quick else None
+            print(f"baseline: {'their tests' if tests else 'the suite'} on an unmutated copy ...", flush=True)
+            status, known_failures = baseline(args.timeout, tests)
             if status == "timeout" or any(t.startswith("(the tests did not run") for t in known_failures):
                 print(f"baseline: the unmutated suite does not run ({status}: {known_failures}); no score")
                 return 2
