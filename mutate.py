@@ -77,8 +77,8 @@ MUTANTS = [
            ["test_hermes_state_schema"]),
     # -- gateway_routing primary-key heal --------------------------------------
     Mutant("pk-heal-oldest-wins", "hermes_state_common.py",
-           "SELECT COALESCE(scope, ''), session_key, entry_json, COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at ASC",
-           "SELECT COALESCE(scope, ''), session_key, entry_json, COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at DESC",
+           "COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at ASC",
+           "COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at DESC",
            "on a key collision the oldest routing row wins instead of the newest",
            ["test_hermes_state_schema"]),
     Mutant("pk-heal-drops-the-losers", "hermes_state_schema.py",
@@ -295,7 +295,8 @@ MUTANTS = [
            ["test_hermes_state_portability.CommandLine"]),
     # -- quarantine of damaged files ----------------------------------------------
     Mutant("quarantine-name-not-unique", "hermes_state.py",
-           "    backup = path.with_name(f\"{path.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.bak\")\n",
+           "    backup = path.with_name(f\"{path.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}-"
+           "{os.getpid()}.bak\")\n",
            "    backup = path.with_name(f\"{path.name}.{reason}.bak\")\n",
            "a second damaged file overwrites the first one's backup",
            ["test_concurrency.DamagedFiles"]),

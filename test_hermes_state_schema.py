@@ -178,8 +178,8 @@ class OldStoresHeal(TempDirTestCase):
             ("INSERT INTO sessions (id, source, started_at) VALUES ('t', 'cli', 2)", ()),
         ] + [("INSERT INTO messages (session_id, role, content, timestamp) VALUES (?, 'user', ?, 1)",
               ("s" if i % 3 else "t", f"m{i}")) for i in range(hidden)]
-          + [("INSERT INTO messages (session_id, role, content, timestamp, active) VALUES ('s', 'user', 'rewound', 1, 0)",
-              ())])
+          + [("INSERT INTO messages (session_id, role, content, timestamp, active) "
+              "VALUES ('s', 'user', 'rewound', 1, 0)", ())])
         with self.assertLogs("hermes_state", "INFO") as logs:
             with SessionDB(path) as db:
                 shown = db.get_messages("s") + db.get_messages("t")
