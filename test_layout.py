@@ -49,9 +49,9 @@ def _is_main_block(node):
             and len(test.comparators) == 1 and getattr(test.comparators[0], "value", None) == "__main__")
 
 
-def imports_of(path, skip_main_block=False):
-    """(line, module, [names]) for every import anywhere in the file, functions included."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+def imports_of(source, skip_main_block=False):
+    """(line, module, [names]) for every import anywhere in `source`, functions included."""
+    tree = ast.parse(source)
     skipped = set()
     if skip_main_block:
         for node in tree.body:
@@ -66,7 +66,7 @@ def imports_of(path, skip_main_block=False):
         elif isinstance(node, ast.ImportFrom):
             module = "." * node.level + (node.module or "")
             found.append((node.lineno, module, [alias.name for alias in node.names]))
-    return found
+    return sorted(found)
 
 
 def is_stdlib(top):
@@ -133,7 +133,8 @@ class ImportLayers(unittest.TestCase):
         for name, path in modules.items():
             layer = layer_of(name)
             # `python -m hermes_state` runs the command line from its __main__ block.
-            for line, module, names in imports_of(path, skip_main_block=(name == "hermes_state")):
+            source = path.read_text(encoding="utf-8")
+            for line, module, names in imports_of(source, skip_main_block=(name == "hermes_state")):
                 top = module.split(".")[0]
                 where = f"{path.name}:{line} imports {module}"
                 if module.startswith("."):
@@ -150,9 +151,15 @@ class ImportLayers(unittest.TestCase):
                     problems.append(f"{where}: not the standard library")
         self.assertEqual(problems, [])
 
-    def test_the_layer_check_sees_imports_inside_functions(self):
-        found = {module for _line, module, _names in imports_of(REPO / "hermes_state_cli.py")}
-        self.assertIn("hermes_state_server", found)  # imported inside _cmd_serve
+    def test_the_layer_check_sees_imports_inside_functions_and_skips_only_the_main_block(self):
+        source = ("import json\n"
+                  "def helper():\n    from hermes_state import SessionDB\n"
+                  "class Mixin:\n    def method(self):\n        import hermes_state_search as s\n"
+                  "if __name__ == '__main__':\n    from hermes_state_cli import main\n")
+        self.assertEqual([m for _line, m, _names in imports_of(source)],
+                         ["json", "hermes_state", "hermes_state_search", "hermes_state_cli"])
+        self.assertEqual([m for _line, m, _names in imports_of(source, skip_main_block=True)],
+                         ["json", "hermes_state", "hermes_state_search"])
 
 
 class MixinNames(unittest.TestCase):
