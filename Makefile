@@ -2,10 +2,11 @@
 # make test-all - the suite once per CPython found (pyenv's 3.8+, else python3), then a total line
 # make bench - speed and memory ratios, printed as a table
 # make demo  - build and show an example store in a temporary home
+# make mutate - mutation testing: each named bug in mutate.py must fail the suite (slow, not in CI)
 SHELL := /bin/bash
 PYTHON ?= python3
 
-.PHONY: test test-all bench demo
+.PHONY: test test-all bench demo mutate
 
 test:
 	@log=$$(mktemp); \
@@ -49,3 +50,6 @@ bench:
 
 demo:
 	@$(PYTHON) -m hermes_state demo
+
+mutate:
+	@$(PYTHON) mutate.py

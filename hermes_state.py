@@ -844,6 +844,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     # -- state_meta ------------------------------------------------------------
 
     def get_meta(self, key):
+        """The text stored under `key` in state_meta; None when the key is absent."""
         return self._read_value(SELECT_META_SQL, (key,))
 
     def set_meta(self, key, value):

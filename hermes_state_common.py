@@ -1141,14 +1141,37 @@ class SessionInputTypeError(ValueError, TypeError, AttributeError):
     on these with TypeError or AttributeError, so callers may catch either)."""
 
 
-def _configured_limit(key, fallback):
-    # hermes-agent's config.yaml (`sessions.<key>`) sets the cap; 0 turns the guard
-    # off. Outside hermes-agent there is no config loader, so the constant holds.
+def hermes_agent_config():
+    """hermes-agent's `hermes_cli.config` module when we run inside hermes-agent; None elsewhere.
+
+    The one place our modules reach into hermes-agent: its config.yaml sets the
+    resume and export caps and the journal mode of its other databases, and its
+    install method words the doctor's repair hint. Outside hermes-agent (or with
+    a config that fails to load) our defaults hold.
+    """
     try:
-        from hermes_cli.config import load_config_readonly
-        value = (load_config_readonly().get("sessions") or {}).get(key)
+        from hermes_cli import config
+    except Exception:  # not inside hermes-agent, or its config module failed to import
+        return None
+    return config
+
+
+def hermes_agent_config_section(name):
+    """One section of hermes-agent's config.yaml as a dict; {} outside hermes-agent or when unreadable."""
+    config = hermes_agent_config()
+    try:
+        section = (config.load_config_readonly() or {}).get(name) if config else None
+    except Exception:  # an unreadable config.yaml: our defaults
+        return {}
+    return section if isinstance(section, dict) else {}
+
+
+def _configured_limit(key, fallback):
+    # config.yaml's `sessions.<key>` sets the cap; 0 turns the guard off.
+    try:
+        value = hermes_agent_config_section("sessions").get(key)
         limit = fallback if value is None else int(value)
-    except Exception:
+    except (TypeError, ValueError):
         return fallback
     return limit if limit >= 0 else fallback
 

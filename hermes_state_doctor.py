@@ -33,6 +33,7 @@ else:
     import fcntl
 
 from hermes_state_common import (
+    hermes_agent_config,
     FILE_MODE,
     META_FTS_CJK_STALE,
     META_FTS_OPTIMIZE_AVAILABLE,
@@ -79,12 +80,11 @@ def sqlite_source_id():
 def _wal_reset_repair_hint():
     """How to get a SQLite without the WAL-reset bug, worded for hermes-agent's kind of install when
     hermes-agent is present."""
+    config = hermes_agent_config()
     try:
-        from hermes_cli.config import (detect_install_method, get_project_root,
-                                       recommended_update_command_for_method)
-        method = detect_install_method(get_project_root())
-        command = recommended_update_command_for_method(method)
-    except Exception:
+        method = config.detect_install_method(config.get_project_root())
+        command = config.recommended_update_command_for_method(method)
+    except Exception:  # outside hermes-agent (config is None) or an older one without these
         return ("install a Python build bundled with SQLite 3.51.3+ (or backports 3.50.7 / 3.44.6) "
                 "and restart Hermes")
     if method in ("git", "unknown"):

@@ -456,15 +456,6 @@ class SessionMessagesMixin:
                           "preview": preview[:PREVIEW_CHARS - 3] + "..." if len(preview) > PREVIEW_CHARS else preview})
         return turns
 
-    def find_pr_url_messages(self, session_ids):
-        """Tool results of these sessions that mention "/pull/" (rewound ones too), oldest
-        first per chunk of 900 sessions, as {"session_id", "content"} with content as stored."""
-        return [{"session_id": row[0], "content": row[1]}
-                for chunk in chunked([sid for sid in session_ids if sid], 900)
-                for row in self._read_all(f"SELECT session_id, content FROM messages WHERE session_id IN "
-                                          f"({placeholders(len(chunk))}) AND role = 'tool' AND content LIKE "
-                                          "'%/pull/%' ORDER BY id", chunk)]
-
     def message_count(self, session_id=None):
         """Messages stored in one session, or in the whole store when `session_id` is empty;
         rewound and compacted rows count too, as in hermes-agent."""

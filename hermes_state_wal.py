@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from hermes_constants import get_hermes_home
-from hermes_state_common import _WAL_INCOMPAT_MARKERS, sqlite_has_wal_reset_bug
+from hermes_state_common import _WAL_INCOMPAT_MARKERS, hermes_agent_config_section, sqlite_has_wal_reset_bug
 
 logger = logging.getLogger("hermes_state")
 
@@ -51,7 +51,7 @@ def resolve_journal_mode():
     hermes-agent's config.yaml when hermes-agent is installed, else 'wal'."""
     raw = os.environ.get("HERMES_STATE_JOURNAL", "").strip().lower()
     if not raw:
-        raw = str(_hermes_config().get("journal_mode", "wal")).strip().lower()
+        raw = str(hermes_agent_config_section("database").get("journal_mode", "wal")).strip().lower()
     return raw if raw in ("wal", "delete") else "wal"
 
 
@@ -98,7 +98,7 @@ def apply_wal_with_fallback(conn, *, db_label="state.db", require_wal=False):
 def apply_database_pragmas(conn, *, db_label="state.db"):
     """Apply the integer pragmas of the `database:` section of hermes-agent's config.yaml
     (CONFIG_PRAGMAS); returns None. Missing config, bad values and refused pragmas are skipped."""
-    config = _hermes_config()
+    config = hermes_agent_config_section("database")
     for name in CONFIG_PRAGMAS:
         raw = config.get(name)
         if raw is None:
@@ -141,16 +141,6 @@ def preflight_db_writability(db_path, *, db_label="state.db"):
 
 _UNVERIFIED_DELETE = ("journal_mode=delete was asked for but the current mode cannot be read (the database "
                       "is locked; another process may hold it in WAL); the journal mode was left as it is")
-
-
-def _hermes_config():
-    """The `database:` section of hermes-agent's config.yaml; {} without hermes-agent or a readable one."""
-    try:
-        from hermes_cli.config import load_config_readonly
-        section = (load_config_readonly() or {}).get("database", {})
-    except Exception:  # hermes-agent missing or its config unreadable: our defaults
-        return {}
-    return section if isinstance(section, dict) else {}
 
 
 def _current_mode(conn):

@@ -13,7 +13,7 @@ from unittest import mock
 from hermes_state import (
     CHECKPOINT_EVERY_COMMITS, SessionDB, StoreLockedError, choose_journal_policy, sqlite_has_wal_reset_bug,
 )
-from test_support import REPO, TempDirTestCase, tracing_factory
+from test_support import REPO, WRITE_VERBS, TempDirTestCase, tracing_factory
 
 CALL = [{"id": "c", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]
 APPENDS = 300
@@ -176,6 +176,27 @@ class LockedStore(TempDirTestCase):
             self.assertEqual(db.message_count("s"), 0)
             self.assertEqual(db.get_session("s")["message_count"], 0)
 
+    def assert_fails_near_the_budget(self, script, budget, write):
+        """A lock held far longer than the budget: StoreLockedError once the budget is spent, not later."""
+        with SessionDB(self.path, write_budget=budget) as db:
+            self.hold(script, 30)
+            start = time.monotonic()
+            with self.assertRaises(StoreLockedError):
+                write(db)
+            waited = time.monotonic() - start
+            self.assertEqual(db.message_count("s"), 0)
+        self.assertGreater(waited, 0.8 * budget)  # it did wait and retry
+        self.assertLess(waited, budget + 4.0)  # and gave up at the budget, not when the holder let go
+
+    def test_a_sqlite_lock_held_far_past_the_budget_fails_at_the_budget(self):
+        self.assert_fails_near_the_budget(HOLD_SQLITE_LOCK, 1.0, lambda db: db.append_message("s", "user", "x"))
+
+    def test_a_writer_lock_held_far_past_the_budget_fails_at_the_budget(self):
+        with SessionDB(self.path) as db:
+            if not db.policy.writer_lock:
+                self.skipTest("this runtime does not need the writer lock")
+        self.assert_fails_near_the_budget(HOLD_WRITER_FILE_LOCK, 1.0, lambda db: db.append_message("s", "user", "x"))
+
     def test_a_hung_writer_holding_the_lock_file_gives_the_same_error(self):
         with SessionDB(self.path, write_budget=0.5) as db:
             if not db.policy.writer_lock:
@@ -184,6 +205,54 @@ class LockedStore(TempDirTestCase):
             with self.assertRaisesRegex(StoreLockedError, "state.db.lock; no data was written"):
                 db.set_meta("k", "v")
             self.assertIsNone(db.get_meta("k"))
+
+
+class WritePath(TempDirTestCase):
+
+    def test_every_write_runs_inside_begin_immediate(self):
+        statements = []
+        with SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements)) as db:
+            statements.clear()
+            db.create_session("s", "cli")
+            db.append_message("s", "user", "hello")
+            db.append_messages_batch("s", [{"role": "assistant", "content": "hi"}])
+            db.set_meta("k", "v")
+            db.update_token_counts("s", input_tokens=3)
+            db.get_session("s")
+            db.import_sessions([{"id": "imported", "source": "cli", "messages": [{"role": "user", "content": "x"}]}])
+            db.delete_session("imported")
+        begins, open_transaction, outside = 0, False, []
+        for statement in statements:
+            verb = statement.lstrip().split(None, 1)[0].upper() if statement.strip() else ""
+            if verb == "BEGIN":
+                self.assertEqual(statement.strip().upper(), "BEGIN IMMEDIATE")
+                begins += 1
+                open_transaction = True
+            elif verb in ("COMMIT", "ROLLBACK"):
+                open_transaction = False
+            elif verb in WRITE_VERBS and not open_transaction:
+                outside.append(statement)
+        self.assertGreaterEqual(begins, 7)  # at least one per write call, the flush of get_session included
+        self.assertEqual(outside, [])
+
+    def test_a_failed_write_leaves_nothing_and_the_next_write_goes_through(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            with self.assertRaisesRegex(ValueError, "unknown session_id"):
+                db.append_message("ghost", "user", "half written?")  # fails after its INSERT ran
+            self.assertEqual(self.raw(path).execute("SELECT COUNT(*) FROM messages").fetchone()[0], 0)
+            db.append_message("s", "user", "written")
+            self.assertEqual([m["content"] for m in db.get_messages("s")], ["written"])
+        self.assertEqual([r[0] for r in self.raw(path).execute("SELECT content FROM messages")], ["written"])
+
+    def test_token_counts_queued_before_a_failed_write_are_kept(self):
+        with SessionDB(self.tmp / "state.db") as db:
+            db.create_session("s", "cli")
+            db.update_token_counts("s", input_tokens=7, model="m")
+            with self.assertRaisesRegex(ValueError, "unknown session_id"):
+                db.append_message("ghost", "user", "never written")
+            self.assertEqual(db.get_session("s")["input_tokens"], 7)
 
 
 class KilledWriter(TempDirTestCase):

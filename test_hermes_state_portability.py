@@ -12,10 +12,13 @@ import sys
 import zipfile
 
 from hermes_state import SessionDB, restore_home
-from hermes_state_portability import markdown_document, markdown_file_name, redact_text, write_export
+from hermes_state_portability import markdown_document, markdown_file_name, redact, redact_text, write_export
 from test_support import REPO, V26_DB, StoreTestCase, TempDirTestCase, dump_hash, fixture_path
 
 EXPORTS = ("hermes_v22_export.jsonl", "hermes_v26_export.jsonl")
+# One import_sessions call takes at most this many sessions; the CLI imports a longer file whole,
+# and the tests cross this boundary on purpose.
+IMPORT_CHUNK = SessionDB._IMPORT_MAX_SESSIONS
 RUNTIME = {"session_key": "agent:main:telegram:dm:42", "chat_id": "42", "user_id": "u1", "handoff_state": "pending",
            "rewind_count": 7, "pinned": 1, "last_activity_at": 123.0, "compression_fallback_streak": 3,
            "compression_failure_cooldown_until": 999.0}
@@ -126,6 +129,19 @@ class ImportFixtures(StoreTestCase):
             lineage = other.export_session_lineage("bench_000001")
             self.assertEqual(lineage["lineage_session_ids"], ["bench_000000", "bench_000001"])
             self.assertEqual((len(lineage["messages"]), lineage["message_count"]), (32, 32))
+
+    def test_rewound_messages_come_back_rewound_and_uncounted(self):
+        call = [{"id": "c1", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]
+        entry = dict(session("r"), messages=[
+            {"role": "user", "content": "kept", "timestamp": 1.0},
+            {"role": "assistant", "content": "kept call", "tool_calls": call, "timestamp": 2.0},
+            {"role": "assistant", "content": "rewound call", "tool_calls": call + call, "timestamp": 3.0,
+             "active": 0}])
+        self.assertTrue(self.db.import_sessions([entry])["ok"])
+        stored = self.db.get_session("r")
+        self.assertEqual((stored["message_count"], stored["tool_call_count"]), (2, 1))
+        self.assertEqual([m["content"] for m in self.db.get_messages("r")], ["kept", "kept call"])
+        self.assertEqual(len(self.db.get_messages("r", include_inactive=True)), 3)
 
     def test_an_imported_title_that_is_taken_keeps_both(self):
         self.db.create_session("mine", "cli")
@@ -290,6 +306,48 @@ class ImportRejects(StoreTestCase):
             if before is not None:
                 self.assertEqual(dump_hash(self.path), before)
         self.assertGreater(outcomes["rejected"], 1000, outcomes)
+
+
+class ParentLinks(StoreTestCase):
+    """Links are attached in payload order; the one that would close a loop is dropped."""
+
+    def parents(self, ids):
+        return {s: self.db.get_session(s)["parent_session_id"] for s in ids}
+
+    def assert_no_loop(self, ids):
+        for start in ids:
+            seen, current = set(), start
+            while current is not None:
+                self.assertNotIn(current, seen, f"parent links loop through {current}")
+                seen.add(current)
+                current = self.db.get_session(current)["parent_session_id"]
+
+    def test_a_loop_of_three_or_more_sessions_loses_only_its_closing_link(self):
+        for size in (3, 4, 7):
+            with self.subTest(size=size):
+                ids = [f"loop{size}-{i}" for i in range(size)]
+                payload = [session(ids[i], ids[(i + 1) % size]) for i in range(size)]
+                result = self.db.import_sessions(payload)
+                self.assertEqual((result["ok"], result["imported"], result["detached"]), (True, size, 1))
+                expected = {ids[i]: ids[i + 1] for i in range(size - 1)}
+                expected[ids[-1]] = None  # the link that closes the loop is the one detached
+                self.assertEqual(self.parents(ids), expected)
+                self.assert_no_loop(ids)
+
+    def test_a_two_cycle_keeps_the_link_attached_first(self):
+        result = self.db.import_sessions([session("a", "b"), session("b", "a")])
+        self.assertEqual(result["detached"], 1)
+        self.assertEqual(self.parents("ab"), {"a": "b", "b": None})
+        result = self.db.import_sessions([session("y", "x"), session("x", "y")])
+        self.assertEqual(result["detached"], 1)
+        self.assertEqual(self.parents("xy"), {"y": "x", "x": None})
+
+    def test_a_chain_and_a_tree_attach_whole(self):
+        payload = [session("root")] + [session(f"n{i}", "root" if i < 2 else f"n{i - 2}") for i in range(8)]
+        result = self.db.import_sessions(payload)
+        self.assertEqual((result["imported"], result["detached"]), (9, 0))
+        self.assertEqual(self.db.get_session("n7")["parent_session_id"], "n5")
+        self.assert_no_loop(["root"] + [f"n{i}" for i in range(8)])
 
 
 class Renderers(StoreTestCase):
@@ -475,6 +533,19 @@ class Redaction(TempDirTestCase):
         self.assertEqual(redact_text("nothing secret in sk-short or a plain sentence"),
                          "nothing secret in sk-short or a plain sentence")
 
+    def test_ids_in_lists_and_segments_survive_redaction(self):
+        parent, child = "sk-proj-parentid0123456789abc", "sk-proj-childid0123456789abcd"
+        with SessionDB(self.tmp / "state.db") as db:
+            db.create_session(parent, "cli")
+            db.append_message(parent, "user", "token=hunter2hunter2")
+            db.end_session(parent, "compression")
+            db.create_session(child, "cli", parent_session_id=parent)
+            export = redact(db.export_session_lineage(child))
+        self.assertEqual(export["lineage_session_ids"], [parent, child])
+        self.assertEqual([segment["id"] for segment in export["segments"]], [parent, child])
+        self.assertEqual(export["segments"][1]["parent_session_id"], parent)
+        self.assertEqual(export["messages"][0]["content"], "token=[REDACTED]")
+
     def test_export_redacts_every_string_of_messages_but_not_ids(self):
         with SessionDB(self.tmp / "state.db") as db:
             db.create_session("sk-proj-notasecretbutanid0123", "cli", system_prompt="use ghp_0123456789abcdefghijABCD")
@@ -611,6 +682,49 @@ class CommandLine(TempDirTestCase):
         self.assertIn("--force", refused.stderr)
         restored = self.run_cli("--db", str(self.tmp / "new" / "state.db"), "restore", "home.zip")
         self.assertEqual(restored.returncode, 0, restored.stderr)
+
+    def write_jsonl(self, name, entries):
+        path = self.tmp / name
+        path.write_text("".join(json.dumps(entry) + "\n" for entry in entries), encoding="utf-8")
+        return path
+
+    def stored_sessions(self):
+        return json.loads(self.run_cli("stats", "--json").stdout)["sessions"]
+
+    def test_a_bad_last_line_after_a_full_chunk_rejects_the_whole_file(self):
+        entries = [session(f"s{i:04d}") for i in range(IMPORT_CHUNK + 1)]
+        entries[-1]["title"] = 5
+        result = self.run_cli("import", str(self.write_jsonl("chunks.jsonl", entries)))
+        self.assertEqual(result.returncode, 1)
+        self.assertIn(f"error: session {IMPORT_CHUNK} (s{IMPORT_CHUNK:04d}): title must be a string", result.stderr)
+        self.assertIn("the import was rejected; nothing was written", result.stderr)
+        self.assertEqual(result.stdout, "")
+        self.assertEqual(self.stored_sessions(), 0)
+
+    def test_a_file_of_several_chunks_imports_whole_with_links_across_chunks(self):
+        entries = [session(f"s{i:04d}") for i in range(2 * IMPORT_CHUNK + 1)]
+        entries[-1]["parent_session_id"] = "s0000"
+        entries[IMPORT_CHUNK]["parent_session_id"] = f"s{IMPORT_CHUNK - 1:04d}"
+        result = self.run_cli("import", str(self.write_jsonl("chunks.jsonl", entries)), "--json")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(json.loads(result.stdout), {"imported": 2 * IMPORT_CHUNK + 1, "skipped": 0, "detached": 0})
+        self.assertEqual(self.stored_sessions(), 2 * IMPORT_CHUNK + 1)
+        shown = json.loads(self.run_cli("show", f"s{2 * IMPORT_CHUNK:04d}", "--json").stdout)
+        self.assertEqual(shown["parent_session_id"], "s0000")
+
+    def test_export_redact_masks_secrets_in_the_file(self):
+        with SessionDB(self.tmp / "home" / "state.db") as db:
+            db.create_session("s", "cli")
+            db.append_message("s", "user", "my key is sk-proj-AbCdEf0123456789abcdefXYZ")
+        plain = self.run_cli("export", "-")
+        self.assertIn("sk-proj-AbCdEf0123456789abcdefXYZ", plain.stdout)
+        for fmt, out in (("jsonl", "-"), ("html", "page.html")):
+            with self.subTest(fmt=fmt):
+                result = self.run_cli("export", "--format", fmt, "--redact", out)
+                self.assertEqual(result.returncode, 0, result.stderr)
+                text = result.stdout if out == "-" else (self.tmp / out).read_text(encoding="utf-8")
+                self.assertIn("[REDACTED]", text)
+                self.assertNotIn("AbCdEf0123456789abcdefXYZ", text)
 
     def test_a_rejected_import_prints_every_error_and_writes_nothing(self):
         bad = self.tmp / "bad.jsonl"

@@ -1,9 +1,12 @@
 """Schema layer: parsing the declared schema, reconciling and healing hand-built old stores."""
 
+import logging
 import sqlite3
 
 from hermes_state import SessionDB
-from hermes_state_common import DEFERRED_INDEXES, SCHEMA_SQL, SCHEMA_VERSION, TITLE_INDEX_NAME
+from hermes_state_common import (
+    DEFERRED_INDEXES, MIGRATION_CHUNK_SIZE, SCHEMA_SQL, SCHEMA_VERSION, TITLE_INDEX_NAME,
+)
 from hermes_state_schema import declared_columns, schema_read_probe_statements
 from test_support import V26_DB, TempDirTestCase, dump_hash, fixture_path, schema_snapshot
 
@@ -111,6 +114,19 @@ class OldStoresHeal(TempDirTestCase):
         self.assertIn("could not add compression_locks.holder", output)
         self.assertIn("index idx_compression_locks_expires not built", output)
 
+    def test_a_not_null_column_without_default_is_added_nullable_to_a_table_with_rows(self):
+        path = self.build(
+            "CREATE TABLE gateway_routing (session_key TEXT PRIMARY KEY, entry_json TEXT NOT NULL);"
+            "CREATE TABLE compression_locks (session_id TEXT PRIMARY KEY, expires_at REAL);",
+            [("INSERT INTO gateway_routing VALUES (?, ?)", (f"k{i}", "{}")) for i in range(3)]
+            + [("INSERT INTO compression_locks VALUES ('s', 1)", ())])
+        with SessionDB(path) as db:
+            self.assertEqual(db.load_gateway_routing_entries(), {f"k{i}": "{}" for i in range(3)})
+            self.assertTrue(db.try_acquire_compression_lock("s", "me"))
+            self.assertEqual(db.get_compression_lock_holder("s"), "me")
+        info = {r[1]: r for r in self.raw(path).execute("PRAGMA table_info(compression_locks)")}
+        self.assertEqual((info["holder"][2], info["holder"][3]), ("TEXT", 0))  # declared NOT NULL, added nullable
+
     def test_gateway_routing_keyed_on_session_key_is_rebuilt(self):
         path = self.build(
             "CREATE TABLE gateway_routing (session_key TEXT PRIMARY KEY, entry_json TEXT NOT NULL, "
@@ -152,6 +168,42 @@ class OldStoresHeal(TempDirTestCase):
         self.assertIn("repaired 3 messages", "\n".join(logs.output))
         self.assertEqual(self.raw(path).execute("SELECT COUNT(*) FROM messages WHERE active IS NULL")
                          .fetchone()[0], 0)
+
+    def test_null_active_rows_beyond_one_chunk_all_come_back_whatever_the_version_says(self):
+        hidden = MIGRATION_CHUNK_SIZE + 50  # more than one chunk of any chunked repair
+        path = self.build(OLD_SESSIONS + "ALTER TABLE messages ADD COLUMN active INTEGER;"
+                          "CREATE TABLE schema_version (version INTEGER NOT NULL);", [
+            ("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,)),
+            ("INSERT INTO sessions (id, source, started_at) VALUES ('s', 'cli', 1)", ()),
+            ("INSERT INTO sessions (id, source, started_at) VALUES ('t', 'cli', 2)", ()),
+        ] + [("INSERT INTO messages (session_id, role, content, timestamp) VALUES (?, 'user', ?, 1)",
+              ("s" if i % 3 else "t", f"m{i}")) for i in range(hidden)]
+          + [("INSERT INTO messages (session_id, role, content, timestamp, active) "
+              "VALUES ('s', 'user', 'rewound', 1, 0)", ())])
+        with self.assertLogs("hermes_state", "INFO") as logs:
+            with SessionDB(path) as db:
+                shown = db.get_messages("s") + db.get_messages("t")
+                self.assertEqual(sorted(m["content"] for m in shown), sorted(f"m{i}" for i in range(hidden)))
+        self.assertIn(f"repaired {hidden} messages", "\n".join(logs.output))
+        conn = self.raw(path)
+        self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages WHERE active IS NULL").fetchone()[0], 0)
+        self.assertEqual(conn.execute("SELECT active FROM messages WHERE content = 'rewound'").fetchone()[0], 0)
+
+    def test_every_deferred_index_is_built_on_an_old_store_that_lacked_its_columns(self):
+        path = self.build(OLD_SESSIONS, [
+            ("INSERT INTO sessions (id, source, started_at) VALUES ('old', 'cli', 1)", ()),
+            ("INSERT INTO messages (session_id, role, content, timestamp) VALUES ('old', 'user', 'hi', 1)", ()),
+        ])
+        warnings = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = warnings.append
+        logger = logging.getLogger("hermes_state")
+        logger.addHandler(handler)
+        self.addCleanup(logger.removeHandler, handler)
+        SessionDB(path).close()
+        self.assertEqual([record.getMessage() for record in warnings], [])
+        indexes = {r[0] for r in self.raw(path).execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        self.assertEqual((set(DEFERRED_INDEXES) | {TITLE_INDEX_NAME}) - indexes, set())
 
     def test_duplicate_titles_stay_on_the_newest_session_only(self):
         path = self.build(OLD_SESSIONS, [

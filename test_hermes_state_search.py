@@ -332,6 +332,12 @@ class SearchBehaviour(TempDirTestCase):
         self.assertEqual(self.ids_for("a_b", role_filter=["user", "tool"]), {self.ids["percent"]})
         self.assertEqual(self.ids_for("x_b", role_filter=["user", "tool"]), set())
 
+    def test_twenty_hits_by_default_as_hermes_agent_gives(self):
+        for i in range(25):
+            self.db.append_message("a", "user", f"repeated marker {i}")
+        self.assertEqual(len(self.db.search_messages("marker")), 20)
+        self.assertEqual(len(self.db.search_messages("marker", limit=25)), 25)
+
     def test_no_query_string_raises(self):
         rng = random.Random(11)
         alphabet = ['"', "'", "*", "^", "(", ")", ":", "-", "+", "~", "\x00", "\x01", " ", "AND", "OR", "NOT",
@@ -353,6 +359,43 @@ class SearchBehaviour(TempDirTestCase):
                     db.search_messages(query, limit=5)
                 except Exception as exc:  # pragma: no cover - the assertion below reports it
                     self.fail(f"{label}: search_messages({query[:60]!r}) raised {exc!r}")
+
+
+class WildcardsThroughSearch(TempDirTestCase):
+    """`%`, `_` and `\\` in a query are literal on every route that ends in LIKE."""
+
+    TEXTS = ("disk 100% full", "100 percent sure", "use a_b here", "use a1b there", "path a\\b", "plain ab",
+             "标记会_话", "标记会议话", "标记会%话", "标记会议的话")
+
+    def store(self, factory):
+        db = SessionDB(self.tmp / "state.db", connection_factory=factory)
+        self.addCleanup(db.close)
+        db.create_session("s", "cli")
+        ids = {text: db.append_message("s", "user", text) for text in self.TEXTS}
+        db.create_session("t", "cli")
+        db.append_message("t", "tool", "tool output: 100 percent, a1b, ab, 会议话, 会议的话", tool_name="terminal")
+        return db, ids
+
+    def assert_literal(self, db, ids, queries, **kwargs):
+        for query, literal in queries:
+            with self.subTest(query=query, **kwargs):
+                self.assertEqual({hit["id"] for hit in db.search_messages(query, limit=100, **kwargs)},
+                                 {ids[literal]})
+
+    def test_the_fallback_of_a_full_runtime_takes_wildcards_literally(self):
+        db, ids = self.store(None)
+        self.assert_literal(db, ids, [("100%", "disk 100% full"), ("a_b", "use a_b here"),
+                                      ("a\\b", "path a\\b"), ("会_话", "标记会_话"), ("会%话", "标记会%话")],
+                            role_filter=["user", "tool"])
+
+    def test_a_runtime_without_fts5_takes_wildcards_literally(self):
+        db, ids = self.store(without_fts5)
+        self.assert_literal(db, ids, [("100%", "disk 100% full"), ("a_b", "use a_b here"),
+                                      ("a\\b", "path a\\b"), ("会_话", "标记会_话"), ("会%话", "标记会%话")])
+
+    def test_a_runtime_without_trigram_takes_wildcards_in_long_cjk_terms_literally(self):
+        db, ids = self.store(without_trigram)
+        self.assert_literal(db, ids, [("会_话", "标记会_话"), ("会%话", "标记会%话"), ("记会_话", "标记会_话")])
 
 
 class CjkOnFixtures(TempDirTestCase):
@@ -618,6 +661,24 @@ class DegradedRuntimes(TempDirTestCase):
         with SessionDB(path) as db:
             self.assertEqual(hit_ids(db, "中文句子"), {message})
             self.assertEqual(db.get_meta("fts_storage_version"), str(FTS_STORAGE_VERSION))
+
+    def test_the_fallback_gives_the_index_answer_when_columns_are_null(self):
+        path = self.tmp / "state.db"
+        call = [{"id": "c", "type": "function", "function": {"name": "deploy", "arguments": "{}"}}]
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            db.append_message("s", "user", "deploy to staging now")
+            db.append_message("s", "assistant", None, tool_calls=call)  # content NULL
+            db.append_message("s", "user", "staging is ready")  # tool_name, tool_calls NULL
+            db.append_message("s", "user", "nothing here")
+            db.append_message("s", "tool", "deploy log", tool_name="terminal")
+        queries = ("staging NOT ready", "deploy NOT staging", "nothing OR deploy", "ready NOT deploy",
+                   "staging", "deploy")
+        with SessionDB(path) as db:
+            by_index = {query: hit_ids(db, query) for query in queries}
+        with SessionDB(path, connection_factory=without_fts5) as db:
+            for query in queries:
+                self.assertEqual(hit_ids(db, query), by_index[query], query)
 
     def test_a_corrupt_index_is_not_served_and_is_rebuilt_at_the_next_open(self):
         path = self.tmp / "state.db"

@@ -1,6 +1,7 @@
 """The local HTTP API and page, over a real loopback socket with urllib."""
 
 import base64
+import hmac
 import http.client
 import io
 import json
@@ -10,9 +11,12 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
+from unittest import mock
 
+import hermes_state_server
 from hermes_state import SessionDB
 from hermes_state_server import MAX_BODY_BYTES, StateServer, is_loopback
 from test_support import REPO, TempDirTestCase, fixture_path
@@ -166,6 +170,74 @@ class Endpoints(ServerCase):
         self.assertFalse(is_loopback("0.0.0.0") or is_loopback("192.168.1.5"))
         with self.assertRaisesRegex(ValueError, "--allow-remote"):
             StateServer(self.tmp / "x.db", "0.0.0.0", 0, token=TOKEN)
+
+
+class Auth(ServerCase):
+
+    def request(self, method, path, authorization=None, body=None):
+        """(status, headers) of one request sent with exactly this Authorization header (or none)."""
+        host, port = self.server.server_address[:2]
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        try:
+            headers = {} if authorization is None else {"Authorization": authorization}
+            data = None if body is None else json.dumps(body).encode("utf-8")
+            if data is not None:
+                headers["Content-Type"] = "application/json"
+            conn.request(method, path, body=data, headers=headers)
+            response = conn.getresponse()
+            response.read()
+            return response.status, response.headers
+        finally:
+            conn.close()
+
+    def backup_of_another_home(self):
+        """A base64 backup whose restore would replace this server's store and add marker.txt."""
+        home = self.tmp / "elsewhere"
+        with SessionDB(home / "state.db") as db:
+            db.create_session("theirs", "cli")
+            (home / "marker.txt").write_text("restored")
+            db.backup(self.tmp / "elsewhere.zip")
+        return base64.b64encode((self.tmp / "elsewhere.zip").read_bytes()).decode()
+
+    def test_no_endpoint_answers_without_the_exact_bearer_token(self):
+        self.server.db.create_session("mine", "cli")
+        archive = self.backup_of_another_home()
+        routes = [("GET", "/api/sessions", None), ("GET", "/api/sessions/mine", None),
+                  ("GET", "/api/search?q=mine", None), ("GET", "/api/ops/export", None),
+                  ("POST", "/api/sessions/import", {"sessions": [{"id": "intruder", "source": "x", "messages": []}]}),
+                  ("POST", "/api/ops/import", {"archive": archive, "force": True})]
+        refused = [None, "", "Bearer", "Bearer ", "Bearer wrong", f"Basic {TOKEN}", f"Token {TOKEN}", TOKEN,
+                   f"Bearer {TOKEN}x", f"Bearer {TOKEN[:-1]}", f"Bearer {TOKEN[:1]}"]
+        for method, path, body in routes:
+            for authorization in refused:
+                with self.subTest(method=method, path=path, authorization=authorization):
+                    status, headers = self.request(method, path, authorization, body)
+                    self.assertEqual(status, 401)
+                    self.assertEqual(headers["WWW-Authenticate"], "Bearer")
+            with self.subTest(method=method, path=path, authorization="token in the query string"):
+                separator = "&" if "?" in path else "?"
+                self.assertEqual(self.request(method, f"{path}{separator}token={TOKEN}", None, body)[0], 401)
+        status, listing = self.call("/api/sessions")
+        self.assertEqual((status, [s["id"] for s in listing["sessions"]]), (200, ["mine"]))
+        self.assertFalse((self.tmp / "home" / "marker.txt").exists())
+        self.assertEqual(self.request("GET", "/api/sessions", f"Bearer {TOKEN}")[0], 200)
+        self.assertEqual(self.request("GET", "/api/sessions", f"bearer {TOKEN}")[0], 200)  # schemes are case-blind
+
+    def test_the_token_is_compared_in_constant_time(self):
+        compared = []
+
+        def recording(given, expected):
+            compared.append(tuple(v if isinstance(v, bytes) else v.encode() for v in (given, expected)))
+            return hmac.compare_digest(given, expected)
+
+        with mock.patch.object(hermes_state_server, "hmac", types.SimpleNamespace(compare_digest=recording)):
+            self.assertEqual(self.call("/api/sessions")[0], 200)
+            self.assertEqual(self.call("/api/sessions", token="wrong")[0], 401)
+        self.assertIn((TOKEN.encode(), TOKEN.encode()), compared)
+        self.assertIn((b"wrong", TOKEN.encode()), compared)
+        # The answer is hmac.compare_digest's: a comparison that says no refuses even the right token.
+        with mock.patch.object(hermes_state_server, "hmac", types.SimpleNamespace(compare_digest=lambda a, b: False)):
+            self.assertEqual(self.call("/api/sessions")[0], 401)
 
 
 class OpsBackupRestore(ServerCase):

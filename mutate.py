@@ -1,0 +1,701 @@
+"""`make mutate`: does the suite catch the bugs that matter? Standard library only.
+
+Owns the list of named mutants and the runner. A mutant is one literal text
+replacement in one module: a small, realistic bug a developer could make. For
+each mutant the runner copies the files git knows (as they are in the working
+tree) to a temp folder, applies the replacement there, runs the suite with a
+timeout and reports KILLED (a test failed), SURVIVED (every test passed) or
+TIMEOUT. It never edits the repository.
+
+A mutant whose old text is not found exactly once is STALE, and one whose
+replacement does not compile is BROKEN: the code moved on and the mutant must
+follow it. Either makes the run fail, so the list cannot rot silently.
+
+    python3 mutate.py                      # every mutant, 2 at a time, then the score
+    python3 mutate.py 'cycle-*' pk-heal-oldest-wins   # some, by name or pattern
+    python3 mutate.py --list | --check     # list them; only check they still apply
+    python3 mutate.py --quick NAME         # only the mutant's own tests (no score)
+    python3 mutate.py --quick NAME --tests test_x.Class.test_y   # does this test kill it?
+
+Each mutant names the tests that should kill it; they run first and a failure
+there is a kill. Only when they pass does the whole suite run. Slow (minutes),
+so it is not part of `make test` or CI.
+"""
+
+import argparse
+import concurrent.futures
+import fnmatch
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import namedtuple
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+SUITE = ("-m", "unittest", "discover", "-t", ".", "-s", ".", "-p", "test_*.py")
+DEFAULT_TIMEOUT = 900
+DEFAULT_JOBS = 2
+MIN_SCORE = 95.0
+
+Mutant = namedtuple("Mutant", "name module old new behaviour tests")
+
+MUTANTS = [
+    # -- schema reconcile ------------------------------------------------------
+    Mutant("reconcile-trusts-schema-version", "hermes_state_schema.py",
+           "        self._reconcile_columns(conn)\n        self._heal_gateway_routing_pk(conn)\n",
+           "        if (conn.execute(SELECT_SCHEMA_VERSION_SQL).fetchone()[0] or 0) < SCHEMA_VERSION:\n"
+           "            self._reconcile_columns(conn)\n        self._heal_gateway_routing_pk(conn)\n",
+           "columns are added only when schema_version is behind, not whenever one is missing",
+           ["test_hermes_state_schema"]),
+    Mutant("indexes-before-reconcile", "hermes_state_schema.py",
+           "        self._reconcile_columns(conn)\n        self._heal_gateway_routing_pk(conn)\n"
+           "        self._ensure_deferred_indexes(conn, objects)\n",
+           "        self._ensure_deferred_indexes(conn, objects)\n        self._reconcile_columns(conn)\n"
+           "        self._heal_gateway_routing_pk(conn)\n",
+           "deferred indexes are built before the columns they name exist",
+           ["test_hermes_state_schema"]),
+    Mutant("not-null-added-as-declared", "hermes_state_schema.py",
+           '            type_expr = type_expr.replace("NOT NULL", "").strip()\n',
+           "            type_expr = type_expr.strip()\n",
+           "a NOT NULL column without a default is added as declared, which SQLite refuses",
+           ["test_hermes_state_schema"]),
+    Mutant("default-expression-unparenthesised", "hermes_state_schema.py",
+           '        return f"DEFAULT ({default})"\n',
+           '        return f"DEFAULT {default}"\n',
+           "an expression default loses the parentheses ALTER TABLE needs",
+           ["test_hermes_state_schema"]),
+    Mutant("pk-columns-declared-not-null", "hermes_state_schema.py",
+           "    if notnull and not in_pk:\n",
+           "    if notnull:\n",
+           "primary-key columns get NOT NULL in the rebuilt type expression",
+           ["test_hermes_state_schema"]),
+    # -- gateway_routing primary-key heal --------------------------------------
+    Mutant("pk-heal-oldest-wins", "hermes_state_common.py",
+           "COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at ASC",
+           "COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at DESC",
+           "on a key collision the oldest routing row wins instead of the newest",
+           ["test_hermes_state_schema"]),
+    Mutant("pk-heal-drops-the-losers", "hermes_state_schema.py",
+           "        if copied == kept:\n            conn.execute(DROP_TABLE_SQL.format(table=side))\n",
+           "        if True:\n            conn.execute(DROP_TABLE_SQL.format(table=side))\n",
+           "the side table is dropped even when rows lost a collision (data deleted)",
+           ["test_hermes_state_schema"]),
+    Mutant("pk-heal-gated-on-a-column", "hermes_state_schema.py",
+           'live_primary_key(conn, "gateway_routing") == GATEWAY_ROUTING_PK:',
+           '"scope" in live_columns(conn, "gateway_routing"):',
+           "the heal looks for the scope column (which reconcile just added), not at the key",
+           ["test_hermes_state_schema"]),
+    # -- active-NULL repair -----------------------------------------------------
+    Mutant("null-active-first-chunk-only", "hermes_state_common.py",
+           'REPAIR_NULL_ACTIVE_SQL = "UPDATE messages SET active = 1 WHERE active IS NULL"',
+           'REPAIR_NULL_ACTIVE_SQL = ("UPDATE messages SET active = 1 WHERE id IN '
+           '(SELECT id FROM messages WHERE active IS NULL LIMIT 200)")',
+           "the repair shows only the first 200 hidden messages",
+           ["test_hermes_state_schema"]),
+    Mutant("null-active-gated-on-version", "hermes_state_schema.py",
+           "        if conn.execute(HAS_NULL_ACTIVE_SQL).fetchone() is None:\n",
+           "        if conn.execute(HAS_NULL_ACTIVE_SQL).fetchone() is None or \\\n"
+           "                conn.execute(SELECT_SCHEMA_VERSION_SQL).fetchone()[0] == SCHEMA_VERSION:\n",
+           "the repair is skipped on a store that claims the current version",
+           ["test_hermes_state_schema"]),
+    Mutant("null-active-revives-rewound", "hermes_state_common.py",
+           "UPDATE messages SET active = 1 WHERE active IS NULL",
+           "UPDATE messages SET active = 1 WHERE active IS NOT 1",
+           "the repair also brings back messages a rewind hid",
+           ["test_hermes_state_schema"]),
+    # -- cycle detection on import ----------------------------------------------
+    Mutant("cycle-check-two-hops", "hermes_state_portability.py",
+           "    while current is not None and current not in seen:\n",
+           "    while current is not None and current not in seen and len(seen) < 2:\n",
+           "cycle detection looks only two links up, so a loop of 3+ sessions is attached",
+           ["test_hermes_state_portability.ParentLinks"]),
+    Mutant("cycle-check-one-hop", "hermes_state_portability.py",
+           "        row = conn.execute(SELECT_LINEAGE_LINK_SQL, (current,)).fetchone()\n"
+           "        current = row[0] if row else None\n",
+           "        current = None\n",
+           "only a self-link counts as a cycle",
+           ["test_hermes_state_portability.ImportRejects", "test_hermes_state_portability.ParentLinks"]),
+    Mutant("cycle-cut-at-the-earlier-link", "hermes_state_portability.py",
+           "            if known and not _would_close_cycle(conn, child, parent):\n"
+           "                conn.execute(SET_PARENT_SQL, (parent, child))\n"
+           "            else:\n",
+           "            if known and child != parent and _would_close_cycle(conn, child, parent):\n"
+           "                conn.execute(SET_PARENT_SQL, (None, parent))\n"
+           "                conn.execute(SET_PARENT_SQL, (parent, child))\n"
+           "                detached += 1\n"
+           "            elif known and not _would_close_cycle(conn, child, parent):\n"
+           "                conn.execute(SET_PARENT_SQL, (parent, child))\n"
+           "            else:\n",
+           "a cycle is broken by cutting the link already attached, keeping the closing one",
+           ["test_hermes_state_portability.ParentLinks"]),
+    Mutant("unknown-parent-attached", "hermes_state_portability.py",
+           "            if known and not _would_close_cycle(conn, child, parent):\n",
+           "            if not _would_close_cycle(conn, child, parent):\n",
+           "a link to a parent the store does not hold is kept (a dangling link)",
+           ["test_hermes_state_portability.ImportRejects"]),
+    # -- FTS5-absent degradation --------------------------------------------------
+    Mutant("no-fts5-keeps-triggers", "hermes_state_search.py",
+           "            if index not in usable:\n                dropped = [",
+           "            if index not in usable and self.fts_caps.fts5:\n                dropped = [",
+           "on a runtime without FTS5 the index triggers stay, so every write to messages fails",
+           ["test_hermes_state_search.DegradedRuntimes"]),
+    Mutant("no-fts5-stamps-the-version", "hermes_state_search.py",
+           "        return not self.fts_caps.fts5\n",
+           "        return False\n",
+           "without FTS5 the schema version is advanced anyway",
+           ["test_hermes_state_search.DegradedRuntimes"]),
+    Mutant("no-fts5-index-not-marked-stale", "hermes_state_search.py",
+           "                if dropped or (FTS_INDEX_TABLES[index] in objects and not self.fts_caps.fts5):\n"
+           "                    write_meta(conn, _stale_key(index), \"1\")\n",
+           "                if dropped or (FTS_INDEX_TABLES[index] in objects and not self.fts_caps.fts5):\n"
+           "                    logger.info(\"search: the %s index is not maintained here\", index)\n",
+           "dropping an index's triggers does not mark it stale, so rows written meanwhile are never indexed",
+           ["test_hermes_state_search.DegradedRuntimes"]),
+    Mutant("no-fts5-index-counted-usable", "hermes_state_search.py",
+           "            if FTS_INDEX_TABLES[index] in objects and self.fts_caps.fts5 and \\\n",
+           "            if FTS_INDEX_TABLES[index] in objects and \\\n",
+           "an index counts as usable on a runtime that cannot maintain it",
+           ["test_hermes_state_search.DegradedRuntimes"]),
+    Mutant("broken-index-not-marked", "hermes_state_search.py",
+           "            self._mark_index_stale(exc)\n",
+           "            logger.warning(\"search: %s\", exc)\n",
+           "an index that fails during a search is not marked stale, so it is served again and never rebuilt",
+           ["test_hermes_state_search.DegradedRuntimes"]),
+    Mutant("like-wildcards-unescaped", "hermes_state_search.py",
+           '[f"%{escape_like(term.text)}%"]',
+           '[f"%{term.text}%"]',
+           "the LIKE fallback takes % and _ of the query as wildcards",
+           ["test_hermes_state_search.WildcardsThroughSearch"]),
+    Mutant("like-escape-clause-dropped", "hermes_state_common.py",
+           "COALESCE(m.{column}, '') LIKE ? ESCAPE '\\\\'",
+           "COALESCE(m.{column}, '') LIKE ?",
+           "the fallback escapes wildcards but SQLite is not told the escape character",
+           ["test_hermes_state_search.WildcardsThroughSearch"]),
+    Mutant("like-not-null-safe", "hermes_state_common.py",
+           "COALESCE(m.{column}, '') LIKE ? ESCAPE",
+           "m.{column} LIKE ? ESCAPE",
+           "a NULL column makes NOT (...) NULL in the fallback, dropping rows the index would return",
+           ["test_hermes_state_search.DegradedRuntimes"]),
+    Mutant("cjk-queue-not-searched", "hermes_state_search.py",
+           "    if index == \"cjk\" and state.cjk_pending:\n",
+           "    if False:\n",
+           "CJK rows still queued for the side index are not found",
+           ["test_hermes_state_search.SearchBehaviour"]),
+    # -- the write path: BEGIN IMMEDIATE, retry, budget -------------------------
+    Mutant("begin-deferred", "hermes_state.py",
+           '        conn.execute("BEGIN IMMEDIATE")\n',
+           '        conn.execute("BEGIN")\n',
+           "a write transaction starts deferred, taking the write lock only at its first write",
+           ["test_concurrency.WritePath"]),
+    Mutant("retry-budget-from-the-default", "hermes_state.py",
+           "                    if elapsed + pause >= self.write_budget:\n",
+           "                    if elapsed + pause >= max(self.write_budget, WRITE_BUDGET_SECONDS):\n",
+           "the retry loop waits the default 20 s whatever budget the store was given",
+           ["test_concurrency.LockedStore"]),
+    Mutant("retry-forever", "hermes_state.py",
+           "                    if elapsed + pause >= self.write_budget:\n",
+           "                    if elapsed + pause >= self.write_budget * 1000:\n",
+           "the retry loop never gives up while the store stays locked",
+           ["test_concurrency.LockedStore"]),
+    Mutant("retry-pauses-stay-short", "hermes_state.py",
+           "LATE_JITTER = (0.25, 1.0)\n",
+           "LATE_JITTER = (0.02, 0.15)\n",
+           "timing only: after 2 s of contention a writer keeps retrying every 20-150 ms instead of backing "
+           "off to 250 ms-1 s; the same rows are written, with more wake-ups",
+           ["test_concurrency.LockedStore"]),
+    Mutant("writer-lock-polled-slowly", "hermes_state.py",
+           "FILE_LOCK_POLL = (0.001, 0.004)\n",
+           "FILE_LOCK_POLL = (0.05, 0.2)\n",
+           "timing only: waiters poll the writer lock 50 times less often; every write still lands, "
+           "throughput with several processes drops (make bench measures it, the suite does not)",
+           ["test_concurrency.ManyWriters"]),
+    Mutant("no-retry-on-busy", "hermes_state.py",
+           "                    if isinstance(exc, StoreLockedError) or not is_lock_error(exc):\n",
+           "                    if True:\n",
+           "a busy store fails the write at once instead of being waited out",
+           ["test_concurrency.LockedStore"]),
+    Mutant("no-rollback-on-error", "hermes_state.py",
+           '            if conn.in_transaction:\n                conn.execute("ROLLBACK")\n',
+           '            pass\n',
+           "a failing callback leaves its transaction open and half-written",
+           ["test_concurrency.WritePath"]),
+    Mutant("queued-tokens-lost-on-failure", "hermes_state.py",
+           "        except BaseException:\n            self._tokens.put_back(batch)\n            raise\n",
+           "        except BaseException:\n            raise\n",
+           "token counts queued before a failed write are dropped with it",
+           ["test_concurrency.WritePath"]),
+    Mutant("checkpoint-error-reaches-retry", "hermes_state.py",
+           "            try:\n                conn.execute(CHECKPOINT_PASSIVE_SQL)\n"
+           "            except sqlite3.Error as exc:\n",
+           "            try:\n                conn.execute(CHECKPOINT_PASSIVE_SQL)\n"
+           "            except sqlite3.DatabaseError as exc:\n                raise\n"
+           "            except sqlite3.Error as exc:\n",
+           "a failing checkpoint after COMMIT reaches the retry loop, which writes the rows twice",
+           ["test_concurrency.CommittedMeansOnce"]),
+    Mutant("writer-file-lock-skipped", "hermes_state.py",
+           "        use_file_lock = self.policy.writer_lock and self._file_lock is not None\n",
+           "        use_file_lock = False\n",
+           "writes skip the cross-process lock that guards the WAL-reset race",
+           ["test_concurrency.LockedStore"]),
+    Mutant("thread-lock-waits-forever", "hermes_state.py",
+           "        if not self._write_lock.acquire(timeout=self.write_budget):\n",
+           "        if not self._write_lock.acquire():\n",
+           "a thread waits without limit for another thread of the process that keeps writing",
+           ["test_concurrency.ThreadsOfOneProcess"]),
+    # -- import validation --------------------------------------------------------
+    Mutant("import-messages-not-validated", "hermes_state_portability.py",
+           "    for position, message in enumerate(messages):\n"
+           "        yield from _message_errors(position, message, kinds[1])\n",
+           "",
+           "messages of an imported session are not checked before the write",
+           ["test_hermes_state_portability.ImportRejects"]),
+    Mutant("import-limit-off-by-one", "hermes_state_portability.py",
+           '    if len(sessions) > limits["sessions"]:\n',
+           '    if len(sessions) >= limits["sessions"]:\n',
+           "a batch of exactly 500 sessions is refused",
+           ["test_hermes_state_portability.CommandLine"]),
+    Mutant("import-total-not-summed", "hermes_state_portability.py",
+           '    totals["messages"] += len(messages)\n',
+           '    totals["messages"] = len(messages)\n',
+           "the 50,000-message total is checked per session, not for the payload",
+           ["test_hermes_state_portability.ImportRejects"]),
+    Mutant("import-bool-as-integer", "hermes_state_portability.py",
+           '    if kind == "integer" and (isinstance(value, bool) or not isinstance(value, int)):\n',
+           '    if kind == "integer" and not isinstance(value, int):\n',
+           "true/false are accepted where an integer column is declared",
+           ["test_hermes_state_portability.ImportRejects"]),
+    Mutant("import-counts-inactive", "hermes_state_portability.py",
+           '        if values["active"]:\n            active += 1\n',
+           '        if True:\n            active += 1\n',
+           "an imported session's message_count includes its rewound messages",
+           ["test_hermes_state_portability.ImportFixtures"]),
+    Mutant("import-restores-runtime-fields", "hermes_state_portability.py",
+           '    skipped = IMPORT_RUNTIME_FIELDS | {"id",',
+           '    skipped = {"id",',
+           "an import restores routing, identity, handoff and cooldown fields (runtime ownership)",
+           ["test_hermes_state_portability.ImportFixtures"]),
+    Mutant("cli-import-writes-chunk-by-chunk", "hermes_state_cli.py",
+           "    rejected = False\n    for number, chunk in enumerate(chunks):\n"
+           "        for error in validate_import(chunk, db.import_limits()):\n",
+           "    rejected = False\n    for number, chunk in enumerate(chunks):\n"
+           "        if not rejected and number:\n            db.import_sessions(chunks[number - 1])\n"
+           "        for error in validate_import(chunk, db.import_limits()):\n",
+           "CLI import writes each 500-session chunk before validating the next one",
+           ["test_hermes_state_portability.CommandLine"]),
+    Mutant("cli-import-error-line-per-chunk", "hermes_state_cli.py",
+           "            where = f\"session {number * IMPORT_CHUNK + error['index']}\"\n",
+           "            where = f\"session {error['index']}\"\n",
+           "CLI import names a bad session by its place in its chunk, not in the file",
+           ["test_hermes_state_portability.CommandLine"]),
+    # -- quarantine of damaged files ----------------------------------------------
+    Mutant("quarantine-name-not-unique", "hermes_state.py",
+           "    backup = path.with_name(f\"{path.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}-"
+           "{os.getpid()}.bak\")\n",
+           "    backup = path.with_name(f\"{path.name}.{reason}.bak\")\n",
+           "a second damaged file overwrites the first one's backup",
+           ["test_concurrency.DamagedFiles"]),
+    Mutant("quarantine-leaves-the-wal", "hermes_state.py",
+           '    for suffix in ("",) + SIDECAR_SUFFIXES:\n        source = Path(str(path) + suffix)\n',
+           '    for suffix in ("",):\n        source = Path(str(path) + suffix)\n',
+           "a damaged store's -wal stays behind and is taken for the fresh store's journal",
+           ["test_concurrency.DamagedFiles"]),
+    Mutant("quarantine-empty-file-is-healthy", "hermes_state.py",
+           '    if not header:\n        return "empty"\n',
+           '    if not header:\n        return None\n',
+           "a zero-length state.db is opened as it is instead of being kept aside",
+           ["test_concurrency.DamagedFiles"]),
+    Mutant("quarantine-backup-not-private", "hermes_state.py",
+           "            os.replace(source, target)\n            os.chmod(target, FILE_MODE)\n",
+           "            os.replace(source, target)\n",
+           "a store kept aside keeps whatever mode it had, not 0600",
+           ["test_concurrency.DamagedFiles"]),
+    # -- redaction -------------------------------------------------------------
+    Mutant("redact-ids-too", "hermes_state_portability.py",
+           "    if key in ID_KEYS:\n        return value\n",
+           "",
+           "redaction masks session ids that look like keys, so the export no longer imports",
+           ["test_hermes_state_portability.Redaction"]),
+    Mutant("redact-top-level-only", "hermes_state_portability.py",
+           "        return {k: redact(v, k) for k, v in value.items()}\n",
+           "        return {k: redact_text(v) if isinstance(v, str) and k not in ID_KEYS else v "
+           "for k, v in value.items()}\n",
+           "nested values (messages, tool call arguments) are not redacted",
+           ["test_hermes_state_portability.Redaction"]),
+    Mutant("redact-pem-first-line-only", "hermes_state_portability.py",
+           'PRIVATE KEY-----.*?-----END [A-Z0-9 ]*PRIVATE KEY-----", re.S), REDACTED),',
+           'PRIVATE KEY-----.*?-----END [A-Z0-9 ]*PRIVATE KEY-----"), REDACTED),',
+           "a private key spanning several lines (every real one) is not masked",
+           ["test_hermes_state_portability.Redaction"]),
+    Mutant("redact-no-jwt", "hermes_state_portability.py",
+           '    (re.compile(r"\\beyJ[A-Za-z0-9_-]{5,}\\.eyJ[A-Za-z0-9_-]{5,}\\.[A-Za-z0-9_-]{5,}"), REDACTED),\n',
+           "",
+           "JSON Web Tokens go out unmasked",
+           ["test_hermes_state_portability.Redaction"]),
+    Mutant("cli-export-ignores-redact", "hermes_state_cli.py",
+           "redact_secrets=args.redact)",
+           "redact_secrets=False)",
+           "`export --redact` writes secrets out unmasked",
+           ["test_hermes_state_portability.CommandLine"]),
+    # -- the server's auth -----------------------------------------------------
+    Mutant("server-token-compared-with-equals", "hermes_state_server.py",
+           "not hmac.compare_digest(given.strip().encode(),\n"
+           "                                                                 self.server.token.encode())",
+           "given.strip() != self.server.token",
+           "timing only: the token is compared with == (early exit) instead of in constant time",
+           ["test_hermes_state_server.Auth"]),
+    Mutant("server-no-header-no-check", "hermes_state_server.py",
+           '            if handler != "page":\n',
+           '            if handler != "page" and "Authorization" in self.headers:\n',
+           "a request without an Authorization header is let through",
+           ["test_hermes_state_server.Auth"]),
+    Mutant("server-scheme-not-checked", "hermes_state_server.py",
+           'if scheme.lower() != "bearer" or not hmac.compare_digest(',
+           'if not hmac.compare_digest(',
+           "any scheme (Basic, Token) carrying the token is accepted",
+           ["test_hermes_state_server.Auth"]),
+    Mutant("server-token-prefix-accepted", "hermes_state_server.py",
+           "not hmac.compare_digest(given.strip().encode(),\n"
+           "                                                                 self.server.token.encode())",
+           "not self.server.token.startswith(given.strip())",
+           "an empty or partial token is accepted",
+           ["test_hermes_state_server.Auth"]),
+    Mutant("server-restore-before-auth", "hermes_state_server.py",
+           '            if handler != "page":\n                self._check_token()\n'
+           '            query = parse_qs(parts.query, keep_blank_values=True)\n'
+           '            if handler == "ops_import":\n                getattr(self, handler)(query, **params)\n'
+           '                return\n',
+           '            query = parse_qs(parts.query, keep_blank_values=True)\n'
+           '            if handler == "ops_import":\n                getattr(self, handler)(query, **params)\n'
+           '                return\n'
+           '            if handler != "page":\n                self._check_token()\n',
+           "the whole-home restore runs before the token is checked",
+           ["test_hermes_state_server.Auth"]),
+    Mutant("server-logs-query-strings", "hermes_state_server.py",
+           "        path = urlsplit(self.path).path\n",
+           "        path = self.path\n",
+           "the request log keeps query strings (search text, anything a client puts there)",
+           ["test_hermes_state_server.Endpoints"]),
+    Mutant("server-private-networks-count-as-local", "hermes_state_server.py",
+           '        return ipaddress.ip_address(host.strip("[]")).is_loopback\n',
+           '        return ipaddress.ip_address(host.strip("[]")).is_private\n',
+           "the server listens on a LAN address without --allow-remote",
+           ["test_hermes_state_server.Endpoints"]),
+    # -- the drop-in contract as it stands --------------------------------------
+    Mutant("create-session-not-resume-safe", "hermes_state.py",
+           "            if conn.execute(SESSION_EXISTS_SQL, (session_id,)).fetchone():\n                return\n"
+           "            self._check_title_free",
+           "            self._check_title_free",
+           "create_session on an existing id fails instead of leaving the row alone",
+           ["test_hermes_state.Sessions"]),
+    Mutant("ensure-session-default-source", "hermes_state.py",
+           '    def ensure_session(self, session_id, source="cli", **fields):\n',
+           '    def ensure_session(self, session_id, source="import", **fields):\n',
+           "ensure_session's default source is not hermes-agent's 'cli'",
+           ["test_hermes_state.Sessions"]),
+    Mutant("search-default-limit", "hermes_state_search.py",
+           "                        limit=20, offset=0, sort=None, include_inactive=False):\n",
+           "                        limit=50, offset=0, sort=None, include_inactive=False):\n",
+           "search_messages returns 50 hits by default instead of hermes-agent's 20",
+           ["test_hermes_state_search.SearchBehaviour"]),
+    Mutant("lineage-tip-first", "hermes_state.py",
+           "            chain.insert(0, parent)\n",
+           "            chain.append(parent)\n",
+           "get_compression_lineage no longer lists ids root to tip",
+           ["test_hermes_state.Lineage"]),
+    Mutant("conversation-drops-tool-call-id", "hermes_state.py",
+           '            for key in ("tool_calls", "tool_call_id"):\n',
+           '            for key in ("tool_calls",):\n',
+           "get_messages_as_conversation loses tool_call_id, which chat APIs require on tool turns",
+           ["test_hermes_state.Messages"]),
+    Mutant("message-count-includes-rewound", "hermes_state_common.py",
+           'COUNT_SESSION_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE session_id = ? AND active = 1"',
+           'COUNT_SESSION_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE session_id = ?"',
+           "message_count(session_id) counts messages a rewind hid",
+           ["test_hermes_state.Messages"]),
+    Mutant("resolve-ambiguous-prefix", "hermes_state.py",
+           "        return matches[0][0] if len(matches) == 1 else None\n",
+           "        return matches[0][0] if matches else None\n",
+           "an ambiguous id prefix resolves to the first match instead of None",
+           ["test_hermes_state.Sessions"]),
+    Mutant("export-includes-rewound", "hermes_state_portability.py",
+           '        session["messages"] = self.get_messages(session_id)\n',
+           '        session["messages"] = self.get_messages(session_id, include_inactive=True)\n',
+           "export_session includes messages a rewind hid",
+           ["test_hermes_state_portability.Exports"]),
+]
+
+
+# ---------------------------------------------------------------------------
+# Applying a mutant
+# ---------------------------------------------------------------------------
+
+
+def tracked_files(repo):
+    """Paths (relative) of the files git knows in `repo`."""
+    listing = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True, check=True)
+    return [name for name in listing.stdout.decode("utf-8").split("\0") if name]
+
+
+def copy_repo(repo, target):
+    for name in tracked_files(repo):
+        source = repo / name
+        if source.is_file():
+            destination = target / name
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination)
+
+
+def problem_with(mutant, repo=REPO):
+    """Why `mutant` cannot be applied to `repo` as it is (STALE or BROKEN), or None."""
+    path = repo / mutant.module
+    if not path.is_file():
+        return "STALE", f"{mutant.module} does not exist"
+    for test in mutant.tests:
+        module, _, rest = test.partition(".")
+        test_file = repo / (module + ".py")
+        names = rest.split(".") if rest else []
+        source = test_file.read_text(encoding="utf-8") if test_file.is_file() else None
+        if source is None or (names and not re.search(rf"^class {re.escape(names[0])}\b", source, re.M)) or \
+                (len(names) > 1 and not re.search(rf"def {re.escape(names[1])}\b", source)):
+            return "STALE", f"its test {test} does not exist"
+    text = path.read_text(encoding="utf-8")
+    found = text.count(mutant.old)
+    if found != 1:
+        return "STALE", f"its old text is found {found} times in {mutant.module}, not once"
+    if mutant.old == mutant.new:
+        return "BROKEN", "its new text is its old text"
+    try:
+        compile(text.replace(mutant.old, mutant.new), mutant.module, "exec")
+    except SyntaxError as exc:
+        return "BROKEN", f"the mutated {mutant.module} does not compile: {exc}"
+    return None
+
+
+def apply(mutant, copy):
+    path = copy / mutant.module
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace(mutant.old, mutant.new), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------
+# Running the suite on a copy
+# ---------------------------------------------------------------------------
+
+_running = set()
+_running_lock = threading.Lock()
+_stopping = threading.Event()
+
+
+def run_tests(copy, args, timeout):
+    """(status, output) of `python -m unittest <args>` in `copy`: 'pass', 'fail' or 'timeout'."""
+    env = dict(os.environ, PYTHONPATH="", PYTHONDONTWRITEBYTECODE="1", HERMES_HOME=str(copy / ".home"))
+    env.pop("HERMES_STATE_JOURNAL", None)
+    if _stopping.is_set():
+        return "stopped", ""
+    process = subprocess.Popen([sys.executable, *args], cwd=copy, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=(os.name == "posix"))
+    with _running_lock:
+        _running.add(process)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        return ("pass" if process.returncode == 0 else "fail"), output
+    except subprocess.TimeoutExpired:
+        _kill(process)
+        output, _ = process.communicate()
+        return "timeout", output
+    finally:
+        with _running_lock:
+            _running.discard(process)
+
+
+def _kill(process):
+    """End a suite run with every process it started (its own process group)."""
+    try:
+        if os.name == "posix":
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            process.kill()
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def failing_tests(output):
+    """Ids of the tests unittest reports as FAIL or ERROR, in order."""
+    ids = []
+    for name, where in re.findall(r"^(?:FAIL|ERROR): (\S+) \(([^)\s]+)\)", output, re.M):
+        test_id = where if where.endswith("." + name) else f"{where}.{name}"
+        if test_id not in ids:
+            ids.append(test_id)
+    return ids or ["(the tests did not run: " + (output.strip().splitlines() or ["no output"])[-1] + ")"]
+
+
+Result = namedtuple("Result", "mutant verdict seconds detail")
+
+
+def run_mutant(mutant, timeout, quick, known_failures=frozenset()):
+    """KILLED, SURVIVED, TIMEOUT, STALE or BROKEN, with the killing test or the reason.
+
+    A test that already fails without the mutant (`known_failures`) kills nothing.
+    """
+    start = time.monotonic()
+    problem = problem_with(mutant)
+    if problem:
+        return Result(mutant, problem[0], 0.0, problem[1])
+    failfast = () if known_failures else ("-f",)
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as scratch:
+        copy = Path(scratch)
+        copy_repo(REPO, copy)
+        apply(mutant, copy)
+        stages = [("-m", "unittest", *failfast, *mutant.tests)] if mutant.tests else []
+        if not quick:
+            stages.append(SUITE + failfast)
+        for stage in stages:
+            status, output = run_tests(copy, stage, timeout)
+            if _stopping.is_set():
+                return Result(mutant, "STOPPED", time.monotonic() - start, "interrupted")
+            if status == "timeout":
+                return Result(mutant, "TIMEOUT", time.monotonic() - start, f"a suite run passed {timeout}s")
+            new = [t for t in failing_tests(output) if t not in known_failures] if status == "fail" else []
+            if new:
+                return Result(mutant, "KILLED", time.monotonic() - start, new[0])
+    detail = mutant.behaviour + (" (its own tests only: --quick)" if quick else "")
+    return Result(mutant, "SURVIVED", time.monotonic() - start, detail)
+
+
+def baseline(timeout, tests=None):
+    """(status, failing test ids) of the suite, or of `tests`, on an unmutated copy."""
+    with tempfile.TemporaryDirectory(prefix="mutant-baseline-") as scratch:
+        copy = Path(scratch)
+        copy_repo(REPO, copy)
+        status, output = run_tests(copy, ("-m", "unittest", *tests) if tests else SUITE, timeout)
+        return status, (failing_tests(output) if status == "fail" else [])
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def select(patterns):
+    if not patterns:
+        return list(MUTANTS)
+    chosen, unknown = [], []
+    for pattern in patterns:
+        matched = [m for m in MUTANTS if fnmatch.fnmatchcase(m.name, pattern)]
+        if not matched:
+            unknown.append(pattern)
+        chosen += [m for m in matched if m not in chosen]
+    if unknown:
+        raise SystemExit(f"mutate.py: no mutant named {', '.join(unknown)} (see --list)")
+    return chosen
+
+
+def print_result(result, done, total):
+    print(f"[{done:>2}/{total}] {result.verdict:<8} {result.mutant.name:<38} {result.seconds:6.1f}s  "
+          f"{result.detail}", flush=True)
+
+
+def summary(results, wall, min_score):
+    """Print the score line; returns the exit status."""
+    counts = {verdict: sum(r.verdict == verdict for r in results)
+              for verdict in ("KILLED", "SURVIVED", "TIMEOUT", "STALE", "BROKEN")}
+    ran = counts["KILLED"] + counts["SURVIVED"] + counts["TIMEOUT"]
+    detected = counts["KILLED"] + counts["TIMEOUT"]
+    score = 100.0 * detected / ran if ran else 0.0
+    print(f"\n{len(results)} mutants: {counts['KILLED']} killed, {counts['SURVIVED']} survived, "
+          f"{counts['TIMEOUT']} timed out, {counts['STALE']} stale, {counts['BROKEN']} broken; "
+          f"score {detected}/{ran} = {score:.1f}% (needs {min_score:g}%); {wall:.0f}s")
+    for result in results:
+        if result.verdict == "SURVIVED":
+            print(f"  survived: {result.mutant.name}: {result.mutant.behaviour}")
+    for result in results:
+        if result.verdict in ("STALE", "BROKEN"):
+            print(f"  {result.verdict.lower()}: {result.mutant.name}: {result.detail}; update it in mutate.py")
+    if counts["STALE"] or counts["BROKEN"] or score < min_score:
+        return 1
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="mutate.py", description="Mutation testing of the suite.")
+    parser.add_argument("names", nargs="*", metavar="NAME", help="mutants to run (names or patterns); default all")
+    parser.add_argument("-j", "--jobs", type=int, default=DEFAULT_JOBS, help="mutants run at once (default 2)")
+    parser.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT, help="seconds per suite run")
+    parser.add_argument("--min-score", type=float, default=MIN_SCORE, help="fail below this percentage")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run first")
+    parser.add_argument("--quick", action="store_true", help="only each mutant's own tests, not the suite")
+    parser.add_argument("--tests", nargs="+", metavar="TEST", help="with --quick: these tests instead of each "
+                        "mutant's own (does a given test kill a given bug?)")
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--check", action="store_true", help="only check that every mutant still applies")
+    args = parser.parse_args(argv)
+    mutants = select(args.names)
+    if args.tests:
+        if not args.quick:
+            parser.error("--tests goes with --quick (a score always runs the whole suite)")
+        mutants = [m._replace(tests=list(args.tests)) for m in mutants]
+    if args.list:
+        for mutant in mutants:
+            print(f"{mutant.name:<38} {mutant.module:<28} {mutant.behaviour}")
+        return 0
+    if args.check:
+        problems = [(m, problem_with(m)) for m in mutants]
+        for mutant, problem in problems:
+            if problem:
+                print(f"{problem[0]:<8} {mutant.name}: {problem[1]}")
+        bad = sum(1 for _m, p in problems if p)
+        print(f"{len(mutants) - bad} of {len(mutants)} mutants apply")
+        return 1 if bad else 0
+    start = time.monotonic()
+    known_failures = []
+    try:
+        if not args.no_baseline:
+            tests = sorted({t for m in mutants for t in m.tests if not problem_with(m)}) if args.quick else None
+            print(f"baseline: {'their tests' if tests else 'the suite'} on an unmutated copy ...", flush=True)
+            status, known_failures = baseline(args.timeout, tests)
+            if status == "timeout" or any(t.startswith("(the tests did not run") for t in known_failures):
+                print(f"baseline: the unmutated suite does not run ({status}: {known_failures}); no score")
+                return 2
+            for test_id in known_failures:
+                print(f"baseline: FAILS WITHOUT ANY MUTANT: {test_id} (it kills nothing in this run)")
+            print(f"baseline: done ({time.monotonic() - start:.0f}s)", flush=True)
+        results = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            futures = [pool.submit(run_mutant, m, args.timeout, args.quick, frozenset(known_failures))
+                       for m in mutants]
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    results.append(future.result())
+                    print_result(results[-1], len(results), len(mutants))
+            except KeyboardInterrupt:
+                _stopping.set()
+                for future in futures:
+                    future.cancel()
+                with _running_lock:
+                    for process in list(_running):
+                        _kill(process)
+                raise
+    except KeyboardInterrupt:
+        print("\ninterrupted")
+        return 130
+    order = {m.name: i for i, m in enumerate(mutants)}
+    results.sort(key=lambda r: order[r.mutant.name])
+    if args.quick:
+        print("\n--quick: each mutant met only its own tests; this is not a mutation score")
+        return 1 if any(r.verdict in ("STALE", "BROKEN") for r in results) else 0
+    status = summary(results, time.monotonic() - start, args.min_score)
+    if known_failures:
+        print(f"the unmutated suite fails {len(known_failures)} test(s), listed at the top; "
+              "the score leaves them out, and the run fails until they pass")
+        return 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

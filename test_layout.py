@@ -1,0 +1,205 @@
+"""The shape of the code: docstrings, import layers, mixin names, the CLI's README rows.
+
+Modules are found by glob, so a new `hermes_state_<concern>.py` is checked the
+day it appears: it lands in the concern-mixin layer unless it is one of the
+fixed modules below.
+"""
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+import sysconfig
+import unittest
+
+from test_support import REPO
+
+# Each module may import project modules of lower layers only (and the standard library).
+FIXED_LAYERS = {
+    "hermes_constants": 0,
+    "hermes_state_common": 1,
+    "hermes_state_schema": 2,
+    # 3: every other hermes_state_<concern>.py, a concern mixin
+    "hermes_state": 4,
+    "hermes_state_server": 5,
+    "hermes_state_cli": 6,  # the command line starts the server (`serve`), never the reverse
+}
+MIXIN_LAYER = 3
+# Standard modules of one platform only, which find_spec cannot see on the other (before 3.10,
+# which lists every platform's in sys.stdlib_module_names).
+PLATFORM_STDLIB = {"msvcrt", "winreg", "_winapi", "nt", "fcntl", "termios", "pwd", "grp", "resource", "posix"}
+
+
+def project_modules():
+    """{module name: path} of every product module at the repo root."""
+    return {path.stem: path for path in sorted(REPO.glob("hermes_*.py"))}
+
+
+def layer_of(name):
+    return FIXED_LAYERS.get(name, MIXIN_LAYER)
+
+
+def _is_main_block(node):
+    """`if __name__ == "__main__":` at module level."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and len(test.comparators) == 1 and getattr(test.comparators[0], "value", None) == "__main__")
+
+
+def imports_of(source, skip_main_block=False):
+    """(line, module, [names]) for every import anywhere in `source`, functions included."""
+    tree = ast.parse(source)
+    skipped = set()
+    if skip_main_block:
+        for node in tree.body:
+            if _is_main_block(node):
+                skipped.update(id(inner) for inner in ast.walk(node))
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            found.append((node.lineno, module, [alias.name for alias in node.names]))
+    return sorted(found)
+
+
+def is_stdlib(top):
+    names = getattr(sys, "stdlib_module_names", None)
+    if names is not None:
+        return top in names
+    if top in sys.builtin_module_names or top in PLATFORM_STDLIB:
+        return True
+    spec = importlib.util.find_spec(top)
+    if spec is None or spec.origin in (None, "built-in", "frozen"):
+        return spec is not None
+    paths = sysconfig.get_paths()
+    return spec.origin.startswith((paths["stdlib"], paths["platstdlib"])) and "site-packages" not in spec.origin
+
+
+def classes_of(module_name):
+    module = importlib.import_module(module_name)
+    return [obj for obj in vars(module).values() if inspect.isclass(obj) and obj.__module__ == module_name]
+
+
+def mixin_classes():
+    """Every class named *Mixin defined in a hermes_state_*.py module."""
+    return [cls for name in project_modules() if name.startswith("hermes_state_")
+            for cls in classes_of(name) if cls.__name__.endswith("Mixin")]
+
+
+def public_names(cls):
+    return {name for name in vars(cls) if not name.startswith("_")}
+
+
+def _function(raw):
+    """The function behind a class attribute (method, static/class method, property), or None."""
+    if isinstance(raw, property):
+        return raw.fget
+    raw = getattr(raw, "__func__", raw)
+    return raw if inspect.isfunction(raw) else None
+
+
+class Docstrings(unittest.TestCase):
+
+    def test_every_public_method_of_the_store_and_its_mixins_has_a_docstring(self):
+        from hermes_state import SessionDB
+        owners = [SessionDB] + mixin_classes()
+        missing = set()
+        for owner in owners:
+            for name in sorted(dir(owner)):
+                if name.startswith("_"):
+                    continue
+                defining = next(k for k in owner.__mro__ if name in vars(k))
+                if not defining.__module__.startswith("hermes_"):
+                    continue
+                function = _function(vars(defining)[name])
+                if function is not None and not (function.__doc__ or "").strip():
+                    missing.add(f"{defining.__name__}.{name} ({defining.__module__}.py)")
+        self.assertEqual(sorted(missing), [], "public methods without a docstring")
+
+
+# The one import of hermes-agent's own code, inside a function that answers None outside
+# hermes-agent (hermes_state_common.hermes_agent_config): its config.yaml sets caps and modes.
+HERMES_AGENT_IMPORTS = {("hermes_state_common", "hermes_cli")}
+
+
+class ImportLayers(unittest.TestCase):
+
+    def test_modules_import_only_lower_layers_and_the_standard_library(self):
+        modules = project_modules()
+        self.assertIn("hermes_state", modules)
+        problems = []
+        for name, path in modules.items():
+            layer = layer_of(name)
+            # `python -m hermes_state` runs the command line from its __main__ block.
+            source = path.read_text(encoding="utf-8")
+            for line, module, names in imports_of(source, skip_main_block=(name == "hermes_state")):
+                top = module.split(".")[0]
+                where = f"{path.name}:{line} imports {module}"
+                if module.startswith("."):
+                    problems.append(f"{where}: relative imports are not used here")
+                elif top in modules:
+                    if layer_of(top) >= layer and not (layer == MIXIN_LAYER and top == name):
+                        problems.append(f"{where}: a layer-{layer} module may import layers below {layer} only"
+                                        + (" (a mixin never imports another mixin)" if layer_of(top) == layer
+                                           else ""))
+                    elif layer == MIXIN_LAYER and top == "hermes_state_schema":
+                        problems += [f"{where}: a mixin takes the schema module's helpers, not its mixin ({n})"
+                                     for n in names if n.endswith("Mixin")]
+                elif not is_stdlib(top) and (name, module) not in HERMES_AGENT_IMPORTS:
+                    problems.append(f"{where}: not the standard library")
+        self.assertEqual(problems, [])
+
+    def test_the_layer_check_sees_imports_inside_functions_and_skips_only_the_main_block(self):
+        source = ("import json\n"
+                  "def helper():\n    from hermes_state import SessionDB\n"
+                  "class Mixin:\n    def method(self):\n        import hermes_state_search as s\n"
+                  "if __name__ == '__main__':\n    from hermes_state_cli import main\n")
+        self.assertEqual([m for _line, m, _names in imports_of(source)],
+                         ["json", "hermes_state", "hermes_state_search", "hermes_state_cli"])
+        self.assertEqual([m for _line, m, _names in imports_of(source, skip_main_block=True)],
+                         ["json", "hermes_state", "hermes_state_search"])
+
+
+class MixinNames(unittest.TestCase):
+
+    def test_no_two_mixins_and_no_mixin_and_the_store_define_one_public_name(self):
+        from hermes_state import SessionDB
+        owners = mixin_classes() + [SessionDB]
+        self.assertGreaterEqual(len(owners), 4)
+        clashes = []
+        for i, first in enumerate(owners):
+            for second in owners[i + 1:]:
+                for name in sorted(public_names(first) & public_names(second)):
+                    clashes.append(f"{name}: {first.__name__} and {second.__name__}")
+        self.assertEqual(clashes, [])
+
+
+class CommandLineReadme(unittest.TestCase):
+
+    def commands(self):
+        from hermes_state_cli import build_parser
+        actions = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+        self.assertEqual(len(actions), 1)
+        return set(actions[0].choices)
+
+    def readme_rows(self):
+        text = (REPO / "README.md").read_text(encoding="utf-8")
+        section = text.split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]
+        return {match.group(1) for match in re.finditer(r"^\| `([a-z][a-z-]*)[ `]", section, re.M)}
+
+    def test_every_cli_command_has_its_readme_row_and_every_row_a_command(self):
+        commands, rows = self.commands(), self.readme_rows()
+        self.assertGreaterEqual(len(commands), 10)
+        self.assertEqual(sorted(commands - rows), [], "commands without a row in README's 'Command line' table")
+        self.assertEqual(sorted(rows - commands), [], "README rows for commands the CLI does not have")
+
+
+if __name__ == "__main__":
+    unittest.main()
