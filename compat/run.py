@@ -29,6 +29,7 @@ import venvs  # noqa: E402
 OUT = os.path.join(HERE, "out")
 DELIBERATE = os.path.join(HERE, "deliberate.txt")
 E2E_TIMEOUT = 900
+API_TIMEOUT = 300
 
 
 # ---- deliberate differences -------------------------------------------------------------------------
@@ -215,6 +216,25 @@ def compare_e2e_step(ref, ours, seen_rows):
     return out
 
 
+def run_api_worker(kind, venv, overlay, self_check):
+    """Return the API record of one venv, or {'died': why} when its worker crashed or hung."""
+    out_file, log_file = os.path.join(OUT, "api-%s.json" % kind), os.path.join(OUT, "api-%s.log" % kind)
+    env = venvs.target_env("ref" if self_check else kind, overlay)
+    with open(log_file, "w") as log:
+        try:
+            status = subprocess.run([venvs.venv_python(venv), os.path.join(HERE, "api_worker.py"), out_file],
+                                    env=env, cwd=OUT, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    timeout=API_TIMEOUT).returncode
+        except subprocess.TimeoutExpired:
+            return {"died": "the API worker ran over %d s (a hang?)" % API_TIMEOUT}
+    if status != 0 or not os.path.exists(out_file):
+        with open(log_file) as fh:
+            last = (fh.read().strip().splitlines() or [""])[-1]
+        return {"died": "the API worker exited %s: %s" % (status, last)}
+    with open(out_file) as fh:
+        return json.load(fh)
+
+
 def run_e2e(kind, venv, overlay, out_file, log_file):
     """Start e2e.py for one venv (in a private network namespace when possible); return the Popen."""
     cmd = [sys.executable, os.path.join(HERE, "e2e.py"), "--kind", kind, "--venv", venv, "--out", out_file]
@@ -262,20 +282,17 @@ def main(argv=None):
         timings = {}
         if args.only != "e2e":
             t0 = time.monotonic()
-            for kind, venv in (("ref", ref_venv), ("swap", swap_venv)):
-                env = venvs.target_env("ref" if args.self_check else kind, overlay)
-                subprocess.run([venvs.venv_python(venv), os.path.join(HERE, "api_worker.py"),
-                                os.path.join(OUT, "api-%s.json" % kind)], env=env, cwd=OUT, check=True,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=open(os.path.join(OUT, "api-%s.log" % kind), "w"))
-            with open(os.path.join(OUT, "api-ref.json")) as fh:
-                ref_api = json.load(fh)
-            with open(os.path.join(OUT, "api-swap.json")) as fh:
-                our_api = json.load(fh)
-            ours_by_name = {s["name"]: s for s in our_api["scenarios"]}
+            ref_api = run_api_worker("ref", ref_venv, overlay, args.self_check)
+            our_api = run_api_worker("swap", swap_venv, overlay, args.self_check)
+            if "died" in ref_api:
+                raise SystemExit("compat: the API scenarios failed on the reference itself: " + ref_api["died"])
+            ours_by_name = {s["name"]: s for s in our_api.get("scenarios", [])}
             for scenario in ref_api["scenarios"]:
                 ours = ours_by_name.get(scenario["name"])
-                diffs = ["not run in ours"] if ours is None else compare_api_scenario(scenario, ours, paths)
+                if ours is None:
+                    diffs = ["not run in ours: " + normalise.Normaliser(paths).text(our_api.get("died", "missing"))]
+                else:
+                    diffs = compare_api_scenario(scenario, ours, paths)
                 results.append(("api/" + scenario["name"], diffs))
             timings["api"] = time.monotonic() - t0
         if args.only != "api":
