@@ -16,6 +16,7 @@ import difflib
 import fnmatch
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -193,8 +194,23 @@ def compare_api_scenario(ref, ours, paths):
 
 # ---- the end-to-end run -----------------------------------------------------------------------------
 
+CRASH_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+
+
+def crash(lines):
+    """Return the last exception line of a Python traceback in `lines`, or None."""
+    if not any(line.startswith("Traceback (most recent call last)") for line in lines):
+        return None
+    found = [line for line in lines if CRASH_LINE.match(line)]
+    return found[-1] if found else "a traceback without an exception line"
+
+
 def compare_e2e_step(ref, ours, seen_rows):
     out = []
+    ref_crash, our_crash = crash(ref["stderr"] + ref["stdout"]), crash(ours["stderr"] + ours["stdout"])
+    if our_crash != ref_crash:
+        # First, so the cause shows above the traceback's lines.
+        out.append("crash: ref %s, ours %s" % (ref_crash or "none", our_crash or "none"))
     if ref["exit"] != ours["exit"]:
         out.append("exit: ref %s, ours %s" % (ref["exit"], ours["exit"]))
     for stream in ("stdout", "stderr"):
