@@ -3,10 +3,12 @@
 # make bench - speed and memory ratios, printed as a table
 # make demo  - build and show an example store in a temporary home
 # make mutate - mutation testing: each named bug in mutate.py must fail the suite (slow, not in CI)
+# make compat - hermes-agent 0.20.1.2 on its own state layer vs on ours (venvs cached outside the repo,
+#               made from PyPI on first use): one PASS/FAIL line per scenario, then "N passed, N failed"
 SHELL := /bin/bash
 PYTHON ?= python3
 
-.PHONY: test test-all bench demo mutate
+.PHONY: test test-all bench demo mutate compat
 
 test:
 	@log=$$(mktemp); \
@@ -53,3 +55,6 @@ demo:
 
 mutate:
 	@$(PYTHON) mutate.py
+
+compat:
+	@$(PYTHON) compat/run.py

@@ -1,0 +1,163 @@
+"""Runs the API scenarios of `api_scenarios.py` against whichever `hermes_state` this Python imports.
+
+Owns: calling each scenario step on a fresh SessionDB in a temp folder and recording, per step, the
+return value (as JSON) or the exception (class names along its MRO, message), and the stored rows
+after the step. Must not touch: anything outside its temp folder. It compares nothing: `run.py` runs
+it once in the reference venv and once in the swap venv and compares the two records.
+
+Usage: python api_worker.py OUT.json   (prints nothing on success; a scenario that cannot start is
+recorded as such, so one missing name never hides the rest)
+"""
+
+import datetime
+import json
+import os
+import pathlib
+import shutil
+import sqlite3
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import api_scenarios  # noqa: E402  (same folder)
+
+TABLES = (("sessions", "started_at, id"), ("messages", "id"), ("session_model_usage", "rowid"))
+
+
+def jsonable(value, depth=0):
+    """Return `value` as plain JSON data; what JSON cannot hold becomes a tagged text."""
+    if depth > 20:
+        return "<too deep>"
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else repr(value)
+    if isinstance(value, sqlite3.Row):
+        return {k: jsonable(value[k], depth + 1) for k in value.keys()}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v, depth + 1) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return {"<set>": sorted(jsonable(v, depth + 1) for v in value)}
+    if isinstance(value, bytes):
+        return {"<bytes>": value.decode("utf-8", "replace")}
+    if isinstance(value, BaseException):
+        return {"<exception>": describe_exception(value)}
+    if isinstance(value, (pathlib.PurePath, datetime.date)):
+        return {"<%s>" % type(value).__name__: str(value)}
+    return {"<object>": type(value).__name__}
+
+
+def resolve(arg, saved):
+    """Replace '@name' / '@name.key.0' references and {'$exc': [...]} constructors in a step's arguments."""
+    if isinstance(arg, str) and arg.startswith("@"):
+        name, *path = arg[1:].split(".")
+        value = saved[name]
+        for key in path:
+            value = value[int(key)] if isinstance(value, (list, tuple)) else value[key]
+        return value
+    if isinstance(arg, dict) and set(arg) == {"$exc"}:
+        module, _, cls = arg["$exc"][0].rpartition(".")
+        return getattr(__import__(module or "builtins"), cls)(*arg["$exc"][1:])
+    if isinstance(arg, dict) and set(arg) == {"$path"}:
+        return pathlib.Path(saved["<root>"]) / arg["$path"]
+    if isinstance(arg, dict):
+        return {k: resolve(v, saved) for k, v in arg.items()}
+    if isinstance(arg, list):
+        return [resolve(v, saved) for v in arg]
+    return arg
+
+
+def dump_rows(db_file):
+    """Return {table: {columns, rows}} read from a copy of the store, or {table: {error}}."""
+    scratch = tempfile.mkdtemp(prefix="hermes-compat-rows-")
+    out = {}
+    try:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            if os.path.exists(db_file + suffix):
+                shutil.copy2(db_file + suffix, os.path.join(scratch, "copy.db" + suffix))
+        if not os.path.exists(os.path.join(scratch, "copy.db")):
+            return {"<no store file>": True}
+        conn = sqlite3.connect(os.path.join(scratch, "copy.db"))
+        try:
+            for table, order in TABLES:
+                try:
+                    cur = conn.execute("SELECT * FROM %s ORDER BY %s" % (table, order))
+                    out[table] = {"columns": [d[0] for d in cur.description],
+                                  "rows": [jsonable(list(r)) for r in cur.fetchall()]}
+                except sqlite3.Error as exc:
+                    out[table] = {"error": "%s: %s" % (type(exc).__name__, exc)}
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        out["<error>"] = "%s: %s" % (type(exc).__name__, exc)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
+def describe_exception(exc):
+    return {"raises": [c.__qualname__ for c in type(exc).__mro__ if c is not object],
+            "message": str(exc)[:300]}
+
+
+def run_step(step, db, modules, saved):
+    kind = step.get("on", "db")
+    target = db if kind == "db" else modules[kind]
+    obj = getattr(target, step["call"])
+    if step.get("attr"):
+        return obj
+    args = resolve(step.get("args", []), saved)
+    kwargs = resolve(step.get("kwargs", {}), saved)
+    return obj(*args, **kwargs)
+
+
+def run_scenario(name, steps):
+    root = tempfile.mkdtemp(prefix="hermes-compat-api-")
+    os.environ["HERMES_HOME"] = os.path.join(root, "home")
+    os.makedirs(os.environ["HERMES_HOME"])
+    db_file = os.path.join(root, "state.db")
+    record = {"name": name, "root": root, "steps": []}
+    saved = {"<root>": root}
+    db = None
+    try:
+        modules = {}
+        for module in ("hermes_state", "hermes_state_common"):
+            modules[module] = __import__(module)
+        db = modules["hermes_state"].SessionDB(db_path=pathlib.Path(db_file))
+        modules["SessionDB"] = modules["hermes_state"].SessionDB
+    except Exception as exc:  # the scenario cannot start: record why and stop
+        record["setup"] = describe_exception(exc)
+        shutil.rmtree(root, ignore_errors=True)
+        return record
+    for step in steps:
+        entry = {"call": api_scenarios.describe(step)}
+        try:
+            value = run_step(step, db, modules, saved)
+            entry["returns"] = jsonable(value)
+            if step.get("save"):
+                saved[step["save"]] = value
+        except Exception as exc:
+            entry.update(describe_exception(exc))
+        entry["rows"] = dump_rows(db_file)
+        record["steps"].append(entry)
+    try:
+        db.close()
+    except Exception as exc:
+        record["close"] = describe_exception(exc)
+    shutil.rmtree(root, ignore_errors=True)
+    return record
+
+
+def main(argv):
+    results = []
+    for name, steps in api_scenarios.SCENARIOS:
+        results.append(run_scenario(name, steps))
+    with open(argv[0], "w") as fh:
+        json.dump({"python": sys.version.split()[0], "scenarios": results}, fh, indent=1, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,279 @@
+"""End-to-end run of hermes-agent's CLI against the fake model server, for one venv (ref or swap).
+
+Owns: the scripted sequence of `hermesx` commands, the temp HERMES_HOME it runs in, and the
+normalised record of each step (exit code, stdout, stderr, the requests the model server received,
+the stored rows after the step), written as JSON for `run.py` to compare. Must not touch: anything
+outside its temp folder; any network but 127.0.0.1 (`run.py` starts it in a private network
+namespace when it can).
+
+Usage: python3 e2e.py --kind ref|swap --venv PATH [--overlay DIR] --out FILE
+"""
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fake_llm  # noqa: E402  (the folder is a tool box, not a package)
+import normalise  # noqa: E402
+
+# A step of the reference takes seconds; these bound a hang in ours so `make compat` still reports.
+STEP_TIMEOUT = 60
+RUN_BUDGET = 600
+# The fake server titles a session "Title " + its first four words (see fake_llm.plan_reply).
+TITLE_OF_TOOL_TURN = "Title Please TOOL read file"
+
+
+def q(prompt):
+    return ["chat", "-Q", "-q", prompt]
+
+
+# (name, argv with {placeholders}, name to capture the printed session id under, or None)
+STEPS = [
+    ("turn-plain", q("Say hello to banana"), "A"),
+    ("turn-tool-read_file", q("Please TOOL:read_file notes.txt"), "B"),
+    ("oneshot-z", ["-z", "Oneshot about apples"], None),
+    ("resume-id", ["chat", "-Q", "--resume", "{A}", "-q", "Tell me more about banana"], None),
+    ("continue-latest", ["chat", "-Q", "--continue", "-q", "Continue with cherries"], None),
+    ("continue-title", ["chat", "-Q", "-c", TITLE_OF_TOOL_TURN, "-q", "Back to the notes"], None),
+    ("turn-session_search", q("Find it TOOL:session_search banana"), "C"),
+    ("sessions-list", ["sessions", "list"], None),
+    ("sessions-stats", ["sessions", "stats"], None),
+    ("sessions-export-jsonl", ["sessions", "export", "-", "--session-id", "{A}"], None),
+    ("sessions-export-md", ["sessions", "export", "--format", "md", "--session-id", "{B}", "{root}/export-md"],
+     None),
+    ("sessions-rename", ["sessions", "rename", "{B}", "Renamed", "notes", "session"], None),
+    ("continue-renamed", ["chat", "-Q", "-c", "Renamed notes session", "-q", "Renamed works"], None),
+    ("sessions-list-renamed", ["sessions", "list"], None),
+    # Only ended sessions are archived or pruned: the -z session is the one a one-shot ends.
+    ("sessions-archive", ["sessions", "archive", "--title", "Oneshot", "--yes"], None),
+    ("sessions-list-archived", ["sessions", "list"], None),
+    ("sessions-delete", ["sessions", "delete", "{C}", "--yes"], None),
+    ("sessions-prune-dry-run", ["sessions", "prune", "--title", "Oneshot", "--include-archived", "--dry-run"],
+     None),
+    ("sessions-prune", ["sessions", "prune", "--title", "Oneshot", "--include-archived", "--yes"], None),
+    ("sessions-optimize", ["sessions", "optimize"], None),
+    ("sessions-stats-final", ["sessions", "stats"], None),
+    ("insights", ["insights"], None),
+    ("doctor", ["doctor"], None),
+]
+
+CONFIG = """\
+model:
+  default: {model}
+  provider: custom
+  base_url: http://127.0.0.1:{port}/v1
+  api_key: sk-compat-fake
+security:
+  allow_lazy_installs: false
+  tirith_enabled: false
+agent:
+  # Its toolchain line lands in the system prompt only when a timed probe wins a race.
+  environment_probe: false
+model_catalog:
+  enabled: false
+models_dev:
+  url: http://127.0.0.1:{port}/models-dev.json
+"""
+
+
+def _dump_table(conn, table, order):
+    try:
+        cur = conn.execute("SELECT * FROM %s ORDER BY %s" % (table, order))
+    except sqlite3.Error as exc:
+        return {"error": type(exc).__name__ + ": " + str(exc)}
+    names = [d[0] for d in cur.description]
+    return {"columns": names, "rows": [list(r) for r in cur.fetchall()]}
+
+
+def dump_store(db_path):
+    """Return the stored rows that matter to hermes-agent's callers, raw (normalised later)."""
+    if not os.path.exists(db_path):
+        return {"missing": True}
+    # A copy, so reading never takes a lock the next step would trip on.
+    scratch = tempfile.mkdtemp(prefix="hermes-compat-dump-")
+    try:
+        for path in glob.glob(db_path + "*"):
+            shutil.copy2(path, scratch)
+        conn = sqlite3.connect(os.path.join(scratch, os.path.basename(db_path)))
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            out = {
+                "sessions": _dump_table(conn, "sessions", "started_at, rowid"),
+                "messages": _dump_table(conn, "messages", "id"),
+            }
+            if "session_model_usage" in tables:
+                out["session_model_usage"] = _dump_table(conn, "session_model_usage",
+                                                         "session_id, task, model, billing_base_url")
+            else:
+                out["session_model_usage"] = {"error": "no such table: session_model_usage"}
+            prompts = {}
+            if "system_prompts" in tables:
+                prompts = dict(conn.execute("SELECT hash, prompt FROM system_prompts").fetchall())
+            out["system_prompts_by_hash"] = prompts
+            return out
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return {"error": type(exc).__name__ + ": " + str(exc)}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def summarise_request(entry):
+    """Return what the client sent in one chat request, reduced to what the state layer can change."""
+    body = entry.get("body")
+    if not isinstance(body, dict):
+        return {"method": entry["method"], "path": entry["path"], "body": body}
+    messages = []
+    for m in body.get("messages") or []:
+        item = {"role": m.get("role")}
+        content = m.get("content")
+        # Whole, so a difference in the system prompt shows where it starts.
+        item["content"] = fake_llm._text(content)
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if m.get(key):
+                item[key] = m[key]
+        if m.get("tool_calls"):
+            item["tool_calls"] = [(c.get("function") or {}).get("name") for c in m["tool_calls"]]
+        messages.append(item)
+    return {
+        "method": "POST", "path": entry["path"], "stream": bool(body.get("stream")),
+        "response_format": ((body.get("response_format") or {}).get("json_schema") or {}).get("name"),
+        "tools": sorted((t.get("function") or {}).get("name") for t in body.get("tools") or []),
+        "messages": messages,
+    }
+
+
+def read_new_requests(log_path, offset):
+    with open(log_path, encoding="utf-8") as fh:
+        fh.seek(offset)
+        data = fh.read()
+        end = fh.tell()
+    return [json.loads(line) for line in data.splitlines() if line.strip()], end
+
+
+def export_files(folder):
+    """Return {relative path: text} for the files an export step wrote."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(folder, "**", "*"), recursive=True)):
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                out[os.path.relpath(path, folder)] = fh.read()
+    return out
+
+
+def run_hermes(argv, cwd, env):
+    """Return (exit code or 'timeout', stdout, stderr) of one command; a hang is killed with its children."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=STEP_TIMEOUT)
+        return proc.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return "timeout", stdout, stderr
+
+
+def run(kind, venv, overlay, out_path):
+    root = tempfile.mkdtemp(prefix="hermes-compat-e2e-%s-" % kind)
+    home, user_home, work = (os.path.join(root, n) for n in ("home", "user", "work"))
+    for folder in (home, user_home, work):
+        os.makedirs(folder)
+    with open(os.path.join(work, "notes.txt"), "w") as fh:
+        fh.write("hello notes about banana\n")
+    log_path = os.path.join(root, "requests.jsonl")
+    server = fake_llm.start(log_path)
+    port = server.server_address[1]
+    with open(os.path.join(home, "config.yaml"), "w") as fh:
+        fh.write(CONFIG.format(model=fake_llm.MODEL, port=port))
+
+    import venvs  # noqa: E402  (same folder)
+    env = venvs.target_env(kind, overlay)
+    env.update({
+        "HERMES_HOME": home, "HOME": user_home, "HERMES_DISABLE_LAZY_INSTALLS": "1",
+        "TERM": "dumb", "NO_COLOR": "1", "COLUMNS": "160", "LINES": "50", "PYTHONUNBUFFERED": "1",
+        "TZ": "UTC",
+    })
+    for key in list(env):
+        # Keys that would send hermes-agent to a real provider or change its mode.
+        if key.endswith("_API_KEY") or key.startswith(("HERMES_", "OPENAI_", "ANTHROPIC_", "OPENROUTER_")):
+            if key not in ("HERMES_HOME", "HERMES_DISABLE_LAZY_INSTALLS"):
+                env.pop(key)
+    hermes = os.path.join(venv, "bin", "hermesx")
+    norm = normalise.Normaliser({
+        root: "<root>", venvs.site_packages(venv): "<site>", overlay or "\0": "<site>", venv: "<venv>",
+    }, port)
+    captured = {"root": root}
+    steps = []
+    offset = 0
+    run_started = time.monotonic()
+    db_path = os.path.join(home, "state.db")
+    for name, template, capture in STEPS:
+        missing = [m for m in re.findall(r"\{(\w+)\}", " ".join(template)) if m not in captured]
+        argv = template if missing else [part.format(**captured) for part in template]
+        started = time.monotonic()
+        if missing:
+            rc, stdout, stderr = "not run", "", "compat: no session id captured for %s" % ", ".join(missing)
+        elif started - run_started > RUN_BUDGET:
+            rc, stdout, stderr = "not run", "", "compat: the e2e time budget (%d s) is spent" % RUN_BUDGET
+        else:
+            rc, stdout, stderr = run_hermes([hermes] + argv, work, env)
+        seconds = time.monotonic() - started
+        # hermes-agent prints "session_id: ID" on stderr; the id comes from its CLI, not the state layer.
+        printed = re.findall(r"session_id:\s*(\S+)", stdout + "\n" + stderr)
+        if capture and printed:
+            captured[capture] = printed[-1]
+        for sid in printed:
+            norm.label_session(sid)
+        requests, offset = read_new_requests(log_path, offset)
+        store = dump_store(db_path)
+        norm.label_sessions_from_store(store)
+        record = {
+            "name": name,
+            "argv": norm.text(" ".join(argv)),
+            "exit": rc,
+            "seconds": round(seconds, 1),
+            "stdout": norm.lines_json(stdout),
+            "stderr": norm.lines(stderr),
+            # Model-list probes (GET) come from background threads in varying number: not compared.
+            "requests": sorted((norm.value(summarise_request(r)) for r in requests if r["method"] != "GET"),
+                               key=lambda r: json.dumps(r, sort_keys=True)),
+            "store": norm.store(store),
+        }
+        if name == "sessions-export-md":
+            record["files"] = {norm.text(k): norm.lines(v) for k, v in export_files(os.path.join(root, "export-md")).items()}
+        steps.append(record)
+        print("e2e %s: %-24s exit %-7s %5.1f s" % (kind, name, rc, seconds), file=sys.stderr, flush=True)
+    server.shutdown()
+    with open(out_path, "w") as fh:
+        json.dump({"kind": kind, "steps": steps}, fh, indent=1, sort_keys=True)
+    if os.environ.get("COMPAT_KEEP"):
+        print("e2e %s: kept %s" % (kind, root), file=sys.stderr)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=("ref", "swap"), required=True)
+    parser.add_argument("--venv", required=True)
+    parser.add_argument("--overlay")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    run(args.kind, args.venv, args.overlay, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The two Python environments `make compat` runs hermes-agent in, kept in a cache outside the repo.
+
+Owns: making, checking and describing the reference venv (`ref-<version>`: hermes-agent installed from
+PyPI, unmodified) and the swap venv (`swap-<version>`: the same pinned install with the reference's
+five `hermes_state*.py` removed), and the per-run overlay folder holding this checkout's
+`hermes_state*.py`. Must not touch: the repo's product modules (it only copies them), anything in the
+cache besides its own folders.
+
+Why an overlay instead of copying into the swap venv's site-packages: helpers and CI may run
+`make compat` from several checkouts at once on one machine; each run puts its own copies in a fresh
+temp folder first on PYTHONPATH, so runs never see each other's modules. With the reference's five
+deleted from the swap venv, a module we lack fails to import instead of silently falling back to the
+reference's. hermes-agent's own `hermes_constants.py` stays (DROP-IN.md): ours is never copied.
+
+The cache is `$HERMES_COMPAT_CACHE`, else `~/.cache/hermes_state_compat`. A venv is rebuilt when its
+stamp (requirements hash, Python version, kind) does not match; building holds a file lock, so two
+runs never build the same venv at once.
+"""
+
+import fcntl
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+REQUIREMENTS = os.path.join(HERE, "requirements.txt")
+REFERENCE_VERSION = "0.20.1.2"
+# The reference's state layer: exactly these are removed from the swap venv.
+REFERENCE_STATE_MODULES = (
+    "hermes_state.py",
+    "hermes_state_common.py",
+    "hermes_state_portability.py",
+    "hermes_state_schema.py",
+    "hermes_state_search.py",
+)
+SUPPORTED_PYTHONS = ((3, 11), (3, 12), (3, 13))  # hermes-agent 0.20.1.2 requires >=3.11,<3.14
+
+
+def cache_root():
+    """Return the cache folder (created if missing)."""
+    root = os.environ.get("HERMES_COMPAT_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "hermes_state_compat")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def _python_version(python):
+    try:
+        out = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    major, minor = out.stdout.strip().split(".")
+    return int(major), int(minor)
+
+
+def find_python():
+    """Return the path of a CPython hermes-agent supports: $COMPAT_PYTHON, python3, then pyenv's."""
+    candidates = []
+    if os.environ.get("COMPAT_PYTHON"):
+        candidates.append(os.environ["COMPAT_PYTHON"])
+    candidates.append(sys.executable)
+    candidates.append(shutil.which("python3") or "python3")
+    pyenv_root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    for major, minor in SUPPORTED_PYTHONS:
+        candidates.extend(sorted(glob.glob(os.path.join(pyenv_root, "versions", "%d.%d.*" % (major, minor),
+                                                         "bin", "python3")), reverse=True))
+    for python in candidates:
+        if _python_version(python) in SUPPORTED_PYTHONS:
+            return os.path.realpath(python) if os.path.exists(python) else python
+    raise SystemExit("compat: no CPython 3.11-3.13 found (set COMPAT_PYTHON)")
+
+
+def _stamp(kind, python):
+    with open(REQUIREMENTS, "rb") as fh:
+        digest = hashlib.sha256(fh.read()).hexdigest()[:16]
+    version = "%d.%d" % _python_version(python)
+    return "kind=%s requirements=%s python=%s\n" % (kind, digest, version)
+
+
+def venv_python(path):
+    return os.path.join(path, "bin", "python")
+
+
+def site_packages(path):
+    """Return the site-packages folder of the venv at `path`."""
+    found = glob.glob(os.path.join(path, "lib", "python3.*", "site-packages"))
+    if len(found) != 1:
+        raise SystemExit("compat: cannot find site-packages in %s" % path)
+    return found[0]
+
+
+def _pip_install(path, log):
+    cmd = [venv_python(path), "-m", "pip", "install", "--disable-pip-version-check", "--no-input",
+           "-r", REQUIREMENTS]
+    with open(log, "w") as out:
+        status = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+    if status != 0:
+        with open(log) as fh:
+            tail = "".join(fh.readlines()[-20:])
+        raise SystemExit("compat: pip install failed (log %s):\n%s" % (log, tail))
+
+
+def _remove_reference_state(path):
+    site = site_packages(path)
+    for name in REFERENCE_STATE_MODULES:
+        target = os.path.join(site, name)
+        if os.path.exists(target):
+            os.remove(target)
+        stem = name[:-3]
+        for cached in glob.glob(os.path.join(site, "__pycache__", stem + ".*.pyc")):
+            os.remove(cached)
+
+
+def ensure_venv(kind, python, say=print):
+    """Return the path of the `kind` ('ref' or 'swap') venv, building it first when missing or stale."""
+    root = cache_root()
+    path = os.path.join(root, "%s-%s" % (kind, REFERENCE_VERSION))
+    stamp_file = os.path.join(path, ".compat-stamp")
+    want = _stamp(kind, python)
+    with open(os.path.join(root, ".lock-%s" % kind), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(stamp_file) as fh:
+                if fh.read() == want:
+                    return path
+        except OSError:
+            pass
+        started = time.monotonic()
+        say("compat: building the %s venv in %s (first use; a minute or two)" % (kind, path))
+        shutil.rmtree(path, ignore_errors=True)
+        subprocess.run([python, "-m", "venv", path], check=True)
+        _pip_install(path, os.path.join(root, "pip-%s.log" % kind))
+        if kind == "swap":
+            _remove_reference_state(path)
+        with open(stamp_file, "w") as fh:
+            fh.write(want)
+        say("compat: %s venv ready in %.0f s" % (kind, time.monotonic() - started))
+    return path
+
+
+def our_state_modules(repo=REPO):
+    """Return the checkout's product state modules (hermes_state*.py, tests excluded), sorted."""
+    return sorted(p for p in glob.glob(os.path.join(repo, "hermes_state*.py")))
+
+
+def make_overlay(repo=REPO):
+    """Return a new temp folder holding copies of this checkout's hermes_state*.py (caller removes it)."""
+    overlay = tempfile.mkdtemp(prefix="hermes-compat-overlay-")
+    for module in our_state_modules(repo):
+        shutil.copy2(module, overlay)
+    return overlay
+
+
+def target_env(kind, overlay, base=None):
+    """Return the environment for running `kind`'s Python: the overlay first on the path for 'swap'."""
+    env = dict(os.environ if base is None else base)
+    env.pop("PYTHONPATH", None)
+    env.pop("PYTHONHOME", None)
+    env["PYTHONNOUSERSITE"] = "1"
+    if kind == "swap" and overlay:
+        env["PYTHONPATH"] = overlay
+    return env
+
+
+if __name__ == "__main__":
+    chosen = find_python()
+    for which in ("ref", "swap"):
+        print(ensure_venv(which, chosen))
