@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hermes_constants import reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB, restore_home
-from hermes_state_common import COMPRESSION_END_REASON
+from hermes_state_common import COMPRESSION_END_REASON, store_file_bytes
 from hermes_state_portability import EXPORT_FORMATS, write_export
 
 
@@ -128,7 +128,7 @@ def _cmd_optimize(db, args, out):
 
 def _report_progress(progress):
     percent = progress["percent"]
-    done = f" {percent:5.1f}%" if percent is not None else ""
+    done = f" {percent:3d}%" if percent is not None else ""
     counts = f" ({progress['indexed']}/{progress['total']})" if progress["total"] else ""
     sys.stderr.write(f"optimize-storage: {progress['phase']}{done}{counts}\n")
 
@@ -143,16 +143,20 @@ def _cmd_optimize_storage(db, args, out):
         if input(prompt).strip().lower() not in ("y", "yes"):
             sys.stderr.write("nothing was changed\n")
             return 1
+    before = store_file_bytes(db.db_path)
     try:
         result = db.optimize_fts_storage(progress_cb=_report_progress, vacuum=not args.no_vacuum)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted; the store is consistent, run optimize-storage again to resume\n")
         return 1
+    if not result["ok"]:
+        sys.stderr.write(f"error: optimize-storage refused: {result.get('detail') or result['reason']}\n")
+        return 1
     if args.json:
         _print_json(result, out)
     else:
-        out.write(f"{db.db_path}: {result['bytes_before'] / 1e6:.1f} MB -> {result['bytes_after'] / 1e6:.1f} MB, "
-                  f"layout {result['fts_layout']}\n")
+        out.write(f"{db.db_path}: {before / 1e6:.1f} MB -> {store_file_bytes(db.db_path) / 1e6:.1f} MB, "
+                  f"layout {db.fts_layout()}\n")
     return 0
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 # never need a bump: they come from SCHEMA_SQL on every open.
 SCHEMA_VERSION = 26
 
+# hermes-agent's keys describing its own search index. We read them (to use its
+# index on a store it indexed) and never store a value of ours under them.
 META_FTS_STORAGE_VERSION = "fts_storage_version"
 META_FTS_OPTIMIZE_AVAILABLE = "fts_optimize_available"
 META_FTS_REBUILD_HIGH_WATER = "fts_rebuild_high_water"
@@ -293,30 +295,59 @@ TITLE_INDEX_SQL = (
     "CREATE UNIQUE INDEX IF NOT EXISTS idx_sessions_title_unique ON sessions(title) WHERE title IS NOT NULL")
 
 # ---------------------------------------------------------------------------
-# Full-text search: three index generations
+# Full-text search
 #
-# legacy   hermes-agent 0.19 and older: inline messages_fts(content) and
-#          messages_fts_trigram(content), each holding its own copy of
-#          content || tool_name || tool_calls for every row, tool rows included.
-# external hermes-agent 0.20: external-content tables reading `messages` (and
-#          a view without tool rows for the trigram index).
-# current  this project: external content over projection views. A tool row
-#          gives the word index only a bounded prefix of its content; the
-#          trigram index has no tool rows and no tool_calls; 1-2 character CJK
-#          terms live in messages_fts_cjk, written by Python from a queue that
-#          plain-SQL triggers fill, so any writer keeps it correct.
+# Ours ("current"): three FTS5 indexes under our own names, kept by our own
+# triggers and described by our own state_meta keys, so that no hermes-agent
+# release mistakes any of them for its own (every name below was checked
+# against 0.19, 0.20 and 0.22):
+#   hs_fts_words    external content over hs_fts_words_src: every row, a tool
+#                   row by a bounded prefix of its content only
+#   hs_fts_trigram  external content over hs_fts_trigram_src: no tool rows
+#   hs_fts_cjk      1-2 character CJK terms, written by Python from
+#                   hs_fts_cjk_queue, which plain-SQL triggers fill, so any
+#                   writer (hermes-agent's too) keeps it correct
+# Every trigger of ours first tests our backfill predicate: a row is indexed
+# iff id <= progress OR id > high water.
 #
-# Every trigger of the external and current generations first tests the
-# backfill predicate: a row is indexed iff id <= progress OR id > high water.
+# hermes-agent's indexes are its own (messages_fts, messages_fts_trigram,
+# messages_fts_cjk, their triggers, views and fts_* keys): 'legacy' (0.19,
+# inline messages_fts(content)) or 'external' (0.20 and 0.22). We search them
+# while a store has no index of ours, never create, replace or rebuild their
+# triggers, and remove them only when optimize-storage moves a store to ours.
 # ---------------------------------------------------------------------------
 
-FTS_STORAGE_VERSION = 2
-FTS_WORD_TABLE = "messages_fts"
-FTS_TRIGRAM_TABLE = "messages_fts_trigram"
-FTS_CJK_TABLE = "messages_fts_cjk"
-CJK_PENDING_TABLE = "messages_cjk_pending"
-FTS_OLD_SUFFIX = "_old"
-FTS_INDEX_TABLES = {"word": FTS_WORD_TABLE, "trigram": FTS_TRIGRAM_TABLE, "cjk": FTS_CJK_TABLE}
+SEARCH_LAYOUT_VERSION = 1
+META_SEARCH_LAYOUT = "hs_search_layout"
+META_SEARCH_HIGH_WATER = "hs_search_high_water"
+META_SEARCH_PROGRESS = "hs_search_progress"
+# + an index name: that index of ours is not whole; rebuilt at the next open.
+META_SEARCH_STALE_PREFIX = "hs_search_stale_"
+# A query on hermes-agent's index failed here: build ours at the next open.
+META_SEARCH_HERMES_FAILED = "hs_search_hermes_index_failed"
+SEARCH_TABLES = {"word": "hs_fts_words", "trigram": "hs_fts_trigram", "cjk": "hs_fts_cjk"}
+CJK_QUEUE_TABLE = "hs_fts_cjk_queue"
+# Index tables set aside by optimize-storage (or the move from our old names),
+# emptied and dropped in chunks afterwards.
+RETIRED_PREFIX = "hs_retired_"
+FTS5_SHADOW_SUFFIXES = ("data", "idx", "content", "docsize", "config")
+
+HERMES_FTS_TABLES = {"word": "messages_fts", "trigram": "messages_fts_trigram", "cjk": "messages_fts_cjk"}
+HERMES_FTS_TRIGGERS = {index: tuple(f"{table}_{op}" for op in ("insert", "delete", "update"))
+                       for index, table in HERMES_FTS_TABLES.items()}
+HERMES_FTS_VIEWS = ("messages_fts_src", "messages_fts_trigram_src", "messages_fts_cjk_src")
+# What describes hermes-agent's index; cleared with the index by optimize-storage,
+# so that its next open finds a store without one and builds it afresh.
+HERMES_INDEX_META = (META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE, META_FTS_REBUILD_HIGH_WATER,
+                     META_FTS_REBUILD_PROGRESS, META_FTS_STALE)
+# Our releases before layout 1 used hermes-agent's table names (each told apart
+# by a word of its DDL) and keys; an open moves such a store to layout 1.
+PREVIOUS_LAYOUT_TABLES = {"messages_fts": "messages_fts_projection",
+                          "messages_fts_trigram": "messages_fts_trigram_projection",
+                          "messages_fts_cjk": "terms"}
+PREVIOUS_LAYOUT_LEFTOVERS = {"messages_cjk_pending": "TABLE", "messages_fts_projection": "VIEW",
+                             "messages_fts_trigram_projection": "VIEW"}
+PREVIOUS_LAYOUT_META = HERMES_INDEX_META + (META_FTS_CJK_STALE,)
 
 # Tool output (base64, file dumps) is most of the bytes; the word index keeps
 # this much of each tool row. A role filter including "tool" searches the rest.
@@ -326,189 +357,140 @@ CJK_CHAR_CLASS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\uf
 CJK_GLOB = f"'*[{CJK_CHAR_CLASS}]*'"
 
 _INDEXED = """(({row}.id > COALESCE((SELECT CAST(value AS INTEGER) FROM state_meta
-                            WHERE key = 'fts_rebuild_high_water'), -1)
+                            WHERE key = 'hs_search_high_water'), -1)
    OR {row}.id <= COALESCE((SELECT CAST(value AS INTEGER) FROM state_meta
-                            WHERE key = 'fts_rebuild_progress'), -1)))"""
+                            WHERE key = 'hs_search_progress'), -1)))"""
 _NEW_INDEXED = _INDEXED.format(row="new")
 _OLD_INDEXED = _INDEXED.format(row="old")
 _TOOL_PREFIX = "CASE WHEN {row}.role = 'tool' THEN substr({row}.content, 1, %d) ELSE {row}.content END" \
     % TOOL_INDEX_PREFIX_CHARS
 
-CURRENT_FTS_TABLES_SQL = (
-    f"""CREATE VIEW IF NOT EXISTS messages_fts_projection AS
+# Per index: its views and tables in creation order, exactly as sqlite_master
+# keeps them (an open compares and repairs), then its triggers.
+SEARCH_OBJECTS = {
+    "word": {
+        "hs_fts_words_src": f"""CREATE VIEW hs_fts_words_src AS
 SELECT id, {_TOOL_PREFIX.format(row="messages")} AS content, tool_name, tool_calls FROM messages""",
-    """CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
-    content, tool_name, tool_calls, content='messages_fts_projection', content_rowid='id')""",
-    """CREATE VIEW IF NOT EXISTS messages_fts_trigram_projection AS
-SELECT id, content FROM messages WHERE role <> 'tool'""",
-    """CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts_trigram USING fts5(
-    content, content='messages_fts_trigram_projection', content_rowid='id', tokenize='trigram')""",
-    """CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts_cjk USING fts5(
-    terms, tokenize='unicode61 remove_diacritics 0')""",
-    "CREATE TABLE IF NOT EXISTS messages_cjk_pending (id INTEGER PRIMARY KEY)",
-)
-# Which table each current index needs (the trigram one also needs its tokenizer).
-CURRENT_FTS_INDEX_DDL = {
-    "word": CURRENT_FTS_TABLES_SQL[0:2],
-    "trigram": CURRENT_FTS_TABLES_SQL[2:4],
-    "cjk": CURRENT_FTS_TABLES_SQL[4:6],
+        "hs_fts_words": """CREATE VIRTUAL TABLE hs_fts_words USING fts5(
+    content, tool_name, tool_calls, content='hs_fts_words_src', content_rowid='id')""",
+    },
+    "trigram": {
+        "hs_fts_trigram_src": "CREATE VIEW hs_fts_trigram_src AS SELECT id, content FROM messages WHERE role <> 'tool'",
+        "hs_fts_trigram": """CREATE VIRTUAL TABLE hs_fts_trigram USING fts5(
+    content, content='hs_fts_trigram_src', content_rowid='id', tokenize='trigram')""",
+    },
+    "cjk": {
+        "hs_fts_cjk": "CREATE VIRTUAL TABLE hs_fts_cjk USING fts5(terms, tokenize='unicode61 remove_diacritics 0')",
+        "hs_fts_cjk_queue": "CREATE TABLE hs_fts_cjk_queue (id INTEGER PRIMARY KEY)",
+    },
 }
 
-def _word_triggers(row, watched):
-    """The three triggers of an external-content word index; `row` is the
-    indexed tuple with a {row} slot for new/old, `watched` the columns it reads."""
-    columns = "rowid, content, tool_name, tool_calls"
+
+def _external_triggers(table, columns, values, watched, only="1"):
+    """Insert, delete and update triggers of an external-content index of ours:
+    `values` fills `columns` from a {row} (new or old), `watched` are the message
+    columns it depends on, `only` says which rows it holds."""
+    new, keep_new, old, keep_old = values.format(row="new"), only.format(row="new"), values.format(row="old"), \
+        only.format(row="old")
     changed = " OR ".join(f"old.{c} IS NOT new.{c}" for c in watched)
     return {
-        "messages_fts_insert": f"""CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages
-WHEN {_NEW_INDEXED}
+        f"{table}_insert": f"""CREATE TRIGGER {table}_insert AFTER INSERT ON messages
+WHEN {keep_new} AND {_NEW_INDEXED}
 BEGIN
-    INSERT INTO messages_fts({columns}) VALUES ({row.format(row="new")});
+    INSERT INTO {table}(rowid, {columns}) VALUES ({new});
 END""",
-        "messages_fts_delete": f"""CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages
-WHEN {_OLD_INDEXED}
+        f"{table}_delete": f"""CREATE TRIGGER {table}_delete AFTER DELETE ON messages
+WHEN {keep_old} AND {_OLD_INDEXED}
 BEGIN
-    INSERT INTO messages_fts(messages_fts, {columns}) VALUES ('delete', {row.format(row="old")});
+    INSERT INTO {table}({table}, rowid, {columns}) VALUES ('delete', {old});
 END""",
-        "messages_fts_update": f"""CREATE TRIGGER messages_fts_update AFTER UPDATE OF {", ".join(watched)} ON messages
+        f"{table}_update": f"""CREATE TRIGGER {table}_update AFTER UPDATE OF {", ".join(watched)} ON messages
 WHEN ({changed}) AND {_OLD_INDEXED}
 BEGIN
-    INSERT INTO messages_fts(messages_fts, {columns}) VALUES ('delete', {row.format(row="old")});
-    INSERT INTO messages_fts({columns}) VALUES ({row.format(row="new")});
+    INSERT INTO {table}({table}, rowid, {columns}) SELECT 'delete', {old} WHERE {keep_old};
+    INSERT INTO {table}(rowid, {columns}) SELECT {new} WHERE {keep_new};
 END""",
     }
 
 
-def _trigram_triggers(indexed, watched):
-    """The three triggers of an external-content trigram index without tool rows;
-    `indexed` are its columns, `watched` the message columns it depends on."""
-    columns = ", ".join(("rowid",) + indexed)
-    values = {side: ", ".join((f"{side}.id",) + tuple(f"{side}.{c}" for c in indexed)) for side in ("new", "old")}
-    changed = " OR ".join(f"old.{c} IS NOT new.{c}" for c in watched)
-    return {
-        "messages_fts_trigram_insert": f"""CREATE TRIGGER messages_fts_trigram_insert AFTER INSERT ON messages
-WHEN new.role <> 'tool' AND {_NEW_INDEXED}
-BEGIN
-    INSERT INTO messages_fts_trigram({columns}) VALUES ({values["new"]});
-END""",
-        "messages_fts_trigram_delete": f"""CREATE TRIGGER messages_fts_trigram_delete AFTER DELETE ON messages
-WHEN old.role <> 'tool' AND {_OLD_INDEXED}
-BEGIN
-    INSERT INTO messages_fts_trigram(messages_fts_trigram, {columns}) VALUES ('delete', {values["old"]});
-END""",
-        "messages_fts_trigram_update": f"""CREATE TRIGGER messages_fts_trigram_update
-AFTER UPDATE OF {", ".join(watched)} ON messages
-WHEN ({changed}) AND {_OLD_INDEXED}
-BEGIN
-    INSERT INTO messages_fts_trigram(messages_fts_trigram, {columns})
-    SELECT 'delete', {values["old"]} WHERE old.role <> 'tool';
-    INSERT INTO messages_fts_trigram({columns}) SELECT {values["new"]} WHERE new.role <> 'tool';
-END""",
-    }
-
-
-CURRENT_FTS_TRIGGERS = {
-    "word": _word_triggers("{row}.id, " + _TOOL_PREFIX + ", {row}.tool_name, {row}.tool_calls",
-                           ("content", "tool_name", "tool_calls", "role")),
-    "trigram": _trigram_triggers(("content",), ("content", "role")),
+SEARCH_TRIGGERS = {
+    "word": _external_triggers("hs_fts_words", "content, tool_name, tool_calls",
+                               "{row}.id, " + _TOOL_PREFIX + ", {row}.tool_name, {row}.tool_calls",
+                               ("content", "tool_name", "tool_calls", "role")),
+    "trigram": _external_triggers("hs_fts_trigram", "content", "{row}.id, {row}.content", ("content", "role"),
+                                  "{row}.role <> 'tool'"),
     "cjk": {
-        "messages_fts_cjk_insert": f"""CREATE TRIGGER messages_fts_cjk_insert AFTER INSERT ON messages
+        "hs_fts_cjk_insert": f"""CREATE TRIGGER hs_fts_cjk_insert AFTER INSERT ON messages
 WHEN new.role <> 'tool' AND new.content GLOB {CJK_GLOB} AND {_NEW_INDEXED}
 BEGIN
-    INSERT OR IGNORE INTO messages_cjk_pending(id) VALUES (new.id);
+    INSERT OR IGNORE INTO hs_fts_cjk_queue(id) VALUES (new.id);
 END""",
-        "messages_fts_cjk_delete": f"""CREATE TRIGGER messages_fts_cjk_delete AFTER DELETE ON messages
+        "hs_fts_cjk_delete": f"""CREATE TRIGGER hs_fts_cjk_delete AFTER DELETE ON messages
 WHEN old.role <> 'tool' AND old.content GLOB {CJK_GLOB} AND {_OLD_INDEXED}
 BEGIN
-    DELETE FROM messages_fts_cjk WHERE rowid = old.id;
-    DELETE FROM messages_cjk_pending WHERE id = old.id;
+    DELETE FROM hs_fts_cjk WHERE rowid = old.id;
+    DELETE FROM hs_fts_cjk_queue WHERE id = old.id;
 END""",
-        "messages_fts_cjk_update": f"""CREATE TRIGGER messages_fts_cjk_update AFTER UPDATE OF content, role ON messages
+        "hs_fts_cjk_update": f"""CREATE TRIGGER hs_fts_cjk_update AFTER UPDATE OF content, role ON messages
 WHEN (old.content IS NOT new.content OR old.role IS NOT new.role) AND {_OLD_INDEXED}
 BEGIN
-    DELETE FROM messages_fts_cjk WHERE rowid = old.id;
-    DELETE FROM messages_cjk_pending WHERE id = old.id;
-    INSERT INTO messages_cjk_pending(id) SELECT new.id WHERE new.role <> 'tool' AND new.content GLOB {CJK_GLOB};
+    DELETE FROM hs_fts_cjk WHERE rowid = old.id;
+    DELETE FROM hs_fts_cjk_queue WHERE id = old.id;
+    INSERT INTO hs_fts_cjk_queue(id) SELECT new.id WHERE new.role <> 'tool' AND new.content GLOB {CJK_GLOB};
 END""",
     },
 }
 
-# hermes-agent 0.20's triggers (full tool output; trigram with tool_name and
-# tool_calls), recreated the same way if one goes missing.
-EXTERNAL_FTS_TRIGGERS = {
-    "word": _word_triggers("{row}.id, {row}.content, {row}.tool_name, {row}.tool_calls",
-                           ("content", "tool_name", "tool_calls")),
-    "trigram": _trigram_triggers(("content", "tool_name", "tool_calls"),
-                                 ("content", "tool_name", "tool_calls", "role")),
-}
-
-# hermes-agent 0.19's inline triggers. The update triggers are the narrowed
-# form: the shipped ones fired AFTER UPDATE ON messages, for any column.
-_LEGACY_TEXT = "COALESCE({row}.content, '') || ' ' || COALESCE({row}.tool_name, '') || ' ' || COALESCE({row}.tool_calls, '')"
+# What a trigger body writes to: INSERT/REPLACE INTO t, DELETE FROM t, UPDATE t SET,
+# each with the column list an INSERT names (None when it names none).
+_TRIGGER_WRITE_RE = re.compile(
+    r'\b(?:(?:INSERT|REPLACE)(?:\s+OR\s+\w+)?\s+INTO|DELETE\s+FROM|UPDATE(?:\s+OR\s+\w+)?)\s+'
+    r'(?:main\.)?"?(\w+)"?\s*(?:\(([^)]*)\))?', re.IGNORECASE)
+_TRIGGER_BODY_RE = re.compile(r"\bBEGIN\b", re.IGNORECASE)
 
 
-def _legacy_triggers(table):
-    new_text, changed = _LEGACY_TEXT.format(row="new"), (
-        "old.content IS NOT new.content OR old.tool_name IS NOT new.tool_name "
-        "OR old.tool_calls IS NOT new.tool_calls")
-    return {
-        f"{table}_insert": f"""CREATE TRIGGER {table}_insert AFTER INSERT ON messages BEGIN
-    INSERT INTO {table}(rowid, content) VALUES (new.id, {new_text});
-END""",
-        f"{table}_delete": f"""CREATE TRIGGER {table}_delete AFTER DELETE ON messages BEGIN
-    DELETE FROM {table} WHERE rowid = old.id;
-END""",
-        f"{table}_update": f"""CREATE TRIGGER {table}_update AFTER UPDATE OF content, tool_name, tool_calls ON messages
-WHEN {changed}
-BEGIN
-    DELETE FROM {table} WHERE rowid = old.id;
-    INSERT INTO {table}(rowid, content) VALUES (new.id, {new_text});
-END""",
-    }
-
-
-LEGACY_FTS_TRIGGERS = {"word": _legacy_triggers("messages_fts"), "trigram": _legacy_triggers("messages_fts_trigram")}
-LEGACY_REBUILD_SQL = {
-    "word": ("DELETE FROM messages_fts",
-             f"INSERT INTO messages_fts(rowid, content) SELECT id, {_LEGACY_TEXT.format(row='messages')} FROM messages"),
-    "trigram": ("DELETE FROM messages_fts_trigram",
-                "INSERT INTO messages_fts_trigram(rowid, content) "
-                f"SELECT id, {_LEGACY_TEXT.format(row='messages')} FROM messages"),
-}
-FTS_TRIGGERS = {"legacy": LEGACY_FTS_TRIGGERS, "external": EXTERNAL_FTS_TRIGGERS, "current": CURRENT_FTS_TRIGGERS}
+def trigger_writes(sql):
+    """[(table, [column, ...] or None)] a trigger's body writes to, in order."""
+    body = _TRIGGER_BODY_RE.split(sql or "", maxsplit=1)[-1]
+    return [(table, None if not columns else [c.strip().strip('"') for c in columns.split(",")])
+            for table, columns in _TRIGGER_WRITE_RE.findall(body)
+            if table.upper() not in ("SET", "VALUES", "SELECT")]
 # FTS5 commands ('rebuild', 'optimize', 'delete-all', 'integrity-check') on one index.
 FTS_COMMAND_SQL = "INSERT INTO {table}({table}) VALUES ('{command}')"
-# Emptying an old index through a shadow table, a chunk at a time.
+# Emptying a retired index through a shadow table, a chunk at a time.
 DELETE_SHADOW_CHUNK_SQL = "DELETE FROM {shadow} WHERE rowid IN (SELECT rowid FROM {shadow} WHERE {where} LIMIT {limit})"
 FTS_PROBE_DROP_SQL = "DROP TABLE temp.probe"
 FTS5_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x)"
 TRIGRAM_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x, tokenize='trigram')"
 SELECT_TABLE_SQL_SQL = "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?"
 TABLE_EXISTS_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
-SELECT_FTS_TRIGGERS_SQL = "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND name LIKE 'messages_fts%'"
+SELECT_TRIGGER_TABLES_SQL = "SELECT DISTINCT tbl_name FROM sqlite_master WHERE type = 'trigger' ORDER BY tbl_name"
+# Renaming a retired index must not make SQLite re-check every trigger and view
+# of the store (one broken foreign trigger would block it): the legacy rename.
+LEGACY_ALTER_SQL = "PRAGMA legacy_alter_table={on}"
 
-# Backfill of the current generation, one id range (lo, hi] at a time.
+# Backfill of our index, one id range (lo, hi] at a time.
 BACKFILL_SQL = {
-    "word": "INSERT INTO messages_fts(rowid, content, tool_name, tool_calls) "
-            "SELECT id, content, tool_name, tool_calls FROM messages_fts_projection WHERE id > ? AND id <= ?",
-    "trigram": "INSERT INTO messages_fts_trigram(rowid, content) "
-               "SELECT id, content FROM messages_fts_trigram_projection WHERE id > ? AND id <= ?",
-    "cjk": "INSERT OR IGNORE INTO messages_cjk_pending(id) SELECT id FROM messages "
+    "word": "INSERT INTO hs_fts_words(rowid, content, tool_name, tool_calls) "
+            "SELECT id, content, tool_name, tool_calls FROM hs_fts_words_src WHERE id > ? AND id <= ?",
+    "trigram": "INSERT INTO hs_fts_trigram(rowid, content) SELECT id, content FROM hs_fts_trigram_src "
+               "WHERE id > ? AND id <= ?",
+    "cjk": "INSERT OR IGNORE INTO hs_fts_cjk_queue(id) SELECT id FROM messages "
            f"WHERE id > ? AND id <= ? AND role <> 'tool' AND content GLOB {CJK_GLOB}",
 }
-# Emptying the current generation before a full rebuild.
+# Emptying one index of ours before it is filled again.
 RESET_INDEX_SQL = {
-    "word": ("INSERT INTO messages_fts(messages_fts) VALUES ('delete-all')",),
-    "trigram": ("INSERT INTO messages_fts_trigram(messages_fts_trigram) VALUES ('delete-all')",),
-    "cjk": ("DELETE FROM messages_fts_cjk", "DELETE FROM messages_cjk_pending"),
+    "word": ("INSERT INTO hs_fts_words(hs_fts_words) VALUES ('delete-all')",),
+    "trigram": ("INSERT INTO hs_fts_trigram(hs_fts_trigram) VALUES ('delete-all')",),
+    "cjk": ("DELETE FROM hs_fts_cjk", "DELETE FROM hs_fts_cjk_queue"),
 }
-SELECT_CJK_PENDING_SQL = """
-SELECT p.id, m.content FROM messages_cjk_pending AS p JOIN messages AS m ON m.id = p.id
-ORDER BY p.id LIMIT ?
+SELECT_CJK_QUEUE_SQL = """
+SELECT q.id, m.content FROM hs_fts_cjk_queue AS q JOIN messages AS m ON m.id = q.id
+ORDER BY q.id LIMIT ?
 """
-UPSERT_CJK_TERMS_SQL = "INSERT OR REPLACE INTO messages_fts_cjk(rowid, terms) VALUES (?, ?)"
-DELETE_CJK_PENDING_SQL = "DELETE FROM messages_cjk_pending WHERE id = ?"
-HAS_CJK_PENDING_SQL = "SELECT 1 FROM messages_cjk_pending LIMIT 1"
+UPSERT_CJK_TERMS_SQL = "INSERT OR REPLACE INTO hs_fts_cjk(rowid, terms) VALUES (?, ?)"
+DELETE_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue WHERE id = ?"
+HAS_CJK_QUEUE_SQL = "SELECT 1 FROM hs_fts_cjk_queue LIMIT 1"
 SELECT_MAX_MESSAGE_ID_SQL = "SELECT COALESCE(MAX(id), 0) FROM messages"
 SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestamp, m.tool_name,
        s.source, s.model, s.started_at AS session_started"""
@@ -527,13 +509,13 @@ SEARCH_ORDERS = {"rank": "{table}.rank, m.id", "newest": "m.timestamp DESC, m.id
 # Term predicates: an index match, a row a backfill has not reached, a queued CJK row.
 TERM_IN_INDEX_SQL = "m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH ?)"
 TERM_IN_BACKFILL_GAP_SQL = " OR (m.id > ? AND m.id <= ? AND {like})"
-TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM messages_cjk_pending) AND {like})"
+TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {like})"
 # The fallback: NULL columns read as '' so that NOT (...) never turns NULL and drops a row.
 TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE(m.{column}, '') LIKE ? ESCAPE '\\'"
                                    for column in ("content", "tool_name", "tool_calls")) + ")"
 TERM_LIKE_PARAMS = 3
 NOT_TOOL_ROW_SQL = "m.role <> 'tool'"
-# Estimated bytes of text the current generation indexes (for the disk pre-check).
+# Estimated bytes of text our index holds (for the disk pre-check).
 SELECT_INDEXED_TEXT_BYTES_SQL = f"""
 SELECT COALESCE(SUM(CASE WHEN role = 'tool' THEN MIN(LENGTH(CAST(content AS BLOB)), {TOOL_INDEX_PREFIX_CHARS})
                          ELSE LENGTH(CAST(content AS BLOB)) END), 0),

@@ -41,13 +41,18 @@ from hermes_state_common import (
     META_FTS_REBUILD_PROGRESS,
     META_FTS_STALE,
     META_FTS_STORAGE_VERSION,
+    META_SEARCH_HIGH_WATER,
+    META_SEARCH_PROGRESS,
+    META_SEARCH_STALE_PREFIX,
+    HERMES_FTS_TABLES,
+    SEARCH_TABLES,
     sqlite_has_wal_reset_bug,
 )
 
 logger = logging.getLogger("hermes_state")
 
 # The search index tables hermes-agent and we may have; each is probed only if present.
-_FTS_TABLES = ("messages_fts", "messages_fts_trigram", "messages_fts_cjk")
+_FTS_TABLES = tuple(HERMES_FTS_TABLES.values()) + tuple(SEARCH_TABLES.values())
 _SIDECARS = ("-wal", "-shm", "-journal")
 # How long a repair waits for another process's repair (hermes-agent's lock file
 # and timeout, so its processes and ours take turns).
@@ -131,14 +136,20 @@ def collect_state_db_stats(db_path):
         stats["journal_mode"] = value("PRAGMA journal_mode", cast=str)
         stats["messages"] = value("SELECT COUNT(*) FROM messages")
         stats["sessions"] = value("SELECT COUNT(*) FROM sessions")
+        ours = False
         with contextlib.suppress(Exception):
-            present = {row[0] for row in conn.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?, ?)", _FTS_TABLES)}
-            stats["fts_tables"] = {table: table in present for table in _FTS_TABLES}
+            present = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            ours = SEARCH_TABLES["word"] in present
+            # By hermes-agent's names, for the role each index plays: our word and trigram
+            # indexes count as its own (its CJK index needs its tokenizer; ours is apart).
+            stats["fts_tables"] = {table: table in present or (index != "cjk" and SEARCH_TABLES[index] in present)
+                                   for index, table in HERMES_FTS_TABLES.items()}
         meta = "SELECT value FROM state_meta WHERE key = ?"
         stats["fts_storage_version"] = value(meta, (META_FTS_STORAGE_VERSION,))
-        high_water = stats["fts_rebuild_high_water"] = value(meta, (META_FTS_REBUILD_HIGH_WATER,))
-        progress = stats["fts_rebuild_progress"] = value(meta, (META_FTS_REBUILD_PROGRESS,))
+        marks = (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS) if ours else (META_FTS_REBUILD_HIGH_WATER,
+                                                                                META_FTS_REBUILD_PROGRESS)
+        high_water = stats["fts_rebuild_high_water"] = value(meta, (marks[0],))
+        progress = stats["fts_rebuild_progress"] = value(meta, (marks[1],))
         stats["fts_rebuild_pending"] = high_water is not None and (progress or 0) < high_water
     finally:
         conn.close()
@@ -314,7 +325,7 @@ def repair_state_db_schema(db_path, *, backup=True):
     destructive first, each followed by the health probe: 'rebuild_fts' (the
     indexes rebuilt in place), 'reindex_btree', 'dedup_schema' (duplicate
     sqlite_master entries dropped, the first kept), 'drop_fts_rebuild' (every
-    messages_fts* object dropped and the file vacuumed; the next writable open
+    search index object (hermes-agent's and ours) dropped and the file vacuumed; the next writable open
     builds the indexes again). A healthy store reports 'already_healthy'.
     Unless `backup` is False, nothing is touched before `_backup_db_file`
     succeeded. Sessions and messages are never modified. Serialised across
@@ -365,11 +376,13 @@ def _rebuild_fts(conn):
         with contextlib.suppress(sqlite3.OperationalError):  # absent, or its tokenizer is not here
             conn.execute(f"INSERT INTO {table}({table}) VALUES ('rebuild')")
     # The rebuilt indexes hold every row, so a backfill still pending would index
-    # some twice: end it, and let the next open rebuild what Python indexes (CJK).
+    # some twice: end it (ours and hermes-agent's), and let the next open rebuild
+    # what Python indexes (our CJK index).
     with contextlib.suppress(sqlite3.OperationalError):  # a store without state_meta has no backfill
-        if conn.execute("SELECT 1 FROM state_meta WHERE key = ?", (META_FTS_REBUILD_HIGH_WATER,)).fetchone():
-            _delete_meta(conn, META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE)
-            conn.execute("INSERT INTO state_meta (key, value) VALUES (?, '1')", (META_FTS_STALE,))
+        _delete_meta(conn, META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)
+        if conn.execute("SELECT 1 FROM state_meta WHERE key = ?", (META_SEARCH_HIGH_WATER,)).fetchone():
+            _delete_meta(conn, META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS)
+            conn.execute("INSERT INTO state_meta (key, value) VALUES (?, '1')", (META_SEARCH_STALE_PREFIX + "cjk",))
 
 
 def _reindex(conn):
@@ -389,7 +402,7 @@ def _dedup_schema(conn):
 
 def _drop_fts(conn):
     conn.execute("PRAGMA writable_schema=ON")
-    conn.execute("DELETE FROM sqlite_master WHERE name LIKE 'messages_fts%'")
+    conn.execute("DELETE FROM sqlite_master WHERE name LIKE 'messages_fts%' OR name LIKE 'hs\\_%' ESCAPE '\\'")
     _bump_schema_cookie(conn)
     conn.execute("PRAGMA writable_schema=OFF")
     conn.execute("VACUUM")
@@ -397,6 +410,7 @@ def _drop_fts(conn):
     with contextlib.suppress(sqlite3.OperationalError):
         _delete_meta(conn, META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE, META_FTS_REBUILD_HIGH_WATER,
                      META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_FTS_CJK_STALE)
+        conn.execute("DELETE FROM state_meta WHERE key LIKE 'hs\\_search\\_%' ESCAPE '\\'")
 
 
 _STRATEGIES = (("rebuild_fts", _rebuild_fts), ("reindex_btree", _reindex), ("dedup_schema", _dedup_schema),

@@ -1,14 +1,19 @@
 """SessionSearchMixin: full-text search and the search index's own version line.
 
-Owns: telling the three index generations apart (see hermes_state_common),
-keeping each generation's triggers whole (per index, never mixing
-generations), degrading on runtimes without FTS5 or the trigram tokenizer,
-the query sanitiser and router, the LIKE fallback, the CJK side index, and
-optimize-storage (the only path from an old generation to the current one).
+Owns: our index (its tables, views, triggers and `hs_search_*` keys, see
+hermes_state_common), finding and repairing what another program changed in
+it, moving our older releases' index off hermes-agent's names, searching
+hermes-agent's index while a store has none of ours, degrading on runtimes
+without FTS5 or the trigram tokenizer, the query sanitiser and router, the
+LIKE fallback, the CJK side index, optimize-storage (the only path from
+hermes-agent's index to ours) and the trigger check `doctor` reports.
 
-It never rebuilds an index layout on open. It relies on SessionDB for
-`_execute_write`, `_read_all`/`_read_one`/`_read_value`, `vacuum()` and
-`db_path`; it never imports hermes_state.
+It never changes hermes-agent's index objects or keys, except to drop the
+triggers this runtime cannot run (as hermes-agent itself does) and when
+optimize-storage retires its index. It never builds our index over a usable
+one of hermes-agent's on open. It relies on SessionDB for `_execute_write`,
+`_read_all`/`_read_one`/`_read_value`, `vacuum()` and `db_path`; it never
+imports hermes_state.
 """
 
 import logging
@@ -21,63 +26,70 @@ from collections import namedtuple
 from hermes_state_schema import read_meta, write_meta
 from hermes_state_common import (
     decode_content,
+    BACKFILL_SQL,
+    CJK_CHAR_CLASS,
+    CJK_QUEUE_TABLE,
+    CONTEXT_CHARS,
+    DELETE_CJK_QUEUE_SQL,
     DELETE_SHADOW_CHUNK_SQL,
     DROP_TABLE_SQL,
-    DROP_TRIGGER_SQL,
-    DROP_VIEW_SQL,
     FTS5_PROBE_SQL,
+    FTS5_SHADOW_SUFFIXES,
     FTS_COMMAND_SQL,
     FTS_PROBE_DROP_SQL,
     FTS_SNIPPET_SQL,
-    RENAME_TABLE_SQL,
-    TRIGRAM_PROBE_SQL,
-    BACKFILL_SQL,
-    CJK_CHAR_CLASS,
-    CJK_PENDING_TABLE,
-    CONTEXT_CHARS,
-    CURRENT_FTS_INDEX_DDL,
-    DELETE_CJK_PENDING_SQL,
-    FTS_INDEX_TABLES,
-    FTS_OLD_SUFFIX,
-    FTS_STORAGE_VERSION,
-    FTS_TRIGGERS,
-    FTS_TRIGRAM_TABLE,
-    FTS_WORD_TABLE,
-    HAS_CJK_PENDING_SQL,
-    LEGACY_REBUILD_SQL,
+    HAS_CJK_QUEUE_SQL,
+    HERMES_FTS_TABLES,
+    HERMES_FTS_TRIGGERS,
+    HERMES_FTS_VIEWS,
+    HERMES_INDEX_META,
+    LEGACY_ALTER_SQL,
     META_FTS_CJK_STALE,
-    META_FTS_OPTIMIZE_AVAILABLE,
     META_FTS_REBUILD_HIGH_WATER,
     META_FTS_REBUILD_PROGRESS,
     META_FTS_STALE,
-    META_FTS_STORAGE_VERSION,
+    META_SEARCH_HERMES_FAILED,
+    META_SEARCH_HIGH_WATER,
+    META_SEARCH_LAYOUT,
+    META_SEARCH_PROGRESS,
+    META_SEARCH_STALE_PREFIX,
+    NOT_TOOL_ROW_SQL,
+    PREVIOUS_LAYOUT_LEFTOVERS,
+    PREVIOUS_LAYOUT_META,
+    PREVIOUS_LAYOUT_TABLES,
     QUERY_MAX_CHARS,
     QUERY_MAX_TERMS,
+    RENAME_TABLE_SQL,
     RESET_INDEX_SQL,
-    NOT_TOOL_ROW_SQL,
+    RETIRED_PREFIX,
     SEARCH_BY_INDEX_SQL,
     SEARCH_BY_PREDICATE_SQL,
+    SEARCH_LAYOUT_VERSION,
+    SEARCH_OBJECTS,
     SEARCH_ORDERS,
-    SELECT_CJK_PENDING_SQL,
-    SELECT_FTS_TRIGGERS_SQL,
+    SEARCH_TABLES,
+    SEARCH_TRIGGERS,
+    SELECT_CJK_QUEUE_SQL,
     SELECT_INDEXED_TEXT_BYTES_SQL,
     SELECT_MAX_MESSAGE_ID_SQL,
     SELECT_META_KEYS_SQL,
-    SELECT_META_SQL,
     SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_TABLE_SQL_SQL,
+    SELECT_TRIGGER_TABLES_SQL,
     SNIPPET_CHARS,
     TABLE_EXISTS_SQL,
+    TABLE_INFO_SQL,
     TERM_IN_BACKFILL_GAP_SQL,
     TERM_IN_CJK_QUEUE_SQL,
     TERM_IN_INDEX_SQL,
     TERM_LIKE_PARAMS,
     TERM_LIKE_SQL,
+    TRIGRAM_PROBE_SQL,
     UPSERT_CJK_TERMS_SQL,
     escape_like,
     placeholders,
     quote_identifier,
     store_file_bytes,
+    trigger_writes,
 )
 
 logger = logging.getLogger("hermes_state")
@@ -94,7 +106,6 @@ OPTIMIZE_PAUSE = 0.01
 # right away by any transaction that changed at least BULK_CHANGES rows.
 CJK_DRAIN_EVERY_COMMITS = 64
 BULK_CHANGES = 64
-LEFTOVER_VIEWS = ("messages_fts_trigram_src",)
 # A hit's keys in hermes-agent's order; `fields=` picks some of them.
 SEARCH_RESULT_FIELDS = ("id", "session_id", "role", "snippet", "timestamp", "tool_name", "source", "model",
                         "session_started", "context")
@@ -114,8 +125,9 @@ LIMIT 1"""
 
 Capabilities = namedtuple("Capabilities", "fts5 trigram")
 Term = namedtuple("Term", "text prefix")
-# `substring`: the retry of a query whose words found nothing, matching them inside longer tokens.
-IndexState = namedtuple("IndexState", "layout usable high_water progress cjk_pending tool_rows substring")
+# The indexes a search may use: `tables` names them, `usable` are the whole ones;
+# `substring` is the retry of a query whose words found nothing, inside longer tokens.
+IndexState = namedtuple("IndexState", "layout tables usable high_water progress cjk_pending tool_rows substring")
 
 
 # ---------------------------------------------------------------------------
@@ -159,36 +171,67 @@ def free_disk_bytes(path):
 
 
 # ---------------------------------------------------------------------------
-# Generations on disk
+# What is on disk
 # ---------------------------------------------------------------------------
 
 
 def fts_layout_of(ddl):
-    """The generation a `messages_fts` DDL belongs to: 'none', 'legacy' (no
-    tool_name column), 'current' (reads our projection view) or 'external'."""
+    """Whose index a `messages_fts` DDL is: 'none', hermes-agent's 'legacy' (0.19:
+    no tool_name column) or 'external' (0.20, 0.22), or 'previous' (ours before
+    layout 1, which used hermes-agent's names)."""
     if ddl is None:
         return "none"
     if "tool_name" not in ddl:
         return "legacy"
-    return "current" if "messages_fts_projection" in ddl else "external"
-
-
-def _layout(objects):
-    return fts_layout_of(objects.get(FTS_WORD_TABLE, (None, None))[1])
+    return "previous" if PREVIOUS_LAYOUT_TABLES[HERMES_FTS_TABLES["word"]] in ddl else "external"
 
 
 def _schema_objects(conn):
     return {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
 
 
+def _same_sql(stored, wanted):
+    return stored is not None and stored.split() == wanted.split()
+
+
 def _stale_key(index):
-    """The breadcrumb that stops an index from serving: the trigram index has its own."""
-    return META_FTS_CJK_STALE if index == "trigram" else META_FTS_STALE
+    return META_SEARCH_STALE_PREFIX + index
 
 
-def _old_tables(objects):
-    return [name for name in (FTS_WORD_TABLE + FTS_OLD_SUFFIX, FTS_TRIGRAM_TABLE + FTS_OLD_SUFFIX)
-            if name in objects]
+def _retired_tables(objects):
+    """Index tables set aside and not yet dropped (their shadow tables aside)."""
+    return sorted(name for name, (kind, sql) in objects.items()
+                  if kind == "table" and name.startswith(RETIRED_PREFIX) and (sql or "").startswith("CREATE VIRTUAL"))
+
+
+def _drop(conn, kind, name):
+    conn.execute(f"DROP {kind.upper()} {quote_identifier(name)}")
+
+
+def _drop_writers(conn, objects, tables):
+    """Drop every trigger that writes to one of `tables` (whoever made it)."""
+    for name, (kind, sql) in objects.items():
+        if kind == "trigger" and any(table in tables for table, _columns in trigger_writes(sql)):
+            _drop(conn, "trigger", name)
+
+
+def _retire(conn, objects, tables, also=()):
+    """Set index tables aside under our own names, with every trigger writing to them
+    or to `also`; they are emptied and dropped in chunks later.
+
+    The legacy rename: SQLite then neither rewrites nor re-checks every trigger
+    and view of the store, so a broken foreign trigger cannot block it.
+    """
+    _drop_writers(conn, objects, set(tables) | set(also))
+    conn.execute(LEGACY_ALTER_SQL.format(on="ON"))
+    try:
+        for table in tables:
+            new, number = RETIRED_PREFIX + table, 1
+            while new in objects:
+                new, number = f"{RETIRED_PREFIX}{table}_{number}", number + 1
+            conn.execute(RENAME_TABLE_SQL.format(table=quote_identifier(table), new_name=quote_identifier(new)))
+    finally:
+        conn.execute(LEGACY_ALTER_SQL.format(on="OFF"))
 
 
 def cjk_terms(text):
@@ -200,13 +243,13 @@ def cjk_terms(text):
     return " ".join(sorted(terms))
 
 
-def drain_cjk_pending(conn, limit=CJK_DRAIN_CHUNK):
-    """Index up to `limit` queued rows into messages_fts_cjk; returns how many were taken."""
-    rows = conn.execute(SELECT_CJK_PENDING_SQL, (limit,)).fetchall()
+def drain_cjk_queue(conn, limit=CJK_DRAIN_CHUNK):
+    """Index up to `limit` queued rows into our CJK index; returns how many were taken."""
+    rows = conn.execute(SELECT_CJK_QUEUE_SQL, (limit,)).fetchall()
     for message_id, content in rows:
         if content is not None:
             conn.execute(UPSERT_CJK_TERMS_SQL, (message_id, cjk_terms(content)))
-        conn.execute(DELETE_CJK_PENDING_SQL, (message_id,))
+        conn.execute(DELETE_CJK_QUEUE_SQL, (message_id,))
     return len(rows)
 
 
@@ -317,6 +360,22 @@ def _substring_retry(tree):
     return all(len(term.text) >= 3 and not CJK_RE.search(term.text) for term in _leaves(tree))
 
 
+def _cjk_letters(text):
+    return sum(1 for ch in text if CJK_RE.match(ch))
+
+
+def any_term(tree, state):
+    """`tree` as hermes-agent reads a query holding CJK that its trigram index
+    cannot answer (a CJK term of 1-2 letters, no trigram index, tool rows asked
+    for): any one of its terms matches, its operators aside."""
+    leaves = _leaves(tree)
+    cjk = [term for term in leaves if CJK_RE.search(term.text)]
+    if len(leaves) < 2 or not cjk or not (
+            any(_cjk_letters(term.text) < 3 for term in cjk) or "trigram" not in state.usable or state.tool_rows):
+        return tree
+    return ("or", [("term", term) for term in leaves])
+
+
 def _fts_string(term):
     return '"' + term.text.replace('"', '""') + '"' + ("*" if term.prefix else "")
 
@@ -352,11 +411,11 @@ def _leaf_sql(term, index, state):
     like, like_params = _like_sql(term, state)
     if index is None:
         return like, like_params
-    sql, params = TERM_IN_INDEX_SQL.format(table=FTS_INDEX_TABLES[index]), [_fts_string(term)]
+    sql, params = TERM_IN_INDEX_SQL.format(table=state.tables[index]), [_fts_string(term)]
     if index != "word":
         sql = f"{NOT_TOOL_ROW_SQL} AND {sql}"
     if state.high_water is not None:
-        # Rows a backfill has not reached yet are in no index of this generation.
+        # Rows a backfill has not reached yet are in no index of this layout.
         sql += TERM_IN_BACKFILL_GAP_SQL.format(like=like)
         params += [state.progress, state.high_water] + like_params
     if index == "cjk" and state.cjk_pending:
@@ -440,19 +499,27 @@ def _index_failure(exc):
     return not (isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc).lower())
 
 
+def _progress(phase, status):
+    """An optimize-storage progress report as hermes-agent shapes it (whole percent; 100, 0, 0 without a backfill)."""
+    status = status or {"percent": 100, "indexed": 0, "total": 0}
+    return {"phase": phase, "percent": status["percent"], "indexed": status["indexed"], "total": status["total"]}
+
+
 class SessionSearchMixin:
     """Search-side behaviour of SessionDB (see the module docstring)."""
 
     # -- open ------------------------------------------------------------------
 
     def _init_search(self):
-        """Writable open: keep this generation's triggers whole, rebuild what is stale.
+        """Writable open: repair our index, or build it where no usable index is.
 
-        A store without any index gets the current generation, built in chunks
-        right away; an old generation is left as it is and flagged optimizable.
+        An index this open started to fill is filled before it returns, in
+        chunks; work an interrupted optimize-storage left waits for its rerun.
+        A store whose only index is hermes-agent's is searched through it and
+        left as it is; optimize-storage moves it to ours.
         """
-        started_backfill = self._execute_write(self._apply_search_schema)
-        while started_backfill and self.fts_rebuild_step():
+        started = self._execute_write(self._apply_search_schema)
+        while started and self.fts_rebuild_step():
             pass
 
     def _schema_version_held_back(self, conn):
@@ -461,115 +528,154 @@ class SessionSearchMixin:
 
     def _apply_search_schema(self, conn):
         objects = _schema_objects(conn)
-        layout = _layout(objects)
-        started_backfill = False
-        if layout == "none" and self.fts_caps.fts5:
-            started_backfill = self._create_current_generation(conn)
-            objects, layout = _schema_objects(conn), "current"
-        if layout == "current":
-            self._create_missing_index_tables(conn, objects)
+        moved = self.fts_caps.fts5 and self._move_previous_layout(conn, objects)
+        self._drop_hermes_triggers_not_runnable(conn, _schema_objects(conn))
+        objects = _schema_objects(conn)
+        started = False
+        if SEARCH_TABLES["word"] not in objects:
+            if not self.fts_caps.fts5 or (not moved and self._hermes_index_serves(conn, objects)):
+                return False
+            started = self._create_search_index(conn)
             objects = _schema_objects(conn)
-        if layout != "none":
-            self._sync_triggers(conn, layout, objects)
-            self._rebuild_stale_indexes(conn, layout, objects)
-        if layout in ("legacy", "external"):
-            write_meta(conn, META_FTS_OPTIMIZE_AVAILABLE, "1")
-        self._stamp_if_complete(conn)
-        return started_backfill
+        return self._repair_search_index(conn, objects) or started or moved
 
-    def _usable_indexes(self, layout, objects):
-        """The indexes of this generation that exist and this runtime can maintain."""
-        usable = set()
-        for index in FTS_TRIGGERS.get(layout, {}):
-            if FTS_INDEX_TABLES[index] in objects and self.fts_caps.fts5 and \
-                    (index != "trigram" or self.fts_caps.trigram):
-                usable.add(index)
-        return usable
+    def _buildable(self):
+        """Our indexes this runtime can keep (the trigram one needs its tokenizer)."""
+        if not self.fts_caps.fts5:
+            return ()
+        return tuple(index for index in SEARCH_TABLES if index != "trigram" or self.fts_caps.trigram)
 
-    def _create_current_generation(self, conn):
-        """Tables and triggers of the current generation; existing rows become a pending backfill."""
-        for index in self._buildable_indexes():
-            for ddl in CURRENT_FTS_INDEX_DDL[index] + tuple(FTS_TRIGGERS["current"][index].values()):
+    def _move_previous_layout(self, conn, objects):
+        """Our releases before layout 1 kept their index under hermes-agent's names
+        and keys: set those objects aside (with any trigger writing to them, whoever
+        made it) so ours can be built under our names. True if there were any."""
+        old = [table for table, word in PREVIOUS_LAYOUT_TABLES.items()
+               if word in (objects.get(table, (None, None))[1] or "")]
+        leftovers = [name for name in PREVIOUS_LAYOUT_LEFTOVERS if name in objects]
+        if not old and not leftovers:
+            return False
+        _retire(conn, objects, old, also=PREVIOUS_LAYOUT_LEFTOVERS)
+        for name in leftovers:
+            _drop(conn, PREVIOUS_LAYOUT_LEFTOVERS[name], name)
+        if HERMES_FTS_TABLES["word"] in old:
+            # No index of hermes-agent's was there, so every fts_* key was ours.
+            for key in PREVIOUS_LAYOUT_META:
+                write_meta(conn, key, None)
+        logger.info("search: moved the index of %s off hermes-agent's names (%s); rebuilding it as ours",
+                    self.db_path, ", ".join(old + leftovers))
+        return True
+
+    def _drop_hermes_triggers_not_runnable(self, conn, objects):
+        """hermes-agent's triggers this runtime cannot run would fail every write:
+        drop them, as hermes-agent does itself (it rebuilds when they are back).
+        Its CJK index needs a tokenizer only its own connections load."""
+        for index, names in HERMES_FTS_TRIGGERS.items():
+            runnable = index != "cjk" and self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram)
+            present = [name for name in names if name in objects]
+            if runnable or not present:
+                continue
+            for name in present:
+                _drop(conn, "trigger", name)
+            if index == "cjk":
+                write_meta(conn, META_FTS_CJK_STALE, "1")  # hermes-agent's own breadcrumb for exactly this
+            logger.info("search: dropped hermes-agent's %s index triggers of %s (this runtime cannot run them)",
+                        index, self.db_path)
+
+    def _hermes_index_serves(self, conn, objects):
+        """True if hermes-agent's word index is whole enough to answer searches here."""
+        return HERMES_FTS_TABLES["word"] in objects and all(n in objects for n in HERMES_FTS_TRIGGERS["word"]) \
+            and not read_meta(conn, META_FTS_STALE) and not read_meta(conn, META_SEARCH_HERMES_FAILED)
+
+    def _create_search_index(self, conn):
+        """Our index, empty, with every existing row pending a chunked backfill."""
+        for index in self._buildable():
+            for ddl in tuple(SEARCH_OBJECTS[index].values()) + tuple(SEARCH_TRIGGERS[index].values()):
                 conn.execute(ddl)
+        for key in [_stale_key(index) for index in SEARCH_TABLES] + [META_SEARCH_HERMES_FAILED]:
+            write_meta(conn, key, None)
+        write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
         high_water = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
         if high_water:
-            write_meta(conn, META_FTS_REBUILD_HIGH_WATER, str(high_water))
-            write_meta(conn, META_FTS_REBUILD_PROGRESS, "0")
+            write_meta(conn, META_SEARCH_HIGH_WATER, str(high_water))
+            write_meta(conn, META_SEARCH_PROGRESS, "0")
         return bool(high_water)
 
-    def _buildable_indexes(self):
-        return [index for index in CURRENT_FTS_INDEX_DDL if index != "trigram" or self.fts_caps.trigram]
-
-    def _create_missing_index_tables(self, conn, objects):
-        """An index this runtime could not build before (no trigram) is built now."""
-        if not self.fts_caps.fts5:
-            return
-        for index in self._buildable_indexes():
-            if FTS_INDEX_TABLES[index] not in objects:
-                for ddl in CURRENT_FTS_INDEX_DDL[index]:
-                    conn.execute(ddl)
+    def _repair_search_index(self, conn, objects):
+        """Put back what someone else changed in our index (stamp, views, tables,
+        triggers), drop the triggers of an index this runtime cannot keep, and
+        rebuild every index that is not whole. True if that restarted a backfill."""
+        if read_meta(conn, META_SEARCH_LAYOUT) != str(SEARCH_LAYOUT_VERSION):
+            logger.warning("search: the layout stamp of our index in %s was changed; rebuilding the index",
+                           self.db_path)
+            write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
+            for index in SEARCH_TABLES:
                 write_meta(conn, _stale_key(index), "1")
+        buildable = self._buildable()
+        for index in SEARCH_TABLES:
+            if index in buildable:
+                # An index we set aside ourselves (no FTS5 or trigram then) is expected to need it.
+                changed = self._restore_objects(conn, index, objects, bool(read_meta(conn, _stale_key(index))))
+            else:
+                changed = [name for name in SEARCH_TRIGGERS[index] if name in objects]
+                for name in changed:
+                    _drop(conn, "trigger", name)
+                changed = changed or not self.fts_caps.fts5 or SEARCH_TABLES[index] not in objects
+            if changed:
+                # Rows written while it was not kept are missing from it.
+                write_meta(conn, _stale_key(index), "1")
+        return self._rebuild_stale_indexes(conn)
 
-    def _sync_triggers(self, conn, layout, objects):
-        """Per index: all of its generation's triggers, or none when the runtime cannot maintain it."""
-        present = dict(conn.execute(SELECT_FTS_TRIGGERS_SQL).fetchall())
-        usable = self._usable_indexes(layout, objects)
-        for index, triggers in FTS_TRIGGERS[layout].items():
-            if index not in usable:
-                dropped = [name for name in triggers if name in present]
-                for name in dropped:
-                    conn.execute(DROP_TRIGGER_SQL.format(trigger=quote_identifier(name)))
-                if dropped or (FTS_INDEX_TABLES[index] in objects and not self.fts_caps.fts5):
-                    write_meta(conn, _stale_key(index), "1")
+    def _restore_objects(self, conn, index, objects, expected):
+        """Create each object of `index` that is missing or differs from ours; their names."""
+        changed = []
+        for name, ddl in tuple(SEARCH_OBJECTS[index].items()) + tuple(SEARCH_TRIGGERS[index].items()):
+            kind, sql = objects.get(name, (None, None))
+            if _same_sql(sql, ddl):
                 continue
-            for name, ddl in triggers.items():
-                if name not in present:
-                    # Rows written while it was missing are not indexed: rebuild.
-                    conn.execute(ddl)
-                    write_meta(conn, _stale_key(index), "1")
-                elif layout == "legacy" and "UPDATE OF" not in present[name] and "UPDATE ON" in present[name]:
-                    conn.execute(DROP_TRIGGER_SQL.format(trigger=quote_identifier(name)))
-                    conn.execute(ddl)
+            if kind is not None:
+                _drop(conn, kind, name)
+            elif ddl.startswith("CREATE VIRTUAL"):
+                # Shadow tables a recovery kept without their table would block the CREATE.
+                for shadow in (f"{name}_{suffix}" for suffix in FTS5_SHADOW_SUFFIXES):
+                    if shadow in objects:
+                        _drop(conn, "table", shadow)
+            conn.execute(ddl)
+            changed.append(name)
+        if changed:
+            logger.log(logging.INFO if expected else logging.WARNING, "search: restored %s of our index in %s",
+                       ", ".join(changed), self.db_path)
+        return changed
 
-    def _rebuild_stale_indexes(self, conn, layout, objects):
-        usable = self._usable_indexes(layout, objects)
-        for key, indexes in ((META_FTS_STALE, ("word", "cjk")), (META_FTS_CJK_STALE, ("trigram",))):
-            if read_meta(conn, key) is None:
-                continue
-            targets = [index for index in indexes if index in FTS_TRIGGERS[layout]]
-            if not all(index in usable for index in targets):
-                continue
-            for index in targets:
-                self._rebuild_index(conn, layout, index)
-            write_meta(conn, key, None)
-            logger.info("search: rebuilt the %s index of %s", "/".join(targets), self.db_path)
+    def _rebuild_stale_indexes(self, conn):
+        stale = [index for index in self._buildable() if read_meta(conn, _stale_key(index))]
+        if not stale:
+            return False
+        restart = read_meta(conn, META_SEARCH_HIGH_WATER) is not None
+        if restart:
+            # Every index shares the backfill's predicate: refill them all from the start.
+            stale = list(self._buildable())
+            for index in stale:
+                for sql in RESET_INDEX_SQL[index]:
+                    conn.execute(sql)
+            write_meta(conn, META_SEARCH_HIGH_WATER, str(conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]))
+            write_meta(conn, META_SEARCH_PROGRESS, "0")
+        else:
+            for index in stale:
+                self._rebuild_index(conn, index)
+        for index in stale:
+            write_meta(conn, _stale_key(index), None)
+        logger.info("search: rebuilding the %s index of %s", "/".join(stale), self.db_path)
+        return restart
 
-    def _rebuild_index(self, conn, layout, index):
-        table = FTS_INDEX_TABLES[index]
-        if layout == "legacy":
-            for sql in LEGACY_REBUILD_SQL[index]:
-                conn.execute(sql)
-        elif index == "cjk":
+    def _rebuild_index(self, conn, index):
+        if index == "cjk":
             for sql in RESET_INDEX_SQL["cjk"]:
                 conn.execute(sql)
             conn.execute(BACKFILL_SQL["cjk"], (0, conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]))
-            while drain_cjk_pending(conn):
+            while drain_cjk_queue(conn):
                 pass
         else:
-            conn.execute(FTS_COMMAND_SQL.format(table=table, command="rebuild"))
-
-    def _stamp_if_complete(self, conn):
-        """Stamp fts_storage_version only when the current generation is whole and alone."""
-        objects = _schema_objects(conn)
-        complete = (_layout(objects) == "current"
-                    and all(table in objects for table in FTS_INDEX_TABLES.values())
-                    and not _old_tables(objects)
-                    and not any(read_meta(conn, key) for key in (META_FTS_REBUILD_HIGH_WATER, META_FTS_STALE,
-                                                            META_FTS_CJK_STALE)))
-        if complete:
-            write_meta(conn, META_FTS_STORAGE_VERSION, str(FTS_STORAGE_VERSION))
-            write_meta(conn, META_FTS_OPTIMIZE_AVAILABLE, "0")
-        return complete
+            conn.execute(FTS_COMMAND_SQL.format(table=SEARCH_TABLES[index], command="rebuild"))
 
     def _maintain_search(self, conn, changes):
         """Called at the end of every write transaction that changed `changes` rows:
@@ -578,18 +684,24 @@ class SessionSearchMixin:
         commit_number = self._commits + 1  # this transaction's, counted by the write path
         if changes < BULK_CHANGES and commit_number % CJK_DRAIN_EVERY_COMMITS != 1:
             return
-        if self.fts_caps.fts5 and conn.execute(TABLE_EXISTS_SQL, (CJK_PENDING_TABLE,)).fetchone():
-            drain_cjk_pending(conn, CJK_DRAIN_MAX_ROWS)
+        if self.fts_caps.fts5 and conn.execute(TABLE_EXISTS_SQL, (CJK_QUEUE_TABLE,)).fetchone():
+            drain_cjk_queue(conn, CJK_DRAIN_MAX_ROWS)
 
     # -- state ---------------------------------------------------------------
 
     def fts_layout(self):
-        """'none', 'legacy', 'external' or 'current': the index generation on disk."""
-        return fts_layout_of(self._read_value(SELECT_TABLE_SQL_SQL, (FTS_WORD_TABLE,)))
+        """'current' (ours), hermes-agent's 'legacy' or 'external', 'previous' (ours, not yet moved) or 'none'."""
+        return self._index_state().layout
 
     def fts_optimize_available(self):
-        """True when the store has an older index generation that optimize-storage would shrink."""
-        return self._read_value(SELECT_META_SQL, (META_FTS_OPTIMIZE_AVAILABLE,)) == "1"
+        """True when optimize-storage has work: hermes-agent's index to replace by ours, or ours unfinished."""
+        if not self.fts_caps.fts5 or self.read_only:
+            return False
+        objects = self._read_objects()
+        keys = [META_SEARCH_HIGH_WATER] + [_stale_key(index) for index in self._buildable()]
+        return SEARCH_TABLES["word"] not in objects or bool(_retired_tables(objects)) \
+            or any(HERMES_FTS_TABLES[index] in objects for index in ("word", "trigram")) \
+            or any(self._read_meta(*keys).values())
 
     def _read_objects(self):
         """{name: (type, sql)} of sqlite_master, through a read connection."""
@@ -600,54 +712,93 @@ class SessionSearchMixin:
         found = dict(self._read_all(SELECT_META_KEYS_SQL.format(placeholders(len(keys))), keys))
         return {key: found.get(key) for key in keys}
 
-    def _index_state(self):
-        objects = self._read_objects()
-        layout = _layout(objects)
-        meta = self._read_meta(META_FTS_STALE, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
-                               META_FTS_REBUILD_PROGRESS)
-        usable = {index for index in self._usable_indexes(layout, objects) if not meta[_stale_key(index)]}
-        high_water = meta[META_FTS_REBUILD_HIGH_WATER]
-        pending = CJK_PENDING_TABLE in objects and self._read_one(HAS_CJK_PENDING_SQL) is not None
-        return IndexState(layout, usable, int(high_water) if high_water else None,
-                          int(meta[META_FTS_REBUILD_PROGRESS] or 0), pending, False, False)
+    def _index_state(self, objects=None):
+        """Which indexes answer a search: ours when the store has it, else hermes-agent's."""
+        objects = self._read_objects() if objects is None else objects
+        stale = [_stale_key(index) for index in SEARCH_TABLES]
+        meta = self._read_meta(META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, META_FTS_REBUILD_HIGH_WATER,
+                               META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED, *stale)
+        if SEARCH_TABLES["word"] in objects:
+            layout, tables, triggers = "current", SEARCH_TABLES, SEARCH_TRIGGERS
+            marks = (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS)
+            blocked = {index: meta[_stale_key(index)] for index in SEARCH_TABLES}
+        else:
+            layout = fts_layout_of(objects.get(HERMES_FTS_TABLES["word"], (None, None))[1])
+            tables = {index: HERMES_FTS_TABLES[index] for index in ("word", "trigram")}
+            triggers, marks = HERMES_FTS_TRIGGERS, (META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)
+            blocked = dict.fromkeys(tables, meta[META_FTS_STALE] or meta[META_SEARCH_HERMES_FAILED])
+        usable = {index for index, table in tables.items()
+                  if table in objects and not blocked[index] and all(name in objects for name in triggers[index])
+                  and self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram)}
+        high_water = meta[marks[0]]
+        pending = "cjk" in usable and self._read_one(HAS_CJK_QUEUE_SQL) is not None
+        return IndexState(layout, tables, usable, int(high_water) if high_water else None,
+                          int(meta[marks[1]] or 0), pending, False, False)
 
     def fts_rebuild_status(self):
-        """{pending: True, total, indexed, percent (whole, 0-100)} while a backfill runs; None otherwise."""
-        status = self._rebuild_phase()
-        if status is None or status["phase"] != "backfill" or not status["total"]:
+        """{pending: True, total, indexed, percent (whole, 0-100)} while the index searches use is
+        being backfilled; None otherwise."""
+        state = self._index_state()
+        if not state.high_water:
             return None
-        return {"pending": True, "total": status["total"], "indexed": status["indexed"],
-                "percent": min(100, 100 * status["indexed"] // status["total"])}
+        return {"pending": True, "total": state.high_water, "indexed": state.progress,
+                "percent": min(100, 100 * state.progress // state.high_water)}
 
     def _rebuild_phase(self):
         """What a backfill or an optimize still has to do, or None when nothing is pending."""
-        meta = self._read_meta(META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)
-        if meta[META_FTS_REBUILD_HIGH_WATER]:
-            progress = int(meta[META_FTS_REBUILD_PROGRESS] or 0)
-            total = int(meta[META_FTS_REBUILD_HIGH_WATER])
-            return {"phase": "backfill", "indexed": progress, "total": total,
-                    "percent": round(100.0 * progress / total, 1) if total else 100.0}
-        old = _old_tables(self._read_objects())
-        if old:
-            return {"phase": "drop-old", "tables": old, "indexed": None, "total": None, "percent": None}
-        return None
+        status = self.fts_rebuild_status()
+        if status is not None:
+            return dict(status, phase="backfill")
+        retired = _retired_tables(self._read_objects())
+        return {"phase": "teardown", "tables": retired} if retired else None
 
     def search_health(self):
-        """The search facts `doctor` reports."""
+        """The search facts `doctor` reports; `trigger_damage` lists every trigger whose writes would fail."""
         objects = self._read_objects()
-        layout = _layout(objects)
-        triggers = {name for name, (kind, _sql) in objects.items() if kind == "trigger"}
+        state = self._index_state(objects)
+        triggers = SEARCH_TRIGGERS if state.layout == "current" else HERMES_FTS_TRIGGERS
         return {
-            "fts_layout": layout,
-            "fts_storage_version_of_release": FTS_STORAGE_VERSION,
-            "fts_triggers_complete": {index: all(name in triggers for name in names)
-                                      for index, names in FTS_TRIGGERS.get(layout, {}).items()},
-            "search_meta": self._read_meta(META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE, META_FTS_STALE,
-                                           META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
-                                           META_FTS_REBUILD_PROGRESS),
+            "fts_layout": state.layout,
+            "search_layout_of_release": SEARCH_LAYOUT_VERSION,
+            "hermes_agent_index": fts_layout_of(objects.get(HERMES_FTS_TABLES["word"], (None, None))[1]),
+            "fts_triggers_complete": {index: all(name in objects for name in triggers[index])
+                                      for index, table in state.tables.items() if table in objects},
+            "search_meta": self._read_meta(META_SEARCH_LAYOUT, META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS,
+                                           META_SEARCH_HERMES_FAILED, *[_stale_key(i) for i in SEARCH_TABLES]),
+            "hermes_agent_meta": self._read_meta(*HERMES_INDEX_META, META_FTS_CJK_STALE),
             "fts_rebuild": self._rebuild_phase(),
-            "searchable_by_index": sorted(self._index_state().usable),
+            "searchable_by_index": sorted(state.usable),
+            "trigger_damage": self._trigger_damage(objects),
         }
+
+    def _trigger_damage(self, objects):
+        """Every trigger that writes to a table or column the store lacks, and every table whose
+        writes fail to compile because of its triggers (SQLite checks trigger bodies only then)."""
+        names = {name.lower(): name for name in objects}
+        damage = []
+        for name, (kind, sql) in sorted(objects.items()):
+            if kind != "trigger":
+                continue
+            for table, columns in trigger_writes(sql):
+                target = names.get(table.lower())
+                if target is None or objects[target][0] not in ("table", "view"):
+                    damage.append(f"trigger {name} writes to {table}, which does not exist")
+                    continue
+                known = {row[1].lower() for row in self._read_all(TABLE_INFO_SQL.format(
+                    table=quote_identifier(target)))} | {target.lower(), "rowid", "rank"}
+                damage += [f"trigger {name} writes to {table}.{column}, which does not exist"
+                           for column in columns or () if column.lower() not in known]
+        for (table,) in self._read_all(SELECT_TRIGGER_TABLES_SQL):
+            columns = [row[1] for row in self._read_all(TABLE_INFO_SQL.format(table=quote_identifier(table)))]
+            sets = ", ".join(f"{quote_identifier(c)} = {quote_identifier(c)}" for c in columns)
+            for verb, sql in (("insert", f"INSERT INTO {quote_identifier(table)} DEFAULT VALUES"),
+                              ("update", f"UPDATE {quote_identifier(table)} SET {sets}"),
+                              ("delete", f"DELETE FROM {quote_identifier(table)}")):
+                try:
+                    self._read_all("EXPLAIN " + sql)
+                except sqlite3.Error as exc:
+                    damage.append(f"every {verb} on {table} fails: {exc}")
+        return damage
 
     # -- search --------------------------------------------------------------
 
@@ -659,12 +810,13 @@ class SessionSearchMixin:
         context is the message before it, itself and the one after, each
         {role, content} cut to CONTEXT_CHARS. Words use the word index; CJK
         terms of 3+ characters the trigram index, of 1-2 the CJK side index;
-        anything an index cannot answer falls back to LIKE. Words that match no
-        whole token are retried as substrings. Rewound messages are left out
-        unless `include_inactive`; compacted ones are found. An unknown sort
-        means relevance; `limit` and `offset` go to SQLite as they are (a
-        negative limit is no limit). A string `fields` raises TypeError, an
-        unknown field ValueError.
+        anything an index cannot answer falls back to LIKE. A query holding a
+        CJK term of 1-2 characters matches any of its terms, as hermes-agent's
+        does. Words that match no whole token are retried as substrings.
+        Rewound messages are left out unless `include_inactive`; compacted ones
+        are found. An unknown sort means relevance; `limit` and `offset` go to
+        SQLite as they are (a negative limit is no limit). A string `fields`
+        raises TypeError, an unknown field ValueError.
         """
         fields = search_fields(fields)
         if not query or not query.strip():
@@ -679,13 +831,14 @@ class SessionSearchMixin:
         state = self._index_state()
         if "tool" in roles:
             state = state._replace(usable=set(), tool_rows=True)  # tool rows are only whole in the fallback
+        tree = any_term(tree, state)
         search = (tree, filters, filter_params, sort, limit, offset)
         try:
             rows = self._run_search(state, *search)
         except sqlite3.DatabaseError as exc:
             if not _index_failure(exc):
                 raise
-            self._mark_index_stale(exc)
+            self._mark_index_stale(exc, state)
             state = state._replace(usable=set())
             rows = self._run_search(state, *search)
         if not rows and "word" in state.usable and _substring_retry(tree):
@@ -695,13 +848,13 @@ class SessionSearchMixin:
 
     def _run_search(self, state, tree, filters, filter_params, sort, limit, offset):
         routes = {term: _route(term, state) for term in _leaves(tree)}
-        tables = {routes[t] for t in routes}
-        single = len(tables) == 1 and None not in tables and state.high_water is None and \
-            not (tables == {"cjk"} and state.cjk_pending)
+        indexes = set(routes.values())
+        single = len(indexes) == 1 and None not in indexes and state.high_water is None and \
+            not (indexes == {"cjk"} and state.cjk_pending)
         if single:
-            index = tables.pop()
-            table = FTS_INDEX_TABLES[index]
-            # The legacy trigram index still holds tool rows; the current ones do not.
+            index = indexes.pop()
+            table = state.tables[index]
+            # hermes-agent's legacy trigram index still holds tool rows; ours does not.
             no_tools = f" AND {NOT_TOOL_ROW_SQL}" if index != "word" else ""
             order = SEARCH_ORDERS[sort if sort in ("newest", "oldest") else "rank"].format(table=table)
             snippet = "NULL" if index == "cjk" else FTS_SNIPPET_SQL.format(table=table)
@@ -715,11 +868,15 @@ class SessionSearchMixin:
             params += filter_params
         return self._read_all(sql, params + [limit, offset])
 
-    def _mark_index_stale(self, exc):
-        logger.warning("search: the index of %s failed (%s); answering by the fallback until it is "
-                          "rebuilt at the next open", self.db_path, exc)
-        if not self.read_only:
-            self._execute_write(lambda conn: write_meta(conn, META_FTS_STALE, "1"))
+    def _mark_index_stale(self, exc, state):
+        """Answer by the fallback; rebuild ours (or build ours beside hermes-agent's) at the next open."""
+        logger.warning("search: the index of %s failed (%s); answering by the fallback until the next open",
+                       self.db_path, exc)
+        if self.read_only:
+            return
+        keys = [_stale_key(index) for index in state.usable] if state.layout == "current" \
+            else [META_SEARCH_HERMES_FAILED]
+        self._execute_write(lambda conn: [write_meta(conn, key, "1") for key in keys])
 
     def _hit(self, row, terms, fields):
         values = dict(row)
@@ -742,46 +899,55 @@ UNION ALL SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id > :i", other="timestamp
     # -- maintenance -----------------------------------------------------------
 
     def fts_rebuild_step(self):
-        """Do one short transaction of pending index work; True while more remains."""
+        """Do one short transaction of pending index work (backfill, CJK queue, teardown); True while more remains."""
         return self._execute_write(self._rebuild_step)
 
     def _rebuild_step(self, conn):
         objects = _schema_objects(conn)
-        if read_meta(conn, META_FTS_REBUILD_HIGH_WATER) is not None:
+        if SEARCH_TABLES["word"] in objects and read_meta(conn, META_SEARCH_HIGH_WATER) is not None:
             self._backfill_chunk(conn, objects)
             return True
-        if CJK_PENDING_TABLE in objects and self.fts_caps.fts5 and drain_cjk_pending(conn):
+        if CJK_QUEUE_TABLE in objects and self.fts_caps.fts5 and drain_cjk_queue(conn):
             return True
-        old = _old_tables(objects)
-        if old:
-            _drop_old_chunk(conn, old[0], objects)
+        retired = _retired_tables(objects)
+        if retired:
+            _drop_retired_chunk(conn, retired[0], objects)
             return True
-        for view in LEFTOVER_VIEWS:
-            if view in objects:
-                conn.execute(DROP_VIEW_SQL.format(view=quote_identifier(view)))
-        self._stamp_if_complete(conn)
         return False
 
     def _backfill_chunk(self, conn, objects):
-        high_water = int(read_meta(conn, META_FTS_REBUILD_HIGH_WATER))
-        progress = int(read_meta(conn, META_FTS_REBUILD_PROGRESS) or 0)
+        high_water = int(read_meta(conn, META_SEARCH_HIGH_WATER))
+        progress = int(read_meta(conn, META_SEARCH_PROGRESS) or 0)
         upper = min(progress + BACKFILL_CHUNK_IDS, high_water)
-        for index in self._usable_indexes("current", objects):
-            conn.execute(BACKFILL_SQL[index], (progress, upper))
+        for index in self._buildable():
+            if SEARCH_TABLES[index] in objects:
+                conn.execute(BACKFILL_SQL[index], (progress, upper))
         if upper >= high_water:
-            write_meta(conn, META_FTS_REBUILD_HIGH_WATER, None)
-            write_meta(conn, META_FTS_REBUILD_PROGRESS, None)
+            write_meta(conn, META_SEARCH_HIGH_WATER, None)
+            write_meta(conn, META_SEARCH_PROGRESS, None)
         else:
-            write_meta(conn, META_FTS_REBUILD_PROGRESS, str(upper))
+            write_meta(conn, META_SEARCH_PROGRESS, str(upper))
 
     def rebuild_fts(self):
-        """Rebuild every index of the store's generation from the messages, in one transaction."""
+        """Rebuild the index searches use (ours, else hermes-agent's) from the messages, in one
+        transaction; returns its layout."""
         def rebuild(conn):
             objects = _schema_objects(conn)
-            layout = _layout(objects)
-            for index in self._usable_indexes(layout, objects):
-                self._rebuild_index(conn, layout, index)
-            return layout
+            state = self._index_state(objects)
+            if state.layout == "current":
+                for index in self._buildable():
+                    if SEARCH_TABLES[index] in objects:
+                        self._rebuild_index(conn, index)
+                for key in (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, *map(_stale_key, SEARCH_TABLES)):
+                    write_meta(conn, key, None)
+                return state.layout
+            for index in state.usable:
+                conn.execute(FTS_COMMAND_SQL.format(table=state.tables[index], command="rebuild"))
+            if state.usable:
+                # A whole index has no backfill left; hermes-agent's triggers read these markers.
+                write_meta(conn, META_FTS_REBUILD_HIGH_WATER, None)
+                write_meta(conn, META_FTS_REBUILD_PROGRESS, None)
+            return state.layout
         return self._execute_write(rebuild)
 
     def optimize_fts(self):
@@ -790,75 +956,92 @@ UNION ALL SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id > :i", other="timestamp
             pass
 
         def merge(conn):
-            objects = _schema_objects(conn)
-            indexes = self._usable_indexes(_layout(objects), objects)
-            for index in indexes:
-                table = FTS_INDEX_TABLES[index]
-                conn.execute(FTS_COMMAND_SQL.format(table=table, command="optimize"))
-            return len(indexes)
+            state = self._index_state(_schema_objects(conn))
+            for index in state.usable:
+                conn.execute(FTS_COMMAND_SQL.format(table=state.tables[index], command="optimize"))
+            return len(state.usable)
         return self._execute_write(merge)
 
     def optimize_fts_storage(self, *, progress_cb=None, vacuum=True):
-        """Move an old index generation to the current one, then VACUUM, then stamp.
+        """Move the store to our index and reclaim the space; hermes-agent's result dict.
 
-        Chunked short transactions with pauses between them, so live writers
-        are never blocked for long; interrupt it at any point (Ctrl-C, kill -9)
-        and run it again to resume. Raises OSError before starting when the disk
-        has too little free space. Returns sizes before and after.
+        {"ok": True, "vacuumed": True/False (None when not asked)}, or {"ok":
+        False, "reason": ...} when refused ("fts5_unavailable", "read_only",
+        "insufficient_disk" with a "detail", "backfill_incomplete",
+        "teardown_incomplete"). hermes-agent's index (and our unfinished work)
+        is replaced by ours in short transactions with pauses between them, so
+        live writers are never blocked for long; interrupt it at any point and
+        run it again to resume. `progress_cb` gets {phase ('backfill',
+        'teardown', 'vacuum', 'done'), percent (whole), indexed, total}.
         """
         if not self.fts_caps.fts5:
-            raise RuntimeError("optimize-storage needs a SQLite with FTS5; this one has none")
-        report = progress_cb or (lambda _progress: None)
-        before = store_file_bytes(self.db_path)
-        self._check_disk_space(vacuum)
-        report({"phase": "prepare", "percent": 0.0, "indexed": 0, "total": None})
+            return {"ok": False, "reason": "fts5_unavailable"}
+        if self.read_only:
+            return {"ok": False, "reason": "read_only"}
+        shortfall = self._disk_shortfall(vacuum)
+        if shortfall:
+            logger.info("search: %s", shortfall)
+            return {"ok": False, "reason": "insufficient_disk", "vacuumed": None, "detail": shortfall}
+        report, phase = progress_cb or (lambda _progress: None), "backfill"
         self._execute_write(self._begin_optimize)
         while True:
-            status = self._rebuild_phase() or {"phase": "finish", "percent": 100.0}
-            report({"phase": status["phase"], "percent": status.get("percent"),
-                    "indexed": status.get("indexed"), "total": status.get("total")})
+            phase = (self._rebuild_phase() or {"phase": phase})["phase"]  # the CJK queue goes with its phase
+            report(_progress(phase, self.fts_rebuild_status()))
             if not self.fts_rebuild_step():
                 break
             time.sleep(OPTIMIZE_PAUSE)
+        phase = self._rebuild_phase()
+        if phase is not None:
+            return {"ok": False, "reason": f"{phase['phase']}_incomplete", "vacuumed": None}
+        vacuumed = None
         if vacuum:
-            report({"phase": "vacuum", "percent": None, "indexed": None, "total": None})
-            self.vacuum()
-        stamped = self._execute_write(self._stamp_if_complete)
-        report({"phase": "done", "percent": 100.0, "indexed": None, "total": None})
-        return {"bytes_before": before, "bytes_after": store_file_bytes(self.db_path), "stamped": stamped,
-                "fts_layout": self.fts_layout()}
+            report(_progress("vacuum", None))
+            try:
+                self.vacuum()
+                vacuumed = True
+            except sqlite3.OperationalError as exc:
+                logger.warning("search: VACUUM after optimize-storage failed (%s); run it again later", exc)
+                vacuumed = False
+        report(_progress("done", None))
+        return {"ok": True, "vacuumed": vacuumed}
 
     def _begin_optimize(self, conn):
-        """Set the old generation aside and put the current one in its place, in one transaction."""
+        """Set hermes-agent's word and trigram indexes aside (their triggers, views and
+        keys with them), then make ours whole, in one transaction."""
         objects = _schema_objects(conn)
-        layout = _layout(objects)
-        if layout == "current":
-            return
-        for name, _sql in conn.execute(SELECT_FTS_TRIGGERS_SQL).fetchall():
-            conn.execute(DROP_TRIGGER_SQL.format(trigger=quote_identifier(name)))
-        for table in (FTS_WORD_TABLE, FTS_TRIGRAM_TABLE):
-            if table in objects:
-                conn.execute(RENAME_TABLE_SQL.format(table=table, new_name=table + FTS_OLD_SUFFIX))
-        self._create_current_generation(conn)
-        for key in (META_FTS_STORAGE_VERSION, META_FTS_STALE, META_FTS_CJK_STALE):
-            write_meta(conn, key, None)
-        logger.info("search: optimize-storage set the %s index of %s aside", layout, self.db_path)
+        theirs = [HERMES_FTS_TABLES[index] for index in ("word", "trigram") if HERMES_FTS_TABLES[index] in objects]
+        if theirs:
+            for name in HERMES_FTS_TRIGGERS["word"] + HERMES_FTS_TRIGGERS["trigram"] + HERMES_FTS_VIEWS[:2]:
+                if name in objects and objects[name][0] != "table":
+                    _drop(conn, objects[name][0], name)
+            _retire(conn, _schema_objects(conn), theirs)
+            for key in HERMES_INDEX_META:
+                write_meta(conn, key, None)
+            logger.info("search: optimize-storage set hermes-agent's index of %s aside (%s)",
+                        self.db_path, ", ".join(theirs))
+        objects = _schema_objects(conn)
+        if SEARCH_TABLES["word"] not in objects:
+            self._create_search_index(conn)
+            objects = _schema_objects(conn)
+        self._repair_search_index(conn, objects)
 
-    def _check_disk_space(self, vacuum):
+    def _disk_shortfall(self, vacuum):
+        """Why the disk is too small for optimize-storage, or None."""
         word_bytes, trigram_bytes = self._read_one(SELECT_INDEXED_TEXT_BYTES_SQL)
         new_index = 2 * word_bytes + 4 * trigram_bytes
         need = new_index + (store_file_bytes(self.db_path) if vacuum else 0)
         free = free_disk_bytes(self.db_path.parent)
-        if free < need:
-            hint = "" if not vacuum else (f"; with --no-vacuum (rebuild now, reclaim later) it needs about "
-                                          f"{new_index / 1e6:.1f} MB")
-            raise OSError(f"optimize-storage needs about {need / 1e6:.1f} MB free next to {self.db_path} "
-                          f"(new index{' plus a VACUUM copy of the file' if vacuum else ''}); only "
-                          f"{free / 1e6:.1f} MB are free{hint}. Nothing was changed.")
+        if free >= need:
+            return None
+        hint = "" if not vacuum else (f"; with --no-vacuum (rebuild now, reclaim later) it needs about "
+                                      f"{new_index / 1e6:.1f} MB")
+        return (f"optimize-storage needs about {need / 1e6:.1f} MB free next to {self.db_path} "
+                f"(new index{' plus a VACUUM copy of the file' if vacuum else ''}); only "
+                f"{free / 1e6:.1f} MB are free{hint}. Nothing was changed.")
 
 
-def _drop_old_chunk(conn, table, objects):
-    """Empty an old index a chunk at a time through its shadow tables, then drop it.
+def _drop_retired_chunk(conn, table, objects):
+    """Empty a retired index a chunk at a time through its shadow tables, then drop it.
 
     The structure records (ids up to 10 in _data) stay until the DROP, which needs them.
     """

@@ -48,7 +48,7 @@ class CommandLine(TempDirTestCase):
         report = json.loads(doctor.stdout)
         self.assertEqual(report["integrity_check"], ["ok"])
         self.assertEqual(report["fts_layout"], "legacy")
-        self.assertEqual(report["search_meta"]["fts_optimize_available"], "1")
+        self.assertEqual(report["hermes_agent_index"], "legacy")
         for key in ("sqlite_version", "journal_mode", "journal_policy", "fts5", "trigram"):
             self.assertIn(key, report)
 

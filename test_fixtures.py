@@ -13,8 +13,7 @@ from test_support import (
 CHAINS = [[f"bench_{i:06d}", f"bench_{i + 1:06d}"] for i in (0, 5, 10, 15)]
 FTS_OBJECTS_SQL = ("SELECT type, name, sql FROM sqlite_master "
                    "WHERE name LIKE 'messages_fts%' ORDER BY type, name")
-FTS_TABLES_AND_WRITE_TRIGGERS_SQL = ("SELECT type, name, sql FROM sqlite_master WHERE name LIKE 'messages_fts%' "
-                                     "AND name NOT LIKE '%_update' ORDER BY type, name")
+HERMES_FTS_META_SQL = "SELECT key, value FROM state_meta WHERE key LIKE 'fts%' ORDER BY key"
 
 
 def raw_sessions(conn):
@@ -43,7 +42,8 @@ class FixtureStoresOpen(TempDirTestCase):
             "sessions": raw_sessions(conn),
             "messages": raw_active_messages(conn),
             "routing": [tuple(r) for r in conn.execute("SELECT * FROM gateway_routing ORDER BY session_key")],
-            "fts": [tuple(r) for r in conn.execute(FTS_TABLES_AND_WRITE_TRIGGERS_SQL)],
+            "fts": [tuple(r) for r in conn.execute(FTS_OBJECTS_SQL)],
+            "fts_meta": [tuple(r) for r in conn.execute(HERMES_FTS_META_SQL)],
         }
         conn.close()
         return facts
@@ -108,14 +108,12 @@ class FixtureStoresOpen(TempDirTestCase):
         with SessionDB(path) as db:
             self.assertEqual(db.fts_layout(), "legacy")
             self.assertTrue(db.fts_optimize_available())
-            self.assertEqual(db.get_meta("fts_optimize_available"), "1")
             message_id = db.append_message("bench_000003", "user", "zebra-unique-word after the upgrade")
         conn = self.raw(path)
-        self.assertEqual([tuple(r) for r in conn.execute(FTS_TABLES_AND_WRITE_TRIGGERS_SQL)], before["fts"])
-        updates = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE name LIKE 'messages_fts%_update'"))
-        self.assertEqual(sorted(updates), ["messages_fts_trigram_update", "messages_fts_update"])
-        for sql in updates.values():  # the broad AFTER UPDATE ON triggers are narrowed
-            self.assertIn("AFTER UPDATE OF content, tool_name, tool_calls ON messages", sql)
+        # hermes-agent's index is its own: every object (its broad update triggers too) and key as it left them.
+        self.assertEqual([tuple(r) for r in conn.execute(FTS_OBJECTS_SQL)], before["fts"])
+        self.assertEqual([tuple(r) for r in conn.execute(HERMES_FTS_META_SQL)], before["fts_meta"])
+        self.assertEqual(conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'hs_%'").fetchone()[0], 0)
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages_fts").fetchone()[0], 321)
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages_fts_trigram").fetchone()[0], 321)
         hits = conn.execute("SELECT rowid FROM messages_fts WHERE messages_fts MATCH 'zebra'").fetchall()

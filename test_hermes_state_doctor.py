@@ -89,7 +89,7 @@ class HealthProbe(DoctorTestCase):
         self.damage(dup, "INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'state_meta'")
         self.assertIn("malformed database schema", _db_opens_cleanly(dup))
         fts = self.store("fts.db")
-        self.damage(fts, "UPDATE messages_fts_data SET block = X'0000' WHERE id = 10")
+        self.damage(fts, "UPDATE hs_fts_words_data SET block = X'0000' WHERE id = 10")
         self.assertIsNotNone(_db_opens_cleanly(fts))
         junk = self.tmp / "junk.db"
         junk.write_bytes(b"not a database" * 100)
@@ -107,7 +107,7 @@ class Repair(DoctorTestCase):
 
     def test_duplicate_schema_entries_go_after_a_private_backup_of_the_damage(self):
         path = self.store()
-        self.damage(path, "INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'messages_fts'")
+        self.damage(path, "INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'hs_fts_words'")
         with self.assertLogs("hermes_state", "WARNING"):
             report = repair_state_db_schema(path)
         self.assertEqual((report["repaired"], report["strategy"], report["error"]), (True, "dedup_schema", None))
@@ -121,7 +121,7 @@ class Repair(DoctorTestCase):
 
     def test_a_search_index_that_rejects_writes_is_rebuilt_in_place(self):
         path = self.store()
-        self.damage(path, "UPDATE messages_fts_data SET block = X'0000' WHERE id = 10")
+        self.damage(path, "UPDATE hs_fts_words_data SET block = X'0000' WHERE id = 10")
         with self.assertLogs("hermes_state", "WARNING"):
             report = repair_state_db_schema(path, backup=False)
         self.assertEqual((report["strategy"], report["backup_path"]), ("rebuild_fts", None))
@@ -131,8 +131,8 @@ class Repair(DoctorTestCase):
 
     def test_an_unparsable_search_table_is_dropped_and_built_again_at_the_next_open(self):
         path = self.store()
-        self.damage(path, "UPDATE sqlite_master SET sql = 'CREATE VIRTUAL TABLE messages_fts USING fts5(' "
-                          "WHERE name = 'messages_fts'")
+        self.damage(path, "UPDATE sqlite_master SET sql = 'CREATE VIRTUAL TABLE hs_fts_words USING fts5(' "
+                          "WHERE name = 'hs_fts_words'")
         with self.assertLogs("hermes_state", "WARNING") as logs:
             report = repair_state_db_schema(path)
         self.assertEqual((report["repaired"], report["strategy"]), (True, "drop_fts_rebuild"))
@@ -208,8 +208,9 @@ class Reports(DoctorTestCase):
         stats = collect_state_db_stats(path)
         self.assertEqual((stats["messages"], stats["sessions"], stats["journal_mode"]), (30, 1, "wal"))
         self.assertEqual(stats["logical_size_bytes"], stats["page_count"] * stats["page_size"])
+        # Our word and trigram indexes play the roles of hermes-agent's; its CJK index is not ours.
         self.assertEqual(stats["fts_tables"], {"messages_fts": True, "messages_fts_trigram": True,
-                                               "messages_fts_cjk": True})
+                                               "messages_fts_cjk": False})
         self.assertEqual((stats["fts_rebuild_pending"], stats["fts_rebuild_high_water"]), (False, None))
         missing = collect_state_db_stats(self.tmp / "missing.db")
         self.assertEqual(set(missing), set(stats))

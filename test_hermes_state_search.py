@@ -14,7 +14,7 @@ from unittest import mock
 
 import hermes_state_search
 from hermes_state import SessionDB
-from hermes_state_common import FTS_STORAGE_VERSION, SCHEMA_VERSION, TOOL_INDEX_PREFIX_CHARS
+from hermes_state_common import SCHEMA_VERSION, SEARCH_LAYOUT_VERSION, SEARCH_TRIGGERS, TOOL_INDEX_PREFIX_CHARS
 from hermes_state_search import (
     cjk_terms, fts_layout_of, parse_query, sqlite_supports_fts5, sqlite_supports_trigram,
 )
@@ -23,7 +23,8 @@ from test_support import (
 )
 
 CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
-LEGACY_LIMIT_BYTES = 1_200_000  # hermes-agent's own optimize-storage result on the legacy fixture
+LEGACY_LIMIT_BYTES = 1_200_000
+SEARCH_TRIGGER_NAMES = [name for triggers in SEARCH_TRIGGERS.values() for name in triggers]  # hermes-agent's own optimize-storage result on the legacy fixture
 
 
 def active_messages(path):
@@ -56,7 +57,7 @@ def word_queries(messages):
     return sorted(words) + ["def", "return"]
 
 
-def fts_integrity_check(path, tables=("messages_fts", "messages_fts_trigram", "messages_fts_cjk")):
+def fts_integrity_check(path, tables=("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk")):
     """FTS5's own integrity-check on each index (autocommit: it must not hold a transaction open)."""
     conn = sqlite3.connect(path, isolation_level=None)
     try:
@@ -91,7 +92,7 @@ class Probes(TempDirTestCase):
         self.assertEqual(fts_layout_of("CREATE VIRTUAL TABLE messages_fts USING fts5(content)"), "legacy")
         self.assertEqual(fts_layout_of("CREATE VIRTUAL TABLE messages_fts USING fts5(content, tool_name, "
                                        "tool_calls, content='messages', content_rowid='id')"), "external")
-        self.assertEqual(fts_layout_of("... content='messages_fts_projection' ... tool_name"), "current")
+        self.assertEqual(fts_layout_of("... content='messages_fts_projection' ... tool_name"), "previous")
 
     def test_older_generations_are_flagged_for_optimize_and_left_alone(self):
         for name, layout in ((V22_DB, "legacy"), (V26_DB, "external")):
@@ -104,7 +105,8 @@ class Probes(TempDirTestCase):
         with SessionDB(self.tmp / "state.db") as db:
             self.assertEqual(db.fts_layout(), "current")
             self.assertFalse(db.fts_optimize_available())
-            self.assertEqual(db.get_meta("fts_storage_version"), str(FTS_STORAGE_VERSION))
+            self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION))
+            self.assertIsNone(db.get_meta("fts_storage_version"))  # hermes-agent's key: never ours
             self.assertTrue(all(db.search_health()["fts_triggers_complete"].values()))
 
 
@@ -226,21 +228,21 @@ class SearchBehaviour(TempDirTestCase):
         for bad in (dict(limit=None), dict(limit=1.5), dict(offset=None)):
             with self.subTest(bad=bad), self.assertRaisesRegex(sqlite3.IntegrityError, "datatype mismatch"):
                 db.search_messages("staging", **bad)
-        self.assertIsNone(db.get_meta("fts_stale"))  # bad input is not a broken index
+        self.assertIsNone(db.get_meta("hs_search_stale_word"))  # bad input is not a broken index
         self.assertEqual(db.search_messages("staging", role_filter=[1]), [])
 
     def test_rebuild_status_is_hermes_agents_backfill_progress_only(self):
         db = self.db
         self.assertIsNone(db.fts_rebuild_status())
-        db.set_meta("fts_rebuild_high_water", "9")
-        db.set_meta("fts_rebuild_progress", "4")
+        db.set_meta("hs_search_high_water", "9")
+        db.set_meta("hs_search_progress", "4")
         self.assertEqual(db.fts_rebuild_status(), {"pending": True, "total": 9, "indexed": 4, "percent": 44})
         self.assertEqual(self.ids_for("staging"), {self.ids["deploy"], self.ids["reply"], self.ids["late"]})
-        db.set_meta("fts_rebuild_high_water", None)
+        db.set_meta("hs_search_high_water", None)
         with db._lock:
-            db._conn.execute("CREATE TABLE messages_fts_old (content)")
+            db._conn.execute("CREATE VIRTUAL TABLE hs_retired_messages_fts USING fts5(content)")
         self.assertIsNone(db.fts_rebuild_status())  # hermes-agent formats indexed/total as numbers
-        self.assertEqual(db.search_health()["fts_rebuild"]["phase"], "drop-old")
+        self.assertEqual(db.search_health()["fts_rebuild"]["phase"], "teardown")
 
     def test_empty_filters_mean_what_they_mean_to_hermes_agent(self):
         self.assertEqual(self.ids_for("staging", source_filter=[]), set())
@@ -291,7 +293,14 @@ class SearchBehaviour(TempDirTestCase):
         self.assertEqual(self.ids_for("会话"), {self.ids["zh"], self.ids["zh2"]})
         self.assertEqual(self.ids_for("会话历史"), {self.ids["zh"]})
         self.assertEqual(self.ids_for("数据库 迁移"), {self.ids["zh"]})
-        self.assertEqual(self.ids_for("会话 NOT 保存"), {self.ids["zh"]})
+        staging = {self.ids["deploy"], self.ids["reply"], self.ids["late"]}
+        # A CJK term of 1-2 letters: any term matches, operators aside, as hermes-agent answers it.
+        self.assertEqual(self.ids_for("迁移 staging"), {self.ids["zh"]} | staging)
+        self.assertEqual(self.ids_for("会话 NOT 保存"), {self.ids["zh"], self.ids["zh2"]})
+        # Every CJK term 3+ letters long: its operators hold.
+        self.assertEqual(self.ids_for("请检查 staging"), set())
+        self.assertEqual(self.ids_for("请检查 OR staging"), {self.ids["zh"]} | staging)
+        self.assertEqual(self.ids_for("数据库迁移 NOT 会话历史"), set())
         self.assertEqual(self.ids_for("会话 OR staging"), {self.ids["zh"], self.ids["zh2"], self.ids["deploy"],
                                                           self.ids["reply"], self.ids["late"]})
 
@@ -299,16 +308,16 @@ class SearchBehaviour(TempDirTestCase):
         statements = []
         self.db.close()
         with SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements)) as db:
-            self.assertIsNone(db._read_one("SELECT 1 FROM messages_cjk_pending"))  # drained at open
+            self.assertIsNone(db._read_one("SELECT 1 FROM hs_fts_cjk_queue"))  # drained at open
             statements.clear()
             self.assertEqual(len(db.search_messages("会话")), 2)
-        searches = [s for s in statements if "FROM messages_fts_cjk" in s or "LIKE" in s]
+        searches = [s for s in statements if "FROM hs_fts_cjk" in s or "LIKE" in s]
         self.assertTrue(searches)
         self.assertFalse([s for s in searches if "LIKE" in s])
 
     def test_queued_cjk_rows_are_found_before_they_are_indexed(self):
         message_id = self.db.append_message("a", "user", "新的会话内容")
-        self.assertIsNotNone(self.db._read_one("SELECT 1 FROM messages_cjk_pending WHERE id = ?", (message_id,)))
+        self.assertIsNotNone(self.db._read_one("SELECT 1 FROM hs_fts_cjk_queue WHERE id = ?", (message_id,)))
         self.assertIn(message_id, self.ids_for("会话"))
         self.assertIn(message_id, self.ids_for("新"))
 
@@ -434,14 +443,15 @@ class OptimizeStorage(TempDirTestCase):
         fts_integrity_check(path)
         conn = sqlite3.connect(path, isolation_level=None)
         self.assertEqual(conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")
-        leftovers = conn.execute("SELECT name FROM sqlite_master WHERE name LIKE '%_old%' "
-                                 "OR name = 'messages_fts_trigram_src'").fetchall()
+        leftovers = conn.execute("SELECT name FROM sqlite_master WHERE name LIKE 'hs\\_retired%' ESCAPE '\\' "
+                                 "OR name LIKE 'messages\\_fts%' ESCAPE '\\'").fetchall()
         conn.close()
         self.assertEqual(leftovers, [])
         with SessionDB(path) as db:
             self.assertEqual(db.fts_layout(), "current")
             self.assertFalse(db.fts_optimize_available())
-            self.assertEqual(db.get_meta("fts_storage_version"), str(FTS_STORAGE_VERSION))
+            self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION))
+            self.assertIsNone(db.get_meta("fts_storage_version"))  # hermes-agent's key: never ours
             self.assertIsNone(db.fts_rebuild_status())
             self.assertEqual(self.answers(db, cjk), before_cjk)
             after_words = self.answers(db, words)
@@ -457,13 +467,16 @@ class OptimizeStorage(TempDirTestCase):
 
     def test_legacy_fixture_shrinks_and_answers_the_same(self):
         path, before_cjk, before_words, cjk, words = self.baseline(V22_DB)
+        self.assertGreater(os.path.getsize(path), 4_000_000)
         progress = []
         with SessionDB(path) as db:
-            result = db.optimize_fts_storage(progress_cb=progress.append)
-        self.assertEqual({p["phase"] for p in progress} >= {"prepare", "backfill", "drop-old", "vacuum", "done"},
-                         True, progress)
+            self.assertEqual(db.optimize_fts_storage(progress_cb=progress.append), {"ok": True, "vacuumed": True})
+        # hermes-agent's payload and phases; its CLI formats the percent with {:3d}.
+        self.assertEqual([p["phase"] for p in progress][-2:], ["vacuum", "done"])
+        self.assertTrue({"backfill", "teardown"} <= {p["phase"] for p in progress}, progress)
         self.assertTrue(all(set(p) == {"phase", "percent", "indexed", "total"} for p in progress))
-        self.assertGreater(result["bytes_before"], 4_000_000)
+        self.assertTrue(all(type(p["percent"]) is int and 0 <= p["percent"] <= 100 for p in progress))
+        self.assertEqual(progress[0], {"phase": "backfill", "percent": 0, "indexed": 0, "total": 320})
         self.assert_optimized(path, before_cjk, before_words, cjk, words)
 
     def test_hermes_external_fixture_moves_to_the_current_generation(self):
@@ -475,9 +488,9 @@ class OptimizeStorage(TempDirTestCase):
     def test_no_vacuum_rebuilds_now_and_a_later_run_reclaims(self):
         path, before_cjk, before_words, cjk, words = self.baseline(V22_DB)
         with SessionDB(path) as db:
-            result = db.optimize_fts_storage(vacuum=False)
-            self.assertTrue(result["stamped"])
-            self.assertGreater(result["bytes_after"], LEGACY_LIMIT_BYTES)
+            self.assertEqual(db.optimize_fts_storage(vacuum=False), {"ok": True, "vacuumed": None})
+            self.assertFalse(db.fts_optimize_available())
+            self.assertGreater(os.path.getsize(path), LEGACY_LIMIT_BYTES)
             db.optimize_fts_storage()
         self.assert_optimized(path, before_cjk, before_words, cjk, words)
 
@@ -486,9 +499,10 @@ class OptimizeStorage(TempDirTestCase):
         with SessionDB(path) as db:
             content = dump_hash(path)
             with mock.patch.object(hermes_state_search, "free_disk_bytes", return_value=500_000):
-                with self.assertRaisesRegex(OSError, r"needs about \d+\.\d MB free .* only 0\.5 MB are free; "
-                                                     r"with --no-vacuum .* about \d+\.\d MB"):
-                    db.optimize_fts_storage()
+                result = db.optimize_fts_storage()
+            self.assertEqual((result["ok"], result["reason"], result["vacuumed"]), (False, "insufficient_disk", None))
+            self.assertRegex(result["detail"], r"needs about \d+\.\d MB free .* only 0\.5 MB are free; "
+                                               r"with --no-vacuum .* about \d+\.\d MB")
             self.assertEqual(db.fts_layout(), "legacy")
         self.assertEqual(dump_hash(path), content)
 
@@ -510,7 +524,7 @@ class OptimizeStorage(TempDirTestCase):
                         break
                     except KeyboardInterrupt:
                         pass
-        self.assertGreater(stop_at, 10)
+        self.assertGreater(stop_at, 5)
         self.assert_optimized(path, before_cjk, before_words, cjk, words)
 
     def test_sigkill_at_several_points_then_a_rerun_finishes(self):
@@ -586,7 +600,8 @@ class DegradedRuntimes(TempDirTestCase):
         conn = sqlite3.connect(path, isolation_level=None)
         try:
             return {r[0] for r in conn.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'trigger' AND name LIKE 'messages_fts%'")}
+                "SELECT name FROM sqlite_master WHERE type = 'trigger' AND (name LIKE 'messages_fts%' "
+                "OR name LIKE 'hs_fts%')")}
         finally:
             conn.close()
 
@@ -595,23 +610,21 @@ class DegradedRuntimes(TempDirTestCase):
         with SessionDB(path, connection_factory=without_fts5) as db:
             self.assertEqual(self.fts_triggers(path), set())
             self.assertEqual(db.schema_version(), 22)  # held back until FTS5 is there
-            self.assertEqual(db.get_meta("fts_stale"), "1")
+            self.assertIsNone(db.get_meta("fts_stale"))  # hermes-agent's key: it rebuilds on missing triggers
             new_id = db.append_message("bench_000004", "user", "written without fts5: kiwi 猕猴桃")
             db.delete_session("bench_000002")
             self.assertEqual(hit_ids(db, "kiwi"), {new_id})
             self.assertEqual(hit_ids(db, "猕猴桃"), {new_id})
             self.assertEqual(len(hit_ids(db, "会话")), 3)
         with SessionDB(path) as db:
-            self.assertEqual(len(self.fts_triggers(path)), 6)
+            # hermes-agent's index lost rows meanwhile; its triggers are its to put back. Ours serves.
+            self.assertEqual(self.fts_triggers(path), set(SEARCH_TRIGGER_NAMES))
             self.assertEqual(db.schema_version(), SCHEMA_VERSION)
-            self.assertIsNone(db.get_meta("fts_stale"))
-            self.assertEqual(db._index_state().usable, {"word", "trigram"})
+            self.assertEqual((db.fts_layout(), db._index_state().usable), ("current", {"word", "trigram", "cjk"}))
             self.assertEqual(hit_ids(db, "kiwi"), {new_id})
             self.assertEqual(hit_ids(db, "猕猴桃"), {new_id})
-        conn = sqlite3.connect(path, isolation_level=None)
-        self.addCleanup(conn.close)
-        legacy_rows = conn.execute("SELECT COUNT(*) FROM messages_fts").fetchone()[0]
-        self.assertEqual(legacy_rows, conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0])
+            self.assertEqual(len(hit_ids(db, "会话")), 3)
+        fts_integrity_check(path)
 
     def test_current_generation_without_fts5_then_back(self):
         path = self.tmp / "state.db"
@@ -628,7 +641,8 @@ class DegradedRuntimes(TempDirTestCase):
             self.assertEqual(db._index_state().usable, {"word", "trigram", "cjk"})
             self.assertEqual(hit_ids(db, "apple"), {before, during})
             self.assertEqual(hit_ids(db, "苹果"), {before, during})
-            self.assertEqual(db.get_meta("fts_storage_version"), str(FTS_STORAGE_VERSION))
+            self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION))
+            self.assertIsNone(db.get_meta("fts_storage_version"))  # hermes-agent's key: never ours
         fts_integrity_check(path)
 
     def test_without_trigram_the_word_index_serves_and_cjk_falls_back(self):
@@ -640,14 +654,14 @@ class DegradedRuntimes(TempDirTestCase):
             triggers = self.fts_triggers(path)
             self.assertFalse([t for t in triggers if "trigram" in t])
             self.assertEqual(len(triggers), 6)
-            self.assertEqual(db.get_meta("fts_cjk_stale"), "1")
+            self.assertEqual(db.get_meta("hs_search_stale_trigram"), "1")
             self.assertEqual(db._index_state().usable, {"word", "cjk"})
             second = db.append_message("s", "user", "banana 香蕉奶昔 again")
             self.assertEqual(hit_ids(db, "banana"), {first, second})
             self.assertEqual(hit_ids(db, "香蕉奶昔"), {first, second})
             self.assertEqual(hit_ids(db, "香蕉"), {first, second})
         with SessionDB(path) as db:
-            self.assertIsNone(db.get_meta("fts_cjk_stale"))
+            self.assertIsNone(db.get_meta("hs_search_stale_trigram"))
             self.assertEqual(db._index_state().usable, {"word", "trigram", "cjk"})
             self.assertEqual(hit_ids(db, "香蕉奶昔"), {first, second})
 
@@ -660,7 +674,8 @@ class DegradedRuntimes(TempDirTestCase):
             self.assertIsNone(db.get_meta("fts_storage_version"))
         with SessionDB(path) as db:
             self.assertEqual(hit_ids(db, "中文句子"), {message})
-            self.assertEqual(db.get_meta("fts_storage_version"), str(FTS_STORAGE_VERSION))
+            self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION))
+            self.assertIsNone(db.get_meta("fts_storage_version"))  # hermes-agent's key: never ours
 
     def test_the_fallback_gives_the_index_answer_when_columns_are_null(self):
         path = self.tmp / "state.db"
@@ -687,18 +702,18 @@ class DegradedRuntimes(TempDirTestCase):
             ids = [db.append_message("s", "user", f"cherry number {i}") for i in range(50)]
         conn = sqlite3.connect(path, isolation_level=None)
         rng = random.Random(5)
-        for block_id, size in conn.execute("SELECT id, length(block) FROM messages_fts_data WHERE id > 10").fetchall():
-            conn.execute("UPDATE messages_fts_data SET block = ? WHERE id = ?",
+        for block_id, size in conn.execute("SELECT id, length(block) FROM hs_fts_words_data WHERE id > 10").fetchall():
+            conn.execute("UPDATE hs_fts_words_data SET block = ? WHERE id = ?",
                          (bytes(rng.getrandbits(8) for _ in range(size)), block_id))
         conn.close()
         with self.assertLogs("hermes_state", "WARNING"):
             with SessionDB(path) as db:
                 self.assertEqual(hit_ids(db, "cherry"), set(ids))
-                self.assertEqual(db.get_meta("fts_stale"), "1")
+                self.assertEqual(db.get_meta("hs_search_stale_word"), "1")
         with SessionDB(path) as db:
-            self.assertIsNone(db.get_meta("fts_stale"))
+            self.assertIsNone(db.get_meta("hs_search_stale_word"))
             self.assertEqual(hit_ids(db, "cherry"), set(ids))
-        fts_integrity_check(path, ("messages_fts",))
+        fts_integrity_check(path, ("hs_fts_words",))
 
     def test_read_only_handles_search_without_writing(self):
         path = self.copy_fixture(V26_DB)
@@ -727,7 +742,7 @@ class Maintenance(TempDirTestCase):
             self.assertEqual(db.rebuild_fts(), "current")
             self.assertEqual(hit_ids(db, "plum"), set(ids))
             db.optimize_fts()
-            self.assertIsNone(db._read_one("SELECT 1 FROM messages_cjk_pending"))
+            self.assertIsNone(db._read_one("SELECT 1 FROM hs_fts_cjk_queue"))
             self.assertEqual(hit_ids(db, "李子"), set(ids))
         fts_integrity_check(path)
         env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -754,11 +769,11 @@ class ForeignWriters(TempDirTestCase):
         conn.executemany("INSERT INTO messages (session_id, role, content, timestamp) VALUES ('s', 'user', ?, 1)",
                          [(f"外部写入 {i}",) for i in range(12_000)])
         conn.execute("COMMIT")
-        queued = conn.execute("SELECT COUNT(*) FROM messages_cjk_pending").fetchone()[0]
+        queued = conn.execute("SELECT COUNT(*) FROM hs_fts_cjk_queue").fetchone()[0]
         self.assertEqual(queued, 12_000)
         with mock.patch.object(hermes_state_search, "CJK_DRAIN_MAX_ROWS", 10_000):
             with SessionDB(path) as db:
-                self.assertEqual(db._read_value("SELECT COUNT(*) FROM messages_cjk_pending"), 2_000)
+                self.assertEqual(db._read_value("SELECT COUNT(*) FROM hs_fts_cjk_queue"), 2_000)
                 self.assertEqual(len(hit_ids(db, "外部")), 12_000)
         conn.close()
 
@@ -769,6 +784,5 @@ class NoFts5Refusal(TempDirTestCase):
         path = self.copy_fixture(V22_DB)
         with SessionDB(path, connection_factory=without_fts5) as db:
             content = dump_hash(path)
-            with self.assertRaisesRegex(RuntimeError, "needs a SQLite with FTS5"):
-                db.optimize_fts_storage()
+            self.assertEqual(db.optimize_fts_storage(), {"ok": False, "reason": "fts5_unavailable"})
         self.assertEqual(dump_hash(path), content)

@@ -134,8 +134,8 @@ def write_statements(statements):
 # every table a statement touches, trigger bodies included, at prepare time,
 # so a write to `messages` fails while an FTS trigger exists, as it would on
 # such a runtime; the error carries SQLite's own message.
-FTS_VTABLES = re.compile(r"^messages_fts(_trigram|_cjk)?(_old)?$")
-TRIGRAM_VTABLES = re.compile(r"^messages_fts_trigram(_old)?$")
+FTS_VTABLES = re.compile(r"^(hs_retired_)?(messages_fts(_trigram|_cjk)?|hs_fts_(words|trigram|cjk))(_\d+)?$")
+TRIGRAM_VTABLES = re.compile(r"^(hs_retired_)?(messages_fts|hs_fts)_trigram(_\d+)?$")
 _TOUCH = (sqlite3.SQLITE_READ, sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE,
           sqlite3.SQLITE_DROP_VTABLE, sqlite3.SQLITE_CREATE_VTABLE)
 
