@@ -490,7 +490,8 @@ class SessionMaintenanceMixin:
         }
 
     def doctor(self):
-        """Integrity, layouts, breadcrumbs, journal and runtime facts; `ok` is False on damage.
+        """Integrity, layouts, breadcrumbs, journal and runtime facts; `ok` is False on damage,
+        a trigger writing to a table or column the store lacks included (`trigger_damage`).
 
         Never raises on a damaged file: a check that cannot run is reported as such.
         """
@@ -512,6 +513,7 @@ class SessionMaintenanceMixin:
         }
         search = _checked(self.search_health)
         report.update(search if isinstance(search, dict) else {"search_health": search})
+        report["ok"] = report["ok"] and not report.get("trigger_damage")
         return report
 
 

@@ -194,6 +194,11 @@ def _same_sql(stored, wanted):
     return stored is not None and stored.split() == wanted.split()
 
 
+def _has_ours(objects):
+    """True if any table or view of our index is there (the rest, if missing, is repaired)."""
+    return any(name in objects for index in SEARCH_OBJECTS for name in SEARCH_OBJECTS[index])
+
+
 def _stale_key(index):
     return META_SEARCH_STALE_PREFIX + index
 
@@ -532,7 +537,7 @@ class SessionSearchMixin:
         self._drop_hermes_triggers_not_runnable(conn, _schema_objects(conn))
         objects = _schema_objects(conn)
         started = False
-        if SEARCH_TABLES["word"] not in objects:
+        if not _has_ours(objects):
             if not self.fts_caps.fts5 or (not moved and self._hermes_index_serves(conn, objects)):
                 return False
             started = self._create_search_index(conn)
@@ -1020,7 +1025,7 @@ UNION ALL SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id > :i", other="timestamp
             logger.info("search: optimize-storage set hermes-agent's index of %s aside (%s)",
                         self.db_path, ", ".join(theirs))
         objects = _schema_objects(conn)
-        if SEARCH_TABLES["word"] not in objects:
+        if not _has_ours(objects):
             self._create_search_index(conn)
             objects = _schema_objects(conn)
         self._repair_search_index(conn, objects)

@@ -786,3 +786,89 @@ class NoFts5Refusal(TempDirTestCase):
             content = dump_hash(path)
             self.assertEqual(db.optimize_fts_storage(), {"ok": False, "reason": "fts5_unavailable"})
         self.assertEqual(dump_hash(path), content)
+
+
+class ChangedByAnotherProgram(TempDirTestCase):
+    """Our index is ours: what another program changes in it is put back at the next open."""
+
+    def setUp(self):
+        super().setUp()
+        self.path = self.tmp / "state.db"
+        with SessionDB(self.path) as db:
+            db.create_session("s", "cli")
+            self.ids = [db.append_message("s", "user", f"damson {i} 李子酱") for i in range(20)]
+
+    def tamper(self, *statements):
+        conn = sqlite3.connect(self.path, isolation_level=None)
+        conn.execute("PRAGMA writable_schema=ON")
+        for sql in statements:
+            conn.execute(sql)
+        conn.execute("PRAGMA writable_schema=RESET")
+        conn.close()
+
+    def raw_insert(self, text):
+        conn = sqlite3.connect(self.path, isolation_level=None)
+        try:
+            return conn.execute("INSERT INTO messages (session_id, role, content, timestamp, active) "
+                                "VALUES ('s', 'user', ?, 1, 1)", (text,)).lastrowid
+        finally:
+            conn.close()
+
+    def assert_repaired(self, ids):
+        with self.assertLogs("hermes_state", "WARNING"):
+            SessionDB(self.path).close()
+        with SessionDB(self.path) as db:
+            self.assertEqual(hit_ids(db, "damson"), set(ids))
+            self.assertEqual(hit_ids(db, "李子"), set(ids))
+            self.assertEqual(hit_ids(db, "李子酱"), set(ids))
+            self.assertEqual(db.doctor()["trigger_damage"], [])
+            conn = sqlite3.connect(self.path)
+            stored = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'"))
+            conn.close()
+            for triggers in SEARCH_TRIGGERS.values():
+                for name, ddl in triggers.items():
+                    self.assertEqual(stored[name].split(), ddl.split(), name)
+        fts_integrity_check(self.path)
+
+    def test_dropped_and_replaced_triggers_are_put_back_and_the_index_rebuilt(self):
+        self.tamper("DROP TRIGGER hs_fts_words_insert", "DROP TRIGGER hs_fts_cjk_insert",
+                    "DROP TRIGGER hs_fts_trigram_insert",
+                    "CREATE TRIGGER hs_fts_trigram_insert AFTER INSERT ON messages BEGIN SELECT 1; END")
+        self.assert_repaired(self.ids + [self.raw_insert("damson late 李子酱")])
+
+    def test_a_changed_stamp_or_table_or_view_is_rebuilt(self):
+        self.tamper("UPDATE state_meta SET value = '9' WHERE key = 'hs_search_layout'")
+        extra = self.raw_insert("damson extra 李子酱")
+        self.assert_repaired(self.ids + [extra])
+        self.tamper("DELETE FROM state_meta WHERE key = 'hs_search_layout'")
+        self.assert_repaired(self.ids + [extra])
+        self.tamper("DROP TABLE hs_fts_trigram", "CREATE VIRTUAL TABLE hs_fts_trigram USING fts5(content, tool_name, "
+                    "content='hs_fts_trigram_src', content_rowid='id', tokenize='trigram')",
+                    "DROP VIEW hs_fts_words_src", "CREATE VIEW hs_fts_words_src AS SELECT id, content FROM messages")
+        self.assert_repaired(self.ids + [extra])
+
+    def test_shadow_tables_kept_without_their_table_are_replaced(self):
+        # A recovery that copies tables but not the virtual table's own schema row.
+        self.tamper("DELETE FROM sqlite_master WHERE name = 'hs_fts_words'")
+        self.assert_repaired(self.ids)
+
+    def test_doctor_reports_a_trigger_that_writes_to_a_missing_column_or_table(self):
+        with SessionDB(self.path) as db:
+            report = db.doctor()
+            self.assertEqual((report["ok"], report["trigger_damage"]), (True, []))
+            # hermes-agent 0.22's trigram trigger on a trigram table without its tool_name column.
+            with db._lock:
+                db._conn.execute("""CREATE TRIGGER messages_fts_trigram_insert AFTER INSERT ON messages BEGIN
+                    INSERT INTO hs_fts_trigram(rowid, content, tool_name) VALUES (new.id, new.content, new.tool_name);
+                    END""")
+                db._conn.execute("CREATE TRIGGER gone_audit AFTER DELETE ON messages BEGIN "
+                                 "DELETE FROM audit_log WHERE id = old.id; END")
+            report = db.doctor()
+        self.assertFalse(report["ok"])
+        damage = "\n".join(report["trigger_damage"])
+        self.assertIn("trigger messages_fts_trigram_insert writes to hs_fts_trigram.tool_name, which does not exist",
+                      damage)
+        self.assertIn("trigger gone_audit writes to audit_log, which does not exist", damage)
+        self.assertIn("every insert on messages fails: table hs_fts_trigram has no column named tool_name", damage)
+        self.assertIn("every delete on messages fails: no such table: main.audit_log", damage)
+        self.assertNotIn("update", damage)

@@ -1,0 +1,222 @@
+"""One store, several programs, without the programs: hermes-agent 0.19, 0.20 and 0.22 played from facts.
+
+Each release's own search index (tables, views, triggers) is read off a store that release wrote
+(fixtures/) and applied to ours as its open does on a store without its index (all three build and
+fill theirs then); its writes are plain SQL inserts, which fire its triggers and ours alike.
+`make compat` runs the same round trips with the real releases (compat/releases.py). Our previous
+release's stores (layout 2 under hermes-agent's names), as written and as 0.20 and 0.22 left them,
+are fixtures too.
+"""
+
+import re
+import sqlite3
+
+from hermes_state import SessionDB
+from hermes_state_common import SEARCH_TRIGGERS
+from test_support import V22_DB, V26_DB, TempDirTestCase, dump_hash, fixture_path, tracing_factory, \
+    write_statements
+
+V31_DB = "hermes_v31_store.db"
+RELEASES = {"0.19": V22_DB, "0.20": V26_DB, "0.22": V31_DB}
+# What each release stamps in its own key once its index is built.
+RELEASE_STAMPS = {"0.19": None, "0.20": "1", "0.22": "3"}
+LAYOUT2 = ("hermes_state_layout2.db", "hermes_state_layout2_after_v20.db", "hermes_state_layout2_after_v22.db")
+CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
+TEXTS = ("请检查会话历史和数据库迁移", "好的，会话已保存", "deploy the service to staging", "迁移 schema 完成",
+         "日本語のテキスト検索", "한국어 검색 테스트", "索引 rebuild 会")
+
+
+def release_index_ddl(release):
+    """The release's own search index objects (views, virtual tables, triggers), in creation order."""
+    conn = sqlite3.connect(f"file:{fixture_path(RELEASES[release])}?mode=ro", uri=True)
+    try:
+        return [sql for kind, sql in conn.execute(
+            "SELECT type, sql FROM sqlite_master WHERE name LIKE 'messages_fts%' ORDER BY rowid")
+            if kind != "table" or sql.startswith("CREATE VIRTUAL")]
+    finally:
+        conn.close()
+
+
+def connect(path):
+    return sqlite3.connect(path, isolation_level=None, timeout=10)
+
+
+def open_as(release, path):
+    """What the release's open does to a store without its index: create it, fill it, stamp it."""
+    conn = connect(path)
+    try:
+        present = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+        for sql in release_index_ddl(release):
+            name = sql.split()[3] if sql.startswith("CREATE VIRTUAL") else sql.split()[2]
+            if name in present:
+                continue
+            conn.execute(sql)
+            if sql.startswith("CREATE VIRTUAL") and "content=" in sql:
+                conn.execute(f"INSERT INTO {name}({name}) VALUES ('rebuild')")
+            elif sql.startswith("CREATE VIRTUAL"):  # 0.19's inline index keeps its own copy of the text
+                conn.execute(f"INSERT INTO {name}(rowid, content) SELECT id, COALESCE(content, '') || ' ' || "
+                             "COALESCE(tool_name, '') || ' ' || COALESCE(tool_calls, '') FROM messages")
+        if RELEASE_STAMPS[release]:
+            conn.execute("INSERT OR REPLACE INTO state_meta (key, value) VALUES ('fts_storage_version', ?)",
+                         (RELEASE_STAMPS[release],))
+    finally:
+        conn.close()
+
+
+def write_as_release(path, tag):
+    """A release's turn: a session and messages written with plain SQL (its triggers and ours fire)."""
+    conn = connect(path)
+    try:
+        conn.execute("INSERT INTO sessions (id, source, started_at) VALUES (?, 'cli', 1)", (tag,))
+        for i, text in enumerate(TEXTS):
+            conn.execute("INSERT INTO messages (session_id, role, content, timestamp, active) VALUES (?, ?, ?, ?, 1)",
+                         (tag, "user" if i % 2 else "assistant", f"{text} {tag}", i))
+        conn.execute("INSERT INTO messages (session_id, role, content, tool_name, timestamp, active) "
+                     "VALUES (?, 'tool', ?, 'terminal', 9, 1)", (tag, "x" * 3000 + " 会话"))
+        conn.execute("UPDATE messages SET content = content || ' edited' WHERE session_id = ? AND role = 'user'",
+                     (tag,))
+    finally:
+        conn.close()
+
+
+def write_as_ours(path, tag):
+    with SessionDB(path) as db:
+        db.create_session(tag, "cli")
+        for i, text in enumerate(TEXTS):
+            db.append_message(tag, "user" if i % 2 else "assistant", f"{text} {tag}")
+        db.append_message(tag, "tool", "y" * 3000 + " 会话", tool_name="terminal")
+
+
+class StoresSharedWithReleases(TempDirTestCase):
+
+    def assert_whole(self, path, messages):
+        """Every row there, every FTS5 index consistent, our CJK search complete."""
+        conn = connect(path)
+        try:
+            self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0], messages)
+            self.assertEqual(conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")
+            tables = [row[0] for row in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND sql LIKE 'CREATE VIRTUAL%'")]
+            self.assertIn("hs_fts_words", tables)
+            for table in tables:
+                try:
+                    conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
+                except sqlite3.DatabaseError as exc:
+                    self.fail(f"{table}: {exc}")
+            rows = conn.execute("SELECT id, content FROM messages WHERE role <> 'tool' AND active = 1").fetchall()
+        finally:
+            conn.close()
+        terms = {run[i:i + n] for _id, content in rows for run in CJK.findall(content or "")
+                 for n in (1, 2, 3, 4) for i in range(len(run) - n + 1)}
+        with SessionDB(path, read_only=True) as db:
+            self.assertEqual(db.fts_layout(), "current")
+            for term in sorted(terms):
+                found = {hit["id"] for hit in db.search_messages(term, limit=1000)}
+                self.assertEqual(found, {i for i, content in rows if term in content}, term)
+            self.assertEqual(db.doctor()["trigger_damage"], [])
+
+    def round_trip(self, release):
+        path = self.tmp / "state.db"
+        write_as_ours(path, "ours-1")
+        open_as(release, path)
+        write_as_release(path, "theirs-1")
+        self.assert_whole(path, 16)
+        write_as_ours(path, "ours-2")
+        open_as(release, path)
+        write_as_release(path, "theirs-2")
+        self.assert_whole(path, 32)
+        return path
+
+    def test_a_store_we_made_goes_through_0_22_and_back_and_each_keeps_writing(self):
+        path = self.round_trip("0.22")
+        conn = connect(path)
+        self.addCleanup(conn.close)
+        self.assertEqual(conn.execute("SELECT value FROM state_meta WHERE key = 'fts_storage_version'").fetchone(),
+                         ("3",))  # 0.22's stamp, left as it wrote it
+        self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages_fts").fetchone()[0], 32)
+
+    def test_a_store_we_made_goes_through_0_20_and_back_and_each_keeps_writing(self):
+        self.round_trip("0.20")
+
+    def test_a_store_we_made_goes_through_0_19_and_back_and_each_keeps_writing(self):
+        self.round_trip("0.19")
+
+    def test_a_store_each_release_made_takes_our_writes_and_then_theirs(self):
+        for release, fixture in RELEASES.items():
+            with self.subTest(release=release):
+                path = self.copy_fixture(fixture)
+                write_as_ours(path, "ours")
+                write_as_release(path, "theirs")
+                conn = connect(path)
+                try:
+                    for table in ("messages_fts", "messages_fts_trigram"):
+                        conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
+                    count = conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+                    self.assertEqual(conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'hs\\_%' "
+                                                  "ESCAPE '\\'").fetchone()[0], 0)  # its index serves; no second one
+                finally:
+                    conn.close()
+                with SessionDB(path) as db:
+                    self.assertEqual(db.fts_layout(), "legacy" if release == "0.19" else "external")
+                    self.assertEqual(len({h["id"] for h in db.search_messages("会话", limit=1000)}),
+                                     3 + 2 * 2)  # the fixture's three, and ours and theirs (not the tool rows)
+                    self.assertEqual(db.message_count(), count)
+
+    def test_hermes_agents_cjk_triggers_are_dropped_as_it_drops_them_and_its_table_kept(self):
+        path = self.tmp / "state.db"
+        write_as_ours(path, "ours")
+        conn = connect(path)
+        conn.execute("CREATE VIRTUAL TABLE messages_fts_cjk USING fts5(content, content='messages', "
+                     "content_rowid='id')")
+        for op, when in (("insert", "AFTER INSERT"), ("delete", "AFTER DELETE"), ("update", "AFTER UPDATE")):
+            conn.execute(f"CREATE TRIGGER messages_fts_cjk_{op} {when} ON messages BEGIN SELECT 1; END")
+        conn.close()
+        with SessionDB(path) as db:  # its tokenizer is loaded by its own connections only
+            self.assertEqual(db.get_meta("fts_cjk_stale"), "1")
+            db.append_message("ours", "user", "after")
+        conn = connect(path)
+        self.addCleanup(conn.close)
+        names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+        self.assertIn("messages_fts_cjk", names)
+        self.assertFalse({f"messages_fts_cjk_{op}" for op in ("insert", "delete", "update")} & names)
+
+
+class OurPreviousLayout(TempDirTestCase):
+
+    def test_our_previous_layout_moves_to_our_own_names_as_written_and_as_0_20_and_0_22_left_it(self):
+        for fixture in LAYOUT2:
+            with self.subTest(fixture=fixture):
+                path = self.copy_fixture(fixture)
+                count = connect(path).execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+                with SessionDB(path) as db:
+                    self.assertEqual(db.fts_layout(), "current")
+                    db.append_message("prev_0", "user", "after the move 会话")
+                conn = connect(path)
+                names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+                meta = dict(conn.execute("SELECT key, value FROM state_meta"))
+                conn.close()
+                gone = {"messages_fts_projection", "messages_fts_trigram_projection", "messages_cjk_pending",
+                        "messages_fts_trigram"}
+                self.assertFalse(gone & names)
+                self.assertFalse([name for name in names if name.startswith("hs_retired_")])
+                self.assertTrue(set(name for triggers in SEARCH_TRIGGERS.values() for name in triggers) <= names)
+                if fixture.endswith("after_v22.db"):
+                    # 0.22 rebuilt messages_fts as its own: its table, triggers and stamp stay as it left them.
+                    self.assertTrue({"messages_fts", "messages_fts_insert", "messages_fts_src"} <= names)
+                    self.assertEqual(meta["fts_storage_version"], "3")
+                else:  # a view 0.20 made for its own trigram index stays: it is its name, and harmless
+                    self.assertEqual([n for n in names if n.startswith("messages_fts")],
+                                     ["messages_fts_trigram_src"] if "v20" in fixture else [])
+                    self.assertFalse([key for key in meta if key.startswith("fts_")])
+                self.assert_moved_store_is_whole(path, count + 1)
+
+    def assert_moved_store_is_whole(self, path, messages):
+        StoresSharedWithReleases.assert_whole(self, path, messages)
+        SessionDB(path).close()  # indexes the CJK row the append queued
+        statements = []
+        with SessionDB(path, connection_factory=tracing_factory(statements)):
+            pass
+        self.assertEqual(write_statements(statements), [])  # settled: the next open writes nothing
+        content = dump_hash(path)
+        SessionDB(path).close()
+        self.assertEqual(dump_hash(path), content)
