@@ -3,8 +3,9 @@
 # make bench - speed and memory ratios, printed as a table
 # make demo  - build and show an example store in a temporary home
 # make mutate - mutation testing: each named bug in mutate.py must fail the suite (slow, not in CI)
-# make compat - hermes-agent 0.20.1.2 on its own state layer vs on ours (venvs cached outside the repo,
-#               made from PyPI on first use): one PASS/FAIL line per scenario, then "N passed, N failed"
+# make compat - hermes-agent 0.20.1.2 on its own state layer vs on ours, and stores passed between ours and
+#               0.19, 0.20 and 0.22 (venvs cached outside the repo, made from PyPI on first use): one
+#               PASS/FAIL line per scenario, then "N passed, N failed"
 SHELL := /bin/bash
 PYTHON ?= python3
 

@@ -1,12 +1,13 @@
-"""`make compat`: run hermes-agent 0.20.1.2 on its own state layer and on ours, compare, report.
+"""`make compat`: run hermes-agent 0.20.1.2 on its own state layer and on ours, compare, report; pass
+stores between ours and the releases 0.19, 0.20 and 0.22.
 
-Owns: the order of the run (venvs, overlay, API scenarios, end-to-end run), the comparison of the
-reference's record with ours, the deliberate-differences list, and the report: one PASS/FAIL line per
+Owns: the order of the run (venvs, overlay, API scenarios, end-to-end run, store round trips
+(`releases.py`)), the comparison of the reference's record with ours, the deliberate-differences list, and the report: one PASS/FAIL line per
 scenario, the differences under each failure, and a closing `N passed, N failed` line; the exit code is
 non-zero on any failure. Must not touch: the repo's product modules (they are copied, never edited),
 any network but 127.0.0.1 during the end-to-end run.
 
-Usage: python3 compat/run.py [--only api|e2e] [--details N]
+Usage: python3 compat/run.py [--only api|e2e|releases] [--details N]
 Environment: HERMES_COMPAT_CACHE (venv cache), COMPAT_PYTHON (the CPython that builds the venvs),
 COMPAT_KEEP=1 (keep the e2e temp homes), COMPAT_OUR_CONSTANTS=1 (diagnostic only, see README.md).
 """
@@ -25,6 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import normalise  # noqa: E402  (the folder is a tool box, not a package)
+import releases  # noqa: E402
 import venvs  # noqa: E402
 
 OUT = os.path.join(HERE, "out")
@@ -271,7 +273,7 @@ def run_e2e(kind, venv, overlay, out_file, log_file):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("api", "e2e"))
+    parser.add_argument("--only", choices=("api", "e2e", "releases"))
     parser.add_argument("--details", type=int, default=12, help="differences printed per failed scenario")
     parser.add_argument("--self-check", action="store_true",
                         help="run the reference on both sides: any difference is noise in the harness itself")
@@ -296,7 +298,7 @@ def main(argv=None):
     results = []  # (scenario, [differences])
     try:
         timings = {}
-        if args.only != "e2e":
+        if args.only in (None, "api"):
             t0 = time.monotonic()
             ref_api = run_api_worker("ref", ref_venv, overlay, args.self_check)
             our_api = run_api_worker("swap", swap_venv, overlay, args.self_check)
@@ -311,7 +313,7 @@ def main(argv=None):
                     diffs = compare_api_scenario(scenario, ours, paths)
                 results.append(("api/" + scenario["name"], diffs))
             timings["api"] = time.monotonic() - t0
-        if args.only != "api":
+        if args.only in (None, "e2e"):
             t0 = time.monotonic()
             procs = {kind: run_e2e(kind, venv, overlay if kind == "swap" and not args.self_check else None,
                                    os.path.join(OUT, "e2e-%s.json" % kind), os.path.join(OUT, "e2e-%s.log" % kind))
@@ -334,6 +336,10 @@ def main(argv=None):
             for ref_step, our_step in zip(ref_e2e["steps"], our_e2e["steps"]):
                 results.append(("e2e/" + ref_step["name"], compare_e2e_step(ref_step, our_step, seen_rows)))
             timings["e2e"] = time.monotonic() - t0
+        if args.only in (None, "releases") and not args.self_check:
+            t0 = time.monotonic()
+            results.extend(releases.run_all(python, overlay))
+            timings["releases"] = time.monotonic() - t0
     finally:
         shutil.rmtree(overlay, ignore_errors=True)
 

@@ -1,10 +1,11 @@
-"""The two Python environments `make compat` runs hermes-agent in, kept in a cache outside the repo.
+"""The Python environments `make compat` runs hermes-agent in, kept in a cache outside the repo.
 
 Owns: making, checking and describing the reference venv (`ref-<version>`: hermes-agent installed from
-PyPI, unmodified) and the swap venv (`swap-<version>`: the same pinned install with the reference's
-five `hermes_state*.py` removed), and the per-run overlay folder holding this checkout's
-`hermes_state*.py`. Must not touch: the repo's product modules (it only copies them), anything in the
-cache besides its own folders.
+PyPI, unmodified), the swap venv (`swap-<version>`: the same pinned install with the reference's
+five `hermes_state*.py` removed), the venvs of the other releases the store round trips share a store
+with (`release-<version>`: 0.22 and 0.19, unmodified, each from its own pinned requirements file), and
+the per-run overlay folder holding this checkout's `hermes_state*.py`. Must not touch: the repo's
+product modules (it only copies them), anything in the cache besides its own folders.
 
 Why an overlay instead of copying into the swap venv's site-packages: helpers and CI may run
 `make compat` from several checkouts at once on one machine; each run puts its own copies in a fresh
@@ -31,6 +32,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 REQUIREMENTS = os.path.join(HERE, "requirements.txt")
 REFERENCE_VERSION = "0.20.1.2"
+# The other releases that share stores with ours: version -> its pinned requirements (the reference
+# itself runs from the `ref` venv).
+OTHER_RELEASES = {
+    "0.22.2.post1": os.path.join(HERE, "requirements-0.22.txt"),
+    "0.19.0": os.path.join(HERE, "requirements-0.19.txt"),
+}
 # The reference's state layer: exactly these are removed from the swap venv.
 REFERENCE_STATE_MODULES = (
     "hermes_state.py",
@@ -79,8 +86,8 @@ def find_python():
     raise SystemExit("compat: no CPython 3.11-3.13 found (set COMPAT_PYTHON)")
 
 
-def _stamp(kind, python):
-    with open(REQUIREMENTS, "rb") as fh:
+def _stamp(kind, python, requirements=REQUIREMENTS):
+    with open(requirements, "rb") as fh:
         digest = hashlib.sha256(fh.read()).hexdigest()[:16]
     version = "%d.%d" % _python_version(python)
     return "kind=%s requirements=%s python=%s\n" % (kind, digest, version)
@@ -98,9 +105,9 @@ def site_packages(path):
     return found[0]
 
 
-def _pip_install(path, log):
+def _pip_install(path, log, requirements=REQUIREMENTS):
     cmd = [venv_python(path), "-m", "pip", "install", "--disable-pip-version-check", "--no-input",
-           "-r", REQUIREMENTS]
+           "-r", requirements]
     with open(log, "w") as out:
         status = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
     if status != 0:
@@ -120,13 +127,16 @@ def _remove_reference_state(path):
             os.remove(cached)
 
 
-def ensure_venv(kind, python, say=print):
-    """Return the path of the `kind` ('ref' or 'swap') venv, building it first when missing or stale."""
+def ensure_venv(kind, python, say=print, version=REFERENCE_VERSION):
+    """Return the path of the `kind` ('ref', 'swap' or 'release' of `version`) venv, building it first
+    when missing or stale."""
     root = cache_root()
-    path = os.path.join(root, "%s-%s" % (kind, REFERENCE_VERSION))
+    requirements = REQUIREMENTS if kind != "release" else OTHER_RELEASES[version]
+    path = os.path.join(root, "%s-%s" % (kind, version))
+    name = kind if kind != "release" else "release-" + version
     stamp_file = os.path.join(path, ".compat-stamp")
-    want = _stamp(kind, python)
-    with open(os.path.join(root, ".lock-%s" % kind), "w") as lock:
+    want = _stamp(kind, python, requirements)
+    with open(os.path.join(root, ".lock-" + name), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             with open(stamp_file) as fh:
@@ -138,7 +148,7 @@ def ensure_venv(kind, python, say=print):
         say("compat: building the %s venv in %s (first use; a minute or two)" % (kind, path))
         shutil.rmtree(path, ignore_errors=True)
         subprocess.run([python, "-m", "venv", path], check=True)
-        _pip_install(path, os.path.join(root, "pip-%s.log" % kind))
+        _pip_install(path, os.path.join(root, "pip-%s.log" % name), requirements)
         if kind == "swap":
             _remove_reference_state(path)
         with open(stamp_file, "w") as fh:
@@ -175,3 +185,5 @@ if __name__ == "__main__":
     chosen = find_python()
     for which in ("ref", "swap"):
         print(ensure_venv(which, chosen))
+    for release in OTHER_RELEASES:
+        print(ensure_venv("release", chosen, version=release))
