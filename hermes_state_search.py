@@ -369,16 +369,21 @@ def _cjk_letters(text):
     return sum(1 for ch in text if CJK_RE.match(ch))
 
 
-def any_term(tree, state):
-    """`tree` as hermes-agent reads a query holding CJK that its trigram index
-    cannot answer (a CJK term of 1-2 letters, no trigram index, tool rows asked
-    for): any one of its terms matches, its operators aside."""
-    leaves = _leaves(tree)
-    cjk = [term for term in leaves if CJK_RE.search(term.text)]
-    if len(leaves) < 2 or not cjk or not (
-            any(_cjk_letters(term.text) < 3 for term in cjk) or "trigram" not in state.usable or state.tool_rows):
-        return tree
-    return ("or", [("term", term) for term in leaves])
+def hermes_scans(tree, state):
+    """True for a query hermes-agent answers by a LIKE scan: it holds CJK its trigram
+    index cannot answer (a CJK term of 1-2 letters, no trigram index, tool rows asked
+    for). Then any one of its terms matches, operators aside, newest first."""
+    cjk = [term for term in _leaves(tree) if CJK_RE.search(term.text)]
+    return bool(cjk) and (any(_cjk_letters(term.text) < 3 for term in cjk) or "trigram" not in state.usable
+                          or state.tool_rows)
+
+
+def scan_snippet(content, term):
+    """hermes-agent's snippet of a scanned hit: 120 characters from 40 before `term` (or from the start)."""
+    if content is None:
+        return None
+    start = max(0, content.find(term.text) - 40) if term.text in content else 0
+    return content[start:start + 120]
 
 
 def _fts_string(term):
@@ -815,9 +820,10 @@ class SessionSearchMixin:
         context is the message before it, itself and the one after, each
         {role, content} cut to CONTEXT_CHARS. Words use the word index; CJK
         terms of 3+ characters the trigram index, of 1-2 the CJK side index;
-        anything an index cannot answer falls back to LIKE. A query holding a
-        CJK term of 1-2 characters matches any of its terms, as hermes-agent's
-        does. Words that match no whole token are retried as substrings.
+        anything an index cannot answer falls back to LIKE. A query hermes-agent
+        answers by a LIKE scan (a CJK term of 1-2 characters) is answered as that
+        scan: any of its terms, newest first, its plain snippet. Words that match
+        no whole token are retried as substrings.
         Rewound messages are left out unless `include_inactive`; compacted ones
         are found. An unknown sort means relevance; `limit` and `offset` go to
         SQLite as they are (a negative limit is no limit). A string `fields`
@@ -836,7 +842,9 @@ class SessionSearchMixin:
         state = self._index_state()
         if "tool" in roles:
             state = state._replace(usable=set(), tool_rows=True)  # tool rows are only whole in the fallback
-        tree = any_term(tree, state)
+        scans = hermes_scans(tree, state)
+        if scans:
+            tree, sort = ("or", [("term", term) for term in _leaves(tree)]), "newest"
         search = (tree, filters, filter_params, sort, limit, offset)
         try:
             rows = self._run_search(state, *search)
@@ -849,7 +857,7 @@ class SessionSearchMixin:
         if not rows and "word" in state.usable and _substring_retry(tree):
             rows = self._run_search(state._replace(substring=True), *search)
         terms = _positive_terms(tree)
-        return [self._hit(row, terms, fields) for row in rows]
+        return [self._hit(row, terms, fields, scans) for row in rows]
 
     def _run_search(self, state, tree, filters, filter_params, sort, limit, offset):
         routes = {term: _route(term, state) for term in _leaves(tree)}
@@ -883,9 +891,10 @@ class SessionSearchMixin:
             else [META_SEARCH_HERMES_FAILED]
         self._execute_write(lambda conn: [write_meta(conn, key, "1") for key in keys])
 
-    def _hit(self, row, terms, fields):
+    def _hit(self, row, terms, fields, scans):
         values = dict(row)
-        values["snippet"] = values.get("index_snippet") or make_snippet(row["content"], terms)
+        values["snippet"] = scan_snippet(row["content"], terms[0]) if scans else \
+            values.get("index_snippet") or make_snippet(row["content"], terms)
         if "context" in fields:
             values["context"] = self._context(row)
         return {field: values[field] for field in fields}

@@ -304,6 +304,17 @@ class SearchBehaviour(TempDirTestCase):
         self.assertEqual(self.ids_for("会话 OR staging"), {self.ids["zh"], self.ids["zh2"], self.ids["deploy"],
                                                           self.ids["reply"], self.ids["late"]})
 
+    def test_a_query_hermes_agent_scans_is_answered_like_its_scan(self):
+        # A CJK term of 1-2 letters: any term, newest first whatever the sort, the plain 120-character snippet.
+        hits = self.db.search_messages("会话 staging", sort="oldest")
+        self.assertEqual([h["id"] for h in hits], [self.ids[k] for k in ("late", "zh2", "zh", "reply", "deploy")])
+        self.assertEqual({h["id"]: h["snippet"] for h in hits}[self.ids["zh"]], "请检查会话历史和数据库迁移")
+        self.assertEqual(hits[0]["snippet"], "staging again")
+        long_text = "前" * 100 + "会话" + "后" * 100
+        long_id = self.db.append_message("a", "user", long_text, timestamp=20)
+        self.assertEqual(self.db.search_messages("会话")[0]["snippet"], long_text[60:180])
+        self.assertEqual(self.db.search_messages("会话")[0]["id"], long_id)
+
     def test_short_cjk_is_answered_by_the_side_index_not_a_scan(self):
         statements = []
         self.db.close()
@@ -430,6 +441,21 @@ class CjkOnFixtures(TempDirTestCase):
                     self.assertEqual(len(hit_ids(db, "会话")), 3)
                     db.optimize_fts_storage()
                     self.check_every_cjk_query(db, messages)
+
+    def test_a_mixed_script_query_matches_any_term_on_the_0_22_store_as_hermes_agent_does(self):
+        path = self.copy_fixture("hermes_v31_store.db")
+        messages = active_messages(path)
+        anchors = {"会话": [73, 108, 276], "索引": 7, "parser": 66, "pytest": 80}  # fixtures/README.md
+        with SessionDB(path) as db:
+            self.assertEqual(sorted(hit_ids(db, "会话")), anchors["会话"])
+            for query in ("索引", "parser", "pytest"):
+                self.assertEqual(len(hit_ids(db, query)), anchors[query], query)
+            found = hit_ids(db, "迁移 schema")
+            db.optimize_fts_storage()
+            self.assertEqual(hit_ids(db, "迁移 schema"), found)
+        self.assertEqual(len(found), 83)  # hermes-agent 0.20 and 0.22 both find 83
+        self.assertEqual(found, {m["id"] for m in messages if any(
+            term in (m[k] or "").lower() for term in ("迁移", "schema") for k in ("content", "tool_name", "tool_calls"))})
 
 
 class OptimizeStorage(TempDirTestCase):
@@ -714,6 +740,16 @@ class DegradedRuntimes(TempDirTestCase):
             self.assertIsNone(db.get_meta("hs_search_stale_word"))
             self.assertEqual(hit_ids(db, "cherry"), set(ids))
         fts_integrity_check(path, ("hs_fts_words",))
+
+    def test_a_read_only_handle_without_fts5_counts_no_index_usable_and_searches_by_the_fallback(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            ids = {db.append_message("s", "user", "quince 榅桲果酱"), db.append_message("s", "user", "quince")}
+        with SessionDB(path, read_only=True, connection_factory=without_fts5) as db:
+            self.assertEqual(db._index_state().usable, set())  # its triggers are still there: it cannot run them
+            self.assertEqual(hit_ids(db, "quince"), ids)
+            self.assertEqual(len(hit_ids(db, "榅桲")), 1)
 
     def test_read_only_handles_search_without_writing(self):
         path = self.copy_fixture(V26_DB)
