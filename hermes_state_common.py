@@ -295,26 +295,17 @@ TITLE_INDEX_SQL = (
     "CREATE UNIQUE INDEX IF NOT EXISTS idx_sessions_title_unique ON sessions(title) WHERE title IS NOT NULL")
 
 # ---------------------------------------------------------------------------
-# Full-text search
-#
-# Ours ("current"): three FTS5 indexes under our own names, kept by our own
-# triggers and described by our own state_meta keys, so that no hermes-agent
-# release mistakes any of them for its own (every name below was checked
-# against 0.19, 0.20 and 0.22):
-#   hs_fts_words    external content over hs_fts_words_src: every row, a tool
-#                   row by a bounded prefix of its content only
-#   hs_fts_trigram  external content over hs_fts_trigram_src: no tool rows
-#   hs_fts_cjk      1-2 character CJK terms, written by Python from
-#                   hs_fts_cjk_queue, which plain-SQL triggers fill, so any
-#                   writer (hermes-agent's too) keeps it correct
-# Every trigger of ours first tests our backfill predicate: a row is indexed
-# iff id <= progress OR id > high water.
-#
-# hermes-agent's indexes are its own (messages_fts, messages_fts_trigram,
-# messages_fts_cjk, their triggers, views and fts_* keys): 'legacy' (0.19,
-# inline messages_fts(content)) or 'external' (0.20 and 0.22). We search them
-# while a store has no index of ours, never create, replace or rebuild their
-# triggers, and remove them only when optimize-storage moves a store to ours.
+# Full-text search. Ours ("current"): three FTS5 indexes under our own names,
+# kept by our own triggers and described by our own state_meta keys, so that no
+# hermes-agent release (0.19, 0.20, 0.22: every name checked) takes them for its
+# own. hs_fts_words reads every row (a tool row by a bounded prefix),
+# hs_fts_trigram no tool rows; hs_fts_cjk holds 1-2 letter CJK terms, written by
+# Python from hs_fts_cjk_queue, which plain-SQL triggers fill for any writer.
+# Each trigger of ours first tests our backfill predicate: a row is indexed iff
+# id <= progress OR id > high water. hermes-agent's index (messages_fts*, its
+# views, triggers and fts_* keys: 'legacy' 0.19 inline, 'external' 0.20/0.22)
+# is its own: searched while a store has none of ours, never rewritten, retired
+# only by optimize-storage.
 # ---------------------------------------------------------------------------
 
 SEARCH_LAYOUT_VERSION = 1
@@ -327,8 +318,7 @@ META_SEARCH_STALE_PREFIX = "hs_search_stale_"
 META_SEARCH_HERMES_FAILED = "hs_search_hermes_index_failed"
 SEARCH_TABLES = {"word": "hs_fts_words", "trigram": "hs_fts_trigram", "cjk": "hs_fts_cjk"}
 CJK_QUEUE_TABLE = "hs_fts_cjk_queue"
-# Index tables set aside by optimize-storage (or the move from our old names),
-# emptied and dropped in chunks afterwards.
+# Index tables set aside (optimize-storage, our old names), dropped in chunks later.
 RETIRED_PREFIX = "hs_retired_"
 FTS5_SHADOW_SUFFIXES = ("data", "idx", "content", "docsize", "config")
 
@@ -342,9 +332,8 @@ HERMES_INDEX_META = (META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE, META
                      META_FTS_REBUILD_PROGRESS, META_FTS_STALE)
 # Our releases before layout 1 used hermes-agent's table names (each told apart
 # by a word of its DDL) and keys; an open moves such a store to layout 1.
-PREVIOUS_LAYOUT_TABLES = {"messages_fts": "messages_fts_projection",
-                          "messages_fts_trigram": "messages_fts_trigram_projection",
-                          "messages_fts_cjk": "terms"}
+PREVIOUS_LAYOUT_TABLES = {"messages_fts": "messages_fts_projection", "messages_fts_cjk": "terms",
+                          "messages_fts_trigram": "messages_fts_trigram_projection"}
 PREVIOUS_LAYOUT_LEFTOVERS = {"messages_cjk_pending": "TABLE", "messages_fts_projection": "VIEW",
                              "messages_fts_trigram_projection": "VIEW"}
 PREVIOUS_LAYOUT_META = HERMES_INDEX_META + (META_FTS_CJK_STALE,)
