@@ -325,7 +325,7 @@ FTS5_SHADOW_SUFFIXES = ("data", "idx", "content", "docsize", "config")
 HERMES_FTS_TABLES = {"word": "messages_fts", "trigram": "messages_fts_trigram", "cjk": "messages_fts_cjk"}
 HERMES_FTS_TRIGGERS = {index: tuple(f"{table}_{op}" for op in ("insert", "delete", "update"))
                        for index, table in HERMES_FTS_TABLES.items()}
-HERMES_FTS_VIEWS = ("messages_fts_src", "messages_fts_trigram_src", "messages_fts_cjk_src")
+HERMES_FTS_VIEWS = {"word": "messages_fts_src", "trigram": "messages_fts_trigram_src", "cjk": "messages_fts_cjk_src"}
 # What describes hermes-agent's index; cleared with the index by optimize-storage,
 # so that its next open finds a store without one and builds it afresh.
 HERMES_INDEX_META = (META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE, META_FTS_REBUILD_HIGH_WATER,

@@ -658,8 +658,13 @@ class SessionSearchMixin:
         objects = self._read_objects()
         keys = [META_SEARCH_HIGH_WATER] + [_stale_key(index) for index in self._buildable()]
         return SEARCH_TABLES["word"] not in objects or bool(_retired_tables(objects)) \
-            or any(HERMES_FTS_TABLES[index] in objects for index in ("word", "trigram")) \
-            or any(self._read_meta(*keys).values())
+            or bool(self._hermes_tables_to_retire(objects)) or any(self._read_meta(*keys).values())
+
+    def _hermes_tables_to_retire(self, objects):
+        """hermes-agent's word and trigram indexes optimize-storage replaces (a trigram one only
+        where its tokenizer is here: SQLite needs it to rename or drop the table)."""
+        return [index for index in ("word", "trigram")
+                if HERMES_FTS_TABLES[index] in objects and (index == "word" or self.fts_caps.trigram)]
 
     def _read_objects(self):
         """{name: (type, sql)} of sqlite_master, through a read connection."""
@@ -971,11 +976,13 @@ UNION ALL SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id > :i", other="timestamp
         """Set hermes-agent's word and trigram indexes aside (their triggers, views and
         keys with them), then make ours whole, in one transaction."""
         objects = _schema_objects(conn)
-        theirs = [HERMES_FTS_TABLES[index] for index in ("word", "trigram") if HERMES_FTS_TABLES[index] in objects]
-        if theirs:
-            for name in HERMES_FTS_TRIGGERS["word"] + HERMES_FTS_TRIGGERS["trigram"] + HERMES_FTS_VIEWS[:2]:
+        theirs = self._hermes_tables_to_retire(objects)
+        for index in theirs:
+            for name in HERMES_FTS_TRIGGERS[index] + (HERMES_FTS_VIEWS[index],):
                 if name in objects and objects[name][0] != "table":
                     _drop(conn, objects[name][0], name)
+        if theirs:
+            theirs = [HERMES_FTS_TABLES[index] for index in theirs]
             _retire(conn, _schema_objects(conn), theirs)
             for key in HERMES_INDEX_META:
                 write_meta(conn, key, None)

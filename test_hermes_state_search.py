@@ -691,6 +691,19 @@ class DegradedRuntimes(TempDirTestCase):
             self.assertEqual(db._index_state().usable, {"word", "trigram", "cjk"})
             self.assertEqual(hit_ids(db, "香蕉奶昔"), {first, second})
 
+    def test_optimize_storage_without_trigram_replaces_the_word_index_and_leaves_the_trigram_table(self):
+        path = self.copy_fixture(V22_DB)
+        with SessionDB(path, connection_factory=without_trigram) as db:
+            self.assertEqual(db.optimize_fts_storage(), {"ok": True, "vacuumed": True})
+            self.assertEqual(len(hit_ids(db, "会话")), 3)
+            self.assertFalse(db.fts_optimize_available())
+        conn = sqlite3.connect(path)
+        self.addCleanup(conn.close)
+        names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE name LIKE 'messages_fts%' "
+                                                "AND type <> 'table' OR name IN ('messages_fts', "
+                                                "'messages_fts_trigram')")}
+        self.assertEqual(names, {"messages_fts_trigram"})  # SQLite needs the tokenizer to drop it
+
     def test_a_new_store_on_a_runtime_without_trigram_builds_it_later(self):
         path = self.tmp / "state.db"
         with SessionDB(path, connection_factory=without_trigram) as db:
