@@ -181,6 +181,33 @@ class StoresSharedWithReleases(TempDirTestCase):
         self.assertFalse({f"messages_fts_cjk_{op}" for op in ("insert", "delete", "update")} & names)
 
 
+class OurNames(TempDirTestCase):
+
+    def test_no_table_trigger_view_or_key_of_our_index_is_a_name_a_release_uses(self):
+        theirs, their_keys, schema = set(), set(), set()
+        for release, fixture in RELEASES.items():
+            conn = sqlite3.connect(f"file:{fixture_path(fixture)}?mode=ro", uri=True)
+            theirs |= {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+            their_keys |= {row[0] for row in conn.execute("SELECT key FROM state_meta")}
+            if release == "0.20":  # the reference's schema: tables and indexes we share on purpose
+                schema = {row[0] for row in conn.execute(
+                    "SELECT name FROM sqlite_master WHERE name NOT LIKE 'messages_fts%'")}
+            conn.close()
+        path = self.tmp / "state.db"
+        write_as_ours(path, "ours")
+        with SessionDB(path) as db:
+            db.set_meta("hs_search_stale_word", "1")  # every key our index writes, once
+        conn = connect(path)
+        ours = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")} - schema
+        keys = {row[0] for row in conn.execute("SELECT key FROM state_meta")}
+        conn.close()
+        self.assertTrue(ours and all(name.startswith("hs_fts_") for name in ours), ours)
+        self.assertFalse(ours & theirs)
+        self.assertFalse({k for k in keys if not k.startswith("hs_search_")} | (keys & their_keys))
+        # hermes-agent's own prefixes: its index objects, its demoted tables, its index keys.
+        self.assertFalse([n for n in ours | keys if n.startswith(("messages_fts", "fts_v22_trash_", "fts_"))])
+
+
 class OurPreviousLayout(TempDirTestCase):
 
     def test_our_previous_layout_moves_to_our_own_names_as_written_and_as_0_20_and_0_22_left_it(self):
