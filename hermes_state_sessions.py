@@ -25,6 +25,7 @@ from hermes_state_common import (
     SessionRowError,
     _RESET_END_REASONS,
     cwd_prefix_clause,
+    loads_or,
     placeholders,
     prefix_bounds,
     require_int,
@@ -232,6 +233,25 @@ class SessionSessionsMixin:
     def set_session_read(self, session_id, read=True):
         """Mark the chain read now (or unread: watermark 0, so any activity is newer); False if no row matched."""
         return self._set_lineage_column(session_id, "last_read_at", time.time() if read else 0.0)
+
+    def set_expiry_finalized(self, session_id, finalized=True):
+        """Record whether the gateway finalized this session's expiry; returns None (nothing for an empty id)."""
+        if session_id:
+            self._update_rows("UPDATE sessions SET expiry_finalized = ? WHERE id = ?", (1 if finalized else 0, session_id))
+
+    def set_session_yolo(self, session_id, enabled):
+        """Keep the per-session YOLO flag in model_config.yolo_mode (other keys kept); returns None,
+        and writes nothing for an empty id or an unknown session."""
+        self.patch_session_model_config(session_id, {"yolo_mode": bool(enabled)})
+
+    @staticmethod
+    def session_yolo_enabled(session_meta):
+        """True when a session row (model_config as JSON text or a dict) has yolo_mode set; False on
+        anything unreadable, so a resume never turns the bypass on by accident."""
+        config = (session_meta or {}).get("model_config")
+        if isinstance(config, str):
+            config = loads_or(config, None)
+        return bool(config.get("yolo_mode")) if isinstance(config, dict) else False
 
     def _set_lineage_column(self, session_id, column, value):
         sql = f"UPDATE sessions SET {column} = ? WHERE id IN ({_LINEAGE_IDS_SQL})"

@@ -217,6 +217,28 @@ class ModelAndCwd(SessionTestCase):
         self.db.patch_session_model_config("ghost", {"a": 1})
         self.assertIsNone(self.row("ghost"))
 
+    def test_the_yolo_flag_joins_model_config_and_reads_back_only_when_set(self):
+        self.db.create_session("s", "cli", model_config={"_branched_from": "p"})
+        self.db.set_session_yolo("s", 1)
+        self.assertEqual(json.loads(self.row("s")["model_config"]), {"_branched_from": "p", "yolo_mode": True})
+        self.assertTrue(self.db.session_yolo_enabled(self.db.get_session("s")))
+        self.db.set_session_yolo("s", False)
+        self.assertFalse(self.db.session_yolo_enabled(self.db.get_session("s")))
+        self.db.set_session_yolo("ghost", True)
+        self.assertIsNone(self.row("ghost"))
+        enabled = type(self.db).session_yolo_enabled
+        self.assertEqual([enabled(meta) for meta in (None, {}, {"model_config": "not json"}, {"model_config": "[1]"},
+                                                      {"model_config": {"yolo_mode": 1}})],
+                         [False, False, False, False, True])
+
+    def test_expiry_finalized_is_a_flag_and_an_empty_id_writes_nothing(self):
+        self.db.create_session("s", "telegram")
+        self.db.set_expiry_finalized("s")
+        self.assertEqual(self.row("s")["expiry_finalized"], 1)
+        self.db.set_expiry_finalized("s", finalized=False)
+        self.assertEqual(self.row("s")["expiry_finalized"], 0)
+        self.assertIsNone(self.db.set_expiry_finalized(""))
+
     def test_git_metadata_lands_only_for_the_current_cwd_claim(self):
         self.db.create_session("s", "cli")
         first = self.db.update_session_cwd("s", "/w")
