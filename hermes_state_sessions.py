@@ -49,10 +49,6 @@ _INHERITED_COLUMNS = ("cwd", "git_repo_root", "git_branch", "profile_name")
 # Filled from a parent that ended by compression: the gateway's routing, so a
 # continuation stays reachable if the gateway dies before re-recording it.
 _ROUTING_COLUMNS = ("user_id", "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json")
-# A session with `system_prompt` resolved from system_prompts, else the inline
-# column stores older than schema 26 still hold; {columns} adds computed ones.
-_SESSION_WITH_PROMPT_SQL = ("SELECT s.*, sp.prompt AS resolved_prompt{columns} FROM sessions AS s"
-                            " LEFT JOIN system_prompts AS sp ON sp.hash = s.system_prompt_hash")
 _DELETE_UNREFERENCED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS (SELECT 1 FROM sessions"
                                     " WHERE sessions.system_prompt_hash = system_prompts.hash)")
 # Every session of the compression chain through ? (both directions); the flag
@@ -64,10 +60,8 @@ WITH RECURSIVE
   down(id) AS (SELECT ? UNION SELECT c.id FROM down JOIN sessions AS p ON p.id = down.id
                JOIN sessions AS c ON c.parent_session_id = p.id WHERE p.end_reason = 'compression')
 SELECT id FROM up UNION SELECT id FROM down"""
-
-
 # What the listing rules read of every matching session (see _is_listable).
-_CANDIDATES_SQL = ("SELECT s.id, s.source, s.title, s.pinned, s.model_config, s.started_at, s.session_key,"
+_CANDIDATES_SQL = ("SELECT s.id, s.source, s.title, s.model_config, s.started_at, s.session_key,"
                    " s.parent_session_id AS parent, p.end_reason AS parent_end_reason,"
                    " p.ended_at AS parent_ended_at, p.session_key AS parent_key")
 _CANDIDATES_FROM_SQL = " FROM sessions AS s LEFT JOIN sessions AS p ON p.id = s.parent_session_id"
@@ -180,20 +174,9 @@ class SessionSessionsMixin:
 
     def _read_sessions(self, columns, tail, params):
         """Session dicts, system_prompt resolved, with computed `columns` added and `tail` after the FROM."""
-        try:
-            rows = self._read_all(_SESSION_WITH_PROMPT_SQL.format(columns=columns) + tail, params)
-        except sqlite3.OperationalError as exc:
-            if "system_prompts" not in str(exc):
-                raise
-            # A read-only open of a store older than the prompt table, whose
-            # prompts are all still inline.
-            rows = self._read_all(f"SELECT s.*{columns} FROM sessions AS s" + tail, params)
-        sessions = [dict(row) for row in rows]
-        for session in sessions:
-            resolved = session.pop("resolved_prompt", None)
-            if resolved is not None:
-                session["system_prompt"] = resolved
-        return sessions
+        cache = {}
+        return [self._resolve_prompt(dict(row), cache)
+                for row in self._read_all(f"SELECT s.*{columns} FROM sessions AS s" + tail, params)]
 
     def _resolve_prompt(self, session, cache):
         """`session` with `system_prompt` resolved from its hash and, in a rich row, `_preview_raw`
