@@ -393,7 +393,8 @@ class SessionSessionsMixin:
         if include_pinned:
             # As hermes-agent back-fills them: start order, last_active from messages only.
             pinned = self._list_candidates(clauses + ["s.pinned = 1"], params, include_children, False)
-            missing = [row["id"] for row in pinned if row["id"] not in set(page)]
+            listed = set(page)
+            missing = [row["id"] for row in pinned if row["id"] not in listed]
             sessions += self._rich_rows_by_id(missing, compact_rows, _MESSAGES_LAST_ACTIVE_SQL)
         if project_compression_tips and not include_children:
             tips = {s["id"]: self.get_compression_tip(s["id"]) for s in sessions
