@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hermes_constants import reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB, restore_home
-from hermes_state_common import COMPRESSION_END_REASON
+from hermes_state_common import COMPRESSION_END_REASON, LIST_LIMIT_MAX, require_int
 from hermes_state_portability import EXPORT_FORMATS, write_export
 
 
@@ -71,8 +71,10 @@ def _print_session(export, out):
 
 
 def _cmd_list(db, args, out):
+    require_int("limit", args.limit, minimum=1, maximum=LIST_LIMIT_MAX)
+    require_int("offset", args.offset)
     sessions = db.list_sessions_rich(source=args.source, limit=args.limit, offset=args.offset,
-                                     include_archived=args.archived)
+                                     include_archived=args.archived, include_children=True)
     _emit(args, out, sessions, _print_session_list)
     return 0
 
@@ -270,7 +272,7 @@ def _cmd_demo(args, out):
         with SessionDB() as db:
             build_demo_history(db)
             out.write("== sessions (python -m hermes_state list)\n")
-            _print_session_list(db.list_sessions_rich(limit=20), out)
+            _print_session_list(db.list_sessions_rich(limit=20, include_children=True), out)
             tip = db.get_compression_tip("demo-refactor-1")
             out.write(f"\n== the compression chain ending in {tip}, shown as one session\n")
             _print_session(db.export_session_lineage(tip), out)

@@ -599,25 +599,11 @@ SESSION_CASCADE_DELETE_SQL = (
     "DELETE FROM sessions WHERE id IN ({})",
 )
 
-# The list view: one row per session with the first user message as a preview
-# and the time of its last message. Both subqueries ride the (session_id, id)
-# and (session_id, timestamp) indexes.
-SESSION_RICH_COLUMNS_SQL = f"""
-SELECT s.*,
-  (SELECT substr(m.content, 1, {PREVIEW_CHARS}) FROM messages AS m
-   WHERE m.session_id = s.id AND m.role = 'user' AND m.active = 1
-   ORDER BY m.id LIMIT 1) AS preview,
-  COALESCE((SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = s.id),
-           s.started_at) AS last_active
-FROM sessions AS s
-"""
-
+# A session's last activity as exported (the heartbeat aside).
 SELECT_LAST_ACTIVE_SQL = """
 SELECT COALESCE((SELECT MAX(timestamp) FROM messages WHERE session_id = s.id), s.started_at)
 FROM sessions AS s WHERE s.id = ?
 """
-
-LIST_SESSIONS_RICH_SQL = SESSION_RICH_COLUMNS_SQL + " {where} ORDER BY s.started_at DESC, s.id DESC LIMIT ? OFFSET ?"
 
 # ---------------------------------------------------------------------------
 # Message SQL
@@ -694,7 +680,6 @@ SELECT_META_KEYS_SQL = "SELECT key, value FROM state_meta WHERE key IN ({})"
 # Delete then insert rather than an upsert: an old state_meta may lack its primary key.
 INSERT_META_SQL = "INSERT INTO state_meta (key, value) VALUES (?, ?)"
 DELETE_META_SQL = "DELETE FROM state_meta WHERE key = ?"
-SELECT_META_PREFIX_SQL = "SELECT key, value FROM state_meta WHERE key >= ? AND key < ? ORDER BY key"
 
 SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
 UPSERT_LOCK_SQL = """
@@ -941,6 +926,22 @@ def describe_skill_invocation(content, separator=" — "):
     if instruction:
         return f"{label}{separator}{instruction}" if name else instruction
     return label if name else None
+
+
+# The list view's row: every column, `_preview_raw` (the head of the first user
+# message, newlines as spaces; a /skill turn whole while short, else its head
+# and tail around SKILL_EXCERPT_JOINT, where the typed instruction is) and
+# `last_active`, the newest of the heartbeat and the messages, else the start.
+_PREVIEW_TEXT_SQL = "REPLACE(REPLACE(m.content, X'0A', ' '), X'0D', ' ')"
+_PREVIEW_RAW_SQL = (f"CASE WHEN m.content NOT LIKE '{SKILL_SCAFFOLD_PREFIX}%' THEN substr({_PREVIEW_TEXT_SQL}, 1, 63)"
+                    f" WHEN length(m.content) > 800 THEN substr({_PREVIEW_TEXT_SQL}, 1, 400) || char(30)"
+                    f" || substr({_PREVIEW_TEXT_SQL}, -400) ELSE substr({_PREVIEW_TEXT_SQL}, 1, 800) END")
+LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(v) FROM (SELECT {a}.last_activity_at AS v UNION ALL SELECT MAX(m.timestamp)"
+                   " FROM messages AS m WHERE m.session_id = {a}.id)), {a}.started_at)")
+SESSION_RICH_SQL = (f"SELECT {{columns}}, COALESCE((SELECT {_PREVIEW_RAW_SQL} FROM messages AS m WHERE m.session_id = s.id"
+                    " AND m.role = 'user' AND m.content IS NOT NULL ORDER BY m.timestamp, m.id LIMIT 1), '')"
+                    " AS _preview_raw, {last_active} AS last_active FROM sessions AS s")
+SESSION_RICH_COLUMNS_SQL = SESSION_RICH_SQL.format(columns="s.*", last_active=LAST_ACTIVE_SQL.format(a="s"))
 
 
 def content_text(content):

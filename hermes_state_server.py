@@ -441,7 +441,8 @@ class ApiHandler(BaseHTTPRequestHandler):
         offset = _int_param(query, "offset", 0, 10 ** 9)
         source = query.get("source", [None])[-1] or None
         db = self.server.db
-        return json_response({"sessions": db.list_sessions_rich(source=source, limit=limit, offset=offset),
+        return json_response({"sessions": db.list_sessions_rich(source=source, limit=limit, offset=offset,
+                                                                include_children=True),
                               "total": db.session_count(source=source, include_archived=False),
                               "limit": limit, "offset": offset})
 
