@@ -170,7 +170,8 @@ SCENARIOS = [
         c("get_session", "s1"),
     ]),
     # Counts given as text that is not a number: the reference adds them as 0 to an existing counter but
-    # stores the text itself in a new usage row or an absolute total; ours refuses (deliberate.txt).
+    # stores the text itself in a new usage row or an absolute total; ours refuses (deliberate.txt), and
+    # drops such a queued delta with a warning.
     ("token-counts-text", [
         c("create_session", "s1", "cli", model="model-a"),
         c("update_token_counts", "s1", 10, 5, model="model-a", api_call_count=1),
@@ -178,6 +179,8 @@ SCENARIOS = [
         c("update_token_counts", "s1", "ten", 1, model="model-b"),
         c("update_token_counts", "s1", "ten", 1, absolute=True),
         c("update_token_counts", "s1", "7", "2.5"),
+        c("queue_token_counts", "s1", input_tokens="ten", output_tokens=1),
+        c("flush_token_counts"),
     ]),
     ("session-activity", [
         c("create_session", "s1", "cli"),
