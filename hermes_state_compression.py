@@ -67,6 +67,8 @@ SELECT c.id, c.model_config FROM sessions AS p JOIN sessions AS c ON c.parent_se
 WHERE p.id = ? AND p.end_reason = 'compression' AND COALESCE(c.source, '') <> 'tool'
 ORDER BY CASE WHEN c.end_reason = 'compression' THEN 0 WHEN c.ended_at IS NULL THEN 1 ELSE 2 END,
          {_LAST_ACTIVE_SQL.format(a="c")} DESC, c.started_at DESC, c.id DESC"""
+_SET_COOLDOWN_SQL = ("UPDATE sessions SET compression_failure_cooldown_until = ?, compression_failure_error = ?"
+                     " WHERE id = ?")
 # Columns a concurrent tail keeps when it is copied after a compacted set.
 _TAIL_SQL = "SELECT id, tool_calls FROM messages WHERE session_id = ? AND active = 1 AND id > ?"
 
@@ -410,8 +412,7 @@ class SessionCompressionMixin:
         if not session_id:
             return
         try:
-            self._update_rows("UPDATE sessions SET compression_failure_cooldown_until = ?,"
-                              " compression_failure_error = ? WHERE id = ?", (until, error, session_id))
+            self._update_rows(_SET_COOLDOWN_SQL, (until, error, session_id))
         except sqlite3.Error as exc:
             logger.warning("compression cooldown of session %r not written: %s", session_id, exc)
 
@@ -443,8 +444,7 @@ class SessionCompressionMixin:
                 raise RuntimeError("cannot restore absent compression cooldown row: session now exists")
             return
         until, error = snapshot.get("cooldown_until"), snapshot.get("error")
-        if self._update_rows("UPDATE sessions SET compression_failure_cooldown_until = ?,"
-                             " compression_failure_error = ? WHERE id = ?", (until, error, session_id)) != 1:
+        if self._update_rows(_SET_COOLDOWN_SQL, (until, error, session_id)) != 1:
             raise RuntimeError(f"compression cooldown rollback session missing: {session_id}")
         expected = {"session_exists": True, "cooldown_until": None if until is None else float(until), "error": error}
         actual = self.get_compression_failure_cooldown_row(session_id)
