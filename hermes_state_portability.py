@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import html
 import json
+import math
 import os
 import re
 import sys
@@ -294,12 +295,13 @@ def _check_message(position, message, depth_limit):
 
 
 def _number(value, kind, default=None):
-    """`kind(value)`, or `default` for null, a value that is not a number, or an integer SQLite cannot hold."""
+    """`kind(value)`, or `default` for null, a value that is not a number, or one SQLite cannot hold
+    (an integer past 64 bits, a float that is not finite)."""
     try:
         number = default if value is None else kind(value)
     except (TypeError, ValueError, OverflowError):
         return default
-    if kind is int and number is not None and not INT_RANGE[0] <= number < INT_RANGE[1]:
+    if number is not None and not (INT_RANGE[0] <= number < INT_RANGE[1] if kind is int else math.isfinite(number)):
         return default
     return number
 
@@ -1010,6 +1012,7 @@ class SessionPortabilityMixin:
         back what it does not write: rewound rows, and carried columns; set the counters."""
         copies = [dict(message, content=from_portable(message.get("content")),
                        token_count=_number(message.get("token_count"), int),
+                       timestamp=_number(message.get("timestamp"), float),
                        **{field: loads_or(message[field], message[field])
                           for field in REASONING_JSON_FIELDS if isinstance(message.get(field), str)})
                   for message in messages]

@@ -222,9 +222,15 @@ class ImportFixtures(StoreTestCase):
                    dict(session("tc"), messages=[{"role": "assistant", "tool_calls": {}},
                                                  {"role": "assistant", "tool_calls": "garbage"},
                                                  {"role": "assistant", "tool_calls": "5", "token_count": "7"},
-                                                 {"role": "assistant", "token_count": 2.9, "timestamp": "soon"}])]
+                                                 {"role": "assistant", "token_count": 2.9, "timestamp": "soon"}]),
+                   dict(session("huge"), started_at="1e400", ended_at="nan", estimated_cost_usd=10 ** 400,
+                        messages=[{"role": "user", "timestamp": 10 ** 400}])]  # SQLite holds none of these
         result = self.db.import_sessions(entries)
-        self.assertEqual((result["ok"], result["imported_ids"]), (True, ["5", "spaced", "q", "tc"]), result["errors"])
+        self.assertEqual((result["ok"], result["imported_ids"]), (True, ["5", "spaced", "q", "tc", "huge"]),
+                         result["errors"])
+        huge = self.session_row("huge")
+        self.assertEqual((huge["started_at"] > 1e9, huge["ended_at"], huge["estimated_cost_usd"]), (True, None, None))
+        self.assertGreater(self.db.get_messages("huge")[0]["timestamp"], 1e9)
         self.assertEqual(self.session_row("5")["source"], "import")
         q = self.session_row("q")
         self.assertEqual((q["input_tokens"], q["output_tokens"], q["ended_at"], q["archived"], q["pinned"],
