@@ -142,6 +142,19 @@ class ImportFixtures(StoreTestCase):
                 self.assertEqual(len(again["skipped_ids"]), 20)
                 self.assertEqual(db.message_count(), 320)
 
+    def test_each_fixture_export_comes_back_with_every_field_hermes_agent_restores(self):
+        for name in EXPORTS:
+            with self.subTest(export=name), SessionDB(self.tmp / f"{name}.db") as db:
+                payload = load_export(name)
+                self.assertTrue(db.import_sessions(copy.deepcopy(payload))["ok"])
+                for entry in payload:
+                    stored = db.export_session(entry["id"])
+                    for field in set(RESTORED_SESSION_FIELDS) & set(entry) & set(stored):
+                        self.assertEqual(stored[field], entry[field], (entry["id"], field))
+                    self.assertEqual([{k: m[k] for k in theirs if k != "id"} for m, theirs in
+                                      zip(stored["messages"], entry["messages"])],
+                                     [{k: v for k, v in m.items() if k != "id"} for m in entry["messages"]])
+
     def test_export_all_round_trips_through_a_second_store(self):
         self.db.import_sessions(load_export(EXPORTS[1]))
         exported = list(self.db.export_all())
