@@ -599,12 +599,6 @@ SESSION_CASCADE_DELETE_SQL = (
     "DELETE FROM sessions WHERE id IN ({})",
 )
 
-# A session's last activity as exported (the heartbeat aside).
-SELECT_LAST_ACTIVE_SQL = """
-SELECT COALESCE((SELECT MAX(timestamp) FROM messages WHERE session_id = s.id), s.started_at)
-FROM sessions AS s WHERE s.id = ?
-"""
-
 # ---------------------------------------------------------------------------
 # Message SQL
 # ---------------------------------------------------------------------------
@@ -618,11 +612,6 @@ MESSAGE_WRITE_COLUMNS = (
     "reasoning_content", "reasoning_details", "codex_reasoning_items",
     "codex_message_items", "platform_message_id", "observed", "active", "api_content",
     "display_kind", "display_metadata",
-)
-# Message fields that hold structured values and are stored as JSON text.
-MESSAGE_JSON_FIELDS = (
-    "tool_calls", "reasoning_details", "codex_reasoning_items", "codex_message_items",
-    "display_metadata",
 )
 INSERT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
     ", ".join(MESSAGE_WRITE_COLUMNS), ", ".join("?" for _ in MESSAGE_WRITE_COLUMNS))
@@ -642,22 +631,7 @@ CONVERSATION_ROW_COLUMNS = (
 # Structured content (a multimodal list of parts, a dict) is stored as this
 # prefix plus JSON, as hermes-agent stores it; NUL never starts real text.
 CONTENT_JSON_PREFIX = "\x00json:"
-# Import keeps a message's flags along with what append_message writes.
-IMPORT_MESSAGE_COLUMNS = MESSAGE_WRITE_COLUMNS + ("compacted",)
-# Runtime ownership an import never restores: gateway routing and identity,
-# handoffs, rewinds, pins, activity, compression cooldowns and streaks.
-IMPORT_RUNTIME_FIELDS = frozenset({
-    "session_key", "chat_id", "chat_type", "thread_id", "user_id", "display_name", "origin_json",
-    "expiry_finalized", "handoff_state", "handoff_platform", "handoff_error", "rewind_count", "pinned",
-    "last_activity_at", "last_activity_description", "last_activity_provenance", "last_read_at",
-    "compression_failure_cooldown_until", "compression_failure_error", "compression_fallback_streak",
-    "compression_ineffective_count",
-})
-IMPORT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
-    ", ".join(IMPORT_MESSAGE_COLUMNS), ", ".join("?" for _ in IMPORT_MESSAGE_COLUMNS))
 SET_PARENT_SQL = "UPDATE sessions SET parent_session_id = ? WHERE id = ?"
-# Oldest first, so that an export lists parents before their children.
-SELECT_EXPORT_SESSION_IDS_SQL = "SELECT id FROM sessions {where} ORDER BY started_at, id"
 COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
 COUNT_ALL_MESSAGES_SQL = "SELECT COUNT(*) FROM messages"
 SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source"
@@ -710,13 +684,11 @@ QUICK_CHECK_SQL = "PRAGMA quick_check"
 
 
 def count_tool_calls(tool_calls):
-    """How many calls a `tool_calls` value holds (a list, or JSON text of one)."""
+    """How many calls hermes-agent counts in a `tool_calls` value: a list's length, 1 for any
+    other value, 0 for None; JSON text is read first (text that is not JSON counts 0)."""
     if isinstance(tool_calls, str):
-        try:
-            tool_calls = json.loads(tool_calls)
-        except ValueError:
-            return 0
-    return len(tool_calls) if isinstance(tool_calls, list) else 0
+        tool_calls = loads_or(tool_calls, [])
+    return 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
 
 
 def quote_identifier(name):

@@ -28,6 +28,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from hermes_state import SessionDB, restore_home
+from hermes_state_portability import json_default
 
 MAX_BODY_BYTES = 25 * 1024 * 1024
 DEFAULT_PORT = 8765
@@ -244,8 +245,8 @@ class StateServer(ThreadingHTTPServer):
 
 
 def json_response(value, status=HTTPStatus.OK, headers=None):
-    """`value` as a JSON Response."""
-    body = json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
+    """`value` as a JSON Response (a BLOB as the export writes it, see json_default)."""
+    body = json.dumps(value, ensure_ascii=False, default=json_default).encode("utf-8")
     return Response(status, body, "application/json; charset=utf-8", headers or {})
 
 
