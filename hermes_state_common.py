@@ -622,12 +622,6 @@ UPDATE sessions SET
 WHERE id = ?
 """
 SET_MESSAGE_COUNTS_SQL = "UPDATE sessions SET message_count = ?, tool_call_count = ? WHERE id = ?"
-SELECT_MESSAGES_SQL = "SELECT * FROM messages WHERE session_id = ?"
-# What a chat-API conversation is built from (get_messages_as_conversation, resume).
-CONVERSATION_ROW_COLUMNS = (
-    "id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason, "
-    "reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items, "
-    "platform_message_id, observed, timestamp, api_content, display_kind, display_metadata")
 # Structured content (a multimodal list of parts, a dict) is stored as this
 # prefix plus JSON, as hermes-agent stores it; NUL never starts real text.
 CONTENT_JSON_PREFIX = "\x00json:"
@@ -640,14 +634,6 @@ SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source 
 # Routing, meta and lock SQL
 # ---------------------------------------------------------------------------
 
-UPSERT_ROUTING_SQL = """
-INSERT INTO gateway_routing (scope, session_key, entry_json, updated_at) VALUES (?, ?, ?, ?)
-ON CONFLICT (scope, session_key) DO UPDATE SET
-  entry_json = excluded.entry_json, updated_at = excluded.updated_at
-"""
-SELECT_ROUTING_SQL = "SELECT session_key, entry_json FROM gateway_routing WHERE scope = ? ORDER BY session_key"
-DELETE_ROUTING_KEYS_SQL = "DELETE FROM gateway_routing WHERE scope = ? AND session_key IN ({})"
-DELETE_ROUTING_SCOPE_SQL = "DELETE FROM gateway_routing WHERE scope = ?"
 
 SELECT_META_SQL = "SELECT value FROM state_meta WHERE key = ?"
 SELECT_META_KEYS_SQL = "SELECT key, value FROM state_meta WHERE key IN ({})"
@@ -655,14 +641,6 @@ SELECT_META_KEYS_SQL = "SELECT key, value FROM state_meta WHERE key IN ({})"
 INSERT_META_SQL = "INSERT INTO state_meta (key, value) VALUES (?, ?)"
 DELETE_META_SQL = "DELETE FROM state_meta WHERE key = ?"
 
-SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
-UPSERT_LOCK_SQL = """
-INSERT INTO compression_locks (session_id, holder, acquired_at, expires_at) VALUES (?, ?, ?, ?)
-ON CONFLICT (session_id) DO UPDATE SET
-  holder = excluded.holder, acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
-"""
-REFRESH_LOCK_SQL = "UPDATE compression_locks SET expires_at = ? WHERE session_id = ? AND holder = ?"
-RELEASE_LOCK_SQL = "DELETE FROM compression_locks WHERE session_id = ? AND holder = ?"
 
 # ---------------------------------------------------------------------------
 # Connection settings and checks
@@ -873,12 +851,6 @@ _SKILL_INSTRUCTION_SPANS = (
      "The user has provided the following instruction alongside the skill invocation: ",
      "\n\n[Runtime note:", str.rfind),
 )
-# Every handoff text hermes-agent's compaction has written starts with one of these;
-# a merged handoff carries it after the delimiter.
-_COMPACTION_SUMMARY_LEADS = (
-    "[CONTEXT COMPACTION — REFERENCE ONLY] Earlier turns were compacted into the summary below.",
-    "[CONTEXT SUMMARY]:")
-_MERGED_SUMMARY_DELIMITER = "[END OF PRIOR CONTEXT — COMPACTION SUMMARY BELOW]"
 
 
 def describe_skill_invocation(content, separator=" — "):
@@ -925,14 +897,6 @@ def content_text(content):
                  for part in content)
         return "\n".join(part for part in parts if isinstance(part, str) and part)
     return str(content)
-
-
-def is_compaction_summary(content):
-    """True for a compaction handoff, alone or merged after earlier turns' text."""
-    text = content_text(content).lstrip()
-    if _MERGED_SUMMARY_DELIMITER in text:
-        text = text.split(_MERGED_SUMMARY_DELIMITER, 1)[1].lstrip()
-    return text.startswith(_COMPACTION_SUMMARY_LEADS)
 
 
 # Characters a title never keeps: C0 controls other than whitespace, DEL,
@@ -1009,14 +973,6 @@ class SessionCompressionInProgressError(CompressionSessionBusyError):
 
 class SessionTurnLeaseLostError(RuntimeError):
     """A write named a turn-lease holder that no longer holds the lease; never retried."""
-
-
-class UnknownSessionError(ValueError, sqlite3.IntegrityError):
-    """A message aimed at a session that does not exist; hermes-agent's foreign key raises IntegrityError."""
-
-    def __init__(self, session_id):
-        self.session_id = session_id
-        super().__init__(f"unknown session_id {session_id!r}; nothing was written")
 
 
 # ---------------------------------------------------------------------------
