@@ -1155,3 +1155,14 @@ def is_fork_child(row):
     markers = (config.get("_branched_from"), config.get("_delegate_from"))
     parent = row["parent_session_id"]
     return parent in markers if parent else markers != (None, None)
+
+
+def merge_model_config(text, patch):
+    """A stored model_config with `patch` merged (a None value removes its key); None when empty."""
+    config = json_object(text)
+    for key, value in patch.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    return json.dumps(config) if config else None

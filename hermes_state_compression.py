@@ -25,6 +25,7 @@ import sqlite3
 import time
 
 from hermes_state_common import (
+    merge_model_config,
     COMPRESSION_END_REASON,
     INSERT_SYSTEM_PROMPT_SQL,
     LINEAGE_MAX_HOPS,
@@ -285,7 +286,7 @@ class SessionCompressionMixin:
             sets, params = "message_count = ?, tool_call_count = ?", [count, calls]
             if model_config_patch is not None:
                 sets += ", model_config = ?"
-                params.append(_merged_config(row["model_config"], model_config_patch))
+                params.append(merge_model_config(row["model_config"], model_config_patch))
             conn.execute(f"UPDATE sessions SET {sets} WHERE id = ?", (*params, session_id))
             return count
 
@@ -490,16 +491,6 @@ class SessionCompressionMixin:
 def _marked(config):
     """True when model_config carries a branch or delegate marker (the tip walk never follows those)."""
     return config.get("_branched_from") is not None or config.get("_delegate_from") is not None
-
-
-def _merged_config(text, patch):
-    config = json_object(text)
-    for key, value in patch.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    return json.dumps(config) if config else None
 
 
 def _holds_lock(conn, session_id, holder):

@@ -17,6 +17,7 @@ import string
 import time
 
 from hermes_state_common import (
+    merge_model_config,
     INSERT_SYSTEM_PROMPT_SQL,
     LAST_ACTIVE_SQL,
     SELECT_ID_PREFIX_SQL,
@@ -684,17 +685,6 @@ def _config_dict(text):
     except ValueError:
         return None
     return config if isinstance(config, dict) else None
-
-
-def merge_model_config(text, patch):
-    """A stored model_config with `patch` merged (a None value removes its key); NULL when empty."""
-    config = _config_dict(text) or {}
-    for key, value in patch.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    return json.dumps(config) if config else None
 
 
 def _new_row_values(values, digest):
