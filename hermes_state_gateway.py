@@ -38,11 +38,8 @@ ON CONFLICT (scope, session_key) DO UPDATE SET
 """
 
 SELECT_ROUTING_SQL = "SELECT session_key, entry_json FROM gateway_routing WHERE scope = ? ORDER BY session_key"
-
 DELETE_ROUTING_KEYS_SQL = "DELETE FROM gateway_routing WHERE scope = ? AND session_key IN ({})"
-
 DELETE_ROUTING_SCOPE_SQL = "DELETE FROM gateway_routing WHERE scope = ?"
-
 SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
 
 UPSERT_LOCK_SQL = """
@@ -52,34 +49,7 @@ ON CONFLICT (session_id) DO UPDATE SET
 """
 
 REFRESH_LOCK_SQL = "UPDATE compression_locks SET expires_at = ? WHERE session_id = ? AND holder = ?"
-
 RELEASE_LOCK_SQL = "DELETE FROM compression_locks WHERE session_id = ? AND holder = ?"
-
-
-UPSERT_ROUTING_SQL = """
-INSERT INTO gateway_routing (scope, session_key, entry_json, updated_at) VALUES (?, ?, ?, ?)
-ON CONFLICT (scope, session_key) DO UPDATE SET
-  entry_json = excluded.entry_json, updated_at = excluded.updated_at
-"""
-
-SELECT_ROUTING_SQL = "SELECT session_key, entry_json FROM gateway_routing WHERE scope = ? ORDER BY session_key"
-
-DELETE_ROUTING_KEYS_SQL = "DELETE FROM gateway_routing WHERE scope = ? AND session_key IN ({})"
-
-DELETE_ROUTING_SCOPE_SQL = "DELETE FROM gateway_routing WHERE scope = ?"
-
-SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
-
-UPSERT_LOCK_SQL = """
-INSERT INTO compression_locks (session_id, holder, acquired_at, expires_at) VALUES (?, ?, ?, ?)
-ON CONFLICT (session_id) DO UPDATE SET
-  holder = excluded.holder, acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
-"""
-
-REFRESH_LOCK_SQL = "UPDATE compression_locks SET expires_at = ? WHERE session_id = ? AND holder = ?"
-
-RELEASE_LOCK_SQL = "DELETE FROM compression_locks WHERE session_id = ? AND holder = ?"
-
 
 logger = logging.getLogger("hermes_state")
 
