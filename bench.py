@@ -242,7 +242,7 @@ def bench_portability(folder, history, journal):
         out = Path(folder) / "export.jsonl"
         tracemalloc.start()
         start = time.perf_counter()
-        write_export(db.export_all(), "jsonl", str(out))
+        write_export(db.iter_export_all(), "jsonl", str(out))
         exported = time.perf_counter() - start
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()

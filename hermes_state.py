@@ -45,13 +45,13 @@ from hermes_state_common import (
     DEFERRED_INDEX_SQL,
     JOURNAL_MODE_SQL,
     QUICK_CHECK_SQL,
-    SELECT_META_PREFIX_SQL,
+    INSERT_META_SQL,
     SELECT_META_SQL,
     SET_AUTOCHECKPOINT_SQL,
     SET_JOURNAL_MODE_SQL,
     SYNCHRONOUS_NORMAL_SQL,
     _set_last_init_error,
-    prefix_bounds,
+    escape_like,
     require_text,
     sqlite_has_wal_reset_bug,
 )
@@ -60,7 +60,7 @@ from hermes_state_gateway import SessionGatewayMixin
 from hermes_state_maintenance import SessionMaintenanceMixin
 from hermes_state_messages import SessionMessagesMixin
 from hermes_state_portability import SessionPortabilityMixin
-from hermes_state_schema import SessionSchemaMixin, is_lock_error, write_meta
+from hermes_state_schema import SessionSchemaMixin, is_lock_error
 from hermes_state_search import SessionSearchMixin, runtime_capabilities
 from hermes_state_sessions import SessionSessionsMixin
 from hermes_state_telegram import SessionTelegramMixin
@@ -847,14 +847,31 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         """The text stored under `key` in state_meta; None when the key is absent."""
         return self._read_value(SELECT_META_SQL, (key,))
 
-    def set_meta(self, key, value):
-        """Store `value` as text under `key`; None removes the key."""
-        require_text("key", key)
-        self._execute_write(lambda conn: write_meta(conn, key, value))
+    def set_meta(self, key, value, *, cursor=None):
+        """Store `value` under `key` in state_meta (None stores NULL); returns None.
+
+        Inside a write already open (a `_execute_write` callback) pass its
+        cursor or connection as `cursor`: the row is written there, in that
+        transaction, instead of in a new one.
+        """
+        def write(conn):
+            # Update in place, else insert: the row keeps its place, and an old
+            # state_meta without a primary key gets no duplicate.
+            if not conn.execute("UPDATE state_meta SET value = ? WHERE key = ?", (value, key)).rowcount:
+                conn.execute(INSERT_META_SQL, (key, value))
+
+        if cursor is not None:
+            write(cursor)
+        else:
+            self._execute_write(write)
 
     def list_meta_prefix(self, prefix):
-        """{key: value} for every key starting with `prefix` (case-sensitive)."""
-        return {key: value for key, value in self._read_all(SELECT_META_PREFIX_SQL, prefix_bounds(prefix))}
+        """[(key, value)] of the state_meta keys starting with `prefix` (ASCII letters in any case, as
+        LIKE matches), in stored order; [] for an empty prefix."""
+        if not prefix:
+            return []
+        return [(row[0], row[1]) for row in self._read_all(
+            "SELECT key, value FROM state_meta WHERE key LIKE ? ESCAPE '\\'", (escape_like(prefix) + "%",))]
 
     # -- backup ----------------------------------------------------------------
 

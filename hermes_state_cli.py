@@ -17,12 +17,12 @@ from pathlib import Path
 
 from hermes_constants import reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB, restore_home
-from hermes_state_common import COMPRESSION_END_REASON, store_file_bytes
-from hermes_state_portability import EXPORT_FORMATS, write_export
+from hermes_state_common import COMPRESSION_END_REASON, LIST_LIMIT_MAX, require_int, store_file_bytes
+from hermes_state_portability import EXPORT_FORMATS, json_default, message_text, write_export
 
 
 def _print_json(value, out):
-    json.dump(value, out, ensure_ascii=False, indent=2, default=str)
+    json.dump(value, out, ensure_ascii=False, indent=2, default=json_default)
     out.write("\n")
 
 
@@ -63,7 +63,7 @@ def _print_session(export, out):
         label = message["role"] + (f" ({message['tool_name']})" if message.get("tool_name") else "")
         out.write(f"\n[{message['id']}] {label} at {_format_time(message['timestamp'])}\n")
         if message.get("content"):
-            text = message["content"]
+            text = message_text(message)
             out.write((text if len(text) <= 400 else text[:400] + f" ... ({len(text)} chars)") + "\n")
         for call in message.get("tool_calls") or []:
             function = call.get("function", {}) if isinstance(call, dict) else {}
@@ -71,8 +71,10 @@ def _print_session(export, out):
 
 
 def _cmd_list(db, args, out):
+    require_int("limit", args.limit, minimum=1, maximum=LIST_LIMIT_MAX)
+    require_int("offset", args.offset)
     sessions = db.list_sessions_rich(source=args.source, limit=args.limit, offset=args.offset,
-                                     include_archived=args.archived)
+                                     include_archived=args.archived, include_children=True)
     _emit(args, out, sessions, _print_session_list)
     return 0
 
@@ -170,7 +172,7 @@ def _cmd_export(db, args, out):
             return 1
         exports = [export]
     else:
-        exports = db.export_all(source=args.source)
+        exports = db.iter_export_all(source=args.source)
     count = write_export(exports, args.format, args.out, redact_secrets=args.redact)
     sys.stderr.write(f"exported {count} sessions as {args.format} to {args.out}"
                      f"{' (redacted, best effort)' if args.redact else ''}\n")
@@ -211,6 +213,9 @@ def _cmd_import(db, args, out):
         sys.stderr.write("the import was rejected; nothing was written\n")
         return 1
     totals = {key: result[key] for key in ("imported", "skipped", "detached")}
+    if result.get("unstored_fields"):
+        sys.stderr.write("warning: this store has no column for " + ", ".join(result["unstored_fields"])
+                         + "; those values were not imported\n")
     if args.json:
         _print_json(totals, out)
     else:
@@ -274,7 +279,7 @@ def _cmd_demo(args, out):
         with SessionDB() as db:
             build_demo_history(db)
             out.write("== sessions (python -m hermes_state list)\n")
-            _print_session_list(db.list_sessions_rich(limit=20), out)
+            _print_session_list(db.list_sessions_rich(limit=20, include_children=True), out)
             tip = db.get_compression_tip("demo-refactor-1")
             out.write(f"\n== the compression chain ending in {tip}, shown as one session\n")
             _print_session(db.export_session_lineage(tip), out)

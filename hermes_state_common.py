@@ -570,26 +570,6 @@ SESSION_CASCADE_DELETE_SQL = (
     "DELETE FROM sessions WHERE id IN ({})",
 )
 
-# The list view: one row per session with the first user message as a preview
-# and the time of its last message. Both subqueries ride the (session_id, id)
-# and (session_id, timestamp) indexes.
-SESSION_RICH_COLUMNS_SQL = f"""
-SELECT s.*,
-  (SELECT substr(m.content, 1, {PREVIEW_CHARS}) FROM messages AS m
-   WHERE m.session_id = s.id AND m.role = 'user' AND m.active = 1
-   ORDER BY m.id LIMIT 1) AS preview,
-  COALESCE((SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = s.id),
-           s.started_at) AS last_active
-FROM sessions AS s
-"""
-
-SELECT_LAST_ACTIVE_SQL = """
-SELECT COALESCE((SELECT MAX(timestamp) FROM messages WHERE session_id = s.id), s.started_at)
-FROM sessions AS s WHERE s.id = ?
-"""
-
-LIST_SESSIONS_RICH_SQL = SESSION_RICH_COLUMNS_SQL + " {where} ORDER BY s.started_at DESC, s.id DESC LIMIT ? OFFSET ?"
-
 # ---------------------------------------------------------------------------
 # Message SQL
 # ---------------------------------------------------------------------------
@@ -604,11 +584,6 @@ MESSAGE_WRITE_COLUMNS = (
     "codex_message_items", "platform_message_id", "observed", "active", "api_content",
     "display_kind", "display_metadata",
 )
-# Message fields that hold structured values and are stored as JSON text.
-MESSAGE_JSON_FIELDS = (
-    "tool_calls", "reasoning_details", "codex_reasoning_items", "codex_message_items",
-    "display_metadata",
-)
 INSERT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
     ", ".join(MESSAGE_WRITE_COLUMNS), ", ".join("?" for _ in MESSAGE_WRITE_COLUMNS))
 BUMP_MESSAGE_COUNTS_SQL = """
@@ -618,31 +593,10 @@ UPDATE sessions SET
 WHERE id = ?
 """
 SET_MESSAGE_COUNTS_SQL = "UPDATE sessions SET message_count = ?, tool_call_count = ? WHERE id = ?"
-SELECT_MESSAGES_SQL = "SELECT * FROM messages WHERE session_id = ?"
-# What a chat-API conversation is built from (get_messages_as_conversation, resume).
-CONVERSATION_ROW_COLUMNS = (
-    "id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason, "
-    "reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items, "
-    "platform_message_id, observed, timestamp, api_content, display_kind, display_metadata")
 # Structured content (a multimodal list of parts, a dict) is stored as this
 # prefix plus JSON, as hermes-agent stores it; NUL never starts real text.
 CONTENT_JSON_PREFIX = "\x00json:"
-# Import keeps a message's flags along with what append_message writes.
-IMPORT_MESSAGE_COLUMNS = MESSAGE_WRITE_COLUMNS + ("compacted",)
-# Runtime ownership an import never restores: gateway routing and identity,
-# handoffs, rewinds, pins, activity, compression cooldowns and streaks.
-IMPORT_RUNTIME_FIELDS = frozenset({
-    "session_key", "chat_id", "chat_type", "thread_id", "user_id", "display_name", "origin_json",
-    "expiry_finalized", "handoff_state", "handoff_platform", "handoff_error", "rewind_count", "pinned",
-    "last_activity_at", "last_activity_description", "last_activity_provenance", "last_read_at",
-    "compression_failure_cooldown_until", "compression_failure_error", "compression_fallback_streak",
-    "compression_ineffective_count",
-})
-IMPORT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
-    ", ".join(IMPORT_MESSAGE_COLUMNS), ", ".join("?" for _ in IMPORT_MESSAGE_COLUMNS))
 SET_PARENT_SQL = "UPDATE sessions SET parent_session_id = ? WHERE id = ?"
-# Oldest first, so that an export lists parents before their children.
-SELECT_EXPORT_SESSION_IDS_SQL = "SELECT id FROM sessions {where} ORDER BY started_at, id"
 COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
 COUNT_ALL_MESSAGES_SQL = "SELECT COUNT(*) FROM messages"
 SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source"
@@ -651,30 +605,13 @@ SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source 
 # Routing, meta and lock SQL
 # ---------------------------------------------------------------------------
 
-UPSERT_ROUTING_SQL = """
-INSERT INTO gateway_routing (scope, session_key, entry_json, updated_at) VALUES (?, ?, ?, ?)
-ON CONFLICT (scope, session_key) DO UPDATE SET
-  entry_json = excluded.entry_json, updated_at = excluded.updated_at
-"""
-SELECT_ROUTING_SQL = "SELECT session_key, entry_json FROM gateway_routing WHERE scope = ? ORDER BY session_key"
-DELETE_ROUTING_KEYS_SQL = "DELETE FROM gateway_routing WHERE scope = ? AND session_key IN ({})"
-DELETE_ROUTING_SCOPE_SQL = "DELETE FROM gateway_routing WHERE scope = ?"
 
 SELECT_META_SQL = "SELECT value FROM state_meta WHERE key = ?"
 SELECT_META_KEYS_SQL = "SELECT key, value FROM state_meta WHERE key IN ({})"
 # Delete then insert rather than an upsert: an old state_meta may lack its primary key.
 INSERT_META_SQL = "INSERT INTO state_meta (key, value) VALUES (?, ?)"
 DELETE_META_SQL = "DELETE FROM state_meta WHERE key = ?"
-SELECT_META_PREFIX_SQL = "SELECT key, value FROM state_meta WHERE key >= ? AND key < ? ORDER BY key"
 
-SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
-UPSERT_LOCK_SQL = """
-INSERT INTO compression_locks (session_id, holder, acquired_at, expires_at) VALUES (?, ?, ?, ?)
-ON CONFLICT (session_id) DO UPDATE SET
-  holder = excluded.holder, acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
-"""
-REFRESH_LOCK_SQL = "UPDATE compression_locks SET expires_at = ? WHERE session_id = ? AND holder = ?"
-RELEASE_LOCK_SQL = "DELETE FROM compression_locks WHERE session_id = ? AND holder = ?"
 
 # ---------------------------------------------------------------------------
 # Connection settings and checks
@@ -696,13 +633,11 @@ QUICK_CHECK_SQL = "PRAGMA quick_check"
 
 
 def count_tool_calls(tool_calls):
-    """How many calls a `tool_calls` value holds (a list, or JSON text of one)."""
+    """How many calls hermes-agent counts in a `tool_calls` value: a list's length, 1 for any
+    other value, 0 for None; JSON text is read first (text that is not JSON counts 0)."""
     if isinstance(tool_calls, str):
-        try:
-            tool_calls = json.loads(tool_calls)
-        except ValueError:
-            return 0
-    return len(tool_calls) if isinstance(tool_calls, list) else 0
+        tool_calls = loads_or(tool_calls, [])
+    return 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
 
 
 def quote_identifier(name):
@@ -887,12 +822,6 @@ _SKILL_INSTRUCTION_SPANS = (
      "The user has provided the following instruction alongside the skill invocation: ",
      "\n\n[Runtime note:", str.rfind),
 )
-# Every handoff text hermes-agent's compaction has written starts with one of these;
-# a merged handoff carries it after the delimiter.
-_COMPACTION_SUMMARY_LEADS = (
-    "[CONTEXT COMPACTION — REFERENCE ONLY] Earlier turns were compacted into the summary below.",
-    "[CONTEXT SUMMARY]:")
-_MERGED_SUMMARY_DELIMITER = "[END OF PRIOR CONTEXT — COMPACTION SUMMARY BELOW]"
 
 
 def describe_skill_invocation(content, separator=" — "):
@@ -914,6 +843,22 @@ def describe_skill_invocation(content, separator=" — "):
     return label if name else None
 
 
+# The list view's row: every column, `_preview_raw` (the head of the first user
+# message, newlines as spaces; a /skill turn whole while short, else its head
+# and tail around SKILL_EXCERPT_JOINT, where the typed instruction is) and
+# `last_active`, the newest of the heartbeat and the messages, else the start.
+_PREVIEW_TEXT_SQL = "REPLACE(REPLACE(m.content, X'0A', ' '), X'0D', ' ')"
+_PREVIEW_RAW_SQL = (f"CASE WHEN m.content NOT LIKE '{SKILL_SCAFFOLD_PREFIX}%' THEN substr({_PREVIEW_TEXT_SQL}, 1, 63)"
+                    f" WHEN length(m.content) > 800 THEN substr({_PREVIEW_TEXT_SQL}, 1, 400) || char(30)"
+                    f" || substr({_PREVIEW_TEXT_SQL}, -400) ELSE substr({_PREVIEW_TEXT_SQL}, 1, 800) END")
+LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(v) FROM (SELECT {a}.last_activity_at AS v UNION ALL SELECT MAX(m.timestamp)"
+                   " FROM messages AS m WHERE m.session_id = {a}.id)), {a}.started_at)")
+SESSION_RICH_SQL = (f"SELECT {{columns}}, COALESCE((SELECT {_PREVIEW_RAW_SQL} FROM messages AS m WHERE m.session_id = s.id"
+                    " AND m.role = 'user' AND m.content IS NOT NULL ORDER BY m.timestamp, m.id LIMIT 1), '')"
+                    " AS _preview_raw, {last_active} AS last_active FROM sessions AS s")
+SESSION_RICH_COLUMNS_SQL = SESSION_RICH_SQL.format(columns="s.*", last_active=LAST_ACTIVE_SQL.format(a="s"))
+
+
 def content_text(content):
     """The text of a decoded content: the text parts of a multimodal list joined by newlines."""
     if content is None or isinstance(content, str):
@@ -923,14 +868,6 @@ def content_text(content):
                  for part in content)
         return "\n".join(part for part in parts if isinstance(part, str) and part)
     return str(content)
-
-
-def is_compaction_summary(content):
-    """True for a compaction handoff, alone or merged after earlier turns' text."""
-    text = content_text(content).lstrip()
-    if _MERGED_SUMMARY_DELIMITER in text:
-        text = text.split(_MERGED_SUMMARY_DELIMITER, 1)[1].lstrip()
-    return text.startswith(_COMPACTION_SUMMARY_LEADS)
 
 
 # Characters a title never keeps: C0 controls other than whitespace, DEL,
@@ -1007,14 +944,6 @@ class SessionCompressionInProgressError(CompressionSessionBusyError):
 
 class SessionTurnLeaseLostError(RuntimeError):
     """A write named a turn-lease holder that no longer holds the lease; never retried."""
-
-
-class UnknownSessionError(ValueError, sqlite3.IntegrityError):
-    """A message aimed at a session that does not exist; hermes-agent's foreign key raises IntegrityError."""
-
-    def __init__(self, session_id):
-        self.session_id = session_id
-        super().__init__(f"unknown session_id {session_id!r}; nothing was written")
 
 
 # ---------------------------------------------------------------------------
@@ -1197,3 +1126,14 @@ def is_fork_child(row):
     markers = (config.get("_branched_from"), config.get("_delegate_from"))
     parent = row["parent_session_id"]
     return parent in markers if parent else markers != (None, None)
+
+
+def merge_model_config(text, patch):
+    """A stored model_config with `patch` merged (a None value removes its key); None when empty."""
+    config = json_object(text)
+    for key, value in patch.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    return json.dumps(config) if config else None

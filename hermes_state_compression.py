@@ -10,15 +10,22 @@ transcript, on the messages mixin's `get_messages_as_conversation`. Never
 changes a session's own fields beyond its counts, model_config and end, and
 never touches the search indexes or the schema.
 
+Also keeps the compressor's guards that must outlive a process: the failure
+cooldown (`compression_failure_*`), the fallback streak and the count of
+ineffective compactions, each a column of the session row.
+
 Markers inside model_config (`_branched_from`, `_delegate_from`,
 `_reset_from`) tell forks from continuations; they are read in Python, not
 with JSON1, so that every SQLite build walks a lineage the same way.
 """
 
 import json
+import logging
+import sqlite3
 import time
 
 from hermes_state_common import (
+    merge_model_config,
     COMPRESSION_END_REASON,
     INSERT_SYSTEM_PROMPT_SQL,
     LINEAGE_MAX_HOPS,
@@ -37,6 +44,8 @@ from hermes_state_common import (
     SessionRowError,
 )
 from hermes_state_schema import prompt_hash
+
+logger = logging.getLogger("hermes_state")
 
 # How far a walk along parent or child links goes before it stops: far beyond
 # any real chain, short enough that damaged links cannot loop for long.
@@ -59,6 +68,8 @@ SELECT c.id, c.model_config FROM sessions AS p JOIN sessions AS c ON c.parent_se
 WHERE p.id = ? AND p.end_reason = 'compression' AND COALESCE(c.source, '') <> 'tool'
 ORDER BY CASE WHEN c.end_reason = 'compression' THEN 0 WHEN c.ended_at IS NULL THEN 1 ELSE 2 END,
          {_LAST_ACTIVE_SQL.format(a="c")} DESC, c.started_at DESC, c.id DESC"""
+_SET_COOLDOWN_SQL = ("UPDATE sessions SET compression_failure_cooldown_until = ?, compression_failure_error = ?"
+                     " WHERE id = ?")
 # Columns a concurrent tail keeps when it is copied after a compacted set.
 _TAIL_SQL = "SELECT id, tool_calls FROM messages WHERE session_id = ? AND active = 1 AND id > ?"
 
@@ -275,7 +286,7 @@ class SessionCompressionMixin:
             sets, params = "message_count = ?, tool_call_count = ?", [count, calls]
             if model_config_patch is not None:
                 sets += ", model_config = ?"
-                params.append(_merged_config(row["model_config"], model_config_patch))
+                params.append(merge_model_config(row["model_config"], model_config_patch))
             conn.execute(f"UPDATE sessions SET {sets} WHERE id = ?", (*params, session_id))
             return count
 
@@ -344,6 +355,32 @@ class SessionCompressionMixin:
 
         self._execute_write(write)
 
+    def reopen_orphaned_compression_session(self, session_id):
+        """Reopen a session ended by compression whose continuation was never published; True
+        when reopened. False when it is not so ended, any continuation exists (live or
+        ended), or a compression lease on it is still running; an expired lease is dropped."""
+        if not session_id:
+            return False
+
+        def write(conn):
+            row = conn.execute("SELECT ended_at, end_reason FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            if row is None or row["ended_at"] is None or row["end_reason"] != COMPRESSION_END_REASON:
+                return False
+            children = conn.execute("SELECT source, model_config, parent_session_id FROM sessions"
+                                    " WHERE parent_session_id = ?", (session_id,)).fetchall()
+            if any(not is_fork_child(child) for child in children):
+                return False
+            lock = conn.execute("SELECT holder, expires_at FROM compression_locks WHERE session_id = ?",
+                                (session_id,)).fetchone()
+            if lock is not None:
+                if lock["expires_at"] is None or float(lock["expires_at"]) >= time.time():
+                    return False
+                conn.execute("DELETE FROM compression_locks WHERE session_id = ?", (session_id,))
+            return conn.execute("UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?",
+                                (session_id,)).rowcount == 1
+
+        return bool(self._execute_write(write))
+
     def finalize_orphaned_compression_sessions(self):
         """End, as 'orphaned_compression', continuations never used for a week; returns how many.
 
@@ -361,6 +398,90 @@ class SessionCompressionMixin:
             (now, now - ORPHANED_CONTINUATION_AGE))
 
 
+    # -- the compressor's durable guards -------------------------------------------
+
+    def record_compression_failure_cooldown(self, session_id, cooldown_until, error=None):
+        """Store the time until which compression of the session stays off, and why; None.
+        A failed write is logged, never raised."""
+        self._set_cooldown(session_id, cooldown_until, error)
+
+    def clear_compression_failure_cooldown(self, session_id):
+        """Drop the session's compression cooldown; None. A failed write is logged, never raised."""
+        self._set_cooldown(session_id, None, None)
+
+    def _set_cooldown(self, session_id, until, error):
+        if not session_id:
+            return
+        try:
+            self._update_rows(_SET_COOLDOWN_SQL, (until, error, session_id))
+        except sqlite3.Error as exc:
+            logger.warning("compression cooldown of session %r not written: %s", session_id, exc)
+
+    def get_compression_failure_cooldown(self, session_id):
+        """{"cooldown_until", "remaining_seconds", "error"} of a cooldown still running; None
+        when there is none, it has passed, or the session is unknown."""
+        row = self.get_compression_failure_cooldown_row(session_id)
+        now = time.time()
+        if row["cooldown_until"] is None or row["cooldown_until"] <= now:
+            return None
+        return {"cooldown_until": row["cooldown_until"], "remaining_seconds": row["cooldown_until"] - now,
+                "error": row["error"]}
+
+    def get_compression_failure_cooldown_row(self, session_id):
+        """The stored cooldown as {"session_exists", "cooldown_until" (float or None), "error"},
+        expired or not; session_exists False (and the rest None) for an unknown session."""
+        row = session_id and self._read_one("SELECT compression_failure_cooldown_until, compression_failure_error"
+                                            " FROM sessions WHERE id = ?", (session_id,))
+        if not row:
+            return {"session_exists": False, "cooldown_until": None, "error": None}
+        return {"session_exists": True, "cooldown_until": None if row[0] is None else float(row[0]), "error": row[1]}
+
+    def restore_compression_failure_cooldown_row(self, session_id, snapshot):
+        """Put back a get_compression_failure_cooldown_row snapshot exactly; None. Raises
+        RuntimeError when the session no longer matches the snapshot's existence or the
+        stored row does not read back equal."""
+        if not snapshot.get("session_exists", False):
+            if self.get_compression_failure_cooldown_row(session_id)["session_exists"]:
+                raise RuntimeError("cannot restore absent compression cooldown row: session now exists")
+            return
+        until, error = snapshot.get("cooldown_until"), snapshot.get("error")
+        if self._update_rows(_SET_COOLDOWN_SQL, (until, error, session_id)) != 1:
+            raise RuntimeError(f"compression cooldown rollback session missing: {session_id}")
+        expected = {"session_exists": True, "cooldown_until": None if until is None else float(until), "error": error}
+        actual = self.get_compression_failure_cooldown_row(session_id)
+        if actual != expected:
+            raise RuntimeError(f"compression cooldown rollback verification failed: expected={expected!r}, "
+                               f"actual={actual!r}")
+
+    def get_compression_fallback_streak(self, session_id):
+        """How many compactions in a row fell back to the deterministic summary; 0 when unknown."""
+        return self._guard_count("compression_fallback_streak", session_id)
+
+    def set_compression_fallback_streak(self, session_id, streak):
+        """Store the fallback streak (negative stored as 0); None, also for an unknown session."""
+        self._set_guard_count("compression_fallback_streak", session_id, streak)
+
+    def get_compression_ineffective_count(self, session_id):
+        """How many recent compactions freed too little; 0 when unknown."""
+        return self._guard_count("compression_ineffective_count", session_id)
+
+    def set_compression_ineffective_count(self, session_id, count):
+        """Store the ineffective-compaction count (negative stored as 0); None, also for an unknown session."""
+        self._set_guard_count("compression_ineffective_count", session_id, count)
+
+    def _guard_count(self, column, session_id):
+        if not session_id or self._closed:
+            return 0
+        try:
+            return max(0, int(self._read_value(f"SELECT {column} FROM sessions WHERE id = ?", (session_id,)) or 0))
+        except (TypeError, ValueError):
+            return 0
+
+    def _set_guard_count(self, column, session_id, value):
+        if session_id:
+            value = max(0, int(value))
+            self._update_rows(f"UPDATE sessions SET {column} = ? WHERE id = ?", (value, session_id))
+
 
 # ---------------------------------------------------------------------------
 # Helpers
@@ -370,16 +491,6 @@ class SessionCompressionMixin:
 def _marked(config):
     """True when model_config carries a branch or delegate marker (the tip walk never follows those)."""
     return config.get("_branched_from") is not None or config.get("_delegate_from") is not None
-
-
-def _merged_config(text, patch):
-    config = json_object(text)
-    for key, value in patch.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    return json.dumps(config) if config else None
 
 
 def _holds_lock(conn, session_id, holder):

@@ -23,14 +23,6 @@ import time
 
 from hermes_state_common import (
     json_object,
-    DELETE_ROUTING_KEYS_SQL,
-    DELETE_ROUTING_SCOPE_SQL,
-    REFRESH_LOCK_SQL,
-    RELEASE_LOCK_SQL,
-    SELECT_LOCK_SQL,
-    SELECT_ROUTING_SQL,
-    UPSERT_LOCK_SQL,
-    UPSERT_ROUTING_SQL,
     _BARE_BILLING_PROVIDERS,
     chunked,
     classify_persistence_error,
@@ -38,6 +30,26 @@ from hermes_state_common import (
     placeholders,
     require_text,
 )
+
+UPSERT_ROUTING_SQL = """
+INSERT INTO gateway_routing (scope, session_key, entry_json, updated_at) VALUES (?, ?, ?, ?)
+ON CONFLICT (scope, session_key) DO UPDATE SET
+  entry_json = excluded.entry_json, updated_at = excluded.updated_at
+"""
+
+SELECT_ROUTING_SQL = "SELECT session_key, entry_json FROM gateway_routing WHERE scope = ? ORDER BY session_key"
+DELETE_ROUTING_KEYS_SQL = "DELETE FROM gateway_routing WHERE scope = ? AND session_key IN ({})"
+DELETE_ROUTING_SCOPE_SQL = "DELETE FROM gateway_routing WHERE scope = ?"
+SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
+
+UPSERT_LOCK_SQL = """
+INSERT INTO compression_locks (session_id, holder, acquired_at, expires_at) VALUES (?, ?, ?, ?)
+ON CONFLICT (session_id) DO UPDATE SET
+  holder = excluded.holder, acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
+"""
+
+REFRESH_LOCK_SQL = "UPDATE compression_locks SET expires_at = ? WHERE session_id = ? AND holder = ?"
+RELEASE_LOCK_SQL = "DELETE FROM compression_locks WHERE session_id = ? AND holder = ?"
 
 logger = logging.getLogger("hermes_state")
 
@@ -451,7 +463,6 @@ class SessionGatewayMixin:
         return self._execute_write(write)
 
 
-
 def lock_holder_name():
     """A compression-lock holder name whose process this host can check for liveness."""
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}"
@@ -536,7 +547,6 @@ def _orphan_record(orphan, donors, gap):
             "started_at": orphan["started_at"], "last_active": orphan["last_active"],
             "donor_id": donor["id"] if donor else None, "session_key": donor["session_key"] if donor else None,
             "evidence": evidence if donor else "", "adoptable": donor is not None, "reason": reason}
-
 
 
 def _routing_row(session_key, entry_json, scope):

@@ -13,14 +13,14 @@ other's rows: what it accepts we accept, what it raises we raise.
 
 import json
 import re
+import sqlite3
 import time
 
 from hermes_state_common import (
     BUMP_MESSAGE_COUNTS_SQL,
-    chunked,
+    content_text,
     COMPRESSION_END_REASON,
     CompressionSessionClosedError,
-    CONVERSATION_ROW_COLUMNS,
     COUNT_ALL_MESSAGES_SQL,
     decode_content,
     decode_display_metadata,
@@ -28,7 +28,6 @@ from hermes_state_common import (
     describe_skill_invocation,
     encode_content,
     INSERT_MESSAGE_SQL,
-    is_compaction_summary,
     is_fork_child,
     json_object,
     LINEAGE_MAX_HOPS,
@@ -36,13 +35,43 @@ from hermes_state_common import (
     placeholders,
     PREVIEW_CHARS,
     scrub_surrogates,
-    SELECT_MESSAGES_SQL,
     SessionTurnLeaseLostError,
     SET_MESSAGE_COUNTS_SQL,
-    UnknownSessionError,
 )
 
-# hermes-agent follows at most this many parent links when it gathers a lineage.
+SELECT_MESSAGES_SQL = "SELECT * FROM messages WHERE session_id = ?"
+
+# What a chat-API conversation is built from (get_messages_as_conversation, resume).
+CONVERSATION_ROW_COLUMNS = (
+    "id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason, "
+    "reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items, "
+    "platform_message_id, observed, timestamp, api_content, display_kind, display_metadata")
+
+# Every handoff text hermes-agent's compaction has written starts with one of these;
+# a merged handoff carries it after the delimiter.
+_COMPACTION_SUMMARY_LEADS = (
+    "[CONTEXT COMPACTION — REFERENCE ONLY] Earlier turns were compacted into the summary below.",
+    "[CONTEXT SUMMARY]:")
+
+_MERGED_SUMMARY_DELIMITER = "[END OF PRIOR CONTEXT — COMPACTION SUMMARY BELOW]"
+
+
+def is_compaction_summary(content):
+    """True for a compaction handoff, alone or merged after earlier turns' text."""
+    text = content_text(content).lstrip()
+    if _MERGED_SUMMARY_DELIMITER in text:
+        text = text.split(_MERGED_SUMMARY_DELIMITER, 1)[1].lstrip()
+    return text.startswith(_COMPACTION_SUMMARY_LEADS)
+
+
+class UnknownSessionError(ValueError, sqlite3.IntegrityError):
+    """A message aimed at a session that does not exist; hermes-agent's foreign key raises IntegrityError."""
+
+    def __init__(self, session_id):
+        self.session_id = session_id
+        super().__init__(f"unknown session_id {session_id!r}; nothing was written")
+
+
 # Assistant turns that a later answer supersedes when alternation is repaired.
 _VERIFICATION_FINISHES = ("verification_required", "verify_hook_continue")
 # Prompts of hermes-agent's background skill/memory review that old builds wrote

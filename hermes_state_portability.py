@@ -1,19 +1,23 @@
 """SessionPortabilityMixin: sessions as portable objects, in and out.
 
 Owns the export shapes (one session, a compression chain as one session, the
-whole store as a stream), `import_sessions` (validate everything, then write
-in one transaction; history comes back, runtime ownership does not), the
-export renderers (jsonl, md, qmd, html, trace) and best-effort redaction.
-Whole-home backup and restore are a different entry point (hermes_state).
+whole store as a list and as a stream), `import_sessions` (validate everything,
+then write in one transaction; history comes back, runtime ownership does not),
+how a BLOB travels in JSON, the export renderers (jsonl, md, qmd, html, trace)
+and best-effort redaction. Whole-home backup and restore are a different entry
+point (hermes_state).
 
 It reads through SessionDB's public readers and writes through
 `_execute_write`; it never imports hermes_state.
 """
 
+import base64
+import binascii
 import contextlib
 import hashlib
 import html
 import json
+import math
 import os
 import re
 import sys
@@ -21,14 +25,9 @@ import tempfile
 import time
 
 from hermes_state_common import (
-    IMPORT_MESSAGE_COLUMNS,
-    IMPORT_MESSAGE_SQL,
-    IMPORT_RUNTIME_FIELDS,
     INSERT_SESSION_SQL,
     INSERT_SYSTEM_PROMPT_SQL,
-    MESSAGE_JSON_FIELDS,
-    SELECT_EXPORT_SESSION_IDS_SQL,
-    SELECT_LAST_ACTIVE_SQL,
+    MESSAGE_WRITE_COLUMNS,
     SELECT_LINEAGE_LINK_SQL,
     SELECT_TITLE_OWNER_SQL,
     SESSION_EXISTS_SQL,
@@ -36,48 +35,117 @@ from hermes_state_common import (
     SET_PARENT_SQL,
     TITLE_MAX_LENGTH,
     count_tool_calls,
+    loads_or,
     normalize_title,
     placeholders,
     quote_identifier,
+    scrub_surrogates,
 )
-from hermes_state_schema import declared_columns, prompt_hash
+from hermes_state_schema import live_columns, prompt_hash
 
 ID_MAX_LENGTH = 256
 EXPORT_FORMATS = ("jsonl", "md", "qmd", "html", "trace")
+# hermes-agent's export_all reads at most this many sessions.
+EXPORT_ALL_LIMIT = 100_000
+# export_all's order, hermes-agent's search_sessions order: most recently active first (the newer
+# of the last message and the activity heartbeat, else the start), then newest start, then id.
+EXPORT_ORDER_SQL = """
+SELECT s.id, COALESCE((SELECT MAX(v) FROM (SELECT s.last_activity_at AS v UNION ALL
+  SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = s.id)), s.started_at) AS last_active
+FROM sessions AS s {where} ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ?"""
+SET_ARCHIVED_MESSAGE_SQL = "UPDATE messages SET active = 0, compacted = ? WHERE id = ?"
+SET_MESSAGE_COLUMNS_SQL = "UPDATE messages SET {assignments} WHERE id = ?"
+
+
+# ---------------------------------------------------------------------------
+# Portable values: a BLOB in JSON
+# ---------------------------------------------------------------------------
+
+# JSON has no bytes: a BLOB value travels as {"__base64__": "<standard base64>"}, and import
+# stores it back as a BLOB (README, "Moving history").
+BYTES_MARKER = "__base64__"
+# Message columns hermes-agent 0.22 derives from the row itself (its display dedupe key and
+# order): its get_messages leaves them out, so exports do; it derives them again after import.
+DERIVED_MESSAGE_COLUMNS = frozenset({"display_identity", "display_order"})
+
+
+def json_default(value):
+    """The `default` hook of json.dumps for every output: bytes as the BYTES_MARKER object, anything else as str()."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {BYTES_MARKER: base64.b64encode(bytes(value)).decode("ascii")}
+    return str(value)
+
+
+def portable_row(row, dropped=frozenset()):
+    """A row dict JSON can hold: BLOB values as BYTES_MARKER objects, the `dropped` keys left out."""
+    return {key: json_default(value) if isinstance(value, (bytes, bytearray, memoryview)) else value
+            for key, value in row.items() if key not in dropped}
+
+
+def portable_message(message):
+    """A message row as hermes-agent 0.22 exports it: portable, without the columns it derives,
+    `_compressed_summary` only when set (as true, last)."""
+    portable = portable_row(message, DERIVED_MESSAGE_COLUMNS | {"_compressed_summary"})
+    if message.get("_compressed_summary"):
+        portable["_compressed_summary"] = True
+    return portable
+
+
+def from_portable(value):
+    """A BYTES_MARKER object back as bytes; any other value as it is."""
+    if isinstance(value, dict) and len(value) == 1 and isinstance(value.get(BYTES_MARKER), str):
+        try:
+            return base64.b64decode(value[BYTES_MARKER], validate=True)
+        except (binascii.Error, ValueError):
+            pass
+    return value
 
 
 # ---------------------------------------------------------------------------
 # Import validation (pass 1): pure functions over the payload
 # ---------------------------------------------------------------------------
 
+# Text or null, as hermes-agent checks them ("<field> must be a string").
+SESSION_TEXT_FIELDS = ("source", "user_id", "model", "system_prompt", "end_reason", "cwd", "git_branch",
+                       "git_repo_root", "billing_provider", "billing_base_url", "billing_mode", "cost_status",
+                       "cost_source", "pricing_version", "title")
+MESSAGE_TEXT_FIELDS = ("tool_call_id", "tool_name", "effect_disposition", "finish_reason", "reasoning",
+                       "reasoning_content", "platform_message_id", "message_id")
+# Restored as numbers; a value that is not one degrades (integers to 0, the rest to null).
+SESSION_INT_FIELDS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
+                      "reasoning_tokens", "api_call_count")
+SESSION_FLOAT_FIELDS = ("ended_at", "estimated_cost_usd", "actual_cost_usd")
+# Restored as 0/1 by truth, as hermes-agent 0.20 restores `archived` (0.22 keeps all four).
+SESSION_FLAG_FIELDS = ("archived", "auto_archived", "pinned", "hidden")
+# Session fields no import restores (hermes-agent 0.19 to 0.22 reset them all): gateway routing
+# and identity, handoffs, rewinds, activity, compression cooldowns and streaks, per-store
+# bookkeeping, and what an export derives (counts, the prompt's hash, recency, lineage, timings).
+SESSION_RESET_FIELDS = frozenset({
+    "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json", "expiry_finalized",
+    "handoff_state", "handoff_platform", "handoff_error", "rewind_count", "last_activity_at",
+    "last_activity_description", "last_activity_provenance", "last_read_at", "compression_failure_cooldown_until",
+    "compression_failure_error", "compression_fallback_streak", "compression_ineffective_count",
+    "compression_recovery_deadline", "compression_overload_streak", "profile_name", "title_source",
+    "git_metadata_generation", "created_source", "transport_profile", "tool_names",
+    "id", "parent_session_id", "messages", "message_count", "tool_call_count", "system_prompt_hash",
+    "last_active", "preview", "segments", "lineage_session_ids", "timings",
+})
+# Session fields converted on the way in, whatever their value (none is refused for its size).
+SESSION_CONVERTED_FIELDS = SESSION_RESET_FIELDS | {"started_at", "model_config", *SESSION_TEXT_FIELDS,
+                                                   *SESSION_FLOAT_FIELDS, *SESSION_FLAG_FIELDS}
+# Message fields the import writes its own way: new ids, the importing session, the flags, the
+# `message_id` alias of platform_message_id, and the columns 0.22 derives.
+MESSAGE_RESET_FIELDS = frozenset({"id", "session_id", "message_id", "active", "compacted", "_row_id",
+                                  *DERIVED_MESSAGE_COLUMNS})
+# Structured message fields stored as JSON text; the import reads text in them as JSON first.
+REASONING_JSON_FIELDS = ("reasoning_details", "codex_reasoning_items", "codex_message_items")
+NESTED_MESSAGE_FIELDS = ("tool_calls", "display_metadata", *REASONING_JSON_FIELDS)
+INT_RANGE = (-2 ** 63, 2 ** 63)
+
 
 def _compact_size(value):
     """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit."""
     return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8"))
-
-
-def _column_kinds(table):
-    """{column: 'text' | 'integer' | 'real'} from the declared schema."""
-    kinds = {}
-    for column, type_expr in declared_columns()[table].items():
-        declared = type_expr.split()[0] if type_expr else ""
-        kinds[column] = {"TEXT": "text", "INTEGER": "integer", "REAL": "real"}.get(declared, "any")
-    return kinds
-
-
-def _value_error(field, value, kind):
-    """Why `value` cannot go into a column of `kind`, or None if it can."""
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 63:
-        return f"{field} does not fit in a 64-bit integer"  # sqlite3 raises OverflowError on it
-    if kind == "text" and not isinstance(value, str):
-        return f"{field} must be a string"
-    if kind == "integer" and (isinstance(value, bool) or not isinstance(value, int)):
-        return f"{field} must be an integer"
-    if kind == "real" and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        return f"{field} must be a number"
-    return None
 
 
 def _depth(value, limit):
@@ -94,145 +162,131 @@ def _depth(value, limit):
     return deepest
 
 
-def _nesting_error(field, value, limit):
-    """Why `value`, or the JSON text it holds, nests too deep to store and export again, or None."""
+def _check_nesting(field, value, limit):
+    """Raise if `value`, or the JSON text it holds, nests too deep to store and export again."""
+    too_deep = ValueError(f"{field} nests lists and objects more than {limit} levels deep")
     if isinstance(value, str):
         if value.lstrip()[:1] not in ("[", "{"):
-            return None
+            return
         try:
             value = json.loads(value)
         except RecursionError:
-            return f"{field} nests lists and objects more than {limit} levels deep"
+            raise too_deep from None
         except ValueError:
-            return None  # text that is not JSON is stored as text
+            return  # text that is not JSON is stored as text
     if _depth(value, limit) > limit:
-        return f"{field} nests lists and objects more than {limit} levels deep"
-    return None
+        raise too_deep
 
 
-def _json_object_error(field, value):
-    if value is None or isinstance(value, dict):
-        return None
-    if isinstance(value, str):
-        try:
-            if isinstance(json.loads(value), dict):
-                return None
-        except ValueError:
-            pass
-    return f"{field} must be a JSON object"
+def _check_text(entry, fields):
+    for field in fields:
+        if entry.get(field) is not None and not isinstance(entry[field], str):
+            raise ValueError(f"{field} must be a string")
 
 
-def _session_errors(entry, session_kinds, depth_limit):
-    errors = []
-    for field, value in entry.items():
-        if field == "model_config":
-            error = _nesting_error(field, value, depth_limit) or _json_object_error(field, value)
-        elif field == "title":
-            try:
-                normalize_title(value)
-                error = None
-            except (TypeError, ValueError) as exc:
-                error = str(exc)
-        elif field in session_kinds:
-            error = _value_error(field, value, session_kinds[field])
-        else:
-            continue  # export-only keys (messages, last_active, segments, ...) are not columns
-        if error:
-            errors.append(error)
-    return errors
+def _check_int_range(field, value):
+    if isinstance(value, int) and not isinstance(value, bool) and not INT_RANGE[0] <= value < INT_RANGE[1]:
+        raise ValueError(f"{field} is outside SQLite's integer range")
 
 
-def _message_errors(index, message, message_kinds, depth_limit):
-    if not isinstance(message, dict):
-        return [f"messages[{index}] must be an object"]
-    errors = []
-    role = message.get("role")
-    if not isinstance(role, str) or not role:
-        errors.append(f"messages[{index}].role must be a non-empty string")
-    for field, value in message.items():
-        name = f"messages[{index}].{field}"
-        error = None
-        if field == "tool_calls":
-            if value is not None and not isinstance(value, (list, dict, str)):
-                error = f"{name} must be a list, an object or JSON text"
-        elif field in message_kinds and field != "role":
-            error = _value_error(name, value, message_kinds[field])
-        if not error and field in MESSAGE_JSON_FIELDS:
-            error = _nesting_error(name, value, depth_limit)
-        if error:
-            errors.append(error)
-    return errors
+def import_id(entry):
+    """The id an import files an entry under: its `id` as stripped text ('' for none)."""
+    return str(entry.get("id") or "").strip() if isinstance(entry, dict) else ""
 
 
 def validate_import(sessions, limits):
-    """Pass 1: every error of the payload, as [{"index", "error", "session_id"?}].
+    """Pass 1: every rejected entry as {"index", "error", "session_id"?}, one error an entry
+    (the first found, in hermes-agent's words). `limits` maps the names of import_limits().
 
     Raises ValueError when `sessions` is not a list or has too many entries.
-    `limits` maps the names of the _IMPORT_MAX_* limits to their values.
     """
     if not isinstance(sessions, list):
         raise ValueError("sessions must be a list")
     if len(sessions) > limits["sessions"]:
-        raise ValueError(f"sessions has {len(sessions)} entries; the limit is {limits['sessions']}")
-    kinds = (_column_kinds("sessions"), _column_kinds("messages"))
+        raise ValueError(f"sessions must contain at most {limits['sessions']} entries")
     errors, seen, totals = [], set(), {"messages": 0, "bytes": 0}
     for index, entry in enumerate(sessions):
-        session_id = entry.get("id") if isinstance(entry, dict) else None
-        for message in _entry_errors(entry, seen, totals, limits, kinds):
-            error = {"index": index, "error": message}
-            if isinstance(session_id, str) and session_id:
-                error["session_id"] = session_id
-            errors.append(error)
+        session_id = import_id(entry)
+        try:
+            _check_entry(entry, session_id, seen, totals, limits)
+        except ValueError as exc:
+            errors.append({"index": index, "error": str(exc), **({"session_id": session_id} if session_id else {})})
+            continue
+        seen.add(session_id)
     return errors
 
 
-def _entry_errors(entry, seen, totals, limits, kinds):
-    """Every problem of one entry; adds its id to `seen` and its size to the running `totals`."""
+def _check_entry(entry, session_id, seen, totals, limits):
+    """Raise ValueError with the first problem of one entry; count its bytes and messages into `totals`."""
     if not isinstance(entry, dict):
-        yield "entry must be an object"
-        return
-    session_id = entry.get("id")
-    if not isinstance(session_id, str) or not session_id:
-        yield "id must be a non-empty string"
-        return
+        raise ValueError("session must be an object")
+    if not session_id:
+        raise ValueError("session id is required")
     if len(session_id) > ID_MAX_LENGTH:
-        yield f"id is {len(session_id)} characters; the limit is {ID_MAX_LENGTH}"
-        return
+        raise ValueError(f"session id is {len(session_id)} characters; the limit is {ID_MAX_LENGTH}")
     if session_id in seen:
-        yield "duplicate id in the payload"
-    seen.add(session_id)
-    # The limit counts from a field's value; an entry adds three levels around it
-    # (the entry, its messages list, a message).
-    envelope_limit = limits["depth"] + 3
-    if _depth(entry, envelope_limit) > envelope_limit:
-        yield f"entry nests lists and objects more than {envelope_limit} levels deep"
-        return
-    yield from _size_errors(entry, totals, limits)
-    messages = entry.get("messages", [])
+        raise ValueError("duplicate session id")
+    messages = entry.get("messages") or []
     if not isinstance(messages, list):
-        yield "messages must be a list of objects"
-        messages = []
-    totals["messages"] += len(messages)
+        raise ValueError("messages must be a list")
     if len(messages) > limits["messages_per_session"]:
-        yield f"messages has {len(messages)} entries; the limit is {limits['messages_per_session']}"
-    if totals["messages"] > limits["total_messages"]:
-        yield f"the payload passes {limits['total_messages']} messages here"
-    yield from _session_errors(entry, kinds[0], limits["depth"])
-    for position, message in enumerate(messages):
-        yield from _message_errors(position, message, kinds[1], limits["depth"])
-
-
-def _size_errors(entry, totals, limits):
-    try:
-        size = _compact_size(entry)
-    except (TypeError, ValueError, RecursionError):
-        yield "entry is not plain JSON (numbers, strings, lists, objects)"
-        return
-    totals["bytes"] += size
+        raise ValueError("messages exceeds the per-session import limit")
+    if any(not isinstance(message, dict) for message in messages):
+        raise ValueError("messages must contain only objects")
+    # A field's limit counts from its value; an entry adds three levels (entry, messages, message).
+    envelope = limits["depth"] + 3
+    if _depth(entry, envelope) > envelope:
+        raise ValueError(f"session nests lists and objects more than {envelope} levels deep")
+    try:  # `timings` only describes the messages (hermes-agent 0.22 leaves it out of the measure too)
+        size = _compact_size({key: value for key, value in entry.items() if key != "timings"})
+    except (TypeError, ValueError):
+        raise ValueError("session must be JSON serializable") from None
     if size > limits["session_bytes"]:
-        yield f"entry is {size} bytes as compact JSON; the limit is {limits['session_bytes']}"
+        raise ValueError("session exceeds the import size limit")
+    totals["bytes"] += size
     if totals["bytes"] > limits["total_bytes"]:
-        yield f"the payload passes {limits['total_bytes']} bytes as compact JSON here"
+        raise ValueError("import exceeds the total size limit")
+    _check_session_fields(entry, limits["depth"])
+    for position, message in enumerate(messages):
+        _check_message(position, message, limits["depth"])
+    totals["messages"] += len(messages)
+    if totals["messages"] > limits["total_messages"]:
+        raise ValueError("messages exceeds the total import limit")
+
+
+def _check_session_fields(entry, depth_limit):
+    config = entry.get("model_config")
+    _check_nesting("model_config", config, depth_limit)
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError:
+            raise ValueError("model_config must be valid JSON") from None
+    if config is not None and not isinstance(config, dict):
+        raise ValueError("model_config must be a JSON object")
+    _check_text(entry, ("parent_session_id", *SESSION_TEXT_FIELDS))
+    for field, value in entry.items():  # the token counts, and fields carried as they are
+        if field not in SESSION_CONVERTED_FIELDS:
+            _check_int_range(field, value)
+
+
+def _check_message(position, message, depth_limit):
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"messages[{position}].role must be a non-empty string")
+    _check_text(message, MESSAGE_TEXT_FIELDS)
+    if message.get("token_count") is not None:
+        try:
+            count = int(message["token_count"])
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError("token_count must be an integer") from None
+        _check_int_range("token_count", count)
+    _check_int_range(f"session.messages[{position}].content", message.get("content"))
+    for field, value in message.items():  # fields carried as they are
+        if field not in MESSAGE_RESET_FIELDS and field not in MESSAGE_WRITE_COLUMNS:
+            _check_int_range(f"messages[{position}].{field}", value)
+    for field in NESTED_MESSAGE_FIELDS:
+        _check_nesting(f"messages[{position}].{field}", message.get(field), depth_limit)
 
 
 # ---------------------------------------------------------------------------
@@ -240,60 +294,95 @@ def _size_errors(entry, totals, limits):
 # ---------------------------------------------------------------------------
 
 
-def _as_json_text(value):
-    """A validated structured value as the JSON text the store keeps."""
-    return value if value is None or isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+def _number(value, kind, default=None):
+    """`kind(value)`, or `default` for null, a value that is not a number, or one SQLite cannot hold
+    (an integer past 64 bits, a float that is not finite)."""
+    try:
+        number = default if value is None else kind(value)
+    except (TypeError, ValueError, OverflowError):
+        return default
+    if number is not None and not (INT_RANGE[0] <= number < INT_RANGE[1] if kind is int else math.isfinite(number)):
+        return default
+    return number
 
 
-def _session_row(entry, session_columns):
-    """The columns imported for a session: history, never runtime ownership or counters."""
-    skipped = IMPORT_RUNTIME_FIELDS | {"id", "parent_session_id", "message_count", "tool_call_count",
-                                       "system_prompt", "system_prompt_hash"}
-    # A null leaves the column to its default: several are NOT NULL DEFAULT 0.
-    row = {column: entry[column] for column in session_columns
-           if entry.get(column) is not None and column not in skipped}
-    row["id"] = entry["id"]
-    row["title"] = normalize_title(row.get("title"))
-    if not isinstance(row.get("source"), str) or not row["source"]:
-        row["source"] = "import"
-    if row.get("started_at") is None:
-        timestamps = [m.get("timestamp") for m in entry.get("messages", []) if m.get("timestamp") is not None]
-        row["started_at"] = min(timestamps) if timestamps else time.time()
-    row["model_config"] = _as_json_text(row.get("model_config"))
+def _stored_value(value):
+    """A carried field's value as SQLite stores it: BLOBs back to bytes, structures as JSON text."""
+    value = from_portable(value)
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return scrub_surrogates(value)
+
+
+def _import_title(title):
+    """A title by set_session_title's rules; one past TITLE_MAX_LENGTH is cut, not refused."""
+    try:
+        return normalize_title(title)
+    except ValueError:
+        return normalize_title(title[:TITLE_MAX_LENGTH])
+
+
+def _carry(row, entry, reset, columns, table, unstored):
+    """Add to `row` every field of `entry` the import has no rule for, when the store has its
+    column; a field it has no column for, holding a value, goes into `unstored` as table.field."""
+    for key, value in entry.items():
+        if key in row or key in reset:
+            continue
+        if key in columns:
+            row[key] = _stored_value(value)
+        elif value not in (None, 0, "", [], {}):
+            unstored.add(f"{table}.{key}")
+    for key in [key for key in row if key not in columns]:
+        if row.pop(key) not in (None, 0):
+            unstored.add(f"{table}.{key}")
     return row
 
 
-def _message_rows(session_id, messages, started_at):
-    """(rows for IMPORT_MESSAGE_COLUMNS, active count, tool calls of active rows)."""
-    rows, active, calls = [], 0, 0
-    for message in messages:
-        values = {column: message.get(column) for column in IMPORT_MESSAGE_COLUMNS}
-        values["session_id"] = session_id
-        for column in MESSAGE_JSON_FIELDS:
-            values[column] = _as_json_text(values[column])
-        if values["timestamp"] is None:
-            values["timestamp"] = started_at
-        values["active"] = 0 if values["active"] == 0 else 1
-        values["observed"] = values["observed"] or 0
-        values["compacted"] = values["compacted"] or 0
-        if values["active"]:
-            active += 1
-            calls += count_tool_calls(values["tool_calls"])
-        rows.append(tuple(values.values()))
-    return rows, active, calls
+def _session_row(entry, session_id, columns, unstored):
+    """The `sessions` row of an entry: its history, never its runtime ownership or counters."""
+    row = {"id": session_id, "source": entry.get("source") or "import"}
+    started_at = _number(entry.get("started_at"), float)
+    row["started_at"] = time.time() if started_at is None else started_at
+    for field in SESSION_TEXT_FIELDS[1:]:
+        if field != "system_prompt":
+            row[field] = entry.get(field)
+    row["title"] = _import_title(row["title"])
+    config = entry.get("model_config")
+    row["model_config"] = json.dumps(config) if isinstance(config, dict) else config
+    row.update({field: _number(entry.get(field), int, 0) for field in SESSION_INT_FIELDS})
+    row.update({field: _number(entry.get(field), float) for field in SESSION_FLOAT_FIELDS})
+    row.update({field: 1 if entry.get(field) else 0 for field in SESSION_FLAG_FIELDS})
+    row["auto_archived"] &= row["archived"]  # only the archive sweep sets it, on rows it archives
+    return _carry(row, entry, SESSION_RESET_FIELDS | {"system_prompt"}, columns, "sessions", unstored)
 
 
-def _would_close_cycle(conn, child, parent):
-    """True if making `parent` the parent of `child` closes a loop of parent links."""
-    seen, current = set(), parent
-    while current is not None and current not in seen:
-        if current == child:
+def _closes_cycle(conn, pending, child, parent):
+    """True if making `parent` the parent of `child` closes a loop, counting the links of the
+    payload not attached yet (`pending`, child -> parent) as well as the stored ones."""
+    seen, current = {child}, parent
+    while current:
+        if current in seen:
             return True
         seen.add(current)
+        if current in pending:
+            current = pending[current]
+            continue
         row = conn.execute(SELECT_LINEAGE_LINK_SQL, (current,)).fetchone()
         current = row[0] if row else None
     return False
 
+
+def _attach_parents(conn, links):
+    """Attach each (child, parent) link in payload order unless the parent is unknown or the link
+    closes a loop; a dropped link leaves its child a root. Returns how many were dropped."""
+    pending, detached = dict(links), 0
+    for child, parent in links:
+        if conn.execute(SESSION_EXISTS_SQL, (parent,)).fetchone() and not _closes_cycle(conn, pending, child, parent):
+            conn.execute(SET_PARENT_SQL, (parent, child))
+        else:
+            del pending[child]
+            detached += 1
+    return detached
 
 # ---------------------------------------------------------------------------
 # Redaction (best effort)
@@ -457,7 +546,7 @@ _SECRET_OPTION_RE = re.compile(rf"--?(?:{SECRET_NAME})", re.I)
 # Keys of an export whose values identify something (ids, roles, models, sources): never
 # masked, wherever they sit in the export. JSON inside a string has no such keys.
 ID_KEYS = frozenset({"id", "session_id", "parent_session_id", "tool_call_id", "lineage_session_ids",
-                     "system_prompt_hash", "role", "model", "source", "session_key"})
+                     "system_prompt_hash", "role", "model", "source", "session_key", BYTES_MARKER})
 # Past this depth a value is masked whole instead of walked: the walk recurses.
 REDACT_MAX_DEPTH = 100
 
@@ -561,7 +650,7 @@ def iso_time(ts):
 
 
 def jsonl_line(export):
-    return json.dumps(export, ensure_ascii=False) + "\n"
+    return json.dumps(export, ensure_ascii=False, default=json_default) + "\n"
 
 
 def trace_lines(export):
@@ -584,7 +673,7 @@ def trace_lines(export):
                            else None, "name": function.get("name"), "arguments": function.get("arguments")})
     events.append({"event": "session_end", "session_id": sid, "timestamp": export.get("ended_at"),
                    "end_reason": export.get("end_reason"), "message_count": export.get("message_count")})
-    return "".join(json.dumps(event, ensure_ascii=False) + "\n" for event in events)
+    return "".join(json.dumps(event, ensure_ascii=False, default=json_default) + "\n" for event in events)
 
 
 def _md_text(text):
@@ -612,7 +701,7 @@ def _md_body(export):
     for message in export["messages"]:
         label = message["role"].capitalize() + (f" — {message['tool_name']}" if message.get("tool_name") else "")
         parts.append(f"### {_md_text(label)} — {iso_time(message['timestamp'])}\n\n"
-                     f"{_md_text(_content_text(message))}\n\n")
+                     f"{_md_text(message_text(message))}\n\n")
         if message.get("tool_calls"):
             calls = json.dumps(message["tool_calls"], ensure_ascii=False, indent=2)
             # Inside a fence HTML is not rendered; the fence outlasts any backticks in the calls.
@@ -670,15 +759,17 @@ details {{ margin: .3rem 0; }}
 HTML_FOLD_CHARS = 600
 
 
-def _content_text(message):
-    """A message's content as text: multimodal parts (a list) are shown as their JSON."""
+def message_text(message):
+    """A message's content as text: multimodal parts (a list) and anything else as their JSON."""
     content = message.get("content")
-    return content if isinstance(content, str) else "" if content is None else json.dumps(content, ensure_ascii=False)
+    if isinstance(content, str) or content is None:
+        return content or ""
+    return json.dumps(content, ensure_ascii=False, default=json_default)
 
 
 def _html_content(message):
     """The message text; a long tool output folds away behind its first lines."""
-    text = _content_text(message)
+    text = message_text(message)
     if message["role"] != "tool" or len(text) <= HTML_FOLD_CHARS:
         return f"<pre>{html.escape(text)}</pre>"
     return (f"<details><summary><pre>{html.escape(text[:200])}… ({len(text):,} characters)</pre></summary>"
@@ -820,42 +911,43 @@ class SessionPortabilityMixin:
     # -- export ----------------------------------------------------------------
 
     def export_session(self, session_id):
-        """Every `sessions` column (system prompt resolved), `last_active`, and `messages`:
-        the active rows in id order with `tool_calls` decoded. None for an unknown id."""
+        """Every `sessions` column (system prompt resolved) and `messages`, the active rows in id
+        order as get_messages gives them; BLOBs portable (see BYTES_MARKER). None for an unknown id."""
         session = self.get_session(session_id)
-        if session is None:
-            return None
-        session["last_active"] = self._read_value(SELECT_LAST_ACTIVE_SQL, (session_id,))
-        session["messages"] = self.get_messages(session_id)
-        return session
+        return None if session is None else self._with_messages(session)
+
+    def _with_messages(self, session):
+        messages = [portable_message(message) for message in self.get_messages(session["id"])]
+        return {**portable_row(session), "messages": messages}
 
     def export_session_lineage(self, session_id):
-        """A compression chain as one session: the tip's fields, `segments` (each
-        segment's export, root to tip), `lineage_session_ids`, every message in
-        order, and `message_count` recomputed as their sum. None for an unknown id."""
-        lineage = self.get_compression_lineage(session_id)
-        if not lineage:
+        """A compression chain as one session: the tip's export with `segments` (each
+        segment's export, root to tip), `lineage_session_ids`, every message in order and
+        `message_count` their number. None for an unknown id."""
+        segments = [export for export in map(self.export_session, self.get_compression_lineage(session_id) or [])
+                    if export]
+        if not segments:
             return None
-        segments = [self.export_session(segment_id) for segment_id in lineage]
-        combined = {key: value for key, value in segments[-1].items() if key != "messages"}
-        combined["segments"] = segments
-        combined["lineage_session_ids"] = lineage
+        combined = dict(segments[-1], segments=segments, lineage_session_ids=[s["id"] for s in segments])
         combined["messages"] = [message for segment in segments for message in segment["messages"]]
         combined["message_count"] = len(combined["messages"])
-        combined["tool_call_count"] = sum(segment.get("tool_call_count") or 0 for segment in segments)
         return combined
 
     def export_all(self, source=None):
-        """Every session with its messages, oldest first (parents before children), one at a
-        time: memory is bounded by the largest session, not the store."""
-        if source is None:
-            ids = self._read_all(SELECT_EXPORT_SESSION_IDS_SQL.format(where=""))
-        else:
-            ids = self._read_all(SELECT_EXPORT_SESSION_IDS_SQL.format(where="WHERE source = ?"), (source,))
-        for (session_id,) in ids:
-            export = self.export_session(session_id)
-            if export is not None:
-                yield export
+        """A list of every session (of `source` when given) as export_session gives it plus
+        `last_active`, most recently active first; [] for none. iter_export_all streams the same."""
+        return list(self.iter_export_all(source))
+
+    def iter_export_all(self, source=None):
+        """export_all one session at a time (a generator): memory is bounded by the largest
+        session, not the store. The order is read once, at the start."""
+        where, params = ("WHERE s.source = ?", (source,)) if source else ("", ())
+        for session_id, last_active in self._read_all(EXPORT_ORDER_SQL.format(where=where),
+                                                      (*params, EXPORT_ALL_LIMIT)):
+            session = self.get_session(session_id)
+            if session is not None:
+                session["last_active"] = last_active
+                yield self._with_messages(session)
 
     # -- import ----------------------------------------------------------------
 
@@ -866,58 +958,79 @@ class SessionPortabilityMixin:
                 "total_bytes": self._IMPORT_MAX_TOTAL_BYTES, "depth": self._IMPORT_MAX_DEPTH}
 
     def import_sessions(self, sessions, *, limits=None):
-        """Add exported sessions to the store: history, not runtime ownership.
+        """Add exported sessions (any hermes-agent 0.19 to 0.22 export, or ours) to the store:
+        history, not runtime ownership.
 
-        Pass 1 checks the whole payload and writes nothing if anything is wrong:
+        Pass 1 checks the whole payload and writes nothing if any entry is wrong:
         {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": [...]}.
-        Pass 2, one transaction: ids already stored are skipped (never
-        overwritten); messages get fresh ids; counts are recomputed; titles
-        follow set_session_title's rules, and one another session holds gets
-        the id appended; routing, identity, handoff, rewind, pin, activity and
-        compression-cooldown fields are not restored; then parent links are
-        attached unless the parent is unknown or the link would close a cycle
-        (counted in `detached`). `limits` replaces import_limits() for this
-        call (the command line lifts the totals to import a whole file at once).
-        Raises ValueError if `sessions` is not a list or has too many entries.
+        Pass 2, one transaction: ids already stored are skipped, never overwritten;
+        messages get fresh ids, rewound ones stay rewound; counts are recomputed;
+        titles follow set_session_title's rules (one another session holds gets the
+        id appended); SESSION_RESET_FIELDS are not restored; a field the import has
+        no rule for is restored when the store has its column, else named in
+        `unstored_fields` (a key present only then); parent links are attached last
+        unless the parent is unknown or the link closes a loop (`detached`).
+        `limits` replaces import_limits() for this call (the command line lifts the
+        totals to import a whole file at once). Raises ValueError if `sessions` is
+        not a list or has too many entries.
         """
         errors = validate_import(sessions, limits or self.import_limits())
         if errors:
             return {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": errors}
-        result = self._execute_write(lambda conn: self._write_import(conn, sessions))
-        result.update(ok=True, errors=[])
-        return result
+        return self._execute_write(lambda conn: self._write_import(conn, sessions))
 
     def _write_import(self, conn, sessions):
-        session_columns = list(declared_columns()["sessions"])
-        imported, skipped, parents = [], [], {}
+        columns = {table: set(live_columns(conn, table)) for table in ("sessions", "messages")}
+        imported, skipped, links, unstored = [], [], [], set()
         for entry in sessions:
-            session_id = entry["id"]
+            session_id = import_id(entry)
             if conn.execute(SESSION_EXISTS_SQL, (session_id,)).fetchone():
                 skipped.append(session_id)
                 continue
-            row = _session_row(entry, session_columns)
+            row = _session_row(entry, session_id, columns["sessions"], unstored)
             row["title"] = _free_title(conn, row["title"], session_id)
             prompt = entry.get("system_prompt")
-            if isinstance(prompt, str):
+            if prompt is not None:
                 row["system_prompt_hash"] = prompt_hash(prompt)
                 conn.execute(INSERT_SYSTEM_PROMPT_SQL, (row["system_prompt_hash"], prompt))
-            conn.execute(INSERT_SESSION_SQL.format(columns=", ".join(quote_identifier(c) for c in row),
+            conn.execute(INSERT_SESSION_SQL.format(columns=", ".join(map(quote_identifier, row)),
                                                    values=placeholders(len(row))), tuple(row.values()))
-            rows, active, calls = _message_rows(session_id, entry.get("messages", []), row["started_at"])
-            conn.executemany(IMPORT_MESSAGE_SQL, rows)
-            conn.execute(SET_MESSAGE_COUNTS_SQL, (active, calls, session_id))
+            self._import_messages(conn, session_id, entry.get("messages") or [], columns["messages"], unstored)
             imported.append(session_id)
-            if entry.get("parent_session_id"):
-                parents[session_id] = entry["parent_session_id"]
-        detached = 0
-        for child, parent in parents.items():
-            known = conn.execute(SESSION_EXISTS_SQL, (parent,)).fetchone() is not None
-            if known and not _would_close_cycle(conn, child, parent):
-                conn.execute(SET_PARENT_SQL, (parent, child))
+            parent = str(entry.get("parent_session_id") or "").strip()
+            if parent:
+                links.append((session_id, parent))
+        result = {"ok": True, "imported": len(imported), "skipped": len(skipped),
+                  "detached": _attach_parents(conn, links), "imported_ids": imported, "skipped_ids": skipped,
+                  "errors": []}
+        if unstored:
+            result["unstored_fields"] = sorted(unstored)
+        return result
+
+    def _import_messages(self, conn, session_id, messages, columns, unstored):
+        """Insert a validated entry's messages as append_messages_batch writes them, then put
+        back what it does not write: rewound rows, and carried columns; set the counters."""
+        copies = [dict(message, content=from_portable(message.get("content")),
+                       token_count=_number(message.get("token_count"), int),
+                       timestamp=_number(message.get("timestamp"), float),
+                       **{field: loads_or(message[field], message[field])
+                          for field in REASONING_JSON_FIELDS if isinstance(message.get(field), str)})
+                  for message in messages]
+        self._insert_message_rows(conn, session_id, copies)
+        live = calls = 0
+        reset = MESSAGE_RESET_FIELDS | set(MESSAGE_WRITE_COLUMNS)
+        for message in copies:
+            if _number(message.get("active"), int, 1):
+                live, calls = live + 1, calls + count_tool_calls(message.get("tool_calls"))
             else:
-                detached += 1
-        return {"imported": len(imported), "skipped": len(skipped), "detached": detached,
-                "imported_ids": imported, "skipped_ids": skipped}
+                conn.execute(SET_ARCHIVED_MESSAGE_SQL, (1 if _number(message.get("compacted"), int, 0) else 0,
+                                                        message["_row_id"]))
+            carried = _carry({}, message, reset, columns, "messages", unstored)
+            if carried:
+                assignments = ", ".join(f"{quote_identifier(column)} = ?" for column in carried)
+                conn.execute(SET_MESSAGE_COLUMNS_SQL.format(assignments=assignments),
+                             (*carried.values(), message["_row_id"]))
+        conn.execute(SET_MESSAGE_COUNTS_SQL, (live, calls, session_id))
 
 
 # Past this many characters an id is shortened in a title suffix, to leave room for the title.

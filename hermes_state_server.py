@@ -28,6 +28,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from hermes_state import SessionDB, restore_home
+from hermes_state_portability import json_default
 
 MAX_BODY_BYTES = 25 * 1024 * 1024
 DEFAULT_PORT = 8765
@@ -244,8 +245,8 @@ class StateServer(ThreadingHTTPServer):
 
 
 def json_response(value, status=HTTPStatus.OK, headers=None):
-    """`value` as a JSON Response."""
-    body = json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
+    """`value` as a JSON Response (a BLOB as the export writes it, see json_default)."""
+    body = json.dumps(value, ensure_ascii=False, default=json_default).encode("utf-8")
     return Response(status, body, "application/json; charset=utf-8", headers or {})
 
 
@@ -441,7 +442,8 @@ class ApiHandler(BaseHTTPRequestHandler):
         offset = _int_param(query, "offset", 0, 10 ** 9)
         source = query.get("source", [None])[-1] or None
         db = self.server.db
-        return json_response({"sessions": db.list_sessions_rich(source=source, limit=limit, offset=offset),
+        return json_response({"sessions": db.list_sessions_rich(source=source, limit=limit, offset=offset,
+                                                                include_children=True),
                               "total": db.session_count(source=source, include_archived=False),
                               "limit": limit, "offset": offset})
 

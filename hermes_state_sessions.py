@@ -9,28 +9,36 @@ and resume in hermes_state_compression.
 """
 
 import collections
+import functools
 import json
+import re
 import sqlite3
+import string
 import time
 
 from hermes_state_common import (
+    merge_model_config,
     INSERT_SYSTEM_PROMPT_SQL,
-    LIST_LIMIT_MAX,
-    LIST_SESSIONS_RICH_SQL,
+    LAST_ACTIVE_SQL,
     SELECT_ID_PREFIX_SQL,
     SELECT_SYSTEM_PROMPT_SQL,
     SESSION_EXISTS_SQL,
     SESSION_ID_MAX_LENGTH,
+    SESSION_RICH_SQL,
+    SKILL_EXCERPT_JOINT,
     SessionInputTypeError,
     SessionRowError,
     _RESET_END_REASONS,
+    chunked,
     cwd_prefix_clause,
+    describe_skill_invocation,
+    json_object,
+    loads_or,
     placeholders,
     prefix_bounds,
-    require_int,
     require_text,
 )
-from hermes_state_schema import prompt_hash
+from hermes_state_schema import declared_columns, prompt_hash
 
 # What create_session may fill on a row that exists: only columns still NULL,
 # so a later bare call (source "unknown", no model) never clobbers a real value.
@@ -42,10 +50,6 @@ _INHERITED_COLUMNS = ("cwd", "git_repo_root", "git_branch", "profile_name")
 # Filled from a parent that ended by compression: the gateway's routing, so a
 # continuation stays reachable if the gateway dies before re-recording it.
 _ROUTING_COLUMNS = ("user_id", "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json")
-# A session with `system_prompt` resolved from system_prompts, else the inline
-# column stores older than schema 26 still hold; {columns} adds computed ones.
-_SESSION_WITH_PROMPT_SQL = ("SELECT s.*, sp.prompt AS resolved_prompt{columns} FROM sessions AS s"
-                            " LEFT JOIN system_prompts AS sp ON sp.hash = s.system_prompt_hash")
 _DELETE_UNREFERENCED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS (SELECT 1 FROM sessions"
                                     " WHERE sessions.system_prompt_hash = system_prompts.hash)")
 # Every session of the compression chain through ? (both directions); the flag
@@ -57,6 +61,26 @@ WITH RECURSIVE
   down(id) AS (SELECT ? UNION SELECT c.id FROM down JOIN sessions AS p ON p.id = down.id
                JOIN sessions AS c ON c.parent_session_id = p.id WHERE p.end_reason = 'compression')
 SELECT id FROM up UNION SELECT id FROM down"""
+# What the listing rules read of every matching session (see _is_listable).
+_CANDIDATES_SQL = ("SELECT s.id, s.source, s.title, s.model_config, s.started_at, s.session_key,"
+                   " s.parent_session_id AS parent, p.end_reason AS parent_end_reason,"
+                   " p.ended_at AS parent_ended_at, p.session_key AS parent_key")
+_CANDIDATES_FROM_SQL = " FROM sessions AS s LEFT JOIN sessions AS p ON p.id = s.parent_session_id"
+# Sessions listable without a look at their markers: roots that cannot be subagent runs.
+_PLAIN_ROOT_SQL = "(s.parent_session_id IS NULL AND instr(COALESCE(s.model_config, ''), '_delegate_from') = 0)"
+# Every child of a session compression ended: the links a chain walk may follow.
+_CONTINUATIONS_SQL = (f"SELECT c.id, c.parent_session_id AS parent, c.title, c.model_config, c.source,"
+                      f" {LAST_ACTIVE_SQL.format(a='c')} AS last_active FROM sessions AS c"
+                      " JOIN sessions AS p ON p.id = c.parent_session_id WHERE p.end_reason = 'compression'")
+_MESSAGES_LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = s.id),"
+                             " s.started_at)")
+# What a listed compression root shows of its tip; the root keeps the rest (its start, flags, watermark).
+_PROJECTED_COLUMNS = ("id", "ended_at", "end_reason", "message_count", "tool_call_count", "title", "last_active",
+                      "preview", "model", "system_prompt", "cwd", "git_branch", "git_repo_root")
+_COMPACT_LEFT_OUT = frozenset({"system_prompt", "system_prompt_hash", "git_metadata_generation"})
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+# A preview is at most this many characters, then "...".
+_PREVIEW_MAX_CHARS = 60
 
 
 class SessionSessionsMixin:
@@ -151,28 +175,21 @@ class SessionSessionsMixin:
 
     def _read_sessions(self, columns, tail, params):
         """Session dicts, system_prompt resolved, with computed `columns` added and `tail` after the FROM."""
-        try:
-            rows = self._read_all(_SESSION_WITH_PROMPT_SQL.format(columns=columns) + tail, params)
-        except sqlite3.OperationalError as exc:
-            if "system_prompts" not in str(exc):
-                raise
-            # A read-only open of a store older than the prompt table, whose
-            # prompts are all still inline.
-            rows = self._read_all(f"SELECT s.*{columns} FROM sessions AS s" + tail, params)
-        sessions = [dict(row) for row in rows]
-        for session in sessions:
-            resolved = session.pop("resolved_prompt", None)
-            if resolved is not None:
-                session["system_prompt"] = resolved
-        return sessions
+        cache = {}
+        return [self._resolve_prompt(dict(row), cache)
+                for row in self._read_all(f"SELECT s.*{columns} FROM sessions AS s" + tail, params)]
 
     def _resolve_prompt(self, session, cache):
+        """`session` with `system_prompt` resolved from its hash and, in a rich row, `_preview_raw`
+        shaped into `preview` (`cache` keeps the prompts already read)."""
         digest = session.get("system_prompt_hash")
         if digest:
             if digest not in cache:
                 cache[digest] = self._read_value(SELECT_SYSTEM_PROMPT_SQL, (digest,))
             if cache[digest] is not None:
                 session["system_prompt"] = cache[digest]
+        if "_preview_raw" in session:
+            session["preview"] = _shape_preview(session.pop("_preview_raw"))
         return session
 
     def resolve_session_id(self, session_id_or_prefix):
@@ -232,6 +249,26 @@ class SessionSessionsMixin:
     def set_session_read(self, session_id, read=True):
         """Mark the chain read now (or unread: watermark 0, so any activity is newer); False if no row matched."""
         return self._set_lineage_column(session_id, "last_read_at", time.time() if read else 0.0)
+
+    def set_expiry_finalized(self, session_id, finalized=True):
+        """Record whether the gateway finalized this session's expiry; returns None (nothing for an empty id)."""
+        if session_id:
+            self._update_rows("UPDATE sessions SET expiry_finalized = ? WHERE id = ?",
+                              (1 if finalized else 0, session_id))
+
+    def set_session_yolo(self, session_id, enabled):
+        """Keep the per-session YOLO flag in model_config.yolo_mode (other keys kept); returns None,
+        and writes nothing for an empty id or an unknown session."""
+        self.patch_session_model_config(session_id, {"yolo_mode": bool(enabled)})
+
+    @staticmethod
+    def session_yolo_enabled(session_meta):
+        """True when a session row (model_config as JSON text or a dict) has yolo_mode set; False on
+        anything unreadable, so a resume never turns the bypass on by accident."""
+        config = (session_meta or {}).get("model_config")
+        if isinstance(config, str):
+            config = loads_or(config, None)
+        return bool(config.get("yolo_mode")) if isinstance(config, dict) else False
 
     def _set_lineage_column(self, session_id, column, value):
         sql = f"UPDATE sessions SET {column} = ? WHERE id IN ({_LINEAGE_IDS_SQL})"
@@ -323,18 +360,106 @@ class SessionSessionsMixin:
                                  " WHERE id = ? AND cwd = ? AND git_metadata_generation = ?",
                                  (*sets.values(), session_id, cwd, generation)) == 1
 
-    # -- deleting ---------------------------------------------------------------------
-
     # -- listing -------------------------------------------------------------------------
 
-    def list_sessions_rich(self, source=None, limit=20, offset=0, include_archived=False,
-                           exclude_sources=None):
-        """Sessions newest first, each with `preview` (first user message) and `last_active`."""
-        require_int("limit", limit, minimum=1, maximum=LIST_LIMIT_MAX)
-        require_int("offset", offset)
+    def list_sessions_rich(self, source=None, sources=None, exclude_sources=None, cwd_prefix=None, limit=20,
+                           offset=0, include_children=False, min_message_count=0, project_compression_tips=True,
+                           order_by_last_active=False, include_archived=False, archived_only=False, id_query=None,
+                           search_query=None, compact_rows=False, include_pinned=False, session_key=None,
+                           include_hidden=False):
+        """A page of sessions as rich rows (every column, `preview`, `last_active`, `unread`); [] when none match.
+
+        Newest start first, or with `order_by_last_active` newest activity
+        along each row's compression chain first; only then do `id_query` and
+        `search_query` (title or id, also without punctuation) keep the rows
+        whose chain matches. Unarchived, unhidden rows of roots, branches and
+        resets unless `include_children`; a compression root is shown as its
+        tip (`_lineage_root_id` names the root) unless `project_compression_tips`
+        is False. `include_pinned` adds the pinned rows the page left out.
+        `compact_rows` leaves out the system prompt columns. `limit` and
+        `offset` are read as SQLite reads them (negative: no limit, from 0).
+        """
+        limit, offset = _window_bound(limit), max(_window_bound(offset), 0)
         self._flush_token_counts()
-        where, params = _session_filters(source, exclude_sources, include_archived)
-        rows = self._read_all(LIST_SESSIONS_RICH_SQL.format(where=where), params + [limit, offset])
+        clauses, params = _filter_clauses(source, sources, exclude_sources, cwd_prefix, min_message_count,
+                                          include_archived, archived_only, session_key, include_hidden)
+        end = None if limit < 0 else offset + limit
+        if order_by_last_active:
+            rows = self._by_chain_activity(self._list_candidates(clauses, params, include_children, True),
+                                           (id_query or "").strip().lower(), (search_query or "").strip().lower())
+        else:
+            rows = self._list_candidates(clauses, params, include_children, False, want=end)
+        page = [row["id"] for row in rows[offset:end]]
+        sessions = self._rich_rows_by_id(page, compact_rows)
+        if include_pinned:
+            # As hermes-agent back-fills them: start order, last_active from messages only.
+            pinned = self._list_candidates(clauses + ["s.pinned = 1"], params, include_children, False)
+            listed = set(page)
+            missing = [row["id"] for row in pinned if row["id"] not in listed]
+            sessions += self._rich_rows_by_id(missing, compact_rows, _MESSAGES_LAST_ACTIVE_SQL)
+        if project_compression_tips and not include_children:
+            tips = {s["id"]: self.get_compression_tip(s["id"]) for s in sessions
+                    if s.get("end_reason") == "compression"}
+            found = {row["id"]: row for row in self._rich_rows_by_id(
+                [tip for root, tip in tips.items() if tip != root], compact_rows)}
+            for index, session in enumerate(sessions):
+                tip = found.get(tips.get(session["id"]))
+                if tip:
+                    sessions[index] = {**session, **{k: tip[k] for k in _PROJECTED_COLUMNS if k in tip},
+                                       "_lineage_root_id": session["id"]}
+        for session in sessions:
+            session["unread"] = self.session_unread(session)
+        return sessions
+
+    @staticmethod
+    def session_unread(session_row):
+        """True when the row's last activity is newer than its read watermark; False when never marked read."""
+        last_read = session_row.get("last_read_at")
+        if last_read is None:
+            return False
+        return float(session_row.get("last_active") or session_row.get("started_at") or 0) > float(last_read)
+
+    def get_session_rich_row(self, session_id, compact_rows=False):
+        """One session as a list_sessions_rich row (no projection, no `unread`); None for an unknown id."""
+        self._flush_token_counts()
+        rows = self._rich_rows_by_id([session_id], compact_rows)
+        return rows[0] if rows else None
+
+    def search_sessions_by_id(self, query, limit=20, include_archived=True, source=None, sources=None,
+                              exclude_sources=None):
+        """Listed sessions whose id, or an id along their compression chain, contains `query` (any case):
+        exact matches first, then prefixes, then the rest by activity; [] for a blank query or limit <= 0."""
+        needle = (query or "").strip().lower()
+        if not needle or limit <= 0:
+            return []
+        rows = self.list_sessions_rich(source=source, sources=sources, exclude_sources=exclude_sources,
+                                       limit=max(limit * 4, limit), include_archived=include_archived,
+                                       order_by_last_active=True, id_query=needle)
+
+        def rank(row):
+            ids = [str(value).lower() for value in (row.get("id"), row.get("_lineage_root_id")) if value]
+            return 0 if needle in ids else 1 if any(i.startswith(needle) for i in ids) else 2
+
+        return sorted(rows, key=rank)[:limit]
+
+    def distinct_session_cwds(self, include_archived=False):
+        """[{cwd, sessions, last_active}] per distinct non-blank cwd, children included, archived ones only
+        with `include_archived`; `last_active` is the newest end, else start. [] when none."""
+        rows = self._read_all("SELECT cwd, COUNT(*), MAX(COALESCE(ended_at, started_at, 0)) FROM sessions WHERE"
+                              " cwd IS NOT NULL AND TRIM(cwd) != ''" + ("" if include_archived else " AND archived = 0")
+                              + " GROUP BY cwd")
+        return [{"cwd": row[0], "sessions": int(row[1] or 0), "last_active": float(row[2] or 0)} for row in rows]
+
+    def list_gateway_sessions(self, *, platform=None, active_only=True):
+        """The newest session of each gateway routing key, with `last_active`, most recently active first;
+        `platform` filters on source (any case), `active_only` keeps open sessions. [] when none."""
+        self._flush_token_counts()
+        where = (" AND LOWER(s.source) = LOWER(?)" if platform else "") + (" AND s.ended_at IS NULL"
+                                                                           if active_only else "")
+        rows = self._read_all(self._listing_sql(
+            f"SELECT s.*, {LAST_ACTIVE_SQL.format(a='s')} AS last_active FROM sessions AS s WHERE s.session_key"
+            " IS NOT NULL AND s.started_at = (SELECT MAX(k.started_at) FROM sessions AS k WHERE k.session_key ="
+            f" s.session_key){where} ORDER BY last_active DESC"), (platform,) if platform else ())
         cache = {}
         return [self._resolve_prompt(dict(row), cache) for row in rows]
 
@@ -343,54 +468,180 @@ class SessionSessionsMixin:
                       exclude_sources=None):
         """How many sessions match; unarchived ones unless `include_archived` or `archived_only`.
 
-        `exclude_children` counts what a session picker lists: roots, branches
-        and resets, without subagent runs or compression continuations.
+        `exclude_children` counts what list_sessions_rich lists: roots,
+        branches and resets, without subagent runs or compression continuations.
         """
-        clauses, params = [], []
-        for values, operator in (([source] if source else sources, "IN"), (exclude_sources, "NOT IN")):
-            if values:
-                clauses.append(f"s.source {operator} ({placeholders(len(values))})")
-                params.extend(values)
-        if cwd_prefix:
-            clause, clause_params = cwd_prefix_clause(cwd_prefix)
-            clauses.append(clause)
-            params.extend(clause_params)
-        if min_message_count > 0:
-            clauses.append("s.message_count >= ?")
-            params.append(min_message_count)
-        return sum(self._tally_sessions(clauses, params, include_archived, archived_only, exclude_children).values())
+        clauses, params = _filter_clauses(source, sources, exclude_sources, cwd_prefix, min_message_count,
+                                          include_archived, archived_only)
+        return sum(self._tally_sessions(clauses, params, exclude_children).values())
 
     def session_count_by_source(self, *, include_archived=False, archived_only=False, exclude_children=False):
         """{source: sessions}, largest first (an empty source counts as 'cli'); {} for an empty store."""
-        tally = self._tally_sessions([], [], include_archived, archived_only, exclude_children)
+        clauses, params = _filter_clauses(None, None, None, None, 0, include_archived, archived_only)
+        tally = self._tally_sessions(clauses, params, exclude_children)
         return dict(sorted(tally.items(), key=lambda item: (-item[1], item[0])))
 
     def session_count_ge(self, n=1):
         """True when the store holds at least `n` sessions, archived ones included."""
         return len(self._read_all("SELECT 1 FROM sessions LIMIT ?", (n,))) >= n
 
-    def _tally_sessions(self, clauses, params, include_archived, archived_only, exclude_children):
-        if archived_only or not include_archived:
-            clauses, params = clauses + ["s.archived = ?"], params + [1 if archived_only else 0]
-        where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
-        source = "COALESCE(NULLIF(s.source, ''), 'cli')"
+    def _tally_sessions(self, clauses, params, exclude_children):
+        """Counter {source (empty: 'cli'): sessions matching}, only listable ones with `exclude_children`."""
+        sql = "SELECT COALESCE(NULLIF(s.source, ''), 'cli'), COUNT(*) FROM sessions AS s{} GROUP BY 1"
         if not exclude_children:
-            return dict(self._read_all(f"SELECT {source}, COUNT(*) FROM sessions AS s {where} GROUP BY 1", params))
-        # Which child is listable depends on markers inside model_config, read
-        # here rather than with JSON1 so that every SQLite build counts alike.
-        rows = self._read_all(
-            f"SELECT {source} AS source, s.model_config, s.started_at, s.session_key, s.parent_session_id AS parent,"
-            " p.end_reason AS parent_end_reason, p.ended_at AS parent_ended_at, p.session_key AS parent_key"
-            f" FROM sessions AS s LEFT JOIN sessions AS p ON p.id = s.parent_session_id {where}", params)
-        return collections.Counter(row["source"] for row in rows if _is_listable(row))
+            return collections.Counter(dict(self._read_all(sql.format(_where(clauses)), params)))
+        tally = collections.Counter(dict(self._read_all(sql.format(_where(clauses + [_PLAIN_ROOT_SQL])), params)))
+        tally.update(row["source"] or "cli" for row in
+                     self._list_candidates(clauses + [f"NOT {_PLAIN_ROOT_SQL}"], params, False, False))
+        return tally
+
+    def _list_candidates(self, clauses, params, include_children, with_activity, want=None):
+        """The matching sessions, newest start first, as the inputs of the listing rules (the markers
+        are read in Python, so no JSON1): without `include_children` only the listable ones, and
+        with `want` only the first `want` of those."""
+        activity = f", {LAST_ACTIVE_SQL.format(a='s')} AS last_active" if with_activity else ""
+        sql = f"{_CANDIDATES_SQL}{activity}{_CANDIDATES_FROM_SQL}{{}} ORDER BY s.started_at DESC, s.id DESC"
+        if want is None:
+            rows = self._read_all(self._listing_sql(sql.format(_where(clauses))), params)
+            return rows if include_children else [row for row in rows if _is_listable(row)]
+        # Read in growing chunks, each after the last row read, until `want` rows are listable.
+        rows, after, chunk = [], [], want + 50
+        while len(rows) < want:
+            keyset = ["(s.started_at, s.id) < (?, ?)"] if after else []
+            batch = self._read_all(self._listing_sql(sql.format(_where(clauses + keyset)) + " LIMIT ?"),
+                                   [*params, *after, chunk])
+            rows += batch if include_children else [row for row in batch if _is_listable(row)]
+            if len(batch) < chunk:
+                break
+            after, chunk = [batch[-1]["started_at"], batch[-1]["id"]], chunk * 2
+        return rows[:want]
+
+    def _by_chain_activity(self, rows, id_needle, search_needle):
+        """`rows` ordered by the newest activity along each one's forward compression chain, kept when
+        the needles (already lower case) match an id, or a title, of that chain."""
+        children = collections.defaultdict(list)
+        for link in self._read_all(self._listing_sql(_CONTINUATIONS_SQL)):
+            config = json_object(link["model_config"])
+            if config.get("_branched_from") is None and config.get("_delegate_from") is None \
+                    and (link["source"] or "") != "tool":
+                children[link["parent"]].append(link)
+        squeezed = re.sub(r"[\W_]+", "", search_needle)
+        ranked = []
+        for row in rows:
+            chain, seen = [row], {row["id"]}
+            for member in chain:
+                for child in children.get(member["id"], ()):
+                    if child["id"] not in seen:
+                        seen.add(child["id"])
+                        chain.append(child)
+            ids = [_ascii_lower(member["id"]) for member in chain]
+            titles = [_ascii_lower(member["title"] or "") for member in chain]
+            if id_needle and not any(id_needle in i for i in ids):
+                continue
+            if search_needle and not any(search_needle in text for text in ids + titles) and not (
+                    squeezed and any(squeezed in re.sub(r"[-_. ]", "", title) for title in titles)):
+                continue
+            activity = max(member["last_active"] or 0 for member in chain)
+            ranked.append((activity, row["started_at"] or 0, row["id"], row))
+        ranked.sort(key=lambda item: item[:3], reverse=True)
+        return [item[3] for item in ranked]
+
+    def _rich_rows_by_id(self, session_ids, compact_rows=False, last_active=None):
+        """The rich rows of `session_ids`, in their order; unknown ids are left out."""
+        rows = {}
+        for chunk in chunked([sid for sid in session_ids if sid]):
+            tail = f" WHERE s.id IN ({placeholders(len(chunk))})"
+            rows.update((row["id"], row) for row in self._rich_rows(tail, chunk, compact_rows, last_active))
+        return [rows[sid] for sid in session_ids if sid in rows]
+
+    def _rich_rows(self, tail, params, compact_rows=False, last_active=None):
+        """Rich rows (columns, `last_active`, `preview`) of SESSION_RICH_SQL + `tail`; compact ones
+        without the system prompt columns; `last_active` replaces the heartbeat-aware SQL."""
+        columns = _compact_columns() if compact_rows else "s.*"
+        sql = SESSION_RICH_SQL.format(columns=columns, last_active=last_active or LAST_ACTIVE_SQL.format(a="s"))
+        rows = self._read_all(self._listing_sql(sql + tail), params)
+        cache = {}
+        return [self._resolve_prompt(dict(row), cache) for row in rows]
+
+    def _listing_sql(self, sql):
+        """`sql`, led on a read-only store that predates some session columns by a `sessions` CTE
+        giving them their declared defaults, so the listings read old stores too."""
+        shim = self.__dict__.get("_sessions_shim")
+        if shim is None:
+            shim = ""
+            if self.read_only and self.stale_schema:
+                live = {row[1] for row in self._read_all('PRAGMA table_info("sessions")')}
+                added = [f"{_declared_default(expr)} AS {name}"
+                         for name, expr in declared_columns()["sessions"].items() if name not in live]
+                shim = f"WITH sessions AS (SELECT *, {', '.join(added)} FROM main.sessions) " if added else ""
+            self._sessions_shim = shim
+        return shim + sql
+
+
+def _filter_clauses(source, sources, exclude_sources, cwd_prefix, min_message_count, include_archived,
+                    archived_only, session_key=None, include_hidden=True):
+    """(clauses, params) of the filters session_count and list_sessions_rich share."""
+    clauses, params = [], []
+    for values, operator in (([source] if source else list(sources or []), "IN"), (exclude_sources, "NOT IN")):
+        if values:
+            clauses.append(f"s.source {operator} ({placeholders(len(values))})")
+            params.extend(values)
+    if session_key:
+        clauses.append("s.session_key = ?")
+        params.append(session_key)
+    if cwd_prefix:
+        clause, clause_params = cwd_prefix_clause(cwd_prefix)
+        clauses.append(clause)
+        params.extend(clause_params)
+    if min_message_count > 0:
+        clauses.append("s.message_count >= ?")
+        params.append(min_message_count)
+    if archived_only or not include_archived:
+        clauses.append(f"s.archived = {1 if archived_only else 0}")
+    if not include_hidden:
+        clauses.append("s.hidden = 0")
+    return clauses, params
+
+
+def _where(clauses):
+    return (" WHERE " + " AND ".join(clauses)) if clauses else ""
+
+
+def _window_bound(value):
+    """A LIMIT or OFFSET value as SQLite takes it: an integer, or a number or text holding one."""
+    if isinstance(value, int):
+        return int(value)
+    try:
+        number = float(value) if isinstance(value, (float, str)) else None
+    except ValueError:
+        number = None
+    if number is None or not number.is_integer():
+        raise sqlite3.IntegrityError("datatype mismatch")
+    return int(number)
+
+
+def _ascii_lower(text):
+    """Lower case as SQLite's LOWER and LIKE fold it: ASCII letters only."""
+    return str(text).translate(_ASCII_LOWER)
+
+
+def _declared_default(type_expr):
+    match = re.search(r"\bDEFAULT\s+(.+)$", type_expr)
+    return match.group(1) if match else "NULL"
+
+
+@functools.lru_cache(maxsize=1)
+def _compact_columns():
+    return ", ".join(f"s.{name}" for name in declared_columns()["sessions"] if name not in _COMPACT_LEFT_OUT)
 
 
 def _is_listable(row):
-    """A root, branch or reset row that is not a subagent run (session_count's exclude_children)."""
-    config = _config_dict(row["model_config"]) or {}
+    """A root, branch or reset row that is not a subagent run: what list_sessions_rich shows."""
+    text = row["model_config"]
+    config = (_config_dict(text) or {}) if text and "_from" in text else {}
     if config.get("_delegate_from") is not None:
         return False
-    if not row["parent"]:
+    if row["parent"] is None:
         return True
     if config.get("_branched_from") is not None or config.get("_reset_from") is not None:
         return True
@@ -399,6 +650,15 @@ def _is_listable(row):
         return True
     return (row["parent_end_reason"] in _RESET_END_REASONS and bool(row["session_key"])
             and row["session_key"] == row["parent_key"])
+
+
+def _shape_preview(raw):
+    """The preview hermes-agent shows for a `_preview_raw`: a /skill turn as typed, else the text up
+    to the excerpt joint; over 60 characters it is cut and ends in "..."."""
+    text = str(raw or "").strip()
+    described = describe_skill_invocation(text)
+    text = text.split(SKILL_EXCERPT_JOINT)[0] if described is None else described
+    return text[:_PREVIEW_MAX_CHARS] + "..." if len(text) > _PREVIEW_MAX_CHARS else text
 
 
 def _check_session_id(session_id):
@@ -425,17 +685,6 @@ def _config_dict(text):
     except ValueError:
         return None
     return config if isinstance(config, dict) else None
-
-
-def merge_model_config(text, patch):
-    """A stored model_config with `patch` merged (a None value removes its key); NULL when empty."""
-    config = _config_dict(text) or {}
-    for key, value in patch.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    return json.dumps(config) if config else None
 
 
 def _new_row_values(values, digest):
@@ -470,16 +719,3 @@ def _inherit_from_parent(conn, session_id):
     if changes:
         conn.execute(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in changes)} WHERE id = ?",
                      (*changes.values(), session_id))
-
-
-def _session_filters(source, exclude_sources, include_archived):
-    clauses, params = [], []
-    if source is not None:
-        clauses.append("s.source = ?")
-        params.append(source)
-    if exclude_sources:
-        clauses.append(f"s.source NOT IN ({placeholders(len(exclude_sources))})")
-        params.extend(exclude_sources)
-    if not include_archived:
-        clauses.append("COALESCE(s.archived, 0) = 0")
-    return ("WHERE " + " AND ".join(clauses)) if clauses else "", params

@@ -6,13 +6,14 @@ They are created only when a user opts in (`apply_telegram_topic_migration`,
 called by `enable_telegram_topic_mode` and `bind_telegram_topic`), never at
 open, as hermes-agent does: a store nobody ran `/topic` on keeps its schema.
 Every read answers as if empty while the tables are absent, and never
-creates them. Relies on SessionDB's write and read paths; never writes a
-session or message row.
+creates them. Relies on SessionDB's write and read paths and on the sessions
+mixin's rich rows (`_rich_rows`); never writes a session or message row.
 """
 
 import sqlite3
 import time
 
+from hermes_state_common import TABLE_EXISTS_SQL
 from hermes_state_schema import read_meta, write_meta
 
 TOPIC_SCHEMA_META_KEY = "telegram_dm_topic_schema_version"
@@ -133,6 +134,15 @@ class SessionTelegramMixin:
         except sqlite3.OperationalError:
             return []
         return [dict(row) for row in rows]
+
+    def list_unlinked_telegram_sessions_for_user(self, *, chat_id, user_id, limit=10):
+        """The user's Telegram sessions bound to no topic, as list_sessions_rich rows (no `unread`),
+        most recently active first; [] when none. Without the tables every one of them counts.
+        `chat_id` is accepted and unused, as in hermes-agent."""
+        unbound = (" AND NOT EXISTS (SELECT 1 FROM telegram_dm_topic_bindings AS b WHERE b.session_id = s.id)"
+                   if self._topic_read_one(TABLE_EXISTS_SQL, ("telegram_dm_topic_bindings",)) else "")
+        return self._rich_rows(f" WHERE s.source = 'telegram' AND s.user_id = ?{unbound}"
+                               " ORDER BY last_active DESC, s.started_at DESC LIMIT ?", (str(user_id), int(limit)))
 
     def bind_telegram_topic(self, *, chat_id, thread_id, user_id, session_key, session_id, managed_mode="auto"):
         """Bind a topic thread to a session (creating the tables first); returns None.

@@ -1,8 +1,8 @@
 """Tokens and cost: the counters of `sessions`, the per-route rows of
 `session_model_usage`, and the in-memory queue of token deltas.
 
-Owns the token, cost and billing columns of `sessions` and every row of
-`session_model_usage`. A queued delta is applied inside whichever write comes
+Owns the token, cost and billing columns of `sessions`, its activity heartbeat
+(`last_activity_*`), and every row of `session_model_usage`. A queued delta is applied inside whichever write comes
 next (SessionDB's write path calls `apply_token_batch` first in the same
 transaction), by `flush_token_counts` (reads that must be exact call it), by
 close() and at interpreter exit. Creates a bare session row ('unknown' source)
@@ -28,6 +28,12 @@ ROUTE_FIELDS = ("model", "cost_status", "cost_source", "pricing_version",
                 "billing_provider", "billing_base_url", "billing_mode")
 _ROUTE_COLUMNS = ("model", "billing_provider", "billing_base_url", "billing_mode")
 _SQLITE_INT_RANGE = (-(1 << 63), (1 << 63) - 1)
+
+# The heartbeat is only an observation: under contention it gives up quickly
+# rather than hold up the turn it describes (the next beat retries).
+ACTIVITY_WRITE_PATIENCE = 0.5
+ACTIVITY_DESCRIPTION_MAX = 120
+ACTIVITY_PROVENANCES = ("unknown", "agent.compression", "agent.compression_timeout", "agent.compression_cooldown")
 
 # SessionDBs holding queued deltas: kept alive so that the exit hook (which
 # holds a weak reference) still finds and closes one its owner dropped unclosed.
@@ -197,6 +203,35 @@ class SessionUsageMixin:
                          " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
 
         self._execute_write(write)
+
+    def touch_session_activity(self, session_id, ts=None, *, description=None, provenance=None):
+        """Stamp the session's last activity (`ts`, default now) with a description cut to
+        120 characters and a known provenance (else 'unknown'); None. Never moves the stamp
+        back; a missing session or empty id is a no-op."""
+        if not session_id:
+            return
+        when, text = float(time.time() if ts is None else ts), (description or "").strip()
+        if len(text) > ACTIVITY_DESCRIPTION_MAX:
+            text = text[:ACTIVITY_DESCRIPTION_MAX - 1] + "\u2026"
+        source = (provenance or "").strip()
+        params = (when, text, source if source in ACTIVITY_PROVENANCES else "unknown", session_id, when)
+        self._execute_write(lambda conn: conn.execute(
+            "UPDATE sessions SET last_activity_at = ?, last_activity_description = ?, last_activity_provenance = ?"
+            " WHERE id = ? AND (last_activity_at IS NULL OR last_activity_at < ?)", params),
+            patience_s=ACTIVITY_WRITE_PATIENCE)
+
+    def clear_session_activity_labels(self, session_id):
+        """Blank the activity description and set the provenance to 'unknown' once a turn
+        ends, keeping `last_activity_at`; None. No write when they are already blank."""
+        if not session_id:
+            return
+        row = self._read_one("SELECT last_activity_description, last_activity_provenance FROM sessions"
+                             " WHERE id = ?", (session_id,))
+        if row is not None and not row[0] and row[1] in (None, "", "unknown"):
+            return
+        self._execute_write(lambda conn: conn.execute(
+            "UPDATE sessions SET last_activity_description = '', last_activity_provenance = 'unknown'"
+            " WHERE id = ?", (session_id,)), patience_s=ACTIVITY_WRITE_PATIENCE)
 
     def get_dominant_session_model_route(self, session_id):
         """{model, billing_provider, billing_base_url, billing_mode, api_call_count} of the

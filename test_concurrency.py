@@ -249,7 +249,7 @@ class WritePath(TempDirTestCase):
     def test_token_counts_queued_before_a_failed_write_are_kept(self):
         with SessionDB(self.tmp / "state.db") as db:
             db.create_session("s", "cli")
-            db.update_token_counts("s", input_tokens=7, model="m")
+            db.queue_token_counts("s", input_tokens=7, model="m")
             with self.assertRaisesRegex(ValueError, "unknown session_id"):
                 db.append_message("ghost", "user", "never written")
             self.assertEqual(db.get_session("s")["input_tokens"], 7)

@@ -49,7 +49,7 @@ class FixtureStoresOpen(TempDirTestCase):
         return facts
 
     def assert_nothing_lost(self, db, before):
-        sessions = {s["id"]: s for s in db.list_sessions_rich(limit=100, include_archived=True)}
+        sessions = {s["id"]: s for s in db.list_sessions_rich(limit=100, include_archived=True, include_children=True)}
         self.assertEqual(sorted(sessions), sorted(before["sessions"]))
         self.assertEqual(len(sessions), 20)
         for session_id, raw in before["sessions"].items():

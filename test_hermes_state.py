@@ -181,15 +181,13 @@ class Sessions(StoreTestCase):
         self.db.append_message("a", "user", "x" * 300, timestamp=9)
         listed = self.db.list_sessions_rich()
         self.assertEqual([s["id"] for s in listed], ["b", "a"])
-        self.assertEqual(listed[1]["preview"], "x" * 80)
+        self.assertEqual(listed[1]["preview"], "x" * 60 + "...")
         self.assertEqual(listed[1]["last_active"], 9)
         self.assertEqual(listed[0]["last_active"], 2)
         self.assertEqual([s["id"] for s in self.db.list_sessions_rich(source="cli")], ["a"])
         self.assertEqual([s["id"] for s in self.db.list_sessions_rich(exclude_sources=["cli"])], ["b"])
         self.assertEqual([s["id"] for s in self.db.list_sessions_rich(limit=1, offset=1)], ["a"])
         self.assertEqual(self.db.session_count(source="telegram"), 1)
-        with self.assertRaisesRegex(ValueError, "limit is 20000; the limit is 10000"):
-            self.db.list_sessions_rich(limit=20000)
 
 
 class Lineage(StoreTestCase):
@@ -236,9 +234,25 @@ class RoutingMetaLocks(StoreTestCase):
         self.db.set_meta("appXc", "3")
         self.db.set_meta("other", "x")
         self.assertEqual(self.db.get_meta("app_b"), "2")
-        self.assertEqual(self.db.list_meta_prefix("app_"), {"app_a": "1", "app_b": "2"})
+        self.assertEqual(self.db.list_meta_prefix("app_"), [("app_a", "1"), ("app_b", "2")])
         self.db.set_meta("app_a", None)
         self.assertIsNone(self.db.get_meta("app_a"))
+        self.assertEqual(self.db.list_meta_prefix("APP_"), [("app_a", None), ("app_b", "2")])
+        self.assertEqual(self.db.list_meta_prefix(""), [])
+
+    def test_set_meta_on_an_open_writes_cursor_joins_that_transaction(self):
+        def write(conn, fail):
+            cursor = conn.execute("SELECT 1")
+            self.db.set_meta("gate", "1" if not fail else "2", cursor=cursor)
+            if fail:
+                raise RuntimeError("roll back")
+
+        with self.assertRaises(RuntimeError):
+            self.db._execute_write(lambda conn: write(conn, True))
+        self.assertIsNone(self.db.get_meta("gate"))
+        self.db._execute_write(lambda conn: write(conn, False))
+        self.db._execute_write(lambda conn: self.db.set_meta("other", "x", cursor=conn))
+        self.assertEqual((self.db.get_meta("gate"), self.db.get_meta("other")), ("1", "x"))
 
     def test_compression_lock_takeover_rules(self):
         self.assertTrue(self.db.try_acquire_compression_lock("s", "one"))

@@ -345,3 +345,74 @@ class OrphanedContinuations(CompressionTestCase):
         self.assertEqual({r["id"]: r["end_reason"] for r in self.rows("SELECT id, end_reason FROM sessions")},
                          {"p": "compression", "old": "orphaned_compression", "new": None, "empty": None, "used": None})
         self.assertEqual(self.db.finalize_orphaned_compression_sessions(), 0)
+
+
+class CompressorGuards(CompressionTestCase):
+    """The cooldown, fallback streak and ineffective count hermes-agent's compressor keeps per session."""
+
+    def setUp(self):
+        super().setUp()
+        self.db.create_session("s", "cli")
+
+    def test_a_running_cooldown_is_reported_and_a_passed_one_is_not(self):
+        self.db.record_compression_failure_cooldown("s", time.time() + 600, "summary model failed")
+        active = self.db.get_compression_failure_cooldown("s")
+        self.assertEqual(active["error"], "summary model failed")
+        self.assertAlmostEqual(active["remaining_seconds"], 600, delta=30)
+        self.db.record_compression_failure_cooldown("s", 10.0)
+        self.assertIsNone(self.db.get_compression_failure_cooldown("s"))
+        self.assertEqual(self.db.get_compression_failure_cooldown_row("s"),
+                         {"session_exists": True, "cooldown_until": 10.0, "error": None})
+        self.db.clear_compression_failure_cooldown("s")
+        self.assertEqual(self.rows("SELECT compression_failure_cooldown_until AS u, compression_failure_error AS e"
+                                   " FROM sessions"), [{"u": None, "e": None}])
+
+    def test_unknown_sessions_read_as_empty_and_a_failed_cooldown_write_is_only_logged(self):
+        self.assertEqual(self.db.get_compression_failure_cooldown_row("gone"),
+                         {"session_exists": False, "cooldown_until": None, "error": None})
+        self.assertEqual((self.db.get_compression_fallback_streak("gone"), self.db.get_compression_ineffective_count("")),
+                         (0, 0))
+        with self.assertLogs("hermes_state", "WARNING"):
+            self.assertIsNone(self.db.record_compression_failure_cooldown("s", {"not": "bindable"}))
+
+    def test_a_snapshot_is_restored_exactly_or_the_restore_raises(self):
+        self.db.record_compression_failure_cooldown("s", 50.0, "old")
+        snapshot = self.db.get_compression_failure_cooldown_row("s")
+        self.db.clear_compression_failure_cooldown("s")
+        self.db.restore_compression_failure_cooldown_row("s", snapshot)
+        self.assertEqual(self.db.get_compression_failure_cooldown_row("s"), snapshot)
+        self.db.restore_compression_failure_cooldown_row("gone", {"session_exists": False})
+        for session_id, snap in (("s", {"session_exists": False}), ("gone", {"session_exists": True})):
+            with self.subTest(session_id=session_id), self.assertRaises(RuntimeError):
+                self.db.restore_compression_failure_cooldown_row(session_id, snap)
+
+    def test_the_streak_and_the_ineffective_count_are_stored_as_non_negative_integers(self):
+        self.db.set_compression_fallback_streak("s", 3)
+        self.db.set_compression_ineffective_count("s", 2.7)
+        self.assertEqual((self.db.get_compression_fallback_streak("s"), self.db.get_compression_ineffective_count("s")),
+                         (3, 2))
+        self.db.set_compression_fallback_streak("s", -4)
+        self.assertEqual(self.db.get_compression_fallback_streak("s"), 0)
+        with self.assertRaises(ValueError):
+            self.db.set_compression_ineffective_count("s", "x")
+        self.assertEqual(self.db.get_compression_ineffective_count("s"), 2)
+        self.sql("UPDATE sessions SET compression_fallback_streak = 'junk'")
+        self.assertEqual(self.db.get_compression_fallback_streak("s"), 0)
+
+    def test_an_orphaned_compression_parent_reopens_only_without_continuation_or_running_lease(self):
+        for session_id in ("orphan", "forked", "continued", "leased", "stale"):
+            self.db.create_session(session_id, "cli")
+            self.db.end_session(session_id, "compression")
+        self.db.create_session("branch", "cli", parent_session_id="forked", model_config={"_branched_from": "forked"})
+        self.db.create_session("tool-child", "tool", parent_session_id="forked")
+        self.db.create_session("live", "cli")
+        self.db.create_session("next", "cli", parent_session_id="continued")
+        self.db.end_session("next", "user_exit")
+        self.sql("INSERT INTO compression_locks VALUES ('leased', 'h', 1, ?), ('stale', 'h', 1, 5)", (time.time() + 300,))
+        reopened = {s: self.db.reopen_orphaned_compression_session(s)
+                    for s in ("orphan", "forked", "continued", "leased", "stale", "live", "gone", "")}
+        self.assertEqual(reopened, {"orphan": True, "forked": True, "continued": False, "leased": False,
+                                    "stale": True, "live": False, "gone": False, "": False})
+        self.assertEqual(self.rows("SELECT session_id FROM compression_locks"), [{"session_id": "leased"}])
+        self.assertEqual(self.rows("SELECT id FROM sessions WHERE end_reason = 'compression' ORDER BY id"),
+                         [{"id": "continued"}, {"id": "leased"}])

@@ -91,6 +91,20 @@ class Endpoints(ServerCase):
         self.assertEqual([h["session_id"] for h in self.call("/api/search?q=" + urllib.request.quote("袋鼠"))[1]["hits"]],
                          ["fresh"])
 
+    def test_a_blob_is_served_as_base64_with_its_marker_and_imports_back(self):
+        db = self.server.db
+        db._execute_write(lambda conn: conn.execute("ALTER TABLE messages ADD COLUMN extra_blob BLOB"))
+        db.create_session("b", "cli")
+        row_id = db.append_message("b", "user", "hi")
+        db._execute_write(lambda conn: conn.execute("UPDATE messages SET extra_blob = ? WHERE id = ?",
+                                                    (b"\x00\xfe", row_id)))
+        status, shown = self.call("/api/sessions/b")
+        self.assertEqual((status, shown["messages"][0]["extra_blob"]), (200, {"__base64__": "AP4="}))
+        other = self.start("other")
+        other.db._execute_write(lambda conn: conn.execute("ALTER TABLE messages ADD COLUMN extra_blob BLOB"))
+        self.assertEqual(self.call("/api/sessions/import", "POST", {"sessions": [shown]}, server=other)[0], 200)
+        self.assertEqual(other.db.get_messages("b")[0]["extra_blob"], b"\x00\xfe")
+
     def test_error_statuses_are_json_with_a_message(self):
         cases = [
             (self.call("/api/sessions", token=None), 401),

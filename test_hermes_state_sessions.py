@@ -217,6 +217,28 @@ class ModelAndCwd(SessionTestCase):
         self.db.patch_session_model_config("ghost", {"a": 1})
         self.assertIsNone(self.row("ghost"))
 
+    def test_the_yolo_flag_joins_model_config_and_reads_back_only_when_set(self):
+        self.db.create_session("s", "cli", model_config={"_branched_from": "p"})
+        self.db.set_session_yolo("s", 1)
+        self.assertEqual(json.loads(self.row("s")["model_config"]), {"_branched_from": "p", "yolo_mode": True})
+        self.assertTrue(self.db.session_yolo_enabled(self.db.get_session("s")))
+        self.db.set_session_yolo("s", False)
+        self.assertFalse(self.db.session_yolo_enabled(self.db.get_session("s")))
+        self.db.set_session_yolo("ghost", True)
+        self.assertIsNone(self.row("ghost"))
+        enabled = type(self.db).session_yolo_enabled
+        self.assertEqual([enabled(meta) for meta in (None, {}, {"model_config": "not json"}, {"model_config": "[1]"},
+                                                      {"model_config": {"yolo_mode": 1}})],
+                         [False, False, False, False, True])
+
+    def test_expiry_finalized_is_a_flag_and_an_empty_id_writes_nothing(self):
+        self.db.create_session("s", "telegram")
+        self.db.set_expiry_finalized("s")
+        self.assertEqual(self.row("s")["expiry_finalized"], 1)
+        self.db.set_expiry_finalized("s", finalized=False)
+        self.assertEqual(self.row("s")["expiry_finalized"], 0)
+        self.assertIsNone(self.db.set_expiry_finalized(""))
+
     def test_git_metadata_lands_only_for_the_current_cwd_claim(self):
         self.db.create_session("s", "cli")
         first = self.db.update_session_cwd("s", "/w")
@@ -286,3 +308,113 @@ class Counting(SessionTestCase):
         self.db.create_session("20260101_abc", "cli")
         backdate(self.db, "20260101_abc", 1)
         self.assertEqual(self.db.resolve_session_id(session_id_or_prefix="2026"), "20260101_abc")
+
+
+SKILL_TURN = ('[IMPORTANT: The user has invoked the "work" skill, indicating they want you to follow its instructions.'
+              ' The full skill content is loaded below.]\n\n' + "skill body " * 200 +
+              "The user has provided the following instruction alongside the skill invocation: fix the leak")
+
+
+class Listing(SessionTestCase):
+    """list_sessions_rich and its kin, with hermes-agent's rows: one entry per conversation."""
+
+    def setUp(self):
+        super().setUp()
+        create = self.db.create_session
+        create("root", "cli", system_prompt="be brief", cwd="/w/app")
+        create("cont", "cli", parent_session_id="root")
+        create("tip", "cli", parent_session_id="cont")
+        create("gw", "telegram", session_key="K", user_id="u")
+        create("reset", "telegram", session_key="K", parent_session_id="gw")
+        create("marked", "telegram", parent_session_id="gw", model_config={"_reset_from": "gw"})
+        create("branch", "cli", parent_session_id="gw", model_config={"_branched_from": "gw"})
+        create("sub", "cli", parent_session_id="gw", model_config={"_delegate_from": "gw"})
+        create("tool", "tool", parent_session_id="gw")
+        create("lone", "cli")
+        self.db.append_message("root", "user", "hello\nthere", timestamp=10)
+        self.db.append_message("tip", "user", "x" * 100, timestamp=500)
+        self.db.append_message("gw", "user", SKILL_TURN, timestamp=20)
+        self.db.append_message("lone", "assistant", "no user turn", timestamp=30)
+        for reason, ids in (("compression", ("root", "cont")), ("idle", ("gw",))):
+            for session_id in ids:
+                self.db.end_session(session_id, reason)
+        for index, session_id in enumerate(("root", "cont", "tip", "gw", "reset", "marked", "branch", "sub",
+                                            "tool", "lone")):
+            backdate(self.db, session_id, index + 1)
+        self.sql("UPDATE sessions SET ended_at = started_at + 1 WHERE ended_at IS NOT NULL")
+        self.db.set_session_title("tip", "Tip AN-94")
+
+    def ids(self, **kwargs):
+        return [(s["id"], s.get("_lineage_root_id")) for s in self.db.list_sessions_rich(**kwargs)]
+
+    def test_children_stay_hidden_and_a_compression_root_shows_as_its_tip(self):
+        self.assertEqual(self.ids(), [("lone", None), ("branch", None), ("marked", None), ("reset", None),
+                                      ("gw", None), ("tip", "root")])
+        tip = self.db.list_sessions_rich()[-1]
+        self.assertEqual((tip["title"], tip["preview"], tip["last_active"], tip["started_at"]),
+                         ("Tip AN-94", "x" * 60 + "...", 500, 1))
+        self.assertEqual(tip["system_prompt"], None)  # the tip's own prompt, as hermes-agent projects it
+        self.assertEqual(self.ids(project_compression_tips=False)[-1], ("root", None))
+        self.assertEqual(len(self.ids(include_children=True)), 10)
+        self.assertEqual(self.db.session_count(exclude_children=True), len(self.ids()))
+
+    def test_previews_are_shaped_as_hermes_agent_shows_them(self):
+        rows = {s["id"]: s for s in self.db.list_sessions_rich(include_children=True, limit=-1)}
+        self.assertEqual(rows["root"]["preview"], "hello there")
+        self.assertEqual(rows["gw"]["preview"], "/work — fix the leak")
+        self.assertEqual(rows["lone"]["preview"], "")
+        self.assertEqual(rows["root"]["system_prompt"], "be brief")
+        compact = self.db.list_sessions_rich(include_children=True, compact_rows=True)[0]
+        self.assertFalse({"system_prompt", "system_prompt_hash", "git_metadata_generation"} & set(compact))
+
+    def test_last_active_is_the_newest_heartbeat_or_message_and_drives_unread(self):
+        self.sql("UPDATE sessions SET last_activity_at = 900 WHERE id = 'lone'")
+        self.db.set_session_read("tip")
+        self.sql("UPDATE sessions SET last_read_at = 100 WHERE id IN ('root', 'cont', 'tip')")
+        rows = {s["id"]: s for s in self.db.list_sessions_rich()}
+        self.assertEqual((rows["lone"]["last_active"], rows["gw"]["last_active"]), (900, 20))
+        self.assertEqual((rows["tip"]["unread"], rows["lone"]["unread"]), (True, False))
+
+    def test_activity_order_follows_each_chain_and_queries_match_along_it(self):
+        self.sql("UPDATE sessions SET last_activity_at = 300 WHERE id = 'lone'")
+        self.assertEqual(self.ids(order_by_last_active=True)[:2], [("tip", "root"), ("lone", None)])
+        self.assertEqual(self.ids(order_by_last_active=True, id_query=" ROOT "), [("tip", "root")])
+        self.assertEqual(self.ids(order_by_last_active=True, search_query="an94"), [("tip", "root")])
+        self.assertEqual(self.ids(id_query="root")[0], ("lone", None))  # only the activity order filters
+        found = self.db.search_sessions_by_id("g")
+        self.assertEqual([s["id"] for s in found][:1], ["gw"])
+        self.assertEqual(self.db.search_sessions_by_id("  "), [])
+
+    def test_filters_pins_and_windows(self):
+        self.db.set_session_pinned("root", True)
+        self.db.set_session_hidden("lone", True)
+        self.assertEqual(self.ids(limit=1), [("branch", None)])
+        self.assertEqual(self.ids(limit=1, include_pinned=True), [("branch", None), ("tip", "root")])
+        self.assertEqual(self.ids(include_hidden=True, limit="1"), [("lone", None)])
+        self.assertEqual(self.ids(session_key="K"), [("reset", None), ("gw", None)])
+        self.assertEqual(self.ids(cwd_prefix="/w/app", offset=-3), [("tip", "root")])
+        self.db.set_session_archived("gw", True)
+        self.assertEqual(self.ids(archived_only=True), [("gw", None)])
+        with self.assertRaises(sqlite3.IntegrityError):
+            self.db.list_sessions_rich(limit=2.5)
+
+    def test_one_rich_row_cwds_and_gateway_sessions(self):
+        row = self.db.get_session_rich_row("gw")
+        self.assertEqual((row["preview"], row["last_active"], "unread" in row), ("/work — fix the leak", 20, False))
+        self.assertIsNone(self.db.get_session_rich_row("ghost"))
+        self.assertEqual(self.db.distinct_session_cwds(), [{"cwd": "/w/app", "sessions": 3, "last_active": 3.0}])
+        self.assertEqual([s["id"] for s in self.db.list_gateway_sessions()], ["reset"])
+        self.assertEqual([s["id"] for s in self.db.list_gateway_sessions(platform="TELEGRAM", active_only=False)],
+                         ["reset"])
+        self.assertEqual(self.db.list_gateway_sessions(platform="discord"), [])
+
+    def test_a_page_reads_past_any_run_of_hidden_children(self):
+        self.db.create_session("parent", "cli")
+        for index in range(130):
+            self.db.create_session(f"sub{index:03}", "cli", parent_session_id="parent",
+                                   model_config={"_delegate_from": "parent"})
+        self.sql("UPDATE sessions SET started_at = 100 WHERE id LIKE 'sub%' OR id = 'parent'")
+        self.sql("UPDATE sessions SET started_at = 99 WHERE id = 'lone'")
+        self.assertEqual(self.ids(limit=2), [("parent", None), ("lone", None)])
+        self.assertEqual(self.ids(limit=1, offset=1, include_children=True), [("sub128", None)])
+        self.assertEqual(self.db.session_count(exclude_children=True), 7)

@@ -47,6 +47,21 @@ class TopicMode(StoreTestCase):
         self.assertTrue(self.db.is_telegram_session_linked_to_topic(session_id="s1"))
         self.assertEqual(len(self.db.list_telegram_topic_bindings_for_chat(chat_id=1)), 2)
 
+    def test_unlinked_sessions_are_the_users_telegram_rows_without_a_topic_newest_first(self):
+        for sid, source, user in (("old", "telegram", "2"), ("new", "telegram", "2"), ("cli", "cli", "2"),
+                                  ("other", "telegram", "3")):
+            self.db.create_session(sid, source, user_id=user)
+        self.db.append_message("old", "user", "first\nturn", timestamp=5)
+        self.db.append_message("new", "user", "later", timestamp=9)
+        unlinked = self.db.list_unlinked_telegram_sessions_for_user
+        rows = unlinked(chat_id="1", user_id=2)
+        self.assertEqual([(r["id"], r["preview"], r["last_active"]) for r in rows], [("new", "later", 9),
+                                                                                     ("old", "first turn", 5)])
+        self.assertEqual(self.tables(), [])
+        self.db.bind_telegram_topic(chat_id=1, thread_id=10, user_id=2, session_key="k", session_id="new")
+        self.assertEqual([r["id"] for r in unlinked(chat_id="1", user_id="2", limit=5)], ["old"])
+        self.assertEqual(unlinked(chat_id="1", user_id="2", limit=0), [])
+
     def test_deleting_the_last_binding_turns_the_chat_off(self):
         self.db.create_session("s1", "telegram")
         self.db.create_session("s2", "telegram")

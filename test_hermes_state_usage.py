@@ -338,3 +338,46 @@ class RoutesAndTotals(UsageTestCase):
         self.db.set_session_archived("b", True)
         self.assertEqual(self.db.usage_totals(), {"tokens": 150, "cost_usd": 0.5})
         self.assertEqual(self.db.usage_totals(include_archived=True)["tokens"], 158)
+
+
+class SessionActivity(UsageTestCase):
+    """The heartbeat hermes-agent's turn writes (touch) and clears at its end."""
+
+    def activity(self, session_id="s"):
+        return tuple(self.raw(self.path).execute(
+            "SELECT last_activity_at, last_activity_description, last_activity_provenance FROM sessions"
+            " WHERE id = ?", (session_id,)).fetchone())
+
+    def setUp(self):
+        super().setUp()
+        self.db.create_session("s", "cli")
+
+    def test_a_touch_stores_time_trimmed_description_and_known_provenance(self):
+        self.db.touch_session_activity("s", 1000.0, description="  calling the model  ", provenance="agent.compression")
+        self.assertEqual(self.activity(), (1000.0, "calling the model", "agent.compression"))
+        self.db.touch_session_activity("s", "1001", description="x" * 130, provenance="made up")
+        self.assertEqual(self.activity(), (1001.0, "x" * 119 + "\u2026", "unknown"))
+
+    def test_a_touch_never_moves_the_stamp_back_and_defaults_to_now(self):
+        self.db.touch_session_activity("s", 1000.0, description="first")
+        self.db.touch_session_activity("s", 999.0, description="late arrival")
+        self.assertEqual(self.activity(), (1000.0, "first", "unknown"))
+        before = time.time()
+        self.db.touch_session_activity("s")
+        self.assertGreaterEqual(self.activity()[0], before)
+        self.assertEqual(self.activity()[1:], ("", "unknown"))
+
+    def test_clearing_keeps_the_time_and_blanks_the_labels(self):
+        self.db.touch_session_activity("s", 1000.0, description="compressing", provenance="agent.compression")
+        self.db.clear_session_activity_labels("s")
+        self.assertEqual(self.activity(), (1000.0, "", "unknown"))
+
+    def test_missing_sessions_and_empty_ids_are_no_ops_and_bad_values_raise(self):
+        for call in (lambda: self.db.touch_session_activity("gone", 5.0), lambda: self.db.touch_session_activity(""),
+                     lambda: self.db.clear_session_activity_labels("gone"),
+                     lambda: self.db.clear_session_activity_labels("")):
+            self.assertIsNone(call())
+        self.assertEqual(self.raw(self.path).execute("SELECT COUNT(*) FROM sessions").fetchone()[0], 1)
+        with self.assertRaises(ValueError):
+            self.db.touch_session_activity("s", "soon")
+        self.assertEqual(self.activity(), (None, None, None))

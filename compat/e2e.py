@@ -37,6 +37,14 @@ def q(prompt):
     return ["chat", "-Q", "-q", prompt]
 
 
+COMPRESSION = """\
+compression:
+  enabled: true
+  threshold_tokens: 150
+  protect_first_n: 1
+  protect_last_n: 2
+"""
+
 # (name, argv with {placeholders}, name to capture the printed session id under, or None)
 STEPS = [
     ("turn-plain", q("Say hello to banana"), "A"),
@@ -65,6 +73,13 @@ STEPS = [
     ("sessions-stats-final", ["sessions", "stats"], None),
     ("insights", ["insights"], None),
     ("doctor", ["doctor"], None),
+    ("compress-big-read", ["chat", "-Q", "--resume", "{A}", "-q", "Read it TOOL:read_file big.txt"], None),
+    # From here on config.yaml also holds COMPRESSION: every turn starts over the tiny threshold.
+    ("compress-resume", ["chat", "-Q", "--resume", "{A}", "-q", "Now a compressed turn"], None, COMPRESSION),
+    ("compress-continue", ["chat", "-Q", "--continue", "-q", "After the compression"], None),
+    # The summary model fails (see fake_llm): the cooldown it leaves must hold in the next process.
+    ("compress-fail", ["chat", "-Q", "--resume", "{B}", "-q", "NOSUMMARY for this one"], None),
+    ("compress-cooldown", ["chat", "-Q", "--resume", "{B}", "-q", "Still cooling down"], None),
 ]
 
 CONFIG = """\
@@ -192,6 +207,8 @@ def run(kind, venv, overlay, out_path):
         os.makedirs(folder)
     with open(os.path.join(work, "notes.txt"), "w") as fh:
         fh.write("hello notes about banana\n")
+    with open(os.path.join(work, "big.txt"), "w") as fh:
+        fh.writelines("line %d of the big file about bananas, cherries and other fruit\n" % n for n in range(400))
     log_path = os.path.join(root, "requests.jsonl")
     server = fake_llm.start(log_path)
     port = server.server_address[1]
@@ -219,7 +236,10 @@ def run(kind, venv, overlay, out_path):
     offset = 0
     run_started = time.monotonic()
     db_path = os.path.join(home, "state.db")
-    for name, template, capture in STEPS:
+    for name, template, capture, *config in STEPS:
+        if config:
+            with open(os.path.join(home, "config.yaml"), "a") as fh:
+                fh.write(config[0])
         missing = [m for m in re.findall(r"\{(\w+)\}", " ".join(template)) if m not in captured]
         argv = template if missing else [part.format(**captured) for part in template]
         started = time.monotonic()

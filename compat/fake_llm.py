@@ -10,6 +10,8 @@ answers as long as they send the same conversation:
 - the last user message holds TOOL:read_file or TOOL:session_search: a call of that built-in tool
   (arguments taken from the prompt), with a reasoning text beside it;
 - a request whose system prompt asks for a title: a title made from the first user words;
+- hermes-agent's context-compression request: a fixed summary, or no text at all when the turns it
+  summarises hold NOSUMMARY (a summary model that fails);
 - anything else: "Reply to: <the user's words>" plus a reasoning text.
 `usage` counts are derived from the number of messages and words, never from the clock.
 
@@ -25,6 +27,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODEL = "fake-model"
+SUMMARY = "Summary: the user asked about bananas and cherries and read big.txt, a list of numbered lines."
 # Fixed so the stored rows do not depend on the clock.
 CREATED = 1700000000
 
@@ -72,6 +75,8 @@ def plan_reply(body):
         if (body.get("response_format") or {}).get("type") in ("json_schema", "json_object"):
             return json.dumps({"title": title}), None, None
         return title, None, None
+    if user.startswith("You are a summarization agent"):
+        return ("" if "NOSUMMARY" in user else SUMMARY), None, None
     match = re.search(r"TOOL:(\w+)(?:\s+(\S+))?", user)
     if match:
         tool, arg = match.group(1), match.group(2) or ""
