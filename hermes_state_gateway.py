@@ -41,13 +41,6 @@ SELECT_ROUTING_SQL = "SELECT session_key, entry_json FROM gateway_routing WHERE 
 DELETE_ROUTING_KEYS_SQL = "DELETE FROM gateway_routing WHERE scope = ? AND session_key IN ({})"
 DELETE_ROUTING_SCOPE_SQL = "DELETE FROM gateway_routing WHERE scope = ?"
 SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
-
-UPSERT_LOCK_SQL = """
-INSERT INTO compression_locks (session_id, holder, acquired_at, expires_at) VALUES (?, ?, ?, ?)
-ON CONFLICT (session_id) DO UPDATE SET
-  holder = excluded.holder, acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
-"""
-
 REFRESH_LOCK_SQL = "UPDATE compression_locks SET expires_at = ? WHERE session_id = ? AND holder = ?"
 RELEASE_LOCK_SQL = "DELETE FROM compression_locks WHERE session_id = ? AND holder = ?"
 
@@ -153,37 +146,59 @@ class SessionGatewayMixin:
     # -- compression locks -------------------------------------------------------
 
     def try_acquire_compression_lock(self, session_id, holder, ttl_seconds=300.0):
-        """Take the session's compression lock for `holder`; False if someone alive holds it.
+        """Take the session's compression lock for `holder`; False if someone alive holds it,
+        for an empty session id, or when the store fails (compression is then skipped).
 
         An expired lock, or one whose holder names a dead process of this host
-        (see holder_is_alive), is taken over. Re-acquiring your own lock refreshes it.
+        (see holder_is_alive), is taken over. Holding it already is True and
+        leaves its expiry as it was; a `ttl_seconds` of 0 or less makes a lock
+        that has already expired, as in hermes-agent.
         """
-        require_text("holder", holder)
-        ttl = _require_ttl(ttl_seconds)
+        if not session_id:
+            return False
 
         def write(conn):
             now = time.time()
             row = conn.execute(SELECT_LOCK_SQL, (session_id,)).fetchone()
-            if row and row["holder"] != holder and row["expires_at"] > now and holder_is_alive(row["holder"]):
-                return False
-            conn.execute(UPSERT_LOCK_SQL, (session_id, holder, now, now + ttl))
-            return True
+            if row and (row["expires_at"] < now or not holder_is_alive(row["holder"] or "")):
+                # The row was read in this transaction, so the id alone names it (a holder may be NULL in an old store).
+                conn.execute("DELETE FROM compression_locks WHERE session_id = ?", (session_id,))
+            conn.execute("INSERT OR IGNORE INTO compression_locks (session_id, holder, acquired_at, expires_at)"
+                         " VALUES (?, ?, ?, ?)", (session_id, holder, now, now + float(ttl_seconds)))
+            return conn.execute(SELECT_LOCK_SQL, (session_id,)).fetchone()["holder"] == holder
 
-        return self._execute_write(write)
+        return self._lock_write(write, "try_acquire_compression_lock", session_id, False)
 
     def refresh_compression_lock(self, session_id, holder, ttl_seconds=300.0):
-        """Extend a lock `holder` holds; False if it holds none."""
-        expires = time.time() + _require_ttl(ttl_seconds)
-        return self._update_rows(REFRESH_LOCK_SQL, (expires, session_id, holder)) > 0
+        """Extend the lock while `holder` owns it, expired or not; False if it does not
+        (or for an empty id or holder, or when the store fails)."""
+        if not session_id or not holder:
+            return False
+        expires = time.time() + float(ttl_seconds)
+        return self._lock_write(lambda conn: conn.execute(REFRESH_LOCK_SQL, (expires, session_id, holder)).rowcount > 0,
+                                "refresh_compression_lock", session_id, False)
 
     def release_compression_lock(self, session_id, holder):
-        """Release a lock `holder` holds; False if it holds none."""
-        return self._update_rows(RELEASE_LOCK_SQL, (session_id, holder)) > 0
+        """Release the lock if `holder` owns it; returns None. A store failure is logged, never raised."""
+        if session_id:
+            self._lock_write(lambda conn: conn.execute(RELEASE_LOCK_SQL, (session_id, holder)),
+                             "release_compression_lock", session_id, None)
 
     def get_compression_lock_holder(self, session_id):
-        """Who holds the session's lock now (None when free or expired)."""
+        """Who holds the session's lock now; None when free, expired or for an empty id."""
+        if not session_id:
+            return None
         row = self._read_one(SELECT_LOCK_SQL, (session_id,))
-        return row["holder"] if row and row["expires_at"] > time.time() else None
+        return row["holder"] if row and row["expires_at"] >= time.time() else None
+
+    def _lock_write(self, fn, name, session_id, on_error):
+        # hermes-agent's lock calls fail open: a broken store means "no lock", never an exception.
+        try:
+            result = self._execute_write(fn)
+        except sqlite3.Error as exc:
+            logger.warning("%s(%s) failed: %s", name, session_id, exc)
+            return on_error
+        return result if on_error is not None else None
 
     # -- turn leases -------------------------------------------------------------
     # One agent turn at a time per conversation, across processes. The lease is
@@ -555,9 +570,3 @@ def _routing_row(session_key, entry_json, scope):
         raise ValueError("scope must be a string")
     entry = entry_json if isinstance(entry_json, str) else json_text("entry_json", entry_json)
     return (scope, session_key, entry, time.time())
-
-
-def _require_ttl(ttl_seconds):
-    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, (int, float)) or ttl_seconds <= 0:
-        raise ValueError("ttl_seconds must be a number > 0")
-    return float(ttl_seconds)

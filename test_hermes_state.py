@@ -265,10 +265,15 @@ class RoutingMetaLocks(StoreTestCase):
         time.sleep(0.05)
         self.assertIsNone(self.db.get_compression_lock_holder("s"))
         self.assertTrue(self.db.try_acquire_compression_lock("s", "two"))  # expired: taken over
-        self.assertFalse(self.db.release_compression_lock("s", "one"))
-        self.assertTrue(self.db.release_compression_lock("s", "two"))
-        with self.assertRaisesRegex(ValueError, "ttl_seconds"):
-            self.db.try_acquire_compression_lock("s", "x", ttl_seconds=0)
+        self.assertIsNone(self.db.release_compression_lock("s", "one"))  # not the holder: nothing happens
+        self.assertEqual(self.db.get_compression_lock_holder("s"), "two")
+        self.assertIsNone(self.db.release_compression_lock("s", "two"))
+        self.assertIsNone(self.db.get_compression_lock_holder("s"))
+        # As in hermes-agent: a ttl of 0 or less makes a lock that has already expired,
+        # and an empty id is never locked.
+        self.assertTrue(self.db.try_acquire_compression_lock("s", "x", ttl_seconds=-1))
+        self.assertTrue(self.db.try_acquire_compression_lock("s", "y"))
+        self.assertFalse(self.db.try_acquire_compression_lock("", "z"))
 
     def test_a_dead_holder_process_loses_its_lock(self):
         child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
