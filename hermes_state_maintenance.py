@@ -507,7 +507,7 @@ class SessionMaintenanceMixin:
             "wal_reset_bug": sqlite_has_wal_reset_bug(),
             "journal_mode": _checked(lambda: self._read_value(JOURNAL_MODE_SQL)),
             "journal_policy": self.policy.reason,
-            "checkpoint_mode": self.policy.checkpoint,
+            "checkpoint_mode": _checked(self._checkpoint_mode),
             "schema_version": _checked(self.schema_version),
             "schema_version_of_release": SCHEMA_VERSION,
             "stale_schema": self.stale_schema,

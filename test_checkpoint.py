@@ -7,7 +7,6 @@ real Litestream against the same policy.
 """
 
 import json
-import logging
 import os
 import sqlite3
 import subprocess
@@ -153,7 +152,7 @@ class BesideAReplicator(TempDirTestCase):
             self.assertEqual(holder.returncode, 0, err)
             self.assertEqual(db.message_count("s"), 1)
 
-    def test_a_store_carrying_litestreams_tables_warns_when_our_checkpoints_would_race_it(self):
+    def test_doctor_hints_at_external_when_our_checkpoints_would_race_litestreams_writes(self):
         if not sqlite_has_wal_reset_bug():
             self.skipTest("this SQLite is fixed: our checkpoints cannot race Litestream's writes")
         path = self.tmp / "state.db"
@@ -162,13 +161,11 @@ class BesideAReplicator(TempDirTestCase):
         raw.execute("CREATE TABLE _litestream_seq (id INTEGER PRIMARY KEY, seq INTEGER)")
         raw.commit()
         raw.close()
-        with self.assertLogs("hermes_state", "WARNING") as logs:
-            SessionDB(path).close()
-        self.assertIn("set HERMES_STATE_CHECKPOINT=external", "\n".join(logs.output))
-        with self.assertLogs("hermes_state", "WARNING") as logs:
-            SessionDB(path, checkpoint="external").close()
-            logging.getLogger("hermes_state").warning("open done")
-        self.assertEqual(logs.output, ["WARNING:hermes_state:open done"])
+        with SessionDB(path) as db:
+            self.assertRegex(db.doctor()["checkpoint_mode"],
+                             "^locked; this store carries Litestream's tables: .* set HERMES_STATE_CHECKPOINT=external")
+        with SessionDB(path, checkpoint="external") as db:
+            self.assertEqual(db.doctor()["checkpoint_mode"], "external")
 
 
 class DoctorShowsTheMode(TempDirTestCase):
