@@ -20,10 +20,12 @@ import hashlib
 import os
 import shutil
 import sqlite3
+import stat
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -119,12 +121,39 @@ class Litestream:
             self.process.wait(STEP_TIMEOUT)
 
     def restore(self, out, source=None):
-        """Restore the newest replicated state to `out` (from the replica URL, as another machine would)."""
-        run([self.binary, "restore", "-o", str(out), source or self.replica.as_uri()])
+        """Restore the newest replicated state to `out` (from the replica URL, as another machine would).
+
+        Under umask 077, as the README says: Litestream creates the file 0644 otherwise.
+        """
+        run([self.binary, "restore", "-o", str(out), source or self.replica.as_uri()],
+            preexec_fn=lambda: os.umask(0o077))
         return out
 
     def ltx_files(self):
         return set((self.replica / "ltx" / "0").glob("*.ltx"))
+
+
+class WalWatch:
+    """The largest size the store's -wal file reaches while the block runs (polled every 20 ms)."""
+
+    def __init__(self, db_path):
+        self.wal, self.largest, self._stop = Path(f"{db_path}-wal"), 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        while not self._stop.wait(0.02):
+            try:
+                self.largest = max(self.largest, self.wal.stat().st_size)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._stop.set()
+        self._thread.join(5)
 
 
 def run(cmd, **kwargs):
@@ -328,8 +357,11 @@ def scenario_optimize_and_restore(binary, work):
     litestream.start()
     SessionDB(db_path).close()  # the upgrade at open happens under replication too
     writer = start_writer(db_path, 1, 6)
-    hermes("--db", db_path, "optimize-storage", "--yes")
-    finish_writer(writer)
+    with WalWatch(db_path) as watch:
+        hermes("--db", db_path, "optimize-storage", "--yes")
+        finish_writer(writer)
+    FIGURES.append(f"optimize-storage with a writer, under litestream: largest WAL {watch.largest / 1e6:.1f} MB "
+                   f"(store {os.path.getsize(db_path) / 1e6:.1f} MB); Litestream alone checkpoints it")
     litestream.control("stop")  # waits for the final sync
     restored = litestream.restore(work / "restored-1" / "state.db")
     assert_same_rows(db_path, restored)
@@ -370,6 +402,8 @@ def scenario_other_machine(binary, work):
     litestream.terminate()
     other_home = work / "other-machine"
     restored = litestream.restore(other_home / "state.db")
+    if stat.S_IMODE(os.stat(restored).st_mode) != 0o600:
+        raise AssertionError(f"the restored store is mode {oct(os.stat(restored).st_mode)}, not 0600")
     assert_same_rows(db_path, restored)
     before = all_rows(restored)
     # The other machine does not replicate (yet): its processes run the default checkpoint policy.
