@@ -8,8 +8,8 @@ modules (writers are worker.py processes running this checkout's SessionDB), any
 start, any network (Litestream replicates to a folder; PyPI is reached only to build the venv).
 
 Usage: python3 replicate/run.py [--only N[,N...]] [--keep]
-Environment: HERMES_REPLICATE_CACHE (the venv cache, default ~/.cache/hermes_state_litestream),
-HERMES_REPLICATE_DEBUG=1 (Litestream logs at debug level; with --keep, read scenario-N/litestream.log).
+Environment: HERMES_REPLICATE_CACHE (the venv cache, default ~/.cache/hermes_state_litestream).
+With --keep, each scenario's Litestream log (debug level) stays in scenario-N/litestream.log.
 Every process here runs with HERMES_STATE_CHECKPOINT=external, as the README tells users to.
 """
 
@@ -79,7 +79,7 @@ class Litestream:
         self.config, self.log = work / "litestream.yml", work / "litestream.log"
         # The README's config, with a file replica in place of a bucket.
         self.config.write_text(
-            ("logging:\n  level: debug\n" if os.environ.get("HERMES_REPLICATE_DEBUG") else "") +
+            "logging:\n  level: debug\n"  # its syncs and snapshots are logged at debug level only
             "socket:\n"
             "  enabled: true\n"
             f"  path: {self.socket}\n"
@@ -128,6 +128,10 @@ class Litestream:
         run([self.binary, "restore", "-o", str(out), source or self.replica.as_uri()],
             preexec_fn=lambda: os.umask(0o077))
         return out
+
+    def snapshots(self):
+        """How many syncs so far Litestream made as a full snapshot of the store."""
+        return self.log.read_text().count(" snap=true") if self.log.exists() else 0
 
     def ltx_files(self):
         return set((self.replica / "ltx" / "0").glob("*.ltx"))
@@ -252,7 +256,7 @@ def assert_healthy(path, probe_words=("meridian", "saffron"), source=None):
         for table in fts:
             conn.execute(f"INSERT INTO \"{table}\"(\"{table}\") VALUES ('integrity-check')")
     except sqlite3.DatabaseError as exc:
-        raise AssertionError(f"FTS5 integrity-check of {path}: {exc}") from None
+        raise AssertionError(f"integrity checks of {path}: {exc}") from None
     finally:
         conn.close()
     with SessionDB(path, read_only=True) as db:
@@ -329,14 +333,18 @@ def scenario_killed(binary, work):
     writers = [start_writer(db_path, worker, 60) for worker in (1, 2)]
     time.sleep(4)
     litestream.kill()  # writes go on with no replicator: the WAL grows, nobody checkpoints
+    replicated_at_kill = litestream.ltx_files()
     time.sleep(3)
+    snapshots_before_restart = litestream.snapshots()
     litestream.start()
     time.sleep(3)
     for writer in writers:
         kill_writer(writer)  # anywhere, mid-transaction included
-    replicated_before = litestream.ltx_files()
+    if litestream.snapshots() != snapshots_before_restart:
+        # Nobody checkpointed while it was down, so it resumes from its position in the WAL.
+        raise AssertionError("litestream had to take a new snapshot after its restart: something checkpointed")
     litestream.terminate()  # its shutdown sync takes every transaction committed before the kills
-    if not litestream.ltx_files() - replicated_before and not replicated_before:
+    if not litestream.ltx_files() - replicated_at_kill:
         raise AssertionError("litestream replicated nothing after its restart")
     restored = litestream.restore(work / "restored" / "state.db")
     assert_nothing_half_written(restored)
