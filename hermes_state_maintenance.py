@@ -454,8 +454,9 @@ class SessionMaintenanceMixin:
     # -- vacuum, stats and doctor ----------------------------------------------------
 
     def vacuum(self):
-        """Merge the search indexes' segments, rewrite the file without free pages, truncate the WAL;
-        returns how many indexes were merged (0 if merging failed)."""
+        """Merge the search indexes' segments, rewrite the file without free pages, truncate the WAL
+        (left to the replicator under an external checkpoint policy); returns how many indexes were
+        merged (0 if merging failed)."""
         self._flush_token_counts()
         try:
             merged = self.optimize_fts()
@@ -465,7 +466,8 @@ class SessionMaintenanceMixin:
 
         def run(conn):
             conn.execute(VACUUM_SQL)
-            conn.execute(CHECKPOINT_TRUNCATE_SQL)
+            if self.policy.checkpoint != "external":  # only the replicator checkpoints then
+                conn.execute(CHECKPOINT_TRUNCATE_SQL)
 
         self._execute_write(run, transaction=False)
         return merged
@@ -506,6 +508,7 @@ class SessionMaintenanceMixin:
             "wal_reset_bug": sqlite_has_wal_reset_bug(),
             "journal_mode": _checked(lambda: self._read_value(JOURNAL_MODE_SQL)),
             "journal_policy": self.policy.reason,
+            "checkpoint_mode": _checked(self._checkpoint_mode),
             "schema_version": _checked(self.schema_version),
             "schema_version_of_release": SCHEMA_VERSION,
             "stale_schema": self.stale_schema,

