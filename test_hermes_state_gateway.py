@@ -70,6 +70,19 @@ def dead_pid():
     return int(child.stdout)
 
 
+
+def race_four_processes(test, script):
+    """Start four processes on test.path; once all say "ready", let them race; exactly one says "won"."""
+    barrier = test.tmp / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(test.path), str(barrier)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    for proc in procs:
+        test.assertEqual(proc.stdout.readline().strip(), "ready")
+    barrier.touch()
+    results = [proc.communicate(timeout=60) for proc in procs]
+    test.assertEqual(sorted(out.strip() for out, _err in results), ["lost", "lost", "lost", "won"],
+                     [err for _out, err in results])
+
 class TurnLeases(StoreTestCase):
 
     def lease(self):
@@ -178,15 +191,7 @@ class TurnLeases(StoreTestCase):
         self.db.create_session("root", "cli")
         self.db.end_session("root", "compression")
         self.db.create_session("tip", "cli", parent_session_id="root")
-        barrier = self.tmp / "go"
-        procs = [subprocess.Popen([sys.executable, "-c", LEASE_TAKER, str(self.path), str(barrier)], cwd=REPO,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
-        for proc in procs:
-            self.assertEqual(proc.stdout.readline().strip(), "ready")
-        barrier.touch()
-        results = [proc.communicate(timeout=60) for proc in procs]
-        self.assertEqual(sorted(out.strip() for out, _err in results), ["lost", "lost", "lost", "won"],
-                         [err for _out, err in results])
+        race_four_processes(self, LEASE_TAKER)
         self.assertEqual([row[0] for row in self.lease()], ["root"])
 
     def holder_process(self):
@@ -447,13 +452,5 @@ class Handoffs(StoreTestCase):
     def test_of_four_processes_claiming_one_handoff_exactly_one_wins(self):
         self.db.create_session("s", "cli")
         self.db.request_handoff("s", "telegram")
-        barrier = self.tmp / "go"
-        procs = [subprocess.Popen([sys.executable, "-c", CLAIMER, str(self.path), str(barrier)], cwd=REPO,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
-        for proc in procs:
-            self.assertEqual(proc.stdout.readline().strip(), "ready")
-        barrier.touch()
-        results = [proc.communicate(timeout=60) for proc in procs]
-        self.assertEqual(sorted(out.strip() for out, _err in results), ["lost", "lost", "lost", "won"],
-                         [err for _out, err in results])
+        race_four_processes(self, CLAIMER)
         self.assertEqual(self.state()["state"], "running")
