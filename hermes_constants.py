@@ -17,8 +17,6 @@ import stat
 import sys
 from pathlib import Path
 
-STATE_DB_FILENAME = "state.db"
-
 # A ContextVar, not os.environ: a test or a multi-profile server can point one
 # thread or task at another home without changing it for everybody else.
 _home_override = contextvars.ContextVar("hermes_home_override", default=None)
@@ -57,11 +55,6 @@ def get_hermes_home():
     """The home folder: the context override, else HERMES_HOME, else the platform default."""
     override = get_hermes_home_override()
     return Path(override) if override else get_process_hermes_home()
-
-
-def get_default_db_path():
-    """`<home>/state.db`, resolved now (not at import) so overrides apply."""
-    return get_hermes_home() / STATE_DB_FILENAME
 
 
 def get_config_path():

@@ -8,7 +8,7 @@ from pathlib import Path
 from unittest import mock
 
 from hermes_constants import (
-    apply_subprocess_home_env, display_hermes_home, get_config_path, get_default_db_path,
+    apply_subprocess_home_env, display_hermes_home, get_config_path,
     get_default_hermes_root, get_hermes_dir, get_hermes_home, get_hermes_home_override, get_process_hermes_home,
     get_real_home, get_subprocess_home, hermes_home_key, reset_hermes_home_override, secure_parent_dir,
     set_hermes_home_override,
@@ -20,7 +20,7 @@ class HermesHome(unittest.TestCase):
     def test_environment_variable_is_stripped_and_used(self):
         with mock.patch.dict(os.environ, {"HERMES_HOME": "  /srv/agent  "}):
             self.assertEqual(get_hermes_home(), Path("/srv/agent"))
-            self.assertEqual(get_default_db_path(), Path("/srv/agent/state.db"))
+            self.assertEqual(get_config_path(), Path("/srv/agent/config.yaml"))
 
     def test_blank_environment_variable_falls_back_to_the_default(self):
         with mock.patch.dict(os.environ, {"HERMES_HOME": "   "}), mock.patch("sys.platform", "linux"):
