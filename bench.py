@@ -20,7 +20,7 @@ import tracemalloc
 from pathlib import Path
 
 from hermes_state import CHECKPOINT_EVERY_COMMITS, SessionDB, choose_journal_policy
-from hermes_state_common import BUMP_MESSAGE_COUNTS_SQL, INSERT_MESSAGE_SQL
+from hermes_state_common import BUMP_MESSAGE_COUNTS_SQL, INSERT_MESSAGE_SQL, MESSAGE_WRITE_COLUMNS
 from hermes_state_portability import write_export
 
 HISTORY_MESSAGES = 20_000
@@ -59,7 +59,7 @@ def agent_history(count, seed=7):
 
 def raw_row(session_id, message):
     """The row raw sqlite3 inserts: the same values append_message stores."""
-    values = {column: None for column in INSERT_MESSAGE_SQL.split("(")[1].split(")")[0].split(", ")}
+    values = dict.fromkeys(MESSAGE_WRITE_COLUMNS)
     values.update(message, session_id=session_id, timestamp=time.time(), observed=0, active=1)
     if values["tool_calls"] is not None:
         values["tool_calls"] = json.dumps(values["tool_calls"], ensure_ascii=False)
@@ -124,7 +124,7 @@ def bench_batch(folder, history, journal):
     with SessionDB(path, journal=journal) as db:
         start = time.perf_counter()
         for batch in batches:
-            db.append_messages_batch("bench", batch)
+            db.append_messages_batch("bench", [dict(m) for m in batch])  # it stamps `_row_id` on what it is given
         ours = rate(len(history), time.perf_counter() - start)
     conn, manual = raw_connection(fresh_store(folder, f"batch-raw-{journal}.db", journal), journal)
     start = time.perf_counter()
@@ -184,7 +184,7 @@ def build_large_store(folder, journal):
             session_id = f"s{i}"
             db.create_session(session_id, "cli")
             for j in range(0, len(history), 500):
-                db.append_messages_batch(session_id, history[j:j + 500])
+                db.append_messages_batch(session_id, [dict(m) for m in history[j:j + 500]])
     return path
 
 
@@ -238,7 +238,7 @@ def bench_portability(folder, history, journal):
     with SessionDB(path, journal=journal) as db:
         for i in range(0, len(history), 400):  # 50 sessions of 400 messages
             db.create_session(f"x{i}", "cli")
-            db.append_messages_batch(f"x{i}", history[i:i + 400])
+            db.append_messages_batch(f"x{i}", [dict(m) for m in history[i:i + 400]])
         out = Path(folder) / "export.jsonl"
         tracemalloc.start()
         start = time.perf_counter()
