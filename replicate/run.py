@@ -302,15 +302,21 @@ def assert_opens_without_repair(path):
 
 # ---- the scenarios ------------------------------------------------------------------------------
 
-def scenario_two_writers(binary, work):
-    """Two writer processes append under `litestream replicate`; stop; restore: equal row for row."""
+
+def replicated_home(binary, work):
+    """A fresh store in work/home made by SessionDB, and Litestream started on it."""
     home = work / "home"
     home.mkdir()
     db_path = home / "state.db"
     SessionDB(db_path).close()
-    measure_append_rate(binary, work)
     litestream = Litestream(binary, work, db_path)
     litestream.start()
+    return db_path, litestream
+
+def scenario_two_writers(binary, work):
+    """Two writer processes append under `litestream replicate`; stop; restore: equal row for row."""
+    measure_append_rate(binary, work)
+    db_path, litestream = replicated_home(binary, work)
     writers = [start_writer(db_path, worker, 12) for worker in (1, 2)]
     appended = [finish_writer(w) for w in writers]
     measure_lag(litestream, db_path, work)
@@ -324,12 +330,7 @@ def scenario_two_writers(binary, work):
 
 def scenario_killed(binary, work):
     """SIGKILL of the writers and of Litestream mid-run; Litestream restarted; restore; no repair needed."""
-    home = work / "home"
-    home.mkdir()
-    db_path = home / "state.db"
-    SessionDB(db_path).close()
-    litestream = Litestream(binary, work, db_path)
-    litestream.start()
+    db_path, litestream = replicated_home(binary, work)
     writers = [start_writer(db_path, worker, 60) for worker in (1, 2)]
     time.sleep(4)
     litestream.kill()  # writes go on with no replicator: the WAL grows, nobody checkpoints
@@ -400,12 +401,7 @@ def scenario_optimize_and_restore(binary, work):
 
 def scenario_other_machine(binary, work):
     """The restored store opened as a second home: append, search, export work; old rows untouched."""
-    home = work / "home"
-    home.mkdir()
-    db_path = home / "state.db"
-    SessionDB(db_path).close()
-    litestream = Litestream(binary, work, db_path)
-    litestream.start()
+    db_path, litestream = replicated_home(binary, work)
     finish_writer(start_writer(db_path, 3, 3))
     litestream.terminate()
     other_home = work / "other-machine"
