@@ -1,13 +1,13 @@
 """`make compat`: run hermes-agent 0.20.1.2 on its own state layer and on ours, compare, report; pass
 stores between ours and the releases 0.19, 0.20 and 0.22.
 
-Owns: the order of the run (venvs, overlay, API scenarios, end-to-end run, store round trips
+Owns: the order of the run (venvs, overlay, API scenarios, in-process checks, end-to-end run, store round trips
 (`releases.py`)), the comparison of the reference's record with ours, the deliberate-differences list, and the report: one PASS/FAIL line per
 scenario, the differences under each failure, and a closing `N passed, N failed` line; the exit code is
 non-zero on any failure. Must not touch: the repo's product modules (they are copied, never edited),
 any network but 127.0.0.1 during the end-to-end run.
 
-Usage: python3 compat/run.py [--only api|e2e|releases] [--details N]
+Usage: python3 compat/run.py [--only api|inprocess|e2e|releases] [--details N]
 Environment: HERMES_COMPAT_CACHE (venv cache), COMPAT_PYTHON (the CPython that builds the venvs),
 COMPAT_KEEP=1 (keep the e2e temp homes), COMPAT_OUR_CONSTANTS=1 (diagnostic only, see README.md).
 """
@@ -33,6 +33,7 @@ OUT = os.path.join(HERE, "out")
 DELIBERATE = os.path.join(HERE, "deliberate.txt")
 E2E_TIMEOUT = 900
 API_TIMEOUT = 300
+INPROCESS_TIMEOUT = 900
 
 
 # ---- deliberate differences -------------------------------------------------------------------------
@@ -194,6 +195,54 @@ def compare_api_scenario(ref, ours, paths):
     return out
 
 
+# ---- the in-process checks --------------------------------------------------------------------------
+
+def run_inprocess(kind, venv, overlay, self_check, mode):
+    """Start inprocess.py in one venv (`mode` '' for the scenarios, '--imports' for the import walk);
+    return (Popen, out_file, log_file)."""
+    name = "inprocess%s-%s" % (mode.replace("--", "-"), kind)
+    out_file, log_file = os.path.join(OUT, name + ".json"), os.path.join(OUT, name + ".log")
+    env = venvs.target_env("ref" if self_check else kind, overlay)
+    log = open(log_file, "w")
+    cmd = [venvs.venv_python(venv), os.path.join(HERE, "inprocess.py")] + ([mode] if mode else []) + [out_file]
+    return subprocess.Popen(cmd, env=env, cwd=OUT, stdin=subprocess.DEVNULL, stdout=log, stderr=log), out_file, log_file
+
+
+def finish_inprocess(started):
+    """Wait for the started inprocess.py runs; return {(kind, mode): record or {'died': why}}."""
+    out = {}
+    for key, (proc, out_file, log_file) in started.items():
+        try:
+            proc.wait(timeout=INPROCESS_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.returncode != 0 or not os.path.exists(out_file):
+            with open(log_file) as fh:
+                last = (fh.read().strip().splitlines() or [""])[-1]
+            out[key] = {"died": "inprocess.py exited %s: %s" % (proc.returncode, last)}
+        else:
+            with open(out_file) as fh:
+                out[key] = json.load(fh)
+    return out
+
+
+def compare_imports(ref, ours):
+    """Return (differences, notes): a module the reference imports and ours does not is a difference; a
+    module failing on both (an optional dependency hermes-agent lacks here) is a note."""
+    if "died" in ours:
+        return ["the import walk died in ours: " + ours["died"]], []
+    diffs, notes = [], []
+    for name, why in sorted(ref["modules"].items()):
+        if name not in ours["modules"]:
+            diffs.append("%s: not walked in ours" % name)
+        elif why is None and ours["modules"][name] is not None:
+            diffs.append("%s: ref imports it, ours fails: %s" % (name, ours["modules"][name]))
+        elif why is not None:
+            notes.append("%s: fails on both (ref: %s)" % (name, why))
+    return diffs, notes
+
+
 # ---- the end-to-end run -----------------------------------------------------------------------------
 
 CRASH_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
@@ -273,7 +322,7 @@ def run_e2e(kind, venv, overlay, out_file, log_file):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("api", "e2e", "releases"))
+    parser.add_argument("--only", choices=("api", "inprocess", "e2e", "releases"))
     parser.add_argument("--details", type=int, default=12, help="differences printed per failed scenario")
     parser.add_argument("--self-check", action="store_true",
                         help="run the reference on both sides: any difference is noise in the harness itself")
@@ -296,6 +345,7 @@ def main(argv=None):
     shutil.rmtree(OUT, ignore_errors=True)
     os.makedirs(OUT)
     results = []  # (scenario, [differences])
+    import_notes = []
     try:
         timings = {}
         if args.only in (None, "api"):
@@ -313,6 +363,24 @@ def main(argv=None):
                     diffs = compare_api_scenario(scenario, ours, paths)
                 results.append(("api/" + scenario["name"], diffs))
             timings["api"] = time.monotonic() - t0
+        if args.only in (None, "inprocess"):
+            t0 = time.monotonic()
+            started = {(kind, mode): run_inprocess(kind, venv, overlay, args.self_check, mode)
+                       for mode in ("", "--imports") for kind, venv in (("ref", ref_venv), ("swap", swap_venv))}
+            done = finish_inprocess(started)
+            for mode in ("", "--imports"):
+                if "died" in done[("ref", mode)]:
+                    raise SystemExit("compat: the in-process checks failed on the reference itself: "
+                                     + done[("ref", mode)]["died"])
+            ours_by_name = {s["name"]: s for s in done[("swap", "")].get("scenarios", [])}
+            for scenario in done[("ref", "")]["scenarios"]:
+                ours = ours_by_name.get(scenario["name"])
+                diffs = (compare_api_scenario(scenario, ours, paths) if ours is not None else
+                         ["not run in ours: " + done[("swap", "")].get("died", "missing")])
+                results.append(("inprocess/" + scenario["name"], diffs))
+            diffs, import_notes = compare_imports(done[("ref", "--imports")], done[("swap", "--imports")])
+            results.append(("inprocess/import-every-module", diffs))
+            timings["inprocess"] = time.monotonic() - t0
         if args.only in (None, "e2e"):
             t0 = time.monotonic()
             procs = {kind: run_e2e(kind, venv, overlay if kind == "swap" and not args.self_check else None,
@@ -364,6 +432,10 @@ def main(argv=None):
         full.append("")
         full.append("%s: %d difference(s)" % (name, len(open_diffs)))
         full.extend("  " + d for d in open_diffs)
+    if import_notes:
+        full.append("")
+        full.append("inprocess/import-every-module: %d module(s) fail on the reference too:" % len(import_notes))
+        full.extend("  " + n for n in import_notes)
     with open(os.path.join(OUT, "report.txt"), "w") as fh:
         fh.write("\n".join(full) + "\n")
 
@@ -374,6 +446,11 @@ def main(argv=None):
                                            "" if len(open_diffs) <= args.details else ", first %d" % args.details))
         for line in open_diffs[:args.details]:
             print("  " + (line if len(line) <= 220 else line[:217] + "..."))
+    if import_notes:
+        print("\ncompat: %d hermes-agent module(s) fail to import on the reference too (listed in the report):"
+              % len(import_notes))
+        for note in import_notes[:args.details]:
+            print("  " + (note if len(note) <= 220 else note[:217] + "..."))
     stale = [p for p, _ in deliberate if p not in used]
     if stale:
         print("\ncompat: deliberate entries that matched nothing (remove them when the gap is closed):")
