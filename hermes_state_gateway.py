@@ -24,6 +24,7 @@ import time
 from hermes_state_common import (
     json_object,
     _BARE_BILLING_PROVIDERS,
+    _RESET_END_REASONS,
     chunked,
     classify_persistence_error,
     json_text,
@@ -85,6 +86,24 @@ _DONORS_SQL = f"""
 SELECT d.id, d.session_key, d.source, d.user_id, {_last_active_sql("d")} AS last_active
 FROM sessions AS d WHERE d.session_key IS NOT NULL
 """
+# A gateway row recovery may resume: open, or ended by a cleanup bug. A later reset boundary of the same
+# peer fences it off, so recovery never reaches behind a /new.
+_HAS_MESSAGES_SQL = "(COALESCE(s.message_count, 0) > 0 OR EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id))"
+_RECOVERABLE_PEER_SQL = f"""
+ WHERE {{match}} AND (s.ended_at IS NULL OR s.end_reason IN {_RECOVERABLE_END_REASONS_SQL})
+  AND NOT EXISTS (SELECT 1 FROM sessions AS b WHERE {{fence}} AND b.source = s.source AND b.ended_at IS NOT NULL
+    AND b.end_reason IN ({", ".join("'%s'" % r for r in _RESET_END_REASONS)})
+    AND b.ended_at > COALESCE(s.last_activity_at, s.started_at))
+ORDER BY {{order}}COALESCE(s.last_activity_at, s.started_at) DESC LIMIT 1
+"""
+_PEER_COLUMNS = ("user_id", "chat_id", "chat_type", "thread_id")
+_SAME_PEER_SQL = " AND ".join(f"COALESCE(b.{c}, '') = COALESCE(s.{c}, '')" for c in _PEER_COLUMNS)
+_PEER_MATCH_SQL = "s.source = ? AND " + " AND ".join(f"COALESCE(s.{c}, '') = COALESCE(?, '')" for c in _PEER_COLUMNS)
+_SET_PEER_SQL = ("UPDATE sessions SET session_key = ?, source = ?, user_id = ?, chat_id = ?, chat_type = ?,"
+                 " thread_id = ?, display_name = COALESCE(?, display_name), origin_json = COALESCE(?, origin_json)"
+                 " WHERE id IN ({})")
+_INSERT_PEER_SQL = ("INSERT INTO sessions (session_key, source, user_id, chat_id, chat_type, thread_id, display_name,"
+                    " origin_json, id, started_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 _SELECT_LEASE_SQL = "SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?"
 _DELETE_LEASE_SQL = "DELETE FROM session_turn_leases WHERE conversation_id = ? AND holder = ?"
 
@@ -374,6 +393,106 @@ class SessionGatewayMixin:
                          " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
 
         self._execute_write(write)
+
+    def record_gateway_session_peer(self, session_id, *, source, user_id=None, session_key=None, chat_id=None,
+                                    chat_type=None, thread_id=None, display_name=None, origin_json=None,
+                                    include_compression_ancestors=False):
+        """Give a session the gateway peer it is routed by; returns None (nothing without an id or key).
+
+        The identity columns are set as given; `display_name` and `origin_json`
+        only when not None. A missing row is created with that identity, so a
+        failed create_session never leaves the chat unroutable. With
+        `include_compression_ancestors` the compression parents the row
+        continues (not branches, delegates or tool sessions) get it too, and
+        a missing row is not created.
+        """
+        if not session_id or not session_key:
+            return
+        values = (session_key, source, user_id, chat_id, chat_type, thread_id, display_name, origin_json)
+
+        def write(conn):
+            ids = [session_id]
+            while include_compression_ancestors:
+                child = conn.execute("SELECT parent_session_id, model_config, source FROM sessions WHERE id = ?",
+                                     (ids[-1],)).fetchone()
+                parent = child and conn.execute("SELECT id FROM sessions WHERE id = ? AND end_reason = 'compression'",
+                                                (child["parent_session_id"],)).fetchone()
+                config = json_object(child["model_config"]) if child else {}
+                if (parent is None or parent["id"] in ids or (child["source"] or "") == "tool"
+                        or config.get("_branched_from") is not None or config.get("_delegate_from") is not None):
+                    break
+                ids.append(parent["id"])
+            conn.execute(_SET_PEER_SQL.format(placeholders(len(ids))), (*values, *ids))
+            if not include_compression_ancestors and conn.execute(
+                    "SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone() is None:
+                conn.execute(_INSERT_PEER_SQL, (*values, session_id, time.time()))
+
+        self._execute_write(write)
+
+    def find_latest_gateway_session_for_peer(self, *, source, user_id=None, session_key=None, chat_id=None,
+                                             chat_type=None, thread_id=None):
+        """The session row (with `_has_messages`) the gateway should resume for this routing key,
+        else for the whole peer when `chat_id` and `chat_type` are given; None without a key or a match.
+
+        By key: open rows or rows a cleanup bug ended, those with messages
+        first, then the most recently active. By peer: the same, with messages
+        only. A reset boundary of the key (or peer) ended after a row's last
+        activity rules that row out.
+        """
+        if not session_key:
+            return None
+        self._flush_token_counts()
+        column = ", %s AS _has_messages" % _HAS_MESSAGES_SQL
+        by_key = _RECOVERABLE_PEER_SQL.format(match="s.session_key = ? AND s.source = ?",
+                                              fence="b.session_key = s.session_key", order="_has_messages DESC, ")
+        rows = self._read_sessions(column, by_key, (session_key, source))
+        if not rows and chat_id is not None and chat_type is not None:
+            by_peer = _RECOVERABLE_PEER_SQL.format(match=_PEER_MATCH_SQL + " AND " + _HAS_MESSAGES_SQL,
+                                                   fence=_SAME_PEER_SQL, order="")
+            rows = self._read_sessions(column, by_peer, (source, user_id, chat_id, chat_type, thread_id))
+        return rows[0] if rows else None
+
+    def find_session_by_origin(self, *, platform, chat_id, thread_id=None, user_id=None):
+        """The id of the newest open gateway session of this platform (any case) and chat (and thread,
+        when given); None when there is none, or when it is ambiguous.
+
+        Ambiguous: with `user_id`, several rows and none of that user; without,
+        several rows of more than one user.
+        """
+        if not platform or chat_id in (None, ""):
+            return None
+        sql = ("SELECT id, user_id FROM sessions WHERE LOWER(source) = LOWER(?) AND session_key IS NOT NULL"
+               " AND chat_id = ? AND ended_at IS NULL")
+        params = [platform, str(chat_id)]
+        if thread_id is not None:
+            sql += " AND COALESCE(thread_id, '') = ?"
+            params.append(str(thread_id))
+        rows = self._read_all(sql + " ORDER BY started_at DESC", params)
+        users = [str(row["user_id"] or "") for row in rows]
+        if user_id and str(user_id) in users:
+            return str(rows[users.index(str(user_id))]["id"])
+        if not rows or len(rows) > 1 and (user_id or len({u.strip() for u in users if u.strip()}) > 1):
+            return None
+        return str(rows[0]["id"])
+
+    def increment_hygiene_failure_streak(self, session_key):
+        """Count one more failed session-hygiene run for a chat; returns the new streak (1 for an empty key,
+        which is not stored)."""
+        if not session_key:
+            return 1
+
+        def write(conn):
+            conn.execute("INSERT INTO gateway_hygiene_state (session_key, failure_streak) VALUES (?, 1)"
+                         " ON CONFLICT (session_key) DO UPDATE SET failure_streak = failure_streak + 1", (session_key,))
+            return int(conn.execute("SELECT failure_streak FROM gateway_hygiene_state WHERE session_key = ?",
+                                    (session_key,)).fetchone()[0])
+
+        return self._execute_write(write)
+
+    def reset_hygiene_failure_streak(self, session_key):
+        """Forget a chat's session-hygiene failure streak; returns None (nothing for an empty key)."""
+        if session_key:
+            self._update_rows("DELETE FROM gateway_hygiene_state WHERE session_key = ?", (session_key,))
 
     def promote_to_session_reset(self, session_id, reason="session_reset"):
         """End the session now with `reason`, a reset boundary gateway recovery never crosses;

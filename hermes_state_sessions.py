@@ -306,6 +306,12 @@ class SessionSessionsMixin:
         self._update_rows("UPDATE sessions SET model_config = ?, model = COALESCE(?, model) WHERE id = ?",
                           (model_config_json, model, session_id))
 
+    def get_session_model_config_value(self, session_id, key, default=None):
+        """One key of a session's model_config; `default` for an unknown session, a missing key or a
+        model_config that is not a JSON object."""
+        return json_object(self._read_value("SELECT model_config FROM sessions WHERE id = ?",
+                                            (session_id,))).get(key, default)
+
     def patch_session_model_config(self, session_id, patch):
         """Merge `patch` into model_config (a None value removes its key); returns None.
 
