@@ -406,6 +406,98 @@ class GatewaySessions(StoreTestCase):
         self.assertEqual(self.db.session_gateway_runtime({"billing_provider": "x"}), {"provider": "x"})
 
 
+class GatewayPeers(GatewaySessions):
+    """The names the gateway reaches through getattr: a name missing here turns recovery off silently."""
+
+    def peer(self, session_id, key, **columns):
+        fields = dict(source="telegram", user_id="u", chat_id="100", chat_type="dm", thread_id=None)
+        fields.update(columns)
+        self.db.record_gateway_session_peer(session_id, session_key=key, **fields)
+
+    def test_recording_a_peer_sets_the_identity_keeps_a_name_not_given_and_creates_a_missing_row(self):
+        self.make("s")
+        self.peer("s", "k", display_name="Ann", origin_json='{"o": 1}')
+        self.peer("s", "k", user_id=None, chat_id="101")
+        self.assertEqual(self.row("s", "session_key", "user_id", "chat_id", "display_name", "origin_json"),
+                         ("k", None, "101", "Ann", '{"o": 1}'))
+        self.peer("lost", "k2", display_name="Bob")
+        self.assertEqual(self.row("lost", "source", "session_key", "chat_id", "display_name"),
+                         ("telegram", "k2", "100", "Bob"))
+        self.assertIsNotNone(self.row("lost", "started_at")[0])
+        self.peer("", "k3")
+        self.peer("nokey", "")
+        self.assertIsNone(self.db.get_session("nokey"))
+
+    def test_recording_with_ancestors_keys_the_compression_parents_but_not_a_branch_or_a_missing_row(self):
+        self.make("root")
+        self.db.end_session("root", "compression")
+        self.make("mid", parent_session_id="root")
+        self.db.end_session("mid", "compression")
+        self.make("tip", parent_session_id="mid")
+        self.make("branch", parent_session_id="tip", model_config='{"_branched_from": "tip"}')
+        self.peer("tip", "k", include_compression_ancestors=True)
+        self.assertEqual([self.row(sid, "session_key")[0] for sid in ("root", "mid", "tip")], ["k", "k", "k"])
+        self.db.end_session("tip", "compression")
+        self.peer("branch", "k2", include_compression_ancestors=True)
+        self.assertEqual(self.row("tip", "session_key"), ("k",))
+        self.peer("ghost", "k3", include_compression_ancestors=True)
+        self.assertIsNone(self.db.get_session("ghost"))
+
+    def test_the_latest_recoverable_row_of_a_key_prefers_messages_and_stops_at_a_later_reset(self):
+        self.make("empty", session_key="k", started_at=time.time())
+        self.make("talked", session_key="k", started_at=time.time() - 60)
+        self.message("talked", time.time() - 50)
+        self.make("other", source="slack", session_key="k")
+        found = self.db.find_latest_gateway_session_for_peer(source="telegram", session_key="k")
+        self.assertEqual((found["id"], found["_has_messages"]), ("talked", 1))
+        self.db.end_session("talked", "agent_close")
+        self.assertEqual(self.db.find_latest_gateway_session_for_peer(source="telegram", session_key="k")["id"],
+                         "talked")
+        with self.raw(self.path) as conn:
+            conn.execute("UPDATE sessions SET end_reason = 'compression' WHERE id = 'talked'")
+        self.assertEqual(self.db.find_latest_gateway_session_for_peer(source="telegram", session_key="k")["id"],
+                         "empty", "a deliberate end is not recovered")
+        self.make("reset", session_key="k")
+        self.db.end_session("reset", "session_reset")
+        self.assertIsNone(self.db.find_latest_gateway_session_for_peer(source="telegram", session_key="k"))
+        self.assertIsNone(self.db.find_latest_gateway_session_for_peer(source="telegram", session_key=None))
+
+    def test_without_a_keyed_row_the_whole_peer_with_messages_is_recovered(self):
+        self.make("quiet", session_key="old", user_id="u", chat_id="100", chat_type="dm")
+        self.make("chat", session_key="old", user_id="u", chat_id="100", chat_type="dm", thread_id="t")
+        self.message("chat", time.time())
+        peer = dict(source="telegram", session_key="new", user_id="u", chat_id="100", chat_type="dm")
+        self.assertIsNone(self.db.find_latest_gateway_session_for_peer(**peer))
+        self.assertEqual(self.db.find_latest_gateway_session_for_peer(thread_id="t", **peer)["id"], "chat")
+        self.assertIsNone(self.db.find_latest_gateway_session_for_peer(
+            source="telegram", session_key="new", user_id="u", chat_id="100", thread_id="t"),
+            "without chat_type only the key is looked up")
+
+    def test_a_session_is_found_by_origin_unless_another_user_makes_it_ambiguous(self):
+        self.make("ann", session_key="k1", user_id="ann", chat_id="100", started_at=1000.0)
+        self.make("unkeyed", user_id="ann", chat_id="100")
+        self.make("ended", session_key="k0", user_id="ann", chat_id="100")
+        self.db.end_session("ended", "idle")
+        self.assertEqual(self.db.find_session_by_origin(platform="TELEGRAM", chat_id=100), "ann")
+        self.assertEqual(self.db.find_session_by_origin(platform="telegram", chat_id="100", user_id="bob"), "ann")
+        self.make("bob", session_key="k2", user_id="bob", chat_id="100", thread_id="t", started_at=2000.0)
+        self.assertEqual(self.db.find_session_by_origin(platform="telegram", chat_id="100", user_id="ann"), "ann")
+        self.assertIsNone(self.db.find_session_by_origin(platform="telegram", chat_id="100", user_id="eve"))
+        self.assertIsNone(self.db.find_session_by_origin(platform="telegram", chat_id="100"))
+        self.assertEqual(self.db.find_session_by_origin(platform="telegram", chat_id="100", thread_id="t"), "bob")
+        self.assertIsNone(self.db.find_session_by_origin(platform="telegram", chat_id=""))
+        self.assertIsNone(self.db.find_session_by_origin(platform="", chat_id="100"))
+
+    def test_the_hygiene_failure_streak_counts_per_chat_until_reset(self):
+        self.assertEqual([self.db.increment_hygiene_failure_streak(k) for k in ("a", "a", "b", "a")], [1, 2, 1, 3])
+        self.assertIsNone(self.db.reset_hygiene_failure_streak("a"))
+        self.assertEqual(self.db.increment_hygiene_failure_streak("a"), 1)
+        self.assertEqual(self.db.increment_hygiene_failure_streak(""), 1)
+        self.db.reset_hygiene_failure_streak("")
+        rows = self.raw(self.path).execute("SELECT * FROM gateway_hygiene_state ORDER BY session_key").fetchall()
+        self.assertEqual([tuple(r) for r in rows], [("a", 1), ("b", 1)])
+
+
 class Handoffs(StoreTestCase):
 
     def state(self):

@@ -208,6 +208,16 @@ class ModelAndCwd(SessionTestCase):
         self.db.update_session_meta("s", None, model="m1")
         self.assertEqual((self.row("s")["model"], self.row("s")["model_config"]), ("m1", None))
 
+    def test_one_model_config_value_is_read_with_a_default_for_anything_missing_or_unreadable(self):
+        self.db.create_session("s", "cli", model_config={"runway": 5, "none": None})
+        self.db.create_session("bad", "cli")
+        self.db.update_session_meta("bad", "[1, 2]")
+        self.assertEqual(self.db.get_session_model_config_value("s", "runway", 0), 5)
+        self.assertIsNone(self.db.get_session_model_config_value("s", "none", 0))
+        self.assertEqual(self.db.get_session_model_config_value("s", "absent", 7), 7)
+        self.assertEqual(self.db.get_session_model_config_value("bad", "runway", 7), 7)
+        self.assertIsNone(self.db.get_session_model_config_value("ghost", "runway"))
+
     def test_a_config_patch_merges_and_a_none_value_removes_its_key(self):
         self.db.create_session("s", "cli", model_config={"a": 1, "b": 2})
         self.db.patch_session_model_config("s", {"a": None, "c": [1]})
