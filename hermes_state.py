@@ -73,10 +73,10 @@ from hermes_state_doctor import (  # noqa: F401
     is_sqlite_wal_reset_vulnerable, repair_state_db_schema, sqlite_source_id,
 )
 from hermes_state_common import (  # noqa: F401
-    _BARE_BILLING_PROVIDERS, classify_persistence_error, CompressionSessionBusyError,
+    _BARE_BILLING_PROVIDERS, classify_persistence_error, CompressionSessionBusyError, FTS_STORAGE_VERSION,
     CompressionSessionClosedError, format_session_db_unavailable, get_last_init_error, is_disk_full_error,
     is_malformed_db_error, MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAGES, PERSISTENCE_ERROR_CAUSES,
-    resolved_max_export_messages, resolved_max_resume_messages, SessionCompressionInProgressError,
+    resolved_max_export_messages, resolved_max_resume_messages, SCHEMA_VERSION, SessionCompressionInProgressError,
     SessionExportTooLargeError, SessionResumeTooLargeError, SessionTurnLeaseLostError, _WAL_INCOMPAT_MARKERS,
     workspace_key,
 )

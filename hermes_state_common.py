@@ -32,6 +32,9 @@ META_FTS_REBUILD_HIGH_WATER = "fts_rebuild_high_water"
 META_FTS_REBUILD_PROGRESS = "fts_rebuild_progress"
 META_FTS_STALE = "fts_stale"
 META_FTS_CJK_STALE = "fts_cjk_stale"
+# The value 0.20 gives that first key for its index layout; hermes_cli.session_recovery imports it from
+# hermes_state to stamp and verify a recovered store. We never write it.
+FTS_STORAGE_VERSION = 1
 
 COMPRESSION_END_REASON = "compression"
 # End reasons of a session that a reset replaced with an empty one (gateway

@@ -128,6 +128,11 @@ class PersistenceErrors(TempDirTestCase):
             with self.subTest(name=name):
                 self.assertIs(getattr(hermes_state, name), getattr(hermes_state_common, name))
 
+    def test_hermes_state_exports_what_session_recovery_imports_with_the_references_values(self):
+        # hermes_cli.session_recovery: `from hermes_state import FTS_STORAGE_VERSION, SCHEMA_VERSION, ...`
+        self.assertEqual((hermes_state.FTS_STORAGE_VERSION, hermes_state.SCHEMA_VERSION), (1, 26))
+        self.assertTrue(callable(hermes_state._db_opens_cleanly))
+
 
 class LastInitError(TempDirTestCase):
 
