@@ -88,7 +88,8 @@ FROM sessions AS d WHERE d.session_key IS NOT NULL
 """
 # A gateway row recovery may resume: open, or ended by a cleanup bug. A later reset boundary of the same
 # peer fences it off, so recovery never reaches behind a /new.
-_HAS_MESSAGES_SQL = "(COALESCE(s.message_count, 0) > 0 OR EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id))"
+_HAS_MESSAGES_SQL = ("(COALESCE(s.message_count, 0) > 0"
+                     " OR EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id))")
 _RECOVERABLE_PEER_SQL = f"""
  WHERE {{match}} AND (s.ended_at IS NULL OR s.end_reason IN {_RECOVERABLE_END_REASONS_SQL})
   AND NOT EXISTS (SELECT 1 FROM sessions AS b WHERE {{fence}} AND b.source = s.source AND b.ended_at IS NOT NULL

@@ -1,10 +1,11 @@
 """`make compat`: run hermes-agent 0.20.1.2 on its own state layer and on ours, compare, report; pass
 stores between ours and the releases 0.19, 0.20 and 0.22.
 
-Owns: the order of the run (venvs, overlay, API scenarios, in-process checks, end-to-end run, store round trips
-(`releases.py`)), the comparison of the reference's record with ours, the deliberate-differences list, and the report: one PASS/FAIL line per
-scenario, the differences under each failure, and a closing `N passed, N failed` line; the exit code is
-non-zero on any failure. Must not touch: the repo's product modules (they are copied, never edited),
+Owns: the order of the run (venvs, overlay, API scenarios, in-process checks, end-to-end run, store
+round trips (`releases.py`)), the comparison of the reference's record with ours, the
+deliberate-differences list, and the report: one PASS/FAIL line per scenario, the differences under each
+failure, and a closing `N passed, N failed` line; the exit code is non-zero on any failure. Must not
+touch: the repo's product modules (they are copied, never edited),
 any network but 127.0.0.1 during the end-to-end run.
 
 Usage: python3 compat/run.py [--only api|inprocess|e2e|releases] [--details N]
