@@ -1,10 +1,10 @@
 """Who is routed to a session or may work on it: routing entries, compression locks, turn leases,
 CLI-to-gateway handoffs, and hermes-agent's repairs of gateway sessions.
 
-Owns `gateway_routing`, `compression_locks`, `session_turn_leases`, the `handoff_*` columns, and of
-the other session columns only what the repairs change: an adopted routing identity, the end of a
-reset or superseded session, `model_config.browser_model_lock`. Relies on SessionDB's write and read
-paths, `_turn_lease_key` (messages) and `delete_session` (sessions). Never changes a message row.
+Owns `gateway_routing`, `compression_locks`, `session_turn_leases`, the `handoff_*` columns, and of the
+other session columns only what the repairs change: an adopted routing identity, the end of a reset
+or superseded session, `model_config.browser_model_lock`. Relies on SessionDB's read and write paths,
+`_turn_lease_key` (messages), `_resolved` and `delete_session` (sessions). Never changes a message row.
 """
 
 import json

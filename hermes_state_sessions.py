@@ -238,10 +238,7 @@ class SessionSessionsMixin:
         Drops the stored system prompt (the next turn rebuilds it) and any browser model lock."""
         self._flush_token_counts()
         patch = {"browser_model_lock": None}
-        if model:
-            patch["model"] = model
-        if provider:
-            patch["provider"] = provider
+        patch.update((key, value) for key, value in (("model", model), ("provider", provider)) if value)
 
         def write(conn):
             row = conn.execute("SELECT model_config FROM sessions WHERE id = ?", (session_id,)).fetchone()
