@@ -1,14 +1,10 @@
 """Where the Hermes home is, and the well-known paths inside it.
 
-Owns hermes-agent's home-location family with the same behaviour: which
-folder holds state.db (a per-context override, then HERMES_HOME, then the
-platform default), the profile root, legacy-or-new subfolders, the display
-form, the subprocess HOME policy. It never creates a folder (bar the 0700
-chmod `secure_parent_dir` is asked for) and never touches a database.
-
-hermes-agent ships its own hermes_constants.py with many more names (node,
-WSL, reasoning, provider URLs); those are its business. Our state modules
-import from here only names that file also has, so they run beside it.
+Owns hermes-agent's home-location family, with its behaviour: the folder holding state.db (a
+per-context override, then HERMES_HOME, then the platform default), the profile root, legacy-or-new
+subfolders, the display form, the subprocess HOME policy. Never creates a folder (bar the 0700 chmod
+of `secure_parent_dir`) and never touches a database. hermes-agent's own hermes_constants.py has many
+more names; our state modules import from here only names it also has, so they run beside it.
 """
 
 import contextvars
@@ -17,8 +13,8 @@ import stat
 import sys
 from pathlib import Path
 
-# A ContextVar, not os.environ: a test or a multi-profile server can point one
-# thread or task at another home without changing it for everybody else.
+# A ContextVar, not os.environ: a test or a multi-profile server can point one thread or task at
+# another home without changing it for everybody else.
 _home_override = contextvars.ContextVar("hermes_home_override", default=None)
 
 
@@ -74,12 +70,8 @@ def hermes_home_key(path=None):
 
 
 def get_default_hermes_root():
-    """The folder that holds every profile.
-
-    The platform default when HERMES_HOME is unset or lies under it; `<root>`
-    when HERMES_HOME is `<root>/profiles/<name>` elsewhere (a container);
-    else HERMES_HOME itself.
-    """
+    """The folder holding every profile: the platform default when HERMES_HOME is unset or under it;
+    `<root>` when HERMES_HOME is `<root>/profiles/<name>` elsewhere (a container); else HERMES_HOME."""
     native = _platform_default_home()
     env = os.environ.get("HERMES_HOME", "")
     if not env:
@@ -93,8 +85,8 @@ def get_default_hermes_root():
 
 
 def _has_content(path):
-    """False for a missing path, a dangling link or an empty folder; True otherwise,
-    and True when it cannot be inspected (legacy data is never orphaned on a guess)."""
+    """False for a missing path, a dangling link or an empty folder; True otherwise, also when it cannot
+    be inspected (legacy data is never orphaned on a guess)."""
     try:
         mode = path.lstat().st_mode
         if stat.S_ISLNK(mode):
@@ -201,12 +193,9 @@ def _in_container():
 
 
 def get_subprocess_home(env=None):
-    """The HOME a child process should get, or None to leave HOME alone.
-
-    TERMINAL_HOME_MODE picks the policy: `profile` uses `<HERMES_HOME>/home`;
-    `real` the OS user's home; `auto` (default) the profile home inside a
-    container, and the real home when HOME already points at the profile home.
-    """
+    """The HOME a child process should get, or None to leave HOME alone. TERMINAL_HOME_MODE picks it:
+    `profile` is `<HERMES_HOME>/home`, `real` the OS user's home; `auto` (default) the profile home in a
+    container, and the real home when HOME already points at the profile home."""
     env = env or {}
     mode = (_env(env, "TERMINAL_HOME_MODE") or "auto").lower()
     mode = {"isolated": "profile", "profile_home": "profile", "profile-home": "profile", "host": "real",

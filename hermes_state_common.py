@@ -552,6 +552,8 @@ SELECT_INLINE_PROMPTS_SQL = "SELECT id, system_prompt FROM sessions WHERE system
 MOVE_INLINE_PROMPT_SQL = "UPDATE sessions SET system_prompt = NULL, system_prompt_hash = ? WHERE id = ?"
 INSERT_SYSTEM_PROMPT_SQL = "INSERT OR IGNORE INTO system_prompts (hash, prompt) VALUES (?, ?)"
 SELECT_SYSTEM_PROMPT_SQL = "SELECT prompt FROM system_prompts WHERE hash = ?"
+DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS"
+                             " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
 
 # ---------------------------------------------------------------------------
 # Session SQL
@@ -1118,6 +1120,12 @@ def json_object(raw):
     """A stored JSON object (model_config, ...) as a new dict; {} for NULL, bad JSON or a non-object."""
     value = loads_or(raw, None) if isinstance(raw, str) else raw
     return dict(value) if isinstance(value, dict) else {}
+
+
+def has_fork_marker(model_config):
+    """True when model_config (JSON text or a dict) marks a branch or a delegate run."""
+    config = json_object(model_config)
+    return config.get("_branched_from") is not None or config.get("_delegate_from") is not None
 
 
 def is_fork_child(row):

@@ -1,22 +1,13 @@
-"""Compression and resume: the lineage of a conversation whose context was
-compacted, and what a resume loads.
+"""Compression and resume: the lineage of a conversation whose context was compacted, and what a
+resume loads.
 
-Owns in-place compaction (`archive_and_compact`), publishing a continuation
-session (`publish_compression_child`), the lineage reads (root, tip, chain),
-the choice of the session a resume lands on, and the caps that refuse to
-load or export a transcript too large to hold in memory. Relies on
-SessionDB's write and read paths and, for the chat-API shape of a resumed
-transcript, on the messages mixin's `get_messages_as_conversation`. Never
-changes a session's own fields beyond its counts, model_config and end, and
-never touches the search indexes or the schema.
-
-Also keeps the compressor's guards that must outlive a process: the failure
-cooldown (`compression_failure_*`), the fallback streak and the count of
-ineffective compactions, each a column of the session row.
-
-Markers inside model_config (`_branched_from`, `_delegate_from`,
-`_reset_from`) tell forks from continuations; they are read in Python, not
-with JSON1, so that every SQLite build walks a lineage the same way.
+Owns in-place compaction (`archive_and_compact`), publishing a continuation (`publish_compression_child`),
+the lineage reads, the session a resume lands on, the caps on what a resume or export may load, and
+the compressor's guards that must outlive a process (failure cooldown, fallback streak, ineffective
+count: columns of the session row). Relies on SessionDB's write and read paths and the messages
+mixin's `get_messages_as_conversation`. Never changes a session's fields beyond its counts,
+model_config and end, nor the search indexes or the schema. The model_config markers that tell forks
+from continuations are read in Python, not with JSON1, so every SQLite build walks a lineage alike.
 """
 
 import json
@@ -25,40 +16,20 @@ import sqlite3
 import time
 
 from hermes_state_common import (
-    merge_model_config,
-    COMPRESSION_END_REASON,
-    INSERT_SYSTEM_PROMPT_SQL,
-    LINEAGE_MAX_HOPS,
-    _RESET_END_REASONS,
-    CompressionSessionBusyError,
-    cwd_prefix_clause,
-    is_fork_child,
-    json_object,
-    placeholders,
-    resolved_max_export_messages,
-    resolved_max_resume_messages,
-    SessionCompressionInProgressError,
-    SessionExportTooLargeError,
-    SessionInputTypeError,
-    SessionResumeTooLargeError,
-    SessionRowError,
-)
+    COMPRESSION_END_REASON, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, LINEAGE_MAX_HOPS, _RESET_END_REASONS,
+    CompressionSessionBusyError, SessionCompressionInProgressError, SessionExportTooLargeError,
+    SessionInputTypeError, SessionResumeTooLargeError, SessionRowError, cwd_prefix_clause, has_fork_marker,
+    is_fork_child, json_object, merge_model_config, placeholders, resolved_max_export_messages,
+    resolved_max_resume_messages)
 from hermes_state_schema import prompt_hash
 
 logger = logging.getLogger("hermes_state")
 
-# How far a walk along parent or child links goes before it stops: far beyond
-# any real chain, short enough that damaged links cannot loop for long.
+# How far a resume walks down child links: far beyond any real chain, short enough that damaged
+# links cannot loop for long.
 RESUME_MAX_DEPTH = 32
 # A continuation this old with no API call was abandoned (hermes-agent's #20001).
 ORPHANED_CONTINUATION_AGE = 7 * 86400
-# Structured message content (multimodal parts) is stored as this prefix plus
-# JSON; NUL never occurs in text, so a plain string can never be mistaken for it.
-CONTENT_JSON_PREFIX = "\x00json:"
-
-# Recency of a session: its newest heartbeat or message, else its start.
-_LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(v) FROM (SELECT {a}.last_activity_at AS v UNION ALL"
-                    " SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = {a}.id)), {a}.started_at)")
 _LINK_SQL = "SELECT id, source, model_config, parent_session_id, end_reason FROM sessions WHERE id = ?"
 _ACTIVE_COUNT_SQL = "SELECT COUNT(*) FROM (SELECT 1 FROM messages WHERE session_id IN ({}) AND active = 1 LIMIT ?)"
 # The continuations of a compressed parent, best first: ones that compressed
@@ -67,7 +38,8 @@ _TIP_CANDIDATES_SQL = f"""
 SELECT c.id, c.model_config FROM sessions AS p JOIN sessions AS c ON c.parent_session_id = p.id
 WHERE p.id = ? AND p.end_reason = 'compression' AND COALESCE(c.source, '') <> 'tool'
 ORDER BY CASE WHEN c.end_reason = 'compression' THEN 0 WHEN c.ended_at IS NULL THEN 1 ELSE 2 END,
-         {_LAST_ACTIVE_SQL.format(a="c")} DESC, c.started_at DESC, c.id DESC"""
+         {LAST_ACTIVE_SQL.format(a="c")} DESC, c.started_at DESC, c.id DESC"""
+_SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
 _SET_COOLDOWN_SQL = ("UPDATE sessions SET compression_failure_cooldown_until = ?, compression_failure_error = ?"
                      " WHERE id = ?")
 # Columns a concurrent tail keeps when it is copied after a compacted set.
@@ -78,22 +50,18 @@ class SessionCompressionMixin:
     """SessionDB's methods for compaction, compression lineage and resume."""
 
     # -- lineage ----------------------------------------------------------------
-
     def get_conversation_root(self, session_id):
         """The id at the top of the session's parent links (any kind of parent); the id itself if it has none."""
         chain = self._session_lineage_root_to_tip(session_id)
         return chain[0] if chain and chain[0] else session_id
 
     def get_compression_tip(self, session_id):
-        """The newest continuation of the compression chain from `session_id`; the id itself when it has none.
-
-        An unknown id is returned as it is. Branch, delegate and tool children
-        are never followed.
-        """
+        """The newest continuation of the compression chain from `session_id`; the id itself when it has
+        none or is unknown. Branch, delegate and tool children are never followed."""
         current, seen = session_id, {session_id}
         for _ in range(LINEAGE_MAX_HOPS):
             rows = self._read_all(_TIP_CANDIDATES_SQL, (current,))
-            child = next((row["id"] for row in rows if not _marked(json_object(row["model_config"]))), None)
+            child = next((row["id"] for row in rows if not has_fork_marker(row["model_config"])), None)
             if not child or child in seen:
                 break
             seen.add(child)
@@ -103,9 +71,8 @@ class SessionCompressionMixin:
     def get_compression_lineage(self, session_id):
         """[root, ..., tip] ids of the compression chain through `session_id`; [] for an unknown id.
 
-        A fork (branch, delegate or tool child) is its own chain of one. Each
-        compressed segment continues in its oldest continuation child.
-        """
+        A fork (branch, delegate or tool child) is its own chain of one; each compressed segment
+        continues in its oldest continuation child."""
         session = self._read_one(_LINK_SQL, (session_id,))
         if session is None:
             return []
@@ -139,13 +106,9 @@ class SessionCompressionMixin:
         return reason == COMPRESSION_END_REASON
 
     # -- resume -----------------------------------------------------------------
-
     def search_sessions(self, source=None, limit=20, offset=0, workspace_key=None):
-        """Sessions most recently active first, each with `last_active` and `system_prompt` resolved.
-
-        `workspace_key` keeps the sessions of one workspace: a git repo root,
-        or a cwd at or under it for sessions without one. [] when none match.
-        """
+        """Sessions most recently active first, with `last_active` and `system_prompt`; [] when none match.
+        `workspace_key` keeps one workspace's: a git repo root, or a cwd under it for sessions without."""
         clauses, params = [], []
         if source:
             clauses.append("s.source = ?")
@@ -157,17 +120,13 @@ class SessionCompressionMixin:
             params += [prefix, *clause_params]
         where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
         self._flush_token_counts()
-        return self._read_sessions(f", {_LAST_ACTIVE_SQL.format(a='s')} AS last_active",
+        return self._read_sessions(f", {LAST_ACTIVE_SQL.format(a='s')} AS last_active",
                                    f"{where} ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ? OFFSET ?",
                                    (*params, limit, offset))
 
     def resolve_resume_session_id(self, session_id):
-        """The session a resume of `session_id` should load: the deepest continuation holding messages.
-
-        Follows the compression tip first, then newest children that are not
-        branches, delegates, resets or tool runs. The id itself when none of
-        them holds a message.
-        """
+        """The session a resume of `session_id` loads: the deepest continuation holding messages (the
+        compression tip, then newest children not forks, resets or tool runs); else the id itself."""
         if not session_id:
             return session_id
         session_id = self.get_compression_tip(session_id) or session_id
@@ -188,20 +147,16 @@ class SessionCompressionMixin:
         rows = self._read_all("SELECT id, source, model_config, session_key FROM sessions"
                               " WHERE parent_session_id = ? ORDER BY started_at DESC, id DESC", (parent_id,))
         for row in rows:
-            config = json_object(row["model_config"])
             legacy_reset = reset_parent and row["session_key"] and row["session_key"] == parent["session_key"]
-            if not (_marked(config) or config.get("_reset_from") is not None or legacy_reset
-                    or row["source"] == "tool"):
+            reset_child = json_object(row["model_config"]).get("_reset_from") is not None
+            fork = has_fork_marker(row["model_config"]) or row["source"] == "tool"
+            if not (fork or reset_child or legacy_reset):
                 return row["id"]
         return None
 
     def get_resume_conversations(self, session_id):
-        """(model_history, display_history) for a resume; ([], []) for an unknown session.
-
-        model_history is the session's own active messages, alternation
-        repaired; display_history is its whole lineage, root first (the
-        session alone for a branch). Both carry `_row_id`.
-        """
+        """(model_history, display_history) for a resume, both with `_row_id`; ([], []) for an unknown
+        session. The first is its own active messages, alternation repaired; the second its lineage."""
         model = self.get_messages_as_conversation(session_id, repair_alternation=True, include_row_ids=True)
         display = self.get_messages_as_conversation(session_id, include_ancestors=True, include_row_ids=True)
         return model, display
@@ -214,10 +169,8 @@ class SessionCompressionMixin:
 
     def assert_resume_safe(self, session_id, max_messages=None):
         """The lineage's active message count, up to `max_messages` + 1; 0 when the cap is 0 (off).
-
-        The cap defaults to config.yaml's sessions.max_resume_messages. Raises
-        SessionResumeTooLargeError past it, ValueError for a negative cap.
-        """
+        The cap defaults to config.yaml's sessions.max_resume_messages. Raises SessionResumeTooLargeError
+        past it, ValueError for a negative cap."""
         limit = _cap(max_messages, resolved_max_resume_messages)
         if limit == 0:
             return 0
@@ -229,10 +182,8 @@ class SessionCompressionMixin:
 
     def assert_export_safe(self, session_id, max_messages=None):
         """The session's own active message count, up to `max_messages` + 1; 0 when the cap is 0 (off).
-
-        The cap defaults to config.yaml's sessions.max_export_messages. Raises
-        SessionExportTooLargeError past it, ValueError for a negative cap.
-        """
+        The cap defaults to config.yaml's sessions.max_export_messages. Raises SessionExportTooLargeError
+        past it, ValueError for a negative cap."""
         limit = _cap(max_messages, resolved_max_export_messages)
         if limit == 0:
             return 0
@@ -242,7 +193,6 @@ class SessionCompressionMixin:
         return count
 
     # -- compaction -------------------------------------------------------------
-
     def get_active_message_watermark(self, session_id):
         """The id of the session's newest active message; 0 when it has none."""
         return self._read_value("SELECT COALESCE(MAX(id), 0) FROM messages WHERE session_id = ? AND active = 1",
@@ -250,17 +200,14 @@ class SessionCompressionMixin:
 
     def archive_and_compact(self, session_id, compacted_messages, model_config_patch=None, watermark=None,
                             lock_holder=None):
-        """Replace the live transcript with `compacted_messages`, keeping the old turns; returns the new active count.
+        """Replace the live transcript with `compacted_messages`, keeping the old turns; returns the new
+        active count.
 
-        In one transaction: every active message becomes active=0, compacted=1
-        (still searchable, never deleted), the compacted set is inserted, and
-        messages that arrived after `watermark` are copied after it as live
-        rows. `model_config_patch` is merged into model_config (a None value
-        removes a key). With `lock_holder`, the commit requires that holder to
-        still hold the session's compression lock, else
-        SessionCompressionInProgressError. An unknown session raises
-        SessionRowError (a ValueError) unless there is nothing to write.
-        """
+        In one transaction: active messages become active=0, compacted=1 (searchable, never deleted),
+        the compacted set is inserted, and messages newer than `watermark` are copied after it as live
+        rows; `model_config_patch` is merged into model_config. With `lock_holder`, that holder must still
+        hold the compression lock at commit, else SessionCompressionInProgressError. An unknown session
+        raises SessionRowError (a ValueError) unless there is nothing to write."""
         messages = _message_dicts("compacted_messages", compacted_messages)
         if model_config_patch is not None and not isinstance(model_config_patch, dict):
             raise SessionInputTypeError("model_config_patch must be a dict or None, not "
@@ -289,23 +236,20 @@ class SessionCompressionMixin:
                 params.append(merge_model_config(row["model_config"], model_config_patch))
             conn.execute(f"UPDATE sessions SET {sets} WHERE id = ?", (*params, session_id))
             return count
-
         return self._execute_write(write)
 
     def publish_compression_child(self, *, parent_session_id, child_session_id, source, messages, model=None,
                                   model_config=None, system_prompt=None, cwd=None, profile_name=None,
                                   compression_lock_holder=None, require_compression_lease=True,
                                   watermark=None, watermark_ceiling=None):
-        """End the parent by compression and create its continuation with `messages`, atomically; returns None.
+        """End the parent by compression and create its continuation with `messages`, atomically; returns
+        None.
 
-        The child inherits the parent's git metadata, profile and gateway
-        routing (and cwd unless given). Parent messages after `watermark` (and
-        at most `watermark_ceiling`) are copied after the handoff. Raises
-        CompressionSessionBusyError when the lease is required and
-        `compression_lock_holder` no longer holds it, RuntimeError for an
-        unknown or ended parent or an empty handoff, sqlite3.IntegrityError
-        for a child id in use; nothing is written then.
-        """
+        The child inherits the parent's git metadata, profile, gateway routing and (unless given) cwd;
+        parent messages after `watermark`, up to `watermark_ceiling`, are copied after the handoff.
+        Raises CompressionSessionBusyError when the required lease is no longer
+        `compression_lock_holder`'s, RuntimeError for an unknown or ended parent or an empty handoff,
+        sqlite3.IntegrityError for a child id in use; nothing is written then."""
         if not isinstance(child_session_id, str) or not child_session_id:
             raise SessionRowError("child_session_id must be a non-empty string; nothing was published")
         if system_prompt is not None and not isinstance(system_prompt, str):
@@ -352,13 +296,11 @@ class SessionCompressionMixin:
                                  (time.time(), COMPRESSION_END_REASON, parent_session_id)).rowcount
             if ended != 1:
                 raise RuntimeError(f"compression parent {parent_session_id!r} changed during publication")
-
         self._execute_write(write)
 
     def reopen_orphaned_compression_session(self, session_id):
-        """Reopen a session ended by compression whose continuation was never published; True
-        when reopened. False when it is not so ended, any continuation exists (live or
-        ended), or a compression lease on it is still running; an expired lease is dropped."""
+        """Reopen a session ended by compression whose continuation was never published; False when it is
+        not so ended, has any continuation, or a compression lease on it still runs (an expired one goes)."""
         if not session_id:
             return False
 
@@ -370,23 +312,18 @@ class SessionCompressionMixin:
                                     " WHERE parent_session_id = ?", (session_id,)).fetchall()
             if any(not is_fork_child(child) for child in children):
                 return False
-            lock = conn.execute("SELECT holder, expires_at FROM compression_locks WHERE session_id = ?",
-                                (session_id,)).fetchone()
+            lock = conn.execute(_SELECT_LOCK_SQL, (session_id,)).fetchone()
             if lock is not None:
                 if lock["expires_at"] is None or float(lock["expires_at"]) >= time.time():
                     return False
                 conn.execute("DELETE FROM compression_locks WHERE session_id = ?", (session_id,))
             return conn.execute("UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?",
                                 (session_id,)).rowcount == 1
-
         return bool(self._execute_write(write))
 
     def finalize_orphaned_compression_sessions(self):
         """End, as 'orphaned_compression', continuations never used for a week; returns how many.
-
-        Such a continuation has messages (its handoff) but no API call and no
-        end, and its parent ended by compression. Nothing is deleted.
-        """
+        Such a continuation has messages (its handoff), no API call and no end; nothing is deleted."""
         now = time.time()
         return self._update_rows(
             "UPDATE sessions SET ended_at = ?, end_reason = 'orphaned_compression'"
@@ -397,12 +334,10 @@ class SessionCompressionMixin:
             " AND EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = sessions.id)",
             (now, now - ORPHANED_CONTINUATION_AGE))
 
-
     # -- the compressor's durable guards -------------------------------------------
-
     def record_compression_failure_cooldown(self, session_id, cooldown_until, error=None):
-        """Store the time until which compression of the session stays off, and why; None.
-        A failed write is logged, never raised."""
+        """Keep compression of the session off until `cooldown_until`, saying why; None (a failed write
+        is logged, never raised)."""
         self._set_cooldown(session_id, cooldown_until, error)
 
     def clear_compression_failure_cooldown(self, session_id):
@@ -428,8 +363,8 @@ class SessionCompressionMixin:
                 "error": row["error"]}
 
     def get_compression_failure_cooldown_row(self, session_id):
-        """The stored cooldown as {"session_exists", "cooldown_until" (float or None), "error"},
-        expired or not; session_exists False (and the rest None) for an unknown session."""
+        """The stored cooldown, expired or not, as {"session_exists", "cooldown_until" (float or None),
+        "error"}; session_exists False and the rest None for an unknown session."""
         row = session_id and self._read_one("SELECT compression_failure_cooldown_until, compression_failure_error"
                                             " FROM sessions WHERE id = ?", (session_id,))
         if not row:
@@ -437,9 +372,8 @@ class SessionCompressionMixin:
         return {"session_exists": True, "cooldown_until": None if row[0] is None else float(row[0]), "error": row[1]}
 
     def restore_compression_failure_cooldown_row(self, session_id, snapshot):
-        """Put back a get_compression_failure_cooldown_row snapshot exactly; None. Raises
-        RuntimeError when the session no longer matches the snapshot's existence or the
-        stored row does not read back equal."""
+        """Put back a get_compression_failure_cooldown_row snapshot exactly; None. RuntimeError when the
+        session's existence no longer matches the snapshot or the row does not read back equal."""
         if not snapshot.get("session_exists", False):
             if self.get_compression_failure_cooldown_row(session_id)["session_exists"]:
                 raise RuntimeError("cannot restore absent compression cooldown row: session now exists")
@@ -483,19 +417,8 @@ class SessionCompressionMixin:
             self._update_rows(f"UPDATE sessions SET {column} = ? WHERE id = ?", (value, session_id))
 
 
-# ---------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------
-
-
-def _marked(config):
-    """True when model_config carries a branch or delegate marker (the tip walk never follows those)."""
-    return config.get("_branched_from") is not None or config.get("_delegate_from") is not None
-
-
 def _holds_lock(conn, session_id, holder):
-    row = conn.execute("SELECT holder, expires_at FROM compression_locks WHERE session_id = ?",
-                       (session_id,)).fetchone()
+    row = conn.execute(_SELECT_LOCK_SQL, (session_id,)).fetchone()
     return row is not None and row["holder"] == holder and float(row["expires_at"]) > time.time()
 
 
@@ -513,8 +436,8 @@ def _message_dicts(name, messages):
 
 
 def _copy_tail(conn, tail, session_id):
-    """Copy messages (rows of _TAIL_SQL) as live rows of `session_id`, every column but the id
-    kept byte for byte; returns the tool calls they hold."""
+    """Copy messages (rows of _TAIL_SQL) as live rows of `session_id`, every column but the id kept
+    byte for byte; returns the tool calls they hold."""
     if not tail:
         return 0
     keep = [row[1] for row in conn.execute("PRAGMA table_info(messages)")
@@ -531,5 +454,3 @@ def _copy_tail(conn, tail, session_id):
             parsed = None
         calls += len(parsed) if isinstance(parsed, list) else 0
     return calls
-
-

@@ -1,20 +1,16 @@
-"""Probing and repairing a store from outside SessionDB: the module-level helpers
-hermes-agent imports from hermes_state for `hermes doctor`, `hermes status` and
-`hermes sessions repair`.
+"""Probing and repairing a store from outside SessionDB: the helpers hermes-agent imports from
+hermes_state for `hermes doctor`, `hermes status` and `hermes sessions repair`.
 
-Owns the health probe (`_db_opens_cleanly`), the forensic backup beside the
-store, the escalating schema/index repair, the read-only stats snapshot, the
-count of processes holding the file, and the SQLite runtime facts. Each works
-on a path with its own short-lived SQLite connections and never constructs a
-SessionDB, so a store whose schema does not even parse can be probed and
-repaired. Imports only hermes_state_common and the standard library.
+Owns the health probe (`_db_opens_cleanly`), the forensic backup, the escalating schema/index repair,
+the read-only stats, the count of processes holding the file, and the SQLite runtime facts. Each
+works on a path with short-lived SQLite connections, never a SessionDB, so a store whose schema does
+not parse can still be probed and repaired.
 
-Never opens the store, its -wal, -shm or -journal with anything but SQLite
-while this process may hold a connection to it: closing any descriptor of a
-file drops every POSIX lock the process holds on it, SQLite's own included.
-Backups go through SQLite's backup API; holders are counted from /proc
-symlinks. Never deletes a session or message row, nor a backup: a repair
-rebuilds or drops search indexes and duplicate schema entries only.
+Never opens the store or its -wal, -shm or -journal with anything but SQLite while this process may
+hold a connection to it: closing any descriptor of a file drops every POSIX lock the process holds on
+it, SQLite's included. Backups go through SQLite's backup API; holders are counted from /proc
+symlinks. Never deletes a session or message row, nor a backup: a repair rebuilds or drops search
+indexes and duplicate schema entries only.
 """
 
 import contextlib
@@ -33,37 +29,26 @@ else:
     import fcntl
 
 from hermes_state_common import (
-    hermes_agent_config,
-    FILE_MODE,
-    META_FTS_CJK_STALE,
-    META_FTS_OPTIMIZE_AVAILABLE,
-    META_FTS_REBUILD_HIGH_WATER,
-    META_FTS_REBUILD_PROGRESS,
-    META_FTS_STALE,
-    META_FTS_STORAGE_VERSION,
-    META_SEARCH_HIGH_WATER,
-    META_SEARCH_PROGRESS,
-    META_SEARCH_STALE_PREFIX,
-    HERMES_FTS_TABLES,
-    SEARCH_TABLES,
-    sqlite_has_wal_reset_bug,
-)
+    FILE_MODE, HERMES_FTS_TABLES, META_FTS_CJK_STALE, META_FTS_OPTIMIZE_AVAILABLE,
+    META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_FTS_STORAGE_VERSION,
+    META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, SEARCH_TABLES,
+    hermes_agent_config, sqlite_has_wal_reset_bug)
 
 logger = logging.getLogger("hermes_state")
 
 # The search index tables hermes-agent and we may have; each is probed only if present.
 _FTS_TABLES = tuple(HERMES_FTS_TABLES.values()) + tuple(SEARCH_TABLES.values())
 _SIDECARS = ("-wal", "-shm", "-journal")
-# How long a repair waits for another process's repair (hermes-agent's lock file
-# and timeout, so its processes and ours take turns).
+# How long a repair waits for another process's repair (hermes-agent's lock file and timeout, so its
+# processes and ours take turns).
 REPAIR_LOCK_WAIT = 120.0
+
 
 
 # -- the SQLite runtime ----------------------------------------------------------
 
-
 def is_sqlite_wal_reset_vulnerable(version_info=None):
-    """True if this SQLite (or `version_info`, e.g. (3, 45, 1)) has the WAL-reset bug (3.7.0 to 3.51.2,
+    """True if this SQLite (or `version_info`, e.g. (3, 45, 1)) has the WAL-reset bug (3.7.0 to 3.51.2;
     fixed in 3.51.3 and the 3.50.7 / 3.44.6 backports)."""
     parts = [int(p) for p in (sqlite3.sqlite_version_info if version_info is None else version_info)][:3]
     return sqlite_has_wal_reset_bug(tuple(parts + [0] * (3 - len(parts))))
@@ -83,8 +68,7 @@ def sqlite_source_id():
 
 
 def _wal_reset_repair_hint():
-    """How to get a SQLite without the WAL-reset bug, worded for hermes-agent's kind of install when
-    hermes-agent is present."""
+    """How to get a SQLite without the WAL-reset bug, for hermes-agent's kind of install if present."""
     config = hermes_agent_config()
     try:
         method = config.detect_install_method(config.get_project_root())
@@ -99,16 +83,12 @@ def _wal_reset_repair_hint():
     return command
 
 
+
 # -- read-only reports -------------------------------------------------------------
 
-
 def collect_state_db_stats(db_path):
-    """A read-only snapshot for doctor: page_count, page_size, freelist_count, logical_size_bytes,
-    wal_size_bytes, journal_mode, messages, sessions, fts_tables, fts_storage_version and the
-    rebuild markers (fts_rebuild_pending, fts_rebuild_high_water, fts_rebuild_progress).
-
-    Every key is present; one that cannot be read is None. Never raises and never writes.
-    """
+    """A read-only snapshot for doctor, every key of `stats` below present (None when unreadable);
+    never raises or writes."""
     stats = dict.fromkeys(("page_count", "page_size", "freelist_count", "logical_size_bytes", "wal_size_bytes",
                            "journal_mode", "messages", "sessions", "fts_tables", "fts_storage_version",
                            "fts_rebuild_pending", "fts_rebuild_high_water", "fts_rebuild_progress"))
@@ -140,8 +120,8 @@ def collect_state_db_stats(db_path):
         with contextlib.suppress(Exception):
             present = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             ours = SEARCH_TABLES["word"] in present
-            # By hermes-agent's names, for the role each index plays: our word and trigram
-            # indexes count as its own (its CJK index needs its tokenizer; ours is apart).
+            # By hermes-agent's names, for the role each index plays: our word and trigram indexes count
+            # as its own (its CJK index needs its tokenizer; ours is apart).
             stats["fts_tables"] = {table: table in present or (index != "cjk" and SEARCH_TABLES[index] in present)
                                    for index, table in HERMES_FTS_TABLES.items()}
         meta = "SELECT value FROM state_meta WHERE key = ?"
@@ -157,11 +137,8 @@ def collect_state_db_stats(db_path):
 
 
 def count_db_holders(db_path):
-    """How many processes have `db_path` open, read from /proc/*/fd (Linux); None elsewhere or on error.
-
-    Processes of other users are invisible without root, so it is a lower bound.
-    Opens no file.
-    """
+    """How many processes have `db_path` open, from /proc/*/fd (Linux); None elsewhere or on error.
+    A lower bound (other users' processes are invisible without root); opens no file."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -185,16 +162,13 @@ def _open_files(pid):
     return paths
 
 
+
 # -- the health probe ---------------------------------------------------------------
 
-
 def _db_opens_cleanly(db_path):
-    """None if the store parses, passes integrity_check, answers its search indexes and takes a
-    message write (rolled back); otherwise the reason, as text.
-
-    A runtime without FTS5, trigram or hermes-agent's cjk tokenizer, and a
-    store not yet built, count as healthy. Never creates the file.
-    """
+    """None if the store parses, passes integrity_check, answers its search indexes and takes a message
+    write (rolled back); else the reason. A runtime lacking FTS5, trigram or hermes-agent's cjk
+    tokenizer, and a store not yet built, count as healthy. Never creates the file."""
     try:
         conn = _connect(db_path)
     except sqlite3.Error as exc:
@@ -253,17 +227,16 @@ def _connect(db_path):
     return sqlite3.connect(Path(db_path).resolve().as_uri() + "?mode=rw", uri=True, isolation_level=None)
 
 
-# -- backup ---------------------------------------------------------------------------
 
+# -- backup ---------------------------------------------------------------------------
 
 def _backup_db_file(db_path):
     """(backup path, None) after copying the store to `<name>.malformed-backup-<time>[_n]` beside it,
     owner-only; (None, the reason) when no copy could be made.
 
-    The copy is made by SQLite's backup API: a consistent snapshot, committed
-    WAL content included. A file SQLite cannot read at all is copied byte for
-    byte with its sidecars, and only when no descriptor of this process is open
-    on any of them (a copy would close one and cancel our own locks).
+    SQLite's backup API makes a consistent copy, committed WAL included. A file SQLite cannot read is
+    copied byte for byte with its sidecars, only while this process has none of them open (a copy
+    would close a descriptor and cancel our own locks).
     """
     db_path = Path(db_path)
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
@@ -315,23 +288,20 @@ def _process_has_open(db_path):
     return bool(wanted & _open_files("self"))
 
 
+
 # -- repair -----------------------------------------------------------------------------
 
-
 def repair_state_db_schema(db_path, *, backup=True):
-    """Repair a store whose schema does not parse or whose search indexes reject writes.
+    """{"repaired", "strategy", "backup_path", "error"} after repairing a store whose schema does not
+    parse or whose search indexes reject writes; 'already_healthy' for a healthy one.
 
-    Returns {"repaired", "strategy", "backup_path", "error"}. Strategies, least
-    destructive first, each followed by the health probe: 'rebuild_fts' (the
-    indexes rebuilt in place), 'reindex_btree', 'dedup_schema' (duplicate
-    sqlite_master entries dropped, the first kept), 'drop_fts_rebuild' (every
-    search index object (hermes-agent's and ours) dropped and the file vacuumed; the next writable open
-    builds the indexes again). A healthy store reports 'already_healthy'.
-    Unless `backup` is False, nothing is touched before `_backup_db_file`
-    succeeded. Sessions and messages are never modified. Serialised across
-    processes by `<name>.repair.lock`, as hermes-agent does. Our writers'
-    `<name>.lock` is not taken: a second descriptor of it, closed, could drop
-    the lock a SessionDB of this process holds where flock is emulated.
+    Strategies, least destructive first, each followed by the health probe: 'rebuild_fts' (in place),
+    'reindex_btree', 'dedup_schema' (the first of duplicate sqlite_master entries kept),
+    'drop_fts_rebuild' (every search index object dropped and the file vacuumed; the next writable
+    open rebuilds them). Unless `backup` is False, nothing is touched before `_backup_db_file`
+    succeeded; sessions and messages never are. Serialised across processes by `<name>.repair.lock`,
+    as hermes-agent does; our writers' `<name>.lock` is not taken, as closing a second descriptor of
+    it could drop the lock a SessionDB of this process holds where flock is emulated.
     """
     report = {"repaired": False, "strategy": None, "backup_path": None, "error": None}
     db_path = Path(db_path)
@@ -375,18 +345,13 @@ def _rebuild_fts(conn):
     for table in _FTS_TABLES:
         with contextlib.suppress(sqlite3.OperationalError):  # absent, or its tokenizer is not here
             conn.execute(f"INSERT INTO {table}({table}) VALUES ('rebuild')")
-    # The rebuilt indexes hold every row, so a backfill still pending would index
-    # some twice: end it (ours and hermes-agent's), and let the next open rebuild
-    # what Python indexes (our CJK index).
+    # The rebuilt indexes hold every row, so a pending backfill would index some twice: end it (ours
+    # and hermes-agent's), and let the next open rebuild what Python indexes (our CJK index).
     with contextlib.suppress(sqlite3.OperationalError):  # a store without state_meta has no backfill
         _delete_meta(conn, META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)
         if conn.execute("SELECT 1 FROM state_meta WHERE key = ?", (META_SEARCH_HIGH_WATER,)).fetchone():
             _delete_meta(conn, META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS)
             conn.execute("INSERT INTO state_meta (key, value) VALUES (?, '1')", (META_SEARCH_STALE_PREFIX + "cjk",))
-
-
-def _reindex(conn):
-    conn.execute("REINDEX")
 
 
 def _dedup_schema(conn):
@@ -413,8 +378,8 @@ def _drop_fts(conn):
         conn.execute("DELETE FROM state_meta WHERE key LIKE 'hs\\_search\\_%' ESCAPE '\\'")
 
 
-_STRATEGIES = (("rebuild_fts", _rebuild_fts), ("reindex_btree", _reindex), ("dedup_schema", _dedup_schema),
-               ("drop_fts_rebuild", _drop_fts))
+_STRATEGIES = (("rebuild_fts", _rebuild_fts), ("reindex_btree", lambda conn: conn.execute("REINDEX")),
+               ("dedup_schema", _dedup_schema), ("drop_fts_rebuild", _drop_fts))
 
 
 def _delete_meta(conn, *keys):
@@ -432,9 +397,9 @@ def _bump_schema_cookie(conn):
 
 @contextlib.contextmanager
 def _exclusive(lock_path, wait):
-    """Yields True while holding an exclusive lock on `lock_path` (the repair lock, never a store file), False if it
-    stayed taken for `wait` seconds. A lock file that cannot be opened yields True: the repair
-    still runs, serialised within this process only."""
+    """Yields True while holding an exclusive lock on `lock_path` (the repair lock, never a store file),
+    False if it stayed taken for `wait` seconds; True for a lock file that cannot be opened (the repair
+    still runs, serialised within this process only)."""
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
     except OSError as exc:

@@ -1,14 +1,10 @@
-"""Who is routed to a session or may work on it: gateway routing entries,
-compression locks, turn leases, handoffs between the CLI and the gateway,
-and the repairs of gateway sessions hermes-agent runs (reset boundaries,
-orphaned rows, never-active rows, the browser runtime lock).
+"""Who is routed to a session or may work on it: routing entries, compression locks, turn leases,
+CLI-to-gateway handoffs, and hermes-agent's repairs of gateway sessions.
 
-Owns `gateway_routing`, `compression_locks`, `session_turn_leases`, the
-`handoff_*` columns of `sessions`, and of the other session columns only
-what those repairs change: the routing identity an orphan adopts, the end of
-a reset or superseded session, `model_config.browser_model_lock`. Relies on
-SessionDB's write and read paths, `_turn_lease_key` (messages) and
-`delete_session` (sessions). Never changes a message row.
+Owns `gateway_routing`, `compression_locks`, `session_turn_leases`, the `handoff_*` columns, and of the
+other session columns only what the repairs change: an adopted routing identity, the end of a reset
+or superseded session, `model_config.browser_model_lock`. Relies on SessionDB's read and write paths,
+`_turn_lease_key` (messages), `_resolved` and `delete_session` (sessions). Never changes a message row.
 """
 
 import json
@@ -22,48 +18,23 @@ import threading
 import time
 
 from hermes_state_common import (
-    json_object,
-    _BARE_BILLING_PROVIDERS,
-    _RESET_END_REASONS,
-    chunked,
-    classify_persistence_error,
-    json_text,
-    placeholders,
-    require_text,
-)
-
-UPSERT_ROUTING_SQL = """
-INSERT INTO gateway_routing (scope, session_key, entry_json, updated_at) VALUES (?, ?, ?, ?)
-ON CONFLICT (scope, session_key) DO UPDATE SET
-  entry_json = excluded.entry_json, updated_at = excluded.updated_at
-"""
-
-SELECT_ROUTING_SQL = "SELECT session_key, entry_json FROM gateway_routing WHERE scope = ? ORDER BY session_key"
-DELETE_ROUTING_KEYS_SQL = "DELETE FROM gateway_routing WHERE scope = ? AND session_key IN ({})"
-DELETE_ROUTING_SCOPE_SQL = "DELETE FROM gateway_routing WHERE scope = ?"
-SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
-REFRESH_LOCK_SQL = "UPDATE compression_locks SET expires_at = ? WHERE session_id = ? AND holder = ?"
-RELEASE_LOCK_SQL = "DELETE FROM compression_locks WHERE session_id = ? AND holder = ?"
+    DELETE_UNUSED_PROMPTS_SQL, LAST_ACTIVE_SQL, _BARE_BILLING_PROVIDERS, _RESET_END_REASONS, chunked,
+    classify_persistence_error, has_fork_marker, json_object, json_text, placeholders, require_text)
 
 logger = logging.getLogger("hermes_state")
 
+_UPSERT_ROUTING_SQL = ("INSERT INTO gateway_routing (scope, session_key, entry_json, updated_at)"
+                       " VALUES (?, ?, ?, ?) ON CONFLICT (scope, session_key) DO UPDATE SET"
+                       " entry_json = excluded.entry_json, updated_at = excluded.updated_at")
+_SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
 # hermes-agent keeps the first 500 characters of a handoff's error.
 HANDOFF_ERROR_MAX_CHARS = 500
-
 # hermes-agent's holders name their process as a `pid=N` field.
 _HOLDER_PID = re.compile(r"(?:^|:)pid=(\d+)(?::|$)")
 # A keyed predecessor must have fallen quiet this close to an orphan's start.
 ORPHAN_ADOPTION_MAX_GAP_S = 900.0
 # Ends a gateway may still resume a session from (older cleanup bugs), so a reset may replace them.
 _RECOVERABLE_END_REASONS_SQL = "('agent_close', 'ws_orphan_reap')"
-
-
-def _last_active_sql(alias):
-    """SQL for when a session was last active: its activity mark or newest message, else its start."""
-    return (f"COALESCE((SELECT MAX(v) FROM (SELECT {alias}.last_activity_at AS v UNION ALL"
-            f" SELECT MAX(timestamp) FROM messages WHERE session_id = {alias}.id)), {alias}.started_at)")
-
-
 _NEVER_ACTIVE_SQL = """
 SELECT s.id, s.session_key, s.source, s.chat_id, s.chat_type, s.user_id, s.started_at FROM sessions AS s
 WHERE s.session_key IS NOT NULL AND s.ended_at IS NULL AND s.title IS NULL AND s.last_activity_at IS NULL
@@ -75,7 +46,7 @@ ORDER BY s.started_at
 """
 _ORPHANS_SQL = f"""
 SELECT o.id, o.source, o.user_id, o.started_at, o.parent_session_id, o.model_config,
-  {_last_active_sql("o")} AS last_active,
+  {LAST_ACTIVE_SQL.format(a="o")} AS last_active,
   (SELECT COUNT(*) FROM messages AS m WHERE m.session_id = o.id) AS message_count
 FROM sessions AS o
 WHERE o.session_key IS NULL AND COALESCE(o.source, '') != 'tool'
@@ -83,7 +54,7 @@ WHERE o.session_key IS NULL AND COALESCE(o.source, '') != 'tool'
 ORDER BY o.started_at
 """
 _DONORS_SQL = f"""
-SELECT d.id, d.session_key, d.source, d.user_id, {_last_active_sql("d")} AS last_active
+SELECT d.id, d.session_key, d.source, d.user_id, {LAST_ACTIVE_SQL.format(a="d")} AS last_active
 FROM sessions AS d WHERE d.session_key IS NOT NULL
 """
 # A gateway row recovery may resume: open, or ended by a cleanup bug. A later reset boundary of the same
@@ -113,20 +84,19 @@ class SessionGatewayMixin:
     """SessionDB's methods for gateway routing, compression locks, turn leases, handoffs and gateway sessions."""
 
     # -- routing ---------------------------------------------------------------
-    # One row per (scope, session_key) holding the gateway's serialised entry;
-    # hermes-agent passes its sessions folder as the scope. As there, an empty
-    # key or entry is skipped rather than refused.
-
+    # One row per (scope, session_key) holding the gateway's serialised entry; hermes-agent passes its
+    # sessions folder as the scope. As there, an empty key or entry is skipped rather than refused.
     def save_gateway_routing_entry(self, session_key, entry_json, *, scope=""):
         """Store one routing entry (JSON text, or a value to encode); returns None, skipping an empty one."""
         if not session_key or not entry_json:
             return
         row = _routing_row(session_key, entry_json, scope)
-        self._execute_write(lambda conn: conn.execute(UPSERT_ROUTING_SQL, row))
+        self._execute_write(lambda conn: conn.execute(_UPSERT_ROUTING_SQL, row))
 
     def load_gateway_routing_entries(self, *, scope=""):
         """{session_key: entry_json} for one scope; {} when it has none."""
-        return {key: entry for key, entry in self._read_all(SELECT_ROUTING_SQL, (scope,))}
+        return dict(self._read_all("SELECT session_key, entry_json FROM gateway_routing WHERE scope = ?"
+                                   " ORDER BY session_key", (scope,)))
 
     def delete_gateway_routing_entries(self, session_keys, *, scope=""):
         """Delete these keys from one scope; returns None (unknown keys are no error)."""
@@ -134,27 +104,24 @@ class SessionGatewayMixin:
 
         def write(conn):
             for chunk in chunked(keys):
-                conn.execute(DELETE_ROUTING_KEYS_SQL.format(placeholders(len(chunk))), [scope, *chunk])
-
+                conn.execute(f"DELETE FROM gateway_routing WHERE scope = ? AND session_key IN"
+                             f" ({placeholders(len(chunk))})", [scope, *chunk])
         if keys:
             self._execute_write(write)
 
     def replace_gateway_routing_entries(self, entries, *, scope=""):
         """Make one scope hold exactly `entries` ({session_key: entry_json}), atomically; returns None.
-
-        Pairs with an empty key or entry are left out, as a save would skip them.
-        """
+        Pairs with an empty key or entry are left out, as a save would skip them."""
         rows = [_routing_row(key, entry, scope) for key, entry in dict(entries or {}).items() if key and entry]
 
         def write(conn):
-            conn.execute(DELETE_ROUTING_SCOPE_SQL, (scope,))
-            conn.executemany(UPSERT_ROUTING_SQL, rows)
-
+            conn.execute("DELETE FROM gateway_routing WHERE scope = ?", (scope,))
+            conn.executemany(_UPSERT_ROUTING_SQL, rows)
         self._execute_write(write)
 
     def _delete_routing_entries_for_sessions(self, conn, session_ids):
-        """Inside a write: drop the routing entries (any scope) whose entry names one of
-        `session_ids`; returns how many. The target lives inside entry_json, so it is matched here."""
+        """Inside a write: drop the routing entries (any scope) whose entry_json names one of
+        `session_ids`; returns how many."""
         doomed = []
         for scope, key, entry in conn.execute("SELECT scope, session_key, entry_json FROM gateway_routing"):
             target = json_object(entry).get("session_id")
@@ -164,29 +131,25 @@ class SessionGatewayMixin:
         return len(doomed)
 
     # -- compression locks -------------------------------------------------------
-
     def try_acquire_compression_lock(self, session_id, holder, ttl_seconds=300.0):
-        """Take the session's compression lock for `holder`; False if someone alive holds it,
-        for an empty session id, or when the store fails (compression is then skipped).
+        """Take the session's compression lock for `holder`; False if someone alive holds it, for an
+        empty id, or when the store fails (compression is then skipped).
 
-        An expired lock, or one whose holder names a dead process of this host
-        (see holder_is_alive), is taken over. Holding it already is True and
-        leaves its expiry as it was; a `ttl_seconds` of 0 or less makes a lock
-        that has already expired, as in hermes-agent.
-        """
+        An expired lock, or one of a dead process of this host (holder_is_alive), is taken over. Holding
+        it already is True and keeps its expiry; a `ttl_seconds` <= 0 makes an expired lock, as in
+        hermes-agent."""
         if not session_id:
             return False
 
         def write(conn):
             now = time.time()
-            row = conn.execute(SELECT_LOCK_SQL, (session_id,)).fetchone()
+            row = conn.execute(_SELECT_LOCK_SQL, (session_id,)).fetchone()
             if row and (row["expires_at"] < now or not holder_is_alive(row["holder"] or "")):
                 # The row was read in this transaction, so the id alone names it (a holder may be NULL in an old store).
                 conn.execute("DELETE FROM compression_locks WHERE session_id = ?", (session_id,))
             conn.execute("INSERT OR IGNORE INTO compression_locks (session_id, holder, acquired_at, expires_at)"
                          " VALUES (?, ?, ?, ?)", (session_id, holder, now, now + float(ttl_seconds)))
-            return conn.execute(SELECT_LOCK_SQL, (session_id,)).fetchone()["holder"] == holder
-
+            return conn.execute(_SELECT_LOCK_SQL, (session_id,)).fetchone()["holder"] == holder
         return self._lock_write(write, "try_acquire_compression_lock", session_id, False)
 
     def refresh_compression_lock(self, session_id, holder, ttl_seconds=300.0):
@@ -195,20 +158,22 @@ class SessionGatewayMixin:
         if not session_id or not holder:
             return False
         expires = time.time() + float(ttl_seconds)
-        return self._lock_write(lambda conn: conn.execute(REFRESH_LOCK_SQL, (expires, session_id, holder)).rowcount > 0,
-                                "refresh_compression_lock", session_id, False)
+        return self._lock_write(lambda conn: conn.execute(
+            "UPDATE compression_locks SET expires_at = ? WHERE session_id = ? AND holder = ?",
+            (expires, session_id, holder)).rowcount > 0, "refresh_compression_lock", session_id, False)
 
     def release_compression_lock(self, session_id, holder):
         """Release the lock if `holder` owns it; returns None. A store failure is logged, never raised."""
         if session_id:
-            self._lock_write(lambda conn: conn.execute(RELEASE_LOCK_SQL, (session_id, holder)),
-                             "release_compression_lock", session_id, None)
+            self._lock_write(lambda conn: conn.execute(
+                "DELETE FROM compression_locks WHERE session_id = ? AND holder = ?", (session_id, holder)),
+                "release_compression_lock", session_id, None)
 
     def get_compression_lock_holder(self, session_id):
         """Who holds the session's lock now; None when free, expired or for an empty id."""
         if not session_id:
             return None
-        row = self._read_one(SELECT_LOCK_SQL, (session_id,))
+        row = self._read_one(_SELECT_LOCK_SQL, (session_id,))
         return row["holder"] if row and row["expires_at"] >= time.time() else None
 
     def _lock_write(self, fn, name, session_id, on_error):
@@ -221,20 +186,16 @@ class SessionGatewayMixin:
         return result if on_error is not None else None
 
     # -- turn leases -------------------------------------------------------------
-    # One agent turn at a time per conversation, across processes. The lease is
-    # kept under the root of the compression chain (`_turn_lease_key`), so a turn
-    # keeps it when compression rotates the session; every write that names a
-    # holder checks it in its own transaction (`_check_turn_lease`). As in
+    # One agent turn at a time per conversation, across processes. The lease is kept under the root
+    # of the compression chain (`_turn_lease_key`), so a turn keeps it when compression rotates the
+    # session; a write naming a holder checks it in its own transaction (`_check_turn_lease`). As in
     # hermes-agent, an empty id or holder is no lease (False), never an error.
-
     def try_acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0, patience_s=None):
         """Take the conversation's turn lease for `holder` now; False if someone else holds it.
 
-        A lease past its expiry, or whose holder names a dead process of this
-        host, is taken over. Holding it already is True and leaves its expiry
-        as it was. `ttl_seconds` counts at least 0.1. `patience_s` bounds the
-        wait for a busy store (default: the write budget).
-        """
+        A lease past its expiry or of a dead process of this host is taken over; holding it already is
+        True and keeps its expiry. `ttl_seconds` counts at least 0.1; `patience_s` bounds the wait for a
+        busy store (default: the write budget)."""
         if not session_id or not holder:
             return False
         ttl = max(0.1, float(ttl_seconds))
@@ -247,21 +208,17 @@ class SessionGatewayMixin:
             conn.execute("INSERT OR IGNORE INTO session_turn_leases (conversation_id, holder, acquired_at,"
                          " expires_at) VALUES (?, ?, ?, ?)", (key, holder, now, now + ttl))
             return conn.execute(_SELECT_LEASE_SQL, (key,)).fetchone()["holder"] == holder
-
         return self._execute_write(write, patience_s=patience_s)
 
     def acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0, wait_seconds=1800.0,
                                    poll_interval_seconds=1.0, on_wait=None, wait_notice_interval_seconds=15.0,
                                    should_abort=None, acquire_patience_s=0.5):
-        """Wait up to `wait_seconds` for the turn lease; True once `holder` has it, False on
-        timeout or when `should_abort()` says so.
+        """Wait up to `wait_seconds` for the turn lease; True once `holder` has it, False on timeout or
+        when `should_abort()` says so.
 
-        Polls every `poll_interval_seconds` (at least 0.01) without holding
-        any lock in between. `on_wait(elapsed)` is called after the first miss
-        and then every `wait_notice_interval_seconds`; errors of either
-        callback are logged and ignored. A store busy past the write budget
-        counts as a miss; any other error is raised.
-        """
+        Polls every `poll_interval_seconds` (at least 0.01), holding no lock in between; `on_wait(elapsed)`
+        runs after the first miss, then every `wait_notice_interval_seconds`. Callback errors are logged
+        and ignored; a store busy past the write budget is a miss, any other error is raised."""
         deadline = time.monotonic() + max(0.0, float(wait_seconds))
         notice_every = max(0.0, float(wait_notice_interval_seconds))
         started = last_notice = None
@@ -294,7 +251,6 @@ class SessionGatewayMixin:
             key = self._turn_lease_key(conn, session_id)
             return conn.execute("UPDATE session_turn_leases SET expires_at = ? WHERE conversation_id = ?"
                                 " AND holder = ?", (time.time() + ttl, key, holder)).rowcount > 0
-
         return self._execute_write(write)
 
     def release_session_turn_lease(self, session_id, holder):
@@ -304,10 +260,9 @@ class SessionGatewayMixin:
                 _DELETE_LEASE_SQL, (self._turn_lease_key(conn, session_id), holder)))
 
     # -- handoffs ----------------------------------------------------------------
-    # A handoff moves a session from the CLI to a gateway platform: the CLI
-    # requests it (pending), one gateway claims it (running), then completes or
-    # fails it. Each step is a compare-and-set, so two gateways never both claim.
-
+    # A handoff moves a session from the CLI to a gateway platform: the CLI requests it (pending), one
+    # gateway claims it (running), then completes or fails it. Each step is a compare-and-set, so two
+    # gateways never both claim.
     def request_handoff(self, session_id, platform):
         """Mark the session pending handoff to `platform`; False if unknown or a handoff is in flight."""
         return self._update_rows(
@@ -338,24 +293,19 @@ class SessionGatewayMixin:
 
     def list_pending_handoffs(self):
         """Every session row with a pending handoff, oldest first, `system_prompt` resolved."""
-        rows = self._read_all("SELECT * FROM sessions WHERE handoff_state = 'pending' ORDER BY started_at")
-        cache = {}
-        return [self._resolve_prompt(dict(row), cache) for row in rows]
+        return self._resolved(self._read_all("SELECT * FROM sessions WHERE handoff_state = 'pending'"
+                                             " ORDER BY started_at"))
 
     # -- gateway sessions ------------------------------------------------------------
-    # Rows the gateway keys by `session_key`: the end of a reset, rows opened and
-    # never used, and orphans that lost their routing identity to a failed write.
-
+    # Rows the gateway keys by `session_key`: the end of a reset, rows opened and never used, and
+    # orphans that lost their routing identity to a failed write.
     @staticmethod
     def session_gateway_runtime(session_meta):
         """The provider route a session row last ran on, as a dict; {} when the row names none.
 
-        Reads `model_config` (JSON text or a dict): its `gateway_runtime` when that
-        names a provider, else its top-level provider/base_url/api_mode, else the
-        row's billing_provider unless that is a bucket ('auto', 'custom'), else
-        whatever `gateway_runtime` holds. None values are left out; unreadable
-        JSON reads as empty.
-        """
+        From `model_config` (JSON text or a dict): `gateway_runtime` if it names a provider, else the
+        top-level provider/base_url/api_mode, else billing_provider unless a bucket ('auto', 'custom'),
+        else whatever `gateway_runtime` holds, None values left out."""
         meta = session_meta or {}
         config = json_object(meta.get("model_config"))
         runtime = config.get("gateway_runtime")
@@ -370,14 +320,11 @@ class SessionGatewayMixin:
 
     def update_session_runtime_lock(self, session_id, *, model=None, provider=None, model_options=None,
                                     route_source=None, confirmed=False):
-        """Record the model route a browser or API client pinned; returns None, and writes nothing
-        for an unknown session.
+        """Record the model route a browser or API client pinned; returns None, nothing for an unknown id.
 
-        The lock goes to `model_config.browser_model_lock` (other keys kept),
-        `model` unless None to the model column, and the cached system prompt
-        is cleared, so the next turn rebuilds it naming the route. Raises
-        TypeError for `model_options` JSON cannot hold, before anything is written.
-        """
+        Sets `model_config.browser_model_lock` (other keys kept) and, unless None, the model, and drops
+        the stored system prompt so the next turn names the route. Raises TypeError for `model_options`
+        JSON cannot hold, before anything is written."""
         lock = {"provider": provider or "", "model": model or "", "model_options": model_options or {},
                 "route_source": route_source or "", "confirmed": bool(confirmed), "updated_at": time.time()}
         json.dumps(lock)
@@ -390,9 +337,7 @@ class SessionGatewayMixin:
             config["browser_model_lock"] = lock
             conn.execute("UPDATE sessions SET model_config = ?, model = COALESCE(?, model), system_prompt = NULL,"
                          " system_prompt_hash = NULL WHERE id = ?", (json.dumps(config), model, session_id))
-            conn.execute("DELETE FROM system_prompts WHERE NOT EXISTS"
-                         " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
-
+            conn.execute(DELETE_UNUSED_PROMPTS_SQL)
         self._execute_write(write)
 
     def record_gateway_session_peer(self, session_id, *, source, user_id=None, session_key=None, chat_id=None,
@@ -496,12 +441,9 @@ class SessionGatewayMixin:
             self._update_rows("DELETE FROM gateway_hygiene_state WHERE session_key = ?", (session_key,))
 
     def promote_to_session_reset(self, session_id, reason="session_reset"):
-        """End the session now with `reason`, a reset boundary gateway recovery never crosses;
-        False when the row is missing, already ended for another reason, or the write failed.
-
-        An open row is ended, and so is one ended as 'agent_close' or
-        'ws_orphan_reap' (ends recovery would resume); any other end stays.
-        """
+        """End the session now with `reason`, a reset boundary gateway recovery never crosses; False when
+        the row is missing, the write failed, or it ended otherwise than 'agent_close' or 'ws_orphan_reap'
+        (ends recovery would resume)."""
         if not session_id:
             return False
         try:
@@ -514,23 +456,14 @@ class SessionGatewayMixin:
             return False
 
     def list_never_active_keyed_sessions(self, *, older_than_days):
-        """Open gateway sessions started over `older_than_days` ago and never used, oldest first;
-        [] when there are none.
-
-        Never used: no message, title, token, tool or API call or recorded
-        activity; pinned and archived rows are kept out. Each is a dict of id,
-        session_key, source, chat_id, chat_type, user_id, started_at.
-        """
+        """Open keyed sessions started over `older_than_days` ago and never used (no message, title,
+        token, call or activity; not pinned or archived), oldest first, as dicts; [] when none."""
         cutoff = time.time() - float(older_than_days) * 86400.0
         return [dict(row) for row in self._read_all(_NEVER_ACTIVE_SQL, (cutoff,))]
 
     def prune_never_active_keyed_sessions(self, *, older_than_days, sessions_dir=None):
-        """Delete the sessions list_never_active_keyed_sessions lists and the routing entries
-        naming them; returns (sessions deleted, routing entries deleted).
-
-        The routing entries go first, so the gateway never routes to a deleted
-        row; each session is deleted through delete_session.
-        """
+        """Delete what list_never_active_keyed_sessions lists (through delete_session) and, first, the
+        routing entries naming it; returns (sessions deleted, routing entries deleted)."""
         ids = {row["id"] for row in self.list_never_active_keyed_sessions(older_than_days=older_than_days)}
         if not ids:
             return (0, 0)
@@ -539,21 +472,15 @@ class SessionGatewayMixin:
         return (sum(1 for session_id in sorted(ids) if self.delete_session(session_id, **extra)), routing)
 
     def find_orphaned_gateway_sessions(self, *, max_gap_s=None):
-        """Sessions with messages but no `session_key`, oldest first, each with the keyed session
-        it continues when exactly one can be named; [] when there are none.
+        """Sessions with messages but no `session_key` (branch, delegate and tool runs aside), oldest
+        first, each with the keyed session it continues when exactly one can be named; [] when none.
 
-        The predecessor (donor) is the parent when that is keyed and of the same
-        source (evidence 'lineage'), else the one keyed session of the same
-        source and a compatible user that fell quiet within `max_gap_s`
-        (default ORPHAN_ADOPTION_MAX_GAP_S) of the orphan's start, before its
-        last activity ('contiguity'). Branch, delegate and tool sessions are not
-        orphans. Each dict: orphan_id, source, message_count, started_at,
-        last_active, donor_id, session_key, evidence, adoptable, reason; an
-        orphan whose donor is missing, ambiguous or claimed by another orphan is
-        not adoptable and `reason` says why.
-        """
+        The donor is the keyed parent of the same source ('lineage'), else the one keyed session of the
+        same source and a compatible user that fell quiet within `max_gap_s` (ORPHAN_ADOPTION_MAX_GAP_S)
+        of the orphan's start and before its last activity ('contiguity'). An orphan whose donor is
+        missing, ambiguous or claimed twice is not adoptable, and `reason` says why."""
         gap = ORPHAN_ADOPTION_MAX_GAP_S if max_gap_s is None else float(max_gap_s)
-        orphans = [row for row in self._read_all(_ORPHANS_SQL) if not _is_fork_or_delegate(row["model_config"])]
+        orphans = [row for row in self._read_all(_ORPHANS_SQL) if not has_fork_marker(row["model_config"])]
         donors = {row["id"]: row for row in self._read_all(_DONORS_SQL)} if orphans else {}
         records = [_orphan_record(orphan, donors, gap) for orphan in orphans]
         claims = {}
@@ -566,14 +493,11 @@ class SessionGatewayMixin:
         return records
 
     def adopt_orphaned_gateway_session(self, orphan_id, donor_id):
-        """Give `orphan_id` the routing identity of `donor_id` and end the donor as
-        'superseded_by_repair'; False when either is missing, the donor has no key,
-        the orphan has one, or their sources differ.
+        """Give `orphan_id` the routing identity of `donor_id` and end the donor as 'superseded_by_repair';
+        False when either is missing, the donor has no key, the orphan has one, or their sources differ.
 
-        Checked again inside the write, so a gateway that healed either row
-        meanwhile makes this a no-op. Identity columns the orphan already has
-        are kept; a missing parent becomes the donor.
-        """
+        Checked inside the write, so a row a gateway healed meanwhile is left alone. The orphan keeps the
+        identity columns it has; a missing parent becomes the donor."""
         if not orphan_id or not donor_id or orphan_id == donor_id:
             return False
 
@@ -594,7 +518,6 @@ class SessionGatewayMixin:
             conn.execute("UPDATE sessions SET ended_at = COALESCE(ended_at, ?), end_reason = 'superseded_by_repair'"
                          " WHERE id = ?", (time.time(), donor_id))
             return True
-
         return self._execute_write(write)
 
 
@@ -623,12 +546,8 @@ def _pid_alive(pid):
 
 
 def holder_is_alive(holder):
-    """False only when `holder` names a process of this host that no longer exists.
-
-    Two namings carry a process id: hermes-agent's `pid=N:...` (its store is
-    host-local, so N is a process of this host) and ours, `host:pid:thread`
-    (see lock_holder_name). This process and any other name count as alive.
-    """
+    """False only when `holder` names a process of this host that no longer exists: hermes-agent's
+    `pid=N:...` (its store is host-local) or our `host:pid:thread`; any other name counts as alive."""
     text = str(holder or "")
     match = _HOLDER_PID.search(text)
     if match:
@@ -648,12 +567,6 @@ def _callback_says(callback, *args):
     except Exception:  # a caller's UI callback must not end the wait
         logger.debug("callback %r failed", callback, exc_info=True)
         return False
-
-
-def _is_fork_or_delegate(model_config):
-    """A branch or delegate session: keyless by design, never an orphan."""
-    config = json_object(model_config)
-    return config.get("_branched_from") is not None or config.get("_delegate_from") is not None
 
 
 def _orphan_record(orphan, donors, gap):

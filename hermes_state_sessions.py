@@ -1,11 +1,10 @@
-"""Session rows: create (or enrich), read, resolve, end and reopen, flags,
-listing, counts, deletes, the model and cwd a session runs with.
+"""Session rows: create (or enrich), read, resolve, end and reopen, flags, listing, counts, and the
+model and cwd a session runs with.
 
-Owns what a session row holds and who may change it. Relies on SessionDB's
-write path (`_execute_write`, `_update_rows`) and read path (`_read_all`,
-`_read_one`, `_read_value`). Never touches a message's content, the search
-indexes or the schema; titles' rules live in hermes_state_titles, compression
-and resume in hermes_state_compression.
+Owns what a session row holds and who may change it. Relies on SessionDB's write path
+(`_execute_write`, `_update_rows`) and read path (`_read_all`, `_read_one`, `_read_value`). Never
+touches a message's content, the search indexes or the schema; title rules live in
+hermes_state_titles, compression and resume in hermes_state_compression.
 """
 
 import collections
@@ -17,43 +16,23 @@ import string
 import time
 
 from hermes_state_common import (
-    merge_model_config,
-    INSERT_SYSTEM_PROMPT_SQL,
-    LAST_ACTIVE_SQL,
-    SELECT_ID_PREFIX_SQL,
-    SELECT_SYSTEM_PROMPT_SQL,
-    SESSION_EXISTS_SQL,
-    SESSION_ID_MAX_LENGTH,
-    SESSION_RICH_SQL,
-    SKILL_EXCERPT_JOINT,
-    SessionInputTypeError,
-    SessionRowError,
-    _RESET_END_REASONS,
-    chunked,
-    cwd_prefix_clause,
-    describe_skill_invocation,
-    json_object,
-    loads_or,
-    placeholders,
-    prefix_bounds,
-    require_text,
-)
+    DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, SELECT_ID_PREFIX_SQL,
+    SELECT_SYSTEM_PROMPT_SQL, SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL,
+    SKILL_EXCERPT_JOINT, SessionInputTypeError, SessionRowError, _RESET_END_REASONS, chunked,
+    cwd_prefix_clause, describe_skill_invocation, has_fork_marker, json_object, loads_or, merge_model_config,
+    placeholders, prefix_bounds, require_text)
 from hermes_state_schema import declared_columns, prompt_hash
 
-# What create_session may fill on a row that exists: only columns still NULL,
-# so a later bare call (source "unknown", no model) never clobbers a real value.
+# What create_session may fill on an existing row: only columns still NULL, so a later bare call
+# (source "unknown", no model) never clobbers a real value.
 _FILLABLE_COLUMNS = ("model", "model_config", "user_id", "session_key", "chat_id", "chat_type", "thread_id",
                      "parent_session_id", "cwd", "profile_name", "git_repo_root", "origin_json", "display_name")
-# Filled from the parent when a child names one: where the work happens and
-# whose profile it is, so a fork never drops out of its project.
+# Taken from the parent a child names, so a fork never drops out of its project.
 _INHERITED_COLUMNS = ("cwd", "git_repo_root", "git_branch", "profile_name")
-# Filled from a parent that ended by compression: the gateway's routing, so a
-# continuation stays reachable if the gateway dies before re-recording it.
+# Taken from a parent compression ended: the gateway's routing, so a continuation stays reachable
+# if the gateway dies before re-recording it.
 _ROUTING_COLUMNS = ("user_id", "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json")
-_DELETE_UNREFERENCED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS (SELECT 1 FROM sessions"
-                                    " WHERE sessions.system_prompt_hash = system_prompts.hash)")
-# Every session of the compression chain through ? (both directions); the flag
-# setters change the chain as one conversation.
+# The compression chain through ? (both directions); the flag setters change it as one conversation.
 _LINEAGE_IDS_SQL = """
 WITH RECURSIVE
   up(id) AS (SELECT ? UNION SELECT p.id FROM up JOIN sessions AS c ON c.id = up.id
@@ -66,7 +45,7 @@ _CANDIDATES_SQL = ("SELECT s.id, s.source, s.title, s.model_config, s.started_at
                    " s.parent_session_id AS parent, p.end_reason AS parent_end_reason,"
                    " p.ended_at AS parent_ended_at, p.session_key AS parent_key")
 _CANDIDATES_FROM_SQL = " FROM sessions AS s LEFT JOIN sessions AS p ON p.id = s.parent_session_id"
-# Sessions listable without a look at their markers: roots that cannot be subagent runs.
+# Listable without a look at their markers: roots that cannot be subagent runs.
 _PLAIN_ROOT_SQL = "(s.parent_session_id IS NULL AND instr(COALESCE(s.model_config, ''), '_delegate_from') = 0)"
 # Every child of a session compression ended: the links a chain walk may follow.
 _CONTINUATIONS_SQL = (f"SELECT c.id, c.parent_session_id AS parent, c.title, c.model_config, c.source,"
@@ -79,7 +58,6 @@ _PROJECTED_COLUMNS = ("id", "ended_at", "end_reason", "message_count", "tool_cal
                       "preview", "model", "system_prompt", "cwd", "git_branch", "git_repo_root")
 _COMPACT_LEFT_OUT = frozenset({"system_prompt", "system_prompt_hash", "git_metadata_generation"})
 _ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
-# A preview is at most this many characters, then "...".
 _PREVIEW_MAX_CHARS = 60
 
 
@@ -87,20 +65,14 @@ class SessionSessionsMixin:
     """SessionDB's methods for session rows and listing."""
 
     # -- creating -------------------------------------------------------------
-
     def create_session(self, session_id, source, **kwargs):
         """Create the session, or fill the still-empty fields of an existing one; returns its id.
 
-        Keywords: model, model_config (a dict), system_prompt, user_id,
-        session_key, chat_id, chat_type, thread_id, parent_session_id, cwd,
-        profile_name, git_repo_root, origin_json, display_name; any other
-        raises TypeError. On an existing id only NULL columns are filled and
-        `source` is kept. A child inherits the parent's cwd, git root and
-        branch and profile, and, if the parent ended by compression, its
-        gateway routing. Raises SessionRowError (a ValueError and
-        IntegrityError) for a missing id or source or an unknown parent,
-        SessionInputTypeError for a non-text prompt; nothing is written then.
-        """
+        Keywords are _insert_session_row's (model_config a dict); any other raises TypeError. An existing
+        row keeps its source. A child inherits the parent's cwd, git and profile, and its gateway routing
+        if compression ended the parent. Raises SessionRowError (a ValueError and IntegrityError) for a
+        missing id or source or an unknown parent, SessionInputTypeError for a non-text prompt; nothing
+        is written then."""
         self._insert_session_row(session_id, source, **kwargs)
         return session_id
 
@@ -116,19 +88,16 @@ class SessionSessionsMixin:
         _check_session_id(session_id)
         if source is None:
             raise SessionRowError("source must be given, not None; no session was written")
-        if system_prompt is not None and not isinstance(system_prompt, str):
-            raise SessionInputTypeError(f"system_prompt must be a string or None, not "
-                                        f"{type(system_prompt).__name__}")
+        digest = _prompt_digest(system_prompt)
         values = dict(zip(_FILLABLE_COLUMNS, (
             model, _config_json(model_config), user_id, session_key, chat_id, chat_type, thread_id,
             parent_session_id, cwd, profile_name, git_repo_root, origin_json, display_name)))
-        digest = None if system_prompt is None else prompt_hash(system_prompt)
 
         def write(conn):
             if digest:
                 conn.execute(INSERT_SYSTEM_PROMPT_SQL, (digest, system_prompt))
             row = conn.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
-            changes = _new_row_values(values, digest) if row is None else _fill_values(row, values, digest)
+            changes = _fill_values(row, values, digest)
             parent = changes.get("parent_session_id")
             if parent and parent != session_id and not conn.execute(SESSION_EXISTS_SQL, (parent,)).fetchone():
                 raise SessionRowError(f"parent_session_id {parent!r} names no session; no session was written")
@@ -140,33 +109,26 @@ class SessionSessionsMixin:
                 conn.execute(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in changes)} WHERE id = ?",
                              (*changes.values(), session_id))
             if digest:
-                conn.execute(_DELETE_UNREFERENCED_PROMPTS_SQL)
+                conn.execute(DELETE_UNUSED_PROMPTS_SQL)
             if parent_session_id:
                 _inherit_from_parent(conn, session_id)
-
         self._execute_write(write)
 
     def update_system_prompt(self, session_id, system_prompt):
         """Store the session's full system prompt (None clears it); nothing for an unknown session.
 
-        Raises SessionInputTypeError for a value that is not text, before writing.
-        """
-        if system_prompt is not None and not isinstance(system_prompt, str):
-            raise SessionInputTypeError(f"system_prompt must be a string or None, not "
-                                        f"{type(system_prompt).__name__}")
-        digest = None if system_prompt is None else prompt_hash(system_prompt)
+        Raises SessionInputTypeError for a value that is not text, before writing."""
+        digest = _prompt_digest(system_prompt)
 
         def write(conn):
             if digest:
                 conn.execute(INSERT_SYSTEM_PROMPT_SQL, (digest, system_prompt))
             conn.execute("UPDATE sessions SET system_prompt_hash = ?, system_prompt = NULL WHERE id = ?",
                          (digest, session_id))
-            conn.execute(_DELETE_UNREFERENCED_PROMPTS_SQL)
-
+            conn.execute(DELETE_UNUSED_PROMPTS_SQL)
         self._execute_write(write)
 
     # -- reading ----------------------------------------------------------------
-
     def get_session(self, session_id):
         """Every column of a session, `system_prompt` resolved; None for an unknown id."""
         self._flush_token_counts()
@@ -174,14 +136,17 @@ class SessionSessionsMixin:
         return rows[0] if rows else None
 
     def _read_sessions(self, columns, tail, params):
-        """Session dicts, system_prompt resolved, with computed `columns` added and `tail` after the FROM."""
+        """Session dicts, prompt resolved, with computed `columns` added and `tail` after the FROM."""
+        return self._resolved(self._read_all(f"SELECT s.*{columns} FROM sessions AS s" + tail, params))
+
+    def _resolved(self, rows):
+        """`rows` as dicts through _resolve_prompt, each stored prompt read once."""
         cache = {}
-        return [self._resolve_prompt(dict(row), cache)
-                for row in self._read_all(f"SELECT s.*{columns} FROM sessions AS s" + tail, params)]
+        return [self._resolve_prompt(dict(row), cache) for row in rows]
 
     def _resolve_prompt(self, session, cache):
-        """`session` with `system_prompt` resolved from its hash and, in a rich row, `_preview_raw`
-        shaped into `preview` (`cache` keeps the prompts already read)."""
+        """`session` with `system_prompt` read from its hash (`cache` keeps the prompts read) and, in a
+        rich row, `_preview_raw` shaped into `preview`."""
         digest = session.get("system_prompt_hash")
         if digest:
             if digest not in cache:
@@ -202,22 +167,16 @@ class SessionSessionsMixin:
         return matches[0][0] if len(matches) == 1 else None
 
     # -- ending and flags ---------------------------------------------------------
-
     def end_session(self, session_id, end_reason):
-        """Mark a session ended now with `end_reason`; the first end wins (reopen to re-end).
-
-        Returns None, like hermes-agent; an unknown or ended session is left as it is.
-        """
+        """Mark a session ended now with `end_reason`; returns None. The first end wins (reopen to re-end)."""
         self._update_rows("UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ? AND ended_at IS NULL",
                           (time.time(), end_reason, session_id))
 
     def reopen_session(self, session_id):
         """Clear a session's end so it can be resumed; returns None.
 
-        Children that continued it across a reset on the same routing key get
-        `_reset_from` in their model_config first, so they stay separate
-        conversations once the parent no longer says it was reset.
-        """
+        Children that continued it across a reset on its routing key first get `_reset_from` in their
+        model_config, so they stay separate conversations once the parent no longer says reset."""
         def write(conn):
             parent = conn.execute("SELECT end_reason, session_key FROM sessions WHERE id = ?",
                                   (session_id,)).fetchone()
@@ -231,7 +190,6 @@ class SessionSessionsMixin:
                         conn.execute("UPDATE sessions SET model_config = ? WHERE id = ?",
                                      (json.dumps(config, separators=(",", ":")), child["id"]))
             conn.execute("UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?", (session_id,))
-
         self._execute_write(write)
 
     def set_session_archived(self, session_id, archived):
@@ -250,6 +208,10 @@ class SessionSessionsMixin:
         """Mark the chain read now (or unread: watermark 0, so any activity is newer); False if no row matched."""
         return self._set_lineage_column(session_id, "last_read_at", time.time() if read else 0.0)
 
+    def _set_lineage_column(self, session_id, column, value):
+        sql = f"UPDATE sessions SET {column} = ? WHERE id IN ({_LINEAGE_IDS_SQL})"
+        return self._update_rows(sql, (value, session_id, session_id)) > 0
+
     def set_expiry_finalized(self, session_id, finalized=True):
         """Record whether the gateway finalized this session's expiry; returns None (nothing for an empty id)."""
         if session_id:
@@ -257,37 +219,26 @@ class SessionSessionsMixin:
                               (1 if finalized else 0, session_id))
 
     def set_session_yolo(self, session_id, enabled):
-        """Keep the per-session YOLO flag in model_config.yolo_mode (other keys kept); returns None,
-        and writes nothing for an empty id or an unknown session."""
+        """Set model_config.yolo_mode, other keys kept; returns None (nothing for an empty or unknown id)."""
         self.patch_session_model_config(session_id, {"yolo_mode": bool(enabled)})
 
     @staticmethod
     def session_yolo_enabled(session_meta):
-        """True when a session row (model_config as JSON text or a dict) has yolo_mode set; False on
-        anything unreadable, so a resume never turns the bypass on by accident."""
+        """True when a row's model_config (JSON text or a dict) sets yolo_mode; False on anything
+        unreadable, so a resume never turns the bypass on by accident."""
         config = (session_meta or {}).get("model_config")
         if isinstance(config, str):
             config = loads_or(config, None)
         return bool(config.get("yolo_mode")) if isinstance(config, dict) else False
 
-    def _set_lineage_column(self, session_id, column, value):
-        sql = f"UPDATE sessions SET {column} = ? WHERE id IN ({_LINEAGE_IDS_SQL})"
-        return self._update_rows(sql, (value, session_id, session_id)) > 0
-
     # -- model and working directory ------------------------------------------------
-
     def update_session_model(self, session_id, model, provider=None):
-        """Switch the session's model (and provider, if given) mid-session; returns None.
+        """Switch the session's model (and provider, if given); returns None, nothing for an unknown session.
 
-        Drops the stored system prompt so the next turn rebuilds it for the new
-        model, and any browser model lock in model_config. Nothing for an unknown session.
-        """
+        Drops the stored system prompt (the next turn rebuilds it) and any browser model lock."""
         self._flush_token_counts()
         patch = {"browser_model_lock": None}
-        if model:
-            patch["model"] = model
-        if provider:
-            patch["provider"] = provider
+        patch.update((key, value) for key, value in (("model", model), ("provider", provider)) if value)
 
         def write(conn):
             row = conn.execute("SELECT model_config FROM sessions WHERE id = ?", (session_id,)).fetchone()
@@ -296,8 +247,7 @@ class SessionSessionsMixin:
             conn.execute("UPDATE sessions SET model = ?, model_config = ?, system_prompt = NULL,"
                          " system_prompt_hash = NULL WHERE id = ?",
                          (model, merge_model_config(row["model_config"], patch), session_id))
-            conn.execute(_DELETE_UNREFERENCED_PROMPTS_SQL)
-
+            conn.execute(DELETE_UNUSED_PROMPTS_SQL)
         self._execute_write(write)
 
     def update_session_meta(self, session_id, model_config_json, model=None):
@@ -313,10 +263,8 @@ class SessionSessionsMixin:
                                             (session_id,))).get(key, default)
 
     def patch_session_model_config(self, session_id, patch):
-        """Merge `patch` into model_config (a None value removes its key); returns None.
-
-        Nothing for an unknown session or an empty patch.
-        """
+        """Merge `patch` into model_config (a None value removes its key); returns None, and writes nothing
+        for an unknown session or an empty patch."""
         if not session_id or not patch:
             return
 
@@ -325,15 +273,13 @@ class SessionSessionsMixin:
             if row is not None:
                 conn.execute("UPDATE sessions SET model_config = ? WHERE id = ?",
                              (merge_model_config(row["model_config"], patch), session_id))
-
         self._execute_write(write)
 
     def update_session_cwd(self, session_id, cwd, git_branch=None, git_repo_root=None, replace_git_meta=False):
         """Record the session's cwd and claim a new git-metadata generation; returns it, None if unknown.
 
-        Branch and repo root are written only when non-empty, unless the cwd
-        changed or `replace_git_meta`, when they are replaced (empty clears).
-        """
+        Branch and repo root are written only when non-empty, unless the cwd changed or
+        `replace_git_meta`, when they are replaced (empty clears)."""
         if not session_id or not cwd:
             return None
         branch, root = (git_branch or "").strip() or None, (git_repo_root or "").strip() or None
@@ -352,7 +298,6 @@ class SessionSessionsMixin:
                          (*sets.values(), session_id))
             return int(conn.execute("SELECT git_metadata_generation FROM sessions WHERE id = ?",
                                     (session_id,)).fetchone()[0])
-
         return self._execute_write(write)
 
     def publish_session_git_metadata(self, session_id, cwd, generation, git_branch=None, git_repo_root=None):
@@ -367,7 +312,6 @@ class SessionSessionsMixin:
                                  (*sets.values(), session_id, cwd, generation)) == 1
 
     # -- listing -------------------------------------------------------------------------
-
     def list_sessions_rich(self, source=None, sources=None, exclude_sources=None, cwd_prefix=None, limit=20,
                            offset=0, include_children=False, min_message_count=0, project_compression_tips=True,
                            order_by_last_active=False, include_archived=False, archived_only=False, id_query=None,
@@ -375,16 +319,12 @@ class SessionSessionsMixin:
                            include_hidden=False):
         """A page of sessions as rich rows (every column, `preview`, `last_active`, `unread`); [] when none match.
 
-        Newest start first, or with `order_by_last_active` newest activity
-        along each row's compression chain first; only then do `id_query` and
-        `search_query` (title or id, also without punctuation) keep the rows
-        whose chain matches. Unarchived, unhidden rows of roots, branches and
-        resets unless `include_children`; a compression root is shown as its
-        tip (`_lineage_root_id` names the root) unless `project_compression_tips`
-        is False. `include_pinned` adds the pinned rows the page left out.
-        `compact_rows` leaves out the system prompt columns. `limit` and
-        `offset` are read as SQLite reads them (negative: no limit, from 0).
-        """
+        Newest start first, or newest activity along the compression chain (`order_by_last_active`,
+        which alone applies `id_query` and `search_query`: title or id, also without punctuation).
+        Unarchived, unhidden roots, branches and resets unless `include_children`; a compression root
+        shows as its tip (`_lineage_root_id` names the root) unless `project_compression_tips` is False.
+        `include_pinned` adds the pinned rows the page left out; `compact_rows` drops the prompt columns.
+        `limit` and `offset` are read as SQLite reads them (negative: no limit, from 0)."""
         limit, offset = _window_bound(limit), max(_window_bound(offset), 0)
         self._flush_token_counts()
         clauses, params = _filter_clauses(source, sources, exclude_sources, cwd_prefix, min_message_count,
@@ -445,7 +385,6 @@ class SessionSessionsMixin:
         def rank(row):
             ids = [str(value).lower() for value in (row.get("id"), row.get("_lineage_root_id")) if value]
             return 0 if needle in ids else 1 if any(i.startswith(needle) for i in ids) else 2
-
         return sorted(rows, key=rank)[:limit]
 
     def distinct_session_cwds(self, include_archived=False):
@@ -462,21 +401,16 @@ class SessionSessionsMixin:
         self._flush_token_counts()
         where = (" AND LOWER(s.source) = LOWER(?)" if platform else "") + (" AND s.ended_at IS NULL"
                                                                            if active_only else "")
-        rows = self._read_all(self._listing_sql(
+        return self._resolved(self._read_all(self._listing_sql(
             f"SELECT s.*, {LAST_ACTIVE_SQL.format(a='s')} AS last_active FROM sessions AS s WHERE s.session_key"
             " IS NOT NULL AND s.started_at = (SELECT MAX(k.started_at) FROM sessions AS k WHERE k.session_key ="
-            f" s.session_key){where} ORDER BY last_active DESC"), (platform,) if platform else ())
-        cache = {}
-        return [self._resolve_prompt(dict(row), cache) for row in rows]
+            f" s.session_key){where} ORDER BY last_active DESC"), (platform,) if platform else ()))
 
     def session_count(self, source=None, sources=None, cwd_prefix=None, min_message_count=0,
                       include_archived=False, archived_only=False, exclude_children=False,
                       exclude_sources=None):
-        """How many sessions match; unarchived ones unless `include_archived` or `archived_only`.
-
-        `exclude_children` counts what list_sessions_rich lists: roots,
-        branches and resets, without subagent runs or compression continuations.
-        """
+        """How many sessions match; unarchived ones unless `include_archived` or `archived_only`, and with
+        `exclude_children` only what list_sessions_rich lists (no subagent runs or continuations)."""
         clauses, params = _filter_clauses(source, sources, exclude_sources, cwd_prefix, min_message_count,
                                           include_archived, archived_only)
         return sum(self._tally_sessions(clauses, params, exclude_children).values())
@@ -502,9 +436,8 @@ class SessionSessionsMixin:
         return tally
 
     def _list_candidates(self, clauses, params, include_children, with_activity, want=None):
-        """The matching sessions, newest start first, as the inputs of the listing rules (the markers
-        are read in Python, so no JSON1): without `include_children` only the listable ones, and
-        with `want` only the first `want` of those."""
+        """The matching sessions, newest start first, as the listing rules' inputs (markers are read in
+        Python, so no JSON1): only listable ones unless `include_children`, at most `want` of them."""
         activity = f", {LAST_ACTIVE_SQL.format(a='s')} AS last_active" if with_activity else ""
         sql = f"{_CANDIDATES_SQL}{activity}{_CANDIDATES_FROM_SQL}{{}} ORDER BY s.started_at DESC, s.id DESC"
         if want is None:
@@ -527,9 +460,7 @@ class SessionSessionsMixin:
         the needles (already lower case) match an id, or a title, of that chain."""
         children = collections.defaultdict(list)
         for link in self._read_all(self._listing_sql(_CONTINUATIONS_SQL)):
-            config = json_object(link["model_config"])
-            if config.get("_branched_from") is None and config.get("_delegate_from") is None \
-                    and (link["source"] or "") != "tool":
+            if not has_fork_marker(link["model_config"]) and (link["source"] or "") != "tool":
                 children[link["parent"]].append(link)
         squeezed = re.sub(r"[\W_]+", "", search_needle)
         ranked = []
@@ -565,9 +496,7 @@ class SessionSessionsMixin:
         without the system prompt columns; `last_active` replaces the heartbeat-aware SQL."""
         columns = _compact_columns() if compact_rows else "s.*"
         sql = SESSION_RICH_SQL.format(columns=columns, last_active=last_active or LAST_ACTIVE_SQL.format(a="s"))
-        rows = self._read_all(self._listing_sql(sql + tail), params)
-        cache = {}
-        return [self._resolve_prompt(dict(row), cache) for row in rows]
+        return self._resolved(self._read_all(self._listing_sql(sql + tail), params))
 
     def _listing_sql(self, sql):
         """`sql`, led on a read-only store that predates some session columns by a `sessions` CTE
@@ -660,7 +589,7 @@ def _is_listable(row):
 
 def _shape_preview(raw):
     """The preview hermes-agent shows for a `_preview_raw`: a /skill turn as typed, else the text up
-    to the excerpt joint; over 60 characters it is cut and ends in "..."."""
+    to the excerpt joint; past _PREVIEW_MAX_CHARS it is cut and ends in "..."."""
     text = str(raw or "").strip()
     described = describe_skill_invocation(text)
     text = text.split(SKILL_EXCERPT_JOINT)[0] if described is None else described
@@ -672,6 +601,16 @@ def _check_session_id(session_id):
         require_text("session_id", session_id, max_length=SESSION_ID_MAX_LENGTH)
     except ValueError as exc:
         raise SessionRowError(f"{exc}; no session was written") from None
+
+
+def _prompt_digest(system_prompt):
+    """The hash a system prompt is stored under; None for None, SessionInputTypeError for a non-string."""
+    if system_prompt is None:
+        return None
+    if not isinstance(system_prompt, str):
+        raise SessionInputTypeError(f"system_prompt must be a string or None, not "
+                                    f"{type(system_prompt).__name__}")
+    return prompt_hash(system_prompt)
 
 
 def _config_json(model_config):
@@ -693,15 +632,11 @@ def _config_dict(text):
     return config if isinstance(config, dict) else None
 
 
-def _new_row_values(values, digest):
-    changes = {column: value for column, value in values.items() if value is not None}
-    if digest:
-        changes["system_prompt_hash"] = digest
-    return changes
-
-
 def _fill_values(row, values, digest):
-    """What an existing row gains: the columns it still has NULL."""
+    """What a row gains: every given value for a new one (`row` None), else the columns still NULL."""
+    if row is None:
+        changes = {column: value for column, value in values.items() if value is not None}
+        return dict(changes, system_prompt_hash=digest) if digest else changes
     changes = {c: v for c, v in values.items() if v is not None and row[c] is None}
     # A row made at a reset holds only {"_reset_from": ...}; the real config
     # joins it instead of being dropped because the column is no longer NULL.

@@ -1,13 +1,10 @@
-"""Telegram DM topic mode: which private chats use topics, and which topic
-thread is bound to which session.
+"""Telegram DM topic mode: which private chats use topics, and which thread is bound to which session.
 
-Owns the tables `telegram_dm_topic_mode` and `telegram_dm_topic_bindings`.
-They are created only when a user opts in (`apply_telegram_topic_migration`,
-called by `enable_telegram_topic_mode` and `bind_telegram_topic`), never at
-open, as hermes-agent does: a store nobody ran `/topic` on keeps its schema.
-Every read answers as if empty while the tables are absent, and never
-creates them. Relies on SessionDB's write and read paths and on the sessions
-mixin's rich rows (`_rich_rows`); never writes a session or message row.
+Owns `telegram_dm_topic_mode` and `telegram_dm_topic_bindings`, created only when a user opts in
+(`apply_telegram_topic_migration`, called by `enable_telegram_topic_mode` and `bind_telegram_topic`),
+never at open, as hermes-agent does; while they are absent every read answers as if empty. Relies on
+SessionDB's write and read paths and the sessions mixin's `_rich_rows`; never writes a session or
+message row.
 """
 
 import sqlite3
@@ -20,28 +17,16 @@ TOPIC_SCHEMA_META_KEY = "telegram_dm_topic_schema_version"
 TOPIC_SCHEMA_VERSION = "2"
 
 _BINDINGS_TABLE_SQL = """CREATE TABLE {name} (
-    chat_id TEXT NOT NULL,
-    thread_id TEXT NOT NULL,
-    user_id TEXT NOT NULL,
-    session_key TEXT NOT NULL,
+    chat_id TEXT NOT NULL, thread_id TEXT NOT NULL, user_id TEXT NOT NULL, session_key TEXT NOT NULL,
     session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
-    managed_mode TEXT NOT NULL DEFAULT 'auto',
-    linked_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
+    managed_mode TEXT NOT NULL DEFAULT 'auto', linked_at REAL NOT NULL, updated_at REAL NOT NULL,
     PRIMARY KEY (chat_id, thread_id)
 )"""
-
 _TOPIC_TABLES_SQL = [
     """CREATE TABLE IF NOT EXISTS telegram_dm_topic_mode (
-    chat_id TEXT PRIMARY KEY,
-    user_id TEXT NOT NULL,
-    enabled INTEGER NOT NULL DEFAULT 1,
-    activated_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    has_topics_enabled INTEGER,
-    allows_users_to_create_topics INTEGER,
-    capability_checked_at REAL,
-    intro_message_id TEXT,
+    chat_id TEXT PRIMARY KEY, user_id TEXT NOT NULL, enabled INTEGER NOT NULL DEFAULT 1,
+    activated_at REAL NOT NULL, updated_at REAL NOT NULL, has_topics_enabled INTEGER,
+    allows_users_to_create_topics INTEGER, capability_checked_at REAL, intro_message_id TEXT,
     pinned_message_id TEXT
 )""",
     _BINDINGS_TABLE_SQL.format(name="IF NOT EXISTS telegram_dm_topic_bindings"),
@@ -54,16 +39,12 @@ _BINDING_INDEXES_SQL = [
 _DISABLE_MODE_SQL = "UPDATE telegram_dm_topic_mode SET enabled = 0, updated_at = ? WHERE chat_id = ?"
 
 
-def _flag(value):
-    return None if value is None else int(bool(value))
-
-
 class SessionTelegramMixin:
     """SessionDB's methods for Telegram DM topic mode."""
 
     def apply_telegram_topic_migration(self):
-        """Create the topic-mode tables if absent, and give an early bindings table
-        (no ON DELETE CASCADE on session_id) the cascade; returns None. Idempotent."""
+        """Create the topic-mode tables if absent and give an early bindings table the ON DELETE CASCADE
+        on session_id; returns None. Idempotent."""
         def write(conn):
             for sql in _TOPIC_TABLES_SQL + _BINDING_INDEXES_SQL:
                 conn.execute(sql)
@@ -73,7 +54,6 @@ class SessionTelegramMixin:
                 if any(key[2] == "sessions" and (key[6] or "") != "CASCADE" for key in keys):
                     _rebuild_bindings_with_cascade(conn)
             write_meta(conn, TOPIC_SCHEMA_META_KEY, TOPIC_SCHEMA_VERSION)
-
         self._execute_write(write)
 
     def enable_telegram_topic_mode(self, *, chat_id, user_id, has_topics_enabled=None,
@@ -93,15 +73,14 @@ class SessionTelegramMixin:
              _flag(allows_users_to_create_topics), now))
 
     def disable_telegram_topic_mode(self, *, chat_id, clear_bindings=True):
-        """Turn topic mode off for one chat and, unless told otherwise, drop its
-        bindings; returns None. A no-op while the tables do not exist."""
+        """Turn topic mode off for one chat and, with `clear_bindings`, drop its bindings; returns None
+        (nothing while the tables do not exist)."""
         def write(conn):
             if not _topic_tables_exist(conn):
                 return
             conn.execute(_DISABLE_MODE_SQL, (time.time(), str(chat_id)))
             if clear_bindings:
                 conn.execute("DELETE FROM telegram_dm_topic_bindings WHERE chat_id = ?", (str(chat_id),))
-
         self._execute_write(write)
 
     def is_telegram_topic_mode_enabled(self, *, chat_id, user_id):
@@ -136,20 +115,16 @@ class SessionTelegramMixin:
         return [dict(row) for row in rows]
 
     def list_unlinked_telegram_sessions_for_user(self, *, chat_id, user_id, limit=10):
-        """The user's Telegram sessions bound to no topic, as list_sessions_rich rows (no `unread`),
-        most recently active first; [] when none. Without the tables every one of them counts.
-        `chat_id` is accepted and unused, as in hermes-agent."""
+        """The user's Telegram sessions bound to no topic (all, without the tables) as list_sessions_rich
+        rows without `unread`, most recently active first; [] when none. `chat_id` is unused, as there."""
         unbound = (" AND NOT EXISTS (SELECT 1 FROM telegram_dm_topic_bindings AS b WHERE b.session_id = s.id)"
                    if self._topic_read_one(TABLE_EXISTS_SQL, ("telegram_dm_topic_bindings",)) else "")
         return self._rich_rows(f" WHERE s.source = 'telegram' AND s.user_id = ?{unbound}"
                                " ORDER BY last_active DESC, s.started_at DESC LIMIT ?", (str(user_id), int(limit)))
 
     def bind_telegram_topic(self, *, chat_id, thread_id, user_id, session_key, session_id, managed_mode="auto"):
-        """Bind a topic thread to a session (creating the tables first); returns None.
-
-        Binding the same pair again refreshes it. Raises ValueError when the
-        session is already bound to another thread; nothing is written then.
-        """
+        """Bind a topic thread to a session (creating the tables first); returns None. The same pair again
+        refreshes it; ValueError, writing nothing, when the session is bound to another thread."""
         self.apply_telegram_topic_migration()
         chat_id, thread_id, session_id = str(chat_id), str(thread_id), str(session_id)
         now = time.time()
@@ -166,16 +141,12 @@ class SessionTelegramMixin:
                        session_key = excluded.session_key, session_id = excluded.session_id,
                        managed_mode = excluded.managed_mode, updated_at = excluded.updated_at""",
                 (chat_id, thread_id, str(user_id), str(session_key), session_id, managed_mode, now, now))
-
         self._execute_write(write)
 
     def delete_telegram_topic_binding(self, *, chat_id, thread_id):
-        """Remove one thread's binding; returns how many rows went (0 without the tables).
-
-        When it was the chat's last binding, topic mode for the chat is turned
-        off in the same transaction, so nothing keeps steering messages to a
-        chat with no topics left. Never raises for a missing table.
-        """
+        """Remove one thread's binding; returns how many rows went (0 without the tables). After the
+        chat's last binding, topic mode goes off in the same transaction, so nothing steers messages to
+        a chat with no topics left."""
         chat_id = str(chat_id)
 
         def write(conn):
@@ -187,7 +158,6 @@ class SessionTelegramMixin:
                                             (chat_id,)).fetchone():
                 conn.execute(_DISABLE_MODE_SQL, (time.time(), chat_id))
             return deleted
-
         return self._execute_write(write)
 
     def _topic_read_one(self, sql, params):
@@ -211,3 +181,7 @@ def _rebuild_bindings_with_cascade(conn):
     conn.execute("ALTER TABLE telegram_dm_topic_bindings_new RENAME TO telegram_dm_topic_bindings")
     for sql in _BINDING_INDEXES_SQL:
         conn.execute(sql)
+
+
+def _flag(value):
+    return None if value is None else int(bool(value))

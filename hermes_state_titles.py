@@ -1,40 +1,24 @@
 """Titles: their rules (cleaned, capped, unique), who set them, lookups by title.
 
-Owns the `title` and `title_source` columns. Relies on SessionDB's write and
-read paths. Never writes any other column.
+Owns the `title` and `title_source` columns. Relies on SessionDB's write and read paths. Never writes
+any other column.
 """
 
 import re
 
 from hermes_state_common import (
-    SELECT_TITLE_OWNER_SQL,
-    TITLE_MAX_LENGTH,
-    TITLE_SOURCE_DERIVED,
-    TITLE_SOURCE_LLM,
-    TITLE_SOURCE_RANK,
-    TITLE_SOURCE_USER,
-    escape_like,
-    normalize_title,
-)
+    SELECT_TITLE_OWNER_SQL, TITLE_MAX_LENGTH, TITLE_SOURCE_DERIVED, TITLE_SOURCE_LLM, TITLE_SOURCE_RANK,
+    TITLE_SOURCE_USER, escape_like, normalize_title)
 
-# A title whose writer is unknown (rows older than title_source) counts as the
-# user's: an automatic title may fill an empty slot but never replace it.
+# A title whose writer is unknown (rows older than title_source) counts as the user's: an automatic
+# title may fill an empty slot but never replace it.
 _UNKNOWN_SOURCE_RANK = TITLE_SOURCE_RANK[TITLE_SOURCE_USER]
-
-# Walks up the compression chain from a session: True when `ancestor` is one of
-# the sessions it continues (each parent ended with end_reason 'compression').
+# A row when the second ? is a session the first continues (up the chain of compression-ended parents).
 _IS_COMPRESSION_ANCESTOR_SQL = """
 WITH RECURSIVE chain(id) AS (
-  SELECT ?
-  UNION
-  SELECT parent.id FROM chain
-  JOIN sessions AS child ON child.id = chain.id
-  JOIN sessions AS parent ON parent.id = child.parent_session_id
-  WHERE parent.end_reason = 'compression'
-)
-SELECT 1 FROM chain WHERE id = ? AND id <> ? LIMIT 1
-"""
-
+  SELECT ? UNION SELECT parent.id FROM chain JOIN sessions AS child ON child.id = chain.id
+  JOIN sessions AS parent ON parent.id = child.parent_session_id WHERE parent.end_reason = 'compression')
+SELECT 1 FROM chain WHERE id = ? AND id <> ? LIMIT 1"""
 _NUMBERED_SUFFIX = re.compile(r"^(.*?) #(\d+)$")
 
 
@@ -48,27 +32,21 @@ class SessionTitlesMixin:
 
     @staticmethod
     def sanitize_title(title):
-        """The title as it would be stored; None for a falsy or blank title.
-
-        Raises ValueError "Title too long (N chars, max 100)" and TypeError for a non-string.
-        """
+        """The title as it would be stored; None for a falsy or blank title. Raises ValueError "Title too
+        long (N chars, max 100)", TypeError for a non-string."""
         return normalize_title(title)
 
     def set_session_title(self, session_id, title):
         """Set the user's title (None or blank clears it); False for an unknown session.
 
-        Raises ValueError "Title '...' is already in use by session ..." when another
-        session holds the title, unless that session is a compression ancestor of
-        this one: the title then moves here. Nothing is written on error.
-        """
+        Raises ValueError "Title '...' is already in use by session ..." when another session holds it,
+        writing nothing, unless that one is a compression ancestor of this one: the title then moves."""
         return self._write_title(session_id, title, TITLE_SOURCE_USER)
 
     def set_auto_title(self, session_id, title, *, source):
-        """Set a generated title of `source` ('derived' or 'llm'); False when the session
-        is unknown or already holds a title of the same or higher authority.
-
-        Raises ValueError for any other source, and as set_session_title does.
-        """
+        """Set a generated title of `source` ('derived' or 'llm'); False when the session is unknown or
+        holds a title of the same or higher authority. Raises ValueError for another source, and as
+        set_session_title does."""
         if source not in (TITLE_SOURCE_DERIVED, TITLE_SOURCE_LLM):
             raise ValueError(f"invalid automatic title source: {source!r}")
         return self._write_title(session_id, title, source)
@@ -94,15 +72,11 @@ class SessionTitlesMixin:
             conn.execute("UPDATE sessions SET title = ?, title_source = ? WHERE id = ?",
                          (title, source if title else None, session_id))
             return True
-
         return self._execute_write(write)
 
     def _check_title_free(self, conn, title, session_id, *, take_from_ancestor=False):
-        """Raise the reference's ValueError when another session holds `title`.
-
-        With `take_from_ancestor`, a compression ancestor of `session_id` (ended
-        and hidden from lists, so its owner cannot rename it) gives the title up.
-        """
+        """Raise the reference's ValueError when another session holds `title`; with `take_from_ancestor`,
+        a compression ancestor (ended and unlisted, so nobody can rename it) gives the title up instead."""
         if title is None:
             return
         owner = conn.execute(SELECT_TITLE_OWNER_SQL, (title, session_id)).fetchone()
@@ -119,14 +93,14 @@ class SessionTitlesMixin:
         return self._read_value("SELECT title FROM sessions WHERE id = ?", (session_id,))
 
     def get_session_title_source(self, session_id):
-        """Who set the title ('derived', 'llm', 'user', or None for rows older than
-        provenance); None too when the session is untitled or unknown."""
+        """Who set the title ('derived', 'llm', 'user', or None for rows older than provenance); None too
+        when the session is untitled or unknown."""
         row = self._read_one("SELECT title, title_source FROM sessions WHERE id = ?", (session_id,))
         return None if row is None or row["title"] is None else row["title_source"]
 
     def set_session_title_source(self, session_id, source):
-        """Change who a title counts as set by, leaving its text; False when the session
-        is unknown or untitled. Raises ValueError for an unknown source."""
+        """Change who a title counts as set by, leaving its text; False when the session is unknown or
+        untitled. Raises ValueError for an unknown source."""
         if source not in TITLE_SOURCE_RANK:
             raise ValueError(f"invalid title source: {source!r}")
         return self._update_rows("UPDATE sessions SET title_source = ? WHERE id = ? AND title IS NOT NULL",
@@ -138,8 +112,8 @@ class SessionTitlesMixin:
         return None if session_id is None else self.get_session(session_id)
 
     def resolve_session_by_title(self, title):
-        """The id of the newest "<title> #N" continuation, else of the session titled
-        exactly `title`; None when neither exists."""
+        """The id of the newest "<title> #N" continuation, else of the session titled `title`; None when
+        neither exists."""
         numbered = self._read_value(
             "SELECT id FROM sessions WHERE title LIKE ? ESCAPE '\\' ORDER BY started_at DESC LIMIT 1",
             (escape_like(title) + " #%",))
@@ -148,8 +122,8 @@ class SessionTitlesMixin:
         return self._read_value("SELECT id FROM sessions WHERE title = ?", (title,))
 
     def get_next_title_in_lineage(self, base_title):
-        """The next free "<base> #N" for `base_title` (a " #N" suffix of its own is
-        dropped first); the base itself when no session uses it or a numbered form."""
+        """The next free "<base> #N" for `base_title` (its own " #N" dropped first); the base itself when
+        no session uses it or a numbered form."""
         match = _NUMBERED_SUFFIX.match(base_title)
         base = match.group(1) if match else base_title
         titles = [row[0] for row in self._read_all(

@@ -1,12 +1,11 @@
-"""Tokens and cost: the counters of `sessions`, the per-route rows of
-`session_model_usage`, and the in-memory queue of token deltas.
+"""Tokens and cost: the counters of `sessions`, the per-route rows of `session_model_usage`, and the
+in-memory queue of token deltas.
 
-Owns the token, cost and billing columns of `sessions`, its activity heartbeat
-(`last_activity_*`), and every row of `session_model_usage`. A queued delta is applied inside whichever write comes
-next (SessionDB's write path calls `apply_token_batch` first in the same
-transaction), by `flush_token_counts` (reads that must be exact call it), by
-close() and at interpreter exit. Creates a bare session row ('unknown' source)
-when a delta names a session that does not exist. Never writes messages.
+Owns the token, cost and billing columns of `sessions`, its activity heartbeat (`last_activity_*`) and
+`session_model_usage`. A queued delta rides with the next write (SessionDB's write path calls
+`apply_token_batch` first in its transaction), or goes with `flush_token_counts` (reads that must be
+exact call it), close() or interpreter exit. A delta for a missing session creates a bare row (source
+'unknown'). Never writes messages.
 """
 
 import inspect
@@ -15,7 +14,7 @@ import sqlite3
 import threading
 import time
 
-from hermes_state_common import TOKEN_QUEUE_MAX_AGE, UsageValueError
+from hermes_state_common import DELETE_UNUSED_PROMPTS_SQL, TOKEN_QUEUE_MAX_AGE, UsageValueError
 
 logger = logging.getLogger("hermes_state")
 
@@ -29,21 +28,18 @@ ROUTE_FIELDS = ("model", "cost_status", "cost_source", "pricing_version",
 _ROUTE_COLUMNS = ("model", "billing_provider", "billing_base_url", "billing_mode")
 _SQLITE_INT_RANGE = (-(1 << 63), (1 << 63) - 1)
 
-# The heartbeat is only an observation: under contention it gives up quickly
-# rather than hold up the turn it describes (the next beat retries).
+# The heartbeat is only an observation: under contention it gives up quickly rather than hold up the
+# turn it describes (the next beat retries).
 ACTIVITY_WRITE_PATIENCE = 0.5
 ACTIVITY_DESCRIPTION_MAX = 120
 ACTIVITY_PROVENANCES = ("unknown", "agent.compression", "agent.compression_timeout", "agent.compression_cooldown")
 
-# SessionDBs holding queued deltas: kept alive so that the exit hook (which
-# holds a weak reference) still finds and closes one its owner dropped unclosed.
+# SessionDBs holding queued deltas: kept alive so that the exit hook (which holds a weak reference)
+# still finds and closes one its owner dropped unclosed.
 _UNFLUSHED = set()
-
-_INSERT_BARE_SESSION_SQL = """
-INSERT INTO sessions (id, source, model, started_at) VALUES (?, 'unknown', ?, ?)
-ON CONFLICT (id) DO UPDATE SET model = excluded.model
-WHERE sessions.model IS NULL AND excluded.model IS NOT NULL
-"""
+_INSERT_BARE_SESSION_SQL = ("INSERT INTO sessions (id, source, model, started_at) VALUES (?, 'unknown', ?, ?)"
+                            " ON CONFLICT (id) DO UPDATE SET model = excluded.model"
+                            " WHERE sessions.model IS NULL AND excluded.model IS NOT NULL")
 
 
 def _counters_sql(absolute):
@@ -64,7 +60,6 @@ WHERE id = :session_id"""
 
 _ADD_COUNTERS_SQL = _counters_sql(absolute=False)
 _SET_COUNTERS_SQL = _counters_sql(absolute=True)
-
 _ADD_MODEL_USAGE_SQL = """
 INSERT INTO session_model_usage (
   session_id, model, billing_provider, billing_base_url, billing_mode, task, api_call_count,
@@ -93,32 +88,25 @@ class SessionUsageMixin:
 
     def update_token_counts(self, session_id, input_tokens=0, output_tokens=0, model=None,
                             cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=0,
-                            estimated_cost_usd=None, actual_cost_usd=None, cost_status=None,
-                            cost_source=None, pricing_version=None, billing_provider=None,
-                            billing_base_url=None, billing_mode=None, api_call_count=0,
-                            absolute=False):
-        """Add one API call's tokens and cost to a session now (with `absolute`, set its
-        totals); None. Creates the session row, source 'unknown', when it is missing.
+                            estimated_cost_usd=None, actual_cost_usd=None, cost_status=None, cost_source=None,
+                            pricing_version=None, billing_provider=None, billing_base_url=None,
+                            billing_mode=None, api_call_count=0, absolute=False):
+        """Add one API call's tokens and cost to a session now (with `absolute`, set its totals); None.
 
-        Counters add up; cost_status, cost_source and pricing_version keep the last
-        value given; model and billing_* fill only empty columns, except that the
-        first call that counts usage (api_call_count still 0) records its own route.
-        Each incremental delta also adds to the session_model_usage row of its route.
-        Raises UsageValueError (a ValueError) for a value that cannot be stored,
-        before anything is written.
-        """
+        Creates a missing row (source 'unknown'). Counters add up; cost_status, cost_source and
+        pricing_version keep the last value; model and billing_* fill empty columns only, except that the
+        first call counting usage records its own route. An incremental delta also adds to its route's
+        session_model_usage row. Raises UsageValueError (a ValueError) for a value that cannot be
+        stored, before anything is written."""
         delta = _token_delta(session_id, dict(locals()))
         self._execute_write(lambda conn: write_token_delta(conn, session_id, delta, time.time()))
 
     def queue_token_counts(self, session_id, **kwargs):
         """Queue update_token_counts(session_id, **kwargs) to ride with the next write; None.
 
-        Reads that must be exact flush the queue first, and close() and
-        interpreter exit apply what is left; a queue older than
-        TOKEN_QUEUE_MAX_AGE is applied by the next call. Like hermes-agent's
-        background writer it never raises for a bad delta: it logs a warning and
-        drops it. After close() it raises like update_token_counts.
-        """
+        A queue older than TOKEN_QUEUE_MAX_AGE is applied by the next call. Like hermes-agent's
+        background writer it logs and drops a bad delta, never raises; after close() it raises like
+        update_token_counts."""
         if self._closed:
             return self.update_token_counts(session_id, **kwargs)
         try:
@@ -134,11 +122,8 @@ class SessionUsageMixin:
             self.flush_token_counts()
 
     def flush_token_counts(self, timeout=5.0):
-        """Apply every queued token delta now; True when none is left queued.
-
-        False when another thread kept this SessionDB's write lock for `timeout`
-        seconds, or the write failed (logged; the deltas stay queued). Never raises.
-        """
+        """Apply every queued token delta now; True when none is left queued. False, never raising, when
+        another thread kept the write lock for `timeout` seconds or the write failed (the deltas stay)."""
         if not self._tokens:
             return True
         if self._closed or self.read_only or not self._write_lock.acquire(timeout=max(timeout, 0)):
@@ -155,17 +140,14 @@ class SessionUsageMixin:
     _flush_token_counts = flush_token_counts
 
     def record_auxiliary_usage(self, session_id, task, *, model=None, billing_provider=None,
-                               billing_base_url=None, input_tokens=0, output_tokens=0,
-                               cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=0,
-                               estimated_cost_usd=None, api_call_count=1):
-        """Add an auxiliary call's usage (vision, compression, title generation, ...) to the
-        session_model_usage row of its model, provider and `task`; None.
+                               billing_base_url=None, input_tokens=0, output_tokens=0, cache_read_tokens=0,
+                               cache_write_tokens=0, reasoning_tokens=0, estimated_cost_usd=None,
+                               api_call_count=1):
+        """Add an auxiliary call's usage (vision, compression, titles, ...) to the session_model_usage row
+        of its model, provider and `task`; None, nothing for an empty id or task.
 
-        Leaves the sessions counters alone (the main loop owns them). Does nothing
-        when `session_id` or `task` is empty; creates a bare session row when the
-        session is missing. Raises UsageValueError for a value that cannot be
-        stored, before anything is written.
-        """
+        Leaves the sessions counters to the main loop; creates a bare row for a missing session. Raises
+        UsageValueError for a value that cannot be stored, before anything is written."""
         if not session_id or not task:
             return
         counts = dict(input_tokens=input_tokens, output_tokens=output_tokens, cache_read_tokens=cache_read_tokens,
@@ -183,31 +165,25 @@ class SessionUsageMixin:
             row["now"] = time.time()
             conn.execute(_INSERT_BARE_SESSION_SQL, (row["session_id"], None, row["now"]))
             conn.execute(_ADD_MODEL_USAGE_SQL, row)
-
         self._execute_write(write)
 
     def update_session_billing_route(self, session_id, *, provider, base_url, billing_mode=None):
         """Record the route a session runs on after a model switch; None, also for an unknown id.
 
-        Unlike the token path it overwrites billing_provider and billing_base_url
-        (billing_mode only when given), and drops the stored system prompt, whose
-        header names the old route, so that the next turn stores a fresh one.
-        """
+        Overwrites billing_provider and billing_base_url (billing_mode when given), unlike the token
+        path, and drops the stored system prompt, whose header names the old route."""
         route = (_text("provider", provider), _text("base_url", base_url), _text("billing_mode", billing_mode))
 
         def write(conn):
             conn.execute("UPDATE sessions SET billing_provider = ?, billing_base_url = ?,"
                          " billing_mode = COALESCE(?, billing_mode), system_prompt = NULL,"
                          " system_prompt_hash = NULL WHERE id = ?", (*route, session_id))
-            conn.execute("DELETE FROM system_prompts WHERE NOT EXISTS"
-                         " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
-
+            conn.execute(DELETE_UNUSED_PROMPTS_SQL)
         self._execute_write(write)
 
     def touch_session_activity(self, session_id, ts=None, *, description=None, provenance=None):
-        """Stamp the session's last activity (`ts`, default now) with a description cut to
-        120 characters and a known provenance (else 'unknown'); None. Never moves the stamp
-        back; a missing session or empty id is a no-op."""
+        """Stamp the session's last activity (`ts`, default now, never moved back) with a description cut
+        to ACTIVITY_DESCRIPTION_MAX and a known provenance (else 'unknown'); None, nothing for no session."""
         if not session_id:
             return
         when, text = float(time.time() if ts is None else ts), (description or "").strip()
@@ -221,8 +197,8 @@ class SessionUsageMixin:
             patience_s=ACTIVITY_WRITE_PATIENCE)
 
     def clear_session_activity_labels(self, session_id):
-        """Blank the activity description and set the provenance to 'unknown' once a turn
-        ends, keeping `last_activity_at`; None. No write when they are already blank."""
+        """Blank the activity description and provenance ('unknown') once a turn ends, keeping
+        `last_activity_at`; None, and no write when they are already blank."""
         if not session_id:
             return
         row = self._read_one("SELECT last_activity_description, last_activity_provenance FROM sessions"
@@ -234,9 +210,8 @@ class SessionUsageMixin:
             " WHERE id = ?", (session_id,)), patience_s=ACTIVITY_WRITE_PATIENCE)
 
     def get_dominant_session_model_route(self, session_id):
-        """{model, billing_provider, billing_base_url, billing_mode, api_call_count} of the
-        main-loop route that served most of the session's calls; None when no counted
-        call names both a model and a provider."""
+        """{model, billing_provider, billing_base_url, billing_mode, api_call_count} of the main-loop route
+        that served most calls; None when no counted call names both a model and a provider."""
         self.flush_token_counts()
         row = self._read_one(
             "SELECT model, billing_provider, billing_base_url, billing_mode, api_call_count"
@@ -247,8 +222,8 @@ class SessionUsageMixin:
         return None if row is None else dict(row)
 
     def usage_totals(self, *, min_message_count=1, include_archived=False):
-        """{"tokens": input + output tokens, "cost_usd": actual cost where known, else the
-        estimate} summed over root sessions with at least `min_message_count` messages."""
+        """{"tokens": input + output, "cost_usd": actual cost where known, else the estimate} summed over
+        root sessions with at least `min_message_count` messages; zeros when none match."""
         self.flush_token_counts()
         archived = "" if include_archived else " AND COALESCE(archived, 0) = 0"
         tokens, cost = self._read_one(
@@ -340,14 +315,10 @@ def _mergeable(last, delta):
         and all(last[name] == delta[name] for name in ROUTE_FIELDS)
 
 
-def _uses_route(delta):
-    return any(delta[name] for name in COUNT_FIELDS + COST_FIELDS)
-
-
 def write_token_delta(conn, session_id, delta, now):
     """Apply one checked delta inside the caller's transaction."""
     conn.execute(_INSERT_BARE_SESSION_SQL, (session_id, delta["model"], now))
-    counted = _uses_route(delta)
+    counted = any(delta[name] for name in COUNT_FIELDS + COST_FIELDS)
     held = conn.execute("SELECT model, billing_provider, api_call_count FROM sessions WHERE id = ?",
                         (session_id,)).fetchone()
     # Until a call has been counted the row only holds the route asked for at
@@ -372,11 +343,8 @@ def write_token_delta(conn, session_id, delta, now):
 
 
 def apply_token_batch(conn, batch):
-    """Apply queued deltas in the order they were queued, inside the caller's transaction.
-
-    A delta SQLite still refuses (a trigger of another program, say) is logged
-    and dropped under its own savepoint, so it can never block the write it rides with.
-    """
+    """Apply queued deltas in order inside the caller's transaction. One SQLite still refuses (another
+    program's trigger, say) is logged and dropped under its own savepoint, never blocking the write."""
     now = time.time()
     for delta in batch:
         conn.execute("SAVEPOINT token_delta")

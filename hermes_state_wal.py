@@ -1,18 +1,15 @@
 """Journal mode and file checks for hermes-agent's other SQLite databases.
 
-hermes-agent opens kanban.db, the cron and response stores, its memory store
-and tables of its own inside state.db with plain sqlite3 connections, and
-asks this module for their journal mode (`apply_wal_with_fallback`), their
-tuning pragmas (`apply_database_pragmas`) and whether their files are
-writable (`preflight_db_writability`). Those connections never take our
-writer lock, so on a runtime with SQLite's WAL-reset bug a file not yet in
-WAL stays out of it; a file already in WAL is never switched back, because
-other processes may hold it open (README, "Journal policy").
+hermes-agent opens kanban.db, the cron, response and memory stores and its own tables in state.db
+with plain sqlite3 connections, and asks here for their journal mode (`apply_wal_with_fallback`),
+tuning pragmas (`apply_database_pragmas`) and whether their files are writable
+(`preflight_db_writability`). Those connections never take our writer lock, so on a runtime with
+SQLite's WAL-reset bug a file not yet in WAL stays out of it; one already in WAL is never switched
+back, as other processes may hold it open (README, "Journal policy").
 
-Owns no table and no connection: it sets pragmas on the connection it is
-handed and only stats and chmods files (never opens one, see "Locks we never
-break"). Imports hermes_constants, hermes_state_common and the standard
-library; SessionDB's own journal policy lives in hermes_state.
+Owns no table and no connection: it sets pragmas on the connection it is handed and only stats and
+chmods files (never opens one, see "Locks we never break"). SessionDB's own journal policy lives in
+hermes_state.
 """
 
 import logging
@@ -29,8 +26,8 @@ from hermes_state_common import _WAL_INCOMPAT_MARKERS, hermes_agent_config_secti
 
 logger = logging.getLogger("hermes_state")
 
-# A checkpoint truncates the WAL back to this, so one huge transaction does not
-# leave a WAL of its size on disk for good.
+# A checkpoint truncates the WAL back to this, so one huge transaction does not leave a WAL of its
+# size on disk for good.
 WAL_SIZE_LIMIT_BYTES = 64 * 1024 * 1024
 # The `database:` keys of hermes-agent's config.yaml applied as integer pragmas.
 CONFIG_PRAGMAS = ("cache_size", "mmap_size", "temp_store", "wal_autocheckpoint", "journal_size_limit")
@@ -58,15 +55,12 @@ def resolve_journal_mode():
 def apply_wal_with_fallback(conn, *, db_label="state.db", require_wal=False):
     """Set the journal mode of `conn`'s database; returns the mode now in force ('wal' or 'delete').
 
-    A database already in WAL stays in WAL. Otherwise: on a runtime with the
-    WAL-reset bug, or when the operator asked for 'delete', it gets a rollback
-    journal; else WAL, falling back to a rollback journal (logged once per
-    `db_label`) on a filesystem that refuses WAL, or raising WalUnsupportedError
-    there when `require_wal`. A switch away from WAL is only made while no
-    other connection holds the file; when the mode cannot be read, or another
-    connection appears, the mode is left as it is. Raises sqlite3.OperationalError
-    when 'delete' was asked for and cannot be verified, and for errors that
-    are not a filesystem's refusal of WAL.
+    WAL stays WAL. Otherwise a runtime with the WAL-reset bug, or an operator asking for 'delete', gets
+    a rollback journal; else WAL, falling back to a rollback journal (logged once per `db_label`) where
+    the filesystem refuses it, or raising WalUnsupportedError there with `require_wal`. A mode that
+    cannot be read, or a file another connection holds, is left as it is. Raises
+    sqlite3.OperationalError when 'delete' was asked for and cannot be verified, and for errors other
+    than a filesystem's refusal of WAL.
     """
     current = _current_mode(conn)
     if current == "wal":
@@ -96,8 +90,8 @@ def apply_wal_with_fallback(conn, *, db_label="state.db", require_wal=False):
 
 
 def apply_database_pragmas(conn, *, db_label="state.db"):
-    """Apply the integer pragmas of the `database:` section of hermes-agent's config.yaml
-    (CONFIG_PRAGMAS); returns None. Missing config, bad values and refused pragmas are skipped."""
+    """Apply CONFIG_PRAGMAS from the `database:` section of hermes-agent's config.yaml; returns None.
+    Missing config, bad values and refused pragmas are skipped."""
     config = hermes_agent_config_section("database")
     for name in CONFIG_PRAGMAS:
         raw = config.get(name)
@@ -112,14 +106,12 @@ def apply_database_pragmas(conn, *, db_label="state.db"):
 
 
 def preflight_db_writability(db_path, *, db_label="state.db"):
-    """Make sure the database, its -wal and -shm and their folder are readable and writable
-    before a connection opens; returns None.
+    """Make sure the database, its -wal and -shm and their folder are readable and writable before a
+    connection opens; returns None (`:memory:` and `file:` URIs are skipped).
 
-    A file inside the hermes home that is not gets `chmod u+rw` (folders
-    u+rwx); anything else, or a chmod that does not help, raises
-    sqlite3.OperationalError naming the file and the command that fixes it.
-    Never deletes or truncates a file (a -wal holds committed data).
-    `:memory:` and `file:` URIs are skipped.
+    Inside the hermes home a file gets `chmod u+rw` (a folder u+rwx); anything else, or a chmod that
+    does not help, raises sqlite3.OperationalError naming the file and the fixing command. Never
+    deletes or truncates a file (a -wal holds committed data).
     """
     raw = str(db_path)
     if raw == ":memory:" or raw.startswith("file:"):
@@ -136,8 +128,6 @@ def preflight_db_writability(db_path, *, db_label="state.db"):
         if candidate.is_file():
             _ensure_writable(candidate, home, db_label, folder=False)
 
-
-# ---------------------------------------------------------------------------
 
 _UNVERIFIED_DELETE = ("journal_mode=delete was asked for but the current mode cannot be read (the database "
                       "is locked; another process may hold it in WAL); the journal mode was left as it is")
@@ -161,9 +151,8 @@ def _current_mode(conn):
 
 
 def _set_mode_no_wait(conn, mode):
-    """PRAGMA journal_mode=<mode> with busy_timeout 0, so that any other connection holding
-    the file makes it fail at once instead of slipping in between that connection's
-    transactions; returns the mode SQLite reports ('' for none)."""
+    """PRAGMA journal_mode=<mode> with busy_timeout 0, so another connection holding the file makes it
+    fail at once instead of slipping between its transactions; returns the mode set ('' for none)."""
     previous = conn.execute("PRAGMA busy_timeout").fetchone()[0]
     conn.execute("PRAGMA busy_timeout=0")
     try:
@@ -186,9 +175,9 @@ def _set_mode_with_retry(conn, mode):
 
 
 def _rollback_journal(conn, current, bug_label, verify):
-    """A rollback journal, unless the mode cannot be read or another connection holds the file: then
-    the mode stays (reported as WAL when unreadable, which it may be). `verify` (the operator asked for
-    it) raises instead. `bug_label` names the database in the WAL-reset-bug warning; None warns not."""
+    """A rollback journal, unless the mode cannot be read (reported as WAL, which it may be) or another
+    connection holds the file: then the mode stays, or with `verify` (the operator asked) it raises.
+    `bug_label` names the database in the WAL-reset-bug warning; None warns not."""
     if current is None:
         if verify:
             raise sqlite3.OperationalError(_UNVERIFIED_DELETE)
@@ -210,8 +199,8 @@ def _rollback_journal(conn, current, bug_label, verify):
 
 
 def _tune_wal(conn):
-    """Settings every WAL connection gets: a bounded WAL, and on macOS real write barriers
-    (its fsync does not order writes unless asked to). Best effort; returns 'wal'."""
+    """Best effort: a bounded WAL and, on macOS, real write barriers (its fsync does not order writes
+    unless asked to); returns 'wal'."""
     statements = [f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}"]
     if sys.platform == "darwin":
         statements += ["PRAGMA checkpoint_fullfsync=1", "PRAGMA synchronous=FULL"]
@@ -224,12 +213,10 @@ def _tune_wal(conn):
 
 
 def _warn_reset_bug(db_label, action):
-    if db_label is None:
-        return
-    _warn_once(db_label, logging.WARNING,
-               f"SQLite {sqlite3.sqlite_version} has the WAL-reset bug (https://sqlite.org/wal.html#walresetbug; "
-               f"fixed in 3.51.3, 3.50.7 and 3.44.6), and this connection does not take hermes_state's writer "
-               f"lock: {action}")
+    if db_label is not None:
+        _warn_once(db_label, logging.WARNING, f"SQLite {sqlite3.sqlite_version} has the WAL-reset bug"
+                   " (https://sqlite.org/wal.html#walresetbug; fixed in 3.51.3, 3.50.7 and 3.44.6), and this"
+                   f" connection does not take hermes_state's writer lock: {action}")
 
 
 def _warn_once(db_label, level, text):
