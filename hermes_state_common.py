@@ -454,7 +454,6 @@ DELETE_SHADOW_CHUNK_SQL = "DELETE FROM {shadow} WHERE rowid IN (SELECT rowid FRO
 FTS_PROBE_DROP_SQL = "DROP TABLE temp.probe"
 FTS5_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x)"
 TRIGRAM_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x, tokenize='trigram')"
-SELECT_TABLE_SQL_SQL = "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?"
 TABLE_EXISTS_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 SELECT_TRIGGER_TABLES_SQL = "SELECT DISTINCT tbl_name FROM sqlite_master WHERE type = 'trigger' ORDER BY tbl_name"
 # Renaming a retired index must not make SQLite re-check every trigger and view
@@ -527,8 +526,6 @@ COPY_ROUTING_OLDEST_FIRST_SQL = """INSERT OR REPLACE INTO gateway_routing (scope
 SELECT COALESCE(scope, ''), session_key, entry_json, COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at ASC"""
 COUNT_ROWS_SQL = "SELECT COUNT(*) FROM {table}"
 DROP_TABLE_SQL = "DROP TABLE {table}"
-DROP_VIEW_SQL = "DROP VIEW {view}"
-DROP_TRIGGER_SQL = "DROP TRIGGER {trigger}"
 ADD_COLUMN_SQL = "ALTER TABLE {table} ADD COLUMN {column} {type_expr}"
 DEFAULT_PROBE_SQL = ("CREATE TEMP TABLE default_probe (x DEFAULT {default})", "DROP TABLE temp.default_probe")
 SELECT_SCHEMA_VERSION_SQL = "SELECT MAX(version) FROM schema_version"
