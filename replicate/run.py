@@ -9,7 +9,9 @@ start, any network (Litestream replicates to a folder; PyPI is reached only to b
 
 Usage: python3 replicate/run.py [--only N[,N...]] [--keep]
 Environment: HERMES_REPLICATE_CACHE (the venv cache, default ~/.cache/hermes_state_litestream).
-With --keep, each scenario's Litestream log (debug level) stays in scenario-N/litestream.log.
+With --keep, and always after a failure, the scratch folder stays (each scenario's stores, replica
+and debug-level Litestream log in scenario-N/); a store that cannot be read is reported as the
+source's or the restored one's, with the first replicated transaction that restores damaged.
 Every process here runs with HERMES_STATE_CHECKPOINT=external, as the README tells users to.
 """
 
@@ -227,9 +229,17 @@ def all_rows(path):
         conn.close()
 
 
+def rows_of(path, which):
+    """all_rows(path), a damaged file reported as `which` ("the source", "the restored store")."""
+    try:
+        return all_rows(path)
+    except sqlite3.DatabaseError as exc:
+        raise AssertionError(f"{which} {path} cannot be read: {exc}") from None
+
+
 def assert_same_rows(source, restored):
     """Every table of `restored` equal to `source`'s, row for row; returns (sessions, messages)."""
-    want, got = all_rows(source), all_rows(restored)
+    want, got = rows_of(source, "the source"), rows_of(restored, "the restored store")
     if set(want) != set(got):
         raise AssertionError(f"tables differ: only in source {sorted(set(want) - set(got))}, "
                              f"only in restored {sorted(set(got) - set(want))}")
@@ -507,6 +517,31 @@ def measure_lag(litestream, db_path, work, probes=5):
                    f"{statistics.median(lags):.2f} s, max {max(lags):.2f} s over {len(lags)} probes")
 
 
+# ---- evidence of a failure -------------------------------------------------------------------------
+
+def first_damaged_txid(binary, work):
+    """Which replicated transaction first restores to a damaged store: each L0 file's TXID restored
+    on its own (`restore -txid`) and quick_checked. A line for the report, or None without a replica."""
+    replica = work / "replica"
+    txids = sorted({f.name.split("-")[1].split(".")[0] for f in (replica / "ltx" / "0").glob("*.ltx")})
+    if not txids:
+        return None
+    for txid in txids:
+        out = work / "bisect" / f"{txid}.db"
+        try:
+            run([binary, "restore", "-txid", txid, "-o", out, replica.as_uri()])
+            conn = read_only(out)
+            try:
+                verdict = conn.execute("PRAGMA quick_check").fetchall()
+            finally:
+                conn.close()
+        except (AssertionError, sqlite3.DatabaseError) as exc:
+            verdict = [(str(exc)[-300:],)]
+        if verdict != [("ok",)]:
+            return f"the replica first restores damaged at txid {txid} of {txids[-1]}: {verdict[:3]}"
+    return f"every txid up to {txids[-1]} restores to a store that passes quick_check"
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 def main():
@@ -538,8 +573,10 @@ def main():
                 log = work / "litestream.log"
                 if log.exists():
                     print("  litestream log, last lines:\n    " + "\n    ".join(log.read_text().splitlines()[-8:]))
+                if "cannot be read" in str(exc) or "malformed" in str(exc):
+                    print(f"  {first_damaged_txid(binary, work)}", flush=True)
     finally:
-        if args.keep:
+        if args.keep or failed:  # a failure's stores, replica and log are its evidence
             print(f"scratch kept in {scratch}")
         else:
             shutil.rmtree(scratch, ignore_errors=True)
