@@ -75,9 +75,9 @@ def litestream_binary():
 class Litestream:
     """One `litestream replicate` process on one store, with its control socket and a file replica."""
 
-    def __init__(self, binary, work, db_path):
+    def __init__(self, binary, work, db_path, replica="replica"):
         self.binary, self.db_path = binary, str(db_path)
-        self.replica, self.socket = work / "replica", work / "litestream.sock"
+        self.replica, self.socket = work / replica, work / "litestream.sock"
         self.config, self.log = work / "litestream.yml", work / "litestream.log"
         # The README's config, with a file replica in place of a bucket.
         self.config.write_text(
@@ -87,7 +87,7 @@ class Litestream:
             f"  path: {self.socket}\n"
             "dbs:\n"
             f"  - path: {self.db_path}\n"
-            f"    meta-path: {work / 'litestream-meta'}\n"
+            f"    meta-path: {work / (replica + '-meta')}\n"
             "    replica:\n"
             "      type: file\n"
             f"      path: {self.replica}\n")
@@ -394,9 +394,14 @@ def scenario_optimize_and_restore(binary, work):
     writer = start_writer(other / "state.db", 7, 2)
     finish_writer(writer)
     hermes("--db", other / "state.db", "backup", work / "other.zip")
-    litestream.control("stop")  # the swap must not happen under Litestream's connection
+    # The restored home is another store: it gets a replica of its own (README, "Across machines").
+    # Into the old one, Litestream would go on from the old store's position, which it keeps across
+    # stop/start and even a restart (it reads it back from the replica), and a restore of that replica
+    # laid the new store's changed pages over the old store's (a full run's "orphan index").
+    litestream.terminate()
     hermes("--db", db_path, "restore", work / "other.zip", "--force")
-    litestream.control("start")
+    litestream = Litestream(binary, work, db_path, replica="replica-after-restore")
+    litestream.start()
     with SessionDB(db_path) as db:
         db.append_message("own7", "user", "w7 seq 999999 written after the restore")
     litestream.control("stop")
