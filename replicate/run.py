@@ -43,6 +43,7 @@ os.environ["HERMES_STATE_CHECKPOINT"] = "external"  # the harness's own opens an
 from hermes_state import SessionDB  # noqa: E402  (this checkout's)
 
 FIGURES = []
+STARTED = []  # every process a scenario started; whatever still runs when it ends is killed
 
 
 # ---- the cached venv ----------------------------------------------------------------------------
@@ -97,6 +98,7 @@ class Litestream:
         with open(self.log, "a") as log:
             self.process = subprocess.Popen([self.binary, "replicate", "-config", str(self.config)],
                                             stdout=log, stderr=subprocess.STDOUT)
+        STARTED.append(self.process)
         wait_for(lambda: self.socket.exists() and self.process.poll() is None, "litestream's control socket")
         wait_for(lambda: (self.replica / "ltx").exists(), "litestream's first snapshot")
 
@@ -179,6 +181,7 @@ def hermes(*args, home=None, checkpoint="external"):
 def start_writer(db_path, worker, seconds):
     process = subprocess.Popen([sys.executable, str(WORKER), "append", str(db_path), str(worker), str(seconds)],
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    STARTED.append(process)
     if process.stdout.readline().strip() != "ready":
         process.kill()
         raise AssertionError(f"writer {worker} did not start: {process.communicate(timeout=30)[1][-800:]}")
@@ -524,6 +527,15 @@ def measure_lag(litestream, db_path, work, probes=5):
 
 # ---- evidence of a failure -------------------------------------------------------------------------
 
+def stop_leftovers():
+    """Kill what a scenario started and left running (a failure skips its own stops)."""
+    while STARTED:
+        process = STARTED.pop()
+        if process.poll() is None:
+            process.kill()
+            process.wait(STEP_TIMEOUT)
+
+
 def first_damaged_txid(binary, work):
     """Which replicated transaction first restores to a damaged store: each L0 file's TXID restored
     on its own (`restore -txid`) and quick_checked. A line for the report, or None without a replica."""
@@ -580,6 +592,8 @@ def main():
                     print("  litestream log, last lines:\n    " + "\n    ".join(log.read_text().splitlines()[-8:]))
                 if "cannot be read" in str(exc) or "malformed" in str(exc):
                     print(f"  {first_damaged_txid(binary, work)}", flush=True)
+            finally:
+                stop_leftovers()
     finally:
         if args.keep or failed:  # a failure's stores, replica and log are its evidence
             print(f"scratch kept in {scratch}")
