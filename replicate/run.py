@@ -88,7 +88,7 @@ class Litestream:
             f"  path: {self.socket}\n"
             "dbs:\n"
             f"  - path: {self.db_path}\n"
-            f"    meta-path: {work / (replica + '-meta')}\n"
+            f"    meta-path: {work / 'litestream-meta'}\n"
             "    replica:\n"
             "      type: file\n"
             f"      path: {self.replica}\n")
@@ -391,20 +391,29 @@ def scenario_optimize_and_restore(binary, work):
     with SessionDB(restored, read_only=True) as db:
         if db.fts_layout() != "current":
             raise AssertionError(f"the restored store's index layout is {db.fts_layout()}, not current")
-    litestream.control("start")
 
     SessionDB(other / "state.db").close()
     writer = start_writer(other / "state.db", 7, 2)
     finish_writer(writer)
     hermes("--db", other / "state.db", "backup", work / "other.zip")
-    # The restored home is another store: it gets a replica of its own (README, "Across machines").
-    # Into the old one, Litestream would go on from the old store's position, which it keeps across
-    # stop/start and even a restart (it reads it back from the replica), and a restore of that replica
-    # laid the new store's changed pages over the old store's (a full run's "orphan index").
+    litestream.control("start")
+    with SessionDB(db_path) as db:  # the old store's last writes, replicated, not yet checkpointed
+        for seq in range(5):
+            db.append_message("own1", "user", f"w1 seq {1000000 + seq} written before the restore")
+    litestream.control("sync")
+    # The restored home is another store, so it gets a replica of its own, as the README says: stop
+    # Litestream, restore, reset its local state, point the store at a new replica, start. Restored
+    # between `litestream stop` and `start` instead, whenever the old store had frames Litestream had
+    # not checkpointed, Litestream went on with the new store's WAL as the old store's, no snapshot,
+    # and the replica restored to the new store's changed pages over the old store's ("orphan index").
     litestream.terminate()
     hermes("--db", db_path, "restore", work / "other.zip", "--force")
+    run([binary, "reset", "-config", litestream.config, db_path])
+    snapshots = litestream.snapshots()
     litestream = Litestream(binary, work, db_path, replica="replica-after-restore")
     litestream.start()
+    if litestream.snapshots() == snapshots:
+        raise AssertionError("litestream did not start the restored store's replica with a snapshot")
     with SessionDB(db_path) as db:
         db.append_message("own7", "user", "w7 seq 999999 written after the restore")
     litestream.control("stop")
