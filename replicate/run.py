@@ -9,7 +9,9 @@ start, any network (Litestream replicates to a folder; PyPI is reached only to b
 
 Usage: python3 replicate/run.py [--only N[,N...]] [--keep]
 Environment: HERMES_REPLICATE_CACHE (the venv cache, default ~/.cache/hermes_state_litestream).
-With --keep, each scenario's Litestream log (debug level) stays in scenario-N/litestream.log.
+With --keep, and always after a failure, the scratch folder stays (each scenario's stores, replica
+and debug-level Litestream log in scenario-N/); a store that cannot be read is reported as the
+source's or the restored one's, with the first replicated transaction that restores damaged.
 Every process here runs with HERMES_STATE_CHECKPOINT=external, as the README tells users to.
 """
 
@@ -41,6 +43,7 @@ os.environ["HERMES_STATE_CHECKPOINT"] = "external"  # the harness's own opens an
 from hermes_state import SessionDB  # noqa: E402  (this checkout's)
 
 FIGURES = []
+STARTED = []  # every process a scenario started; whatever still runs when it ends is killed
 
 
 # ---- the cached venv ----------------------------------------------------------------------------
@@ -73,9 +76,9 @@ def litestream_binary():
 class Litestream:
     """One `litestream replicate` process on one store, with its control socket and a file replica."""
 
-    def __init__(self, binary, work, db_path):
+    def __init__(self, binary, work, db_path, replica="replica"):
         self.binary, self.db_path = binary, str(db_path)
-        self.replica, self.socket = work / "replica", work / "litestream.sock"
+        self.replica, self.socket = work / replica, work / "litestream.sock"
         self.config, self.log = work / "litestream.yml", work / "litestream.log"
         # The README's config, with a file replica in place of a bucket.
         self.config.write_text(
@@ -95,6 +98,7 @@ class Litestream:
         with open(self.log, "a") as log:
             self.process = subprocess.Popen([self.binary, "replicate", "-config", str(self.config)],
                                             stdout=log, stderr=subprocess.STDOUT)
+        STARTED.append(self.process)
         wait_for(lambda: self.socket.exists() and self.process.poll() is None, "litestream's control socket")
         wait_for(lambda: (self.replica / "ltx").exists(), "litestream's first snapshot")
 
@@ -177,6 +181,7 @@ def hermes(*args, home=None, checkpoint="external"):
 def start_writer(db_path, worker, seconds):
     process = subprocess.Popen([sys.executable, str(WORKER), "append", str(db_path), str(worker), str(seconds)],
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    STARTED.append(process)
     if process.stdout.readline().strip() != "ready":
         process.kill()
         raise AssertionError(f"writer {worker} did not start: {process.communicate(timeout=30)[1][-800:]}")
@@ -227,9 +232,17 @@ def all_rows(path):
         conn.close()
 
 
+def rows_of(path, which):
+    """all_rows(path), a damaged file reported as `which` ("the source", "the restored store")."""
+    try:
+        return all_rows(path)
+    except sqlite3.DatabaseError as exc:
+        raise AssertionError(f"{which} {path} cannot be read: {exc}") from None
+
+
 def assert_same_rows(source, restored):
     """Every table of `restored` equal to `source`'s, row for row; returns (sessions, messages)."""
-    want, got = all_rows(source), all_rows(restored)
+    want, got = rows_of(source, "the source"), rows_of(restored, "the restored store")
     if set(want) != set(got):
         raise AssertionError(f"tables differ: only in source {sorted(set(want) - set(got))}, "
                              f"only in restored {sorted(set(got) - set(want))}")
@@ -378,15 +391,29 @@ def scenario_optimize_and_restore(binary, work):
     with SessionDB(restored, read_only=True) as db:
         if db.fts_layout() != "current":
             raise AssertionError(f"the restored store's index layout is {db.fts_layout()}, not current")
-    litestream.control("start")
 
     SessionDB(other / "state.db").close()
     writer = start_writer(other / "state.db", 7, 2)
     finish_writer(writer)
     hermes("--db", other / "state.db", "backup", work / "other.zip")
-    litestream.control("stop")  # the swap must not happen under Litestream's connection
-    hermes("--db", db_path, "restore", work / "other.zip", "--force")
     litestream.control("start")
+    with SessionDB(db_path) as db:  # the old store's last writes, replicated, not yet checkpointed
+        for seq in range(5):
+            db.append_message("own1", "user", f"w1 seq {1000000 + seq} written before the restore")
+    litestream.control("sync")
+    # The restored home is another store, so it gets a replica of its own, as the README says: stop
+    # Litestream, restore, reset its local state, point the store at a new replica, start. Restored
+    # between `litestream stop` and `start` instead, whenever the old store had frames Litestream had
+    # not checkpointed, Litestream went on with the new store's WAL as the old store's, no snapshot,
+    # and the replica restored to the new store's changed pages over the old store's ("orphan index").
+    litestream.terminate()
+    hermes("--db", db_path, "restore", work / "other.zip", "--force")
+    run([binary, "reset", "-config", litestream.config, db_path])
+    snapshots = litestream.snapshots()
+    litestream = Litestream(binary, work, db_path, replica="replica-after-restore")
+    litestream.start()
+    if litestream.snapshots() == snapshots:
+        raise AssertionError("litestream did not start the restored store's replica with a snapshot")
     with SessionDB(db_path) as db:
         db.append_message("own7", "user", "w7 seq 999999 written after the restore")
     litestream.control("stop")
@@ -507,6 +534,40 @@ def measure_lag(litestream, db_path, work, probes=5):
                    f"{statistics.median(lags):.2f} s, max {max(lags):.2f} s over {len(lags)} probes")
 
 
+# ---- evidence of a failure -------------------------------------------------------------------------
+
+def stop_leftovers():
+    """Kill what a scenario started and left running (a failure skips its own stops)."""
+    while STARTED:
+        process = STARTED.pop()
+        if process.poll() is None:
+            process.kill()
+            process.wait(STEP_TIMEOUT)
+
+
+def first_damaged_txid(binary, work):
+    """Which replicated transaction first restores to a damaged store: each L0 file's TXID restored
+    on its own (`restore -txid`) and quick_checked. A line for the report, or None without a replica."""
+    replica = work / "replica"
+    txids = sorted({f.name.split("-")[1].split(".")[0] for f in (replica / "ltx" / "0").glob("*.ltx")})
+    if not txids:
+        return None
+    for txid in txids:
+        out = work / "bisect" / f"{txid}.db"
+        try:
+            run([binary, "restore", "-txid", txid, "-o", out, replica.as_uri()])
+            conn = read_only(out)
+            try:
+                verdict = conn.execute("PRAGMA quick_check").fetchall()
+            finally:
+                conn.close()
+        except (AssertionError, sqlite3.DatabaseError) as exc:
+            verdict = [(str(exc)[-300:],)]
+        if verdict != [("ok",)]:
+            return f"the replica first restores damaged at txid {txid} of {txids[-1]}: {verdict[:3]}"
+    return f"every txid up to {txids[-1]} restores to a store that passes quick_check"
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 def main():
@@ -538,8 +599,12 @@ def main():
                 log = work / "litestream.log"
                 if log.exists():
                     print("  litestream log, last lines:\n    " + "\n    ".join(log.read_text().splitlines()[-8:]))
+                if "cannot be read" in str(exc) or "malformed" in str(exc):
+                    print(f"  {first_damaged_txid(binary, work)}", flush=True)
+            finally:
+                stop_leftovers()
     finally:
-        if args.keep:
+        if args.keep or failed:  # a failure's stores, replica and log are its evidence
             print(f"scratch kept in {scratch}")
         else:
             shutil.rmtree(scratch, ignore_errors=True)
