@@ -25,6 +25,7 @@ import tempfile
 import time
 
 from hermes_state_common import (
+    CONTENT_JSON_PREFIX,
     INSERT_SESSION_SQL,
     INSERT_SYSTEM_PROMPT_SQL,
     MESSAGE_WRITE_COLUMNS,
@@ -35,6 +36,9 @@ from hermes_state_common import (
     SET_PARENT_SQL,
     TITLE_MAX_LENGTH,
     count_tool_calls,
+    decode_content,
+    decode_display_metadata,
+    decode_message,
     loads_or,
     normalize_title,
     placeholders,
@@ -55,6 +59,7 @@ SELECT s.id, COALESCE((SELECT MAX(v) FROM (SELECT s.last_activity_at AS v UNION 
 FROM sessions AS s {where} ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ?"""
 SET_ARCHIVED_MESSAGE_SQL = "UPDATE messages SET active = 0, compacted = ? WHERE id = ?"
 SET_MESSAGE_COLUMNS_SQL = "UPDATE messages SET {assignments} WHERE id = ?"
+MESSAGE_COLUMNS_SQL = "SELECT name FROM pragma_table_info('messages')"
 
 
 # ---------------------------------------------------------------------------
@@ -653,6 +658,28 @@ def jsonl_line(export):
     return json.dumps(export, ensure_ascii=False, default=json_default) + "\n"
 
 
+_JSONL_ENCODER = json.JSONEncoder(ensure_ascii=False, default=json_default)
+
+
+def jsonl_pieces(export):
+    """jsonl_line(export) as strings that join to it, one a message. The line is never built
+    whole: memory stays at one message, and text stays narrow (one CJK character anywhere
+    makes a whole joined line two or four bytes a character)."""
+    messages = export.get("messages")
+    if type(messages) is not list or not messages:
+        return [jsonl_line(export)]
+    keys = list(export)
+    at = keys.index("messages")
+    before, after = {k: export[k] for k in keys[:at]}, {k: export[k] for k in keys[at + 1:]}
+    encode = _JSONL_ENCODER.encode
+    pieces = [encode(before)[:-1] + (', "messages": [' if before else '"messages": [')]
+    for message in messages:
+        pieces += (encode(message), ", ")
+    pieces[-1] = "]"
+    pieces.append((", " + encode(after)[1:] if after else "}") + "\n")
+    return pieces
+
+
 def trace_lines(export):
     """One JSON event a line: session_start, message, tool_call, tool_result, session_end."""
     sid = export["id"]
@@ -821,7 +848,10 @@ def write_export(exports, fmt, out, *, redact_secrets=False):
             handle.write(HTML_HEAD.format(title="Hermes sessions"))
         count = 0
         for export in exports:
-            handle.write({"jsonl": jsonl_line, "trace": trace_lines, "html": html_section}[fmt](export))
+            if fmt == "jsonl":
+                handle.writelines(jsonl_pieces(export))
+            else:
+                handle.write({"trace": trace_lines, "html": html_section}[fmt](export))
             count += 1
         if fmt == "html":
             handle.write("</body></html>\n")
@@ -916,9 +946,42 @@ class SessionPortabilityMixin:
         session = self.get_session(session_id)
         return None if session is None else self._with_messages(session)
 
-    def _with_messages(self, session):
-        messages = [portable_message(message) for message in self.get_messages(session["id"])]
-        return {**portable_row(session), "messages": messages}
+    def _with_messages(self, session, reader=None):
+        """`session` exported with its messages; `reader` (from _export_reader) is reused across sessions."""
+        reader = reader or self._export_reader()
+        return {**portable_row(session), "messages": reader(session["id"])}
+
+    def _export_reader(self):
+        """A function giving a session's messages as portable_message(get_messages(id)) would, read in
+        one pass: the row's dict is built once and only the rows holding a BLOB take the long way."""
+        names = [name for (name,) in self._read_all(MESSAGE_COLUMNS_SQL)]
+        kept = [name for name in names if name not in DERIVED_MESSAGE_COLUMNS and name != "_compressed_summary"]
+        extra = ["_compressed_summary"] if "_compressed_summary" in names else []
+        has_blob = " OR ".join(f"typeof({quote_identifier(name)}) = 'blob'" for name in names)
+        sql = (f"SELECT {', '.join(map(quote_identifier, kept + extra))}, ({has_blob}) FROM messages "
+               "WHERE session_id = ? AND active = 1 ORDER BY id")
+        columns, blob_at = kept + extra, len(kept) + len(extra)
+
+        def read(session_id):
+            messages = []
+            for row in self._read_all(sql, (session_id,)):
+                message = dict(zip(columns, row))
+                if row[blob_at]:  # a BLOB somewhere: the general path, which makes it portable
+                    messages.append(portable_message(decode_message(message)))
+                    continue
+                content = message.get("content")
+                if isinstance(content, str) and content.startswith(CONTENT_JSON_PREFIX):
+                    message["content"] = decode_content(content)
+                if message.get("tool_calls"):
+                    message["tool_calls"] = loads_or(message["tool_calls"], [])
+                if message.get("display_metadata") is not None:
+                    message["display_metadata"] = decode_display_metadata(message["display_metadata"])
+                if extra and message.pop("_compressed_summary"):
+                    message["_compressed_summary"] = True
+                messages.append(message)
+            return messages
+
+        return read
 
     def export_session_lineage(self, session_id):
         """A compression chain as one session: the tip's export with `segments` (each
@@ -942,12 +1005,14 @@ class SessionPortabilityMixin:
         """export_all one session at a time (a generator): memory is bounded by the largest
         session, not the store. The order is read once, at the start."""
         where, params = ("WHERE s.source = ?", (source,)) if source else ("", ())
+        reader = None
         for session_id, last_active in self._read_all(EXPORT_ORDER_SQL.format(where=where),
                                                       (*params, EXPORT_ALL_LIMIT)):
             session = self.get_session(session_id)
             if session is not None:
                 session["last_active"] = last_active
-                yield self._with_messages(session)
+                reader = reader or self._export_reader()
+                yield self._with_messages(session, reader)
 
     # -- import ----------------------------------------------------------------
 
