@@ -142,45 +142,71 @@ SESSION_CONVERTED_FIELDS = SESSION_RESET_FIELDS | {"started_at", "model_config",
 # `message_id` alias of platform_message_id, and the columns 0.22 derives.
 MESSAGE_RESET_FIELDS = frozenset({"id", "session_id", "message_id", "active", "compacted", "_row_id",
                                   *DERIVED_MESSAGE_COLUMNS})
+# Message fields with a rule of their own; any other is carried as it is.
+MESSAGE_RULED_FIELDS = MESSAGE_RESET_FIELDS | frozenset(MESSAGE_WRITE_COLUMNS)
 # Structured message fields stored as JSON text; the import reads text in them as JSON first.
 REASONING_JSON_FIELDS = ("reasoning_details", "codex_reasoning_items", "codex_message_items")
 NESTED_MESSAGE_FIELDS = ("tool_calls", "display_metadata", *REASONING_JSON_FIELDS)
 INT_RANGE = (-2 ** 63, 2 ** 63)
 
 
+_COMPACT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _utf8_size(text):
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
 def _compact_size(value):
-    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit."""
-    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8"))
+    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit. An object is
+    measured a member at a time and a list of messages a message at a time: the same bytes,
+    without one whole text that a single CJK character would make four bytes a character."""
+    encode = _COMPACT_ENCODER.encode
+    if not isinstance(value, dict):
+        return _utf8_size(encode(value))
+    size = 2 + max(0, len(value) - 1)  # braces and commas
+    for key, member in value.items():
+        if key == "messages" and type(member) is list:
+            size += _utf8_size(encode(key)) + 3 + max(0, len(member) - 1)  # colon, brackets, commas
+            size += sum(_utf8_size(encode(item)) for item in member)
+        else:
+            size += _utf8_size(encode({key: member})) - 2
+    return size
 
 
 def _depth(value, limit):
     """How deep lists and objects nest in `value`; stops counting past `limit`.
-    A loop, not recursion, so that any nesting gets an answer."""
+    A loop, not recursion, so that any nesting gets an answer; only containers are stacked."""
+    if not isinstance(value, (list, dict)):
+        return 0
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, level = stack.pop()
-        if isinstance(item, (list, dict)):
-            if level > limit:
-                return level
-            deepest = max(deepest, level)
-            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+        if level > limit:
+            return level
+        deepest = max(deepest, level)
+        children = [child for child in (item.values() if isinstance(item, dict) else item)
+                    if isinstance(child, (list, dict))]
+        if children:
+            stack.extend((child, level + 1) for child in children)
     return deepest
 
 
 def _check_nesting(field, value, limit):
     """Raise if `value`, or the JSON text it holds, nests too deep to store and export again."""
-    too_deep = ValueError(f"{field} nests lists and objects more than {limit} levels deep")
+    if value is None:
+        return
     if isinstance(value, str):
         if value.lstrip()[:1] not in ("[", "{"):
             return
         try:
             value = json.loads(value)
         except RecursionError:
-            raise too_deep from None
+            raise ValueError(f"{field} nests lists and objects more than {limit} levels deep") from None
         except ValueError:
             return  # text that is not JSON is stored as text
     if _depth(value, limit) > limit:
-        raise too_deep
+        raise ValueError(f"{field} nests lists and objects more than {limit} levels deep")
 
 
 def _check_text(entry, fields):
@@ -286,12 +312,18 @@ def _check_message(position, message, depth_limit):
         except (TypeError, ValueError, OverflowError):
             raise ValueError("token_count must be an integer") from None
         _check_int_range("token_count", count)
-    _check_int_range(f"session.messages[{position}].content", message.get("content"))
+    content = message.get("content")
+    if isinstance(content, int):  # (names are formatted only when needed: this runs for every message)
+        _check_int_range(f"session.messages[{position}].content", content)
     for field, value in message.items():  # fields carried as they are
-        if field not in MESSAGE_RESET_FIELDS and field not in MESSAGE_WRITE_COLUMNS:
+        if field not in MESSAGE_RULED_FIELDS:
             _check_int_range(f"messages[{position}].{field}", value)
+    # Values themselves were measured by the entry's envelope (a message field sits three levels in,
+    # so its limit there is the same); JSON text in them is read here.
     for field in NESTED_MESSAGE_FIELDS:
-        _check_nesting(f"messages[{position}].{field}", message.get(field), depth_limit)
+        value = message.get(field)
+        if isinstance(value, str):
+            _check_nesting(f"messages[{position}].{field}", value, depth_limit)
 
 
 # ---------------------------------------------------------------------------
