@@ -989,16 +989,15 @@ class SessionPortabilityMixin:
         names = [name for (name,) in self._read_all(MESSAGE_COLUMNS_SQL)]
         kept = [name for name in names if name not in DERIVED_MESSAGE_COLUMNS and name != "_compressed_summary"]
         extra = ["_compressed_summary"] if "_compressed_summary" in names else []
-        has_blob = " OR ".join(f"typeof({quote_identifier(name)}) = 'blob'" for name in names)
-        sql = (f"SELECT {', '.join(map(quote_identifier, kept + extra))}, ({has_blob}) FROM messages "
+        columns = kept + extra
+        sql = (f"SELECT {', '.join(map(quote_identifier, columns))} FROM messages "
                "WHERE session_id = ? AND active = 1 ORDER BY id")
-        columns, blob_at = kept + extra, len(kept) + len(extra)
 
         def read(session_id):
             messages = []
             for row in self._read_all(sql, (session_id,)):
                 message = dict(zip(columns, row))
-                if row[blob_at]:  # a BLOB somewhere: the general path, which makes it portable
+                if bytes in map(type, row):  # a BLOB (sqlite3 gives exactly bytes): the general path
                     messages.append(portable_message(decode_message(message)))
                     continue
                 content = message.get("content")
