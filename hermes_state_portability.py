@@ -16,6 +16,7 @@ import binascii
 import contextlib
 import hashlib
 import html
+import itertools
 import json
 import math
 import os
@@ -51,6 +52,9 @@ ID_MAX_LENGTH = 256
 EXPORT_FORMATS = ("jsonl", "md", "qmd", "html", "trace")
 # hermes-agent's export_all reads at most this many sessions.
 EXPORT_ALL_LIMIT = 100_000
+# Sessions whose rows iter_export_all reads in one query (a per-session query cost more than the
+# rows of a short session); well under SQLite's 999 variables.
+EXPORT_SESSION_CHUNK = 200
 # export_all's order, hermes-agent's search_sessions order: most recently active first (the newer
 # of the last message and the activity heartbeat, else the start), then newest start, then id.
 EXPORT_ORDER_SQL = """
@@ -74,16 +78,21 @@ BYTES_MARKER = "__base64__"
 DERIVED_MESSAGE_COLUMNS = frozenset({"display_identity", "display_order"})
 
 
+BINARY_TYPES = (bytes, bytearray, memoryview)
+
+
 def json_default(value):
     """The `default` hook of json.dumps for every output: bytes as the BYTES_MARKER object, anything else as str()."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
+    if isinstance(value, BINARY_TYPES):
         return {BYTES_MARKER: base64.b64encode(bytes(value)).decode("ascii")}
     return str(value)
 
 
 def portable_row(row, dropped=frozenset()):
     """A row dict JSON can hold: BLOB values as BYTES_MARKER objects, the `dropped` keys left out."""
-    return {key: json_default(value) if isinstance(value, (bytes, bytearray, memoryview)) else value
+    if not dropped and not any(map(isinstance, row.values(), itertools.repeat(BINARY_TYPES))):  # (C loops)
+        return dict(row)
+    return {key: json_default(value) if isinstance(value, BINARY_TYPES) else value
             for key, value in row.items() if key not in dropped}
 
 
@@ -1034,16 +1043,22 @@ class SessionPortabilityMixin:
 
     def iter_export_all(self, source=None):
         """export_all one session at a time (a generator): memory is bounded by the largest
-        session, not the store. The order is read once, at the start."""
+        session, not the store. The order is read once, at the start; the sessions' rows
+        EXPORT_SESSION_CHUNK at a time, each as get_session gives it, just before their messages."""
         where, params = ("WHERE s.source = ?", (source,)) if source else ("", ())
+        order = self._read_all(EXPORT_ORDER_SQL.format(where=where), (*params, EXPORT_ALL_LIMIT))
         reader = None
-        for session_id, last_active in self._read_all(EXPORT_ORDER_SQL.format(where=where),
-                                                      (*params, EXPORT_ALL_LIMIT)):
-            session = self.get_session(session_id)
-            if session is not None:
-                session["last_active"] = last_active
-                reader = reader or self._export_reader()
-                yield self._with_messages(session, reader)
+        for start in range(0, len(order), EXPORT_SESSION_CHUNK):
+            chunk = order[start:start + EXPORT_SESSION_CHUNK]
+            self._flush_token_counts()  # as get_session does: queued counts are part of the row
+            sessions = {session["id"]: session for session in self._read_sessions(
+                "", f" WHERE s.id IN ({placeholders(len(chunk))})", [session_id for session_id, _ in chunk])}
+            for session_id, last_active in chunk:
+                session = sessions.pop(session_id, None)
+                if session is not None:  # (None: deleted since the order was read)
+                    session["last_active"] = last_active
+                    reader = reader or self._export_reader()
+                    yield self._with_messages(session, reader)
 
     # -- import ----------------------------------------------------------------
 
