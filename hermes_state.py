@@ -737,7 +737,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         if not self._write_lock.acquire(timeout=budget):
             raise self._locked_error(start, "another thread of this process kept writing", budget)
         # Without a transaction (VACUUM) there is nothing for queued counts to ride in.
-        batch = self._tokens.take() if transaction else []
+        batch = self._tokens.take() if transaction and self._tokens else []  # (take locks; most writes have none)
         try:
             while True:
                 try:
@@ -772,7 +772,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         conn.execute("BEGIN IMMEDIATE")
         changes = conn.total_changes
         try:
-            apply_token_batch(conn, batch)
+            if batch:
+                apply_token_batch(conn, batch)
             result = fn(conn)
             self._maintain_search(conn, conn.total_changes - changes)
             conn.execute("COMMIT")

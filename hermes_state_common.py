@@ -757,7 +757,9 @@ _SURROGATES = re.compile("[\ud800-\udfff]")
 
 def scrub_surrogates(value):
     """Text with lone surrogates (which SQLite cannot encode) replaced by U+FFFD; other values as they are."""
-    return _SURROGATES.sub("\ufffd", value) if isinstance(value, str) else value
+    if not isinstance(value, str) or value.isascii():  # isascii is O(1): most text is never scanned
+        return value
+    return _SURROGATES.sub("\ufffd", value)
 
 
 def encode_content(content):

@@ -40,6 +40,8 @@ from hermes_state_common import (
 )
 
 SELECT_MESSAGES_SQL = "SELECT * FROM messages WHERE session_id = ?"
+# BUMP_MESSAGE_COUNTS_SQL for a session that takes messages (not ended by compression).
+BUMP_OPEN_SESSION_COUNTS_SQL = BUMP_MESSAGE_COUNTS_SQL + " AND (ended_at IS NULL OR end_reason IS NOT ?)"
 
 # What a chat-API conversation is built from (get_messages_as_conversation, resume).
 CONVERSATION_ROW_COLUMNS = (
@@ -120,10 +122,14 @@ class SessionMessagesMixin:
         row, calls, _ = _message_row(session_id, fields, time.time(), direct=True)
 
         def write(conn):
-            self._admit_transcript_write(conn, session_id, turn_lease_holder, turn_lease_ttl_seconds)
-            message_id = conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
-            conn.execute(BUMP_MESSAGE_COUNTS_SQL, (1, calls, session_id))
-            return message_id
+            if turn_lease_holder:
+                self._check_turn_lease(conn, session_id, turn_lease_holder, turn_lease_ttl_seconds)
+            # The count update admits the write too: it changes no row of a session that is
+            # unknown or closed by compression, and only then is the session read, to say which.
+            if not conn.execute(BUMP_OPEN_SESSION_COUNTS_SQL, (1, calls, session_id, COMPRESSION_END_REASON)).rowcount:
+                _check_open_session(conn, session_id)
+                conn.execute(BUMP_MESSAGE_COUNTS_SQL, (1, calls, session_id))
+            return conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
 
         return self._execute_write(write)
 

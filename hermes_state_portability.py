@@ -16,6 +16,7 @@ import binascii
 import contextlib
 import hashlib
 import html
+import itertools
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import tempfile
 import time
 
 from hermes_state_common import (
+    CONTENT_JSON_PREFIX,
     INSERT_SESSION_SQL,
     INSERT_SYSTEM_PROMPT_SQL,
     MESSAGE_WRITE_COLUMNS,
@@ -35,6 +37,9 @@ from hermes_state_common import (
     SET_PARENT_SQL,
     TITLE_MAX_LENGTH,
     count_tool_calls,
+    decode_content,
+    decode_display_metadata,
+    decode_message,
     loads_or,
     normalize_title,
     placeholders,
@@ -47,6 +52,9 @@ ID_MAX_LENGTH = 256
 EXPORT_FORMATS = ("jsonl", "md", "qmd", "html", "trace")
 # hermes-agent's export_all reads at most this many sessions.
 EXPORT_ALL_LIMIT = 100_000
+# Sessions whose rows iter_export_all reads in one query (a per-session query cost more than the
+# rows of a short session); well under SQLite's 999 variables.
+EXPORT_SESSION_CHUNK = 200
 # export_all's order, hermes-agent's search_sessions order: most recently active first (the newer
 # of the last message and the activity heartbeat, else the start), then newest start, then id.
 EXPORT_ORDER_SQL = """
@@ -55,6 +63,7 @@ SELECT s.id, COALESCE((SELECT MAX(v) FROM (SELECT s.last_activity_at AS v UNION 
 FROM sessions AS s {where} ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ?"""
 SET_ARCHIVED_MESSAGE_SQL = "UPDATE messages SET active = 0, compacted = ? WHERE id = ?"
 SET_MESSAGE_COLUMNS_SQL = "UPDATE messages SET {assignments} WHERE id = ?"
+MESSAGE_COLUMNS_SQL = "SELECT name FROM pragma_table_info('messages')"
 
 
 # ---------------------------------------------------------------------------
@@ -69,16 +78,21 @@ BYTES_MARKER = "__base64__"
 DERIVED_MESSAGE_COLUMNS = frozenset({"display_identity", "display_order"})
 
 
+BINARY_TYPES = (bytes, bytearray, memoryview)
+
+
 def json_default(value):
     """The `default` hook of json.dumps for every output: bytes as the BYTES_MARKER object, anything else as str()."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
+    if isinstance(value, BINARY_TYPES):
         return {BYTES_MARKER: base64.b64encode(bytes(value)).decode("ascii")}
     return str(value)
 
 
 def portable_row(row, dropped=frozenset()):
     """A row dict JSON can hold: BLOB values as BYTES_MARKER objects, the `dropped` keys left out."""
-    return {key: json_default(value) if isinstance(value, (bytes, bytearray, memoryview)) else value
+    if not dropped and not any(map(isinstance, row.values(), itertools.repeat(BINARY_TYPES))):  # (C loops)
+        return dict(row)
+    return {key: json_default(value) if isinstance(value, BINARY_TYPES) else value
             for key, value in row.items() if key not in dropped}
 
 
@@ -137,45 +151,71 @@ SESSION_CONVERTED_FIELDS = SESSION_RESET_FIELDS | {"started_at", "model_config",
 # `message_id` alias of platform_message_id, and the columns 0.22 derives.
 MESSAGE_RESET_FIELDS = frozenset({"id", "session_id", "message_id", "active", "compacted", "_row_id",
                                   *DERIVED_MESSAGE_COLUMNS})
+# Message fields with a rule of their own; any other is carried as it is.
+MESSAGE_RULED_FIELDS = MESSAGE_RESET_FIELDS | frozenset(MESSAGE_WRITE_COLUMNS)
 # Structured message fields stored as JSON text; the import reads text in them as JSON first.
 REASONING_JSON_FIELDS = ("reasoning_details", "codex_reasoning_items", "codex_message_items")
 NESTED_MESSAGE_FIELDS = ("tool_calls", "display_metadata", *REASONING_JSON_FIELDS)
 INT_RANGE = (-2 ** 63, 2 ** 63)
 
 
+_COMPACT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _utf8_size(text):
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
 def _compact_size(value):
-    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit."""
-    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8"))
+    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit. An object is
+    measured a member at a time and a list of messages a message at a time: the same bytes,
+    without one whole text that a single CJK character would make four bytes a character."""
+    encode = _COMPACT_ENCODER.encode
+    if not isinstance(value, dict):
+        return _utf8_size(encode(value))
+    size = 2 + max(0, len(value) - 1)  # braces and commas
+    for key, member in value.items():
+        if key == "messages" and type(member) is list:
+            size += _utf8_size(encode(key)) + 3 + max(0, len(member) - 1)  # colon, brackets, commas
+            size += sum(_utf8_size(encode(item)) for item in member)
+        else:
+            size += _utf8_size(encode({key: member})) - 2
+    return size
 
 
 def _depth(value, limit):
     """How deep lists and objects nest in `value`; stops counting past `limit`.
-    A loop, not recursion, so that any nesting gets an answer."""
+    A loop, not recursion, so that any nesting gets an answer; only containers are stacked."""
+    if not isinstance(value, (list, dict)):
+        return 0
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, level = stack.pop()
-        if isinstance(item, (list, dict)):
-            if level > limit:
-                return level
-            deepest = max(deepest, level)
-            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+        if level > limit:
+            return level
+        deepest = max(deepest, level)
+        children = [child for child in (item.values() if isinstance(item, dict) else item)
+                    if isinstance(child, (list, dict))]
+        if children:
+            stack.extend((child, level + 1) for child in children)
     return deepest
 
 
 def _check_nesting(field, value, limit):
     """Raise if `value`, or the JSON text it holds, nests too deep to store and export again."""
-    too_deep = ValueError(f"{field} nests lists and objects more than {limit} levels deep")
+    if value is None:
+        return
     if isinstance(value, str):
         if value.lstrip()[:1] not in ("[", "{"):
             return
         try:
             value = json.loads(value)
         except RecursionError:
-            raise too_deep from None
+            raise ValueError(f"{field} nests lists and objects more than {limit} levels deep") from None
         except ValueError:
             return  # text that is not JSON is stored as text
     if _depth(value, limit) > limit:
-        raise too_deep
+        raise ValueError(f"{field} nests lists and objects more than {limit} levels deep")
 
 
 def _check_text(entry, fields):
@@ -281,12 +321,18 @@ def _check_message(position, message, depth_limit):
         except (TypeError, ValueError, OverflowError):
             raise ValueError("token_count must be an integer") from None
         _check_int_range("token_count", count)
-    _check_int_range(f"session.messages[{position}].content", message.get("content"))
+    content = message.get("content")
+    if isinstance(content, int):  # (names are formatted only when needed: this runs for every message)
+        _check_int_range(f"session.messages[{position}].content", content)
     for field, value in message.items():  # fields carried as they are
-        if field not in MESSAGE_RESET_FIELDS and field not in MESSAGE_WRITE_COLUMNS:
+        if field not in MESSAGE_RULED_FIELDS:
             _check_int_range(f"messages[{position}].{field}", value)
+    # Values themselves were measured by the entry's envelope (a message field sits three levels in,
+    # so its limit there is the same); JSON text in them is read here.
     for field in NESTED_MESSAGE_FIELDS:
-        _check_nesting(f"messages[{position}].{field}", message.get(field), depth_limit)
+        value = message.get(field)
+        if isinstance(value, str):
+            _check_nesting(f"messages[{position}].{field}", value, depth_limit)
 
 
 # ---------------------------------------------------------------------------
@@ -653,6 +699,28 @@ def jsonl_line(export):
     return json.dumps(export, ensure_ascii=False, default=json_default) + "\n"
 
 
+_JSONL_ENCODER = json.JSONEncoder(ensure_ascii=False, default=json_default)
+
+
+def jsonl_pieces(export):
+    """jsonl_line(export) as strings that join to it, one a message. The line is never built
+    whole: memory stays at one message, and text stays narrow (one CJK character anywhere
+    makes a whole joined line two or four bytes a character)."""
+    messages = export.get("messages")
+    if type(messages) is not list or not messages:
+        return [jsonl_line(export)]
+    keys = list(export)
+    at = keys.index("messages")
+    before, after = {k: export[k] for k in keys[:at]}, {k: export[k] for k in keys[at + 1:]}
+    encode = _JSONL_ENCODER.encode
+    pieces = [encode(before)[:-1] + (', "messages": [' if before else '"messages": [')]
+    for message in messages:
+        pieces += (encode(message), ", ")
+    pieces[-1] = "]"
+    pieces.append((", " + encode(after)[1:] if after else "}") + "\n")
+    return pieces
+
+
 def trace_lines(export):
     """One JSON event a line: session_start, message, tool_call, tool_result, session_end."""
     sid = export["id"]
@@ -821,7 +889,10 @@ def write_export(exports, fmt, out, *, redact_secrets=False):
             handle.write(HTML_HEAD.format(title="Hermes sessions"))
         count = 0
         for export in exports:
-            handle.write({"jsonl": jsonl_line, "trace": trace_lines, "html": html_section}[fmt](export))
+            if fmt == "jsonl":
+                handle.writelines(jsonl_pieces(export))
+            else:
+                handle.write({"trace": trace_lines, "html": html_section}[fmt](export))
             count += 1
         if fmt == "html":
             handle.write("</body></html>\n")
@@ -916,9 +987,41 @@ class SessionPortabilityMixin:
         session = self.get_session(session_id)
         return None if session is None else self._with_messages(session)
 
-    def _with_messages(self, session):
-        messages = [portable_message(message) for message in self.get_messages(session["id"])]
-        return {**portable_row(session), "messages": messages}
+    def _with_messages(self, session, reader=None):
+        """`session` exported with its messages; `reader` (from _export_reader) is reused across sessions."""
+        reader = reader or self._export_reader()
+        return {**portable_row(session), "messages": reader(session["id"])}
+
+    def _export_reader(self):
+        """A function giving a session's messages as portable_message(get_messages(id)) would, read in
+        one pass: the row's dict is built once and only the rows holding a BLOB take the long way."""
+        names = [name for (name,) in self._read_all(MESSAGE_COLUMNS_SQL)]
+        kept = [name for name in names if name not in DERIVED_MESSAGE_COLUMNS and name != "_compressed_summary"]
+        extra = ["_compressed_summary"] if "_compressed_summary" in names else []
+        columns = kept + extra
+        sql = (f"SELECT {', '.join(map(quote_identifier, columns))} FROM messages "
+               "WHERE session_id = ? AND active = 1 ORDER BY id")
+
+        def read(session_id):
+            messages = []
+            for row in self._read_all(sql, (session_id,)):
+                message = dict(zip(columns, row))
+                if bytes in map(type, row):  # a BLOB (sqlite3 gives exactly bytes): the general path
+                    messages.append(portable_message(decode_message(message)))
+                    continue
+                content = message.get("content")
+                if isinstance(content, str) and content.startswith(CONTENT_JSON_PREFIX):
+                    message["content"] = decode_content(content)
+                if message.get("tool_calls"):
+                    message["tool_calls"] = loads_or(message["tool_calls"], [])
+                if message.get("display_metadata") is not None:
+                    message["display_metadata"] = decode_display_metadata(message["display_metadata"])
+                if extra and message.pop("_compressed_summary"):
+                    message["_compressed_summary"] = True
+                messages.append(message)
+            return messages
+
+        return read
 
     def export_session_lineage(self, session_id):
         """A compression chain as one session: the tip's export with `segments` (each
@@ -940,14 +1043,22 @@ class SessionPortabilityMixin:
 
     def iter_export_all(self, source=None):
         """export_all one session at a time (a generator): memory is bounded by the largest
-        session, not the store. The order is read once, at the start."""
+        session, not the store. The order is read once, at the start; the sessions' rows
+        EXPORT_SESSION_CHUNK at a time, each as get_session gives it, just before their messages."""
         where, params = ("WHERE s.source = ?", (source,)) if source else ("", ())
-        for session_id, last_active in self._read_all(EXPORT_ORDER_SQL.format(where=where),
-                                                      (*params, EXPORT_ALL_LIMIT)):
-            session = self.get_session(session_id)
-            if session is not None:
-                session["last_active"] = last_active
-                yield self._with_messages(session)
+        order = self._read_all(EXPORT_ORDER_SQL.format(where=where), (*params, EXPORT_ALL_LIMIT))
+        reader = None
+        for start in range(0, len(order), EXPORT_SESSION_CHUNK):
+            chunk = order[start:start + EXPORT_SESSION_CHUNK]
+            self._flush_token_counts()  # as get_session does: queued counts are part of the row
+            sessions = {session["id"]: session for session in self._read_sessions(
+                "", f" WHERE s.id IN ({placeholders(len(chunk))})", [session_id for session_id, _ in chunk])}
+            for session_id, last_active in chunk:
+                session = sessions.pop(session_id, None)
+                if session is not None:  # (None: deleted since the order was read)
+                    session["last_active"] = last_active
+                    reader = reader or self._export_reader()
+                    yield self._with_messages(session, reader)
 
     # -- import ----------------------------------------------------------------
 
@@ -1018,14 +1129,15 @@ class SessionPortabilityMixin:
                   for message in messages]
         self._insert_message_rows(conn, session_id, copies)
         live = calls = 0
-        reset = MESSAGE_RESET_FIELDS | set(MESSAGE_WRITE_COLUMNS)
         for message in copies:
             if _number(message.get("active"), int, 1):
                 live, calls = live + 1, calls + count_tool_calls(message.get("tool_calls"))
             else:
                 conn.execute(SET_ARCHIVED_MESSAGE_SQL, (1 if _number(message.get("compacted"), int, 0) else 0,
                                                         message["_row_id"]))
-            carried = _carry({}, message, reset, columns, "messages", unstored)
+            # (the subset test runs in C: most messages carry nothing)
+            carried = not message.keys() <= MESSAGE_RULED_FIELDS and _carry(
+                {}, message, MESSAGE_RULED_FIELDS, columns, "messages", unstored)
             if carried:
                 assignments = ", ".join(f"{quote_identifier(column)} = ?" for column in carried)
                 conn.execute(SET_MESSAGE_COLUMNS_SQL.format(assignments=assignments),

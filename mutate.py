@@ -567,8 +567,8 @@ MUTANTS = [
            "request_handoff resets a handoff in flight back to pending, so it can be claimed twice",
            ["test_hermes_state_gateway.Handoffs"]),
     Mutant("export-includes-rewound", "hermes_state_portability.py",
-           '        messages = [portable_message(message) for message in self.get_messages(session["id"])]\n',
-           '        messages = [portable_message(message) for message in self.get_messages(session["id"], True)]\n',
+           '               "WHERE session_id = ? AND active = 1 ORDER BY id")\n',
+           '               "WHERE session_id = ? ORDER BY id")\n',
            "export_session includes messages a rewind hid",
            ["test_hermes_state_portability.Exports"]),
 ]

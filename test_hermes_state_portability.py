@@ -13,7 +13,8 @@ import sys
 import zipfile
 
 from hermes_state import SessionDB, restore_home
-from hermes_state_portability import markdown_document, markdown_file_name, redact, redact_text, write_export
+from hermes_state_portability import (json_default, markdown_document, markdown_file_name, portable_message, redact,
+                                      redact_text, write_export)
 from test_support import REPO, V26_DB, StoreTestCase, TempDirTestCase, dump_hash, fixture_path
 
 EXPORTS = ("hermes_v22_export.jsonl", "hermes_v26_export.jsonl")
@@ -371,6 +372,16 @@ class ImportRejects(StoreTestCase):
         timed = dict(session("timed"), timings={"pad": "z" * (5 * 1024 * 1024)})  # derived; not measured
         self.assertTrue(self.db.import_sessions([timed])["ok"])
 
+    def test_the_size_limit_counts_the_bytes_of_compact_utf8_json_exactly(self):
+        entry = dict(session("cjk", messages=3), title="标题", model_config={"a": [1, "é"]})
+        entry["messages"][1]["content"] = "日本語 \U0001F600 \"quoted\"\n"
+        size = len(json.dumps(entry, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+        limits = dict(self.db.import_limits(), session_bytes=size - 1)
+        result = self.db.import_sessions([entry], limits=limits)
+        self.assertEqual(result["errors"][0]["error"], "session exceeds the import size limit")
+        limits.update(session_bytes=size, total_bytes=size)
+        self.assertTrue(self.db.import_sessions([entry], limits=limits)["ok"])
+
     def test_parent_links_cycles_and_unknown_parents(self):
         self.db.create_session("stored", "cli")
         result = self.db.import_sessions([session("a", "b"), session("b", "a"), session("self", "self"),
@@ -554,6 +565,9 @@ class SchemaV31(TempDirTestCase):
 class Blobs(StoreTestCase):
     """A BLOB travels in JSON as {"__base64__": ...} and comes back a BLOB."""
 
+    def run_sql(self, *statements):
+        self.db._execute_write(lambda conn: [conn.execute(statement) for statement in statements])
+
     def add_blob_column(self, db):
         db._execute_write(lambda conn: conn.execute("ALTER TABLE messages ADD COLUMN extra_blob BLOB"))
 
@@ -579,6 +593,32 @@ class Blobs(StoreTestCase):
             result = other.import_sessions([exported])
             self.assertEqual((result["ok"], result["unstored_fields"]), (True, ["messages.extra_blob"]))
             self.assertEqual(other.get_messages("s")[0]["content"], b"\x00raw content")
+
+    def test_every_kind_of_row_exports_as_get_messages_and_portable_message_give_it(self):
+        # The export reads rows its own quick way; this is the general path it must equal.
+        self.add_blob_column(self.db)
+        self.run_sql("ALTER TABLE messages ADD COLUMN display_order INTEGER",
+                     "ALTER TABLE messages ADD COLUMN _compressed_summary INTEGER")
+        self.db.create_session("s", "cli")
+        ids = [self.db.append_message("s", "user", "plain 文字"),
+               self.db.append_message("s", "user", [{"type": "text", "text": "multimodal"}]),
+               self.db.append_message("s", "user", "\x00json:not json"),
+               self.db.append_message("s", "assistant", "", tool_calls=[{"id": "c", "function": {"name": "t"}}],
+                                      display_metadata={"k": [1, 2]}),
+               self.db.append_message("s", "tool", b"\x00bytes", tool_call_id="c"),
+               self.db.append_message("s", "assistant", "summary")]
+        self.run_sql(f"UPDATE messages SET extra_blob = x'00ff', display_order = 3 WHERE id = {ids[0]}",
+                     f"UPDATE messages SET _compressed_summary = 1 WHERE id IN ({ids[5]}, {ids[4]})",
+                     f"UPDATE messages SET tool_calls = 'not json' WHERE id = {ids[2]}")
+        expected = [portable_message(message) for message in self.db.get_messages("s")]
+        exported = self.db.export_session("s")
+        self.assertEqual(exported["messages"], expected)
+        self.assertEqual([list(m) for m in exported["messages"]], [list(m) for m in expected])
+        self.assertNotIn("display_order", expected[0])
+        self.assertEqual([m.get("_compressed_summary") for m in expected], [None] * 4 + [True, True])
+        write_export([exported], "jsonl", self.tmp / "out.jsonl")
+        self.assertEqual((self.tmp / "out.jsonl").read_text(encoding="utf-8"),
+                         json.dumps(exported, ensure_ascii=False, default=json_default) + "\n")
 
     def test_a_field_the_store_has_a_column_for_is_carried_and_one_it_lacks_is_named(self):
         self.db._execute_write(lambda conn: conn.execute("ALTER TABLE sessions ADD COLUMN newer_field TEXT"))
