@@ -27,17 +27,18 @@ from hermes_state_schema import read_meta, write_meta
 from hermes_state_common import (
     decode_content, BACKFILL_SQL, CJK_CHAR_CLASS, CJK_QUEUE_TABLE, CONTEXT_CHARS, DELETE_CJK_QUEUE_SQL,
     DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FTS5_PROBE_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL,
-    FTS_PROBE_DROP_SQL, FTS_SNIPPET_SQL, HAS_CJK_QUEUE_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS,
-    HERMES_FTS_VIEWS, HERMES_INDEX_META, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
-    META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER,
-    META_SEARCH_LAYOUT, META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, NOT_TOOL_ROW_SQL, PREVIOUS_LAYOUT_LEFTOVERS,
-    PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL,
-    RESET_INDEX_SQL, RETIRED_PREFIX, SEARCH_BY_INDEX_SQL, SEARCH_BY_PREDICATE_SQL, SEARCH_LAYOUT_VERSION,
-    SEARCH_OBJECTS, SEARCH_ORDERS, SEARCH_TABLES, SEARCH_TRIGGERS, SELECT_CJK_QUEUE_SQL,
-    SELECT_INDEXED_TEXT_BYTES_SQL, SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL, SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_TRIGGER_TABLES_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TABLE_INFO_SQL, TERM_IN_BACKFILL_GAP_SQL,
-    TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS, TERM_LIKE_SQL, TRIGRAM_PROBE_SQL,
-    UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier, store_file_bytes, trigger_writes,
+    FTS_PROBE_DROP_SQL, FTS_SNIPPET_SQL, HAS_CJK_QUEUE_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
+    HERMES_INDEX_META, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS,
+    META_FTS_STALE, META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT, META_SEARCH_PROGRESS,
+    META_SEARCH_STALE_PREFIX, NOT_TOOL_ROW_SQL, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META,
+    PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL, RESET_INDEX_SQL, RETIRED_PREFIX,
+    SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_ORDERS, SEARCH_PAGE_BY_INDEX_SQL, SEARCH_PAGE_BY_PREDICATE_SQL,
+    SEARCH_PAGE_INDEX_JOIN_SQL, SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_SQL, SEARCH_TABLES, SEARCH_TRIGGERS,
+    SELECT_CJK_QUEUE_SQL, SELECT_INDEXED_TEXT_BYTES_SQL, SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL,
+    SELECT_SCHEMA_OBJECTS_SQL, SELECT_TRIGGER_TABLES_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TABLE_INFO_SQL,
+    TERM_IN_BACKFILL_GAP_SQL, TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS, TERM_LIKE_SQL,
+    TRIGRAM_PROBE_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier, store_file_bytes,
+    trigger_writes,
 )
 
 logger = logging.getLogger("hermes_state")
@@ -817,22 +818,27 @@ class SessionSearchMixin:
         indexes = set(routes.values())
         single = len(indexes) == 1 and None not in indexes and state.high_water is None and \
             not (indexes == {"cjk"} and state.cjk_pending)
-        if single:
-            index = indexes.pop()
-            table = state.tables[index]
-            # hermes-agent's legacy trigram index still holds tool rows; ours does not.
-            no_tools = f" AND {NOT_TOOL_ROW_SQL}" if index != "word" else ""
-            order = SEARCH_ORDERS[sort if sort in ("newest", "oldest") else "rank"].format(table=table)
-            snippet = "NULL" if index == "cjk" else FTS_SNIPPET_SQL.format(table=table)
-            sql = SEARCH_BY_INDEX_SQL.format(table=table, snippet=snippet, no_tools=no_tools, filters=filters,
-                                             order=order)
-            params = [_match_string(tree)] + filter_params
-        else:
+        if not single:
             where, params = _tree_sql(tree, routes, state)
             order = SEARCH_ORDERS["oldest" if sort == "oldest" else "newest"]
-            sql = SEARCH_BY_PREDICATE_SQL.format(where=where, filters=filters, order=order)
-            params += filter_params
-        return self._read_all(sql, params + [limit, offset])
+            page = SEARCH_PAGE_BY_PREDICATE_SQL.format(where=where, filters=filters, order=order)
+            return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order),
+                                  params + filter_params + [limit, offset])
+        index = indexes.pop()
+        table = state.tables[index]
+        # hermes-agent's legacy trigram index still holds tool rows; ours does not.
+        no_tools = f" AND {NOT_TOOL_ROW_SQL}" if index != "word" else ""
+        snippet = "NULL" if index == "cjk" else FTS_SNIPPET_SQL.format(table=table)
+        match = _match_string(tree)
+        if sort not in SEARCH_ORDERS:
+            return self._read_all(SEARCH_RANKED_SQL.format(table=table, snippet=snippet, no_tools=no_tools,
+                                                           filters=filters),
+                                  [match] + filter_params + [limit, offset])
+        order = SEARCH_ORDERS[sort]
+        page = SEARCH_PAGE_BY_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters, order=order)
+        join, join_params = ("", []) if index == "cjk" else (SEARCH_PAGE_INDEX_JOIN_SQL.format(table=table), [match])
+        return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join=join, snippet=snippet, order=order),
+                              [match] + filter_params + [limit, offset] + join_params)
 
     def _mark_index_stale(self, exc, state):
         """Answer by the fallback; rebuild ours (or build ours beside hermes-agent's) at the next open."""
