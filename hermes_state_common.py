@@ -510,6 +510,11 @@ SEARCH_PAGE_INDEX_JOIN_SQL = " CROSS JOIN {table} ON {table}.rowid = page.hit AN
 SEARCH_ORDERS = {"newest": "m.timestamp DESC, m.id DESC", "oldest": "m.timestamp ASC, m.id ASC"}
 # Term predicates: an index match, a row a backfill has not reached, a queued CJK row.
 TERM_IN_INDEX_SQL = "m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH ?)"
+# Terms their indexes answer alone are combined as sets of ids first: one list to
+# read rows for, whichever term has the most hits (several IN lists would read the
+# rows of the first one SQLite picks, however long).
+TERM_ID_SET_SQL = "SELECT rowid FROM {table} WHERE {table} MATCH ?"
+ID_SET_OPERATORS = {"and": "INTERSECT", "or": "UNION", "not": "EXCEPT"}
 TERM_IN_BACKFILL_GAP_SQL = " OR (m.id > ? AND m.id <= ? AND {like})"
 TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {like})"
 # The fallback: NULL columns read as '' so that NOT (...) never turns NULL and drops a row.

@@ -28,17 +28,17 @@ from hermes_state_common import (
     decode_content, BACKFILL_SQL, CJK_CHAR_CLASS, CJK_QUEUE_TABLE, CONTEXT_CHARS, DELETE_CJK_QUEUE_SQL,
     DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FTS5_PROBE_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL,
     FTS_PROBE_DROP_SQL, FTS_SNIPPET_SQL, HAS_CJK_QUEUE_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
-    HERMES_INDEX_META, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS,
-    META_FTS_STALE, META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT, META_SEARCH_PROGRESS,
-    META_SEARCH_STALE_PREFIX, NOT_TOOL_ROW_SQL, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META,
+    HERMES_INDEX_META, ID_SET_OPERATORS, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
+    META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT,
+    META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, NOT_TOOL_ROW_SQL, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META,
     PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL, RESET_INDEX_SQL, RETIRED_PREFIX,
     SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_ORDERS, SEARCH_PAGE_BY_INDEX_SQL, SEARCH_PAGE_BY_PREDICATE_SQL,
     SEARCH_PAGE_INDEX_JOIN_SQL, SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_SQL, SEARCH_TABLES, SEARCH_TRIGGERS,
     SELECT_CJK_QUEUE_SQL, SELECT_INDEXED_TEXT_BYTES_SQL, SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL,
     SELECT_SCHEMA_OBJECTS_SQL, SELECT_TRIGGER_TABLES_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TABLE_INFO_SQL,
-    TERM_IN_BACKFILL_GAP_SQL, TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS, TERM_LIKE_SQL,
-    TRIGRAM_PROBE_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier, store_file_bytes,
-    trigger_writes,
+    TERM_IN_BACKFILL_GAP_SQL, TERM_ID_SET_SQL, TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS,
+    TERM_LIKE_SQL, TRIGRAM_PROBE_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier,
+    store_file_bytes, trigger_writes,
 )
 
 logger = logging.getLogger("hermes_state")
@@ -383,7 +383,28 @@ def _leaf_sql(term, index, state):
     return f"({sql})", params
 
 
+def _id_set_sql(node, routes, state):
+    """The ids `node` matches as one compound SELECT over its indexes, or None when a
+    term needs a test on the row: the fallback, a backfill or CJK queue not indexed
+    yet, or a hermes-agent index that may hold tool rows (ours never do but in the
+    word index)."""
+    if node[0] == "term":
+        index = routes[node[1]]
+        if index is None or state.high_water is not None or (index == "cjk" and state.cjk_pending) or \
+                (index != "word" and state.layout != "current"):
+            return None
+        return TERM_ID_SET_SQL.format(table=state.tables[index]), [_fts_string(node[1])]
+    parts = [_id_set_sql(child, routes, state) for child in (node[1] if node[0] in ("and", "or") else node[1:])]
+    if None in parts:
+        return None
+    return f" {ID_SET_OPERATORS[node[0]]} ".join(f"SELECT * FROM ({sql})" for sql, _params in parts), \
+        [value for _sql, params in parts for value in params]
+
+
 def _tree_sql(node, routes, state):
+    ids = _id_set_sql(node, routes, state)
+    if ids is not None:
+        return f"m.id IN ({ids[0]})", ids[1]
     kind = node[0]
     if kind == "term":
         return _leaf_sql(node[1], routes[node[1]], state)
