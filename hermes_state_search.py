@@ -65,12 +65,22 @@ CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
 FTS_SYNTAX_RE = re.compile(r"[\"^*():{}\[\]+~'`]")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
-# One neighbour of a search hit in its session, in (timestamp, id) order.
-_NEIGHBOUR_SQL = """SELECT * FROM (SELECT role, content FROM messages WHERE session_id = :s AND timestamp = :t AND {same}
-              ORDER BY id {order} LIMIT 1)
-UNION ALL SELECT * FROM (SELECT role, content FROM messages WHERE session_id = :s AND {other}
-                        ORDER BY timestamp {order}, id {order} LIMIT 1)
-LIMIT 1"""
+# The context of a page of hits, in one statement: each hit's neighbours in its
+# session by (timestamp, id), in any state. Equal timestamps are common (a batch
+# shares one): each neighbour is an index seek, first among rows of the same time
+# by id, then across times. `{hits}` is one "(?, ?, ?, ?)" per hit: its place, session, time and id.
+_NEIGHBOUR_ID_SQL = """COALESCE(
+    (SELECT id FROM messages WHERE session_id = h.s AND timestamp = h.t AND id {cmp} h.i ORDER BY id {order} LIMIT 1),
+    (SELECT id FROM messages WHERE session_id = h.s AND timestamp {cmp} h.t ORDER BY timestamp {order}, id {order}
+     LIMIT 1))"""
+_CONTEXT_SQL = f"""WITH hits(n, s, t, i) AS (VALUES {{hits}}),
+near(n, before, i, after) AS (
+    SELECT h.n, {_NEIGHBOUR_ID_SQL.format(cmp="<", order="DESC")}, h.i, {_NEIGHBOUR_ID_SQL.format(cmp=">", order="ASC")}
+    FROM hits AS h)
+SELECT near.n, m.role, m.content FROM near CROSS JOIN messages AS m ON m.id IN (near.before, near.i, near.after)
+ORDER BY near.n, m.timestamp, m.id"""
+# Hits per context statement (four parameters each, well under SQLite's limit).
+CONTEXT_CHUNK_HITS = 500
 
 Capabilities = namedtuple("Capabilities", "fts5 trigram")
 Term = namedtuple("Term", "text prefix")
@@ -832,7 +842,8 @@ class SessionSearchMixin:
         if not rows and "word" in state.usable and _substring_retry(tree):
             rows = self._run_search(state._replace(substring=True), *search)
         terms = _positive_terms(tree)
-        return [self._hit(row, terms, fields, scans) for row in rows]
+        contexts = self._contexts(rows) if "context" in fields else [None] * len(rows)
+        return [self._hit(row, terms, fields, scans, context) for row, context in zip(rows, contexts)]
 
     def _run_search(self, state, tree, filters, filter_params, sort, limit, offset):
         routes = {term: _route(term, state) for term in _leaves(tree)}
@@ -871,24 +882,23 @@ class SessionSearchMixin:
             else [META_SEARCH_HERMES_FAILED]
         self._execute_write(lambda conn: [write_meta(conn, key, "1") for key in keys])
 
-    def _hit(self, row, terms, fields, scans):
-        values = dict(row)
+    def _hit(self, row, terms, fields, scans, context):
+        values = dict(row, context=context)
         values["snippet"] = scan_snippet(row["content"], terms[0]) if scans else \
             values.get("index_snippet") or make_snippet(row["content"], terms)
-        if "context" in fields:
-            values["context"] = self._context(row)
         return {field: values[field] for field in fields}
 
-    def _context(self, hit):
-        """[before, the hit, after] as {role, content}: neighbours by (timestamp, id) in its session, any state."""
-        # Equal timestamps are common (a batch shares one): each neighbour is an
-        # index seek, first among rows of the same time by id, then across times.
-        rows = self._read_all(f"""
-SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id < :i", other="timestamp < :t", order="DESC")})
-UNION ALL SELECT role, content FROM messages WHERE id = :i
-UNION ALL SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id > :i", other="timestamp > :t", order="ASC")})""",
-                              {"s": hit["session_id"], "t": hit["timestamp"], "i": hit["id"]})
-        return [{"role": role, "content": context_text(content)} for role, content in rows]
+    def _contexts(self, hits):
+        """Each hit's [before, the hit, after] as {role, content}, in the order of `hits`."""
+        contexts = [[] for _hit in hits]
+        for start in range(0, len(hits), CONTEXT_CHUNK_HITS):
+            chunk = hits[start:start + CONTEXT_CHUNK_HITS]
+            params = [value for n, hit in enumerate(chunk, start)
+                      for value in (n, hit["session_id"], hit["timestamp"], hit["id"])]
+            for n, role, content in self._read_all(
+                    _CONTEXT_SQL.format(hits=", ".join(["(?, ?, ?, ?)"] * len(chunk))), params):
+                contexts[n].append({"role": role, "content": context_text(content)})
+        return contexts
 
     # -- maintenance -----------------------------------------------------------
 
