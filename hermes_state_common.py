@@ -485,20 +485,38 @@ HAS_CJK_QUEUE_SQL = "SELECT 1 FROM hs_fts_cjk_queue LIMIT 1"
 SELECT_MAX_MESSAGE_ID_SQL = "SELECT COALESCE(MAX(id), 0) FROM messages"
 SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestamp, m.tool_name,
        s.source, s.model, s.started_at AS session_started"""
-# A query answered by one index, ranked by it ({order} may be its bm25 rank). A
-# word or trigram index cuts the snippet itself, as hermes-agent's search does.
+# A word or trigram index cuts the snippet itself, as hermes-agent's search does.
 FTS_SNIPPET_SQL = "snippet({table}, -1, '>>>', '<<<', '...', 40)"
-SEARCH_BY_INDEX_SQL = (SEARCH_COLUMNS_SQL + """, {snippet} AS index_snippet
-FROM {table} JOIN messages AS m ON m.id = {table}.rowid JOIN sessions AS s ON s.id = m.session_id
-WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {order} LIMIT ? OFFSET ?""")
-# A query whose terms use several indexes or the fallback: one predicate per term.
-SEARCH_BY_PREDICATE_SQL = (SEARCH_COLUMNS_SQL + """
+# Best first by one index. FTS5 hands its matches over in rank order itself only
+# when the ORDER BY is its rank alone and it is the outer loop (CROSS JOIN keeps
+# it there): then the filters run in that order, LIMIT stops the scan, and no
+# other row's content or snippet is read. Equal ranks come in rowid order (FTS5
+# sorts its matches, read in rowid order, with a stable sort), which is what
+# hermes-agent's `ORDER BY rank` gives too.
+SEARCH_RANKED_SQL = (SEARCH_COLUMNS_SQL + """, {snippet} AS index_snippet
+FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid CROSS JOIN sessions AS s ON s.id = m.session_id
+WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {table}.rank LIMIT ? OFFSET ?""")
+# By time, one page of hit ids: only (timestamp, id) of every hit goes through the
+# sorter, from one index or from one predicate per term (several indexes, the fallback).
+SEARCH_PAGE_BY_INDEX_SQL = """SELECT m.id AS hit
+FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid JOIN sessions AS s ON s.id = m.session_id
+WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {order} LIMIT ? OFFSET ?"""
+SEARCH_PAGE_BY_PREDICATE_SQL = """SELECT m.id AS hit
 FROM messages AS m JOIN sessions AS s ON s.id = m.session_id
-WHERE {where} {filters} ORDER BY {order} LIMIT ? OFFSET ?""")
-SEARCH_ORDERS = {"rank": "{table}.rank, m.id", "newest": "m.timestamp DESC, m.id DESC",
-                 "oldest": "m.timestamp ASC, m.id ASC"}
+WHERE {where} {filters} ORDER BY {order} LIMIT ? OFFSET ?"""
+# Then the page's rows, and their snippets (`{join}` re-opens the index at each of them).
+SEARCH_PAGE_ROWS_SQL = (SEARCH_COLUMNS_SQL + """, {snippet} AS index_snippet
+FROM ({page}) AS page CROSS JOIN messages AS m ON m.id = page.hit{join} CROSS JOIN sessions AS s ON s.id = m.session_id
+ORDER BY {order}""")
+SEARCH_PAGE_INDEX_JOIN_SQL = " CROSS JOIN {table} ON {table}.rowid = page.hit AND {table} MATCH ?"
+SEARCH_ORDERS = {"newest": "m.timestamp DESC, m.id DESC", "oldest": "m.timestamp ASC, m.id ASC"}
 # Term predicates: an index match, a row a backfill has not reached, a queued CJK row.
 TERM_IN_INDEX_SQL = "m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH ?)"
+# Terms their indexes answer alone are combined as sets of ids first: one list to
+# read rows for, whichever term has the most hits (several IN lists would read the
+# rows of the first one SQLite picks, however long).
+TERM_ID_SET_SQL = "SELECT rowid FROM {table} WHERE {table} MATCH ?"
+ID_SET_OPERATORS = {"and": "INTERSECT", "or": "UNION", "not": "EXCEPT"}
 TERM_IN_BACKFILL_GAP_SQL = " OR (m.id > ? AND m.id <= ? AND {like})"
 TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {like})"
 # The fallback: NULL columns read as '' so that NOT (...) never turns NULL and drops a row.

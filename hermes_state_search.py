@@ -27,17 +27,18 @@ from hermes_state_schema import read_meta, write_meta
 from hermes_state_common import (
     decode_content, BACKFILL_SQL, CJK_CHAR_CLASS, CJK_QUEUE_TABLE, CONTEXT_CHARS, DELETE_CJK_QUEUE_SQL,
     DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FTS5_PROBE_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL,
-    FTS_PROBE_DROP_SQL, FTS_SNIPPET_SQL, HAS_CJK_QUEUE_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS,
-    HERMES_FTS_VIEWS, HERMES_INDEX_META, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
-    META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER,
-    META_SEARCH_LAYOUT, META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, NOT_TOOL_ROW_SQL, PREVIOUS_LAYOUT_LEFTOVERS,
-    PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL,
-    RESET_INDEX_SQL, RETIRED_PREFIX, SEARCH_BY_INDEX_SQL, SEARCH_BY_PREDICATE_SQL, SEARCH_LAYOUT_VERSION,
-    SEARCH_OBJECTS, SEARCH_ORDERS, SEARCH_TABLES, SEARCH_TRIGGERS, SELECT_CJK_QUEUE_SQL,
-    SELECT_INDEXED_TEXT_BYTES_SQL, SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL, SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_TRIGGER_TABLES_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TABLE_INFO_SQL, TERM_IN_BACKFILL_GAP_SQL,
-    TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS, TERM_LIKE_SQL, TRIGRAM_PROBE_SQL,
-    UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier, store_file_bytes, trigger_writes,
+    FTS_PROBE_DROP_SQL, FTS_SNIPPET_SQL, HAS_CJK_QUEUE_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
+    HERMES_INDEX_META, ID_SET_OPERATORS, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
+    META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT,
+    META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, NOT_TOOL_ROW_SQL, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META,
+    PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL, RESET_INDEX_SQL, RETIRED_PREFIX,
+    SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_ORDERS, SEARCH_PAGE_BY_INDEX_SQL, SEARCH_PAGE_BY_PREDICATE_SQL,
+    SEARCH_PAGE_INDEX_JOIN_SQL, SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_SQL, SEARCH_TABLES, SEARCH_TRIGGERS,
+    SELECT_CJK_QUEUE_SQL, SELECT_INDEXED_TEXT_BYTES_SQL, SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL,
+    SELECT_SCHEMA_OBJECTS_SQL, SELECT_TRIGGER_TABLES_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TABLE_INFO_SQL,
+    TERM_IN_BACKFILL_GAP_SQL, TERM_ID_SET_SQL, TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS,
+    TERM_LIKE_SQL, TRIGRAM_PROBE_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier,
+    store_file_bytes, trigger_writes,
 )
 
 logger = logging.getLogger("hermes_state")
@@ -64,12 +65,22 @@ CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
 FTS_SYNTAX_RE = re.compile(r"[\"^*():{}\[\]+~'`]")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
-# One neighbour of a search hit in its session, in (timestamp, id) order.
-_NEIGHBOUR_SQL = """SELECT * FROM (SELECT role, content FROM messages WHERE session_id = :s AND timestamp = :t AND {same}
-              ORDER BY id {order} LIMIT 1)
-UNION ALL SELECT * FROM (SELECT role, content FROM messages WHERE session_id = :s AND {other}
-                        ORDER BY timestamp {order}, id {order} LIMIT 1)
-LIMIT 1"""
+# The context of a page of hits, in one statement: each hit's neighbours in its
+# session by (timestamp, id), in any state. Equal timestamps are common (a batch
+# shares one): each neighbour is an index seek, first among rows of the same time
+# by id, then across times. `{hits}` is one "(?, ?, ?, ?)" per hit: its place, session, time and id.
+_NEIGHBOUR_ID_SQL = """COALESCE(
+    (SELECT id FROM messages WHERE session_id = h.s AND timestamp = h.t AND id {cmp} h.i ORDER BY id {order} LIMIT 1),
+    (SELECT id FROM messages WHERE session_id = h.s AND timestamp {cmp} h.t ORDER BY timestamp {order}, id {order}
+     LIMIT 1))"""
+_CONTEXT_SQL = f"""WITH hits(n, s, t, i) AS (VALUES {{hits}}),
+near(n, before, i, after) AS (
+    SELECT h.n, {_NEIGHBOUR_ID_SQL.format(cmp="<", order="DESC")}, h.i, {_NEIGHBOUR_ID_SQL.format(cmp=">", order="ASC")}
+    FROM hits AS h)
+SELECT near.n, m.role, m.content FROM near CROSS JOIN messages AS m ON m.id IN (near.before, near.i, near.after)
+ORDER BY near.n, m.timestamp, m.id"""
+# Hits per context statement (four parameters each, well under SQLite's limit).
+CONTEXT_CHUNK_HITS = 500
 
 Capabilities = namedtuple("Capabilities", "fts5 trigram")
 Term = namedtuple("Term", "text prefix")
@@ -382,7 +393,28 @@ def _leaf_sql(term, index, state):
     return f"({sql})", params
 
 
+def _id_set_sql(node, routes, state):
+    """The ids `node` matches as one compound SELECT over its indexes, or None when a
+    term needs a test on the row: the fallback, a backfill or CJK queue not indexed
+    yet, or a hermes-agent index that may hold tool rows (ours never do but in the
+    word index)."""
+    if node[0] == "term":
+        index = routes[node[1]]
+        if index is None or state.high_water is not None or (index == "cjk" and state.cjk_pending) or \
+                (index != "word" and state.layout != "current"):
+            return None
+        return TERM_ID_SET_SQL.format(table=state.tables[index]), [_fts_string(node[1])]
+    parts = [_id_set_sql(child, routes, state) for child in (node[1] if node[0] in ("and", "or") else node[1:])]
+    if None in parts:
+        return None
+    return f" {ID_SET_OPERATORS[node[0]]} ".join(f"SELECT * FROM ({sql})" for sql, _params in parts), \
+        [value for _sql, params in parts for value in params]
+
+
 def _tree_sql(node, routes, state):
+    ids = _id_set_sql(node, routes, state)
+    if ids is not None:
+        return f"m.id IN ({ids[0]})", ids[1]
     kind = node[0]
     if kind == "term":
         return _leaf_sql(node[1], routes[node[1]], state)
@@ -810,29 +842,35 @@ class SessionSearchMixin:
         if not rows and "word" in state.usable and _substring_retry(tree):
             rows = self._run_search(state._replace(substring=True), *search)
         terms = _positive_terms(tree)
-        return [self._hit(row, terms, fields, scans) for row in rows]
+        contexts = self._contexts(rows) if "context" in fields else [None] * len(rows)
+        return [self._hit(row, terms, fields, scans, context) for row, context in zip(rows, contexts)]
 
     def _run_search(self, state, tree, filters, filter_params, sort, limit, offset):
         routes = {term: _route(term, state) for term in _leaves(tree)}
         indexes = set(routes.values())
         single = len(indexes) == 1 and None not in indexes and state.high_water is None and \
             not (indexes == {"cjk"} and state.cjk_pending)
-        if single:
-            index = indexes.pop()
-            table = state.tables[index]
-            # hermes-agent's legacy trigram index still holds tool rows; ours does not.
-            no_tools = f" AND {NOT_TOOL_ROW_SQL}" if index != "word" else ""
-            order = SEARCH_ORDERS[sort if sort in ("newest", "oldest") else "rank"].format(table=table)
-            snippet = "NULL" if index == "cjk" else FTS_SNIPPET_SQL.format(table=table)
-            sql = SEARCH_BY_INDEX_SQL.format(table=table, snippet=snippet, no_tools=no_tools, filters=filters,
-                                             order=order)
-            params = [_match_string(tree)] + filter_params
-        else:
+        if not single:
             where, params = _tree_sql(tree, routes, state)
             order = SEARCH_ORDERS["oldest" if sort == "oldest" else "newest"]
-            sql = SEARCH_BY_PREDICATE_SQL.format(where=where, filters=filters, order=order)
-            params += filter_params
-        return self._read_all(sql, params + [limit, offset])
+            page = SEARCH_PAGE_BY_PREDICATE_SQL.format(where=where, filters=filters, order=order)
+            return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order),
+                                  params + filter_params + [limit, offset])
+        index = indexes.pop()
+        table = state.tables[index]
+        # hermes-agent's legacy trigram index still holds tool rows; ours does not.
+        no_tools = f" AND {NOT_TOOL_ROW_SQL}" if index != "word" else ""
+        snippet = "NULL" if index == "cjk" else FTS_SNIPPET_SQL.format(table=table)
+        match = _match_string(tree)
+        if sort not in SEARCH_ORDERS:
+            return self._read_all(SEARCH_RANKED_SQL.format(table=table, snippet=snippet, no_tools=no_tools,
+                                                           filters=filters),
+                                  [match] + filter_params + [limit, offset])
+        order = SEARCH_ORDERS[sort]
+        page = SEARCH_PAGE_BY_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters, order=order)
+        join, join_params = ("", []) if index == "cjk" else (SEARCH_PAGE_INDEX_JOIN_SQL.format(table=table), [match])
+        return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join=join, snippet=snippet, order=order),
+                              [match] + filter_params + [limit, offset] + join_params)
 
     def _mark_index_stale(self, exc, state):
         """Answer by the fallback; rebuild ours (or build ours beside hermes-agent's) at the next open."""
@@ -844,24 +882,23 @@ class SessionSearchMixin:
             else [META_SEARCH_HERMES_FAILED]
         self._execute_write(lambda conn: [write_meta(conn, key, "1") for key in keys])
 
-    def _hit(self, row, terms, fields, scans):
-        values = dict(row)
+    def _hit(self, row, terms, fields, scans, context):
+        values = dict(row, context=context)
         values["snippet"] = scan_snippet(row["content"], terms[0]) if scans else \
             values.get("index_snippet") or make_snippet(row["content"], terms)
-        if "context" in fields:
-            values["context"] = self._context(row)
         return {field: values[field] for field in fields}
 
-    def _context(self, hit):
-        """[before, the hit, after] as {role, content}: neighbours by (timestamp, id) in its session, any state."""
-        # Equal timestamps are common (a batch shares one): each neighbour is an
-        # index seek, first among rows of the same time by id, then across times.
-        rows = self._read_all(f"""
-SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id < :i", other="timestamp < :t", order="DESC")})
-UNION ALL SELECT role, content FROM messages WHERE id = :i
-UNION ALL SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id > :i", other="timestamp > :t", order="ASC")})""",
-                              {"s": hit["session_id"], "t": hit["timestamp"], "i": hit["id"]})
-        return [{"role": role, "content": context_text(content)} for role, content in rows]
+    def _contexts(self, hits):
+        """Each hit's [before, the hit, after] as {role, content}, in the order of `hits`."""
+        contexts = [[] for _hit in hits]
+        for start in range(0, len(hits), CONTEXT_CHUNK_HITS):
+            chunk = hits[start:start + CONTEXT_CHUNK_HITS]
+            params = [value for n, hit in enumerate(chunk, start)
+                      for value in (n, hit["session_id"], hit["timestamp"], hit["id"])]
+            for n, role, content in self._read_all(
+                    _CONTEXT_SQL.format(hits=", ".join(["(?, ?, ?, ?)"] * len(chunk))), params):
+                contexts[n].append({"role": role, "content": context_text(content)})
+        return contexts
 
     # -- maintenance -----------------------------------------------------------
 

@@ -381,6 +381,125 @@ class SearchBehaviour(TempDirTestCase):
                     self.fail(f"{label}: search_messages({query[:60]!r}) raised {exc!r}")
 
 
+PLAIN_FILTERS = " AND (m.active = 1 OR m.compacted = 1)"
+
+
+class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
+    """The ranked and time-ordered queries give, page by page, what the plain query
+    (every hit through SQLite's sorter, rank then id) gives, filters and ties included."""
+
+    LINES = ("parser checks the tokens", "the parser reads tokens and the parser streams", "gateway restarts",
+             "failing tests in the parser module", "tokens tokens parser", "会话历史 parser 数据库迁移",
+             "数据库 备份 会话", "gateway restarts after failing tests")
+
+    def setUp(self):
+        super().setUp()
+        self.db = SessionDB(self.tmp / "state.db")
+        self.addCleanup(self.db.close)
+        rng = random.Random(5)
+        for number, source in enumerate(("cli", "telegram", "cron", "cli")):
+            session = f"s{number}"
+            self.db.create_session(session, source)
+            # Repeated lines rank equal; a batch of 8 rows shares a timestamp.
+            for batch in range(12):
+                self.db.append_messages_batch(session, [
+                    {"role": rng.choice(("user", "assistant", "tool")), "content": rng.choice(self.LINES),
+                     "tool_name": "terminal", "timestamp": 1000 + batch * 10 + number % 2} for _ in range(8)])
+        self.db._update_rows("UPDATE messages SET active = 0 WHERE id % 7 = 0", ())
+        self.db._update_rows("UPDATE messages SET active = 0, compacted = 1 WHERE id % 11 = 0", ())
+        self.conn = self.raw(self.tmp / "state.db")
+
+    def plain(self, table, match, sort, filters, params, limit, offset, snippet=True):
+        order = {"newest": "m.timestamp DESC, m.id DESC", "oldest": "m.timestamp ASC, m.id ASC"}.get(
+            sort, f"{table}.rank, m.id")
+        cut = f"snippet({table}, -1, '>>>', '<<<', '...', 40)" if snippet else "NULL"
+        return [tuple(row) for row in self.conn.execute(
+            f"SELECT m.id, {cut} FROM {table} JOIN messages AS m ON m.id = {table}.rowid "
+            f"JOIN sessions AS s ON s.id = m.session_id WHERE {table} MATCH ?{PLAIN_FILTERS}{filters} "
+            f"ORDER BY {order} LIMIT ? OFFSET ?", [match] + params + [limit, offset])]
+
+    def cases(self):
+        for sort in (None, "newest", "oldest"):
+            for filters, params, kwargs in (("", [], {}), (" AND s.source IN (?)", ["cli"], {"source_filter": ["cli"]}),
+                                            (" AND s.source NOT IN (?)", ["cli"], {"exclude_sources": ["cli"]}),
+                                            (" AND m.role IN (?)", ["user"], {"role_filter": ["user"]})):
+                for limit, offset in ((20, 0), (7, 3), (5, 40), (1000, 0)):
+                    yield sort, filters, params, dict(kwargs, sort=sort, limit=limit, offset=offset)
+
+    def test_word_phrase_and_prefix_queries_page_like_the_plain_query(self):
+        ties = 0
+        for query, match in (("parser", '"parser"'), ("failing tests", '("failing" AND "tests")'),
+                             ('"parser reads"', '"parser reads"'), ("pars*", '"pars"*'),
+                             ("tokens OR gateway", '("tokens" OR "gateway")')):
+            for sort, filters, params, kwargs in self.cases():
+                with self.subTest(query=query, **kwargs):
+                    expected = self.plain("hs_fts_words", match, sort, filters, params, kwargs["limit"],
+                                          kwargs["offset"])
+                    hits = self.db.search_messages(query, fields=("id", "snippet"), **kwargs)
+                    self.assertEqual([(hit["id"], hit["snippet"]) for hit in hits], expected)
+            ranks = [rank for (rank,) in self.conn.execute(
+                "SELECT rank FROM hs_fts_words WHERE hs_fts_words MATCH ? ORDER BY rank", (match,))]
+            ties += len(ranks) - len(set(ranks))
+        self.assertGreater(ties, 100)  # equal ranks are most of the hits: their order is tested
+
+    def test_long_cjk_terms_page_like_the_plain_query(self):
+        for sort, filters, params, kwargs in self.cases():
+            with self.subTest(**kwargs):
+                expected = self.plain("hs_fts_trigram", '"数据库"', sort, filters, params, kwargs["limit"],
+                                      kwargs["offset"])
+                hits = self.db.search_messages("数据库", fields=("id", "snippet"), **kwargs)
+                self.assertEqual([(hit["id"], hit["snippet"]) for hit in hits], expected)
+
+    def test_scanned_and_mixed_queries_page_newest_first_like_the_plain_query(self):
+        words = "m.id IN (SELECT rowid FROM hs_fts_words WHERE hs_fts_words MATCH '{}')"
+        not_tool = "m.role <> 'tool' AND "
+        for query, where in (("会话", not_tool + "m.content LIKE '%会话%'"),
+                             ("数据库 OR 会话", not_tool + "(m.content LIKE '%数据库%' OR m.content LIKE '%会话%')"),
+                             ("parser 数据库", not_tool + words.format("parser") + " AND m.content LIKE '%数据库%'"),
+                             ("parser NOT 数据库迁移", words.format("parser") + " AND NOT (" + not_tool +
+                              "m.content LIKE '%数据库迁移%')"),
+                             ("gateway OR 会话历史", words.format("gateway") + " OR (" + not_tool +
+                              "m.content LIKE '%会话历史%')")):
+            for sort, filters, params, kwargs in self.cases():
+                if kwargs.get("role_filter"):
+                    continue  # scans skip tool rows; a role filter is checked on its own below
+                order = "m.timestamp ASC, m.id ASC" if sort == "oldest" and re.search("[a-z]", query) else \
+                    "m.timestamp DESC, m.id DESC"
+                with self.subTest(query=query, **kwargs):
+                    expected = [row[0] for row in self.conn.execute(
+                        f"SELECT m.id FROM messages AS m JOIN sessions AS s ON s.id = m.session_id "
+                        f"WHERE ({where}){PLAIN_FILTERS}{filters} ORDER BY {order} "
+                        f"LIMIT ? OFFSET ?", params + [kwargs["limit"], kwargs["offset"]])]
+                    hits = self.db.search_messages(query, fields=("id",), **kwargs)
+                    self.assertEqual([hit["id"] for hit in hits], expected)
+
+    def test_full_hits_are_the_same_whichever_page_they_are_read_on(self):
+        everything = self.db.search_messages("parser", limit=1000)
+        for offset in (0, 5, 33):
+            self.assertEqual(self.db.search_messages("parser", limit=9, offset=offset), everything[offset:offset + 9])
+        newest = self.db.search_messages("会话", limit=1000)
+        self.assertEqual(self.db.search_messages("会话", limit=4, offset=10), newest[10:14])
+
+    def test_no_query_of_ours_sorts_every_hit_with_its_content(self):
+        statements = []
+        db = SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements))
+        self.addCleanup(db.close)
+        for query, kwargs in (("parser", {}), ("parser", {"source_filter": ["cli"], "role_filter": ["user"]}),
+                              ("数据库", {}), ("parser", {"sort": "newest"}), ("会话", {}), ("parser 数据库", {})):
+            statements.clear()
+            db.search_messages(query, fields=("id",), **kwargs)
+            search = [s for s in statements if "LIMIT" in s and "m.session_id" in s]
+            self.assertEqual(len(search), 1, statements)
+            plan = [row[3] for row in self.conn.execute("EXPLAIN QUERY PLAN " + search[0])]
+            sorts = [detail for detail in plan if "FOR ORDER BY" in detail]
+            # Ranked: FTS5 itself orders (no sorter at all). By time: one sorter over
+            # the hits' ids, one over the page's rows.
+            self.assertEqual(len(sorts), 0 if kwargs.get("sort") is None and query in ("parser", "数据库") else 2,
+                             (query, plan))
+            # Terms of several indexes make one list of ids (rows are read for it alone).
+            self.assertLessEqual(sum("LIST SUBQUERY" in detail for detail in plan), 1, (query, plan))
+
+
 class WildcardsThroughSearch(TempDirTestCase):
     """`%`, `_` and `\\` in a query are literal on every route that ends in LIKE."""
 
