@@ -1,0 +1,103 @@
+"""No operation of ours holds the write lock for long: each big one works in chunks,
+one short transaction each, resumable when cut short (issue 17). Chunks are made
+small here and counted from the statements SQLite ran; the 1M-message figures
+come from the bench, never from a timed test."""
+
+import sqlite3
+
+from hermes_state import SessionDB
+from test_support import TempDirTestCase, tracing_factory
+
+
+def transactions(statements):
+    """The statements of each write transaction, in order."""
+    found, current = [], None
+    for statement in statements:
+        verb = statement.strip().upper()
+        if verb.startswith("BEGIN"):
+            current = []
+        elif verb in ("COMMIT", "ROLLBACK") and current is not None:
+            found.append(current)
+            current = None
+        elif current is not None:
+            current.append(statement)
+    return found
+
+
+def touching(statements, prefix):
+    """The transactions that ran a statement starting with `prefix`."""
+    return [t for t in transactions(statements) if any(s.lstrip().startswith(prefix) for s in t)]
+
+
+class LockHoldTestCase(TempDirTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.path = self.tmp / "state.db"
+        self.statements = []
+        self.db = SessionDB(self.path, connection_factory=tracing_factory(self.statements))
+        self.addCleanup(self.db.close)
+
+    def session_with(self, session_id, count, content="hello there"):
+        self.db.create_session(session_id, "cli")
+        self.db.append_messages_batch(session_id, [{"role": "user", "content": f"{content} {i}"}
+                                                   for i in range(count)])
+        self.db.end_session(session_id, "user_exit")
+
+    def count(self, sql, params=()):
+        conn = self.raw(self.path)
+        return conn.execute(sql, params).fetchone()[0]
+
+
+class DeletesInChunks(LockHoldTestCase):
+
+    def test_a_big_session_is_deleted_a_chunk_of_messages_per_transaction(self):
+        self.session_with("big", 10)
+        self.session_with("other", 2)
+        self.db.DELETE_CHUNK_ROWS = 3
+        self.statements.clear()
+        self.assertTrue(self.db.delete_session("big"))
+        self.assertEqual(4, len(touching(self.statements, "DELETE FROM messages")))  # 3 + 3 + 3 + 1
+        self.assertEqual(0, self.count("SELECT COUNT(*) FROM messages WHERE session_id = 'big'"))
+        self.assertEqual(2, self.count("SELECT COUNT(*) FROM messages WHERE session_id = 'other'"))
+        self.assertEqual({"other"}, {hit["session_id"] for hit in self.db.search_messages("hello")})
+        self.assertEqual([], self.db.list_meta_prefix("hs_sweep_messages:"))
+
+    def test_prune_and_bulk_delete_chunk_their_messages_too(self):
+        for name in ("a", "b", "c"):
+            self.session_with(name, 4)
+        self.db.DELETE_CHUNK_ROWS = 5
+        self.statements.clear()
+        self.assertEqual(2, self.db.delete_sessions(["a", "b"]))
+        self.assertEqual(2, len(touching(self.statements, "DELETE FROM messages")))  # 5 + 3
+        conn = self.raw(self.path)
+        with conn:
+            conn.execute("UPDATE messages SET timestamp = 0")
+        self.statements.clear()
+        self.assertEqual(1, self.db.prune_sessions(older_than_days=1))
+        self.assertEqual(1, len(touching(self.statements, "DELETE FROM messages")))
+        self.assertEqual(0, self.count("SELECT COUNT(*) FROM messages"))
+
+    def test_the_session_row_goes_first_so_no_reader_sees_it_half_deleted(self):
+        self.session_with("big", 6)
+        self.db.DELETE_CHUNK_ROWS = 2
+        self.statements.clear()
+        self.db.delete_session("big")
+        first = transactions(self.statements)[0]
+        touching_first = [s for s in first if s.lstrip().startswith("DELETE FROM sessions")]
+        self.assertTrue(touching_first)
+        self.assertFalse([s for s in first if s.lstrip().startswith("DELETE FROM messages")])
+
+    def test_a_sweep_cut_short_is_finished_by_the_next_delete_and_spares_a_reused_id(self):
+        self.session_with("gone", 5)
+        self.session_with("later", 1)
+        # What an interrupted delete leaves: the row gone, its messages still there.
+        self.db._execute_write(lambda conn: self.db._delete_sessions_in(conn, ["gone"]))
+        self.db.close()
+        with SessionDB(self.path) as db:
+            self.assertEqual(5, db.message_count("gone"))
+            db.create_session("gone", "cli")  # the id made again: its new messages are its own
+            db.append_message("gone", "user", "new life")
+            db.delete_session("later")
+            self.assertEqual(["new life"], [m["content"] for m in db.get_messages("gone")])
+            self.assertEqual([], db.list_meta_prefix("hs_sweep_messages:"))
