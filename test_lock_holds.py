@@ -29,6 +29,11 @@ def touching(statements, prefix):
     return [t for t in transactions(statements) if any(s.lstrip().startswith(prefix) for s in t)]
 
 
+def merging(statements):
+    """The transactions that ran an FTS5 'merge' command."""
+    return [t for t in transactions(statements) if any("'merge'" in s for s in t)]
+
+
 class LockHoldTestCase(TempDirTestCase):
 
     def setUp(self):
@@ -101,3 +106,25 @@ class DeletesInChunks(LockHoldTestCase):
             db.delete_session("later")
             self.assertEqual(["new life"], [m["content"] for m in db.get_messages("gone")])
             self.assertEqual([], db.list_meta_prefix("hs_sweep_messages:"))
+
+
+class IndexMergesInSteps(LockHoldTestCase):
+
+    def test_optimize_merges_each_index_a_few_pages_per_transaction_until_nothing_is_left(self):
+        for i in range(40):  # one append a transaction: a segment each in every index
+            self.db.create_session(f"s{i}", "cli")
+            self.db.append_message(f"s{i}", "user", f"parser failing tests {i} 会话 " + "word " * 200)
+        before = [hit["id"] for hit in self.db.search_messages("parser")]
+        self.db.MERGE_STEP_PAGES = 1
+        self.statements.clear()
+        self.assertEqual(3, self.db.optimize_fts())
+        merges = merging(self.statements)
+        self.assertGreater(len(merges), 6)
+        self.assertTrue(all(len([s for s in t if "'merge'" in s]) == 1 for t in merges))
+        self.statements.clear()
+        self.db.optimize_fts()
+        self.assertEqual(3, len(merging(self.statements)))  # one look each: nothing left
+        self.assertEqual(before, [hit["id"] for hit in self.db.search_messages("parser")])
+        conn = self.raw(self.path)
+        for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
+            conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
