@@ -119,8 +119,12 @@ FILE_LOCK_POLL = (0.001, 0.004)
 WRITER_BUSY_TIMEOUT = 0.1
 BUSY_TIMEOUT_SQL = "PRAGMA busy_timeout = {ms}"
 # With automatic checkpoints off, a PASSIVE checkpoint runs under the writer
-# lock every this many commits of one connection.
+# lock every this many commits of one connection, and after any transaction that
+# changed this many rows (index rows counted): a checkpoint copies what the WAL
+# gained since the last one, so each stays short, and so does the final one a
+# close runs (1.4 s after an unchunked prune at 1M messages).
 CHECKPOINT_EVERY_COMMITS = 500
+CHECKPOINT_AFTER_CHANGES = 1000
 LITESTREAM_TABLE_SQL = "SELECT 1 FROM sqlite_master WHERE name = '_litestream_seq'"  # made by Litestream
 
 
@@ -780,14 +784,15 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
-        self._after_commit(conn)
+        self._after_commit(conn, conn.total_changes - changes)
         return result
 
-    def _after_commit(self, conn):
-        """Checkpoint now and then. The data is committed: nothing here may raise into
-        the retry loop, which would run the callback a second time."""
+    def _after_commit(self, conn, changes):
+        """Checkpoint now and then, and after a big transaction. The data is committed:
+        nothing here may raise into the retry loop, which would run the callback a second time."""
         self._commits += 1
-        if self.policy.checkpoint == "locked" and self._commits % CHECKPOINT_EVERY_COMMITS == 0:
+        due = self._commits % CHECKPOINT_EVERY_COMMITS == 0 or changes >= CHECKPOINT_AFTER_CHANGES
+        if self.policy.checkpoint == "locked" and due:
             try:
                 conn.execute(CHECKPOINT_PASSIVE_SQL)
             except sqlite3.Error as exc:

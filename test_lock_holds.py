@@ -128,3 +128,18 @@ class IndexMergesInSteps(LockHoldTestCase):
         conn = self.raw(self.path)
         for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
             conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
+
+
+class CheckpointsStaySmall(LockHoldTestCase):
+
+    def test_a_big_transaction_is_checkpointed_right_after_so_close_has_little_left(self):
+        if self.db.policy.checkpoint != "locked":
+            self.skipTest("SQLite checkpoints this runtime's WAL itself")
+        self.db.create_session("s", "cli")
+        self.statements.clear()
+        self.db.append_message("s", "user", "one small write")
+        self.assertFalse([s for s in self.statements if "wal_checkpoint" in s])
+        self.statements.clear()
+        self.db.append_messages_batch("s", [{"role": "user", "content": f"bulk {i}"} for i in range(400)])
+        commit = self.statements.index("COMMIT")
+        self.assertIn("PRAGMA wal_checkpoint(PASSIVE)", self.statements[commit:])
