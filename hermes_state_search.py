@@ -51,6 +51,7 @@ CJK_DRAIN_CHUNK = 500
 # the rest stays answerable through the queue and goes with later writes.
 CJK_DRAIN_MAX_ROWS = 10_000
 OPTIMIZE_PAUSE = 0.01
+CLEAR_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue"
 FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
 # Queued CJK rows are indexed with every this-many commits of a writer, and
 # right away by any transaction that changed at least BULK_CHANGES rows.
@@ -611,25 +612,32 @@ class SessionSearchMixin:
         return changed
 
     def _rebuild_stale_indexes(self, conn):
+        """Refill every index from the start when one is not whole; True if that started a backfill.
+
+        Every index shares the backfill's predicate, so all are refilled, in
+        chunks (fts_rebuild_step). Emptying a filled index in place rewrites
+        every page of it in this one transaction (3-5 s at 1M messages): it is
+        set aside instead, and dropped in chunks once the backfill is done.
+        """
         stale = [index for index in self._buildable() if read_meta(conn, _stale_key(index))]
         if not stale:
             return False
-        restart = read_meta(conn, META_SEARCH_HIGH_WATER) is not None
-        if restart:
-            # Every index shares the backfill's predicate: refill them all from the start.
-            stale = list(self._buildable())
-            for index in stale:
-                for sql in RESET_INDEX_SQL[index]:
-                    conn.execute(sql)
-            write_meta(conn, META_SEARCH_HIGH_WATER, str(conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]))
-            write_meta(conn, META_SEARCH_PROGRESS, "0")
-        else:
-            for index in stale:
-                self._rebuild_index(conn, index)
+        indexes = list(self._buildable())
+        objects = _schema_objects(conn)
+        _retire(conn, objects, [SEARCH_TABLES[index] for index in indexes if SEARCH_TABLES[index] in objects])
+        objects = _schema_objects(conn)
+        for index in indexes:
+            for name, ddl in tuple(SEARCH_OBJECTS[index].items()) + tuple(SEARCH_TRIGGERS[index].items()):
+                if name not in objects:
+                    conn.execute(ddl)
+        conn.execute(CLEAR_CJK_QUEUE_SQL)
+        high_water = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
+        write_meta(conn, META_SEARCH_HIGH_WATER, str(high_water or 0))
+        write_meta(conn, META_SEARCH_PROGRESS, "0")
         for index in stale:
             write_meta(conn, _stale_key(index), None)
         logger.info("search: rebuilding the %s index of %s", "/".join(stale), self.db_path)
-        return restart
+        return True
 
     def _rebuild_index(self, conn, index):
         if index == "cjk":

@@ -143,3 +143,26 @@ class CheckpointsStaySmall(LockHoldTestCase):
         self.db.append_messages_batch("s", [{"role": "user", "content": f"bulk {i}"} for i in range(400)])
         commit = self.statements.index("COMMIT")
         self.assertIn("PRAGMA wal_checkpoint(PASSIVE)", self.statements[commit:])
+
+
+class RepairsAtOpen(LockHoldTestCase):
+
+    def test_a_stale_index_is_refilled_in_backfill_chunks_and_the_old_one_dropped_in_chunks(self):
+        self.session_with("s", 30, content="parser 会话")
+        self.db.close()
+        conn = self.raw(self.path)
+        with conn:
+            conn.execute("INSERT OR REPLACE INTO state_meta (key, value) VALUES ('hs_search_stale_word', '1')")
+        statements = []
+        with SessionDB(self.path, connection_factory=tracing_factory(statements)) as db:
+            self.assertEqual(30, len(db.search_messages("parser", limit=50)))
+            self.assertEqual(30, len(db.search_messages("会话", limit=50)))
+            self.assertIsNone(db.fts_rebuild_status())
+        whole_index = [s for s in statements if "'rebuild'" in s or "'delete-all'" in s
+                       or s.strip().startswith("DELETE FROM hs_fts_cjk ")]
+        self.assertEqual([], whole_index)
+        self.assertTrue(touching(statements, "DELETE FROM \"hs_retired_hs_fts_words_data\""))
+        names = [row[0] for row in conn.execute("SELECT name FROM sqlite_master")]
+        self.assertFalse([name for name in names if name.startswith("hs_retired_")])
+        for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
+            conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
