@@ -606,12 +606,22 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
                                                 timeout=WRITER_BUSY_TIMEOUT)
             self._apply_journal_policy()
             self._init_schema()
-            self._init_search()
+            backfill = self._init_search()
         except BaseException:
             self._file_lock.release()
             self._close_connections()
             raise
         self._file_lock.release()
+        try:
+            # Resumable data work, a short transaction per chunk, each taking the
+            # writer lock for itself: other processes write between the chunks
+            # instead of waiting for all of them (minutes for a 1M-message backfill).
+            self._migrate_inline_system_prompts()
+            while backfill and self.fts_rebuild_step():
+                pass
+        except BaseException:
+            self._close_connections()
+            raise
         self.stale_schema = []
 
     def _repair_damaged_file(self):

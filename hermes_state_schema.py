@@ -163,13 +163,13 @@ class SessionSchemaMixin:
     schema_read_probe_statements = staticmethod(schema_read_probe_statements)
 
     def _init_schema(self):
-        """The writable open's schema pass: structure in one transaction, then data migrations.
+        """The writable open's schema pass: the structure, in one transaction (the open
+        runs the data migrations after it, a chunk per transaction).
 
         Every step reads before it writes, so opening a store that is already
         current takes the write lock briefly and changes nothing.
         """
         self._execute_write(self._apply_schema)
-        self._migrate_inline_system_prompts()
 
     def _apply_schema(self, conn):
         objects = {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}

@@ -3,7 +3,10 @@ one short transaction each, resumable when cut short (issue 17). Chunks are made
 small here and counted from the statements SQLite ran; the 1M-message figures
 come from the bench, never from a timed test."""
 
+import os
 import sqlite3
+import sys
+import unittest
 
 from hermes_state import SessionDB
 from test_support import TempDirTestCase, tracing_factory
@@ -166,3 +169,30 @@ class RepairsAtOpen(LockHoldTestCase):
         self.assertFalse([name for name in names if name.startswith("hs_retired_")])
         for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
             conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
+
+    @unittest.skipIf(sys.platform == "win32", "flock")
+    def test_an_open_lets_other_processes_write_between_its_backfill_chunks(self):
+        import fcntl
+        self.session_with("s", 2500)  # three backfill chunks of 1,000 ids
+        self.db.close()
+        conn = self.raw(self.path)
+        with conn:
+            conn.execute("INSERT OR REPLACE INTO state_meta (key, value) VALUES ('hs_search_stale_word', '1')")
+        free_between_chunks = []
+
+        class Watched(SessionDB):
+            def fts_rebuild_step(self):
+                more = super().fts_rebuild_step()
+                fd = os.open(str(self.db_path) + ".lock", os.O_RDWR)
+                try:  # a descriptor of its own: what another process's lock attempt meets
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    free_between_chunks.append(True)
+                except BlockingIOError:
+                    free_between_chunks.append(False)
+                finally:
+                    os.close(fd)
+                return more
+
+        Watched(self.path).close()
+        self.assertGreaterEqual(len(free_between_chunks), 3)
+        self.assertTrue(all(free_between_chunks))
