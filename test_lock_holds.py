@@ -196,3 +196,28 @@ class RepairsAtOpen(LockHoldTestCase):
         Watched(self.path).close()
         self.assertGreaterEqual(len(free_between_chunks), 3)
         self.assertTrue(all(free_between_chunks))
+
+
+class Opening(LockHoldTestCase):
+
+    def test_opening_a_current_store_writes_nothing_and_scans_no_table(self):
+        self.session_with("s", 5)
+        self.db.close()
+        statements = []
+
+        class Planned(sqlite3.Connection):
+            def execute(self, sql, *args):
+                # sqlite_master and an empty CJK queue cost nothing; a scan of sessions or messages would.
+                if sql.lstrip().upper().startswith("SELECT") and "sqlite_master" not in sql \
+                        and "hs_fts_cjk_queue" not in sql:
+                    plan = super().execute("EXPLAIN QUERY PLAN " + sql, *args).fetchall()
+                    scans = [row[3] for row in plan if row[3].startswith("SCAN") and " USING " not in row[3]]
+                    statements.extend(f"{scan}: {sql}" for scan in scans)
+                return super().execute(sql, *args)
+
+        monitor = self.raw(self.path)
+        version = monitor.execute("PRAGMA data_version").fetchone()[0]
+        db = SessionDB(self.path, connection_factory=lambda *a, **k: sqlite3.connect(*a, factory=Planned, **k))
+        self.assertEqual(version, monitor.execute("PRAGMA data_version").fetchone()[0])
+        db.close()
+        self.assertEqual([], statements)
