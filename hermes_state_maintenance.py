@@ -106,7 +106,8 @@ _SESSION_ROWS_DELETE_SQL = (
     "DELETE FROM sessions WHERE id IN ({})",
 )
 _MARK_SWEEP_SQL = "INSERT OR REPLACE INTO state_meta (key, value) SELECT ? || ?, MAX(id) FROM messages"
-_SELECT_SWEEPS_SQL = "SELECT key, CAST(value AS INTEGER) FROM state_meta WHERE key >= ? AND key < ? ORDER BY key LIMIT ?"
+_SELECT_SWEEPS_SQL = ("SELECT key, CAST(value AS INTEGER) FROM state_meta"
+                      " WHERE key >= ? AND key < ? ORDER BY key LIMIT ?")
 _SELECT_SWEPT_IDS_SQL = "SELECT id FROM messages WHERE session_id = ? AND id <= ? ORDER BY id LIMIT ?"
 _DELETE_SWEPT_SQL = "DELETE FROM messages WHERE id IN ({})"
 _DELETE_SWEEP_KEY_SQL = "DELETE FROM state_meta WHERE key = ?"
