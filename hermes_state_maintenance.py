@@ -128,6 +128,8 @@ class SessionMaintenanceMixin:
 
     # Messages a delete removes per transaction (about 0.1 ms each with our three indexes).
     DELETE_CHUNK_ROWS = 2000
+    # The largest store maybe_auto_prune_and_vacuum VACUUMs on its own (issue 17's 1 s hold).
+    AUTO_VACUUM_MAX_BYTES = 32 * 1024 * 1024
 
     # -- selecting sessions for prune and archive ------------------------------
 
@@ -198,7 +200,8 @@ class SessionMaintenanceMixin:
     def maybe_auto_prune_and_vacuum(self, retention_days=90, min_interval_hours=24, vacuum=True,
                                     sessions_dir=None, min_vacuum_interval_days=30):
         """Prune sessions inactive `retention_days`, at most once per `min_interval_hours`, and
-        VACUUM after a prune that deleted something, at most once per `min_vacuum_interval_days`.
+        VACUUM after a prune that deleted something, at most once per `min_vacuum_interval_days`,
+        if the store is at most AUTO_VACUUM_MAX_BYTES (a bigger one waits for optimize-storage).
 
         Returns {"skipped", "pruned", "vacuumed"}, plus "error" when something
         failed: it never raises.
@@ -211,6 +214,13 @@ class SessionMaintenanceMixin:
                 return result
             result["pruned"] = self.prune_sessions(older_than_days=retention_days, sessions_dir=sessions_dir)
             vacuum_due = not _within(self.get_meta("last_vacuum"), now, min_vacuum_interval_days * 86400)
+            size = store_file_bytes(self.db_path)
+            if vacuum and result["pruned"] and vacuum_due and size > self.AUTO_VACUUM_MAX_BYTES:
+                # VACUUM rewrites the file under the write lock, about 1 s per 50 MB here: past
+                # this size only a command that says so first (optimize-storage) may hold it that long.
+                logger.info("state.db is %.0f MB: no automatic VACUUM (it would hold the write lock for "
+                            "seconds); `python -m hermes_state optimize-storage` reclaims the space", size / 1e6)
+                vacuum_due = False
             if vacuum and result["pruned"] and vacuum_due:
                 try:
                     self.vacuum()
@@ -517,6 +527,10 @@ class SessionMaintenanceMixin:
         except Exception as exc:
             logger.warning("FTS optimize before VACUUM failed: %s", exc)
             merged = 0
+
+        # Said before it starts: nothing else can write until the whole file is rewritten.
+        logger.info("VACUUM of %s (%.0f MB) holds the write lock until it ends; other writers wait",
+                    self.db_path, store_file_bytes(self.db_path) / 1e6)
 
         def run(conn):
             conn.execute(VACUUM_SQL)

@@ -4,12 +4,13 @@ small here and counted from the statements SQLite ran; the 1M-message figures
 come from the bench, never from a timed test."""
 
 import os
+import subprocess
 import sqlite3
 import sys
 import unittest
 
 from hermes_state import SessionDB
-from test_support import TempDirTestCase, tracing_factory
+from test_support import REPO, TempDirTestCase, tracing_factory
 
 
 def transactions(statements):
@@ -221,3 +222,38 @@ class Opening(LockHoldTestCase):
         self.assertEqual(version, monitor.execute("PRAGMA data_version").fetchone()[0])
         db.close()
         self.assertEqual([], statements)
+
+
+class NoLongHoldUnannounced(LockHoldTestCase):
+
+    def test_automatic_maintenance_never_vacuums_a_big_store_and_says_what_will(self):
+        self.session_with("old", 3)
+        conn = self.raw(self.path)
+        with conn:
+            conn.execute("UPDATE sessions SET started_at = 0")
+            conn.execute("UPDATE messages SET timestamp = 0")
+        self.db.AUTO_VACUUM_MAX_BYTES = 1  # any store is big
+        self.statements.clear()
+        with self.assertLogs("hermes_state", "INFO") as logs:
+            result = self.db.maybe_auto_prune_and_vacuum(retention_days=90)
+        self.assertEqual({"skipped": False, "pruned": 1, "vacuumed": False}, result)
+        self.assertFalse([s for s in self.statements if s.strip().upper().startswith("VACUUM")])
+        self.assertTrue(any("optimize-storage" in line for line in logs.output))
+
+    def test_an_explicit_vacuum_says_before_it_starts_that_it_holds_the_write_lock(self):
+        self.db.create_session("s", "cli")
+        with self.assertLogs("hermes_state", "INFO") as logs:
+            self.db.vacuum()
+        said = [line for line in logs.output if "holds the write lock" in line]
+        self.assertTrue(said)
+
+    def test_optimize_storage_says_before_its_vacuum_that_it_holds_the_write_lock(self):
+        self.db.create_session("s", "cli")
+        self.db.close()
+        done = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.path), "optimize-storage",
+                               "--yes"], capture_output=True, text=True, cwd=REPO, timeout=120)
+        self.assertEqual(0, done.returncode, done.stderr)
+        lines = done.stderr.splitlines()
+        said = [i for i, line in enumerate(lines) if "holds the write lock" in line]
+        self.assertTrue(said, lines)
+        self.assertLess(said[0], lines.index("optimize-storage: done 100%"))
