@@ -907,6 +907,8 @@ class SessionPortabilityMixin:
     # Lists and objects inside one field; deeper values could not be exported again
     # (json and the renderers recurse), and no agent writes them.
     _IMPORT_MAX_DEPTH = 100
+    # Messages one import transaction takes at most (a session bigger than that goes alone).
+    IMPORT_CHUNK_MESSAGES = 2000
 
     # -- export ----------------------------------------------------------------
 
@@ -963,7 +965,8 @@ class SessionPortabilityMixin:
 
         Pass 1 checks the whole payload and writes nothing if any entry is wrong:
         {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": [...]}.
-        Pass 2, one transaction: ids already stored are skipped, never overwritten;
+        Pass 2, whole sessions in transactions of about IMPORT_CHUNK_MESSAGES messages,
+        parent links in a last one: ids already stored are skipped, never overwritten;
         messages get fresh ids, rewound ones stay rewound; counts are recomputed;
         titles follow set_session_title's rules (one another session holds gets the
         id appended); SESSION_RESET_FIELDS are not restored; a field the import has
@@ -977,9 +980,23 @@ class SessionPortabilityMixin:
         errors = validate_import(sessions, limits or self.import_limits())
         if errors:
             return {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": errors}
-        return self._execute_write(lambda conn: self._write_import(conn, sessions))
+        # Whole sessions, about IMPORT_CHUNK_MESSAGES messages a transaction, so an import never
+        # holds the write lock for long (issue 17); cut short, a rerun skips what is stored.
+        imported, skipped, links, unstored = [], [], [], set()
+        for chunk in _import_chunks(sessions, self.IMPORT_CHUNK_MESSAGES):
+            done = self._execute_write(lambda conn, chunk=chunk: self._write_import(conn, chunk))
+            for total, part in zip((imported, skipped, links), done[:3]):
+                total.extend(part)
+            unstored |= done[3]
+        result = {"ok": True, "imported": len(imported), "skipped": len(skipped),
+                  "detached": self._execute_write(lambda conn: _attach_parents(conn, links)),
+                  "imported_ids": imported, "skipped_ids": skipped, "errors": []}
+        if unstored:
+            result["unstored_fields"] = sorted(unstored)
+        return result
 
     def _write_import(self, conn, sessions):
+        """Inside a write: store these sessions; (imported ids, skipped ids, parent links, unstored fields)."""
         columns = {table: set(live_columns(conn, table)) for table in ("sessions", "messages")}
         imported, skipped, links, unstored = [], [], [], set()
         for entry in sessions:
@@ -1000,12 +1017,7 @@ class SessionPortabilityMixin:
             parent = str(entry.get("parent_session_id") or "").strip()
             if parent:
                 links.append((session_id, parent))
-        result = {"ok": True, "imported": len(imported), "skipped": len(skipped),
-                  "detached": _attach_parents(conn, links), "imported_ids": imported, "skipped_ids": skipped,
-                  "errors": []}
-        if unstored:
-            result["unstored_fields"] = sorted(unstored)
-        return result
+        return imported, skipped, links, unstored
 
     def _import_messages(self, conn, session_id, messages, columns, unstored):
         """Insert a validated entry's messages as append_messages_batch writes them, then put
@@ -1047,3 +1059,17 @@ def _free_title(conn, title, session_id):
         candidate = normalize_title(title[:max(0, TITLE_MAX_LENGTH - len(suffix))] + suffix)
         number += 1
     return candidate
+
+
+def _import_chunks(sessions, messages_per_chunk):
+    """Runs of whole sessions holding at most `messages_per_chunk` messages (one alone if bigger)."""
+    chunk, count = [], 0
+    for entry in sessions:
+        size = len(entry.get("messages") or [])
+        if chunk and count + size > messages_per_chunk:
+            yield chunk
+            chunk, count = [], 0
+        chunk.append(entry)
+        count += size
+    if chunk:
+        yield chunk

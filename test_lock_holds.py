@@ -257,3 +257,21 @@ class NoLongHoldUnannounced(LockHoldTestCase):
         said = [i for i, line in enumerate(lines) if "holds the write lock" in line]
         self.assertTrue(said, lines)
         self.assertLess(said[0], lines.index("optimize-storage: done 100%"))
+
+
+class ImportInChunks(LockHoldTestCase):
+
+    def test_an_import_writes_whole_sessions_a_chunk_per_transaction_and_parents_last(self):
+        for name in ("a", "b", "c"):
+            self.session_with(name, 3)
+        self.db.create_session("child", "cli", parent_session_id="a")
+        exported = [self.db.export_session(name) for name in ("a", "b", "c", "child")]
+        self.db.delete_sessions(["a", "b", "c", "child"])
+        self.db.IMPORT_CHUNK_MESSAGES = 4
+        self.statements.clear()
+        result = self.db.import_sessions(exported)
+        self.assertEqual((4, 0, 0), (result["imported"], result["skipped"], result["detached"]))
+        self.assertEqual(3, len(touching(self.statements, "INSERT INTO messages")))  # a | b | c + child
+        self.assertEqual("a", self.db.get_session("child")["parent_session_id"])
+        again = self.db.import_sessions(exported)  # what a rerun after an interruption does
+        self.assertEqual((0, 4), (again["imported"], again["skipped"]))
