@@ -60,7 +60,7 @@ from hermes_state_gateway import SessionGatewayMixin
 from hermes_state_maintenance import SessionMaintenanceMixin
 from hermes_state_messages import SessionMessagesMixin
 from hermes_state_portability import SessionPortabilityMixin
-from hermes_state_schema import SessionSchemaMixin, is_lock_error
+from hermes_state_schema import SessionSchemaMixin, is_lock_error, pause_between_chunks
 from hermes_state_search import SessionSearchMixin, runtime_capabilities
 from hermes_state_sessions import SessionSessionsMixin
 from hermes_state_telegram import SessionTelegramMixin
@@ -618,7 +618,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             # instead of waiting for all of them (minutes for a 1M-message backfill).
             self._migrate_inline_system_prompts()
             while backfill and self.fts_rebuild_step():
-                pass
+                pause_between_chunks()
         except BaseException:
             self._close_connections()
             raise

@@ -42,7 +42,7 @@ from hermes_state_common import (
     sqlite_has_wal_reset_bug,
     store_file_bytes,
 )
-from hermes_state_schema import write_meta
+from hermes_state_schema import pause_between_chunks, write_meta
 
 logger = logging.getLogger("hermes_state")
 
@@ -383,6 +383,7 @@ class SessionMaintenanceMixin:
             swept += done
             if not more:
                 return swept
+            pause_between_chunks()
 
     def _sweep_chunk(self, conn):
         room = self.DELETE_CHUNK_ROWS

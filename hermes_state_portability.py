@@ -41,7 +41,7 @@ from hermes_state_common import (
     quote_identifier,
     scrub_surrogates,
 )
-from hermes_state_schema import live_columns, prompt_hash
+from hermes_state_schema import live_columns, pause_between_chunks, prompt_hash
 
 ID_MAX_LENGTH = 256
 EXPORT_FORMATS = ("jsonl", "md", "qmd", "html", "trace")
@@ -984,7 +984,9 @@ class SessionPortabilityMixin:
         # Whole sessions, up to IMPORT_CHUNK_MESSAGES messages a transaction, so an import never
         # holds the write lock for long (issue 17); cut short, a rerun skips what is stored.
         imported, skipped, links, unstored = [], [], [], set()
-        for chunk in _import_chunks(sessions, self.IMPORT_CHUNK_MESSAGES):
+        for number, chunk in enumerate(_import_chunks(sessions, self.IMPORT_CHUNK_MESSAGES)):
+            if number:
+                pause_between_chunks()
             done = self._execute_write(lambda conn, chunk=chunk: self._write_import(conn, chunk))
             for total, part in zip((imported, skipped, links), done[:3]):
                 total.extend(part)

@@ -53,6 +53,18 @@ from hermes_state_common import (
 logger = logging.getLogger("hermes_state")
 
 
+# Between two chunks of a long job (a sweep, a merge, a backfill, an import), the
+# writer lock stays free this long: waiters poll every 1-4 ms (ours) or back off
+# up to 100 ms (SQLite's busy handler), and a job that took it back at once would
+# starve them as surely as one long transaction would.
+CHUNK_PAUSE = 0.01
+
+
+def pause_between_chunks():
+    """Sleep CHUNK_PAUSE so that another process's writer gets the lock between our chunks."""
+    time.sleep(CHUNK_PAUSE)
+
+
 def is_lock_error(exc):
     """True for SQLite's "database is locked" / "busy": worth retrying, never swallowing."""
     text = str(exc).lower()
@@ -303,6 +315,7 @@ class SessionSchemaMixin:
             if not done:
                 break
             moved += done
+            pause_between_chunks()
         logger.info("schema: moved %d inline system prompts into system_prompts", moved)
 
     def _move_inline_prompt_chunk(self, conn):

@@ -24,7 +24,7 @@ import sqlite3
 import time
 from collections import namedtuple
 
-from hermes_state_schema import read_meta, write_meta
+from hermes_state_schema import pause_between_chunks, read_meta, write_meta
 from hermes_state_common import (
     decode_content, BACKFILL_SQL, CJK_CHAR_CLASS, CJK_QUEUE_TABLE, CONTEXT_CHARS, DELETE_CJK_QUEUE_SQL,
     DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FTS5_PROBE_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL,
@@ -943,7 +943,7 @@ UNION ALL SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id > :i", other="timestamp
         for index in state.usable:
             while self._execute_write(functools.partial(
                     _merge_step, table=state.tables[index], pages=self.MERGE_STEP_PAGES)):
-                pass
+                pause_between_chunks()
         return len(state.usable)
 
     def optimize_fts_storage(self, *, progress_cb=None, vacuum=True):
