@@ -204,8 +204,10 @@ def _cmd_import(db, args, out):
     # Each session keeps its limits; the totals of one API call do not apply to a file.
     limits = dict(db.import_limits(), sessions=len(sessions), total_messages=float("inf"),
                   total_bytes=float("inf"))
+    sys.stderr.write(f"import: {len(sessions)} sessions in one transaction (all or nothing); the write lock "
+                     "is held until it ends, other processes' writes wait\n")
     try:
-        result = db.import_sessions(sessions, limits=limits)
+        result = db.import_sessions(sessions, limits=limits, one_transaction=True)
     except sqlite3.Error as exc:
         sys.stderr.write(f"error: {exc}\nthe import was rolled back; nothing was written\n")
         return 1

@@ -960,7 +960,7 @@ class SessionPortabilityMixin:
                 "total_messages": self._IMPORT_MAX_TOTAL_MESSAGES, "session_bytes": self._IMPORT_MAX_SESSION_BYTES,
                 "total_bytes": self._IMPORT_MAX_TOTAL_BYTES, "depth": self._IMPORT_MAX_DEPTH}
 
-    def import_sessions(self, sessions, *, limits=None):
+    def import_sessions(self, sessions, *, limits=None, one_transaction=False):
         """Add exported sessions (any hermes-agent 0.19 to 0.22 export, or ours) to the store:
         history, not runtime ownership.
 
@@ -975,12 +975,19 @@ class SessionPortabilityMixin:
         `unstored_fields` (a key present only then); parent links are attached last
         unless the parent is unknown or the link closes a loop (`detached`).
         `limits` replaces import_limits() for this call (the command line lifts the
-        totals to import a whole file at once). Raises ValueError if `sessions` is
-        not a list or has too many entries.
+        totals to import a whole file at once). `one_transaction` writes it all in
+        one, all or nothing, holding the write lock throughout (the command line,
+        which says so first). Raises ValueError if `sessions` is not a list or has
+        too many entries.
         """
         errors = validate_import(sessions, limits or self.import_limits())
         if errors:
             return {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": errors}
+        if one_transaction:
+            def write_all(conn):
+                imported, skipped, links, unstored = self._write_import(conn, sessions)
+                return _import_result(imported, skipped, unstored, _attach_parents(conn, links))
+            return self._execute_write(write_all)
         # Whole sessions, up to IMPORT_CHUNK_MESSAGES messages a transaction, so an import never
         # holds the write lock for long (issue 17); cut short, a rerun skips what is stored.
         imported, skipped, links, unstored = [], [], [], set()
@@ -991,12 +998,8 @@ class SessionPortabilityMixin:
             for total, part in zip((imported, skipped, links), done[:3]):
                 total.extend(part)
             unstored |= done[3]
-        result = {"ok": True, "imported": len(imported), "skipped": len(skipped),
-                  "detached": self._execute_write(lambda conn: _attach_parents(conn, links)),
-                  "imported_ids": imported, "skipped_ids": skipped, "errors": []}
-        if unstored:
-            result["unstored_fields"] = sorted(unstored)
-        return result
+        detached = self._execute_write(lambda conn: _attach_parents(conn, links))
+        return _import_result(imported, skipped, unstored, detached)
 
     def _write_import(self, conn, sessions):
         """Inside a write: store these sessions; (imported ids, skipped ids, parent links, unstored fields)."""
@@ -1062,6 +1065,15 @@ def _free_title(conn, title, session_id):
         candidate = normalize_title(title[:max(0, TITLE_MAX_LENGTH - len(suffix))] + suffix)
         number += 1
     return candidate
+
+
+def _import_result(imported, skipped, unstored, detached):
+    """import_sessions' answer for a payload it stored."""
+    result = {"ok": True, "imported": len(imported), "skipped": len(skipped), "detached": detached,
+              "imported_ids": imported, "skipped_ids": skipped, "errors": []}
+    if unstored:
+        result["unstored_fields"] = sorted(unstored)
+    return result
 
 
 def _import_chunks(sessions, messages_per_chunk):
