@@ -909,7 +909,7 @@ class SessionPortabilityMixin:
     _IMPORT_MAX_DEPTH = 100
     # Messages one import transaction takes at most (a session bigger than that goes alone):
     # each costs 0.3-1.5 ms with our three indexes at 1M messages on a busy 2-core machine.
-    IMPORT_CHUNK_MESSAGES = 500
+    IMPORT_CHUNK_MESSAGES = 250
 
     # -- export ----------------------------------------------------------------
 

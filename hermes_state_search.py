@@ -48,9 +48,9 @@ DROP_CHUNK_ROWS = 500
 CJK_DRAIN_CHUNK = 500
 # At most this many queued CJK rows are indexed in one transaction (open or
 # maintenance), so a foreign writer's backlog never means one long write lock
-# (10,000 held it for 1.9 s on a busy 2-core machine, 2,000 about 0.2 s); the
-# rest stays answerable through the queue and goes with later writes.
-CJK_DRAIN_MAX_ROWS = 2_000
+# (10,000 held it for 1.9 s on a busy 2-core machine); the rest stays answerable
+# through the queue and goes with later writes.
+CJK_DRAIN_MAX_ROWS = 500
 OPTIMIZE_PAUSE = 0.01
 CLEAR_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue"
 FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
@@ -470,9 +470,10 @@ def _progress(phase, status):
 class SessionSearchMixin:
     """Search-side behaviour of SessionDB (see the module docstring)."""
 
-    # Leaf pages one step of an index merge writes: about 0.25 s at 1M messages on a
-    # busy 2-core machine (500 took 0.6 s), well inside issue 17's 1 s write-lock hold.
-    MERGE_STEP_PAGES = 200
+    # Leaf pages one step of an index merge writes: 500 took up to 0.6 s at 1M messages
+    # on a busy 2-core machine, 200 up to 0.8 s with the checkpoint after it; issue 17's
+    # bound on a write-lock hold is 1 s.
+    MERGE_STEP_PAGES = 100
 
     # -- open ------------------------------------------------------------------
 
