@@ -560,6 +560,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         self._direct_reader = None
         self._file_lock = None
         self._commits = 0
+        self._cjk_drained = False  # set by an index step that drained CJK rows in this transaction
         self.fts_caps = runtime_capabilities(self._connect)
         self._tokens = TokenQueue()
         self._closed = False

@@ -654,7 +654,8 @@ class SessionSearchMixin:
         index queued CJK rows after a bulk write and on every 64th commit, starting
         with the first (the open's own schema pass), at most CJK_DRAIN_MAX_ROWS."""
         commit_number = self._commits + 1  # this transaction's, counted by the write path
-        if changes < BULK_CHANGES and commit_number % CJK_DRAIN_EVERY_COMMITS != 1:
+        drained, self._cjk_drained = self._cjk_drained, False
+        if drained or (changes < BULK_CHANGES and commit_number % CJK_DRAIN_EVERY_COMMITS != 1):
             return
         if self.fts_caps.fts5 and conn.execute(TABLE_EXISTS_SQL, (CJK_QUEUE_TABLE,)).fetchone():
             drain_cjk_queue(conn, CJK_DRAIN_MAX_ROWS)
@@ -889,6 +890,7 @@ UNION ALL SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id > :i", other="timestamp
             self._backfill_chunk(conn, objects)
             return True
         if CJK_QUEUE_TABLE in objects and self.fts_caps.fts5 and drain_cjk_queue(conn):
+            self._cjk_drained = True  # this transaction's share: _maintain_search adds none
             return True
         retired = _retired_tables(objects)
         if retired:

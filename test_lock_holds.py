@@ -275,3 +275,24 @@ class ImportInChunks(LockHoldTestCase):
         self.assertEqual("a", self.db.get_session("child")["parent_session_id"])
         again = self.db.import_sessions(exported)  # what a rerun after an interruption does
         self.assertEqual((0, 4), (again["imported"], again["skipped"]))
+
+
+class CjkQueueInBatches(LockHoldTestCase):
+
+    def test_a_foreign_writers_cjk_backlog_is_indexed_at_most_500_rows_a_transaction(self):
+        self.db.create_session("s", "cli")
+        self.db.close()
+        conn = self.raw(self.path)
+        with conn:  # a writer without our Python code: its triggers only queue the rows
+            conn.executemany("INSERT INTO messages (session_id, role, content, timestamp, active)"
+                             " VALUES ('s', 'user', ?, 1, 1)", [(f"会话 {i}",) for i in range(1200)])
+        statements = []
+        with SessionDB(self.path, connection_factory=tracing_factory(statements)) as db:
+            while db.fts_rebuild_step():
+                pass
+            self.assertEqual(1200, len(db.search_messages("会话", limit=2000)))
+        upserts = [len([s for s in t if s.startswith("INSERT OR REPLACE INTO hs_fts_cjk")])
+                   for t in transactions(statements)]
+        self.assertEqual(1200, sum(upserts))
+        self.assertLessEqual(max(upserts), 500)
+        self.assertEqual(0, conn.execute("SELECT COUNT(*) FROM hs_fts_cjk_queue").fetchone()[0])
