@@ -941,7 +941,7 @@ UNION ALL SELECT * FROM ({_NEIGHBOUR_SQL.format(same="id > :i", other="timestamp
         pages a transaction, ends with the same single segment.
         """
         while self.fts_rebuild_step():
-            pass
+            pause_between_chunks()
         state = self._index_state()
         for index in state.usable:
             while self._execute_write(functools.partial(
