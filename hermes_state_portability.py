@@ -908,8 +908,9 @@ class SessionPortabilityMixin:
     # (json and the renderers recurse), and no agent writes them.
     _IMPORT_MAX_DEPTH = 100
     # Messages one import transaction takes at most (a session bigger than that goes alone):
-    # each costs 0.3-1.5 ms with our three indexes at 1M messages on a busy 2-core machine.
-    IMPORT_CHUNK_MESSAGES = 250
+    # each costs 3-7 ms with our three indexes at 1M messages on a busy 2-core machine
+    # (250 held the write lock for up to 1.8 s).
+    IMPORT_CHUNK_MESSAGES = 100
 
     # -- export ----------------------------------------------------------------
 
