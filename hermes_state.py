@@ -118,11 +118,9 @@ LATE_JITTER = (0.25, 1.0)
 FILE_LOCK_POLL = (0.001, 0.004)
 WRITER_BUSY_TIMEOUT = 0.1
 BUSY_TIMEOUT_SQL = "PRAGMA busy_timeout = {ms}"
-# With automatic checkpoints off, a PASSIVE checkpoint runs under the writer
-# lock every this many commits of one connection, and after any transaction that
-# changed this many rows (index rows counted): a checkpoint copies what the WAL
-# gained since the last one, so each stays short, and so does the final one a
-# close runs (1.4 s after an unchunked prune at 1M messages).
+# With automatic checkpoints off, a PASSIVE checkpoint runs under the writer lock every this
+# many commits of one connection and after any transaction that changed this many rows: each
+# copies one chunk's pages, and close finds little left (1.4 s after an unchunked 1M prune).
 CHECKPOINT_EVERY_COMMITS = 500
 CHECKPOINT_AFTER_CHANGES = 1000
 LITESTREAM_TABLE_SQL = "SELECT 1 FROM sqlite_master WHERE name = '_litestream_seq'"  # made by Litestream
@@ -560,7 +558,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         self._direct_reader = None
         self._file_lock = None
         self._commits = 0
-        self._cjk_drained = False  # set by an index step that drained CJK rows in this transaction
+        self._cjk_drained = False  # an index step drained CJK rows in this transaction
         self.fts_caps = runtime_capabilities(self._connect)
         self._tokens = TokenQueue()
         self._closed = False
@@ -601,22 +599,16 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             raise StoreLockedError(f"state store {self.db_path} stayed locked for {self.write_budget:.0f}s "
                                    "while opening; nothing was written")
         try:
-            self._repair_damaged_file()
-            _create_private_file(self.db_path)
-            self._writer = self._new_connection(str(self.db_path), uri=False,
-                                                timeout=WRITER_BUSY_TIMEOUT)
-            self._apply_journal_policy()
-            self._init_schema()
-            backfill = self._init_search()
-        except BaseException:
-            self._file_lock.release()
-            self._close_connections()
-            raise
-        self._file_lock.release()
-        try:
-            # Resumable data work, a short transaction per chunk, each taking the
-            # writer lock for itself: other processes write between the chunks
-            # instead of waiting for all of them (minutes for a 1M-message backfill).
+            try:
+                self._repair_damaged_file()
+                _create_private_file(self.db_path)
+                self._writer = self._new_connection(str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT)
+                self._apply_journal_policy()
+                self._init_schema()
+                backfill = self._init_search()
+            finally:
+                self._file_lock.release()
+            # Resumable data work: each chunk takes the writer lock for itself (issue 17).
             self._migrate_inline_system_prompts()
             while backfill and self.fts_rebuild_step():
                 pause_between_chunks()
