@@ -609,7 +609,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             finally:
                 self._file_lock.release()
             # Resumable data work: each chunk takes the writer lock for itself (issue 17).
-            self._migrate_inline_system_prompts()
+            self._migrate_data()
             while backfill and self.fts_rebuild_step():
                 pause_between_chunks()
         except BaseException:

@@ -536,7 +536,8 @@ SELECT_SCHEMA_VERSION_SQL = "SELECT MAX(version) FROM schema_version"
 INSERT_SCHEMA_VERSION_SQL = "INSERT INTO schema_version (version) VALUES (?)"
 UPDATE_SCHEMA_VERSION_SQL = "UPDATE schema_version SET version = ?"
 HAS_NULL_ACTIVE_SQL = "SELECT 1 FROM messages WHERE active IS NULL LIMIT 1"
-REPAIR_NULL_ACTIVE_SQL = "UPDATE messages SET active = 1 WHERE active IS NULL"
+REPAIR_NULL_ACTIVE_SQL = ("UPDATE messages SET active = 1"
+                          " WHERE id IN (SELECT id FROM messages WHERE active IS NULL LIMIT ?)")
 # Every row holding a duplicated title except the newest one keeps its title.
 CLEAR_OLDER_DUPLICATE_TITLES_SQL = """
 UPDATE sessions SET title = NULL

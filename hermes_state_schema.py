@@ -172,6 +172,8 @@ class SessionSchemaMixin:
     """Open-time schema work for SessionDB (see the module docstring)."""
 
     _parse_schema_columns = staticmethod(declared_columns)
+    # Messages one transaction of the NULL-active repair fixes (two small index updates each).
+    NULL_ACTIVE_CHUNK_ROWS = 5000
     schema_read_probe_statements = staticmethod(schema_read_probe_statements)
 
     def _init_schema(self):
@@ -189,7 +191,6 @@ class SessionSchemaMixin:
         self._reconcile_columns(conn)
         self._heal_gateway_routing_pk(conn)
         self._ensure_deferred_indexes(conn, objects)
-        self._repair_null_active(conn)
         self._ensure_title_index(conn, objects)
         self._stamp_schema_version(conn)
 
@@ -263,11 +264,19 @@ class SessionSchemaMixin:
 
     # -- data repairs -----------------------------------------------------
 
-    def _repair_null_active(self, conn):
-        """Rows an older reconciler left with active NULL were hidden from history; show them."""
-        if conn.execute(HAS_NULL_ACTIVE_SQL).fetchone() is None:
+    def _repair_null_active(self):
+        """Rows an older reconciler left with active NULL were hidden from history; show them,
+        NULL_ACTIVE_CHUNK_ROWS a transaction (a whole old store at once held the lock for seconds)."""
+        if self._read_one(HAS_NULL_ACTIVE_SQL) is None:
             return
-        fixed = conn.execute(REPAIR_NULL_ACTIVE_SQL).rowcount
+        fixed = 0
+        while True:
+            done = self._execute_write(
+                lambda conn: conn.execute(REPAIR_NULL_ACTIVE_SQL, (self.NULL_ACTIVE_CHUNK_ROWS,)).rowcount)
+            fixed += done
+            if done < self.NULL_ACTIVE_CHUNK_ROWS:
+                break
+            pause_between_chunks()
         logger.info("schema: repaired %d messages whose active flag was NULL", fixed)
 
     def _ensure_title_index(self, conn, objects):
@@ -300,6 +309,12 @@ class SessionSchemaMixin:
         return False
 
     # -- data migrations (resumable, one chunk per transaction) ------------
+
+    def _migrate_data(self):
+        """The open's data repairs and migrations, after the structure: each a chunk per
+        transaction, resumable, the data itself saying what is left."""
+        self._repair_null_active()
+        self._migrate_inline_system_prompts()
 
     def _migrate_inline_system_prompts(self):
         """Move `sessions.system_prompt` text of old stores into `system_prompts`, keyed by SHA-256.

@@ -10,6 +10,7 @@ import sys
 import unittest
 
 from hermes_state import SessionDB
+from test_hermes_state_schema import OLD_SESSIONS
 from test_support import REPO, TempDirTestCase, tracing_factory
 
 
@@ -296,3 +297,25 @@ class CjkQueueInBatches(LockHoldTestCase):
         self.assertEqual(1200, sum(upserts))
         self.assertLessEqual(max(upserts), 500)
         self.assertEqual(0, conn.execute("SELECT COUNT(*) FROM hs_fts_cjk_queue").fetchone()[0])
+
+
+class DataRepairsInChunks(LockHoldTestCase):
+
+    def test_messages_an_old_reconciler_left_hidden_are_shown_again_a_chunk_per_transaction(self):
+        self.db.close()
+        self.path.unlink()
+        conn = self.raw(self.path)  # an old store: active added without NOT NULL DEFAULT 1
+        conn.executescript(OLD_SESSIONS + "ALTER TABLE messages ADD COLUMN active INTEGER;"
+                           "INSERT INTO sessions (id, source, started_at) VALUES ('s', 'cli', 1);")
+        with conn:
+            conn.executemany("INSERT INTO messages (session_id, role, content, timestamp) VALUES ('s', 'user', ?, 1)",
+                             [(f"m{i}",) for i in range(7)])
+        statements = []
+
+        class SmallChunks(SessionDB):
+            NULL_ACTIVE_CHUNK_ROWS = 3
+
+        with SmallChunks(self.path, connection_factory=tracing_factory(statements)) as db:
+            self.assertEqual(7, len(db.get_messages("s")))
+        self.assertEqual(3, len(touching(statements, "UPDATE messages SET active = 1")))  # 3 + 3 + 1
+        self.assertEqual(0, conn.execute("SELECT COUNT(*) FROM messages WHERE active IS NULL").fetchone()[0])
