@@ -133,12 +133,15 @@ def _report_progress(progress):
     done = f" {percent:3d}%" if percent is not None else ""
     counts = f" ({progress['indexed']}/{progress['total']})" if progress["total"] else ""
     sys.stderr.write(f"optimize-storage: {progress['phase']}{done}{counts}\n")
+    if progress["phase"] == "vacuum":  # the one step that is not short: said before it starts
+        sys.stderr.write("optimize-storage: VACUUM rewrites the whole file and holds the write lock until it "
+                         "ends; other processes' writes wait (--no-vacuum skips it)\n")
 
 
 def _cmd_optimize_storage(db, args, out):
     if not args.yes:
         prompt = (f"Rebuild the search index of {db.db_path} in the current layout"
-                  f"{'' if args.no_vacuum else ' and VACUUM it'}? [y/N] ")
+                  f"{'' if args.no_vacuum else ' and VACUUM it (holding the write lock throughout)'}? [y/N] ")
         if not sys.stdin or not sys.stdin.isatty():
             sys.stderr.write("error: optimize-storage asks before it starts; pass --yes to run it unattended\n")
             return 1
@@ -201,8 +204,10 @@ def _cmd_import(db, args, out):
     # Each session keeps its limits; the totals of one API call do not apply to a file.
     limits = dict(db.import_limits(), sessions=len(sessions), total_messages=float("inf"),
                   total_bytes=float("inf"))
+    sys.stderr.write(f"import: {len(sessions)} sessions in one transaction (all or nothing); the write lock "
+                     "is held until it ends, other processes' writes wait\n")
     try:
-        result = db.import_sessions(sessions, limits=limits)
+        result = db.import_sessions(sessions, limits=limits, one_transaction=True)
     except sqlite3.Error as exc:
         sys.stderr.write(f"error: {exc}\nthe import was rolled back; nothing was written\n")
         return 1

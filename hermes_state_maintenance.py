@@ -30,9 +30,9 @@ from hermes_state_common import (
     JOURNAL_MODE_SQL,
     SCHEMA_VERSION,
     SELECT_SCHEMA_VERSION_SQL,
-    SESSION_CASCADE_DELETE_SQL,
     SESSION_RICH_COLUMNS_SQL,
     SESSIONS_BY_SOURCE_SQL,
+    SQL_CHUNK_SIZE,
     TABLE_EXISTS_SQL,
     VACUUM_SQL,
     chunked,
@@ -42,7 +42,7 @@ from hermes_state_common import (
     sqlite_has_wal_reset_bug,
     store_file_bytes,
 )
-from hermes_state_schema import write_meta
+from hermes_state_schema import pause_between_chunks, write_meta
 
 logger = logging.getLogger("hermes_state")
 
@@ -94,6 +94,23 @@ _DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS"
                               " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
 _DELETE_BINDINGS_SQL = "DELETE FROM telegram_dm_topic_bindings WHERE session_id IN ({})"
 _HAS_CHILD_SQL = "SELECT 1 FROM sessions WHERE parent_session_id IN ({}) LIMIT 1"
+# A deleted session's messages go after its row, a chunk per transaction, so no
+# delete holds the write lock for long (each message also leaves three indexes).
+# One state_meta key per session still to sweep, its value the highest message
+# id it may have: ids are AUTOINCREMENT, so a session made again under the same
+# id keeps its new messages. Any later delete or prune finishes a sweep cut short.
+SWEEP_META_PREFIX = "hs_sweep_messages:"
+_SESSION_ROWS_DELETE_SQL = (
+    "UPDATE sessions SET parent_session_id = NULL WHERE parent_session_id IN ({})",
+    "DELETE FROM session_model_usage WHERE session_id IN ({})",
+    "DELETE FROM sessions WHERE id IN ({})",
+)
+_MARK_SWEEP_SQL = "INSERT OR REPLACE INTO state_meta (key, value) SELECT ? || ?, MAX(id) FROM messages"
+_SELECT_SWEEPS_SQL = ("SELECT key, CAST(value AS INTEGER) FROM state_meta"
+                      " WHERE key >= ? AND key < ? ORDER BY key LIMIT ?")
+_SELECT_SWEPT_IDS_SQL = "SELECT id FROM messages WHERE session_id = ? AND id <= ? ORDER BY id LIMIT ?"
+_DELETE_SWEPT_SQL = "DELETE FROM messages WHERE id IN ({})"
+_DELETE_SWEEP_KEY_SQL = "DELETE FROM state_meta WHERE key = ?"
 
 # A tool call's bare "[name]" marker that old hermes-agent releases stored as
 # an assistant's content (hermes-agent #78148).
@@ -108,6 +125,12 @@ _ERROR_FINISH_REASONS = frozenset({"error", "agent_error", "content_filter"})
 
 class SessionMaintenanceMixin:
     """SessionDB's methods for pruning, archiving, deleting and reporting on the store."""
+
+    # Messages a delete removes per transaction: each costs up to 0.9 ms with our three
+    # indexes at 1M messages on a busy 2-core machine (2,000 held the lock for up to 1.8 s).
+    DELETE_CHUNK_ROWS = 400
+    # The largest store maybe_auto_prune_and_vacuum VACUUMs on its own (issue 17's 1 s hold).
+    AUTO_VACUUM_MAX_BYTES = 32 * 1024 * 1024
 
     # -- selecting sessions for prune and archive ------------------------------
 
@@ -145,6 +168,7 @@ class SessionMaintenanceMixin:
             return ids
 
         removed = self._execute_write(write)
+        self._sweep_deleted_messages()
         _remove_transcripts(sessions_dir, removed)
         return len(removed)
 
@@ -177,7 +201,8 @@ class SessionMaintenanceMixin:
     def maybe_auto_prune_and_vacuum(self, retention_days=90, min_interval_hours=24, vacuum=True,
                                     sessions_dir=None, min_vacuum_interval_days=30):
         """Prune sessions inactive `retention_days`, at most once per `min_interval_hours`, and
-        VACUUM after a prune that deleted something, at most once per `min_vacuum_interval_days`.
+        VACUUM after a prune that deleted something, at most once per `min_vacuum_interval_days`,
+        if the store is at most AUTO_VACUUM_MAX_BYTES (a bigger one waits for optimize-storage).
 
         Returns {"skipped", "pruned", "vacuumed"}, plus "error" when something
         failed: it never raises.
@@ -190,6 +215,13 @@ class SessionMaintenanceMixin:
                 return result
             result["pruned"] = self.prune_sessions(older_than_days=retention_days, sessions_dir=sessions_dir)
             vacuum_due = not _within(self.get_meta("last_vacuum"), now, min_vacuum_interval_days * 86400)
+            size = store_file_bytes(self.db_path)
+            if vacuum and result["pruned"] and vacuum_due and size > self.AUTO_VACUUM_MAX_BYTES:
+                # VACUUM rewrites the file under the write lock, about 1 s per 50 MB here: past
+                # this size only a command that says so first (optimize-storage) may hold it that long.
+                logger.info("state.db is %.0f MB: no automatic VACUUM (it would hold the write lock for "
+                            "seconds); `python -m hermes_state optimize-storage` reclaims the space", size / 1e6)
+                vacuum_due = False
             if vacuum and result["pruned"] and vacuum_due:
                 try:
                     self.vacuum()
@@ -249,6 +281,7 @@ class SessionMaintenanceMixin:
             return sorted(delegates) + [session_id]
 
         removed = self._execute_write(write)
+        self._sweep_deleted_messages()
         _remove_transcripts(sessions_dir, removed)
         return removed is not None
 
@@ -265,6 +298,7 @@ class SessionMaintenanceMixin:
             return sorted(delegates), existing
 
         delegates, existing = self._execute_write(write) if wanted else ([], [])
+        self._sweep_deleted_messages()
         _remove_transcripts(sessions_dir, delegates + existing)
         return len(existing)
 
@@ -280,6 +314,7 @@ class SessionMaintenanceMixin:
 
         deleted = self._execute_write(write)
         if deleted:
+            self._sweep_deleted_messages()  # none of its own: its sweep key, and any left behind
             _remove_transcripts(sessions_dir, [session_id])
         return deleted
 
@@ -295,6 +330,7 @@ class SessionMaintenanceMixin:
             return ids
 
         removed = self._execute_write(write)
+        self._sweep_deleted_messages()
         _remove_transcripts(sessions_dir, removed)
         return len(removed)
 
@@ -315,25 +351,55 @@ class SessionMaintenanceMixin:
             return ids
 
         removed = self._execute_write(write)
+        self._sweep_deleted_messages()
         _remove_transcripts(sessions_dir, removed)
         return len(removed)
 
     def _delete_sessions_in(self, conn, session_ids):
         """Inside a write: delete sessions with the rows hermes-agent removes with them
-        (messages, usage, topic bindings) and the system prompts left unused; their
-        children become roots. Returns how many sessions went."""
+        (usage, topic bindings) and the system prompts left unused; their children
+        become roots; their messages are marked for _sweep_deleted_messages, which
+        the caller runs after the commit. Returns how many sessions went."""
         bindings = conn.execute(TABLE_EXISTS_SQL, ("telegram_dm_topic_bindings",)).fetchone()
         deleted = 0
         for chunk in chunked(session_ids):
             marks = placeholders(len(chunk))
             if bindings:
                 conn.execute(_DELETE_BINDINGS_SQL.format(marks), chunk)
-            for template in SESSION_CASCADE_DELETE_SQL:
+            for template in _SESSION_ROWS_DELETE_SQL:
                 count = conn.execute(template.format(marks), chunk).rowcount
             deleted += count
+        for session_id in session_ids:
+            conn.execute(_MARK_SWEEP_SQL, (SWEEP_META_PREFIX, session_id))
         if deleted:
             conn.execute(_DELETE_UNUSED_PROMPTS_SQL)
         return deleted
+
+    def _sweep_deleted_messages(self):
+        """Delete the messages of deleted sessions, DELETE_CHUNK_ROWS per transaction,
+        this call's and any an interrupted one left; returns how many went."""
+        swept = 0
+        while True:
+            done, more = self._execute_write(self._sweep_chunk)
+            swept += done
+            if not more:
+                return swept
+            pause_between_chunks()
+
+    def _sweep_chunk(self, conn):
+        room = self.DELETE_CHUNK_ROWS
+        low, high = prefix_bounds(SWEEP_META_PREFIX)
+        sweeps = conn.execute(_SELECT_SWEEPS_SQL, (low, high, SQL_CHUNK_SIZE)).fetchall()
+        for key, upto in sweeps:
+            ids = [row[0] for row in conn.execute(
+                _SELECT_SWEPT_IDS_SQL, (key[len(SWEEP_META_PREFIX):], upto or 0, room))]
+            for chunk in chunked(ids):
+                conn.execute(_DELETE_SWEPT_SQL.format(placeholders(len(chunk))), chunk)
+            room -= len(ids)
+            if room == 0:  # this session may have more: its key stays
+                return self.DELETE_CHUNK_ROWS, True
+            conn.execute(_DELETE_SWEEP_KEY_SQL, (key,))
+        return self.DELETE_CHUNK_ROWS - room, bool(sweeps)
 
     # -- reports -------------------------------------------------------------------
 
@@ -463,6 +529,10 @@ class SessionMaintenanceMixin:
         except Exception as exc:
             logger.warning("FTS optimize before VACUUM failed: %s", exc)
             merged = 0
+
+        # Said before it starts: nothing else can write until the whole file is rewritten.
+        logger.info("VACUUM of %s (%.0f MB) holds the write lock until it ends; other writers wait",
+                    self.db_path, store_file_bytes(self.db_path) / 1e6)
 
         def run(conn):
             conn.execute(VACUUM_SQL)

@@ -46,7 +46,7 @@ from hermes_state_common import (
     quote_identifier,
     scrub_surrogates,
 )
-from hermes_state_schema import live_columns, prompt_hash
+from hermes_state_schema import live_columns, pause_between_chunks, prompt_hash
 
 ID_MAX_LENGTH = 256
 EXPORT_FORMATS = ("jsonl", "md", "qmd", "html", "trace")
@@ -978,6 +978,10 @@ class SessionPortabilityMixin:
     # Lists and objects inside one field; deeper values could not be exported again
     # (json and the renderers recurse), and no agent writes them.
     _IMPORT_MAX_DEPTH = 100
+    # Messages one import transaction takes at most (a session bigger than that goes alone):
+    # each costs 3-7 ms with our three indexes at 1M messages on a busy 2-core machine
+    # (250 held the write lock for up to 1.8 s).
+    IMPORT_CHUNK_MESSAGES = 100
 
     # -- export ----------------------------------------------------------------
 
@@ -1068,13 +1072,14 @@ class SessionPortabilityMixin:
                 "total_messages": self._IMPORT_MAX_TOTAL_MESSAGES, "session_bytes": self._IMPORT_MAX_SESSION_BYTES,
                 "total_bytes": self._IMPORT_MAX_TOTAL_BYTES, "depth": self._IMPORT_MAX_DEPTH}
 
-    def import_sessions(self, sessions, *, limits=None):
+    def import_sessions(self, sessions, *, limits=None, one_transaction=False):
         """Add exported sessions (any hermes-agent 0.19 to 0.22 export, or ours) to the store:
         history, not runtime ownership.
 
         Pass 1 checks the whole payload and writes nothing if any entry is wrong:
         {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": [...]}.
-        Pass 2, one transaction: ids already stored are skipped, never overwritten;
+        Pass 2, whole sessions in transactions of about IMPORT_CHUNK_MESSAGES messages,
+        parent links in a last one: ids already stored are skipped, never overwritten;
         messages get fresh ids, rewound ones stay rewound; counts are recomputed;
         titles follow set_session_title's rules (one another session holds gets the
         id appended); SESSION_RESET_FIELDS are not restored; a field the import has
@@ -1082,15 +1087,34 @@ class SessionPortabilityMixin:
         `unstored_fields` (a key present only then); parent links are attached last
         unless the parent is unknown or the link closes a loop (`detached`).
         `limits` replaces import_limits() for this call (the command line lifts the
-        totals to import a whole file at once). Raises ValueError if `sessions` is
-        not a list or has too many entries.
+        totals to import a whole file at once). `one_transaction` writes it all in
+        one, all or nothing, holding the write lock throughout (the command line,
+        which says so first). Raises ValueError if `sessions` is not a list or has
+        too many entries.
         """
         errors = validate_import(sessions, limits or self.import_limits())
         if errors:
             return {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": errors}
-        return self._execute_write(lambda conn: self._write_import(conn, sessions))
+        if one_transaction:
+            def write_all(conn):
+                imported, skipped, links, unstored = self._write_import(conn, sessions)
+                return _import_result(imported, skipped, unstored, _attach_parents(conn, links))
+            return self._execute_write(write_all)
+        # Whole sessions, up to IMPORT_CHUNK_MESSAGES messages a transaction, so an import never
+        # holds the write lock for long (issue 17); cut short, a rerun skips what is stored.
+        imported, skipped, links, unstored = [], [], [], set()
+        for number, chunk in enumerate(_import_chunks(sessions, self.IMPORT_CHUNK_MESSAGES)):
+            if number:
+                pause_between_chunks()
+            done = self._execute_write(lambda conn, chunk=chunk: self._write_import(conn, chunk))
+            for total, part in zip((imported, skipped, links), done[:3]):
+                total.extend(part)
+            unstored |= done[3]
+        detached = self._execute_write(lambda conn: _attach_parents(conn, links))
+        return _import_result(imported, skipped, unstored, detached)
 
     def _write_import(self, conn, sessions):
+        """Inside a write: store these sessions; (imported ids, skipped ids, parent links, unstored fields)."""
         columns = {table: set(live_columns(conn, table)) for table in ("sessions", "messages")}
         imported, skipped, links, unstored = [], [], [], set()
         for entry in sessions:
@@ -1111,12 +1135,7 @@ class SessionPortabilityMixin:
             parent = str(entry.get("parent_session_id") or "").strip()
             if parent:
                 links.append((session_id, parent))
-        result = {"ok": True, "imported": len(imported), "skipped": len(skipped),
-                  "detached": _attach_parents(conn, links), "imported_ids": imported, "skipped_ids": skipped,
-                  "errors": []}
-        if unstored:
-            result["unstored_fields"] = sorted(unstored)
-        return result
+        return imported, skipped, links, unstored
 
     def _import_messages(self, conn, session_id, messages, columns, unstored):
         """Insert a validated entry's messages as append_messages_batch writes them, then put
@@ -1159,3 +1178,26 @@ def _free_title(conn, title, session_id):
         candidate = normalize_title(title[:max(0, TITLE_MAX_LENGTH - len(suffix))] + suffix)
         number += 1
     return candidate
+
+
+def _import_result(imported, skipped, unstored, detached):
+    """import_sessions' answer for a payload it stored."""
+    result = {"ok": True, "imported": len(imported), "skipped": len(skipped), "detached": detached,
+              "imported_ids": imported, "skipped_ids": skipped, "errors": []}
+    if unstored:
+        result["unstored_fields"] = sorted(unstored)
+    return result
+
+
+def _import_chunks(sessions, messages_per_chunk):
+    """Runs of whole sessions holding at most `messages_per_chunk` messages (one alone if bigger)."""
+    chunk, count = [], 0
+    for entry in sessions:
+        size = len(entry.get("messages") or [])
+        if chunk and count + size > messages_per_chunk:
+            yield chunk
+            chunk, count = [], 0
+        chunk.append(entry)
+        count += size
+    if chunk:
+        yield chunk

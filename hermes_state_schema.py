@@ -53,6 +53,18 @@ from hermes_state_common import (
 logger = logging.getLogger("hermes_state")
 
 
+# Between two chunks of a long job (a sweep, a merge, a backfill, an import), the
+# writer lock stays free this long: waiters poll every 1-4 ms (ours) or back off
+# up to 100 ms (SQLite's busy handler), and a job that took it back at once would
+# starve them as surely as one long transaction would.
+CHUNK_PAUSE = 0.01
+
+
+def pause_between_chunks():
+    """Sleep CHUNK_PAUSE so that another process's writer gets the lock between our chunks."""
+    time.sleep(CHUNK_PAUSE)
+
+
 def is_lock_error(exc):
     """True for SQLite's "database is locked" / "busy": worth retrying, never swallowing."""
     text = str(exc).lower()
@@ -160,16 +172,18 @@ class SessionSchemaMixin:
     """Open-time schema work for SessionDB (see the module docstring)."""
 
     _parse_schema_columns = staticmethod(declared_columns)
+    # Messages one transaction of the NULL-active repair fixes (two small index updates each).
+    NULL_ACTIVE_CHUNK_ROWS = 5000
     schema_read_probe_statements = staticmethod(schema_read_probe_statements)
 
     def _init_schema(self):
-        """The writable open's schema pass: structure in one transaction, then data migrations.
+        """The writable open's schema pass: the structure, in one transaction (the open
+        runs the data migrations after it, a chunk per transaction).
 
         Every step reads before it writes, so opening a store that is already
         current takes the write lock briefly and changes nothing.
         """
         self._execute_write(self._apply_schema)
-        self._migrate_inline_system_prompts()
 
     def _apply_schema(self, conn):
         objects = {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
@@ -177,7 +191,6 @@ class SessionSchemaMixin:
         self._reconcile_columns(conn)
         self._heal_gateway_routing_pk(conn)
         self._ensure_deferred_indexes(conn, objects)
-        self._repair_null_active(conn)
         self._ensure_title_index(conn, objects)
         self._stamp_schema_version(conn)
 
@@ -251,11 +264,19 @@ class SessionSchemaMixin:
 
     # -- data repairs -----------------------------------------------------
 
-    def _repair_null_active(self, conn):
-        """Rows an older reconciler left with active NULL were hidden from history; show them."""
-        if conn.execute(HAS_NULL_ACTIVE_SQL).fetchone() is None:
+    def _repair_null_active(self):
+        """Rows an older reconciler left with active NULL were hidden from history; show them,
+        NULL_ACTIVE_CHUNK_ROWS a transaction (a whole old store at once held the lock for seconds)."""
+        if self._read_one(HAS_NULL_ACTIVE_SQL) is None:
             return
-        fixed = conn.execute(REPAIR_NULL_ACTIVE_SQL).rowcount
+        fixed = 0
+        while True:
+            done = self._execute_write(
+                lambda conn: conn.execute(REPAIR_NULL_ACTIVE_SQL, (self.NULL_ACTIVE_CHUNK_ROWS,)).rowcount)
+            fixed += done
+            if done < self.NULL_ACTIVE_CHUNK_ROWS:
+                break
+            pause_between_chunks()
         logger.info("schema: repaired %d messages whose active flag was NULL", fixed)
 
     def _ensure_title_index(self, conn, objects):
@@ -289,6 +310,12 @@ class SessionSchemaMixin:
 
     # -- data migrations (resumable, one chunk per transaction) ------------
 
+    def _migrate_data(self):
+        """The open's data repairs and migrations, after the structure: each a chunk per
+        transaction, resumable, the data itself saying what is left."""
+        self._repair_null_active()
+        self._migrate_inline_system_prompts()
+
     def _migrate_inline_system_prompts(self):
         """Move `sessions.system_prompt` text of old stores into `system_prompts`, keyed by SHA-256.
 
@@ -303,6 +330,7 @@ class SessionSchemaMixin:
             if not done:
                 break
             moved += done
+            pause_between_chunks()
         logger.info("schema: moved %d inline system prompts into system_prompts", moved)
 
     def _move_inline_prompt_chunk(self, conn):

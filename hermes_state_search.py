@@ -16,6 +16,7 @@ one of hermes-agent's on open. It relies on SessionDB for `_execute_write`,
 imports hermes_state.
 """
 
+import functools
 import logging
 import re
 import shutil
@@ -23,7 +24,7 @@ import sqlite3
 import time
 from collections import namedtuple
 
-from hermes_state_schema import read_meta, write_meta
+from hermes_state_schema import pause_between_chunks, read_meta, write_meta
 from hermes_state_common import (
     decode_content, BACKFILL_SQL, CJK_CHAR_CLASS, CJK_QUEUE_TABLE, CONTEXT_CHARS, DELETE_CJK_QUEUE_SQL,
     DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FTS5_PROBE_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL,
@@ -47,10 +48,13 @@ BACKFILL_CHUNK_IDS = 1000
 DROP_CHUNK_ROWS = 500
 CJK_DRAIN_CHUNK = 500
 # At most this many queued CJK rows are indexed in one transaction (open or
-# maintenance), so a foreign writer's backlog never means one long write lock;
-# the rest stays answerable through the queue and goes with later writes.
-CJK_DRAIN_MAX_ROWS = 10_000
+# maintenance), so a foreign writer's backlog never means one long write lock
+# (10,000 held it for 1.9 s on a busy 2-core machine); the rest stays answerable
+# through the queue and goes with later writes.
+CJK_DRAIN_MAX_ROWS = 500
 OPTIMIZE_PAUSE = 0.01
+CLEAR_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue"
+FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
 # Queued CJK rows are indexed with every this-many commits of a writer, and
 # right away by any transaction that changed at least BULK_CHANGES rows.
 CJK_DRAIN_EVERY_COMMITS = 64
@@ -498,19 +502,22 @@ def _progress(phase, status):
 class SessionSearchMixin:
     """Search-side behaviour of SessionDB (see the module docstring)."""
 
+    # Leaf pages one step of an index merge writes: 500 took up to 0.6 s at 1M messages
+    # on a busy 2-core machine, 200 up to 0.8 s with the checkpoint after it; issue 17's
+    # bound on a write-lock hold is 1 s.
+    MERGE_STEP_PAGES = 100
+
     # -- open ------------------------------------------------------------------
 
     def _init_search(self):
-        """Writable open: repair our index, or build it where no usable index is.
+        """Writable open: repair our index, or build it where no usable index is; True if
+        that started a backfill, which the open then runs to the end, in chunks.
 
-        An index this open started to fill is filled before it returns, in
-        chunks; work an interrupted optimize-storage left waits for its rerun.
+        Work an interrupted optimize-storage left waits for its rerun.
         A store whose only index is hermes-agent's is searched through it and
         left as it is; optimize-storage moves it to ours.
         """
-        started = self._execute_write(self._apply_search_schema)
-        while started and self.fts_rebuild_step():
-            pass
+        return self._execute_write(self._apply_search_schema)
 
     def _schema_version_held_back(self, conn):
         """Without FTS5 the store keeps its schema version (see README)."""
@@ -637,25 +644,32 @@ class SessionSearchMixin:
         return changed
 
     def _rebuild_stale_indexes(self, conn):
+        """Refill every index from the start when one is not whole; True if that started a backfill.
+
+        Every index shares the backfill's predicate, so all are refilled, in
+        chunks (fts_rebuild_step). Emptying a filled index in place rewrites
+        every page of it in this one transaction (3-5 s at 1M messages): it is
+        set aside instead, and dropped in chunks once the backfill is done.
+        """
         stale = [index for index in self._buildable() if read_meta(conn, _stale_key(index))]
         if not stale:
             return False
-        restart = read_meta(conn, META_SEARCH_HIGH_WATER) is not None
-        if restart:
-            # Every index shares the backfill's predicate: refill them all from the start.
-            stale = list(self._buildable())
-            for index in stale:
-                for sql in RESET_INDEX_SQL[index]:
-                    conn.execute(sql)
-            write_meta(conn, META_SEARCH_HIGH_WATER, str(conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]))
-            write_meta(conn, META_SEARCH_PROGRESS, "0")
-        else:
-            for index in stale:
-                self._rebuild_index(conn, index)
+        indexes = list(self._buildable())
+        objects = _schema_objects(conn)
+        _retire(conn, objects, [SEARCH_TABLES[index] for index in indexes if SEARCH_TABLES[index] in objects])
+        objects = _schema_objects(conn)
+        for index in indexes:
+            for name, ddl in tuple(SEARCH_OBJECTS[index].items()) + tuple(SEARCH_TRIGGERS[index].items()):
+                if name not in objects:
+                    conn.execute(ddl)
+        conn.execute(CLEAR_CJK_QUEUE_SQL)
+        high_water = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
+        write_meta(conn, META_SEARCH_HIGH_WATER, str(high_water or 0))
+        write_meta(conn, META_SEARCH_PROGRESS, "0")
         for index in stale:
             write_meta(conn, _stale_key(index), None)
         logger.info("search: rebuilding the %s index of %s", "/".join(stale), self.db_path)
-        return restart
+        return True
 
     def _rebuild_index(self, conn, index):
         if index == "cjk":
@@ -672,7 +686,8 @@ class SessionSearchMixin:
         index queued CJK rows after a bulk write and on every 64th commit, starting
         with the first (the open's own schema pass), at most CJK_DRAIN_MAX_ROWS."""
         commit_number = self._commits + 1  # this transaction's, counted by the write path
-        if changes < BULK_CHANGES and commit_number % CJK_DRAIN_EVERY_COMMITS != 1:
+        drained, self._cjk_drained = self._cjk_drained, False
+        if drained or (changes < BULK_CHANGES and commit_number % CJK_DRAIN_EVERY_COMMITS != 1):
             return
         if self.fts_caps.fts5 and conn.execute(TABLE_EXISTS_SQL, (CJK_QUEUE_TABLE,)).fetchone():
             drain_cjk_queue(conn, CJK_DRAIN_MAX_ROWS)
@@ -912,6 +927,7 @@ class SessionSearchMixin:
             self._backfill_chunk(conn, objects)
             return True
         if CJK_QUEUE_TABLE in objects and self.fts_caps.fts5 and drain_cjk_queue(conn):
+            self._cjk_drained = True  # this transaction's share: _maintain_search adds none
             return True
         retired = _retired_tables(objects)
         if retired:
@@ -955,16 +971,20 @@ class SessionSearchMixin:
         return self._execute_write(rebuild)
 
     def optimize_fts(self):
-        """Merge each index's segments (FTS5 'optimize') and index queued CJK rows; returns how many indexes."""
-        while self.fts_rebuild_step():
-            pass
+        """Merge each index's segments into one and index queued CJK rows; returns how many indexes.
 
-        def merge(conn):
-            state = self._index_state(_schema_objects(conn))
-            for index in state.usable:
-                conn.execute(FTS_COMMAND_SQL.format(table=state.tables[index], command="optimize"))
-            return len(state.usable)
-        return self._execute_write(merge)
+        FTS5's 'optimize' would rewrite a whole index in one transaction (over
+        a minute at 1M messages); its incremental 'merge', MERGE_STEP_PAGES leaf
+        pages a transaction, ends with the same single segment.
+        """
+        while self.fts_rebuild_step():
+            pause_between_chunks()
+        state = self._index_state()
+        for index in state.usable:
+            while self._execute_write(functools.partial(
+                    _merge_step, table=state.tables[index], pages=self.MERGE_STEP_PAGES)):
+                pause_between_chunks()
+        return len(state.usable)
 
     def optimize_fts_storage(self, *, progress_cb=None, vacuum=True):
         """Move the store to our index and reclaim the space; hermes-agent's result dict.
@@ -1044,6 +1064,15 @@ class SessionSearchMixin:
         return (f"optimize-storage needs about {need / 1e6:.1f} MB free next to {self.db_path} "
                 f"(new index{' plus a VACUUM copy of the file' if vacuum else ''}); only "
                 f"{free / 1e6:.1f} MB are free{hint}. Nothing was changed.")
+
+
+def _merge_step(conn, table, pages):
+    """One bounded step of FTS5's incremental merge (a negative page count merges every
+    level, as 'optimize' does); True while it still found work (FTS5's own test: a step
+    that changed fewer than two rows did nothing)."""
+    before = conn.total_changes
+    conn.execute(FTS_MERGE_SQL.format(table=quote_identifier(table)), (-pages,))
+    return conn.total_changes - before >= 2
 
 
 def _drop_retired_chunk(conn, table, objects):

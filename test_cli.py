@@ -91,7 +91,7 @@ class CommandLine(TempDirTestCase):
         return path
 
     def test_doctor_reports_damage_instead_of_failing(self):
-        for name, open_fails in (("idx_sessions_started", False), ("sessions", True)):
+        for name, open_fails in (("idx_sessions_started", False), ("state_meta", True)):
             with self.subTest(damaged=name):
                 path = self.damage_page_of(name)
                 result = self.run_cli("--db", str(path), "doctor", "--json")

@@ -113,7 +113,8 @@ class FixtureStoresOpen(TempDirTestCase):
         # hermes-agent's index is its own: every object (its broad update triggers too) and key as it left them.
         self.assertEqual([tuple(r) for r in conn.execute(FTS_OBJECTS_SQL)], before["fts"])
         self.assertEqual([tuple(r) for r in conn.execute(HERMES_FTS_META_SQL)], before["fts_meta"])
-        self.assertEqual(conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'hs_%'").fetchone()[0], 0)
+        self.assertEqual(conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'hs\\_fts\\_%' ESCAPE '\\'"
+                                      ).fetchone()[0], 0)
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages_fts").fetchone()[0], 321)
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages_fts_trigram").fetchone()[0], 321)
         hits = conn.execute("SELECT rowid FROM messages_fts WHERE messages_fts MATCH 'zebra'").fetchall()

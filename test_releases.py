@@ -152,7 +152,7 @@ class StoresSharedWithReleases(TempDirTestCase):
                     for table in ("messages_fts", "messages_fts_trigram"):
                         conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
                     count = conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
-                    self.assertEqual(conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'hs\\_%' "
+                    self.assertEqual(conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'hs\\_fts\\_%' "
                                                   "ESCAPE '\\'").fetchone()[0], 0)  # its index serves; no second one
                 finally:
                     conn.close()
@@ -201,7 +201,7 @@ class OurNames(TempDirTestCase):
         ours = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")} - schema
         keys = {row[0] for row in conn.execute("SELECT key FROM state_meta")}
         conn.close()
-        self.assertTrue(ours and all(name.startswith("hs_fts_") for name in ours), ours)
+        self.assertTrue(ours and all(name.startswith(("hs_fts_", "hs_idx_")) for name in ours), ours)
         self.assertFalse(ours & theirs)
         self.assertFalse({k for k in keys if not k.startswith("hs_search_")} | (keys & their_keys))
         # hermes-agent's own prefixes: its index objects, its demoted tables, its index keys.

@@ -1,0 +1,321 @@
+"""No operation of ours holds the write lock for long: each big one works in chunks,
+one short transaction each, resumable when cut short (issue 17). Chunks are made
+small here and counted from the statements SQLite ran; the 1M-message figures
+come from the bench, never from a timed test."""
+
+import os
+import subprocess
+import sqlite3
+import sys
+import unittest
+
+from hermes_state import SessionDB
+from test_hermes_state_schema import OLD_SESSIONS
+from test_support import REPO, TempDirTestCase, tracing_factory
+
+
+def transactions(statements):
+    """The statements of each write transaction, in order."""
+    found, current = [], None
+    for statement in statements:
+        verb = statement.strip().upper()
+        if verb.startswith("BEGIN"):
+            current = []
+        elif verb in ("COMMIT", "ROLLBACK") and current is not None:
+            found.append(current)
+            current = None
+        elif current is not None:
+            current.append(statement)
+    return found
+
+
+def touching(statements, prefix):
+    """The transactions that ran a statement starting with `prefix`."""
+    return [t for t in transactions(statements) if any(s.lstrip().startswith(prefix) for s in t)]
+
+
+def merging(statements):
+    """The transactions that ran an FTS5 'merge' command."""
+    return [t for t in transactions(statements) if any("'merge'" in s for s in t)]
+
+
+class LockHoldTestCase(TempDirTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.path = self.tmp / "state.db"
+        self.statements = []
+        self.db = SessionDB(self.path, connection_factory=tracing_factory(self.statements))
+        self.addCleanup(self.db.close)
+
+    def session_with(self, session_id, count, content="hello there"):
+        self.db.create_session(session_id, "cli")
+        self.db.append_messages_batch(session_id, [{"role": "user", "content": f"{content} {i}"}
+                                                   for i in range(count)])
+        self.db.end_session(session_id, "user_exit")
+
+    def count(self, sql, params=()):
+        conn = self.raw(self.path)
+        return conn.execute(sql, params).fetchone()[0]
+
+
+class DeletesInChunks(LockHoldTestCase):
+
+    def test_a_big_session_is_deleted_a_chunk_of_messages_per_transaction(self):
+        self.session_with("big", 10)
+        self.session_with("other", 2)
+        self.db.DELETE_CHUNK_ROWS = 3
+        self.statements.clear()
+        self.assertTrue(self.db.delete_session("big"))
+        self.assertEqual(4, len(touching(self.statements, "DELETE FROM messages")))  # 3 + 3 + 3 + 1
+        self.assertEqual(0, self.count("SELECT COUNT(*) FROM messages WHERE session_id = 'big'"))
+        self.assertEqual(2, self.count("SELECT COUNT(*) FROM messages WHERE session_id = 'other'"))
+        self.assertEqual({"other"}, {hit["session_id"] for hit in self.db.search_messages("hello")})
+        self.assertEqual([], self.db.list_meta_prefix("hs_sweep_messages:"))
+
+    def test_prune_and_bulk_delete_chunk_their_messages_too(self):
+        for name in ("a", "b", "c"):
+            self.session_with(name, 4)
+        self.db.DELETE_CHUNK_ROWS = 5
+        self.statements.clear()
+        self.assertEqual(2, self.db.delete_sessions(["a", "b"]))
+        self.assertEqual(2, len(touching(self.statements, "DELETE FROM messages")))  # 5 + 3
+        conn = self.raw(self.path)
+        with conn:
+            conn.execute("UPDATE messages SET timestamp = 0")
+        self.statements.clear()
+        self.assertEqual(1, self.db.prune_sessions(older_than_days=1))
+        self.assertEqual(1, len(touching(self.statements, "DELETE FROM messages")))
+        self.assertEqual(0, self.count("SELECT COUNT(*) FROM messages"))
+
+    def test_the_session_row_goes_first_so_no_reader_sees_it_half_deleted(self):
+        self.session_with("big", 6)
+        self.db.DELETE_CHUNK_ROWS = 2
+        self.statements.clear()
+        self.db.delete_session("big")
+        first = transactions(self.statements)[0]
+        touching_first = [s for s in first if s.lstrip().startswith("DELETE FROM sessions")]
+        self.assertTrue(touching_first)
+        self.assertFalse([s for s in first if s.lstrip().startswith("DELETE FROM messages")])
+
+    def test_a_sweep_cut_short_is_finished_by_the_next_delete_and_spares_a_reused_id(self):
+        self.session_with("gone", 5)
+        self.session_with("later", 1)
+        # What an interrupted delete leaves: the row gone, its messages still there.
+        self.db._execute_write(lambda conn: self.db._delete_sessions_in(conn, ["gone"]))
+        self.db.close()
+        with SessionDB(self.path) as db:
+            self.assertEqual(5, db.message_count("gone"))
+            db.create_session("gone", "cli")  # the id made again: its new messages are its own
+            db.append_message("gone", "user", "new life")
+            db.delete_session("later")
+            self.assertEqual(["new life"], [m["content"] for m in db.get_messages("gone")])
+            self.assertEqual([], db.list_meta_prefix("hs_sweep_messages:"))
+
+
+class IndexMergesInSteps(LockHoldTestCase):
+
+    def test_optimize_merges_each_index_a_few_pages_per_transaction_until_nothing_is_left(self):
+        for i in range(40):  # one append a transaction: a segment each in every index
+            self.db.create_session(f"s{i}", "cli")
+            self.db.append_message(f"s{i}", "user", f"parser failing tests {i} 会话 " + "word " * 200)
+        before = [hit["id"] for hit in self.db.search_messages("parser")]
+        self.db.MERGE_STEP_PAGES = 1
+        self.statements.clear()
+        self.assertEqual(3, self.db.optimize_fts())
+        merges = merging(self.statements)
+        self.assertGreater(len(merges), 6)
+        self.assertTrue(all(len([s for s in t if "'merge'" in s]) == 1 for t in merges))
+        self.statements.clear()
+        self.db.optimize_fts()
+        self.assertEqual(3, len(merging(self.statements)))  # one look each: nothing left
+        self.assertEqual(before, [hit["id"] for hit in self.db.search_messages("parser")])
+        conn = self.raw(self.path)
+        for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
+            conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
+
+
+class CheckpointsStaySmall(LockHoldTestCase):
+
+    def test_a_big_transaction_is_checkpointed_right_after_so_close_has_little_left(self):
+        if self.db.policy.checkpoint != "locked":
+            self.skipTest("SQLite checkpoints this runtime's WAL itself")
+        self.db.create_session("s", "cli")
+        self.statements.clear()
+        self.db.append_message("s", "user", "one small write")
+        self.assertFalse([s for s in self.statements if "wal_checkpoint" in s])
+        self.statements.clear()
+        self.db.append_messages_batch("s", [{"role": "user", "content": f"bulk {i}"} for i in range(400)])
+        commit = self.statements.index("COMMIT")
+        self.assertIn("PRAGMA wal_checkpoint(PASSIVE)", self.statements[commit:])
+
+
+class RepairsAtOpen(LockHoldTestCase):
+
+    def test_a_stale_index_is_refilled_in_backfill_chunks_and_the_old_one_dropped_in_chunks(self):
+        self.session_with("s", 30, content="parser 会话")
+        self.db.close()
+        conn = self.raw(self.path)
+        with conn:
+            conn.execute("INSERT OR REPLACE INTO state_meta (key, value) VALUES ('hs_search_stale_word', '1')")
+        statements = []
+        with SessionDB(self.path, connection_factory=tracing_factory(statements)) as db:
+            self.assertEqual(30, len(db.search_messages("parser", limit=50)))
+            self.assertEqual(30, len(db.search_messages("会话", limit=50)))
+            self.assertIsNone(db.fts_rebuild_status())
+        whole_index = [s for s in statements if "'rebuild'" in s or "'delete-all'" in s
+                       or s.strip().startswith("DELETE FROM hs_fts_cjk ")]
+        self.assertEqual([], whole_index)
+        self.assertTrue(touching(statements, "DELETE FROM \"hs_retired_hs_fts_words_data\""))
+        names = [row[0] for row in conn.execute("SELECT name FROM sqlite_master")]
+        self.assertFalse([name for name in names if name.startswith("hs_retired_")])
+        for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
+            conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
+
+    @unittest.skipIf(sys.platform == "win32", "flock")
+    def test_an_open_lets_other_processes_write_between_its_backfill_chunks(self):
+        import fcntl
+        self.session_with("s", 2500)  # three backfill chunks of 1,000 ids
+        self.db.close()
+        conn = self.raw(self.path)
+        with conn:
+            conn.execute("INSERT OR REPLACE INTO state_meta (key, value) VALUES ('hs_search_stale_word', '1')")
+        free_between_chunks = []
+
+        class Watched(SessionDB):
+            def fts_rebuild_step(self):
+                more = super().fts_rebuild_step()
+                fd = os.open(str(self.db_path) + ".lock", os.O_RDWR)
+                try:  # a descriptor of its own: what another process's lock attempt meets
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    free_between_chunks.append(True)
+                except BlockingIOError:
+                    free_between_chunks.append(False)
+                finally:
+                    os.close(fd)
+                return more
+
+        Watched(self.path).close()
+        self.assertGreaterEqual(len(free_between_chunks), 3)
+        self.assertTrue(all(free_between_chunks))
+
+
+class Opening(LockHoldTestCase):
+
+    def test_opening_a_current_store_writes_nothing_and_scans_no_table(self):
+        self.session_with("s", 5)
+        self.db.close()
+        statements = []
+
+        class Planned(sqlite3.Connection):
+            def execute(self, sql, *args):
+                # sqlite_master and an empty CJK queue cost nothing; a scan of sessions or messages would.
+                if sql.lstrip().upper().startswith("SELECT") and "sqlite_master" not in sql \
+                        and "hs_fts_cjk_queue" not in sql:
+                    plan = super().execute("EXPLAIN QUERY PLAN " + sql, *args).fetchall()
+                    scans = [row[3] for row in plan if row[3].startswith("SCAN") and " USING " not in row[3]]
+                    statements.extend(f"{scan}: {sql}" for scan in scans)
+                return super().execute(sql, *args)
+
+        monitor = self.raw(self.path)
+        version = monitor.execute("PRAGMA data_version").fetchone()[0]
+        db = SessionDB(self.path, connection_factory=lambda *a, **k: sqlite3.connect(*a, factory=Planned, **k))
+        self.assertEqual(version, monitor.execute("PRAGMA data_version").fetchone()[0])
+        db.close()
+        self.assertEqual([], statements)
+
+
+class NoLongHoldUnannounced(LockHoldTestCase):
+
+    def test_automatic_maintenance_never_vacuums_a_big_store_and_says_what_will(self):
+        self.session_with("old", 3)
+        conn = self.raw(self.path)
+        with conn:
+            conn.execute("UPDATE sessions SET started_at = 0")
+            conn.execute("UPDATE messages SET timestamp = 0")
+        self.db.AUTO_VACUUM_MAX_BYTES = 1  # any store is big
+        self.statements.clear()
+        with self.assertLogs("hermes_state", "INFO") as logs:
+            result = self.db.maybe_auto_prune_and_vacuum(retention_days=90)
+        self.assertEqual({"skipped": False, "pruned": 1, "vacuumed": False}, result)
+        self.assertFalse([s for s in self.statements if s.strip().upper().startswith("VACUUM")])
+        self.assertTrue(any("optimize-storage" in line for line in logs.output))
+
+    def test_an_explicit_vacuum_says_before_it_starts_that_it_holds_the_write_lock(self):
+        self.db.create_session("s", "cli")
+        with self.assertLogs("hermes_state", "INFO") as logs:
+            self.db.vacuum()
+        said = [line for line in logs.output if "holds the write lock" in line]
+        self.assertTrue(said)
+
+    def test_optimize_storage_says_before_its_vacuum_that_it_holds_the_write_lock(self):
+        self.db.create_session("s", "cli")
+        self.db.close()
+        done = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.path), "optimize-storage",
+                               "--yes"], capture_output=True, text=True, cwd=REPO, timeout=120)
+        self.assertEqual(0, done.returncode, done.stderr)
+        lines = done.stderr.splitlines()
+        said = [i for i, line in enumerate(lines) if "holds the write lock" in line]
+        self.assertTrue(said, lines)
+        self.assertLess(said[0], lines.index("optimize-storage: done 100%"))
+
+
+class ImportInChunks(LockHoldTestCase):
+
+    def test_an_import_writes_whole_sessions_a_chunk_per_transaction_and_parents_last(self):
+        for name in ("a", "b", "c"):
+            self.session_with(name, 3)
+        self.db.create_session("child", "cli", parent_session_id="a")
+        exported = [self.db.export_session(name) for name in ("a", "b", "c", "child")]
+        self.db.delete_sessions(["a", "b", "c", "child"])
+        self.db.IMPORT_CHUNK_MESSAGES = 4
+        self.statements.clear()
+        result = self.db.import_sessions(exported)
+        self.assertEqual((4, 0, 0), (result["imported"], result["skipped"], result["detached"]))
+        self.assertEqual(3, len(touching(self.statements, "INSERT INTO messages")))  # a | b | c + child
+        self.assertEqual("a", self.db.get_session("child")["parent_session_id"])
+        again = self.db.import_sessions(exported)  # what a rerun after an interruption does
+        self.assertEqual((0, 4), (again["imported"], again["skipped"]))
+
+
+class CjkQueueInBatches(LockHoldTestCase):
+
+    def test_a_foreign_writers_cjk_backlog_is_indexed_at_most_500_rows_a_transaction(self):
+        self.db.create_session("s", "cli")
+        self.db.close()
+        conn = self.raw(self.path)
+        with conn:  # a writer without our Python code: its triggers only queue the rows
+            conn.executemany("INSERT INTO messages (session_id, role, content, timestamp, active)"
+                             " VALUES ('s', 'user', ?, 1, 1)", [(f"会话 {i}",) for i in range(1200)])
+        statements = []
+        with SessionDB(self.path, connection_factory=tracing_factory(statements)) as db:
+            while db.fts_rebuild_step():
+                pass
+            self.assertEqual(1200, len(db.search_messages("会话", limit=2000)))
+        upserts = [len([s for s in t if s.startswith("INSERT OR REPLACE INTO hs_fts_cjk")])
+                   for t in transactions(statements)]
+        self.assertEqual(1200, sum(upserts))
+        self.assertLessEqual(max(upserts), 500)
+        self.assertEqual(0, conn.execute("SELECT COUNT(*) FROM hs_fts_cjk_queue").fetchone()[0])
+
+
+class DataRepairsInChunks(LockHoldTestCase):
+
+    def test_messages_an_old_reconciler_left_hidden_are_shown_again_a_chunk_per_transaction(self):
+        self.db.close()
+        self.path.unlink()
+        conn = self.raw(self.path)  # an old store: active added without NOT NULL DEFAULT 1
+        conn.executescript(OLD_SESSIONS + "ALTER TABLE messages ADD COLUMN active INTEGER;"
+                           "INSERT INTO sessions (id, source, started_at) VALUES ('s', 'cli', 1);")
+        with conn:
+            conn.executemany("INSERT INTO messages (session_id, role, content, timestamp) VALUES ('s', 'user', ?, 1)",
+                             [(f"m{i}",) for i in range(7)])
+        statements = []
+
+        class SmallChunks(SessionDB):
+            NULL_ACTIVE_CHUNK_ROWS = 3
+
+        with SmallChunks(self.path, connection_factory=tracing_factory(statements)) as db:
+            self.assertEqual(7, len(db.get_messages("s")))
+        self.assertEqual(3, len(touching(statements, "UPDATE messages SET active = 1")))  # 3 + 3 + 1
+        self.assertEqual(0, conn.execute("SELECT COUNT(*) FROM messages WHERE active IS NULL").fetchone()[0])
