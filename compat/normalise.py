@@ -16,6 +16,8 @@ TEXT_RULES = [
     (re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07"), ""),
     (re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b"), "<uuid>"),
     (re.compile(r"\b[0-9a-f]{32,}\b"), "<hash>"),
+    # The HTML export's content-security nonce is random per file.
+    (re.compile(r"\bnonce(-|=\")[A-Za-z0-9_+/=-]+"), r"nonce\1<nonce>"),
     (re.compile(r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?"), "<datetime>"),
     (re.compile(r"\b\d{8}_\d{6}\b"), "<datetime>"),
     (re.compile(r"\b\d{4}-\d{2}-\d{2}\b"), "<date>"),
