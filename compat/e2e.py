@@ -136,7 +136,28 @@ def store_steps(first, second, lineage):
 # The fixture stores (fixtures/README.md): 20 ended sessions bench_000000..19; every third from 0 is
 # telegram, the rest cli; 0, 5, 10, 15 ended in compression and have a child; 0, 7, 14 have titles.
 FIXTURE_STEPS = store_steps("bench_000007", "bench_000002", "bench_000005")
-# (prefix of the step names, fixture file or None for a fresh home, steps)
+
+
+def duplicate_schema_entry(db_path):
+    """Damage a store as field reports show it: `table messages_fts already exists` (sqlite_master holds
+    the index's row twice), which makes every open fail until `sessions repair` removes the copy."""
+    conn = sqlite3.connect(db_path)
+    try:
+        conn.execute("PRAGMA writable_schema=ON")
+        conn.execute("INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'messages_fts'")
+        conn.commit()
+    finally:
+        conn.close()
+
+
+DAMAGED_STEPS = [
+    ("sessions-repair-check", ["sessions", "repair", "--check-only"], {}),
+    ("sessions-repair", ["sessions", "repair"], {}),
+    ("sessions-repair-again", ["sessions", "repair"], {}),
+    ("sessions-list", ["sessions", "list", "--limit", "50"], {}),
+    ("sessions-stats", ["sessions", "stats"], {}),
+]
+# (prefix of the step names, fixture file or None for a fresh home, steps, what to do to the store first)
 SEQUENCES = [
     ("", None, STEPS + [
         ("sessions-list-source", ["sessions", "list", "--source", "cli"], {}),
@@ -154,9 +175,10 @@ SEQUENCES = [
         ("backup", ["backup", "-o", "{root}/fresh-backup.zip"], {}),
         ("import-fresh-home", ["import", "{root}/fresh-backup.zip"], {"home": "fresh-imported"}),
         ("imported-sessions-list", ["sessions", "list"], {"home": "fresh-imported"}),
-    ]),
-    ("v22/", "hermes_v22_legacy_fts.db.gz", FIXTURE_STEPS),
-    ("v26/", "hermes_v26_split.db.gz", FIXTURE_STEPS),
+    ], None),
+    ("v22/", "hermes_v22_legacy_fts.db.gz", FIXTURE_STEPS, None),
+    ("v26/", "hermes_v26_split.db.gz", FIXTURE_STEPS, None),
+    ("v26-damaged/", "hermes_v26_split.db.gz", DAMAGED_STEPS, duplicate_schema_entry),
 ]
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 
@@ -326,12 +348,14 @@ def run(kind, venv, overlay, out_path):
     offset = 0
     run_started = time.monotonic()
     wanted = [w for w in os.environ.get("COMPAT_E2E_SEQUENCES", "").split(",") if w]
-    for prefix, fixture, sequence in SEQUENCES:
+    for prefix, fixture, sequence, prepare in SEQUENCES:
         seq = prefix.rstrip("/") or "fresh"
         if wanted and seq not in wanted:
             continue
         main_home = os.path.join(root, "home" if seq == "fresh" else seq + "-home")
         make_home(main_home, port, fixture)
+        if prepare:
+            prepare(os.path.join(main_home, "state.db"))
         captured = {"root": root, "seq": seq}
         for name, template, options in sequence:
             home = main_home

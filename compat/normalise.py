@@ -54,6 +54,9 @@ class Normaliser:
 
     def _label_prefix(self, match):
         known = sorted({label for sid, label in self.labels.items() if sid.startswith(match.group(0))})
+        if not known and "_" not in match.group(0)[9:]:
+            # A bare date_time no session id starts with (a backup's name): the time rules take it.
+            return match.group(0)
         return known[0] + "(cut)" if len(known) == 1 else "<session id cut short>"
 
     def label_sessions_from_store(self, store):
@@ -115,6 +118,10 @@ class Normaliser:
 
     def store(self, store):
         """Return the dumped store as {table: [row dicts]} with message ids as M1, M2, ... in id order."""
+        if isinstance(store, dict) and set(store) == {"error"}:
+            # The store would not open (a damaged schema): each table says why, on either side alike.
+            return {table: {"error": self.text(store["error"])} for table in ("sessions", "messages",
+                                                                             "session_model_usage")}
         if not isinstance(store, dict) or "sessions" not in store:
             return store
         out = {}
