@@ -48,7 +48,8 @@ compression:
 
 # A step: (name, argv with {placeholders}, options). Options: "capture": name to keep the printed session
 # id under; "config": text appended to config.yaml first; "files": a path (file or folder) whose content
-# is compared; "home": run in another HERMES_HOME of the run (made empty at first use), e.g. to import.
+# is compared; "home": run in another HERMES_HOME of the run (made empty at first use), e.g. to import;
+# "stdin": what to answer a prompt (stdin is empty otherwise).
 STEPS = [
     ("turn-plain", q("Say hello to banana"), {"capture": "A"}),
     ("turn-tool-read_file", q("Please TOOL:read_file notes.txt"), {"capture": "B"}),
@@ -120,9 +121,13 @@ def store_steps(first, second, lineage):
         ("sessions-repair-check", ["sessions", "repair", "--check-only"], {}),
         ("sessions-repair", ["sessions", "repair"], {}),
         ("sessions-clean-markers-dry-run", ["sessions", "clean-markers", "--dry-run"], {}),
-        ("sessions-clean-markers", ["sessions", "clean-markers", "--no-backup"], {}),
+        ("sessions-clean-markers", ["sessions", "clean-markers"], {}),
+        ("sessions-clean-markers-again", ["sessions", "clean-markers", "--no-backup"], {}),
         ("sessions-repair-routing", ["sessions", "repair-routing"], {}),
-        ("sessions-repair-routing-apply", ["sessions", "repair-routing", "--apply"], {}),
+        ("sessions-repair-routing-gap", ["sessions", "repair-routing", "--max-gap-seconds", "0.01"], {}),
+        ("sessions-repair-routing-apply", ["sessions", "repair-routing", "--max-gap-seconds", "0.01", "--apply"],
+         {"stdin": "y\n"}),
+        ("sessions-repair-routing-after", ["sessions", "repair-routing"], {}),
         ("insights", ["insights", "--days", "3650"], {}),
         ("doctor", ["doctor"], {}),
         ("status", ["status"], {}),
@@ -134,8 +139,30 @@ def store_steps(first, second, lineage):
 
 
 # The fixture stores (fixtures/README.md): 20 ended sessions bench_000000..19; every third from 0 is
-# telegram, the rest cli; 0, 5, 10, 15 ended in compression and have a child; 0, 7, 14 have titles.
+# telegram, the rest cli; 0, 5, 10, 15 ended in compression and have a child; 0, 7, 14 have titles
+# (`seed_fixture` below adds marker rows and a gateway identity before the first step).
 FIXTURE_STEPS = store_steps("bench_000007", "bench_000002", "bench_000005")
+
+
+def seed_fixture(db_path):
+    """Give a fixture store what `clean-markers` and `repair-routing` act on: assistant turns with tool
+    calls whose text is a bare marker (`[memory]`, left by releases before hermes-agent's #78148 fix)
+    beside one bracketed text that is no marker; one telegram session with its gateway identity and,
+    right after it, one without (what `repair-routing --apply` adopts)."""
+    conn = sqlite3.connect(db_path)
+    try:
+        conn.execute("UPDATE sessions SET session_key = 'agent:main:telegram:dm:42', chat_id = '42', "
+                     "chat_type = 'dm', user_id = '42', display_name = 'Compat' WHERE id = 'bench_000003'")
+        # The next session, as telegram without an identity: within 0.01 s of bench_000003 it alone claims it.
+        conn.execute("UPDATE sessions SET source = 'telegram' WHERE id = 'bench_000004'")
+        for session_id, content in (("bench_000002", "[memory]"), ("bench_000008", " [read_file] "),
+                                    ("bench_000003", "[session_search]"), ("bench_000013", "[two words]")):
+            conn.execute("UPDATE messages SET content = ? WHERE id = (SELECT min(id) FROM messages WHERE "
+                         "session_id = ? AND role = 'assistant' AND tool_calls IS NOT NULL AND tool_calls != '')",
+                         (content, session_id))
+        conn.commit()
+    finally:
+        conn.close()
 
 
 def duplicate_schema_entry(db_path):
@@ -176,8 +203,8 @@ SEQUENCES = [
         ("import-fresh-home", ["import", "{root}/fresh-backup.zip"], {"home": "fresh-imported"}),
         ("imported-sessions-list", ["sessions", "list"], {"home": "fresh-imported"}),
     ], None),
-    ("v22/", "hermes_v22_legacy_fts.db.gz", FIXTURE_STEPS, None),
-    ("v26/", "hermes_v26_split.db.gz", FIXTURE_STEPS, None),
+    ("v22/", "hermes_v22_legacy_fts.db.gz", FIXTURE_STEPS, seed_fixture),
+    ("v26/", "hermes_v26_split.db.gz", FIXTURE_STEPS, seed_fixture),
     ("v26-damaged/", "hermes_v26_split.db.gz", DAMAGED_STEPS, duplicate_schema_entry),
 ]
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
@@ -291,12 +318,13 @@ def export_files(path):
     return out
 
 
-def run_hermes(argv, cwd, env):
+def run_hermes(argv, cwd, env, stdin=None):
     """Return (exit code or 'timeout', stdout, stderr) of one command; a hang is killed with its children."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                            start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=STEP_TIMEOUT)
+        stdout, stderr = proc.communicate(stdin, timeout=STEP_TIMEOUT)
         return proc.returncode, stdout, stderr
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -375,7 +403,7 @@ def run(kind, venv, overlay, out_path):
             elif started - run_started > RUN_BUDGET:
                 rc, stdout, stderr = "not run", "", "compat: the e2e time budget (%d s) is spent" % RUN_BUDGET
             else:
-                rc, stdout, stderr = run_hermes([hermes] + argv, work, env)
+                rc, stdout, stderr = run_hermes([hermes] + argv, work, env, options.get("stdin"))
             seconds = time.monotonic() - started
             # hermes-agent prints "session_id: ID" on stderr; the id comes from its CLI, not the state layer.
             printed = re.findall(r"session_id:\s*(\S+)", stdout + "\n" + stderr)
