@@ -1,12 +1,16 @@
 """End-to-end run of hermes-agent's CLI against the fake model server, for one venv (ref or swap).
 
-Owns: the scripted sequence of `hermesx` commands, the temp HERMES_HOME it runs in, and the
-normalised record of each step (exit code, stdout, stderr, the requests the model server received,
-the stored rows after the step), written as JSON for `run.py` to compare. Must not touch: anything
-outside its temp folder; any network but 127.0.0.1 (`run.py` starts it in a private network
-namespace when it can).
+Owns: the scripted sequences of `hermesx` commands (a fresh home; copies of the 0.19 and 0.20 fixture
+stores as a home's state.db; a 0.20 store with a damaged schema), the temp HERMES_HOMEs they run in
+(with the homes a backup is imported into), and the normalised record of each step (exit code,
+stdout, stderr, exported files, the requests the model server received, the stored rows of the
+step's home after it), written as JSON for `run.py` to compare. Must not touch: anything outside its
+temp folder; the fixture files (it copies them); any network but 127.0.0.1 (`run.py` starts it in a
+private network namespace when it can).
 
 Usage: python3 e2e.py --kind ref|swap --venv PATH [--overlay DIR] --out FILE
+Environment: COMPAT_E2E_SEQUENCES=fresh,v22,v26,v26-damaged runs only those sequences (while working
+on one; `make compat` runs all).
 """
 
 import argparse
@@ -48,8 +52,9 @@ compression:
 
 # A step: (name, argv with {placeholders}, options). Options: "capture": name to keep the printed session
 # id under; "config": text appended to config.yaml first; "files": a path (file or folder) whose content
-# is compared; "home": run in another HERMES_HOME of the run (made empty at first use), e.g. to import;
-# "stdin": what to answer a prompt (stdin is empty otherwise).
+# is compared; "home": run in another HERMES_HOME of the run (made at first use with our config.yaml, or
+# empty with "bare", e.g. to import a backup); "stdin": what to answer a prompt (stdin is empty
+# otherwise); "capture_as": name to keep the id of an imported session under.
 STEPS = [
     ("turn-plain", q("Say hello to banana"), {"capture": "A"}),
     ("turn-tool-read_file", q("Please TOOL:read_file notes.txt"), {"capture": "B"}),
@@ -132,9 +137,9 @@ def store_steps(first, second, lineage):
         ("doctor", ["doctor"], {}),
         ("status", ["status"], {}),
         ("backup", ["backup", "-o", "{root}/{seq}-backup.zip"], {}),
-        ("import-fresh-home", ["import", "{root}/{seq}-backup.zip"], {"home": "{seq}-imported"}),
-        ("imported-sessions-list", ["sessions", "list", "--limit", "50"], {"home": "{seq}-imported"}),
-        ("imported-sessions-stats", ["sessions", "stats"], {"home": "{seq}-imported"}),
+        ("import-fresh-home", ["import", "{root}/{seq}-backup.zip"], {"home": "{seq}-imported", "bare": True}),
+        ("imported-sessions-list", ["sessions", "list", "--limit", "50"], {"home": "{seq}-imported", "bare": True}),
+        ("imported-sessions-stats", ["sessions", "stats"], {"home": "{seq}-imported", "bare": True}),
     ]
 
 
@@ -200,8 +205,15 @@ SEQUENCES = [
         ("sessions-repair-routing", ["sessions", "repair-routing"], {}),
         ("status", ["status"], {}),
         ("backup", ["backup", "-o", "{root}/fresh-backup.zip"], {}),
-        ("import-fresh-home", ["import", "{root}/fresh-backup.zip"], {"home": "fresh-imported"}),
-        ("imported-sessions-list", ["sessions", "list"], {"home": "fresh-imported"}),
+        ("import-fresh-home", ["import", "{root}/fresh-backup.zip"], {"home": "fresh-imported", "bare": True}),
+        ("imported-sessions-list", ["sessions", "list"], {"home": "fresh-imported", "bare": True}),
+        # Conversations of other agents' CLIs (files written by run() below) into a home of their own.
+        ("sessions-import-claude", ["sessions", "import", "--from", "claude", "{root}/work/claude-session.jsonl"],
+         {"home": "foreign", "capture_as": "I"}),
+        ("sessions-import-codex", ["sessions", "import", "--from", "codex", "{root}/work/rollout-compat.jsonl"],
+         {"home": "foreign"}),
+        ("resume-imported", ["chat", "-Q", "--resume", "{I}", "-q", "Carry on from the import"], {"home": "foreign"}),
+        ("foreign-sessions-list", ["sessions", "list"], {"home": "foreign"}),
     ], None),
     ("v22/", "hermes_v22_legacy_fts.db.gz", FIXTURE_STEPS, seed_fixture),
     ("v26/", "hermes_v26_split.db.gz", FIXTURE_STEPS, seed_fixture),
@@ -332,6 +344,36 @@ def run_hermes(argv, cwd, env, stdin=None):
         return "timeout", stdout, stderr
 
 
+def write_foreign_sessions(folder):
+    """Write a Claude Code session and a Codex CLI rollout (their JSONL shapes) for `sessions import`."""
+    claude = [
+        {"type": "summary", "summary": "Banana notes from Claude"},
+        {"type": "user", "cwd": folder, "sessionId": "claude-compat-1",
+         "message": {"role": "user", "content": "<system-reminder>not typed</system-reminder>"}},
+        {"type": "user", "cwd": folder, "sessionId": "claude-compat-1",
+         "message": {"role": "user", "content": "Summarise the banana notes please"}},
+        {"type": "assistant", "message": {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hidden"}, {"type": "text", "text": "Reading them."},
+            {"type": "tool_use", "name": "Read", "input": {"file_path": "notes.txt"}}]}},
+        {"type": "user", "message": {"role": "user", "content": [{"type": "tool_result", "content": "x"}]}},
+        {"type": "assistant", "message": {"role": "assistant", "content": "They are about bananas."}},
+        {"type": "user", "isSidechain": True, "message": {"role": "user", "content": "side chain"}},
+    ]
+    codex = [
+        {"type": "session_meta", "payload": {"id": "codex-compat-1", "cwd": folder}},
+        {"type": "response_item", "payload": {"type": "message", "role": "developer",
+                                              "content": [{"type": "input_text", "text": "rules"}]}},
+        {"type": "response_item", "payload": {"type": "message", "role": "user",
+                                              "content": [{"type": "input_text", "text": "Count the cherries"}]}},
+        {"type": "response_item", "payload": {"type": "function_call", "name": "shell"}},
+        {"type": "response_item", "payload": {"type": "message", "role": "assistant",
+                                              "content": [{"type": "output_text", "text": "Twelve cherries."}]}},
+    ]
+    for name, lines in (("claude-session.jsonl", claude), ("rollout-compat.jsonl", codex)):
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(line) + "\n" for line in lines)
+
+
 def make_home(home, port, fixture=None):
     """Make a HERMES_HOME with our config.yaml and, when given, a copy of a fixture store as its state.db."""
     os.makedirs(home)
@@ -352,6 +394,7 @@ def run(kind, venv, overlay, out_path):
         fh.write("hello notes about banana\n")
     with open(os.path.join(work, "big.txt"), "w") as fh:
         fh.writelines("line %d of the big file about bananas, cherries and other fruit\n" % n for n in range(400))
+    write_foreign_sessions(work)
     log_path = os.path.join(root, "requests.jsonl")
     server = fake_llm.start(log_path)
     port = server.server_address[1]
@@ -388,9 +431,12 @@ def run(kind, venv, overlay, out_path):
         for name, template, options in sequence:
             home = main_home
             if options.get("home"):
-                # A home of its own that starts empty (no config.yaml): where a backup is imported.
                 home = os.path.join(root, options["home"].format(**captured))
-                os.makedirs(home, exist_ok=True)
+                if not os.path.isdir(home):
+                    if options.get("bare"):
+                        os.makedirs(home)
+                    else:
+                        make_home(home, port)
             if options.get("config"):
                 with open(os.path.join(home, "config.yaml"), "a") as fh:
                     fh.write(options["config"])
@@ -409,6 +455,10 @@ def run(kind, venv, overlay, out_path):
             printed = re.findall(r"session_id:\s*(\S+)", stdout + "\n" + stderr)
             if options.get("capture") and printed:
                 captured[options["capture"]] = printed[-1]
+            imported = re.findall(r"Imported .* session as (\S+)", stdout)
+            if options.get("capture_as") and imported:
+                captured[options["capture_as"]] = imported[-1]
+                printed.extend(imported)
             for sid in printed:
                 norm.label_session(sid)
             requests, offset = read_new_requests(log_path, offset)
