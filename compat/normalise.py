@@ -1,8 +1,8 @@
 """Normalisation of outputs and stored rows for `make compat`: what varies between runs becomes a placeholder.
 
 Owns: the placeholder rules (session ids become S1, S2, ... in order of first sight; timestamps, dates,
-durations, sizes, hashes, temp paths and the server port become <ts>, <date>, <dur>, <size>, <hash>,
-<root>, <port>). Must not touch: the meaning of what it normalises: anything the state layer decides
+durations, sizes, hashes, HTML nonces, temp paths and the server port become <ts>, <date>, <dur>,
+<size>, <hash>, <nonce>, <root>, <port>; a store that would not open reads the same on either side). Must not touch: the meaning of what it normalises: anything the state layer decides
 (counts, titles, contents, order, exit codes) passes through unchanged.
 """
 
