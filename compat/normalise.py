@@ -2,8 +2,9 @@
 
 Owns: the placeholder rules (session ids become S1, S2, ... in order of first sight; timestamps, dates,
 durations, sizes, hashes, HTML nonces, temp paths and the server port become <ts>, <date>, <dur>,
-<size>, <hash>, <nonce>, <root>, <port>; a store that would not open reads the same on either side). Must not touch: the meaning of what it normalises: anything the state layer decides
-(counts, titles, contents, order, exit codes) passes through unchanged.
+<size>, <hash>, <nonce>, <root>, <port>; a store that would not open reads the same on either side).
+Must not touch: the meaning of what it normalises: anything the state layer decides (counts, titles,
+contents, order, exit codes) passes through unchanged.
 """
 
 import json
