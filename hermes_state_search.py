@@ -1006,13 +1006,19 @@ class SessionSearchMixin:
         if shortfall:
             logger.info("search: %s", shortfall)
             return {"ok": False, "reason": "insufficient_disk", "vacuumed": None, "detail": shortfall}
-        report, phase = progress_cb or (lambda _progress: None), "backfill"
+        report = progress_cb or (lambda _progress: None)
         self._execute_write(self._begin_optimize)
-        while True:
-            phase = (self._rebuild_phase() or {"phase": phase})["phase"]  # the CJK queue goes with its phase
-            report(_progress(phase, self.fts_rebuild_status()))
-            if not self.fts_rebuild_step():
-                break
+        # Reported in hermes-agent's order, which its CLI prints line by line: the backfill from where it
+        # stands, after each chunk that leaves some, closed at 100%; then teardown (with the CJK queue).
+        report(_progress("backfill", self.fts_rebuild_status()))
+        while self.fts_rebuild_status() is not None and self.fts_rebuild_step():
+            if self.fts_rebuild_status() is not None:
+                report(_progress("backfill", self.fts_rebuild_status()))
+            time.sleep(OPTIMIZE_PAUSE)
+        report(_progress("backfill", self.fts_rebuild_status()))
+        report(_progress("teardown", None))
+        while self.fts_rebuild_step():
+            report(_progress("teardown", None))
             time.sleep(OPTIMIZE_PAUSE)
         phase = self._rebuild_phase()
         if phase is not None:

@@ -1,9 +1,10 @@
 """Normalisation of outputs and stored rows for `make compat`: what varies between runs becomes a placeholder.
 
 Owns: the placeholder rules (session ids become S1, S2, ... in order of first sight; timestamps, dates,
-durations, sizes, hashes, temp paths and the server port become <ts>, <date>, <dur>, <size>, <hash>,
-<root>, <port>). Must not touch: the meaning of what it normalises: anything the state layer decides
-(counts, titles, contents, order, exit codes) passes through unchanged.
+durations, sizes, hashes, HTML nonces, temp paths and the server port become <ts>, <date>, <dur>,
+<size>, <hash>, <nonce>, <root>, <port>; a store that would not open reads the same on either side).
+Must not touch: the meaning of what it normalises: anything the state layer decides (counts, titles,
+contents, order, exit codes) passes through unchanged.
 """
 
 import json
@@ -16,6 +17,8 @@ TEXT_RULES = [
     (re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07"), ""),
     (re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b"), "<uuid>"),
     (re.compile(r"\b[0-9a-f]{32,}\b"), "<hash>"),
+    # The HTML export's content-security nonce is random per file.
+    (re.compile(r"\bnonce(-|=\")[A-Za-z0-9_+/=-]+"), r"nonce\1<nonce>"),
     (re.compile(r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?"), "<datetime>"),
     (re.compile(r"\b\d{8}_\d{6}\b"), "<datetime>"),
     (re.compile(r"\b\d{4}-\d{2}-\d{2}\b"), "<date>"),
@@ -52,6 +55,9 @@ class Normaliser:
 
     def _label_prefix(self, match):
         known = sorted({label for sid, label in self.labels.items() if sid.startswith(match.group(0))})
+        if not known and "_" not in match.group(0)[9:]:
+            # A bare date_time no session id starts with (a backup's name): the time rules take it.
+            return match.group(0)
         return known[0] + "(cut)" if len(known) == 1 else "<session id cut short>"
 
     def label_sessions_from_store(self, store):
@@ -113,6 +119,10 @@ class Normaliser:
 
     def store(self, store):
         """Return the dumped store as {table: [row dicts]} with message ids as M1, M2, ... in id order."""
+        if isinstance(store, dict) and set(store) == {"error"}:
+            # The store would not open (a damaged schema): each table says why, on either side alike.
+            return {table: {"error": self.text(store["error"])} for table in ("sessions", "messages",
+                                                                             "session_model_usage")}
         if not isinstance(store, dict) or "sessions" not in store:
             return store
         out = {}
