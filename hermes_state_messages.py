@@ -614,15 +614,12 @@ def _conversation_message(row, include_row_id):
     message = {"role": role, "content": content}
     if include_row_id and row["id"] is not None:
         message["_row_id"] = row["id"]
-    for key in ("api_content", "display_kind"):
-        if row[key]:
-            message[key] = row[key]
+    message.update({k: row[k] for k in ("api_content", "display_kind") if row[k]})
     meta = decode_display_metadata(row["display_metadata"]) if row["display_metadata"] else None
     if meta is not None:
         message["display_metadata"] = meta
-    for key in ("timestamp", "tool_call_id", "tool_name", "effect_disposition"):
-        if row[key]:
-            message[key] = row[key]
+    message.update({k: row[k] for k in ("timestamp", "tool_call_id", "tool_name", "effect_disposition")
+                    if row[k]})
     if row["tool_calls"]:
         message["tool_calls"] = loads_or(row["tool_calls"], [])
     if row["platform_message_id"]:
@@ -630,14 +627,11 @@ def _conversation_message(row, include_row_id):
     if row["observed"]:
         message["observed"] = True
     if role == "assistant":
-        for key in ("finish_reason", "reasoning"):
-            if row[key]:
-                message[key] = row[key]
+        message.update({k: row[k] for k in ("finish_reason", "reasoning") if row[k]})
         if row["reasoning_content"] is not None:
             message["reasoning_content"] = row["reasoning_content"]
-        for key in ("reasoning_details", "codex_reasoning_items", "codex_message_items"):
-            if row[key]:
-                message[key] = loads_or(row[key], None)
+        message.update({k: loads_or(row[k], None) for k in ("reasoning_details", "codex_reasoning_items",
+                                                              "codex_message_items") if row[k]})
     return message
 
 
