@@ -518,8 +518,9 @@ HAS_NULL_ACTIVE_SQL = "SELECT 1 FROM messages WHERE active IS NULL LIMIT 1"
 REPAIR_NULL_ACTIVE_SQL = "UPDATE messages SET active = 1 WHERE active IS NULL"
 # Of the rows sharing a title, only the newest keeps it.
 CLEAR_OLDER_DUPLICATE_TITLES_SQL = """UPDATE sessions SET title = NULL WHERE title IS NOT NULL AND EXISTS (
-  SELECT 1 FROM sessions AS newer WHERE newer.title = sessions.title AND (newer.started_at > sessions.started_at
-    OR (newer.started_at = sessions.started_at AND newer.rowid > sessions.rowid)))"""
+  SELECT 1 FROM sessions AS newer WHERE newer.title = sessions.title
+    AND (newer.started_at > sessions.started_at
+         OR (newer.started_at = sessions.started_at AND newer.rowid > sessions.rowid)))"""
 GATEWAY_ROUTING_SIDE_TABLE = "gateway_routing_pk_heal"
 HAS_INLINE_PROMPT_SQL = "SELECT 1 FROM sessions WHERE system_prompt IS NOT NULL LIMIT 1"
 SELECT_INLINE_PROMPTS_SQL = "SELECT id, system_prompt FROM sessions WHERE system_prompt IS NOT NULL LIMIT ?"
@@ -548,10 +549,10 @@ SESSION_CASCADE_DELETE_SQL = ("UPDATE sessions SET parent_session_id = NULL WHER
 # The columns every message insert writes, in hermes-agent's order. `active` is always written: on an old
 # store its column may have no default, and a row left NULL there is invisible to every reader.
 MESSAGE_WRITE_COLUMNS = (
-    "session_id", "role", "content", "tool_call_id", "tool_calls", "tool_name", "effect_disposition", "timestamp",
-    "token_count", "finish_reason", "reasoning", "reasoning_content", "reasoning_details", "codex_reasoning_items",
-    "codex_message_items", "platform_message_id", "observed", "active", "api_content", "display_kind",
-    "display_metadata")
+    "session_id", "role", "content", "tool_call_id", "tool_calls", "tool_name", "effect_disposition",
+    "timestamp", "token_count", "finish_reason", "reasoning", "reasoning_content", "reasoning_details",
+    "codex_reasoning_items", "codex_message_items", "platform_message_id", "observed", "active",
+    "api_content", "display_kind", "display_metadata")
 INSERT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
     ", ".join(MESSAGE_WRITE_COLUMNS), ", ".join("?" for _ in MESSAGE_WRITE_COLUMNS))
 BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message_count, 0) + ?,"
@@ -914,12 +915,9 @@ def is_malformed_db_error(exc):
 
 def is_disk_full_error(exc):
     """True when `exc` (an exception or its text) says the disk is full; False for None."""
-    if exc is None:
-        return False
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return True
-    text = str(exc).lower()
-    return any(marker in text for marker in DISK_FULL_MARKERS)
+    return exc is not None and any(marker in str(exc).lower() for marker in DISK_FULL_MARKERS)
 
 
 def classify_persistence_error(exc_or_str):
@@ -930,14 +928,15 @@ def classify_persistence_error(exc_or_str):
     disk trouble (full, read-only, permissions)."""
     if exc_or_str is None:
         return "unknown"
-    for cls, cause in ((SessionTurnLeaseLostError, "turn_lease"), (CompressionSessionClosedError, "compression_closed"),
+    for cls, cause in ((SessionTurnLeaseLostError, "turn_lease"),
+                       (CompressionSessionClosedError, "compression_closed"),
                        (CompressionSessionBusyError, "compression")):
         if isinstance(exc_or_str, cls):
             return cause
     text = str(exc_or_str).lower()
     for words, cause in ((("turn lease",), "turn_lease"), (("closed by compression",), "compression_closed"),
-                         (("being compressed", "compression lease"), "compression"), (("locked", "busy"), "locked"),
-                         (("disk", "readonly", "read-only"), "disk")):
+                         (("being compressed", "compression lease"), "compression"),
+                         (("locked", "busy"), "locked"), (("disk", "readonly", "read-only"), "disk")):
         if any(word in text for word in words):
             return cause
     return "disk" if is_disk_full_error(exc_or_str) else "unknown"
