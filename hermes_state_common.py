@@ -1,12 +1,10 @@
 """Shared constants of the state layer: schema, SQL, limits, meta keys.
 
-Owns every piece of SQL text the other modules run, the version numbers and the
-limits, plus a few pure helpers for building SQL (identifier quoting, LIKE
-escaping, prefix ranges, id chunking), the exception classes callers catch,
-and the persistence-error helpers hermes-agent imports from hermes_state
-(classifying a failed write, remembering why the last open failed). It must
-not open or touch a connection: the mixins and SessionDB do that, and import
-from here so that none of them has to import another.
+Owns every piece of SQL text the other modules run, the version numbers and the limits, plus a few pure
+helpers for building SQL (identifier quoting, LIKE escaping, prefix ranges, id chunking), the exception
+classes callers catch, and the persistence-error helpers hermes-agent imports from hermes_state (classifying a
+failed write, remembering why the last open failed). It must not open or touch a connection: the mixins and
+SessionDB do that, and import from here so that none of them has to import another.
 """
 
 import errno
@@ -16,16 +14,14 @@ import sqlite3
 import threading
 from pathlib import Path
 
-# ---------------------------------------------------------------------------
-# Versions and names
-# ---------------------------------------------------------------------------
+# -- Versions and names -------------------------------------------------------
 
-# Only for data migrations that cannot be declared (backfills, tagging). Columns
-# never need a bump: they come from SCHEMA_SQL on every open.
+# Only for data migrations that cannot be declared (backfills, tagging). Columns never need a bump: they come
+# from SCHEMA_SQL on every open.
 SCHEMA_VERSION = 26
 
-# hermes-agent's keys describing its own search index. We read them (to use its
-# index on a store it indexed) and never store a value of ours under them.
+# hermes-agent's keys describing its own search index. We read them (to use its index on a store it indexed)
+# and never store a value of ours under them.
 META_FTS_STORAGE_VERSION = "fts_storage_version"
 META_FTS_OPTIMIZE_AVAILABLE = "fts_optimize_available"
 META_FTS_REBUILD_HIGH_WATER = "fts_rebuild_high_water"
@@ -37,22 +33,18 @@ META_FTS_CJK_STALE = "fts_cjk_stale"
 FTS_STORAGE_VERSION = 1
 
 COMPRESSION_END_REASON = "compression"
-# End reasons of a session that a reset replaced with an empty one (gateway
-# /new and /reset, idle and daily expiry, ...): hermes-agent's session_search
-# treats their transcripts as gone from the live context. Its name and values are
-# hermes-agent's (tools/session_search_tool.py imports it from here). A child
-# that rides its parent's routing key across one of these is a reset, not a
-# continuation.
+# End reasons of a session that a reset replaced with an empty one (gateway /new and /reset, idle and daily
+# expiry, ...): hermes-agent's session_search treats their transcripts as gone from the live context. Its name
+# and values are hermes-agent's (tools/session_search_tool.py imports it from here). A child that rides its
+# parent's routing key across one of these is a reset, not a continuation.
 _RESET_END_REASONS = ("session_reset", "session_switch", "idle", "daily", "suspended", "resume_pending_expired")
 GATEWAY_ROUTING_PK = ["scope", "session_key"]
 
-# ---------------------------------------------------------------------------
-# Limits
-# ---------------------------------------------------------------------------
+# -- Limits -------------------------------------------------------------------
 
 TITLE_MAX_LENGTH = 100
-# Who wrote a title, lowest authority first: an automatic title replaces only
-# a title of lower authority; a user's title is never replaced automatically.
+# Who wrote a title, lowest authority first: an automatic title replaces only a title of lower authority; a
+# user's title is never replaced automatically.
 TITLE_SOURCE_DERIVED = "derived"
 TITLE_SOURCE_LLM = "llm"
 TITLE_SOURCE_USER = "user"
@@ -69,11 +61,10 @@ SQL_CHUNK_SIZE = 500
 # Sessions migrated per transaction by resumable data migrations.
 MIGRATION_CHUNK_SIZE = 200
 
-# ---------------------------------------------------------------------------
-# Schema: the only description of tables and columns (hermes-agent schema 26).
-# Tables only. Every index lives in DEFERRED_INDEXES, run after the columns
-# are reconciled, because an older store may lack any column an index names.
-# ---------------------------------------------------------------------------
+# -- Schema -------------------------------------------------------------------
+# The only description of tables and columns (hermes-agent schema 26). Tables only. Every index lives in
+# DEFERRED_INDEXES, run after the columns are reconciled, because an older store may lack any column an index
+# names.
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS schema_version (
@@ -248,72 +239,53 @@ CREATE TABLE IF NOT EXISTS async_delegations (
 );
 """
 
-# name -> DDL, created after _reconcile_columns in this order. Names and
-# definitions are hermes-agent's, so both projects recognise each other's.
-DEFERRED_INDEXES = {
-    "idx_sessions_source": "CREATE INDEX IF NOT EXISTS idx_sessions_source ON sessions(source)",
-    "idx_sessions_source_id": "CREATE INDEX IF NOT EXISTS idx_sessions_source_id ON sessions(source, id)",
-    "idx_sessions_parent": "CREATE INDEX IF NOT EXISTS idx_sessions_parent ON sessions(parent_session_id)",
-    "idx_sessions_started": "CREATE INDEX IF NOT EXISTS idx_sessions_started ON sessions(started_at DESC)",
-    "idx_messages_session": "CREATE INDEX IF NOT EXISTS idx_messages_session ON messages(session_id, timestamp)",
-    "idx_messages_session_id": "CREATE INDEX IF NOT EXISTS idx_messages_session_id ON messages(session_id, id)",
-    "idx_messages_assistant_calls_by_session": (
-        "CREATE INDEX IF NOT EXISTS idx_messages_assistant_calls_by_session ON messages(session_id)"
-        " WHERE role = 'assistant' AND tool_calls IS NOT NULL"),
-    "idx_compression_locks_expires": (
-        "CREATE INDEX IF NOT EXISTS idx_compression_locks_expires ON compression_locks(expires_at)"),
-    "idx_session_turn_leases_expires": (
-        "CREATE INDEX IF NOT EXISTS idx_session_turn_leases_expires ON session_turn_leases(expires_at)"),
-    "idx_session_model_usage_session": (
-        "CREATE INDEX IF NOT EXISTS idx_session_model_usage_session ON session_model_usage(session_id)"),
-    "idx_session_model_usage_model": (
-        "CREATE INDEX IF NOT EXISTS idx_session_model_usage_model ON session_model_usage(model)"),
-    "idx_async_delegations_delivery": (
-        "CREATE INDEX IF NOT EXISTS idx_async_delegations_delivery"
-        " ON async_delegations(delivery_state, completed_at)"),
-    "idx_messages_platform_msg_id": (
-        "CREATE INDEX IF NOT EXISTS idx_messages_platform_msg_id"
-        " ON messages(session_id, platform_message_id) WHERE platform_message_id IS NOT NULL"),
-    "idx_messages_session_active": (
-        "CREATE INDEX IF NOT EXISTS idx_messages_session_active ON messages(session_id, active, timestamp)"),
-    "idx_messages_active_null": (
-        "CREATE INDEX IF NOT EXISTS idx_messages_active_null ON messages(active) WHERE active IS NULL"),
-    "idx_sessions_session_key": (
-        "CREATE INDEX IF NOT EXISTS idx_sessions_session_key ON sessions(session_key, started_at DESC)"),
-    "idx_sessions_gateway_peer": (
-        "CREATE INDEX IF NOT EXISTS idx_sessions_gateway_peer"
-        " ON sessions(source, user_id, chat_id, chat_type, thread_id, started_at DESC)"),
-    "idx_sessions_handoff_state": (
-        "CREATE INDEX IF NOT EXISTS idx_sessions_handoff_state ON sessions(handoff_state, started_at)"),
-    "idx_sessions_system_prompt_hash": (
-        "CREATE INDEX IF NOT EXISTS idx_sessions_system_prompt_hash ON sessions(system_prompt_hash)"),
+# name -> DDL, created after _reconcile_columns in this order. Names and definitions are hermes-agent's, so
+# both projects recognise each other's.
+DEFERRED_INDEXES = {name: f"CREATE INDEX IF NOT EXISTS {name} ON {target}" for name, target in (
+    ("idx_sessions_source", "sessions(source)"),
+    ("idx_sessions_source_id", "sessions(source, id)"),
+    ("idx_sessions_parent", "sessions(parent_session_id)"),
+    ("idx_sessions_started", "sessions(started_at DESC)"),
+    ("idx_messages_session", "messages(session_id, timestamp)"),
+    ("idx_messages_session_id", "messages(session_id, id)"),
+    ("idx_messages_assistant_calls_by_session",
+     "messages(session_id) WHERE role = 'assistant' AND tool_calls IS NOT NULL"),
+    ("idx_compression_locks_expires", "compression_locks(expires_at)"),
+    ("idx_session_turn_leases_expires", "session_turn_leases(expires_at)"),
+    ("idx_session_model_usage_session", "session_model_usage(session_id)"),
+    ("idx_session_model_usage_model", "session_model_usage(model)"),
+    ("idx_async_delegations_delivery", "async_delegations(delivery_state, completed_at)"),
+    ("idx_messages_platform_msg_id",
+     "messages(session_id, platform_message_id) WHERE platform_message_id IS NOT NULL"),
+    ("idx_messages_session_active", "messages(session_id, active, timestamp)"),
+    ("idx_messages_active_null", "messages(active) WHERE active IS NULL"),
+    ("idx_sessions_session_key", "sessions(session_key, started_at DESC)"),
+    ("idx_sessions_gateway_peer",
+     "sessions(source, user_id, chat_id, chat_type, thread_id, started_at DESC)"),
+    ("idx_sessions_handoff_state", "sessions(handoff_state, started_at)"),
+    ("idx_sessions_system_prompt_hash", "sessions(system_prompt_hash)"),
     # Every writable open asks whether inline prompts are left to move: without it, a scan of
     # every session (7 ms at 20,000 sessions, past issue 17's 5 ms budget for opening).
-    "hs_idx_sessions_inline_prompt": (
-        "CREATE INDEX IF NOT EXISTS hs_idx_sessions_inline_prompt ON sessions(id) WHERE system_prompt IS NOT NULL"),
-}
+    ("hs_idx_sessions_inline_prompt", "sessions(id) WHERE system_prompt IS NOT NULL"),
+)}
 # hermes-agent's name and type for the same indexes: one script of statements.
 DEFERRED_INDEX_SQL = "".join(sql + ";\n" for sql in DEFERRED_INDEXES.values())
 
-# Kept apart from DEFERRED_INDEXES: building it can fail on duplicate titles,
-# which the schema mixin repairs before retrying.
+# Kept apart from DEFERRED_INDEXES: building it can fail on duplicate titles, which the schema mixin repairs
+# before retrying.
 TITLE_INDEX_NAME = "idx_sessions_title_unique"
 TITLE_INDEX_SQL = (
     "CREATE UNIQUE INDEX IF NOT EXISTS idx_sessions_title_unique ON sessions(title) WHERE title IS NOT NULL")
 
-# ---------------------------------------------------------------------------
-# Full-text search. Ours ("current"): three FTS5 indexes under our own names,
-# kept by our own triggers and described by our own state_meta keys, so that no
-# hermes-agent release (0.19, 0.20, 0.22: every name checked) takes them for its
-# own. hs_fts_words reads every row (a tool row by a bounded prefix),
-# hs_fts_trigram no tool rows; hs_fts_cjk holds 1-2 letter CJK terms, written by
-# Python from hs_fts_cjk_queue, which plain-SQL triggers fill for any writer.
-# Each trigger of ours first tests our backfill predicate: a row is indexed iff
-# id <= progress OR id > high water. hermes-agent's index (messages_fts*, its
-# views, triggers and fts_* keys: 'legacy' 0.19 inline, 'external' 0.20/0.22)
-# is its own: searched while a store has none of ours, never rewritten, retired
-# only by optimize-storage.
-# ---------------------------------------------------------------------------
+# -- Full-text search ---------------------------------------------------------
+# Ours ("current"): three FTS5 indexes under our own names, kept by our own triggers and described by our own
+# state_meta keys, so that no hermes-agent release (0.19, 0.20, 0.22: every name checked) takes them for its
+# own. hs_fts_words reads every row (a tool row by a bounded prefix), hs_fts_trigram no tool rows; hs_fts_cjk
+# holds 1-2 letter CJK terms, written by Python from hs_fts_cjk_queue, which plain-SQL triggers fill for any
+# writer. Each trigger of ours first tests our backfill predicate: a row is indexed iff id <= progress OR id >
+# high water. hermes-agent's index (messages_fts*, its views, triggers and fts_* keys: 'legacy' 0.19 inline,
+# 'external' 0.20/0.22) is its own: searched while a store has none of ours, never rewritten, retired only by
+# optimize-storage.
 
 SEARCH_LAYOUT_VERSION = 1
 META_SEARCH_LAYOUT = "hs_search_layout"
@@ -333,20 +305,20 @@ HERMES_FTS_TABLES = {"word": "messages_fts", "trigram": "messages_fts_trigram", 
 HERMES_FTS_TRIGGERS = {index: tuple(f"{table}_{op}" for op in ("insert", "delete", "update"))
                        for index, table in HERMES_FTS_TABLES.items()}
 HERMES_FTS_VIEWS = {"word": "messages_fts_src", "trigram": "messages_fts_trigram_src", "cjk": "messages_fts_cjk_src"}
-# What describes hermes-agent's index; cleared with the index by optimize-storage,
-# so that its next open finds a store without one and builds it afresh.
+# What describes hermes-agent's index; cleared with the index by optimize-storage, so that its next open finds
+# a store without one and builds it afresh.
 HERMES_INDEX_META = (META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE, META_FTS_REBUILD_HIGH_WATER,
                      META_FTS_REBUILD_PROGRESS, META_FTS_STALE)
-# Our releases before layout 1 used hermes-agent's table names (each told apart
-# by a word of its DDL) and keys; an open moves such a store to layout 1.
+# Our releases before layout 1 used hermes-agent's table names (each told apart by a word of its DDL) and
+# keys; an open moves such a store to layout 1.
 PREVIOUS_LAYOUT_TABLES = {"messages_fts": "messages_fts_projection", "messages_fts_cjk": "terms",
                           "messages_fts_trigram": "messages_fts_trigram_projection"}
 PREVIOUS_LAYOUT_LEFTOVERS = {"messages_cjk_pending": "TABLE", "messages_fts_projection": "VIEW",
                              "messages_fts_trigram_projection": "VIEW"}
 PREVIOUS_LAYOUT_META = HERMES_INDEX_META + (META_FTS_CJK_STALE,)
 
-# Tool output (base64, file dumps) is most of the bytes; the word index keeps
-# this much of each tool row. A role filter including "tool" searches the rest.
+# Tool output (base64, file dumps) is most of the bytes; the word index keeps this much of each tool row. A
+# role filter including "tool" searches the rest.
 TOOL_INDEX_PREFIX_CHARS = 2048
 # CJK letters: kana, CJK extension A, unified ideographs, hangul, compatibility ideographs.
 CJK_CHAR_CLASS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
@@ -361,8 +333,8 @@ _OLD_INDEXED = _INDEXED.format(row="old")
 _TOOL_PREFIX = "CASE WHEN {row}.role = 'tool' THEN substr({row}.content, 1, %d) ELSE {row}.content END" \
     % TOOL_INDEX_PREFIX_CHARS
 
-# Per index: its views and tables in creation order, exactly as sqlite_master
-# keeps them (an open compares and repairs), then its triggers.
+# Per index: its views and tables in creation order, exactly as sqlite_master keeps them (an open compares and
+# repairs), then its triggers.
 SEARCH_OBJECTS = {
     "word": {
         "hs_fts_words_src": f"""CREATE VIEW hs_fts_words_src AS
@@ -383,11 +355,10 @@ SELECT id, {_TOOL_PREFIX.format(row="messages")} AS content, tool_name, tool_cal
 
 
 def _external_triggers(table, columns, values, watched, only="1"):
-    """Insert, delete and update triggers of an external-content index of ours:
-    `values` fills `columns` from a {row} (new or old), `watched` are the message
-    columns it depends on, `only` says which rows it holds."""
-    new, keep_new, old, keep_old = values.format(row="new"), only.format(row="new"), values.format(row="old"), \
-        only.format(row="old")
+    """Insert, delete and update triggers of an external-content index of ours: `values` fills `columns` from
+    a {row} (new or old), `watched` are the message columns it depends on, `only` says which rows it holds."""
+    new, old = values.format(row="new"), values.format(row="old")
+    keep_new, keep_old = only.format(row="new"), only.format(row="old")
     changed = " OR ".join(f"old.{c} IS NOT new.{c}" for c in watched)
     return {
         f"{table}_insert": f"""CREATE TRIGGER {table}_insert AFTER INSERT ON messages
@@ -437,8 +408,8 @@ END""",
     },
 }
 
-# What a trigger body writes to: INSERT/REPLACE INTO t, DELETE FROM t, UPDATE t SET,
-# each with the column list an INSERT names (None when it names none).
+# What a trigger body writes to: INSERT/REPLACE INTO t, DELETE FROM t, UPDATE t SET, each with the column list
+# an INSERT names (None when it names none).
 _TRIGGER_WRITE_RE = re.compile(
     r'\b(?:(?:INSERT|REPLACE)(?:\s+OR\s+\w+)?\s+INTO|DELETE\s+FROM|UPDATE(?:\s+OR\s+\w+)?)\s+'
     r'(?:main\.)?"?(\w+)"?\s*(?:\(([^)]*)\))?', re.IGNORECASE)
@@ -460,8 +431,8 @@ FTS5_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x)"
 TRIGRAM_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x, tokenize='trigram')"
 TABLE_EXISTS_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 SELECT_TRIGGER_TABLES_SQL = "SELECT DISTINCT tbl_name FROM sqlite_master WHERE type = 'trigger' ORDER BY tbl_name"
-# Renaming a retired index must not make SQLite re-check every trigger and view
-# of the store (one broken foreign trigger would block it): the legacy rename.
+# Renaming a retired index must not make SQLite re-check every trigger and view of the store (one broken
+# foreign trigger would block it): the legacy rename.
 LEGACY_ALTER_SQL = "PRAGMA legacy_alter_table={on}"
 
 # Backfill of our index, one id range (lo, hi] at a time.
@@ -479,10 +450,8 @@ RESET_INDEX_SQL = {
     "trigram": ("INSERT INTO hs_fts_trigram(hs_fts_trigram) VALUES ('delete-all')",),
     "cjk": ("DELETE FROM hs_fts_cjk", "DELETE FROM hs_fts_cjk_queue"),
 }
-SELECT_CJK_QUEUE_SQL = """
-SELECT q.id, m.content FROM hs_fts_cjk_queue AS q JOIN messages AS m ON m.id = q.id
-ORDER BY q.id LIMIT ?
-"""
+SELECT_CJK_QUEUE_SQL = ("SELECT q.id, m.content FROM hs_fts_cjk_queue AS q JOIN messages AS m ON m.id = q.id"
+                        " ORDER BY q.id LIMIT ?")
 UPSERT_CJK_TERMS_SQL = "INSERT OR REPLACE INTO hs_fts_cjk(rowid, terms) VALUES (?, ?)"
 DELETE_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue WHERE id = ?"
 HAS_CJK_QUEUE_SQL = "SELECT 1 FROM hs_fts_cjk_queue LIMIT 1"
@@ -491,17 +460,15 @@ SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestam
        s.source, s.model, s.started_at AS session_started"""
 # A word or trigram index cuts the snippet itself, as hermes-agent's search does.
 FTS_SNIPPET_SQL = "snippet({table}, -1, '>>>', '<<<', '...', 40)"
-# Best first by one index. FTS5 hands its matches over in rank order itself only
-# when the ORDER BY is its rank alone and it is the outer loop (CROSS JOIN keeps
-# it there): then the filters run in that order, LIMIT stops the scan, and no
-# other row's content or snippet is read. Equal ranks come in rowid order (FTS5
-# sorts its matches, read in rowid order, with a stable sort), which is what
-# hermes-agent's `ORDER BY rank` gives too.
+# Best first by one index. FTS5 hands its matches over in rank order itself only when the ORDER BY is its rank
+# alone and it is the outer loop (CROSS JOIN keeps it there): then the filters run in that order, LIMIT stops
+# the scan, and no other row's content or snippet is read. Equal ranks come in rowid order (FTS5 sorts its
+# matches, read in rowid order, with a stable sort), which is what hermes-agent's `ORDER BY rank` gives too.
 SEARCH_RANKED_SQL = (SEARCH_COLUMNS_SQL + """, {snippet} AS index_snippet
 FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid CROSS JOIN sessions AS s ON s.id = m.session_id
 WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {table}.rank LIMIT ? OFFSET ?""")
-# By time, one page of hit ids: only (timestamp, id) of every hit goes through the
-# sorter, from one index or from one predicate per term (several indexes, the fallback).
+# By time, one page of hit ids: only (timestamp, id) of every hit goes through the sorter, from one index or
+# from one predicate per term (several indexes, the fallback).
 SEARCH_PAGE_BY_INDEX_SQL = """SELECT m.id AS hit
 FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid JOIN sessions AS s ON s.id = m.session_id
 WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {order} LIMIT ? OFFSET ?"""
@@ -516,9 +483,8 @@ SEARCH_PAGE_INDEX_JOIN_SQL = " CROSS JOIN {table} ON {table}.rowid = page.hit AN
 SEARCH_ORDERS = {"newest": "m.timestamp DESC, m.id DESC", "oldest": "m.timestamp ASC, m.id ASC"}
 # Term predicates: an index match, a row a backfill has not reached, a queued CJK row.
 TERM_IN_INDEX_SQL = "m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH ?)"
-# Terms their indexes answer alone are combined as sets of ids first: one list to
-# read rows for, whichever term has the most hits (several IN lists would read the
-# rows of the first one SQLite picks, however long).
+# Terms their indexes answer alone are combined as sets of ids first: one list to read rows for, whichever
+# term has the most hits (several IN lists would read the rows of the first one SQLite picks, however long).
 TERM_ID_SET_SQL = "SELECT rowid FROM {table} WHERE {table} MATCH ?"
 ID_SET_OPERATORS = {"and": "INTERSECT", "or": "UNION", "not": "EXCEPT"}
 TERM_IN_BACKFILL_GAP_SQL = " OR (m.id > ? AND m.id <= ? AND {like})"
@@ -536,9 +502,7 @@ SELECT COALESCE(SUM(CASE WHEN role = 'tool' THEN MIN(LENGTH(CAST(content AS BLOB
 FROM messages
 """
 
-# ---------------------------------------------------------------------------
-# Schema maintenance SQL
-# ---------------------------------------------------------------------------
+# -- Schema maintenance SQL ---------------------------------------------------
 
 SELECT_SCHEMA_OBJECTS_SQL = "SELECT type, name, sql FROM sqlite_master"
 TABLE_INFO_SQL = "PRAGMA table_info({table})"
@@ -556,80 +520,57 @@ UPDATE_SCHEMA_VERSION_SQL = "UPDATE schema_version SET version = ?"
 HAS_NULL_ACTIVE_SQL = "SELECT 1 FROM messages WHERE active IS NULL LIMIT 1"
 REPAIR_NULL_ACTIVE_SQL = ("UPDATE messages SET active = 1"
                           " WHERE id IN (SELECT id FROM messages WHERE active IS NULL LIMIT ?)")
-# Every row holding a duplicated title except the newest one keeps its title.
-CLEAR_OLDER_DUPLICATE_TITLES_SQL = """
-UPDATE sessions SET title = NULL
-WHERE title IS NOT NULL
-  AND EXISTS (
-    SELECT 1 FROM sessions AS newer
-    WHERE newer.title = sessions.title
-      AND (newer.started_at > sessions.started_at
-           OR (newer.started_at = sessions.started_at AND newer.rowid > sessions.rowid)))
-"""
+# Of the rows sharing a title, only the newest keeps it.
+CLEAR_OLDER_DUPLICATE_TITLES_SQL = """UPDATE sessions SET title = NULL WHERE title IS NOT NULL AND EXISTS (
+  SELECT 1 FROM sessions AS newer WHERE newer.title = sessions.title
+    AND (newer.started_at > sessions.started_at
+         OR (newer.started_at = sessions.started_at AND newer.rowid > sessions.rowid)))"""
 GATEWAY_ROUTING_SIDE_TABLE = "gateway_routing_pk_heal"
 HAS_INLINE_PROMPT_SQL = "SELECT 1 FROM sessions WHERE system_prompt IS NOT NULL LIMIT 1"
 SELECT_INLINE_PROMPTS_SQL = "SELECT id, system_prompt FROM sessions WHERE system_prompt IS NOT NULL LIMIT ?"
 MOVE_INLINE_PROMPT_SQL = "UPDATE sessions SET system_prompt = NULL, system_prompt_hash = ? WHERE id = ?"
 INSERT_SYSTEM_PROMPT_SQL = "INSERT OR IGNORE INTO system_prompts (hash, prompt) VALUES (?, ?)"
-SELECT_SYSTEM_PROMPT_SQL = "SELECT prompt FROM system_prompts WHERE hash = ?"
 DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS"
                              " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
 
-# ---------------------------------------------------------------------------
-# Session SQL
-# ---------------------------------------------------------------------------
+# -- Session SQL --------------------------------------------------------------
 
 INSERT_SESSION_SQL = "INSERT INTO sessions ({columns}) VALUES ({values})"
 SESSION_EXISTS_SQL = "SELECT 1 FROM sessions WHERE id = ?"
 SELECT_TITLE_OWNER_SQL = "SELECT id FROM sessions WHERE title = ? AND id <> ?"
 SELECT_ID_PREFIX_SQL = "SELECT id FROM sessions WHERE id >= ? AND id < ? ORDER BY id LIMIT 2"
 SELECT_LINEAGE_LINK_SQL = "SELECT parent_session_id, end_reason FROM sessions WHERE id = ?"
-# Deleting sessions, in this order, for a chunk of ids ({} is the placeholders):
-# children become roots, then the rows hermes-agent's foreign keys take with a
-# session (it deletes messages itself; usage goes by ON DELETE CASCADE), then
-# the sessions. Its compression_locks rows have no foreign key and stay.
-SESSION_CASCADE_DELETE_SQL = (
-    "UPDATE sessions SET parent_session_id = NULL WHERE parent_session_id IN ({})",
-    "DELETE FROM messages WHERE session_id IN ({})",
-    "DELETE FROM session_model_usage WHERE session_id IN ({})",
-    "DELETE FROM sessions WHERE id IN ({})",
-)
+# Deleting sessions, in this order, for a chunk of ids ({} is the placeholders): children become roots, then
+# the rows hermes-agent's foreign keys take with a session (it deletes messages itself; usage goes by ON
+# DELETE CASCADE), then the sessions. Its compression_locks rows have no foreign key and stay.
+SESSION_CASCADE_DELETE_SQL = ("UPDATE sessions SET parent_session_id = NULL WHERE parent_session_id IN ({})",
+                              "DELETE FROM messages WHERE session_id IN ({})",
+                              "DELETE FROM session_model_usage WHERE session_id IN ({})",
+                              "DELETE FROM sessions WHERE id IN ({})")
 
-# ---------------------------------------------------------------------------
-# Message SQL
-# ---------------------------------------------------------------------------
+# -- Message SQL --------------------------------------------------------------
 
-# The columns every message insert writes, in hermes-agent's order. `active`
-# is always written: on an old store its column may have no default, and a row
-# left NULL there is invisible to every reader.
+# The columns every message insert writes, in hermes-agent's order. `active` is always written: on an old
+# store its column may have no default, and a row left NULL there is invisible to every reader.
 MESSAGE_WRITE_COLUMNS = (
-    "session_id", "role", "content", "tool_call_id", "tool_calls", "tool_name",
-    "effect_disposition", "timestamp", "token_count", "finish_reason", "reasoning",
-    "reasoning_content", "reasoning_details", "codex_reasoning_items",
-    "codex_message_items", "platform_message_id", "observed", "active", "api_content",
-    "display_kind", "display_metadata",
-)
+    "session_id", "role", "content", "tool_call_id", "tool_calls", "tool_name", "effect_disposition",
+    "timestamp", "token_count", "finish_reason", "reasoning", "reasoning_content", "reasoning_details",
+    "codex_reasoning_items", "codex_message_items", "platform_message_id", "observed", "active",
+    "api_content", "display_kind", "display_metadata")
 INSERT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
     ", ".join(MESSAGE_WRITE_COLUMNS), ", ".join("?" for _ in MESSAGE_WRITE_COLUMNS))
-BUMP_MESSAGE_COUNTS_SQL = """
-UPDATE sessions SET
-  message_count = COALESCE(message_count, 0) + ?,
-  tool_call_count = COALESCE(tool_call_count, 0) + ?
-WHERE id = ?
-"""
+BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message_count, 0) + ?,"
+                           " tool_call_count = COALESCE(tool_call_count, 0) + ? WHERE id = ?")
 SET_MESSAGE_COUNTS_SQL = "UPDATE sessions SET message_count = ?, tool_call_count = ? WHERE id = ?"
-# Structured content (a multimodal list of parts, a dict) is stored as this
-# prefix plus JSON, as hermes-agent stores it; NUL never starts real text.
+# Structured content (a multimodal list of parts, a dict) is stored as this prefix plus JSON, as hermes-agent
+# stores it; NUL never starts real text.
 CONTENT_JSON_PREFIX = "\x00json:"
 SET_PARENT_SQL = "UPDATE sessions SET parent_session_id = ? WHERE id = ?"
 COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
 COUNT_ALL_MESSAGES_SQL = "SELECT COUNT(*) FROM messages"
 SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source"
 
-# ---------------------------------------------------------------------------
-# Routing, meta and lock SQL
-# ---------------------------------------------------------------------------
-
+# -- Meta SQL -------------------------------------------------------------------
 
 SELECT_META_SQL = "SELECT value FROM state_meta WHERE key = ?"
 SELECT_META_KEYS_SQL = "SELECT key, value FROM state_meta WHERE key IN ({})"
@@ -637,10 +578,7 @@ SELECT_META_KEYS_SQL = "SELECT key, value FROM state_meta WHERE key IN ({})"
 INSERT_META_SQL = "INSERT INTO state_meta (key, value) VALUES (?, ?)"
 DELETE_META_SQL = "DELETE FROM state_meta WHERE key = ?"
 
-
-# ---------------------------------------------------------------------------
-# Connection settings and checks
-# ---------------------------------------------------------------------------
+# -- Connection settings and checks -------------------------------------------
 
 JOURNAL_MODE_SQL = "PRAGMA journal_mode"
 SET_JOURNAL_MODE_SQL = "PRAGMA journal_mode={mode}"
@@ -652,14 +590,11 @@ VACUUM_SQL = "VACUUM"
 INTEGRITY_CHECK_SQL = "PRAGMA integrity_check"
 QUICK_CHECK_SQL = "PRAGMA quick_check"
 
-# ---------------------------------------------------------------------------
-# Small pure helpers
-# ---------------------------------------------------------------------------
-
+# -- Small pure helpers -------------------------------------------------------
 
 def count_tool_calls(tool_calls):
-    """How many calls hermes-agent counts in a `tool_calls` value: a list's length, 1 for any
-    other value, 0 for None; JSON text is read first (text that is not JSON counts 0)."""
+    """How many calls hermes-agent counts in a `tool_calls` value: a list's length, 1 for any other value, 0
+    for None; JSON text is read first (text that is not JSON counts 0)."""
     if isinstance(tool_calls, str):
         tool_calls = loads_or(tool_calls, [])
     return 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
@@ -672,14 +607,12 @@ def quote_identifier(name):
 
 def escape_like(text, escape="\\"):
     """`text` with LIKE's wildcards escaped; use with `LIKE ? ESCAPE '\\'`."""
-    return (text.replace(escape, escape + escape)
-            .replace("%", escape + "%")
-            .replace("_", escape + "_"))
+    return text.replace(escape, escape + escape).replace("%", escape + "%").replace("_", escape + "_")
 
 
 def prefix_bounds(prefix):
-    """(low, high) such that `col >= low AND col < high` matches exactly the
-    strings starting with `prefix`: case-sensitive, index-friendly, no LIKE."""
+    """(low, high) such that `col >= low AND col < high` matches exactly the strings starting with `prefix`:
+    case-sensitive, index-friendly, no LIKE."""
     return prefix, prefix + "\U0010ffff"
 
 
@@ -702,14 +635,11 @@ def store_file_bytes(path):
 
 
 def sqlite_has_wal_reset_bug(version=sqlite3.sqlite_version_info):
-    """SQLite 3.7.0 to 3.51.2 can corrupt a WAL store when two connections write
-    or checkpoint at the same instant; fixed in 3.51.3, backported to 3.44.6 and 3.50.7."""
+    """SQLite 3.7.0 to 3.51.2 can corrupt a WAL store when two connections write or checkpoint at the same
+    instant; fixed in 3.51.3, backported to 3.44.6 and 3.50.7."""
     version = tuple(version[:3])
-    if version < (3, 7, 0) or version >= (3, 51, 3):
-        return False
-    if (3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0):
-        return False
-    return True
+    backported = (3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0)
+    return (3, 7, 0) <= version < (3, 51, 3) and not backported
 
 
 # Files we create beside the store (backups, copies) are its owner's only, as the store is.
@@ -725,15 +655,11 @@ _BARE_BILLING_PROVIDERS = frozenset({"auto", "custom"})
 
 
 class UsageValueError(ValueError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
-    """A token, cost or route value that cannot be stored. Also the sqlite3 classes
-    hermes-agent raises for such values (at insert or bind time), so callers that
-    catch those still catch it."""
+    """A token, cost or route value that cannot be stored. Also the sqlite3 classes hermes-agent raises for
+    such values (at insert or bind time), so callers that catch those still catch it."""
 
 
-# ---------------------------------------------------------------------------
-# Value checks shared by the API: each names the field and the limit
-# ---------------------------------------------------------------------------
-
+# -- Value checks shared by the API: each names the field and the limit -------
 
 def require_text(name, value, *, max_length=None, allow_none=False):
     if value is None and allow_none:
@@ -786,8 +712,8 @@ def scrub_surrogates(value):
 
 
 def encode_content(content):
-    """A message's content as stored: text scrubbed, scalars as they are, anything
-    else as CONTENT_JSON_PREFIX + JSON, or as its str() when it is not JSON-serialisable."""
+    """A message's content as stored: text scrubbed, scalars as they are, anything else as CONTENT_JSON_PREFIX
+    + JSON, or as its str() when it is not JSON-serialisable."""
     if content is None or isinstance(content, (str, bytes, int, float)):
         return scrub_surrogates(content)
     try:
@@ -823,8 +749,8 @@ def decode_display_metadata(stored):
 
 
 def decode_message(row):
-    """A message row as hermes-agent's get_messages returns it: content and
-    tool_calls decoded (unreadable tool_calls give []), display_metadata a dict or None."""
+    """A message row as hermes-agent's get_messages returns it: content and tool_calls decoded (unreadable
+    tool_calls give []), display_metadata a dict or None."""
     message = dict(row)
     if "content" in message:
         message["content"] = decode_content(message["content"])
@@ -835,14 +761,14 @@ def decode_message(row):
     return message
 
 
-# How hermes-agent shows a user turn: a /skill turn embeds the whole skill body
-# after this prefix, and a compaction handoff is stored as a user turn too.
+# How hermes-agent shows a user turn: a /skill turn embeds the whole skill body after this prefix, and a
+# compaction handoff is stored as a user turn too.
 SKILL_SCAFFOLD_PREFIX = "[IMPORTANT: The user has invoked the "
 # Joins the head and tail of a long scaffolded excerpt; a description stops there.
 SKILL_EXCERPT_JOINT = "\x1e"
 _SKILL_NAME = re.compile(re.escape(SKILL_SCAFFOLD_PREFIX) + r'"([^"]*)"')
-# (marker of the scaffold's kind, where the typed instruction starts, where it
-# ends, which occurrence counts): a bundle puts it first, a single skill last.
+# (marker of the scaffold's kind, where the typed instruction starts, where it ends, which occurrence counts):
+# a bundle puts it first, a single skill last.
 _SKILL_INSTRUCTION_SPANS = (
     (" skill bundle,", "\nUser instruction: ", "\n\n[Loaded as part of the ", str.find),
     ("The full skill content is loaded below.]",
@@ -852,8 +778,8 @@ _SKILL_INSTRUCTION_SPANS = (
 
 
 def describe_skill_invocation(content, separator=" — "):
-    """A /skill turn as the user typed it: "/work — fix it", or "/work" when bare;
-    None when `content` is not skill scaffolding."""
+    """A /skill turn as the user typed it: "/work — fix it", or "/work" when bare; None when `content` is not
+    skill scaffolding."""
     if not isinstance(content, str) or not content.startswith(SKILL_SCAFFOLD_PREFIX):
         return None
     match = _SKILL_NAME.match(content)
@@ -870,10 +796,9 @@ def describe_skill_invocation(content, separator=" — "):
     return label if name else None
 
 
-# The list view's row: every column, `_preview_raw` (the head of the first user
-# message, newlines as spaces; a /skill turn whole while short, else its head
-# and tail around SKILL_EXCERPT_JOINT, where the typed instruction is) and
-# `last_active`, the newest of the heartbeat and the messages, else the start.
+# The list view's row: every column, `_preview_raw` (the head of the first user message, newlines as spaces; a
+# /skill turn whole while short, else its head and tail around SKILL_EXCERPT_JOINT, where the typed
+# instruction is) and `last_active`, the newest of the heartbeat and the messages, else the start.
 _PREVIEW_TEXT_SQL = "REPLACE(REPLACE(m.content, X'0A', ' '), X'0D', ' ')"
 _PREVIEW_RAW_SQL = (f"CASE WHEN m.content NOT LIKE '{SKILL_SCAFFOLD_PREFIX}%' THEN substr({_PREVIEW_TEXT_SQL}, 1, 63)"
                     f" WHEN length(m.content) > 800 THEN substr({_PREVIEW_TEXT_SQL}, 1, 400) || char(30)"
@@ -897,38 +822,33 @@ def content_text(content):
     return str(content)
 
 
-# Characters a title never keeps: C0 controls other than whitespace, DEL,
-# zero-width and joiner characters, line/paragraph separators, bidi embeddings,
-# overrides and isolates, the BOM and the interlinear/object replacement marks.
+# Characters a title never keeps: C0 controls other than whitespace, DEL, zero-width and joiner characters,
+# line/paragraph separators, bidi embeddings, overrides and isolates, the BOM and the interlinear/object
+# replacement marks.
 _TITLE_DROPPED = dict.fromkeys([*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F,
                                 *range(0x200B, 0x2010), *range(0x2028, 0x202F), *range(0x2060, 0x206A),
                                 0xFEFF, *range(0xFFF9, 0xFFFD)])
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def normalize_title(title):
-    """A title as stored: invisible and control characters dropped, whitespace
-    collapsed; None for a falsy or blank title.
+    """A title as stored (controls and invisibles dropped, whitespace collapsed); None if falsy or blank.
 
-    Lone surrogates become U+FFFD. Raises TypeError for a title that is not a
-    string, ValueError "Title too long (N chars, max 100)" past TITLE_MAX_LENGTH.
-    """
+    Lone surrogates become U+FFFD. Raises TypeError for a title that is not a string, ValueError "Title too
+    long (N chars, max 100)" past TITLE_MAX_LENGTH."""
     if not title:
         return None
     if not isinstance(title, str):
         raise TypeError(f"title must be a string, not {type(title).__name__}")
-    title = " ".join(_LONE_SURROGATE.sub("\ufffd", title).translate(_TITLE_DROPPED).split())
+    title = " ".join(_SURROGATES.sub("\ufffd", title).translate(_TITLE_DROPPED).split())
     if len(title) > TITLE_MAX_LENGTH:
         raise ValueError(f"Title too long ({len(title)} chars, max {TITLE_MAX_LENGTH})")
     return title or None
 
 
-# ---------------------------------------------------------------------------
-# Errors callers catch by class (hermes-agent imports them from hermes_state)
-# ---------------------------------------------------------------------------
+# -- Errors callers catch by class (hermes-agent imports them from hermes_state) --
 
-# The transcript sizes past which resume and in-memory export refuse; 0 in the
-# caller's config turns a guard off.
+# The transcript sizes past which resume and in-memory export refuse; 0 in the caller's config turns a guard
+# off.
 MAX_SAFE_RESUME_MESSAGES = 20_000
 MAX_SAFE_EXPORT_MESSAGES = 20_000
 
@@ -973,10 +893,9 @@ class SessionTurnLeaseLostError(RuntimeError):
     """A write named a turn-lease holder that no longer holds the lease; never retried."""
 
 
-# ---------------------------------------------------------------------------
-# Persistence errors (hermes-agent imports these from hermes_state and shows
-# their texts to users; names, causes and wording are hermes-agent's)
-# ---------------------------------------------------------------------------
+# -- Persistence errors ---------------------------------------------------------
+# hermes-agent imports these from hermes_state and shows their texts to users; names, causes and wording are
+# hermes-agent's.
 
 # Every answer classify_persistence_error can give; callers iterate it.
 PERSISTENCE_ERROR_CAUSES = ("locked", "compression", "compression_closed", "turn_lease", "disk", "unknown")
@@ -995,45 +914,41 @@ _last_init_error_lock = threading.Lock()
 
 def is_malformed_db_error(exc):
     """True for SQLite's malformed-schema or malformed-image error; False for anything else."""
-    return isinstance(exc, sqlite3.DatabaseError) and any(marker in str(exc).lower() for marker in MALFORMED_DB_MARKERS)
+    return isinstance(exc, sqlite3.DatabaseError) and any(m in str(exc).lower() for m in MALFORMED_DB_MARKERS)
 
 
 def is_disk_full_error(exc):
     """True when `exc` (an exception or its text) says the disk is full; False for None."""
-    if exc is None:
-        return False
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return True
-    text = str(exc).lower()
-    return any(marker in text for marker in DISK_FULL_MARKERS)
+    return exc is not None and any(marker in str(exc).lower() for marker in DISK_FULL_MARKERS)
 
 
 def classify_persistence_error(exc_or_str):
     """The cause of a failed session write, one of PERSISTENCE_ERROR_CAUSES; 'unknown' for None.
 
-    The exception classes decide first, then words of the text (which may have
-    crossed an RPC boundary as a string): a turn lease, a session closed by
-    compression, a compression in progress, lock contention, then disk trouble
-    (full, read-only, permissions).
-    """
+    The exception classes decide first, then words of the text (which may have crossed an RPC boundary as a
+    string): a turn lease, a session closed by compression, a compression in progress, lock contention, then
+    disk trouble (full, read-only, permissions)."""
     if exc_or_str is None:
         return "unknown"
-    for cls, cause in ((SessionTurnLeaseLostError, "turn_lease"), (CompressionSessionClosedError, "compression_closed"),
+    for cls, cause in ((SessionTurnLeaseLostError, "turn_lease"),
+                       (CompressionSessionClosedError, "compression_closed"),
                        (CompressionSessionBusyError, "compression")):
         if isinstance(exc_or_str, cls):
             return cause
     text = str(exc_or_str).lower()
     for words, cause in ((("turn lease",), "turn_lease"), (("closed by compression",), "compression_closed"),
-                         (("being compressed", "compression lease"), "compression"), (("locked", "busy"), "locked"),
-                         (("disk", "readonly", "read-only"), "disk")):
+                         (("being compressed", "compression lease"), "compression"),
+                         (("locked", "busy"), "locked"), (("disk", "readonly", "read-only"), "disk")):
         if any(word in text for word in words):
             return cause
     return "disk" if is_disk_full_error(exc_or_str) else "unknown"
 
 
 def _set_last_init_error(message):
-    """Remember why opening the store failed (None forgets it). SessionDB sets it and never
-    clears it, so another thread's successful open cannot hide the cause from a user."""
+    """Remember why opening the store failed (None forgets it). SessionDB sets it and never clears it, so
+    another thread's successful open cannot hide the cause from a user."""
     global _last_init_error
     with _last_init_error_lock:
         _last_init_error = message
@@ -1053,29 +968,24 @@ def format_session_db_unavailable(prefix=SESSION_DB_UNAVAILABLE):
     return f"{prefix}: {cause}{hint}."
 
 
-# ---------------------------------------------------------------------------
-# Sessions: bad rows, reset boundaries, resume caps, workspaces
-# ---------------------------------------------------------------------------
-
+# -- Sessions: bad rows, reset boundaries, resume caps, workspaces ------------
 
 class SessionRowError(ValueError, sqlite3.IntegrityError):
-    """A session row the store refuses: no usable id or source, or a parent that does
-    not exist. hermes-agent's store fails on these with IntegrityError."""
+    """A session row the store refuses: no usable id or source, or a parent that does not exist.
+    hermes-agent's store fails on these with IntegrityError."""
 
 
 class SessionInputTypeError(ValueError, TypeError, AttributeError):
-    """A value of the wrong type for a session or compaction write (hermes-agent fails
-    on these with TypeError or AttributeError, so callers may catch either)."""
+    """A value of the wrong type for a session or compaction write (hermes-agent fails on these with TypeError
+    or AttributeError, so callers may catch either)."""
 
 
 def hermes_agent_config():
     """hermes-agent's `hermes_cli.config` module when we run inside hermes-agent; None elsewhere.
 
-    The one place our modules reach into hermes-agent: its config.yaml sets the
-    resume and export caps and the journal mode of its other databases, and its
-    install method words the doctor's repair hint. Outside hermes-agent (or with
-    a config that fails to load) our defaults hold.
-    """
+    The one place our modules reach into hermes-agent: its config.yaml sets the resume and export caps and the
+    journal mode of its other databases, and its install method words the doctor's repair hint. Outside
+    hermes-agent (or with a config that fails to load) our defaults hold."""
     try:
         from hermes_cli import config
     except Exception:  # not inside hermes-agent, or its config module failed to import
@@ -1122,17 +1032,14 @@ def workspace_key(row):
 def cwd_prefix_clause(prefix, alias="s"):
     """(SQL, params) matching sessions whose cwd is `prefix` or lies under it (either separator).
 
-    LIKE, as hermes-agent matches, so ASCII letters compare without case.
-    """
+    LIKE, as hermes-agent matches, so ASCII letters compare without case."""
     prefix = prefix.rstrip("/\\") or prefix
     escaped = escape_like(prefix)
     return (f"({alias}.cwd = ? OR {alias}.cwd LIKE ? ESCAPE '\\' OR {alias}.cwd LIKE ? ESCAPE '\\')",
             [prefix, escaped + "/%", escaped + "\\\\%"])
 
 
-# ---------------------------------------------------------------------------
-# Lineage: parent links and the markers that tell a fork from a continuation
-# ---------------------------------------------------------------------------
+# -- Lineage: parent links and the markers that tell a fork from a continuation --
 
 # A walk along parent links stops after this many hops (a loop stops it sooner).
 LINEAGE_MAX_HOPS = 100
@@ -1151,8 +1058,8 @@ def has_fork_marker(model_config):
 
 
 def is_fork_child(row):
-    """True when a session row (source, model_config, parent_session_id) is a branch,
-    delegate or tool child of its parent rather than a compression continuation."""
+    """True when a session row (source, model_config, parent_session_id) is a branch, delegate or tool child
+    of its parent rather than a compression continuation."""
     if row["source"] == "tool":
         return True
     config = json_object(row["model_config"])

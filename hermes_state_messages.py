@@ -1,14 +1,11 @@
-"""The transcript: append (one, a batch, a whole replacement), read back, the
-chat-API conversation, rewind and restore, and the turn-lease check of a write;
-reactions, the stamps on a turn's latest row, the windows session_search reads,
-the ancestor prefix of a resume and the recent user turns /undo picks from.
+"""The transcript: append (one, a batch, a whole replacement), read back, the chat-API conversation, rewind
+and restore, and the turn-lease check of a write; reactions, the stamps on a turn's latest row, the windows
+session_search reads, the ancestor prefix of a resume and the recent user turns /undo picks from.
 
-Owns message rows and the session counters that move with them in the same
-transaction. Relies on SessionDB's write and read paths; the search indexes
-follow by trigger and by `_maintain_search`. Never edits a session's other
-fields, and never takes or releases a lease (the gateway mixin does).
-Values are stored as hermes-agent stores them, so both programs read each
-other's rows: what it accepts we accept, what it raises we raise.
+Owns message rows and the session counters that move with them in the same transaction. Relies on SessionDB's
+write and read paths; the search indexes follow by trigger and by `_maintain_search`. Never edits a session's
+other fields, and never takes or releases a lease (the gateway mixin does). Values are stored as hermes-agent
+stores them, so both programs read each other's rows: what it accepts we accept, what it raises we raise.
 """
 
 import json
@@ -17,44 +14,24 @@ import sqlite3
 import time
 
 from hermes_state_common import (
-    BUMP_MESSAGE_COUNTS_SQL,
-    content_text,
-    COMPRESSION_END_REASON,
-    CompressionSessionClosedError,
-    COUNT_ALL_MESSAGES_SQL,
-    decode_content,
-    decode_display_metadata,
-    decode_message,
-    describe_skill_invocation,
-    encode_content,
-    INSERT_MESSAGE_SQL,
-    is_fork_child,
-    json_object,
-    LINEAGE_MAX_HOPS,
-    loads_or,
-    placeholders,
-    PREVIEW_CHARS,
-    scrub_surrogates,
-    SessionTurnLeaseLostError,
-    SET_MESSAGE_COUNTS_SQL,
-)
+    BUMP_MESSAGE_COUNTS_SQL, COMPRESSION_END_REASON, COUNT_ALL_MESSAGES_SQL, INSERT_MESSAGE_SQL,
+    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, CompressionSessionClosedError,
+    SessionTurnLeaseLostError, content_text, decode_content, decode_display_metadata, decode_message,
+    describe_skill_invocation, encode_content, is_fork_child, json_object, loads_or, placeholders,
+    scrub_surrogates)
 
-SELECT_MESSAGES_SQL = "SELECT * FROM messages WHERE session_id = ?"
 # BUMP_MESSAGE_COUNTS_SQL for a session that takes messages (not ended by compression).
 BUMP_OPEN_SESSION_COUNTS_SQL = BUMP_MESSAGE_COUNTS_SQL + " AND (ended_at IS NULL OR end_reason IS NOT ?)"
-
 # What a chat-API conversation is built from (get_messages_as_conversation, resume).
 CONVERSATION_ROW_COLUMNS = (
     "id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason, "
     "reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items, "
     "platform_message_id, observed, timestamp, api_content, display_kind, display_metadata")
-
-# Every handoff text hermes-agent's compaction has written starts with one of these;
-# a merged handoff carries it after the delimiter.
+# Every handoff text hermes-agent's compaction has written starts with one of these; a merged handoff
+# carries it after the delimiter.
 _COMPACTION_SUMMARY_LEADS = (
     "[CONTEXT COMPACTION — REFERENCE ONLY] Earlier turns were compacted into the summary below.",
     "[CONTEXT SUMMARY]:")
-
 _MERGED_SUMMARY_DELIMITER = "[END OF PRIOR CONTEXT — COMPACTION SUMMARY BELOW]"
 
 
@@ -76,12 +53,10 @@ class UnknownSessionError(ValueError, sqlite3.IntegrityError):
 
 # Assistant turns that a later answer supersedes when alternation is repaired.
 _VERIFICATION_FINISHES = ("verification_required", "verify_hook_continue")
-# Prompts of hermes-agent's background skill/memory review that old builds wrote
-# into the user's session; replayed, they turn the agent into the curator.
-_REVIEW_HARNESS_PREFIXES = (
-    "Review the conversation above and update the skill library",
-    "Review the conversation above and consider saving to memory",
-)
+# Prompts of hermes-agent's background skill/memory review that old builds wrote into the user's
+# session; replayed, they turn the agent into the curator.
+_REVIEW_HARNESS_PREFIXES = ("Review the conversation above and update the skill library",
+                            "Review the conversation above and consider saving to memory")
 # A bare tool marker such as "[memory]" that old builds saved as an answer.
 _STALE_MARKER = re.compile(r"\[[A-Za-z_][A-Za-z0-9_.-]*\]")
 # Recalled-memory blocks hermes-agent injects into prompts; never replayed.
@@ -106,15 +81,12 @@ class SessionMessagesMixin:
                        turn_lease_ttl_seconds=300.0):
         """Append one message and return its id; the session's counts move in the same transaction.
 
-        A list or dict `content` is stored as JSON and read back as it was;
-        structured fields may be given as values or as JSON text. Raises
-        CompressionSessionClosedError for a session compression ended,
-        SessionTurnLeaseLostError when `turn_lease_holder` does not hold the
-        conversation's turn lease, UnknownSessionError (an IntegrityError) for
-        an unknown session; nothing is written then. `compression_lock_holder`
-        is accepted and not checked: as in hermes-agent, appends never wait
-        for a compression, which keeps the rows that arrive meanwhile.
-        """
+        A list or dict `content` is stored as JSON and read back as it was; structured fields may be given as
+        values or as JSON text. Raises CompressionSessionClosedError for a session compression ended,
+        SessionTurnLeaseLostError when `turn_lease_holder` does not hold the conversation's turn lease,
+        UnknownSessionError (an IntegrityError) for an unknown session; nothing is written then.
+        `compression_lock_holder` is accepted and not checked: as in hermes-agent, appends never wait for a
+        compression, which keeps the rows that arrive meanwhile."""
         fields = dict(locals())
         for name in ("self", "session_id", "compression_lock_holder", "turn_lease_holder",
                      "turn_lease_ttl_seconds"):
@@ -124,25 +96,23 @@ class SessionMessagesMixin:
         def write(conn):
             if turn_lease_holder:
                 self._check_turn_lease(conn, session_id, turn_lease_holder, turn_lease_ttl_seconds)
-            # The count update admits the write too: it changes no row of a session that is
-            # unknown or closed by compression, and only then is the session read, to say which.
-            if not conn.execute(BUMP_OPEN_SESSION_COUNTS_SQL, (1, calls, session_id, COMPRESSION_END_REASON)).rowcount:
+            # The count update admits the write too: it changes no row of a session that is unknown or
+            # closed by compression, and only then is the session read, to say which.
+            bump = (1, calls, session_id)
+            if not conn.execute(BUMP_OPEN_SESSION_COUNTS_SQL, (*bump, COMPRESSION_END_REASON)).rowcount:
                 _check_open_session(conn, session_id)
-                conn.execute(BUMP_MESSAGE_COUNTS_SQL, (1, calls, session_id))
+                conn.execute(BUMP_MESSAGE_COUNTS_SQL, bump)
             return conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
-
         return self._execute_write(write)
 
     def append_messages_batch(self, session_id, messages, compression_lock_holder=None,
                               turn_lease_holder=None, chunk_rows=None, turn_lease_ttl_seconds=300.0):
         """Append message dicts in one transaction and return how many; 0 for none.
 
-        Each dict takes append_message's fields (`message_id` stands for
-        `platform_message_id`; reasoning fields are kept on assistant rows
-        only) and gets its new row id as `_row_id`. Missing timestamps count
-        up from now, one microsecond apart. With `chunk_rows`, every chunk of
-        that many rows is its own transaction. Raises as append_message does.
-        """
+        Each dict takes append_message's fields (`message_id` stands for `platform_message_id`; reasoning
+        fields are kept on assistant rows only) and gets its new row id as `_row_id`. Missing timestamps count
+        up from now, one microsecond apart. With `chunk_rows`, every chunk of that many rows is its own
+        transaction. Raises as append_message does."""
         if not messages:
             return 0
         if chunk_rows is not None and len(messages) > chunk_rows:
@@ -156,17 +126,14 @@ class SessionMessagesMixin:
             inserted, calls = self._insert_message_rows(conn, session_id, messages)
             conn.execute(BUMP_MESSAGE_COUNTS_SQL, (inserted, calls, session_id))
             return inserted
-
         return self._execute_write(write)
 
     def replace_messages(self, session_id, messages, active_only=False, archive_dropped=False):
         """Make `messages` the session's whole live transcript in one transaction; returns None.
 
-        The rows it replaces are deleted (only the active ones with
-        `active_only`), or kept inactive with `archive_dropped`; the counts are
-        set to the new rows. Raises CompressionSessionClosedError for a
-        session compression ended, UnknownSessionError for an unknown one.
-        """
+        The rows it replaces are deleted (only the active ones with `active_only`), or kept inactive with
+        `archive_dropped`; the counts are set to the new rows. Raises CompressionSessionClosedError for a
+        session compression ended, UnknownSessionError for an unknown one."""
         drop = ("UPDATE messages SET active = 0 WHERE session_id = ? AND active = 1" if archive_dropped
                 else "DELETE FROM messages WHERE session_id = ?" + (" AND active = 1" if active_only else ""))
 
@@ -175,12 +142,11 @@ class SessionMessagesMixin:
             conn.execute(drop, (session_id,))
             conn.execute(SET_MESSAGE_COUNTS_SQL, (*self._insert_message_rows(conn, session_id, messages),
                                                   session_id))
-
         self._execute_write(write)
 
     def set_latest_user_api_content(self, session_id, content, api_content):
-        """Store `api_content` on the session's newest active user message if its content
-        is `content`; returns the rows changed (0 when it is not, or there is none)."""
+        """Store `api_content` on the session's newest active user message if its content is `content`;
+        returns the rows changed (0 when it is not, or there is none)."""
         return self._update_rows(
             "UPDATE messages SET api_content = ? WHERE id = (SELECT id FROM messages WHERE session_id = ? "
             "AND role = 'user' AND active = 1 ORDER BY id DESC LIMIT 1) AND content IS ?",
@@ -188,9 +154,9 @@ class SessionMessagesMixin:
 
     def set_latest_matching_message_display_kind(self, session_id, *, role, content, display_kind,
                                                  display_metadata=None):
-        """Set display_kind and display_metadata (replaced, None clears it) on the newest
-        active `role` message whose content is `content`; False when there is none or
-        session_id, content or display_kind is empty."""
+        """Set display_kind and display_metadata (replaced, None clears it) on the newest active `role`
+        message whose content is `content`; False when there is none or session_id, content or display_kind is
+        empty."""
         if not session_id or not content or not display_kind:
             return False
         return self._update_rows(
@@ -204,9 +170,9 @@ class SessionMessagesMixin:
     REACTIONS_METADATA_KEY = "reactions"
 
     def set_message_reaction(self, session_id, message_row_id, emoji, *, author="user"):
-        """Give `author` the reaction `emoji` on message `message_row_id` (one per author:
-        the same emoji again, an empty one or None takes it back); returns the message's
-        reactions after the write, None when the message is not in the session."""
+        """Give `author` the reaction `emoji` on message `message_row_id` (one per author: the same emoji
+        again, an empty one or None takes it back); returns the message's reactions after the write, None when
+        the message is not in the session."""
         if not session_id or message_row_id is None:
             return None
 
@@ -229,29 +195,28 @@ class SessionMessagesMixin:
             conn.execute("UPDATE messages SET display_metadata = ? WHERE id = ?",
                          (_display_metadata_text(meta), message_row_id))
             return reactions
-
         return self._execute_write(write)
 
     def get_message_reactions(self, session_id, message_row_id):
         """The reactions on message `message_row_id` of the session; [] when none."""
         if not session_id or message_row_id is None:
             return []
-        meta = decode_display_metadata(self._read_value(
-            "SELECT display_metadata FROM messages WHERE id = ? AND session_id = ?", (message_row_id, session_id)))
+        meta = decode_display_metadata(self._read_value("SELECT display_metadata FROM messages WHERE id = ?"
+                                                        " AND session_id = ?", (message_row_id, session_id)))
         reactions = (meta or {}).get(self.REACTIONS_METADATA_KEY)
         return [r for r in reactions if isinstance(r, dict)] if isinstance(reactions, list) else []
 
     def take_unseen_reactions(self, session_id, *, author="user"):
-        """`author`'s reactions on active messages not taken before, oldest message first,
-        as {"row_id", "role", "emoji", "text"}; each is marked seen. [] when none."""
+        """`author`'s reactions on active messages not taken before, oldest message first, as {"row_id",
+        "role", "emoji", "text"}; each is marked seen. [] when none."""
         if not session_id:
             return []
 
         def write(conn):
             taken = []
-            for row in conn.execute("SELECT id, role, content, display_metadata FROM messages WHERE session_id = ? "
-                                    "AND active = 1 AND display_metadata IS NOT NULL ORDER BY id",
-                                    (session_id,)).fetchall():
+            for row in conn.execute("SELECT id, role, content, display_metadata FROM messages WHERE "
+                                    "session_id = ? AND active = 1 AND display_metadata IS NOT NULL "
+                                    "ORDER BY id", (session_id,)).fetchall():
                 meta = decode_display_metadata(row["display_metadata"]) or {}
                 reactions = meta.get(self.REACTIONS_METADATA_KEY)
                 fresh = [r for r in reactions if isinstance(r, dict) and r.get("author") == author
@@ -261,18 +226,17 @@ class SessionMessagesMixin:
                 text = decode_content(row["content"])
                 for reaction in fresh:
                     reaction["seen"] = True
-                    taken.append({"row_id": row["id"], "role": row["role"], "emoji": reaction.get("emoji") or "",
-                                  "text": text if isinstance(text, str) else ""})
+                    taken.append({"row_id": row["id"], "role": row["role"], "emoji": reaction.get("emoji")
+                                  or "", "text": text if isinstance(text, str) else ""})
                 conn.execute("UPDATE messages SET display_metadata = ? WHERE id = ?",
                              (_display_metadata_text(meta), row["id"]))
             return taken
-
         return self._execute_write(write)
 
     def _insert_message_rows(self, conn, session_id, messages):
-        """Inside a write: insert message dicts (read as append_messages_batch reads them)
-        as live rows, stamping each dict's `_row_id`; returns (rows inserted, tool calls).
-        The session's counters are the caller's: compaction and replacement set them."""
+        """Inside a write: insert message dicts (read as append_messages_batch reads them) as live rows,
+        stamping each dict's `_row_id`; returns (rows inserted, tool calls). The session's counters are the
+        caller's: compaction and replacement set them."""
         now, inserted, calls = time.time(), 0, 0
         for message in messages:
             row, row_calls, stamp = _message_row(session_id, message, now)
@@ -288,9 +252,9 @@ class SessionMessagesMixin:
         _check_open_session(conn, session_id)
 
     def _check_turn_lease(self, conn, session_id, holder, ttl):
-        """Inside a write: raise SessionTurnLeaseLostError unless `holder` holds the turn
-        lease of the conversation `session_id` belongs to. A lapsed lease nobody took
-        over is still the holder's: it is renewed for `ttl` seconds (at least 0.1)."""
+        """Inside a write: raise SessionTurnLeaseLostError unless `holder` holds the turn lease of the
+        conversation `session_id` belongs to. A lapsed lease nobody took over is still the holder's: it is
+        renewed for `ttl` seconds (at least 0.1)."""
         key = self._turn_lease_key(conn, session_id)
         lease = conn.execute("SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?",
                              (key,)).fetchone()
@@ -299,16 +263,15 @@ class SessionMessagesMixin:
                 f"Session turn lease lost; refusing transcript write for {session_id!r}")
         now = time.time()
         if float(lease["expires_at"]) <= now:
-            conn.execute("UPDATE session_turn_leases SET expires_at = ? WHERE conversation_id = ? AND holder = ?",
-                         (now + max(0.1, float(ttl)), key, holder))
+            conn.execute("UPDATE session_turn_leases SET expires_at = ? WHERE conversation_id = ? AND holder"
+                         " = ?", (now + max(0.1, float(ttl)), key, holder))
 
     def _turn_lease_key(self, conn, session_id):
-        """The id a conversation's turn lease is kept under: the root of the compression
-        chain through `session_id` (a branch, delegate or tool child starts its own)."""
+        """The id a conversation's turn lease is kept under: the root of the compression chain through
+        `session_id` (a branch, delegate or tool child starts its own)."""
         def lineage_row(sid):
             return conn.execute("SELECT id, parent_session_id, source, model_config, end_reason "
                                 "FROM sessions WHERE id = ?", (sid,)).fetchone()
-
         current, seen = (lineage_row(session_id) if session_id else None), {session_id}
         while current is not None:
             parent_id = current["parent_session_id"]
@@ -325,22 +288,19 @@ class SessionMessagesMixin:
 
     def get_messages(self, session_id, include_inactive=False, include_compacted=False, limit=None,
                      offset=0, latest=False, after_id=None):
-        """A session's messages in id order as row dicts (content, tool_calls and
-        display_metadata decoded); [] for an unknown session.
+        """A session's messages in id order as row dicts (content, tool_calls and display_metadata decoded);
+        [] for an unknown session.
 
-        Active rows by default; `include_compacted` adds the rows compaction kept
-        (each message once, the live copy first), `include_inactive` every row.
-        `limit`/`offset` page from the oldest, or from the newest with `latest`
-        (the page still oldest first); `after_id` pages by id. Raises
-        ValueError when `after_id` is combined with `latest`, `offset` or
-        `include_compacted`.
-        """
+        Active rows by default; `include_compacted` adds the rows compaction kept (each message once, the live
+        copy first), `include_inactive` every row. `limit`/`offset` page from the oldest, or from the newest
+        with `latest` (the page still oldest first); `after_id` pages by id. Raises ValueError when `after_id`
+        is combined with `latest`, `offset` or `include_compacted`."""
         if after_id is not None and (latest or offset):
             raise ValueError("after_id is incompatible with latest/offset paging")
         if after_id is not None and include_compacted:
             raise ValueError("after_id is incompatible with include_compacted (it pages by offset)")
-        sql = SELECT_MESSAGES_SQL + ("" if include_inactive else " AND (active = 1 OR compacted = 1)"
-                                     if include_compacted else " AND active = 1")
+        visible = " AND (active = 1 OR compacted = 1)" if include_compacted else " AND active = 1"
+        sql = "SELECT * FROM messages WHERE session_id = ?" + ("" if include_inactive else visible)
         if include_compacted:
             rows = _one_per_generation(self._read_all(sql + " ORDER BY id", (session_id,)))
             rows = rows[::-1] if latest else rows
@@ -359,15 +319,12 @@ class SessionMessagesMixin:
                                      repair_alternation=False, include_row_ids=False):
         """The session as chat-API message dicts, oldest first; [] for an unknown session.
 
-        Each has `role` and `content` plus, when set, `timestamp`, tool fields,
-        `message_id` (the platform's), `api_content`, `display_*`, and on
-        assistant turns `finish_reason` and the reasoning fields decoded
-        (`reasoning_content` even when ""). Recalled-memory blocks are cut from
-        user and assistant text. `include_ancestors` prepends the parent chain
-        (not for a branch, whose rows are already a copy), skipping replayed
-        user turns; `repair_alternation` applies hermes-agent's pre-request
-        repair; `include_row_ids` adds each row's id as `_row_id`.
-        """
+        Each has `role` and `content` plus, when set, `timestamp`, tool fields, `message_id` (the platform's),
+        `api_content`, `display_*`, and on assistant turns `finish_reason` and the reasoning fields decoded
+        (`reasoning_content` even when ""). Recalled-memory blocks are cut from user and assistant text.
+        `include_ancestors` prepends the parent chain (not for a branch, whose rows are already a copy),
+        skipping replayed user turns; `repair_alternation` applies hermes-agent's pre-request repair;
+        `include_row_ids` adds each row's id as `_row_id`."""
         session_ids = [session_id]
         if include_ancestors and not self._is_explicit_branch_session(session_id):
             session_ids = self._session_lineage_root_to_tip(session_id)
@@ -376,12 +333,13 @@ class SessionMessagesMixin:
             f"({placeholders(len(session_ids))}){'' if include_inactive else ' AND active = 1'} ORDER BY id",
             session_ids)
         return self._rows_to_conversation(rows, include_ancestors=include_ancestors,
-                                          repair_alternation=repair_alternation, include_row_ids=include_row_ids)
+                                          repair_alternation=repair_alternation,
+                                          include_row_ids=include_row_ids)
 
     def get_ancestor_display_prefix(self, session_id):
-        """The ancestors' part of a resume's display history (get_messages_as_conversation
-        with include_ancestors, without the session's own rows); [] for a branch, a
-        session without parent, or an unknown one."""
+        """The ancestors' part of a resume's display history (get_messages_as_conversation with
+        include_ancestors, without the session's own rows); [] for a branch, a session without parent, or an
+        unknown one."""
         if self._is_explicit_branch_session(session_id):
             return []
         ancestors = self._session_lineage_root_to_tip(session_id)[:-1]
@@ -408,8 +366,8 @@ class SessionMessagesMixin:
         return messages
 
     def _session_lineage_root_to_tip(self, session_id):
-        """`session_id` with every ancestor by parent link, root first (a loop or
-        LINEAGE_MAX_HOPS ends the walk); [session_id] for an unknown id."""
+        """`session_id` with every ancestor by parent link, root first (a loop or LINEAGE_MAX_HOPS ends the
+        walk); [session_id] for an unknown id."""
         chain, current = [], session_id
         while current and current not in chain and len(chain) < LINEAGE_MAX_HOPS:
             chain.append(current)
@@ -423,31 +381,30 @@ class SessionMessagesMixin:
         """True for a /branch copy (model_config names `_branched_from`)."""
         if not session_id:
             return False
-        config = json_object(self._read_value("SELECT model_config FROM sessions WHERE id = ?", (session_id,)))
-        return bool(config.get("_branched_from"))
+        config = self._read_value("SELECT model_config FROM sessions WHERE id = ?", (session_id,))
+        return bool(json_object(config).get("_branched_from"))
 
     def get_messages_around(self, session_id, around_message_id, window=5):
-        """{"window", "messages_before", "messages_after"}: the message `around_message_id`
-        with up to `window` messages of the session on each side (rewound ones too), as
-        get_messages rows in id order, and how many of each side it holds. An empty
-        window and zero counts when the message is not in the session."""
+        """{"window", "messages_before", "messages_after"}: the message `around_message_id` with up to
+        `window` messages of the session on each side (rewound ones too), as get_messages rows in id order,
+        and how many of each side it holds. An empty window and zero counts when the message is not in the
+        session."""
         window = max(window, 0)
         if self._read_one("SELECT 1 FROM messages WHERE id = ? AND session_id = ?",
                           (around_message_id, session_id)) is None:
             return {"window": [], "messages_before": 0, "messages_after": 0}
-        before = self._read_all("SELECT * FROM messages WHERE session_id = ? AND id <= ? ORDER BY id DESC LIMIT ?",
-                                (session_id, around_message_id, window + 1))
-        after = self._read_all("SELECT * FROM messages WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?",
-                               (session_id, around_message_id, window))
+        sql = "SELECT * FROM messages WHERE session_id = ? AND id {} ? ORDER BY id {} LIMIT ?"
+        before = self._read_all(sql.format("<=", "DESC"), (session_id, around_message_id, window + 1))
+        after = self._read_all(sql.format(">", ""), (session_id, around_message_id, window))
         return {"window": [decode_message(row) for row in [*before[::-1], *after]],
                 "messages_before": max(0, len(before) - 1), "messages_after": len(after)}
 
     def get_anchored_view(self, session_id, around_message_id, window=5, bookend=3,
                           keep_roles=("user", "assistant")):
-        """get_messages_around's dict, its window cut to `keep_roles` (the anchor always
-        stays), plus "bookend_start"/"bookend_end": the session's first and last `bookend`
-        messages with text in `keep_roles` outside the window. `keep_roles=None` keeps
-        every role. All empty when the message is not in the session."""
+        """get_messages_around's dict, its window cut to `keep_roles` (the anchor always stays), plus
+        "bookend_start"/"bookend_end": the session's first and last `bookend` messages with text in
+        `keep_roles` outside the window. `keep_roles=None` keeps every role. All empty when the message is not
+        in the session."""
         view = self.get_messages_around(session_id, around_message_id, window=window)
         rows, bookend = view["window"], max(bookend, 0)
         view.update(bookend_start=[], bookend_end=[])
@@ -458,21 +415,23 @@ class SessionMessagesMixin:
             view["window"] = [m for m in rows if m.get("id") == around_message_id or m.get("role") in kept]
         if bookend > 0:
             roles = "" if keep_roles is None else f" AND role IN ({placeholders(len(keep_roles))})"
-            sql = f"SELECT * FROM messages WHERE session_id = ? AND id {{}} ?{roles} AND length(content) > 0 " \
-                  "ORDER BY id {} LIMIT ?"
-            for key, side, order, edge in (("bookend_start", "<", "", rows[0]), ("bookend_end", ">", "DESC", rows[-1])):
-                found = self._read_all(sql.format(side, order), (session_id, edge["id"], *(keep_roles or ()), bookend))
+            sql = (f"SELECT * FROM messages WHERE session_id = ? AND id {{}} ?{roles}"
+                   " AND length(content) > 0 ORDER BY id {} LIMIT ?")
+            ends = (("bookend_start", "<", "", rows[0]), ("bookend_end", ">", "DESC", rows[-1]))
+            for key, side, order, edge in ends:
+                params = (session_id, edge["id"], *(keep_roles or ()), bookend)
+                found = self._read_all(sql.format(side, order), params)
                 view[key] = [decode_message(row) for row in (found[::-1] if order else found)]
         return view
 
     def list_recent_user_messages(self, session_id, limit=20, include_inactive=False):
-        """The session's newest `limit` user turns, newest first, as {"id", "timestamp",
-        "preview"}; [] when none. Rows with a display_kind and compaction handoffs are not
-        turns; the preview is the text (a /skill turn as typed), whitespace collapsed,
-        cut to 80 characters."""
-        rows = self._read_all("SELECT id, timestamp, content FROM messages WHERE session_id = ? AND role = 'user'"
-                              f"{'' if include_inactive else ' AND active = 1'} AND (display_kind IS NULL OR "
-                              "display_kind = '') ORDER BY id DESC LIMIT ?", (session_id, int(limit) * 2 + 5))
+        """The session's newest `limit` user turns, newest first, as {"id", "timestamp", "preview"}; [] when
+        none. Rows with a display_kind and compaction handoffs are not turns; the preview is the text (a
+        /skill turn as typed), whitespace collapsed, cut to 80 characters."""
+        rows = self._read_all("SELECT id, timestamp, content FROM messages WHERE session_id = ? "
+                              f"AND role = 'user'{'' if include_inactive else ' AND active = 1'} AND "
+                              "(display_kind IS NULL OR display_kind = '') ORDER BY id DESC LIMIT ?",
+                              (session_id, int(limit) * 2 + 5))
         turns = []
         for row in rows:
             if len(turns) >= int(limit):
@@ -481,29 +440,29 @@ class SessionMessagesMixin:
             if is_compaction_summary(content):
                 continue
             if isinstance(content, list):
-                preview = " ".join(part.get("text", "") for part in content
-                                   if isinstance(part, dict) and part.get("type") == "text" and part.get("text"))
-                preview = preview.strip() or "[multimodal content]"
+                texts = (part.get("text") for part in content
+                         if isinstance(part, dict) and part.get("type") == "text")
+                preview = " ".join(text for text in texts if text).strip() or "[multimodal content]"
             else:
                 preview = (describe_skill_invocation(content) or content) if isinstance(content, str) else ""
             preview = " ".join(preview.split())
-            turns.append({"id": row["id"], "timestamp": row["timestamp"],
-                          "preview": preview[:PREVIEW_CHARS - 3] + "..." if len(preview) > PREVIEW_CHARS else preview})
+            if len(preview) > PREVIEW_CHARS:
+                preview = preview[:PREVIEW_CHARS - 3] + "..."
+            turns.append({"id": row["id"], "timestamp": row["timestamp"], "preview": preview})
         return turns
 
     def message_count(self, session_id=None):
-        """Messages stored in one session, or in the whole store when `session_id` is empty;
-        rewound and compacted rows count too, as in hermes-agent."""
+        """Messages stored in one session, or in the whole store when `session_id` is empty; rewound and
+        compacted rows count too, as in hermes-agent."""
         if session_id:
             return self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ?", (session_id,))
         return self._read_value(COUNT_ALL_MESSAGES_SQL)
 
     def latest_message_row_id(self, session_id, *, role="user", offset=0, require_text=True):
-        """Id of the newest active `role` message (`offset` steps back that many); None
-        when there is none, or for a role other than user/assistant or a negative offset.
+        """Id of the newest active `role` message (`offset` steps back that many); None when there is none, or
+        for a role other than user/assistant or a negative offset.
 
-        With `require_text`, rows without visible text (tool-call-only turns) are skipped.
-        """
+        With `require_text`, rows without visible text (tool-call-only turns) are skipped."""
         if not session_id or role not in ("user", "assistant") or offset < 0:
             return None
         text = "AND content IS NOT NULL AND TRIM(content) != '' " if require_text else ""
@@ -523,21 +482,19 @@ class SessionMessagesMixin:
 
     def has_platform_message_id(self, session_id, platform_message_id):
         """True if the session has a message (active or not) with this platform message id."""
-        return self._read_one("SELECT 1 FROM messages WHERE session_id = ? AND platform_message_id = ? LIMIT 1",
-                              (session_id, platform_message_id)) is not None
+        return self._read_one("SELECT 1 FROM messages WHERE session_id = ? AND platform_message_id = ? "
+                              "LIMIT 1", (session_id, platform_message_id)) is not None
 
     # -- rewind ----------------------------------------------------------------------
 
     def rewind_to_message(self, session_id, target_message_id):
-        """Withdraw the user message `target_message_id` and everything after it (kept
-        inactive); returns {"rewound_count", "target_message", "new_head_id"}.
+        """Withdraw the user message `target_message_id` and everything after it (kept inactive); returns
+        {"rewound_count", "target_message", "new_head_id"}.
 
-        `target_message` is the row as it was, content decoded; `new_head_id` the
-        newest message still active, or None. The session's rewind_count goes up
-        by one on every call; its message_count stays (hermes-agent's). Raises
-        ValueError, writing nothing, when the message is not in the session or
-        is not a user message. Undo with restore_rewound.
-        """
+        `target_message` is the row as it was, content decoded; `new_head_id` the newest message still active,
+        or None. The session's rewind_count goes up by one on every call; its message_count stays
+        (hermes-agent's). Raises ValueError, writing nothing, when the message is not in the session or is not
+        a user message. Undo with restore_rewound."""
         target = self._read_one("SELECT * FROM messages WHERE id = ? AND session_id = ?",
                                 (target_message_id, session_id))
         if target is None:
@@ -548,21 +505,22 @@ class SessionMessagesMixin:
         target = dict(target, content=decode_content(target["content"]))
 
         def write(conn):
-            rewound = conn.execute("UPDATE messages SET active = 0 WHERE session_id = ? AND id >= ? AND active = 1",
-                                   (session_id, target_message_id)).rowcount
+            rewound = conn.execute(
+                "UPDATE messages SET active = 0 WHERE session_id = ? AND id >= ? AND active = 1",
+                (session_id, target_message_id)).rowcount
             conn.execute("UPDATE sessions SET rewind_count = COALESCE(rewind_count, 0) + 1 WHERE id = ?",
                          (session_id,))
             return rewound
-
         rewound = self._execute_write(write)
-        head = self._read_value("SELECT MAX(id) FROM messages WHERE session_id = ? AND active = 1", (session_id,))
+        head = self._read_value("SELECT MAX(id) FROM messages WHERE session_id = ? AND active = 1",
+                                (session_id,))
         return {"rewound_count": rewound, "target_message": target, "new_head_id": head}
 
     def restore_rewound(self, session_id, since_message_id):
-        """Make every inactive message of the session from `since_message_id` on active
-        again; returns how many (0 for an unknown session)."""
-        return self._update_rows("UPDATE messages SET active = 1 WHERE session_id = ? AND id >= ? AND active = 0",
-                                 (session_id, since_message_id))
+        """Make every inactive message of the session from `since_message_id` on active again; returns how
+        many (0 for an unknown session)."""
+        return self._update_rows("UPDATE messages SET active = 1 WHERE session_id = ? AND id >= ? "
+                                 "AND active = 0", (session_id, since_message_id))
 
 
 # -- encoding rows ---------------------------------------------------------------
@@ -571,16 +529,13 @@ class SessionMessagesMixin:
 def _message_row(session_id, message, default_time, direct=False):
     """(row in MESSAGE_WRITE_COLUMNS order, tool calls it counts, its timestamp).
 
-    `direct` is append_message's reading of the fields; otherwise the batch
-    one: a missing role is "unknown", reasoning is kept on assistant rows only,
-    and `message_id` stands in for `platform_message_id`.
-    """
+    `direct` is append_message's reading of the fields; otherwise the batch one: a missing role is "unknown",
+    reasoning is kept on assistant rows only, and `message_id` stands in for `platform_message_id`."""
     get = message.get
     role = get("role", "unknown")
 
     def reasoning(key):
         return get(key) if direct or role == "assistant" else None
-
     tool_calls = get("tool_calls")
     if isinstance(tool_calls, str):
         tool_calls = loads_or(tool_calls, [])
@@ -638,11 +593,12 @@ def _display_metadata_text(value):
 
 
 def _one_per_generation(rows):
-    """Compaction copies its kept tail into each generation: one row per message
-    (same role, content, time and tool fields), preferring the live one, then the newest."""
+    """Compaction copies its kept tail into each generation: one row per message (same role, content, time and
+    tool fields), preferring the live one, then the newest."""
     best = {}
     for row in rows:
-        key = tuple(row[k] for k in ("role", "content", "timestamp", "tool_call_id", "tool_calls", "tool_name"))
+        key = tuple(row[k] for k in ("role", "content", "timestamp", "tool_call_id", "tool_calls",
+                                     "tool_name"))
         if key not in best or (row["active"], row["id"]) > (best[key]["active"], best[key]["id"]):
             best[key] = row
     return sorted(best.values(), key=lambda row: row["id"])
@@ -658,15 +614,12 @@ def _conversation_message(row, include_row_id):
     message = {"role": role, "content": content}
     if include_row_id and row["id"] is not None:
         message["_row_id"] = row["id"]
-    for key in ("api_content", "display_kind"):
-        if row[key]:
-            message[key] = row[key]
+    message.update({k: row[k] for k in ("api_content", "display_kind") if row[k]})
     meta = decode_display_metadata(row["display_metadata"]) if row["display_metadata"] else None
     if meta is not None:
         message["display_metadata"] = meta
-    for key in ("timestamp", "tool_call_id", "tool_name", "effect_disposition"):
-        if row[key]:
-            message[key] = row[key]
+    message.update({k: row[k] for k in ("timestamp", "tool_call_id", "tool_name", "effect_disposition")
+                    if row[k]})
     if row["tool_calls"]:
         message["tool_calls"] = loads_or(row["tool_calls"], [])
     if row["platform_message_id"]:
@@ -674,14 +627,11 @@ def _conversation_message(row, include_row_id):
     if row["observed"]:
         message["observed"] = True
     if role == "assistant":
-        for key in ("finish_reason", "reasoning"):
-            if row[key]:
-                message[key] = row[key]
+        message.update({k: row[k] for k in ("finish_reason", "reasoning") if row[k]})
         if row["reasoning_content"] is not None:
             message["reasoning_content"] = row["reasoning_content"]
-        for key in ("reasoning_details", "codex_reasoning_items", "codex_message_items"):
-            if row[key]:
-                message[key] = loads_or(row[key], None)
+        message.update({k: loads_or(row[k], None) for k in ("reasoning_details", "codex_reasoning_items",
+                                                              "codex_message_items") if row[k]})
     return message
 
 
@@ -727,12 +677,10 @@ def _is_codex_interim(message):
 def repair_alternation_in_place(messages):
     """hermes-agent's pre-request alternation repair; returns how many repairs it made.
 
-    Back-to-back assistant turns merge (tool calls joined, text joined by a
-    newline; a verification candidate is replaced; Codex interim turns are
-    left alone), tool results no preceding assistant call asked for are
-    dropped (a repeated one too), and back-to-back user turns with text merge
-    with a blank line (their api_content dropped).
-    """
+    Back-to-back assistant turns merge (tool calls joined, text joined by a newline; a verification candidate
+    is replaced; Codex interim turns are left alone), tool results no preceding assistant call asked for are
+    dropped (a repeated one too), and back-to-back user turns with text merge with a blank line (their
+    api_content dropped)."""
     repairs, collapsed = 0, []
     for message in messages:
         previous = collapsed[-1] if collapsed else None

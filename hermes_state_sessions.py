@@ -17,10 +17,9 @@ import time
 
 from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, SELECT_ID_PREFIX_SQL,
-    SELECT_SYSTEM_PROMPT_SQL, SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL,
-    SKILL_EXCERPT_JOINT, SessionInputTypeError, SessionRowError, _RESET_END_REASONS, chunked,
-    cwd_prefix_clause, describe_skill_invocation, has_fork_marker, json_object, loads_or, merge_model_config,
-    placeholders, prefix_bounds, require_text)
+    SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL, SKILL_EXCERPT_JOINT, SessionInputTypeError,
+    SessionRowError, _RESET_END_REASONS, chunked, cwd_prefix_clause, describe_skill_invocation,
+    has_fork_marker, json_object, loads_or, merge_model_config, placeholders, prefix_bounds, require_text)
 from hermes_state_schema import declared_columns, prompt_hash
 
 # What create_session may fill on an existing row: only columns still NULL, so a later bare call
@@ -150,7 +149,7 @@ class SessionSessionsMixin:
         digest = session.get("system_prompt_hash")
         if digest:
             if digest not in cache:
-                cache[digest] = self._read_value(SELECT_SYSTEM_PROMPT_SQL, (digest,))
+                cache[digest] = self._read_value("SELECT prompt FROM system_prompts WHERE hash = ?", (digest,))
             if cache[digest] is not None:
                 session["system_prompt"] = cache[digest]
         if "_preview_raw" in session:
