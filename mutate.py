@@ -313,7 +313,7 @@ MUTANTS = [
            "an imported flag is stored as given (\"yes\") instead of as hermes-agent's 0/1",
            ["test_hermes_state_portability.ImportFixtures"]),
     Mutant("blob-exported-raw", "hermes_state_portability.py",
-           "    return {key: json_default(value) if isinstance(value, (bytes, bytearray, memoryview)) else value\n",
+           "    return {key: json_default(value) if isinstance(value, BINARY_TYPES) else value\n",
            "    return {key: value\n",
            "exports carry raw bytes, which json.dumps refuses",
            ["test_hermes_state_portability.Blobs", "test_hermes_state_portability.SchemaV31"]),
