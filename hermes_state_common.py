@@ -496,12 +496,13 @@ FTS_SNIPPET_SQL = "snippet({table}, -1, '>>>', '<<<', '...', 40)"
 SEARCH_RANKED_SQL = (SEARCH_COLUMNS_SQL + """, {snippet} AS index_snippet
 FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid CROSS JOIN sessions AS s ON s.id = m.session_id
 WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {table}.rank LIMIT ? OFFSET ?""")
-# By time, one page of hit ids: only (timestamp, id) of every hit goes through the
-# sorter, from one index or from one predicate per term (several indexes, the fallback).
-SEARCH_PAGE_BY_INDEX_SQL = """SELECT m.id AS hit
+# By time, one page of hit ids: only (timestamp, id) of every hit (and its rank,
+# from a word or trigram index) goes through the sorter, from one index or from
+# one predicate per term (several indexes, the fallback).
+SEARCH_PAGE_BY_INDEX_SQL = """SELECT m.id AS hit, {rank} AS hit_rank
 FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid JOIN sessions AS s ON s.id = m.session_id
 WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {order} LIMIT ? OFFSET ?"""
-SEARCH_PAGE_BY_PREDICATE_SQL = """SELECT m.id AS hit
+SEARCH_PAGE_BY_PREDICATE_SQL = """SELECT m.id AS hit, NULL AS hit_rank
 FROM messages AS m JOIN sessions AS s ON s.id = m.session_id
 WHERE {where} {filters} ORDER BY {order} LIMIT ? OFFSET ?"""
 # Then the page's rows, and their snippets (`{join}` re-opens the index at each of them).
@@ -509,7 +510,12 @@ SEARCH_PAGE_ROWS_SQL = (SEARCH_COLUMNS_SQL + """, {snippet} AS index_snippet
 FROM ({page}) AS page CROSS JOIN messages AS m ON m.id = page.hit{join} CROSS JOIN sessions AS s ON s.id = m.session_id
 ORDER BY {order}""")
 SEARCH_PAGE_INDEX_JOIN_SQL = " CROSS JOIN {table} ON {table}.rowid = page.hit AND {table} MATCH ?"
-SEARCH_ORDERS = {"newest": "m.timestamp DESC, m.id DESC", "oldest": "m.timestamp ASC, m.id ASC"}
+# Equal times in hermes-agent's order: its word and trigram searches sort by
+# "timestamp, rank", its LIKE scan by timestamp alone; both hand equal keys over
+# in id order (SQLite's sorter keeps the order of its input, read by id). So:
+# time, then rank where an index ranks (`{rank}`: the index's in the page, the
+# page's carried rank outside it), then id ascending, in both directions.
+SEARCH_ORDERS = {"newest": "m.timestamp DESC, {rank}m.id ASC", "oldest": "m.timestamp ASC, {rank}m.id ASC"}
 # Term predicates: an index match, a row a backfill has not reached, a queued CJK row.
 TERM_IN_INDEX_SQL = "m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH ?)"
 # Terms their indexes answer alone are combined as sets of ids first: one list to

@@ -852,7 +852,7 @@ class SessionSearchMixin:
             not (indexes == {"cjk"} and state.cjk_pending)
         if not single:
             where, params = _tree_sql(tree, routes, state)
-            order = SEARCH_ORDERS["oldest" if sort == "oldest" else "newest"]
+            order = SEARCH_ORDERS["oldest" if sort == "oldest" else "newest"].format(rank="")
             page = SEARCH_PAGE_BY_PREDICATE_SQL.format(where=where, filters=filters, order=order)
             return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order),
                                   params + filter_params + [limit, offset])
@@ -866,9 +866,13 @@ class SessionSearchMixin:
             return self._read_all(SEARCH_RANKED_SQL.format(table=table, snippet=snippet, no_tools=no_tools,
                                                            filters=filters),
                                   [match] + filter_params + [limit, offset])
-        order = SEARCH_ORDERS[sort]
-        page = SEARCH_PAGE_BY_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters, order=order)
-        join, join_params = ("", []) if index == "cjk" else (SEARCH_PAGE_INDEX_JOIN_SQL.format(table=table), [match])
+        # The CJK index is only ever asked by a scan, whose order has no rank.
+        ranked = index != "cjk"
+        page = SEARCH_PAGE_BY_INDEX_SQL.format(
+            table=table, no_tools=no_tools, filters=filters, rank=f"{table}.rank" if ranked else "NULL",
+            order=SEARCH_ORDERS[sort].format(rank=f"{table}.rank, " if ranked else ""))
+        join, join_params = (SEARCH_PAGE_INDEX_JOIN_SQL.format(table=table), [match]) if ranked else ("", [])
+        order = SEARCH_ORDERS[sort].format(rank="page.hit_rank, " if ranked else "")
         return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join=join, snippet=snippet, order=order),
                               [match] + filter_params + [limit, offset] + join_params)
 

@@ -386,7 +386,9 @@ PLAIN_FILTERS = " AND (m.active = 1 OR m.compacted = 1)"
 
 class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
     """The ranked and time-ordered queries give, page by page, what the plain query
-    (every hit through SQLite's sorter, rank then id) gives, filters and ties included."""
+    (every hit through SQLite's sorter in hermes-agent's order) gives, filters and
+    ties included: rank then id; by time, time then rank then id ascending; a scan
+    (no rank), time then id ascending."""
 
     LINES = ("parser checks the tokens", "the parser reads tokens and the parser streams", "gateway restarts",
              "failing tests in the parser module", "tokens tokens parser", "会话历史 parser 数据库迁移",
@@ -410,8 +412,8 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
         self.conn = self.raw(self.tmp / "state.db")
 
     def plain(self, table, match, sort, filters, params, limit, offset, snippet=True):
-        order = {"newest": "m.timestamp DESC, m.id DESC", "oldest": "m.timestamp ASC, m.id ASC"}.get(
-            sort, f"{table}.rank, m.id")
+        order = {"newest": f"m.timestamp DESC, {table}.rank, m.id",
+                 "oldest": f"m.timestamp ASC, {table}.rank, m.id"}.get(sort, f"{table}.rank, m.id")
         cut = f"snippet({table}, -1, '>>>', '<<<', '...', 40)" if snippet else "NULL"
         return [tuple(row) for row in self.conn.execute(
             f"SELECT m.id, {cut} FROM {table} JOIN messages AS m ON m.id = {table}.rowid "
@@ -464,7 +466,7 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
                 if kwargs.get("role_filter"):
                     continue  # scans skip tool rows; a role filter is checked on its own below
                 order = "m.timestamp ASC, m.id ASC" if sort == "oldest" and re.search("[a-z]", query) else \
-                    "m.timestamp DESC, m.id DESC"
+                    "m.timestamp DESC, m.id ASC"
                 with self.subTest(query=query, **kwargs):
                     expected = [row[0] for row in self.conn.execute(
                         f"SELECT m.id FROM messages AS m JOIN sessions AS s ON s.id = m.session_id "
@@ -472,6 +474,20 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
                         f"LIMIT ? OFFSET ?", params + [kwargs["limit"], kwargs["offset"]])]
                     hits = self.db.search_messages(query, fields=("id",), **kwargs)
                     self.assertEqual([hit["id"] for hit in hits], expected)
+
+    def test_rows_of_one_time_come_as_hermes_agent_gives_them(self):
+        self.db.create_session("batch", "cli")
+        self.db.append_messages_batch("batch", [
+            {"role": "user", "content": content, "timestamp": 5000.0}
+            for content in ("批次 parser", "parser parser 批次", "批次 parser", "the parser reads 批次 tokens")])
+        ids = [row[0] for row in self.conn.execute("SELECT id FROM messages WHERE session_id = 'batch' ORDER BY id")]
+        # A scan (a 1-2 letter CJK term) orders by time alone: one time, ascending ids.
+        self.assertEqual([hit["id"] for hit in self.db.search_messages("批次", fields=("id",))], ids)
+        # By time, equal times go by rank (the twice-said parser first), equal ranks by ascending id.
+        for sort in ("newest", "oldest"):
+            hits = self.db.search_messages("parser", sort=sort, fields=("id",), source_filter=["cli"], limit=1000)
+            page = [hit["id"] for hit in hits if hit["id"] in ids]
+            self.assertEqual(page, [ids[1], ids[0], ids[2], ids[3]], sort)
 
     def test_full_hits_are_the_same_whichever_page_they_are_read_on(self):
         everything = self.db.search_messages("parser", limit=1000)
