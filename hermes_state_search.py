@@ -34,8 +34,9 @@ from hermes_state_common import (
     META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, NOT_TOOL_ROW_SQL, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META,
     PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL, RESET_INDEX_SQL, RETIRED_PREFIX,
     SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_ORDERS, SEARCH_PAGE_BY_INDEX_SQL, SEARCH_PAGE_BY_PREDICATE_SQL,
-    SEARCH_PAGE_INDEX_JOIN_SQL, SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_SQL, SEARCH_TABLES, SEARCH_TRIGGERS,
-    SELECT_CJK_QUEUE_SQL, SELECT_INDEXED_TEXT_BYTES_SQL, SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL,
+    SEARCH_PAGE_BY_RANKED_INDEX_SQL, SEARCH_PAGE_INDEX_JOIN_SQL, SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_PAGE_PARTS,
+    SEARCH_RANKED_SQL, SEARCH_TABLES, SEARCH_TRIGGERS, SELECT_CJK_QUEUE_SQL, SELECT_INDEXED_TEXT_BYTES_SQL,
+    SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL,
     SELECT_SCHEMA_OBJECTS_SQL, SELECT_TRIGGER_TABLES_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TABLE_INFO_SQL,
     TERM_IN_BACKFILL_GAP_SQL, TERM_ID_SET_SQL, TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS,
     TERM_LIKE_SQL, TRIGRAM_PROBE_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier,
@@ -867,7 +868,7 @@ class SessionSearchMixin:
             not (indexes == {"cjk"} and state.cjk_pending)
         if not single:
             where, params = _tree_sql(tree, routes, state)
-            order = SEARCH_ORDERS["oldest" if sort == "oldest" else "newest"]
+            order = SEARCH_ORDERS["oldest" if sort == "oldest" else "newest"].format(rank="")
             page = SEARCH_PAGE_BY_PREDICATE_SQL.format(where=where, filters=filters, order=order)
             return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order),
                                   params + filter_params + [limit, offset])
@@ -881,11 +882,17 @@ class SessionSearchMixin:
             return self._read_all(SEARCH_RANKED_SQL.format(table=table, snippet=snippet, no_tools=no_tools,
                                                            filters=filters),
                                   [match] + filter_params + [limit, offset])
-        order = SEARCH_ORDERS[sort]
-        page = SEARCH_PAGE_BY_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters, order=order)
-        join, join_params = ("", []) if index == "cjk" else (SEARCH_PAGE_INDEX_JOIN_SQL.format(table=table), [match])
-        return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join=join, snippet=snippet, order=order),
-                              [match] + filter_params + [limit, offset] + join_params)
+        if index == "cjk":  # only ever asked by a scan, whose order has no rank
+            page = SEARCH_PAGE_BY_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters,
+                                                   order=SEARCH_ORDERS[sort].format(rank=""))
+            return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet=snippet,
+                                                              order=SEARCH_ORDERS[sort].format(rank="")),
+                                  [match] + filter_params + [limit, offset])
+        page = SEARCH_PAGE_BY_RANKED_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters,
+                                                      **SEARCH_RANKED_PAGE_PARTS[sort])
+        rows = SEARCH_PAGE_ROWS_SQL.format(page=page, join=SEARCH_PAGE_INDEX_JOIN_SQL.format(table=table),
+                                           snippet=snippet, order=SEARCH_ORDERS[sort].format(rank="page.hit_rank, "))
+        return self._read_all(rows, [match] + filter_params + [limit, offset, match, limit, offset, match])
 
     def _mark_index_stale(self, exc, state):
         """Answer by the fallback; rebuild ours (or build ours beside hermes-agent's) at the next open."""

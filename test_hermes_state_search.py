@@ -387,7 +387,9 @@ PLAIN_FILTERS = " AND (m.active = 1 OR m.compacted = 1)"
 
 class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
     """The ranked and time-ordered queries give, page by page, what the plain query
-    (every hit through SQLite's sorter, rank then id) gives, filters and ties included."""
+    (every hit through SQLite's sorter in hermes-agent's order) gives, filters and
+    ties included: rank then id; by time, time then rank then id ascending; a scan
+    (no rank), time then id ascending."""
 
     LINES = ("parser checks the tokens", "the parser reads tokens and the parser streams", "gateway restarts",
              "failing tests in the parser module", "tokens tokens parser", "会话历史 parser 数据库迁移",
@@ -411,8 +413,8 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
         self.conn = self.raw(self.tmp / "state.db")
 
     def plain(self, table, match, sort, filters, params, limit, offset, snippet=True):
-        order = {"newest": "m.timestamp DESC, m.id DESC", "oldest": "m.timestamp ASC, m.id ASC"}.get(
-            sort, f"{table}.rank, m.id")
+        order = {"newest": f"m.timestamp DESC, {table}.rank, m.id",
+                 "oldest": f"m.timestamp ASC, {table}.rank, m.id"}.get(sort, f"{table}.rank, m.id")
         cut = f"snippet({table}, -1, '>>>', '<<<', '...', 40)" if snippet else "NULL"
         return [tuple(row) for row in self.conn.execute(
             f"SELECT m.id, {cut} FROM {table} JOIN messages AS m ON m.id = {table}.rowid "
@@ -424,7 +426,7 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
             for filters, params, kwargs in (("", [], {}), (" AND s.source IN (?)", ["cli"], {"source_filter": ["cli"]}),
                                             (" AND s.source NOT IN (?)", ["cli"], {"exclude_sources": ["cli"]}),
                                             (" AND m.role IN (?)", ["user"], {"role_filter": ["user"]})):
-                for limit, offset in ((20, 0), (7, 3), (5, 40), (1000, 0)):
+                for limit, offset in ((20, 0), (7, 3), (5, 40), (1000, 0), (-1, 5), (4, 100000)):
                     yield sort, filters, params, dict(kwargs, sort=sort, limit=limit, offset=offset)
 
     def test_word_phrase_and_prefix_queries_page_like_the_plain_query(self):
@@ -465,7 +467,7 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
                 if kwargs.get("role_filter"):
                     continue  # scans skip tool rows; a role filter is checked on its own below
                 order = "m.timestamp ASC, m.id ASC" if sort == "oldest" and re.search("[a-z]", query) else \
-                    "m.timestamp DESC, m.id DESC"
+                    "m.timestamp DESC, m.id ASC"
                 with self.subTest(query=query, **kwargs):
                     expected = [row[0] for row in self.conn.execute(
                         f"SELECT m.id FROM messages AS m JOIN sessions AS s ON s.id = m.session_id "
@@ -473,6 +475,20 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
                         f"LIMIT ? OFFSET ?", params + [kwargs["limit"], kwargs["offset"]])]
                     hits = self.db.search_messages(query, fields=("id",), **kwargs)
                     self.assertEqual([hit["id"] for hit in hits], expected)
+
+    def test_rows_of_one_time_come_as_hermes_agent_gives_them(self):
+        self.db.create_session("batch", "cli")
+        self.db.append_messages_batch("batch", [
+            {"role": "user", "content": content, "timestamp": 5000.0}
+            for content in ("批次 parser", "parser parser 批次", "批次 parser", "the parser reads 批次 tokens")])
+        ids = [row[0] for row in self.conn.execute("SELECT id FROM messages WHERE session_id = 'batch' ORDER BY id")]
+        # A scan (a 1-2 letter CJK term) orders by time alone: one time, ascending ids.
+        self.assertEqual([hit["id"] for hit in self.db.search_messages("批次", fields=("id",))], ids)
+        # By time, equal times go by rank (the twice-said parser first), equal ranks by ascending id.
+        for sort in ("newest", "oldest"):
+            hits = self.db.search_messages("parser", sort=sort, fields=("id",), source_filter=["cli"], limit=1000)
+            page = [hit["id"] for hit in hits if hit["id"] in ids]
+            self.assertEqual(page, [ids[1], ids[0], ids[2], ids[3]], sort)
 
     def test_full_hits_are_the_same_whichever_page_they_are_read_on(self):
         everything = self.db.search_messages("parser", limit=1000)
@@ -494,9 +510,10 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
             plan = [row[3] for row in self.conn.execute("EXPLAIN QUERY PLAN " + search[0])]
             sorts = [detail for detail in plan if "FOR ORDER BY" in detail]
             # Ranked: FTS5 itself orders (no sorter at all). By time: one sorter over
-            # the hits' ids, one over the page's rows.
-            self.assertEqual(len(sorts), 0 if kwargs.get("sort") is None and query in ("parser", "数据库") else 2,
-                             (query, plan))
+            # the hits' ids, one over the page's rows; from a word or trigram index,
+            # one more over the ranked hits at the page's times.
+            by_index = query in ("parser", "数据库")
+            self.assertEqual(len(sorts), (0 if kwargs.get("sort") is None else 3) if by_index else 2, (query, plan))
             # Terms of several indexes make one list of ids (rows are read for it alone).
             self.assertLessEqual(sum("LIST SUBQUERY" in detail for detail in plan), 1, (query, plan))
 
