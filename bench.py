@@ -424,65 +424,101 @@ def bench_open(folder, path):
 
 
 def _lock_probe(path, stop, ready, results):
-    """Try BEGIN IMMEDIATE every few ms with a LOCK_PROBE_TIMEOUT_MS busy timeout; send back every
-    stretch of time the write lock could not be had, as (first failed try, next success)."""
+    """Every 2 ms, try each write lock a store of ours has, apart: SQLite's (BEGIN IMMEDIATE with a
+    LOCK_PROBE_TIMEOUT_MS busy timeout, then COMMIT) and the writer file lock every process of ours
+    takes first (flock on `<store>.lock`, not waiting). Send back, per lock, every stretch it could
+    not be had, as (first failed try, next success)."""
+    import fcntl
     conn = sqlite3.connect(path, isolation_level=None, timeout=LOCK_PROBE_TIMEOUT_MS / 1000)
-    blocked, stretches = None, []
-    ready.set()
-    while not stop.is_set():
-        tried = time.monotonic()
+    lock_fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+
+    def sqlite_lock():
         try:
             conn.execute("BEGIN IMMEDIATE")
-            conn.execute("COMMIT")
-            if blocked is not None:
-                stretches.append((blocked, time.monotonic()))
-                blocked = None
         except sqlite3.OperationalError:
-            blocked = tried if blocked is None else blocked
+            return False
+        conn.execute("COMMIT")
+        return True
+
+    def file_lock():
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        return True
+
+    tries = {"sqlite": sqlite_lock, "file": file_lock}
+    blocked, stretches = dict.fromkeys(tries), {kind: [] for kind in tries}
+    ready.set()
+    while not stop.is_set():
+        for kind, attempt in tries.items():
+            tried = time.monotonic()
+            if attempt():
+                if blocked[kind] is not None:
+                    stretches[kind].append((blocked[kind], time.monotonic()))
+                    blocked[kind] = None
+            elif blocked[kind] is None:
+                blocked[kind] = tried
         time.sleep(0.002)
-    if blocked is not None:
-        stretches.append((blocked, time.monotonic()))
+    for kind, since in blocked.items():
+        if since is not None:
+            stretches[kind].append((since, time.monotonic()))
     conn.close()
+    os.close(lock_fd)
     results.put(stretches)
 
 
-def bench_lock_holds(folder, path, payload):
-    """Our operations one by one on a copy of the 1M store, a probe process watching the write lock:
-    {operation: (seconds it ran, longest stretch the probe could not write during it)}."""
-    from hermes_state import SessionDB
+def watch_lock(path, steps):
+    """Run `steps` ((name, fn) pairs) one by one while a probe process watches the store's write
+    locks: {name: (seconds it ran, {lock: longest stretch the probe could not take it during the step})}."""
     ctx = multiprocessing.get_context("spawn")
     stop, ready, results = ctx.Event(), ctx.Event(), ctx.Queue()
     probe = ctx.Process(target=_lock_probe, args=(str(path), stop, ready, results))
     probe.start()
     ready.wait(60)
     spans = []
-
-    def timed(name, fn):
+    for name, fn in steps:
         start = time.monotonic()
-        value = fn()
+        fn()
         spans.append((name, start, time.monotonic()))
-        return value
-
-    db = timed("open (with its repairs)", lambda: SessionDB(path))
-    timed(f"import_sessions, {len(payload):,} sessions in one call",
-          lambda: db.import_sessions(payload))
-    timed("CJK queue draining (fts_rebuild_step until done)", lambda: [None for _ in iter(db.fts_rebuild_step, False)])
-    timed("index merge (optimize_fts)", db.optimize_fts)
-    timed("prune_sessions(older_than_days=90)", lambda: db.prune_sessions(older_than_days=90))
-    timed(f"delete_session of a {MILLION_BIG_SESSION:,}-message session", lambda: db.delete_session("big"))
-    for i in range(3):
-        db.create_session(f"wal-{i}", "cli")
-        db.append_messages_batch(f"wal-{i}", agent_history(2_000, seed=i))
-    timed("close (with its checkpoint)", db.close)
     time.sleep(0.05)
     stop.set()
     stretches = results.get(timeout=60)
     probe.join()
-    out = {}
-    for name, start, end in spans:
-        longest = max((min(e, end) - max(s, start) for s, e in stretches if s < end and e > start), default=0.0)
-        out[name] = (end - start, longest)
-    return out
+    return {name: (end - start, {kind: max((min(e, end) - max(s, start) for s, e in found if s < end and e > start),
+                                           default=0.0) for kind, found in stretches.items()})
+            for name, start, end in spans}
+
+
+def bench_lock_holds(path, payload, hermes_copy=None):
+    """Our operations one by one on a copy of our 1M store, then our first open of a copy of
+    hermes-agent's 1M store (the migration a user switching to us gets), each watched by watch_lock."""
+    from hermes_state import SessionDB
+    state = {}
+
+    def fill_wal():
+        for i in range(3):
+            state["db"].create_session(f"wal-{i}", "cli")
+            state["db"].append_messages_batch(f"wal-{i}", agent_history(2_000, seed=i))
+
+    holds = watch_lock(path, [
+        ("open", lambda: state.update(db=SessionDB(path))),
+        (f"import_sessions, {len(payload):,} sessions in one call", lambda: state["db"].import_sessions(payload)),
+        ("CJK queue draining (fts_rebuild_step until done)", lambda: [0 for _ in iter(state["db"].fts_rebuild_step, False)]),
+        ("index merge (optimize_fts)", lambda: state["db"].optimize_fts()),
+        ("prune_sessions(older_than_days=90)", lambda: state["db"].prune_sessions(older_than_days=90)),
+        (f"delete_session of a {MILLION_BIG_SESSION:,}-message session", lambda: state["db"].delete_session("big")),
+        ("(not timed: 6,000 messages appended to fill the WAL)", fill_wal),
+        ("close (with its checkpoint)", lambda: state["db"].close()),
+    ])
+    holds.pop("(not timed: 6,000 messages appended to fill the WAL)")
+    if hermes_copy:
+        holds.update(watch_lock(hermes_copy, [
+            ("first open of hermes-agent's 1M store (its open-time repairs)", lambda: state.update(db=SessionDB(hermes_copy))),
+            ("close of that store", lambda: state["db"].close()),
+        ]))
+    return holds
 
 
 def _mixed_worker(path, name, count, start_at, results):
@@ -549,6 +585,8 @@ class Table:
         print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
         for r in self.rows:
             print(line(r))
+        marks = [r[5] for r in self.rows if r[5]]
+        print(f"\n{marks.count('✓')} goals met, {marks.count('✗')} not met")
 
 
 def speed(ours, ref):
@@ -679,9 +717,7 @@ def measure_million(runner, folder, table, small_growth_mb):
     table.add("append at 1M, 1 message a transaction (msg/s)", f"{appended['ours']:,.0f}",
               f"{ref_rate:,.0f}" if ref_rate else "", speed(1 / appended["ours"], 1 / ref_rate) if ref_rate else "",
               ">= 5x faster", appended["ours"] >= 5 * ref_rate if ref_rate else None)
-    if "reference" in work:
-        os.unlink(work["reference"])
-    work = work["ours"]
+    hermes_copy, work = work.get("reference"), work["ours"]
     log("1M: CLI export (streaming memory)")
     exported = runner.run("ours", "cli_export", path=str(work), out=f"{folder}/million.jsonl")
     growth = exported["peak_mb"] - exported["base_mb"]
@@ -693,13 +729,16 @@ def measure_million(runner, folder, table, small_growth_mb):
     for session in payload:
         session["id"] = "imp-" + session["id"]
     log("1M: lock holds")
-    holds = bench_lock_holds(folder, work, payload)
+    holds = bench_lock_holds(work, payload, hermes_copy)
     del payload
-    longest = 0.0
+    if hermes_copy:
+        os.unlink(hermes_copy)
+    longest = max(max(held.values()) for _, held in holds.values())
+    table.add("longest write-lock hold by any operation of ours (s; SQLite's lock, our file lock)",
+              f"{longest:.3f}", goal="<= 1 s", ok=longest <= 1)
     for name, (ran, held) in holds.items():
-        longest = max(longest, held)
-        table.add(f"  write lock unavailable during: {name} (ran {ran:.2f} s)", f"{held:.3f} s", goal="<= 1 s", ok=held <= 1)
-    table.add("longest write-lock hold by any operation of ours (s)", f"{longest:.3f}", goal="<= 1 s", ok=longest <= 1)
+        table.add(f"  {name} (ran {ran:.2f} s)", f"{held['sqlite']:.3f}, {held['file']:.3f}", goal="<= 1 s",
+                  ok=max(held.values()) <= 1)
     log("1M: 1 process, then 9 processes appending and searching")
     one = bench_processes(work, 1)
     nine = bench_processes(work, 9)
