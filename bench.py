@@ -282,9 +282,9 @@ JOBS = {name[4:]: fn for name, fn in globals().items() if name.startswith("job_"
 def worker_main(spec):
     """Entry of `bench.py --worker SPEC`: run one job, print its result as the last stdout line."""
     args = json.loads(spec)
-    from hermes_state import SessionDB
-    result = JOBS[args.pop("job")](SessionDB, **args)
-    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    import hermes_state
+    result = JOBS[args.pop("job")](hermes_state.SessionDB, **args)
+    sys.stdout.write("\n" + json.dumps(dict(result, module=hermes_state.__file__)) + "\n")
 
 
 # -- running workers -----------------------------------------------------------------------------
@@ -326,7 +326,10 @@ class Runner:
                               timeout=timeout)
         if done.returncode != 0:
             raise RuntimeError(f"{side} {job} failed:\n{done.stderr[-3000:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        if (side == "ours") != (Path(result.pop("module")).resolve().parent == REPO):
+            raise RuntimeError(f"the {side} worker imported the other side's hermes_state")
+        return result
 
 
 # -- the 1M-message store ------------------------------------------------------------------------
@@ -597,6 +600,10 @@ def speed(ours, ref):
     return f"{factor:.1f}x faster" if factor >= 1 else f"{1 / factor:.1f}x slower"
 
 
+def hits(found):
+    return f"{found['hits']}{'+' if found['hits'] >= 1000 else ''} hits"
+
+
 def log(message):
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -645,7 +652,7 @@ def report_scale(table, n, figures):
             ok = o["ms"] < 5 and (not big or not rf or rf["ms"] >= 20 * o["ms"])
         else:
             ok = rf is None or o["ms"] <= rf["ms"] * 1.0 + 0.05
-        table.add(f"search {label}, top 20 (ms; {o['hits']}{'+' if o['hits'] == 1000 else ''} hits)", f"{o['ms']:.1f}",
+        table.add(f"search {label}, top 20 (ms; {hits(o)})", f"{o['ms']:.1f}",
                   f"{rf['ms']:.1f}" if rf else "", speed(o["ms"], rf["ms"]) if rf else "", goal, ok)
         if not cjk:
             ratio = o["ms"] / raw["search"][label]["ms"]
@@ -703,7 +710,7 @@ def measure_million(runner, folder, table, small_growth_mb):
         o, rf = searched["ours"][label], searched.get("reference", {}).get(label)
         versus = dict(ref=f"{rf['ms']:.1f}", ratio=speed(o["ms"], rf["ms"])) if rf else {}
         if label.startswith("CJK"):
-            table.add(f"search {label}, top 20 (ms; {o['hits']}+ hits)", f"{o['ms']:.1f}", **versus,
+            table.add(f"search {label}, top 20 (ms; {hits(o)})", f"{o['ms']:.1f}", **versus,
                       goal="< 5 ms", ok=o["ms"] < 5)
         else:
             ratio = o["ms"] / raw[label]["ms"]
