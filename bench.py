@@ -37,6 +37,7 @@ SCALES = (4_000, 100_000)
 MILLION = 1_000_000
 SESSION_MESSAGES = 40
 IMPORT_CALL_SESSIONS = 100
+IMPORT_MAX_SESSIONS = 500  # the most import_sessions takes in one call (its default limit)
 APPEND_MESSAGES = 400
 SEARCH_RUNS = 7
 WORD_QUERIES = (("word `parser`", "parser"), ("words `failing tests`", "failing tests"),
@@ -731,7 +732,7 @@ def measure_million(runner, folder, table, small_growth_mb):
     table.add("CLI jsonl export (s); its peak RSS (MB)", f"{exported['seconds']:.0f}; {exported['peak_mb']:.0f} "
               f"(start {exported['base_mb']:.0f})", goal=f"flat: growth <= {min(SCALES):,}'s + 50 MB",
               ok=growth <= small_growth_mb + 50)
-    payload = _read_jsonl(f"{folder}/million.jsonl", 1000)  # the most recently active sessions
+    payload = _read_jsonl(f"{folder}/million.jsonl", IMPORT_MAX_SESSIONS)  # the most recently active ones
     os.unlink(f"{folder}/million.jsonl")
     for session in payload:
         session["id"] = "imp-" + session["id"]
