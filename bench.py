@@ -1,53 +1,77 @@
-"""`make bench`: speed of the store as ratios within one run, standard library only.
+"""`make bench`: the speed goals of issue 17 measured in one run, standard library only.
 
-Every figure compares hermes_state with raw sqlite3 doing the same work on a
-store of the same schema, indexes, triggers, journal mode and synchronous
-setting, measured in the same run on the same machine. Prints a table.
+Owns: the workload (a deterministic agent history), the worker that runs it through a store's public
+`SessionDB` API, the 1M-message store cache, and the table. Must not touch: the product modules (it
+only calls them) and the compat venvs (it only runs their python).
+
+Every timed figure comes from a worker subprocess running `bench.py --worker JOB`: for "ours" this
+checkout's `hermes_state`, for "reference" hermes-agent 0.20.1.2's own `hermes_state`, imported by the
+python of the venv `make compat` caches (compat/venvs.py); with `-P` its path never sees this checkout.
+Both sides run the same job code on their own stores. Without that venv the reference column is empty.
+Raw sqlite3 figures (the ranked FTS5 query, inserts with the same triggers) run on our own stores.
+
+`BENCH_SCALE=1m` adds the 1,000,000-message figures: the store is generated once into
+`$HERMES_BENCH_CACHE` (default ~/.cache/hermes_state_bench) and regenerated when our schema changes;
+the longest write-lock hold is measured from outside by a probe process that keeps trying
+`BEGIN IMMEDIATE` with a short busy timeout while our operations run one by one.
 """
 
-import base64
+import contextlib
+import hashlib
 import json
 import multiprocessing
 import os
 import random
-import re
+import resource
+import shutil
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 
-from hermes_state import CHECKPOINT_EVERY_COMMITS, SessionDB, choose_journal_policy
-from hermes_state_common import BUMP_MESSAGE_COUNTS_SQL, INSERT_MESSAGE_SQL, MESSAGE_WRITE_COLUMNS
-from hermes_state_portability import write_export
-
-HISTORY_MESSAGES = 20_000
-PROCESS_MESSAGES = 3_000
-OPEN_STORE_MESSAGES = 100_000
-BATCH_SIZE = 100
+REPO = Path(__file__).resolve().parent
+SCALES = (4_000, 100_000)
+MILLION = 1_000_000
+SESSION_MESSAGES = 40
+IMPORT_CALL_SESSIONS = 100
+IMPORT_MAX_SESSIONS = 500  # the most import_sessions takes in one call (its default limit)
+APPEND_MESSAGES = 400
+SEARCH_RUNS = 7
+WORD_QUERIES = (("word `parser`", "parser"), ("words `failing tests`", "failing tests"),
+                ("words `gateway restarts`", "gateway restarts"), ("phrase `\"index tokens\"`", '"index tokens"'),
+                ("prefix `pars*`", "pars*"))
+CJK_QUERIES = (("CJK 1 character", "库"), ("CJK 2 characters", "索引"))
 WORDS = ("schema migration index tokens runs build patching files agent tool terminal reads checks "
-         "parser streams module the and of to").split()
-CJK = "会话历史索引迁移数据库备份搜索压缩导出导入检查验证"
+         "parser streams module failing tests gateway restarts the and of to a is").split()
+CJK_WORDS = ("会话", "历史", "索引", "迁移", "数据库", "备份", "搜索", "压缩", "导出", "导入", "检查", "验证")
+GENERATOR_VERSION = "1"  # bump when agent_history or the 1M store's shape changes
+CACHE = Path(os.environ.get("HERMES_BENCH_CACHE") or Path.home() / ".cache" / "hermes_state_bench")
+LOCK_PROBE_TIMEOUT_MS = 5
+CJK_QUEUED = 20_000  # CJK messages another writer adds before the queue-draining figure
+MIXED_QUERY = "索引"  # what the 9 processes search: the word queries' own cost at 1M is measured apart
 
+
+# -- the workload --------------------------------------------------------------------------------
 
 def agent_history(count, seed=7):
-    """`count` messages shaped like an agent's: user asks, assistant calls a tool, tool answers
-    with several KB (base64 or a code dump), assistant replies."""
+    """`count` messages shaped like an agent's: a user asks (some of it in Chinese), the assistant
+    calls a tool, the tool answers with a base64 blob or a code dump, the assistant replies."""
     rng = random.Random(seed)
     messages = []
     while len(messages) < count:
         call_id = f"call_{rng.getrandbits(32):08x}"
         user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))
-        user += " " + "".join(rng.choice(CJK) for _ in range(rng.randint(2, 12)))
-        tool_calls = [{"id": call_id, "type": "function", "function": {
-            "name": "terminal", "arguments": json.dumps({"command": f"pytest -x tests/test_{rng.choice(WORDS)}.py"})}}]
+        user += " " + "".join(rng.choice(CJK_WORDS) for _ in range(rng.randint(1, 3)))
+        command = json.dumps({"command": f"pytest -x tests/test_{rng.choice(WORDS)}.py"})
+        tool_calls = [{"id": call_id, "type": "function", "function": {"name": "terminal", "arguments": command}}]
         if rng.random() < 0.5:
-            output = base64.b64encode(rng.randbytes(rng.randint(1500, 6000))).decode()
+            output = rng.randbytes(rng.randint(300, 1800)).hex()
         else:
             output = "\n".join(f"def f{i}(x):\n    return x * {i}  # {rng.choice(WORDS)}"
-                               for i in range(rng.randint(40, 150)))
+                               for i in range(rng.randint(10, 60)))
         messages += [
             {"role": "user", "content": user},
             {"role": "assistant", "content": "Running the tests.", "tool_calls": tool_calls},
@@ -57,255 +81,728 @@ def agent_history(count, seed=7):
     return messages[:count]
 
 
-def raw_row(session_id, message):
-    """The row raw sqlite3 inserts: the same values append_message stores."""
-    values = dict.fromkeys(MESSAGE_WRITE_COLUMNS)
-    values.update(message, session_id=session_id, timestamp=time.time(), observed=0, active=1)
-    if values["tool_calls"] is not None:
-        values["tool_calls"] = json.dumps(values["tool_calls"], ensure_ascii=False)
-    return tuple(values.values())
+def session_ids(count, prefix="s"):
+    return [f"{prefix}{i:06d}" for i in range(count)]
 
 
-def fresh_store(folder, name, journal):
-    """A store made by SessionDB (so raw sqlite3 gets the identical schema), with one session."""
-    path = Path(folder) / name
-    with SessionDB(path, journal=journal) as db:
-        db.create_session("bench", "cli")
-    return path
+# -- the worker: one job through whichever `hermes_state` this python imports ---------------------
+
+def _rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def raw_connection(path, journal):
-    """Plain sqlite3 with the store's journal, synchronous and checkpoint settings."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("PRAGMA synchronous=NORMAL")
-    policy = choose_journal_policy(override=journal)
-    if policy.autocheckpoint is not None:
-        conn.execute(f"PRAGMA wal_autocheckpoint={policy.autocheckpoint}")
-    return conn, policy.autocheckpoint == 0
-
-
-def raw_commit(conn, commits, manual_checkpoints):
-    conn.execute("COMMIT")
-    if manual_checkpoints and commits % CHECKPOINT_EVERY_COMMITS == 0:
-        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-
-
-def rate(count, seconds):
-    return count / seconds if seconds else float("inf")
-
-
-def bench_append(folder, history, journal):
-    """One message per transaction: ours, raw doing the same work, raw inserting only."""
-    path = fresh_store(folder, f"ours-{journal}.db", journal)
-    with SessionDB(path, journal=journal) as db:
-        start = time.perf_counter()
-        for message in history:
-            db.append_message("bench", **message)
-        ours = rate(len(history), time.perf_counter() - start)
-
-    results = {"ours": ours}
-    for label, bump in (("raw_same_work", True), ("raw_insert_only", False)):
-        conn, manual = raw_connection(fresh_store(folder, f"{label}-{journal}.db", journal), journal)
-        start = time.perf_counter()
-        for commits, message in enumerate(history, 1):
-            conn.execute("BEGIN IMMEDIATE")
-            conn.execute(INSERT_MESSAGE_SQL, raw_row("bench", message))
-            if bump:
-                conn.execute(BUMP_MESSAGE_COUNTS_SQL, (1, 1 if message.get("tool_calls") else 0, "bench"))
-            raw_commit(conn, commits, manual)
-        results[label] = rate(len(history), time.perf_counter() - start)
-        conn.close()
-    return results
-
-
-def bench_batch(folder, history, journal):
-    path = fresh_store(folder, f"batch-ours-{journal}.db", journal)
-    batches = [history[i:i + BATCH_SIZE] for i in range(0, len(history), BATCH_SIZE)]
-    with SessionDB(path, journal=journal) as db:
-        start = time.perf_counter()
-        for batch in batches:
-            db.append_messages_batch("bench", [dict(m) for m in batch])  # it stamps `_row_id` on what it is given
-        ours = rate(len(history), time.perf_counter() - start)
-    conn, manual = raw_connection(fresh_store(folder, f"batch-raw-{journal}.db", journal), journal)
-    start = time.perf_counter()
-    for commits, batch in enumerate(batches, 1):
-        conn.execute("BEGIN IMMEDIATE")
-        conn.executemany(INSERT_MESSAGE_SQL, [raw_row("bench", m) for m in batch])
-        conn.execute(BUMP_MESSAGE_COUNTS_SQL, (len(batch), 0, "bench"))
-        raw_commit(conn, commits, manual)
-    raw = rate(len(history), time.perf_counter() - start)
-    conn.close()
-    return {"ours": ours, "raw": raw}
-
-
-def _append_worker(path, journal, session_id, count, start_at, results):
-    history = agent_history(count, seed=hash(session_id) & 0xFFFF)
-    errors = 0
-    with SessionDB(path, journal=journal) as db:
-        db.create_session(session_id, "cli")
-        while time.time() < start_at:
-            time.sleep(0.001)
-        begin = time.time()
-        for message in history:
-            try:
-                db.append_message(session_id, **message)
-            except Exception:
-                errors += 1
-        results.put((begin, time.time(), errors))
-
-
-def bench_processes(folder, journal, processes):
-    """`processes` processes each appending PROCESS_MESSAGES one per transaction, all at once."""
-    path = fresh_store(folder, f"procs{processes}-{journal}.db", journal)
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    start_at = time.time() + 1.5
-    workers = [ctx.Process(target=_append_worker, args=(str(path), journal, f"p{i}", PROCESS_MESSAGES,
-                                                        start_at, results)) for i in range(processes)]
-    for worker in workers:
-        worker.start()
-    outcomes = [results.get(timeout=600) for _ in workers]
-    for worker in workers:
-        worker.join()
-    begin = min(o[0] for o in outcomes)
-    end = max(o[1] for o in outcomes)
-    with SessionDB(path, journal=journal) as db:
-        stored = db.message_count()
-    return {"rate": rate(processes * PROCESS_MESSAGES, end - begin),
-            "errors": sum(o[2] for o in outcomes), "stored": stored, "expected": processes * PROCESS_MESSAGES}
-
-
-def build_large_store(folder, journal):
-    """OPEN_STORE_MESSAGES messages of agent history in 50 sessions, written in batches."""
-    path = fresh_store(folder, f"large-{journal}.db", journal)
-    history = agent_history(2_000)
-    with SessionDB(path, journal=journal) as db:
-        for i in range(OPEN_STORE_MESSAGES // len(history)):
-            session_id = f"s{i}"
-            db.create_session(session_id, "cli")
-            for j in range(0, len(history), 500):
-                db.append_messages_batch(session_id, [dict(m) for m in history[j:j + 500]])
-    return path
-
-
-def median_seconds(fn, runs=7):
+def _median_ms(fn, runs=SEARCH_RUNS):
+    fn()  # warm the page cache and the statement cache
     times = []
     for _ in range(runs):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times) * 1000
 
 
-def bench_open(path, journal):
-    def open_close():
-        SessionDB(path, journal=journal).close()
+def _store_bytes(path):
+    return sum(os.path.getsize(p) for p in (path, f"{path}-wal") if os.path.exists(p))
 
-    def raw_open():
-        conn = sqlite3.connect(path)
-        conn.execute("SELECT COUNT(*) FROM sessions").fetchone()
+
+def job_build(SessionDB, path, messages, **_):
+    """Sessions of SESSION_MESSAGES messages, one batch call each, through the public API."""
+    history = agent_history(messages)
+    start = time.perf_counter()
+    with contextlib.closing(SessionDB(Path(path))) as db:
+        for number, sid in enumerate(session_ids(messages // SESSION_MESSAGES)):
+            db.create_session(sid, "cli")
+            chunk = history[number * SESSION_MESSAGES:(number + 1) * SESSION_MESSAGES]
+            db.append_messages_batch(sid, [dict(m) for m in chunk])  # it stamps `_row_id` on what it gets
+    return {"seconds": time.perf_counter() - start, "bytes": _store_bytes(path)}
+
+
+def job_append(SessionDB, path, count, **_):
+    """One message a transaction into a new session of an existing store: messages a second, and the
+    slowest single append."""
+    history = agent_history(count, seed=11)
+    with contextlib.closing(SessionDB(Path(path))) as db:
+        db.create_session("append-bench", "cli")
+        start = time.perf_counter()
+        for message in history:
+            db.append_message("append-bench", **message)
+        seconds = time.perf_counter() - start
+    return {"rate": count / seconds}
+
+
+def job_search(SessionDB, path, queries, runs=SEARCH_RUNS, **_):
+    """Median latency of each query's top 20, and its hit count up to 1,000."""
+    out = {}
+    with contextlib.closing(SessionDB(Path(path))) as db:
+        for label, query in queries:
+            ms = _median_ms(lambda: db.search_messages(query, limit=20), runs)
+            out[label] = {"ms": ms, "hits": len(db.search_messages(query, limit=1000))}
+    return out
+
+
+def job_export_all(SessionDB, path, **_):
+    with contextlib.closing(SessionDB(Path(path))) as db:
+        start = time.perf_counter()
+        sessions = db.export_all()
+        seconds = time.perf_counter() - start
+    return {"seconds": seconds, "sessions": len(sessions), "messages": sum(len(s["messages"]) for s in sessions)}
+
+
+def job_cli_export(SessionDB, path, out, side, **_):
+    """The CLI's jsonl export of the whole store to a file. Ours: our CLI's `export` command in this
+    process. Reference: what `hermes sessions export OUT` does for jsonl (export_all, then one
+    json.dumps line per session), without the rest of hermes-agent's CLI start-up."""
+    base = _rss_mb()
+    start = time.perf_counter()
+    if side == "ours":
+        import hermes_state_cli
+        with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+            status = hermes_state_cli.main(["export", out, "--db", path, "--format", "jsonl"])
+        assert not status, status
+    else:
+        with contextlib.closing(SessionDB(Path(path))) as db:
+            sessions = db.export_all(source=None)
+            with open(out, "w", encoding="utf-8") as fh:
+                for session in sessions:
+                    fh.write(json.dumps(session, ensure_ascii=False) + "\n")
+    return {"seconds": time.perf_counter() - start, "peak_mb": _rss_mb(), "base_mb": base,
+            "bytes": os.path.getsize(out)}
+
+
+def _read_jsonl(path, limit=None):
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for _, line in zip(range(limit or sys.maxsize), fh)]
+
+
+def job_import(SessionDB, path, source, **_):
+    """import_sessions of an export, IMPORT_CALL_SESSIONS sessions a call, into a new store."""
+    payload = _read_jsonl(source)
+    with contextlib.closing(SessionDB(Path(path))) as db:
+        start = time.perf_counter()
+        for i in range(0, len(payload), IMPORT_CALL_SESSIONS):
+            result = db.import_sessions(payload[i:i + IMPORT_CALL_SESSIONS])
+            assert result.get("imported", 0) or result.get("ok"), str(result)[:300]
+        seconds = time.perf_counter() - start
+    return {"seconds": seconds, "messages": sum(len(s["messages"]) for s in payload)}
+
+
+def _word_table(conn):
+    names = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    return next(t for t in ("hs_fts_words", "messages_fts") if t in names)
+
+
+def job_raw_search(SessionDB, path, queries, runs=SEARCH_RUNS, **_):
+    """The raw ranked FTS5 query on the store's word index, no API around it."""
+    conn = sqlite3.connect(path)
+    table = _word_table(conn)
+    sql = f"SELECT rowid FROM {table} WHERE {table} MATCH ? ORDER BY rank LIMIT 20"
+    out = {label: {"ms": _median_ms(lambda: conn.execute(sql, (query,)).fetchall(), runs)} for label, query in queries}
+    conn.close()
+    return out
+
+
+def job_raw_append(SessionDB, path, count, **_):
+    """Raw sqlite3 doing an append's work (insert + count update), one message a transaction."""
+    from hermes_state_common import BUMP_MESSAGE_COUNTS_SQL, INSERT_MESSAGE_SQL
+    history = agent_history(count, seed=13)
+    with contextlib.closing(SessionDB(Path(path))) as db:
+        db.create_session("raw-append", "cli")
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA synchronous=NORMAL")
+    start = time.perf_counter()
+    for message in history:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(INSERT_MESSAGE_SQL, _raw_message_row("raw-append", message, time.time()))
+        conn.execute(BUMP_MESSAGE_COUNTS_SQL, (1, 1 if message.get("tool_calls") else 0, "raw-append"))
+        conn.execute("COMMIT")
+    seconds = time.perf_counter() - start
+    conn.close()
+    return {"rate": count / seconds}
+
+
+def _raw_message_row(session_id, message, timestamp):
+    from hermes_state_common import MESSAGE_WRITE_COLUMNS
+    values = dict.fromkeys(MESSAGE_WRITE_COLUMNS)
+    values.update({k: v for k, v in message.items() if k in values}, session_id=session_id,
+                  timestamp=timestamp, observed=0, active=1)
+    if isinstance(values["tool_calls"], (list, dict)):
+        values["tool_calls"] = json.dumps(values["tool_calls"], ensure_ascii=False)
+    return tuple(values.values())
+
+
+def _raw_session_row(session):
+    return (session["id"], session.get("source") or "cli", session.get("started_at") or time.time(),
+            session.get("ended_at"), session.get("title"))
+
+
+RAW_SESSION_SQL = "INSERT INTO sessions (id, source, started_at, ended_at, title) VALUES (?, ?, ?, ?, ?)"
+
+
+def job_raw_import(SessionDB, path, source, **_):
+    """Raw sqlite3 inserting the same sessions and messages as job_import, into a store of the same
+    schema and triggers, IMPORT_CALL_SESSIONS sessions a transaction."""
+    from hermes_state_common import BUMP_MESSAGE_COUNTS_SQL, INSERT_MESSAGE_SQL
+    payload = _read_jsonl(source)
+    with contextlib.closing(SessionDB(Path(path))):
+        pass
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA synchronous=NORMAL")
+    start = time.perf_counter()
+    for i in range(0, len(payload), IMPORT_CALL_SESSIONS):
+        conn.execute("BEGIN IMMEDIATE")
+        for session in payload[i:i + IMPORT_CALL_SESSIONS]:
+            conn.execute(RAW_SESSION_SQL, _raw_session_row(session))
+            conn.executemany(INSERT_MESSAGE_SQL, [_raw_message_row(session["id"], m, m.get("timestamp") or 0)
+                                                  for m in session["messages"]])
+            conn.execute(BUMP_MESSAGE_COUNTS_SQL, (len(session["messages"]), 0, session["id"]))
+        conn.execute("COMMIT")
+    seconds = time.perf_counter() - start
+    conn.close()
+    return {"seconds": seconds}
+
+
+def job_schema(SessionDB, path, **_):
+    """Open (so create) a store at `path`; a hash of the schema it got, to tell a stale cache."""
+    SessionDB(Path(path)).close()
+    conn = sqlite3.connect(path)
+    rows = conn.execute("SELECT type, name, sql FROM sqlite_master ORDER BY type, name").fetchall()
+    rows.append(conn.execute("PRAGMA user_version").fetchone())
+    conn.close()
+    return {"stamp": hashlib.sha256((GENERATOR_VERSION + repr(rows)).encode()).hexdigest()[:16]}
+
+
+def job_optimize(SessionDB, path, **_):
+    """optimize_fts, as each side's maintenance does it: merge segments (ours also drains its CJK queue)."""
+    with contextlib.closing(SessionDB(Path(path))) as db:
+        start = time.perf_counter()
+        db.optimize_fts()
+    return {"seconds": time.perf_counter() - start}
+
+
+JOBS = {name[4:]: fn for name, fn in globals().items() if name.startswith("job_")}
+
+
+def worker_main(spec):
+    """Entry of `bench.py --worker SPEC`: run one job, print its result as the last stdout line."""
+    args = json.loads(spec)
+    import hermes_state
+    result = JOBS[args.pop("job")](hermes_state.SessionDB, **args)
+    sys.stdout.write("\n" + json.dumps(dict(result, module=hermes_state.__file__)) + "\n")
+
+
+# -- running workers -----------------------------------------------------------------------------
+
+def reference_python():
+    """The python of the reference venv `make compat` made, or None when it is not there."""
+    sys.path.insert(0, str(REPO / "compat"))
+    try:
+        import venvs
+        root = os.environ.get("HERMES_COMPAT_CACHE") or os.path.expanduser("~/.cache/hermes_state_compat")
+        path = venvs.venv_python(os.path.join(root, f"ref-{venvs.REFERENCE_VERSION}"))  # cache_root() would mkdir
+    except (ImportError, SystemExit):
+        return None
+    finally:
+        sys.path.pop(0)
+    return path if os.path.exists(path) else None
+
+
+class Runner:
+    """Runs jobs on a side: "ours" (this checkout) or "reference" (the compat venv)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.ref_python = reference_python()
+        self.home = tempfile.mkdtemp(prefix="home-", dir=folder)  # where hermes-agent may look
+
+    @property
+    def sides(self):
+        return ("ours", "reference") if self.ref_python else ("ours",)
+
+    def run(self, side, job, timeout=3600, **args):
+        if side == "ours":
+            cmd, cwd = [sys.executable, str(REPO / "bench.py")], str(REPO)
+        else:  # -P: the script's folder (this checkout) is not put on sys.path
+            cmd, cwd = [self.ref_python, "-P", str(REPO / "bench.py")], self.home
+        env = dict(os.environ, HERMES_HOME=self.home, PYTHONDONTWRITEBYTECODE="1")
+        env.pop("PYTHONPATH", None)
+        spec = json.dumps(dict(args, job=job, **({"side": side} if job == "cli_export" else {})))
+        done = subprocess.run(cmd + ["--worker", spec], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"{side} {job} failed:\n{done.stderr[-3000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        if (side == "ours") != (Path(result.pop("module")).resolve().parent == REPO):
+            raise RuntimeError(f"the {side} worker imported the other side's hermes_state")
+        return result
+
+
+# -- the 1M-message store ------------------------------------------------------------------------
+
+MILLION_BIG_SESSION = 20_000   # one long session, for the delete figure
+MILLION_OLD_SHARE = 10          # every 10th session ended 200 days ago, for the prune figure
+
+
+def million_store(runner, side, folder):
+    """The cached 1M-message store of `side`, made now when missing or stale (the schema a fresh
+    store of that side gets has changed); returns (path, seconds it took to make or None)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    stamp = runner.run(side, "schema", path=f"{folder}/schema-{side}.db")["stamp"]
+    path = CACHE / f"store-1m-{side}.db"
+    stamp_file = CACHE / f"store-1m-{side}.stamp"
+    if path.exists() and stamp_file.exists() and stamp_file.read_text() == stamp:
+        return path, None
+    for stale in (path, Path(f"{path}-wal"), Path(f"{path}-shm"), stamp_file):
+        stale.unlink(missing_ok=True)
+    log(f"{side}: generating the 1M-message store into {path} (once; again only when the schema changes)")
+    start = time.perf_counter()
+    runner.run(side, "schema", path=str(path))
+    fill_million(path)
+    runner.run(side, "optimize", path=str(path))
+    stamp_file.write_text(stamp)
+    return path, time.perf_counter() - start
+
+
+def fill_million(path):
+    """The rows by raw sqlite3 in big transactions into a store its own SessionDB made (so its
+    triggers index them as an append would); the columns written are ones both sides have."""
+    from hermes_state_common import INSERT_MESSAGE_SQL
+    conn = sqlite3.connect(path, isolation_level=None)
+    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    conn.execute("PRAGMA journal_mode=DELETE")
+    conn.execute("PRAGMA synchronous=OFF")
+    conn.execute("PRAGMA cache_size=-400000")
+    history = agent_history(4_000, seed=17)
+    now = time.time()
+    sessions = [("big", MILLION_BIG_SESSION)] + [(sid, SESSION_MESSAGES) for sid in session_ids(
+        (MILLION - MILLION_BIG_SESSION) // SESSION_MESSAGES)]
+    written = 0
+    conn.execute("BEGIN")
+    for number, (sid, count) in enumerate(sessions):
+        old = number % MILLION_OLD_SHARE == 1
+        started = now - (200 * 86400 if old else (len(sessions) - number) * 60)
+        conn.execute(RAW_SESSION_SQL, (sid, "cli", started, started + 3600 if old else None, None))
+        rows = [_raw_message_row(sid, history[(written + i) % len(history)], started + i) for i in range(count)]
+        conn.executemany(INSERT_MESSAGE_SQL, rows)
+        conn.execute("UPDATE sessions SET message_count = ? WHERE id = ?", (count, sid))
+        written += count
+        if number % 500 == 0:
+            conn.execute("COMMIT")
+            conn.execute("BEGIN")
+    conn.execute("COMMIT")
+    conn.execute(f"PRAGMA journal_mode={mode}")
+    conn.close()
+
+
+# -- the 1M figures ------------------------------------------------------------------------------
+
+def _open_store_ms(path, runs=15):
+    from hermes_state import SessionDB
+
+    def once():
+        SessionDB(path).close()
+    once()
+    return statistics.median(_timed(once) for _ in range(runs)) * 1000
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _file_marks(path):
+    return [(os.stat(p).st_mtime_ns, os.stat(p).st_size) if os.path.exists(p) else None
+            for p in (path, f"{path}-wal")]
+
+
+def bench_open(folder, path):
+    """Median open+close of the 1M store against an empty one, and whether opening wrote anything
+    (file mtime and size, and PRAGMA data_version seen from another connection)."""
+    from hermes_state import SessionDB
+    empty = Path(folder) / "empty.db"
+    SessionDB(empty).close()
+    watcher = sqlite3.connect(path)
+    version = watcher.execute("PRAGMA data_version").fetchone()[0]
+    marks = _file_marks(path)
+    big = _open_store_ms(path)
+    wrote = marks != _file_marks(path) or watcher.execute("PRAGMA data_version").fetchone()[0] != version
+    watcher.close()
+    return {"empty_ms": _open_store_ms(empty), "big_ms": big, "wrote": wrote}
+
+
+def _lock_probe(path, stop, ready, results):
+    """Every 2 ms, try each write lock a store of ours has, apart: SQLite's (BEGIN IMMEDIATE with a
+    LOCK_PROBE_TIMEOUT_MS busy timeout, then COMMIT) and the writer file lock every process of ours
+    takes first (flock on `<store>.lock`, not waiting). Send back, per lock, every stretch it could
+    not be had, as (first failed try, next success)."""
+    import fcntl
+    conn = sqlite3.connect(path, isolation_level=None, timeout=LOCK_PROBE_TIMEOUT_MS / 1000)
+    lock_fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+
+    def sqlite_lock():
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError:
+            return False
+        conn.execute("COMMIT")
+        return True
+
+    def file_lock():
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        return True
+
+    tries = {"sqlite": sqlite_lock, "file": file_lock}
+    blocked, stretches = dict.fromkeys(tries), {kind: [] for kind in tries}
+    ready.set()
+    while not stop.is_set():
+        for kind, attempt in tries.items():
+            tried = time.monotonic()
+            if attempt():
+                if blocked[kind] is not None:
+                    stretches[kind].append((blocked[kind], time.monotonic()))
+                    blocked[kind] = None
+            elif blocked[kind] is None:
+                blocked[kind] = tried
+        time.sleep(0.002)
+    for kind, since in blocked.items():
+        if since is not None:
+            stretches[kind].append((since, time.monotonic()))
+    conn.close()
+    os.close(lock_fd)
+    results.put(stretches)
+
+
+def watch_lock(path, steps):
+    """Run `steps` ((name, fn) pairs) one by one while a probe process watches the store's write
+    locks: {name: (seconds it ran, {lock: longest stretch the probe could not take it during the step})}."""
+    ctx = multiprocessing.get_context("spawn")
+    stop, ready, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    probe = ctx.Process(target=_lock_probe, args=(str(path), stop, ready, results))
+    probe.start()
+    ready.wait(60)
+    spans = []
+    for name, fn in steps:
+        start = time.monotonic()
+        fn()
+        spans.append((name, start, time.monotonic()))
+    time.sleep(0.05)
+    stop.set()
+    stretches = results.get(timeout=60)
+    probe.join()
+    return {name: (end - start, {kind: max((min(e, end) - max(s, start) for s, e in found if s < end and e > start),
+                                           default=0.0) for kind, found in stretches.items()})
+            for name, start, end in spans}
+
+
+def bench_lock_holds(path, payload, hermes_copy=None):
+    """Our operations one by one on a copy of our 1M store, then our first open of a copy of
+    hermes-agent's 1M store (the migration a user switching to us gets), each watched by watch_lock."""
+    from hermes_state import SessionDB
+    state = {}
+
+    def fill_wal():
+        for i in range(3):
+            state["db"].create_session(f"wal-{i}", "cli")
+            state["db"].append_messages_batch(f"wal-{i}", agent_history(2_000, seed=i))
+
+    def queue_cjk():
+        from hermes_state_common import INSERT_MESSAGE_SQL
+        state["db"].create_session("queued", "cli")
+        user = [m for m in agent_history(4 * CJK_QUEUED) if m["role"] == "user"]
+        conn = sqlite3.connect(path, isolation_level=None, timeout=60)
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(INSERT_MESSAGE_SQL, [_raw_message_row("queued", m, time.time()) for m in user])
+        conn.execute("COMMIT")
         conn.close()
 
-    return {"ours_ms": median_seconds(open_close) * 1000, "raw_ms": median_seconds(raw_open) * 1000,
-            "bytes": os.path.getsize(path)}
+    holds = watch_lock(path, [
+        ("open", lambda: state.update(db=SessionDB(path))),
+        (f"import_sessions, {len(payload):,} sessions in one call", lambda: state["db"].import_sessions(payload)),
+        (f"(not timed: {CJK_QUEUED:,} CJK messages from another writer, which our triggers queue)", queue_cjk),
+        ("draining those from the CJK queue (fts_rebuild_step until done)",
+         lambda: [0 for _ in iter(state["db"].fts_rebuild_step, False)]),
+        ("index merge (optimize_fts)", lambda: state["db"].optimize_fts()),
+        ("prune_sessions(older_than_days=90)", lambda: state["db"].prune_sessions(older_than_days=90)),
+        (f"delete_session of a {MILLION_BIG_SESSION:,}-message session", lambda: state["db"].delete_session("big")),
+        ("(not timed: 6,000 messages appended to fill the WAL)", fill_wal),
+        ("close (with its checkpoint)", lambda: state["db"].close()),
+    ])
+    for untimed in [name for name in holds if name.startswith("(not timed")]:
+        holds.pop(untimed)
+    if hermes_copy:
+        holds.update(watch_lock(hermes_copy, [
+            ("first open of hermes-agent's 1M store (its open-time repairs)", lambda: state.update(db=SessionDB(hermes_copy))),
+            ("close of that store", lambda: state["db"].close()),
+        ]))
+    return holds
 
 
-def searches():
-    """One query of each kind; the CJK ones are cut from the history so that they occur."""
-    run = next(r for m in agent_history(50) for r in re.findall(f"[{CJK}]{{4,}}", m["content"]))
-    return (("word", "migration"), ("two words", "schema parser"), ("phrase", '"index tokens"'),
-            ("CJK, 4 characters", run[:4]), ("CJK, 2 characters", run[:2]), ("CJK, 1 character", run[0]))
+def _mixed_worker(path, name, count, start_at, results):
+    from hermes_state import SessionDB, StoreLockedError
+    history = agent_history(count, seed=len(name))
+    errors = locked = 0
+    slowest = 0.0
+    with contextlib.closing(SessionDB(Path(path))) as db:
+        db.create_session(name, "cli")
+        while time.time() < start_at:
+            time.sleep(0.001)
+        begin = time.time()
+        for number, message in enumerate(history):
+            tried = time.perf_counter()
+            try:
+                db.append_message(name, **message)
+                if number % 10 == 0:
+                    db.search_messages(MIXED_QUERY, limit=20)
+            except StoreLockedError:
+                locked += 1
+            except Exception:
+                errors += 1
+            slowest = max(slowest, time.perf_counter() - tried)
+        results.put((begin, time.time(), errors, locked, slowest))
 
 
-def bench_search(path, journal):
-    """Latency of each kind of query, and of a full LIKE scan for the 2-character CJK query."""
-    queries = searches()
-    with SessionDB(path, journal=journal) as db:
-        results = {label: (median_seconds(lambda q=query: db.search_messages(q)) * 1000,
-                           len(db.search_messages(query, limit=1000)))
-                   for label, query in queries}
-    two = dict(queries)["CJK, 2 characters"]
-    conn = sqlite3.connect(path)
-    scan = median_seconds(lambda: conn.execute(
-        "SELECT COUNT(*) FROM messages WHERE content LIKE ?", (f"%{two}%",)).fetchone(), runs=3) * 1000
-    conn.close()
-    return results, scan
+def bench_processes(path, processes, count=200):
+    """`processes` processes on one store, each appending `count` messages one a transaction and
+    searching after every 10th: appends a second in total, errors, waits past the write budget."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    start_at = time.time() + 2 + processes * 0.3
+    workers = [ctx.Process(target=_mixed_worker, args=(str(path), f"proc-{processes}-{i}", count, start_at, results))
+               for i in range(processes)]
+    for worker in workers:
+        worker.start()
+    outcomes = [results.get(timeout=1800) for _ in workers]
+    for worker in workers:
+        worker.join()
+    seconds = max(o[1] for o in outcomes) - min(o[0] for o in outcomes)
+    return {"rate": processes * count / seconds, "errors": sum(o[2] for o in outcomes),
+            "locked": sum(o[3] for o in outcomes), "slowest": max(o[4] for o in outcomes)}
 
 
-def bench_portability(folder, history, journal):
-    """Export the 20,000-message history (throughput and peak Python memory), then import it."""
-    path = fresh_store(folder, f"export-{journal}.db", journal)
-    with SessionDB(path, journal=journal) as db:
-        for i in range(0, len(history), 400):  # 50 sessions of 400 messages
-            db.create_session(f"x{i}", "cli")
-            db.append_messages_batch(f"x{i}", [dict(m) for m in history[i:i + 400]])
-        out = Path(folder) / "export.jsonl"
-        tracemalloc.start()
-        start = time.perf_counter()
-        write_export(db.iter_export_all(), "jsonl", str(out))
-        exported = time.perf_counter() - start
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    payload = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    with SessionDB(fresh_store(folder, f"import-{journal}.db", journal), journal=journal) as db:
-        start = time.perf_counter()
-        for i in range(0, len(payload), 10):
-            result = db.import_sessions(payload[i:i + 10])
-            assert result["ok"], result["errors"][:3]
-        imported = time.perf_counter() - start
-    return {"export_rate": rate(len(history), exported), "import_rate": rate(len(history), imported),
-            "peak_mb": peak / 1e6, "file_mb": out.stat().st_size / 1e6}
+# -- the table -----------------------------------------------------------------------------------
+
+class Table:
+    """One table: a figure, ours, the reference, ours/reference, the goal and ✓/✗ where there is one."""
+
+    def __init__(self):
+        self.rows = []
+
+    def add(self, label, ours="", ref="", ratio="", goal="", ok=None):
+        self.rows.append((label, ours, ref, ratio, goal, "" if ok is None else ("✓" if ok else "✗")))
+        log(" | ".join(str(cell) for cell in self.rows[-1] if cell))  # so a cut-short run still shows it
+
+    def section(self, title):
+        self.rows.append((f"**{title}**", "", "", "", "", ""))
+
+    def print(self):
+        head = ("figure", "ours", "reference", "ours/ref", "goal", "")
+        widths = [max(len(str(r[i])) for r in self.rows + [head]) for i in range(6)]
+        line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"
+        print(line(head))
+        print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        for r in self.rows:
+            print(line(r))
+        marks = [r[5] for r in self.rows if r[5]]
+        print(f"\n{marks.count('✓')} goals met, {marks.count('✗')} not met")
 
 
-def row(label, value, note=""):
-    print(f"| {label:<58} | {value:>16} | {note}")
+def speed(ours, ref):
+    """'2.3x faster' / '1.4x slower': ours against the reference, from two durations."""
+    if not ours or not ref:
+        return ""
+    factor = ref / ours
+    return f"{factor:.1f}x faster" if factor >= 1 else f"{1 / factor:.1f}x slower"
+
+
+def hits(found):
+    return f"{found['hits']}{'+' if found['hits'] >= 1000 else ''} hits"
+
+
+def log(message):
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def measure_scale(runner, folder, n):
+    """Every side's figures at `n` messages: {side: {...}} plus raw sqlite3 ones under 'raw'."""
+    figures = {}
+    queries = WORD_QUERIES + CJK_QUERIES
+    for side in runner.sides:
+        f = figures[side] = {}
+        store = f"{folder}/{side}-{n}.db"
+        log(f"{side}: building {n:,} messages")
+        f["build"] = runner.run(side, "build", path=store, messages=n)
+        f["search"] = runner.run(side, "search", path=store, queries=queries)
+        f["export_all"] = runner.run(side, "export_all", path=store)
+        out = f"{folder}/{side}-{n}.jsonl"
+        f["cli_export"] = runner.run(side, "cli_export", path=store, out=out)
+        log(f"{side}: importing {n:,} messages")
+        f["import"] = runner.run(side, "import", path=f"{folder}/{side}-{n}-import.db", source=out)
+        f["append"] = runner.run(side, "append", path=store, count=APPEND_MESSAGES)
+    log(f"raw sqlite3 at {n:,} messages")
+    figures["raw"] = {
+        "search": runner.run("ours", "raw_search", path=f"{folder}/ours-{n}.db", queries=WORD_QUERIES),
+        "import": runner.run("ours", "raw_import", path=f"{folder}/raw-{n}-import.db", source=f"{folder}/ours-{n}.jsonl"),
+        "append": runner.run("ours", "raw_append", path=f"{folder}/ours-{n}.db", count=APPEND_MESSAGES)}
+    return figures
+
+
+def report_scale(table, n, figures):
+    ours, ref, raw = figures["ours"], figures.get("reference"), figures["raw"]
+    r = ref or {}
+    big = n == max(SCALES)
+    table.section(f"{n:,} messages ({ours['build']['bytes'] / 1e6:.0f} MB store)")
+    table.add("append, 1 message a transaction (msg/s)", f"{ours['append']['rate']:,.0f}",
+              f"{r['append']['rate']:,.0f}" if ref else "",
+              speed(1 / ours['append']['rate'], 1 / r['append']['rate']) if ref else "", ">= 5x faster",
+              ours['append']['rate'] >= 5 * r['append']['rate'] if ref else None)
+    table.add("  ours / raw sqlite3 doing the same work", f"{ours['append']['rate'] / raw['append']['rate']:.2f}")
+    worst_raw = 0.0
+    for label, _ in WORD_QUERIES + CJK_QUERIES:
+        o = ours["search"][label]
+        rf = r.get("search", {}).get(label)
+        cjk = label.startswith("CJK")
+        goal = (">= 20x faster, < 5 ms" if big else "< 5 ms") if cjk else "not slower"
+        if cjk:
+            ok = o["ms"] < 5 and (not big or not rf or rf["ms"] >= 20 * o["ms"])
+        else:
+            ok = None if rf is None else o["ms"] <= rf["ms"] + 0.05  # 0.05 ms: timer noise on a tie
+        table.add(f"search {label}, top 20 (ms; {hits(o)})", f"{o['ms']:.1f}",
+                  f"{rf['ms']:.1f}" if rf else "", speed(o["ms"], rf["ms"]) if rf else "", goal, ok)
+        if not cjk:
+            ratio = o["ms"] / raw["search"][label]["ms"]
+            worst_raw = max(worst_raw, ratio)
+            table.add(f"  ours / raw ranked FTS5 query ({raw['search'][label]['ms']:.1f} ms)", f"{ratio:.2f}",
+                      goal="<= 1.15" if big else "", ok=ratio <= 1.15 if big else None)
+    e, re_ = ours["export_all"], r.get("export_all")
+    table.add("export_all (s)", f"{e['seconds']:.2f}", f"{re_['seconds']:.2f}" if ref else "",
+              speed(e["seconds"], re_["seconds"]) if ref else "", ">= 1.5x faster",
+              re_["seconds"] >= 1.5 * e["seconds"] if ref else None)
+    c, rc = ours["cli_export"], r.get("cli_export")
+    table.add("CLI jsonl export (s)", f"{c['seconds']:.2f}", f"{rc['seconds']:.2f}" if ref else "",
+              speed(c["seconds"], rc["seconds"]) if ref else "", ">= 1.5x faster",
+              rc["seconds"] >= 1.5 * c["seconds"] if ref else None)
+    table.add("  its peak RSS (MB)", f"{c['peak_mb']:.0f} (start {c['base_mb']:.0f})",
+              f"{rc['peak_mb']:.0f} (start {rc['base_mb']:.0f})" if ref else "", goal="flat (ours, streaming)")
+    i, ri = ours["import"], r.get("import")
+    table.add(f"import_sessions, {IMPORT_CALL_SESSIONS} sessions a call (s)", f"{i['seconds']:.2f}",
+              f"{ri['seconds']:.2f}" if ref else "", speed(i["seconds"], ri["seconds"]) if ref else "",
+              ">= 2x faster", ri["seconds"] >= 2 * i["seconds"] if ref else None)
+    ratio = raw["import"]["seconds"] / i["seconds"]
+    table.add(f"  ours / raw sqlite3 inserts, same triggers ({raw['import']['seconds']:.2f} s)", f"{ratio:.2f}x speed",
+              goal=">= 0.8x", ok=ratio >= 0.8)
+    b, rb = ours["build"]["bytes"], r.get("build", {}).get("bytes")
+    table.add("store size (MB)", f"{b / 1e6:.1f}", f"{rb / 1e6:.1f}" if rb else "",
+              (f"{rb / b:.1f}x smaller" if rb >= b else f"{b / rb:.1f}x bigger") if rb else "")
+    return worst_raw
+
+
+def measure_million(runner, folder, table, small_growth_mb):
+    """The 1M figures into `table`: each side on its own generated store, and ours alone for open,
+    export memory, lock holds and 9 processes."""
+    stores, made = {}, {}
+    for side in runner.sides:
+        stores[side], made[side] = million_store(runner, side, folder)
+    path = stores["ours"]
+    table.section(f"{MILLION:,} messages ({_store_bytes(path) / 1e6:.0f} MB store; "
+                  + ", ".join(f"{side}: " + (f"generated in {made[side]:.0f} s" if made[side] else "cached")
+                              for side in runner.sides) + ")")
+    log("1M: open time")
+    opened = bench_open(folder, path)
+    table.add("open + close the 1M store (ms)", f"{opened['big_ms']:.1f}", goal=f"<= empty + 5 ({opened['empty_ms']:.1f} + 5)",
+              ok=opened["big_ms"] <= opened["empty_ms"] + 5)
+    table.add("  opening wrote to the store (mtime, size, data_version)", "yes" if opened["wrote"] else "no",
+              goal="no", ok=not opened["wrote"])
+    log("1M: copying the stores for the writes")
+    work = {}
+    for side in runner.sides:
+        work[side] = Path(folder) / f"million-{side}.db"
+        shutil.copyfile(stores[side], work[side])
+    queries = WORD_QUERIES + CJK_QUERIES
+    searched = {side: runner.run(side, "search", path=str(work[side]), queries=queries) for side in runner.sides}
+    raw = runner.run("ours", "raw_search", path=str(work["ours"]), queries=WORD_QUERIES)
+    for label, _ in queries:
+        o, rf = searched["ours"][label], searched.get("reference", {}).get(label)
+        versus = dict(ref=f"{rf['ms']:.1f}", ratio=speed(o["ms"], rf["ms"])) if rf else {}
+        if label.startswith("CJK"):
+            table.add(f"search {label}, top 20 (ms; {hits(o)})", f"{o['ms']:.1f}", **versus,
+                      goal="< 5 ms", ok=o["ms"] < 5)
+        else:
+            ratio = o["ms"] / raw[label]["ms"]
+            table.add(f"search {label}, top 20 (ms) / raw FTS5 ({raw[label]['ms']:.1f} ms)",
+                      f"{o['ms']:.1f} = {ratio:.2f}x", **versus, goal="<= 1.15, not slower",
+                      ok=ratio <= 1.15 and (not rf or o["ms"] <= rf["ms"] + 0.05))
+    log("1M: append")
+    appended = {side: runner.run(side, "append", path=str(work[side]), count=APPEND_MESSAGES)["rate"]
+                for side in runner.sides}
+    ref_rate = appended.get("reference")
+    table.add("append at 1M, 1 message a transaction (msg/s)", f"{appended['ours']:,.0f}",
+              f"{ref_rate:,.0f}" if ref_rate else "", speed(1 / appended["ours"], 1 / ref_rate) if ref_rate else "",
+              ">= 5x faster", appended["ours"] >= 5 * ref_rate if ref_rate else None)
+    hermes_copy, work = work.get("reference"), work["ours"]
+    log("1M: CLI export (streaming memory)")
+    exported = runner.run("ours", "cli_export", path=str(work), out=f"{folder}/million.jsonl")
+    growth = exported["peak_mb"] - exported["base_mb"]
+    table.add("CLI jsonl export (s); its peak RSS (MB)", f"{exported['seconds']:.0f}; {exported['peak_mb']:.0f} "
+              f"(start {exported['base_mb']:.0f})", goal=f"flat: growth <= {min(SCALES):,}'s + 50 MB",
+              ok=growth <= small_growth_mb + 50)
+    payload = _read_jsonl(f"{folder}/million.jsonl", IMPORT_MAX_SESSIONS)  # the most recently active ones
+    os.unlink(f"{folder}/million.jsonl")
+    for session in payload:
+        session["id"] = "imp-" + session["id"]
+    log("1M: lock holds")
+    holds = bench_lock_holds(work, payload, hermes_copy)
+    del payload
+    if hermes_copy:
+        os.unlink(hermes_copy)
+    longest = max(max(held.values()) for _, held in holds.values())
+    table.add("longest write-lock hold by any operation of ours (s; SQLite's lock, our file lock)",
+              f"{longest:.3f}", goal="<= 1 s", ok=longest <= 1)
+    for name, (ran, held) in holds.items():
+        table.add(f"  {name} (ran {ran:.2f} s)", f"{held['sqlite']:.3f}, {held['file']:.3f}", goal="<= 1 s",
+                  ok=max(held.values()) <= 1)
+    log("1M: 1 process, then 9 processes appending and searching")
+    one = bench_processes(work, 1)
+    nine = bench_processes(work, 9)
+    table.add("1 process appending + searching (msg/s)", f"{one['rate']:,.0f}")
+    table.add("9 processes appending + searching, total (msg/s)", f"{nine['rate']:,.0f} = {nine['rate'] / one['rate']:.2f}x",
+              goal=">= 0.8x of 1", ok=nine["rate"] >= 0.8 * one["rate"])
+    table.add("  errors; waits past the write budget; slowest call (s)",
+              f"{nine['errors']}; {nine['locked']}; {nine['slowest']:.2f}", goal="0; 0",
+              ok=nine["errors"] == 0 and nine["locked"] == 0)
+    os.unlink(work)
 
 
 def main():
-    policy = choose_journal_policy()
-    print(f"hermes_state bench: Python {sys.version.split()[0]}, SQLite {sqlite3.sqlite_version}, "
-          f"{os.cpu_count()} cores")
-    print(f"default journal policy: {policy.reason}\n")
-    history = agent_history(HISTORY_MESSAGES)
-    size = sum(len(m["content"] or "") for m in history)
-    print(f"history: {len(history):,} messages, {size / 1e6:.1f} MB of text\n")
-    print(f"| {'measure':<58} | {'figure':>16} | note")
-    print(f"|{'-' * 60}|{'-' * 18}|------")
-    with tempfile.TemporaryDirectory(prefix="hermes-bench-") as folder:
-        for journal in ("wal", "delete"):
-            label = "WAL + writer lock" if journal == "wal" and policy.writer_lock else journal
-            append = bench_append(folder, history, journal)
-            row(f"[{label}] append, 1 msg/txn, ours", f"{append['ours']:,.0f} msg/s")
-            row(f"[{label}] append, 1 msg/txn, raw sqlite3 same work", f"{append['raw_same_work']:,.0f} msg/s",
-                "insert + count update")
-            row(f"[{label}] append ratio ours / raw same work", f"{append['ours'] / append['raw_same_work']:.2f}",
-                "target >= 0.85")
-            row(f"[{label}] append ratio ours / raw insert only",
-                f"{append['ours'] / append['raw_insert_only']:.2f}", "raw skips the count update")
-            batch = bench_batch(folder, history, journal)
-            row(f"[{label}] batch append ({BATCH_SIZE}/txn), ours", f"{batch['ours']:,.0f} msg/s",
-                f"ratio {batch['ours'] / batch['raw']:.2f} over raw executemany")
-            one = bench_processes(folder, journal, 1)
-            four = bench_processes(folder, journal, 4)
-            row(f"[{label}] 1 process appending", f"{one['rate']:,.0f} msg/s")
-            row(f"[{label}] 4 processes appending at once, total", f"{four['rate']:,.0f} msg/s",
-                f"ratio {four['rate'] / one['rate']:.2f} (target >= 0.8), errors {four['errors']}, "
-                f"rows {four['stored']}/{four['expected']}")
-        moved = bench_portability(folder, history, policy.mode)
-        row("export_all to jsonl, 20,000 messages", f"{moved['export_rate']:,.0f} msg/s",
-            f"{moved['file_mb']:.0f} MB written; peak Python memory {moved['peak_mb']:.1f} MB")
-        row("import_sessions, same 20,000 messages (10 sessions a call)", f"{moved['import_rate']:,.0f} msg/s",
-            "validated, then one transaction per call")
-        large = build_large_store(folder, policy.mode)
-        opened = bench_open(large, policy.mode)
-        row(f"open a {OPEN_STORE_MESSAGES:,}-message store ({opened['bytes'] / 1e6:.0f} MB)",
-            f"{opened['ours_ms']:.1f} ms", f"raw sqlite3 connect + query {opened['raw_ms']:.1f} ms")
-        searches, scan = bench_search(large, policy.mode)
-        for label, (ms, hits) in searches.items():
-            row(f"search at {OPEN_STORE_MESSAGES:,} messages: {label}", f"{ms:.1f} ms", f"{hits} hits (top 20 fetched)")
-        row(f"full LIKE scan of the same store for the 2-character query", f"{scan:.1f} ms",
-            f"CJK 2-char search / scan = 1/{scan / searches['CJK, 2 characters'][0]:.0f} (target <= 1/20)")
+    scale = os.environ.get("BENCH_SCALE", "")
+    folder = tempfile.mkdtemp(prefix="hermes-bench-")
+    try:
+        runner = Runner(folder)
+        print(f"hermes_state bench: Python {sys.version.split()[0]}, SQLite {sqlite3.sqlite_version}, "
+              f"{os.cpu_count()} cores; reference: "
+              + (f"hermes-agent 0.20.1.2 ({runner.ref_python})" if runner.ref_python
+                 else "not measured (no `make compat` venv)"))
+        table = Table()
+        growth = {}
+        for n in SCALES:
+            figures = measure_scale(runner, folder, n)
+            report_scale(table, n, figures)
+            growth[n] = figures["ours"]["cli_export"]["peak_mb"] - figures["ours"]["cli_export"]["base_mb"]
+        if scale == "1m":
+            measure_million(runner, folder, table, growth[min(SCALES)])
+        elif scale:
+            raise SystemExit(f"BENCH_SCALE must be 1m or unset, not {scale!r}")
+        print()
+        table.print()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2])
+    else:
+        main()
