@@ -561,7 +561,6 @@ DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS"
 INSERT_SESSION_SQL = "INSERT INTO sessions ({columns}) VALUES ({values})"
 SESSION_EXISTS_SQL = "SELECT 1 FROM sessions WHERE id = ?"
 SELECT_TITLE_OWNER_SQL = "SELECT id FROM sessions WHERE title = ? AND id <> ?"
-SELECT_ID_PREFIX_SQL = "SELECT id FROM sessions WHERE id >= ? AND id < ? ORDER BY id LIMIT 2"
 SELECT_LINEAGE_LINK_SQL = "SELECT parent_session_id, end_reason FROM sessions WHERE id = ?"
 # Deleting sessions, in this order, for a chunk of ids ({} is the placeholders): children become roots, then
 # the rows hermes-agent's foreign keys take with a session (it deletes messages itself; usage goes by ON

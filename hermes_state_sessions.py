@@ -16,10 +16,10 @@ import string
 import time
 
 from hermes_state_common import (
-    DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, SELECT_ID_PREFIX_SQL,
-    SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL, SKILL_EXCERPT_JOINT, SessionInputTypeError,
-    SessionRowError, _RESET_END_REASONS, chunked, cwd_prefix_clause, describe_skill_invocation,
-    has_fork_marker, json_object, loads_or, merge_model_config, placeholders, prefix_bounds, require_text)
+    DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH,
+    SESSION_RICH_SQL, SKILL_EXCERPT_JOINT, SessionInputTypeError, SessionRowError, _RESET_END_REASONS, chunked,
+    cwd_prefix_clause, describe_skill_invocation, escape_like, has_fork_marker, json_object, loads_or,
+    merge_model_config, placeholders, require_text)
 from hermes_state_schema import declared_columns, prompt_hash
 
 # What create_session may fill on an existing row: only columns still NULL, so a later bare call
@@ -157,12 +157,14 @@ class SessionSessionsMixin:
         return session
 
     def resolve_session_id(self, session_id_or_prefix):
-        """The id itself if it exists, else the only id starting with it; None if none or ambiguous."""
+        """The id itself if it exists, else the only id starting with it, ASCII case ignored as in
+        hermes-agent; None if none or ambiguous."""
         if not isinstance(session_id_or_prefix, str) or not session_id_or_prefix:
             return None
         if self._read_one(SESSION_EXISTS_SQL, (session_id_or_prefix,)):
             return session_id_or_prefix
-        matches = self._read_all(SELECT_ID_PREFIX_SQL, prefix_bounds(session_id_or_prefix))
+        matches = self._read_all("SELECT id FROM sessions WHERE id LIKE ? ESCAPE '\\' LIMIT 2",
+                                 (escape_like(session_id_or_prefix) + "%",))
         return matches[0][0] if len(matches) == 1 else None
 
     # -- ending and flags ---------------------------------------------------------

@@ -115,7 +115,8 @@ class Sessions(StoreTestCase):
         self.assertIsNone(self.db.resolve_session_id("20260101_ab"))  # ambiguous
         self.assertIsNone(self.db.resolve_session_id("nothing"))
         self.assertEqual(self.db.resolve_session_id("a_"), "a_b")  # "_" is not a wildcard
-        self.assertIsNone(self.db.resolve_session_id("A"))  # case-sensitive
+        self.assertIsNone(self.db.resolve_session_id("A"))  # ambiguous: "a_b" and "aXb"
+        self.assertEqual(self.db.resolve_session_id("A_"), "a_b")  # ASCII case ignored, as hermes-agent's LIKE
 
     def test_end_reopen_archive_pin(self):
         self.db.create_session("s", "cli")
