@@ -478,12 +478,12 @@ WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {order} LIMIT ? OFFSET ?"""
 # (`edge`), the hits between them are ranked in one pass of the index over their
 # id range, and the page is cut from them after the hits before its first time.
 SEARCH_PAGE_BY_RANKED_INDEX_SQL = """WITH
-hits(id, t) AS MATERIALIZED (SELECT m.id, m.timestamp
+hits(id, t) AS {materialized} (SELECT m.id, m.timestamp
     FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid JOIN sessions AS s ON s.id = m.session_id
     WHERE {table} MATCH ?{no_tools} {filters}),
-edge(lo, hi) AS MATERIALIZED (SELECT min(t), max(t) FROM (SELECT t FROM hits ORDER BY t {direction} LIMIT ? OFFSET ?)),
-near(id, t) AS MATERIALIZED (SELECT hits.id, hits.t FROM edge CROSS JOIN hits WHERE hits.t BETWEEN edge.lo AND edge.hi),
-ranked(id, rank) AS MATERIALIZED (SELECT rowid, rank FROM {table} WHERE {table} MATCH ?
+edge(lo, hi) AS {materialized} (SELECT min(t), max(t) FROM (SELECT t FROM hits ORDER BY t {direction} LIMIT ? OFFSET ?)),
+near(id, t) AS {materialized} (SELECT hits.id, hits.t FROM edge CROSS JOIN hits WHERE hits.t BETWEEN edge.lo AND edge.hi),
+ranked(id, rank) AS {materialized} (SELECT rowid, rank FROM {table} WHERE {table} MATCH ?
     AND rowid BETWEEN (SELECT min(id) FROM near) AND (SELECT max(id) FROM near) AND +rowid IN (SELECT id FROM near))
 SELECT near.id AS hit, ranked.rank AS hit_rank FROM near JOIN ranked ON ranked.id = near.id
 ORDER BY near.t {direction}, ranked.rank, near.id

@@ -84,8 +84,10 @@ near(n, before, i, after) AS (
     FROM hits AS h)
 SELECT near.n, m.role, m.content FROM near CROSS JOIN messages AS m ON m.id IN (near.before, near.i, near.after)
 ORDER BY near.n, m.timestamp, m.id"""
-# Hits per context statement (four parameters each, well under SQLite's limit).
-CONTEXT_CHUNK_HITS = 500
+# `AS MATERIALIZED` is SQLite 3.35+; an older one plans the plain CTEs itself, to the same answer.
+CTE_MATERIALIZED = "MATERIALIZED" if sqlite3.sqlite_version_info >= (3, 35) else ""
+# Hits per context statement: four parameters each, within SQLite's 999 before 3.32.
+CONTEXT_CHUNK_HITS = 240
 
 Capabilities = namedtuple("Capabilities", "fts5 trigram")
 Term = namedtuple("Term", "text prefix")
@@ -491,7 +493,9 @@ def _index_failure(exc):
     """True for an error that says an index is damaged, not that the store is busy or the input bad."""
     if isinstance(exc, (sqlite3.IntegrityError, sqlite3.ProgrammingError)):
         return False
-    return not (isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc).lower())
+    # A busy store, or SQL this runtime cannot take (our bug, which a rebuild would not cure).
+    return not (isinstance(exc, sqlite3.OperationalError) and any(
+        cause in str(exc).lower() for cause in ("locked", "syntax error", "too many sql variables")))
 
 
 def _progress(phase, status):
@@ -889,7 +893,7 @@ class SessionSearchMixin:
                                                               order=SEARCH_ORDERS[sort].format(rank="")),
                                   [match] + filter_params + [limit, offset])
         page = SEARCH_PAGE_BY_RANKED_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters,
-                                                      **SEARCH_RANKED_PAGE_PARTS[sort])
+                                                      materialized=CTE_MATERIALIZED, **SEARCH_RANKED_PAGE_PARTS[sort])
         rows = SEARCH_PAGE_ROWS_SQL.format(page=page, join=SEARCH_PAGE_INDEX_JOIN_SQL.format(table=table),
                                            snippet=snippet, order=SEARCH_ORDERS[sort].format(rank="page.hit_rank, "))
         return self._read_all(rows, [match] + filter_params + [limit, offset, match, limit, offset, match])
