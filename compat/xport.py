@@ -1,0 +1,171 @@
+"""JSONL exports passed between hermes-agent 0.20.1.2's own state layer and ours, each way.
+
+Owns: the export/import scenarios and judging them. Inputs: a history the reference writes through its
+own API (`xport_worker.py make`: display_metadata dicts, user_id, reasoning, reasoning_content,
+reasoning_details, codex items, tool calls, multimodal content, api_content, titles, costs, a
+compression child, a delegated child, a rewound message, an archived session) and the fixture exports
+of 0.20 (`hermes_v26_export.jsonl.gz`) and 0.19 (`hermes_v22_export.jsonl.gz`). For each input:
+- `<input>-into-ours`: ours imports it and exports again; the import's result, every field of every
+  exported line and the stored `sessions` / `messages` rows (the reference's columns) must equal the
+  reference's import of the same input.
+- `<input>-ours-export-into-ref`: the reference imports ours' export and exports again; all of the
+  above must equal the reference importing its own export.
+A value the reference itself gives differently in two imports of the same input (a time it takes on
+import) is left out, and only that. Must not touch: anything outside its temp folder.
+"""
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import venvs  # noqa: E402  (the folder is a tool box, not a package)
+
+WORKER = os.path.join(HERE, "xport_worker.py")
+FIXTURE_EXPORTS = (("v26-fixture", "hermes_v26_export.jsonl.gz"), ("v22-fixture", "hermes_v22_export.jsonl.gz"))
+STEP_TIMEOUT = 300
+MISSING = "<missing>"
+
+
+def flatten(value, path="", out=None):
+    """Return {path: leaf} of a JSON value; a list of sessions or rows with ids is keyed by id."""
+    out = {} if out is None else out
+    if isinstance(value, dict):
+        if not value:
+            out[path] = {}
+        for key, item in value.items():
+            flatten(item, "%s.%s" % (path, key), out)
+    elif isinstance(value, list):
+        if not value:
+            out[path] = []
+        for index, item in enumerate(value):
+            key = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else index
+            flatten(item, "%s[%s]" % (path, key), out)
+    else:
+        out[path] = value
+    return out
+
+
+def short(value, width=70):
+    text = json.dumps(value, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def comparable(record):
+    """The parts of a worker record the scenarios compare, flattened."""
+    return flatten({"import": record.get("import"), "export": record.get("lines"), "rows": record.get("rows")})
+
+
+def differences(want, got, volatile, want_name="ref"):
+    """Lines 'path: <want_name> X, ours Y' for every compared leaf that differs; columns only ours
+    stores are not the reference's fields and are not compared in the rows."""
+    if "died" in got:
+        return ["died: %s" % got["died"]]
+    want_flat, got_flat = comparable(want), comparable(got)
+    ref_columns = {path.rsplit(".", 1)[-1] for path in want_flat if path.startswith(".rows.")}
+    out = []
+    for path in sorted(set(want_flat) | set(got_flat)):
+        if path in volatile:
+            continue
+        if path.startswith(".rows.") and path.rsplit(".", 1)[-1] not in ref_columns:
+            continue
+        a, b = want_flat.get(path, MISSING), got_flat.get(path, MISSING)
+        if a != b:
+            out.append("%s: %s %s, ours %s" % (path.lstrip("."), want_name, short(a), short(b)))
+    return out
+
+
+class Runner:
+    """Runs xport_worker.py in the reference's or ours' Python, in one temp folder."""
+
+    def __init__(self, ref_venv, swap_venv, overlay, folder):
+        self.pythons = {"ref": venvs.venv_python(ref_venv), "ours": venvs.venv_python(swap_venv)}
+        self.overlay, self.folder, self.count = overlay, folder, 0
+
+    def run(self, program, action, *paths):
+        """Return the worker's record; for a round trip also its export's lines under 'lines'."""
+        env = venvs.target_env("swap" if program == "ours" else "ref", self.overlay)
+        env.update({"HOME": self.folder, "TZ": "UTC"})
+        try:
+            done = subprocess.run([self.pythons[program], WORKER, action] + list(paths), env=env, cwd=self.folder,
+                                  capture_output=True, text=True, timeout=STEP_TIMEOUT, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return {"died": "no answer within %d s" % STEP_TIMEOUT}
+        try:
+            record = json.loads(done.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            return {"died": "exit %s: %s" % (done.returncode, (done.stderr.strip().splitlines() or [""])[-1])}
+        if action == "roundtrip" and "died" not in record:
+            with open(paths[1], encoding="utf-8") as fh:
+                record["lines"] = [json.loads(line) for line in fh]
+        return record
+
+    def roundtrip(self, program, source):
+        self.count += 1
+        out = os.path.join(self.folder, "%02d-%s.jsonl" % (self.count, program))
+        return self.run(program, "roundtrip", source, out), out
+
+
+def volatile_paths(first, second):
+    """The compared paths whose values differ between two imports of one input by the same program."""
+    a, b = comparable(first), comparable(second)
+    return {path for path in set(a) | set(b) if a.get(path, MISSING) != b.get(path, MISSING)}
+
+
+def run_input(runner, name, source):
+    """[(scenario, [differences])] of one input, both ways."""
+    ref_once, ref_export = runner.roundtrip("ref", source)
+    if "died" in ref_once:
+        return [("xport/%s" % name, ["the reference's import died: %s" % ref_once["died"]])]
+    ref_twice, _ = runner.roundtrip("ref", source)
+    volatile = volatile_paths(ref_once, ref_twice)
+    ours, our_export = runner.roundtrip("ours", source)
+    results = [("xport/%s-into-ours" % name, differences(ref_once, ours, volatile))]
+    if "died" in ours:
+        return results + [("xport/%s-ours-export-into-ref" % name, ["ours' export is missing: ours died"])]
+    ref_of_ref, _ = runner.roundtrip("ref", ref_export)
+    ref_of_ours, _ = runner.roundtrip("ref", our_export)
+    again, _ = runner.roundtrip("ref", ref_export)
+    volatile |= volatile_paths(ref_of_ref, again)
+    diffs = differences(ref_of_ref, ref_of_ours, volatile, want_name="ref of ref's export")
+    results.append(("xport/%s-ours-export-into-ref" % name,
+                    [d.replace(", ours ", ", ref of ours' export ", 1) for d in diffs]))
+    return results
+
+
+def run_all(ref_venv, swap_venv, overlay):
+    """[(scenario name, [differences])] of every input, both ways."""
+    folder = tempfile.mkdtemp(prefix="hermes-compat-xport-")
+    try:
+        runner = Runner(ref_venv, swap_venv, overlay, folder)
+        history = os.path.join(folder, "ref-history.jsonl")
+        made = runner.run("ref", "make", history)
+        if "died" in made:
+            raise SystemExit("compat: the reference could not write the export history: %s" % made["died"])
+        results = run_input(runner, "ref-history", history)
+        for name, fixture in FIXTURE_EXPORTS:
+            source = os.path.join(folder, name + ".jsonl")
+            with gzip.open(os.path.join(venvs.REPO, "fixtures", fixture), "rb") as fh, open(source, "wb") as out:
+                shutil.copyfileobj(fh, out)
+            results.extend(run_input(runner, name, source))
+        return results
+    finally:
+        if os.environ.get("COMPAT_KEEP") != "1":
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    python = venvs.find_python()
+    overlay = venvs.make_overlay()
+    try:
+        for scenario, problems in run_all(venvs.ensure_venv("ref", python), venvs.ensure_venv("swap", python), overlay):
+            print("%-45s %s" % (scenario, "FAIL" if problems else "PASS"))
+            for line in problems[:40]:
+                print("  " + line)
+    finally:
+        shutil.rmtree(overlay, ignore_errors=True)
