@@ -3,13 +3,17 @@
 Owns: the export/import scenarios and judging them. Inputs: a history the reference writes through its
 own API (`xport_worker.py make`: display_metadata dicts, user_id, reasoning, reasoning_content,
 reasoning_details, codex items, tool calls, multimodal content, api_content, titles, costs, a
-compression child, a delegated child, a rewound message, an archived session) and the fixture exports
-of 0.20 (`hermes_v26_export.jsonl.gz`) and 0.19 (`hermes_v22_export.jsonl.gz`). For each input:
-- `<input>-into-ours`: ours imports it and exports again; the import's result, every field of every
-  exported line and the stored `sessions` / `messages` rows (the reference's columns) must equal the
-  reference's import of the same input.
+compression child, a delegated child, a rewound message, an archived and a pinned session); the same
+history with its structured fields and numbers as text (`-as-text`) and with what the reference
+degrades rather than refuses (`-degraded`); `refused`, one entry for each reason the reference
+refuses one; the fixture exports of 0.20 (`hermes_v26_export.jsonl.gz`) and 0.19
+(`hermes_v22_export.jsonl.gz`). For each input:
+- `<input>-into-ours`: ours imports it and exports again; the import's result (`ok`, counts, ids,
+  every error's index, session id and text), every field of every exported line, the export's order
+  and the stored `sessions` / `messages` rows (the reference's columns) must equal the reference's
+  import of the same input.
 - `<input>-ours-export-into-ref`: the reference imports ours' export and exports again; all of the
-  above must equal the reference importing its own export.
+  above must equal the reference importing its own export (not run for an input the reference refuses).
 A value the reference itself gives differently in two imports of the same input (a time it takes on
 import) is left out, and only that. Must not touch: anything outside its temp folder.
 """
@@ -57,8 +61,18 @@ def short(value, width=70):
 
 
 def comparable(record):
-    """The parts of a worker record the scenarios compare, flattened."""
-    return flatten({"import": record.get("import"), "export": record.get("lines"), "rows": record.get("rows")})
+    """The parts of a worker record the scenarios compare, flattened: the import's result, the export's
+    order and lines, the stored rows with the messages under their session (a store's insertion order
+    follows its input's order, which the export order already covers)."""
+    rows = record.get("rows")
+    if isinstance(rows, dict) and isinstance(rows.get("messages"), list):
+        by_session = {}
+        for row in rows["messages"]:
+            by_session.setdefault(str(row.get("session_id")), []).append(row)
+        rows = dict(rows, messages=by_session)
+    lines = record.get("lines")
+    order = [line.get("id") for line in lines] if isinstance(lines, list) else None
+    return flatten({"import": record.get("import"), "export_order": order, "export": lines, "rows": rows})
 
 
 def differences(want, got, volatile, want_name="ref"):
@@ -126,6 +140,8 @@ def run_input(runner, name, source):
     volatile = volatile_paths(ref_once, ref_twice)
     ours, our_export = runner.roundtrip("ours", source)
     results = [("xport/%s-into-ours" % name, differences(ref_once, ours, volatile))]
+    if not (ref_once.get("import") or {}).get("ok"):
+        return results  # the reference refused the input: there is no history to pass back
     if "died" in ours:
         return results + [("xport/%s-ours-export-into-ref" % name, ["ours' export is missing: ours died"])]
     ref_of_ref, _ = runner.roundtrip("ref", ref_export)
@@ -138,6 +154,78 @@ def run_input(runner, name, source):
     return results
 
 
+STRUCTURED = ("tool_calls", "reasoning_details", "codex_reasoning_items", "codex_message_items", "display_metadata")
+
+
+def as_text(sessions):
+    """The history with its structured fields as JSON text and its numbers as text, one message without
+    its timestamp and one session without its start (the reference takes the time of the import), and
+    `message_id` for `platform_message_id`: shapes the reference accepts."""
+    for session in sessions:
+        if isinstance(session.get("model_config"), dict):
+            session["model_config"] = json.dumps(session["model_config"])
+        for field in ("estimated_cost_usd", "input_tokens", "api_call_count"):
+            if session.get(field) is not None:
+                session[field] = str(session[field])
+        for message in session["messages"]:
+            for field in STRUCTURED:
+                if message.get(field) is not None:
+                    message[field] = json.dumps(message[field], ensure_ascii=False)
+            if message.get("token_count") is not None:
+                message["token_count"] = str(message["token_count"])
+            if message.get("platform_message_id") is not None:
+                message["message_id"] = message.pop("platform_message_id")
+    sessions[0].pop("started_at")
+    sessions[-1]["messages"][0].pop("timestamp")
+    return sessions
+
+
+def degraded(sessions):
+    """The history with what the reference degrades instead of refusing: a parent missing from the
+    import, a parent cycle, structured fields that are not JSON or not objects, flags and numbers
+    of the wrong type, an unknown field."""
+    by_id = {session["id"]: session for session in sessions}
+    by_id["xp-sub"]["parent_session_id"] = "xp-not-here"
+    by_id["xp-root"]["parent_session_id"] = "xp-child"
+    by_id["xp-old"].update({"archived": "yes", "pinned": "no", "ended_at": "soon", "input_tokens": "many",
+                            "favourite_colour": "teal"})
+    messages = by_id["xp-root"]["messages"]
+    messages[0]["display_metadata"] = "not json"
+    messages[1].update({"reasoning_details": "not json {", "codex_reasoning_items": "[1, 2",
+                        "tool_calls": "garbage", "observed": "yes", "timestamp": "noon"})
+    messages[4]["display_metadata"] = ["a", "list"]
+    messages[5].update({"display_metadata": "[1]", "api_content": 42, "display_kind": ["x"]})
+    by_id["xp-tg"]["messages"][0]["reasoning"] = "a user's reasoning is not kept"
+    return sessions
+
+
+def refused(sessions):
+    """Entries the reference refuses, each for one reason: every error text must be the reference's."""
+    good = sessions[0]
+    bad = [dict(good, id="r-config", model_config="[1]"), dict(good, id="r-config-text", model_config="{nope"),
+           dict(good, id="r-title", title=5), dict(good, id="r-user", user_id=7),
+           dict(good, id="r-role", messages=[{"content": "no role"}]),
+           dict(good, id="r-count", messages=[{"role": "user", "content": "x", "token_count": "ten"}]),
+           dict(good, id="r-tool-name", messages=[{"role": "tool", "content": "x", "tool_name": 3}]),
+           dict(good, id="r-messages", messages={"role": "user"}),
+           dict(good, id="r-message-type", messages=["text"]),
+           dict(good, id="  "), "not an object", dict(good), dict(good, id="r-parent", parent_session_id=9)]
+    return bad
+
+
+VARIANTS = (("ref-history-as-text", as_text), ("ref-history-degraded", degraded), ("refused", refused))
+
+
+def write_variant(history, folder, name, change):
+    with open(history, encoding="utf-8") as fh:
+        sessions = [json.loads(line) for line in fh]
+    path = os.path.join(folder, name + ".jsonl")
+    with open(path, "w", encoding="utf-8") as out:
+        for entry in change(sessions):
+            out.write(json.dumps(entry, ensure_ascii=False) + "\n")
+    return path
+
+
 def run_all(ref_venv, swap_venv, overlay):
     """[(scenario name, [differences])] of every input, both ways."""
     folder = tempfile.mkdtemp(prefix="hermes-compat-xport-")
@@ -148,6 +236,8 @@ def run_all(ref_venv, swap_venv, overlay):
         if "died" in made:
             raise SystemExit("compat: the reference could not write the export history: %s" % made["died"])
         results = run_input(runner, "ref-history", history)
+        for name, change in VARIANTS:
+            results.extend(run_input(runner, name, write_variant(history, folder, name, change)))
         for name, fixture in FIXTURE_EXPORTS:
             source = os.path.join(folder, name + ".jsonl")
             with gzip.open(os.path.join(venvs.REPO, "fixtures", fixture), "rb") as fh, open(source, "wb") as out:

@@ -114,6 +114,7 @@ def make_history(db):
     db.append_message("xp-old", "user", "old question")
     db.set_session_title("xp-old", "Old one")
     db.set_session_archived("xp-old", True)
+    db.set_session_pinned("xp-tg", True)
 
 
 def read_jsonl(path):
