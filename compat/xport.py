@@ -8,10 +8,10 @@ history with its structured fields and numbers as text (`-as-text`) and with wha
 degrades rather than refuses (`-degraded`); `refused`, one entry for each reason the reference
 refuses one; the fixture exports of 0.20 (`hermes_v26_export.jsonl.gz`) and 0.19
 (`hermes_v22_export.jsonl.gz`). For each input:
-- `<input>-into-ours`: ours imports it and exports again; the import's result (`ok`, counts, ids,
-  every error's index, session id and text), every field of every exported line, the export's order
+- `<input>-into-ours`: ours imports it, exports again and imports it once more; the import's results
+  (`ok`, counts, ids, every error's index, session id and text), every field of every exported line, the export's order
   and the stored `sessions` / `messages` rows (the reference's columns) must equal the reference's
-  import of the same input.
+  import of the same input; ours' streamed export (its own CLI's) must be export_all's, byte for byte.
 - `<input>-ours-export-into-ref`: the reference imports ours' export and exports again; all of the
   above must equal the reference importing its own export (not run for an input the reference refuses).
 A value the reference itself gives differently in two imports of the same input (a time it takes on
@@ -72,7 +72,8 @@ def comparable(record):
         rows = dict(rows, messages=by_session)
     lines = record.get("lines")
     order = [line.get("id") for line in lines] if isinstance(lines, list) else None
-    return flatten({"import": record.get("import"), "export_order": order, "export": lines, "rows": rows})
+    return flatten({"import": record.get("import"), "import_again": record.get("import_again"),
+                    "export_order": order, "export": lines, "rows": rows})
 
 
 def differences(want, got, volatile, want_name="ref"):
@@ -131,6 +132,14 @@ def volatile_paths(first, second):
     return {path for path in set(a) | set(b) if a.get(path, MISSING) != b.get(path, MISSING)}
 
 
+def same_file(first, second):
+    try:
+        with open(first, "rb") as a, open(second, "rb") as b:
+            return a.read() == b.read()
+    except OSError:
+        return False
+
+
 def run_input(runner, name, source):
     """[(scenario, [differences])] of one input, both ways."""
     ref_once, ref_export = runner.roundtrip("ref", source)
@@ -139,7 +148,10 @@ def run_input(runner, name, source):
     ref_twice, _ = runner.roundtrip("ref", source)
     volatile = volatile_paths(ref_once, ref_twice)
     ours, our_export = runner.roundtrip("ours", source)
-    results = [("xport/%s-into-ours" % name, differences(ref_once, ours, volatile))]
+    diffs = differences(ref_once, ours, volatile)
+    if "died" not in ours and not same_file(our_export, our_export + ".stream"):
+        diffs.append("ours' streamed export (its CLI's) differs from its export_all written as hermes-agent writes it")
+    results = [("xport/%s-into-ours" % name, diffs)]
     if not (ref_once.get("import") or {}).get("ok"):
         return results  # the reference refused the input: there is no history to pass back
     if "died" in ours:

@@ -8,7 +8,9 @@ Python and compares the records.
 
 Usage: python xport_worker.py make OUT.jsonl          write the history, export it as JSONL
        python xport_worker.py roundtrip IN.jsonl OUT.jsonl
-                                                       import IN into a fresh store, export it to OUT
+                                                       import IN into a fresh store, export it to OUT,
+                                                       import IN again (every id is skipped); ours
+                                                       also streams its CLI's export to OUT.stream
 The JSONL is written as hermes-agent's `hermes sessions export` writes it: one
 `json.dumps(session, ensure_ascii=False)` line per entry of `export_all()`, in its order.
 """
@@ -56,7 +58,8 @@ def write_jsonl(db, out):
 
 def make_history(db):
     """Write sessions rich in the fields an export must carry, through the state layer's API."""
-    db.create_session("xp-root", "cli", model="anthropic/claude-x", model_config={"temperature": 0.2, "max_tokens": 900},
+    db.create_session("xp-root", "cli", model="anthropic/claude-x",
+                      model_config={"temperature": 0.2, "max_tokens": 900},
                       system_prompt="You are terse. 简洁。", user_id="u-42", cwd="/work/deploy")
     db.append_message("xp-root", "user", "deploy the service to staging", display_kind="user",
                       display_metadata={"attachments": [{"name": "deploy.yaml", "bytes": 312}], "ui": {"pinned": True}},
@@ -103,8 +106,8 @@ def make_history(db):
     db.append_message("xp-sub", "assistant", "3 pods running", reasoning="kubectl said so",
                       display_metadata={"delegated": True})
     db.end_session("xp-sub", "completed")
-    db.create_session("xp-tg", "telegram", model="openai/gpt-y", user_id="tg-777", session_key="agent:main:telegram:dm:777",
-                      chat_id="777", chat_type="dm")
+    db.create_session("xp-tg", "telegram", model="openai/gpt-y", user_id="tg-777",
+                      session_key="agent:main:telegram:dm:777", chat_id="777", chat_type="dm")
     db.append_message("xp-tg", "user", "こんにちは", platform_message_id="5001",
                       display_metadata={"sender": {"name": "Aiko", "id": 777}})
     db.append_message("xp-tg", "assistant", "Hello! 안녕하세요", finish_reason="stop", platform_message_id="5002")
@@ -142,8 +145,15 @@ def main(action, *paths):
             if action == "make":
                 make_history(db)
                 return {"exported": write_jsonl(db, paths[0])}
-            result = db.import_sessions(read_jsonl(paths[0]))
-            return {"import": jsonable(result), "exported": write_jsonl(db, paths[1]), "rows": dump_rows(store)}
+            sessions = read_jsonl(paths[0])
+            result = db.import_sessions(sessions)
+            record = {"import": jsonable(result), "exported": write_jsonl(db, paths[1]), "rows": dump_rows(store),
+                      "import_again": jsonable(db.import_sessions(read_jsonl(paths[0])))}
+            if hasattr(db, "iter_export_all"):
+                # Ours: the streamed export our own CLI writes (`hermes_state_cli export`) beside export_all's.
+                from hermes_state_portability import write_export
+                write_export(db.iter_export_all(), "jsonl", paths[1] + ".stream")
+            return record
         finally:
             db.close()
     finally:
