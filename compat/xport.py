@@ -7,7 +7,9 @@ compression child, a delegated child, a rewound message, an archived and a pinne
 history with its structured fields and numbers as text (`-as-text`) and with what the reference
 degrades rather than refuses (`-degraded`); `refused`, one entry for each reason the reference
 refuses one; the fixture exports of 0.20 (`hermes_v26_export.jsonl.gz`) and 0.19
-(`hermes_v22_export.jsonl.gz`). For each input:
+(`hermes_v22_export.jsonl.gz`). Also the same history written through ours' API: its export against
+the reference's (`ours-history-export`) and the reference importing each (`ours-history-into-ref`).
+For each input:
 - `<input>-into-ours`: ours imports it, exports again and imports it once more; the import's results
   (`ok`, counts, ids, every error's index, session id and text), every field of every exported line, the export's order
   and the stored `sessions` / `messages` rows (the reference's columns) must equal the reference's
@@ -115,8 +117,8 @@ class Runner:
             record = json.loads(done.stdout.strip().splitlines()[-1])
         except (IndexError, ValueError):
             return {"died": "exit %s: %s" % (done.returncode, (done.stderr.strip().splitlines() or [""])[-1])}
-        if action == "roundtrip" and "died" not in record:
-            with open(paths[1], encoding="utf-8") as fh:
+        if "died" not in record:
+            with open(paths[-1], encoding="utf-8") as fh:
                 record["lines"] = [json.loads(line) for line in fh]
         return record
 
@@ -238,6 +240,25 @@ def write_variant(history, folder, name, change):
     return path
 
 
+def run_written_by_ours(runner, ref_history):
+    """[(scenario, [differences])]: the same history written through ours' API and exported by ours,
+    against the reference's; then the reference importing each. The times the programs take while
+    writing are left out where two histories written by the reference differ too."""
+    ours_history = os.path.join(runner.folder, "ours-history.jsonl")
+    second = os.path.join(runner.folder, "ref-history-2.jsonl")
+    ref_made, again, ours = (runner.run(program, "make", path) for program, path in (
+        ("ref", ref_history), ("ref", second), ("ours", ours_history)))
+    if "died" in ours:
+        return [("xport/ours-history-export", ["ours could not write the history: " + ours["died"]])]
+    results = [("xport/ours-history-export", differences(ref_made, ours, volatile_paths(ref_made, again)))]
+    ref_of_ref, ref_of_ref_again, ref_of_ours = (runner.roundtrip("ref", path)[0] for path in (
+        ref_history, second, ours_history))
+    diffs = differences(ref_of_ref, ref_of_ours, volatile_paths(ref_of_ref, ref_of_ref_again),
+                        want_name="ref of ref's export")
+    results.append(("xport/ours-history-into-ref", [d.replace(", ours ", ", ref of ours' export ", 1) for d in diffs]))
+    return results
+
+
 def run_all(ref_venv, swap_venv, overlay):
     """[(scenario name, [differences])] of every input, both ways."""
     folder = tempfile.mkdtemp(prefix="hermes-compat-xport-")
@@ -250,6 +271,7 @@ def run_all(ref_venv, swap_venv, overlay):
         results = run_input(runner, "ref-history", history)
         for name, change in VARIANTS:
             results.extend(run_input(runner, name, write_variant(history, folder, name, change)))
+        results.extend(run_written_by_ours(runner, os.path.join(folder, "ref-history-1.jsonl")))
         for name, fixture in FIXTURE_EXPORTS:
             source = os.path.join(folder, name + ".jsonl")
             with gzip.open(os.path.join(venvs.REPO, "fixtures", fixture), "rb") as fh, open(source, "wb") as out:
