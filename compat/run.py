@@ -2,13 +2,13 @@
 stores between ours and the releases 0.19, 0.20 and 0.22.
 
 Owns: the order of the run (venvs, overlay, API scenarios, in-process checks, end-to-end run, store
-round trips (`releases.py`)), the comparison of the reference's record with ours, the
-deliberate-differences list, and the report: one PASS/FAIL line per scenario, the differences under each
-failure, and a closing `N passed, N failed` line; the exit code is non-zero on any failure. Must not
-touch: the repo's product modules (they are copied, never edited),
-any network but 127.0.0.1 during the end-to-end run.
+round trips (`releases.py`), JSONL exports passed each way (`xport.py`)), the comparison of the
+reference's record with ours, the deliberate-differences list, and the report: one PASS/FAIL line
+per scenario, the differences under each failure, and a closing `N passed, N failed` line; the exit
+code is non-zero on any failure. Must not touch: the repo's product modules (they are copied, never
+edited), any network but 127.0.0.1 during the end-to-end run.
 
-Usage: python3 compat/run.py [--only api|inprocess|e2e|releases] [--details N]
+Usage: python3 compat/run.py [--only api|inprocess|e2e|releases|xport] [--details N]
 Environment: HERMES_COMPAT_CACHE (venv cache), COMPAT_PYTHON (the CPython that builds the venvs),
 COMPAT_KEEP=1 (keep the e2e temp homes), COMPAT_OUR_CONSTANTS=1 (diagnostic only, see README.md).
 """
@@ -29,6 +29,7 @@ sys.path.insert(0, HERE)
 import normalise  # noqa: E402  (the folder is a tool box, not a package)
 import releases  # noqa: E402
 import venvs  # noqa: E402
+import xport  # noqa: E402
 
 OUT = os.path.join(HERE, "out")
 DELIBERATE = os.path.join(HERE, "deliberate.txt")
@@ -323,7 +324,7 @@ def run_e2e(kind, venv, overlay, out_file, log_file):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("api", "inprocess", "e2e", "releases"))
+    parser.add_argument("--only", choices=("api", "inprocess", "e2e", "releases", "xport"))
     parser.add_argument("--details", type=int, default=12, help="differences printed per failed scenario")
     parser.add_argument("--self-check", action="store_true",
                         help="run the reference on both sides: any difference is noise in the harness itself")
@@ -410,6 +411,10 @@ def main(argv=None):
             t0 = time.monotonic()
             results.extend(releases.run_all(python, overlay))
             timings["releases"] = time.monotonic() - t0
+        if args.only in (None, "xport"):
+            t0 = time.monotonic()
+            results.extend(xport.run_all(ref_venv, swap_venv, None if args.self_check else overlay))
+            timings["xport"] = time.monotonic() - t0
     finally:
         shutil.rmtree(overlay, ignore_errors=True)
 
