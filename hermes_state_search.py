@@ -56,6 +56,10 @@ OPTIMIZE_PAUSE = 0.01
 CLEAR_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue"
 FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
 COUNT_FTS_DATA_SQL = "SELECT COUNT(*) FROM {data}"
+OPEN_FTS_TABLE_SQL = "SELECT 1 FROM {table} LIMIT 0"
+# Row 10 of an FTS5 index's _data table is its structure record (segments by level).
+SELECT_FTS_STRUCTURE_SQL = "SELECT block FROM {data} WHERE id = 10"
+UPDATE_FTS_STRUCTURE_SQL = "UPDATE {data} SET block = ? WHERE id = 10"
 # Merge steps beyond one per MERGE_STEP_PAGES rows of an index's _data table
 # (the most its merge can write): the structure and averages rows, a partial page.
 MERGE_EXTRA_STEPS = 4
@@ -205,6 +209,30 @@ def _retire(conn, objects, tables, also=()):
     finally:
         conn.execute(LEGACY_ALTER_SQL.format(on="OFF"))
 
+
+
+def _empty_unreadable_structure(conn, table, db_path):
+    """True if FTS5 could not open index `table` and its structure record was emptied.
+
+    Such an index fails every write to messages (its trigger), and a rename or DROP
+    (both open it first): SQLite 3.40 calls a structure record of over 2,000 levels
+    corrupt, and a negative 'merge' before every new segment grew one that far. Emptied,
+    it opens again, to be set aside and dropped in chunks like any stale index; the
+    messages it indexed are all still there to refill ours from.
+    """
+    try:
+        conn.execute(OPEN_FTS_TABLE_SQL.format(table=quote_identifier(table)))
+        return False
+    except sqlite3.DatabaseError as exc:
+        data = quote_identifier(f"{table}_data")
+        row = conn.execute(SELECT_FTS_STRUCTURE_SQL.format(data=data)).fetchone()
+        if row is None or not isinstance(row[0], bytes) or len(row[0]) < 4:
+            raise
+        # Kept: the 4-byte configuration cookie. Then no level, no segment, no write yet.
+        conn.execute(UPDATE_FTS_STRUCTURE_SQL.format(data=data), (row[0][:4] + bytes(3),))
+        logger.warning("search: FTS5 could not open the index table %s of %s (%s); emptied its structure "
+                       "record so it can be set aside and rebuilt from the messages", table, db_path, exc)
+        return True
 
 def cjk_terms(text):
     """The CJK side index's terms for `text`: every CJK letter and every adjacent pair."""
@@ -616,6 +644,7 @@ class SessionSearchMixin:
             if index in buildable:
                 # An index we set aside ourselves (no FTS5 or trigram then) is expected to need it.
                 changed = self._restore_objects(conn, index, objects, bool(read_meta(conn, _stale_key(index))))
+                changed = _empty_unreadable_structure(conn, SEARCH_TABLES[index], self.db_path) or changed
             else:
                 changed = [name for name in SEARCH_TRIGGERS[index] if name in objects]
                 for name in changed:
