@@ -172,6 +172,29 @@ class IndexMergesInSteps(LockHoldTestCase):
         self.assertEqual(sorted(written), sorted(hit["id"] for hit in self.db.search_messages("kiwi", limit=10 ** 6)))
 
 
+    def test_an_index_fts5_can_no_longer_open_is_set_aside_and_refilled_at_the_next_open(self):
+        # What the old merge loop left behind: a new segment before every negative
+        # 'merge' until FTS5 found its structure record corrupt (over 2,000 levels).
+        self.db.create_session("s", "cli")
+        raw = self.raw(self.path)
+        raw.isolation_level = None
+        written = []
+        with self.assertRaisesRegex(sqlite3.DatabaseError, "malformed"):
+            for i in range(3000):
+                written.append(self.db.append_message("s", "user", f"kiwi {i}"))
+                raw.execute("INSERT INTO hs_fts_words(hs_fts_words, rank) VALUES ('merge', -1)")
+        with self.assertRaises(sqlite3.DatabaseError):
+            self.db.append_message("s", "user", "kiwi refused")  # the index's trigger fails every write
+        self.db.close()
+        with self.assertLogs("hermes_state", "WARNING") as logs, SessionDB(self.path) as db:
+            written.append(db.append_message("s", "user", "kiwi after"))
+            self.assertEqual(sorted(written), sorted(hit["id"] for hit in db.search_messages("kiwi", limit=10 ** 6)))
+        self.assertIn("hs_fts_words", "\n".join(logs.output))
+        for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
+            raw.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
+        self.assertEqual([], raw.execute("SELECT name FROM sqlite_master WHERE name LIKE 'hs_retired%'").fetchall())
+
+
 class CheckpointsStaySmall(LockHoldTestCase):
 
     def test_a_big_transaction_is_checkpointed_right_after_so_close_has_little_left(self):
