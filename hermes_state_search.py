@@ -56,7 +56,8 @@ OPTIMIZE_PAUSE = 0.01
 CLEAR_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue"
 FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
 COUNT_FTS_DATA_SQL = "SELECT COUNT(*) FROM {data}"
-OPEN_FTS_TABLE_SQL = "SELECT 1 FROM {table} LIMIT 0"
+# Opens (connects) the table without reading a row of it.
+OPEN_FTS_TABLE_SQL = "PRAGMA table_info({table})"
 # Row 10 of an FTS5 index's _data table is its structure record (segments by level).
 SELECT_FTS_STRUCTURE_SQL = "SELECT block FROM {data} WHERE id = 10"
 UPDATE_FTS_STRUCTURE_SQL = "UPDATE {data} SET block = ? WHERE id = 10"
@@ -221,7 +222,7 @@ def _empty_unreadable_structure(conn, table, db_path):
     messages it indexed are all still there to refill ours from.
     """
     try:
-        conn.execute(OPEN_FTS_TABLE_SQL.format(table=quote_identifier(table)))
+        conn.execute(OPEN_FTS_TABLE_SQL.format(table=quote_identifier(table))).fetchall()
         return False
     except sqlite3.DatabaseError as exc:
         data = quote_identifier(f"{table}_data")
