@@ -56,6 +56,15 @@ CJK_DRAIN_MAX_ROWS = 500
 OPTIMIZE_PAUSE = 0.01
 CLEAR_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue"
 FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
+COUNT_FTS_DATA_SQL = "SELECT COUNT(*) FROM {data}"
+# Opens (connects) the table without reading a row of it.
+OPEN_FTS_TABLE_SQL = "PRAGMA table_info({table})"
+# Row 10 of an FTS5 index's _data table is its structure record (segments by level).
+SELECT_FTS_STRUCTURE_SQL = "SELECT block FROM {data} WHERE id = 10"
+UPDATE_FTS_STRUCTURE_SQL = "UPDATE {data} SET block = ? WHERE id = 10"
+# Merge steps beyond one per MERGE_STEP_PAGES rows of an index's _data table
+# (the most its merge can write): the structure and averages rows, a partial page.
+MERGE_EXTRA_STEPS = 4
 # Queued CJK rows are indexed with every this-many commits of a writer, and
 # right away by any transaction that changed at least BULK_CHANGES rows.
 CJK_DRAIN_EVERY_COMMITS = 64
@@ -204,6 +213,30 @@ def _retire(conn, objects, tables, also=()):
     finally:
         conn.execute(LEGACY_ALTER_SQL.format(on="OFF"))
 
+
+
+def _empty_unreadable_structure(conn, table, db_path):
+    """True if FTS5 could not open index `table` and its structure record was emptied.
+
+    Such an index fails every write to messages (its trigger), and a rename or DROP
+    (both open it first): SQLite 3.40 calls a structure record of over 2,000 levels
+    corrupt, and a negative 'merge' before every new segment grew one that far. Emptied,
+    it opens again, to be set aside and dropped in chunks like any stale index; the
+    messages it indexed are all still there to refill ours from.
+    """
+    try:
+        conn.execute(OPEN_FTS_TABLE_SQL.format(table=quote_identifier(table))).fetchall()
+        return False
+    except sqlite3.DatabaseError as exc:
+        data = quote_identifier(f"{table}_data")
+        row = conn.execute(SELECT_FTS_STRUCTURE_SQL.format(data=data)).fetchone()
+        if row is None or not isinstance(row[0], bytes) or len(row[0]) < 4:
+            raise
+        # Kept: the 4-byte configuration cookie. Then no level, no segment, no write yet.
+        conn.execute(UPDATE_FTS_STRUCTURE_SQL.format(data=data), (row[0][:4] + bytes(3),))
+        logger.warning("search: FTS5 could not open the index table %s of %s (%s); emptied its structure "
+                       "record so it can be set aside and rebuilt from the messages", table, db_path, exc)
+        return True
 
 def cjk_terms(text):
     """The CJK side index's terms for `text`: every CJK letter and every adjacent pair."""
@@ -617,6 +650,7 @@ class SessionSearchMixin:
             if index in buildable:
                 # An index we set aside ourselves (no FTS5 or trigram then) is expected to need it.
                 changed = self._restore_objects(conn, index, objects, bool(read_meta(conn, _stale_key(index))))
+                changed = _empty_unreadable_structure(conn, SEARCH_TABLES[index], self.db_path) or changed
             else:
                 changed = [name for name in SEARCH_TRIGGERS[index] if name in objects]
                 for name in changed:
@@ -986,14 +1020,24 @@ class SessionSearchMixin:
 
         FTS5's 'optimize' would rewrite a whole index in one transaction (over
         a minute at 1M messages); its incremental 'merge', MERGE_STEP_PAGES leaf
-        pages a transaction, ends with the same single segment.
+        pages a transaction, ends with the same single segment. Only the first
+        step groups the segments (a negative 'merge', as 'optimize' does): each
+        grouping adds a level to the index's structure record, and SQLite 3.40's
+        FTS5 calls an index of over 2,000 levels corrupt, which a live writer's
+        new segment before every step reached in about 1,000 steps. Later steps
+        only carry that merge on, and stop after the pages it needs, whatever
+        the writers add meanwhile.
         """
         while self.fts_rebuild_step():
             pause_between_chunks()
         state = self._index_state()
         for index in state.usable:
-            while self._execute_write(functools.partial(
-                    _merge_step, table=state.tables[index], pages=self.MERGE_STEP_PAGES)):
+            table = state.tables[index]
+            steps = self._read_value(COUNT_FTS_DATA_SQL.format(data=quote_identifier(f"{table}_data"))) \
+                // self.MERGE_STEP_PAGES + MERGE_EXTRA_STEPS
+            step = functools.partial(_merge_step, table=table, pages=self.MERGE_STEP_PAGES, group=True)
+            while self._execute_write(step) and steps > 1:
+                step, steps = functools.partial(step, group=False), steps - 1
                 pause_between_chunks()
         return len(state.usable)
 
@@ -1083,12 +1127,16 @@ class SessionSearchMixin:
                 f"{free / 1e6:.1f} MB are free{hint}. Nothing was changed.")
 
 
-def _merge_step(conn, table, pages):
-    """One bounded step of FTS5's incremental merge (a negative page count merges every
-    level, as 'optimize' does); True while it still found work (FTS5's own test: a step
-    that changed fewer than two rows did nothing)."""
+def _merge_step(conn, table, pages, group):
+    """One bounded step of FTS5's incremental merge; True while it still found work (FTS5's
+    own test: a step that changed fewer than two rows did nothing).
+
+    `group` first sets every segment aside as one merge (a negative page count, which
+    adds a level to the structure record); without it the step carries on the merge
+    in progress, or merges a level FTS5's 'usermerge' finds full, and adds no level.
+    """
     before = conn.total_changes
-    conn.execute(FTS_MERGE_SQL.format(table=quote_identifier(table)), (-pages,))
+    conn.execute(FTS_MERGE_SQL.format(table=quote_identifier(table)), (-pages if group else pages,))
     return conn.total_changes - before >= 2
 
 

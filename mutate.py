@@ -114,7 +114,7 @@ MUTANTS = [
            "a delete removes all its messages in one transaction",
            ["test_lock_holds"]),
     Mutant("merge-in-one-step", "hermes_state_search.py",
-           "(-pages,)", "(-10 ** 9,)",
+           "(-pages if group else pages,)", "(-10 ** 9,)",
            "optimize_fts merges a whole index in one transaction",
            ["test_lock_holds"]),
     # -- cycle detection on import ----------------------------------------------

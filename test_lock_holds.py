@@ -7,6 +7,7 @@ import os
 import subprocess
 import sqlite3
 import sys
+import threading
 import unittest
 
 from hermes_state import SessionDB
@@ -133,6 +134,65 @@ class IndexMergesInSteps(LockHoldTestCase):
         conn = self.raw(self.path)
         for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
             conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
+
+
+    def test_a_live_writer_neither_keeps_optimize_merging_nor_breaks_an_index(self):
+        # A segment lands in every index between two merge steps. Regrouping all
+        # segments each step added a level to the structure record every time, and
+        # FTS5 called the index corrupt past 2,000 levels (~1,000 steps): every write
+        # and the merge itself failed with "database disk image is malformed".
+        for i in range(40):
+            self.db.create_session(f"s{i}", "cli")
+            self.db.append_message(f"s{i}", "user", f"parser failing tests {i} 会话 " + "word " * 200)
+        errors, written, stop = [], [], threading.Event()
+
+        def writer():
+            with SessionDB(self.path) as live:
+                while not stop.is_set():
+                    try:
+                        written.append(live.append_message("s0", "user", "kiwi written live 猕猴桃"))
+                    except Exception as exc:
+                        errors.append(exc)
+                        return
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        try:
+            self.db.MERGE_STEP_PAGES = 1
+            self.statements.clear()
+            self.assertEqual(3, self.db.optimize_fts())
+        finally:
+            stop.set()
+            thread.join()
+        self.assertEqual([], errors)
+        self.assertLess(len(merging(self.statements)), 600)
+        conn = self.raw(self.path)
+        for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
+            conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
+        self.assertEqual(sorted(written), sorted(hit["id"] for hit in self.db.search_messages("kiwi", limit=10 ** 6)))
+
+
+    def test_an_index_fts5_can_no_longer_open_is_set_aside_and_refilled_at_the_next_open(self):
+        # What the old merge loop left behind: a new segment before every negative
+        # 'merge' until FTS5 found its structure record corrupt (over 2,000 levels).
+        self.db.create_session("s", "cli")
+        raw = self.raw(self.path)
+        raw.isolation_level = None
+        written = []
+        with self.assertRaisesRegex(sqlite3.DatabaseError, "malformed"):
+            for i in range(3000):
+                written.append(self.db.append_message("s", "user", f"kiwi {i}"))
+                raw.execute("INSERT INTO hs_fts_words(hs_fts_words, rank) VALUES ('merge', -1)")
+        with self.assertRaises(sqlite3.DatabaseError):
+            self.db.append_message("s", "user", "kiwi refused")  # the index's trigger fails every write
+        self.db.close()
+        with self.assertLogs("hermes_state", "WARNING") as logs, SessionDB(self.path) as db:
+            written.append(db.append_message("s", "user", "kiwi after"))
+            self.assertEqual(sorted(written), sorted(hit["id"] for hit in db.search_messages("kiwi", limit=10 ** 6)))
+        self.assertIn("hs_fts_words", "\n".join(logs.output))
+        for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
+            raw.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
+        self.assertEqual([], raw.execute("SELECT name FROM sqlite_master WHERE name LIKE 'hs_retired%'").fetchall())
 
 
 class CheckpointsStaySmall(LockHoldTestCase):
