@@ -994,26 +994,34 @@ class SessionSearchMixin:
             write_meta(conn, META_SEARCH_PROGRESS, str(upper))
 
     def rebuild_fts(self):
-        """Rebuild the index searches use (ours, else hermes-agent's) from the messages, in one
-        transaction; returns its layout."""
+        """Rebuild the indexes searches use (ours, else hermes-agent's) from the messages; returns how
+        many, 0 without any (hermes-agent's gateway calls it after an append failed on its index).
+
+        An explicit repair in one transaction, which holds the write lock to the end and logs so first.
+        """
+        objects = self._read_objects()
+        state = self._index_state(objects)
+        indexes = [index for index in self._buildable() if SEARCH_TABLES[index] in objects] \
+            if state.layout == "current" else list(state.usable)
+        if not indexes:
+            return 0
+        logger.info("search: rebuilding %s of %s holds the write lock until it is done", "/".join(indexes),
+                    self.db_path)
+
         def rebuild(conn):
-            objects = _schema_objects(conn)
-            state = self._index_state(objects)
             if state.layout == "current":
-                for index in self._buildable():
-                    if SEARCH_TABLES[index] in objects:
-                        self._rebuild_index(conn, index)
+                for index in indexes:
+                    self._rebuild_index(conn, index)
                 for key in (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, *map(_stale_key, SEARCH_TABLES)):
                     write_meta(conn, key, None)
-                return state.layout
-            for index in state.usable:
+                return
+            for index in indexes:
                 conn.execute(FTS_COMMAND_SQL.format(table=state.tables[index], command="rebuild"))
-            if state.usable:
-                # A whole index has no backfill left; hermes-agent's triggers read these markers.
-                write_meta(conn, META_FTS_REBUILD_HIGH_WATER, None)
-                write_meta(conn, META_FTS_REBUILD_PROGRESS, None)
-            return state.layout
-        return self._execute_write(rebuild)
+            # A whole index has no backfill left; hermes-agent's triggers read these markers.
+            write_meta(conn, META_FTS_REBUILD_HIGH_WATER, None)
+            write_meta(conn, META_FTS_REBUILD_PROGRESS, None)
+        self._execute_write(rebuild)
+        return len(indexes)
 
     def optimize_fts(self):
         """Merge each index's segments into one and index queued CJK rows; returns how many indexes.
