@@ -591,6 +591,8 @@ SET_PARENT_SQL = "UPDATE sessions SET parent_session_id = ? WHERE id = ?"
 COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
 COUNT_ALL_MESSAGES_SQL = "SELECT COUNT(*) FROM messages"
 SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source"
+# A bare tool-call marker such as "[memory]" that old builds saved as an answer (hermes-agent #78148).
+STALE_MARKER = re.compile(r"\[[A-Za-z_][A-Za-z0-9_.-]*\]")
 
 # -- Meta SQL -------------------------------------------------------------------
 
@@ -827,6 +829,8 @@ _PREVIEW_RAW_SQL = (f"CASE WHEN m.content NOT LIKE '{SKILL_SCAFFOLD_PREFIX}%' TH
                     f" || substr({_PREVIEW_TEXT_SQL}, -400) ELSE substr({_PREVIEW_TEXT_SQL}, 1, 800) END")
 LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(v) FROM (SELECT {a}.last_activity_at AS v UNION ALL SELECT MAX(m.timestamp)"
                    " FROM messages AS m WHERE m.session_id = {a}.id)), {a}.started_at)")
+MESSAGES_LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = s.id),"
+                            " s.started_at)")
 SESSION_RICH_SQL = (f"SELECT {{columns}}, COALESCE((SELECT {_PREVIEW_RAW_SQL} FROM messages AS m WHERE m.session_id = s.id"
                     " AND m.role = 'user' AND m.content IS NOT NULL ORDER BY m.timestamp, m.id LIMIT 1), '')"
                     " AS _preview_raw, {last_active} AS last_active FROM sessions AS s")

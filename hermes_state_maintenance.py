@@ -1,13 +1,11 @@
-"""Keeping the store healthy: prune, archive and delete sessions; vacuum, stats,
-doctor; the small reports and one-shot fixes hermes-agent's commands run.
+"""Keeping the store healthy: prune, archive and delete sessions; vacuum, stats, doctor; the small reports and
+one-shot fixes hermes-agent's commands run.
 
-Owns which sessions a prune, an archive or a delete selects, and what a delete
-takes with it: the messages, usage rows and Telegram topic bindings that
-hermes-agent's foreign keys remove with a session, the delegate subagents a
-parent spawned, the system prompts no session uses any more, and the transcript
-files of a `sessions_dir`. Relies on SessionDB's write and read paths, the
-sessions mixin's `set_session_archived` and `_resolve_prompt`, and the search
-mixin's `optimize_fts`, `search_health` and `fts_layout`. Never repairs the
+Owns which sessions a prune, an archive or a delete selects, and what a delete takes with it: the messages,
+usage rows and Telegram topic bindings that hermes-agent's foreign keys remove with a session, the delegate
+subagents a parent spawned, the system prompts no session uses any more, and the transcript files of a
+`sessions_dir`. Relies on SessionDB's write and read paths, the sessions mixin's `set_session_archived` and
+`_resolved`, and the search mixin's `optimize_fts`, `search_health` and `fts_layout`. Never repairs the
 schema: that happens at open (hermes_state_schema) or in hermes_state_doctor.
 """
 
@@ -16,71 +14,46 @@ import glob
 import json
 import logging
 import os
-import re
 import sqlite3
 import time
 from pathlib import Path
 
 from hermes_state_common import (
-    CHECKPOINT_TRUNCATE_SQL,
-    COUNT_ACTIVE_MESSAGES_SQL,
-    COUNT_ALL_MESSAGES_SQL,
-    FILE_MODE,
-    INTEGRITY_CHECK_SQL,
-    JOURNAL_MODE_SQL,
-    SCHEMA_VERSION,
-    SELECT_SCHEMA_VERSION_SQL,
-    SESSION_RICH_COLUMNS_SQL,
-    SESSIONS_BY_SOURCE_SQL,
-    SQL_CHUNK_SIZE,
-    TABLE_EXISTS_SQL,
-    VACUUM_SQL,
-    chunked,
-    escape_like,
-    placeholders,
-    prefix_bounds,
-    sqlite_has_wal_reset_bug,
-    store_file_bytes,
-)
+    CHECKPOINT_TRUNCATE_SQL, COUNT_ACTIVE_MESSAGES_SQL, COUNT_ALL_MESSAGES_SQL, DELETE_UNUSED_PROMPTS_SQL,
+    FILE_MODE, INTEGRITY_CHECK_SQL, JOURNAL_MODE_SQL, LAST_ACTIVE_SQL, MESSAGES_LAST_ACTIVE_SQL,
+    SCHEMA_VERSION, SELECT_SCHEMA_VERSION_SQL, SESSION_EXISTS_SQL, SESSION_RICH_COLUMNS_SQL,
+    SESSIONS_BY_SOURCE_SQL, SKILL_SCAFFOLD_PREFIX, SQL_CHUNK_SIZE, STALE_MARKER, TABLE_EXISTS_SQL, VACUUM_SQL,
+    chunked, cwd_prefix_clause, escape_like, placeholders, prefix_bounds, sqlite_has_wal_reset_bug,
+    store_file_bytes)
 from hermes_state_schema import pause_between_chunks, write_meta
 
 logger = logging.getLogger("hermes_state")
 
-# Activity for prune and archive filters: the newest message, else the start.
-_LAST_ACTIVE = "COALESCE((SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = s.id), s.started_at)"
-# Activity for the idle archive: the fresher of the heartbeat and the newest message, else the start.
-_LAST_TOUCHED = ("COALESCE((SELECT MAX(v) FROM (SELECT s.last_activity_at AS v UNION ALL SELECT MAX(m.timestamp)"
-                 " FROM messages AS m WHERE m.session_id = s.id)), s.started_at)")
 _TOKENS = "(COALESCE(s.input_tokens, 0) + COALESCE(s.output_tokens, 0))"
 _COST = "COALESCE(s.actual_cost_usd, s.estimated_cost_usd, 0)"
 # Prune deletes only ended sessions; count_open_prune_matches flips this guard alone.
 _ENDED = "s.ended_at IS NOT NULL"
-
-# hermes-agent's bulk prune/archive filters, all ANDed. "bound": applies when not
-# None; "exact": when truthy; "like": case-insensitive substring of a column;
-# "lower": case-insensitive equality; "cwd": the path or anything under it;
-# "flag": archived True/False selects one side, anything else both.
+# hermes-agent's bulk prune/archive filters, all ANDed. "bound": applies when not None; "exact": when truthy;
+# "like": case-insensitive substring of a column; "lower": case-insensitive equality; "cwd": the path or
+# anything under it; "flag": archived True/False selects one side, anything else both. Activity is the newest
+# message, else the start.
 _PRUNE_FILTERS = {
-    "last_active_before": ("bound", _LAST_ACTIVE + " < ?"),
-    "last_active_after": ("bound", _LAST_ACTIVE + " >= ?"),
-    "started_before": ("bound", "s.started_at < ?"),
-    "started_after": ("bound", "s.started_at >= ?"),
+    "last_active_before": ("bound", MESSAGES_LAST_ACTIVE_SQL + " < ?"),
+    "last_active_after": ("bound", MESSAGES_LAST_ACTIVE_SQL + " >= ?"),
+    "started_before": ("bound", "s.started_at < ?"), "started_after": ("bound", "s.started_at >= ?"),
     "source": ("exact", "s.source = ?"),
     "title_like": ("like", "s.title"),
     "end_reason": ("exact", "s.end_reason = ?"),
     "cwd_prefix": ("cwd", None),
-    "min_messages": ("bound", "s.message_count >= ?"),
-    "max_messages": ("bound", "s.message_count <= ?"),
+    "min_messages": ("bound", "s.message_count >= ?"), "max_messages": ("bound", "s.message_count <= ?"),
     "model_like": ("like", "s.model"),
     "provider": ("lower", "LOWER(COALESCE(s.billing_provider, '')) = ?"),
     "user_id": ("exact", "s.user_id = ?"),
     "chat_id": ("exact", "s.chat_id = ?"),
     "chat_type": ("exact", "s.chat_type = ?"),
     "branch_like": ("like", "s.git_branch"),
-    "min_tokens": ("bound", _TOKENS + " >= ?"),
-    "max_tokens": ("bound", _TOKENS + " <= ?"),
-    "min_cost": ("bound", _COST + " >= ?"),
-    "max_cost": ("bound", _COST + " <= ?"),
+    "min_tokens": ("bound", _TOKENS + " >= ?"), "max_tokens": ("bound", _TOKENS + " <= ?"),
+    "min_cost": ("bound", _COST + " >= ?"), "max_cost": ("bound", _COST + " <= ?"),
     "min_tool_calls": ("bound", "COALESCE(s.tool_call_count, 0) >= ?"),
     "max_tool_calls": ("bound", "COALESCE(s.tool_call_count, 0) <= ?"),
     "archived": ("flag", None),
@@ -90,44 +63,24 @@ _PRUNE_FILTERS = {
 _EMPTY_SESSIONS_WHERE = "WHERE message_count = 0 AND ended_at IS NOT NULL AND archived = 0"
 _DELEGATE_ROWS_SQL = ("SELECT id, parent_session_id, model_config FROM sessions"
                       " WHERE instr(model_config, '_delegate_from') > 0")
-_DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS"
-                              " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
-_DELETE_BINDINGS_SQL = "DELETE FROM telegram_dm_topic_bindings WHERE session_id IN ({})"
 _HAS_CHILD_SQL = "SELECT 1 FROM sessions WHERE parent_session_id IN ({}) LIMIT 1"
-# A deleted session's messages go after its row, a chunk per transaction, so no
-# delete holds the write lock for long (each message also leaves three indexes).
-# One state_meta key per session still to sweep, its value the highest message
-# id it may have: ids are AUTOINCREMENT, so a session made again under the same
-# id keeps its new messages. Any later delete or prune finishes a sweep cut short.
+_SESSION_ROWS_DELETE_SQL = ("UPDATE sessions SET parent_session_id = NULL WHERE parent_session_id IN ({})",
+                            "DELETE FROM session_model_usage WHERE session_id IN ({})",
+                            "DELETE FROM sessions WHERE id IN ({})")
+# A deleted session's messages go after its row, a chunk per transaction, so no delete holds the write lock
+# for long (each message also leaves three indexes). One state_meta key per session still to sweep, its value
+# the highest message id it may have: ids are AUTOINCREMENT, so a session made again under the same id keeps
+# its new messages. Any later delete or prune finishes a sweep cut short.
 SWEEP_META_PREFIX = "hs_sweep_messages:"
-_SESSION_ROWS_DELETE_SQL = (
-    "UPDATE sessions SET parent_session_id = NULL WHERE parent_session_id IN ({})",
-    "DELETE FROM session_model_usage WHERE session_id IN ({})",
-    "DELETE FROM sessions WHERE id IN ({})",
-)
-_MARK_SWEEP_SQL = "INSERT OR REPLACE INTO state_meta (key, value) SELECT ? || ?, MAX(id) FROM messages"
-_SELECT_SWEEPS_SQL = ("SELECT key, CAST(value AS INTEGER) FROM state_meta"
-                      " WHERE key >= ? AND key < ? ORDER BY key LIMIT ?")
-_SELECT_SWEPT_IDS_SQL = "SELECT id FROM messages WHERE session_id = ? AND id <= ? ORDER BY id LIMIT ?"
-_DELETE_SWEPT_SQL = "DELETE FROM messages WHERE id IN ({})"
-_DELETE_SWEEP_KEY_SQL = "DELETE FROM state_meta WHERE key = ?"
-
-# A tool call's bare "[name]" marker that old hermes-agent releases stored as
-# an assistant's content (hermes-agent #78148).
-_STALE_MARKER_RE = re.compile(r"\[[A-Za-z_][A-Za-z0-9_.-]*\]")
 _MARKER_CANDIDATES_SQL = ("SELECT id, content FROM messages WHERE role = 'assistant'"
                           " AND tool_calls IS NOT NULL AND tool_calls != ''")
-# The first user turn of a session titled from a /skill invocation (hermes-agent's skill_commands).
-_SKILL_SCAFFOLD_LIKE = "[IMPORTANT: The user has invoked the %"
-# Finish reasons that end a turn in an error rather than a reply.
-_ERROR_FINISH_REASONS = frozenset({"error", "agent_error", "content_filter"})
 
 
 class SessionMaintenanceMixin:
     """SessionDB's methods for pruning, archiving, deleting and reporting on the store."""
 
-    # Messages a delete removes per transaction: each costs up to 0.9 ms with our three
-    # indexes at 1M messages on a busy 2-core machine (2,000 held the lock for up to 1.8 s).
+    # Messages a delete removes per transaction: each costs up to 0.9 ms with our three indexes at 1M messages
+    # on a busy 2-core machine (2,000 held the lock for up to 1.8 s).
     DELETE_CHUNK_ROWS = 400
     # The largest store maybe_auto_prune_and_vacuum VACUUMs on its own (issue 17's 1 s hold).
     AUTO_VACUUM_MAX_BYTES = 32 * 1024 * 1024
@@ -137,44 +90,39 @@ class SessionMaintenanceMixin:
     def list_prune_candidates(self, older_than_days=None, source=None, **filters):
         """Rows a matching prune_sessions or archive_sessions would touch, least recently active first.
 
-        Each row has id, source, title, model, started_at, last_active, ended_at,
-        message_count and archived. Only ended sessions qualify. `older_than_days`
-        means inactive that long (newest message, else start) unless a
-        `last_active_before` or `started_before` filter is given. An unknown
-        filter name raises TypeError.
-        """
+        Each row has id, source, title, model, started_at, last_active, ended_at, message_count and archived.
+        Only ended sessions qualify. `older_than_days` means inactive that long (newest message, else start)
+        unless a `last_active_before` or `started_before` filter is given. An unknown filter name raises
+        TypeError."""
         where, params = _prune_where(older_than_days, source, filters)
         return [dict(row) for row in self._read_all(
-            "SELECT s.id, s.source, s.title, s.model, s.started_at, " + _LAST_ACTIVE + " AS last_active,"
-            f" s.ended_at, s.message_count, s.archived FROM sessions AS s WHERE {_ENDED}{where}"
-            " ORDER BY last_active ASC, s.started_at ASC", params)]
+            f"SELECT s.id, s.source, s.title, s.model, s.started_at, {MESSAGES_LAST_ACTIVE_SQL}"
+            " AS last_active, s.ended_at, s.message_count, s.archived FROM sessions AS s"
+            f" WHERE {_ENDED}{where} ORDER BY last_active ASC, s.started_at ASC", params)]
 
     def count_open_prune_matches(self, older_than_days=None, source=None, **filters):
         """How many sessions still open match the same filters (prune skips them); 0 if none."""
         where, params = _prune_where(older_than_days, source, filters)
-        return int(self._read_value(f"SELECT COUNT(*) FROM sessions AS s WHERE s.ended_at IS NULL{where}", params))
+        return int(self._read_value(f"SELECT COUNT(*) FROM sessions AS s WHERE s.ended_at IS NULL{where}",
+                                    params))
 
     def prune_sessions(self, older_than_days=90, source=None, sessions_dir=None, **filters):
         """Delete the ended sessions matching the filters (see list_prune_candidates); returns how many.
 
-        Their children become roots. With `sessions_dir`, their transcript files
-        there go too, after the commit.
-        """
+        Their children become roots. With `sessions_dir`, their transcript files there go too, after the
+        commit."""
         where, params = _prune_where(older_than_days, source, filters)
 
         def write(conn):
-            ids = [row[0] for row in conn.execute(f"SELECT s.id FROM sessions AS s WHERE {_ENDED}{where}", params)]
+            ids = [row[0] for row in conn.execute(f"SELECT s.id FROM sessions AS s WHERE {_ENDED}{where}",
+                                                  params)]
             self._delete_sessions_in(conn, ids)
             return ids
-
-        removed = self._execute_write(write)
-        self._sweep_deleted_messages()
-        _remove_transcripts(sessions_dir, removed)
-        return len(removed)
+        return len(self._delete_committed(write, sessions_dir))
 
     def archive_sessions(self, older_than_days=None, source=None, **filters):
-        """Archive every session list_prune_candidates selects, each with its compression chain;
-        returns how many matched. Selects only unarchived ones unless `archived` is given."""
+        """Archive every session list_prune_candidates selects, each with its compression chain; returns how
+        many matched. Selects only unarchived ones unless `archived` is given."""
         filters.setdefault("archived", False)
         rows = self.list_prune_candidates(older_than_days, source, **filters)
         for row in rows:
@@ -184,29 +132,27 @@ class SessionMaintenanceMixin:
     def archive_stale_sessions(self, idle_days, *, exclude_pinned=True):
         """Archive sessions, open or ended, untouched for `idle_days`; returns how many.
 
-        Touched is the fresher of the activity heartbeat and the newest message.
-        Only chain tips and standalone sessions qualify; each archives its whole
-        compression chain. A missing or negative `idle_days` archives nothing.
-        """
+        Touched is the fresher of the activity heartbeat and the newest message. Only chain tips and
+        standalone sessions qualify; each archives its whole compression chain. A missing or negative
+        `idle_days` archives nothing."""
         if idle_days is None or idle_days < 0:
             return 0
         pinned = " AND s.pinned = 0" if exclude_pinned else ""
         ids = [row[0] for row in self._read_all(
-            "SELECT s.id FROM sessions AS s WHERE s.archived = 0 AND COALESCE(s.end_reason, '') <> 'compression'"
-            f"{pinned} AND {_LAST_TOUCHED} < ? ORDER BY s.started_at ASC", (time.time() - float(idle_days) * 86400,))]
+            "SELECT s.id FROM sessions AS s WHERE s.archived = 0 AND COALESCE(s.end_reason, '') <>"
+            f" 'compression'{pinned} AND {LAST_ACTIVE_SQL.format(a='s')} < ? ORDER BY s.started_at ASC",
+            (time.time() - float(idle_days) * 86400,))]
         for session_id in ids:
             self.set_session_archived(session_id, True)
         return len(ids)
 
     def maybe_auto_prune_and_vacuum(self, retention_days=90, min_interval_hours=24, vacuum=True,
                                     sessions_dir=None, min_vacuum_interval_days=30):
-        """Prune sessions inactive `retention_days`, at most once per `min_interval_hours`, and
-        VACUUM after a prune that deleted something, at most once per `min_vacuum_interval_days`,
-        if the store is at most AUTO_VACUUM_MAX_BYTES (a bigger one waits for optimize-storage).
+        """Prune sessions inactive `retention_days`, at most once per `min_interval_hours`; returns
+        {"skipped", "pruned", "vacuumed"}, plus "error" when something failed: it never raises.
 
-        Returns {"skipped", "pruned", "vacuumed"}, plus "error" when something
-        failed: it never raises.
-        """
+        VACUUMs after a prune that deleted something, at most once per `min_vacuum_interval_days`, if the
+        store is at most AUTO_VACUUM_MAX_BYTES (a bigger one waits for optimize-storage)."""
         result = {"skipped": False, "pruned": 0, "vacuumed": False}
         try:
             now = time.time()
@@ -217,12 +163,12 @@ class SessionMaintenanceMixin:
             vacuum_due = not _within(self.get_meta("last_vacuum"), now, min_vacuum_interval_days * 86400)
             size = store_file_bytes(self.db_path)
             if vacuum and result["pruned"] and vacuum_due and size > self.AUTO_VACUUM_MAX_BYTES:
-                # VACUUM rewrites the file under the write lock, about 1 s per 50 MB here: past
-                # this size only a command that says so first (optimize-storage) may hold it that long.
+                # VACUUM rewrites the file under the write lock, about 1 s per 50 MB here: past this size only
+                # a command that says so first (optimize-storage) may hold it that long.
                 logger.info("state.db is %.0f MB: no automatic VACUUM (it would hold the write lock for "
-                            "seconds); `python -m hermes_state optimize-storage` reclaims the space", size / 1e6)
-                vacuum_due = False
-            if vacuum and result["pruned"] and vacuum_due:
+                            "seconds); `python -m hermes_state optimize-storage` reclaims the space",
+                            size / 1e6)
+            elif vacuum and result["pruned"] and vacuum_due:
                 try:
                     self.vacuum()
                     result["vacuumed"] = True
@@ -236,10 +182,8 @@ class SessionMaintenanceMixin:
         return result
 
     def maybe_auto_archive(self, idle_days=3, min_interval_hours=24, exclude_pinned=True):
-        """archive_stale_sessions at most once per `min_interval_hours`.
-
-        Returns {"skipped", "archived"}, plus "error" when something failed: it never raises.
-        """
+        """archive_stale_sessions at most once per `min_interval_hours`; returns {"skipped", "archived"}, plus
+        "error" when something failed: it never raises."""
         result = {"skipped": False, "archived": 0}
         try:
             now = time.time()
@@ -257,46 +201,40 @@ class SessionMaintenanceMixin:
 
     def get_session_delete_targets(self, session_id):
         """[session_id, its delegate subagents sorted] as delete_session would remove them; [] if unknown."""
-        if not self._read_one("SELECT 1 FROM sessions WHERE id = ?", (session_id,)):
+        if not self._read_one(SESSION_EXISTS_SQL, (session_id,)):
             return []
         return [session_id] + sorted(_delegate_descendants(self._read_all(_DELEGATE_ROWS_SQL), [session_id]))
 
     def delete_session(self, session_id, sessions_dir=None, expected_delete_ids=None):
         """Delete a session with its delegate subagents; False if unknown.
 
-        Other children become roots. With `expected_delete_ids`, nothing is
-        deleted (False) unless the session and its delegates are exactly that
-        set when the write starts. With `sessions_dir`, their transcript files
-        there go too, after the commit.
-        """
+        Other children become roots. With `expected_delete_ids`, nothing is deleted (False) unless the session
+        and its delegates are exactly that set when the write starts. With `sessions_dir`, their transcript
+        files there go too, after the commit."""
         expected = None if expected_delete_ids is None else set(expected_delete_ids)
 
         def write(conn):
-            if not conn.execute("SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone():
+            if not conn.execute(SESSION_EXISTS_SQL, (session_id,)).fetchone():
                 return None
             delegates = _delegate_descendants(conn.execute(_DELEGATE_ROWS_SQL), [session_id])
             if expected is not None and expected != delegates | {session_id}:
                 return None
             self._delete_sessions_in(conn, sorted(delegates) + [session_id])
             return sorted(delegates) + [session_id]
-
-        removed = self._execute_write(write)
-        self._sweep_deleted_messages()
-        _remove_transcripts(sessions_dir, removed)
-        return removed is not None
+        return self._delete_committed(write, sessions_dir) is not None
 
     def delete_sessions(self, session_ids, sessions_dir=None):
-        """Delete the sessions of `session_ids` that exist, with their delegates, in one
-        transaction; returns how many of the given ones existed. Other values are skipped."""
+        """Delete the sessions of `session_ids` that exist, with their delegates, in one transaction; returns
+        how many of the given ones existed. Other values are skipped."""
         wanted = list({sid for sid in session_ids or () if isinstance(sid, str) and sid})
 
         def write(conn):
             existing = [row[0] for chunk in chunked(wanted) for row in conn.execute(
                 f"SELECT id FROM sessions WHERE id IN ({placeholders(len(chunk))})", chunk)]
-            delegates = _delegate_descendants(conn.execute(_DELEGATE_ROWS_SQL), existing) if existing else set()
+            delegates = (_delegate_descendants(conn.execute(_DELEGATE_ROWS_SQL), existing) if existing
+                         else set())
             self._delete_sessions_in(conn, sorted(delegates) + existing)
             return sorted(delegates), existing
-
         delegates, existing = self._execute_write(write) if wanted else ([], [])
         self._sweep_deleted_messages()
         _remove_transcripts(sessions_dir, delegates + existing)
@@ -311,7 +249,6 @@ class SessionMaintenanceMixin:
                 " AND NOT EXISTS (SELECT 1 FROM sessions AS c WHERE c.parent_session_id = s.id)",
                 (session_id,)).fetchone()
             return bool(empty) and self._delete_sessions_in(conn, [session_id]) > 0
-
         deleted = self._execute_write(write)
         if deleted:
             self._sweep_deleted_messages()  # none of its own: its sweep key, and any left behind
@@ -328,56 +265,55 @@ class SessionMaintenanceMixin:
             ids = [row[0] for row in conn.execute(f"SELECT id FROM sessions {_EMPTY_SESSIONS_WHERE}")]
             self._delete_sessions_in(conn, ids)
             return ids
-
-        removed = self._execute_write(write)
-        self._sweep_deleted_messages()
-        _remove_transcripts(sessions_dir, removed)
-        return len(removed)
+        return len(self._delete_committed(write, sessions_dir))
 
     def prune_empty_ghost_sessions(self, sessions_dir=None):
         """Delete ended, untitled TUI sessions older than a day that never got a message; returns how many.
 
-        Raises sqlite3.IntegrityError, deleting nothing, if one of them has
-        child sessions (hermes-agent's foreign key refuses that delete).
-        """
+        Raises sqlite3.IntegrityError, deleting nothing, if one of them has child sessions (hermes-agent's
+        foreign key refuses that delete)."""
         def write(conn):
             ids = [row[0] for row in conn.execute(
                 "SELECT id FROM sessions AS s WHERE source = 'tui' AND title IS NULL AND ended_at IS NOT NULL"
                 " AND started_at < ? AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)",
                 (time.time() - 86400,))]
-            if any(conn.execute(_HAS_CHILD_SQL.format(placeholders(len(c))), c).fetchone() for c in chunked(ids)):
+            if any(conn.execute(_HAS_CHILD_SQL.format(placeholders(len(chunk))), chunk).fetchone()
+                   for chunk in chunked(ids)):
                 raise sqlite3.IntegrityError("FOREIGN KEY constraint failed")
             self._delete_sessions_in(conn, ids)
             return ids
+        return len(self._delete_committed(write, sessions_dir))
 
+    def _delete_committed(self, write, sessions_dir):
+        """The session ids `write(conn)` deleted (None or [] if none), once committed, with their messages
+        swept and their transcript files in `sessions_dir` removed."""
         removed = self._execute_write(write)
         self._sweep_deleted_messages()
         _remove_transcripts(sessions_dir, removed)
-        return len(removed)
+        return removed
 
     def _delete_sessions_in(self, conn, session_ids):
-        """Inside a write: delete sessions with the rows hermes-agent removes with them
-        (usage, topic bindings) and the system prompts left unused; their children
-        become roots; their messages are marked for _sweep_deleted_messages, which
-        the caller runs after the commit. Returns how many sessions went."""
+        """Inside a write: delete sessions with the rows hermes-agent removes with them (usage, topic
+        bindings) and the system prompts left unused; returns how many sessions went. Their children become
+        roots; their messages are marked for _sweep_deleted_messages, which the caller runs after commit."""
         bindings = conn.execute(TABLE_EXISTS_SQL, ("telegram_dm_topic_bindings",)).fetchone()
         deleted = 0
         for chunk in chunked(session_ids):
             marks = placeholders(len(chunk))
             if bindings:
-                conn.execute(_DELETE_BINDINGS_SQL.format(marks), chunk)
+                conn.execute(f"DELETE FROM telegram_dm_topic_bindings WHERE session_id IN ({marks})", chunk)
             for template in _SESSION_ROWS_DELETE_SQL:
                 count = conn.execute(template.format(marks), chunk).rowcount
             deleted += count
-        for session_id in session_ids:
-            conn.execute(_MARK_SWEEP_SQL, (SWEEP_META_PREFIX, session_id))
+        conn.executemany("INSERT OR REPLACE INTO state_meta (key, value) SELECT ? || ?, MAX(id)"
+                         " FROM messages", [(SWEEP_META_PREFIX, session_id) for session_id in session_ids])
         if deleted:
-            conn.execute(_DELETE_UNUSED_PROMPTS_SQL)
+            conn.execute(DELETE_UNUSED_PROMPTS_SQL)
         return deleted
 
     def _sweep_deleted_messages(self):
-        """Delete the messages of deleted sessions, DELETE_CHUNK_ROWS per transaction,
-        this call's and any an interrupted one left; returns how many went."""
+        """Delete the messages of deleted sessions, DELETE_CHUNK_ROWS per transaction, this call's and any an
+        interrupted one left; returns how many went."""
         swept = 0
         while True:
             done, more = self._execute_write(self._sweep_chunk)
@@ -389,61 +325,61 @@ class SessionMaintenanceMixin:
     def _sweep_chunk(self, conn):
         room = self.DELETE_CHUNK_ROWS
         low, high = prefix_bounds(SWEEP_META_PREFIX)
-        sweeps = conn.execute(_SELECT_SWEEPS_SQL, (low, high, SQL_CHUNK_SIZE)).fetchall()
+        sweeps = conn.execute("SELECT key, CAST(value AS INTEGER) FROM state_meta WHERE key >= ? AND key < ?"
+                              " ORDER BY key LIMIT ?", (low, high, SQL_CHUNK_SIZE)).fetchall()
         for key, upto in sweeps:
             ids = [row[0] for row in conn.execute(
-                _SELECT_SWEPT_IDS_SQL, (key[len(SWEEP_META_PREFIX):], upto or 0, room))]
+                "SELECT id FROM messages WHERE session_id = ? AND id <= ? ORDER BY id LIMIT ?",
+                (key[len(SWEEP_META_PREFIX):], upto or 0, room))]
             for chunk in chunked(ids):
-                conn.execute(_DELETE_SWEPT_SQL.format(placeholders(len(chunk))), chunk)
+                conn.execute(f"DELETE FROM messages WHERE id IN ({placeholders(len(chunk))})", chunk)
             room -= len(ids)
             if room == 0:  # this session may have more: its key stays
                 return self.DELETE_CHUNK_ROWS, True
-            conn.execute(_DELETE_SWEEP_KEY_SQL, (key,))
+            conn.execute("DELETE FROM state_meta WHERE key = ?", (key,))
         return self.DELETE_CHUNK_ROWS - room, bool(sweeps)
 
     # -- reports -------------------------------------------------------------------
 
     def session_lifecycle_statuses(self, session_ids):
-        """{id: status} from each session's last message: 'complete', 'interrupted', 'error',
-        or 'empty' for a session without messages (or an unknown id); {} for no ids."""
+        """{id: status} from each session's last message: 'complete', 'interrupted', 'error', or 'empty' for a
+        session without messages (or an unknown id); {} for no ids."""
         ids = [sid for sid in session_ids or () if sid]
         statuses = dict.fromkeys(ids, "empty")
         for chunk in chunked(ids):
-            for row in self._read_all(
-                    "SELECT m.session_id, m.role, m.tool_calls IS NOT NULL, m.finish_reason FROM messages AS m"
-                    " JOIN (SELECT MAX(id) AS last_id FROM messages WHERE session_id IN"
-                    f" ({placeholders(len(chunk))}) GROUP BY session_id) AS last ON m.id = last.last_id", chunk):
-                statuses[row[0]] = _lifecycle_status(row[1], row[2], row[3])
+            rows = self._read_all(
+                "SELECT m.session_id, m.role, m.tool_calls IS NOT NULL, m.finish_reason FROM messages AS m"
+                " JOIN (SELECT MAX(id) AS last_id FROM messages WHERE session_id IN"
+                f" ({placeholders(len(chunk))}) GROUP BY session_id) AS last ON m.id = last.last_id", chunk)
+            statuses.update((row[0], _lifecycle_status(row[1], row[2], row[3])) for row in rows)
         return statuses
 
     def list_cron_job_runs(self, job_id, limit=20, offset=0):
-        """The sessions cron job `job_id` ran (ids `cron_<job_id>_...`), newest first, shaped
-        as list_sessions_rich rows; [] if none."""
-        rows = self._read_all(
+        """The sessions cron job `job_id` ran (ids `cron_<job_id>_...`), newest first, shaped as
+        list_sessions_rich rows; [] if none."""
+        return self._resolved(self._read_all(
             SESSION_RICH_COLUMNS_SQL + " WHERE s.source = 'cron' AND s.id >= ? AND s.id < ?"
             " ORDER BY s.started_at DESC, s.id DESC LIMIT ? OFFSET ?",
-            (*prefix_bounds(f"cron_{job_id}_"), limit, offset))
-        cache = {}
-        return [self._resolve_prompt(dict(row), cache) for row in rows]
+            (*prefix_bounds(f"cron_{job_id}_"), limit, offset)))
 
     def find_pr_url_messages(self, session_ids):
-        """[{session_id, content}] of the tool results in these sessions that mention '/pull/',
-        oldest first per session; [] if none."""
+        """[{session_id, content}] of the tool results in these sessions that mention '/pull/', oldest first
+        per session; [] if none."""
         ids = [sid for sid in session_ids if sid]
         # hermes-agent's chunks of 900, so that more ids than one chunk come back in the same order.
-        return [{"session_id": row[0], "content": row[1]} for chunk in chunked(ids, 900) for row in self._read_all(
+        return [dict(row) for chunk in chunked(ids, 900) for row in self._read_all(
             f"SELECT session_id, content FROM messages WHERE session_id IN ({placeholders(len(chunk))})"
             " AND role = 'tool' AND content LIKE '%/pull/%' ORDER BY id", chunk)]
 
     def list_skill_scaffolded_sessions(self, limit=200):
-        """[{id, title, content}] of titled sessions whose first user turn was a /skill invocation,
-        newest first; `content` is that whole turn. [] if none."""
+        """[{id, title, content}] of titled sessions whose first user turn was a /skill invocation, newest
+        first; `content` is that whole turn. [] if none."""
         return [dict(row) for row in self._read_all(
             "SELECT s.id, s.title, m.content FROM sessions AS s JOIN messages AS m ON m.id ="
             " (SELECT f.id FROM messages AS f WHERE f.session_id = s.id AND f.role = 'user'"
             " AND f.content IS NOT NULL ORDER BY f.timestamp, f.id LIMIT 1)"
             " WHERE s.title IS NOT NULL AND m.content LIKE ? ORDER BY s.started_at DESC LIMIT ?",
-            (_SKILL_SCAFFOLD_LIKE, int(limit)))]
+            (SKILL_SCAFFOLD_PREFIX + "%", int(limit)))]
 
     def logical_size_bytes(self):
         """page_count * page_size: the store's size once its WAL is checkpointed; None if unreadable."""
@@ -460,34 +396,33 @@ class SessionMaintenanceMixin:
         pairs = [(root, cwd) for cwd, root in cwd_to_root.items() if root and cwd]
         if pairs:
             self._execute_write(lambda conn: conn.executemany(
-                "UPDATE sessions SET git_repo_root = ? WHERE cwd = ? AND COALESCE(git_repo_root, '') = ''", pairs))
+                "UPDATE sessions SET git_repo_root = ? WHERE cwd = ? AND COALESCE(git_repo_root, '') = ''",
+                pairs))
 
     def retag_kanban_worker_sessions(self, workspaces_root):
-        """Move 'cli' sessions run in `workspaces_root` or below to source 'kanban', once per root;
-        returns how many changed (0 on later calls)."""
+        """Move 'cli' sessions run in `workspaces_root` or below to source 'kanban', once per root; returns
+        how many changed (0 on later calls)."""
         prefix = str(workspaces_root).rstrip("/\\")
         gate = f"kanban_worker_source_retagged:{prefix}"
         if not prefix or self.get_meta(gate) == "1":
             return 0
 
         def write(conn):
-            count = conn.execute(
-                "UPDATE sessions SET source = 'kanban' WHERE source = 'cli' AND (cwd = ? OR cwd LIKE ? ESCAPE '\\')",
-                (prefix, escape_like(prefix) + "/%")).rowcount
+            count = conn.execute("UPDATE sessions SET source = 'kanban' WHERE source = 'cli' AND (cwd = ?"
+                                 " OR cwd LIKE ? ESCAPE '\\')", (prefix, escape_like(prefix) + "/%")).rowcount
             write_meta(conn, gate, "1")
             return count
-
         return self._execute_write(write)
 
     def purge_stale_tool_call_markers(self, *, dry_run=False, backup=True):
-        """Empty the content of assistant tool-call rows whose content is only a stale "[name]" marker.
+        """Empty assistant tool-call rows whose content is only a stale "[name]" marker; returns {"dry_run",
+        "rows_affected", "row_ids", "backup_path"}.
 
-        Returns {"dry_run", "rows_affected", "row_ids", "backup_path"}. A dry run
-        writes nothing. Otherwise, when rows are affected and `backup`, the store
-        is first copied with VACUUM INTO to `<name>.pre-clean-markers-backup-<time>`.
-        """
+        A dry run writes nothing. Otherwise, when rows are affected and `backup`, the store is first copied
+        with VACUUM INTO to `<name>.pre-clean-markers-backup-<time>`."""
         def affected(rows):
-            return [row[0] for row in rows if isinstance(row[1], str) and _STALE_MARKER_RE.fullmatch(row[1].strip())]
+            return [row[0] for row in rows
+                    if isinstance(row[1], str) and STALE_MARKER.fullmatch(row[1].strip())]
 
         ids = affected(self._read_all(_MARKER_CANDIDATES_SQL))
         report = {"dry_run": bool(dry_run), "rows_affected": len(ids), "row_ids": ids, "backup_path": None}
@@ -499,9 +434,9 @@ class SessionMaintenanceMixin:
         def write(conn):
             found = affected(conn.execute(_MARKER_CANDIDATES_SQL))
             for chunk in chunked(found):
-                conn.execute(f"UPDATE messages SET content = '' WHERE id IN ({placeholders(len(chunk))})", chunk)
+                marks = placeholders(len(chunk))
+                conn.execute(f"UPDATE messages SET content = '' WHERE id IN ({marks})", chunk)
             return found
-
         report["row_ids"] = self._execute_write(write)
         report["rows_affected"] = len(report["row_ids"])
         return report
@@ -520,16 +455,15 @@ class SessionMaintenanceMixin:
     # -- vacuum, stats and doctor ----------------------------------------------------
 
     def vacuum(self):
-        """Merge the search indexes' segments, rewrite the file without free pages, truncate the WAL
-        (left to the replicator under an external checkpoint policy); returns how many indexes were
-        merged (0 if merging failed)."""
+        """Merge the search indexes' segments, rewrite the file without free pages, truncate the WAL (left to
+        the replicator under an external checkpoint policy); returns how many indexes were merged (0 if
+        merging failed)."""
         self._flush_token_counts()
         try:
             merged = self.optimize_fts()
         except Exception as exc:
             logger.warning("FTS optimize before VACUUM failed: %s", exc)
             merged = 0
-
         # Said before it starts: nothing else can write until the whole file is rewritten.
         logger.info("VACUUM of %s (%.0f MB) holds the write lock until it ends; other writers wait",
                     self.db_path, store_file_bytes(self.db_path) / 1e6)
@@ -538,7 +472,6 @@ class SessionMaintenanceMixin:
             conn.execute(VACUUM_SQL)
             if self.policy.checkpoint != "external":  # only the replicator checkpoints then
                 conn.execute(CHECKPOINT_TRUNCATE_SQL)
-
         self._execute_write(run, transaction=False)
         return merged
 
@@ -562,11 +495,9 @@ class SessionMaintenanceMixin:
         }
 
     def doctor(self):
-        """Integrity, layouts, breadcrumbs, journal and runtime facts; `ok` is False on damage,
-        a trigger writing to a table or column the store lacks included (`trigger_damage`).
-
-        Never raises on a damaged file: a check that cannot run is reported as such.
-        """
+        """Integrity, layouts, breadcrumbs, journal and runtime facts; `ok` is False on damage, a trigger
+        writing to a table or column the store lacks included (`trigger_damage`). Never raises on a damaged
+        file: a check that cannot run is reported as such."""
         integrity = _checked(lambda: [row[0] for row in self._read_all(INTEGRITY_CHECK_SQL)])
         report = {
             "db_path": str(self.db_path),
@@ -612,9 +543,9 @@ def _prune_where(older_than_days, source, filters):
             where.append(sql)
             params.append(value.lower())
         elif kind == "cwd" and value:
-            prefix = value.rstrip("/\\") or value
-            where.append("(s.cwd = ? OR s.cwd LIKE ? ESCAPE '\\' OR s.cwd LIKE ? ESCAPE '\\')")
-            params.extend([prefix, escape_like(prefix) + "/%", escape_like(prefix) + "\\\\%"])
+            clause, values = cwd_prefix_clause(value)
+            where.append(clause)
+            params.extend(values)
         elif kind == "flag" and (value is True or value is False):
             where.append(f"s.archived = {int(value)}")
     return "".join(" AND " + clause for clause in where), params
@@ -631,10 +562,8 @@ def _within(stamp, now, seconds):
 def _delegate_descendants(rows, parent_ids):
     """Ids of the delegate subagents under `parent_ids`, at any depth, never the parents.
 
-    `rows` are (id, parent_session_id, model_config). A delegate carries
-    model_config["_delegate_from"]: a child is one whose marker names a parent,
-    or which has a marker and a parent's id as parent_session_id.
-    """
+    `rows` are (id, parent_session_id, model_config). A delegate carries model_config["_delegate_from"]: a
+    child is one whose marker names a parent, or which has a marker and a parent's id as parent_session_id."""
     marked = []
     for session_id, parent, config in rows:
         try:
@@ -652,9 +581,9 @@ def _delegate_descendants(rows, parent_ids):
 
 
 def _remove_transcripts(sessions_dir, session_ids):
-    """Remove `<id>.json`, `<id>.jsonl` and `request_dump_<id>_*.json` of each session from
-    `sessions_dir`, as hermes-agent does. A file that cannot be removed stays, silently;
-    an id that would reach outside the folder is skipped."""
+    """Remove `<id>.json`, `<id>.jsonl` and `request_dump_<id>_*.json` of each session from `sessions_dir`,
+    as hermes-agent does. A file that cannot be removed stays, silently; an id that would reach outside the
+    folder is skipped."""
     if sessions_dir is None or not session_ids:
         return
     folder = Path(sessions_dir)
@@ -674,7 +603,7 @@ def _remove_transcripts(sessions_dir, session_ids):
 
 def _lifecycle_status(role, has_tool_calls, finish_reason):
     """'error', 'interrupted' or 'complete' for a session whose last message has these fields."""
-    if (finish_reason or "").strip().lower() in _ERROR_FINISH_REASONS:
+    if (finish_reason or "").strip().lower() in ("error", "agent_error", "content_filter"):
         return "error"
     role = (role or "").strip().lower()
     if role in ("user", "tool") or role == "assistant" and has_tool_calls:

@@ -15,7 +15,7 @@ import time
 
 from hermes_state_common import (
     BUMP_MESSAGE_COUNTS_SQL, COMPRESSION_END_REASON, COUNT_ALL_MESSAGES_SQL, INSERT_MESSAGE_SQL,
-    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, CompressionSessionClosedError,
+    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, STALE_MARKER, CompressionSessionClosedError,
     SessionTurnLeaseLostError, content_text, decode_content, decode_display_metadata, decode_message,
     describe_skill_invocation, encode_content, is_fork_child, json_object, loads_or, placeholders,
     scrub_surrogates)
@@ -57,8 +57,6 @@ _VERIFICATION_FINISHES = ("verification_required", "verify_hook_continue")
 # session; replayed, they turn the agent into the curator.
 _REVIEW_HARNESS_PREFIXES = ("Review the conversation above and update the skill library",
                             "Review the conversation above and consider saving to memory")
-# A bare tool marker such as "[memory]" that old builds saved as an answer.
-_STALE_MARKER = re.compile(r"\[[A-Za-z_][A-Za-z0-9_.-]*\]")
 # Recalled-memory blocks hermes-agent injects into prompts; never replayed.
 _MEMORY_BLOCK = re.compile(r"<\s*memory-context\s*>[\s\S]*?</\s*memory-context\s*>", re.I)
 _MEMORY_NOTE = re.compile(
@@ -666,7 +664,7 @@ def _without_review_harness(messages):
 def _is_stale_marker(message):
     content = message["content"]
     return (message["role"] == "assistant" and bool(message.get("tool_calls")) and isinstance(content, str)
-            and _STALE_MARKER.fullmatch(content.strip()) is not None)
+            and STALE_MARKER.fullmatch(content.strip()) is not None)
 
 
 def _is_codex_interim(message):

@@ -16,10 +16,10 @@ import string
 import time
 
 from hermes_state_common import (
-    DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH,
-    SESSION_RICH_SQL, SKILL_EXCERPT_JOINT, SessionInputTypeError, SessionRowError, _RESET_END_REASONS, chunked,
-    cwd_prefix_clause, describe_skill_invocation, escape_like, has_fork_marker, json_object, loads_or,
-    merge_model_config, placeholders, require_text)
+    DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, MESSAGES_LAST_ACTIVE_SQL,
+    SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL, SKILL_EXCERPT_JOINT, SessionInputTypeError,
+    SessionRowError, _RESET_END_REASONS, chunked, cwd_prefix_clause, describe_skill_invocation, escape_like,
+    has_fork_marker, json_object, loads_or, merge_model_config, placeholders, require_text)
 from hermes_state_schema import declared_columns, prompt_hash
 
 # What create_session may fill on an existing row: only columns still NULL, so a later bare call
@@ -50,8 +50,6 @@ _PLAIN_ROOT_SQL = "(s.parent_session_id IS NULL AND instr(COALESCE(s.model_confi
 _CONTINUATIONS_SQL = (f"SELECT c.id, c.parent_session_id AS parent, c.title, c.model_config, c.source,"
                       f" {LAST_ACTIVE_SQL.format(a='c')} AS last_active FROM sessions AS c"
                       " JOIN sessions AS p ON p.id = c.parent_session_id WHERE p.end_reason = 'compression'")
-_MESSAGES_LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = s.id),"
-                             " s.started_at)")
 # What a listed compression root shows of its tip; the root keeps the rest (its start, flags, watermark).
 _PROJECTED_COLUMNS = ("id", "ended_at", "end_reason", "message_count", "tool_call_count", "title", "last_active",
                       "preview", "model", "system_prompt", "cwd", "git_branch", "git_repo_root")
@@ -343,7 +341,7 @@ class SessionSessionsMixin:
             pinned = self._list_candidates(clauses + ["s.pinned = 1"], params, include_children, False)
             listed = set(page)
             missing = [row["id"] for row in pinned if row["id"] not in listed]
-            sessions += self._rich_rows_by_id(missing, compact_rows, _MESSAGES_LAST_ACTIVE_SQL)
+            sessions += self._rich_rows_by_id(missing, compact_rows, MESSAGES_LAST_ACTIVE_SQL)
         if project_compression_tips and not include_children:
             tips = {s["id"]: self.get_compression_tip(s["id"]) for s in sessions
                     if s.get("end_reason") == "compression"}

@@ -558,7 +558,8 @@ MUTANTS = [
            "close() marks the store closed before applying the queue, so queued token counts are lost",
            ["test_hermes_state_usage.TokenQueue", "test_hermes_state.Sessions"]),
     Mutant("delete-session-leaves-topic-bindings", "hermes_state_maintenance.py",
-           "            if bindings:\n                conn.execute(_DELETE_BINDINGS_SQL.format(marks), chunk)\n",
+           "            if bindings:\n                conn.execute(f\"DELETE FROM telegram_dm_topic_bindings"
+           " WHERE session_id IN ({marks})\", chunk)\n",
            "",
            "delete_session leaves the session's Telegram topic bindings pointing at nothing",
            ["test_hermes_state_maintenance.Deleting"]),
