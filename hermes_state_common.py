@@ -553,6 +553,7 @@ HAS_INLINE_PROMPT_SQL = "SELECT 1 FROM sessions WHERE system_prompt IS NOT NULL 
 SELECT_INLINE_PROMPTS_SQL = "SELECT id, system_prompt FROM sessions WHERE system_prompt IS NOT NULL LIMIT ?"
 MOVE_INLINE_PROMPT_SQL = "UPDATE sessions SET system_prompt = NULL, system_prompt_hash = ? WHERE id = ?"
 INSERT_SYSTEM_PROMPT_SQL = "INSERT OR IGNORE INTO system_prompts (hash, prompt) VALUES (?, ?)"
+SELECT_COMPRESSION_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
 DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS"
                              " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
 

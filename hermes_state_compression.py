@@ -16,7 +16,8 @@ import sqlite3
 import time
 
 from hermes_state_common import (
-    COMPRESSION_END_REASON, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, LINEAGE_MAX_HOPS, _RESET_END_REASONS,
+    COMPRESSION_END_REASON, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, LINEAGE_MAX_HOPS, SELECT_COMPRESSION_LOCK_SQL,
+    _RESET_END_REASONS,
     CompressionSessionBusyError, SessionCompressionInProgressError, SessionExportTooLargeError,
     SessionInputTypeError, SessionResumeTooLargeError, SessionRowError, cwd_prefix_clause, has_fork_marker,
     is_fork_child, json_object, merge_model_config, placeholders, resolved_max_export_messages,
@@ -39,7 +40,6 @@ SELECT c.id, c.model_config FROM sessions AS p JOIN sessions AS c ON c.parent_se
 WHERE p.id = ? AND p.end_reason = 'compression' AND COALESCE(c.source, '') <> 'tool'
 ORDER BY CASE WHEN c.end_reason = 'compression' THEN 0 WHEN c.ended_at IS NULL THEN 1 ELSE 2 END,
          {LAST_ACTIVE_SQL.format(a="c")} DESC, c.started_at DESC, c.id DESC"""
-_SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
 _SET_COOLDOWN_SQL = ("UPDATE sessions SET compression_failure_cooldown_until = ?, compression_failure_error = ?"
                      " WHERE id = ?")
 # Columns a concurrent tail keeps when it is copied after a compacted set.
@@ -312,7 +312,7 @@ class SessionCompressionMixin:
                                     " WHERE parent_session_id = ?", (session_id,)).fetchall()
             if any(not is_fork_child(child) for child in children):
                 return False
-            lock = conn.execute(_SELECT_LOCK_SQL, (session_id,)).fetchone()
+            lock = conn.execute(SELECT_COMPRESSION_LOCK_SQL, (session_id,)).fetchone()
             if lock is not None:
                 if lock["expires_at"] is None or float(lock["expires_at"]) >= time.time():
                     return False
@@ -418,7 +418,7 @@ class SessionCompressionMixin:
 
 
 def _holds_lock(conn, session_id, holder):
-    row = conn.execute(_SELECT_LOCK_SQL, (session_id,)).fetchone()
+    row = conn.execute(SELECT_COMPRESSION_LOCK_SQL, (session_id,)).fetchone()
     return row is not None and row["holder"] == holder and float(row["expires_at"]) > time.time()
 
 

@@ -18,15 +18,15 @@ import threading
 import time
 
 from hermes_state_common import (
-    DELETE_UNUSED_PROMPTS_SQL, LAST_ACTIVE_SQL, _BARE_BILLING_PROVIDERS, _RESET_END_REASONS, chunked,
-    classify_persistence_error, has_fork_marker, json_object, json_text, placeholders, require_text)
+    DELETE_UNUSED_PROMPTS_SQL, LAST_ACTIVE_SQL, SELECT_COMPRESSION_LOCK_SQL, _BARE_BILLING_PROVIDERS,
+    _RESET_END_REASONS, chunked, classify_persistence_error, has_fork_marker, json_object, json_text, placeholders,
+    require_text)
 
 logger = logging.getLogger("hermes_state")
 
 _UPSERT_ROUTING_SQL = ("INSERT INTO gateway_routing (scope, session_key, entry_json, updated_at)"
                        " VALUES (?, ?, ?, ?) ON CONFLICT (scope, session_key) DO UPDATE SET"
                        " entry_json = excluded.entry_json, updated_at = excluded.updated_at")
-_SELECT_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
 # hermes-agent keeps the first 500 characters of a handoff's error.
 HANDOFF_ERROR_MAX_CHARS = 500
 # hermes-agent's holders name their process as a `pid=N` field.
@@ -143,13 +143,13 @@ class SessionGatewayMixin:
 
         def write(conn):
             now = time.time()
-            row = conn.execute(_SELECT_LOCK_SQL, (session_id,)).fetchone()
+            row = conn.execute(SELECT_COMPRESSION_LOCK_SQL, (session_id,)).fetchone()
             if row and (row["expires_at"] < now or not holder_is_alive(row["holder"] or "")):
                 # The row was read in this transaction, so the id alone names it (a holder may be NULL in an old store).
                 conn.execute("DELETE FROM compression_locks WHERE session_id = ?", (session_id,))
             conn.execute("INSERT OR IGNORE INTO compression_locks (session_id, holder, acquired_at, expires_at)"
                          " VALUES (?, ?, ?, ?)", (session_id, holder, now, now + float(ttl_seconds)))
-            return conn.execute(_SELECT_LOCK_SQL, (session_id,)).fetchone()["holder"] == holder
+            return conn.execute(SELECT_COMPRESSION_LOCK_SQL, (session_id,)).fetchone()["holder"] == holder
         return self._lock_write(write, "try_acquire_compression_lock", session_id, False)
 
     def refresh_compression_lock(self, session_id, holder, ttl_seconds=300.0):
@@ -173,7 +173,7 @@ class SessionGatewayMixin:
         """Who holds the session's lock now; None when free, expired or for an empty id."""
         if not session_id:
             return None
-        row = self._read_one(_SELECT_LOCK_SQL, (session_id,))
+        row = self._read_one(SELECT_COMPRESSION_LOCK_SQL, (session_id,))
         return row["holder"] if row and row["expires_at"] >= time.time() else None
 
     def _lock_write(self, fn, name, session_id, on_error):
@@ -363,9 +363,8 @@ class SessionGatewayMixin:
                                      (ids[-1],)).fetchone()
                 parent = child and conn.execute("SELECT id FROM sessions WHERE id = ? AND end_reason = 'compression'",
                                                 (child["parent_session_id"],)).fetchone()
-                config = json_object(child["model_config"]) if child else {}
                 if (parent is None or parent["id"] in ids or (child["source"] or "") == "tool"
-                        or config.get("_branched_from") is not None or config.get("_delegate_from") is not None):
+                        or has_fork_marker(child["model_config"])):
                     break
                 ids.append(parent["id"])
             conn.execute(_SET_PEER_SQL.format(placeholders(len(ids))), (*values, *ids))

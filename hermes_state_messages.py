@@ -98,8 +98,7 @@ class SessionMessagesMixin:
             # closed by compression, and only then is the session read, to say which.
             bump = (1, calls, session_id)
             if not conn.execute(BUMP_OPEN_SESSION_COUNTS_SQL, (*bump, COMPRESSION_END_REASON)).rowcount:
-                _check_open_session(conn, session_id)
-                conn.execute(BUMP_MESSAGE_COUNTS_SQL, bump)
+                _check_open_session(conn, session_id)  # raises: unknown, or closed by compression
             return conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
         return self._execute_write(write)
 

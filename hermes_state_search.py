@@ -21,7 +21,6 @@ import logging
 import re
 import shutil
 import sqlite3
-import time
 from collections import namedtuple
 
 from hermes_state_schema import pause_between_chunks, read_meta, write_meta
@@ -53,8 +52,6 @@ CJK_DRAIN_CHUNK = 500
 # (10,000 held it for 1.9 s on a busy 2-core machine); the rest stays answerable
 # through the queue and goes with later writes.
 CJK_DRAIN_MAX_ROWS = 500
-OPTIMIZE_PAUSE = 0.01
-CLEAR_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue"
 FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
 COUNT_FTS_DATA_SQL = "SELECT COUNT(*) FROM {data}"
 # Opens (connects) the table without reading a row of it.
@@ -701,7 +698,7 @@ class SessionSearchMixin:
             for name, ddl in tuple(SEARCH_OBJECTS[index].items()) + tuple(SEARCH_TRIGGERS[index].items()):
                 if name not in objects:
                     conn.execute(ddl)
-        conn.execute(CLEAR_CJK_QUEUE_SQL)
+        conn.execute(RESET_INDEX_SQL["cjk"][1])  # the queue: every row is refilled
         high_water = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
         write_meta(conn, META_SEARCH_HIGH_WATER, str(high_water or 0))
         write_meta(conn, META_SEARCH_PROGRESS, "0")
@@ -1077,12 +1074,12 @@ class SessionSearchMixin:
         while self.fts_rebuild_status() is not None and self.fts_rebuild_step():
             if self.fts_rebuild_status() is not None:
                 report(_progress("backfill", self.fts_rebuild_status()))
-            time.sleep(OPTIMIZE_PAUSE)
+            pause_between_chunks()
         report(_progress("backfill", self.fts_rebuild_status()))
         report(_progress("teardown", None))
         while self.fts_rebuild_step():
             report(_progress("teardown", None))
-            time.sleep(OPTIMIZE_PAUSE)
+            pause_between_chunks()
         phase = self._rebuild_phase()
         if phase is not None:
             return {"ok": False, "reason": f"{phase['phase']}_incomplete", "vacuumed": None}

@@ -14,6 +14,7 @@ from unittest import mock
 
 import hermes_state
 import hermes_state_common
+import hermes_state_doctor
 from hermes_state import SessionDB, StoreLockedError
 from hermes_state_common import (
     PERSISTENCE_ERROR_CAUSES, CompressionSessionBusyError, CompressionSessionClosedError,
@@ -131,7 +132,8 @@ class PersistenceErrors(TempDirTestCase):
     def test_hermes_state_exports_what_session_recovery_imports_with_the_references_values(self):
         # hermes_cli.session_recovery: `from hermes_state import FTS_STORAGE_VERSION, SCHEMA_VERSION, ...`
         self.assertEqual((hermes_state.FTS_STORAGE_VERSION, hermes_state.SCHEMA_VERSION), (1, 26))
-        self.assertTrue(callable(hermes_state._db_opens_cleanly))
+        # ... and `_db_opens_cleanly`, whose behaviour test_hermes_state_doctor covers.
+        self.assertIs(hermes_state._db_opens_cleanly, hermes_state_doctor._db_opens_cleanly)
 
 
 class LastInitError(TempDirTestCase):
