@@ -1097,6 +1097,10 @@ class SessionPortabilityMixin:
         return self._execute_write(lambda conn: self._write_import(conn, sessions))
 
     def _write_import(self, conn, sessions):
+        with _import_cache(conn):
+            return self._write_import_rows(conn, sessions)
+
+    def _write_import_rows(self, conn, sessions):
         columns = {table: set(live_columns(conn, table)) for table in ("sessions", "messages")}
         deferred, after = _defer_indexing(conn)
         imported, skipped, links, unstored = [], [], [], set()
@@ -1152,6 +1156,30 @@ class SessionPortabilityMixin:
                 conn.execute(SET_MESSAGE_COLUMNS_SQL.format(assignments=assignments),
                              (*carried.values(), message["_row_id"]))
         conn.execute(SET_MESSAGE_COUNTS_SQL, (live, calls, session_id))
+
+
+# An import writes megabytes of rows and index pages in one transaction; in
+# SQLite's default 2 MB page cache they spill to the WAL before the commit and
+# many are written again. It runs with at least this much cache, then gives the
+# connection back its own size (dirty pages stay until the commit writes them).
+IMPORT_CACHE_KIB = 64 * 1024
+CACHE_SIZE_SQL = "PRAGMA cache_size"
+SET_CACHE_SIZE_SQL = "PRAGMA cache_size = {size}"
+PAGE_SIZE_SQL = "PRAGMA page_size"
+
+
+@contextlib.contextmanager
+def _import_cache(conn):
+    size = conn.execute(CACHE_SIZE_SQL).fetchone()[0]
+    held = -size * 1024 if size < 0 else size * conn.execute(PAGE_SIZE_SQL).fetchone()[0]
+    if held >= IMPORT_CACHE_KIB * 1024:
+        yield
+        return
+    conn.execute(SET_CACHE_SIZE_SQL.format(size=-IMPORT_CACHE_KIB))
+    try:
+        yield
+    finally:
+        conn.execute(SET_CACHE_SIZE_SQL.format(size=int(size)))
 
 
 # An import's rows reach our search indexes through one statement an index after
