@@ -151,3 +151,17 @@ class ImportedRowsAreIndexed(StoreTestCase):
         self.db.create_session("later", "cli")
         self.db.append_message("later", role="user", content="the okapi arrives")
         self.assertEqual([hit["session_id"] for hit in self.db.search_messages("okapi")], ["later"])
+
+
+class ImportCache(StoreTestCase):
+
+    def cache_size(self):
+        return self.db._execute_write(lambda conn: conn.execute("PRAGMA cache_size").fetchone()[0])
+
+    def test_an_import_gives_the_writer_its_own_page_cache_size_back(self):
+        for size in (None, -100_000):  # SQLite's default, then a larger one of the owner's (kept as it is)
+            if size is not None:
+                self.db._execute_write(lambda conn: conn.execute(f"PRAGMA cache_size = {size}"))
+            before = self.cache_size()
+            self.assertTrue(self.db.import_sessions(payload(2) if size is None else payload(3)[2:])["ok"])
+            self.assertEqual(self.cache_size(), before)
