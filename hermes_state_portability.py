@@ -165,6 +165,8 @@ NESTED_MESSAGE_FIELDS = ("tool_calls", "display_metadata", *REASONING_JSON_FIELD
 INT_RANGE = (-2 ** 63, 2 ** 63)
 
 
+# Messages are measured this many to an encoder call (each call sets up a C encoder).
+SIZE_CHUNK_MESSAGES = 64
 _COMPACT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
@@ -174,16 +176,18 @@ def _utf8_size(text):
 
 def _compact_size(value):
     """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit. An object is
-    measured a member at a time and a list of messages a message at a time: the same bytes,
-    without one whole text that a single CJK character would make four bytes a character."""
+    measured a member at a time and a list of messages SIZE_CHUNK_MESSAGES at a time: the same
+    bytes, without one whole text that a single CJK character would make four bytes a character."""
     encode = _COMPACT_ENCODER.encode
     if not isinstance(value, dict):
         return _utf8_size(encode(value))
     size = 2 + max(0, len(value) - 1)  # braces and commas
     for key, member in value.items():
         if key == "messages" and type(member) is list:
-            size += _utf8_size(encode(key)) + 3 + max(0, len(member) - 1)  # colon, brackets, commas
-            size += sum(_utf8_size(encode(item)) for item in member)
+            # Each run is "[...]"; runs joined by commas make one list: one pair of brackets.
+            runs = [member[start:start + SIZE_CHUNK_MESSAGES]
+                    for start in range(0, max(1, len(member)), SIZE_CHUNK_MESSAGES)]
+            size += _utf8_size(encode(key)) + 1 + sum(_utf8_size(encode(run)) for run in runs) - len(runs) + 1
         else:
             size += _utf8_size(encode({key: member})) - 2
     return size
