@@ -26,17 +26,11 @@ import tempfile
 import time
 
 from hermes_state_common import (
-    BACKFILL_SQL,
     CONTENT_JSON_PREFIX,
     INSERT_SESSION_SQL,
     INSERT_SYSTEM_PROMPT_SQL,
     MESSAGE_WRITE_COLUMNS,
-    META_SEARCH_HIGH_WATER,
-    META_SEARCH_PROGRESS,
-    SEARCH_TABLES,
-    SEARCH_TRIGGERS,
     SELECT_LINEAGE_LINK_SQL,
-    SELECT_MAX_MESSAGE_ID_SQL,
     SELECT_TITLE_OWNER_SQL,
     SESSION_EXISTS_SQL,
     SET_MESSAGE_COUNTS_SQL,
@@ -52,7 +46,7 @@ from hermes_state_common import (
     quote_identifier,
     scrub_surrogates,
 )
-from hermes_state_schema import live_columns, prompt_hash, read_meta, write_meta
+from hermes_state_schema import live_columns, prompt_hash
 
 ID_MAX_LENGTH = 256
 EXPORT_FORMATS = ("jsonl", "md", "qmd", "html", "trace")
@@ -1102,11 +1096,13 @@ class SessionPortabilityMixin:
 
     def _write_import(self, conn, sessions):
         with _import_cache(conn):
-            return self._write_import_rows(conn, sessions)
+            held = self._hold_back_index_triggers(conn)
+            result = self._write_import_rows(conn, sessions)
+            self._index_held_back_rows(conn, held)
+            return result
 
     def _write_import_rows(self, conn, sessions):
         columns = {table: set(live_columns(conn, table)) for table in ("sessions", "messages")}
-        deferred, after = _defer_indexing(conn)
         imported, skipped, links, unstored = [], [], [], set()
         for entry in sessions:
             session_id = import_id(entry)
@@ -1126,8 +1122,6 @@ class SessionPortabilityMixin:
             parent = str(entry.get("parent_session_id") or "").strip()
             if parent:
                 links.append((session_id, parent))
-        if deferred:
-            _index_imported(conn, deferred, after)
         result = {"ok": True, "imported": len(imported), "skipped": len(skipped),
                   "detached": _attach_parents(conn, links), "imported_ids": imported, "skipped_ids": skipped,
                   "errors": []}
@@ -1162,10 +1156,9 @@ class SessionPortabilityMixin:
         conn.execute(SET_MESSAGE_COUNTS_SQL, (live, calls, session_id))
 
 
-# An import writes megabytes of rows and index pages in one transaction; in
-# SQLite's default 2 MB page cache they spill to the WAL before the commit and
-# many are written again. It runs with at least this much cache, then gives the
-# connection back its own size (dirty pages stay until the commit writes them).
+# An import's megabytes of rows and index pages spill from SQLite's default 2 MB page
+# cache to the WAL before the commit, many to be written again: it runs with at least
+# this much, then the connection's own size again (dirty pages stay until the commit).
 IMPORT_CACHE_KIB = 64 * 1024
 CACHE_SIZE_SQL = "PRAGMA cache_size"
 SET_CACHE_SIZE_SQL = "PRAGMA cache_size = {size}"
@@ -1184,38 +1177,6 @@ def _import_cache(conn):
         yield
     finally:
         conn.execute(SET_CACHE_SIZE_SQL.format(size=int(size)))
-
-
-# An import's rows reach our search indexes through one statement an index after
-# its last insert instead of a trigger a row: half the import's time. While it
-# writes, every trigger of ours finds the backfill predicate it tests ("id > high
-# water OR id <= progress") false for every row, by a high water no id reaches.
-# The mark lives only inside the import's own transaction, which holds the write
-# lock, so no other writer ever sees it, and a rollback takes it back.
-UNREACHED_HIGH_WATER = str(2 ** 63 - 1)
-SELECT_TRIGGERS_SQL = "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND name IN ({names})"
-
-
-def _defer_indexing(conn):
-    """Inside a write, before an import's first row: (the indexes of ours it must fill after
-    its last row, the largest message id before it); ((), None) when the triggers index its
-    rows as usual: no index of ours, a trigger of ours not as we make it, or a backfill under way."""
-    inserts = {f"{SEARCH_TABLES[index]}_insert": index for index in SEARCH_TRIGGERS}
-    stored = dict(conn.execute(SELECT_TRIGGERS_SQL.format(names=placeholders(len(inserts))), tuple(inserts)))
-    if not stored or any(sql != SEARCH_TRIGGERS[inserts[name]][name] for name, sql in stored.items()) \
-            or read_meta(conn, META_SEARCH_HIGH_WATER) is not None or read_meta(conn, META_SEARCH_PROGRESS) is not None:
-        return (), None
-    write_meta(conn, META_SEARCH_HIGH_WATER, UNREACHED_HIGH_WATER)
-    return [inserts[name] for name in stored], conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
-
-
-def _index_imported(conn, indexes, after):
-    """Inside the import's write, after its last row: take the mark back and put every row
-    past `after` into `indexes` as their insert triggers would have (the CJK index by its queue)."""
-    write_meta(conn, META_SEARCH_HIGH_WATER, None)
-    last = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
-    for index in indexes:
-        conn.execute(BACKFILL_SQL[index], (after, last))
 
 
 # Past this many characters an id is shortened in a title suffix, to leave room for the title.

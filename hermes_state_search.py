@@ -54,6 +54,8 @@ OPTIMIZE_PAUSE = 0.01
 # Queued CJK rows are indexed with every this-many commits of a writer, and
 # right away by any transaction that changed at least BULK_CHANGES rows.
 CJK_DRAIN_EVERY_COMMITS = 64
+# A high water no message id reaches: our triggers index no row (see _hold_back_index_triggers).
+UNREACHED_HIGH_WATER = str(2 ** 63 - 1)
 BULK_CHANGES = 64
 # A hit's keys in hermes-agent's order; `fields=` picks some of them.
 SEARCH_RESULT_FIELDS = ("id", "session_id", "role", "snippet", "timestamp", "tool_name", "source", "model",
@@ -899,6 +901,38 @@ class SessionSearchMixin:
                     _CONTEXT_SQL.format(hits=", ".join(["(?, ?, ?, ?)"] * len(chunk))), params):
                 contexts[n].append({"role": role, "content": context_text(content)})
         return contexts
+
+    # -- bulk inserts ----------------------------------------------------------
+
+    def _hold_back_index_triggers(self, conn):
+        """Inside a write, before a bulk insert of new messages (an import): hold our triggers
+        back so that _index_held_back_rows puts its rows into our indexes with one statement an
+        index (half an import's time), and return what it needs; None when the triggers index
+        as usual: none of ours, an insert trigger of ours not as we make it, a backfill under way.
+        Every trigger of ours tests the backfill predicate ("id > high water OR id <= progress"),
+        false for every row under a high water no id reaches. The mark lives only inside this
+        transaction, which holds the write lock: no other writer sees it, a rollback takes it back."""
+        objects = _schema_objects(conn)
+        inserts = {f"{SEARCH_TABLES[index]}_insert": index for index in SEARCH_TRIGGERS}
+        held = [index for name, index in inserts.items() if name in objects]
+        if not held or not all(_same_sql(objects[name][1], SEARCH_TRIGGERS[index][name])
+                               for name, index in inserts.items() if name in objects) \
+                or read_meta(conn, META_SEARCH_HIGH_WATER) is not None or read_meta(conn, META_SEARCH_PROGRESS) is not None:
+            return None
+        write_meta(conn, META_SEARCH_HIGH_WATER, UNREACHED_HIGH_WATER)
+        return held, conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
+
+    def _index_held_back_rows(self, conn, held):
+        """Inside the same write, after the bulk insert: take the mark back and put every row past
+        the insert's first id into the indexes whose triggers were held back, as they would have
+        (the CJK index by its queue, drained as any bulk write's)."""
+        if held is None:
+            return
+        indexes, after = held
+        write_meta(conn, META_SEARCH_HIGH_WATER, None)
+        last = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
+        for index in indexes:
+            conn.execute(BACKFILL_SQL[index], (after, last))
 
     # -- maintenance -----------------------------------------------------------
 
