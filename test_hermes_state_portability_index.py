@@ -48,6 +48,20 @@ def index_contents(path):
         conn.close()
 
 
+def indexed_row_total(path, table):
+    """The row count FTS5 keeps for `table` (the first varint of its averages record)."""
+    conn = sqlite3.connect(path)
+    try:
+        block, total = conn.execute(f"SELECT block FROM {table}_data WHERE id = 1").fetchone()[0], 0
+    finally:
+        conn.close()
+    for byte in block[:8]:
+        total = total << 7 | byte & 0x7F
+        if byte < 0x80:
+            return total
+    raise AssertionError("varint too long for this test")
+
+
 def integrity_check(path):
     conn = sqlite3.connect(path, isolation_level=None)
     try:
@@ -136,6 +150,21 @@ class ImportedRowsAreIndexed(StoreTestCase):
             pass
         integrity_check(self.path)
         self.assertEqual(index_contents(self.path)["word"], self.rebuilt_contents()["word"])
+
+    def test_an_insert_trigger_someone_changed_indexes_the_import_itself(self):
+        conn = self.raw(self.path)
+        with conn:  # another program's version of our word trigger, which also counts the rows it saw
+            conn.execute("CREATE TABLE seen (id INTEGER)")
+            conn.execute("DROP TRIGGER hs_fts_words_insert")
+            conn.execute("CREATE TRIGGER hs_fts_words_insert AFTER INSERT ON messages BEGIN "
+                         "INSERT INTO hs_fts_words(rowid, content, tool_name, tool_calls) "
+                         "VALUES (new.id, new.content, new.tool_name, new.tool_calls); "
+                         "INSERT INTO seen VALUES (new.id); END")
+        self.import_ok(payload(2))
+        self.assertEqual(conn.execute("SELECT COUNT(*) FROM seen").fetchone()[0], 2 * len(PAYLOAD_MESSAGES))
+        self.assertEqual(indexed_row_total(self.path, "hs_fts_words"), 2 * len(PAYLOAD_MESSAGES))  # each once
+        self.assertEqual(index_contents(self.path)["marks"], [])
+        integrity_check(self.path)
 
     def test_a_failed_import_leaves_neither_rows_nor_the_held_back_triggers(self):
         conn = self.raw(self.path)
