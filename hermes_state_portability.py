@@ -26,55 +26,35 @@ import tempfile
 import time
 
 from hermes_state_common import (
-    CONTENT_JSON_PREFIX,
-    INSERT_SESSION_SQL,
-    INSERT_SYSTEM_PROMPT_SQL,
-    MESSAGE_WRITE_COLUMNS,
-    SELECT_LINEAGE_LINK_SQL,
-    SELECT_TITLE_OWNER_SQL,
-    SESSION_EXISTS_SQL,
-    SET_MESSAGE_COUNTS_SQL,
-    SET_PARENT_SQL,
-    TITLE_MAX_LENGTH,
-    count_tool_calls,
-    decode_content,
-    decode_display_metadata,
-    decode_message,
-    loads_or,
-    normalize_title,
-    placeholders,
-    quote_identifier,
-    scrub_surrogates,
-)
+    CONTENT_JSON_PREFIX, INSERT_SESSION_SQL, LAST_ACTIVE_SQL, INSERT_SYSTEM_PROMPT_SQL, MESSAGE_WRITE_COLUMNS,
+    SELECT_LINEAGE_LINK_SQL, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL, SET_MESSAGE_COUNTS_SQL,
+    SET_PARENT_SQL, TITLE_MAX_LENGTH, count_tool_calls, decode_content, decode_display_metadata,
+    decode_message, loads_or, normalize_title, placeholders, quote_identifier, scrub_surrogates)
 from hermes_state_schema import live_columns, pause_between_chunks, prompt_hash
 
 ID_MAX_LENGTH = 256
 EXPORT_FORMATS = ("jsonl", "md", "qmd", "html", "trace")
 # hermes-agent's export_all reads at most this many sessions.
 EXPORT_ALL_LIMIT = 100_000
-# Sessions whose rows iter_export_all reads in one query (a per-session query cost more than the
-# rows of a short session); well under SQLite's 999 variables.
+# Sessions whose rows iter_export_all reads in one query (a per-session query cost more than the rows of a
+# short session); well under SQLite's 999 variables.
 EXPORT_SESSION_CHUNK = 200
-# export_all's order, hermes-agent's search_sessions order: most recently active first (the newer
-# of the last message and the activity heartbeat, else the start), then newest start, then id.
-EXPORT_ORDER_SQL = """
-SELECT s.id, COALESCE((SELECT MAX(v) FROM (SELECT s.last_activity_at AS v UNION ALL
-  SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = s.id)), s.started_at) AS last_active
-FROM sessions AS s {where} ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ?"""
+# export_all's order, hermes-agent's search_sessions order: most recently active first (the newer of the last
+# message and the activity heartbeat, else the start), then newest start, then id.
+EXPORT_ORDER_SQL = ("SELECT s.id, " + LAST_ACTIVE_SQL.format(a="s") + " AS last_active FROM sessions AS s {where}"
+                    " ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ?")
 SET_ARCHIVED_MESSAGE_SQL = "UPDATE messages SET active = 0, compacted = ? WHERE id = ?"
-SET_MESSAGE_COLUMNS_SQL = "UPDATE messages SET {assignments} WHERE id = ?"
-MESSAGE_COLUMNS_SQL = "SELECT name FROM pragma_table_info('messages')"
 
 
 # ---------------------------------------------------------------------------
 # Portable values: a BLOB in JSON
 # ---------------------------------------------------------------------------
 
-# JSON has no bytes: a BLOB value travels as {"__base64__": "<standard base64>"}, and import
-# stores it back as a BLOB (README, "Moving history").
+# JSON has no bytes: a BLOB value travels as {"__base64__": "<standard base64>"}, and import stores it back as
+# a BLOB (README, "Moving history").
 BYTES_MARKER = "__base64__"
-# Message columns hermes-agent 0.22 derives from the row itself (its display dedupe key and
-# order): its get_messages leaves them out, so exports do; it derives them again after import.
+# Message columns hermes-agent 0.22 derives from the row itself (its display dedupe key and order): its
+# get_messages leaves them out, so exports do; it derives them again after import.
 DERIVED_MESSAGE_COLUMNS = frozenset({"display_identity", "display_order"})
 
 
@@ -131,9 +111,9 @@ SESSION_INT_FIELDS = ("input_tokens", "output_tokens", "cache_read_tokens", "cac
 SESSION_FLOAT_FIELDS = ("ended_at", "estimated_cost_usd", "actual_cost_usd")
 # Restored as 0/1 by truth, as hermes-agent 0.20 restores `archived` (0.22 keeps all four).
 SESSION_FLAG_FIELDS = ("archived", "auto_archived", "pinned", "hidden")
-# Session fields no import restores (hermes-agent 0.19 to 0.22 reset them all): gateway routing
-# and identity, handoffs, rewinds, activity, compression cooldowns and streaks, per-store
-# bookkeeping, and what an export derives (counts, the prompt's hash, recency, lineage, timings).
+# Session fields no import restores (hermes-agent 0.19 to 0.22 reset them all): gateway routing and identity,
+# handoffs, rewinds, activity, compression cooldowns and streaks, per-store bookkeeping, and what an export
+# derives (counts, the prompt's hash, recency, lineage, timings).
 SESSION_RESET_FIELDS = frozenset({
     "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json", "expiry_finalized",
     "handoff_state", "handoff_platform", "handoff_error", "rewind_count", "last_activity_at",
@@ -147,8 +127,8 @@ SESSION_RESET_FIELDS = frozenset({
 # Session fields converted on the way in, whatever their value (none is refused for its size).
 SESSION_CONVERTED_FIELDS = SESSION_RESET_FIELDS | {"started_at", "model_config", *SESSION_TEXT_FIELDS,
                                                    *SESSION_FLOAT_FIELDS, *SESSION_FLAG_FIELDS}
-# Message fields the import writes its own way: new ids, the importing session, the flags, the
-# `message_id` alias of platform_message_id, and the columns 0.22 derives.
+# Message fields the import writes its own way: new ids, the importing session, the flags, the `message_id`
+# alias of platform_message_id, and the columns 0.22 derives.
 MESSAGE_RESET_FIELDS = frozenset({"id", "session_id", "message_id", "active", "compacted", "_row_id",
                                   *DERIVED_MESSAGE_COLUMNS})
 # Message fields with a rule of their own; any other is carried as it is.
@@ -159,6 +139,8 @@ NESTED_MESSAGE_FIELDS = ("tool_calls", "display_metadata", *REASONING_JSON_FIELD
 INT_RANGE = (-2 ** 63, 2 ** 63)
 
 
+# Messages are measured this many to an encoder call (each call sets up a C encoder).
+SIZE_CHUNK_MESSAGES = 64
 _COMPACT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
@@ -168,16 +150,18 @@ def _utf8_size(text):
 
 def _compact_size(value):
     """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit. An object is
-    measured a member at a time and a list of messages a message at a time: the same bytes,
-    without one whole text that a single CJK character would make four bytes a character."""
+    measured a member at a time and a list of messages SIZE_CHUNK_MESSAGES at a time: the same
+    bytes, without one whole text that a single CJK character would make four bytes a character."""
     encode = _COMPACT_ENCODER.encode
     if not isinstance(value, dict):
         return _utf8_size(encode(value))
     size = 2 + max(0, len(value) - 1)  # braces and commas
     for key, member in value.items():
         if key == "messages" and type(member) is list:
-            size += _utf8_size(encode(key)) + 3 + max(0, len(member) - 1)  # colon, brackets, commas
-            size += sum(_utf8_size(encode(item)) for item in member)
+            # Each run is "[...]"; runs joined by commas make one list: one pair of brackets.
+            runs = [member[start:start + SIZE_CHUNK_MESSAGES]
+                    for start in range(0, max(1, len(member)), SIZE_CHUNK_MESSAGES)]
+            size += _utf8_size(encode(key)) + 1 + sum(_utf8_size(encode(run)) for run in runs) - len(runs) + 1
         else:
             size += _utf8_size(encode({key: member})) - 2
     return size
@@ -238,8 +222,7 @@ def validate_import(sessions, limits):
     """Pass 1: every rejected entry as {"index", "error", "session_id"?}, one error an entry
     (the first found, in hermes-agent's words). `limits` maps the names of import_limits().
 
-    Raises ValueError when `sessions` is not a list or has too many entries.
-    """
+    Raises ValueError when `sessions` is not a list or has too many entries."""
     if not isinstance(sessions, list):
         raise ValueError("sessions must be a list")
     if len(sessions) > limits["sessions"]:
@@ -327,8 +310,8 @@ def _check_message(position, message, depth_limit):
     for field, value in message.items():  # fields carried as they are
         if field not in MESSAGE_RULED_FIELDS:
             _check_int_range(f"messages[{position}].{field}", value)
-    # Values themselves were measured by the entry's envelope (a message field sits three levels in,
-    # so its limit there is the same); JSON text in them is read here.
+    # Values themselves were measured by the entry's envelope (a message field sits three levels in, so its
+    # limit there is the same); JSON text in them is read here.
     for field in NESTED_MESSAGE_FIELDS:
         value = message.get(field)
         if isinstance(value, str):
@@ -436,20 +419,19 @@ def _attach_parents(conn, links):
 
 REDACTED = "[REDACTED]"
 
-# A name that says its value is a secret: it holds one of the words, or its last
-# part (after _ . - or a camelCase hump) is one of the tails. "DB_PASS",
-# "x-auth-token", "AccountKey" and "aws_secret_access_key" are such names;
-# "token_count", "max_tokens" and "monkey" are not. Case does not matter.
+# A name that says its value is a secret: it holds one of the words, or its last part (after _ . - or a
+# camelCase hump) is one of the tails. "DB_PASS", "x-auth-token", "AccountKey" and "aws_secret_access_key" are
+# such names; "token_count", "max_tokens" and "monkey" are not. Case does not matter.
 _SECRET_WORDS = ("passw(?:or)?d|passphrase|passcode|secret|credential|private[_.-]?key"
                  "|api[_.-]?key|access[_.-]?key|cookie")
 _SECRET_TAILS = "key|token|pass|pwd|pw|pin|auth|authorization|sig|signature|dsn"
 SECRET_NAME = (rf"(?:[\w.-]*(?:{_SECRET_WORDS})[\w.-]*"
                rf"|(?:[\w.-]*?(?:[_.-]|(?-i:(?<=[a-z0-9])(?=[A-Z]))))?(?:{_SECRET_TAILS}))")
 
-# What follows such a name. A quoted value keeps its quotes ("...", '...', and \"...\"
-# inside JSON held in a string); an Authorization scheme stays readable. An unquoted value
-# after ":" or a spaced "=" (YAML, headers, INI, code) runs to the end of the line; after a
-# tight "=" (env files, URL queries, connection strings) to the next space, quote or &.
+# What follows such a name. A quoted value keeps its quotes ("...", '...', and \"...\" inside JSON held in a
+# string); an Authorization scheme stays readable. An unquoted value after ":" or a spaced "=" (YAML, headers,
+# INI, code) runs to the end of the line; after a tight "=" (env files, URL queries, connection strings) to
+# the next space, quote or &.
 _SCHEME = r"(?:(?:bearer|basic|token|bot|digest|negotiate|apikey)[ \t]+)?"
 _QUOTED = (rf"(?:(?P<q>[\"']){_SCHEME}(?P<secret_q>(?:\\.|(?!(?P=q))[^\\\n])*)(?P=q)"
            rf"|\\(?P<eq>[\"']){_SCHEME}(?P<secret_e>(?:(?!\\(?P=eq)).)*)\\(?P=eq))")
@@ -460,9 +442,9 @@ _TO_WORD_END = r"(?P<secret_w>[^\s\"'&<>\\]+)"
 _NAME_WORDS = ("pass", "pwd", "pw", "secret", "credential", "key", "token", "auth", "sig", "cookie", "dsn", "pin")
 _AWS_KEY_IDS = ("akia", "asia", "abia", "acca")
 
-# (name, example, needs, pattern): what each group named secret* matched is masked, the rest
-# kept. A pattern runs only on text whose lower-case form holds one of its `needs`: a quick
-# substring test that spares most text most patterns. Run in this order.
+# (name, example, needs, pattern): what each group named secret* matched is masked, the rest kept. A pattern
+# runs only on text whose lower-case form holds one of its `needs`: a quick substring test that spares most
+# text most patterns. Run in this order.
 SECRET_PATTERNS = (
     ("private key block (PEM, OpenSSH, PGP), with or without its END line",
      "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----",
@@ -589,8 +571,8 @@ _COMPILED_PATTERNS = tuple((needs, re.compile(pattern)) for _name, _example, nee
 _SECRET_NAME_RE = re.compile(SECRET_NAME, re.I)
 _SECRET_OPTION_RE = re.compile(rf"--?(?:{SECRET_NAME})", re.I)
 
-# Keys of an export whose values identify something (ids, roles, models, sources): never
-# masked, wherever they sit in the export. JSON inside a string has no such keys.
+# Keys of an export whose values identify something (ids, roles, models, sources): never masked, wherever they
+# sit in the export. JSON inside a string has no such keys.
 ID_KEYS = frozenset({"id", "session_id", "parent_session_id", "tool_call_id", "lineage_session_ids",
                      "system_prompt_hash", "role", "model", "source", "session_key", BYTES_MARKER})
 # Past this depth a value is masked whole instead of walked: the walk recurses.
@@ -624,8 +606,7 @@ def redact(export):
 
     Strings go through redact_text; a value whose key is a secret name (api_key,
     DB_PASS, X-API-Key, ...) is masked whole; JSON held in a string (tool
-    arguments, model_config) is walked as JSON, so its keys count too.
-    """
+    arguments, model_config) is walked as JSON, so its keys count too."""
     return _redact(export, None, ID_KEYS, 0)
 
 
@@ -875,8 +856,7 @@ def write_export(exports, fmt, out, *, redact_secrets=False):
     stdout with jsonl and trace). Returns how many sessions were written.
 
     Files are written under temporary names and renamed when the last session is
-    written: an export that fails part-way leaves no partial file behind.
-    """
+    written: an export that fails part-way leaves no partial file behind."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(EXPORT_FORMATS)}")
     if out == "-" and fmt not in ("jsonl", "trace"):
@@ -975,13 +955,12 @@ class SessionPortabilityMixin:
     _IMPORT_MAX_TOTAL_MESSAGES = 50_000
     _IMPORT_MAX_SESSION_BYTES = 5 * 1024 * 1024
     _IMPORT_MAX_TOTAL_BYTES = 25 * 1024 * 1024
-    # Lists and objects inside one field; deeper values could not be exported again
-    # (json and the renderers recurse), and no agent writes them.
+    # Lists and objects inside one field; deeper values could not be exported again (json and the renderers
+    # recurse), and no agent writes them.
     _IMPORT_MAX_DEPTH = 100
-    # Messages one import transaction takes at most (a session bigger than that goes alone):
-    # each costs 3-7 ms with our three indexes at 1M messages on a busy 2-core machine
-    # (250 held the write lock for up to 1.8 s).
-    IMPORT_CHUNK_MESSAGES = 100
+    # An import transaction takes no further session once it has run this long (issue 17: no write-lock hold
+    # over 1 s); filling the indexes for its rows afterwards adds about a third of that.
+    IMPORT_CHUNK_SECONDS = 0.3
 
     # -- export ----------------------------------------------------------------
 
@@ -999,7 +978,7 @@ class SessionPortabilityMixin:
     def _export_reader(self):
         """A function giving a session's messages as portable_message(get_messages(id)) would, read in
         one pass: the row's dict is built once and only the rows holding a BLOB take the long way."""
-        names = [name for (name,) in self._read_all(MESSAGE_COLUMNS_SQL)]
+        names = [name for (name,) in self._read_all("SELECT name FROM pragma_table_info('messages')")]
         kept = [name for name in names if name not in DERIVED_MESSAGE_COLUMNS and name != "_compressed_summary"]
         extra = ["_compressed_summary"] if "_compressed_summary" in names else []
         columns = kept + extra
@@ -1073,54 +1052,61 @@ class SessionPortabilityMixin:
                 "total_bytes": self._IMPORT_MAX_TOTAL_BYTES, "depth": self._IMPORT_MAX_DEPTH}
 
     def import_sessions(self, sessions, *, limits=None, one_transaction=False):
-        """Add exported sessions (any hermes-agent 0.19 to 0.22 export, or ours) to the store:
-        history, not runtime ownership.
+        """Add exported sessions (any hermes-agent 0.19 to 0.22 export, or ours) to the store: history, not
+        runtime ownership.
 
-        Pass 1 checks the whole payload and writes nothing if any entry is wrong:
-        {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": [...]}.
-        Pass 2, whole sessions in transactions of about IMPORT_CHUNK_MESSAGES messages,
-        parent links in a last one: ids already stored are skipped, never overwritten;
-        messages get fresh ids, rewound ones stay rewound; counts are recomputed;
-        titles follow set_session_title's rules (one another session holds gets the
-        id appended); SESSION_RESET_FIELDS are not restored; a field the import has
-        no rule for is restored when the store has its column, else named in
-        `unstored_fields` (a key present only then); parent links are attached last
-        unless the parent is unknown or the link closes a loop (`detached`).
-        `limits` replaces import_limits() for this call (the command line lifts the
-        totals to import a whole file at once). `one_transaction` writes it all in
-        one, all or nothing, holding the write lock throughout (the command line,
-        which says so first). Raises ValueError if `sessions` is not a list or has
-        too many entries.
-        """
+        Pass 1 checks the whole payload and writes nothing if any entry is wrong: {"ok": False, "imported": 0,
+        "skipped": 0, "detached": 0, "errors": [...]}. Pass 2, whole sessions in transactions of about
+        IMPORT_CHUNK_SECONDS, parent links in a last one: ids already stored are skipped, never overwritten
+        (but a link a cut-short earlier run left unattached is attached); messages get fresh ids, rewound ones
+        stay rewound; counts are recomputed; titles follow set_session_title's rules (one another session
+        holds gets the id appended); SESSION_RESET_FIELDS are not restored; a field the import has no rule for
+        is restored when the store has its column, else named in `unstored_fields` (a key present only then);
+        parent links are attached last unless the parent is unknown or the link closes a loop (`detached`).
+        `limits` replaces import_limits() for this call (the command line lifts the totals to import a whole
+        file at once). `one_transaction` writes it all in one, all or nothing, holding the write lock
+        throughout (the command line, which says so first). Raises ValueError if `sessions` is not a list or
+        has too many entries."""
         errors = validate_import(sessions, limits or self.import_limits())
         if errors:
             return {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": errors}
         if one_transaction:
-            def write_all(conn):
-                imported, skipped, links, unstored = self._write_import(conn, sessions)
-                return _import_result(imported, skipped, unstored, _attach_parents(conn, links))
-            return self._execute_write(write_all)
-        # Whole sessions, up to IMPORT_CHUNK_MESSAGES messages a transaction, so an import never
-        # holds the write lock for long (issue 17); cut short, a rerun skips what is stored.
-        imported, skipped, links, unstored = [], [], [], set()
-        for number, chunk in enumerate(_import_chunks(sessions, self.IMPORT_CHUNK_MESSAGES)):
-            if number:
+            return self._execute_write(lambda conn: _finish_import(conn, self._write_import(conn, sessions)))
+        # A transaction of about IMPORT_CHUNK_SECONDS at a time, whole sessions, so an import never holds the
+        # write lock for long (issue 17); cut short, a rerun skips what is stored.
+        found, done = ([], [], [], [], set()), 0
+        while done < len(sessions):
+            if done:
                 pause_between_chunks()
-            done = self._execute_write(lambda conn, chunk=chunk: self._write_import(conn, chunk))
-            for total, part in zip((imported, skipped, links), done[:3]):
-                total.extend(part)
-            unstored |= done[3]
-        detached = self._execute_write(lambda conn: _attach_parents(conn, links))
-        return _import_result(imported, skipped, unstored, detached)
+            part = self._execute_write(
+                lambda conn: self._write_import(conn, sessions[done:], self.IMPORT_CHUNK_SECONDS))
+            done += len(part[0]) + len(part[1])
+            found = tuple(total + new if isinstance(total, list) else total | new for total, new in zip(found, part))
+        return self._execute_write(lambda conn: _finish_import(conn, found))
 
-    def _write_import(self, conn, sessions):
-        """Inside a write: store these sessions; (imported ids, skipped ids, parent links, unstored fields)."""
+    def _write_import(self, conn, sessions, seconds=None):
+        """Inside a write: store these sessions, from the first, taking no further one after `seconds`;
+        (imported ids, skipped ids, parent links, links a skipped session still lacks, unstored fields)."""
+        with _import_cache(conn):
+            held = self._hold_back_index_triggers(conn)
+            result = self._write_import_rows(conn, sessions, seconds)
+            self._index_held_back_rows(conn, held)
+            return result
+
+    def _write_import_rows(self, conn, sessions, seconds):
         columns = {table: set(live_columns(conn, table)) for table in ("sessions", "messages")}
-        imported, skipped, links, unstored = [], [], [], set()
+        imported, skipped, links, relinks, unstored = [], [], [], [], set()
+        started = time.monotonic()
         for entry in sessions:
+            if seconds is not None and imported + skipped and time.monotonic() - started > seconds:
+                break
             session_id = import_id(entry)
-            if conn.execute(SESSION_EXISTS_SQL, (session_id,)).fetchone():
+            parent = str(entry.get("parent_session_id") or "").strip()
+            stored = conn.execute("SELECT parent_session_id FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            if stored:
                 skipped.append(session_id)
+                if parent and stored[0] is None:
+                    relinks.append((session_id, parent))
                 continue
             row = _session_row(entry, session_id, columns["sessions"], unstored)
             row["title"] = _free_title(conn, row["title"], session_id)
@@ -1132,10 +1118,9 @@ class SessionPortabilityMixin:
                                                    values=placeholders(len(row))), tuple(row.values()))
             self._import_messages(conn, session_id, entry.get("messages") or [], columns["messages"], unstored)
             imported.append(session_id)
-            parent = str(entry.get("parent_session_id") or "").strip()
             if parent:
                 links.append((session_id, parent))
-        return imported, skipped, links, unstored
+        return imported, skipped, links, relinks, unstored
 
     def _import_messages(self, conn, session_id, messages, columns, unstored):
         """Insert a validated entry's messages as append_messages_batch writes them, then put
@@ -1159,9 +1144,31 @@ class SessionPortabilityMixin:
                 {}, message, MESSAGE_RULED_FIELDS, columns, "messages", unstored)
             if carried:
                 assignments = ", ".join(f"{quote_identifier(column)} = ?" for column in carried)
-                conn.execute(SET_MESSAGE_COLUMNS_SQL.format(assignments=assignments),
-                             (*carried.values(), message["_row_id"]))
+                conn.execute(f"UPDATE messages SET {assignments} WHERE id = ?", (*carried.values(), message["_row_id"]))
         conn.execute(SET_MESSAGE_COUNTS_SQL, (live, calls, session_id))
+
+
+# An import's megabytes of rows and index pages spill from SQLite's default 2 MB page cache to the WAL before
+# the commit, many to be written again: it runs with at least this much, then the connection's own size again
+# (dirty pages stay until the commit).
+IMPORT_CACHE_KIB = 64 * 1024
+CACHE_SIZE_SQL = "PRAGMA cache_size"
+SET_CACHE_SIZE_SQL = "PRAGMA cache_size = {size}"
+PAGE_SIZE_SQL = "PRAGMA page_size"
+
+
+@contextlib.contextmanager
+def _import_cache(conn):
+    size = conn.execute(CACHE_SIZE_SQL).fetchone()[0]
+    held = -size * 1024 if size < 0 else size * conn.execute(PAGE_SIZE_SQL).fetchone()[0]
+    if held >= IMPORT_CACHE_KIB * 1024:
+        yield
+        return
+    conn.execute(SET_CACHE_SIZE_SQL.format(size=-IMPORT_CACHE_KIB))
+    try:
+        yield
+    finally:
+        conn.execute(SET_CACHE_SIZE_SQL.format(size=int(size)))
 
 
 # Past this many characters an id is shortened in a title suffix, to leave room for the title.
@@ -1180,24 +1187,13 @@ def _free_title(conn, title, session_id):
     return candidate
 
 
-def _import_result(imported, skipped, unstored, detached):
-    """import_sessions' answer for a payload it stored."""
+def _finish_import(conn, found):
+    """Attach an import's parent links in one write; import_sessions' answer for the payload it stored."""
+    imported, skipped, links, relinks, unstored = found
+    _attach_parents(conn, relinks)  # left by a run cut short: attached where valid, never counted
+    detached = _attach_parents(conn, links)
     result = {"ok": True, "imported": len(imported), "skipped": len(skipped), "detached": detached,
               "imported_ids": imported, "skipped_ids": skipped, "errors": []}
     if unstored:
         result["unstored_fields"] = sorted(unstored)
     return result
-
-
-def _import_chunks(sessions, messages_per_chunk):
-    """Runs of whole sessions holding at most `messages_per_chunk` messages (one alone if bigger)."""
-    chunk, count = [], 0
-    for entry in sessions:
-        size = len(entry.get("messages") or [])
-        if chunk and count + size > messages_per_chunk:
-            yield chunk
-            chunk, count = [], 0
-        chunk.append(entry)
-        count += size
-    if chunk:
-        yield chunk

@@ -47,10 +47,9 @@ logger = logging.getLogger("hermes_state")
 BACKFILL_CHUNK_IDS = 1000
 DROP_CHUNK_ROWS = 500
 CJK_DRAIN_CHUNK = 500
-# At most this many queued CJK rows are indexed in one transaction (open or
-# maintenance), so a foreign writer's backlog never means one long write lock
-# (10,000 held it for 1.9 s on a busy 2-core machine); the rest stays answerable
-# through the queue and goes with later writes.
+# At most this many queued CJK rows are indexed in one transaction (open or maintenance), so a foreign
+# writer's backlog never means one long write lock (10,000 held it for 1.9 s on a busy 2-core machine); the
+# rest stays answerable through the queue and goes with later writes.
 CJK_DRAIN_MAX_ROWS = 500
 FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
 COUNT_FTS_DATA_SQL = "SELECT COUNT(*) FROM {data}"
@@ -59,12 +58,14 @@ OPEN_FTS_TABLE_SQL = "PRAGMA table_info({table})"
 # Row 10 of an FTS5 index's _data table is its structure record (segments by level).
 SELECT_FTS_STRUCTURE_SQL = "SELECT block FROM {data} WHERE id = 10"
 UPDATE_FTS_STRUCTURE_SQL = "UPDATE {data} SET block = ? WHERE id = 10"
-# Merge steps beyond one per MERGE_STEP_PAGES rows of an index's _data table
-# (the most its merge can write): the structure and averages rows, a partial page.
+# Merge steps beyond one per MERGE_STEP_PAGES rows of an index's _data table (the most its merge can write):
+# the structure and averages rows, a partial page.
 MERGE_EXTRA_STEPS = 4
-# Queued CJK rows are indexed with every this-many commits of a writer, and
-# right away by any transaction that changed at least BULK_CHANGES rows.
+# Queued CJK rows are indexed with every this-many commits of a writer, and right away by any transaction that
+# changed at least BULK_CHANGES rows.
 CJK_DRAIN_EVERY_COMMITS = 64
+# A high water no message id reaches: our triggers index no row (see _hold_back_index_triggers).
+UNREACHED_HIGH_WATER = str(2 ** 63 - 1)
 BULK_CHANGES = 64
 # A hit's keys in hermes-agent's order; `fields=` picks some of them.
 SEARCH_RESULT_FIELDS = ("id", "session_id", "role", "snippet", "timestamp", "tool_name", "source", "model",
@@ -76,10 +77,10 @@ CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
 FTS_SYNTAX_RE = re.compile(r"[\"^*():{}\[\]+~'`]")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
-# The context of a page of hits, in one statement: each hit's neighbours in its
-# session by (timestamp, id), in any state. Equal timestamps are common (a batch
-# shares one): each neighbour is an index seek, first among rows of the same time
-# by id, then across times. `{hits}` is one "(?, ?, ?, ?)" per hit: its place, session, time and id.
+# The context of a page of hits, in one statement: each hit's neighbours in its session by (timestamp, id), in
+# any state. Equal timestamps are common (a batch shares one): each neighbour is an index seek, first among
+# rows of the same time by id, then across times. `{hits}` is one "(?, ?, ?, ?)" per hit: its place, session,
+# time and id.
 _NEIGHBOUR_ID_SQL = """COALESCE(
     (SELECT id FROM messages WHERE session_id = h.s AND timestamp = h.t AND id {cmp} h.i ORDER BY id {order} LIMIT 1),
     (SELECT id FROM messages WHERE session_id = h.s AND timestamp {cmp} h.t ORDER BY timestamp {order}, id {order}
@@ -97,8 +98,8 @@ CONTEXT_CHUNK_HITS = 240
 
 Capabilities = namedtuple("Capabilities", "fts5 trigram")
 Term = namedtuple("Term", "text prefix")
-# The indexes a search may use: `tables` names them, `usable` are the whole ones;
-# `substring` is the retry of a query whose words found nothing, inside longer tokens.
+# The indexes a search may use: `tables` names them, `usable` are the whole ones; `substring` is the retry of
+# a query whose words found nothing, inside longer tokens.
 IndexState = namedtuple("IndexState", "layout tables usable high_water progress cjk_pending tool_rows substring")
 
 
@@ -197,8 +198,7 @@ def _retire(conn, objects, tables, also=()):
     or to `also`; they are emptied and dropped in chunks later.
 
     The legacy rename: SQLite then neither rewrites nor re-checks every trigger
-    and view of the store, so a broken foreign trigger cannot block it.
-    """
+    and view of the store, so a broken foreign trigger cannot block it."""
     _drop_writers(conn, objects, set(tables) | set(also))
     conn.execute(LEGACY_ALTER_SQL.format(on="ON"))
     try:
@@ -219,8 +219,7 @@ def _empty_unreadable_structure(conn, table, db_path):
     (both open it first): SQLite 3.40 calls a structure record of over 2,000 levels
     corrupt, and a negative 'merge' before every new segment grew one that far. Emptied,
     it opens again, to be set aside and dropped in chunks like any stale index; the
-    messages it indexed are all still there to refill ours from.
-    """
+    messages it indexed are all still there to refill ours from."""
     try:
         conn.execute(OPEN_FTS_TABLE_SQL.format(table=quote_identifier(table))).fetchall()
         return False
@@ -301,8 +300,7 @@ def parse_query(query):
     """A tree of ('term', Term) / ('and'|'or', [nodes]) / ('not', left, right), or None.
 
     OR binds loosest, then AND (also implicit between terms), then the binary
-    NOT ("a NOT b" is a and not b). Parentheses are not syntax here.
-    """
+    NOT ("a NOT b" is a and not b). Parentheses are not syntax here."""
     tokens = _normalise(_tokens(query))
     if not tokens:
         return None
@@ -537,9 +535,8 @@ def _progress(phase, status):
 class SessionSearchMixin:
     """Search-side behaviour of SessionDB (see the module docstring)."""
 
-    # Leaf pages one step of an index merge writes: 500 took up to 0.6 s at 1M messages
-    # on a busy 2-core machine, 200 up to 0.8 s with the checkpoint after it; issue 17's
-    # bound on a write-lock hold is 1 s.
+    # Leaf pages one step of an index merge writes: 500 took up to 0.6 s at 1M messages on a busy 2-core
+    # machine, 200 up to 0.8 s with the checkpoint after it; issue 17's bound on a write-lock hold is 1 s.
     MERGE_STEP_PAGES = 100
 
     # -- open ------------------------------------------------------------------
@@ -550,8 +547,7 @@ class SessionSearchMixin:
 
         Work an interrupted optimize-storage left waits for its rerun.
         A store whose only index is hermes-agent's is searched through it and
-        left as it is; optimize-storage moves it to ours.
-        """
+        left as it is; optimize-storage moves it to ours."""
         return self._execute_write(self._apply_search_schema)
 
     def _schema_version_held_back(self, conn):
@@ -685,8 +681,7 @@ class SessionSearchMixin:
         Every index shares the backfill's predicate, so all are refilled, in
         chunks (fts_rebuild_step). Emptying a filled index in place rewrites
         every page of it in this one transaction (3-5 s at 1M messages): it is
-        set aside instead, and dropped in chunks once the backfill is done.
-        """
+        set aside instead, and dropped in chunks once the backfill is done."""
         stale = [index for index in self._buildable() if read_meta(conn, _stale_key(index))]
         if not stale:
             return False
@@ -863,8 +858,7 @@ class SessionSearchMixin:
         Rewound messages are left out unless `include_inactive`; compacted ones
         are found. An unknown sort means relevance; `limit` and `offset` go to
         SQLite as they are (a negative limit is no limit). A string `fields`
-        raises TypeError, an unknown field ValueError.
-        """
+        raises TypeError, an unknown field ValueError."""
         fields = search_fields(fields)
         if not query or not query.strip():
             return []
@@ -957,6 +951,38 @@ class SessionSearchMixin:
                 contexts[n].append({"role": role, "content": context_text(content)})
         return contexts
 
+    # -- bulk inserts ----------------------------------------------------------
+
+    def _hold_back_index_triggers(self, conn):
+        """Inside a write, before a bulk insert of new messages (an import): hold our triggers
+        back so that _index_held_back_rows puts its rows into our indexes with one statement an
+        index (half an import's time), and return what it needs; None when the triggers index
+        as usual: none of ours, an insert trigger of ours not as we make it, a backfill under way.
+        Every trigger of ours tests the backfill predicate ("id > high water OR id <= progress"),
+        false for every row under a high water no id reaches. The mark lives only inside this
+        transaction, which holds the write lock: no other writer sees it, a rollback takes it back."""
+        objects = _schema_objects(conn)
+        inserts = {f"{SEARCH_TABLES[index]}_insert": index for index in SEARCH_TRIGGERS}
+        held = [index for name, index in inserts.items() if name in objects]
+        if not held or not all(_same_sql(objects[name][1], SEARCH_TRIGGERS[index][name])
+                               for name, index in inserts.items() if name in objects) \
+                or read_meta(conn, META_SEARCH_HIGH_WATER) is not None or read_meta(conn, META_SEARCH_PROGRESS) is not None:
+            return None
+        write_meta(conn, META_SEARCH_HIGH_WATER, UNREACHED_HIGH_WATER)
+        return held, conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
+
+    def _index_held_back_rows(self, conn, held):
+        """Inside the same write, after the bulk insert: take the mark back and put every row past
+        the insert's first id into the indexes whose triggers were held back, as they would have
+        (the CJK index by its queue, drained as any bulk write's)."""
+        if held is None:
+            return
+        indexes, after = held
+        write_meta(conn, META_SEARCH_HIGH_WATER, None)
+        last = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
+        for index in indexes:
+            conn.execute(BACKFILL_SQL[index], (after, last))
+
     # -- maintenance -----------------------------------------------------------
 
     def fts_rebuild_step(self):
@@ -994,8 +1020,7 @@ class SessionSearchMixin:
         """Rebuild the indexes searches use (ours, else hermes-agent's) from the messages; returns how
         many, 0 without any (hermes-agent's gateway calls it after an append failed on its index).
 
-        An explicit repair in one transaction, which holds the write lock to the end and logs so first.
-        """
+        An explicit repair in one transaction, which holds the write lock to the end and logs so first."""
         objects = self._read_objects()
         state = self._index_state(objects)
         indexes = [index for index in self._buildable() if SEARCH_TABLES[index] in objects] \
@@ -1031,8 +1056,7 @@ class SessionSearchMixin:
         FTS5 calls an index of over 2,000 levels corrupt, which a live writer's
         new segment before every step reached in about 1,000 steps. Later steps
         only carry that merge on, and stop after the pages it needs, whatever
-        the writers add meanwhile.
-        """
+        the writers add meanwhile."""
         while self.fts_rebuild_step():
             pause_between_chunks()
         state = self._index_state()
@@ -1056,8 +1080,7 @@ class SessionSearchMixin:
         is replaced by ours in short transactions with pauses between them, so
         live writers are never blocked for long; interrupt it at any point and
         run it again to resume. `progress_cb` gets {phase ('backfill',
-        'teardown', 'vacuum', 'done'), percent (whole), indexed, total}.
-        """
+        'teardown', 'vacuum', 'done'), percent (whole), indexed, total}."""
         if not self.fts_caps.fts5:
             return {"ok": False, "reason": "fts5_unavailable"}
         if self.read_only:
@@ -1138,8 +1161,7 @@ def _merge_step(conn, table, pages, group):
 
     `group` first sets every segment aside as one merge (a negative page count, which
     adds a level to the structure record); without it the step carries on the merge
-    in progress, or merges a level FTS5's 'usermerge' finds full, and adds no level.
-    """
+    in progress, or merges a level FTS5's 'usermerge' finds full, and adds no level."""
     before = conn.total_changes
     conn.execute(FTS_MERGE_SQL.format(table=quote_identifier(table)), (-pages if group else pages,))
     return conn.total_changes - before >= 2
@@ -1148,8 +1170,7 @@ def _merge_step(conn, table, pages, group):
 def _drop_retired_chunk(conn, table, objects):
     """Empty a retired index a chunk at a time through its shadow tables, then drop it.
 
-    The structure records (ids up to 10 in _data) stay until the DROP, which needs them.
-    """
+    The structure records (ids up to 10 in _data) stay until the DROP, which needs them."""
     for shadow, where in ((f"{table}_data", "id > 10"), (f"{table}_content", "1")):
         if shadow not in objects:
             continue

@@ -373,14 +373,18 @@ class ImportRejects(StoreTestCase):
         self.assertTrue(self.db.import_sessions([timed])["ok"])
 
     def test_the_size_limit_counts_the_bytes_of_compact_utf8_json_exactly(self):
-        entry = dict(session("cjk", messages=3), title="标题", model_config={"a": [1, "é"]})
-        entry["messages"][1]["content"] = "日本語 \U0001F600 \"quoted\"\n"
-        size = len(json.dumps(entry, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
-        limits = dict(self.db.import_limits(), session_bytes=size - 1)
-        result = self.db.import_sessions([entry], limits=limits)
-        self.assertEqual(result["errors"][0]["error"], "session exceeds the import size limit")
-        limits.update(session_bytes=size, total_bytes=size)
-        self.assertTrue(self.db.import_sessions([entry], limits=limits)["ok"])
+        for count in (0, 1, 3, 64, 65, 129):  # messages are measured in runs of 64
+            with self.subTest(messages=count):
+                entry = dict(session(f"cjk{count}", messages=count), title=f"标题{count}",
+                             model_config={"a": [1, "é"]})
+                if count:
+                    entry["messages"][count // 2]["content"] = "日本語 \U0001F600 \"quoted\"\n"
+                size = len(json.dumps(entry, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+                limits = dict(self.db.import_limits(), session_bytes=size - 1)
+                result = self.db.import_sessions([entry], limits=limits)
+                self.assertEqual(result["errors"][0]["error"], "session exceeds the import size limit")
+                limits.update(session_bytes=size, total_bytes=size)
+                self.assertTrue(self.db.import_sessions([entry], limits=limits)["ok"])
 
     def test_parent_links_cycles_and_unknown_parents(self):
         self.db.create_session("stored", "cli")

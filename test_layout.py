@@ -131,6 +131,10 @@ HERMES_AGENT_IMPORTS = {("hermes_state_common", "hermes_cli")}
 
 class ImportLayers(unittest.TestCase):
 
+    def test_no_product_module_is_over_1200_lines(self):
+        lengths = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in project_modules().items()}
+        self.assertEqual({name: n for name, n in lengths.items() if n > 1200}, {})
+
     def test_modules_import_only_lower_layers_and_the_standard_library(self):
         modules = project_modules()
         self.assertIn("hermes_state", modules)

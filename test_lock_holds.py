@@ -328,14 +328,29 @@ class ImportInChunks(LockHoldTestCase):
         self.db.create_session("child", "cli", parent_session_id="a")
         exported = [self.db.export_session(name) for name in ("a", "b", "c", "child")]
         self.db.delete_sessions(["a", "b", "c", "child"])
-        self.db.IMPORT_CHUNK_MESSAGES = 4
+        self.db.IMPORT_CHUNK_SECONDS = 0  # a transaction stops after its first session
         self.statements.clear()
         result = self.db.import_sessions(exported)
         self.assertEqual((4, 0, 0), (result["imported"], result["skipped"], result["detached"]))
-        self.assertEqual(3, len(touching(self.statements, "INSERT INTO messages")))  # a | b | c + child
+        self.assertEqual(3, len(touching(self.statements, "INSERT INTO messages")))  # a | b | c | child (none)
+        self.assertEqual(5, len([t for t in transactions(self.statements) if t]))  # and the links
         self.assertEqual("a", self.db.get_session("child")["parent_session_id"])
         again = self.db.import_sessions(exported)  # what a rerun after an interruption does
         self.assertEqual((0, 4), (again["imported"], again["skipped"]))
+
+
+    def test_a_rerun_attaches_the_parent_link_a_run_cut_short_had_not_attached_yet(self):
+        self.session_with("p", 2)
+        self.db.create_session("c", "cli", parent_session_id="p")
+        exported = [self.db.export_session("c"), self.db.export_session("p")]  # newest first, as exports are
+        self.db.delete_sessions(["c", "p"])
+        self.db.IMPORT_CHUNK_SECONDS = 0
+        # What a process killed after the first transaction leaves: the child stored, its link not yet.
+        self.db._execute_write(lambda conn: self.db._write_import(conn, exported[:1]))
+        self.assertIsNone(self.db.get_session("c")["parent_session_id"])
+        again = self.db.import_sessions(exported)
+        self.assertEqual((1, 1, 0), (again["imported"], again["skipped"], again["detached"]))
+        self.assertEqual("p", self.db.get_session("c")["parent_session_id"])
 
 
 class CjkQueueInBatches(LockHoldTestCase):
