@@ -70,8 +70,11 @@ _SESSION_ROWS_DELETE_SQL = ("UPDATE sessions SET parent_session_id = NULL WHERE 
 # A deleted session's messages go after its row, a chunk per transaction, so no delete holds the write lock
 # for long (each message also leaves three indexes). One state_meta key per session still to sweep, its value
 # the highest message id it may have: ids are AUTOINCREMENT, so a session made again under the same id keeps
-# its new messages. Any later delete or prune finishes a sweep cut short.
+# its new messages. A sweep cut short (the process died) is finished by the next writable open, delete or
+# prune, and by a create_session of one of its ids before the row is made again.
 SWEEP_META_PREFIX = "hs_sweep_messages:"
+# When a delete last marked or swept: an open leaves the sweeps to a process that may still be at them.
+SWEEP_BEAT_META = "hs_sweep_beat"
 _SWEEP_PENDING_SQL = "SELECT 1 FROM state_meta WHERE key >= ? AND key < ? LIMIT 1"
 _SWEEPS_SQL = "SELECT key, CAST(value AS INTEGER) FROM state_meta WHERE key >= ? AND key < ? ORDER BY key LIMIT ?"
 _HAS_MESSAGES_SQL = "SELECT 1 FROM messages WHERE session_id = ? LIMIT 1"
@@ -85,6 +88,9 @@ class SessionMaintenanceMixin:
     # Messages a delete removes per transaction: each costs up to 0.9 ms with our three indexes at 1M messages
     # on a busy 2-core machine (2,000 held the lock for up to 1.8 s).
     DELETE_CHUNK_ROWS = 400
+    # An open finishes the sweeps left when none went on for this long: a sweep's process does a chunk at
+    # least every few seconds, and an open that joined a live sweep would wait for all of it.
+    SWEEP_ALIVE_SECONDS = 60
     # The largest store maybe_auto_prune_and_vacuum VACUUMs on its own (issue 17's 1 s hold).
     AUTO_VACUUM_MAX_BYTES = 32 * 1024 * 1024
 
@@ -313,24 +319,45 @@ class SessionMaintenanceMixin:
         marked = [sid for sid in session_ids if conn.execute(_HAS_MESSAGES_SQL, (sid,)).fetchone()]
         for session_id in marked:
             write_meta(conn, SWEEP_META_PREFIX + session_id, str(upto))
+        if marked:
+            write_meta(conn, SWEEP_BEAT_META, str(time.time()))
         if deleted:
             conn.execute(DELETE_UNUSED_PROMPTS_SQL)
         return deleted
 
-    def _sweep_deleted_messages(self):
-        """Delete the messages of deleted sessions, this call's and any an interrupted one left,
-        DELETE_CHUNK_ROWS per transaction; returns how many went. When nothing is left to sweep it only reads,
-        so a delete of sessions without messages writes nothing for it."""
+    def _sweep_deleted_messages(self, prefix=SWEEP_META_PREFIX):
+        """Delete the messages of deleted sessions (those whose sweep key starts with `prefix`), this call's and
+        any an interrupted one left, DELETE_CHUNK_ROWS per transaction; returns how many went. When nothing is
+        left to sweep it only reads, so a delete of sessions without messages writes nothing for it."""
         swept = 0
-        while self._read_one(_SWEEP_PENDING_SQL, prefix_bounds(SWEEP_META_PREFIX)) is not None:
+        while self._read_one(_SWEEP_PENDING_SQL, prefix_bounds(prefix)) is not None:
             if swept:
                 pause_between_chunks()
-            swept += self._execute_write(self._sweep_chunk)
+            swept += self._execute_write(lambda conn: self._sweep_chunk(conn, prefix))
         return swept
 
-    def _sweep_chunk(self, conn):
+    def _finish_abandoned_sweeps(self):
+        """At a writable open, finish the sweeps a process that died left; returns how many messages went.
+
+        Only reads when no sweep is left, or when one went on less than SWEEP_ALIVE_SECONDS ago. Readers are
+        not filtered meanwhile (a filter in every query that reads messages would cost more than it saves):
+        until then `get_messages` of a deleted id still returns its old rows, as it does during any sweep. A
+        session made again first sweeps its id (_sweep_before_reuse), so no new session ever shows a deleted
+        one's messages."""
+        if self._read_one(_SWEEP_PENDING_SQL, prefix_bounds(SWEEP_META_PREFIX)) is None \
+                or _within(self.get_meta(SWEEP_BEAT_META), time.time(), self.SWEEP_ALIVE_SECONDS):
+            return 0
+        return self._sweep_deleted_messages()
+
+    def _sweep_before_reuse(self, session_id):
+        """Before a session row is made under `session_id`, sweep what a deletion of that id left (and of any
+        id starting with it); returns how many messages went, 0 after one read when none."""
+        return self._sweep_deleted_messages(SWEEP_META_PREFIX + session_id)
+
+    def _sweep_chunk(self, conn, prefix):
         room = self.DELETE_CHUNK_ROWS
-        sweeps = conn.execute(_SWEEPS_SQL, (*prefix_bounds(SWEEP_META_PREFIX), SQL_CHUNK_SIZE)).fetchall()
+        write_meta(conn, SWEEP_BEAT_META, str(time.time()))
+        sweeps = conn.execute(_SWEEPS_SQL, (*prefix_bounds(prefix), SQL_CHUNK_SIZE)).fetchall()
         for key, upto in sweeps:
             ids = [row[0] for row in conn.execute(
                 "SELECT id FROM messages WHERE session_id = ? AND id <= ? ORDER BY id LIMIT ?",

@@ -116,6 +116,60 @@ class DeletesInChunks(LockHoldTestCase):
         self.assertEqual(["new life"], [m["content"] for m in self.db.get_messages("gone")])
         self.assertEqual([], self.db.list_meta_prefix("hs_sweep_messages:"))
 
+    def test_a_session_made_again_under_an_id_still_being_swept_shows_only_its_own_messages(self):
+        self.session_with("gone", 5)
+        self.interrupted_delete("gone")
+        self.db.create_session("gone", "cli")
+        self.db.append_message("gone", "user", "new life")
+        self.assertEqual(["new life"], [m["content"] for m in self.db.get_messages("gone")])
+        self.assertEqual(1, self.db.message_count("gone"))
+        self.assertEqual([], self.db.list_meta_prefix("hs_sweep_messages:"))
+
+    def test_the_next_open_finishes_the_sweep_of_a_process_killed_between_its_chunks(self):
+        self.session_with("gone", 5)
+        self.session_with("kept", 2)
+        self.db.close()
+        script = (
+            "import os, sys\n"
+            "from hermes_state import SessionDB\n"
+            "class Dying(SessionDB):\n"
+            "    DELETE_CHUNK_ROWS = 2\n"
+            "    chunks = 0\n"
+            "    def _sweep_chunk(self, conn, prefix):\n"
+            "        if self.chunks:\n"
+            "            os._exit(3)  # killed inside the second chunk's transaction\n"
+            "        self.chunks += 1\n"
+            "        return super()._sweep_chunk(conn, prefix)\n"
+            "Dying(sys.argv[1]).delete_session('gone')\n")
+        done = subprocess.run([sys.executable, "-c", script, str(self.path)], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        self.assertEqual(3, done.returncode, done.stderr)
+        self.assertEqual(3, self.count("SELECT COUNT(*) FROM messages WHERE session_id = 'gone'"))
+        statements = []
+
+        class SmallChunks(SessionDB):
+            DELETE_CHUNK_ROWS = 2
+            SWEEP_ALIVE_SECONDS = 0  # opened long after the death
+
+        with SmallChunks(self.path, connection_factory=tracing_factory(statements)) as db:
+            self.assertEqual([], db.get_messages("gone"))
+            self.assertEqual(0, db.message_count("gone"))
+            self.assertEqual(2, db.message_count("kept"))
+            self.assertEqual([], db.list_meta_prefix("hs_sweep_messages:"))
+        self.assertEqual(2, len(touching(statements, "DELETE FROM messages")))  # 2 + 1
+
+    def test_an_open_leaves_a_sweep_still_going_on_to_its_process_and_writes_nothing(self):
+        self.session_with("gone", 5)
+        self.interrupted_delete("gone")  # as a live process leaves it between two of its chunks
+        self.db.close()
+        monitor = self.raw(self.path)
+        version = monitor.execute("PRAGMA data_version").fetchone()[0]
+        with SessionDB(self.path) as db:
+            self.assertEqual(version, monitor.execute("PRAGMA data_version").fetchone()[0])
+            self.assertEqual(5, db.message_count("gone"))
+            db.delete_sessions([])  # any delete still finishes it
+            self.assertEqual(0, db.message_count("gone"))
+
     def test_a_second_delete_of_an_id_is_swept_whole_on_an_old_state_meta_without_a_primary_key(self):
         self.db.close()
         self.path.unlink()
