@@ -608,6 +608,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
                 self._file_lock.release()
             # Resumable data work: each chunk takes the writer lock for itself (issue 17).
             self._migrate_data()
+            self._finish_abandoned_sweeps()  # messages a delete that died left (a read when none)
             while backfill and self.fts_rebuild_step():
                 pause_between_chunks()
         except BaseException:

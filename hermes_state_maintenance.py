@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 from hermes_state_common import (
-    CHECKPOINT_TRUNCATE_SQL, COUNT_ACTIVE_MESSAGES_SQL, COUNT_ALL_MESSAGES_SQL, DELETE_UNUSED_PROMPTS_SQL,
-    FILE_MODE, INTEGRITY_CHECK_SQL, JOURNAL_MODE_SQL, LAST_ACTIVE_SQL, MESSAGES_LAST_ACTIVE_SQL,
-    SCHEMA_VERSION, SELECT_SCHEMA_VERSION_SQL, SESSION_EXISTS_SQL, SESSION_RICH_COLUMNS_SQL,
-    SESSIONS_BY_SOURCE_SQL, SKILL_SCAFFOLD_PREFIX, SQL_CHUNK_SIZE, STALE_MARKER, TABLE_EXISTS_SQL, VACUUM_SQL,
-    chunked, cwd_prefix_clause, escape_like, placeholders, prefix_bounds, sqlite_has_wal_reset_bug,
-    store_file_bytes)
+    CHECKPOINT_TRUNCATE_SQL, COUNT_ACTIVE_MESSAGES_SQL, COUNT_ALL_MESSAGES_SQL, DELETE_META_SQL,
+    DELETE_UNUSED_PROMPTS_SQL, FILE_MODE, INTEGRITY_CHECK_SQL, JOURNAL_MODE_SQL, LAST_ACTIVE_SQL,
+    MESSAGES_LAST_ACTIVE_SQL, SCHEMA_VERSION, SELECT_SCHEMA_VERSION_SQL, SESSION_EXISTS_SQL,
+    SESSION_RICH_COLUMNS_SQL, SESSIONS_BY_SOURCE_SQL, SKILL_SCAFFOLD_PREFIX, SQL_CHUNK_SIZE, STALE_MARKER,
+    TABLE_EXISTS_SQL, VACUUM_SQL, chunked, cwd_prefix_clause, escape_like, placeholders, prefix_bounds,
+    sqlite_has_wal_reset_bug, store_file_bytes)
 from hermes_state_schema import pause_between_chunks, write_meta
 
 logger = logging.getLogger("hermes_state")
@@ -70,8 +70,14 @@ _SESSION_ROWS_DELETE_SQL = ("UPDATE sessions SET parent_session_id = NULL WHERE 
 # A deleted session's messages go after its row, a chunk per transaction, so no delete holds the write lock
 # for long (each message also leaves three indexes). One state_meta key per session still to sweep, its value
 # the highest message id it may have: ids are AUTOINCREMENT, so a session made again under the same id keeps
-# its new messages. Any later delete or prune finishes a sweep cut short.
+# its new messages. A sweep cut short (the process died) is finished by the next writable open, delete or
+# prune, and by a create_session of one of its ids before the row is made again.
 SWEEP_META_PREFIX = "hs_sweep_messages:"
+# When a delete last marked or swept: an open leaves the sweeps to a process that may still be at them.
+SWEEP_BEAT_META = "hs_sweep_beat"
+_SWEEP_PENDING_SQL = "SELECT 1 FROM state_meta WHERE key >= ? AND key < ? LIMIT 1"
+_SWEEPS_SQL = "SELECT key, CAST(value AS INTEGER) FROM state_meta WHERE key >= ? AND key < ? ORDER BY key LIMIT ?"
+_HAS_MESSAGES_SQL = "SELECT 1 FROM messages WHERE session_id = ? LIMIT 1"
 _MARKER_CANDIDATES_SQL = ("SELECT id, content FROM messages WHERE role = 'assistant'"
                           " AND tool_calls IS NOT NULL AND tool_calls != ''")
 
@@ -82,6 +88,9 @@ class SessionMaintenanceMixin:
     # Messages a delete removes per transaction: each costs up to 0.9 ms with our three indexes at 1M messages
     # on a busy 2-core machine (2,000 held the lock for up to 1.8 s).
     DELETE_CHUNK_ROWS = 400
+    # An open finishes the sweeps left when none went on for this long: a sweep's process does a chunk at
+    # least every few seconds, and an open that joined a live sweep would wait for all of it.
+    SWEEP_ALIVE_SECONDS = 60
     # The largest store maybe_auto_prune_and_vacuum VACUUMs on its own (issue 17's 1 s hold).
     AUTO_VACUUM_MAX_BYTES = 32 * 1024 * 1024
 
@@ -305,28 +314,50 @@ class SessionMaintenanceMixin:
             for template in _SESSION_ROWS_DELETE_SQL:
                 count = conn.execute(template.format(marks), chunk).rowcount
             deleted += count
-        conn.executemany("INSERT OR REPLACE INTO state_meta (key, value) SELECT ? || ?, MAX(id)"
-                         " FROM messages", [(SWEEP_META_PREFIX, session_id) for session_id in session_ids])
+        upto = conn.execute("SELECT MAX(id) FROM messages").fetchone()[0]
+        # No key for a session without messages: its delete then takes no sweep transaction.
+        marked = [sid for sid in session_ids if conn.execute(_HAS_MESSAGES_SQL, (sid,)).fetchone()]
+        for session_id in marked:
+            write_meta(conn, SWEEP_META_PREFIX + session_id, str(upto))
+        if marked:
+            write_meta(conn, SWEEP_BEAT_META, str(time.time()))
         if deleted:
             conn.execute(DELETE_UNUSED_PROMPTS_SQL)
         return deleted
 
-    def _sweep_deleted_messages(self):
-        """Delete the messages of deleted sessions, DELETE_CHUNK_ROWS per transaction, this call's and any an
-        interrupted one left; returns how many went."""
+    def _sweep_deleted_messages(self, prefix=SWEEP_META_PREFIX):
+        """Delete the messages of deleted sessions (those whose sweep key starts with `prefix`), this call's and
+        any an interrupted one left, DELETE_CHUNK_ROWS per transaction; returns how many went. When nothing is
+        left to sweep it only reads, so a delete of sessions without messages writes nothing for it."""
         swept = 0
-        while True:
-            done, more = self._execute_write(self._sweep_chunk)
-            swept += done
-            if not more:
-                return swept
-            pause_between_chunks()
+        while self._read_one(_SWEEP_PENDING_SQL, prefix_bounds(prefix)) is not None:
+            if swept:
+                pause_between_chunks()
+            swept += self._execute_write(lambda conn: self._sweep_chunk(conn, prefix))
+        return swept
 
-    def _sweep_chunk(self, conn):
+    def _finish_abandoned_sweeps(self):
+        """At a writable open, finish the sweeps a process that died left; returns how many messages went.
+
+        Only reads when no sweep is left, or when one went on less than SWEEP_ALIVE_SECONDS ago. Readers are
+        not filtered meanwhile (a filter in every query that reads messages would cost more than it saves):
+        until then `get_messages` of a deleted id still returns its old rows, as it does during any sweep. A
+        session made again first sweeps its id (_sweep_before_reuse), so no new session ever shows a deleted
+        one's messages."""
+        if self._read_one(_SWEEP_PENDING_SQL, prefix_bounds(SWEEP_META_PREFIX)) is None \
+                or _within(self.get_meta(SWEEP_BEAT_META), time.time(), self.SWEEP_ALIVE_SECONDS):
+            return 0
+        return self._sweep_deleted_messages()
+
+    def _sweep_before_reuse(self, session_id):
+        """Before a session row is made under `session_id`, sweep what a deletion of that id left (and of any
+        id starting with it); returns how many messages went, 0 after one read when none."""
+        return self._sweep_deleted_messages(SWEEP_META_PREFIX + session_id)
+
+    def _sweep_chunk(self, conn, prefix):
         room = self.DELETE_CHUNK_ROWS
-        low, high = prefix_bounds(SWEEP_META_PREFIX)
-        sweeps = conn.execute("SELECT key, CAST(value AS INTEGER) FROM state_meta WHERE key >= ? AND key < ?"
-                              " ORDER BY key LIMIT ?", (low, high, SQL_CHUNK_SIZE)).fetchall()
+        write_meta(conn, SWEEP_BEAT_META, str(time.time()))
+        sweeps = conn.execute(_SWEEPS_SQL, (*prefix_bounds(prefix), SQL_CHUNK_SIZE)).fetchall()
         for key, upto in sweeps:
             ids = [row[0] for row in conn.execute(
                 "SELECT id FROM messages WHERE session_id = ? AND id <= ? ORDER BY id LIMIT ?",
@@ -335,9 +366,9 @@ class SessionMaintenanceMixin:
                 conn.execute(f"DELETE FROM messages WHERE id IN ({placeholders(len(chunk))})", chunk)
             room -= len(ids)
             if room == 0:  # this session may have more: its key stays
-                return self.DELETE_CHUNK_ROWS, True
-            conn.execute("DELETE FROM state_meta WHERE key = ?", (key,))
-        return self.DELETE_CHUNK_ROWS - room, bool(sweeps)
+                break
+            conn.execute(DELETE_META_SQL, (key,))
+        return self.DELETE_CHUNK_ROWS - room
 
     # -- reports -------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 model and cwd a session runs with.
 
 Owns what a session row holds and who may change it. Relies on SessionDB's write path
-(`_execute_write`, `_update_rows`) and read path (`_read_all`, `_read_one`, `_read_value`). Never
-touches a message's content, the search indexes or the schema; title rules live in
+(`_execute_write`, `_update_rows`) and read path (`_read_all`, `_read_one`, `_read_value`), and on the
+maintenance mixin's `_sweep_before_reuse`, so that a session made again never shows a deleted one's
+messages. Never touches a message's content, the search indexes or the schema; title rules live in
 hermes_state_titles, compression and resume in hermes_state_compression.
 """
 
@@ -89,6 +90,7 @@ class SessionSessionsMixin:
         values = dict(zip(_FILLABLE_COLUMNS, (
             model, _config_json(model_config), user_id, session_key, chat_id, chat_type, thread_id,
             parent_session_id, cwd, profile_name, git_repo_root, origin_json, display_name)))
+        self._sweep_before_reuse(session_id)
 
         def write(conn):
             if digest:

@@ -12,7 +12,7 @@ import unittest
 
 from hermes_state import SessionDB
 from test_hermes_state_schema import OLD_SESSIONS
-from test_support import REPO, TempDirTestCase, tracing_factory
+from test_support import REPO, TempDirTestCase, tracing_factory, write_statements
 
 
 def transactions(statements):
@@ -99,19 +99,107 @@ class DeletesInChunks(LockHoldTestCase):
         self.assertTrue(touching_first)
         self.assertFalse([s for s in first if s.lstrip().startswith("DELETE FROM messages")])
 
-    def test_a_sweep_cut_short_is_finished_by_the_next_delete_and_spares_a_reused_id(self):
+    def interrupted_delete(self, session_id):
+        """What a delete cut short after its first transaction leaves: the row gone, its messages still there."""
+        self.db._execute_write(lambda conn: self.db._delete_sessions_in(conn, [session_id]))
+
+    def test_a_sweep_cut_short_is_finished_by_the_next_delete_and_spares_messages_written_since(self):
         self.session_with("gone", 5)
         self.session_with("later", 1)
-        # What an interrupted delete leaves: the row gone, its messages still there.
-        self.db._execute_write(lambda conn: self.db._delete_sessions_in(conn, ["gone"]))
+        self.interrupted_delete("gone")
+        conn = self.raw(self.path)
+        with conn:  # the id made again by a writer without our code (hermes-agent itself)
+            conn.execute("INSERT INTO sessions (id, source, started_at) VALUES ('gone', 'cli', 1)")
+            conn.execute("INSERT INTO messages (session_id, role, content, timestamp) VALUES ('gone', 'user',"
+                         " 'new life', 1)")
+        self.db.delete_session("later")
+        self.assertEqual(["new life"], [m["content"] for m in self.db.get_messages("gone")])
+        self.assertEqual([], self.db.list_meta_prefix("hs_sweep_messages:"))
+
+    def test_a_session_made_again_under_an_id_still_being_swept_shows_only_its_own_messages(self):
+        self.session_with("gone", 5)
+        self.interrupted_delete("gone")
+        self.db.create_session("gone", "cli")
+        self.db.append_message("gone", "user", "new life")
+        self.assertEqual(["new life"], [m["content"] for m in self.db.get_messages("gone")])
+        self.assertEqual(1, self.db.message_count("gone"))
+        self.assertEqual([], self.db.list_meta_prefix("hs_sweep_messages:"))
+
+    def test_the_next_open_finishes_the_sweep_of_a_process_killed_between_its_chunks(self):
+        self.session_with("gone", 5)
+        self.session_with("kept", 2)
         self.db.close()
-        with SessionDB(self.path) as db:
-            self.assertEqual(5, db.message_count("gone"))
-            db.create_session("gone", "cli")  # the id made again: its new messages are its own
-            db.append_message("gone", "user", "new life")
-            db.delete_session("later")
-            self.assertEqual(["new life"], [m["content"] for m in db.get_messages("gone")])
+        script = (
+            "import os, sys\n"
+            "from hermes_state import SessionDB\n"
+            "class Dying(SessionDB):\n"
+            "    DELETE_CHUNK_ROWS = 2\n"
+            "    chunks = 0\n"
+            "    def _sweep_chunk(self, conn, prefix):\n"
+            "        if self.chunks:\n"
+            "            os._exit(3)  # killed inside the second chunk's transaction\n"
+            "        self.chunks += 1\n"
+            "        return super()._sweep_chunk(conn, prefix)\n"
+            "Dying(sys.argv[1]).delete_session('gone')\n")
+        done = subprocess.run([sys.executable, "-c", script, str(self.path)], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        self.assertEqual(3, done.returncode, done.stderr)
+        self.assertEqual(3, self.count("SELECT COUNT(*) FROM messages WHERE session_id = 'gone'"))
+        statements = []
+
+        class SmallChunks(SessionDB):
+            DELETE_CHUNK_ROWS = 2
+            SWEEP_ALIVE_SECONDS = 0  # opened long after the death
+
+        with SmallChunks(self.path, connection_factory=tracing_factory(statements)) as db:
+            self.assertEqual([], db.get_messages("gone"))
+            self.assertEqual(0, db.message_count("gone"))
+            self.assertEqual(2, db.message_count("kept"))
             self.assertEqual([], db.list_meta_prefix("hs_sweep_messages:"))
+        self.assertEqual(2, len(touching(statements, "DELETE FROM messages")))  # 2 + 1
+
+    def test_an_open_leaves_a_sweep_still_going_on_to_its_process_and_writes_nothing(self):
+        self.session_with("gone", 5)
+        self.interrupted_delete("gone")  # as a live process leaves it between two of its chunks
+        self.db.close()
+        monitor = self.raw(self.path)
+        version = monitor.execute("PRAGMA data_version").fetchone()[0]
+        with SessionDB(self.path) as db:
+            self.assertEqual(version, monitor.execute("PRAGMA data_version").fetchone()[0])
+            self.assertEqual(5, db.message_count("gone"))
+            db.delete_sessions([])  # any delete still finishes it
+            self.assertEqual(0, db.message_count("gone"))
+
+    def test_a_second_delete_of_an_id_is_swept_whole_on_an_old_state_meta_without_a_primary_key(self):
+        self.db.close()
+        self.path.unlink()
+        conn = self.raw(self.path)
+        conn.execute("CREATE TABLE state_meta (key TEXT, value TEXT)")  # as some old stores have it
+        conn.commit()
+        self.db = SessionDB(self.path)
+        self.addCleanup(self.db.close)
+        self.session_with("twice", 1)
+        self.interrupted_delete("twice")
+        with conn:  # made again by a writer without our code, then deleted again
+            conn.execute("INSERT INTO sessions (id, source, started_at, ended_at) VALUES ('twice', 'cli', 1, 2)")
+            conn.executemany("INSERT INTO messages (session_id, role, content, timestamp) VALUES ('twice', 'user',"
+                             " ?, 1)", [(f"again {i}",) for i in range(5)])
+        self.db.DELETE_CHUNK_ROWS = 3
+        self.assertTrue(self.db.delete_session("twice"))
+        self.assertEqual(0, self.count("SELECT COUNT(*) FROM messages WHERE session_id = 'twice'"))
+        self.assertEqual(0, self.count("SELECT COUNT(*) FROM state_meta WHERE key LIKE 'hs_sweep_messages:%'"))
+
+    def test_deleting_sessions_without_messages_takes_one_transaction_and_marks_nothing(self):
+        for name in ("a", "b"):
+            self.db.create_session(name, "cli")
+            self.db.end_session(name, "user_exit")
+        self.statements.clear()
+        self.assertEqual(2, self.db.delete_empty_sessions())
+        self.assertEqual(1, len(transactions(self.statements)))
+        self.assertFalse([s for s in write_statements(self.statements) if "hs_sweep_messages" in s])
+        self.statements.clear()
+        self.assertEqual(0, self.db.prune_sessions(older_than_days=1))  # nothing to delete, nothing to sweep
+        self.assertEqual(1, len(transactions(self.statements)))
 
 
 class IndexMergesInSteps(LockHoldTestCase):
