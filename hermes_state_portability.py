@@ -1070,6 +1070,7 @@ class SessionPortabilityMixin:
         errors = validate_import(sessions, limits or self.import_limits())
         if errors:
             return {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": errors}
+        self._sweep_deleted_messages()  # a deleted session's leftovers never join an import of its id
         if one_transaction:
             return self._execute_write(lambda conn: _finish_import(conn, self._write_import(conn, sessions)))
         # A transaction of about IMPORT_CHUNK_SECONDS at a time, whole sessions, so an import never holds the

@@ -125,6 +125,15 @@ class DeletesInChunks(LockHoldTestCase):
         self.assertEqual(1, self.db.message_count("gone"))
         self.assertEqual([], self.db.list_meta_prefix("hs_sweep_messages:"))
 
+    def test_a_session_imported_under_an_id_still_being_swept_brings_only_its_own_messages(self):
+        self.session_with("gone", 5)
+        exported = self.db.export_session("gone")
+        exported["messages"] = exported["messages"][:2]
+        self.interrupted_delete("gone")
+        self.assertEqual(1, self.db.import_sessions([exported])["imported"])
+        self.assertEqual(2, len(self.db.get_messages("gone")))
+        self.assertEqual([], self.db.list_meta_prefix("hs_sweep_messages:"))
+
     def test_the_next_open_finishes_the_sweep_of_a_process_killed_between_its_chunks(self):
         self.session_with("gone", 5)
         self.session_with("kept", 2)
