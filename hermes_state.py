@@ -117,9 +117,6 @@ LATE_JITTER = (0.25, 1.0)
 FILE_LOCK_POLL = (0.001, 0.004)
 WRITER_BUSY_TIMEOUT = 0.1
 BUSY_TIMEOUT_SQL = "PRAGMA busy_timeout = {ms}"
-# A read connection caches up to 64 MiB of pages, allocated as read: a time-sorted search reads a page per hit
-# (`数`, 5,500 hits at 100,000 messages: 11.4 -> 3.3 ms of CPU).
-READ_CACHE_SQL = "PRAGMA cache_size = -65536"
 # With automatic checkpoints off, a PASSIVE checkpoint runs under the writer lock every this many commits of
 # one connection and after any transaction that changed this many rows: each copies one chunk's pages, and
 # close finds little left (1.4 s after an unchunked 1M prune).
@@ -838,7 +835,6 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         # mode=ro: a read connection can never write, nor checkpoint on close.
         conn = self._new_connection(self.db_path.resolve().as_uri() + "?mode=ro", uri=True,
                                     timeout=self.write_budget)
-        conn.execute(READ_CACHE_SQL)
         with self._readers_lock:
             self._readers.append(conn)
         return conn
