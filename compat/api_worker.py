@@ -75,8 +75,10 @@ def dump_rows(db_file):
     out = {}
     try:
         for suffix in ("", "-wal", "-shm", "-journal"):
-            if os.path.exists(db_file + suffix):
+            try:  # a sidecar may go between a look and a copy (the reference commits from a thread)
                 shutil.copy2(db_file + suffix, os.path.join(scratch, "copy.db" + suffix))
+            except FileNotFoundError:
+                pass
         if not os.path.exists(os.path.join(scratch, "copy.db")):
             return {"<no store file>": True}
         conn = sqlite3.connect(os.path.join(scratch, "copy.db"))
