@@ -644,7 +644,12 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         conn = self._writer
         mode = conn.execute(JOURNAL_MODE_SQL).fetchone()[0].lower()
         if mode != self.policy.mode:
-            mode = conn.execute(SET_JOURNAL_MODE_SQL.format(mode=self.policy.mode)).fetchone()[0].lower()
+            # The switch needs every reader of a rollback-journal store gone: wait for them as a write waits.
+            conn.execute(BUSY_TIMEOUT_SQL.format(ms=int(self.write_budget * 1000)))
+            try:
+                mode = conn.execute(SET_JOURNAL_MODE_SQL.format(mode=self.policy.mode)).fetchone()[0].lower()
+            finally:
+                conn.execute(BUSY_TIMEOUT_SQL.format(ms=int(WRITER_BUSY_TIMEOUT * 1000)))
             if mode != self.policy.mode:
                 logger.warning("journal mode of %s stays %s (wanted %s: another connection holds it)",
                                self.db_path, mode, self.policy.mode)

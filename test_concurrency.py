@@ -356,6 +356,31 @@ class JournalPolicy(TempDirTestCase):
             self.assertEqual(report["journal_mode"], "wal")
             self.assertEqual(report["journal_policy"], db.policy.reason)
 
+    def test_switching_a_rollback_journal_store_to_wal_waits_for_its_readers(self):
+        # hermes-agent's own store in DELETE mode, read by a poller when we first open it (issue 17's bench).
+        with SessionDB(self.tmp / "state.db", journal="delete") as db:
+            db.create_session("s", "cli")
+            db.append_message("s", "user", "kept")
+        reading, done = threading.Event(), threading.Event()
+
+        def poller():
+            conn = sqlite3.connect(str(self.tmp / "state.db"), isolation_level=None)
+            conn.execute("BEGIN")
+            conn.execute("SELECT count(*) FROM messages").fetchone()
+            reading.set()
+            time.sleep(0.5)  # five times the writer's own busy timeout
+            conn.execute("COMMIT")
+            conn.close()
+            done.set()
+
+        thread = threading.Thread(target=poller)
+        thread.start()
+        self.addCleanup(thread.join, 10)
+        self.assertTrue(reading.wait(10))
+        with SessionDB(self.tmp / "state.db") as db:
+            self.assertTrue(done.is_set(), "the switch waited for the reader")
+            self.assertEqual((db.doctor()["journal_mode"], db.message_count("s")), ("wal", 1))
+
     def test_checkpoints_run_under_the_lock_when_automatic_ones_are_off(self):
         statements = []
         with SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements),
