@@ -13,6 +13,9 @@ answers as long as they send the same conversation:
 - hermes-agent's context-compression request: a fixed summary, or no text at all when the turns it
   summarises hold NOSUMMARY (a summary model that fails);
 - anything else: "Reply to: <the user's words>" plus a reasoning text.
+hermes-agent asks for a session's title from a daemon thread while the opening turn runs, and a one-shot
+process can exit before that thread stores it. So the reply to an opening turn waits for its title to
+be served, and TITLE_GRACE more, up to TITLE_WAIT: both sides then store the title, or both miss it.
 `usage` counts are derived from the number of messages and words, never from the clock.
 
 Run alone: `python3 fake_llm.py [--log FILE]` prints the port and serves until interrupted.
@@ -30,6 +33,8 @@ MODEL = "fake-model"
 SUMMARY = "Summary: the user asked about bananas and cherries and read big.txt, a list of numbered lines."
 # Fixed so the stored rows do not depend on the clock.
 CREATED = 1700000000
+TITLE_WAIT = 5.0
+TITLE_GRACE = 1.0
 
 
 def _text(content):
@@ -61,6 +66,15 @@ def _is_title_request(body):
     return not body.get("tools") and "title" in system.lower() and len(messages) <= 3
 
 
+def _title_key(text):
+    return " ".join(re.findall(r"[A-Za-z]+", text)[:4])
+
+
+def _is_opening_turn(body):
+    roles = [m.get("role") for m in body.get("messages") or []]
+    return roles.count("user") == 1 and "assistant" not in roles and "tool" not in roles
+
+
 def plan_reply(body):
     """Return (text, reasoning, tool_call) for a chat request body; tool_call is None or (name, args)."""
     messages = body.get("messages") or []
@@ -70,8 +84,7 @@ def plan_reply(body):
         return "The tool %s answered; that is all." % name, None, None
     user = _last_user_text(messages)
     if _is_title_request(body):
-        words = re.findall(r"[A-Za-z]+", user)[:4]
-        title = ("Title " + " ".join(words)).strip()
+        title = ("Title " + _title_key(user)).strip()
         if (body.get("response_format") or {}).get("type") in ("json_schema", "json_object"):
             return json.dumps({"title": title}), None, None
         return title, None, None
@@ -158,6 +171,13 @@ class Handler(BaseHTTPRequestHandler):
             return
         text, reasoning, tool_call = plan_reply(body)
         usage = usage_for(body, text, tool_call)
+        key = _title_key(_last_user_text(body.get("messages") or []))
+        if _is_title_request(body):
+            self._whole(body, text, reasoning, tool_call, usage)
+            self.server.titles.served(key)
+            return
+        if _is_opening_turn(body):
+            self.server.titles.await_title(key)
         if body.get("stream"):
             self._stream(body, text, reasoning, tool_call, usage)
         else:
@@ -220,12 +240,37 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+class TitleGate:
+    """Counts, per opening words, the opening turns seen and the titles served, so a turn waits for its own."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.openings = {}
+        self.titles = {}
+
+    def served(self, key):
+        with self.cond:
+            self.titles[key] = self.titles.get(key, 0) + 1
+            self.cond.notify_all()
+
+    def await_title(self, key):
+        with self.cond:
+            wanted = self.openings[key] = self.openings.get(key, 0) + 1
+            came = self.cond.wait_for(lambda: self.titles.get(key, 0) >= wanted, TITLE_WAIT)
+            if not came:
+                # No title asked for this turn (auto-title off): the next opening waits for its own.
+                self.titles[key] = wanted
+        if came:
+            time.sleep(TITLE_GRACE)
+
+
 def start(log_path=None):
     """Return a running server on 127.0.0.1 at a free port (its `.server_address[1]`); stop it with `.shutdown()`."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     server.request_log = open(log_path, "a", encoding="utf-8") if log_path else None
     server.log_lock = threading.Lock()
+    server.titles = TitleGate()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
