@@ -148,7 +148,6 @@ class SessionSchemaMixin:
     _parse_schema_columns = staticmethod(declared_columns)
     # Messages one transaction of the NULL-active repair fixes (two small index updates each).
     NULL_ACTIVE_CHUNK_ROWS = 5000
-    schema_read_probe_statements = staticmethod(schema_read_probe_statements)
 
     def _init_schema(self):
         """The writable open's schema pass, in one transaction (the data migrations follow, a chunk each).
