@@ -1,10 +1,9 @@
 """Shared constants of the state layer: schema, SQL, limits, meta keys.
 
-Owns every piece of SQL text the other modules run, the version numbers and the limits, plus a few pure
-helpers for building SQL (identifier quoting, LIKE escaping, prefix ranges, id chunking), the exception
-classes callers catch, and the persistence-error helpers hermes-agent imports from hermes_state (classifying a
-failed write, remembering why the last open failed). It must not open or touch a connection: the mixins and
-SessionDB do that, and import from here so that none of them has to import another.
+Owns the SQL text, versions and limits the modules share, a few pure helpers (SQL building, value checks,
+content coding), the exception classes callers catch, and the persistence-error helpers hermes-agent imports
+from hermes_state (classifying a failed write, why the last open failed). It must not open or touch a
+connection: the mixins and SessionDB do that, and import from here so that none of them imports another.
 """
 
 import errno
@@ -15,7 +14,6 @@ import threading
 from pathlib import Path
 
 # -- Versions and names -------------------------------------------------------
-
 # Only for data migrations that cannot be declared (backfills, tagging). Columns never need a bump: they come
 # from SCHEMA_SQL on every open.
 SCHEMA_VERSION = 26
@@ -41,13 +39,10 @@ _RESET_END_REASONS = ("session_reset", "session_switch", "idle", "daily", "suspe
 GATEWAY_ROUTING_PK = ["scope", "session_key"]
 
 # -- Limits -------------------------------------------------------------------
-
 TITLE_MAX_LENGTH = 100
 # Who wrote a title, lowest authority first: an automatic title replaces only a title of lower authority; a
 # user's title is never replaced automatically.
-TITLE_SOURCE_DERIVED = "derived"
-TITLE_SOURCE_LLM = "llm"
-TITLE_SOURCE_USER = "user"
+TITLE_SOURCE_DERIVED, TITLE_SOURCE_LLM, TITLE_SOURCE_USER = "derived", "llm", "user"
 TITLE_SOURCE_RANK = {TITLE_SOURCE_DERIVED: 0, TITLE_SOURCE_LLM: 1, TITLE_SOURCE_USER: 2}
 PREVIEW_CHARS = 80
 # A search hit's context gives each neighbour at most this many characters.
@@ -62,10 +57,8 @@ SQL_CHUNK_SIZE = 500
 MIGRATION_CHUNK_SIZE = 200
 
 # -- Schema -------------------------------------------------------------------
-# The only description of tables and columns (hermes-agent schema 26). Tables only. Every index lives in
-# DEFERRED_INDEXES, run after the columns are reconciled, because an older store may lack any column an index
-# names.
-
+# The only description of tables and columns (hermes-agent schema 26, the same text). Tables only. Every index
+# lives in DEFERRED_INDEXES, run after the columns are reconciled: an older store may lack a column it names.
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL
@@ -558,21 +551,12 @@ DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS"
                              " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
 
 # -- Session SQL --------------------------------------------------------------
-
 INSERT_SESSION_SQL = "INSERT INTO sessions ({columns}) VALUES ({values})"
 SESSION_EXISTS_SQL = "SELECT 1 FROM sessions WHERE id = ?"
 SELECT_TITLE_OWNER_SQL = "SELECT id FROM sessions WHERE title = ? AND id <> ?"
 SELECT_LINEAGE_LINK_SQL = "SELECT parent_session_id, end_reason FROM sessions WHERE id = ?"
-# Deleting sessions, in this order, for a chunk of ids ({} is the placeholders): children become roots, then
-# the rows hermes-agent's foreign keys take with a session (it deletes messages itself; usage goes by ON
-# DELETE CASCADE), then the sessions. Its compression_locks rows have no foreign key and stay.
-SESSION_CASCADE_DELETE_SQL = ("UPDATE sessions SET parent_session_id = NULL WHERE parent_session_id IN ({})",
-                              "DELETE FROM messages WHERE session_id IN ({})",
-                              "DELETE FROM session_model_usage WHERE session_id IN ({})",
-                              "DELETE FROM sessions WHERE id IN ({})")
 
 # -- Message SQL --------------------------------------------------------------
-
 # The columns every message insert writes, in hermes-agent's order. `active` is always written: on an old
 # store its column may have no default, and a row left NULL there is invisible to every reader.
 MESSAGE_WRITE_COLUMNS = (
@@ -596,7 +580,6 @@ SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source 
 STALE_MARKER = re.compile(r"\[[A-Za-z_][A-Za-z0-9_.-]*\]")
 
 # -- Meta SQL -------------------------------------------------------------------
-
 SELECT_META_SQL = "SELECT value FROM state_meta WHERE key = ?"
 SELECT_META_KEYS_SQL = "SELECT key, value FROM state_meta WHERE key IN ({})"
 # Delete then insert rather than an upsert: an old state_meta may lack its primary key.
@@ -604,7 +587,6 @@ INSERT_META_SQL = "INSERT INTO state_meta (key, value) VALUES (?, ?)"
 DELETE_META_SQL = "DELETE FROM state_meta WHERE key = ?"
 
 # -- Connection settings and checks -------------------------------------------
-
 JOURNAL_MODE_SQL = "PRAGMA journal_mode"
 SET_JOURNAL_MODE_SQL = "PRAGMA journal_mode={mode}"
 SYNCHRONOUS_NORMAL_SQL = "PRAGMA synchronous=NORMAL"
@@ -874,8 +856,7 @@ def normalize_title(title):
 
 # -- Errors callers catch by class (hermes-agent imports them from hermes_state) --
 
-# The transcript sizes past which resume and in-memory export refuse; 0 in the caller's config turns a guard
-# off.
+# Transcript sizes past which resume and in-memory export refuse; 0 in the caller's config turns a guard off.
 MAX_SAFE_RESUME_MESSAGES = 20_000
 MAX_SAFE_EXPORT_MESSAGES = 20_000
 
@@ -1010,9 +991,8 @@ class SessionInputTypeError(ValueError, TypeError, AttributeError):
 def hermes_agent_config():
     """hermes-agent's `hermes_cli.config` module when we run inside hermes-agent; None elsewhere.
 
-    The one place our modules reach into hermes-agent: its config.yaml sets the resume and export caps and the
-    journal mode of its other databases, and its install method words the doctor's repair hint. Outside
-    hermes-agent (or with a config that fails to load) our defaults hold."""
+    Our one reach into hermes-agent: config.yaml's resume and export caps and its other databases' journal
+    mode, and its install method for the doctor's repair hint. Outside it our defaults hold."""
     try:
         from hermes_cli import config
     except Exception:  # not inside hermes-agent, or its config module failed to import
@@ -1031,7 +1011,6 @@ def hermes_agent_config_section(name):
 
 
 def _configured_limit(key, fallback):
-    # config.yaml's `sessions.<key>` sets the cap; 0 turns the guard off.
     try:
         value = hermes_agent_config_section("sessions").get(key)
         limit = fallback if value is None else int(value)
@@ -1057,9 +1036,8 @@ def workspace_key(row):
 
 
 def cwd_prefix_clause(prefix, alias="s"):
-    """(SQL, params) matching sessions whose cwd is `prefix` or lies under it (either separator).
-
-    LIKE, as hermes-agent matches, so ASCII letters compare without case."""
+    """(SQL, params) matching sessions whose cwd is `prefix` or lies under it (either separator); LIKE, as
+    hermes-agent matches, so ASCII letters compare without case."""
     prefix = prefix.rstrip("/\\") or prefix
     escaped = escape_like(prefix)
     return (f"({alias}.cwd = ? OR {alias}.cwd LIKE ? ESCAPE '\\' OR {alias}.cwd LIKE ? ESCAPE '\\')",

@@ -1,12 +1,9 @@
 """SessionSchemaMixin: bring any store, old or new, to the declared schema.
 
-Owns the open-time schema pass: creating missing tables, adding missing
-columns (SCHEMA_SQL is the only description of them), deferred indexes,
-table-shape heals, data repairs and data migrations, and the probe statements
-read-only callers use to detect a stale store. It never removes a column, a
-table or a row, and never touches the search index layout.
-
-It relies on SessionDB for `_execute_write(fn)` (one BEGIN IMMEDIATE
+Owns the open-time schema pass: creating missing tables, adding missing columns (SCHEMA_SQL is the only
+description of them), deferred indexes, table-shape heals, data repairs and data migrations, and the probe
+statements read-only callers use to detect a stale store. It never removes a column, a table or a row, and
+never touches the search index layout. It relies on SessionDB for `_execute_write(fn)` (one BEGIN IMMEDIATE
 transaction, retried on lock) and `self.db_path`; it never imports hermes_state.
 """
 
@@ -16,47 +13,23 @@ import logging
 import sqlite3
 import time
 
+# DEFERRED_INDEX_SQL is re-exported: hermes-agent's name.
 from hermes_state_common import (
-    ADD_COLUMN_SQL,
-    COPY_ROUTING_OLDEST_FIRST_SQL,
-    COUNT_ROWS_SQL,
-    DEFAULT_PROBE_SQL,
-    DROP_TABLE_SQL,
-    RENAME_TABLE_SQL,
-    TABLE_INFO_SQL,
-    CLEAR_OLDER_DUPLICATE_TITLES_SQL,
-    DEFERRED_INDEX_SQL,  # re-exported: hermes-agent's name
-    DEFERRED_INDEXES,
-    DELETE_META_SQL,
-    GATEWAY_ROUTING_PK,
-    GATEWAY_ROUTING_SIDE_TABLE,
-    HAS_INLINE_PROMPT_SQL,
-    HAS_NULL_ACTIVE_SQL,
-    INSERT_META_SQL,
-    INSERT_SCHEMA_VERSION_SQL,
-    INSERT_SYSTEM_PROMPT_SQL,
-    MIGRATION_CHUNK_SIZE,
-    MOVE_INLINE_PROMPT_SQL,
-    REPAIR_NULL_ACTIVE_SQL,
-    SCHEMA_SQL,
-    SCHEMA_VERSION,
-    SELECT_INLINE_PROMPTS_SQL,
-    SELECT_META_SQL,
-    SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_SCHEMA_VERSION_SQL,
-    TITLE_INDEX_NAME,
-    TITLE_INDEX_SQL,
-    UPDATE_SCHEMA_VERSION_SQL,
-    quote_identifier,
+    ADD_COLUMN_SQL, CLEAR_OLDER_DUPLICATE_TITLES_SQL, COPY_ROUTING_OLDEST_FIRST_SQL, COUNT_ROWS_SQL,
+    DEFAULT_PROBE_SQL, DEFERRED_INDEX_SQL, DEFERRED_INDEXES, DELETE_META_SQL, DROP_TABLE_SQL,
+    GATEWAY_ROUTING_PK, GATEWAY_ROUTING_SIDE_TABLE, HAS_INLINE_PROMPT_SQL, HAS_NULL_ACTIVE_SQL,
+    INSERT_META_SQL, INSERT_SCHEMA_VERSION_SQL, INSERT_SYSTEM_PROMPT_SQL, MIGRATION_CHUNK_SIZE,
+    MOVE_INLINE_PROMPT_SQL, RENAME_TABLE_SQL, REPAIR_NULL_ACTIVE_SQL, SCHEMA_SQL, SCHEMA_VERSION,
+    SELECT_INLINE_PROMPTS_SQL, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL, SELECT_SCHEMA_VERSION_SQL,
+    TABLE_INFO_SQL, TITLE_INDEX_NAME, TITLE_INDEX_SQL, UPDATE_SCHEMA_VERSION_SQL, quote_identifier,
 )
 
 logger = logging.getLogger("hermes_state")
 
 
-# Between two chunks of a long job (a sweep, a merge, a backfill, an import), the
-# writer lock stays free this long: waiters poll every 1-4 ms (ours) or back off
-# up to 100 ms (SQLite's busy handler), and a job that took it back at once would
-# starve them as surely as one long transaction would.
+# Between two chunks of a long job (a sweep, a merge, a backfill, an import), the writer lock stays free this
+# long: waiters poll every 1-4 ms (ours) or back off up to 100 ms (SQLite's busy handler), and a job that took
+# it back at once would starve them as surely as one long transaction would.
 CHUNK_PAUSE = 0.01
 
 
@@ -77,8 +50,8 @@ def prompt_hash(prompt):
 
 
 def _default_clause(scratch, default):
-    """`DEFAULT x`, parenthesised when x is an expression: table_info drops the
-    parentheses of `DEFAULT (1 + 2)`, and ALTER TABLE needs them back."""
+    """`DEFAULT x`, parenthesised when x is an expression: table_info drops the parentheses of
+    `DEFAULT (1 + 2)`, and ALTER TABLE needs them back."""
     try:
         for sql in DEFAULT_PROBE_SQL:
             scratch.execute(sql.format(default=default))
@@ -102,6 +75,10 @@ def write_meta(conn, key, value):
         conn.execute(INSERT_META_SQL, (key, str(value)))
 
 
+def _table_info(conn, table):
+    return conn.execute(TABLE_INFO_SQL.format(table=quote_identifier(table))).fetchall()
+
+
 def _column_type_expr(scratch, col_type, notnull, default, in_pk):
     parts = [col_type] if col_type else []
     if notnull and not in_pk:
@@ -113,26 +90,16 @@ def _column_type_expr(scratch, col_type, notnull, default, in_pk):
 
 @functools.lru_cache(maxsize=None)
 def _declared_schema(sql):
-    """Run `sql` in a scratch in-memory database and read back what SQLite parsed.
-
-    Returns {table: (create_sql, {column: type_expr})} in creation order. SQLite
-    does the parsing, so DEFAULT expressions with commas, inline REFERENCES and
-    CHECK constraints need no regex.
-    """
+    """{table: (create_sql, {column: type_expr})} in creation order, as SQLite parses `sql` in a scratch
+    in-memory database (so DEFAULT expressions with commas, REFERENCES and CHECK need no regex)."""
     scratch = sqlite3.connect(":memory:")
     try:
         scratch.executescript(sql)
-        tables = scratch.execute(
-            "SELECT name, sql FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
-        ).fetchall()
-        schema = {}
-        for name, create_sql in tables:
-            columns = {}
-            for _cid, col, col_type, notnull, default, pk in scratch.execute(
-                    TABLE_INFO_SQL.format(table=quote_identifier(name))).fetchall():
-                columns[col] = _column_type_expr(scratch, col_type, notnull, default, pk > 0)
-            schema[name] = (create_sql, columns)
-        return schema
+        tables = scratch.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'"
+                                 " AND name NOT LIKE 'sqlite_%'").fetchall()
+        return {name: (create_sql, {col: _column_type_expr(scratch, kind, notnull, default, pk > 0)
+                                    for _, col, kind, notnull, default, pk in _table_info(scratch, name)})
+                for name, create_sql in tables}
     finally:
         scratch.close()
 
@@ -144,28 +111,35 @@ def declared_columns(sql=SCHEMA_SQL):
 
 def live_columns(conn, table):
     """Column names of `table` as it is on disk, in order (empty if it does not exist)."""
-    return [row[1] for row in conn.execute(TABLE_INFO_SQL.format(table=quote_identifier(table)))]
+    return [row[1] for row in _table_info(conn, table)]
 
 
 def live_primary_key(conn, table):
     """The primary-key column names of `table` on disk, in key order."""
-    rows = conn.execute(TABLE_INFO_SQL.format(table=quote_identifier(table))).fetchall()
-    return [row[1] for row in sorted((r for r in rows if r[5] > 0), key=lambda r: r[5])]
+    return [row[1] for row in sorted((r for r in _table_info(conn, table) if r[5] > 0), key=lambda r: r[5])]
 
 
 def schema_read_probe_statements(sql=SCHEMA_SQL):
-    """One `SELECT "t"."c", ... FROM "t" LIMIT 0` per declared table.
+    """One `SELECT "t"."c", ... FROM "t" LIMIT 0` per declared table, for a read-only caller to learn whether
+    the store lacks a table or column. Columns are table-qualified: a bare double-quoted name that does not
+    resolve silently becomes a string literal and would hide the gap."""
+    q = quote_identifier
+    return [f"SELECT {', '.join(q(table) + '.' + q(c) for c in columns)} FROM {q(table)} LIMIT 0"
+            for table, columns in declared_columns(sql).items()]
 
-    A read-only caller runs these to learn whether the store lacks a table or
-    column. Columns are table-qualified: a bare double-quoted name that does
-    not resolve silently becomes a string literal and would hide the gap.
-    """
-    statements = []
-    for table, columns in declared_columns(sql).items():
-        qt = quote_identifier(table)
-        cols = ", ".join(f"{qt}.{quote_identifier(c)}" for c in columns)
-        statements.append(f"SELECT {cols} FROM {qt} LIMIT 0")
-    return statements
+
+def _try_ddl(conn, sql, failure, quiet=None):
+    """True when `sql` ran; False when SQLite refused it, logged as `failure` unless its error names `quiet`.
+    A lock error propagates, so that the open is retried."""
+    try:
+        conn.execute(sql)
+        return True
+    except sqlite3.OperationalError as exc:
+        if is_lock_error(exc):
+            raise
+        if quiet is None or quiet not in str(exc).lower():
+            logger.warning("schema: %s (%s); the open goes on", failure, exc)
+        return False
 
 
 class SessionSchemaMixin:
@@ -174,15 +148,10 @@ class SessionSchemaMixin:
     _parse_schema_columns = staticmethod(declared_columns)
     # Messages one transaction of the NULL-active repair fixes (two small index updates each).
     NULL_ACTIVE_CHUNK_ROWS = 5000
-    schema_read_probe_statements = staticmethod(schema_read_probe_statements)
 
     def _init_schema(self):
-        """The writable open's schema pass: the structure, in one transaction (the open
-        runs the data migrations after it, a chunk per transaction).
-
-        Every step reads before it writes, so opening a store that is already
-        current takes the write lock briefly and changes nothing.
-        """
+        """The writable open's schema pass, in one transaction (the data migrations follow, a chunk each).
+        Every step reads before it writes: opening a current store changes nothing."""
         self._execute_write(self._apply_schema)
 
     def _apply_schema(self, conn):
@@ -203,7 +172,7 @@ class SessionSchemaMixin:
                 logger.info("schema: created table %s", table)
 
     def _reconcile_columns(self, conn):
-        """ADD COLUMN every declared column the live table lacks, whatever schema_version says."""
+        """ADD COLUMN every declared column the live table lacks, whatever schema_version says; the count."""
         added = 0
         for table, declared in declared_columns().items():
             live = set(live_columns(conn, table))
@@ -214,27 +183,20 @@ class SessionSchemaMixin:
 
     def _add_column(self, conn, table, column, type_expr):
         if "NOT NULL" in type_expr and "DEFAULT" not in type_expr:
-            # SQLite cannot add a NOT NULL column without a default to a table
-            # that has rows; old rows have no value, so the column is nullable here.
+            # SQLite cannot add a NOT NULL column without a default to a table that has rows; old rows have no
+            # value, so the column is nullable here.
             type_expr = type_expr.replace("NOT NULL", "").strip()
-        sql = ADD_COLUMN_SQL.format(table=quote_identifier(table), column=quote_identifier(column), type_expr=type_expr)
-        try:
-            conn.execute(sql)
-        except sqlite3.OperationalError as exc:
-            if is_lock_error(exc):
-                raise
-            if "duplicate column" not in str(exc).lower():
-                logger.warning("schema: could not add %s.%s (%s); the open goes on", table, column, exc)
-            return False
-        logger.info("schema: added column %s.%s %s", table, column, type_expr)
-        return True
+        sql = ADD_COLUMN_SQL.format(table=quote_identifier(table), column=quote_identifier(column),
+                                    type_expr=type_expr)
+        # "duplicate column": another process added it first.
+        added = _try_ddl(conn, sql, f"could not add {table}.{column}", quiet="duplicate column")
+        if added:
+            logger.info("schema: added column %s.%s %s", table, column, type_expr)
+        return added
 
     def _heal_gateway_routing_pk(self, conn):
-        """Rebuild gateway_routing keyed on (scope, session_key) if an old store keys it otherwise.
-
-        Rows are copied oldest first with INSERT OR REPLACE, so on a collision
-        the newest wins. A row that lost a collision stays in a kept side table.
-        """
+        """Rebuild gateway_routing keyed on (scope, session_key) if an old store keys it otherwise. Rows are
+        copied oldest first with INSERT OR REPLACE (newest wins); the losers stay in a kept side table."""
         if not live_columns(conn, "gateway_routing") or \
                 live_primary_key(conn, "gateway_routing") == GATEWAY_ROUTING_PK:
             return
@@ -253,31 +215,8 @@ class SessionSchemaMixin:
 
     def _ensure_deferred_indexes(self, conn, objects):
         for name, sql in DEFERRED_INDEXES.items():
-            if name in objects:
-                continue
-            try:
-                conn.execute(sql)
-            except sqlite3.OperationalError as exc:
-                if is_lock_error(exc):
-                    raise
-                logger.warning("schema: index %s not built (%s); the open goes on", name, exc)
-
-    # -- data repairs -----------------------------------------------------
-
-    def _repair_null_active(self):
-        """Rows an older reconciler left with active NULL were hidden from history; show them,
-        NULL_ACTIVE_CHUNK_ROWS a transaction (a whole old store at once held the lock for seconds)."""
-        if self._read_one(HAS_NULL_ACTIVE_SQL) is None:
-            return
-        fixed = 0
-        while True:
-            done = self._execute_write(
-                lambda conn: conn.execute(REPAIR_NULL_ACTIVE_SQL, (self.NULL_ACTIVE_CHUNK_ROWS,)).rowcount)
-            fixed += done
-            if done < self.NULL_ACTIVE_CHUNK_ROWS:
-                break
-            pause_between_chunks()
-        logger.info("schema: repaired %d messages whose active flag was NULL", fixed)
+            if name not in objects:
+                _try_ddl(conn, sql, f"index {name} not built")
 
     def _ensure_title_index(self, conn, objects):
         """Titles are unique when not NULL; on duplicates the newest row keeps the title."""
@@ -285,11 +224,10 @@ class SessionSchemaMixin:
             return
         try:
             conn.execute(TITLE_INDEX_SQL)
-            return
         except sqlite3.IntegrityError:
             cleared = conn.execute(CLEAR_OLDER_DUPLICATE_TITLES_SQL).rowcount
             logger.warning("schema: cleared %d duplicate titles (the newest session keeps each)", cleared)
-        conn.execute(TITLE_INDEX_SQL)
+            conn.execute(TITLE_INDEX_SQL)
 
     def _stamp_schema_version(self, conn):
         if self._schema_version_held_back(conn):
@@ -308,29 +246,38 @@ class SessionSchemaMixin:
         """Hook: the search mixin holds the version back on a runtime without FTS5."""
         return False
 
-    # -- data migrations (resumable, one chunk per transaction) ------------
+    # -- data repairs and migrations (resumable, one chunk per transaction) ---
 
     def _migrate_data(self):
-        """The open's data repairs and migrations, after the structure: each a chunk per
-        transaction, resumable, the data itself saying what is left."""
+        """The open's data repairs and migrations, after the structure. Each is gated on the data, never on
+        schema_version: the rows still to fix are the work left, so an interrupted run resumes."""
         self._repair_null_active()
         self._migrate_inline_system_prompts()
 
-    def _migrate_inline_system_prompts(self):
-        """Move `sessions.system_prompt` text of old stores into `system_prompts`, keyed by SHA-256.
+    def _write_in_chunks(self, chunk, size):
+        """Run the write `chunk` (returns the rows it did, at most `size`) until one does fewer; the total."""
+        total = 0
+        while True:
+            done = self._execute_write(chunk)
+            total += done
+            if done < size:
+                return total
+            pause_between_chunks()
 
-        Gated on the data, not on schema_version: rows still holding inline
-        text are the work left, so an interrupted run resumes where it stopped.
-        """
+    def _repair_null_active(self):
+        """Rows an older reconciler left with active NULL were hidden from history; show them,
+        NULL_ACTIVE_CHUNK_ROWS a transaction (a whole old store at once held the lock for seconds)."""
+        if self._read_one(HAS_NULL_ACTIVE_SQL) is None:
+            return
+        fixed = self._write_in_chunks(lambda conn: conn.execute(
+            REPAIR_NULL_ACTIVE_SQL, (self.NULL_ACTIVE_CHUNK_ROWS,)).rowcount, self.NULL_ACTIVE_CHUNK_ROWS)
+        logger.info("schema: repaired %d messages whose active flag was NULL", fixed)
+
+    def _migrate_inline_system_prompts(self):
+        """Move `sessions.system_prompt` text of old stores into `system_prompts`, keyed by SHA-256."""
         if self._read_one(HAS_INLINE_PROMPT_SQL) is None:
             return
-        moved = 0
-        while True:
-            done = self._execute_write(self._move_inline_prompt_chunk)
-            if not done:
-                break
-            moved += done
-            pause_between_chunks()
+        moved = self._write_in_chunks(self._move_inline_prompt_chunk, MIGRATION_CHUNK_SIZE)
         logger.info("schema: moved %d inline system prompts into system_prompts", moved)
 
     def _move_inline_prompt_chunk(self, conn):
