@@ -93,8 +93,8 @@ MUTANTS = [
            ["test_hermes_state_schema"]),
     # -- active-NULL repair -----------------------------------------------------
     Mutant("null-active-first-chunk-only", "hermes_state_schema.py",
-           "            if done < self.NULL_ACTIVE_CHUNK_ROWS:\n                break\n",
-           "            break\n",
+           "            if done < size:\n                return total\n",
+           "            return total\n",
            "the repair shows only the first chunk of hidden messages",
            ["test_hermes_state_schema", "test_lock_holds"]),
     Mutant("null-active-gated-on-version", "hermes_state_schema.py",
