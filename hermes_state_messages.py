@@ -18,9 +18,7 @@ from hermes_state_common import (
     describe_skill_invocation, encode_content, is_fork_child, json_object, loads_or, placeholders,
     scrub_surrogates)
 
-# BUMP_MESSAGE_COUNTS_SQL for a session that takes messages (not ended by compression).
 BUMP_OPEN_SESSION_COUNTS_SQL = BUMP_MESSAGE_COUNTS_SQL + " AND (ended_at IS NULL OR end_reason IS NOT ?)"
-# What a chat-API conversation is built from (get_messages_as_conversation, resume).
 CONVERSATION_ROW_COLUMNS = (
     "id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason, "
     "reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items, "
@@ -305,11 +303,10 @@ class SessionMessagesMixin:
         """The session as chat-API message dicts, oldest first; [] for an unknown session.
 
         Each has `role` and `content` plus, when set, `timestamp`, tool fields, `message_id` (the platform's),
-        `api_content`, `display_*`, and on assistant turns `finish_reason` and the reasoning fields decoded
-        (`reasoning_content` even when ""). Recalled-memory blocks are cut from user and assistant text.
-        `include_ancestors` prepends the parent chain (not for a branch, whose rows are already a copy),
-        skipping replayed user turns; `repair_alternation` applies hermes-agent's pre-request repair;
-        `include_row_ids` adds each row's id as `_row_id`."""
+        `api_content`, `display_*`, and on assistant turns `finish_reason` and decoded reasoning fields
+        (`reasoning_content` even when ""); recalled-memory blocks are cut from user and assistant text.
+        `include_ancestors` prepends the parent chain (not for a branch, already a copy) without replayed user
+        turns; `repair_alternation` runs repair_alternation_in_place; `include_row_ids` adds `_row_id`."""
         session_ids = [session_id]
         if include_ancestors and not self._is_explicit_branch_session(session_id):
             session_ids = self._session_lineage_root_to_tip(session_id)
