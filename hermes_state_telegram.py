@@ -108,7 +108,7 @@ class SessionTelegramMixin:
         """The user's Telegram sessions bound to no topic (all, without the tables) as list_sessions_rich
         rows without `unread`, most recently active first; [] when none. `chat_id` is unused, as there."""
         unbound = (" AND NOT EXISTS (SELECT 1 FROM telegram_dm_topic_bindings AS b WHERE b.session_id = s.id)"
-                   if self._read_one(TABLE_EXISTS_SQL, ("telegram_dm_topic_bindings",)) else "")
+                   if self._topic_rows(TABLE_EXISTS_SQL, ("telegram_dm_topic_bindings",)) else "")
         return self._rich_rows(f" WHERE s.source = 'telegram' AND s.user_id = ?{unbound}"
                                " ORDER BY last_active DESC, s.started_at DESC LIMIT ?", (str(user_id), int(limit)))
 
