@@ -347,10 +347,7 @@ class SessionMessagesMixin:
         chain, current = [], session_id
         while current and current not in chain and len(chain) < LINEAGE_MAX_HOPS:
             chain.append(current)
-            row = self._read_one("SELECT parent_session_id FROM sessions WHERE id = ?", (current,))
-            if row is None:
-                break
-            current = row[0]
+            current = self._read_value("SELECT parent_session_id FROM sessions WHERE id = ?", (current,))
         return chain[::-1] or [session_id]
 
     def _is_explicit_branch_session(self, session_id):

@@ -27,8 +27,7 @@ _TOPIC_TABLES_SQL = [
     allows_users_to_create_topics INTEGER, capability_checked_at REAL, intro_message_id TEXT,
     pinned_message_id TEXT
 )""",
-    _BINDINGS_TABLE_SQL.format(name="IF NOT EXISTS telegram_dm_topic_bindings"),
-]
+    _BINDINGS_TABLE_SQL.format(name="IF NOT EXISTS telegram_dm_topic_bindings")]
 _BINDING_INDEXES_SQL = [
     "CREATE UNIQUE INDEX IF NOT EXISTS idx_telegram_dm_topic_bindings_session"
     " ON telegram_dm_topic_bindings(session_id)",
