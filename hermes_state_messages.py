@@ -302,11 +302,9 @@ class SessionMessagesMixin:
                                      repair_alternation=False, include_row_ids=False):
         """The session as chat-API message dicts, oldest first; [] for an unknown session.
 
-        Each has `role` and `content` plus, when set, `timestamp`, tool fields, `message_id` (the platform's),
-        `api_content`, `display_*`, and on assistant turns `finish_reason` and decoded reasoning fields
-        (`reasoning_content` even when ""); recalled-memory blocks are cut from user and assistant text.
-        `include_ancestors` prepends the parent chain (not for a branch, already a copy) without replayed user
-        turns; `repair_alternation` runs repair_alternation_in_place; `include_row_ids` adds `_row_id`."""
+        Fields as _conversation_message builds them. `include_ancestors` prepends the parent chain (not for
+        a branch, already a copy) without replayed user turns; `repair_alternation` runs
+        repair_alternation_in_place; `include_row_ids` adds `_row_id`."""
         session_ids = [session_id]
         if include_ancestors and not self._is_explicit_branch_session(session_id):
             session_ids = self._session_lineage_root_to_tip(session_id)
@@ -565,6 +563,8 @@ def _one_per_generation(rows):
 
 # -- the conversation --------------------------------------------------------------
 def _conversation_message(row, include_row_id):
+    """A row as a chat-API dict: role, content (memory blocks cut), the fields set; on assistant turns the
+    reasoning fields (`reasoning_content` even when "")."""
     role, content = row["role"], decode_content(row["content"])
     if role in ("user", "assistant") and isinstance(content, str):
         content = _MEMORY_TAG.sub("", _MEMORY_NOTE.sub("", _MEMORY_BLOCK.sub("", content))).strip()
