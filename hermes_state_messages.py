@@ -1,10 +1,8 @@
-"""The transcript: append (one, a batch, a whole replacement), read back, the chat-API conversation, rewind
-and restore, and the turn-lease check of a write; reactions, the stamps on a turn's latest row, the windows
-session_search reads, the ancestor prefix of a resume and the recent user turns /undo picks from.
+"""The transcript: appends, reads, the chat-API conversation, rewind and restore, the turn-lease check of a
+write, reactions, the windows session_search reads and the recent user turns /undo picks from.
 
-Owns message rows and the session counters that move with them in the same transaction. Relies on SessionDB's
-write and read paths; the search indexes follow by trigger and by `_maintain_search`. Never edits a session's
-other fields, and never takes or releases a lease (the gateway mixin does). Values are stored as hermes-agent
+Owns message rows and the session counters that move with them in one transaction. Never edits a session's
+other fields and never takes or releases a lease (the gateway mixin does). Values are stored as hermes-agent
 stores them, so both programs read each other's rows: what it accepts we accept, what it raises we raise.
 """
 
@@ -20,9 +18,7 @@ from hermes_state_common import (
     describe_skill_invocation, encode_content, is_fork_child, json_object, loads_or, placeholders,
     scrub_surrogates)
 
-# BUMP_MESSAGE_COUNTS_SQL for a session that takes messages (not ended by compression).
 BUMP_OPEN_SESSION_COUNTS_SQL = BUMP_MESSAGE_COUNTS_SQL + " AND (ended_at IS NULL OR end_reason IS NOT ?)"
-# What a chat-API conversation is built from (get_messages_as_conversation, resume).
 CONVERSATION_ROW_COLUMNS = (
     "id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason, "
     "reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items, "
@@ -33,6 +29,7 @@ _COMPACTION_SUMMARY_LEADS = (
     "[CONTEXT COMPACTION — REFERENCE ONLY] Earlier turns were compacted into the summary below.",
     "[CONTEXT SUMMARY]:")
 _MERGED_SUMMARY_DELIMITER = "[END OF PRIOR CONTEXT — COMPACTION SUMMARY BELOW]"
+_SET_DISPLAY_METADATA_SQL = "UPDATE messages SET display_metadata = ? WHERE id = ?"
 
 
 def is_compaction_summary(content):
@@ -79,12 +76,10 @@ class SessionMessagesMixin:
                        turn_lease_ttl_seconds=300.0):
         """Append one message and return its id; the session's counts move in the same transaction.
 
-        A list or dict `content` is stored as JSON and read back as it was; structured fields may be given as
-        values or as JSON text. Raises CompressionSessionClosedError for a session compression ended,
-        SessionTurnLeaseLostError when `turn_lease_holder` does not hold the conversation's turn lease,
-        UnknownSessionError (an IntegrityError) for an unknown session; nothing is written then.
-        `compression_lock_holder` is accepted and not checked: as in hermes-agent, appends never wait for a
-        compression, which keeps the rows that arrive meanwhile."""
+        Raises CompressionSessionClosedError for a session compression ended, SessionTurnLeaseLostError when
+        `turn_lease_holder` does not hold the turn lease, UnknownSessionError (an IntegrityError) for an
+        unknown session; nothing is written then. `compression_lock_holder` is not checked: as in
+        hermes-agent, appends never wait for a compression, which keeps the rows that arrive meanwhile."""
         fields = dict(locals())
         for name in ("self", "session_id", "compression_lock_holder", "turn_lease_holder",
                      "turn_lease_ttl_seconds"):
@@ -96,20 +91,19 @@ class SessionMessagesMixin:
                 self._check_turn_lease(conn, session_id, turn_lease_holder, turn_lease_ttl_seconds)
             # The count update admits the write too: it changes no row of a session that is unknown or
             # closed by compression, and only then is the session read, to say which.
-            bump = (1, calls, session_id)
-            if not conn.execute(BUMP_OPEN_SESSION_COUNTS_SQL, (*bump, COMPRESSION_END_REASON)).rowcount:
+            bump = (1, calls, session_id, COMPRESSION_END_REASON)
+            if not conn.execute(BUMP_OPEN_SESSION_COUNTS_SQL, bump).rowcount:
                 _check_open_session(conn, session_id)  # raises: unknown, or closed by compression
             return conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
         return self._execute_write(write)
 
     def append_messages_batch(self, session_id, messages, compression_lock_holder=None,
                               turn_lease_holder=None, chunk_rows=None, turn_lease_ttl_seconds=300.0):
-        """Append message dicts in one transaction and return how many; 0 for none.
+        """Append message dicts in one transaction and return how many; 0 for none. Raises as append_message.
 
-        Each dict takes append_message's fields (`message_id` stands for `platform_message_id`; reasoning
-        fields are kept on assistant rows only) and gets its new row id as `_row_id`. Missing timestamps count
-        up from now, one microsecond apart. With `chunk_rows`, every chunk of that many rows is its own
-        transaction. Raises as append_message does."""
+        Each dict gets its row id as `_row_id`; `message_id` stands for `platform_message_id`, reasoning is
+        kept on assistant rows only, missing timestamps count up from now 1 µs apart. With `chunk_rows`, each
+        chunk of that many rows is its own transaction."""
         if not messages:
             return 0
         if chunk_rows is not None and len(messages) > chunk_rows:
@@ -128,22 +122,20 @@ class SessionMessagesMixin:
     def replace_messages(self, session_id, messages, active_only=False, archive_dropped=False):
         """Make `messages` the session's whole live transcript in one transaction; returns None.
 
-        The rows it replaces are deleted (only the active ones with `active_only`), or kept inactive with
-        `archive_dropped`; the counts are set to the new rows. Raises CompressionSessionClosedError for a
-        session compression ended, UnknownSessionError for an unknown one."""
+        Replaced rows are deleted (the active ones only with `active_only`), or kept inactive with
+        `archive_dropped`. Raises CompressionSessionClosedError or UnknownSessionError as append_message."""
         drop = ("UPDATE messages SET active = 0 WHERE session_id = ? AND active = 1" if archive_dropped
                 else "DELETE FROM messages WHERE session_id = ?" + (" AND active = 1" if active_only else ""))
 
         def write(conn):
             _check_open_session(conn, session_id, must_exist=bool(messages))
             conn.execute(drop, (session_id,))
-            conn.execute(SET_MESSAGE_COUNTS_SQL, (*self._insert_message_rows(conn, session_id, messages),
-                                                  session_id))
+            count, calls = self._insert_message_rows(conn, session_id, messages)
+            conn.execute(SET_MESSAGE_COUNTS_SQL, (count, calls, session_id))
         self._execute_write(write)
 
     def set_latest_user_api_content(self, session_id, content, api_content):
-        """Store `api_content` on the session's newest active user message if its content is `content`;
-        returns the rows changed (0 when it is not, or there is none)."""
+        """Set api_content of the newest active user message if its content is `content`; rows changed."""
         return self._update_rows(
             "UPDATE messages SET api_content = ? WHERE id = (SELECT id FROM messages WHERE session_id = ? "
             "AND role = 'user' AND active = 1 ORDER BY id DESC LIMIT 1) AND content IS ?",
@@ -151,9 +143,8 @@ class SessionMessagesMixin:
 
     def set_latest_matching_message_display_kind(self, session_id, *, role, content, display_kind,
                                                  display_metadata=None):
-        """Set display_kind and display_metadata (replaced, None clears it) on the newest active `role`
-        message whose content is `content`; False when there is none or session_id, content or display_kind is
-        empty."""
+        """Set display_kind and display_metadata (None clears it) on the newest active `role` message whose
+        content is `content`; False when there is none or session_id, content or display_kind is empty."""
         if not session_id or not content or not display_kind:
             return False
         return self._update_rows(
@@ -179,18 +170,16 @@ class SessionMessagesMixin:
             if row is None:
                 return None
             meta = decode_display_metadata(row[0]) or {}
-            listed = meta.get(self.REACTIONS_METADATA_KEY)
-            listed = [r for r in listed if isinstance(r, dict)] if isinstance(listed, list) else []
-            previous = next((r for r in listed if r.get("author") == author), None)
+            listed = self._reactions(meta)
+            previous = next((r for r in listed if r.get("author") == author), {})
             reactions = [r for r in listed if r.get("author") != author]
-            if emoji and not (previous is not None and previous.get("emoji") == emoji):
+            if emoji and previous.get("emoji") != emoji:
                 reactions.append({"emoji": scrub_surrogates(emoji), "author": author, "at": time.time()})
             if reactions:
                 meta[self.REACTIONS_METADATA_KEY] = reactions
             else:
                 meta.pop(self.REACTIONS_METADATA_KEY, None)
-            conn.execute("UPDATE messages SET display_metadata = ? WHERE id = ?",
-                         (_display_metadata_text(meta), message_row_id))
+            conn.execute(_SET_DISPLAY_METADATA_SQL, (_display_metadata_text(meta), message_row_id))
             return reactions
         return self._execute_write(write)
 
@@ -198,10 +187,9 @@ class SessionMessagesMixin:
         """The reactions on message `message_row_id` of the session; [] when none."""
         if not session_id or message_row_id is None:
             return []
-        meta = decode_display_metadata(self._read_value("SELECT display_metadata FROM messages WHERE id = ?"
-                                                        " AND session_id = ?", (message_row_id, session_id)))
-        reactions = (meta or {}).get(self.REACTIONS_METADATA_KEY)
-        return [r for r in reactions if isinstance(r, dict)] if isinstance(reactions, list) else []
+        stored = self._read_value("SELECT display_metadata FROM messages WHERE id = ? AND session_id = ?",
+                                  (message_row_id, session_id))
+        return self._reactions(decode_display_metadata(stored))
 
     def take_unseen_reactions(self, session_id, *, author="user"):
         """`author`'s reactions on active messages not taken before, oldest message first, as {"row_id",
@@ -215,9 +203,7 @@ class SessionMessagesMixin:
                                     "session_id = ? AND active = 1 AND display_metadata IS NOT NULL "
                                     "ORDER BY id", (session_id,)).fetchall():
                 meta = decode_display_metadata(row["display_metadata"]) or {}
-                reactions = meta.get(self.REACTIONS_METADATA_KEY)
-                fresh = [r for r in reactions if isinstance(r, dict) and r.get("author") == author
-                         and not r.get("seen")] if isinstance(reactions, list) else []
+                fresh = [r for r in self._reactions(meta) if r.get("author") == author and not r.get("seen")]
                 if not fresh:
                     continue
                 text = decode_content(row["content"])
@@ -225,15 +211,17 @@ class SessionMessagesMixin:
                     reaction["seen"] = True
                     taken.append({"row_id": row["id"], "role": row["role"], "emoji": reaction.get("emoji")
                                   or "", "text": text if isinstance(text, str) else ""})
-                conn.execute("UPDATE messages SET display_metadata = ? WHERE id = ?",
-                             (_display_metadata_text(meta), row["id"]))
+                conn.execute(_SET_DISPLAY_METADATA_SQL, (_display_metadata_text(meta), row["id"]))
             return taken
         return self._execute_write(write)
 
+    def _reactions(self, meta):
+        listed = (meta or {}).get(self.REACTIONS_METADATA_KEY)
+        return [r for r in listed if isinstance(r, dict)] if isinstance(listed, list) else []
+
     def _insert_message_rows(self, conn, session_id, messages):
-        """Inside a write: insert message dicts (read as append_messages_batch reads them) as live rows,
-        stamping each dict's `_row_id`; returns (rows inserted, tool calls). The session's counters are the
-        caller's: compaction and replacement set them."""
+        """Inside a write: insert message dicts as append_messages_batch reads them, stamping `_row_id`;
+        returns (rows inserted, tool calls). The session's counters are the caller's."""
         now, inserted, calls = time.time(), 0, 0
         for message in messages:
             row, row_calls, stamp = _message_row(session_id, message, now)
@@ -249,9 +237,8 @@ class SessionMessagesMixin:
         _check_open_session(conn, session_id)
 
     def _check_turn_lease(self, conn, session_id, holder, ttl):
-        """Inside a write: raise SessionTurnLeaseLostError unless `holder` holds the turn lease of the
-        conversation `session_id` belongs to. A lapsed lease nobody took over is still the holder's: it is
-        renewed for `ttl` seconds (at least 0.1)."""
+        """Inside a write: raise SessionTurnLeaseLostError unless `holder` holds the conversation's turn
+        lease. A lapsed lease nobody took over is still the holder's: it is renewed for max(ttl, 0.1) s."""
         key = self._turn_lease_key(conn, session_id)
         lease = conn.execute("SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?",
                              (key,)).fetchone()
@@ -264,8 +251,8 @@ class SessionMessagesMixin:
                          " = ?", (now + max(0.1, float(ttl)), key, holder))
 
     def _turn_lease_key(self, conn, session_id):
-        """The id a conversation's turn lease is kept under: the root of the compression chain through
-        `session_id` (a branch, delegate or tool child starts its own)."""
+        """The id the turn lease is kept under: the root of the compression chain through `session_id`
+        (a branch, delegate or tool child starts its own)."""
         def lineage_row(sid):
             return conn.execute("SELECT id, parent_session_id, source, model_config, end_reason "
                                 "FROM sessions WHERE id = ?", (sid,)).fetchone()
@@ -285,13 +272,12 @@ class SessionMessagesMixin:
 
     def get_messages(self, session_id, include_inactive=False, include_compacted=False, limit=None,
                      offset=0, latest=False, after_id=None):
-        """A session's messages in id order as row dicts (content, tool_calls and display_metadata decoded);
-        [] for an unknown session.
+        """A session's messages in id order as decoded row dicts; [] for an unknown session.
 
         Active rows by default; `include_compacted` adds the rows compaction kept (each message once, the live
         copy first), `include_inactive` every row. `limit`/`offset` page from the oldest, or from the newest
-        with `latest` (the page still oldest first); `after_id` pages by id. Raises ValueError when `after_id`
-        is combined with `latest`, `offset` or `include_compacted`."""
+        with `latest`; `after_id` pages by id. Raises ValueError for `after_id` with `latest`, `offset` or
+        `include_compacted`."""
         if after_id is not None and (latest or offset):
             raise ValueError("after_id is incompatible with latest/offset paging")
         if after_id is not None and include_compacted:
@@ -316,39 +302,30 @@ class SessionMessagesMixin:
                                      repair_alternation=False, include_row_ids=False):
         """The session as chat-API message dicts, oldest first; [] for an unknown session.
 
-        Each has `role` and `content` plus, when set, `timestamp`, tool fields, `message_id` (the platform's),
-        `api_content`, `display_*`, and on assistant turns `finish_reason` and the reasoning fields decoded
-        (`reasoning_content` even when ""). Recalled-memory blocks are cut from user and assistant text.
-        `include_ancestors` prepends the parent chain (not for a branch, whose rows are already a copy),
-        skipping replayed user turns; `repair_alternation` applies hermes-agent's pre-request repair;
-        `include_row_ids` adds each row's id as `_row_id`."""
+        Fields as _conversation_message builds them. `include_ancestors` prepends the parent chain (not for
+        a branch, already a copy) without replayed user turns; `repair_alternation` runs
+        repair_alternation_in_place; `include_row_ids` adds `_row_id`."""
         session_ids = [session_id]
         if include_ancestors and not self._is_explicit_branch_session(session_id):
             session_ids = self._session_lineage_root_to_tip(session_id)
+        return self._conversation(session_ids, include_inactive, include_ancestors, repair_alternation,
+                                  include_row_ids)
+
+    def get_ancestor_display_prefix(self, session_id):
+        """The ancestors' part of a resume's display history (get_messages_as_conversation with
+        include_ancestors, less the session's own rows); [] for a branch, a root or an unknown session."""
+        if self._is_explicit_branch_session(session_id):
+            return []
+        ancestors = self._session_lineage_root_to_tip(session_id)[:-1]
+        return self._conversation(ancestors, False, True) if ancestors else []
+
+    def _conversation(self, session_ids, include_inactive, include_ancestors, repair_alternation=False,
+                      include_row_ids=False):
+        """The messages of `session_ids` in id order as get_messages_as_conversation returns them."""
         rows = self._read_all(
             f"SELECT {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
             f"({placeholders(len(session_ids))}){'' if include_inactive else ' AND active = 1'} ORDER BY id",
             session_ids)
-        return self._rows_to_conversation(rows, include_ancestors=include_ancestors,
-                                          repair_alternation=repair_alternation,
-                                          include_row_ids=include_row_ids)
-
-    def get_ancestor_display_prefix(self, session_id):
-        """The ancestors' part of a resume's display history (get_messages_as_conversation with
-        include_ancestors, without the session's own rows); [] for a branch, a session without parent, or an
-        unknown one."""
-        if self._is_explicit_branch_session(session_id):
-            return []
-        ancestors = self._session_lineage_root_to_tip(session_id)[:-1]
-        if not ancestors:
-            return []
-        rows = self._read_all(f"SELECT {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
-                              f"({placeholders(len(ancestors))}) AND active = 1 ORDER BY id", ancestors)
-        return self._rows_to_conversation(rows, include_ancestors=True)
-
-    def _rows_to_conversation(self, rows, *, include_ancestors=False, repair_alternation=False,
-                              include_row_ids=False):
-        """Rows of CONVERSATION_ROW_COLUMNS (id order) as get_messages_as_conversation returns them."""
         messages = []
         for row in rows:
             message = _conversation_message(row, include_row_ids)
@@ -368,24 +345,18 @@ class SessionMessagesMixin:
         chain, current = [], session_id
         while current and current not in chain and len(chain) < LINEAGE_MAX_HOPS:
             chain.append(current)
-            row = self._read_one("SELECT parent_session_id FROM sessions WHERE id = ?", (current,))
-            if row is None:
-                break
-            current = row[0]
+            current = self._read_value("SELECT parent_session_id FROM sessions WHERE id = ?", (current,))
         return chain[::-1] or [session_id]
 
     def _is_explicit_branch_session(self, session_id):
         """True for a /branch copy (model_config names `_branched_from`)."""
-        if not session_id:
-            return False
         config = self._read_value("SELECT model_config FROM sessions WHERE id = ?", (session_id,))
         return bool(json_object(config).get("_branched_from"))
 
     def get_messages_around(self, session_id, around_message_id, window=5):
-        """{"window", "messages_before", "messages_after"}: the message `around_message_id` with up to
-        `window` messages of the session on each side (rewound ones too), as get_messages rows in id order,
-        and how many of each side it holds. An empty window and zero counts when the message is not in the
-        session."""
+        """{"window", "messages_before", "messages_after"}: message `around_message_id` with up to `window`
+        messages (rewound too) on each side as get_messages rows, and each side's count; empty and 0 when the
+        message is not in the session."""
         window = max(window, 0)
         if self._read_one("SELECT 1 FROM messages WHERE id = ? AND session_id = ?",
                           (around_message_id, session_id)) is None:
@@ -398,10 +369,9 @@ class SessionMessagesMixin:
 
     def get_anchored_view(self, session_id, around_message_id, window=5, bookend=3,
                           keep_roles=("user", "assistant")):
-        """get_messages_around's dict, its window cut to `keep_roles` (the anchor always stays), plus
+        """get_messages_around's dict, its window cut to `keep_roles` (None keeps all; the anchor stays), plus
         "bookend_start"/"bookend_end": the session's first and last `bookend` messages with text in
-        `keep_roles` outside the window. `keep_roles=None` keeps every role. All empty when the message is not
-        in the session."""
+        `keep_roles` outside the window. All empty when the message is not in the session."""
         view = self.get_messages_around(session_id, around_message_id, window=window)
         rows, bookend = view["window"], max(bookend, 0)
         view.update(bookend_start=[], bookend_end=[])
@@ -449,17 +419,14 @@ class SessionMessagesMixin:
         return turns
 
     def message_count(self, session_id=None):
-        """Messages stored in one session, or in the whole store when `session_id` is empty; rewound and
-        compacted rows count too, as in hermes-agent."""
+        """Messages of one session, or of the store for an empty `session_id`; rewound and compacted count."""
         if session_id:
             return self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ?", (session_id,))
         return self._read_value(COUNT_ALL_MESSAGES_SQL)
 
     def latest_message_row_id(self, session_id, *, role="user", offset=0, require_text=True):
         """Id of the newest active `role` message (`offset` steps back that many); None when there is none, or
-        for a role other than user/assistant or a negative offset.
-
-        With `require_text`, rows without visible text (tool-call-only turns) are skipped."""
+        for a role other than user/assistant or a negative offset. `require_text` skips rows without text."""
         if not session_id or role not in ("user", "assistant") or offset < 0:
             return None
         text = "AND content IS NOT NULL AND TRIM(content) != '' " if require_text else ""
@@ -485,13 +452,11 @@ class SessionMessagesMixin:
     # -- rewind ----------------------------------------------------------------------
 
     def rewind_to_message(self, session_id, target_message_id):
-        """Withdraw the user message `target_message_id` and everything after it (kept inactive); returns
-        {"rewound_count", "target_message", "new_head_id"}.
+        """Withdraw user message `target_message_id` and all after it (kept inactive); returns
+        {"rewound_count", "target_message" (the row, content decoded), "new_head_id" (newest active or None)}.
 
-        `target_message` is the row as it was, content decoded; `new_head_id` the newest message still active,
-        or None. The session's rewind_count goes up by one on every call; its message_count stays
-        (hermes-agent's). Raises ValueError, writing nothing, when the message is not in the session or is not
-        a user message. Undo with restore_rewound."""
+        rewind_count goes up by one per call; message_count stays, as in hermes-agent. Raises ValueError,
+        writing nothing, when the message is not a user message of the session. Undo with restore_rewound."""
         target = self._read_one("SELECT * FROM messages WHERE id = ? AND session_id = ?",
                                 (target_message_id, session_id))
         if target is None:
@@ -514,20 +479,15 @@ class SessionMessagesMixin:
         return {"rewound_count": rewound, "target_message": target, "new_head_id": head}
 
     def restore_rewound(self, session_id, since_message_id):
-        """Make every inactive message of the session from `since_message_id` on active again; returns how
-        many (0 for an unknown session)."""
+        """Make the session's inactive messages from `since_message_id` on active again; returns how many."""
         return self._update_rows("UPDATE messages SET active = 1 WHERE session_id = ? AND id >= ? "
                                  "AND active = 0", (session_id, since_message_id))
 
 
 # -- encoding rows ---------------------------------------------------------------
-
-
 def _message_row(session_id, message, default_time, direct=False):
-    """(row in MESSAGE_WRITE_COLUMNS order, tool calls it counts, its timestamp).
-
-    `direct` is append_message's reading of the fields; otherwise the batch one: a missing role is "unknown",
-    reasoning is kept on assistant rows only, and `message_id` stands in for `platform_message_id`."""
+    """(row in MESSAGE_WRITE_COLUMNS order, tool calls it counts, its timestamp). `direct` reads the fields as
+    append_message does; else reasoning is kept on assistant rows only and `message_id` is a fallback."""
     get = message.get
     role = get("role", "unknown")
 
@@ -602,9 +562,9 @@ def _one_per_generation(rows):
 
 
 # -- the conversation --------------------------------------------------------------
-
-
 def _conversation_message(row, include_row_id):
+    """A row as a chat-API dict: role, content (memory blocks cut), the fields set; on assistant turns the
+    reasoning fields (`reasoning_content` even when "")."""
     role, content = row["role"], decode_content(row["content"])
     if role in ("user", "assistant") and isinstance(content, str):
         content = _MEMORY_TAG.sub("", _MEMORY_NOTE.sub("", _MEMORY_BLOCK.sub("", content))).strip()
@@ -612,7 +572,7 @@ def _conversation_message(row, include_row_id):
     if include_row_id and row["id"] is not None:
         message["_row_id"] = row["id"]
     message.update({k: row[k] for k in ("api_content", "display_kind") if row[k]})
-    meta = decode_display_metadata(row["display_metadata"]) if row["display_metadata"] else None
+    meta = decode_display_metadata(row["display_metadata"])
     if meta is not None:
         message["display_metadata"] = meta
     message.update({k: row[k] for k in ("timestamp", "tool_call_id", "tool_name", "effect_disposition")
@@ -674,10 +634,9 @@ def _is_codex_interim(message):
 def repair_alternation_in_place(messages):
     """hermes-agent's pre-request alternation repair; returns how many repairs it made.
 
-    Back-to-back assistant turns merge (tool calls joined, text joined by a newline; a verification candidate
-    is replaced; Codex interim turns are left alone), tool results no preceding assistant call asked for are
-    dropped (a repeated one too), and back-to-back user turns with text merge with a blank line (their
-    api_content dropped)."""
+    Back-to-back assistant turns merge (tool calls and text joined; a verification candidate is replaced;
+    Codex interim turns stay), tool results no preceding call asked for go, and back-to-back user turns
+    with text merge with a blank line (their api_content dropped)."""
     repairs, collapsed = 0, []
     for message in messages:
         previous = collapsed[-1] if collapsed else None

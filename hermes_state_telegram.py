@@ -1,10 +1,8 @@
 """Telegram DM topic mode: which private chats use topics, and which thread is bound to which session.
 
 Owns `telegram_dm_topic_mode` and `telegram_dm_topic_bindings`, created only when a user opts in
-(`apply_telegram_topic_migration`, called by `enable_telegram_topic_mode` and `bind_telegram_topic`),
-never at open, as hermes-agent does; while they are absent every read answers as if empty. Relies on
-SessionDB's write and read paths and the sessions mixin's `_rich_rows`; never writes a session or
-message row.
+(`apply_telegram_topic_migration`), never at open, as hermes-agent does; while they are absent every read
+answers as if empty. Relies on the sessions mixin's `_rich_rows`; never writes a session or message row.
 """
 
 import sqlite3
@@ -29,13 +27,12 @@ _TOPIC_TABLES_SQL = [
     allows_users_to_create_topics INTEGER, capability_checked_at REAL, intro_message_id TEXT,
     pinned_message_id TEXT
 )""",
-    _BINDINGS_TABLE_SQL.format(name="IF NOT EXISTS telegram_dm_topic_bindings"),
-]
+    _BINDINGS_TABLE_SQL.format(name="IF NOT EXISTS telegram_dm_topic_bindings")]
 _BINDING_INDEXES_SQL = [
     "CREATE UNIQUE INDEX IF NOT EXISTS idx_telegram_dm_topic_bindings_session"
     " ON telegram_dm_topic_bindings(session_id)",
-    "CREATE INDEX IF NOT EXISTS idx_telegram_dm_topic_bindings_user ON telegram_dm_topic_bindings(user_id, chat_id)",
-]
+    "CREATE INDEX IF NOT EXISTS idx_telegram_dm_topic_bindings_user"
+    " ON telegram_dm_topic_bindings(user_id, chat_id)"]
 _DISABLE_MODE_SQL = "UPDATE telegram_dm_topic_mode SET enabled = 0, updated_at = ? WHERE chat_id = ?"
 
 
@@ -43,8 +40,8 @@ class SessionTelegramMixin:
     """SessionDB's methods for Telegram DM topic mode."""
 
     def apply_telegram_topic_migration(self):
-        """Create the topic-mode tables if absent and give an early bindings table the ON DELETE CASCADE
-        on session_id; returns None. Idempotent."""
+        """Create the topic-mode tables if absent, give an early bindings table the ON DELETE CASCADE on
+        session_id; returns None. Idempotent."""
         def write(conn):
             for sql in _TOPIC_TABLES_SQL + _BINDING_INDEXES_SQL:
                 conn.execute(sql)
@@ -73,8 +70,7 @@ class SessionTelegramMixin:
              _flag(allows_users_to_create_topics), now))
 
     def disable_telegram_topic_mode(self, *, chat_id, clear_bindings=True):
-        """Turn topic mode off for one chat and, with `clear_bindings`, drop its bindings; returns None
-        (nothing while the tables do not exist)."""
+        """Turn topic mode off for one chat and, with `clear_bindings`, drop its bindings; returns None."""
         def write(conn):
             if not _topic_tables_exist(conn):
                 return
@@ -85,40 +81,33 @@ class SessionTelegramMixin:
 
     def is_telegram_topic_mode_enabled(self, *, chat_id, user_id):
         """True if this chat and user have topic mode on; False too when the tables do not exist."""
-        row = self._topic_read_one("SELECT enabled FROM telegram_dm_topic_mode WHERE chat_id = ? AND user_id = ?",
-                                   (str(chat_id), str(user_id)))
-        return bool(row and row[0])
+        rows = self._topic_rows("SELECT enabled FROM telegram_dm_topic_mode WHERE chat_id = ? AND user_id = ?",
+                                (str(chat_id), str(user_id)))
+        return bool(rows and rows[0][0])
 
     def get_telegram_topic_binding(self, *, chat_id, thread_id):
         """The binding row of one topic thread as a dict, or None."""
-        row = self._topic_read_one("SELECT * FROM telegram_dm_topic_bindings WHERE chat_id = ? AND thread_id = ?",
-                                   (str(chat_id), str(thread_id)))
-        return dict(row) if row else None
+        rows = self._bindings("chat_id = ? AND thread_id = ?", (str(chat_id), str(thread_id)))
+        return rows[0] if rows else None
 
     def get_telegram_topic_binding_by_session(self, *, session_id):
         """The binding row of the topic a session is bound to, or None."""
-        row = self._topic_read_one("SELECT * FROM telegram_dm_topic_bindings WHERE session_id = ?",
-                                   (str(session_id),))
-        return dict(row) if row else None
+        rows = self._bindings("session_id = ?", (str(session_id),))
+        return rows[0] if rows else None
 
     def is_telegram_session_linked_to_topic(self, *, session_id):
         """True if the session is bound to any topic thread."""
         return self.get_telegram_topic_binding_by_session(session_id=session_id) is not None
 
     def list_telegram_topic_bindings_for_chat(self, *, chat_id):
-        """One chat's bindings as dicts, most recently updated first ([] without the tables)."""
-        try:
-            rows = self._read_all("SELECT * FROM telegram_dm_topic_bindings WHERE chat_id = ?"
-                                  " ORDER BY updated_at DESC", (str(chat_id),))
-        except sqlite3.OperationalError:
-            return []
-        return [dict(row) for row in rows]
+        """One chat's bindings as dicts, most recently updated first; [] when none."""
+        return self._bindings("chat_id = ? ORDER BY updated_at DESC", (str(chat_id),))
 
     def list_unlinked_telegram_sessions_for_user(self, *, chat_id, user_id, limit=10):
         """The user's Telegram sessions bound to no topic (all, without the tables) as list_sessions_rich
         rows without `unread`, most recently active first; [] when none. `chat_id` is unused, as there."""
         unbound = (" AND NOT EXISTS (SELECT 1 FROM telegram_dm_topic_bindings AS b WHERE b.session_id = s.id)"
-                   if self._topic_read_one(TABLE_EXISTS_SQL, ("telegram_dm_topic_bindings",)) else "")
+                   if self._topic_rows(TABLE_EXISTS_SQL, ("telegram_dm_topic_bindings",)) else "")
         return self._rich_rows(f" WHERE s.source = 'telegram' AND s.user_id = ?{unbound}"
                                " ORDER BY last_active DESC, s.started_at DESC LIMIT ?", (str(user_id), int(limit)))
 
@@ -126,8 +115,7 @@ class SessionTelegramMixin:
         """Bind a topic thread to a session (creating the tables first); returns None. The same pair again
         refreshes it; ValueError, writing nothing, when the session is bound to another thread."""
         self.apply_telegram_topic_migration()
-        chat_id, thread_id, session_id = str(chat_id), str(thread_id), str(session_id)
-        now = time.time()
+        chat_id, thread_id, session_id, now = str(chat_id), str(thread_id), str(session_id), time.time()
 
         def write(conn):
             bound = conn.execute("SELECT chat_id, thread_id FROM telegram_dm_topic_bindings WHERE session_id = ?",
@@ -160,11 +148,15 @@ class SessionTelegramMixin:
             return deleted
         return self._execute_write(write)
 
-    def _topic_read_one(self, sql, params):
+    def _bindings(self, where, params):
+        sql = "SELECT * FROM telegram_dm_topic_bindings WHERE " + where
+        return [dict(row) for row in self._topic_rows(sql, params)]
+
+    def _topic_rows(self, sql, params):
         try:
-            return self._read_one(sql, params)
+            return self._read_all(sql, params)
         except sqlite3.OperationalError:  # the opt-in tables do not exist yet
-            return None
+            return []
 
 
 def _topic_tables_exist(conn):

@@ -1,7 +1,6 @@
 """Titles: their rules (cleaned, capped, unique), who set them, lookups by title.
 
-Owns the `title` and `title_source` columns. Relies on SessionDB's write and read paths. Never writes
-any other column.
+Owns the `title` and `title_source` columns. Never writes any other column.
 """
 
 import re
@@ -20,6 +19,7 @@ WITH RECURSIVE chain(id) AS (
   JOIN sessions AS parent ON parent.id = child.parent_session_id WHERE parent.end_reason = 'compression')
 SELECT 1 FROM chain WHERE id = ? AND id <> ? LIMIT 1"""
 _NUMBERED_SUFFIX = re.compile(r"^(.*?) #(\d+)$")
+_ID_BY_TITLE_SQL = "SELECT id FROM sessions WHERE title = ?"
 
 
 class SessionTitlesMixin:
@@ -32,8 +32,8 @@ class SessionTitlesMixin:
 
     @staticmethod
     def sanitize_title(title):
-        """The title as it would be stored; None for a falsy or blank title. Raises ValueError "Title too
-        long (N chars, max 100)", TypeError for a non-string."""
+        """The title as it would be stored; None for a falsy or blank title. Raises ValueError "Title too long
+        (N chars, max 100)", TypeError for a non-string."""
         return normalize_title(title)
 
     def set_session_title(self, session_id, title):
@@ -68,22 +68,21 @@ class SessionTitlesMixin:
                     if current["title_source"] is not None else _UNKNOWN_SOURCE_RANK
                 if held >= TITLE_SOURCE_RANK[source]:
                     return False
-            self._check_title_free(conn, title, session_id, take_from_ancestor=True)
+            self._check_title_free(conn, title, session_id)
             conn.execute("UPDATE sessions SET title = ?, title_source = ? WHERE id = ?",
                          (title, source if title else None, session_id))
             return True
         return self._execute_write(write)
 
-    def _check_title_free(self, conn, title, session_id, *, take_from_ancestor=False):
-        """Raise the reference's ValueError when another session holds `title`; with `take_from_ancestor`,
-        a compression ancestor (ended and unlisted, so nobody can rename it) gives the title up instead."""
+    def _check_title_free(self, conn, title, session_id):
+        """Raise the reference's ValueError when another session holds `title`, unless that is a compression
+        ancestor (ended and unlisted, so nobody can rename it): it gives the title up instead."""
         if title is None:
             return
         owner = conn.execute(SELECT_TITLE_OWNER_SQL, (title, session_id)).fetchone()
         if owner is None:
             return
-        if take_from_ancestor and conn.execute(_IS_COMPRESSION_ANCESTOR_SQL,
-                                               (session_id, owner[0], session_id)).fetchone():
+        if conn.execute(_IS_COMPRESSION_ANCESTOR_SQL, (session_id, owner[0], session_id)).fetchone():
             conn.execute("UPDATE sessions SET title = NULL WHERE id = ?", (owner[0],))
             return
         raise ValueError(f"Title '{title}' is already in use by session {owner[0]}")
@@ -93,14 +92,14 @@ class SessionTitlesMixin:
         return self._read_value("SELECT title FROM sessions WHERE id = ?", (session_id,))
 
     def get_session_title_source(self, session_id):
-        """Who set the title ('derived', 'llm', 'user', or None for rows older than provenance); None too
-        when the session is untitled or unknown."""
+        """Who set the title ('derived', 'llm', 'user'); None for rows older than provenance, or when the
+        session is untitled or unknown."""
         row = self._read_one("SELECT title, title_source FROM sessions WHERE id = ?", (session_id,))
         return None if row is None or row["title"] is None else row["title_source"]
 
     def set_session_title_source(self, session_id, source):
-        """Change who a title counts as set by, leaving its text; False when the session is unknown or
-        untitled. Raises ValueError for an unknown source."""
+        """Change who a title counts as set by; False when the session is unknown or untitled. Raises
+        ValueError for an unknown source."""
         if source not in TITLE_SOURCE_RANK:
             raise ValueError(f"invalid title source: {source!r}")
         return self._update_rows("UPDATE sessions SET title_source = ? WHERE id = ? AND title IS NOT NULL",
@@ -108,22 +107,19 @@ class SessionTitlesMixin:
 
     def get_session_by_title(self, title):
         """The session (as get_session returns it) whose title is exactly `title`, or None."""
-        session_id = self._read_value("SELECT id FROM sessions WHERE title = ?", (title,))
+        session_id = self._read_value(_ID_BY_TITLE_SQL, (title,))
         return None if session_id is None else self.get_session(session_id)
 
     def resolve_session_by_title(self, title):
-        """The id of the newest "<title> #N" continuation, else of the session titled `title`; None when
-        neither exists."""
+        """The id of the newest "<title> #N" continuation, else of the session titled `title`, else None."""
         numbered = self._read_value(
             "SELECT id FROM sessions WHERE title LIKE ? ESCAPE '\\' ORDER BY started_at DESC LIMIT 1",
             (escape_like(title) + " #%",))
-        if numbered is not None:
-            return numbered
-        return self._read_value("SELECT id FROM sessions WHERE title = ?", (title,))
+        return numbered if numbered is not None else self._read_value(_ID_BY_TITLE_SQL, (title,))
 
     def get_next_title_in_lineage(self, base_title):
-        """The next free "<base> #N" for `base_title` (its own " #N" dropped first); the base itself when
-        no session uses it or a numbered form."""
+        """The next free "<base> #N" for `base_title` (its own " #N" dropped first); the base itself when no
+        session uses it or a numbered form."""
         match = _NUMBERED_SUFFIX.match(base_title)
         base = match.group(1) if match else base_title
         titles = [row[0] for row in self._read_all(
