@@ -55,6 +55,7 @@ _PROJECTED_COLUMNS = ("id", "ended_at", "end_reason", "message_count", "tool_cal
 _COMPACT_LEFT_OUT = frozenset({"system_prompt", "system_prompt_hash", "git_metadata_generation"})
 _ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 _PREVIEW_MAX_CHARS = 60
+_DEFAULT_RE = re.compile(r"\bDEFAULT\s+(.+)$")
 
 
 class SessionSessionsMixin:
@@ -79,7 +80,10 @@ class SessionSessionsMixin:
                             user_id=None, session_key=None, chat_id=None, chat_type=None, thread_id=None,
                             parent_session_id=None, cwd=None, profile_name=None, git_repo_root=None,
                             origin_json=None, display_name=None):
-        _check_session_id(session_id)
+        try:
+            require_text("session_id", session_id, max_length=SESSION_ID_MAX_LENGTH)
+        except ValueError as exc:
+            raise SessionRowError(f"{exc}; no session was written") from None
         if source is None:
             raise SessionRowError("source must be given, not None; no session was written")
         digest = _prompt_digest(system_prompt)
@@ -253,17 +257,14 @@ class SessionSessionsMixin:
         or with `replace_git_meta`."""
         if not session_id or not cwd:
             return None
-        branch, root = (git_branch or "").strip() or None, (git_repo_root or "").strip() or None
+        fields = (("cwd", cwd), ("git_branch", (git_branch or "").strip() or None),
+                  ("git_repo_root", (git_repo_root or "").strip() or None))
 
         def write(conn):
             row = conn.execute("SELECT cwd FROM sessions WHERE id = ?", (session_id,)).fetchone()
             if row is None:
                 return None
-            sets = {"cwd": cwd}
-            if row["cwd"] != cwd or replace_git_meta:
-                sets.update(git_branch=branch, git_repo_root=root)
-            else:
-                sets.update({k: v for k, v in (("git_branch", branch), ("git_repo_root", root)) if v})
+            sets = {k: v for k, v in fields if v or replace_git_meta or row["cwd"] != cwd}  # cwd is never empty
             conn.execute(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in sets)},"
                          " git_metadata_generation = COALESCE(git_metadata_generation, 0) + 1 WHERE id = ?",
                          (*sets.values(), session_id))
@@ -437,8 +438,9 @@ class SessionSessionsMixin:
                     if child["id"] not in seen:
                         seen.add(child["id"])
                         chain.append(child)
-            ids = [_ascii_lower(member["id"]) for member in chain]
-            titles = [_ascii_lower(member["title"] or "") for member in chain]
+            # Lower case as SQLite's LOWER and LIKE fold it: ASCII letters only.
+            ids = [str(member["id"]).translate(_ASCII_LOWER) for member in chain]
+            titles = [str(member["title"] or "").translate(_ASCII_LOWER) for member in chain]
             if id_needle and not any(id_needle in i for i in ids):
                 continue
             if search_needle and not any(search_needle in text for text in ids + titles) and not (
@@ -472,7 +474,7 @@ class SessionSessionsMixin:
             shim = ""
             if self.read_only and self.stale_schema:
                 live = {row[1] for row in self._read_all('PRAGMA table_info("sessions")')}
-                added = [f"{_declared_default(expr)} AS {name}"
+                added = [f"{(_DEFAULT_RE.findall(expr) or ['NULL'])[0]} AS {name}"
                          for name, expr in declared_columns()["sessions"].items() if name not in live]
                 shim = f"WITH sessions AS (SELECT *, {', '.join(added)} FROM main.sessions) " if added else ""
             self._sessions_shim = shim
@@ -510,16 +512,6 @@ def _window_bound(value):
     return int(number)
 
 
-def _ascii_lower(text):
-    """Lower case as SQLite's LOWER and LIKE fold it: ASCII letters only."""
-    return str(text).translate(_ASCII_LOWER)
-
-
-def _declared_default(type_expr):
-    match = re.search(r"\bDEFAULT\s+(.+)$", type_expr)
-    return match.group(1) if match else "NULL"
-
-
 @functools.lru_cache(maxsize=1)
 def _compact_columns():
     return ", ".join(f"s.{name}" for name in declared_columns()["sessions"] if name not in _COMPACT_LEFT_OUT)
@@ -546,13 +538,6 @@ def _shape_preview(raw):
     described = describe_skill_invocation(text)
     text = text.split(SKILL_EXCERPT_JOINT)[0] if described is None else described
     return text[:_PREVIEW_MAX_CHARS] + "..." if len(text) > _PREVIEW_MAX_CHARS else text
-
-
-def _check_session_id(session_id):
-    try:
-        require_text("session_id", session_id, max_length=SESSION_ID_MAX_LENGTH)
-    except ValueError as exc:
-        raise SessionRowError(f"{exc}; no session was written") from None
 
 
 def _prompt_digest(system_prompt):

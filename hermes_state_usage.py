@@ -54,7 +54,6 @@ WHERE id = :session_id"""
 
 _ADD_COUNTERS_SQL = _counters_sql(absolute=False)
 _SET_COUNTERS_SQL = _counters_sql(absolute=True)
-# One row per session, route and task (empty for the main loop): sums add up, the cost labels keep the last.
 _USAGE_KEY = ("session_id",) + _ROUTE_COLUMNS + ("task",)
 _USAGE_SUMS = ("api_call_count",) + COUNT_FIELDS[:5] + COST_FIELDS
 _ADD_MODEL_USAGE_SQL = (
@@ -274,9 +273,8 @@ def write_token_delta(conn, session_id, delta, now):
     counted = any(delta[name] for name in COUNT_FIELDS + COST_FIELDS)
     held = conn.execute("SELECT model, billing_provider, api_call_count FROM sessions WHERE id = ?",
                         (session_id,)).fetchone()
-    # Until a call has been counted the row only holds the route asked for at
-    # creation; the first call that counts usage (after a fallback, maybe
-    # another route) names the route the session really ran on.
+    # Until a call has been counted the row only holds the route asked for at creation; the first call
+    # that counts usage (after a fallback, maybe another route) names the route the session really ran on.
     if (counted and not (held["api_call_count"] or 0) and delta["model"] and delta["billing_provider"]
             and (held["model"], held["billing_provider"]) != (delta["model"], delta["billing_provider"])):
         conn.execute("UPDATE sessions SET model = ?, billing_provider = ?, billing_base_url = ?, billing_mode = ?"
