@@ -314,17 +314,15 @@ class SessionSessionsMixin:
             listed = set(page)
             missing = [row["id"] for row in pinned if row["id"] not in listed]
             sessions += self._rich_rows_by_id(missing, compact_rows, MESSAGES_LAST_ACTIVE_SQL)
-        if project_compression_tips and not include_children:
-            tips = {s["id"]: self.get_compression_tip(s["id"]) for s in sessions
-                    if s.get("end_reason") == "compression"}
-            found = {row["id"]: row for row in self._rich_rows_by_id(
-                [tip for root, tip in tips.items() if tip != root], compact_rows)}
-            for index, session in enumerate(sessions):
-                tip = found.get(tips.get(session["id"]))
-                if tip:
-                    sessions[index] = {**session, **{k: tip[k] for k in _PROJECTED_COLUMNS if k in tip},
-                                       "_lineage_root_id": session["id"]}
-        for session in sessions:
+        tips = {s["id"]: self.get_compression_tip(s["id"]) for s in sessions
+                if project_compression_tips and not include_children and s.get("end_reason") == "compression"}
+        found = {row["id"]: row for row in self._rich_rows_by_id(
+            [tip for root, tip in tips.items() if tip != root], compact_rows)}
+        for index, session in enumerate(sessions):
+            tip = found.get(tips.get(session["id"]))
+            if tip:
+                sessions[index] = session = {**session, **{k: tip[k] for k in _PROJECTED_COLUMNS if k in tip},
+                                             "_lineage_root_id": session["id"]}
             session["unread"] = self.session_unread(session)
         return sessions
 

@@ -73,10 +73,11 @@ class SessionUsageMixin:
                             estimated_cost_usd=None, actual_cost_usd=None, cost_status=None, cost_source=None,
                             pricing_version=None, billing_provider=None, billing_base_url=None,
                             billing_mode=None, api_call_count=0, absolute=False):
-        """Add one API call's tokens and cost to a session and its route's usage row now (with `absolute`,
-        set the session's totals only); None. cost_status, cost_source and pricing_version keep the last
-        value; model and billing_* fill empty columns, but the first counted call records its own route.
-        Raises UsageValueError (a ValueError) before writing a value that cannot be stored."""
+        """Add one API call's tokens and cost to a session (a missing one is made, source 'unknown') and its
+        route's usage row now, or with `absolute` set the session's totals only; None. cost_status,
+        cost_source and pricing_version keep the last value; model and billing_* fill empty columns, but the
+        first counted call records its own route. Raises UsageValueError (a ValueError) before writing a
+        value that cannot be stored."""
         delta = _token_delta(session_id, dict(locals()))
         self._execute_write(lambda conn: write_token_delta(conn, session_id, delta, time.time()))
 
@@ -317,9 +318,11 @@ class TokenQueue:
             last = self._pending[-1] if self._pending else None
             if last and not (last["absolute"] or delta["absolute"]) \
                     and all(last[name] == delta[name] for name in ("session_id",) + ROUTE_FIELDS):
-                for name in COUNT_FIELDS + COST_FIELDS:
+                for name in COUNT_FIELDS:
+                    last[name] += delta[name]
+                for name in COST_FIELDS:
                     if delta[name] is not None:
-                        last[name] = (last[name] or 0) + delta[name]
+                        last[name] = (last[name] or 0.0) + delta[name]
             else:
                 self._pending.append(delta)
             if self._since is None:
