@@ -1,10 +1,8 @@
-"""Session rows: create (or enrich), read, resolve, end and reopen, flags, listing, counts, and the
-model and cwd a session runs with.
+"""Session rows: create (or enrich), read, resolve, end and reopen, flags, listing, counts, model and cwd.
 
-Owns what a session row holds and who may change it. Relies on SessionDB's write path
-(`_execute_write`, `_update_rows`) and read path (`_read_all`, `_read_one`, `_read_value`), and on the
-maintenance mixin's `_sweep_before_reuse`, so that a session made again never shows a deleted one's
-messages. Never touches a message's content, the search indexes or the schema; title rules live in
+Owns what a session row holds and who may change it, through SessionDB's write and read paths and the
+maintenance mixin's `_sweep_before_reuse` (a session made again never shows a deleted one's messages).
+Never touches a message's content, the search indexes or the schema; title rules live in
 hermes_state_titles, compression and resume in hermes_state_compression.
 """
 
@@ -57,20 +55,19 @@ _PROJECTED_COLUMNS = ("id", "ended_at", "end_reason", "message_count", "tool_cal
 _COMPACT_LEFT_OUT = frozenset({"system_prompt", "system_prompt_hash", "git_metadata_generation"})
 _ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 _PREVIEW_MAX_CHARS = 60
+_DEFAULT_RE = re.compile(r"\bDEFAULT\s+(.+)$")
 
 
 class SessionSessionsMixin:
     """SessionDB's methods for session rows and listing."""
 
-    # -- creating -------------------------------------------------------------
     def create_session(self, session_id, source, **kwargs):
-        """Create the session, or fill the still-empty fields of an existing one; returns its id.
+        """Create the session, or fill the still-empty fields (not source) of an existing one; returns its id.
 
-        Keywords are _insert_session_row's (model_config a dict); any other raises TypeError. An existing
-        row keeps its source. A child inherits the parent's cwd, git and profile, and its gateway routing
-        if compression ended the parent. Raises SessionRowError (a ValueError and IntegrityError) for a
-        missing id or source or an unknown parent, SessionInputTypeError for a non-text prompt; nothing
-        is written then."""
+        Keywords are _insert_session_row's (model_config a dict). A child inherits the parent's cwd, git and
+        profile, and its gateway routing if compression ended the parent. Raises, writing nothing, TypeError
+        for an unknown keyword, SessionRowError (a ValueError and IntegrityError) for a missing id or source
+        or an unknown parent, SessionInputTypeError for a non-text prompt."""
         self._insert_session_row(session_id, source, **kwargs)
         return session_id
 
@@ -83,7 +80,10 @@ class SessionSessionsMixin:
                             user_id=None, session_key=None, chat_id=None, chat_type=None, thread_id=None,
                             parent_session_id=None, cwd=None, profile_name=None, git_repo_root=None,
                             origin_json=None, display_name=None):
-        _check_session_id(session_id)
+        try:
+            require_text("session_id", session_id, max_length=SESSION_ID_MAX_LENGTH)
+        except ValueError as exc:
+            raise SessionRowError(f"{exc}; no session was written") from None
         if source is None:
             raise SessionRowError("source must be given, not None; no session was written")
         digest = _prompt_digest(system_prompt)
@@ -114,9 +114,8 @@ class SessionSessionsMixin:
         self._execute_write(write)
 
     def update_system_prompt(self, session_id, system_prompt):
-        """Store the session's full system prompt (None clears it); nothing for an unknown session.
-
-        Raises SessionInputTypeError for a value that is not text, before writing."""
+        """Store the session's full system prompt (None clears it); nothing for an unknown session. Raises
+        SessionInputTypeError, before writing, for a value that is not text."""
         digest = _prompt_digest(system_prompt)
 
         def write(conn):
@@ -127,34 +126,28 @@ class SessionSessionsMixin:
             conn.execute(DELETE_UNUSED_PROMPTS_SQL)
         self._execute_write(write)
 
-    # -- reading ----------------------------------------------------------------
     def get_session(self, session_id):
         """Every column of a session, `system_prompt` resolved; None for an unknown id."""
         self._flush_token_counts()
-        rows = self._read_sessions("", " WHERE s.id = ?", (session_id,))
-        return rows[0] if rows else None
+        return next(iter(self._read_sessions("", " WHERE s.id = ?", (session_id,))), None)
 
     def _read_sessions(self, columns, tail, params):
         """Session dicts, prompt resolved, with computed `columns` added and `tail` after the FROM."""
         return self._resolved(self._read_all(f"SELECT s.*{columns} FROM sessions AS s" + tail, params))
 
     def _resolved(self, rows):
-        """`rows` as dicts through _resolve_prompt, each stored prompt read once."""
-        cache = {}
-        return [self._resolve_prompt(dict(row), cache) for row in rows]
-
-    def _resolve_prompt(self, session, cache):
-        """`session` with `system_prompt` read from its hash (`cache` keeps the prompts read) and, in a
-        rich row, `_preview_raw` shaped into `preview`."""
-        digest = session.get("system_prompt_hash")
-        if digest:
-            if digest not in cache:
-                cache[digest] = self._read_value("SELECT prompt FROM system_prompts WHERE hash = ?", (digest,))
-            if cache[digest] is not None:
-                session["system_prompt"] = cache[digest]
-        if "_preview_raw" in session:
-            session["preview"] = _shape_preview(session.pop("_preview_raw"))
-        return session
+        """`rows` as dicts, `system_prompt` read from its hash (each stored prompt once) and a rich row's
+        `_preview_raw` shaped into `preview`."""
+        prompts, sessions = {}, [dict(row) for row in rows]
+        for session in sessions:
+            digest = session.get("system_prompt_hash")
+            if digest and digest not in prompts:
+                prompts[digest] = self._read_value("SELECT prompt FROM system_prompts WHERE hash = ?", (digest,))
+            if digest and prompts[digest] is not None:
+                session["system_prompt"] = prompts[digest]
+            if "_preview_raw" in session:
+                session["preview"] = _shape_preview(session.pop("_preview_raw"))
+        return sessions
 
     def resolve_session_id(self, session_id_or_prefix):
         """The id itself if it exists, else the only id starting with it, ASCII case ignored as in
@@ -167,17 +160,14 @@ class SessionSessionsMixin:
                                  (escape_like(session_id_or_prefix) + "%",))
         return matches[0][0] if len(matches) == 1 else None
 
-    # -- ending and flags ---------------------------------------------------------
     def end_session(self, session_id, end_reason):
         """Mark a session ended now with `end_reason`; returns None. The first end wins (reopen to re-end)."""
         self._update_rows("UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ? AND ended_at IS NULL",
                           (time.time(), end_reason, session_id))
 
     def reopen_session(self, session_id):
-        """Clear a session's end so it can be resumed; returns None.
-
-        Children that continued it across a reset on its routing key first get `_reset_from` in their
-        model_config, so they stay separate conversations once the parent no longer says reset."""
+        """Clear a session's end so it can be resumed; returns None. Children that continued it across a
+        reset on its routing key get `_reset_from`, so they stay separate conversations."""
         def write(conn):
             parent = conn.execute("SELECT end_reason, session_key FROM sessions WHERE id = ?",
                                   (session_id,)).fetchone()
@@ -185,8 +175,8 @@ class SessionSessionsMixin:
                 children = conn.execute("SELECT id, model_config FROM sessions WHERE parent_session_id = ?"
                                         " AND session_key = ?", (session_id, parent["session_key"])).fetchall()
                 for child in children:
-                    config = _config_dict(child["model_config"])
-                    if config is not None and config.get("_reset_from") is None:
+                    config = loads_or(child["model_config"] or "{}", None)
+                    if isinstance(config, dict) and config.get("_reset_from") is None:
                         config["_reset_from"] = session_id
                         conn.execute("UPDATE sessions SET model_config = ? WHERE id = ?",
                                      (json.dumps(config, separators=(",", ":")), child["id"]))
@@ -227,28 +217,20 @@ class SessionSessionsMixin:
     def session_yolo_enabled(session_meta):
         """True when a row's model_config (JSON text or a dict) sets yolo_mode; False on anything
         unreadable, so a resume never turns the bypass on by accident."""
-        config = (session_meta or {}).get("model_config")
-        if isinstance(config, str):
-            config = loads_or(config, None)
-        return bool(config.get("yolo_mode")) if isinstance(config, dict) else False
+        return bool(json_object((session_meta or {}).get("model_config")).get("yolo_mode"))
 
-    # -- model and working directory ------------------------------------------------
     def update_session_model(self, session_id, model, provider=None):
-        """Switch the session's model (and provider, if given); returns None, nothing for an unknown session.
-
-        Drops the stored system prompt (the next turn rebuilds it) and any browser model lock."""
+        """Switch the session's model (and provider, if given), dropping the stored system prompt and any
+        browser model lock; returns None, nothing for an unknown session."""
         self._flush_token_counts()
         patch = {"browser_model_lock": None}
         patch.update((key, value) for key, value in (("model", model), ("provider", provider)) if value)
 
         def write(conn):
-            row = conn.execute("SELECT model_config FROM sessions WHERE id = ?", (session_id,)).fetchone()
-            if row is None:
-                return
-            conn.execute("UPDATE sessions SET model = ?, model_config = ?, system_prompt = NULL,"
-                         " system_prompt_hash = NULL WHERE id = ?",
-                         (model, merge_model_config(row["model_config"], patch), session_id))
-            conn.execute(DELETE_UNUSED_PROMPTS_SQL)
+            if _merge_config(conn, session_id, patch):
+                conn.execute("UPDATE sessions SET model = ?, system_prompt = NULL, system_prompt_hash = NULL"
+                             " WHERE id = ?", (model, session_id))
+                conn.execute(DELETE_UNUSED_PROMPTS_SQL)
         self._execute_write(write)
 
     def update_session_meta(self, session_id, model_config_json, model=None):
@@ -266,34 +248,23 @@ class SessionSessionsMixin:
     def patch_session_model_config(self, session_id, patch):
         """Merge `patch` into model_config (a None value removes its key); returns None, and writes nothing
         for an unknown session or an empty patch."""
-        if not session_id or not patch:
-            return
-
-        def write(conn):
-            row = conn.execute("SELECT model_config FROM sessions WHERE id = ?", (session_id,)).fetchone()
-            if row is not None:
-                conn.execute("UPDATE sessions SET model_config = ? WHERE id = ?",
-                             (merge_model_config(row["model_config"], patch), session_id))
-        self._execute_write(write)
+        if session_id and patch:
+            self._execute_write(lambda conn: _merge_config(conn, session_id, patch))
 
     def update_session_cwd(self, session_id, cwd, git_branch=None, git_repo_root=None, replace_git_meta=False):
         """Record the session's cwd and claim a new git-metadata generation; returns it, None if unknown.
-
-        Branch and repo root are written only when non-empty, unless the cwd changed or
-        `replace_git_meta`, when they are replaced (empty clears)."""
+        Branch and repo root are written when non-empty, or replaced (empty clears) when the cwd changed
+        or with `replace_git_meta`."""
         if not session_id or not cwd:
             return None
-        branch, root = (git_branch or "").strip() or None, (git_repo_root or "").strip() or None
+        fields = (("cwd", cwd), ("git_branch", (git_branch or "").strip() or None),
+                  ("git_repo_root", (git_repo_root or "").strip() or None))
 
         def write(conn):
             row = conn.execute("SELECT cwd FROM sessions WHERE id = ?", (session_id,)).fetchone()
             if row is None:
                 return None
-            sets = {"cwd": cwd}
-            if row["cwd"] != cwd or replace_git_meta:
-                sets.update(git_branch=branch, git_repo_root=root)
-            else:
-                sets.update({k: v for k, v in (("git_branch", branch), ("git_repo_root", root)) if v})
+            sets = {k: v for k, v in fields if v or replace_git_meta or row["cwd"] != cwd}  # cwd is never empty
             conn.execute(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in sets)},"
                          " git_metadata_generation = COALESCE(git_metadata_generation, 0) + 1 WHERE id = ?",
                          (*sets.values(), session_id))
@@ -312,20 +283,19 @@ class SessionSessionsMixin:
                                  " WHERE id = ? AND cwd = ? AND git_metadata_generation = ?",
                                  (*sets.values(), session_id, cwd, generation)) == 1
 
-    # -- listing -------------------------------------------------------------------------
     def list_sessions_rich(self, source=None, sources=None, exclude_sources=None, cwd_prefix=None, limit=20,
                            offset=0, include_children=False, min_message_count=0, project_compression_tips=True,
                            order_by_last_active=False, include_archived=False, archived_only=False, id_query=None,
                            search_query=None, compact_rows=False, include_pinned=False, session_key=None,
                            include_hidden=False):
-        """A page of sessions as rich rows (every column, `preview`, `last_active`, `unread`); [] when none match.
+        """A page of sessions as rich rows (all columns, `preview`, `last_active`, `unread`); [] if none match.
 
-        Newest start first, or newest activity along the compression chain (`order_by_last_active`,
-        which alone applies `id_query` and `search_query`: title or id, also without punctuation).
-        Unarchived, unhidden roots, branches and resets unless `include_children`; a compression root
-        shows as its tip (`_lineage_root_id` names the root) unless `project_compression_tips` is False.
-        `include_pinned` adds the pinned rows the page left out; `compact_rows` drops the prompt columns.
-        `limit` and `offset` are read as SQLite reads them (negative: no limit, from 0)."""
+        Newest start first, or newest activity along the compression chain (`order_by_last_active`, which
+        alone applies `id_query` and `search_query`: title or id, also without punctuation). Unarchived,
+        unhidden roots, branches and resets unless `include_children`; a compression root shows as its tip
+        (`_lineage_root_id` names the root) unless `project_compression_tips` is False. `include_pinned` adds
+        the pinned rows the page left out; `compact_rows` drops the prompt columns. `limit` and `offset` are
+        read as SQLite reads them (negative: no limit, from 0)."""
         limit, offset = _window_bound(limit), max(_window_bound(offset), 0)
         self._flush_token_counts()
         clauses, params = _filter_clauses(source, sources, exclude_sources, cwd_prefix, min_message_count,
@@ -344,17 +314,15 @@ class SessionSessionsMixin:
             listed = set(page)
             missing = [row["id"] for row in pinned if row["id"] not in listed]
             sessions += self._rich_rows_by_id(missing, compact_rows, MESSAGES_LAST_ACTIVE_SQL)
-        if project_compression_tips and not include_children:
-            tips = {s["id"]: self.get_compression_tip(s["id"]) for s in sessions
-                    if s.get("end_reason") == "compression"}
-            found = {row["id"]: row for row in self._rich_rows_by_id(
-                [tip for root, tip in tips.items() if tip != root], compact_rows)}
-            for index, session in enumerate(sessions):
-                tip = found.get(tips.get(session["id"]))
-                if tip:
-                    sessions[index] = {**session, **{k: tip[k] for k in _PROJECTED_COLUMNS if k in tip},
-                                       "_lineage_root_id": session["id"]}
-        for session in sessions:
+        tips = {s["id"]: self.get_compression_tip(s["id"]) for s in sessions
+                if project_compression_tips and not include_children and s.get("end_reason") == "compression"}
+        found = {row["id"]: row for row in self._rich_rows_by_id(
+            [tip for root, tip in tips.items() if tip != root], compact_rows)}
+        for index, session in enumerate(sessions):
+            tip = found.get(tips.get(session["id"]))
+            if tip:
+                sessions[index] = session = {**session, **{k: tip[k] for k in _PROJECTED_COLUMNS if k in tip},
+                                             "_lineage_root_id": session["id"]}
             session["unread"] = self.session_unread(session)
         return sessions
 
@@ -362,15 +330,13 @@ class SessionSessionsMixin:
     def session_unread(session_row):
         """True when the row's last activity is newer than its read watermark; False when never marked read."""
         last_read = session_row.get("last_read_at")
-        if last_read is None:
-            return False
-        return float(session_row.get("last_active") or session_row.get("started_at") or 0) > float(last_read)
+        return last_read is not None and float(session_row.get("last_active") or session_row.get("started_at")
+                                               or 0) > float(last_read)
 
     def get_session_rich_row(self, session_id, compact_rows=False):
         """One session as a list_sessions_rich row (no projection, no `unread`); None for an unknown id."""
         self._flush_token_counts()
-        rows = self._rich_rows_by_id([session_id], compact_rows)
-        return rows[0] if rows else None
+        return next(iter(self._rich_rows_by_id([session_id], compact_rows)), None)
 
     def search_sessions_by_id(self, query, limit=20, include_archived=True, source=None, sources=None,
                               exclude_sources=None):
@@ -380,7 +346,7 @@ class SessionSessionsMixin:
         if not needle or limit <= 0:
             return []
         rows = self.list_sessions_rich(source=source, sources=sources, exclude_sources=exclude_sources,
-                                       limit=max(limit * 4, limit), include_archived=include_archived,
+                                       limit=limit * 4, include_archived=include_archived,
                                        order_by_last_active=True, id_query=needle)
 
         def rank(row):
@@ -429,11 +395,11 @@ class SessionSessionsMixin:
     def _tally_sessions(self, clauses, params, exclude_children):
         """Counter {source (empty: 'cli'): sessions matching}, only listable ones with `exclude_children`."""
         sql = "SELECT COALESCE(NULLIF(s.source, ''), 'cli'), COUNT(*) FROM sessions AS s{} GROUP BY 1"
-        if not exclude_children:
-            return collections.Counter(dict(self._read_all(sql.format(_where(clauses)), params)))
-        tally = collections.Counter(dict(self._read_all(sql.format(_where(clauses + [_PLAIN_ROOT_SQL])), params)))
-        tally.update(row["source"] or "cli" for row in
-                     self._list_candidates(clauses + [f"NOT {_PLAIN_ROOT_SQL}"], params, False, False))
+        roots = clauses + [_PLAIN_ROOT_SQL] if exclude_children else clauses
+        tally = collections.Counter(dict(self._read_all(sql.format(_where(roots)), params)))
+        if exclude_children:
+            tally.update(row["source"] or "cli" for row in
+                         self._list_candidates(clauses + [f"NOT {_PLAIN_ROOT_SQL}"], params, False, False))
         return tally
 
     def _list_candidates(self, clauses, params, include_children, with_activity, want=None):
@@ -441,17 +407,15 @@ class SessionSessionsMixin:
         Python, so no JSON1): only listable ones unless `include_children`, at most `want` of them."""
         activity = f", {LAST_ACTIVE_SQL.format(a='s')} AS last_active" if with_activity else ""
         sql = f"{_CANDIDATES_SQL}{activity}{_CANDIDATES_FROM_SQL}{{}} ORDER BY s.started_at DESC, s.id DESC"
-        if want is None:
-            rows = self._read_all(self._listing_sql(sql.format(_where(clauses))), params)
-            return rows if include_children else [row for row in rows if _is_listable(row)]
-        # Read in growing chunks, each after the last row read, until `want` rows are listable.
-        rows, after, chunk = [], [], want + 50
-        while len(rows) < want:
+        # Read in growing chunks (all at once without `want`: LIMIT -1), each after the last row read,
+        # until `want` rows are listable.
+        rows, after, chunk = [], [], -1 if want is None else want + 50
+        while want is None or len(rows) < want:
             keyset = ["(s.started_at, s.id) < (?, ?)"] if after else []
             batch = self._read_all(self._listing_sql(sql.format(_where(clauses + keyset)) + " LIMIT ?"),
                                    [*params, *after, chunk])
             rows += batch if include_children else [row for row in batch if _is_listable(row)]
-            if len(batch) < chunk:
+            if chunk < 0 or len(batch) < chunk:
                 break
             after, chunk = [batch[-1]["started_at"], batch[-1]["id"]], chunk * 2
         return rows[:want]
@@ -472,8 +436,9 @@ class SessionSessionsMixin:
                     if child["id"] not in seen:
                         seen.add(child["id"])
                         chain.append(child)
-            ids = [_ascii_lower(member["id"]) for member in chain]
-            titles = [_ascii_lower(member["title"] or "") for member in chain]
+            # Lower case as SQLite's LOWER and LIKE fold it: ASCII letters only.
+            ids = [str(member["id"]).translate(_ASCII_LOWER) for member in chain]
+            titles = [str(member["title"] or "").translate(_ASCII_LOWER) for member in chain]
             if id_needle and not any(id_needle in i for i in ids):
                 continue
             if search_needle and not any(search_needle in text for text in ids + titles) and not (
@@ -507,7 +472,7 @@ class SessionSessionsMixin:
             shim = ""
             if self.read_only and self.stale_schema:
                 live = {row[1] for row in self._read_all('PRAGMA table_info("sessions")')}
-                added = [f"{_declared_default(expr)} AS {name}"
+                added = [f"{(_DEFAULT_RE.findall(expr) or ['NULL'])[0]} AS {name}"
                          for name, expr in declared_columns()["sessions"].items() if name not in live]
                 shim = f"WITH sessions AS (SELECT *, {', '.join(added)} FROM main.sessions) " if added else ""
             self._sessions_shim = shim
@@ -517,26 +482,15 @@ class SessionSessionsMixin:
 def _filter_clauses(source, sources, exclude_sources, cwd_prefix, min_message_count, include_archived,
                     archived_only, session_key=None, include_hidden=True):
     """(clauses, params) of the filters session_count and list_sessions_rich share."""
-    clauses, params = [], []
-    for values, operator in (([source] if source else list(sources or []), "IN"), (exclude_sources, "NOT IN")):
-        if values:
-            clauses.append(f"s.source {operator} ({placeholders(len(values))})")
-            params.extend(values)
-    if session_key:
-        clauses.append("s.session_key = ?")
-        params.append(session_key)
-    if cwd_prefix:
-        clause, clause_params = cwd_prefix_clause(cwd_prefix)
-        clauses.append(clause)
-        params.extend(clause_params)
-    if min_message_count > 0:
-        clauses.append("s.message_count >= ?")
-        params.append(min_message_count)
+    filters = [(f"s.source {operator} ({placeholders(len(values))})", values) for values, operator in
+               (([source] if source else list(sources or []), "IN"), (exclude_sources, "NOT IN")) if values]
+    filters += [("s.session_key = ?", [session_key])] if session_key else []
+    filters += [cwd_prefix_clause(cwd_prefix)] if cwd_prefix else []
+    filters += [("s.message_count >= ?", [min_message_count])] if min_message_count > 0 else []
     if archived_only or not include_archived:
-        clauses.append(f"s.archived = {1 if archived_only else 0}")
-    if not include_hidden:
-        clauses.append("s.hidden = 0")
-    return clauses, params
+        filters.append((f"s.archived = {1 if archived_only else 0}", []))
+    filters += [("s.hidden = 0", [])] if not include_hidden else []
+    return [clause for clause, _ in filters], [param for _, values in filters for param in values]
 
 
 def _where(clauses):
@@ -556,16 +510,6 @@ def _window_bound(value):
     return int(number)
 
 
-def _ascii_lower(text):
-    """Lower case as SQLite's LOWER and LIKE fold it: ASCII letters only."""
-    return str(text).translate(_ASCII_LOWER)
-
-
-def _declared_default(type_expr):
-    match = re.search(r"\bDEFAULT\s+(.+)$", type_expr)
-    return match.group(1) if match else "NULL"
-
-
 @functools.lru_cache(maxsize=1)
 def _compact_columns():
     return ", ".join(f"s.{name}" for name in declared_columns()["sessions"] if name not in _COMPACT_LEFT_OUT)
@@ -574,18 +518,15 @@ def _compact_columns():
 def _is_listable(row):
     """A root, branch or reset row that is not a subagent run: what list_sessions_rich shows."""
     text = row["model_config"]
-    config = (_config_dict(text) or {}) if text and "_from" in text else {}
+    config = json_object(text) if text and "_from" in text else {}
     if config.get("_delegate_from") is not None:
         return False
-    if row["parent"] is None:
-        return True
-    if config.get("_branched_from") is not None or config.get("_reset_from") is not None:
-        return True
-    if row["parent_end_reason"] == "branched" and row["parent_ended_at"] is not None \
-            and row["started_at"] >= row["parent_ended_at"]:
-        return True
-    return (row["parent_end_reason"] in _RESET_END_REASONS and bool(row["session_key"])
-            and row["session_key"] == row["parent_key"])
+    return (row["parent"] is None or config.get("_branched_from") is not None
+            or config.get("_reset_from") is not None
+            or (row["parent_end_reason"] == "branched" and row["parent_ended_at"] is not None
+                and row["started_at"] >= row["parent_ended_at"])
+            or (row["parent_end_reason"] in _RESET_END_REASONS and bool(row["session_key"])
+                and row["session_key"] == row["parent_key"]))
 
 
 def _shape_preview(raw):
@@ -595,13 +536,6 @@ def _shape_preview(raw):
     described = describe_skill_invocation(text)
     text = text.split(SKILL_EXCERPT_JOINT)[0] if described is None else described
     return text[:_PREVIEW_MAX_CHARS] + "..." if len(text) > _PREVIEW_MAX_CHARS else text
-
-
-def _check_session_id(session_id):
-    try:
-        require_text("session_id", session_id, max_length=SESSION_ID_MAX_LENGTH)
-    except ValueError as exc:
-        raise SessionRowError(f"{exc}; no session was written") from None
 
 
 def _prompt_digest(system_prompt):
@@ -624,15 +558,6 @@ def _config_json(model_config):
         raise SessionInputTypeError(f"model_config is not JSON-serialisable: {exc}") from None
 
 
-def _config_dict(text):
-    """A stored model_config as a dict ({} for NULL); None when it is not a JSON object."""
-    try:
-        config = json.loads(text) if text else {}
-    except ValueError:
-        return None
-    return config if isinstance(config, dict) else None
-
-
 def _fill_values(row, values, digest):
     """What a row gains: every given value for a new one (`row` None), else the columns still NULL."""
     if row is None:
@@ -641,14 +566,22 @@ def _fill_values(row, values, digest):
     changes = {c: v for c, v in values.items() if v is not None and row[c] is None}
     # A row made at a reset holds only {"_reset_from": ...}; the real config
     # joins it instead of being dropped because the column is no longer NULL.
-    stored = _config_dict(row["model_config"]) if row["model_config"] else None
-    new = _config_dict(values["model_config"]) if values["model_config"] else None
-    if stored is not None and new is not None and list(stored) == ["_reset_from"]:
+    stored, new = json_object(row["model_config"]), json_object(values["model_config"])
+    if new and list(stored) == ["_reset_from"]:
         new["_reset_from"] = stored["_reset_from"]
         changes["model_config"] = json.dumps(new, separators=(",", ":"))
     if digest and row["system_prompt_hash"] is None:
         changes.update(system_prompt_hash=digest, system_prompt=None)
     return changes
+
+
+def _merge_config(conn, session_id, patch):
+    """Merge `patch` into the session's model_config (merge_model_config's rules); False for an unknown id."""
+    row = conn.execute("SELECT model_config FROM sessions WHERE id = ?", (session_id,)).fetchone()
+    if row is not None:
+        conn.execute("UPDATE sessions SET model_config = ? WHERE id = ?",
+                     (merge_model_config(row["model_config"], patch), session_id))
+    return row is not None
 
 
 def _inherit_from_parent(conn, session_id):

@@ -1,11 +1,8 @@
-"""Tokens and cost: the counters of `sessions`, the per-route rows of `session_model_usage`, and the
-in-memory queue of token deltas.
-
-Owns the token, cost and billing columns of `sessions`, its activity heartbeat (`last_activity_*`) and
-`session_model_usage`. A queued delta rides with the next write (SessionDB's write path calls
-`apply_token_batch` first in its transaction), or goes with `flush_token_counts` (reads that must be
-exact call it), close() or interpreter exit. A delta for a missing session creates a bare row (source
-'unknown'). Never writes messages.
+"""Tokens and cost: owns the token, cost and billing columns of `sessions`, its activity heartbeat
+(`last_activity_*`), `session_model_usage` (one row per route and task) and the in-memory queue of token
+deltas. A queued delta rides with the next write (SessionDB's write path calls `apply_token_batch` first
+in its transaction), or goes with `flush_token_counts`, close() or interpreter exit. A delta for a missing
+session creates a bare row (source 'unknown'). Never writes messages.
 """
 
 import inspect
@@ -48,39 +45,24 @@ def _counters_sql(absolute):
     estimated = ("COALESCE(:estimated_cost_usd, 0)" if absolute
                  else "COALESCE(estimated_cost_usd, 0) + COALESCE(:estimated_cost_usd, 0)")
     actual = ":actual_cost_usd" if absolute else "COALESCE(actual_cost_usd, 0) + :actual_cost_usd"
-    return f"""UPDATE sessions SET {", ".join(counts)},
-  estimated_cost_usd = {estimated},
+    return f"""UPDATE sessions SET {", ".join(counts)}, estimated_cost_usd = {estimated},
   actual_cost_usd = CASE WHEN :actual_cost_usd IS NULL THEN actual_cost_usd ELSE {actual} END,
-  cost_status = COALESCE(:cost_status, cost_status),
-  cost_source = COALESCE(:cost_source, cost_source),
-  pricing_version = COALESCE(:pricing_version, pricing_version),
+  {", ".join(f"{c} = COALESCE(:{c}, {c})" for c in ROUTE_FIELDS[1:4])},
   {", ".join(f"{c} = COALESCE({c}, :fill_{c})" for c in _ROUTE_COLUMNS)}
 WHERE id = :session_id"""
 
 
 _ADD_COUNTERS_SQL = _counters_sql(absolute=False)
 _SET_COUNTERS_SQL = _counters_sql(absolute=True)
-_ADD_MODEL_USAGE_SQL = """
-INSERT INTO session_model_usage (
-  session_id, model, billing_provider, billing_base_url, billing_mode, task, api_call_count,
-  input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, reasoning_tokens,
-  estimated_cost_usd, actual_cost_usd, cost_status, cost_source, first_seen, last_seen)
-VALUES (:session_id, :model, :billing_provider, :billing_base_url, :billing_mode, :task, :api_call_count,
-  :input_tokens, :output_tokens, :cache_read_tokens, :cache_write_tokens, :reasoning_tokens,
-  :estimated_cost_usd, :actual_cost_usd, :cost_status, :cost_source, :now, :now)
-ON CONFLICT (session_id, model, billing_provider, billing_base_url, billing_mode, task) DO UPDATE SET
-  api_call_count = api_call_count + excluded.api_call_count,
-  input_tokens = input_tokens + excluded.input_tokens,
-  output_tokens = output_tokens + excluded.output_tokens,
-  cache_read_tokens = cache_read_tokens + excluded.cache_read_tokens,
-  cache_write_tokens = cache_write_tokens + excluded.cache_write_tokens,
-  reasoning_tokens = reasoning_tokens + excluded.reasoning_tokens,
-  estimated_cost_usd = estimated_cost_usd + excluded.estimated_cost_usd,
-  actual_cost_usd = actual_cost_usd + excluded.actual_cost_usd,
-  cost_status = COALESCE(excluded.cost_status, cost_status),
-  cost_source = COALESCE(excluded.cost_source, cost_source),
-  last_seen = excluded.last_seen
-"""
+_USAGE_KEY = ("session_id",) + _ROUTE_COLUMNS + ("task",)
+_USAGE_SUMS = ("api_call_count",) + COUNT_FIELDS[:5] + COST_FIELDS
+_ADD_MODEL_USAGE_SQL = (
+    f"INSERT INTO session_model_usage ({', '.join(_USAGE_KEY + _USAGE_SUMS)}, cost_status, cost_source,"
+    f" first_seen, last_seen) VALUES ({', '.join(':' + c for c in _USAGE_KEY + _USAGE_SUMS)}, :cost_status,"
+    f" :cost_source, :now, :now) ON CONFLICT ({', '.join(_USAGE_KEY)}) DO UPDATE SET"
+    f" {', '.join(f'{c} = {c} + excluded.{c}' for c in _USAGE_SUMS)},"
+    " cost_status = COALESCE(excluded.cost_status, cost_status),"
+    " cost_source = COALESCE(excluded.cost_source, cost_source), last_seen = excluded.last_seen")
 
 
 class SessionUsageMixin:
@@ -91,28 +73,27 @@ class SessionUsageMixin:
                             estimated_cost_usd=None, actual_cost_usd=None, cost_status=None, cost_source=None,
                             pricing_version=None, billing_provider=None, billing_base_url=None,
                             billing_mode=None, api_call_count=0, absolute=False):
-        """Add one API call's tokens and cost to a session now (with `absolute`, set its totals); None.
-
-        Creates a missing row (source 'unknown'). Counters add up; cost_status, cost_source and
-        pricing_version keep the last value; model and billing_* fill empty columns only, except that the
-        first call counting usage records its own route. An incremental delta also adds to its route's
-        session_model_usage row. Raises UsageValueError (a ValueError) for a value that cannot be
-        stored, before anything is written."""
+        """Add one API call's tokens and cost to a session (a missing one is made, source 'unknown') and its
+        route's usage row now, or with `absolute` set the session's totals only; None. cost_status,
+        cost_source and pricing_version keep the last value; model and billing_* fill empty columns, but the
+        first counted call records its own route. Raises UsageValueError (a ValueError) before writing a
+        value that cannot be stored."""
         delta = _token_delta(session_id, dict(locals()))
         self._execute_write(lambda conn: write_token_delta(conn, session_id, delta, time.time()))
 
     def queue_token_counts(self, session_id, **kwargs):
-        """Queue update_token_counts(session_id, **kwargs) to ride with the next write; None.
-
-        A queue older than TOKEN_QUEUE_MAX_AGE is applied by the next call. Like hermes-agent's
-        background writer it logs and drops a bad delta, never raises; after close() it raises like
-        update_token_counts."""
+        """Queue update_token_counts(session_id, **kwargs) to ride with the next write (or the next call,
+        once the queue is TOKEN_QUEUE_MAX_AGE old); None. Like hermes-agent's background writer it logs and
+        drops a bad delta, never raises; after close() it raises like update_token_counts."""
         if self._closed:
             return self.update_token_counts(session_id, **kwargs)
         try:
             if self.read_only:
                 raise PermissionError(f"state store {self.db_path} was opened read-only")
-            delta = _token_delta(session_id, _bind_update_arguments(kwargs))
+            unknown = kwargs.keys() - _UPDATE_DEFAULTS.keys()
+            if unknown:
+                raise TypeError(f"update_token_counts() got an unexpected keyword argument {min(unknown)!r}")
+            delta = _token_delta(session_id, {**_UPDATE_DEFAULTS, **kwargs})
         except (TypeError, ValueError, PermissionError) as exc:
             logger.warning("token counts for session %r dropped: %s", session_id, exc)
             return
@@ -143,17 +124,13 @@ class SessionUsageMixin:
                                billing_base_url=None, input_tokens=0, output_tokens=0, cache_read_tokens=0,
                                cache_write_tokens=0, reasoning_tokens=0, estimated_cost_usd=None,
                                api_call_count=1):
-        """Add an auxiliary call's usage (vision, compression, titles, ...) to the session_model_usage row
-        of its model, provider and `task`; None, nothing for an empty id or task.
-
-        Leaves the sessions counters to the main loop; creates a bare row for a missing session. Raises
-        UsageValueError for a value that cannot be stored, before anything is written."""
+        """Add an auxiliary call's usage (vision, titles, ...) to the usage row of its model, provider and
+        `task`, not to the session's counters (a missing session gets a bare row); None, nothing for an
+        empty id or task. Raises UsageValueError before writing a value that cannot be stored."""
         if not session_id or not task:
             return
-        counts = dict(input_tokens=input_tokens, output_tokens=output_tokens, cache_read_tokens=cache_read_tokens,
-                      cache_write_tokens=cache_write_tokens, reasoning_tokens=reasoning_tokens,
-                      api_call_count=1 if api_call_count is None else api_call_count)
-        row = {name: _count(name, value) for name, value in counts.items()}
+        arguments = dict(locals(), api_call_count=1 if api_call_count is None else api_call_count)
+        row = {name: _count(name, arguments[name]) for name in COUNT_FIELDS}
         row.update(session_id=_session_id(session_id), task=_text("task", task),
                    api_call_count=int(row["api_call_count"]), model=_text("model", model) or "unknown",
                    billing_provider=_text("billing_provider", billing_provider) or "",
@@ -168,10 +145,8 @@ class SessionUsageMixin:
         self._execute_write(write)
 
     def update_session_billing_route(self, session_id, *, provider, base_url, billing_mode=None):
-        """Record the route a session runs on after a model switch; None, also for an unknown id.
-
-        Overwrites billing_provider and billing_base_url (billing_mode when given), unlike the token
-        path, and drops the stored system prompt, whose header names the old route."""
+        """Overwrite the session's billing route after a model switch (billing_mode when given) and drop
+        its stored system prompt, whose header names the old route; None, also for an unknown id."""
         route = (_text("provider", provider), _text("base_url", base_url), _text("billing_mode", billing_mode))
 
         def write(conn):
@@ -233,14 +208,7 @@ class SessionUsageMixin:
         return {"tokens": int(tokens or 0), "cost_usd": float(cost or 0.0)}
 
 
-def _bind_update_arguments(kwargs):
-    """queue_token_counts' keywords as update_token_counts' arguments (TypeError for an unknown one)."""
-    unknown = kwargs.keys() - _UPDATE_DEFAULTS.keys()
-    if unknown:
-        raise TypeError(f"update_token_counts() got an unexpected keyword argument {min(unknown)!r}")
-    return {**_UPDATE_DEFAULTS, **kwargs}
-
-
+# queue_token_counts' keywords bind to these, as update_token_counts' would.
 _UPDATE_DEFAULTS = {name: parameter.default for name, parameter in
                     inspect.signature(SessionUsageMixin.update_token_counts).parameters.items()
                     if parameter.default is not inspect.Parameter.empty}
@@ -251,8 +219,7 @@ def _token_delta(session_id, arguments):
     delta = {name: _count(name, arguments[name]) for name in COUNT_FIELDS}
     delta.update({name: _cost(name, arguments[name]) for name in COST_FIELDS})
     delta.update({name: _text(name, arguments[name]) for name in ROUTE_FIELDS})
-    delta["absolute"] = bool(arguments["absolute"])
-    delta["session_id"] = _session_id(session_id)
+    delta.update(absolute=bool(arguments["absolute"]), session_id=_session_id(session_id))
     return delta
 
 
@@ -301,29 +268,14 @@ def _text(name, value):
     return value
 
 
-def _merge(into, delta):
-    """Fold an adjacent delta of the same session and route into `into`."""
-    for name in COUNT_FIELDS:
-        into[name] += delta[name]
-    for name in COST_FIELDS:
-        if delta[name] is not None:
-            into[name] = (into[name] or 0.0) + delta[name]
-
-
-def _mergeable(last, delta):
-    return not last["absolute"] and not delta["absolute"] and last["session_id"] == delta["session_id"] \
-        and all(last[name] == delta[name] for name in ROUTE_FIELDS)
-
-
 def write_token_delta(conn, session_id, delta, now):
     """Apply one checked delta inside the caller's transaction."""
     conn.execute(_INSERT_BARE_SESSION_SQL, (session_id, delta["model"], now))
     counted = any(delta[name] for name in COUNT_FIELDS + COST_FIELDS)
     held = conn.execute("SELECT model, billing_provider, api_call_count FROM sessions WHERE id = ?",
                         (session_id,)).fetchone()
-    # Until a call has been counted the row only holds the route asked for at
-    # creation; the first call that counts usage (after a fallback, maybe
-    # another route) names the route the session really ran on.
+    # Until a call has been counted the row only holds the route asked for at creation; the first call
+    # that counts usage (after a fallback, maybe another route) names the route the session really ran on.
     if (counted and not (held["api_call_count"] or 0) and delta["model"] and delta["billing_provider"]
             and (held["model"], held["billing_provider"]) != (delta["model"], delta["billing_provider"])):
         conn.execute("UPDATE sessions SET model = ?, billing_provider = ?, billing_base_url = ?, billing_mode = ?"
@@ -335,11 +287,10 @@ def write_token_delta(conn, session_id, delta, now):
     # The usage row's route: the delta's, else what the session row holds now.
     route = conn.execute("SELECT model, billing_provider, billing_base_url, billing_mode FROM sessions"
                          " WHERE id = ?", (session_id,)).fetchone()
-    row = dict(params, task="", now=now, model=delta["model"] or route["model"] or "unknown",
-               estimated_cost_usd=delta["estimated_cost_usd"] or 0.0,
-               actual_cost_usd=delta["actual_cost_usd"] or 0.0,
-               **{c: delta[c] or route[c] or "" for c in _ROUTE_COLUMNS[1:]})
-    conn.execute(_ADD_MODEL_USAGE_SQL, row)
+    conn.execute(_ADD_MODEL_USAGE_SQL, dict(
+        params, task="", now=now, model=delta["model"] or route["model"] or "unknown",
+        **{c: delta[c] or 0.0 for c in COST_FIELDS},
+        **{c: delta[c] or route[c] or "" for c in _ROUTE_COLUMNS[1:]}))
 
 
 def apply_token_batch(conn, batch):
@@ -360,15 +311,18 @@ class TokenQueue:
     """Token deltas in call order, adjacent ones of one session and route merged."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._pending = []
-        self._since = None
-        self._owner = None
+        self._lock, self._pending, self._since, self._owner = threading.Lock(), [], None, None
 
     def add(self, owner, delta):
         with self._lock:
-            if self._pending and _mergeable(self._pending[-1], delta):
-                _merge(self._pending[-1], delta)
+            last = self._pending[-1] if self._pending else None
+            if last and not (last["absolute"] or delta["absolute"]) \
+                    and all(last[name] == delta[name] for name in ("session_id",) + ROUTE_FIELDS):
+                for name in COUNT_FIELDS:
+                    last[name] += delta[name]
+                for name in COST_FIELDS:
+                    if delta[name] is not None:
+                        last[name] = (last[name] or 0.0) + delta[name]
             else:
                 self._pending.append(delta)
             if self._since is None:
@@ -378,9 +332,6 @@ class TokenQueue:
     def is_stale(self):
         since = self._since
         return since is not None and time.monotonic() - since > TOKEN_QUEUE_MAX_AGE
-
-    def __bool__(self):
-        return bool(self._pending)
 
     def __len__(self):
         return len(self._pending)
