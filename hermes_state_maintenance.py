@@ -261,8 +261,8 @@ class SessionMaintenanceMixin:
 
     def prune_empty_ghost_sessions(self, sessions_dir=None):
         """Delete ended, untitled TUI sessions over a day old that never got a message; returns how many.
-        Raises sqlite3.IntegrityError, deleting nothing, if one has children (as hermes-agent's foreign
-        key)."""
+        Raises sqlite3.IntegrityError, deleting nothing, if one has children (hermes-agent's foreign key
+        refuses that)."""
         return self._delete_selected(
             "SELECT id FROM sessions AS s WHERE source = 'tui' AND title IS NULL AND ended_at IS NOT NULL"
             " AND started_at < ? AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)",
