@@ -93,11 +93,9 @@ def collect_state_db_stats(db_path):
         return stats
 
     def value(sql, params=(), cast=int):
-        try:
+        with contextlib.suppress(Exception):  # None, as for a missing row
             row = conn.execute(sql, params).fetchone()
             return None if row is None or row[0] is None else cast(row[0])
-        except Exception:
-            return None
 
     with contextlib.closing(conn):
         for key in ("page_count", "page_size", "freelist_count"):
@@ -167,7 +165,8 @@ def _db_opens_cleanly(db_path):
             try:
                 conn.execute(f"SELECT 1 FROM {table} WHERE {table} MATCH '\"\"' LIMIT 1").fetchone()
             except sqlite3.DatabaseError as exc:
-                if not isinstance(exc, sqlite3.OperationalError) or not (_capability_gap(exc) or _not_built(exc)):
+                if not isinstance(exc, sqlite3.OperationalError) \
+                        or not (_capability_gap(exc) or _not_built(exc)):
                     return f"fts5 read probe failed on {table}: {exc}"
         return _write_probe(conn)
     except sqlite3.DatabaseError as exc:

@@ -165,8 +165,8 @@ def _rollback_journal(conn, current, bug_label, verify):
     if current is None:
         if verify:
             raise sqlite3.OperationalError(
-                "journal_mode=delete was asked for but the current mode cannot be read (the database is locked;"
-                " another process may hold it in WAL); the journal mode was left as it is")
+                "journal_mode=delete was asked for but the current mode cannot be read (the database is"
+                " locked; another process may hold it in WAL); the journal mode was left as it is")
         _warn_reset_bug(bug_label, "its journal mode cannot be read, so it is left as it is")
         return "wal"
     try:
@@ -228,12 +228,12 @@ def _ensure_writable(path, home, db_label, folder):
                 if path.name.endswith("-wal") else "")
     raise sqlite3.OperationalError(
         f"{db_label} is not writable: the {'folder' if folder else 'file'} {path} is read-only for this user. "
-        f"Fix it with: chmod {'u+rwx' if folder else 'u+rw'} '{path}' (a file of another user may need sudo or chown).{keep_wal}")
+        f"Fix it with: chmod {'u+rwx' if folder else 'u+rw'} '{path}' (a file of another user may need sudo"
+        f" or chown).{keep_wal}")
 
 
 def _inside(path, home):
-    try:
+    with contextlib.suppress(OSError, ValueError):
         resolved = path.resolve()
-    except (OSError, ValueError):
-        return False
-    return resolved == home or home in resolved.parents
+        return resolved == home or home in resolved.parents
+    return False
