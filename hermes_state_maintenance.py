@@ -34,10 +34,9 @@ _COST = "COALESCE(s.actual_cost_usd, s.estimated_cost_usd, 0)"
 _LIKE = "LOWER(COALESCE({}, '')) LIKE ? ESCAPE '\\'"
 # Prune deletes only ended sessions; count_open_prune_matches flips this guard alone.
 _ENDED = "s.ended_at IS NOT NULL"
-# hermes-agent's bulk prune/archive filters, all ANDed. "bound": applies when not None; "exact": when truthy;
-# "like": case-insensitive substring of a column; "lower": case-insensitive equality; "cwd": the path or
-# anything under it; "flag": archived True/False selects one side, anything else both. Activity is the newest
-# message, else the start.
+# hermes-agent's bulk prune/archive filters, all ANDed: "bound" applies when not None, "flag" when True or
+# False (else both sides), the others when truthy ("like": a case-insensitive substring, "lower": equality
+# ignoring case, "cwd": the path or below). Activity is the newest message, else the start.
 _PRUNE_FILTERS = {
     "last_active_before": ("bound", MESSAGES_LAST_ACTIVE_SQL + " < ?"),
     "last_active_after": ("bound", MESSAGES_LAST_ACTIVE_SQL + " >= ?"),
