@@ -260,8 +260,7 @@ class SessionMaintenanceMixin:
 
     def prune_empty_ghost_sessions(self, sessions_dir=None):
         """Delete ended, untitled TUI sessions over a day old that never got a message; returns how many.
-        Raises sqlite3.IntegrityError, deleting nothing, if one has children (hermes-agent's foreign key
-        refuses that)."""
+        Like hermes-agent, raises sqlite3.IntegrityError and deletes nothing if one of them has children."""
         return self._delete_selected(
             "SELECT id FROM sessions AS s WHERE source = 'tui' AND title IS NULL AND ended_at IS NOT NULL"
             " AND started_at < ? AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)",
@@ -281,8 +280,7 @@ class SessionMaintenanceMixin:
         return len(self._delete_committed(write, sessions_dir))
 
     def _delete_committed(self, write, sessions_dir):
-        """The session ids `write(conn)` deleted (None or [] if none), once committed, messages swept and
-        files in `sessions_dir` removed."""
+        """The ids `write(conn)` deleted (None or [] if none), once committed, swept and files removed."""
         removed = self._execute_write(write)
         self._sweep_deleted_messages()
         _remove_transcripts(sessions_dir, removed)
@@ -334,8 +332,7 @@ class SessionMaintenanceMixin:
         return self._sweep_deleted_messages()
 
     def _sweep_before_reuse(self, session_id):
-        """How many messages a deletion of `session_id` (or of an id starting with it) left went, before a row
-        is made under it; 0 after one read when none."""
+        """How many messages a deletion of `session_id` (or of ids it prefixes) left went, before reuse."""
         return self._sweep_deleted_messages(SWEEP_META_PREFIX + session_id)
 
     def _sweep_chunk(self, conn, prefix):
@@ -371,7 +368,7 @@ class SessionMaintenanceMixin:
         return statuses
 
     def list_cron_job_runs(self, job_id, limit=20, offset=0):
-        """Sessions cron job `job_id` ran (ids `cron_<job_id>_...`) as list_sessions_rich rows, newest first;
+        """Runs of cron job `job_id` (ids `cron_<job_id>_...`) as list_sessions_rich rows, newest first;
         [] if none."""
         return self._resolved(self._read_all(
             SESSION_RICH_COLUMNS_SQL + " WHERE s.source = 'cron' AND s.id >= ? AND s.id < ?"
@@ -379,8 +376,7 @@ class SessionMaintenanceMixin:
             (*prefix_bounds(f"cron_{job_id}_"), limit, offset)))
 
     def find_pr_url_messages(self, session_ids):
-        """[{session_id, content}] of these sessions' tool results mentioning '/pull/', oldest first; [] if
-        none."""
+        """[{session_id, content}] of their tool results naming '/pull/', oldest first; [] if none."""
         ids = [sid for sid in session_ids if sid]
         # hermes-agent's chunks of 900, so that more ids than one chunk come back in the same order.
         return [dict(row) for chunk in chunked(ids, 900) for row in self._read_all(
@@ -416,8 +412,7 @@ class SessionMaintenanceMixin:
                 pairs))
 
     def retag_kanban_worker_sessions(self, workspaces_root):
-        """How many 'cli' sessions run in `workspaces_root` or below became 'kanban'; 0 after the first call
-        per root."""
+        """How many 'cli' sessions at or under `workspaces_root` became 'kanban'; 0 if that root was done."""
         prefix = str(workspaces_root).rstrip("/\\")
         gate = f"kanban_worker_source_retagged:{prefix}"
         if not prefix or self.get_meta(gate) == "1":

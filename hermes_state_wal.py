@@ -206,8 +206,7 @@ def _warn_reset_bug(db_label, action):
 
 
 def _warn_once(db_label, level, text):
-    """Log `text` once per process, database label and level: a database opened per operation must not flood
-    the log."""
+    """Log `text` once per process, label and level: a database opened per operation must not flood logs."""
     with _warned_lock:
         if (db_label, level) in _warned:
             return
