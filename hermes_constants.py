@@ -1,12 +1,12 @@
 """Where the Hermes home is, and the well-known paths inside it.
 
-Owns hermes-agent's home-location family, with its behaviour: the folder holding state.db (a
-per-context override, then HERMES_HOME, then the platform default), the profile root, legacy-or-new
-subfolders, the display form, the subprocess HOME policy. Never creates a folder (bar the 0700 chmod
-of `secure_parent_dir`) and never touches a database. hermes-agent's own hermes_constants.py has many
-more names; our state modules import from here only names it also has, so they run beside it.
+Owns hermes-agent's home-location family with its behaviour: the home (a per-context override, then
+HERMES_HOME, then the platform default), the profile root, legacy-or-new subfolders, the display form,
+the subprocess HOME policy. Never creates a folder (bar `secure_parent_dir`'s chmod) nor touches a
+database. Holds only names hermes-agent's own hermes_constants.py also has, so both run side by side.
 """
 
+import contextlib
 import contextvars
 import os
 import stat
@@ -36,8 +36,7 @@ def get_hermes_home_override():
 def _platform_default_home():
     if sys.platform == "win32":
         local = os.environ.get("LOCALAPPDATA", "").strip()
-        base = Path(local) if local else Path.home() / "AppData" / "Local"
-        return base / "hermes"
+        return (Path(local) if local else Path.home() / "AppData" / "Local") / "hermes"
     return Path.home() / ".hermes"
 
 
@@ -72,8 +71,7 @@ def hermes_home_key(path=None):
 def get_default_hermes_root():
     """The folder holding every profile: the platform default when HERMES_HOME is unset or under it;
     `<root>` when HERMES_HOME is `<root>/profiles/<name>` elsewhere (a container); else HERMES_HOME."""
-    native = _platform_default_home()
-    env = os.environ.get("HERMES_HOME", "")
+    native, env = _platform_default_home(), os.environ.get("HERMES_HOME", "")
     if not env:
         return native
     env_path = Path(env)
@@ -95,22 +93,16 @@ def _has_content(path):
         return False
     except OSError:
         return True
-    if not stat.S_ISDIR(mode):
-        return True
     try:
-        next(path.iterdir())
-    except StopIteration:
-        return False
+        return not stat.S_ISDIR(mode) or next(path.iterdir(), None) is not None
     except OSError:
         return True
-    return True
 
 
 def get_hermes_dir(new_subpath, old_name, *, home=None):
     """`<home>/<old_name>` when that legacy path holds something, else `<home>/<new_subpath>`."""
     home = home or get_hermes_home()
-    legacy = home / old_name
-    return legacy if _has_content(legacy) else home / new_subpath
+    return home / old_name if _has_content(home / old_name) else home / new_subpath
 
 
 def display_hermes_home():
@@ -125,12 +117,9 @@ def display_hermes_home():
 def secure_parent_dir(path):
     """chmod 0700 the folder holding `path`, unless it is `/` or a top-level folder; errors ignored."""
     parent = Path(path).parent.resolve()
-    if len(parent.parts) < 3:
-        return
-    try:
-        os.chmod(parent, 0o700)
-    except OSError:
-        pass
+    if len(parent.parts) >= 3:
+        with contextlib.suppress(OSError):
+            os.chmod(parent, 0o700)
 
 
 # -- HOME for the programs the agent starts -----------------------------------------
@@ -145,10 +134,8 @@ def _same_path(a, b):
 def _profile_home(env):
     """`<HERMES_HOME>/home` when that folder exists, else None."""
     home = get_hermes_home_override() or (env or {}).get("HERMES_HOME") or os.getenv("HERMES_HOME")
-    if not home:
-        return None
-    candidate = os.path.join(home, "home")
-    return candidate if os.path.isdir(candidate) else None
+    candidate = os.path.join(home, "home") if home else None
+    return candidate if candidate and os.path.isdir(candidate) else None
 
 
 def _env(env, name):
@@ -159,11 +146,9 @@ def get_real_home(env=None):
     """The OS user's own home folder, never the profile's `<HERMES_HOME>/home`; "/tmp" when none is found."""
     env = env or {}
     candidates = [_env(env, "HERMES_REAL_HOME"), _env(env, "HOME")]
-    try:
+    with contextlib.suppress(ImportError, KeyError, OSError):
         import pwd
         candidates.append(pwd.getpwuid(os.getuid()).pw_dir.strip())
-    except (ImportError, KeyError, OSError):
-        pass
     candidates.append(_env(env, "USERPROFILE"))
     drive, tail = _env(env, "HOMEDRIVE"), _env(env, "HOMEPATH")
     if drive and tail:
@@ -171,10 +156,7 @@ def get_real_home(env=None):
     expanded = os.path.expanduser("~")
     candidates.append("" if expanded == "~" else expanded)
     profile = _profile_home(env)
-    for candidate in candidates:
-        if candidate and not _same_path(candidate, profile):
-            return candidate
-    return "/tmp"
+    return next((c for c in candidates if c and not _same_path(c, profile)), "/tmp")
 
 
 def _in_container():
@@ -183,12 +165,9 @@ def _in_container():
         return True
     markers = ("docker", "podman", "/lxc/", "kubepods", "containerd", "crio")
     for proc_file in ("/proc/1/cgroup", "/proc/self/mountinfo"):
-        try:
-            with open(proc_file, encoding="utf-8", errors="replace") as handle:
-                if any(marker in handle.read() for marker in markers):
-                    return True
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open(proc_file, encoding="utf-8", errors="replace") as handle:
+            if any(marker in handle.read() for marker in markers):
+                return True
     return False
 
 

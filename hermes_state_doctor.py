@@ -1,16 +1,13 @@
 """Probing and repairing a store from outside SessionDB: the helpers hermes-agent imports from
 hermes_state for `hermes doctor`, `hermes status` and `hermes sessions repair`.
 
-Owns the health probe (`_db_opens_cleanly`), the forensic backup, the escalating schema/index repair,
-the read-only stats, the count of processes holding the file, and the SQLite runtime facts. Each
-works on a path with short-lived SQLite connections, never a SessionDB, so a store whose schema does
-not parse can still be probed and repaired.
-
-Never opens the store or its -wal, -shm or -journal with anything but SQLite while this process may
-hold a connection to it: closing any descriptor of a file drops every POSIX lock the process holds on
-it, SQLite's included. Backups go through SQLite's backup API; holders are counted from /proc
-symlinks. Never deletes a session or message row, nor a backup: a repair rebuilds or drops search
-indexes and duplicate schema entries only.
+Owns the health probe, the forensic backup, the escalating schema/index repair, the read-only stats, the
+count of processes holding the file and the SQLite runtime facts, each on a path with short-lived SQLite
+connections (never a SessionDB), so a store whose schema does not parse can still be probed and repaired.
+Never opens the store or a sidecar with anything but SQLite while this process may hold a connection to
+it: closing any descriptor of a file drops every POSIX lock the process holds on it, SQLite's included.
+Never deletes a session or message row, nor a backup: a repair rebuilds or drops search indexes and
+duplicate schema entries only.
 """
 
 import contextlib
@@ -44,12 +41,11 @@ _SIDECARS = ("-wal", "-shm", "-journal")
 REPAIR_LOCK_WAIT = 120.0
 
 
-
 # -- the SQLite runtime ----------------------------------------------------------
 
 def is_sqlite_wal_reset_vulnerable(version_info=None):
-    """True if this SQLite (or `version_info`, e.g. (3, 45, 1)) has the WAL-reset bug (3.7.0 to 3.51.2;
-    fixed in 3.51.3 and the 3.50.7 / 3.44.6 backports)."""
+    """True if this SQLite (or `version_info`, e.g. (3, 45, 1)) has the WAL-reset bug (3.7.0 to 3.51.2; fixed
+    in 3.51.3 and the 3.50.7 / 3.44.6 backports)."""
     parts = [int(p) for p in (sqlite3.sqlite_version_info if version_info is None else version_info)][:3]
     return sqlite_has_wal_reset_bug(tuple(parts + [0] * (3 - len(parts))))
 
@@ -57,11 +53,8 @@ def is_sqlite_wal_reset_vulnerable(version_info=None):
 def sqlite_source_id():
     """SQLite's `sqlite_source_id()` (build date and check-in hash); '' if it cannot be read."""
     try:
-        conn = sqlite3.connect(":memory:")
-        try:
+        with contextlib.closing(sqlite3.connect(":memory:")) as conn:
             value = conn.execute("SELECT sqlite_source_id()").fetchone()[0]
-        finally:
-            conn.close()
     except sqlite3.Error:
         return ""
     return "" if value is None else str(value)
@@ -83,12 +76,10 @@ def _wal_reset_repair_hint():
     return command
 
 
-
 # -- read-only reports -------------------------------------------------------------
 
 def collect_state_db_stats(db_path):
-    """A read-only snapshot for doctor, every key of `stats` below present (None when unreadable);
-    never raises or writes."""
+    """A read-only snapshot for doctor, with every key below (None if unreadable); never raises or writes."""
     stats = dict.fromkeys(("page_count", "page_size", "freelist_count", "logical_size_bytes", "wal_size_bytes",
                            "journal_mode", "messages", "sessions", "fts_tables", "fts_storage_version",
                            "fts_rebuild_pending", "fts_rebuild_high_water", "fts_rebuild_progress"))
@@ -96,26 +87,24 @@ def collect_state_db_stats(db_path):
     with contextlib.suppress(OSError):
         stats["wal_size_bytes"] = wal.stat().st_size if wal.exists() else 0
     try:
-        conn = sqlite3.connect(Path(db_path).resolve().as_uri() + "?mode=ro", uri=True, timeout=2.0)
+        conn = _connect(db_path, "ro", timeout=2.0)
     except Exception as exc:
         logger.debug("collect_state_db_stats: cannot open %s read-only: %s", db_path, exc)
         return stats
 
     def value(sql, params=(), cast=int):
-        try:
+        with contextlib.suppress(Exception):  # None, as for a missing row
             row = conn.execute(sql, params).fetchone()
             return None if row is None or row[0] is None else cast(row[0])
-        except Exception:
-            return None
 
-    try:
+    with contextlib.closing(conn):
         for key in ("page_count", "page_size", "freelist_count"):
             stats[key] = value(f"PRAGMA {key}")
         if stats["page_count"] is not None and stats["page_size"] is not None:
             stats["logical_size_bytes"] = stats["page_count"] * stats["page_size"]
         stats["journal_mode"] = value("PRAGMA journal_mode", cast=str)
-        stats["messages"] = value("SELECT COUNT(*) FROM messages")
-        stats["sessions"] = value("SELECT COUNT(*) FROM sessions")
+        for table in ("messages", "sessions"):
+            stats[table] = value(f"SELECT COUNT(*) FROM {table}")
         ours = False
         with contextlib.suppress(Exception):
             present = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -126,19 +115,17 @@ def collect_state_db_stats(db_path):
                                    for index, table in HERMES_FTS_TABLES.items()}
         meta = "SELECT value FROM state_meta WHERE key = ?"
         stats["fts_storage_version"] = value(meta, (META_FTS_STORAGE_VERSION,))
-        marks = (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS) if ours else (META_FTS_REBUILD_HIGH_WATER,
-                                                                                META_FTS_REBUILD_PROGRESS)
+        marks = (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS) if ours else (
+            META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)
         high_water = stats["fts_rebuild_high_water"] = value(meta, (marks[0],))
         progress = stats["fts_rebuild_progress"] = value(meta, (marks[1],))
         stats["fts_rebuild_pending"] = high_water is not None and (progress or 0) < high_water
-    finally:
-        conn.close()
     return stats
 
 
 def count_db_holders(db_path):
-    """How many processes have `db_path` open, from /proc/*/fd (Linux); None elsewhere or on error.
-    A lower bound (other users' processes are invisible without root); opens no file."""
+    """How many processes have `db_path` open, from /proc/*/fd (Linux; a lower bound, other users' are
+    invisible without root); None elsewhere or on error."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -150,25 +137,20 @@ def count_db_holders(db_path):
 
 def _open_files(pid):
     """The paths process `pid` has open (its /proc fd symlinks); empty if unreadable."""
-    folder = f"/proc/{pid}/fd"
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return set()
-    paths = set()
-    for name in names:
-        with contextlib.suppress(OSError):
-            paths.add(os.readlink(f"{folder}/{name}"))
+    paths, folder = set(), f"/proc/{pid}/fd"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            with contextlib.suppress(OSError):
+                paths.add(os.readlink(f"{folder}/{name}"))
     return paths
-
 
 
 # -- the health probe ---------------------------------------------------------------
 
 def _db_opens_cleanly(db_path):
-    """None if the store parses, passes integrity_check, answers its search indexes and takes a message
-    write (rolled back); else the reason. A runtime lacking FTS5, trigram or hermes-agent's cjk
-    tokenizer, and a store not yet built, count as healthy. Never creates the file."""
+    """None if the store parses, passes integrity_check, answers its search indexes and takes a message write
+    (rolled back); else the reason. A runtime lacking FTS5, trigram or hermes-agent's cjk tokenizer, and a
+    store not yet built, count as healthy. Never creates the file."""
     try:
         conn = _connect(db_path)
     except sqlite3.Error as exc:
@@ -182,11 +164,10 @@ def _db_opens_cleanly(db_path):
         for table in _FTS_TABLES:
             try:
                 conn.execute(f"SELECT 1 FROM {table} WHERE {table} MATCH '\"\"' LIMIT 1").fetchone()
-            except sqlite3.OperationalError as exc:
-                if not (_capability_gap(exc) or _not_built(exc)):
-                    return f"fts5 read probe failed on {table}: {exc}"
             except sqlite3.DatabaseError as exc:
-                return f"fts5 read probe failed on {table}: {exc}"
+                if not isinstance(exc, sqlite3.OperationalError) \
+                        or not (_capability_gap(exc) or _not_built(exc)):
+                    return f"fts5 read probe failed on {table}: {exc}"
         return _write_probe(conn)
     except sqlite3.DatabaseError as exc:
         return str(exc)
@@ -222,10 +203,10 @@ def _not_built(exc):
     return "no such table" in text or "no such column" in text
 
 
-def _connect(db_path):
-    """A connection to an existing store (never creates one), autocommit."""
-    return sqlite3.connect(Path(db_path).resolve().as_uri() + "?mode=rw", uri=True, isolation_level=None)
-
+def _connect(db_path, mode="rw", timeout=5.0):
+    """An autocommit connection to an existing store (never creates one)."""
+    return sqlite3.connect(f"{Path(db_path).resolve().as_uri()}?mode={mode}", uri=True, isolation_level=None,
+                           timeout=timeout)
 
 
 # -- backup ---------------------------------------------------------------------------
@@ -234,10 +215,9 @@ def _backup_db_file(db_path):
     """(backup path, None) after copying the store to `<name>.malformed-backup-<time>[_n]` beside it,
     owner-only; (None, the reason) when no copy could be made.
 
-    SQLite's backup API makes a consistent copy, committed WAL included. A file SQLite cannot read is
-    copied byte for byte with its sidecars, only while this process has none of them open (a copy
-    would close a descriptor and cancel our own locks).
-    """
+    SQLite's backup API copies consistently, committed WAL included. A file SQLite cannot read is copied byte
+    for byte with its sidecars, only while this process has none of them open (a copy would close a descriptor
+    and cancel our own locks)."""
     db_path = Path(db_path)
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
     target, n = db_path.with_name(f"{db_path.name}.malformed-backup-{stamp}"), 0
@@ -267,17 +247,11 @@ def _backup_db_file(db_path):
 
 def _sqlite_copy(db_path, target):
     os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))  # private from the start
-    source = sqlite3.connect(Path(db_path).resolve().as_uri() + "?mode=ro", uri=True)
-    try:
-        copy = sqlite3.connect(target)
-        try:
-            source.backup(copy)
-            with contextlib.suppress(sqlite3.DatabaseError):  # a copy of a damaged schema keeps its WAL flag
-                copy.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
-        finally:
-            copy.close()
-    finally:
-        source.close()
+    with contextlib.closing(_connect(db_path, "ro")) as source, \
+            contextlib.closing(sqlite3.connect(target)) as copy:
+        source.backup(copy)
+        with contextlib.suppress(sqlite3.DatabaseError):  # a copy of a damaged schema keeps its WAL flag
+            copy.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
 
 
 def _process_has_open(db_path):
@@ -288,21 +262,18 @@ def _process_has_open(db_path):
     return bool(wanted & _open_files("self"))
 
 
-
 # -- repair -----------------------------------------------------------------------------
 
 def repair_state_db_schema(db_path, *, backup=True):
-    """{"repaired", "strategy", "backup_path", "error"} after repairing a store whose schema does not
-    parse or whose search indexes reject writes; 'already_healthy' for a healthy one.
+    """{"repaired", "strategy", "backup_path", "error"} after repairing a store whose schema does not parse or
+    whose search indexes reject writes; strategy 'already_healthy' for a healthy one.
 
     Strategies, least destructive first, each followed by the health probe: 'rebuild_fts' (in place),
-    'reindex_btree', 'dedup_schema' (the first of duplicate sqlite_master entries kept),
-    'drop_fts_rebuild' (every search index object dropped and the file vacuumed; the next writable
-    open rebuilds them). Unless `backup` is False, nothing is touched before `_backup_db_file`
-    succeeded; sessions and messages never are. Serialised across processes by `<name>.repair.lock`,
-    as hermes-agent does; our writers' `<name>.lock` is not taken, as closing a second descriptor of
-    it could drop the lock a SessionDB of this process holds where flock is emulated.
-    """
+    'reindex_btree', 'dedup_schema' (the first of duplicate sqlite_master entries kept), 'drop_fts_rebuild'
+    (every search index object dropped, the file vacuumed; the next writable open rebuilds them). Unless
+    `backup` is False, nothing is touched before `_backup_db_file` succeeded; sessions and messages never are.
+    Serialised across processes by hermes-agent's `<name>.repair.lock`; not by our `<name>.lock`, as closing a
+    second descriptor of it could drop the lock a SessionDB of this process holds where flock is emulated."""
     report = {"repaired": False, "strategy": None, "backup_path": None, "error": None}
     db_path = Path(db_path)
     if not db_path.exists():
@@ -326,11 +297,8 @@ def repair_state_db_schema(db_path, *, backup=True):
                 return report
         for strategy, surgery in _STRATEGIES:
             try:
-                conn = _connect(db_path)
-                try:
+                with contextlib.closing(_connect(db_path)) as conn:
                     surgery(conn)
-                finally:
-                    conn.close()
                 report["error"] = _db_opens_cleanly(db_path)
             except sqlite3.DatabaseError as exc:
                 report["error"] = str(exc)
@@ -397,44 +365,34 @@ def _bump_schema_cookie(conn):
 
 @contextlib.contextmanager
 def _exclusive(lock_path, wait):
-    """Yields True while holding an exclusive lock on `lock_path` (the repair lock, never a store file),
-    False if it stayed taken for `wait` seconds; True for a lock file that cannot be opened (the repair
-    still runs, serialised within this process only)."""
+    """Yields True while holding the lock on `lock_path` (the repair lock, never a store file), False if it
+    stayed taken for `wait` seconds; True if it cannot be opened (the repair then runs unserialised)."""
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
     except OSError as exc:
         logger.warning("could not open %s (%s); repairing without it", lock_path, exc)
         yield True
         return
-    deadline, held = time.monotonic() + wait, False
+    deadline, held = time.monotonic() + wait, _lock(fd)
     try:
-        while not held:
-            held = _try_lock(fd)
-            if held or time.monotonic() >= deadline:
-                break
+        while not held and time.monotonic() < deadline:
             time.sleep(0.1)
+            held = _lock(fd)
         yield held
     finally:
         if held:
-            _unlock(fd)
+            _lock(fd, take=False)
         os.close(fd)
 
 
-def _try_lock(fd):
+def _lock(fd, take=True):
+    """Take without waiting (True, or False while another holds it) or release the lock on `fd`."""
     try:
         if sys.platform == "win32":
             os.lseek(fd, 0, os.SEEK_SET)
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            msvcrt.locking(fd, msvcrt.LK_NBLCK if take else msvcrt.LK_UNLCK, 1)
         else:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if take else fcntl.LOCK_UN)
         return True
     except OSError:
         return False
-
-
-def _unlock(fd):
-    if sys.platform == "win32":
-        os.lseek(fd, 0, os.SEEK_SET)
-        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)

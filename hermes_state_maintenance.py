@@ -1,14 +1,14 @@
 """Keeping the store healthy: prune, archive and delete sessions; vacuum, stats, doctor; the small reports and
 one-shot fixes hermes-agent's commands run.
 
-Owns which sessions a prune, an archive or a delete selects, and what a delete takes with it: the messages,
-usage rows and Telegram topic bindings that hermes-agent's foreign keys remove with a session, the delegate
-subagents a parent spawned, the system prompts no session uses any more, and the transcript files of a
-`sessions_dir`. Relies on SessionDB's write and read paths, the sessions mixin's `set_session_archived` and
-`_resolved`, and the search mixin's `optimize_fts`, `search_health` and `fts_layout`. Never repairs the
-schema: that happens at open (hermes_state_schema) or in hermes_state_doctor.
+Owns which sessions a prune, archive or delete selects, and what a delete takes with it: messages, usage rows
+and Telegram topic bindings (as hermes-agent's foreign keys do), delegate subagents, system prompts no session
+uses any more, and transcript files in a `sessions_dir`. Relies on SessionDB's write and read paths and on
+other mixins' `set_session_archived`, `_resolved`, `optimize_fts`, `search_health` and `fts_layout`. Never
+repairs the schema: that happens at open (hermes_state_schema) or in hermes_state_doctor.
 """
 
+import contextlib
 import datetime
 import glob
 import json
@@ -31,39 +31,35 @@ logger = logging.getLogger("hermes_state")
 
 _TOKENS = "(COALESCE(s.input_tokens, 0) + COALESCE(s.output_tokens, 0))"
 _COST = "COALESCE(s.actual_cost_usd, s.estimated_cost_usd, 0)"
+_LIKE = "LOWER(COALESCE({}, '')) LIKE ? ESCAPE '\\'"
 # Prune deletes only ended sessions; count_open_prune_matches flips this guard alone.
 _ENDED = "s.ended_at IS NOT NULL"
-# hermes-agent's bulk prune/archive filters, all ANDed. "bound": applies when not None; "exact": when truthy;
-# "like": case-insensitive substring of a column; "lower": case-insensitive equality; "cwd": the path or
-# anything under it; "flag": archived True/False selects one side, anything else both. Activity is the newest
-# message, else the start.
+# hermes-agent's bulk prune/archive filters, all ANDed: "bound" applies when not None, "flag" when True or
+# False (else both sides), the others when truthy ("like": a case-insensitive substring, "lower": equality
+# ignoring case, "cwd": the path or below). Activity is the newest message, else the start.
 _PRUNE_FILTERS = {
     "last_active_before": ("bound", MESSAGES_LAST_ACTIVE_SQL + " < ?"),
     "last_active_after": ("bound", MESSAGES_LAST_ACTIVE_SQL + " >= ?"),
     "started_before": ("bound", "s.started_at < ?"), "started_after": ("bound", "s.started_at >= ?"),
-    "source": ("exact", "s.source = ?"),
-    "title_like": ("like", "s.title"),
-    "end_reason": ("exact", "s.end_reason = ?"),
-    "cwd_prefix": ("cwd", None),
+    "source": ("exact", "s.source = ?"), "title_like": ("like", _LIKE.format("s.title")),
+    "end_reason": ("exact", "s.end_reason = ?"), "cwd_prefix": ("cwd", None),
     "min_messages": ("bound", "s.message_count >= ?"), "max_messages": ("bound", "s.message_count <= ?"),
-    "model_like": ("like", "s.model"),
+    "model_like": ("like", _LIKE.format("s.model")),
     "provider": ("lower", "LOWER(COALESCE(s.billing_provider, '')) = ?"),
-    "user_id": ("exact", "s.user_id = ?"),
-    "chat_id": ("exact", "s.chat_id = ?"),
-    "chat_type": ("exact", "s.chat_type = ?"),
-    "branch_like": ("like", "s.git_branch"),
+    "user_id": ("exact", "s.user_id = ?"), "chat_id": ("exact", "s.chat_id = ?"),
+    "chat_type": ("exact", "s.chat_type = ?"), "branch_like": ("like", _LIKE.format("s.git_branch")),
     "min_tokens": ("bound", _TOKENS + " >= ?"), "max_tokens": ("bound", _TOKENS + " <= ?"),
     "min_cost": ("bound", _COST + " >= ?"), "max_cost": ("bound", _COST + " <= ?"),
     "min_tool_calls": ("bound", "COALESCE(s.tool_call_count, 0) >= ?"),
-    "max_tool_calls": ("bound", "COALESCE(s.tool_call_count, 0) <= ?"),
-    "archived": ("flag", None),
+    "max_tool_calls": ("bound", "COALESCE(s.tool_call_count, 0) <= ?"), "archived": ("flag", None),
 }
+_PRUNE_PARAM = {"bound": lambda v: v, "exact": lambda v: v, "lower": lambda v: v.lower(),
+                "like": lambda v: f"%{escape_like(v.lower())}%"}
 
 # Sessions the "delete empty" button removes: ended, unarchived, no messages counted.
 _EMPTY_SESSIONS_WHERE = "WHERE message_count = 0 AND ended_at IS NOT NULL AND archived = 0"
 _DELEGATE_ROWS_SQL = ("SELECT id, parent_session_id, model_config FROM sessions"
                       " WHERE instr(model_config, '_delegate_from') > 0")
-_HAS_CHILD_SQL = "SELECT 1 FROM sessions WHERE parent_session_id IN ({}) LIMIT 1"
 _SESSION_ROWS_DELETE_SQL = ("UPDATE sessions SET parent_session_id = NULL WHERE parent_session_id IN ({})",
                             "DELETE FROM session_model_usage WHERE session_id IN ({})",
                             "DELETE FROM sessions WHERE id IN ({})")
@@ -76,7 +72,6 @@ SWEEP_META_PREFIX = "hs_sweep_messages:"
 # When a delete last marked or swept: an open leaves the sweeps to a process that may still be at them.
 SWEEP_BEAT_META = "hs_sweep_beat"
 _SWEEP_PENDING_SQL = "SELECT 1 FROM state_meta WHERE key >= ? AND key < ? LIMIT 1"
-_SWEEPS_SQL = "SELECT key, CAST(value AS INTEGER) FROM state_meta WHERE key >= ? AND key < ? ORDER BY key LIMIT ?"
 _HAS_MESSAGES_SQL = "SELECT 1 FROM messages WHERE session_id = ? LIMIT 1"
 _MARKER_CANDIDATES_SQL = ("SELECT id, content FROM messages WHERE role = 'assistant'"
                           " AND tool_calls IS NOT NULL AND tool_calls != ''")
@@ -97,12 +92,11 @@ class SessionMaintenanceMixin:
     # -- selecting sessions for prune and archive ------------------------------
 
     def list_prune_candidates(self, older_than_days=None, source=None, **filters):
-        """Rows a matching prune_sessions or archive_sessions would touch, least recently active first.
+        """Rows (id, source, title, model, started_at, last_active, ended_at, message_count, archived) a
+        prune_sessions or archive_sessions with these filters would touch, least recently active first.
 
-        Each row has id, source, title, model, started_at, last_active, ended_at, message_count and archived.
         Only ended sessions qualify. `older_than_days` means inactive that long (newest message, else start)
-        unless a `last_active_before` or `started_before` filter is given. An unknown filter name raises
-        TypeError."""
+        unless `last_active_before` or `started_before` is given; an unknown filter raises TypeError."""
         where, params = _prune_where(older_than_days, source, filters)
         return [dict(row) for row in self._read_all(
             f"SELECT s.id, s.source, s.title, s.model, s.started_at, {MESSAGES_LAST_ACTIVE_SQL}"
@@ -116,22 +110,15 @@ class SessionMaintenanceMixin:
                                     params))
 
     def prune_sessions(self, older_than_days=90, source=None, sessions_dir=None, **filters):
-        """Delete the ended sessions matching the filters (see list_prune_candidates); returns how many.
-
-        Their children become roots. With `sessions_dir`, their transcript files there go too, after the
-        commit."""
+        """Delete the ended sessions list_prune_candidates selects (children become roots), and their files in
+        `sessions_dir`; returns how many."""
         where, params = _prune_where(older_than_days, source, filters)
-
-        def write(conn):
-            ids = [row[0] for row in conn.execute(f"SELECT s.id FROM sessions AS s WHERE {_ENDED}{where}",
-                                                  params)]
-            self._delete_sessions_in(conn, ids)
-            return ids
-        return len(self._delete_committed(write, sessions_dir))
+        return self._delete_selected(f"SELECT s.id FROM sessions AS s WHERE {_ENDED}{where}", params,
+                                     sessions_dir)
 
     def archive_sessions(self, older_than_days=None, source=None, **filters):
-        """Archive every session list_prune_candidates selects, each with its compression chain; returns how
-        many matched. Selects only unarchived ones unless `archived` is given."""
+        """Archive every session list_prune_candidates selects (only unarchived ones unless `archived` is
+        given), each with its compression chain; returns how many matched."""
         filters.setdefault("archived", False)
         rows = self.list_prune_candidates(older_than_days, source, **filters)
         for row in rows:
@@ -139,11 +126,9 @@ class SessionMaintenanceMixin:
         return len(rows)
 
     def archive_stale_sessions(self, idle_days, *, exclude_pinned=True):
-        """Archive sessions, open or ended, untouched for `idle_days`; returns how many.
-
-        Touched is the fresher of the activity heartbeat and the newest message. Only chain tips and
-        standalone sessions qualify; each archives its whole compression chain. A missing or negative
-        `idle_days` archives nothing."""
+        """Archive sessions, open or ended, whose heartbeat and newest message are older than `idle_days`,
+        each with its compression chain (chain tips and standalone ones only); returns how many (0 if
+        `idle_days` is None or negative)."""
         if idle_days is None or idle_days < 0:
             return 0
         pinned = " AND s.pinned = 0" if exclude_pinned else ""
@@ -158,51 +143,52 @@ class SessionMaintenanceMixin:
     def maybe_auto_prune_and_vacuum(self, retention_days=90, min_interval_hours=24, vacuum=True,
                                     sessions_dir=None, min_vacuum_interval_days=30):
         """Prune sessions inactive `retention_days`, at most once per `min_interval_hours`; returns
-        {"skipped", "pruned", "vacuumed"}, plus "error" when something failed: it never raises.
-
-        VACUUMs after a prune that deleted something, at most once per `min_vacuum_interval_days`, if the
-        store is at most AUTO_VACUUM_MAX_BYTES (a bigger one waits for optimize-storage)."""
+        {"skipped", "pruned", "vacuumed"}, plus "error" instead of raising. VACUUMs after a prune that deleted
+        something, at most once per `min_vacuum_interval_days`, a store of at most AUTO_VACUUM_MAX_BYTES."""
         result = {"skipped": False, "pruned": 0, "vacuumed": False}
-        try:
-            now = time.time()
-            if _within(self.get_meta("last_auto_prune"), now, min_interval_hours * 3600):
-                result["skipped"] = True
-                return result
+
+        def step(now):
             result["pruned"] = self.prune_sessions(older_than_days=retention_days, sessions_dir=sessions_dir)
-            vacuum_due = not _within(self.get_meta("last_vacuum"), now, min_vacuum_interval_days * 86400)
+            if not (vacuum and result["pruned"]) or _within(self.get_meta("last_vacuum"), now,
+                                                             min_vacuum_interval_days * 86400):
+                return
             size = store_file_bytes(self.db_path)
-            if vacuum and result["pruned"] and vacuum_due and size > self.AUTO_VACUUM_MAX_BYTES:
+            if size > self.AUTO_VACUUM_MAX_BYTES:
                 # VACUUM rewrites the file under the write lock, about 1 s per 50 MB here: past this size only
                 # a command that says so first (optimize-storage) may hold it that long.
                 logger.info("state.db is %.0f MB: no automatic VACUUM (it would hold the write lock for "
                             "seconds); `python -m hermes_state optimize-storage` reclaims the space",
                             size / 1e6)
-            elif vacuum and result["pruned"] and vacuum_due:
-                try:
-                    self.vacuum()
-                    result["vacuumed"] = True
-                    self.set_meta("last_vacuum", str(now))
-                except Exception as exc:
-                    logger.warning("state.db VACUUM failed: %s", exc)
-            self.set_meta("last_auto_prune", str(now))
-        except Exception as exc:
-            logger.warning("state.db auto-maintenance failed: %s", exc)
-            result["error"] = str(exc)
-        return result
+                return
+            try:
+                self.vacuum()
+                result["vacuumed"] = True
+                self.set_meta("last_vacuum", str(now))
+            except Exception as exc:
+                logger.warning("state.db VACUUM failed: %s", exc)
+        return self._when_due("last_auto_prune", min_interval_hours, "auto-maintenance", result, step)
 
     def maybe_auto_archive(self, idle_days=3, min_interval_hours=24, exclude_pinned=True):
         """archive_stale_sessions at most once per `min_interval_hours`; returns {"skipped", "archived"}, plus
         "error" when something failed: it never raises."""
         result = {"skipped": False, "archived": 0}
+
+        def step(now):
+            result["archived"] = self.archive_stale_sessions(idle_days, exclude_pinned=exclude_pinned)
+        return self._when_due("last_auto_archive", min_interval_hours, "auto-archive", result, step)
+
+    def _when_due(self, meta_key, min_interval_hours, what, result, step):
+        """`result` after `step(now)`, or with "skipped" if state_meta `meta_key` is under
+        `min_interval_hours` old; a failure is logged and put under "error", never raised."""
         try:
             now = time.time()
-            if _within(self.get_meta("last_auto_archive"), now, min_interval_hours * 3600):
+            if _within(self.get_meta(meta_key), now, min_interval_hours * 3600):
                 result["skipped"] = True
                 return result
-            result["archived"] = self.archive_stale_sessions(idle_days, exclude_pinned=exclude_pinned)
-            self.set_meta("last_auto_archive", str(now))
+            step(now)
+            self.set_meta(meta_key, str(now))
         except Exception as exc:
-            logger.warning("state.db auto-archive failed: %s", exc)
+            logger.warning("state.db %s failed: %s", what, exc)
             result["error"] = str(exc)
         return result
 
@@ -215,11 +201,10 @@ class SessionMaintenanceMixin:
         return [session_id] + sorted(_delegate_descendants(self._read_all(_DELEGATE_ROWS_SQL), [session_id]))
 
     def delete_session(self, session_id, sessions_dir=None, expected_delete_ids=None):
-        """Delete a session with its delegate subagents; False if unknown.
+        """Delete a session with its delegate subagents (other children become roots); False if unknown.
 
-        Other children become roots. With `expected_delete_ids`, nothing is deleted (False) unless the session
-        and its delegates are exactly that set when the write starts. With `sessions_dir`, their transcript
-        files there go too, after the commit."""
+        With `expected_delete_ids`, deletes nothing (False) unless those are exactly the session and its
+        delegates when the write starts. Their files in `sessions_dir` go after the commit."""
         expected = None if expected_delete_ids is None else set(expected_delete_ids)
 
         def write(conn):
@@ -228,20 +213,21 @@ class SessionMaintenanceMixin:
             delegates = _delegate_descendants(conn.execute(_DELEGATE_ROWS_SQL), [session_id])
             if expected is not None and expected != delegates | {session_id}:
                 return None
-            self._delete_sessions_in(conn, sorted(delegates) + [session_id])
-            return sorted(delegates) + [session_id]
+            ids = sorted(delegates) + [session_id]
+            self._delete_sessions_in(conn, ids)
+            return ids
         return self._delete_committed(write, sessions_dir) is not None
 
     def delete_sessions(self, session_ids, sessions_dir=None):
-        """Delete the sessions of `session_ids` that exist, with their delegates, in one transaction; returns
-        how many of the given ones existed. Other values are skipped."""
+        """Delete the given sessions that exist, with their delegates, in one transaction; returns how many
+        existed (non-text values are skipped)."""
         wanted = list({sid for sid in session_ids or () if isinstance(sid, str) and sid})
 
         def write(conn):
             existing = [row[0] for chunk in chunked(wanted) for row in conn.execute(
                 f"SELECT id FROM sessions WHERE id IN ({placeholders(len(chunk))})", chunk)]
-            delegates = (_delegate_descendants(conn.execute(_DELEGATE_ROWS_SQL), existing) if existing
-                         else set())
+            delegates = _delegate_descendants(conn.execute(_DELEGATE_ROWS_SQL), existing) if existing \
+                else set()
             self._delete_sessions_in(conn, sorted(delegates) + existing)
             return sorted(delegates), existing
         delegates, existing = self._execute_write(write) if wanted else ([], [])
@@ -270,41 +256,39 @@ class SessionMaintenanceMixin:
 
     def delete_empty_sessions(self, sessions_dir=None):
         """Delete every ended, unarchived session without messages; returns how many."""
-        def write(conn):
-            ids = [row[0] for row in conn.execute(f"SELECT id FROM sessions {_EMPTY_SESSIONS_WHERE}")]
-            self._delete_sessions_in(conn, ids)
-            return ids
-        return len(self._delete_committed(write, sessions_dir))
+        return self._delete_selected(f"SELECT id FROM sessions {_EMPTY_SESSIONS_WHERE}", (), sessions_dir)
 
     def prune_empty_ghost_sessions(self, sessions_dir=None):
-        """Delete ended, untitled TUI sessions older than a day that never got a message; returns how many.
+        """Delete ended, untitled TUI sessions over a day old that never got a message; returns how many.
+        Like hermes-agent, raises sqlite3.IntegrityError and deletes nothing if one of them has children."""
+        return self._delete_selected(
+            "SELECT id FROM sessions AS s WHERE source = 'tui' AND title IS NULL AND ended_at IS NOT NULL"
+            " AND started_at < ? AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)",
+            (time.time() - 86400,), sessions_dir, refuse_parents=True)
 
-        Raises sqlite3.IntegrityError, deleting nothing, if one of them has child sessions (hermes-agent's
-        foreign key refuses that delete)."""
+    def _delete_selected(self, sql, params, sessions_dir, refuse_parents=False):
+        """How many sessions `sql` selected and _delete_committed deleted; with `refuse_parents`,
+        sqlite3.IntegrityError and nothing deleted if one has children."""
         def write(conn):
-            ids = [row[0] for row in conn.execute(
-                "SELECT id FROM sessions AS s WHERE source = 'tui' AND title IS NULL AND ended_at IS NOT NULL"
-                " AND started_at < ? AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)",
-                (time.time() - 86400,))]
-            if any(conn.execute(_HAS_CHILD_SQL.format(placeholders(len(chunk))), chunk).fetchone()
-                   for chunk in chunked(ids)):
+            ids = [row[0] for row in conn.execute(sql, params)]
+            if refuse_parents and any(conn.execute(
+                    f"SELECT 1 FROM sessions WHERE parent_session_id IN ({placeholders(len(chunk))}) LIMIT 1",
+                    chunk).fetchone() for chunk in chunked(ids)):
                 raise sqlite3.IntegrityError("FOREIGN KEY constraint failed")
             self._delete_sessions_in(conn, ids)
             return ids
         return len(self._delete_committed(write, sessions_dir))
 
     def _delete_committed(self, write, sessions_dir):
-        """The session ids `write(conn)` deleted (None or [] if none), once committed, with their messages
-        swept and their transcript files in `sessions_dir` removed."""
+        """The ids `write(conn)` deleted (None or [] if none), once committed, swept and files removed."""
         removed = self._execute_write(write)
         self._sweep_deleted_messages()
         _remove_transcripts(sessions_dir, removed)
         return removed
 
     def _delete_sessions_in(self, conn, session_ids):
-        """Inside a write: delete sessions with the rows hermes-agent removes with them (usage, topic
-        bindings) and the system prompts left unused; returns how many sessions went. Their children become
-        roots; their messages are marked for _sweep_deleted_messages, which the caller runs after commit."""
+        """Inside a write: how many of the sessions went, with their usage rows, topic bindings and unused
+        prompts; children become roots, messages are marked for _sweep_deleted_messages (run after commit)."""
         bindings = conn.execute(TABLE_EXISTS_SQL, ("telegram_dm_topic_bindings",)).fetchone()
         deleted = 0
         for chunk in chunked(session_ids):
@@ -326,9 +310,8 @@ class SessionMaintenanceMixin:
         return deleted
 
     def _sweep_deleted_messages(self, prefix=SWEEP_META_PREFIX):
-        """Delete the messages of deleted sessions (those whose sweep key starts with `prefix`), this call's and
-        any an interrupted one left, DELETE_CHUNK_ROWS per transaction; returns how many went. When nothing is
-        left to sweep it only reads, so a delete of sessions without messages writes nothing for it."""
+        """How many messages of deleted sessions (sweep key under `prefix`, this call's or left by another)
+        went, DELETE_CHUNK_ROWS per transaction; only reads when nothing is left to sweep."""
         swept = 0
         while self._read_one(_SWEEP_PENDING_SQL, prefix_bounds(prefix)) is not None:
             if swept:
@@ -337,27 +320,26 @@ class SessionMaintenanceMixin:
         return swept
 
     def _finish_abandoned_sweeps(self):
-        """At a writable open, finish the sweeps a process that died left; returns how many messages went.
+        """At a writable open, how many messages of sweeps a dead process left went; only reads when none is
+        left or one went on under SWEEP_ALIVE_SECONDS ago.
 
-        Only reads when no sweep is left, or when one went on less than SWEEP_ALIVE_SECONDS ago. Readers are
-        not filtered meanwhile (a filter in every query that reads messages would cost more than it saves):
-        until then `get_messages` of a deleted id still returns its old rows, as it does during any sweep. A
-        session made again first sweeps its id (_sweep_before_reuse), so no new session ever shows a deleted
-        one's messages."""
+        Readers are not filtered meanwhile (a filter in every message query costs more than it saves), so
+        `get_messages` of a deleted id still returns its rows, as during any sweep; a session made again first
+        sweeps its id (_sweep_before_reuse)."""
         if self._read_one(_SWEEP_PENDING_SQL, prefix_bounds(SWEEP_META_PREFIX)) is None \
                 or _within(self.get_meta(SWEEP_BEAT_META), time.time(), self.SWEEP_ALIVE_SECONDS):
             return 0
         return self._sweep_deleted_messages()
 
     def _sweep_before_reuse(self, session_id):
-        """Before a session row is made under `session_id`, sweep what a deletion of that id left (and of any
-        id starting with it); returns how many messages went, 0 after one read when none."""
+        """How many messages a deletion of `session_id` (or of ids it prefixes) left went, before reuse."""
         return self._sweep_deleted_messages(SWEEP_META_PREFIX + session_id)
 
     def _sweep_chunk(self, conn, prefix):
         room = self.DELETE_CHUNK_ROWS
         write_meta(conn, SWEEP_BEAT_META, str(time.time()))
-        sweeps = conn.execute(_SWEEPS_SQL, (*prefix_bounds(prefix), SQL_CHUNK_SIZE)).fetchall()
+        sweeps = conn.execute("SELECT key, CAST(value AS INTEGER) FROM state_meta WHERE key >= ? AND key < ?"
+                              " ORDER BY key LIMIT ?", (*prefix_bounds(prefix), SQL_CHUNK_SIZE)).fetchall()
         for key, upto in sweeps:
             ids = [row[0] for row in conn.execute(
                 "SELECT id FROM messages WHERE session_id = ? AND id <= ? ORDER BY id LIMIT ?",
@@ -373,8 +355,8 @@ class SessionMaintenanceMixin:
     # -- reports -------------------------------------------------------------------
 
     def session_lifecycle_statuses(self, session_ids):
-        """{id: status} from each session's last message: 'complete', 'interrupted', 'error', or 'empty' for a
-        session without messages (or an unknown id); {} for no ids."""
+        """{id: 'complete', 'interrupted', 'error'} from each session's last message, 'empty' without messages
+        (or unknown); {} for no ids."""
         ids = [sid for sid in session_ids or () if sid]
         statuses = dict.fromkeys(ids, "empty")
         for chunk in chunked(ids):
@@ -386,16 +368,15 @@ class SessionMaintenanceMixin:
         return statuses
 
     def list_cron_job_runs(self, job_id, limit=20, offset=0):
-        """The sessions cron job `job_id` ran (ids `cron_<job_id>_...`), newest first, shaped as
-        list_sessions_rich rows; [] if none."""
+        """Runs of cron job `job_id` (ids `cron_<job_id>_...`) as list_sessions_rich rows, newest first;
+        [] if none."""
         return self._resolved(self._read_all(
             SESSION_RICH_COLUMNS_SQL + " WHERE s.source = 'cron' AND s.id >= ? AND s.id < ?"
             " ORDER BY s.started_at DESC, s.id DESC LIMIT ? OFFSET ?",
             (*prefix_bounds(f"cron_{job_id}_"), limit, offset)))
 
     def find_pr_url_messages(self, session_ids):
-        """[{session_id, content}] of the tool results in these sessions that mention '/pull/', oldest first
-        per session; [] if none."""
+        """[{session_id, content}] of their tool results naming '/pull/', oldest first; [] if none."""
         ids = [sid for sid in session_ids if sid]
         # hermes-agent's chunks of 900, so that more ids than one chunk come back in the same order.
         return [dict(row) for chunk in chunked(ids, 900) for row in self._read_all(
@@ -403,8 +384,8 @@ class SessionMaintenanceMixin:
             " AND role = 'tool' AND content LIKE '%/pull/%' ORDER BY id", chunk)]
 
     def list_skill_scaffolded_sessions(self, limit=200):
-        """[{id, title, content}] of titled sessions whose first user turn was a /skill invocation, newest
-        first; `content` is that whole turn. [] if none."""
+        """[{id, title, content}] of titled sessions whose first user turn (`content`) invoked /skill, newest
+        first; [] if none."""
         return [dict(row) for row in self._read_all(
             "SELECT s.id, s.title, m.content FROM sessions AS s JOIN messages AS m ON m.id ="
             " (SELECT f.id FROM messages AS f WHERE f.session_id = s.id AND f.role = 'user'"
@@ -431,8 +412,7 @@ class SessionMaintenanceMixin:
                 pairs))
 
     def retag_kanban_worker_sessions(self, workspaces_root):
-        """Move 'cli' sessions run in `workspaces_root` or below to source 'kanban', once per root; returns
-        how many changed (0 on later calls)."""
+        """How many 'cli' sessions at or under `workspaces_root` became 'kanban'; 0 if that root was done."""
         prefix = str(workspaces_root).rstrip("/\\")
         gate = f"kanban_worker_source_retagged:{prefix}"
         if not prefix or self.get_meta(gate) == "1":
@@ -446,11 +426,9 @@ class SessionMaintenanceMixin:
         return self._execute_write(write)
 
     def purge_stale_tool_call_markers(self, *, dry_run=False, backup=True):
-        """Empty assistant tool-call rows whose content is only a stale "[name]" marker; returns {"dry_run",
-        "rows_affected", "row_ids", "backup_path"}.
-
-        A dry run writes nothing. Otherwise, when rows are affected and `backup`, the store is first copied
-        with VACUUM INTO to `<name>.pre-clean-markers-backup-<time>`."""
+        """{"dry_run", "rows_affected", "row_ids", "backup_path"} after emptying assistant tool-call rows
+        whose content is only a stale "[name]" marker. A dry run writes nothing; with `backup`, the store is
+        first copied (VACUUM INTO) to `<name>.pre-clean-markers-backup-<time>`."""
         def affected(rows):
             return [row[0] for row in rows
                     if isinstance(row[1], str) and STALE_MARKER.fullmatch(row[1].strip())]
@@ -486,9 +464,8 @@ class SessionMaintenanceMixin:
     # -- vacuum, stats and doctor ----------------------------------------------------
 
     def vacuum(self):
-        """Merge the search indexes' segments, rewrite the file without free pages, truncate the WAL (left to
-        the replicator under an external checkpoint policy); returns how many indexes were merged (0 if
-        merging failed)."""
+        """How many search indexes were merged (0 if merging failed) before rewriting the file without free
+        pages and truncating the WAL (unless the replicator checkpoints)."""
         self._flush_token_counts()
         try:
             merged = self.optimize_fts()
@@ -514,37 +491,24 @@ class SessionMaintenanceMixin:
         """Counts and sizes for `stats`: sessions, messages, sources, file size, versions."""
         self._flush_token_counts()
         by_source = {row[0]: row[1] for row in self._read_all(SESSIONS_BY_SOURCE_SQL)}
-        return {
-            "db_path": str(self.db_path),
-            "db_bytes": store_file_bytes(self.db_path),
-            "sessions": sum(by_source.values()),
-            "sessions_by_source": by_source,
-            "messages_active": self._read_value(COUNT_ACTIVE_MESSAGES_SQL),
-            "messages_total": self._read_value(COUNT_ALL_MESSAGES_SQL),
-            "schema_version": self.schema_version(),
-            "fts_layout": self.fts_layout(),
-        }
+        return {"db_path": str(self.db_path), "db_bytes": store_file_bytes(self.db_path),
+                "sessions": sum(by_source.values()), "sessions_by_source": by_source,
+                "messages_active": self._read_value(COUNT_ACTIVE_MESSAGES_SQL),
+                "messages_total": self._read_value(COUNT_ALL_MESSAGES_SQL),
+                "schema_version": self.schema_version(), "fts_layout": self.fts_layout()}
 
     def doctor(self):
-        """Integrity, layouts, breadcrumbs, journal and runtime facts; `ok` is False on damage, a trigger
-        writing to a table or column the store lacks included (`trigger_damage`). Never raises on a damaged
-        file: a check that cannot run is reported as such."""
+        """Integrity, layouts, journal and runtime facts; `ok` is False on damage, `trigger_damage` included.
+        Never raises on a damaged file: a check that cannot run reports why."""
         integrity = _checked(lambda: [row[0] for row in self._read_all(INTEGRITY_CHECK_SQL)])
         report = {
-            "db_path": str(self.db_path),
-            "integrity_check": integrity,
-            "ok": integrity == ["ok"],
-            "sqlite_version": sqlite3.sqlite_version,
-            "fts5": self.fts_caps.fts5,
-            "trigram": self.fts_caps.trigram,
-            "wal_reset_bug": sqlite_has_wal_reset_bug(),
+            "db_path": str(self.db_path), "integrity_check": integrity, "ok": integrity == ["ok"],
+            "sqlite_version": sqlite3.sqlite_version, "fts5": self.fts_caps.fts5,
+            "trigram": self.fts_caps.trigram, "wal_reset_bug": sqlite_has_wal_reset_bug(),
             "journal_mode": _checked(lambda: self._read_value(JOURNAL_MODE_SQL)),
-            "journal_policy": self.policy.reason,
-            "checkpoint_mode": _checked(self._checkpoint_mode),
-            "schema_version": _checked(self.schema_version),
-            "schema_version_of_release": SCHEMA_VERSION,
-            "stale_schema": self.stale_schema,
-            "repairs_at_open": self.repairs,
+            "journal_policy": self.policy.reason, "checkpoint_mode": _checked(self._checkpoint_mode),
+            "schema_version": _checked(self.schema_version), "schema_version_of_release": SCHEMA_VERSION,
+            "stale_schema": self.stale_schema, "repairs_at_open": self.repairs,
         }
         search = _checked(self.search_health)
         report.update(search if isinstance(search, dict) else {"search_health": search})
@@ -561,25 +525,16 @@ def _prune_where(older_than_days, source, filters):
     if older_than_days is not None and filters.get("last_active_before") is None \
             and filters.get("started_before") is None:
         filters["last_active_before"] = time.time() - older_than_days * 86400
-    where, params = [], []
+    where, params = "", []
     for name, (kind, sql) in _PRUNE_FILTERS.items():
         value = filters.get(name)
-        if kind == "bound" and value is not None or kind == "exact" and value:
-            where.append(sql)
-            params.append(value)
-        elif kind == "like" and value:
-            where.append(f"LOWER(COALESCE({sql}, '')) LIKE ? ESCAPE '\\'")
-            params.append(f"%{escape_like(value.lower())}%")
-        elif kind == "lower" and value:
-            where.append(sql)
-            params.append(value.lower())
-        elif kind == "cwd" and value:
-            clause, values = cwd_prefix_clause(value)
-            where.append(clause)
+        if kind == "flag":
+            where += f" AND s.archived = {int(value)}" if value is True or value is False else ""
+        elif value is not None and (value or kind == "bound"):
+            clause, values = cwd_prefix_clause(value) if kind == "cwd" else (sql, [_PRUNE_PARAM[kind](value)])
+            where += " AND " + clause
             params.extend(values)
-        elif kind == "flag" and (value is True or value is False):
-            where.append(f"s.archived = {int(value)}")
-    return "".join(" AND " + clause for clause in where), params
+    return where, params
 
 
 def _within(stamp, now, seconds):
@@ -591,10 +546,9 @@ def _within(stamp, now, seconds):
 
 
 def _delegate_descendants(rows, parent_ids):
-    """Ids of the delegate subagents under `parent_ids`, at any depth, never the parents.
-
-    `rows` are (id, parent_session_id, model_config). A delegate carries model_config["_delegate_from"]: a
-    child is one whose marker names a parent, or which has a marker and a parent's id as parent_session_id."""
+    """Ids of the delegate subagents under `parent_ids` at any depth, never the parents; `rows` are (id,
+    parent_session_id, model_config). A delegate's model_config has "_delegate_from": its child is one whose
+    marker names it, or which has a marker and it as parent_session_id."""
     marked = []
     for session_id, parent, config in rows:
         try:
@@ -612,24 +566,20 @@ def _delegate_descendants(rows, parent_ids):
 
 
 def _remove_transcripts(sessions_dir, session_ids):
-    """Remove `<id>.json`, `<id>.jsonl` and `request_dump_<id>_*.json` of each session from `sessions_dir`,
-    as hermes-agent does. A file that cannot be removed stays, silently; an id that would reach outside the
-    folder is skipped."""
+    """Remove each session's `<id>.json`, `<id>.jsonl` and `request_dump_<id>_*.json` from `sessions_dir` as
+    hermes-agent does; a file that will not go stays, an id reaching outside the folder is skipped."""
     if sessions_dir is None or not session_ids:
         return
     folder = Path(sessions_dir)
     for session_id in map(str, session_ids):
         if Path(session_id).is_absolute() or ".." in Path(session_id).parts:
             continue
-        try:
+        dumps = []
+        with contextlib.suppress(OSError, ValueError):
             dumps = list(folder.glob(f"request_dump_{glob.escape(session_id)}_*.json"))
-        except (OSError, ValueError):
-            dumps = []
         for path in [folder / f"{session_id}.json", folder / f"{session_id}.jsonl"] + dumps:
-            try:
+            with contextlib.suppress(OSError):
                 path.unlink()
-            except OSError:
-                pass
 
 
 def _lifecycle_status(role, has_tool_calls, finish_reason):
@@ -637,9 +587,7 @@ def _lifecycle_status(role, has_tool_calls, finish_reason):
     if (finish_reason or "").strip().lower() in ("error", "agent_error", "content_filter"):
         return "error"
     role = (role or "").strip().lower()
-    if role in ("user", "tool") or role == "assistant" and has_tool_calls:
-        return "interrupted"
-    return "complete"
+    return "interrupted" if role in ("user", "tool") or role == "assistant" and has_tool_calls else "complete"
 
 
 def _checked(read):

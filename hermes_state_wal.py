@@ -1,17 +1,15 @@
 """Journal mode and file checks for hermes-agent's other SQLite databases.
 
-hermes-agent opens kanban.db, the cron, response and memory stores and its own tables in state.db
-with plain sqlite3 connections, and asks here for their journal mode (`apply_wal_with_fallback`),
-tuning pragmas (`apply_database_pragmas`) and whether their files are writable
-(`preflight_db_writability`). Those connections never take our writer lock, so on a runtime with
-SQLite's WAL-reset bug a file not yet in WAL stays out of it; one already in WAL is never switched
-back, as other processes may hold it open (README, "Journal policy").
-
-Owns no table and no connection: it sets pragmas on the connection it is handed and only stats and
-chmods files (never opens one, see "Locks we never break"). SessionDB's own journal policy lives in
-hermes_state.
+hermes-agent opens kanban.db, the cron, response and memory stores and its own tables in state.db with
+plain sqlite3 connections and asks here for their journal mode (`apply_wal_with_fallback`), tuning
+pragmas (`apply_database_pragmas`) and whether their files are writable (`preflight_db_writability`).
+Those connections never take our writer lock, so with SQLite's WAL-reset bug a file not yet in WAL stays
+out of it; one in WAL is never switched back, as other processes may hold it open (README, "Journal
+policy"). Owns no table and no connection: sets pragmas on the connection it is handed, and only stats
+and chmods files (never opens one, see "Locks we never break"). SessionDB's own policy is in hermes_state.
 """
 
+import contextlib
 import logging
 import os
 import sqlite3
@@ -44,24 +42,21 @@ class WalUnsupportedError(sqlite3.OperationalError):
 
 
 def resolve_journal_mode():
-    """'wal' or 'delete': HERMES_STATE_JOURNAL when set, else `database.journal_mode` of
-    hermes-agent's config.yaml when hermes-agent is installed, else 'wal'."""
-    raw = os.environ.get("HERMES_STATE_JOURNAL", "").strip().lower()
-    if not raw:
-        raw = str(hermes_agent_config_section("database").get("journal_mode", "wal")).strip().lower()
+    """'wal' or 'delete': HERMES_STATE_JOURNAL when set, else `database.journal_mode` of hermes-agent's
+    config.yaml when hermes-agent is installed, else 'wal'."""
+    raw = os.environ.get("HERMES_STATE_JOURNAL", "").strip().lower() or str(
+        hermes_agent_config_section("database").get("journal_mode", "wal")).strip().lower()
     return raw if raw in ("wal", "delete") else "wal"
 
 
 def apply_wal_with_fallback(conn, *, db_label="state.db", require_wal=False):
     """Set the journal mode of `conn`'s database; returns the mode now in force ('wal' or 'delete').
 
-    WAL stays WAL. Otherwise a runtime with the WAL-reset bug, or an operator asking for 'delete', gets
-    a rollback journal; else WAL, falling back to a rollback journal (logged once per `db_label`) where
-    the filesystem refuses it, or raising WalUnsupportedError there with `require_wal`. A mode that
-    cannot be read, or a file another connection holds, is left as it is. Raises
-    sqlite3.OperationalError when 'delete' was asked for and cannot be verified, and for errors other
-    than a filesystem's refusal of WAL.
-    """
+    WAL stays WAL. A runtime with the WAL-reset bug, or an operator asking for 'delete', gets a rollback
+    journal; else WAL, or where the filesystem refuses it a rollback journal (logged once per `db_label`) or,
+    with `require_wal`, WalUnsupportedError. A mode that cannot be read, or a file another connection holds,
+    is left as it is. Raises sqlite3.OperationalError when an asked-for 'delete' cannot be verified, and for
+    errors other than a refusal of WAL."""
     current = _current_mode(conn)
     if current == "wal":
         return _tune_wal(conn)
@@ -69,10 +64,10 @@ def apply_wal_with_fallback(conn, *, db_label="state.db", require_wal=False):
     if has_bug or asked_delete:
         return _rollback_journal(conn, current, db_label if has_bug else None, verify=asked_delete)
     try:
-        mode = _set_mode_with_retry(conn, "WAL")
+        mode = _journal_mode(conn, "WAL") or ""
     except sqlite3.OperationalError as exc:
-        if not any(marker in str(exc).lower() for marker in _WAL_INCOMPAT_MARKERS) or _current_mode(conn) in (
-                "wal", None):
+        if not any(marker in str(exc).lower() for marker in _WAL_INCOMPAT_MARKERS) \
+                or _current_mode(conn) in ("wal", None):
             raise
         if require_wal:
             raise WalUnsupportedError(str(exc)) from exc
@@ -90,8 +85,8 @@ def apply_wal_with_fallback(conn, *, db_label="state.db", require_wal=False):
 
 
 def apply_database_pragmas(conn, *, db_label="state.db"):
-    """Apply CONFIG_PRAGMAS from the `database:` section of hermes-agent's config.yaml; returns None.
-    Missing config, bad values and refused pragmas are skipped."""
+    """Apply CONFIG_PRAGMAS from the `database:` section of hermes-agent's config.yaml, skipping missing
+    config, bad values and refused pragmas; returns None."""
     config = hermes_agent_config_section("database")
     for name in CONFIG_PRAGMAS:
         raw = config.get(name)
@@ -106,13 +101,12 @@ def apply_database_pragmas(conn, *, db_label="state.db"):
 
 
 def preflight_db_writability(db_path, *, db_label="state.db"):
-    """Make sure the database, its -wal and -shm and their folder are readable and writable before a
-    connection opens; returns None (`:memory:` and `file:` URIs are skipped).
+    """Make the database, its -wal and -shm and their folder readable and writable before a connection opens;
+    returns None (`:memory:` and `file:` URIs are skipped).
 
-    Inside the hermes home a file gets `chmod u+rw` (a folder u+rwx); anything else, or a chmod that
-    does not help, raises sqlite3.OperationalError naming the file and the fixing command. Never
-    deletes or truncates a file (a -wal holds committed data).
-    """
+    Inside the hermes home a file gets `chmod u+rw` (a folder u+rwx); anything else, or a chmod that does not
+    help, raises sqlite3.OperationalError naming the file and the fix. Never deletes or truncates a file (a
+    -wal holds committed data)."""
     raw = str(db_path)
     if raw == ":memory:" or raw.startswith("file:"):
         return
@@ -129,58 +123,50 @@ def preflight_db_writability(db_path, *, db_label="state.db"):
             _ensure_writable(candidate, home, db_label, folder=False)
 
 
-_UNVERIFIED_DELETE = ("journal_mode=delete was asked for but the current mode cannot be read (the database "
-                      "is locked; another process may hold it in WAL); the journal mode was left as it is")
+def _journal_mode(conn, mode="", tries=3):
+    """What PRAGMA journal_mode[=<mode>] answers, lower case, None for nothing. A disk I/O error (transient on
+    some disks) is tried again, `tries` tries in all; other errors raise."""
+    for attempt in range(tries):
+        try:
+            row = conn.execute("PRAGMA journal_mode" + (f"={mode}" if mode else "")).fetchone()
+            break
+        except sqlite3.OperationalError as exc:
+            if "disk i/o error" not in str(exc).lower() or attempt == tries - 1:
+                raise
+            time.sleep(MODE_RETRY_PAUSE)
+    value = row[0] if row else None
+    value = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    return None if value is None else str(value).strip().lower()
 
 
 def _current_mode(conn):
     """The database's journal mode, lower case; None when it cannot be read."""
-    for attempt in range(MODE_READ_TRIES):
-        try:
-            row = conn.execute("PRAGMA journal_mode").fetchone()
-        except sqlite3.OperationalError as exc:
-            if "disk i/o error" not in str(exc).lower() or attempt == MODE_READ_TRIES - 1:
-                return None
-            time.sleep(MODE_RETRY_PAUSE)
-            continue
-        mode = row[0] if row else None
-        if isinstance(mode, bytes):
-            mode = mode.decode("ascii", "replace")
-        return str(mode).strip().lower() if mode is not None else None
-    return None
+    try:
+        return _journal_mode(conn, tries=MODE_READ_TRIES)
+    except sqlite3.OperationalError:
+        return None
 
 
 def _set_mode_no_wait(conn, mode):
-    """PRAGMA journal_mode=<mode> with busy_timeout 0, so another connection holding the file makes it
-    fail at once instead of slipping between its transactions; returns the mode set ('' for none)."""
+    """PRAGMA journal_mode=<mode> with busy_timeout 0, so another connection holding the file makes it fail at
+    once instead of slipping between its transactions; returns the mode set ('' for none)."""
     previous = conn.execute("PRAGMA busy_timeout").fetchone()[0]
     conn.execute("PRAGMA busy_timeout=0")
     try:
-        row = conn.execute(f"PRAGMA journal_mode={mode}").fetchone()
-        return str(row[0]).strip().lower() if row and row[0] is not None else ""
+        return _journal_mode(conn, mode, tries=1) or ""
     finally:
         conn.execute(f"PRAGMA busy_timeout={int(previous)}")
 
 
-def _set_mode_with_retry(conn, mode):
-    """PRAGMA journal_mode=<mode>, tried again twice after a disk I/O error (transient on some disks)."""
-    for attempt in range(3):
-        try:
-            row = conn.execute(f"PRAGMA journal_mode={mode}").fetchone()
-            return str(row[0]).strip().lower() if row and row[0] is not None else ""
-        except sqlite3.OperationalError as exc:
-            if "disk i/o error" not in str(exc).lower() or attempt == 2:
-                raise
-            time.sleep(MODE_RETRY_PAUSE)
-
-
 def _rollback_journal(conn, current, bug_label, verify):
     """A rollback journal, unless the mode cannot be read (reported as WAL, which it may be) or another
-    connection holds the file: then the mode stays, or with `verify` (the operator asked) it raises.
+    connection holds the file: the mode then stays, or with `verify` (the operator asked) it raises.
     `bug_label` names the database in the WAL-reset-bug warning; None warns not."""
     if current is None:
         if verify:
-            raise sqlite3.OperationalError(_UNVERIFIED_DELETE)
+            raise sqlite3.OperationalError(
+                "journal_mode=delete was asked for but the current mode cannot be read (the database is"
+                " locked; another process may hold it in WAL); the journal mode was left as it is")
         _warn_reset_bug(bug_label, "its journal mode cannot be read, so it is left as it is")
         return "wal"
     try:
@@ -199,8 +185,8 @@ def _rollback_journal(conn, current, bug_label, verify):
 
 
 def _tune_wal(conn):
-    """Best effort: a bounded WAL and, on macOS, real write barriers (its fsync does not order writes
-    unless asked to); returns 'wal'."""
+    """'wal', after a bounded WAL and on macOS real write barriers (its fsync does not order writes unless
+    asked to), best effort."""
     statements = [f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}"]
     if sys.platform == "darwin":
         statements += ["PRAGMA checkpoint_fullfsync=1", "PRAGMA synchronous=FULL"]
@@ -220,7 +206,7 @@ def _warn_reset_bug(db_label, action):
 
 
 def _warn_once(db_label, level, text):
-    """Log `text` once per process and database label, so a database opened per operation does not flood the log."""
+    """Log `text` once per process, label and level: a database opened per operation must not flood logs."""
     with _warned_lock:
         if (db_label, level) in _warned:
             return
@@ -232,24 +218,21 @@ def _ensure_writable(path, home, db_label, folder):
     if os.access(path, os.R_OK | os.W_OK):
         return
     if home is not None and _inside(path, home):
-        try:
+        with contextlib.suppress(OSError):
             os.chmod(path, path.stat().st_mode | stat.S_IRUSR | stat.S_IWUSR | (stat.S_IXUSR if folder else 0))
-        except OSError:
-            pass
         if os.access(path, os.R_OK | os.W_OK):
             logger.info("%s: made %s readable and writable for its owner", db_label, path)
             return
-    mode = "u+rwx" if folder else "u+rw"
     keep_wal = (" Keep the -wal file: it holds committed data that goes into the database once it is writable."
                 if path.name.endswith("-wal") else "")
     raise sqlite3.OperationalError(
         f"{db_label} is not writable: the {'folder' if folder else 'file'} {path} is read-only for this user. "
-        f"Fix it with: chmod {mode} '{path}' (a file of another user may need sudo or chown).{keep_wal}")
+        f"Fix it with: chmod {'u+rwx' if folder else 'u+rw'} '{path}' (a file of another user may need sudo"
+        f" or chown).{keep_wal}")
 
 
 def _inside(path, home):
-    try:
+    with contextlib.suppress(OSError, ValueError):
         resolved = path.resolve()
-    except (OSError, ValueError):
-        return False
-    return resolved == home or home in resolved.parents
+        return resolved == home or home in resolved.parents
+    return False
