@@ -23,7 +23,8 @@ from hermes_state_schema import prompt_hash
 
 logger = logging.getLogger("hermes_state")
 
-# How far a resume walks down child links: far beyond any real chain, short enough for damaged links.
+# How many sessions a resume looks at down child links: far beyond any real chain, short enough for
+# damaged links.
 RESUME_MAX_DEPTH = 32
 # A continuation this old with no API call was abandoned (hermes-agent's #20001).
 ORPHANED_CONTINUATION_AGE = 7 * 86400
@@ -53,21 +54,24 @@ class SessionCompressionMixin:
     # -- lineage ----------------------------------------------------------------
     def get_conversation_root(self, session_id):
         """The id at the top of the session's parent links (any kind of parent); the id itself if it has none."""
-        chain = self._session_lineage_root_to_tip(session_id)
-        return chain[0] if chain and chain[0] else session_id
+        return self._session_lineage_root_to_tip(session_id)[0]
 
     def get_compression_tip(self, session_id):
-        """The newest continuation (never a fork) of the compression chain from `session_id`; the id itself
-        when it has none or is unknown."""
-        current, seen = session_id, {session_id}
-        for _ in range(LINEAGE_MAX_HOPS):
-            rows = self._read_all(_TIP_CANDIDATES_SQL, (current,))
-            child = next((row["id"] for row in rows if not has_fork_marker(row["model_config"])), None)
-            if not child or child in seen:
+        """The newest continuation (never a fork) of `session_id`'s compression chain; else the id itself."""
+        def best_continuation(parent_id):
+            rows = self._read_all(_TIP_CANDIDATES_SQL, (parent_id,))
+            return next((row["id"] for row in rows if not has_fork_marker(row["model_config"])), None)
+        return self._descend(session_id, best_continuation, LINEAGE_MAX_HOPS)[-1]
+
+    def _descend(self, session_id, next_child, hops):
+        """[session_id, child, ...] by `next_child(id)`, at most `hops` steps, stopping before a loop."""
+        path = [session_id]
+        for _ in range(hops):
+            child = next_child(path[-1])
+            if not child or child in path:
                 break
-            seen.add(child)
-            current = child
-        return current
+            path.append(child)
+        return path
 
     def get_compression_lineage(self, session_id):
         """[root, ..., tip] ids of the compression chain through `session_id`; [] for an unknown id.
@@ -121,17 +125,11 @@ class SessionCompressionMixin:
         compression tip, then newest children not forks, resets or tool runs); else the id itself."""
         if not session_id:
             return session_id
-        session_id = self.get_compression_tip(session_id) or session_id
-        current, seen, best = session_id, {session_id}, None
-        for _ in range(RESUME_MAX_DEPTH):
-            if self._read_one("SELECT 1 FROM messages WHERE session_id = ? LIMIT 1", (current,)):
-                best = current
-            child = self._resume_child(current)
-            if not child or child in seen:
-                break
-            seen.add(child)
-            current = child
-        return best if best is not None else session_id
+        path = self._descend(self.get_compression_tip(session_id) or session_id, self._resume_child,
+                             RESUME_MAX_DEPTH - 1)
+        used = [sid for sid in path
+                if self._read_value("SELECT 1 FROM messages WHERE session_id = ? LIMIT 1", (sid,))]
+        return used[-1] if used else path[0]
 
     def _resume_child(self, parent_id):
         parent = self._read_one("SELECT end_reason, session_key FROM sessions WHERE id = ?", (parent_id,))
@@ -160,9 +158,8 @@ class SessionCompressionMixin:
                                 " AND active = 1", ids)
 
     def assert_resume_safe(self, session_id, max_messages=None):
-        """The lineage's active message count, up to `max_messages` (default: config.yaml's
-        sessions.max_resume_messages) + 1; 0 when the cap is 0 (off). Raises SessionResumeTooLargeError
-        past the cap, ValueError for a negative cap."""
+        """The lineage's active message count (0 when the cap is 0, off); SessionResumeTooLargeError past
+        `max_messages` (default: config.yaml's sessions.max_resume_messages); ValueError if negative."""
         count, limit = self._capped_count(max_messages, resolved_max_resume_messages,
                                           lambda: self._session_lineage_root_to_tip(session_id))
         if count > limit:
@@ -170,9 +167,8 @@ class SessionCompressionMixin:
         return count
 
     def assert_export_safe(self, session_id, max_messages=None):
-        """The session's own active message count, up to `max_messages` (default: config.yaml's
-        sessions.max_export_messages) + 1; 0 when the cap is 0 (off). Raises SessionExportTooLargeError
-        past the cap, ValueError for a negative cap."""
+        """The session's own active message count (0 when the cap is 0, off); SessionExportTooLargeError past
+        `max_messages` (default: config.yaml's sessions.max_export_messages); ValueError if negative."""
         count, limit = self._capped_count(max_messages, resolved_max_export_messages, lambda: [session_id])
         if count > limit:
             raise SessionExportTooLargeError(session_id, count, limit)
@@ -196,13 +192,10 @@ class SessionCompressionMixin:
 
     def archive_and_compact(self, session_id, compacted_messages, model_config_patch=None, watermark=None,
                             lock_holder=None):
-        """Replace the live transcript with `compacted_messages`, keeping the old turns; returns the new
-        active count.
-
-        In one transaction the old turns become compacted (searchable, never deleted) and messages newer
-        than `watermark` are copied after the new set. Raises SessionCompressionInProgressError when
-        `lock_holder` no longer holds the compression lock, SessionRowError (a ValueError) for an unknown
-        session unless there is nothing to write."""
+        """Replace the live transcript with `compacted_messages` in one transaction; returns the new active
+        count. The old turns stay, compacted (searchable); messages newer than `watermark` are copied after
+        the new set. Raises SessionCompressionInProgressError when `lock_holder` no longer holds the
+        compression lock, SessionRowError (a ValueError) for an unknown session unless nothing is written."""
         messages = _message_dicts("compacted_messages", compacted_messages)
         if model_config_patch is not None and not isinstance(model_config_patch, dict):
             raise SessionInputTypeError("model_config_patch must be a dict or None, not "
@@ -237,9 +230,7 @@ class SessionCompressionMixin:
                                   compression_lock_holder=None, require_compression_lease=True,
                                   watermark=None, watermark_ceiling=None):
         """End the parent by compression and create its continuation with `messages`, atomically; None.
-
-        The child inherits the parent's git metadata, profile, gateway routing and (unless given) cwd;
-        parent messages after `watermark`, up to `watermark_ceiling`, are copied after the handoff. Raises
+        Parent messages after `watermark`, up to `watermark_ceiling`, are copied after the handoff. Raises
         CompressionSessionBusyError when the required lease is no longer `compression_lock_holder`'s,
         RuntimeError for an unknown or ended parent or an empty handoff, sqlite3.IntegrityError for a
         child id in use; nothing is written then."""
@@ -304,7 +295,7 @@ class SessionCompressionMixin:
                 conn.execute("DELETE FROM compression_locks WHERE session_id = ?", (session_id,))
             return conn.execute("UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?",
                                 (session_id,)).rowcount == 1
-        return bool(self._execute_write(write))
+        return self._execute_write(write)
 
     def finalize_orphaned_compression_sessions(self):
         """End, as 'orphaned_compression', continuations (with messages, no API call) left unused for a week;
@@ -321,12 +312,11 @@ class SessionCompressionMixin:
 
     # -- the compressor's durable guards -------------------------------------------
     def record_compression_failure_cooldown(self, session_id, cooldown_until, error=None):
-        """Keep compression of the session off until `cooldown_until`, saying why; None. A failed write is
-        logged, never raised."""
+        """Keep compression of the session off until `cooldown_until`, saying why; None (failures logged)."""
         self._set_cooldown(session_id, cooldown_until, error)
 
     def clear_compression_failure_cooldown(self, session_id):
-        """Drop the session's compression cooldown; None. A failed write is logged, never raised."""
+        """Drop the session's compression cooldown; None (failures logged)."""
         self._set_cooldown(session_id, None, None)
 
     def _set_cooldown(self, session_id, until, error):
@@ -340,12 +330,11 @@ class SessionCompressionMixin:
     def get_compression_failure_cooldown(self, session_id):
         """{"cooldown_until", "remaining_seconds", "error"} of a cooldown still running; None
         when there is none, it has passed, or the session is unknown."""
-        row = self.get_compression_failure_cooldown_row(session_id)
-        now = time.time()
-        if row["cooldown_until"] is None or row["cooldown_until"] <= now:
+        row, now = self.get_compression_failure_cooldown_row(session_id), time.time()
+        until = row["cooldown_until"]
+        if until is None or until <= now:
             return None
-        return {"cooldown_until": row["cooldown_until"], "remaining_seconds": row["cooldown_until"] - now,
-                "error": row["error"]}
+        return {"cooldown_until": until, "remaining_seconds": until - now, "error": row["error"]}
 
     def get_compression_failure_cooldown_row(self, session_id):
         """The stored cooldown, expired or not, as {"session_exists", "cooldown_until" (float or None),
@@ -424,9 +413,8 @@ def _copy_tail(conn, tail, session_id):
     byte; returns the tool calls they hold."""
     if not tail:
         return 0
-    keep = [row[1] for row in conn.execute("PRAGMA table_info(messages)")
-            if row[1] not in ("id", "session_id", "active", "compacted")]
-    columns = ", ".join(keep)
+    columns = ", ".join(row[1] for row in conn.execute("PRAGMA table_info(messages)")
+                        if row[1] not in ("id", "session_id", "active", "compacted"))
     ids = [row["id"] for row in tail]
     conn.execute(f"INSERT INTO messages ({columns}, session_id, active, compacted) SELECT {columns}, ?, 1, 0"
                  f" FROM messages WHERE id IN ({placeholders(len(ids))}) ORDER BY id", (session_id, *ids))

@@ -63,8 +63,7 @@ _RECOVERABLE_PEER_SQL = f"""
   AND NOT EXISTS (SELECT 1 FROM sessions AS b WHERE {{fence}} AND b.source = s.source AND b.ended_at IS NOT NULL
     AND b.end_reason IN ({", ".join("'%s'" % r for r in _RESET_END_REASONS)})
     AND b.ended_at > COALESCE(s.last_activity_at, s.started_at))
-ORDER BY {{order}}COALESCE(s.last_activity_at, s.started_at) DESC LIMIT 1
-"""
+ORDER BY {{order}}COALESCE(s.last_activity_at, s.started_at) DESC LIMIT 1"""
 _PEER_COLUMNS = ("user_id", "chat_id", "chat_type", "thread_id")
 _SAME_PEER_SQL = " AND ".join(f"COALESCE(b.{c}, '') = COALESCE(s.{c}, '')" for c in _PEER_COLUMNS)
 _PEER_MATCH_SQL = "s.source = ? AND " + " AND ".join(f"COALESCE(s.{c}, '') = COALESCE(?, '')" for c in _PEER_COLUMNS)
@@ -141,8 +140,7 @@ class SessionGatewayMixin:
         return self._lock_write(write, "try_acquire_compression_lock", session_id)
 
     def refresh_compression_lock(self, session_id, holder, ttl_seconds=300.0):
-        """Extend the lock while `holder` owns it, expired or not; False if it does not (or for an empty id
-        or holder, or when the store fails)."""
+        """Extend the lock while `holder` owns it, expired or not; else False, also when the store fails."""
         if not session_id or not holder:
             return False
         expires = time.time() + float(ttl_seconds)
@@ -171,10 +169,9 @@ class SessionGatewayMixin:
             return False
 
     # -- turn leases -------------------------------------------------------------
-    # One agent turn at a time per conversation, across processes. The lease is kept under the root
-    # of the compression chain (`_turn_lease_key`), so a turn keeps it when compression rotates the
-    # session; a write naming a holder checks it in its own transaction (`_check_turn_lease`). As in
-    # hermes-agent, an empty id or holder is no lease (False), never an error.
+    # One agent turn at a time per conversation, across processes. The lease is kept under the root of the
+    # compression chain (`_turn_lease_key`), so a turn keeps it when compression rotates the session; a write
+    # naming a holder checks it in its own transaction. As in hermes-agent, an empty id or holder is no lease.
     def try_acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0, patience_s=None):
         """True once `holder` holds the conversation's turn lease, taking over an expired one or a dead local
         process's; False if someone else holds it. `patience_s` bounds the wait for a busy store."""
@@ -195,12 +192,10 @@ class SessionGatewayMixin:
     def acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0, wait_seconds=1800.0,
                                    poll_interval_seconds=1.0, on_wait=None, wait_notice_interval_seconds=15.0,
                                    should_abort=None, acquire_patience_s=0.5):
-        """Wait up to `wait_seconds` for the turn lease; True once `holder` has it, False on timeout or
-        when `should_abort()` says so.
-
-        Polls holding no lock; `on_wait(elapsed)` runs after the first miss, then every
-        `wait_notice_interval_seconds`. Callback errors are logged and ignored; a store busy past
-        `acquire_patience_s` is a miss, any other error is raised."""
+        """True once `holder` has the turn lease, polling up to `wait_seconds` with no lock held between
+        tries; False on timeout or when `should_abort()` says so. `on_wait(elapsed)` runs after the first
+        miss, then every `wait_notice_interval_seconds`; callback errors are logged and ignored. A store
+        busy past `acquire_patience_s` is a miss, any other error is raised."""
         deadline = time.monotonic() + max(0.0, float(wait_seconds))
         notice_every = max(0.0, float(wait_notice_interval_seconds))
         started = last_notice = None
@@ -239,9 +234,8 @@ class SessionGatewayMixin:
                 _DELETE_LEASE_SQL, (self._turn_lease_key(conn, session_id), holder)))
 
     # -- handoffs ----------------------------------------------------------------
-    # A handoff moves a session from the CLI to a gateway platform: the CLI requests it (pending), one
-    # gateway claims it (running), then completes or fails it. Each step is a compare-and-set, so two
-    # gateways never both claim.
+    # A handoff moves a session from the CLI to a gateway platform: the CLI requests it (pending), one gateway
+    # claims it (running), then completes or fails it. Each step is a compare-and-set: no two gateways claim.
     def request_handoff(self, session_id, platform):
         """Mark the session pending handoff to `platform`; False if unknown or a handoff is in flight."""
         return self._update_rows(
@@ -276,8 +270,8 @@ class SessionGatewayMixin:
                                              " ORDER BY started_at"))
 
     # -- gateway sessions ------------------------------------------------------------
-    # Rows the gateway keys by `session_key`: the end of a reset, rows opened and never used, and
-    # orphans that lost their routing identity to a failed write.
+    # Rows the gateway keys by `session_key`: the end of a reset, rows opened and never used, and orphans
+    # that lost their routing identity to a failed write.
     @staticmethod
     def session_gateway_runtime(session_meta):
         """The provider route a session row last ran on, as a dict; {} when the row names none.
@@ -298,10 +292,8 @@ class SessionGatewayMixin:
 
     def update_session_runtime_lock(self, session_id, *, model=None, provider=None, model_options=None,
                                     route_source=None, confirmed=False):
-        """Record the model route a browser or API client pinned; returns None, nothing for an unknown id.
-
-        Drops the stored system prompt so the next turn names the route. Raises TypeError for
-        `model_options` JSON cannot hold, before anything is written."""
+        """Record the model route a browser or API client pinned, dropping the stored system prompt so the
+        next turn names it; None, nothing for an unknown id. TypeError for `model_options` JSON can't hold."""
         lock = {"provider": provider or "", "model": model or "", "model_options": model_options or {},
                 "route_source": route_source or "", "confirmed": bool(confirmed), "updated_at": time.time()}
         json.dumps(lock)
@@ -320,11 +312,9 @@ class SessionGatewayMixin:
     def record_gateway_session_peer(self, session_id, *, source, user_id=None, session_key=None, chat_id=None,
                                     chat_type=None, thread_id=None, display_name=None, origin_json=None,
                                     include_compression_ancestors=False):
-        """Give a session the gateway peer it is routed by; returns None (nothing without an id or key).
-
-        A missing row is created with that identity, so a failed create_session never leaves the chat
-        unroutable; with `include_compression_ancestors` the compression parents the row continues get it
-        too, and a missing row is not created."""
+        """Give a session the gateway peer it is routed by, creating a missing row so a failed create_session
+        never leaves the chat unroutable; None (nothing without an id or key). With
+        `include_compression_ancestors` the compression parents it continues get it too; none is created."""
         if not session_id or not session_key:
             return
         values = (session_key, source, user_id, chat_id, chat_type, thread_id, display_name, origin_json)
@@ -349,10 +339,8 @@ class SessionGatewayMixin:
     def find_latest_gateway_session_for_peer(self, *, source, user_id=None, session_key=None, chat_id=None,
                                              chat_type=None, thread_id=None):
         """The session row (with `_has_messages`) the gateway should resume for this routing key, else for
-        the whole peer when `chat_id` and `chat_type` are given; None without a key or a match.
-
-        Rows with messages first (by peer: only those), then the most recently active; a reset boundary
-        of the key (or peer) after a row's last activity rules it out."""
+        the whole peer when `chat_id` and `chat_type` are given; None without a key or a match. Rows with
+        messages first (by peer: only those), then the most recently active, none behind a reset."""
         if not session_key:
             return None
         self._flush_token_counts()
@@ -385,8 +373,7 @@ class SessionGatewayMixin:
         return str(rows[0]["id"])
 
     def increment_hygiene_failure_streak(self, session_key):
-        """Count one more failed session-hygiene run for a chat; returns the new streak (1 for an empty key,
-        which is not stored)."""
+        """Count one more failed session-hygiene run for a chat; the new streak (1, unstored, for no key)."""
         if not session_key:
             return 1
 
@@ -403,9 +390,8 @@ class SessionGatewayMixin:
             self._update_rows("DELETE FROM gateway_hygiene_state WHERE session_key = ?", (session_key,))
 
     def promote_to_session_reset(self, session_id, reason="session_reset"):
-        """End the session now with `reason`, a reset boundary gateway recovery never crosses; False when
-        the row is missing, the write failed, or it ended otherwise than 'agent_close' or 'ws_orphan_reap'
-        (ends recovery would resume)."""
+        """End the session now with `reason`, a reset boundary gateway recovery never crosses; False when the
+        row is missing, the write failed, or it ended otherwise than by an end recovery would resume."""
         if not session_id:
             return False
         try:
@@ -434,13 +420,12 @@ class SessionGatewayMixin:
         return (sum(1 for session_id in sorted(ids) if self.delete_session(session_id, **extra)), routing)
 
     def find_orphaned_gateway_sessions(self, *, max_gap_s=None):
-        """Sessions with messages but no `session_key` (branch, delegate and tool runs aside), oldest
-        first, each with the keyed session it continues when exactly one can be named; [] when none.
-
-        The donor is the keyed parent of the same source ('lineage'), else the one keyed session of that
-        source and a compatible user that fell quiet within `max_gap_s` (ORPHAN_ADOPTION_MAX_GAP_S) of the
-        orphan's start and before its last activity ('contiguity'). An orphan whose donor is missing,
-        ambiguous or claimed twice is not adoptable, and `reason` says why."""
+        """Sessions with messages but no `session_key` (forks and tool runs aside), oldest first, each with
+        the keyed session it continues when exactly one can be named; [] when none. The donor is the keyed
+        parent of the same source ('lineage'), else the one keyed session of that source and a compatible
+        user that fell quiet within `max_gap_s` of the orphan's start, before its last activity
+        ('contiguity'). An orphan whose donor is missing, ambiguous or claimed twice is not adoptable, and
+        `reason` says why."""
         gap = ORPHAN_ADOPTION_MAX_GAP_S if max_gap_s is None else float(max_gap_s)
         orphans = [row for row in self._read_all(_ORPHANS_SQL) if not has_fork_marker(row["model_config"])]
         donors = {row["id"]: row for row in self._read_all(_DONORS_SQL)} if orphans else {}
@@ -522,8 +507,7 @@ def _orphan_record(orphan, donors, gap):
     """find_orphaned_gateway_sessions' dict for one orphan, given every keyed session by id."""
     donor, reason, source = None, "", orphan["source"] or ""
     if orphan["parent_session_id"]:
-        evidence = "lineage"
-        parent = donors.get(orphan["parent_session_id"])
+        evidence, parent = "lineage", donors.get(orphan["parent_session_id"])
         if parent is not None and (parent["source"] or "") == source:
             donor = parent
         else:
