@@ -1,10 +1,9 @@
-"""Compression and resume: the lineage of a conversation whose context was compacted, and what a resume loads.
+"""Compression and resume: the lineage of a compacted conversation, and what a resume loads.
 
-Owns in-place compaction, publishing a continuation, the lineage reads, the session a resume lands on, the
-caps on what a resume or export may load, and the compressor's guards that must outlive a process (session
-columns). Relies on SessionDB's read and write paths and `get_messages_as_conversation` (messages). Never
-changes a session's fields beyond its counts, model_config and end, nor the search indexes or the schema.
-Fork markers in model_config are read in Python, not with JSON1, so every SQLite build walks a lineage alike.
+Owns compaction, publishing a continuation, lineage reads, where a resume lands, the resume and export caps,
+and the compressor's durable guards. Relies on SessionDB's read/write paths, `get_messages_as_conversation`.
+Never changes a session's fields beyond its counts, model_config and end, nor the search indexes or the
+schema. Fork markers are read in Python, not with JSON1, so every SQLite build walks a lineage alike.
 """
 
 import json

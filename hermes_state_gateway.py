@@ -1,10 +1,9 @@
 """Who is routed to a session or may work on it: routing entries, compression locks, turn leases,
 CLI-to-gateway handoffs, hygiene failure streaks, and hermes-agent's repairs of gateway sessions.
 
-Owns `gateway_routing`, `compression_locks`, `session_turn_leases`, `gateway_hygiene_state`, the `handoff_*`
-columns, and of other session columns only what the repairs change: an adopted routing identity, the end
-of a reset or superseded session, `model_config.browser_model_lock`. Relies on SessionDB's read and write
-paths, `_turn_lease_key` (messages), `_resolved` and `delete_session` (sessions). Never changes a message row.
+Owns those tables, the `handoff_*` columns, and of other session columns only what the repairs change
+(routing identity, a reset's or superseded session's end, `model_config.browser_model_lock`). Relies on
+SessionDB's read/write paths, `_turn_lease_key`, `_resolved` and `delete_session`. Never changes a message.
 """
 
 import json
@@ -75,6 +74,9 @@ _INSERT_PEER_SQL = ("INSERT INTO sessions (session_key, source, user_id, chat_id
 # An orphan takes what it lacks of its donor's identity, and the donor as its parent.
 _ADOPTED_COLUMNS = ("chat_id", "chat_type", "thread_id", "user_id", "origin_json", "display_name")
 _ADOPT_SQL = ", ".join(f"{c} = COALESCE({c}, ?)" for c in (*_ADOPTED_COLUMNS, "parent_session_id"))
+# The compression parent a row continues, with what tells a fork or tool child from a continuation.
+_COMPRESSION_PARENT_SQL = ("SELECT p.id, c.source, c.model_config FROM sessions AS c JOIN sessions AS p"
+                           " ON p.id = c.parent_session_id AND p.end_reason = 'compression' WHERE c.id = ?")
 _SELECT_LEASE_SQL = "SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?"
 _DELETE_LEASE_SQL = "DELETE FROM session_turn_leases WHERE conversation_id = ? AND holder = ?"
 
@@ -322,14 +324,11 @@ class SessionGatewayMixin:
         def write(conn):
             ids = [session_id]
             while include_compression_ancestors:
-                child = conn.execute("SELECT parent_session_id, model_config, source FROM sessions WHERE id = ?",
-                                     (ids[-1],)).fetchone()
-                parent = child and conn.execute("SELECT id FROM sessions WHERE id = ? AND end_reason = 'compression'",
-                                                (child["parent_session_id"],)).fetchone()
-                if (parent is None or parent["id"] in ids or (child["source"] or "") == "tool"
-                        or has_fork_marker(child["model_config"])):
+                link = conn.execute(_COMPRESSION_PARENT_SQL, (ids[-1],)).fetchone()
+                if link is None or link["id"] in ids or (link["source"] or "") == "tool" or has_fork_marker(
+                        link["model_config"]):
                     break
-                ids.append(parent["id"])
+                ids.append(link["id"])
             conn.execute(_SET_PEER_SQL.format(placeholders(len(ids))), (*values, *ids))
             if not include_compression_ancestors and conn.execute(
                     "SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone() is None:
@@ -505,29 +504,26 @@ def _callback_says(callback, *args):
 
 def _orphan_record(orphan, donors, gap):
     """find_orphaned_gateway_sessions' dict for one orphan, given every keyed session by id."""
-    donor, reason, source = None, "", orphan["source"] or ""
+    source = orphan["source"] or ""
     if orphan["parent_session_id"]:
         evidence, parent = "lineage", donors.get(orphan["parent_session_id"])
-        if parent is not None and (parent["source"] or "") == source:
-            donor = parent
-        else:
-            reason = "parent session carries no gateway identity of this source"
+        candidates = [parent] if parent is not None and (parent["source"] or "") == source else []
+        miss = "parent session carries no gateway identity of this source"
     else:
         evidence, start, last, user = "contiguity", orphan["started_at"] or 0, orphan["last_active"], orphan["user_id"]
         candidates = [d for d in donors.values()
                       if (d["source"] or "") == source and (not d["user_id"] or not user or d["user_id"] == user)
                       and d["last_active"] is not None and last is not None
                       and start - gap <= d["last_active"] <= start + gap and d["last_active"] < last]
-        if len(candidates) == 1:
-            donor = candidates[0]
-        elif candidates:
-            reason = "ambiguous: more than one keyed predecessor matches this window"
-        else:
-            reason = f"no keyed predecessor fell quiet within {gap:.0f}s of this session's start"
+        miss = f"no keyed predecessor fell quiet within {gap:.0f}s of this session's start"
+    if len(candidates) > 1:
+        miss = "ambiguous: more than one keyed predecessor matches this window"
+    found = len(candidates) == 1
+    donor = candidates[0] if found else {"id": None, "session_key": None}
     return {"orphan_id": orphan["id"], "source": orphan["source"], "message_count": orphan["message_count"],
-            "started_at": orphan["started_at"], "last_active": orphan["last_active"],
-            "donor_id": donor["id"] if donor else None, "session_key": donor["session_key"] if donor else None,
-            "evidence": evidence if donor else "", "adoptable": donor is not None, "reason": reason}
+            "started_at": orphan["started_at"], "last_active": orphan["last_active"], "donor_id": donor["id"],
+            "session_key": donor["session_key"], "evidence": evidence if found else "", "adoptable": found,
+            "reason": "" if found else miss}
 
 
 def _routing_row(session_key, entry_json, scope):
