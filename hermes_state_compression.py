@@ -319,12 +319,11 @@ class SessionCompressionMixin:
         self._set_cooldown(session_id, None, None)
 
     def _set_cooldown(self, session_id, until, error):
-        if not session_id:
-            return
-        try:
-            self._update_rows(_SET_COOLDOWN_SQL, (until, error, session_id))
-        except sqlite3.Error as exc:
-            logger.warning("compression cooldown of session %r not written: %s", session_id, exc)
+        if session_id:
+            try:
+                self._update_rows(_SET_COOLDOWN_SQL, (until, error, session_id))
+            except sqlite3.Error as exc:
+                logger.warning("compression cooldown of session %r not written: %s", session_id, exc)
 
     def get_compression_failure_cooldown(self, session_id):
         """{"cooldown_until", "remaining_seconds", "error"} of a cooldown still running; None
@@ -384,8 +383,7 @@ class SessionCompressionMixin:
 
     def _set_guard_count(self, column, session_id, value):
         if session_id:
-            value = max(0, int(value))
-            self._update_rows(f"UPDATE sessions SET {column} = ? WHERE id = ?", (value, session_id))
+            self._update_rows(f"UPDATE sessions SET {column} = ? WHERE id = ?", (max(0, int(value)), session_id))
 
 
 def _holds_lock(conn, session_id, holder):
