@@ -1,13 +1,9 @@
-"""Compression and resume: the lineage of a conversation whose context was compacted, and what a
-resume loads.
+"""Compression and resume: the lineage of a compacted conversation, and what a resume loads.
 
-Owns in-place compaction (`archive_and_compact`), publishing a continuation (`publish_compression_child`),
-the lineage reads, the session a resume lands on, the caps on what a resume or export may load, and
-the compressor's guards that must outlive a process (failure cooldown, fallback streak, ineffective
-count: columns of the session row). Relies on SessionDB's write and read paths and the messages
-mixin's `get_messages_as_conversation`. Never changes a session's fields beyond its counts,
-model_config and end, nor the search indexes or the schema. The model_config markers that tell forks
-from continuations are read in Python, not with JSON1, so every SQLite build walks a lineage alike.
+Owns compaction, publishing a continuation, lineage reads, where a resume lands, the resume and export caps,
+and the compressor's durable guards. Relies on SessionDB's read/write paths, `get_messages_as_conversation`.
+Never changes a session's fields beyond its counts, model_config and end, nor the search indexes or the
+schema. Fork markers are read in Python, not with JSON1, so every SQLite build walks a lineage alike.
 """
 
 import json
@@ -16,25 +12,25 @@ import sqlite3
 import time
 
 from hermes_state_common import (
-    COMPRESSION_END_REASON, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, LINEAGE_MAX_HOPS, SELECT_COMPRESSION_LOCK_SQL,
-    _RESET_END_REASONS,
-    CompressionSessionBusyError, SessionCompressionInProgressError, SessionExportTooLargeError,
-    SessionInputTypeError, SessionResumeTooLargeError, SessionRowError, cwd_prefix_clause, has_fork_marker,
-    is_fork_child, json_object, merge_model_config, placeholders, resolved_max_export_messages,
+    COMPRESSION_END_REASON, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, LINEAGE_MAX_HOPS,
+    SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL, _RESET_END_REASONS, CompressionSessionBusyError,
+    SessionCompressionInProgressError, SessionExportTooLargeError, SessionInputTypeError,
+    SessionResumeTooLargeError, SessionRowError, cwd_prefix_clause, has_fork_marker, is_fork_child,
+    json_object, loads_or, merge_model_config, placeholders, resolved_max_export_messages,
     resolved_max_resume_messages)
 from hermes_state_schema import prompt_hash
 
 logger = logging.getLogger("hermes_state")
 
-# How far a resume walks down child links: far beyond any real chain, short enough that damaged
-# links cannot loop for long.
+# How many sessions a resume looks at down child links: far beyond any real chain, short enough for
+# damaged links.
 RESUME_MAX_DEPTH = 32
 # A continuation this old with no API call was abandoned (hermes-agent's #20001).
 ORPHANED_CONTINUATION_AGE = 7 * 86400
-_LINK_SQL = "SELECT id, source, model_config, parent_session_id, end_reason FROM sessions WHERE id = ?"
+_LINK_SQL = "SELECT id, source, model_config, parent_session_id, end_reason FROM sessions WHERE "
 _ACTIVE_COUNT_SQL = "SELECT COUNT(*) FROM (SELECT 1 FROM messages WHERE session_id IN ({}) AND active = 1 LIMIT ?)"
-# The continuations of a compressed parent, best first: ones that compressed
-# again, then live ones, then the most recently active.
+# The continuations of a compressed parent, best first: ones that compressed again, then live ones, then
+# the most recently active.
 _TIP_CANDIDATES_SQL = f"""
 SELECT c.id, c.model_config FROM sessions AS p JOIN sessions AS c ON c.parent_session_id = p.id
 WHERE p.id = ? AND p.end_reason = 'compression' AND COALESCE(c.source, '') <> 'tool'
@@ -42,8 +38,13 @@ ORDER BY CASE WHEN c.end_reason = 'compression' THEN 0 WHEN c.ended_at IS NULL T
          {LAST_ACTIVE_SQL.format(a="c")} DESC, c.started_at DESC, c.id DESC"""
 _SET_COOLDOWN_SQL = ("UPDATE sessions SET compression_failure_cooldown_until = ?, compression_failure_error = ?"
                      " WHERE id = ?")
-# Columns a concurrent tail keeps when it is copied after a compacted set.
-_TAIL_SQL = "SELECT id, tool_calls FROM messages WHERE session_id = ? AND active = 1 AND id > ?"
+# The live messages written after a compressor's snapshot (id > watermark, up to an optional ceiling);
+# none without a watermark, as `id > NULL` is never true.
+_TAIL_SQL = ("SELECT id, tool_calls FROM messages WHERE session_id = ? AND active = 1 AND id > ?"
+             " AND id <= COALESCE(?, id) ORDER BY id")
+# What a compression child takes from its parent as it is.
+_INHERITED_COLUMNS = ("git_branch", "git_repo_root", "user_id", "session_key", "chat_id", "chat_type",
+                      "thread_id", "display_name", "origin_json")
 
 
 class SessionCompressionMixin:
@@ -52,43 +53,45 @@ class SessionCompressionMixin:
     # -- lineage ----------------------------------------------------------------
     def get_conversation_root(self, session_id):
         """The id at the top of the session's parent links (any kind of parent); the id itself if it has none."""
-        chain = self._session_lineage_root_to_tip(session_id)
-        return chain[0] if chain and chain[0] else session_id
+        return self._session_lineage_root_to_tip(session_id)[0]
 
     def get_compression_tip(self, session_id):
-        """The newest continuation of the compression chain from `session_id`; the id itself when it has
-        none or is unknown. Branch, delegate and tool children are never followed."""
-        current, seen = session_id, {session_id}
-        for _ in range(LINEAGE_MAX_HOPS):
-            rows = self._read_all(_TIP_CANDIDATES_SQL, (current,))
-            child = next((row["id"] for row in rows if not has_fork_marker(row["model_config"])), None)
-            if not child or child in seen:
+        """The newest continuation (never a fork) of `session_id`'s compression chain; else the id itself."""
+        def best_continuation(parent_id):
+            rows = self._read_all(_TIP_CANDIDATES_SQL, (parent_id,))
+            return next((row["id"] for row in rows if not has_fork_marker(row["model_config"])), None)
+        return self._descend(session_id, best_continuation, LINEAGE_MAX_HOPS)[-1]
+
+    def _descend(self, session_id, next_child, hops):
+        """[session_id, child, ...] by `next_child(id)`, at most `hops` steps, stopping before a loop."""
+        path = [session_id]
+        for _ in range(hops):
+            child = next_child(path[-1])
+            if not child or child in path:
                 break
-            seen.add(child)
-            current = child
-        return current
+            path.append(child)
+        return path
 
     def get_compression_lineage(self, session_id):
         """[root, ..., tip] ids of the compression chain through `session_id`; [] for an unknown id.
-
-        A fork (branch, delegate or tool child) is its own chain of one; each compressed segment
-        continues in its oldest continuation child."""
-        session = self._read_one(_LINK_SQL, (session_id,))
+        A fork (branch, delegate or tool child) is its own chain of one; each compressed segment continues
+        in its oldest continuation child."""
+        session = self._read_one(_LINK_SQL + "id = ?", (session_id,))
         if session is None:
             return []
         if is_fork_child(session):
             return [session_id]
         root, ancestors = session, {session_id}
-        while self._continues_compression(root):
-            parent = self._read_one(_LINK_SQL, (root["parent_session_id"],))
-            if parent is None or parent["id"] in ancestors:
+        # Up while the row continues a parent that ended by compression (a fork of a parent never does).
+        while root["parent_session_id"] and not is_fork_child(root):
+            parent = self._read_one(_LINK_SQL + "id = ?", (root["parent_session_id"],))
+            if parent is None or parent["end_reason"] != COMPRESSION_END_REASON or parent["id"] in ancestors:
                 break
             root = parent
             ancestors.add(root["id"])
         lineage, current = [root["id"]], root
         while current["end_reason"] == COMPRESSION_END_REASON:
-            children = self._read_all("SELECT id, source, model_config, parent_session_id, end_reason"
-                                      " FROM sessions WHERE parent_session_id = ? ORDER BY started_at",
+            children = self._read_all(_LINK_SQL + "parent_session_id = ? ORDER BY started_at",
                                       (current["id"],))
             child = next((row for row in children if not is_fork_child(row)), None)
             if child is None or child["id"] in lineage:
@@ -97,18 +100,10 @@ class SessionCompressionMixin:
             current = child
         return lineage if session_id in lineage else [session_id]
 
-    def _continues_compression(self, session):
-        """True when the session is a continuation of a parent that ended by compression."""
-        parent_id = session["parent_session_id"]
-        if not parent_id or is_fork_child(session):
-            return False
-        reason = self._read_value("SELECT end_reason FROM sessions WHERE id = ?", (parent_id,))
-        return reason == COMPRESSION_END_REASON
-
     # -- resume -----------------------------------------------------------------
     def search_sessions(self, source=None, limit=20, offset=0, workspace_key=None):
         """Sessions most recently active first, with `last_active` and `system_prompt`; [] when none match.
-        `workspace_key` keeps one workspace's: a git repo root, or a cwd under it for sessions without."""
+        `workspace_key` keeps one workspace's: a git repo root, or a cwd under it for sessions without one."""
         clauses, params = [], []
         if source:
             clauses.append("s.source = ?")
@@ -129,17 +124,11 @@ class SessionCompressionMixin:
         compression tip, then newest children not forks, resets or tool runs); else the id itself."""
         if not session_id:
             return session_id
-        session_id = self.get_compression_tip(session_id) or session_id
-        current, seen, best = session_id, {session_id}, None
-        for _ in range(RESUME_MAX_DEPTH):
-            if self._read_one("SELECT 1 FROM messages WHERE session_id = ? LIMIT 1", (current,)):
-                best = current
-            child = self._resume_child(current)
-            if not child or child in seen:
-                break
-            seen.add(child)
-            current = child
-        return best if best is not None else session_id
+        path = self._descend(self.get_compression_tip(session_id) or session_id, self._resume_child,
+                             RESUME_MAX_DEPTH - 1)
+        used = [sid for sid in path
+                if self._read_value("SELECT 1 FROM messages WHERE session_id = ? LIMIT 1", (sid,))]
+        return used[-1] if used else path[0]
 
     def _resume_child(self, parent_id):
         parent = self._read_one("SELECT end_reason, session_key FROM sessions WHERE id = ?", (parent_id,))
@@ -168,29 +157,31 @@ class SessionCompressionMixin:
                                 " AND active = 1", ids)
 
     def assert_resume_safe(self, session_id, max_messages=None):
-        """The lineage's active message count, up to `max_messages` + 1; 0 when the cap is 0 (off).
-        The cap defaults to config.yaml's sessions.max_resume_messages. Raises SessionResumeTooLargeError
-        past it, ValueError for a negative cap."""
-        limit = _cap(max_messages, resolved_max_resume_messages)
-        if limit == 0:
-            return 0
-        ids = self._session_lineage_root_to_tip(session_id)
-        count = self._read_value(_ACTIVE_COUNT_SQL.format(placeholders(len(ids))), (*ids, limit + 1))
+        """The lineage's active message count (0 when the cap is 0, off); SessionResumeTooLargeError past
+        `max_messages` (default: config.yaml's sessions.max_resume_messages); ValueError if negative."""
+        count, limit = self._capped_count(max_messages, resolved_max_resume_messages,
+                                          lambda: self._session_lineage_root_to_tip(session_id))
         if count > limit:
             raise SessionResumeTooLargeError(count, limit)
         return count
 
     def assert_export_safe(self, session_id, max_messages=None):
-        """The session's own active message count, up to `max_messages` + 1; 0 when the cap is 0 (off).
-        The cap defaults to config.yaml's sessions.max_export_messages. Raises SessionExportTooLargeError
-        past it, ValueError for a negative cap."""
-        limit = _cap(max_messages, resolved_max_export_messages)
-        if limit == 0:
-            return 0
-        count = self._read_value(_ACTIVE_COUNT_SQL.format("?"), (session_id, limit + 1))
+        """The session's own active message count (0 when the cap is 0, off); SessionExportTooLargeError past
+        `max_messages` (default: config.yaml's sessions.max_export_messages); ValueError if negative."""
+        count, limit = self._capped_count(max_messages, resolved_max_export_messages, lambda: [session_id])
         if count > limit:
             raise SessionExportTooLargeError(session_id, count, limit)
         return count
+
+    def _capped_count(self, max_messages, resolve, session_ids):
+        """(active messages of `session_ids()` counted to the cap + 1, the cap); (0, 0) when it is off."""
+        limit = resolve() if max_messages is None else max_messages
+        if limit < 0:
+            raise ValueError(f"max_messages must be >= 0, not {limit}")
+        if limit == 0:
+            return 0, 0
+        ids = session_ids()
+        return self._read_value(_ACTIVE_COUNT_SQL.format(placeholders(len(ids))), (*ids, limit + 1)), limit
 
     # -- compaction -------------------------------------------------------------
     def get_active_message_watermark(self, session_id):
@@ -200,14 +191,10 @@ class SessionCompressionMixin:
 
     def archive_and_compact(self, session_id, compacted_messages, model_config_patch=None, watermark=None,
                             lock_holder=None):
-        """Replace the live transcript with `compacted_messages`, keeping the old turns; returns the new
-        active count.
-
-        In one transaction: active messages become active=0, compacted=1 (searchable, never deleted),
-        the compacted set is inserted, and messages newer than `watermark` are copied after it as live
-        rows; `model_config_patch` is merged into model_config. With `lock_holder`, that holder must still
-        hold the compression lock at commit, else SessionCompressionInProgressError. An unknown session
-        raises SessionRowError (a ValueError) unless there is nothing to write."""
+        """Replace the live transcript with `compacted_messages` in one transaction; returns the new active
+        count. The old turns stay, compacted (searchable); messages newer than `watermark` are copied after
+        the new set. Raises SessionCompressionInProgressError when `lock_holder` no longer holds the
+        compression lock, SessionRowError (a ValueError) for an unknown session unless nothing is written."""
         messages = _message_dicts("compacted_messages", compacted_messages)
         if model_config_patch is not None and not isinstance(model_config_patch, dict):
             raise SessionInputTypeError("model_config_patch must be a dict or None, not "
@@ -224,8 +211,7 @@ class SessionCompressionMixin:
                 if model_config_patch is not None or messages:
                     raise SessionRowError(f"session {session_id!r} does not exist; nothing was compacted")
                 return 0
-            tail = [] if watermark is None else conn.execute(_TAIL_SQL + " ORDER BY id",
-                                                             (session_id, watermark)).fetchall()
+            tail = conn.execute(_TAIL_SQL, (session_id, watermark, None)).fetchall()
             conn.execute("UPDATE messages SET active = 0, compacted = 1 WHERE session_id = ? AND active = 1",
                          (session_id,))
             count, calls = self._insert_message_rows(conn, session_id, messages)
@@ -242,14 +228,11 @@ class SessionCompressionMixin:
                                   model_config=None, system_prompt=None, cwd=None, profile_name=None,
                                   compression_lock_holder=None, require_compression_lease=True,
                                   watermark=None, watermark_ceiling=None):
-        """End the parent by compression and create its continuation with `messages`, atomically; returns
-        None.
-
-        The child inherits the parent's git metadata, profile, gateway routing and (unless given) cwd;
-        parent messages after `watermark`, up to `watermark_ceiling`, are copied after the handoff.
-        Raises CompressionSessionBusyError when the required lease is no longer
-        `compression_lock_holder`'s, RuntimeError for an unknown or ended parent or an empty handoff,
-        sqlite3.IntegrityError for a child id in use; nothing is written then."""
+        """End the parent by compression and create its continuation with `messages`, atomically; None.
+        Parent messages after `watermark`, up to `watermark_ceiling`, are copied after the handoff. Raises
+        CompressionSessionBusyError when the required lease is no longer `compression_lock_holder`'s,
+        RuntimeError for an unknown or ended parent or an empty handoff, sqlite3.IntegrityError for a
+        child id in use; nothing is written then."""
         if not isinstance(child_session_id, str) or not child_session_id:
             raise SessionRowError("child_session_id must be a non-empty string; nothing was published")
         if system_prompt is not None and not isinstance(system_prompt, str):
@@ -277,21 +260,13 @@ class SessionCompressionMixin:
             row = {"id": child_session_id, "source": source, "model": model, "model_config": config,
                    "system_prompt_hash": digest, "parent_session_id": parent_session_id,
                    "cwd": cwd or parent["cwd"], "profile_name": profile_name or parent["profile_name"],
-                   "started_at": time.time()}
-            for column in ("git_branch", "git_repo_root", "user_id", "session_key", "chat_id", "chat_type",
-                           "thread_id", "display_name", "origin_json"):
-                row[column] = parent[column]
+                   "started_at": time.time(), **{column: parent[column] for column in _INHERITED_COLUMNS}}
             conn.execute(f"INSERT INTO sessions ({', '.join(row)}) VALUES ({placeholders(len(row))})",
                          tuple(row.values()))
             count, calls = self._insert_message_rows(conn, child_session_id, handoff)
-            if low is not None:
-                sql, params = _TAIL_SQL, [parent_session_id, low]
-                if high is not None:
-                    sql, params = sql + " AND id <= ?", params + [high]
-                tail = conn.execute(sql + " ORDER BY id", params).fetchall()
-                count, calls = count + len(tail), calls + _copy_tail(conn, tail, child_session_id)
-            conn.execute("UPDATE sessions SET message_count = ?, tool_call_count = ? WHERE id = ?",
-                         (count, calls, child_session_id))
+            tail = conn.execute(_TAIL_SQL, (parent_session_id, low, high)).fetchall()
+            count, calls = count + len(tail), calls + _copy_tail(conn, tail, child_session_id)
+            conn.execute(SET_MESSAGE_COUNTS_SQL, (count, calls, child_session_id))
             ended = conn.execute("UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ? AND ended_at IS NULL",
                                  (time.time(), COMPRESSION_END_REASON, parent_session_id)).rowcount
             if ended != 1:
@@ -319,11 +294,11 @@ class SessionCompressionMixin:
                 conn.execute("DELETE FROM compression_locks WHERE session_id = ?", (session_id,))
             return conn.execute("UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?",
                                 (session_id,)).rowcount == 1
-        return bool(self._execute_write(write))
+        return self._execute_write(write)
 
     def finalize_orphaned_compression_sessions(self):
-        """End, as 'orphaned_compression', continuations never used for a week; returns how many.
-        Such a continuation has messages (its handoff), no API call and no end; nothing is deleted."""
+        """End, as 'orphaned_compression', continuations (with messages, no API call) left unused for a week;
+        returns how many. Nothing is deleted."""
         now = time.time()
         return self._update_rows(
             "UPDATE sessions SET ended_at = ?, end_reason = 'orphaned_compression'"
@@ -336,40 +311,35 @@ class SessionCompressionMixin:
 
     # -- the compressor's durable guards -------------------------------------------
     def record_compression_failure_cooldown(self, session_id, cooldown_until, error=None):
-        """Keep compression of the session off until `cooldown_until`, saying why; None (a failed write
-        is logged, never raised)."""
+        """Keep compression of the session off until `cooldown_until`, saying why; None (failures logged)."""
         self._set_cooldown(session_id, cooldown_until, error)
 
     def clear_compression_failure_cooldown(self, session_id):
-        """Drop the session's compression cooldown; None. A failed write is logged, never raised."""
+        """Drop the session's compression cooldown; None (failures logged)."""
         self._set_cooldown(session_id, None, None)
 
     def _set_cooldown(self, session_id, until, error):
-        if not session_id:
-            return
-        try:
-            self._update_rows(_SET_COOLDOWN_SQL, (until, error, session_id))
-        except sqlite3.Error as exc:
-            logger.warning("compression cooldown of session %r not written: %s", session_id, exc)
+        if session_id:
+            try:
+                self._update_rows(_SET_COOLDOWN_SQL, (until, error, session_id))
+            except sqlite3.Error as exc:
+                logger.warning("compression cooldown of session %r not written: %s", session_id, exc)
 
     def get_compression_failure_cooldown(self, session_id):
         """{"cooldown_until", "remaining_seconds", "error"} of a cooldown still running; None
         when there is none, it has passed, or the session is unknown."""
-        row = self.get_compression_failure_cooldown_row(session_id)
-        now = time.time()
-        if row["cooldown_until"] is None or row["cooldown_until"] <= now:
+        row, now = self.get_compression_failure_cooldown_row(session_id), time.time()
+        until = row["cooldown_until"]
+        if until is None or until <= now:
             return None
-        return {"cooldown_until": row["cooldown_until"], "remaining_seconds": row["cooldown_until"] - now,
-                "error": row["error"]}
+        return {"cooldown_until": until, "remaining_seconds": until - now, "error": row["error"]}
 
     def get_compression_failure_cooldown_row(self, session_id):
         """The stored cooldown, expired or not, as {"session_exists", "cooldown_until" (float or None),
         "error"}; session_exists False and the rest None for an unknown session."""
-        row = session_id and self._read_one("SELECT compression_failure_cooldown_until, compression_failure_error"
-                                            " FROM sessions WHERE id = ?", (session_id,))
-        if not row:
-            return {"session_exists": False, "cooldown_until": None, "error": None}
-        return {"session_exists": True, "cooldown_until": None if row[0] is None else float(row[0]), "error": row[1]}
+        return _cooldown_row(session_id and self._read_one(
+            "SELECT compression_failure_cooldown_until, compression_failure_error FROM sessions WHERE id = ?",
+            (session_id,)))
 
     def restore_compression_failure_cooldown_row(self, session_id, snapshot):
         """Put back a get_compression_failure_cooldown_row snapshot exactly; None. RuntimeError when the
@@ -381,7 +351,7 @@ class SessionCompressionMixin:
         until, error = snapshot.get("cooldown_until"), snapshot.get("error")
         if self._update_rows(_SET_COOLDOWN_SQL, (until, error, session_id)) != 1:
             raise RuntimeError(f"compression cooldown rollback session missing: {session_id}")
-        expected = {"session_exists": True, "cooldown_until": None if until is None else float(until), "error": error}
+        expected = _cooldown_row((until, error))
         actual = self.get_compression_failure_cooldown_row(session_id)
         if actual != expected:
             raise RuntimeError(f"compression cooldown rollback verification failed: expected={expected!r}, "
@@ -413,8 +383,7 @@ class SessionCompressionMixin:
 
     def _set_guard_count(self, column, session_id, value):
         if session_id:
-            value = max(0, int(value))
-            self._update_rows(f"UPDATE sessions SET {column} = ? WHERE id = ?", (value, session_id))
+            self._update_rows(f"UPDATE sessions SET {column} = ? WHERE id = ?", (max(0, int(value)), session_id))
 
 
 def _holds_lock(conn, session_id, holder):
@@ -422,11 +391,12 @@ def _holds_lock(conn, session_id, holder):
     return row is not None and row["holder"] == holder and float(row["expires_at"]) > time.time()
 
 
-def _cap(max_messages, resolve):
-    limit = resolve() if max_messages is None else max_messages
-    if limit < 0:
-        raise ValueError(f"max_messages must be >= 0, not {limit}")
-    return limit
+def _cooldown_row(row):
+    """get_compression_failure_cooldown_row's dict for a (cooldown_until, error) row, or for no session."""
+    if not row:
+        return {"session_exists": False, "cooldown_until": None, "error": None}
+    until, error = row
+    return {"session_exists": True, "cooldown_until": None if until is None else float(until), "error": error}
 
 
 def _message_dicts(name, messages):
@@ -436,21 +406,14 @@ def _message_dicts(name, messages):
 
 
 def _copy_tail(conn, tail, session_id):
-    """Copy messages (rows of _TAIL_SQL) as live rows of `session_id`, every column but the id kept
-    byte for byte; returns the tool calls they hold."""
+    """Copy messages (rows of _TAIL_SQL) as live rows of `session_id`, every column but the id kept byte for
+    byte; returns the tool calls they hold."""
     if not tail:
         return 0
-    keep = [row[1] for row in conn.execute("PRAGMA table_info(messages)")
-            if row[1] not in ("id", "session_id", "active", "compacted")]
-    columns = ", ".join(keep)
+    columns = ", ".join(row[1] for row in conn.execute("PRAGMA table_info(messages)")
+                        if row[1] not in ("id", "session_id", "active", "compacted"))
     ids = [row["id"] for row in tail]
     conn.execute(f"INSERT INTO messages ({columns}, session_id, active, compacted) SELECT {columns}, ?, 1, 0"
                  f" FROM messages WHERE id IN ({placeholders(len(ids))}) ORDER BY id", (session_id, *ids))
-    calls = 0
-    for row in tail:
-        try:
-            parsed = json.loads(row["tool_calls"]) if row["tool_calls"] else None
-        except ValueError:
-            parsed = None
-        calls += len(parsed) if isinstance(parsed, list) else 0
-    return calls
+    parsed = [loads_or(row["tool_calls"], None) for row in tail]
+    return sum(len(calls) for calls in parsed if isinstance(calls, list))

@@ -1,10 +1,9 @@
 """Who is routed to a session or may work on it: routing entries, compression locks, turn leases,
-CLI-to-gateway handoffs, and hermes-agent's repairs of gateway sessions.
+CLI-to-gateway handoffs, hygiene failure streaks, and hermes-agent's repairs of gateway sessions.
 
-Owns `gateway_routing`, `compression_locks`, `session_turn_leases`, the `handoff_*` columns, and of the
-other session columns only what the repairs change: an adopted routing identity, the end of a reset
-or superseded session, `model_config.browser_model_lock`. Relies on SessionDB's read and write paths,
-`_turn_lease_key` (messages), `_resolved` and `delete_session` (sessions). Never changes a message row.
+Owns those tables, the `handoff_*` columns, and of other session columns only what the repairs change
+(routing identity, a reset's or superseded session's end, `model_config.browser_model_lock`). Relies on
+SessionDB's read/write paths, `_turn_lease_key`, `_resolved` and `delete_session`. Never changes a message.
 """
 
 import json
@@ -16,10 +15,11 @@ import sqlite3
 import sys
 import threading
 import time
+from collections import Counter
 
 from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, LAST_ACTIVE_SQL, SELECT_COMPRESSION_LOCK_SQL, _BARE_BILLING_PROVIDERS,
-    _RESET_END_REASONS, chunked, classify_persistence_error, has_fork_marker, json_object, json_text, placeholders,
+    _RESET_END_REASONS, classify_persistence_error, has_fork_marker, json_object, json_text, placeholders,
     require_text)
 
 logger = logging.getLogger("hermes_state")
@@ -27,6 +27,7 @@ logger = logging.getLogger("hermes_state")
 _UPSERT_ROUTING_SQL = ("INSERT INTO gateway_routing (scope, session_key, entry_json, updated_at)"
                        " VALUES (?, ?, ?, ?) ON CONFLICT (scope, session_key) DO UPDATE SET"
                        " entry_json = excluded.entry_json, updated_at = excluded.updated_at")
+_DELETE_ROUTING_SQL = "DELETE FROM gateway_routing WHERE scope = ? AND session_key = ?"
 # hermes-agent keeps the first 500 characters of a handoff's error.
 HANDOFF_ERROR_MAX_CHARS = 500
 # hermes-agent's holders name their process as a `pid=N` field.
@@ -35,28 +36,23 @@ _HOLDER_PID = re.compile(r"(?:^|:)pid=(\d+)(?::|$)")
 ORPHAN_ADOPTION_MAX_GAP_S = 900.0
 # Ends a gateway may still resume a session from (older cleanup bugs), so a reset may replace them.
 _RECOVERABLE_END_REASONS_SQL = "('agent_close', 'ws_orphan_reap')"
-_NEVER_ACTIVE_SQL = """
+_USE_COUNTERS = ("message_count", "tool_call_count", "api_call_count", "input_tokens", "output_tokens",
+                 "pinned", "archived")
+_NEVER_ACTIVE_SQL = f"""
 SELECT s.id, s.session_key, s.source, s.chat_id, s.chat_type, s.user_id, s.started_at FROM sessions AS s
 WHERE s.session_key IS NOT NULL AND s.ended_at IS NULL AND s.title IS NULL AND s.last_activity_at IS NULL
-  AND COALESCE(s.message_count, 0) = 0 AND COALESCE(s.tool_call_count, 0) = 0
-  AND COALESCE(s.api_call_count, 0) = 0 AND COALESCE(s.input_tokens, 0) = 0
-  AND COALESCE(s.output_tokens, 0) = 0 AND COALESCE(s.pinned, 0) = 0 AND COALESCE(s.archived, 0) = 0
+  AND {" AND ".join(f"COALESCE(s.{c}, 0) = 0" for c in _USE_COUNTERS)}
   AND s.started_at < ? AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)
-ORDER BY s.started_at
-"""
+ORDER BY s.started_at"""
 _ORPHANS_SQL = f"""
 SELECT o.id, o.source, o.user_id, o.started_at, o.parent_session_id, o.model_config,
   {LAST_ACTIVE_SQL.format(a="o")} AS last_active,
   (SELECT COUNT(*) FROM messages AS m WHERE m.session_id = o.id) AS message_count
-FROM sessions AS o
-WHERE o.session_key IS NULL AND COALESCE(o.source, '') != 'tool'
+FROM sessions AS o WHERE o.session_key IS NULL AND COALESCE(o.source, '') != 'tool'
   AND EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = o.id)
-ORDER BY o.started_at
-"""
-_DONORS_SQL = f"""
-SELECT d.id, d.session_key, d.source, d.user_id, {LAST_ACTIVE_SQL.format(a="d")} AS last_active
-FROM sessions AS d WHERE d.session_key IS NOT NULL
-"""
+ORDER BY o.started_at"""
+_DONORS_SQL = (f"SELECT d.id, d.session_key, d.source, d.user_id, {LAST_ACTIVE_SQL.format(a='d')}"
+               " AS last_active FROM sessions AS d WHERE d.session_key IS NOT NULL")
 # A gateway row recovery may resume: open, or ended by a cleanup bug. A later reset boundary of the same
 # peer fences it off, so recovery never reaches behind a /new.
 _HAS_MESSAGES_SQL = ("(COALESCE(s.message_count, 0) > 0"
@@ -66,8 +62,7 @@ _RECOVERABLE_PEER_SQL = f"""
   AND NOT EXISTS (SELECT 1 FROM sessions AS b WHERE {{fence}} AND b.source = s.source AND b.ended_at IS NOT NULL
     AND b.end_reason IN ({", ".join("'%s'" % r for r in _RESET_END_REASONS)})
     AND b.ended_at > COALESCE(s.last_activity_at, s.started_at))
-ORDER BY {{order}}COALESCE(s.last_activity_at, s.started_at) DESC LIMIT 1
-"""
+ORDER BY {{order}}COALESCE(s.last_activity_at, s.started_at) DESC LIMIT 1"""
 _PEER_COLUMNS = ("user_id", "chat_id", "chat_type", "thread_id")
 _SAME_PEER_SQL = " AND ".join(f"COALESCE(b.{c}, '') = COALESCE(s.{c}, '')" for c in _PEER_COLUMNS)
 _PEER_MATCH_SQL = "s.source = ? AND " + " AND ".join(f"COALESCE(s.{c}, '') = COALESCE(?, '')" for c in _PEER_COLUMNS)
@@ -76,6 +71,12 @@ _SET_PEER_SQL = ("UPDATE sessions SET session_key = ?, source = ?, user_id = ?, 
                  " WHERE id IN ({})")
 _INSERT_PEER_SQL = ("INSERT INTO sessions (session_key, source, user_id, chat_id, chat_type, thread_id, display_name,"
                     " origin_json, id, started_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+# An orphan takes what it lacks of its donor's identity, and the donor as its parent.
+_ADOPTED_COLUMNS = ("chat_id", "chat_type", "thread_id", "user_id", "origin_json", "display_name")
+_ADOPT_SQL = ", ".join(f"{c} = COALESCE({c}, ?)" for c in (*_ADOPTED_COLUMNS, "parent_session_id"))
+# The compression parent a row continues, with what tells a fork or tool child from a continuation.
+_COMPRESSION_PARENT_SQL = ("SELECT p.id, c.source, c.model_config FROM sessions AS c JOIN sessions AS p"
+                           " ON p.id = c.parent_session_id AND p.end_reason = 'compression' WHERE c.id = ?")
 _SELECT_LEASE_SQL = "SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?"
 _DELETE_LEASE_SQL = "DELETE FROM session_turn_leases WHERE conversation_id = ? AND holder = ?"
 
@@ -88,10 +89,9 @@ class SessionGatewayMixin:
     # sessions folder as the scope. As there, an empty key or entry is skipped rather than refused.
     def save_gateway_routing_entry(self, session_key, entry_json, *, scope=""):
         """Store one routing entry (JSON text, or a value to encode); returns None, skipping an empty one."""
-        if not session_key or not entry_json:
-            return
-        row = _routing_row(session_key, entry_json, scope)
-        self._execute_write(lambda conn: conn.execute(_UPSERT_ROUTING_SQL, row))
+        if session_key and entry_json:
+            row = _routing_row(session_key, entry_json, scope)
+            self._execute_write(lambda conn: conn.execute(_UPSERT_ROUTING_SQL, row))
 
     def load_gateway_routing_entries(self, *, scope=""):
         """{session_key: entry_json} for one scope; {} when it has none."""
@@ -100,14 +100,9 @@ class SessionGatewayMixin:
 
     def delete_gateway_routing_entries(self, session_keys, *, scope=""):
         """Delete these keys from one scope; returns None (unknown keys are no error)."""
-        keys = list(session_keys or ())
-
-        def write(conn):
-            for chunk in chunked(keys):
-                conn.execute(f"DELETE FROM gateway_routing WHERE scope = ? AND session_key IN"
-                             f" ({placeholders(len(chunk))})", [scope, *chunk])
-        if keys:
-            self._execute_write(write)
+        rows = [(scope, key) for key in session_keys or ()]
+        if rows:
+            self._execute_write(lambda conn: conn.executemany(_DELETE_ROUTING_SQL, rows))
 
     def replace_gateway_routing_entries(self, entries, *, scope=""):
         """Make one scope hold exactly `entries` ({session_key: entry_json}), atomically; returns None.
@@ -120,24 +115,18 @@ class SessionGatewayMixin:
         self._execute_write(write)
 
     def _delete_routing_entries_for_sessions(self, conn, session_ids):
-        """Inside a write: drop the routing entries (any scope) whose entry_json names one of
-        `session_ids`; returns how many."""
-        doomed = []
-        for scope, key, entry in conn.execute("SELECT scope, session_key, entry_json FROM gateway_routing"):
-            target = json_object(entry).get("session_id")
-            if isinstance(target, str) and target in session_ids:
-                doomed.append((scope, key))
-        conn.executemany("DELETE FROM gateway_routing WHERE scope = ? AND session_key = ?", doomed)
+        """Inside a write: drop the entries (any scope) naming one of `session_ids`; returns how many."""
+        rows = conn.execute("SELECT scope, session_key, entry_json FROM gateway_routing").fetchall()
+        doomed = [(scope, key) for scope, key, entry in rows
+                  if isinstance(sid := json_object(entry).get("session_id"), str) and sid in session_ids]
+        conn.executemany(_DELETE_ROUTING_SQL, doomed)
         return len(doomed)
 
     # -- compression locks -------------------------------------------------------
     def try_acquire_compression_lock(self, session_id, holder, ttl_seconds=300.0):
-        """Take the session's compression lock for `holder`; False if someone alive holds it, for an
-        empty id, or when the store fails (compression is then skipped).
-
-        An expired lock, or one of a dead process of this host (holder_is_alive), is taken over. Holding
-        it already is True and keeps its expiry; a `ttl_seconds` <= 0 makes an expired lock, as in
-        hermes-agent."""
+        """True once `holder` holds the session's compression lock, taking over an expired one or a dead local
+        process's (`ttl_seconds` <= 0 makes an expired lock, as in hermes-agent); False if another live holder
+        has it, for an empty id, or when the store fails (compression is then skipped)."""
         if not session_id:
             return False
 
@@ -150,52 +139,44 @@ class SessionGatewayMixin:
             conn.execute("INSERT OR IGNORE INTO compression_locks (session_id, holder, acquired_at, expires_at)"
                          " VALUES (?, ?, ?, ?)", (session_id, holder, now, now + float(ttl_seconds)))
             return conn.execute(SELECT_COMPRESSION_LOCK_SQL, (session_id,)).fetchone()["holder"] == holder
-        return self._lock_write(write, "try_acquire_compression_lock", session_id, False)
+        return self._lock_write(write, "try_acquire_compression_lock", session_id)
 
     def refresh_compression_lock(self, session_id, holder, ttl_seconds=300.0):
-        """Extend the lock while `holder` owns it, expired or not; False if it does not
-        (or for an empty id or holder, or when the store fails)."""
+        """Extend the lock while `holder` owns it, expired or not; else False, also when the store fails."""
         if not session_id or not holder:
             return False
         expires = time.time() + float(ttl_seconds)
         return self._lock_write(lambda conn: conn.execute(
             "UPDATE compression_locks SET expires_at = ? WHERE session_id = ? AND holder = ?",
-            (expires, session_id, holder)).rowcount > 0, "refresh_compression_lock", session_id, False)
+            (expires, session_id, holder)).rowcount > 0, "refresh_compression_lock", session_id)
 
     def release_compression_lock(self, session_id, holder):
         """Release the lock if `holder` owns it; returns None. A store failure is logged, never raised."""
         if session_id:
-            self._lock_write(lambda conn: conn.execute(
-                "DELETE FROM compression_locks WHERE session_id = ? AND holder = ?", (session_id, holder)),
-                "release_compression_lock", session_id, None)
+            self._lock_write(lambda conn: conn.execute("DELETE FROM compression_locks WHERE session_id = ?"
+                                                       " AND holder = ?", (session_id, holder)),
+                             "release_compression_lock", session_id)
 
     def get_compression_lock_holder(self, session_id):
         """Who holds the session's lock now; None when free, expired or for an empty id."""
-        if not session_id:
-            return None
-        row = self._read_one(SELECT_COMPRESSION_LOCK_SQL, (session_id,))
+        row = self._read_one(SELECT_COMPRESSION_LOCK_SQL, (session_id,)) if session_id else None
         return row["holder"] if row and row["expires_at"] >= time.time() else None
 
-    def _lock_write(self, fn, name, session_id, on_error):
+    def _lock_write(self, fn, name, session_id):
         # hermes-agent's lock calls fail open: a broken store means "no lock", never an exception.
         try:
-            result = self._execute_write(fn)
+            return self._execute_write(fn)
         except sqlite3.Error as exc:
             logger.warning("%s(%s) failed: %s", name, session_id, exc)
-            return on_error
-        return result if on_error is not None else None
+            return False
 
     # -- turn leases -------------------------------------------------------------
-    # One agent turn at a time per conversation, across processes. The lease is kept under the root
-    # of the compression chain (`_turn_lease_key`), so a turn keeps it when compression rotates the
-    # session; a write naming a holder checks it in its own transaction (`_check_turn_lease`). As in
-    # hermes-agent, an empty id or holder is no lease (False), never an error.
+    # One agent turn at a time per conversation, across processes. The lease is kept under the root of the
+    # compression chain (`_turn_lease_key`), so a turn keeps it when compression rotates the session; a write
+    # naming a holder checks it in its own transaction. As in hermes-agent, an empty id or holder is no lease.
     def try_acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0, patience_s=None):
-        """Take the conversation's turn lease for `holder` now; False if someone else holds it.
-
-        A lease past its expiry or of a dead process of this host is taken over; holding it already is
-        True and keeps its expiry. `ttl_seconds` counts at least 0.1; `patience_s` bounds the wait for a
-        busy store (default: the write budget)."""
+        """True once `holder` holds the conversation's turn lease, taking over an expired one or a dead local
+        process's; False if someone else holds it. `patience_s` bounds the wait for a busy store."""
         if not session_id or not holder:
             return False
         ttl = max(0.1, float(ttl_seconds))
@@ -213,12 +194,10 @@ class SessionGatewayMixin:
     def acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0, wait_seconds=1800.0,
                                    poll_interval_seconds=1.0, on_wait=None, wait_notice_interval_seconds=15.0,
                                    should_abort=None, acquire_patience_s=0.5):
-        """Wait up to `wait_seconds` for the turn lease; True once `holder` has it, False on timeout or
-        when `should_abort()` says so.
-
-        Polls every `poll_interval_seconds` (at least 0.01), holding no lock in between; `on_wait(elapsed)`
-        runs after the first miss, then every `wait_notice_interval_seconds`. Callback errors are logged
-        and ignored; a store busy past the write budget is a miss, any other error is raised."""
+        """True once `holder` has the turn lease, polling up to `wait_seconds` with no lock held between
+        tries; False on timeout or when `should_abort()` says so. `on_wait(elapsed)` runs after the first
+        miss, then every `wait_notice_interval_seconds`; callback errors are logged and ignored. A store
+        busy past `acquire_patience_s` is a miss, any other error is raised."""
         deadline = time.monotonic() + max(0.0, float(wait_seconds))
         notice_every = max(0.0, float(wait_notice_interval_seconds))
         started = last_notice = None
@@ -246,12 +225,9 @@ class SessionGatewayMixin:
         if not session_id or not holder:
             return False
         ttl = max(0.1, float(ttl_seconds))
-
-        def write(conn):
-            key = self._turn_lease_key(conn, session_id)
-            return conn.execute("UPDATE session_turn_leases SET expires_at = ? WHERE conversation_id = ?"
-                                " AND holder = ?", (time.time() + ttl, key, holder)).rowcount > 0
-        return self._execute_write(write)
+        return self._execute_write(lambda conn: conn.execute(
+            "UPDATE session_turn_leases SET expires_at = ? WHERE conversation_id = ? AND holder = ?",
+            (time.time() + ttl, self._turn_lease_key(conn, session_id), holder)).rowcount > 0)
 
     def release_session_turn_lease(self, session_id, holder):
         """Give the lease up if `holder` holds it; returns None (releasing twice is no error)."""
@@ -260,9 +236,8 @@ class SessionGatewayMixin:
                 _DELETE_LEASE_SQL, (self._turn_lease_key(conn, session_id), holder)))
 
     # -- handoffs ----------------------------------------------------------------
-    # A handoff moves a session from the CLI to a gateway platform: the CLI requests it (pending), one
-    # gateway claims it (running), then completes or fails it. Each step is a compare-and-set, so two
-    # gateways never both claim.
+    # A handoff moves a session from the CLI to a gateway platform: the CLI requests it (pending), one gateway
+    # claims it (running), then completes or fails it. Each step is a compare-and-set: no two gateways claim.
     def request_handoff(self, session_id, platform):
         """Mark the session pending handoff to `platform`; False if unknown or a handoff is in flight."""
         return self._update_rows(
@@ -289,7 +264,7 @@ class SessionGatewayMixin:
         """{"state", "platform", "error"} of the session's handoff, or None for an unknown session."""
         row = self._read_one("SELECT handoff_state, handoff_platform, handoff_error FROM sessions WHERE id = ?",
                              (session_id,))
-        return None if row is None else {"state": row[0], "platform": row[1], "error": row[2]}
+        return None if row is None else dict(zip(("state", "platform", "error"), row))
 
     def list_pending_handoffs(self):
         """Every session row with a pending handoff, oldest first, `system_prompt` resolved."""
@@ -297,15 +272,14 @@ class SessionGatewayMixin:
                                              " ORDER BY started_at"))
 
     # -- gateway sessions ------------------------------------------------------------
-    # Rows the gateway keys by `session_key`: the end of a reset, rows opened and never used, and
-    # orphans that lost their routing identity to a failed write.
+    # Rows the gateway keys by `session_key`: the end of a reset, rows opened and never used, and orphans
+    # that lost their routing identity to a failed write.
     @staticmethod
     def session_gateway_runtime(session_meta):
         """The provider route a session row last ran on, as a dict; {} when the row names none.
 
-        From `model_config` (JSON text or a dict): `gateway_runtime` if it names a provider, else the
-        top-level provider/base_url/api_mode, else billing_provider unless a bucket ('auto', 'custom'),
-        else whatever `gateway_runtime` holds, None values left out."""
+        Tried in order: model_config's `gateway_runtime` naming a provider, its top-level provider/base_url/
+        api_mode, a billing_provider that is no bucket ('auto', 'custom'), then any `gateway_runtime`."""
         meta = session_meta or {}
         config = json_object(meta.get("model_config"))
         runtime = config.get("gateway_runtime")
@@ -320,11 +294,8 @@ class SessionGatewayMixin:
 
     def update_session_runtime_lock(self, session_id, *, model=None, provider=None, model_options=None,
                                     route_source=None, confirmed=False):
-        """Record the model route a browser or API client pinned; returns None, nothing for an unknown id.
-
-        Sets `model_config.browser_model_lock` (other keys kept) and, unless None, the model, and drops
-        the stored system prompt so the next turn names the route. Raises TypeError for `model_options`
-        JSON cannot hold, before anything is written."""
+        """Record the model route a browser or API client pinned, dropping the stored system prompt so the
+        next turn names it; None, nothing for an unknown id. TypeError for `model_options` JSON can't hold."""
         lock = {"provider": provider or "", "model": model or "", "model_options": model_options or {},
                 "route_source": route_source or "", "confirmed": bool(confirmed), "updated_at": time.time()}
         json.dumps(lock)
@@ -343,15 +314,9 @@ class SessionGatewayMixin:
     def record_gateway_session_peer(self, session_id, *, source, user_id=None, session_key=None, chat_id=None,
                                     chat_type=None, thread_id=None, display_name=None, origin_json=None,
                                     include_compression_ancestors=False):
-        """Give a session the gateway peer it is routed by; returns None (nothing without an id or key).
-
-        The identity columns are set as given; `display_name` and `origin_json`
-        only when not None. A missing row is created with that identity, so a
-        failed create_session never leaves the chat unroutable. With
-        `include_compression_ancestors` the compression parents the row
-        continues (not branches, delegates or tool sessions) get it too, and
-        a missing row is not created.
-        """
+        """Give a session the gateway peer it is routed by, creating a missing row so a failed create_session
+        never leaves the chat unroutable; None (nothing without an id or key). With
+        `include_compression_ancestors` the compression parents it continues get it too; none is created."""
         if not session_id or not session_key:
             return
         values = (session_key, source, user_id, chat_id, chat_type, thread_id, display_name, origin_json)
@@ -359,31 +324,22 @@ class SessionGatewayMixin:
         def write(conn):
             ids = [session_id]
             while include_compression_ancestors:
-                child = conn.execute("SELECT parent_session_id, model_config, source FROM sessions WHERE id = ?",
-                                     (ids[-1],)).fetchone()
-                parent = child and conn.execute("SELECT id FROM sessions WHERE id = ? AND end_reason = 'compression'",
-                                                (child["parent_session_id"],)).fetchone()
-                if (parent is None or parent["id"] in ids or (child["source"] or "") == "tool"
-                        or has_fork_marker(child["model_config"])):
+                link = conn.execute(_COMPRESSION_PARENT_SQL, (ids[-1],)).fetchone()
+                if link is None or link["id"] in ids or (link["source"] or "") == "tool" or has_fork_marker(
+                        link["model_config"]):
                     break
-                ids.append(parent["id"])
+                ids.append(link["id"])
             conn.execute(_SET_PEER_SQL.format(placeholders(len(ids))), (*values, *ids))
             if not include_compression_ancestors and conn.execute(
                     "SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone() is None:
                 conn.execute(_INSERT_PEER_SQL, (*values, session_id, time.time()))
-
         self._execute_write(write)
 
     def find_latest_gateway_session_for_peer(self, *, source, user_id=None, session_key=None, chat_id=None,
                                              chat_type=None, thread_id=None):
-        """The session row (with `_has_messages`) the gateway should resume for this routing key,
-        else for the whole peer when `chat_id` and `chat_type` are given; None without a key or a match.
-
-        By key: open rows or rows a cleanup bug ended, those with messages
-        first, then the most recently active. By peer: the same, with messages
-        only. A reset boundary of the key (or peer) ended after a row's last
-        activity rules that row out.
-        """
+        """The session row (with `_has_messages`) the gateway should resume for this routing key, else for
+        the whole peer when `chat_id` and `chat_type` are given; None without a key or a match. Rows with
+        messages first (by peer: only those), then the most recently active, none behind a reset."""
         if not session_key:
             return None
         self._flush_token_counts()
@@ -398,21 +354,16 @@ class SessionGatewayMixin:
         return rows[0] if rows else None
 
     def find_session_by_origin(self, *, platform, chat_id, thread_id=None, user_id=None):
-        """The id of the newest open gateway session of this platform (any case) and chat (and thread,
-        when given); None when there is none, or when it is ambiguous.
-
-        Ambiguous: with `user_id`, several rows and none of that user; without,
-        several rows of more than one user.
-        """
+        """The id of the newest open gateway session of this platform (any case) and chat (and thread, when
+        given); None when there is none or it is ambiguous: several rows, none of `user_id`'s, or without
+        `user_id` of more than one user."""
         if not platform or chat_id in (None, ""):
             return None
-        sql = ("SELECT id, user_id FROM sessions WHERE LOWER(source) = LOWER(?) AND session_key IS NOT NULL"
-               " AND chat_id = ? AND ended_at IS NULL")
-        params = [platform, str(chat_id)]
-        if thread_id is not None:
-            sql += " AND COALESCE(thread_id, '') = ?"
-            params.append(str(thread_id))
-        rows = self._read_all(sql + " ORDER BY started_at DESC", params)
+        thread = "" if thread_id is None else " AND COALESCE(thread_id, '') = ?"
+        rows = self._read_all(f"SELECT id, user_id FROM sessions WHERE LOWER(source) = LOWER(?)"
+                              f" AND session_key IS NOT NULL AND chat_id = ? AND ended_at IS NULL{thread}"
+                              " ORDER BY started_at DESC", [platform, str(chat_id)]
+                              + ([] if thread_id is None else [str(thread_id)]))
         users = [str(row["user_id"] or "") for row in rows]
         if user_id and str(user_id) in users:
             return str(rows[users.index(str(user_id))]["id"])
@@ -421,8 +372,7 @@ class SessionGatewayMixin:
         return str(rows[0]["id"])
 
     def increment_hygiene_failure_streak(self, session_key):
-        """Count one more failed session-hygiene run for a chat; returns the new streak (1 for an empty key,
-        which is not stored)."""
+        """Count one more failed session-hygiene run for a chat; the new streak (1, unstored, for no key)."""
         if not session_key:
             return 1
 
@@ -431,7 +381,6 @@ class SessionGatewayMixin:
                          " ON CONFLICT (session_key) DO UPDATE SET failure_streak = failure_streak + 1", (session_key,))
             return int(conn.execute("SELECT failure_streak FROM gateway_hygiene_state WHERE session_key = ?",
                                     (session_key,)).fetchone()[0])
-
         return self._execute_write(write)
 
     def reset_hygiene_failure_streak(self, session_key):
@@ -440,9 +389,8 @@ class SessionGatewayMixin:
             self._update_rows("DELETE FROM gateway_hygiene_state WHERE session_key = ?", (session_key,))
 
     def promote_to_session_reset(self, session_id, reason="session_reset"):
-        """End the session now with `reason`, a reset boundary gateway recovery never crosses; False when
-        the row is missing, the write failed, or it ended otherwise than 'agent_close' or 'ws_orphan_reap'
-        (ends recovery would resume)."""
+        """End the session now with `reason`, a reset boundary gateway recovery never crosses; False when the
+        row is missing, the write failed, or it ended otherwise than by an end recovery would resume."""
         if not session_id:
             return False
         try:
@@ -471,48 +419,39 @@ class SessionGatewayMixin:
         return (sum(1 for session_id in sorted(ids) if self.delete_session(session_id, **extra)), routing)
 
     def find_orphaned_gateway_sessions(self, *, max_gap_s=None):
-        """Sessions with messages but no `session_key` (branch, delegate and tool runs aside), oldest
-        first, each with the keyed session it continues when exactly one can be named; [] when none.
-
-        The donor is the keyed parent of the same source ('lineage'), else the one keyed session of the
-        same source and a compatible user that fell quiet within `max_gap_s` (ORPHAN_ADOPTION_MAX_GAP_S)
-        of the orphan's start and before its last activity ('contiguity'). An orphan whose donor is
-        missing, ambiguous or claimed twice is not adoptable, and `reason` says why."""
+        """Sessions with messages but no `session_key` (forks and tool runs aside), oldest first, each with
+        the keyed session it continues when exactly one can be named; [] when none. The donor is the keyed
+        parent of the same source ('lineage'), else the one keyed session of that source and a compatible
+        user that fell quiet within `max_gap_s` of the orphan's start, before its last activity
+        ('contiguity'). An orphan whose donor is missing, ambiguous or claimed twice is not adoptable, and
+        `reason` says why."""
         gap = ORPHAN_ADOPTION_MAX_GAP_S if max_gap_s is None else float(max_gap_s)
         orphans = [row for row in self._read_all(_ORPHANS_SQL) if not has_fork_marker(row["model_config"])]
         donors = {row["id"]: row for row in self._read_all(_DONORS_SQL)} if orphans else {}
         records = [_orphan_record(orphan, donors, gap) for orphan in orphans]
-        claims = {}
+        claims = Counter(record["donor_id"] for record in records if record["adoptable"])
         for record in records:
-            if record["adoptable"]:
-                claims[record["donor_id"]] = claims.get(record["donor_id"], 0) + 1
-        for record in records:
-            if claims.get(record["donor_id"], 0) > 1:
+            if claims[record["donor_id"]] > 1:
                 record.update(adoptable=False, reason="ambiguous: more than one unkeyed session claims this predecessor")
         return records
 
     def adopt_orphaned_gateway_session(self, orphan_id, donor_id):
         """Give `orphan_id` the routing identity of `donor_id` and end the donor as 'superseded_by_repair';
-        False when either is missing, the donor has no key, the orphan has one, or their sources differ.
-
-        Checked inside the write, so a row a gateway healed meanwhile is left alone. The orphan keeps the
-        identity columns it has; a missing parent becomes the donor."""
+        False when either is missing, the donor has no key, the orphan has one, or their sources differ
+        (checked inside the write, so a row a gateway healed meanwhile is left alone)."""
         if not orphan_id or not donor_id or orphan_id == donor_id:
             return False
 
         def write(conn):
-            donor = conn.execute("SELECT session_key, chat_id, chat_type, thread_id, user_id, origin_json,"
-                                 " display_name, source FROM sessions WHERE id = ?", (donor_id,)).fetchone()
+            donor = conn.execute(f"SELECT session_key, {', '.join(_ADOPTED_COLUMNS)}, source FROM sessions"
+                                 " WHERE id = ?", (donor_id,)).fetchone()
             orphan = conn.execute("SELECT session_key, source FROM sessions WHERE id = ?", (orphan_id,)).fetchone()
             if (donor is None or orphan is None or not donor["session_key"] or orphan["session_key"]
                     or (donor["source"] or "") != (orphan["source"] or "")):
                 return False
-            conn.execute("UPDATE sessions SET session_key = ?, chat_id = COALESCE(chat_id, ?),"
-                         " chat_type = COALESCE(chat_type, ?), thread_id = COALESCE(thread_id, ?),"
-                         " user_id = COALESCE(user_id, ?), origin_json = COALESCE(origin_json, ?),"
-                         " display_name = COALESCE(display_name, ?),"
-                         " parent_session_id = COALESCE(parent_session_id, ?)"
-                         " WHERE id = ? AND session_key IS NULL", (*tuple(donor)[:7], donor_id, orphan_id))
+            # The orphan keeps the identity columns it has; a missing parent becomes the donor.
+            conn.execute(f"UPDATE sessions SET session_key = ?, {_ADOPT_SQL} WHERE id = ?"
+                         " AND session_key IS NULL", (*tuple(donor)[:7], donor_id, orphan_id))
             # Not an end recovery resumes ('agent_close'), or the donor could win the chat back.
             conn.execute("UPDATE sessions SET ended_at = COALESCE(ended_at, ?), end_reason = 'superseded_by_repair'"
                          " WHERE id = ?", (time.time(), donor_id))
@@ -525,38 +464,33 @@ def lock_holder_name():
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}"
 
 
-def _pid_alive(pid):
-    if pid <= 0 or pid >= 2 ** 31:
-        return True  # not a process id we can probe (0 would signal our own group)
-    if sys.platform == "win32":
-        import ctypes
-        handle = ctypes.windll.kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
-        if not handle:
-            return False
-        ctypes.windll.kernel32.CloseHandle(handle)
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def holder_is_alive(holder):
     """False only when `holder` names a process of this host that no longer exists: hermes-agent's
     `pid=N:...` (its store is host-local) or our `host:pid:thread`; any other name counts as alive."""
     text = str(holder or "")
     match = _HOLDER_PID.search(text)
+    parts = text.split(":")
     if match:
         pid = int(match.group(1))
-    else:
-        parts = text.split(":")
-        if len(parts) < 2 or parts[0] != socket.gethostname() or not parts[1].isdigit():
-            return True
+    elif len(parts) >= 2 and parts[0] == socket.gethostname() and parts[1].isdigit():
         pid = int(parts[1])
-    return pid == os.getpid() or _pid_alive(pid)
+    else:
+        return True
+    if pid == os.getpid() or pid <= 0 or pid >= 2 ** 31:
+        return True  # ours, or not a process id we can probe (0 would signal our own group)
+    if sys.platform == "win32":
+        import ctypes
+        handle = ctypes.windll.kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
+        if handle:
+            ctypes.windll.kernel32.CloseHandle(handle)
+        return bool(handle)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # it exists, but is not ours to signal
+    return True
 
 
 def _callback_says(callback, *args):
@@ -570,30 +504,26 @@ def _callback_says(callback, *args):
 
 def _orphan_record(orphan, donors, gap):
     """find_orphaned_gateway_sessions' dict for one orphan, given every keyed session by id."""
-    donor, reason, source = None, "", orphan["source"] or ""
+    source = orphan["source"] or ""
     if orphan["parent_session_id"]:
-        evidence = "lineage"
-        parent = donors.get(orphan["parent_session_id"])
-        if parent is not None and (parent["source"] or "") == source:
-            donor = parent
-        else:
-            reason = "parent session carries no gateway identity of this source"
+        evidence, parent = "lineage", donors.get(orphan["parent_session_id"])
+        candidates = [parent] if parent is not None and (parent["source"] or "") == source else []
+        miss = "parent session carries no gateway identity of this source"
     else:
         evidence, start, last, user = "contiguity", orphan["started_at"] or 0, orphan["last_active"], orphan["user_id"]
         candidates = [d for d in donors.values()
                       if (d["source"] or "") == source and (not d["user_id"] or not user or d["user_id"] == user)
                       and d["last_active"] is not None and last is not None
                       and start - gap <= d["last_active"] <= start + gap and d["last_active"] < last]
-        if len(candidates) == 1:
-            donor = candidates[0]
-        elif candidates:
-            reason = "ambiguous: more than one keyed predecessor matches this window"
-        else:
-            reason = f"no keyed predecessor fell quiet within {gap:.0f}s of this session's start"
+        miss = f"no keyed predecessor fell quiet within {gap:.0f}s of this session's start"
+    if len(candidates) > 1:
+        miss = "ambiguous: more than one keyed predecessor matches this window"
+    found = len(candidates) == 1
+    donor = candidates[0] if found else {"id": None, "session_key": None}
     return {"orphan_id": orphan["id"], "source": orphan["source"], "message_count": orphan["message_count"],
-            "started_at": orphan["started_at"], "last_active": orphan["last_active"],
-            "donor_id": donor["id"] if donor else None, "session_key": donor["session_key"] if donor else None,
-            "evidence": evidence if donor else "", "adoptable": donor is not None, "reason": reason}
+            "started_at": orphan["started_at"], "last_active": orphan["last_active"], "donor_id": donor["id"],
+            "session_key": donor["session_key"], "evidence": evidence if found else "", "adoptable": found,
+            "reason": "" if found else miss}
 
 
 def _routing_row(session_key, entry_json, scope):
