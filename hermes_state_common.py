@@ -11,6 +11,7 @@ import json
 import re
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 # -- Versions and names -------------------------------------------------------
@@ -651,6 +652,17 @@ def sqlite_has_wal_reset_bug(version=sqlite3.sqlite_version_info):
 
 # Files we create beside the store (backups, copies) are its owner's only, as the store is.
 FILE_MODE = 0o600
+
+
+def free_name_beside(path, label):
+    """The first name `<name>.<label>-<time>[_n]` beside the store `path` that no file has (a copy never
+    lands on an existing file)."""
+    path, stamp = Path(path), time.strftime("%Y%m%d_%H%M%S")
+    target, n = path.with_name(f"{path.name}.{label}-{stamp}"), 0
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{label}-{stamp}_{n}")
+    return target
 
 # Limits of the public API.
 SESSION_ID_MAX_LENGTH = 256

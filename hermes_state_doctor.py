@@ -11,7 +11,6 @@ duplicate schema entries only.
 """
 
 import contextlib
-import datetime
 import logging
 import os
 import shutil
@@ -29,7 +28,7 @@ from hermes_state_common import (
     FILE_MODE, HERMES_FTS_TABLES, META_FTS_CJK_STALE, META_FTS_OPTIMIZE_AVAILABLE,
     META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_FTS_STORAGE_VERSION,
     META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, SEARCH_TABLES,
-    hermes_agent_config, sqlite_has_wal_reset_bug)
+    free_name_beside, hermes_agent_config, sqlite_has_wal_reset_bug)
 
 logger = logging.getLogger("hermes_state")
 
@@ -219,11 +218,7 @@ def _backup_db_file(db_path):
     for byte with its sidecars, only while this process has none of them open (a copy would close a descriptor
     and cancel our own locks)."""
     db_path = Path(db_path)
-    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    target, n = db_path.with_name(f"{db_path.name}.malformed-backup-{stamp}"), 0
-    while target.exists():
-        n += 1
-        target = db_path.with_name(f"{db_path.name}.malformed-backup-{stamp}_{n}")
+    target = free_name_beside(db_path, "malformed-backup")
     try:
         _sqlite_copy(db_path, target)
     except sqlite3.Error as exc:

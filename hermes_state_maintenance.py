@@ -9,7 +9,6 @@ repairs the schema: that happens at open (hermes_state_schema) or in hermes_stat
 """
 
 import contextlib
-import datetime
 import glob
 import json
 import logging
@@ -23,8 +22,8 @@ from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, FILE_MODE, INTEGRITY_CHECK_SQL, JOURNAL_MODE_SQL, LAST_ACTIVE_SQL,
     MESSAGES_LAST_ACTIVE_SQL, SCHEMA_VERSION, SELECT_SCHEMA_VERSION_SQL, SESSION_EXISTS_SQL,
     SESSION_RICH_COLUMNS_SQL, SESSIONS_BY_SOURCE_SQL, SKILL_SCAFFOLD_PREFIX, SQL_CHUNK_SIZE, STALE_MARKER,
-    TABLE_EXISTS_SQL, VACUUM_SQL, chunked, cwd_prefix_clause, escape_like, placeholders, prefix_bounds,
-    sqlite_has_wal_reset_bug, store_file_bytes)
+    TABLE_EXISTS_SQL, VACUUM_SQL, chunked, cwd_prefix_clause, escape_like, free_name_beside, placeholders,
+    prefix_bounds, sqlite_has_wal_reset_bug, store_file_bytes)
 from hermes_state_schema import pause_between_chunks, write_meta
 
 logger = logging.getLogger("hermes_state")
@@ -452,11 +451,7 @@ class SessionMaintenanceMixin:
 
     def _vacuum_into_beside(self, label):
         """A consistent copy of the store, made by SQLite, as `<name>.<label>-<time>[_n]`, owner-only."""
-        stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-        target, n = self.db_path.with_name(f"{self.db_path.name}.{label}-{stamp}"), 0
-        while target.exists():
-            n += 1
-            target = self.db_path.with_name(f"{self.db_path.name}.{label}-{stamp}_{n}")
+        target = free_name_beside(self.db_path, label)
         os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))  # private from the start
         self._read_value("VACUUM INTO ?", (str(target),))
         return target
