@@ -2,11 +2,9 @@
 
 Owns the connections (one writer, a pool of readers, and the `_conn`/`_lock` pair hermes-agent runs its own
 SQL through), the journal policy, the write path (BEGIN IMMEDIATE, retried with jitter within a budget),
-recording why an open failed, self-repair of damaged files at open, close, the meta methods, whole-home
-backup and restore, and the class statement that composes the mixins. Holds no session or message logic:
-that lives in the mixins, which import only hermes_state_common, hermes_state_schema's helpers and the
-standard library. Never opens the store or its sidecars except through SQLite (README, "Locks we never
-break"). `python -m hermes_state` runs the command line in hermes_state_cli.
+why an open failed, self-repair of damaged files at open, close, the meta methods, whole-home backup and
+restore, and the class statement composing the mixins. Holds no session or message logic. Never opens the
+store or its sidecars except through SQLite (README, "Locks we never break").
 """
 
 import asyncio
@@ -36,7 +34,7 @@ from pathlib import Path
 
 from hermes_constants import get_hermes_home
 from hermes_state_common import (
-    CHECKPOINT_PASSIVE_SQL, INSERT_META_SQL, JOURNAL_MODE_SQL, QUICK_CHECK_SQL, SELECT_META_SQL,
+    CHECKPOINT_PASSIVE_SQL, FILE_MODE, INSERT_META_SQL, JOURNAL_MODE_SQL, QUICK_CHECK_SQL, SELECT_META_SQL,
     SET_AUTOCHECKPOINT_SQL, SET_JOURNAL_MODE_SQL, SYNCHRONOUS_NORMAL_SQL, _set_last_init_error, escape_like,
     sqlite_has_wal_reset_bug,
 )
@@ -61,8 +59,8 @@ from hermes_state_common import (  # noqa: F401
     _BARE_BILLING_PROVIDERS, classify_persistence_error, CompressionSessionBusyError, DEFERRED_INDEX_SQL,
     FTS_STORAGE_VERSION, CompressionSessionClosedError, format_session_db_unavailable, get_last_init_error,
     is_disk_full_error, is_malformed_db_error, MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAGES,
-    PERSISTENCE_ERROR_CAUSES, resolved_max_export_messages, resolved_max_resume_messages,
-    SCHEMA_VERSION, SessionCompressionInProgressError, SessionExportTooLargeError, SessionResumeTooLargeError,
+    PERSISTENCE_ERROR_CAUSES, resolved_max_export_messages, resolved_max_resume_messages, SCHEMA_VERSION,
+    SessionCompressionInProgressError, SessionExportTooLargeError, SessionResumeTooLargeError,
     SessionTurnLeaseLostError, _WAL_INCOMPAT_MARKERS, workspace_key,
 )
 from hermes_state_wal import (  # noqa: F401
@@ -87,7 +85,6 @@ def _default_db_path():
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
-FILE_MODE = 0o600
 
 WRITE_BUDGET_SECONDS = 20.0
 # Jitter of the whole-callback retry: short sleeps while contention is likely brief, longer ones once it has
@@ -178,13 +175,11 @@ else:
 
 
 class WriterFileLock:
-    """An exclusive lock on `<store>.lock` shared by every process using the store.
+    """An exclusive lock on `<store>.lock` for every process using the store; the OS drops it when one dies.
 
-    The OS drops it when the process dies, so a killed writer never leaves it held. Every WriterFileLock of
-    one process on one file shares a single descriptor, closed with the last of them: where flock is emulated
-    with fcntl locks (NFS, some Unixes), closing a second descriptor would drop the lock the first one holds.
-    Inside the process a threading lock decides who goes next. Reentrant for its owner (callers serialise
-    their threads first).
+    A process's WriterFileLocks on one file share one descriptor, closed with the last of them: where flock is
+    emulated with fcntl locks (NFS, some Unixes), closing a second descriptor would drop the first one's lock.
+    A thread lock orders the process's own users. Reentrant for its owner (callers serialise their threads).
     """
 
     def __init__(self, path):
@@ -326,12 +321,12 @@ def _raw_store_access(path, flags, use):
             os.close(fd)
 
 
-def _use_read_only(path, use, flags="", timeout=WRITE_BUDGET_SECONDS):
+def _use_read_only(path, use, flags=""):
     """`use(conn)` on a read-only SQLite connection to `path`, counted as ours until closed; None when
     SQLite says the file is not a database (SQLITE_NOTADB; older ones: "encrypted or is not a database")."""
     key = _hold(path)
     try:
-        conn = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro" + flags, uri=True, timeout=timeout)
+        conn = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro" + flags, uri=True, timeout=WRITE_BUDGET_SECONDS)
         try:
             return use(conn)
         finally:
@@ -347,11 +342,10 @@ def _use_read_only(path, use, flags="", timeout=WRITE_BUDGET_SECONDS):
 class CallerLock:
     """`SessionDB._lock`: what hermes-agent holds around SQL it runs on `SessionDB._conn`.
 
-    It takes the write path's thread lock (an RLock, so our own methods may run inside it) and, where the
-    journal policy serialises writers across processes, state.db.lock too: a statement a caller writes through
-    `_conn` then never races another process's write or checkpoint. While it is held, the writer waits out a
-    busy store for the whole write budget, since the caller has no retry loop. A transaction the caller opened
-    and left open is rolled back when the outermost hold ends, so no later write finds one.
+    Takes the write path's RLock (our own methods may run inside it) and, where the journal policy serialises
+    writers across processes, state.db.lock, so a caller's statement never races another process's write or
+    checkpoint. While held, the writer waits out a busy store for the whole budget (the caller has no retry
+    loop); a transaction the caller left open is rolled back when the outermost hold ends.
     """
 
     def __init__(self, db):
@@ -406,10 +400,9 @@ class CallerLock:
 def damage_reason(path):
     """'empty', 'zeroed' or 'notsqlite' for a file SQLite cannot use as a store; None if healthy.
 
-    SQLite judges the file, through a read-only `immutable=1` connection: it reads the first page only, takes
-    no lock, and never creates a -shm beside a damaged file's stray WAL. Only when it answers "not a database"
-    and this process holds no connection to the file is the header read, to tell a zeroed file from another
-    kind; otherwise the answer is 'notsqlite'.
+    SQLite judges, `immutable=1`: it reads the first page only, takes no lock and makes no -shm beside a stray
+    WAL. Only when it says "not a database" and this process holds no connection to the file is the header
+    read, to tell a zeroed file; otherwise the answer is 'notsqlite'.
     """
     if os.stat(path).st_size == 0:
         return "empty"
@@ -426,12 +419,8 @@ _set_aside_guard = threading.Lock()
 
 
 def set_aside(path, reason):
-    """Rename a damaged store and its sidecars to `<name>.<reason>-<time>-<pid>[-<n>].bak[-wal|-shm]`;
-    returns the backup path. Deletes nothing.
-
-    Sidecars keep their suffix, so SQLite opening the .bak file still finds its own WAL. `-<n>` counts up
-    while any of those names is taken; nothing is ever renamed onto an existing file.
-    """
+    """Rename a damaged store and its sidecars to `<name>.<reason>-<time>-<pid>[-<n>].bak[-wal|-shm]` (so
+    SQLite opening the .bak finds its WAL; `-<n>` counts up past names taken); returns the backup path."""
     path = Path(path)
     suffixes = ("",) + SIDECAR_SUFFIXES
     stem = f"{path.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -470,10 +459,9 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
                 SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin):
     """The agent's state store. Thread-safe; open one per process.
 
-    `SessionDB(db_path=None, read_only=False)`: `db_path` defaults to `<hermes home>/state.db`. A read-only
-    open runs no DDL and no repair. `connection_factory` replaces `sqlite3.connect` (tests use it to simulate
-    runtimes without FTS5); `write_budget` is how long a write waits for a busy store before StoreLockedError.
-    `journal` and `checkpoint` override HERMES_STATE_JOURNAL and HERMES_STATE_CHECKPOINT.
+    `db_path` defaults to `<hermes home>/state.db`; a read-only open runs no DDL and no repair.
+    `connection_factory` replaces `sqlite3.connect`; `write_budget` is how long a write waits for a busy store
+    before StoreLockedError; `journal` and `checkpoint` override HERMES_STATE_JOURNAL and _CHECKPOINT.
     """
 
     def __init__(self, db_path=None, read_only=False, *, connection_factory=None,
@@ -647,11 +635,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
 
     @property
     def _conn(self):
-        """The connection hermes-agent runs its own SQL on (rows are sqlite3.Row); None once closed.
-
-        The writer, or for a read-only open a read-only connection of its own.
-        Hold `self._lock` around any write through it (see CallerLock).
-        """
+        """The connection hermes-agent runs its own SQL on (the writer, or a read-only open's own reader; rows
+        are sqlite3.Row); None once closed. Hold `self._lock` around any write through it."""
         if self._closed:
             return None
         if not self.read_only:
@@ -666,19 +651,17 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     def _execute_write(self, fn, patience_s=None, *, transaction=True):
         """Run `fn(conn)` in one BEGIN IMMEDIATE transaction and return its result.
 
-        Rolls back on any error. On "database is locked"/"busy" the whole callback is retried after a
-        random pause (20-150 ms for the first 2 s, then 250 ms-1 s) until `patience_s` (default
-        `write_budget`) runs out, then StoreLockedError. Queued token counts ride along in the same
-        transaction. With `transaction=False` (VACUUM cannot run in one) only the locks are taken. `fn`
-        must not commit: the commit is ours.
+        Rolls back on any error. On "database is locked"/"busy" the whole callback is retried after a random
+        pause until `patience_s` (default `write_budget`) runs out, then StoreLockedError. Queued token counts
+        ride along. `transaction=False` (VACUUM cannot run in one) takes only the locks. `fn` must not commit.
         """
         self._check_open()
         budget = self.write_budget if patience_s is None else float(patience_s)
         start = time.monotonic()
         if not self._write_lock.acquire(timeout=budget):
             raise self._locked_error(start, "another thread of this process kept writing", budget)
-        # Without a transaction (VACUUM) there is nothing for queued counts to ride in.
-        batch = self._tokens.take() if transaction and self._tokens else []  # (take locks; most writes have none)
+        # Queued counts ride in the transaction (VACUUM has none); take() locks, and most writes find none.
+        batch = self._tokens.take() if transaction and self._tokens else []
         try:
             while True:
                 try:
@@ -745,10 +728,10 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         return StoreLockedError(f"state store {self.db_path} was locked for {time.monotonic() - start:.1f}s "
                                 f"(budget {budget:.1f}s): {cause}; no data was written")
 
-    def _check_open(self):
+    def _check_open(self, writing=True):
         if self._closed:
             raise sqlite3.ProgrammingError("SessionDB is closed")
-        if self.read_only:
+        if writing and self.read_only:
             raise PermissionError(f"state store {self.db_path} was opened read-only")
 
     def _update_rows(self, sql, params):
@@ -757,24 +740,25 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
 
     # -- the read path -------------------------------------------------------
 
-    def _read_all(self, sql, params=()):
-        """Run a read on a pooled read connection: reads never queue behind the writer."""
+    def _with_reader(self, use):
+        """`use(conn)` on a pooled read connection: reads never queue behind the writer."""
         conn = self._borrow_reader()
         try:
-            return conn.execute(sql, params).fetchall()
+            return use(conn)
         finally:
             self._idle_readers.put(conn)
+
+    def _read_all(self, sql, params=()):
+        return self._with_reader(lambda conn: conn.execute(sql, params).fetchall())
 
     def _read_one(self, sql, params=()):
         return next(iter(self._read_all(sql, params)), None)
 
     def _read_value(self, sql, params=()):
-        row = self._read_one(sql, params)
-        return None if row is None else row[0]
+        return next((row[0] for row in self._read_all(sql, params)), None)
 
     def _borrow_reader(self):
-        if self._closed:
-            raise sqlite3.ProgrammingError("SessionDB is closed")
+        self._check_open(writing=False)
         try:
             return self._idle_readers.get_nowait()
         except queue.Empty:
@@ -793,11 +777,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         return self._read_value(SELECT_META_SQL, (key,))
 
     def set_meta(self, key, value, *, cursor=None):
-        """Store `value` under `key` in state_meta (None stores NULL); returns None.
-
-        Inside a write already open (a `_execute_write` callback) pass its cursor or connection as `cursor`:
-        the row is written there, in that transaction.
-        """
+        """Store `value` under `key` in state_meta (None stores NULL); returns None. Inside an open write
+        (an `_execute_write` callback) pass its connection as `cursor` to write in that transaction."""
         def write(conn):
             # Update in place, else insert: the row keeps its place, and an old state_meta without a primary
             # key gets no duplicate.
@@ -818,22 +799,16 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             "SELECT key, value FROM state_meta WHERE key LIKE ? ESCAPE '\\'", (escape_like(prefix) + "%",))]
 
     def backup(self, out_path):
-        """Write a zip of the whole home; returns {"archive", "files"}. Created 0600.
+        """Write a zip of the whole home, created 0600; returns {"archive", "files"}.
 
-        The store, and every other SQLite file of the home (`*.db`, `*.sqlite`, `*.sqlite3`, `*.db3`), go in
-        as consistent snapshots taken with SQLite's backup API, never as copies of live files, and without
-        their sidecars; then every other file, and a manifest with each file's SHA-256.
+        The store and the home's other SQLite files go in as snapshots taken with SQLite's backup API, never
+        as copies of live files, and without sidecars; then every other file, and a manifest of SHA-256s.
         """
         out_path = Path(out_path).resolve()
         home = self.db_path.parent
         with tempfile.TemporaryDirectory(prefix="hermes-backup-") as scratch:
-            snapshot = Path(scratch) / STATE_DB_FILENAME
-            source = self._borrow_reader()
-            try:
-                _snapshot(source, snapshot)
-            finally:
-                self._idle_readers.put(source)
-            members = [(snapshot, STATE_DB_FILENAME)]
+            members = [(self._with_reader(lambda conn: _snapshot(conn, Path(scratch) / STATE_DB_FILENAME)),
+                        STATE_DB_FILENAME)]
             for path in _home_files(home, self.db_path, out_path):
                 target = Path(scratch) / f"{len(members)}.db"
                 copy = _may_be_sqlite(path) and _use_read_only(path, lambda conn: _snapshot(conn, target))
@@ -915,8 +890,9 @@ def _safe_member_name(name):
         and not name.startswith(("/", "\\"))
 
 
-def _read_backup_manifest(archive):
-    """The archive's manifest, after checking every member is named safely and listed."""
+def _check_archive(archive, archive_path, home):
+    """The archive's manifest, once every member is safely named and listed and the sizes the archive claims
+    (zipfile stops unpacking a member at its claim) fit the disk and are no decompression bomb."""
     try:
         manifest = json.loads(archive.read(BACKUP_MANIFEST))
         files = {entry["name"]: entry for entry in manifest["files"]}
@@ -929,14 +905,6 @@ def _read_backup_manifest(archive):
         raise ValueError(f"backup refused: unsafe file names {sorted(unsafe)[:5]}")
     if names != set(files) or STATE_DB_FILENAME not in files:
         raise ValueError("backup refused: its files do not match its manifest, or it has no state.db")
-    return files
-
-
-def _check_unpacked_size(archive, archive_path, home):
-    """Refuse, before anything is written, an archive that would fill the disk or is a bomb.
-
-    The sizes are the archive's own claims; zipfile stops unpacking a member at its claim.
-    """
     total = sum(info.file_size for info in archive.infolist() if info.filename != BACKUP_MANIFEST)
     where = next(parent for parent in (home, *home.parents) if parent.exists())
     free = shutil.disk_usage(where).free
@@ -950,18 +918,17 @@ def _check_unpacked_size(archive, archive_path, home):
                          f"its own {packed} bytes; nothing was written")
     if total > BACKUP_MAX_BYTES:
         raise ValueError(f"backup refused: it unpacks to {total} bytes; the limit is {BACKUP_MAX_BYTES}")
+    return files
 
 
 def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_BUDGET_SECONDS):
     """Put a whole backup of the home back; returns {"restored", "moved_aside", "db_path"}.
 
-    Refuses to replace an existing store unless `force`; even then nothing is deleted: the old store is set
-    aside as `state.db.pre-restore-<time>-<pid>[-<n>].bak` and other replaced files move to a new
-    `.pre-restore-<time>[-<n>]/`. Before anything is written it refuses (ValueError) an archive that is
-    damaged, not ours, unpacks past the free space or to more than RESTORE_MAX_RATIO times its size; every
-    file is checked against the manifest's SHA-256 and the store against SQLite before anything moves. Files
-    keep their archived mode, never group- or world-writable; a new home is created 0700. RuntimeError while
-    this process has the store open: the swap would happen under its connections.
+    FileExistsError over an existing store unless `force`; even then nothing is deleted: the old store is set
+    aside as `state.db.pre-restore-<time>-<pid>[-<n>].bak`, other replaced files go to a new
+    `.pre-restore-<time>[-<n>]/`. ValueError, before anything moves, for an archive that is damaged, not ours,
+    too big for the disk or RESTORE_MAX_RATIO, or fails its SHA-256s or SQLite's check. Files keep their
+    archived mode minus group/world write. RuntimeError while this process has the store open.
     """
     db_path = Path(db_path) if db_path is not None else _default_db_path()
     home = db_path.parent
@@ -975,11 +942,9 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
         raise ValueError(f"backup refused: {archive_path} is not a zip archive")
     try:
         with zipfile.ZipFile(archive_path) as archive:
-            files = _read_backup_manifest(archive)
-            _check_unpacked_size(archive, archive_path, home)
-            if not home.exists():
-                home.parent.mkdir(parents=True, exist_ok=True)
-                os.mkdir(home, 0o700)
+            files = _check_archive(archive, archive_path, home)
+            home.parent.mkdir(parents=True, exist_ok=True)
+            _private_dirs(home, home.parent)  # a new home is created 0700
             refusal = f"state store {db_path} is being written; restore waited {write_budget:.0f}s"
             lock = _take_store_lock(db_path, write_budget, refusal)
             try:
@@ -1054,9 +1019,8 @@ def _swap_in(scratch, files, db_path):
 
 
 class AsyncSessionDB:
-    """A SessionDB for asyncio code: every method call runs in a worker thread and is awaited, so a busy
-    store never blocks the event loop. Attributes that are not methods are returned as they are. No method
-    returns a live cursor, so nothing crosses threads unsafely."""
+    """A SessionDB for asyncio code: each method call runs in a worker thread and is awaited; other
+    attributes are returned as they are. No method returns a live cursor, so nothing crosses threads."""
 
     def __init__(self, db):
         self._db = db
