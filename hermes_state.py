@@ -87,8 +87,8 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
 
 WRITE_BUDGET_SECONDS = 20.0
-# Jitter of the whole-callback retry: short sleeps while contention is likely brief, longer ones once it has
-# lasted; random so that writers spread out.
+# The whole-callback retry sleeps briefly while contention is likely brief, longer once it has lasted; random
+# so that writers spread out.
 EARLY_RETRY_WINDOW = 2.0
 EARLY_JITTER = (0.02, 0.15)
 LATE_JITTER = (0.25, 1.0)
@@ -248,12 +248,10 @@ def _take_store_lock(db_path, budget, refusal):
 
 
 # -- locks we never break: our connections per file, and the one raw access ---------------------------------
-#
 # On POSIX, closing any descriptor of a file drops every fcntl lock this process holds on it, the locks of
 # SQLite's own connections included (sqlite.org/howtocorrupt.html, 2.2). So the store and its sidecars are
-# opened by SQLite alone. The only exception is _raw_store_access, which runs while this process holds no
-# connection of ours to the file, and holds the registry's lock from the check to the close so that none can
-# open meanwhile.
+# opened by SQLite alone, except by _raw_store_access while this process holds no connection of ours to the
+# file (it holds the registry's lock from the check to the close, so that none can open meanwhile).
 
 _held_files = {}  # (st_dev, st_ino) -> our open SQLite connections to that file
 _held_files_guard = threading.RLock()
@@ -301,7 +299,8 @@ def _forget_after_fork():
     global _held_files_guard, _lock_files_guard, _set_aside_guard
     _held_files.clear()
     _lock_files.clear()
-    _held_files_guard, _lock_files_guard, _set_aside_guard = threading.RLock(), threading.Lock(), threading.Lock()
+    _held_files_guard, _lock_files_guard, _set_aside_guard = (threading.RLock(), threading.Lock(),
+                                                               threading.Lock())
 
 
 if hasattr(os, "register_at_fork"):
@@ -326,7 +325,8 @@ def _use_read_only(path, use, flags=""):
     SQLite says the file is not a database (SQLITE_NOTADB; older ones: "encrypted or is not a database")."""
     key = _hold(path)
     try:
-        conn = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro" + flags, uri=True, timeout=WRITE_BUDGET_SECONDS)
+        conn = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro" + flags, uri=True,
+                               timeout=WRITE_BUDGET_SECONDS)
         try:
             return use(conn)
         finally:
@@ -354,8 +354,8 @@ class CallerLock:
         self._held_file_lock = self._open_before = False
 
     def acquire(self, blocking=True, timeout=-1):
-        """Take the lock; False if `timeout` (or not `blocking`) ran out. StoreLockedError if the
-        other processes' lock stays held for the write budget."""
+        """Take the lock; False if `timeout` (or not `blocking`) ran out. StoreLockedError if the other
+        processes' lock stays held for the write budget."""
         db = self._db
         if not db._write_lock.acquire(blocking, timeout):
             return False
@@ -407,7 +407,8 @@ def damage_reason(path):
     if os.stat(path).st_size == 0:
         return "empty"
     try:
-        if _use_read_only(path, lambda conn: conn.execute("PRAGMA schema_version").fetchone(), "&immutable=1"):
+        if _use_read_only(path, lambda conn: conn.execute("PRAGMA schema_version").fetchone(),
+                          "&immutable=1"):
             return None
     except sqlite3.DatabaseError:
         return None  # unreadable or malformed is not this kind of damage: the writable open meets it
@@ -511,8 +512,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
 
     def _open_writable(self):
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
-        # Creating, repairing and upgrading the file happen under the writer lock, so two processes opening a
-        # new store never see each other's half-made file.
+        # Creating, repairing and upgrading run under the writer lock: no opener sees a half-made store.
         self._file_lock = _take_store_lock(self.db_path, self.write_budget, f"state store {self.db_path} "
                                            f"stayed locked for {self.write_budget:.0f}s while opening; "
                                            "nothing was written")
