@@ -401,8 +401,9 @@ def damage_reason(path):
     """'empty', 'zeroed' or 'notsqlite' for a file SQLite cannot use as a store; None if healthy.
 
     SQLite judges, `immutable=1`: it reads the first page only, takes no lock and makes no -shm beside a stray
-    WAL. Only when it says "not a database" and this process holds no connection to the file is the header
-    read, to tell a zeroed file; otherwise the answer is 'notsqlite'.
+    WAL, and its descriptor's close waits while our other connections hold locks on the file. Only when it
+    says "not a database" and this process holds no connection to the file is the header read, to tell a
+    zeroed file; otherwise the answer is 'notsqlite'.
     """
     if os.stat(path).st_size == 0:
         return "empty"
@@ -420,8 +421,9 @@ _set_aside_guard = threading.Lock()
 
 
 def set_aside(path, reason):
-    """Rename a damaged store and its sidecars to `<name>.<reason>-<time>-<pid>[-<n>].bak[-wal|-shm]` (so
-    SQLite opening the .bak finds its WAL; `-<n>` counts up past names taken); returns the backup path."""
+    """Rename a damaged store and its sidecars to `<name>.<reason>-<time>-<pid>[-<n>].bak[-wal|-shm]`;
+    returns the backup path. Deletes nothing and renames onto no existing file (`-<n>` counts up past taken
+    names); sidecars keep their suffix, so SQLite opening the .bak finds its WAL."""
     path = Path(path)
     suffixes = ("",) + SIDECAR_SUFFIXES
     stem = f"{path.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -810,7 +812,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             members = [(self._with_reader(lambda conn: _snapshot(conn, Path(scratch) / STATE_DB_FILENAME)),
                         STATE_DB_FILENAME)]
             for path in _home_files(home, self.db_path, out_path):
-                target = Path(scratch) / f"{len(members)}.db"
+                target = Path(scratch) / f"{len(members)}.db"  # None below: no database, a plain copy is safe
                 copy = _may_be_sqlite(path) and _use_read_only(path, lambda conn: _snapshot(conn, target))
                 members.append((copy or path, path.relative_to(home).as_posix()))
             return _write_backup_zip(out_path, members)
@@ -928,7 +930,8 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
     aside as `state.db.pre-restore-<time>-<pid>[-<n>].bak`, other replaced files go to a new
     `.pre-restore-<time>[-<n>]/`. ValueError, before anything moves, for an archive that is damaged, not ours,
     too big for the disk or RESTORE_MAX_RATIO, or fails its SHA-256s or SQLite's check. Files keep their
-    archived mode minus group/world write. RuntimeError while this process has the store open.
+    archived mode minus group/world write. RuntimeError while this process has the store open (the swap would
+    happen under its connections).
     """
     db_path = Path(db_path) if db_path is not None else _default_db_path()
     home = db_path.parent
