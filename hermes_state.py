@@ -1,18 +1,10 @@
 """SessionDB: an AI agent's sessions and messages in one SQLite file.
 
-Owns the connections (one writer, a pool of readers, and the `_conn`/`_lock`
-pair hermes-agent runs its own SQL through), the journal policy, the write
-path (BEGIN IMMEDIATE with retry and jitter inside a time budget), recording
-why an open failed, self-repair of damaged files at open, close, the meta
-methods, whole-home backup and restore, and the class statement that
-composes the mixins. `python -m hermes_state` runs the command line in
-hermes_state_cli. Never opens the store or its sidecars except through
-SQLite (README, "Locks we never break").
-
-The public API lives in the concern mixins (sessions, messages, titles,
-usage, gateway, maintenance, search, schema, portability); each imports only
-hermes_state_common, hermes_state_schema's helpers and the standard library.
-This module never holds session or message logic of its own.
+Owns the connections (one writer, a pool of readers, and the `_conn`/`_lock` pair hermes-agent runs its own
+SQL through), the journal policy, the write path (BEGIN IMMEDIATE, retried with jitter within a budget),
+why an open failed, self-repair of damaged files at open, close, the meta methods, whole-home backup and
+restore, and the class statement composing the mixins. Holds no session or message logic. Never opens the
+store or its sidecars except through SQLite (README, "Locks we never break").
 """
 
 import asyncio
@@ -33,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import weakref
 import zipfile
 import zlib
@@ -41,18 +34,8 @@ from pathlib import Path
 
 from hermes_constants import get_hermes_home
 from hermes_state_common import (
-    CHECKPOINT_PASSIVE_SQL,
-    DEFERRED_INDEX_SQL,
-    JOURNAL_MODE_SQL,
-    QUICK_CHECK_SQL,
-    INSERT_META_SQL,
-    SELECT_META_SQL,
-    SET_AUTOCHECKPOINT_SQL,
-    SET_JOURNAL_MODE_SQL,
-    SYNCHRONOUS_NORMAL_SQL,
-    _set_last_init_error,
-    escape_like,
-    require_text,
+    CHECKPOINT_PASSIVE_SQL, FILE_MODE, INSERT_META_SQL, JOURNAL_MODE_SQL, QUICK_CHECK_SQL, SELECT_META_SQL,
+    SET_AUTOCHECKPOINT_SQL, SET_JOURNAL_MODE_SQL, SYNCHRONOUS_NORMAL_SQL, _set_last_init_error, escape_like,
     sqlite_has_wal_reset_bug,
 )
 from hermes_state_compression import SessionCompressionMixin
@@ -73,12 +56,12 @@ from hermes_state_doctor import (  # noqa: F401
     is_sqlite_wal_reset_vulnerable, repair_state_db_schema, sqlite_source_id,
 )
 from hermes_state_common import (  # noqa: F401
-    _BARE_BILLING_PROVIDERS, classify_persistence_error, CompressionSessionBusyError, FTS_STORAGE_VERSION,
-    CompressionSessionClosedError, format_session_db_unavailable, get_last_init_error, is_disk_full_error,
-    is_malformed_db_error, MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAGES, PERSISTENCE_ERROR_CAUSES,
-    resolved_max_export_messages, resolved_max_resume_messages, SCHEMA_VERSION, SessionCompressionInProgressError,
-    SessionExportTooLargeError, SessionResumeTooLargeError, SessionTurnLeaseLostError, _WAL_INCOMPAT_MARKERS,
-    workspace_key,
+    _BARE_BILLING_PROVIDERS, classify_persistence_error, CompressionSessionBusyError, DEFERRED_INDEX_SQL,
+    FTS_STORAGE_VERSION, CompressionSessionClosedError, format_session_db_unavailable, get_last_init_error,
+    is_disk_full_error, is_malformed_db_error, MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAGES,
+    PERSISTENCE_ERROR_CAUSES, resolved_max_export_messages, resolved_max_resume_messages, SCHEMA_VERSION,
+    SessionCompressionInProgressError, SessionExportTooLargeError, SessionResumeTooLargeError,
+    SessionTurnLeaseLostError, _WAL_INCOMPAT_MARKERS, workspace_key,
 )
 from hermes_state_wal import (  # noqa: F401
     WalUnsupportedError, apply_database_pragmas, apply_wal_with_fallback, preflight_db_writability,
@@ -96,18 +79,16 @@ _IMPORTED_DEFAULT_DB_PATH = DEFAULT_DB_PATH
 
 def _default_db_path():
     """`<hermes home>/state.db` as of now; DEFAULT_DB_PATH instead if someone re-pointed it."""
-    if DEFAULT_DB_PATH != _IMPORTED_DEFAULT_DB_PATH:
-        return DEFAULT_DB_PATH
-    return get_hermes_home() / STATE_DB_FILENAME
+    re_pointed = DEFAULT_DB_PATH != _IMPORTED_DEFAULT_DB_PATH
+    return DEFAULT_DB_PATH if re_pointed else get_hermes_home() / STATE_DB_FILENAME
 
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
-FILE_MODE = 0o600
 
 WRITE_BUDGET_SECONDS = 20.0
-# Jitter of the whole-callback retry: short sleeps while contention is likely brief, longer ones once it has
-# lasted; random so that writers spread out.
+# The whole-callback retry sleeps briefly while contention is likely brief, longer once it has lasted; random
+# so that writers spread out.
 EARLY_RETRY_WINDOW = 2.0
 EARLY_JITTER = (0.02, 0.15)
 LATE_JITTER = (0.25, 1.0)
@@ -116,7 +97,6 @@ LATE_JITTER = (0.25, 1.0)
 # process's throughput with four, against 0.85-0.89 when polling every 0.2-2 ms.
 FILE_LOCK_POLL = (0.001, 0.004)
 WRITER_BUSY_TIMEOUT = 0.1
-BUSY_TIMEOUT_SQL = "PRAGMA busy_timeout = {ms}"
 # With automatic checkpoints off, a PASSIVE checkpoint runs under the writer lock every this many commits of
 # one connection and after any transaction that changed this many rows: each copies one chunk's pages, and
 # close finds little left (1.4 s after an unchunked 1M prune).
@@ -129,9 +109,11 @@ class StoreLockedError(sqlite3.OperationalError):
     """The store stayed locked by another writer for the whole write budget."""
 
 
-# ---------------------------------------------------------------------------
-# Journal policy
-# ---------------------------------------------------------------------------
+def _set_busy_timeout(conn, seconds):
+    conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+
+
+# -- journal policy ------------------------------------------------------------------------------------------
 
 JournalPolicy = namedtuple("JournalPolicy", "mode writer_lock autocheckpoint reason checkpoint")
 
@@ -139,31 +121,30 @@ JournalPolicy = namedtuple("JournalPolicy", "mode writer_lock autocheckpoint rea
 def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, checkpoint=None):
     """The journal mode, who checkpoints ("locked": we, under state.db.lock; "automatic": SQLite;
     "external": a replicator, never we; "none": rollback journal) and why (README, "Journal policy")."""
-    override = (override if override is not None else os.environ.get("HERMES_STATE_JOURNAL", "")).strip().lower()
-    wanted = (checkpoint if checkpoint is not None else os.environ.get("HERMES_STATE_CHECKPOINT", "")).strip().lower()
+    env = os.environ.get
+    override = (env("HERMES_STATE_JOURNAL", "") if override is None else override).strip().lower()
+    wanted = (env("HERMES_STATE_CHECKPOINT", "") if checkpoint is None else checkpoint).strip().lower()
     if wanted not in ("", "auto", "external"):
         raise ValueError(f"HERMES_STATE_CHECKPOINT must be 'auto' or 'external', not {wanted!r}")
     label = "SQLite " + ".".join(map(str, version[:3]))
     if override == "delete" and wanted == "external":
-        raise ValueError("HERMES_STATE_CHECKPOINT=external keeps WAL; it cannot go with HERMES_STATE_JOURNAL=delete")
+        raise ValueError("HERMES_STATE_CHECKPOINT=external keeps WAL; "
+                         "it cannot go with HERMES_STATE_JOURNAL=delete")
     if override == "delete":
         return JournalPolicy("delete", True, None, "HERMES_STATE_JOURNAL=delete: rollback journal", "none")
     if override not in ("", "wal"):
         raise ValueError(f"HERMES_STATE_JOURNAL must be 'wal' or 'delete', not {override!r}")
     affected = sqlite_has_wal_reset_bug(version)
     if wanted == "external":  # the race's fix is in the checkpointer (README, "Across machines")
-        return JournalPolicy("wal", affected, 0, f"HERMES_STATE_CHECKPOINT=external ({label}): WAL, automatic "
-                                                 "checkpoints off, none of ours: the replicator runs them", "external")
+        return JournalPolicy("wal", affected, 0, f"HERMES_STATE_CHECKPOINT=external ({label}): WAL, "
+                             "automatic checkpoints off, none of ours: the replicator runs them", "external")
     if affected:
-        return JournalPolicy("wal", True, 0, f"{label} has the WAL-reset race (3.7.0-3.51.2): WAL with "
-                                             "every write and checkpoint under state.db.lock, "
-                                             "automatic checkpoints off", "locked")
+        return JournalPolicy("wal", True, 0, f"{label} has the WAL-reset race (3.7.0-3.51.2): WAL with every "
+                             "write and checkpoint under state.db.lock, automatic checkpoints off", "locked")
     return JournalPolicy("wal", False, None, f"{label} is free of the WAL-reset race: plain WAL", "automatic")
 
 
-# ---------------------------------------------------------------------------
-# Cross-process writer lock
-# ---------------------------------------------------------------------------
+# -- cross-process writer lock -------------------------------------------------------------------------------
 
 if sys.platform == "win32":
     import msvcrt
@@ -194,13 +175,11 @@ else:
 
 
 class WriterFileLock:
-    """An exclusive lock on `<store>.lock` shared by every process using the store.
+    """An exclusive lock on `<store>.lock` for every process using the store; the OS drops it when one dies.
 
-    The OS drops it when the process dies, so a killed writer never leaves it held. Every WriterFileLock of
-    one process on one file shares a single descriptor, closed with the last of them: where flock is emulated
-    with fcntl locks (NFS, some Unixes), closing a second descriptor would drop the lock the first one holds.
-    Inside the process a threading lock decides who goes next. Reentrant for its owner (callers serialise
-    their threads first).
+    A process's WriterFileLocks on one file share one descriptor, closed with the last of them: where flock is
+    emulated with fcntl locks (NFS, some Unixes), closing a second descriptor would drop the first one's lock.
+    A thread lock orders the process's own users. Reentrant for its owner (callers serialise their threads).
     """
 
     def __init__(self, path):
@@ -234,17 +213,16 @@ class WriterFileLock:
         if self._depth:
             self._depth = 1
             self.release()
-        _detach_lock_file(self._file)
+        shared = self._file
+        with _lock_files_guard:
+            shared.users -= 1
+            if shared.users == 0:
+                if _lock_files.get(shared.key) is shared:  # a forked child forgot it already
+                    del _lock_files[shared.key]
+                os.close(shared.fd)
 
 
-class _SharedLockFile:
-    """One descriptor of a lock file for the whole process, and whose turn it is."""
-
-    def __init__(self, fd, key):
-        self.fd, self.key, self.users, self.turn = fd, key, 0, threading.Lock()
-
-
-_lock_files = {}  # (st_dev, st_ino) -> _SharedLockFile
+_lock_files = {}  # (st_dev, st_ino) -> one descriptor of that lock file for the process, and whose turn it is
 _lock_files_guard = threading.Lock()
 
 
@@ -254,32 +232,29 @@ def _attach_lock_file(path):
         if shared is None:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
             stat = os.fstat(fd)
-            shared = _lock_files[(stat.st_dev, stat.st_ino)] = _SharedLockFile(fd, (stat.st_dev, stat.st_ino))
+            key = (stat.st_dev, stat.st_ino)
+            shared = _lock_files[key] = types.SimpleNamespace(fd=fd, key=key, users=0, turn=threading.Lock())
         shared.users += 1
         return shared
 
 
-def _detach_lock_file(shared):
-    with _lock_files_guard:
-        shared.users -= 1
-        if shared.users == 0:
-            if _lock_files.get(shared.key) is shared:  # a forked child forgot it already
-                del _lock_files[shared.key]
-            os.close(shared.fd)
+def _take_store_lock(db_path, budget, refusal):
+    """`db_path`'s WriterFileLock, held; StoreLockedError(refusal), holding nothing, after `budget` s."""
+    lock = WriterFileLock(str(db_path) + ".lock")
+    if not lock.acquire(time.monotonic() + budget):
+        lock.close()
+        raise StoreLockedError(refusal)
+    return lock
 
 
-# ---------------------------------------------------------------------------
-# Locks we never break: our connections per file, and the one raw access
-# ---------------------------------------------------------------------------
-#
+# -- locks we never break: our connections per file, and the one raw access ---------------------------------
 # On POSIX, closing any descriptor of a file drops every fcntl lock this process holds on it, the locks of
 # SQLite's own connections included (sqlite.org/howtocorrupt.html, 2.2). So the store and its sidecars are
-# opened by SQLite alone. The only exception is _raw_store_access, which runs while this process holds no
-# connection of ours to the file, and holds the registry's lock from the check to the close so that none can
-# open meanwhile.
+# opened by SQLite alone, except by _raw_store_access while this process holds no connection of ours to the
+# file (it holds the registry's lock from the check to the close, so that none can open meanwhile).
 
 _held_files = {}  # (st_dev, st_ino) -> our open SQLite connections to that file
-_held_files_guard = threading.Lock()
+_held_files_guard = threading.RLock()
 
 
 def _file_key(path):
@@ -301,7 +276,6 @@ def _hold(path):
 
 
 def _release(key):
-    """Count one connection less, after it closed."""
     with _held_files_guard:
         left = _held_files.pop(key, 0) - 1
         if left > 0:
@@ -325,7 +299,8 @@ def _forget_after_fork():
     global _held_files_guard, _lock_files_guard, _set_aside_guard
     _held_files.clear()
     _lock_files.clear()
-    _held_files_guard, _lock_files_guard, _set_aside_guard = threading.Lock(), threading.Lock(), threading.Lock()
+    _held_files_guard, _lock_files_guard, _set_aside_guard = (threading.RLock(), threading.Lock(),
+                                                               threading.Lock())
 
 
 if hasattr(os, "register_at_fork"):
@@ -333,14 +308,10 @@ if hasattr(os, "register_at_fork"):
 
 
 def _raw_store_access(path, flags, use):
-    """`use(fd)` on a plain descriptor of a store file, closed before returning.
-
-    Returns None, opening nothing, while this process holds a SQLite
-    connection to the file (or to the store it is a sidecar of).
-    The only place in the product that opens a store file without SQLite.
-    """
+    """`use(fd)` on a plain descriptor of a store file, closed before returning; None, opening nothing, while
+    this process holds a SQLite connection to the file or its store. The product's only such open."""
     with _held_files_guard:
-        if any(_held_files.get(_file_key(p)) for p in {str(path), _store_of(path)}):
+        if _connections_held(path):
             return None
         fd = os.open(path, flags | getattr(os, "O_BINARY", 0), FILE_MODE)
         try:
@@ -349,59 +320,65 @@ def _raw_store_access(path, flags, use):
             os.close(fd)
 
 
+def _use_read_only(path, use, flags=""):
+    """`use(conn)` on a read-only SQLite connection to `path`, counted as ours until closed; None when
+    SQLite says the file is not a database (SQLITE_NOTADB; older ones: "encrypted or is not a database")."""
+    key = _hold(path)
+    try:
+        conn = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro" + flags, uri=True,
+                               timeout=WRITE_BUDGET_SECONDS)
+        try:
+            return use(conn)
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        if "not a database" not in str(exc):
+            raise
+        return None
+    finally:
+        _release(key)
+
+
 class CallerLock:
     """`SessionDB._lock`: what hermes-agent holds around SQL it runs on `SessionDB._conn`.
 
-    It takes the write path's thread lock (an RLock, so our own methods may run inside it) and, where the
-    journal policy serialises writers across processes, state.db.lock too: a statement a caller writes through
-    `_conn` then never races another process's write or checkpoint. While it is held, the writer waits out a
-    busy store for the whole write budget, since the caller has no retry loop. A transaction the caller opened
-    and left open is rolled back when the outermost hold ends, so no later write finds one.
+    Takes the write path's RLock (our own methods may run inside it) and, where the journal policy serialises
+    writers across processes, state.db.lock, so a caller's statement never races another process's write or
+    checkpoint. While held, the writer waits out a busy store for the whole budget (the caller has no retry
+    loop); a transaction the caller left open is rolled back when the outermost hold ends.
     """
 
     def __init__(self, db):
         self._db = db
         self._depth = 0
-        self._held_file_lock = False
-        self._open_before = False
+        self._held_file_lock = self._open_before = False
 
     def acquire(self, blocking=True, timeout=-1):
-        """Take the lock; False if `timeout` (or not `blocking`) ran out. StoreLockedError if the
-        other processes' lock stays held for the write budget."""
+        """Take the lock; False if `timeout` (or not `blocking`) ran out. StoreLockedError if the other
+        processes' lock stays held for the write budget."""
         db = self._db
         if not db._write_lock.acquire(blocking, timeout):
             return False
         try:
-            if self._depth == 0:
-                self._hold_writer(db)
+            if self._depth == 0 and db._writer is not None:
+                self._held_file_lock = db._take_file_lock(time.monotonic(), db.write_budget)
+                self._open_before = db._writer.in_transaction
+                _set_busy_timeout(db._writer, db.write_budget)
             self._depth += 1
         except BaseException:
             db._write_lock.release()
             raise
         return True
 
-    def _hold_writer(self, db):
-        writer = db._writer
-        if writer is None:
-            return
-        start = time.monotonic()
-        self._held_file_lock = db.policy.writer_lock and db._file_lock is not None
-        if self._held_file_lock and not db._file_lock.acquire(start + db.write_budget):
-            self._held_file_lock = False
-            raise db._locked_error(start, "another process held state.db.lock")
-        self._open_before = writer.in_transaction
-        writer.execute(BUSY_TIMEOUT_SQL.format(ms=int(db.write_budget * 1000)))
-
     def release(self):
-        db = self._db
+        db, writer = self._db, self._db._writer
         try:
-            if self._depth == 1 and db._writer is not None:
-                writer = db._writer
+            if self._depth == 1 and writer is not None:
                 try:
                     if writer.in_transaction and not self._open_before:
                         logger.warning("a caller left a transaction open on %s; rolled it back", db.db_path)
                         writer.execute("ROLLBACK")
-                    writer.execute(BUSY_TIMEOUT_SQL.format(ms=int(WRITER_BUSY_TIMEOUT * 1000)))
+                    _set_busy_timeout(writer, WRITER_BUSY_TIMEOUT)
                 finally:
                     if self._held_file_lock:
                         self._held_file_lock = False
@@ -418,50 +395,24 @@ class CallerLock:
         self.release()
 
 
-# ---------------------------------------------------------------------------
-# Self-repair of damaged files
-# ---------------------------------------------------------------------------
-
-
-def _is_not_a_database(exc):
-    # SQLITE_NOTADB; older SQLite says "file is encrypted or is not a database".
-    return "not a database" in str(exc)
-
-
-def _sqlite_rejects(path):
-    """True when a fresh read-only SQLite connection finds `path` is not a database.
-
-    `immutable=1`: SQLite reads the main file's first page and nothing else,
-    takes no lock, and never creates a -shm beside a damaged file's stray WAL.
-    Its descriptor is still SQLite's, whose close waits while other connections
-    of this process hold locks on the file.
-    """
-    key = _hold(path)
-    try:
-        conn = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro&immutable=1", uri=True)
-        try:
-            conn.execute("PRAGMA schema_version").fetchone()
-        finally:
-            conn.close()
-    except sqlite3.DatabaseError as exc:
-        # Unreadable or malformed is not this kind of damage: the writable open meets it and says so.
-        return _is_not_a_database(exc)
-    finally:
-        _release(key)
-    return False
-
+# -- self-repair of damaged files ----------------------------------------------------------------------------
 
 def damage_reason(path):
     """'empty', 'zeroed' or 'notsqlite' for a file SQLite cannot use as a store; None if healthy.
 
-    SQLite judges the file. Only when it answers "not a database" and this
-    process holds no connection to the file is the header read, to tell a
-    zeroed file from another kind; otherwise the answer is 'notsqlite'.
+    SQLite judges, `immutable=1`: it reads the first page only, takes no lock and makes no -shm beside a stray
+    WAL, and its descriptor's close waits while our other connections hold locks on the file. Only when it
+    says "not a database" and this process holds no connection to the file is the header read, to tell a
+    zeroed file; otherwise the answer is 'notsqlite'.
     """
     if os.stat(path).st_size == 0:
         return "empty"
-    if not _sqlite_rejects(path):
-        return None
+    try:
+        if _use_read_only(path, lambda conn: conn.execute("PRAGMA schema_version").fetchone(),
+                          "&immutable=1"):
+            return None
+    except sqlite3.DatabaseError:
+        return None  # unreadable or malformed is not this kind of damage: the writable open meets it
     header = _raw_store_access(path, os.O_RDONLY, lambda fd: os.read(fd, len(SQLITE_HEADER)))
     return "zeroed" if header and not header.strip(b"\x00") else "notsqlite"
 
@@ -470,13 +421,9 @@ _set_aside_guard = threading.Lock()
 
 
 def set_aside(path, reason):
-    """Rename a damaged store and its sidecars to `<name>.<reason>-<time>-<pid>[-<n>].bak[-wal|-shm]`.
-
-    Sidecars keep their suffix on the backup's name, so opening the .bak file
-    with SQLite still finds its own WAL. `-<n>` counts up while any of those
-    names is taken; nothing is ever renamed onto an existing file. Returns the
-    backup path. Deletes nothing.
-    """
+    """Rename a damaged store and its sidecars to `<name>.<reason>-<time>-<pid>[-<n>].bak[-wal|-shm]`;
+    returns the backup path. Deletes nothing and renames onto no existing file (`-<n>` counts up past taken
+    names); sidecars keep their suffix, so SQLite opening the .bak finds its WAL."""
     path = Path(path)
     suffixes = ("",) + SIDECAR_SUFFIXES
     stem = f"{path.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -510,30 +457,14 @@ def _move_without_replacing(source, target):
     os.unlink(source)
 
 
-def _create_private_file(path):
-    """Create an empty file readable by its owner only (SQLite gives -wal/-shm the same mode).
-
-    O_EXCL never opens a file that exists, so no lock of ours can be dropped here.
-    """
-    try:
-        created = _raw_store_access(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: True)
-    except FileExistsError:
-        return
-    if created:
-        os.chmod(path, FILE_MODE)
-
-
 class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMixin, SessionTitlesMixin,
                 SessionUsageMixin, SessionGatewayMixin, SessionTelegramMixin, SessionMaintenanceMixin,
                 SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin):
     """The agent's state store. Thread-safe; open one per process.
 
-    `SessionDB(db_path=None, read_only=False)`: `db_path` defaults to
-    `<hermes home>/state.db`. A read-only open runs no DDL and no repair.
-    `connection_factory` replaces `sqlite3.connect` (tests use it to simulate
-    runtimes without FTS5); `write_budget` is how long a write waits for a
-    busy store before StoreLockedError. `journal` and `checkpoint` override
-    HERMES_STATE_JOURNAL and HERMES_STATE_CHECKPOINT (see choose_journal_policy).
+    `db_path` defaults to `<hermes home>/state.db`; a read-only open runs no DDL and no repair.
+    `connection_factory` replaces `sqlite3.connect`; `write_budget` is how long a write waits for a busy store
+    before StoreLockedError; `journal` and `checkpoint` override HERMES_STATE_JOURNAL and _CHECKPOINT.
     """
 
     def __init__(self, db_path=None, read_only=False, *, connection_factory=None,
@@ -544,14 +475,11 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         self.repairs = []
         self._connect = connection_factory or sqlite3.connect
         self._idle_readers = queue.SimpleQueue()
-        self._readers = []
+        self._readers, self._held_keys = [], []
         self._readers_lock = threading.Lock()
         self._write_lock = threading.RLock()
         self._lock = CallerLock(self)
-        self._writer = None
-        self._held_keys = []
-        self._direct_reader = None
-        self._file_lock = None
+        self._writer = self._direct_reader = self._file_lock = None
         self._commits = 0
         self._cjk_drained = False  # an index step drained CJK rows in this transaction
         self.fts_caps = runtime_capabilities(self._connect)
@@ -564,10 +492,10 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             else:
                 self._open_writable()
         except Exception as exc:
-            # hermes-agent tells the user why its store is unavailable from this.
-            _set_last_init_error(f"{type(exc).__name__}: {exc}")
+            _set_last_init_error(f"{type(exc).__name__}: {exc}")  # hermes-agent tells the user why from this
             raise
-        self._atexit = _make_atexit_close(self)
+        ref = weakref.ref(self)  # not self: the exit hook must not keep the store alive
+        self._atexit = lambda: getattr(ref(), "close", lambda: None)()  # ref() is None once it is gone
         atexit.register(self._atexit)
 
     # -- opening and closing -------------------------------------------------
@@ -586,17 +514,13 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
 
     def _open_writable(self):
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
-        self._file_lock = WriterFileLock(str(self.db_path) + ".lock")
-        # Creating, repairing and upgrading the file happen under the writer lock, so two processes opening a
-        # new store never see each other's half-made file.
-        if not self._file_lock.acquire(time.monotonic() + self.write_budget):
-            self._file_lock.close()
-            raise StoreLockedError(f"state store {self.db_path} stayed locked for {self.write_budget:.0f}s "
-                                   "while opening; nothing was written")
+        # Creating, repairing and upgrading run under the writer lock: no opener sees a half-made store.
+        self._file_lock = _take_store_lock(self.db_path, self.write_budget, f"state store {self.db_path} "
+                                           f"stayed locked for {self.write_budget:.0f}s while opening; "
+                                           "nothing was written")
         try:
             try:
-                self._repair_damaged_file()
-                _create_private_file(self.db_path)
+                self._prepare_file()
                 self._writer = self._new_connection(str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT)
                 self._apply_journal_policy()
                 self._init_schema()
@@ -613,22 +537,24 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             raise
         self.stale_schema = []
 
-    def _repair_damaged_file(self):
-        if not self.db_path.exists():
-            return
-        reason = damage_reason(self.db_path)
-        if reason is None:
-            return
-        backup = set_aside(self.db_path, reason)
-        message = f"state store {self.db_path} was {reason}; kept it as {backup} and created a fresh store"
-        self.repairs.append(message)
-        logger.warning(message)
-        if reason != "empty":  # hermes-agent opens an empty file as is, but reports a zeroed one
-            _set_last_init_error(message)
+    def _prepare_file(self):
+        """Set a damaged store aside; create a missing one owner-only (SQLite makes -wal/-shm so too)."""
+        reason = damage_reason(self.db_path) if self.db_path.exists() else None
+        if reason is not None:
+            backup = set_aside(self.db_path, reason)
+            message = f"state store {self.db_path} was {reason}; kept it as {backup} and created a fresh store"
+            self.repairs.append(message)
+            logger.warning(message)
+            if reason != "empty":  # hermes-agent opens an empty file as is, but reports a zeroed one
+                _set_last_init_error(message)
+        try:  # O_EXCL never opens a file that exists, so no lock of ours can be dropped here
+            if _raw_store_access(self.db_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: True):
+                os.chmod(self.db_path, FILE_MODE)
+        except FileExistsError:
+            pass
 
     def _new_connection(self, target, *, uri, timeout):
-        """A connection to the store, counted in the process-wide registry until
-        _close_connections closes it (see "Locks we never break")."""
+        """A connection to the store, counted in the registry until _close_connections closes it."""
         key = _hold(self.db_path)
         try:
             conn = self._connect(target, uri=uri, timeout=timeout, isolation_level=None,
@@ -645,11 +571,11 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         mode = conn.execute(JOURNAL_MODE_SQL).fetchone()[0].lower()
         if mode != self.policy.mode:
             # The switch needs every reader of a rollback-journal store gone: wait for them as a write waits.
-            conn.execute(BUSY_TIMEOUT_SQL.format(ms=int(self.write_budget * 1000)))
+            _set_busy_timeout(conn, self.write_budget)
             try:
                 mode = conn.execute(SET_JOURNAL_MODE_SQL.format(mode=self.policy.mode)).fetchone()[0].lower()
             finally:
-                conn.execute(BUSY_TIMEOUT_SQL.format(ms=int(WRITER_BUSY_TIMEOUT * 1000)))
+                _set_busy_timeout(conn, WRITER_BUSY_TIMEOUT)
             if mode != self.policy.mode:
                 logger.warning("journal mode of %s stays %s (wanted %s: another connection holds it)",
                                self.db_path, mode, self.policy.mode)
@@ -709,15 +635,10 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     def __exit__(self, *exc_info):
         self.close()
 
-    # -- connections hermes-agent reaches into ----------------------------------
-
     @property
     def _conn(self):
-        """The connection hermes-agent runs its own SQL on (rows are sqlite3.Row); None once closed.
-
-        The writer, or for a read-only open a read-only connection of its own.
-        Hold `self._lock` around any write through it (see CallerLock).
-        """
+        """The connection hermes-agent runs its own SQL on (the writer, or a read-only open's own reader; rows
+        are sqlite3.Row); None once closed. Hold `self._lock` around any write through it."""
         if self._closed:
             return None
         if not self.read_only:
@@ -732,19 +653,17 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     def _execute_write(self, fn, patience_s=None, *, transaction=True):
         """Run `fn(conn)` in one BEGIN IMMEDIATE transaction and return its result.
 
-        Rolls back on any error. On "database is locked"/"busy" the whole callback is retried after a
-        random pause (20-150 ms for the first 2 s, then 250 ms-1 s) until `patience_s` (default
-        `write_budget`) runs out, then StoreLockedError. Queued token counts ride along in the same
-        transaction. With `transaction=False` (VACUUM cannot run in one) only the locks are taken. `fn`
-        must not commit: the commit is ours.
+        Rolls back on any error. On "database is locked"/"busy" the whole callback is retried after a random
+        pause until `patience_s` (default `write_budget`) runs out, then StoreLockedError. Queued token counts
+        ride along. `transaction=False` (VACUUM cannot run in one) takes only the locks. `fn` must not commit.
         """
         self._check_open()
         budget = self.write_budget if patience_s is None else float(patience_s)
         start = time.monotonic()
         if not self._write_lock.acquire(timeout=budget):
             raise self._locked_error(start, "another thread of this process kept writing", budget)
-        # Without a transaction (VACUUM) there is nothing for queued counts to ride in.
-        batch = self._tokens.take() if transaction and self._tokens else []  # (take locks; most writes have none)
+        # Queued counts ride in the transaction (VACUUM has none); take() locks, and most writes find none.
+        batch = self._tokens.take() if transaction and self._tokens else []
         try:
             while True:
                 try:
@@ -763,16 +682,20 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         finally:
             self._write_lock.release()
 
-    def _write_once(self, fn, batch, start, budget, transaction):
+    def _take_file_lock(self, start, budget):
+        """True once state.db.lock is held, where the journal policy serialises writers (else False);
+        StoreLockedError if another process holds it past `start` + `budget`."""
         use_file_lock = self.policy.writer_lock and self._file_lock is not None
         if use_file_lock and not self._file_lock.acquire(start + budget):
             raise self._locked_error(start, "another process held state.db.lock", budget)
+        return use_file_lock
+
+    def _write_once(self, fn, batch, start, budget, transaction):
+        locked = self._take_file_lock(start, budget)
         try:
-            if not transaction:
-                return fn(self._writer)
-            return self._in_transaction(self._writer, fn, batch)
+            return self._in_transaction(self._writer, fn, batch) if transaction else fn(self._writer)
         finally:
-            if use_file_lock:
+            if locked:
                 self._file_lock.release()
 
     def _in_transaction(self, conn, fn, batch):
@@ -803,36 +726,41 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
                 logger.info("checkpoint of %s deferred to the next one: %s", self.db_path, exc)
 
     def _locked_error(self, start, cause, budget=None):
-        """StoreLockedError for a wait that began at `start` with `budget` seconds (default write_budget)."""
         budget = self.write_budget if budget is None else budget
-        waited = time.monotonic() - start
-        return StoreLockedError(
-            f"state store {self.db_path} was locked for {waited:.1f}s (budget {budget:.1f}s): "
-            f"{cause}; no data was written")
+        return StoreLockedError(f"state store {self.db_path} was locked for {time.monotonic() - start:.1f}s "
+                                f"(budget {budget:.1f}s): {cause}; no data was written")
 
-    def _check_open(self):
+    def _check_open(self, writing=True):
         if self._closed:
             raise sqlite3.ProgrammingError("SessionDB is closed")
-        if self.read_only:
+        if writing and self.read_only:
             raise PermissionError(f"state store {self.db_path} was opened read-only")
+
+    def _update_rows(self, sql, params):
+        """One-statement write; returns the number of rows it changed."""
+        return self._execute_write(lambda conn: conn.execute(sql, params).rowcount)
 
     # -- the read path -------------------------------------------------------
 
-    def _read_all(self, sql, params=()):
-        """Run a read on a pooled read connection: reads never queue behind the writer."""
+    def _with_reader(self, use):
+        """`use(conn)` on a pooled read connection: reads never queue behind the writer."""
         conn = self._borrow_reader()
         try:
-            return conn.execute(sql, params).fetchall()
+            return use(conn)
         finally:
             self._idle_readers.put(conn)
 
+    def _read_all(self, sql, params=()):
+        return self._with_reader(lambda conn: conn.execute(sql, params).fetchall())
+
     def _read_one(self, sql, params=()):
-        rows = self._read_all(sql, params)
-        return rows[0] if rows else None
+        return next(iter(self._read_all(sql, params)), None)
+
+    def _read_value(self, sql, params=()):
+        return next((row[0] for row in self._read_all(sql, params)), None)
 
     def _borrow_reader(self):
-        if self._closed:
-            raise sqlite3.ProgrammingError("SessionDB is closed")
+        self._check_open(writing=False)
         try:
             return self._idle_readers.get_nowait()
         except queue.Empty:
@@ -844,14 +772,6 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             self._readers.append(conn)
         return conn
 
-    def _read_value(self, sql, params=()):
-        row = self._read_one(sql, params)
-        return None if row is None else row[0]
-
-    def _update_rows(self, sql, params):
-        """One-statement write; returns the number of rows it changed."""
-        return self._execute_write(lambda conn: conn.execute(sql, params).rowcount)
-
     # -- state_meta ------------------------------------------------------------
 
     def get_meta(self, key):
@@ -859,12 +779,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         return self._read_value(SELECT_META_SQL, (key,))
 
     def set_meta(self, key, value, *, cursor=None):
-        """Store `value` under `key` in state_meta (None stores NULL); returns None.
-
-        Inside a write already open (a `_execute_write` callback) pass its
-        cursor or connection as `cursor`: the row is written there, in that
-        transaction, instead of in a new one.
-        """
+        """Store `value` under `key` in state_meta (None stores NULL); returns None. Inside an open write
+        (an `_execute_write` callback) pass its connection as `cursor` to write in that transaction."""
         def write(conn):
             # Update in place, else insert: the row keeps its place, and an old state_meta without a primary
             # key gets no duplicate.
@@ -884,35 +800,25 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         return [(row[0], row[1]) for row in self._read_all(
             "SELECT key, value FROM state_meta WHERE key LIKE ? ESCAPE '\\'", (escape_like(prefix) + "%",))]
 
-    # -- backup ----------------------------------------------------------------
-
     def backup(self, out_path):
-        """Write a zip of the whole home; returns {"archive", "files"}. Created 0600.
+        """Write a zip of the whole home, created 0600; returns {"archive", "files"}.
 
-        The store, and every other SQLite file of the home (`*.db`, `*.sqlite`,
-        `*.sqlite3`, `*.db3`), go in as consistent snapshots taken with SQLite's
-        backup API, never as copies of live files, and without their sidecars;
-        then every other file, and a manifest with each file's SHA-256.
+        The store and the home's other SQLite files go in as snapshots taken with SQLite's backup API, never
+        as copies of live files, and without sidecars; then every other file, and a manifest of SHA-256s.
         """
         out_path = Path(out_path).resolve()
         home = self.db_path.parent
         with tempfile.TemporaryDirectory(prefix="hermes-backup-") as scratch:
-            snapshot = Path(scratch) / STATE_DB_FILENAME
-            source = self._borrow_reader()
-            try:
-                _snapshot(source, snapshot)
-            finally:
-                self._idle_readers.put(source)
-            members = [(snapshot, STATE_DB_FILENAME)]
+            members = [(self._with_reader(lambda conn: _snapshot(conn, Path(scratch) / STATE_DB_FILENAME)),
+                        STATE_DB_FILENAME)]
             for path in _home_files(home, self.db_path, out_path):
-                copy = _sqlite_snapshot(path, Path(scratch) / f"{len(members)}.db") if _may_be_sqlite(path) else None
+                target = Path(scratch) / f"{len(members)}.db"  # None below: no database, a plain copy is safe
+                copy = _may_be_sqlite(path) and _use_read_only(path, lambda conn: _snapshot(conn, target))
                 members.append((copy or path, path.relative_to(home).as_posix()))
             return _write_backup_zip(out_path, members)
 
 
-# ---------------------------------------------------------------------------
-# Whole-home backup and restore (the "ops import"; session import is another entry point)
-# ---------------------------------------------------------------------------
+# -- whole-home backup and restore (the "ops import"; session import is another entry point) ---------------
 
 BACKUP_MANIFEST = "hermes_backup.json"
 BACKUP_MAX_BYTES = 64 * 1024 ** 3
@@ -926,17 +832,14 @@ RESTORE_MAX_RATIO = 100
 RESTORE_RATIO_FLOOR = 64 * 1024 ** 2
 # What zipfile raises on a damaged archive, beyond BadZipFile.
 _DAMAGED_ARCHIVE = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError)
-
-
-def _store_files(db_path):
-    """The store and everything SQLite or this library keeps beside it."""
-    return {Path(str(db_path) + suffix) for suffix in ("",) + SIDECAR_SUFFIXES + (".lock",)}
+# The live store's companions: never archived, and refused in an archive (SQLite would replay a sidecar).
+_STORE_COMPANIONS = SIDECAR_SUFFIXES + (".lock",)
 
 
 def _home_files(home, db_path, out_path):
-    """Every regular file of the home except the live store, its sidecars, the
-    sidecars of other SQLite files, and the archive itself."""
-    skip = _store_files(db_path) | {out_path}
+    """Every regular file of the home except the live store, its sidecars, the sidecars of other SQLite files,
+    and the archive itself."""
+    skip = {Path(str(db_path) + suffix) for suffix in ("",) + _STORE_COMPANIONS} | {out_path}
     skip_keys = {_file_key(path) for path in skip} - {None}
     for path in sorted(home.rglob("*")):
         if not path.is_file() or path.is_symlink() or path in skip or path.resolve() in skip \
@@ -954,30 +857,13 @@ def _may_be_sqlite(path):
 
 
 def _snapshot(source, target_path):
-    """Copy the database of connection `source` to `target_path`, as one self-contained file."""
+    """Copy the database of connection `source` to `target_path`, as one self-contained file; returns that."""
     target = sqlite3.connect(target_path)
     try:
         source.backup(target)
         target.execute(SET_JOURNAL_MODE_SQL.format(mode="DELETE"))
     finally:
         target.close()
-
-
-def _sqlite_snapshot(path, target_path):
-    """`target_path` holding a snapshot of the SQLite file `path`; None when SQLite says it is no database."""
-    key = _hold(path)
-    try:
-        source = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=WRITE_BUDGET_SECONDS)
-        try:
-            _snapshot(source, target_path)
-        finally:
-            source.close()
-    except sqlite3.DatabaseError as exc:
-        if not _is_not_a_database(exc):
-            raise
-        return None  # not a database, so no connection can hold it: a plain copy is safe
-    finally:
-        _release(key)
     return target_path
 
 
@@ -1006,29 +892,21 @@ def _safe_member_name(name):
         and not name.startswith(("/", "\\"))
 
 
-def _read_backup_manifest(archive):
-    """The archive's manifest, after checking every member is named safely and listed."""
+def _check_archive(archive, archive_path, home):
+    """The archive's manifest, once every member is safely named and listed and the sizes the archive claims
+    (zipfile stops unpacking a member at its claim) fit the disk and are no decompression bomb."""
     try:
         manifest = json.loads(archive.read(BACKUP_MANIFEST))
         files = {entry["name"]: entry for entry in manifest["files"]}
     except (KeyError, ValueError, TypeError) as exc:
         raise ValueError(f"not a hermes_state backup: no readable {BACKUP_MANIFEST} ({exc})") from None
     names = set(archive.namelist()) - {BACKUP_MANIFEST}
-    # A sidecar beside the restored store would be replayed by SQLite as its journal.
-    sidecars = {STATE_DB_FILENAME + suffix for suffix in SIDECAR_SUFFIXES + (".lock",)}
-    unsafe = [n for n in names | set(files) if not _safe_member_name(n) or n in sidecars]
+    companions = {STATE_DB_FILENAME + suffix for suffix in _STORE_COMPANIONS}
+    unsafe = [n for n in names | set(files) if not _safe_member_name(n) or n in companions]
     if unsafe:
         raise ValueError(f"backup refused: unsafe file names {sorted(unsafe)[:5]}")
     if names != set(files) or STATE_DB_FILENAME not in files:
         raise ValueError("backup refused: its files do not match its manifest, or it has no state.db")
-    return files
-
-
-def _check_unpacked_size(archive, archive_path, home):
-    """Refuse, before anything is written, an archive that would fill the disk or is a bomb.
-
-    The sizes are the archive's own claims; zipfile stops unpacking a member at its claim.
-    """
     total = sum(info.file_size for info in archive.infolist() if info.filename != BACKUP_MANIFEST)
     where = next(parent for parent in (home, *home.parents) if parent.exists())
     free = shutil.disk_usage(where).free
@@ -1042,20 +920,18 @@ def _check_unpacked_size(archive, archive_path, home):
                          f"its own {packed} bytes; nothing was written")
     if total > BACKUP_MAX_BYTES:
         raise ValueError(f"backup refused: it unpacks to {total} bytes; the limit is {BACKUP_MAX_BYTES}")
+    return files
 
 
 def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_BUDGET_SECONDS):
     """Put a whole backup of the home back; returns {"restored", "moved_aside", "db_path"}.
 
-    Refuses to replace an existing store unless `force`; even then nothing is
-    deleted: the old store is set aside as `state.db.pre-restore-<time>-<pid>[-<n>].bak`
-    and other replaced files move to a new `.pre-restore-<time>[-<n>]/`. Before
-    anything is written it refuses (ValueError) an archive that is damaged, not
-    ours, unpacks past the free space or to more than RESTORE_MAX_RATIO times
-    its size; every file is checked against the manifest's SHA-256 and the store
-    against SQLite before anything moves. Files keep their archived mode, never
-    group- or world-writable; a new home is created 0700. RuntimeError while
-    this process has the store open: the swap would happen under its connections.
+    FileExistsError over an existing store unless `force`; even then nothing is deleted: the old store is set
+    aside as `state.db.pre-restore-<time>-<pid>[-<n>].bak`, other replaced files go to a new
+    `.pre-restore-<time>[-<n>]/`. ValueError, before anything moves, for an archive that is damaged, not ours,
+    too big for the disk or RESTORE_MAX_RATIO, or fails its SHA-256s or SQLite's check. Files keep their
+    archived mode minus group/world write. RuntimeError while this process has the store open (the swap would
+    happen under its connections).
     """
     db_path = Path(db_path) if db_path is not None else _default_db_path()
     home = db_path.parent
@@ -1069,19 +945,14 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
         raise ValueError(f"backup refused: {archive_path} is not a zip archive")
     try:
         with zipfile.ZipFile(archive_path) as archive:
-            files = _read_backup_manifest(archive)
-            _check_unpacked_size(archive, archive_path, home)
-            if not home.exists():
-                home.parent.mkdir(parents=True, exist_ok=True)
-                os.mkdir(home, 0o700)
-            lock = WriterFileLock(str(db_path) + ".lock")
-            if not lock.acquire(time.monotonic() + write_budget):
-                lock.close()
-                raise StoreLockedError(f"state store {db_path} is being written; restore waited {write_budget:.0f}s")
+            files = _check_archive(archive, archive_path, home)
+            home.parent.mkdir(parents=True, exist_ok=True)
+            _private_dirs(home, home.parent)  # a new home is created 0700
+            refusal = f"state store {db_path} is being written; restore waited {write_budget:.0f}s"
+            lock = _take_store_lock(db_path, write_budget, refusal)
             try:
                 with tempfile.TemporaryDirectory(prefix=".restore-", dir=home) as scratch:
                     _unpack_verified(archive, files, Path(scratch))
-                    _check_restored_store(Path(scratch) / STATE_DB_FILENAME)
                     return _swap_in(Path(scratch), files, db_path)
             finally:
                 lock.release()
@@ -1091,29 +962,18 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
 
 
 def _unpack_verified(archive, files, scratch):
+    """Unpack every member into `scratch`, checked against its SHA-256, and the store against SQLite."""
     for name, entry in files.items():
         info = archive.getinfo(name)
         path = Path(archive.extract(info, scratch))
         if _sha256_file(path) != entry["sha256"]:
             raise ValueError(f"backup refused: {name} does not match its SHA-256")
-        os.chmod(path, _restored_mode(info))
-
-
-def _restored_mode(info):
-    """The member's mode as archived, minus group/world write and special bits; 0600 if it has none."""
-    if info.create_system != 3 or not info.external_attr >> 16:  # 3: made on Unix, with a mode
-        return FILE_MODE
-    return (info.external_attr >> 16) & 0o755
-
-
-def _check_restored_store(path):
-    if damage_reason(path) is not None:
+        mode = info.external_attr >> 16  # as archived on Unix (create_system 3), minus group/world write
+        os.chmod(path, mode & 0o755 if info.create_system == 3 and mode else FILE_MODE)
+    store = scratch / STATE_DB_FILENAME
+    if damage_reason(store) is not None:
         raise ValueError("backup refused: its state.db is not a SQLite database")
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        verdict = conn.execute(QUICK_CHECK_SQL).fetchone()[0]
-    finally:
-        conn.close()
+    verdict = _use_read_only(store, lambda conn: conn.execute(QUICK_CHECK_SQL).fetchone()[0])
     if verdict != "ok":
         raise ValueError(f"backup refused: its state.db fails quick_check ({verdict})")
 
@@ -1139,7 +999,7 @@ def _new_private_dir(parent, stem):
             os.mkdir(folder, 0o700)
             return folder
         except FileExistsError:
-            continue
+            pass
 
 
 def _swap_in(scratch, files, db_path):
@@ -1161,22 +1021,9 @@ def _swap_in(scratch, files, db_path):
     return {"restored": sorted(files), "moved_aside": moved, "db_path": str(db_path)}
 
 
-def _make_atexit_close(db):
-    ref = weakref.ref(db)
-
-    def close_at_exit():
-        live = ref()
-        if live is not None:
-            live.close()
-
-    return close_at_exit
-
-
 class AsyncSessionDB:
-    """A SessionDB for asyncio code: every method call runs in a worker thread
-    and is awaited, so a busy store never blocks the event loop. Attributes that
-    are not methods are returned as they are. No method returns a live cursor,
-    so nothing crosses threads unsafely."""
+    """A SessionDB for asyncio code: each method call runs in a worker thread and is awaited; other
+    attributes are returned as they are. No method returns a live cursor, so nothing crosses threads."""
 
     def __init__(self, db):
         self._db = db
