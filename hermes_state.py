@@ -35,8 +35,8 @@ from pathlib import Path
 from hermes_constants import get_hermes_home
 from hermes_state_common import (
     CHECKPOINT_PASSIVE_SQL, FILE_MODE, INSERT_META_SQL, JOURNAL_MODE_SQL, QUICK_CHECK_SQL, SELECT_META_SQL,
-    SET_AUTOCHECKPOINT_SQL, SET_JOURNAL_MODE_SQL, SYNCHRONOUS_NORMAL_SQL, _set_last_init_error, escape_like,
-    sqlite_has_wal_reset_bug,
+    SET_AUTOCHECKPOINT_SQL, SET_JOURNAL_MODE_SQL, SIDECAR_SUFFIXES, SYNCHRONOUS_NORMAL_SQL, _set_last_init_error,
+    escape_like, sqlite_has_wal_reset_bug,
 )
 from hermes_state_compression import SessionCompressionMixin
 from hermes_state_gateway import SessionGatewayMixin
@@ -84,7 +84,6 @@ def _default_db_path():
 
 
 SQLITE_HEADER = b"SQLite format 3\x00"
-SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
 
 WRITE_BUDGET_SECONDS = 20.0
 # The whole-callback retry sleeps briefly while contention is likely brief, longer once it has lasted; random

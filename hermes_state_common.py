@@ -7,7 +7,9 @@ connection: the mixins and SessionDB do that, and import from here so that none 
 """
 
 import errno
+import itertools
 import json
+import os
 import re
 import sqlite3
 import threading
@@ -652,17 +654,21 @@ def sqlite_has_wal_reset_bug(version=sqlite3.sqlite_version_info):
 
 # Files we create beside the store (backups, copies) are its owner's only, as the store is.
 FILE_MODE = 0o600
+# The files SQLite keeps beside a store; a copy or a rename of the store takes them along.
+SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
 
 
-def free_name_beside(path, label):
-    """The first name `<name>.<label>-<time>[_n]` beside the store `path` that no file has (a copy never
-    lands on an existing file)."""
+def claim_file_beside(path, label):
+    """Create an empty owner-only file `<name>.<label>-<time>[_n]` beside the store `path` and return its
+    path: the first such name no file has, taken atomically, so a copy never lands on an existing file."""
     path, stamp = Path(path), time.strftime("%Y%m%d_%H%M%S")
-    target, n = path.with_name(f"{path.name}.{label}-{stamp}"), 0
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}.{label}-{stamp}_{n}")
-    return target
+    for n in itertools.count():
+        target = path.with_name(f"{path.name}.{label}-{stamp}" + (f"_{n}" if n else ""))
+        try:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))
+            return target
+        except FileExistsError:
+            continue
 
 # Limits of the public API.
 SESSION_ID_MAX_LENGTH = 256

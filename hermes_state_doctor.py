@@ -28,13 +28,12 @@ from hermes_state_common import (
     FILE_MODE, HERMES_FTS_TABLES, META_FTS_CJK_STALE, META_FTS_OPTIMIZE_AVAILABLE,
     META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_FTS_STORAGE_VERSION,
     META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, SEARCH_TABLES,
-    free_name_beside, hermes_agent_config, sqlite_has_wal_reset_bug)
+    SIDECAR_SUFFIXES, claim_file_beside, hermes_agent_config, sqlite_has_wal_reset_bug)
 
 logger = logging.getLogger("hermes_state")
 
 # The search index tables hermes-agent and we may have; each is probed only if present.
 _FTS_TABLES = tuple(HERMES_FTS_TABLES.values()) + tuple(SEARCH_TABLES.values())
-_SIDECARS = ("-wal", "-shm", "-journal")
 # How long a repair waits for another process's repair (hermes-agent's lock file and timeout, so its
 # processes and ours take turns).
 REPAIR_LOCK_WAIT = 120.0
@@ -218,7 +217,7 @@ def _backup_db_file(db_path):
     for byte with its sidecars, only while this process has none of them open (a copy would close a descriptor
     and cancel our own locks)."""
     db_path = Path(db_path)
-    target = free_name_beside(db_path, "malformed-backup")
+    target = claim_file_beside(db_path, "malformed-backup")
     try:
         _sqlite_copy(db_path, target)
     except sqlite3.Error as exc:
@@ -230,7 +229,7 @@ def _backup_db_file(db_path):
                           "copying it byte for byte would cancel that connection's locks. "
                           "Close all SessionDB handles first.")
         try:
-            for suffix in ("",) + _SIDECARS[:2]:
+            for suffix in ("",) + SIDECAR_SUFFIXES[:2]:
                 source = Path(f"{db_path}{suffix}")
                 if source.exists():
                     shutil.copy2(source, f"{target}{suffix}")
@@ -241,7 +240,6 @@ def _backup_db_file(db_path):
 
 
 def _sqlite_copy(db_path, target):
-    os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))  # private from the start
     with contextlib.closing(_connect(db_path, "ro")) as source, \
             contextlib.closing(sqlite3.connect(target)) as copy:
         source.backup(copy)
@@ -253,7 +251,7 @@ def _process_has_open(db_path):
     """True if this process has a descriptor on the store or a sidecar, or if that cannot be known."""
     if not os.path.isdir("/proc/self/fd"):
         return True
-    wanted = {os.path.realpath(f"{db_path}{suffix}") for suffix in ("",) + _SIDECARS}
+    wanted = {os.path.realpath(f"{db_path}{suffix}") for suffix in ("",) + SIDECAR_SUFFIXES}
     return bool(wanted & _open_files("self"))
 
 

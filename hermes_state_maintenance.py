@@ -19,10 +19,10 @@ from pathlib import Path
 
 from hermes_state_common import (
     CHECKPOINT_TRUNCATE_SQL, COUNT_ACTIVE_MESSAGES_SQL, COUNT_ALL_MESSAGES_SQL, DELETE_META_SQL,
-    DELETE_UNUSED_PROMPTS_SQL, FILE_MODE, INTEGRITY_CHECK_SQL, JOURNAL_MODE_SQL, LAST_ACTIVE_SQL,
+    DELETE_UNUSED_PROMPTS_SQL, INTEGRITY_CHECK_SQL, JOURNAL_MODE_SQL, LAST_ACTIVE_SQL,
     MESSAGES_LAST_ACTIVE_SQL, SCHEMA_VERSION, SELECT_SCHEMA_VERSION_SQL, SESSION_EXISTS_SQL,
     SESSION_RICH_COLUMNS_SQL, SESSIONS_BY_SOURCE_SQL, SKILL_SCAFFOLD_PREFIX, SQL_CHUNK_SIZE, STALE_MARKER,
-    TABLE_EXISTS_SQL, VACUUM_SQL, chunked, cwd_prefix_clause, escape_like, free_name_beside, placeholders,
+    TABLE_EXISTS_SQL, VACUUM_SQL, chunked, cwd_prefix_clause, escape_like, claim_file_beside, placeholders,
     prefix_bounds, sqlite_has_wal_reset_bug, store_file_bytes)
 from hermes_state_schema import pause_between_chunks, write_meta
 
@@ -451,8 +451,7 @@ class SessionMaintenanceMixin:
 
     def _vacuum_into_beside(self, label):
         """A consistent copy of the store, made by SQLite, as `<name>.<label>-<time>[_n]`, owner-only."""
-        target = free_name_beside(self.db_path, label)
-        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))  # private from the start
+        target = claim_file_beside(self.db_path, label)
         self._read_value("VACUUM INTO ?", (str(target),))
         return target
 

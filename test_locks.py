@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 from hermes_state import SessionDB, StoreLockedError, damage_reason, restore_home, set_aside
+from hermes_state_common import claim_file_beside
 from test_support import REPO, TempDirTestCase
 
 # Asks for SQLite's write lock on every line it reads and says whether it got it.
@@ -215,9 +216,8 @@ RAW_OPENS = {
     ("hermes_state_doctor", "_backup_db_file"): "copies byte for byte only a file SQLite cannot read, and only "
                                                 "while /proc/self/fd shows no descriptor of ours on it or a sidecar",
     ("hermes_state_doctor", "_exclusive"): "state.db.repair.lock, which only repairs lock",
-    ("hermes_state_doctor", "_sqlite_copy"): "creates the new backup file (O_EXCL) before SQLite fills it",
-    ("hermes_state_maintenance", "SessionMaintenanceMixin._vacuum_into_beside"): "creates the new copy (O_EXCL) "
-                                                                                "before VACUUM INTO fills it",
+    ("hermes_state_common", "claim_file_beside"): "creates a new file (O_EXCL) for a backup or a VACUUM INTO "
+                                                 "copy, never opens one that exists",
 }
 RAW_OPENERS = {"open", "read_bytes", "read_text", "write_bytes", "write_text", "copy", "copy2",
                "copyfile", "copyfileobj", "mmap"}
@@ -281,6 +281,17 @@ class SetAsideNames(TempDirTestCase):
         for name, content in kept.items():
             self.assertEqual(name.read_bytes(), content, name)
         self.assertFalse(path.exists())
+
+    def test_a_copy_beside_the_store_claims_a_new_private_name_each_time(self):
+        path = self.tmp / "state.db"
+        stamp = time.strftime("%Y%m%d_%H%M%S")
+        taken = self.tmp / f"state.db.copy-{stamp}"
+        taken.write_bytes(b"kept earlier")
+        claimed = [claim_file_beside(path, "copy") for _ in range(3)]
+        self.assertEqual(len(set(claimed) | {taken}), 4)
+        self.assertEqual(taken.read_bytes(), b"kept earlier")
+        for name in claimed:
+            self.assertEqual((name.stat().st_size, name.stat().st_mode & 0o777), (0, 0o600))
 
 
 def backup_of(tmp, files, modes=None):
