@@ -282,15 +282,19 @@ TITLE_INDEX_SQL = (
 # state_meta keys, so that no hermes-agent release (0.19, 0.20, 0.22: every name checked) takes them for its
 # own. hs_fts_words reads every row (a tool row by a bounded prefix), hs_fts_trigram no tool rows; hs_fts_cjk
 # holds 1-2 letter CJK terms, written by Python from hs_fts_cjk_queue, which plain-SQL triggers fill for any
-# writer. Each trigger of ours first tests our backfill predicate: a row is indexed iff id <= progress OR id >
+# writer, with hs_fts_cjk_bounds (per block of ids, its CJK rows' newest time). Each trigger of ours first
+# tests our backfill predicate: a row is indexed iff id <= progress OR id >
 # high water. hermes-agent's index (messages_fts*, its views, triggers and fts_* keys: 'legacy' 0.19 inline,
 # 'external' 0.20/0.22) is its own: searched while a store has none of ours, never rewritten, retired only by
 # optimize-storage.
 
-SEARCH_LAYOUT_VERSION = 1
+# 2 added hs_fts_cjk_bounds; a layout 1 store gets it filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS).
+SEARCH_LAYOUT_VERSION = 2
 META_SEARCH_LAYOUT = "hs_search_layout"
 META_SEARCH_HIGH_WATER = "hs_search_high_water"
 META_SEARCH_PROGRESS = "hs_search_progress"
+# Message ids up to this one have their CJK bounds; absent when all have (searches by time may rely on them).
+META_SEARCH_CJK_BOUNDS_PROGRESS = "hs_search_cjk_bounds_progress"
 # + an index name: that index of ours is not whole; rebuilt at the next open.
 META_SEARCH_STALE_PREFIX = "hs_search_stale_"
 # A query on hermes-agent's index failed here: build ours at the next open.
@@ -350,6 +354,9 @@ SELECT id, {_TOOL_PREFIX.format(row="messages")} AS content, tool_name, tool_cal
     "cjk": {
         "hs_fts_cjk": "CREATE VIRTUAL TABLE hs_fts_cjk USING fts5(terms, tokenize='unicode61 remove_diacritics 0')",
         "hs_fts_cjk_queue": "CREATE TABLE hs_fts_cjk_queue (id INTEGER PRIMARY KEY)",
+        # No type: `newest` keeps each time as stored, so it compares as ORDER BY m.timestamp does.
+        "hs_fts_cjk_bounds": "CREATE TABLE hs_fts_cjk_bounds (block INTEGER PRIMARY KEY, newest)",
+        "hs_fts_cjk_bounds_newest": "CREATE INDEX hs_fts_cjk_bounds_newest ON hs_fts_cjk_bounds(newest)",
     },
 }
 
@@ -398,8 +405,10 @@ BEGIN
     DELETE FROM hs_fts_cjk WHERE rowid = old.id;
     DELETE FROM hs_fts_cjk_queue WHERE id = old.id;
 END""",
-        "hs_fts_cjk_update": f"""CREATE TRIGGER hs_fts_cjk_update AFTER UPDATE OF content, role ON messages
-WHEN (old.content IS NOT new.content OR old.role IS NOT new.role) AND {_OLD_INDEXED}
+        # A new time re-queues the row too: its drain raises its block's bound.
+        "hs_fts_cjk_update": f"""CREATE TRIGGER hs_fts_cjk_update AFTER UPDATE OF content, role, timestamp ON messages
+WHEN (old.content IS NOT new.content OR old.role IS NOT new.role OR old.timestamp IS NOT new.timestamp)
+ AND {_OLD_INDEXED}
 BEGIN
     DELETE FROM hs_fts_cjk WHERE rowid = old.id;
     DELETE FROM hs_fts_cjk_queue WHERE id = old.id;
@@ -450,10 +459,26 @@ RESET_INDEX_SQL = {
     "trigram": ("INSERT INTO hs_fts_trigram(hs_fts_trigram) VALUES ('delete-all')",),
     "cjk": ("DELETE FROM hs_fts_cjk", "DELETE FROM hs_fts_cjk_queue"),
 }
-SELECT_CJK_QUEUE_SQL = ("SELECT q.id, m.content FROM hs_fts_cjk_queue AS q JOIN messages AS m ON m.id = q.id"
+SELECT_CJK_QUEUE_SQL = ("SELECT q.id, m.content, m.timestamp FROM hs_fts_cjk_queue AS q JOIN messages AS m ON m.id = q.id"
                         " ORDER BY q.id LIMIT ?")
 UPSERT_CJK_TERMS_SQL = "INSERT OR REPLACE INTO hs_fts_cjk(rowid, terms) VALUES (?, ?)"
 DELETE_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue WHERE id = ?"
+# The CJK bounds: block = id >> CJK_BLOCK_BITS; `newest` only ever rises (a deleted row's time stays: still a
+# bound), so an older id never hides a later time than its block says. A NULL time is below every time.
+CJK_BLOCK_BITS = 8
+UPSERT_CJK_BOUND_SQL = ("INSERT INTO hs_fts_cjk_bounds(block, newest) VALUES (?, ?) ON CONFLICT(block) DO UPDATE"
+                        " SET newest = max(newest, excluded.newest)")
+FILL_CJK_BOUNDS_SQL = f"""INSERT INTO hs_fts_cjk_bounds(block, newest)
+SELECT m.id >> {CJK_BLOCK_BITS}, max(m.timestamp) FROM hs_fts_cjk AS c CROSS JOIN messages AS m ON m.id = c.rowid
+WHERE c.rowid > ? AND c.rowid <= ? AND m.timestamp IS NOT NULL GROUP BY 1
+ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)"""
+HAS_CJK_ROW_AFTER_SQL = "SELECT 1 FROM hs_fts_cjk WHERE rowid > ? LIMIT 1"
+# Newest first (the only order a CJK index search has): hits walked by id from the top, and the blocks below one
+# that hold a time at least as late as a given one.
+CJK_WALK_SQL = """SELECT m.id, m.timestamp
+FROM hs_fts_cjk CROSS JOIN messages AS m ON m.id = hs_fts_cjk.rowid JOIN sessions AS s ON s.id = m.session_id
+WHERE hs_fts_cjk MATCH ?{no_tools} {filters} ORDER BY hs_fts_cjk.rowid DESC"""
+CJK_LATE_BLOCKS_SQL = "SELECT block FROM hs_fts_cjk_bounds WHERE newest >= ? AND block < ? LIMIT ?"
 HAS_CJK_QUEUE_SQL = "SELECT 1 FROM hs_fts_cjk_queue LIMIT 1"
 SELECT_MAX_MESSAGE_ID_SQL = "SELECT COALESCE(MAX(id), 0) FROM messages"
 SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestamp, m.tool_name,

@@ -16,6 +16,8 @@ one of hermes-agent's on open. It relies on SessionDB for `_execute_write`,
 imports hermes_state.
 """
 
+import bisect
+import contextlib
 import functools
 import logging
 import re
@@ -25,11 +27,12 @@ from collections import namedtuple
 
 from hermes_state_schema import pause_between_chunks, read_meta, write_meta
 from hermes_state_common import (
-    decode_content, BACKFILL_SQL, CJK_CHAR_CLASS, CJK_QUEUE_TABLE, CONTEXT_CHARS, DELETE_CJK_QUEUE_SQL,
-    DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FTS5_PROBE_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL,
+    decode_content, BACKFILL_SQL, CJK_BLOCK_BITS, CJK_CHAR_CLASS, CJK_LATE_BLOCKS_SQL, CJK_WALK_SQL, CJK_QUEUE_TABLE, CONTEXT_CHARS, DELETE_CJK_QUEUE_SQL,
+    DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FILL_CJK_BOUNDS_SQL, HAS_CJK_ROW_AFTER_SQL, FTS5_PROBE_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL,
     FTS_PROBE_DROP_SQL, FTS_SNIPPET_SQL, HAS_CJK_QUEUE_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
     HERMES_INDEX_META, ID_SET_OPERATORS, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
-    META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT,
+    META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_HERMES_FAILED,
+    META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT,
     META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, NOT_TOOL_ROW_SQL, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META,
     PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL, RESET_INDEX_SQL, RETIRED_PREFIX,
     SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_ORDERS, SEARCH_PAGE_BY_INDEX_SQL, SEARCH_PAGE_BY_PREDICATE_SQL,
@@ -38,7 +41,7 @@ from hermes_state_common import (
     SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL,
     SELECT_SCHEMA_OBJECTS_SQL, SELECT_TRIGGER_TABLES_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TABLE_INFO_SQL,
     TERM_IN_BACKFILL_GAP_SQL, TERM_ID_SET_SQL, TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS,
-    TERM_LIKE_SQL, TRIGRAM_PROBE_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier,
+    TERM_LIKE_SQL, TRIGRAM_PROBE_SQL, UPSERT_CJK_BOUND_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier,
     store_file_bytes, trigger_writes,
 )
 
@@ -47,6 +50,13 @@ logger = logging.getLogger("hermes_state")
 BACKFILL_CHUNK_IDS = 1000
 DROP_CHUNK_ROWS = 500
 CJK_DRAIN_CHUNK = 500
+# A page of CJK hits by time walks at most this many hits and block bounds from the top; past that (a store
+# whose ids run against time) it sorts every hit, as a page deeper than half the walk does.
+CJK_WALK_MAX_HITS = 2000
+CJK_WALK_MAX_CHECKS = 64
+CJK_WALK_MAX_LATE = 16
+# Message ids a chunk of the CJK bounds' fill (layout 1 to 2) covers: 25-50 ms at 1M messages.
+CJK_BOUNDS_CHUNK_IDS = 50_000
 # At most this many queued CJK rows are indexed in one transaction (open or maintenance), so a foreign
 # writer's backlog never means one long write lock (10,000 held it for 1.9 s on a busy 2-core machine); the
 # rest stays answerable through the queue and goes with later writes.
@@ -99,8 +109,9 @@ CONTEXT_CHUNK_HITS = 240
 Capabilities = namedtuple("Capabilities", "fts5 trigram")
 Term = namedtuple("Term", "text prefix")
 # The indexes a search may use: `tables` names them, `usable` are the whole ones; `substring` is the retry of
-# a query whose words found nothing, inside longer tokens.
-IndexState = namedtuple("IndexState", "layout tables usable high_water progress cjk_pending tool_rows substring")
+# a query whose words found nothing, inside longer tokens; `cjk_bounded`: every CJK row's time is in its bound.
+IndexState = namedtuple("IndexState", "layout tables usable high_water progress cjk_pending tool_rows substring "
+                                      "cjk_bounded")
 
 
 # ---------------------------------------------------------------------------
@@ -244,11 +255,13 @@ def cjk_terms(text):
 
 
 def drain_cjk_queue(conn, limit=CJK_DRAIN_CHUNK):
-    """Index up to `limit` queued rows into our CJK index; returns how many were taken."""
+    """Index up to `limit` queued rows into our CJK index and their blocks' bounds; returns how many were taken."""
     rows = conn.execute(SELECT_CJK_QUEUE_SQL, (limit,)).fetchall()
-    for message_id, content in rows:
+    for message_id, content, timestamp in rows:
         if content is not None:
             conn.execute(UPSERT_CJK_TERMS_SQL, (message_id, cjk_terms(content)))
+            if timestamp is not None:
+                conn.execute(UPSERT_CJK_BOUND_SQL, (message_id >> CJK_BLOCK_BITS, timestamp))
         conn.execute(DELETE_CJK_QUEUE_SQL, (message_id,))
     return len(rows)
 
@@ -378,6 +391,35 @@ def scan_snippet(content, term):
         return None
     start = max(0, content.find(term.text) - 40) if term.text in content else 0
     return content[start:start + 120]
+
+
+def _sql_order(value):
+    """`value`'s place in SQLite's ORDER BY: NULL, numbers, text (UTF-8 order is code point order), blobs."""
+    return (0, 0) if value is None else (1, value) if isinstance(value, (int, float)) else \
+        (2 if isinstance(value, str) else 3, value)
+
+
+def _cjk_floor(conn, hits, wanted):
+    """(lowest id, [blocks below it]) that hold the newest `wanted` of `hits` (walked by id from the top);
+    (0, []) when the walk cannot tell.
+
+    At a block's lower edge, once `wanted` hits are seen, the `wanted`-th newest time t of them: any hit
+    below the edge outranking one of them has a time >= t (an equal one wins by its lower id), so it is in
+    a block whose bound is >= t. Blocks with later times than their neighbours' (an old row given a new
+    time, a clock once ahead) are few; a store whose ids run against time ends the walk."""
+    seen, block, checks = [], None, 0
+    for number, (message_id, timestamp) in enumerate(hits):
+        if message_id >> CJK_BLOCK_BITS != block:
+            if block is not None and len(seen) >= wanted and seen[-wanted][0]:
+                late = conn.execute(CJK_LATE_BLOCKS_SQL, (seen[-wanted][1], block, CJK_WALK_MAX_LATE + 1)).fetchall()
+                if len(late) <= CJK_WALK_MAX_LATE:
+                    return block << CJK_BLOCK_BITS, [late_block for (late_block,) in late]
+                checks += 1
+            if number >= CJK_WALK_MAX_HITS or checks > CJK_WALK_MAX_CHECKS:
+                break
+            block = message_id >> CJK_BLOCK_BITS
+        bisect.insort(seen, _sql_order(timestamp))
+    return 0, []
 
 
 def _fts_string(term):
@@ -631,7 +673,9 @@ class SessionSearchMixin:
     def _repair_search_index(self, conn, objects):
         """Put back what someone else changed in our index (stamp, views, tables,
         triggers), drop the triggers of an index this runtime cannot keep, and
-        rebuild every index that is not whole. True if that restarted a backfill."""
+        rebuild every index that is not whole. True if that restarted a backfill or the CJK bounds' fill."""
+        if read_meta(conn, META_SEARCH_LAYOUT) == "1" and self._add_cjk_bounds(conn, objects):
+            objects = _schema_objects(conn)
         if read_meta(conn, META_SEARCH_LAYOUT) != str(SEARCH_LAYOUT_VERSION):
             logger.warning("search: the layout stamp of our index in %s was changed; rebuilding the index",
                            self.db_path)
@@ -652,7 +696,24 @@ class SessionSearchMixin:
             if changed:
                 # Rows written while it was not kept are missing from it.
                 write_meta(conn, _stale_key(index), "1")
-        return self._rebuild_stale_indexes(conn)
+        return self._rebuild_stale_indexes(conn) or read_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS) is not None
+
+    def _add_cjk_bounds(self, conn, objects):
+        """Layout 1 to 2 without a rebuild: the CJK bounds and the update trigger that keeps them, filled
+        from every indexed row in chunks (fts_rebuild_step); True if that fill is pending. Rows they hold
+        from an earlier layout 2 stay: a bound only has to be at least each row's time."""
+        write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
+        if "cjk" not in self._buildable() or SEARCH_TABLES["cjk"] not in objects:
+            return False  # the repair rebuilds or drops it
+        update = "hs_fts_cjk_update"
+        if update in objects:
+            _drop(conn, "trigger", update)
+        for name, ddl in list(SEARCH_OBJECTS["cjk"].items()) + [(update, SEARCH_TRIGGERS["cjk"][update])]:
+            if name == update or name not in objects:
+                conn.execute(ddl)
+        write_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS, "0")
+        logger.info("search: adding the CJK bounds of layout %d to %s", SEARCH_LAYOUT_VERSION, self.db_path)
+        return True
 
     def _restore_objects(self, conn, index, objects, expected):
         """Create each object of `index` that is missing or differs from ours; their names."""
@@ -758,7 +819,8 @@ class SessionSearchMixin:
         objects = self._read_objects() if objects is None else objects
         stale = [_stale_key(index) for index in SEARCH_TABLES]
         meta = self._read_meta(META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, META_FTS_REBUILD_HIGH_WATER,
-                               META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED, *stale)
+                               META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED,
+                               META_SEARCH_CJK_BOUNDS_PROGRESS, *stale)
         if SEARCH_TABLES["word"] in objects:
             layout, tables, triggers = "current", SEARCH_TABLES, SEARCH_TRIGGERS
             marks = (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS)
@@ -773,8 +835,9 @@ class SessionSearchMixin:
                   and self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram)}
         high_water = meta[marks[0]]
         pending = "cjk" in usable and self._read_one(HAS_CJK_QUEUE_SQL) is not None
+        bounded = layout == "current" and "hs_fts_cjk_bounds" in objects and not meta[META_SEARCH_CJK_BOUNDS_PROGRESS]
         return IndexState(layout, tables, usable, int(high_water) if high_water else None,
-                          int(meta[marks[1]] or 0), pending, False, False)
+                          int(meta[marks[1]] or 0), pending, False, False, bounded)
 
     def fts_rebuild_status(self):
         """{pending: True, total, indexed, percent (whole, 0-100)} while the index searches use is
@@ -912,11 +975,23 @@ class SessionSearchMixin:
                                                            filters=filters),
                                   [match] + filter_params + [limit, offset])
         if index == "cjk":  # only ever asked by a scan, whose order has no rank
-            page = SEARCH_PAGE_BY_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters,
-                                                   order=SEARCH_ORDERS[sort].format(rank=""))
-            return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet=snippet,
-                                                              order=SEARCH_ORDERS[sort].format(rank="")),
-                                  [match] + filter_params + [limit, offset])
+            order = SEARCH_ORDERS[sort].format(rank="")
+            page = SEARCH_PAGE_BY_INDEX_SQL.format(table=table, no_tools=f"{no_tools} AND ({table}.rowid >= ?{{late}})",
+                                                   filters=filters, order=order)
+            page = SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet=snippet, order=order)
+            wanted = limit + offset if type(limit) is int and type(offset) is int and min(limit, offset) >= 0 else 0
+            if not state.cjk_bounded or sort != "newest" or not 0 < wanted <= CJK_WALK_MAX_HITS // 2:
+                return self._read_all(page.format(late=""), [match, 0] + filter_params + [limit, offset])
+            # One read transaction: the walk's statement stays open while the page is read.
+            conn = self._borrow_reader()
+            try:
+                with contextlib.closing(conn.execute(CJK_WALK_SQL.format(no_tools=no_tools, filters=filters),
+                                                     [match] + filter_params)) as hits:
+                    floor, late = _cjk_floor(conn, hits, wanted)
+                    late = f" OR {table}.rowid >> {CJK_BLOCK_BITS} IN ({', '.join(map(str, late))})" if late else ""
+                    return conn.execute(page.format(late=late), [match, floor] + filter_params + [limit, offset]).fetchall()
+            finally:
+                self._idle_readers.put(conn)
         page = SEARCH_PAGE_BY_RANKED_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters,
                                                       materialized=CTE_MATERIALIZED, **SEARCH_RANKED_PAGE_PARTS[sort])
         rows = SEARCH_PAGE_ROWS_SQL.format(page=page, join=SEARCH_PAGE_INDEX_JOIN_SQL.format(table=table),
@@ -993,6 +1068,14 @@ class SessionSearchMixin:
         objects = _schema_objects(conn)
         if SEARCH_TABLES["word"] in objects and read_meta(conn, META_SEARCH_HIGH_WATER) is not None:
             self._backfill_chunk(conn, objects)
+            return True
+        bounded = read_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS)
+        if bounded is not None:
+            more = self.fts_caps.fts5 and {SEARCH_TABLES["cjk"], "hs_fts_cjk_bounds"} <= set(objects) and \
+                conn.execute(HAS_CJK_ROW_AFTER_SQL, (int(bounded),)).fetchone()
+            if more:
+                conn.execute(FILL_CJK_BOUNDS_SQL, (int(bounded), int(bounded) + CJK_BOUNDS_CHUNK_IDS))
+            write_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS, str(int(bounded) + CJK_BOUNDS_CHUNK_IDS) if more else None)
             return True
         if CJK_QUEUE_TABLE in objects and self.fts_caps.fts5 and drain_cjk_queue(conn):
             self._cjk_drained = True  # this transaction's share: _maintain_search adds none
