@@ -406,7 +406,8 @@ BEGIN
     DELETE FROM hs_fts_cjk_queue WHERE id = old.id;
 END""",
         # A new time re-queues the row too: its drain raises its block's bound.
-        "hs_fts_cjk_update": f"""CREATE TRIGGER hs_fts_cjk_update AFTER UPDATE OF content, role, timestamp ON messages
+        "hs_fts_cjk_update": f"""CREATE TRIGGER hs_fts_cjk_update
+AFTER UPDATE OF content, role, timestamp ON messages
 WHEN (old.content IS NOT new.content OR old.role IS NOT new.role OR old.timestamp IS NOT new.timestamp)
  AND {_OLD_INDEXED}
 BEGIN
@@ -459,26 +460,30 @@ RESET_INDEX_SQL = {
     "trigram": ("INSERT INTO hs_fts_trigram(hs_fts_trigram) VALUES ('delete-all')",),
     "cjk": ("DELETE FROM hs_fts_cjk", "DELETE FROM hs_fts_cjk_queue"),
 }
-SELECT_CJK_QUEUE_SQL = ("SELECT q.id, m.content, m.timestamp FROM hs_fts_cjk_queue AS q JOIN messages AS m ON m.id = q.id"
-                        " ORDER BY q.id LIMIT ?")
+SELECT_CJK_QUEUE_SQL = ("SELECT q.id, m.content, m.timestamp FROM hs_fts_cjk_queue AS q"
+                        " JOIN messages AS m ON m.id = q.id ORDER BY q.id LIMIT ?")
 UPSERT_CJK_TERMS_SQL = "INSERT OR REPLACE INTO hs_fts_cjk(rowid, terms) VALUES (?, ?)"
 DELETE_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue WHERE id = ?"
 # The CJK bounds: block = id >> CJK_BLOCK_BITS; `newest` only ever rises (a deleted row's time stays: still a
 # bound), so an older id never hides a later time than its block says. A NULL time is below every time.
 CJK_BLOCK_BITS = 8
-UPSERT_CJK_BOUND_SQL = ("INSERT INTO hs_fts_cjk_bounds(block, newest) VALUES (?, ?) ON CONFLICT(block) DO UPDATE"
-                        " SET newest = max(newest, excluded.newest)")
+UPSERT_CJK_BOUND_SQL = ("INSERT INTO hs_fts_cjk_bounds(block, newest) VALUES (?, ?)"
+                        " ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)")
 FILL_CJK_BOUNDS_SQL = f"""INSERT INTO hs_fts_cjk_bounds(block, newest)
-SELECT m.id >> {CJK_BLOCK_BITS}, max(m.timestamp) FROM hs_fts_cjk AS c CROSS JOIN messages AS m ON m.id = c.rowid
+SELECT m.id >> {CJK_BLOCK_BITS}, max(m.timestamp)
+FROM hs_fts_cjk AS c CROSS JOIN messages AS m ON m.id = c.rowid
 WHERE c.rowid > ? AND c.rowid <= ? AND m.timestamp IS NOT NULL GROUP BY 1
 ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)"""
 HAS_CJK_ROW_AFTER_SQL = "SELECT 1 FROM hs_fts_cjk WHERE rowid > ? LIMIT 1"
-# Newest first (the only order a CJK index search has): hits walked by id from the top, and the blocks below one
-# that hold a time at least as late as a given one.
+# Newest first (a CJK index search's only order): hits walked by id from the top, and the blocks below one that
+# hold a time at least as late as a given one.
 CJK_WALK_SQL = """SELECT m.id, m.timestamp
 FROM hs_fts_cjk CROSS JOIN messages AS m ON m.id = hs_fts_cjk.rowid JOIN sessions AS s ON s.id = m.session_id
 WHERE hs_fts_cjk MATCH ?{no_tools} {filters} ORDER BY hs_fts_cjk.rowid DESC"""
 CJK_LATE_BLOCKS_SQL = "SELECT block FROM hs_fts_cjk_bounds WHERE newest >= ? AND block < ? LIMIT ?"
+# The page's hits: from the floor up, and in those late blocks (`{late}`: CJK_LATE_ROWS_SQL or '').
+CJK_FLOOR_SQL = " AND (hs_fts_cjk.rowid >= ?{late})"
+CJK_LATE_ROWS_SQL = f" OR hs_fts_cjk.rowid >> {CJK_BLOCK_BITS} IN ({{blocks}})"
 HAS_CJK_QUEUE_SQL = "SELECT 1 FROM hs_fts_cjk_queue LIMIT 1"
 SELECT_MAX_MESSAGE_ID_SQL = "SELECT COALESCE(MAX(id), 0) FROM messages"
 SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestamp, m.tool_name,
@@ -541,6 +546,27 @@ TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {lik
 TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE(m.{column}, '') LIKE ? ESCAPE '\\'"
                                    for column in ("content", "tool_name", "tool_calls")) + ")"
 TERM_LIKE_PARAMS = 3
+FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
+COUNT_FTS_DATA_SQL = "SELECT COUNT(*) FROM {data}"
+# Opens (connects) the table without reading a row of it.
+OPEN_FTS_TABLE_SQL = "PRAGMA table_info({table})"
+# Row 10 of an FTS5 index's _data table is its structure record (segments by level).
+SELECT_FTS_STRUCTURE_SQL = "SELECT block FROM {data} WHERE id = 10"
+UPDATE_FTS_STRUCTURE_SQL = "UPDATE {data} SET block = ? WHERE id = 10"
+# The context of a page of hits, in one statement: each hit's neighbours in its session by (timestamp, id), in
+# any state. Equal timestamps are common (a batch shares one): each neighbour is an index seek, first among
+# rows of the same time by id, then across times. `{hits}` is one "(?, ?, ?, ?)" per hit: its place, session,
+# time and id.
+_NEIGHBOUR_ID_SQL = """COALESCE(
+    (SELECT id FROM messages WHERE session_id = h.s AND timestamp = h.t AND id {cmp} h.i ORDER BY id {order} LIMIT 1),
+    (SELECT id FROM messages WHERE session_id = h.s AND timestamp {cmp} h.t ORDER BY timestamp {order}, id {order}
+     LIMIT 1))"""
+SEARCH_CONTEXT_SQL = f"""WITH hits(n, s, t, i) AS (VALUES {{hits}}),
+near(n, before, i, after) AS (
+    SELECT h.n, {_NEIGHBOUR_ID_SQL.format(cmp="<", order="DESC")}, h.i, {_NEIGHBOUR_ID_SQL.format(cmp=">", order="ASC")}
+    FROM hits AS h)
+SELECT near.n, m.role, m.content FROM near CROSS JOIN messages AS m ON m.id IN (near.before, near.i, near.after)
+ORDER BY near.n, m.timestamp, m.id"""
 NOT_TOOL_ROW_SQL = "m.role <> 'tool'"
 # Estimated bytes of text our index holds (for the disk pre-check).
 SELECT_INDEXED_TEXT_BYTES_SQL = f"""

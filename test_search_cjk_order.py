@@ -3,7 +3,6 @@ layout 1 stores get the bounds in chunks."""
 
 import random
 import re
-import sqlite3
 from unittest import mock
 
 import hermes_state_search
@@ -21,9 +20,9 @@ CASES = [("库", {}), ("索引", {"limit": 7, "offset": 3}), ("会话", {"limit"
          ("会话", {"exclude_sources": ["cli"], "limit": 5}), ("库 索引", {}), ("份", {"include_inactive": True})]
 
 
-def fill(db, sessions=24, per_session=60, seed=5):
-    """Sessions in time order, then old ones imported after them (higher ids, earlier times), a few
-    rewound rows, and one batch of equal times that crosses a block edge."""
+def fill(db, sessions=80, per_session=60, seed=5):
+    """Sessions in time order (more blocks than a walk takes as late ones), then old ones imported after
+    them (higher ids, earlier times), a few rewound rows, and a batch of equal times across a block edge."""
     rng = random.Random(seed)
 
     def messages(start):
@@ -90,8 +89,9 @@ class PagesByTimeFromTheNewestIds(TempDirTestCase):
         self.assertGreater(min(self.floors()), 0)  # the page was cut from the newest ids alone
 
     def test_a_row_given_a_later_time_leads_the_page_once_drained_and_before(self):
-        old = self.conn.execute("SELECT min(m.id) FROM messages AS m WHERE m.role = 'user' AND m.active = 1 "
-                                "AND m.content LIKE '%索引%'").fetchone()[0]
+        # The first session's: far below the page's floor, in a block only a raised bound brings in.
+        old = self.conn.execute("SELECT min(id) FROM messages WHERE session_id = 's0' AND role = 'user' "
+                                "AND active = 1 AND content LIKE '%索引%'").fetchone()[0]
         self.conn.execute("UPDATE messages SET timestamp = 1000000000 WHERE id = ?", (old,))
         self.conn.commit()
         self.assertEqual(self.db.search_messages("索引", fields=("id",))[0]["id"], old)  # queued: every hit sorted
