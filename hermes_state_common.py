@@ -282,14 +282,16 @@ TITLE_INDEX_SQL = (
 # state_meta keys, so that no hermes-agent release (0.19, 0.20, 0.22: every name checked) takes them for its
 # own. hs_fts_words reads every row (a tool row by a bounded prefix), hs_fts_trigram no tool rows; hs_fts_cjk
 # holds 1-2 letter CJK terms, written by Python from hs_fts_cjk_queue, which plain-SQL triggers fill for any
-# writer, with hs_fts_cjk_bounds (per block of ids, its CJK rows' newest time). Each trigger of ours first
-# tests our backfill predicate: a row is indexed iff id <= progress OR id >
+# writer; those triggers (and the drain, for rows a backfill queued) raise the row's block bound in
+# hs_fts_cjk_bounds, so a process of an older release still running keeps them too. Each trigger of ours first tests our backfill predicate: a row is indexed iff id <= progress OR id >
 # high water. hermes-agent's index (messages_fts*, its views, triggers and fts_* keys: 'legacy' 0.19 inline,
 # 'external' 0.20/0.22) is its own: searched while a store has none of ours, never rewritten, retired only by
 # optimize-storage.
 
-# 2 added hs_fts_cjk_bounds; a layout 1 store gets it filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS).
+# 2 added the CJK bounds (CJK_BOUNDS_OBJECTS: their table and index, the triggers that raise them); a layout 1
+# store gets them filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS).
 SEARCH_LAYOUT_VERSION = 2
+CJK_BOUNDS_OBJECTS = ("hs_fts_cjk_bounds", "hs_fts_cjk_bounds_newest", "hs_fts_cjk_insert", "hs_fts_cjk_update")
 META_SEARCH_LAYOUT = "hs_search_layout"
 META_SEARCH_HIGH_WATER = "hs_search_high_water"
 META_SEARCH_PROGRESS = "hs_search_progress"
@@ -327,6 +329,14 @@ TOOL_INDEX_PREFIX_CHARS = 2048
 # CJK letters: kana, CJK extension A, unified ideographs, hangul, compatibility ideographs.
 CJK_CHAR_CLASS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 CJK_GLOB = f"'*[{CJK_CHAR_CLASS}]*'"
+# The CJK bounds: block = id >> CJK_BLOCK_BITS; `newest` only ever rises (a deleted row's time stays: still a
+# bound), so no id of a block holds a later time than its bound. A NULL time is below every time.
+CJK_BLOCK_BITS = 8
+_RAISE_CJK_BOUND = (f"INSERT INTO hs_fts_cjk_bounds(block, newest) SELECT new.id >> {CJK_BLOCK_BITS}, new.timestamp"
+                    " WHERE new.timestamp IS NOT NULL{only}\n"
+                    "    ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest);")
+UPSERT_CJK_BOUND_SQL = ("INSERT INTO hs_fts_cjk_bounds(block, newest) VALUES (?, ?)"
+                        " ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)")
 
 _INDEXED = """(({row}.id > COALESCE((SELECT CAST(value AS INTEGER) FROM state_meta
                             WHERE key = 'hs_search_high_water'), -1)
@@ -337,8 +347,8 @@ _OLD_INDEXED = _INDEXED.format(row="old")
 _TOOL_PREFIX = "CASE WHEN {row}.role = 'tool' THEN substr({row}.content, 1, %d) ELSE {row}.content END" \
     % TOOL_INDEX_PREFIX_CHARS
 
-# Per index: its views and tables in creation order, exactly as sqlite_master keeps them (an open compares and
-# repairs), then its triggers.
+# Per index: its views and tables (CJK: with its bounds' index) in creation order, exactly as sqlite_master
+# keeps them (an open compares and repairs), then its triggers.
 SEARCH_OBJECTS = {
     "word": {
         "hs_fts_words_src": f"""CREATE VIEW hs_fts_words_src AS
@@ -398,6 +408,7 @@ SEARCH_TRIGGERS = {
 WHEN new.role <> 'tool' AND new.content GLOB {CJK_GLOB} AND {_NEW_INDEXED}
 BEGIN
     INSERT OR IGNORE INTO hs_fts_cjk_queue(id) VALUES (new.id);
+    {_RAISE_CJK_BOUND.format(only="")}
 END""",
         "hs_fts_cjk_delete": f"""CREATE TRIGGER hs_fts_cjk_delete AFTER DELETE ON messages
 WHEN old.role <> 'tool' AND old.content GLOB {CJK_GLOB} AND {_OLD_INDEXED}
@@ -405,7 +416,7 @@ BEGIN
     DELETE FROM hs_fts_cjk WHERE rowid = old.id;
     DELETE FROM hs_fts_cjk_queue WHERE id = old.id;
 END""",
-        # A new time re-queues the row too: its drain raises its block's bound.
+        # A new time re-queues the row too, and raises its block's bound.
         "hs_fts_cjk_update": f"""CREATE TRIGGER hs_fts_cjk_update
 AFTER UPDATE OF content, role, timestamp ON messages
 WHEN (old.content IS NOT new.content OR old.role IS NOT new.role OR old.timestamp IS NOT new.timestamp)
@@ -414,6 +425,7 @@ BEGIN
     DELETE FROM hs_fts_cjk WHERE rowid = old.id;
     DELETE FROM hs_fts_cjk_queue WHERE id = old.id;
     INSERT INTO hs_fts_cjk_queue(id) SELECT new.id WHERE new.role <> 'tool' AND new.content GLOB {CJK_GLOB};
+    {_RAISE_CJK_BOUND.format(only=f" AND new.role <> 'tool' AND new.content GLOB {CJK_GLOB}")}
 END""",
     },
 }
@@ -464,11 +476,7 @@ SELECT_CJK_QUEUE_SQL = ("SELECT q.id, m.content, m.timestamp FROM hs_fts_cjk_que
                         " JOIN messages AS m ON m.id = q.id ORDER BY q.id LIMIT ?")
 UPSERT_CJK_TERMS_SQL = "INSERT OR REPLACE INTO hs_fts_cjk(rowid, terms) VALUES (?, ?)"
 DELETE_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue WHERE id = ?"
-# The CJK bounds: block = id >> CJK_BLOCK_BITS; `newest` only ever rises (a deleted row's time stays: still a
-# bound), so an older id never hides a later time than its block says. A NULL time is below every time.
-CJK_BLOCK_BITS = 8
-UPSERT_CJK_BOUND_SQL = ("INSERT INTO hs_fts_cjk_bounds(block, newest) VALUES (?, ?)"
-                        " ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)")
+# The CJK bounds (see CJK_BLOCK_BITS), filled from the rows a layout 1 store indexed.
 FILL_CJK_BOUNDS_SQL = f"""INSERT INTO hs_fts_cjk_bounds(block, newest)
 SELECT m.id >> {CJK_BLOCK_BITS}, max(m.timestamp)
 FROM hs_fts_cjk AS c CROSS JOIN messages AS m ON m.id = c.rowid
@@ -480,7 +488,8 @@ HAS_CJK_ROW_AFTER_SQL = "SELECT 1 FROM hs_fts_cjk WHERE rowid > ? LIMIT 1"
 CJK_WALK_SQL = """SELECT m.id, m.timestamp
 FROM hs_fts_cjk CROSS JOIN messages AS m ON m.id = hs_fts_cjk.rowid JOIN sessions AS s ON s.id = m.session_id
 WHERE hs_fts_cjk MATCH ?{no_tools} {filters} ORDER BY hs_fts_cjk.rowid DESC"""
-CJK_LATE_BLOCKS_SQL = "SELECT block FROM hs_fts_cjk_bounds WHERE newest >= ? AND block < ? LIMIT ?"
+CJK_WALK_MAX_LATE = 16  # late blocks a page takes in; past that the walk goes on
+CJK_LATE_BLOCKS_SQL = f"SELECT block FROM hs_fts_cjk_bounds WHERE newest >= ? AND block < ? LIMIT {CJK_WALK_MAX_LATE + 1}"
 # The page's hits: from the floor up, and in those late blocks (`{late}`: CJK_LATE_ROWS_SQL or '').
 CJK_FLOOR_SQL = " AND (hs_fts_cjk.rowid >= ?{late})"
 CJK_LATE_ROWS_SQL = f" OR hs_fts_cjk.rowid >> {CJK_BLOCK_BITS} IN ({{blocks}})"

@@ -23,12 +23,12 @@ from collections import namedtuple
 
 from hermes_state_schema import pause_between_chunks, read_meta, write_meta
 from hermes_state_common import (
-    decode_content, BACKFILL_SQL, CJK_BLOCK_BITS, CJK_CHAR_CLASS, CJK_FLOOR_SQL, CJK_LATE_BLOCKS_SQL,
-    CJK_LATE_ROWS_SQL, CJK_QUEUE_TABLE, CJK_WALK_SQL, CONTEXT_CHARS, COUNT_FTS_DATA_SQL, DELETE_CJK_QUEUE_SQL,
-    DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FILL_CJK_BOUNDS_SQL, FTS5_PROBE_SQL, FTS5_SHADOW_SUFFIXES,
-    FTS_COMMAND_SQL, FTS_MERGE_SQL, FTS_PROBE_DROP_SQL, FTS_SNIPPET_SQL, HAS_CJK_QUEUE_SQL,
-    HAS_CJK_ROW_AFTER_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS, HERMES_INDEX_META,
-    ID_SET_OPERATORS, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
+    decode_content, BACKFILL_SQL, CJK_BLOCK_BITS, CJK_BOUNDS_OBJECTS, CJK_CHAR_CLASS, CJK_FLOOR_SQL,
+    CJK_LATE_BLOCKS_SQL, CJK_LATE_ROWS_SQL, CJK_QUEUE_TABLE, CJK_WALK_MAX_LATE, CJK_WALK_SQL, CONTEXT_CHARS,
+    COUNT_FTS_DATA_SQL, DELETE_CJK_QUEUE_SQL, DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FILL_CJK_BOUNDS_SQL,
+    FTS5_PROBE_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL, FTS_MERGE_SQL, FTS_PROBE_DROP_SQL, FTS_SNIPPET_SQL,
+    HAS_CJK_QUEUE_SQL, HAS_CJK_ROW_AFTER_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
+    HERMES_INDEX_META, ID_SET_OPERATORS, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
     META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_HERMES_FAILED,
     META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT, META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX,
     NOT_TOOL_ROW_SQL, OPEN_FTS_TABLE_SQL, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META,
@@ -53,7 +53,6 @@ CJK_DRAIN_CHUNK = 500
 # whose ids run against time) it sorts every hit, as a page deeper than half the walk does.
 CJK_WALK_MAX_HITS = 2000
 CJK_WALK_MAX_CHECKS = 64
-CJK_WALK_MAX_LATE = 16
 # Message ids a chunk of the CJK bounds' fill (layout 1 to 2) covers: 25-50 ms at 1M messages.
 CJK_BOUNDS_CHUNK_IDS = 50_000
 # At most this many queued CJK rows are indexed in one transaction (open or maintenance), so a foreign
@@ -219,7 +218,7 @@ def drain_cjk_queue(conn, limit=CJK_DRAIN_CHUNK):
     for message_id, content, timestamp in rows:
         if content is not None:
             conn.execute(UPSERT_CJK_TERMS_SQL, (message_id, cjk_terms(content)))
-            if timestamp is not None:
+            if timestamp is not None:  # a backfill's rows: the triggers raised the others'
                 conn.execute(UPSERT_CJK_BOUND_SQL, (message_id >> CJK_BLOCK_BITS, timestamp))
         conn.execute(DELETE_CJK_QUEUE_SQL, (message_id,))
     return len(rows)
@@ -358,8 +357,7 @@ def _cjk_floor(conn, hits, wanted):
     for number, (message_id, timestamp) in enumerate(hits):
         if message_id >> CJK_BLOCK_BITS != block:
             if block is not None and len(seen) >= wanted and seen[-wanted][0]:
-                late = conn.execute(CJK_LATE_BLOCKS_SQL, (seen[-wanted][1], block, CJK_WALK_MAX_LATE + 1))
-                late = late.fetchall()
+                late = conn.execute(CJK_LATE_BLOCKS_SQL, (seen[-wanted][1], block)).fetchall()
                 if len(late) <= CJK_WALK_MAX_LATE:
                     return block << CJK_BLOCK_BITS, [late_block for (late_block,) in late]
                 checks += 1
@@ -633,11 +631,13 @@ class SessionSearchMixin:
         write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
         if "cjk" not in self._buildable() or SEARCH_TABLES["cjk"] not in objects:
             return False  # the repair rebuilds or drops it
-        for name, ddl in [*SEARCH_OBJECTS["cjk"].items(), ("update", SEARCH_TRIGGERS["cjk"]["hs_fts_cjk_update"])]:
-            if name == "update" and "hs_fts_cjk_update" in objects:
-                _drop(conn, "trigger", "hs_fts_cjk_update")  # layout 1's, without the time
-            if name == "update" or name not in objects:
-                conn.execute(ddl)
+        ddl = {**SEARCH_OBJECTS["cjk"], **SEARCH_TRIGGERS["cjk"]}
+        for name in CJK_BOUNDS_OBJECTS:  # layout 1's triggers raise no bound
+            kind, sql = _schema_objects(conn).get(name, (None, None))
+            if kind and not _same_sql(sql, ddl[name]):
+                _drop(conn, kind, name)
+            if not _same_sql(sql, ddl[name]):
+                conn.execute(ddl[name])
         write_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS, "0")
         logger.info("search: adding the CJK bounds of layout %d to %s", SEARCH_LAYOUT_VERSION, self.db_path)
         return True
@@ -745,7 +745,7 @@ class SessionSearchMixin:
         stale = [_stale_key(index) for index in SEARCH_TABLES]
         meta = self._read_meta(META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, META_FTS_REBUILD_HIGH_WATER,
                                META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED,
-                               META_SEARCH_CJK_BOUNDS_PROGRESS, *stale)
+                               META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_LAYOUT, *stale)
         if SEARCH_TABLES["word"] in objects:
             layout, tables, triggers = "current", SEARCH_TABLES, SEARCH_TRIGGERS
             marks = (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS)
@@ -760,8 +760,9 @@ class SessionSearchMixin:
                   and self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram)}
         high_water = meta[marks[0]]
         pending = "cjk" in usable and self._read_one(HAS_CJK_QUEUE_SQL) is not None
-        bounded = layout == "current" and "hs_fts_cjk_bounds" in objects \
-            and not meta[META_SEARCH_CJK_BOUNDS_PROGRESS]
+        # Bounds an older release left behind (its layout stamp) may miss rows it indexed since.
+        bounded = layout == "current" and meta[META_SEARCH_LAYOUT] == str(SEARCH_LAYOUT_VERSION) \
+            and "hs_fts_cjk_bounds" in objects and not meta[META_SEARCH_CJK_BOUNDS_PROGRESS]
         return IndexState(layout, tables, usable, int(high_water) if high_water else None,
                           int(meta[marks[1]] or 0), pending, False, False, bounded)
 

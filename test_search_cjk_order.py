@@ -3,6 +3,7 @@ layout 1 stores get the bounds in chunks."""
 
 import random
 import re
+import sqlite3
 from unittest import mock
 
 import hermes_state_search
@@ -12,9 +13,11 @@ from test_support import TempDirTestCase, tracing_factory, without_fts5, without
 
 WORDS = ("数据库", "索引", "会话", "备份")
 FLOOR_RE = re.compile(r"hs_fts_cjk\.rowid >= (\d+)")
-# Layout 1's update trigger: ours without the time.
-LAYOUT_1_UPDATE = SEARCH_TRIGGERS["cjk"]["hs_fts_cjk_update"].replace(
-    " OF content, role, timestamp", " OF content, role").replace(" OR old.timestamp IS NOT new.timestamp)\n AND", ") AND")
+# Layout 1's CJK insert and update triggers: ours raising no bound and blind to the time.
+LAYOUT_1_TRIGGERS = {name: "\n".join(line for line in SEARCH_TRIGGERS["cjk"][name].split("\n")
+                                     if "hs_fts_cjk_bounds" not in line and "ON CONFLICT" not in line).replace(
+    "\nAFTER UPDATE OF content, role, timestamp", " AFTER UPDATE OF content, role").replace(" OR old.timestamp IS NOT new.timestamp)\n AND", ") AND")
+    for name in ("hs_fts_cjk_insert", "hs_fts_cjk_update")}
 CASES = [("库", {}), ("索引", {"limit": 7, "offset": 3}), ("会话", {"limit": 50}), ("备", {"offset": 40}),
          ("库", {"source_filter": ["import"]}), ("索引", {"role_filter": ["assistant"]}),
          ("会话", {"exclude_sources": ["cli"], "limit": 5}), ("库 索引", {}), ("份", {"include_inactive": True})]
@@ -100,6 +103,17 @@ class PagesByTimeFromTheNewestIds(TempDirTestCase):
         self.assertEqual(self.db.search_messages("索引", fields=("id",))[0]["id"], old)
         self.assert_plain_pages(self.db)
 
+    def test_a_row_an_older_release_drained_from_the_queue_has_its_bound(self):
+        writer = sqlite3.connect(self.path)  # a low id, a late time, drained as layout 1 does it (no bounds)
+        writer.execute("INSERT INTO messages (id, session_id, role, content, timestamp, active) "
+                       "VALUES (-5, 's1', 'user', '索引', 1000000000, 1)")
+        writer.execute("INSERT OR REPLACE INTO hs_fts_cjk(rowid, terms) VALUES (-5, '索 引 索引')")
+        writer.execute("DELETE FROM hs_fts_cjk_queue WHERE id = -5")
+        writer.commit()
+        writer.close()
+        self.assertEqual(self.db.search_messages("索引", fields=("id",))[0]["id"], -5)
+        self.assert_plain_pages(self.db)
+
     def test_while_the_bounds_are_filled_pages_sort_every_hit_and_the_next_open_finishes(self):
         self.conn.execute("DELETE FROM hs_fts_cjk_bounds")
         self.conn.execute("INSERT INTO state_meta(key, value) VALUES ('hs_search_cjk_bounds_progress', '0')")
@@ -128,16 +142,19 @@ class LayoutOneStores(TempDirTestCase):
         with SessionDB(self.path) as db:
             fill(db, sessions=10)
         self.conn = self.raw(self.path)
-        self.conn.executescript("DROP TABLE hs_fts_cjk_bounds; DROP TRIGGER hs_fts_cjk_update; "
-                                f"{LAYOUT_1_UPDATE}; UPDATE state_meta SET value = '1' WHERE key = 'hs_search_layout';")
+        self.conn.executescript("DROP TABLE hs_fts_cjk_bounds; DROP TRIGGER hs_fts_cjk_insert; "
+                                "DROP TRIGGER hs_fts_cjk_update; UPDATE state_meta SET value = '1' "
+                                "WHERE key = 'hs_search_layout';" + "".join(
+                                    f"{sql};" for sql in LAYOUT_1_TRIGGERS.values()))
         self.conn.commit()
         self.words_before = self.conn.execute("SELECT count(*), sum(length(block)) FROM hs_fts_words_data").fetchone()
 
     def assert_layout_2(self, db):
         self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION))
         self.assertIsNone(db.get_meta("hs_search_cjk_bounds_progress"))
-        trigger = self.conn.execute("SELECT sql FROM sqlite_master WHERE name = 'hs_fts_cjk_update'").fetchone()[0]
-        self.assertEqual(trigger, SEARCH_TRIGGERS["cjk"]["hs_fts_cjk_update"])
+        for name in LAYOUT_1_TRIGGERS:
+            sql = self.conn.execute("SELECT sql FROM sqlite_master WHERE name = ?", (name,)).fetchone()[0]
+            self.assertEqual(sql, SEARCH_TRIGGERS["cjk"][name])
         for query, kwargs in CASES:
             hits = db.search_messages(query, fields=("id",), **kwargs)
             self.assertEqual([hit["id"] for hit in hits], plain_page(self.conn, query, **kwargs), (query, kwargs))
@@ -153,6 +170,16 @@ class LayoutOneStores(TempDirTestCase):
             self.assert_layout_2(db)
         self.assertEqual(self.conn.execute("SELECT count(*), sum(length(block)) FROM hs_fts_words_data").fetchone(),
                          self.words_before)
+
+    def test_bounds_a_layout_1_writer_left_stale_are_not_trusted_until_the_next_writable_open(self):
+        self.conn.execute("CREATE TABLE hs_fts_cjk_bounds (block INTEGER PRIMARY KEY, newest)")  # empty: stale
+        self.conn.commit()
+        with SessionDB(self.path, read_only=True) as db:
+            for query, kwargs in CASES:
+                hits = db.search_messages(query, fields=("id",), **kwargs)
+                self.assertEqual([hit["id"] for hit in hits], plain_page(self.conn, query, **kwargs))
+        with SessionDB(self.path) as db:
+            self.assert_layout_2(db)
 
     def test_a_runtime_without_fts5_answers_and_a_later_one_with_it_fills_the_bounds(self):
         with SessionDB(self.path, connection_factory=without_fts5) as db:
