@@ -91,6 +91,15 @@ class PagesByTimeFromTheNewestIds(TempDirTestCase):
         self.db.search_messages("据库", limit=20)
         self.assertGreater(min(self.floors()), 0)  # the page was cut from the newest ids alone
 
+    def test_the_walk_reads_hits_in_the_index_order_with_no_sorter(self):
+        del self.statements[:]
+        self.db.search_messages("库", source_filter=["cli"])
+        walk = [s for s in self.statements if s.endswith("ORDER BY hs_fts_cjk.rowid DESC")]
+        self.assertEqual(len(walk), 1, self.statements)
+        plan = [row[3] for row in self.conn.execute("EXPLAIN QUERY PLAN " + walk[0])]
+        self.assertFalse([detail for detail in plan if "TEMP B-TREE" in detail], plan)
+        self.assertIn("VIRTUAL TABLE INDEX", plan[0])  # FTS5 is the outer loop
+
     def test_a_row_given_a_later_time_leads_the_page_once_drained_and_before(self):
         # The first session's: far below the page's floor, in a block only a raised bound brings in.
         old = self.conn.execute("SELECT min(id) FROM messages WHERE session_id = 's0' AND role = 'user' "
