@@ -53,8 +53,8 @@ CJK_DRAIN_CHUNK = 500
 # whose ids run against time) it sorts every hit, as a page deeper than half the walk does.
 CJK_WALK_MAX_HITS = 2000
 CJK_WALK_MAX_CHECKS = 64
-# Message ids a chunk of the CJK bounds' fill (layout 1 to 2) covers: 25-50 ms at 1M messages.
-CJK_BOUNDS_CHUNK_IDS = 50_000
+# Ids a chunk of the CJK bounds' fill covers (layout 1 to 2): 50,000, a quarter CJK, held 30-80 ms at 1M messages.
+CJK_BOUNDS_CHUNK_IDS = 25_000
 # At most this many queued CJK rows are indexed in one transaction (open or maintenance), so a foreign
 # writer's backlog never means one long write lock (10,000 held it for 1.9 s on a busy 2-core machine); the
 # rest stays answerable through the queue and goes with later writes.
