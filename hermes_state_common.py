@@ -283,10 +283,10 @@ TITLE_INDEX_SQL = (
 # own. hs_fts_words reads every row (a tool row by a bounded prefix), hs_fts_trigram no tool rows; hs_fts_cjk
 # holds 1-2 letter CJK terms, written by Python from hs_fts_cjk_queue, which plain-SQL triggers fill for any
 # writer; those triggers (and the drain, for rows a backfill queued) raise the row's block bound in
-# hs_fts_cjk_bounds, so a process of an older release still running keeps them too. Each trigger of ours first tests our backfill predicate: a row is indexed iff id <= progress OR id >
-# high water. hermes-agent's index (messages_fts*, its views, triggers and fts_* keys: 'legacy' 0.19 inline,
-# 'external' 0.20/0.22) is its own: searched while a store has none of ours, never rewritten, retired only by
-# optimize-storage.
+# hs_fts_cjk_bounds, so a process of an older release still running keeps them too. Each trigger of ours first
+# tests our backfill predicate: a row is indexed iff id <= progress OR id > high water. hermes-agent's index
+# (messages_fts*, its views, triggers and fts_* keys: 'legacy' 0.19 inline, 'external' 0.20/0.22) is its own:
+# searched while a store has none of ours, never rewritten, retired only by optimize-storage.
 
 # 2 added the CJK bounds (CJK_BOUNDS_OBJECTS: their table and index, the triggers that raise them); a layout 1
 # store gets them filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS).
@@ -489,7 +489,8 @@ CJK_WALK_SQL = """SELECT m.id, m.timestamp
 FROM hs_fts_cjk CROSS JOIN messages AS m ON m.id = hs_fts_cjk.rowid JOIN sessions AS s ON s.id = m.session_id
 WHERE hs_fts_cjk MATCH ?{no_tools} {filters} ORDER BY hs_fts_cjk.rowid DESC"""
 CJK_WALK_MAX_LATE = 16  # late blocks a page takes in; past that the walk goes on
-CJK_LATE_BLOCKS_SQL = f"SELECT block FROM hs_fts_cjk_bounds WHERE newest >= ? AND block < ? LIMIT {CJK_WALK_MAX_LATE + 1}"
+CJK_LATE_BLOCKS_SQL = ("SELECT block FROM hs_fts_cjk_bounds WHERE newest >= ? AND block < ?"
+                       f" LIMIT {CJK_WALK_MAX_LATE + 1}")
 # The page's hits: from the floor up, and in those late blocks (`{late}`: CJK_LATE_ROWS_SQL or '').
 CJK_FLOOR_SQL = " AND (hs_fts_cjk.rowid >= ?{late})"
 CJK_LATE_ROWS_SQL = f" OR hs_fts_cjk.rowid >> {CJK_BLOCK_BITS} IN ({{blocks}})"

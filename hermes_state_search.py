@@ -348,7 +348,7 @@ def _sql_order(value):
 
 
 def _cjk_floor(conn, hits, wanted):
-    """(lowest id, [blocks below it]) holding the newest `wanted` of `hits` (by id from the top); (0, []) if unsure.
+    """(lowest id, [blocks below it]) holding the newest `wanted` of `hits` (by id from the top), or (0, []).
 
     At a block's lower edge, with `wanted` hits seen, t the `wanted`-th newest time among them: a hit below
     outranking one has a time >= t (an equal time wins by its lower id), so its block's bound is >= t. Blocks
@@ -518,7 +518,7 @@ class SessionSearchMixin:
 
     def _init_search(self):
         """Writable open: repair our index, or build it where no usable index is; True if that started a
-        backfill, which the open then runs to the end, in chunks (an interrupted optimize-storage's waits)."""
+        backfill, which the open runs to the end in chunks; work an interrupted optimize-storage left waits."""
         return self._execute_write(self._apply_search_schema)
 
     def _schema_version_held_back(self, conn):
@@ -625,9 +625,9 @@ class SessionSearchMixin:
         return self._rebuild_stale_indexes(conn) or filling
 
     def _add_cjk_bounds(self, conn, objects):
-        """Layout 1 to 2 without a rebuild: the CJK bounds and the update trigger that keeps them, filled
-        from every indexed row in chunks (fts_rebuild_step); True if that fill is pending. Rows they hold
-        from an earlier layout 2 stay: a bound only has to be at least each row's time."""
+        """Layout 1 to 2 without a rebuild: the CJK bounds and the triggers that raise them, filled from every
+        indexed row in chunks (fts_rebuild_step); True if that fill is pending. Rows they hold from an earlier
+        layout 2 stay: a bound only has to be at least each row's time."""
         write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
         if "cjk" not in self._buildable() or SEARCH_TABLES["cjk"] not in objects:
             return False  # the repair rebuilds or drops it
