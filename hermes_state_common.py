@@ -278,15 +278,21 @@ TITLE_INDEX_SQL = (
 # state_meta keys, so that no hermes-agent release (0.19, 0.20, 0.22: every name checked) takes them for its
 # own. hs_fts_words reads every row (a tool row by a bounded prefix), hs_fts_trigram no tool rows; hs_fts_cjk
 # holds 1-2 letter CJK terms, written by Python from hs_fts_cjk_queue, which plain-SQL triggers fill for any
-# writer. Each trigger of ours first tests our backfill predicate: a row is indexed iff id <= progress OR id >
-# high water. hermes-agent's index (messages_fts*, its views, triggers and fts_* keys: 'legacy' 0.19 inline,
-# 'external' 0.20/0.22) is its own: searched while a store has none of ours, never rewritten, retired only by
-# optimize-storage.
+# writer; those triggers (and the drain, for rows a backfill queued) raise the row's block bound in
+# hs_fts_cjk_bounds, so a process of an older release still running keeps them too. Each trigger of ours first
+# tests our backfill predicate: a row is indexed iff id <= progress OR id > high water. hermes-agent's index
+# (messages_fts*, its views, triggers and fts_* keys: 'legacy' 0.19 inline, 'external' 0.20/0.22) is its own:
+# searched while a store has none of ours, never rewritten, retired only by optimize-storage.
 
-SEARCH_LAYOUT_VERSION = 1
+# 2 added the CJK bounds (CJK_BOUNDS_OBJECTS: their table and index, the triggers that raise them); a layout 1
+# store gets them filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS).
+SEARCH_LAYOUT_VERSION = 2
+CJK_BOUNDS_OBJECTS = ("hs_fts_cjk_bounds", "hs_fts_cjk_bounds_newest", "hs_fts_cjk_insert", "hs_fts_cjk_update")
 META_SEARCH_LAYOUT = "hs_search_layout"
 META_SEARCH_HIGH_WATER = "hs_search_high_water"
 META_SEARCH_PROGRESS = "hs_search_progress"
+# Message ids up to this one have their CJK bounds; absent when all have (searches by time may rely on them).
+META_SEARCH_CJK_BOUNDS_PROGRESS = "hs_search_cjk_bounds_progress"
 # + an index name: that index of ours is not whole; rebuilt at the next open.
 META_SEARCH_STALE_PREFIX = "hs_search_stale_"
 # A query on hermes-agent's index failed here: build ours at the next open.
@@ -319,6 +325,14 @@ TOOL_INDEX_PREFIX_CHARS = 2048
 # CJK letters: kana, CJK extension A, unified ideographs, hangul, compatibility ideographs.
 CJK_CHAR_CLASS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 CJK_GLOB = f"'*[{CJK_CHAR_CLASS}]*'"
+# The CJK bounds: block = id >> CJK_BLOCK_BITS; `newest` only ever rises (a deleted row's time stays: still a
+# bound), so no id of a block holds a later time than its bound. A NULL time is below every time.
+CJK_BLOCK_BITS = 8
+_RAISE_CJK_BOUND = (f"INSERT INTO hs_fts_cjk_bounds(block, newest) SELECT new.id >> {CJK_BLOCK_BITS}, new.timestamp"
+                    " WHERE new.timestamp IS NOT NULL{only}\n"
+                    "    ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest);")
+UPSERT_CJK_BOUND_SQL = ("INSERT INTO hs_fts_cjk_bounds(block, newest) VALUES (?, ?)"
+                        " ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)")
 
 _INDEXED = """(({row}.id > COALESCE((SELECT CAST(value AS INTEGER) FROM state_meta
                             WHERE key = 'hs_search_high_water'), -1)
@@ -329,8 +343,8 @@ _OLD_INDEXED = _INDEXED.format(row="old")
 _TOOL_PREFIX = "CASE WHEN {row}.role = 'tool' THEN substr({row}.content, 1, %d) ELSE {row}.content END" \
     % TOOL_INDEX_PREFIX_CHARS
 
-# Per index: its views and tables in creation order, exactly as sqlite_master keeps them (an open compares and
-# repairs), then its triggers.
+# Per index: its views and tables (CJK: with its bounds' index) in creation order, exactly as sqlite_master
+# keeps them (an open compares and repairs), then its triggers.
 SEARCH_OBJECTS = {
     "word": {
         "hs_fts_words_src": f"""CREATE VIEW hs_fts_words_src AS
@@ -346,6 +360,9 @@ SELECT id, {_TOOL_PREFIX.format(row="messages")} AS content, tool_name, tool_cal
     "cjk": {
         "hs_fts_cjk": "CREATE VIRTUAL TABLE hs_fts_cjk USING fts5(terms, tokenize='unicode61 remove_diacritics 0')",
         "hs_fts_cjk_queue": "CREATE TABLE hs_fts_cjk_queue (id INTEGER PRIMARY KEY)",
+        # No type: `newest` keeps each time as stored, so it compares as ORDER BY m.timestamp does.
+        "hs_fts_cjk_bounds": "CREATE TABLE hs_fts_cjk_bounds (block INTEGER PRIMARY KEY, newest)",
+        "hs_fts_cjk_bounds_newest": "CREATE INDEX hs_fts_cjk_bounds_newest ON hs_fts_cjk_bounds(newest)",
     },
 }
 
@@ -387,6 +404,7 @@ SEARCH_TRIGGERS = {
 WHEN new.role <> 'tool' AND new.content GLOB {CJK_GLOB} AND {_NEW_INDEXED}
 BEGIN
     INSERT OR IGNORE INTO hs_fts_cjk_queue(id) VALUES (new.id);
+    {_RAISE_CJK_BOUND.format(only="")}
 END""",
         "hs_fts_cjk_delete": f"""CREATE TRIGGER hs_fts_cjk_delete AFTER DELETE ON messages
 WHEN old.role <> 'tool' AND old.content GLOB {CJK_GLOB} AND {_OLD_INDEXED}
@@ -394,12 +412,16 @@ BEGIN
     DELETE FROM hs_fts_cjk WHERE rowid = old.id;
     DELETE FROM hs_fts_cjk_queue WHERE id = old.id;
 END""",
-        "hs_fts_cjk_update": f"""CREATE TRIGGER hs_fts_cjk_update AFTER UPDATE OF content, role ON messages
-WHEN (old.content IS NOT new.content OR old.role IS NOT new.role) AND {_OLD_INDEXED}
+        # A new time re-queues the row too, and raises its block's bound.
+        "hs_fts_cjk_update": f"""CREATE TRIGGER hs_fts_cjk_update
+AFTER UPDATE OF content, role, timestamp ON messages
+WHEN (old.content IS NOT new.content OR old.role IS NOT new.role OR old.timestamp IS NOT new.timestamp)
+ AND {_OLD_INDEXED}
 BEGIN
     DELETE FROM hs_fts_cjk WHERE rowid = old.id;
     DELETE FROM hs_fts_cjk_queue WHERE id = old.id;
     INSERT INTO hs_fts_cjk_queue(id) SELECT new.id WHERE new.role <> 'tool' AND new.content GLOB {CJK_GLOB};
+    {_RAISE_CJK_BOUND.format(only=f" AND new.role <> 'tool' AND new.content GLOB {CJK_GLOB}")}
 END""",
     },
 }
@@ -446,10 +468,28 @@ RESET_INDEX_SQL = {
     "trigram": ("INSERT INTO hs_fts_trigram(hs_fts_trigram) VALUES ('delete-all')",),
     "cjk": ("DELETE FROM hs_fts_cjk", "DELETE FROM hs_fts_cjk_queue"),
 }
-SELECT_CJK_QUEUE_SQL = ("SELECT q.id, m.content FROM hs_fts_cjk_queue AS q JOIN messages AS m ON m.id = q.id"
-                        " ORDER BY q.id LIMIT ?")
+SELECT_CJK_QUEUE_SQL = ("SELECT q.id, m.content, m.timestamp FROM hs_fts_cjk_queue AS q"
+                        " JOIN messages AS m ON m.id = q.id ORDER BY q.id LIMIT ?")
 UPSERT_CJK_TERMS_SQL = "INSERT OR REPLACE INTO hs_fts_cjk(rowid, terms) VALUES (?, ?)"
 DELETE_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue WHERE id = ?"
+# The CJK bounds (see CJK_BLOCK_BITS), filled from the rows a layout 1 store indexed.
+FILL_CJK_BOUNDS_SQL = f"""INSERT INTO hs_fts_cjk_bounds(block, newest)
+SELECT m.id >> {CJK_BLOCK_BITS}, max(m.timestamp)
+FROM hs_fts_cjk AS c CROSS JOIN messages AS m ON m.id = c.rowid
+WHERE c.rowid > ? AND c.rowid <= ? AND m.timestamp IS NOT NULL GROUP BY 1
+ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)"""
+HAS_CJK_ROW_AFTER_SQL = "SELECT 1 FROM hs_fts_cjk WHERE rowid > ? LIMIT 1"
+# Newest first (a CJK index search's only order): hits walked by id from the top, and the blocks below one that
+# hold a time at least as late as a given one.
+CJK_WALK_SQL = """SELECT m.id, m.timestamp
+FROM hs_fts_cjk CROSS JOIN messages AS m ON m.id = hs_fts_cjk.rowid JOIN sessions AS s ON s.id = m.session_id
+WHERE hs_fts_cjk MATCH ?{no_tools} {filters} ORDER BY hs_fts_cjk.rowid DESC"""
+CJK_WALK_MAX_LATE = 16  # late blocks a page takes in; past that the walk goes on
+CJK_LATE_BLOCKS_SQL = ("SELECT block FROM hs_fts_cjk_bounds WHERE newest >= ? AND block < ?"
+                       f" LIMIT {CJK_WALK_MAX_LATE + 1}")
+# The page's hits: from the floor up, and in those late blocks (`{late}`: CJK_LATE_ROWS_SQL or '').
+CJK_FLOOR_SQL = " AND (hs_fts_cjk.rowid >= ?{late})"
+CJK_LATE_ROWS_SQL = f" OR hs_fts_cjk.rowid >> {CJK_BLOCK_BITS} IN ({{blocks}})"
 HAS_CJK_QUEUE_SQL = "SELECT 1 FROM hs_fts_cjk_queue LIMIT 1"
 SELECT_MAX_MESSAGE_ID_SQL = "SELECT COALESCE(MAX(id), 0) FROM messages"
 SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestamp, m.tool_name,
@@ -512,6 +552,27 @@ TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {lik
 TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE(m.{column}, '') LIKE ? ESCAPE '\\'"
                                    for column in ("content", "tool_name", "tool_calls")) + ")"
 TERM_LIKE_PARAMS = 3
+FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
+COUNT_FTS_DATA_SQL = "SELECT COUNT(*) FROM {data}"
+# Opens (connects) the table without reading a row of it.
+OPEN_FTS_TABLE_SQL = "PRAGMA table_info({table})"
+# Row 10 of an FTS5 index's _data table is its structure record (segments by level).
+SELECT_FTS_STRUCTURE_SQL = "SELECT block FROM {data} WHERE id = 10"
+UPDATE_FTS_STRUCTURE_SQL = "UPDATE {data} SET block = ? WHERE id = 10"
+# The context of a page of hits, in one statement: each hit's neighbours in its session by (timestamp, id), in
+# any state. Equal timestamps are common (a batch shares one): each neighbour is an index seek, first among
+# rows of the same time by id, then across times. `{hits}` is one "(?, ?, ?, ?)" per hit: its place, session,
+# time and id.
+_NEIGHBOUR_ID_SQL = """COALESCE(
+    (SELECT id FROM messages WHERE session_id = h.s AND timestamp = h.t AND id {cmp} h.i ORDER BY id {order} LIMIT 1),
+    (SELECT id FROM messages WHERE session_id = h.s AND timestamp {cmp} h.t ORDER BY timestamp {order}, id {order}
+     LIMIT 1))"""
+SEARCH_CONTEXT_SQL = f"""WITH hits(n, s, t, i) AS (VALUES {{hits}}),
+near(n, before, i, after) AS (
+    SELECT h.n, {_NEIGHBOUR_ID_SQL.format(cmp="<", order="DESC")}, h.i, {_NEIGHBOUR_ID_SQL.format(cmp=">", order="ASC")}
+    FROM hits AS h)
+SELECT near.n, m.role, m.content FROM near CROSS JOIN messages AS m ON m.id IN (near.before, near.i, near.after)
+ORDER BY near.n, m.timestamp, m.id"""
 NOT_TOOL_ROW_SQL = "m.role <> 'tool'"
 # Estimated bytes of text our index holds (for the disk pre-check).
 SELECT_INDEXED_TEXT_BYTES_SQL = f"""

@@ -1,21 +1,19 @@
 """SessionSearchMixin: full-text search and the search index's own version line.
 
-Owns: our index (its tables, views, triggers and `hs_search_*` keys, see
-hermes_state_common), finding and repairing what another program changed in
-it, moving our older releases' index off hermes-agent's names, searching
-hermes-agent's index while a store has none of ours, degrading on runtimes
-without FTS5 or the trigram tokenizer, the query sanitiser and router, the
-LIKE fallback, the CJK side index, optimize-storage (the only path from
-hermes-agent's index to ours) and the trigger check `doctor` reports.
+Owns: our index (its tables, views, triggers and `hs_search_*` keys, see hermes_state_common), finding and
+repairing what another program changed in it, moving our older releases' index off hermes-agent's names,
+searching hermes-agent's index while a store has none of ours, degrading on runtimes without FTS5 or the
+trigram tokenizer, the query sanitiser and router, the LIKE fallback, the CJK side index and its bounds,
+optimize-storage (the only path from hermes-agent's index to ours) and the trigger check `doctor` reports.
 
-It never changes hermes-agent's index objects or keys, except to drop the
-triggers this runtime cannot run (as hermes-agent itself does) and when
-optimize-storage retires its index. It never builds our index over a usable
-one of hermes-agent's on open. It relies on SessionDB for `_execute_write`,
-`_read_all`/`_read_one`/`_read_value`, `vacuum()` and `db_path`; it never
+It never changes hermes-agent's index objects or keys, except to drop the triggers this runtime cannot run
+(as hermes-agent itself does) and when optimize-storage retires its index. It never builds our index over a
+usable one of hermes-agent's on open. It relies on SessionDB for `_execute_write`, `_read_all`/`_read_one`/
+`_read_value`, `_borrow_reader`/`_idle_readers` (one read transaction), `vacuum()` and `db_path`; it never
 imports hermes_state.
 """
-
+import bisect
+import contextlib
 import functools
 import logging
 import re
@@ -25,21 +23,25 @@ from collections import namedtuple
 
 from hermes_state_schema import pause_between_chunks, read_meta, write_meta
 from hermes_state_common import (
-    decode_content, BACKFILL_SQL, CJK_CHAR_CLASS, CJK_QUEUE_TABLE, CONTEXT_CHARS, DELETE_CJK_QUEUE_SQL,
-    DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FTS5_PROBE_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL,
-    FTS_PROBE_DROP_SQL, FTS_SNIPPET_SQL, HAS_CJK_QUEUE_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
+    decode_content, BACKFILL_SQL, CJK_BLOCK_BITS, CJK_BOUNDS_OBJECTS, CJK_CHAR_CLASS, CJK_FLOOR_SQL,
+    CJK_LATE_BLOCKS_SQL, CJK_LATE_ROWS_SQL, CJK_QUEUE_TABLE, CJK_WALK_MAX_LATE, CJK_WALK_SQL, CONTEXT_CHARS,
+    COUNT_FTS_DATA_SQL, DELETE_CJK_QUEUE_SQL, DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FILL_CJK_BOUNDS_SQL,
+    FTS5_PROBE_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL, FTS_MERGE_SQL, FTS_PROBE_DROP_SQL, FTS_SNIPPET_SQL,
+    HAS_CJK_QUEUE_SQL, HAS_CJK_ROW_AFTER_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
     HERMES_INDEX_META, ID_SET_OPERATORS, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
-    META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT,
-    META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, NOT_TOOL_ROW_SQL, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META,
-    PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL, RESET_INDEX_SQL, RETIRED_PREFIX,
-    SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_ORDERS, SEARCH_PAGE_BY_INDEX_SQL, SEARCH_PAGE_BY_PREDICATE_SQL,
-    SEARCH_PAGE_BY_RANKED_INDEX_SQL, SEARCH_PAGE_INDEX_JOIN_SQL, SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_PAGE_PARTS,
-    SEARCH_RANKED_SQL, SEARCH_TABLES, SEARCH_TRIGGERS, SELECT_CJK_QUEUE_SQL, SELECT_INDEXED_TEXT_BYTES_SQL,
-    SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL,
-    SELECT_SCHEMA_OBJECTS_SQL, SELECT_TRIGGER_TABLES_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TABLE_INFO_SQL,
-    TERM_IN_BACKFILL_GAP_SQL, TERM_ID_SET_SQL, TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS,
-    TERM_LIKE_SQL, TRIGRAM_PROBE_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier,
-    store_file_bytes, trigger_writes,
+    META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_HERMES_FAILED,
+    META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT, META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX,
+    NOT_TOOL_ROW_SQL, OPEN_FTS_TABLE_SQL, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META,
+    PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL, RESET_INDEX_SQL,
+    RETIRED_PREFIX, SEARCH_CONTEXT_SQL, SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_ORDERS,
+    SEARCH_PAGE_BY_INDEX_SQL, SEARCH_PAGE_BY_PREDICATE_SQL, SEARCH_PAGE_BY_RANKED_INDEX_SQL,
+    SEARCH_PAGE_INDEX_JOIN_SQL, SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_PAGE_PARTS, SEARCH_RANKED_SQL,
+    SEARCH_TABLES, SEARCH_TRIGGERS, SELECT_CJK_QUEUE_SQL, SELECT_FTS_STRUCTURE_SQL,
+    SELECT_INDEXED_TEXT_BYTES_SQL, SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL, SELECT_SCHEMA_OBJECTS_SQL,
+    SELECT_TRIGGER_TABLES_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TABLE_INFO_SQL, TERM_ID_SET_SQL,
+    TERM_IN_BACKFILL_GAP_SQL, TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS, TERM_LIKE_SQL,
+    TRIGRAM_PROBE_SQL, UPDATE_FTS_STRUCTURE_SQL, UPSERT_CJK_BOUND_SQL, UPSERT_CJK_TERMS_SQL, escape_like,
+    placeholders, quote_identifier, store_file_bytes, trigger_writes,
 )
 
 logger = logging.getLogger("hermes_state")
@@ -47,17 +49,16 @@ logger = logging.getLogger("hermes_state")
 BACKFILL_CHUNK_IDS = 1000
 DROP_CHUNK_ROWS = 500
 CJK_DRAIN_CHUNK = 500
+# A page of CJK hits by time walks at most this many hits and block bounds from the top; past that (a store
+# whose ids run against time) it sorts every hit, as a page deeper than half the walk does.
+CJK_WALK_MAX_HITS = 2000
+CJK_WALK_MAX_CHECKS = 64
+# Ids a chunk of the CJK bounds' fill covers (layout 1 to 2): 50,000, a quarter CJK, held 30-80 ms at 1M messages.
+CJK_BOUNDS_CHUNK_IDS = 25_000
 # At most this many queued CJK rows are indexed in one transaction (open or maintenance), so a foreign
 # writer's backlog never means one long write lock (10,000 held it for 1.9 s on a busy 2-core machine); the
 # rest stays answerable through the queue and goes with later writes.
 CJK_DRAIN_MAX_ROWS = 500
-FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
-COUNT_FTS_DATA_SQL = "SELECT COUNT(*) FROM {data}"
-# Opens (connects) the table without reading a row of it.
-OPEN_FTS_TABLE_SQL = "PRAGMA table_info({table})"
-# Row 10 of an FTS5 index's _data table is its structure record (segments by level).
-SELECT_FTS_STRUCTURE_SQL = "SELECT block FROM {data} WHERE id = 10"
-UPDATE_FTS_STRUCTURE_SQL = "UPDATE {data} SET block = ? WHERE id = 10"
 # Merge steps beyond one per MERGE_STEP_PAGES rows of an index's _data table (the most its merge can write):
 # the structure and averages rows, a partial page.
 MERGE_EXTRA_STEPS = 4
@@ -77,20 +78,6 @@ CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
 FTS_SYNTAX_RE = re.compile(r"[\"^*():{}\[\]+~'`]")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
-# The context of a page of hits, in one statement: each hit's neighbours in its session by (timestamp, id), in
-# any state. Equal timestamps are common (a batch shares one): each neighbour is an index seek, first among
-# rows of the same time by id, then across times. `{hits}` is one "(?, ?, ?, ?)" per hit: its place, session,
-# time and id.
-_NEIGHBOUR_ID_SQL = """COALESCE(
-    (SELECT id FROM messages WHERE session_id = h.s AND timestamp = h.t AND id {cmp} h.i ORDER BY id {order} LIMIT 1),
-    (SELECT id FROM messages WHERE session_id = h.s AND timestamp {cmp} h.t ORDER BY timestamp {order}, id {order}
-     LIMIT 1))"""
-_CONTEXT_SQL = f"""WITH hits(n, s, t, i) AS (VALUES {{hits}}),
-near(n, before, i, after) AS (
-    SELECT h.n, {_NEIGHBOUR_ID_SQL.format(cmp="<", order="DESC")}, h.i, {_NEIGHBOUR_ID_SQL.format(cmp=">", order="ASC")}
-    FROM hits AS h)
-SELECT near.n, m.role, m.content FROM near CROSS JOIN messages AS m ON m.id IN (near.before, near.i, near.after)
-ORDER BY near.n, m.timestamp, m.id"""
 # `AS MATERIALIZED` is SQLite 3.35+; an older one plans the plain CTEs itself, to the same answer.
 CTE_MATERIALIZED = "MATERIALIZED" if sqlite3.sqlite_version_info >= (3, 35) else ""
 # Hits per context statement: four parameters each, within SQLite's 999 before 3.32.
@@ -99,28 +86,21 @@ CONTEXT_CHUNK_HITS = 240
 Capabilities = namedtuple("Capabilities", "fts5 trigram")
 Term = namedtuple("Term", "text prefix")
 # The indexes a search may use: `tables` names them, `usable` are the whole ones; `substring` is the retry of
-# a query whose words found nothing, inside longer tokens.
-IndexState = namedtuple("IndexState", "layout tables usable high_water progress cjk_pending tool_rows substring")
+# a query whose words found nothing, inside longer tokens; `cjk_bounded`: every CJK row's block bound holds.
+IndexState = namedtuple("IndexState",
+                        "layout tables usable high_water progress cjk_pending tool_rows substring cjk_bounded")
 
 
-# ---------------------------------------------------------------------------
-# Runtime capabilities
-# ---------------------------------------------------------------------------
-
+# -- Runtime capabilities --------------------------------------------------------------------------------
 
 def _probe(connect, ddl):
     try:
-        conn = connect(":memory:")
-    except sqlite3.Error:
-        return False
-    try:
-        conn.execute(ddl)
-        conn.execute(FTS_PROBE_DROP_SQL)
+        with contextlib.closing(connect(":memory:")) as conn:
+            conn.execute(ddl)
+            conn.execute(FTS_PROBE_DROP_SQL)
         return True
     except sqlite3.Error:
         return False
-    finally:
-        conn.close()
 
 
 def sqlite_supports_fts5(connect=sqlite3.connect):
@@ -143,20 +123,13 @@ def free_disk_bytes(path):
     return shutil.disk_usage(path).free
 
 
-# ---------------------------------------------------------------------------
-# What is on disk
-# ---------------------------------------------------------------------------
-
+# -- What is on disk -------------------------------------------------------------------------------------
 
 def fts_layout_of(ddl):
-    """Whose index a `messages_fts` DDL is: 'none', hermes-agent's 'legacy' (0.19:
-    no tool_name column) or 'external' (0.20, 0.22), or 'previous' (ours before
-    layout 1, which used hermes-agent's names)."""
-    if ddl is None:
-        return "none"
-    if "tool_name" not in ddl:
-        return "legacy"
-    return "previous" if PREVIOUS_LAYOUT_TABLES[HERMES_FTS_TABLES["word"]] in ddl else "external"
+    """Whose index a `messages_fts` DDL is: 'none', hermes-agent's 'legacy' (0.19: no tool_name column) or
+    'external' (0.20, 0.22), or 'previous' (ours before layout 1, which used hermes-agent's names)."""
+    return "none" if ddl is None else "legacy" if "tool_name" not in ddl else \
+        "previous" if PREVIOUS_LAYOUT_TABLES[HERMES_FTS_TABLES["word"]] in ddl else "external"
 
 
 def _schema_objects(conn):
@@ -194,11 +167,8 @@ def _drop_writers(conn, objects, tables):
 
 
 def _retire(conn, objects, tables, also=()):
-    """Set index tables aside under our own names, with every trigger writing to them
-    or to `also`; they are emptied and dropped in chunks later.
-
-    The legacy rename: SQLite then neither rewrites nor re-checks every trigger
-    and view of the store, so a broken foreign trigger cannot block it."""
+    """Set index tables aside under our own names (the legacy rename), with every trigger writing to them or
+    to `also`; they are emptied and dropped in chunks later."""
     _drop_writers(conn, objects, set(tables) | set(also))
     conn.execute(LEGACY_ALTER_SQL.format(on="ON"))
     try:
@@ -211,15 +181,13 @@ def _retire(conn, objects, tables, also=()):
         conn.execute(LEGACY_ALTER_SQL.format(on="OFF"))
 
 
-
 def _empty_unreadable_structure(conn, table, db_path):
     """True if FTS5 could not open index `table` and its structure record was emptied.
 
-    Such an index fails every write to messages (its trigger), and a rename or DROP
-    (both open it first): SQLite 3.40 calls a structure record of over 2,000 levels
-    corrupt, and a negative 'merge' before every new segment grew one that far. Emptied,
-    it opens again, to be set aside and dropped in chunks like any stale index; the
-    messages it indexed are all still there to refill ours from."""
+    Such an index fails every write to messages (its trigger), and a rename or DROP (both open it first):
+    SQLite 3.40 calls a structure record of over 2,000 levels corrupt, and a negative 'merge' before every new
+    segment grew one that far. Emptied, it opens again, to be set aside and dropped in chunks like any stale
+    index; the messages it indexed are all still there to refill ours from."""
     try:
         conn.execute(OPEN_FTS_TABLE_SQL.format(table=quote_identifier(table))).fetchall()
         return False
@@ -234,6 +202,7 @@ def _empty_unreadable_structure(conn, table, db_path):
                        "record so it can be set aside and rebuilt from the messages", table, db_path, exc)
         return True
 
+
 def cjk_terms(text):
     """The CJK side index's terms for `text`: every CJK letter and every adjacent pair."""
     terms = set()
@@ -244,19 +213,18 @@ def cjk_terms(text):
 
 
 def drain_cjk_queue(conn, limit=CJK_DRAIN_CHUNK):
-    """Index up to `limit` queued rows into our CJK index; returns how many were taken."""
+    """Index up to `limit` queued rows into our CJK index and raise their blocks' bounds; returns how many."""
     rows = conn.execute(SELECT_CJK_QUEUE_SQL, (limit,)).fetchall()
-    for message_id, content in rows:
+    for message_id, content, timestamp in rows:
         if content is not None:
             conn.execute(UPSERT_CJK_TERMS_SQL, (message_id, cjk_terms(content)))
+            if timestamp is not None:  # a backfill's rows: the triggers raised the others'
+                conn.execute(UPSERT_CJK_BOUND_SQL, (message_id >> CJK_BLOCK_BITS, timestamp))
         conn.execute(DELETE_CJK_QUEUE_SQL, (message_id,))
     return len(rows)
 
 
-# ---------------------------------------------------------------------------
-# Query parsing: user text to an AND/OR/NOT tree of quoted terms
-# ---------------------------------------------------------------------------
-
+# -- Query parsing: user text to an AND/OR/NOT tree of quoted terms --------------------------------------
 
 def _clean_word(word):
     prefix = word.endswith("*")
@@ -359,25 +327,45 @@ def _substring_retry(tree):
     return all(len(term.text) >= 3 and not CJK_RE.search(term.text) for term in _leaves(tree))
 
 
-def _cjk_letters(text):
-    return sum(1 for ch in text if CJK_RE.match(ch))
-
-
 def hermes_scans(tree, state):
-    """True for a query hermes-agent answers by a LIKE scan: it holds CJK its trigram
-    index cannot answer (a CJK term of 1-2 letters, no trigram index, tool rows asked
-    for). Then any one of its terms matches, operators aside, newest first."""
+    """True for a query hermes-agent answers by a LIKE scan (any of its terms, newest first): CJK its trigram
+    index cannot answer (a CJK term of 1-2 letters, no trigram index, tool rows asked for)."""
     cjk = [term for term in _leaves(tree) if CJK_RE.search(term.text)]
-    return bool(cjk) and (any(_cjk_letters(term.text) < 3 for term in cjk) or "trigram" not in state.usable
+    return bool(cjk) and (any(len(CJK_RE.findall(term.text)) < 3 for term in cjk) or "trigram" not in state.usable
                           or state.tool_rows)
 
 
 def scan_snippet(content, term):
     """hermes-agent's snippet of a scanned hit: 120 characters from 40 before `term` (or from the start)."""
-    if content is None:
-        return None
-    start = max(0, content.find(term.text) - 40) if term.text in content else 0
-    return content[start:start + 120]
+    start = max(0, content.find(term.text) - 40) if content and term.text in content else 0
+    return None if content is None else content[start:start + 120]
+
+
+def _sql_order(value):
+    """`value`'s place in SQLite's ORDER BY: NULL, numbers, text (UTF-8 order is code point order), blobs."""
+    return (0, 0) if value is None else (1, value) if isinstance(value, (int, float)) else \
+        (2 if isinstance(value, str) else 3, value)
+
+
+def _cjk_floor(conn, hits, wanted):
+    """(lowest id, [blocks below it]) holding the newest `wanted` of `hits` (by id from the top), or (0, []).
+
+    At a block's lower edge, with `wanted` hits seen, t the `wanted`-th newest time among them: a hit below
+    outranking one has a time >= t (an equal time wins by its lower id), so its block's bound is >= t. Blocks
+    later than their neighbours (a row given a new time, a clock once ahead) are few; more end the walk."""
+    seen, block, checks = [], None, 0
+    for number, (message_id, timestamp) in enumerate(hits):
+        if message_id >> CJK_BLOCK_BITS != block:
+            if block is not None and len(seen) >= wanted and seen[-wanted][0]:
+                late = conn.execute(CJK_LATE_BLOCKS_SQL, (seen[-wanted][1], block)).fetchall()
+                if len(late) <= CJK_WALK_MAX_LATE:
+                    return block << CJK_BLOCK_BITS, [late_block for (late_block,) in late]
+                checks += 1
+            if number >= CJK_WALK_MAX_HITS or checks > CJK_WALK_MAX_CHECKS:
+                break
+            block = message_id >> CJK_BLOCK_BITS
+        bisect.insort(seen, _sql_order(timestamp))
+    return 0, []
 
 
 def _fts_string(term):
@@ -386,25 +374,18 @@ def _fts_string(term):
 
 def _route(term, state):
     """The index that answers `term`, or None for the LIKE fallback."""
+    trigram = "trigram" if len(term.text) >= 3 and "trigram" in state.usable else None
     if state.substring:
-        return "trigram" if len(term.text) >= 3 and "trigram" in state.usable else None
+        return trigram
     if CJK_RE.search(term.text):
-        if len(term.text) >= 3 and "trigram" in state.usable:
-            return "trigram"
-        if len(term.text) <= 2 and all(CJK_RE.match(ch) for ch in term.text) and "cjk" in state.usable:
-            return "cjk"
-        return None
-    if "word" in state.usable:
-        return "word"
-    if len(term.text) >= 3 and "trigram" in state.usable:
-        return "trigram"
-    return None
+        cjk = len(term.text) <= 2 and all(CJK_RE.match(ch) for ch in term.text) and "cjk" in state.usable
+        return trigram or ("cjk" if cjk else None)
+    return "word" if "word" in state.usable else trigram
 
 
 def _like_sql(term, state):
-    """The fallback for one term. A CJK term (and a substring retry) skips tool rows
-    unless they were asked for, as the trigram and CJK indexes do, so every route
-    gives the same answer."""
+    """The fallback for one term. A CJK term (and a substring retry) skips tool rows unless they were asked
+    for, as the trigram and CJK indexes do, so every route gives the same answer."""
     sql = TERM_LIKE_SQL
     if (state.substring or CJK_RE.search(term.text)) and not state.tool_rows:
         sql = f"({NOT_TOOL_ROW_SQL} AND {sql})"
@@ -429,10 +410,9 @@ def _leaf_sql(term, index, state):
 
 
 def _id_set_sql(node, routes, state):
-    """The ids `node` matches as one compound SELECT over its indexes, or None when a
-    term needs a test on the row: the fallback, a backfill or CJK queue not indexed
-    yet, or a hermes-agent index that may hold tool rows (ours never do but in the
-    word index)."""
+    """The ids `node` matches as one compound SELECT over its indexes, or None when a term needs a test on the
+    row: the fallback, a backfill or CJK queue not indexed yet, or a hermes-agent index that may hold tool
+    rows (ours never do but in the word index)."""
     if node[0] == "term":
         index = routes[node[1]]
         if index is None or state.high_water is not None or (index == "cjk" and state.cjk_pending) or \
@@ -440,10 +420,8 @@ def _id_set_sql(node, routes, state):
             return None
         return TERM_ID_SET_SQL.format(table=state.tables[index]), [_fts_string(node[1])]
     parts = [_id_set_sql(child, routes, state) for child in (node[1] if node[0] in ("and", "or") else node[1:])]
-    if None in parts:
-        return None
-    return f" {ID_SET_OPERATORS[node[0]]} ".join(f"SELECT * FROM ({sql})" for sql, _params in parts), \
-        [value for _sql, params in parts for value in params]
+    return None if None in parts else (f" {ID_SET_OPERATORS[node[0]]} ".join(
+        f"SELECT * FROM ({sql})" for sql, _params in parts), [value for _sql, params in parts for value in params])
 
 
 def _tree_sql(node, routes, state):
@@ -488,9 +466,7 @@ def make_snippet(content, terms):
 
 def _as_list(value):
     """A filter's values (one string is one value); None for no filter."""
-    if value is None:
-        return None
-    return [value] if isinstance(value, str) else list(value)
+    return None if value is None else [value] if isinstance(value, str) else list(value)
 
 
 def search_fields(fields):
@@ -499,11 +475,10 @@ def search_fields(fields):
         return SEARCH_RESULT_FIELDS
     if isinstance(fields, str):
         raise TypeError("search fields must be a collection of field names, not a string")
-    wanted = set(fields)
-    unknown = wanted.difference(SEARCH_RESULT_FIELDS)
+    unknown = set(fields).difference(SEARCH_RESULT_FIELDS)
     if unknown:
         raise ValueError(f"unknown search result field(s): {', '.join(sorted(unknown))}")
-    return tuple(field for field in SEARCH_RESULT_FIELDS if field in wanted)
+    return tuple(field for field in SEARCH_RESULT_FIELDS if field in set(fields))
 
 
 def context_text(content):
@@ -542,12 +517,8 @@ class SessionSearchMixin:
     # -- open ------------------------------------------------------------------
 
     def _init_search(self):
-        """Writable open: repair our index, or build it where no usable index is; True if
-        that started a backfill, which the open then runs to the end, in chunks.
-
-        Work an interrupted optimize-storage left waits for its rerun.
-        A store whose only index is hermes-agent's is searched through it and
-        left as it is; optimize-storage moves it to ours."""
+        """Writable open: repair our index, or build it where no usable index is; True if that started a
+        backfill, which the open runs to the end in chunks; work an interrupted optimize-storage left waits."""
         return self._execute_write(self._apply_search_schema)
 
     def _schema_version_held_back(self, conn):
@@ -569,14 +540,12 @@ class SessionSearchMixin:
 
     def _buildable(self):
         """Our indexes this runtime can keep (the trigram one needs its tokenizer)."""
-        if not self.fts_caps.fts5:
-            return ()
-        return tuple(index for index in SEARCH_TABLES if index != "trigram" or self.fts_caps.trigram)
+        return tuple(index for index in SEARCH_TABLES
+                     if self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram))
 
     def _move_previous_layout(self, conn, objects):
-        """Our releases before layout 1 kept their index under hermes-agent's names
-        and keys: set those objects aside (with any trigger writing to them, whoever
-        made it) so ours can be built under our names. True if there were any."""
+        """Set aside (with any trigger writing to them) the index our releases before layout 1 kept under
+        hermes-agent's names and keys, so ours is built under our names; True if there was one."""
         old = [table for table, word in PREVIOUS_LAYOUT_TABLES.items()
                if word in (objects.get(table, (None, None))[1] or "")]
         leftovers = [name for name in PREVIOUS_LAYOUT_LEFTOVERS if name in objects]
@@ -594,9 +563,8 @@ class SessionSearchMixin:
         return True
 
     def _drop_hermes_triggers_not_runnable(self, conn, objects):
-        """hermes-agent's triggers this runtime cannot run would fail every write:
-        drop them, as hermes-agent does itself (it rebuilds when they are back).
-        Its CJK index needs a tokenizer only its own connections load."""
+        """Drop hermes-agent's triggers this runtime cannot run (they would fail every write), as it does
+        itself (it rebuilds when they are back). Its CJK index needs a tokenizer only its connections load."""
         for index, names in HERMES_FTS_TRIGGERS.items():
             runnable = index != "cjk" and self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram)
             present = [name for name in names if name in objects]
@@ -629,9 +597,10 @@ class SessionSearchMixin:
         return bool(high_water)
 
     def _repair_search_index(self, conn, objects):
-        """Put back what someone else changed in our index (stamp, views, tables,
-        triggers), drop the triggers of an index this runtime cannot keep, and
-        rebuild every index that is not whole. True if that restarted a backfill."""
+        """Put back what someone else changed in our index (stamp, objects), drop the triggers of an index this
+        runtime cannot keep, rebuild every one not whole; True if a backfill or the CJK bounds' fill is due."""
+        if read_meta(conn, META_SEARCH_LAYOUT) == "1" and self._add_cjk_bounds(conn, objects):
+            objects = _schema_objects(conn)
         if read_meta(conn, META_SEARCH_LAYOUT) != str(SEARCH_LAYOUT_VERSION):
             logger.warning("search: the layout stamp of our index in %s was changed; rebuilding the index",
                            self.db_path)
@@ -652,7 +621,26 @@ class SessionSearchMixin:
             if changed:
                 # Rows written while it was not kept are missing from it.
                 write_meta(conn, _stale_key(index), "1")
-        return self._rebuild_stale_indexes(conn)
+        filling = read_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS) is not None
+        return self._rebuild_stale_indexes(conn) or filling
+
+    def _add_cjk_bounds(self, conn, objects):
+        """Layout 1 to 2 without a rebuild: the CJK bounds and the triggers that raise them, filled from every
+        indexed row in chunks (fts_rebuild_step); True if that fill is pending. Rows they hold from an earlier
+        layout 2 stay: a bound only has to be at least each row's time."""
+        write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
+        if "cjk" not in self._buildable() or SEARCH_TABLES["cjk"] not in objects:
+            return False  # the repair rebuilds or drops it
+        ddl = {**SEARCH_OBJECTS["cjk"], **SEARCH_TRIGGERS["cjk"]}
+        for name in CJK_BOUNDS_OBJECTS:  # layout 1's triggers raise no bound
+            kind, sql = _schema_objects(conn).get(name, (None, None))
+            if kind and not _same_sql(sql, ddl[name]):
+                _drop(conn, kind, name)
+            if not _same_sql(sql, ddl[name]):
+                conn.execute(ddl[name])
+        write_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS, "0")
+        logger.info("search: adding the CJK bounds of layout %d to %s", SEARCH_LAYOUT_VERSION, self.db_path)
+        return True
 
     def _restore_objects(self, conn, index, objects, expected):
         """Create each object of `index` that is missing or differs from ours; their names."""
@@ -678,10 +666,9 @@ class SessionSearchMixin:
     def _rebuild_stale_indexes(self, conn):
         """Refill every index from the start when one is not whole; True if that started a backfill.
 
-        Every index shares the backfill's predicate, so all are refilled, in
-        chunks (fts_rebuild_step). Emptying a filled index in place rewrites
-        every page of it in this one transaction (3-5 s at 1M messages): it is
-        set aside instead, and dropped in chunks once the backfill is done."""
+        Every index shares the backfill's predicate, so all are refilled, in chunks (fts_rebuild_step).
+        Emptying a filled index in place rewrites every page of it in this one transaction (3-5 s at 1M
+        messages): it is set aside instead, and dropped in chunks once the backfill is done."""
         stale = [index for index in self._buildable() if read_meta(conn, _stale_key(index))]
         if not stale:
             return False
@@ -713,9 +700,8 @@ class SessionSearchMixin:
             conn.execute(FTS_COMMAND_SQL.format(table=SEARCH_TABLES[index], command="rebuild"))
 
     def _maintain_search(self, conn, changes):
-        """Called at the end of every write transaction that changed `changes` rows:
-        index queued CJK rows after a bulk write and on every 64th commit, starting
-        with the first (the open's own schema pass), at most CJK_DRAIN_MAX_ROWS."""
+        """At the end of every write transaction that changed `changes` rows: index queued CJK rows after a
+        bulk write and on every 64th commit from the first (the open's own), at most CJK_DRAIN_MAX_ROWS."""
         commit_number = self._commits + 1  # this transaction's, counted by the write path
         drained, self._cjk_drained = self._cjk_drained, False
         if drained or (changes < BULK_CHANGES and commit_number % CJK_DRAIN_EVERY_COMMITS != 1):
@@ -758,7 +744,8 @@ class SessionSearchMixin:
         objects = self._read_objects() if objects is None else objects
         stale = [_stale_key(index) for index in SEARCH_TABLES]
         meta = self._read_meta(META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, META_FTS_REBUILD_HIGH_WATER,
-                               META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED, *stale)
+                               META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED,
+                               META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_LAYOUT, *stale)
         if SEARCH_TABLES["word"] in objects:
             layout, tables, triggers = "current", SEARCH_TABLES, SEARCH_TRIGGERS
             marks = (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS)
@@ -773,17 +760,18 @@ class SessionSearchMixin:
                   and self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram)}
         high_water = meta[marks[0]]
         pending = "cjk" in usable and self._read_one(HAS_CJK_QUEUE_SQL) is not None
+        # Bounds an older release left behind (its layout stamp) may miss rows it indexed since.
+        bounded = layout == "current" and meta[META_SEARCH_LAYOUT] == str(SEARCH_LAYOUT_VERSION) \
+            and "hs_fts_cjk_bounds" in objects and not meta[META_SEARCH_CJK_BOUNDS_PROGRESS]
         return IndexState(layout, tables, usable, int(high_water) if high_water else None,
-                          int(meta[marks[1]] or 0), pending, False, False)
+                          int(meta[marks[1]] or 0), pending, False, False, bounded)
 
     def fts_rebuild_status(self):
         """{pending: True, total, indexed, percent (whole, 0-100)} while the index searches use is
         being backfilled; None otherwise."""
         state = self._index_state()
-        if not state.high_water:
-            return None
         return {"pending": True, "total": state.high_water, "indexed": state.progress,
-                "percent": min(100, 100 * state.progress // state.high_water)}
+                "percent": min(100, 100 * state.progress // state.high_water)} if state.high_water else None
 
     def _rebuild_phase(self):
         """What a backfill or an optimize still has to do, or None when nothing is pending."""
@@ -805,7 +793,8 @@ class SessionSearchMixin:
             "fts_triggers_complete": {index: all(name in objects for name in triggers[index])
                                       for index, table in state.tables.items() if table in objects},
             "search_meta": self._read_meta(META_SEARCH_LAYOUT, META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS,
-                                           META_SEARCH_HERMES_FAILED, *[_stale_key(i) for i in SEARCH_TABLES]),
+                                           META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_HERMES_FAILED,
+                                           *[_stale_key(i) for i in SEARCH_TABLES]),
             "hermes_agent_meta": self._read_meta(*HERMES_INDEX_META, META_FTS_CJK_STALE),
             "fts_rebuild": self._rebuild_phase(),
             "searchable_by_index": sorted(state.usable),
@@ -847,18 +836,14 @@ class SessionSearchMixin:
                         limit=20, offset=0, sort=None, include_inactive=False, fields=None):
         """Messages matching `query`, best first (bm25) unless `sort` is 'newest' or 'oldest'; [] for no query.
 
-        Each hit has SEARCH_RESULT_FIELDS, or only those `fields` names; its
-        context is the message before it, itself and the one after, each
-        {role, content} cut to CONTEXT_CHARS. Words use the word index; CJK
-        terms of 3+ characters the trigram index, of 1-2 the CJK side index;
-        anything an index cannot answer falls back to LIKE. A query hermes-agent
-        answers by a LIKE scan (a CJK term of 1-2 characters) is answered as that
-        scan: any of its terms, newest first, its plain snippet. Words that match
-        no whole token are retried as substrings.
-        Rewound messages are left out unless `include_inactive`; compacted ones
-        are found. An unknown sort means relevance; `limit` and `offset` go to
-        SQLite as they are (a negative limit is no limit). A string `fields`
-        raises TypeError, an unknown field ValueError."""
+        Each hit has SEARCH_RESULT_FIELDS, or only those `fields` names; its context is the message before it,
+        itself and the one after, each {role, content} cut to CONTEXT_CHARS. Words use the word index; CJK
+        terms of 3+ characters the trigram index, of 1-2 the CJK side index; anything an index cannot answer
+        falls back to LIKE. A query hermes-agent answers by a LIKE scan (a CJK term of 1-2 characters) is
+        answered as that scan: any of its terms, newest first, its plain snippet. Words that match no whole
+        token are retried as substrings. Rewound messages are left out unless `include_inactive`; compacted
+        ones are found. An unknown sort means relevance; `limit` and `offset` go to SQLite as they are (a
+        negative limit is no limit). A string `fields` raises TypeError, an unknown field ValueError."""
         fields = search_fields(fields)
         if not query or not query.strip():
             return []
@@ -912,16 +897,32 @@ class SessionSearchMixin:
                                                            filters=filters),
                                   [match] + filter_params + [limit, offset])
         if index == "cjk":  # only ever asked by a scan, whose order has no rank
-            page = SEARCH_PAGE_BY_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters,
-                                                   order=SEARCH_ORDERS[sort].format(rank=""))
-            return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet=snippet,
-                                                              order=SEARCH_ORDERS[sort].format(rank="")),
-                                  [match] + filter_params + [limit, offset])
+            return self._cjk_page(state, match, no_tools, filters, filter_params, sort, limit, offset)
         page = SEARCH_PAGE_BY_RANKED_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters,
                                                       materialized=CTE_MATERIALIZED, **SEARCH_RANKED_PAGE_PARTS[sort])
         rows = SEARCH_PAGE_ROWS_SQL.format(page=page, join=SEARCH_PAGE_INDEX_JOIN_SQL.format(table=table),
                                            snippet=snippet, order=SEARCH_ORDERS[sort].format(rank="page.hit_rank, "))
         return self._read_all(rows, [match] + filter_params + [limit, offset, match, limit, offset, match])
+
+    def _cjk_page(self, state, match, no_tools, filters, filter_params, sort, limit, offset):
+        """A page of CJK index hits by time: only the hits from the floor _cjk_floor finds go to the sorter."""
+        order = SEARCH_ORDERS[sort].format(rank="")
+        page = SEARCH_PAGE_BY_INDEX_SQL.format(table=state.tables["cjk"], no_tools=no_tools + CJK_FLOOR_SQL,
+                                               filters=filters, order=order)
+        page = SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order)
+        wanted = limit + offset if type(limit) is int and type(offset) is int and min(limit, offset) >= 0 else 0
+        if not state.cjk_bounded or sort != "newest" or not 0 < wanted <= CJK_WALK_MAX_HITS // 2:
+            return self._read_all(page.format(late=""), [match, 0] + filter_params + [limit, offset])
+        conn = self._borrow_reader()  # one read transaction: the walk's statement is open while the page is read
+        try:
+            walk = CJK_WALK_SQL.format(no_tools=no_tools, filters=filters)
+            with contextlib.closing(conn.execute(walk, [match] + filter_params)) as hits:
+                floor, late = _cjk_floor(conn, hits, wanted)
+                late = CJK_LATE_ROWS_SQL.format(blocks=", ".join(map(str, late))) if late else ""
+                params = [match, floor] + filter_params + [limit, offset]
+                return conn.execute(page.format(late=late), params).fetchall()
+        finally:
+            self._idle_readers.put(conn)
 
     def _mark_index_stale(self, exc, state):
         """Answer by the fallback; rebuild ours (or build ours beside hermes-agent's) at the next open."""
@@ -947,20 +948,19 @@ class SessionSearchMixin:
             params = [value for n, hit in enumerate(chunk, start)
                       for value in (n, hit["session_id"], hit["timestamp"], hit["id"])]
             for n, role, content in self._read_all(
-                    _CONTEXT_SQL.format(hits=", ".join(["(?, ?, ?, ?)"] * len(chunk))), params):
+                    SEARCH_CONTEXT_SQL.format(hits=", ".join(["(?, ?, ?, ?)"] * len(chunk))), params):
                 contexts[n].append({"role": role, "content": context_text(content)})
         return contexts
 
     # -- bulk inserts ----------------------------------------------------------
 
     def _hold_back_index_triggers(self, conn):
-        """Inside a write, before a bulk insert of new messages (an import): hold our triggers
-        back so that _index_held_back_rows puts its rows into our indexes with one statement an
-        index (half an import's time), and return what it needs; None when the triggers index
-        as usual: none of ours, an insert trigger of ours not as we make it, a backfill under way.
-        Every trigger of ours tests the backfill predicate ("id > high water OR id <= progress"),
-        false for every row under a high water no id reaches. The mark lives only inside this
-        transaction, which holds the write lock: no other writer sees it, a rollback takes it back."""
+        """Inside a write, before a bulk insert of new messages (an import): hold our triggers back so that
+        _index_held_back_rows puts its rows into our indexes with one statement an index (half an import's
+        time), and return what it needs; None when the triggers index as usual: none of ours, an insert
+        trigger of ours not as we make it, a backfill under way. Every trigger of ours tests the backfill
+        predicate ("id > high water OR id <= progress"), false for every row under a high water no id
+        reaches. The mark lives only inside this transaction: no other writer sees it, a rollback undoes it."""
         objects = _schema_objects(conn)
         inserts = {f"{SEARCH_TABLES[index]}_insert": index for index in SEARCH_TRIGGERS}
         held = [index for name, index in inserts.items() if name in objects]
@@ -972,9 +972,8 @@ class SessionSearchMixin:
         return held, conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
 
     def _index_held_back_rows(self, conn, held):
-        """Inside the same write, after the bulk insert: take the mark back and put every row past
-        the insert's first id into the indexes whose triggers were held back, as they would have
-        (the CJK index by its queue, drained as any bulk write's)."""
+        """Inside the same write, after the bulk insert: take the mark back and put every row past the insert's
+        first id into the indexes held back, as their triggers would have (CJK: by its queue)."""
         if held is None:
             return
         indexes, after = held
@@ -994,6 +993,15 @@ class SessionSearchMixin:
         if SEARCH_TABLES["word"] in objects and read_meta(conn, META_SEARCH_HIGH_WATER) is not None:
             self._backfill_chunk(conn, objects)
             return True
+        bounded = read_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS)
+        if bounded is not None:
+            lower, upper = int(bounded), int(bounded) + CJK_BOUNDS_CHUNK_IDS
+            more = self.fts_caps.fts5 and {SEARCH_TABLES["cjk"], "hs_fts_cjk_bounds"} <= set(objects) and \
+                conn.execute(HAS_CJK_ROW_AFTER_SQL, (lower,)).fetchone()
+            if more:
+                conn.execute(FILL_CJK_BOUNDS_SQL, (lower, upper))
+            write_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS, str(upper) if more else None)
+            return True
         if CJK_QUEUE_TABLE in objects and self.fts_caps.fts5 and drain_cjk_queue(conn):
             self._cjk_drained = True  # this transaction's share: _maintain_search adds none
             return True
@@ -1012,9 +1020,7 @@ class SessionSearchMixin:
                 conn.execute(BACKFILL_SQL[index], (progress, upper))
         if upper >= high_water:
             write_meta(conn, META_SEARCH_HIGH_WATER, None)
-            write_meta(conn, META_SEARCH_PROGRESS, None)
-        else:
-            write_meta(conn, META_SEARCH_PROGRESS, str(upper))
+        write_meta(conn, META_SEARCH_PROGRESS, None if upper >= high_water else str(upper))
 
     def rebuild_fts(self):
         """Rebuild the indexes searches use (ours, else hermes-agent's) from the messages; returns how
@@ -1048,15 +1054,12 @@ class SessionSearchMixin:
     def optimize_fts(self):
         """Merge each index's segments into one and index queued CJK rows; returns how many indexes.
 
-        FTS5's 'optimize' would rewrite a whole index in one transaction (over
-        a minute at 1M messages); its incremental 'merge', MERGE_STEP_PAGES leaf
-        pages a transaction, ends with the same single segment. Only the first
-        step groups the segments (a negative 'merge', as 'optimize' does): each
-        grouping adds a level to the index's structure record, and SQLite 3.40's
-        FTS5 calls an index of over 2,000 levels corrupt, which a live writer's
-        new segment before every step reached in about 1,000 steps. Later steps
-        only carry that merge on, and stop after the pages it needs, whatever
-        the writers add meanwhile."""
+        FTS5's 'optimize' would rewrite a whole index in one transaction (over a minute at 1M messages); its
+        incremental 'merge', MERGE_STEP_PAGES leaf pages a transaction, ends with the same single segment.
+        Only the first step groups the segments (a negative 'merge', as 'optimize' does): each grouping adds a
+        level to the index's structure record, and SQLite 3.40's FTS5 calls an index of over 2,000 levels
+        corrupt, which a live writer's new segment before every step reached in about 1,000 steps. Later steps
+        only carry that merge on, and stop after the pages it needs, whatever the writers add meanwhile."""
         while self.fts_rebuild_step():
             pause_between_chunks()
         state = self._index_state()
@@ -1073,14 +1076,12 @@ class SessionSearchMixin:
     def optimize_fts_storage(self, *, progress_cb=None, vacuum=True):
         """Move the store to our index and reclaim the space; hermes-agent's result dict.
 
-        {"ok": True, "vacuumed": True/False (None when not asked)}, or {"ok":
-        False, "reason": ...} when refused ("fts5_unavailable", "read_only",
-        "insufficient_disk" with a "detail", "backfill_incomplete",
-        "teardown_incomplete"). hermes-agent's index (and our unfinished work)
-        is replaced by ours in short transactions with pauses between them, so
-        live writers are never blocked for long; interrupt it at any point and
-        run it again to resume. `progress_cb` gets {phase ('backfill',
-        'teardown', 'vacuum', 'done'), percent (whole), indexed, total}."""
+        {"ok": True, "vacuumed": True/False (None when not asked)}, or {"ok": False, "reason": ...} when
+        refused ("fts5_unavailable", "read_only", "insufficient_disk" with a "detail", "backfill_incomplete",
+        "teardown_incomplete"). hermes-agent's index (and our unfinished work) is replaced by ours in short
+        transactions with pauses between them, so live writers are never blocked for long; interrupt it at any
+        point and run it again to resume. `progress_cb` gets {phase ('backfill', 'teardown', 'vacuum',
+        'done'), percent (whole), indexed, total}."""
         if not self.fts_caps.fts5:
             return {"ok": False, "reason": "fts5_unavailable"}
         if self.read_only:
@@ -1156,12 +1157,12 @@ class SessionSearchMixin:
 
 
 def _merge_step(conn, table, pages, group):
-    """One bounded step of FTS5's incremental merge; True while it still found work (FTS5's
-    own test: a step that changed fewer than two rows did nothing).
+    """One bounded step of FTS5's incremental merge; True while it still found work (FTS5's own test: a step
+    that changed fewer than two rows did nothing).
 
-    `group` first sets every segment aside as one merge (a negative page count, which
-    adds a level to the structure record); without it the step carries on the merge
-    in progress, or merges a level FTS5's 'usermerge' finds full, and adds no level."""
+    `group` first sets every segment aside as one merge (a negative page count, which adds a level to the
+    structure record); without it the step carries on the merge in progress, or merges a level FTS5's
+    'usermerge' finds full, and adds no level."""
     before = conn.total_changes
     conn.execute(FTS_MERGE_SQL.format(table=quote_identifier(table)), (-pages if group else pages,))
     return conn.total_changes - before >= 2
