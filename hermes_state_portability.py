@@ -14,6 +14,7 @@ It reads through SessionDB's public readers and writes through
 import base64
 import binascii
 import contextlib
+import gc
 import hashlib
 import html
 import itertools
@@ -28,8 +29,8 @@ import time
 from hermes_state_common import (
     CONTENT_JSON_PREFIX, INSERT_SESSION_SQL, LAST_ACTIVE_SQL, INSERT_SYSTEM_PROMPT_SQL, MESSAGE_WRITE_COLUMNS,
     SELECT_LINEAGE_LINK_SQL, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL, SET_MESSAGE_COUNTS_SQL,
-    SET_PARENT_SQL, TITLE_MAX_LENGTH, count_tool_calls, decode_content, decode_display_metadata,
-    decode_message, loads_or, normalize_title, placeholders, quote_identifier, scrub_surrogates)
+    SET_PARENT_SQL, TITLE_MAX_LENGTH, count_tool_calls, decode_message, loads_or, normalize_title,
+    placeholders, quote_identifier, scrub_surrogates)
 from hermes_state_schema import live_columns, pause_between_chunks, prompt_hash
 
 ID_MAX_LENGTH = 256
@@ -39,6 +40,9 @@ EXPORT_ALL_LIMIT = 100_000
 # Sessions whose rows iter_export_all reads in one query (a per-session query cost more than the rows of a
 # short session); well under SQLite's 999 variables.
 EXPORT_SESSION_CHUNK = 200
+# Messages measured, read or encoded at once: memory stays flat in a session of any length, and the encoder's
+# set-up a call does not show.
+EXPORT_RUN_MESSAGES = 256
 # export_all's order, hermes-agent's search_sessions order: most recently active first (the newer of the last
 # message and the activity heartbeat, else the start), then newest start, then id.
 EXPORT_ORDER_SQL = ("SELECT s.id, " + LAST_ACTIVE_SQL.format(a="s") + " AS last_active FROM sessions AS s {where}"
@@ -46,9 +50,7 @@ EXPORT_ORDER_SQL = ("SELECT s.id, " + LAST_ACTIVE_SQL.format(a="s") + " AS last_
 SET_ARCHIVED_MESSAGE_SQL = "UPDATE messages SET active = 0, compacted = ? WHERE id = ?"
 
 
-# ---------------------------------------------------------------------------
-# Portable values: a BLOB in JSON
-# ---------------------------------------------------------------------------
+# -- Portable values: a BLOB in JSON -------------------------------------------------------------------------
 
 # JSON has no bytes: a BLOB value travels as {"__base64__": "<standard base64>"}, and import stores it back as
 # a BLOB (README, "Moving history").
@@ -56,6 +58,7 @@ BYTES_MARKER = "__base64__"
 # Message columns hermes-agent 0.22 derives from the row itself (its display dedupe key and order): its
 # get_messages leaves them out, so exports do; it derives them again after import.
 DERIVED_MESSAGE_COLUMNS = frozenset({"display_identity", "display_order"})
+DROPPED_MESSAGE_COLUMNS = (*DERIVED_MESSAGE_COLUMNS, "_compressed_summary")
 
 
 BINARY_TYPES = (bytes, bytearray, memoryview)
@@ -68,18 +71,21 @@ def json_default(value):
     return str(value)
 
 
-def portable_row(row, dropped=frozenset()):
+def portable_row(row, dropped=()):
     """A row dict JSON can hold: BLOB values as BYTES_MARKER objects, the `dropped` keys left out."""
-    if not dropped and not any(map(isinstance, row.values(), itertools.repeat(BINARY_TYPES))):  # (C loops)
-        return dict(row)
+    portable = dict(row)
+    for key in dropped:
+        portable.pop(key, None)
+    if not any(map(isinstance, portable.values(), itertools.repeat(BINARY_TYPES))):  # (C loops; most: none)
+        return portable
     return {key: json_default(value) if isinstance(value, BINARY_TYPES) else value
-            for key, value in row.items() if key not in dropped}
+            for key, value in portable.items()}
 
 
 def portable_message(message):
     """A message row as hermes-agent 0.22 exports it: portable, without the columns it derives,
     `_compressed_summary` only when set (as true, last)."""
-    portable = portable_row(message, DERIVED_MESSAGE_COLUMNS | {"_compressed_summary"})
+    portable = portable_row(message, DROPPED_MESSAGE_COLUMNS)
     if message.get("_compressed_summary"):
         portable["_compressed_summary"] = True
     return portable
@@ -95,9 +101,7 @@ def from_portable(value):
     return value
 
 
-# ---------------------------------------------------------------------------
-# Import validation (pass 1): pure functions over the payload
-# ---------------------------------------------------------------------------
+# -- Import validation (pass 1): pure functions over the payload ---------------------------------------------
 
 # Text or null, as hermes-agent checks them ("<field> must be a string").
 SESSION_TEXT_FIELDS = ("source", "user_id", "model", "system_prompt", "end_reason", "cwd", "git_branch",
@@ -122,8 +126,7 @@ SESSION_RESET_FIELDS = frozenset({
     "compression_recovery_deadline", "compression_overload_streak", "profile_name", "title_source",
     "git_metadata_generation", "created_source", "transport_profile", "tool_names",
     "id", "parent_session_id", "messages", "message_count", "tool_call_count", "system_prompt_hash",
-    "last_active", "preview", "segments", "lineage_session_ids", "timings",
-})
+    "last_active", "preview", "segments", "lineage_session_ids", "timings", })
 # Session fields converted on the way in, whatever their value (none is refused for its size).
 SESSION_CONVERTED_FIELDS = SESSION_RESET_FIELDS | {"started_at", "model_config", *SESSION_TEXT_FIELDS,
                                                    *SESSION_FLOAT_FIELDS, *SESSION_FLAG_FIELDS}
@@ -139,8 +142,6 @@ NESTED_MESSAGE_FIELDS = ("tool_calls", "display_metadata", *REASONING_JSON_FIELD
 INT_RANGE = (-2 ** 63, 2 ** 63)
 
 
-# Messages are measured this many to an encoder call (each call sets up a C encoder).
-SIZE_CHUNK_MESSAGES = 64
 _COMPACT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
@@ -149,9 +150,9 @@ def _utf8_size(text):
 
 
 def _compact_size(value):
-    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit. An object is
-    measured a member at a time and a list of messages SIZE_CHUNK_MESSAGES at a time: the same
-    bytes, without one whole text that a single CJK character would make four bytes a character."""
+    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit. An object is measured a member
+    at a time and a list of messages a run at a time: the same bytes, without one whole text that a single CJK
+    character would make four bytes a character."""
     encode = _COMPACT_ENCODER.encode
     if not isinstance(value, dict):
         return _utf8_size(encode(value))
@@ -159,12 +160,16 @@ def _compact_size(value):
     for key, member in value.items():
         if key == "messages" and type(member) is list:
             # Each run is "[...]"; runs joined by commas make one list: one pair of brackets.
-            runs = [member[start:start + SIZE_CHUNK_MESSAGES]
-                    for start in range(0, max(1, len(member)), SIZE_CHUNK_MESSAGES)]
+            runs = _message_runs(member)
             size += _utf8_size(encode(key)) + 1 + sum(_utf8_size(encode(run)) for run in runs) - len(runs) + 1
         else:
             size += _utf8_size(encode({key: member})) - 2
     return size
+
+
+def _message_runs(messages):
+    """`messages` in lists of EXPORT_RUN_MESSAGES; one empty list for none."""
+    return [messages[i:i + EXPORT_RUN_MESSAGES] for i in range(0, max(1, len(messages)), EXPORT_RUN_MESSAGES)]
 
 
 def _depth(value, limit):
@@ -178,10 +183,8 @@ def _depth(value, limit):
         if level > limit:
             return level
         deepest = max(deepest, level)
-        children = [child for child in (item.values() if isinstance(item, dict) else item)
-                    if isinstance(child, (list, dict))]
-        if children:
-            stack.extend((child, level + 1) for child in children)
+        stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item)
+                     if isinstance(child, (list, dict)))
     return deepest
 
 
@@ -241,25 +244,23 @@ def validate_import(sessions, limits):
 
 def _check_entry(entry, session_id, seen, totals, limits):
     """Raise ValueError with the first problem of one entry; count its bytes and messages into `totals`."""
-    if not isinstance(entry, dict):
-        raise ValueError("session must be an object")
-    if not session_id:
-        raise ValueError("session id is required")
-    if len(session_id) > ID_MAX_LENGTH:
-        raise ValueError(f"session id is {len(session_id)} characters; the limit is {ID_MAX_LENGTH}")
-    if session_id in seen:
-        raise ValueError("duplicate session id")
-    messages = entry.get("messages") or []
-    if not isinstance(messages, list):
-        raise ValueError("messages must be a list")
-    if len(messages) > limits["messages_per_session"]:
-        raise ValueError("messages exceeds the per-session import limit")
-    if any(not isinstance(message, dict) for message in messages):
-        raise ValueError("messages must contain only objects")
+    messages = (entry.get("messages") or []) if isinstance(entry, dict) else []
     # A field's limit counts from its value; an entry adds three levels (entry, messages, message).
     envelope = limits["depth"] + 3
-    if _depth(entry, envelope) > envelope:
-        raise ValueError(f"session nests lists and objects more than {envelope} levels deep")
+    for failed, error in (  # in this order, the first failing one
+            (lambda: not isinstance(entry, dict), "session must be an object"),
+            (lambda: not session_id, "session id is required"), (lambda: len(session_id) > ID_MAX_LENGTH,
+             f"session id is {len(session_id)} characters; the limit is {ID_MAX_LENGTH}"),
+            (lambda: session_id in seen, "duplicate session id"),
+            (lambda: not isinstance(messages, list), "messages must be a list"),
+            (lambda: len(messages) > limits["messages_per_session"],
+             "messages exceeds the per-session import limit"),
+            (lambda: not all(isinstance(message, dict) for message in messages),
+             "messages must contain only objects"),
+            (lambda: _depth(entry, envelope) > envelope,
+             f"session nests lists and objects more than {envelope} levels deep")):
+        if failed():
+            raise ValueError(error)
     try:  # `timings` only describes the messages (hermes-agent 0.22 leaves it out of the measure too)
         size = _compact_size({key: value for key, value in entry.items() if key != "timings"})
     except (TypeError, ValueError):
@@ -318,9 +319,7 @@ def _check_message(position, message, depth_limit):
             _check_nesting(f"messages[{position}].{field}", value, depth_limit)
 
 
-# ---------------------------------------------------------------------------
-# Import writing (pass 2): rows from a validated entry
-# ---------------------------------------------------------------------------
+# -- Import writing (pass 2): rows from a validated entry ----------------------------------------------------
 
 
 def _number(value, kind, default=None):
@@ -413,9 +412,7 @@ def _attach_parents(conn, links):
             detached += 1
     return detached
 
-# ---------------------------------------------------------------------------
-# Redaction (best effort)
-# ---------------------------------------------------------------------------
+# -- Redaction (best effort) ---------------------------------------------------------------------------------
 
 REDACTED = "[REDACTED]"
 
@@ -445,68 +442,50 @@ _AWS_KEY_IDS = ("akia", "asia", "abia", "acca")
 # (name, example, needs, pattern): what each group named secret* matched is masked, the rest kept. A pattern
 # runs only on text whose lower-case form holds one of its `needs`: a quick substring test that spares most
 # text most patterns. Run in this order.
-SECRET_PATTERNS = (
-    ("private key block (PEM, OpenSSH, PGP), with or without its END line",
+SECRET_PATTERNS = (("private key block (PEM, OpenSSH, PGP), with or without its END line",
      "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----",
-     ("private key",),
-     r"(?s)(?P<secret>-----BEGIN[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----"
+     ("private key",), r"(?s)(?P<secret>-----BEGIN[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----"
      r"(?:.*?-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----|.*))"),
     ("PuTTY private key", "PuTTY-User-Key-File-3: ssh-ed25519\nPrivate-Lines: 1\nAAAAIEXAMPLE\nPrivate-MAC: 0a1b",
-     ("putty-user-key-file",),
-     r"(?s)(?P<secret>PuTTY-User-Key-File-\d+:(?:.*?Private-MAC: *[0-9a-f]+|.*))"),
+     ("putty-user-key-file",), r"(?s)(?P<secret>PuTTY-User-Key-File-\d+:(?:.*?Private-MAC: *[0-9a-f]+|.*))"),
     ("password in a URL (user:password@host, also :password@ and passwords holding @)",
-     "redis://:p@ss@cache.internal:6379/0",
-     ("://",),
+     "redis://:p@ss@cache.internal:6379/0", ("://",),
      r"(?i)\b[a-z][a-z0-9+.-]*://[^\s:/@\"'<>]{0,256}:(?P<secret>[^\s\"'<>]{1,256}?)"
      r"@(?=(?:[\w.-]+|\[[0-9a-f:.]+\])(?::\d+)?(?:[/?#\s\"'<>\\,;)\]]|$))"),
     ("Slack webhook", "https://hooks.slack.com/services/T0EXAMPLE/B0EXAMPLE/abcdefghijklmnopqrstuvwx",
-     ("hooks.slack.com",),
-     r"hooks\.slack\.com/(?:services|workflows|triggers)/(?P<secret>[A-Za-z0-9/_-]+)"),
+     ("hooks.slack.com",), r"hooks\.slack\.com/(?:services|workflows|triggers)/(?P<secret>[A-Za-z0-9/_-]+)"),
     ("Discord webhook", "https://discord.com/api/webhooks/123456789012345678/abcdefGHIJKL-mnopqrst_uvwx",
-     ("/api/webhooks/",),
-     r"discord(?:app)?\.com/api/webhooks/\d+/(?P<secret>[A-Za-z0-9_-]+)"),
+     ("/api/webhooks/",), r"discord(?:app)?\.com/api/webhooks/\d+/(?P<secret>[A-Za-z0-9_-]+)"),
     ("AWS access key id with its secret key beside it", "AKIAIOSFODNN7EXAMPLE,wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
-     _AWS_KEY_IDS,
-     r"(?<![A-Z0-9])(?P<secret>(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16})[\s,;:|\"']+"
+     _AWS_KEY_IDS, r"(?<![A-Z0-9])(?P<secret>(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16})[\s,;:|\"']+"
      r"(?P<secret2>[A-Za-z0-9/+]{40})(?![A-Za-z0-9/+])"),
-    ("AWS access key id", "AKIAIOSFODNN7EXAMPLE",
-     _AWS_KEY_IDS,
+    ("AWS access key id", "AKIAIOSFODNN7EXAMPLE", _AWS_KEY_IDS,
      r"(?<![A-Z0-9])(?P<secret>(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16})(?![A-Z0-9])"),
     ("sk- keys: OpenAI (sk-, sk-proj-, sk-svcacct-), Anthropic (sk-ant-), OpenRouter, DeepSeek",
-     "sk-ant-api03-EXAMPLEexampleEXAMPLEexample",
-     ("sk-",),
-     r"(?<![\w-])(?P<secret>sk-[A-Za-z0-9_-]{20,})"),
+     "sk-ant-api03-EXAMPLEexampleEXAMPLEexample", ("sk-",), r"(?<![\w-])(?P<secret>sk-[A-Za-z0-9_-]{20,})"),
     ("Stripe keys and webhook secrets, sk_ keys (ElevenLabs)", "whsec_EXAMPLEexampleEXAMPLEexample",
      ("sk_", "rk_", "pk_", "whsec_"),
      r"(?<![\w-])(?P<secret>(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{10,}|sk_[A-Za-z0-9]{32,}"
-     r"|whsec_[A-Za-z0-9+/=]{20,})"),
-    ("GitHub tokens", "ghp_EXAMPLEexampleEXAMPLEexample012345",
+     r"|whsec_[A-Za-z0-9+/=]{20,})"), ("GitHub tokens", "ghp_EXAMPLEexampleEXAMPLEexample012345",
      ("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
      r"(?<![\w-])(?P<secret>gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})"),
-    ("GitLab tokens", "glpat-EXAMPLEexample012345",
-     ("gl",),
+    ("GitLab tokens", "glpat-EXAMPLEexample012345", ("gl",),
      r"(?<![\w-])(?P<secret>gl(?:pat|dt|rt|ptt|ft|imt|oas|cbt|soat|agent)-[A-Za-z0-9_-]{20,})"),
-    ("Slack tokens", "xapp-1-A0EXAMPLE-1234567890-abcdef0123456789",
-     ("xox", "xapp-"),
+    ("Slack tokens", "xapp-1-A0EXAMPLE-1234567890-abcdef0123456789", ("xox", "xapp-"),
      r"(?<![\w-])(?P<secret>xox[a-z](?:\.xox[a-z])?-[A-Za-z0-9-]{10,}|xapp-\d-[A-Za-z0-9-]{10,})"),
-    ("Discord bot token", "MTIzNDU2Nzg5MDEyMzQ1Njc4.GaBcDe.EXAMPLEexampleEXAMPLEexample0123",
-     (".",),
+    ("Discord bot token", "MTIzNDU2Nzg5MDEyMzQ1Njc4.GaBcDe.EXAMPLEexampleEXAMPLEexample0123", (".",),
      r"(?<![\w-])(?P<secret>[MNO][A-Za-z0-9_-]{23,27}\.[A-Za-z0-9_-]{6}\.[A-Za-z0-9_-]{27,40})(?![\w-])"),
-    ("Telegram bot token", "123456789:AAEXAMPLEexampleEXAMPLEexample01234",
-     (":",),
+    ("Telegram bot token", "123456789:AAEXAMPLEexampleEXAMPLEexample01234", (":",),
      r"(?<!\d)(?P<secret>\d{6,12}:[A-Za-z0-9_-]{30,})(?![\w-])"),
-    ("SendGrid key", "SG.EXAMPLEexample012345.EXAMPLEexampleEXAMPLEexampleEXAMPLEexample0",
-     ("sg.",),
+    ("SendGrid key", "SG.EXAMPLEexample012345.EXAMPLEexampleEXAMPLEexampleEXAMPLEexample0", ("sg.",),
      r"(?<![\w-])(?P<secret>SG\.[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,})"),
-    ("Twilio account and key ids", "SK0123456789abcdef0123456789abcdef",
-     ("ac", "sk"),
+    ("Twilio account and key ids", "SK0123456789abcdef0123456789abcdef", ("ac", "sk"),
      r"(?<![\w-])(?P<secret>(?:AC|SK)[0-9a-f]{32})(?![\w-])"),
     ("Google API key, OAuth client secret, access and refresh tokens", "GOCSPX-EXAMPLEexampleEXAMPLEexam",
      ("aiza", "gocspx-", "ya29.", "1//0"),
      r"(?<![\w-])(?P<secret>AIza[0-9A-Za-z_-]{35}|GOCSPX-[A-Za-z0-9_-]{20,}|ya29\.[A-Za-z0-9_-]{20,}"
      r"|1//0[A-Za-z0-9_-]{30,})"),
-    ("Azure AD client secret", "abc8Q~EXAMPLEexampleEXAMPLEexample012",
-     ("q~",),
+    ("Azure AD client secret", "abc8Q~EXAMPLEexampleEXAMPLEexample012", ("q~",),
      r"(?<![\w~.-])(?P<secret>[A-Za-z0-9_~.-]{3}\dQ~[A-Za-z0-9_~.-]{31,34})"),
     ("Hugging Face, npm, PyPI tokens", "hf_EXAMPLEexampleEXAMPLEexample0123",
      ("hf_", "api_org_", "npm_", "pypi-"),
@@ -531,13 +510,11 @@ SECRET_PATTERNS = (
      ("eyj",),
      r"(?<![\w-])(?P<secret>eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*)"),
     ("secret name, then : or = and a value (env, YAML, JSON, TOML, INI, headers, code, URL queries)",
-     'db:\n  password: "pa ss w0rd"\nexport AZURE_OPENAI_KEY=0123456789abcdef',
-     _NAME_WORDS,
+     'db:\n  password: "pa ss w0rd"\nexport AZURE_OPENAI_KEY=0123456789abcdef', _NAME_WORDS,
      rf"(?i){_NAMED}(?:[ \t]*(?::=|=>|:(?!//)|=)[ \t]*{_QUOTED}"
      rf"|(?:[ \t]*(?::=|=>|:(?!//))[ \t]*|[ \t]+=[ \t]*|=[ \t]+){_TO_LINE_END}|=(?![=\s]){_TO_WORD_END})"),
     ("name/value pair with a secret name (JSON environment and header lists)",
-     '{"name": "DB_PASSWORD", "value": "hunter2"}',
-     ("value",),
+     '{"name": "DB_PASSWORD", "value": "hunter2"}', ("value",),
      rf"(?i)(?P<nq>\\?[\"'])(?:name|key)(?P=nq)[ \t]*:[ \t]*(?P=nq)(?:{SECRET_NAME})(?P=nq)[ \t]*,[ \t]*"
      rf"(?P=nq)value(?P=nq)[ \t]*:[ \t]*(?:{_QUOTED}|{_TO_WORD_END})"),
     ("name/value pair with a secret name (YAML environment lists)", "- name: DB_PASSWORD\n  value: hunter2",
@@ -546,27 +523,21 @@ SECRET_PATTERNS = (
     ("command-line option with a secret name, also in an argument list", "mysql --password hunter2 -h db",
      _NAME_WORDS,
      rf"(?i)(?<![\w.-])--?(?:{SECRET_NAME})(?:[ \t]+|\\?[\"'][ \t]*,[ \t]*)(?!-)(?:{_QUOTED}|{_TO_WORD_END})"),
-    ("curl -u user:password", "curl -u admin:hunter2 https://example.com",
-     ("-u", "--user"),
+    ("curl -u user:password", "curl -u admin:hunter2 https://example.com", ("-u", "--user"),
      r"(?:\s-u|--user)[ \t]*[\"']?[^\s:\"']*:(?P<secret>[^\s\"']+)"),
-    (".netrc line", "machine api.example.com login bob password hunter2",
-     ("machine",),
+    (".netrc line", "machine api.example.com login bob password hunter2", ("machine",),
      r"(?i)\bmachine[ \t]+\S+(?:[ \t]+login[ \t]+\S+)?[ \t]+password[ \t]+(?P<secret>\S+)"),
-    ("password said in prose", "the password is 'swordfish'",
-     ("pass", "pwd"),
+    ("password said in prose", "the password is 'swordfish'", ("pass", "pwd"),
      r"(?i)\b(?:pass(?:word|phrase|code)|passwd|pwd)[ \t]+(?:is|was|:|=|->)[ \t]+"
      r"(?:(?P<pq>[\"'`])(?P<secret_q>[^\"'`\n]+)(?P=pq)|(?P<secret>[^\s\"'`]+))"),
-    ("password followed by a word with a digit", "password Pa55w0rd",
-     ("pass", "pwd"),
+    ("password followed by a word with a digit", "password Pa55w0rd", ("pass", "pwd"),
      r"(?i)\b(?:pass(?:word|phrase|code)|passwd|pwd)[ \t]+[\"'`]?(?P<secret>(?=[^\s\"'`]*\d)[^\s\"'`]{4,})"),
     ("token, secret or key said in prose, when the value looks like one", "my api key is 0123456789abcdef",
      ("secret", "token", "key"),
      r"(?i)\b(?:secret|token|api[ _-]?key|access[ _-]?key|key)[ \t]+(?:is|was|:|=|->)[ \t]+[\"'`]?"
      r"(?P<secret>(?=[^\s\"'`]*\d)[^\s\"'`]{8,}|[^\s\"'`]{16,})"),
-    ("bearer token anywhere", "curl -H 'Authorization: Bearer abc123def456'",
-     ("bearer",),
-     r"(?i)\bbearer[ \t]+(?P<secret>(?=[A-Za-z0-9._~+/=-]*\d)[A-Za-z0-9._~+/=-]{8,})"),
-)
+    ("bearer token anywhere", "curl -H 'Authorization: Bearer abc123def456'", ("bearer",),
+     r"(?i)\bbearer[ \t]+(?P<secret>(?=[A-Za-z0-9._~+/=-]*\d)[A-Za-z0-9._~+/=-]{8,})"), )
 _COMPILED_PATTERNS = tuple((needs, re.compile(pattern)) for _name, _example, needs, pattern in SECRET_PATTERNS)
 _SECRET_NAME_RE = re.compile(SECRET_NAME, re.I)
 _SECRET_OPTION_RE = re.compile(rf"--?(?:{SECRET_NAME})", re.I)
@@ -665,9 +636,7 @@ def _redact_list(items, key, exempt, depth):
     return cleaned
 
 
-# ---------------------------------------------------------------------------
-# Renderers: each takes one export at a time, so exporting streams
-# ---------------------------------------------------------------------------
+# -- Renderers: each takes one export at a time, so exporting streams ----------------------------------------
 
 
 def iso_time(ts):
@@ -684,22 +653,41 @@ _JSONL_ENCODER = json.JSONEncoder(ensure_ascii=False, default=json_default)
 
 
 def jsonl_pieces(export):
-    """jsonl_line(export) as strings that join to it, one a message. The line is never built
-    whole: memory stays at one message, and text stays narrow (one CJK character anywhere
-    makes a whole joined line two or four bytes a character)."""
+    """jsonl_line(export) as strings that join to it, a run of messages a piece: text stays narrow (one CJK
+    character anywhere makes a whole joined line two or four bytes a character)."""
     messages = export.get("messages")
     if type(messages) is not list or not messages:
         return [jsonl_line(export)]
     keys = list(export)
     at = keys.index("messages")
-    before, after = {k: export[k] for k in keys[:at]}, {k: export[k] for k in keys[at + 1:]}
+    return _jsonl_session({k: export[k] for k in keys[:at]}, _message_runs(messages),
+                          {k: export[k] for k in keys[at + 1:]})
+
+
+def _listed(session, rows, convert):
+    return {**session, "messages": convert(rows.fetchall())}
+
+
+def _streamed(session, rows, convert):
+    """The jsonl pieces of a session, its messages read EXPORT_RUN_MESSAGES at a time as they are used."""
+    return _jsonl_session(session, iter(lambda: convert(rows.fetchmany(EXPORT_RUN_MESSAGES)), []), {})
+
+
+def _jsonl_session(before, runs, after):
+    """The pieces of jsonl_line({**before, "messages": the runs joined, **after}); `runs` are non-empty."""
     encode = _JSONL_ENCODER.encode
-    pieces = [encode(before)[:-1] + (', "messages": [' if before else '"messages": [')]
-    for message in messages:
-        pieces += (encode(message), ", ")
-    pieces[-1] = "]"
-    pieces.append((", " + encode(after)[1:] if after else "}") + "\n")
-    return pieces
+    yield encode(before)[:-1] + (', "messages": ' if before else '"messages": ')
+    runs = iter(runs)
+    run, following = next(runs, []), next(runs, None)
+    if following is None:  # most sessions: one run, the list as it is
+        yield encode(run)
+    else:  # a list's items, joined as the line joins them
+        yield "["
+        while run is not None:
+            yield encode(run)[1:-1]
+            run, following = following, next(runs, None)
+            yield ", " if run is not None else "]"
+    yield (", " + encode(after)[1:] if after else "}") + "\n"
 
 
 def trace_lines(export):
@@ -722,7 +710,7 @@ def trace_lines(export):
                            else None, "name": function.get("name"), "arguments": function.get("arguments")})
     events.append({"event": "session_end", "session_id": sid, "timestamp": export.get("ended_at"),
                    "end_reason": export.get("end_reason"), "message_count": export.get("message_count")})
-    return "".join(json.dumps(event, ensure_ascii=False, default=json_default) + "\n" for event in events)
+    return "".join(map(jsonl_line, events))
 
 
 def _md_text(text):
@@ -852,11 +840,9 @@ def html_section(export):
 
 
 def write_export(exports, fmt, out, *, redact_secrets=False):
-    """Render a stream of exports in `fmt` to `out` (a path; a folder for md/qmd; '-' for
-    stdout with jsonl and trace). Returns how many sessions were written.
-
-    Files are written under temporary names and renamed when the last session is
-    written: an export that fails part-way leaves no partial file behind."""
+    """How many sessions of `exports` (for jsonl, maybe SessionDB.iter_export_jsonl's) were rendered in `fmt` to
+    `out`: a path, a folder for md/qmd, '-' for stdout with jsonl and trace. Files are written under temporary
+    names and renamed when the last session is: an export that fails part-way leaves no partial file behind."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(EXPORT_FORMATS)}")
     if out == "-" and fmt not in ("jsonl", "trace"):
@@ -870,7 +856,7 @@ def write_export(exports, fmt, out, *, redact_secrets=False):
         count = 0
         for export in exports:
             if fmt == "jsonl":
-                handle.writelines(jsonl_pieces(export))
+                handle.writelines(jsonl_pieces(export) if isinstance(export, dict) else export)
             else:
                 handle.write({"trace": trace_lines, "html": html_section}[fmt](export))
             count += 1
@@ -968,50 +954,53 @@ class SessionPortabilityMixin:
         """Every `sessions` column (system prompt resolved) and `messages`, the active rows in id
         order as get_messages gives them; BLOBs portable (see BYTES_MARKER). None for an unknown id."""
         session = self.get_session(session_id)
-        return None if session is None else self._with_messages(session)
+        return None if session is None else next(self._exported([portable_row(session)], _listed))
 
-    def _with_messages(self, session, reader=None):
-        """`session` exported with its messages; `reader` (from _export_reader) is reused across sessions."""
-        reader = reader or self._export_reader()
-        return {**portable_row(session), "messages": reader(session["id"])}
+    def _exported(self, sessions, shape):
+        """shape(session, its messages' cursor, convert) for each of `sessions` (a generator), read on one
+        pooled read connection in plain tuples (a sqlite3.Row a row costs more)."""
+        conn = self._borrow_reader()
+        try:
+            cursor = conn.cursor()
+            cursor.row_factory = None
+            read, convert = self._export_reader(cursor)
+            for session in sessions:
+                yield shape(session, read(session["id"]), convert)
+        finally:
+            self._idle_readers.put(conn)
 
-    def _export_reader(self):
-        """A function giving a session's messages as portable_message(get_messages(id)) would, read in
-        one pass: the row's dict is built once and only the rows holding a BLOB take the long way."""
-        names = [name for (name,) in self._read_all("SELECT name FROM pragma_table_info('messages')")]
-        kept = [name for name in names if name not in DERIVED_MESSAGE_COLUMNS and name != "_compressed_summary"]
-        extra = ["_compressed_summary"] if "_compressed_summary" in names else []
-        columns = kept + extra
-        sql = (f"SELECT {', '.join(map(quote_identifier, columns))} FROM messages "
+    def _export_reader(self, cursor):
+        """(read, convert): read(session_id) runs on `cursor` the query of a session's exported messages,
+        convert makes its rows what portable_message(get_messages(id)) gives. Most need nothing decoded: the
+        query flags those that do (a JSON column set, content encoded; BLOBs are seen here)."""
+        names = [name for (name,) in cursor.execute("SELECT name FROM pragma_table_info('messages')")]
+        kept = [name for name in names if name not in DROPPED_MESSAGE_COLUMNS]
+        columns = kept + ["_compressed_summary"] * ("_compressed_summary" in names)
+        flags = [f"{quote_identifier(name)} IS NOT NULL" for name in ("tool_calls", "display_metadata",
+                                                                      "_compressed_summary") if name in names]
+        params = ()
+        if "content" in names:  # text starting with CONTENT_JSON_PREFIX sorts from it to the prefix one higher
+            flags.append("(content >= ? AND content < ?)")  # (substr() would stop at its NUL)
+            params = (CONTENT_JSON_PREFIX, CONTENT_JSON_PREFIX[:-1] + chr(ord(CONTENT_JSON_PREFIX[-1]) + 1))
+        sql = (f"SELECT {', '.join(map(quote_identifier, columns))}, {' OR '.join(flags) or 0} FROM messages "
                "WHERE session_id = ? AND active = 1 ORDER BY id")
 
-        def read(session_id):
-            messages = []
-            for row in self._read_all(sql, (session_id,)):
-                message = dict(zip(columns, row))
-                if bytes in map(type, row):  # a BLOB (sqlite3 gives exactly bytes): the general path
-                    messages.append(portable_message(decode_message(message)))
-                    continue
-                content = message.get("content")
-                if isinstance(content, str) and content.startswith(CONTENT_JSON_PREFIX):
-                    message["content"] = decode_content(content)
-                if message.get("tool_calls"):
-                    message["tool_calls"] = loads_or(message["tool_calls"], [])
-                if message.get("display_metadata") is not None:
-                    message["display_metadata"] = decode_display_metadata(message["display_metadata"])
-                if extra and message.pop("_compressed_summary"):
-                    message["_compressed_summary"] = True
-                messages.append(message)
-            return messages
+        def decoded(row):  # the long way, as decode_message and portable_message take it
+            if len(columns) > len(kept) or bytes in map(type, row):
+                return portable_message(decode_message(zip(columns, row)))
+            return decode_message(zip(kept, row))
 
-        return read
+        def convert(rows):  # (zip stops at `kept`: the flag and _compressed_summary stay out)
+            return [dict(zip(kept, row)) if not row[-1] and bytes not in map(type, row) else decoded(row)
+                    for row in rows]
+
+        return (lambda session_id: cursor.execute(sql, (*params, session_id))), convert
 
     def export_session_lineage(self, session_id):
-        """A compression chain as one session: the tip's export with `segments` (each
-        segment's export, root to tip), `lineage_session_ids`, every message in order and
-        `message_count` their number. None for an unknown id."""
-        segments = [export for export in map(self.export_session, self.get_compression_lineage(session_id) or [])
-                    if export]
+        """A compression chain as one session: the tip's export with `segments` (each segment's export, root
+        to tip), `lineage_session_ids`, every message in order and `message_count` their number. None for an
+        unknown id."""
+        segments = list(filter(None, map(self.export_session, self.get_compression_lineage(session_id) or [])))
         if not segments:
             return None
         combined = dict(segments[-1], segments=segments, lineage_session_ids=[s["id"] for s in segments])
@@ -1022,15 +1011,31 @@ class SessionPortabilityMixin:
     def export_all(self, source=None):
         """A list of every session (of `source` when given) as export_session gives it plus
         `last_active`, most recently active first; [] for none. iter_export_all streams the same."""
-        return list(self.iter_export_all(source))
+        # The list makes no cycles, but its growth sets off full collections walking the whole heap (a tenth of
+        # the time): Python's cycle collector waits, then is as it was.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return list(self.iter_export_all(source))
+        finally:
+            if collecting:
+                gc.enable()
 
     def iter_export_all(self, source=None):
         """export_all one session at a time (a generator): memory is bounded by the largest
-        session, not the store. The order is read once, at the start; the sessions' rows
-        EXPORT_SESSION_CHUNK at a time, each as get_session gives it, just before their messages."""
+        session, not the store. iter_export_jsonl streams further."""
+        return self._exported(self._export_sessions(source), _listed)
+
+    def iter_export_jsonl(self, source=None):
+        """iter_export_all as write_export's jsonl, one iterator of text pieces a session (a generator; use
+        each before taking the next): memory holds EXPORT_RUN_MESSAGES messages however long the session."""
+        return self._exported(self._export_sessions(source), _streamed)
+
+    def _export_sessions(self, source):
+        """iter_export_all's sessions, portable, without messages. The order is read once, at the start;
+        the rows EXPORT_SESSION_CHUNK at a time, each as get_session gives it, just before its messages."""
         where, params = ("WHERE s.source = ?", (source,)) if source else ("", ())
         order = self._read_all(EXPORT_ORDER_SQL.format(where=where), (*params, EXPORT_ALL_LIMIT))
-        reader = None
         for start in range(0, len(order), EXPORT_SESSION_CHUNK):
             chunk = order[start:start + EXPORT_SESSION_CHUNK]
             self._flush_token_counts()  # as get_session does: queued counts are part of the row
@@ -1040,8 +1045,7 @@ class SessionPortabilityMixin:
                 session = sessions.pop(session_id, None)
                 if session is not None:  # (None: deleted since the order was read)
                     session["last_active"] = last_active
-                    reader = reader or self._export_reader()
-                    yield self._with_messages(session, reader)
+                    yield portable_row(session)
 
     # -- import ----------------------------------------------------------------
 
@@ -1153,23 +1157,19 @@ class SessionPortabilityMixin:
 # the commit, many to be written again: it runs with at least this much, then the connection's own size again
 # (dirty pages stay until the commit).
 IMPORT_CACHE_KIB = 64 * 1024
-CACHE_SIZE_SQL = "PRAGMA cache_size"
-SET_CACHE_SIZE_SQL = "PRAGMA cache_size = {size}"
-PAGE_SIZE_SQL = "PRAGMA page_size"
 
 
 @contextlib.contextmanager
 def _import_cache(conn):
-    size = conn.execute(CACHE_SIZE_SQL).fetchone()[0]
-    held = -size * 1024 if size < 0 else size * conn.execute(PAGE_SIZE_SQL).fetchone()[0]
-    if held >= IMPORT_CACHE_KIB * 1024:
-        yield
-        return
-    conn.execute(SET_CACHE_SIZE_SQL.format(size=-IMPORT_CACHE_KIB))
+    size = conn.execute("PRAGMA cache_size").fetchone()[0]
+    held = -size * 1024 if size < 0 else size * conn.execute("PRAGMA page_size").fetchone()[0]
+    if held < IMPORT_CACHE_KIB * 1024:
+        conn.execute(f"PRAGMA cache_size = {-IMPORT_CACHE_KIB}")
     try:
         yield
     finally:
-        conn.execute(SET_CACHE_SIZE_SQL.format(size=int(size)))
+        if held < IMPORT_CACHE_KIB * 1024:
+            conn.execute(f"PRAGMA cache_size = {int(size)}")
 
 
 # Past this many characters an id is shortened in a title suffix, to leave room for the title.
