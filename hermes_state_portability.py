@@ -1,14 +1,10 @@
 """SessionPortabilityMixin: sessions as portable objects, in and out.
 
-Owns the export shapes (one session, a compression chain as one session, the
-whole store as a list and as a stream), `import_sessions` (validate everything,
-then write in one transaction; history comes back, runtime ownership does not),
-how a BLOB travels in JSON, the export renderers (jsonl, md, qmd, html, trace)
-and best-effort redaction. Whole-home backup and restore are a different entry
-point (hermes_state).
-
-It reads through SessionDB's public readers and writes through
-`_execute_write`; it never imports hermes_state.
+Owns the export shapes (one session, a compression chain as one session, the whole store as a list and as
+streams), `import_sessions` (validate everything, then write; history comes back, runtime ownership does not),
+how a BLOB travels in JSON, the export renderers (jsonl, md, qmd, html, trace) and best-effort redaction.
+Whole-home backup and restore are hermes_state's. It reads through SessionDB's readers and pooled read
+connections, writes through `_execute_write`, and never imports hermes_state.
 """
 
 import base64
@@ -65,7 +61,7 @@ BINARY_TYPES = (bytes, bytearray, memoryview)
 
 
 def json_default(value):
-    """The `default` hook of json.dumps for every output: bytes as the BYTES_MARKER object, anything else as str()."""
+    """The `default` hook of json.dumps for every output: bytes as the BYTES_MARKER object, else str()."""
     if isinstance(value, BINARY_TYPES):
         return {BYTES_MARKER: base64.b64encode(bytes(value)).decode("ascii")}
     return str(value)
@@ -150,9 +146,8 @@ def _utf8_size(text):
 
 
 def _compact_size(value):
-    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit. An object is measured a member
-    at a time and a list of messages a run at a time: the same bytes, without one whole text that a single CJK
-    character would make four bytes a character."""
+    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit; measured a member and a run of
+    messages at a time: no one whole text that a single CJK character would make four bytes a character."""
     encode = _COMPACT_ENCODER.encode
     if not isinstance(value, dict):
         return _utf8_size(encode(value))
@@ -222,10 +217,8 @@ def import_id(entry):
 
 
 def validate_import(sessions, limits):
-    """Pass 1: every rejected entry as {"index", "error", "session_id"?}, one error an entry
-    (the first found, in hermes-agent's words). `limits` maps the names of import_limits().
-
-    Raises ValueError when `sessions` is not a list or has too many entries."""
+    """Pass 1: every rejected entry as {"index", "error", "session_id"?}, its first error in hermes-agent's
+    words; `limits` as import_limits() names them. Raises ValueError for a non-list or too many entries."""
     if not isinstance(sessions, list):
         raise ValueError("sessions must be a list")
     if len(sessions) > limits["sessions"]:
@@ -573,11 +566,9 @@ def redact_text(text):
 
 
 def redact(export):
-    """A copy of an export with every secret masked and every identifier (ID_KEYS) kept.
-
-    Strings go through redact_text; a value whose key is a secret name (api_key,
-    DB_PASS, X-API-Key, ...) is masked whole; JSON held in a string (tool
-    arguments, model_config) is walked as JSON, so its keys count too."""
+    """A copy of an export with every secret masked and every identifier (ID_KEYS) kept: strings through
+    redact_text, a value whose key is a secret name (api_key, DB_PASS, X-API-Key, ...) masked whole, JSON held
+    in a string (tool arguments, model_config) walked as JSON, so its keys count too."""
     return _redact(export, None, ID_KEYS, 0)
 
 
@@ -604,8 +595,7 @@ def _redact(value, key, exempt, depth):
 
 
 def _redact_string(text, depth):
-    """JSON text is walked as JSON and written back only if something was masked;
-    any other text goes through redact_text."""
+    """JSON text walked as JSON, written back only if something was masked; other text through redact_text."""
     if text.lstrip()[:1] in ("{", "["):
         try:
             decoded = json.loads(text)
@@ -627,8 +617,7 @@ def _redact_mapping(mapping, exempt, depth):
 
 
 def _redact_list(items, key, exempt, depth):
-    """Each item under the list's key; in an argument list, the item after a
-    secret option ("--password", "hunter2") is masked too."""
+    """Each item under the list's key; in an argument list, the item after a secret option too."""
     cleaned, after_option = [], False
     for item in items:
         cleaned.append(REDACTED if after_option and _is_secret_value(item) else _redact(item, key, exempt, depth))
@@ -650,6 +639,8 @@ def jsonl_line(export):
 
 
 _JSONL_ENCODER = json.JSONEncoder(ensure_ascii=False, default=json_default)
+# Scalars as _JSONL_ENCODER writes them, NUL between them (no JSON text holds one): a list splits apart.
+_SCALARS_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=("\x00", ": "))
 
 
 def jsonl_pieces(export):
@@ -658,36 +649,30 @@ def jsonl_pieces(export):
     messages = export.get("messages")
     if type(messages) is not list or not messages:
         return [jsonl_line(export)]
-    keys = list(export)
+    keys, encode = list(export), _JSONL_ENCODER.encode
     at = keys.index("messages")
-    return _jsonl_session({k: export[k] for k in keys[:at]}, _message_runs(messages),
-                          {k: export[k] for k in keys[at + 1:]})
+    texts = (encode(run)[1:-1] for run in _message_runs(messages))
+    return _jsonl_session({k: export[k] for k in keys[:at]}, texts, {k: export[k] for k in keys[at + 1:]})
 
 
-def _listed(session, rows, convert):
-    return {**session, "messages": convert(rows.fetchall())}
+def _listed(session, rows, reader):
+    return {**session, "messages": reader[1](rows.fetchall())}
 
 
-def _streamed(session, rows, convert):
-    """The jsonl pieces of a session, its messages read EXPORT_RUN_MESSAGES at a time as they are used."""
-    return _jsonl_session(session, iter(lambda: convert(rows.fetchmany(EXPORT_RUN_MESSAGES)), []), {})
+def _streamed(session, rows, reader):  # messages read EXPORT_RUN_MESSAGES at a time, as they are used
+    return _jsonl_session(session, iter(lambda: reader[2](rows.fetchmany(EXPORT_RUN_MESSAGES)), ""), {})
 
 
-def _jsonl_session(before, runs, after):
-    """The pieces of jsonl_line({**before, "messages": the runs joined, **after}); `runs` are non-empty."""
+def _jsonl_session(before, texts, after):
+    """The pieces of jsonl_line({**before, "messages": [texts joined], **after}); texts are a list's items."""
     encode = _JSONL_ENCODER.encode
-    yield encode(before)[:-1] + (', "messages": ' if before else '"messages": ')
-    runs = iter(runs)
-    run, following = next(runs, []), next(runs, None)
-    if following is None:  # most sessions: one run, the list as it is
-        yield encode(run)
-    else:  # a list's items, joined as the line joins them
-        yield "["
-        while run is not None:
-            yield encode(run)[1:-1]
-            run, following = following, next(runs, None)
-            yield ", " if run is not None else "]"
-    yield (", " + encode(after)[1:] if after else "}") + "\n"
+    yield encode(before)[:-1] + (', "messages": [' if before else '"messages": [')
+    separator = ""
+    for text in texts:
+        yield separator
+        yield text
+        separator = ", "
+    yield "]" + (", " + encode(after)[1:] if after else "}") + "\n"
 
 
 def trace_lines(export):
@@ -840,9 +825,9 @@ def html_section(export):
 
 
 def write_export(exports, fmt, out, *, redact_secrets=False):
-    """How many sessions of `exports` (for jsonl, maybe SessionDB.iter_export_jsonl's) were rendered in `fmt` to
-    `out`: a path, a folder for md/qmd, '-' for stdout with jsonl and trace. Files are written under temporary
-    names and renamed when the last session is: an export that fails part-way leaves no partial file behind."""
+    """How many of `exports` (for jsonl, maybe SessionDB.iter_export_jsonl's) went in `fmt` to `out`: a path,
+    a folder for md/qmd, '-' for stdout with jsonl and trace. Files get temporary names until the last session
+    is written: an export that fails part-way leaves no partial file behind."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(EXPORT_FORMATS)}")
     if out == "-" and fmt not in ("jsonl", "trace"):
@@ -870,9 +855,9 @@ FILE_NAME_ID_CHARS = 64
 
 
 def markdown_file_name(session_id, fmt, taken=()):
-    """A file name for one session: its id's safe characters (at most FILE_NAME_ID_CHARS)
-    and the start of the id's SHA-256, so that ids differing only in unsafe characters,
-    in case, or past the cut get different names. The whole hash if the short one is in `taken`."""
+    """A file name for one session: its id's safe characters (at most FILE_NAME_ID_CHARS) and the start of its
+    SHA-256 (ids differing in unsafe characters, case or past the cut differ); all of it if that is
+    `taken`."""
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", session_id)[:FILE_NAME_ID_CHARS].strip("._-") or "session"
     digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
     name = f"{readable}-{digest[:12]}.{fmt}"
@@ -957,32 +942,33 @@ class SessionPortabilityMixin:
         return None if session is None else next(self._exported([portable_row(session)], _listed))
 
     def _exported(self, sessions, shape):
-        """shape(session, its messages' cursor, convert) for each of `sessions` (a generator), read on one
-        pooled read connection in plain tuples (a sqlite3.Row a row costs more)."""
+        """shape(session, its messages' cursor, _export_reader's functions) for each session (a generator),
+        read on one pooled read connection in plain tuples (a sqlite3.Row a row costs more)."""
         conn = self._borrow_reader()
         try:
             cursor = conn.cursor()
             cursor.row_factory = None
-            read, convert = self._export_reader(cursor)
+            reader = self._export_reader(cursor)
             for session in sessions:
-                yield shape(session, read(session["id"]), convert)
+                yield shape(session, reader[0](session["id"]), reader)
         finally:
             self._idle_readers.put(conn)
 
     def _export_reader(self, cursor):
-        """(read, convert): read(session_id) runs on `cursor` the query of a session's exported messages,
-        convert makes its rows what portable_message(get_messages(id)) gives. Most need nothing decoded: the
-        query flags those that do (a JSON column set, content encoded; BLOBs are seen here)."""
+        """(read, convert, encoded): read(session_id) queries a session's messages on `cursor`, convert makes
+        rows what portable_message(get_messages(id)) gives, encoded their jsonl. The query flags the rows to
+        decode (1: tool_calls; 2: content encoded, display_metadata, ...); BLOBs are found here."""
         names = [name for (name,) in cursor.execute("SELECT name FROM pragma_table_info('messages')")]
         kept = [name for name in names if name not in DROPPED_MESSAGE_COLUMNS]
         columns = kept + ["_compressed_summary"] * ("_compressed_summary" in names)
-        flags = [f"{quote_identifier(name)} IS NOT NULL" for name in ("tool_calls", "display_metadata",
-                                                                      "_compressed_summary") if name in names]
+        flags = [f"{n} IS NOT NULL" for n in ("display_metadata", "_compressed_summary") if n in names]
         params = ()
-        if "content" in names:  # text starting with CONTENT_JSON_PREFIX sorts from it to the prefix one higher
+        if "content" in names:  # text starting with CONTENT_JSON_PREFIX sorts from it to the next prefix
             flags.append("(content >= ? AND content < ?)")  # (substr() would stop at its NUL)
             params = (CONTENT_JSON_PREFIX, CONTENT_JSON_PREFIX[:-1] + chr(ord(CONTENT_JSON_PREFIX[-1]) + 1))
-        sql = (f"SELECT {', '.join(map(quote_identifier, columns))}, {' OR '.join(flags) or 0} FROM messages "
+        calls = "tool_calls IS NOT NULL" if "tool_calls" in names else "0"
+        sql = (f"SELECT {', '.join(map(quote_identifier, columns))}, CASE WHEN {' OR '.join(flags) or 0} "
+               f"THEN 2 WHEN {calls} THEN 1 ELSE 0 END FROM messages "
                "WHERE session_id = ? AND active = 1 ORDER BY id")
 
         def decoded(row):  # the long way, as decode_message and portable_message take it
@@ -994,13 +980,32 @@ class SessionPortabilityMixin:
             return [dict(zip(kept, row)) if not row[-1] and bytes not in map(type, row) else decoded(row)
                     for row in rows]
 
-        return (lambda session_id: cursor.execute(sql, (*params, session_id))), convert
+        keys = [json.dumps(name, ensure_ascii=False).replace("%", "%%") + ": " for name in kept]
+
+        def encoded(rows):  # as a list's items, a column at a time: no dicts, a column of nulls written once
+            columns = list(zip(*rows))
+            if not rows or 2 in columns[-1]:
+                return _JSONL_ENCODER.encode(convert(rows))[1:-1] if rows else ""
+            form, values = [], []
+            for key, name, column in zip(keys, kept, columns):
+                if column.count(None) == len(column):
+                    form.append(key + "null")
+                    continue
+                form.append(key + "%s")
+                try:
+                    values.append(["null" if v is None else _JSONL_ENCODER.encode(loads_or(v, []) if v else v)
+                                   for v in column] if name == "tool_calls"  # decoded as get_messages does
+                                  else _SCALARS_ENCODER.encode(column)[1:-1].split("\x00"))
+                except TypeError:  # a BLOB: the long way
+                    return _JSONL_ENCODER.encode(convert(rows))[1:-1]
+            return ", ".join(["{%s}" % ", ".join(form)] * len(rows)) % tuple(itertools.chain(*zip(*values)))
+
+        return (lambda session_id: cursor.execute(sql, (*params, session_id))), convert, encoded
 
     def export_session_lineage(self, session_id):
-        """A compression chain as one session: the tip's export with `segments` (each segment's export, root
-        to tip), `lineage_session_ids`, every message in order and `message_count` their number. None for an
-        unknown id."""
-        segments = list(filter(None, map(self.export_session, self.get_compression_lineage(session_id) or [])))
+        """A compression chain as one session: the tip's export with `segments` (root first), `message_count`,
+        `lineage_session_ids`, every message in order. None for an unknown id."""
+        segments = [*filter(None, map(self.export_session, self.get_compression_lineage(session_id) or []))]
         if not segments:
             return None
         combined = dict(segments[-1], segments=segments, lineage_session_ids=[s["id"] for s in segments])
@@ -1011,8 +1016,7 @@ class SessionPortabilityMixin:
     def export_all(self, source=None):
         """A list of every session (of `source` when given) as export_session gives it plus
         `last_active`, most recently active first; [] for none. iter_export_all streams the same."""
-        # The list makes no cycles, but its growth sets off full collections walking the whole heap (a tenth of
-        # the time): Python's cycle collector waits, then is as it was.
+        # The list makes no cycles, but its growth sets off full collections of the whole heap: they wait.
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -1056,21 +1060,17 @@ class SessionPortabilityMixin:
                 "total_bytes": self._IMPORT_MAX_TOTAL_BYTES, "depth": self._IMPORT_MAX_DEPTH}
 
     def import_sessions(self, sessions, *, limits=None, one_transaction=False):
-        """Add exported sessions (any hermes-agent 0.19 to 0.22 export, or ours) to the store: history, not
-        runtime ownership.
-
-        Pass 1 checks the whole payload and writes nothing if any entry is wrong: {"ok": False, "imported": 0,
-        "skipped": 0, "detached": 0, "errors": [...]}. Pass 2, whole sessions in transactions of about
-        IMPORT_CHUNK_SECONDS, parent links in a last one: ids already stored are skipped, never overwritten
-        (but a link a cut-short earlier run left unattached is attached); messages get fresh ids, rewound ones
-        stay rewound; counts are recomputed; titles follow set_session_title's rules (one another session
-        holds gets the id appended); SESSION_RESET_FIELDS are not restored; a field the import has no rule for
-        is restored when the store has its column, else named in `unstored_fields` (a key present only then);
-        parent links are attached last unless the parent is unknown or the link closes a loop (`detached`).
-        `limits` replaces import_limits() for this call (the command line lifts the totals to import a whole
-        file at once). `one_transaction` writes it all in one, all or nothing, holding the write lock
-        throughout (the command line, which says so first). Raises ValueError if `sessions` is not a list or
-        has too many entries."""
+        """Add exported sessions (hermes-agent 0.19 to 0.22's exports, or ours) to the store: history, not
+        runtime ownership. Pass 1 checks the whole payload and writes nothing if any entry is wrong: {"ok":
+        False, "imported": 0, "skipped": 0, "detached": 0, "errors": [...]}. Pass 2, whole sessions in
+        transactions of about IMPORT_CHUNK_SECONDS, parent links in a last one: stored ids are skipped, never
+        overwritten (a link a cut-short run left out is attached); messages get fresh ids, rewound ones stay
+        rewound; counts are recomputed; titles follow set_session_title's rules (a taken one gets the id
+        appended); SESSION_RESET_FIELDS are not restored; a field with no rule is restored when the store has
+        its column, else named in `unstored_fields` (a key present only then); a link to an unknown parent or
+        closing a loop is dropped (`detached`). `limits` replaces import_limits() (the command line lifts the
+        totals); `one_transaction` writes all or nothing in one, holding the write lock throughout (the
+        command line says so first). Raises ValueError if `sessions` is not a list or has too many entries."""
         errors = validate_import(sessions, limits or self.import_limits())
         if errors:
             return {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": errors}

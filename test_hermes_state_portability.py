@@ -647,10 +647,18 @@ class Blobs(StoreTestCase):
                      f"UPDATE messages SET tool_calls = 'not json', display_metadata = '\"[1]\"' WHERE id = {ids[4]}",
                      f"UPDATE messages SET content = 7, token_count = 2.5 WHERE id = {ids[5]}")
         self.db.create_session("empty", "cli")
+        self.db.create_session("calls", "cli")  # tool calls only: written a column at a time
+        calls = [self.db.append_message("calls", "assistant", "ö", tool_calls=[{"id": f"c{i}", "a": [1.5, None]}])
+                 for i in range(3)] + [self.db.append_message("calls", "user", "plain")]
+        self.run_sql(f"UPDATE messages SET tool_calls = 'not json' WHERE id = {calls[1]}",
+                     f"UPDATE messages SET tool_calls = '' WHERE id = {calls[2]}")
+        self.db.create_session("blob", "cli")  # a BLOB alone: the long way
+        blob = [self.db.append_message("blob", "user", "text"), self.db.append_message("blob", "user", "more")]
+        self.run_sql(f"UPDATE messages SET extra_blob = x'01' WHERE id = {blob[1]}")
         expected = "".join(json.dumps({**portable_row(self.db.get_session(e["id"])), "last_active": e["last_active"],
                                        "messages": [portable_message(m) for m in self.db.get_messages(e["id"])]},
                                       ensure_ascii=False, default=json_default) + "\n" for e in self.db.export_all())
-        self.assertEqual(write_export(self.db.iter_export_jsonl(), "jsonl", self.tmp / "stream.jsonl"), 3)
+        self.assertEqual(write_export(self.db.iter_export_jsonl(), "jsonl", self.tmp / "stream.jsonl"), 5)
         self.assertEqual((self.tmp / "stream.jsonl").read_text(encoding="utf-8"), expected)
         write_export(self.db.export_all(), "jsonl", self.tmp / "dicts.jsonl")
         self.assertEqual((self.tmp / "dicts.jsonl").read_text(encoding="utf-8"), expected)
