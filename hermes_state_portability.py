@@ -655,14 +655,6 @@ def jsonl_pieces(export):
     return _jsonl_session({k: export[k] for k in keys[:at]}, texts, {k: export[k] for k in keys[at + 1:]})
 
 
-def _listed(session, rows, reader):
-    return {**session, "messages": reader[1](rows.fetchall())}
-
-
-def _streamed(session, rows, reader):  # messages read EXPORT_RUN_MESSAGES at a time, as they are used
-    return _jsonl_session(session, iter(lambda: reader[2](rows.fetchmany(EXPORT_RUN_MESSAGES)), ""), {})
-
-
 def _jsonl_session(before, texts, after):
     """The pieces of jsonl_line({**before, "messages": [texts joined], **after}); texts are a list's items."""
     encode = _JSONL_ENCODER.encode
@@ -939,18 +931,21 @@ class SessionPortabilityMixin:
         """Every `sessions` column (system prompt resolved) and `messages`, the active rows in id
         order as get_messages gives them; BLOBs portable (see BYTES_MARKER). None for an unknown id."""
         session = self.get_session(session_id)
-        return None if session is None else next(self._exported([portable_row(session)], _listed))
+        return None if session is None else next(self._exported([portable_row(session)]))
 
-    def _exported(self, sessions, shape):
-        """shape(session, its messages' cursor, _export_reader's functions) for each session (a generator),
-        read on one pooled read connection in plain tuples (a sqlite3.Row a row costs more)."""
+    def _exported(self, sessions, streamed=False):
+        """Each session with its messages (a generator): a dict, or `streamed`, jsonl pieces read a run at a
+        time as they are used; on one pooled read connection, in plain tuples (a sqlite3.Row costs more)."""
         conn = self._borrow_reader()
         try:
             cursor = conn.cursor()
             cursor.row_factory = None
-            reader = self._export_reader(cursor)
+            read, convert, encoded = self._export_reader(cursor)
             for session in sessions:
-                yield shape(session, reader[0](session["id"]), reader)
+                rows = read(session["id"])
+                runs = iter(lambda rows=rows: encoded(rows.fetchmany(EXPORT_RUN_MESSAGES)), "")
+                yield (_jsonl_session(session, runs, {}) if streamed
+                       else {**session, "messages": convert(rows.fetchall())})
         finally:
             self._idle_readers.put(conn)
 
@@ -966,12 +961,14 @@ class SessionPortabilityMixin:
         if "content" in names:  # text starting with CONTENT_JSON_PREFIX sorts from it to the next prefix
             flags.append("(content >= ? AND content < ?)")  # (substr() would stop at its NUL)
             params = (CONTENT_JSON_PREFIX, CONTENT_JSON_PREFIX[:-1] + chr(ord(CONTENT_JSON_PREFIX[-1]) + 1))
-        calls = "tool_calls IS NOT NULL" if "tool_calls" in names else "0"
+        calls, at = ("tool_calls IS NOT NULL", kept.index("tool_calls")) if "tool_calls" in kept else ("0", 0)
         sql = (f"SELECT {', '.join(map(quote_identifier, columns))}, CASE WHEN {' OR '.join(flags) or 0} "
                f"THEN 2 WHEN {calls} THEN 1 ELSE 0 END FROM messages "
                "WHERE session_id = ? AND active = 1 ORDER BY id")
 
         def decoded(row):  # the long way, as decode_message and portable_message take it
+            if row[-1] == 1 and bytes not in map(type, row):  # tool_calls alone: the short cut
+                return dict(zip(kept, row), tool_calls=loads_or(row[at], []) if row[at] else row[at])
             if len(columns) > len(kept) or bytes in map(type, row):
                 return portable_message(decode_message(zip(columns, row)))
             return decode_message(zip(kept, row))
@@ -1028,12 +1025,12 @@ class SessionPortabilityMixin:
     def iter_export_all(self, source=None):
         """export_all one session at a time (a generator): memory is bounded by the largest
         session, not the store. iter_export_jsonl streams further."""
-        return self._exported(self._export_sessions(source), _listed)
+        return self._exported(self._export_sessions(source))
 
     def iter_export_jsonl(self, source=None):
         """iter_export_all as write_export's jsonl, one iterator of text pieces a session (a generator; use
         each before taking the next): memory holds EXPORT_RUN_MESSAGES messages however long the session."""
-        return self._exported(self._export_sessions(source), _streamed)
+        return self._exported(self._export_sessions(source), streamed=True)
 
     def _export_sessions(self, source):
         """iter_export_all's sessions, portable, without messages. The order is read once, at the start;
