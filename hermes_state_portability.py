@@ -931,17 +931,17 @@ class SessionPortabilityMixin:
         """Every `sessions` column (system prompt resolved) and `messages`, the active rows in id
         order as get_messages gives them; BLOBs portable (see BYTES_MARKER). None for an unknown id."""
         session = self.get_session(session_id)
-        return None if session is None else next(self._exported([portable_row(session)]))
+        return None if session is None else next(self._exported(one=portable_row(session)))
 
-    def _exported(self, sessions, streamed=False):
-        """Each session with its messages (a generator): a dict, or `streamed`, jsonl pieces read a run at a
-        time as they are used; on one pooled read connection, in plain tuples (a sqlite3.Row costs more)."""
+    def _exported(self, source=None, streamed=False, one=None):
+        """Each session of `source` (or `one`) with its messages (a generator): a dict, or `streamed`, jsonl
+        pieces read a run at a time; one pooled read connection, plain tuples (a sqlite3.Row costs more)."""
         conn = self._borrow_reader()
         try:
-            cursor = conn.cursor()
-            cursor.row_factory = None
+            cursor, sessions = conn.cursor(), conn.cursor()
+            cursor.row_factory = sessions.row_factory = None
             read, convert, encoded = self._export_reader(cursor)
-            for session in sessions:
+            for session in [one] if one else self._export_sessions(source, sessions):
                 rows = read(session["id"])
                 runs = iter(lambda rows=rows: encoded(rows.fetchmany(EXPORT_RUN_MESSAGES)), "")
                 yield (_jsonl_session(session, runs, {}) if streamed
@@ -1025,23 +1025,25 @@ class SessionPortabilityMixin:
     def iter_export_all(self, source=None):
         """export_all one session at a time (a generator): memory is bounded by the largest
         session, not the store. iter_export_jsonl streams further."""
-        return self._exported(self._export_sessions(source))
+        return self._exported(source)
 
     def iter_export_jsonl(self, source=None):
         """iter_export_all as write_export's jsonl, one iterator of text pieces a session (a generator; use
         each before taking the next): memory holds EXPORT_RUN_MESSAGES messages however long the session."""
-        return self._exported(self._export_sessions(source), streamed=True)
+        return self._exported(source, streamed=True)
 
-    def _export_sessions(self, source):
-        """iter_export_all's sessions, portable, without messages. The order is read once, at the start;
-        the rows EXPORT_SESSION_CHUNK at a time, each as get_session gives it, just before its messages."""
+    def _export_sessions(self, source, cursor):
+        """iter_export_all's sessions, portable, without messages, read on a tuple `cursor`. The order is read
+        once, at the start; the rows EXPORT_SESSION_CHUNK at a time, each as get_session gives it."""
         where, params = ("WHERE s.source = ?", (source,)) if source else ("", ())
         order = self._read_all(EXPORT_ORDER_SQL.format(where=where), (*params, EXPORT_ALL_LIMIT))
         for start in range(0, len(order), EXPORT_SESSION_CHUNK):
             chunk = order[start:start + EXPORT_SESSION_CHUNK]
             self._flush_token_counts()  # as get_session does: queued counts are part of the row
-            sessions = {session["id"]: session for session in self._read_sessions(
-                "", f" WHERE s.id IN ({placeholders(len(chunk))})", [session_id for session_id, _ in chunk])}
+            rows = cursor.execute(f"SELECT s.* FROM sessions AS s WHERE s.id IN ({placeholders(len(chunk))})",
+                                  [session_id for session_id, _ in chunk])
+            names = [column[0] for column in rows.description]  # (dict(sqlite3.Row) finds each value by name)
+            sessions = {one["id"]: one for one in self._resolved([dict(zip(names, row)) for row in rows])}
             for session_id, last_active in chunk:
                 session = sessions.pop(session_id, None)
                 if session is not None:  # (None: deleted since the order was read)
