@@ -142,10 +142,11 @@ def job_search(SessionDB, path, queries, runs=SEARCH_RUNS, **_):
 
 def job_export_all(SessionDB, path, **_):
     with contextlib.closing(SessionDB(Path(path))) as db:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         sessions = db.export_all()
-        seconds = time.perf_counter() - start
-    return {"seconds": seconds, "sessions": len(sessions), "messages": sum(len(s["messages"]) for s in sessions)}
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"seconds": seconds, "cpu_seconds": cpu, "sessions": len(sessions),
+            "messages": sum(len(s["messages"]) for s in sessions)}
 
 
 def job_cli_export(SessionDB, path, out, side, **_):
@@ -153,7 +154,7 @@ def job_cli_export(SessionDB, path, out, side, **_):
     process. Reference: what `hermes sessions export OUT` does for jsonl (export_all, then one
     json.dumps line per session), without the rest of hermes-agent's CLI start-up."""
     base = _rss_mb()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if side == "ours":
         import hermes_state_cli
         with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
@@ -165,8 +166,8 @@ def job_cli_export(SessionDB, path, out, side, **_):
             with open(out, "w", encoding="utf-8") as fh:
                 for session in sessions:
                     fh.write(json.dumps(session, ensure_ascii=False) + "\n")
-    return {"seconds": time.perf_counter() - start, "peak_mb": _rss_mb(), "base_mb": base,
-            "bytes": os.path.getsize(out)}
+    return {"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu, "peak_mb": _rss_mb(),
+            "base_mb": base, "bytes": os.path.getsize(out)}
 
 
 def _read_jsonl(path, limit=None):

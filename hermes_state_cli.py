@@ -174,6 +174,8 @@ def _cmd_export(db, args, out):
             sys.stderr.write(f"error: no session matches {args.session_id!r} (unknown or ambiguous)\n")
             return 1
         exports = [export]
+    elif args.format == "jsonl" and not args.redact:  # a run of messages in memory at a time (issue 17)
+        exports = db.iter_export_jsonl(source=args.source)
     else:
         exports = db.iter_export_all(source=args.source)
     count = write_export(exports, args.format, args.out, redact_secrets=args.redact)

@@ -1,19 +1,16 @@
 """SessionPortabilityMixin: sessions as portable objects, in and out.
 
-Owns the export shapes (one session, a compression chain as one session, the
-whole store as a list and as a stream), `import_sessions` (validate everything,
-then write in one transaction; history comes back, runtime ownership does not),
-how a BLOB travels in JSON, the export renderers (jsonl, md, qmd, html, trace)
-and best-effort redaction. Whole-home backup and restore are a different entry
-point (hermes_state).
-
-It reads through SessionDB's public readers and writes through
-`_execute_write`; it never imports hermes_state.
+Owns the export shapes (one session, a compression chain as one session, the whole store as a list and as
+streams), `import_sessions` (validate everything, then write; history comes back, runtime ownership does not),
+how a BLOB travels in JSON, the export renderers (jsonl, md, qmd, html, trace) and best-effort redaction.
+Whole-home backup and restore are hermes_state's. It reads through SessionDB's readers and pooled read
+connections, writes through `_execute_write`, and never imports hermes_state.
 """
 
 import base64
 import binascii
 import contextlib
+import gc
 import hashlib
 import html
 import itertools
@@ -28,8 +25,8 @@ import time
 from hermes_state_common import (
     CONTENT_JSON_PREFIX, INSERT_SESSION_SQL, LAST_ACTIVE_SQL, INSERT_SYSTEM_PROMPT_SQL, MESSAGE_WRITE_COLUMNS,
     SELECT_LINEAGE_LINK_SQL, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL, SET_MESSAGE_COUNTS_SQL,
-    SET_PARENT_SQL, TITLE_MAX_LENGTH, count_tool_calls, decode_content, decode_display_metadata,
-    decode_message, loads_or, normalize_title, placeholders, quote_identifier, scrub_surrogates)
+    SET_PARENT_SQL, TITLE_MAX_LENGTH, count_tool_calls, decode_message, loads_or, normalize_title,
+    placeholders, quote_identifier, scrub_surrogates)
 from hermes_state_schema import live_columns, pause_between_chunks, prompt_hash
 
 ID_MAX_LENGTH = 256
@@ -39,6 +36,9 @@ EXPORT_ALL_LIMIT = 100_000
 # Sessions whose rows iter_export_all reads in one query (a per-session query cost more than the rows of a
 # short session); well under SQLite's 999 variables.
 EXPORT_SESSION_CHUNK = 200
+# Messages measured, read or encoded at once: memory stays flat in a session of any length, and the encoder's
+# set-up a call does not show.
+EXPORT_RUN_MESSAGES = 256
 # export_all's order, hermes-agent's search_sessions order: most recently active first (the newer of the last
 # message and the activity heartbeat, else the start), then newest start, then id.
 EXPORT_ORDER_SQL = ("SELECT s.id, " + LAST_ACTIVE_SQL.format(a="s") + " AS last_active FROM sessions AS s {where}"
@@ -46,9 +46,7 @@ EXPORT_ORDER_SQL = ("SELECT s.id, " + LAST_ACTIVE_SQL.format(a="s") + " AS last_
 SET_ARCHIVED_MESSAGE_SQL = "UPDATE messages SET active = 0, compacted = ? WHERE id = ?"
 
 
-# ---------------------------------------------------------------------------
-# Portable values: a BLOB in JSON
-# ---------------------------------------------------------------------------
+# -- Portable values: a BLOB in JSON -------------------------------------------------------------------------
 
 # JSON has no bytes: a BLOB value travels as {"__base64__": "<standard base64>"}, and import stores it back as
 # a BLOB (README, "Moving history").
@@ -56,30 +54,34 @@ BYTES_MARKER = "__base64__"
 # Message columns hermes-agent 0.22 derives from the row itself (its display dedupe key and order): its
 # get_messages leaves them out, so exports do; it derives them again after import.
 DERIVED_MESSAGE_COLUMNS = frozenset({"display_identity", "display_order"})
+DROPPED_MESSAGE_COLUMNS = (*DERIVED_MESSAGE_COLUMNS, "_compressed_summary")
 
 
 BINARY_TYPES = (bytes, bytearray, memoryview)
 
 
 def json_default(value):
-    """The `default` hook of json.dumps for every output: bytes as the BYTES_MARKER object, anything else as str()."""
+    """The `default` hook of json.dumps for every output: bytes as the BYTES_MARKER object, else str()."""
     if isinstance(value, BINARY_TYPES):
         return {BYTES_MARKER: base64.b64encode(bytes(value)).decode("ascii")}
     return str(value)
 
 
-def portable_row(row, dropped=frozenset()):
+def portable_row(row, dropped=()):
     """A row dict JSON can hold: BLOB values as BYTES_MARKER objects, the `dropped` keys left out."""
-    if not dropped and not any(map(isinstance, row.values(), itertools.repeat(BINARY_TYPES))):  # (C loops)
-        return dict(row)
+    portable = dict(row)
+    for key in dropped:
+        portable.pop(key, None)
+    if not any(map(isinstance, portable.values(), itertools.repeat(BINARY_TYPES))):  # (C loops; most: none)
+        return portable
     return {key: json_default(value) if isinstance(value, BINARY_TYPES) else value
-            for key, value in row.items() if key not in dropped}
+            for key, value in portable.items()}
 
 
 def portable_message(message):
     """A message row as hermes-agent 0.22 exports it: portable, without the columns it derives,
     `_compressed_summary` only when set (as true, last)."""
-    portable = portable_row(message, DERIVED_MESSAGE_COLUMNS | {"_compressed_summary"})
+    portable = portable_row(message, DROPPED_MESSAGE_COLUMNS)
     if message.get("_compressed_summary"):
         portable["_compressed_summary"] = True
     return portable
@@ -95,9 +97,7 @@ def from_portable(value):
     return value
 
 
-# ---------------------------------------------------------------------------
-# Import validation (pass 1): pure functions over the payload
-# ---------------------------------------------------------------------------
+# -- Import validation (pass 1): pure functions over the payload ---------------------------------------------
 
 # Text or null, as hermes-agent checks them ("<field> must be a string").
 SESSION_TEXT_FIELDS = ("source", "user_id", "model", "system_prompt", "end_reason", "cwd", "git_branch",
@@ -122,8 +122,7 @@ SESSION_RESET_FIELDS = frozenset({
     "compression_recovery_deadline", "compression_overload_streak", "profile_name", "title_source",
     "git_metadata_generation", "created_source", "transport_profile", "tool_names",
     "id", "parent_session_id", "messages", "message_count", "tool_call_count", "system_prompt_hash",
-    "last_active", "preview", "segments", "lineage_session_ids", "timings",
-})
+    "last_active", "preview", "segments", "lineage_session_ids", "timings", })
 # Session fields converted on the way in, whatever their value (none is refused for its size).
 SESSION_CONVERTED_FIELDS = SESSION_RESET_FIELDS | {"started_at", "model_config", *SESSION_TEXT_FIELDS,
                                                    *SESSION_FLOAT_FIELDS, *SESSION_FLAG_FIELDS}
@@ -139,8 +138,6 @@ NESTED_MESSAGE_FIELDS = ("tool_calls", "display_metadata", *REASONING_JSON_FIELD
 INT_RANGE = (-2 ** 63, 2 ** 63)
 
 
-# Messages are measured this many to an encoder call (each call sets up a C encoder).
-SIZE_CHUNK_MESSAGES = 64
 _COMPACT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
@@ -149,9 +146,8 @@ def _utf8_size(text):
 
 
 def _compact_size(value):
-    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit. An object is
-    measured a member at a time and a list of messages SIZE_CHUNK_MESSAGES at a time: the same
-    bytes, without one whole text that a single CJK character would make four bytes a character."""
+    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit; measured a member and a run of
+    messages at a time: no one whole text that a single CJK character would make four bytes a character."""
     encode = _COMPACT_ENCODER.encode
     if not isinstance(value, dict):
         return _utf8_size(encode(value))
@@ -159,12 +155,16 @@ def _compact_size(value):
     for key, member in value.items():
         if key == "messages" and type(member) is list:
             # Each run is "[...]"; runs joined by commas make one list: one pair of brackets.
-            runs = [member[start:start + SIZE_CHUNK_MESSAGES]
-                    for start in range(0, max(1, len(member)), SIZE_CHUNK_MESSAGES)]
+            runs = _message_runs(member)
             size += _utf8_size(encode(key)) + 1 + sum(_utf8_size(encode(run)) for run in runs) - len(runs) + 1
         else:
             size += _utf8_size(encode({key: member})) - 2
     return size
+
+
+def _message_runs(messages):
+    """`messages` in lists of EXPORT_RUN_MESSAGES; one empty list for none."""
+    return [messages[i:i + EXPORT_RUN_MESSAGES] for i in range(0, max(1, len(messages)), EXPORT_RUN_MESSAGES)]
 
 
 def _depth(value, limit):
@@ -178,10 +178,8 @@ def _depth(value, limit):
         if level > limit:
             return level
         deepest = max(deepest, level)
-        children = [child for child in (item.values() if isinstance(item, dict) else item)
-                    if isinstance(child, (list, dict))]
-        if children:
-            stack.extend((child, level + 1) for child in children)
+        stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item)
+                     if isinstance(child, (list, dict)))
     return deepest
 
 
@@ -219,10 +217,8 @@ def import_id(entry):
 
 
 def validate_import(sessions, limits):
-    """Pass 1: every rejected entry as {"index", "error", "session_id"?}, one error an entry
-    (the first found, in hermes-agent's words). `limits` maps the names of import_limits().
-
-    Raises ValueError when `sessions` is not a list or has too many entries."""
+    """Pass 1: every rejected entry as {"index", "error", "session_id"?}, its first error in hermes-agent's
+    words; `limits` as import_limits() names them. Raises ValueError for a non-list or too many entries."""
     if not isinstance(sessions, list):
         raise ValueError("sessions must be a list")
     if len(sessions) > limits["sessions"]:
@@ -241,25 +237,23 @@ def validate_import(sessions, limits):
 
 def _check_entry(entry, session_id, seen, totals, limits):
     """Raise ValueError with the first problem of one entry; count its bytes and messages into `totals`."""
-    if not isinstance(entry, dict):
-        raise ValueError("session must be an object")
-    if not session_id:
-        raise ValueError("session id is required")
-    if len(session_id) > ID_MAX_LENGTH:
-        raise ValueError(f"session id is {len(session_id)} characters; the limit is {ID_MAX_LENGTH}")
-    if session_id in seen:
-        raise ValueError("duplicate session id")
-    messages = entry.get("messages") or []
-    if not isinstance(messages, list):
-        raise ValueError("messages must be a list")
-    if len(messages) > limits["messages_per_session"]:
-        raise ValueError("messages exceeds the per-session import limit")
-    if any(not isinstance(message, dict) for message in messages):
-        raise ValueError("messages must contain only objects")
+    messages = (entry.get("messages") or []) if isinstance(entry, dict) else []
     # A field's limit counts from its value; an entry adds three levels (entry, messages, message).
     envelope = limits["depth"] + 3
-    if _depth(entry, envelope) > envelope:
-        raise ValueError(f"session nests lists and objects more than {envelope} levels deep")
+    for failed, error in (  # in this order, the first failing one
+            (lambda: not isinstance(entry, dict), "session must be an object"),
+            (lambda: not session_id, "session id is required"), (lambda: len(session_id) > ID_MAX_LENGTH,
+             f"session id is {len(session_id)} characters; the limit is {ID_MAX_LENGTH}"),
+            (lambda: session_id in seen, "duplicate session id"),
+            (lambda: not isinstance(messages, list), "messages must be a list"),
+            (lambda: len(messages) > limits["messages_per_session"],
+             "messages exceeds the per-session import limit"),
+            (lambda: not all(isinstance(message, dict) for message in messages),
+             "messages must contain only objects"),
+            (lambda: _depth(entry, envelope) > envelope,
+             f"session nests lists and objects more than {envelope} levels deep")):
+        if failed():
+            raise ValueError(error)
     try:  # `timings` only describes the messages (hermes-agent 0.22 leaves it out of the measure too)
         size = _compact_size({key: value for key, value in entry.items() if key != "timings"})
     except (TypeError, ValueError):
@@ -318,9 +312,7 @@ def _check_message(position, message, depth_limit):
             _check_nesting(f"messages[{position}].{field}", value, depth_limit)
 
 
-# ---------------------------------------------------------------------------
-# Import writing (pass 2): rows from a validated entry
-# ---------------------------------------------------------------------------
+# -- Import writing (pass 2): rows from a validated entry ----------------------------------------------------
 
 
 def _number(value, kind, default=None):
@@ -413,9 +405,7 @@ def _attach_parents(conn, links):
             detached += 1
     return detached
 
-# ---------------------------------------------------------------------------
-# Redaction (best effort)
-# ---------------------------------------------------------------------------
+# -- Redaction (best effort) ---------------------------------------------------------------------------------
 
 REDACTED = "[REDACTED]"
 
@@ -445,68 +435,50 @@ _AWS_KEY_IDS = ("akia", "asia", "abia", "acca")
 # (name, example, needs, pattern): what each group named secret* matched is masked, the rest kept. A pattern
 # runs only on text whose lower-case form holds one of its `needs`: a quick substring test that spares most
 # text most patterns. Run in this order.
-SECRET_PATTERNS = (
-    ("private key block (PEM, OpenSSH, PGP), with or without its END line",
+SECRET_PATTERNS = (("private key block (PEM, OpenSSH, PGP), with or without its END line",
      "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----",
-     ("private key",),
-     r"(?s)(?P<secret>-----BEGIN[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----"
+     ("private key",), r"(?s)(?P<secret>-----BEGIN[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----"
      r"(?:.*?-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----|.*))"),
     ("PuTTY private key", "PuTTY-User-Key-File-3: ssh-ed25519\nPrivate-Lines: 1\nAAAAIEXAMPLE\nPrivate-MAC: 0a1b",
-     ("putty-user-key-file",),
-     r"(?s)(?P<secret>PuTTY-User-Key-File-\d+:(?:.*?Private-MAC: *[0-9a-f]+|.*))"),
+     ("putty-user-key-file",), r"(?s)(?P<secret>PuTTY-User-Key-File-\d+:(?:.*?Private-MAC: *[0-9a-f]+|.*))"),
     ("password in a URL (user:password@host, also :password@ and passwords holding @)",
-     "redis://:p@ss@cache.internal:6379/0",
-     ("://",),
+     "redis://:p@ss@cache.internal:6379/0", ("://",),
      r"(?i)\b[a-z][a-z0-9+.-]*://[^\s:/@\"'<>]{0,256}:(?P<secret>[^\s\"'<>]{1,256}?)"
      r"@(?=(?:[\w.-]+|\[[0-9a-f:.]+\])(?::\d+)?(?:[/?#\s\"'<>\\,;)\]]|$))"),
     ("Slack webhook", "https://hooks.slack.com/services/T0EXAMPLE/B0EXAMPLE/abcdefghijklmnopqrstuvwx",
-     ("hooks.slack.com",),
-     r"hooks\.slack\.com/(?:services|workflows|triggers)/(?P<secret>[A-Za-z0-9/_-]+)"),
+     ("hooks.slack.com",), r"hooks\.slack\.com/(?:services|workflows|triggers)/(?P<secret>[A-Za-z0-9/_-]+)"),
     ("Discord webhook", "https://discord.com/api/webhooks/123456789012345678/abcdefGHIJKL-mnopqrst_uvwx",
-     ("/api/webhooks/",),
-     r"discord(?:app)?\.com/api/webhooks/\d+/(?P<secret>[A-Za-z0-9_-]+)"),
+     ("/api/webhooks/",), r"discord(?:app)?\.com/api/webhooks/\d+/(?P<secret>[A-Za-z0-9_-]+)"),
     ("AWS access key id with its secret key beside it", "AKIAIOSFODNN7EXAMPLE,wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
-     _AWS_KEY_IDS,
-     r"(?<![A-Z0-9])(?P<secret>(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16})[\s,;:|\"']+"
+     _AWS_KEY_IDS, r"(?<![A-Z0-9])(?P<secret>(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16})[\s,;:|\"']+"
      r"(?P<secret2>[A-Za-z0-9/+]{40})(?![A-Za-z0-9/+])"),
-    ("AWS access key id", "AKIAIOSFODNN7EXAMPLE",
-     _AWS_KEY_IDS,
+    ("AWS access key id", "AKIAIOSFODNN7EXAMPLE", _AWS_KEY_IDS,
      r"(?<![A-Z0-9])(?P<secret>(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16})(?![A-Z0-9])"),
     ("sk- keys: OpenAI (sk-, sk-proj-, sk-svcacct-), Anthropic (sk-ant-), OpenRouter, DeepSeek",
-     "sk-ant-api03-EXAMPLEexampleEXAMPLEexample",
-     ("sk-",),
-     r"(?<![\w-])(?P<secret>sk-[A-Za-z0-9_-]{20,})"),
+     "sk-ant-api03-EXAMPLEexampleEXAMPLEexample", ("sk-",), r"(?<![\w-])(?P<secret>sk-[A-Za-z0-9_-]{20,})"),
     ("Stripe keys and webhook secrets, sk_ keys (ElevenLabs)", "whsec_EXAMPLEexampleEXAMPLEexample",
      ("sk_", "rk_", "pk_", "whsec_"),
      r"(?<![\w-])(?P<secret>(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{10,}|sk_[A-Za-z0-9]{32,}"
-     r"|whsec_[A-Za-z0-9+/=]{20,})"),
-    ("GitHub tokens", "ghp_EXAMPLEexampleEXAMPLEexample012345",
+     r"|whsec_[A-Za-z0-9+/=]{20,})"), ("GitHub tokens", "ghp_EXAMPLEexampleEXAMPLEexample012345",
      ("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
      r"(?<![\w-])(?P<secret>gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})"),
-    ("GitLab tokens", "glpat-EXAMPLEexample012345",
-     ("gl",),
+    ("GitLab tokens", "glpat-EXAMPLEexample012345", ("gl",),
      r"(?<![\w-])(?P<secret>gl(?:pat|dt|rt|ptt|ft|imt|oas|cbt|soat|agent)-[A-Za-z0-9_-]{20,})"),
-    ("Slack tokens", "xapp-1-A0EXAMPLE-1234567890-abcdef0123456789",
-     ("xox", "xapp-"),
+    ("Slack tokens", "xapp-1-A0EXAMPLE-1234567890-abcdef0123456789", ("xox", "xapp-"),
      r"(?<![\w-])(?P<secret>xox[a-z](?:\.xox[a-z])?-[A-Za-z0-9-]{10,}|xapp-\d-[A-Za-z0-9-]{10,})"),
-    ("Discord bot token", "MTIzNDU2Nzg5MDEyMzQ1Njc4.GaBcDe.EXAMPLEexampleEXAMPLEexample0123",
-     (".",),
+    ("Discord bot token", "MTIzNDU2Nzg5MDEyMzQ1Njc4.GaBcDe.EXAMPLEexampleEXAMPLEexample0123", (".",),
      r"(?<![\w-])(?P<secret>[MNO][A-Za-z0-9_-]{23,27}\.[A-Za-z0-9_-]{6}\.[A-Za-z0-9_-]{27,40})(?![\w-])"),
-    ("Telegram bot token", "123456789:AAEXAMPLEexampleEXAMPLEexample01234",
-     (":",),
+    ("Telegram bot token", "123456789:AAEXAMPLEexampleEXAMPLEexample01234", (":",),
      r"(?<!\d)(?P<secret>\d{6,12}:[A-Za-z0-9_-]{30,})(?![\w-])"),
-    ("SendGrid key", "SG.EXAMPLEexample012345.EXAMPLEexampleEXAMPLEexampleEXAMPLEexample0",
-     ("sg.",),
+    ("SendGrid key", "SG.EXAMPLEexample012345.EXAMPLEexampleEXAMPLEexampleEXAMPLEexample0", ("sg.",),
      r"(?<![\w-])(?P<secret>SG\.[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,})"),
-    ("Twilio account and key ids", "SK0123456789abcdef0123456789abcdef",
-     ("ac", "sk"),
+    ("Twilio account and key ids", "SK0123456789abcdef0123456789abcdef", ("ac", "sk"),
      r"(?<![\w-])(?P<secret>(?:AC|SK)[0-9a-f]{32})(?![\w-])"),
     ("Google API key, OAuth client secret, access and refresh tokens", "GOCSPX-EXAMPLEexampleEXAMPLEexam",
      ("aiza", "gocspx-", "ya29.", "1//0"),
      r"(?<![\w-])(?P<secret>AIza[0-9A-Za-z_-]{35}|GOCSPX-[A-Za-z0-9_-]{20,}|ya29\.[A-Za-z0-9_-]{20,}"
      r"|1//0[A-Za-z0-9_-]{30,})"),
-    ("Azure AD client secret", "abc8Q~EXAMPLEexampleEXAMPLEexample012",
-     ("q~",),
+    ("Azure AD client secret", "abc8Q~EXAMPLEexampleEXAMPLEexample012", ("q~",),
      r"(?<![\w~.-])(?P<secret>[A-Za-z0-9_~.-]{3}\dQ~[A-Za-z0-9_~.-]{31,34})"),
     ("Hugging Face, npm, PyPI tokens", "hf_EXAMPLEexampleEXAMPLEexample0123",
      ("hf_", "api_org_", "npm_", "pypi-"),
@@ -531,13 +503,11 @@ SECRET_PATTERNS = (
      ("eyj",),
      r"(?<![\w-])(?P<secret>eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*)"),
     ("secret name, then : or = and a value (env, YAML, JSON, TOML, INI, headers, code, URL queries)",
-     'db:\n  password: "pa ss w0rd"\nexport AZURE_OPENAI_KEY=0123456789abcdef',
-     _NAME_WORDS,
+     'db:\n  password: "pa ss w0rd"\nexport AZURE_OPENAI_KEY=0123456789abcdef', _NAME_WORDS,
      rf"(?i){_NAMED}(?:[ \t]*(?::=|=>|:(?!//)|=)[ \t]*{_QUOTED}"
      rf"|(?:[ \t]*(?::=|=>|:(?!//))[ \t]*|[ \t]+=[ \t]*|=[ \t]+){_TO_LINE_END}|=(?![=\s]){_TO_WORD_END})"),
     ("name/value pair with a secret name (JSON environment and header lists)",
-     '{"name": "DB_PASSWORD", "value": "hunter2"}',
-     ("value",),
+     '{"name": "DB_PASSWORD", "value": "hunter2"}', ("value",),
      rf"(?i)(?P<nq>\\?[\"'])(?:name|key)(?P=nq)[ \t]*:[ \t]*(?P=nq)(?:{SECRET_NAME})(?P=nq)[ \t]*,[ \t]*"
      rf"(?P=nq)value(?P=nq)[ \t]*:[ \t]*(?:{_QUOTED}|{_TO_WORD_END})"),
     ("name/value pair with a secret name (YAML environment lists)", "- name: DB_PASSWORD\n  value: hunter2",
@@ -546,27 +516,21 @@ SECRET_PATTERNS = (
     ("command-line option with a secret name, also in an argument list", "mysql --password hunter2 -h db",
      _NAME_WORDS,
      rf"(?i)(?<![\w.-])--?(?:{SECRET_NAME})(?:[ \t]+|\\?[\"'][ \t]*,[ \t]*)(?!-)(?:{_QUOTED}|{_TO_WORD_END})"),
-    ("curl -u user:password", "curl -u admin:hunter2 https://example.com",
-     ("-u", "--user"),
+    ("curl -u user:password", "curl -u admin:hunter2 https://example.com", ("-u", "--user"),
      r"(?:\s-u|--user)[ \t]*[\"']?[^\s:\"']*:(?P<secret>[^\s\"']+)"),
-    (".netrc line", "machine api.example.com login bob password hunter2",
-     ("machine",),
+    (".netrc line", "machine api.example.com login bob password hunter2", ("machine",),
      r"(?i)\bmachine[ \t]+\S+(?:[ \t]+login[ \t]+\S+)?[ \t]+password[ \t]+(?P<secret>\S+)"),
-    ("password said in prose", "the password is 'swordfish'",
-     ("pass", "pwd"),
+    ("password said in prose", "the password is 'swordfish'", ("pass", "pwd"),
      r"(?i)\b(?:pass(?:word|phrase|code)|passwd|pwd)[ \t]+(?:is|was|:|=|->)[ \t]+"
      r"(?:(?P<pq>[\"'`])(?P<secret_q>[^\"'`\n]+)(?P=pq)|(?P<secret>[^\s\"'`]+))"),
-    ("password followed by a word with a digit", "password Pa55w0rd",
-     ("pass", "pwd"),
+    ("password followed by a word with a digit", "password Pa55w0rd", ("pass", "pwd"),
      r"(?i)\b(?:pass(?:word|phrase|code)|passwd|pwd)[ \t]+[\"'`]?(?P<secret>(?=[^\s\"'`]*\d)[^\s\"'`]{4,})"),
     ("token, secret or key said in prose, when the value looks like one", "my api key is 0123456789abcdef",
      ("secret", "token", "key"),
      r"(?i)\b(?:secret|token|api[ _-]?key|access[ _-]?key|key)[ \t]+(?:is|was|:|=|->)[ \t]+[\"'`]?"
      r"(?P<secret>(?=[^\s\"'`]*\d)[^\s\"'`]{8,}|[^\s\"'`]{16,})"),
-    ("bearer token anywhere", "curl -H 'Authorization: Bearer abc123def456'",
-     ("bearer",),
-     r"(?i)\bbearer[ \t]+(?P<secret>(?=[A-Za-z0-9._~+/=-]*\d)[A-Za-z0-9._~+/=-]{8,})"),
-)
+    ("bearer token anywhere", "curl -H 'Authorization: Bearer abc123def456'", ("bearer",),
+     r"(?i)\bbearer[ \t]+(?P<secret>(?=[A-Za-z0-9._~+/=-]*\d)[A-Za-z0-9._~+/=-]{8,})"), )
 _COMPILED_PATTERNS = tuple((needs, re.compile(pattern)) for _name, _example, needs, pattern in SECRET_PATTERNS)
 _SECRET_NAME_RE = re.compile(SECRET_NAME, re.I)
 _SECRET_OPTION_RE = re.compile(rf"--?(?:{SECRET_NAME})", re.I)
@@ -602,11 +566,9 @@ def redact_text(text):
 
 
 def redact(export):
-    """A copy of an export with every secret masked and every identifier (ID_KEYS) kept.
-
-    Strings go through redact_text; a value whose key is a secret name (api_key,
-    DB_PASS, X-API-Key, ...) is masked whole; JSON held in a string (tool
-    arguments, model_config) is walked as JSON, so its keys count too."""
+    """A copy of an export with every secret masked and every identifier (ID_KEYS) kept: strings through
+    redact_text, a value whose key is a secret name (api_key, DB_PASS, X-API-Key, ...) masked whole, JSON held
+    in a string (tool arguments, model_config) walked as JSON, so its keys count too."""
     return _redact(export, None, ID_KEYS, 0)
 
 
@@ -633,8 +595,7 @@ def _redact(value, key, exempt, depth):
 
 
 def _redact_string(text, depth):
-    """JSON text is walked as JSON and written back only if something was masked;
-    any other text goes through redact_text."""
+    """JSON text walked as JSON, written back only if something was masked; other text through redact_text."""
     if text.lstrip()[:1] in ("{", "["):
         try:
             decoded = json.loads(text)
@@ -656,8 +617,7 @@ def _redact_mapping(mapping, exempt, depth):
 
 
 def _redact_list(items, key, exempt, depth):
-    """Each item under the list's key; in an argument list, the item after a
-    secret option ("--password", "hunter2") is masked too."""
+    """Each item under the list's key; in an argument list, the item after a secret option too."""
     cleaned, after_option = [], False
     for item in items:
         cleaned.append(REDACTED if after_option and _is_secret_value(item) else _redact(item, key, exempt, depth))
@@ -665,9 +625,7 @@ def _redact_list(items, key, exempt, depth):
     return cleaned
 
 
-# ---------------------------------------------------------------------------
-# Renderers: each takes one export at a time, so exporting streams
-# ---------------------------------------------------------------------------
+# -- Renderers: each takes one export at a time, so exporting streams ----------------------------------------
 
 
 def iso_time(ts):
@@ -681,25 +639,32 @@ def jsonl_line(export):
 
 
 _JSONL_ENCODER = json.JSONEncoder(ensure_ascii=False, default=json_default)
+# Scalars as _JSONL_ENCODER writes them, NUL between them (no JSON text holds one): a list splits apart.
+_SCALARS_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=("\x00", ": "))
 
 
 def jsonl_pieces(export):
-    """jsonl_line(export) as strings that join to it, one a message. The line is never built
-    whole: memory stays at one message, and text stays narrow (one CJK character anywhere
-    makes a whole joined line two or four bytes a character)."""
+    """jsonl_line(export) as strings that join to it, a run of messages a piece: text stays narrow (one CJK
+    character anywhere makes a whole joined line two or four bytes a character)."""
     messages = export.get("messages")
     if type(messages) is not list or not messages:
         return [jsonl_line(export)]
-    keys = list(export)
+    keys, encode = list(export), _JSONL_ENCODER.encode
     at = keys.index("messages")
-    before, after = {k: export[k] for k in keys[:at]}, {k: export[k] for k in keys[at + 1:]}
+    texts = (encode(run)[1:-1] for run in _message_runs(messages))
+    return _jsonl_session({k: export[k] for k in keys[:at]}, texts, {k: export[k] for k in keys[at + 1:]})
+
+
+def _jsonl_session(before, texts, after):
+    """The pieces of jsonl_line({**before, "messages": [texts joined], **after}); texts are a list's items."""
     encode = _JSONL_ENCODER.encode
-    pieces = [encode(before)[:-1] + (', "messages": [' if before else '"messages": [')]
-    for message in messages:
-        pieces += (encode(message), ", ")
-    pieces[-1] = "]"
-    pieces.append((", " + encode(after)[1:] if after else "}") + "\n")
-    return pieces
+    yield encode(before)[:-1] + (', "messages": [' if before else '"messages": [')
+    separator = ""
+    for text in texts:
+        yield separator
+        yield text
+        separator = ", "
+    yield "]" + (", " + encode(after)[1:] if after else "}") + "\n"
 
 
 def trace_lines(export):
@@ -722,7 +687,7 @@ def trace_lines(export):
                            else None, "name": function.get("name"), "arguments": function.get("arguments")})
     events.append({"event": "session_end", "session_id": sid, "timestamp": export.get("ended_at"),
                    "end_reason": export.get("end_reason"), "message_count": export.get("message_count")})
-    return "".join(json.dumps(event, ensure_ascii=False, default=json_default) + "\n" for event in events)
+    return "".join(map(jsonl_line, events))
 
 
 def _md_text(text):
@@ -852,11 +817,9 @@ def html_section(export):
 
 
 def write_export(exports, fmt, out, *, redact_secrets=False):
-    """Render a stream of exports in `fmt` to `out` (a path; a folder for md/qmd; '-' for
-    stdout with jsonl and trace). Returns how many sessions were written.
-
-    Files are written under temporary names and renamed when the last session is
-    written: an export that fails part-way leaves no partial file behind."""
+    """How many of `exports` (for jsonl, maybe SessionDB.iter_export_jsonl's) went in `fmt` to `out`: a path,
+    a folder for md/qmd, '-' for stdout with jsonl and trace. Files get temporary names until the last session
+    is written: an export that fails part-way leaves no partial file behind."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(EXPORT_FORMATS)}")
     if out == "-" and fmt not in ("jsonl", "trace"):
@@ -870,7 +833,7 @@ def write_export(exports, fmt, out, *, redact_secrets=False):
         count = 0
         for export in exports:
             if fmt == "jsonl":
-                handle.writelines(jsonl_pieces(export))
+                handle.writelines(jsonl_pieces(export) if isinstance(export, dict) else export)
             else:
                 handle.write({"trace": trace_lines, "html": html_section}[fmt](export))
             count += 1
@@ -884,9 +847,9 @@ FILE_NAME_ID_CHARS = 64
 
 
 def markdown_file_name(session_id, fmt, taken=()):
-    """A file name for one session: its id's safe characters (at most FILE_NAME_ID_CHARS)
-    and the start of the id's SHA-256, so that ids differing only in unsafe characters,
-    in case, or past the cut get different names. The whole hash if the short one is in `taken`."""
+    """A file name for one session: its id's safe characters (at most FILE_NAME_ID_CHARS) and the start of its
+    SHA-256 (ids differing in unsafe characters, case or past the cut differ); all of it if that is
+    `taken`."""
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", session_id)[:FILE_NAME_ID_CHARS].strip("._-") or "session"
     digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
     name = f"{readable}-{digest[:12]}.{fmt}"
@@ -968,50 +931,78 @@ class SessionPortabilityMixin:
         """Every `sessions` column (system prompt resolved) and `messages`, the active rows in id
         order as get_messages gives them; BLOBs portable (see BYTES_MARKER). None for an unknown id."""
         session = self.get_session(session_id)
-        return None if session is None else self._with_messages(session)
+        return None if session is None else next(self._exported(one=portable_row(session)))
 
-    def _with_messages(self, session, reader=None):
-        """`session` exported with its messages; `reader` (from _export_reader) is reused across sessions."""
-        reader = reader or self._export_reader()
-        return {**portable_row(session), "messages": reader(session["id"])}
+    def _exported(self, source=None, streamed=False, one=None):
+        """Each session of `source` (or `one`) with its messages (a generator): a dict, or `streamed`, jsonl
+        pieces read a run at a time; one pooled read connection, plain tuples (a sqlite3.Row costs more)."""
+        conn = self._borrow_reader()
+        try:
+            cursor, sessions = conn.cursor(), conn.cursor()
+            cursor.row_factory = sessions.row_factory = None
+            read, convert, encoded = self._export_reader(cursor)
+            for session in [one] if one else self._export_sessions(source, sessions):
+                rows = read(session["id"])
+                runs = iter(lambda rows=rows: encoded(rows.fetchmany(EXPORT_RUN_MESSAGES)), "")
+                yield (_jsonl_session(session, runs, {}) if streamed
+                       else {**session, "messages": convert(rows.fetchall())})
+        finally:
+            self._idle_readers.put(conn)
 
-    def _export_reader(self):
-        """A function giving a session's messages as portable_message(get_messages(id)) would, read in
-        one pass: the row's dict is built once and only the rows holding a BLOB take the long way."""
-        names = [name for (name,) in self._read_all("SELECT name FROM pragma_table_info('messages')")]
-        kept = [name for name in names if name not in DERIVED_MESSAGE_COLUMNS and name != "_compressed_summary"]
-        extra = ["_compressed_summary"] if "_compressed_summary" in names else []
-        columns = kept + extra
-        sql = (f"SELECT {', '.join(map(quote_identifier, columns))} FROM messages "
+    def _export_reader(self, cursor):
+        """(read, convert, encoded): read(session_id) queries a session's messages on `cursor`, convert makes
+        rows what portable_message(get_messages(id)) gives, encoded their jsonl. The query flags the rows to
+        decode (1: tool_calls; 2: content encoded, display_metadata, ...); BLOBs are found here."""
+        names = [name for (name,) in cursor.execute("SELECT name FROM pragma_table_info('messages')")]
+        kept = [name for name in names if name not in DROPPED_MESSAGE_COLUMNS]
+        columns = kept + ["_compressed_summary"] * ("_compressed_summary" in names)
+        flags = [f"{n} IS NOT NULL" for n in ("display_metadata", "_compressed_summary") if n in names]
+        params = ()
+        if "content" in names:  # text starting with CONTENT_JSON_PREFIX sorts from it to the next prefix
+            flags.append("(content >= ? AND content < ?)")  # (substr() would stop at its NUL)
+            params = (CONTENT_JSON_PREFIX, CONTENT_JSON_PREFIX[:-1] + chr(ord(CONTENT_JSON_PREFIX[-1]) + 1))
+        calls, at = ("tool_calls IS NOT NULL", kept.index("tool_calls")) if "tool_calls" in kept else ("0", 0)
+        sql = (f"SELECT {', '.join(map(quote_identifier, columns))}, CASE WHEN {' OR '.join(flags) or 0} "
+               f"THEN 2 WHEN {calls} THEN 1 ELSE 0 END FROM messages "
                "WHERE session_id = ? AND active = 1 ORDER BY id")
 
-        def read(session_id):
-            messages = []
-            for row in self._read_all(sql, (session_id,)):
-                message = dict(zip(columns, row))
-                if bytes in map(type, row):  # a BLOB (sqlite3 gives exactly bytes): the general path
-                    messages.append(portable_message(decode_message(message)))
-                    continue
-                content = message.get("content")
-                if isinstance(content, str) and content.startswith(CONTENT_JSON_PREFIX):
-                    message["content"] = decode_content(content)
-                if message.get("tool_calls"):
-                    message["tool_calls"] = loads_or(message["tool_calls"], [])
-                if message.get("display_metadata") is not None:
-                    message["display_metadata"] = decode_display_metadata(message["display_metadata"])
-                if extra and message.pop("_compressed_summary"):
-                    message["_compressed_summary"] = True
-                messages.append(message)
-            return messages
+        def decoded(row):  # the long way, as decode_message and portable_message take it
+            if row[-1] == 1 and bytes not in map(type, row):  # tool_calls alone: the short cut
+                return dict(zip(kept, row), tool_calls=loads_or(row[at], []) if row[at] else row[at])
+            if len(columns) > len(kept) or bytes in map(type, row):
+                return portable_message(decode_message(zip(columns, row)))
+            return decode_message(zip(kept, row))
 
-        return read
+        def convert(rows):  # (zip stops at `kept`: the flag and _compressed_summary stay out)
+            return [dict(zip(kept, row)) if not row[-1] and bytes not in map(type, row) else decoded(row)
+                    for row in rows]
+
+        keys = [json.dumps(name, ensure_ascii=False).replace("%", "%%") + ": " for name in kept]
+
+        def encoded(rows):  # as a list's items, a column at a time: no dicts, a column of nulls written once
+            columns = list(zip(*rows))
+            if not rows or 2 in columns[-1]:
+                return _JSONL_ENCODER.encode(convert(rows))[1:-1] if rows else ""
+            form, values = [], []
+            for key, name, column in zip(keys, kept, columns):
+                if column.count(None) == len(column):
+                    form.append(key + "null")
+                    continue
+                form.append(key + "%s")
+                try:
+                    values.append(["null" if v is None else _JSONL_ENCODER.encode(loads_or(v, []) if v else v)
+                                   for v in column] if name == "tool_calls"  # decoded as get_messages does
+                                  else _SCALARS_ENCODER.encode(column)[1:-1].split("\x00"))
+                except TypeError:  # a BLOB: the long way
+                    return _JSONL_ENCODER.encode(convert(rows))[1:-1]
+            return ", ".join(["{%s}" % ", ".join(form)] * len(rows)) % tuple(itertools.chain(*zip(*values)))
+
+        return (lambda session_id: cursor.execute(sql, (*params, session_id))), convert, encoded
 
     def export_session_lineage(self, session_id):
-        """A compression chain as one session: the tip's export with `segments` (each
-        segment's export, root to tip), `lineage_session_ids`, every message in order and
-        `message_count` their number. None for an unknown id."""
-        segments = [export for export in map(self.export_session, self.get_compression_lineage(session_id) or [])
-                    if export]
+        """A compression chain as one session: the tip's export with `segments` (root first), `message_count`,
+        `lineage_session_ids`, every message in order. None for an unknown id."""
+        segments = [*filter(None, map(self.export_session, self.get_compression_lineage(session_id) or []))]
         if not segments:
             return None
         combined = dict(segments[-1], segments=segments, lineage_session_ids=[s["id"] for s in segments])
@@ -1022,26 +1013,42 @@ class SessionPortabilityMixin:
     def export_all(self, source=None):
         """A list of every session (of `source` when given) as export_session gives it plus
         `last_active`, most recently active first; [] for none. iter_export_all streams the same."""
-        return list(self.iter_export_all(source))
+        # The list makes no cycles, but its growth sets off full collections of the whole heap: they wait.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return list(self.iter_export_all(source))
+        finally:
+            if collecting:
+                gc.enable()
 
     def iter_export_all(self, source=None):
         """export_all one session at a time (a generator): memory is bounded by the largest
-        session, not the store. The order is read once, at the start; the sessions' rows
-        EXPORT_SESSION_CHUNK at a time, each as get_session gives it, just before their messages."""
+        session, not the store. iter_export_jsonl streams further."""
+        return self._exported(source)
+
+    def iter_export_jsonl(self, source=None):
+        """iter_export_all as write_export's jsonl, one iterator of text pieces a session (a generator; use
+        each before taking the next): memory holds EXPORT_RUN_MESSAGES messages however long the session."""
+        return self._exported(source, streamed=True)
+
+    def _export_sessions(self, source, cursor):
+        """iter_export_all's sessions, portable, without messages, read on a tuple `cursor`. The order is read
+        once, at the start; the rows EXPORT_SESSION_CHUNK at a time, each as get_session gives it."""
         where, params = ("WHERE s.source = ?", (source,)) if source else ("", ())
         order = self._read_all(EXPORT_ORDER_SQL.format(where=where), (*params, EXPORT_ALL_LIMIT))
-        reader = None
         for start in range(0, len(order), EXPORT_SESSION_CHUNK):
             chunk = order[start:start + EXPORT_SESSION_CHUNK]
             self._flush_token_counts()  # as get_session does: queued counts are part of the row
-            sessions = {session["id"]: session for session in self._read_sessions(
-                "", f" WHERE s.id IN ({placeholders(len(chunk))})", [session_id for session_id, _ in chunk])}
+            rows = cursor.execute(f"SELECT s.* FROM sessions AS s WHERE s.id IN ({placeholders(len(chunk))})",
+                                  [session_id for session_id, _ in chunk])
+            names = [column[0] for column in rows.description]  # (dict(sqlite3.Row) finds each value by name)
+            sessions = {one["id"]: one for one in self._resolved([dict(zip(names, row)) for row in rows])}
             for session_id, last_active in chunk:
                 session = sessions.pop(session_id, None)
                 if session is not None:  # (None: deleted since the order was read)
                     session["last_active"] = last_active
-                    reader = reader or self._export_reader()
-                    yield self._with_messages(session, reader)
+                    yield portable_row(session)
 
     # -- import ----------------------------------------------------------------
 
@@ -1052,21 +1059,17 @@ class SessionPortabilityMixin:
                 "total_bytes": self._IMPORT_MAX_TOTAL_BYTES, "depth": self._IMPORT_MAX_DEPTH}
 
     def import_sessions(self, sessions, *, limits=None, one_transaction=False):
-        """Add exported sessions (any hermes-agent 0.19 to 0.22 export, or ours) to the store: history, not
-        runtime ownership.
-
-        Pass 1 checks the whole payload and writes nothing if any entry is wrong: {"ok": False, "imported": 0,
-        "skipped": 0, "detached": 0, "errors": [...]}. Pass 2, whole sessions in transactions of about
-        IMPORT_CHUNK_SECONDS, parent links in a last one: ids already stored are skipped, never overwritten
-        (but a link a cut-short earlier run left unattached is attached); messages get fresh ids, rewound ones
-        stay rewound; counts are recomputed; titles follow set_session_title's rules (one another session
-        holds gets the id appended); SESSION_RESET_FIELDS are not restored; a field the import has no rule for
-        is restored when the store has its column, else named in `unstored_fields` (a key present only then);
-        parent links are attached last unless the parent is unknown or the link closes a loop (`detached`).
-        `limits` replaces import_limits() for this call (the command line lifts the totals to import a whole
-        file at once). `one_transaction` writes it all in one, all or nothing, holding the write lock
-        throughout (the command line, which says so first). Raises ValueError if `sessions` is not a list or
-        has too many entries."""
+        """Add exported sessions (hermes-agent 0.19 to 0.22's exports, or ours) to the store: history, not
+        runtime ownership. Pass 1 checks the whole payload and writes nothing if any entry is wrong: {"ok":
+        False, "imported": 0, "skipped": 0, "detached": 0, "errors": [...]}. Pass 2, whole sessions in
+        transactions of about IMPORT_CHUNK_SECONDS, parent links in a last one: stored ids are skipped, never
+        overwritten (a link a cut-short run left out is attached); messages get fresh ids, rewound ones stay
+        rewound; counts are recomputed; titles follow set_session_title's rules (a taken one gets the id
+        appended); SESSION_RESET_FIELDS are not restored; a field with no rule is restored when the store has
+        its column, else named in `unstored_fields` (a key present only then); a link to an unknown parent or
+        closing a loop is dropped (`detached`). `limits` replaces import_limits() (the command line lifts the
+        totals); `one_transaction` writes all or nothing in one, holding the write lock throughout (the
+        command line says so first). Raises ValueError if `sessions` is not a list or has too many entries."""
         errors = validate_import(sessions, limits or self.import_limits())
         if errors:
             return {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": errors}
@@ -1153,23 +1156,19 @@ class SessionPortabilityMixin:
 # the commit, many to be written again: it runs with at least this much, then the connection's own size again
 # (dirty pages stay until the commit).
 IMPORT_CACHE_KIB = 64 * 1024
-CACHE_SIZE_SQL = "PRAGMA cache_size"
-SET_CACHE_SIZE_SQL = "PRAGMA cache_size = {size}"
-PAGE_SIZE_SQL = "PRAGMA page_size"
 
 
 @contextlib.contextmanager
 def _import_cache(conn):
-    size = conn.execute(CACHE_SIZE_SQL).fetchone()[0]
-    held = -size * 1024 if size < 0 else size * conn.execute(PAGE_SIZE_SQL).fetchone()[0]
-    if held >= IMPORT_CACHE_KIB * 1024:
-        yield
-        return
-    conn.execute(SET_CACHE_SIZE_SQL.format(size=-IMPORT_CACHE_KIB))
+    size = conn.execute("PRAGMA cache_size").fetchone()[0]
+    held = -size * 1024 if size < 0 else size * conn.execute("PRAGMA page_size").fetchone()[0]
+    if held < IMPORT_CACHE_KIB * 1024:
+        conn.execute(f"PRAGMA cache_size = {-IMPORT_CACHE_KIB}")
     try:
         yield
     finally:
-        conn.execute(SET_CACHE_SIZE_SQL.format(size=int(size)))
+        if held < IMPORT_CACHE_KIB * 1024:
+            conn.execute(f"PRAGMA cache_size = {int(size)}")
 
 
 # Past this many characters an id is shortened in a title suffix, to leave room for the title.

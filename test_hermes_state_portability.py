@@ -13,8 +13,8 @@ import sys
 import zipfile
 
 from hermes_state import SessionDB, restore_home
-from hermes_state_portability import (json_default, markdown_document, markdown_file_name, portable_message, redact,
-                                      redact_text, write_export)
+from hermes_state_portability import (EXPORT_RUN_MESSAGES, json_default, markdown_document, markdown_file_name,
+                                      portable_message, portable_row, redact, redact_text, write_export)
 from test_support import REPO, V26_DB, StoreTestCase, TempDirTestCase, dump_hash, fixture_path
 
 EXPORTS = ("hermes_v22_export.jsonl", "hermes_v26_export.jsonl")
@@ -623,6 +623,47 @@ class Blobs(StoreTestCase):
         write_export([exported], "jsonl", self.tmp / "out.jsonl")
         self.assertEqual((self.tmp / "out.jsonl").read_text(encoding="utf-8"),
                          json.dumps(exported, ensure_ascii=False, default=json_default) + "\n")
+
+    def test_the_streamed_jsonl_export_is_the_general_paths_bytes_for_every_kind_of_row(self):
+        # iter_export_jsonl reads and encodes its own quick way, a run of messages at a time; this is the
+        # line json.dumps makes of what get_session and get_messages give, through portable_message.
+        self.add_blob_column(self.db)
+        self.run_sql("ALTER TABLE messages ADD COLUMN _compressed_summary INTEGER")
+        self.db.create_session("long", "cli", model="模型")
+        self.db.append_messages_batch("long", [{"role": "user", "content": f"line {i} ünïcödé 😀 \"q\" \\ \t"}
+                                               for i in range(2 * EXPORT_RUN_MESSAGES + 1)])
+        self.db.create_session("kinds", "telegram")
+        ids = [self.db.append_message("kinds", "user", [{"type": "text", "text": "多模态"}, {"type": "image_url"}]),
+               self.db.append_message("kinds", "assistant", None, tool_calls=[{"id": "c", "function": {"name": "t"}}],
+                                      display_metadata={"k": ["ü", None]}),
+               self.db.append_message("kinds", "tool", "out\n", tool_call_id="c", tool_name="t"),
+               self.db.append_message("kinds", "assistant", "", tool_calls=[{"id": "d", "type": "function"}]),
+               self.db.append_message("kinds", "user", "\x00json:not json"),
+               self.db.append_message("kinds", "user", "\x00json;above the prefix"),
+               self.db.append_message("kinds", "user", b"\x00bytes"),
+               self.db.append_message("kinds", "assistant", "summary")]
+        self.run_sql(f"UPDATE messages SET extra_blob = x'00ff' WHERE id = {ids[2]}",
+                     f"UPDATE messages SET _compressed_summary = 1 WHERE id = {ids[7]}",
+                     f"UPDATE messages SET tool_calls = 'not json', display_metadata = '\"[1]\"' WHERE id = {ids[4]}",
+                     f"UPDATE messages SET content = 7, token_count = 2.5 WHERE id = {ids[5]}")
+        self.db.create_session("empty", "cli")
+        self.db.create_session("calls", "cli")  # tool calls only: written a column at a time
+        calls = [self.db.append_message("calls", "assistant", "ö", tool_calls=[{"id": f"c{i}", "a": [1.5, None]}])
+                 for i in range(3)] + [self.db.append_message("calls", "user", "plain")]
+        self.run_sql(f"UPDATE messages SET tool_calls = 'not json' WHERE id = {calls[1]}",
+                     f"UPDATE messages SET tool_calls = '' WHERE id = {calls[2]}")
+        self.db.create_session("blob", "cli")  # a BLOB alone: the long way
+        blob = [self.db.append_message("blob", "user", "text"), self.db.append_message("blob", "user", "more")]
+        self.run_sql(f"UPDATE messages SET extra_blob = x'01' WHERE id = {blob[1]}")
+        expected = "".join(json.dumps({**portable_row(self.db.get_session(e["id"])), "last_active": e["last_active"],
+                                       "messages": [portable_message(m) for m in self.db.get_messages(e["id"])]},
+                                      ensure_ascii=False, default=json_default) + "\n" for e in self.db.export_all())
+        self.assertEqual(write_export(self.db.iter_export_jsonl(), "jsonl", self.tmp / "stream.jsonl"), 5)
+        self.assertEqual((self.tmp / "stream.jsonl").read_text(encoding="utf-8"), expected)
+        write_export(self.db.export_all(), "jsonl", self.tmp / "dicts.jsonl")
+        self.assertEqual((self.tmp / "dicts.jsonl").read_text(encoding="utf-8"), expected)
+        pieces = {line[0][:14]: line for line in map(list, self.db.iter_export_jsonl())}
+        self.assertEqual(len([piece for piece in pieces['{"id": "long",'] if '"role": "user"' in piece]), 3)
 
     def test_a_field_the_store_has_a_column_for_is_carried_and_one_it_lacks_is_named(self):
         self.db._execute_write(lambda conn: conn.execute("ALTER TABLE sessions ADD COLUMN newer_field TEXT"))
