@@ -9,7 +9,7 @@ optimize-storage (the only path from hermes-agent's index to ours) and the trigg
 It never changes hermes-agent's index objects or keys, except to drop the triggers this runtime cannot run
 (as hermes-agent itself does) and when optimize-storage retires its index. It never builds our index over a
 usable one of hermes-agent's on open. It relies on SessionDB for `_execute_write`, `_read_all`/`_read_one`/
-`_read_value`, `_borrow_reader`/`_idle_readers` (one read transaction), `vacuum()` and `db_path`; it never
+`_read_value`, `_with_reader` (one read transaction), `vacuum()` and `db_path`; it never
 imports hermes_state.
 """
 import bisect
@@ -913,16 +913,15 @@ class SessionSearchMixin:
         wanted = limit + offset if type(limit) is int and type(offset) is int and min(limit, offset) >= 0 else 0
         if not state.cjk_bounded or sort != "newest" or not 0 < wanted <= CJK_WALK_MAX_HITS // 2:
             return self._read_all(page.format(late=""), [match, 0] + filter_params + [limit, offset])
-        conn = self._borrow_reader()  # one read transaction: the walk's statement is open while the page is read
-        try:
-            walk = CJK_WALK_SQL.format(no_tools=no_tools, filters=filters)
+        walk = CJK_WALK_SQL.format(no_tools=no_tools, filters=filters)
+
+        def walk_then_page(conn):  # one read transaction: the walk's statement is open while the page is read
             with contextlib.closing(conn.execute(walk, [match] + filter_params)) as hits:
                 floor, late = _cjk_floor(conn, hits, wanted)
                 late = CJK_LATE_ROWS_SQL.format(blocks=", ".join(map(str, late))) if late else ""
                 params = [match, floor] + filter_params + [limit, offset]
                 return conn.execute(page.format(late=late), params).fetchall()
-        finally:
-            self._idle_readers.put(conn)
+        return self._with_reader(walk_then_page)
 
     def _mark_index_stale(self, exc, state):
         """Answer by the fallback; rebuild ours (or build ours beside hermes-agent's) at the next open."""
