@@ -12,7 +12,6 @@ import contextlib
 import glob
 import json
 import logging
-import os
 import sqlite3
 import time
 from pathlib import Path

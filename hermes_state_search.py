@@ -475,10 +475,11 @@ def search_fields(fields):
         return SEARCH_RESULT_FIELDS
     if isinstance(fields, str):
         raise TypeError("search fields must be a collection of field names, not a string")
-    unknown = set(fields).difference(SEARCH_RESULT_FIELDS)
+    wanted = set(fields)  # once: `fields` may be an iterator
+    unknown = wanted.difference(SEARCH_RESULT_FIELDS)
     if unknown:
         raise ValueError(f"unknown search result field(s): {', '.join(sorted(unknown))}")
-    return tuple(field for field in SEARCH_RESULT_FIELDS if field in set(fields))
+    return tuple(field for field in SEARCH_RESULT_FIELDS if field in wanted)
 
 
 def context_text(content):

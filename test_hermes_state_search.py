@@ -206,6 +206,8 @@ class SearchBehaviour(TempDirTestCase):
             self.assertEqual(db.search_messages("staging", fields=[]), [{}, {}, {}])
             self.assertEqual([list(h) for h in db.search_messages("ready", fields={"context", "id"})],
                              [["id", "context"]])
+            self.assertEqual([list(h) for h in db.search_messages("ready", fields=iter(["context", "id"]))],
+                             [["id", "context"]], "an iterator of fields is read once")
             with self.assertRaisesRegex(TypeError, "collection of field names, not a string"):
                 db.search_messages("", fields="id")
             with self.assertRaisesRegex(ValueError, r"unknown search result field\(s\): bogus, content"):
