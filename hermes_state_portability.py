@@ -38,8 +38,7 @@ EXPORT_SESSION_CHUNK = 200
 # Messages measured, read or encoded at once: memory stays flat in a session of any length, and the encoder's
 # set-up a call does not show.
 EXPORT_RUN_MESSAGES = 256
-# export_all's order, hermes-agent's search_sessions order: most recently active first (the newer of the last
-# message and the activity heartbeat, else the start), then newest start, then id.
+# export_all's order, hermes-agent's search_sessions': most recently active first (LAST_ACTIVE_SQL), newest start, id.
 EXPORT_ORDER_SQL = ("SELECT s.id, " + LAST_ACTIVE_SQL.format(a="s") + " AS last_active FROM sessions AS s {where}"
                     " ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ?")
 SET_ARCHIVED_MESSAGE_SQL = "UPDATE messages SET active = 0, compacted = ? WHERE id = ?"
@@ -658,8 +657,7 @@ def _decoded_calls(text, scan=json.JSONDecoder().scan_once):
     """A set tool_calls as get_messages decodes it, loads_or(text, []); one JSON value alone skips json.loads."""
     with contextlib.suppress(StopIteration, TypeError, ValueError):
         value, end = scan(text, 0)
-        if end == len(text):
-            return value
+        return value if end == len(text) else loads_or(text, [])
     return loads_or(text, []) if text else text
 
 
@@ -948,7 +946,7 @@ class SessionPortabilityMixin:
         try:
             cursor, sessions = conn.cursor(), conn.cursor()
             cursor.row_factory = sessions.row_factory = None
-            read, convert, encoded = self._export_reader(cursor)
+            read, convert, encoded = self._export_reader(cursor, streamed)
             for session in [one] if one else self._export_sessions(source, sessions):
                 rows = read(session["id"])
                 runs = iter(lambda rows=rows: encoded(rows.fetchmany(EXPORT_RUN_MESSAGES)), "")
@@ -957,10 +955,10 @@ class SessionPortabilityMixin:
         finally:
             self._idle_readers.put(conn)
 
-    def _export_reader(self, cursor):
+    def _export_reader(self, cursor, streamed=False):
         """(read, convert, encoded): read(session_id) queries a session's messages on `cursor`, convert makes
         rows what portable_message(get_messages(id)) gives, encoded their jsonl. The query flags the rows to
-        decode (1: tool_calls; 2: content encoded, display_metadata, ...; 3: a BLOB anywhere)."""
+        decode (1: tool_calls; 2: content encoded, display_metadata, ...; 3, unless `streamed`: a BLOB)."""
         names = [name for (name,) in cursor.execute("SELECT name FROM pragma_table_info('messages')")]
         kept = [name for name in names if name not in DROPPED_MESSAGE_COLUMNS]
         columns = kept + ["_compressed_summary"] * ("_compressed_summary" in names)
@@ -970,7 +968,8 @@ class SessionPortabilityMixin:
             flags.append("(content >= ? AND content < ?)")  # (substr() would stop at its NUL)
             params = (CONTENT_JSON_PREFIX, CONTENT_JSON_PREFIX[:-1] + chr(ord(CONTENT_JSON_PREFIX[-1]) + 1))
         calls, at = ("tool_calls IS NOT NULL", kept.index("tool_calls")) if "tool_calls" in kept else ("0", 0)
-        blob = " OR ".join(q + " >= X''" for q in map(quote_identifier, columns))  # BLOBs sort last, X'' first
+        blob = "0" if streamed else " OR ".join(q + " >= X''" for q in map(quote_identifier, columns))  # X'' first
+        keys = [json.dumps(name, ensure_ascii=False).replace("%", "%%") + ": " for name in kept]
         sql = (f"SELECT {', '.join(map(quote_identifier, columns))}, CASE WHEN {blob} THEN 3 WHEN "
                f"{' OR '.join(flags) or 0} THEN 2 WHEN {calls} THEN 1 ELSE 0 END FROM messages "
                "WHERE session_id = ? AND active = 1 ORDER BY id")
@@ -984,8 +983,6 @@ class SessionPortabilityMixin:
                     messages[position] = portable_message(decode_message(zip(columns, row)))
             return messages
 
-        keys = [json.dumps(name, ensure_ascii=False).replace("%", "%%") + ": " for name in kept]
-
         def encoded(rows):  # as a list's items, a column at a time: no dicts, a column of nulls written once
             columns = list(zip(*rows))
             if not rows or max(columns[-1]) > 1:
@@ -996,8 +993,11 @@ class SessionPortabilityMixin:
                     form.append(key + "null")
                     continue
                 form.append(key + "%s")
-                values.append(["null" if v is None else _JSONL_ENCODER.encode(_decoded_calls(v)) for v in column]
-                              if name == "tool_calls" else _SCALARS_ENCODER.encode(column)[1:-1].split("\x00"))
+                try:
+                    values.append(["null" if v is None else _JSONL_ENCODER.encode(_decoded_calls(v)) for v in column]
+                                  if name == "tool_calls" else _SCALARS_ENCODER.encode(column)[1:-1].split("\x00"))
+                except TypeError:  # a BLOB, found here for free (encoded as convert's rows are): the long way
+                    return _JSONL_ENCODER.encode(convert(rows))[1:-1]
             return ", ".join(["{%s}" % ", ".join(form)] * len(rows)) % tuple(itertools.chain(*zip(*values)))
 
         return (lambda session_id: cursor.execute(sql, (*params, session_id))), convert, encoded
