@@ -33,14 +33,12 @@ ID_MAX_LENGTH = 256
 EXPORT_FORMATS = ("jsonl", "md", "qmd", "html", "trace")
 # hermes-agent's export_all reads at most this many sessions.
 EXPORT_ALL_LIMIT = 100_000
-# Sessions whose rows iter_export_all reads in one query (a per-session query cost more than the rows of a
-# short session); well under SQLite's 999 variables.
+# Sessions iter_export_all reads a query (a query each cost more than a short one's rows); under SQLite's 999.
 EXPORT_SESSION_CHUNK = 200
 # Messages measured, read or encoded at once: memory stays flat in a session of any length, and the encoder's
 # set-up a call does not show.
 EXPORT_RUN_MESSAGES = 256
-# export_all's order, hermes-agent's search_sessions order: most recently active first (the newer of the last
-# message and the activity heartbeat, else the start), then newest start, then id.
+# export_all's order, hermes-agent's search_sessions': most recently active first (LAST_ACTIVE_SQL), newest start, id.
 EXPORT_ORDER_SQL = ("SELECT s.id, " + LAST_ACTIVE_SQL.format(a="s") + " AS last_active FROM sessions AS s {where}"
                     " ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ?")
 SET_ARCHIVED_MESSAGE_SQL = "UPDATE messages SET active = 0, compacted = ? WHERE id = ?"
@@ -655,6 +653,14 @@ def jsonl_pieces(export):
     return _jsonl_session({k: export[k] for k in keys[:at]}, texts, {k: export[k] for k in keys[at + 1:]})
 
 
+def _decoded_calls(text, scan=json.JSONDecoder().scan_once):
+    """A set tool_calls as get_messages decodes it, loads_or(text, []); one JSON value alone skips json.loads."""
+    with contextlib.suppress(StopIteration, TypeError, ValueError):
+        value, end = scan(text, 0)
+        return value if end == len(text) else loads_or(text, [])
+    return loads_or(text, []) if text else text
+
+
 def _jsonl_session(before, texts, after):
     """The pieces of jsonl_line({**before, "messages": [texts joined], **after}); texts are a list's items."""
     encode = _JSONL_ENCODER.encode
@@ -940,7 +946,7 @@ class SessionPortabilityMixin:
         try:
             cursor, sessions = conn.cursor(), conn.cursor()
             cursor.row_factory = sessions.row_factory = None
-            read, convert, encoded = self._export_reader(cursor)
+            read, convert, encoded = self._export_reader(cursor, streamed)
             for session in [one] if one else self._export_sessions(source, sessions):
                 rows = read(session["id"])
                 runs = iter(lambda rows=rows: encoded(rows.fetchmany(EXPORT_RUN_MESSAGES)), "")
@@ -949,10 +955,10 @@ class SessionPortabilityMixin:
         finally:
             self._idle_readers.put(conn)
 
-    def _export_reader(self, cursor):
+    def _export_reader(self, cursor, streamed=False):
         """(read, convert, encoded): read(session_id) queries a session's messages on `cursor`, convert makes
         rows what portable_message(get_messages(id)) gives, encoded their jsonl. The query flags the rows to
-        decode (1: tool_calls; 2: content encoded, display_metadata, ...); BLOBs are found here."""
+        decode (1: tool_calls; 2: content encoded, display_metadata, ...; 3, unless `streamed`: a BLOB)."""
         names = [name for (name,) in cursor.execute("SELECT name FROM pragma_table_info('messages')")]
         kept = [name for name in names if name not in DROPPED_MESSAGE_COLUMNS]
         columns = kept + ["_compressed_summary"] * ("_compressed_summary" in names)
@@ -962,26 +968,24 @@ class SessionPortabilityMixin:
             flags.append("(content >= ? AND content < ?)")  # (substr() would stop at its NUL)
             params = (CONTENT_JSON_PREFIX, CONTENT_JSON_PREFIX[:-1] + chr(ord(CONTENT_JSON_PREFIX[-1]) + 1))
         calls, at = ("tool_calls IS NOT NULL", kept.index("tool_calls")) if "tool_calls" in kept else ("0", 0)
-        sql = (f"SELECT {', '.join(map(quote_identifier, columns))}, CASE WHEN {' OR '.join(flags) or 0} "
-               f"THEN 2 WHEN {calls} THEN 1 ELSE 0 END FROM messages "
+        blob = "0" if streamed else " OR ".join(q + " >= X''" for q in map(quote_identifier, columns))  # X'' first
+        keys = [json.dumps(name, ensure_ascii=False).replace("%", "%%") + ": " for name in kept]
+        sql = (f"SELECT {', '.join(map(quote_identifier, columns))}, CASE WHEN {blob} THEN 3 WHEN "
+               f"{' OR '.join(flags) or 0} THEN 2 WHEN {calls} THEN 1 ELSE 0 END FROM messages "
                "WHERE session_id = ? AND active = 1 ORDER BY id")
 
-        def decoded(row):  # the long way, as decode_message and portable_message take it
-            if row[-1] == 1 and bytes not in map(type, row):  # tool_calls alone: the short cut
-                return dict(zip(kept, row), tool_calls=loads_or(row[at], []) if row[at] else row[at])
-            if len(columns) > len(kept) or bytes in map(type, row):
-                return portable_message(decode_message(zip(columns, row)))
-            return decode_message(zip(kept, row))
-
-        def convert(rows):  # (zip stops at `kept`: the flag and _compressed_summary stay out)
-            return [dict(zip(kept, row)) if not row[-1] and bytes not in map(type, row) else decoded(row)
-                    for row in rows]
-
-        keys = [json.dumps(name, ensure_ascii=False).replace("%", "%%") + ": " for name in kept]
+        def convert(rows):  # a dict a row in C loops (zip stops at `kept`), then the flagged rows decoded
+            messages = [*map(dict, map(zip, itertools.repeat(kept), rows))]
+            for position, row in itertools.compress(enumerate(rows), [row[-1] for row in rows]):
+                if row[-1] == 1:  # tool_calls alone, decoded in its place
+                    messages[position]["tool_calls"] = _decoded_calls(row[at])
+                else:  # the long way, as get_messages and portable_message take it
+                    messages[position] = portable_message(decode_message(zip(columns, row)))
+            return messages
 
         def encoded(rows):  # as a list's items, a column at a time: no dicts, a column of nulls written once
             columns = list(zip(*rows))
-            if not rows or 2 in columns[-1]:
+            if not rows or max(columns[-1]) > 1:
                 return _JSONL_ENCODER.encode(convert(rows))[1:-1] if rows else ""
             form, values = [], []
             for key, name, column in zip(keys, kept, columns):
@@ -990,10 +994,9 @@ class SessionPortabilityMixin:
                     continue
                 form.append(key + "%s")
                 try:
-                    values.append(["null" if v is None else _JSONL_ENCODER.encode(loads_or(v, []) if v else v)
-                                   for v in column] if name == "tool_calls"  # decoded as get_messages does
-                                  else _SCALARS_ENCODER.encode(column)[1:-1].split("\x00"))
-                except TypeError:  # a BLOB: the long way
+                    values.append(["null" if v is None else _JSONL_ENCODER.encode(_decoded_calls(v)) for v in column]
+                                  if name == "tool_calls" else _SCALARS_ENCODER.encode(column)[1:-1].split("\x00"))
+                except TypeError:  # a BLOB, found here for free (encoded as convert's rows are): the long way
                     return _JSONL_ENCODER.encode(convert(rows))[1:-1]
             return ", ".join(["{%s}" % ", ".join(form)] * len(rows)) % tuple(itertools.chain(*zip(*values)))
 
@@ -1023,13 +1026,11 @@ class SessionPortabilityMixin:
                 gc.enable()
 
     def iter_export_all(self, source=None):
-        """export_all one session at a time (a generator): memory is bounded by the largest
-        session, not the store. iter_export_jsonl streams further."""
+        """export_all one session at a time (a generator): memory holds the largest session, not the store."""
         return self._exported(source)
 
     def iter_export_jsonl(self, source=None):
-        """iter_export_all as write_export's jsonl, one iterator of text pieces a session (a generator; use
-        each before taking the next): memory holds EXPORT_RUN_MESSAGES messages however long the session."""
+        """iter_export_all as write_export's jsonl, an iterator of pieces a session: EXPORT_RUN_MESSAGES in memory."""
         return self._exported(source, streamed=True)
 
     def _export_sessions(self, source, cursor):

@@ -624,6 +624,27 @@ class Blobs(StoreTestCase):
         self.assertEqual((self.tmp / "out.jsonl").read_text(encoding="utf-8"),
                          json.dumps(exported, ensure_ascii=False, default=json_default) + "\n")
 
+    def test_odd_tool_calls_text_and_a_blob_in_any_column_export_as_get_messages_gives_them(self):
+        # The export decodes tool_calls without json.loads when the text is one JSON value alone, and finds a
+        # BLOB in SQL: text around the value, and a BLOB in a number column or empty, take the long way.
+        self.db.create_session("odd", "cli")
+        ids = [self.db.append_message("odd", "assistant", "", tool_calls=[{"id": i}]) for i in range(7)]
+        self.run_sql(f"UPDATE messages SET tool_calls = ' [1]' WHERE id = {ids[0]}",
+                     f"UPDATE messages SET tool_calls = '[2] ' WHERE id = {ids[1]}",
+                     f"UPDATE messages SET tool_calls = '[3] x' WHERE id = {ids[2]}",
+                     f"UPDATE messages SET tool_calls = '{{\"a\": NaN}}' WHERE id = {ids[3]}",
+                     f"UPDATE messages SET token_count = x'07' WHERE id = {ids[4]}",
+                     f"UPDATE messages SET tool_calls = x'' WHERE id = {ids[5]}",
+                     f"UPDATE messages SET timestamp = x'5b315d' WHERE id = {ids[6]}")
+        expected = [portable_message(message) for message in self.db.get_messages("odd")]
+        self.assertEqual([m["tool_calls"] for m in expected[:3]], [[1], [2], []])
+        self.assertEqual(expected[4]["token_count"], {"__base64__": "Bw=="})
+        for exported in (self.db.export_session("odd")["messages"], self.db.export_all()[0]["messages"]):
+            self.assertEqual(json.dumps(exported), json.dumps(expected))  # (no bytes left; NaN equal to itself)
+        write_export(self.db.iter_export_jsonl(), "jsonl", self.tmp / "stream.jsonl")
+        self.assertEqual(json.loads((self.tmp / "stream.jsonl").read_text(encoding="utf-8"))["messages"],
+                         json.loads(json.dumps(expected, default=json_default)))
+
     def test_the_streamed_jsonl_export_is_the_general_paths_bytes_for_every_kind_of_row(self):
         # iter_export_jsonl reads and encodes its own quick way, a run of messages at a time; this is the
         # line json.dumps makes of what get_session and get_messages give, through portable_message.
