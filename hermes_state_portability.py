@@ -137,6 +137,10 @@ INT_RANGE = (-2 ** 63, 2 ** 63)
 
 
 _COMPACT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+# JSON's value types, exactly (a subclass takes the long way); numbers, null and text under SHORT_TEXT_CHARS
+# are measured together.
+_SHORT_TYPES, _CONTAINER_TYPES, SHORT_TEXT_CHARS = {int, float, bool, type(None)}, {list, dict}, 4096
+_JSON_TYPES = {str, *_SHORT_TYPES, *_CONTAINER_TYPES}
 
 
 def _utf8_size(text):
@@ -144,20 +148,22 @@ def _utf8_size(text):
 
 
 def _compact_size(value):
-    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit; measured a member and a run of
-    messages at a time: no one whole text that a single CJK character would make four bytes a character."""
+    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit; a run of messages or a long member
+    at a time, the short ones together: no one whole text that a single CJK character makes 4 bytes a character."""
     encode = _COMPACT_ENCODER.encode
     if not isinstance(value, dict):
         return _utf8_size(encode(value))
-    size = 2 + max(0, len(value) - 1)  # braces and commas
+    size, short = 2 + max(0, len(value) - 1), {}  # braces and commas
     for key, member in value.items():
         if key == "messages" and type(member) is list:
             # Each run is "[...]"; runs joined by commas make one list: one pair of brackets.
             runs = _message_runs(member)
             size += _utf8_size(encode(key)) + 1 + sum(_utf8_size(encode(run)) for run in runs) - len(runs) + 1
+        elif type(member) in _SHORT_TYPES or type(member) is str and len(member) < SHORT_TEXT_CHARS:
+            short[key] = member
         else:
             size += _utf8_size(encode({key: member})) - 2
-    return size
+    return size + _utf8_size(encode(short)) - 1 - len(short) if short else size
 
 
 def _message_runs(messages):
@@ -166,28 +172,23 @@ def _message_runs(messages):
 
 
 def _depth(value, limit):
-    """How deep lists and objects nest in `value`; stops counting past `limit`.
-    A loop, not recursion, so that any nesting gets an answer; only containers are stacked."""
-    if not isinstance(value, (list, dict)):
-        return 0
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if level > limit:
-            return level
-        deepest = max(deepest, level)
-        stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item)
-                     if isinstance(child, (list, dict)))
-    return deepest
+    """How deep lists and objects nest in `value`; stops counting past `limit`. A level at a time, not recursion,
+    so that any nesting gets an answer; a level's containers are picked out in C loops (most values are text)."""
+    depth, level = 0, [value] if isinstance(value, (list, dict)) else []
+    while level and depth <= limit:
+        depth += 1
+        children = [*itertools.chain.from_iterable(item.values() if isinstance(item, dict) else item for item in level)]
+        kinds = [*map(type, children)]
+        level = ([*itertools.compress(children, map(_CONTAINER_TYPES.__contains__, kinds))] if {*kinds} <= _JSON_TYPES
+                 else [child for child in children if isinstance(child, (list, dict))])
+    return depth
 
 
 def _check_nesting(field, value, limit):
     """Raise if `value`, or the JSON text it holds, nests too deep to store and export again."""
-    if value is None:
+    if value is None or isinstance(value, str) and value.lstrip()[:1] not in ("[", "{"):
         return
     if isinstance(value, str):
-        if value.lstrip()[:1] not in ("[", "{"):
-            return
         try:
             value = json.loads(value)
         except RecursionError:
@@ -299,7 +300,7 @@ def _check_message(position, message, depth_limit):
     content = message.get("content")
     if isinstance(content, int):  # (names are formatted only when needed: this runs for every message)
         _check_int_range(f"session.messages[{position}].content", content)
-    for field, value in message.items():  # fields carried as they are
+    for field, value in message.items() if not message.keys() <= MESSAGE_RULED_FIELDS else ():  # carried as is
         if field not in MESSAGE_RULED_FIELDS:
             _check_int_range(f"messages[{position}].{field}", value)
     # Values themselves were measured by the entry's envelope (a message field sits three levels in, so its

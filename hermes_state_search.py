@@ -956,30 +956,32 @@ class SessionSearchMixin:
 
     def _hold_back_index_triggers(self, conn):
         """Inside a write, before a bulk insert of new messages (an import): hold our triggers back so that
-        _index_held_back_rows puts its rows into our indexes with one statement an index (half an import's
-        time), and return what it needs; None when the triggers index as usual: none of ours, an insert
-        trigger of ours not as we make it, a backfill under way. Every trigger of ours tests the backfill
-        predicate ("id > high water OR id <= progress"), false for every row under a high water no id
-        reaches. The mark lives only inside this transaction: no other writer sees it, a rollback undoes it."""
+        _index_held_back_rows puts its rows into our indexes with one statement an index, and return what it
+        needs; None when the triggers index as usual: none of ours, an insert trigger of ours not as we make it,
+        a backfill under way. Our triggers test "id > high water OR id <= progress", false for every row under
+        a high water no id reaches; the insert triggers, whose test costs twice the row's insert, are dropped.
+        Mark and drops live only inside this transaction: no other writer sees them, a rollback undoes them."""
         objects = _schema_objects(conn)
         inserts = {f"{SEARCH_TABLES[index]}_insert": index for index in SEARCH_TRIGGERS}
-        held = [index for name, index in inserts.items() if name in objects]
-        if not held or not all(_same_sql(objects[name][1], SEARCH_TRIGGERS[index][name])
-                               for name, index in inserts.items() if name in objects) \
+        held = [(index, name, objects[name][1]) for name, index in inserts.items() if name in objects]
+        if not held or not all(_same_sql(sql, SEARCH_TRIGGERS[index][name]) for index, name, sql in held) \
                 or read_meta(conn, META_SEARCH_HIGH_WATER) is not None or read_meta(conn, META_SEARCH_PROGRESS) is not None:
             return None
         write_meta(conn, META_SEARCH_HIGH_WATER, UNREACHED_HIGH_WATER)
+        for _index, name, _sql in held:
+            conn.execute(f"DROP TRIGGER {name}")
         return held, conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
 
     def _index_held_back_rows(self, conn, held):
-        """Inside the same write, after the bulk insert: take the mark back and put every row past the insert's
-        first id into the indexes held back, as their triggers would have (CJK: by its queue)."""
+        """Inside the same write, after the bulk insert: take the mark back, make the triggers again (stored text)
+        and put every row past the insert's first id into their indexes, as they would have (CJK: by its queue)."""
         if held is None:
             return
-        indexes, after = held
+        triggers, after = held
         write_meta(conn, META_SEARCH_HIGH_WATER, None)
         last = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
-        for index in indexes:
+        for index, _name, sql in triggers:
+            conn.execute(sql)
             conn.execute(BACKFILL_SQL[index], (after, last))
 
     # -- maintenance -----------------------------------------------------------

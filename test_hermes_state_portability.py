@@ -1,7 +1,9 @@
 """Portability: exports, the validated import, renderers, redaction, backup and restore."""
 
 import base64
+import collections
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -325,6 +327,9 @@ class ImportRejects(StoreTestCase):
              r"messages\[0\]\.display_metadata nests lists and objects more than 100 levels deep"),
             ("deep tool_calls list", dict(session("m"), messages=[{"role": "assistant", "tool_calls": json.loads(
                 "[" * 150 + "]" * 150)}]), "session nests lists and objects more than 103 levels deep"),
+            ("deep objects of a dict subclass", dict(session("m"), messages=[{"role": "assistant", "tool_calls": [
+                functools.reduce(lambda inner, _: collections.OrderedDict(a=inner), range(150), 1)]}]),
+             "session nests lists and objects more than 103 levels deep"),
             ("id past the cap", session("i" * 257), "session id is 257 characters; the limit is 256"),
         ]
         for label, bad, message in cases:
@@ -373,10 +378,11 @@ class ImportRejects(StoreTestCase):
         self.assertTrue(self.db.import_sessions([timed])["ok"])
 
     def test_the_size_limit_counts_the_bytes_of_compact_utf8_json_exactly(self):
-        for count in (0, 1, 3, 64, 65, 129):  # messages are measured in runs of 64
+        for count in (0, 1, 3, 256, 257, 513):  # messages are measured in runs of 256
             with self.subTest(messages=count):
-                entry = dict(session(f"cjk{count}", messages=count), title=f"标题{count}",
-                             model_config={"a": [1, "é"]})
+                # Short members are measured together, a long one alone.
+                entry = dict(session(f"cjk{count}", messages=count), title=f"标题{count}", pinned=True, cwd=None,
+                             model_config={"a": [1, "é"]}, system_prompt="长 prompt " * (count + 500), extra=1.5)
                 if count:
                     entry["messages"][count // 2]["content"] = "日本語 \U0001F600 \"quoted\"\n"
                 size = len(json.dumps(entry, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))

@@ -127,6 +127,15 @@ class ImportedRowsAreIndexed(StoreTestCase):
                 self.assertEqual([hit["session_id"] for hit in other.search_messages(query)], ["later"])
         integrity_check(self.path)
 
+    def test_an_import_leaves_every_trigger_as_it_found_it(self):
+        def triggers():
+            return self.raw(self.path).execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger' "
+                                               "ORDER BY name").fetchall()
+        before = triggers()
+        self.assertIn("hs_fts_words_insert", dict(before))
+        self.import_ok(payload(3))
+        self.assertEqual(triggers(), before)
+
     def test_an_import_during_a_backfill_leaves_its_rows_to_the_triggers(self):
         self.db.create_session("old", "cli")
         self.db.append_message("old", role="user", content="an older quokka 漢字")
