@@ -715,6 +715,8 @@ def sqlite_has_wal_reset_bug(version=sqlite3.sqlite_version_info):
 
 # Files we create beside the store (backups, copies) are its owner's only, as the store is.
 FILE_MODE = 0o600
+# JSON has no bytes: a BLOB value travels in every export as {BYTES_MARKER: "<standard base64>"}.
+BYTES_MARKER = "__base64__"
 # The files SQLite keeps beside a store; a copy or a rename of the store takes them along.
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
 

@@ -476,8 +476,7 @@ def search_fields(fields):
     if isinstance(fields, str):
         raise TypeError("search fields must be a collection of field names, not a string")
     wanted = set(fields)  # once: `fields` may be an iterator
-    unknown = wanted.difference(SEARCH_RESULT_FIELDS)
-    if unknown:
+    if unknown := wanted.difference(SEARCH_RESULT_FIELDS):
         raise ValueError(f"unknown search result field(s): {', '.join(sorted(unknown))}")
     return tuple(field for field in SEARCH_RESULT_FIELDS if field in wanted)
 

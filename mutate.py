@@ -387,23 +387,23 @@ MUTANTS = [
            "a store kept aside keeps whatever mode it had, not 0600",
            ["test_concurrency.DamagedFiles"]),
     # -- redaction -------------------------------------------------------------
-    Mutant("redact-ids-too", "hermes_state_portability.py",
+    Mutant("redact-ids-too", "hermes_state_redact.py",
            "    if key in exempt:\n        return value\n",
            "",
            "redaction masks session ids that look like keys, so the export no longer imports",
            ["test_hermes_state_portability.Redaction", "test_redaction.RedactionCorpus"]),
-    Mutant("redact-top-level-only", "hermes_state_portability.py",
+    Mutant("redact-top-level-only", "hermes_state_redact.py",
            "            else _redact(value, key, exempt, depth) for key, value in mapping.items()}\n",
            "            else redact_text(value) if isinstance(value, str) and key not in exempt else value\n"
            "            for key, value in mapping.items()}\n",
            "nested values (messages, tool call arguments, model_config) are not redacted",
            ["test_hermes_state_portability.Redaction"]),
-    Mutant("redact-pem-first-line-only", "hermes_state_portability.py",
+    Mutant("redact-pem-first-line-only", "hermes_state_redact.py",
            'r"(?s)(?P<secret>-----BEGIN[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----"',
            'r"(?P<secret>-----BEGIN[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----"',
            "a private key spanning several lines (every real one) is masked on its first line only",
            ["test_hermes_state_portability.Redaction", "test_redaction.RedactionCorpus"]),
-    Mutant("redact-no-jwt", "hermes_state_portability.py",
+    Mutant("redact-no-jwt", "hermes_state_redact.py",
            '    ("JSON Web Token", "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJlLWV4YW1wbGU",\n'
            '     ("eyj",),\n'
            '     r"(?<![\\w-])(?P<secret>eyJ[A-Za-z0-9_-]{5,}\\.eyJ[A-Za-z0-9_-]{5,}\\.[A-Za-z0-9_-]*)"),\n',
@@ -598,8 +598,8 @@ MUTANTS = [
            "request_handoff resets a handoff in flight back to pending, so it can be claimed twice",
            ["test_hermes_state_gateway.Handoffs"]),
     Mutant("export-includes-rewound", "hermes_state_portability.py",
-           '               "WHERE session_id = ? AND active = 1 ORDER BY id")\n',
-           '               "WHERE session_id = ? ORDER BY id")\n',
+           '               "WHERE session_id = ? AND active = 1 AND id > ? ORDER BY id LIMIT ?")\n',
+           '               "WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?")\n',
            "export_session includes messages a rewind hid",
            ["test_hermes_state_portability.Exports"]),
 ]

@@ -16,7 +16,8 @@ import zipfile
 
 from hermes_state import SessionDB, restore_home
 from hermes_state_portability import (EXPORT_RUN_MESSAGES, json_default, markdown_document, markdown_file_name,
-                                      portable_message, portable_row, redact, redact_text, write_export)
+                                      portable_message, portable_row, write_export)
+from hermes_state_redact import redact, redact_text
 from test_support import REPO, V26_DB, StoreTestCase, TempDirTestCase, dump_hash, fixture_path
 
 EXPORTS = ("hermes_v22_export.jsonl", "hermes_v26_export.jsonl")
@@ -691,6 +692,29 @@ class Blobs(StoreTestCase):
         self.assertEqual((self.tmp / "dicts.jsonl").read_text(encoding="utf-8"), expected)
         pieces = {line[0][:14]: line for line in map(list, self.db.iter_export_jsonl())}
         self.assertEqual(len([piece for piece in pieces['{"id": "long",'] if '"role": "user"' in piece]), 3)
+
+    def test_a_streamed_export_paused_mid_session_holds_no_read_a_writer_waits_on(self):
+        # On a rollback journal an open read holds off every writer: a consumer piping into `less` must not.
+        self.db.close()
+        with SessionDB(self.tmp / "delete.db", journal="delete") as db:
+            db.create_session("long", "cli")
+            db.append_messages_batch("long", [{"role": "user", "content": f"m{i}"} for i in range(600)])
+            stream = db.iter_export_jsonl()
+            pieces = next(stream)
+            [next(pieces) for _ in range(3)]  # the session's head and its first run of messages
+            with SessionDB(self.tmp / "delete.db", journal="delete", write_budget=0.5) as other:
+                other.append_message("long", "user", "written while the export waits")
+            rest = "".join(pieces)
+        self.assertEqual(rest.count('"role": "user"'), 600 - EXPORT_RUN_MESSAGES + 1)
+
+    def test_redaction_refuses_jsonl_pieces_a_secret_could_be_split_across(self):
+        self.db.create_session("s1", "cli")
+        self.db.append_message("s1", "user", "my key is sk-ant-api03-abcdefghijklmnopqrstuvwxyz012345")
+        with self.assertRaisesRegex(ValueError, "redact_secrets needs whole exports"):
+            write_export(self.db.iter_export_jsonl(), "jsonl", self.tmp / "out.jsonl", redact_secrets=True)
+        self.assertFalse((self.tmp / "out.jsonl").exists())
+        write_export(self.db.iter_export_all(), "jsonl", self.tmp / "out.jsonl", redact_secrets=True)
+        self.assertNotIn("sk-ant-api03", (self.tmp / "out.jsonl").read_text(encoding="utf-8"))
 
     def test_a_field_the_store_has_a_column_for_is_carried_and_one_it_lacks_is_named(self):
         self.db._execute_write(lambda conn: conn.execute("ALTER TABLE sessions ADD COLUMN newer_field TEXT"))

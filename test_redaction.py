@@ -13,7 +13,8 @@ import random
 import string
 
 from hermes_state_common import normalize_title
-from hermes_state_portability import EXPORT_FORMATS, SECRET_PATTERNS, markdown_file_name, redact_text, write_export
+from hermes_state_portability import EXPORT_FORMATS, markdown_file_name, write_export
+from hermes_state_redact import SECRET_PATTERNS, redact_text
 from test_support import StoreTestCase
 
 RNG = random.Random(13)
