@@ -572,7 +572,9 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             # The switch needs every reader of a rollback-journal store gone: wait for them as a write waits.
             _set_busy_timeout(conn, self.write_budget)
             try:
-                mode = conn.execute(SET_JOURNAL_MODE_SQL.format(mode=self.policy.mode)).fetchone()[0].lower()
+                switch = SET_JOURNAL_MODE_SQL.format(mode=self.policy.mode)
+                mode = self._retry_on_lock(lambda: conn.execute(switch).fetchone()[0].lower(), time.monotonic(),
+                                           self.write_budget)
             finally:
                 _set_busy_timeout(conn, WRITER_BUSY_TIMEOUT)
             if mode != self.policy.mode:
@@ -664,22 +666,28 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         # Queued counts ride in the transaction (VACUUM has none); take() locks, and most writes find none.
         batch = self._tokens.take() if transaction and self._tokens else []
         try:
-            while True:
-                try:
-                    return self._write_once(fn, batch, start, budget, transaction)
-                except sqlite3.OperationalError as exc:
-                    if isinstance(exc, StoreLockedError) or not is_lock_error(exc):
-                        raise
-                    elapsed = time.monotonic() - start
-                    pause = random.uniform(*(EARLY_JITTER if elapsed < EARLY_RETRY_WINDOW else LATE_JITTER))
-                    if elapsed + pause >= budget:
-                        raise self._locked_error(start, str(exc), budget) from exc
-                    time.sleep(pause)
+            return self._retry_on_lock(lambda: self._write_once(fn, batch, start, budget, transaction), start, budget)
         except BaseException:
             self._tokens.put_back(batch)
             raise
         finally:
             self._write_lock.release()
+
+    def _retry_on_lock(self, call, start, budget):
+        """call() again after a random pause while it fails on "locked"/"busy"; StoreLockedError once the wait
+        begun at `start` would pass `budget`. A busy timeout is not enough: SQLite answers BUSY at once,
+        skipping it, where waiting could deadlock (this connection reading, another holding RESERVED)."""
+        while True:
+            try:
+                return call()
+            except sqlite3.OperationalError as exc:
+                if isinstance(exc, StoreLockedError) or not is_lock_error(exc):
+                    raise
+                elapsed = time.monotonic() - start
+                pause = random.uniform(*(EARLY_JITTER if elapsed < EARLY_RETRY_WINDOW else LATE_JITTER))
+                if elapsed + pause >= budget:
+                    raise self._locked_error(start, str(exc), budget) from exc
+                time.sleep(pause)
 
     def _take_file_lock(self, start, budget):
         """True once state.db.lock is held, where the journal policy serialises writers (else False);

@@ -381,6 +381,33 @@ class JournalPolicy(TempDirTestCase):
             self.assertTrue(done.is_set(), "the switch waited for the reader")
             self.assertEqual((db.doctor()["journal_mode"], db.message_count("s")), ("wal", 1))
 
+    def test_switching_to_wal_outlasts_writers_of_the_rollback_journal_store(self):
+        # A reader about to switch holds SHARED; a writer holding RESERVED makes SQLite answer BUSY at once
+        # (waiting could deadlock), so the busy timeout alone does not help: the switch is retried.
+        with SessionDB(self.tmp / "state.db", journal="delete") as db:
+            db.create_session("s", "cli")
+        stop = threading.Event()
+
+        def writer():  # hermes-agent's own process, writing every few ms (as issue 17's bench probe does)
+            conn = sqlite3.connect(str(self.tmp / "state.db"), isolation_level=None, timeout=5)
+            while not stop.is_set():
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("UPDATE sessions SET title = NULL WHERE id = 's'")
+                time.sleep(0.001)
+                conn.execute("COMMIT")
+                time.sleep(0.002)
+            conn.close()
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        try:
+            time.sleep(0.05)
+            with SessionDB(self.tmp / "state.db") as db:
+                self.assertEqual(db.doctor()["journal_mode"], "wal")
+        finally:
+            stop.set()
+            thread.join(10)
+
     def test_checkpoints_run_under_the_lock_when_automatic_ones_are_off(self):
         statements = []
         with SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements),
