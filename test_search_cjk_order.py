@@ -170,6 +170,10 @@ class LayoutOneStores(TempDirTestCase):
         for name in LAYOUT_1_TRIGGERS:
             sql = self.conn.execute("SELECT sql FROM sqlite_master WHERE name = ?", (name,)).fetchone()[0]
             self.assertEqual(sql, SEARCH_TRIGGERS["cjk"][name])
+        self.assert_plain_pages(db)
+
+    def assert_plain_pages(self, db):
+        """Every CASES page `db` answers is the plain query's: every hit sorted by time."""
         for query, kwargs in CASES:
             hits = db.search_messages(query, fields=("id",), **kwargs)
             self.assertEqual([hit["id"] for hit in hits], plain_page(self.conn, query, **kwargs), (query, kwargs))
@@ -190,17 +194,13 @@ class LayoutOneStores(TempDirTestCase):
         self.conn.execute("CREATE TABLE hs_fts_cjk_bounds (block INTEGER PRIMARY KEY, newest)")  # empty: stale
         self.conn.commit()
         with SessionDB(self.path, read_only=True) as db:
-            for query, kwargs in CASES:
-                hits = db.search_messages(query, fields=("id",), **kwargs)
-                self.assertEqual([hit["id"] for hit in hits], plain_page(self.conn, query, **kwargs))
+            self.assert_plain_pages(db)
         with SessionDB(self.path) as db:
             self.assert_layout_2(db)
 
     def test_a_runtime_without_fts5_answers_and_a_later_one_with_it_fills_the_bounds(self):
         with SessionDB(self.path, connection_factory=without_fts5) as db:
-            for query, kwargs in CASES:
-                hits = db.search_messages(query, fields=("id",), **kwargs)
-                self.assertEqual([hit["id"] for hit in hits], plain_page(self.conn, query, **kwargs))
+            self.assert_plain_pages(db)
         with SessionDB(self.path) as db:
             self.assert_layout_2(db)
             self.assertGreater(self.conn.execute("SELECT count(*) FROM hs_fts_cjk_bounds").fetchone()[0], 0)
