@@ -436,12 +436,20 @@ def jsonl_pieces(export):
     return _jsonl_session({k: export[k] for k in keys[:at]}, texts, {k: export[k] for k in keys[at + 1:]})
 
 
-def _decoded_calls(text, scan=json.JSONDecoder().scan_once):
-    """A set tool_calls as get_messages decodes it, loads_or(text, []); one JSON value alone skips json.loads."""
+def _decoded_calls(texts, scan=json.JSONDecoder().scan_once):
+    """Set tool_calls texts as get_messages decodes each, loads_or(text, []) ("" kept): one scan of them all
+    as a JSON array when each is one JSON value (the count tells), one by one otherwise."""
     with contextlib.suppress(StopIteration, TypeError, ValueError):
-        value, end = scan(text, 0)
-        return value if end == len(text) else loads_or(text, [])
-    return loads_or(text, []) if text else text
+        values = scan("[" + ", ".join(texts) + "]", 0)[0]
+        if len(values) == len(texts):
+            return values
+    return [loads_or(text, []) if text else text for text in texts]
+
+
+def _encoded_calls(column):
+    """A tool_calls column as jsonl_line writes its values: null, or the text as get_messages decodes it."""
+    decoded = map(_JSONL_ENCODER.encode, _decoded_calls([text for text in column if text is not None]))
+    return ["null" if text is None else next(decoded) for text in column]
 
 
 def _jsonl_session(before, texts, after):
@@ -768,10 +776,12 @@ class SessionPortabilityMixin:
 
         def convert(rows):  # a dict a row in C loops (zip stops at `kept`), then the flagged rows decoded
             messages = [*map(dict, map(zip, itertools.repeat(kept), rows))]
-            for position, row in itertools.compress(enumerate(rows), [row[-1] for row in rows]):
-                if row[-1] == 1:  # tool_calls alone, decoded in its place
-                    messages[position]["tool_calls"] = _decoded_calls(row[at])
-                else:  # the long way, as get_messages and portable_message take it
+            flagged = [*itertools.compress(enumerate(rows), [row[-1] for row in rows])]
+            calls = [(position, row[at]) for position, row in flagged if row[-1] == 1]  # tool_calls alone
+            for (position, _), value in zip(calls, _decoded_calls([text for _, text in calls])):
+                messages[position]["tool_calls"] = value
+            for position, row in flagged:
+                if row[-1] > 1:  # the long way, as get_messages and portable_message take it
                     messages[position] = portable_message(decode_message(zip(columns, row)))
             return messages
 
@@ -786,8 +796,8 @@ class SessionPortabilityMixin:
                     continue
                 form.append(key + "%s")
                 try:
-                    values.append(["null" if v is None else _JSONL_ENCODER.encode(_decoded_calls(v)) for v in column]
-                                  if name == "tool_calls" else _SCALARS_ENCODER.encode(column)[1:-1].split("\x00"))
+                    values.append(_encoded_calls(column) if name == "tool_calls"
+                                  else _SCALARS_ENCODER.encode(column)[1:-1].split("\x00"))
                 except TypeError:  # a BLOB, found here for free (encoded as convert's rows are): the long way
                     return _JSONL_ENCODER.encode(convert(rows))[1:-1]
             return ", ".join(["{%s}" % ", ".join(form)] * len(rows)) % tuple(itertools.chain(*zip(*values)))

@@ -632,8 +632,9 @@ class Blobs(StoreTestCase):
                          json.dumps(exported, ensure_ascii=False, default=json_default) + "\n")
 
     def test_odd_tool_calls_text_and_a_blob_in_any_column_export_as_get_messages_gives_them(self):
-        # The export decodes tool_calls without json.loads when the text is one JSON value alone, and finds a
-        # BLOB in SQL: text around the value, and a BLOB in a number column or empty, take the long way.
+        # The export decodes a run's tool_calls as one JSON array when each text is one JSON value, and finds
+        # a BLOB in SQL: text around the value, two values in one text, and a BLOB in a number column or empty,
+        # take the long way.
         self.db.create_session("odd", "cli")
         ids = [self.db.append_message("odd", "assistant", "", tool_calls=[{"id": i}]) for i in range(7)]
         self.run_sql(f"UPDATE messages SET tool_calls = ' [1]' WHERE id = {ids[0]}",
@@ -651,6 +652,14 @@ class Blobs(StoreTestCase):
         write_export(self.db.iter_export_jsonl(), "jsonl", self.tmp / "stream.jsonl")
         self.assertEqual(json.loads((self.tmp / "stream.jsonl").read_text(encoding="utf-8"))["messages"],
                          json.loads(json.dumps(expected, default=json_default)))
+        self.db.create_session("two", "telegram")  # the only odd text: two values, which the count tells
+        two = [self.db.append_message("two", "assistant", "", tool_calls=[{"id": i}]) for i in range(3)]
+        self.run_sql(f"UPDATE messages SET tool_calls = '[4], [5]' WHERE id = {two[1]}")
+        expected = [[{"id": 0}], [], [{"id": 2}]]
+        self.assertEqual([m["tool_calls"] for m in self.db.export_session("two")["messages"]], expected)
+        write_export(self.db.iter_export_jsonl("telegram"), "jsonl", self.tmp / "two.jsonl")
+        self.assertEqual([m["tool_calls"] for m in json.loads((self.tmp / "two.jsonl").read_text())["messages"]],
+                         expected)
 
     def test_the_streamed_jsonl_export_is_the_general_paths_bytes_for_every_kind_of_row(self):
         # iter_export_jsonl reads and encodes its own quick way, a run of messages at a time; this is the
