@@ -749,9 +749,7 @@ class UsageValueError(ValueError, sqlite3.IntegrityError, sqlite3.ProgrammingErr
 
 # -- Value checks shared by the API: each names the field and the limit -------
 
-def require_text(name, value, *, max_length=None, allow_none=False):
-    if value is None and allow_none:
-        return None
+def require_text(name, value, *, max_length=None):
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a non-empty string")
     if max_length is not None and len(value) > max_length:
@@ -759,9 +757,7 @@ def require_text(name, value, *, max_length=None, allow_none=False):
     return value
 
 
-def require_int(name, value, *, minimum=0, maximum=None, allow_none=False):
-    if value is None and allow_none:
-        return None
+def require_int(name, value, *, minimum=0, maximum=None):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}")
     if maximum is not None and value > maximum:
@@ -769,20 +765,8 @@ def require_int(name, value, *, minimum=0, maximum=None, allow_none=False):
     return value
 
 
-def json_text(name, value, *, want_object=False):
-    """Structured values are stored as JSON text; text is checked to be JSON."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            decoded = json.loads(value)
-        except ValueError:
-            raise ValueError(f"{name} must be JSON text or a JSON-serialisable value") from None
-        if want_object and not isinstance(decoded, dict):
-            raise ValueError(f"{name} must be a JSON object")
-        return value
-    if want_object and not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object")
+def json_text(name, value):
+    """`value` as JSON text, for a column that stores structure; ValueError naming `name` when it has none."""
     try:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError) as exc:

@@ -49,13 +49,9 @@ def is_sqlite_wal_reset_vulnerable(version_info=None):
 
 
 def sqlite_source_id():
-    """SQLite's `sqlite_source_id()` (build date and check-in hash); '' if it cannot be read."""
-    try:
-        with contextlib.closing(sqlite3.connect(":memory:")) as conn:
-            value = conn.execute("SELECT sqlite_source_id()").fetchone()[0]
-    except sqlite3.Error:
-        return ""
-    return "" if value is None else str(value)
+    """SQLite's `sqlite_source_id()`: the build date and check-in hash of the library in use."""
+    with contextlib.closing(sqlite3.connect(":memory:")) as conn:
+        return conn.execute("SELECT sqlite_source_id()").fetchone()[0]
 
 
 def _wal_reset_repair_hint():
