@@ -105,6 +105,21 @@ class HomeFamily(unittest.TestCase):
             secure_parent_dir(Path("/usr/file"))
             chmod.assert_not_called()
 
+    def test_subprocess_home_in_the_default_auto_mode(self):
+        # A container keeps tool state in the profile home; a host keeps the user's HOME, and a HOME that
+        # already points at the profile home goes back to the real one.
+        profile_home = self.tmp / "home"
+        profile_home.mkdir()
+        env = {"HERMES_HOME": str(self.tmp), "HERMES_REAL_HOME": "/home/real"}
+        with mock.patch("hermes_constants._in_container", return_value=True):
+            self.assertEqual(get_subprocess_home(dict(env, HOME="/home/real")), str(profile_home))
+        with mock.patch("hermes_constants._in_container", return_value=False):
+            self.assertIsNone(get_subprocess_home(dict(env, HOME="/home/real")))
+            self.assertIsNone(get_subprocess_home(dict(env, HOME="/somewhere/else")))
+            self.assertEqual(get_subprocess_home(dict(env, HOME=str(profile_home))), "/home/real")
+            self.assertEqual(get_subprocess_home(dict(env, HOME=str(profile_home), TERMINAL_HOME_MODE="unknown")),
+                             "/home/real")
+
     def test_subprocess_home_follows_the_policy(self):
         profile_home = self.tmp / "home"
         profile_home.mkdir()

@@ -958,6 +958,30 @@ class Maintenance(TempDirTestCase):
         self.assertEqual(merged.returncode, 0, merged.stderr)
 
 
+    def test_rebuild_fts_on_hermes_agents_own_index_refills_it_and_ends_its_backfill(self):
+        # hermes-agent's gateway calls rebuild_fts after an append failed on its index; on its layout the
+        # store keeps hermes-agent's tables, rebuilt in place, and the markers its triggers read are cleared.
+        path = self.copy_fixture(V26_DB)
+        with SessionDB(path) as db:
+            before = {query: hit_ids(db, query) for query in ("migration", "schema migration", "父子关系", "igratio")}
+            with self.raw(path) as conn:
+                for table in ("messages_fts", "messages_fts_trigram"):
+                    conn.execute(f"INSERT INTO {table}({table}) VALUES ('delete-all')")
+            self.assertEqual(hit_ids(db, "migration"), set())  # the index is empty: nothing answers
+            with self.raw(path) as conn:
+                conn.execute("INSERT INTO state_meta (key, value) VALUES ('fts_rebuild_high_water', '100000'), "
+                             "('fts_rebuild_progress', '0')")
+            self.assertTrue(db.fts_rebuild_status()["pending"])
+            self.assertEqual(db.rebuild_fts(), 2)
+            self.assertEqual((db.fts_layout(), db.fts_rebuild_status()), ("external", None))
+            self.assertEqual({query: hit_ids(db, query) for query in before}, before)
+            self.assertTrue(all(before.values()))
+            db.create_session("after", "cli")
+            new = db.append_message("after", "user", "quinceblossom 木瓜花开")  # through hermes-agent's triggers
+            self.assertEqual((hit_ids(db, "quinceblossom"), hit_ids(db, "木瓜花开")), ({new}, {new}))
+        fts_integrity_check(path, ("messages_fts", "messages_fts_trigram"))
+
+
 class ForeignWriters(TempDirTestCase):
 
     def test_a_foreign_backlog_is_indexed_in_bounded_steps_and_found_meanwhile(self):
