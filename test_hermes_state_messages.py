@@ -346,6 +346,22 @@ class Reading(MessageTestCase):
         ])
         self.assertEqual(len(self.db.get_messages_as_conversation("s")), len(sequence))
 
+    def test_repair_alternation_joins_text_only_assistant_turns_and_keeps_a_multimodal_second(self):
+        # hermes-agent's repair: neither turn calls a tool, so the merged one carries no tool_calls key (a
+        # stored '[]' included: strict providers refuse an empty list); an empty first turn takes a later
+        # multimodal content whole.
+        self.db.create_session("t", "cli")
+        parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+        ids = [self.db.append_message("t", role, content)
+               for role, content in (("user", "q"), ("assistant", " first "), ("assistant", "second"),
+                                     ("user", "q2"), ("assistant", ""), ("assistant", parts))]
+        with self.raw(self.path) as conn:
+            conn.execute("UPDATE messages SET tool_calls = '[]' WHERE id = ?", (ids[1],))
+        repaired = [{k: v for k, v in m.items() if k != "timestamp"}
+                    for m in self.db.get_messages_as_conversation("t", repair_alternation=True)]
+        self.assertEqual(repaired, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "first\nsecond"},
+                                    {"role": "user", "content": "q2"}, {"role": "assistant", "content": parts}])
+
 
 class RewindAndReplace(MessageTestCase):
 
