@@ -671,6 +671,27 @@ class OptimizeStorage(TempDirTestCase):
             db.optimize_fts_storage()
         self.assert_optimized(path, before_cjk, before_words, cjk, words)
 
+    def test_a_vacuum_that_cannot_run_leaves_the_optimized_store_and_says_vacuumed_false(self):
+        # The rebuild is done and kept; only the file stays its old size, for a later run to reclaim.
+        path, before_cjk, before_words, cjk, words = self.baseline(V22_DB)
+        blocker = sqlite3.connect(path, isolation_level=None)
+        self.addCleanup(blocker.close)
+
+        def hold_the_write_lock_at_vacuum(progress):
+            if progress["phase"] == "vacuum":
+                blocker.execute("BEGIN IMMEDIATE")
+
+        with SessionDB(path, write_budget=0.3) as db, self.assertLogs("hermes_state", "WARNING") as logs:
+            result = db.optimize_fts_storage(progress_cb=hold_the_write_lock_at_vacuum)
+            blocker.execute("ROLLBACK")
+            self.assertIn("VACUUM after optimize-storage failed", logs.output[-1])
+            self.assertEqual(result, {"ok": True, "vacuumed": False})
+            self.assertEqual((db.fts_layout(), db.fts_optimize_available()), ("current", False))
+            self.assertEqual(self.answers(db, words), before_words)
+            self.assertGreater(os.path.getsize(path), LEGACY_LIMIT_BYTES)
+            self.assertEqual(db.optimize_fts_storage(), {"ok": True, "vacuumed": True})
+        self.assert_optimized(path, before_cjk, before_words, cjk, words)
+
     def test_too_little_disk_is_refused_before_anything_changes(self):
         path = self.copy_fixture(V22_DB)
         with SessionDB(path) as db:
