@@ -605,6 +605,16 @@ class Blobs(StoreTestCase):
             self.assertEqual((result["ok"], result["unstored_fields"]), (True, ["messages.extra_blob"]))
             self.assertEqual(other.get_messages("s")[0]["content"], b"\x00raw content")
 
+    def test_a_marker_whose_base64_is_broken_is_imported_as_the_object_it_is_and_exported_the_same(self):
+        # Nothing is lost to a hand-edited export: only a marker that decodes becomes a BLOB.
+        broken, good = {"__base64__": "not base64!"}, {"__base64__": "AAE="}
+        self.db.import_sessions([{"id": "m", "source": "cli", "messages": [
+            {"role": "user", "content": broken, "timestamp": 1.0}, {"role": "user", "content": good, "timestamp": 2.0}]}])
+        stored = self.raw(self.path).execute("SELECT typeof(content), content FROM messages ORDER BY id").fetchall()
+        self.assertEqual([tuple(row) for row in stored], [("text", '\x00json:{"__base64__": "not base64!"}'),
+                                                          ("blob", b"\x00\x01")])
+        self.assertEqual([m["content"] for m in self.db.export_session("m")["messages"]], [broken, good])
+
     def test_every_kind_of_row_exports_as_get_messages_and_portable_message_give_it(self):
         # The export reads rows its own quick way; this is the general path it must equal.
         self.add_blob_column(self.db)
