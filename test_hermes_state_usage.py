@@ -292,6 +292,27 @@ class TokenQueue(UsageTestCase):
         self.assertEqual(len(self.db.get_messages("s")), 1)
         self.assertEqual(len(self.db._tokens), 0)
 
+    def test_a_delta_whose_refusal_rolls_back_the_whole_write_is_dropped_alone_and_the_write_lands(self):
+        """RAISE(ROLLBACK) ends the transaction, savepoint and all: the refused delta must not be put back
+        to fail every later write."""
+        self.db.create_session("s", "cli")
+        self.db.create_session("refused", "cli")
+        conn = self.raw(self.path)
+        conn.execute("CREATE TRIGGER another_programs_rule BEFORE UPDATE OF input_tokens ON sessions"
+                     " WHEN NEW.id = 'refused' BEGIN SELECT RAISE(ROLLBACK, 'rolled back by another program'); END")
+        conn.commit()
+        self.db.queue_token_counts("s", input_tokens=1)
+        self.db.queue_token_counts("refused", input_tokens=9)
+        self.db.queue_token_counts("s", input_tokens=2, model="m")
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            self.db.append_message("s", "user", "the write the deltas ride with")
+        self.assertEqual(len(logs.output), 1)
+        self.assertIn("session 'refused' dropped: rolled back by another program", logs.output[0])
+        self.db.append_message("s", "user", "and the next write")
+        self.assertEqual((self.input_tokens("s"), self.input_tokens("refused")), (3, 0))
+        self.assertEqual(len(self.db.get_messages("s")), 2)
+        self.assertEqual(len(self.db._tokens), 0)
+
     def test_counts_queued_from_many_threads_all_arrive(self):
         self.db.create_session("s", "cli")
 
