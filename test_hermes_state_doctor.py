@@ -220,6 +220,15 @@ class RepairWhenTheBackupFails(DoctorTestCase):
         self.assertIn("backup copy failed: [Errno 27] File too large", report["error"])
         self.assertEqual(path.read_bytes(), before)
 
+    @unittest.skipUnless(hasattr(signal, "SIGXFSZ"), "needs POSIX file size limits")
+    def test_a_backup_the_full_disk_refuses_leaves_no_half_written_copy_named_as_a_backup(self):
+        """The report says no backup was made; a truncated file under a backup's name would say otherwise
+        (and hold disk space that is short)."""
+        path = self.damaged_store()
+        report = self.report_of(self.start_repair(path, 5, file_size_limit=path.stat().st_size // 2))
+        self.assertIsNone(report["backup_path"])
+        self.assertEqual(self.backups(), [])
+
     def test_a_sidecar_that_cannot_be_copied_aborts_the_repair_and_says_why(self):
         path = self.tmp / "state.db"
         path.write_bytes(b"garbage" * 1000)
