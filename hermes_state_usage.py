@@ -294,16 +294,26 @@ def write_token_delta(conn, session_id, delta, now):
 
 
 def apply_token_batch(conn, batch):
-    """Apply queued deltas in order inside the caller's transaction. One SQLite still refuses (another
-    program's trigger, say) is logged and dropped under its own savepoint, never blocking the write."""
-    now = time.time()
+    """Apply queued deltas in order first in the caller's BEGIN IMMEDIATE transaction. One SQLite still
+    refuses (another program's trigger, say) is logged and dropped under its own savepoint, never blocking
+    the write."""
+    now, applied = time.time(), []
     for delta in batch:
         conn.execute("SAVEPOINT token_delta")
         try:
             write_token_delta(conn, delta["session_id"], delta, now)
         except (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError) as exc:
-            conn.execute("ROLLBACK TO token_delta")
             logger.warning("queued token counts for session %r dropped: %s", delta["session_id"], exc)
+            if not conn.in_transaction:
+                # RAISE(ROLLBACK) ended the whole transaction, savepoint included; put back, the delta
+                # would fail every later write. It held only the deltas before this one: begin it again.
+                conn.execute("BEGIN IMMEDIATE")
+                for kept in applied:
+                    write_token_delta(conn, kept["session_id"], kept, now)
+                continue
+            conn.execute("ROLLBACK TO token_delta")
+        else:
+            applied.append(delta)
         conn.execute("RELEASE token_delta")
 
 

@@ -1,22 +1,26 @@
 """The doctor and repair helpers hermes-agent imports from hermes_state, on real damaged stores."""
 
+import json
 import os
+import signal
 import sqlite3
 import stat
 import subprocess
 import sys
 import textwrap
+import time
 import unittest
 from pathlib import Path
 
 import hermes_state
+import hermes_state_doctor
 from hermes_state import (
     DEFERRED_INDEX_SQL, SessionDB, _backup_db_file, _db_opens_cleanly, _wal_reset_repair_hint,
     collect_state_db_stats, count_db_holders, is_sqlite_wal_reset_vulnerable, repair_state_db_schema,
     sqlite_source_id,
 )
 from hermes_state_common import DEFERRED_INDEXES, SCHEMA_SQL
-from test_support import TempDirTestCase
+from test_support import REPO, TempDirTestCase
 
 HAS_PROC = os.path.isdir("/proc/self/fd")
 
@@ -48,6 +52,55 @@ class DoctorTestCase(TempDirTestCase):
 
     def backups(self):
         return sorted(p.name for p in self.tmp.iterdir() if ".malformed-backup-" in p.name)
+
+    def damaged_store(self):
+        """A store whose schema does not parse (a duplicate entry), which dedup_schema repairs."""
+        path = self.store()
+        self.damage(path, "INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'hs_fts_words'")
+        return path
+
+    def start_repair(self, path, lock_wait, file_size_limit=None):
+        """Another process running repair_state_db_schema(path); its report is its one line of output."""
+        code = textwrap.dedent("""
+            import json, resource, signal, sys
+            sys.path.insert(0, sys.argv[1])
+            import hermes_state_doctor
+            hermes_state_doctor.REPAIR_LOCK_WAIT = float(sys.argv[3])
+            if sys.argv[4] != "none":  # files may not grow past this: the disk is full, as the copy sees it
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[4]), resource.RLIM_INFINITY))
+            print(json.dumps(hermes_state_doctor.repair_state_db_schema(sys.argv[2])), flush=True)
+        """)
+        args = [sys.executable, "-c", code, str(REPO), str(path), str(lock_wait), str(file_size_limit or "none")]
+        child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.addCleanup(lambda: child.poll() is None and (child.kill(), child.wait(10)))
+        return child
+
+    def report_of(self, child):
+        out, err = child.communicate(timeout=60)
+        self.assertEqual(child.returncode, 0, err)
+        return json.loads(out)
+
+    def hold_repair_lock(self, path):
+        """Another process holding `<path>.repair.lock` until the returned function is called."""
+        code = textwrap.dedent("""
+            import fcntl, os, sys
+            fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            print("held", flush=True)
+            sys.stdin.readline()
+        """)
+        holder = subprocess.Popen([sys.executable, "-c", code, f"{path}.repair.lock"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+
+        def release():
+            if holder.poll() is None:
+                holder.stdin.close()
+                holder.wait(10)
+                holder.stdout.close()
+        self.addCleanup(release)
+        self.assertEqual(holder.stdout.readline().strip(), "held")
+        return release
 
 
 class Runtime(unittest.TestCase):
@@ -151,6 +204,87 @@ class Repair(DoctorTestCase):
         self.assertIn("not a database", report["error"])
         self.assertEqual(Path(report["backup_path"]).read_bytes(), b"garbage" * 1000)
         self.assertEqual(path.read_bytes(), b"garbage" * 1000)
+
+
+class RepairWhenTheBackupFails(DoctorTestCase):
+
+    @unittest.skipUnless(hasattr(signal, "SIGXFSZ"), "needs POSIX file size limits")
+    def test_a_backup_the_full_disk_refuses_aborts_the_repair_before_the_store_is_touched(self):
+        path = self.damaged_store()
+        before = path.read_bytes()
+        # Half the store fits: SQLite's copy fails, then the byte copy fails part way.
+        report = self.report_of(self.start_repair(path, 5, file_size_limit=len(before) // 2))
+        self.assertEqual((report["repaired"], report["strategy"], report["backup_path"]), (False, None, None))
+        self.assertTrue(report["error"].startswith("pre-repair backup refused; aborting schema repair"),
+                        report["error"])
+        self.assertIn("backup copy failed: [Errno 27] File too large", report["error"])
+        self.assertEqual(path.read_bytes(), before)
+
+    @unittest.skipUnless(hasattr(signal, "SIGXFSZ"), "needs POSIX file size limits")
+    def test_a_backup_the_full_disk_refuses_leaves_no_half_written_copy_named_as_a_backup(self):
+        """The report says no backup was made; a truncated file under a backup's name would say otherwise
+        (and hold disk space that is short)."""
+        path = self.damaged_store()
+        report = self.report_of(self.start_repair(path, 5, file_size_limit=path.stat().st_size // 2))
+        self.assertIsNone(report["backup_path"])
+        self.assertEqual(self.backups(), [])
+
+    def test_a_sidecar_that_cannot_be_copied_aborts_the_repair_and_says_why(self):
+        path = self.tmp / "state.db"
+        path.write_bytes(b"garbage" * 1000)
+        (self.tmp / "state.db-wal").mkdir()  # where a file is expected: no copy, root or not
+        report = repair_state_db_schema(path)
+        self.assertEqual((report["repaired"], report["backup_path"]), (False, None))
+        self.assertTrue(report["error"].startswith("pre-repair backup refused"), report["error"])
+        self.assertIn("backup copy failed: [Errno 21] Is a directory", report["error"])
+        self.assertEqual(path.read_bytes(), b"garbage" * 1000)
+
+
+class RepairLock(DoctorTestCase):
+
+    def wait_at_most(self, seconds):
+        previous = hermes_state_doctor.REPAIR_LOCK_WAIT
+        hermes_state_doctor.REPAIR_LOCK_WAIT = seconds
+        self.addCleanup(setattr, hermes_state_doctor, "REPAIR_LOCK_WAIT", previous)
+
+    def test_a_damaged_store_is_left_alone_while_another_process_keeps_the_repair_lock(self):
+        path = self.damaged_store()
+        before = path.read_bytes()
+        self.hold_repair_lock(path)
+        self.wait_at_most(0.3)
+        started = time.monotonic()
+        report = repair_state_db_schema(path)
+        self.assertGreaterEqual(time.monotonic() - started, 0.3)
+        self.assertEqual((report["repaired"], report["strategy"], report["backup_path"]), (False, None, None))
+        self.assertIn("another process holds the state.db repair lock", report["error"])
+        self.assertEqual(path.read_bytes(), before)
+        self.assertEqual(self.backups(), [])
+
+    def test_a_store_healthy_after_another_process_kept_the_repair_lock_was_repaired_by_it(self):
+        path = self.store()
+        self.hold_repair_lock(path)
+        self.wait_at_most(0.3)
+        self.assertEqual(repair_state_db_schema(path), {"repaired": True, "strategy": "repaired_by_other_process",
+                                                        "backup_path": None, "error": None})
+
+    @unittest.skipUnless(HAS_PROC, "needs /proc to see that the other processes wait on the lock")
+    def test_two_processes_repairing_at_once_wait_for_the_lock_and_repair_once(self):
+        path = self.damaged_store()
+        release = self.hold_repair_lock(path)
+        repairs = [self.start_repair(path, 20) for _ in range(2)]
+        lock_file = os.path.realpath(f"{path}.repair.lock")
+        deadline = time.monotonic() + 30
+        while not all(lock_file in hermes_state_doctor._open_files(child.pid) for child in repairs):
+            self.assertLess(time.monotonic(), deadline, "the repairs never reached the repair lock")
+            self.assertTrue(all(child.poll() is None for child in repairs), "a repair ended without the lock")
+            time.sleep(0.02)
+        release()
+        reports = sorted((self.report_of(child) for child in repairs), key=lambda r: str(r["strategy"]))
+        self.assertEqual([(r["repaired"], r["strategy"]) for r in reports],
+                         [(True, "already_healthy"), (True, "dedup_schema")])
+        self.assertEqual(self.backups(), [os.path.basename(reports[1]["backup_path"])])
+        self.assertIsNone(_db_opens_cleanly(path))
+        self.assertEqual(self.message_count(path), 30)
 
 
 class Backup(DoctorTestCase):

@@ -8,7 +8,7 @@ import threading
 import time
 
 from hermes_state import SessionDB
-from test_support import StoreTestCase
+from test_support import REPO, StoreTestCase
 
 SESSION_COLUMNS = ("source", "model", "input_tokens", "output_tokens", "cache_read_tokens",
                    "cache_write_tokens", "reasoning_tokens", "api_call_count", "estimated_cost_usd",
@@ -230,6 +230,88 @@ class TokenQueue(UsageTestCase):
         self.assertEqual(self.input_tokens("s"), 0)
         self.assertTrue(self.db.flush_token_counts())
         self.assertEqual(self.input_tokens("s"), 5)
+
+    def hold_the_store_in_another_process(self):
+        """Another process inside a write (state.db.lock and SQLite's write lock held) until the returned
+        function is called."""
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from hermes_state import SessionDB\n"
+                "with SessionDB(sys.argv[2]) as db:\n"
+                "    db._execute_write(lambda conn: (print('held', flush=True), sys.stdin.readline()))\n")
+        holder = subprocess.Popen([sys.executable, "-c", code, str(REPO), str(self.path)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+
+        def release():
+            if holder.poll() is None:
+                holder.stdin.close()
+                holder.wait(30)
+                holder.stdout.close()
+        self.addCleanup(release)
+        self.assertEqual(holder.stdout.readline().strip(), "held")
+        return release
+
+    def test_a_flush_while_another_process_keeps_the_store_locked_fails_and_lands_the_counts_later_once(self):
+        self.db.create_session("s", "cli")
+        impatient = SessionDB(self.path, write_budget=0.3)
+        self.addCleanup(impatient.close)
+        impatient.queue_token_counts("s", input_tokens=5, model="m", billing_provider="p", api_call_count=1)
+        impatient.queue_token_counts("other", output_tokens=2)
+        release = self.hold_the_store_in_another_process()
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            self.assertFalse(impatient.flush_token_counts())
+        self.assertIn("2 deltas kept", logs.output[0])
+        self.assertEqual(len(impatient._tokens), 2)
+        self.assertEqual(self.input_tokens("s"), 0)
+        release()
+        self.assertTrue(impatient.flush_token_counts())
+        self.assertTrue(impatient.flush_token_counts())  # nothing left to land twice
+        impatient.close()
+        self.assertEqual((self.input_tokens("s"), self.session_row("other")["output_tokens"]), (5, 2))
+        self.assertEqual(self.usage_rows("s")[("m", "p", "", "", "")]["api_call_count"], 1)
+
+    def test_a_delta_sqlite_refuses_is_dropped_alone_and_the_others_land(self):
+        self.db.create_session("s", "cli")
+        self.db.create_session("refused", "cli", model="requested")
+        conn = self.raw(self.path)
+        conn.execute("CREATE TRIGGER another_programs_rule BEFORE UPDATE OF input_tokens ON sessions"
+                     " WHEN NEW.id = 'refused' BEGIN SELECT RAISE(ABORT, 'refused by another program'); END")
+        conn.commit()
+        before = self.session_row("refused")
+        self.db.queue_token_counts("s", input_tokens=1)
+        # Counted on a new route: the route is rewritten before the counters, so it is rolled back too.
+        self.db.queue_token_counts("refused", input_tokens=9, model="fallback", billing_provider="p",
+                                   api_call_count=1)
+        self.db.queue_token_counts("s", input_tokens=2, model="m")
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            self.db.append_message("s", "user", "the write the deltas ride with")
+        self.assertEqual(len(logs.output), 1)
+        self.assertIn("queued token counts for session 'refused' dropped: refused by another program",
+                      logs.output[0])
+        self.assertEqual(self.input_tokens("s"), 3)
+        self.assertEqual(self.session_row("refused"), before)
+        self.assertEqual(self.usage_rows("refused"), {})
+        self.assertEqual(len(self.db.get_messages("s")), 1)
+        self.assertEqual(len(self.db._tokens), 0)
+
+    def test_a_delta_whose_refusal_rolls_back_the_whole_write_is_dropped_alone_and_the_write_lands(self):
+        """RAISE(ROLLBACK) ends the transaction, savepoint and all: the refused delta must not be put back
+        to fail every later write."""
+        self.db.create_session("s", "cli")
+        self.db.create_session("refused", "cli")
+        conn = self.raw(self.path)
+        conn.execute("CREATE TRIGGER another_programs_rule BEFORE UPDATE OF input_tokens ON sessions"
+                     " WHEN NEW.id = 'refused' BEGIN SELECT RAISE(ROLLBACK, 'rolled back by another program'); END")
+        conn.commit()
+        self.db.queue_token_counts("s", input_tokens=1)
+        self.db.queue_token_counts("refused", input_tokens=9)
+        self.db.queue_token_counts("s", input_tokens=2, model="m")
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            self.db.append_message("s", "user", "the write the deltas ride with")
+        self.assertEqual(len(logs.output), 1)
+        self.assertIn("session 'refused' dropped: rolled back by another program", logs.output[0])
+        self.db.append_message("s", "user", "and the next write")
+        self.assertEqual((self.input_tokens("s"), self.input_tokens("refused")), (3, 0))
+        self.assertEqual(len(self.db.get_messages("s")), 2)
+        self.assertEqual(len(self.db._tokens), 0)
 
     def test_counts_queued_from_many_threads_all_arrive(self):
         self.db.create_session("s", "cli")
