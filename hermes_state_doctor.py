@@ -214,12 +214,16 @@ def _backup_db_file(db_path):
     and cancel our own locks)."""
     db_path = Path(db_path)
     target = claim_file_beside(db_path, "malformed-backup")
+
+    def discard(*suffixes):  # our own half-written copy, nothing of the user's
+        for suffix in suffixes:
+            with contextlib.suppress(OSError):
+                os.unlink(f"{target}{suffix}")
+
     try:
         _sqlite_copy(db_path, target)
     except sqlite3.Error as exc:
-        for partial in (target, Path(f"{target}-journal")):
-            with contextlib.suppress(OSError):
-                partial.unlink()  # our own half-written copy, nothing of the user's
+        discard("", "-journal")
         if _process_has_open(db_path):
             return None, (f"SQLite cannot read {db_path} ({exc}) and this process has it open; "
                           "copying it byte for byte would cancel that connection's locks. "
@@ -231,6 +235,7 @@ def _backup_db_file(db_path):
                     shutil.copy2(source, f"{target}{suffix}")
                     os.chmod(f"{target}{suffix}", FILE_MODE)
         except OSError as copy_exc:
+            discard("", *SIDECAR_SUFFIXES[:2])
             return None, f"backup copy failed: {copy_exc}"
     return target, None
 
