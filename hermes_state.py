@@ -433,10 +433,11 @@ def set_aside(path, reason):
                 break
         for suffix in suffixes:
             source = Path(str(path) + suffix)
-            if source.exists():
+            if os.path.lexists(source):  # a dangling link too: it is moved, never followed
                 target = Path(str(backup) + suffix)
                 _move_without_replacing(source, target)
-                os.chmod(target, FILE_MODE)
+                if not target.is_symlink():  # (a link's file lives elsewhere: not ours to change)
+                    os.chmod(target, FILE_MODE)
     return backup
 
 
@@ -1011,7 +1012,7 @@ def _new_private_dir(parent, stem):
 
 def _swap_in(scratch, files, db_path):
     home, moved, kept_dir = db_path.parent, [], None
-    if db_path.exists():
+    if os.path.lexists(db_path):
         moved.append(str(set_aside(db_path, "pre-restore")))
     for name in files:
         target = db_path if name == STATE_DB_FILENAME else home / name

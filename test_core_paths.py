@@ -294,19 +294,28 @@ def backup_archive(tmp):
 @unittest.skipIf(sys.platform == "win32", "a symlink needs privileges on Windows")
 class AMoveOntoATakenName(TempDirTestCase):
 
-    def test_a_restore_onto_a_dangling_state_db_link_refuses_and_leaves_the_link_and_its_target_alone(self):
+    def test_a_move_onto_a_taken_name_refuses_and_moves_nothing(self):
+        source, target = self.tmp / "source", self.tmp / "target"
+        source.write_text("mine")
+        target.write_text("theirs")
+        with self.assertRaises(FileExistsError):
+            hermes_state._move_without_replacing(source, target)
+        self.assertEqual((source.read_text(), target.read_text()), ("mine", "theirs"))
+
+    def test_a_restore_onto_a_dangling_state_db_link_moves_the_link_aside_and_never_follows_it(self):
         archive = backup_archive(self.tmp)
         home = self.tmp / "home"
         home.mkdir()
         elsewhere = self.tmp / "elsewhere" / "state.db"
         link = home / "state.db"
         link.symlink_to(elsewhere)
-        with self.assertRaises(FileExistsError):
-            restore_home(archive, link)
-        self.assertTrue(link.is_symlink())
-        self.assertEqual(os.readlink(link), str(elsewhere))
-        self.assertFalse(elsewhere.exists())
+        restored = restore_home(archive, link)
+        kept = Path(restored["moved_aside"][0])
+        self.assertEqual((kept.parent, kept.is_symlink(), os.readlink(kept)), (home, True, str(elsewhere)))
+        self.assertFalse(link.is_symlink())
         self.assertFalse(elsewhere.parent.exists())
+        with SessionDB(link) as db:
+            self.assertIsNotNone(db.get_session("s"))
 
 
 class AConnectionThatCannotBeMade(TempDirTestCase):
