@@ -1,0 +1,47 @@
+"""Hostile input against the public surfaces: import, the write methods, the command line and restore.
+
+Each test feeds one input a careless or hostile caller could send and checks the project rule: a clean
+ValueError naming the field and the limit, nothing half-written, nothing stored but what was given.
+Tests that show a bug still open were committed alone, each in a commit starting "FAILING:".
+"""
+
+import math
+import subprocess
+import sys
+import unittest
+
+from hermes_state import SessionDB, restore_home
+from test_support import REPO, StoreTestCase, TempDirTestCase
+
+
+class RestoreOntoAChangedHome(TempDirTestCase):
+
+    def test_a_restore_that_cannot_place_a_folder_moves_nothing(self):
+        # The backup was taken when notes/ was a folder; in the home it is now a file.
+        source = self.tmp / "source" / "state.db"
+        source.parent.mkdir()
+        (source.parent / "notes").mkdir()
+        (source.parent / "notes" / "a.txt").write_text("archived")
+        with SessionDB(db_path=source) as db:
+            db.create_session("from-backup", "cli")
+            db.backup(self.tmp / "b.zip")
+        home = self.tmp / "home"
+        home.mkdir()
+        with SessionDB(db_path=home / "state.db") as db:
+            db.create_session("current", "cli")
+        (home / "notes").write_text("a file now")
+        try:
+            restore_home(self.tmp / "b.zip", home / "state.db", force=True)
+        except (ValueError, OSError):
+            pass  # a clean refusal (a ValueError) is right, if nothing moved
+        else:  # a restore that worked keeps the file it replaced and puts the folder in place
+            self.assertEqual((home / "notes" / "a.txt").read_text(), "archived")
+            return
+        self.assertEqual(sorted(p.name for p in home.iterdir() if not p.name.endswith(".lock")),
+                         ["notes", "state.db"])
+        with SessionDB(db_path=home / "state.db") as db:
+            self.assertIsNotNone(db.get_session("current"))
+
+
+if __name__ == "__main__":
+    unittest.main()
