@@ -14,6 +14,22 @@ from hermes_state import SessionDB, restore_home
 from test_support import REPO, StoreTestCase, TempDirTestCase
 
 
+class NonFiniteNumbers(StoreTestCase):
+    """NaN and Infinity: SQLite stores NaN as NULL, and JSON has neither (import refuses both)."""
+
+    def setUp(self):
+        super().setUp()
+        self.db.create_session("s", "cli")
+
+    def test_a_non_finite_token_count_or_cost_is_refused_naming_the_field_and_the_totals_stay(self):
+        self.db.update_token_counts("s", input_tokens=10)
+        for kwargs in (dict(input_tokens=math.nan, absolute=True), dict(input_tokens=math.inf),
+                       dict(estimated_cost_usd=math.inf)):
+            with self.subTest(kwargs=kwargs), self.assertRaisesRegex(ValueError, next(iter(kwargs))):
+                self.db.update_token_counts("s", **kwargs)
+        row = self.raw(self.path).execute("SELECT input_tokens, estimated_cost_usd FROM sessions").fetchone()
+        self.assertEqual(tuple(row), (10, 0.0))
+
 class RestoreOntoAChangedHome(TempDirTestCase):
 
     def test_a_restore_that_cannot_place_a_folder_moves_nothing(self):
