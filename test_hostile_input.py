@@ -30,6 +30,18 @@ class NonFiniteNumbers(StoreTestCase):
         row = self.raw(self.path).execute("SELECT input_tokens, estimated_cost_usd FROM sessions").fetchone()
         self.assertEqual(tuple(row), (10, 0.0))
 
+    def test_a_message_the_store_accepted_comes_back_through_its_own_export_and_import(self):
+        try:
+            self.db.append_message("s", "assistant", "x", tool_calls=[{"id": "c", "function": {
+                "name": "f", "arguments": math.nan}}])
+        except ValueError as exc:  # refusing it up front, naming the field, is as good
+            self.assertIn("tool_calls", str(exc))
+            return
+        other = SessionDB(db_path=self.tmp / "other.db")
+        self.addCleanup(other.close)
+        result = other.import_sessions([self.db.export_session("s")])
+        self.assertTrue(result["ok"], result["errors"])
+
 class RestoreOntoAChangedHome(TempDirTestCase):
 
     def test_a_restore_that_cannot_place_a_folder_moves_nothing(self):
