@@ -42,6 +42,16 @@ class NonFiniteNumbers(StoreTestCase):
         result = other.import_sessions([self.db.export_session("s")])
         self.assertTrue(result["ok"], result["errors"])
 
+    def test_a_nan_content_is_refused_or_kept_never_stored_as_null(self):
+        try:
+            self.db.append_message("s", "user", math.nan)
+        except ValueError as exc:
+            self.assertIn("content", str(exc))
+            return
+        content = self.db.get_messages("s")[0]["content"]
+        self.assertTrue(isinstance(content, float) and math.isnan(content), content)
+
+
 class RestoreOntoAChangedHome(TempDirTestCase):
 
     def test_a_restore_that_cannot_place_a_folder_moves_nothing(self):
