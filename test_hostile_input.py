@@ -52,6 +52,23 @@ class NonFiniteNumbers(StoreTestCase):
         self.assertTrue(isinstance(content, float) and math.isnan(content), content)
 
 
+class IntegersPastSqlite(StoreTestCase):
+    """An integer past 64 bits is a ValueError naming its field, as update_token_counts and import say it."""
+
+    def setUp(self):
+        super().setUp()
+        self.db.create_session("s", "cli")
+
+    def test_a_message_integer_past_64_bits_is_a_value_error_naming_the_field_and_writes_nothing(self):
+        calls = {"token_count": lambda: self.db.append_message("s", "user", "x", token_count=1 << 70),
+                 "content": lambda: self.db.append_messages_batch(
+                     "s", [{"role": "user", "content": "ok"}] * 499 + [{"role": "user", "content": 1 << 70}])}
+        for field, call in calls.items():
+            with self.subTest(field=field), self.assertRaisesRegex(ValueError, field):
+                call()
+        self.assertEqual(self.db.get_messages("s"), [])
+
+
 class RestoreOntoAChangedHome(TempDirTestCase):
 
     def test_a_restore_that_cannot_place_a_folder_moves_nothing(self):
