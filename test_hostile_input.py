@@ -69,6 +69,18 @@ class IntegersPastSqlite(StoreTestCase):
         self.assertEqual(self.db.get_messages("s"), [])
 
 
+class CommandLineLimits(TempDirTestCase):
+
+    def test_search_with_a_limit_past_64_bits_prints_a_clean_error_not_a_traceback(self):
+        path = self.tmp / "state.db"
+        SessionDB(db_path=path).close()
+        run = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(path), "search", "hello",
+                              "--limit", str(1 << 70)], cwd=REPO, capture_output=True, text=True, timeout=60)
+        self.assertEqual(run.returncode, 1)
+        self.assertNotIn("Traceback", run.stderr)
+        self.assertRegex(run.stderr, r"^error: .*limit")
+
+
 class RestoreOntoAChangedHome(TempDirTestCase):
 
     def test_a_restore_that_cannot_place_a_folder_moves_nothing(self):
