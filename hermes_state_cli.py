@@ -115,6 +115,8 @@ def _print_hits(hits, out):
 
 
 def _cmd_search(db, args, out):
+    require_int("limit", args.limit, minimum=1, maximum=LIST_LIMIT_MAX)
+    require_int("offset", args.offset)
     hits = db.search_messages(args.query, source_filter=args.source, role_filter=args.role,
                               limit=args.limit, offset=args.offset, sort=args.sort,
                               include_inactive=args.include_inactive)
