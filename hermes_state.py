@@ -1012,17 +1012,26 @@ def _new_private_dir(parent, stem):
 
 def _swap_in(scratch, files, db_path):
     home, moved, kept_dir = db_path.parent, [], None
+
+    def keep(path):  # what is in the way, moved as it is under .pre-restore-<time>/
+        nonlocal kept_dir
+        if kept_dir is None:
+            kept_dir = _new_private_dir(home, f".pre-restore-{time.strftime('%Y%m%d-%H%M%S')}")
+        kept = kept_dir / path.relative_to(home)
+        _private_dirs(kept.parent, kept_dir)
+        _move_without_replacing(path, kept)
+        moved.append(str(kept))
+
+    # A folder of the archive that is now a file or a link (never followed out of the home) goes first.
+    for folder in sorted({folder for name in files for folder in (home / name).parents if home in folder.parents}):
+        if os.path.lexists(folder) and (folder.is_symlink() or not folder.is_dir()):
+            keep(folder)
     if os.path.lexists(db_path):
         moved.append(str(set_aside(db_path, "pre-restore")))
     for name in files:
         target = db_path if name == STATE_DB_FILENAME else home / name
         if name != STATE_DB_FILENAME and os.path.lexists(target):
-            if kept_dir is None:
-                kept_dir = _new_private_dir(home, f".pre-restore-{time.strftime('%Y%m%d-%H%M%S')}")
-            kept = kept_dir / name
-            _private_dirs(kept.parent, kept_dir)
-            _move_without_replacing(target, kept)
-            moved.append(str(kept))
+            keep(target)
         _private_dirs(target.parent, home)
         _move_without_replacing(scratch / name, target)
     os.chmod(db_path, FILE_MODE)

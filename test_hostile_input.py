@@ -2,13 +2,14 @@
 
 Each test feeds one input a careless or hostile caller could send and checks the project rule: a clean
 ValueError naming the field and the limit, nothing half-written, nothing stored but what was given.
-Tests that show a bug still open were committed alone, each in a commit starting "FAILING:".
 """
 
 import math
+import os
 import subprocess
 import sys
 import unittest
+from pathlib import Path
 
 from hermes_state import SessionDB, restore_home
 from test_support import REPO, StoreTestCase, TempDirTestCase
@@ -83,7 +84,7 @@ class CommandLineLimits(TempDirTestCase):
 
 class RestoreOntoAChangedHome(TempDirTestCase):
 
-    def test_a_restore_that_cannot_place_a_folder_moves_nothing(self):
+    def test_a_folder_of_the_archive_that_is_now_a_file_is_moved_aside_and_the_folder_restored(self):
         # The backup was taken when notes/ was a folder; in the home it is now a file.
         source = self.tmp / "source" / "state.db"
         source.parent.mkdir()
@@ -97,17 +98,28 @@ class RestoreOntoAChangedHome(TempDirTestCase):
         with SessionDB(db_path=home / "state.db") as db:
             db.create_session("current", "cli")
         (home / "notes").write_text("a file now")
-        try:
-            restore_home(self.tmp / "b.zip", home / "state.db", force=True)
-        except (ValueError, OSError):
-            pass  # a clean refusal (a ValueError) is right, if nothing moved
-        else:  # a restore that worked keeps the file it replaced and puts the folder in place
-            self.assertEqual((home / "notes" / "a.txt").read_text(), "archived")
-            return
-        self.assertEqual(sorted(p.name for p in home.iterdir() if not p.name.endswith(".lock")),
-                         ["notes", "state.db"])
+        restored = restore_home(self.tmp / "b.zip", home / "state.db", force=True)
+        self.assertEqual((home / "notes" / "a.txt").read_text(), "archived")
+        kept = [Path(path) for path in restored["moved_aside"] if Path(path).name == "notes"]
+        self.assertEqual([path.read_text() for path in kept], ["a file now"])
         with SessionDB(db_path=home / "state.db") as db:
-            self.assertIsNotNone(db.get_session("current"))
+            self.assertIsNotNone(db.get_session("from-backup"))
+
+    def test_a_folder_of_the_archive_that_is_now_a_link_is_moved_aside_never_followed_out_of_the_home(self):
+        source = self.tmp / "source" / "state.db"
+        (source.parent / "notes").mkdir(parents=True)
+        (source.parent / "notes" / "a.txt").write_text("archived")
+        with SessionDB(db_path=source) as db:
+            db.backup(self.tmp / "b.zip")
+        home, outside = self.tmp / "home", self.tmp / "outside"
+        home.mkdir()
+        outside.mkdir()
+        (home / "notes").symlink_to(outside, target_is_directory=True)
+        restored = restore_home(self.tmp / "b.zip", home / "state.db")
+        self.assertEqual(list(outside.iterdir()), [])
+        self.assertEqual(((home / "notes").is_symlink(), (home / "notes" / "a.txt").read_text()), (False, "archived"))
+        kept = [Path(path) for path in restored["moved_aside"] if Path(path).name == "notes"]
+        self.assertEqual([os.readlink(path) for path in kept], [str(outside)])
 
 
 if __name__ == "__main__":
