@@ -735,6 +735,7 @@ def claim_file_beside(path, label):
 
 # Limits of the public API.
 SESSION_ID_MAX_LENGTH = 256
+SQLITE_INT_RANGE = (-(1 << 63), (1 << 63) - 1)  # the integers sqlite3 can bind
 LIST_LIMIT_MAX = 10_000
 # Queued token counts older than this are applied by the next call that queues more.
 TOKEN_QUEUE_MAX_AGE = 1.0

@@ -7,15 +7,16 @@ stores them, so both programs read each other's rows: what it accepts we accept,
 """
 
 import json
+import math
 import re
 import sqlite3
 import time
 
 from hermes_state_common import (
     BUMP_MESSAGE_COUNTS_SQL, COMPRESSION_END_REASON, COUNT_ALL_MESSAGES_SQL, INSERT_MESSAGE_SQL,
-    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, STALE_MARKER, CompressionSessionClosedError,
-    SessionTurnLeaseLostError, content_text, decode_content, decode_display_metadata, decode_message,
-    describe_skill_invocation, encode_content, is_fork_child, json_object, loads_or, placeholders,
+    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, SQLITE_INT_RANGE, STALE_MARKER,
+    CompressionSessionClosedError, SessionTurnLeaseLostError, content_text, decode_content, decode_display_metadata,
+    decode_message, describe_skill_invocation, encode_content, is_fork_child, json_object, loads_or, placeholders,
     scrub_surrogates)
 
 BUMP_OPEN_SESSION_COUNTS_SQL = BUMP_MESSAGE_COUNTS_SQL + " AND (ended_at IS NULL OR end_reason IS NOT ?)"
@@ -499,9 +500,9 @@ def _message_row(session_id, message, default_time, direct=False):
     calls = 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
     stamp = _timestamp(get("timestamp"), default_time)
     platform_id = get("platform_message_id") if direct else get("platform_message_id") or get("message_id")
-    row = (session_id, role, encode_content(get("content")), get("tool_call_id"),
+    row = (session_id, role, encode_content(_storable("content", get("content"))), get("tool_call_id"),
            json.dumps(tool_calls) if tool_calls else None, scrub_surrogates(get("tool_name")),
-           get("effect_disposition"), stamp, get("token_count"), get("finish_reason"),
+           get("effect_disposition"), stamp, _storable("token_count", get("token_count")), get("finish_reason"),
            scrub_surrogates(reasoning("reasoning")), scrub_surrogates(reasoning("reasoning_content")),
            _json_field(reasoning("reasoning_details")), _json_field(reasoning("codex_reasoning_items")),
            _json_field(reasoning("codex_message_items")), platform_id, 1 if get("observed") else 0, 1,
@@ -519,14 +520,24 @@ def _check_open_session(conn, session_id, must_exist=True):
         raise CompressionSessionClosedError(session_id)
 
 
+def _storable(name, value):
+    """`value`, or ValueError naming `name` for a number SQLite cannot keep: NaN (stored as NULL) or an
+    integer past 64 bits (which it cannot bind)."""
+    low, high = SQLITE_INT_RANGE
+    if isinstance(value, float) and math.isnan(value) or isinstance(value, int) and not low <= value <= high:
+        raise ValueError(f"{name} must be a number SQLite can store (not NaN, within 64 bits), not {value!r}")
+    return value
+
+
 def _timestamp(value, default):
-    """Seconds since the epoch from a number, numeric text or a datetime; `default` otherwise."""
+    """Seconds since the epoch from a finite number, numeric text or a datetime; `default` otherwise."""
     if value is None:
         return default
     try:
-        return float(value.timestamp()) if hasattr(value, "timestamp") else float(value)
-    except (TypeError, ValueError):
+        stamp = float(value.timestamp()) if hasattr(value, "timestamp") else float(value)
+    except (TypeError, ValueError, OverflowError):
         return default
+    return stamp if math.isfinite(stamp) else default
 
 
 def _json_field(value):

@@ -27,8 +27,8 @@ import time
 from hermes_state_common import (
     BYTES_MARKER, CONTENT_JSON_PREFIX, INSERT_SESSION_SQL, LAST_ACTIVE_SQL, INSERT_SYSTEM_PROMPT_SQL,
     MESSAGE_WRITE_COLUMNS, SELECT_LINEAGE_LINK_SQL, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL,
-    SET_MESSAGE_COUNTS_SQL, SET_PARENT_SQL, TITLE_MAX_LENGTH, count_tool_calls, decode_message, loads_or,
-    normalize_title, placeholders, quote_identifier, scrub_surrogates)
+    SET_MESSAGE_COUNTS_SQL, SET_PARENT_SQL, SQLITE_INT_RANGE, TITLE_MAX_LENGTH, count_tool_calls, decode_message,
+    loads_or, normalize_title, placeholders, quote_identifier, scrub_surrogates)
 from hermes_state_redact import redact
 from hermes_state_schema import live_columns, pause_between_chunks, prompt_hash
 
@@ -135,10 +135,10 @@ MESSAGE_RULED_FIELDS = MESSAGE_RESET_FIELDS | frozenset(MESSAGE_WRITE_COLUMNS)
 # Structured message fields stored as JSON text; the import reads text in them as JSON first.
 REASONING_JSON_FIELDS = ("reasoning_details", "codex_reasoning_items", "codex_message_items")
 NESTED_MESSAGE_FIELDS = ("tool_calls", "display_metadata", *REASONING_JSON_FIELDS)
-INT_RANGE = (-2 ** 63, 2 ** 63)
 
 
-_COMPACT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+# NaN and Infinity pass, as in hermes-agent's measure: Python's JSON writes them, so exports hold them.
+_COMPACT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 # JSON's value types, exactly (a subclass takes the long way); numbers, null and text under SHORT_TEXT_CHARS
 # are measured together.
 _SHORT_TYPES, _CONTAINER_TYPES, SHORT_TEXT_CHARS = {int, float, bool, type(None)}, {list, dict}, 4096
@@ -208,7 +208,8 @@ def _check_text(entry, fields):
 
 
 def _check_int_range(field, value):
-    if isinstance(value, int) and not isinstance(value, bool) and not INT_RANGE[0] <= value < INT_RANGE[1]:
+    low, high = SQLITE_INT_RANGE
+    if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
         raise ValueError(f"{field} is outside SQLite's integer range")
 
 
@@ -323,7 +324,8 @@ def _number(value, kind, default=None):
         number = default if value is None else kind(value)
     except (TypeError, ValueError, OverflowError):
         return default
-    if number is not None and not (INT_RANGE[0] <= number < INT_RANGE[1] if kind is int else math.isfinite(number)):
+    low, high = SQLITE_INT_RANGE
+    if number is not None and not (low <= number <= high if kind is int else math.isfinite(number)):
         return default
     return number
 

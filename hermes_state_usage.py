@@ -7,11 +7,12 @@ session creates a bare row (source 'unknown'). Never writes messages.
 
 import inspect
 import logging
+import math
 import sqlite3
 import threading
 import time
 
-from hermes_state_common import DELETE_UNUSED_PROMPTS_SQL, TOKEN_QUEUE_MAX_AGE, UsageValueError
+from hermes_state_common import DELETE_UNUSED_PROMPTS_SQL, SQLITE_INT_RANGE, TOKEN_QUEUE_MAX_AGE, UsageValueError
 
 logger = logging.getLogger("hermes_state")
 
@@ -23,7 +24,6 @@ COST_FIELDS = ("estimated_cost_usd", "actual_cost_usd")
 ROUTE_FIELDS = ("model", "cost_status", "cost_source", "pricing_version",
                 "billing_provider", "billing_base_url", "billing_mode")
 _ROUTE_COLUMNS = ("model", "billing_provider", "billing_base_url", "billing_mode")
-_SQLITE_INT_RANGE = (-(1 << 63), (1 << 63) - 1)
 
 # The heartbeat is only an observation: under contention it gives up quickly rather than hold up the
 # turn it describes (the next beat retries).
@@ -238,9 +238,10 @@ def _count(name, value):
             value = float(value) if any(c in value for c in ".eE") else int(value)
         except ValueError:
             raise UsageValueError(f"{name} must be a number, not {value!r}") from None
-    if isinstance(value, float) or isinstance(value, int) and _SQLITE_INT_RANGE[0] <= value <= _SQLITE_INT_RANGE[1]:
+    if isinstance(value, float) and math.isfinite(value) \
+            or isinstance(value, int) and SQLITE_INT_RANGE[0] <= value <= SQLITE_INT_RANGE[1]:
         return int(value) if isinstance(value, bool) else value
-    raise UsageValueError(f"{name} must be a number within SQLite's integer range, not {value!r}")
+    raise UsageValueError(f"{name} must be a finite number within SQLite's integer range, not {value!r}")
 
 
 def _cost(name, value):
@@ -249,9 +250,12 @@ def _cost(name, value):
     if not isinstance(value, (int, float, str)):
         raise UsageValueError(f"{name} must be a number, not {type(value).__name__}")
     try:
-        return float(value)
+        cost = float(value)
     except ValueError:
         raise UsageValueError(f"{name} must be a number, not {value!r}") from None
+    if not math.isfinite(cost):  # SQLite would store NaN as NULL and keep an infinite sum for good
+        raise UsageValueError(f"{name} must be a finite number, not {value!r}")
+    return cost
 
 
 def _text(name, value):
