@@ -188,9 +188,9 @@ def stored_rows(path):
 class Workload:
     """Seeded random operations through SessionDB's public API."""
 
-    def __init__(self, seed, path, factory, multimodal=False):
+    def __init__(self, seed, path, mode, multimodal=False):
         self.rnd = random.Random(seed)
-        self.path, self.factory, self.multimodal = path, factory, multimodal
+        self.path, self.mode, self.factory, self.multimodal = path, mode, MODES[mode][0], multimodal
         self.db = self.open()
         self.sessions, self.counter = [], 0
 
@@ -304,11 +304,15 @@ class Workload:
     def concurrent_writer(self, count):
         """A second process appending `count` CJK/English rows through its own SessionDB."""
         code = ("import sys; sys.path.insert(0, sys.argv[1]); from hermes_state import SessionDB\n"
-                "db = SessionDB(sys.argv[2]); db.create_session('other', 'cli')\n"
+                "import test_support\n"
+                "factory = getattr(test_support, sys.argv[4], None)\n"
+                "db = SessionDB(sys.argv[2], connection_factory=factory) if factory else SessionDB(sys.argv[2])\n"
+                "db.create_session('other', 'cli')\n"
                 "for i in range(int(sys.argv[3])):\n"
                 "    db.append_message('other', 'user', f'parallel 迁移{i} 服务 deploy{i % 3}')\n"
                 "db.close()\n")
-        return subprocess.Popen([sys.executable, "-c", code, str(REPO), str(self.path), str(count)])
+        # The same runtime as ours: a full one beside a degraded one breaks the degraded one's writes (FAILING test).
+        return subprocess.Popen([sys.executable, "-c", code, str(REPO), str(self.path), str(count), self.mode])
 
     def queries(self, rows, count):
         """Sampled queries: words, pairs, phrases, prefixes, CJK of 1-4 letters, mixed, operators."""
@@ -352,9 +356,9 @@ class SearchOracle:
         self.multimodal, self.concurrent = multimodal, concurrent
 
     def run(self):
-        factory, usable = MODES[self.mode]
+        usable = MODES[self.mode][1]
         path = self.case.tmp / f"{self.mode}-{self.seed}.db"
-        work = Workload(self.seed, path, factory, self.multimodal)
+        work = Workload(self.seed, path, self.mode, self.multimodal)
         mismatches = []
         try:
             for round_no in range(self.rounds):
@@ -427,6 +431,15 @@ class SearchAgreesWithTheOracle(TempDirTestCase):
 
     def test_without_fts5_the_like_fallback_answers_as_the_oracle(self):
         self.assert_no_mismatch("without_fts5", 13)
+
+
+class SearchFindingsOfTheOracle(TempDirTestCase):
+    """The smallest workloads for what the oracle found."""
+
+    def store(self, factory=None):
+        db = SessionDB(self.tmp / "state.db", connection_factory=factory) if factory else SessionDB(self.tmp / "state.db")
+        self.addCleanup(db.close)
+        return db
 
 
 if __name__ == "__main__":
