@@ -441,6 +441,18 @@ class SearchFindingsOfTheOracle(TempDirTestCase):
         self.addCleanup(db.close)
         return db
 
+    def test_a_page_past_the_last_whole_word_hit_is_empty(self):
+        # FAILING: search_messages retries a query as substrings when its *page* is empty, not when the query has
+        # no hit, so the page after the last whole-word hit returns substring hits ("xfoox") the first pages left out.
+        db = self.store()
+        db.create_session("s", "cli")
+        whole = [db.append_message("s", "user", "alpha foo") for _ in range(2)]
+        for _ in range(2):
+            db.append_message("s", "user", "xfoox bar")
+        pages = [[h["id"] for h in db.search_messages("foo", limit=2, offset=offset, sort="oldest")]
+                 for offset in (0, 2)]
+        self.assertEqual(pages, [whole, []])
+
 
 if __name__ == "__main__":
     unittest.main()
