@@ -464,5 +464,20 @@ class SearchFindingsOfTheOracle(TempDirTestCase):
         db.optimize_fts()  # the queued rows into the CJK side index
         self.assertEqual([h["id"] for h in db.search_messages("京・")], [both])
 
+    def test_a_multimodal_message_is_found_by_its_text_on_every_path(self):
+        # FAILING: list content is stored as '\x00json:' + JSON; SQLite's LIKE and the trigram tokenizer read a
+        # text value only up to its first NUL, so the fallback and the substring retry never see such a message,
+        # which the word index (it reads the whole value) finds.
+        db = self.store()
+        db.create_session("s", "cli")
+        image = db.append_message("s", "user", [{"type": "text", "text": "zebra picture"},
+                                                {"type": "image_url", "image_url": {"url": "https://e.x/a.png"}}])
+        found = {"word index": [h["id"] for h in db.search_messages("zebra")],
+                 "substring retry": [h["id"] for h in db.search_messages("ebra")]}
+        db.close()
+        degraded = self.store(without_fts5)
+        found["without fts5"] = [h["id"] for h in degraded.search_messages("zebra")]
+        self.assertEqual(found, {"word index": [image], "substring retry": [image], "without fts5": [image]})
+
 if __name__ == "__main__":
     unittest.main()
