@@ -36,7 +36,7 @@ from hermes_constants import get_hermes_home
 from hermes_state_common import (
     CHECKPOINT_PASSIVE_SQL, FILE_MODE, INSERT_META_SQL, JOURNAL_MODE_SQL, QUICK_CHECK_SQL, SELECT_META_SQL,
     SET_AUTOCHECKPOINT_SQL, SET_JOURNAL_MODE_SQL, SIDECAR_SUFFIXES, SYNCHRONOUS_NORMAL_SQL, _set_last_init_error,
-    escape_like, sqlite_has_wal_reset_bug,
+    escape_like, is_capability_gap, sqlite_has_wal_reset_bug,
 )
 from hermes_state_compression import SessionCompressionMixin
 from hermes_state_gateway import SessionGatewayMixin
@@ -666,8 +666,20 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             raise self._locked_error(start, "another thread of this process kept writing", budget)
         # Queued counts ride in the transaction (VACUUM has none); take() locks, and most writes find none.
         batch = self._tokens.take() if transaction and self._tokens else []
+
+        def attempt(call, queued):
+            return self._retry_on_lock(lambda: self._write_once(call, queued, start, budget, transaction), start,
+                                       budget)
         try:
-            return self._retry_on_lock(lambda: self._write_once(fn, batch, start, budget, transaction), start, budget)
+            try:
+                return attempt(fn, batch)
+            except sqlite3.OperationalError as exc:
+                if not transaction or not is_capability_gap(exc):
+                    raise
+                # A fuller runtime opened the store since ours and put back index triggers this one cannot run
+                # (no FTS5, no tokenizer): set them aside as our open does, then write once more.
+                attempt(self._apply_search_schema, [])
+                return attempt(fn, batch)
         except BaseException:
             self._tokens.put_back(batch)
             raise

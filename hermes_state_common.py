@@ -549,8 +549,15 @@ ID_SET_OPERATORS = {"and": "INTERSECT", "or": "UNION", "not": "EXCEPT"}
 TERM_IN_BACKFILL_GAP_SQL = " OR (m.id > ? AND m.id <= ? AND {like})"
 TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {like})"
 # The fallback: NULL columns read as '' so that NOT (...) never turns NULL and drops a row.
-TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE(m.{column}, '') LIKE ? ESCAPE '\\'"
-                                   for column in ("content", "tool_name", "tool_calls")) + ")"
+# Structured content (a multimodal list of parts, a dict) is stored as this prefix plus JSON, as hermes-agent
+# stores it; NUL never starts real text.
+CONTENT_JSON_PREFIX = "\x00json:"
+# LIKE reads text up to its first NUL: multimodal content (CONTENT_JSON_PREFIX + JSON) is read past it.
+_LIKE_CONTENT_SQL = ("CASE WHEN m.content >= char(0) || 'json:' AND m.content < char(0) || 'json;' "
+                     f"THEN CAST(substr(CAST(m.content AS BLOB), {len(CONTENT_JSON_PREFIX) + 1}) AS TEXT) "
+                     "ELSE m.content END")
+TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE({column}, '') LIKE ? ESCAPE '\\'"
+                                   for column in (_LIKE_CONTENT_SQL, "m.tool_name", "m.tool_calls")) + ")"
 TERM_LIKE_PARAMS = 3
 FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
 COUNT_FTS_DATA_SQL = "SELECT COUNT(*) FROM {data}"
@@ -633,9 +640,6 @@ INSERT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
 BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message_count, 0) + ?,"
                            " tool_call_count = COALESCE(tool_call_count, 0) + ? WHERE id = ?")
 SET_MESSAGE_COUNTS_SQL = "UPDATE sessions SET message_count = ?, tool_call_count = ? WHERE id = ?"
-# Structured content (a multimodal list of parts, a dict) is stored as this prefix plus JSON, as hermes-agent
-# stores it; NUL never starts real text.
-CONTENT_JSON_PREFIX = "\x00json:"
 SET_PARENT_SQL = "UPDATE sessions SET parent_session_id = ? WHERE id = ?"
 COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
 COUNT_ALL_MESSAGES_SQL = "SELECT COUNT(*) FROM messages"
@@ -803,6 +807,13 @@ def decode_content(stored):
         except ValueError:
             pass
     return stored
+
+
+def is_capability_gap(exc):
+    """True for an error that means this runtime lacks FTS5 or a tokenizer, not that the store is damaged."""
+    text = str(exc).lower()
+    return ("no such module" in text and "fts5" in text) or "no such tokenizer: trigram" in text \
+        or "no such tokenizer: cjk_unicode61" in text
 
 
 def loads_or(text, fallback):

@@ -28,7 +28,7 @@ from hermes_state_common import (
     FILE_MODE, HERMES_FTS_TABLES, META_FTS_CJK_STALE, META_FTS_OPTIMIZE_AVAILABLE,
     META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_FTS_STORAGE_VERSION,
     META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, SEARCH_TABLES,
-    SIDECAR_SUFFIXES, claim_file_beside, hermes_agent_config, sqlite_has_wal_reset_bug)
+    SIDECAR_SUFFIXES, claim_file_beside, hermes_agent_config, is_capability_gap, sqlite_has_wal_reset_bug)
 
 logger = logging.getLogger("hermes_state")
 
@@ -160,7 +160,7 @@ def _db_opens_cleanly(db_path):
                 conn.execute(f"SELECT 1 FROM {table} WHERE {table} MATCH '\"\"' LIMIT 1").fetchone()
             except sqlite3.DatabaseError as exc:
                 if not isinstance(exc, sqlite3.OperationalError) \
-                        or not (_capability_gap(exc) or _not_built(exc)):
+                        or not (is_capability_gap(exc) or _not_built(exc)):
                     return f"fts5 read probe failed on {table}: {exc}"
         return _write_probe(conn)
     except sqlite3.DatabaseError as exc:
@@ -183,13 +183,6 @@ def _write_probe(conn):
         if conn.in_transaction:
             conn.execute("ROLLBACK")
     return None
-
-
-def _capability_gap(exc):
-    """True for an error that means this runtime lacks FTS5 or a tokenizer, not that the store is damaged."""
-    text = str(exc).lower()
-    return ("no such module" in text and "fts5" in text) or "no such tokenizer: trigram" in text \
-        or "no such tokenizer: cjk_unicode61" in text
 
 
 def _not_built(exc):

@@ -19,6 +19,7 @@ import logging
 import re
 import shutil
 import sqlite3
+import unicodedata
 from collections import namedtuple
 
 from hermes_state_schema import pause_between_chunks, read_meta, write_meta
@@ -182,12 +183,11 @@ def _retire(conn, objects, tables, also=()):
 
 
 def _empty_unreadable_structure(conn, table, db_path):
-    """True if FTS5 could not open index `table` and its structure record was emptied.
-
-    Such an index fails every write to messages (its trigger), and a rename or DROP (both open it first):
-    SQLite 3.40 calls a structure record of over 2,000 levels corrupt, and a negative 'merge' before every new
-    segment grew one that far. Emptied, it opens again, to be set aside and dropped in chunks like any stale
-    index; the messages it indexed are all still there to refill ours from."""
+    """True if FTS5 could not open index `table` and its structure record was emptied. Such an index fails
+    every write to messages (its trigger), and a rename or DROP (both open it first): SQLite 3.40 calls a
+    structure record of over 2,000 levels corrupt, and a negative 'merge' before every new segment grew one
+    that far. Emptied, it opens again, to be set aside and dropped in chunks like any stale index; the
+    messages it indexed are all still there to refill ours from."""
     try:
         conn.execute(OPEN_FTS_TABLE_SQL.format(table=quote_identifier(table))).fetchall()
         return False
@@ -377,8 +377,9 @@ def _route(term, state):
     trigram = "trigram" if len(term.text) >= 3 and "trigram" in state.usable else None
     if state.substring:
         return trigram
-    if CJK_RE.search(term.text):
-        cjk = len(term.text) <= 2 and all(CJK_RE.match(ch) for ch in term.text) and "cjk" in state.usable
+    if CJK_RE.search(term.text):  # (a mark the CJK index splits on, as ・, is for LIKE to match)
+        cjk = len(term.text) <= 2 and "cjk" in state.usable and all(
+            CJK_RE.match(ch) and unicodedata.category(ch)[0] in "LN" for ch in term.text)
         return trigram or ("cjk" if cjk else None)
     return "word" if "word" in state.usable else trigram
 
@@ -1159,9 +1160,7 @@ class SessionSearchMixin:
 
 def _merge_step(conn, table, pages, group):
     """One bounded step of FTS5's incremental merge; True while it still found work (FTS5's own test: a step
-    that changed fewer than two rows did nothing).
-
-    `group` first sets every segment aside as one merge (a negative page count, which adds a level to the
+    that changed fewer than two rows did nothing). `group` first sets every segment aside as one merge (a negative page count, which adds a level to the
     structure record); without it the step carries on the merge in progress, or merges a level FTS5's
     'usermerge' finds full, and adds no level."""
     before = conn.total_changes
