@@ -372,22 +372,21 @@ def run_seeds(seeds, steps, ref_venv, swap_venv, overlay, paths, deliberate, scr
 
 
 def run_all(ref_venv, swap_venv, overlay):
-    """Return [(scenario, differences)] of FIXED_SEEDS for run.py (one summary line a seed with a difference,
-    plus one passing line for the seeds without)."""
-    import run
+    """Return [(scenario, differences)] of FIXED_SEEDS for run.py: a line for each seed with a difference
+    (run.py excuses them against deliberate.txt), then one line counting the seeds without."""
+    import shutil
     import venvs
-    paths = {venvs.site_packages(ref_venv): "<site>", venvs.site_packages(swap_venv): "<site>", overlay: "<site>"}
+    paths = {venvs.site_packages(ref_venv): "<site>", venvs.site_packages(swap_venv): "<site>"}
+    if overlay:
+        paths[overlay] = "<site>"
     scratch = tempfile.mkdtemp(prefix="hermes-compat-fuzz-")
     try:
         found = run_seeds(FIXED_SEEDS, FIXED_STEPS, ref_venv, swap_venv, overlay, paths, [], scratch)
     finally:
-        import shutil
         shutil.rmtree(scratch, ignore_errors=True)
-    # run.py excuses against deliberate.txt itself; the full lines go through with the scenario name.
     results = [("fuzz/" + name, diffs) for name, _, diffs in found if diffs]
     clean = sum(1 for _, _, diffs in found if not diffs)
-    results.append(("fuzz/%d-seeds-without-difference" % clean, []))
-    del run
+    results.append(("fuzz/%d-of-%d-seeds-without-difference" % (clean, len(found)), []))
     return results
 
 
@@ -430,10 +429,10 @@ def main(argv=None):
             print("\n%s: %d difference(s); first at %s" % (name, len(diffs), target))
             for line in diffs[:args.details]:
                 print("  " + (line if len(line) <= 220 else line[:217] + "..."))
-            if args.minimise and target not in findings:
+            if args.minimise:
                 small = minimise(name, scenario, target, ctx)
                 ref, ours = run_both([(name, small)], *ctx["run"])
-                findings[target] = {"seed": name, "steps": small, "ref": ref[name]["steps"], "ours": ours[name]["steps"],
+                findings[name] = {"seed": name, "steps": small, "ref": ref[name]["steps"], "ours": ours[name]["steps"],
                                     "diffs": open_differences(name, ref[name], ours[name], paths, deliberate)}
                 print("  minimal (%d steps):" % len(small))
                 for step in small:
