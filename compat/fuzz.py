@@ -41,6 +41,7 @@ WORDS = ["banana", "apple", "pie", "bread", "hello", "world", "running", "runs",
 CJK = ["香", "香蕉", "香蕉派", "香蕉面包", "東京", "日本語", "テスト", "한국어", "苹果", "中文搜索测试", "，", "。"]
 EMOJI = ["🍌", "🍎🥧", "👍🏽", "❤️", "🇯🇵"]
 PUNCT = ["!!!", "?", "...", "\"", "'", "(", ")", "*", "-", ":", "^", "{}", "[x]", "%", "\\", "|", "--", "&&"]
+CJK_CHAR = re.compile("[\u3000-\u9fff\uac00-\ud7af\uff00-\uffef]")
 END_REASONS = ["user_exit", "compression", "session_reset", "agent_close", "error", None]
 
 
@@ -75,10 +76,13 @@ def _query(rng):
     """Return a random search query: words, phrases, prefixes, operators, CJK, punctuation, empty."""
     word, other = rng.choice(WORDS), rng.choice(WORDS)
     cjk = rng.choice(CJK)
+    # Words with CJK of 3+ letters are ranked differently on purpose (README "Where we differ"): mixed
+    # queries take a CJK term of 1-2 letters, which both sides answer by the same rule.
+    short_cjk = rng.choice([t for t in CJK if len(t) <= 2])
     forms = [
         word, word, cjk, cjk, cjk[:1], cjk[:2], "%s %s" % (word, other), '"%s %s"' % (word, other),
         word[:3] + "*", "%s OR %s" % (word, other), "%s AND %s" % (word, other), "%s NOT %s" % (word, other),
-        "-" + word, "NEAR(%s %s)" % (word, other), word.upper(), "%s %s" % (cjk, word), rng.choice(PUNCT),
+        "-" + word, "NEAR(%s %s)" % (word, other), word.upper(), "%s %s" % (short_cjk, word), rng.choice(PUNCT),
         rng.choice(PUNCT) + word, word + rng.choice(PUNCT), "", "   ", '"' + word, rng.choice(EMOJI),
         "role:%s" % word, "%s:%s" % (word, other), "(%s)" % word, "^" + word, word + "*" + other,
     ]
@@ -261,7 +265,12 @@ class Generator:
             kwargs["sort"] = rng.choice(["newest", "oldest", "relevance", "NEWEST", "bogus"])
         if rng.random() < 0.1:
             kwargs["include_inactive"] = True
-        return c("search_messages", _query(rng), **kwargs)
+        query = _query(rng)
+        if CJK_CHAR.search(query) and "role_filter" not in kwargs:
+            # A CJK term never matches tool output unless role_filter names "tool" (README "Where we
+            # differ"); hermes-agent's scan does. Leave tool rows out of such a search, or ask for them.
+            kwargs["role_filter"] = rng.choice([["user", "assistant"], ["tool"], ["user", "tool"]])
+        return c("search_messages", query, **kwargs)
 
     def counts(self):
         if self.rng.random() < 0.5:
@@ -270,6 +279,47 @@ class Generator:
 
     def get_session(self):
         return c("get_session", self.session())
+
+
+def _known(*steps):
+    return [c("create_session", "s1", "cli")] + list(steps)
+
+
+# The minimal scenarios of the differences the fuzzer found that nothing in README "Where we differ"
+# excuses: each shows one, so `run.py --only fuzz` fails until the difference is fixed or made deliberate.
+KNOWN = [
+    # An FTS5 syntax character inside a word is deleted, joining the parts: "user's" searches `users`,
+    # "key:value" `keyvalue`, "foo(bar)" `foobar`; hermes-agent splits there and finds the text typed.
+    ("known-apostrophe-joins-word", _known(
+        c("append_message", "s1", "user", "the user's config: key:value and foo(bar)"),
+        c("append_message", "s1", "user", "users keyvalue foobar"),
+        c("search_messages", "user's", fields=["id", "snippet"]),
+        c("search_messages", "key:value", fields=["id", "snippet"]),
+        c("search_messages", "foo(bar)", fields=["id", "snippet"]))),
+    # An empty prefix: hermes-agent's LIKE '%' gives the only session; ours returns None.
+    ("known-empty-prefix-resolves", _known(c("resolve_session_id", ""))),
+    # A query with a CJK term of 1-2 letters is scanned by hermes-agent, each term as a substring (`apple`
+    # finds "pineapple", `a` finds "apple"); ours matches its Latin words as whole tokens.
+    ("known-cjk-scan-latin-substring", _known(
+        c("append_message", "s1", "user", "pineapple here"),
+        c("append_message", "s1", "user", "香蕉 only"),
+        c("search_messages", "香蕉 apple", fields=["id", "snippet"]))),
+    # A leading '-' (meant as "without"): hermes-agent finds nothing, ours drops the '-' and finds the word.
+    ("known-leading-minus", _known(
+        c("append_message", "s1", "user", "apple banana"),
+        c("search_messages", "-banana", fields=["id", "snippet"]),
+        c("search_messages", "apple -banana", fields=["id", "snippet"]))),
+    # An operator alone once punctuation is stripped: hermes-agent drops it and finds nothing; ours
+    # searches the word (as it does for a bare `NOT`, where both find it).
+    ("known-lone-operator-in-punctuation", _known(
+        c("append_message", "s1", "user", "do NOT touch"),
+        c("search_messages", "(NOT)", fields=["id", "snippet"]),
+        c("search_messages", 'NOT"', fields=["id", "snippet"]))),
+    # CJK punctuation alone: hermes-agent's scan finds it as a substring; ours finds nothing.
+    ("known-cjk-punctuation", _known(
+        c("append_message", "s1", "user", "甲。乙"),
+        c("search_messages", "。", role_filter=["user"], fields=["id", "snippet"]))),
+]
 
 
 def generate(seed, steps=FIXED_STEPS):
@@ -364,9 +414,9 @@ def minimise(name, steps, target, ctx):
     return steps
 
 
-def run_seeds(seeds, steps, ref_venv, swap_venv, overlay, paths, deliberate, scratch):
-    """Return [(name, steps, open differences)] for every seed."""
-    scenarios = [("fuzz-%d" % seed, generate(seed, steps)) for seed in seeds]
+def run_seeds(seeds, steps, ref_venv, swap_venv, overlay, paths, deliberate, scratch, extra=()):
+    """Return [(name, steps, open differences)] for every seed, then for every scenario of `extra`."""
+    scenarios = [("fuzz-%d" % seed, generate(seed, steps)) for seed in seeds] + list(extra)
     ref, ours = run_both(scenarios, ref_venv, swap_venv, overlay, scratch)
     return [(name, s, open_differences(name, ref[name], ours[name], paths, deliberate)) for name, s in scenarios]
 
@@ -381,12 +431,12 @@ def run_all(ref_venv, swap_venv, overlay):
         paths[overlay] = "<site>"
     scratch = tempfile.mkdtemp(prefix="hermes-compat-fuzz-")
     try:
-        found = run_seeds(FIXED_SEEDS, FIXED_STEPS, ref_venv, swap_venv, overlay, paths, [], scratch)
+        found = run_seeds(FIXED_SEEDS, FIXED_STEPS, ref_venv, swap_venv, overlay, paths, [], scratch, KNOWN)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     results = [("fuzz/" + name, diffs) for name, _, diffs in found if diffs]
     clean = sum(1 for _, _, diffs in found if not diffs)
-    results.append(("fuzz/%d-of-%d-seeds-without-difference" % (clean, len(found)), []))
+    results.append(("fuzz/%d-of-%d-scenarios-without-difference" % (clean, len(found)), []))
     return results
 
 
@@ -399,6 +449,7 @@ def main(argv=None):
     parser.add_argument("--minimise", action="store_true", help="cut each differing scenario down")
     parser.add_argument("--details", type=int, default=6)
     parser.add_argument("--json", help="write the findings (minimal steps, differences) here")
+    parser.add_argument("--known", action="store_true", help="also run the KNOWN minimal scenarios")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(*args.worker)
@@ -417,7 +468,8 @@ def main(argv=None):
     paths = {venvs.site_packages(ref_venv): "<site>", venvs.site_packages(swap_venv): "<site>", overlay: "<site>"}
     deliberate = run.load_deliberate()
     try:
-        found = run_seeds(range(first, last), steps, ref_venv, swap_venv, overlay, paths, deliberate, scratch)
+        found = run_seeds(range(first, last), steps, ref_venv, swap_venv, overlay, paths, deliberate, scratch,
+                          KNOWN if args.known else ())
         total_steps = sum(len(s) for _, s, _ in found)
         differing = [(n, s, d) for n, s, d in found if d]
         print("compat fuzz: %d scenarios, %d steps, %d with an unexcused difference"
@@ -426,7 +478,8 @@ def main(argv=None):
         ctx = {"run": (ref_venv, swap_venv, overlay, scratch), "paths": paths, "deliberate": deliberate}
         for name, scenario, diffs in differing:
             target = signature(diffs[0])
-            print("\n%s: %d difference(s); first at %s" % (name, len(diffs), target))
+            first = scenario[int(diffs[0].split()[0]) - 1] if diffs[0].split()[0].isdigit() else None
+            print("\n%s: %d difference(s); first at %s" % (name, len(diffs), describe(first) if first else target))
             for line in diffs[:args.details]:
                 print("  " + (line if len(line) <= 220 else line[:217] + "..."))
             if args.minimise:
