@@ -296,6 +296,21 @@ KNOWN = [
         c("search_messages", "user's", fields=["id", "snippet"]),
         c("search_messages", "key:value", fields=["id", "snippet"]),
         c("search_messages", "foo(bar)", fields=["id", "snippet"]))),
+    # A tool row whose content is a list (stored as "\x00json:" + JSON) is found by no search of ours,
+    # role_filter=["tool"] included: the word index's tool prefix, substr(content, 1, 2048), is '' for a
+    # text starting with NUL (so is the fallback's LIKE); hermes-agent indexes the stored text whole.
+    ("known-tool-list-content-unsearchable", _known(
+        c("append_message", "s1", "tool", [{"type": "text", "text": "naive hello"}], tool_call_id="c1",
+          tool_name="read_file"),
+        c("search_messages", "naive", fields=["id"]),
+        c("search_messages", "naive", role_filter=["tool"], fields=["id"]))),
+    # role_filter naming "tool" sends the whole query to the LIKE fallback, where a Latin word matches
+    # as a substring in every row: `a` finds "foo.bar" in an assistant row; hermes-agent (and ours
+    # without "tool") match whole tokens and find nothing.
+    ("known-tool-filter-substring", _known(
+        c("append_message", "s1", "assistant", "foo.bar running"),
+        c("search_messages", "a", role_filter=["assistant"], fields=["id"]),
+        c("search_messages", "a", role_filter=["assistant", "tool"], fields=["id"]))),
     # An empty prefix: hermes-agent's LIKE '%' gives the only session; ours returns None.
     ("known-empty-prefix-resolves", _known(c("resolve_session_id", ""))),
     # A query with a CJK term of 1-2 letters is scanned by hermes-agent, each term as a substring (`apple`
