@@ -311,6 +311,14 @@ KNOWN = [
         c("append_message", "s1", "assistant", "foo.bar running"),
         c("search_messages", "a", role_filter=["assistant"], fields=["id"]),
         c("search_messages", "a", role_filter=["assistant", "tool"], fields=["id"]))),
+    # Text glued without spaces: when the word index finds nothing, hermes-agent's answer comes from
+    # substrings (a '%' in a query without CJK is dropped first); ours keeps '%' in the term, and
+    # does not retry a phrase as a substring.
+    ("known-glued-text-retry", _known(
+        c("append_message", "s1", "user", "caféfoo.bar2026fox苹果runs"),
+        c("append_message", "s1", "user", "apple🍎Bananarunshello"),
+        c("search_messages", "café%", fields=["id"]),
+        c("search_messages", '"banana runs"', fields=["id"]))),
     # An empty prefix: hermes-agent's LIKE '%' gives the only session; ours returns None.
     ("known-empty-prefix-resolves", _known(c("resolve_session_id", ""))),
     # A query with a CJK term of 1-2 letters is scanned by hermes-agent, each term as a substring (`apple`
