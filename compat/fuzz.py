@@ -92,8 +92,9 @@ def _query(rng):
 class Generator:
     """Draws one scenario's steps; keeps the names of saved message ids so later steps can use them."""
 
-    def __init__(self, seed):
+    def __init__(self, seed, search=True):
         self.rng = random.Random(seed)
+        self.search_weight = 14 if search else 0
         self.messages = []  # saved names of message ids
         self.created = []
 
@@ -114,7 +115,7 @@ class Generator:
             (self.create, 8), (self.append, 22), (self.batch, 5), (self.end, 3), (self.reopen, 2),
             (self.title, 5), (self.resolve, 3), (self.lists, 5), (self.get_messages, 7),
             (self.conversation, 5), (self.rewind, 3), (self.replace, 2), (self.delete, 2), (self.prune, 1),
-            (self.tokens, 4), (self.search, 14), (self.counts, 2), (self.get_session, 3),
+            (self.tokens, 4), (self.search, self.search_weight), (self.counts, 2), (self.get_session, 3),
         ]
         total = sum(w for _, w in kinds)
         pick = rng.uniform(0, total)
@@ -345,9 +346,10 @@ KNOWN = [
 ]
 
 
-def generate(seed, steps=FIXED_STEPS):
-    """Return the steps of the scenario of `seed` (the same on every machine and Python)."""
-    gen = Generator(seed)
+def generate(seed, steps=FIXED_STEPS, search=True):
+    """Return the steps of the scenario of `seed` (the same on every machine and Python); `search=False`
+    draws no search_messages step (to hunt in the rest of the API)."""
+    gen = Generator(seed, search)
     count = gen.rng.randint(*steps)
     # Most scenarios open with a session, so most steps act on something.
     out = [gen.create()] if gen.rng.random() < 0.9 else []
@@ -437,9 +439,9 @@ def minimise(name, steps, target, ctx):
     return steps
 
 
-def run_seeds(seeds, steps, ref_venv, swap_venv, overlay, paths, deliberate, scratch, extra=()):
+def run_seeds(seeds, steps, ref_venv, swap_venv, overlay, paths, deliberate, scratch, extra=(), search=True):
     """Return [(name, steps, open differences)] for every seed, then for every scenario of `extra`."""
-    scenarios = [("fuzz-%d" % seed, generate(seed, steps)) for seed in seeds] + list(extra)
+    scenarios = [("fuzz-%d" % seed, generate(seed, steps, search)) for seed in seeds] + list(extra)
     ref, ours = run_both(scenarios, ref_venv, swap_venv, overlay, scratch)
     return [(name, s, open_differences(name, ref[name], ours[name], paths, deliberate)) for name, s in scenarios]
 
@@ -473,12 +475,13 @@ def main(argv=None):
     parser.add_argument("--details", type=int, default=6)
     parser.add_argument("--json", help="write the findings (minimal steps, differences) here")
     parser.add_argument("--known", action="store_true", help="also run the KNOWN minimal scenarios")
+    parser.add_argument("--no-search", action="store_true", help="draw no search_messages steps")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(*args.worker)
     steps = tuple(int(x) for x in args.steps.split(":"))
     if args.show is not None:
-        for step in generate(args.show, steps):
+        for step in generate(args.show, steps, not args.no_search):
             print(describe(step))
         return 0
     import run
@@ -492,7 +495,7 @@ def main(argv=None):
     deliberate = run.load_deliberate()
     try:
         found = run_seeds(range(first, last), steps, ref_venv, swap_venv, overlay, paths, deliberate, scratch,
-                          KNOWN if args.known else ())
+                          KNOWN if args.known else (), not args.no_search)
         total_steps = sum(len(s) for _, s, _ in found)
         differing = [(n, s, d) for n, s, d in found if d]
         print("compat fuzz: %d scenarios, %d steps, %d with an unexcused difference"
