@@ -8,7 +8,7 @@ per scenario, the differences under each failure, and a closing `N passed, N fai
 code is non-zero on any failure. Must not touch: the repo's product modules (they are copied, never
 edited), any network but 127.0.0.1 during the end-to-end run.
 
-Usage: python3 compat/run.py [--only api|inprocess|e2e|releases|xport] [--details N]
+Usage: python3 compat/run.py [--only api|inprocess|e2e|releases|xport|fuzz] [--details N]
 Environment: HERMES_COMPAT_CACHE (venv cache), COMPAT_PYTHON (the CPython that builds the venvs),
 COMPAT_KEEP=1 (keep the e2e temp homes), COMPAT_OUR_CONSTANTS=1 (diagnostic only, see README.md).
 """
@@ -324,7 +324,7 @@ def run_e2e(kind, venv, overlay, out_file, log_file):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("api", "inprocess", "e2e", "releases", "xport"))
+    parser.add_argument("--only", choices=("api", "inprocess", "e2e", "releases", "xport", "fuzz"))
     parser.add_argument("--details", type=int, default=12, help="differences printed per failed scenario")
     parser.add_argument("--self-check", action="store_true",
                         help="run the reference on both sides: any difference is noise in the harness itself")
@@ -415,6 +415,11 @@ def main(argv=None):
             t0 = time.monotonic()
             results.extend(xport.run_all(ref_venv, swap_venv, None if args.self_check else overlay))
             timings["xport"] = time.monotonic() - t0
+        if args.only == "fuzz":  # not in the default run yet: see README "Randomised API scenarios"
+            t0 = time.monotonic()
+            import fuzz
+            results.extend(fuzz.run_all(ref_venv, swap_venv, None if args.self_check else overlay))
+            timings["fuzz"] = time.monotonic() - t0
     finally:
         shutil.rmtree(overlay, ignore_errors=True)
 
