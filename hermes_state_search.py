@@ -75,8 +75,9 @@ SEARCH_RESULT_FIELDS = ("id", "session_id", "role", "snippet", "timestamp", "too
 
 CJK_RE = re.compile(f"[{CJK_CHAR_CLASS}]")
 CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
-# Characters with a meaning in FTS5 query syntax; a user's word keeps none of them.
-FTS_SYNTAX_RE = re.compile(r"[\"^*():{}\[\]+~'`]")
+# Characters that part a user's word, as hermes-agent's sanitiser parts it (`\`, `%` and `_` stay: the LIKE
+# routes take them literally).
+FTS_SYNTAX_RE = re.compile(r"[\"^*():{}\[\]+~'`@/#&|<>,;!?$=]")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 # `AS MATERIALIZED` is SQLite 3.35+; an older one plans the plain CTEs itself, to the same answer.
@@ -226,12 +227,6 @@ def drain_cjk_queue(conn, limit=CJK_DRAIN_CHUNK):
 
 # -- Query parsing: user text to an AND/OR/NOT tree of quoted terms --------------------------------------
 
-def _clean_word(word):
-    prefix = word.endswith("*")
-    word = FTS_SYNTAX_RE.sub("", word).lstrip("-")
-    return word, prefix
-
-
 def _tokens(query):
     """Phrases, words and operators; nothing from the user reaches MATCH unquoted."""
     tokens = []
@@ -239,9 +234,10 @@ def _tokens(query):
         if word in ("AND", "OR", "NOT"):
             tokens.append(word)
             continue
-        text, prefix = (" ".join(phrase.split()), False) if phrase else _clean_word(word)
-        if any(ch.isalnum() for ch in text):
-            tokens.append(Term(text, prefix and not phrase))
+        # FTS5's syntax characters part a word, as hermes-agent's sanitiser parts it ("user's": user, s).
+        parts = [" ".join(phrase.split())] if phrase else FTS_SYNTAX_RE.sub(" ", word).lstrip("-").split()
+        tokens += [Term(text, not phrase and word.endswith("*") and n == len(parts) - 1)
+                   for n, text in enumerate(parts) if any(ch.isalnum() for ch in text)]
     return tokens
 
 
