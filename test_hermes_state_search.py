@@ -126,6 +126,19 @@ class QueryParsing(TempDirTestCase):
         self.assertIsNone(parse_query('*** ^^^ () "" AND NOT'))
         self.assertEqual(len(hermes_state_search._leaves(parse_query("w " * 100))), 32)
 
+    def test_fts5_syntax_characters_part_a_word_as_hermes_agent_parts_it(self):
+        term = hermes_state_search.Term
+        self.assertEqual(parse_query("user's"), ("and", [("term", term("user", False)), ("term", term("s", False))]))
+        self.assertEqual(parse_query("key:value/x*"), ("and", [("term", term("key", False)),
+                                                              ("term", term("value", False)), ("term", term("x", True))]))
+        self.assertEqual(parse_query("a\\b 50% a_b"), ("and", [("term", term(text, False)) for text in ("a\\b", "50%", "a_b")]))
+        with SessionDB(self.tmp / "state.db") as db:
+            db.create_session("s", "cli")
+            typed = db.append_message("s", "user", "the user's config: key:value and foo(bar)")
+            db.append_message("s", "user", "users keyvalue foobar")
+            for query in ("user's", "key:value", "foo(bar)"):
+                self.assertEqual(hit_ids(db, query), {typed}, query)
+
     def test_cjk_terms_are_letters_and_adjacent_pairs(self):
         self.assertEqual(cjk_terms("会话 abc 历史"), "会 会话 历 历史 史 话")
         self.assertEqual(cjk_terms("no cjk"), "")
