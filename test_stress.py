@@ -420,5 +420,26 @@ class SeveralProcessesShareOneStore(TempDirTestCase):
         self.check_run("delete")
 
 
+class ShortLivedWritersBesideALongLivedOne(TempDirTestCase):
+
+    def test_commits_past_the_checkpoint_cadence_reach_the_store_file_when_each_writer_is_short_lived(self):
+        # A gateway keeps the store open; cron runs and CLI calls open it, write a little and close. None of them
+        # is the last connection, so no close checkpoints, and the cadence counts each SessionDB's own commits.
+        from hermes_state import CHECKPOINT_EVERY_COMMITS, SessionDB
+        path = self.tmp / "state.db"
+        gateway = SessionDB(path)
+        self.addCleanup(gateway.close)
+        gateway.create_session("gw", "gateway")
+        empty_size = path.stat().st_size
+        for run in range(CHECKPOINT_EVERY_COMMITS // 20 + 5):
+            with SessionDB(path) as cron:
+                for i in range(20):
+                    cron.append_message("gw", "user", f"cron run {run} line {i}")
+        wal = Path(str(path) + "-wal").stat().st_size
+        self.assertGreater(path.stat().st_size, empty_size,
+                           f"{CHECKPOINT_EVERY_COMMITS + 100} commits and not one checkpoint: the WAL holds "
+                           f"{wal // 1024} KiB and keeps growing while the gateway runs")
+
+
 if __name__ == "__main__":
     unittest.main()
