@@ -85,11 +85,17 @@ class Record:
         Path(path).write_text(json.dumps(self.__dict__))
 
 
+def _cjk_tag(wid, n):
+    """A CJK term no other message holds (3+ letters: the trigram index answers it)."""
+    digits = "零一二三四五六七八九"
+    return "检" + "".join(digits[int(d)] for d in str(wid)) + "号" + "".join(digits[int(d)] for d in str(n)) + "终"
+
+
 def _content(rng, wid, n):
     words = [f"tok{wid}x{n}", rng.choice(("parser", "gateway", "cron", "memory", "ledger"))]
     if rng.random() < 0.3:
         words.append(rng.choice(CJK_WORDS))
-    return " ".join(words) + f" #{n}"
+    return " ".join(words) + f" #{n} " + _cjk_tag(wid, n)
 
 
 def _tool_calls(rng):
@@ -119,8 +125,8 @@ def mixed_worker(path, journal, wid, seed, seconds, out):
         mid = rec.run("append_message", lambda: db.append_message(sid, role, text, tool_calls=calls))
         if mid is not None and not sid.startswith(f"w{wid}-s"):
             rec.appended[str(mid)] = [sid, text]
-            if role != "tool":
-                searchable.append((f"tok{wid}x{n}", mid))
+            if role != "tool":  # a CJK term never matches tool output (README, deliberate differences)
+                searchable.append((rng.choice((f"tok{wid}x{n}", _cjk_tag(wid, n))), mid))
 
     def batch(sid):
         nonlocal n
@@ -306,9 +312,9 @@ def run_stress(folder, journal, seconds=SECONDS, seed=SEED, mixed=MIXED_WORKERS)
                 pass
     watcher = threading.Thread(target=watch_wal, daemon=True)
     started = time.monotonic()
-    watcher.start()
     for proc in procs:
         proc.start()
+    watcher.start()  # after the forks: a child forked beside a running thread may inherit a held lock
     for proc in procs:
         proc.join(seconds + 120)
     stop.set()
