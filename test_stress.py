@@ -473,5 +473,40 @@ class ShortLivedWritersBesideALongLivedOne(TempDirTestCase):
                            f"{wal // 1024} KiB and keeps growing while the gateway runs")
 
 
+def _vacuum_loop(path, seconds, stop):
+    from hermes_state import SessionDB
+    with SessionDB(path, journal="delete") as db:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not stop.is_set():
+            db.vacuum()
+
+
+@unittest.skipUnless(HAVE_FORK and HAVE_FLOCK, "needs os.fork and fcntl.flock")
+class SearchBesideAVacuumInAnotherProcess(TempDirTestCase):
+
+    def test_a_search_while_another_process_vacuums_a_rollback_journal_store_leaves_the_indexes_alone(self):
+        from hermes_state import SessionDB
+        from hermes_state_common import META_SEARCH_STALE_PREFIX
+        path = str(self.tmp / "state.db")
+        db = SessionDB(path, journal="delete")
+        self.addCleanup(db.close)
+        db.create_session("a", "cli")
+        db.append_messages_batch("a", [{"role": "user", "content": f"数据库 缓存 parser {i}"} for i in range(20)])
+        ctx = multiprocessing.get_context("fork")
+        stop = ctx.Event()
+        vacuums = ctx.Process(target=_vacuum_loop, args=(path, 15, stop))
+        vacuums.start()
+        self.addCleanup(vacuums.join)
+        self.addCleanup(stop.set)
+        end, searches = time.monotonic() + 15, 0
+        stale = []
+        while time.monotonic() < end and not stale:
+            with SessionDB(path, journal="delete") as cli:  # a `hermes search` run: a fresh connection each
+                cli.search_messages("缓存", limit=1)
+            searches += 1
+            stale = db.list_meta_prefix(META_SEARCH_STALE_PREFIX)
+        self.assertEqual(stale, [], f"search {searches} beside a VACUUM marked the indexes for a rebuild")
+
+
 if __name__ == "__main__":
     unittest.main()
