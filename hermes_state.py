@@ -611,9 +611,14 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
 
     def _close_connections(self):
         # The last connection to close checkpoints the WAL (not with an external policy on Python 3.12+),
-        # under SQLite's exclusive lock and ours.
+        # under SQLite's exclusive lock and ours. Beside a long-lived one (a gateway) it is not the last: a
+        # store we wrote to gets a PASSIVE checkpoint here, else short-lived writers (cron, the CLI) that never
+        # reach CHECKPOINT_EVERY_COMMITS would grow the WAL for as long as the gateway runs.
         locked = self._file_lock is not None and self._file_lock.acquire(time.monotonic() + self.write_budget)
         try:
+            if locked and self._commits % CHECKPOINT_EVERY_COMMITS and self.policy.checkpoint == "locked" \
+                    and self._writer is not None:
+                self._checkpoint(self._writer)
             with self._readers_lock:
                 readers, self._readers = self._readers, []
             for conn in readers:
@@ -740,10 +745,14 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         self._commits += 1
         due = self._commits % CHECKPOINT_EVERY_COMMITS == 0 or changes >= CHECKPOINT_AFTER_CHANGES
         if self.policy.checkpoint == "locked" and due:
-            try:
-                conn.execute(CHECKPOINT_PASSIVE_SQL)
-            except sqlite3.Error as exc:
-                logger.info("checkpoint of %s deferred to the next one: %s", self.db_path, exc)
+            self._checkpoint(conn)
+
+    def _checkpoint(self, conn):
+        """A PASSIVE checkpoint, under state.db.lock; a failure waits for the next one."""
+        try:
+            conn.execute(CHECKPOINT_PASSIVE_SQL)
+        except sqlite3.Error as exc:
+            logger.info("checkpoint of %s deferred to the next one: %s", self.db_path, exc)
 
     def _locked_error(self, start, cause, budget=None):
         budget = self.write_budget if budget is None else budget

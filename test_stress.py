@@ -494,11 +494,11 @@ class SearchBesideAVacuumInAnotherProcess(TempDirTestCase):
         db.append_messages_batch("a", [{"role": "user", "content": f"数据库 缓存 parser {i}"} for i in range(20)])
         ctx = multiprocessing.get_context("fork")
         stop = ctx.Event()
-        vacuums = ctx.Process(target=_vacuum_loop, args=(path, 15, stop))
+        vacuums = ctx.Process(target=_vacuum_loop, args=(path, 8, stop))
         vacuums.start()
         self.addCleanup(vacuums.join)
         self.addCleanup(stop.set)
-        end, searches = time.monotonic() + 15, 0
+        end, searches = time.monotonic() + 8, 0
         stale = []
         while time.monotonic() < end and not stale:
             with SessionDB(path, journal="delete") as cli:  # a `hermes search` run: a fresh connection each
