@@ -679,11 +679,11 @@ def report_scale(table, n, figures):
             table.add(f"  ours / raw ranked FTS5 query ({raw['search'][label]['ms']:.1f} ms)", f"{ratio:.2f}",
                       goal="<= 1.15" if big else "", ok=ratio <= 1.15 if big else None)
     e, re_ = ours["export_all"], r.get("export_all")
-    table.add("export_all (s)", f"{e['seconds']:.2f}", f"{re_['seconds']:.2f}" if ref else "",
+    table.add("export_all (s)", f"{e['seconds']:.3f}", f"{re_['seconds']:.3f}" if ref else "",
               speed(e["seconds"], re_["seconds"]) if ref else "", ">= 1.5x faster",
               re_["seconds"] >= 1.5 * e["seconds"] if ref else None)
     c, rc = ours["cli_export"], r.get("cli_export")
-    table.add("CLI jsonl export (s)", f"{c['seconds']:.2f}", f"{rc['seconds']:.2f}" if ref else "",
+    table.add("CLI jsonl export (s)", f"{c['seconds']:.3f}", f"{rc['seconds']:.3f}" if ref else "",
               speed(c["seconds"], rc["seconds"]) if ref else "", ">= 1.5x faster",
               rc["seconds"] >= 1.5 * c["seconds"] if ref else None)
     table.add("  its peak RSS (MB)", f"{c['peak_mb']:.0f} (start {c['base_mb']:.0f})",
