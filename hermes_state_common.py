@@ -548,11 +548,11 @@ TERM_ID_SET_SQL = "SELECT rowid FROM {table} WHERE {table} MATCH ?"
 ID_SET_OPERATORS = {"and": "INTERSECT", "or": "UNION", "not": "EXCEPT"}
 TERM_IN_BACKFILL_GAP_SQL = " OR (m.id > ? AND m.id <= ? AND {like})"
 TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {like})"
-# The fallback: NULL columns read as '' so that NOT (...) never turns NULL and drops a row.
 # Structured content (a multimodal list of parts, a dict) is stored as this prefix plus JSON, as hermes-agent
 # stores it; NUL never starts real text.
 CONTENT_JSON_PREFIX = "\x00json:"
-# LIKE reads text up to its first NUL: multimodal content (CONTENT_JSON_PREFIX + JSON) is read past it.
+# The fallback: NULL columns read as '' so that NOT (...) never turns NULL and drops a row; LIKE reads text up
+# to its first NUL, so multimodal content (CONTENT_JSON_PREFIX + JSON) is read past it.
 _LIKE_CONTENT_SQL = ("CASE WHEN m.content >= char(0) || 'json:' AND m.content < char(0) || 'json;' "
                      f"THEN CAST(substr(CAST(m.content AS BLOB), {len(CONTENT_JSON_PREFIX) + 1}) AS TEXT) "
                      "ELSE m.content END")
