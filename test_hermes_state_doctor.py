@@ -90,17 +90,7 @@ class DoctorTestCase(TempDirTestCase):
             print("held", flush=True)
             sys.stdin.readline()
         """)
-        holder = subprocess.Popen([sys.executable, "-c", code, f"{path}.repair.lock"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
-
-        def release():
-            if holder.poll() is None:
-                holder.stdin.close()
-                holder.wait(10)
-                holder.stdout.close()
-        self.addCleanup(release)
-        self.assertEqual(holder.stdout.readline().strip(), "held")
-        return release
+        return self.held_by_another_process(code, f"{path}.repair.lock")
 
 
 class Runtime(unittest.TestCase):

@@ -237,17 +237,7 @@ class TokenQueue(UsageTestCase):
         code = ("import sys; sys.path.insert(0, sys.argv[1]); from hermes_state import SessionDB\n"
                 "with SessionDB(sys.argv[2]) as db:\n"
                 "    db._execute_write(lambda conn: (print('held', flush=True), sys.stdin.readline()))\n")
-        holder = subprocess.Popen([sys.executable, "-c", code, str(REPO), str(self.path)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
-
-        def release():
-            if holder.poll() is None:
-                holder.stdin.close()
-                holder.wait(30)
-                holder.stdout.close()
-        self.addCleanup(release)
-        self.assertEqual(holder.stdout.readline().strip(), "held")
-        return release
+        return self.held_by_another_process(code, REPO, self.path)
 
     def test_a_flush_while_another_process_keeps_the_store_locked_fails_and_lands_the_counts_later_once(self):
         self.db.create_session("s", "cli")

@@ -12,6 +12,8 @@ import re
 import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 import tempfile
 import unittest
 from pathlib import Path
@@ -66,6 +68,21 @@ class TempDirTestCase(unittest.TestCase):
         target = self.tmp / name
         shutil.copyfile(fixture_path(name), target)
         return target
+
+    def held_by_another_process(self, code, *args):
+        """Run `code` (python -c, with `args`) in another process until it prints "held"; the returned function
+        (also run at cleanup) closes its stdin, which it waits on to let go."""
+        holder = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+
+        def release():
+            if holder.poll() is None:
+                holder.stdin.close()
+                holder.wait(30)
+                holder.stdout.close()
+        self.addCleanup(release)
+        self.assertEqual(holder.stdout.readline().strip(), "held")
+        return release
 
     def raw(self, path):
         """A plain sqlite3 connection with dict-like rows, closed after the test."""
