@@ -394,11 +394,7 @@ def run_both(scenarios, ref_venv, swap_venv, overlay, scratch):
                                         stdout=log, stderr=log), out, log)
     records = {}
     for kind, (proc, out, log) in procs.items():
-        try:
-            proc.wait(timeout=WORKER_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        venvs.wait_or_kill(proc, WORKER_TIMEOUT)
         log.close()
         if proc.returncode != 0 or not os.path.exists(out):
             with open(log.name) as fh:

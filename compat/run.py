@@ -214,11 +214,7 @@ def finish_inprocess(started):
     """Wait for the started inprocess.py runs; return {(kind, mode): record or {'died': why}}."""
     out = {}
     for key, (proc, out_file, log_file) in started.items():
-        try:
-            proc.wait(timeout=INPROCESS_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        venvs.wait_or_kill(proc, INPROCESS_TIMEOUT)
         if proc.returncode != 0 or not os.path.exists(out_file):
             with open(log_file) as fh:
                 last = (fh.read().strip().splitlines() or [""])[-1]
@@ -389,11 +385,7 @@ def main(argv=None):
                                    os.path.join(OUT, "e2e-%s.json" % kind), os.path.join(OUT, "e2e-%s.log" % kind))
                      for kind, venv in (("ref", ref_venv), ("swap", swap_venv))}
             for kind, proc in procs.items():
-                try:
-                    proc.wait(timeout=E2E_TIMEOUT)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                venvs.wait_or_kill(proc, E2E_TIMEOUT)
                 if proc.returncode != 0:
                     with open(os.path.join(OUT, "e2e-%s.log" % kind)) as fh:
                         tail = fh.read()[-3000:]

@@ -157,6 +157,15 @@ def ensure_venv(kind, python, say=print, version=REFERENCE_VERSION):
     return path
 
 
+def wait_or_kill(proc, timeout):
+    """Wait for `proc`, killing it once `timeout` seconds have passed; return its exit code."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 def our_state_modules(repo=REPO):
     """Return the checkout's product state modules (hermes_state*.py, tests excluded), sorted."""
     return sorted(p for p in glob.glob(os.path.join(repo, "hermes_state*.py")))
