@@ -9,6 +9,7 @@ connection: the mixins and SessionDB do that, and import from here so that none 
 import errno
 import itertools
 import json
+import math
 import os
 import re
 import sqlite3
@@ -753,6 +754,16 @@ class UsageValueError(ValueError, sqlite3.IntegrityError, sqlite3.ProgrammingErr
 
 
 # -- Value checks shared by the API: each names the field and the limit -------
+
+def sqlite_keeps(value):
+    """True for a value SQLite stores as it is: None, text, bytes, a float but NaN (it would be NULL), an
+    integer within 64 bits (sqlite3 cannot bind a larger one)."""
+    if isinstance(value, float):
+        return not math.isnan(value)
+    if isinstance(value, int):
+        return SQLITE_INT_RANGE[0] <= value <= SQLITE_INT_RANGE[1]
+    return value is None or isinstance(value, (str, bytes))
+
 
 def require_text(name, value, *, max_length=None):
     if not isinstance(value, str) or not value:

@@ -14,10 +14,10 @@ import time
 
 from hermes_state_common import (
     BUMP_MESSAGE_COUNTS_SQL, COMPRESSION_END_REASON, COUNT_ALL_MESSAGES_SQL, INSERT_MESSAGE_SQL,
-    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, SQLITE_INT_RANGE, STALE_MARKER,
+    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, STALE_MARKER,
     CompressionSessionClosedError, SessionTurnLeaseLostError, content_text, decode_content, decode_display_metadata,
     decode_message, describe_skill_invocation, encode_content, is_fork_child, json_object, loads_or, placeholders,
-    scrub_surrogates)
+    scrub_surrogates, sqlite_keeps)
 
 BUMP_OPEN_SESSION_COUNTS_SQL = BUMP_MESSAGE_COUNTS_SQL + " AND (ended_at IS NULL OR end_reason IS NOT ?)"
 CONVERSATION_ROW_COLUMNS = (
@@ -489,6 +489,8 @@ class SessionMessagesMixin:
 def _message_row(session_id, message, default_time, direct=False):
     """(row in MESSAGE_WRITE_COLUMNS order, tool calls it counts, its timestamp). `direct` reads the fields as
     append_message does; else reasoning is kept on assistant rows only and `message_id` is a fallback."""
+    if not hasattr(message, "get"):  # AttributeError, as hermes-agent's .get raises (a dict for the list: its keys)
+        raise AttributeError(f"a message must be a dict, not {type(message).__name__}: {message!r:.60}")
     get = message.get
     role = get("role", "unknown")
 
@@ -521,10 +523,8 @@ def _check_open_session(conn, session_id, must_exist=True):
 
 
 def _storable(name, value):
-    """`value`, or ValueError naming `name` for a number SQLite cannot keep: NaN (stored as NULL) or an
-    integer past 64 bits (which it cannot bind)."""
-    low, high = SQLITE_INT_RANGE
-    if isinstance(value, float) and math.isnan(value) or isinstance(value, int) and not low <= value <= high:
+    """`value`, or ValueError naming `name` for a number SQLite cannot keep (NaN, an integer past 64 bits)."""
+    if isinstance(value, (int, float)) and not sqlite_keeps(value):
         raise ValueError(f"{name} must be a number SQLite can store (not NaN, within 64 bits), not {value!r}")
     return value
 

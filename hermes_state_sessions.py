@@ -18,7 +18,7 @@ from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, MESSAGES_LAST_ACTIVE_SQL,
     SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL, SKILL_EXCERPT_JOINT, SessionInputTypeError,
     SessionRowError, _RESET_END_REASONS, chunked, cwd_prefix_clause, describe_skill_invocation, escape_like,
-    has_fork_marker, json_object, loads_or, merge_model_config, placeholders, require_text)
+    has_fork_marker, json_object, loads_or, merge_model_config, placeholders, require_text, sqlite_keeps)
 from hermes_state_schema import declared_columns, prompt_hash
 
 # What create_session may fill on an existing row: only columns still NULL, so a later bare call
@@ -90,6 +90,10 @@ class SessionSessionsMixin:
         values = dict(zip(_FILLABLE_COLUMNS, (
             model, _config_json(model_config), user_id, session_key, chat_id, chat_type, thread_id,
             parent_session_id, cwd, profile_name, git_repo_root, origin_json, display_name)))
+        for name, value in (("source", source), *values.items()):
+            if not sqlite_keeps(value):
+                raise SessionRowError(f"{name} must be text or a number SQLite can store, not {value!r:.60}; "
+                                      "no session was written")
         self._sweep_before_reuse(session_id)
 
         def write(conn):

@@ -69,6 +69,21 @@ class IntegersPastSqlite(StoreTestCase):
                 call()
         self.assertEqual(self.db.get_messages("s"), [])
 
+    def test_a_session_field_sqlite_cannot_keep_is_refused_naming_it_and_writes_nothing(self):
+        from hermes_state_common import SessionRowError
+        for kwargs, field in ((dict(user_id=1 << 70), "user_id"), (dict(model=math.nan), "model"),
+                              (dict(source=["x"]), "source")):
+            with self.subTest(field=field), \
+                    self.assertRaisesRegex(SessionRowError, f"^{field} .*no session was written"):
+                self.db.create_session("t", **{"source": "cli", **kwargs})
+        self.assertIsNone(self.db.get_session("t"))
+
+    def test_a_batch_of_something_other_than_message_dicts_says_so_and_writes_nothing(self):
+        for batch in ({"role": "user", "content": "a dict, not a list of them"}, "text", [{"role": "user"}, 5]):
+            with self.subTest(batch=batch), self.assertRaisesRegex(AttributeError, "^a message must be a dict"):
+                self.db.append_messages_batch("s", batch)
+        self.assertEqual(self.db.get_messages("s"), [])
+
 
 class CommandLineLimits(TempDirTestCase):
 
