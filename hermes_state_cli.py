@@ -189,14 +189,16 @@ def _cmd_export(db, args, out):
 def _read_jsonl(path):
     """The file's sessions, one JSON value a line; ValueError names a line that cannot be read."""
     sessions = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as handle:  # decoded a line at a time, so a bad byte is named by its line too
+        for number, raw in enumerate(handle, 1):
             try:
-                sessions.append(json.loads(line))
+                line = raw.decode("utf-8")
+                if line.strip():
+                    sessions.append(json.loads(line))
             except RecursionError:
                 raise ValueError(f"{path}:{number}: JSON nested too deep to read") from None
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not UTF-8 ({exc.reason} at byte {exc.start + 1})") from None
             except ValueError as exc:
                 raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
     return sessions

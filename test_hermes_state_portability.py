@@ -1145,6 +1145,10 @@ class CommandLine(TempDirTestCase):
         broken = self.run_cli("import", str(bad))
         self.assertEqual(broken.returncode, 1)
         self.assertIn("bad.jsonl:2: not JSON", broken.stderr)
+        bad.write_bytes(lines[0].encode() + b"\n\n{\"id\": \"\xff\"}\n")
+        binary = self.run_cli("import", str(bad))
+        self.assertEqual((binary.returncode, binary.stderr.splitlines()[-1]),
+                         (1, f"error: {bad}:3: not UTF-8 (invalid start byte at byte 9)"))
 
     def test_import_of_a_file_is_one_transaction_past_500_sessions(self):
         sessions = self.tmp / "many.jsonl"
