@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import unittest
 from pathlib import Path
 
@@ -68,6 +69,15 @@ class IntegersPastSqlite(StoreTestCase):
             with self.subTest(field=field), self.assertRaisesRegex(ValueError, field):
                 call()
         self.assertEqual(self.db.get_messages("s"), [])
+
+    def test_a_timestamp_that_is_nan_or_infinite_is_the_time_of_the_write(self):
+        before = time.time()
+        for stamp in (math.nan, math.inf, "nan", 1 << 2000):
+            self.db.append_message("s", "user", f"at {stamp!r:.20}", timestamp=stamp)
+        self.db.append_messages_batch("s", [{"role": "user", "content": "batch", "timestamp": -math.inf}])
+        stamps = [m["timestamp"] for m in self.db.get_messages("s")]
+        self.assertEqual(len(stamps), 5)
+        self.assertTrue(all(before <= stamp <= time.time() for stamp in stamps), stamps)
 
     def test_a_session_field_sqlite_cannot_keep_is_refused_naming_it_and_writes_nothing(self):
         from hermes_state_common import SessionRowError
