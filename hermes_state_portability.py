@@ -28,7 +28,7 @@ from hermes_state_common import (
     BYTES_MARKER, CONTENT_JSON_PREFIX, INSERT_SESSION_SQL, LAST_ACTIVE_SQL, INSERT_SYSTEM_PROMPT_SQL,
     MESSAGE_WRITE_COLUMNS, SELECT_LINEAGE_LINK_SQL, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL,
     SET_MESSAGE_COUNTS_SQL, SET_PARENT_SQL, SQLITE_INT_RANGE, TITLE_MAX_LENGTH, count_tool_calls, decode_message,
-    loads_or, normalize_title, placeholders, quote_identifier, scrub_surrogates)
+    loads_or, normalize_title, placeholders, quote_identifier, scrub_surrogates, sqlite_keeps)
 from hermes_state_redact import redact
 from hermes_state_schema import live_columns, pause_between_chunks, prompt_hash
 
@@ -208,8 +208,7 @@ def _check_text(entry, fields):
 
 
 def _check_int_range(field, value):
-    low, high = SQLITE_INT_RANGE
-    if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
+    if isinstance(value, int) and not sqlite_keeps(value):
         raise ValueError(f"{field} is outside SQLite's integer range")
 
 

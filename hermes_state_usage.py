@@ -12,7 +12,7 @@ import sqlite3
 import threading
 import time
 
-from hermes_state_common import DELETE_UNUSED_PROMPTS_SQL, SQLITE_INT_RANGE, TOKEN_QUEUE_MAX_AGE, UsageValueError
+from hermes_state_common import DELETE_UNUSED_PROMPTS_SQL, TOKEN_QUEUE_MAX_AGE, UsageValueError, sqlite_keeps
 
 logger = logging.getLogger("hermes_state")
 
@@ -238,8 +238,8 @@ def _count(name, value):
             value = float(value) if any(c in value for c in ".eE") else int(value)
         except ValueError:
             raise UsageValueError(f"{name} must be a number, not {value!r}") from None
-    if isinstance(value, float) and math.isfinite(value) \
-            or isinstance(value, int) and SQLITE_INT_RANGE[0] <= value <= SQLITE_INT_RANGE[1]:
+    storable = math.isfinite(value) if isinstance(value, float) else isinstance(value, int) and sqlite_keeps(value)
+    if storable:
         return int(value) if isinstance(value, bool) else value
     raise UsageValueError(f"{name} must be a finite number within SQLite's integer range, not {value!r}")
 
