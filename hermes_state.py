@@ -43,8 +43,8 @@ from hermes_state_gateway import SessionGatewayMixin
 from hermes_state_maintenance import SessionMaintenanceMixin
 from hermes_state_messages import SessionMessagesMixin
 from hermes_state_portability import SessionPortabilityMixin
-from hermes_state_schema import SessionSchemaMixin, is_lock_error, pause_between_chunks
-from hermes_state_search import SessionSearchMixin, runtime_capabilities
+from hermes_state_schema import SessionSchemaMixin, is_lock_error, pause_between_chunks, runtime_capabilities
+from hermes_state_search import SessionSearchMixin
 from hermes_state_sessions import SessionSessionsMixin
 from hermes_state_telegram import SessionTelegramMixin
 from hermes_state_titles import SessionTitlesMixin

@@ -286,14 +286,17 @@ TITLE_INDEX_SQL = (
 # searched while a store has none of ours, never rewritten, retired only by optimize-storage.
 
 # 2 added the CJK bounds (CJK_BOUNDS_OBJECTS: their table and index, the triggers that raise them); a layout 1
-# store gets them filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS).
-SEARCH_LAYOUT_VERSION = 2
+# store gets them filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS). 3 cuts a tool row's list content by bytes
+# (_TOOL_PREFIX); a layout 2 store keeps its rows as they are indexed (META_SEARCH_TOOL_JSON_FROM).
+SEARCH_LAYOUT_VERSION = 3
 CJK_BOUNDS_OBJECTS = ("hs_fts_cjk_bounds", "hs_fts_cjk_bounds_newest", "hs_fts_cjk_insert", "hs_fts_cjk_update")
 META_SEARCH_LAYOUT = "hs_search_layout"
 META_SEARCH_HIGH_WATER = "hs_search_high_water"
 META_SEARCH_PROGRESS = "hs_search_progress"
 # Message ids up to this one have their CJK bounds; absent when all have (searches by time may rely on them).
 META_SEARCH_CJK_BOUNDS_PROGRESS = "hs_search_cjk_bounds_progress"
+# The first id whose tool list content the word index holds (absent: 0); set when a layout 2 store moves to 3.
+META_SEARCH_TOOL_JSON_FROM = "hs_search_tool_json_from"
 # + an index name: that index of ours is not whole; rebuilt at the next open.
 META_SEARCH_STALE_PREFIX = "hs_search_stale_"
 # A query on hermes-agent's index failed here: build ours at the next open.
@@ -341,15 +344,24 @@ _INDEXED = """(({row}.id > COALESCE((SELECT CAST(value AS INTEGER) FROM state_me
                             WHERE key = 'hs_search_progress'), -1)))"""
 _NEW_INDEXED = _INDEXED.format(row="new")
 _OLD_INDEXED = _INDEXED.format(row="old")
-_TOOL_PREFIX = "CASE WHEN {row}.role = 'tool' THEN substr({row}.content, 1, %d) ELSE {row}.content END" \
+# A tool row's text as the word index holds it. substr() counts characters up to the first NUL, so list
+# content (CONTENT_JSON_PREFIX + JSON, ASCII as stored) is cut by bytes; layout 2 cut it to '', and its rows
+# below META_SEARCH_TOOL_JSON_FROM keep that cut: a delete must give the text the insert gave.
+_TOOL_PREFIX_2 = "CASE WHEN {row}.role = 'tool' THEN substr({row}.content, 1, %d) ELSE {row}.content END" \
     % TOOL_INDEX_PREFIX_CHARS
+_TOOL_PREFIX = f"""CASE WHEN {{row}}.role = 'tool' THEN CASE
+    WHEN {{row}}.content >= char(0) AND {{row}}.content < char(1) AND {{row}}.id >= COALESCE(
+        (SELECT CAST(value AS INTEGER) FROM state_meta WHERE key = '{META_SEARCH_TOOL_JSON_FROM}'), 0)
+    THEN CAST(substr(CAST({{row}}.content AS BLOB), 1, {TOOL_INDEX_PREFIX_CHARS}) AS TEXT)
+    ELSE substr({{row}}.content, 1, {TOOL_INDEX_PREFIX_CHARS}) END ELSE {{row}}.content END"""
+_WORDS_VIEW = """CREATE VIEW hs_fts_words_src AS
+SELECT id, {prefix} AS content, tool_name, tool_calls FROM messages"""
 
 # Per index: its views and tables (CJK: with its bounds' index) in creation order, exactly as sqlite_master
 # keeps them (an open compares and repairs), then its triggers.
 SEARCH_OBJECTS = {
     "word": {
-        "hs_fts_words_src": f"""CREATE VIEW hs_fts_words_src AS
-SELECT id, {_TOOL_PREFIX.format(row="messages")} AS content, tool_name, tool_calls FROM messages""",
+        "hs_fts_words_src": _WORDS_VIEW.format(prefix=_TOOL_PREFIX.format(row="messages")),
         "hs_fts_words": """CREATE VIRTUAL TABLE hs_fts_words USING fts5(
     content, tool_name, tool_calls, content='hs_fts_words_src', content_rowid='id')""",
     },
@@ -394,10 +406,17 @@ END""",
     }
 
 
+def _word_triggers(prefix):
+    return _external_triggers("hs_fts_words", "content, tool_name, tool_calls",
+                              "{row}.id, " + prefix + ", {row}.tool_name, {row}.tool_calls",
+                              ("content", "tool_name", "tool_calls", "role"))
+
+
+# The word index's view and triggers as layout 2 made them: a layout 2 store's are replaced without a rebuild.
+LAYOUT_2_WORD_OBJECTS = {"hs_fts_words_src": _WORDS_VIEW.format(prefix=_TOOL_PREFIX_2.format(row="messages")),
+                         **_word_triggers(_TOOL_PREFIX_2)}
 SEARCH_TRIGGERS = {
-    "word": _external_triggers("hs_fts_words", "content, tool_name, tool_calls",
-                               "{row}.id, " + _TOOL_PREFIX + ", {row}.tool_name, {row}.tool_calls",
-                               ("content", "tool_name", "tool_calls", "role")),
+    "word": _word_triggers(_TOOL_PREFIX),
     "trigram": _external_triggers("hs_fts_trigram", "content", "{row}.id, {row}.content", ("content", "role"),
                                   "{row}.role <> 'tool'"),
     "cjk": {

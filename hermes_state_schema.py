@@ -1,30 +1,64 @@
 """SessionSchemaMixin: bring any store, old or new, to the declared schema.
 
 Owns the open-time schema pass: creating missing tables, adding missing columns (SCHEMA_SQL is the only
-description of them), deferred indexes, table-shape heals, data repairs and data migrations, and the probe
-statements read-only callers use to detect a stale store. It never removes a column, a table or a row, and
-never touches the search index layout. It relies on SessionDB for `_execute_write(fn)` (one BEGIN IMMEDIATE
-transaction, retried on lock) and `self.db_path`; it never imports hermes_state.
+description of them), deferred indexes, table-shape heals, data repairs and data migrations, the probe
+statements read-only callers use to detect a stale store, and the probes of what this SQLite can hold (FTS5,
+its trigram tokenizer). It never removes a column, a table or a row, and never touches the search index
+layout. It relies on SessionDB for `_execute_write(fn)` (one BEGIN IMMEDIATE transaction, retried on lock)
+and `self.db_path`; it never imports hermes_state.
 """
 
+import contextlib
 import functools
 import hashlib
 import logging
 import sqlite3
 import time
+from collections import namedtuple
 
 # DEFERRED_INDEX_SQL is re-exported: hermes-agent's name.
 from hermes_state_common import (
     ADD_COLUMN_SQL, CLEAR_OLDER_DUPLICATE_TITLES_SQL, COPY_ROUTING_OLDEST_FIRST_SQL, COUNT_ROWS_SQL,
-    DEFAULT_PROBE_SQL, DEFERRED_INDEX_SQL, DEFERRED_INDEXES, DELETE_META_SQL, DROP_TABLE_SQL,
-    GATEWAY_ROUTING_PK, GATEWAY_ROUTING_SIDE_TABLE, HAS_INLINE_PROMPT_SQL, HAS_NULL_ACTIVE_SQL,
-    INSERT_META_SQL, INSERT_SCHEMA_VERSION_SQL, INSERT_SYSTEM_PROMPT_SQL, MIGRATION_CHUNK_SIZE,
-    MOVE_INLINE_PROMPT_SQL, RENAME_TABLE_SQL, REPAIR_NULL_ACTIVE_SQL, SCHEMA_SQL, SCHEMA_VERSION,
-    SELECT_INLINE_PROMPTS_SQL, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL, SELECT_SCHEMA_VERSION_SQL,
-    TABLE_INFO_SQL, TITLE_INDEX_NAME, TITLE_INDEX_SQL, UPDATE_SCHEMA_VERSION_SQL, quote_identifier,
+    DEFAULT_PROBE_SQL, DEFERRED_INDEX_SQL, DEFERRED_INDEXES, DELETE_META_SQL, DROP_TABLE_SQL, FTS5_PROBE_SQL,
+    FTS_PROBE_DROP_SQL, GATEWAY_ROUTING_PK, GATEWAY_ROUTING_SIDE_TABLE, HAS_INLINE_PROMPT_SQL,
+    HAS_NULL_ACTIVE_SQL, INSERT_META_SQL, INSERT_SCHEMA_VERSION_SQL, INSERT_SYSTEM_PROMPT_SQL,
+    MIGRATION_CHUNK_SIZE, MOVE_INLINE_PROMPT_SQL, RENAME_TABLE_SQL, REPAIR_NULL_ACTIVE_SQL, SCHEMA_SQL,
+    SCHEMA_VERSION, SELECT_INLINE_PROMPTS_SQL, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL,
+    SELECT_SCHEMA_VERSION_SQL, TABLE_INFO_SQL, TITLE_INDEX_NAME, TITLE_INDEX_SQL, TRIGRAM_PROBE_SQL,
+    UPDATE_SCHEMA_VERSION_SQL, quote_identifier,
 )
 
 logger = logging.getLogger("hermes_state")
+
+
+# -- What this SQLite can hold: our search index needs FTS5, its trigram part the trigram tokenizer --------
+
+Capabilities = namedtuple("Capabilities", "fts5 trigram")
+
+
+def _probe(connect, ddl):
+    try:
+        with contextlib.closing(connect(":memory:")) as conn:
+            conn.execute(ddl)
+            conn.execute(FTS_PROBE_DROP_SQL)
+        return True
+    except sqlite3.Error:
+        return False
+
+
+def sqlite_supports_fts5(connect=sqlite3.connect):
+    """True if connections made by `connect` can create an FTS5 table."""
+    return _probe(connect, FTS5_PROBE_SQL)
+
+
+def sqlite_supports_trigram(connect=sqlite3.connect):
+    """True if they also have FTS5's trigram tokenizer (SQLite 3.34 and later)."""
+    return _probe(connect, TRIGRAM_PROBE_SQL)
+
+
+def runtime_capabilities(connect=sqlite3.connect):
+    fts5 = sqlite_supports_fts5(connect)
+    return Capabilities(fts5, fts5 and sqlite_supports_trigram(connect))
 
 
 # Between two chunks of a long job (a sweep, a merge, a backfill, an import), the writer lock stays free this

@@ -27,22 +27,22 @@ from hermes_state_common import (
     decode_content, BACKFILL_SQL, CJK_BLOCK_BITS, CJK_BOUNDS_OBJECTS, CJK_CHAR_CLASS, CJK_FLOOR_SQL,
     CJK_LATE_BLOCKS_SQL, CJK_LATE_ROWS_SQL, CJK_QUEUE_TABLE, CJK_WALK_MAX_LATE, CJK_WALK_SQL, CONTEXT_CHARS,
     COUNT_FTS_DATA_SQL, DELETE_CJK_QUEUE_SQL, DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FILL_CJK_BOUNDS_SQL,
-    FTS5_PROBE_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL, FTS_MERGE_SQL, FTS_PROBE_DROP_SQL, FTS_SNIPPET_SQL,
-    HAS_CJK_QUEUE_SQL, HAS_CJK_ROW_AFTER_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
-    HERMES_INDEX_META, ID_SET_OPERATORS, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
+    FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL, FTS_MERGE_SQL, FTS_SNIPPET_SQL, HAS_CJK_QUEUE_SQL,
+    HAS_CJK_ROW_AFTER_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS, HERMES_INDEX_META,
+    ID_SET_OPERATORS, LAYOUT_2_WORD_OBJECTS, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
     META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_HERMES_FAILED,
     META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT, META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX,
-    NOT_TOOL_ROW_SQL, OPEN_FTS_TABLE_SQL, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META,
-    PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL, RESET_INDEX_SQL,
-    RETIRED_PREFIX, SEARCH_CONTEXT_SQL, SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_ORDERS,
+    META_SEARCH_TOOL_JSON_FROM, NOT_TOOL_ROW_SQL, OPEN_FTS_TABLE_SQL, PREVIOUS_LAYOUT_LEFTOVERS,
+    PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL,
+    RESET_INDEX_SQL, RETIRED_PREFIX, SEARCH_CONTEXT_SQL, SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_ORDERS,
     SEARCH_PAGE_BY_INDEX_SQL, SEARCH_PAGE_BY_PREDICATE_SQL, SEARCH_PAGE_BY_RANKED_INDEX_SQL,
     SEARCH_PAGE_INDEX_JOIN_SQL, SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_PAGE_PARTS, SEARCH_RANKED_SQL,
     SEARCH_TABLES, SEARCH_TRIGGERS, SELECT_CJK_QUEUE_SQL, SELECT_FTS_STRUCTURE_SQL,
     SELECT_INDEXED_TEXT_BYTES_SQL, SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL, SELECT_SCHEMA_OBJECTS_SQL,
     SELECT_TRIGGER_TABLES_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TABLE_INFO_SQL, TERM_ID_SET_SQL,
     TERM_IN_BACKFILL_GAP_SQL, TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS, TERM_LIKE_SQL,
-    TRIGRAM_PROBE_SQL, UPDATE_FTS_STRUCTURE_SQL, UPSERT_CJK_BOUND_SQL, UPSERT_CJK_TERMS_SQL, escape_like,
-    placeholders, quote_identifier, store_file_bytes, trigger_writes,
+    UPDATE_FTS_STRUCTURE_SQL, UPSERT_CJK_BOUND_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders,
+    quote_identifier, store_file_bytes, trigger_writes,
 )
 
 logger = logging.getLogger("hermes_state")
@@ -85,39 +85,11 @@ CTE_MATERIALIZED = "MATERIALIZED" if sqlite3.sqlite_version_info >= (3, 35) else
 # Hits per context statement: four parameters each, within SQLite's 999 before 3.32.
 CONTEXT_CHUNK_HITS = 240
 
-Capabilities = namedtuple("Capabilities", "fts5 trigram")
 Term = namedtuple("Term", "text prefix")
 # The indexes a search may use: `tables` names them, `usable` are the whole ones; `substring` is the retry of
 # a query whose words found nothing, inside longer tokens; `cjk_bounded`: every CJK row's block bound holds.
 IndexState = namedtuple("IndexState",
                         "layout tables usable high_water progress cjk_pending tool_rows substring cjk_bounded")
-
-
-# -- Runtime capabilities --------------------------------------------------------------------------------
-
-def _probe(connect, ddl):
-    try:
-        with contextlib.closing(connect(":memory:")) as conn:
-            conn.execute(ddl)
-            conn.execute(FTS_PROBE_DROP_SQL)
-        return True
-    except sqlite3.Error:
-        return False
-
-
-def sqlite_supports_fts5(connect=sqlite3.connect):
-    """True if connections made by `connect` can create an FTS5 table."""
-    return _probe(connect, FTS5_PROBE_SQL)
-
-
-def sqlite_supports_trigram(connect=sqlite3.connect):
-    """True if they also have FTS5's trigram tokenizer (SQLite 3.34 and later)."""
-    return _probe(connect, TRIGRAM_PROBE_SQL)
-
-
-def runtime_capabilities(connect=sqlite3.connect):
-    fts5 = sqlite_supports_fts5(connect)
-    return Capabilities(fts5, fts5 and sqlite_supports_trigram(connect))
 
 
 def free_disk_bytes(path):
@@ -596,7 +568,11 @@ class SessionSearchMixin:
     def _repair_search_index(self, conn, objects):
         """Put back what someone else changed in our index (stamp, objects), drop the triggers of an index this
         runtime cannot keep, rebuild every one not whole; True if a backfill or the CJK bounds' fill is due."""
-        if read_meta(conn, META_SEARCH_LAYOUT) == "1" and self._add_cjk_bounds(conn, objects):
+        layout = read_meta(conn, META_SEARCH_LAYOUT)
+        if layout == "1" and self._add_cjk_bounds(conn, objects):
+            objects = _schema_objects(conn)
+        if layout in ("1", "2"):
+            self._cut_tool_lists_by_bytes(conn, objects)
             objects = _schema_objects(conn)
         if read_meta(conn, META_SEARCH_LAYOUT) != str(SEARCH_LAYOUT_VERSION):
             logger.warning("search: the layout stamp of our index in %s was changed; rebuilding the index",
@@ -639,6 +615,24 @@ class SessionSearchMixin:
         logger.info("search: adding the CJK bounds of layout %d to %s", SEARCH_LAYOUT_VERSION, self.db_path)
         return True
 
+    def _cut_tool_lists_by_bytes(self, conn, objects):
+        """Layout 2 to 3 without a rebuild: the word index's view and triggers as layout 2 made them are
+        replaced; tool rows written from now on have their list content indexed, the older ones keep the
+        empty text layout 2 gave them (as a delete must) until the index is next rebuilt."""
+        write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
+        old = [name for name, ddl in LAYOUT_2_WORD_OBJECTS.items()
+               if _same_sql(objects.get(name, (None, None))[1], ddl)]
+        if "word" not in self._buildable() or SEARCH_TABLES["word"] not in objects or not old:
+            return  # the repair rebuilds or drops it
+        next_id = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0] + 1
+        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, str(next_id))
+        ddl = {**SEARCH_OBJECTS["word"], **SEARCH_TRIGGERS["word"]}
+        for name in old:
+            _drop(conn, objects[name][0], name)
+            conn.execute(ddl[name])
+        logger.info("search: the word index of %s holds tool rows' list content from message %d on (layout %d)",
+                    self.db_path, next_id, SEARCH_LAYOUT_VERSION)
+
     def _restore_objects(self, conn, index, objects, expected):
         """Create each object of `index` that is missing or differs from ours; their names."""
         changed = []
@@ -678,6 +672,7 @@ class SessionSearchMixin:
                 if name not in objects:
                     conn.execute(ddl)
         conn.execute(RESET_INDEX_SQL["cjk"][1])  # the queue: every row is refilled
+        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, None)  # and each with this layout's cut
         high_water = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
         write_meta(conn, META_SEARCH_HIGH_WATER, str(high_water or 0))
         write_meta(conn, META_SEARCH_PROGRESS, "0")
@@ -694,6 +689,8 @@ class SessionSearchMixin:
             while drain_cjk_queue(conn):
                 pass
         else:
+            if index == "word":
+                write_meta(conn, META_SEARCH_TOOL_JSON_FROM, None)  # every row afresh, with this layout's cut
             conn.execute(FTS_COMMAND_SQL.format(table=SEARCH_TABLES[index], command="rebuild"))
 
     def _maintain_search(self, conn, changes):
@@ -758,7 +755,7 @@ class SessionSearchMixin:
         high_water = meta[marks[0]]
         pending = "cjk" in usable and self._read_one(HAS_CJK_QUEUE_SQL) is not None
         # Bounds an older release left behind (its layout stamp) may miss rows it indexed since.
-        bounded = layout == "current" and meta[META_SEARCH_LAYOUT] == str(SEARCH_LAYOUT_VERSION) \
+        bounded = layout == "current" and meta[META_SEARCH_LAYOUT] in ("2", str(SEARCH_LAYOUT_VERSION)) \
             and "hs_fts_cjk_bounds" in objects and not meta[META_SEARCH_CJK_BOUNDS_PROGRESS]
         return IndexState(layout, tables, usable, int(high_water) if high_water else None,
                           int(meta[marks[1]] or 0), pending, False, False, bounded)

@@ -15,10 +15,13 @@ from unittest import mock
 
 import hermes_state_search
 from hermes_state import SessionDB
-from hermes_state_common import SCHEMA_VERSION, SEARCH_LAYOUT_VERSION, SEARCH_TRIGGERS, TOOL_INDEX_PREFIX_CHARS
-from hermes_state_search import (
-    cjk_terms, fts_layout_of, parse_query, sqlite_supports_fts5, sqlite_supports_trigram,
+from hermes_state_common import (
+    LAYOUT_2_WORD_OBJECTS, SCHEMA_VERSION, SEARCH_LAYOUT_VERSION, SEARCH_TRIGGERS, TOOL_INDEX_PREFIX_CHARS,
 )
+from hermes_state_search import (
+    cjk_terms, fts_layout_of, parse_query,
+)
+from hermes_state_schema import sqlite_supports_fts5, sqlite_supports_trigram
 from test_support import (
     REPO, V22_DB, V26_DB, TempDirTestCase, backdate, dump_hash, tracing_factory, without_fts5, without_trigram,
 )
@@ -353,6 +356,16 @@ class SearchBehaviour(TempDirTestCase):
         self.assertEqual(self.ids_for("needle_beyond_prefix", role_filter=["tool"]), {self.ids["tool"]})
         self.assertNotIn(self.ids["tool"], self.ids_for("会话"))
         self.assertEqual(self.ids_for("会话", role_filter="tool"), {self.ids["tool"]})
+
+    def test_a_tool_rows_list_content_is_in_the_word_index_cut_by_bytes(self):
+        # substr() stops at the NUL that starts stored list content: layout 2 indexed '' for such a row.
+        parts = [{"type": "text", "text": "naive hello " + "y" * TOOL_INDEX_PREFIX_CHARS + " beyond_cut"}]
+        listed = self.db.append_message("b", "tool", parts, tool_name="read_file", timestamp=18)
+        self.assertEqual(self.ids_for("naive"), {listed})
+        self.assertEqual(self.ids_for("beyond_cut"), set())
+        self.assertEqual(self.ids_for("beyond_cut", role_filter=["tool"]), {listed})
+        self.db.delete_session("b")
+        fts_integrity_check(self.tmp / "state.db", ("hs_fts_words",))
 
     def test_filters_and_inactive_rows(self):
         self.assertEqual(self.ids_for("staging", source_filter="telegram"), {self.ids["late"]})
@@ -1104,6 +1117,33 @@ class ChangedByAnotherProgram(TempDirTestCase):
                     "content='hs_fts_trigram_src', content_rowid='id', tokenize='trigram')",
                     "DROP VIEW hs_fts_words_src", "CREATE VIEW hs_fts_words_src AS SELECT id, content FROM messages")
         self.assert_repaired(self.ids + [extra])
+
+    def test_a_layout_2_store_moves_to_3_without_a_rebuild_and_keeps_its_rows_as_indexed(self):
+        listed = [{"type": "text", "text": "naive words"}]
+        with SessionDB(self.path) as db:
+            db._execute_write(lambda conn: [conn.execute(f"DROP {kind} {name}") for name, kind in (
+                ("hs_fts_words_insert", "TRIGGER"), ("hs_fts_words_delete", "TRIGGER"),
+                ("hs_fts_words_update", "TRIGGER"), ("hs_fts_words_src", "VIEW"))])
+            db._execute_write(lambda conn: [conn.execute(ddl) for ddl in LAYOUT_2_WORD_OBJECTS.values()])
+            db.set_meta("hs_search_layout", "2")
+            # Indexed by layout 2's triggers: their list content as ''.
+            gone, kept = (db.append_message("s", "tool", listed, tool_name="read_file") for _ in range(2))
+        statements = []
+        with SessionDB(self.path, connection_factory=tracing_factory(statements)) as db:
+            self.assertFalse([s for s in statements if "hs_retired_" in s or "FROM hs_fts_words_src" in s])
+            self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION))
+            self.assertEqual(db.get_meta("hs_search_tool_json_from"), str(kept + 1))
+            new = db.append_message("s", "tool", listed, tool_name="read_file")
+            self.assertEqual(hit_ids(db, "naive"), {new})
+            self.assertEqual(hit_ids(db, "naive", role_filter=["tool"]), {gone, kept, new})
+            # Each delete takes out what layout 2's insert put in: FTS5 checks the index against the view.
+            db._execute_write(lambda conn: conn.execute("DELETE FROM messages WHERE id = ?", (gone,)))
+            fts_integrity_check(self.path)
+            db.rebuild_fts()
+            self.assertIsNone(db.get_meta("hs_search_tool_json_from"))
+            self.assertEqual(hit_ids(db, "naive"), {kept, new})
+            db.delete_session("s")
+        fts_integrity_check(self.path)
 
     def test_shadow_tables_kept_without_their_table_are_replaced(self):
         # A recovery that copies tables but not the virtual table's own schema row.

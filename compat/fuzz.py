@@ -297,10 +297,8 @@ KNOWN = [
         c("search_messages", "user's", fields=["id", "snippet"]),
         c("search_messages", "key:value", fields=["id", "snippet"]),
         c("search_messages", "foo(bar)", fields=["id", "snippet"]))),
-    # Open: a tool row whose content is a list (stored as "\x00json:" + JSON) is not in our word index: its
-    # tool prefix, substr(content, 1, 2048), is '' for a text starting with NUL; hermes-agent indexes the
-    # stored text whole. role_filter=["tool"] finds it (the fallback reads past the prefix). The fix, a prefix
-    # cut by bytes, changes the index's view and triggers: a search layout 3 with those rows reindexed.
+    # Fixed, kept as a check: a tool row whose content is a list (stored as "\x00json:" + JSON) was not in our
+    # word index: substr(content, 1, 2048) is '' for a text starting with NUL. Layout 3 cuts it by bytes.
     ("known-tool-list-content-unsearchable", _known(
         c("append_message", "s1", "tool", [{"type": "text", "text": "naive hello"}], tool_call_id="c1",
           tool_name="read_file"),
