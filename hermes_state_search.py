@@ -882,7 +882,7 @@ class SessionSearchMixin:
             order = SEARCH_ORDERS["oldest" if sort == "oldest" else "newest"].format(rank="")
             page = SEARCH_PAGE_BY_PREDICATE_SQL.format(where=where, filters=filters, order=order)
             return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order),
-                                  params + filter_params + [limit, offset])
+                                  params + filter_params + [limit, offset], self._idle_index_readers)
         index = indexes.pop()
         table = state.tables[index]
         # hermes-agent's legacy trigram index still holds tool rows; ours does not.
@@ -892,14 +892,15 @@ class SessionSearchMixin:
         if sort not in SEARCH_ORDERS:
             return self._read_all(SEARCH_RANKED_SQL.format(table=table, snippet=snippet, no_tools=no_tools,
                                                            filters=filters),
-                                  [match] + filter_params + [limit, offset])
+                                  [match] + filter_params + [limit, offset], self._idle_index_readers)
         if index == "cjk":  # only ever asked by a scan, whose order has no rank
             return self._cjk_page(state, match, no_tools, filters, filter_params, sort, limit, offset)
         page = SEARCH_PAGE_BY_RANKED_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters,
                                                       materialized=CTE_MATERIALIZED, **SEARCH_RANKED_PAGE_PARTS[sort])
         rows = SEARCH_PAGE_ROWS_SQL.format(page=page, join=SEARCH_PAGE_INDEX_JOIN_SQL.format(table=table),
                                            snippet=snippet, order=SEARCH_ORDERS[sort].format(rank="page.hit_rank, "))
-        return self._read_all(rows, [match] + filter_params + [limit, offset, match, limit, offset, match])
+        return self._read_all(rows, [match] + filter_params + [limit, offset, match, limit, offset, match],
+                              self._idle_index_readers)
 
     def _cjk_page(self, state, match, no_tools, filters, filter_params, sort, limit, offset):
         """A page of CJK index hits by time: only the hits from the floor _cjk_floor finds go to the sorter."""
@@ -909,7 +910,8 @@ class SessionSearchMixin:
         page = SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order)
         wanted = limit + offset if type(limit) is int and type(offset) is int and min(limit, offset) >= 0 else 0
         if not state.cjk_bounded or sort != "newest" or not 0 < wanted <= CJK_WALK_MAX_HITS // 2:
-            return self._read_all(page.format(late=""), [match, 0] + filter_params + [limit, offset])
+            return self._read_all(page.format(late=""), [match, 0] + filter_params + [limit, offset],
+                                  self._idle_index_readers)
         walk = CJK_WALK_SQL.format(no_tools=no_tools, filters=filters)
 
         def walk_then_page(conn):  # one read transaction: the walk's statement is open while the page is read
@@ -918,7 +920,7 @@ class SessionSearchMixin:
                 late = CJK_LATE_ROWS_SQL.format(blocks=", ".join(map(str, late))) if late else ""
                 params = [match, floor] + filter_params + [limit, offset]
                 return conn.execute(page.format(late=late), params).fetchall()
-        return self._with_reader(walk_then_page)
+        return self._with_reader(walk_then_page, self._idle_index_readers)
 
     def _mark_index_stale(self, exc, state):
         """Answer by the fallback; rebuild ours (or build ours beside hermes-agent's) at the next open."""

@@ -367,6 +367,29 @@ class SearchBehaviour(TempDirTestCase):
         self.db.delete_session("b")
         fts_integrity_check(self.tmp / "state.db", ("hs_fts_words",))
 
+    def test_searches_read_the_index_on_connections_no_other_read_uses(self):
+        # Their index pages stay cached there: rows and contexts read elsewhere do not push them out.
+        seen = []
+
+        def connect(database, *args, **kwargs):
+            conn = sqlite3.connect(database, *args, **kwargs)
+            conn.set_trace_callback(lambda sql: seen.append((id(conn), sql)))
+            return conn
+        with SessionDB(self.tmp / "traced.db", connection_factory=connect) as db:
+            db.create_session("a", "cli")
+            db.append_message("a", "user", "deploy now")
+            db.append_message("a", "assistant", "deployed")
+            for _ in range(3):
+                del seen[:]
+                self.assertEqual(len(db.search_messages("deploy")), 1)
+                index = {conn for conn, sql in seen if "MATCH" in sql}
+                others = {conn for conn, sql in seen if "hs_fts" not in sql and sql.startswith(("SELECT", "WITH"))}
+                self.assertEqual(len(index), 1)
+                self.assertTrue(others and not index & others, seen)
+                if _:
+                    self.assertEqual(index, first)
+                first = index
+
     def test_filters_and_inactive_rows(self):
         self.assertEqual(self.ids_for("staging", source_filter="telegram"), {self.ids["late"]})
         self.assertEqual(self.ids_for("staging", exclude_sources=["telegram"]),
