@@ -267,6 +267,16 @@ class AForkedChild(TempDirTestCase):
         self.assertEqual([self.db.get_session(s) is not None for s in ("child", "during", "after")],
                          [True, False, True])
 
+    def test_a_child_holds_none_of_its_parents_connections_so_it_may_open_the_store_file_itself(self):
+        # POSIX locks are per process: a plain descriptor the parent closed would drop its SQLite locks, one the
+        # child closes drops none (the child has none). The child's quarantine checks read the header so.
+        def opened():
+            return hermes_state._raw_store_access(self.path, os.O_RDONLY, lambda fd: "opened")
+        self.assertIsNone(opened())
+        child = self.fork(lambda say, wait_for_go: say(str(opened())))
+        self.assertEqual(child.hear(), "opened")
+        self.assertEqual(child.exit_code(), 0)
+
     def test_a_child_forked_while_the_lock_file_registry_is_busy_can_still_open_and_write_the_store(self):
         path, journal = self.path, writer_lock_journal()
 
