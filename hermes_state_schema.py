@@ -2,10 +2,10 @@
 
 Owns the open-time schema pass: creating missing tables, adding missing columns (SCHEMA_SQL is the only
 description of them), deferred indexes, table-shape heals, data repairs and data migrations, the probe
-statements read-only callers use to detect a stale store, and the probes of what this SQLite can hold (FTS5,
-its trigram tokenizer). It never removes a column, a table or a row, and never touches the search index
-layout. It relies on SessionDB for `_execute_write(fn)` (one BEGIN IMMEDIATE transaction, retried on lock)
-and `self.db_path`; it never imports hermes_state.
+statements read-only callers use to detect a stale store, the probes of what this SQLite can hold (FTS5, its
+trigram tokenizer) and the check of every trigger against the table it writes to. It never removes a column,
+a table or a row, and never touches the search index layout. It relies on SessionDB for `_execute_write(fn)`
+(one BEGIN IMMEDIATE transaction, retried on lock) and `self.db_path`; it never imports hermes_state.
 """
 
 import contextlib
@@ -24,8 +24,8 @@ from hermes_state_common import (
     HAS_NULL_ACTIVE_SQL, INSERT_META_SQL, INSERT_SCHEMA_VERSION_SQL, INSERT_SYSTEM_PROMPT_SQL,
     MIGRATION_CHUNK_SIZE, MOVE_INLINE_PROMPT_SQL, RENAME_TABLE_SQL, REPAIR_NULL_ACTIVE_SQL, SCHEMA_SQL,
     SCHEMA_VERSION, SELECT_INLINE_PROMPTS_SQL, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_SCHEMA_VERSION_SQL, TABLE_INFO_SQL, TITLE_INDEX_NAME, TITLE_INDEX_SQL, TRIGRAM_PROBE_SQL,
-    UPDATE_SCHEMA_VERSION_SQL, quote_identifier,
+    SELECT_SCHEMA_VERSION_SQL, SELECT_TRIGGER_TABLES_SQL, TABLE_INFO_SQL, TITLE_INDEX_NAME, TITLE_INDEX_SQL,
+    TRIGRAM_PROBE_SQL, UPDATE_SCHEMA_VERSION_SQL, quote_identifier, trigger_writes,
 )
 
 logger = logging.getLogger("hermes_state")
@@ -160,6 +160,37 @@ def schema_read_probe_statements(sql=SCHEMA_SQL):
     q = quote_identifier
     return [f"SELECT {', '.join(q(table) + '.' + q(c) for c in columns)} FROM {q(table)} LIMIT 0"
             for table, columns in declared_columns(sql).items()]
+
+
+def trigger_damage(objects, read_all):
+    """Every trigger of `objects` ({name: (type, sql)}) that writes to a table or column the store lacks, and
+    every table whose writes fail to compile because of its triggers (SQLite checks trigger bodies only then),
+    as sentences; `read_all(sql)` runs a read."""
+    names = {name.lower(): name for name in objects}
+    damage = []
+    for name, (kind, sql) in sorted(objects.items()):
+        if kind != "trigger":
+            continue
+        for table, columns in trigger_writes(sql):
+            target = names.get(table.lower())
+            if target is None or objects[target][0] not in ("table", "view"):
+                damage.append(f"trigger {name} writes to {table}, which does not exist")
+                continue
+            known = {row[1].lower() for row in read_all(TABLE_INFO_SQL.format(
+                table=quote_identifier(target)))} | {target.lower(), "rowid", "rank"}
+            damage += [f"trigger {name} writes to {table}.{column}, which does not exist"
+                       for column in columns or () if column.lower() not in known]
+    for (table,) in read_all(SELECT_TRIGGER_TABLES_SQL):
+        columns = [row[1] for row in read_all(TABLE_INFO_SQL.format(table=quote_identifier(table)))]
+        sets = ", ".join(f"{quote_identifier(c)} = {quote_identifier(c)}" for c in columns)
+        for verb, sql in (("insert", f"INSERT INTO {quote_identifier(table)} DEFAULT VALUES"),
+                          ("update", f"UPDATE {quote_identifier(table)} SET {sets}"),
+                          ("delete", f"DELETE FROM {quote_identifier(table)}")):
+            try:
+                read_all("EXPLAIN " + sql)
+            except sqlite3.Error as exc:
+                damage.append(f"every {verb} on {table} fails: {exc}")
+    return damage
 
 
 def _try_ddl(conn, sql, failure, quiet=None):

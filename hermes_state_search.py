@@ -4,7 +4,7 @@ Owns: our index (its tables, views, triggers and `hs_search_*` keys, see hermes_
 repairing what another program changed in it, moving our older releases' index off hermes-agent's names,
 searching hermes-agent's index while a store has none of ours, degrading on runtimes without FTS5 or the
 trigram tokenizer, the query sanitiser and router, the LIKE fallback, the CJK side index and its bounds,
-optimize-storage (the only path from hermes-agent's index to ours) and the trigger check `doctor` reports.
+optimize-storage (the only path from hermes-agent's index to ours) and the search facts `doctor` reports.
 
 It never changes hermes-agent's index objects or keys, except to drop the triggers this runtime cannot run
 (as hermes-agent itself does) and when optimize-storage retires its index. It never builds our index over a
@@ -22,7 +22,7 @@ import sqlite3
 import unicodedata
 from collections import namedtuple
 
-from hermes_state_schema import pause_between_chunks, read_meta, write_meta
+from hermes_state_schema import pause_between_chunks, read_meta, trigger_damage, write_meta
 from hermes_state_common import (
     decode_content, BACKFILL_SQL, CJK_BLOCK_BITS, CJK_BOUNDS_OBJECTS, CJK_CHAR_CLASS, CJK_FLOOR_SQL,
     CJK_LATE_BLOCKS_SQL, CJK_LATE_ROWS_SQL, CJK_QUEUE_TABLE, CJK_WALK_MAX_LATE, CJK_WALK_SQL, CONTEXT_CHARS,
@@ -39,7 +39,7 @@ from hermes_state_common import (
     SEARCH_PAGE_INDEX_JOIN_SQL, SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_PAGE_PARTS, SEARCH_RANKED_SQL,
     SEARCH_TABLES, SEARCH_TRIGGERS, SELECT_CJK_QUEUE_SQL, SELECT_FTS_STRUCTURE_SQL,
     SELECT_INDEXED_TEXT_BYTES_SQL, SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL, SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_TRIGGER_TABLES_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TABLE_INFO_SQL, TERM_ID_SET_SQL,
+    SNIPPET_CHARS, TABLE_EXISTS_SQL, TERM_ID_SET_SQL,
     TERM_IN_BACKFILL_GAP_SQL, TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS, TERM_LIKE_SQL,
     UPDATE_FTS_STRUCTURE_SQL, UPSERT_CJK_BOUND_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders,
     quote_identifier, store_file_bytes, trigger_writes,
@@ -792,37 +792,8 @@ class SessionSearchMixin:
             "hermes_agent_meta": self._read_meta(*HERMES_INDEX_META, META_FTS_CJK_STALE),
             "fts_rebuild": self._rebuild_phase(),
             "searchable_by_index": sorted(state.usable),
-            "trigger_damage": self._trigger_damage(objects),
+            "trigger_damage": trigger_damage(objects, self._read_all),
         }
-
-    def _trigger_damage(self, objects):
-        """Every trigger that writes to a table or column the store lacks, and every table whose
-        writes fail to compile because of its triggers (SQLite checks trigger bodies only then)."""
-        names = {name.lower(): name for name in objects}
-        damage = []
-        for name, (kind, sql) in sorted(objects.items()):
-            if kind != "trigger":
-                continue
-            for table, columns in trigger_writes(sql):
-                target = names.get(table.lower())
-                if target is None or objects[target][0] not in ("table", "view"):
-                    damage.append(f"trigger {name} writes to {table}, which does not exist")
-                    continue
-                known = {row[1].lower() for row in self._read_all(TABLE_INFO_SQL.format(
-                    table=quote_identifier(target)))} | {target.lower(), "rowid", "rank"}
-                damage += [f"trigger {name} writes to {table}.{column}, which does not exist"
-                           for column in columns or () if column.lower() not in known]
-        for (table,) in self._read_all(SELECT_TRIGGER_TABLES_SQL):
-            columns = [row[1] for row in self._read_all(TABLE_INFO_SQL.format(table=quote_identifier(table)))]
-            sets = ", ".join(f"{quote_identifier(c)} = {quote_identifier(c)}" for c in columns)
-            for verb, sql in (("insert", f"INSERT INTO {quote_identifier(table)} DEFAULT VALUES"),
-                              ("update", f"UPDATE {quote_identifier(table)} SET {sets}"),
-                              ("delete", f"DELETE FROM {quote_identifier(table)}")):
-                try:
-                    self._read_all("EXPLAIN " + sql)
-                except sqlite3.Error as exc:
-                    damage.append(f"every {verb} on {table} fails: {exc}")
-        return damage
 
     # -- search --------------------------------------------------------------
 
