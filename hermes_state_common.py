@@ -482,6 +482,12 @@ BACKFILL_SQL = {
     "cjk": "INSERT OR IGNORE INTO hs_fts_cjk_queue(id) SELECT id FROM messages "
            f"WHERE id > ? AND id <= ? AND role <> 'tool' AND content GLOB {CJK_GLOB}",
 }
+# Layout 2 to 3, a chunk of ids at a time below META_SEARCH_TOOL_JSON_FROM: the tool rows with list content, each
+# taken out of the word index with the '' layout 2 gave it, then put back through the view (BACKFILL_SQL).
+SELECT_TOOL_LISTS_SQL = ("SELECT id, tool_name, tool_calls FROM messages WHERE id >= ? AND id < ? AND role = 'tool'"
+                         " AND content >= char(0) AND content < char(1)")
+DELETE_EMPTY_WORDS_ROW_SQL = ("INSERT INTO hs_fts_words(hs_fts_words, rowid, content, tool_name, tool_calls)"
+                              " VALUES ('delete', ?, '', ?, ?)")
 # Emptying one index of ours before it is filled again.
 RESET_INDEX_SQL = {
     "word": ("INSERT INTO hs_fts_words(hs_fts_words) VALUES ('delete-all')",),

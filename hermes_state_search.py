@@ -26,23 +26,23 @@ from hermes_state_schema import pause_between_chunks, read_meta, trigger_damage,
 from hermes_state_common import (
     decode_content, BACKFILL_SQL, CJK_BLOCK_BITS, CJK_BOUNDS_OBJECTS, CJK_CHAR_CLASS, CJK_FLOOR_SQL,
     CJK_LATE_BLOCKS_SQL, CJK_LATE_ROWS_SQL, CJK_QUEUE_TABLE, CJK_WALK_MAX_LATE, CJK_WALK_SQL, CONTEXT_CHARS,
-    COUNT_FTS_DATA_SQL, DELETE_CJK_QUEUE_SQL, DELETE_SHADOW_CHUNK_SQL, DROP_TABLE_SQL, FILL_CJK_BOUNDS_SQL,
-    FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL, FTS_MERGE_SQL, FTS_SNIPPET_SQL, HAS_CJK_QUEUE_SQL,
-    HAS_CJK_ROW_AFTER_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS, HERMES_INDEX_META,
-    ID_SET_OPERATORS, LAYOUT_2_WORD_OBJECTS, LEGACY_ALTER_SQL, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
-    META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_HERMES_FAILED,
-    META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT, META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX,
-    META_SEARCH_TOOL_JSON_FROM, NOT_TOOL_ROW_SQL, OPEN_FTS_TABLE_SQL, PREVIOUS_LAYOUT_LEFTOVERS,
-    PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL,
-    RESET_INDEX_SQL, RETIRED_PREFIX, SEARCH_CONTEXT_SQL, SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_ORDERS,
-    SEARCH_PAGE_BY_INDEX_SQL, SEARCH_PAGE_BY_PREDICATE_SQL, SEARCH_PAGE_BY_RANKED_INDEX_SQL,
-    SEARCH_PAGE_INDEX_JOIN_SQL, SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_PAGE_PARTS, SEARCH_RANKED_SQL,
-    SEARCH_TABLES, SEARCH_TRIGGERS, SELECT_CJK_QUEUE_SQL, SELECT_FTS_STRUCTURE_SQL,
+    COUNT_FTS_DATA_SQL, DELETE_CJK_QUEUE_SQL, DELETE_EMPTY_WORDS_ROW_SQL, DELETE_SHADOW_CHUNK_SQL,
+    DROP_TABLE_SQL, FILL_CJK_BOUNDS_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL, FTS_MERGE_SQL, FTS_SNIPPET_SQL,
+    HAS_CJK_QUEUE_SQL, HAS_CJK_ROW_AFTER_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
+    HERMES_INDEX_META, ID_SET_OPERATORS, LAYOUT_2_WORD_OBJECTS, LEGACY_ALTER_SQL, META_FTS_CJK_STALE,
+    META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_CJK_BOUNDS_PROGRESS,
+    META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT, META_SEARCH_PROGRESS,
+    META_SEARCH_STALE_PREFIX, META_SEARCH_TOOL_JSON_FROM, NOT_TOOL_ROW_SQL, OPEN_FTS_TABLE_SQL,
+    PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS,
+    RENAME_TABLE_SQL, RESET_INDEX_SQL, RETIRED_PREFIX, SEARCH_CONTEXT_SQL, SEARCH_LAYOUT_VERSION,
+    SEARCH_OBJECTS, SEARCH_ORDERS, SEARCH_PAGE_BY_INDEX_SQL, SEARCH_PAGE_BY_PREDICATE_SQL,
+    SEARCH_PAGE_BY_RANKED_INDEX_SQL, SEARCH_PAGE_INDEX_JOIN_SQL, SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_PAGE_PARTS,
+    SEARCH_RANKED_SQL, SEARCH_TABLES, SEARCH_TRIGGERS, SELECT_CJK_QUEUE_SQL, SELECT_FTS_STRUCTURE_SQL,
     SELECT_INDEXED_TEXT_BYTES_SQL, SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL, SELECT_SCHEMA_OBJECTS_SQL,
-    SNIPPET_CHARS, TABLE_EXISTS_SQL, TERM_ID_SET_SQL,
-    TERM_IN_BACKFILL_GAP_SQL, TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS, TERM_LIKE_SQL,
-    UPDATE_FTS_STRUCTURE_SQL, UPSERT_CJK_BOUND_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders,
-    quote_identifier, store_file_bytes, trigger_writes,
+    SELECT_TOOL_LISTS_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TERM_ID_SET_SQL, TERM_IN_BACKFILL_GAP_SQL,
+    TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS, TERM_LIKE_SQL, UPDATE_FTS_STRUCTURE_SQL,
+    UPSERT_CJK_BOUND_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier, store_file_bytes,
+    trigger_writes,
 )
 
 logger = logging.getLogger("hermes_state")
@@ -56,6 +56,8 @@ CJK_WALK_MAX_HITS = 2000
 CJK_WALK_MAX_CHECKS = 64
 # Ids a chunk of the CJK bounds' fill covers (layout 1 to 2): 50,000, a quarter CJK, held 30-80 ms at 1M messages.
 CJK_BOUNDS_CHUNK_IDS = 25_000
+# Ids a chunk of layout 2 to 3's reindex of tool rows with list content covers: 8 ms at 1M messages, a quarter tool.
+TOOL_LISTS_CHUNK_IDS = 25_000
 # At most this many queued CJK rows are indexed in one transaction (open or maintenance), so a foreign
 # writer's backlog never means one long write lock (10,000 held it for 1.9 s on a busy 2-core machine); the
 # rest stays answerable through the queue and goes with later writes.
@@ -594,7 +596,8 @@ class SessionSearchMixin:
             if changed:
                 # Rows written while it was not kept are missing from it.
                 write_meta(conn, _stale_key(index), "1")
-        filling = read_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS) is not None
+        filling = any(read_meta(conn, key) is not None
+                      for key in (META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_TOOL_JSON_FROM))
         return self._rebuild_stale_indexes(conn) or filling
 
     def _add_cjk_bounds(self, conn, objects):
@@ -618,7 +621,7 @@ class SessionSearchMixin:
     def _cut_tool_lists_by_bytes(self, conn, objects):
         """Layout 2 to 3 without a rebuild: the word index's view and triggers as layout 2 made them are
         replaced; tool rows written from now on have their list content indexed, the older ones keep the
-        empty text layout 2 gave them (as a delete must) until the index is next rebuilt."""
+        empty text layout 2 gave them (as a delete must) until _reindex_tool_lists reaches them."""
         write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
         old = [name for name, ddl in LAYOUT_2_WORD_OBJECTS.items()
                if _same_sql(objects.get(name, (None, None))[1], ddl)]
@@ -973,6 +976,10 @@ class SessionSearchMixin:
                 conn.execute(FILL_CJK_BOUNDS_SQL, (lower, upper))
             write_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS, str(upper) if more else None)
             return True
+        listed = read_meta(conn, META_SEARCH_TOOL_JSON_FROM)
+        if listed is not None and "word" in self._buildable() and SEARCH_TABLES["word"] in objects:
+            self._reindex_tool_lists(conn, int(listed))
+            return True
         if CJK_QUEUE_TABLE in objects and self.fts_caps.fts5 and drain_cjk_queue(conn):
             self._cjk_drained = True  # this transaction's share: _maintain_search adds none
             return True
@@ -981,6 +988,17 @@ class SessionSearchMixin:
             _drop_retired_chunk(conn, retired[0], objects)
             return True
         return False
+
+    def _reindex_tool_lists(self, conn, below):
+        """Layout 2 to 3, one chunk of ids under `below` (META_SEARCH_TOOL_JSON_FROM): its tool rows with list
+        content go into the word index with it; the key comes down past them, and goes at 0."""
+        lower = max(0, below - TOOL_LISTS_CHUNK_IDS)
+        rows = conn.execute(SELECT_TOOL_LISTS_SQL, (lower, below)).fetchall()
+        for message_id, tool_name, tool_calls in rows:
+            conn.execute(DELETE_EMPTY_WORDS_ROW_SQL, (message_id, tool_name, tool_calls))
+        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, str(lower) if lower else None)
+        for message_id, _tool_name, _tool_calls in rows:  # the view now cuts them by bytes
+            conn.execute(BACKFILL_SQL["word"], (message_id - 1, message_id))
 
     def _backfill_chunk(self, conn, objects):
         high_water = int(read_meta(conn, META_SEARCH_HIGH_WATER))

@@ -71,6 +71,11 @@ def fts_integrity_check(path, tables=("hs_fts_words", "hs_fts_trigram", "hs_fts_
         conn.close()
 
 
+# The word index's row count and token totals (bm25's), which FTS5's integrity-check does not read: a delete
+# with other text than its insert's shows only here, against what a rebuild makes.
+AVERAGES_SQL = "SELECT block FROM hs_fts_words_data WHERE id = 1"
+
+
 def hit_ids(db, query, **kwargs):
     """Every hit's id, page by page."""
     ids, offset = set(), 0
@@ -1141,31 +1146,52 @@ class ChangedByAnotherProgram(TempDirTestCase):
                     "DROP VIEW hs_fts_words_src", "CREATE VIEW hs_fts_words_src AS SELECT id, content FROM messages")
         self.assert_repaired(self.ids + [extra])
 
-    def test_a_layout_2_store_moves_to_3_without_a_rebuild_and_keeps_its_rows_as_indexed(self):
-        listed = [{"type": "text", "text": "naive words"}]
+    def make_layout_2(self, listed):
+        """This store as our layout 2 made it, with tool rows of list content it indexed as ''; their ids."""
         with SessionDB(self.path) as db:
             db._execute_write(lambda conn: [conn.execute(f"DROP {kind} {name}") for name, kind in (
                 ("hs_fts_words_insert", "TRIGGER"), ("hs_fts_words_delete", "TRIGGER"),
                 ("hs_fts_words_update", "TRIGGER"), ("hs_fts_words_src", "VIEW"))])
             db._execute_write(lambda conn: [conn.execute(ddl) for ddl in LAYOUT_2_WORD_OBJECTS.values()])
             db.set_meta("hs_search_layout", "2")
-            # Indexed by layout 2's triggers: their list content as ''.
-            gone, kept = (db.append_message("s", "tool", listed, tool_name="read_file") for _ in range(2))
+            ids = [db.append_message("s", "tool", listed, tool_name="read_file") for _ in range(3)]
+            self.assertEqual(hit_ids(db, "naive"), set())
+            return ids
+
+    def test_a_layout_2_store_moves_to_3_at_open_and_reindexes_its_tool_lists_in_chunks_without_a_rebuild(self):
+        listed = [{"type": "text", "text": "naive words"}]
+        old = self.make_layout_2(listed)
+        self.ids += [self.raw_insert("damson after")]
         statements = []
-        with SessionDB(self.path, connection_factory=tracing_factory(statements)) as db:
-            self.assertFalse([s for s in statements if "hs_retired_" in s or "FROM hs_fts_words_src" in s])
+        with mock.patch.object(hermes_state_search, "TOOL_LISTS_CHUNK_IDS", 10), \
+                SessionDB(self.path, connection_factory=tracing_factory(statements)) as db:
+            self.assertFalse([s for s in statements if "hs_retired_" in s or "id > 0 AND id <=" in s])
+            chunks = [s for s in statements if s.startswith("SELECT id, tool_name, tool_calls FROM messages")]
+            self.assertEqual(len(chunks), -(-(max(self.ids) + 1) // 10))
             self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION))
-            self.assertEqual(db.get_meta("hs_search_tool_json_from"), str(kept + 1))
-            new = db.append_message("s", "tool", listed, tool_name="read_file")
-            self.assertEqual(hit_ids(db, "naive"), {new})
-            self.assertEqual(hit_ids(db, "naive", role_filter=["tool"]), {gone, kept, new})
-            # Each delete takes out what layout 2's insert put in: FTS5 checks the index against the view.
-            db._execute_write(lambda conn: conn.execute("DELETE FROM messages WHERE id = ?", (gone,)))
-            fts_integrity_check(self.path)
-            db.rebuild_fts()
             self.assertIsNone(db.get_meta("hs_search_tool_json_from"))
-            self.assertEqual(hit_ids(db, "naive"), {kept, new})
+            new = db.append_message("s", "tool", listed, tool_name="read_file")
+            self.assertEqual(hit_ids(db, "naive"), set(old) | {new})
+            self.assertEqual(hit_ids(db, "damson"), set(self.ids))
+            fts_integrity_check(self.path)
+            before = db._read_value(AVERAGES_SQL)
+            db.rebuild_fts()
+            self.assertEqual(db._read_value(AVERAGES_SQL), before)
             db.delete_session("s")
+        fts_integrity_check(self.path)
+
+    def test_a_layout_2_row_is_taken_out_with_the_text_it_was_indexed_with_until_its_chunk_is_reindexed(self):
+        gone, kept, last = self.make_layout_2([{"type": "text", "text": "naive words"}])
+        with mock.patch.object(SessionDB, "fts_rebuild_step", lambda db: False):  # the open moves, reindexes nothing
+            with SessionDB(self.path) as db:
+                self.assertEqual(db.get_meta("hs_search_tool_json_from"), str(last + 1))
+                db._execute_write(lambda conn: conn.execute("DELETE FROM messages WHERE id = ?", (gone,)))
+        fts_integrity_check(self.path)
+        with SessionDB(self.path) as db:
+            self.assertEqual(hit_ids(db, "naive"), {kept, last})
+            before = db._read_value(AVERAGES_SQL)
+            db.rebuild_fts()
+            self.assertEqual((hit_ids(db, "naive"), db._read_value(AVERAGES_SQL)), ({kept, last}, before))
         fts_integrity_check(self.path)
 
     def test_shadow_tables_kept_without_their_table_are_replaced(self):
