@@ -286,8 +286,8 @@ TITLE_INDEX_SQL = (
 # searched while a store has none of ours, never rewritten, retired only by optimize-storage.
 
 # 2 added the CJK bounds (CJK_BOUNDS_OBJECTS: their table and index, the triggers that raise them); a layout 1
-# store gets them filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS). 3 cuts a tool row's list content by bytes
-# (_TOOL_PREFIX); a layout 2 store keeps its rows as they are indexed (META_SEARCH_TOOL_JSON_FROM).
+# store gets them filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS). 3 indexes a tool row's list content
+# (_TOOL_PREFIX); a layout 2 store's rows are indexed again in chunks (META_SEARCH_TOOL_JSON_FROM).
 SEARCH_LAYOUT_VERSION = 3
 CJK_BOUNDS_OBJECTS = ("hs_fts_cjk_bounds", "hs_fts_cjk_bounds_newest", "hs_fts_cjk_insert", "hs_fts_cjk_update")
 META_SEARCH_LAYOUT = "hs_search_layout"
@@ -344,15 +344,15 @@ _INDEXED = """(({row}.id > COALESCE((SELECT CAST(value AS INTEGER) FROM state_me
                             WHERE key = 'hs_search_progress'), -1)))"""
 _NEW_INDEXED = _INDEXED.format(row="new")
 _OLD_INDEXED = _INDEXED.format(row="old")
-# A tool row's text as the word index holds it. substr() counts characters up to the first NUL, so list
-# content (CONTENT_JSON_PREFIX + JSON, ASCII as stored) is cut by bytes; layout 2 cut it to '', and its rows
+# A tool row's text as the word index holds it. substr() counts characters up to the first NUL, so a text that
+# starts with one (list content: CONTENT_JSON_PREFIX + JSON) is cut past it; layout 2 cut it to '', and its rows
 # below META_SEARCH_TOOL_JSON_FROM keep that cut: a delete must give the text the insert gave.
 _TOOL_PREFIX_2 = "CASE WHEN {row}.role = 'tool' THEN substr({row}.content, 1, %d) ELSE {row}.content END" \
     % TOOL_INDEX_PREFIX_CHARS
 _TOOL_PREFIX = f"""CASE WHEN {{row}}.role = 'tool' THEN CASE
     WHEN {{row}}.content >= char(0) AND {{row}}.content < char(1) AND {{row}}.id >= COALESCE(
         (SELECT CAST(value AS INTEGER) FROM state_meta WHERE key = '{META_SEARCH_TOOL_JSON_FROM}'), 0)
-    THEN CAST(substr(CAST({{row}}.content AS BLOB), 1, {TOOL_INDEX_PREFIX_CHARS}) AS TEXT)
+    THEN char(0) || substr(CAST(substr(CAST({{row}}.content AS BLOB), 2) AS TEXT), 1, {TOOL_INDEX_PREFIX_CHARS - 1})
     ELSE substr({{row}}.content, 1, {TOOL_INDEX_PREFIX_CHARS}) END ELSE {{row}}.content END"""
 _WORDS_VIEW = """CREATE VIEW hs_fts_words_src AS
 SELECT id, {prefix} AS content, tool_name, tool_calls FROM messages"""
@@ -482,12 +482,15 @@ BACKFILL_SQL = {
     "cjk": "INSERT OR IGNORE INTO hs_fts_cjk_queue(id) SELECT id FROM messages "
            f"WHERE id > ? AND id <= ? AND role <> 'tool' AND content GLOB {CJK_GLOB}",
 }
-# Layout 2 to 3, a chunk of ids at a time below META_SEARCH_TOOL_JSON_FROM: the tool rows with list content, each
-# taken out of the word index with the '' layout 2 gave it, then put back through the view (BACKFILL_SQL).
-SELECT_TOOL_LISTS_SQL = ("SELECT id, tool_name, tool_calls FROM messages WHERE id >= ? AND id < ? AND role = 'tool'"
-                         " AND content >= char(0) AND content < char(1)")
-DELETE_EMPTY_WORDS_ROW_SQL = ("INSERT INTO hs_fts_words(hs_fts_words, rowid, content, tool_name, tool_calls)"
-                              " VALUES ('delete', ?, '', ?, ?)")
+# Layout 2 to 3, below META_SEARCH_TOOL_JSON_FROM a chunk at a time: the newest tool rows with list content of an
+# id range, each taken out of the word index with the '' layout 2 gave it, then put back through the view.
+SELECT_TOOL_LISTS_SQL = ("SELECT id FROM messages WHERE id >= ? AND id < ? AND role = 'tool'"
+                         " AND content >= char(0) AND content < char(1) ORDER BY id DESC LIMIT ?")
+SELECT_ID_BELOW_SQL = "SELECT MAX(id) FROM messages WHERE id < ?"
+DELETE_EMPTY_WORDS_ROWS_SQL = ("INSERT INTO hs_fts_words(hs_fts_words, rowid, content, tool_name, tool_calls)"
+                               " SELECT 'delete', id, '', tool_name, tool_calls FROM messages WHERE id IN ({})")
+INDEX_WORDS_ROWS_SQL = ("INSERT INTO hs_fts_words(rowid, content, tool_name, tool_calls)"
+                        " SELECT id, content, tool_name, tool_calls FROM hs_fts_words_src WHERE id IN ({})")
 # Emptying one index of ours before it is filled again.
 RESET_INDEX_SQL = {
     "word": ("INSERT INTO hs_fts_words(hs_fts_words) VALUES ('delete-all')",),

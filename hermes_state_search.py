@@ -9,8 +9,8 @@ optimize-storage (the only path from hermes-agent's index to ours) and the searc
 It never changes hermes-agent's index objects or keys, except to drop the triggers this runtime cannot run
 (as hermes-agent itself does) and when optimize-storage retires its index. It never builds our index over a
 usable one of hermes-agent's on open. It relies on SessionDB for `_execute_write`, `_read_all`/`_read_one`/
-`_read_value`, `_with_reader` (one read transaction), `vacuum()` and `db_path`; it never
-imports hermes_state.
+`_read_value`, `_with_reader` (one read transaction; index reads on `_idle_index_readers`), `vacuum()` and
+`db_path`; it never imports hermes_state.
 """
 import bisect
 import contextlib
@@ -26,23 +26,23 @@ from hermes_state_schema import pause_between_chunks, read_meta, trigger_damage,
 from hermes_state_common import (
     decode_content, BACKFILL_SQL, CJK_BLOCK_BITS, CJK_BOUNDS_OBJECTS, CJK_CHAR_CLASS, CJK_FLOOR_SQL,
     CJK_LATE_BLOCKS_SQL, CJK_LATE_ROWS_SQL, CJK_QUEUE_TABLE, CJK_WALK_MAX_LATE, CJK_WALK_SQL, CONTEXT_CHARS,
-    COUNT_FTS_DATA_SQL, DELETE_CJK_QUEUE_SQL, DELETE_EMPTY_WORDS_ROW_SQL, DELETE_SHADOW_CHUNK_SQL,
+    COUNT_FTS_DATA_SQL, DELETE_CJK_QUEUE_SQL, DELETE_EMPTY_WORDS_ROWS_SQL, DELETE_SHADOW_CHUNK_SQL,
     DROP_TABLE_SQL, FILL_CJK_BOUNDS_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL, FTS_MERGE_SQL, FTS_SNIPPET_SQL,
     HAS_CJK_QUEUE_SQL, HAS_CJK_ROW_AFTER_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
-    HERMES_INDEX_META, ID_SET_OPERATORS, LAYOUT_2_WORD_OBJECTS, LEGACY_ALTER_SQL, META_FTS_CJK_STALE,
-    META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_CJK_BOUNDS_PROGRESS,
-    META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT, META_SEARCH_PROGRESS,
-    META_SEARCH_STALE_PREFIX, META_SEARCH_TOOL_JSON_FROM, NOT_TOOL_ROW_SQL, OPEN_FTS_TABLE_SQL,
-    PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES, QUERY_MAX_CHARS, QUERY_MAX_TERMS,
-    RENAME_TABLE_SQL, RESET_INDEX_SQL, RETIRED_PREFIX, SEARCH_CONTEXT_SQL, SEARCH_LAYOUT_VERSION,
-    SEARCH_OBJECTS, SEARCH_ORDERS, SEARCH_PAGE_BY_INDEX_SQL, SEARCH_PAGE_BY_PREDICATE_SQL,
-    SEARCH_PAGE_BY_RANKED_INDEX_SQL, SEARCH_PAGE_INDEX_JOIN_SQL, SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_PAGE_PARTS,
-    SEARCH_RANKED_SQL, SEARCH_TABLES, SEARCH_TRIGGERS, SELECT_CJK_QUEUE_SQL, SELECT_FTS_STRUCTURE_SQL,
-    SELECT_INDEXED_TEXT_BYTES_SQL, SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL, SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_TOOL_LISTS_SQL, SNIPPET_CHARS, TABLE_EXISTS_SQL, TERM_ID_SET_SQL, TERM_IN_BACKFILL_GAP_SQL,
-    TERM_IN_CJK_QUEUE_SQL, TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS, TERM_LIKE_SQL, UPDATE_FTS_STRUCTURE_SQL,
-    UPSERT_CJK_BOUND_SQL, UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier, store_file_bytes,
-    trigger_writes,
+    HERMES_INDEX_META, ID_SET_OPERATORS, INDEX_WORDS_ROWS_SQL, LAYOUT_2_WORD_OBJECTS, LEGACY_ALTER_SQL,
+    META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE,
+    META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT,
+    META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, META_SEARCH_TOOL_JSON_FROM, NOT_TOOL_ROW_SQL,
+    OPEN_FTS_TABLE_SQL, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES,
+    QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL, RESET_INDEX_SQL, RETIRED_PREFIX, SEARCH_CONTEXT_SQL,
+    SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_ORDERS, SEARCH_PAGE_BY_INDEX_SQL,
+    SEARCH_PAGE_BY_PREDICATE_SQL, SEARCH_PAGE_BY_RANKED_INDEX_SQL, SEARCH_PAGE_INDEX_JOIN_SQL,
+    SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_PAGE_PARTS, SEARCH_RANKED_SQL, SEARCH_TABLES, SEARCH_TRIGGERS,
+    SELECT_CJK_QUEUE_SQL, SELECT_FTS_STRUCTURE_SQL, SELECT_ID_BELOW_SQL, SELECT_INDEXED_TEXT_BYTES_SQL,
+    SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL, SELECT_SCHEMA_OBJECTS_SQL, SELECT_TOOL_LISTS_SQL,
+    SNIPPET_CHARS, TABLE_EXISTS_SQL, TERM_ID_SET_SQL, TERM_IN_BACKFILL_GAP_SQL, TERM_IN_CJK_QUEUE_SQL,
+    TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS, TERM_LIKE_SQL, UPDATE_FTS_STRUCTURE_SQL, UPSERT_CJK_BOUND_SQL,
+    UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier, store_file_bytes, trigger_writes,
 )
 
 logger = logging.getLogger("hermes_state")
@@ -56,8 +56,10 @@ CJK_WALK_MAX_HITS = 2000
 CJK_WALK_MAX_CHECKS = 64
 # Ids a chunk of the CJK bounds' fill covers (layout 1 to 2): 50,000, a quarter CJK, held 30-80 ms at 1M messages.
 CJK_BOUNDS_CHUNK_IDS = 25_000
-# Ids a chunk of layout 2 to 3's reindex of tool rows with list content covers: 8 ms at 1M messages, a quarter tool.
+# A chunk of layout 2 to 3's reindex of tool rows with list content: the ids it reads (each tool row's content:
+# 8 ms at 1M messages, a quarter tool) and the rows it indexes again (25,000 of 3 KB held the lock for 1.4 s).
 TOOL_LISTS_CHUNK_IDS = 25_000
+TOOL_LISTS_MAX_ROWS = 500
 # At most this many queued CJK rows are indexed in one transaction (open or maintenance), so a foreign
 # writer's backlog never means one long write lock (10,000 held it for 1.9 s on a busy 2-core machine); the
 # rest stays answerable through the queue and goes with later writes.
@@ -569,7 +571,8 @@ class SessionSearchMixin:
 
     def _repair_search_index(self, conn, objects):
         """Put back what someone else changed in our index (stamp, objects), drop the triggers of an index this
-        runtime cannot keep, rebuild every one not whole; True if a backfill or the CJK bounds' fill is due."""
+        runtime cannot keep, rebuild every one not whole; True if a backfill, the CJK bounds' fill or the
+        reindex of layout 2's tool rows is due."""
         layout = read_meta(conn, META_SEARCH_LAYOUT)
         if layout == "1" and self._add_cjk_bounds(conn, objects):
             objects = _schema_objects(conn)
@@ -790,8 +793,8 @@ class SessionSearchMixin:
             "fts_triggers_complete": {index: all(name in objects for name in triggers[index])
                                       for index, table in state.tables.items() if table in objects},
             "search_meta": self._read_meta(META_SEARCH_LAYOUT, META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS,
-                                           META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_HERMES_FAILED,
-                                           *[_stale_key(i) for i in SEARCH_TABLES]),
+                                           META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_TOOL_JSON_FROM,
+                                           META_SEARCH_HERMES_FAILED, *[_stale_key(i) for i in SEARCH_TABLES]),
             "hermes_agent_meta": self._read_meta(*HERMES_INDEX_META, META_FTS_CJK_STALE),
             "fts_rebuild": self._rebuild_phase(),
             "searchable_by_index": sorted(state.usable),
@@ -855,8 +858,9 @@ class SessionSearchMixin:
             where, params = _tree_sql(tree, routes, state)
             order = SEARCH_ORDERS["oldest" if sort == "oldest" else "newest"].format(rank="")
             page = SEARCH_PAGE_BY_PREDICATE_SQL.format(where=where, filters=filters, order=order)
+            pool = self._idle_index_readers if indexes != {None} else None  # a scan would churn their caches
             return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order),
-                                  params + filter_params + [limit, offset], self._idle_index_readers)
+                                  params + filter_params + [limit, offset], pool)
         index = indexes.pop()
         table = state.tables[index]
         # hermes-agent's legacy trigram index still holds tool rows; ours does not.
@@ -959,7 +963,8 @@ class SessionSearchMixin:
     # -- maintenance -----------------------------------------------------------
 
     def fts_rebuild_step(self):
-        """Do one short transaction of pending index work (backfill, CJK queue, teardown); True while more remains."""
+        """Do one short transaction of pending index work (backfill, CJK bounds, layout 2's tool rows, CJK queue,
+        teardown); True while more remains."""
         return self._execute_write(self._rebuild_step)
 
     def _rebuild_step(self, conn):
@@ -990,15 +995,18 @@ class SessionSearchMixin:
         return False
 
     def _reindex_tool_lists(self, conn, below):
-        """Layout 2 to 3, one chunk of ids under `below` (META_SEARCH_TOOL_JSON_FROM): its tool rows with list
-        content go into the word index with it; the key comes down past them, and goes at 0."""
-        lower = max(0, below - TOOL_LISTS_CHUNK_IDS)
-        rows = conn.execute(SELECT_TOOL_LISTS_SQL, (lower, below)).fetchall()
-        for message_id, tool_name, tool_calls in rows:
-            conn.execute(DELETE_EMPTY_WORDS_ROW_SQL, (message_id, tool_name, tool_calls))
-        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, str(lower) if lower else None)
-        for message_id, _tool_name, _tool_calls in rows:  # the view now cuts them by bytes
-            conn.execute(BACKFILL_SQL["word"], (message_id - 1, message_id))
+        """Layout 2 to 3, one chunk under `below` (META_SEARCH_TOOL_JSON_FROM): the newest TOOL_LISTS_MAX_ROWS
+        tool rows with list content of TOOL_LISTS_CHUNK_IDS ids go into the word index with it; the key comes
+        down past them (it goes below the first id)."""
+        top = conn.execute(SELECT_ID_BELOW_SQL, (below,)).fetchone()[0]
+        lower = max(0, top + 1 - TOOL_LISTS_CHUNK_IDS) if top is not None else 0
+        ids = [found for (found,) in conn.execute(SELECT_TOOL_LISTS_SQL, (lower, below, TOOL_LISTS_MAX_ROWS))]
+        if ids:
+            conn.execute(DELETE_EMPTY_WORDS_ROWS_SQL.format(placeholders(len(ids))), ids)
+        done = ids[-1] if len(ids) == TOOL_LISTS_MAX_ROWS else lower
+        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, str(done) if done else None)
+        if ids:  # the view now gives them their content
+            conn.execute(INDEX_WORDS_ROWS_SQL.format(placeholders(len(ids))), ids)
 
     def _backfill_chunk(self, conn, objects):
         high_water = int(read_meta(conn, META_SEARCH_HIGH_WATER))

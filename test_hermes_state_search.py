@@ -362,7 +362,15 @@ class SearchBehaviour(TempDirTestCase):
         self.assertNotIn(self.ids["tool"], self.ids_for("会话"))
         self.assertEqual(self.ids_for("会话", role_filter="tool"), {self.ids["tool"]})
 
-    def test_a_tool_rows_list_content_is_in_the_word_index_cut_by_bytes(self):
+    def test_a_tool_output_that_starts_with_nul_is_cut_between_characters(self):
+        # Cut by bytes, "é" would be split at the end: snippet() could not decode it and the search would fail.
+        tool = self.db.append_message("b", "tool", "\x00hello " + "é" * 3000, tool_name="read_file", timestamp=18)
+        hits = self.db.search_messages("hello")
+        self.assertEqual([hit["id"] for hit in hits], [tool])
+        self.assertTrue(hits[0]["snippet"].startswith(">>>hello<<< éé"), hits[0]["snippet"][:20])
+        self.assertEqual(self.db.search_health()["searchable_by_index"], ["cjk", "trigram", "word"])
+
+    def test_a_tool_rows_list_content_is_in_the_word_index_cut_past_its_nul(self):
         # substr() stops at the NUL that starts stored list content: layout 2 indexed '' for such a row.
         parts = [{"type": "text", "text": "naive hello " + "y" * TOOL_INDEX_PREFIX_CHARS + " beyond_cut"}]
         listed = self.db.append_message("b", "tool", parts, tool_name="read_file", timestamp=18)
@@ -1158,16 +1166,15 @@ class ChangedByAnotherProgram(TempDirTestCase):
             self.assertEqual(hit_ids(db, "naive"), set())
             return ids
 
-    def test_a_layout_2_store_moves_to_3_at_open_and_reindexes_its_tool_lists_in_chunks_without_a_rebuild(self):
+    def assert_moved_to_layout_3_without_a_rebuild(self, chunk_ids, max_rows):
         listed = [{"type": "text", "text": "naive words"}]
         old = self.make_layout_2(listed)
         self.ids += [self.raw_insert("damson after")]
         statements = []
-        with mock.patch.object(hermes_state_search, "TOOL_LISTS_CHUNK_IDS", 10), \
+        with mock.patch.multiple(hermes_state_search, TOOL_LISTS_CHUNK_IDS=chunk_ids, TOOL_LISTS_MAX_ROWS=max_rows), \
                 SessionDB(self.path, connection_factory=tracing_factory(statements)) as db:
             self.assertFalse([s for s in statements if "hs_retired_" in s or "id > 0 AND id <=" in s])
-            chunks = [s for s in statements if s.startswith("SELECT id, tool_name, tool_calls FROM messages")]
-            self.assertEqual(len(chunks), -(-(max(self.ids) + 1) // 10))
+            self.assertGreater(len([s for s in statements if s.startswith("SELECT id FROM messages WHERE id >=")]), 2)
             self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION))
             self.assertIsNone(db.get_meta("hs_search_tool_json_from"))
             new = db.append_message("s", "tool", listed, tool_name="read_file")
@@ -1178,6 +1185,23 @@ class ChangedByAnotherProgram(TempDirTestCase):
             db.rebuild_fts()
             self.assertEqual(db._read_value(AVERAGES_SQL), before)
             db.delete_session("s")
+        fts_integrity_check(self.path)
+
+    def test_a_layout_2_store_moves_to_3_at_open_and_reindexes_its_tool_lists_an_id_range_at_a_time(self):
+        self.assert_moved_to_layout_3_without_a_rebuild(chunk_ids=1, max_rows=500)  # each row on a range's edge
+
+    def test_a_layout_2_store_reindexes_at_most_so_many_tool_lists_a_transaction(self):
+        self.assert_moved_to_layout_3_without_a_rebuild(chunk_ids=25_000, max_rows=1)
+
+    def test_a_layout_2_store_whose_tool_calls_are_not_utf_8_still_opens_and_moves(self):
+        self.make_layout_2([{"type": "text", "text": "naive words"}])
+        conn = sqlite3.connect(self.path, isolation_level=None)
+        # Written by another program; ours stores text it can read.
+        conn.execute("UPDATE messages SET tool_calls = CAST(X'ff7b' AS TEXT) WHERE role = 'tool'")
+        conn.close()
+        with SessionDB(self.path) as db:
+            self.assertIsNone(db.get_meta("hs_search_tool_json_from"))
+            self.assertEqual(len(hit_ids(db, "naive")), 3)
         fts_integrity_check(self.path)
 
     def test_a_layout_2_row_is_taken_out_with_the_text_it_was_indexed_with_until_its_chunk_is_reindexed(self):

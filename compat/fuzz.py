@@ -298,7 +298,7 @@ KNOWN = [
         c("search_messages", "key:value", fields=["id", "snippet"]),
         c("search_messages", "foo(bar)", fields=["id", "snippet"]))),
     # Fixed, kept as a check: a tool row whose content is a list (stored as "\x00json:" + JSON) was not in our
-    # word index: substr(content, 1, 2048) is '' for a text starting with NUL. Layout 3 cuts it by bytes.
+    # word index: substr(content, 1, 2048) is '' for a text starting with NUL. Layout 3 cuts past the NUL.
     ("known-tool-list-content-unsearchable", _known(
         c("append_message", "s1", "tool", [{"type": "text", "text": "naive hello"}], tool_call_id="c1",
           tool_name="read_file"),
