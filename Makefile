@@ -40,7 +40,8 @@ test-all:
 	  log=$$(mktemp); $(MAKE) --no-print-directory test PYTHON="$$py" > "$$log" 2>&1 || status=1; \
 	  line=$$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$$log" | tail -n 1); \
 	  [ -n "$$line" ] || line="0 passed, 1 failed, 0 skipped (no summary: $$(tail -n 1 "$$log"))"; \
-	  if grep -qE '^(FAIL|ERROR):' "$$log"; then grep -E '^(FAIL|ERROR):' "$$log" | sed 's/^/  /'; fi; \
+	  if grep -qE '^(FAIL|ERROR):' "$$log"; then \
+	    awk '/^(FAIL|ERROR):/ { shown = 1 } /^Ran [0-9]+ test/ { shown = 0 } shown' "$$log" | sed 's/^/  /'; fi; \
 	  rm -f "$$log"; \
 	  version=$$("$$py" -c 'import platform; print(platform.python_version())'); \
 	  echo "python $$version: $$line"; \
