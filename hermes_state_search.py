@@ -577,7 +577,7 @@ class SessionSearchMixin:
         if layout == "1" and self._add_cjk_bounds(conn, objects):
             objects = _schema_objects(conn)
         if layout in ("1", "2"):
-            self._cut_tool_lists_by_bytes(conn, objects)
+            self._move_word_index_to_layout_3(conn, objects)
             objects = _schema_objects(conn)
         if read_meta(conn, META_SEARCH_LAYOUT) != str(SEARCH_LAYOUT_VERSION):
             logger.warning("search: the layout stamp of our index in %s was changed; rebuilding the index",
@@ -621,7 +621,7 @@ class SessionSearchMixin:
         logger.info("search: adding the CJK bounds of layout %d to %s", SEARCH_LAYOUT_VERSION, self.db_path)
         return True
 
-    def _cut_tool_lists_by_bytes(self, conn, objects):
+    def _move_word_index_to_layout_3(self, conn, objects):
         """Layout 2 to 3 without a rebuild: the word index's view and triggers as layout 2 made them are
         replaced; tool rows written from now on have their list content indexed, the older ones keep the
         empty text layout 2 gave them (as a delete must) until _reindex_tool_lists reaches them."""
