@@ -7,6 +7,16 @@ restore, and the class statement composing the mixins. Holds no session or messa
 store or its sidecars except through SQLite (README, "Locks we never break").
 """
 
+if __name__ == "__main__":
+    # `python -m hermes_state` runs this file as __main__, and the CLI imports it again as
+    # `hermes_state`. Handing over before anything below runs keeps one copy of the module (and of
+    # its per-process lock registries) in the process, as llm's four-line __main__.py does.
+    import sys
+
+    from hermes_state_cli import main
+
+    sys.exit(main())
+
 import asyncio
 import atexit
 import contextvars
@@ -1081,8 +1091,3 @@ class AsyncSessionDB:
 
         return in_thread
 
-
-if __name__ == "__main__":
-    from hermes_state_cli import main
-
-    sys.exit(main())

@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import inspect
 import re
+import subprocess
 import sys
 import sysconfig
 import unittest
@@ -170,6 +171,25 @@ class ImportLayers(unittest.TestCase):
                          ["json", "hermes_state", "hermes_state_search", "hermes_state_cli"])
         self.assertEqual([m for _line, m, _names in imports_of(source, skip_main_block=True)],
                          ["json", "hermes_state", "hermes_state_search"])
+
+
+class EntryPoint(unittest.TestCase):
+
+    def test_python_m_hermes_state_runs_the_store_module_once(self):
+        # -X importtime lists each import after the ones it caused, indented one level deeper. Run as
+        # __main__ before the fix, hermes_state.py imported every mixin itself and then again as the
+        # CLI's `hermes_state`: two copies of the per-process lock registries in one command.
+        run = subprocess.run([sys.executable, "-X", "importtime", "-m", "hermes_state", "--help"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+        self.assertEqual(run.returncode, 0, run.stderr)
+        depth = {}
+        for line in run.stderr.splitlines():
+            if line.startswith("import time:") and line.count("|") == 2:
+                name = line.rsplit("|", 1)[1]
+                depth.setdefault(name.strip(), []).append(len(name) - len(name.lstrip()))
+        self.assertEqual(len(depth["hermes_state"]), 1)
+        self.assertGreater(depth["hermes_state_sessions"][0], depth["hermes_state"][0],
+                           "the mixins were imported by the __main__ run, not by hermes_state")
 
 
 class MixinNames(unittest.TestCase):
