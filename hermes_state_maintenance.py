@@ -519,9 +519,12 @@ class SessionMaintenanceMixin:
         return status if status is not None and self.fts_layout() == "current" else None
 
     def fts_cjk_rebuild_step(self):
-        """One step of the pending index work, fts_rebuild_step (our CJK side index is filled with
-        the others and needs no tokenizer extension); True while more remains."""
-        return self.fts_rebuild_step()
+        """One step (fts_rebuild_step) of the backfill fts_cjk_rebuild_status reports; True while
+        it still runs, False when none did. Our CJK side index needs no tokenizer extension."""
+        if self.fts_cjk_rebuild_status() is None:
+            return False
+        self.fts_rebuild_step()
+        return self.fts_cjk_rebuild_status() is not None
 
 
 def _prune_where(older_than_days, source, filters):

@@ -425,6 +425,10 @@ class CjkRebuildNames(TempDirTestCase):
         with SessionDB(self.tmp / "state.db") as db:
             self.assertIsNone(db.fts_cjk_rebuild_status())
             self.assertFalse(db.fts_cjk_rebuild_step())
+            db.create_session("s", "cli")
+            db.append_message("s", "user", "中文")  # queued for our CJK index: no rebuild, as in hermes-agent
+            self.assertIsNone(db.fts_cjk_rebuild_status())
+            self.assertFalse(db.fts_cjk_rebuild_step())
 
     def test_the_cjk_side_index_fills_with_the_shared_backfill(self):
         path = self.copy_fixture(V22_DB)
