@@ -44,8 +44,8 @@ from pathlib import Path
 
 from hermes_constants import get_hermes_home
 from hermes_state_common import (
-    CHECKPOINT_PASSIVE_SQL, FILE_MODE, INSERT_META_SQL, JOURNAL_MODE_SQL, QUICK_CHECK_SQL, SELECT_META_SQL,
-    SET_AUTOCHECKPOINT_SQL, SET_JOURNAL_MODE_SQL, SIDECAR_SUFFIXES, SYNCHRONOUS_NORMAL_SQL, _set_last_init_error,
+    CHECKPOINT_PASSIVE_SQL, FILE_MODE, INSERT_META_SQL, JOURNAL_MODE_SQL, SEARCH_OBJECTS,
+    SEARCH_TRIGGERS, SELECT_META_SQL, SIDECAR_SUFFIXES, _set_last_init_error,
     escape_like, is_capability_gap, sqlite_has_wal_reset_bug,
 )
 from hermes_state_compression import SessionCompressionMixin
@@ -72,6 +72,10 @@ from hermes_state_common import (  # noqa: F401
     PERSISTENCE_ERROR_CAUSES, resolved_max_export_messages, resolved_max_resume_messages, SCHEMA_VERSION,
     SessionCompressionInProgressError, SessionExportTooLargeError, SessionResumeTooLargeError,
     SessionTurnLeaseLostError, _WAL_INCOMPAT_MARKERS, workspace_key,
+)
+from hermes_state_maintenance import (  # noqa: F401
+    SESSION_STATUS_COMPLETE, SESSION_STATUS_EMPTY, SESSION_STATUS_ERROR, SESSION_STATUS_INTERRUPTED,
+    classify_session_status,
 )
 from hermes_state_wal import (  # noqa: F401
     WalUnsupportedError, apply_database_pragmas, apply_wal_with_fallback, preflight_db_writability,
@@ -106,12 +110,17 @@ LATE_JITTER = (0.25, 1.0)
 # process's throughput with four, against 0.85-0.89 when polling every 0.2-2 ms.
 FILE_LOCK_POLL = (0.001, 0.004)
 WRITER_BUSY_TIMEOUT = 0.1
+QUARANTINE_LOCK_WAIT = 5.0  # quarantine_zeroed_state_db gives up then, as hermes-agent's does
 # With automatic checkpoints off, a PASSIVE checkpoint runs under the writer lock every this many commits of
 # one connection and after any transaction that changed this many rows: each copies one chunk's pages, and
 # close finds little left (1.4 s after an unchunked 1M prune).
 CHECKPOINT_EVERY_COMMITS = 500
 CHECKPOINT_AFTER_CHANGES = 1000
 LITESTREAM_TABLE_SQL = "SELECT 1 FROM sqlite_master WHERE name = '_litestream_seq'"  # made by Litestream
+SET_JOURNAL_MODE_SQL = "PRAGMA journal_mode={mode}"
+SYNCHRONOUS_NORMAL_SQL = "PRAGMA synchronous=NORMAL"
+SET_AUTOCHECKPOINT_SQL = "PRAGMA wal_autocheckpoint={pages}"
+QUICK_CHECK_SQL = "PRAGMA quick_check"
 
 
 class StoreLockedError(sqlite3.OperationalError):
@@ -406,13 +415,14 @@ class CallerLock:
 
 # -- self-repair of damaged files ----------------------------------------------------------------------------
 
-def damage_reason(path):
+def damage_reason(path, probe_bytes=len(SQLITE_HEADER)):
     """'empty', 'zeroed' or 'notsqlite' for a file SQLite cannot use as a store; None if healthy.
 
     SQLite judges, `immutable=1`: it reads the first page only, takes no lock and makes no -shm beside a stray
     WAL, and its descriptor's close waits while our other connections hold locks on the file. Only when it
     says "not a database" and this process holds no connection to the file is the header read, to tell a
-    zeroed file; otherwise the answer is 'notsqlite'.
+    zeroed file (its first `probe_bytes`, at least the header, all NUL); otherwise the answer is
+    'notsqlite'.
     """
     if os.stat(path).st_size == 0:
         return "empty"
@@ -422,7 +432,8 @@ def damage_reason(path):
             return None
     except sqlite3.DatabaseError:
         return None  # unreadable or malformed is not this kind of damage: the writable open meets it
-    header = _raw_store_access(path, os.O_RDONLY, lambda fd: os.read(fd, len(SQLITE_HEADER)))
+    length = max(probe_bytes, len(SQLITE_HEADER))
+    header = _raw_store_access(path, os.O_RDONLY, lambda fd: os.read(fd, length))
     return "zeroed" if header and not header.strip(b"\x00") else "notsqlite"
 
 
@@ -467,21 +478,91 @@ def _move_without_replacing(source, target):
     os.unlink(source)
 
 
+def is_zeroed_state_db(path, *, probe_bytes=100, force=False):
+    """True when `path` is a zeroed store (damage_reason 'zeroed': SQLite cannot read it and its
+    first `probe_bytes` are all NUL); False for a missing, empty, healthy or otherwise damaged file.
+
+    hermes-agent's name. Like its own, it reads no byte while this process holds a connection to
+    the file (False then); `force`, its way past that, is accepted and changes nothing: ours never
+    reads a file it holds open (README, "Locks we never break")."""
+    try:
+        return damage_reason(path, probe_bytes) == "zeroed"
+    except OSError:
+        return False
+
+
+def quarantine_zeroed_state_db(path):
+    """Move a zeroed store and its sidecars aside as an open does (set_aside, to
+    `<name>.zeroed-<time>-<pid>.bak`) and return the new path; None when it is missing or not
+    zeroed, or the lock or the move failed (logged).
+
+    Checked again under the store's writer lock, which an open holds while it repairs the file, so
+    two processes never both move it, nor one a store another has just created in its place."""
+    path = Path(path)
+    if not is_zeroed_state_db(path):
+        return None
+    try:
+        lock = _take_store_lock(path, QUARANTINE_LOCK_WAIT, f"{path} stayed locked")
+    except (OSError, StoreLockedError) as exc:
+        logger.error("zeroed store %s left in place: its writer lock was not taken (%s)", path, exc)
+        return None
+    try:
+        return set_aside(path, "zeroed") if is_zeroed_state_db(path) else None
+    except OSError as exc:
+        logger.error("zeroed store %s left in place: %s", path, exc)
+        return None
+    finally:
+        lock.release()
+        lock.close()
+
+
+# -- hermes-agent's CJK tokenizer extension, which ours needs not ------------------------------
+# hermes-agent indexes CJK text with a tokenizer it loads from a shared library when one is
+# installed; ours keeps a CJK side index of plain FTS5 (README "Where we differ"), and these names
+# answer for it: its tables and its triggers, as an open creates them.
+FTS_CJK_TABLE_SQL = "".join(f"{ddl};\n" for ddl in SEARCH_OBJECTS["cjk"].values())
+FTS_CJK_TRIGGER_SQL = "".join(f"{ddl};\n" for ddl in SEARCH_TRIGGERS["cjk"].values())
+
+
+def fts5_cjk_so_path():
+    """Where hermes-agent looks for its CJK tokenizer: HERMES_FTS5_CJK_SO, else
+    <home>/lib/libfts5_cjk.so. Ours never loads it."""
+    configured = os.environ.get("HERMES_FTS5_CJK_SO")
+    if configured:
+        return Path(configured).expanduser()
+    return get_hermes_home() / "lib" / "libfts5_cjk.so"
+
+
+def load_fts5_cjk_extension(conn):
+    """False, loading nothing into `conn`: no extension is needed here, as ours indexes CJK terms
+    of every length without one (hermes-agent's False, "search as without the extension", finds
+    them all here)."""
+    return False
+
+
 class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMixin, SessionTitlesMixin,
                 SessionUsageMixin, SessionGatewayMixin, SessionTelegramMixin, SessionMaintenanceMixin,
                 SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin):
     """The agent's state store. Thread-safe; open one per process.
 
     `db_path` defaults to `<hermes home>/state.db`; a read-only open runs no DDL and no repair.
-    `connection_factory` replaces `sqlite3.connect`; `write_budget` is how long a write waits for a busy store
-    before StoreLockedError; `journal` and `checkpoint` override HERMES_STATE_JOURNAL and _CHECKPOINT.
+    `connection_factory` replaces `sqlite3.connect`; `write_budget` is how long any write waits for
+    a busy store before StoreLockedError (default: the patience below); `journal` and `checkpoint`
+    override HERMES_STATE_JOURNAL and _CHECKPOINT.
     """
 
+    # How long a write waits for a busy store, hermes-agent's names and values: a transcript write
+    # (an agent turn's messages, a new session row), whose failure aborts the turn, three times a
+    # routine one. Read at each write, so a caller may set them on the class; an explicit
+    # `write_budget` bounds every write.
+    _WRITE_PATIENCE_S = WRITE_BUDGET_SECONDS
+    _TRANSCRIPT_WRITE_PATIENCE_S = 3 * WRITE_BUDGET_SECONDS
+
     def __init__(self, db_path=None, read_only=False, *, connection_factory=None,
-                 write_budget=WRITE_BUDGET_SECONDS, journal=None, checkpoint=None):
+                 write_budget=None, journal=None, checkpoint=None):
         self.db_path = Path(db_path) if db_path is not None else _default_db_path()
         self.read_only = read_only
-        self.write_budget = float(write_budget)
+        self._write_budget = None if write_budget is None else float(write_budget)
         self.repairs = []
         self._connect = connection_factory or sqlite3.connect
         self._idle_readers, self._idle_index_readers = queue.SimpleQueue(), queue.SimpleQueue()
@@ -858,6 +939,21 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
                 copy = _may_be_sqlite(path) and _use_read_only(path, lambda conn: _snapshot(conn, target))
                 members.append((copy or path, path.relative_to(home).as_posix()))
             return _write_backup_zip(out_path, members)
+
+    # -- write patience ----------------------------------------------------------
+
+    @property
+    def write_budget(self):
+        """Seconds a routine write waits for a busy store: the constructor's `write_budget`, else
+        _WRITE_PATIENCE_S."""
+        return self._WRITE_PATIENCE_S if self._write_budget is None else self._write_budget
+
+    def _transcript_patience(self):
+        """Seconds a transcript write waits: the constructor's `write_budget`, else
+        _TRANSCRIPT_WRITE_PATIENCE_S."""
+        if self._write_budget is None:
+            return self._TRANSCRIPT_WRITE_PATIENCE_S
+        return self._write_budget
 
 
 # -- whole-home backup and restore (the "ops import"; session import is another entry point) ---------------

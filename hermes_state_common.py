@@ -28,8 +28,8 @@ META_FTS_STORAGE_VERSION = "fts_storage_version"
 META_FTS_OPTIMIZE_AVAILABLE = "fts_optimize_available"
 META_FTS_REBUILD_HIGH_WATER = "fts_rebuild_high_water"
 META_FTS_REBUILD_PROGRESS = "fts_rebuild_progress"
-META_FTS_STALE = "fts_stale"
-META_FTS_CJK_STALE = "fts_cjk_stale"
+META_FTS_STALE = FTS_STALE_KEY = "fts_stale"  # (FTS_*_KEY: hermes-agent's names)
+META_FTS_CJK_STALE = FTS_CJK_STALE_KEY = "fts_cjk_stale"
 # The value 0.20 gives that first key for its index layout; hermes_cli.session_recovery imports it from
 # hermes_state to stamp and verify a recovered store. We never write it.
 FTS_STORAGE_VERSION = 1
@@ -52,8 +52,8 @@ PREVIEW_CHARS = 80
 # A search hit's context gives each neighbour at most this many characters.
 CONTEXT_CHARS = 200
 SNIPPET_CHARS = 120
-# A query longer than this is cut; more terms than this are dropped.
-QUERY_MAX_CHARS = 1000
+# A query longer than this is cut (hermes-agent's MAX_FTS5_QUERY_CHARS); more terms are dropped.
+QUERY_MAX_CHARS = MAX_FTS5_QUERY_CHARS = 2048
 QUERY_MAX_TERMS = 32
 # Far below SQLite's default SQLITE_MAX_VARIABLE_NUMBER (999 before 3.32).
 SQL_CHUNK_SIZE = 500
@@ -617,6 +617,19 @@ SELECT COALESCE(SUM(CASE WHEN role = 'tool' THEN MIN(LENGTH(CAST(content AS BLOB
        COALESCE(SUM(CASE WHEN role = 'tool' THEN 0 ELSE LENGTH(CAST(content AS BLOB)) END), 0)
 FROM messages
 """
+# hermes-agent's index DDL names answer for ours (README "Where we differ"): our word and trigram
+# indexes; hermes-agent 0.19's inline ones (LEGACY_*), which ours searches and never makes.
+FTS_SQL, FTS_TRIGRAM_SQL = ("".join(f"{ddl};\n" for part in (SEARCH_OBJECTS, SEARCH_TRIGGERS)
+                                    for ddl in part[i].values()) for i in ("word", "trigram"))
+_INLINE_INDEX = """CREATE VIRTUAL TABLE IF NOT EXISTS {t} USING fts5(content{k});
+CREATE TRIGGER IF NOT EXISTS {t}_insert AFTER INSERT ON messages BEGIN {i} END;
+CREATE TRIGGER IF NOT EXISTS {t}_delete AFTER DELETE ON messages BEGIN {d} END;
+CREATE TRIGGER IF NOT EXISTS {t}_update AFTER UPDATE ON messages BEGIN {d} {i} END;
+""".replace("{d}", "DELETE FROM {t} WHERE rowid = old.id;").replace(
+    "{i}", "INSERT INTO {t}(rowid, content) VALUES (new.id, COALESCE(new.content, '') || ' ' ||"
+    " COALESCE(new.tool_name, '') || ' ' || COALESCE(new.tool_calls, ''));")
+LEGACY_FTS_SQL, LEGACY_FTS_TRIGRAM_SQL = (_INLINE_INDEX.format(t=t, k=k) for t, k in (
+    ("messages_fts", ""), ("messages_fts_trigram", ", tokenize='trigram'")))
 
 # -- Schema maintenance SQL ---------------------------------------------------
 
@@ -651,7 +664,6 @@ DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS"
                              " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
 
 # -- Session SQL --------------------------------------------------------------
-INSERT_SESSION_SQL = "INSERT INTO sessions ({columns}) VALUES ({values})"
 SESSION_EXISTS_SQL = "SELECT 1 FROM sessions WHERE id = ?"
 SELECT_TITLE_OWNER_SQL = "SELECT id FROM sessions WHERE title = ? AND id <> ?"
 SELECT_LINEAGE_LINK_SQL = "SELECT parent_session_id, end_reason FROM sessions WHERE id = ?"
@@ -669,7 +681,6 @@ INSERT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
 BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message_count, 0) + ?,"
                            " tool_call_count = COALESCE(tool_call_count, 0) + ? WHERE id = ?")
 SET_MESSAGE_COUNTS_SQL = "UPDATE sessions SET message_count = ?, tool_call_count = ? WHERE id = ?"
-SET_PARENT_SQL = "UPDATE sessions SET parent_session_id = ? WHERE id = ?"
 COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
 COUNT_ALL_MESSAGES_SQL = "SELECT COUNT(*) FROM messages"
 SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source"
@@ -685,24 +696,12 @@ DELETE_META_SQL = "DELETE FROM state_meta WHERE key = ?"
 
 # -- Connection settings and checks -------------------------------------------
 JOURNAL_MODE_SQL = "PRAGMA journal_mode"
-SET_JOURNAL_MODE_SQL = "PRAGMA journal_mode={mode}"
-SYNCHRONOUS_NORMAL_SQL = "PRAGMA synchronous=NORMAL"
-SET_AUTOCHECKPOINT_SQL = "PRAGMA wal_autocheckpoint={pages}"
 CHECKPOINT_PASSIVE_SQL = "PRAGMA wal_checkpoint(PASSIVE)"
 CHECKPOINT_TRUNCATE_SQL = "PRAGMA wal_checkpoint(TRUNCATE)"
 VACUUM_SQL = "VACUUM"
 INTEGRITY_CHECK_SQL = "PRAGMA integrity_check"
-QUICK_CHECK_SQL = "PRAGMA quick_check"
 
 # -- Small pure helpers -------------------------------------------------------
-
-def count_tool_calls(tool_calls):
-    """How many calls hermes-agent counts in a `tool_calls` value: a list's length, 1 for any other value, 0
-    for None; JSON text is read first (text that is not JSON counts 0)."""
-    if isinstance(tool_calls, str):
-        tool_calls = loads_or(tool_calls, [])
-    return 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
-
 
 def quote_identifier(name):
     """`name` as a double-quoted SQL identifier, embedded quotes doubled."""

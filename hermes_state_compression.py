@@ -383,6 +383,21 @@ class SessionCompressionMixin:
         if session_id:
             self._update_rows(f"UPDATE sessions SET {column} = ? WHERE id = ?", (max(0, int(value)), session_id))
 
+    def find_live_compression_child(self, parent_session_id):
+        """The one live continuation (no branch, delegate or tool child) of a session compression
+        ended, as get_session gives it; None when it is not so ended, or has no such child or
+        several (ambiguous: no caller may guess which one owns the transcript)."""
+        if not parent_session_id:
+            return None
+        children = self._read_all(
+            "SELECT c.id, c.source, c.model_config, c.parent_session_id FROM sessions AS p"
+            " JOIN sessions AS c ON c.parent_session_id = p.id"
+            " WHERE p.id = ? AND p.ended_at IS NOT NULL AND p.end_reason = ? AND c.ended_at IS NULL"
+            " ORDER BY c.started_at",
+            (parent_session_id, COMPRESSION_END_REASON))
+        live = [child["id"] for child in children if not is_fork_child(child)]
+        return self.get_session(live[0]) if len(live) == 1 else None
+
 
 def _holds_lock(conn, session_id, holder):
     row = conn.execute(SELECT_COMPRESSION_LOCK_SQL, (session_id,)).fetchone()

@@ -4,8 +4,9 @@ one-shot fixes hermes-agent's commands run.
 Owns which sessions a prune, archive or delete selects, and what a delete takes with it: messages, usage rows
 and Telegram topic bindings (as hermes-agent's foreign keys do), delegate subagents, system prompts no session
 uses any more, and transcript files in a `sessions_dir`. Relies on SessionDB's write and read paths and on
-other mixins' `set_session_archived`, `_resolved`, `optimize_fts`, `search_health` and `fts_layout`. Never
-repairs the schema: that happens at open (hermes_state_schema) or in hermes_state_doctor.
+other mixins' `set_session_archived`, `_resolved`, `optimize_fts`, `search_health`, `fts_layout` and
+`fts_rebuild_*`. Never repairs the schema: that happens at open (hermes_state_schema) or in
+hermes_state_doctor.
 """
 
 import contextlib
@@ -356,13 +357,13 @@ class SessionMaintenanceMixin:
         """{id: 'complete', 'interrupted', 'error'} from each session's last message, 'empty' without messages
         (or unknown); {} for no ids."""
         ids = [sid for sid in session_ids or () if sid]
-        statuses = dict.fromkeys(ids, "empty")
+        statuses = dict.fromkeys(ids, SESSION_STATUS_EMPTY)
         for chunk in chunked(ids):
             rows = self._read_all(
                 "SELECT m.session_id, m.role, m.tool_calls IS NOT NULL, m.finish_reason FROM messages AS m"
                 " JOIN (SELECT MAX(id) AS last_id FROM messages WHERE session_id IN"
                 f" ({placeholders(len(chunk))}) GROUP BY session_id) AS last ON m.id = last.last_id", chunk)
-            statuses.update((row[0], _lifecycle_status(row[1], row[2], row[3])) for row in rows)
+            statuses.update((row[0], classify_session_status(*row[1:])) for row in rows)
         return statuses
 
     def list_cron_job_runs(self, job_id, limit=20, offset=0):
@@ -508,6 +509,23 @@ class SessionMaintenanceMixin:
         report["ok"] = report["ok"] and not report.get("trigger_damage")
         return report
 
+    # -- hermes-agent's CJK index names, answering for our CJK side index ---------
+
+    def fts_cjk_rebuild_status(self):
+        """fts_rebuild_status() while our CJK side index is backfilled (one backfill fills all our
+        indexes); None when none runs, or searches use hermes-agent's index (its CJK one needs a
+        tokenizer ours lacks)."""
+        status = self.fts_rebuild_status()
+        return status if status is not None and self.fts_layout() == "current" else None
+
+    def fts_cjk_rebuild_step(self):
+        """One step (fts_rebuild_step) of the backfill fts_cjk_rebuild_status reports; True while
+        it still runs, False when none did. Our CJK side index needs no tokenizer extension."""
+        if self.fts_cjk_rebuild_status() is None:
+            return False
+        self.fts_rebuild_step()
+        return self.fts_cjk_rebuild_status() is not None
+
 
 def _prune_where(older_than_days, source, filters):
     """(" AND ..." conditions, params) of hermes-agent's prune filters; TypeError for an unknown one."""
@@ -575,12 +593,18 @@ def _remove_transcripts(sessions_dir, session_ids):
                 path.unlink()
 
 
-def _lifecycle_status(role, has_tool_calls, finish_reason):
+# A session's lifecycle as session_lifecycle_statuses gives it (hermes-agent's names and values).
+SESSION_STATUS_COMPLETE, SESSION_STATUS_INTERRUPTED = "complete", "interrupted"
+SESSION_STATUS_ERROR, SESSION_STATUS_EMPTY = "error", "empty"
+
+
+def classify_session_status(role, has_tool_calls, finish_reason):
     """'error', 'interrupted' or 'complete' for a session whose last message has these fields."""
     if (finish_reason or "").strip().lower() in ("error", "agent_error", "content_filter"):
-        return "error"
+        return SESSION_STATUS_ERROR
     role = (role or "").strip().lower()
-    return "interrupted" if role in ("user", "tool") or role == "assistant" and has_tool_calls else "complete"
+    interrupted = role in ("user", "tool") or role == "assistant" and has_tool_calls
+    return SESSION_STATUS_INTERRUPTED if interrupted else SESSION_STATUS_COMPLETE
 
 
 def _checked(read):

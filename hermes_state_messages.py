@@ -96,7 +96,7 @@ class SessionMessagesMixin:
             if not conn.execute(BUMP_OPEN_SESSION_COUNTS_SQL, bump).rowcount:
                 _check_open_session(conn, session_id)  # raises: unknown, or closed by compression
             return conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
-        return self._execute_write(write)
+        return self._execute_write(write, patience_s=self._transcript_patience())
 
     def append_messages_batch(self, session_id, messages, compression_lock_holder=None,
                               turn_lease_holder=None, chunk_rows=None, turn_lease_ttl_seconds=300.0):
@@ -118,7 +118,7 @@ class SessionMessagesMixin:
             inserted, calls = self._insert_message_rows(conn, session_id, messages)
             conn.execute(BUMP_MESSAGE_COUNTS_SQL, (inserted, calls, session_id))
             return inserted
-        return self._execute_write(write)
+        return self._execute_write(write, patience_s=self._transcript_patience())
 
     def replace_messages(self, session_id, messages, active_only=False, archive_dropped=False):
         """Make `messages` the session's whole live transcript in one transaction; returns None.
@@ -483,6 +483,29 @@ class SessionMessagesMixin:
         """Make the session's inactive messages from `since_message_id` on active again; returns how many."""
         return self._update_rows("UPDATE messages SET active = 1 WHERE session_id = ? AND id >= ? "
                                  "AND active = 0", (session_id, since_message_id))
+
+    def clear_messages(self, session_id):
+        """Delete every message of the session (rewound and compacted ones too) and zero its message
+        and tool call counts, in one transaction; None, and nothing for an unknown session."""
+        def write(conn):
+            conn.execute("DELETE FROM messages WHERE session_id = ?", (session_id,))
+            conn.execute(SET_MESSAGE_COUNTS_SQL, (0, 0, session_id))
+        self._execute_write(write)
+
+    def has_archived_messages(self, session_id):
+        """True if the session keeps any inactive (rewound or compacted) message; else False."""
+        row = self._read_one("SELECT 1 FROM messages WHERE session_id = ? AND active = 0 LIMIT 1",
+                             (session_id,))
+        return row is not None
+
+    def get_first_assistant_text(self, session_id):
+        """The text of the session's first assistant message with content (by time, then id;
+        inactive ones count); '' when there is none or its content is a list."""
+        content = self._read_value(
+            "SELECT content FROM messages WHERE session_id = ? AND role = 'assistant'"
+            " AND content IS NOT NULL ORDER BY timestamp, id LIMIT 1", (session_id,))
+        text = decode_content(content)
+        return text if isinstance(text, str) else ""
 
 
 # -- encoding rows ---------------------------------------------------------------

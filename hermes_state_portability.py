@@ -25,9 +25,9 @@ import tempfile
 import time
 
 from hermes_state_common import (
-    BYTES_MARKER, CONTENT_JSON_PREFIX, INSERT_SESSION_SQL, LAST_ACTIVE_SQL, INSERT_SYSTEM_PROMPT_SQL,
+    BYTES_MARKER, CONTENT_JSON_PREFIX, LAST_ACTIVE_SQL, INSERT_SYSTEM_PROMPT_SQL,
     MESSAGE_WRITE_COLUMNS, SELECT_LINEAGE_LINK_SQL, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL,
-    SET_MESSAGE_COUNTS_SQL, SET_PARENT_SQL, SQLITE_INT_RANGE, TITLE_MAX_LENGTH, count_tool_calls, decode_message,
+    SET_MESSAGE_COUNTS_SQL, SQLITE_INT_RANGE, TITLE_MAX_LENGTH, decode_message,
     loads_or, normalize_title, placeholders, quote_identifier, scrub_surrogates, sqlite_keeps)
 from hermes_state_redact import redact
 from hermes_state_schema import live_columns, pause_between_chunks, prompt_hash
@@ -45,6 +45,16 @@ EXPORT_RUN_MESSAGES = 256
 EXPORT_ORDER_SQL = ("SELECT s.id, " + LAST_ACTIVE_SQL.format(a="s") + " AS last_active FROM sessions AS s {where}"
                     " ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ?")
 SET_ARCHIVED_MESSAGE_SQL = "UPDATE messages SET active = 0, compacted = ? WHERE id = ?"
+INSERT_SESSION_SQL = "INSERT INTO sessions ({columns}) VALUES ({values})"
+SET_PARENT_SQL = "UPDATE sessions SET parent_session_id = ? WHERE id = ?"
+
+
+def count_tool_calls(tool_calls):
+    """How many calls hermes-agent counts in a `tool_calls` value: a list's length, 1 for any other value, 0
+    for None; JSON text is read first (text that is not JSON counts 0)."""
+    if isinstance(tool_calls, str):
+        tool_calls = loads_or(tool_calls, [])
+    return 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
 
 
 # -- Portable values: a BLOB in JSON -------------------------------------------------------------------------
@@ -379,7 +389,7 @@ def _session_row(entry, session_id, columns, unstored):
     return _carry(row, entry, SESSION_RESET_FIELDS | {"system_prompt"}, columns, "sessions", unstored)
 
 
-def _closes_cycle(conn, pending, child, parent):
+def _would_create_cycle(conn, pending, child, parent):
     """True if making `parent` the parent of `child` closes a loop, counting the links of the
     payload not attached yet (`pending`, child -> parent) as well as the stored ones."""
     seen, current = {child}, parent
@@ -400,7 +410,8 @@ def _attach_parents(conn, links):
     closes a loop; a dropped link leaves its child a root. Returns how many were dropped."""
     pending, detached = dict(links), 0
     for child, parent in links:
-        if conn.execute(SESSION_EXISTS_SQL, (parent,)).fetchone() and not _closes_cycle(conn, pending, child, parent):
+        if conn.execute(SESSION_EXISTS_SQL, (parent,)).fetchone() and \
+                not _would_create_cycle(conn, pending, child, parent):
             conn.execute(SET_PARENT_SQL, (parent, child))
         else:
             del pending[child]

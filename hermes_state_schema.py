@@ -3,9 +3,11 @@
 Owns the open-time schema pass: creating missing tables, adding missing columns (SCHEMA_SQL is the only
 description of them), deferred indexes, table-shape heals, data repairs and data migrations, the probe
 statements read-only callers use to detect a stale store, the probes of what this SQLite can hold (FTS5, its
-trigram tokenizer) and the check of every trigger against the table it writes to. It never removes a column,
-a table or a row, and never touches the search index layout. It relies on SessionDB for `_execute_write(fn)`
-(one BEGIN IMMEDIATE transaction, retried on lock) and `self.db_path`; it never imports hermes_state.
+trigram tokenizer) and of whose search index a store holds, hermes-agent's flag for an index
+optimize-storage replaces, and the check of every trigger against the table it writes to. It never
+removes a column, a table or a row, and never touches the search index layout. It relies on SessionDB
+for `_execute_write(fn)` (one BEGIN IMMEDIATE transaction, retried on lock) and `self.db_path`; it never
+imports hermes_state.
 """
 
 import contextlib
@@ -21,8 +23,9 @@ from hermes_state_common import (
     ADD_COLUMN_SQL, CLEAR_OLDER_DUPLICATE_TITLES_SQL, COPY_ROUTING_OLDEST_FIRST_SQL, COUNT_ROWS_SQL,
     DEFAULT_PROBE_SQL, DEFERRED_INDEX_SQL, DEFERRED_INDEXES, DELETE_META_SQL, DROP_TABLE_SQL, FTS5_PROBE_SQL,
     FTS_PROBE_DROP_SQL, GATEWAY_ROUTING_PK, GATEWAY_ROUTING_SIDE_TABLE, HAS_INLINE_PROMPT_SQL,
-    HAS_NULL_ACTIVE_SQL, INSERT_META_SQL, INSERT_SCHEMA_VERSION_SQL, INSERT_SYSTEM_PROMPT_SQL,
-    MIGRATION_CHUNK_SIZE, MOVE_INLINE_PROMPT_SQL, RENAME_TABLE_SQL, REPAIR_NULL_ACTIVE_SQL, SCHEMA_SQL,
+    HAS_NULL_ACTIVE_SQL, HERMES_FTS_TABLES, INSERT_META_SQL, INSERT_SCHEMA_VERSION_SQL,
+    INSERT_SYSTEM_PROMPT_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, MOVE_INLINE_PROMPT_SQL,
+    PREVIOUS_LAYOUT_TABLES, RENAME_TABLE_SQL, REPAIR_NULL_ACTIVE_SQL, SCHEMA_SQL,
     SCHEMA_VERSION, SELECT_INLINE_PROMPTS_SQL, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL,
     SELECT_SCHEMA_VERSION_SQL, SELECT_TRIGGER_TABLES_SQL, TABLE_INFO_SQL, TITLE_INDEX_NAME, TITLE_INDEX_SQL,
     TRIGRAM_PROBE_SQL, UPDATE_SCHEMA_VERSION_SQL, quote_identifier, trigger_writes,
@@ -59,6 +62,13 @@ def sqlite_supports_trigram(connect=sqlite3.connect):
 def runtime_capabilities(connect=sqlite3.connect):
     fts5 = sqlite_supports_fts5(connect)
     return Capabilities(fts5, fts5 and sqlite_supports_trigram(connect))
+
+
+def fts_layout_of(ddl):
+    """Whose index a `messages_fts` DDL is: 'none', hermes-agent's 'legacy' (0.19: no tool_name column) or
+    'external' (0.20, 0.22), or 'previous' (ours before layout 1, which used hermes-agent's names)."""
+    return "none" if ddl is None else "legacy" if "tool_name" not in ddl else \
+        "previous" if PREVIOUS_LAYOUT_TABLES[HERMES_FTS_TABLES["word"]] in ddl else "external"
 
 
 # Between two chunks of a long job (a sweep, a merge, a backfill, an import), the writer lock stays free this
@@ -227,6 +237,9 @@ class SessionSchemaMixin:
         self._ensure_deferred_indexes(conn, objects)
         self._ensure_title_index(conn, objects)
         self._stamp_schema_version(conn)
+        if self.fts_caps.fts5 and self._db_has_legacy_inline_fts(conn):
+            # hermes-agent's flag for that index, written as its open writes it (its tools read it).
+            write_meta(conn, META_FTS_OPTIMIZE_AVAILABLE, "1")
 
     # -- structure --------------------------------------------------------
 
@@ -364,3 +377,18 @@ class SessionSchemaMixin:
             except sqlite3.OperationalError as exc:
                 failures.append(f"{statement.split(' FROM ')[-1].split()[0]}: {exc}")
         return failures
+
+    # -- the layout probes, by hermes-agent's names -------------------------
+
+    def _sqlite_supports_fts5(self, cursor=None):
+        """True if this runtime's connections can create FTS5 tables (sqlite_supports_fts5, probed
+        once as the store opened: fts_caps); `cursor`, hermes-agent's probe target, is not needed."""
+        return self.fts_caps.fts5
+
+    @staticmethod
+    def _db_has_legacy_inline_fts(cursor):
+        """True when the store `cursor` (or a connection) reads has hermes-agent 0.19's inline index
+        (fts_layout_of 'legacy': optimize-storage replaces it); False with none or another one."""
+        row = cursor.execute("SELECT sql FROM sqlite_master WHERE name = ?",
+                             (HERMES_FTS_TABLES["word"],)).fetchone()
+        return fts_layout_of(None if row is None else row[0]) == "legacy"

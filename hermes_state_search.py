@@ -22,7 +22,8 @@ import sqlite3
 import unicodedata
 from collections import namedtuple
 
-from hermes_state_schema import pause_between_chunks, read_meta, trigger_damage, write_meta
+from hermes_state_schema import (
+    fts_layout_of, pause_between_chunks, read_meta, trigger_damage, write_meta)
 from hermes_state_common import (
     decode_content, BACKFILL_SQL, CJK_BLOCK_BITS, CJK_BOUNDS_OBJECTS, CJK_CHAR_CLASS, CJK_FLOOR_SQL,
     CJK_LATE_BLOCKS_SQL, CJK_LATE_ROWS_SQL, CJK_QUEUE_TABLE, CJK_WALK_MAX_LATE, CJK_WALK_SQL, CONTEXT_CHARS,
@@ -102,13 +103,6 @@ def free_disk_bytes(path):
 
 
 # -- What is on disk -------------------------------------------------------------------------------------
-
-def fts_layout_of(ddl):
-    """Whose index a `messages_fts` DDL is: 'none', hermes-agent's 'legacy' (0.19: no tool_name column) or
-    'external' (0.20, 0.22), or 'previous' (ours before layout 1, which used hermes-agent's names)."""
-    return "none" if ddl is None else "legacy" if "tool_name" not in ddl else \
-        "previous" if PREVIOUS_LAYOUT_TABLES[HERMES_FTS_TABLES["word"]] in ddl else "external"
-
 
 def _schema_objects(conn):
     return {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
@@ -1151,6 +1145,13 @@ class SessionSearchMixin:
         return (f"optimize-storage needs about {need / 1e6:.1f} MB free next to {self.db_path} "
                 f"(new index{' plus a VACUUM copy of the file' if vacuum else ''}); only "
                 f"{free / 1e6:.1f} MB are free{hint}. Nothing was changed.")
+
+    @staticmethod
+    def _sanitize_fts5_query(query):
+        """hermes-agent's name: the MATCH expression a search for `query` runs on one index (every
+        term quoted, AND/OR/NOT as parse_query reads them); '' when nothing searchable is left."""
+        tree = parse_query(query or "")
+        return "" if tree is None else _match_string(tree)
 
 
 def _merge_step(conn, table, pages, group):

@@ -115,7 +115,7 @@ class SessionSessionsMixin:
                 conn.execute(DELETE_UNUSED_PROMPTS_SQL)
             if parent_session_id:
                 _inherit_from_parent(conn, session_id)
-        self._execute_write(write)
+        self._execute_write(write, patience_s=self._transcript_patience())
 
     def update_system_prompt(self, session_id, system_prompt):
         """Store the session's full system prompt (None clears it); nothing for an unknown session. Raises

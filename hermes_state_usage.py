@@ -161,11 +161,8 @@ class SessionUsageMixin:
         to ACTIVITY_DESCRIPTION_MAX and a known provenance (else 'unknown'); None, nothing for no session."""
         if not session_id:
             return
-        when, text = float(time.time() if ts is None else ts), (description or "").strip()
-        if len(text) > ACTIVITY_DESCRIPTION_MAX:
-            text = text[:ACTIVITY_DESCRIPTION_MAX - 1] + "\u2026"
-        source = (provenance or "").strip()
-        params = (when, text, source if source in ACTIVITY_PROVENANCES else "unknown", session_id, when)
+        when, text = float(time.time() if ts is None else ts), _bounded_description(description)
+        params = (when, text, _known_provenance(provenance), session_id, when)
         self._execute_write(lambda conn: conn.execute(
             "UPDATE sessions SET last_activity_at = ?, last_activity_description = ?, last_activity_provenance = ?"
             " WHERE id = ? AND (last_activity_at IS NULL OR last_activity_at < ?)", params),
@@ -206,6 +203,25 @@ class SessionUsageMixin:
             " COALESCE(SUM(COALESCE(actual_cost_usd, estimated_cost_usd, 0)), 0) FROM sessions"
             " WHERE parent_session_id IS NULL AND message_count >= ?" + archived, (min_message_count,))
         return {"tokens": int(tokens or 0), "cost_usd": float(cost or 0.0)}
+
+    def get_session_activity(self, session_id):
+        """The session's last activity as hermes-agent's snapshot: last_activity_at (None if
+        never), last_activity_description (cut as touch_session_activity cuts it),
+        last_activity_provenance (a known one, else 'unknown'), seconds_since_activity (to 0.1 s;
+        None if never) and the short aliases last_activity_ts, last_activity_desc, description and
+        provenance; None for no or an unknown session."""
+        row = session_id and self._read_one(
+            "SELECT last_activity_at, last_activity_description, last_activity_provenance"
+            " FROM sessions WHERE id = ?", (session_id,))
+        if not row:
+            return None
+        when = None if row[0] is None else float(row[0])
+        text, source = _bounded_description(row[1]), _known_provenance(row[2])
+        return {"last_activity_at": when, "last_activity_description": text,
+                "last_activity_provenance": source,
+                "seconds_since_activity": None if when is None else round(time.time() - when, 1),
+                "last_activity_ts": when, "last_activity_desc": text, "description": text,
+                "provenance": source}
 
 
 # queue_token_counts' keywords bind to these, as update_token_counts' would.
@@ -270,6 +286,21 @@ def _text(name, value):
         except UnicodeEncodeError:
             raise UsageValueError(f"{name} holds a lone surrogate") from None
     return value
+
+
+def _bounded_description(description):
+    """An activity description stripped and cut to ACTIVITY_DESCRIPTION_MAX (then its last
+    character is an ellipsis)."""
+    text = (description or "").strip()
+    if len(text) <= ACTIVITY_DESCRIPTION_MAX:
+        return text
+    return text[:ACTIVITY_DESCRIPTION_MAX - 1] + "\u2026"
+
+
+def _known_provenance(provenance):
+    """`provenance` stripped when it is one of ACTIVITY_PROVENANCES, else 'unknown'."""
+    source = (provenance or "").strip()
+    return source if source in ACTIVITY_PROVENANCES else "unknown"
 
 
 def write_token_delta(conn, session_id, delta, now):

@@ -159,8 +159,9 @@ MUTANTS = [
            "the cycle walk follows only stored links, so a loop inside the payload loses a different link",
            ["test_hermes_state_portability.ParentLinks"]),
     Mutant("unknown-parent-attached", "hermes_state_portability.py",
-           "        if conn.execute(SESSION_EXISTS_SQL, (parent,)).fetchone() and not _closes_cycle(conn, pending, child, parent):\n",
-           "        if not _closes_cycle(conn, pending, child, parent):\n",
+           "        if conn.execute(SESSION_EXISTS_SQL, (parent,)).fetchone() and \\\n"
+           "                not _would_create_cycle(conn, pending, child, parent):\n",
+           "        if not _would_create_cycle(conn, pending, child, parent):\n",
            "a link to a parent the store does not hold is kept (a dangling link)",
            ["test_hermes_state_portability.ImportRejects"]),
     # -- FTS5-absent degradation --------------------------------------------------
