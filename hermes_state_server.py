@@ -123,7 +123,8 @@ class StateServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, db_path=None, host="127.0.0.1", port=DEFAULT_PORT, token=None, allow_remote=False):
+    def __init__(self, db_path=None, host="127.0.0.1", port=DEFAULT_PORT, token=None, allow_remote=False,
+                 read_only=False):
         if not is_loopback(host) and not allow_remote:
             raise ValueError(f"refusing to listen on {host}: not a loopback address; pass --allow-remote "
                              "to expose the store beyond this machine")
@@ -138,7 +139,8 @@ class StateServer(ThreadingHTTPServer):
         self._connections_lock = threading.Lock()
         self.gate = ReadWriteGate()
         self.log_stream = sys.stderr
-        self.db = SessionDB(db_path)
+        self.read_only = read_only  # `serve` without --writable: no import, no restore, no DDL
+        self.db = SessionDB(db_path, read_only=read_only)
         self.db_path = self.db.db_path
         try:
             super().__init__((host, port), ApiHandler)
@@ -237,7 +239,7 @@ class StateServer(ThreadingHTTPServer):
             try:
                 return restore_home(archive_path, self.db_path, force=force)
             finally:
-                self.db = SessionDB(self.db_path)
+                self.db = SessionDB(self.db_path, read_only=self.read_only)
 
     def server_close(self):
         super().server_close()
@@ -334,6 +336,9 @@ class ApiHandler(BaseHTTPRequestHandler):
             handler, params = self._route(method, parts.path)
             if handler != "page":
                 self._check_token()
+            if method == "POST" and self.server.read_only:
+                raise ApiError(HTTPStatus.FORBIDDEN, "this server is read-only; start it with "
+                               "`python3 -m hermes_state serve --writable` to import or restore")
             query = parse_qs(parts.query, keep_blank_values=True)
             args = (query, self._read_json()) if method == "POST" else (query,)
             self._watchdog.cancel()  # the request is in; answering it may take as long as it takes
@@ -505,10 +510,11 @@ class ApiHandler(BaseHTTPRequestHandler):
         return json_response(result)
 
 
-def serve(db_path=None, host="127.0.0.1", port=DEFAULT_PORT, allow_remote=False, token=None, out=None):
+def serve(db_path=None, host="127.0.0.1", port=DEFAULT_PORT, allow_remote=False, token=None, out=None,
+          read_only=False):
     """Run the server until interrupted; prints the page's URL (with the token in its fragment)."""
     out = out or sys.stdout
-    server = StateServer(db_path, host, port, token=token, allow_remote=allow_remote)
+    server = StateServer(db_path, host, port, token=token, allow_remote=allow_remote, read_only=read_only)
     out.write(f"hermes_state serving {server.db_path}\n"
               f"open {server.url}#token={server.token}\n"
               f"API: Authorization: Bearer {server.token}\n")

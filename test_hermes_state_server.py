@@ -460,8 +460,9 @@ class Hardening(ServerCase):
             StateServer(self.tmp / "short.db", "127.0.0.1", 0, token="t" * 31)
         self.assertFalse((self.tmp / "short.db").exists())
         env = dict(os.environ, HERMES_STATE_TOKEN="too-short", PYTHONPATH=str(REPO))
-        result = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.tmp / "cli.db"), "serve",
-                                 "--port", "0"], capture_output=True, text=True, env=env, timeout=60)
+        SessionDB(self.tmp / "cli.db").close()  # serve reads a store; it creates none
+        result = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.tmp / "cli.db"), "serve"],
+                                capture_output=True, text=True, env=env, timeout=60)
         self.assertEqual(result.returncode, 2)
         self.assertIn("error: the token (HERMES_STATE_TOKEN) is 9 characters; the minimum is 32", result.stderr)
 
