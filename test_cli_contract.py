@@ -295,3 +295,37 @@ class AllOrNothingImport(CliCase):
         conn = sqlite3.connect(self.db)
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM sessions WHERE id LIKE 'bulk_%'").fetchone()[0], 0)
         conn.close()
+
+
+class ReadmeFirstScreen(TempDirTestCase):
+
+    def test_the_api_example_runs_and_writes_nothing_into_the_real_home(self):
+        text = (REPO / "README.md").read_text(encoding="utf-8")
+        self.assertLess(text.index("```python\n"), len("\n".join(text.splitlines()[:120])))
+        example = text.split("```python\n", 1)[1].split("```", 1)[0]
+        env = {k: v for k, v in os.environ.items() if k != "HERMES_HOME"}
+        env.update(HOME=str(self.tmp / "user"), USERPROFILE=str(self.tmp / "user"), PYTHONPATH=str(REPO),
+                   TMPDIR=str(self.tmp))
+        (self.tmp / "user").mkdir()
+        result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, env=env,
+                                cwd=self.tmp, timeout=60)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertRegex(result.stdout, r"hermes-example-.*state\.db 2 messages")
+        self.assertEqual(list((self.tmp / "user").iterdir()), [])
+
+    def test_every_command_in_the_table_is_one_the_cli_has(self):
+        from hermes_state_cli import build_parser
+        text = (REPO / "README.md").read_text(encoding="utf-8")
+        first = "\n".join(text.splitlines()[:120])
+        self.assertIn("--sort relevance", first)
+        for path in ("docs/design.md", "docs/search.md", "docs/testing.md", "docs/differences.md"):
+            self.assertIn(f"]({path})", first)
+            self.assertTrue((REPO / path).exists(), path)
+        commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+        for name, sub in commands.items():
+            row = next(line for line in first.splitlines() if line.startswith(f"| `{name}"))
+            for option in {o for a in sub._actions for o in a.option_strings if o.startswith("--")} - {
+                    "--help", "--db", "--json"}:
+                if name in ("list", "search") and option == "--limit":
+                    option = "-n"
+                self.assertIn(option, row, f"README row of {name} leaves out {option}")
