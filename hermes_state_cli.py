@@ -1,10 +1,11 @@
 """`python -m hermes_state`: the command line over SessionDB.
 
-Owns argument parsing and its ranges, what each subcommand prints (data on stdout; progress, questions
-and diagnostics on stderr), the checks made before a store is opened (a read never creates, upgrades or
-repairs one; no command sets aside a file that is not a store), the confirmation of destructive commands,
-and exit codes (0 success, 1 failure, 2 usage). It holds no store logic: every command is a few SessionDB
-calls. Only the agent's own open (the API) keeps quarantining a damaged file.
+Owns argument parsing and its ranges, what each subcommand prints (data on stdout; progress,
+questions and diagnostics on stderr), the checks made before a store is opened (a read never
+creates, upgrades or repairs one; no command sets aside a file that is not a store), the
+confirmation of destructive commands, and exit codes (0 success, 1 failure, 2 usage). It holds no
+store logic: every command is a few SessionDB calls. Only the agent's own open (the API) keeps
+quarantining a damaged file.
 """
 
 import argparse
@@ -17,6 +18,7 @@ import shutil
 import sqlite3
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,15 +29,14 @@ from hermes_state_portability import EXPORT_FORMATS, json_default, message_text,
 from hermes_state_schema import SCHEMA_VERSION
 
 # Commands that only read: opened read-only (no DDL, no repair, no journal switch, no lock file).
+# The others write, to a store that must exist already (import may create one).
 READ_COMMANDS = ("list", "show", "search", "stats", "doctor", "export", "backup", "serve")
-# Commands that write to a store that must already exist; import may create one.
-WRITE_COMMANDS = ("optimize", "optimize-storage", "delete", "prune", "import")
-# The largest --offset: SQLite's OFFSET is a signed 64-bit integer, and offset + limit (+ 1 to see whether
-# more match) must stay one.
+# The largest --offset: SQLite's OFFSET is a signed 64-bit integer, and offset + limit (+ 1 to see
+# whether more match) must stay one.
 OFFSET_MAX = 2 ** 63 - 1 - 2 * LIST_LIMIT_MAX
 LIST_FORMATS = ("table", "json", "jsonl", "csv")
-# A progress line on a terminal is redrawn at most this often; a plain line (stderr not a terminal) is
-# printed at most every PLAIN_PROGRESS_SECONDS.
+# A progress line on a terminal is redrawn at most this often; a plain line (stderr not a
+# terminal) is printed at most every PLAIN_PROGRESS_SECONDS.
 TTY_PROGRESS_SECONDS = 0.1
 PLAIN_PROGRESS_SECONDS = 5.0
 _DAMAGE_WORDS = {"empty": "an empty file", "zeroed": "all zero bytes", "notsqlite": "not SQLite"}
@@ -45,7 +46,7 @@ class CommandError(Exception):
     """A failure the command explains in one line; exit 1."""
 
 
-# -- argument types: argparse turns a ValueError/ArgumentTypeError into a usage error (exit 2) -----------
+# -- argument types: argparse makes an ArgumentTypeError a usage error (exit 2) ---------------
 
 def _int_range(low, high, what=""):
     def parse(text):
@@ -75,7 +76,7 @@ def _non_empty(text):
     return text
 
 
-# -- output ------------------------------------------------------------------------------------------------
+# -- output ------------------------------------------------------------------------------
 
 def _print_json(value, out):
     json.dump(value, out, ensure_ascii=False, indent=2, default=json_default)
@@ -83,7 +84,7 @@ def _print_json(value, out):
 
 
 def human_size(n):
-    """`1.2 MB` for 1,234,567 bytes (decimal units, as `ls -h --si` and file managers print them)."""
+    """`1.2 MB` for 1,234,567 bytes (decimal units, as `ls -h --si` prints them)."""
     if n is None:
         return "-"
     for unit in ("bytes", "kB", "MB", "GB", "TB"):
@@ -126,14 +127,15 @@ def _one_line(text, width):
 
 def _session_rows(sessions):
     """(header, rows) of `list`'s table."""
-    rows = [(s["id"], s.get("source") or "-", _format_time(s.get("last_active")), f"{s.get('message_count') or 0:,}",
+    rows = [(s["id"], s.get("source") or "-", _format_time(s.get("last_active")),
+             f"{s.get('message_count') or 0:,}",
              _one_line(s.get("title") or s.get("preview") or "-", 60)) for s in sessions]
     return ("id", "source", "last active", "messages", "title"), rows
 
 
 def _hit_rows(hits):
-    rows = [(h["session_id"], str(h["id"]), h["role"], _format_time(h["timestamp"]), _one_line(h["snippet"], 80))
-            for h in hits]
+    rows = [(h["session_id"], str(h["id"]), h["role"], _format_time(h["timestamp"]),
+             _one_line(h["snippet"], 80)) for h in hits]
     return ("session", "message id", "role", "time", "snippet"), rows
 
 
@@ -151,7 +153,8 @@ def _print_table(header, rows, out):
 
 
 def _write_records(records, fmt, out, table):
-    """`records` (dicts) as json, jsonl, csv (header row, nested values as JSON) or `table(records)`."""
+    """`records` (dicts) as json, jsonl, csv (a header row; nested values as JSON) or the table
+    `table(records)` makes."""
     if fmt == "json":
         _print_json(records, out)
     elif fmt == "jsonl":
@@ -162,27 +165,42 @@ def _write_records(records, fmt, out, table):
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(fields)
         for record in records:
-            writer.writerow(["" if record.get(k) is None else record[k] if isinstance(record.get(k), (str, int, float))
-                             else json.dumps(record[k], ensure_ascii=False, default=json_default) for k in fields])
+            writer.writerow([_csv_cell(record.get(key)) for key in fields])
     else:
         _print_table(*table(records), out)
 
 
+def _csv_cell(value):
+    if value is None:
+        return ""
+    if isinstance(value, (str, int, float)):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=json_default)
+
+
 class Progress:
-    """What a long command is doing, on stderr: one line rewritten in place on a terminal (at most every
-    TTY_PROGRESS_SECONDS), else a plain line when a phase starts and at most every PLAIN_PROGRESS_SECONDS;
-    each with its counts and the time since the command started."""
+    """What a long command is doing, on stderr: one line rewritten in place on a terminal (at most
+    every TTY_PROGRESS_SECONDS), else a plain line when a phase starts and at most every
+    PLAIN_PROGRESS_SECONDS; each with its counts and the time since the command started. A phase
+    that reports nothing for a while (one long SQLite call: an import's transaction, VACUUM, a
+    backup) is kept alive by a ticker thread: the time moves on a terminal, a "still running" line
+    every PLAIN_PROGRESS_SECONDS otherwise."""
 
     def __init__(self, command, stream=None):
         self.command, self.stream = command, stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.start = self._shown_at = time.monotonic()
         self.phase_name, self._open_line, self._last_text = None, False, None
+        self._lock, self._stop, self._ticker = threading.Lock(), threading.Event(), None
+        _RUNNING.append(self)
 
     def phase(self, name, detail=""):
         """A new phase, said when it starts."""
         self.phase_name = name
         self._show(f"{name}{': ' + detail if detail else ''}", force=True)
+        if self._ticker is None:
+            self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
+            self._ticker.start()
 
     def update(self, done, total=None, unit=""):
         counts = f"{done:,}" + (f"/{total:,}" if total else "") + (f" {unit}" if unit else "")
@@ -191,30 +209,53 @@ class Progress:
 
     def finish(self, text=None):
         """End the progress line; `text`, if any, is the command's last diagnostic."""
-        if self._open_line:
-            self.stream.write("\n")
-            self._open_line = False
-        if text:
-            self.stream.write(f"{self.command}: {text} in {self._elapsed()}\n")
-        self.stream.flush()
+        if self in _RUNNING:
+            _RUNNING.remove(self)
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        with self._lock:
+            if self._open_line:
+                self.stream.write("\n")
+                self._open_line = False
+            if text:
+                self.stream.write(f"{self.command}: {text} in {self._elapsed()}\n")
+            self.stream.flush()
 
     def _elapsed(self):
         seconds = time.monotonic() - self.start
-        return f"{seconds:.1f}s" if seconds < 60 else f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+        if seconds < 60:
+            return f"{seconds:.1f}s"
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
-    def _show(self, text, force=False):
-        now = time.monotonic()
-        interval = TTY_PROGRESS_SECONDS if self.tty else PLAIN_PROGRESS_SECONDS
-        if text == self._last_text or (not force and now - self._shown_at < interval):
-            return
-        self._shown_at, self._last_text = now, text
-        line = f"{self.command}: {text}, {self._elapsed()}"
-        if self.tty:
-            self.stream.write(f"\r\033[K{line}")
-            self._open_line = True
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+    def _tick(self):
+        interval = 1.0 if self.tty else PLAIN_PROGRESS_SECONDS
+        while not self._stop.wait(interval / 4):
+            if time.monotonic() - self._shown_at >= interval and self._last_text:
+                text = self._last_text if self.tty else f"{self.phase_name} (still running)"
+                self._show(text, force=True, again=True)
+
+    def _show(self, text, force=False, again=False):
+        with self._lock:
+            now = time.monotonic()
+            interval = TTY_PROGRESS_SECONDS if self.tty else PLAIN_PROGRESS_SECONDS
+            if self._stop.is_set() or (text == self._last_text and not again) or (
+                    not force and now - self._shown_at < interval):
+                return
+            self._shown_at = now
+            if not again or self.tty:
+                self._last_text = text
+            line = f"{self.command}: {text}, {self._elapsed()}"
+            if self.tty:
+                self.stream.write(f"\r\033[K{line}")
+                self._open_line = True
+            else:
+                self.stream.write(line + "\n")
+            self.stream.flush()
+
+
+# The Progress lines not finished yet: an error ends them before it is printed.
+_RUNNING = []
 
 
 def _counted(items, progress, total=None, unit="sessions"):
@@ -228,12 +269,13 @@ def _counted(items, progress, total=None, unit="sessions"):
 
 def _confirm(args, command, question, listing):
     """True to go ahead: --yes, or "y" typed at the terminal after `listing` (lines) was shown.
-    CommandError when stdin is not a terminal and --yes was not given: nothing is deleted unasked."""
+    CommandError when stdin is not a terminal and --yes was not given: nothing goes unasked."""
     if getattr(args, "yes", False):
         return True
     if not sys.stdin or not sys.stdin.isatty():
-        raise CommandError(f"{command} asks before it changes anything; pass --yes to run it unattended"
-                           + (" (--dry-run lists what it would delete)" if command in ("delete", "prune") else ""))
+        dry_run = " (--dry-run lists what it would delete)" if command != "optimize-storage" else ""
+        raise CommandError(f"{command} asks before it changes anything; pass --yes to run it "
+                           f"unattended{dry_run}")
     for line in listing:
         sys.stderr.write(line + "\n")
     sys.stderr.write(f"{question} [y/N] ")
@@ -244,7 +286,7 @@ def _confirm(args, command, question, listing):
     return True
 
 
-# -- opening a store ---------------------------------------------------------------------------------------
+# -- opening a store -----------------------------------------------------------------------
 
 def store_path(args):
     """The path the command works on: --db, else <hermes home>/state.db."""
@@ -253,7 +295,8 @@ def store_path(args):
 
 
 def check_store(path, *, may_create=False):
-    """CommandError unless `path` is a SQLite file (or, with `may_create`, absent); never changes it."""
+    """CommandError unless `path` is a SQLite file (or, with `may_create`, absent); changes
+    nothing."""
     if not os.path.lexists(path):
         if may_create:
             return
@@ -265,13 +308,14 @@ def check_store(path, *, may_create=False):
     except OSError as exc:
         raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
     if reason is not None:
-        raise CommandError(f"{path} is not a SQLite store ({_DAMAGE_WORDS.get(reason, reason)}); it was left "
-                           "as it is")
+        what = _DAMAGE_WORDS.get(reason, reason)
+        raise CommandError(f"{path} is not a SQLite store ({what}); it was left as it is")
 
 
 def open_read_only(path, damaged_ok=False):
-    """A read-only SessionDB of an existing store, or CommandError naming the path and why it cannot be
-    read. With `damaged_ok` (doctor) a store SQLite finds damaged opens too; `db.open_error` says why."""
+    """A read-only SessionDB of an existing store, or CommandError naming the path and why it
+    cannot be read. With `damaged_ok` (doctor) a store SQLite finds damaged opens too;
+    `db.open_error` says why."""
     check_store(path)
     db = SessionDB(path, read_only=True)
     db.open_error = None
@@ -284,18 +328,20 @@ def open_read_only(path, damaged_ok=False):
         if damaged_ok and not wal_without_shm and "readonly" not in str(exc):
             return db
         db.close()
-        hint = (f"; its -wal has no -shm beside it in a folder this user may not write, so SQLite cannot read "
-                f"it safely: copy {path.name} and {path.name}-wal to a folder you may write"
+        hint = (f"; its -wal has no -shm beside it in a folder this user may not write, so SQLite "
+                f"cannot read it safely: copy {path.name} and {path.name}-wal to a folder you may "
+                "write"
                 if wal_without_shm else "")
         raise CommandError(f"cannot read {path}: {exc}{hint}") from None
     return db
 
 
 def agent_open_would(db):
-    """What the agent's writable open would change in this store (opened read-only), one phrase each."""
+    """What the agent's writable open would change in this (read-only) store, a phrase each."""
     changes = []
     if db.stale_schema:
-        changes.append(f"upgrade its schema from version {_safe(db.schema_version)} to {SCHEMA_VERSION}")
+        version = _safe(db.schema_version)
+        changes.append(f"upgrade its schema from version {version} to {SCHEMA_VERSION}")
     journal = _safe(lambda: db._read_value("PRAGMA journal_mode"))
     if isinstance(journal, str) and journal.lower() != db.policy.mode:
         changes.append(f"switch its journal from {journal.lower()} to {db.policy.mode}")
@@ -309,10 +355,10 @@ def _safe(fn):
         return f"unknown ({exc})"
 
 
-# -- the commands ------------------------------------------------------------------------------------------
+# -- the commands --------------------------------------------------------------------------
 
 def _all_pages(fetch, limit):
-    """fetch(limit, offset) for one page; with `limit` 0, every page (LIST_LIMIT_MAX rows at a time)."""
+    """fetch(limit, offset) for one page; with `limit` 0, every page, LIST_LIMIT_MAX rows each."""
     if limit:
         return fetch(limit, 0)
     rows = []
@@ -334,7 +380,8 @@ def _cmd_list(db, args, out):
         sys.stderr.write(f"showing {len(sessions):,} of {total:,} sessions (-n 0 for all, --offset "
                          f"{args.offset + len(sessions)} for the next page)\n")
     elif not sessions:
-        sys.stderr.write("no sessions\n" if not total else f"no sessions past offset {args.offset:,} of {total:,}\n")
+        sys.stderr.write(f"no sessions past offset {args.offset:,} of {total:,}\n" if total
+                         else "no sessions\n")
     return 0
 
 
@@ -344,13 +391,14 @@ def _cmd_search(db, args, out):
                                   limit=limit, offset=args.offset + offset, sort=args.sort,
                                   include_inactive=args.include_inactive)
     # One more than asked, to know whether there are more.
-    hits = _all_pages(fetch, args.limit + 1 if args.limit and args.limit < LIST_LIMIT_MAX else args.limit)
+    asked = args.limit + 1 if args.limit and args.limit < LIST_LIMIT_MAX else args.limit
+    hits = _all_pages(fetch, asked)
     more = bool(args.limit) and len(hits) > args.limit
     hits = hits[:args.limit] if args.limit else hits
     _write_records(hits, args.format, out, _hit_rows)
     if more:
-        sys.stderr.write(f"showing the first {len(hits):,} hits; more match (-n 0 for all, --offset "
-                         f"{args.offset + len(hits)} for the next page)\n")
+        sys.stderr.write(f"showing the first {len(hits):,} hits; more match (-n 0 for all, "
+                         f"--offset {args.offset + len(hits)} for the next page)\n")
     elif not hits:
         sys.stderr.write("no hits\n")
     return 0
@@ -367,7 +415,8 @@ def _print_session(export, out):
         out.write(f"\n[{number}] {label} at {_format_time(message['timestamp'])}\n")
         if message.get("content"):
             text = message_text(message)
-            out.write((text if len(text) <= 400 else text[:400] + f" ... ({len(text):,} chars)") + "\n")
+            cut = text if len(text) <= 400 else text[:400] + f" ... ({len(text):,} chars)"
+            out.write(cut + "\n")
         for call in message.get("tool_calls") or []:
             function = call.get("function", {}) if isinstance(call, dict) else {}
             out.write(f"  -> {function.get('name', '?')}({function.get('arguments', '')})\n")
@@ -380,9 +429,13 @@ def _resolve(db, given):
     return session_id
 
 
+def _export_one(db, session_id, lineage):
+    return db.export_session_lineage(session_id) if lineage else db.export_session(session_id)
+
+
 def _cmd_show(db, args, out):
     session_id = _resolve(db, args.session_id)
-    export = db.export_session_lineage(session_id) if args.lineage else db.export_session(session_id)
+    export = _export_one(db, session_id, args.lineage)
     if args.json:
         _print_json(export, out)
     else:
@@ -411,7 +464,8 @@ def _cmd_doctor(db, args, out):
             verdict = f"ok: {db.db_path} is healthy"
         else:
             problems = [] if report.get("integrity_check") == ["ok"] else ["integrity check failed"]
-            problems += [f"SQLite cannot read it: {report['open_error']}"] if report.get("open_error") else []
+            if report.get("open_error"):
+                problems.append(f"SQLite cannot read it: {report['open_error']}")
             problems += ["search triggers damaged"] if report.get("trigger_damage") else []
             verdict = f"PROBLEM: {db.db_path}: {', '.join(problems) or 'see below'}"
         if report["agent_open_would"]:
@@ -431,8 +485,9 @@ def _cmd_optimize(db, args, out):
 
 
 def _cmd_optimize_storage(db, args, out):
-    if not _confirm(args, "optimize-storage", f"Rebuild the search index of {db.db_path} in the current layout"
-                    f"{'' if args.no_vacuum else ' and VACUUM it (holding the write lock throughout)'}?", []):
+    vacuum = "" if args.no_vacuum else " and VACUUM it (holding the write lock throughout)"
+    question = f"Rebuild the search index of {db.db_path} in the current layout{vacuum}?"
+    if not _confirm(args, "optimize-storage", question, []):
         return 1
     progress = Progress("optimize-storage")
     seen = {"phase": None}
@@ -442,8 +497,9 @@ def _cmd_optimize_storage(db, args, out):
             return
         if step["phase"] != seen["phase"]:
             seen["phase"] = step["phase"]
-            detail = ("rewrites the whole file and holds the write lock until it ends; other processes' writes "
-                      "wait (--no-vacuum skips it)") if step["phase"] == "vacuum" else ""
+            detail = "" if step["phase"] != "vacuum" else (
+                "rewrites the whole file and holds the write lock until it ends; other processes' "
+                "writes wait (--no-vacuum skips it)")
             progress.phase(step["phase"], detail)
         elif step["total"]:
             progress.update(step["indexed"], step["total"], "rows")
@@ -452,7 +508,8 @@ def _cmd_optimize_storage(db, args, out):
         result = db.optimize_fts_storage(progress_cb=report, vacuum=not args.no_vacuum)
     except KeyboardInterrupt:
         progress.finish()
-        raise CommandError("interrupted; the store is consistent, run optimize-storage again to resume") from None
+        raise CommandError("interrupted; the store is consistent, run optimize-storage again to "
+                           "resume") from None
     if not result["ok"]:
         progress.finish()
         raise CommandError(f"optimize-storage refused: {result.get('detail') or result['reason']}")
@@ -460,19 +517,19 @@ def _cmd_optimize_storage(db, args, out):
     if args.json:
         _print_json(result, out)
     else:
-        out.write(f"{db.db_path}: {human_size(before)} -> {human_size(store_file_bytes(db.db_path))}, "
-                  f"layout {db.fts_layout()}\n")
+        after = human_size(store_file_bytes(db.db_path))
+        out.write(f"{db.db_path}: {human_size(before)} -> {after}, layout {db.fts_layout()}\n")
     return 0
 
 
 def _export_source(db, args):
-    """The store to export from: this one, or, for a store an agent's open would upgrade, a private upgraded
-    copy (the store itself is not changed). Returns (db, cleanup)."""
+    """The store to export from: this one, or, for a store an agent's open would upgrade, a private
+    upgraded copy (the store itself is not changed). Returns (db, cleanup)."""
     if not db.stale_schema:
         return db, lambda: None
     scratch = Path(tempfile.mkdtemp(prefix="hermes-export-"))
-    sys.stderr.write(f"export: {db.db_path} predates this release's schema; exporting from an upgraded copy "
-                     f"in {scratch} (the store is not changed)\n")
+    sys.stderr.write(f"export: {db.db_path} predates this release's schema; exporting from an "
+                     f"upgraded copy in {scratch} (the store is not changed)\n")
     try:
         with sqlite3.connect(scratch / "state.db") as target:
             db._conn.backup(target)
@@ -494,27 +551,30 @@ def _cmd_export(db, args, out):
     try:
         if args.session_id:
             session_id = _resolve(source, args.session_id)
-            exports = [source.export_session_lineage(session_id) if args.lineage else source.export_session(session_id)]
+            exports = [_export_one(source, session_id, args.lineage)]
             total = 1
         else:
             total = source.session_count(source=args.source, include_archived=True)
-            if args.format == "jsonl" and not args.redact:  # a run of messages in memory at a time (issue 17)
+            if args.format == "jsonl" and not args.redact:  # a run of messages in memory (issue 17)
                 exports = source.iter_export_jsonl(source=args.source)
             else:
                 exports = source.iter_export_all(source=args.source)
         progress.phase(f"writing {args.format}" + (" (redacting secrets)" if args.redact else ""))
-        count = write_export(_counted(exports, progress, total), args.format, args.out, redact_secrets=args.redact)
+        count = write_export(_counted(exports, progress, total), args.format, args.out,
+                             redact_secrets=args.redact)
     finally:
         cleanup()
     progress.finish(f"exported {count:,} sessions as {args.format} to {args.out}"
                     f"{' (redacted, best effort)' if args.redact else ''}")
     if args.json and args.out != "-":
-        _print_json({"exported": count, "format": args.format, "out": args.out, "redacted": args.redact}, out)
+        _print_json({"exported": count, "format": args.format, "out": args.out,
+                     "redacted": args.redact}, out)
     return 0
 
 
 def _read_jsonl(path, progress):
-    """The file's sessions, one JSON value a line ('-' is stdin); ValueError names a line that cannot be read."""
+    """The file's sessions, one JSON value a line ('-' is stdin); ValueError names a line that
+    cannot be read."""
     sessions = []
     name = "<stdin>" if path == "-" else path
     handle = sys.stdin.buffer if path == "-" else open(path, "rb")
@@ -528,7 +588,8 @@ def _read_jsonl(path, progress):
             except RecursionError:
                 raise ValueError(f"{name}:{number}: JSON nested too deep to read") from None
             except UnicodeDecodeError as exc:
-                raise ValueError(f"{name}:{number}: not UTF-8 ({exc.reason} at byte {exc.start + 1})") from None
+                where = f"{exc.reason} at byte {exc.start + 1}"
+                raise ValueError(f"{name}:{number}: not UTF-8 ({where})") from None
             except ValueError as exc:
                 raise ValueError(f"{name}:{number}: not JSON ({exc})") from None
     finally:
@@ -545,8 +606,8 @@ def _cmd_import(db, args, out):
     # Each session keeps its limits; the totals of one API call do not apply to a file.
     limits = dict(db.import_limits(), sessions=len(sessions), total_messages=float("inf"),
                   total_bytes=float("inf"))
-    progress.phase("writing", f"{len(sessions):,} sessions in one transaction (all or nothing); the write lock "
-                   "is held until it ends, other processes' writes wait")
+    progress.phase("writing", f"{len(sessions):,} sessions in one transaction (all or nothing); "
+                   "the write lock is held until it ends, other processes' writes wait")
     try:
         result = db.import_sessions(sessions, limits=limits, one_transaction=True)
     except sqlite3.Error as exc:
@@ -561,13 +622,14 @@ def _cmd_import(db, args, out):
         return 1
     totals = {key: result[key] for key in ("imported", "skipped", "detached")}
     if result.get("unstored_fields"):
-        sys.stderr.write("warning: this store has no column for " + ", ".join(result["unstored_fields"])
-                         + "; those values were not imported\n")
+        fields = ", ".join(result["unstored_fields"])
+        sys.stderr.write(f"warning: this store has no column for {fields}; those values were not "
+                         "imported\n")
     progress.finish("written")
     if args.json:
         _print_json(totals, out)
     else:
-        out.write(f"imported {totals['imported']}, skipped {totals['skipped']}, detached {totals['detached']}\n")
+        out.write("imported {imported}, skipped {skipped}, detached {detached}\n".format(**totals))
     return 0
 
 
@@ -625,11 +687,13 @@ def _cmd_backup(db, args, out):
     progress = Progress("backup")
     progress.phase("snapshotting and zipping", str(db.db_path.parent))
     result = db.backup(args.out)
-    progress.finish(f"{len(result['files'])} files, {human_size(os.path.getsize(result['archive']))}")
+    size = human_size(os.path.getsize(result["archive"]))
+    progress.finish(f"{len(result['files'])} files, {size}")
     if args.json:
         _print_json(result, out)
     else:
-        out.write(f"backed up {len(result['files'])} files of {db.db_path.parent} to {result['archive']}\n")
+        out.write(f"backed up {len(result['files'])} files of {db.db_path.parent} to "
+                  f"{result['archive']}\n")
     return 0
 
 
@@ -643,7 +707,8 @@ def _cmd_restore(args, out):
     if args.json:
         _print_json(result, out)
     else:
-        out.write(f"restored {len(result['restored'])} files into {Path(result['db_path']).parent}\n")
+        home = Path(result["db_path"]).parent
+        out.write(f"restored {len(result['restored'])} files into {home}\n")
     return 0
 
 
@@ -654,8 +719,8 @@ def _cmd_serve(args, out):
     open_read_only(path).close()  # the same checks and message as every read command
     token = os.environ.get("HERMES_STATE_TOKEN", "").strip() or None
     try:
-        return serve(path, args.host, args.port, allow_remote=args.allow_remote, token=token, out=out,
-                     read_only=not args.writable)
+        return serve(path, args.host, args.port, allow_remote=args.allow_remote, token=token,
+                     out=out, read_only=not args.writable, as_json=args.json)
     except ValueError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
@@ -667,12 +732,12 @@ def _cmd_demo(args, out):
     try:
         with SessionDB() as db:
             build_demo_history(db)
+            sessions = db.list_sessions_rich(limit=20, include_children=True)
             if args.json:
-                _print_json({"db_path": str(db.db_path),
-                             "sessions": db.list_sessions_rich(limit=20, include_children=True)}, out)
+                _print_json({"db_path": str(db.db_path), "sessions": sessions}, out)
                 return 0
             out.write("== sessions (python3 -m hermes_state list)\n")
-            _print_table(*_session_rows(db.list_sessions_rich(limit=20, include_children=True)), out)
+            _print_table(*_session_rows(sessions), out)
             tip = db.get_compression_tip("demo-refactor-1")
             out.write(f"\n== the compression chain ending in {tip}, shown as one session\n")
             _print_session(db.export_session_lineage(tip), out)
@@ -713,13 +778,17 @@ def build_demo_history(db):
     db.end_session("demo-zh", "user_exit")
 
 
-# -- the parser --------------------------------------------------------------------------------------------
+# -- the parser ----------------------------------------------------------------------------
 
 _M = "python3 -m hermes_state"
+SESSION_ID_HELP = "a session id or a unique prefix of one"
+YES_HELP = "do not ask (needed when stdin is not a terminal)"
 EXAMPLES = {
-    "list": f"{_M} list -n 5\n  {_M} list --source telegram --format csv > sessions.csv\n  {_M} list -n 0 --format jsonl",
+    "list": f"{_M} list -n 5\n  {_M} list --source telegram --format csv > sessions.csv\n"
+            f"  {_M} list -n 0 --format jsonl",
     "show": f"{_M} show 20260301_0915 --lineage",
-    "search": f"{_M} search 'config loader' --sort newest\n  {_M} search 迁移 --role user --format json",
+    "search": f"{_M} search 'config loader' --sort newest\n"
+              f"  {_M} search 迁移 --role user --format json",
     "stats": f"{_M} stats --json",
     "doctor": f"{_M} --db ~/.hermes/state.db doctor",
     "optimize": f"{_M} optimize",
@@ -728,7 +797,8 @@ EXAMPLES = {
               f"  {_M} export --session-id 20260301 --lineage -",
     "import": f"{_M} import sessions.jsonl\n  gunzip -c old.jsonl.gz | {_M} import -",
     "delete": f"{_M} delete 20260301_0915 --dry-run\n  {_M} delete 20260301_0915 --yes",
-    "prune": f"{_M} prune --older-than 90 --dry-run\n  {_M} prune --older-than 90 --source cron --yes",
+    "prune": f"{_M} prune --older-than 90 --dry-run\n"
+             f"  {_M} prune --older-than 90 --source cron --yes",
     "backup": f"{_M} backup home-2026-03-01.zip",
     "restore": f"{_M} restore home-2026-03-01.zip --force",
     "serve": f"HERMES_STATE_TOKEN=$(openssl rand -hex 24) {_M} serve --port 8765",
@@ -743,9 +813,10 @@ def build_parser():
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print the result as JSON on stdout")
     parser = argparse.ArgumentParser(
-        prog=_M, parents=[common], description="The agent's session store: browse, search, export, maintain.",
-        epilog=f"example:\n  {_M} demo\n  {_M} list\n\nexit status: 0 success, 1 failure, 2 usage error. "
-               "Data goes to stdout, progress and diagnostics to stderr.",
+        prog=_M, parents=[common],
+        description="The agent's session store: browse, search, export, maintain.",
+        epilog=f"example:\n  {_M} demo\n  {_M} list\n\nexit status: 0 success, 1 failure, 2 usage "
+               "error. Data goes to stdout, progress and diagnostics to stderr.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -755,63 +826,76 @@ def build_parser():
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def paging(sub, what):
-        sub.add_argument("-n", "--limit", type=_int_range(0, LIST_LIMIT_MAX), default=20, metavar="N",
-                         help=f"at most N {what} (default 20; 0 for all)")
+        sub.add_argument("-n", "--limit", type=_int_range(0, LIST_LIMIT_MAX), default=20,
+                         metavar="N", help=f"at most N {what} (default 20; 0 for all)")
         sub.add_argument("--offset", type=_int_range(0, OFFSET_MAX), default=0, metavar="N",
                          help=f"skip the first N {what}")
         sub.add_argument("--format", choices=LIST_FORMATS, default="table",
-                         help="table (default), json, jsonl (one object a line) or csv (with a header row)")
+                         help="table (default), json, jsonl (one object a line) or csv (a header "
+                              "row first)")
 
     listing = command("list", "sessions, most recently active first")
     listing.add_argument("--source", help="only sessions from this source (cli, telegram, ...)")
     paging(listing, "sessions")
     listing.add_argument("--archived", action="store_true", help="include archived sessions")
     show = command("show", "one session with its messages, numbered 1, 2, 3")
-    show.add_argument("session_id", metavar="ID", type=_non_empty, help="a session id or a unique prefix of one")
-    show.add_argument("--lineage", action="store_true", help="the whole compression chain as one session")
+    show.add_argument("session_id", metavar="ID", type=_non_empty, help=SESSION_ID_HELP)
+    show.add_argument("--lineage", action="store_true",
+                      help="the whole compression chain as one session")
     search = command("search", "full-text search over messages (words, phrases, CJK)")
     search.add_argument("query", help="words, \"a phrase\", or CJK text of any length")
     search.add_argument("--source", action="append", help="only this source (repeatable)")
-    search.add_argument("--role", action="append", help="only this role (repeatable); 'tool' searches tool output")
+    search.add_argument("--role", action="append",
+                        help="only this role (repeatable); 'tool' searches tool output")
     paging(search, "hits")
     search.add_argument("--sort", choices=["relevance", "newest", "oldest"],
                         help="relevance (default: best match first), newest or oldest")
     search.add_argument("--include-inactive", action="store_true", help="include rewound messages")
     command("optimize", "merge the search index segments (quick)")
-    storage = command("optimize-storage", "move an old search index layout to the current one, then VACUUM")
-    storage.add_argument("--no-vacuum", action="store_true", help="rebuild now, reclaim the space later")
+    storage = command("optimize-storage",
+                      "move an old search index layout to the current one, then VACUUM")
+    storage.add_argument("--no-vacuum", action="store_true",
+                         help="rebuild now, reclaim the space later")
     storage.add_argument("--yes", action="store_true", help="do not ask before starting")
     export = command("export", "write sessions out (jsonl, md, qmd, html, trace)")
-    export.add_argument("out", metavar="OUT", help="file (folder for md/qmd); '-' is stdout for jsonl and trace")
-    export.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl", help="jsonl (default), md, qmd, "
-                        "html or trace")
+    export.add_argument("out", metavar="OUT",
+                        help="file (folder for md/qmd); '-' is stdout for jsonl and trace")
+    export.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl",
+                        help="jsonl (default), md, qmd, html or trace")
     export.add_argument("--session-id", type=_non_empty, metavar="ID",
                         help="one session (an id or a unique prefix) instead of all")
-    export.add_argument("--lineage", action="store_true", help="with --session-id: its whole compression chain")
+    export.add_argument("--lineage", action="store_true",
+                        help="with --session-id: its whole compression chain")
     export.add_argument("--source", help="only sessions from this source")
-    export.add_argument("--redact", action="store_true", help="mask secrets in every string (best effort)")
+    export.add_argument("--redact", action="store_true",
+                        help="mask secrets in every string (best effort)")
     importing = command("import", "add sessions from a jsonl export, all or nothing")
     importing.add_argument("file", metavar="FILE", help="a jsonl export; '-' reads standard input")
     delete = command("delete", "delete one session and its messages (asks first)")
-    delete.add_argument("session_id", metavar="ID", type=_non_empty, help="a session id or a unique prefix of one")
+    delete.add_argument("session_id", metavar="ID", type=_non_empty, help=SESSION_ID_HELP)
     delete.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
-    delete.add_argument("--yes", action="store_true", help="do not ask (needed when stdin is not a terminal)")
+    delete.add_argument("--yes", action="store_true", help=YES_HELP)
     prune = command("prune", "delete old ended sessions (asks first)")
     prune.add_argument("--older-than", type=_days, required=True, metavar="DAYS",
                        help="sessions inactive for more than DAYS days (a number >= 0)")
     prune.add_argument("--source", help="only sessions from this source")
     prune.add_argument("--dry-run", action="store_true", help="only list what would go")
-    prune.add_argument("--yes", action="store_true", help="do not ask (needed when stdin is not a terminal)")
+    prune.add_argument("--yes", action="store_true", help=YES_HELP)
     backup = command("backup", "zip the whole home, store included")
     backup.add_argument("out", metavar="OUT.zip", help="the archive to write")
     restore = command("restore", "put a whole home back from a backup")
     restore.add_argument("archive", metavar="ARCHIVE", help="a zip written by backup")
-    restore.add_argument("--force", action="store_true", help="replace an existing store (it is kept as .bak)")
+    restore.add_argument("--force", action="store_true",
+                         help="replace an existing store (it is kept as .bak)")
     server = command("serve", "local HTTP API and session browser (read-only unless --writable)")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    server.add_argument("--port", type=_int_range(1, 65535), default=8765, help="TCP port, 1-65535 (default 8765)")
-    server.add_argument("--allow-remote", action="store_true", help="allow a host that is not loopback")
-    server.add_argument("--writable", action="store_true", help="also serve the import and restore endpoints")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1)")
+    server.add_argument("--port", type=_int_range(1, 65535), default=8765,
+                        help="TCP port, 1-65535 (default 8765)")
+    server.add_argument("--allow-remote", action="store_true",
+                        help="allow a host that is not loopback")
+    server.add_argument("--writable", action="store_true",
+                        help="also serve the import and restore endpoints")
     command("stats", "counts and sizes")
     command("doctor", "a verdict, then integrity, layouts, journal, runtime")
     command("demo", "build and show an example store in a temp home")
@@ -836,31 +920,40 @@ def main(argv=None, out=None):
         parser.error("export --lineage needs --session-id")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
     try:
-        if args.command == "demo":
-            return _cmd_demo(args, out)
-        if args.command == "restore":
-            return _cmd_restore(args, out)
-        if args.command == "serve":
-            return _cmd_serve(args, out)
-        path = store_path(args)
-        if args.command in READ_COMMANDS:
-            db = open_read_only(path, damaged_ok=args.command == "doctor")
-        else:
-            check_store(path, may_create=args.command == "import")
-            db = SessionDB(path)
-        with db:
-            return _COMMANDS[args.command](db, args, out)
+        return _run(args, out)
     except BrokenPipeError:
         # The reader went away (`... | head`): stop quietly, and keep Python from
         # complaining about the unflushed stdout at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except KeyboardInterrupt:
+        _end_progress()
         sys.stderr.write("\ninterrupted\n")
         return 1
-    except CommandError as exc:
+    except (CommandError, ValueError, OSError, RuntimeError, sqlite3.Error) as exc:
+        _end_progress()
         sys.stderr.write(f"error: {exc}\n")
         return 1
-    except (ValueError, OSError, RuntimeError, sqlite3.Error) as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 1
+
+
+def _end_progress():
+    for progress in list(_RUNNING):
+        progress.finish()
+
+
+def _run(args, out):
+    """The command, on a store opened the way it needs (read-only for a read)."""
+    if args.command == "demo":
+        return _cmd_demo(args, out)
+    if args.command == "restore":
+        return _cmd_restore(args, out)
+    if args.command == "serve":
+        return _cmd_serve(args, out)
+    path = store_path(args)
+    if args.command in READ_COMMANDS:
+        db = open_read_only(path, damaged_ok=args.command == "doctor")
+    else:
+        check_store(path, may_create=args.command == "import")
+        db = SessionDB(path)
+    with db:
+        return _COMMANDS[args.command](db, args, out)

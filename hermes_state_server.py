@@ -123,8 +123,8 @@ class StateServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, db_path=None, host="127.0.0.1", port=DEFAULT_PORT, token=None, allow_remote=False,
-                 read_only=False):
+    def __init__(self, db_path=None, host="127.0.0.1", port=DEFAULT_PORT, token=None,
+                 allow_remote=False, read_only=False):
         if not is_loopback(host) and not allow_remote:
             raise ValueError(f"refusing to listen on {host}: not a loopback address; pass --allow-remote "
                              "to expose the store beyond this machine")
@@ -510,14 +510,20 @@ class ApiHandler(BaseHTTPRequestHandler):
         return json_response(result)
 
 
-def serve(db_path=None, host="127.0.0.1", port=DEFAULT_PORT, allow_remote=False, token=None, out=None,
-          read_only=False):
-    """Run the server until interrupted; prints the page's URL (with the token in its fragment)."""
+def serve(db_path=None, host="127.0.0.1", port=DEFAULT_PORT, allow_remote=False, token=None,
+          out=None, read_only=False, as_json=False):
+    """Run the server until interrupted; prints the page's URL (with the token in its fragment),
+    as one JSON line with `as_json`."""
     out = out or sys.stdout
-    server = StateServer(db_path, host, port, token=token, allow_remote=allow_remote, read_only=read_only)
-    out.write(f"hermes_state serving {server.db_path}\n"
-              f"open {server.url}#token={server.token}\n"
-              f"API: Authorization: Bearer {server.token}\n")
+    server = StateServer(db_path, host, port, token=token, allow_remote=allow_remote,
+                         read_only=read_only)
+    if as_json:
+        out.write(json.dumps({"db_path": str(server.db_path), "url": server.url,
+                              "token": server.token, "read_only": read_only}) + "\n")
+    else:
+        out.write(f"hermes_state serving {server.db_path}{' (read-only)' if read_only else ''}\n"
+                  f"open {server.url}#token={server.token}\n"
+                  f"API: Authorization: Bearer {server.token}\n")
     out.flush()
     try:
         server.serve_forever()

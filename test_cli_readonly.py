@@ -209,12 +209,14 @@ class ServeReadOnly(CliTestCase):
         env = dict(os.environ, HERMES_HOME=str(self.tmp / "home"), PYTHONPATH=str(REPO), HERMES_STATE_TOKEN=token)
         port = _free_port()
         server = subprocess.Popen([sys.executable, "-m", "hermes_state", "--db", str(path), "serve", "--port",
-                                   str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                   str(port), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=env)
         self.addCleanup(server.wait, 30)
         self.addCleanup(server.stderr.close)
         self.addCleanup(server.stdout.close)
         self.addCleanup(server.terminate)
-        self.assertIn("serving", server.stdout.readline())
+        started = json.loads(server.stdout.readline())
+        self.assertEqual((started["url"], started["read_only"]), (f"http://127.0.0.1:{port}/", True))
 
         def call(method, route, body=None):
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

@@ -461,8 +461,8 @@ class Hardening(ServerCase):
         self.assertFalse((self.tmp / "short.db").exists())
         env = dict(os.environ, HERMES_STATE_TOKEN="too-short", PYTHONPATH=str(REPO))
         SessionDB(self.tmp / "cli.db").close()  # serve reads a store; it creates none
-        result = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.tmp / "cli.db"), "serve"],
-                                capture_output=True, text=True, env=env, timeout=60)
+        result = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.tmp / "cli.db"),
+                                 "serve"], capture_output=True, text=True, env=env, timeout=60)
         self.assertEqual(result.returncode, 2)
         self.assertIn("error: the token (HERMES_STATE_TOKEN) is 9 characters; the minimum is 32", result.stderr)
 
