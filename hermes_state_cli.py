@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import sqlite3
 import sys
@@ -121,8 +122,13 @@ def _format_time(ts):
 
 
 def _one_line(text, width):
+    """`text` on one line in `width` characters; a long one is cut around its first >>>match<<<."""
     text = " ".join(str(text or "").split())
-    return text if len(text) <= width else text[:width - 1] + "…"
+    if len(text) <= width:
+        return text
+    start = max(0, min(text.find(">>>") - width // 4, len(text) - width + 1))
+    head = "…" if start else ""
+    return head + text[start + len(head):start + width - 1] + "…"
 
 
 def _session_rows(sessions):
@@ -133,9 +139,35 @@ def _session_rows(sessions):
     return ("id", "source", "last active", "messages", "title"), rows
 
 
-def _hit_rows(hits):
+def query_terms(query):
+    """The words and phrases of a search query a hit contains (no operators, nothing after NOT or -)."""
+    terms, skip = [], False
+    for match in re.finditer(r'"([^"]*)"|(\S+)', query or ""):
+        word = match.group(1) if match.group(1) is not None else match.group(2).strip("()")
+        if word.upper() in ("AND", "OR", "NOT") and match.group(1) is None:
+            skip = word.upper() == "NOT"
+            continue
+        if not skip and word and not word.startswith("-"):
+            terms.append(word)
+        skip = False
+    return terms
+
+
+def mark_terms(snippet, query):
+    """`snippet` with the query's terms in >>> <<<, when the search left it unmarked (hermes-agent's
+    plain snippet of a scanned hit, as for a CJK term of 1 or 2 characters)."""
+    if not snippet or ">>>" in snippet:
+        return snippet
+    terms = sorted(set(query_terms(query)), key=len, reverse=True)
+    if not terms:
+        return snippet
+    pattern = re.compile("|".join(map(re.escape, terms)), re.IGNORECASE)
+    return pattern.sub(lambda found: f">>>{found.group(0)}<<<", snippet)
+
+
+def _hit_rows(hits, query=None):
     rows = [(h["session_id"], str(h["id"]), h["role"], _format_time(h["timestamp"]),
-             _one_line(h["snippet"], 80)) for h in hits]
+             _one_line(mark_terms(h["snippet"], query), 80)) for h in hits]
     return ("session", "message id", "role", "time", "snippet"), rows
 
 
@@ -395,7 +427,7 @@ def _cmd_search(db, args, out):
     hits = _all_pages(fetch, asked)
     more = bool(args.limit) and len(hits) > args.limit
     hits = hits[:args.limit] if args.limit else hits
-    _write_records(hits, args.format, out, _hit_rows)
+    _write_records(hits, args.format, out, lambda rows: _hit_rows(rows, args.query))
     if more:
         sys.stderr.write(f"showing the first {len(hits):,} hits; more match (-n 0 for all, "
                          f"--offset {args.offset + len(hits)} for the next page)\n")
@@ -745,7 +777,7 @@ def _cmd_demo(args, out):
             _print_session(db.export_session("demo-zh"), out)
             for query in ("my-app.config.ts", "迁移", "会话历史"):
                 out.write(f"\n== search {query!r} (python3 -m hermes_state search ...)\n")
-                _print_table(*_hit_rows(db.search_messages(query)), out)
+                _print_table(*_hit_rows(db.search_messages(query), query), out)
             out.write(f"\nstore: {db.db_path}\n"
                       f"try:   python3 -m hermes_state --db {db.db_path} list\n")
     finally:

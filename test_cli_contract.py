@@ -173,6 +173,17 @@ class OutputContract(CliCase):
         self.assertEqual([int(r["id"]) for r in rows], [h["id"] for h in hits[:7]])
         self.assertEqual(self.run_cli("search", "parser", "--sort", "relevance", "-n", "3").returncode, 0)
 
+    def test_every_hit_is_highlighted_cjk_of_any_length_included(self):
+        for query in ("会话", "parser", "迁移"):
+            with self.subTest(query=query):
+                table = self.run_cli("search", query, "-n", "0").stdout.splitlines()[2:]
+                self.assertTrue(table)
+                for row in table:
+                    self.assertRegex(row, r">>>(会话|parser|迁移|schema)<<<", row)
+        hits = json.loads(self.run_cli("search", "会话", "--json").stdout)
+        self.assertEqual([h["id"] for h in hits], [276, 108, 73])  # fixtures/README.md
+        self.assertNotIn(">>>", hits[0]["snippet"])  # the API keeps hermes-agent's plain snippet
+
     def test_human_values_not_reprs(self):
         stats = self.run_cli("stats").stdout
         self.assertRegex(stats, r"db_bytes: 1\.3 MB\n")
