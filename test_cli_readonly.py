@@ -1,5 +1,6 @@
-"""The command line on stores it must not change: read commands on hermes-agent's stores, a missing path,
-a file that is not a store, and a store the user may only read (run as an unprivileged user)."""
+"""The command line on stores it must not change: read commands on hermes-agent's stores, a
+missing path, a file that is not a store, and a store the user may only read (run as an
+unprivileged user)."""
 
 import hashlib
 import http.client
@@ -17,19 +18,21 @@ from hermes_state import SessionDB
 from test_support import REPO, V22_DB, V26_DB, TempDirTestCase, fixture_path
 
 V31_DB = "hermes_v31_store.db"
-READS = (("stats",), ("doctor",), ("list",), ("search", "会话"), ("show", "bench_000001", "--lineage"),
-         ("export", "OUT"))
-WRITES = (("import", "EXPORT"), ("delete", "bench_000001", "--yes"), ("prune", "--older-than", "1", "--yes"),
-          ("optimize",), ("optimize-storage", "--yes"))
+READS = (("stats",), ("doctor",), ("list",), ("search", "会话"),
+         ("show", "bench_000001", "--lineage"), ("export", "OUT"))
+WRITES = (("import", "EXPORT"), ("delete", "bench_000001", "--yes"),
+          ("prune", "--older-than", "1", "--yes"), ("optimize",), ("optimize-storage", "--yes"))
 
 
 def folder_state(folder):
     """{name: sha256} of every file in `folder`."""
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).iterdir())}
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).iterdir())}
 
 
-# Root runs the CLI as user nobody: it loads the modules first (this Python may live where nobody cannot
-# read, as pyenv's under /root does), then drops to nobody before the command touches any file.
+# Root runs the CLI as user nobody: it loads the modules first (this Python may live where nobody
+# cannot read, as pyenv's under /root does), then drops to nobody before the command touches any
+# file.
 AS_NOBODY = ("import os, sys\n"
              "import hermes_state_cli, hermes_state_server\n"
              "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
@@ -37,7 +40,7 @@ AS_NOBODY = ("import os, sys\n"
 
 
 def resolve(args, out):
-    """`args` with OUT and EXPORT replaced by an output path and a jsonl export of hermes-agent's."""
+    """`args` with OUT and EXPORT replaced by an output path and hermes-agent's jsonl export."""
     export = fixture_path("hermes_v26_export.jsonl")
     return [out if a == "OUT" else export if a == "EXPORT" else a for a in args]
 
@@ -68,7 +71,8 @@ class CommandLineReads(CliTestCase):
                     self.assertEqual(result.returncode, 0, result.stderr)
                     self.assertNotIn("Traceback", result.stderr)
                     after = folder_state(folder)
-                    # SQLite's reader makes an empty -wal and its -shm index beside a WAL store; nothing else.
+                    # SQLite's reader makes an empty -wal and its -shm index beside a WAL store;
+                    # nothing else.
                     self.assertEqual({k: v for k, v in after.items() if k in before}, before)
                     self.assertLessEqual(set(after) - set(before), {"state.db-wal", "state.db-shm"})
                     if "state.db-wal" in after:
@@ -84,7 +88,8 @@ class CommandLineReads(CliTestCase):
         doctor = self.run_cli("--db", path, "doctor")
         self.assertEqual(doctor.returncode, 0, doctor.stderr)
         verdict = doctor.stdout.splitlines()[0]
-        self.assertTrue(verdict.startswith(f"ok: {path} is healthy; the agent's next open will upgrade"), verdict)
+        expected = f"ok: {path} is healthy; the agent's next open will upgrade"
+        self.assertTrue(verdict.startswith(expected), verdict)
         with SessionDB(path):
             pass
         again = json.loads(self.run_cli("--db", path, "stats", "--json").stdout)
@@ -96,14 +101,15 @@ class CommandLineReads(CliTestCase):
                 with self.subTest(where=where, command=args[0]):
                     prefix = ("--db", self.tmp / "mistyped" / "x.db") if where == "--db" else ()
                     result = self.run_cli(*prefix, *resolve(args, self.tmp / "out.jsonl"))
-                    missing = self.tmp / "mistyped" / "x.db" if where == "--db" else self.tmp / "home" / "state.db"
+                    missing = (self.tmp / "mistyped" / "x.db" if where == "--db"
+                               else self.tmp / "home" / "state.db")
                     self.assertEqual((result.returncode, result.stdout), (1, ""), result.stderr)
                     self.assertEqual(result.stderr, f"error: no store at {missing}\n")
                     self.assertEqual(sorted(p.name for p in self.tmp.iterdir()), [])
 
     def test_a_file_that_is_not_a_store_is_refused_and_left_as_it_was(self):
-        contents = {"notes.txt": "my notes, not a database\n".encode() * 40, "noise.db": os.urandom(8192),
-                    "zeroes.db": bytes(4096), "empty.db": b""}
+        contents = {"notes.txt": "my notes, not a database\n".encode() * 40,
+                    "noise.db": os.urandom(8192), "zeroes.db": bytes(4096), "empty.db": b""}
         for name, content in contents.items():
             path = self.tmp / name
             path.write_bytes(content)
@@ -119,13 +125,14 @@ class CommandLineReads(CliTestCase):
     def test_import_into_a_missing_store_creates_it(self):
         path = self.tmp / "new" / "state.db"
         result = self.run_cli("--db", path, "import", "-",
-                              stdin=fixture_path("hermes_v26_export.jsonl").read_text(encoding="utf-8"))
+                              stdin=fixture_path("hermes_v26_export.jsonl").read_text("utf-8"))
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertEqual(result.stdout, "imported 20, skipped 0, detached 0\n")
 
 
 class UnprivilegedReads(CliTestCase):
-    """A 0444 store in a 0555 folder, read by a user who owns neither (root drops to nobody in the child)."""
+    """A 0444 store in a 0555 folder, read by a user who owns neither (root drops to nobody in the
+    child)."""
 
     def setUp(self):
         super().setUp()
@@ -135,7 +142,8 @@ class UnprivilegedReads(CliTestCase):
             self.unprivileged = True
             probe = self.run_cli("--help")
             if probe.returncode:
-                self.skipTest(f"cannot run the command line as user nobody: {probe.stderr[-200:]!r}")
+                self.skipTest("cannot run the command line as user nobody: "
+                              f"{probe.stderr[-200:]!r}")
         else:
             self.unprivileged = False  # already a user the folder's modes apply to
         os.chmod(self.tmp, 0o777)  # nobody writes its exports here
@@ -206,23 +214,26 @@ class ServeReadOnly(CliTestCase):
         shutil.copyfile(fixture_path(V26_DB), path)
         before = folder_state(folder)
         token = "t" * 40
-        env = dict(os.environ, HERMES_HOME=str(self.tmp / "home"), PYTHONPATH=str(REPO), HERMES_STATE_TOKEN=token)
+        env = dict(os.environ, HERMES_HOME=str(self.tmp / "home"), PYTHONPATH=str(REPO),
+                   HERMES_STATE_TOKEN=token)
         port = _free_port()
-        server = subprocess.Popen([sys.executable, "-m", "hermes_state", "--db", str(path), "serve", "--port",
-                                   str(port), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=env)
+        server = subprocess.Popen([sys.executable, "-m", "hermes_state", "--db", str(path), "serve",
+                                   "--port", str(port), "--json"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env)
         self.addCleanup(server.wait, 30)
         self.addCleanup(server.stderr.close)
         self.addCleanup(server.stdout.close)
         self.addCleanup(server.terminate)
         started = json.loads(server.stdout.readline())
-        self.assertEqual((started["url"], started["read_only"]), (f"http://127.0.0.1:{port}/", True))
+        self.assertEqual((started["url"], started["read_only"]),
+                         (f"http://127.0.0.1:{port}/", True))
 
         def call(method, route, body=None):
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
             try:
                 conn.request(method, route, body=json.dumps(body) if body is not None else None,
-                             headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+                             headers={"Authorization": f"Bearer {token}",
+                                      "Content-Type": "application/json"})
                 response = conn.getresponse()
                 return response.status, json.loads(response.read() or b"null")
             finally:
@@ -231,7 +242,8 @@ class ServeReadOnly(CliTestCase):
         self.assertEqual(status, 200)
         self.assertEqual(len(listed["sessions"]), 20)
         self.assertEqual(call("GET", "/api/search?q=parser")[0], 200)
-        status, refused = call("POST", "/api/sessions/import", {"sessions": [{"id": "x", "source": "cli"}]})
+        status, refused = call("POST", "/api/sessions/import",
+                               {"sessions": [{"id": "x", "source": "cli"}]})
         self.assertEqual(status, 403)
         self.assertIn("serve --writable", refused["error"])
         server.terminate()

@@ -503,9 +503,12 @@ const byId = {};
 globalThis.document = {createElement: (t) => new Node_(t), createTextNode: (t) => ({text: t}),
   getElementById: (id) => byId[id] || (byId[id] = new Node_("div"))};
 globalThis.location = {hash: "", pathname: "/"}; globalThis.history = {replaceState() {}};
-const stored = {}; globalThis.sessionStorage = {getItem: (k) => stored[k] || null, setItem: (k, v) => { stored[k] = v; }};
+const stored = {};
+globalThis.sessionStorage = {getItem: (k) => stored[k] || null,
+                             setItem: (k, v) => { stored[k] = v; }};
 globalThis.fetch = async () => ({status: 401, ok: false, json: async () => ({})});
-const flat = (node) => node.children.map((c) => c.tag ? "[" + (c.textContent || flat(c).join("")) + "]" : c.text);
+const flat = (node) => node.children.map(
+  (c) => c.tag ? "[" + (c.textContent || flat(c).join("")) + "]" : c.text);
 """
 
 
@@ -514,7 +517,7 @@ class ThePage(ServerCase):
     def run_page_script(self, probe):
         node = shutil.which("node")
         if node is None:
-            self.skipTest("node is not installed: the page's script is checked only where node runs")
+            self.skipTest("node is not installed: the page's script is run only where node is")
         page = self.call("/", raw=True)[1].decode("utf-8")
         script = page.split("<script", 1)[1].split(">", 1)[1].split("</script>", 1)[0]
         result = subprocess.run([node, "-"], input=PAGE_SHIM + script + probe, capture_output=True,
@@ -525,9 +528,11 @@ class ThePage(ServerCase):
     def test_search_pages_say_whether_more_follow(self):
         self.call("/api/sessions/import", "POST", {"sessions": fixture_sessions()})
         status, first = self.call("/api/search?q=parser&limit=50")
-        self.assertEqual((status, len(first["hits"]), first["more"], first["offset"]), (200, 50, True, 0))
+        self.assertEqual((status, len(first["hits"]), first["more"], first["offset"]),
+                         (200, 50, True, 0))
         status, rest = self.call("/api/search?q=parser&limit=50&offset=50")
-        self.assertEqual((len(rest["hits"]), rest["more"]), (16, False))  # 66 hits: fixtures/README.md
+        # 66 hits: fixtures/README.md
+        self.assertEqual((len(rest["hits"]), rest["more"]), (16, False))
         self.assertEqual({h["id"] for h in first["hits"]} & {h["id"] for h in rest["hits"]}, set())
 
     def test_every_hit_is_highlighted_cjk_of_any_length_included(self):
@@ -543,7 +548,8 @@ console.log(JSON.stringify(queryTerms('会话 "a phrase" NOT secret -minus (word
     def test_without_a_token_the_page_asks_for_it(self):
         out = self.run_page_script("""
 setTimeout(() => { const form = byId.view.children[0];
-  console.log(form.tag + " " + form.children[0].textContent + " | " + form.children[1].textContent); }, 50);
+  console.log(form.tag + " " + form.children[0].textContent + " | " +
+              form.children[1].textContent); }, 50);
 """)
         self.assertTrue(out.startswith("form This page needs its token | Paste the token"), out)
         self.assertNotIn("Authorization", out)
