@@ -31,10 +31,10 @@ def folder_state(folder):
 
 
 # Root runs the CLI as user nobody: it loads the modules first (this Python may live where nobody
-# cannot read, as pyenv's under /root does), then drops to nobody before the command touches any
-# file.
+# cannot read, as pyenv's under /root does; textwrap is what argparse's help loads late), then drops
+# to nobody before the command touches any file.
 AS_NOBODY = ("import os, sys\n"
-             "import hermes_state_cli, hermes_state_server\n"
+             "import hermes_state_cli, hermes_state_server, textwrap\n"
              "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
              "sys.exit(hermes_state_cli.main(sys.argv[1:]))\n")
 
