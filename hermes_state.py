@@ -557,6 +557,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     # `write_budget` bounds every write.
     _WRITE_PATIENCE_S = WRITE_BUDGET_SECONDS
     _TRANSCRIPT_WRITE_PATIENCE_S = 3 * WRITE_BUDGET_SECONDS
+    _reader_flags = ""  # URI parameters after mode=ro of every read connection (see _open_read_only)
 
     def __init__(self, db_path=None, read_only=False, *, connection_factory=None,
                  write_budget=None, journal=None, checkpoint=None):
@@ -594,6 +595,12 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     def _open_read_only(self):
         if not self.db_path.exists():
             raise FileNotFoundError(f"no state store at {self.db_path}")
+        if not os.access(self.db_path.parent, os.W_OK) and not any(
+                os.path.lexists(str(self.db_path) + suffix) for suffix in SIDECAR_SUFFIXES):
+            # SQLite cannot read a WAL store with mode=ro where it may not create the -shm. With no journal or
+            # WAL beside it the file is the whole store, and no writer can start one in this folder (it would
+            # have to create it): SQLite may read it as immutable, taking no lock (root's writes go unseen).
+            self._reader_flags = "&immutable=1"
         try:
             self.stale_schema = self._stale_schema_report()
         except sqlite3.DatabaseError as exc:
@@ -889,8 +896,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         except queue.Empty:
             pass
         # mode=ro: a read connection can never write, nor checkpoint on close.
-        conn = self._new_connection(self.db_path.resolve().as_uri() + "?mode=ro", uri=True,
-                                    timeout=self.write_budget)
+        uri = self.db_path.resolve().as_uri() + "?mode=ro" + self._reader_flags
+        conn = self._new_connection(uri, uri=True, timeout=self.write_budget)
         with self._readers_lock:
             self._readers.append(conn)
         return conn

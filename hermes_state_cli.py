@@ -1,222 +1,651 @@
 """`python -m hermes_state`: the command line over SessionDB.
 
-Owns argument parsing, what each subcommand prints (data on stdout,
-progress and diagnostics on stderr) and exit codes (0 success, 1 failure,
-2 usage). It holds no store logic: every command is a few SessionDB calls.
+Owns argument parsing and its ranges, what each subcommand prints (data on stdout; progress,
+questions and diagnostics on stderr), the checks made before a store is opened (a read never
+creates, upgrades or repairs one; no command sets aside a file that is not a store), the
+confirmation of destructive commands, and exit codes (0 success, 1 failure, 2 usage). It holds no
+store logic: every command is a few SessionDB calls. Only the agent's own open (the API) keeps
+quarantining a damaged file.
 """
 
 import argparse
+import csv
 import json
 import logging
+import math
 import os
+import re
+import shutil
 import sqlite3
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-from hermes_constants import reset_hermes_home_override, set_hermes_home_override
-from hermes_state import SessionDB, restore_home
-from hermes_state_common import COMPRESSION_END_REASON, LIST_LIMIT_MAX, require_int, store_file_bytes
+from hermes_constants import get_hermes_home, reset_hermes_home_override, set_hermes_home_override
+from hermes_state import SessionDB, damage_reason, restore_home
+from hermes_state_common import COMPRESSION_END_REASON, LIST_LIMIT_MAX, store_file_bytes
 from hermes_state_portability import EXPORT_FORMATS, json_default, message_text, write_export
+from hermes_state_schema import SCHEMA_VERSION
 
+# Commands that only read: opened read-only (no DDL, no repair, no journal switch, no lock file).
+# The others write, to a store that must exist already (import may create one).
+READ_COMMANDS = ("list", "show", "search", "stats", "doctor", "export", "backup", "serve")
+# The largest --offset: SQLite's OFFSET is a signed 64-bit integer, and offset + limit (+ 1 to see
+# whether more match) must stay one.
+OFFSET_MAX = 2 ** 63 - 1 - 2 * LIST_LIMIT_MAX
+LIST_FORMATS = ("table", "json", "jsonl", "csv")
+# A progress line on a terminal is redrawn at most this often; a plain line (stderr not a
+# terminal) is printed at most every PLAIN_PROGRESS_SECONDS.
+TTY_PROGRESS_SECONDS = 0.1
+PLAIN_PROGRESS_SECONDS = 5.0
+_DAMAGE_WORDS = {"empty": "an empty file", "zeroed": "all zero bytes", "notsqlite": "not SQLite"}
+
+
+class CommandError(Exception):
+    """A failure the command explains in one line; exit 1."""
+
+
+# -- argument types: argparse makes an ArgumentTypeError a usage error (exit 2) ---------------
+
+def _int_range(low, high, what=""):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: {low}-{high:,}{what}")
+        return value
+    return parse
+
+
+def _days(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of days") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: days must be a finite number >= 0")
+    return value
+
+
+def _non_empty(text):
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+# -- output ------------------------------------------------------------------------------
 
 def _print_json(value, out):
     json.dump(value, out, ensure_ascii=False, indent=2, default=json_default)
     out.write("\n")
 
 
-def _emit(args, out, value, print_text):
-    """`value` as JSON with --json, else as text through `print_text(value, out)`."""
-    if args.json:
-        _print_json(value, out)
-    else:
-        print_text(value, out)
+def human_size(n):
+    """`1.2 MB` for 1,234,567 bytes (decimal units, as `ls -h --si` prints them)."""
+    if n is None:
+        return "-"
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:,} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
 
 
-def _print_fields(width):
-    def print_fields(mapping, out):
-        for key, value in mapping.items():
-            out.write(f"{key:>{width}}: {value}\n")
-    return print_fields
+def human_value(key, value):
+    """A value as a person reads it: `-` for none, yes/no, `cli 2, telegram 1`, sizes in kB/MB."""
+    if value is None or value == "" or value == [] or value == {}:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int) and key.endswith("_bytes"):
+        return human_size(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {human_value(k, v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return "; ".join(human_value(key, v) for v in value)
+    return str(value)
+
+
+def _print_fields(mapping, out):
+    width = max((len(key) for key in mapping), default=0)
+    for key, value in mapping.items():
+        out.write(f"{key:>{width}}: {human_value(key, value)}\n")
 
 
 def _format_time(ts):
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
 
 
-def _print_session_list(sessions, out):
-    for s in sessions:
-        title = s.get("title") or (s.get("preview") or "").replace("\n", " ")
-        out.write(f"{s['id']:<24} {s['source']:<10} {_format_time(s.get('last_active')):<17} "
-                  f"{s.get('message_count') or 0:>5} msgs  {title[:60]}\n")
+def _one_line(text, width):
+    """`text` on one line in `width` characters; a long one is cut around its first >>>match<<<."""
+    text = " ".join(str(text or "").split())
+    if len(text) <= width:
+        return text
+    start = max(0, min(text.find(">>>") - width // 4, len(text) - width + 1))
+    head = "…" if start else ""
+    return head + text[start + len(head):start + width - 1] + "…"
+
+
+def _session_rows(sessions):
+    """(header, rows) of `list`'s table."""
+    rows = [(s["id"], s.get("source") or "-", _format_time(s.get("last_active")),
+             f"{s.get('message_count') or 0:,}",
+             _one_line(s.get("title") or s.get("preview") or "-", 60)) for s in sessions]
+    return ("id", "source", "last active", "messages", "title"), rows
+
+
+def query_terms(query):
+    """The words and phrases of a search query a hit contains (no operators, nothing after NOT or -)."""
+    terms, skip = [], False
+    for match in re.finditer(r'"([^"]*)"|(\S+)', query or ""):
+        word = match.group(1) if match.group(1) is not None else match.group(2).strip("()")
+        if word.upper() in ("AND", "OR", "NOT") and match.group(1) is None:
+            skip = word.upper() == "NOT"
+            continue
+        if not skip and word and not word.startswith("-"):
+            terms.append(word)
+        skip = False
+    return terms
+
+
+def mark_terms(snippet, query):
+    """`snippet` with the query's terms in >>> <<<, when the search left it unmarked (hermes-agent's
+    plain snippet of a scanned hit, as for a CJK term of 1 or 2 characters)."""
+    if not snippet or ">>>" in snippet:
+        return snippet
+    terms = sorted(set(query_terms(query)), key=len, reverse=True)
+    if not terms:
+        return snippet
+    pattern = re.compile("|".join(map(re.escape, terms)), re.IGNORECASE)
+    return pattern.sub(lambda found: f">>>{found.group(0)}<<<", snippet)
+
+
+def _hit_rows(hits, query=None):
+    rows = [(h["session_id"], str(h["id"]), h["role"], _format_time(h["timestamp"]),
+             _one_line(mark_terms(h["snippet"], query), 80)) for h in hits]
+    return ("session", "message id", "role", "time", "snippet"), rows
+
+
+def _print_table(header, rows, out):
+    widths = [max([len(header[i])] + [len(row[i]) for row in rows]) for i in range(len(header))]
+    right = {i for i, name in enumerate(header) if name in ("messages", "message id")}
+
+    def line(cells):
+        return "  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                         for i, (cell, w) in enumerate(zip(cells, widths))).rstrip() + "\n"
+    out.write(line(header))
+    out.write(line(["-" * w for w in widths]))
+    for row in rows:
+        out.write(line(row))
+
+
+def _write_records(records, fmt, out, table):
+    """`records` (dicts) as json, jsonl, csv (a header row; nested values as JSON) or the table
+    `table(records)` makes."""
+    if fmt == "json":
+        _print_json(records, out)
+    elif fmt == "jsonl":
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False, default=json_default) + "\n")
+    elif fmt == "csv":
+        fields = list(dict.fromkeys(key for record in records for key in record))
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(fields)
+        for record in records:
+            writer.writerow([_csv_cell(record.get(key)) for key in fields])
+    else:
+        _print_table(*table(records), out)
+
+
+def _csv_cell(value):
+    if value is None:
+        return ""
+    if isinstance(value, (str, int, float)):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=json_default)
+
+
+class Progress:
+    """What a long command is doing, on stderr: one line rewritten in place on a terminal (at most
+    every TTY_PROGRESS_SECONDS), else a plain line when a phase starts and at most every
+    PLAIN_PROGRESS_SECONDS; each with its counts and the time since the command started. A phase
+    that reports nothing for a while (one long SQLite call: an import's transaction, VACUUM, a
+    backup) is kept alive by a ticker thread: the time moves on a terminal, a "still running" line
+    every PLAIN_PROGRESS_SECONDS otherwise."""
+
+    def __init__(self, command, stream=None):
+        self.command, self.stream = command, stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.start = self._shown_at = time.monotonic()
+        self.phase_name, self._open_line, self._last_text = None, False, None
+        self._lock, self._stop, self._ticker = threading.Lock(), threading.Event(), None
+        _RUNNING.append(self)
+
+    def phase(self, name, detail=""):
+        """A new phase, said when it starts."""
+        self.phase_name = name
+        self._show(f"{name}{': ' + detail if detail else ''}", force=True)
+        if self._ticker is None:
+            self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
+            self._ticker.start()
+
+    def update(self, done, total=None, unit=""):
+        counts = f"{done:,}" + (f"/{total:,}" if total else "") + (f" {unit}" if unit else "")
+        percent = f" {100 * done // total:3d}%" if total else ""
+        self._show(f"{self.phase_name}{percent} ({counts})")
+
+    def finish(self, text=None):
+        """End the progress line; `text`, if any, is the command's last diagnostic."""
+        if self in _RUNNING:
+            _RUNNING.remove(self)
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        with self._lock:
+            if self._open_line:
+                self.stream.write("\n")
+                self._open_line = False
+            if text:
+                self.stream.write(f"{self.command}: {text} in {self._elapsed()}\n")
+            self.stream.flush()
+
+    def _elapsed(self):
+        seconds = time.monotonic() - self.start
+        if seconds < 60:
+            return f"{seconds:.1f}s"
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+    def _tick(self):
+        interval = 1.0 if self.tty else PLAIN_PROGRESS_SECONDS
+        while not self._stop.wait(interval / 4):
+            if time.monotonic() - self._shown_at >= interval and self._last_text:
+                text = self._last_text if self.tty else f"{self.phase_name} (still running)"
+                self._show(text, force=True, again=True)
+
+    def _show(self, text, force=False, again=False):
+        with self._lock:
+            now = time.monotonic()
+            interval = TTY_PROGRESS_SECONDS if self.tty else PLAIN_PROGRESS_SECONDS
+            if self._stop.is_set() or (text == self._last_text and not again) or (
+                    not force and now - self._shown_at < interval):
+                return
+            self._shown_at = now
+            if not again or self.tty:
+                self._last_text = text
+            line = f"{self.command}: {text}, {self._elapsed()}"
+            if self.tty:
+                self.stream.write(f"\r\033[K{line}")
+                self._open_line = True
+            else:
+                self.stream.write(line + "\n")
+            self.stream.flush()
+
+
+# The Progress lines not finished yet: an error ends them before it is printed.
+_RUNNING = []
+
+
+def _counted(items, progress, total=None, unit="sessions"):
+    """`items`, reporting how many went by."""
+    n = 0
+    for item in items:
+        yield item
+        n += 1
+        progress.update(n, total, unit)
+
+
+def _confirm(args, command, question, listing):
+    """True to go ahead: --yes, or "y" typed at the terminal after `listing` (lines) was shown.
+    CommandError when stdin is not a terminal and --yes was not given: nothing goes unasked."""
+    if getattr(args, "yes", False):
+        return True
+    if not sys.stdin or not sys.stdin.isatty():
+        dry_run = " (--dry-run lists what it would delete)" if command != "optimize-storage" else ""
+        raise CommandError(f"{command} asks before it changes anything; pass --yes to run it "
+                           f"unattended{dry_run}")
+    for line in listing:
+        sys.stderr.write(line + "\n")
+    sys.stderr.write(f"{question} [y/N] ")
+    sys.stderr.flush()
+    if sys.stdin.readline().strip().lower() not in ("y", "yes"):
+        sys.stderr.write("nothing was changed\n")
+        return False
+    return True
+
+
+# -- opening a store -----------------------------------------------------------------------
+
+def store_path(args):
+    """The path the command works on: --db, else <hermes home>/state.db."""
+    db = getattr(args, "db", None)
+    return Path(db) if db is not None else get_hermes_home() / "state.db"
+
+
+def check_store(path, *, may_create=False):
+    """CommandError unless `path` is a SQLite file (or, with `may_create`, absent); changes
+    nothing."""
+    if not os.path.lexists(path):
+        if may_create:
+            return
+        raise CommandError(f"no store at {path}")
+    if path.is_dir():
+        raise CommandError(f"{path} is a folder, not a store")
+    try:
+        reason = damage_reason(path)
+    except OSError as exc:
+        raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if reason is not None:
+        what = _DAMAGE_WORDS.get(reason, reason)
+        raise CommandError(f"{path} is not a SQLite store ({what}); it was left as it is")
+
+
+def open_read_only(path, damaged_ok=False):
+    """A read-only SessionDB of an existing store, or CommandError naming the path and why it
+    cannot be read. With `damaged_ok` (doctor) a store SQLite finds damaged opens too;
+    `db.open_error` says why."""
+    check_store(path)
+    db = SessionDB(path, read_only=True)
+    db.open_error = None
+    try:
+        db.schema_version()
+    except sqlite3.Error as exc:
+        db.open_error = str(exc)
+        wal_without_shm = (os.path.exists(f"{path}-wal") and not os.path.exists(f"{path}-shm")
+                           and not os.access(path.parent, os.W_OK))
+        if damaged_ok and not wal_without_shm and "readonly" not in str(exc):
+            return db
+        db.close()
+        hint = (f"; its -wal has no -shm beside it in a folder this user may not write, so SQLite "
+                f"cannot read it safely: copy {path.name} and {path.name}-wal to a folder you may "
+                "write"
+                if wal_without_shm else "")
+        raise CommandError(f"cannot read {path}: {exc}{hint}") from None
+    return db
+
+
+def agent_open_would(db):
+    """What the agent's writable open would change in this (read-only) store, a phrase each."""
+    changes = []
+    if db.stale_schema:
+        version = _safe(db.schema_version)
+        changes.append(f"upgrade its schema from version {version} to {SCHEMA_VERSION}")
+    journal = _safe(lambda: db._read_value("PRAGMA journal_mode"))
+    if isinstance(journal, str) and journal.lower() != db.policy.mode:
+        changes.append(f"switch its journal from {journal.lower()} to {db.policy.mode}")
+    return changes
+
+
+def _safe(fn):
+    try:
+        return fn()
+    except sqlite3.Error as exc:
+        return f"unknown ({exc})"
+
+
+# -- the commands --------------------------------------------------------------------------
+
+def _all_pages(fetch, limit):
+    """fetch(limit, offset) for one page; with `limit` 0, every page, LIST_LIMIT_MAX rows each."""
+    if limit:
+        return fetch(limit, 0)
+    rows = []
+    while True:
+        page = fetch(LIST_LIMIT_MAX, len(rows))
+        rows.extend(page)
+        if len(page) < LIST_LIMIT_MAX:
+            return rows
+
+
+def _cmd_list(db, args, out):
+    def fetch(limit, offset):
+        return db.list_sessions_rich(source=args.source, limit=limit, offset=args.offset + offset,
+                                     include_archived=args.archived, include_children=True)
+    sessions = _all_pages(fetch, args.limit)
+    _write_records(sessions, args.format, out, _session_rows)
+    total = db.session_count(source=args.source, include_archived=args.archived)
+    if args.limit and len(sessions) == args.limit and total > args.offset + len(sessions):
+        sys.stderr.write(f"showing {len(sessions):,} of {total:,} sessions (-n 0 for all, --offset "
+                         f"{args.offset + len(sessions)} for the next page)\n")
+    elif not sessions:
+        sys.stderr.write(f"no sessions past offset {args.offset:,} of {total:,}\n" if total
+                         else "no sessions\n")
+    return 0
+
+
+def _cmd_search(db, args, out):
+    def fetch(limit, offset):
+        return db.search_messages(args.query, source_filter=args.source, role_filter=args.role,
+                                  limit=limit, offset=args.offset + offset, sort=args.sort,
+                                  include_inactive=args.include_inactive)
+    # One more than asked, to know whether there are more.
+    asked = args.limit + 1 if args.limit and args.limit < LIST_LIMIT_MAX else args.limit
+    hits = _all_pages(fetch, asked)
+    more = bool(args.limit) and len(hits) > args.limit
+    hits = hits[:args.limit] if args.limit else hits
+    _write_records(hits, args.format, out, lambda rows: _hit_rows(rows, args.query))
+    if more:
+        sys.stderr.write(f"showing the first {len(hits):,} hits; more match (-n 0 for all, "
+                         f"--offset {args.offset + len(hits)} for the next page)\n")
+    elif not hits:
+        sys.stderr.write("no hits\n")
+    return 0
 
 
 def _print_session(export, out):
     fields = ("id", "source", "model", "title", "parent_session_id", "end_reason", "message_count",
               "tool_call_count", "input_tokens", "output_tokens")
-    for key in fields:
-        out.write(f"{key:>18}: {export.get(key)}\n")
+    _print_fields({key: export.get(key) for key in fields}, out)
     if export.get("lineage_session_ids"):
-        out.write(f"{'lineage':>18}: {' -> '.join(export['lineage_session_ids'])}\n")
-    for message in export["messages"]:
+        out.write(f"{'lineage':>17}: {' -> '.join(export['lineage_session_ids'])}\n")
+    for number, message in enumerate(export["messages"], 1):
         label = message["role"] + (f" ({message['tool_name']})" if message.get("tool_name") else "")
-        out.write(f"\n[{message['id']}] {label} at {_format_time(message['timestamp'])}\n")
+        out.write(f"\n[{number}] {label} at {_format_time(message['timestamp'])}\n")
         if message.get("content"):
             text = message_text(message)
-            out.write((text if len(text) <= 400 else text[:400] + f" ... ({len(text)} chars)") + "\n")
+            cut = text if len(text) <= 400 else text[:400] + f" ... ({len(text):,} chars)"
+            out.write(cut + "\n")
         for call in message.get("tool_calls") or []:
             function = call.get("function", {}) if isinstance(call, dict) else {}
             out.write(f"  -> {function.get('name', '?')}({function.get('arguments', '')})\n")
 
 
-def _cmd_list(db, args, out):
-    require_int("limit", args.limit, minimum=1, maximum=LIST_LIMIT_MAX)
-    require_int("offset", args.offset)
-    sessions = db.list_sessions_rich(source=args.source, limit=args.limit, offset=args.offset,
-                                     include_archived=args.archived, include_children=True)
-    _emit(args, out, sessions, _print_session_list)
-    return 0
+def _resolve(db, given):
+    session_id = db.resolve_session_id(given)
+    if session_id is None:
+        raise CommandError(f"no session matches {given!r} (unknown or ambiguous)")
+    return session_id
+
+
+def _export_one(db, session_id, lineage):
+    return db.export_session_lineage(session_id) if lineage else db.export_session(session_id)
 
 
 def _cmd_show(db, args, out):
-    session_id = db.resolve_session_id(args.session_id)
-    if session_id is None:
-        sys.stderr.write(f"error: no session matches {args.session_id!r} (unknown or ambiguous)\n")
-        return 1
-    export = db.export_session_lineage(session_id) if args.lineage else db.export_session(session_id)
-    _emit(args, out, export, _print_session)
+    session_id = _resolve(db, args.session_id)
+    export = _export_one(db, session_id, args.lineage)
+    if args.json:
+        _print_json(export, out)
+    else:
+        _print_session(export, out)
     return 0
 
 
 def _cmd_stats(db, args, out):
-    _emit(args, out, db.stats(), _print_fields(20))
+    stats = dict(db.stats(), agent_open_would=agent_open_would(db))
+    if args.json:
+        _print_json(stats, out)
+    else:
+        _print_fields(stats, out)
     return 0
 
 
-def _cmd_doctor(args, out):
-    """The report of a writable open; if the file is too damaged to open that way,
-    the report of a read-only look (no repair, no DDL) with the open's error."""
-    db_path = getattr(args, "db", None)
-    try:
-        with SessionDB(db_path) as db:
-            report = db.doctor()
-    except sqlite3.DatabaseError as exc:
-        with SessionDB(db_path, read_only=True) as db:
-            report = {"open_error": str(exc), **db.doctor(), "ok": False}
-    _emit(args, out, report, _print_fields(26))
+def _cmd_doctor(db, args, out):
+    """The report of a read-only look (no repair, no DDL), opened by a one-line verdict."""
+    report = dict(db.doctor(), agent_open_would=agent_open_would(db))
+    if db.open_error:
+        report.update(open_error=db.open_error, ok=False)
+    if args.json:
+        _print_json(report, out)
+    else:
+        if report["ok"]:
+            verdict = f"ok: {db.db_path} is healthy"
+        else:
+            problems = [] if report.get("integrity_check") == ["ok"] else ["integrity check failed"]
+            if report.get("open_error"):
+                problems.append(f"SQLite cannot read it: {report['open_error']}")
+            problems += ["search triggers damaged"] if report.get("trigger_damage") else []
+            verdict = f"PROBLEM: {db.db_path}: {', '.join(problems) or 'see below'}"
+        if report["agent_open_would"]:
+            verdict += "; the agent's next open will " + " and ".join(report["agent_open_would"])
+        out.write(verdict + "\n")
+        _print_fields(report, out)
     return 0 if report["ok"] else 1
-
-
-def _print_hits(hits, out):
-    for hit in hits:
-        out.write(f"{hit['session_id']}  [{hit['id']}] {hit['role']} at {_format_time(hit['timestamp'])}\n"
-                  f"    {hit['snippet'].replace(chr(10), ' ')}\n")
-
-
-def _cmd_search(db, args, out):
-    require_int("limit", args.limit, minimum=1, maximum=LIST_LIMIT_MAX)
-    require_int("offset", args.offset)
-    hits = db.search_messages(args.query, source_filter=args.source, role_filter=args.role,
-                              limit=args.limit, offset=args.offset, sort=args.sort,
-                              include_inactive=args.include_inactive)
-    _emit(args, out, hits, _print_hits)
-    return 0
 
 
 def _cmd_optimize(db, args, out):
     db.optimize_fts()
-    out.write(f"merged the search index segments of {db.db_path}\n")
+    if args.json:
+        _print_json({"db_path": str(db.db_path), "optimized": True}, out)
+    else:
+        out.write(f"merged the search index segments of {db.db_path}\n")
     return 0
-
-
-def _report_progress(progress):
-    percent = progress["percent"]
-    done = f" {percent:3d}%" if percent is not None else ""
-    counts = f" ({progress['indexed']}/{progress['total']})" if progress["total"] else ""
-    sys.stderr.write(f"optimize-storage: {progress['phase']}{done}{counts}\n")
-    if progress["phase"] == "vacuum":  # the one step that is not short: said before it starts
-        sys.stderr.write("optimize-storage: VACUUM rewrites the whole file and holds the write lock until it "
-                         "ends; other processes' writes wait (--no-vacuum skips it)\n")
 
 
 def _cmd_optimize_storage(db, args, out):
-    if not args.yes:
-        prompt = (f"Rebuild the search index of {db.db_path} in the current layout"
-                  f"{'' if args.no_vacuum else ' and VACUUM it (holding the write lock throughout)'}? [y/N] ")
-        if not sys.stdin or not sys.stdin.isatty():
-            sys.stderr.write("error: optimize-storage asks before it starts; pass --yes to run it unattended\n")
-            return 1
-        if input(prompt).strip().lower() not in ("y", "yes"):
-            sys.stderr.write("nothing was changed\n")
-            return 1
+    vacuum = "" if args.no_vacuum else " and VACUUM it (holding the write lock throughout)"
+    question = f"Rebuild the search index of {db.db_path} in the current layout{vacuum}?"
+    if not _confirm(args, "optimize-storage", question, []):
+        return 1
+    progress = Progress("optimize-storage")
+    seen = {"phase": None}
+
+    def report(step):
+        if step["phase"] == "done":  # said by finish, with the time it took
+            return
+        if step["phase"] != seen["phase"]:
+            seen["phase"] = step["phase"]
+            detail = "" if step["phase"] != "vacuum" else (
+                "rewrites the whole file and holds the write lock until it ends; other processes' "
+                "writes wait (--no-vacuum skips it)")
+            progress.phase(step["phase"], detail)
+        elif step["total"]:
+            progress.update(step["indexed"], step["total"], "rows")
     before = store_file_bytes(db.db_path)
     try:
-        result = db.optimize_fts_storage(progress_cb=_report_progress, vacuum=not args.no_vacuum)
+        result = db.optimize_fts_storage(progress_cb=report, vacuum=not args.no_vacuum)
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted; the store is consistent, run optimize-storage again to resume\n")
-        return 1
+        progress.finish()
+        raise CommandError("interrupted; the store is consistent, run optimize-storage again to "
+                           "resume") from None
     if not result["ok"]:
-        sys.stderr.write(f"error: optimize-storage refused: {result.get('detail') or result['reason']}\n")
-        return 1
+        progress.finish()
+        raise CommandError(f"optimize-storage refused: {result.get('detail') or result['reason']}")
+    progress.finish("done")
     if args.json:
         _print_json(result, out)
     else:
-        out.write(f"{db.db_path}: {before / 1e6:.1f} MB -> {store_file_bytes(db.db_path) / 1e6:.1f} MB, "
-                  f"layout {db.fts_layout()}\n")
+        after = human_size(store_file_bytes(db.db_path))
+        out.write(f"{db.db_path}: {human_size(before)} -> {after}, layout {db.fts_layout()}\n")
     return 0
+
+
+def _export_source(db, args):
+    """The store to export from: this one, or, for a store an agent's open would upgrade, a private
+    upgraded copy (the store itself is not changed). Returns (db, cleanup)."""
+    if not db.stale_schema:
+        return db, lambda: None
+    scratch = Path(tempfile.mkdtemp(prefix="hermes-export-"))
+    sys.stderr.write(f"export: {db.db_path} predates this release's schema; exporting from an "
+                     f"upgraded copy in {scratch} (the store is not changed)\n")
+    try:
+        with sqlite3.connect(scratch / "state.db") as target:
+            db._conn.backup(target)
+        target.close()
+        copy = SessionDB(scratch / "state.db")
+    except BaseException:
+        shutil.rmtree(scratch, True)
+        raise
+
+    def cleanup():
+        copy.close()
+        shutil.rmtree(scratch, True)
+    return copy, cleanup
 
 
 def _cmd_export(db, args, out):
-    if args.session_id:
-        session_id = db.resolve_session_id(args.session_id)
-        export = None if session_id is None else (
-            db.export_session_lineage(session_id) if args.lineage else db.export_session(session_id))
-        if export is None:
-            sys.stderr.write(f"error: no session matches {args.session_id!r} (unknown or ambiguous)\n")
-            return 1
-        exports = [export]
-    elif args.format == "jsonl" and not args.redact:  # a run of messages in memory at a time (issue 17)
-        exports = db.iter_export_jsonl(source=args.source)
-    else:
-        exports = db.iter_export_all(source=args.source)
-    count = write_export(exports, args.format, args.out, redact_secrets=args.redact)
-    sys.stderr.write(f"exported {count} sessions as {args.format} to {args.out}"
-                     f"{' (redacted, best effort)' if args.redact else ''}\n")
+    progress = Progress("export")
+    source, cleanup = _export_source(db, args)
+    try:
+        if args.session_id:
+            session_id = _resolve(source, args.session_id)
+            exports = [_export_one(source, session_id, args.lineage)]
+            total = 1
+        else:
+            total = source.session_count(source=args.source, include_archived=True)
+            if args.format == "jsonl" and not args.redact:  # a run of messages in memory (issue 17)
+                exports = source.iter_export_jsonl(source=args.source)
+            else:
+                exports = source.iter_export_all(source=args.source)
+        progress.phase(f"writing {args.format}" + (" (redacting secrets)" if args.redact else ""))
+        count = write_export(_counted(exports, progress, total), args.format, args.out,
+                             redact_secrets=args.redact)
+    finally:
+        cleanup()
+    progress.finish(f"exported {count:,} sessions as {args.format} to {args.out}"
+                    f"{' (redacted, best effort)' if args.redact else ''}")
+    if args.json and args.out != "-":
+        _print_json({"exported": count, "format": args.format, "out": args.out,
+                     "redacted": args.redact}, out)
     return 0
 
 
-def _read_jsonl(path):
-    """The file's sessions, one JSON value a line; ValueError names a line that cannot be read."""
+def _read_jsonl(path, progress):
+    """The file's sessions, one JSON value a line ('-' is stdin); ValueError names a line that
+    cannot be read."""
     sessions = []
-    with open(path, "rb") as handle:  # decoded a line at a time, so a bad byte is named by its line too
+    name = "<stdin>" if path == "-" else path
+    handle = sys.stdin.buffer if path == "-" else open(path, "rb")
+    try:  # decoded a line at a time, so a bad byte is named by its line too
         for number, raw in enumerate(handle, 1):
             try:
                 line = raw.decode("utf-8")
                 if line.strip():
                     sessions.append(json.loads(line))
+                    progress.update(len(sessions), unit="sessions")
             except RecursionError:
-                raise ValueError(f"{path}:{number}: JSON nested too deep to read") from None
+                raise ValueError(f"{name}:{number}: JSON nested too deep to read") from None
             except UnicodeDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not UTF-8 ({exc.reason} at byte {exc.start + 1})") from None
+                where = f"{exc.reason} at byte {exc.start + 1}"
+                raise ValueError(f"{name}:{number}: not UTF-8 ({where})") from None
             except ValueError as exc:
-                raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
+                raise ValueError(f"{name}:{number}: not JSON ({exc})") from None
+    finally:
+        if path != "-":
+            handle.close()
     return sessions
 
 
 def _cmd_import(db, args, out):
-    sessions = _read_jsonl(args.file)
+    progress = Progress("import")
+    progress.phase("reading", "<stdin>" if args.file == "-" else args.file)
+    sessions = _read_jsonl(args.file, progress)
     # The whole file is one import_sessions call, so one transaction: all of it or nothing.
     # Each session keeps its limits; the totals of one API call do not apply to a file.
     limits = dict(db.import_limits(), sessions=len(sessions), total_messages=float("inf"),
                   total_bytes=float("inf"))
-    sys.stderr.write(f"import: {len(sessions)} sessions in one transaction (all or nothing); the write lock "
-                     "is held until it ends, other processes' writes wait\n")
+    progress.phase("writing", f"{len(sessions):,} sessions in one transaction (all or nothing); "
+                   "the write lock is held until it ends, other processes' writes wait")
     try:
         result = db.import_sessions(sessions, limits=limits, one_transaction=True)
     except sqlite3.Error as exc:
-        sys.stderr.write(f"error: {exc}\nthe import was rolled back; nothing was written\n")
-        return 1
+        progress.finish()
+        raise CommandError(f"{exc}\nthe import was rolled back; nothing was written") from None
+    progress.finish()
     if not result["ok"]:
         for error in result["errors"]:
             who = f" ({error['session_id']})" if "session_id" in error else ""
@@ -225,59 +654,105 @@ def _cmd_import(db, args, out):
         return 1
     totals = {key: result[key] for key in ("imported", "skipped", "detached")}
     if result.get("unstored_fields"):
-        sys.stderr.write("warning: this store has no column for " + ", ".join(result["unstored_fields"])
-                         + "; those values were not imported\n")
+        fields = ", ".join(result["unstored_fields"])
+        sys.stderr.write(f"warning: this store has no column for {fields}; those values were not "
+                         "imported\n")
+    progress.finish("written")
     if args.json:
         _print_json(totals, out)
     else:
-        out.write(f"imported {totals['imported']}, skipped {totals['skipped']}, detached {totals['detached']}\n")
+        out.write("imported {imported}, skipped {skipped}, detached {detached}\n".format(**totals))
     return 0
+
+
+def _describe(row):
+    return (f"  {row['id']}  {row.get('source') or '-'}  {_format_time(row.get('last_active'))}  "
+            f"{row.get('message_count') or 0:,} msgs  {_one_line(row.get('title') or '-', 50)}")
 
 
 def _cmd_delete(db, args, out):
-    session_id = db.resolve_session_id(args.session_id)
-    if session_id is None or not db.delete_session(session_id):
-        sys.stderr.write(f"error: no session matches {args.session_id!r} (unknown or ambiguous)\n")
+    session_id = _resolve(db, args.session_id)
+    row = db.get_session(session_id) or {"id": session_id}
+    row = dict(row, message_count=db.message_count(session_id))
+    if args.dry_run:
+        _emit_deleted(args, out, [session_id], dry_run=True)
+        return 0
+    if not _confirm(args, "delete", f"Delete this session and its messages from {db.db_path}?",
+                    ["will delete (with its delegate subagents, if any):", _describe(row)]):
         return 1
-    out.write(f"deleted {session_id}\n")
+    if not db.delete_session(session_id):
+        raise CommandError(f"no session matches {args.session_id!r} (deleted meanwhile)")
+    _emit_deleted(args, out, [session_id], dry_run=False)
     return 0
 
 
+def _emit_deleted(args, out, ids, dry_run):
+    if args.json:
+        _print_json({"dry_run": dry_run, "sessions": ids}, out)
+    else:
+        verb = "would delete" if dry_run else "deleted"
+        out.write("".join(f"{verb} {session_id}\n" for session_id in ids))
+
+
 def _cmd_prune(db, args, out):
-    ids = [row["id"] for row in db.list_prune_candidates(args.older_than, source=args.source)]
-    if not args.dry_run:
+    rows = db.list_prune_candidates(args.older_than, source=args.source)
+    ids = [row["id"] for row in rows]
+    what = f"{len(ids)} ended sessions inactive for more than {args.older_than:g} days"
+    if not args.dry_run and ids:
+        if not _confirm(args, "prune", f"Delete these {what} from {db.db_path}?",
+                        ["will delete:"] + [_describe(row) for row in rows]):
+            return 1
+        progress = Progress("prune")
+        progress.phase("deleting", what)
         db.prune_sessions(args.older_than, source=args.source)
+        progress.finish("done")
     if args.json:
         _print_json({"dry_run": args.dry_run, "sessions": ids}, out)
     else:
-        verb = "would delete" if args.dry_run else "deleted"
-        out.write(f"{verb} {len(ids)} ended sessions inactive for more than {args.older_than:g} days\n")
+        out.write(f"{'would delete' if args.dry_run else 'deleted'} {what}\n")
         for session_id in ids:
             out.write(f"  {session_id}\n")
     return 0
 
 
 def _cmd_backup(db, args, out):
+    progress = Progress("backup")
+    progress.phase("snapshotting and zipping", str(db.db_path.parent))
     result = db.backup(args.out)
-    out.write(f"backed up {len(result['files'])} files of {db.db_path.parent} to {result['archive']}\n")
+    size = human_size(os.path.getsize(result["archive"]))
+    progress.finish(f"{len(result['files'])} files, {size}")
+    if args.json:
+        _print_json(result, out)
+    else:
+        out.write(f"backed up {len(result['files'])} files of {db.db_path.parent} to "
+                  f"{result['archive']}\n")
     return 0
 
 
 def _cmd_restore(args, out):
+    progress = Progress("restore")
+    progress.phase("checking and unpacking", args.archive)
     result = restore_home(args.archive, getattr(args, "db", None), force=args.force)
+    progress.finish(f"{len(result['restored'])} files")
     for kept in result["moved_aside"]:
         sys.stderr.write(f"kept the replaced file as {kept}\n")
-    out.write(f"restored {len(result['restored'])} files into {Path(result['db_path']).parent}\n")
+    if args.json:
+        _print_json(result, out)
+    else:
+        home = Path(result["db_path"]).parent
+        out.write(f"restored {len(result['restored'])} files into {home}\n")
     return 0
 
 
 def _cmd_serve(args, out):
     from hermes_state_server import serve
 
+    path = store_path(args)
+    open_read_only(path).close()  # the same checks and message as every read command
     token = os.environ.get("HERMES_STATE_TOKEN", "").strip() or None
     try:
-        return serve(getattr(args, "db", None), args.host, args.port, allow_remote=args.allow_remote,
-                     token=token, out=out)
+        return serve(path, args.host, args.port, allow_remote=args.allow_remote, token=token,
+                     out=out, read_only=not args.writable, as_json=args.json)
     except ValueError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
@@ -289,16 +764,20 @@ def _cmd_demo(args, out):
     try:
         with SessionDB() as db:
             build_demo_history(db)
-            out.write("== sessions (python -m hermes_state list)\n")
-            _print_session_list(db.list_sessions_rich(limit=20, include_children=True), out)
+            sessions = db.list_sessions_rich(limit=20, include_children=True)
+            if args.json:
+                _print_json({"db_path": str(db.db_path), "sessions": sessions}, out)
+                return 0
+            out.write("== sessions (python3 -m hermes_state list)\n")
+            _print_table(*_session_rows(sessions), out)
             tip = db.get_compression_tip("demo-refactor-1")
             out.write(f"\n== the compression chain ending in {tip}, shown as one session\n")
             _print_session(db.export_session_lineage(tip), out)
             out.write("\n== one conversation in Chinese\n")
             _print_session(db.export_session("demo-zh"), out)
             for query in ("my-app.config.ts", "迁移", "会话历史"):
-                out.write(f"\n== search {query!r} (python -m hermes_state search ...)\n")
-                _print_hits(db.search_messages(query), out)
+                out.write(f"\n== search {query!r} (python3 -m hermes_state search ...)\n")
+                _print_table(*_hit_rows(db.search_messages(query), query), out)
             out.write(f"\nstore: {db.db_path}\n"
                       f"try:   python3 -m hermes_state --db {db.db_path} list\n")
     finally:
@@ -331,66 +810,132 @@ def build_demo_history(db):
     db.end_session("demo-zh", "user_exit")
 
 
+# -- the parser ----------------------------------------------------------------------------
+
+_M = "python3 -m hermes_state"
+SESSION_ID_HELP = "a session id or a unique prefix of one"
+YES_HELP = "do not ask (needed when stdin is not a terminal)"
+EXAMPLES = {
+    "list": f"{_M} list -n 5\n  {_M} list --source telegram --format csv > sessions.csv\n"
+            f"  {_M} list -n 0 --format jsonl",
+    "show": f"{_M} show 20260301_0915 --lineage",
+    "search": f"{_M} search 'config loader' --sort newest\n"
+              f"  {_M} search 迁移 --role user --format json",
+    "stats": f"{_M} stats --json",
+    "doctor": f"{_M} --db ~/.hermes/state.db doctor",
+    "optimize": f"{_M} optimize",
+    "optimize-storage": f"{_M} optimize-storage --no-vacuum --yes",
+    "export": f"{_M} export sessions.jsonl\n  {_M} export --format html --redact page.html\n"
+              f"  {_M} export --session-id 20260301 --lineage -",
+    "import": f"{_M} import sessions.jsonl\n  gunzip -c old.jsonl.gz | {_M} import -",
+    "delete": f"{_M} delete 20260301_0915 --dry-run\n  {_M} delete 20260301_0915 --yes",
+    "prune": f"{_M} prune --older-than 90 --dry-run\n"
+             f"  {_M} prune --older-than 90 --source cron --yes",
+    "backup": f"{_M} backup home-2026-03-01.zip",
+    "restore": f"{_M} restore home-2026-03-01.zip --force",
+    "serve": f"HERMES_STATE_TOKEN=$(openssl rand -hex 24) {_M} serve --port 8765",
+    "demo": f"{_M} demo",
+}
+
+
 def build_parser():
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--db", default=argparse.SUPPRESS, help="store path (default: <home>/state.db)")
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print data as JSON")
-    parser = argparse.ArgumentParser(prog="python -m hermes_state", parents=[common],
-                                     description="The agent's session store.")
+    common.add_argument("--db", default=argparse.SUPPRESS, metavar="PATH",
+                        help="store path (default: $HERMES_HOME/state.db, else ~/.hermes/state.db)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print the result as JSON on stdout")
+    parser = argparse.ArgumentParser(
+        prog=_M, parents=[common],
+        description="The agent's session store: browse, search, export, maintain.",
+        epilog=f"example:\n  {_M} demo\n  {_M} list\n\nexit status: 0 success, 1 failure, 2 usage "
+               "error. Data goes to stdout, progress and diagnostics to stderr.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    listing = commands.add_parser("list", parents=[common], help="sessions, newest first")
-    listing.add_argument("--source")
-    listing.add_argument("--limit", type=int, default=20)
-    listing.add_argument("--offset", type=int, default=0)
+
+    def command(name, help_text):
+        return commands.add_parser(name, parents=[common], help=help_text, description=help_text,
+                                   epilog="example:\n  " + EXAMPLES[name],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def paging(sub, what):
+        sub.add_argument("-n", "--limit", type=_int_range(0, LIST_LIMIT_MAX), default=20,
+                         metavar="N", help=f"at most N {what} (default 20; 0 for all)")
+        sub.add_argument("--offset", type=_int_range(0, OFFSET_MAX), default=0, metavar="N",
+                         help=f"skip the first N {what}")
+        sub.add_argument("--format", choices=LIST_FORMATS, default="table",
+                         help="table (default), json, jsonl (one object a line) or csv (a header "
+                              "row first)")
+
+    listing = command("list", "sessions, most recently active first")
+    listing.add_argument("--source", help="only sessions from this source (cli, telegram, ...)")
+    paging(listing, "sessions")
     listing.add_argument("--archived", action="store_true", help="include archived sessions")
-    show = commands.add_parser("show", parents=[common], help="one session with its messages")
-    show.add_argument("session_id", metavar="ID", help="a session id or a unique prefix of one")
-    show.add_argument("--lineage", action="store_true", help="the whole compression chain as one session")
-    search = commands.add_parser("search", parents=[common], help="full-text search over messages")
-    search.add_argument("query")
+    show = command("show", "one session with its messages, numbered 1, 2, 3")
+    show.add_argument("session_id", metavar="ID", type=_non_empty, help=SESSION_ID_HELP)
+    show.add_argument("--lineage", action="store_true",
+                      help="the whole compression chain as one session")
+    search = command("search", "full-text search over messages (words, phrases, CJK)")
+    search.add_argument("query", help="words, \"a phrase\", or CJK text of any length")
     search.add_argument("--source", action="append", help="only this source (repeatable)")
-    search.add_argument("--role", action="append", help="only this role (repeatable); 'tool' searches tool output")
-    search.add_argument("--limit", type=int, default=20)
-    search.add_argument("--offset", type=int, default=0)
-    search.add_argument("--sort", choices=["relevance", "newest", "oldest"])
+    search.add_argument("--role", action="append",
+                        help="only this role (repeatable); 'tool' searches tool output")
+    paging(search, "hits")
+    search.add_argument("--sort", choices=["relevance", "newest", "oldest"],
+                        help="relevance (default: best match first), newest or oldest")
     search.add_argument("--include-inactive", action="store_true", help="include rewound messages")
-    commands.add_parser("optimize", parents=[common], help="merge the search index segments")
-    storage = commands.add_parser("optimize-storage", parents=[common],
-                                  help="move an old search index layout to the current one, then VACUUM")
-    storage.add_argument("--no-vacuum", action="store_true", help="rebuild now, reclaim the space later")
+    command("optimize", "merge the search index segments (quick)")
+    storage = command("optimize-storage",
+                      "move an old search index layout to the current one, then VACUUM")
+    storage.add_argument("--no-vacuum", action="store_true",
+                         help="rebuild now, reclaim the space later")
     storage.add_argument("--yes", action="store_true", help="do not ask before starting")
-    export = commands.add_parser("export", parents=[common], help="write sessions out (jsonl, md, qmd, html, trace)")
-    export.add_argument("out", metavar="OUT", help="file (folder for md/qmd); '-' is stdout for jsonl and trace")
-    export.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl")
-    export.add_argument("--session-id", help="one session (an id or a unique prefix) instead of all")
-    export.add_argument("--lineage", action="store_true", help="with --session-id: its whole compression chain")
+    export = command("export", "write sessions out (jsonl, md, qmd, html, trace)")
+    export.add_argument("out", metavar="OUT",
+                        help="file (folder for md/qmd); '-' is stdout for jsonl and trace")
+    export.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl",
+                        help="jsonl (default), md, qmd, html or trace")
+    export.add_argument("--session-id", type=_non_empty, metavar="ID",
+                        help="one session (an id or a unique prefix) instead of all")
+    export.add_argument("--lineage", action="store_true",
+                        help="with --session-id: its whole compression chain")
     export.add_argument("--source", help="only sessions from this source")
-    export.add_argument("--redact", action="store_true", help="mask secrets in every string (best effort)")
-    importing = commands.add_parser("import", parents=[common], help="add sessions from a jsonl export")
-    importing.add_argument("file", metavar="FILE")
-    delete = commands.add_parser("delete", parents=[common], help="delete one session and its messages")
-    delete.add_argument("session_id", metavar="ID")
-    prune = commands.add_parser("prune", parents=[common], help="delete old ended sessions")
-    prune.add_argument("--older-than", type=float, required=True, metavar="DAYS")
-    prune.add_argument("--source")
+    export.add_argument("--redact", action="store_true",
+                        help="mask secrets in every string (best effort)")
+    importing = command("import", "add sessions from a jsonl export, all or nothing")
+    importing.add_argument("file", metavar="FILE", help="a jsonl export; '-' reads standard input")
+    delete = command("delete", "delete one session and its messages (asks first)")
+    delete.add_argument("session_id", metavar="ID", type=_non_empty, help=SESSION_ID_HELP)
+    delete.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    delete.add_argument("--yes", action="store_true", help=YES_HELP)
+    prune = command("prune", "delete old ended sessions (asks first)")
+    prune.add_argument("--older-than", type=_days, required=True, metavar="DAYS",
+                       help="sessions inactive for more than DAYS days (a number >= 0)")
+    prune.add_argument("--source", help="only sessions from this source")
     prune.add_argument("--dry-run", action="store_true", help="only list what would go")
-    backup = commands.add_parser("backup", parents=[common], help="zip the whole home, store included")
-    backup.add_argument("out", metavar="OUT.zip")
-    restore = commands.add_parser("restore", parents=[common], help="put a whole home back from a backup")
-    restore.add_argument("archive", metavar="ARCHIVE")
-    restore.add_argument("--force", action="store_true", help="replace an existing store (it is kept as .bak)")
-    server = commands.add_parser("serve", parents=[common], help="local HTTP API and session browser")
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=8765)
-    server.add_argument("--allow-remote", action="store_true", help="allow a host that is not loopback")
-    commands.add_parser("stats", parents=[common], help="counts and sizes")
-    commands.add_parser("doctor", parents=[common], help="integrity, layouts, journal, runtime")
-    commands.add_parser("demo", parents=[common], help="build and show an example store in a temp home")
+    prune.add_argument("--yes", action="store_true", help=YES_HELP)
+    backup = command("backup", "zip the whole home, store included")
+    backup.add_argument("out", metavar="OUT.zip", help="the archive to write")
+    restore = command("restore", "put a whole home back from a backup")
+    restore.add_argument("archive", metavar="ARCHIVE", help="a zip written by backup")
+    restore.add_argument("--force", action="store_true",
+                         help="replace an existing store (it is kept as .bak)")
+    server = command("serve", "local HTTP API and session browser (read-only unless --writable)")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1)")
+    server.add_argument("--port", type=_int_range(1, 65535), default=8765,
+                        help="TCP port, 1-65535 (default 8765)")
+    server.add_argument("--allow-remote", action="store_true",
+                        help="allow a host that is not loopback")
+    server.add_argument("--writable", action="store_true",
+                        help="also serve the import and restore endpoints")
+    command("stats", "counts and sizes")
+    command("doctor", "a verdict, then integrity, layouts, journal, runtime")
+    command("demo", "build and show an example store in a temp home")
     return parser
 
 
 _COMMANDS = {"list": _cmd_list, "show": _cmd_show, "search": _cmd_search, "optimize": _cmd_optimize,
-             "optimize-storage": _cmd_optimize_storage, "stats": _cmd_stats,
+             "optimize-storage": _cmd_optimize_storage, "stats": _cmd_stats, "doctor": _cmd_doctor,
              "export": _cmd_export, "import": _cmd_import, "delete": _cmd_delete, "prune": _cmd_prune,
              "backup": _cmd_backup}
 
@@ -401,26 +946,46 @@ def main(argv=None, out=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     args.json = getattr(args, "json", False)
+    if args.json and getattr(args, "format", None) == "table":
+        args.format = "json"
     if getattr(args, "lineage", False) and args.command == "export" and not args.session_id:
         parser.error("export --lineage needs --session-id")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
     try:
-        if args.command == "demo":
-            return _cmd_demo(args, out)
-        if args.command == "doctor":
-            return _cmd_doctor(args, out)
-        if args.command == "restore":
-            return _cmd_restore(args, out)
-        if args.command == "serve":
-            return _cmd_serve(args, out)
-        db_path = getattr(args, "db", None)
-        with SessionDB(db_path) as db:
-            return _COMMANDS[args.command](db, args, out)
+        return _run(args, out)
     except BrokenPipeError:
         # The reader went away (`... | head`): stop quietly, and keep Python from
         # complaining about the unflushed stdout at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (ValueError, OSError, RuntimeError, sqlite3.Error) as exc:
+    except KeyboardInterrupt:
+        _end_progress()
+        sys.stderr.write("\ninterrupted\n")
+        return 1
+    except (CommandError, ValueError, OSError, RuntimeError, sqlite3.Error) as exc:
+        _end_progress()
         sys.stderr.write(f"error: {exc}\n")
         return 1
+
+
+def _end_progress():
+    for progress in list(_RUNNING):
+        progress.finish()
+
+
+def _run(args, out):
+    """The command, on a store opened the way it needs (read-only for a read)."""
+    if args.command == "demo":
+        return _cmd_demo(args, out)
+    if args.command == "restore":
+        return _cmd_restore(args, out)
+    if args.command == "serve":
+        return _cmd_serve(args, out)
+    path = store_path(args)
+    if args.command in READ_COMMANDS:
+        db = open_read_only(path, damaged_ok=args.command == "doctor")
+    else:
+        check_store(path, may_create=args.command == "import")
+        db = SessionDB(path)
+    with db:
+        return _COMMANDS[args.command](db, args, out)

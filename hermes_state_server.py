@@ -123,7 +123,8 @@ class StateServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, db_path=None, host="127.0.0.1", port=DEFAULT_PORT, token=None, allow_remote=False):
+    def __init__(self, db_path=None, host="127.0.0.1", port=DEFAULT_PORT, token=None,
+                 allow_remote=False, read_only=False):
         if not is_loopback(host) and not allow_remote:
             raise ValueError(f"refusing to listen on {host}: not a loopback address; pass --allow-remote "
                              "to expose the store beyond this machine")
@@ -138,7 +139,8 @@ class StateServer(ThreadingHTTPServer):
         self._connections_lock = threading.Lock()
         self.gate = ReadWriteGate()
         self.log_stream = sys.stderr
-        self.db = SessionDB(db_path)
+        self.read_only = read_only  # `serve` without --writable: no import, no restore, no DDL
+        self.db = SessionDB(db_path, read_only=read_only)
         self.db_path = self.db.db_path
         try:
             super().__init__((host, port), ApiHandler)
@@ -237,7 +239,7 @@ class StateServer(ThreadingHTTPServer):
             try:
                 return restore_home(archive_path, self.db_path, force=force)
             finally:
-                self.db = SessionDB(self.db_path)
+                self.db = SessionDB(self.db_path, read_only=self.read_only)
 
     def server_close(self):
         super().server_close()
@@ -334,6 +336,9 @@ class ApiHandler(BaseHTTPRequestHandler):
             handler, params = self._route(method, parts.path)
             if handler != "page":
                 self._check_token()
+            if method == "POST" and self.server.read_only:
+                raise ApiError(HTTPStatus.FORBIDDEN, "this server is read-only; start it with "
+                               "`python3 -m hermes_state serve --writable` to import or restore")
             query = parse_qs(parts.query, keep_blank_values=True)
             args = (query, self._read_json()) if method == "POST" else (query,)
             self._watchdog.cancel()  # the request is in; answering it may take as long as it takes
@@ -457,14 +462,16 @@ class ApiHandler(BaseHTTPRequestHandler):
 
     def search(self, query):
         text = query.get("q", [""])[-1]
-        try:
+        limit = _int_param(query, "limit", 20, PAGE_LIMIT_MAX) or 1
+        offset = _int_param(query, "offset", 0, 10 ** 9)
+        try:  # one hit more than asked says whether another page follows
             hits = self.server.db.search_messages(
-                text, limit=_int_param(query, "limit", 20, PAGE_LIMIT_MAX) or 1,
-                offset=_int_param(query, "offset", 0, 10 ** 9), role_filter=query.get("role") or None,
+                text, limit=limit + 1, offset=offset, role_filter=query.get("role") or None,
                 source_filter=query.get("source") or None)
         except ValueError as exc:
             raise ApiError(HTTPStatus.BAD_REQUEST, str(exc)) from None
-        return json_response({"query": text, "hits": hits})
+        return json_response({"query": text, "hits": hits[:limit], "limit": limit, "offset": offset,
+                              "more": len(hits) > limit})
 
     def import_sessions(self, query, body):
         if not isinstance(body, dict) or "sessions" not in body:
@@ -505,13 +512,20 @@ class ApiHandler(BaseHTTPRequestHandler):
         return json_response(result)
 
 
-def serve(db_path=None, host="127.0.0.1", port=DEFAULT_PORT, allow_remote=False, token=None, out=None):
-    """Run the server until interrupted; prints the page's URL (with the token in its fragment)."""
+def serve(db_path=None, host="127.0.0.1", port=DEFAULT_PORT, allow_remote=False, token=None,
+          out=None, read_only=False, as_json=False):
+    """Run the server until interrupted; prints the page's URL (with the token in its fragment),
+    as one JSON line with `as_json`."""
     out = out or sys.stdout
-    server = StateServer(db_path, host, port, token=token, allow_remote=allow_remote)
-    out.write(f"hermes_state serving {server.db_path}\n"
-              f"open {server.url}#token={server.token}\n"
-              f"API: Authorization: Bearer {server.token}\n")
+    server = StateServer(db_path, host, port, token=token, allow_remote=allow_remote,
+                         read_only=read_only)
+    if as_json:
+        out.write(json.dumps({"db_path": str(server.db_path), "url": server.url,
+                              "token": server.token, "read_only": read_only}) + "\n")
+    else:
+        out.write(f"hermes_state serving {server.db_path}{' (read-only)' if read_only else ''}\n"
+                  f"open {server.url}#token={server.token}\n"
+                  f"API: Authorization: Bearer {server.token}\n")
     out.flush()
     try:
         server.serve_forever()
@@ -552,6 +566,17 @@ pre { white-space: pre-wrap; overflow-wrap: anywhere; margin: .3rem 0; font-fami
 .call { background: #1e293b; color: #f8fafc; border-radius: 6px; padding: .3rem .6rem; font-size: 13px; margin: .3rem 0; }
 .error { color: #b91c1c; padding: .8rem; }
 .segment { margin-top: 1.2rem; padding-top: .4rem; border-top: 2px dashed #cd7f32; color: #92400e; font-size: 12px; }
+.message.target { outline: 3px solid #f59e0b; }
+.count { color: #475569; font-size: 12px; padding: .4rem .8rem; }
+.pages { display: flex; gap: .5rem; padding: .5rem .8rem; }
+form.token { max-width: 32rem; } form.token input { width: 100%; padding: .45rem .6rem; font: inherit; }
+@media (max-width: 720px) {
+  body { display: block; height: auto; }
+  aside { border-right: 0; border-bottom: 1px solid #e2e8f0; }
+  #list { max-height: 45vh; }
+  main { padding: .8rem; }
+  .item .title { white-space: normal; }
+}
 </style></head>
 <body>
 <aside>
@@ -565,7 +590,7 @@ pre { white-space: pre-wrap; overflow-wrap: anywhere; margin: .3rem 0; font-fami
 const fragment = new URLSearchParams(location.hash.slice(1));
 if (fragment.get("token")) sessionStorage.setItem("hermes_token", fragment.get("token"));
 if (location.hash) history.replaceState(null, "", location.pathname);
-const token = sessionStorage.getItem("hermes_token") || "";
+let token = sessionStorage.getItem("hermes_token") || "";
 const list = document.getElementById("list"), view = document.getElementById("view");
 let offset = 0;
 
@@ -576,15 +601,62 @@ function el(tag, cls, text) {
   return node;
 }
 function when(ts) { return ts ? new Date(ts * 1000).toLocaleString() : ""; }
+class NeedsToken extends Error {}
 async function api(path) {
+  if (!token) throw new NeedsToken();
   const response = await fetch(path, {headers: {Authorization: "Bearer " + token}});
+  if (response.status === 401) throw new NeedsToken();
   const body = await response.json();
   if (!response.ok) throw new Error(body.error || response.statusText);
   return body;
 }
-function fail(where, error) { where.replaceChildren(el("p", "error", error.message)); }
-function marked(snippet) {
+function askForToken() {
+  const form = el("form", "token"), input = el("input");
+  input.type = "password";
+  input.autocomplete = "off";
+  input.placeholder = "token";
+  form.append(el("h2", null, "This page needs its token"),
+              el("p", null, "Paste the token that `python3 -m hermes_state serve` printed (the part after " +
+                            "#token= in the address it showed), or open that address again."),
+              input, el("button", null, "Open"));
+  form.onsubmit = (event) => {
+    event.preventDefault();
+    token = input.value.trim();
+    sessionStorage.setItem("hermes_token", token);
+    start();
+  };
+  list.replaceChildren();
+  view.replaceChildren(form);
+  input.focus();
+}
+function fail(where, error) {
+  if (error instanceof NeedsToken) return askForToken();
+  where.replaceChildren(el("p", "error", error.message));
+}
+function queryTerms(text) {
+  const terms = [];
+  let skip = false;
+  for (const found of text.matchAll(/"([^"]*)"|(\\S+)/g)) {
+    const word = found[1] !== undefined ? found[1] : found[2].replace(/^[()]+|[()]+$/g, "");
+    if (found[1] === undefined && /^(AND|OR|NOT)$/i.test(word)) { skip = /^NOT$/i.test(word); continue; }
+    if (!skip && word && !word.startsWith("-")) terms.push(word);
+    skip = false;
+  }
+  return terms.sort((a, b) => b.length - a.length);
+}
+function highlight(node, text, terms) {
+  // The search marks its matches >>>so<<<; a snippet it left plain (hermes-agent's, for a CJK term
+  // of 1 or 2 characters) gets the query's own terms marked here.
+  const escaped = terms.map((t) => t.replace(/[.*+?^${}()|[\\]\\\\]/g, "\\\\$&"));
+  const pattern = escaped.length ? new RegExp("(" + escaped.join("|") + ")", "gi") : null;
+  for (const part of pattern ? text.split(pattern) : [text]) {
+    const hit = pattern && terms.some((t) => t.toLowerCase() === part.toLowerCase());
+    node.append(hit ? el("mark", null, part) : document.createTextNode(part));
+  }
+}
+function marked(snippet, terms) {
   const span = el("span", "snippet");
+  if (!snippet.includes(">>>")) { highlight(span, snippet, terms || []); return span; }
   snippet.split(/(>>>|<<<)/).reduce((inside, part) => {
     if (part === ">>>") return true;
     if (part === "<<<") return false;
@@ -613,22 +685,42 @@ async function loadSessions(more) {
     }
   } catch (error) { fail(list, error); }
 }
-async function search(text) {
+const PAGE = 50;
+async function search(text, from) {
   if (!text.trim()) return loadSessions(false);
+  from = from || 0;
   try {
-    const result = await api("/api/search?limit=50&q=" + encodeURIComponent(text));
+    const result = await api("/api/search?limit=" + PAGE + "&offset=" + from + "&q=" + encodeURIComponent(text));
+    const terms = queryTerms(text);
     list.replaceChildren();
-    if (!result.hits.length) list.append(el("p", "meta", "No messages match."));
+    const last = from + result.hits.length;
+    list.append(el("div", "count", result.hits.length ? "hits " + (from + 1) + "–" + last +
+                   (result.more ? " of more than " + last : " of " + last) : "No messages match."));
     for (const hit of result.hits) {
       const item = el("div", "item");
-      item.append(el("div", "sub", hit.session_id + " · " + hit.role + " · " + when(hit.timestamp)), marked(hit.snippet));
-      item.onclick = () => showSession(hit.session_id);
+      item.append(el("div", "sub", hit.session_id + " · " + hit.role + " · " + when(hit.timestamp)),
+                  marked(hit.snippet || "", terms));
+      item.onclick = () => showSession(hit.session_id, hit.id, terms);
       list.append(item);
     }
+    const pages = el("div", "pages");
+    if (from > 0) {
+      const back = el("button", null, "← Previous");
+      back.onclick = () => search(text, Math.max(0, from - PAGE));
+      pages.append(back);
+    }
+    if (result.more) {
+      const next = el("button", null, "Next →");
+      next.onclick = () => search(text, last);
+      pages.append(next);
+    }
+    if (pages.childElementCount) list.append(pages);
+    list.scrollTop = 0;
   } catch (error) { fail(list, error); }
 }
 function messageNode(m) {
   const node = el("div", "message role-" + m.role);
+  node.id = "message-" + m.id;
   node.append(el("span", "role", m.role + (m.tool_name ? " · " + m.tool_name : "")), el("span", "time", when(m.timestamp)));
   const text = m.content || "";
   if (m.role === "tool" && text.length > 600) {
@@ -644,11 +736,12 @@ function messageNode(m) {
   }
   return node;
 }
-async function showSession(id) {
+async function showSession(id, messageId, terms) {
   try {
     const s = await api("/api/sessions/" + encodeURIComponent(id) + "?lineage=1");
     const header = el("header");
-    header.append(el("h2", null, s.title || s.id),
+    const titled = (s.segments || []).find((segment) => segment.title);
+    header.append(el("h2", null, s.title || (titled && titled.title) || s.id),
                   el("p", "meta", [s.source, s.model, when(s.started_at), s.message_count + " messages"].join(" · ")));
     if (s.lineage_session_ids && s.lineage_session_ids.length > 1)
       header.append(el("p", "meta", "Compression lineage: " + s.lineage_session_ids.join(" → ")));
@@ -663,6 +756,13 @@ async function showSession(id) {
       for (const m of segment.messages) body.push(messageNode(m));
     }
     view.replaceChildren(...body);
+    const target = messageId && document.getElementById("message-" + messageId);
+    if (target) {
+      target.classList.add("target");
+      const text = target.querySelector("pre");
+      if (text && terms && terms.length) { const plain = text.textContent; text.replaceChildren(); highlight(text, plain, terms); }
+      target.scrollIntoView({block: "center"});
+    }
   } catch (error) { fail(view, error); }
 }
 let pending;
@@ -670,13 +770,17 @@ document.getElementById("q").addEventListener("input", (event) => {
   clearTimeout(pending);
   pending = setTimeout(() => search(event.target.value), 250);
 });
-if (fragment.get("q")) {
-  document.getElementById("q").value = fragment.get("q");
-  search(fragment.get("q"));
-} else {
-  loadSessions(false);
+function start() {
+  view.replaceChildren(el("p", "meta", "Pick a session on the left, or search."));
+  if (fragment.get("q")) {
+    document.getElementById("q").value = fragment.get("q");
+    search(fragment.get("q"));
+  } else {
+    loadSessions(false);
+  }
+  if (fragment.get("session")) showSession(fragment.get("session"));
 }
-if (fragment.get("session")) showSession(fragment.get("session"));
+start();
 </script>
 </body></html>
 """

@@ -377,7 +377,7 @@ MUTANTS = [
            "        result = db.import_sessions(sessions, limits=limits, one_transaction=True)\n",
            "        result = db.import_sessions(sessions, limits=limits)\n",
            "CLI import commits chunk by chunk (the API's way) instead of all or nothing",
-           ["test_hermes_state_portability.CommandLine"]),
+           ["test_hermes_state_portability.CommandLine", "test_cli_contract.AllOrNothingImport"]),
     Mutant("cli-import-keeps-the-api-session-limit", "hermes_state_cli.py",
            "    limits = dict(db.import_limits(), sessions=len(sessions), total_messages=float(\"inf\"),\n",
            "    limits = dict(db.import_limits(), total_messages=float(\"inf\"),\n",

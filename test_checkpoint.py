@@ -183,6 +183,7 @@ class DoctorShowsTheMode(TempDirTestCase):
 
     def test_the_doctor_command_prints_the_mode_set_in_the_environment(self):
         path = self.tmp / "state.db"
+        SessionDB(path).close()  # doctor reads a store; it creates none
         env = dict(os.environ, HERMES_STATE_CHECKPOINT="external")
         result = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(path), "doctor", "--json"],
                                 cwd=REPO, env=env, capture_output=True, text=True, timeout=60)

@@ -1062,9 +1062,9 @@ class CommandLine(TempDirTestCase):
         for fmt, out in (("md", "md_out"), ("qmd", "qmd_out"), ("html", "page.html"), ("trace", "trace.jsonl")):
             self.assertEqual(self.run_cli("export", "--format", fmt, out).returncode, 0, fmt)
         self.assertTrue((self.tmp / "md_out" / "manifest.jsonl").exists())
-        deleted = self.run_cli("delete", "bench_000019")
+        deleted = self.run_cli("delete", "bench_000019", "--yes")
         self.assertEqual((deleted.returncode, deleted.stdout), (0, "deleted bench_000019\n"))
-        self.assertEqual(self.run_cli("delete", "bench_000019").returncode, 1)
+        self.assertEqual(self.run_cli("delete", "bench_000019", "--yes").returncode, 1)
         dry = self.run_cli("prune", "--older-than", "0", "--source", "telegram", "--dry-run", "--json")
         self.assertEqual(len(json.loads(dry.stdout)["sessions"]), 7)
         self.assertEqual(self.run_cli("stats", "--json").returncode, 0)

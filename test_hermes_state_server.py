@@ -6,6 +6,7 @@ import http.client
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -460,8 +461,9 @@ class Hardening(ServerCase):
             StateServer(self.tmp / "short.db", "127.0.0.1", 0, token="t" * 31)
         self.assertFalse((self.tmp / "short.db").exists())
         env = dict(os.environ, HERMES_STATE_TOKEN="too-short", PYTHONPATH=str(REPO))
-        result = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.tmp / "cli.db"), "serve",
-                                 "--port", "0"], capture_output=True, text=True, env=env, timeout=60)
+        SessionDB(self.tmp / "cli.db").close()  # serve reads a store; it creates none
+        result = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.tmp / "cli.db"),
+                                 "serve"], capture_output=True, text=True, env=env, timeout=60)
         self.assertEqual(result.returncode, 2)
         self.assertIn("error: the token (HERMES_STATE_TOKEN) is 9 characters; the minimum is 32", result.stderr)
 
@@ -487,3 +489,87 @@ class Hardening(ServerCase):
                      f"10.0.0.1:{port}", f"user@127.0.0.1:{port}", f"127.0.0.1:{port}/x", "", None):
             self.assertEqual(status_for(host), 421, host)
         self.assertEqual(self.call("/", raw=True)[0], 200)
+
+
+# A DOM just big enough for the page's script: elements with children, text nodes, storage, fetch.
+PAGE_SHIM = """
+class Node_ { constructor(tag) { this.tag = tag; this.children = []; this.textContent = "";
+    this.classList = {add: (c) => { this.cls = c; }}; }
+  set id(value) { this._id = value; byId[value] = this; } get id() { return this._id; }
+  append(...n) { this.children.push(...n); } replaceChildren(...n) { this.children = n; }
+  querySelector() { return null; } focus() {} scrollIntoView() { this.scrolled = true; }
+  addEventListener() {} get childElementCount() { return this.children.length; } }
+const byId = {};
+globalThis.document = {createElement: (t) => new Node_(t), createTextNode: (t) => ({text: t}),
+  getElementById: (id) => byId[id] || (byId[id] = new Node_("div"))};
+globalThis.location = {hash: "", pathname: "/"}; globalThis.history = {replaceState() {}};
+const stored = {};
+globalThis.sessionStorage = {getItem: (k) => stored[k] || null,
+                             setItem: (k, v) => { stored[k] = v; }};
+globalThis.fetch = async () => ({status: 401, ok: false, json: async () => ({})});
+const flat = (node) => node.children.map(
+  (c) => c.tag ? "[" + (c.textContent || flat(c).join("")) + "]" : c.text);
+"""
+
+
+class ThePage(ServerCase):
+
+    def run_page_script(self, probe):
+        node = shutil.which("node")
+        if node is None:
+            self.skipTest("node is not installed: the page's script is run only where node is")
+        page = self.call("/", raw=True)[1].decode("utf-8")
+        script = page.split("<script", 1)[1].split(">", 1)[1].split("</script>", 1)[0]
+        result = subprocess.run([node, "-"], input=PAGE_SHIM + script + probe, capture_output=True,
+                                text=True, timeout=60)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        return result.stdout
+
+    def test_search_pages_say_whether_more_follow(self):
+        self.call("/api/sessions/import", "POST", {"sessions": fixture_sessions()})
+        status, first = self.call("/api/search?q=parser&limit=50")
+        self.assertEqual((status, len(first["hits"]), first["more"], first["offset"]),
+                         (200, 50, True, 0))
+        status, rest = self.call("/api/search?q=parser&limit=50&offset=50")
+        # 66 hits: fixtures/README.md
+        self.assertEqual((len(rest["hits"]), rest["more"]), (16, False))
+        self.assertEqual({h["id"] for h in first["hits"]} & {h["id"] for h in rest["hits"]}, set())
+
+    def test_every_hit_is_highlighted_cjk_of_any_length_included(self):
+        out = self.run_page_script("""
+console.log(JSON.stringify(flat(marked("配会话 restarts 会话谱", queryTerms("会话")))));
+console.log(JSON.stringify(flat(marked("x >>>parser<<< y", queryTerms("parser")))));
+console.log(JSON.stringify(queryTerms('会话 "a phrase" NOT secret -minus (word)')));
+""").splitlines()
+        self.assertEqual(json.loads(out[0]), ["配", "[会话]", " restarts ", "[会话]", "谱"])
+        self.assertEqual(json.loads(out[1]), ["x ", "[parser]", " y"])
+        self.assertEqual(sorted(json.loads(out[2])), sorted(["会话", "a phrase", "word"]))
+
+    def test_without_a_token_the_page_asks_for_it(self):
+        out = self.run_page_script("""
+setTimeout(() => { const form = byId.view.children[0];
+  console.log(form.tag + " " + form.children[0].textContent + " | " +
+              form.children[1].textContent); }, 50);
+""")
+        self.assertTrue(out.startswith("form This page needs its token | Paste the token"), out)
+        self.assertNotIn("Authorization", out)
+
+    def test_a_hit_opens_its_session_scrolled_to_that_message(self):
+        self.call("/api/sessions/import", "POST", {"sessions": fixture_sessions()})
+        root = self.call("/api/sessions/bench_000000?lineage=1")[1]
+        hit = root["segments"][0]["messages"][-1]  # in the root segment, far down the page
+        out = self.run_page_script("""
+token = "t";
+globalThis.fetch = async () => ({status: 200, ok: true, json: async () => (%s)});
+showSession("bench_000000", %d, ["the"]).then(() => {
+  const target = byId["message-%d"];
+  console.log(byId.view.children[0].children[0].textContent);
+  console.log(JSON.stringify([target.cls, target.scrolled === true]));
+});
+""" % (json.dumps(root), hit["id"], hit["id"])).splitlines()
+        self.assertEqual(out[0], "会话 0 title")  # the chain's title, not the tip's id
+        self.assertEqual(json.loads(out[1]), ["target", True])
+
+    def test_narrow_screens_stack_the_list_above_the_session(self):
+        page = self.call("/", raw=True)[1].decode("utf-8")
+        self.assertRegex(page, r"@media \(max-width: 720px\) \{\s*body \{ display: block;")
