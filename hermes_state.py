@@ -501,7 +501,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     # -- opening and closing -------------------------------------------------
 
     def _open_read_only(self):
-        if not self.db_path.exists():
+        # A replica (open_replica) is no local file: its connection factory reads it via the VFS.
+        if getattr(self._connect, "replica_url", None) is None and not self.db_path.exists():
             raise FileNotFoundError(f"no state store at {self.db_path}")
         try:
             self.stale_schema = self._stale_schema_report()
@@ -848,6 +849,15 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
                 copy = _may_be_sqlite(path) and _use_read_only(path, lambda conn: _snapshot(conn, target))
                 members.append((copy or path, path.relative_to(home).as_posix()))
             return _write_backup_zip(out_path, members)
+
+    @classmethod
+    def open_replica(cls, url, *, open_timeout=None):
+        """A read-only SessionDB over the Litestream replica at `url` (s3://, file://, ...), read
+        live through Litestream's VFS (`pip install litestream-vfs`); see hermes_state_replica."""
+        from hermes_state_replica import OPEN_TIMEOUT_SECONDS, ReplicaConnector
+        timeout = OPEN_TIMEOUT_SECONDS if open_timeout is None else open_timeout
+        connector = ReplicaConnector(url, timeout)
+        return cls(url, read_only=True, connection_factory=connector)
 
 
 # -- whole-home backup and restore (the "ops import"; session import is another entry point) ---------------

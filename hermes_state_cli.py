@@ -276,8 +276,9 @@ def _cmd_serve(args, out):
 
     token = os.environ.get("HERMES_STATE_TOKEN", "").strip() or None
     try:
+        replica = _open_store(args) if getattr(args, "replica", None) is not None else None
         return serve(getattr(args, "db", None), args.host, args.port, allow_remote=args.allow_remote,
-                     token=token, out=out)
+                     token=token, out=out, db=replica)
     except ValueError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
@@ -334,6 +335,8 @@ def build_demo_history(db):
 def build_parser():
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=argparse.SUPPRESS, help="store path (default: <home>/state.db)")
+    common.add_argument("--replica", default=argparse.SUPPRESS, metavar="URL",
+                        help="read commands: read this Litestream replica live (s3://, file://)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print data as JSON")
     parser = argparse.ArgumentParser(prog="python -m hermes_state", parents=[common],
                                      description="The agent's session store.")
@@ -395,6 +398,18 @@ _COMMANDS = {"list": _cmd_list, "show": _cmd_show, "search": _cmd_search, "optim
              "backup": _cmd_backup}
 
 
+# The commands that only read: they, and only they, run on a replica (writes stay on the primary).
+REPLICA_COMMANDS = ("list", "show", "search", "stats", "export", "serve")
+
+
+def _open_store(args):
+    """The store a command runs on: the local one (--db, else the home's), or with --replica URL a
+    read-only one over that Litestream replica (SessionDB.open_replica)."""
+    if getattr(args, "replica", None) is not None:
+        return SessionDB.open_replica(args.replica)
+    return SessionDB(getattr(args, "db", None))
+
+
 def main(argv=None, out=None):
     """Entry point of `python -m hermes_state`; returns the exit status."""
     out = out or sys.stdout
@@ -403,6 +418,10 @@ def main(argv=None, out=None):
     args.json = getattr(args, "json", False)
     if getattr(args, "lineage", False) and args.command == "export" and not args.session_id:
         parser.error("export --lineage needs --session-id")
+    if getattr(args, "replica", None) is not None and (args.command not in REPLICA_COMMANDS
+                                                       or getattr(args, "db", None) is not None):
+        parser.error(f"--replica goes with {', '.join(REPLICA_COMMANDS)} only, without --db; "
+                     f"{args.command} runs on the primary")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
     try:
         if args.command == "demo":
@@ -413,8 +432,7 @@ def main(argv=None, out=None):
             return _cmd_restore(args, out)
         if args.command == "serve":
             return _cmd_serve(args, out)
-        db_path = getattr(args, "db", None)
-        with SessionDB(db_path) as db:
+        with _open_store(args) as db:
             return _COMMANDS[args.command](db, args, out)
     except BrokenPipeError:
         # The reader went away (`... | head`): stop quietly, and keep Python from

@@ -123,7 +123,8 @@ class StateServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, db_path=None, host="127.0.0.1", port=DEFAULT_PORT, token=None, allow_remote=False):
+    def __init__(self, db_path=None, host="127.0.0.1", port=DEFAULT_PORT, token=None,
+                 allow_remote=False, db=None):
         if not is_loopback(host) and not allow_remote:
             raise ValueError(f"refusing to listen on {host}: not a loopback address; pass --allow-remote "
                              "to expose the store beyond this machine")
@@ -138,7 +139,7 @@ class StateServer(ThreadingHTTPServer):
         self._connections_lock = threading.Lock()
         self.gate = ReadWriteGate()
         self.log_stream = sys.stderr
-        self.db = SessionDB(db_path)
+        self.db = SessionDB(db_path) if db is None else db  # `db`: an open store (a replica's)
         self.db_path = self.db.db_path
         try:
             super().__init__((host, port), ApiHandler)
@@ -232,6 +233,8 @@ class StateServer(ThreadingHTTPServer):
 
     def restore(self, archive_path, force):
         """Swap the whole home while no request runs, then reopen the store."""
+        if self.db.read_only:
+            raise PermissionError(f"{self.db_path} is a read-only replica: restore on the primary")
         with self.gate.exclusive():
             self.db.close()
             try:
@@ -505,10 +508,11 @@ class ApiHandler(BaseHTTPRequestHandler):
         return json_response(result)
 
 
-def serve(db_path=None, host="127.0.0.1", port=DEFAULT_PORT, allow_remote=False, token=None, out=None):
+def serve(db_path=None, host="127.0.0.1", port=DEFAULT_PORT, allow_remote=False, token=None,
+          out=None, db=None):
     """Run the server until interrupted; prints the page's URL (with the token in its fragment)."""
     out = out or sys.stdout
-    server = StateServer(db_path, host, port, token=token, allow_remote=allow_remote)
+    server = StateServer(db_path, host, port, token=token, allow_remote=allow_remote, db=db)
     out.write(f"hermes_state serving {server.db_path}\n"
               f"open {server.url}#token={server.token}\n"
               f"API: Authorization: Bearer {server.token}\n")
