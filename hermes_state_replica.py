@@ -3,7 +3,8 @@
 Owns: finding Litestream's loadable VFS extension (the optional `litestream-vfs` wheel, located
 without importing it, or HERMES_STATE_LITESTREAM_VFS), loading it once per process, the connection
 factory `SessionDB.open_replica` opens every store connection through (read-only, no file of its
-own), and the one-line ReplicaError for each way that fails: the extension is not installed, this
+own; one whose VFS stopped following the replica is replaced), and the one-line ReplicaError for
+each way that fails: the extension is not installed, this
 Python cannot load extensions, the replica is unreachable or holds no database. Must not touch: any
 local store or file (a replica has no -wal, -shm, .lock or journal here, and nothing of ours writes
 through the VFS), the schema, the journal policy, the locks or the repairs (a read-only open runs
@@ -11,12 +12,14 @@ none); it imports no other module of ours.
 """
 
 import importlib.util
+import logging
 import os
 import shutil
 import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
@@ -34,10 +37,17 @@ _VFS_PARAMS = (("vfs", "litestream"), ("mode", "ro"), ("write_enabled", "false")
 # folder of its own), and SQLite refuses any write before it reaches the VFS.
 _CONNECTION_PRAGMAS = ("PRAGMA temp_store = MEMORY", "PRAGMA query_only = 1")
 _CAN_LOAD_EXTENSIONS = "import sqlite3; sqlite3.Connection.enable_load_extension"
+# A VFS connection stops following for good when a poll fails on the replica's layout (measured with
+# 0.5.17: after a restart of `litestream replicate`, "poll L1: non-contiguous ltx file", while a
+# fresh open reads every row). PRAGMA litestream_lag is the seconds since its last good poll (it
+# polls every second): past STALL_SECONDS the connection is replaced, looked at every STALL_CHECK.
+STALL_SECONDS = 10
+STALL_CHECK_SECONDS = 2.0
 SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3", "/opt/homebrew/bin/python3")
 
 _loader = None  # the connection the extension was loaded through, kept open for the process's life
 _loader_guard = threading.Lock()
+logger = logging.getLogger("hermes_state")
 
 
 class ReplicaError(RuntimeError):
@@ -164,7 +174,7 @@ class ReplicaConnector:
         if target == ":memory:":
             return sqlite3.connect(target, **kwargs)
         kwargs["uri"] = True
-        return self._open(replica_uri(self.replica_url), kwargs)
+        return FollowingConnection(lambda: self._open(replica_uri(self.replica_url), kwargs))
 
     def _open(self, uri, kwargs):
         """The VFS connection, opened in a thread so that a replica that never answers costs
@@ -191,3 +201,47 @@ class ReplicaConnector:
                 from None
         raise ReplicaError(f"replica {self.replica_url} gave no database in "
                            f"{self.open_timeout:.0f}s: it is unreachable or holds no database yet")
+
+
+class FollowingConnection:
+    """A VFS connection that replaces itself, between statements, once the VFS has stopped
+    following the replica (STALL_SECONDS without a good poll); otherwise the connection itself."""
+
+    def __init__(self, open_connection):
+        vars(self).update(_open=open_connection, _conn=open_connection(), _settings={},
+                          _checked=time.monotonic())
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+    def __setattr__(self, name, value):  # row_factory and the like, kept for a replacement
+        self._settings[name] = value
+        setattr(self._conn, name, value)
+
+    def _following(self):
+        now = time.monotonic()
+        if now - self._checked < STALL_CHECK_SECONDS or self._conn.in_transaction:
+            return self._conn
+        vars(self)["_checked"] = now
+        lag = int(self._conn.execute("PRAGMA litestream_lag").fetchone()[0])
+        if lag > STALL_SECONDS:
+            try:
+                fresh = self._open()
+            except ReplicaError as exc:
+                logger.warning("replica reader stalled %ds and could not reopen: %s", lag, exc)
+                return self._conn
+            for name, value in self._settings.items():
+                setattr(fresh, name, value)
+            stale, vars(self)["_conn"] = self._conn, fresh
+            stale.close()
+            logger.info("replica reader stalled %ds (the VFS stopped following); reopened", lag)
+        return self._conn
+
+    def execute(self, *args):
+        return self._following().execute(*args)
+
+    def executemany(self, *args):
+        return self._following().executemany(*args)
+
+    def cursor(self, *args):
+        return self._following().cursor(*args)
