@@ -13,6 +13,7 @@ for N messages, compares, times, and prints one "result JSON" line.
 """
 
 import json
+import logging
 import os
 import queue
 import statistics
@@ -142,8 +143,22 @@ def cold_costs(url):
     return costs
 
 
+class Reopens(logging.Handler):
+    """Counts the replica connections the product replaced because their VFS stopped following."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record):
+        self.count += "reopened" in record.getMessage()
+
+
 def main():
     url, primary = sys.argv[1], sys.argv[2]
+    reopens = Reopens()
+    logging.getLogger("hermes_state").addHandler(reopens)
+    logging.getLogger("hermes_state").setLevel(logging.INFO)
     commands = queue.SimpleQueue()
     threading.Thread(target=lambda: [commands.put(line) for line in sys.stdin], daemon=True).start()
     start = time.monotonic()
@@ -151,7 +166,7 @@ def main():
         print(f"ready {time.monotonic() - start:.3f}", flush=True)
         expected, torn, looks = follow(db, commands)
         result = compare(url, primary, db, expected)
-        result.update(torn=torn, looks=looks)
+        result.update(torn=torn, looks=looks, reopened=reopens.count)
     result["cold"] = cold_costs(url)
     print("result " + json.dumps(result, ensure_ascii=False, default=str), flush=True)
 
