@@ -223,7 +223,10 @@ class FollowingConnection:
         if now - self._checked < STALL_CHECK_SECONDS or self._conn.in_transaction:
             return self._conn
         vars(self)["_checked"] = now
-        lag = int(self._conn.execute("PRAGMA litestream_lag").fetchone()[0])
+        try:
+            lag = int(self._conn.execute("PRAGMA litestream_lag").fetchone()[0])
+        except (sqlite3.Error, TypeError, ValueError):  # a VFS without the PRAGMA: no stall check
+            return self._conn
         if lag > STALL_SECONDS:
             try:
                 fresh = self._open()
