@@ -296,7 +296,7 @@ MUTANTS = [
            "timing only: after 2 s of contention a writer keeps retrying every 20-150 ms instead of backing "
            "off to 250 ms-1 s; the same rows are written, with more wake-ups",
            ["test_concurrency.LockedStore"]),
-    Mutant("writer-lock-polled-slowly", "hermes_state.py",
+    Mutant("writer-lock-polled-slowly", "hermes_state_locks.py",
            "FILE_LOCK_POLL = (0.001, 0.004)\n",
            "FILE_LOCK_POLL = (0.05, 0.2)\n",
            "timing only: waiters poll the writer lock 50 times less often; every write still lands, "

@@ -21,6 +21,7 @@ import unittest
 from pathlib import Path
 
 import hermes_state
+import hermes_state_locks
 from hermes_state import SessionDB, StoreLockedError, choose_journal_policy, restore_home
 from test_support import REPO, TempDirTestCase
 
@@ -286,7 +287,7 @@ class AForkedChild(TempDirTestCase):
             say("wrote")
 
         # As if another thread were attaching a lock file at the fork: the child has no such thread to free it.
-        with hermes_state._lock_files_guard:
+        with hermes_state_locks._lock_files_guard:
             child = self.fork(child_body)
         self.assertEqual(child.hear(), "wrote")
         self.assertEqual(child.exit_code(), 0)

@@ -202,9 +202,9 @@ class LocksWeNeverBreak(TempDirTestCase):
 # Every plain open in the product, and why it never touches a live store or
 # its sidecars. A new one fails this list until someone writes down why it is safe.
 RAW_OPENS = {
-    ("hermes_state", "_raw_store_access"): "the one raw access to a store file: refuses while this "
+    ("hermes_state_locks", "_raw_store_access"): "the one raw access to a store file: refuses while this "
                                            "process holds a SQLite connection to it",
-    ("hermes_state", "_attach_lock_file"): "state.db.lock, one descriptor per process",
+    ("hermes_state_locks", "_attach_lock_file"): "state.db.lock, one descriptor per process",
     ("hermes_state", "_sha256_file"): "backup members (never the store or a sidecar) and restore scratch",
     ("hermes_state", "_write_backup_zip"): "the archive being written (its members: snapshots and "
                                            "files SQLite does not hold)",
