@@ -4,7 +4,7 @@ Owns the connections (one writer, a pool of readers, and the `_conn`/`_lock` pai
 SQL through), the journal policy, the write path (BEGIN IMMEDIATE, retried with jitter within a budget),
 why an open failed, self-repair of damaged files at open, close, the meta methods, whole-home backup and
 restore, and the class statement composing the mixins. Holds no session or message logic. Never opens the
-store or its sidecars except through SQLite (README, "Locks we never break").
+store or its sidecars except through SQLite (docs/design.md, "Locks we never break").
 """
 
 if __name__ == "__main__":
@@ -129,7 +129,7 @@ JournalPolicy = namedtuple("JournalPolicy", "mode writer_lock autocheckpoint rea
 
 def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, checkpoint=None):
     """The journal mode, who checkpoints ("locked": we, under state.db.lock; "automatic": SQLite;
-    "external": a replicator, never we; "none": rollback journal) and why (README, "Journal policy")."""
+    "external": a replicator, never we; "none": rollback journal) and why (docs/journal-policy.md)."""
     env = os.environ.get
     override = (env("HERMES_STATE_JOURNAL", "") if override is None else override).strip().lower()
     wanted = (env("HERMES_STATE_CHECKPOINT", "") if checkpoint is None else checkpoint).strip().lower()
@@ -144,7 +144,7 @@ def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, ch
     if override not in ("", "wal"):
         raise ValueError(f"HERMES_STATE_JOURNAL must be 'wal' or 'delete', not {override!r}")
     affected = sqlite_has_wal_reset_bug(version)
-    if wanted == "external":  # the race's fix is in the checkpointer (README, "Across machines")
+    if wanted == "external":  # the race's fix is in the checkpointer (docs/across-machines.md)
         return JournalPolicy("wal", affected, 0, f"HERMES_STATE_CHECKPOINT=external ({label}): WAL, "
                              "automatic checkpoints off, none of ours: the replicator runs them", "external")
     if affected:
@@ -224,7 +224,7 @@ def is_zeroed_state_db(path, *, probe_bytes=100, force=False):
 
     hermes-agent's name. Like its own, it reads no byte while this process holds a connection to
     the file (False then); `force`, its way past that, is accepted and changes nothing: ours never
-    reads a file it holds open (README, "Locks we never break")."""
+    reads a file it holds open (docs/design.md, "Locks we never break")."""
     try:
         return damage_reason(path, probe_bytes) == "zeroed"
     except OSError:
@@ -258,7 +258,7 @@ def quarantine_zeroed_state_db(path):
 
 # -- hermes-agent's CJK tokenizer extension, which ours needs not ------------------------------
 # hermes-agent indexes CJK text with a tokenizer it loads from a shared library when one is
-# installed; ours keeps a CJK side index of plain FTS5 (README "Where we differ"), and these names
+# installed; ours keeps a CJK side index of plain FTS5 (docs/differences.md), and these names
 # answer for it: its tables and its triggers, as an open creates them.
 FTS_CJK_TABLE_SQL = "".join(f"{ddl};\n" for ddl in SEARCH_OBJECTS["cjk"].values())
 FTS_CJK_TRIGGER_SQL = "".join(f"{ddl};\n" for ddl in SEARCH_TRIGGERS["cjk"].values())

@@ -617,7 +617,7 @@ SELECT COALESCE(SUM(CASE WHEN role = 'tool' THEN MIN(LENGTH(CAST(content AS BLOB
        COALESCE(SUM(CASE WHEN role = 'tool' THEN 0 ELSE LENGTH(CAST(content AS BLOB)) END), 0)
 FROM messages
 """
-# hermes-agent's index DDL names answer for ours (README "Where we differ"): our word and trigram
+# hermes-agent's index DDL names answer for ours (docs/differences.md): our word and trigram
 # indexes; hermes-agent 0.19's inline ones (LEGACY_*), which ours searches and never makes.
 FTS_SQL, FTS_TRIGRAM_SQL = ("".join(f"{ddl};\n" for part in (SEARCH_OBJECTS, SEARCH_TRIGGERS)
                                     for ddl in part[i].values()) for i in ("word", "trigram"))

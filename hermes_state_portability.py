@@ -60,7 +60,7 @@ def count_tool_calls(tool_calls):
 # -- Portable values: a BLOB in JSON -------------------------------------------------------------------------
 
 # JSON has no bytes: a BLOB value travels as {"__base64__": "<standard base64>"}, and import stores it back as
-# a BLOB (README, "Moving history").
+# a BLOB (docs/moving-history.md).
 # Message columns hermes-agent 0.22 derives from the row itself (its display dedupe key and order): its
 # get_messages leaves them out, so exports do; it derives them again after import.
 DERIVED_MESSAGE_COLUMNS = frozenset({"display_identity", "display_order"})

@@ -3,7 +3,7 @@ a string and `redact` for a whole export.
 
 Owns what counts as a secret and how it is masked. Must not touch a store: it works on export dicts only
 (write_export calls it before rendering), and masks nothing under ID_KEYS, so a redacted export still
-imports. Best effort, not a guarantee; see the README's security notes.
+imports. Best effort, not a guarantee; see docs/moving-history.md on what --redact covers.
 """
 
 import json
@@ -161,7 +161,7 @@ def _mask(match):
 
 def redact_text(text):
     """`text` with every secret SECRET_PATTERNS recognises replaced by [REDACTED].
-    Best effort, not a guarantee; see the README's security notes."""
+    Best effort, not a guarantee; see docs/moving-history.md on what --redact covers."""
     lowered = text.lower()
     for needs, pattern in _COMPILED_PATTERNS:
         if any(need in lowered for need in needs):

@@ -489,7 +489,7 @@ class SessionSearchMixin:
         return self._execute_write(self._apply_search_schema)
 
     def _schema_version_held_back(self, conn):
-        """Without FTS5 the store keeps its schema version (see README)."""
+        """Without FTS5 the store keeps its schema version (docs/search.md, "Degraded runtimes")."""
         return not self.fts_caps.fts5
 
     def _apply_search_schema(self, conn):

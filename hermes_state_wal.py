@@ -4,8 +4,8 @@ hermes-agent opens kanban.db, the cron, response and memory stores and its own t
 plain sqlite3 connections and asks here for their journal mode (`apply_wal_with_fallback`), tuning
 pragmas (`apply_database_pragmas`) and whether their files are writable (`preflight_db_writability`).
 Those connections never take our writer lock, so with SQLite's WAL-reset bug a file not yet in WAL stays
-out of it; one in WAL is never switched back, as other processes may hold it open (README, "Journal
-policy"). Owns no table and no connection: sets pragmas on the connection it is handed, and only stats
+out of it; one in WAL is never switched back, as other processes may hold it open
+(docs/journal-policy.md). Owns no table and no connection: sets pragmas on the connection it is handed, and only stats
 and chmods files (never opens one, see "Locks we never break"). SessionDB's own policy is in hermes_state.
 """
 

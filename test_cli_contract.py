@@ -358,7 +358,7 @@ class ReadmeFirstScreen(TempDirTestCase):
         for name, sub in commands.items():
             row = next(line for line in first.splitlines() if line.startswith(f"| `{name}"))
             options = {o for a in sub._actions for o in a.option_strings if o.startswith("--")}
-            for option in options - {"--help", "--db", "--json"}:
+            for option in options - {"--help", "--db", "--replica", "--json"}:
                 if name in ("list", "search") and option == "--limit":
                     option = "-n"
                 self.assertIn(option, row, f"README row of {name} leaves out {option}")

@@ -47,7 +47,7 @@ conn.execute("COMMIT")
 
 HOLD_WRITER_FILE_LOCK = """
 import sys, time
-from hermes_state import WriterFileLock
+from hermes_state_locks import WriterFileLock
 lock = WriterFileLock(sys.argv[1] + ".lock")
 assert lock.acquire(time.monotonic() + 5)
 print("locked", flush=True)

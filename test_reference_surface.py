@@ -33,7 +33,7 @@ conn.execute("COMMIT")
 """
 HOLD_WRITER_LOCK = """
 import sys
-from hermes_state import WriterFileLock
+from hermes_state_locks import WriterFileLock
 lock = WriterFileLock(sys.argv[1] + ".lock")
 assert lock.acquire(__import__("time").monotonic() + 5)
 print("held", flush=True)

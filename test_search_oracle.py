@@ -21,7 +21,7 @@ from hermes_state_common import CJK_BLOCK_BITS, TOOL_INDEX_PREFIX_CHARS
 from hermes_state_search import CJK_RE, _leaves, _substring_retry, cjk_terms, parse_query
 from test_support import REPO, TempDirTestCase, backdate, without_fts5, without_trigram
 
-# Which of our indexes each way of opening the store can use (README "Degraded runtimes").
+# Which of our indexes each way of opening the store can use (docs/search.md, "Degraded runtimes").
 MODES = {"full": (None, {"word", "trigram", "cjk"}),
          "without_trigram": (without_trigram, {"word", "cjk"}),
          "without_fts5": (without_fts5, set())}
@@ -75,7 +75,7 @@ def _like(value, text):
 
 
 def _route(text, usable, substring):
-    """Which index answers a term (README "Routing, term by term"); None is the LIKE fallback."""
+    """Which index answers a term (docs/search.md, "Routing, term by term"); None is the LIKE fallback."""
     trigram = "trigram" if len(text) >= 3 and "trigram" in usable else None
     if substring:
         return trigram
@@ -440,7 +440,7 @@ class SearchOracle:
         if scans and len(whole) == len(got) and whole != got:
             problems.append(f"{label}: limit=-1 and the pages order a scan differently")
         flat = [t for page in times for t in page]
-        if scans:  # a scan has no rank: equal times by ascending id (README "How a query runs")
+        if scans:  # a scan has no rank: equal times by ascending id (docs/search.md, "How a query runs")
             by_time = {}
             for message_id, t in zip(got, flat):
                 by_time.setdefault(t, []).append(message_id)

@@ -126,7 +126,7 @@ def mixed_worker(path, journal, wid, seed, seconds, out):
         mid = rec.run("append_message", lambda: db.append_message(sid, role, text, tool_calls=calls))
         if mid is not None and not sid.startswith(f"w{wid}-s"):
             rec.appended[str(mid)] = [sid, text]
-            if role != "tool":  # a CJK term never matches tool output (README, deliberate differences)
+            if role != "tool":  # a CJK term never matches tool output (docs/differences.md)
                 searchable.append((rng.choice((f"tok{wid}x{n}", _cjk_tag(wid, n))), mid))
 
     def batch(sid):

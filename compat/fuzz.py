@@ -76,7 +76,7 @@ def _query(rng):
     """Return a random search query: words, phrases, prefixes, operators, CJK, punctuation, empty."""
     word, other = rng.choice(WORDS), rng.choice(WORDS)
     cjk = rng.choice(CJK)
-    # Words with CJK of 3+ letters are ranked differently on purpose (README "Where we differ"): mixed
+    # Words with CJK of 3+ letters are ranked differently on purpose (docs/differences.md): mixed
     # queries take a CJK term of 1-2 letters, which both sides answer by the same rule.
     short_cjk = rng.choice([t for t in CJK if len(t) <= 2])
     forms = [
@@ -268,8 +268,8 @@ class Generator:
             kwargs["include_inactive"] = True
         query = _query(rng)
         if CJK_CHAR.search(query) and "role_filter" not in kwargs:
-            # A CJK term never matches tool output unless role_filter names "tool" (README "Where we
-            # differ"); hermes-agent's scan does. Leave tool rows out of such a search, or ask for them.
+            # A CJK term never matches tool output unless role_filter names "tool"
+            # (docs/differences.md); hermes-agent's scan does. Leave tool rows out of such a search, or ask for them.
             kwargs["role_filter"] = rng.choice([["user", "assistant"], ["tool"], ["user", "tool"]])
         return c("search_messages", query, **kwargs)
 
@@ -286,7 +286,7 @@ def _known(*steps):
     return [c("create_session", "s1", "cli")] + list(steps)
 
 
-# The minimal scenarios of the differences the fuzzer found that nothing in README "Where we differ"
+# The minimal scenarios of the differences the fuzzer found that nothing in docs/differences.md
 # excuses: each shows one, so `run.py --only fuzz` fails until the difference is fixed or made deliberate.
 KNOWN = [
     # Fixed, kept as a check: an FTS5 syntax character inside a word was deleted, joining the parts ("user's"

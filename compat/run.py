@@ -10,7 +10,7 @@ edited), any network but 127.0.0.1 during the end-to-end run.
 
 Usage: python3 compat/run.py [--only api|inprocess|e2e|releases|xport|fuzz] [--details N]
 Environment: HERMES_COMPAT_CACHE (venv cache), COMPAT_PYTHON (the CPython that builds the venvs),
-COMPAT_KEEP=1 (keep the e2e temp homes), COMPAT_OUR_CONSTANTS=1 (diagnostic only, see README.md).
+COMPAT_KEEP=1 (keep the e2e temp homes), COMPAT_OUR_CONSTANTS=1 (diagnostic only, see docs/testing.md).
 """
 
 import argparse
@@ -407,7 +407,7 @@ def main(argv=None):
             t0 = time.monotonic()
             results.extend(xport.run_all(ref_venv, swap_venv, None if args.self_check else overlay))
             timings["xport"] = time.monotonic() - t0
-        if args.only == "fuzz":  # not in the default run yet: see README "Randomised API scenarios"
+        if args.only == "fuzz":  # not in the default run yet: see docs/testing.md, "Randomized and adversarial tests"
             t0 = time.monotonic()
             import fuzz
             results.extend(fuzz.run_all(ref_venv, swap_venv, None if args.self_check else overlay))

@@ -14,7 +14,7 @@ Environment: HERMES_REPLICATE_CACHE (the venv cache, default ~/.cache/hermes_sta
 With --keep, and always after a failure, the scratch folder stays (each scenario's stores, replica
 and debug-level Litestream log in scenario-N/); a store that cannot be read is reported as the
 source's or the restored one's, with the first replicated transaction that restores damaged.
-Every process here runs with HERMES_STATE_CHECKPOINT=external, as the README tells users to.
+Every process here runs with HERMES_STATE_CHECKPOINT=external, as docs/across-machines.md tells users to.
 """
 
 import argparse
@@ -107,7 +107,7 @@ class Litestream:
         self.binary, self.db_path = binary, str(db_path)
         self.replica, self.socket = work / replica, work / "litestream.sock"
         self.config, self.log = work / "litestream.yml", work / "litestream.log"
-        # The README's config, with a file replica in place of a bucket.
+        # docs/across-machines.md's config, with a file replica in place of a bucket.
         self.config.write_text(
             "logging:\n  level: debug\n"  # its syncs and snapshots are logged at debug level only
             "socket:\n"
@@ -155,7 +155,7 @@ class Litestream:
     def restore(self, out, source=None):
         """Restore the newest replicated state to `out` (from the replica URL, as another machine would).
 
-        Under umask 077, as the README says: Litestream creates the file 0644 otherwise.
+        Under umask 077, as docs/across-machines.md says: Litestream creates the file 0644 otherwise.
         """
         run([self.binary, "restore", "-o", str(out), source or self.replica.as_uri()],
             preexec_fn=lambda: os.umask(0o077))
@@ -429,7 +429,7 @@ def scenario_optimize_and_restore(binary, work):
         for seq in range(5):
             db.append_message("own1", "user", f"w1 seq {1000000 + seq} written before the restore")
     litestream.control("sync")
-    # The restored home is another store, so it gets a replica of its own, as the README says: stop
+    # The restored home is another store, so it gets a replica of its own, as docs/across-machines.md says: stop
     # Litestream, restore, reset its local state, point the store at a new replica, start. Restored
     # between `litestream stop` and `start` instead, whenever the old store had frames Litestream had
     # not checkpointed, Litestream went on with the new store's WAL as the old store's, no snapshot,
