@@ -324,10 +324,11 @@ class SessionMessagesMixin:
     def _conversation(self, session_ids, include_inactive, include_ancestors, repair_alternation=False,
                       include_row_ids=False):
         """The messages of `session_ids` in id order as get_messages_as_conversation returns them."""
+        visible = "" if include_inactive else " AND active = 1"
         sql = (f"SELECT {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
-               f"({placeholders(len(session_ids))}){'' if include_inactive else ' AND active = 1'} ORDER BY id")
+               f"({placeholders(len(session_ids))}){visible} ORDER BY id")
 
-        def read(conn):  # plain tuples: a sqlite3.Row per row, read by name, cost a third of the call
+        def read(conn):  # plain tuples: sqlite3.Row objects read by name cost a third of the call
             cursor = conn.cursor()
             cursor.row_factory = None
             return cursor.execute(sql, session_ids).fetchall()
@@ -579,15 +580,15 @@ def _one_per_generation(rows):
 
 # -- the conversation --------------------------------------------------------------
 def _conversation_message(row, include_row_id):
-    """A row (CONVERSATION_ROW_COLUMNS, in order) as a chat-API dict: role, content (memory blocks cut),
-    the fields set; on assistant turns the reasoning fields (`reasoning_content` even when "")."""
-    (row_id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason, reasoning,
-     reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items, platform_message_id,
-     observed, timestamp, api_content, display_kind, display_metadata) = row
+    """A row (CONVERSATION_ROW_COLUMNS, in order) as a chat-API dict: role, content (memory blocks
+    cut), the fields set; on assistant turns the reasoning fields (`reasoning_content` even when "")."""
+    (row_id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason,
+     reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items,
+     platform_message_id, observed, timestamp, api_content, display_kind, display_metadata) = row
     if isinstance(content, str) and content.startswith(CONTENT_JSON_PREFIX):
         content = decode_content(content)
     if role in ("user", "assistant") and isinstance(content, str):
-        if _MEMORY_HINT.search(content):  # one pass over the text for the three patterns' common word
+        if _MEMORY_HINT.search(content):  # one scan for the word all three patterns need
             content = _MEMORY_TAG.sub("", _MEMORY_NOTE.sub("", _MEMORY_BLOCK.sub("", content)))
         content = content.strip()
     # Most of a row's columns are NULL: each is tested once, in the order the dict's keys keep.
