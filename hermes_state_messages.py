@@ -581,7 +581,7 @@ def _one_per_generation(rows):
 # -- the conversation --------------------------------------------------------------
 def _conversation_message(row, include_row_id):
     """A row (CONVERSATION_ROW_COLUMNS, in order) as a chat-API dict: role, content (memory blocks
-    cut), the fields set; on assistant turns the reasoning fields (`reasoning_content` even when "")."""
+    cut), the fields set; on assistant turns the reasoning fields (`reasoning_content` also "")."""
     (row_id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason,
      reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items,
      platform_message_id, observed, timestamp, api_content, display_kind, display_metadata) = row
