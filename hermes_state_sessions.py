@@ -55,9 +55,12 @@ _MAYBE_LISTABLE_CHILD_SQL = (
     " OR instr(s.model_config, '_branched_from') > 0 OR instr(s.model_config, '_reset_from') > 0"
     " OR instr(s.model_config, '\\') > 0)")
 # Every child of a session compression ended: the links a chain walk may follow.
-_CONTINUATIONS_SQL = (f"SELECT c.id, c.parent_session_id AS parent, c.title, c.model_config, c.source,"
-                      f" {LAST_ACTIVE_SQL.format(a='c')} AS last_active FROM sessions AS c"
+_CONTINUATIONS_SQL = ("SELECT c.id, c.parent_session_id AS parent, c.title, c.model_config,"
+                      " c.source, {activity} AS last_active FROM sessions AS c"
                       " JOIN sessions AS p ON p.id = c.parent_session_id WHERE p.end_reason = 'compression'")
+# LAST_ACTIVE_SQL's value as hs_session_activity keeps it (see _listing_ready).
+_KEPT_ACTIVITY_SQL = ("(SELECT k.active_at FROM hs_session_activity AS k"
+                      " WHERE k.session_id = {a}.id)")
 # What a listed compression root shows of its tip; the root keeps the rest (its start, flags, watermark).
 _PROJECTED_COLUMNS = ("id", "ended_at", "end_reason", "message_count", "tool_call_count", "title", "last_active",
                       "preview", "model", "system_prompt", "cwd", "git_branch", "git_repo_root")
@@ -449,7 +452,7 @@ class SessionSessionsMixin:
     def _list_candidates(self, clauses, params, include_children, with_activity, want=None):
         """The matching sessions, newest start first, as the listing rules' inputs (markers are read in
         Python, so no JSON1): only listable ones unless `include_children`, at most `want` of them."""
-        activity = f", {LAST_ACTIVE_SQL.format(a='s')} AS last_active" if with_activity else ""
+        activity = f", {self._activity_sql('s')} AS last_active" if with_activity else ""
         sql = f"{_CANDIDATES_SQL}{activity}{_CANDIDATES_FROM_SQL}{{}} ORDER BY s.started_at DESC, s.id DESC"
         # Read in growing chunks (all at once without `want`: LIMIT -1), each after the last row read,
         # until `want` rows are listable.
@@ -468,7 +471,8 @@ class SessionSessionsMixin:
         """`rows` ordered by the newest activity along each one's forward compression chain, kept when
         the needles (already lower case) match an id, or a title, of that chain."""
         children = collections.defaultdict(list)
-        for link in self._read_all(self._listing_sql(_CONTINUATIONS_SQL)):
+        for link in self._read_all(self._listing_sql(_CONTINUATIONS_SQL.format(
+                activity=self._activity_sql("c")))):
             if not has_fork_marker(link["model_config"]) and (link["source"] or "") != "tool":
                 children[link["parent"]].append(link)
         squeezed = re.sub(r"[\W_]+", "", search_needle)
@@ -530,6 +534,11 @@ class SessionSessionsMixin:
             if chunk < 0 or len(batch) < chunk:
                 return _by_found_order(found, want)
             after, chunk = [batch[-1]["active_at"], batch[-1]["id"]], chunk * 2
+
+    def _activity_sql(self, alias):
+        """The SQL of a session's last activity: read from hs_session_activity while it is trusted
+        (a needle's activity order at 54,000 sessions: 590 -> 60 ms), else computed."""
+        return (_KEPT_ACTIVITY_SQL if self._listing_ready() else LAST_ACTIVE_SQL).format(a=alias)
 
     def _listing_ready(self):
         """True when the listing aids (hs_session_activity, hs_session_tally) can be trusted: the

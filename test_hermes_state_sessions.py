@@ -442,7 +442,8 @@ class ListingAids(SessionTestCase):
                 dict(min_message_count=2, compact_rows=True),
                 dict(include_children=True, include_archived=True), dict(sources=["cli", "tool"]),
                 dict(include_pinned=True), dict(project_compression_tips=False),
-                dict(include_hidden=True), dict(cwd_prefix="/w"), dict(session_key="K3"))
+                dict(include_hidden=True), dict(cwd_prefix="/w"), dict(session_key="K3"),
+                dict(id_query="S01"), dict(search_query="c1"))
     WINDOWS = ((50, 0), (7, 31), (1, 0), (200, 150), (-1, 0))
     COUNTS = (dict(), dict(source="telegram"), dict(include_archived=True),
               dict(archived_only=True),
