@@ -106,7 +106,8 @@ END""",
  AFTER INSERT ON messages BEGIN
  UPDATE hs_session_activity SET active_at = new.timestamp WHERE session_id = new.session_id
   AND (new.timestamp > active_at
-   OR (NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = new.session_id AND m.id <> new.id)
+   OR (NOT EXISTS (SELECT 1 FROM messages AS m
+                   WHERE m.session_id = new.session_id AND m.id <> new.id)
        AND (SELECT s.last_activity_at FROM sessions AS s WHERE s.id = new.session_id) IS NULL));
 END""",
     # A deleted message changes the session's activity only if it was the newest.
