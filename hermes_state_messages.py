@@ -13,8 +13,8 @@ import sqlite3
 import time
 
 from hermes_state_common import (
-    BUMP_MESSAGE_COUNTS_SQL, COMPRESSION_END_REASON, COUNT_ALL_MESSAGES_SQL, INSERT_MESSAGE_SQL,
-    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, STALE_MARKER,
+    BUMP_MESSAGE_COUNTS_SQL, COMPRESSION_END_REASON, CONTENT_JSON_PREFIX, COUNT_ALL_MESSAGES_SQL,
+    INSERT_MESSAGE_SQL, LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, STALE_MARKER,
     CompressionSessionClosedError, SessionTurnLeaseLostError, content_text, decode_content, decode_display_metadata,
     decode_message, describe_skill_invocation, encode_content, is_fork_child, json_object, loads_or, placeholders,
     scrub_surrogates, sqlite_keeps)
@@ -61,6 +61,7 @@ _MEMORY_NOTE = re.compile(
     r"\[System note:\s*The following is recalled memory context,\s*NOT new user input\.\s*Treat as "
     r"(?:informational background data|authoritative reference data[^\]]*)\.\]\s*", re.I)
 _MEMORY_TAG = re.compile(r"</?\s*memory-context\s*>", re.I)
+_MEMORY_HINT = re.compile("memory", re.I)  # in every text the three above can match
 
 
 class SessionMessagesMixin:
@@ -323,10 +324,15 @@ class SessionMessagesMixin:
     def _conversation(self, session_ids, include_inactive, include_ancestors, repair_alternation=False,
                       include_row_ids=False):
         """The messages of `session_ids` in id order as get_messages_as_conversation returns them."""
-        rows = self._read_all(
-            f"SELECT {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
-            f"({placeholders(len(session_ids))}){'' if include_inactive else ' AND active = 1'} ORDER BY id",
-            session_ids)
+        visible = "" if include_inactive else " AND active = 1"
+        sql = (f"SELECT {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
+               f"({placeholders(len(session_ids))}){visible} ORDER BY id")
+
+        def read(conn):  # plain tuples: sqlite3.Row objects read by name cost a third of the call
+            cursor = conn.cursor()
+            cursor.row_factory = None
+            return cursor.execute(sql, session_ids).fetchall()
+        rows = self._with_reader(read)
         messages = []
         for row in rows:
             message = _conversation_message(row, include_row_ids)
@@ -597,32 +603,55 @@ def _one_per_generation(rows):
 
 # -- the conversation --------------------------------------------------------------
 def _conversation_message(row, include_row_id):
-    """A row as a chat-API dict: role, content (memory blocks cut), the fields set; on assistant turns the
-    reasoning fields (`reasoning_content` even when "")."""
-    role, content = row["role"], decode_content(row["content"])
+    """A row (CONVERSATION_ROW_COLUMNS, in order) as a chat-API dict: role, content (memory blocks
+    cut), the fields set; on assistant turns the reasoning fields (`reasoning_content` also "")."""
+    (row_id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason,
+     reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items,
+     platform_message_id, observed, timestamp, api_content, display_kind, display_metadata) = row
+    if isinstance(content, str) and content.startswith(CONTENT_JSON_PREFIX):
+        content = decode_content(content)
     if role in ("user", "assistant") and isinstance(content, str):
-        content = _MEMORY_TAG.sub("", _MEMORY_NOTE.sub("", _MEMORY_BLOCK.sub("", content))).strip()
+        if _MEMORY_HINT.search(content):  # one scan for the word all three patterns need
+            content = _MEMORY_TAG.sub("", _MEMORY_NOTE.sub("", _MEMORY_BLOCK.sub("", content)))
+        content = content.strip()
+    # Most of a row's columns are NULL: each is tested once, in the order the dict's keys keep.
     message = {"role": role, "content": content}
-    if include_row_id and row["id"] is not None:
-        message["_row_id"] = row["id"]
-    message.update({k: row[k] for k in ("api_content", "display_kind") if row[k]})
-    meta = decode_display_metadata(row["display_metadata"])
-    if meta is not None:
-        message["display_metadata"] = meta
-    message.update({k: row[k] for k in ("timestamp", "tool_call_id", "tool_name", "effect_disposition")
-                    if row[k]})
-    if row["tool_calls"]:
-        message["tool_calls"] = loads_or(row["tool_calls"], [])
-    if row["platform_message_id"]:
-        message["message_id"] = row["platform_message_id"]
-    if row["observed"]:
+    if include_row_id and row_id is not None:
+        message["_row_id"] = row_id
+    if api_content:
+        message["api_content"] = api_content
+    if display_kind:
+        message["display_kind"] = display_kind
+    if display_metadata is not None:
+        meta = decode_display_metadata(display_metadata)
+        if meta is not None:
+            message["display_metadata"] = meta
+    if timestamp:
+        message["timestamp"] = timestamp
+    if tool_call_id:
+        message["tool_call_id"] = tool_call_id
+    if tool_name:
+        message["tool_name"] = tool_name
+    if effect_disposition:
+        message["effect_disposition"] = effect_disposition
+    if tool_calls:
+        message["tool_calls"] = loads_or(tool_calls, [])
+    if platform_message_id:
+        message["message_id"] = platform_message_id
+    if observed:
         message["observed"] = True
     if role == "assistant":
-        message.update({k: row[k] for k in ("finish_reason", "reasoning") if row[k]})
-        if row["reasoning_content"] is not None:
-            message["reasoning_content"] = row["reasoning_content"]
-        message.update({k: loads_or(row[k], None) for k in ("reasoning_details", "codex_reasoning_items",
-                                                              "codex_message_items") if row[k]})
+        if finish_reason:
+            message["finish_reason"] = finish_reason
+        if reasoning:
+            message["reasoning"] = reasoning
+        if reasoning_content is not None:
+            message["reasoning_content"] = reasoning_content
+        for key, value in (("reasoning_details", reasoning_details),
+                           ("codex_reasoning_items", codex_reasoning_items),
+                           ("codex_message_items", codex_message_items)):
+            if value:
+                message[key] = loads_or(value, None)
     return message
 
 

@@ -819,7 +819,10 @@ class SessionSearchMixin:
         roles = _as_list(role_filter) or []
         filters, filter_params = _search_filters(roles, _as_list(source_filter), _as_list(exclude_sources),
                                                  include_inactive)
-        state = self._index_state()
+        cookie = self._read_value("PRAGMA schema_version")  # sqlite_master: 0.06 of a 0.6 ms search
+        if self.__dict__.get("_objects_at_cookie", (None,))[0] != cookie:  # read when it moves
+            self._objects_at_cookie = (cookie, self._read_objects())
+        state = self._index_state(self._objects_at_cookie[1])
         if "tool" in roles:
             state = state._replace(usable=set(), tool_rows=True)  # tool rows are only whole in the fallback
         scans = hermes_scans(tree, state)

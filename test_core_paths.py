@@ -349,5 +349,30 @@ class AConnectionThatCannotBeMade(TempDirTestCase):
             self.assertIsNotNone(db.get_session("s"))
 
 
+class ASchemaChangedBehindAnOpenStore(TempDirTestCase):
+    """An open store keeps what it learnt of the schema (the search indexes there) only while the
+    schema cookie stays: another program's change is seen at the next call."""
+
+    def test_a_search_index_dropped_by_another_program_is_seen_without_a_failed_query(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            db.append_message("s", "user", "the quokka parser")
+            self.assertEqual(len(db.search_messages("quokka")), 1)
+            other = sqlite3.connect(str(path))
+            triggers = [name for (name,) in other.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'trigger'"
+                " AND name LIKE 'hs_fts_words%'")]
+            for name in triggers:
+                other.execute(f"DROP TRIGGER {name}")
+            other.execute("DROP TABLE hs_fts_words")
+            other.commit()
+            other.close()
+            self.assertEqual([hit["session_id"] for hit in db.search_messages("quokka")], ["s"])
+            # A query on the dropped table would have failed and marked the index stale.
+            marks = db._read_all("SELECT key FROM state_meta WHERE key LIKE 'hs_search_stale%'")
+            self.assertEqual([tuple(mark) for mark in marks], [])
+
+
 if __name__ == "__main__":
     unittest.main()

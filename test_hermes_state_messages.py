@@ -298,9 +298,12 @@ class Reading(MessageTestCase):
         self.db.append_message("s", "user", "Review the conversation above and consider saving to memory.")
         self.db.append_message("s", "assistant", "curator reply")
         self.db.append_message("s", "user", "real question")
+        self.db.append_message("s", "assistant", " caps <MEMORY-CONTEXT>x</Memory-Context>here ")
+        self.db.append_message("s", "assistant", "  padded\n")
         self.assertEqual([(m["role"], m["content"]) for m in self.db.get_messages_as_conversation("s")], [
             ("user", "hello there"), ("assistant", ""),
-            ("tool", "<memory-context>tool text is kept</memory-context>"), ("user", "real question")])
+            ("tool", "<memory-context>tool text is kept</memory-context>"),
+            ("user", "real question"), ("assistant", "caps here"), ("assistant", "padded")])
 
     def test_ancestors_join_the_compression_chain_but_not_a_branch(self):
         for role, content in (("user", "q1"), ("assistant", "a1"), ("user", "q2")):

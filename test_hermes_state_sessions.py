@@ -1,5 +1,6 @@
 """Session rows with hermes-agent's contract: create and fill in, prompts, ends, flags, model and cwd, counts."""
 
+import contextlib
 import json
 import sqlite3
 
@@ -428,3 +429,211 @@ class Listing(SessionTestCase):
         self.assertEqual(self.ids(limit=2), [("parent", None), ("lone", None)])
         self.assertEqual(self.ids(limit=1, offset=1, include_children=True), [("sub128", None)])
         self.assertEqual(self.db.session_count(exclude_children=True), 7)
+
+
+
+class ListingAids(SessionTestCase):
+    """The activity-ordered listing and the counts read hs_session_activity and hs_session_tally,
+    which triggers keep: the same rows, in the same order, as the reads of every session they
+    replace (a read-only opener of a copy whose aids are not marked ready), whoever wrote them."""
+
+    LISTINGS = (dict(), dict(exclude_sources=["kanban", "tool"]), dict(source="telegram"),
+                dict(include_children=True), dict(include_archived=True), dict(archived_only=True),
+                dict(min_message_count=2, compact_rows=True),
+                dict(include_children=True, include_archived=True), dict(sources=["cli", "tool"]),
+                dict(include_pinned=True), dict(project_compression_tips=False),
+                dict(include_hidden=True), dict(cwd_prefix="/w"), dict(session_key="K3"),
+                dict(id_query="S01"), dict(search_query="c1"))
+    WINDOWS = ((50, 0), (7, 31), (1, 0), (200, 150), (-1, 0))
+    COUNTS = (dict(), dict(source="telegram"), dict(include_archived=True),
+              dict(archived_only=True),
+              dict(exclude_children=True, exclude_sources=["kanban", "tool"]),
+              dict(exclude_children=True), dict(min_message_count=2), dict(exclude_sources=["cli"]),
+              dict(sources=["cli", "tool"], exclude_children=True, include_archived=True),
+              dict(cwd_prefix="/w"))
+
+    def setUp(self):
+        super().setUp()
+        self.write_behind_our_back(self.fill)
+
+    def write_behind_our_back(self, work):
+        conn = sqlite3.connect(str(self.path), isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            work(conn)
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+
+    @staticmethod
+    def fill(conn):
+        """600 sessions by plain SQL: compression chains of up to 3 hops, delegates, resets,
+        branches, tool children, archived, pinned and hidden ones, heartbeats, ties on activity and
+        start."""
+        import random
+        rng = random.Random(27)
+        made = []
+        add_session = ("INSERT INTO sessions (id, source, started_at, parent_session_id,"
+                       " model_config, archived, pinned, hidden, session_key, cwd,"
+                       " last_activity_at)"
+                       " VALUES (?,?,?,?,?,?,?,?,?,?,?)")
+        add_message = "INSERT INTO messages (session_id, role, content, timestamp) VALUES (?,?,?,?)"
+        for i in range(600):
+            sid, parent, config = f"s{i:04d}", None, None
+            started = float(rng.choice((i, i, 100)))  # some share a start: the id breaks the tie
+            kind = rng.random()
+            if made and kind < 0.2:
+                parent = rng.choice(made)
+                marker = "_delegate_from"
+                if kind < 0.05:
+                    marker = rng.choice(("_branched_from", "_reset_from"))
+                config = json.dumps({marker: parent}) if kind < 0.15 else None
+            conn.execute(add_session, (
+                sid, rng.choice(("cli", "telegram", "tool", "kanban")), started, parent, config,
+                int(rng.random() < 0.05), int(rng.random() < 0.03), int(rng.random() < 0.03),
+                f"K{i % 5}" if i % 3 else None, "/w/x" if i % 4 == 0 else None,
+                rng.choice((None, None, 700.0, started + 3))))
+            for _ in range(rng.randint(0, 3)):
+                stamp = rng.choice((started + rng.random() * 900, 650.0, 1.0))
+                conn.execute(add_message, (sid, "user", f"m {i}", stamp))
+            if rng.random() < 0.15:
+                conn.execute("UPDATE sessions SET ended_at = started_at + 1, end_reason = ?"
+                             " WHERE id = ?",
+                             (rng.choice(("compression", "compression", "branched", "idle")), sid))
+            made.append(sid)
+        conn.execute("UPDATE sessions SET message_count ="
+                     " (SELECT COUNT(*) FROM messages WHERE session_id = id)")
+        # Chains: a continuation of a continuation, so the walk up goes more than one hop.
+        for root in made[10:400:37]:
+            conn.execute("UPDATE sessions SET end_reason = 'compression', ended_at = started_at"
+                         " WHERE id = ?", (root,))
+            tail = root
+            for hop in range(3):
+                child = f"{root}-c{hop}"
+                conn.execute("INSERT INTO sessions (id, source, started_at, parent_session_id)"
+                             " VALUES (?, 'cli', ?, ?)", (child, 50.0 + hop, tail))
+                conn.execute(add_message, (child, "user", "later", 600.0 + rng.random() * 400))
+                if hop < 2:
+                    conn.execute("UPDATE sessions SET end_reason = 'compression' WHERE id = ?",
+                                 (child,))
+                tail = child
+
+    def reopen(self):
+        from hermes_state import SessionDB
+        self.db.close()
+        self.db = SessionDB(self.path)
+        self.addCleanup(self.db.close)
+
+    def oracle(self):
+        """A read-only SessionDB of a copy whose aids are not marked ready: it reads them all."""
+        copy = self.tmp / f"oracle-{len(list(self.tmp.iterdir()))}.db"
+        with contextlib.closing(sqlite3.connect(str(self.path))) as source, \
+                contextlib.closing(sqlite3.connect(str(copy))) as target:
+            source.backup(target)
+            target.execute("DELETE FROM state_meta WHERE key = 'hs_listing_ready'")
+            target.commit()
+        from hermes_state import SessionDB
+        db = SessionDB(copy, read_only=True)
+        self.addCleanup(db.close)
+        self.assertFalse(db._listing_ready())
+        return db
+
+    def assert_same_as_oracle(self):
+        self.assertTrue(self.db._listing_ready())
+        oracle = self.oracle()
+        for kwargs in self.LISTINGS:
+            for limit, offset in self.WINDOWS:
+                for order in (True, False):
+                    with self.subTest(kwargs=kwargs, limit=limit, offset=offset, order=order):
+                        window = dict(kwargs, limit=limit, offset=offset,
+                                      order_by_last_active=order)
+                        self.assertEqual(self.db.list_sessions_rich(**window),
+                                         oracle.list_sessions_rich(**window))
+        for kwargs in self.COUNTS:
+            with self.subTest(count=kwargs):
+                self.assertEqual(self.db.session_count(**kwargs), oracle.session_count(**kwargs))
+        for kwargs in (dict(), dict(exclude_children=True), dict(archived_only=True)):
+            self.assertEqual(list(self.db.session_count_by_source(**kwargs).items()),
+                             list(oracle.session_count_by_source(**kwargs).items()))
+
+    def test_rows_written_by_another_program_list_and_count_as_a_full_read_does(self):
+        page = self.db.list_sessions_rich(limit=50, order_by_last_active=True)
+        self.assertEqual(len(page), 50)
+        self.assertNotEqual([s["id"] for s in page],  # the activity order is not the start order
+                            [s["id"] for s in self.db.list_sessions_rich(limit=50)])
+        self.assert_same_as_oracle()
+
+    def test_changes_behind_our_back_keep_the_aids_true(self):
+        def change(conn):
+            for sql in (
+                    "DELETE FROM messages WHERE id IN (SELECT MAX(id) FROM messages"
+                    " GROUP BY session_id LIMIT 200)",
+                    "UPDATE messages SET timestamp = timestamp + 5000 WHERE id % 17 = 0",
+                    "UPDATE messages SET session_id = 's0003' WHERE id % 23 = 0",
+                    "UPDATE sessions SET archived = 1 - archived WHERE rowid % 11 = 0",
+                    "UPDATE sessions SET source = 'kanban' WHERE rowid % 13 = 0",
+                    "UPDATE sessions SET model_config = '{\"_delegate_from\": \"s0001\"}',"
+                    " parent_session_id = 's0001' WHERE rowid % 19 = 0 AND id <> 's0001'",
+                    "UPDATE sessions SET parent_session_id = NULL, model_config = NULL"
+                    " WHERE rowid % 29 = 0",
+                    "UPDATE sessions SET last_activity_at = 2000 + rowid WHERE rowid % 31 = 0",
+                    "UPDATE sessions SET started_at = 3000 WHERE rowid % 37 = 0",
+                    "DELETE FROM messages WHERE session_id IN"
+                    " (SELECT id FROM sessions WHERE rowid % 41 = 0)",
+                    "DELETE FROM sessions WHERE rowid % 41 = 0",
+                    "UPDATE sessions SET end_reason = 'compression' WHERE rowid % 43 = 0"):
+                conn.execute(sql)
+        self.write_behind_our_back(change)
+        self.assert_same_as_oracle()
+        # and through our own API, which fires the same triggers
+        self.db.append_message("s0002", "user", "now", timestamp=99999)
+        self.db.set_session_archived("s0005", True)
+        self.db.delete_session("s0007")
+        self.assert_same_as_oracle()
+
+    def test_a_dropped_trigger_stops_the_aids_being_read_until_an_open_fills_them_again(self):
+        self.assertTrue(self.db._listing_ready())
+
+        def drop_and_write(conn):
+            conn.execute("DROP TRIGGER hs_listing_message_insert")
+            conn.execute("INSERT INTO messages (session_id, role, content, timestamp)"
+                         " VALUES ('s0009', 'user', 'late', 99999)")
+        self.write_behind_our_back(drop_and_write)
+        self.assertFalse(self.db._listing_ready())
+        newest = self.db.list_sessions_rich(limit=1, order_by_last_active=True)
+        self.assertEqual(newest[0]["id"], "s0009")
+        self.reopen()
+        self.assert_same_as_oracle()
+
+    def test_an_interrupted_fill_resumes_where_it_stopped(self):
+        def interrupt(conn):
+            conn.execute("DELETE FROM state_meta WHERE key = 'hs_listing_ready'")
+            conn.execute("INSERT INTO state_meta (key, value)"
+                         " VALUES ('hs_listing_progress', 's0300')")
+            conn.execute("DELETE FROM hs_session_activity WHERE session_id > 's0300'")
+            conn.execute("UPDATE hs_session_tally SET n = n + 7")
+            conn.execute("INSERT INTO sessions (id, source, started_at)"
+                         " VALUES ('s0001-x', 'cli', 5000)")
+        self.write_behind_our_back(interrupt)
+        self.reopen()
+        self.assertIsNone(self.db._read_value(
+            "SELECT value FROM state_meta WHERE key = 'hs_listing_progress'"))
+        self.assert_same_as_oracle()
+
+    def test_an_old_store_gets_the_aids_and_opening_a_current_one_writes_nothing(self):
+        def strip(conn):
+            for name, kind in conn.execute(
+                    "SELECT name, type FROM sqlite_master WHERE type IN ('table', 'trigger') AND"
+                    " (name LIKE 'hs\\_session\\_%' ESCAPE '\\'"
+                    " OR name LIKE 'hs\\_listing%' ESCAPE '\\')"
+            ).fetchall():
+                conn.execute(f"DROP {kind.upper()} IF EXISTS {name}")
+            conn.execute("DELETE FROM state_meta WHERE key LIKE 'hs\\_listing%' ESCAPE '\\'")
+        self.write_behind_our_back(strip)
+        self.reopen()
+        self.db.close()
+        with contextlib.closing(sqlite3.connect(str(self.path))) as conn:
+            version = conn.execute("PRAGMA data_version").fetchone()[0]
+            self.reopen()
+            self.assertEqual(conn.execute("PRAGMA data_version").fetchone()[0], version)
+        self.assert_same_as_oracle()

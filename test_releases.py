@@ -201,9 +201,12 @@ class OurNames(TempDirTestCase):
         ours = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")} - schema
         keys = {row[0] for row in conn.execute("SELECT key FROM state_meta")}
         conn.close()
-        self.assertTrue(ours and all(name.startswith(("hs_fts_", "hs_idx_")) for name in ours), ours)
+        # hs_session_* and hs_listing_*: the listing aids (issue 27), tables and their triggers.
+        ours_prefixes = ("hs_fts_", "hs_idx_", "hs_session_", "hs_listing_")
+        self.assertTrue(ours and all(name.startswith(ours_prefixes) for name in ours), ours)
         self.assertFalse(ours & theirs)
-        self.assertFalse({k for k in keys if not k.startswith("hs_search_")} | (keys & their_keys))
+        self.assertFalse({k for k in keys if not k.startswith(("hs_search_", "hs_listing_"))}
+                         | (keys & their_keys))
         # hermes-agent's own prefixes: its index objects, its demoted tables, its index keys.
         self.assertFalse([n for n in ours | keys if n.startswith(("messages_fts", "fts_v22_trash_", "fts_"))])
 
