@@ -485,18 +485,28 @@ class SessionMaintenanceMixin:
         """Counts and sizes for `stats`: sessions, messages, sources, file size, versions."""
         self._flush_token_counts()
         by_source = {row[0]: row[1] for row in self._read_all(SESSIONS_BY_SOURCE_SQL)}
-        return {"db_path": str(self.db_path), "db_bytes": store_file_bytes(self.db_path),
+        where, size = self._store_location()
+        return {"db_path": where, "db_bytes": size,
                 "sessions": sum(by_source.values()), "sessions_by_source": by_source,
                 "messages_active": self._read_value(COUNT_ACTIVE_MESSAGES_SQL),
                 "messages_total": self._read_value(COUNT_ALL_MESSAGES_SQL),
                 "schema_version": self.schema_version(), "fts_layout": self.fts_layout()}
+
+    def _store_location(self):
+        """The store as its user names it, and its bytes: a replica's URL and the pages SQLite reads
+        through the VFS (open_replica has no local file), else the path and the file with its WAL."""
+        url = getattr(self._connect, "replica_url", None)
+        if url is None:
+            return str(self.db_path), store_file_bytes(self.db_path)
+        pages = self._read_value("PRAGMA page_count")
+        return url, pages * self._read_value("PRAGMA page_size")
 
     def doctor(self):
         """Integrity, layouts, journal and runtime facts; `ok` is False on damage, `trigger_damage` included.
         Never raises on a damaged file: a check that cannot run reports why."""
         integrity = _checked(lambda: [row[0] for row in self._read_all(INTEGRITY_CHECK_SQL)])
         report = {
-            "db_path": str(self.db_path), "integrity_check": integrity, "ok": integrity == ["ok"],
+            "db_path": self._store_location()[0], "integrity_check": integrity, "ok": integrity == ["ok"],
             "sqlite_version": sqlite3.sqlite_version, "fts5": self.fts_caps.fts5,
             "trigram": self.fts_caps.trigram, "wal_reset_bug": sqlite_has_wal_reset_bug(),
             "journal_mode": _checked(lambda: self._read_value(JOURNAL_MODE_SQL)),

@@ -109,6 +109,9 @@ def compare(url, primary, db, expected):
         result["differ"] = sorted(key for key in mine if mine[key] != theirs[key])
         result["differ"] += [f"search {k}" for k in mine["searches"]
                              if mine["searches"][k] != theirs["searches"][k]]
+        named = db.stats()  # the replica by its URL and the bytes read through the VFS
+        if named["db_path"] != url or not named["db_bytes"]:
+            result["differ"].append(f"stats names {named['db_path']!r}, {named['db_bytes']} bytes")
         result["empty"] = [k for k, hits in theirs["searches"].items() if not hits]
         result["hits"] = {k: len(hits) for k, hits in theirs["searches"].items()}
         for args in CLI_READS:
