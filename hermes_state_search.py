@@ -798,7 +798,8 @@ class SessionSearchMixin:
             "hermes_agent_meta": self._read_meta(*HERMES_INDEX_META, META_FTS_CJK_STALE),
             "fts_rebuild": self._rebuild_phase(),
             "searchable_by_index": sorted(state.usable),
-            "trigger_damage": trigger_damage(objects, self._read_all),
+            "trigger_damage": self._with_fresh_reader(
+                lambda conn: trigger_damage(objects, lambda sql: conn.execute(sql).fetchall())),
         }
 
     # -- search --------------------------------------------------------------

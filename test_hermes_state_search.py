@@ -1243,3 +1243,23 @@ class ChangedByAnotherProgram(TempDirTestCase):
         self.assertIn("every insert on messages fails: table hs_fts_trigram has no column named tool_name", damage)
         self.assertIn("every delete on messages fails: no such table: main.audit_log", damage)
         self.assertNotIn("update", damage)
+
+    def test_doctor_after_another_program_adds_a_broken_trigger_reports_it_and_lives(self):
+        # doctor's probes of the first run sit in a pooled reader's statement cache; after the schema
+        # changes under it, SQLite 3.53.2 crashed listing such a cached EXPLAIN (a child: a crash fails).
+        script = f"""if True:
+            import sqlite3, sys
+            from hermes_state import SessionDB
+            with SessionDB({str(self.path)!r}) as db:
+                db.doctor()
+                other = sqlite3.connect({str(self.path)!r}, isolation_level=None)
+                other.execute("CREATE TABLE audit(x)")
+                other.execute("CREATE TRIGGER audit_insert AFTER INSERT ON messages BEGIN "
+                              "INSERT INTO audit(nope) VALUES (1); END")
+                other.close()
+                print("\\n".join(db.doctor()["trigger_damage"]))
+            """
+        child = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                               timeout=120)
+        self.assertEqual(child.returncode, 0, child.stderr[-2000:])
+        self.assertIn("every insert on messages fails: table audit has no column named nope", child.stdout)
