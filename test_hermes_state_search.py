@@ -1245,8 +1245,9 @@ class ChangedByAnotherProgram(TempDirTestCase):
         self.assertNotIn("update", damage)
 
     def test_doctor_after_another_program_adds_a_broken_trigger_reports_it_and_lives(self):
-        # doctor's probes of the first run sit in a pooled reader's statement cache; after the schema
-        # changes under it, SQLite 3.53.2 crashed listing such a cached EXPLAIN (a child: a crash fails).
+        # doctor's probes of the first run sit in a pooled reader's statement cache; after the
+        # schema changed under it, SQLite 3.53.2 crashed listing such a cached EXPLAIN (so a child:
+        # a crash fails the test).
         script = f"""if True:
             import sqlite3, sys
             from hermes_state import SessionDB
@@ -1259,7 +1260,8 @@ class ChangedByAnotherProgram(TempDirTestCase):
                 other.close()
                 print("\\n".join(db.doctor()["trigger_damage"]))
             """
-        child = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
-                               timeout=120)
+        child = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                               text=True, timeout=120)
         self.assertEqual(child.returncode, 0, child.stderr[-2000:])
-        self.assertIn("every insert on messages fails: table audit has no column named nope", child.stdout)
+        self.assertIn("every insert on messages fails: table audit has no column named nope",
+                      child.stdout)
