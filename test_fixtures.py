@@ -6,7 +6,7 @@ import sqlite3
 from hermes_state import SessionDB
 from hermes_state_common import SCHEMA_VERSION
 from test_support import (
-    FIXTURE_DBS, V22_DB, TempDirTestCase, dump_hash, schema_snapshot, tracing_factory,
+    FIXTURE_DBS, HAS_TRIGRAM, V22_DB, TempDirTestCase, dump_hash, schema_snapshot, tracing_factory,
     write_statements,
 )
 
@@ -110,13 +110,18 @@ class FixtureStoresOpen(TempDirTestCase):
             self.assertTrue(db.fts_optimize_available())
             message_id = db.append_message("bench_000003", "user", "zebra-unique-word after the upgrade")
         conn = self.raw(path)
-        # hermes-agent's index is its own: every object (its broad update triggers too) and key as it left them.
-        self.assertEqual([tuple(r) for r in conn.execute(FTS_OBJECTS_SQL)], before["fts"])
+        # hermes-agent's index is its own: every object (its broad update triggers too) and key as it left them;
+        # but for its trigram triggers where SQLite has no trigram tokenizer: dropped, as it drops them itself.
+        kept = [o for o in before["fts"] if HAS_TRIGRAM or not (o[0] == "trigger" and "trigram" in o[1])]
+        if not HAS_TRIGRAM:
+            self.assertLess(len(kept), len(before["fts"]))  # the fixture has trigram triggers to drop
+        self.assertEqual([tuple(r) for r in conn.execute(FTS_OBJECTS_SQL)], kept)
         self.assertEqual([tuple(r) for r in conn.execute(HERMES_FTS_META_SQL)], before["fts_meta"])
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'hs\\_fts\\_%' ESCAPE '\\'"
                                       ).fetchone()[0], 0)
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages_fts").fetchone()[0], 321)
-        self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages_fts_trigram").fetchone()[0], 321)
+        if HAS_TRIGRAM:  # (else its table is kept, unread: this SQLite cannot open it)
+            self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages_fts_trigram").fetchone()[0], 321)
         hits = conn.execute("SELECT rowid FROM messages_fts WHERE messages_fts MATCH 'zebra'").fetchall()
         self.assertEqual([r[0] for r in hits], [message_id])
         self.assertEqual(conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")

@@ -18,6 +18,8 @@ import tempfile
 import unittest
 from pathlib import Path
 
+from hermes_state_schema import sqlite_supports_fts5, sqlite_supports_trigram
+
 REPO = Path(__file__).resolve().parent
 FIXTURES = REPO / "fixtures"
 V22_DB = "hermes_v22_legacy_fts.db"
@@ -25,6 +27,20 @@ V26_DB = "hermes_v26_split.db"
 FIXTURE_DBS = (V22_DB, V26_DB)
 
 WRITE_VERBS = ("INSERT", "UPDATE", "DELETE", "REPLACE", "CREATE", "ALTER", "DROP")
+
+# What the SQLite this process loaded can do, asked of the real sqlite3 module (`make test-runtimes` runs
+# the suite on builds without FTS5 and without the trigram tokenizer); the connection factories below
+# simulate the rest.
+HAS_FTS5 = sqlite_supports_fts5()
+HAS_TRIGRAM = HAS_FTS5 and sqlite_supports_trigram()
+# The indexes a new store searches by here (doctor's `searchable_by_index`).
+SEARCHABLE = ["cjk", "trigram", "word"] if HAS_TRIGRAM else ["cjk", "word"] if HAS_FTS5 else []
+
+
+def require(test, capability):
+    """Skip the rest of `test`, saying why, unless this SQLite has `capability` ("fts5", "trigram")."""
+    if not {"fts5": HAS_FTS5, "trigram": HAS_TRIGRAM}[capability]:
+        test.skipTest(f"SQLite {sqlite3.sqlite_version} has no {capability}")
 
 
 _UNPACKED = None
@@ -108,12 +124,17 @@ class StoreTestCase(TempDirTestCase):
 
 
 def dump_hash(path):
-    """SHA-256 of the logical content (iterdump), independent of page layout."""
+    """SHA-256 of the logical content, independent of page layout: every schema object's SQL and every
+    plain table's rows. A virtual table is hashed through its shadow tables (iterdump reads one whose
+    DDL is not in capitals as a plain table, which fails where SQLite lacks its tokenizer or module)."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
         digest = hashlib.sha256()
-        for line in conn.iterdump():
-            digest.update(line.encode("utf-8"))
+        for kind, name, sql in conn.execute("SELECT type, name, sql FROM sqlite_master ORDER BY type, name"):
+            digest.update(repr((kind, name, sql)).encode("utf-8"))
+            if kind == "table" and not re.match(r"\s*create\s+virtual\b", sql or "", re.I):
+                for row in conn.execute('SELECT * FROM "{}"'.format(name.replace('"', '""'))):
+                    digest.update(repr(tuple(row)).encode("utf-8"))
         return digest.hexdigest()
     finally:
         conn.close()
@@ -125,11 +146,18 @@ def schema_snapshot(path):
     try:
         objects = sorted(conn.execute("SELECT type, name, sql FROM sqlite_master").fetchall(),
                          key=lambda r: (r[0], r[1]))
-        columns = {name: conn.execute(f'PRAGMA table_info("{name}")').fetchall()
-                   for kind, name, _sql in objects if kind == "table"}
+        columns = {name: _table_info(conn, name) for kind, name, _sql in objects if kind == "table"}
         return objects, columns
     finally:
         conn.close()
+
+
+def _table_info(conn, name):
+    """A table's columns; for a virtual table this SQLite cannot load (no FTS5, no trigram), the error."""
+    try:
+        return conn.execute(f'PRAGMA table_info("{name}")').fetchall()
+    except sqlite3.OperationalError as exc:
+        return str(exc)
 
 
 def tracing_factory(statements):
