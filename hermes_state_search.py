@@ -524,7 +524,11 @@ class SessionSearchMixin:
         leftovers = [name for name in PREVIOUS_LAYOUT_LEFTOVERS if name in objects]
         if not old and not leftovers:
             return False
-        _retire(conn, objects, old, also=PREVIOUS_LAYOUT_LEFTOVERS)
+        # SQLite opens an FTS5 table to rename it, which takes its tokenizer: without trigram, that table
+        # stays where it is (its triggers go) until a runtime with the tokenizer sets it aside.
+        stuck = [] if self.fts_caps.trigram else [table for table in old if "trigram" in objects[table][1]]
+        old = [table for table in old if table not in stuck]
+        _retire(conn, objects, old, also=[*PREVIOUS_LAYOUT_LEFTOVERS, *stuck])
         for name in leftovers:
             _drop(conn, PREVIOUS_LAYOUT_LEFTOVERS[name], name)
         if HERMES_FTS_TABLES["word"] in old:
