@@ -20,7 +20,7 @@ from hermes_state import (
     sqlite_source_id,
 )
 from hermes_state_common import DEFERRED_INDEXES, SCHEMA_SQL
-from test_support import REPO, TempDirTestCase
+from test_support import HAS_FTS5, HAS_TRIGRAM, REPO, TempDirTestCase
 
 HAS_PROC = os.path.isdir("/proc/self/fd")
 
@@ -332,8 +332,9 @@ class Reports(DoctorTestCase):
         stats = collect_state_db_stats(path)
         self.assertEqual((stats["messages"], stats["sessions"], stats["journal_mode"]), (30, 1, "wal"))
         self.assertEqual(stats["logical_size_bytes"], stats["page_count"] * stats["page_size"])
-        # Our word and trigram indexes play the roles of hermes-agent's; its CJK index is not ours.
-        self.assertEqual(stats["fts_tables"], {"messages_fts": True, "messages_fts_trigram": True,
+        # Our word and trigram indexes play the roles of hermes-agent's (where this SQLite keeps them); its
+        # CJK index is not ours.
+        self.assertEqual(stats["fts_tables"], {"messages_fts": HAS_FTS5, "messages_fts_trigram": HAS_TRIGRAM,
                                                "messages_fts_cjk": False})
         self.assertEqual((stats["fts_rebuild_pending"], stats["fts_rebuild_high_water"]), (False, None))
         missing = collect_state_db_stats(self.tmp / "missing.db")

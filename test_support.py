@@ -42,6 +42,14 @@ INDEX_TABLES = {index: table for index, table in (("word", "hs_fts_words"), ("tr
 RANKED_TABLES = [table for index, table in INDEX_TABLES.items() if index != "cjk"]
 
 
+def drop_triggers_not_runnable_here(conn):
+    """Drop the triggers of a store made elsewhere that write to an FTS5 table this SQLite cannot open (all
+    of them without FTS5, the trigram ones without its tokenizer), as hermes-agent's open does here."""
+    for name, sql in conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'").fetchall():
+        if (not HAS_FTS5 and "fts" in sql.lower()) or (not HAS_TRIGRAM and "trigram" in sql.lower()):
+            conn.execute(f'DROP TRIGGER "{name}"')
+
+
 def require(test, capability):
     """Skip the rest of `test`, saying why, unless this SQLite has `capability` ("fts5", "trigram")."""
     if not {"fts5": HAS_FTS5, "trigram": HAS_TRIGRAM}[capability]:
