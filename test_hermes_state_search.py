@@ -993,6 +993,18 @@ class DegradedRuntimes(TempDirTestCase):
             self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION))
             self.assertIsNone(db.get_meta("fts_storage_version"))  # hermes-agent's key: never ours
 
+    def test_the_fallback_finds_what_follows_a_leading_nul_as_the_index_does(self):
+        # SQLite's LIKE stops at a NUL; FTS5 reads the whole text. Written by another program, or a tool.
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            ids = {db.append_message("s", "user", "\x00hello from a nul led text"),
+                   db.append_message("s", "tool", "\x00hello " + "é" * 30, tool_name="read_file")}
+            db.append_message("s", "user", "nothing here")
+        with SessionDB(path, connection_factory=without_fts5) as db:
+            self.assertEqual(hit_ids(db, "hello"), ids)
+            self.assertEqual(hit_ids(db, "hello NOT nothing"), ids)
+
     def test_the_fallback_gives_the_index_answer_when_columns_are_null(self):
         path = self.tmp / "state.db"
         call = [{"id": "c", "type": "function", "function": {"name": "deploy", "arguments": "{}"}}]
