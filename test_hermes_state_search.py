@@ -940,6 +940,9 @@ class DegradedRuntimes(TempDirTestCase):
             # hermes-agent's index lost rows meanwhile; its triggers are its to put back. Ours serves
             # (where SQLite has no trigram tokenizer, without its trigram index).
             self.assertEqual(self.fts_triggers(path), TRIGGERS_HERE)
+            if not HAS_FTS5:  # still no FTS5 here: hermes-agent's tables stay, the version held back
+                self.assertEqual((db.schema_version(), db._index_state().usable), (22, set()))
+                return
             self.assertEqual(db.schema_version(), SCHEMA_VERSION)
             self.assertEqual((db.fts_layout(), db._index_state().usable), ("current", set(SEARCHABLE)))
             self.assertEqual(hit_ids(db, "kiwi"), {new_id})
@@ -959,15 +962,16 @@ class DegradedRuntimes(TempDirTestCase):
             self.assertEqual(hit_ids(db, "苹果"), {before, during})
         with SessionDB(path) as db:
             self.assertEqual(self.fts_triggers(path), TRIGGERS_HERE)
-            self.assertEqual(len(TRIGGERS_HERE), 9 if HAS_TRIGRAM else 6)
+            self.assertEqual(len(TRIGGERS_HERE), 9 if HAS_TRIGRAM else 6 if HAS_FTS5 else 0)
             self.assertEqual(db._index_state().usable, set(SEARCHABLE))
             self.assertEqual(hit_ids(db, "apple"), {before, during})
             self.assertEqual(hit_ids(db, "苹果"), {before, during})
-            self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION))
+            self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION) if HAS_FTS5 else None)
             self.assertIsNone(db.get_meta("fts_storage_version"))  # hermes-agent's key: never ours
         fts_integrity_check(path)
 
     def test_without_trigram_the_word_index_serves_and_cjk_falls_back(self):
+        require(self, "fts5")  # FTS5 without its trigram tokenizer is simulated here
         path = self.tmp / "state.db"
         with SessionDB(path) as db:
             db.create_session("s", "cli")
@@ -988,6 +992,7 @@ class DegradedRuntimes(TempDirTestCase):
             self.assertEqual(hit_ids(db, "香蕉奶昔"), {first, second})
 
     def test_optimize_storage_without_trigram_replaces_the_word_index_and_leaves_the_trigram_table(self):
+        require(self, "fts5")  # FTS5 without its trigram tokenizer is simulated here
         path = self.copy_fixture(V22_DB)
         with SessionDB(path, connection_factory=without_trigram) as db:
             self.assertEqual(db.optimize_fts_storage(), {"ok": True, "vacuumed": True})
@@ -1009,7 +1014,7 @@ class DegradedRuntimes(TempDirTestCase):
             self.assertIsNone(db.get_meta("fts_storage_version"))
         with SessionDB(path) as db:
             self.assertEqual(hit_ids(db, "中文句子"), {message})
-            self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION))
+            self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION) if HAS_FTS5 else None)
             self.assertIsNone(db.get_meta("fts_storage_version"))  # hermes-agent's key: never ours
 
     def test_the_fallback_finds_what_follows_a_leading_nul_as_the_index_does(self):
@@ -1043,6 +1048,7 @@ class DegradedRuntimes(TempDirTestCase):
                 self.assertEqual(hit_ids(db, query), by_index[query], query)
 
     def test_a_corrupt_index_is_not_served_and_is_rebuilt_at_the_next_open(self):
+        require(self, "fts5")  # it corrupts an FTS5 index
         path = self.tmp / "state.db"
         with SessionDB(path) as db:
             db.create_session("s", "cli")
@@ -1084,9 +1090,11 @@ class DegradedRuntimes(TempDirTestCase):
         with SessionDB(self.copy_fixture(V22_DB)) as db:
             report = db.doctor()
         self.assertEqual(report["fts_layout"], "legacy")
-        # Without the trigram tokenizer the open drops hermes-agent's trigram triggers, as it does itself.
-        self.assertEqual(report["fts_triggers_complete"], {"word": True, "trigram": HAS_TRIGRAM})
-        self.assertEqual(report["searchable_by_index"], ["trigram", "word"] if HAS_TRIGRAM else ["word"])
+        # Without the trigram tokenizer the open drops hermes-agent's trigram triggers, as it does itself;
+        # without FTS5 all of them.
+        self.assertEqual(report["fts_triggers_complete"], {"word": HAS_FTS5, "trigram": HAS_TRIGRAM})
+        self.assertEqual(report["searchable_by_index"], ["trigram", "word"] if HAS_TRIGRAM
+                         else ["word"] if HAS_FTS5 else [])
         json.dumps(report)
 
 
