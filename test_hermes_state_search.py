@@ -476,6 +476,12 @@ class SearchBehaviour(TempDirTestCase):
 PLAIN_FILTERS = " AND (m.active = 1 OR m.compacted = 1)"
 
 
+def like(text):
+    """The fallback's test of one term (README "Routing"): a substring of the content, tool name or calls."""
+    return "(" + " OR ".join(f"COALESCE(m.{column}, '') LIKE '%{text}%'"
+                             for column in ("content", "tool_name", "tool_calls")) + ")"
+
+
 class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
     """The ranked and time-ordered queries give, page by page, what the plain query
     (every hit through SQLite's sorter in hermes-agent's order) gives, filters and
@@ -520,7 +526,25 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
                 for limit, offset in ((20, 0), (7, 3), (5, 40), (1000, 0), (-1, 5), (4, 100000)):
                     yield sort, filters, params, dict(kwargs, sort=sort, limit=limit, offset=offset)
 
+    def assert_fallback_pages(self):
+        """Without FTS5: every term is its LIKE, and the query is ordered by time (newest first unless
+        oldest)."""
+        for query, where in (("parser", like("parser")), ("failing tests", f"{like('failing')} AND {like('tests')}"),
+                             ('"parser reads"', like("parser reads")), ("pars*", like("pars")),
+                             ("tokens OR gateway", f"({like('tokens')} OR {like('gateway')})")):
+            for sort, filters, params, kwargs in self.cases():
+                order = "m.timestamp ASC, m.id ASC" if sort == "oldest" else "m.timestamp DESC, m.id ASC"
+                with self.subTest(query=query, **kwargs):
+                    expected = [row[0] for row in self.conn.execute(
+                        f"SELECT m.id FROM messages AS m JOIN sessions AS s ON s.id = m.session_id "
+                        f"WHERE {where}{PLAIN_FILTERS}{filters} ORDER BY {order} LIMIT ? OFFSET ?",
+                        params + [kwargs["limit"], kwargs["offset"]])]
+                    self.assertEqual([hit["id"] for hit in self.db.search_messages(query, fields=("id",), **kwargs)],
+                                     expected)
+
     def test_word_phrase_and_prefix_queries_page_like_the_plain_query(self):
+        if not HAS_FTS5:
+            return self.assert_fallback_pages()
         ties = 0
         for query, match in (("parser", '"parser"'), ("failing tests", '("failing" AND "tests")'),
                              ('"parser reads"', '"parser reads"'), ("pars*", '"pars"*'),
@@ -566,19 +590,21 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
                 self.assertEqual([(hit["id"], hit["snippet"]) for hit in hits], expected)
 
     def test_scanned_and_mixed_queries_page_newest_first_like_the_plain_query(self):
-        words = "m.id IN (SELECT rowid FROM hs_fts_words WHERE hs_fts_words MATCH '{}')"
+        def words(word):  # (without FTS5, a word is its LIKE)
+            return f"m.id IN (SELECT rowid FROM hs_fts_words WHERE hs_fts_words MATCH '{word}')" if HAS_FTS5 \
+                else like(word)
         not_tool = "m.role <> 'tool' AND "
         # Without the trigram tokenizer every query here holds CJK no index answers: scanned, as
         # hermes-agent scans it (any term, operators aside, newest first).
-        scanned = {"parser 数据库": words.format("parser") + " OR (" + not_tool + "m.content LIKE '%数据库%')",
-                   "parser NOT 数据库迁移": words.format("parser") + " OR (" + not_tool +
+        scanned = {"parser 数据库": words("parser") + " OR (" + not_tool + "m.content LIKE '%数据库%')",
+                   "parser NOT 数据库迁移": words("parser") + " OR (" + not_tool +
                    "m.content LIKE '%数据库迁移%')"}
         for query, where in (("会话", not_tool + "m.content LIKE '%会话%'"),
                              ("数据库 OR 会话", not_tool + "(m.content LIKE '%数据库%' OR m.content LIKE '%会话%')"),
-                             ("parser 数据库", not_tool + words.format("parser") + " AND m.content LIKE '%数据库%'"),
-                             ("parser NOT 数据库迁移", words.format("parser") + " AND NOT (" + not_tool +
+                             ("parser 数据库", not_tool + words("parser") + " AND m.content LIKE '%数据库%'"),
+                             ("parser NOT 数据库迁移", words("parser") + " AND NOT (" + not_tool +
                               "m.content LIKE '%数据库迁移%')"),
-                             ("gateway OR 会话历史", words.format("gateway") + " OR (" + not_tool +
+                             ("gateway OR 会话历史", words("gateway") + " OR (" + not_tool +
                               "m.content LIKE '%会话历史%')")):
             for sort, filters, params, kwargs in self.cases():
                 if kwargs.get("role_filter"):
@@ -603,11 +629,12 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
         ids = [row[0] for row in self.conn.execute("SELECT id FROM messages WHERE session_id = 'batch' ORDER BY id")]
         # A scan (a 1-2 letter CJK term) orders by time alone: one time, ascending ids.
         self.assertEqual([hit["id"] for hit in self.db.search_messages("批次", fields=("id",))], ids)
-        # By time, equal times go by rank (the twice-said parser first), equal ranks by ascending id.
+        # By time, equal times go by rank (the twice-said parser first), equal ranks by ascending id; without
+        # FTS5 there is no rank: by ascending id.
         for sort in ("newest", "oldest"):
             hits = self.db.search_messages("parser", sort=sort, fields=("id",), source_filter=["cli"], limit=1000)
             page = [hit["id"] for hit in hits if hit["id"] in ids]
-            self.assertEqual(page, [ids[1], ids[0], ids[2], ids[3]], sort)
+            self.assertEqual(page, [ids[1], ids[0], ids[2], ids[3]] if HAS_FTS5 else ids, sort)
 
     def test_full_hits_are_the_same_whichever_page_they_are_read_on(self):
         everything = self.db.search_messages("parser", limit=1000)
@@ -631,7 +658,7 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
             # Ranked: FTS5 itself orders (no sorter at all). By time: one sorter over
             # the hits' ids, one over the page's rows; from a word or trigram index,
             # one more over the ranked hits at the page's times.
-            by_index = query == "parser" or query == "数据库" and HAS_TRIGRAM  # (else scanned)
+            by_index = (query == "parser" and HAS_FTS5) or query == "数据库" and HAS_TRIGRAM  # (else scanned)
             if by_index and kwargs.get("sort") and sqlite3.sqlite_version_info < (3, 35):
                 with self.subTest(query=query, **kwargs):
                     self.skipTest(f"SQLite {sqlite3.sqlite_version} has no MATERIALIZED CTEs: it plans a copy "
