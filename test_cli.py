@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from hermes_state import SessionDB
-from test_support import REPO, V22_DB, TempDirTestCase
+from test_support import HAS_FTS5, REPO, V22_DB, TempDirTestCase
 
 
 class CommandLine(TempDirTestCase):
@@ -91,7 +91,8 @@ class CommandLine(TempDirTestCase):
         return path
 
     def test_doctor_reports_damage_instead_of_failing(self):
-        for name, open_fails in (("idx_sessions_started", False), ("state_meta", True)):
+        # (Without FTS5 the open reads no search key of state_meta: it opens, doctor still finds the damage.)
+        for name, open_fails in (("idx_sessions_started", False), ("state_meta", HAS_FTS5)):
             with self.subTest(damaged=name):
                 path = self.damage_page_of(name)
                 result = self.run_cli("--db", str(path), "doctor", "--json")
