@@ -580,9 +580,7 @@ TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {lik
 # Structured content (a multimodal list of parts, a dict) is stored as this prefix plus JSON, as hermes-agent
 # stores it; NUL never starts real text.
 CONTENT_JSON_PREFIX = "\x00json:"
-# The fallback: NULL columns read as '' so that NOT (...) never turns NULL and drops a row; LIKE reads text up
-# to its first NUL, so multimodal content (CONTENT_JSON_PREFIX + JSON) is read past it, and any other text
-# that starts with NUL past that NUL (FTS5 reads it all, so the word index finds what follows).
+# Fallback: NULL reads as '' (NOT never turns NULL), NUL-led text past its NUL (where LIKE would stop).
 _LIKE_CONTENT_SQL = ("CASE WHEN m.content >= char(0) || 'json:' AND m.content < char(0) || 'json;' "
                      f"THEN CAST(substr(CAST(m.content AS BLOB), {len(CONTENT_JSON_PREFIX) + 1}) AS TEXT) "
                      "WHEN m.content >= char(0) AND m.content < char(1) "
