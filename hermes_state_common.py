@@ -580,7 +580,7 @@ TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {lik
 # Structured content (a multimodal list of parts, a dict) is stored as this prefix plus JSON, as hermes-agent
 # stores it; NUL never starts real text.
 CONTENT_JSON_PREFIX = "\x00json:"
-# Fallback: NULL reads as '' (NOT never turns NULL), NUL-led text past its NUL (where LIKE would stop).
+# Fallback: NULL reads as '' (NOT never turns NULL); NUL-led text past its NUL (LIKE stops there).
 _LIKE_CONTENT_SQL = ("CASE WHEN m.content >= char(0) || 'json:' AND m.content < char(0) || 'json;' "
                      f"THEN CAST(substr(CAST(m.content AS BLOB), {len(CONTENT_JSON_PREFIX) + 1}) AS TEXT) "
                      "WHEN m.content >= char(0) AND m.content < char(1) "
