@@ -20,7 +20,10 @@ from hermes_state import (
     sqlite_source_id,
 )
 from hermes_state_common import DEFERRED_INDEXES, SCHEMA_SQL
-from test_support import HAS_FTS5, HAS_TRIGRAM, REPO, TempDirTestCase
+from test_support import HAS_FTS5, HAS_TRIGRAM, REPO, TempDirTestCase, require
+
+# A schema entry to duplicate: our word index's, or where SQLite has no FTS5 (no such table) a plain table's.
+DUPLICATED = "hs_fts_words" if HAS_FTS5 else "state_meta"
 
 HAS_PROC = os.path.isdir("/proc/self/fd")
 
@@ -56,7 +59,7 @@ class DoctorTestCase(TempDirTestCase):
     def damaged_store(self):
         """A store whose schema does not parse (a duplicate entry), which dedup_schema repairs."""
         path = self.store()
-        self.damage(path, "INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'hs_fts_words'")
+        self.damage(path, f"INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = '{DUPLICATED}'")
         return path
 
     def start_repair(self, path, lock_wait, file_size_limit=None):
@@ -131,9 +134,10 @@ class HealthProbe(DoctorTestCase):
         dup = self.store("dup.db")
         self.damage(dup, "INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'state_meta'")
         self.assertIn("malformed database schema", _db_opens_cleanly(dup))
-        fts = self.store("fts.db")
-        self.damage(fts, "UPDATE hs_fts_words_data SET block = X'0000' WHERE id = 10")
-        self.assertIsNotNone(_db_opens_cleanly(fts))
+        if HAS_FTS5:  # (no search index to break without it)
+            fts = self.store("fts.db")
+            self.damage(fts, "UPDATE hs_fts_words_data SET block = X'0000' WHERE id = 10")
+            self.assertIsNotNone(_db_opens_cleanly(fts))
         junk = self.tmp / "junk.db"
         junk.write_bytes(b"not a database" * 100)
         self.assertIn("not a database", _db_opens_cleanly(junk))
@@ -150,7 +154,7 @@ class Repair(DoctorTestCase):
 
     def test_duplicate_schema_entries_go_after_a_private_backup_of_the_damage(self):
         path = self.store()
-        self.damage(path, "INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'hs_fts_words'")
+        self.damage(path, f"INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = '{DUPLICATED}'")
         with self.assertLogs("hermes_state", "WARNING"):
             report = repair_state_db_schema(path)
         self.assertEqual((report["repaired"], report["strategy"], report["error"]), (True, "dedup_schema", None))
@@ -163,6 +167,7 @@ class Repair(DoctorTestCase):
             self.assertEqual(len(db.search_messages("hello", limit=100)), 30)
 
     def test_a_search_index_that_rejects_writes_is_rebuilt_in_place(self):
+        require(self, "fts5")  # it breaks an FTS5 index
         path = self.store()
         self.damage(path, "UPDATE hs_fts_words_data SET block = X'0000' WHERE id = 10")
         with self.assertLogs("hermes_state", "WARNING"):
@@ -173,6 +178,7 @@ class Repair(DoctorTestCase):
             self.assertEqual(len(db.search_messages("hello", limit=100)), 31)
 
     def test_an_unparsable_search_table_is_dropped_and_built_again_at_the_next_open(self):
+        require(self, "fts5")  # it breaks an FTS5 table's DDL
         path = self.store()
         self.damage(path, "UPDATE sqlite_master SET sql = 'CREATE VIRTUAL TABLE hs_fts_words USING fts5(' "
                           "WHERE name = 'hs_fts_words'")
