@@ -93,7 +93,8 @@ def _cjk_tag(wid, n):
 
 
 def _content(rng, wid, n):
-    words = [f"tok{wid}x{n}", rng.choice(("parser", "gateway", "cron", "memory", "ledger"))]
+    # A word no other message holds, as a token and as a substring too (the LIKE fallback's test without FTS5).
+    words = [f"tok{wid}x{n}e", rng.choice(("parser", "gateway", "cron", "memory", "ledger"))]
     if rng.random() < 0.3:
         words.append(rng.choice(CJK_WORDS))
     return " ".join(words) + f" #{n} " + _cjk_tag(wid, n)
@@ -127,7 +128,7 @@ def mixed_worker(path, journal, wid, seed, seconds, out):
         if mid is not None and not sid.startswith(f"w{wid}-s"):
             rec.appended[str(mid)] = [sid, text]
             if role != "tool":  # a CJK term never matches tool output (README, deliberate differences)
-                searchable.append((rng.choice((f"tok{wid}x{n}", _cjk_tag(wid, n))), mid))
+                searchable.append((rng.choice((f"tok{wid}x{n}e", _cjk_tag(wid, n))), mid))
 
     def batch(sid):
         nonlocal n
