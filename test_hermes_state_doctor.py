@@ -46,6 +46,13 @@ class DoctorTestCase(TempDirTestCase):
         conn.commit()
         conn.close()
 
+    def break_word_index(self, path):
+        """Damage the word index's structure record so that FTS5 refuses it. SQLite 3.53 reads a zeroed
+        record as an empty index (no damage at all), so a record of no valid length is written there."""
+        self.damage(path, "UPDATE hs_fts_words_data SET block = X'0000' WHERE id = 10")
+        if _db_opens_cleanly(path) is None:
+            self.damage(path, "UPDATE hs_fts_words_data SET block = X'00000000ffff' WHERE id = 10")
+
     def message_count(self, path):
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
@@ -136,7 +143,7 @@ class HealthProbe(DoctorTestCase):
         self.assertIn("malformed database schema", _db_opens_cleanly(dup))
         if HAS_FTS5:  # (no search index to break without it)
             fts = self.store("fts.db")
-            self.damage(fts, "UPDATE hs_fts_words_data SET block = X'0000' WHERE id = 10")
+            self.break_word_index(fts)
             self.assertIsNotNone(_db_opens_cleanly(fts))
         junk = self.tmp / "junk.db"
         junk.write_bytes(b"not a database" * 100)
@@ -169,7 +176,7 @@ class Repair(DoctorTestCase):
     def test_a_search_index_that_rejects_writes_is_rebuilt_in_place(self):
         require(self, "fts5")  # it breaks an FTS5 index
         path = self.store()
-        self.damage(path, "UPDATE hs_fts_words_data SET block = X'0000' WHERE id = 10")
+        self.break_word_index(path)
         with self.assertLogs("hermes_state", "WARNING"):
             report = repair_state_db_schema(path, backup=False)
         self.assertEqual((report["strategy"], report["backup_path"]), ("rebuild_fts", None))

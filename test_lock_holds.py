@@ -4,6 +4,7 @@ small here and counted from the statements SQLite ran; the 1M-message figures
 come from the bench, never from a timed test."""
 
 import os
+import re
 import subprocess
 import sqlite3
 import sys
@@ -278,11 +279,18 @@ class IndexMergesInSteps(LockHoldTestCase):
         self.db.create_session("s", "cli")
         raw = self.raw(self.path)
         raw.isolation_level = None
-        written = []
-        with self.assertRaisesRegex(sqlite3.DatabaseError, "malformed"):
+        written, failed = [], None
+        try:
             for i in range(3000):
                 written.append(self.db.append_message("s", "user", f"kiwi {i}"))
                 raw.execute("INSERT INTO hs_fts_words(hs_fts_words, rank) VALUES ('merge', -1)")
+        except sqlite3.DatabaseError as exc:
+            failed = exc
+        if failed is None:  # SQLite 3.53 keeps that index readable: its structure record broken by hand instead
+            self.assertGreaterEqual(sqlite3.sqlite_version_info, (3, 44))
+            raw.execute("UPDATE hs_fts_words_data SET block = X'00000000ffff' WHERE id = 10")
+        else:
+            self.assertIn("malformed", str(failed))
         with self.assertRaises(sqlite3.DatabaseError):
             self.db.append_message("s", "user", "kiwi refused")  # the index's trigger fails every write
         self.db.close()
@@ -375,7 +383,9 @@ class Opening(LockHoldTestCase):
                 if sql.lstrip().upper().startswith("SELECT") and "sqlite_master" not in sql \
                         and "hs_fts_cjk_queue" not in sql:
                     plan = super().execute("EXPLAIN QUERY PLAN " + sql, *args).fetchall()
-                    scans = [row[3] for row in plan if row[3].startswith("SCAN") and " USING " not in row[3]]
+                    # (an FTS5 MATCH, idxStr "M", is the index answering, whatever the plan's wording)
+                    scans = [row[3] for row in plan if row[3].startswith("SCAN") and " USING " not in row[3]
+                             and not re.search(r"VIRTUAL TABLE INDEX \d+:[mM]", row[3])]
                     statements.extend(f"{scan}: {sql}" for scan in scans)
                 return super().execute(sql, *args)
 
