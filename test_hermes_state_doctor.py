@@ -174,7 +174,7 @@ class Repair(DoctorTestCase):
             self.assertEqual(len(db.search_messages("hello", limit=100)), 30)
 
     def test_a_search_index_that_rejects_writes_is_rebuilt_in_place(self):
-        require(self, "fts5")  # it breaks an FTS5 index
+        require(self, "fts5", "it breaks an FTS5 index")
         path = self.store()
         self.break_word_index(path)
         with self.assertLogs("hermes_state", "WARNING"):
@@ -185,7 +185,7 @@ class Repair(DoctorTestCase):
             self.assertEqual(len(db.search_messages("hello", limit=100)), 31)
 
     def test_an_unparsable_search_table_is_dropped_and_built_again_at_the_next_open(self):
-        require(self, "fts5")  # it breaks an FTS5 table's DDL
+        require(self, "fts5", "it breaks an FTS5 table's DDL")
         path = self.store()
         self.damage(path, "UPDATE sqlite_master SET sql = 'CREATE VIRTUAL TABLE hs_fts_words USING fts5(' "
                           "WHERE name = 'hs_fts_words'")

@@ -138,7 +138,7 @@ class ImportedRowsAreIndexed(StoreTestCase):
         self.assertEqual(triggers(), before)
 
     def test_an_import_during_a_backfill_leaves_its_rows_to_the_triggers(self):
-        require(self, "fts5")  # a backfill of an index
+        require(self, "fts5", "a backfill of an index")
         self.db.create_session("old", "cli")
         self.db.append_message("old", role="user", content="an older quokka 漢字")
         conn = self.raw(self.path)
@@ -164,7 +164,7 @@ class ImportedRowsAreIndexed(StoreTestCase):
 
     def test_an_insert_trigger_someone_changed_indexes_the_import_itself(self):
         conn = self.raw(self.path)
-        require(self, "fts5")
+        require(self, "fts5", "it replaces our word trigger")
         # Another program's version of our word trigger, which also counts the rows it saw; it indexes
         # the text our view gives (SQLite 3.31's integrity-check compares the index with that view).
         with conn:

@@ -276,7 +276,7 @@ class SearchBehaviour(TempDirTestCase):
         self.assertEqual(db.fts_rebuild_status(), {"pending": True, "total": 9, "indexed": 4, "percent": 44}
                          if HAS_FTS5 else None)
         self.assertEqual(self.ids_for("staging"), {self.ids["deploy"], self.ids["reply"], self.ids["late"]})
-        require(self, "fts5")  # the rest sets an FTS5 table aside
+        require(self, "fts5", "the rest sets an FTS5 table aside")
         db.set_meta("hs_search_high_water", None)
         with db._lock:
             db._conn.execute("CREATE VIRTUAL TABLE hs_retired_messages_fts USING fts5(content)")
@@ -306,7 +306,7 @@ class SearchBehaviour(TempDirTestCase):
         # (Without FTS5 every word is a LIKE substring from the start, over every row: the tool row too.)
         self.assertEqual(self.ids_for("youer"), {fused} if HAS_FTS5 else {fused, tool})
         self.assertIn(">>>youer<<<", db.search_messages("youer")[0]["snippet"])
-        require(self, "fts5")  # the rest is when the index's retry runs, and a LIKE is no retry
+        require(self, "fts5", "the rest is when the index's retry runs, and a LIKE is no retry")
         self.assertEqual(self.ids_for("yo"), set())  # shorter than a trigram: no retry
         self.assertNotIn(fused, self.ids_for("staging OR youer"))  # whole words found something: no retry
         self.db.close()
@@ -358,7 +358,7 @@ class SearchBehaviour(TempDirTestCase):
         self.assertEqual(self.db.search_messages("会话")[0]["id"], long_id)
 
     def test_short_cjk_is_answered_by_the_side_index_not_a_scan(self):
-        require(self, "fts5")  # the side index is an FTS5 table
+        require(self, "fts5", "the side index is an FTS5 table")
         statements = []
         self.db.close()
         with SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements)) as db:
@@ -1028,7 +1028,7 @@ class DegradedRuntimes(TempDirTestCase):
         fts_integrity_check(path)
 
     def test_without_trigram_the_word_index_serves_and_cjk_falls_back(self):
-        require(self, "fts5")  # FTS5 without its trigram tokenizer is simulated here
+        require(self, "fts5", "FTS5 without its trigram tokenizer is simulated here")
         path = self.tmp / "state.db"
         with SessionDB(path) as db:
             db.create_session("s", "cli")
@@ -1049,7 +1049,7 @@ class DegradedRuntimes(TempDirTestCase):
             self.assertEqual(hit_ids(db, "香蕉奶昔"), {first, second})
 
     def test_optimize_storage_without_trigram_replaces_the_word_index_and_leaves_the_trigram_table(self):
-        require(self, "fts5")  # FTS5 without its trigram tokenizer is simulated here
+        require(self, "fts5", "FTS5 without its trigram tokenizer is simulated here")
         path = self.copy_fixture(V22_DB)
         with SessionDB(path, connection_factory=without_trigram) as db:
             self.assertEqual(db.optimize_fts_storage(), {"ok": True, "vacuumed": True})
@@ -1105,7 +1105,7 @@ class DegradedRuntimes(TempDirTestCase):
                 self.assertEqual(hit_ids(db, query), by_index[query], query)
 
     def test_a_corrupt_index_is_not_served_and_is_rebuilt_at_the_next_open(self):
-        require(self, "fts5")  # it corrupts an FTS5 index
+        require(self, "fts5", "it corrupts an FTS5 index")
         path = self.tmp / "state.db"
         with SessionDB(path) as db:
             db.create_session("s", "cli")
@@ -1184,7 +1184,7 @@ class Maintenance(TempDirTestCase):
 
 
     def test_rebuild_fts_on_hermes_agents_own_index_refills_it_and_ends_its_backfill(self):
-        require(self, "fts5")  # it empties and rebuilds hermes-agent's FTS5 index
+        require(self, "fts5", "it empties and rebuilds hermes-agent's FTS5 index")
         # hermes-agent's gateway calls rebuild_fts after an append failed on its index; on its layout the
         # store keeps hermes-agent's tables, rebuilt in place, and the markers its triggers read are cleared.
         path = self.copy_fixture(V26_DB)
@@ -1291,7 +1291,7 @@ class ChangedByAnotherProgram(TempDirTestCase):
         fts_integrity_check(self.path)
 
     def test_dropped_and_replaced_triggers_are_put_back_and_the_index_rebuilt(self):
-        require(self, "fts5")  # it changes or moves our FTS5 index
+        require(self, "fts5", "it changes or moves our FTS5 index")
         last = "hs_fts_trigram_insert" if HAS_TRIGRAM else "hs_fts_cjk_insert"
         self.tamper("DROP TRIGGER hs_fts_words_insert", "DROP TRIGGER hs_fts_cjk_insert",
                     *(["DROP TRIGGER hs_fts_trigram_insert"] if HAS_TRIGRAM else []),
@@ -1299,7 +1299,7 @@ class ChangedByAnotherProgram(TempDirTestCase):
         self.assert_repaired(self.ids + [self.raw_insert("damson late 李子酱")])
 
     def test_a_changed_stamp_or_table_or_view_is_rebuilt(self):
-        require(self, "fts5")  # it changes or moves our FTS5 index
+        require(self, "fts5", "it changes or moves our FTS5 index")
         self.tamper("UPDATE state_meta SET value = '9' WHERE key = 'hs_search_layout'")
         extra = self.raw_insert("damson extra 李子酱")
         self.assert_repaired(self.ids + [extra])
@@ -1345,15 +1345,15 @@ class ChangedByAnotherProgram(TempDirTestCase):
         fts_integrity_check(self.path)
 
     def test_a_layout_2_store_moves_to_3_at_open_and_reindexes_its_tool_lists_an_id_range_at_a_time(self):
-        require(self, "fts5")  # it changes or moves our FTS5 index
+        require(self, "fts5", "it changes or moves our FTS5 index")
         self.assert_moved_to_layout_3_without_a_rebuild(chunk_ids=1, max_rows=500)  # each row on a range's edge
 
     def test_a_layout_2_store_reindexes_at_most_so_many_tool_lists_a_transaction(self):
-        require(self, "fts5")  # it changes or moves our FTS5 index
+        require(self, "fts5", "it changes or moves our FTS5 index")
         self.assert_moved_to_layout_3_without_a_rebuild(chunk_ids=25_000, max_rows=1)
 
     def test_a_layout_2_store_whose_tool_calls_are_not_utf_8_still_opens_and_moves(self):
-        require(self, "fts5")  # it changes or moves our FTS5 index
+        require(self, "fts5", "it changes or moves our FTS5 index")
         self.make_layout_2([{"type": "text", "text": "naive words"}])
         conn = sqlite3.connect(self.path, isolation_level=None)
         # Written by another program; ours stores text it can read.
@@ -1365,7 +1365,7 @@ class ChangedByAnotherProgram(TempDirTestCase):
         fts_integrity_check(self.path)
 
     def test_a_layout_2_row_is_taken_out_with_the_text_it_was_indexed_with_until_its_chunk_is_reindexed(self):
-        require(self, "fts5")  # it changes or moves our FTS5 index
+        require(self, "fts5", "it changes or moves our FTS5 index")
         gone, kept, last = self.make_layout_2([{"type": "text", "text": "naive words"}])
         with mock.patch.object(SessionDB, "fts_rebuild_step", lambda db: False):  # the open moves, reindexes nothing
             with SessionDB(self.path) as db:
@@ -1380,7 +1380,7 @@ class ChangedByAnotherProgram(TempDirTestCase):
         fts_integrity_check(self.path)
 
     def test_shadow_tables_kept_without_their_table_are_replaced(self):
-        require(self, "fts5")  # it changes or moves our FTS5 index
+        require(self, "fts5", "it changes or moves our FTS5 index")
         # A recovery that copies tables but not the virtual table's own schema row.
         self.tamper("DELETE FROM sqlite_master WHERE name = 'hs_fts_words'")
         self.assert_repaired(self.ids)

@@ -215,7 +215,7 @@ class DeletesInChunks(LockHoldTestCase):
 class IndexMergesInSteps(LockHoldTestCase):
 
     def test_optimize_merges_each_index_a_few_pages_per_transaction_until_nothing_is_left(self):
-        require(self, "fts5")  # FTS5 merges
+        require(self, "fts5", "FTS5 merges")
         for i in range(40):  # one append a transaction: a segment each in every index
             self.db.create_session(f"s{i}", "cli")
             self.db.append_message(f"s{i}", "user", f"parser failing tests {i} 会话 " + "word " * 200)
@@ -236,7 +236,7 @@ class IndexMergesInSteps(LockHoldTestCase):
 
 
     def test_a_live_writer_neither_keeps_optimize_merging_nor_breaks_an_index(self):
-        require(self, "fts5")  # FTS5 merges
+        require(self, "fts5", "FTS5 merges")
         # A segment lands in every index between two merge steps. Regrouping all
         # segments each step added a level to the structure record every time, and
         # FTS5 called the index corrupt past 2,000 levels (~1,000 steps): every write
@@ -273,7 +273,7 @@ class IndexMergesInSteps(LockHoldTestCase):
 
 
     def test_an_index_fts5_can_no_longer_open_is_set_aside_and_refilled_at_the_next_open(self):
-        require(self, "fts5")  # an FTS5 index broken
+        require(self, "fts5", "an FTS5 index broken")
         # What the old merge loop left behind: a new segment before every negative
         # 'merge' until FTS5 found its structure record corrupt (over 2,000 levels).
         self.db.create_session("s", "cli")
@@ -321,7 +321,7 @@ class CheckpointsStaySmall(LockHoldTestCase):
 class RepairsAtOpen(LockHoldTestCase):
 
     def test_a_stale_index_is_refilled_in_backfill_chunks_and_the_old_one_dropped_in_chunks(self):
-        require(self, "fts5")  # an index's backfill
+        require(self, "fts5", "an index's backfill")
         self.session_with("s", 30, content="parser 会话")
         self.db.close()
         conn = self.raw(self.path)
@@ -343,7 +343,7 @@ class RepairsAtOpen(LockHoldTestCase):
 
     @unittest.skipIf(sys.platform == "win32", "flock")
     def test_an_open_lets_other_processes_write_between_its_backfill_chunks(self):
-        require(self, "fts5")  # an index's backfill
+        require(self, "fts5", "an index's backfill")
         import fcntl
         self.session_with("s", 2500)  # three backfill chunks of 1,000 ids
         self.db.close()
@@ -471,7 +471,7 @@ class ImportInChunks(LockHoldTestCase):
 class CjkQueueInBatches(LockHoldTestCase):
 
     def test_a_foreign_writers_cjk_backlog_is_indexed_at_most_500_rows_a_transaction(self):
-        require(self, "fts5")  # the CJK side index's queue
+        require(self, "fts5", "the CJK side index's queue")
         self.db.create_session("s", "cli")
         self.db.close()
         conn = self.raw(self.path)

@@ -168,7 +168,7 @@ class StoresSharedWithReleases(TempDirTestCase):
                     self.assertEqual(db.message_count(), count)
 
     def test_hermes_agents_cjk_triggers_are_dropped_as_it_drops_them_and_its_table_kept(self):
-        require(self, "fts5")  # it makes an FTS5 table
+        require(self, "fts5", "it makes an FTS5 table")
         path = self.tmp / "state.db"
         write_as_ours(path, "ours")
         conn = connect(path)

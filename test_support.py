@@ -50,10 +50,11 @@ def drop_triggers_not_runnable_here(conn):
             conn.execute(f'DROP TRIGGER "{name}"')
 
 
-def require(test, capability):
-    """Skip the rest of `test`, saying why, unless this SQLite has `capability` ("fts5", "trigram")."""
+def require(test, capability, why):
+    """Skip the rest of `test` unless this SQLite has `capability` ("fts5", "trigram"), saying `why` the
+    check means nothing without it."""
     if not {"fts5": HAS_FTS5, "trigram": HAS_TRIGRAM}[capability]:
-        test.skipTest(f"SQLite {sqlite3.sqlite_version} has no {capability}")
+        test.skipTest(f"SQLite {sqlite3.sqlite_version} has no {capability}: {why}")
 
 
 _UNPACKED = None
