@@ -590,8 +590,8 @@ TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE({column}, '') LIKE ? ESCAPE '\\'"
 TERM_LIKE_PARAMS = 3
 FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
 COUNT_FTS_DATA_SQL = "SELECT COUNT(*) FROM {data}"
-# Opens the table and reads its structure record (SQLite 3.53 reads that at the first query, not at connect).
-OPEN_FTS_TABLE_SQL = "SELECT rowid FROM {table} WHERE {table} MATCH 'hsq' LIMIT 1"
+# Opens (connects) the table without reading a row of it.
+OPEN_FTS_TABLE_SQL = "PRAGMA table_info({table})"
 # Row 10 of an FTS5 index's _data table is its structure record (segments by level).
 SELECT_FTS_STRUCTURE_SQL = "SELECT block FROM {data} WHERE id = 10"
 UPDATE_FTS_STRUCTURE_SQL = "UPDATE {data} SET block = ? WHERE id = 10"
