@@ -524,9 +524,9 @@ class SessionSearchMixin:
         leftovers = [name for name in PREVIOUS_LAYOUT_LEFTOVERS if name in objects]
         if not old and not leftovers:
             return False
-        # SQLite opens an FTS5 table to rename it, which takes its tokenizer: without trigram, that table
-        # stays where it is (its triggers go) until a runtime with the tokenizer sets it aside.
-        stuck = [] if self.fts_caps.trigram else [table for table in old if "trigram" in objects[table][1]]
+        # SQLite opens an FTS5 table to rename it, which takes its tokenizer: without trigram, that
+        # table stays (its triggers go) until a runtime with the tokenizer sets it aside.
+        stuck = [t for t in old if "trigram" in objects[t][1]] if not self.fts_caps.trigram else []
         old = [table for table in old if table not in stuck]
         _retire(conn, objects, old, also=[*PREVIOUS_LAYOUT_LEFTOVERS, *stuck])
         for name in leftovers:
