@@ -917,8 +917,10 @@ class OptimizeStorage(TempDirTestCase):
             child.send_signal(getattr(signal, "SIGKILL", signal.SIGTERM))
             child.communicate()
             conn = sqlite3.connect(path, isolation_level=None)
-            self.assertEqual(conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")
+            problems = [row[0] for row in conn.execute("PRAGMA integrity_check")]
             conn.close()
+            # SQLite 3.53 checks FTS5 tables there too: the index set aside, emptied in chunks, is not whole.
+            self.assertEqual([p for p in problems if p != "ok" and "hs_retired_" not in p], [])
         with SessionDB(path) as db:
             self.assertEqual(self.answers(db, cjk), before_cjk)  # correct while half-done, too
             db.optimize_fts_storage()
