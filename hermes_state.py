@@ -712,6 +712,27 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         connector = ReplicaConnector(url, timeout)
         return cls(url, read_only=True, connection_factory=connector)
 
+    def _with_fresh_reader(self, use):
+        """`use(conn)` on a read connection of its own, closed after: every statement is prepared on
+        the schema as it is now. A pooled reader's cached EXPLAIN runs the program it was prepared
+        with (EXPLAIN never reads the schema cookie) and, once that reader has reloaded a schema
+        another connection changed, lists objects SQLite has freed: a stale answer, or SIGSEGV
+        (docs/runtimes.md)."""
+        self._check_open(writing=False)
+        key = _hold(self.db_path)
+        try:
+            conn = self._connect(self.db_path.resolve().as_uri() + "?mode=ro", uri=True,
+                                 timeout=self.write_budget, isolation_level=None,
+                                 check_same_thread=False)
+        except BaseException:
+            _release(key)
+            raise
+        try:
+            return use(conn)
+        finally:
+            conn.close()
+            _release(key)
+
 
 # -- whole-home backup and restore (the "ops import"; session import is another entry point) ---------------
 

@@ -580,11 +580,11 @@ TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {lik
 # Structured content (a multimodal list of parts, a dict) is stored as this prefix plus JSON, as hermes-agent
 # stores it; NUL never starts real text.
 CONTENT_JSON_PREFIX = "\x00json:"
-# The fallback: NULL columns read as '' so that NOT (...) never turns NULL and drops a row; LIKE reads text up
-# to its first NUL, so multimodal content (CONTENT_JSON_PREFIX + JSON) is read past it.
+# Fallback: NULL reads as '' (NOT never turns NULL); NUL-led text past its NUL (LIKE stops there).
 _LIKE_CONTENT_SQL = ("CASE WHEN m.content >= char(0) || 'json:' AND m.content < char(0) || 'json;' "
                      f"THEN CAST(substr(CAST(m.content AS BLOB), {len(CONTENT_JSON_PREFIX) + 1}) AS TEXT) "
-                     "ELSE m.content END")
+                     "WHEN m.content >= char(0) AND m.content < char(1) "
+                     "THEN CAST(substr(CAST(m.content AS BLOB), 2) AS TEXT) ELSE m.content END")
 TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE({column}, '') LIKE ? ESCAPE '\\'"
                                    for column in (_LIKE_CONTENT_SQL, "m.tool_name", "m.tool_calls")) + ")"
 TERM_LIKE_PARAMS = 3

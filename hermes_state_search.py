@@ -518,7 +518,11 @@ class SessionSearchMixin:
         leftovers = [name for name in PREVIOUS_LAYOUT_LEFTOVERS if name in objects]
         if not old and not leftovers:
             return False
-        _retire(conn, objects, old, also=PREVIOUS_LAYOUT_LEFTOVERS)
+        # SQLite opens an FTS5 table to rename it, which takes its tokenizer: without trigram, that
+        # table stays (its triggers go) until a runtime with the tokenizer sets it aside.
+        stuck = [t for t in old if "trigram" in objects[t][1]] if not self.fts_caps.trigram else []
+        old = [table for table in old if table not in stuck]
+        _retire(conn, objects, old, also=[*PREVIOUS_LAYOUT_LEFTOVERS, *stuck])
         for name in leftovers:
             _drop(conn, PREVIOUS_LAYOUT_LEFTOVERS[name], name)
         if HERMES_FTS_TABLES["word"] in old:
@@ -792,7 +796,8 @@ class SessionSearchMixin:
             "hermes_agent_meta": self._read_meta(*HERMES_INDEX_META, META_FTS_CJK_STALE),
             "fts_rebuild": self._rebuild_phase(),
             "searchable_by_index": sorted(state.usable),
-            "trigger_damage": trigger_damage(objects, self._read_all),
+            "trigger_damage": self._with_fresh_reader(
+                lambda conn: trigger_damage(objects, lambda sql: conn.execute(sql).fetchall())),
         }
 
     # -- search --------------------------------------------------------------

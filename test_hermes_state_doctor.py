@@ -20,7 +20,10 @@ from hermes_state import (
     sqlite_source_id,
 )
 from hermes_state_common import DEFERRED_INDEXES, SCHEMA_SQL
-from test_support import REPO, TempDirTestCase
+from test_support import HAS_FTS5, HAS_TRIGRAM, REPO, TempDirTestCase, require
+
+# A schema entry to duplicate: our word index's, or where SQLite has no FTS5 (no such table) a plain table's.
+DUPLICATED = "hs_fts_words" if HAS_FTS5 else "state_meta"
 
 HAS_PROC = os.path.isdir("/proc/self/fd")
 
@@ -43,6 +46,13 @@ class DoctorTestCase(TempDirTestCase):
         conn.commit()
         conn.close()
 
+    def break_word_index(self, path):
+        """Damage the word index's structure record so that FTS5 refuses it. SQLite 3.53 reads a zeroed
+        record as an empty index (no damage at all), so a record of no valid length is written there."""
+        self.damage(path, "UPDATE hs_fts_words_data SET block = X'0000' WHERE id = 10")
+        if _db_opens_cleanly(path) is None:
+            self.damage(path, "UPDATE hs_fts_words_data SET block = X'00000000ffff' WHERE id = 10")
+
     def message_count(self, path):
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
@@ -56,7 +66,7 @@ class DoctorTestCase(TempDirTestCase):
     def damaged_store(self):
         """A store whose schema does not parse (a duplicate entry), which dedup_schema repairs."""
         path = self.store()
-        self.damage(path, "INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'hs_fts_words'")
+        self.damage(path, f"INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = '{DUPLICATED}'")
         return path
 
     def start_repair(self, path, lock_wait, file_size_limit=None):
@@ -131,9 +141,10 @@ class HealthProbe(DoctorTestCase):
         dup = self.store("dup.db")
         self.damage(dup, "INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'state_meta'")
         self.assertIn("malformed database schema", _db_opens_cleanly(dup))
-        fts = self.store("fts.db")
-        self.damage(fts, "UPDATE hs_fts_words_data SET block = X'0000' WHERE id = 10")
-        self.assertIsNotNone(_db_opens_cleanly(fts))
+        if HAS_FTS5:  # (no search index to break without it)
+            fts = self.store("fts.db")
+            self.break_word_index(fts)
+            self.assertIsNotNone(_db_opens_cleanly(fts))
         junk = self.tmp / "junk.db"
         junk.write_bytes(b"not a database" * 100)
         self.assertIn("not a database", _db_opens_cleanly(junk))
@@ -150,7 +161,7 @@ class Repair(DoctorTestCase):
 
     def test_duplicate_schema_entries_go_after_a_private_backup_of_the_damage(self):
         path = self.store()
-        self.damage(path, "INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = 'hs_fts_words'")
+        self.damage(path, f"INSERT INTO sqlite_master SELECT * FROM sqlite_master WHERE name = '{DUPLICATED}'")
         with self.assertLogs("hermes_state", "WARNING"):
             report = repair_state_db_schema(path)
         self.assertEqual((report["repaired"], report["strategy"], report["error"]), (True, "dedup_schema", None))
@@ -163,8 +174,9 @@ class Repair(DoctorTestCase):
             self.assertEqual(len(db.search_messages("hello", limit=100)), 30)
 
     def test_a_search_index_that_rejects_writes_is_rebuilt_in_place(self):
+        require(self, "fts5", "it breaks an FTS5 index")
         path = self.store()
-        self.damage(path, "UPDATE hs_fts_words_data SET block = X'0000' WHERE id = 10")
+        self.break_word_index(path)
         with self.assertLogs("hermes_state", "WARNING"):
             report = repair_state_db_schema(path, backup=False)
         self.assertEqual((report["strategy"], report["backup_path"]), ("rebuild_fts", None))
@@ -173,6 +185,7 @@ class Repair(DoctorTestCase):
             self.assertEqual(len(db.search_messages("hello", limit=100)), 31)
 
     def test_an_unparsable_search_table_is_dropped_and_built_again_at_the_next_open(self):
+        require(self, "fts5", "it breaks an FTS5 table's DDL")
         path = self.store()
         self.damage(path, "UPDATE sqlite_master SET sql = 'CREATE VIRTUAL TABLE hs_fts_words USING fts5(' "
                           "WHERE name = 'hs_fts_words'")
@@ -332,8 +345,9 @@ class Reports(DoctorTestCase):
         stats = collect_state_db_stats(path)
         self.assertEqual((stats["messages"], stats["sessions"], stats["journal_mode"]), (30, 1, "wal"))
         self.assertEqual(stats["logical_size_bytes"], stats["page_count"] * stats["page_size"])
-        # Our word and trigram indexes play the roles of hermes-agent's; its CJK index is not ours.
-        self.assertEqual(stats["fts_tables"], {"messages_fts": True, "messages_fts_trigram": True,
+        # Our word and trigram indexes play the roles of hermes-agent's (where this SQLite keeps them); its
+        # CJK index is not ours.
+        self.assertEqual(stats["fts_tables"], {"messages_fts": HAS_FTS5, "messages_fts_trigram": HAS_TRIGRAM,
                                                "messages_fts_cjk": False})
         self.assertEqual((stats["fts_rebuild_pending"], stats["fts_rebuild_high_water"]), (False, None))
         missing = collect_state_db_stats(self.tmp / "missing.db")

@@ -12,7 +12,7 @@ import unittest
 
 from hermes_state import SessionDB
 from test_hermes_state_schema import OLD_SESSIONS
-from test_support import REPO, TempDirTestCase, tracing_factory, write_statements
+from test_support import HAS_FTS5, INDEX_TABLES, REPO, TempDirTestCase, require, tracing_factory, write_statements
 
 
 def transactions(statements):
@@ -214,26 +214,28 @@ class DeletesInChunks(LockHoldTestCase):
 class IndexMergesInSteps(LockHoldTestCase):
 
     def test_optimize_merges_each_index_a_few_pages_per_transaction_until_nothing_is_left(self):
+        require(self, "fts5", "FTS5 merges")
         for i in range(40):  # one append a transaction: a segment each in every index
             self.db.create_session(f"s{i}", "cli")
             self.db.append_message(f"s{i}", "user", f"parser failing tests {i} 会话 " + "word " * 200)
         before = [hit["id"] for hit in self.db.search_messages("parser")]
         self.db.MERGE_STEP_PAGES = 1
         self.statements.clear()
-        self.assertEqual(3, self.db.optimize_fts())
+        self.assertEqual(len(INDEX_TABLES), self.db.optimize_fts())
         merges = merging(self.statements)
-        self.assertGreater(len(merges), 6)
+        self.assertGreater(len(merges), 2 * len(INDEX_TABLES))  # more than two steps an index
         self.assertTrue(all(len([s for s in t if "'merge'" in s]) == 1 for t in merges))
         self.statements.clear()
         self.db.optimize_fts()
-        self.assertEqual(3, len(merging(self.statements)))  # one look each: nothing left
+        self.assertEqual(len(INDEX_TABLES), len(merging(self.statements)))  # one look each: nothing left
         self.assertEqual(before, [hit["id"] for hit in self.db.search_messages("parser")])
         conn = self.raw(self.path)
-        for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
+        for table in INDEX_TABLES.values():
             conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
 
 
     def test_a_live_writer_neither_keeps_optimize_merging_nor_breaks_an_index(self):
+        require(self, "fts5", "FTS5 merges")
         # A segment lands in every index between two merge steps. Regrouping all
         # segments each step added a level to the structure record every time, and
         # FTS5 called the index corrupt past 2,000 levels (~1,000 steps): every write
@@ -257,29 +259,37 @@ class IndexMergesInSteps(LockHoldTestCase):
         try:
             self.db.MERGE_STEP_PAGES = 1
             self.statements.clear()
-            self.assertEqual(3, self.db.optimize_fts())
+            self.assertEqual(len(INDEX_TABLES), self.db.optimize_fts())
         finally:
             stop.set()
             thread.join()
         self.assertEqual([], errors)
         self.assertLess(len(merging(self.statements)), 600)
         conn = self.raw(self.path)
-        for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
+        for table in INDEX_TABLES.values():
             conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
         self.assertEqual(sorted(written), sorted(hit["id"] for hit in self.db.search_messages("kiwi", limit=10 ** 6)))
 
 
     def test_an_index_fts5_can_no_longer_open_is_set_aside_and_refilled_at_the_next_open(self):
+        require(self, "fts5", "an FTS5 index broken")
         # What the old merge loop left behind: a new segment before every negative
         # 'merge' until FTS5 found its structure record corrupt (over 2,000 levels).
         self.db.create_session("s", "cli")
         raw = self.raw(self.path)
         raw.isolation_level = None
-        written = []
-        with self.assertRaisesRegex(sqlite3.DatabaseError, "malformed"):
+        written, failed = [], None
+        try:
             for i in range(3000):
                 written.append(self.db.append_message("s", "user", f"kiwi {i}"))
                 raw.execute("INSERT INTO hs_fts_words(hs_fts_words, rank) VALUES ('merge', -1)")
+        except sqlite3.DatabaseError as exc:
+            failed = exc
+        if failed is None:  # SQLite 3.53 keeps that index readable: its structure record broken by hand instead
+            self.assertGreaterEqual(sqlite3.sqlite_version_info, (3, 44))
+            raw.execute("UPDATE hs_fts_words_data SET block = X'00000000ffff' WHERE id = 10")
+        else:
+            self.assertIn("malformed", str(failed))
         with self.assertRaises(sqlite3.DatabaseError):
             self.db.append_message("s", "user", "kiwi refused")  # the index's trigger fails every write
         self.db.close()
@@ -287,7 +297,7 @@ class IndexMergesInSteps(LockHoldTestCase):
             written.append(db.append_message("s", "user", "kiwi after"))
             self.assertEqual(sorted(written), sorted(hit["id"] for hit in db.search_messages("kiwi", limit=10 ** 6)))
         self.assertIn("hs_fts_words", "\n".join(logs.output))
-        for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
+        for table in INDEX_TABLES.values():
             raw.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
         self.assertEqual([], raw.execute("SELECT name FROM sqlite_master WHERE name LIKE 'hs_retired%'").fetchall())
 
@@ -310,6 +320,7 @@ class CheckpointsStaySmall(LockHoldTestCase):
 class RepairsAtOpen(LockHoldTestCase):
 
     def test_a_stale_index_is_refilled_in_backfill_chunks_and_the_old_one_dropped_in_chunks(self):
+        require(self, "fts5", "an index's backfill")
         self.session_with("s", 30, content="parser 会话")
         self.db.close()
         conn = self.raw(self.path)
@@ -326,11 +337,12 @@ class RepairsAtOpen(LockHoldTestCase):
         self.assertTrue(touching(statements, "DELETE FROM \"hs_retired_hs_fts_words_data\""))
         names = [row[0] for row in conn.execute("SELECT name FROM sqlite_master")]
         self.assertFalse([name for name in names if name.startswith("hs_retired_")])
-        for table in ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk"):
+        for table in INDEX_TABLES.values():
             conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
 
     @unittest.skipIf(sys.platform == "win32", "flock")
     def test_an_open_lets_other_processes_write_between_its_backfill_chunks(self):
+        require(self, "fts5", "an index's backfill")
         import fcntl
         self.session_with("s", 2500)  # three backfill chunks of 1,000 ids
         self.db.close()
@@ -410,6 +422,9 @@ class NoLongHoldUnannounced(LockHoldTestCase):
         self.db.close()
         done = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.path), "optimize-storage",
                                "--yes"], capture_output=True, text=True, cwd=REPO, timeout=120)
+        if not HAS_FTS5:  # refused before anything is held, in one line
+            self.assertEqual((done.returncode, done.stderr), (1, "error: optimize-storage refused: fts5_unavailable\n"))
+            return
         self.assertEqual(0, done.returncode, done.stderr)
         lines = done.stderr.splitlines()
         said = [i for i, line in enumerate(lines) if "holds the write lock" in line]
@@ -454,6 +469,7 @@ class ImportInChunks(LockHoldTestCase):
 class CjkQueueInBatches(LockHoldTestCase):
 
     def test_a_foreign_writers_cjk_backlog_is_indexed_at_most_500_rows_a_transaction(self):
+        require(self, "fts5", "the CJK side index's queue")
         self.db.create_session("s", "cli")
         self.db.close()
         conn = self.raw(self.path)

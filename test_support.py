@@ -18,6 +18,8 @@ import tempfile
 import unittest
 from pathlib import Path
 
+from hermes_state_schema import sqlite_supports_fts5, sqlite_supports_trigram
+
 REPO = Path(__file__).resolve().parent
 FIXTURES = REPO / "fixtures"
 V22_DB = "hermes_v22_legacy_fts.db"
@@ -25,6 +27,36 @@ V26_DB = "hermes_v26_split.db"
 FIXTURE_DBS = (V22_DB, V26_DB)
 
 WRITE_VERBS = ("INSERT", "UPDATE", "DELETE", "REPLACE", "CREATE", "ALTER", "DROP")
+
+# What the SQLite this process loaded can do, asked of the real sqlite3 module (`make test-runtimes`
+# runs the suite on builds without FTS5 and without the trigram tokenizer); the connection factories
+# below simulate the rest.
+HAS_FTS5 = sqlite_supports_fts5()
+HAS_TRIGRAM = HAS_FTS5 and sqlite_supports_trigram()
+# The indexes a new store searches by here (doctor's `searchable_by_index`).
+SEARCHABLE = ["cjk", "trigram", "word"] if HAS_TRIGRAM else ["cjk", "word"] if HAS_FTS5 else []
+
+# Our index tables a new store has here: none without FTS5, no trigram table without its tokenizer.
+INDEX_TABLES = {index: table for index, table in (
+    ("word", "hs_fts_words"), ("trigram", "hs_fts_trigram"), ("cjk", "hs_fts_cjk"))
+    if index in SEARCHABLE}
+RANKED_TABLES = [table for index, table in INDEX_TABLES.items() if index != "cjk"]
+
+
+def drop_triggers_not_runnable_here(conn):
+    """Drop the triggers of a store made elsewhere that write to an FTS5 table this SQLite cannot
+    open (all without FTS5, the trigram ones without its tokenizer), as hermes-agent's open does."""
+    triggers = conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'").fetchall()
+    for name, sql in triggers:
+        if (not HAS_FTS5 and "fts" in sql.lower()) or (not HAS_TRIGRAM and "trigram" in sql.lower()):
+            conn.execute(f'DROP TRIGGER "{name}"')
+
+
+def require(test, capability, why):
+    """Skip the rest of `test` unless this SQLite has `capability` ("fts5", "trigram"), saying `why`
+    the check means nothing without it."""
+    if not {"fts5": HAS_FTS5, "trigram": HAS_TRIGRAM}[capability]:
+        test.skipTest(f"SQLite {sqlite3.sqlite_version} has no {capability}: {why}")
 
 
 _UNPACKED = None
@@ -108,12 +140,18 @@ class StoreTestCase(TempDirTestCase):
 
 
 def dump_hash(path):
-    """SHA-256 of the logical content (iterdump), independent of page layout."""
+    """SHA-256 of the logical content, independent of page layout: every schema object's SQL and
+    every plain table's rows. A virtual table is hashed through its shadow tables (iterdump reads
+    one whose DDL is not in capitals as a plain table: that fails where SQLite lacks its module)."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
         digest = hashlib.sha256()
-        for line in conn.iterdump():
-            digest.update(line.encode("utf-8"))
+        objects = conn.execute("SELECT type, name, sql FROM sqlite_master ORDER BY type, name")
+        for kind, name, sql in objects.fetchall():
+            digest.update(repr((kind, name, sql)).encode("utf-8"))
+            if kind == "table" and not re.match(r"\s*create\s+virtual\b", sql or "", re.I):
+                for row in conn.execute('SELECT * FROM "{}"'.format(name.replace('"', '""'))):
+                    digest.update(repr(tuple(row)).encode("utf-8"))
         return digest.hexdigest()
     finally:
         conn.close()
@@ -125,11 +163,18 @@ def schema_snapshot(path):
     try:
         objects = sorted(conn.execute("SELECT type, name, sql FROM sqlite_master").fetchall(),
                          key=lambda r: (r[0], r[1]))
-        columns = {name: conn.execute(f'PRAGMA table_info("{name}")').fetchall()
-                   for kind, name, _sql in objects if kind == "table"}
+        columns = {name: _table_info(conn, name) for kind, name, _sql in objects if kind == "table"}
         return objects, columns
     finally:
         conn.close()
+
+
+def _table_info(conn, name):
+    """A table's columns; for a virtual table this SQLite cannot load, the error."""
+    try:
+        return conn.execute(f'PRAGMA table_info("{name}")').fetchall()
+    except sqlite3.OperationalError as exc:
+        return str(exc)
 
 
 def tracing_factory(statements):
