@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from hermes_state import SessionDB
-from test_support import HAS_FTS5, REPO, V22_DB, TempDirTestCase
+from test_support import REPO, V22_DB, TempDirTestCase
 
 
 class CommandLine(TempDirTestCase):
