@@ -746,7 +746,7 @@ async function showSession(id, messageId, terms) {
     const header = el("header");
     const titled = (s.segments || []).find((segment) => segment.title);
     header.append(el("h2", null, s.title || (titled && titled.title) || s.id),
-                  el("p", "meta", [s.source, s.model, when(s.started_at), s.message_count + " messages"].join(" · ")));
+                  el("p", "meta", [s.source, s.model, when(s.started_at), s.message_count + " messages"].filter(Boolean).join(" · ")));
     if (s.lineage_session_ids && s.lineage_session_ids.length > 1)
       header.append(el("p", "meta", "Compression lineage: " + s.lineage_session_ids.join(" → ")));
     if (s.system_prompt) {
