@@ -55,18 +55,21 @@ TALLY_CHILD, TALLY_PLAIN_ROOT, TALLY_MARKED_ROOT = 0, 1, 2
 _TALLY_KIND_EXPR = ("(CASE WHEN {r}.parent_session_id IS NOT NULL THEN 0"
                     " WHEN instr(COALESCE({r}.model_config, ''), '_delegate_from') = 0 THEN 1"
                     " ELSE 2 END)")
-_ACTIVITY_OF = ("INSERT OR REPLACE INTO hs_session_activity (session_id, active_at) SELECT s.id, "
-                + LAST_ACTIVE_SQL.format(a="s") + " FROM sessions AS s WHERE ")
-_REFRESH_ACTIVITY = _ACTIVITY_OF + "s.id = {sid};"
+# No statement in these trigger bodies can meet a conflict: the OR clause of the statement that
+# fires a trigger (hermes-agent's INSERT OR IGNORE, another program's OR ABORT) replaces every
+# ON CONFLICT inside it, so an OR REPLACE or OR IGNORE here would turn into that writer's.
+_REFRESH_ACTIVITY = ("DELETE FROM hs_session_activity WHERE session_id = {sid};"
+                     " INSERT INTO hs_session_activity (session_id, active_at) SELECT s.id, "
+                     + LAST_ACTIVE_SQL.format(a="s") + " FROM sessions AS s WHERE s.id = {sid};")
 # A tally key never holds NULL (NULLs never collide in a unique index, so each would make a new
 # row): a NULL `archived` counts as -1, which no filter asks for, as no filter matches NULL on the
 # sessions table (`source` is NOT NULL in every schema).
 _TALLY_KEY = "{r}.source, IFNULL({r}.archived, -1), " + _TALLY_KIND_EXPR
 _TALLY_MATCH = ("source IS {r}.source AND archived IS IFNULL({r}.archived, -1) AND kind IS "
                 + _TALLY_KIND_EXPR)
-_TALLY_ADD = ("INSERT OR IGNORE INTO hs_session_tally (source, archived, kind, n) VALUES ("
-              + _TALLY_KEY + ", 0); UPDATE hs_session_tally SET n = n + 1 WHERE "
-              + _TALLY_MATCH + ";")
+_TALLY_ADD = ("INSERT INTO hs_session_tally (source, archived, kind, n) SELECT " + _TALLY_KEY
+              + ", 0 WHERE NOT EXISTS (SELECT 1 FROM hs_session_tally WHERE " + _TALLY_MATCH
+              + "); UPDATE hs_session_tally SET n = n + 1 WHERE " + _TALLY_MATCH + ";")
 _TALLY_DROP = "UPDATE hs_session_tally SET n = n - 1 WHERE " + _TALLY_MATCH + ";"
 LISTING_OBJECTS = {
     # Keys are unique indexes, not primary keys: every object is named hs_*, as the doctor's
@@ -491,7 +494,13 @@ class SessionSchemaMixin:
         (resumed from META_LISTING_PROGRESS), then hs_session_tally in one; set META_LISTING_READY.
         The triggers keep every row already filled, and every session written meanwhile."""
         if self._read_value(SELECT_META_SQL, (META_LISTING_READY,)) == LISTING_VERSION:
-            return
+            # REPLACE of an existing session deletes the old row without firing a delete trigger
+            # (unless recursive_triggers is on), so its -1 is lost: such drift shows in the total.
+            tallied = self._read_value("SELECT TOTAL(n) FROM hs_session_tally")
+            if tallied == self._read_value("SELECT COUNT(*) FROM sessions"):
+                return
+            logger.info("schema: the session tally (%d) drifted from the sessions; refilling it",
+                        tallied)
         filled = self._write_in_chunks(self._backfill_listing_chunk, LISTING_BACKFILL_ROWS)
 
         def finish(conn):
@@ -509,7 +518,9 @@ class SessionSchemaMixin:
         ids = [row[0] for row in conn.execute("SELECT id FROM sessions WHERE id > ? ORDER BY id"
                                               " LIMIT ?", (after, LISTING_BACKFILL_ROWS))]
         if ids:
-            conn.execute(_ACTIVITY_OF + "s.id >= ? AND s.id <= ?", (ids[0], ids[-1]))
+            conn.execute("INSERT OR REPLACE INTO hs_session_activity (session_id, active_at)"
+                         " SELECT s.id, " + LAST_ACTIVE_SQL.format(a="s")
+                         + " FROM sessions AS s WHERE s.id >= ? AND s.id <= ?", (ids[0], ids[-1]))
             write_meta(conn, META_LISTING_PROGRESS, ids[-1])
         return len(ids)
 

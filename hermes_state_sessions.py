@@ -16,7 +16,7 @@ import time
 
 from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, MESSAGES_LAST_ACTIVE_SQL,
-    SELECT_META_SQL, SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL,
+    SELECT_META_SQL, SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL, TABLE_EXISTS_SQL,
     SKILL_EXCERPT_JOINT, SessionInputTypeError,
     SessionRowError, _RESET_END_REASONS, chunked, cwd_prefix_clause, describe_skill_invocation, escape_like,
     has_fork_marker, json_object, loads_or, merge_model_config, placeholders, require_text, sqlite_keeps)
@@ -547,8 +547,10 @@ class SessionSessionsMixin:
         cookie = self._read_value("PRAGMA schema_version")
         if self.__dict__.get("_listing_ready_cookie") == cookie:
             return True
-        ready = (self._read_value(SELECT_META_SQL, (META_LISTING_READY,)) == LISTING_VERSION
-                 and self._read_value(SELECT_LISTING_OBJECT_COUNT_SQL) == len(LISTING_OBJECTS))
+        # A store a read-only open will not upgrade may have no state_meta: no aids then.
+        ready = (self._read_value(SELECT_LISTING_OBJECT_COUNT_SQL) == len(LISTING_OBJECTS)
+                 and self._read_value(TABLE_EXISTS_SQL, ("state_meta",)) is not None
+                 and self._read_value(SELECT_META_SQL, (META_LISTING_READY,)) == LISTING_VERSION)
         if ready:
             self._listing_ready_cookie = cookie
         return ready

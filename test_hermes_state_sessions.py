@@ -591,6 +591,47 @@ class ListingAids(SessionTestCase):
         self.db.delete_session("s0007")
         self.assert_same_as_oracle()
 
+    def test_a_writers_conflict_clause_never_reaches_the_aids(self):
+        # The OR clause of the statement that fires a trigger replaces every ON CONFLICT in its
+        # body: an OR REPLACE or OR IGNORE inside the triggers would fail these writes or drift.
+        def change(conn):
+            add = "INSERT OR {} INTO sessions (id, source, started_at) VALUES (?, ?, ?)"
+            conn.execute(add.format("ABORT"), ("x1", "cli", 5.0))
+            conn.execute(add.format("FAIL"), ("x2", "cli", 6.0))
+            conn.execute(add.format("ROLLBACK"), ("x3", "telegram", 7.0))
+            conn.execute(add.format("IGNORE"), ("x4", "telegram", 8.0))
+            conn.execute(add.format("REPLACE"), ("x5", "cli", 9.0))  # a new id: no row replaced
+            conn.execute("UPDATE OR ABORT messages SET timestamp = timestamp + 1 WHERE id % 7 = 0")
+            conn.execute("UPDATE OR IGNORE messages SET timestamp = timestamp + 9000"
+                         " WHERE id % 5 = 0")
+            conn.execute("UPDATE OR FAIL sessions SET last_activity_at = 5000 WHERE rowid % 9 = 0")
+        self.write_behind_our_back(change)
+        self.assert_same_as_oracle()
+
+    def test_a_session_row_replaced_behind_our_back_is_recounted_at_the_next_open(self):
+        # REPLACE deletes the old row without firing a delete trigger (recursive_triggers is off).
+        self.write_behind_our_back(lambda conn: conn.execute(
+            "INSERT OR REPLACE INTO sessions (id, source, started_at)"
+            " SELECT id, 'telegram', started_at FROM sessions WHERE rowid % 9 = 0"))
+        self.reopen()
+        self.assert_same_as_oracle()
+
+    def test_a_read_only_store_without_state_meta_lists_and_counts_by_reading_every_session(self):
+        copy = self.tmp / "no-meta.db"
+        with contextlib.closing(sqlite3.connect(str(self.path))) as source, \
+                contextlib.closing(sqlite3.connect(str(copy))) as target:
+            source.backup(target)
+            target.execute("DROP TABLE state_meta")
+            target.commit()
+        from hermes_state import SessionDB
+        with SessionDB(copy, read_only=True) as old:
+            self.assertFalse(old._listing_ready())
+            for kwargs in (dict(order_by_last_active=True), dict()):
+                self.assertEqual(old.list_sessions_rich(limit=50, **kwargs),
+                                 self.db.list_sessions_rich(limit=50, **kwargs))
+            self.assertEqual(old.session_count(), self.db.session_count())
+            self.assertEqual(old.session_count_by_source(), self.db.session_count_by_source())
+
     def test_a_dropped_trigger_stops_the_aids_being_read_until_an_open_fills_them_again(self):
         self.assertTrue(self.db._listing_ready())
 
