@@ -202,6 +202,14 @@ def set_aside(path, reason):
     return backup
 
 
+def _file_signature(path):
+    """What shows a store file changed, read without opening it: its inode, size and time, and
+    which of its sidecars exist."""
+    st = os.stat(path)
+    return (st.st_ino, st.st_size, st.st_mtime_ns,
+            tuple(os.path.lexists(f"{path}{suffix}") for suffix in SIDECAR_SUFFIXES))
+
+
 def _move_without_replacing(source, target):
     """Rename `source` to `target`; FileExistsError, moving nothing, when `target` exists."""
     try:
@@ -307,7 +315,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         self.repairs = []
         self._connect = connection_factory or sqlite3.connect
         self._idle_readers, self._idle_index_readers = queue.SimpleQueue(), queue.SimpleQueue()
-        self._readers, self._held_keys = [], []
+        self._readers, self._held_keys, self._immutable_readers = [], [], set()
         self._readers_lock = threading.Lock()
         self._write_lock = threading.RLock()
         self._lock = CallerLock(self)
@@ -334,14 +342,17 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
 
     def _open_read_only(self):
         # A replica (open_replica) is no local file: its connection factory reads it via the VFS.
-        if getattr(self._connect, "replica_url", None) is None and not self.db_path.exists():
+        local = getattr(self._connect, "replica_url", None) is None
+        if local and not self.db_path.exists():
             raise FileNotFoundError(f"no state store at {self.db_path}")
-        if not os.access(self.db_path.parent, os.W_OK) and not any(
-                os.path.lexists(str(self.db_path) + suffix) for suffix in SIDECAR_SUFFIXES):
-            # SQLite cannot read a WAL store with mode=ro where it may not create the -shm. With no journal or
-            # WAL beside it the file is the whole store, and no writer can start one in this folder (it would
-            # have to create it): SQLite may read it as immutable, taking no lock (root's writes go unseen).
+        real = self.db_path.resolve()  # a link's -wal and -shm are beside its target
+        if local and not os.access(real.parent, os.W_OK) and not any(_file_signature(real)[-1]):
+            # SQLite cannot read a WAL store with mode=ro where it may not create the -shm. With no
+            # journal or WAL beside it the file is the whole store, and no writer of this user can
+            # start one in this folder: SQLite may read it as immutable, taking no lock. Another
+            # user or mount may still write it; _borrow_reader stops reading it so once it changes.
             self._reader_flags = "&immutable=1"
+            self._immutable_as_seen = (real, _file_signature(real))
         try:
             self.stale_schema = self._stale_schema_report()
         except sqlite3.DatabaseError as exc:
@@ -619,7 +630,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         try:
             return use(conn)
         finally:
-            pool.put(conn)
+            self._return_reader(conn, pool)
 
     def _read_all(self, sql, params=(), pool=None):
         return self._with_reader(lambda conn: conn.execute(sql, params).fetchall(), pool)
@@ -632,6 +643,9 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
 
     def _borrow_reader(self, pool=None):
         self._check_open(writing=False)
+        if self._reader_flags and _file_signature(self._immutable_as_seen[0]) != \
+                self._immutable_as_seen[1]:
+            self._stop_reading_immutable()
         try:
             return (self._idle_readers if pool is None else pool).get_nowait()
         except queue.Empty:
@@ -639,9 +653,29 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         # mode=ro: a read connection can never write, nor checkpoint on close.
         uri = self.db_path.resolve().as_uri() + "?mode=ro" + self._reader_flags
         conn = self._new_connection(uri, uri=True, timeout=self.write_budget)
+        if self._reader_flags:
+            self._immutable_readers.add(conn)
         with self._readers_lock:
             self._readers.append(conn)
         return conn
+
+    def _return_reader(self, conn, pool=None):
+        if self._reader_flags or conn not in self._immutable_readers:
+            (self._idle_readers if pool is None else pool).put(conn)
+        else:
+            conn.close()  # an immutable reader of a file that has changed since
+
+    def _stop_reading_immutable(self):
+        """The file an immutable read trusts has changed (another user or mount wrote it): SQLite
+        would read torn pages or miss its WAL, so every reader from now on reads it as any other."""
+        logger.info("store %s changed while read as immutable; reading it normally", self.db_path)
+        self._reader_flags = ""
+        for pool in (self._idle_readers, self._idle_index_readers):
+            while True:
+                try:
+                    pool.get_nowait().close()
+                except queue.Empty:
+                    break
 
     # -- state_meta ------------------------------------------------------------
 
@@ -721,7 +755,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         self._check_open(writing=False)
         key = _hold(self.db_path)
         try:
-            conn = self._connect(self.db_path.resolve().as_uri() + "?mode=ro", uri=True,
+            conn = self._connect(self.db_path.resolve().as_uri() + "?mode=ro" + self._reader_flags,
+                                 uri=True,
                                  timeout=self.write_budget, isolation_level=None,
                                  check_same_thread=False)
         except BaseException:

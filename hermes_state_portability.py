@@ -764,7 +764,7 @@ class SessionPortabilityMixin:
             with contextlib.suppress(sqlite3.ProgrammingError):  # the store was closed first: nothing to release
                 cursor.close()
                 sessions.close()
-            self._idle_readers.put(conn)
+            self._return_reader(conn)
 
     def _export_reader(self, cursor, streamed=False):
         """(read, convert, runs): read(session_id) queries a session's messages on `cursor`, convert makes rows

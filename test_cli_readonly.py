@@ -205,6 +205,82 @@ class UnprivilegedReads(CliTestCase):
         self.assertEqual(stat.S_IMODE(folder.stat().st_mode), 0o555)
 
 
+# Root forks a reader that becomes user nobody, opens `path` read-only and counts the messages
+# each time it reads a line on stdin, printing the count (or the error) and whether it reads the
+# store as immutable.
+READER_AS_NOBODY = ("import os, sys\n"
+                    "from hermes_state import SessionDB\n"
+                    "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+                    "db = SessionDB(sys.argv[1], read_only=True)\n"
+                    "for _ in sys.stdin:\n"
+                    "    try:\n"
+                    "        n = db._read_value('SELECT COUNT(*) FROM messages')\n"
+                    "    except Exception as exc:\n"
+                    "        n = f'{type(exc).__name__}: {exc}'\n"
+                    "    print(n, bool(db._reader_flags), flush=True)\n")
+
+
+class ImmutableReads(TempDirTestCase):
+    """A store another user reads where it may not write is read as immutable only while nothing
+    beside it changes: the owner's agent may start writing it at any time."""
+
+    def setUp(self):
+        super().setUp()
+        if os.name != "posix" or os.geteuid() != 0:
+            self.skipTest("needs root to read as user nobody beside a writing owner")
+        os.chmod(self.tmp, 0o755)  # nobody may look in, not write
+
+    def reader(self, path):
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        child = subprocess.Popen([sys.executable, "-c", READER_AS_NOBODY, str(path)], env=env,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 stderr=subprocess.PIPE)
+        self.addCleanup(child.wait, 30)
+        self.addCleanup(child.stdin.close)
+
+        def count():
+            child.stdin.write("\n")
+            child.stdin.flush()
+            line = child.stdout.readline()
+            self.assertTrue(line, child.stderr.read() if child.poll() is not None else "")
+            return line.split(" ", 1)[0], child
+        return count
+
+    def store(self, folder, messages):
+        folder.mkdir(mode=0o755)
+        path = folder / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            db.append_messages_batch("s", [{"role": "user", "content": "x"}] * messages)
+        os.chmod(path, 0o644)
+        return path
+
+    def test_a_reader_follows_the_owner_who_starts_writing_after_it_opened(self):
+        path = self.store(self.tmp / "home", 200)
+        self.assertEqual(sorted(p.name for p in path.parent.iterdir()), ["state.db", "state.db.lock"])
+        count = self.reader(path)
+        self.assertEqual(count()[0], "200")
+        with SessionDB(path) as owner:  # the owner's agent starts: a -wal and -shm appear
+            for _ in range(3):
+                owner.append_messages_batch("s", [{"role": "user", "content": "y" * 3000}] * 40)
+                for sidecar in path.parent.glob("state.db-*"):
+                    os.chmod(sidecar, 0o644)
+                owner._writer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            self.assertEqual(count()[0], "320")
+        self.assertEqual(count()[0], "320")
+
+    def test_a_link_to_a_live_store_is_read_with_the_wal_beside_its_target(self):
+        path = self.store(self.tmp / "live", 50)
+        os.chmod(path.parent, 0o777)
+        home = self.tmp / "home"
+        home.mkdir(mode=0o755)
+        (home / "state.db").symlink_to(path)
+        with SessionDB(path) as owner:  # running: its newest commits are in the -wal only
+            owner.append_messages_batch("s", [{"role": "user", "content": "y"}] * 50)
+            for sidecar in path.parent.glob("state.db-*"):
+                os.chmod(sidecar, 0o666)
+            self.assertEqual(self.reader(home / "state.db")()[0], "100")
+
 class ServeReadOnly(CliTestCase):
 
     def test_serve_reads_the_store_and_refuses_writes_unless_writable(self):
