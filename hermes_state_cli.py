@@ -672,17 +672,20 @@ def _describe(row):
 
 def _cmd_delete(db, args, out):
     session_id = _resolve(db, args.session_id)
-    row = db.get_session(session_id) or {"id": session_id}
-    row = dict(row, message_count=db.message_count(session_id))
+    targets = db.get_session_delete_targets(session_id)  # the session, then its delegates
+    rows = [dict(db.get_session(sid) or {"id": sid}, message_count=db.message_count(sid))
+            for sid in targets]
     if args.dry_run:
-        _emit_deleted(args, out, [session_id], dry_run=True)
+        _emit_deleted(args, out, targets, dry_run=True)
         return 0
     if not _confirm(args, "delete", f"Delete this session and its messages from {db.db_path}?",
-                    ["will delete (with its delegate subagents, if any):", _describe(row)]):
+                    ["will delete:"] + [_describe(row) for row in rows]):
         return 1
-    if not db.delete_session(session_id):
-        raise CommandError(f"no session matches {args.session_id!r} (deleted meanwhile)")
-    _emit_deleted(args, out, [session_id], dry_run=False)
+    # Exactly what was shown: a delegate started while the question waited stops the delete.
+    if not db.delete_session(session_id, expected_delete_ids=targets):
+        raise CommandError(f"{args.session_id!r} changed while you were asked (deleted, or a "
+                           "delegate started); nothing was deleted: run delete again")
+    _emit_deleted(args, out, targets, dry_run=False)
     return 0
 
 
@@ -704,7 +707,9 @@ def _cmd_prune(db, args, out):
             return 1
         progress = Progress("prune")
         progress.phase("deleting", what)
-        db.prune_sessions(args.older_than, source=args.source)
+        # Only the sessions shown, and only those still eligible: one that ended while the
+        # question waited is left for the next prune.
+        db.prune_sessions(args.older_than, source=args.source, session_ids=ids)
         progress.finish("done")
     if args.json:
         _print_json({"dry_run": args.dry_run, "sessions": ids}, out)

@@ -110,10 +110,12 @@ class SessionMaintenanceMixin:
 
     def prune_sessions(self, older_than_days=90, source=None, sessions_dir=None, **filters):
         """Delete the ended sessions list_prune_candidates selects (children become roots), and their files in
-        `sessions_dir`; returns how many."""
+        `sessions_dir`; returns how many. Ours, not hermes-agent's: `session_ids=[...]` deletes only those
+        of them (the CLI's prune deletes no session it did not list when it asked)."""
+        only = filters.pop("session_ids", None)
         where, params = _prune_where(older_than_days, source, filters)
         return self._delete_selected(f"SELECT s.id FROM sessions AS s WHERE {_ENDED}{where}", params,
-                                     sessions_dir)
+                                     sessions_dir, only=None if only is None else set(only))
 
     def archive_sessions(self, older_than_days=None, source=None, **filters):
         """Archive every session list_prune_candidates selects (only unarchived ones unless `archived` is
@@ -265,11 +267,11 @@ class SessionMaintenanceMixin:
             " AND started_at < ? AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)",
             (time.time() - 86400,), sessions_dir, refuse_parents=True)
 
-    def _delete_selected(self, sql, params, sessions_dir, refuse_parents=False):
-        """How many sessions `sql` selected and _delete_committed deleted; with `refuse_parents`,
-        sqlite3.IntegrityError and nothing deleted if one has children."""
+    def _delete_selected(self, sql, params, sessions_dir, refuse_parents=False, only=None):
+        """How many sessions `sql` selected (of `only`, when given) and _delete_committed deleted;
+        with `refuse_parents`, sqlite3.IntegrityError and nothing deleted if one has children."""
         def write(conn):
-            ids = [row[0] for row in conn.execute(sql, params)]
+            ids = [row[0] for row in conn.execute(sql, params) if only is None or row[0] in only]
             if refuse_parents and any(conn.execute(
                     f"SELECT 1 FROM sessions WHERE parent_session_id IN ({placeholders(len(chunk))}) LIMIT 1",
                     chunk).fetchone() for chunk in chunked(ids)):

@@ -34,9 +34,10 @@ class CliCase(TempDirTestCase):
                               capture_output=True, text=True, env=self.env(), cwd=self.tmp,
                               timeout=120, input=stdin)
 
-    def run_on_terminal(self, *args, answer=None):
+    def run_on_terminal(self, *args, answer=None, while_asking=None):
         """The CLI with stdin and stderr on a pseudo-terminal (stdout a pipe); `answer` is typed
-        once the question is asked. Returns (exit status, stdout, what the terminal showed)."""
+        once the question is asked, after `while_asking()` ran. Returns (exit status, stdout, what
+        the terminal showed)."""
         try:
             import pty
         except ImportError:  # Windows has no pseudo-terminals
@@ -58,6 +59,8 @@ class CliCase(TempDirTestCase):
                     break
                 shown += chunk
             if answer is not None and not answered and b"[y/N]" in shown:
+                if while_asking is not None:
+                    while_asking()
                 os.write(leader, answer.encode() + b"\n")
                 answered = True
             if proc.poll() is not None and not ready:
@@ -257,6 +260,30 @@ class Confirmation(CliCase):
         self.assertEqual(out.splitlines()[0],
                          "deleted 7 ended sessions inactive for more than 0 days")
         self.assertEqual(len(self.session_ids()), 13)
+
+
+    def test_what_changed_while_it_asked_is_not_deleted(self):
+        def end_another_telegram_session():
+            with SessionDB(self.db) as db:
+                db.create_session("ended-while-asking", "telegram")
+                db.end_session("ended-while-asking", "user_exit")
+        status, out, shown = self.run_on_terminal("prune", "--older-than", "0", "--source",
+                                                  "telegram", answer="y",
+                                                  while_asking=end_another_telegram_session)
+        self.assertEqual(status, 0, shown)
+        self.assertNotIn("ended-while-asking", shown + out)
+        self.assertEqual(len(self.session_ids()), 14)  # 20 - 7 shown + the one ended meanwhile
+        self.assertIn("ended-while-asking", self.session_ids())
+
+        def start_a_delegate():
+            with SessionDB(self.db) as db:
+                db.create_session("late-delegate", "cli", parent_session_id="bench_000019",
+                                  model_config={"_delegate_from": "bench_000019"})
+        status, out, shown = self.run_on_terminal("delete", "bench_000019", answer="y",
+                                                  while_asking=start_a_delegate)
+        self.assertEqual((status, out), (1, ""), shown)
+        self.assertIn("changed while you were asked", shown)
+        self.assertLessEqual({"bench_000019", "late-delegate"}, self.session_ids())
 
 
 class ProgressLines(CliCase):
