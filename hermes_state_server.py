@@ -523,11 +523,12 @@ def serve(db_path=None, host="127.0.0.1", port=DEFAULT_PORT, allow_remote=False,
     out = out or sys.stdout
     server = StateServer(db_path, host, port, token=token, allow_remote=allow_remote,
                          read_only=read_only, db=db)
+    where = server.db._store_location()[0]  # a replica by its URL
     if as_json:
-        out.write(json.dumps({"db_path": str(server.db_path), "url": server.url,
+        out.write(json.dumps({"db_path": where, "url": server.url,
                               "token": server.token, "read_only": server.read_only}) + "\n")
     else:
-        out.write(f"hermes_state serving {server.db_path}{' (read-only)' if server.read_only else ''}\n"
+        out.write(f"hermes_state serving {where}{' (read-only)' if server.read_only else ''}\n"
                   f"open {server.url}#token={server.token}\n"
                   f"API: Authorization: Bearer {server.token}\n")
     out.flush()
