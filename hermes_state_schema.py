@@ -58,13 +58,24 @@ _TALLY_KIND_EXPR = ("(CASE WHEN {r}.parent_session_id IS NOT NULL THEN 0"
 # No statement in these trigger bodies can meet a conflict: the OR clause of the statement that
 # fires a trigger (hermes-agent's INSERT OR IGNORE, another program's OR ABORT) replaces every
 # ON CONFLICT inside it, so an OR REPLACE or OR IGNORE here would turn into that writer's.
-_REFRESH_ACTIVITY = ("DELETE FROM hs_session_activity WHERE session_id = {sid};"
-                     " INSERT INTO hs_session_activity (session_id, active_at) SELECT s.id, "
-                     + LAST_ACTIVE_SQL.format(a="s") + " FROM sessions AS s WHERE s.id = {sid};")
 # A tally key never holds NULL (NULLs never collide in a unique index, so each would make a new
 # row): a NULL `archived` counts as -1, which no filter asks for, as no filter matches NULL on the
 # sessions table (`source` is NOT NULL in every schema).
 _TALLY_KEY = "{r}.source, IFNULL({r}.archived, -1), " + _TALLY_KIND_EXPR
+# A session's activity row also keeps the tally key it is counted under: a REPLACE deletes the
+# row it replaces without firing a delete trigger (unless recursive_triggers is on), and the
+# insert trigger finds what to take off the tally there.
+_ACTIVITY_COLUMNS = "(session_id, active_at, source, archived, kind)"
+_ACTIVITY_OF = (" hs_session_activity " + _ACTIVITY_COLUMNS + " SELECT s.id, "
+                + LAST_ACTIVE_SQL.format(a="s") + ", " + _TALLY_KEY.format(r="s")
+                + " FROM sessions AS s WHERE ")
+_REFRESH_ACTIVITY = ("DELETE FROM hs_session_activity WHERE session_id = {sid};"
+                     " INSERT INTO" + _ACTIVITY_OF + "s.id = {sid};")
+_UNCOUNT_REPLACED = ("UPDATE hs_session_tally SET n = n - 1 WHERE EXISTS (SELECT 1 FROM"
+                     " hs_session_activity AS a WHERE a.session_id = new.id"
+                     " AND a.source IS hs_session_tally.source"
+                     " AND a.archived IS hs_session_tally.archived"
+                     " AND a.kind IS hs_session_tally.kind);")
 _TALLY_MATCH = ("source IS {r}.source AND archived IS IFNULL({r}.archived, -1) AND kind IS "
                 + _TALLY_KIND_EXPR)
 _TALLY_ADD = ("INSERT INTO hs_session_tally (source, archived, kind, n) SELECT " + _TALLY_KEY
@@ -74,7 +85,8 @@ _TALLY_DROP = "UPDATE hs_session_tally SET n = n - 1 WHERE " + _TALLY_MATCH + ";
 LISTING_OBJECTS = {
     # Keys are unique indexes, not primary keys: every object is named hs_*, as the doctor's
     # last-resort repair (which drops every hs_* object) expects; an automatic index would stay.
-    "hs_session_activity": "CREATE TABLE hs_session_activity (session_id TEXT, active_at REAL)",
+    "hs_session_activity": ("CREATE TABLE hs_session_activity (session_id TEXT, active_at REAL,"
+                            " source TEXT, archived INTEGER, kind INTEGER)"),
     "hs_session_activity_id": ("CREATE UNIQUE INDEX hs_session_activity_id"
                                " ON hs_session_activity(session_id)"),
     "hs_session_activity_order": ("CREATE INDEX hs_session_activity_order"
@@ -85,6 +97,7 @@ LISTING_OBJECTS = {
                              " ON hs_session_tally(source, archived, kind)"),
     "hs_listing_session_insert": f"""CREATE TRIGGER hs_listing_session_insert
  AFTER INSERT ON sessions BEGIN
+ {_UNCOUNT_REPLACED}
  {_REFRESH_ACTIVITY.format(sid="new.id")}
  {_TALLY_ADD.format(r="new")}
 END""",
@@ -99,6 +112,8 @@ END""",
   OR {_TALLY_KIND_EXPR.format(r="old")} IS NOT {_TALLY_KIND_EXPR.format(r="new")} BEGIN
  {_TALLY_DROP.format(r="old")}
  {_TALLY_ADD.format(r="new")}
+ UPDATE hs_session_activity SET (source, archived, kind) = ({_TALLY_KEY.format(r="new")})
+  WHERE session_id = new.id;
 END""",
     "hs_listing_session_delete": f"""CREATE TRIGGER hs_listing_session_delete
  AFTER DELETE ON sessions BEGIN
@@ -494,13 +509,7 @@ class SessionSchemaMixin:
         (resumed from META_LISTING_PROGRESS), then hs_session_tally in one; set META_LISTING_READY.
         The triggers keep every row already filled, and every session written meanwhile."""
         if self._read_value(SELECT_META_SQL, (META_LISTING_READY,)) == LISTING_VERSION:
-            # REPLACE of an existing session deletes the old row without firing a delete trigger
-            # (unless recursive_triggers is on), so its -1 is lost: such drift shows in the total.
-            tallied = self._read_value("SELECT TOTAL(n) FROM hs_session_tally")
-            if tallied == self._read_value("SELECT COUNT(*) FROM sessions"):
-                return
-            logger.info("schema: the session tally (%d) drifted from the sessions; refilling it",
-                        tallied)
+            return
         filled = self._write_in_chunks(self._backfill_listing_chunk, LISTING_BACKFILL_ROWS)
 
         def finish(conn):
@@ -518,9 +527,8 @@ class SessionSchemaMixin:
         ids = [row[0] for row in conn.execute("SELECT id FROM sessions WHERE id > ? ORDER BY id"
                                               " LIMIT ?", (after, LISTING_BACKFILL_ROWS))]
         if ids:
-            conn.execute("INSERT OR REPLACE INTO hs_session_activity (session_id, active_at)"
-                         " SELECT s.id, " + LAST_ACTIVE_SQL.format(a="s")
-                         + " FROM sessions AS s WHERE s.id >= ? AND s.id <= ?", (ids[0], ids[-1]))
+            conn.execute("INSERT OR REPLACE INTO" + _ACTIVITY_OF + "s.id >= ? AND s.id <= ?",
+                         (ids[0], ids[-1]))
             write_meta(conn, META_LISTING_PROGRESS, ids[-1])
         return len(ids)
 

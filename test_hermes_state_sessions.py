@@ -608,12 +608,15 @@ class ListingAids(SessionTestCase):
         self.write_behind_our_back(change)
         self.assert_same_as_oracle()
 
-    def test_a_session_row_replaced_behind_our_back_is_recounted_at_the_next_open(self):
+    def test_a_session_row_replaced_behind_our_back_is_counted_once(self):
         # REPLACE deletes the old row without firing a delete trigger (recursive_triggers is off).
         self.write_behind_our_back(lambda conn: conn.execute(
-            "INSERT OR REPLACE INTO sessions (id, source, started_at)"
-            " SELECT id, 'telegram', started_at FROM sessions WHERE rowid % 9 = 0"))
-        self.reopen()
+            "INSERT OR REPLACE INTO sessions (id, source, started_at, parent_session_id)"
+            " SELECT id, 'telegram', started_at, NULL FROM sessions WHERE rowid % 9 = 0"))
+        self.assert_same_as_oracle()
+        self.write_behind_our_back(lambda conn: conn.execute(
+            "REPLACE INTO sessions (id, source, started_at, archived)"
+            " SELECT id, source, started_at, 1 FROM sessions WHERE rowid % 7 = 0"))
         self.assert_same_as_oracle()
 
     def test_a_read_only_store_without_state_meta_lists_and_counts_by_reading_every_session(self):
