@@ -1,15 +1,15 @@
 """SessionSearchMixin: the query side of full-text search.
 
-Owns: the query sanitiser and parser (user text to an AND/OR/NOT tree of quoted terms), routing each term
-to an index or the LIKE fallback, building and running the search's SQL (ranked, by time, the CJK walk by
-block bounds), the scan hermes-agent answers some CJK queries by, snippets, a hit's context and its
-fields, and the statements for all of that.
+Owns: the query sanitiser and parser (user text to an AND/OR/NOT tree of quoted terms), routing
+each term to an index or the LIKE fallback, building and running the search's SQL (ranked, by time,
+the CJK walk by block bounds), the scan hermes-agent answers some CJK queries by, snippets, a hit's
+context and its fields, and the statements for all of that.
 
-It never writes: it does not create, repair, rebuild or set aside an index, nor write a meta key. It relies
-on SessionSearchIndexMixin (through `self`) for `_read_objects`, `_index_state` (which indexes answer and
-how whole they are) and `_mark_index_stale` (after an index failed a search), and on SessionDB for
-`_read_all`/`_read_value`, `_with_reader` (one read transaction) and `_idle_index_readers`; it never
-imports another mixin or hermes_state.
+It never writes: it does not create, repair, rebuild or set aside an index, nor write a meta key.
+It relies on SessionSearchIndexMixin (through `self`) for `_read_objects`, `_index_state` (which
+indexes answer and how whole they are) and `_mark_index_stale` (after an index failed a search),
+and on SessionDB for `_read_all`/`_read_value`, `_with_reader` (one read transaction) and
+`_idle_index_readers`; it never imports another mixin or hermes_state.
 """
 import bisect
 import contextlib
@@ -64,7 +64,8 @@ WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {table}.rank LIMIT ? OFFSET ?
 # By time, one page of hit ids: only (timestamp, id) of every hit goes through the sorter, from one
 # index or from one predicate per term (several indexes, the fallback).
 _PAGE_BY_INDEX_SQL = """SELECT m.id AS hit, NULL AS hit_rank
-FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid JOIN sessions AS s ON s.id = m.session_id
+FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid
+JOIN sessions AS s ON s.id = m.session_id
 WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {order} LIMIT ? OFFSET ?"""
 # By time from an index that ranks, equal times by rank. Ranking every hit costs
 # bm25 at each (24,000 hits of `parser`: 70 -> 110 ms), but only the hits at the
@@ -98,7 +99,8 @@ ORDER BY {order}"""
 # in id order (SQLite's sorter keeps the order of its input, read by id). So:
 # time, then rank where an index ranks (`{rank}`: the page's), then id ascending,
 # in both directions.
-_ORDERS = {"newest": "m.timestamp DESC, {rank}m.id ASC", "oldest": "m.timestamp ASC, {rank}m.id ASC"}
+_ORDERS = {"newest": "m.timestamp DESC, {rank}m.id ASC",
+           "oldest": "m.timestamp ASC, {rank}m.id ASC"}
 # The fallback: NULL reads as '' (NOT never turns NULL); NUL-led text past its NUL (LIKE stops
 # there).
 _LIKE_CONTENT_SQL = (
@@ -262,8 +264,10 @@ def _cjk_floor(conn, hits, wanted):
         if message_id >> CJK_BLOCK_BITS != block:
             if block is not None and len(seen) >= wanted and seen[-wanted][0]:
                 # The blocks below this one that hold a time at least as late as t.
-                late = conn.execute("SELECT block FROM hs_fts_cjk_bounds WHERE newest >= ? AND block < ?"
-                                    f" LIMIT {CJK_WALK_MAX_LATE + 1}", (seen[-wanted][1], block)).fetchall()
+                late = conn.execute("SELECT block FROM hs_fts_cjk_bounds"
+                                    " WHERE newest >= ? AND block < ?"
+                                    f" LIMIT {CJK_WALK_MAX_LATE + 1}",
+                                    (seen[-wanted][1], block)).fetchall()
                 if len(late) <= CJK_WALK_MAX_LATE:
                     return block << CJK_BLOCK_BITS, [late_block for (late_block,) in late]
                 checks += 1
@@ -477,8 +481,8 @@ class SessionSearchMixin:
                     " FROM messages AS m JOIN sessions AS s ON s.id = m.session_id"
                     f" WHERE {where} {filters} ORDER BY {order} LIMIT ? OFFSET ?")
             pool = self._idle_index_readers if indexes != {None} else None  # a scan would churn their caches
-            return self._read_all(_PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order),
-                                  params + filter_params + [limit, offset], pool)
+            rows = _PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order)
+            return self._read_all(rows, params + filter_params + [limit, offset], pool)
         index = indexes.pop()
         table = state.tables[index]
         # hermes-agent's legacy trigram index still holds tool rows; ours does not.
@@ -492,7 +496,8 @@ class SessionSearchMixin:
         if index == "cjk":  # only ever asked by a scan, whose order has no rank
             return self._cjk_page(state, match, no_tools, filters, filter_params, sort, limit, offset)
         page = _PAGE_BY_RANKED_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters,
-                                                materialized=CTE_MATERIALIZED, **_RANKED_PAGE_PARTS[sort])
+                                                materialized=CTE_MATERIALIZED,
+                                                **_RANKED_PAGE_PARTS[sort])
         join = f" CROSS JOIN {table} ON {table}.rowid = page.hit AND {table} MATCH ?"
         rows = _PAGE_ROWS_SQL.format(page=page, join=join, snippet=snippet,
                                      order=_ORDERS[sort].format(rank="page.hit_rank, "))

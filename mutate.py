@@ -210,9 +210,9 @@ MUTANTS = [
            "a layout 2 store's rows are deleted with layout 3's cut, not the one they were indexed with",
            ["test_hermes_state_search.ChangedByAnotherProgram"]),
     Mutant("layout-2-rows-reindexed-without-their-delete", "hermes_state_search_index.py",
-           "            conn.execute(\"INSERT INTO hs_fts_words(hs_fts_words, rowid, content, tool_name, tool_calls)\"\n",
-           "            (lambda *_: None)(\"INSERT INTO hs_fts_words(hs_fts_words, rowid, content, tool_name,"
-           " tool_calls)\"\n",
+           "            conn.execute(\"INSERT INTO hs_fts_words(hs_fts_words, rowid, content, tool_name,\"\n",
+           "            (lambda *_: None)(\"INSERT INTO hs_fts_words(hs_fts_words, rowid, content,"
+           " tool_name,\"\n",
            "a layout 2 row is indexed again without being taken out first: bm25's counts drift for good",
            ["test_hermes_state_search.ChangedByAnotherProgram"]),
     Mutant("tool-lists-chunk-skips-its-lowest-id", "hermes_state_search_index.py",
