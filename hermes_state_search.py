@@ -61,12 +61,6 @@ SEARCH_RANKED_SQL = _SEARCH_COLUMNS_SQL + """
 FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid
 CROSS JOIN sessions AS s ON s.id = m.session_id
 WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {table}.rank LIMIT ? OFFSET ?"""
-# By time, one page of hit ids: only (timestamp, id) of every hit goes through the sorter, from one
-# index or from one predicate per term (several indexes, the fallback).
-_PAGE_BY_INDEX_SQL = """SELECT m.id AS hit, NULL AS hit_rank
-FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid
-JOIN sessions AS s ON s.id = m.session_id
-WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {order} LIMIT ? OFFSET ?"""
 # By time from an index that ranks, equal times by rank. Ranking every hit costs
 # bm25 at each (24,000 hits of `parser`: 70 -> 110 ms), but only the hits at the
 # page's times need it: the page by time alone gives its first and last time
@@ -112,11 +106,6 @@ _LIKE_COLUMNS = (_LIKE_CONTENT_SQL, "m.tool_name", "m.tool_calls")
 _TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE({column}, '') LIKE ? ESCAPE '\\'"
                                     for column in _LIKE_COLUMNS) + ")"
 _NOT_TOOL_ROW_SQL = "m.role <> 'tool'"
-# Newest first (a CJK index search's only order): hits walked by id from the top.
-_CJK_WALK_SQL = """SELECT m.id, m.timestamp
-FROM hs_fts_cjk CROSS JOIN messages AS m ON m.id = hs_fts_cjk.rowid
-JOIN sessions AS s ON s.id = m.session_id
-WHERE hs_fts_cjk MATCH ?{no_tools} {filters} ORDER BY hs_fts_cjk.rowid DESC"""
 CJK_WALK_MAX_LATE = 16  # late blocks a page takes in; past that the walk goes on
 # The context of a page of hits, in one statement: each hit's neighbours in its session by
 # (timestamp, id), in any state. Equal timestamps are common (a batch shares one): each neighbour
@@ -507,16 +496,24 @@ class SessionSearchMixin:
     def _cjk_page(self, state, match, no_tools, filters, filter_params, sort, limit, offset):
         """A page of CJK index hits by time: only the hits from the floor _cjk_floor finds go to the sorter."""
         order = _ORDERS[sort].format(rank="")
-        # The page's hits: from the floor up, and in the late blocks the walk found (`{late}`).
-        from_floor = " AND (hs_fts_cjk.rowid >= ?{late})"
-        page = _PAGE_BY_INDEX_SQL.format(table=state.tables["cjk"], no_tools=no_tools + from_floor,
-                                         filters=filters, order=order)
+        table = state.tables["cjk"]
+        # One page of hit ids by time: only (timestamp, id) of each hit goes through the sorter, the
+        # hits from the floor up and in the late blocks the walk found (`{late}`).
+        page = (f"SELECT m.id AS hit, NULL AS hit_rank FROM {table}"
+                f" CROSS JOIN messages AS m ON m.id = {table}.rowid"
+                " JOIN sessions AS s ON s.id = m.session_id"
+                f" WHERE {table} MATCH ?{no_tools} AND (hs_fts_cjk.rowid >= ?{{late}}) {filters}"
+                f" ORDER BY {order} LIMIT ? OFFSET ?")
         page = _PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order)
         wanted = limit + offset if type(limit) is int and type(offset) is int and min(limit, offset) >= 0 else 0
         if not state.cjk_bounded or sort != "newest" or not 0 < wanted <= CJK_WALK_MAX_HITS // 2:
             return self._read_all(page.format(late=""), [match, 0] + filter_params + [limit, offset],
                                   self._idle_index_readers)
-        walk = _CJK_WALK_SQL.format(no_tools=no_tools, filters=filters)
+        # Newest first (a CJK index search's only order): hits walked by id from the top.
+        walk = ("SELECT m.id, m.timestamp"
+                " FROM hs_fts_cjk CROSS JOIN messages AS m ON m.id = hs_fts_cjk.rowid"
+                f" JOIN sessions AS s ON s.id = m.session_id WHERE hs_fts_cjk MATCH ?{no_tools}"
+                f" {filters} ORDER BY hs_fts_cjk.rowid DESC")
 
         def walk_then_page(conn):  # one read transaction: the walk's statement is open while the page is read
             with contextlib.closing(conn.execute(walk, [match] + filter_params)) as hits:
