@@ -13,8 +13,13 @@ and `_mark_index_stale` here through `self`). It never changes hermes-agent's in
 except to drop the triggers this runtime cannot run (as hermes-agent itself does) and when
 optimize-storage retires its index, and never builds our index over a usable one of hermes-agent's
 on open. It relies on SessionDB for `_execute_write`, `_read_all`/`_read_one`/`_read_value`,
-`_with_fresh_reader`, `_commits`, `fts_caps`, `read_only`, `vacuum()` and `db_path`; it never
-imports another mixin or hermes_state.
+`_with_fresh_reader`, `_commits`, `_cjk_drained`, `fts_caps`, `read_only` and `db_path`, and on
+SessionMaintenanceMixin for `vacuum()` (after optimize-storage), all through `self`; it never
+imports another mixin or hermes_state. SessionDB calls `_init_search` at a writable open and
+`_maintain_search` at the end of each write; SessionPortabilityMixin calls
+`_hold_back_index_triggers` and `_index_held_back_rows` around a bulk import;
+`_schema_version_held_back` is the named hook SessionSchemaMixin's version stamp asks (this class
+comes before that mixin in SessionDB's bases, so its answer wins).
 """
 import functools
 import logging
