@@ -439,7 +439,7 @@ def job_rare(SessionDB, path, runs=SEARCH_RUNS, **_):
 def job_raw_rare(SessionDB, path, runs=SEARCH_RUNS, **_):
     """On our store: the raw rowid-only ranked query for RARE_WORD, and raw sqlite3 doing a search's
     work (the ranked rows with their snippet, then each hit's neighbours)."""
-    from hermes_state_common import FTS_SNIPPET_SQL, SEARCH_CONTEXT_SQL, SEARCH_RANKED_SQL
+    from hermes_state_search import FTS_SNIPPET_SQL, SEARCH_CONTEXT_SQL, SEARCH_RANKED_SQL
     conn = sqlite3.connect(path)
     rowids = "SELECT rowid FROM hs_fts_words WHERE hs_fts_words MATCH ? ORDER BY rank LIMIT 20"
     ranked = SEARCH_RANKED_SQL.format(table="hs_fts_words", no_tools="",  # search_messages' filter:

@@ -60,6 +60,7 @@ from hermes_state_messages import SessionMessagesMixin
 from hermes_state_portability import SessionPortabilityMixin
 from hermes_state_schema import SessionSchemaMixin, is_lock_error, pause_between_chunks, runtime_capabilities
 from hermes_state_search import SessionSearchMixin
+from hermes_state_search_index import SessionSearchIndexMixin
 from hermes_state_sessions import SessionSessionsMixin
 from hermes_state_telegram import SessionTelegramMixin
 from hermes_state_titles import SessionTitlesMixin
@@ -290,7 +291,8 @@ def load_fts5_cjk_extension(conn):
 
 class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMixin, SessionTitlesMixin,
                 SessionUsageMixin, SessionGatewayMixin, SessionTelegramMixin, SessionMaintenanceMixin,
-                SessionSearchMixin, SessionSchemaMixin, SessionPortabilityMixin):
+                SessionSearchMixin, SessionSearchIndexMixin, SessionSchemaMixin,
+                SessionPortabilityMixin):
     """The agent's state store. Thread-safe; open one per process.
 
     `db_path` defaults to `<hermes home>/state.db`; a read-only open runs no DDL and no repair.

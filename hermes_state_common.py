@@ -329,14 +329,24 @@ TOOL_INDEX_PREFIX_CHARS = 2048
 # CJK letters: kana, CJK extension A, unified ideographs, hangul, compatibility ideographs.
 CJK_CHAR_CLASS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 CJK_GLOB = f"'*[{CJK_CHAR_CLASS}]*'"
+_CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
+
+
+def cjk_terms(text):
+    """The CJK side index's terms for `text`: every CJK letter and every adjacent pair."""
+    terms = set()
+    for run in _CJK_RUN_RE.findall(text or ""):
+        terms.update(run)
+        terms.update(run[i:i + 2] for i in range(len(run) - 1))
+    return " ".join(sorted(terms))
+
+
 # The CJK bounds: block = id >> CJK_BLOCK_BITS; `newest` only ever rises (a deleted row's time stays: still a
 # bound), so no id of a block holds a later time than its bound. A NULL time is below every time.
 CJK_BLOCK_BITS = 8
 _RAISE_CJK_BOUND = (f"INSERT INTO hs_fts_cjk_bounds(block, newest) SELECT new.id >> {CJK_BLOCK_BITS}, new.timestamp"
                     " WHERE new.timestamp IS NOT NULL{only}\n"
                     "    ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest);")
-UPSERT_CJK_BOUND_SQL = ("INSERT INTO hs_fts_cjk_bounds(block, newest) VALUES (?, ?)"
-                        " ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)")
 
 _INDEXED = """(({row}.id > COALESCE((SELECT CAST(value AS INTEGER) FROM state_meta
                             WHERE key = 'hs_search_high_water'), -1)
@@ -460,163 +470,17 @@ def trigger_writes(sql):
     return [(table, None if not columns else [c.strip().strip('"') for c in columns.split(",")])
             for table, columns in _TRIGGER_WRITE_RE.findall(body)
             if table.upper() not in ("SET", "VALUES", "SELECT")]
-# FTS5 commands ('rebuild', 'optimize', 'delete-all', 'integrity-check') on one index.
-FTS_COMMAND_SQL = "INSERT INTO {table}({table}) VALUES ('{command}')"
-# Emptying a retired index through a shadow table, a chunk at a time.
-DELETE_SHADOW_CHUNK_SQL = "DELETE FROM {shadow} WHERE rowid IN (SELECT rowid FROM {shadow} WHERE {where} LIMIT {limit})"
+
+
 FTS_PROBE_DROP_SQL = "DROP TABLE temp.probe"
 FTS5_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x)"
 TRIGRAM_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x, tokenize='trigram')"
 TABLE_EXISTS_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 SELECT_TRIGGER_TABLES_SQL = "SELECT DISTINCT tbl_name FROM sqlite_master WHERE type = 'trigger' ORDER BY tbl_name"
-# Renaming a retired index must not make SQLite re-check every trigger and view of the store (one broken
-# foreign trigger would block it): the legacy rename.
-LEGACY_ALTER_SQL = "PRAGMA legacy_alter_table={on}"
 
-# Backfill of our index, one id range (lo, hi] at a time.
-BACKFILL_SQL = {
-    "word": "INSERT INTO hs_fts_words(rowid, content, tool_name, tool_calls) "
-            "SELECT id, content, tool_name, tool_calls FROM hs_fts_words_src WHERE id > ? AND id <= ?",
-    "trigram": "INSERT INTO hs_fts_trigram(rowid, content) SELECT id, content FROM hs_fts_trigram_src "
-               "WHERE id > ? AND id <= ?",
-    "cjk": "INSERT OR IGNORE INTO hs_fts_cjk_queue(id) SELECT id FROM messages "
-           f"WHERE id > ? AND id <= ? AND role <> 'tool' AND content GLOB {CJK_GLOB}",
-}
-# Layout 2 to 3, below META_SEARCH_TOOL_JSON_FROM a chunk at a time: the newest tool rows with list content of an
-# id range, each taken out of the word index with the '' layout 2 gave it, then put back through the view.
-SELECT_TOOL_LISTS_SQL = ("SELECT id FROM messages WHERE id >= ? AND id < ? AND role = 'tool'"
-                         " AND content >= char(0) AND content < char(1) ORDER BY id DESC LIMIT ?")
-SELECT_ID_BELOW_SQL = "SELECT MAX(id) FROM messages WHERE id < ?"
-DELETE_EMPTY_WORDS_ROWS_SQL = ("INSERT INTO hs_fts_words(hs_fts_words, rowid, content, tool_name, tool_calls)"
-                               " SELECT 'delete', id, '', tool_name, tool_calls FROM messages WHERE id IN ({})")
-INDEX_WORDS_ROWS_SQL = ("INSERT INTO hs_fts_words(rowid, content, tool_name, tool_calls)"
-                        " SELECT id, content, tool_name, tool_calls FROM hs_fts_words_src WHERE id IN ({})")
-# Emptying one index of ours before it is filled again.
-RESET_INDEX_SQL = {
-    "word": ("INSERT INTO hs_fts_words(hs_fts_words) VALUES ('delete-all')",),
-    "trigram": ("INSERT INTO hs_fts_trigram(hs_fts_trigram) VALUES ('delete-all')",),
-    "cjk": ("DELETE FROM hs_fts_cjk", "DELETE FROM hs_fts_cjk_queue"),
-}
-SELECT_CJK_QUEUE_SQL = ("SELECT q.id, m.content, m.timestamp FROM hs_fts_cjk_queue AS q"
-                        " JOIN messages AS m ON m.id = q.id ORDER BY q.id LIMIT ?")
-UPSERT_CJK_TERMS_SQL = "INSERT OR REPLACE INTO hs_fts_cjk(rowid, terms) VALUES (?, ?)"
-DELETE_CJK_QUEUE_SQL = "DELETE FROM hs_fts_cjk_queue WHERE id = ?"
-# The CJK bounds (see CJK_BLOCK_BITS), filled from the rows a layout 1 store indexed.
-FILL_CJK_BOUNDS_SQL = f"""INSERT INTO hs_fts_cjk_bounds(block, newest)
-SELECT m.id >> {CJK_BLOCK_BITS}, max(m.timestamp)
-FROM hs_fts_cjk AS c CROSS JOIN messages AS m ON m.id = c.rowid
-WHERE c.rowid > ? AND c.rowid <= ? AND m.timestamp IS NOT NULL GROUP BY 1
-ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)"""
-HAS_CJK_ROW_AFTER_SQL = "SELECT 1 FROM hs_fts_cjk WHERE rowid > ? LIMIT 1"
-# Newest first (a CJK index search's only order): hits walked by id from the top, and the blocks below one that
-# hold a time at least as late as a given one.
-CJK_WALK_SQL = """SELECT m.id, m.timestamp
-FROM hs_fts_cjk CROSS JOIN messages AS m ON m.id = hs_fts_cjk.rowid JOIN sessions AS s ON s.id = m.session_id
-WHERE hs_fts_cjk MATCH ?{no_tools} {filters} ORDER BY hs_fts_cjk.rowid DESC"""
-CJK_WALK_MAX_LATE = 16  # late blocks a page takes in; past that the walk goes on
-CJK_LATE_BLOCKS_SQL = ("SELECT block FROM hs_fts_cjk_bounds WHERE newest >= ? AND block < ?"
-                       f" LIMIT {CJK_WALK_MAX_LATE + 1}")
-# The page's hits: from the floor up, and in those late blocks (`{late}`: CJK_LATE_ROWS_SQL or '').
-CJK_FLOOR_SQL = " AND (hs_fts_cjk.rowid >= ?{late})"
-CJK_LATE_ROWS_SQL = f" OR hs_fts_cjk.rowid >> {CJK_BLOCK_BITS} IN ({{blocks}})"
-HAS_CJK_QUEUE_SQL = "SELECT 1 FROM hs_fts_cjk_queue LIMIT 1"
-SELECT_MAX_MESSAGE_ID_SQL = "SELECT COALESCE(MAX(id), 0) FROM messages"
-SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestamp, m.tool_name,
-       s.source, s.model, s.started_at AS session_started"""
-# A word or trigram index cuts the snippet itself, as hermes-agent's search does.
-FTS_SNIPPET_SQL = "snippet({table}, -1, '>>>', '<<<', '...', 40)"
-# Best first by one index. FTS5 hands its matches over in rank order itself only when the ORDER BY is its rank
-# alone and it is the outer loop (CROSS JOIN keeps it there): then the filters run in that order, LIMIT stops
-# the scan, and no other row's content or snippet is read. Equal ranks come in rowid order (FTS5 sorts its
-# matches, read in rowid order, with a stable sort), which is what hermes-agent's `ORDER BY rank` gives too.
-SEARCH_RANKED_SQL = (SEARCH_COLUMNS_SQL + """, {snippet} AS index_snippet
-FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid CROSS JOIN sessions AS s ON s.id = m.session_id
-WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {table}.rank LIMIT ? OFFSET ?""")
-# By time, one page of hit ids: only (timestamp, id) of every hit goes through the sorter, from one index or
-# from one predicate per term (several indexes, the fallback).
-SEARCH_PAGE_BY_INDEX_SQL = """SELECT m.id AS hit, NULL AS hit_rank
-FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid JOIN sessions AS s ON s.id = m.session_id
-WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {order} LIMIT ? OFFSET ?"""
-# By time from an index that ranks, equal times by rank. Ranking every hit costs
-# bm25 at each (24,000 hits of `parser`: 70 -> 110 ms), but only the hits at the
-# page's times need it: the page by time alone gives its first and last time
-# (`edge`), the hits between them are ranked in one pass of the index over their
-# id range, and the page is cut from them after the hits before its first time.
-SEARCH_PAGE_BY_RANKED_INDEX_SQL = """WITH
-hits(id, t) AS {materialized} (SELECT m.id, m.timestamp
-    FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid JOIN sessions AS s ON s.id = m.session_id
-    WHERE {table} MATCH ?{no_tools} {filters}),
-edge(lo, hi) AS {materialized} (SELECT min(t), max(t) FROM (SELECT t FROM hits ORDER BY t {direction} LIMIT ? OFFSET ?)),
-near(id, t) AS {materialized} (SELECT hits.id, hits.t FROM edge CROSS JOIN hits WHERE hits.t BETWEEN edge.lo AND edge.hi),
-ranked(id, rank) AS {materialized} (SELECT rowid, rank FROM {table} WHERE {table} MATCH ?
-    AND rowid BETWEEN (SELECT min(id) FROM near) AND (SELECT max(id) FROM near) AND +rowid IN (SELECT id FROM near))
-SELECT near.id AS hit, ranked.rank AS hit_rank FROM near JOIN ranked ON ranked.id = near.id
-ORDER BY near.t {direction}, ranked.rank, near.id
-LIMIT ? OFFSET ? - (SELECT count(*) FROM edge CROSS JOIN hits WHERE hits.t {before} edge.{first})"""
-SEARCH_RANKED_PAGE_PARTS = {"newest": {"direction": "DESC", "before": ">", "first": "hi"},
-                            "oldest": {"direction": "ASC", "before": "<", "first": "lo"}}
-SEARCH_PAGE_BY_PREDICATE_SQL = """SELECT m.id AS hit, NULL AS hit_rank
-FROM messages AS m JOIN sessions AS s ON s.id = m.session_id
-WHERE {where} {filters} ORDER BY {order} LIMIT ? OFFSET ?"""
-# Then the page's rows, and their snippets (`{join}` re-opens the index at each of them).
-SEARCH_PAGE_ROWS_SQL = (SEARCH_COLUMNS_SQL + """, {snippet} AS index_snippet
-FROM ({page}) AS page CROSS JOIN messages AS m ON m.id = page.hit{join} CROSS JOIN sessions AS s ON s.id = m.session_id
-ORDER BY {order}""")
-SEARCH_PAGE_INDEX_JOIN_SQL = " CROSS JOIN {table} ON {table}.rowid = page.hit AND {table} MATCH ?"
-# Equal times in hermes-agent's order: its word and trigram searches sort by
-# "timestamp, rank", its LIKE scan by timestamp alone; both hand equal keys over
-# in id order (SQLite's sorter keeps the order of its input, read by id). So:
-# time, then rank where an index ranks (`{rank}`: the page's), then id ascending,
-# in both directions.
-SEARCH_ORDERS = {"newest": "m.timestamp DESC, {rank}m.id ASC", "oldest": "m.timestamp ASC, {rank}m.id ASC"}
-# Term predicates: an index match, a row a backfill has not reached, a queued CJK row.
-TERM_IN_INDEX_SQL = "m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH ?)"
-# Terms their indexes answer alone are combined as sets of ids first: one list to read rows for, whichever
-# term has the most hits (several IN lists would read the rows of the first one SQLite picks, however long).
-TERM_ID_SET_SQL = "SELECT rowid FROM {table} WHERE {table} MATCH ?"
-ID_SET_OPERATORS = {"and": "INTERSECT", "or": "UNION", "not": "EXCEPT"}
-TERM_IN_BACKFILL_GAP_SQL = " OR (m.id > ? AND m.id <= ? AND {like})"
-TERM_IN_CJK_QUEUE_SQL = " OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {like})"
 # Structured content (a multimodal list of parts, a dict) is stored as this prefix plus JSON, as hermes-agent
 # stores it; NUL never starts real text.
 CONTENT_JSON_PREFIX = "\x00json:"
-# Fallback: NULL reads as '' (NOT never turns NULL); NUL-led text past its NUL (LIKE stops there).
-_LIKE_CONTENT_SQL = ("CASE WHEN m.content >= char(0) || 'json:' AND m.content < char(0) || 'json;' "
-                     f"THEN CAST(substr(CAST(m.content AS BLOB), {len(CONTENT_JSON_PREFIX) + 1}) AS TEXT) "
-                     "WHEN m.content >= char(0) AND m.content < char(1) "
-                     "THEN CAST(substr(CAST(m.content AS BLOB), 2) AS TEXT) ELSE m.content END")
-TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE({column}, '') LIKE ? ESCAPE '\\'"
-                                   for column in (_LIKE_CONTENT_SQL, "m.tool_name", "m.tool_calls")) + ")"
-TERM_LIKE_PARAMS = 3
-FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
-COUNT_FTS_DATA_SQL = "SELECT COUNT(*) FROM {data}"
-# Opens (connects) the table without reading a row of it.
-OPEN_FTS_TABLE_SQL = "PRAGMA table_info({table})"
-# Row 10 of an FTS5 index's _data table is its structure record (segments by level).
-SELECT_FTS_STRUCTURE_SQL = "SELECT block FROM {data} WHERE id = 10"
-UPDATE_FTS_STRUCTURE_SQL = "UPDATE {data} SET block = ? WHERE id = 10"
-# The context of a page of hits, in one statement: each hit's neighbours in its session by (timestamp, id), in
-# any state. Equal timestamps are common (a batch shares one): each neighbour is an index seek, first among
-# rows of the same time by id, then across times. `{hits}` is one "(?, ?, ?, ?)" per hit: its place, session,
-# time and id.
-_NEIGHBOUR_ID_SQL = """COALESCE(
-    (SELECT id FROM messages WHERE session_id = h.s AND timestamp = h.t AND id {cmp} h.i ORDER BY id {order} LIMIT 1),
-    (SELECT id FROM messages WHERE session_id = h.s AND timestamp {cmp} h.t ORDER BY timestamp {order}, id {order}
-     LIMIT 1))"""
-SEARCH_CONTEXT_SQL = f"""WITH hits(n, s, t, i) AS (VALUES {{hits}}),
-near(n, before, i, after) AS (
-    SELECT h.n, {_NEIGHBOUR_ID_SQL.format(cmp="<", order="DESC")}, h.i, {_NEIGHBOUR_ID_SQL.format(cmp=">", order="ASC")}
-    FROM hits AS h)
-SELECT near.n, m.role, m.content FROM near CROSS JOIN messages AS m ON m.id IN (near.before, near.i, near.after)
-ORDER BY near.n, m.timestamp, m.id"""
-NOT_TOOL_ROW_SQL = "m.role <> 'tool'"
-# Estimated bytes of text our index holds (for the disk pre-check).
-SELECT_INDEXED_TEXT_BYTES_SQL = f"""
-SELECT COALESCE(SUM(CASE WHEN role = 'tool' THEN MIN(LENGTH(CAST(content AS BLOB)), {TOOL_INDEX_PREFIX_CHARS})
-                         ELSE LENGTH(CAST(content AS BLOB)) END), 0),
-       COALESCE(SUM(CASE WHEN role = 'tool' THEN 0 ELSE LENGTH(CAST(content AS BLOB)) END), 0)
-FROM messages
-"""
 # hermes-agent's index DDL names answer for ours (docs/differences.md): our word and trigram
 # indexes; hermes-agent 0.19's inline ones (LEGACY_*), which ours searches and never makes.
 FTS_SQL, FTS_TRIGRAM_SQL = ("".join(f"{ddl};\n" for part in (SEARCH_OBJECTS, SEARCH_TRIGGERS)
@@ -689,7 +553,6 @@ STALE_MARKER = re.compile(r"\[[A-Za-z_][A-Za-z0-9_.-]*\]")
 
 # -- Meta SQL -------------------------------------------------------------------
 SELECT_META_SQL = "SELECT value FROM state_meta WHERE key = ?"
-SELECT_META_KEYS_SQL = "SELECT key, value FROM state_meta WHERE key IN ({})"
 # Delete then insert rather than an upsert: an old state_meta may lack its primary key.
 INSERT_META_SQL = "INSERT INTO state_meta (key, value) VALUES (?, ?)"
 DELETE_META_SQL = "DELETE FROM state_meta WHERE key = ?"

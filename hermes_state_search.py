@@ -1,85 +1,39 @@
-"""SessionSearchMixin: full-text search and the search index's own version line.
+"""SessionSearchMixin: the query side of full-text search.
 
-Owns: our index (its tables, views, triggers and `hs_search_*` keys, see hermes_state_common), finding and
-repairing what another program changed in it, moving our older releases' index off hermes-agent's names,
-searching hermes-agent's index while a store has none of ours, degrading on runtimes without FTS5 or the
-trigram tokenizer, the query sanitiser and router, the LIKE fallback, the CJK side index and its bounds,
-optimize-storage (the only path from hermes-agent's index to ours) and the search facts `doctor` reports.
+Owns: the query sanitiser and parser (user text to an AND/OR/NOT tree of quoted terms), routing
+each term to an index or the LIKE fallback, building and running the search's SQL (ranked, by time,
+the CJK walk by block bounds), the scan hermes-agent answers some CJK queries by, snippets, a hit's
+context and its fields, and the statements for all of that.
 
-It never changes hermes-agent's index objects or keys, except to drop the triggers this runtime cannot run
-(as hermes-agent itself does) and when optimize-storage retires its index. It never builds our index over a
-usable one of hermes-agent's on open. It relies on SessionDB for `_execute_write`, `_read_all`/`_read_one`/
-`_read_value`, `_with_reader` (one read transaction; index reads on `_idle_index_readers`), `vacuum()` and
-`db_path`; it never imports hermes_state.
+It never writes: it does not create, repair, rebuild or set aside an index, nor write a meta key.
+It relies on SessionSearchIndexMixin (through `self`) for `_read_objects`, `_index_state` (which
+indexes answer and how whole they are) and `_mark_index_stale` (after an index failed a search),
+and on SessionDB for `_read_all`/`_read_value`, `_with_reader` (one read transaction) and
+`_idle_index_readers`; it never imports another mixin or hermes_state.
 """
 import bisect
 import contextlib
-import functools
-import logging
 import re
-import shutil
 import sqlite3
 import unicodedata
 from collections import namedtuple
 
-from hermes_state_schema import (
-    fts_layout_of, pause_between_chunks, read_meta, trigger_damage, write_meta)
 from hermes_state_common import (
-    decode_content, BACKFILL_SQL, CJK_BLOCK_BITS, CJK_BOUNDS_OBJECTS, CJK_CHAR_CLASS, CJK_FLOOR_SQL,
-    CJK_LATE_BLOCKS_SQL, CJK_LATE_ROWS_SQL, CJK_QUEUE_TABLE, CJK_WALK_MAX_LATE, CJK_WALK_SQL, CONTEXT_CHARS,
-    COUNT_FTS_DATA_SQL, DELETE_CJK_QUEUE_SQL, DELETE_EMPTY_WORDS_ROWS_SQL, DELETE_SHADOW_CHUNK_SQL,
-    DROP_TABLE_SQL, FILL_CJK_BOUNDS_SQL, FTS5_SHADOW_SUFFIXES, FTS_COMMAND_SQL, FTS_MERGE_SQL, FTS_SNIPPET_SQL,
-    HAS_CJK_QUEUE_SQL, HAS_CJK_ROW_AFTER_SQL, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
-    HERMES_INDEX_META, ID_SET_OPERATORS, INDEX_WORDS_ROWS_SQL, LAYOUT_2_WORD_OBJECTS, LEGACY_ALTER_SQL,
-    META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE,
-    META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT,
-    META_SEARCH_PROGRESS, META_SEARCH_STALE_PREFIX, META_SEARCH_TOOL_JSON_FROM, NOT_TOOL_ROW_SQL,
-    OPEN_FTS_TABLE_SQL, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES,
-    QUERY_MAX_CHARS, QUERY_MAX_TERMS, RENAME_TABLE_SQL, RESET_INDEX_SQL, RETIRED_PREFIX, SEARCH_CONTEXT_SQL,
-    SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_ORDERS, SEARCH_PAGE_BY_INDEX_SQL,
-    SEARCH_PAGE_BY_PREDICATE_SQL, SEARCH_PAGE_BY_RANKED_INDEX_SQL, SEARCH_PAGE_INDEX_JOIN_SQL,
-    SEARCH_PAGE_ROWS_SQL, SEARCH_RANKED_PAGE_PARTS, SEARCH_RANKED_SQL, SEARCH_TABLES, SEARCH_TRIGGERS,
-    SELECT_CJK_QUEUE_SQL, SELECT_FTS_STRUCTURE_SQL, SELECT_ID_BELOW_SQL, SELECT_INDEXED_TEXT_BYTES_SQL,
-    SELECT_MAX_MESSAGE_ID_SQL, SELECT_META_KEYS_SQL, SELECT_SCHEMA_OBJECTS_SQL, SELECT_TOOL_LISTS_SQL,
-    SNIPPET_CHARS, TABLE_EXISTS_SQL, TERM_ID_SET_SQL, TERM_IN_BACKFILL_GAP_SQL, TERM_IN_CJK_QUEUE_SQL,
-    TERM_IN_INDEX_SQL, TERM_LIKE_PARAMS, TERM_LIKE_SQL, UPDATE_FTS_STRUCTURE_SQL, UPSERT_CJK_BOUND_SQL,
-    UPSERT_CJK_TERMS_SQL, escape_like, placeholders, quote_identifier, store_file_bytes, trigger_writes,
+    CJK_BLOCK_BITS, CJK_CHAR_CLASS, CONTENT_JSON_PREFIX, CONTEXT_CHARS, QUERY_MAX_CHARS,
+    QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content, escape_like, placeholders,
 )
+# Tests import these from here, where search kept them before the index's life moved out.
+from hermes_state_common import cjk_terms  # noqa: F401
+from hermes_state_schema import fts_layout_of  # noqa: F401
 
-logger = logging.getLogger("hermes_state")
-
-BACKFILL_CHUNK_IDS = 1000
-DROP_CHUNK_ROWS = 500
-CJK_DRAIN_CHUNK = 500
 # A page of CJK hits by time walks at most this many hits and block bounds from the top; past that (a store
 # whose ids run against time) it sorts every hit, as a page deeper than half the walk does.
 CJK_WALK_MAX_HITS = 2000
 CJK_WALK_MAX_CHECKS = 64
-# Ids a chunk of the CJK bounds' fill covers (layout 1 to 2): 50,000, a quarter CJK, held 30-80 ms at 1M messages.
-CJK_BOUNDS_CHUNK_IDS = 25_000
-# A chunk of layout 2 to 3's reindex of tool rows with list content: the ids it reads (each tool row's content:
-# 8 ms at 1M messages, a quarter tool) and the rows it indexes again (25,000 of 3 KB held the lock for 1.4 s).
-TOOL_LISTS_CHUNK_IDS = 25_000
-TOOL_LISTS_MAX_ROWS = 500
-# At most this many queued CJK rows are indexed in one transaction (open or maintenance), so a foreign
-# writer's backlog never means one long write lock (10,000 held it for 1.9 s on a busy 2-core machine); the
-# rest stays answerable through the queue and goes with later writes.
-CJK_DRAIN_MAX_ROWS = 500
-# Merge steps beyond one per MERGE_STEP_PAGES rows of an index's _data table (the most its merge can write):
-# the structure and averages rows, a partial page.
-MERGE_EXTRA_STEPS = 4
-# Queued CJK rows are indexed with every this-many commits of a writer, and right away by any transaction that
-# changed at least BULK_CHANGES rows.
-CJK_DRAIN_EVERY_COMMITS = 64
-# A high water no message id reaches: our triggers index no row (see _hold_back_index_triggers).
-UNREACHED_HIGH_WATER = str(2 ** 63 - 1)
-BULK_CHANGES = 64
-# A hit's keys in hermes-agent's order; `fields=` picks some of them.
 SEARCH_RESULT_FIELDS = ("id", "session_id", "role", "snippet", "timestamp", "tool_name", "source", "model",
                         "session_started", "context")
 
 CJK_RE = re.compile(f"[{CJK_CHAR_CLASS}]")
-CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
 # Characters that part a user's word, as hermes-agent's sanitiser parts it (`\`, `%` and `_` stay: the LIKE
 # routes take them literally).
 FTS_SYNTAX_RE = re.compile(r"[\"^*():{}\[\]+~'`@/#&|<>,;!?$=]")
@@ -91,109 +45,84 @@ CTE_MATERIALIZED = "MATERIALIZED" if sqlite3.sqlite_version_info >= (3, 35) else
 CONTEXT_CHUNK_HITS = 240
 
 Term = namedtuple("Term", "text prefix")
-# The indexes a search may use: `tables` names them, `usable` are the whole ones; `substring` is the retry of
-# a query whose words found nothing, inside longer tokens; `cjk_bounded`: every CJK row's block bound holds.
-IndexState = namedtuple("IndexState",
-                        "layout tables usable high_water progress cjk_pending tool_rows substring cjk_bounded")
 
-
-def free_disk_bytes(path):
-    """Free bytes on the filesystem holding `path` (the optimize-storage pre-check)."""
-    return shutil.disk_usage(path).free
-
-
-# -- What is on disk -------------------------------------------------------------------------------------
-
-def _schema_objects(conn):
-    return {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
-
-
-def _same_sql(stored, wanted):
-    return stored is not None and stored.split() == wanted.split()
-
-
-def _has_ours(objects):
-    """True if any table or view of our index is there (the rest, if missing, is repaired)."""
-    return any(name in objects for index in SEARCH_OBJECTS for name in SEARCH_OBJECTS[index])
-
-
-def _stale_key(index):
-    return META_SEARCH_STALE_PREFIX + index
-
-
-def _retired_tables(objects):
-    """Index tables set aside and not yet dropped (their shadow tables aside)."""
-    return sorted(name for name, (kind, sql) in objects.items()
-                  if kind == "table" and name.startswith(RETIRED_PREFIX) and (sql or "").startswith("CREATE VIRTUAL"))
-
-
-def _drop(conn, kind, name):
-    conn.execute(f"DROP {kind.upper()} {quote_identifier(name)}")
-
-
-def _drop_writers(conn, objects, tables):
-    """Drop every trigger that writes to one of `tables` (whoever made it)."""
-    for name, (kind, sql) in objects.items():
-        if kind == "trigger" and any(table in tables for table, _columns in trigger_writes(sql)):
-            _drop(conn, "trigger", name)
-
-
-def _retire(conn, objects, tables, also=()):
-    """Set index tables aside under our own names (the legacy rename), with every trigger writing to them or
-    to `also`; they are emptied and dropped in chunks later."""
-    _drop_writers(conn, objects, set(tables) | set(also))
-    conn.execute(LEGACY_ALTER_SQL.format(on="ON"))
-    try:
-        for table in tables:
-            new, number = RETIRED_PREFIX + table, 1
-            while new in objects:
-                new, number = f"{RETIRED_PREFIX}{table}_{number}", number + 1
-            conn.execute(RENAME_TABLE_SQL.format(table=quote_identifier(table), new_name=quote_identifier(new)))
-    finally:
-        conn.execute(LEGACY_ALTER_SQL.format(on="OFF"))
-
-
-def _empty_unreadable_structure(conn, table, db_path):
-    """True if FTS5 could not open index `table` and its structure record was emptied. Such an index fails
-    every write to messages (its trigger), and a rename or DROP (both open it first): SQLite 3.40 calls a
-    structure record of over 2,000 levels corrupt, and a negative 'merge' before every new segment grew one
-    that far. Emptied, it opens again, to be set aside and dropped in chunks like any stale index; the
-    messages it indexed are all still there to refill ours from."""
-    try:
-        conn.execute(OPEN_FTS_TABLE_SQL.format(table=quote_identifier(table))).fetchall()
-        return False
-    except sqlite3.DatabaseError as exc:
-        data = quote_identifier(f"{table}_data")
-        row = conn.execute(SELECT_FTS_STRUCTURE_SQL.format(data=data)).fetchone()
-        if row is None or not isinstance(row[0], bytes) or len(row[0]) < 4:
-            raise
-        # Kept: the 4-byte configuration cookie. Then no level, no segment, no write yet.
-        conn.execute(UPDATE_FTS_STRUCTURE_SQL.format(data=data), (row[0][:4] + bytes(3),))
-        logger.warning("search: FTS5 could not open the index table %s of %s (%s); emptied its structure "
-                       "record so it can be set aside and rebuilt from the messages", table, db_path, exc)
-        return True
-
-
-def cjk_terms(text):
-    """The CJK side index's terms for `text`: every CJK letter and every adjacent pair."""
-    terms = set()
-    for run in CJK_RUN_RE.findall(text or ""):
-        terms.update(run)
-        terms.update(run[i:i + 2] for i in range(len(run) - 1))
-    return " ".join(sorted(terms))
-
-
-def drain_cjk_queue(conn, limit=CJK_DRAIN_CHUNK):
-    """Index up to `limit` queued rows into our CJK index and raise their blocks' bounds; returns how many."""
-    rows = conn.execute(SELECT_CJK_QUEUE_SQL, (limit,)).fetchall()
-    for message_id, content, timestamp in rows:
-        if content is not None:
-            conn.execute(UPSERT_CJK_TERMS_SQL, (message_id, cjk_terms(content)))
-            if timestamp is not None:  # a backfill's rows: the triggers raised the others'
-                conn.execute(UPSERT_CJK_BOUND_SQL, (message_id >> CJK_BLOCK_BITS, timestamp))
-        conn.execute(DELETE_CJK_QUEUE_SQL, (message_id,))
-    return len(rows)
-
+# -- The search's SQL -----------------------------------------------------------------------------
+# A hit's columns; `{snippet}` is the index's own snippet or NULL.
+_SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestamp, m.tool_name,
+       s.source, s.model, s.started_at AS session_started, {snippet} AS index_snippet"""
+# A word or trigram index cuts the snippet itself, as hermes-agent's search does.
+FTS_SNIPPET_SQL = "snippet({table}, -1, '>>>', '<<<', '...', 40)"
+# Best first by one index. FTS5 hands its matches over in rank order itself only when the ORDER BY
+# is its rank alone and it is the outer loop (CROSS JOIN keeps it there): then the filters run in
+# that order, LIMIT stops the scan, and no other row's content or snippet is read. Equal ranks come
+# in rowid order (FTS5 sorts its matches, read in rowid order, with a stable sort), which is what
+# hermes-agent's `ORDER BY rank` gives too.
+SEARCH_RANKED_SQL = _SEARCH_COLUMNS_SQL + """
+FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid
+CROSS JOIN sessions AS s ON s.id = m.session_id
+WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {table}.rank LIMIT ? OFFSET ?"""
+# By time from an index that ranks, equal times by rank. Ranking every hit costs
+# bm25 at each (24,000 hits of `parser`: 70 -> 110 ms), but only the hits at the
+# page's times need it: the page by time alone gives its first and last time
+# (`edge`), the hits between them are ranked in one pass of the index over their
+# id range, and the page is cut from them after the hits before its first time.
+_PAGE_BY_RANKED_INDEX_SQL = """WITH
+hits(id, t) AS {materialized} (SELECT m.id, m.timestamp
+    FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid
+    JOIN sessions AS s ON s.id = m.session_id
+    WHERE {table} MATCH ?{no_tools} {filters}),
+edge(lo, hi) AS {materialized} (SELECT min(t), max(t)
+    FROM (SELECT t FROM hits ORDER BY t {direction} LIMIT ? OFFSET ?)),
+near(id, t) AS {materialized} (SELECT hits.id, hits.t
+    FROM edge CROSS JOIN hits WHERE hits.t BETWEEN edge.lo AND edge.hi),
+ranked(id, rank) AS {materialized} (SELECT rowid, rank FROM {table} WHERE {table} MATCH ?
+    AND rowid BETWEEN (SELECT min(id) FROM near) AND (SELECT max(id) FROM near)
+    AND +rowid IN (SELECT id FROM near))
+SELECT near.id AS hit, ranked.rank AS hit_rank FROM near JOIN ranked ON ranked.id = near.id
+ORDER BY near.t {direction}, ranked.rank, near.id
+LIMIT ? OFFSET ? - (SELECT count(*) FROM edge CROSS JOIN hits WHERE hits.t {before} edge.{first})"""
+_RANKED_PAGE_PARTS = {"newest": {"direction": "DESC", "before": ">", "first": "hi"},
+                      "oldest": {"direction": "ASC", "before": "<", "first": "lo"}}
+# Then the page's rows, and their snippets (`{join}` re-opens the index at each of them).
+_PAGE_ROWS_SQL = _SEARCH_COLUMNS_SQL + """
+FROM ({page}) AS page CROSS JOIN messages AS m ON m.id = page.hit{join}
+CROSS JOIN sessions AS s ON s.id = m.session_id
+ORDER BY {order}"""
+# Equal times in hermes-agent's order: its word and trigram searches sort by
+# "timestamp, rank", its LIKE scan by timestamp alone; both hand equal keys over
+# in id order (SQLite's sorter keeps the order of its input, read by id). So:
+# time, then rank where an index ranks (`{rank}`: the page's), then id ascending,
+# in both directions.
+_ORDERS = {"newest": "m.timestamp DESC, {rank}m.id ASC",
+           "oldest": "m.timestamp ASC, {rank}m.id ASC"}
+# The fallback: NULL reads as '' (NOT never turns NULL); NUL-led text past its NUL (LIKE stops
+# there).
+_LIKE_CONTENT_SQL = (
+    "CASE WHEN m.content >= char(0) || 'json:' AND m.content < char(0) || 'json;' "
+    f"THEN CAST(substr(CAST(m.content AS BLOB), {len(CONTENT_JSON_PREFIX) + 1}) AS TEXT) "
+    "WHEN m.content >= char(0) AND m.content < char(1) "
+    "THEN CAST(substr(CAST(m.content AS BLOB), 2) AS TEXT) ELSE m.content END")
+_LIKE_COLUMNS = (_LIKE_CONTENT_SQL, "m.tool_name", "m.tool_calls")
+_TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE({column}, '') LIKE ? ESCAPE '\\'"
+                                    for column in _LIKE_COLUMNS) + ")"
+_NOT_TOOL_ROW_SQL = "m.role <> 'tool'"
+CJK_WALK_MAX_LATE = 16  # late blocks a page takes in; past that the walk goes on
+# The context of a page of hits, in one statement: each hit's neighbours in its session by
+# (timestamp, id), in any state. Equal timestamps are common (a batch shares one): each neighbour
+# is an index seek, first among rows of the same time by id, then across times. `{hits}` is one
+# "(?, ?, ?, ?)" per hit: its place, session, time and id.
+_NEIGHBOUR_ID_SQL = """COALESCE(
+    (SELECT id FROM messages WHERE session_id = h.s AND timestamp = h.t AND id {cmp} h.i
+     ORDER BY id {order} LIMIT 1),
+    (SELECT id FROM messages WHERE session_id = h.s AND timestamp {cmp} h.t
+     ORDER BY timestamp {order}, id {order} LIMIT 1))"""
+_BEFORE_SQL = _NEIGHBOUR_ID_SQL.format(cmp="<", order="DESC")
+_AFTER_SQL = _NEIGHBOUR_ID_SQL.format(cmp=">", order="ASC")
+SEARCH_CONTEXT_SQL = f"""WITH hits(n, s, t, i) AS (VALUES {{hits}}),
+near(n, before, i, after) AS (SELECT h.n, {_BEFORE_SQL}, h.i, {_AFTER_SQL} FROM hits AS h)
+SELECT near.n, m.role, m.content
+FROM near CROSS JOIN messages AS m ON m.id IN (near.before, near.i, near.after)
+ORDER BY near.n, m.timestamp, m.id"""
 
 # -- Query parsing: user text to an AND/OR/NOT tree of quoted terms --------------------------------------
 
@@ -323,7 +252,11 @@ def _cjk_floor(conn, hits, wanted):
     for number, (message_id, timestamp) in enumerate(hits):
         if message_id >> CJK_BLOCK_BITS != block:
             if block is not None and len(seen) >= wanted and seen[-wanted][0]:
-                late = conn.execute(CJK_LATE_BLOCKS_SQL, (seen[-wanted][1], block)).fetchall()
+                # The blocks below this one that hold a time at least as late as t.
+                late = conn.execute("SELECT block FROM hs_fts_cjk_bounds"
+                                    " WHERE newest >= ? AND block < ?"
+                                    f" LIMIT {CJK_WALK_MAX_LATE + 1}",
+                                    (seen[-wanted][1], block)).fetchall()
                 if len(late) <= CJK_WALK_MAX_LATE:
                     return block << CJK_BLOCK_BITS, [late_block for (late_block,) in late]
                 checks += 1
@@ -353,25 +286,26 @@ def _route(term, state):
 def _like_sql(term, state):
     """The fallback for one term. A CJK term (and a substring retry) skips tool rows unless they were asked
     for, as the trigram and CJK indexes do, so every route gives the same answer."""
-    sql = TERM_LIKE_SQL
+    sql = _TERM_LIKE_SQL
     if (state.substring or CJK_RE.search(term.text)) and not state.tool_rows:
-        sql = f"({NOT_TOOL_ROW_SQL} AND {sql})"
-    return sql, [f"%{escape_like(term.text)}%"] * TERM_LIKE_PARAMS
+        sql = f"({_NOT_TOOL_ROW_SQL} AND {sql})"
+    return sql, [f"%{escape_like(term.text)}%"] * len(_LIKE_COLUMNS)
 
 
 def _leaf_sql(term, index, state):
     like, like_params = _like_sql(term, state)
     if index is None:
         return like, like_params
-    sql, params = TERM_IN_INDEX_SQL.format(table=state.tables[index]), [_fts_string(term)]
+    table = state.tables[index]
+    sql, params = f"m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH ?)", [_fts_string(term)]
     if index != "word":
-        sql = f"{NOT_TOOL_ROW_SQL} AND {sql}"
+        sql = f"{_NOT_TOOL_ROW_SQL} AND {sql}"
     if state.high_water is not None:
         # Rows a backfill has not reached yet are in no index of this layout.
-        sql += TERM_IN_BACKFILL_GAP_SQL.format(like=like)
+        sql += f" OR (m.id > ? AND m.id <= ? AND {like})"
         params += [state.progress, state.high_water] + like_params
     if index == "cjk" and state.cjk_pending:
-        sql += TERM_IN_CJK_QUEUE_SQL.format(like=like)
+        sql += f" OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {like})"
         params += like_params
     return f"({sql})", params
 
@@ -385,9 +319,11 @@ def _id_set_sql(node, routes, state):
         if index is None or state.high_water is not None or (index == "cjk" and state.cjk_pending) or \
                 (index != "word" and state.layout != "current"):
             return None
-        return TERM_ID_SET_SQL.format(table=state.tables[index]), [_fts_string(node[1])]
+        table = state.tables[index]
+        return f"SELECT rowid FROM {table} WHERE {table} MATCH ?", [_fts_string(node[1])]
     parts = [_id_set_sql(child, routes, state) for child in (node[1] if node[0] in ("and", "or") else node[1:])]
-    return None if None in parts else (f" {ID_SET_OPERATORS[node[0]]} ".join(
+    operator = {"and": "INTERSECT", "or": "UNION", "not": "EXCEPT"}[node[0]]
+    return None if None in parts else (f" {operator} ".join(
         f"SELECT * FROM ({sql})" for sql, _params in parts), [value for _sql, params in parts for value in params])
 
 
@@ -468,337 +404,8 @@ def _index_failure(exc):
         cause in str(exc).lower() for cause in ("locked", "syntax error", "too many sql variables")))
 
 
-def _progress(phase, status):
-    """An optimize-storage progress report as hermes-agent shapes it (whole percent; 100, 0, 0 without a backfill)."""
-    status = status or {"percent": 100, "indexed": 0, "total": 0}
-    return {"phase": phase, "percent": status["percent"], "indexed": status["indexed"], "total": status["total"]}
-
-
 class SessionSearchMixin:
     """Search-side behaviour of SessionDB (see the module docstring)."""
-
-    # Leaf pages one step of an index merge writes: 500 took up to 0.6 s at 1M messages on a busy 2-core
-    # machine, 200 up to 0.8 s with the checkpoint after it; issue 17's bound on a write-lock hold is 1 s.
-    MERGE_STEP_PAGES = 100
-
-    # -- open ------------------------------------------------------------------
-
-    def _init_search(self):
-        """Writable open: repair our index, or build it where no usable index is; True if that started a
-        backfill, which the open runs to the end in chunks; work an interrupted optimize-storage left waits."""
-        return self._execute_write(self._apply_search_schema)
-
-    def _schema_version_held_back(self, conn):
-        """Without FTS5 the store keeps its schema version (docs/search.md, "Degraded runtimes")."""
-        return not self.fts_caps.fts5
-
-    def _apply_search_schema(self, conn):
-        objects = _schema_objects(conn)
-        moved = self.fts_caps.fts5 and self._move_previous_layout(conn, objects)
-        self._drop_hermes_triggers_not_runnable(conn, _schema_objects(conn))
-        objects = _schema_objects(conn)
-        started = False
-        if not _has_ours(objects):
-            if not self.fts_caps.fts5 or (not moved and self._hermes_index_serves(conn, objects)):
-                return False
-            started = self._create_search_index(conn)
-            objects = _schema_objects(conn)
-        return self._repair_search_index(conn, objects) or started or moved
-
-    def _buildable(self):
-        """Our indexes this runtime can keep (the trigram one needs its tokenizer)."""
-        return tuple(index for index in SEARCH_TABLES
-                     if self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram))
-
-    def _move_previous_layout(self, conn, objects):
-        """Set aside (with any trigger writing to them) the index our releases before layout 1 kept under
-        hermes-agent's names and keys, so ours is built under our names; True if there was one."""
-        old = [table for table, word in PREVIOUS_LAYOUT_TABLES.items()
-               if word in (objects.get(table, (None, None))[1] or "")]
-        leftovers = [name for name in PREVIOUS_LAYOUT_LEFTOVERS if name in objects]
-        if not old and not leftovers:
-            return False
-        # SQLite opens an FTS5 table to rename it, which takes its tokenizer: without trigram, that
-        # table stays (its triggers go) until a runtime with the tokenizer sets it aside.
-        stuck = [t for t in old if "trigram" in objects[t][1]] if not self.fts_caps.trigram else []
-        old = [table for table in old if table not in stuck]
-        _retire(conn, objects, old, also=[*PREVIOUS_LAYOUT_LEFTOVERS, *stuck])
-        for name in leftovers:
-            _drop(conn, PREVIOUS_LAYOUT_LEFTOVERS[name], name)
-        if HERMES_FTS_TABLES["word"] in old:
-            # No index of hermes-agent's was there, so every fts_* key was ours.
-            for key in PREVIOUS_LAYOUT_META:
-                write_meta(conn, key, None)
-        logger.info("search: moved the index of %s off hermes-agent's names (%s); rebuilding it as ours",
-                    self.db_path, ", ".join(old + leftovers))
-        return True
-
-    def _drop_hermes_triggers_not_runnable(self, conn, objects):
-        """Drop hermes-agent's triggers this runtime cannot run (they would fail every write), as it does
-        itself (it rebuilds when they are back). Its CJK index needs a tokenizer only its connections load."""
-        for index, names in HERMES_FTS_TRIGGERS.items():
-            runnable = index != "cjk" and self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram)
-            present = [name for name in names if name in objects]
-            if runnable or not present:
-                continue
-            for name in present:
-                _drop(conn, "trigger", name)
-            if index == "cjk":
-                write_meta(conn, META_FTS_CJK_STALE, "1")  # hermes-agent's own breadcrumb for exactly this
-            logger.info("search: dropped hermes-agent's %s index triggers of %s (this runtime cannot run them)",
-                        index, self.db_path)
-
-    def _hermes_index_serves(self, conn, objects):
-        """True if hermes-agent's word index is whole enough to answer searches here."""
-        return HERMES_FTS_TABLES["word"] in objects and all(n in objects for n in HERMES_FTS_TRIGGERS["word"]) \
-            and not read_meta(conn, META_FTS_STALE) and not read_meta(conn, META_SEARCH_HERMES_FAILED)
-
-    def _create_search_index(self, conn):
-        """Our index, empty, with every existing row pending a chunked backfill."""
-        for index in self._buildable():
-            for ddl in tuple(SEARCH_OBJECTS[index].values()) + tuple(SEARCH_TRIGGERS[index].values()):
-                conn.execute(ddl)
-        for key in [_stale_key(index) for index in SEARCH_TABLES] + [META_SEARCH_HERMES_FAILED]:
-            write_meta(conn, key, None)
-        write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
-        high_water = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
-        if high_water:
-            write_meta(conn, META_SEARCH_HIGH_WATER, str(high_water))
-            write_meta(conn, META_SEARCH_PROGRESS, "0")
-        return bool(high_water)
-
-    def _repair_search_index(self, conn, objects):
-        """Put back what someone else changed in our index (stamp, objects), drop the triggers of an index this
-        runtime cannot keep, rebuild every one not whole; True if a backfill, the CJK bounds' fill or the
-        reindex of layout 2's tool rows is due."""
-        layout = read_meta(conn, META_SEARCH_LAYOUT)
-        if layout == "1" and self._add_cjk_bounds(conn, objects):
-            objects = _schema_objects(conn)
-        if layout in ("1", "2"):
-            self._move_word_index_to_layout_3(conn, objects)
-            objects = _schema_objects(conn)
-        if read_meta(conn, META_SEARCH_LAYOUT) != str(SEARCH_LAYOUT_VERSION):
-            logger.warning("search: the layout stamp of our index in %s was changed; rebuilding the index",
-                           self.db_path)
-            write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
-            for index in SEARCH_TABLES:
-                write_meta(conn, _stale_key(index), "1")
-        buildable = self._buildable()
-        for index in SEARCH_TABLES:
-            if index in buildable:
-                # An index we set aside ourselves (no FTS5 or trigram then) is expected to need it.
-                changed = self._restore_objects(conn, index, objects, bool(read_meta(conn, _stale_key(index))))
-                changed = _empty_unreadable_structure(conn, SEARCH_TABLES[index], self.db_path) or changed
-            else:
-                changed = [name for name in SEARCH_TRIGGERS[index] if name in objects]
-                for name in changed:
-                    _drop(conn, "trigger", name)
-                changed = changed or not self.fts_caps.fts5 or SEARCH_TABLES[index] not in objects
-            if changed:
-                # Rows written while it was not kept are missing from it.
-                write_meta(conn, _stale_key(index), "1")
-        filling = any(read_meta(conn, key) is not None
-                      for key in (META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_TOOL_JSON_FROM))
-        return self._rebuild_stale_indexes(conn) or filling
-
-    def _add_cjk_bounds(self, conn, objects):
-        """Layout 1 to 2 without a rebuild: the CJK bounds and the triggers that raise them, filled from every
-        indexed row in chunks (fts_rebuild_step); True if that fill is pending. Rows they hold from an earlier
-        layout 2 stay: a bound only has to be at least each row's time."""
-        write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
-        if "cjk" not in self._buildable() or SEARCH_TABLES["cjk"] not in objects:
-            return False  # the repair rebuilds or drops it
-        ddl = {**SEARCH_OBJECTS["cjk"], **SEARCH_TRIGGERS["cjk"]}
-        for name in CJK_BOUNDS_OBJECTS:  # layout 1's triggers raise no bound
-            kind, sql = _schema_objects(conn).get(name, (None, None))
-            if kind and not _same_sql(sql, ddl[name]):
-                _drop(conn, kind, name)
-            if not _same_sql(sql, ddl[name]):
-                conn.execute(ddl[name])
-        write_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS, "0")
-        logger.info("search: adding the CJK bounds of layout %d to %s", SEARCH_LAYOUT_VERSION, self.db_path)
-        return True
-
-    def _move_word_index_to_layout_3(self, conn, objects):
-        """Layout 2 to 3 without a rebuild: the word index's view and triggers as layout 2 made them are
-        replaced; tool rows written from now on have their list content indexed, the older ones keep the
-        empty text layout 2 gave them (as a delete must) until _reindex_tool_lists reaches them."""
-        write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
-        old = [name for name, ddl in LAYOUT_2_WORD_OBJECTS.items()
-               if _same_sql(objects.get(name, (None, None))[1], ddl)]
-        if "word" not in self._buildable() or SEARCH_TABLES["word"] not in objects or not old:
-            return  # the repair rebuilds or drops it
-        next_id = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0] + 1
-        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, str(next_id))
-        ddl = {**SEARCH_OBJECTS["word"], **SEARCH_TRIGGERS["word"]}
-        for name in old:
-            _drop(conn, objects[name][0], name)
-            conn.execute(ddl[name])
-        logger.info("search: the word index of %s holds tool rows' list content from message %d on (layout %d)",
-                    self.db_path, next_id, SEARCH_LAYOUT_VERSION)
-
-    def _restore_objects(self, conn, index, objects, expected):
-        """Create each object of `index` that is missing or differs from ours; their names."""
-        changed = []
-        for name, ddl in tuple(SEARCH_OBJECTS[index].items()) + tuple(SEARCH_TRIGGERS[index].items()):
-            kind, sql = objects.get(name, (None, None))
-            if _same_sql(sql, ddl):
-                continue
-            if kind is not None:
-                _drop(conn, kind, name)
-            elif ddl.startswith("CREATE VIRTUAL"):
-                # Shadow tables a recovery kept without their table would block the CREATE.
-                for shadow in (f"{name}_{suffix}" for suffix in FTS5_SHADOW_SUFFIXES):
-                    if shadow in objects:
-                        _drop(conn, "table", shadow)
-            conn.execute(ddl)
-            changed.append(name)
-        if changed:
-            logger.log(logging.INFO if expected else logging.WARNING, "search: restored %s of our index in %s",
-                       ", ".join(changed), self.db_path)
-        return changed
-
-    def _rebuild_stale_indexes(self, conn):
-        """Refill every index from the start when one is not whole; True if that started a backfill.
-
-        Every index shares the backfill's predicate, so all are refilled, in chunks (fts_rebuild_step).
-        Emptying a filled index in place rewrites every page of it in this one transaction (3-5 s at 1M
-        messages): it is set aside instead, and dropped in chunks once the backfill is done."""
-        stale = [index for index in self._buildable() if read_meta(conn, _stale_key(index))]
-        if not stale:
-            return False
-        indexes = list(self._buildable())
-        objects = _schema_objects(conn)
-        _retire(conn, objects, [SEARCH_TABLES[index] for index in indexes if SEARCH_TABLES[index] in objects])
-        objects = _schema_objects(conn)
-        for index in indexes:
-            for name, ddl in tuple(SEARCH_OBJECTS[index].items()) + tuple(SEARCH_TRIGGERS[index].items()):
-                if name not in objects:
-                    conn.execute(ddl)
-        conn.execute(RESET_INDEX_SQL["cjk"][1])  # the queue: every row is refilled
-        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, None)  # and each with this layout's cut
-        high_water = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
-        write_meta(conn, META_SEARCH_HIGH_WATER, str(high_water or 0))
-        write_meta(conn, META_SEARCH_PROGRESS, "0")
-        for index in stale:
-            write_meta(conn, _stale_key(index), None)
-        logger.info("search: rebuilding the %s index of %s", "/".join(stale), self.db_path)
-        return True
-
-    def _rebuild_index(self, conn, index):
-        if index == "cjk":
-            for sql in RESET_INDEX_SQL["cjk"]:
-                conn.execute(sql)
-            conn.execute(BACKFILL_SQL["cjk"], (0, conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]))
-            while drain_cjk_queue(conn):
-                pass
-        else:
-            if index == "word":
-                write_meta(conn, META_SEARCH_TOOL_JSON_FROM, None)  # every row afresh, with this layout's cut
-            conn.execute(FTS_COMMAND_SQL.format(table=SEARCH_TABLES[index], command="rebuild"))
-
-    def _maintain_search(self, conn, changes):
-        """At the end of every write transaction that changed `changes` rows: index queued CJK rows after a
-        bulk write and on every 64th commit from the first (the open's own), at most CJK_DRAIN_MAX_ROWS."""
-        commit_number = self._commits + 1  # this transaction's, counted by the write path
-        drained, self._cjk_drained = self._cjk_drained, False
-        if drained or (changes < BULK_CHANGES and commit_number % CJK_DRAIN_EVERY_COMMITS != 1):
-            return
-        if self.fts_caps.fts5 and conn.execute(TABLE_EXISTS_SQL, (CJK_QUEUE_TABLE,)).fetchone():
-            drain_cjk_queue(conn, CJK_DRAIN_MAX_ROWS)
-
-    # -- state ---------------------------------------------------------------
-
-    def fts_layout(self):
-        """'current' (ours), hermes-agent's 'legacy' or 'external', 'previous' (ours, not yet moved) or 'none'."""
-        return self._index_state().layout
-
-    def fts_optimize_available(self):
-        """True when optimize-storage has work: hermes-agent's index to replace by ours, or ours unfinished."""
-        if not self.fts_caps.fts5 or self.read_only:
-            return False
-        objects = self._read_objects()
-        keys = [META_SEARCH_HIGH_WATER] + [_stale_key(index) for index in self._buildable()]
-        return SEARCH_TABLES["word"] not in objects or bool(_retired_tables(objects)) \
-            or bool(self._hermes_tables_to_retire(objects)) or any(self._read_meta(*keys).values())
-
-    def _hermes_tables_to_retire(self, objects):
-        """hermes-agent's word and trigram indexes optimize-storage replaces (a trigram one only
-        where its tokenizer is here: SQLite needs it to rename or drop the table)."""
-        return [index for index in ("word", "trigram")
-                if HERMES_FTS_TABLES[index] in objects and (index == "word" or self.fts_caps.trigram)]
-
-    def _read_objects(self):
-        """{name: (type, sql)} of sqlite_master, through a read connection."""
-        return {name: (kind, sql) for kind, name, sql in self._read_all(SELECT_SCHEMA_OBJECTS_SQL)}
-
-    def _read_meta(self, *keys):
-        """{key: value or None} for these state_meta keys, in one query."""
-        found = dict(self._read_all(SELECT_META_KEYS_SQL.format(placeholders(len(keys))), keys))
-        return {key: found.get(key) for key in keys}
-
-    def _index_state(self, objects=None):
-        """Which indexes answer a search: ours when the store has it, else hermes-agent's."""
-        objects = self._read_objects() if objects is None else objects
-        stale = [_stale_key(index) for index in SEARCH_TABLES]
-        meta = self._read_meta(META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, META_FTS_REBUILD_HIGH_WATER,
-                               META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_HERMES_FAILED,
-                               META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_LAYOUT, *stale)
-        if SEARCH_TABLES["word"] in objects:
-            layout, tables, triggers = "current", SEARCH_TABLES, SEARCH_TRIGGERS
-            marks = (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS)
-            blocked = {index: meta[_stale_key(index)] for index in SEARCH_TABLES}
-        else:
-            layout = fts_layout_of(objects.get(HERMES_FTS_TABLES["word"], (None, None))[1])
-            tables = {index: HERMES_FTS_TABLES[index] for index in ("word", "trigram")}
-            triggers, marks = HERMES_FTS_TRIGGERS, (META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)
-            blocked = dict.fromkeys(tables, meta[META_FTS_STALE] or meta[META_SEARCH_HERMES_FAILED])
-        usable = {index for index, table in tables.items()
-                  if table in objects and not blocked[index] and all(name in objects for name in triggers[index])
-                  and self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram)}
-        high_water = meta[marks[0]]
-        pending = "cjk" in usable and self._read_one(HAS_CJK_QUEUE_SQL) is not None
-        # Bounds an older release left behind (its layout stamp) may miss rows it indexed since.
-        bounded = layout == "current" and meta[META_SEARCH_LAYOUT] in ("2", str(SEARCH_LAYOUT_VERSION)) \
-            and "hs_fts_cjk_bounds" in objects and not meta[META_SEARCH_CJK_BOUNDS_PROGRESS]
-        return IndexState(layout, tables, usable, int(high_water) if high_water else None,
-                          int(meta[marks[1]] or 0), pending, False, False, bounded)
-
-    def fts_rebuild_status(self):
-        """{pending: True, total, indexed, percent (whole, 0-100)} while the index searches use is
-        being backfilled; None otherwise."""
-        state = self._index_state()
-        return {"pending": True, "total": state.high_water, "indexed": state.progress,
-                "percent": min(100, 100 * state.progress // state.high_water)} if state.high_water else None
-
-    def _rebuild_phase(self):
-        """What a backfill or an optimize still has to do, or None when nothing is pending."""
-        status = self.fts_rebuild_status()
-        if status is not None:
-            return dict(status, phase="backfill")
-        retired = _retired_tables(self._read_objects())
-        return {"phase": "teardown", "tables": retired} if retired else None
-
-    def search_health(self):
-        """The search facts `doctor` reports; `trigger_damage` lists every trigger whose writes would fail."""
-        objects = self._read_objects()
-        state = self._index_state(objects)
-        triggers = SEARCH_TRIGGERS if state.layout == "current" else HERMES_FTS_TRIGGERS
-        return {
-            "fts_layout": state.layout,
-            "search_layout_of_release": SEARCH_LAYOUT_VERSION,
-            "hermes_agent_index": fts_layout_of(objects.get(HERMES_FTS_TABLES["word"], (None, None))[1]),
-            "fts_triggers_complete": {index: all(name in objects for name in triggers[index])
-                                      for index, table in state.tables.items() if table in objects},
-            "search_meta": self._read_meta(META_SEARCH_LAYOUT, META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS,
-                                           META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_TOOL_JSON_FROM,
-                                           META_SEARCH_HERMES_FAILED, *[_stale_key(i) for i in SEARCH_TABLES]),
-            "hermes_agent_meta": self._read_meta(*HERMES_INDEX_META, META_FTS_CJK_STALE),
-            "fts_rebuild": self._rebuild_phase(),
-            "searchable_by_index": sorted(state.usable),
-            "trigger_damage": self._with_fresh_reader(
-                lambda conn: trigger_damage(objects, lambda sql: conn.execute(sql).fetchall())),
-        }
 
     # -- search --------------------------------------------------------------
 
@@ -858,59 +465,64 @@ class SessionSearchMixin:
             not (indexes == {"cjk"} and state.cjk_pending)
         if not single:
             where, params = _tree_sql(tree, routes, state)
-            order = SEARCH_ORDERS["oldest" if sort == "oldest" else "newest"].format(rank="")
-            page = SEARCH_PAGE_BY_PREDICATE_SQL.format(where=where, filters=filters, order=order)
+            order = _ORDERS["oldest" if sort == "oldest" else "newest"].format(rank="")
+            page = ("SELECT m.id AS hit, NULL AS hit_rank"
+                    " FROM messages AS m JOIN sessions AS s ON s.id = m.session_id"
+                    f" WHERE {where} {filters} ORDER BY {order} LIMIT ? OFFSET ?")
             pool = self._idle_index_readers if indexes != {None} else None  # a scan would churn their caches
-            return self._read_all(SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order),
-                                  params + filter_params + [limit, offset], pool)
+            rows = _PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order)
+            return self._read_all(rows, params + filter_params + [limit, offset], pool)
         index = indexes.pop()
         table = state.tables[index]
         # hermes-agent's legacy trigram index still holds tool rows; ours does not.
-        no_tools = f" AND {NOT_TOOL_ROW_SQL}" if index != "word" else ""
+        no_tools = f" AND {_NOT_TOOL_ROW_SQL}" if index != "word" else ""
         snippet = "NULL" if index == "cjk" else FTS_SNIPPET_SQL.format(table=table)
         match = _match_string(tree)
-        if sort not in SEARCH_ORDERS:
+        if sort not in _ORDERS:
             return self._read_all(SEARCH_RANKED_SQL.format(table=table, snippet=snippet, no_tools=no_tools,
                                                            filters=filters),
                                   [match] + filter_params + [limit, offset], self._idle_index_readers)
         if index == "cjk":  # only ever asked by a scan, whose order has no rank
             return self._cjk_page(state, match, no_tools, filters, filter_params, sort, limit, offset)
-        page = SEARCH_PAGE_BY_RANKED_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters,
-                                                      materialized=CTE_MATERIALIZED, **SEARCH_RANKED_PAGE_PARTS[sort])
-        rows = SEARCH_PAGE_ROWS_SQL.format(page=page, join=SEARCH_PAGE_INDEX_JOIN_SQL.format(table=table),
-                                           snippet=snippet, order=SEARCH_ORDERS[sort].format(rank="page.hit_rank, "))
+        page = _PAGE_BY_RANKED_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters,
+                                                materialized=CTE_MATERIALIZED,
+                                                **_RANKED_PAGE_PARTS[sort])
+        join = f" CROSS JOIN {table} ON {table}.rowid = page.hit AND {table} MATCH ?"
+        rows = _PAGE_ROWS_SQL.format(page=page, join=join, snippet=snippet,
+                                     order=_ORDERS[sort].format(rank="page.hit_rank, "))
         return self._read_all(rows, [match] + filter_params + [limit, offset, match, limit, offset, match],
                               self._idle_index_readers)
 
     def _cjk_page(self, state, match, no_tools, filters, filter_params, sort, limit, offset):
         """A page of CJK index hits by time: only the hits from the floor _cjk_floor finds go to the sorter."""
-        order = SEARCH_ORDERS[sort].format(rank="")
-        page = SEARCH_PAGE_BY_INDEX_SQL.format(table=state.tables["cjk"], no_tools=no_tools + CJK_FLOOR_SQL,
-                                               filters=filters, order=order)
-        page = SEARCH_PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order)
+        order = _ORDERS[sort].format(rank="")
+        table = state.tables["cjk"]
+        # One page of hit ids by time: only (timestamp, id) of each hit goes through the sorter, the
+        # hits from the floor up and in the late blocks the walk found (`{late}`).
+        page = (f"SELECT m.id AS hit, NULL AS hit_rank FROM {table}"
+                f" CROSS JOIN messages AS m ON m.id = {table}.rowid"
+                " JOIN sessions AS s ON s.id = m.session_id"
+                f" WHERE {table} MATCH ?{no_tools} AND (hs_fts_cjk.rowid >= ?{{late}}) {filters}"
+                f" ORDER BY {order} LIMIT ? OFFSET ?")
+        page = _PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order)
         wanted = limit + offset if type(limit) is int and type(offset) is int and min(limit, offset) >= 0 else 0
         if not state.cjk_bounded or sort != "newest" or not 0 < wanted <= CJK_WALK_MAX_HITS // 2:
             return self._read_all(page.format(late=""), [match, 0] + filter_params + [limit, offset],
                                   self._idle_index_readers)
-        walk = CJK_WALK_SQL.format(no_tools=no_tools, filters=filters)
+        # Newest first (a CJK index search's only order): hits walked by id from the top.
+        walk = ("SELECT m.id, m.timestamp"
+                " FROM hs_fts_cjk CROSS JOIN messages AS m ON m.id = hs_fts_cjk.rowid"
+                f" JOIN sessions AS s ON s.id = m.session_id WHERE hs_fts_cjk MATCH ?{no_tools}"
+                f" {filters} ORDER BY hs_fts_cjk.rowid DESC")
 
         def walk_then_page(conn):  # one read transaction: the walk's statement is open while the page is read
             with contextlib.closing(conn.execute(walk, [match] + filter_params)) as hits:
                 floor, late = _cjk_floor(conn, hits, wanted)
-                late = CJK_LATE_ROWS_SQL.format(blocks=", ".join(map(str, late))) if late else ""
+                blocks = ", ".join(map(str, late))
+                late = f" OR hs_fts_cjk.rowid >> {CJK_BLOCK_BITS} IN ({blocks})" if late else ""
                 params = [match, floor] + filter_params + [limit, offset]
                 return conn.execute(page.format(late=late), params).fetchall()
         return self._with_reader(walk_then_page, self._idle_index_readers)
-
-    def _mark_index_stale(self, exc, state):
-        """Answer by the fallback; rebuild ours (or build ours beside hermes-agent's) at the next open."""
-        logger.warning("search: the index of %s failed (%s); answering by the fallback until the next open",
-                       self.db_path, exc)
-        if self.read_only:
-            return
-        keys = [_stale_key(index) for index in state.usable] if state.layout == "current" \
-            else [META_SEARCH_HERMES_FAILED]
-        self._execute_write(lambda conn: [write_meta(conn, key, "1") for key in keys])
 
     def _hit(self, row, terms, fields, scans, context):
         values = dict(row, context=context)
@@ -930,263 +542,12 @@ class SessionSearchMixin:
                 contexts[n].append({"role": role, "content": context_text(content)})
         return contexts
 
-    # -- bulk inserts ----------------------------------------------------------
-
-    def _hold_back_index_triggers(self, conn):
-        """Inside a write, before a bulk insert of new messages (an import): hold our triggers back so that
-        _index_held_back_rows puts its rows into our indexes with one statement an index, and return what it
-        needs; None when the triggers index as usual: none of ours, an insert trigger of ours not as we make it,
-        a backfill under way. Our triggers test "id > high water OR id <= progress", false for every row under
-        a high water no id reaches; the insert triggers, whose test costs twice the row's insert, are dropped.
-        Mark and drops live only inside this transaction: no other writer sees them, a rollback undoes them."""
-        objects = _schema_objects(conn)
-        inserts = {f"{SEARCH_TABLES[index]}_insert": index for index in SEARCH_TRIGGERS}
-        held = [(index, name, objects[name][1]) for name, index in inserts.items() if name in objects]
-        if not held or not all(_same_sql(sql, SEARCH_TRIGGERS[index][name]) for index, name, sql in held) \
-                or read_meta(conn, META_SEARCH_HIGH_WATER) is not None or read_meta(conn, META_SEARCH_PROGRESS) is not None:
-            return None
-        write_meta(conn, META_SEARCH_HIGH_WATER, UNREACHED_HIGH_WATER)
-        for _index, name, _sql in held:
-            conn.execute(f"DROP TRIGGER {name}")
-        return held, conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
-
-    def _index_held_back_rows(self, conn, held):
-        """Inside the same write, after the bulk insert: take the mark back, make the triggers again (stored text)
-        and put every row past the insert's first id into their indexes, as they would have (CJK: by its queue)."""
-        if held is None:
-            return
-        triggers, after = held
-        write_meta(conn, META_SEARCH_HIGH_WATER, None)
-        last = conn.execute(SELECT_MAX_MESSAGE_ID_SQL).fetchone()[0]
-        for index, _name, sql in triggers:
-            conn.execute(sql)
-            conn.execute(BACKFILL_SQL[index], (after, last))
-
-    # -- maintenance -----------------------------------------------------------
-
-    def fts_rebuild_step(self):
-        """Do one short transaction of pending index work (backfill, CJK bounds, layout 2's tool rows, CJK queue,
-        teardown); True while more remains."""
-        return self._execute_write(self._rebuild_step)
-
-    def _rebuild_step(self, conn):
-        objects = _schema_objects(conn)
-        if SEARCH_TABLES["word"] in objects and read_meta(conn, META_SEARCH_HIGH_WATER) is not None:
-            self._backfill_chunk(conn, objects)
-            return True
-        bounded = read_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS)
-        if bounded is not None:
-            lower, upper = int(bounded), int(bounded) + CJK_BOUNDS_CHUNK_IDS
-            more = self.fts_caps.fts5 and {SEARCH_TABLES["cjk"], "hs_fts_cjk_bounds"} <= set(objects) and \
-                conn.execute(HAS_CJK_ROW_AFTER_SQL, (lower,)).fetchone()
-            if more:
-                conn.execute(FILL_CJK_BOUNDS_SQL, (lower, upper))
-            write_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS, str(upper) if more else None)
-            return True
-        listed = read_meta(conn, META_SEARCH_TOOL_JSON_FROM)
-        if listed is not None and "word" in self._buildable() and SEARCH_TABLES["word"] in objects:
-            self._reindex_tool_lists(conn, int(listed))
-            return True
-        if CJK_QUEUE_TABLE in objects and self.fts_caps.fts5 and drain_cjk_queue(conn):
-            self._cjk_drained = True  # this transaction's share: _maintain_search adds none
-            return True
-        retired = _retired_tables(objects)
-        if retired:
-            _drop_retired_chunk(conn, retired[0], objects)
-            return True
-        return False
-
-    def _reindex_tool_lists(self, conn, below):
-        """Layout 2 to 3, one chunk under `below` (META_SEARCH_TOOL_JSON_FROM): the newest TOOL_LISTS_MAX_ROWS
-        tool rows with list content of TOOL_LISTS_CHUNK_IDS ids go into the word index with it; the key comes
-        down past them (it goes below the first id)."""
-        top = conn.execute(SELECT_ID_BELOW_SQL, (below,)).fetchone()[0]
-        lower = max(0, top + 1 - TOOL_LISTS_CHUNK_IDS) if top is not None else 0
-        ids = [found for (found,) in conn.execute(SELECT_TOOL_LISTS_SQL, (lower, below, TOOL_LISTS_MAX_ROWS))]
-        if ids:
-            conn.execute(DELETE_EMPTY_WORDS_ROWS_SQL.format(placeholders(len(ids))), ids)
-        done = ids[-1] if len(ids) == TOOL_LISTS_MAX_ROWS else lower
-        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, str(done) if done else None)
-        if ids:  # the view now gives them their content
-            conn.execute(INDEX_WORDS_ROWS_SQL.format(placeholders(len(ids))), ids)
-
-    def _backfill_chunk(self, conn, objects):
-        high_water = int(read_meta(conn, META_SEARCH_HIGH_WATER))
-        progress = int(read_meta(conn, META_SEARCH_PROGRESS) or 0)
-        upper = min(progress + BACKFILL_CHUNK_IDS, high_water)
-        for index in self._buildable():
-            if SEARCH_TABLES[index] in objects:
-                conn.execute(BACKFILL_SQL[index], (progress, upper))
-        if upper >= high_water:
-            write_meta(conn, META_SEARCH_HIGH_WATER, None)
-        write_meta(conn, META_SEARCH_PROGRESS, None if upper >= high_water else str(upper))
-
-    def rebuild_fts(self):
-        """Rebuild the indexes searches use (ours, else hermes-agent's) from the messages; returns how
-        many, 0 without any (hermes-agent's gateway calls it after an append failed on its index).
-
-        An explicit repair in one transaction, which holds the write lock to the end and logs so first."""
-        objects = self._read_objects()
-        state = self._index_state(objects)
-        indexes = [index for index in self._buildable() if SEARCH_TABLES[index] in objects] \
-            if state.layout == "current" else list(state.usable)
-        if not indexes:
-            return 0
-        logger.info("search: rebuilding %s of %s holds the write lock until it is done", "/".join(indexes),
-                    self.db_path)
-
-        def rebuild(conn):
-            if state.layout == "current":
-                for index in indexes:
-                    self._rebuild_index(conn, index)
-                for key in (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, *map(_stale_key, SEARCH_TABLES)):
-                    write_meta(conn, key, None)
-                return
-            for index in indexes:
-                conn.execute(FTS_COMMAND_SQL.format(table=state.tables[index], command="rebuild"))
-            # A whole index has no backfill left; hermes-agent's triggers read these markers.
-            write_meta(conn, META_FTS_REBUILD_HIGH_WATER, None)
-            write_meta(conn, META_FTS_REBUILD_PROGRESS, None)
-        self._execute_write(rebuild)
-        return len(indexes)
-
-    def optimize_fts(self):
-        """Merge each index's segments into one and index queued CJK rows; returns how many indexes.
-
-        FTS5's 'optimize' would rewrite a whole index in one transaction (over a minute at 1M messages); its
-        incremental 'merge', MERGE_STEP_PAGES leaf pages a transaction, ends with the same single segment.
-        Only the first step groups the segments (a negative 'merge', as 'optimize' does): each grouping adds a
-        level to the index's structure record, and SQLite 3.40's FTS5 calls an index of over 2,000 levels
-        corrupt, which a live writer's new segment before every step reached in about 1,000 steps. Later steps
-        only carry that merge on, and stop after the pages it needs, whatever the writers add meanwhile."""
-        while self.fts_rebuild_step():
-            pause_between_chunks()
-        state = self._index_state()
-        for index in state.usable:
-            table = state.tables[index]
-            steps = self._read_value(COUNT_FTS_DATA_SQL.format(data=quote_identifier(f"{table}_data"))) \
-                // self.MERGE_STEP_PAGES + MERGE_EXTRA_STEPS
-            step = functools.partial(_merge_step, table=table, pages=self.MERGE_STEP_PAGES, group=True)
-            while self._execute_write(step) and steps > 1:
-                step, steps = functools.partial(step, group=False), steps - 1
-                pause_between_chunks()
-        return len(state.usable)
-
-    def optimize_fts_storage(self, *, progress_cb=None, vacuum=True):
-        """Move the store to our index and reclaim the space; hermes-agent's result dict.
-
-        {"ok": True, "vacuumed": True/False (None when not asked)}, or {"ok": False, "reason": ...} when
-        refused ("fts5_unavailable", "read_only", "insufficient_disk" with a "detail", "backfill_incomplete",
-        "teardown_incomplete"). hermes-agent's index (and our unfinished work) is replaced by ours in short
-        transactions with pauses between them, so live writers are never blocked for long; interrupt it at any
-        point and run it again to resume. `progress_cb` gets {phase ('backfill', 'teardown', 'vacuum',
-        'done'), percent (whole), indexed, total}."""
-        if not self.fts_caps.fts5:
-            return {"ok": False, "reason": "fts5_unavailable"}
-        if self.read_only:
-            return {"ok": False, "reason": "read_only"}
-        shortfall = self._disk_shortfall(vacuum)
-        if shortfall:
-            logger.info("search: %s", shortfall)
-            return {"ok": False, "reason": "insufficient_disk", "vacuumed": None, "detail": shortfall}
-        report = progress_cb or (lambda _progress: None)
-        self._execute_write(self._begin_optimize)
-        # Reported in hermes-agent's order, which its CLI prints line by line: the backfill from where it
-        # stands, after each chunk that leaves some, closed at 100%; then teardown (with the CJK queue).
-        report(_progress("backfill", self.fts_rebuild_status()))
-        while self.fts_rebuild_status() is not None and self.fts_rebuild_step():
-            if self.fts_rebuild_status() is not None:
-                report(_progress("backfill", self.fts_rebuild_status()))
-            pause_between_chunks()
-        report(_progress("backfill", self.fts_rebuild_status()))
-        report(_progress("teardown", None))
-        while self.fts_rebuild_step():
-            report(_progress("teardown", None))
-            pause_between_chunks()
-        phase = self._rebuild_phase()
-        if phase is not None:
-            return {"ok": False, "reason": f"{phase['phase']}_incomplete", "vacuumed": None}
-        vacuumed = None
-        if vacuum:
-            report(_progress("vacuum", None))
-            try:
-                self.vacuum()
-                vacuumed = True
-            except sqlite3.OperationalError as exc:
-                logger.warning("search: VACUUM after optimize-storage failed (%s); run it again later", exc)
-                vacuumed = False
-        report(_progress("done", None))
-        return {"ok": True, "vacuumed": vacuumed}
-
-    def _begin_optimize(self, conn):
-        """Set hermes-agent's word and trigram indexes aside (their triggers, views and
-        keys with them), then make ours whole, in one transaction."""
-        objects = _schema_objects(conn)
-        theirs = self._hermes_tables_to_retire(objects)
-        for index in theirs:
-            for name in HERMES_FTS_TRIGGERS[index] + (HERMES_FTS_VIEWS[index],):
-                if name in objects and objects[name][0] != "table":
-                    _drop(conn, objects[name][0], name)
-        if theirs:
-            theirs = [HERMES_FTS_TABLES[index] for index in theirs]
-            _retire(conn, _schema_objects(conn), theirs)
-            for key in HERMES_INDEX_META:
-                write_meta(conn, key, None)
-            logger.info("search: optimize-storage set hermes-agent's index of %s aside (%s)",
-                        self.db_path, ", ".join(theirs))
-        objects = _schema_objects(conn)
-        if not _has_ours(objects):
-            self._create_search_index(conn)
-            objects = _schema_objects(conn)
-        self._repair_search_index(conn, objects)
-
-    def _disk_shortfall(self, vacuum):
-        """Why the disk is too small for optimize-storage, or None."""
-        word_bytes, trigram_bytes = self._read_one(SELECT_INDEXED_TEXT_BYTES_SQL)
-        new_index = 2 * word_bytes + 4 * trigram_bytes
-        need = new_index + (store_file_bytes(self.db_path) if vacuum else 0)
-        free = free_disk_bytes(self.db_path.parent)
-        if free >= need:
-            return None
-        hint = "" if not vacuum else (f"; with --no-vacuum (rebuild now, reclaim later) it needs about "
-                                      f"{new_index / 1e6:.1f} MB")
-        return (f"optimize-storage needs about {need / 1e6:.1f} MB free next to {self.db_path} "
-                f"(new index{' plus a VACUUM copy of the file' if vacuum else ''}); only "
-                f"{free / 1e6:.1f} MB are free{hint}. Nothing was changed.")
-
     @staticmethod
     def _sanitize_fts5_query(query):
         """hermes-agent's name: the MATCH expression a search for `query` runs on one index (every
         term quoted, AND/OR/NOT as parse_query reads them); '' when nothing searchable is left."""
         tree = parse_query(query or "")
         return "" if tree is None else _match_string(tree)
-
-
-def _merge_step(conn, table, pages, group):
-    """One bounded step of FTS5's incremental merge; True while it still found work (FTS5's own test: a step
-    that changed fewer than two rows did nothing). `group` first sets every segment aside as one merge (a negative page count, which adds a level to the
-    structure record); without it the step carries on the merge in progress, or merges a level FTS5's
-    'usermerge' finds full, and adds no level."""
-    before = conn.total_changes
-    conn.execute(FTS_MERGE_SQL.format(table=quote_identifier(table)), (-pages if group else pages,))
-    return conn.total_changes - before >= 2
-
-
-def _drop_retired_chunk(conn, table, objects):
-    """Empty a retired index a chunk at a time through its shadow tables, then drop it.
-
-    The structure records (ids up to 10 in _data) stay until the DROP, which needs them."""
-    for shadow, where in ((f"{table}_data", "id > 10"), (f"{table}_content", "1")):
-        if shadow not in objects:
-            continue
-        try:
-            deleted = conn.execute(DELETE_SHADOW_CHUNK_SQL.format(
-                shadow=quote_identifier(shadow), where=where, limit=DROP_CHUNK_ROWS)).rowcount
-        except sqlite3.OperationalError:
-            break  # shadow tables are read-only in defensive mode: drop the whole table at once
-        if deleted:
-            return
-    conn.execute(DROP_TABLE_SQL.format(table=quote_identifier(table)))
 
 
 def _search_filters(roles, sources, excluded, include_inactive):

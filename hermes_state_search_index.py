@@ -1,0 +1,878 @@
+"""SessionSearchIndexMixin: the life of the search index, from creation to retirement.
+
+Owns: our index (its tables, views, triggers and `hs_search_*` keys, see hermes_state_common), which
+index answers a search and how whole it is (`_index_state`), finding and repairing what another
+program changed in it, moving our older releases' index off hermes-agent's names and our layouts
+forward, backfills and rebuilds, the CJK side index's queue and bounds, holding the triggers back
+for a bulk insert, degrading on runtimes without FTS5 or the trigram tokenizer, `optimize_fts`,
+optimize-storage (the only path from hermes-agent's index to ours) and the search facts `doctor`
+reports.
+
+It never parses or runs a search (SessionSearchMixin does, and calls `_read_objects`, `_index_state`
+and `_mark_index_stale` here through `self`). It never changes hermes-agent's index objects or keys,
+except to drop the triggers this runtime cannot run (as hermes-agent itself does) and when
+optimize-storage retires its index, and never builds our index over a usable one of hermes-agent's
+on open. It relies on SessionDB for `_execute_write`, `_read_all`/`_read_one`/`_read_value`,
+`_with_fresh_reader`, `_commits`, `_cjk_drained`, `fts_caps`, `read_only` and `db_path`, and on
+SessionMaintenanceMixin for `vacuum()` (after optimize-storage), all through `self`; it never
+imports another mixin or hermes_state. SessionDB calls `_init_search` at a writable open and
+`_maintain_search` at the end of each write; SessionPortabilityMixin calls
+`_hold_back_index_triggers` and `_index_held_back_rows` around a bulk import;
+`_schema_version_held_back` is the named hook SessionSchemaMixin's version stamp asks (this class
+comes before that mixin in SessionDB's bases, so its answer wins).
+"""
+import functools
+import logging
+import shutil
+import sqlite3
+from collections import namedtuple
+
+from hermes_state_common import (
+    CJK_BLOCK_BITS, CJK_BOUNDS_OBJECTS, CJK_GLOB, CJK_QUEUE_TABLE, DROP_TABLE_SQL,
+    FTS5_SHADOW_SUFFIXES, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
+    HERMES_INDEX_META, LAYOUT_2_WORD_OBJECTS, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
+    META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_CJK_BOUNDS_PROGRESS,
+    META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT, META_SEARCH_PROGRESS,
+    META_SEARCH_STALE_PREFIX, META_SEARCH_TOOL_JSON_FROM, PREVIOUS_LAYOUT_LEFTOVERS,
+    PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES, RENAME_TABLE_SQL, RETIRED_PREFIX,
+    SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_TABLES, SEARCH_TRIGGERS,
+    SELECT_SCHEMA_OBJECTS_SQL, TABLE_EXISTS_SQL, TOOL_INDEX_PREFIX_CHARS, cjk_terms, placeholders,
+    quote_identifier, store_file_bytes, trigger_writes,
+)
+from hermes_state_schema import (
+    fts_layout_of, pause_between_chunks, read_meta, trigger_damage, write_meta)
+
+logger = logging.getLogger("hermes_state")
+
+BACKFILL_CHUNK_IDS = 1000
+DROP_CHUNK_ROWS = 500
+CJK_DRAIN_CHUNK = 500
+# Ids a chunk of the CJK bounds' fill covers (layout 1 to 2): 50,000, a quarter CJK, held 30-80 ms
+# at 1M messages.
+CJK_BOUNDS_CHUNK_IDS = 25_000
+# A chunk of layout 2 to 3's reindex of tool rows with list content: the ids it reads (each tool
+# row's content: 8 ms at 1M messages, a quarter tool) and the rows it indexes again (25,000 of 3 KB
+# held the lock for 1.4 s).
+TOOL_LISTS_CHUNK_IDS = 25_000
+TOOL_LISTS_MAX_ROWS = 500
+# At most this many queued CJK rows are indexed in one transaction (open or maintenance), so a
+# foreign writer's backlog never means one long write lock (10,000 held it for 1.9 s on a busy
+# 2-core machine); the rest stays answerable through the queue and goes with later writes.
+CJK_DRAIN_MAX_ROWS = 500
+# Merge steps beyond one per MERGE_STEP_PAGES rows of an index's _data table (the most its merge can
+# write): the structure and averages rows, a partial page.
+MERGE_EXTRA_STEPS = 4
+# Queued CJK rows are indexed with every this-many commits of a writer, and right away by any
+# transaction that changed at least BULK_CHANGES rows.
+CJK_DRAIN_EVERY_COMMITS = 64
+# A high water no message id reaches: our triggers index no row (see _hold_back_index_triggers).
+UNREACHED_HIGH_WATER = str(2 ** 63 - 1)
+BULK_CHANGES = 64
+# The indexes a search may use: `tables` names them, `usable` are the whole ones; `substring` is the
+# retry of a query whose words found nothing, inside longer tokens; `cjk_bounded`: every CJK row's
+# block bound holds.
+IndexState = namedtuple("IndexState", "layout tables usable high_water progress cjk_pending"
+                                      " tool_rows substring cjk_bounded")
+
+# -- The index's SQL ------------------------------------------------------------------------------
+_MAX_MESSAGE_ID_SQL = "SELECT COALESCE(MAX(id), 0) FROM messages"
+# FTS5 commands ('rebuild', 'optimize', 'delete-all', 'integrity-check') on one index.
+_FTS_COMMAND_SQL = "INSERT INTO {table}({table}) VALUES ('{command}')"
+# Backfill of our index, one id range (lo, hi] at a time.
+_BACKFILL_SQL = {
+    "word": "INSERT INTO hs_fts_words(rowid, content, tool_name, tool_calls)"
+            " SELECT id, content, tool_name, tool_calls FROM hs_fts_words_src"
+            " WHERE id > ? AND id <= ?",
+    "trigram": "INSERT INTO hs_fts_trigram(rowid, content)"
+               " SELECT id, content FROM hs_fts_trigram_src WHERE id > ? AND id <= ?",
+    "cjk": "INSERT OR IGNORE INTO hs_fts_cjk_queue(id) SELECT id FROM messages"
+           f" WHERE id > ? AND id <= ? AND role <> 'tool' AND content GLOB {CJK_GLOB}",
+}
+# Emptying one index of ours before it is filled again.
+_RESET_INDEX_SQL = {
+    "word": ("INSERT INTO hs_fts_words(hs_fts_words) VALUES ('delete-all')",),
+    "trigram": ("INSERT INTO hs_fts_trigram(hs_fts_trigram) VALUES ('delete-all')",),
+    "cjk": ("DELETE FROM hs_fts_cjk", "DELETE FROM hs_fts_cjk_queue"),
+}
+
+
+
+def free_disk_bytes(path):
+    """Free bytes on the filesystem holding `path` (the optimize-storage pre-check)."""
+    return shutil.disk_usage(path).free
+
+
+# -- What is on disk ------------------------------------------------------------------------------
+
+def _schema_objects(conn):
+    return {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
+
+
+def _same_sql(stored, wanted):
+    return stored is not None and stored.split() == wanted.split()
+
+
+def _has_ours(objects):
+    """True if any table or view of our index is there (the rest, if missing, is repaired)."""
+    return any(name in objects for index in SEARCH_OBJECTS for name in SEARCH_OBJECTS[index])
+
+
+def _stale_key(index):
+    return META_SEARCH_STALE_PREFIX + index
+
+
+def _retired_tables(objects):
+    """Index tables set aside and not yet dropped (their shadow tables aside)."""
+    return sorted(name for name, (kind, sql) in objects.items()
+                  if kind == "table" and name.startswith(RETIRED_PREFIX)
+                  and (sql or "").startswith("CREATE VIRTUAL"))
+
+
+def _drop(conn, kind, name):
+    conn.execute(f"DROP {kind.upper()} {quote_identifier(name)}")
+
+
+def _drop_writers(conn, objects, tables):
+    """Drop every trigger that writes to one of `tables` (whoever made it)."""
+    for name, (kind, sql) in objects.items():
+        if kind == "trigger" and any(table in tables for table, _columns in trigger_writes(sql)):
+            _drop(conn, "trigger", name)
+
+
+def _retire(conn, objects, tables, also=()):
+    """Set index tables aside under our own names (the legacy rename), with every trigger writing to
+    them or to `also`; they are emptied and dropped in chunks later."""
+    _drop_writers(conn, objects, set(tables) | set(also))
+    # The legacy rename: renaming must not make SQLite re-check every trigger and view of the store
+    # (one broken foreign trigger would block it).
+    conn.execute("PRAGMA legacy_alter_table=ON")
+    try:
+        for table in tables:
+            new, number = RETIRED_PREFIX + table, 1
+            while new in objects:
+                new, number = f"{RETIRED_PREFIX}{table}_{number}", number + 1
+            conn.execute(RENAME_TABLE_SQL.format(table=quote_identifier(table),
+                                                 new_name=quote_identifier(new)))
+    finally:
+        conn.execute("PRAGMA legacy_alter_table=OFF")
+
+
+def _empty_unreadable_structure(conn, table, db_path):
+    """True if FTS5 could not open index `table` and its structure record was emptied. Such an index
+    fails every write to messages (its trigger), and a rename or DROP (both open it first): SQLite
+    3.40 calls a structure record of over 2,000 levels corrupt, and a negative 'merge' before every
+    new segment grew one that far. Emptied, it opens again, to be set aside and dropped in chunks
+    like any stale index; the messages it indexed are all still there to refill ours from."""
+    try:
+        # Opens (connects) the table without reading a row of it.
+        conn.execute(f"PRAGMA table_info({quote_identifier(table)})").fetchall()
+        return False
+    except sqlite3.DatabaseError as exc:
+        data = quote_identifier(f"{table}_data")
+        # Row 10 of an FTS5 index's _data table is its structure record (segments by level).
+        row = conn.execute(f"SELECT block FROM {data} WHERE id = 10").fetchone()
+        if row is None or not isinstance(row[0], bytes) or len(row[0]) < 4:
+            raise
+        # Kept: the 4-byte configuration cookie. Then no level, no segment, no write yet.
+        conn.execute(f"UPDATE {data} SET block = ? WHERE id = 10", (row[0][:4] + bytes(3),))
+        logger.warning("search: FTS5 could not open the index table %s of %s (%s); emptied its"
+                       " structure record so it can be set aside and rebuilt from the messages",
+                       table, db_path, exc)
+        return True
+
+
+def drain_cjk_queue(conn, limit=CJK_DRAIN_CHUNK):
+    """Index up to `limit` queued rows into our CJK index and raise their blocks' bounds; returns
+    how many."""
+    rows = conn.execute("SELECT q.id, m.content, m.timestamp FROM hs_fts_cjk_queue AS q"
+                        " JOIN messages AS m ON m.id = q.id ORDER BY q.id LIMIT ?",
+                        (limit,)).fetchall()
+    for message_id, content, timestamp in rows:
+        if content is not None:
+            conn.execute("INSERT OR REPLACE INTO hs_fts_cjk(rowid, terms) VALUES (?, ?)",
+                         (message_id, cjk_terms(content)))
+            if timestamp is not None:  # a backfill's rows: the triggers raised the others'
+                conn.execute("INSERT INTO hs_fts_cjk_bounds(block, newest) VALUES (?, ?)"
+                             " ON CONFLICT(block) DO UPDATE"
+                             " SET newest = max(newest, excluded.newest)",
+                             (message_id >> CJK_BLOCK_BITS, timestamp))
+        conn.execute("DELETE FROM hs_fts_cjk_queue WHERE id = ?", (message_id,))
+    return len(rows)
+
+
+def _progress(phase, status):
+    """An optimize-storage progress report as hermes-agent shapes it (whole percent; 100, 0, 0
+    without a backfill)."""
+    status = status or {"percent": 100, "indexed": 0, "total": 0}
+    return {"phase": phase, "percent": status["percent"],
+            "indexed": status["indexed"], "total": status["total"]}
+
+
+class SessionSearchIndexMixin:
+    """Index-side behaviour of SessionDB (see the module docstring)."""
+
+
+    # Leaf pages one step of an index merge writes: 500 took up to 0.6 s at 1M messages on a busy
+    # 2-core machine, 200 up to 0.8 s with the checkpoint after it; issue 17's bound on a write-lock
+    # hold is 1 s.
+    MERGE_STEP_PAGES = 100
+
+    # -- open ------------------------------------------------------------------
+
+    def _init_search(self):
+        """Writable open: repair our index, or build it where no usable index is; True if that
+        started a backfill, which the open runs to the end in chunks; work an interrupted
+        optimize-storage left waits."""
+        return self._execute_write(self._apply_search_schema)
+
+    def _schema_version_held_back(self, conn):
+        """Without FTS5 the store keeps its schema version (docs/search.md, "Degraded runtimes")."""
+        return not self.fts_caps.fts5
+
+    def _apply_search_schema(self, conn):
+        objects = _schema_objects(conn)
+        moved = self.fts_caps.fts5 and self._move_previous_layout(conn, objects)
+        self._drop_hermes_triggers_not_runnable(conn, _schema_objects(conn))
+        objects = _schema_objects(conn)
+        started = False
+        if not _has_ours(objects):
+            if not self.fts_caps.fts5 or (not moved and self._hermes_index_serves(conn, objects)):
+                return False
+            started = self._create_search_index(conn)
+            objects = _schema_objects(conn)
+        return self._repair_search_index(conn, objects) or started or moved
+
+    def _buildable(self):
+        """Our indexes this runtime can keep (the trigram one needs its tokenizer)."""
+        return tuple(index for index in SEARCH_TABLES
+                     if self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram))
+
+    def _move_previous_layout(self, conn, objects):
+        """Set aside (with any trigger writing to them) the index our releases before layout 1 kept
+        under hermes-agent's names and keys, so ours is built under our names; True if there was
+        one."""
+        old = [table for table, word in PREVIOUS_LAYOUT_TABLES.items()
+               if word in (objects.get(table, (None, None))[1] or "")]
+        leftovers = [name for name in PREVIOUS_LAYOUT_LEFTOVERS if name in objects]
+        if not old and not leftovers:
+            return False
+        # SQLite opens an FTS5 table to rename it, which takes its tokenizer: without trigram, that
+        # table stays (its triggers go) until a runtime with the tokenizer sets it aside.
+        stuck = [t for t in old if "trigram" in objects[t][1]] if not self.fts_caps.trigram else []
+        old = [table for table in old if table not in stuck]
+        _retire(conn, objects, old, also=[*PREVIOUS_LAYOUT_LEFTOVERS, *stuck])
+        for name in leftovers:
+            _drop(conn, PREVIOUS_LAYOUT_LEFTOVERS[name], name)
+        if HERMES_FTS_TABLES["word"] in old:
+            # No index of hermes-agent's was there, so every fts_* key was ours.
+            for key in PREVIOUS_LAYOUT_META:
+                write_meta(conn, key, None)
+        logger.info("search: moved the index of %s off hermes-agent's names (%s);"
+                    " rebuilding it as ours",
+                    self.db_path, ", ".join(old + leftovers))
+        return True
+
+    def _drop_hermes_triggers_not_runnable(self, conn, objects):
+        """Drop hermes-agent's triggers this runtime cannot run (they would fail every write), as it
+        does itself (it rebuilds when they are back). Its CJK index needs a tokenizer only its
+        connections load."""
+        for index, names in HERMES_FTS_TRIGGERS.items():
+            runnable = index != "cjk" and self.fts_caps.fts5 and (
+                index != "trigram" or self.fts_caps.trigram)
+            present = [name for name in names if name in objects]
+            if runnable or not present:
+                continue
+            for name in present:
+                _drop(conn, "trigger", name)
+            if index == "cjk":
+                # hermes-agent's own breadcrumb for exactly this
+                write_meta(conn, META_FTS_CJK_STALE, "1")
+            logger.info("search: dropped hermes-agent's %s index triggers of %s"
+                        " (this runtime cannot run them)",
+                        index, self.db_path)
+
+    def _hermes_index_serves(self, conn, objects):
+        """True if hermes-agent's word index is whole enough to answer searches here."""
+        return HERMES_FTS_TABLES["word"] in objects \
+            and all(n in objects for n in HERMES_FTS_TRIGGERS["word"]) \
+            and not read_meta(conn, META_FTS_STALE) \
+            and not read_meta(conn, META_SEARCH_HERMES_FAILED)
+
+    def _create_search_index(self, conn):
+        """Our index, empty, with every existing row pending a chunked backfill."""
+        for index in self._buildable():
+            for ddl in (*SEARCH_OBJECTS[index].values(), *SEARCH_TRIGGERS[index].values()):
+                conn.execute(ddl)
+        for key in [_stale_key(index) for index in SEARCH_TABLES] + [META_SEARCH_HERMES_FAILED]:
+            write_meta(conn, key, None)
+        write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
+        high_water = conn.execute(_MAX_MESSAGE_ID_SQL).fetchone()[0]
+        if high_water:
+            write_meta(conn, META_SEARCH_HIGH_WATER, str(high_water))
+            write_meta(conn, META_SEARCH_PROGRESS, "0")
+        return bool(high_water)
+
+    def _repair_search_index(self, conn, objects):
+        """Put back what someone else changed in our index (stamp, objects), drop the triggers of an
+        index this runtime cannot keep, rebuild every one not whole; True if a backfill, the CJK
+        bounds' fill or the reindex of layout 2's tool rows is due."""
+        layout = read_meta(conn, META_SEARCH_LAYOUT)
+        if layout == "1" and self._add_cjk_bounds(conn, objects):
+            objects = _schema_objects(conn)
+        if layout in ("1", "2"):
+            self._move_word_index_to_layout_3(conn, objects)
+            objects = _schema_objects(conn)
+        if read_meta(conn, META_SEARCH_LAYOUT) != str(SEARCH_LAYOUT_VERSION):
+            logger.warning("search: the layout stamp of our index in %s was changed;"
+                           " rebuilding the index",
+                           self.db_path)
+            write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
+            for index in SEARCH_TABLES:
+                write_meta(conn, _stale_key(index), "1")
+        buildable = self._buildable()
+        for index in SEARCH_TABLES:
+            if index in buildable:
+                # An index we set aside ourselves (no FTS5 or trigram then) is expected to need it.
+                expected = bool(read_meta(conn, _stale_key(index)))
+                changed = self._restore_objects(conn, index, objects, expected)
+                emptied = _empty_unreadable_structure(conn, SEARCH_TABLES[index], self.db_path)
+                changed = emptied or changed
+            else:
+                changed = [name for name in SEARCH_TRIGGERS[index] if name in objects]
+                for name in changed:
+                    _drop(conn, "trigger", name)
+                changed = changed or not self.fts_caps.fts5 or SEARCH_TABLES[index] not in objects
+            if changed:
+                # Rows written while it was not kept are missing from it.
+                write_meta(conn, _stale_key(index), "1")
+        filling = any(read_meta(conn, key) is not None
+                      for key in (META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_TOOL_JSON_FROM))
+        return self._rebuild_stale_indexes(conn) or filling
+
+    def _add_cjk_bounds(self, conn, objects):
+        """Layout 1 to 2 without a rebuild: the CJK bounds and the triggers that raise them, filled
+        from every indexed row in chunks (fts_rebuild_step); True if that fill is pending. Rows they
+        hold from an earlier layout 2 stay: a bound only has to be at least each row's time."""
+        write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
+        if "cjk" not in self._buildable() or SEARCH_TABLES["cjk"] not in objects:
+            return False  # the repair rebuilds or drops it
+        ddl = {**SEARCH_OBJECTS["cjk"], **SEARCH_TRIGGERS["cjk"]}
+        for name in CJK_BOUNDS_OBJECTS:  # layout 1's triggers raise no bound
+            kind, sql = _schema_objects(conn).get(name, (None, None))
+            if kind and not _same_sql(sql, ddl[name]):
+                _drop(conn, kind, name)
+            if not _same_sql(sql, ddl[name]):
+                conn.execute(ddl[name])
+        write_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS, "0")
+        logger.info("search: adding the CJK bounds of layout %d to %s", SEARCH_LAYOUT_VERSION,
+                    self.db_path)
+        return True
+
+    def _move_word_index_to_layout_3(self, conn, objects):
+        """Layout 2 to 3 without a rebuild: the word index's view and triggers as layout 2 made them
+        are replaced; tool rows written from now on have their list content indexed, the older ones
+        keep the empty text layout 2 gave them (as a delete must) until _reindex_tool_lists reaches
+        them."""
+        write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
+        old = [name for name, ddl in LAYOUT_2_WORD_OBJECTS.items()
+               if _same_sql(objects.get(name, (None, None))[1], ddl)]
+        if "word" not in self._buildable() or SEARCH_TABLES["word"] not in objects or not old:
+            return  # the repair rebuilds or drops it
+        next_id = conn.execute(_MAX_MESSAGE_ID_SQL).fetchone()[0] + 1
+        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, str(next_id))
+        ddl = {**SEARCH_OBJECTS["word"], **SEARCH_TRIGGERS["word"]}
+        for name in old:
+            _drop(conn, objects[name][0], name)
+            conn.execute(ddl[name])
+        logger.info("search: the word index of %s holds tool rows' list content from message %d on"
+                    " (layout %d)",
+                    self.db_path, next_id, SEARCH_LAYOUT_VERSION)
+
+    def _restore_objects(self, conn, index, objects, expected):
+        """Create each object of `index` that is missing or differs from ours; their names."""
+        changed = []
+        for name, ddl in (*SEARCH_OBJECTS[index].items(), *SEARCH_TRIGGERS[index].items()):
+            kind, sql = objects.get(name, (None, None))
+            if _same_sql(sql, ddl):
+                continue
+            if kind is not None:
+                _drop(conn, kind, name)
+            elif ddl.startswith("CREATE VIRTUAL"):
+                # Shadow tables a recovery kept without their table would block the CREATE.
+                for shadow in (f"{name}_{suffix}" for suffix in FTS5_SHADOW_SUFFIXES):
+                    if shadow in objects:
+                        _drop(conn, "table", shadow)
+            conn.execute(ddl)
+            changed.append(name)
+        if changed:
+            logger.log(logging.INFO if expected else logging.WARNING,
+                       "search: restored %s of our index in %s",
+                       ", ".join(changed), self.db_path)
+        return changed
+
+    def _rebuild_stale_indexes(self, conn):
+        """Refill every index from the start when one is not whole; True if that started a backfill.
+
+        Every index shares the backfill's predicate, so all are refilled, in chunks
+        (fts_rebuild_step). Emptying a filled index in place rewrites every page of it in this one
+        transaction (3-5 s at 1M messages): it is set aside instead, and dropped in chunks once the
+        backfill is done."""
+        stale = [index for index in self._buildable() if read_meta(conn, _stale_key(index))]
+        if not stale:
+            return False
+        indexes = list(self._buildable())
+        objects = _schema_objects(conn)
+        _retire(conn, objects,
+                [SEARCH_TABLES[index] for index in indexes if SEARCH_TABLES[index] in objects])
+        objects = _schema_objects(conn)
+        for index in indexes:
+            for name, ddl in (*SEARCH_OBJECTS[index].items(), *SEARCH_TRIGGERS[index].items()):
+                if name not in objects:
+                    conn.execute(ddl)
+        conn.execute(_RESET_INDEX_SQL["cjk"][1])  # the queue: every row is refilled
+        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, None)  # and each with this layout's cut
+        high_water = conn.execute(_MAX_MESSAGE_ID_SQL).fetchone()[0]
+        write_meta(conn, META_SEARCH_HIGH_WATER, str(high_water or 0))
+        write_meta(conn, META_SEARCH_PROGRESS, "0")
+        for index in stale:
+            write_meta(conn, _stale_key(index), None)
+        logger.info("search: rebuilding the %s index of %s", "/".join(stale), self.db_path)
+        return True
+
+    def _rebuild_index(self, conn, index):
+        if index == "cjk":
+            for sql in _RESET_INDEX_SQL["cjk"]:
+                conn.execute(sql)
+            conn.execute(_BACKFILL_SQL["cjk"], (0, conn.execute(_MAX_MESSAGE_ID_SQL).fetchone()[0]))
+            while drain_cjk_queue(conn):
+                pass
+        else:
+            if index == "word":
+                # every row afresh, with this layout's cut
+                write_meta(conn, META_SEARCH_TOOL_JSON_FROM, None)
+            conn.execute(_FTS_COMMAND_SQL.format(table=SEARCH_TABLES[index], command="rebuild"))
+
+    def _maintain_search(self, conn, changes):
+        """At the end of every write transaction that changed `changes` rows: index queued CJK rows
+        after a bulk write and on every 64th commit from the first (the open's own), at most
+        CJK_DRAIN_MAX_ROWS."""
+        commit_number = self._commits + 1  # this transaction's, counted by the write path
+        drained, self._cjk_drained = self._cjk_drained, False
+        if drained or (changes < BULK_CHANGES and commit_number % CJK_DRAIN_EVERY_COMMITS != 1):
+            return
+        if self.fts_caps.fts5 and conn.execute(TABLE_EXISTS_SQL, (CJK_QUEUE_TABLE,)).fetchone():
+            drain_cjk_queue(conn, CJK_DRAIN_MAX_ROWS)
+
+    # -- state ---------------------------------------------------------------
+
+    def fts_layout(self):
+        """'current' (ours), hermes-agent's 'legacy' or 'external', 'previous' (ours, not yet moved)
+        or 'none'."""
+        return self._index_state().layout
+
+    def fts_optimize_available(self):
+        """True when optimize-storage has work: hermes-agent's index to replace by ours, or ours
+        unfinished."""
+        if not self.fts_caps.fts5 or self.read_only:
+            return False
+        objects = self._read_objects()
+        keys = [META_SEARCH_HIGH_WATER] + [_stale_key(index) for index in self._buildable()]
+        return SEARCH_TABLES["word"] not in objects or bool(_retired_tables(objects)) \
+            or bool(self._hermes_tables_to_retire(objects)) or any(self._read_meta(*keys).values())
+
+    def _hermes_tables_to_retire(self, objects):
+        """hermes-agent's word and trigram indexes optimize-storage replaces (a trigram one only
+        where its tokenizer is here: SQLite needs it to rename or drop the table)."""
+        return [index for index in ("word", "trigram")
+                if HERMES_FTS_TABLES[index] in objects
+                and (index == "word" or self.fts_caps.trigram)]
+
+    def _read_objects(self):
+        """{name: (type, sql)} of sqlite_master, through a read connection."""
+        return {name: (kind, sql) for kind, name, sql in self._read_all(SELECT_SCHEMA_OBJECTS_SQL)}
+
+    def _read_meta(self, *keys):
+        """{key: value or None} for these state_meta keys, in one query."""
+        found = dict(self._read_all(
+            f"SELECT key, value FROM state_meta WHERE key IN ({placeholders(len(keys))})", keys))
+        return {key: found.get(key) for key in keys}
+
+    def _index_state(self, objects=None):
+        """Which indexes answer a search: ours when the store has it, else hermes-agent's."""
+        objects = self._read_objects() if objects is None else objects
+        stale = [_stale_key(index) for index in SEARCH_TABLES]
+        meta = self._read_meta(META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS,
+                               META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS,
+                               META_FTS_STALE, META_SEARCH_HERMES_FAILED,
+                               META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_LAYOUT, *stale)
+        if SEARCH_TABLES["word"] in objects:
+            layout, tables, triggers = "current", SEARCH_TABLES, SEARCH_TRIGGERS
+            marks = (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS)
+            blocked = {index: meta[_stale_key(index)] for index in SEARCH_TABLES}
+        else:
+            layout = fts_layout_of(objects.get(HERMES_FTS_TABLES["word"], (None, None))[1])
+            tables = {index: HERMES_FTS_TABLES[index] for index in ("word", "trigram")}
+            triggers = HERMES_FTS_TRIGGERS
+            marks = (META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)
+            blocked = dict.fromkeys(tables, meta[META_FTS_STALE] or meta[META_SEARCH_HERMES_FAILED])
+        usable = {index for index, table in tables.items()
+                  if table in objects and not blocked[index]
+                  and all(name in objects for name in triggers[index])
+                  and self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram)}
+        high_water = meta[marks[0]]
+        pending = "cjk" in usable \
+            and self._read_one("SELECT 1 FROM hs_fts_cjk_queue LIMIT 1") is not None
+        # Bounds an older release left behind (its layout stamp) may miss rows it indexed since.
+        bounded = layout == "current" \
+            and meta[META_SEARCH_LAYOUT] in ("2", str(SEARCH_LAYOUT_VERSION)) \
+            and "hs_fts_cjk_bounds" in objects and not meta[META_SEARCH_CJK_BOUNDS_PROGRESS]
+        return IndexState(layout, tables, usable, int(high_water) if high_water else None,
+                          int(meta[marks[1]] or 0), pending, False, False, bounded)
+
+    def fts_rebuild_status(self):
+        """{pending: True, total, indexed, percent (whole, 0-100)} while the index searches use is
+        being backfilled; None otherwise."""
+        state = self._index_state()
+        if not state.high_water:
+            return None
+        return {"pending": True, "total": state.high_water, "indexed": state.progress,
+                "percent": min(100, 100 * state.progress // state.high_water)}
+
+    def _rebuild_phase(self):
+        """What a backfill or an optimize still has to do, or None when nothing is pending."""
+        status = self.fts_rebuild_status()
+        if status is not None:
+            return dict(status, phase="backfill")
+        retired = _retired_tables(self._read_objects())
+        return {"phase": "teardown", "tables": retired} if retired else None
+
+    def search_health(self):
+        """The search facts `doctor` reports; `trigger_damage` lists every trigger whose writes
+        would fail."""
+        objects = self._read_objects()
+        state = self._index_state(objects)
+        triggers = SEARCH_TRIGGERS if state.layout == "current" else HERMES_FTS_TRIGGERS
+        return {
+            "fts_layout": state.layout,
+            "search_layout_of_release": SEARCH_LAYOUT_VERSION,
+            "hermes_agent_index": fts_layout_of(
+                objects.get(HERMES_FTS_TABLES["word"], (None, None))[1]),
+            "fts_triggers_complete": {index: all(name in objects for name in triggers[index])
+                                      for index, table in state.tables.items() if table in objects},
+            "search_meta": self._read_meta(
+                META_SEARCH_LAYOUT, META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS,
+                META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_TOOL_JSON_FROM,
+                META_SEARCH_HERMES_FAILED, *[_stale_key(i) for i in SEARCH_TABLES]),
+            "hermes_agent_meta": self._read_meta(*HERMES_INDEX_META, META_FTS_CJK_STALE),
+            "fts_rebuild": self._rebuild_phase(),
+            "searchable_by_index": sorted(state.usable),
+            "trigger_damage": self._with_fresh_reader(
+                lambda conn: trigger_damage(objects, lambda sql: conn.execute(sql).fetchall())),
+        }
+
+    def _mark_index_stale(self, exc, state):
+        """Answer by the fallback; rebuild ours (or build ours beside hermes-agent's) at the next
+        open."""
+        logger.warning("search: the index of %s failed (%s); answering by the fallback until"
+                       " the next open",
+                       self.db_path, exc)
+        if self.read_only:
+            return
+        keys = [_stale_key(index) for index in state.usable] if state.layout == "current" \
+            else [META_SEARCH_HERMES_FAILED]
+        self._execute_write(lambda conn: [write_meta(conn, key, "1") for key in keys])
+
+    # -- bulk inserts ----------------------------------------------------------
+
+    def _hold_back_index_triggers(self, conn):
+        """Inside a write, before a bulk insert of new messages (an import): hold our triggers back
+        so that _index_held_back_rows puts its rows into our indexes with one statement an index,
+        and return what it needs; None when the triggers index as usual: none of ours, an insert
+        trigger of ours not as we make it, a backfill under way. Our triggers test "id > high water
+        OR id <= progress", false for every row under a high water no id reaches; the insert
+        triggers, whose test costs twice the row's insert, are dropped. Mark and drops live only
+        inside this transaction: no other writer sees them, a rollback undoes them."""
+        objects = _schema_objects(conn)
+        inserts = {f"{SEARCH_TABLES[index]}_insert": index for index in SEARCH_TRIGGERS}
+        held = [(index, name, objects[name][1])
+                for name, index in inserts.items() if name in objects]
+        if not held \
+                or not all(_same_sql(sql, SEARCH_TRIGGERS[index][name])
+                           for index, name, sql in held) \
+                or read_meta(conn, META_SEARCH_HIGH_WATER) is not None \
+                or read_meta(conn, META_SEARCH_PROGRESS) is not None:
+            return None
+        write_meta(conn, META_SEARCH_HIGH_WATER, UNREACHED_HIGH_WATER)
+        for _index, name, _sql in held:
+            conn.execute(f"DROP TRIGGER {name}")
+        return held, conn.execute(_MAX_MESSAGE_ID_SQL).fetchone()[0]
+
+    def _index_held_back_rows(self, conn, held):
+        """Inside the same write, after the bulk insert: take the mark back, make the triggers again
+        (stored text) and put every row past the insert's first id into their indexes, as they would
+        have (CJK: by its queue)."""
+        if held is None:
+            return
+        triggers, after = held
+        write_meta(conn, META_SEARCH_HIGH_WATER, None)
+        last = conn.execute(_MAX_MESSAGE_ID_SQL).fetchone()[0]
+        for index, _name, sql in triggers:
+            conn.execute(sql)
+            conn.execute(_BACKFILL_SQL[index], (after, last))
+
+    # -- maintenance -----------------------------------------------------------
+
+    def fts_rebuild_step(self):
+        """Do one short transaction of pending index work (backfill, CJK bounds, layout 2's tool
+        rows, CJK queue, teardown); True while more remains."""
+        return self._execute_write(self._rebuild_step)
+
+    def _rebuild_step(self, conn):
+        objects = _schema_objects(conn)
+        if SEARCH_TABLES["word"] in objects and read_meta(conn, META_SEARCH_HIGH_WATER) is not None:
+            self._backfill_chunk(conn, objects)
+            return True
+        bounded = read_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS)
+        if bounded is not None:
+            lower, upper = int(bounded), int(bounded) + CJK_BOUNDS_CHUNK_IDS
+            more = self.fts_caps.fts5 \
+                and {SEARCH_TABLES["cjk"], "hs_fts_cjk_bounds"} <= set(objects) \
+                and conn.execute("SELECT 1 FROM hs_fts_cjk WHERE rowid > ? LIMIT 1",
+                                 (lower,)).fetchone()
+            if more:
+                # The CJK bounds (see CJK_BLOCK_BITS), filled from the rows a layout 1 store
+                # indexed.
+                conn.execute(f"""INSERT INTO hs_fts_cjk_bounds(block, newest)
+SELECT m.id >> {CJK_BLOCK_BITS}, max(m.timestamp)
+FROM hs_fts_cjk AS c CROSS JOIN messages AS m ON m.id = c.rowid
+WHERE c.rowid > ? AND c.rowid <= ? AND m.timestamp IS NOT NULL GROUP BY 1
+ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)""", (lower, upper))
+            write_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS, str(upper) if more else None)
+            return True
+        listed = read_meta(conn, META_SEARCH_TOOL_JSON_FROM)
+        if listed is not None and "word" in self._buildable() and SEARCH_TABLES["word"] in objects:
+            self._reindex_tool_lists(conn, int(listed))
+            return True
+        if CJK_QUEUE_TABLE in objects and self.fts_caps.fts5 and drain_cjk_queue(conn):
+            self._cjk_drained = True  # this transaction's share: _maintain_search adds none
+            return True
+        retired = _retired_tables(objects)
+        if retired:
+            _drop_retired_chunk(conn, retired[0], objects)
+            return True
+        return False
+
+    def _reindex_tool_lists(self, conn, below):
+        """Layout 2 to 3, one chunk under `below` (META_SEARCH_TOOL_JSON_FROM): the newest
+        TOOL_LISTS_MAX_ROWS tool rows with list content of TOOL_LISTS_CHUNK_IDS ids go into the word
+        index with it; the key comes down past them (it goes below the first id)."""
+        top = conn.execute("SELECT MAX(id) FROM messages WHERE id < ?", (below,)).fetchone()[0]
+        lower = max(0, top + 1 - TOOL_LISTS_CHUNK_IDS) if top is not None else 0
+        tool_lists = ("SELECT id FROM messages WHERE id >= ? AND id < ? AND role = 'tool'"
+                      " AND content >= char(0) AND content < char(1) ORDER BY id DESC LIMIT ?")
+        ids = [found for (found,) in conn.execute(tool_lists, (lower, below, TOOL_LISTS_MAX_ROWS))]
+        listed = placeholders(len(ids))
+        if ids:  # each out of the word index with the '' layout 2 gave it
+            conn.execute("INSERT INTO hs_fts_words(hs_fts_words, rowid, content, tool_name,"
+                         " tool_calls) SELECT 'delete', id, '', tool_name, tool_calls FROM messages"
+                         f" WHERE id IN ({listed})", ids)
+        done = ids[-1] if len(ids) == TOOL_LISTS_MAX_ROWS else lower
+        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, str(done) if done else None)
+        if ids:  # the view now gives them their content
+            conn.execute("INSERT INTO hs_fts_words(rowid, content, tool_name, tool_calls)"
+                         " SELECT id, content, tool_name, tool_calls FROM hs_fts_words_src"
+                         f" WHERE id IN ({listed})", ids)
+
+    def _backfill_chunk(self, conn, objects):
+        high_water = int(read_meta(conn, META_SEARCH_HIGH_WATER))
+        progress = int(read_meta(conn, META_SEARCH_PROGRESS) or 0)
+        upper = min(progress + BACKFILL_CHUNK_IDS, high_water)
+        for index in self._buildable():
+            if SEARCH_TABLES[index] in objects:
+                conn.execute(_BACKFILL_SQL[index], (progress, upper))
+        if upper >= high_water:
+            write_meta(conn, META_SEARCH_HIGH_WATER, None)
+        write_meta(conn, META_SEARCH_PROGRESS, None if upper >= high_water else str(upper))
+
+    def rebuild_fts(self):
+        """Rebuild the indexes searches use (ours, else hermes-agent's) from the messages; returns
+        how many, 0 without any (hermes-agent's gateway calls it after an append failed on its
+        index).
+
+        An explicit repair in one transaction, which holds the write lock to the end and logs so
+        first."""
+        objects = self._read_objects()
+        state = self._index_state(objects)
+        indexes = [index for index in self._buildable() if SEARCH_TABLES[index] in objects] \
+            if state.layout == "current" else list(state.usable)
+        if not indexes:
+            return 0
+        logger.info("search: rebuilding %s of %s holds the write lock until it is done",
+                    "/".join(indexes),
+                    self.db_path)
+
+        def rebuild(conn):
+            if state.layout == "current":
+                for index in indexes:
+                    self._rebuild_index(conn, index)
+                for key in (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS,
+                            *map(_stale_key, SEARCH_TABLES)):
+                    write_meta(conn, key, None)
+                return
+            for index in indexes:
+                conn.execute(_FTS_COMMAND_SQL.format(table=state.tables[index], command="rebuild"))
+            # A whole index has no backfill left; hermes-agent's triggers read these markers.
+            write_meta(conn, META_FTS_REBUILD_HIGH_WATER, None)
+            write_meta(conn, META_FTS_REBUILD_PROGRESS, None)
+        self._execute_write(rebuild)
+        return len(indexes)
+
+    def optimize_fts(self):
+        """Merge each index's segments into one and index queued CJK rows; returns how many indexes.
+
+        FTS5's 'optimize' would rewrite a whole index in one transaction (over a minute at 1M
+        messages); its incremental 'merge', MERGE_STEP_PAGES leaf pages a transaction, ends with the
+        same single segment. Only the first step groups the segments (a negative 'merge', as
+        'optimize' does): each grouping adds a level to the index's structure record, and SQLite
+        3.40's FTS5 calls an index of over 2,000 levels corrupt, which a live writer's new segment
+        before every step reached in about 1,000 steps. Later steps only carry that merge on, and
+        stop after the pages it needs, whatever the writers add meanwhile."""
+        while self.fts_rebuild_step():
+            pause_between_chunks()
+        state = self._index_state()
+        for index in state.usable:
+            table = state.tables[index]
+            steps = self._read_value(f"SELECT COUNT(*) FROM {quote_identifier(f'{table}_data')}") \
+                // self.MERGE_STEP_PAGES + MERGE_EXTRA_STEPS
+            step = functools.partial(_merge_step, table=table, pages=self.MERGE_STEP_PAGES,
+                                     group=True)
+            while self._execute_write(step) and steps > 1:
+                step, steps = functools.partial(step, group=False), steps - 1
+                pause_between_chunks()
+        return len(state.usable)
+
+    def optimize_fts_storage(self, *, progress_cb=None, vacuum=True):
+        """Move the store to our index and reclaim the space; hermes-agent's result dict.
+
+        {"ok": True, "vacuumed": True/False (None when not asked)}, or {"ok": False, "reason": ...}
+        when refused ("fts5_unavailable", "read_only", "insufficient_disk" with a "detail",
+        "backfill_incomplete", "teardown_incomplete"). hermes-agent's index (and our unfinished
+        work) is replaced by ours in short transactions with pauses between them, so live writers
+        are never blocked for long; interrupt it at any point and run it again to resume.
+        `progress_cb` gets {phase ('backfill', 'teardown', 'vacuum', 'done'), percent (whole),
+        indexed, total}."""
+        if not self.fts_caps.fts5:
+            return {"ok": False, "reason": "fts5_unavailable"}
+        if self.read_only:
+            return {"ok": False, "reason": "read_only"}
+        shortfall = self._disk_shortfall(vacuum)
+        if shortfall:
+            logger.info("search: %s", shortfall)
+            return {"ok": False, "reason": "insufficient_disk", "vacuumed": None,
+                    "detail": shortfall}
+        report = progress_cb or (lambda _progress: None)
+        self._execute_write(self._begin_optimize)
+        # Reported in hermes-agent's order, which its CLI prints line by line: the backfill from
+        # where it stands, after each chunk that leaves some, closed at 100%; then teardown (with
+        # the CJK queue).
+        report(_progress("backfill", self.fts_rebuild_status()))
+        while self.fts_rebuild_status() is not None and self.fts_rebuild_step():
+            if self.fts_rebuild_status() is not None:
+                report(_progress("backfill", self.fts_rebuild_status()))
+            pause_between_chunks()
+        report(_progress("backfill", self.fts_rebuild_status()))
+        report(_progress("teardown", None))
+        while self.fts_rebuild_step():
+            report(_progress("teardown", None))
+            pause_between_chunks()
+        phase = self._rebuild_phase()
+        if phase is not None:
+            return {"ok": False, "reason": f"{phase['phase']}_incomplete", "vacuumed": None}
+        vacuumed = None
+        if vacuum:
+            report(_progress("vacuum", None))
+            try:
+                self.vacuum()
+                vacuumed = True
+            except sqlite3.OperationalError as exc:
+                logger.warning("search: VACUUM after optimize-storage failed (%s);"
+                               " run it again later", exc)
+                vacuumed = False
+        report(_progress("done", None))
+        return {"ok": True, "vacuumed": vacuumed}
+
+    def _begin_optimize(self, conn):
+        """Set hermes-agent's word and trigram indexes aside (their triggers, views and
+        keys with them), then make ours whole, in one transaction."""
+        objects = _schema_objects(conn)
+        theirs = self._hermes_tables_to_retire(objects)
+        for index in theirs:
+            for name in HERMES_FTS_TRIGGERS[index] + (HERMES_FTS_VIEWS[index],):
+                if name in objects and objects[name][0] != "table":
+                    _drop(conn, objects[name][0], name)
+        if theirs:
+            theirs = [HERMES_FTS_TABLES[index] for index in theirs]
+            _retire(conn, _schema_objects(conn), theirs)
+            for key in HERMES_INDEX_META:
+                write_meta(conn, key, None)
+            logger.info("search: optimize-storage set hermes-agent's index of %s aside (%s)",
+                        self.db_path, ", ".join(theirs))
+        objects = _schema_objects(conn)
+        if not _has_ours(objects):
+            self._create_search_index(conn)
+            objects = _schema_objects(conn)
+        self._repair_search_index(conn, objects)
+
+    def _disk_shortfall(self, vacuum):
+        """Why the disk is too small for optimize-storage, or None."""
+        # Estimated bytes of text our index holds.
+        word_bytes, trigram_bytes = self._read_one(f"""
+SELECT COALESCE(SUM(CASE WHEN role = 'tool'
+                         THEN MIN(LENGTH(CAST(content AS BLOB)), {TOOL_INDEX_PREFIX_CHARS})
+                         ELSE LENGTH(CAST(content AS BLOB)) END), 0),
+       COALESCE(SUM(CASE WHEN role = 'tool' THEN 0 ELSE LENGTH(CAST(content AS BLOB)) END), 0)
+FROM messages
+""")
+        new_index = 2 * word_bytes + 4 * trigram_bytes
+        need = new_index + (store_file_bytes(self.db_path) if vacuum else 0)
+        free = free_disk_bytes(self.db_path.parent)
+        if free >= need:
+            return None
+        hint = "" if not vacuum else ("; with --no-vacuum (rebuild now, reclaim later) it needs"
+                                      f" about {new_index / 1e6:.1f} MB")
+        return (f"optimize-storage needs about {need / 1e6:.1f} MB free next to {self.db_path} "
+                f"(new index{' plus a VACUUM copy of the file' if vacuum else ''}); only "
+                f"{free / 1e6:.1f} MB are free{hint}. Nothing was changed.")
+
+
+def _merge_step(conn, table, pages, group):
+    """One bounded step of FTS5's incremental merge; True while it still found work (FTS5's own
+    test: a step that changed fewer than two rows did nothing). `group` first sets every segment
+    aside as one merge (a negative page count, which adds a level to the structure record); without
+    it the step carries on the merge in progress, or merges a level FTS5's 'usermerge' finds full,
+    and adds no level."""
+    before = conn.total_changes
+    table = quote_identifier(table)
+    conn.execute(f"INSERT INTO {table}({table}, rank) VALUES ('merge', ?)",
+                 (-pages if group else pages,))
+    return conn.total_changes - before >= 2
+
+
+def _drop_retired_chunk(conn, table, objects):
+    """Empty a retired index a chunk at a time through its shadow tables, then drop it.
+
+    The structure records (ids up to 10 in _data) stay until the DROP, which needs them."""
+    for shadow, where in ((f"{table}_data", "id > 10"), (f"{table}_content", "1")):
+        if shadow not in objects:
+            continue
+        try:
+            shadow = quote_identifier(shadow)
+            deleted = conn.execute(
+                f"DELETE FROM {shadow} WHERE rowid IN"
+                f" (SELECT rowid FROM {shadow} WHERE {where} LIMIT {DROP_CHUNK_ROWS})").rowcount
+        except sqlite3.OperationalError:
+            break  # shadow tables are read-only in defensive mode: drop the whole table at once
+        if deleted:
+            return
+    conn.execute(DROP_TABLE_SQL.format(table=quote_identifier(table)))
+
