@@ -458,7 +458,7 @@ class SessionSchemaMixin:
                         "opened without changing it", current, SCHEMA_VERSION)
 
     def _schema_version_held_back(self, conn):
-        """Hook: the search mixin holds the version back on a runtime without FTS5."""
+        """Hook: the search index mixin holds the version back on a runtime without FTS5."""
         return False
 
     # -- data repairs and migrations (resumable, one chunk per transaction) ---
