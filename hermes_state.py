@@ -631,6 +631,11 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         conn = self._borrow_reader(pool)
         try:
             return use(conn)
+        except sqlite3.DatabaseError as exc:
+            # A replica's connection (hermes_state_replica) may read once more on a fresh one.
+            if not getattr(conn, "reopen_after", lambda error: False)(exc):
+                raise
+            return use(conn)
         finally:
             self._return_reader(conn, pool)
 

@@ -118,3 +118,48 @@ class ReplicaRefusals(TempDirTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TornReads(TempDirTestCase):
+    """A replica connection that meets "malformed" reads once more on a fresh connection: the
+    VFS can hand one read pages of two replica states. Here the first connection each reader
+    opens reads a copy whose messages table has a garbage page, as such a read would see it."""
+
+    def test_a_read_that_meets_a_torn_page_set_is_read_again_on_a_fresh_connection(self):
+        import shutil
+        import sqlite3
+
+        from hermes_state import SessionDB
+        from hermes_state_replica import FollowingConnection
+        good = self.tmp / "good.db"
+        with SessionDB(good, journal="delete") as db:
+            db.create_session("s", "cli")
+            db.append_messages_batch("s", [{"role": "user", "content": f"m{i} " * 20}
+                                           for i in range(300)])
+        torn = self.tmp / "torn.db"
+        shutil.copyfile(good, torn)
+        with sqlite3.connect(good) as conn:
+            root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'messages'"
+                                ).fetchone()[0]
+            page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        with open(torn, "r+b") as handle:
+            handle.seek((root - 1) * page_size)
+            handle.write(b"\x0d" + b"\xff" * 50)
+        opened = []
+
+        def factory(target, **kwargs):
+            if target == ":memory:":
+                return sqlite3.connect(target, **kwargs)
+            kwargs["uri"] = True
+
+            def open_connection():
+                path = torn if not opened else good
+                opened.append(path)
+                return sqlite3.connect(path.as_uri() + "?mode=ro", **kwargs)
+            return FollowingConnection(open_connection)
+
+        with SessionDB(good, read_only=True, connection_factory=factory) as db:
+            with self.assertLogs("hermes_state", "INFO") as logs:
+                self.assertEqual(len(db.get_messages("s")), 300)
+        self.assertEqual(opened[:2], [torn, good])
+        self.assertIn("torn page set", "\n".join(logs.output))

@@ -147,14 +147,18 @@ def cold_costs(url):
 
 
 class Reopens(logging.Handler):
-    """Counts the replica connections the product replaced because their VFS stopped following."""
+    """Counts the replica connections the product replaced: because their VFS stopped following
+    (`count`), or after a read that met a torn page set (`torn`, read again on the fresh one)."""
 
     def __init__(self):
         super().__init__(logging.INFO)
-        self.count = 0
+        self.count = self.torn = 0
 
     def emit(self, record):
-        self.count += "reopened" in record.getMessage()
+        message = record.getMessage()
+        if "reopened" in message:
+            self.torn += "torn page set" in message
+            self.count += "torn page set" not in message
 
 
 def main():
@@ -169,7 +173,7 @@ def main():
         print(f"ready {time.monotonic() - start:.3f}", flush=True)
         expected, torn, looks = follow(db, commands)
         result = compare(url, primary, db, expected)
-        result.update(torn=torn, looks=looks, reopened=reopens.count)
+        result.update(torn=torn, looks=looks, reopened=reopens.count, torn_reads=reopens.torn)
     result["cold"] = cold_costs(url)
     print("result " + json.dumps(result, ensure_ascii=False, default=str), flush=True)
 

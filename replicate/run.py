@@ -611,7 +611,8 @@ def scenario_live_replica(binary, work):
                    f"is replaced) max {max(restart_lags, default=0):.2f} s over "
                    f"{len(restart_lags)} commits; "
                    f"{errors} VFS error lines on the reader's stdout, "
-                   f"{result['reopened']} stalled connection(s) replaced")
+                   f"{result['reopened']} stalled connection(s) replaced, "
+                   f"{result['torn_reads']} read(s) that met a torn page set read again")
     FIGURES.append(f"VFS replica cold costs ({total} messages, reader {python}): open "
                    f"{cold['open_ms']} ms reading {cold['open_bytes'] / 1024:.0f} KiB; first "
                    f"CJK+word search pair {cold['first_ms']} ms reading "
