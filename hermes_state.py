@@ -527,6 +527,14 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
                 # (no FTS5, no tokenizer): set them aside as our open does, then write once more.
                 attempt(self._apply_search_schema, [])
                 return attempt(fn, batch)
+            except sqlite3.DatabaseError as exc:
+                # Exactly DatabaseError: SQLite found something corrupt. A write never fails for
+                # our own index: one FTS5 cannot open is set aside (a transaction of its own), then
+                # the write goes once more.
+                if not transaction or type(exc) is not sqlite3.DatabaseError \
+                        or not attempt(self._set_aside_unreadable_indexes, []):
+                    raise
+                return attempt(fn, batch)
         except BaseException:
             self._tokens.put_back(batch)
             raise

@@ -590,8 +590,8 @@ TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE({column}, '') LIKE ? ESCAPE '\\'"
 TERM_LIKE_PARAMS = 3
 FTS_MERGE_SQL = "INSERT INTO {table}({table}, rank) VALUES ('merge', ?)"
 COUNT_FTS_DATA_SQL = "SELECT COUNT(*) FROM {data}"
-# Opens (connects) the table without reading a row of it.
-OPEN_FTS_TABLE_SQL = "PRAGMA table_info({table})"
+# Reads the structure record, no leaf page (SQLite 3.53 reads it at a first query, not at connect).
+OPEN_FTS_TABLE_SQL = "SELECT rowid FROM {table} WHERE rowid = 0"
 # Row 10 of an FTS5 index's _data table is its structure record (segments by level).
 SELECT_FTS_STRUCTURE_SQL = "SELECT block FROM {data} WHERE id = 10"
 UPDATE_FTS_STRUCTURE_SQL = "UPDATE {data} SET block = ? WHERE id = 10"

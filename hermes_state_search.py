@@ -1161,6 +1161,31 @@ class SessionSearchMixin:
         tree = parse_query(query or "")
         return "" if tree is None else _match_string(tree)
 
+    def _set_aside_unreadable_indexes(self, conn):
+        """After a write SQLite refused as corrupt: each index of ours FTS5 cannot open, as a fresh
+        connection reads it (the writer's may hold it open from before), loses its writers and is
+        marked stale: searches answer by the fallback, the next open refills it. True if any."""
+        def unreadable(probe, table):
+            try:
+                probe.execute(OPEN_FTS_TABLE_SQL.format(table=quote_identifier(table))).fetchall()
+                return False
+            except sqlite3.DatabaseError:
+                return True
+        objects = _schema_objects(conn)
+        tables = {index: SEARCH_TABLES[index] for index in self._buildable()
+                  if SEARCH_TABLES[index] in objects}
+        broken = self._with_fresh_reader(
+            lambda probe: [index for index, table in tables.items() if unreadable(probe, table)])
+        for index in broken:  # the CJK queue too: it is refilled whole with the index
+            queue = {CJK_QUEUE_TABLE} if index == "cjk" else set()
+            _drop_writers(conn, objects, {tables[index]} | queue)
+            if index == "cjk":
+                conn.execute(RESET_INDEX_SQL["cjk"][1])
+            write_meta(conn, _stale_key(index), "1")
+            logger.warning("search: FTS5 cannot open the index table %s of %s; set it aside "
+                           "(writes go on, searches use the fallback), the next open refills it",
+                           tables[index], self.db_path)
+        return bool(broken)
 
 def _merge_step(conn, table, pages, group):
     """One bounded step of FTS5's incremental merge; True while it still found work (FTS5's own test: a step
