@@ -19,7 +19,7 @@ import hermes_state_common
 from hermes_state import SessionDB, StoreLockedError
 from hermes_state_common import SCHEMA_SQL, SEARCH_OBJECTS, SEARCH_TRIGGERS
 from test_support import (
-    HAS_TRIGRAM, REPO, V22_DB, V26_DB, StoreTestCase, TempDirTestCase, require, tracing_factory, without_fts5,
+    HAS_FTS5, HAS_TRIGRAM, REPO, V22_DB, V26_DB, StoreTestCase, TempDirTestCase, require, tracing_factory, without_fts5,
     write_statements,
 )
 
@@ -158,6 +158,7 @@ class TheCjkExtensionIsNotNeeded(StoreTestCase):
             self.assertEqual([hit["id"] for hit in self.db.search_messages(term)], [found], term)
 
     def test_the_cjk_ddl_names_are_our_side_index_as_an_open_makes_it(self):
+        require(self, "fts5", "the side index is an FTS5 table")
         names = list(SEARCH_OBJECTS["cjk"]) + list(SEARCH_TRIGGERS["cjk"])
         made_by_open = objects_of(self.path, names)
         bare = self.tmp / "bare.db"
@@ -227,6 +228,7 @@ class IndexDdlNames(StoreTestCase):
     def test_the_stale_keys_are_the_ones_hermes_agent_reads(self):
         self.assertEqual((hermes_state_common.FTS_STALE_KEY, hermes_state_common.FTS_CJK_STALE_KEY),
                          ("fts_stale", "fts_cjk_stale"))
+        require(self, "fts5", "the rest makes hermes-agent's FTS5 index")
         # hermes-agent's index marked stale under that key is not searched: ours is built instead.
         bare = self.tmp / "stale.db"
         bare_store(bare, hermes_state_common.LEGACY_FTS_SQL,
@@ -244,6 +246,7 @@ class SanitizedQuery(StoreTestCase):
             self.db.append_message("s", "user", text)
 
     def test_the_sanitised_query_is_the_match_our_word_index_answers_as_search_does(self):
+        require(self, "fts5", "it runs the expression as a MATCH on our FTS5 word index")
         conn = self.raw(self.path)
         for query in ("hello world", "hello OR goodbye", '"exact phrase"', "hello NOT world", "c++ (fast)",
                       "wor*", "hello AND AND there"):
@@ -269,7 +272,7 @@ class LayoutProbesAndTheOptimizeFlag(TempDirTestCase):
         with SessionDB(self.copy_fixture(V22_DB)) as db:
             self.assertTrue(db._db_has_legacy_inline_fts(db._conn))
             self.assertTrue(db._db_has_legacy_inline_fts(db._conn.cursor()))
-            self.assertTrue(db._sqlite_supports_fts5(db._conn.cursor()))
+            self.assertEqual(db._sqlite_supports_fts5(db._conn.cursor()), HAS_FTS5)
         for store in (self.copy_fixture(V26_DB), self.tmp / "fresh.db"):
             with SessionDB(store) as db:
                 self.assertFalse(db._db_has_legacy_inline_fts(db._conn), store)
@@ -281,6 +284,11 @@ class LayoutProbesAndTheOptimizeFlag(TempDirTestCase):
         self.assertIsNone(self.raw(path).execute(MARKER_SQL).fetchone())
         statements = []
         with SessionDB(path, connection_factory=tracing_factory(statements)) as db:
+            if not HAS_FTS5:  # hermes-agent flags nothing where it has no FTS5; optimize-storage refuses
+                self.assertIsNone(db.get_meta("fts_optimize_available"))
+                self.assertFalse(db.fts_optimize_available())
+                self.assertEqual(db.optimize_fts_storage(vacuum=False)["reason"], "fts5_unavailable")
+                return
             self.assertEqual(db.get_meta("fts_optimize_available"), "1")
             self.assertTrue(db.fts_optimize_available())
         transactions, current = [], None
@@ -441,6 +449,7 @@ class CjkRebuildNames(TempDirTestCase):
             self.assertFalse(db.fts_cjk_rebuild_step())
 
     def test_the_cjk_side_index_fills_with_the_shared_backfill(self):
+        require(self, "fts5", "optimize-storage's first step builds our FTS5 index (it refuses here)")
         path = self.copy_fixture(V22_DB)
         with SessionDB(path) as db:
             found = db.append_message("bench_000003", "user", "我在学习犇文")
