@@ -19,8 +19,8 @@ import hermes_state_common
 from hermes_state import SessionDB, StoreLockedError
 from hermes_state_common import SCHEMA_SQL, SEARCH_OBJECTS, SEARCH_TRIGGERS
 from test_support import (
-    HAS_FTS5, HAS_TRIGRAM, REPO, V22_DB, V26_DB, StoreTestCase, TempDirTestCase, require, tracing_factory, without_fts5,
-    write_statements,
+    HAS_FTS5, HAS_TRIGRAM, REPO, V22_DB, V26_DB, StoreTestCase, TempDirTestCase, require,
+    tracing_factory, without_fts5, write_statements,
 )
 
 MARKER_SQL = "SELECT value FROM state_meta WHERE key = 'fts_optimize_available'"
@@ -284,10 +284,11 @@ class LayoutProbesAndTheOptimizeFlag(TempDirTestCase):
         self.assertIsNone(self.raw(path).execute(MARKER_SQL).fetchone())
         statements = []
         with SessionDB(path, connection_factory=tracing_factory(statements)) as db:
-            if not HAS_FTS5:  # hermes-agent flags nothing where it has no FTS5; optimize-storage refuses
+            if not HAS_FTS5:  # hermes-agent flags nothing without FTS5; optimize-storage refuses
                 self.assertIsNone(db.get_meta("fts_optimize_available"))
                 self.assertFalse(db.fts_optimize_available())
-                self.assertEqual(db.optimize_fts_storage(vacuum=False)["reason"], "fts5_unavailable")
+                refused = db.optimize_fts_storage(vacuum=False)
+                self.assertEqual(refused["reason"], "fts5_unavailable")
                 return
             self.assertEqual(db.get_meta("fts_optimize_available"), "1")
             self.assertTrue(db.fts_optimize_available())
@@ -449,7 +450,7 @@ class CjkRebuildNames(TempDirTestCase):
             self.assertFalse(db.fts_cjk_rebuild_step())
 
     def test_the_cjk_side_index_fills_with_the_shared_backfill(self):
-        require(self, "fts5", "optimize-storage's first step builds our FTS5 index (it refuses here)")
+        require(self, "fts5", "optimize-storage's first step builds our FTS5 index (refused here)")
         path = self.copy_fixture(V22_DB)
         with SessionDB(path) as db:
             found = db.append_message("bench_000003", "user", "我在学习犇文")
