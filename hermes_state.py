@@ -125,7 +125,10 @@ QUICK_CHECK_SQL = "PRAGMA quick_check"
 
 # -- journal policy ------------------------------------------------------------------------------------------
 
-JournalPolicy = namedtuple("JournalPolicy", "mode writer_lock autocheckpoint reason checkpoint")
+# Every write of ours takes state.db.lock on every policy (one discipline on every runtime: SessionDB._lock
+# serialises hermes-agent's SQL across processes only if our own writes queue on that lock too); the
+# policy picks the journal and who checkpoints.
+JournalPolicy = namedtuple("JournalPolicy", "mode autocheckpoint reason checkpoint")
 
 
 def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, checkpoint=None):
@@ -141,17 +144,17 @@ def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, ch
         raise ValueError("HERMES_STATE_CHECKPOINT=external keeps WAL; "
                          "it cannot go with HERMES_STATE_JOURNAL=delete")
     if override == "delete":
-        return JournalPolicy("delete", True, None, "HERMES_STATE_JOURNAL=delete: rollback journal", "none")
+        return JournalPolicy("delete", None, "HERMES_STATE_JOURNAL=delete: rollback journal", "none")
     if override not in ("", "wal"):
         raise ValueError(f"HERMES_STATE_JOURNAL must be 'wal' or 'delete', not {override!r}")
-    affected = sqlite_has_wal_reset_bug(version)
     if wanted == "external":  # the race's fix is in the checkpointer (docs/across-machines.md)
-        return JournalPolicy("wal", affected, 0, f"HERMES_STATE_CHECKPOINT=external ({label}): WAL, "
+        return JournalPolicy("wal", 0, f"HERMES_STATE_CHECKPOINT=external ({label}): WAL, "
                              "automatic checkpoints off, none of ours: the replicator runs them", "external")
-    if affected:
-        return JournalPolicy("wal", True, 0, f"{label} has the WAL-reset race (3.7.0-3.51.2): WAL with every "
+    if sqlite_has_wal_reset_bug(version):
+        return JournalPolicy("wal", 0, f"{label} has the WAL-reset race (3.7.0-3.51.2): WAL with every "
                              "write and checkpoint under state.db.lock, automatic checkpoints off", "locked")
-    return JournalPolicy("wal", False, None, f"{label} is free of the WAL-reset race: plain WAL", "automatic")
+    return JournalPolicy("wal", None, f"{label} is free of the WAL-reset race: WAL with every write "
+                         "under state.db.lock, automatic checkpoints", "automatic")
 
 
 # -- self-repair of damaged files ----------------------------------------------------------------------------
@@ -537,6 +540,14 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
                 # (no FTS5, no tokenizer): set them aside as our open does, then write once more.
                 attempt(self._apply_search_schema, [])
                 return attempt(fn, batch)
+            except sqlite3.DatabaseError as exc:
+                # Exactly DatabaseError: SQLite found something corrupt. A write never fails for
+                # our own index: one FTS5 cannot open is set aside (a transaction of its own), then
+                # the write goes once more.
+                if not transaction or type(exc) is not sqlite3.DatabaseError \
+                        or not attempt(self._set_aside_unreadable_indexes, []):
+                    raise
+                return attempt(fn, batch)
         except BaseException:
             self._tokens.put_back(batch)
             raise
@@ -560,9 +571,9 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
                 time.sleep(pause)
 
     def _take_file_lock(self, start, budget):
-        """True once state.db.lock is held, where the journal policy serialises writers (else False);
-        StoreLockedError if another process holds it past `start` + `budget`."""
-        use_file_lock = self.policy.writer_lock and self._file_lock is not None
+        """True once state.db.lock is held (False: a closed store holds no lock file); StoreLockedError if
+        another process holds it past `start` + `budget`."""
+        use_file_lock = self._file_lock is not None
         if use_file_lock and not self._file_lock.acquire(start + budget):
             raise self._locked_error(start, "another process held state.db.lock", budget)
         return use_file_lock

@@ -238,9 +238,9 @@ def _use_read_only(path, use, flags=""):
 class CallerLock:
     """`SessionDB._lock`: what hermes-agent holds around SQL it runs on `SessionDB._conn`.
 
-    Takes the write path's RLock (our own methods may run inside it) and, where the journal policy serialises
-    writers across processes, state.db.lock, so a caller's statement never races another process's write or
-    checkpoint. While held, the writer waits out a busy store for the whole budget (the caller has no retry
+    Takes the write path's RLock (our own methods may run inside it) and state.db.lock, which every write of
+    ours takes on every journal policy, so a caller's statements never interleave with another process's
+    write or checkpoint (a read-modify-write loses nothing, a caller's BEGIN meets no "database is locked"). While held, the writer waits out a busy store for the whole budget (the caller has no retry
     loop); a transaction the caller left open is rolled back when the outermost hold ends.
     """
 

@@ -28,7 +28,7 @@ from hermes_state_common import (
     PREVIOUS_LAYOUT_TABLES, RENAME_TABLE_SQL, REPAIR_NULL_ACTIVE_SQL, SCHEMA_SQL,
     SCHEMA_VERSION, SELECT_INLINE_PROMPTS_SQL, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL,
     SELECT_SCHEMA_VERSION_SQL, SELECT_TRIGGER_TABLES_SQL, TABLE_INFO_SQL, TITLE_INDEX_NAME, TITLE_INDEX_SQL,
-    TRIGRAM_PROBE_SQL, UPDATE_SCHEMA_VERSION_SQL, quote_identifier, trigger_writes,
+    TRIGRAM_PROBE_SQL, UPDATE_SCHEMA_VERSION_SQL, is_capability_gap, quote_identifier, trigger_writes,
     LAST_ACTIVE_SQL,
 )
 
@@ -309,8 +309,15 @@ def trigger_damage(objects, read_all):
             if target is None or objects[target][0] not in ("table", "view"):
                 damage.append(f"trigger {name} writes to {table}, which does not exist")
                 continue
-            known = {row[1].lower() for row in read_all(TABLE_INFO_SQL.format(
-                table=quote_identifier(target)))} | {target.lower(), "rowid", "rank"}
+            try:
+                info = read_all(TABLE_INFO_SQL.format(table=quote_identifier(target)))
+            except sqlite3.OperationalError as exc:
+                # An FTS5 table this SQLite lacks the module or tokenizer for is no damage of the store:
+                # an open here (ours, hermes-agent's) drops its triggers, a full runtime runs them.
+                if not is_capability_gap(exc):
+                    raise
+                continue
+            known = {row[1].lower() for row in info} | {target.lower(), "rowid", "rank"}
             damage += [f"trigger {name} writes to {table}.{column}, which does not exist"
                        for column in columns or () if column.lower() not in known]
     for (table,) in read_all(SELECT_TRIGGER_TABLES_SQL):
@@ -322,7 +329,8 @@ def trigger_damage(objects, read_all):
             try:
                 read_all("EXPLAIN " + sql)
             except sqlite3.Error as exc:
-                damage.append(f"every {verb} on {table} fails: {exc}")
+                if not is_capability_gap(exc):  # (as above)
+                    damage.append(f"every {verb} on {table} fails: {exc}")
     return damage
 
 

@@ -157,6 +157,11 @@ def _retire(conn, objects, tables, also=()):
         conn.execute("PRAGMA legacy_alter_table=OFF")
 
 
+# Reads the structure record and no leaf page: SQLite 3.53 reads the record at a first query, not
+# at connect, so a PRAGMA table_info no longer shows a broken one.
+_OPEN_FTS_TABLE_SQL = "SELECT rowid FROM {table} WHERE rowid = 0"
+
+
 def _empty_unreadable_structure(conn, table, db_path):
     """True if FTS5 could not open index `table` and its structure record was emptied. Such an index
     fails every write to messages (its trigger), and a rename or DROP (both open it first): SQLite
@@ -164,8 +169,7 @@ def _empty_unreadable_structure(conn, table, db_path):
     new segment grew one that far. Emptied, it opens again, to be set aside and dropped in chunks
     like any stale index; the messages it indexed are all still there to refill ours from."""
     try:
-        # Opens (connects) the table without reading a row of it.
-        conn.execute(f"PRAGMA table_info({quote_identifier(table)})").fetchall()
+        conn.execute(_OPEN_FTS_TABLE_SQL.format(table=quote_identifier(table))).fetchall()
         return False
     except sqlite3.DatabaseError as exc:
         data = quote_identifier(f"{table}_data")
@@ -844,6 +848,31 @@ FROM messages
                 f"(new index{' plus a VACUUM copy of the file' if vacuum else ''}); only "
                 f"{free / 1e6:.1f} MB are free{hint}. Nothing was changed.")
 
+    def _set_aside_unreadable_indexes(self, conn):
+        """After a write SQLite refused as corrupt: each index of ours FTS5 cannot open, as a fresh
+        connection reads it (the writer's may hold it open from before), loses its writers and is
+        marked stale: searches answer by the fallback, the next open refills it. True if any."""
+        def unreadable(probe, table):
+            try:
+                probe.execute(_OPEN_FTS_TABLE_SQL.format(table=quote_identifier(table))).fetchall()
+                return False
+            except sqlite3.DatabaseError:
+                return True
+        objects = _schema_objects(conn)
+        tables = {index: SEARCH_TABLES[index] for index in self._buildable()
+                  if SEARCH_TABLES[index] in objects}
+        broken = self._with_fresh_reader(
+            lambda probe: [index for index, table in tables.items() if unreadable(probe, table)])
+        for index in broken:  # the CJK queue too: it is refilled whole with the index
+            queue = {CJK_QUEUE_TABLE} if index == "cjk" else set()
+            _drop_writers(conn, objects, {tables[index]} | queue)
+            if index == "cjk":
+                conn.execute(_RESET_INDEX_SQL["cjk"][1])
+            write_meta(conn, _stale_key(index), "1")
+            logger.warning("search: FTS5 cannot open the index table %s of %s; set it aside "
+                           "(writes go on, searches use the fallback), the next open refills it",
+                           tables[index], self.db_path)
+        return bool(broken)
 
 def _merge_step(conn, table, pages, group):
     """One bounded step of FTS5's incremental merge; True while it still found work (FTS5's own

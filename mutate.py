@@ -327,7 +327,7 @@ MUTANTS = [
            "a failing checkpoint after COMMIT reaches the retry loop, which writes the rows twice",
            ["test_concurrency.CommittedMeansOnce"]),
     Mutant("writer-file-lock-skipped", "hermes_state.py",
-           "        use_file_lock = self.policy.writer_lock and self._file_lock is not None\n",
+           "        use_file_lock = self._file_lock is not None\n",
            "        use_file_lock = False\n",
            "writes skip the cross-process lock that guards the WAL-reset race",
            ["test_concurrency.LockedStore"]),

@@ -19,7 +19,8 @@ import hermes_state_common
 from hermes_state import SessionDB, StoreLockedError
 from hermes_state_common import SCHEMA_SQL, SEARCH_OBJECTS, SEARCH_TRIGGERS
 from test_support import (
-    REPO, V22_DB, V26_DB, StoreTestCase, TempDirTestCase, tracing_factory, without_fts5, write_statements,
+    HAS_FTS5, HAS_TRIGRAM, REPO, V22_DB, V26_DB, StoreTestCase, TempDirTestCase, require,
+    tracing_factory, without_fts5, write_statements,
 )
 
 MARKER_SQL = "SELECT value FROM state_meta WHERE key = 'fts_optimize_available'"
@@ -157,6 +158,7 @@ class TheCjkExtensionIsNotNeeded(StoreTestCase):
             self.assertEqual([hit["id"] for hit in self.db.search_messages(term)], [found], term)
 
     def test_the_cjk_ddl_names_are_our_side_index_as_an_open_makes_it(self):
+        require(self, "fts5", "the side index is an FTS5 table")
         names = list(SEARCH_OBJECTS["cjk"]) + list(SEARCH_TRIGGERS["cjk"])
         made_by_open = objects_of(self.path, names)
         bare = self.tmp / "bare.db"
@@ -169,7 +171,12 @@ class TheCjkExtensionIsNotNeeded(StoreTestCase):
 class IndexDdlNames(StoreTestCase):
 
     def test_fts_sql_and_fts_trigram_sql_make_our_word_and_trigram_indexes_as_an_open_does(self):
+        require(self, "fts5", "the scripts make FTS5 tables")
         for index, script in (("word", hermes_state_common.FTS_SQL), ("trigram", hermes_state_common.FTS_TRIGRAM_SQL)):
+            if index == "trigram" and not HAS_TRIGRAM:
+                with self.subTest(index=index):
+                    require(self, "trigram", "FTS_TRIGRAM_SQL makes a trigram table")
+                continue
             names = list(SEARCH_OBJECTS[index]) + list(SEARCH_TRIGGERS[index])
             bare = self.tmp / f"{index}.db"
             bare_store(bare, script)
@@ -178,6 +185,7 @@ class IndexDdlNames(StoreTestCase):
 
     def test_legacy_fts_sql_is_hermes_agent_019s_inline_index_as_its_stores_hold_it(self):
         # The fixture's own 0.19 index and one the LEGACY_* scripts keep hold the same text for every row.
+        require(self, "trigram", "the fixture's 0.19 index and LEGACY_FTS_TRIGRAM_SQL are trigram tables")
         fixture = self.copy_fixture(V22_DB)
         raw = self.raw(fixture)
         rows = raw.execute("SELECT * FROM messages ORDER BY id").fetchall()
@@ -203,8 +211,11 @@ class IndexDdlNames(StoreTestCase):
             self.assertEqual(len(ours), len(rows))
 
     def test_a_store_with_the_legacy_index_is_searched_through_it_and_flagged(self):
+        require(self, "fts5", "the legacy index is an FTS5 table")
         bare = self.tmp / "legacy.db"
-        bare_store(bare, hermes_state_common.LEGACY_FTS_SQL, hermes_state_common.LEGACY_FTS_TRIGRAM_SQL)
+        # (Without the trigram tokenizer hermes-agent makes its word index alone.)
+        bare_store(bare, hermes_state_common.LEGACY_FTS_SQL,
+                   *[hermes_state_common.LEGACY_FTS_TRIGRAM_SQL] if HAS_TRIGRAM else [])
         with SessionDB(bare) as db:
             self.assertEqual(db.fts_layout(), "legacy")
             db.create_session("s", "cli")
@@ -217,6 +228,7 @@ class IndexDdlNames(StoreTestCase):
     def test_the_stale_keys_are_the_ones_hermes_agent_reads(self):
         self.assertEqual((hermes_state_common.FTS_STALE_KEY, hermes_state_common.FTS_CJK_STALE_KEY),
                          ("fts_stale", "fts_cjk_stale"))
+        require(self, "fts5", "the rest makes hermes-agent's FTS5 index")
         # hermes-agent's index marked stale under that key is not searched: ours is built instead.
         bare = self.tmp / "stale.db"
         bare_store(bare, hermes_state_common.LEGACY_FTS_SQL,
@@ -234,6 +246,7 @@ class SanitizedQuery(StoreTestCase):
             self.db.append_message("s", "user", text)
 
     def test_the_sanitised_query_is_the_match_our_word_index_answers_as_search_does(self):
+        require(self, "fts5", "it runs the expression as a MATCH on our FTS5 word index")
         conn = self.raw(self.path)
         for query in ("hello world", "hello OR goodbye", '"exact phrase"', "hello NOT world", "c++ (fast)",
                       "wor*", "hello AND AND there"):
@@ -259,7 +272,7 @@ class LayoutProbesAndTheOptimizeFlag(TempDirTestCase):
         with SessionDB(self.copy_fixture(V22_DB)) as db:
             self.assertTrue(db._db_has_legacy_inline_fts(db._conn))
             self.assertTrue(db._db_has_legacy_inline_fts(db._conn.cursor()))
-            self.assertTrue(db._sqlite_supports_fts5(db._conn.cursor()))
+            self.assertEqual(db._sqlite_supports_fts5(db._conn.cursor()), HAS_FTS5)
         for store in (self.copy_fixture(V26_DB), self.tmp / "fresh.db"):
             with SessionDB(store) as db:
                 self.assertFalse(db._db_has_legacy_inline_fts(db._conn), store)
@@ -271,6 +284,12 @@ class LayoutProbesAndTheOptimizeFlag(TempDirTestCase):
         self.assertIsNone(self.raw(path).execute(MARKER_SQL).fetchone())
         statements = []
         with SessionDB(path, connection_factory=tracing_factory(statements)) as db:
+            if not HAS_FTS5:  # hermes-agent flags nothing without FTS5; optimize-storage refuses
+                self.assertIsNone(db.get_meta("fts_optimize_available"))
+                self.assertFalse(db.fts_optimize_available())
+                refused = db.optimize_fts_storage(vacuum=False)
+                self.assertEqual(refused["reason"], "fts5_unavailable")
+                return
             self.assertEqual(db.get_meta("fts_optimize_available"), "1")
             self.assertTrue(db.fts_optimize_available())
         transactions, current = [], None
@@ -431,6 +450,7 @@ class CjkRebuildNames(TempDirTestCase):
             self.assertFalse(db.fts_cjk_rebuild_step())
 
     def test_the_cjk_side_index_fills_with_the_shared_backfill(self):
+        require(self, "fts5", "optimize-storage's first step builds our FTS5 index (refused here)")
         path = self.copy_fixture(V22_DB)
         with SessionDB(path) as db:
             found = db.append_message("bench_000003", "user", "我在学习犇文")
