@@ -1033,8 +1033,8 @@ def measure_million(runner, folder, table, small_growth_mb):
 
 # -- peers: the stores people pick instead (BENCH_PEERS=1) ---------------------------------------
 # Each peer runs in a worker of its own venv (cached under CACHE/peers/<name>, made on first use
-# from bench_peers_requirements/<name>.txt, every package pinned and installed with --no-deps so
-# pip resolves nothing); ours and the reference run the same adapter code through SessionDB, raw
+# from bench_peers_requirements/<name>.txt, every package pinned by version and hash and installed
+# with --no-deps so pip resolves nothing); ours and the reference run the same adapter code through SessionDB, raw
 # sqlite3 in this python. Every store gets the same messages.
 
 PEERS = ("openai-agents", "langgraph-checkpoint-sqlite", "llm")
@@ -1401,7 +1401,8 @@ def peer_python(name):
         shutil.rmtree(folder, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
         done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps",
-                               "--disable-pip-version-check", "-r", str(requirements)],
+                               "--require-hashes", "--disable-pip-version-check", "-r",
+                               str(requirements)],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"peers: pip could not install {requirements}:\n{done.stderr[-2000:]}")
