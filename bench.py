@@ -15,6 +15,10 @@ python of the venv `make compat` caches (compat/venvs.py); with `-P` its path ne
 Both sides run the same job code on their own stores. Without that venv the reference column is empty.
 Raw sqlite3 figures (the ranked FTS5 query, inserts with the same triggers) run on our own stores.
 
+`BENCH_PEERS=1` adds the peers table (OpenAI Agents SDK, LangGraph's SQLite checkpointer, llm's
+logs.db beside ours, the reference and raw sqlite3): each peer's worker runs in its own venv, cached
+under `$HERMES_BENCH_CACHE/peers` and made on first use from bench_peers_requirements/.
+
 `BENCH_SCALE=1m` adds the 1,000,000-message figures: the store is generated once into
 `$HERMES_BENCH_CACHE` (default ~/.cache/hermes_state_bench) and regenerated when our schema changes;
 the longest write-lock hold is measured from outside by a probe process that keeps trying
