@@ -3,6 +3,10 @@
 # make bench - issue 17's speed goals at 4,000 and 100,000 messages, ours beside hermes-agent 0.20.1.2 (when
 #              the `make compat` venv exists) and raw sqlite3, one table with a ✓/✗ per goal;
 #              BENCH_SCALE=1m adds the 1,000,000-message figures (store cached in ~/.cache/hermes_state_bench)
+#              BENCH_PEERS=1 adds the peers table: OpenAI Agents SQLiteSession, LangGraph SqliteSaver
+#              and llm's logs.db beside ours, the reference and raw sqlite3 (each peer in a venv
+#              cached in ~/.cache/hermes_state_bench/peers, made from PyPI on first use, pinned in
+#              bench_peers_requirements/)
 # make demo  - build and show an example store in a temporary home
 # make mutate - mutation testing: each named bug in mutate.py must fail the suite (slow, not in CI)
 # make compat - hermes-agent 0.20.1.2 on its own state layer vs on ours, and stores passed between ours and

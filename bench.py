@@ -15,6 +15,10 @@ python of the venv `make compat` caches (compat/venvs.py); with `-P` its path ne
 Both sides run the same job code on their own stores. Without that venv the reference column is empty.
 Raw sqlite3 figures (the ranked FTS5 query, inserts with the same triggers) run on our own stores.
 
+`BENCH_PEERS=1` adds the peers table (OpenAI Agents SDK, LangGraph's SQLite checkpointer, llm's
+logs.db beside ours, the reference and raw sqlite3): each peer's worker runs in its own venv, cached
+under `$HERMES_BENCH_CACHE/peers` and made on first use from bench_peers_requirements/.
+
 `BENCH_SCALE=1m` adds the 1,000,000-message figures: the store is generated once into
 `$HERMES_BENCH_CACHE` (default ~/.cache/hermes_state_bench) and regenerated when our schema changes;
 the longest write-lock hold is measured from outside by a probe process that keeps trying
@@ -1031,6 +1035,484 @@ def measure_million(runner, folder, table, small_growth_mb):
     os.unlink(work)
 
 
+# -- peers: the stores people pick instead (BENCH_PEERS=1) ---------------------------------------
+# Each peer runs in a worker of its own venv (cached under CACHE/peers/<name>, made on first use
+# from bench_peers_requirements/<name>.txt, every package pinned by version and hash and installed
+# with --no-deps so pip resolves nothing); ours and the reference run the same adapter code through SessionDB, raw
+# sqlite3 in this python. Every store gets the same messages.
+
+PEERS = ("openai-agents", "langgraph-checkpoint-sqlite", "llm")
+PEER_SESSIONS, PEER_SESSION_MESSAGES = 2_000, 25    # the store: 50,000 messages in 2,000 sessions
+PEER_LONG = 2_000                                    # one long session, for the last-200 read
+PEER_APPENDS = 200                                   # appended one a transaction, a figure
+PEER_ROUNDS = 5
+PEER_RARE, PEER_COMMON = "quokka", "schema"
+
+
+def peer_history(count, seed):
+    """agent_history with tool outputs of 200-8,000 characters (the output repeated or cut) and the
+    rare word in every 500th message."""
+    rng = random.Random(seed)
+    history = agent_history(count, seed)
+    for i, message in enumerate(history):
+        if message["role"] == "tool":
+            size = rng.randint(200, 8_000)
+            history[i] = dict(message, content=(message["content"] * (size // 200 + 1))[:size])
+    for i in range(0, count, 500):
+        history[i] = dict(history[i], content=history[i]["content"] + f" {PEER_RARE}")
+    return history
+
+
+class PeerHermes:
+    """Ours or the reference: whichever hermes_state this python imports."""
+
+    def __init__(self, path):
+        import hermes_state
+        self.db, self.made = hermes_state.SessionDB(Path(path)), set()
+
+    def append(self, sid, message):
+        if sid not in self.made:
+            self.db.create_session(sid, "cli")
+            self.made.add(sid)
+        self.db.append_message(sid, **message)
+
+    def bulk(self, sid, messages):
+        self.db.create_session(sid, "cli")
+        self.db.append_messages_batch(sid, [dict(m) for m in messages])
+
+    long = bulk
+
+    def latest(self, sid):
+        return self.db.get_messages(sid, limit=PEER_LONG // 10, latest=True)
+
+    def newest(self):
+        return [(r["id"], r.get("preview")) for r in self.db.list_sessions_rich(limit=50)]
+
+    def search(self, word):
+        return self.db.search_messages(word, limit=20)
+
+    def close(self):
+        self.db.close()
+
+
+class PeerRaw:
+    """Raw sqlite3: two tables, one FTS5 index kept by a trigger, no API around them."""
+
+    SCHEMA = """
+        PRAGMA journal_mode=WAL;
+        CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, started_at REAL,
+            message_count INTEGER NOT NULL DEFAULT 0);
+        CREATE INDEX IF NOT EXISTS sessions_started ON sessions (started_at);
+        CREATE TABLE IF NOT EXISTS messages (id INTEGER PRIMARY KEY, session_id TEXT NOT NULL,
+            role TEXT, content TEXT, tool_calls TEXT, tool_name TEXT, tool_call_id TEXT,
+            timestamp REAL);
+        CREATE INDEX IF NOT EXISTS messages_session ON messages (session_id, id);
+        CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(content, content='messages',
+            content_rowid='id');
+        CREATE TRIGGER IF NOT EXISTS messages_fts_insert AFTER INSERT ON messages BEGIN
+            INSERT INTO messages_fts (rowid, content) VALUES (new.id, new.content); END;
+    """
+
+    def __init__(self, path):
+        self.conn = sqlite3.connect(path, isolation_level=None)
+        self.conn.executescript(self.SCHEMA)
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+
+    def _insert(self, sid, messages):
+        self.conn.execute("INSERT OR IGNORE INTO sessions (id, started_at) VALUES (?, ?)",
+                          (sid, time.time()))
+        self.conn.executemany(
+            "INSERT INTO messages (session_id, role, content, tool_calls, tool_name, tool_call_id,"
+            " timestamp) VALUES (:sid, :role, :content, :tool_calls, :tool_name, :tool_call_id,"
+            " :ts)",
+            [{"sid": sid, "role": m["role"], "content": m.get("content"),
+              "tool_calls": json.dumps(m["tool_calls"]) if m.get("tool_calls") else None,
+              "tool_name": m.get("tool_name"), "tool_call_id": m.get("tool_call_id"),
+              "ts": time.time()} for m in messages])
+        self.conn.execute("UPDATE sessions SET message_count = message_count + ? WHERE id = ?",
+                          (len(messages), sid))
+
+    def append(self, sid, message):
+        self.bulk(sid, [message])
+
+    def bulk(self, sid, messages):
+        self.conn.execute("BEGIN IMMEDIATE")
+        self._insert(sid, messages)
+        self.conn.execute("COMMIT")
+
+    long = bulk
+
+    def latest(self, sid):
+        cur = self.conn.execute("SELECT * FROM messages WHERE session_id = ? ORDER BY id DESC"
+                                " LIMIT ?", (sid, PEER_LONG // 10))
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row)) for row in reversed(cur.fetchall())]
+
+    def newest(self):
+        return self.conn.execute(
+            "SELECT s.id, (SELECT substr(content, 1, 60) FROM messages m WHERE m.session_id = s.id"
+            " ORDER BY m.id LIMIT 1) FROM sessions s ORDER BY s.started_at DESC LIMIT 50"
+        ).fetchall()
+
+    def search(self, word):
+        return self.conn.execute(
+            "SELECT m.id, m.session_id, snippet(messages_fts, 0, '>', '<', '...', 12)"
+            " FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid"
+            " WHERE messages_fts MATCH ? ORDER BY rank LIMIT 20", (word,)).fetchall()
+
+    def close(self):
+        self.conn.close()
+
+
+class PeerOpenAI:
+    """OpenAI Agents SDK's SQLiteSession: one session object a conversation, its async API run on
+    one event loop; it has no listing, so the listing is SQL on its two tables; no search."""
+
+    def __init__(self, path):
+        import asyncio
+        from agents import SQLiteSession
+        self.path, self.make, self.sessions = path, SQLiteSession, {}
+        self.run = asyncio.new_event_loop().run_until_complete
+
+    def _session(self, sid):
+        if sid not in self.sessions:
+            self.sessions[sid] = self.make(sid, self.path)
+        return self.sessions[sid]
+
+    def append(self, sid, message):
+        self.run(self._session(sid).add_items([message]))
+
+    def bulk(self, sid, messages):
+        session = self.make(sid, self.path)
+        self.run(session.add_items(list(messages)))
+        session.close()
+
+    long = bulk
+
+    def latest(self, sid):
+        return self.run(self._session(sid).get_items(limit=PEER_LONG // 10))
+
+    def newest(self):
+        conn = sqlite3.connect(self.path)
+        rows = conn.execute(
+            "SELECT s.session_id, (SELECT message_data FROM agent_messages m"
+            " WHERE m.session_id = s.session_id ORDER BY m.id LIMIT 1) FROM agent_sessions s"
+            " ORDER BY s.updated_at DESC LIMIT 50").fetchall()
+        conn.close()
+        return [(sid, (json.loads(data).get("content") or "")[:60]) for sid, data in rows]
+
+    search = None
+
+    def close(self):
+        for session in self.sessions.values():
+            session.close()
+
+
+class PeerLangGraph:
+    """LangGraph's SqliteSaver as a graph with a `messages` channel uses it: a checkpoint per step
+    holding the whole message list so far. The long session is put as one checkpoint (its 2,000
+    steps would write 2,000 ever-longer copies). Listing: the newest checkpoints of all threads,
+    first 50 threads; no search."""
+
+    def __init__(self, path):
+        from langgraph.checkpoint.base import empty_checkpoint
+        from langgraph.checkpoint.sqlite import SqliteSaver
+        self.conn = sqlite3.connect(path, check_same_thread=False)
+        self.saver, self.empty, self.threads = SqliteSaver(self.conn), empty_checkpoint, {}
+        self.states = {}
+        self.saver.setup()
+
+    @staticmethod
+    def _config(sid, checkpoint_id=None):
+        config = {"configurable": {"thread_id": sid, "checkpoint_ns": ""}}
+        if checkpoint_id:
+            config["configurable"]["checkpoint_id"] = checkpoint_id
+        return config
+
+    def _put(self, sid, messages):
+        parent = self.threads.get(sid)
+        step = len(messages)
+        checkpoint = dict(self.empty(), id=f"{time.time_ns():020d}-{step:08d}",
+                          channel_values={"messages": messages},
+                          channel_versions={"messages": step})
+        self.saver.put(self._config(sid, parent), checkpoint,
+                       {"source": "loop", "step": step, "parents": {}}, {"messages": step})
+        self.threads[sid] = checkpoint["id"]
+
+    def append(self, sid, message):
+        state = self.states.setdefault(sid, [])  # the graph's state, in memory between steps
+        state.append(message)
+        self._put(sid, list(state))
+
+    def bulk(self, sid, messages):
+        for i in range(1, len(messages) + 1):
+            self._put(sid, list(messages[:i]))
+
+    def long(self, sid, messages):
+        self._put(sid, list(messages))
+
+    def latest(self, sid):
+        found = self.saver.get_tuple(self._config(sid))
+        return found.checkpoint["channel_values"]["messages"][-(PEER_LONG // 10):]
+
+    def newest(self):
+        seen = {}
+        for found in self.saver.list(None):
+            sid = found.config["configurable"]["thread_id"]
+            if sid not in seen:
+                messages = found.checkpoint["channel_values"].get("messages") or [{}]
+                seen[sid] = (messages[0].get("content") or "")[:60]
+                if len(seen) == 50:
+                    break
+        return list(seen.items())
+
+    search = None
+
+    def close(self):
+        self.conn.close()
+
+
+class PeerLLM:
+    """llm's logs.db: its own migrate() of a sqlite_utils.Database, then each message logged as
+    Response.log_to_db does it (a conversations row, ignore=True; a responses row; a tool_calls
+    row a call), through sqlite-utils, each insert its own transaction as there; no model called.
+    User and tool messages are prompts, assistant messages responses. Listing: the conversations
+    table (its name is the preview llm keeps); search: llm's ranked FTS query on responses_fts."""
+
+    def __init__(self, path):
+        import sqlite_utils
+        from llm.migrations import migrate
+        self.db = sqlite_utils.Database(path)
+        migrate(self.db)
+        self.count = 0
+
+    def _rows(self, sid, messages):
+        responses, calls = [], []
+        for m in messages:
+            self.count += 1
+            rid = f"{time.time_ns():020d}{self.count:08d}"
+            prompt = m.get("content") if m["role"] != "assistant" else None
+            responses.append({
+                "id": rid, "model": "bench", "prompt": prompt, "system": None,
+                "prompt_json": None, "options_json": {},
+                "response": m.get("content") if m["role"] == "assistant" else "",
+                "response_json": {"role": m["role"], "tool_call_id": m.get("tool_call_id")},
+                "conversation_id": sid, "duration_ms": 0,
+                "datetime_utc": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()),
+                "input_tokens": None, "output_tokens": None, "token_details": None,
+                "schema_id": None, "resolved_model": None})
+            for call in m.get("tool_calls") or ():
+                calls.append({"response_id": rid, "tool_id": None,
+                              "name": call["function"]["name"],
+                              "arguments": call["function"]["arguments"],
+                              "tool_call_id": call["id"]})
+        return responses, calls
+
+    def _conversation(self, sid, messages):
+        self.db["conversations"].insert(
+            {"id": sid, "name": (messages[0].get("content") or "")[:60], "model": "bench"},
+            ignore=True)
+
+    def append(self, sid, message):
+        self._conversation(sid, [message])
+        responses, calls = self._rows(sid, [message])
+        self.db["responses"].insert(responses[0])
+        for call in calls:
+            self.db["tool_calls"].insert(call)
+
+    def bulk(self, sid, messages):
+        self._conversation(sid, messages)
+        responses, calls = self._rows(sid, messages)
+        self.db["responses"].insert_all(responses)
+        if calls:
+            self.db["tool_calls"].insert_all(calls)
+
+    long = bulk
+
+    def latest(self, sid):
+        rows = list(self.db.query("SELECT * FROM responses WHERE conversation_id = ?"
+                                  " ORDER BY rowid DESC LIMIT ?", (sid, PEER_LONG // 10)))
+        return rows[::-1]
+
+    def newest(self):
+        return [(r["id"], r["name"]) for r in
+                self.db.query("SELECT id, name FROM conversations ORDER BY rowid DESC LIMIT 50")]
+
+    def search(self, word):
+        return list(self.db.query(
+            "SELECT responses.*, conversations.name AS conversation_name FROM responses"
+            " LEFT JOIN schemas ON responses.schema_id = schemas.id"
+            " LEFT JOIN conversations ON responses.conversation_id = conversations.id"
+            " JOIN responses_fts ON responses_fts.rowid = responses.rowid"
+            " WHERE responses_fts MATCH :query ORDER BY responses_fts.rank DESC LIMIT 20",
+            {"query": word}))
+
+    def close(self):
+        self.db.close()
+
+
+PEER_STORES = {"ours": PeerHermes, "reference": PeerHermes, "raw": PeerRaw,
+               "openai-agents": PeerOpenAI, "langgraph-checkpoint-sqlite": PeerLangGraph,
+               "llm": PeerLLM}
+
+
+def _peer_rate(store, sid, seed):
+    history = peer_history(PEER_APPENDS, seed)
+    start = time.perf_counter()
+    for message in history:
+        store.append(sid, message)
+    return PEER_APPENDS / (time.perf_counter() - start)
+
+
+def peer_job(name, job, path, tag=""):
+    """One peer job on the store at `path`: "fresh" (append to a new store), "build" (the
+    2,000-session store, then the long session) or "reads" (append at that size, the reads)."""
+    store = PEER_STORES[name](path)
+    try:
+        if job == "fresh":
+            return {"fresh_rate": _peer_rate(store, "fresh", 21)}
+        if job == "build":
+            history = peer_history(PEER_SESSIONS * PEER_SESSION_MESSAGES, 23)
+            for i, sid in enumerate(session_ids(PEER_SESSIONS, "p")):
+                store.bulk(sid, history[i * PEER_SESSION_MESSAGES:(i + 1) * PEER_SESSION_MESSAGES])
+            store.close()
+            size = _store_bytes(path)
+            store = PEER_STORES[name](path)
+            store.long("long", peer_history(PEER_LONG, 29))
+            return {"mb": size / 1e6}
+        out = {"rate": _peer_rate(store, f"append-{tag}", 31)}
+        assert len(store.latest("long")) == PEER_LONG // 10
+        out["latest_ms"] = _median_ms(lambda: store.latest("long"), 5)
+        assert len(store.newest()) == 50
+        out["newest_ms"] = _median_ms(store.newest, 5)
+        for label, word in (("rare", PEER_RARE), ("common", PEER_COMMON)):
+            if store.search:
+                assert store.search(word), f"{name}: no hit for {word!r}"
+                out[f"{label}_ms"] = _median_ms(lambda: store.search(word), 5)
+        return out
+    finally:
+        store.close()
+
+
+def peer_python(name):
+    """The python of peer `name`'s venv, made on first use (or when its requirements change)."""
+    requirements = REPO / "bench_peers_requirements" / f"{name}.txt"
+    folder = CACHE / "peers" / name
+    stamp = hashlib.sha256(requirements.read_bytes()).hexdigest()
+    python = folder / "bin" / "python"
+    if not python.exists() or (folder / "requirements.sha256").read_text() != stamp:
+        log(f"peers: making the {name} venv in {folder} (pinned in {requirements.name})")
+        shutil.rmtree(folder, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+        done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps",
+                               "--require-hashes", "--disable-pip-version-check", "-r",
+                               str(requirements)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"peers: pip could not install {requirements}:\n{done.stderr[-2000:]}")
+        (folder / "requirements.sha256").write_text(stamp)
+    return str(python)
+
+
+def peer_versions(pythons):
+    versions = {}
+    for name, python in pythons.items():
+        if name in PEERS:
+            pins = (REPO / "bench_peers_requirements" / f"{name}.txt").read_text().split()
+            versions[name] = next(p.split("==")[1] for p in pins if p.startswith(name + "=="))
+    return versions
+
+
+def run_peer(runner, pythons, name, job, path, tag=""):
+    spec = json.dumps({"name": name, "job": job, "path": str(path), "tag": tag})
+    if name == "ours":
+        cmd, cwd = [sys.executable, str(REPO / "bench.py")], str(REPO)
+    else:  # -P: this checkout is not on the path of the reference's or a peer's python
+        cmd, cwd = [pythons[name], "-P", str(REPO / "bench.py")], runner.home
+    env = dict(os.environ, HERMES_HOME=runner.home, PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(cmd + ["--peer-worker", spec], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    if done.returncode != 0:
+        raise RuntimeError(f"peer {name} {job} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_peers(runner, folder):
+    """Every store's figures, rounds interleaved: {store: {figure: [one value a round]}}."""
+    pythons = {name: peer_python(name) for name in PEERS}
+    if runner.ref_python:
+        pythons["reference"] = runner.ref_python
+    pythons["raw"] = sys.executable
+    names = ["ours"] + (["reference"] if runner.ref_python else []) + list(PEERS) + ["raw"]
+    figures = {name: {} for name in names}
+    for name in names:
+        log(f"peers: building the {name} store")
+        path = Path(folder) / f"peer-{name}.db"
+        figures[name]["mb"] = [run_peer(runner, pythons, name, "build", path)["mb"]]
+    for r in range(PEER_ROUNDS):
+        log(f"peers: round {r + 1} of {PEER_ROUNDS}")
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fresh = Path(folder) / f"peer-fresh-{name}-{r}.db"
+            results = run_peer(runner, pythons, name, "fresh", fresh)
+            built = Path(folder) / f"peer-{name}.db"
+            results.update(run_peer(runner, pythons, name, "reads", built, tag=str(r)))
+            for key, value in results.items():
+                figures[name].setdefault(key, []).append(value)
+    return names, figures, peer_versions(pythons)
+
+
+def report_peers(names, figures, versions):
+    """The peers table: each store's median, and its median per-round ratio to ours."""
+    rows = (("append, 1 message a transaction, fresh store (msg/s)", "fresh_rate", True, "{:,.0f}"),
+            (f"append at {PEER_SESSIONS * PEER_SESSION_MESSAGES:,} messages (msg/s)", "rate", True,
+             "{:,.0f}"),
+            (f"last {PEER_LONG // 10} of a {PEER_LONG:,}-message session as rows (ms)", "latest_ms",
+             False, "{:.2f}"),
+            (f"50 newest of {PEER_SESSIONS:,} sessions with a preview (ms)", "newest_ms", False,
+             "{:.2f}"),
+            (f"search top 20, rare word `{PEER_RARE}` (ms)", "rare_ms", False, "{:.2f}"),
+            (f"search top 20, common word `{PEER_COMMON}` (ms)", "common_ms", False, "{:.2f}"),
+            (f"store after {PEER_SESSIONS * PEER_SESSION_MESSAGES:,} messages (MB)", "mb", False,
+             "{:,.1f}"))
+    labels = {"reference": "reference", "raw": "raw sqlite3",
+              "openai-agents": "OpenAI Agents `SQLiteSession`",
+              "langgraph-checkpoint-sqlite": "LangGraph `SqliteSaver`", "llm": "llm `logs.db`"}
+    head = ["workload"] + [labels.get(n, n) for n in names]
+    table = [head]
+    for label, key, higher, fmt in rows:
+        line = [label]
+        for name in names:
+            values = figures[name].get(key)
+            if not values:
+                line.append("no search" if key in ("rare_ms", "common_ms") else "n/a")
+                continue
+            cell = fmt.format(statistics.median(values))
+            if name != "ours":
+                ratios = [(v / o if higher else o / v) if v and o else 0
+                          for v, o in zip(values, figures["ours"][key])]
+                ratio = statistics.median(ratios)
+                cell += f" ({ratio:.2f}x)" if ratio >= 0.1 else f" ({ratio:.3f}x)"
+            line.append(cell)
+        table.append(line)
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    fmt_line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    print(f"\nPeers: a store of {PEER_SESSIONS * PEER_SESSION_MESSAGES:,} messages in"
+          f" {PEER_SESSIONS:,} sessions of {PEER_SESSION_MESSAGES}, then a {PEER_LONG:,}-message"
+          f" session; medians of {PEER_ROUNDS} interleaved rounds; (Nx) = the median per-round"
+          " ratio to ours, above 1 = better than ours")
+    print("versions: " + ", ".join(f"{n} {v}" for n, v in versions.items()))
+    print(fmt_line(head))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for line in table[1:]:
+        print(fmt_line(line))
+
+
+def peer_worker_main(spec):
+    args = json.loads(spec)
+    sys.stdout.write("\n" + json.dumps(peer_job(**args)) + "\n")
+
+
 def main():
     scale = os.environ.get("BENCH_SCALE", "")
     folder = tempfile.mkdtemp(prefix="hermes-bench-")
@@ -1051,8 +1533,11 @@ def main():
             measure_million(runner, folder, table, growth[min(SCALES)])
         elif scale:
             raise SystemExit(f"BENCH_SCALE must be 1m or unset, not {scale!r}")
+        peers = measure_peers(runner, folder) if os.environ.get("BENCH_PEERS") == "1" else None
         print()
         table.print()
+        if peers:
+            report_peers(*peers)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -1060,5 +1545,7 @@ def main():
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         worker_main(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--peer-worker":
+        peer_worker_main(sys.argv[2])
     else:
         main()
