@@ -13,7 +13,7 @@ from unittest import mock
 from hermes_state import (
     CHECKPOINT_EVERY_COMMITS, SessionDB, StoreLockedError, choose_journal_policy, sqlite_has_wal_reset_bug,
 )
-from test_support import REPO, WRITE_VERBS, TempDirTestCase, tracing_factory
+from test_support import HOLD_SQLITE_LOCK, REPO, WRITE_VERBS, TempDirTestCase, tracing_factory
 
 CALL = [{"id": "c", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]
 APPENDS = 300
@@ -58,21 +58,12 @@ def run_python(code, *args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-HOLD_SQLITE_LOCK = """
-import sqlite3, sys, time
-conn = sqlite3.connect(sys.argv[1], isolation_level=None)
-conn.execute("BEGIN IMMEDIATE")
-print("locked", flush=True)
-time.sleep(float(sys.argv[2]))
-conn.execute("COMMIT")
-"""
-
 HOLD_WRITER_FILE_LOCK = """
 import sys, time
 from hermes_state_locks import WriterFileLock
 lock = WriterFileLock(sys.argv[1] + ".lock")
 assert lock.acquire(time.monotonic() + 5)
-print("locked", flush=True)
+print("held", flush=True)
 time.sleep(float(sys.argv[2]))
 """
 
@@ -194,7 +185,7 @@ class LockedStore(TempDirTestCase):
         self.addCleanup(holder.communicate)
         self.addCleanup(holder.kill)
         line = holder.stdout.readline().strip()
-        if line != "locked":
+        if line != "held":
             self.fail(f"the lock holder did not start: {holder.stderr.read()}")
         return holder
 

@@ -19,19 +19,11 @@ import hermes_state_common
 from hermes_state import SessionDB, StoreLockedError
 from hermes_state_common import SCHEMA_SQL, SEARCH_OBJECTS, SEARCH_TRIGGERS
 from test_support import (
-    HAS_FTS5, HAS_TRIGRAM, REPO, V22_DB, V26_DB, StoreTestCase, TempDirTestCase, require,
+    HAS_FTS5, HAS_TRIGRAM, HOLD_SQLITE_LOCK, REPO, V22_DB, V26_DB, StoreTestCase, TempDirTestCase, require,
     tracing_factory, without_fts5, write_statements,
 )
 
 MARKER_SQL = "SELECT value FROM state_meta WHERE key = 'fts_optimize_available'"
-HOLD_SQLITE_LOCK = """
-import sqlite3, sys, time
-conn = sqlite3.connect(sys.argv[1], isolation_level=None)
-conn.execute("BEGIN IMMEDIATE")
-print("held", flush=True)
-time.sleep(float(sys.argv[2]))
-conn.execute("COMMIT")
-"""
 HOLD_WRITER_LOCK = """
 import sys
 from hermes_state_locks import WriterFileLock

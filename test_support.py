@@ -87,6 +87,17 @@ def backdate(db, session_id, started_at):
                                                 (started_at, session_id)))
 
 
+
+# Holds SQLite's write lock on the store argv[1] for argv[2] seconds, after printing "held".
+HOLD_SQLITE_LOCK = """
+import sqlite3, sys, time
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+conn.execute("COMMIT")
+"""
+
 class TempDirTestCase(unittest.TestCase):
     """A fresh temporary folder per test, removed afterwards."""
 
