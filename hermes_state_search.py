@@ -527,8 +527,22 @@ class SessionSearchMixin:
     def _hit(self, row, terms, fields, scans, context):
         values = dict(row, context=context)
         values["snippet"] = scan_snippet(row["content"], terms[0]) if scans else \
-            values.get("index_snippet") or make_snippet(row["content"], terms)
+            values.get("index_snippet") or self._fallback_snippet(row, terms)
         return {field: values[field] for field in fields}
+
+    def _fallback_snippet(self, row, terms):
+        """make_snippet of the first of the content, the tool name and the tool calls holding a
+        term: the LIKE fallback matches all three, as an index does, and a hit found in its tool
+        call (a file name in the arguments) shows the match, not an unmarked cut of its text."""
+        def holds_a_term(text):
+            return any(term.text.casefold() in text.casefold() for term in terms)
+        if holds_a_term(row["content"] or ""):
+            return make_snippet(row["content"], terms)
+        calls = self._read_value("SELECT tool_calls FROM messages WHERE id = ?", (row["id"],))
+        for text in (row["tool_name"], calls):
+            if isinstance(text, str) and holds_a_term(text):
+                return make_snippet(text, terms)
+        return make_snippet(row["content"], terms)
 
     def _contexts(self, hits):
         """Each hit's [before, the hit, after] as {role, content}, in the order of `hits`."""

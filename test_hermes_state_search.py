@@ -1090,6 +1090,20 @@ class DegradedRuntimes(TempDirTestCase):
             self.assertEqual(hit_ids(db, "hello"), ids)
             self.assertEqual(hit_ids(db, "hello NOT nothing"), ids)
 
+    def test_a_fallback_hit_found_in_its_tool_call_marks_the_match_there(self):
+        path = self.tmp / "state.db"
+        call = [{"id": "c", "type": "function",
+                 "function": {"name": "terminal", "arguments": '{"cmd": "pytest tests/test_parser.py"}'}}]
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            db.append_message("s", "assistant", "running the suite now", tool_calls=call)
+            db.append_message("s", "tool", "3 passed", tool_name="parser_check")
+        with SessionDB(path, connection_factory=without_fts5) as db:
+            snippets = sorted(hit["snippet"] for hit in db.search_messages("parser"))
+        self.assertEqual(len(snippets), 2)
+        self.assertIn("test_>>>parser<<<.py", snippets[0])
+        self.assertIn(">>>parser<<<_check", snippets[1])
+
     def test_the_fallback_gives_the_index_answer_when_columns_are_null(self):
         path = self.tmp / "state.db"
         call = [{"id": "c", "type": "function", "function": {"name": "deploy", "arguments": "{}"}}]
