@@ -208,8 +208,10 @@ class UnprivilegedReads(CliTestCase):
 # Root forks a reader that becomes user nobody, opens `path` read-only and counts the messages
 # each time it reads a line on stdin, printing the count (or the error) and whether it reads the
 # store as immutable.
-READER_AS_NOBODY = ("import os, sys\n"
+READER_AS_NOBODY = ("import os, sys, pathlib\n"
                     "from hermes_state import SessionDB\n"
+                    # what a read imports late (3.13's as_uri imports urllib), while it still can
+                    "pathlib.Path(sys.argv[1]).resolve().as_uri()\n"
                     "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
                     "db = SessionDB(sys.argv[1], read_only=True)\n"
                     "for _ in sys.stdin:\n"
