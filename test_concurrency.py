@@ -298,8 +298,10 @@ class KilledWriter(TempDirTestCase):
                 if committed >= kill_after:
                     break
             writer.send_signal(signal.SIGKILL if hasattr(signal, "SIGKILL") else signal.SIGTERM)
-            # Steps it printed before the kill may still be in the pipe: the last of them counts.
-            committed = ([committed] + [int(n) for n in writer.communicate()[0].split()])[-1]
+            # Steps it printed before the kill may still be in the pipe, or read ahead into the
+            # reader's buffer (communicate reads the pipe past that buffer): the last of them counts.
+            committed = ([committed] + [int(n) for n in writer.stdout.read().split()])[-1]
+            writer.communicate()
             conn = sqlite3.connect(path)
             self.assertEqual(conn.execute("PRAGMA integrity_check").fetchone()[0], "ok")
             conn.close()
