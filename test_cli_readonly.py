@@ -54,6 +54,16 @@ class CliTestCase(TempDirTestCase):
         return subprocess.run([sys.executable, *start, *map(str, args)], capture_output=True,
                               text=True, env=env, cwd=self.tmp, timeout=120, input=stdin)
 
+    def each_read(self, name, path):
+        """Run every read command on the store `path`, each in a subTest that first checks exit 0;
+        yields each result for the caller's own checks (exports go to <name>-<command>.jsonl)."""
+        for args in READS:
+            with self.subTest(store=name, command=args[0]):
+                out = self.tmp / f"{name}-{args[0]}.jsonl"
+                result = self.run_cli("--db", path, *resolve(args, out))
+                self.assertEqual(result.returncode, 0, result.stderr)
+                yield result
+
 
 class CommandLineReads(CliTestCase):
 
@@ -64,19 +74,15 @@ class CommandLineReads(CliTestCase):
             path = folder / "state.db"
             shutil.copyfile(fixture_path(name), path)
             before = folder_state(folder)
-            for args in READS:
-                with self.subTest(store=name, command=args[0]):
-                    out = self.tmp / f"{name}-{args[0]}.jsonl"
-                    result = self.run_cli("--db", path, *resolve(args, out))
-                    self.assertEqual(result.returncode, 0, result.stderr)
-                    self.assertNotIn("Traceback", result.stderr)
-                    after = folder_state(folder)
-                    # SQLite's reader makes an empty -wal and its -shm index beside a WAL store;
-                    # nothing else.
-                    self.assertEqual({k: v for k, v in after.items() if k in before}, before)
-                    self.assertLessEqual(set(after) - set(before), {"state.db-wal", "state.db-shm"})
-                    if "state.db-wal" in after:
-                        self.assertEqual((folder / "state.db-wal").stat().st_size, 0)
+            for result in self.each_read(name, path):
+                self.assertNotIn("Traceback", result.stderr)
+                after = folder_state(folder)
+                # SQLite's reader makes an empty -wal and its -shm index beside a WAL store;
+                # nothing else.
+                self.assertEqual({k: v for k, v in after.items() if k in before}, before)
+                self.assertLessEqual(set(after) - set(before), {"state.db-wal", "state.db-shm"})
+                if "state.db-wal" in after:
+                    self.assertEqual((folder / "state.db-wal").stat().st_size, 0)
             export = self.tmp / f"{name}-export.jsonl"
             self.assertEqual(len(export.read_text(encoding="utf-8").splitlines()), 20, name)
 
@@ -162,12 +168,8 @@ class UnprivilegedReads(CliTestCase):
             folder = self.read_only_folder(name)
             path = folder / "state.db"
             before = folder_state(folder)
-            for args in READS:
-                with self.subTest(store=name, command=args[0]):
-                    out = self.tmp / f"{name}-{args[0]}.jsonl"
-                    result = self.run_cli("--db", path, *resolve(args, out))
-                    self.assertEqual(result.returncode, 0, result.stderr)
-                    self.assertEqual(folder_state(folder), before)
+            for _result in self.each_read(name, path):
+                self.assertEqual(folder_state(folder), before)
             self.assertEqual(len((self.tmp / f"{name}-export.jsonl").read_text().splitlines()), 20)
             listed = json.loads(self.run_cli("--db", path, "list", "-n", "0", "--json").stdout)
             self.assertEqual(len(listed), 20)
