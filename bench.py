@@ -237,7 +237,7 @@ def job_raw_search(SessionDB, path, queries, runs=SEARCH_RUNS, **_):
 
 def job_raw_append(SessionDB, path, count, **_):
     """Raw sqlite3 doing an append's work (insert + count update), one message a transaction."""
-    from hermes_state_common import BUMP_MESSAGE_COUNTS_SQL, INSERT_MESSAGE_SQL
+    from hermes_state_messages import BUMP_MESSAGE_COUNTS_SQL, INSERT_MESSAGE_SQL
     history = agent_history(count, seed=13)
     with contextlib.closing(SessionDB(Path(path))) as db:
         db.create_session("raw-append", "cli")
@@ -275,7 +275,7 @@ RAW_SESSION_SQL = "INSERT INTO sessions (id, source, started_at, ended_at, title
 def job_raw_import(SessionDB, path, source, **_):
     """Raw sqlite3 inserting the same sessions and messages as job_import, into a store of the same
     schema and triggers, IMPORT_CALL_SESSIONS sessions a transaction."""
-    from hermes_state_common import BUMP_MESSAGE_COUNTS_SQL, INSERT_MESSAGE_SQL
+    from hermes_state_messages import BUMP_MESSAGE_COUNTS_SQL, INSERT_MESSAGE_SQL
     payload = _read_jsonl(source)
     with contextlib.closing(SessionDB(Path(path))):
         pass
@@ -547,7 +547,7 @@ def million_store(runner, side, folder):
 def fill_million(path):
     """The rows by raw sqlite3 in big transactions into a store its own SessionDB made (so its
     triggers index them as an append would); the columns written are ones both sides have."""
-    from hermes_state_common import INSERT_MESSAGE_SQL
+    from hermes_state_messages import INSERT_MESSAGE_SQL
     conn = sqlite3.connect(path, isolation_level=None)
     mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
     conn.execute("PRAGMA journal_mode=DELETE")
@@ -692,7 +692,7 @@ def bench_lock_holds(path, payload, hermes_copy=None):
             state["db"].append_messages_batch(f"wal-{i}", agent_history(2_000, seed=i))
 
     def queue_cjk():
-        from hermes_state_common import INSERT_MESSAGE_SQL
+        from hermes_state_messages import INSERT_MESSAGE_SQL
         state["db"].create_session("queued", "cli")
         user = [m for m in agent_history(4 * CJK_QUEUED) if m["role"] == "user"]
         conn = sqlite3.connect(path, isolation_level=None, timeout=60)

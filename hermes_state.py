@@ -43,7 +43,7 @@ from pathlib import Path
 
 from hermes_constants import get_hermes_home
 from hermes_state_common import (
-    CHECKPOINT_PASSIVE_SQL, FILE_MODE, INSERT_META_SQL, JOURNAL_MODE_SQL, SEARCH_OBJECTS,
+    FILE_MODE, INSERT_META_SQL, JOURNAL_MODE_SQL, SEARCH_OBJECTS,
     SEARCH_TRIGGERS, SELECT_META_SQL, SIDECAR_SUFFIXES, _set_last_init_error,
     escape_like, is_capability_gap, sqlite_has_wal_reset_bug,
 )
@@ -87,6 +87,10 @@ from hermes_state_wal import (  # noqa: F401
     WalUnsupportedError, apply_database_pragmas, apply_wal_with_fallback, preflight_db_writability,
     resolve_journal_mode,
 )
+
+# -- Statements only this module runs (moved from hermes_state_common) --
+
+CHECKPOINT_PASSIVE_SQL = "PRAGMA wal_checkpoint(PASSIVE)"
 
 logger = logging.getLogger("hermes_state")
 

@@ -271,8 +271,6 @@ DEFERRED_INDEX_SQL = "".join(sql + ";\n" for sql in DEFERRED_INDEXES.values())
 # Kept apart from DEFERRED_INDEXES: building it can fail on duplicate titles, which the schema mixin repairs
 # before retrying.
 TITLE_INDEX_NAME = "idx_sessions_title_unique"
-TITLE_INDEX_SQL = (
-    "CREATE UNIQUE INDEX IF NOT EXISTS idx_sessions_title_unique ON sessions(title) WHERE title IS NOT NULL")
 
 # -- Full-text search ---------------------------------------------------------
 # Ours ("current"): three FTS5 indexes under our own names, kept by our own triggers and described by our own
@@ -331,7 +329,6 @@ CJK_CHAR_CLASS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\uf
 CJK_GLOB = f"'*[{CJK_CHAR_CLASS}]*'"
 _CJK_RUN_RE = re.compile(f"[{CJK_CHAR_CLASS}]+")
 
-
 def cjk_terms(text):
     """The CJK side index's terms for `text`: every CJK letter and every adjacent pair."""
     terms = set()
@@ -339,7 +336,6 @@ def cjk_terms(text):
         terms.update(run)
         terms.update(run[i:i + 2] for i in range(len(run) - 1))
     return " ".join(sorted(terms))
-
 
 # The CJK bounds: block = id >> CJK_BLOCK_BITS; `newest` only ever rises (a deleted row's time stays: still a
 # bound), so no id of a block holds a later time than its bound. A NULL time is below every time.
@@ -389,7 +385,6 @@ SEARCH_OBJECTS = {
     },
 }
 
-
 def _external_triggers(table, columns, values, watched, only="1"):
     """Insert, delete and update triggers of an external-content index of ours: `values` fills `columns` from
     a {row} (new or old), `watched` are the message columns it depends on, `only` says which rows it holds."""
@@ -415,12 +410,10 @@ BEGIN
 END""",
     }
 
-
 def _word_triggers(prefix):
     return _external_triggers("hs_fts_words", "content, tool_name, tool_calls",
                               "{row}.id, " + prefix + ", {row}.tool_name, {row}.tool_calls",
                               ("content", "tool_name", "tool_calls", "role"))
-
 
 # The word index's view and triggers as layout 2 made them: a layout 2 store's are replaced without a rebuild.
 LAYOUT_2_WORD_OBJECTS = {"hs_fts_words_src": _WORDS_VIEW.format(prefix=_TOOL_PREFIX_2.format(row="messages")),
@@ -463,7 +456,6 @@ _TRIGGER_WRITE_RE = re.compile(
     r'(?:main\.)?"?(\w+)"?\s*(?:\(([^)]*)\))?', re.IGNORECASE)
 _TRIGGER_BODY_RE = re.compile(r"\bBEGIN\b", re.IGNORECASE)
 
-
 def trigger_writes(sql):
     """[(table, [column, ...] or None)] a trigger's body writes to, in order."""
     body = _TRIGGER_BODY_RE.split(sql or "", maxsplit=1)[-1]
@@ -471,12 +463,7 @@ def trigger_writes(sql):
             for table, columns in _TRIGGER_WRITE_RE.findall(body)
             if table.upper() not in ("SET", "VALUES", "SELECT")]
 
-
-FTS_PROBE_DROP_SQL = "DROP TABLE temp.probe"
-FTS5_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x)"
-TRIGRAM_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x, tokenize='trigram')"
 TABLE_EXISTS_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
-SELECT_TRIGGER_TABLES_SQL = "SELECT DISTINCT tbl_name FROM sqlite_master WHERE type = 'trigger' ORDER BY tbl_name"
 
 # Structured content (a multimodal list of parts, a dict) is stored as this prefix plus JSON, as hermes-agent
 # stores it; NUL never starts real text.
@@ -498,30 +485,11 @@ LEGACY_FTS_SQL, LEGACY_FTS_TRIGRAM_SQL = (_INLINE_INDEX.format(t=t, k=k) for t, 
 # -- Schema maintenance SQL ---------------------------------------------------
 
 SELECT_SCHEMA_OBJECTS_SQL = "SELECT type, name, sql FROM sqlite_master"
-TABLE_INFO_SQL = "PRAGMA table_info({table})"
 # The gateway_routing key heal, over a side table named by the caller.
 RENAME_TABLE_SQL = "ALTER TABLE {table} RENAME TO {new_name}"
-COPY_ROUTING_OLDEST_FIRST_SQL = """INSERT OR REPLACE INTO gateway_routing (scope, session_key, entry_json, updated_at)
-SELECT COALESCE(scope, ''), session_key, entry_json, COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at ASC"""
-COUNT_ROWS_SQL = "SELECT COUNT(*) FROM {table}"
 DROP_TABLE_SQL = "DROP TABLE {table}"
-ADD_COLUMN_SQL = "ALTER TABLE {table} ADD COLUMN {column} {type_expr}"
-DEFAULT_PROBE_SQL = ("CREATE TEMP TABLE default_probe (x DEFAULT {default})", "DROP TABLE temp.default_probe")
 SELECT_SCHEMA_VERSION_SQL = "SELECT MAX(version) FROM schema_version"
-INSERT_SCHEMA_VERSION_SQL = "INSERT INTO schema_version (version) VALUES (?)"
-UPDATE_SCHEMA_VERSION_SQL = "UPDATE schema_version SET version = ?"
-HAS_NULL_ACTIVE_SQL = "SELECT 1 FROM messages WHERE active IS NULL LIMIT 1"
-REPAIR_NULL_ACTIVE_SQL = ("UPDATE messages SET active = 1"
-                          " WHERE id IN (SELECT id FROM messages WHERE active IS NULL LIMIT ?)")
-# Of the rows sharing a title, only the newest keeps it.
-CLEAR_OLDER_DUPLICATE_TITLES_SQL = """UPDATE sessions SET title = NULL WHERE title IS NOT NULL AND EXISTS (
-  SELECT 1 FROM sessions AS newer WHERE newer.title = sessions.title
-    AND (newer.started_at > sessions.started_at
-         OR (newer.started_at = sessions.started_at AND newer.rowid > sessions.rowid)))"""
 GATEWAY_ROUTING_SIDE_TABLE = "gateway_routing_pk_heal"
-HAS_INLINE_PROMPT_SQL = "SELECT 1 FROM sessions WHERE system_prompt IS NOT NULL LIMIT 1"
-SELECT_INLINE_PROMPTS_SQL = "SELECT id, system_prompt FROM sessions WHERE system_prompt IS NOT NULL LIMIT ?"
-MOVE_INLINE_PROMPT_SQL = "UPDATE sessions SET system_prompt = NULL, system_prompt_hash = ? WHERE id = ?"
 INSERT_SYSTEM_PROMPT_SQL = "INSERT OR IGNORE INTO system_prompts (hash, prompt) VALUES (?, ?)"
 SELECT_COMPRESSION_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
 DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS"
@@ -530,7 +498,6 @@ DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS"
 # -- Session SQL --------------------------------------------------------------
 SESSION_EXISTS_SQL = "SELECT 1 FROM sessions WHERE id = ?"
 SELECT_TITLE_OWNER_SQL = "SELECT id FROM sessions WHERE title = ? AND id <> ?"
-SELECT_LINEAGE_LINK_SQL = "SELECT parent_session_id, end_reason FROM sessions WHERE id = ?"
 
 # -- Message SQL --------------------------------------------------------------
 # The columns every message insert writes, in hermes-agent's order. `active` is always written: on an old
@@ -540,14 +507,8 @@ MESSAGE_WRITE_COLUMNS = (
     "timestamp", "token_count", "finish_reason", "reasoning", "reasoning_content", "reasoning_details",
     "codex_reasoning_items", "codex_message_items", "platform_message_id", "observed", "active",
     "api_content", "display_kind", "display_metadata")
-INSERT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
-    ", ".join(MESSAGE_WRITE_COLUMNS), ", ".join("?" for _ in MESSAGE_WRITE_COLUMNS))
-BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message_count, 0) + ?,"
-                           " tool_call_count = COALESCE(tool_call_count, 0) + ? WHERE id = ?")
 SET_MESSAGE_COUNTS_SQL = "UPDATE sessions SET message_count = ?, tool_call_count = ? WHERE id = ?"
-COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
 COUNT_ALL_MESSAGES_SQL = "SELECT COUNT(*) FROM messages"
-SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source"
 # A bare tool-call marker such as "[memory]" that old builds saved as an answer (hermes-agent #78148).
 STALE_MARKER = re.compile(r"\[[A-Za-z_][A-Za-z0-9_.-]*\]")
 
@@ -559,10 +520,6 @@ DELETE_META_SQL = "DELETE FROM state_meta WHERE key = ?"
 
 # -- Connection settings and checks -------------------------------------------
 JOURNAL_MODE_SQL = "PRAGMA journal_mode"
-CHECKPOINT_PASSIVE_SQL = "PRAGMA wal_checkpoint(PASSIVE)"
-CHECKPOINT_TRUNCATE_SQL = "PRAGMA wal_checkpoint(TRUNCATE)"
-VACUUM_SQL = "VACUUM"
-INTEGRITY_CHECK_SQL = "PRAGMA integrity_check"
 
 # -- Small pure helpers -------------------------------------------------------
 
@@ -570,17 +527,14 @@ def quote_identifier(name):
     """`name` as a double-quoted SQL identifier, embedded quotes doubled."""
     return '"' + str(name).replace('"', '""') + '"'
 
-
 def escape_like(text, escape="\\"):
     """`text` with LIKE's wildcards escaped; use with `LIKE ? ESCAPE '\\'`."""
     return text.replace(escape, escape + escape).replace("%", escape + "%").replace("_", escape + "_")
-
 
 def prefix_bounds(prefix):
     """(low, high) such that `col >= low AND col < high` matches exactly the strings starting with `prefix`:
     case-sensitive, index-friendly, no LIKE."""
     return prefix, prefix + "\U0010ffff"
-
 
 def chunked(items, size=SQL_CHUNK_SIZE):
     """Yield lists of at most `size` items, so IN (...) stays under SQLite's variable limit."""
@@ -588,17 +542,14 @@ def chunked(items, size=SQL_CHUNK_SIZE):
     for start in range(0, len(items), size):
         yield items[start:start + size]
 
-
 def placeholders(count):
     """`?, ?, ?` for `count` values."""
     return ", ".join("?" for _ in range(count))
-
 
 def store_file_bytes(path):
     """Bytes of a store on disk: the file and its WAL."""
     path = Path(path)
     return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
-
 
 def sqlite_has_wal_reset_bug(version=sqlite3.sqlite_version_info):
     """SQLite 3.7.0 to 3.51.2 can corrupt a WAL store when two connections write or checkpoint at the same
@@ -607,14 +558,12 @@ def sqlite_has_wal_reset_bug(version=sqlite3.sqlite_version_info):
     backported = (3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0)
     return (3, 7, 0) <= version < (3, 51, 3) and not backported
 
-
 # Files we create beside the store (backups, copies) are its owner's only, as the store is.
 FILE_MODE = 0o600
 # JSON has no bytes: a BLOB value travels in every export as {BYTES_MARKER: "<standard base64>"}.
 BYTES_MARKER = "__base64__"
 # The files SQLite keeps beside a store; a copy or a rename of the store takes them along.
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
-
 
 def claim_file_beside(path, label):
     """Create an empty owner-only file `<name>.<label>-<time>[_n]` beside the store `path` and return its
@@ -637,11 +586,9 @@ TOKEN_QUEUE_MAX_AGE = 1.0
 # Billing providers that name a bucket rather than a route one can resume on.
 _BARE_BILLING_PROVIDERS = frozenset({"auto", "custom"})
 
-
 class UsageValueError(ValueError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
     """A token, cost or route value that cannot be stored. Also the sqlite3 classes hermes-agent raises for
     such values (at insert or bind time), so callers that catch those still catch it."""
-
 
 # -- Value checks shared by the API: each names the field and the limit -------
 
@@ -654,14 +601,12 @@ def sqlite_keeps(value):
         return SQLITE_INT_RANGE[0] <= value <= SQLITE_INT_RANGE[1]
     return value is None or isinstance(value, (str, bytes))
 
-
 def require_text(name, value, *, max_length=None):
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a non-empty string")
     if max_length is not None and len(value) > max_length:
         raise ValueError(f"{name} is {len(value)} characters; the limit is {max_length}")
     return value
-
 
 def require_int(name, value, *, minimum=0, maximum=None):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -670,7 +615,6 @@ def require_int(name, value, *, minimum=0, maximum=None):
         raise ValueError(f"{name} is {value}; the limit is {maximum}")
     return value
 
-
 def json_text(name, value):
     """`value` as JSON text, for a column that stores structure; ValueError naming `name` when it has none."""
     try:
@@ -678,16 +622,13 @@ def json_text(name, value):
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name} is not JSON-serialisable: {exc}") from None
 
-
 _SURROGATES = re.compile("[\ud800-\udfff]")
-
 
 def scrub_surrogates(value):
     """Text with lone surrogates (which SQLite cannot encode) replaced by U+FFFD; other values as they are."""
     if not isinstance(value, str) or value.isascii():  # isascii is O(1): most text is never scanned
         return value
     return _SURROGATES.sub("\ufffd", value)
-
 
 def encode_content(content):
     """A message's content as stored: text scrubbed, scalars as they are, anything else as CONTENT_JSON_PREFIX
@@ -699,7 +640,6 @@ def encode_content(content):
     except (TypeError, ValueError):
         return scrub_surrogates(str(content))
 
-
 def decode_content(stored):
     """encode_content reversed; text that only looks encoded comes back as it is."""
     if isinstance(stored, str) and stored.startswith(CONTENT_JSON_PREFIX):
@@ -709,13 +649,11 @@ def decode_content(stored):
             pass
     return stored
 
-
 def is_capability_gap(exc):
     """True for an error that means this runtime lacks FTS5 or a tokenizer, not that the store is damaged."""
     text = str(exc).lower()
     return ("no such module" in text and "fts5" in text) or "no such tokenizer: trigram" in text \
         or "no such tokenizer: cjk_unicode61" in text
-
 
 def loads_or(text, fallback):
     """JSON text decoded, or `fallback` when it is not JSON."""
@@ -724,14 +662,12 @@ def loads_or(text, fallback):
     except (TypeError, ValueError):
         return fallback
 
-
 def decode_display_metadata(stored):
     """A stored display_metadata as a dict (twice-encoded rows unwrapped); None when it is not an object."""
     meta = loads_or(stored, None) if isinstance(stored, str) else stored
     if isinstance(meta, str):
         meta = loads_or(meta, None)
     return meta if isinstance(meta, dict) else None
-
 
 def decode_message(row):
     """A message row as hermes-agent's get_messages returns it: content and tool_calls decoded (unreadable
@@ -744,7 +680,6 @@ def decode_message(row):
     if message.get("display_metadata") is not None:
         message["display_metadata"] = decode_display_metadata(message["display_metadata"])
     return message
-
 
 # How hermes-agent shows a user turn: a /skill turn embeds the whole skill body after this prefix, and a
 # compaction handoff is stored as a user turn too.
@@ -760,7 +695,6 @@ _SKILL_INSTRUCTION_SPANS = (
      "The user has provided the following instruction alongside the skill invocation: ",
      "\n\n[Runtime note:", str.rfind),
 )
-
 
 def describe_skill_invocation(content, separator=" — "):
     """A /skill turn as the user typed it: "/work — fix it", or "/work" when bare; None when `content` is not
@@ -780,23 +714,20 @@ def describe_skill_invocation(content, separator=" — "):
         return f"{label}{separator}{instruction}" if name else instruction
     return label if name else None
 
-
 # The list view's row: every column, `_preview_raw` (the head of the first user message, newlines as spaces; a
 # /skill turn whole while short, else its head and tail around SKILL_EXCERPT_JOINT, where the typed
 # instruction is) and `last_active`, the newest of the heartbeat and the messages, else the start.
-_PREVIEW_TEXT_SQL = "REPLACE(REPLACE(m.content, X'0A', ' '), X'0D', ' ')"
-_PREVIEW_RAW_SQL = (f"CASE WHEN m.content NOT LIKE '{SKILL_SCAFFOLD_PREFIX}%' THEN substr({_PREVIEW_TEXT_SQL}, 1, 63)"
-                    f" WHEN length(m.content) > 800 THEN substr({_PREVIEW_TEXT_SQL}, 1, 400) || char(30)"
-                    f" || substr({_PREVIEW_TEXT_SQL}, -400) ELSE substr({_PREVIEW_TEXT_SQL}, 1, 800) END")
+_PREVIEW_TEXT = "REPLACE(REPLACE(m.content, X'0A', ' '), X'0D', ' ')"
+_PREVIEW_RAW = (f"CASE WHEN m.content NOT LIKE '{SKILL_SCAFFOLD_PREFIX}%' THEN substr({_PREVIEW_TEXT}, 1, 63)"
+                    f" WHEN length(m.content) > 800 THEN substr({_PREVIEW_TEXT}, 1, 400) || char(30)"
+                    f" || substr({_PREVIEW_TEXT}, -400) ELSE substr({_PREVIEW_TEXT}, 1, 800) END")
 LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(v) FROM (SELECT {a}.last_activity_at AS v UNION ALL SELECT MAX(m.timestamp)"
                    " FROM messages AS m WHERE m.session_id = {a}.id)), {a}.started_at)")
 MESSAGES_LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = s.id),"
                             " s.started_at)")
-SESSION_RICH_SQL = (f"SELECT {{columns}}, COALESCE((SELECT {_PREVIEW_RAW_SQL} FROM messages AS m WHERE m.session_id = s.id"
+SESSION_RICH_SQL = (f"SELECT {{columns}}, COALESCE((SELECT {_PREVIEW_RAW} FROM messages AS m WHERE m.session_id = s.id"
                     " AND m.role = 'user' AND m.content IS NOT NULL ORDER BY m.timestamp, m.id LIMIT 1), '')"
                     " AS _preview_raw, {last_active} AS last_active FROM sessions AS s")
-SESSION_RICH_COLUMNS_SQL = SESSION_RICH_SQL.format(columns="s.*", last_active=LAST_ACTIVE_SQL.format(a="s"))
-
 
 def content_text(content):
     """The text of a decoded content: the text parts of a multimodal list joined by newlines."""
@@ -808,14 +739,12 @@ def content_text(content):
         return "\n".join(part for part in parts if isinstance(part, str) and part)
     return str(content)
 
-
 # Characters a title never keeps: C0 controls other than whitespace, DEL, zero-width and joiner characters,
 # line/paragraph separators, bidi embeddings, overrides and isolates, the BOM and the interlinear/object
 # replacement marks.
 _TITLE_DROPPED = dict.fromkeys([*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F,
                                 *range(0x200B, 0x2010), *range(0x2028, 0x202F), *range(0x2060, 0x206A),
                                 0xFEFF, *range(0xFFF9, 0xFFFD)])
-
 
 def normalize_title(title):
     """A title as stored (controls and invisibles dropped, whitespace collapsed); None if falsy or blank.
@@ -831,13 +760,11 @@ def normalize_title(title):
         raise ValueError(f"Title too long ({len(title)} chars, max {TITLE_MAX_LENGTH})")
     return title or None
 
-
 # -- Errors callers catch by class (hermes-agent imports them from hermes_state) --
 
 # Transcript sizes past which resume and in-memory export refuse; 0 in the caller's config turns a guard off.
 MAX_SAFE_RESUME_MESSAGES = 20_000
 MAX_SAFE_EXPORT_MESSAGES = 20_000
-
 
 class SessionResumeTooLargeError(ValueError):
     """Resuming would load more active messages than MAX_SAFE_RESUME_MESSAGES."""
@@ -848,7 +775,6 @@ class SessionResumeTooLargeError(ValueError):
                          f"limit is {limit}. Export the session instead, or set "
                          "sessions.max_resume_messages: 0 in config.yaml to disable the guard.")
 
-
 class SessionExportTooLargeError(ValueError):
     """An in-memory export would hold more active messages than MAX_SAFE_EXPORT_MESSAGES."""
 
@@ -856,7 +782,6 @@ class SessionExportTooLargeError(ValueError):
         self.session_id, self.message_count, self.limit = session_id, message_count, limit
         super().__init__(f"session '{session_id}' has at least {message_count} active messages; "
                          f"safe in-memory export limit is {limit}")
-
 
 class CompressionSessionClosedError(RuntimeError):
     """A write aimed at a session that compression has already ended."""
@@ -866,18 +791,14 @@ class CompressionSessionClosedError(RuntimeError):
         super().__init__(f"Session {session_id!r} is closed by compression; "
                          "adopt its live continuation before appending messages")
 
-
 class CompressionSessionBusyError(RuntimeError):
     """Someone other than the compression-lock holder tried to write the session."""
-
 
 class SessionCompressionInProgressError(CompressionSessionBusyError):
     """A live compression lock blocked the write; it is transient, so waiting helps."""
 
-
 class SessionTurnLeaseLostError(RuntimeError):
     """A write named a turn-lease holder that no longer holds the lease; never retried."""
-
 
 # -- Persistence errors ---------------------------------------------------------
 # hermes-agent imports these from hermes_state and shows their texts to users; names, causes and wording are
@@ -897,18 +818,15 @@ WAL_INCOMPAT_HINT = " (state.db may be on NFS/SMB/FUSE/ZFS \u2014 see https://ww
 _last_init_error = None
 _last_init_error_lock = threading.Lock()
 
-
 def is_malformed_db_error(exc):
     """True for SQLite's malformed-schema or malformed-image error; False for anything else."""
     return isinstance(exc, sqlite3.DatabaseError) and any(m in str(exc).lower() for m in MALFORMED_DB_MARKERS)
-
 
 def is_disk_full_error(exc):
     """True when `exc` (an exception or its text) says the disk is full; False for None."""
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return True
     return exc is not None and any(marker in str(exc).lower() for marker in DISK_FULL_MARKERS)
-
 
 def classify_persistence_error(exc_or_str):
     """The cause of a failed session write, one of PERSISTENCE_ERROR_CAUSES; 'unknown' for None.
@@ -931,7 +849,6 @@ def classify_persistence_error(exc_or_str):
             return cause
     return "disk" if is_disk_full_error(exc_or_str) else "unknown"
 
-
 def _set_last_init_error(message):
     """Remember why opening the store failed (None forgets it). SessionDB sets it and never clears it, so
     another thread's successful open cannot hide the cause from a user."""
@@ -939,11 +856,9 @@ def _set_last_init_error(message):
     with _last_init_error_lock:
         _last_init_error = message
 
-
 def get_last_init_error():
     """Why the last SessionDB() of this process failed to open ('<Class>: <message>'); None if none has."""
     return _last_init_error
-
 
 def format_session_db_unavailable(prefix=SESSION_DB_UNAVAILABLE):
     """The user-facing 'session database not available' sentence, with the cause when one is known."""
@@ -953,18 +868,15 @@ def format_session_db_unavailable(prefix=SESSION_DB_UNAVAILABLE):
     hint = WAL_INCOMPAT_HINT if any(marker in cause.lower() for marker in _WAL_INCOMPAT_MARKERS) else ""
     return f"{prefix}: {cause}{hint}."
 
-
 # -- Sessions: bad rows, reset boundaries, resume caps, workspaces ------------
 
 class SessionRowError(ValueError, sqlite3.IntegrityError):
     """A session row the store refuses: no usable id or source, or a parent that does not exist.
     hermes-agent's store fails on these with IntegrityError."""
 
-
 class SessionInputTypeError(ValueError, TypeError, AttributeError):
     """A value of the wrong type for a session or compaction write (hermes-agent fails on these with TypeError
     or AttributeError, so callers may catch either)."""
-
 
 def hermes_agent_config():
     """hermes-agent's `hermes_cli.config` module when we run inside hermes-agent; None elsewhere.
@@ -977,7 +889,6 @@ def hermes_agent_config():
         return None
     return config
 
-
 def hermes_agent_config_section(name):
     """One section of hermes-agent's config.yaml as a dict; {} outside hermes-agent or when unreadable."""
     config = hermes_agent_config()
@@ -987,7 +898,6 @@ def hermes_agent_config_section(name):
         return {}
     return section if isinstance(section, dict) else {}
 
-
 def _configured_limit(key, fallback):
     try:
         value = hermes_agent_config_section("sessions").get(key)
@@ -996,22 +906,18 @@ def _configured_limit(key, fallback):
         return fallback
     return limit if limit >= 0 else fallback
 
-
 def resolved_max_resume_messages():
     """The resume cap: config.yaml's sessions.max_resume_messages (0 = off), else MAX_SAFE_RESUME_MESSAGES."""
     return _configured_limit("max_resume_messages", MAX_SAFE_RESUME_MESSAGES)
-
 
 def resolved_max_export_messages():
     """The in-memory export cap: sessions.max_export_messages (0 = off), else MAX_SAFE_EXPORT_MESSAGES."""
     return _configured_limit("max_export_messages", MAX_SAFE_EXPORT_MESSAGES)
 
-
 def workspace_key(row):
     """A session's workspace: its git repo root when known, else its cwd; None when it has neither."""
     root = (row.get("git_repo_root") or "").strip()
     return root or (row.get("cwd") or "").strip() or None
-
 
 def cwd_prefix_clause(prefix, alias="s"):
     """(SQL, params) matching sessions whose cwd is `prefix` or lies under it (either separator); LIKE, as
@@ -1021,24 +927,20 @@ def cwd_prefix_clause(prefix, alias="s"):
     return (f"({alias}.cwd = ? OR {alias}.cwd LIKE ? ESCAPE '\\' OR {alias}.cwd LIKE ? ESCAPE '\\')",
             [prefix, escaped + "/%", escaped + "\\\\%"])
 
-
 # -- Lineage: parent links and the markers that tell a fork from a continuation --
 
 # A walk along parent links stops after this many hops (a loop stops it sooner).
 LINEAGE_MAX_HOPS = 100
-
 
 def json_object(raw):
     """A stored JSON object (model_config, ...) as a new dict; {} for NULL, bad JSON or a non-object."""
     value = loads_or(raw, None) if isinstance(raw, str) else raw
     return dict(value) if isinstance(value, dict) else {}
 
-
 def has_fork_marker(model_config):
     """True when model_config (JSON text or a dict) marks a branch or a delegate run."""
     config = json_object(model_config)
     return config.get("_branched_from") is not None or config.get("_delegate_from") is not None
-
 
 def is_fork_child(row):
     """True when a session row (source, model_config, parent_session_id) is a branch, delegate or tool child
@@ -1049,7 +951,6 @@ def is_fork_child(row):
     markers = (config.get("_branched_from"), config.get("_delegate_from"))
     parent = row["parent_session_id"]
     return parent in markers if parent else markers != (None, None)
-
 
 def merge_model_config(text, patch):
     """A stored model_config with `patch` merged (a None value removes its key); None when empty."""

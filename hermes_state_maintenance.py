@@ -18,13 +18,27 @@ import time
 from pathlib import Path
 
 from hermes_state_common import (
-    CHECKPOINT_TRUNCATE_SQL, COUNT_ACTIVE_MESSAGES_SQL, COUNT_ALL_MESSAGES_SQL, DELETE_META_SQL,
-    DELETE_UNUSED_PROMPTS_SQL, INTEGRITY_CHECK_SQL, JOURNAL_MODE_SQL, LAST_ACTIVE_SQL,
+    COUNT_ALL_MESSAGES_SQL, DELETE_META_SQL,
+    DELETE_UNUSED_PROMPTS_SQL, JOURNAL_MODE_SQL, LAST_ACTIVE_SQL,
     MESSAGES_LAST_ACTIVE_SQL, SCHEMA_VERSION, SELECT_SCHEMA_VERSION_SQL, SESSION_EXISTS_SQL,
-    SESSION_RICH_COLUMNS_SQL, SESSIONS_BY_SOURCE_SQL, SKILL_SCAFFOLD_PREFIX, SQL_CHUNK_SIZE, STALE_MARKER,
-    TABLE_EXISTS_SQL, VACUUM_SQL, chunked, cwd_prefix_clause, escape_like, claim_file_beside, placeholders,
+    SESSION_RICH_SQL, SKILL_SCAFFOLD_PREFIX, SQL_CHUNK_SIZE, STALE_MARKER,
+    TABLE_EXISTS_SQL, chunked, cwd_prefix_clause, escape_like, claim_file_beside, placeholders,
     prefix_bounds, sqlite_has_wal_reset_bug, store_file_bytes)
 from hermes_state_schema import pause_between_chunks, write_meta
+
+# -- Statements only this module runs (moved from hermes_state_common) --
+
+SESSION_RICH_COLUMNS_SQL = SESSION_RICH_SQL.format(columns="s.*", last_active=LAST_ACTIVE_SQL.format(a="s"))
+
+COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
+
+SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source"
+
+CHECKPOINT_TRUNCATE_SQL = "PRAGMA wal_checkpoint(TRUNCATE)"
+
+VACUUM_SQL = "VACUUM"
+
+INTEGRITY_CHECK_SQL = "PRAGMA integrity_check"
 
 logger = logging.getLogger("hermes_state")
 

@@ -13,11 +13,19 @@ import sqlite3
 import time
 
 from hermes_state_common import (
-    BUMP_MESSAGE_COUNTS_SQL, COMPRESSION_END_REASON, CONTENT_JSON_PREFIX, COUNT_ALL_MESSAGES_SQL,
-    INSERT_MESSAGE_SQL, LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, STALE_MARKER,
+    COMPRESSION_END_REASON, CONTENT_JSON_PREFIX, COUNT_ALL_MESSAGES_SQL, MESSAGE_WRITE_COLUMNS,
+    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, STALE_MARKER,
     CompressionSessionClosedError, SessionTurnLeaseLostError, content_text, decode_content, decode_display_metadata,
     decode_message, describe_skill_invocation, encode_content, is_fork_child, json_object, loads_or, placeholders,
     scrub_surrogates, sqlite_keeps)
+
+# -- Statements only this module runs (moved from hermes_state_common) --
+
+INSERT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
+    ", ".join(MESSAGE_WRITE_COLUMNS), ", ".join("?" for _ in MESSAGE_WRITE_COLUMNS))
+
+BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message_count, 0) + ?,"
+                           " tool_call_count = COALESCE(tool_call_count, 0) + ? WHERE id = ?")
 
 BUMP_OPEN_SESSION_COUNTS_SQL = BUMP_MESSAGE_COUNTS_SQL + " AND (ended_at IS NULL OR end_reason IS NOT ?)"
 CONVERSATION_ROW_COLUMNS = (

@@ -26,11 +26,15 @@ import time
 
 from hermes_state_common import (
     BYTES_MARKER, CONTENT_JSON_PREFIX, LAST_ACTIVE_SQL, INSERT_SYSTEM_PROMPT_SQL,
-    MESSAGE_WRITE_COLUMNS, SELECT_LINEAGE_LINK_SQL, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL,
+    MESSAGE_WRITE_COLUMNS, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL,
     SET_MESSAGE_COUNTS_SQL, SQLITE_INT_RANGE, TITLE_MAX_LENGTH, decode_message,
     loads_or, normalize_title, placeholders, quote_identifier, scrub_surrogates, sqlite_keeps)
 from hermes_state_redact import redact
 from hermes_state_schema import live_columns, pause_between_chunks, prompt_hash
+
+# -- Statements only this module runs (moved from hermes_state_common) --
+
+SELECT_LINEAGE_LINK_SQL = "SELECT parent_session_id, end_reason FROM sessions WHERE id = ?"
 
 ID_MAX_LENGTH = 256
 EXPORT_FORMATS = ("jsonl", "md", "qmd", "html", "trace")

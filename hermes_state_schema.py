@@ -20,17 +20,56 @@ from collections import namedtuple
 
 # DEFERRED_INDEX_SQL is re-exported: hermes-agent's name.
 from hermes_state_common import (
-    ADD_COLUMN_SQL, CLEAR_OLDER_DUPLICATE_TITLES_SQL, COPY_ROUTING_OLDEST_FIRST_SQL, COUNT_ROWS_SQL,
-    DEFAULT_PROBE_SQL, DEFERRED_INDEX_SQL, DEFERRED_INDEXES, DELETE_META_SQL, DROP_TABLE_SQL, FTS5_PROBE_SQL,
-    FTS_PROBE_DROP_SQL, GATEWAY_ROUTING_PK, GATEWAY_ROUTING_SIDE_TABLE, HAS_INLINE_PROMPT_SQL,
-    HAS_NULL_ACTIVE_SQL, HERMES_FTS_TABLES, INSERT_META_SQL, INSERT_SCHEMA_VERSION_SQL,
-    INSERT_SYSTEM_PROMPT_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, MOVE_INLINE_PROMPT_SQL,
-    PREVIOUS_LAYOUT_TABLES, RENAME_TABLE_SQL, REPAIR_NULL_ACTIVE_SQL, SCHEMA_SQL,
-    SCHEMA_VERSION, SELECT_INLINE_PROMPTS_SQL, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_SCHEMA_VERSION_SQL, SELECT_TRIGGER_TABLES_SQL, TABLE_INFO_SQL, TITLE_INDEX_NAME, TITLE_INDEX_SQL,
-    TRIGRAM_PROBE_SQL, UPDATE_SCHEMA_VERSION_SQL, is_capability_gap, quote_identifier, trigger_writes,
+    DEFERRED_INDEX_SQL, DEFERRED_INDEXES, DELETE_META_SQL, DROP_TABLE_SQL, GATEWAY_ROUTING_PK, GATEWAY_ROUTING_SIDE_TABLE, HERMES_FTS_TABLES, INSERT_META_SQL, INSERT_SYSTEM_PROMPT_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, PREVIOUS_LAYOUT_TABLES, RENAME_TABLE_SQL, SCHEMA_SQL,
+    SCHEMA_VERSION, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL,
+    SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME, is_capability_gap, quote_identifier, trigger_writes,
     LAST_ACTIVE_SQL,
 )
+
+# -- Statements only this module runs (moved from hermes_state_common) --
+
+TITLE_INDEX_SQL = (
+    "CREATE UNIQUE INDEX IF NOT EXISTS idx_sessions_title_unique ON sessions(title) WHERE title IS NOT NULL")
+
+FTS_PROBE_DROP_SQL = "DROP TABLE temp.probe"
+
+FTS5_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x)"
+
+TRIGRAM_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x, tokenize='trigram')"
+
+SELECT_TRIGGER_TABLES_SQL = "SELECT DISTINCT tbl_name FROM sqlite_master WHERE type = 'trigger' ORDER BY tbl_name"
+
+TABLE_INFO_SQL = "PRAGMA table_info({table})"
+
+COPY_ROUTING_OLDEST_FIRST_SQL = """INSERT OR REPLACE INTO gateway_routing (scope, session_key, entry_json, updated_at)
+SELECT COALESCE(scope, ''), session_key, entry_json, COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at ASC"""
+
+COUNT_ROWS_SQL = "SELECT COUNT(*) FROM {table}"
+
+ADD_COLUMN_SQL = "ALTER TABLE {table} ADD COLUMN {column} {type_expr}"
+
+DEFAULT_PROBE_SQL = ("CREATE TEMP TABLE default_probe (x DEFAULT {default})", "DROP TABLE temp.default_probe")
+
+INSERT_SCHEMA_VERSION_SQL = "INSERT INTO schema_version (version) VALUES (?)"
+
+UPDATE_SCHEMA_VERSION_SQL = "UPDATE schema_version SET version = ?"
+
+HAS_NULL_ACTIVE_SQL = "SELECT 1 FROM messages WHERE active IS NULL LIMIT 1"
+
+REPAIR_NULL_ACTIVE_SQL = ("UPDATE messages SET active = 1"
+                          " WHERE id IN (SELECT id FROM messages WHERE active IS NULL LIMIT ?)")
+
+# Of the rows sharing a title, only the newest keeps it.
+CLEAR_OLDER_DUPLICATE_TITLES_SQL = """UPDATE sessions SET title = NULL WHERE title IS NOT NULL AND EXISTS (
+  SELECT 1 FROM sessions AS newer WHERE newer.title = sessions.title
+    AND (newer.started_at > sessions.started_at
+         OR (newer.started_at = sessions.started_at AND newer.rowid > sessions.rowid)))"""
+
+HAS_INLINE_PROMPT_SQL = "SELECT 1 FROM sessions WHERE system_prompt IS NOT NULL LIMIT 1"
+
+SELECT_INLINE_PROMPTS_SQL = "SELECT id, system_prompt FROM sessions WHERE system_prompt IS NOT NULL LIMIT ?"
+
+MOVE_INLINE_PROMPT_SQL = "UPDATE sessions SET system_prompt = NULL, system_prompt_hash = ? WHERE id = ?"
 
 logger = logging.getLogger("hermes_state")
 

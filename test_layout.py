@@ -175,6 +175,32 @@ class ImportLayers(unittest.TestCase):
                          ["json", "hermes_state", "hermes_state_search"])
 
 
+# The *_SQL names hermes-agent 0.20.1.2's hermes_state_common exports (../shared/reference-api.json,
+# kept here so that the suite runs from a clone with nothing beside it).
+REFERENCE_COMMON_SQL = {"DEFERRED_INDEX_SQL", "FTS_SQL", "FTS_TRIGRAM_SQL", "LEGACY_FTS_SQL",
+                        "LEGACY_FTS_TRIGRAM_SQL", "SCHEMA_SQL"}
+
+
+class StatementPlacement(unittest.TestCase):
+    """A statement lives beside the code that runs it; common keeps only the shared ones."""
+
+    def test_every_sql_constant_of_common_is_shared_or_a_reference_name(self):
+        common = project_modules()["hermes_state_common"].read_text(encoding="utf-8")
+        names = {target.id for node in ast.parse(common).body if isinstance(node, ast.Assign)
+                 for target in node.targets
+                 if isinstance(target, ast.Name) and target.id.endswith("_SQL")}
+        users = {name: set() for name in names}
+        for module, path in project_modules().items():
+            if module == "hermes_state_common":
+                continue
+            words = set(re.findall(r"\b[A-Z_0-9]+_SQL\b", path.read_text(encoding="utf-8")))
+            for name in names & words:
+                users[name].add(module)
+        lonely = {name: sorted(found) for name, found in users.items()
+                  if len(found) < 2 and name not in REFERENCE_COMMON_SQL}
+        self.assertEqual(lonely, {}, "move each to the one module that runs it")
+
+
 class EntryPoint(unittest.TestCase):
 
     def test_python_m_hermes_state_runs_the_store_module_once(self):
