@@ -76,7 +76,7 @@ MUTANTS = [
            "primary-key columns get NOT NULL in the rebuilt type expression",
            ["test_hermes_state_schema"]),
     # -- gateway_routing primary-key heal --------------------------------------
-    Mutant("pk-heal-oldest-wins", "hermes_state_common.py",
+    Mutant("pk-heal-oldest-wins", "hermes_state_schema.py",
            "COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at ASC",
            "COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at DESC",
            "on a key collision the oldest routing row wins instead of the newest",
@@ -103,7 +103,7 @@ MUTANTS = [
            "                self._read_one(SELECT_SCHEMA_VERSION_SQL)[0] == SCHEMA_VERSION:\n",
            "the repair is skipped on a store that claims the current version",
            ["test_hermes_state_schema"]),
-    Mutant("null-active-revives-rewound", "hermes_state_common.py",
+    Mutant("null-active-revives-rewound", "hermes_state_schema.py",
            "SELECT id FROM messages WHERE active IS NULL LIMIT ?",
            "SELECT id FROM messages WHERE active IS NOT 1 LIMIT ?",
            "the repair also brings back messages a rewind hid",
