@@ -1,8 +1,9 @@
-"""Session rows: create (or enrich), read, resolve, end and reopen, flags, listing, counts, model and cwd.
+"""Session rows: create (or enrich), read, resolve, end and reopen, flags, listing, counts, model
+and cwd.
 
-Owns what a session row holds and who may change it, through SessionDB's write and read paths and the
-maintenance mixin's `_sweep_before_reuse` (a session made again never shows a deleted one's messages).
-Never touches a message's content, the search indexes or the schema; title rules live in
+Owns what a session row holds and who may change it, through SessionDB's write and read paths and
+the maintenance mixin's `_sweep_before_reuse` (a session made again never shows a deleted one's
+messages). Never touches a message's content, the search indexes or the schema; title rules live in
 hermes_state_titles, compression and resume in hermes_state_compression.
 """
 
@@ -17,22 +18,24 @@ import time
 from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, MESSAGES_LAST_ACTIVE_SQL,
     SELECT_META_SQL, SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL, TABLE_EXISTS_SQL,
-    SKILL_EXCERPT_JOINT, SessionInputTypeError,
-    SessionRowError, _RESET_END_REASONS, chunked, cwd_prefix_clause, describe_skill_invocation, escape_like,
-    has_fork_marker, json_object, loads_or, merge_model_config, placeholders, require_text, sqlite_keeps)
+    SKILL_EXCERPT_JOINT, SessionInputTypeError, SessionRowError, _RESET_END_REASONS, chunked,
+    cwd_prefix_clause, describe_skill_invocation, escape_like, has_fork_marker, json_object,
+    loads_or, merge_model_config, placeholders, require_text, sqlite_keeps)
 from hermes_state_schema import (
     LISTING_OBJECTS, LISTING_VERSION, META_LISTING_READY, SELECT_LISTING_OBJECT_COUNT_SQL,
     TALLY_CHILD, TALLY_MARKED_ROOT, TALLY_PLAIN_ROOT, declared_columns, prompt_hash)
 
 # What create_session may fill on an existing row: only columns still NULL, so a later bare call
 # (source "unknown", no model) never clobbers a real value.
-_FILLABLE_COLUMNS = ("model", "model_config", "user_id", "session_key", "chat_id", "chat_type", "thread_id",
-                     "parent_session_id", "cwd", "profile_name", "git_repo_root", "origin_json", "display_name")
+_FILLABLE_COLUMNS = (
+    "model", "model_config", "user_id", "session_key", "chat_id", "chat_type", "thread_id",
+    "parent_session_id", "cwd", "profile_name", "git_repo_root", "origin_json", "display_name")
 # Taken from the parent a child names, so a fork never drops out of its project.
 _INHERITED_COLUMNS = ("cwd", "git_repo_root", "git_branch", "profile_name")
 # Taken from a parent compression ended: the gateway's routing, so a continuation stays reachable
 # if the gateway dies before re-recording it.
-_ROUTING_COLUMNS = ("user_id", "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json")
+_ROUTING_COLUMNS = (
+    "user_id", "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json")
 # The compression chain through ? (both directions); the flag setters change it as one conversation.
 _LINEAGE_IDS_SQL = """
 WITH RECURSIVE
@@ -47,7 +50,8 @@ _CANDIDATES_SQL = ("SELECT s.id, s.source, s.title, s.model_config, s.started_at
                    " p.ended_at AS parent_ended_at, p.session_key AS parent_key")
 _CANDIDATES_FROM_SQL = " FROM sessions AS s LEFT JOIN sessions AS p ON p.id = s.parent_session_id"
 # Listable without a look at their markers: roots that cannot be subagent runs.
-_PLAIN_ROOT_SQL = "(s.parent_session_id IS NULL AND instr(COALESCE(s.model_config, ''), '_delegate_from') = 0)"
+_PLAIN_ROOT_SQL = ("(s.parent_session_id IS NULL"
+                   " AND instr(COALESCE(s.model_config, ''), '_delegate_from') = 0)")
 # Children that may be listable (see _is_listable): a parent end that lists its children, or a
 # marker that lists the row; a backslash may spell a marker's name in escapes: that row is judged.
 _MAYBE_LISTABLE_CHILD_SQL = (
@@ -57,13 +61,16 @@ _MAYBE_LISTABLE_CHILD_SQL = (
 # Every child of a session compression ended: the links a chain walk may follow.
 _CONTINUATIONS_SQL = ("SELECT c.id, c.parent_session_id AS parent, c.title, c.model_config,"
                       " c.source, {activity} AS last_active FROM sessions AS c"
-                      " JOIN sessions AS p ON p.id = c.parent_session_id WHERE p.end_reason = 'compression'")
+                      " JOIN sessions AS p ON p.id = c.parent_session_id"
+                      " WHERE p.end_reason = 'compression'")
 # LAST_ACTIVE_SQL's value as hs_session_activity keeps it (see _listing_ready).
 _KEPT_ACTIVITY_SQL = ("(SELECT k.active_at FROM hs_session_activity AS k"
                       " WHERE k.session_id = {a}.id)")
-# What a listed compression root shows of its tip; the root keeps the rest (its start, flags, watermark).
-_PROJECTED_COLUMNS = ("id", "ended_at", "end_reason", "message_count", "tool_call_count", "title", "last_active",
-                      "preview", "model", "system_prompt", "cwd", "git_branch", "git_repo_root")
+# What a listed compression root shows of its tip; the root keeps the rest (its start, flags,
+# watermark).
+_PROJECTED_COLUMNS = (
+    "id", "ended_at", "end_reason", "message_count", "tool_call_count", "title", "last_active",
+    "preview", "model", "system_prompt", "cwd", "git_branch", "git_repo_root")
 _COMPACT_LEFT_OUT = frozenset({"system_prompt", "system_prompt_hash", "git_metadata_generation"})
 _ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 _PREVIEW_MAX_CHARS = 60
@@ -74,12 +81,14 @@ class SessionSessionsMixin:
     """SessionDB's methods for session rows and listing."""
 
     def create_session(self, session_id, source, **kwargs):
-        """Create the session, or fill the still-empty fields (not source) of an existing one; returns its id.
+        """Create the session, or fill the still-empty fields (not source) of an existing one;
+        returns its id.
 
-        Keywords are _insert_session_row's (model_config a dict). A child inherits the parent's cwd, git and
-        profile, and its gateway routing if compression ended the parent. Raises, writing nothing, TypeError
-        for an unknown keyword, SessionRowError (a ValueError and IntegrityError) for a missing id or source
-        or an unknown parent, SessionInputTypeError for a non-text prompt."""
+        Keywords are _insert_session_row's (model_config a dict). A child inherits the parent's
+        cwd, git and profile, and its gateway routing if compression ended the parent. Raises,
+        writing nothing, TypeError for an unknown keyword, SessionRowError (a ValueError and
+        IntegrityError) for a missing id or source or an unknown parent, SessionInputTypeError for
+        a non-text prompt."""
         self._insert_session_row(session_id, source, **kwargs)
         return session_id
 
@@ -88,10 +97,11 @@ class SessionSessionsMixin:
         self._insert_session_row(session_id, source, model=model, **kwargs)
         return session_id
 
-    def _insert_session_row(self, session_id, source, model=None, model_config=None, system_prompt=None,
-                            user_id=None, session_key=None, chat_id=None, chat_type=None, thread_id=None,
-                            parent_session_id=None, cwd=None, profile_name=None, git_repo_root=None,
-                            origin_json=None, display_name=None):
+    def _insert_session_row(self, session_id, source, model=None, model_config=None,
+                            system_prompt=None, user_id=None, session_key=None, chat_id=None,
+                            chat_type=None, thread_id=None, parent_session_id=None, cwd=None,
+                            profile_name=None, git_repo_root=None, origin_json=None,
+                            display_name=None):
         try:
             require_text("session_id", session_id, max_length=SESSION_ID_MAX_LENGTH)
         except ValueError as exc:
@@ -104,8 +114,8 @@ class SessionSessionsMixin:
             parent_session_id, cwd, profile_name, git_repo_root, origin_json, display_name)))
         for name, value in (("source", source), *values.items()):
             if not sqlite_keeps(value):
-                raise SessionRowError(f"{name} must be text or a number SQLite can store, not {value!r:.60}; "
-                                      "no session was written")
+                raise SessionRowError(f"{name} must be text or a number SQLite can store, "
+                                      f"not {value!r:.60}; no session was written")
         self._sweep_before_reuse(session_id)
 
         def write(conn):
@@ -114,14 +124,18 @@ class SessionSessionsMixin:
             row = conn.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
             changes = _fill_values(row, values, digest)
             parent = changes.get("parent_session_id")
-            if parent and parent != session_id and not conn.execute(SESSION_EXISTS_SQL, (parent,)).fetchone():
-                raise SessionRowError(f"parent_session_id {parent!r} names no session; no session was written")
+            if (parent and parent != session_id
+                    and not conn.execute(SESSION_EXISTS_SQL, (parent,)).fetchone()):
+                raise SessionRowError(f"parent_session_id {parent!r} names no session; "
+                                      "no session was written")
             if row is None:
                 changes.update(id=session_id, source=source, started_at=time.time())
-                conn.execute(f"INSERT INTO sessions ({', '.join(changes)}) VALUES ({placeholders(len(changes))})",
+                conn.execute(f"INSERT INTO sessions ({', '.join(changes)})"
+                             f" VALUES ({placeholders(len(changes))})",
                              tuple(changes.values()))
             elif changes:
-                conn.execute(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in changes)} WHERE id = ?",
+                conn.execute(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in changes)}"
+                             " WHERE id = ?",
                              (*changes.values(), session_id))
             if digest:
                 conn.execute(DELETE_UNUSED_PROMPTS_SQL)
@@ -130,15 +144,16 @@ class SessionSessionsMixin:
         self._execute_write(write, patience_s=self._transcript_patience())
 
     def update_system_prompt(self, session_id, system_prompt):
-        """Store the session's full system prompt (None clears it); nothing for an unknown session. Raises
-        SessionInputTypeError, before writing, for a value that is not text."""
+        """Store the session's full system prompt (None clears it); nothing for an unknown session.
+        Raises SessionInputTypeError, before writing, for a value that is not text."""
         digest = _prompt_digest(system_prompt)
 
         def write(conn):
             if digest:
                 conn.execute(INSERT_SYSTEM_PROMPT_SQL, (digest, system_prompt))
-            conn.execute("UPDATE sessions SET system_prompt_hash = ?, system_prompt = NULL WHERE id = ?",
-                         (digest, session_id))
+            conn.execute(
+                "UPDATE sessions SET system_prompt_hash = ?, system_prompt = NULL WHERE id = ?",
+                (digest, session_id))
             conn.execute(DELETE_UNUSED_PROMPTS_SQL)
         self._execute_write(write)
 
@@ -148,17 +163,20 @@ class SessionSessionsMixin:
         return next(iter(self._read_sessions("", " WHERE s.id = ?", (session_id,))), None)
 
     def _read_sessions(self, columns, tail, params):
-        """Session dicts, prompt resolved, with computed `columns` added and `tail` after the FROM."""
-        return self._resolved(self._read_all(f"SELECT s.*{columns} FROM sessions AS s" + tail, params))
+        """Session dicts, prompt resolved, with computed `columns` added and `tail` after the
+        FROM."""
+        return self._resolved(
+            self._read_all(f"SELECT s.*{columns} FROM sessions AS s" + tail, params))
 
     def _resolved(self, rows):
-        """`rows` as dicts, `system_prompt` read from its hash (each stored prompt once) and a rich row's
-        `_preview_raw` shaped into `preview`."""
+        """`rows` as dicts, `system_prompt` read from its hash (each stored prompt once) and a rich
+        row's `_preview_raw` shaped into `preview`."""
         prompts, sessions = {}, [row if type(row) is dict else dict(row) for row in rows]
         for session in sessions:
             digest = session.get("system_prompt_hash")
             if digest and digest not in prompts:
-                prompts[digest] = self._read_value("SELECT prompt FROM system_prompts WHERE hash = ?", (digest,))
+                prompts[digest] = self._read_value(
+                    "SELECT prompt FROM system_prompts WHERE hash = ?", (digest,))
             if digest and prompts[digest] is not None:
                 session["system_prompt"] = prompts[digest]
             if "_preview_raw" in session:
@@ -177,26 +195,32 @@ class SessionSessionsMixin:
         return matches[0][0] if len(matches) == 1 else None
 
     def end_session(self, session_id, end_reason):
-        """Mark a session ended now with `end_reason`; returns None. The first end wins (reopen to re-end)."""
-        self._update_rows("UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ? AND ended_at IS NULL",
-                          (time.time(), end_reason, session_id))
+        """Mark a session ended now with `end_reason`; returns None. The first end wins (reopen to
+        re-end)."""
+        self._update_rows(
+            "UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ? AND ended_at IS NULL",
+            (time.time(), end_reason, session_id))
 
     def reopen_session(self, session_id):
-        """Clear a session's end so it can be resumed; returns None. Children that continued it across a
-        reset on its routing key get `_reset_from`, so they stay separate conversations."""
+        """Clear a session's end so it can be resumed; returns None. Children that continued it
+        across a reset on its routing key get `_reset_from`, so they stay separate conversations."""
         def write(conn):
             parent = conn.execute("SELECT end_reason, session_key FROM sessions WHERE id = ?",
                                   (session_id,)).fetchone()
-            if parent is not None and parent["end_reason"] in _RESET_END_REASONS and parent["session_key"]:
-                children = conn.execute("SELECT id, model_config FROM sessions WHERE parent_session_id = ?"
-                                        " AND session_key = ?", (session_id, parent["session_key"])).fetchall()
+            if (parent is not None and parent["end_reason"] in _RESET_END_REASONS
+                    and parent["session_key"]):
+                children = conn.execute(
+                    "SELECT id, model_config FROM sessions WHERE parent_session_id = ?"
+                    " AND session_key = ?",
+                    (session_id, parent["session_key"])).fetchall()
                 for child in children:
                     config = loads_or(child["model_config"] or "{}", None)
                     if isinstance(config, dict) and config.get("_reset_from") is None:
                         config["_reset_from"] = session_id
                         conn.execute("UPDATE sessions SET model_config = ? WHERE id = ?",
                                      (json.dumps(config, separators=(",", ":")), child["id"]))
-            conn.execute("UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?", (session_id,))
+            conn.execute("UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?",
+                         (session_id,))
         self._execute_write(write)
 
     def set_session_archived(self, session_id, archived):
@@ -208,11 +232,13 @@ class SessionSessionsMixin:
         return self._set_lineage_column(session_id, "pinned", 1 if pinned else 0)
 
     def set_session_hidden(self, session_id, hidden):
-        """Hide the session's whole compression chain from default listings, or show it; False if no row matched."""
+        """Hide the session's whole compression chain from default listings, or show it; False if
+        no row matched."""
         return self._set_lineage_column(session_id, "hidden", 1 if hidden else 0)
 
     def set_session_read(self, session_id, read=True):
-        """Mark the chain read now (or unread: watermark 0, so any activity is newer); False if no row matched."""
+        """Mark the chain read now (or unread: watermark 0, so any activity is newer); False if no
+        row matched."""
         return self._set_lineage_column(session_id, "last_read_at", time.time() if read else 0.0)
 
     def _set_lineage_column(self, session_id, column, value):
@@ -220,13 +246,15 @@ class SessionSessionsMixin:
         return self._update_rows(sql, (value, session_id, session_id)) > 0
 
     def set_expiry_finalized(self, session_id, finalized=True):
-        """Record whether the gateway finalized this session's expiry; returns None (nothing for an empty id)."""
+        """Record whether the gateway finalized this session's expiry; returns None (nothing for an
+        empty id)."""
         if session_id:
             self._update_rows("UPDATE sessions SET expiry_finalized = ? WHERE id = ?",
                               (1 if finalized else 0, session_id))
 
     def set_session_yolo(self, session_id, enabled):
-        """Set model_config.yolo_mode, other keys kept; returns None (nothing for an empty or unknown id)."""
+        """Set model_config.yolo_mode, other keys kept; returns None (nothing for an empty or
+        unknown id)."""
         self.patch_session_model_config(session_id, {"yolo_mode": bool(enabled)})
 
     @staticmethod
@@ -236,24 +264,28 @@ class SessionSessionsMixin:
         return bool(json_object((session_meta or {}).get("model_config")).get("yolo_mode"))
 
     def update_session_model(self, session_id, model, provider=None):
-        """Switch the session's model (and provider, if given), dropping the stored system prompt and any
-        browser model lock; returns None, nothing for an unknown session."""
+        """Switch the session's model (and provider, if given), dropping the stored system prompt
+        and any browser model lock; returns None, nothing for an unknown session."""
         self._flush_token_counts()
         patch = {"browser_model_lock": None}
-        patch.update((key, value) for key, value in (("model", model), ("provider", provider)) if value)
+        patch.update((key, value) for key, value in (("model", model), ("provider", provider))
+                     if value)
 
         def write(conn):
             if _merge_config(conn, session_id, patch):
-                conn.execute("UPDATE sessions SET model = ?, system_prompt = NULL, system_prompt_hash = NULL"
-                             " WHERE id = ?", (model, session_id))
+                conn.execute("UPDATE sessions SET model = ?, system_prompt = NULL,"
+                             " system_prompt_hash = NULL WHERE id = ?",
+                             (model, session_id))
                 conn.execute(DELETE_UNUSED_PROMPTS_SQL)
         self._execute_write(write)
 
     def update_session_meta(self, session_id, model_config_json, model=None):
-        """Replace model_config with `model_config_json` and, unless None, set the model; returns None."""
+        """Replace model_config with `model_config_json` and, unless None, set the model; returns
+        None."""
         self._flush_token_counts()
-        self._update_rows("UPDATE sessions SET model_config = ?, model = COALESCE(?, model) WHERE id = ?",
-                          (model_config_json, model, session_id))
+        self._update_rows(
+            "UPDATE sessions SET model_config = ?, model = COALESCE(?, model) WHERE id = ?",
+            (model_config_json, model, session_id))
 
     def get_session_model_config_value(self, session_id, key, default=None):
         """One key of a session's model_config; `default` for an unknown session, a missing key or a
@@ -262,15 +294,16 @@ class SessionSessionsMixin:
                                             (session_id,))).get(key, default)
 
     def patch_session_model_config(self, session_id, patch):
-        """Merge `patch` into model_config (a None value removes its key); returns None, and writes nothing
-        for an unknown session or an empty patch."""
+        """Merge `patch` into model_config (a None value removes its key); returns None, and writes
+        nothing for an unknown session or an empty patch."""
         if session_id and patch:
             self._execute_write(lambda conn: _merge_config(conn, session_id, patch))
 
-    def update_session_cwd(self, session_id, cwd, git_branch=None, git_repo_root=None, replace_git_meta=False):
-        """Record the session's cwd and claim a new git-metadata generation; returns it, None if unknown.
-        Branch and repo root are written when non-empty, or replaced (empty clears) when the cwd changed
-        or with `replace_git_meta`."""
+    def update_session_cwd(self, session_id, cwd, git_branch=None, git_repo_root=None,
+                           replace_git_meta=False):
+        """Record the session's cwd and claim a new git-metadata generation; returns it, None if
+        unknown. Branch and repo root are written when non-empty, or replaced (empty clears) when
+        the cwd changed or with `replace_git_meta`."""
         if not session_id or not cwd:
             return None
         fields = (("cwd", cwd), ("git_branch", (git_branch or "").strip() or None),
@@ -280,132 +313,158 @@ class SessionSessionsMixin:
             row = conn.execute("SELECT cwd FROM sessions WHERE id = ?", (session_id,)).fetchone()
             if row is None:
                 return None
-            sets = {k: v for k, v in fields if v or replace_git_meta or row["cwd"] != cwd}  # cwd is never empty
+            # cwd is never empty, so `sets` always holds it and the UPDATE has a column to set.
+            sets = {k: v for k, v in fields if v or replace_git_meta or row["cwd"] != cwd}
             conn.execute(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in sets)},"
-                         " git_metadata_generation = COALESCE(git_metadata_generation, 0) + 1 WHERE id = ?",
+                         " git_metadata_generation = COALESCE(git_metadata_generation, 0) + 1"
+                         " WHERE id = ?",
                          (*sets.values(), session_id))
             return int(conn.execute("SELECT git_metadata_generation FROM sessions WHERE id = ?",
                                     (session_id,)).fetchone()[0])
         return self._execute_write(write)
 
-    def publish_session_git_metadata(self, session_id, cwd, generation, git_branch=None, git_repo_root=None):
-        """Record a git probe's branch and repo root if its cwd claim is still current; False if not."""
+    def publish_session_git_metadata(self, session_id, cwd, generation, git_branch=None,
+                                     git_repo_root=None):
+        """Record a git probe's branch and repo root if its cwd claim is still current; False if
+        not."""
         branch, root = (git_branch or "").strip(), (git_repo_root or "").strip()
-        if not session_id or not cwd or isinstance(generation, bool) or not isinstance(generation, int) \
-                or generation < 1 or not (branch or root):
+        if (not session_id or not cwd or isinstance(generation, bool)
+                or not isinstance(generation, int) or generation < 1 or not (branch or root)):
             return False
         sets = {k: v for k, v in (("git_branch", branch), ("git_repo_root", root)) if v}
         return self._update_rows(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in sets)}"
                                  " WHERE id = ? AND cwd = ? AND git_metadata_generation = ?",
                                  (*sets.values(), session_id, cwd, generation)) == 1
 
-    def list_sessions_rich(self, source=None, sources=None, exclude_sources=None, cwd_prefix=None, limit=20,
-                           offset=0, include_children=False, min_message_count=0, project_compression_tips=True,
-                           order_by_last_active=False, include_archived=False, archived_only=False, id_query=None,
-                           search_query=None, compact_rows=False, include_pinned=False, session_key=None,
-                           include_hidden=False):
-        """A page of sessions as rich rows (all columns, `preview`, `last_active`, `unread`); [] if none match.
+    def list_sessions_rich(self, source=None, sources=None, exclude_sources=None, cwd_prefix=None,
+                           limit=20, offset=0, include_children=False, min_message_count=0,
+                           project_compression_tips=True, order_by_last_active=False,
+                           include_archived=False, archived_only=False, id_query=None,
+                           search_query=None, compact_rows=False, include_pinned=False,
+                           session_key=None, include_hidden=False):
+        """A page of sessions as rich rows (all columns, `preview`, `last_active`, `unread`); [] if
+        none match.
 
-        Newest start first, or newest activity along the compression chain (`order_by_last_active`, which
-        alone applies `id_query` and `search_query`: title or id, also without punctuation). Unarchived,
-        unhidden roots, branches and resets unless `include_children`; a compression root shows as its tip
-        (`_lineage_root_id` names the root) unless `project_compression_tips` is False. `include_pinned` adds
-        the pinned rows the page left out; `compact_rows` drops the prompt columns. `limit` and `offset` are
-        read as SQLite reads them (negative: no limit, from 0)."""
+        Newest start first, or newest activity along the compression chain
+        (`order_by_last_active`, which alone applies `id_query` and `search_query`: title or id,
+        also without punctuation). Unarchived, unhidden roots, branches and resets unless
+        `include_children`; a compression root shows as its tip (`_lineage_root_id` names the root)
+        unless `project_compression_tips` is False. `include_pinned` adds the pinned rows the page
+        left out; `compact_rows` drops the prompt columns. `limit` and `offset` are read as SQLite
+        reads them (negative: no limit, from 0)."""
         limit, offset = _window_bound(limit), max(_window_bound(offset), 0)
         self._flush_token_counts()
-        clauses, params = _filter_clauses(source, sources, exclude_sources, cwd_prefix, min_message_count,
-                                          include_archived, archived_only, session_key, include_hidden)
+        clauses, params = _filter_clauses(source, sources, exclude_sources, cwd_prefix,
+                                          min_message_count, include_archived, archived_only,
+                                          session_key, include_hidden)
         end = None if limit < 0 else offset + limit
         id_needle = (id_query or "").strip().lower()
         search_needle = (search_query or "").strip().lower()
         if order_by_last_active and not id_needle and not search_needle and self._listing_ready():
             rows = self._list_by_activity(clauses, params, include_children, end)
         elif order_by_last_active:
-            rows = self._by_chain_activity(self._list_candidates(clauses, params, include_children, True),
-                                           id_needle, search_needle)
+            rows = self._by_chain_activity(
+                self._list_candidates(clauses, params, include_children, True),
+                id_needle, search_needle)
         else:
             rows = self._list_candidates(clauses, params, include_children, False, want=end)
         page = [row["id"] for row in rows[offset:end]]
         sessions = self._rich_rows_by_id(page, compact_rows)
         if include_pinned:
             # As hermes-agent back-fills them: start order, last_active from messages only.
-            pinned = self._list_candidates(clauses + ["s.pinned = 1"], params, include_children, False)
+            pinned = self._list_candidates(clauses + ["s.pinned = 1"], params, include_children,
+                                           False)
             listed = set(page)
             missing = [row["id"] for row in pinned if row["id"] not in listed]
             sessions += self._rich_rows_by_id(missing, compact_rows, MESSAGES_LAST_ACTIVE_SQL)
         tips = {s["id"]: self.get_compression_tip(s["id"]) for s in sessions
-                if project_compression_tips and not include_children and s.get("end_reason") == "compression"}
+                if project_compression_tips and not include_children
+                and s.get("end_reason") == "compression"}
         found = {row["id"]: row for row in self._rich_rows_by_id(
             [tip for root, tip in tips.items() if tip != root], compact_rows)}
         for index, session in enumerate(sessions):
             tip = found.get(tips.get(session["id"]))
             if tip:
-                sessions[index] = session = {**session, **{k: tip[k] for k in _PROJECTED_COLUMNS if k in tip},
-                                             "_lineage_root_id": session["id"]}
+                sessions[index] = session = {
+                    **session, **{k: tip[k] for k in _PROJECTED_COLUMNS if k in tip},
+                    "_lineage_root_id": session["id"]}
             session["unread"] = self.session_unread(session)
         return sessions
 
     @staticmethod
     def session_unread(session_row):
-        """True when the row's last activity is newer than its read watermark; False when never marked read."""
+        """True when the row's last activity is newer than its read watermark; False when never
+        marked read."""
         last_read = session_row.get("last_read_at")
-        return last_read is not None and float(session_row.get("last_active") or session_row.get("started_at")
-                                               or 0) > float(last_read)
+        return last_read is not None and float(
+            session_row.get("last_active") or session_row.get("started_at") or 0) > float(last_read)
 
     def get_session_rich_row(self, session_id, compact_rows=False):
-        """One session as a list_sessions_rich row (no projection, no `unread`); None for an unknown id."""
+        """One session as a list_sessions_rich row (no projection, no `unread`); None for an
+        unknown id."""
         self._flush_token_counts()
         return next(iter(self._rich_rows_by_id([session_id], compact_rows)), None)
 
-    def search_sessions_by_id(self, query, limit=20, include_archived=True, source=None, sources=None,
-                              exclude_sources=None):
-        """Listed sessions whose id, or an id along their compression chain, contains `query` (any case):
-        exact matches first, then prefixes, then the rest by activity; [] for a blank query or limit <= 0."""
+    def search_sessions_by_id(self, query, limit=20, include_archived=True, source=None,
+                              sources=None, exclude_sources=None):
+        """Listed sessions whose id, or an id along their compression chain, contains `query` (any
+        case): exact matches first, then prefixes, then the rest by activity; [] for a blank query
+        or limit <= 0."""
         needle = (query or "").strip().lower()
         if not needle or limit <= 0:
             return []
-        rows = self.list_sessions_rich(source=source, sources=sources, exclude_sources=exclude_sources,
-                                       limit=limit * 4, include_archived=include_archived,
+        rows = self.list_sessions_rich(source=source, sources=sources,
+                                       exclude_sources=exclude_sources, limit=limit * 4,
+                                       include_archived=include_archived,
                                        order_by_last_active=True, id_query=needle)
 
         def rank(row):
-            ids = [str(value).lower() for value in (row.get("id"), row.get("_lineage_root_id")) if value]
+            ids = [str(value).lower() for value in (row.get("id"), row.get("_lineage_root_id"))
+                   if value]
             return 0 if needle in ids else 1 if any(i.startswith(needle) for i in ids) else 2
         return sorted(rows, key=rank)[:limit]
 
     def distinct_session_cwds(self, include_archived=False):
-        """[{cwd, sessions, last_active}] per distinct non-blank cwd, children included, archived ones only
-        with `include_archived`; `last_active` is the newest end, else start. [] when none."""
-        rows = self._read_all("SELECT cwd, COUNT(*), MAX(COALESCE(ended_at, started_at, 0)) FROM sessions WHERE"
-                              " cwd IS NOT NULL AND TRIM(cwd) != ''" + ("" if include_archived else " AND archived = 0")
+        """[{cwd, sessions, last_active}] per distinct non-blank cwd, children included, archived
+        ones only with `include_archived`; `last_active` is the newest end, else start. [] when
+        none."""
+        rows = self._read_all("SELECT cwd, COUNT(*), MAX(COALESCE(ended_at, started_at, 0))"
+                              " FROM sessions WHERE cwd IS NOT NULL AND TRIM(cwd) != ''"
+                              + ("" if include_archived else " AND archived = 0")
                               + " GROUP BY cwd")
-        return [{"cwd": row[0], "sessions": int(row[1] or 0), "last_active": float(row[2] or 0)} for row in rows]
+        return [{"cwd": row[0], "sessions": int(row[1] or 0), "last_active": float(row[2] or 0)}
+                for row in rows]
 
     def list_gateway_sessions(self, *, platform=None, active_only=True):
-        """The newest session of each gateway routing key, with `last_active`, most recently active first;
-        `platform` filters on source (any case), `active_only` keeps open sessions. [] when none."""
+        """The newest session of each gateway routing key, with `last_active`, most recently active
+        first; `platform` filters on source (any case), `active_only` keeps open sessions. [] when
+        none."""
         self._flush_token_counts()
-        where = (" AND LOWER(s.source) = LOWER(?)" if platform else "") + (" AND s.ended_at IS NULL"
-                                                                           if active_only else "")
+        where = ((" AND LOWER(s.source) = LOWER(?)" if platform else "")
+                 + (" AND s.ended_at IS NULL" if active_only else ""))
         return self._resolved(self._read_all(self._listing_sql(
-            f"SELECT s.*, {LAST_ACTIVE_SQL.format(a='s')} AS last_active FROM sessions AS s WHERE s.session_key"
-            " IS NOT NULL AND s.started_at = (SELECT MAX(k.started_at) FROM sessions AS k WHERE k.session_key ="
-            f" s.session_key){where} ORDER BY last_active DESC"), (platform,) if platform else ()))
+            f"SELECT s.*, {LAST_ACTIVE_SQL.format(a='s')} AS last_active FROM sessions AS s"
+            " WHERE s.session_key IS NOT NULL AND s.started_at = (SELECT MAX(k.started_at)"
+            f" FROM sessions AS k WHERE k.session_key = s.session_key){where}"
+            " ORDER BY last_active DESC"), (platform,) if platform else ()))
 
     def session_count(self, source=None, sources=None, cwd_prefix=None, min_message_count=0,
                       include_archived=False, archived_only=False, exclude_children=False,
                       exclude_sources=None):
-        """How many sessions match; unarchived ones unless `include_archived` or `archived_only`, and with
-        `exclude_children` only what list_sessions_rich lists (no subagent runs or continuations)."""
-        clauses, params = _filter_clauses(source, sources, exclude_sources, cwd_prefix, min_message_count,
-                                          include_archived, archived_only)
+        """How many sessions match; unarchived ones unless `include_archived` or `archived_only`,
+        and with `exclude_children` only what list_sessions_rich lists (no subagent runs or
+        continuations)."""
+        clauses, params = _filter_clauses(source, sources, exclude_sources, cwd_prefix,
+                                          min_message_count, include_archived, archived_only)
         tallied = not cwd_prefix and not min_message_count > 0
         return sum(self._tally_sessions(clauses, params, exclude_children, tallied).values())
 
-    def session_count_by_source(self, *, include_archived=False, archived_only=False, exclude_children=False):
-        """{source: sessions}, largest first (an empty source counts as 'cli'); {} for an empty store."""
-        clauses, params = _filter_clauses(None, None, None, None, 0, include_archived, archived_only)
+    def session_count_by_source(self, *, include_archived=False, archived_only=False,
+                                exclude_children=False):
+        """{source: sessions}, largest first (an empty source counts as 'cli'); {} for an empty
+        store."""
+        clauses, params = _filter_clauses(None, None, None, None, 0, include_archived,
+                                          archived_only)
         tally = self._tally_sessions(clauses, params, exclude_children, tallied=True)
         return dict(sorted(tally.items(), key=lambda item: (-item[1], item[0])))
 
@@ -419,12 +478,13 @@ class SessionSessionsMixin:
         hs_session_tally can answer."""
         if tallied and self._listing_ready():
             return self._tally_from_aids(clauses, params, exclude_children)
-        sql = "SELECT COALESCE(NULLIF(s.source, ''), 'cli'), COUNT(*) FROM sessions AS s{} GROUP BY 1"
+        sql = ("SELECT COALESCE(NULLIF(s.source, ''), 'cli'), COUNT(*)"
+               " FROM sessions AS s{} GROUP BY 1")
         roots = clauses + [_PLAIN_ROOT_SQL] if exclude_children else clauses
         tally = collections.Counter(dict(self._read_all(sql.format(_where(roots)), params)))
         if exclude_children:
-            tally.update(row["source"] or "cli" for row in
-                         self._list_candidates(clauses + [f"NOT {_PLAIN_ROOT_SQL}"], params, False, False))
+            tally.update(row["source"] or "cli" for row in self._list_candidates(
+                clauses + [f"NOT {_PLAIN_ROOT_SQL}"], params, False, False))
         return tally
 
     def _tally_from_aids(self, clauses, params, exclude_children):
@@ -444,23 +504,26 @@ class SessionSessionsMixin:
         if exclude_children and TALLY_MARKED_ROOT in kinds:
             judged.append([f"NOT {_PLAIN_ROOT_SQL}", "s.parent_session_id IS NULL"])
         for extra in judged:
-            rows = self._read_all(self._listing_sql(_CANDIDATES_SQL + _CANDIDATES_FROM_SQL + _where(
-                clauses + extra)), params)
+            rows = self._read_all(self._listing_sql(
+                _CANDIDATES_SQL + _CANDIDATES_FROM_SQL + _where(clauses + extra)), params)
             tally.update(row["source"] or "cli" for row in rows if _is_listable(row))
         return tally
 
     def _list_candidates(self, clauses, params, include_children, with_activity, want=None):
-        """The matching sessions, newest start first, as the listing rules' inputs (markers are read in
-        Python, so no JSON1): only listable ones unless `include_children`, at most `want` of them."""
+        """The matching sessions, newest start first, as the listing rules' inputs (markers are read
+        in Python, so no JSON1): only listable ones unless `include_children`, at most `want` of
+        them."""
         activity = f", {self._activity_sql('s')} AS last_active" if with_activity else ""
-        sql = f"{_CANDIDATES_SQL}{activity}{_CANDIDATES_FROM_SQL}{{}} ORDER BY s.started_at DESC, s.id DESC"
-        # Read in growing chunks (all at once without `want`: LIMIT -1), each after the last row read,
-        # until `want` rows are listable.
+        sql = (f"{_CANDIDATES_SQL}{activity}{_CANDIDATES_FROM_SQL}{{}}"
+               " ORDER BY s.started_at DESC, s.id DESC")
+        # Read in growing chunks (all at once without `want`: LIMIT -1), each after the last row
+        # read, until `want` rows are listable.
         rows, after, chunk = [], [], -1 if want is None else want + 50
         while want is None or len(rows) < want:
             keyset = ["(s.started_at, s.id) < (?, ?)"] if after else []
-            batch = self._read_all(self._listing_sql(sql.format(_where(clauses + keyset)) + " LIMIT ?"),
-                                   [*params, *after, chunk])
+            batch = self._read_all(
+                self._listing_sql(sql.format(_where(clauses + keyset)) + " LIMIT ?"),
+                [*params, *after, chunk])
             rows += batch if include_children else [row for row in batch if _is_listable(row)]
             if chunk < 0 or len(batch) < chunk:
                 break
@@ -468,8 +531,8 @@ class SessionSessionsMixin:
         return rows[:want]
 
     def _by_chain_activity(self, rows, id_needle, search_needle):
-        """`rows` ordered by the newest activity along each one's forward compression chain, kept when
-        the needles (already lower case) match an id, or a title, of that chain."""
+        """`rows` ordered by the newest activity along each one's forward compression chain, kept
+        when the needles (already lower case) match an id, or a title, of that chain."""
         children = collections.defaultdict(list)
         for link in self._read_all(self._listing_sql(_CONTINUATIONS_SQL.format(
                 activity=self._activity_sql("c")))):
@@ -560,14 +623,16 @@ class SessionSessionsMixin:
         rows = {}
         for chunk in chunked([sid for sid in session_ids if sid]):
             tail = f" WHERE s.id IN ({placeholders(len(chunk))})"
-            rows.update((row["id"], row) for row in self._rich_rows(tail, chunk, compact_rows, last_active))
+            rows.update((row["id"], row)
+                        for row in self._rich_rows(tail, chunk, compact_rows, last_active))
         return [rows[sid] for sid in session_ids if sid in rows]
 
     def _rich_rows(self, tail, params, compact_rows=False, last_active=None):
         """Rich rows (columns, `last_active`, `preview`) of SESSION_RICH_SQL + `tail`; compact ones
         without the system prompt columns; `last_active` replaces the heartbeat-aware SQL."""
         columns = _compact_columns() if compact_rows else "s.*"
-        sql = SESSION_RICH_SQL.format(columns=columns, last_active=last_active or LAST_ACTIVE_SQL.format(a="s"))
+        sql = SESSION_RICH_SQL.format(columns=columns,
+                                      last_active=last_active or LAST_ACTIVE_SQL.format(a="s"))
         sql = self._listing_sql(sql + tail)
 
         def read(conn):  # tuples zipped with names: dict() of a 70-column sqlite3.Row took 10 us
@@ -587,17 +652,21 @@ class SessionSessionsMixin:
             if self.read_only and self.stale_schema:
                 live = {row[1] for row in self._read_all('PRAGMA table_info("sessions")')}
                 added = [f"{(_DEFAULT_RE.findall(expr) or ['NULL'])[0]} AS {name}"
-                         for name, expr in declared_columns()["sessions"].items() if name not in live]
-                shim = f"WITH sessions AS (SELECT *, {', '.join(added)} FROM main.sessions) " if added else ""
+                         for name, expr in declared_columns()["sessions"].items()
+                         if name not in live]
+                shim = (f"WITH sessions AS (SELECT *, {', '.join(added)} FROM main.sessions) "
+                        if added else "")
             self._sessions_shim = shim
         return shim + sql
 
 
-def _filter_clauses(source, sources, exclude_sources, cwd_prefix, min_message_count, include_archived,
-                    archived_only, session_key=None, include_hidden=True):
+def _filter_clauses(source, sources, exclude_sources, cwd_prefix, min_message_count,
+                    include_archived, archived_only, session_key=None, include_hidden=True):
     """(clauses, params) of the filters session_count and list_sessions_rich share."""
-    filters = [(f"s.source {operator} ({placeholders(len(values))})", values) for values, operator in
-               (([source] if source else list(sources or []), "IN"), (exclude_sources, "NOT IN")) if values]
+    filters = [(f"s.source {operator} ({placeholders(len(values))})", values)
+               for values, operator in (([source] if source else list(sources or []), "IN"),
+                                        (exclude_sources, "NOT IN"))
+               if values]
     filters += [("s.session_key = ?", [session_key])] if session_key else []
     filters += [cwd_prefix_clause(cwd_prefix)] if cwd_prefix else []
     filters += [("s.message_count >= ?", [min_message_count])] if min_message_count > 0 else []
@@ -632,7 +701,8 @@ def _window_bound(value):
 
 @functools.lru_cache(maxsize=1)
 def _compact_columns():
-    return ", ".join(f"s.{name}" for name in declared_columns()["sessions"] if name not in _COMPACT_LEFT_OUT)
+    return ", ".join(f"s.{name}" for name in declared_columns()["sessions"]
+                     if name not in _COMPACT_LEFT_OUT)
 
 
 def _is_listable(row):
@@ -659,7 +729,8 @@ def _shape_preview(raw):
 
 
 def _prompt_digest(system_prompt):
-    """The hash a system prompt is stored under; None for None, SessionInputTypeError for a non-string."""
+    """The hash a system prompt is stored under; None for None, SessionInputTypeError for a
+    non-string."""
     if system_prompt is None:
         return None
     if not isinstance(system_prompt, str):
@@ -679,7 +750,8 @@ def _config_json(model_config):
 
 
 def _fill_values(row, values, digest):
-    """What a row gains: every given value for a new one (`row` None), else the columns still NULL."""
+    """What a row gains: every given value for a new one (`row` None), else the columns still
+    NULL."""
     if row is None:
         changes = {column: value for column, value in values.items() if value is not None}
         return dict(changes, system_prompt_hash=digest) if digest else changes
@@ -696,7 +768,8 @@ def _fill_values(row, values, digest):
 
 
 def _merge_config(conn, session_id, patch):
-    """Merge `patch` into the session's model_config (merge_model_config's rules); False for an unknown id."""
+    """Merge `patch` into the session's model_config (merge_model_config's rules); False for an
+    unknown id."""
     row = conn.execute("SELECT model_config FROM sessions WHERE id = ?", (session_id,)).fetchone()
     if row is not None:
         conn.execute("UPDATE sessions SET model_config = ? WHERE id = ?",
@@ -706,10 +779,12 @@ def _merge_config(conn, session_id, patch):
 
 def _inherit_from_parent(conn, session_id):
     row = conn.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
-    parent = conn.execute("SELECT * FROM sessions WHERE id = ?", (row["parent_session_id"],)).fetchone()
+    parent = conn.execute("SELECT * FROM sessions WHERE id = ?",
+                          (row["parent_session_id"],)).fetchone()
     if parent is None:
         return
-    columns = _INHERITED_COLUMNS + (_ROUTING_COLUMNS if parent["end_reason"] == "compression" else ())
+    columns = _INHERITED_COLUMNS + (
+        _ROUTING_COLUMNS if parent["end_reason"] == "compression" else ())
     changes = {c: parent[c] for c in columns if row[c] is None and parent[c] is not None}
     if changes:
         conn.execute(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in changes)} WHERE id = ?",
