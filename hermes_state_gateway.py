@@ -1,9 +1,10 @@
 """Who is routed to a session or may work on it: routing entries, compression locks, turn leases,
 CLI-to-gateway handoffs, hygiene failure streaks, and hermes-agent's repairs of gateway sessions.
 
-Owns those tables, the `handoff_*` columns, and of other session columns only what the repairs change
-(routing identity, a reset's or superseded session's end, `model_config.browser_model_lock`). Relies on
-SessionDB's read/write paths, `_turn_lease_key`, `_resolved` and `delete_session`. Never changes a message.
+Owns those tables, the `handoff_*` columns, and of other session columns only what the repairs
+change (routing identity, a reset's or superseded session's end,
+`model_config.browser_model_lock`). Relies on SessionDB's read/write paths, `_turn_lease_key`,
+`_resolved` and `delete_session`. Never changes a message.
 """
 
 import json
@@ -18,9 +19,9 @@ import time
 from collections import Counter
 
 from hermes_state_common import (
-    DELETE_UNUSED_PROMPTS_SQL, LAST_ACTIVE_SQL, SELECT_COMPRESSION_LOCK_SQL, _BARE_BILLING_PROVIDERS,
-    _RESET_END_REASONS, classify_persistence_error, has_fork_marker, json_object, json_text, placeholders,
-    require_text)
+    DELETE_UNUSED_PROMPTS_SQL, LAST_ACTIVE_SQL, SELECT_COMPRESSION_LOCK_SQL,
+    _BARE_BILLING_PROVIDERS, _RESET_END_REASONS, classify_persistence_error, has_fork_marker,
+    json_object, json_text, placeholders, require_text)
 
 logger = logging.getLogger("hermes_state")
 
@@ -36,11 +37,13 @@ _HOLDER_PID = re.compile(r"(?:^|:)pid=(\d+)(?::|$)")
 ORPHAN_ADOPTION_MAX_GAP_S = 900.0
 # Ends a gateway may still resume a session from (older cleanup bugs), so a reset may replace them.
 _RECOVERABLE_END_REASONS_SQL = "('agent_close', 'ws_orphan_reap')"
-_USE_COUNTERS = ("message_count", "tool_call_count", "api_call_count", "input_tokens", "output_tokens",
-                 "pinned", "archived")
+_USE_COUNTERS = ("message_count", "tool_call_count", "api_call_count", "input_tokens",
+                 "output_tokens", "pinned", "archived")
 _NEVER_ACTIVE_SQL = f"""
-SELECT s.id, s.session_key, s.source, s.chat_id, s.chat_type, s.user_id, s.started_at FROM sessions AS s
-WHERE s.session_key IS NOT NULL AND s.ended_at IS NULL AND s.title IS NULL AND s.last_activity_at IS NULL
+SELECT s.id, s.session_key, s.source, s.chat_id, s.chat_type, s.user_id, s.started_at \
+FROM sessions AS s
+WHERE s.session_key IS NOT NULL AND s.ended_at IS NULL AND s.title IS NULL \
+AND s.last_activity_at IS NULL
   AND {" AND ".join(f"COALESCE(s.{c}, 0) = 0" for c in _USE_COUNTERS)}
   AND s.started_at < ? AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)
 ORDER BY s.started_at"""
@@ -53,50 +56,58 @@ FROM sessions AS o WHERE o.session_key IS NULL AND COALESCE(o.source, '') != 'to
 ORDER BY o.started_at"""
 _DONORS_SQL = (f"SELECT d.id, d.session_key, d.source, d.user_id, {LAST_ACTIVE_SQL.format(a='d')}"
                " AS last_active FROM sessions AS d WHERE d.session_key IS NOT NULL")
-# A gateway row recovery may resume: open, or ended by a cleanup bug. A later reset boundary of the same
-# peer fences it off, so recovery never reaches behind a /new.
+# A gateway row recovery may resume: open, or ended by a cleanup bug. A later reset boundary of the
+# same peer fences it off, so recovery never reaches behind a /new.
 _HAS_MESSAGES_SQL = ("(COALESCE(s.message_count, 0) > 0"
                      " OR EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id))")
 _RECOVERABLE_PEER_SQL = f"""
  WHERE {{match}} AND (s.ended_at IS NULL OR s.end_reason IN {_RECOVERABLE_END_REASONS_SQL})
-  AND NOT EXISTS (SELECT 1 FROM sessions AS b WHERE {{fence}} AND b.source = s.source AND b.ended_at IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM sessions AS b WHERE {{fence}} AND b.source = s.source \
+AND b.ended_at IS NOT NULL
     AND b.end_reason IN ({", ".join("'%s'" % r for r in _RESET_END_REASONS)})
     AND b.ended_at > COALESCE(s.last_activity_at, s.started_at))
 ORDER BY {{order}}COALESCE(s.last_activity_at, s.started_at) DESC LIMIT 1"""
 _PEER_COLUMNS = ("user_id", "chat_id", "chat_type", "thread_id")
 _SAME_PEER_SQL = " AND ".join(f"COALESCE(b.{c}, '') = COALESCE(s.{c}, '')" for c in _PEER_COLUMNS)
-_PEER_MATCH_SQL = "s.source = ? AND " + " AND ".join(f"COALESCE(s.{c}, '') = COALESCE(?, '')" for c in _PEER_COLUMNS)
-_SET_PEER_SQL = ("UPDATE sessions SET session_key = ?, source = ?, user_id = ?, chat_id = ?, chat_type = ?,"
-                 " thread_id = ?, display_name = COALESCE(?, display_name), origin_json = COALESCE(?, origin_json)"
+_PEER_MATCH_SQL = "s.source = ? AND " + " AND ".join(
+    f"COALESCE(s.{c}, '') = COALESCE(?, '')" for c in _PEER_COLUMNS)
+_SET_PEER_SQL = ("UPDATE sessions SET session_key = ?, source = ?, user_id = ?, chat_id = ?,"
+                 " chat_type = ?, thread_id = ?, display_name = COALESCE(?, display_name),"
+                 " origin_json = COALESCE(?, origin_json)"
                  " WHERE id IN ({})")
-_INSERT_PEER_SQL = ("INSERT INTO sessions (session_key, source, user_id, chat_id, chat_type, thread_id, display_name,"
-                    " origin_json, id, started_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_INSERT_PEER_SQL = ("INSERT INTO sessions (session_key, source, user_id, chat_id, chat_type,"
+                    " thread_id, display_name, origin_json, id, started_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 # An orphan takes what it lacks of its donor's identity, and the donor as its parent.
 _ADOPTED_COLUMNS = ("chat_id", "chat_type", "thread_id", "user_id", "origin_json", "display_name")
 _ADOPT_SQL = ", ".join(f"{c} = COALESCE({c}, ?)" for c in (*_ADOPTED_COLUMNS, "parent_session_id"))
 # The compression parent a row continues, with what tells a fork or tool child from a continuation.
-_COMPRESSION_PARENT_SQL = ("SELECT p.id, c.source, c.model_config FROM sessions AS c JOIN sessions AS p"
-                           " ON p.id = c.parent_session_id AND p.end_reason = 'compression' WHERE c.id = ?")
+_COMPRESSION_PARENT_SQL = ("SELECT p.id, c.source, c.model_config FROM sessions AS c"
+                           " JOIN sessions AS p ON p.id = c.parent_session_id"
+                           " AND p.end_reason = 'compression' WHERE c.id = ?")
 _SELECT_LEASE_SQL = "SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?"
 _DELETE_LEASE_SQL = "DELETE FROM session_turn_leases WHERE conversation_id = ? AND holder = ?"
 
 
 class SessionGatewayMixin:
-    """SessionDB's methods for gateway routing, compression locks, turn leases, handoffs and gateway sessions."""
+    """SessionDB's methods for gateway routing, compression locks, turn leases, handoffs and
+    gateway sessions."""
 
     # -- routing ---------------------------------------------------------------
-    # One row per (scope, session_key) holding the gateway's serialised entry; hermes-agent passes its
-    # sessions folder as the scope. As there, an empty key or entry is skipped rather than refused.
+    # One row per (scope, session_key) holding the gateway's serialised entry; hermes-agent passes
+    # its sessions folder as the scope. As there, an empty key or entry is skipped rather than
+    # refused.
     def save_gateway_routing_entry(self, session_key, entry_json, *, scope=""):
-        """Store one routing entry (JSON text, or a value to encode); returns None, skipping an empty one."""
+        """Store one routing entry (JSON text, or a value to encode); returns None, skipping an
+        empty one."""
         if session_key and entry_json:
             row = _routing_row(session_key, entry_json, scope)
             self._execute_write(lambda conn: conn.execute(_UPSERT_ROUTING_SQL, row))
 
     def load_gateway_routing_entries(self, *, scope=""):
         """{session_key: entry_json} for one scope; {} when it has none."""
-        return dict(self._read_all("SELECT session_key, entry_json FROM gateway_routing WHERE scope = ?"
-                                   " ORDER BY session_key", (scope,)))
+        return dict(self._read_all("SELECT session_key, entry_json FROM gateway_routing"
+                                   " WHERE scope = ? ORDER BY session_key", (scope,)))
 
     def delete_gateway_routing_entries(self, session_keys, *, scope=""):
         """Delete these keys from one scope; returns None (unknown keys are no error)."""
@@ -105,9 +116,10 @@ class SessionGatewayMixin:
             self._execute_write(lambda conn: conn.executemany(_DELETE_ROUTING_SQL, rows))
 
     def replace_gateway_routing_entries(self, entries, *, scope=""):
-        """Make one scope hold exactly `entries` ({session_key: entry_json}), atomically; returns None.
-        Pairs with an empty key or entry are left out, as a save would skip them."""
-        rows = [_routing_row(key, entry, scope) for key, entry in dict(entries or {}).items() if key and entry]
+        """Make one scope hold exactly `entries` ({session_key: entry_json}), atomically; returns
+        None. Pairs with an empty key or entry are left out, as a save would skip them."""
+        rows = [_routing_row(key, entry, scope) for key, entry in dict(entries or {}).items()
+                if key and entry]
 
         def write(conn):
             conn.execute("DELETE FROM gateway_routing WHERE scope = ?", (scope,))
@@ -115,18 +127,21 @@ class SessionGatewayMixin:
         self._execute_write(write)
 
     def _delete_routing_entries_for_sessions(self, conn, session_ids):
-        """Inside a write: drop the entries (any scope) naming one of `session_ids`; returns how many."""
+        """Inside a write: drop the entries (any scope) naming one of `session_ids`; returns how
+        many."""
         rows = conn.execute("SELECT scope, session_key, entry_json FROM gateway_routing").fetchall()
         doomed = [(scope, key) for scope, key, entry in rows
-                  if isinstance(sid := json_object(entry).get("session_id"), str) and sid in session_ids]
+                  if isinstance(sid := json_object(entry).get("session_id"), str)
+                  and sid in session_ids]
         conn.executemany(_DELETE_ROUTING_SQL, doomed)
         return len(doomed)
 
     # -- compression locks -------------------------------------------------------
     def try_acquire_compression_lock(self, session_id, holder, ttl_seconds=300.0):
-        """True once `holder` holds the session's compression lock, taking over an expired one or a dead local
-        process's (`ttl_seconds` <= 0 makes an expired lock, as in hermes-agent); False if another live holder
-        has it, for an empty id, or when the store fails (compression is then skipped)."""
+        """True once `holder` holds the session's compression lock, taking over an expired one or a
+        dead local process's (`ttl_seconds` <= 0 makes an expired lock, as in hermes-agent); False
+        if another live holder has it, for an empty id, or when the store fails (compression is
+        then skipped)."""
         if not session_id:
             return False
 
@@ -134,15 +149,19 @@ class SessionGatewayMixin:
             now = time.time()
             row = conn.execute(SELECT_COMPRESSION_LOCK_SQL, (session_id,)).fetchone()
             if row and (row["expires_at"] < now or not holder_is_alive(row["holder"] or "")):
-                # The row was read in this transaction, so the id alone names it (a holder may be NULL in an old store).
+                # The row was read in this transaction, so the id alone names it (a holder may be
+                # NULL in an old store).
                 conn.execute("DELETE FROM compression_locks WHERE session_id = ?", (session_id,))
-            conn.execute("INSERT OR IGNORE INTO compression_locks (session_id, holder, acquired_at, expires_at)"
-                         " VALUES (?, ?, ?, ?)", (session_id, holder, now, now + float(ttl_seconds)))
-            return conn.execute(SELECT_COMPRESSION_LOCK_SQL, (session_id,)).fetchone()["holder"] == holder
+            conn.execute("INSERT OR IGNORE INTO compression_locks"
+                         " (session_id, holder, acquired_at, expires_at) VALUES (?, ?, ?, ?)",
+                         (session_id, holder, now, now + float(ttl_seconds)))
+            return conn.execute(SELECT_COMPRESSION_LOCK_SQL,
+                                (session_id,)).fetchone()["holder"] == holder
         return self._lock_write(write, "try_acquire_compression_lock", session_id)
 
     def refresh_compression_lock(self, session_id, holder, ttl_seconds=300.0):
-        """Extend the lock while `holder` owns it, expired or not; else False, also when the store fails."""
+        """Extend the lock while `holder` owns it, expired or not; else False, also when the store
+        fails."""
         if not session_id or not holder:
             return False
         expires = time.time() + float(ttl_seconds)
@@ -151,11 +170,12 @@ class SessionGatewayMixin:
             (expires, session_id, holder)).rowcount > 0, "refresh_compression_lock", session_id)
 
     def release_compression_lock(self, session_id, holder):
-        """Release the lock if `holder` owns it; returns None. A store failure is logged, never raised."""
+        """Release the lock if `holder` owns it; returns None. A store failure is logged, never
+        raised."""
         if session_id:
-            self._lock_write(lambda conn: conn.execute("DELETE FROM compression_locks WHERE session_id = ?"
-                                                       " AND holder = ?", (session_id, holder)),
-                             "release_compression_lock", session_id)
+            self._lock_write(lambda conn: conn.execute(
+                "DELETE FROM compression_locks WHERE session_id = ? AND holder = ?",
+                (session_id, holder)), "release_compression_lock", session_id)
 
     def get_compression_lock_holder(self, session_id):
         """Who holds the session's lock now; None when free, expired or for an empty id."""
@@ -171,12 +191,15 @@ class SessionGatewayMixin:
             return False
 
     # -- turn leases -------------------------------------------------------------
-    # One agent turn at a time per conversation, across processes. The lease is kept under the root of the
-    # compression chain (`_turn_lease_key`), so a turn keeps it when compression rotates the session; a write
-    # naming a holder checks it in its own transaction. As in hermes-agent, an empty id or holder is no lease.
-    def try_acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0, patience_s=None):
-        """True once `holder` holds the conversation's turn lease, taking over an expired one or a dead local
-        process's; False if someone else holds it. `patience_s` bounds the wait for a busy store."""
+    # One agent turn at a time per conversation, across processes. The lease is kept under the root
+    # of the compression chain (`_turn_lease_key`), so a turn keeps it when compression rotates the
+    # session; a write naming a holder checks it in its own transaction. As in hermes-agent, an
+    # empty id or holder is no lease.
+    def try_acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0,
+                                       patience_s=None):
+        """True once `holder` holds the conversation's turn lease, taking over an expired one or a
+        dead local process's; False if someone else holds it. `patience_s` bounds the wait for a
+        busy store."""
         if not session_id or not holder:
             return False
         ttl = max(0.1, float(ttl_seconds))
@@ -184,20 +207,23 @@ class SessionGatewayMixin:
         def write(conn):
             key, now = self._turn_lease_key(conn, session_id), time.time()
             row = conn.execute(_SELECT_LEASE_SQL, (key,)).fetchone()
-            if row is not None and (float(row["expires_at"]) <= now or not holder_is_alive(row["holder"])):
+            if row is not None and (float(row["expires_at"]) <= now
+                                    or not holder_is_alive(row["holder"])):
                 conn.execute(_DELETE_LEASE_SQL, (key, row["holder"]))
-            conn.execute("INSERT OR IGNORE INTO session_turn_leases (conversation_id, holder, acquired_at,"
-                         " expires_at) VALUES (?, ?, ?, ?)", (key, holder, now, now + ttl))
+            conn.execute("INSERT OR IGNORE INTO session_turn_leases (conversation_id, holder,"
+                         " acquired_at, expires_at) VALUES (?, ?, ?, ?)",
+                         (key, holder, now, now + ttl))
             return conn.execute(_SELECT_LEASE_SQL, (key,)).fetchone()["holder"] == holder
         return self._execute_write(write, patience_s=patience_s)
 
-    def acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0, wait_seconds=1800.0,
-                                   poll_interval_seconds=1.0, on_wait=None, wait_notice_interval_seconds=15.0,
-                                   should_abort=None, acquire_patience_s=0.5):
-        """True once `holder` has the turn lease, polling up to `wait_seconds` with no lock held between
-        tries; False on timeout or when `should_abort()` says so. `on_wait(elapsed)` runs after the first
-        miss, then every `wait_notice_interval_seconds`; callback errors are logged and ignored. A store
-        busy past `acquire_patience_s` is a miss, any other error is raised."""
+    def acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0,
+                                   wait_seconds=1800.0, poll_interval_seconds=1.0, on_wait=None,
+                                   wait_notice_interval_seconds=15.0, should_abort=None,
+                                   acquire_patience_s=0.5):
+        """True once `holder` has the turn lease, polling up to `wait_seconds` with no lock held
+        between tries; False on timeout or when `should_abort()` says so. `on_wait(elapsed)` runs
+        after the first miss, then every `wait_notice_interval_seconds`; callback errors are logged
+        and ignored. A store busy past `acquire_patience_s` is a miss, any other error is raised."""
         deadline = time.monotonic() + max(0.0, float(wait_seconds))
         notice_every = max(0.0, float(wait_notice_interval_seconds))
         started = last_notice = None
@@ -221,12 +247,14 @@ class SessionGatewayMixin:
             time.sleep(min(max(0.01, float(poll_interval_seconds)), deadline - now))
 
     def refresh_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0):
-        """Extend the lease by `ttl_seconds` from now (at least 0.1); False unless `holder` holds it."""
+        """Extend the lease by `ttl_seconds` from now (at least 0.1); False unless `holder` holds
+        it."""
         if not session_id or not holder:
             return False
         ttl = max(0.1, float(ttl_seconds))
         return self._execute_write(lambda conn: conn.execute(
-            "UPDATE session_turn_leases SET expires_at = ? WHERE conversation_id = ? AND holder = ?",
+            "UPDATE session_turn_leases SET expires_at = ?"
+            " WHERE conversation_id = ? AND holder = ?",
             (time.time() + ttl, self._turn_lease_key(conn, session_id), holder)).rowcount > 0)
 
     def release_session_turn_lease(self, session_id, holder):
@@ -236,12 +264,15 @@ class SessionGatewayMixin:
                 _DELETE_LEASE_SQL, (self._turn_lease_key(conn, session_id), holder)))
 
     # -- handoffs ----------------------------------------------------------------
-    # A handoff moves a session from the CLI to a gateway platform: the CLI requests it (pending), one gateway
-    # claims it (running), then completes or fails it. Each step is a compare-and-set: no two gateways claim.
+    # A handoff moves a session from the CLI to a gateway platform: the CLI requests it (pending),
+    # one gateway claims it (running), then completes or fails it. Each step is a compare-and-set:
+    # no two gateways claim.
     def request_handoff(self, session_id, platform):
-        """Mark the session pending handoff to `platform`; False if unknown or a handoff is in flight."""
+        """Mark the session pending handoff to `platform`; False if unknown or a handoff is in
+        flight."""
         return self._update_rows(
-            "UPDATE sessions SET handoff_state = 'pending', handoff_platform = ?, handoff_error = NULL"
+            "UPDATE sessions SET handoff_state = 'pending', handoff_platform = ?,"
+            " handoff_error = NULL"
             " WHERE id = ? AND (handoff_state IS NULL OR handoff_state IN ('completed', 'failed'))",
             (platform, session_id)) > 0
 
@@ -252,81 +283,95 @@ class SessionGatewayMixin:
 
     def complete_handoff(self, session_id):
         """Mark the handoff completed (whatever its state); returns None."""
-        self._update_rows("UPDATE sessions SET handoff_state = 'completed', handoff_error = NULL WHERE id = ?",
-                          (session_id,))
+        self._update_rows(
+            "UPDATE sessions SET handoff_state = 'completed', handoff_error = NULL WHERE id = ?",
+            (session_id,))
 
     def fail_handoff(self, session_id, error):
         """Mark the handoff failed with `error`, cut to HANDOFF_ERROR_MAX_CHARS; returns None."""
-        self._update_rows("UPDATE sessions SET handoff_state = 'failed', handoff_error = ? WHERE id = ?",
-                          (str(error)[:HANDOFF_ERROR_MAX_CHARS], session_id))
+        self._update_rows(
+            "UPDATE sessions SET handoff_state = 'failed', handoff_error = ? WHERE id = ?",
+            (str(error)[:HANDOFF_ERROR_MAX_CHARS], session_id))
 
     def get_handoff_state(self, session_id):
-        """{"state", "platform", "error"} of the session's handoff, or None for an unknown session."""
-        row = self._read_one("SELECT handoff_state, handoff_platform, handoff_error FROM sessions WHERE id = ?",
-                             (session_id,))
+        """{"state", "platform", "error"} of the session's handoff, or None for an unknown
+        session."""
+        row = self._read_one("SELECT handoff_state, handoff_platform, handoff_error FROM sessions"
+                             " WHERE id = ?", (session_id,))
         return None if row is None else dict(zip(("state", "platform", "error"), row))
 
     def list_pending_handoffs(self):
         """Every session row with a pending handoff, oldest first, `system_prompt` resolved."""
-        return self._resolved(self._read_all("SELECT * FROM sessions WHERE handoff_state = 'pending'"
-                                             " ORDER BY started_at"))
+        return self._resolved(self._read_all(
+            "SELECT * FROM sessions WHERE handoff_state = 'pending' ORDER BY started_at"))
 
     # -- gateway sessions ------------------------------------------------------------
-    # Rows the gateway keys by `session_key`: the end of a reset, rows opened and never used, and orphans
-    # that lost their routing identity to a failed write.
+    # Rows the gateway keys by `session_key`: the end of a reset, rows opened and never used, and
+    # orphans that lost their routing identity to a failed write.
     @staticmethod
     def session_gateway_runtime(session_meta):
         """The provider route a session row last ran on, as a dict; {} when the row names none.
 
-        Tried in order: model_config's `gateway_runtime` naming a provider, its top-level provider/base_url/
-        api_mode, a billing_provider that is no bucket ('auto', 'custom'), then any `gateway_runtime`."""
+        Tried in order: model_config's `gateway_runtime` naming a provider, its top-level
+        provider/base_url/api_mode, a billing_provider that is no bucket ('auto', 'custom'), then
+        any `gateway_runtime`."""
         meta = session_meta or {}
         config = json_object(meta.get("model_config"))
         runtime = config.get("gateway_runtime")
-        runtime = {k: v for k, v in runtime.items() if v is not None} if isinstance(runtime, dict) else {}
+        runtime = ({k: v for k, v in runtime.items() if v is not None}
+                   if isinstance(runtime, dict) else {})
         if runtime.get("provider"):
             return runtime
-        top_level = {key: config[key] for key in ("provider", "base_url", "api_mode") if config.get(key)}
+        top_level = {key: config[key] for key in ("provider", "base_url", "api_mode")
+                     if config.get(key)}
         if top_level:
             return top_level
         billing = str(meta.get("billing_provider") or "").strip()
-        return {"provider": billing} if billing and billing.lower() not in _BARE_BILLING_PROVIDERS else runtime
+        return ({"provider": billing}
+                if billing and billing.lower() not in _BARE_BILLING_PROVIDERS else runtime)
 
-    def update_session_runtime_lock(self, session_id, *, model=None, provider=None, model_options=None,
-                                    route_source=None, confirmed=False):
-        """Record the model route a browser or API client pinned, dropping the stored system prompt so the
-        next turn names it; None, nothing for an unknown id. TypeError for `model_options` JSON can't hold."""
-        lock = {"provider": provider or "", "model": model or "", "model_options": model_options or {},
-                "route_source": route_source or "", "confirmed": bool(confirmed), "updated_at": time.time()}
+    def update_session_runtime_lock(self, session_id, *, model=None, provider=None,
+                                    model_options=None, route_source=None, confirmed=False):
+        """Record the model route a browser or API client pinned, dropping the stored system prompt
+        so the next turn names it; None, nothing for an unknown id. TypeError for `model_options`
+        JSON can't hold."""
+        lock = {"provider": provider or "", "model": model or "",
+                "model_options": model_options or {}, "route_source": route_source or "",
+                "confirmed": bool(confirmed), "updated_at": time.time()}
         json.dumps(lock)
 
         def write(conn):
-            row = conn.execute("SELECT model_config FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            row = conn.execute("SELECT model_config FROM sessions WHERE id = ?",
+                               (session_id,)).fetchone()
             if row is None:
                 return
             config = json_object(row["model_config"])
             config["browser_model_lock"] = lock
-            conn.execute("UPDATE sessions SET model_config = ?, model = COALESCE(?, model), system_prompt = NULL,"
-                         " system_prompt_hash = NULL WHERE id = ?", (json.dumps(config), model, session_id))
+            conn.execute("UPDATE sessions SET model_config = ?, model = COALESCE(?, model),"
+                         " system_prompt = NULL, system_prompt_hash = NULL WHERE id = ?",
+                         (json.dumps(config), model, session_id))
             conn.execute(DELETE_UNUSED_PROMPTS_SQL)
         self._execute_write(write)
 
-    def record_gateway_session_peer(self, session_id, *, source, user_id=None, session_key=None, chat_id=None,
-                                    chat_type=None, thread_id=None, display_name=None, origin_json=None,
+    def record_gateway_session_peer(self, session_id, *, source, user_id=None, session_key=None,
+                                    chat_id=None, chat_type=None, thread_id=None,
+                                    display_name=None, origin_json=None,
                                     include_compression_ancestors=False):
-        """Give a session the gateway peer it is routed by, creating a missing row so a failed create_session
-        never leaves the chat unroutable; None (nothing without an id or key). With
-        `include_compression_ancestors` the compression parents it continues get it too; none is created."""
+        """Give a session the gateway peer it is routed by, creating a missing row so a failed
+        create_session never leaves the chat unroutable; None (nothing without an id or key). With
+        `include_compression_ancestors` the compression parents it continues get it too; none is
+        created."""
         if not session_id or not session_key:
             return
-        values = (session_key, source, user_id, chat_id, chat_type, thread_id, display_name, origin_json)
+        values = (session_key, source, user_id, chat_id, chat_type, thread_id, display_name,
+                  origin_json)
 
         def write(conn):
             ids = [session_id]
             while include_compression_ancestors:
                 link = conn.execute(_COMPRESSION_PARENT_SQL, (ids[-1],)).fetchone()
-                if link is None or link["id"] in ids or (link["source"] or "") == "tool" or has_fork_marker(
-                        link["model_config"]):
+                if (link is None or link["id"] in ids or (link["source"] or "") == "tool"
+                        or has_fork_marker(link["model_config"])):
                     break
                 ids.append(link["id"])
             conn.execute(_SET_PEER_SQL.format(placeholders(len(ids))), (*values, *ids))
@@ -335,62 +380,73 @@ class SessionGatewayMixin:
                 conn.execute(_INSERT_PEER_SQL, (*values, session_id, time.time()))
         self._execute_write(write)
 
-    def find_latest_gateway_session_for_peer(self, *, source, user_id=None, session_key=None, chat_id=None,
-                                             chat_type=None, thread_id=None):
-        """The session row (with `_has_messages`) the gateway should resume for this routing key, else for
-        the whole peer when `chat_id` and `chat_type` are given; None without a key or a match. Rows with
-        messages first (by peer: only those), then the most recently active, none behind a reset."""
+    def find_latest_gateway_session_for_peer(self, *, source, user_id=None, session_key=None,
+                                             chat_id=None, chat_type=None, thread_id=None):
+        """The session row (with `_has_messages`) the gateway should resume for this routing key,
+        else for the whole peer when `chat_id` and `chat_type` are given; None without a key or a
+        match. Rows with messages first (by peer: only those), then the most recently active, none
+        behind a reset."""
         if not session_key:
             return None
         self._flush_token_counts()
         column = ", %s AS _has_messages" % _HAS_MESSAGES_SQL
         by_key = _RECOVERABLE_PEER_SQL.format(match="s.session_key = ? AND s.source = ?",
-                                              fence="b.session_key = s.session_key", order="_has_messages DESC, ")
+                                              fence="b.session_key = s.session_key",
+                                              order="_has_messages DESC, ")
         rows = self._read_sessions(column, by_key, (session_key, source))
         if not rows and chat_id is not None and chat_type is not None:
-            by_peer = _RECOVERABLE_PEER_SQL.format(match=_PEER_MATCH_SQL + " AND " + _HAS_MESSAGES_SQL,
-                                                   fence=_SAME_PEER_SQL, order="")
-            rows = self._read_sessions(column, by_peer, (source, user_id, chat_id, chat_type, thread_id))
+            by_peer = _RECOVERABLE_PEER_SQL.format(
+                match=_PEER_MATCH_SQL + " AND " + _HAS_MESSAGES_SQL, fence=_SAME_PEER_SQL, order="")
+            rows = self._read_sessions(column, by_peer,
+                                       (source, user_id, chat_id, chat_type, thread_id))
         return rows[0] if rows else None
 
     def find_session_by_origin(self, *, platform, chat_id, thread_id=None, user_id=None):
-        """The id of the newest open gateway session of this platform (any case) and chat (and thread, when
-        given); None when there is none or it is ambiguous: several rows, none of `user_id`'s, or without
-        `user_id` of more than one user."""
+        """The id of the newest open gateway session of this platform (any case) and chat (and
+        thread, when given); None when there is none or it is ambiguous: several rows, none of
+        `user_id`'s, or without `user_id` of more than one user."""
         if not platform or chat_id in (None, ""):
             return None
         thread = "" if thread_id is None else " AND COALESCE(thread_id, '') = ?"
         rows = self._read_all(f"SELECT id, user_id FROM sessions WHERE LOWER(source) = LOWER(?)"
-                              f" AND session_key IS NOT NULL AND chat_id = ? AND ended_at IS NULL{thread}"
-                              " ORDER BY started_at DESC", [platform, str(chat_id)]
+                              " AND session_key IS NOT NULL AND chat_id = ?"
+                              f" AND ended_at IS NULL{thread} ORDER BY started_at DESC",
+                              [platform, str(chat_id)]
                               + ([] if thread_id is None else [str(thread_id)]))
         users = [str(row["user_id"] or "") for row in rows]
         if user_id and str(user_id) in users:
             return str(rows[users.index(str(user_id))]["id"])
-        if not rows or len(rows) > 1 and (user_id or len({u.strip() for u in users if u.strip()}) > 1):
+        if not rows or len(rows) > 1 and (
+                user_id or len({u.strip() for u in users if u.strip()}) > 1):
             return None
         return str(rows[0]["id"])
 
     def increment_hygiene_failure_streak(self, session_key):
-        """Count one more failed session-hygiene run for a chat; the new streak (1, unstored, for no key)."""
+        """Count one more failed session-hygiene run for a chat; the new streak (1, unstored, for no
+        key)."""
         if not session_key:
             return 1
 
         def write(conn):
-            conn.execute("INSERT INTO gateway_hygiene_state (session_key, failure_streak) VALUES (?, 1)"
-                         " ON CONFLICT (session_key) DO UPDATE SET failure_streak = failure_streak + 1", (session_key,))
-            return int(conn.execute("SELECT failure_streak FROM gateway_hygiene_state WHERE session_key = ?",
-                                    (session_key,)).fetchone()[0])
+            conn.execute("INSERT INTO gateway_hygiene_state (session_key, failure_streak)"
+                         " VALUES (?, 1) ON CONFLICT (session_key)"
+                         " DO UPDATE SET failure_streak = failure_streak + 1", (session_key,))
+            return int(conn.execute(
+                "SELECT failure_streak FROM gateway_hygiene_state WHERE session_key = ?",
+                (session_key,)).fetchone()[0])
         return self._execute_write(write)
 
     def reset_hygiene_failure_streak(self, session_key):
-        """Forget a chat's session-hygiene failure streak; returns None (nothing for an empty key)."""
+        """Forget a chat's session-hygiene failure streak; returns None (nothing for an empty
+        key)."""
         if session_key:
-            self._update_rows("DELETE FROM gateway_hygiene_state WHERE session_key = ?", (session_key,))
+            self._update_rows("DELETE FROM gateway_hygiene_state WHERE session_key = ?",
+                              (session_key,))
 
     def promote_to_session_reset(self, session_id, reason="session_reset"):
-        """End the session now with `reason`, a reset boundary gateway recovery never crosses; False when the
-        row is missing, the write failed, or it ended otherwise than by an end recovery would resume."""
+        """End the session now with `reason`, a reset boundary gateway recovery never crosses; False
+        when the row is missing, the write failed, or it ended otherwise than by an end recovery
+        would resume."""
         if not session_id:
             return False
         try:
@@ -409,43 +465,50 @@ class SessionGatewayMixin:
         return [dict(row) for row in self._read_all(_NEVER_ACTIVE_SQL, (cutoff,))]
 
     def prune_never_active_keyed_sessions(self, *, older_than_days, sessions_dir=None):
-        """Delete what list_never_active_keyed_sessions lists (through delete_session) and, first, the
-        routing entries naming it; returns (sessions deleted, routing entries deleted)."""
-        ids = {row["id"] for row in self.list_never_active_keyed_sessions(older_than_days=older_than_days)}
+        """Delete what list_never_active_keyed_sessions lists (through delete_session) and, first,
+        the routing entries naming it; returns (sessions deleted, routing entries deleted)."""
+        ids = {row["id"] for row in
+               self.list_never_active_keyed_sessions(older_than_days=older_than_days)}
         if not ids:
             return (0, 0)
-        routing = self._execute_write(lambda conn: self._delete_routing_entries_for_sessions(conn, ids))
+        routing = self._execute_write(
+            lambda conn: self._delete_routing_entries_for_sessions(conn, ids))
         extra = {} if sessions_dir is None else {"sessions_dir": sessions_dir}
-        return (sum(1 for session_id in sorted(ids) if self.delete_session(session_id, **extra)), routing)
+        return (sum(1 for session_id in sorted(ids) if self.delete_session(session_id, **extra)),
+                routing)
 
     def find_orphaned_gateway_sessions(self, *, max_gap_s=None):
-        """Sessions with messages but no `session_key` (forks and tool runs aside), oldest first, each with
-        the keyed session it continues when exactly one can be named; [] when none. The donor is the keyed
-        parent of the same source ('lineage'), else the one keyed session of that source and a compatible
-        user that fell quiet within `max_gap_s` of the orphan's start, before its last activity
-        ('contiguity'). An orphan whose donor is missing, ambiguous or claimed twice is not adoptable, and
-        `reason` says why."""
+        """Sessions with messages but no `session_key` (forks and tool runs aside), oldest first,
+        each with the keyed session it continues when exactly one can be named; [] when none. The
+        donor is the keyed parent of the same source ('lineage'), else the one keyed session of that
+        source and a compatible user that fell quiet within `max_gap_s` of the orphan's start,
+        before its last activity ('contiguity'). An orphan whose donor is missing, ambiguous or
+        claimed twice is not adoptable, and `reason` says why."""
         gap = ORPHAN_ADOPTION_MAX_GAP_S if max_gap_s is None else float(max_gap_s)
-        orphans = [row for row in self._read_all(_ORPHANS_SQL) if not has_fork_marker(row["model_config"])]
+        orphans = [row for row in self._read_all(_ORPHANS_SQL)
+                   if not has_fork_marker(row["model_config"])]
         donors = {row["id"]: row for row in self._read_all(_DONORS_SQL)} if orphans else {}
         records = [_orphan_record(orphan, donors, gap) for orphan in orphans]
         claims = Counter(record["donor_id"] for record in records if record["adoptable"])
         for record in records:
             if claims[record["donor_id"]] > 1:
-                record.update(adoptable=False, reason="ambiguous: more than one unkeyed session claims this predecessor")
+                record.update(adoptable=False, reason="ambiguous: more than one unkeyed session"
+                                                      " claims this predecessor")
         return records
 
     def adopt_orphaned_gateway_session(self, orphan_id, donor_id):
-        """Give `orphan_id` the routing identity of `donor_id` and end the donor as 'superseded_by_repair';
-        False when either is missing, the donor has no key, the orphan has one, or their sources differ
-        (checked inside the write, so a row a gateway healed meanwhile is left alone)."""
+        """Give `orphan_id` the routing identity of `donor_id` and end the donor as
+        'superseded_by_repair'; False when either is missing, the donor has no key, the orphan has
+        one, or their sources differ (checked inside the write, so a row a gateway healed meanwhile
+        is left alone)."""
         if not orphan_id or not donor_id or orphan_id == donor_id:
             return False
 
         def write(conn):
-            donor = conn.execute(f"SELECT session_key, {', '.join(_ADOPTED_COLUMNS)}, source FROM sessions"
-                                 " WHERE id = ?", (donor_id,)).fetchone()
-            orphan = conn.execute("SELECT session_key, source FROM sessions WHERE id = ?", (orphan_id,)).fetchone()
+            donor = conn.execute(f"SELECT session_key, {', '.join(_ADOPTED_COLUMNS)}, source"
+                                 " FROM sessions WHERE id = ?", (donor_id,)).fetchone()
+            orphan = conn.execute("SELECT session_key, source FROM sessions WHERE id = ?",
+                                  (orphan_id,)).fetchone()
             if (donor is None or orphan is None or not donor["session_key"] or orphan["session_key"]
                     or (donor["source"] or "") != (orphan["source"] or "")):
                 return False
@@ -453,8 +516,9 @@ class SessionGatewayMixin:
             conn.execute(f"UPDATE sessions SET session_key = ?, {_ADOPT_SQL} WHERE id = ?"
                          " AND session_key IS NULL", (*tuple(donor)[:7], donor_id, orphan_id))
             # Not an end recovery resumes ('agent_close'), or the donor could win the chat back.
-            conn.execute("UPDATE sessions SET ended_at = COALESCE(ended_at, ?), end_reason = 'superseded_by_repair'"
-                         " WHERE id = ?", (time.time(), donor_id))
+            conn.execute("UPDATE sessions SET ended_at = COALESCE(ended_at, ?),"
+                         " end_reason = 'superseded_by_repair' WHERE id = ?",
+                         (time.time(), donor_id))
             return True
         return self._execute_write(write)
 
@@ -465,8 +529,9 @@ def lock_holder_name():
 
 
 def holder_is_alive(holder):
-    """False only when `holder` names a process of this host that no longer exists: hermes-agent's
-    `pid=N:...` (its store is host-local) or our `host:pid:thread`; any other name counts as alive."""
+    """False only when `holder` names a process of this host that no longer exists:
+    hermes-agent's `pid=N:...` (its store is host-local) or our `host:pid:thread`; any other name
+    counts as alive."""
     text = str(holder or "")
     match = _HOLDER_PID.search(text)
     parts = text.split(":")
@@ -480,7 +545,8 @@ def holder_is_alive(holder):
         return True  # ours, or not a process id we can probe (0 would signal our own group)
     if sys.platform == "win32":
         import ctypes
-        handle = ctypes.windll.kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
+        # 0x1000 is PROCESS_QUERY_LIMITED_INFORMATION.
+        handle = ctypes.windll.kernel32.OpenProcess(0x1000, False, pid)
         if handle:
             ctypes.windll.kernel32.CloseHandle(handle)
         return bool(handle)
@@ -510,20 +576,24 @@ def _orphan_record(orphan, donors, gap):
         candidates = [parent] if parent is not None and (parent["source"] or "") == source else []
         miss = "parent session carries no gateway identity of this source"
     else:
-        evidence, start, last, user = "contiguity", orphan["started_at"] or 0, orphan["last_active"], orphan["user_id"]
+        evidence, start, last, user = ("contiguity", orphan["started_at"] or 0,
+                                       orphan["last_active"], orphan["user_id"])
         candidates = [d for d in donors.values()
-                      if (d["source"] or "") == source and (not d["user_id"] or not user or d["user_id"] == user)
+                      if (d["source"] or "") == source
+                      and (not d["user_id"] or not user or d["user_id"] == user)
                       and d["last_active"] is not None and last is not None
-                      and start - gap <= d["last_active"] <= start + gap and d["last_active"] < last]
+                      and start - gap <= d["last_active"] <= start + gap
+                      and d["last_active"] < last]
         miss = f"no keyed predecessor fell quiet within {gap:.0f}s of this session's start"
     if len(candidates) > 1:
         miss = "ambiguous: more than one keyed predecessor matches this window"
     found = len(candidates) == 1
     donor = candidates[0] if found else {"id": None, "session_key": None}
-    return {"orphan_id": orphan["id"], "source": orphan["source"], "message_count": orphan["message_count"],
-            "started_at": orphan["started_at"], "last_active": orphan["last_active"], "donor_id": donor["id"],
-            "session_key": donor["session_key"], "evidence": evidence if found else "", "adoptable": found,
-            "reason": "" if found else miss}
+    return {"orphan_id": orphan["id"], "source": orphan["source"],
+            "message_count": orphan["message_count"], "started_at": orphan["started_at"],
+            "last_active": orphan["last_active"], "donor_id": donor["id"],
+            "session_key": donor["session_key"], "evidence": evidence if found else "",
+            "adoptable": found, "reason": "" if found else miss}
 
 
 def _routing_row(session_key, entry_json, scope):

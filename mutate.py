@@ -553,8 +553,9 @@ MUTANTS = [
            "the turn lease is kept per session, so a compression continuation and its root run turns at once",
            ["test_hermes_state_gateway.TurnLeases", "test_hermes_state_messages.Appending"]),
     Mutant("turn-lease-of-a-dead-holder-kept", "hermes_state_gateway.py",
-           'if row is not None and (float(row["expires_at"]) <= now or not holder_is_alive(row["holder"])):\n',
-           'if row is not None and float(row["expires_at"]) <= now:\n',
+           'if row is not None and (float(row["expires_at"]) <= now\n'
+           '                                    or not holder_is_alive(row["holder"])):\n',
+           'if row is not None and (float(row["expires_at"]) <= now):\n',
            "the lease of a holder whose process died is waited out to its expiry instead of taken over",
            ["test_hermes_state_gateway.TurnLeases"]),
     Mutant("compression-lock-expiry-ignored", "hermes_state_gateway.py",
