@@ -52,20 +52,6 @@ _CANDIDATES_FROM_SQL = " FROM sessions AS s LEFT JOIN sessions AS p ON p.id = s.
 # Listable without a look at their markers: roots that cannot be subagent runs.
 _PLAIN_ROOT_SQL = ("(s.parent_session_id IS NULL"
                    " AND instr(COALESCE(s.model_config, ''), '_delegate_from') = 0)")
-# Children that may be listable (see _is_listable): a parent end that lists its children, or a
-# marker that lists the row; a backslash may spell a marker's name in escapes: that row is judged.
-_MAYBE_LISTABLE_CHILD_SQL = (
-    "(p.end_reason IN ('branched', " + ", ".join(f"'{r}'" for r in _RESET_END_REASONS) + ")"
-    " OR instr(s.model_config, '_branched_from') > 0 OR instr(s.model_config, '_reset_from') > 0"
-    " OR instr(s.model_config, '\\') > 0)")
-# Every child of a session compression ended: the links a chain walk may follow.
-_CONTINUATIONS_SQL = ("SELECT c.id, c.parent_session_id AS parent, c.title, c.model_config,"
-                      " c.source, {activity} AS last_active FROM sessions AS c"
-                      " JOIN sessions AS p ON p.id = c.parent_session_id"
-                      " WHERE p.end_reason = 'compression'")
-# LAST_ACTIVE_SQL's value as hs_session_activity keeps it (see _listing_ready).
-_KEPT_ACTIVITY_SQL = ("(SELECT k.active_at FROM hs_session_activity AS k"
-                      " WHERE k.session_id = {a}.id)")
 # What a listed compression root shows of its tip; the root keeps the rest (its start, flags,
 # watermark).
 _PROJECTED_COLUMNS = (
@@ -78,7 +64,12 @@ _DEFAULT_RE = re.compile(r"\bDEFAULT\s+(.+)$")
 
 
 class SessionSessionsMixin:
-    """SessionDB's methods for session rows and listing."""
+    """SessionDB's methods for session rows and listing.
+
+    Relies on: `_execute_write`, `_update_rows`, `_read_all`, `_read_one`, `_read_value`,
+    `_with_reader`, `_transcript_patience`, `read_only`, `stale_schema` (SessionDB);
+    `_sweep_before_reuse` (maintenance mixin); `_flush_token_counts` (usage mixin);
+    `get_compression_tip` (compression mixin)."""
 
     def create_session(self, session_id, source, **kwargs):
         """Create the session, or fill the still-empty fields (not source) of an existing one;
@@ -500,7 +491,16 @@ class SessionSessionsMixin:
                 tally[source] += count
         judged = []
         if exclude_children and TALLY_CHILD in kinds:
-            judged.append(["s.parent_session_id IS NOT NULL", _MAYBE_LISTABLE_CHILD_SQL])
+            # Children that may be listable (see _is_listable): a parent end that lists its
+            # children, or a marker that lists the row; a backslash may spell a marker's name in
+            # escapes: that row is judged.
+            maybe_listable = (
+                "(p.end_reason IN ('branched', "
+                + ", ".join(f"'{r}'" for r in _RESET_END_REASONS) + ")"
+                " OR instr(s.model_config, '_branched_from') > 0"
+                " OR instr(s.model_config, '_reset_from') > 0"
+                " OR instr(s.model_config, '\\') > 0)")
+            judged.append(["s.parent_session_id IS NOT NULL", maybe_listable])
         if exclude_children and TALLY_MARKED_ROOT in kinds:
             judged.append([f"NOT {_PLAIN_ROOT_SQL}", "s.parent_session_id IS NULL"])
         for extra in judged:
@@ -533,9 +533,13 @@ class SessionSessionsMixin:
     def _by_chain_activity(self, rows, id_needle, search_needle):
         """`rows` ordered by the newest activity along each one's forward compression chain, kept
         when the needles (already lower case) match an id, or a title, of that chain."""
+        # Every child of a session compression ended: the links a chain walk may follow.
+        continuations = ("SELECT c.id, c.parent_session_id AS parent, c.title, c.model_config,"
+                         f" c.source, {self._activity_sql('c')} AS last_active FROM sessions AS c"
+                         " JOIN sessions AS p ON p.id = c.parent_session_id"
+                         " WHERE p.end_reason = 'compression'")
         children = collections.defaultdict(list)
-        for link in self._read_all(self._listing_sql(_CONTINUATIONS_SQL.format(
-                activity=self._activity_sql("c")))):
+        for link in self._read_all(self._listing_sql(continuations)):
             if not has_fork_marker(link["model_config"]) and (link["source"] or "") != "tool":
                 children[link["parent"]].append(link)
         squeezed = re.sub(r"[\W_]+", "", search_needle)
@@ -601,7 +605,11 @@ class SessionSessionsMixin:
     def _activity_sql(self, alias):
         """The SQL of a session's last activity: read from hs_session_activity while it is trusted
         (a needle's activity order at 54,000 sessions: 590 -> 60 ms), else computed."""
-        return (_KEPT_ACTIVITY_SQL if self._listing_ready() else LAST_ACTIVE_SQL).format(a=alias)
+        if self._listing_ready():
+            # LAST_ACTIVE_SQL's value as hs_session_activity keeps it (see _listing_ready).
+            return ("(SELECT k.active_at FROM hs_session_activity AS k"
+                    f" WHERE k.session_id = {alias}.id)")
+        return LAST_ACTIVE_SQL.format(a=alias)
 
     def _listing_ready(self):
         """True when the listing aids (hs_session_activity, hs_session_tally) can be trusted: the
