@@ -3,8 +3,8 @@ CLI-to-gateway handoffs, hygiene failure streaks, and hermes-agent's repairs of 
 
 Owns those tables, the `handoff_*` columns, and of other session columns only what the repairs
 change (routing identity, a reset's or superseded session's end,
-`model_config.browser_model_lock`). Relies on SessionDB's read/write paths, `_turn_lease_key`,
-`_resolved` and `delete_session`. Never changes a message.
+`model_config.browser_model_lock`). Relies on SessionDB's read/write paths and on the other
+mixins' methods SessionGatewayMixin's docstring names. Never changes a message.
 """
 
 import json
@@ -54,8 +54,6 @@ SELECT o.id, o.source, o.user_id, o.started_at, o.parent_session_id, o.model_con
 FROM sessions AS o WHERE o.session_key IS NULL AND COALESCE(o.source, '') != 'tool'
   AND EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = o.id)
 ORDER BY o.started_at"""
-_DONORS_SQL = (f"SELECT d.id, d.session_key, d.source, d.user_id, {LAST_ACTIVE_SQL.format(a='d')}"
-               " AS last_active FROM sessions AS d WHERE d.session_key IS NOT NULL")
 # A gateway row recovery may resume: open, or ended by a cleanup bug. A later reset boundary of the
 # same peer fences it off, so recovery never reaches behind a /new.
 _HAS_MESSAGES_SQL = ("(COALESCE(s.message_count, 0) > 0"
@@ -71,27 +69,18 @@ _PEER_COLUMNS = ("user_id", "chat_id", "chat_type", "thread_id")
 _SAME_PEER_SQL = " AND ".join(f"COALESCE(b.{c}, '') = COALESCE(s.{c}, '')" for c in _PEER_COLUMNS)
 _PEER_MATCH_SQL = "s.source = ? AND " + " AND ".join(
     f"COALESCE(s.{c}, '') = COALESCE(?, '')" for c in _PEER_COLUMNS)
-_SET_PEER_SQL = ("UPDATE sessions SET session_key = ?, source = ?, user_id = ?, chat_id = ?,"
-                 " chat_type = ?, thread_id = ?, display_name = COALESCE(?, display_name),"
-                 " origin_json = COALESCE(?, origin_json)"
-                 " WHERE id IN ({})")
-_INSERT_PEER_SQL = ("INSERT INTO sessions (session_key, source, user_id, chat_id, chat_type,"
-                    " thread_id, display_name, origin_json, id, started_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 # An orphan takes what it lacks of its donor's identity, and the donor as its parent.
 _ADOPTED_COLUMNS = ("chat_id", "chat_type", "thread_id", "user_id", "origin_json", "display_name")
-_ADOPT_SQL = ", ".join(f"{c} = COALESCE({c}, ?)" for c in (*_ADOPTED_COLUMNS, "parent_session_id"))
-# The compression parent a row continues, with what tells a fork or tool child from a continuation.
-_COMPRESSION_PARENT_SQL = ("SELECT p.id, c.source, c.model_config FROM sessions AS c"
-                           " JOIN sessions AS p ON p.id = c.parent_session_id"
-                           " AND p.end_reason = 'compression' WHERE c.id = ?")
-_SELECT_LEASE_SQL = "SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?"
 _DELETE_LEASE_SQL = "DELETE FROM session_turn_leases WHERE conversation_id = ? AND holder = ?"
 
 
 class SessionGatewayMixin:
     """SessionDB's methods for gateway routing, compression locks, turn leases, handoffs and
-    gateway sessions."""
+    gateway sessions.
+
+    Relies on: `_execute_write`, `_update_rows`, `_read_all`, `_read_one` (SessionDB);
+    `_read_sessions`, `_resolved` (sessions mixin); `_turn_lease_key` (messages mixin);
+    `delete_session` (maintenance mixin); `_flush_token_counts` (usage mixin)."""
 
     # -- routing ---------------------------------------------------------------
     # One row per (scope, session_key) holding the gateway's serialised entry; hermes-agent passes
@@ -204,16 +193,18 @@ class SessionGatewayMixin:
             return False
         ttl = max(0.1, float(ttl_seconds))
 
+        select = "SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?"
+
         def write(conn):
             key, now = self._turn_lease_key(conn, session_id), time.time()
-            row = conn.execute(_SELECT_LEASE_SQL, (key,)).fetchone()
+            row = conn.execute(select, (key,)).fetchone()
             if row is not None and (float(row["expires_at"]) <= now
                                     or not holder_is_alive(row["holder"])):
                 conn.execute(_DELETE_LEASE_SQL, (key, row["holder"]))
             conn.execute("INSERT OR IGNORE INTO session_turn_leases (conversation_id, holder,"
                          " acquired_at, expires_at) VALUES (?, ?, ?, ?)",
                          (key, holder, now, now + ttl))
-            return conn.execute(_SELECT_LEASE_SQL, (key,)).fetchone()["holder"] == holder
+            return conn.execute(select, (key,)).fetchone()["holder"] == holder
         return self._execute_write(write, patience_s=patience_s)
 
     def acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0,
@@ -363,21 +354,35 @@ class SessionGatewayMixin:
         created."""
         if not session_id or not session_key:
             return
+        # The peer's columns in the order both statements below name them.
         values = (session_key, source, user_id, chat_id, chat_type, thread_id, display_name,
                   origin_json)
 
         def write(conn):
             ids = [session_id]
             while include_compression_ancestors:
-                link = conn.execute(_COMPRESSION_PARENT_SQL, (ids[-1],)).fetchone()
+                # The compression parent a row continues, with what tells a fork or tool child
+                # from a continuation.
+                link = conn.execute("SELECT p.id, c.source, c.model_config FROM sessions AS c"
+                                    " JOIN sessions AS p ON p.id = c.parent_session_id"
+                                    " AND p.end_reason = 'compression' WHERE c.id = ?",
+                                    (ids[-1],)).fetchone()
                 if (link is None or link["id"] in ids or (link["source"] or "") == "tool"
                         or has_fork_marker(link["model_config"])):
                     break
                 ids.append(link["id"])
-            conn.execute(_SET_PEER_SQL.format(placeholders(len(ids))), (*values, *ids))
+            conn.execute("UPDATE sessions SET session_key = ?, source = ?, user_id = ?,"
+                         " chat_id = ?, chat_type = ?, thread_id = ?,"
+                         " display_name = COALESCE(?, display_name),"
+                         " origin_json = COALESCE(?, origin_json)"
+                         f" WHERE id IN ({placeholders(len(ids))})",
+                         (*values, *ids))
             if not include_compression_ancestors and conn.execute(
                     "SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone() is None:
-                conn.execute(_INSERT_PEER_SQL, (*values, session_id, time.time()))
+                conn.execute("INSERT INTO sessions (session_key, source, user_id, chat_id,"
+                             " chat_type, thread_id, display_name, origin_json, id, started_at)"
+                             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                             (*values, session_id, time.time()))
         self._execute_write(write)
 
     def find_latest_gateway_session_for_peer(self, *, source, user_id=None, session_key=None,
@@ -487,7 +492,12 @@ class SessionGatewayMixin:
         gap = ORPHAN_ADOPTION_MAX_GAP_S if max_gap_s is None else float(max_gap_s)
         orphans = [row for row in self._read_all(_ORPHANS_SQL)
                    if not has_fork_marker(row["model_config"])]
-        donors = {row["id"]: row for row in self._read_all(_DONORS_SQL)} if orphans else {}
+        donors = {}
+        if orphans:
+            rows = self._read_all(f"SELECT d.id, d.session_key, d.source, d.user_id,"
+                                  f" {LAST_ACTIVE_SQL.format(a='d')} AS last_active"
+                                  " FROM sessions AS d WHERE d.session_key IS NOT NULL")
+            donors = {row["id"]: row for row in rows}
         records = [_orphan_record(orphan, donors, gap) for orphan in orphans]
         claims = Counter(record["donor_id"] for record in records if record["adoptable"])
         for record in records:
@@ -513,8 +523,12 @@ class SessionGatewayMixin:
                     or (donor["source"] or "") != (orphan["source"] or "")):
                 return False
             # The orphan keeps the identity columns it has; a missing parent becomes the donor.
-            conn.execute(f"UPDATE sessions SET session_key = ?, {_ADOPT_SQL} WHERE id = ?"
-                         " AND session_key IS NULL", (*tuple(donor)[:7], donor_id, orphan_id))
+            fill = ", ".join(f"{c} = COALESCE({c}, ?)"
+                             for c in (*_ADOPTED_COLUMNS, "parent_session_id"))
+            conn.execute(f"UPDATE sessions SET session_key = ?, {fill} WHERE id = ?"
+                         " AND session_key IS NULL",
+                         (donor["session_key"], *(donor[c] for c in _ADOPTED_COLUMNS), donor_id,
+                          orphan_id))
             # Not an end recovery resumes ('agent_close'), or the donor could win the chat back.
             conn.execute("UPDATE sessions SET ended_at = COALESCE(ended_at, ?),"
                          " end_reason = 'superseded_by_repair' WHERE id = ?",
