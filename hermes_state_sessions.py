@@ -387,8 +387,8 @@ class SessionSessionsMixin:
         """True when the row's last activity is newer than its read watermark; False when never
         marked read."""
         last_read = session_row.get("last_read_at")
-        return last_read is not None and float(
-            session_row.get("last_active") or session_row.get("started_at") or 0) > float(last_read)
+        last_active = session_row.get("last_active") or session_row.get("started_at") or 0
+        return last_read is not None and float(last_active) > float(last_read)
 
     def get_session_rich_row(self, session_id, compact_rows=False):
         """One session as a list_sessions_rich row (no projection, no `unread`); None for an
