@@ -77,8 +77,8 @@ MUTANTS = [
            ["test_hermes_state_schema"]),
     # -- gateway_routing primary-key heal --------------------------------------
     Mutant("pk-heal-oldest-wins", "hermes_state_schema.py",
-           "COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at ASC",
-           "COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at DESC",
+           '" FROM {side} ORDER BY updated_at ASC"',
+           '" FROM {side} ORDER BY updated_at DESC"',
            "on a key collision the oldest routing row wins instead of the newest",
            ["test_hermes_state_schema"]),
     Mutant("pk-heal-drops-the-losers", "hermes_state_schema.py",
@@ -98,8 +98,8 @@ MUTANTS = [
            "the repair shows only the first chunk of hidden messages",
            ["test_hermes_state_schema", "test_lock_holds"]),
     Mutant("null-active-gated-on-version", "hermes_state_schema.py",
-           "        if self._read_one(HAS_NULL_ACTIVE_SQL) is None:\n",
-           "        if self._read_one(HAS_NULL_ACTIVE_SQL) is None or \\\n"
+           'WHERE active IS NULL LIMIT 1") is None:\n',
+           'WHERE active IS NULL LIMIT 1") is None or \\\n'
            "                self._read_one(SELECT_SCHEMA_VERSION_SQL)[0] == SCHEMA_VERSION:\n",
            "the repair is skipped on a store that claims the current version",
            ["test_hermes_state_schema"]),
