@@ -221,7 +221,7 @@ MUTANTS = [
            "a layout 2 tool row on a chunk's lower edge is never indexed again: its list content stays unfound",
            ["test_hermes_state_search.ChangedByAnotherProgram"]),
     Mutant("tool-list-content-cut-to-nothing", "hermes_state_common.py",
-           "    THEN char(0) || substr(CAST(substr(CAST({{row}}.content AS BLOB), 2) AS TEXT), 1, {TOOL_INDEX_PREFIX_CHARS - 1})\n",
+           "    THEN char(0) || {_TOOL_JSON_HEAD}\n",
            "    THEN substr({{row}}.content, 1, {TOOL_INDEX_PREFIX_CHARS})\n",
            "a tool row's list content is indexed as '' (substr stops at its NUL), so words never find it",
            ["test_hermes_state_search.SearchBehaviour"]),
