@@ -1,9 +1,10 @@
 """Where the Hermes home is, and the well-known paths inside it.
 
-Owns hermes-agent's home-location family with its behaviour: the home (a per-context override, then
-HERMES_HOME, then the platform default), the profile root, legacy-or-new subfolders, the display form,
-the subprocess HOME policy. Never creates a folder (bar `secure_parent_dir`'s chmod) nor touches a
-database. Holds only names hermes-agent's own hermes_constants.py also has, so both run side by side.
+Owns hermes-agent's home-location family with its behaviour: the home (a per-context override,
+then HERMES_HOME, then the platform default), the profile root, legacy-or-new subfolders, the
+display form, the subprocess HOME policy. Never creates a folder (bar `secure_parent_dir`'s chmod)
+nor touches a database. Holds only names hermes-agent's own hermes_constants.py also has, so both
+run side by side.
 """
 
 import contextlib
@@ -41,7 +42,8 @@ def _platform_default_home():
 
 
 def get_process_hermes_home():
-    """The home the process was launched with: HERMES_HOME, else the platform default (no override)."""
+    """The home the process was launched with: HERMES_HOME, else the platform default (no
+    override)."""
     env = os.environ.get("HERMES_HOME", "").strip()
     return Path(env) if env else _platform_default_home()
 
@@ -63,14 +65,16 @@ def get_env_path():
 
 
 def hermes_home_key(path=None):
-    """A stable text key for a home (default: the current one): absolute, resolved, case-folded where the OS folds."""
+    """A stable text key for a home (default: the current one): absolute, resolved, case-folded
+    where the OS folds."""
     candidate = Path(path) if path is not None else get_hermes_home()
     return os.path.normcase(str(candidate.expanduser().resolve(strict=False)))
 
 
 def get_default_hermes_root():
-    """The folder holding every profile: the platform default when HERMES_HOME is unset or under it;
-    `<root>` when HERMES_HOME is `<root>/profiles/<name>` elsewhere (a container); else HERMES_HOME."""
+    """The folder holding every profile: the platform default when HERMES_HOME is unset or under
+    it; `<root>` when HERMES_HOME is `<root>/profiles/<name>` elsewhere (a container); else
+    HERMES_HOME."""
     native, env = _platform_default_home(), os.environ.get("HERMES_HOME", "")
     if not env:
         return native
@@ -83,8 +87,8 @@ def get_default_hermes_root():
 
 
 def _has_content(path):
-    """False for a missing path, a dangling link or an empty folder; True otherwise, also when it cannot
-    be inspected (legacy data is never orphaned on a guess)."""
+    """False for a missing path, a dangling link or an empty folder; True otherwise, also when it
+    cannot be inspected (legacy data is never orphaned on a guess)."""
     try:
         mode = path.lstat().st_mode
         if stat.S_ISLNK(mode):
@@ -115,7 +119,8 @@ def display_hermes_home():
 
 
 def secure_parent_dir(path):
-    """chmod 0700 the folder holding `path`, unless it is `/` or a top-level folder; errors ignored."""
+    """chmod 0700 the folder holding `path`, unless it is `/` or a top-level folder; errors
+    ignored."""
     parent = Path(path).parent.resolve()
     if len(parent.parts) >= 3:
         with contextlib.suppress(OSError):
@@ -143,7 +148,8 @@ def _env(env, name):
 
 
 def get_real_home(env=None):
-    """The OS user's own home folder, never the profile's `<HERMES_HOME>/home`; "/tmp" when none is found."""
+    """The OS user's own home folder, never the profile's `<HERMES_HOME>/home`; "/tmp" when none
+    is found."""
     env = env or {}
     candidates = [_env(env, "HERMES_REAL_HOME"), _env(env, "HOME")]
     with contextlib.suppress(ImportError, KeyError, OSError):
@@ -152,7 +158,8 @@ def get_real_home(env=None):
     candidates.append(_env(env, "USERPROFILE"))
     drive, tail = _env(env, "HOMEDRIVE"), _env(env, "HOMEPATH")
     if drive and tail:
-        candidates.append(drive + tail if tail.startswith(("\\", "/")) else os.path.join(drive, tail))
+        candidates.append(
+            drive + tail if tail.startswith(("\\", "/")) else os.path.join(drive, tail))
     expanded = os.path.expanduser("~")
     candidates.append("" if expanded == "~" else expanded)
     profile = _profile_home(env)
@@ -165,20 +172,25 @@ def _in_container():
         return True
     markers = ("docker", "podman", "/lxc/", "kubepods", "containerd", "crio")
     for proc_file in ("/proc/1/cgroup", "/proc/self/mountinfo"):
-        with contextlib.suppress(OSError), open(proc_file, encoding="utf-8", errors="replace") as handle:
+        with contextlib.suppress(OSError), \
+                open(proc_file, encoding="utf-8", errors="replace") as handle:
             if any(marker in handle.read() for marker in markers):
                 return True
     return False
 
 
 def get_subprocess_home(env=None):
-    """The HOME a child process should get, or None to leave HOME alone. TERMINAL_HOME_MODE picks it:
-    `profile` is `<HERMES_HOME>/home`, `real` the OS user's home; `auto` (default) the profile home in a
-    container, and the real home when HOME already points at the profile home."""
+    """The HOME a child process should get, or None to leave HOME alone.
+
+    TERMINAL_HOME_MODE picks it: `profile` is `<HERMES_HOME>/home`, `real` the OS user's home;
+    `auto` (default) the profile home in a container, and the real home when HOME already points
+    at the profile home."""
     env = env or {}
     mode = (_env(env, "TERMINAL_HOME_MODE") or "auto").lower()
-    mode = {"isolated": "profile", "profile_home": "profile", "profile-home": "profile", "host": "real",
-            "user": "real", "real_home": "real", "real-home": "real"}.get(mode, mode)
+    mode = {
+        "isolated": "profile", "profile_home": "profile", "profile-home": "profile",
+        "host": "real", "user": "real", "real_home": "real", "real-home": "real",
+    }.get(mode, mode)
     profile = _profile_home(env)
     if mode == "profile":
         return profile

@@ -1,9 +1,10 @@
 """Shared constants of the state layer: schema, SQL, limits, meta keys.
 
-Owns the SQL text, versions and limits the modules share, a few pure helpers (SQL building, value checks,
-content coding), the exception classes callers catch, and the persistence-error helpers hermes-agent imports
-from hermes_state (classifying a failed write, why the last open failed). It must not open or touch a
-connection: the mixins and SessionDB do that, and import from here so that none of them imports another.
+Owns the SQL text, versions and limits the modules share, a few pure helpers (SQL building, value
+checks, content coding), the exception classes callers catch, and the persistence-error helpers
+hermes-agent imports from hermes_state (classifying a failed write, why the last open failed). It
+must not open or touch a connection: the mixins and SessionDB do that, and import from here so that
+none of them imports another.
 """
 
 import errno
@@ -18,34 +19,36 @@ import time
 from pathlib import Path
 
 # -- Versions and names -------------------------------------------------------
-# Only for data migrations that cannot be declared (backfills, tagging). Columns never need a bump: they come
-# from SCHEMA_SQL on every open.
+# Only for data migrations that cannot be declared (backfills, tagging). Columns never need a bump:
+# they come from SCHEMA_SQL on every open.
 SCHEMA_VERSION = 26
 
-# hermes-agent's keys describing its own search index. We read them (to use its index on a store it indexed)
-# and never store a value of ours under them.
+# hermes-agent's keys describing its own search index. We read them (to use its index on a store it
+# indexed) and never store a value of ours under them.
 META_FTS_STORAGE_VERSION = "fts_storage_version"
 META_FTS_OPTIMIZE_AVAILABLE = "fts_optimize_available"
 META_FTS_REBUILD_HIGH_WATER = "fts_rebuild_high_water"
 META_FTS_REBUILD_PROGRESS = "fts_rebuild_progress"
 META_FTS_STALE = FTS_STALE_KEY = "fts_stale"  # (FTS_*_KEY: hermes-agent's names)
 META_FTS_CJK_STALE = FTS_CJK_STALE_KEY = "fts_cjk_stale"
-# The value 0.20 gives that first key for its index layout; hermes_cli.session_recovery imports it from
-# hermes_state to stamp and verify a recovered store. We never write it.
+# The value 0.20 gives that first key for its index layout; hermes_cli.session_recovery imports it
+# from hermes_state to stamp and verify a recovered store. We never write it.
 FTS_STORAGE_VERSION = 1
 
 COMPRESSION_END_REASON = "compression"
-# End reasons of a session that a reset replaced with an empty one (gateway /new and /reset, idle and daily
-# expiry, ...): hermes-agent's session_search treats their transcripts as gone from the live context. Its name
-# and values are hermes-agent's (tools/session_search_tool.py imports it from here). A child that rides its
-# parent's routing key across one of these is a reset, not a continuation.
-_RESET_END_REASONS = ("session_reset", "session_switch", "idle", "daily", "suspended", "resume_pending_expired")
+# End reasons of a session that a reset replaced with an empty one (gateway /new and /reset, idle
+# and daily expiry, ...): hermes-agent's session_search treats their transcripts as gone from the
+# live context. Its name and values are hermes-agent's (tools/session_search_tool.py imports it from
+# here). A child that rides its parent's routing key across one of these is a reset, not a
+# continuation.
+_RESET_END_REASONS = ("session_reset", "session_switch", "idle", "daily", "suspended",
+                      "resume_pending_expired")
 GATEWAY_ROUTING_PK = ["scope", "session_key"]
 
 # -- Limits -------------------------------------------------------------------
 TITLE_MAX_LENGTH = 100
-# Who wrote a title, lowest authority first: an automatic title replaces only a title of lower authority; a
-# user's title is never replaced automatically.
+# Who wrote a title, lowest authority first: an automatic title replaces only a title of lower
+# authority; a user's title is never replaced automatically.
 TITLE_SOURCE_DERIVED, TITLE_SOURCE_LLM, TITLE_SOURCE_USER = "derived", "llm", "user"
 TITLE_SOURCE_RANK = {TITLE_SOURCE_DERIVED: 0, TITLE_SOURCE_LLM: 1, TITLE_SOURCE_USER: 2}
 PREVIEW_CHARS = 80
@@ -61,8 +64,9 @@ SQL_CHUNK_SIZE = 500
 MIGRATION_CHUNK_SIZE = 200
 
 # -- Schema -------------------------------------------------------------------
-# The only description of tables and columns (hermes-agent schema 26, the same text). Tables only. Every index
-# lives in DEFERRED_INDEXES, run after the columns are reconciled: an older store may lack a column it names.
+# The only description of tables and columns (hermes-agent schema 26, the same text). Tables only.
+# Every index lives in DEFERRED_INDEXES, run after the columns are reconciled: an older store may
+# lack a column it names.
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL
@@ -236,8 +240,8 @@ CREATE TABLE IF NOT EXISTS async_delegations (
 );
 """
 
-# name -> DDL, created after _reconcile_columns in this order. Names and definitions are hermes-agent's, so
-# both projects recognise each other's.
+# name -> DDL, created after _reconcile_columns in this order. Names and definitions are
+# hermes-agent's, so both projects recognise each other's.
 DEFERRED_INDEXES = {name: f"CREATE INDEX IF NOT EXISTS {name} ON {target}" for name, target in (
     ("idx_sessions_source", "sessions(source)"),
     ("idx_sessions_source_id", "sessions(source, id)"),
@@ -268,32 +272,37 @@ DEFERRED_INDEXES = {name: f"CREATE INDEX IF NOT EXISTS {name} ON {target}" for n
 # hermes-agent's name and type for the same indexes: one script of statements.
 DEFERRED_INDEX_SQL = "".join(sql + ";\n" for sql in DEFERRED_INDEXES.values())
 
-# Kept apart from DEFERRED_INDEXES: building it can fail on duplicate titles, which the schema mixin repairs
-# before retrying.
+# Kept apart from DEFERRED_INDEXES: building it can fail on duplicate titles, which the schema mixin
+# repairs before retrying.
 TITLE_INDEX_NAME = "idx_sessions_title_unique"
 
 # -- Full-text search ---------------------------------------------------------
-# Ours ("current"): three FTS5 indexes under our own names, kept by our own triggers and described by our own
-# state_meta keys, so that no hermes-agent release (0.19, 0.20, 0.22: every name checked) takes them for its
-# own. hs_fts_words reads every row (a tool row by a bounded prefix), hs_fts_trigram no tool rows; hs_fts_cjk
-# holds 1-2 letter CJK terms, written by Python from hs_fts_cjk_queue, which plain-SQL triggers fill for any
-# writer; those triggers (and the drain, for rows a backfill queued) raise the row's block bound in
-# hs_fts_cjk_bounds, so a process of an older release still running keeps them too. Each trigger of ours first
-# tests our backfill predicate: a row is indexed iff id <= progress OR id > high water. hermes-agent's index
-# (messages_fts*, its views, triggers and fts_* keys: 'legacy' 0.19 inline, 'external' 0.20/0.22) is its own:
-# searched while a store has none of ours, never rewritten, retired only by optimize-storage.
+# Ours ("current"): three FTS5 indexes under our own names, kept by our own triggers and described
+# by our own state_meta keys, so that no hermes-agent release (0.19, 0.20, 0.22: every name checked)
+# takes them for its own. hs_fts_words reads every row (a tool row by a bounded prefix),
+# hs_fts_trigram no tool rows; hs_fts_cjk holds 1-2 letter CJK terms, written by Python from
+# hs_fts_cjk_queue, which plain-SQL triggers fill for any writer; those triggers (and the drain, for
+# rows a backfill queued) raise the row's block bound in hs_fts_cjk_bounds, so a process of an older
+# release still running keeps them too. Each trigger of ours first tests our backfill predicate: a
+# row is indexed iff id <= progress OR id > high water. hermes-agent's index (messages_fts*, its
+# views, triggers and fts_* keys: 'legacy' 0.19 inline, 'external' 0.20/0.22) is its own: searched
+# while a store has none of ours, never rewritten, retired only by optimize-storage.
 
-# 2 added the CJK bounds (CJK_BOUNDS_OBJECTS: their table and index, the triggers that raise them); a layout 1
-# store gets them filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS). 3 indexes a tool row's list content
-# (_TOOL_PREFIX); a layout 2 store's rows are indexed again in chunks (META_SEARCH_TOOL_JSON_FROM).
+# 2 added the CJK bounds (CJK_BOUNDS_OBJECTS: their table and index, the triggers that raise them);
+# a layout 1 store gets them filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS). 3 indexes a tool
+# row's list content (_TOOL_PREFIX); a layout 2 store's rows are indexed again in chunks
+# (META_SEARCH_TOOL_JSON_FROM).
 SEARCH_LAYOUT_VERSION = 3
-CJK_BOUNDS_OBJECTS = ("hs_fts_cjk_bounds", "hs_fts_cjk_bounds_newest", "hs_fts_cjk_insert", "hs_fts_cjk_update")
+CJK_BOUNDS_OBJECTS = ("hs_fts_cjk_bounds", "hs_fts_cjk_bounds_newest", "hs_fts_cjk_insert",
+                      "hs_fts_cjk_update")
 META_SEARCH_LAYOUT = "hs_search_layout"
 META_SEARCH_HIGH_WATER = "hs_search_high_water"
 META_SEARCH_PROGRESS = "hs_search_progress"
-# Message ids up to this one have their CJK bounds; absent when all have (searches by time may rely on them).
+# Message ids up to this one have their CJK bounds; absent when all have (searches by time may rely
+# on them).
 META_SEARCH_CJK_BOUNDS_PROGRESS = "hs_search_cjk_bounds_progress"
-# The first id whose tool list content the word index holds (absent: 0); set when a layout 2 store moves to 3.
+# The first id whose tool list content the word index holds (absent: 0); set when a layout 2 store
+# moves to 3.
 META_SEARCH_TOOL_JSON_FROM = "hs_search_tool_json_from"
 # + an index name: that index of ours is not whole; rebuilt at the next open.
 META_SEARCH_STALE_PREFIX = "hs_search_stale_"
@@ -305,24 +314,26 @@ CJK_QUEUE_TABLE = "hs_fts_cjk_queue"
 RETIRED_PREFIX = "hs_retired_"
 FTS5_SHADOW_SUFFIXES = ("data", "idx", "content", "docsize", "config")
 
-HERMES_FTS_TABLES = {"word": "messages_fts", "trigram": "messages_fts_trigram", "cjk": "messages_fts_cjk"}
+HERMES_FTS_TABLES = {"word": "messages_fts", "trigram": "messages_fts_trigram",
+                     "cjk": "messages_fts_cjk"}
 HERMES_FTS_TRIGGERS = {index: tuple(f"{table}_{op}" for op in ("insert", "delete", "update"))
                        for index, table in HERMES_FTS_TABLES.items()}
-HERMES_FTS_VIEWS = {"word": "messages_fts_src", "trigram": "messages_fts_trigram_src", "cjk": "messages_fts_cjk_src"}
-# What describes hermes-agent's index; cleared with the index by optimize-storage, so that its next open finds
-# a store without one and builds it afresh.
-HERMES_INDEX_META = (META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE, META_FTS_REBUILD_HIGH_WATER,
-                     META_FTS_REBUILD_PROGRESS, META_FTS_STALE)
-# Our releases before layout 1 used hermes-agent's table names (each told apart by a word of its DDL) and
-# keys; an open moves such a store to layout 1.
+HERMES_FTS_VIEWS = {"word": "messages_fts_src", "trigram": "messages_fts_trigram_src",
+                    "cjk": "messages_fts_cjk_src"}
+# What describes hermes-agent's index; cleared with the index by optimize-storage, so that its next
+# open finds a store without one and builds it afresh.
+HERMES_INDEX_META = (META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE,
+                     META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE)
+# Our releases before layout 1 used hermes-agent's table names (each told apart by a word of its
+# DDL) and keys; an open moves such a store to layout 1.
 PREVIOUS_LAYOUT_TABLES = {"messages_fts": "messages_fts_projection", "messages_fts_cjk": "terms",
                           "messages_fts_trigram": "messages_fts_trigram_projection"}
 PREVIOUS_LAYOUT_LEFTOVERS = {"messages_cjk_pending": "TABLE", "messages_fts_projection": "VIEW",
                              "messages_fts_trigram_projection": "VIEW"}
 PREVIOUS_LAYOUT_META = HERMES_INDEX_META + (META_FTS_CJK_STALE,)
 
-# Tool output (base64, file dumps) is most of the bytes; the word index keeps this much of each tool row. A
-# role filter including "tool" searches the rest.
+# Tool output (base64, file dumps) is most of the bytes; the word index keeps this much of each tool
+# row. A role filter including "tool" searches the rest.
 TOOL_INDEX_PREFIX_CHARS = 2048
 # CJK letters: kana, CJK extension A, unified ideographs, hangul, compatibility ideographs.
 CJK_CHAR_CLASS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
@@ -337,10 +348,12 @@ def cjk_terms(text):
         terms.update(run[i:i + 2] for i in range(len(run) - 1))
     return " ".join(sorted(terms))
 
-# The CJK bounds: block = id >> CJK_BLOCK_BITS; `newest` only ever rises (a deleted row's time stays: still a
-# bound), so no id of a block holds a later time than its bound. A NULL time is below every time.
+# The CJK bounds: block = id >> CJK_BLOCK_BITS; `newest` only ever rises (a deleted row's time
+# stays: still a bound), so no id of a block holds a later time than its bound. A NULL time is below
+# every time.
 CJK_BLOCK_BITS = 8
-_RAISE_CJK_BOUND = (f"INSERT INTO hs_fts_cjk_bounds(block, newest) SELECT new.id >> {CJK_BLOCK_BITS}, new.timestamp"
+_RAISE_CJK_BOUND = ("INSERT INTO hs_fts_cjk_bounds(block, newest)"
+                    f" SELECT new.id >> {CJK_BLOCK_BITS}, new.timestamp"
                     " WHERE new.timestamp IS NOT NULL{only}\n"
                     "    ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest);")
 
@@ -350,21 +363,28 @@ _INDEXED = """(({row}.id > COALESCE((SELECT CAST(value AS INTEGER) FROM state_me
                             WHERE key = 'hs_search_progress'), -1)))"""
 _NEW_INDEXED = _INDEXED.format(row="new")
 _OLD_INDEXED = _INDEXED.format(row="old")
-# A tool row's text as the word index holds it. substr() counts characters up to the first NUL, so a text that
-# starts with one (list content: CONTENT_JSON_PREFIX + JSON) is cut past it; layout 2 cut it to '', and its rows
-# below META_SEARCH_TOOL_JSON_FROM keep that cut: a delete must give the text the insert gave.
-_TOOL_PREFIX_2 = "CASE WHEN {row}.role = 'tool' THEN substr({row}.content, 1, %d) ELSE {row}.content END" \
-    % TOOL_INDEX_PREFIX_CHARS
+# A tool row's text as the word index holds it. substr() counts characters up to the first NUL, so a
+# text that starts with one (list content: CONTENT_JSON_PREFIX + JSON) is cut past it; layout 2 cut
+# it to '', and its rows below META_SEARCH_TOOL_JSON_FROM keep that cut: a delete must give the text
+# the insert gave.
+_TOOL_PREFIX_2 = ("CASE WHEN {row}.role = 'tool' THEN substr({row}.content, 1, %d)"
+                  " ELSE {row}.content END" % TOOL_INDEX_PREFIX_CHARS)
+# Layout 3 reads a tool row's list content (ids from META_SEARCH_TOOL_JSON_FROM on) past its NUL:
+# the NUL, then the text after it, TOOL_INDEX_PREFIX_CHARS characters in all as for any tool text.
+_TOOL_JSON_FROM = ("(SELECT CAST(value AS INTEGER) FROM state_meta"
+                   f" WHERE key = '{META_SEARCH_TOOL_JSON_FROM}')")
+_TOOL_JSON_HEAD = ("substr(CAST(substr(CAST({row}.content AS BLOB), 2) AS TEXT), 1,"
+                   f" {TOOL_INDEX_PREFIX_CHARS - 1})")
 _TOOL_PREFIX = f"""CASE WHEN {{row}}.role = 'tool' THEN CASE
     WHEN {{row}}.content >= char(0) AND {{row}}.content < char(1) AND {{row}}.id >= COALESCE(
-        (SELECT CAST(value AS INTEGER) FROM state_meta WHERE key = '{META_SEARCH_TOOL_JSON_FROM}'), 0)
-    THEN char(0) || substr(CAST(substr(CAST({{row}}.content AS BLOB), 2) AS TEXT), 1, {TOOL_INDEX_PREFIX_CHARS - 1})
+        {_TOOL_JSON_FROM}, 0)
+    THEN char(0) || {_TOOL_JSON_HEAD}
     ELSE substr({{row}}.content, 1, {TOOL_INDEX_PREFIX_CHARS}) END ELSE {{row}}.content END"""
 _WORDS_VIEW = """CREATE VIEW hs_fts_words_src AS
 SELECT id, {prefix} AS content, tool_name, tool_calls FROM messages"""
 
-# Per index: its views and tables (CJK: with its bounds' index) in creation order, exactly as sqlite_master
-# keeps them (an open compares and repairs), then its triggers.
+# Per index: its views and tables (CJK: with its bounds' index) in creation order, exactly as
+# sqlite_master keeps them (an open compares and repairs), then its triggers.
 SEARCH_OBJECTS = {
     "word": {
         "hs_fts_words_src": _WORDS_VIEW.format(prefix=_TOOL_PREFIX.format(row="messages")),
@@ -372,25 +392,30 @@ SEARCH_OBJECTS = {
     content, tool_name, tool_calls, content='hs_fts_words_src', content_rowid='id')""",
     },
     "trigram": {
-        "hs_fts_trigram_src": "CREATE VIEW hs_fts_trigram_src AS SELECT id, content FROM messages WHERE role <> 'tool'",
+        "hs_fts_trigram_src": ("CREATE VIEW hs_fts_trigram_src AS SELECT id, content FROM messages"
+                               " WHERE role <> 'tool'"),
         "hs_fts_trigram": """CREATE VIRTUAL TABLE hs_fts_trigram USING fts5(
     content, content='hs_fts_trigram_src', content_rowid='id', tokenize='trigram')""",
     },
     "cjk": {
-        "hs_fts_cjk": "CREATE VIRTUAL TABLE hs_fts_cjk USING fts5(terms, tokenize='unicode61 remove_diacritics 0')",
+        "hs_fts_cjk": ("CREATE VIRTUAL TABLE hs_fts_cjk"
+                       " USING fts5(terms, tokenize='unicode61 remove_diacritics 0')"),
         "hs_fts_cjk_queue": "CREATE TABLE hs_fts_cjk_queue (id INTEGER PRIMARY KEY)",
         # No type: `newest` keeps each time as stored, so it compares as ORDER BY m.timestamp does.
         "hs_fts_cjk_bounds": "CREATE TABLE hs_fts_cjk_bounds (block INTEGER PRIMARY KEY, newest)",
-        "hs_fts_cjk_bounds_newest": "CREATE INDEX hs_fts_cjk_bounds_newest ON hs_fts_cjk_bounds(newest)",
+        "hs_fts_cjk_bounds_newest": ("CREATE INDEX hs_fts_cjk_bounds_newest"
+                                     " ON hs_fts_cjk_bounds(newest)"),
     },
 }
 
 def _external_triggers(table, columns, values, watched, only="1"):
-    """Insert, delete and update triggers of an external-content index of ours: `values` fills `columns` from
-    a {row} (new or old), `watched` are the message columns it depends on, `only` says which rows it holds."""
+    """Insert, delete and update triggers of an external-content index of ours: `values` fills
+    `columns` from a {row} (new or old), `watched` are the message columns it depends on, `only`
+    says which rows it holds."""
     new, old = values.format(row="new"), values.format(row="old")
     keep_new, keep_old = only.format(row="new"), only.format(row="old")
     changed = " OR ".join(f"old.{c} IS NOT new.{c}" for c in watched)
+    of = ", ".join(watched)
     return {
         f"{table}_insert": f"""CREATE TRIGGER {table}_insert AFTER INSERT ON messages
 WHEN {keep_new} AND {_NEW_INDEXED}
@@ -402,7 +427,7 @@ WHEN {keep_old} AND {_OLD_INDEXED}
 BEGIN
     INSERT INTO {table}({table}, rowid, {columns}) VALUES ('delete', {old});
 END""",
-        f"{table}_update": f"""CREATE TRIGGER {table}_update AFTER UPDATE OF {", ".join(watched)} ON messages
+        f"{table}_update": f"""CREATE TRIGGER {table}_update AFTER UPDATE OF {of} ON messages
 WHEN ({changed}) AND {_OLD_INDEXED}
 BEGIN
     INSERT INTO {table}({table}, rowid, {columns}) SELECT 'delete', {old} WHERE {keep_old};
@@ -415,42 +440,50 @@ def _word_triggers(prefix):
                               "{row}.id, " + prefix + ", {row}.tool_name, {row}.tool_calls",
                               ("content", "tool_name", "tool_calls", "role"))
 
-# The word index's view and triggers as layout 2 made them: a layout 2 store's are replaced without a rebuild.
-LAYOUT_2_WORD_OBJECTS = {"hs_fts_words_src": _WORDS_VIEW.format(prefix=_TOOL_PREFIX_2.format(row="messages")),
-                         **_word_triggers(_TOOL_PREFIX_2)}
+# The word index's view and triggers as layout 2 made them: a layout 2 store's are replaced without
+# a rebuild.
+LAYOUT_2_WORD_OBJECTS = {
+    "hs_fts_words_src": _WORDS_VIEW.format(prefix=_TOOL_PREFIX_2.format(row="messages")),
+    **_word_triggers(_TOOL_PREFIX_2),
+}
+# The rows the CJK index holds: no tool row, a text with a CJK letter.
+_CJK_NEW = f"new.role <> 'tool' AND new.content GLOB {CJK_GLOB}"
+_CJK_OLD = f"old.role <> 'tool' AND old.content GLOB {CJK_GLOB}"
 SEARCH_TRIGGERS = {
     "word": _word_triggers(_TOOL_PREFIX),
-    "trigram": _external_triggers("hs_fts_trigram", "content", "{row}.id, {row}.content", ("content", "role"),
-                                  "{row}.role <> 'tool'"),
+    "trigram": _external_triggers("hs_fts_trigram", "content", "{row}.id, {row}.content",
+                                  ("content", "role"), "{row}.role <> 'tool'"),
     "cjk": {
         "hs_fts_cjk_insert": f"""CREATE TRIGGER hs_fts_cjk_insert AFTER INSERT ON messages
-WHEN new.role <> 'tool' AND new.content GLOB {CJK_GLOB} AND {_NEW_INDEXED}
+WHEN {_CJK_NEW} AND {_NEW_INDEXED}
 BEGIN
     INSERT OR IGNORE INTO hs_fts_cjk_queue(id) VALUES (new.id);
     {_RAISE_CJK_BOUND.format(only="")}
 END""",
         "hs_fts_cjk_delete": f"""CREATE TRIGGER hs_fts_cjk_delete AFTER DELETE ON messages
-WHEN old.role <> 'tool' AND old.content GLOB {CJK_GLOB} AND {_OLD_INDEXED}
+WHEN {_CJK_OLD} AND {_OLD_INDEXED}
 BEGIN
     DELETE FROM hs_fts_cjk WHERE rowid = old.id;
     DELETE FROM hs_fts_cjk_queue WHERE id = old.id;
 END""",
-        # A new time re-queues the row too, and raises its block's bound.
+        # A new time re-queues the row too, and raises its block's bound. (The backslash joins
+        # two lines: sqlite_master keeps the WHEN on one, and an open compares the text.)
         "hs_fts_cjk_update": f"""CREATE TRIGGER hs_fts_cjk_update
 AFTER UPDATE OF content, role, timestamp ON messages
-WHEN (old.content IS NOT new.content OR old.role IS NOT new.role OR old.timestamp IS NOT new.timestamp)
+WHEN (old.content IS NOT new.content OR old.role IS NOT new.role \
+OR old.timestamp IS NOT new.timestamp)
  AND {_OLD_INDEXED}
 BEGIN
     DELETE FROM hs_fts_cjk WHERE rowid = old.id;
     DELETE FROM hs_fts_cjk_queue WHERE id = old.id;
-    INSERT INTO hs_fts_cjk_queue(id) SELECT new.id WHERE new.role <> 'tool' AND new.content GLOB {CJK_GLOB};
-    {_RAISE_CJK_BOUND.format(only=f" AND new.role <> 'tool' AND new.content GLOB {CJK_GLOB}")}
+    INSERT INTO hs_fts_cjk_queue(id) SELECT new.id WHERE {_CJK_NEW};
+    {_RAISE_CJK_BOUND.format(only=f" AND {_CJK_NEW}")}
 END""",
     },
 }
 
-# What a trigger body writes to: INSERT/REPLACE INTO t, DELETE FROM t, UPDATE t SET, each with the column list
-# an INSERT names (None when it names none).
+# What a trigger body writes to: INSERT/REPLACE INTO t, DELETE FROM t, UPDATE t SET, each with the
+# column list an INSERT names (None when it names none).
 _TRIGGER_WRITE_RE = re.compile(
     r'\b(?:(?:INSERT|REPLACE)(?:\s+OR\s+\w+)?\s+INTO|DELETE\s+FROM|UPDATE(?:\s+OR\s+\w+)?)\s+'
     r'(?:main\.)?"?(\w+)"?\s*(?:\(([^)]*)\))?', re.IGNORECASE)
@@ -465,8 +498,8 @@ def trigger_writes(sql):
 
 TABLE_EXISTS_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 
-# Structured content (a multimodal list of parts, a dict) is stored as this prefix plus JSON, as hermes-agent
-# stores it; NUL never starts real text.
+# Structured content (a multimodal list of parts, a dict) is stored as this prefix plus JSON, as
+# hermes-agent stores it; NUL never starts real text.
 CONTENT_JSON_PREFIX = "\x00json:"
 # hermes-agent's index DDL names answer for ours (docs/differences.md): our word and trigram
 # indexes; hermes-agent 0.19's inline ones (LEGACY_*), which ours searches and never makes.
@@ -491,25 +524,28 @@ DROP_TABLE_SQL = "DROP TABLE {table}"
 SELECT_SCHEMA_VERSION_SQL = "SELECT MAX(version) FROM schema_version"
 GATEWAY_ROUTING_SIDE_TABLE = "gateway_routing_pk_heal"
 INSERT_SYSTEM_PROMPT_SQL = "INSERT OR IGNORE INTO system_prompts (hash, prompt) VALUES (?, ?)"
-SELECT_COMPRESSION_LOCK_SQL = "SELECT holder, expires_at FROM compression_locks WHERE session_id = ?"
-DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS"
-                             " (SELECT 1 FROM sessions WHERE sessions.system_prompt_hash = system_prompts.hash)")
+SELECT_COMPRESSION_LOCK_SQL = ("SELECT holder, expires_at FROM compression_locks"
+                               " WHERE session_id = ?")
+DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS (SELECT 1 FROM sessions"
+                             " WHERE sessions.system_prompt_hash = system_prompts.hash)")
 
 # -- Session SQL --------------------------------------------------------------
 SESSION_EXISTS_SQL = "SELECT 1 FROM sessions WHERE id = ?"
 SELECT_TITLE_OWNER_SQL = "SELECT id FROM sessions WHERE title = ? AND id <> ?"
 
 # -- Message SQL --------------------------------------------------------------
-# The columns every message insert writes, in hermes-agent's order. `active` is always written: on an old
-# store its column may have no default, and a row left NULL there is invisible to every reader.
+# The columns every message insert writes, in hermes-agent's order. `active` is always written: on
+# an old store its column may have no default, and a row left NULL there is invisible to every
+# reader.
 MESSAGE_WRITE_COLUMNS = (
-    "session_id", "role", "content", "tool_call_id", "tool_calls", "tool_name", "effect_disposition",
-    "timestamp", "token_count", "finish_reason", "reasoning", "reasoning_content", "reasoning_details",
-    "codex_reasoning_items", "codex_message_items", "platform_message_id", "observed", "active",
-    "api_content", "display_kind", "display_metadata")
+    "session_id", "role", "content", "tool_call_id", "tool_calls", "tool_name",
+    "effect_disposition", "timestamp", "token_count", "finish_reason", "reasoning",
+    "reasoning_content", "reasoning_details", "codex_reasoning_items", "codex_message_items",
+    "platform_message_id", "observed", "active", "api_content", "display_kind", "display_metadata")
 SET_MESSAGE_COUNTS_SQL = "UPDATE sessions SET message_count = ?, tool_call_count = ? WHERE id = ?"
 COUNT_ALL_MESSAGES_SQL = "SELECT COUNT(*) FROM messages"
-# A bare tool-call marker such as "[memory]" that old builds saved as an answer (hermes-agent #78148).
+# A bare tool-call marker such as "[memory]" that old builds saved as an answer (hermes-agent
+# #78148).
 STALE_MARKER = re.compile(r"\[[A-Za-z_][A-Za-z0-9_.-]*\]")
 
 # -- Meta SQL -------------------------------------------------------------------
@@ -529,11 +565,12 @@ def quote_identifier(name):
 
 def escape_like(text, escape="\\"):
     """`text` with LIKE's wildcards escaped; use with `LIKE ? ESCAPE '\\'`."""
-    return text.replace(escape, escape + escape).replace("%", escape + "%").replace("_", escape + "_")
+    return (text.replace(escape, escape + escape).replace("%", escape + "%")
+            .replace("_", escape + "_"))
 
 def prefix_bounds(prefix):
-    """(low, high) such that `col >= low AND col < high` matches exactly the strings starting with `prefix`:
-    case-sensitive, index-friendly, no LIKE."""
+    """(low, high) such that `col >= low AND col < high` matches exactly the strings starting with
+    `prefix`: case-sensitive, index-friendly, no LIKE."""
     return prefix, prefix + "\U0010ffff"
 
 def chunked(items, size=SQL_CHUNK_SIZE):
@@ -552,8 +589,8 @@ def store_file_bytes(path):
     return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
 
 def sqlite_has_wal_reset_bug(version=sqlite3.sqlite_version_info):
-    """SQLite 3.7.0 to 3.51.2 can corrupt a WAL store when two connections write or checkpoint at the same
-    instant; fixed in 3.51.3, backported to 3.44.6 and 3.50.7."""
+    """SQLite 3.7.0 to 3.51.2 can corrupt a WAL store when two connections write or checkpoint at
+    the same instant; fixed in 3.51.3, backported to 3.44.6 and 3.50.7."""
     version = tuple(version[:3])
     backported = (3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0)
     return (3, 7, 0) <= version < (3, 51, 3) and not backported
@@ -566,8 +603,9 @@ BYTES_MARKER = "__base64__"
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
 
 def claim_file_beside(path, label):
-    """Create an empty owner-only file `<name>.<label>-<time>[_n]` beside the store `path` and return its
-    path: the first such name no file has, taken atomically, so a copy never lands on an existing file."""
+    """Create an empty owner-only file `<name>.<label>-<time>[_n]` beside the store `path` and
+    return its path: the first such name no file has, taken atomically, so a copy never lands on an
+    existing file."""
     path, stamp = Path(path), time.strftime("%Y%m%d_%H%M%S")
     for n in itertools.count():
         target = path.with_name(f"{path.name}.{label}-{stamp}" + (f"_{n}" if n else ""))
@@ -587,14 +625,14 @@ TOKEN_QUEUE_MAX_AGE = 1.0
 _BARE_BILLING_PROVIDERS = frozenset({"auto", "custom"})
 
 class UsageValueError(ValueError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
-    """A token, cost or route value that cannot be stored. Also the sqlite3 classes hermes-agent raises for
-    such values (at insert or bind time), so callers that catch those still catch it."""
+    """A token, cost or route value that cannot be stored. Also the sqlite3 classes hermes-agent
+    raises for such values (at insert or bind time), so callers that catch those still catch it."""
 
 # -- Value checks shared by the API: each names the field and the limit -------
 
 def sqlite_keeps(value):
-    """True for a value SQLite stores as it is: None, text, bytes, a float but NaN (it would be NULL), an
-    integer within 64 bits (sqlite3 cannot bind a larger one)."""
+    """True for a value SQLite stores as it is: None, text, bytes, a float but NaN (it would be
+    NULL), an integer within 64 bits (sqlite3 cannot bind a larger one)."""
     if isinstance(value, float):
         return not math.isnan(value)
     if isinstance(value, int):
@@ -616,7 +654,8 @@ def require_int(name, value, *, minimum=0, maximum=None):
     return value
 
 def json_text(name, value):
-    """`value` as JSON text, for a column that stores structure; ValueError naming `name` when it has none."""
+    """`value` as JSON text, for a column that stores structure; ValueError naming `name` when it
+    has none."""
     try:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
@@ -625,14 +664,15 @@ def json_text(name, value):
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 def scrub_surrogates(value):
-    """Text with lone surrogates (which SQLite cannot encode) replaced by U+FFFD; other values as they are."""
+    """Text with lone surrogates (which SQLite cannot encode) replaced by U+FFFD; other values as
+    they are."""
     if not isinstance(value, str) or value.isascii():  # isascii is O(1): most text is never scanned
         return value
     return _SURROGATES.sub("\ufffd", value)
 
 def encode_content(content):
-    """A message's content as stored: text scrubbed, scalars as they are, anything else as CONTENT_JSON_PREFIX
-    + JSON, or as its str() when it is not JSON-serialisable."""
+    """A message's content as stored: text scrubbed, scalars as they are, anything else as
+    CONTENT_JSON_PREFIX + JSON, or as its str() when it is not JSON-serialisable."""
     if content is None or isinstance(content, (str, bytes, int, float)):
         return scrub_surrogates(content)
     try:
@@ -650,7 +690,8 @@ def decode_content(stored):
     return stored
 
 def is_capability_gap(exc):
-    """True for an error that means this runtime lacks FTS5 or a tokenizer, not that the store is damaged."""
+    """True for an error that means this runtime lacks FTS5 or a tokenizer, not that the store is
+    damaged."""
     text = str(exc).lower()
     return ("no such module" in text and "fts5" in text) or "no such tokenizer: trigram" in text \
         or "no such tokenizer: cjk_unicode61" in text
@@ -663,15 +704,16 @@ def loads_or(text, fallback):
         return fallback
 
 def decode_display_metadata(stored):
-    """A stored display_metadata as a dict (twice-encoded rows unwrapped); None when it is not an object."""
+    """A stored display_metadata as a dict (twice-encoded rows unwrapped); None when it is not an
+    object."""
     meta = loads_or(stored, None) if isinstance(stored, str) else stored
     if isinstance(meta, str):
         meta = loads_or(meta, None)
     return meta if isinstance(meta, dict) else None
 
 def decode_message(row):
-    """A message row as hermes-agent's get_messages returns it: content and tool_calls decoded (unreadable
-    tool_calls give []), display_metadata a dict or None."""
+    """A message row as hermes-agent's get_messages returns it: content and tool_calls decoded
+    (unreadable tool_calls give []), display_metadata a dict or None."""
     message = dict(row)
     if "content" in message:
         message["content"] = decode_content(message["content"])
@@ -681,14 +723,14 @@ def decode_message(row):
         message["display_metadata"] = decode_display_metadata(message["display_metadata"])
     return message
 
-# How hermes-agent shows a user turn: a /skill turn embeds the whole skill body after this prefix, and a
-# compaction handoff is stored as a user turn too.
+# How hermes-agent shows a user turn: a /skill turn embeds the whole skill body after this prefix,
+# and a compaction handoff is stored as a user turn too.
 SKILL_SCAFFOLD_PREFIX = "[IMPORTANT: The user has invoked the "
 # Joins the head and tail of a long scaffolded excerpt; a description stops there.
 SKILL_EXCERPT_JOINT = "\x1e"
 _SKILL_NAME = re.compile(re.escape(SKILL_SCAFFOLD_PREFIX) + r'"([^"]*)"')
-# (marker of the scaffold's kind, where the typed instruction starts, where it ends, which occurrence counts):
-# a bundle puts it first, a single skill last.
+# (marker of the scaffold's kind, where the typed instruction starts, where it ends, which
+# occurrence counts): a bundle puts it first, a single skill last.
 _SKILL_INSTRUCTION_SPANS = (
     (" skill bundle,", "\nUser instruction: ", "\n\n[Loaded as part of the ", str.find),
     ("The full skill content is loaded below.]",
@@ -697,8 +739,8 @@ _SKILL_INSTRUCTION_SPANS = (
 )
 
 def describe_skill_invocation(content, separator=" — "):
-    """A /skill turn as the user typed it: "/work — fix it", or "/work" when bare; None when `content` is not
-    skill scaffolding."""
+    """A /skill turn as the user typed it: "/work — fix it", or "/work" when bare; None when
+    `content` is not skill scaffolding."""
     if not isinstance(content, str) or not content.startswith(SKILL_SCAFFOLD_PREFIX):
         return None
     match = _SKILL_NAME.match(content)
@@ -714,19 +756,24 @@ def describe_skill_invocation(content, separator=" — "):
         return f"{label}{separator}{instruction}" if name else instruction
     return label if name else None
 
-# The list view's row: every column, `_preview_raw` (the head of the first user message, newlines as spaces; a
-# /skill turn whole while short, else its head and tail around SKILL_EXCERPT_JOINT, where the typed
-# instruction is) and `last_active`, the newest of the heartbeat and the messages, else the start.
+# The list view's row: every column, `_preview_raw` (the head of the first user message, newlines as
+# spaces; a /skill turn whole while short, else its head and tail around SKILL_EXCERPT_JOINT, where
+# the typed instruction is) and `last_active`, the newest of the heartbeat and the messages, else
+# the start.
 _PREVIEW_TEXT = "REPLACE(REPLACE(m.content, X'0A', ' '), X'0D', ' ')"
-_PREVIEW_RAW = (f"CASE WHEN m.content NOT LIKE '{SKILL_SCAFFOLD_PREFIX}%' THEN substr({_PREVIEW_TEXT}, 1, 63)"
-                    f" WHEN length(m.content) > 800 THEN substr({_PREVIEW_TEXT}, 1, 400) || char(30)"
-                    f" || substr({_PREVIEW_TEXT}, -400) ELSE substr({_PREVIEW_TEXT}, 1, 800) END")
-LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(v) FROM (SELECT {a}.last_activity_at AS v UNION ALL SELECT MAX(m.timestamp)"
+_PREVIEW_RAW = (f"CASE WHEN m.content NOT LIKE '{SKILL_SCAFFOLD_PREFIX}%'"
+                f" THEN substr({_PREVIEW_TEXT}, 1, 63)"
+                f" WHEN length(m.content) > 800 THEN substr({_PREVIEW_TEXT}, 1, 400) || char(30)"
+                f" || substr({_PREVIEW_TEXT}, -400) ELSE substr({_PREVIEW_TEXT}, 1, 800) END")
+LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(v) FROM (SELECT {a}.last_activity_at AS v"
+                   " UNION ALL SELECT MAX(m.timestamp)"
                    " FROM messages AS m WHERE m.session_id = {a}.id)), {a}.started_at)")
-MESSAGES_LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(m.timestamp) FROM messages AS m WHERE m.session_id = s.id),"
-                            " s.started_at)")
-SESSION_RICH_SQL = (f"SELECT {{columns}}, COALESCE((SELECT {_PREVIEW_RAW} FROM messages AS m WHERE m.session_id = s.id"
-                    " AND m.role = 'user' AND m.content IS NOT NULL ORDER BY m.timestamp, m.id LIMIT 1), '')"
+MESSAGES_LAST_ACTIVE_SQL = ("COALESCE((SELECT MAX(m.timestamp) FROM messages AS m"
+                            " WHERE m.session_id = s.id), s.started_at)")
+SESSION_RICH_SQL = (f"SELECT {{columns}}, COALESCE((SELECT {_PREVIEW_RAW}"
+                    " FROM messages AS m WHERE m.session_id = s.id"
+                    " AND m.role = 'user' AND m.content IS NOT NULL"
+                    " ORDER BY m.timestamp, m.id LIMIT 1), '')"
                     " AS _preview_raw, {last_active} AS last_active FROM sessions AS s")
 
 def content_text(content):
@@ -734,23 +781,25 @@ def content_text(content):
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        parts = (part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
+        parts = (part if isinstance(part, str)
+                 else part.get("text") if isinstance(part, dict) else None
                  for part in content)
         return "\n".join(part for part in parts if isinstance(part, str) and part)
     return str(content)
 
-# Characters a title never keeps: C0 controls other than whitespace, DEL, zero-width and joiner characters,
-# line/paragraph separators, bidi embeddings, overrides and isolates, the BOM and the interlinear/object
-# replacement marks.
+# Characters a title never keeps: C0 controls other than whitespace, DEL, zero-width and joiner
+# characters, line/paragraph separators, bidi embeddings, overrides and isolates, the BOM and the
+# interlinear/object replacement marks.
 _TITLE_DROPPED = dict.fromkeys([*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F,
-                                *range(0x200B, 0x2010), *range(0x2028, 0x202F), *range(0x2060, 0x206A),
-                                0xFEFF, *range(0xFFF9, 0xFFFD)])
+                                *range(0x200B, 0x2010), *range(0x2028, 0x202F),
+                                *range(0x2060, 0x206A), 0xFEFF, *range(0xFFF9, 0xFFFD)])
 
 def normalize_title(title):
-    """A title as stored (controls and invisibles dropped, whitespace collapsed); None if falsy or blank.
+    """A title as stored (controls and invisibles dropped, whitespace collapsed); None if falsy or
+    blank.
 
-    Lone surrogates become U+FFFD. Raises TypeError for a title that is not a string, ValueError "Title too
-    long (N chars, max 100)" past TITLE_MAX_LENGTH."""
+    Lone surrogates become U+FFFD. Raises TypeError for a title that is not a string, ValueError
+    "Title too long (N chars, max 100)" past TITLE_MAX_LENGTH."""
     if not title:
         return None
     if not isinstance(title, str):
@@ -762,7 +811,8 @@ def normalize_title(title):
 
 # -- Errors callers catch by class (hermes-agent imports them from hermes_state) --
 
-# Transcript sizes past which resume and in-memory export refuse; 0 in the caller's config turns a guard off.
+# Transcript sizes past which resume and in-memory export refuse; 0 in the caller's config turns a
+# guard off.
 MAX_SAFE_RESUME_MESSAGES = 20_000
 MAX_SAFE_EXPORT_MESSAGES = 20_000
 
@@ -771,8 +821,8 @@ class SessionResumeTooLargeError(ValueError):
 
     def __init__(self, message_count, limit=MAX_SAFE_RESUME_MESSAGES, scope="across its lineage"):
         self.message_count, self.limit = message_count, limit
-        super().__init__(f"session has at least {message_count} active messages {scope}; safe resume "
-                         f"limit is {limit}. Export the session instead, or set "
+        super().__init__(f"session has at least {message_count} active messages {scope}; "
+                         f"safe resume limit is {limit}. Export the session instead, or set "
                          "sessions.max_resume_messages: 0 in config.yaml to disable the guard.")
 
 class SessionExportTooLargeError(ValueError):
@@ -801,26 +851,29 @@ class SessionTurnLeaseLostError(RuntimeError):
     """A write named a turn-lease holder that no longer holds the lease; never retried."""
 
 # -- Persistence errors ---------------------------------------------------------
-# hermes-agent imports these from hermes_state and shows their texts to users; names, causes and wording are
-# hermes-agent's.
+# hermes-agent imports these from hermes_state and shows their texts to users; names, causes and
+# wording are hermes-agent's.
 
 # Every answer classify_persistence_error can give; callers iterate it.
-PERSISTENCE_ERROR_CAUSES = ("locked", "compression", "compression_closed", "turn_lease", "disk", "unknown")
+PERSISTENCE_ERROR_CAUSES = ("locked", "compression", "compression_closed", "turn_lease", "disk",
+                            "unknown")
 # Error texts of filesystems where WAL cannot work (NFS/SMB locking, FUSE, ZFS).
 _WAL_INCOMPAT_MARKERS = ("locking protocol", "not authorized", "disk i/o error")
 MALFORMED_DB_MARKERS = ("malformed database schema", "database disk image is malformed")
 # Plain substrings, so an OSError, SQLITE_FULL and a text passed through RPC all match.
-DISK_FULL_MARKERS = ("no space left on device", "not enough space", "database or disk is full", "disk full",
-                     "full disk", "enospc")
+DISK_FULL_MARKERS = ("no space left on device", "not enough space", "database or disk is full",
+                     "disk full", "full disk", "enospc")
 SESSION_DB_UNAVAILABLE = "Session database not available"
-WAL_INCOMPAT_HINT = " (state.db may be on NFS/SMB/FUSE/ZFS \u2014 see https://www.sqlite.org/wal.html)"
+WAL_INCOMPAT_HINT = (" (state.db may be on NFS/SMB/FUSE/ZFS \u2014"
+                     " see https://www.sqlite.org/wal.html)")
 
 _last_init_error = None
 _last_init_error_lock = threading.Lock()
 
 def is_malformed_db_error(exc):
     """True for SQLite's malformed-schema or malformed-image error; False for anything else."""
-    return isinstance(exc, sqlite3.DatabaseError) and any(m in str(exc).lower() for m in MALFORMED_DB_MARKERS)
+    return isinstance(exc, sqlite3.DatabaseError) and any(m in str(exc).lower()
+                                                          for m in MALFORMED_DB_MARKERS)
 
 def is_disk_full_error(exc):
     """True when `exc` (an exception or its text) says the disk is full; False for None."""
@@ -831,9 +884,9 @@ def is_disk_full_error(exc):
 def classify_persistence_error(exc_or_str):
     """The cause of a failed session write, one of PERSISTENCE_ERROR_CAUSES; 'unknown' for None.
 
-    The exception classes decide first, then words of the text (which may have crossed an RPC boundary as a
-    string): a turn lease, a session closed by compression, a compression in progress, lock contention, then
-    disk trouble (full, read-only, permissions)."""
+    The exception classes decide first, then words of the text (which may have crossed an RPC
+    boundary as a string): a turn lease, a session closed by compression, a compression in progress,
+    lock contention, then disk trouble (full, read-only, permissions)."""
     if exc_or_str is None:
         return "unknown"
     for cls, cause in ((SessionTurnLeaseLostError, "turn_lease"),
@@ -842,30 +895,35 @@ def classify_persistence_error(exc_or_str):
         if isinstance(exc_or_str, cls):
             return cause
     text = str(exc_or_str).lower()
-    for words, cause in ((("turn lease",), "turn_lease"), (("closed by compression",), "compression_closed"),
+    for words, cause in ((("turn lease",), "turn_lease"),
+                         (("closed by compression",), "compression_closed"),
                          (("being compressed", "compression lease"), "compression"),
-                         (("locked", "busy"), "locked"), (("disk", "readonly", "read-only"), "disk")):
+                         (("locked", "busy"), "locked"),
+                         (("disk", "readonly", "read-only"), "disk")):
         if any(word in text for word in words):
             return cause
     return "disk" if is_disk_full_error(exc_or_str) else "unknown"
 
 def _set_last_init_error(message):
-    """Remember why opening the store failed (None forgets it). SessionDB sets it and never clears it, so
-    another thread's successful open cannot hide the cause from a user."""
+    """Remember why opening the store failed (None forgets it). SessionDB sets it and never clears
+    it, so another thread's successful open cannot hide the cause from a user."""
     global _last_init_error
     with _last_init_error_lock:
         _last_init_error = message
 
 def get_last_init_error():
-    """Why the last SessionDB() of this process failed to open ('<Class>: <message>'); None if none has."""
+    """Why the last SessionDB() of this process failed to open ('<Class>: <message>'); None if none
+    has."""
     return _last_init_error
 
 def format_session_db_unavailable(prefix=SESSION_DB_UNAVAILABLE):
-    """The user-facing 'session database not available' sentence, with the cause when one is known."""
+    """The user-facing 'session database not available' sentence, with the cause when one is
+    known."""
     cause = get_last_init_error()
     if not cause:
         return f"{prefix}."
-    hint = WAL_INCOMPAT_HINT if any(marker in cause.lower() for marker in _WAL_INCOMPAT_MARKERS) else ""
+    incompatible = any(marker in cause.lower() for marker in _WAL_INCOMPAT_MARKERS)
+    hint = WAL_INCOMPAT_HINT if incompatible else ""
     return f"{prefix}: {cause}{hint}."
 
 # -- Sessions: bad rows, reset boundaries, resume caps, workspaces ------------
@@ -875,14 +933,15 @@ class SessionRowError(ValueError, sqlite3.IntegrityError):
     hermes-agent's store fails on these with IntegrityError."""
 
 class SessionInputTypeError(ValueError, TypeError, AttributeError):
-    """A value of the wrong type for a session or compaction write (hermes-agent fails on these with TypeError
-    or AttributeError, so callers may catch either)."""
+    """A value of the wrong type for a session or compaction write (hermes-agent fails on these with
+    TypeError or AttributeError, so callers may catch either)."""
 
 def hermes_agent_config():
     """hermes-agent's `hermes_cli.config` module when we run inside hermes-agent; None elsewhere.
 
-    Our one reach into hermes-agent: config.yaml's resume and export caps and its other databases' journal
-    mode, and its install method for the doctor's repair hint. Outside it our defaults hold."""
+    Our one reach into hermes-agent: config.yaml's resume and export caps and its other databases'
+    journal mode, and its install method for the doctor's repair hint. Outside it our defaults
+    hold."""
     try:
         from hermes_cli import config
     except Exception:  # not inside hermes-agent, or its config module failed to import
@@ -890,7 +949,8 @@ def hermes_agent_config():
     return config
 
 def hermes_agent_config_section(name):
-    """One section of hermes-agent's config.yaml as a dict; {} outside hermes-agent or when unreadable."""
+    """One section of hermes-agent's config.yaml as a dict; {} outside hermes-agent or when
+    unreadable."""
     config = hermes_agent_config()
     try:
         section = (config.load_config_readonly() or {}).get(name) if config else None
@@ -907,24 +967,28 @@ def _configured_limit(key, fallback):
     return limit if limit >= 0 else fallback
 
 def resolved_max_resume_messages():
-    """The resume cap: config.yaml's sessions.max_resume_messages (0 = off), else MAX_SAFE_RESUME_MESSAGES."""
+    """The resume cap: config.yaml's sessions.max_resume_messages (0 = off), else
+    MAX_SAFE_RESUME_MESSAGES."""
     return _configured_limit("max_resume_messages", MAX_SAFE_RESUME_MESSAGES)
 
 def resolved_max_export_messages():
-    """The in-memory export cap: sessions.max_export_messages (0 = off), else MAX_SAFE_EXPORT_MESSAGES."""
+    """The in-memory export cap: sessions.max_export_messages (0 = off), else
+    MAX_SAFE_EXPORT_MESSAGES."""
     return _configured_limit("max_export_messages", MAX_SAFE_EXPORT_MESSAGES)
 
 def workspace_key(row):
-    """A session's workspace: its git repo root when known, else its cwd; None when it has neither."""
+    """A session's workspace: its git repo root when known, else its cwd; None when it has
+    neither."""
     root = (row.get("git_repo_root") or "").strip()
     return root or (row.get("cwd") or "").strip() or None
 
 def cwd_prefix_clause(prefix, alias="s"):
-    """(SQL, params) matching sessions whose cwd is `prefix` or lies under it (either separator); LIKE, as
-    hermes-agent matches, so ASCII letters compare without case."""
+    """(SQL, params) matching sessions whose cwd is `prefix` or lies under it (either separator);
+    LIKE, as hermes-agent matches, so ASCII letters compare without case."""
     prefix = prefix.rstrip("/\\") or prefix
     escaped = escape_like(prefix)
-    return (f"({alias}.cwd = ? OR {alias}.cwd LIKE ? ESCAPE '\\' OR {alias}.cwd LIKE ? ESCAPE '\\')",
+    return (f"({alias}.cwd = ? OR {alias}.cwd LIKE ? ESCAPE '\\'"
+            f" OR {alias}.cwd LIKE ? ESCAPE '\\')",
             [prefix, escaped + "/%", escaped + "\\\\%"])
 
 # -- Lineage: parent links and the markers that tell a fork from a continuation --
@@ -933,7 +997,8 @@ def cwd_prefix_clause(prefix, alias="s"):
 LINEAGE_MAX_HOPS = 100
 
 def json_object(raw):
-    """A stored JSON object (model_config, ...) as a new dict; {} for NULL, bad JSON or a non-object."""
+    """A stored JSON object (model_config, ...) as a new dict; {} for NULL, bad JSON or a
+    non-object."""
     value = loads_or(raw, None) if isinstance(raw, str) else raw
     return dict(value) if isinstance(value, dict) else {}
 
@@ -943,8 +1008,8 @@ def has_fork_marker(model_config):
     return config.get("_branched_from") is not None or config.get("_delegate_from") is not None
 
 def is_fork_child(row):
-    """True when a session row (source, model_config, parent_session_id) is a branch, delegate or tool child
-    of its parent rather than a compression continuation."""
+    """True when a session row (source, model_config, parent_session_id) is a branch, delegate or
+    tool child of its parent rather than a compression continuation."""
     if row["source"] == "tool":
         return True
     config = json_object(row["model_config"])

@@ -1,13 +1,13 @@
 """The store's locks: the cross-process writer lock and the registry of our own connections.
 
-Owns `state.db.lock` (the lock every writer of ours takes for a write, a checkpoint and an open that
-creates or repairs; the OS releases it when a process dies), the thread-side `CallerLock` behind
-`SessionDB._lock`, the per-process count of our connections to each store file (what a close and a
-restore ask before they touch the file), and the one raw access to a store file we allow. Never opens
-the live store or its sidecars except through SQLite or `_raw_store_access` (FIELD-INCIDENTS 71418:
-closing any descriptor of a file drops every POSIX lock this process holds on it); never composes
-SessionDB. Kept apart from hermes_state.py because it is one concern that the backup, restore and
-repair code beside SessionDB all lean on.
+Owns `state.db.lock` (the lock every writer of ours takes for a write, a checkpoint and an open
+that creates or repairs; the OS releases it when a process dies), the thread-side `CallerLock`
+behind `SessionDB._lock`, the per-process count of our connections to each store file (what a
+close and a restore ask before they touch the file), and the one raw access to a store file we
+allow. Never opens the live store or its sidecars except through SQLite or `_raw_store_access`
+(FIELD-INCIDENTS 71418: closing any descriptor of a file drops every POSIX lock this process holds
+on it); never composes SessionDB. Kept apart from hermes_state.py because it is one concern that
+the backup, restore and repair code beside SessionDB all lean on.
 """
 
 import logging
@@ -25,9 +25,10 @@ from hermes_state_common import FILE_MODE, SIDECAR_SUFFIXES
 logger = logging.getLogger("hermes_state")
 
 WRITE_BUDGET_SECONDS = 20.0
-# Polling of the cross-process writer lock. Every hand-over between processes costs the new holder a reload of
-# its page cache, so waiters poll every 1-4 ms and a busy writer keeps short bursts: measured 0.90-0.97 of one
-# process's throughput with four, against 0.85-0.89 when polling every 0.2-2 ms.
+# Polling of the cross-process writer lock. Every hand-over between processes costs the new holder
+# a reload of its page cache, so waiters poll every 1-4 ms and a busy writer keeps short bursts:
+# measured 0.90-0.97 of one process's throughput with four, against 0.85-0.89 when polling every
+# 0.2-2 ms.
 FILE_LOCK_POLL = (0.001, 0.004)
 WRITER_BUSY_TIMEOUT = 0.1
 
@@ -40,7 +41,7 @@ def _set_busy_timeout(conn, seconds):
     conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
 
 
-# -- cross-process writer lock -------------------------------------------------------------------------------
+# -- cross-process writer lock --------------------------------------------------------------------
 
 if sys.platform == "win32":
     import msvcrt
@@ -71,11 +72,13 @@ else:
 
 
 class WriterFileLock:
-    """An exclusive lock on `<store>.lock` for every process using the store; the OS drops it when one dies.
+    """An exclusive lock on `<store>.lock` for every process using the store; the OS drops it when
+    one dies.
 
-    A process's WriterFileLocks on one file share one descriptor, closed with the last of them: where flock is
-    emulated with fcntl locks (NFS, some Unixes), closing a second descriptor would drop the first one's lock.
-    A thread lock orders the process's own users. Reentrant for its owner (callers serialise their threads).
+    A process's WriterFileLocks on one file share one descriptor, closed with the last of them:
+    where flock is emulated with fcntl locks (NFS, some Unixes), closing a second descriptor would
+    drop the first one's lock. A thread lock orders the process's own users. Reentrant for its
+    owner (callers serialise their threads).
     """
 
     def __init__(self, path):
@@ -118,7 +121,8 @@ class WriterFileLock:
                 os.close(shared.fd)
 
 
-_lock_files = {}  # (st_dev, st_ino) -> one descriptor of that lock file for the process, and whose turn it is
+# (st_dev, st_ino) -> one descriptor of that lock file for the process, and whose turn it is
+_lock_files = {}
 _lock_files_guard = threading.Lock()
 
 
@@ -129,13 +133,15 @@ def _attach_lock_file(path):
             fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
             stat = os.fstat(fd)
             key = (stat.st_dev, stat.st_ino)
-            shared = _lock_files[key] = types.SimpleNamespace(fd=fd, key=key, users=0, turn=threading.Lock())
+            shared = _lock_files[key] = types.SimpleNamespace(
+                fd=fd, key=key, users=0, turn=threading.Lock())
         shared.users += 1
         return shared
 
 
 def _take_store_lock(db_path, budget, refusal):
-    """`db_path`'s WriterFileLock, held; StoreLockedError(refusal), holding nothing, after `budget` s."""
+    """`db_path`'s WriterFileLock, held; StoreLockedError(refusal), holding nothing, after `budget`
+    s."""
     lock = WriterFileLock(str(db_path) + ".lock")
     if not lock.acquire(time.monotonic() + budget):
         lock.close()
@@ -143,11 +149,12 @@ def _take_store_lock(db_path, budget, refusal):
     return lock
 
 
-# -- locks we never break: our connections per file, and the one raw access ---------------------------------
-# On POSIX, closing any descriptor of a file drops every fcntl lock this process holds on it, the locks of
-# SQLite's own connections included (sqlite.org/howtocorrupt.html, 2.2). So the store and its sidecars are
-# opened by SQLite alone, except by _raw_store_access while this process holds no connection of ours to the
-# file (it holds the registry's lock from the check to the close, so that none can open meanwhile).
+# -- locks we never break: our connections per file, and the one raw access ----------------------
+# On POSIX, closing any descriptor of a file drops every fcntl lock this process holds on it, the
+# locks of SQLite's own connections included (sqlite.org/howtocorrupt.html, 2.2). So the store and
+# its sidecars are opened by SQLite alone, except by _raw_store_access while this process holds no
+# connection of ours to the file (it holds the registry's lock from the check to the close, so that
+# none can open meanwhile).
 
 _held_files = {}  # (st_dev, st_ino) -> our open SQLite connections to that file
 _held_files_guard = threading.RLock()
@@ -204,8 +211,9 @@ if hasattr(os, "register_at_fork"):
 
 
 def _raw_store_access(path, flags, use):
-    """`use(fd)` on a plain descriptor of a store file, closed before returning; None, opening nothing, while
-    this process holds a SQLite connection to the file or its store. The product's only such open."""
+    """`use(fd)` on a plain descriptor of a store file, closed before returning; None, opening
+    nothing, while this process holds a SQLite connection to the file or its store. The product's
+    only such open."""
     with _held_files_guard:
         if _connections_held(path):
             return None
@@ -217,8 +225,9 @@ def _raw_store_access(path, flags, use):
 
 
 def _use_read_only(path, use, flags=""):
-    """`use(conn)` on a read-only SQLite connection to `path`, counted as ours until closed; None when
-    SQLite says the file is not a database (SQLITE_NOTADB; older ones: "encrypted or is not a database")."""
+    """`use(conn)` on a read-only SQLite connection to `path`, counted as ours until closed; None
+    when SQLite says the file is not a database (SQLITE_NOTADB; older ones: "encrypted or is not a
+    database")."""
     key = _hold(path)
     try:
         conn = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro" + flags, uri=True,
@@ -238,10 +247,12 @@ def _use_read_only(path, use, flags=""):
 class CallerLock:
     """`SessionDB._lock`: what hermes-agent holds around SQL it runs on `SessionDB._conn`.
 
-    Takes the write path's RLock (our own methods may run inside it) and state.db.lock, which every write of
-    ours takes on every journal policy, so a caller's statements never interleave with another process's
-    write or checkpoint (a read-modify-write loses nothing, a caller's BEGIN meets no "database is locked"). While held, the writer waits out a busy store for the whole budget (the caller has no retry
-    loop); a transaction the caller left open is rolled back when the outermost hold ends.
+    Takes the write path's RLock (our own methods may run inside it) and state.db.lock, which every
+    write of ours takes on every journal policy, so a caller's statements never interleave with
+    another process's write or checkpoint (a read-modify-write loses nothing, a caller's BEGIN meets
+    no "database is locked"). While held, the writer waits out a busy store for the whole budget
+    (the caller has no retry loop); a transaction the caller left open is rolled back when the
+    outermost hold ends.
     """
 
     def __init__(self, db):
@@ -250,8 +261,8 @@ class CallerLock:
         self._held_file_lock = self._open_before = False
 
     def acquire(self, blocking=True, timeout=-1):
-        """Take the lock; False if `timeout` (or not `blocking`) ran out. StoreLockedError if the other
-        processes' lock stays held for the write budget."""
+        """Take the lock; False if `timeout` (or not `blocking`) ran out. StoreLockedError if the
+        other processes' lock stays held for the write budget."""
         db = self._db
         if not db._write_lock.acquire(blocking, timeout):
             return False
@@ -272,7 +283,8 @@ class CallerLock:
             if self._depth == 1 and writer is not None:
                 try:
                     if writer.in_transaction and not self._open_before:
-                        logger.warning("a caller left a transaction open on %s; rolled it back", db.db_path)
+                        logger.warning("a caller left a transaction open on %s; rolled it back",
+                                       db.db_path)
                         writer.execute("ROLLBACK")
                     _set_busy_timeout(writer, WRITER_BUSY_TIMEOUT)
                 finally:

@@ -1,13 +1,13 @@
 """SessionSchemaMixin: bring any store, old or new, to the declared schema.
 
-Owns the open-time schema pass: creating missing tables, adding missing columns (SCHEMA_SQL is the only
-description of them), deferred indexes, table-shape heals, data repairs and data migrations, the probe
-statements read-only callers use to detect a stale store, the probes of what this SQLite can hold (FTS5, its
-trigram tokenizer) and of whose search index a store holds, hermes-agent's flag for an index
-optimize-storage replaces, and the check of every trigger against the table it writes to. It never
-removes a column, a table or a row, and never touches the search index layout. It relies on SessionDB
-for `_execute_write(fn)` (one BEGIN IMMEDIATE transaction, retried on lock) and `self.db_path`; it never
-imports hermes_state.
+Owns the open-time schema pass: creating missing tables, adding missing columns (SCHEMA_SQL is the
+only description of them), deferred indexes, table-shape heals, data repairs and data migrations,
+the probe statements read-only callers use to detect a stale store, the probes of what this SQLite
+can hold (FTS5, its trigram tokenizer) and of whose search index a store holds, hermes-agent's flag
+for an index optimize-storage replaces, and the check of every trigger against the table it writes
+to. It never removes a column, a table or a row, and never touches the search index layout. It
+relies on SessionDB for what the mixin's docstring lists (`_execute_write(fn)`: one BEGIN IMMEDIATE
+transaction, retried on lock); it never imports hermes_state.
 """
 
 import contextlib
@@ -20,56 +20,13 @@ from collections import namedtuple
 
 # DEFERRED_INDEX_SQL is re-exported: hermes-agent's name.
 from hermes_state_common import (
-    DEFERRED_INDEX_SQL, DEFERRED_INDEXES, DELETE_META_SQL, DROP_TABLE_SQL, GATEWAY_ROUTING_PK, GATEWAY_ROUTING_SIDE_TABLE, HERMES_FTS_TABLES, INSERT_META_SQL, INSERT_SYSTEM_PROMPT_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, PREVIOUS_LAYOUT_TABLES, RENAME_TABLE_SQL, SCHEMA_SQL,
-    SCHEMA_VERSION, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME, is_capability_gap, quote_identifier, trigger_writes,
-    LAST_ACTIVE_SQL,
+    DEFERRED_INDEX_SQL, DEFERRED_INDEXES, DELETE_META_SQL, DROP_TABLE_SQL, GATEWAY_ROUTING_PK,
+    GATEWAY_ROUTING_SIDE_TABLE, HERMES_FTS_TABLES, INSERT_META_SQL, INSERT_SYSTEM_PROMPT_SQL,
+    LAST_ACTIVE_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, PREVIOUS_LAYOUT_TABLES,
+    RENAME_TABLE_SQL, SCHEMA_SQL, SCHEMA_VERSION, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL,
+    SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME, is_capability_gap, quote_identifier,
+    trigger_writes,
 )
-
-# -- Statements only this module runs (moved from hermes_state_common) --
-
-TITLE_INDEX_SQL = (
-    "CREATE UNIQUE INDEX IF NOT EXISTS idx_sessions_title_unique ON sessions(title) WHERE title IS NOT NULL")
-
-FTS_PROBE_DROP_SQL = "DROP TABLE temp.probe"
-
-FTS5_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x)"
-
-TRIGRAM_PROBE_SQL = "CREATE VIRTUAL TABLE temp.probe USING fts5(x, tokenize='trigram')"
-
-SELECT_TRIGGER_TABLES_SQL = "SELECT DISTINCT tbl_name FROM sqlite_master WHERE type = 'trigger' ORDER BY tbl_name"
-
-TABLE_INFO_SQL = "PRAGMA table_info({table})"
-
-COPY_ROUTING_OLDEST_FIRST_SQL = """INSERT OR REPLACE INTO gateway_routing (scope, session_key, entry_json, updated_at)
-SELECT COALESCE(scope, ''), session_key, entry_json, COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at ASC"""
-
-COUNT_ROWS_SQL = "SELECT COUNT(*) FROM {table}"
-
-ADD_COLUMN_SQL = "ALTER TABLE {table} ADD COLUMN {column} {type_expr}"
-
-DEFAULT_PROBE_SQL = ("CREATE TEMP TABLE default_probe (x DEFAULT {default})", "DROP TABLE temp.default_probe")
-
-INSERT_SCHEMA_VERSION_SQL = "INSERT INTO schema_version (version) VALUES (?)"
-
-UPDATE_SCHEMA_VERSION_SQL = "UPDATE schema_version SET version = ?"
-
-HAS_NULL_ACTIVE_SQL = "SELECT 1 FROM messages WHERE active IS NULL LIMIT 1"
-
-REPAIR_NULL_ACTIVE_SQL = ("UPDATE messages SET active = 1"
-                          " WHERE id IN (SELECT id FROM messages WHERE active IS NULL LIMIT ?)")
-
-# Of the rows sharing a title, only the newest keeps it.
-CLEAR_OLDER_DUPLICATE_TITLES_SQL = """UPDATE sessions SET title = NULL WHERE title IS NOT NULL AND EXISTS (
-  SELECT 1 FROM sessions AS newer WHERE newer.title = sessions.title
-    AND (newer.started_at > sessions.started_at
-         OR (newer.started_at = sessions.started_at AND newer.rowid > sessions.rowid)))"""
-
-HAS_INLINE_PROMPT_SQL = "SELECT 1 FROM sessions WHERE system_prompt IS NOT NULL LIMIT 1"
-
-SELECT_INLINE_PROMPTS_SQL = "SELECT id, system_prompt FROM sessions WHERE system_prompt IS NOT NULL LIMIT ?"
-
-MOVE_INLINE_PROMPT_SQL = "UPDATE sessions SET system_prompt = NULL, system_prompt_hash = ? WHERE id = ?"
 
 logger = logging.getLogger("hermes_state")
 
@@ -196,7 +153,7 @@ LISTING_INDEXES = {
 }
 
 
-# -- What this SQLite can hold: our search index needs FTS5, its trigram part the trigram tokenizer --------
+# -- What this SQLite can hold: our search index needs FTS5, its trigram part the trigram tokenizer
 
 Capabilities = namedtuple("Capabilities", "fts5 trigram")
 
@@ -205,7 +162,7 @@ def _probe(connect, ddl):
     try:
         with contextlib.closing(connect(":memory:")) as conn:
             conn.execute(ddl)
-            conn.execute(FTS_PROBE_DROP_SQL)
+            conn.execute("DROP TABLE temp.probe")
         return True
     except sqlite3.Error:
         return False
@@ -213,12 +170,12 @@ def _probe(connect, ddl):
 
 def sqlite_supports_fts5(connect=sqlite3.connect):
     """True if connections made by `connect` can create an FTS5 table."""
-    return _probe(connect, FTS5_PROBE_SQL)
+    return _probe(connect, "CREATE VIRTUAL TABLE temp.probe USING fts5(x)")
 
 
 def sqlite_supports_trigram(connect=sqlite3.connect):
     """True if they also have FTS5's trigram tokenizer (SQLite 3.34 and later)."""
-    return _probe(connect, TRIGRAM_PROBE_SQL)
+    return _probe(connect, "CREATE VIRTUAL TABLE temp.probe USING fts5(x, tokenize='trigram')")
 
 
 def runtime_capabilities(connect=sqlite3.connect):
@@ -227,15 +184,16 @@ def runtime_capabilities(connect=sqlite3.connect):
 
 
 def fts_layout_of(ddl):
-    """Whose index a `messages_fts` DDL is: 'none', hermes-agent's 'legacy' (0.19: no tool_name column) or
-    'external' (0.20, 0.22), or 'previous' (ours before layout 1, which used hermes-agent's names)."""
+    """Whose index a `messages_fts` DDL is: 'none', hermes-agent's 'legacy' (0.19: no tool_name
+    column) or 'external' (0.20, 0.22), or 'previous' (ours before layout 1, which used
+    hermes-agent's names)."""
     return "none" if ddl is None else "legacy" if "tool_name" not in ddl else \
         "previous" if PREVIOUS_LAYOUT_TABLES[HERMES_FTS_TABLES["word"]] in ddl else "external"
 
 
-# Between two chunks of a long job (a sweep, a merge, a backfill, an import), the writer lock stays free this
-# long: waiters poll every 1-4 ms (ours) or back off up to 100 ms (SQLite's busy handler), and a job that took
-# it back at once would starve them as surely as one long transaction would.
+# Between two chunks of a long job (a sweep, a merge, a backfill, an import), the writer lock stays
+# free this long: waiters poll every 1-4 ms (ours) or back off up to 100 ms (SQLite's busy handler),
+# and a job that took it back at once would starve them as surely as one long transaction would.
 CHUNK_PAUSE = 0.01
 
 
@@ -259,8 +217,8 @@ def _default_clause(scratch, default):
     """`DEFAULT x`, parenthesised when x is an expression: table_info drops the parentheses of
     `DEFAULT (1 + 2)`, and ALTER TABLE needs them back."""
     try:
-        for sql in DEFAULT_PROBE_SQL:
-            scratch.execute(sql.format(default=default))
+        scratch.execute(f"CREATE TEMP TABLE default_probe (x DEFAULT {default})")
+        scratch.execute("DROP TABLE temp.default_probe")
         return f"DEFAULT {default}"
     except sqlite3.OperationalError:
         return f"DEFAULT ({default})"
@@ -281,6 +239,10 @@ def write_meta(conn, key, value):
         conn.execute(INSERT_META_SQL, (key, str(value)))
 
 
+# A table's columns; the trigger check runs it through its `read_all` too.
+TABLE_INFO_SQL = "PRAGMA table_info({table})"
+
+
 def _table_info(conn, table):
     return conn.execute(TABLE_INFO_SQL.format(table=quote_identifier(table))).fetchall()
 
@@ -296,15 +258,17 @@ def _column_type_expr(scratch, col_type, notnull, default, in_pk):
 
 @functools.lru_cache(maxsize=None)
 def _declared_schema(sql):
-    """{table: (create_sql, {column: type_expr})} in creation order, as SQLite parses `sql` in a scratch
-    in-memory database (so DEFAULT expressions with commas, REFERENCES and CHECK need no regex)."""
+    """{table: (create_sql, {column: type_expr})} in creation order, as SQLite parses `sql` in a
+    scratch in-memory database (so DEFAULT expressions with commas, REFERENCES and CHECK need no
+    regex)."""
     scratch = sqlite3.connect(":memory:")
     try:
         scratch.executescript(sql)
         tables = scratch.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'"
                                  " AND name NOT LIKE 'sqlite_%'").fetchall()
-        return {name: (create_sql, {col: _column_type_expr(scratch, kind, notnull, default, pk > 0)
-                                    for _, col, kind, notnull, default, pk in _table_info(scratch, name)})
+        return {name: (create_sql,
+                       {col: _column_type_expr(scratch, kind, notnull, default, pk > 0)
+                        for _, col, kind, notnull, default, pk in _table_info(scratch, name)})
                 for name, create_sql in tables}
     finally:
         scratch.close()
@@ -322,22 +286,24 @@ def live_columns(conn, table):
 
 def live_primary_key(conn, table):
     """The primary-key column names of `table` on disk, in key order."""
-    return [row[1] for row in sorted((r for r in _table_info(conn, table) if r[5] > 0), key=lambda r: r[5])]
+    return [row[1] for row in sorted((r for r in _table_info(conn, table) if r[5] > 0),
+                                     key=lambda r: r[5])]
 
 
 def schema_read_probe_statements(sql=SCHEMA_SQL):
-    """One `SELECT "t"."c", ... FROM "t" LIMIT 0` per declared table, for a read-only caller to learn whether
-    the store lacks a table or column. Columns are table-qualified: a bare double-quoted name that does not
-    resolve silently becomes a string literal and would hide the gap."""
+    """One `SELECT "t"."c", ... FROM "t" LIMIT 0` per declared table, for a read-only caller to
+    learn whether the store lacks a table or column. Columns are table-qualified: a bare
+    double-quoted name that does not resolve silently becomes a string literal and would hide the
+    gap."""
     q = quote_identifier
     return [f"SELECT {', '.join(q(table) + '.' + q(c) for c in columns)} FROM {q(table)} LIMIT 0"
             for table, columns in declared_columns(sql).items()]
 
 
 def trigger_damage(objects, read_all):
-    """Every trigger of `objects` ({name: (type, sql)}) that writes to a table or column the store lacks, and
-    every table whose writes fail to compile because of its triggers (SQLite checks trigger bodies only then),
-    as sentences; `read_all(sql)` runs a read."""
+    """Every trigger of `objects` ({name: (type, sql)}) that writes to a table or column the store
+    lacks, and every table whose writes fail to compile because of its triggers (SQLite checks
+    trigger bodies only then), as sentences; `read_all(sql)` runs a read."""
     names = {name.lower(): name for name in objects}
     damage = []
     for name, (kind, sql) in sorted(objects.items()):
@@ -351,15 +317,17 @@ def trigger_damage(objects, read_all):
             try:
                 info = read_all(TABLE_INFO_SQL.format(table=quote_identifier(target)))
             except sqlite3.OperationalError as exc:
-                # An FTS5 table this SQLite lacks the module or tokenizer for is no damage of the store:
-                # an open here (ours, hermes-agent's) drops its triggers, a full runtime runs them.
+                # An FTS5 table this SQLite lacks the module or tokenizer for is no damage of the
+                # store: an open here (ours, hermes-agent's) drops its triggers, a full runtime runs
+                # them.
                 if not is_capability_gap(exc):
                     raise
                 continue
             known = {row[1].lower() for row in info} | {target.lower(), "rowid", "rank"}
             damage += [f"trigger {name} writes to {table}.{column}, which does not exist"
                        for column in columns or () if column.lower() not in known]
-    for (table,) in read_all(SELECT_TRIGGER_TABLES_SQL):
+    for (table,) in read_all("SELECT DISTINCT tbl_name FROM sqlite_master WHERE type = 'trigger'"
+                             " ORDER BY tbl_name"):
         columns = [row[1] for row in read_all(TABLE_INFO_SQL.format(table=quote_identifier(table)))]
         sets = ", ".join(f"{quote_identifier(c)} = {quote_identifier(c)}" for c in columns)
         for verb, sql in (("insert", f"INSERT INTO {quote_identifier(table)} DEFAULT VALUES"),
@@ -374,8 +342,8 @@ def trigger_damage(objects, read_all):
 
 
 def _try_ddl(conn, sql, failure, quiet=None):
-    """True when `sql` ran; False when SQLite refused it, logged as `failure` unless its error names `quiet`.
-    A lock error propagates, so that the open is retried."""
+    """True when `sql` ran; False when SQLite refused it, logged as `failure` unless its error names
+    `quiet`. A lock error propagates, so that the open is retried."""
     try:
         conn.execute(sql)
         return True
@@ -388,15 +356,19 @@ def _try_ddl(conn, sql, failure, quiet=None):
 
 
 class SessionSchemaMixin:
-    """Open-time schema work for SessionDB (see the module docstring)."""
+    """Open-time schema work for SessionDB (see the module docstring).
+
+    Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value` and `fts_caps`
+    (SessionDB); `_schema_version_held_back` is a hook here that the search index mixin overrides.
+    """
 
     _parse_schema_columns = staticmethod(declared_columns)
     # Messages one transaction of the NULL-active repair fixes (two small index updates each).
     NULL_ACTIVE_CHUNK_ROWS = 5000
 
     def _init_schema(self):
-        """The writable open's schema pass, in one transaction (the data migrations follow, a chunk each).
-        Every step reads before it writes: opening a current store changes nothing."""
+        """The writable open's schema pass, in one transaction (the data migrations follow, a chunk
+        each). Every step reads before it writes: opening a current store changes nothing."""
         self._execute_write(self._apply_schema)
 
     def _apply_schema(self, conn):
@@ -421,7 +393,8 @@ class SessionSchemaMixin:
                 logger.info("schema: created table %s", table)
 
     def _reconcile_columns(self, conn):
-        """ADD COLUMN every declared column the live table lacks, whatever schema_version says; the count."""
+        """ADD COLUMN every declared column the live table lacks, whatever schema_version says; the
+        count."""
         added = 0
         for table, declared in declared_columns().items():
             live = set(live_columns(conn, table))
@@ -432,11 +405,11 @@ class SessionSchemaMixin:
 
     def _add_column(self, conn, table, column, type_expr):
         if "NOT NULL" in type_expr and "DEFAULT" not in type_expr:
-            # SQLite cannot add a NOT NULL column without a default to a table that has rows; old rows have no
-            # value, so the column is nullable here.
+            # SQLite cannot add a NOT NULL column without a default to a table that has rows; old
+            # rows have no value, so the column is nullable here.
             type_expr = type_expr.replace("NOT NULL", "").strip()
-        sql = ADD_COLUMN_SQL.format(table=quote_identifier(table), column=quote_identifier(column),
-                                    type_expr=type_expr)
+        sql = (f"ALTER TABLE {quote_identifier(table)}"
+               f" ADD COLUMN {quote_identifier(column)} {type_expr}")
         # "duplicate column": another process added it first.
         added = _try_ddl(conn, sql, f"could not add {table}.{column}", quiet="duplicate column")
         if added:
@@ -444,23 +417,29 @@ class SessionSchemaMixin:
         return added
 
     def _heal_gateway_routing_pk(self, conn):
-        """Rebuild gateway_routing keyed on (scope, session_key) if an old store keys it otherwise. Rows are
-        copied oldest first with INSERT OR REPLACE (newest wins); the losers stay in a kept side table."""
+        """Rebuild gateway_routing keyed on (scope, session_key) if an old store keys it otherwise.
+        Rows are copied oldest first with INSERT OR REPLACE (newest wins); the losers stay in a kept
+        side table."""
         if not live_columns(conn, "gateway_routing") or \
                 live_primary_key(conn, "gateway_routing") == GATEWAY_ROUTING_PK:
             return
         side = quote_identifier(f"{GATEWAY_ROUTING_SIDE_TABLE}_{time.strftime('%Y%m%d_%H%M%S')}")
         conn.execute(RENAME_TABLE_SQL.format(table="gateway_routing", new_name=side))
         conn.execute(_declared_schema(SCHEMA_SQL)["gateway_routing"][0])
-        conn.execute(COPY_ROUTING_OLDEST_FIRST_SQL.format(side=side))
-        copied = conn.execute(COUNT_ROWS_SQL.format(table=side)).fetchone()[0]
-        kept = conn.execute(COUNT_ROWS_SQL.format(table="gateway_routing")).fetchone()[0]
+        conn.execute("INSERT OR REPLACE INTO gateway_routing"
+                     " (scope, session_key, entry_json, updated_at)"
+                     " SELECT COALESCE(scope, ''), session_key, entry_json, COALESCE(updated_at, 0)"
+                     f" FROM {side} ORDER BY updated_at ASC")
+        copied = conn.execute(f"SELECT COUNT(*) FROM {side}").fetchone()[0]
+        kept = conn.execute("SELECT COUNT(*) FROM gateway_routing").fetchone()[0]
         if copied == kept:
             conn.execute(DROP_TABLE_SQL.format(table=side))
-            logger.info("schema: rebuilt gateway_routing on (scope, session_key), %d rows kept", kept)
+            logger.info("schema: rebuilt gateway_routing on (scope, session_key), %d rows kept",
+                        kept)
         else:
-            logger.warning("schema: rebuilt gateway_routing on (scope, session_key); %d older colliding "
-                           "rows were superseded and are kept in table %s", copied - kept, side)
+            logger.warning("schema: rebuilt gateway_routing on (scope, session_key); %d older"
+                           " colliding rows were superseded and are kept in table %s",
+                           copied - kept, side)
 
     def _ensure_deferred_indexes(self, conn, objects):
         for name, sql in DEFERRED_INDEXES.items():
@@ -471,12 +450,21 @@ class SessionSchemaMixin:
         """Titles are unique when not NULL; on duplicates the newest row keeps the title."""
         if TITLE_INDEX_NAME in objects:
             return
+        create_index = ("CREATE UNIQUE INDEX IF NOT EXISTS idx_sessions_title_unique"
+                        " ON sessions(title) WHERE title IS NOT NULL")
         try:
-            conn.execute(TITLE_INDEX_SQL)
+            conn.execute(create_index)
         except sqlite3.IntegrityError:
-            cleared = conn.execute(CLEAR_OLDER_DUPLICATE_TITLES_SQL).rowcount
-            logger.warning("schema: cleared %d duplicate titles (the newest session keeps each)", cleared)
-            conn.execute(TITLE_INDEX_SQL)
+            # Of the rows sharing a title, only the newest keeps it.
+            cleared = conn.execute("""
+                UPDATE sessions SET title = NULL WHERE title IS NOT NULL AND EXISTS (
+                  SELECT 1 FROM sessions AS newer WHERE newer.title = sessions.title
+                    AND (newer.started_at > sessions.started_at
+                         OR (newer.started_at = sessions.started_at
+                             AND newer.rowid > sessions.rowid)))""").rowcount
+            logger.warning("schema: cleared %d duplicate titles (the newest session keeps each)",
+                           cleared)
+            conn.execute(create_index)
 
     def _ensure_listing_objects(self, conn, objects):
         """Make any missing listing aid; then the tables are no longer trusted until the data pass
@@ -496,9 +484,9 @@ class SessionSchemaMixin:
             return
         current = conn.execute(SELECT_SCHEMA_VERSION_SQL).fetchone()[0]
         if current is None:
-            conn.execute(INSERT_SCHEMA_VERSION_SQL, (SCHEMA_VERSION,))
+            conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
         elif current < SCHEMA_VERSION:
-            conn.execute(UPDATE_SCHEMA_VERSION_SQL, (SCHEMA_VERSION,))
+            conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
             logger.info("schema: version %d -> %d", current, SCHEMA_VERSION)
         elif current > SCHEMA_VERSION:
             logger.info("schema: store is at version %d, newer than this release (%d); "
@@ -511,14 +499,16 @@ class SessionSchemaMixin:
     # -- data repairs and migrations (resumable, one chunk per transaction) ---
 
     def _migrate_data(self):
-        """The open's data repairs and migrations, after the structure. Each is gated on the data, never on
-        schema_version: the rows still to fix are the work left, so an interrupted run resumes."""
+        """The open's data repairs and migrations, after the structure. Each is gated on the data,
+        never on schema_version: the rows still to fix are the work left, so an interrupted run
+        resumes."""
         self._repair_null_active()
         self._migrate_inline_system_prompts()
         self._backfill_listing()
 
     def _write_in_chunks(self, chunk, size):
-        """Run the write `chunk` (returns the rows it did, at most `size`) until one does fewer; the total."""
+        """Run the write `chunk` (returns the rows it did, at most `size`) until one does fewer; the
+        total."""
         total = 0
         while True:
             done = self._execute_write(chunk)
@@ -529,26 +519,34 @@ class SessionSchemaMixin:
 
     def _repair_null_active(self):
         """Rows an older reconciler left with active NULL were hidden from history; show them,
-        NULL_ACTIVE_CHUNK_ROWS a transaction (a whole old store at once held the lock for seconds)."""
-        if self._read_one(HAS_NULL_ACTIVE_SQL) is None:
+        NULL_ACTIVE_CHUNK_ROWS a transaction (a whole old store at once held the lock for
+        seconds)."""
+        if self._read_one("SELECT 1 FROM messages WHERE active IS NULL LIMIT 1") is None:
             return
-        fixed = self._write_in_chunks(lambda conn: conn.execute(
-            REPAIR_NULL_ACTIVE_SQL, (self.NULL_ACTIVE_CHUNK_ROWS,)).rowcount, self.NULL_ACTIVE_CHUNK_ROWS)
+
+        def repair_chunk(conn):
+            return conn.execute("UPDATE messages SET active = 1 WHERE id IN"
+                                " (SELECT id FROM messages WHERE active IS NULL LIMIT ?)",
+                                (self.NULL_ACTIVE_CHUNK_ROWS,)).rowcount
+        fixed = self._write_in_chunks(repair_chunk, self.NULL_ACTIVE_CHUNK_ROWS)
         logger.info("schema: repaired %d messages whose active flag was NULL", fixed)
 
     def _migrate_inline_system_prompts(self):
-        """Move `sessions.system_prompt` text of old stores into `system_prompts`, keyed by SHA-256."""
-        if self._read_one(HAS_INLINE_PROMPT_SQL) is None:
+        """Move `sessions.system_prompt` text of old stores into `system_prompts`, keyed by
+        SHA-256."""
+        if self._read_one("SELECT 1 FROM sessions WHERE system_prompt IS NOT NULL LIMIT 1") is None:
             return
         moved = self._write_in_chunks(self._move_inline_prompt_chunk, MIGRATION_CHUNK_SIZE)
         logger.info("schema: moved %d inline system prompts into system_prompts", moved)
 
     def _move_inline_prompt_chunk(self, conn):
-        rows = conn.execute(SELECT_INLINE_PROMPTS_SQL, (MIGRATION_CHUNK_SIZE,)).fetchall()
+        rows = conn.execute("SELECT id, system_prompt FROM sessions WHERE system_prompt IS NOT NULL"
+                            " LIMIT ?", (MIGRATION_CHUNK_SIZE,)).fetchall()
         for session_id, prompt in rows:
             digest = prompt_hash(prompt)
             conn.execute(INSERT_SYSTEM_PROMPT_SQL, (digest, prompt))
-            conn.execute(MOVE_INLINE_PROMPT_SQL, (digest, session_id))
+            conn.execute("UPDATE sessions SET system_prompt = NULL, system_prompt_hash = ?"
+                         " WHERE id = ?", (digest, session_id))
         return len(rows)
 
     def _backfill_listing(self):
@@ -595,7 +593,8 @@ class SessionSchemaMixin:
 
     def _sqlite_supports_fts5(self, cursor=None):
         """True if this runtime's connections can create FTS5 tables (sqlite_supports_fts5, probed
-        once as the store opened: fts_caps); `cursor`, hermes-agent's probe target, is not needed."""
+        once as the store opened: fts_caps); `cursor`, hermes-agent's probe target, is not
+        needed."""
         return self.fts_caps.fts5
 
     @staticmethod

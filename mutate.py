@@ -77,8 +77,8 @@ MUTANTS = [
            ["test_hermes_state_schema"]),
     # -- gateway_routing primary-key heal --------------------------------------
     Mutant("pk-heal-oldest-wins", "hermes_state_schema.py",
-           "COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at ASC",
-           "COALESCE(updated_at, 0) FROM {side} ORDER BY updated_at DESC",
+           '" FROM {side} ORDER BY updated_at ASC"',
+           '" FROM {side} ORDER BY updated_at DESC"',
            "on a key collision the oldest routing row wins instead of the newest",
            ["test_hermes_state_schema"]),
     Mutant("pk-heal-drops-the-losers", "hermes_state_schema.py",
@@ -98,8 +98,8 @@ MUTANTS = [
            "the repair shows only the first chunk of hidden messages",
            ["test_hermes_state_schema", "test_lock_holds"]),
     Mutant("null-active-gated-on-version", "hermes_state_schema.py",
-           "        if self._read_one(HAS_NULL_ACTIVE_SQL) is None:\n",
-           "        if self._read_one(HAS_NULL_ACTIVE_SQL) is None or \\\n"
+           'WHERE active IS NULL LIMIT 1") is None:\n',
+           'WHERE active IS NULL LIMIT 1") is None or \\\n'
            "                self._read_one(SELECT_SCHEMA_VERSION_SQL)[0] == SCHEMA_VERSION:\n",
            "the repair is skipped on a store that claims the current version",
            ["test_hermes_state_schema"]),
@@ -221,7 +221,7 @@ MUTANTS = [
            "a layout 2 tool row on a chunk's lower edge is never indexed again: its list content stays unfound",
            ["test_hermes_state_search.ChangedByAnotherProgram"]),
     Mutant("tool-list-content-cut-to-nothing", "hermes_state_common.py",
-           "    THEN char(0) || substr(CAST(substr(CAST({{row}}.content AS BLOB), 2) AS TEXT), 1, {TOOL_INDEX_PREFIX_CHARS - 1})\n",
+           "    THEN char(0) || {_TOOL_JSON_HEAD}\n",
            "    THEN substr({{row}}.content, 1, {TOOL_INDEX_PREFIX_CHARS})\n",
            "a tool row's list content is indexed as '' (substr stops at its NUL), so words never find it",
            ["test_hermes_state_search.SearchBehaviour"]),
