@@ -1,9 +1,10 @@
 """Compression and resume: the lineage of a compacted conversation, and what a resume loads.
 
-Owns compaction, publishing a continuation, lineage reads, where a resume lands, the resume and export caps,
-and the compressor's durable guards. Relies on SessionDB's read/write paths, `get_messages_as_conversation`.
-Never changes a session's fields beyond its counts, model_config and end, nor the search indexes or the
-schema. Fork markers are read in Python, not with JSON1, so every SQLite build walks a lineage alike.
+Owns compaction, publishing a continuation, lineage reads, where a resume lands, the resume and
+export caps, and the compressor's durable guards. Relies on SessionDB's read/write paths,
+`get_messages_as_conversation`. Never changes a session's fields beyond its counts, model_config and
+end, nor the search indexes or the schema. Fork markers are read in Python, not with JSON1, so every
+SQLite build walks a lineage alike.
 """
 
 import json
@@ -29,8 +30,8 @@ RESUME_MAX_DEPTH = 32
 ORPHANED_CONTINUATION_AGE = 7 * 86400
 _LINK_SQL = "SELECT id, source, model_config, parent_session_id, end_reason FROM sessions WHERE "
 _ACTIVE_COUNT_SQL = "SELECT COUNT(*) FROM (SELECT 1 FROM messages WHERE session_id IN ({}) AND active = 1 LIMIT ?)"
-# The continuations of a compressed parent, best first: ones that compressed again, then live ones, then
-# the most recently active.
+# The continuations of a compressed parent, best first: ones that compressed again, then live ones,
+# then the most recently active.
 _TIP_CANDIDATES_SQL = f"""
 SELECT c.id, c.model_config FROM sessions AS p JOIN sessions AS c ON c.parent_session_id = p.id
 WHERE p.id = ? AND p.end_reason = 'compression' AND COALESCE(c.source, '') <> 'tool'
@@ -38,8 +39,8 @@ ORDER BY CASE WHEN c.end_reason = 'compression' THEN 0 WHEN c.ended_at IS NULL T
          {LAST_ACTIVE_SQL.format(a="c")} DESC, c.started_at DESC, c.id DESC"""
 _SET_COOLDOWN_SQL = ("UPDATE sessions SET compression_failure_cooldown_until = ?, compression_failure_error = ?"
                      " WHERE id = ?")
-# The live messages written after a compressor's snapshot (id > watermark, up to an optional ceiling);
-# none without a watermark, as `id > NULL` is never true.
+# The live messages written after a compressor's snapshot (id > watermark, up to an optional
+# ceiling); none without a watermark, as `id > NULL` is never true.
 _TAIL_SQL = ("SELECT id, tool_calls FROM messages WHERE session_id = ? AND active = 1 AND id > ?"
              " AND id <= COALESCE(?, id) ORDER BY id")
 # What a compression child takes from its parent as it is.
@@ -52,18 +53,21 @@ class SessionCompressionMixin:
 
     # -- lineage ----------------------------------------------------------------
     def get_conversation_root(self, session_id):
-        """The id at the top of the session's parent links (any kind of parent); the id itself if it has none."""
+        """The id at the top of the session's parent links (any kind of parent); the id itself if it
+        has none."""
         return self._session_lineage_root_to_tip(session_id)[0]
 
     def get_compression_tip(self, session_id):
-        """The newest continuation (never a fork) of `session_id`'s compression chain; else the id itself."""
+        """The newest continuation (never a fork) of `session_id`'s compression chain; else the id
+        itself."""
         def best_continuation(parent_id):
             rows = self._read_all(_TIP_CANDIDATES_SQL, (parent_id,))
             return next((row["id"] for row in rows if not has_fork_marker(row["model_config"])), None)
         return self._descend(session_id, best_continuation, LINEAGE_MAX_HOPS)[-1]
 
     def _descend(self, session_id, next_child, hops):
-        """[session_id, child, ...] by `next_child(id)`, at most `hops` steps, stopping before a loop."""
+        """[session_id, child, ...] by `next_child(id)`, at most `hops` steps, stopping before a
+        loop."""
         path = [session_id]
         for _ in range(hops):
             child = next_child(path[-1])
@@ -74,15 +78,16 @@ class SessionCompressionMixin:
 
     def get_compression_lineage(self, session_id):
         """[root, ..., tip] ids of the compression chain through `session_id`; [] for an unknown id.
-        A fork (branch, delegate or tool child) is its own chain of one; each compressed segment continues
-        in its oldest continuation child."""
+        A fork (branch, delegate or tool child) is its own chain of one; each compressed segment
+        continues in its oldest continuation child."""
         session = self._read_one(_LINK_SQL + "id = ?", (session_id,))
         if session is None:
             return []
         if is_fork_child(session):
             return [session_id]
         root, ancestors = session, {session_id}
-        # Up while the row continues a parent that ended by compression (a fork of a parent never does).
+        # Up while the row continues a parent that ended by compression (a fork of a parent never
+        # does).
         while root["parent_session_id"] and not is_fork_child(root):
             parent = self._read_one(_LINK_SQL + "id = ?", (root["parent_session_id"],))
             if parent is None or parent["end_reason"] != COMPRESSION_END_REASON or parent["id"] in ancestors:
@@ -102,8 +107,9 @@ class SessionCompressionMixin:
 
     # -- resume -----------------------------------------------------------------
     def search_sessions(self, source=None, limit=20, offset=0, workspace_key=None):
-        """Sessions most recently active first, with `last_active` and `system_prompt`; [] when none match.
-        `workspace_key` keeps one workspace's: a git repo root, or a cwd under it for sessions without one."""
+        """Sessions most recently active first, with `last_active` and `system_prompt`; [] when none
+        match. `workspace_key` keeps one workspace's: a git repo root, or a cwd under it for
+        sessions without one."""
         clauses, params = [], []
         if source:
             clauses.append("s.source = ?")
@@ -120,8 +126,9 @@ class SessionCompressionMixin:
                                    (*params, limit, offset))
 
     def resolve_resume_session_id(self, session_id):
-        """The session a resume of `session_id` loads: the deepest continuation holding messages (the
-        compression tip, then newest children not forks, resets or tool runs); else the id itself."""
+        """The session a resume of `session_id` loads: the deepest continuation holding messages
+        (the compression tip, then newest children not forks, resets or tool runs); else the id
+        itself."""
         if not session_id:
             return session_id
         path = self._descend(self.get_compression_tip(session_id) or session_id, self._resume_child,
@@ -144,21 +151,24 @@ class SessionCompressionMixin:
         return None
 
     def get_resume_conversations(self, session_id):
-        """(model_history, display_history) for a resume, both with `_row_id`; ([], []) for an unknown
-        session. The first is its own active messages, alternation repaired; the second its lineage."""
+        """(model_history, display_history) for a resume, both with `_row_id`; ([], []) for an
+        unknown session. The first is its own active messages, alternation repaired; the second its
+        lineage."""
         model = self.get_messages_as_conversation(session_id, repair_alternation=True, include_row_ids=True)
         display = self.get_messages_as_conversation(session_id, include_ancestors=True, include_row_ids=True)
         return model, display
 
     def get_resume_message_count(self, session_id):
-        """Active messages a full resume would load, across the lineage; 0 for an unknown session."""
+        """Active messages a full resume would load, across the lineage; 0 for an unknown
+        session."""
         ids = self._session_lineage_root_to_tip(session_id)
         return self._read_value(f"SELECT COUNT(*) FROM messages WHERE session_id IN ({placeholders(len(ids))})"
                                 " AND active = 1", ids)
 
     def assert_resume_safe(self, session_id, max_messages=None):
-        """The lineage's active message count (0 when the cap is 0, off); SessionResumeTooLargeError past
-        `max_messages` (default: config.yaml's sessions.max_resume_messages); ValueError if negative."""
+        """The lineage's active message count (0 when the cap is 0, off); SessionResumeTooLargeError
+        past `max_messages` (default: config.yaml's sessions.max_resume_messages); ValueError if
+        negative."""
         count, limit = self._capped_count(max_messages, resolved_max_resume_messages,
                                           lambda: self._session_lineage_root_to_tip(session_id))
         if count > limit:
@@ -166,15 +176,17 @@ class SessionCompressionMixin:
         return count
 
     def assert_export_safe(self, session_id, max_messages=None):
-        """The session's own active message count (0 when the cap is 0, off); SessionExportTooLargeError past
-        `max_messages` (default: config.yaml's sessions.max_export_messages); ValueError if negative."""
+        """The session's own active message count (0 when the cap is 0, off);
+        SessionExportTooLargeError past `max_messages` (default: config.yaml's
+        sessions.max_export_messages); ValueError if negative."""
         count, limit = self._capped_count(max_messages, resolved_max_export_messages, lambda: [session_id])
         if count > limit:
             raise SessionExportTooLargeError(session_id, count, limit)
         return count
 
     def _capped_count(self, max_messages, resolve, session_ids):
-        """(active messages of `session_ids()` counted to the cap + 1, the cap); (0, 0) when it is off."""
+        """(active messages of `session_ids()` counted to the cap + 1, the cap); (0, 0) when it is
+        off."""
         limit = resolve() if max_messages is None else max_messages
         if limit < 0:
             raise ValueError(f"max_messages must be >= 0, not {limit}")
@@ -191,10 +203,11 @@ class SessionCompressionMixin:
 
     def archive_and_compact(self, session_id, compacted_messages, model_config_patch=None, watermark=None,
                             lock_holder=None):
-        """Replace the live transcript with `compacted_messages` in one transaction; returns the new active
-        count. The old turns stay, compacted (searchable); messages newer than `watermark` are copied after
-        the new set. Raises SessionCompressionInProgressError when `lock_holder` no longer holds the
-        compression lock, SessionRowError (a ValueError) for an unknown session unless nothing is written."""
+        """Replace the live transcript with `compacted_messages` in one transaction; returns the new
+        active count. The old turns stay, compacted (searchable); messages newer than `watermark`
+        are copied after the new set. Raises SessionCompressionInProgressError when `lock_holder` no
+        longer holds the compression lock, SessionRowError (a ValueError) for an unknown session
+        unless nothing is written."""
         messages = _message_dicts("compacted_messages", compacted_messages)
         if model_config_patch is not None and not isinstance(model_config_patch, dict):
             raise SessionInputTypeError("model_config_patch must be a dict or None, not "
@@ -228,11 +241,11 @@ class SessionCompressionMixin:
                                   model_config=None, system_prompt=None, cwd=None, profile_name=None,
                                   compression_lock_holder=None, require_compression_lease=True,
                                   watermark=None, watermark_ceiling=None):
-        """End the parent by compression and create its continuation with `messages`, atomically; None.
-        Parent messages after `watermark`, up to `watermark_ceiling`, are copied after the handoff. Raises
-        CompressionSessionBusyError when the required lease is no longer `compression_lock_holder`'s,
-        RuntimeError for an unknown or ended parent or an empty handoff, sqlite3.IntegrityError for a
-        child id in use; nothing is written then."""
+        """End the parent by compression and create its continuation with `messages`, atomically;
+        None. Parent messages after `watermark`, up to `watermark_ceiling`, are copied after the
+        handoff. Raises CompressionSessionBusyError when the required lease is no longer
+        `compression_lock_holder`'s, RuntimeError for an unknown or ended parent or an empty
+        handoff, sqlite3.IntegrityError for a child id in use; nothing is written then."""
         if not isinstance(child_session_id, str) or not child_session_id:
             raise SessionRowError("child_session_id must be a non-empty string; nothing was published")
         if system_prompt is not None and not isinstance(system_prompt, str):
@@ -272,8 +285,9 @@ class SessionCompressionMixin:
         self._execute_write(write)
 
     def reopen_orphaned_compression_session(self, session_id):
-        """Reopen a session ended by compression whose continuation was never published; False when it is
-        not so ended, has any continuation, or a compression lease on it still runs (an expired one goes)."""
+        """Reopen a session ended by compression whose continuation was never published; False when
+        it is not so ended, has any continuation, or a compression lease on it still runs (an
+        expired one goes)."""
         if not session_id:
             return False
 
@@ -295,8 +309,8 @@ class SessionCompressionMixin:
         return self._execute_write(write)
 
     def finalize_orphaned_compression_sessions(self):
-        """End, as 'orphaned_compression', continuations (with messages, no API call) left unused for a week;
-        returns how many. Nothing is deleted."""
+        """End, as 'orphaned_compression', continuations (with messages, no API call) left unused
+        for a week; returns how many. Nothing is deleted."""
         now = time.time()
         return self._update_rows(
             "UPDATE sessions SET ended_at = ?, end_reason = 'orphaned_compression'"
@@ -309,7 +323,8 @@ class SessionCompressionMixin:
 
     # -- the compressor's durable guards -------------------------------------------
     def record_compression_failure_cooldown(self, session_id, cooldown_until, error=None):
-        """Keep compression of the session off until `cooldown_until`, saying why; None (failures logged)."""
+        """Keep compression of the session off until `cooldown_until`, saying why; None (failures
+        logged)."""
         self._set_cooldown(session_id, cooldown_until, error)
 
     def clear_compression_failure_cooldown(self, session_id):
@@ -333,15 +348,16 @@ class SessionCompressionMixin:
         return {"cooldown_until": until, "remaining_seconds": until - now, "error": row["error"]}
 
     def get_compression_failure_cooldown_row(self, session_id):
-        """The stored cooldown, expired or not, as {"session_exists", "cooldown_until" (float or None),
-        "error"}; session_exists False and the rest None for an unknown session."""
+        """The stored cooldown, expired or not, as {"session_exists", "cooldown_until" (float or
+        None), "error"}; session_exists False and the rest None for an unknown session."""
         return _cooldown_row(session_id and self._read_one(
             "SELECT compression_failure_cooldown_until, compression_failure_error FROM sessions WHERE id = ?",
             (session_id,)))
 
     def restore_compression_failure_cooldown_row(self, session_id, snapshot):
-        """Put back a get_compression_failure_cooldown_row snapshot exactly; None. RuntimeError when the
-        session's existence no longer matches the snapshot or the row does not read back equal."""
+        """Put back a get_compression_failure_cooldown_row snapshot exactly; None. RuntimeError
+        when the session's existence no longer matches the snapshot or the row does not read back
+        equal."""
         if not snapshot.get("session_exists", False):
             if self.get_compression_failure_cooldown_row(session_id)["session_exists"]:
                 raise RuntimeError("cannot restore absent compression cooldown row: session now exists")
@@ -368,7 +384,8 @@ class SessionCompressionMixin:
         return self._guard_count("compression_ineffective_count", session_id)
 
     def set_compression_ineffective_count(self, session_id, count):
-        """Store the ineffective-compaction count (negative stored as 0); None, also for an unknown session."""
+        """Store the ineffective-compaction count (negative stored as 0); None, also for an unknown
+        session."""
         self._set_guard_count("compression_ineffective_count", session_id, count)
 
     def _guard_count(self, column, session_id):
@@ -405,7 +422,8 @@ def _holds_lock(conn, session_id, holder):
 
 
 def _cooldown_row(row):
-    """get_compression_failure_cooldown_row's dict for a (cooldown_until, error) row, or for no session."""
+    """get_compression_failure_cooldown_row's dict for a (cooldown_until, error) row, or for no
+    session."""
     if not row:
         return {"session_exists": False, "cooldown_until": None, "error": None}
     until, error = row
@@ -419,8 +437,8 @@ def _message_dicts(name, messages):
 
 
 def _copy_tail(conn, tail, session_id):
-    """Copy messages (rows of _TAIL_SQL) as live rows of `session_id`, every column but the id kept byte for
-    byte; returns the tool calls they hold."""
+    """Copy messages (rows of _TAIL_SQL) as live rows of `session_id`, every column but the id kept
+    byte for byte; returns the tool calls they hold."""
     if not tail:
         return 0
     columns = ", ".join(row[1] for row in conn.execute("PRAGMA table_info(messages)")

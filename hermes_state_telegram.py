@@ -1,8 +1,10 @@
-"""Telegram DM topic mode: which private chats use topics, and which thread is bound to which session.
+"""Telegram DM topic mode: which private chats use topics, and which thread is bound to which
+session.
 
 Owns `telegram_dm_topic_mode` and `telegram_dm_topic_bindings`, created only when a user opts in
-(`apply_telegram_topic_migration`), never at open, as hermes-agent does; while they are absent every read
-answers as if empty. Relies on the sessions mixin's `_rich_rows`; never writes a session or message row.
+(`apply_telegram_topic_migration`), never at open, as hermes-agent does; while they are absent every
+read answers as if empty. Relies on the sessions mixin's `_rich_rows`; never writes a session or
+message row.
 """
 
 import sqlite3
@@ -40,8 +42,8 @@ class SessionTelegramMixin:
     """SessionDB's methods for Telegram DM topic mode."""
 
     def apply_telegram_topic_migration(self):
-        """Create the topic-mode tables if absent, give an early bindings table the ON DELETE CASCADE on
-        session_id; returns None. Idempotent."""
+        """Create the topic-mode tables if absent, give an early bindings table the ON DELETE
+        CASCADE on session_id; returns None. Idempotent."""
         def write(conn):
             for sql in _TOPIC_TABLES_SQL + _BINDING_INDEXES_SQL:
                 conn.execute(sql)
@@ -70,7 +72,8 @@ class SessionTelegramMixin:
              _flag(allows_users_to_create_topics), now))
 
     def disable_telegram_topic_mode(self, *, chat_id, clear_bindings=True):
-        """Turn topic mode off for one chat and, with `clear_bindings`, drop its bindings; returns None."""
+        """Turn topic mode off for one chat and, with `clear_bindings`, drop its bindings; returns
+        None."""
         def write(conn):
             if not _topic_tables_exist(conn):
                 return
@@ -104,16 +107,18 @@ class SessionTelegramMixin:
         return self._bindings("chat_id = ? ORDER BY updated_at DESC", (str(chat_id),))
 
     def list_unlinked_telegram_sessions_for_user(self, *, chat_id, user_id, limit=10):
-        """The user's Telegram sessions bound to no topic (all, without the tables) as list_sessions_rich
-        rows without `unread`, most recently active first; [] when none. `chat_id` is unused, as there."""
+        """The user's Telegram sessions bound to no topic (all, without the tables) as
+        list_sessions_rich rows without `unread`, most recently active first; [] when none.
+        `chat_id` is unused, as there."""
         unbound = (" AND NOT EXISTS (SELECT 1 FROM telegram_dm_topic_bindings AS b WHERE b.session_id = s.id)"
                    if self._topic_rows(TABLE_EXISTS_SQL, ("telegram_dm_topic_bindings",)) else "")
         return self._rich_rows(f" WHERE s.source = 'telegram' AND s.user_id = ?{unbound}"
                                " ORDER BY last_active DESC, s.started_at DESC LIMIT ?", (str(user_id), int(limit)))
 
     def bind_telegram_topic(self, *, chat_id, thread_id, user_id, session_key, session_id, managed_mode="auto"):
-        """Bind a topic thread to a session (creating the tables first); returns None. The same pair again
-        refreshes it; ValueError, writing nothing, when the session is bound to another thread."""
+        """Bind a topic thread to a session (creating the tables first); returns None. The same pair
+        again refreshes it; ValueError, writing nothing, when the session is bound to another
+        thread."""
         self.apply_telegram_topic_migration()
         chat_id, thread_id, session_id, now = str(chat_id), str(thread_id), str(session_id), time.time()
 
@@ -133,8 +138,8 @@ class SessionTelegramMixin:
 
     def delete_telegram_topic_binding(self, *, chat_id, thread_id):
         """Remove one thread's binding; returns how many rows went (0 without the tables). After the
-        chat's last binding, topic mode goes off in the same transaction, so nothing steers messages to
-        a chat with no topics left."""
+        chat's last binding, topic mode goes off in the same transaction, so nothing steers messages
+        to a chat with no topics left."""
         chat_id = str(chat_id)
 
         def write(conn):

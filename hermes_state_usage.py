@@ -1,8 +1,9 @@
 """Tokens and cost: owns the token, cost and billing columns of `sessions`, its activity heartbeat
-(`last_activity_*`), `session_model_usage` (one row per route and task) and the in-memory queue of token
-deltas. A queued delta rides with the next write (SessionDB's write path calls `apply_token_batch` first
-in its transaction), or goes with `flush_token_counts`, close() or interpreter exit. A delta for a missing
-session creates a bare row (source 'unknown'). Never writes messages.
+(`last_activity_*`), `session_model_usage` (one row per route and task) and the in-memory queue of
+token deltas. A queued delta rides with the next write (SessionDB's write path calls
+`apply_token_batch` first in its transaction), or goes with `flush_token_counts`, close() or
+interpreter exit. A delta for a missing session creates a bare row (source 'unknown'). Never writes
+messages.
 """
 
 import inspect
@@ -73,18 +74,19 @@ class SessionUsageMixin:
                             estimated_cost_usd=None, actual_cost_usd=None, cost_status=None, cost_source=None,
                             pricing_version=None, billing_provider=None, billing_base_url=None,
                             billing_mode=None, api_call_count=0, absolute=False):
-        """Add one API call's tokens and cost to a session (a missing one is made, source 'unknown') and its
-        route's usage row now, or with `absolute` set the session's totals only; None. cost_status,
-        cost_source and pricing_version keep the last value; model and billing_* fill empty columns, but the
-        first counted call records its own route. Raises UsageValueError (a ValueError) before writing a
-        value that cannot be stored."""
+        """Add one API call's tokens and cost to a session (a missing one is made, source 'unknown')
+        and its route's usage row now, or with `absolute` set the session's totals only; None.
+        cost_status, cost_source and pricing_version keep the last value; model and billing_* fill
+        empty columns, but the first counted call records its own route. Raises UsageValueError (a
+        ValueError) before writing a value that cannot be stored."""
         delta = _token_delta(session_id, dict(locals()))
         self._execute_write(lambda conn: write_token_delta(conn, session_id, delta, time.time()))
 
     def queue_token_counts(self, session_id, **kwargs):
-        """Queue update_token_counts(session_id, **kwargs) to ride with the next write (or the next call,
-        once the queue is TOKEN_QUEUE_MAX_AGE old); None. Like hermes-agent's background writer it logs and
-        drops a bad delta, never raises; after close() it raises like update_token_counts."""
+        """Queue update_token_counts(session_id, **kwargs) to ride with the next write (or the next
+        call, once the queue is TOKEN_QUEUE_MAX_AGE old); None. Like hermes-agent's background
+        writer it logs and drops a bad delta, never raises; after close() it raises like
+        update_token_counts."""
         if self._closed:
             return self.update_token_counts(session_id, **kwargs)
         try:
@@ -103,8 +105,9 @@ class SessionUsageMixin:
             self.flush_token_counts()
 
     def flush_token_counts(self, timeout=5.0):
-        """Apply every queued token delta now; True when none is left queued. False, never raising, when
-        another thread kept the write lock for `timeout` seconds or the write failed (the deltas stay)."""
+        """Apply every queued token delta now; True when none is left queued. False, never raising,
+        when another thread kept the write lock for `timeout` seconds or the write failed (the
+        deltas stay)."""
         if not self._tokens:
             return True
         if self._closed or self.read_only or not self._write_lock.acquire(timeout=max(timeout, 0)):
@@ -124,9 +127,10 @@ class SessionUsageMixin:
                                billing_base_url=None, input_tokens=0, output_tokens=0, cache_read_tokens=0,
                                cache_write_tokens=0, reasoning_tokens=0, estimated_cost_usd=None,
                                api_call_count=1):
-        """Add an auxiliary call's usage (vision, titles, ...) to the usage row of its model, provider and
-        `task`, not to the session's counters (a missing session gets a bare row); None, nothing for an
-        empty id or task. Raises UsageValueError before writing a value that cannot be stored."""
+        """Add an auxiliary call's usage (vision, titles, ...) to the usage row of its model,
+        provider and `task`, not to the session's counters (a missing session gets a bare row);
+        None, nothing for an empty id or task. Raises UsageValueError before writing a value that
+        cannot be stored."""
         if not session_id or not task:
             return
         arguments = dict(locals(), api_call_count=1 if api_call_count is None else api_call_count)
@@ -145,8 +149,9 @@ class SessionUsageMixin:
         self._execute_write(write)
 
     def update_session_billing_route(self, session_id, *, provider, base_url, billing_mode=None):
-        """Overwrite the session's billing route after a model switch (billing_mode when given) and drop
-        its stored system prompt, whose header names the old route; None, also for an unknown id."""
+        """Overwrite the session's billing route after a model switch (billing_mode when given) and
+        drop its stored system prompt, whose header names the old route; None, also for an unknown
+        id."""
         route = (_text("provider", provider), _text("base_url", base_url), _text("billing_mode", billing_mode))
 
         def write(conn):
@@ -157,8 +162,9 @@ class SessionUsageMixin:
         self._execute_write(write)
 
     def touch_session_activity(self, session_id, ts=None, *, description=None, provenance=None):
-        """Stamp the session's last activity (`ts`, default now, never moved back) with a description cut
-        to ACTIVITY_DESCRIPTION_MAX and a known provenance (else 'unknown'); None, nothing for no session."""
+        """Stamp the session's last activity (`ts`, default now, never moved back) with a
+        description cut to ACTIVITY_DESCRIPTION_MAX and a known provenance (else 'unknown'); None,
+        nothing for no session."""
         if not session_id:
             return
         when, text = float(time.time() if ts is None else ts), _bounded_description(description)
@@ -182,8 +188,9 @@ class SessionUsageMixin:
             " WHERE id = ?", (session_id,)), patience_s=ACTIVITY_WRITE_PATIENCE)
 
     def get_dominant_session_model_route(self, session_id):
-        """{model, billing_provider, billing_base_url, billing_mode, api_call_count} of the main-loop route
-        that served most calls; None when no counted call names both a model and a provider."""
+        """{model, billing_provider, billing_base_url, billing_mode, api_call_count} of the
+        main-loop route that served most calls; None when no counted call names both a model and a
+        provider."""
         self.flush_token_counts()
         row = self._read_one(
             "SELECT model, billing_provider, billing_base_url, billing_mode, api_call_count"
@@ -194,8 +201,8 @@ class SessionUsageMixin:
         return None if row is None else dict(row)
 
     def usage_totals(self, *, min_message_count=1, include_archived=False):
-        """{"tokens": input + output, "cost_usd": actual cost where known, else the estimate} summed over
-        root sessions with at least `min_message_count` messages; zeros when none match."""
+        """{"tokens": input + output, "cost_usd": actual cost where known, else the estimate} summed
+        over root sessions with at least `min_message_count` messages; zeros when none match."""
         self.flush_token_counts()
         archived = "" if include_archived else " AND COALESCE(archived, 0) = 0"
         tokens, cost = self._read_one(
@@ -309,8 +316,9 @@ def write_token_delta(conn, session_id, delta, now):
     counted = any(delta[name] for name in COUNT_FIELDS + COST_FIELDS)
     held = conn.execute("SELECT model, billing_provider, api_call_count FROM sessions WHERE id = ?",
                         (session_id,)).fetchone()
-    # Until a call has been counted the row only holds the route asked for at creation; the first call
-    # that counts usage (after a fallback, maybe another route) names the route the session really ran on.
+    # Until a call has been counted the row only holds the route asked for at creation; the first
+    # call that counts usage (after a fallback, maybe another route) names the route the session
+    # really ran on.
     if (counted and not (held["api_call_count"] or 0) and delta["model"] and delta["billing_provider"]
             and (held["model"], held["billing_provider"]) != (delta["model"], delta["billing_provider"])):
         conn.execute("UPDATE sessions SET model = ?, billing_provider = ?, billing_base_url = ?, billing_mode = ?"
@@ -329,9 +337,9 @@ def write_token_delta(conn, session_id, delta, now):
 
 
 def apply_token_batch(conn, batch):
-    """Apply queued deltas in order first in the caller's BEGIN IMMEDIATE transaction. One SQLite still
-    refuses (another program's trigger, say) is logged and dropped under its own savepoint, never blocking
-    the write."""
+    """Apply queued deltas in order first in the caller's BEGIN IMMEDIATE transaction. One SQLite
+    still refuses (another program's trigger, say) is logged and dropped under its own savepoint,
+    never blocking the write."""
     now, applied = time.time(), []
     for delta in batch:
         conn.execute("SAVEPOINT token_delta")
@@ -340,8 +348,9 @@ def apply_token_batch(conn, batch):
         except (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError) as exc:
             logger.warning("queued token counts for session %r dropped: %s", delta["session_id"], exc)
             if not conn.in_transaction:
-                # RAISE(ROLLBACK) ended the whole transaction, savepoint included; put back, the delta
-                # would fail every later write. It held only the deltas before this one: begin it again.
+                # RAISE(ROLLBACK) ended the whole transaction, savepoint included; put back, the
+                # delta would fail every later write. It held only the deltas before this one: begin
+                # it again.
                 conn.execute("BEGIN IMMEDIATE")
                 for kept in applied:
                     write_token_delta(conn, kept["session_id"], kept, now)
