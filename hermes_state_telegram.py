@@ -45,8 +45,8 @@ _DISABLE_MODE_SQL = (
 class SessionTelegramMixin:
     """SessionDB's methods for Telegram DM topic mode.
 
-    Relies on: `_execute_write`, `_read_all`, `_update_rows` (SessionDB); `_rich_rows` (sessions
-    mixin)."""
+    Relies on: `_execute_write`, `_read_all`, `_update_rows` (SessionDB);
+    `_rich_rows` (sessions mixin)."""
 
     def apply_telegram_topic_migration(self):
         """Create the topic-mode tables if absent, give an early bindings table the ON DELETE
