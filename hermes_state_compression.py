@@ -1,9 +1,10 @@
 """Compression and resume: the lineage of a compacted conversation, and what a resume loads.
 
-Owns compaction, publishing a continuation, lineage reads, where a resume lands, the resume and export caps,
-and the compressor's durable guards. Relies on SessionDB's read/write paths, `get_messages_as_conversation`.
-Never changes a session's fields beyond its counts, model_config and end, nor the search indexes or the
-schema. Fork markers are read in Python, not with JSON1, so every SQLite build walks a lineage alike.
+Owns compaction, publishing a continuation, lineage reads, where a resume lands, the resume and
+export caps, and the compressor's durable guards. Relies on SessionDB's read/write paths,
+`get_messages_as_conversation`. Never changes a session's fields beyond its counts, model_config and
+end, nor the search indexes or the schema. Fork markers are read in Python, not with JSON1, so every
+SQLite build walks a lineage alike.
 """
 
 import json
@@ -13,11 +14,11 @@ import time
 
 from hermes_state_common import (
     COMPRESSION_END_REASON, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, LINEAGE_MAX_HOPS,
-    SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL, _RESET_END_REASONS, CompressionSessionBusyError,
-    SessionCompressionInProgressError, SessionExportTooLargeError, SessionInputTypeError,
-    SessionResumeTooLargeError, SessionRowError, cwd_prefix_clause, has_fork_marker, is_fork_child,
-    json_object, loads_or, merge_model_config, placeholders, resolved_max_export_messages,
-    resolved_max_resume_messages)
+    SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL, _RESET_END_REASONS,
+    CompressionSessionBusyError, SessionCompressionInProgressError, SessionExportTooLargeError,
+    SessionInputTypeError, SessionResumeTooLargeError, SessionRowError, cwd_prefix_clause,
+    has_fork_marker, is_fork_child, json_object, loads_or, merge_model_config, placeholders,
+    resolved_max_export_messages, resolved_max_resume_messages)
 from hermes_state_schema import prompt_hash
 
 logger = logging.getLogger("hermes_state")
@@ -27,43 +28,50 @@ logger = logging.getLogger("hermes_state")
 RESUME_MAX_DEPTH = 32
 # A continuation this old with no API call was abandoned (hermes-agent's #20001).
 ORPHANED_CONTINUATION_AGE = 7 * 86400
-_LINK_SQL = "SELECT id, source, model_config, parent_session_id, end_reason FROM sessions WHERE "
-_ACTIVE_COUNT_SQL = "SELECT COUNT(*) FROM (SELECT 1 FROM messages WHERE session_id IN ({}) AND active = 1 LIMIT ?)"
-# The continuations of a compressed parent, best first: ones that compressed again, then live ones, then
-# the most recently active.
+# The continuations of a compressed parent, best first: ones that compressed again, then live ones,
+# then the most recently active.
 _TIP_CANDIDATES_SQL = f"""
 SELECT c.id, c.model_config FROM sessions AS p JOIN sessions AS c ON c.parent_session_id = p.id
 WHERE p.id = ? AND p.end_reason = 'compression' AND COALESCE(c.source, '') <> 'tool'
 ORDER BY CASE WHEN c.end_reason = 'compression' THEN 0 WHEN c.ended_at IS NULL THEN 1 ELSE 2 END,
          {LAST_ACTIVE_SQL.format(a="c")} DESC, c.started_at DESC, c.id DESC"""
-_SET_COOLDOWN_SQL = ("UPDATE sessions SET compression_failure_cooldown_until = ?, compression_failure_error = ?"
-                     " WHERE id = ?")
-# The live messages written after a compressor's snapshot (id > watermark, up to an optional ceiling);
-# none without a watermark, as `id > NULL` is never true.
+_SET_COOLDOWN_SQL = ("UPDATE sessions SET compression_failure_cooldown_until = ?,"
+                     " compression_failure_error = ? WHERE id = ?")
+# The live messages written after a compressor's snapshot (id > watermark, up to an optional
+# ceiling); none without a watermark, as `id > NULL` is never true.
 _TAIL_SQL = ("SELECT id, tool_calls FROM messages WHERE session_id = ? AND active = 1 AND id > ?"
              " AND id <= COALESCE(?, id) ORDER BY id")
 # What a compression child takes from its parent as it is.
-_INHERITED_COLUMNS = ("git_branch", "git_repo_root", "user_id", "session_key", "chat_id", "chat_type",
-                      "thread_id", "display_name", "origin_json")
+_INHERITED_COLUMNS = ("git_branch", "git_repo_root", "user_id", "session_key", "chat_id",
+                      "chat_type", "thread_id", "display_name", "origin_json")
 
 
 class SessionCompressionMixin:
-    """SessionDB's methods for compaction, compression lineage and resume."""
+    """SessionDB's methods for compaction, compression lineage and resume.
+
+    Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value`, `_update_rows`,
+    `_closed` (SessionDB); `_flush_token_counts` (usage mixin); `_insert_message_rows`,
+    `_session_lineage_root_to_tip`, `get_messages_as_conversation` (messages mixin);
+    `_read_sessions`, `get_session` (sessions mixin)."""
 
     # -- lineage ----------------------------------------------------------------
     def get_conversation_root(self, session_id):
-        """The id at the top of the session's parent links (any kind of parent); the id itself if it has none."""
+        """The id at the top of the session's parent links (any kind of parent);
+        the id itself if it has none."""
         return self._session_lineage_root_to_tip(session_id)[0]
 
     def get_compression_tip(self, session_id):
-        """The newest continuation (never a fork) of `session_id`'s compression chain; else the id itself."""
+        """The newest continuation (never a fork) of `session_id`'s compression chain;
+        else the id itself."""
         def best_continuation(parent_id):
             rows = self._read_all(_TIP_CANDIDATES_SQL, (parent_id,))
-            return next((row["id"] for row in rows if not has_fork_marker(row["model_config"])), None)
+            continuations = (row["id"] for row in rows if not has_fork_marker(row["model_config"]))
+            return next(continuations, None)
         return self._descend(session_id, best_continuation, LINEAGE_MAX_HOPS)[-1]
 
     def _descend(self, session_id, next_child, hops):
-        """[session_id, child, ...] by `next_child(id)`, at most `hops` steps, stopping before a loop."""
+        """[session_id, child, ...] by `next_child(id)`, at most `hops` steps,
+        stopping before a loop."""
         path = [session_id]
         for _ in range(hops):
             child = next_child(path[-1])
@@ -74,24 +82,28 @@ class SessionCompressionMixin:
 
     def get_compression_lineage(self, session_id):
         """[root, ..., tip] ids of the compression chain through `session_id`; [] for an unknown id.
-        A fork (branch, delegate or tool child) is its own chain of one; each compressed segment continues
-        in its oldest continuation child."""
-        session = self._read_one(_LINK_SQL + "id = ?", (session_id,))
+        A fork (branch, delegate or tool child) is its own chain of one; each compressed segment
+        continues in its oldest continuation child."""
+        links = ("SELECT id, source, model_config, parent_session_id, end_reason FROM sessions"
+                 " WHERE ")
+        session = self._read_one(links + "id = ?", (session_id,))
         if session is None:
             return []
         if is_fork_child(session):
             return [session_id]
         root, ancestors = session, {session_id}
-        # Up while the row continues a parent that ended by compression (a fork of a parent never does).
+        # Up while the row continues a parent that ended by compression
+        # (a fork of a parent never does).
         while root["parent_session_id"] and not is_fork_child(root):
-            parent = self._read_one(_LINK_SQL + "id = ?", (root["parent_session_id"],))
-            if parent is None or parent["end_reason"] != COMPRESSION_END_REASON or parent["id"] in ancestors:
+            parent = self._read_one(links + "id = ?", (root["parent_session_id"],))
+            if (parent is None or parent["end_reason"] != COMPRESSION_END_REASON
+                    or parent["id"] in ancestors):
                 break
             root = parent
             ancestors.add(root["id"])
         lineage, current = [root["id"]], root
         while current["end_reason"] == COMPRESSION_END_REASON:
-            children = self._read_all(_LINK_SQL + "parent_session_id = ? ORDER BY started_at",
+            children = self._read_all(links + "parent_session_id = ? ORDER BY started_at",
                                       (current["id"],))
             child = next((row for row in children if not is_fork_child(row)), None)
             if child is None or child["id"] in lineage:
@@ -102,8 +114,9 @@ class SessionCompressionMixin:
 
     # -- resume -----------------------------------------------------------------
     def search_sessions(self, source=None, limit=20, offset=0, workspace_key=None):
-        """Sessions most recently active first, with `last_active` and `system_prompt`; [] when none match.
-        `workspace_key` keeps one workspace's: a git repo root, or a cwd under it for sessions without one."""
+        """Sessions most recently active first, with `last_active` and `system_prompt`; []
+        when none match. `workspace_key` keeps one workspace's: a git repo root, or a cwd
+        under it for sessions without one."""
         clauses, params = [], []
         if source:
             clauses.append("s.source = ?")
@@ -111,32 +124,38 @@ class SessionCompressionMixin:
         if workspace_key:
             prefix = workspace_key.rstrip("/\\") or workspace_key
             clause, clause_params = cwd_prefix_clause(prefix)
-            clauses.append(f"(s.git_repo_root = ? OR (COALESCE(s.git_repo_root, '') = '' AND {clause}))")
+            clauses.append(
+                f"(s.git_repo_root = ? OR (COALESCE(s.git_repo_root, '') = '' AND {clause}))")
             params += [prefix, *clause_params]
         where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
         self._flush_token_counts()
-        return self._read_sessions(f", {LAST_ACTIVE_SQL.format(a='s')} AS last_active",
-                                   f"{where} ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ? OFFSET ?",
-                                   (*params, limit, offset))
+        return self._read_sessions(
+            f", {LAST_ACTIVE_SQL.format(a='s')} AS last_active",
+            f"{where} ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ? OFFSET ?",
+            (*params, limit, offset))
 
     def resolve_resume_session_id(self, session_id):
-        """The session a resume of `session_id` loads: the deepest continuation holding messages (the
-        compression tip, then newest children not forks, resets or tool runs); else the id itself."""
+        """The session a resume of `session_id` loads: the deepest continuation
+        holding messages (the compression tip, then newest children not forks, resets
+        or tool runs); else the id itself."""
         if not session_id:
             return session_id
-        path = self._descend(self.get_compression_tip(session_id) or session_id, self._resume_child,
-                             RESUME_MAX_DEPTH - 1)
+        path = self._descend(self.get_compression_tip(session_id) or session_id,
+                             self._resume_child, RESUME_MAX_DEPTH - 1)
         used = [sid for sid in path
                 if self._read_value("SELECT 1 FROM messages WHERE session_id = ? LIMIT 1", (sid,))]
         return used[-1] if used else path[0]
 
     def _resume_child(self, parent_id):
-        parent = self._read_one("SELECT end_reason, session_key FROM sessions WHERE id = ?", (parent_id,))
+        parent = self._read_one(
+            "SELECT end_reason, session_key FROM sessions WHERE id = ?", (parent_id,))
         reset_parent = parent is not None and parent["end_reason"] in _RESET_END_REASONS
-        rows = self._read_all("SELECT id, source, model_config, session_key FROM sessions"
-                              " WHERE parent_session_id = ? ORDER BY started_at DESC, id DESC", (parent_id,))
+        rows = self._read_all(
+            "SELECT id, source, model_config, session_key FROM sessions"
+            " WHERE parent_session_id = ? ORDER BY started_at DESC, id DESC", (parent_id,))
         for row in rows:
-            legacy_reset = reset_parent and row["session_key"] and row["session_key"] == parent["session_key"]
+            legacy_reset = (reset_parent and row["session_key"]
+                            and row["session_key"] == parent["session_key"])
             reset_child = json_object(row["model_config"]).get("_reset_from") is not None
             fork = has_fork_marker(row["model_config"]) or row["source"] == "tool"
             if not (fork or reset_child or legacy_reset):
@@ -144,21 +163,27 @@ class SessionCompressionMixin:
         return None
 
     def get_resume_conversations(self, session_id):
-        """(model_history, display_history) for a resume, both with `_row_id`; ([], []) for an unknown
-        session. The first is its own active messages, alternation repaired; the second its lineage."""
-        model = self.get_messages_as_conversation(session_id, repair_alternation=True, include_row_ids=True)
-        display = self.get_messages_as_conversation(session_id, include_ancestors=True, include_row_ids=True)
+        """(model_history, display_history) for a resume, both with `_row_id`; ([], [])
+        for an unknown session. The first is its own active messages, alternation
+        repaired; the second its lineage."""
+        model = self.get_messages_as_conversation(
+            session_id, repair_alternation=True, include_row_ids=True)
+        display = self.get_messages_as_conversation(
+            session_id, include_ancestors=True, include_row_ids=True)
         return model, display
 
     def get_resume_message_count(self, session_id):
-        """Active messages a full resume would load, across the lineage; 0 for an unknown session."""
+        """Active messages a full resume would load, across the lineage;
+        0 for an unknown session."""
         ids = self._session_lineage_root_to_tip(session_id)
-        return self._read_value(f"SELECT COUNT(*) FROM messages WHERE session_id IN ({placeholders(len(ids))})"
-                                " AND active = 1", ids)
+        return self._read_value(
+            f"SELECT COUNT(*) FROM messages WHERE session_id IN ({placeholders(len(ids))})"
+            " AND active = 1", ids)
 
     def assert_resume_safe(self, session_id, max_messages=None):
-        """The lineage's active message count (0 when the cap is 0, off); SessionResumeTooLargeError past
-        `max_messages` (default: config.yaml's sessions.max_resume_messages); ValueError if negative."""
+        """The lineage's active message count (0 when the cap is 0, off);
+        SessionResumeTooLargeError past `max_messages` (default: config.yaml's
+        sessions.max_resume_messages); ValueError if negative."""
         count, limit = self._capped_count(max_messages, resolved_max_resume_messages,
                                           lambda: self._session_lineage_root_to_tip(session_id))
         if count > limit:
@@ -166,35 +191,44 @@ class SessionCompressionMixin:
         return count
 
     def assert_export_safe(self, session_id, max_messages=None):
-        """The session's own active message count (0 when the cap is 0, off); SessionExportTooLargeError past
-        `max_messages` (default: config.yaml's sessions.max_export_messages); ValueError if negative."""
-        count, limit = self._capped_count(max_messages, resolved_max_export_messages, lambda: [session_id])
+        """The session's own active message count (0 when the cap is 0, off);
+        SessionExportTooLargeError past `max_messages` (default: config.yaml's
+        sessions.max_export_messages); ValueError if negative."""
+        count, limit = self._capped_count(max_messages, resolved_max_export_messages,
+                                          lambda: [session_id])
         if count > limit:
             raise SessionExportTooLargeError(session_id, count, limit)
         return count
 
     def _capped_count(self, max_messages, resolve, session_ids):
-        """(active messages of `session_ids()` counted to the cap + 1, the cap); (0, 0) when it is off."""
+        """(active messages of `session_ids()` counted to the cap + 1, the cap);
+        (0, 0) when it is off."""
         limit = resolve() if max_messages is None else max_messages
         if limit < 0:
             raise ValueError(f"max_messages must be >= 0, not {limit}")
         if limit == 0:
             return 0, 0
         ids = session_ids()
-        return self._read_value(_ACTIVE_COUNT_SQL.format(placeholders(len(ids))), (*ids, limit + 1)), limit
+        count = self._read_value(
+            "SELECT COUNT(*) FROM (SELECT 1 FROM messages"
+            f" WHERE session_id IN ({placeholders(len(ids))}) AND active = 1 LIMIT ?)",
+            (*ids, limit + 1))
+        return count, limit
 
     # -- compaction -------------------------------------------------------------
     def get_active_message_watermark(self, session_id):
         """The id of the session's newest active message; 0 when it has none."""
-        return self._read_value("SELECT COALESCE(MAX(id), 0) FROM messages WHERE session_id = ? AND active = 1",
-                                (session_id,))
+        return self._read_value(
+            "SELECT COALESCE(MAX(id), 0) FROM messages WHERE session_id = ? AND active = 1",
+            (session_id,))
 
-    def archive_and_compact(self, session_id, compacted_messages, model_config_patch=None, watermark=None,
-                            lock_holder=None):
-        """Replace the live transcript with `compacted_messages` in one transaction; returns the new active
-        count. The old turns stay, compacted (searchable); messages newer than `watermark` are copied after
-        the new set. Raises SessionCompressionInProgressError when `lock_holder` no longer holds the
-        compression lock, SessionRowError (a ValueError) for an unknown session unless nothing is written."""
+    def archive_and_compact(self, session_id, compacted_messages, model_config_patch=None,
+                            watermark=None, lock_holder=None):
+        """Replace the live transcript with `compacted_messages` in one transaction; returns the
+        new active count. The old turns stay, compacted (searchable); messages newer than
+        `watermark` are copied after the new set. Raises SessionCompressionInProgressError when
+        `lock_holder` no longer holds the compression lock, SessionRowError (a ValueError) for an
+        unknown session unless nothing is written."""
         messages = _message_dicts("compacted_messages", compacted_messages)
         if model_config_patch is not None and not isinstance(model_config_patch, dict):
             raise SessionInputTypeError("model_config_patch must be a dict or None, not "
@@ -206,14 +240,17 @@ class SessionCompressionMixin:
                 raise SessionCompressionInProgressError(
                     f"compression lock of session {session_id!r} was lost before commit; "
                     "the compaction was not published")
-            row = conn.execute("SELECT model_config FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            row = conn.execute(
+                "SELECT model_config FROM sessions WHERE id = ?", (session_id,)).fetchone()
             if row is None:
                 if model_config_patch is not None or messages:
-                    raise SessionRowError(f"session {session_id!r} does not exist; nothing was compacted")
+                    raise SessionRowError(
+                        f"session {session_id!r} does not exist; nothing was compacted")
                 return 0
             tail = conn.execute(_TAIL_SQL, (session_id, watermark, None)).fetchall()
-            conn.execute("UPDATE messages SET active = 0, compacted = 1 WHERE session_id = ? AND active = 1",
-                         (session_id,))
+            conn.execute(
+                "UPDATE messages SET active = 0, compacted = 1 WHERE session_id = ? AND active = 1",
+                (session_id,))
             count, calls = self._insert_message_rows(conn, session_id, messages)
             count, calls = count + len(tail), calls + _copy_tail(conn, tail, session_id)
             sets, params = "message_count = ?, tool_call_count = ?", [count, calls]
@@ -224,19 +261,22 @@ class SessionCompressionMixin:
             return count
         return self._execute_write(write)
 
-    def publish_compression_child(self, *, parent_session_id, child_session_id, source, messages, model=None,
-                                  model_config=None, system_prompt=None, cwd=None, profile_name=None,
-                                  compression_lock_holder=None, require_compression_lease=True,
-                                  watermark=None, watermark_ceiling=None):
-        """End the parent by compression and create its continuation with `messages`, atomically; None.
-        Parent messages after `watermark`, up to `watermark_ceiling`, are copied after the handoff. Raises
-        CompressionSessionBusyError when the required lease is no longer `compression_lock_holder`'s,
-        RuntimeError for an unknown or ended parent or an empty handoff, sqlite3.IntegrityError for a
-        child id in use; nothing is written then."""
+    def publish_compression_child(self, *, parent_session_id, child_session_id, source, messages,
+                                  model=None, model_config=None, system_prompt=None, cwd=None,
+                                  profile_name=None, compression_lock_holder=None,
+                                  require_compression_lease=True, watermark=None,
+                                  watermark_ceiling=None):
+        """End the parent by compression and create its continuation with `messages`, atomically;
+        None. Parent messages after `watermark`, up to `watermark_ceiling`, are copied after the
+        handoff. Raises CompressionSessionBusyError when the required lease is no longer
+        `compression_lock_holder`'s, RuntimeError for an unknown or ended parent or an empty
+        handoff, sqlite3.IntegrityError for a child id in use; nothing is written then."""
         if not isinstance(child_session_id, str) or not child_session_id:
-            raise SessionRowError("child_session_id must be a non-empty string; nothing was published")
+            raise SessionRowError(
+                "child_session_id must be a non-empty string; nothing was published")
         if system_prompt is not None and not isinstance(system_prompt, str):
-            raise SessionInputTypeError(f"system_prompt must be a string or None, not {type(system_prompt).__name__}")
+            raise SessionInputTypeError(
+                f"system_prompt must be a string or None, not {type(system_prompt).__name__}")
         handoff = _message_dicts("messages", messages) if messages else []
         config = json.dumps(model_config) if model_config else None
         digest = None if system_prompt is None else prompt_hash(system_prompt)
@@ -246,9 +286,10 @@ class SessionCompressionMixin:
         def write(conn):
             if require_compression_lease and not (compression_lock_holder and _holds_lock(
                     conn, parent_session_id, compression_lock_holder)):
-                raise CompressionSessionBusyError(f"compression lease of {parent_session_id!r} was lost "
-                                                  "before publication")
-            parent = conn.execute("SELECT * FROM sessions WHERE id = ?", (parent_session_id,)).fetchone()
+                raise CompressionSessionBusyError(
+                    f"compression lease of {parent_session_id!r} was lost before publication")
+            parent = conn.execute(
+                "SELECT * FROM sessions WHERE id = ?", (parent_session_id,)).fetchone()
             if parent is None:
                 raise RuntimeError(f"compression parent {parent_session_id!r} does not exist")
             if parent["ended_at"] is not None:
@@ -257,29 +298,36 @@ class SessionCompressionMixin:
                 raise RuntimeError("a compression child needs a non-empty handoff")
             if digest:
                 conn.execute(INSERT_SYSTEM_PROMPT_SQL, (digest, system_prompt))
-            row = {"id": child_session_id, "source": source, "model": model, "model_config": config,
-                   "system_prompt_hash": digest, "parent_session_id": parent_session_id,
-                   "cwd": cwd or parent["cwd"], "profile_name": profile_name or parent["profile_name"],
-                   "started_at": time.time(), **{column: parent[column] for column in _INHERITED_COLUMNS}}
-            conn.execute(f"INSERT INTO sessions ({', '.join(row)}) VALUES ({placeholders(len(row))})",
-                         tuple(row.values()))
+            row = {"id": child_session_id, "source": source, "model": model,
+                   "model_config": config, "system_prompt_hash": digest,
+                   "parent_session_id": parent_session_id, "cwd": cwd or parent["cwd"],
+                   "profile_name": profile_name or parent["profile_name"],
+                   "started_at": time.time(),
+                   **{column: parent[column] for column in _INHERITED_COLUMNS}}
+            conn.execute(
+                f"INSERT INTO sessions ({', '.join(row)}) VALUES ({placeholders(len(row))})",
+                tuple(row.values()))
             count, calls = self._insert_message_rows(conn, child_session_id, handoff)
             tail = conn.execute(_TAIL_SQL, (parent_session_id, low, high)).fetchall()
             count, calls = count + len(tail), calls + _copy_tail(conn, tail, child_session_id)
             conn.execute(SET_MESSAGE_COUNTS_SQL, (count, calls, child_session_id))
+            # The parent was read as open above, in this transaction.
             conn.execute("UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ?",
-                         (time.time(), COMPRESSION_END_REASON, parent_session_id))  # read as open above
+                         (time.time(), COMPRESSION_END_REASON, parent_session_id))
         self._execute_write(write)
 
     def reopen_orphaned_compression_session(self, session_id):
-        """Reopen a session ended by compression whose continuation was never published; False when it is
-        not so ended, has any continuation, or a compression lease on it still runs (an expired one goes)."""
+        """Reopen a session ended by compression whose continuation was never published;
+        False when it is not so ended, has any continuation, or a compression lease on it
+        still runs (an expired one goes)."""
         if not session_id:
             return False
 
         def write(conn):
-            row = conn.execute("SELECT ended_at, end_reason FROM sessions WHERE id = ?", (session_id,)).fetchone()
-            if row is None or row["ended_at"] is None or row["end_reason"] != COMPRESSION_END_REASON:
+            row = conn.execute(
+                "SELECT ended_at, end_reason FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            if (row is None or row["ended_at"] is None
+                    or row["end_reason"] != COMPRESSION_END_REASON):
                 return False
             children = conn.execute("SELECT source, model_config, parent_session_id FROM sessions"
                                     " WHERE parent_session_id = ?", (session_id,)).fetchall()
@@ -290,17 +338,19 @@ class SessionCompressionMixin:
                 if lock["expires_at"] is None or float(lock["expires_at"]) >= time.time():
                     return False
                 conn.execute("DELETE FROM compression_locks WHERE session_id = ?", (session_id,))
-            return conn.execute("UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?",
-                                (session_id,)).rowcount == 1
+            return conn.execute(
+                "UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?",
+                (session_id,)).rowcount == 1
         return self._execute_write(write)
 
     def finalize_orphaned_compression_sessions(self):
-        """End, as 'orphaned_compression', continuations (with messages, no API call) left unused for a week;
-        returns how many. Nothing is deleted."""
+        """End, as 'orphaned_compression', continuations (with messages, no API call) left unused
+        for a week; returns how many. Nothing is deleted."""
         now = time.time()
         return self._update_rows(
             "UPDATE sessions SET ended_at = ?, end_reason = 'orphaned_compression'"
-            " WHERE api_call_count = 0 AND end_reason IS NULL AND ended_at IS NULL AND started_at < ?"
+            " WHERE api_call_count = 0 AND end_reason IS NULL AND ended_at IS NULL"
+            " AND started_at < ?"
             " AND parent_session_id IS NOT NULL"
             " AND EXISTS (SELECT 1 FROM sessions AS p WHERE p.id = sessions.parent_session_id"
             "             AND p.end_reason = 'compression' AND p.ended_at IS NOT NULL)"
@@ -309,7 +359,8 @@ class SessionCompressionMixin:
 
     # -- the compressor's durable guards -------------------------------------------
     def record_compression_failure_cooldown(self, session_id, cooldown_until, error=None):
-        """Keep compression of the session off until `cooldown_until`, saying why; None (failures logged)."""
+        """Keep compression of the session off until `cooldown_until`, saying why;
+        None (failures logged)."""
         self._set_cooldown(session_id, cooldown_until, error)
 
     def clear_compression_failure_cooldown(self, session_id):
@@ -321,7 +372,8 @@ class SessionCompressionMixin:
             try:
                 self._update_rows(_SET_COOLDOWN_SQL, (until, error, session_id))
             except sqlite3.Error as exc:
-                logger.warning("compression cooldown of session %r not written: %s", session_id, exc)
+                logger.warning(
+                    "compression cooldown of session %r not written: %s", session_id, exc)
 
     def get_compression_failure_cooldown(self, session_id):
         """{"cooldown_until", "remaining_seconds", "error"} of a cooldown still running; None
@@ -333,18 +385,21 @@ class SessionCompressionMixin:
         return {"cooldown_until": until, "remaining_seconds": until - now, "error": row["error"]}
 
     def get_compression_failure_cooldown_row(self, session_id):
-        """The stored cooldown, expired or not, as {"session_exists", "cooldown_until" (float or None),
-        "error"}; session_exists False and the rest None for an unknown session."""
+        """The stored cooldown, expired or not, as {"session_exists", "cooldown_until" (float or
+        None), "error"}; session_exists False and the rest None for an unknown session."""
         return _cooldown_row(session_id and self._read_one(
-            "SELECT compression_failure_cooldown_until, compression_failure_error FROM sessions WHERE id = ?",
+            "SELECT compression_failure_cooldown_until, compression_failure_error FROM sessions"
+            " WHERE id = ?",
             (session_id,)))
 
     def restore_compression_failure_cooldown_row(self, session_id, snapshot):
-        """Put back a get_compression_failure_cooldown_row snapshot exactly; None. RuntimeError when the
-        session's existence no longer matches the snapshot or the row does not read back equal."""
+        """Put back a get_compression_failure_cooldown_row snapshot exactly; None.
+        RuntimeError when the session's existence no longer matches the snapshot or
+        the row does not read back equal."""
         if not snapshot.get("session_exists", False):
             if self.get_compression_failure_cooldown_row(session_id)["session_exists"]:
-                raise RuntimeError("cannot restore absent compression cooldown row: session now exists")
+                raise RuntimeError(
+                    "cannot restore absent compression cooldown row: session now exists")
             return
         until, error = snapshot.get("cooldown_until"), snapshot.get("error")
         if self._update_rows(_SET_COOLDOWN_SQL, (until, error, session_id)) != 1:
@@ -352,8 +407,8 @@ class SessionCompressionMixin:
         expected = _cooldown_row((until, error))
         actual = self.get_compression_failure_cooldown_row(session_id)
         if actual != expected:
-            raise RuntimeError(f"compression cooldown rollback verification failed: expected={expected!r}, "
-                               f"actual={actual!r}")
+            raise RuntimeError("compression cooldown rollback verification failed: "
+                               f"expected={expected!r}, actual={actual!r}")
 
     def get_compression_fallback_streak(self, session_id):
         """How many compactions in a row fell back to the deterministic summary; 0 when unknown."""
@@ -368,20 +423,23 @@ class SessionCompressionMixin:
         return self._guard_count("compression_ineffective_count", session_id)
 
     def set_compression_ineffective_count(self, session_id, count):
-        """Store the ineffective-compaction count (negative stored as 0); None, also for an unknown session."""
+        """Store the ineffective-compaction count (negative stored as 0);
+        None, also for an unknown session."""
         self._set_guard_count("compression_ineffective_count", session_id, count)
 
     def _guard_count(self, column, session_id):
         if not session_id or self._closed:
             return 0
         try:
-            return max(0, int(self._read_value(f"SELECT {column} FROM sessions WHERE id = ?", (session_id,)) or 0))
+            value = self._read_value(f"SELECT {column} FROM sessions WHERE id = ?", (session_id,))
+            return max(0, int(value or 0))
         except (TypeError, ValueError):
             return 0
 
     def _set_guard_count(self, column, session_id, value):
         if session_id:
-            self._update_rows(f"UPDATE sessions SET {column} = ? WHERE id = ?", (max(0, int(value)), session_id))
+            self._update_rows(f"UPDATE sessions SET {column} = ? WHERE id = ?",
+                              (max(0, int(value)), session_id))
 
     def find_live_compression_child(self, parent_session_id):
         """The one live continuation (no branch, delegate or tool child) of a session compression
@@ -405,11 +463,13 @@ def _holds_lock(conn, session_id, holder):
 
 
 def _cooldown_row(row):
-    """get_compression_failure_cooldown_row's dict for a (cooldown_until, error) row, or for no session."""
+    """get_compression_failure_cooldown_row's dict for a (cooldown_until, error) row,
+    or for no session."""
     if not row:
         return {"session_exists": False, "cooldown_until": None, "error": None}
     until, error = row
-    return {"session_exists": True, "cooldown_until": None if until is None else float(until), "error": error}
+    return {"session_exists": True, "cooldown_until": None if until is None else float(until),
+            "error": error}
 
 
 def _message_dicts(name, messages):
@@ -419,14 +479,16 @@ def _message_dicts(name, messages):
 
 
 def _copy_tail(conn, tail, session_id):
-    """Copy messages (rows of _TAIL_SQL) as live rows of `session_id`, every column but the id kept byte for
-    byte; returns the tool calls they hold."""
+    """Copy messages (rows of _TAIL_SQL) as live rows of `session_id`, every column but the id kept
+    byte for byte; returns the tool calls they hold."""
     if not tail:
         return 0
     columns = ", ".join(row[1] for row in conn.execute("PRAGMA table_info(messages)")
                         if row[1] not in ("id", "session_id", "active", "compacted"))
     ids = [row["id"] for row in tail]
-    conn.execute(f"INSERT INTO messages ({columns}, session_id, active, compacted) SELECT {columns}, ?, 1, 0"
-                 f" FROM messages WHERE id IN ({placeholders(len(ids))}) ORDER BY id", (session_id, *ids))
+    conn.execute(
+        f"INSERT INTO messages ({columns}, session_id, active, compacted)"
+        f" SELECT {columns}, ?, 1, 0"
+        f" FROM messages WHERE id IN ({placeholders(len(ids))}) ORDER BY id", (session_id, *ids))
     parsed = [loads_or(row["tool_calls"], None) for row in tail]
     return sum(len(calls) for calls in parsed if isinstance(calls, list))

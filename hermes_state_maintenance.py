@@ -1,12 +1,12 @@
-"""Keeping the store healthy: prune, archive and delete sessions; vacuum, stats, doctor; the small reports and
-one-shot fixes hermes-agent's commands run.
+"""Keeping the store healthy: prune, archive and delete sessions; vacuum, stats, doctor; the small
+reports and one-shot fixes hermes-agent's commands run.
 
-Owns which sessions a prune, archive or delete selects, and what a delete takes with it: messages, usage rows
-and Telegram topic bindings (as hermes-agent's foreign keys do), delegate subagents, system prompts no session
-uses any more, and transcript files in a `sessions_dir`. Relies on SessionDB's write and read paths and on
-other mixins' `set_session_archived`, `_resolved`, `optimize_fts`, `search_health`, `fts_layout` and
-`fts_rebuild_*`. Never repairs the schema: that happens at open (hermes_state_schema) or in
-hermes_state_doctor.
+Owns which sessions a prune, archive or delete selects, and what a delete takes with it: messages,
+usage rows and Telegram topic bindings (as hermes-agent's foreign keys do), delegate subagents,
+system prompts no session uses any more, and transcript files in a `sessions_dir`. Relies on
+SessionDB's write and read paths and on other mixins' `set_session_archived`, `_resolved`,
+`optimize_fts`, `search_health`, `fts_layout` and `fts_rebuild_*`. Never repairs the schema: that
+happens at open (hermes_state_schema) or in hermes_state_doctor.
 """
 
 import contextlib
@@ -26,20 +26,6 @@ from hermes_state_common import (
     prefix_bounds, sqlite_has_wal_reset_bug, store_file_bytes)
 from hermes_state_schema import pause_between_chunks, write_meta
 
-# -- Statements only this module runs (moved from hermes_state_common) --
-
-SESSION_RICH_COLUMNS_SQL = SESSION_RICH_SQL.format(columns="s.*", last_active=LAST_ACTIVE_SQL.format(a="s"))
-
-COUNT_ACTIVE_MESSAGES_SQL = "SELECT COUNT(*) FROM messages WHERE active = 1"
-
-SESSIONS_BY_SOURCE_SQL = "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source"
-
-CHECKPOINT_TRUNCATE_SQL = "PRAGMA wal_checkpoint(TRUNCATE)"
-
-VACUUM_SQL = "VACUUM"
-
-INTEGRITY_CHECK_SQL = "PRAGMA integrity_check"
-
 logger = logging.getLogger("hermes_state")
 
 _TOKENS = "(COALESCE(s.input_tokens, 0) + COALESCE(s.output_tokens, 0))"
@@ -47,24 +33,34 @@ _COST = "COALESCE(s.actual_cost_usd, s.estimated_cost_usd, 0)"
 _LIKE = "LOWER(COALESCE({}, '')) LIKE ? ESCAPE '\\'"
 # Prune deletes only ended sessions; count_open_prune_matches flips this guard alone.
 _ENDED = "s.ended_at IS NOT NULL"
-# hermes-agent's bulk prune/archive filters, all ANDed: "bound" applies when not None, "flag" when True or
-# False (else both sides), the others when truthy ("like": a case-insensitive substring, "lower": equality
-# ignoring case, "cwd": the path or below). Activity is the newest message, else the start.
+# hermes-agent's bulk prune/archive filters, all ANDed: "bound" applies when not None, "flag"
+# when True or False (else both sides), the others when truthy ("like": a case-insensitive
+# substring, "lower": equality ignoring case, "cwd": the path or below). Activity is the
+# newest message, else the start.
 _PRUNE_FILTERS = {
     "last_active_before": ("bound", MESSAGES_LAST_ACTIVE_SQL + " < ?"),
     "last_active_after": ("bound", MESSAGES_LAST_ACTIVE_SQL + " >= ?"),
-    "started_before": ("bound", "s.started_at < ?"), "started_after": ("bound", "s.started_at >= ?"),
-    "source": ("exact", "s.source = ?"), "title_like": ("like", _LIKE.format("s.title")),
-    "end_reason": ("exact", "s.end_reason = ?"), "cwd_prefix": ("cwd", None),
-    "min_messages": ("bound", "s.message_count >= ?"), "max_messages": ("bound", "s.message_count <= ?"),
+    "started_before": ("bound", "s.started_at < ?"),
+    "started_after": ("bound", "s.started_at >= ?"),
+    "source": ("exact", "s.source = ?"),
+    "title_like": ("like", _LIKE.format("s.title")),
+    "end_reason": ("exact", "s.end_reason = ?"),
+    "cwd_prefix": ("cwd", None),
+    "min_messages": ("bound", "s.message_count >= ?"),
+    "max_messages": ("bound", "s.message_count <= ?"),
     "model_like": ("like", _LIKE.format("s.model")),
     "provider": ("lower", "LOWER(COALESCE(s.billing_provider, '')) = ?"),
-    "user_id": ("exact", "s.user_id = ?"), "chat_id": ("exact", "s.chat_id = ?"),
-    "chat_type": ("exact", "s.chat_type = ?"), "branch_like": ("like", _LIKE.format("s.git_branch")),
-    "min_tokens": ("bound", _TOKENS + " >= ?"), "max_tokens": ("bound", _TOKENS + " <= ?"),
-    "min_cost": ("bound", _COST + " >= ?"), "max_cost": ("bound", _COST + " <= ?"),
+    "user_id": ("exact", "s.user_id = ?"),
+    "chat_id": ("exact", "s.chat_id = ?"),
+    "chat_type": ("exact", "s.chat_type = ?"),
+    "branch_like": ("like", _LIKE.format("s.git_branch")),
+    "min_tokens": ("bound", _TOKENS + " >= ?"),
+    "max_tokens": ("bound", _TOKENS + " <= ?"),
+    "min_cost": ("bound", _COST + " >= ?"),
+    "max_cost": ("bound", _COST + " <= ?"),
     "min_tool_calls": ("bound", "COALESCE(s.tool_call_count, 0) >= ?"),
-    "max_tool_calls": ("bound", "COALESCE(s.tool_call_count, 0) <= ?"), "archived": ("flag", None),
+    "max_tool_calls": ("bound", "COALESCE(s.tool_call_count, 0) <= ?"),
+    "archived": ("flag", None),
 }
 _PRUNE_PARAM = {"bound": lambda v: v, "exact": lambda v: v, "lower": lambda v: v.lower(),
                 "like": lambda v: f"%{escape_like(v.lower())}%"}
@@ -73,31 +69,34 @@ _PRUNE_PARAM = {"bound": lambda v: v, "exact": lambda v: v, "lower": lambda v: v
 _EMPTY_SESSIONS_WHERE = "WHERE message_count = 0 AND ended_at IS NOT NULL AND archived = 0"
 _DELEGATE_ROWS_SQL = ("SELECT id, parent_session_id, model_config FROM sessions"
                       " WHERE instr(model_config, '_delegate_from') > 0")
-_SESSION_ROWS_DELETE_SQL = ("UPDATE sessions SET parent_session_id = NULL WHERE parent_session_id IN ({})",
-                            "DELETE FROM session_model_usage WHERE session_id IN ({})",
-                            "DELETE FROM sessions WHERE id IN ({})")
-# A deleted session's messages go after its row, a chunk per transaction, so no delete holds the write lock
-# for long (each message also leaves three indexes). One state_meta key per session still to sweep, its value
-# the highest message id it may have: ids are AUTOINCREMENT, so a session made again under the same id keeps
-# its new messages. A sweep cut short (the process died) is finished by the next writable open, delete or
-# prune, and by a create_session of one of its ids before the row is made again.
+# A deleted session's messages go after its row, a chunk per transaction, so no delete holds the
+# write lock for long (each message also leaves three indexes). One state_meta key per session
+# still to sweep, its value the highest message id it may have: ids are AUTOINCREMENT, so a session
+# made again under the same id keeps its new messages. A sweep cut short (the process died) is
+# finished by the next writable open, delete or prune, and by a create_session of one of its ids
+# before the row is made again.
 SWEEP_META_PREFIX = "hs_sweep_messages:"
-# When a delete last marked or swept: an open leaves the sweeps to a process that may still be at them.
+# When a delete last marked or swept: an open leaves the sweeps to a
+# process that may still be at them.
 SWEEP_BEAT_META = "hs_sweep_beat"
 _SWEEP_PENDING_SQL = "SELECT 1 FROM state_meta WHERE key >= ? AND key < ? LIMIT 1"
-_HAS_MESSAGES_SQL = "SELECT 1 FROM messages WHERE session_id = ? LIMIT 1"
-_MARKER_CANDIDATES_SQL = ("SELECT id, content FROM messages WHERE role = 'assistant'"
-                          " AND tool_calls IS NOT NULL AND tool_calls != ''")
 
 
 class SessionMaintenanceMixin:
-    """SessionDB's methods for pruning, archiving, deleting and reporting on the store."""
+    """SessionDB's methods for pruning, archiving, deleting and reporting on the store.
 
-    # Messages a delete removes per transaction: each costs up to 0.9 ms with our three indexes at 1M messages
-    # on a busy 2-core machine (2,000 held the lock for up to 1.8 s).
+    Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value`, `get_meta`, `set_meta`,
+    `_connect`, `_checkpoint_mode`, `db_path`, `fts_caps`, `policy`, `repairs`, `stale_schema`
+    (SessionDB); `_flush_token_counts` (usage mixin); `_resolved`, `set_session_archived` (sessions
+    mixin); `fts_layout`, `fts_rebuild_status`, `fts_rebuild_step`, `optimize_fts`,
+    `search_health` (search index mixin)."""
+
+    # Messages a delete removes per transaction: each costs up to 0.9 ms with our three indexes at
+    # 1M messages on a busy 2-core machine (2,000 held the lock for up to 1.8 s).
     DELETE_CHUNK_ROWS = 400
-    # An open finishes the sweeps left when none went on for this long: a sweep's process does a chunk at
-    # least every few seconds, and an open that joined a live sweep would wait for all of it.
+    # An open finishes the sweeps left when none went on for this long: a sweep's
+    # process does a chunk at least every few seconds, and an open that joined a live
+    # sweep would wait for all of it.
     SWEEP_ALIVE_SECONDS = 60
     # The largest store maybe_auto_prune_and_vacuum VACUUMs on its own (issue 17's 1 s hold).
     AUTO_VACUUM_MAX_BYTES = 32 * 1024 * 1024
@@ -105,11 +104,13 @@ class SessionMaintenanceMixin:
     # -- selecting sessions for prune and archive ------------------------------
 
     def list_prune_candidates(self, older_than_days=None, source=None, **filters):
-        """Rows (id, source, title, model, started_at, last_active, ended_at, message_count, archived) a
-        prune_sessions or archive_sessions with these filters would touch, least recently active first.
+        """Rows (id, source, title, model, started_at, last_active, ended_at,
+        message_count, archived) a prune_sessions or archive_sessions with these filters
+        would touch, least recently active first.
 
-        Only ended sessions qualify. `older_than_days` means inactive that long (newest message, else start)
-        unless `last_active_before` or `started_before` is given; an unknown filter raises TypeError."""
+        Only ended sessions qualify. `older_than_days` means inactive that long (newest
+        message, else start) unless `last_active_before` or `started_before` is given; an
+        unknown filter raises TypeError."""
         where, params = _prune_where(older_than_days, source, filters)
         return [dict(row) for row in self._read_all(
             f"SELECT s.id, s.source, s.title, s.model, s.started_at, {MESSAGES_LAST_ACTIVE_SQL}"
@@ -119,21 +120,23 @@ class SessionMaintenanceMixin:
     def count_open_prune_matches(self, older_than_days=None, source=None, **filters):
         """How many sessions still open match the same filters (prune skips them); 0 if none."""
         where, params = _prune_where(older_than_days, source, filters)
-        return int(self._read_value(f"SELECT COUNT(*) FROM sessions AS s WHERE s.ended_at IS NULL{where}",
-                                    params))
+        return int(self._read_value(
+            f"SELECT COUNT(*) FROM sessions AS s WHERE s.ended_at IS NULL{where}", params))
 
     def prune_sessions(self, older_than_days=90, source=None, sessions_dir=None, **filters):
-        """Delete the ended sessions list_prune_candidates selects (children become roots), and their files in
-        `sessions_dir`; returns how many. Ours, not hermes-agent's: `session_ids=[...]` deletes only those
-        of them (the CLI's prune deletes no session it did not list when it asked)."""
+        """Delete the ended sessions list_prune_candidates selects (children become roots),
+        and their files in `sessions_dir`; returns how many. Ours, not hermes-agent's:
+        `session_ids=[...]` deletes only those of them (the CLI's prune deletes no session
+        it did not list when it asked)."""
         only = filters.pop("session_ids", None)
         where, params = _prune_where(older_than_days, source, filters)
-        return self._delete_selected(f"SELECT s.id FROM sessions AS s WHERE {_ENDED}{where}", params,
-                                     sessions_dir, only=None if only is None else set(only))
+        return self._delete_selected(
+            f"SELECT s.id FROM sessions AS s WHERE {_ENDED}{where}", params, sessions_dir,
+            only=None if only is None else set(only))
 
     def archive_sessions(self, older_than_days=None, source=None, **filters):
-        """Archive every session list_prune_candidates selects (only unarchived ones unless `archived` is
-        given), each with its compression chain; returns how many matched."""
+        """Archive every session list_prune_candidates selects (only unarchived ones unless
+        `archived` is given), each with its compression chain; returns how many matched."""
         filters.setdefault("archived", False)
         rows = self.list_prune_candidates(older_than_days, source, **filters)
         for row in rows:
@@ -141,15 +144,16 @@ class SessionMaintenanceMixin:
         return len(rows)
 
     def archive_stale_sessions(self, idle_days, *, exclude_pinned=True):
-        """Archive sessions, open or ended, whose heartbeat and newest message are older than `idle_days`,
-        each with its compression chain (chain tips and standalone ones only); returns how many (0 if
-        `idle_days` is None or negative)."""
+        """Archive sessions, open or ended, whose heartbeat and newest message are older than
+        `idle_days`, each with its compression chain (chain tips and standalone ones only); returns
+        how many (0 if `idle_days` is None or negative)."""
         if idle_days is None or idle_days < 0:
             return 0
         pinned = " AND s.pinned = 0" if exclude_pinned else ""
         ids = [row[0] for row in self._read_all(
             "SELECT s.id FROM sessions AS s WHERE s.archived = 0 AND COALESCE(s.end_reason, '') <>"
-            f" 'compression'{pinned} AND {LAST_ACTIVE_SQL.format(a='s')} < ? ORDER BY s.started_at ASC",
+            f" 'compression'{pinned} AND {LAST_ACTIVE_SQL.format(a='s')} < ?"
+            " ORDER BY s.started_at ASC",
             (time.time() - float(idle_days) * 86400,))]
         for session_id in ids:
             self.set_session_archived(session_id, True)
@@ -157,23 +161,26 @@ class SessionMaintenanceMixin:
 
     def maybe_auto_prune_and_vacuum(self, retention_days=90, min_interval_hours=24, vacuum=True,
                                     sessions_dir=None, min_vacuum_interval_days=30):
-        """Prune sessions inactive `retention_days`, at most once per `min_interval_hours`; returns
-        {"skipped", "pruned", "vacuumed"}, plus "error" instead of raising. VACUUMs after a prune that deleted
-        something, at most once per `min_vacuum_interval_days`, a store of at most AUTO_VACUUM_MAX_BYTES."""
+        """Prune sessions inactive `retention_days`, at most once per `min_interval_hours`;
+        returns {"skipped", "pruned", "vacuumed"}, plus "error" instead of raising. VACUUMs after
+        a prune that deleted something, at most once per `min_vacuum_interval_days`, a store of
+        at most AUTO_VACUUM_MAX_BYTES."""
         result = {"skipped": False, "pruned": 0, "vacuumed": False}
 
         def step(now):
-            result["pruned"] = self.prune_sessions(older_than_days=retention_days, sessions_dir=sessions_dir)
+            result["pruned"] = self.prune_sessions(
+                older_than_days=retention_days, sessions_dir=sessions_dir)
             if not (vacuum and result["pruned"]) or _within(self.get_meta("last_vacuum"), now,
                                                              min_vacuum_interval_days * 86400):
                 return
             size = store_file_bytes(self.db_path)
             if size > self.AUTO_VACUUM_MAX_BYTES:
-                # VACUUM rewrites the file under the write lock, about 1 s per 50 MB here: past this size only
-                # a command that says so first (optimize-storage) may hold it that long.
-                logger.info("state.db is %.0f MB: no automatic VACUUM (it would hold the write lock for "
-                            "seconds); `python -m hermes_state optimize-storage` reclaims the space",
-                            size / 1e6)
+                # VACUUM rewrites the file under the write lock, about 1 s per 50 MB here: past this
+                # size only a command that says so first (optimize-storage) may hold it that long.
+                logger.info(
+                    "state.db is %.0f MB: no automatic VACUUM (it would hold the write lock for "
+                    "seconds); `python -m hermes_state optimize-storage` reclaims the space",
+                    size / 1e6)
                 return
             try:
                 self.vacuum()
@@ -181,15 +188,17 @@ class SessionMaintenanceMixin:
                 self.set_meta("last_vacuum", str(now))
             except Exception as exc:
                 logger.warning("state.db VACUUM failed: %s", exc)
-        return self._when_due("last_auto_prune", min_interval_hours, "auto-maintenance", result, step)
+        return self._when_due(
+            "last_auto_prune", min_interval_hours, "auto-maintenance", result, step)
 
     def maybe_auto_archive(self, idle_days=3, min_interval_hours=24, exclude_pinned=True):
-        """archive_stale_sessions at most once per `min_interval_hours`; returns {"skipped", "archived"}, plus
-        "error" when something failed: it never raises."""
+        """archive_stale_sessions at most once per `min_interval_hours`; returns {"skipped",
+        "archived"}, plus "error" when something failed: it never raises."""
         result = {"skipped": False, "archived": 0}
 
         def step(now):
-            result["archived"] = self.archive_stale_sessions(idle_days, exclude_pinned=exclude_pinned)
+            result["archived"] = self.archive_stale_sessions(
+                idle_days, exclude_pinned=exclude_pinned)
         return self._when_due("last_auto_archive", min_interval_hours, "auto-archive", result, step)
 
     def _when_due(self, meta_key, min_interval_hours, what, result, step):
@@ -210,16 +219,19 @@ class SessionMaintenanceMixin:
     # -- deleting ----------------------------------------------------------------
 
     def get_session_delete_targets(self, session_id):
-        """[session_id, its delegate subagents sorted] as delete_session would remove them; [] if unknown."""
+        """[session_id, its delegate subagents sorted] as delete_session would remove them;
+        [] if unknown."""
         if not self._read_one(SESSION_EXISTS_SQL, (session_id,)):
             return []
-        return [session_id] + sorted(_delegate_descendants(self._read_all(_DELEGATE_ROWS_SQL), [session_id]))
+        delegates = _delegate_descendants(self._read_all(_DELEGATE_ROWS_SQL), [session_id])
+        return [session_id] + sorted(delegates)
 
     def delete_session(self, session_id, sessions_dir=None, expected_delete_ids=None):
-        """Delete a session with its delegate subagents (other children become roots); False if unknown.
+        """Delete a session with its delegate subagents (other children become roots);
+        False if unknown.
 
-        With `expected_delete_ids`, deletes nothing (False) unless those are exactly the session and its
-        delegates when the write starts. Their files in `sessions_dir` go after the commit."""
+        With `expected_delete_ids`, deletes nothing (False) unless those are exactly the session and
+        its delegates when the write starts. Their files in `sessions_dir` go after the commit."""
         expected = None if expected_delete_ids is None else set(expected_delete_ids)
 
         def write(conn):
@@ -234,15 +246,16 @@ class SessionMaintenanceMixin:
         return self._delete_committed(write, sessions_dir) is not None
 
     def delete_sessions(self, session_ids, sessions_dir=None):
-        """Delete the given sessions that exist, with their delegates, in one transaction; returns how many
-        existed (non-text values are skipped)."""
+        """Delete the given sessions that exist, with their delegates, in one transaction; returns
+        how many existed (non-text values are skipped)."""
         wanted = list({sid for sid in session_ids or () if isinstance(sid, str) and sid})
 
         def write(conn):
             existing = [row[0] for chunk in chunked(wanted) for row in conn.execute(
                 f"SELECT id FROM sessions WHERE id IN ({placeholders(len(chunk))})", chunk)]
-            delegates = _delegate_descendants(conn.execute(_DELEGATE_ROWS_SQL), existing) if existing \
-                else set()
+            delegates = set()
+            if existing:
+                delegates = _delegate_descendants(conn.execute(_DELEGATE_ROWS_SQL), existing)
             self._delete_sessions_in(conn, sorted(delegates) + existing)
             return sorted(delegates), existing
         delegates, existing = self._execute_write(write) if wanted else ([], [])
@@ -266,19 +279,23 @@ class SessionMaintenanceMixin:
         return deleted
 
     def count_empty_sessions(self):
-        """How many ended, unarchived sessions have no messages (what delete_empty_sessions removes)."""
+        """How many ended, unarchived sessions have no messages (what
+        delete_empty_sessions removes)."""
         return self._read_value(f"SELECT COUNT(*) FROM sessions {_EMPTY_SESSIONS_WHERE}")
 
     def delete_empty_sessions(self, sessions_dir=None):
         """Delete every ended, unarchived session without messages; returns how many."""
-        return self._delete_selected(f"SELECT id FROM sessions {_EMPTY_SESSIONS_WHERE}", (), sessions_dir)
+        return self._delete_selected(
+            f"SELECT id FROM sessions {_EMPTY_SESSIONS_WHERE}", (), sessions_dir)
 
     def prune_empty_ghost_sessions(self, sessions_dir=None):
-        """Delete ended, untitled TUI sessions over a day old that never got a message; returns how many.
-        Like hermes-agent, raises sqlite3.IntegrityError and deletes nothing if one of them has children."""
+        """Delete ended, untitled TUI sessions over a day old that never got a message;
+        returns how many. Like hermes-agent, raises sqlite3.IntegrityError and deletes
+        nothing if one of them has children."""
         return self._delete_selected(
-            "SELECT id FROM sessions AS s WHERE source = 'tui' AND title IS NULL AND ended_at IS NOT NULL"
-            " AND started_at < ? AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)",
+            "SELECT id FROM sessions AS s"
+            " WHERE source = 'tui' AND title IS NULL AND ended_at IS NOT NULL AND started_at < ?"
+            " AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)",
             (time.time() - 86400,), sessions_dir, refuse_parents=True)
 
     def _delete_selected(self, sql, params, sessions_dir, refuse_parents=False, only=None):
@@ -287,7 +304,8 @@ class SessionMaintenanceMixin:
         def write(conn):
             ids = [row[0] for row in conn.execute(sql, params) if only is None or row[0] in only]
             if refuse_parents and any(conn.execute(
-                    f"SELECT 1 FROM sessions WHERE parent_session_id IN ({placeholders(len(chunk))}) LIMIT 1",
+                    "SELECT 1 FROM sessions"
+                    f" WHERE parent_session_id IN ({placeholders(len(chunk))}) LIMIT 1",
                     chunk).fetchone() for chunk in chunked(ids)):
                 raise sqlite3.IntegrityError("FOREIGN KEY constraint failed")
             self._delete_sessions_in(conn, ids)
@@ -295,27 +313,33 @@ class SessionMaintenanceMixin:
         return len(self._delete_committed(write, sessions_dir))
 
     def _delete_committed(self, write, sessions_dir):
-        """The ids `write(conn)` deleted (None or [] if none), once committed, swept and files removed."""
+        """The ids `write(conn)` deleted (None or [] if none), once committed,
+        swept and files removed."""
         removed = self._execute_write(write)
         self._sweep_deleted_messages()
         _remove_transcripts(sessions_dir, removed)
         return removed
 
     def _delete_sessions_in(self, conn, session_ids):
-        """Inside a write: how many of the sessions went, with their usage rows, topic bindings and unused
-        prompts; children become roots, messages are marked for _sweep_deleted_messages (run after commit)."""
+        """Inside a write: how many of the sessions went, with their usage rows, topic bindings
+        and unused prompts; children become roots, messages are marked for
+        _sweep_deleted_messages (run after commit)."""
         bindings = conn.execute(TABLE_EXISTS_SQL, ("telegram_dm_topic_bindings",)).fetchone()
         deleted = 0
         for chunk in chunked(session_ids):
             marks = placeholders(len(chunk))
             if bindings:
-                conn.execute(f"DELETE FROM telegram_dm_topic_bindings WHERE session_id IN ({marks})", chunk)
-            for template in _SESSION_ROWS_DELETE_SQL:
-                count = conn.execute(template.format(marks), chunk).rowcount
-            deleted += count
+                conn.execute(
+                    f"DELETE FROM telegram_dm_topic_bindings WHERE session_id IN ({marks})", chunk)
+            conn.execute(
+                "UPDATE sessions SET parent_session_id = NULL"
+                f" WHERE parent_session_id IN ({marks})", chunk)
+            conn.execute(f"DELETE FROM session_model_usage WHERE session_id IN ({marks})", chunk)
+            deleted += conn.execute(f"DELETE FROM sessions WHERE id IN ({marks})", chunk).rowcount
         upto = conn.execute("SELECT MAX(id) FROM messages").fetchone()[0]
         # No key for a session without messages: its delete then takes no sweep transaction.
-        marked = [sid for sid in session_ids if conn.execute(_HAS_MESSAGES_SQL, (sid,)).fetchone()]
+        has_messages = "SELECT 1 FROM messages WHERE session_id = ? LIMIT 1"
+        marked = [sid for sid in session_ids if conn.execute(has_messages, (sid,)).fetchone()]
         for session_id in marked:
             write_meta(conn, SWEEP_META_PREFIX + session_id, str(upto))
         if marked:
@@ -325,8 +349,9 @@ class SessionMaintenanceMixin:
         return deleted
 
     def _sweep_deleted_messages(self, prefix=SWEEP_META_PREFIX):
-        """How many messages of deleted sessions (sweep key under `prefix`, this call's or left by another)
-        went, DELETE_CHUNK_ROWS per transaction; only reads when nothing is left to sweep."""
+        """How many messages of deleted sessions (sweep key under `prefix`, this
+        call's or left by another) went, DELETE_CHUNK_ROWS per transaction; only reads
+        when nothing is left to sweep."""
         swept = 0
         while self._read_one(_SWEEP_PENDING_SQL, prefix_bounds(prefix)) is not None:
             if swept:
@@ -335,32 +360,35 @@ class SessionMaintenanceMixin:
         return swept
 
     def _finish_abandoned_sweeps(self):
-        """At a writable open, how many messages of sweeps a dead process left went; only reads when none is
-        left or one went on under SWEEP_ALIVE_SECONDS ago.
+        """At a writable open, how many messages of sweeps a dead process left went; only reads when
+        none is left or one went on under SWEEP_ALIVE_SECONDS ago.
 
-        Readers are not filtered meanwhile (a filter in every message query costs more than it saves), so
-        `get_messages` of a deleted id still returns its rows, as during any sweep; a session made again first
-        sweeps its id (_sweep_before_reuse)."""
+        Readers are not filtered meanwhile (a filter in every message query costs more than it
+        saves), so `get_messages` of a deleted id still returns its rows, as during any sweep; a
+        session made again first sweeps its id (_sweep_before_reuse)."""
         if self._read_one(_SWEEP_PENDING_SQL, prefix_bounds(SWEEP_META_PREFIX)) is None \
                 or _within(self.get_meta(SWEEP_BEAT_META), time.time(), self.SWEEP_ALIVE_SECONDS):
             return 0
         return self._sweep_deleted_messages()
 
     def _sweep_before_reuse(self, session_id):
-        """How many messages a deletion of `session_id` (or of ids it prefixes) left went, before reuse."""
+        """How many messages a deletion of `session_id` (or of ids it prefixes) left went,
+        before reuse."""
         return self._sweep_deleted_messages(SWEEP_META_PREFIX + session_id)
 
     def _sweep_chunk(self, conn, prefix):
         room = self.DELETE_CHUNK_ROWS
         write_meta(conn, SWEEP_BEAT_META, str(time.time()))
-        sweeps = conn.execute("SELECT key, CAST(value AS INTEGER) FROM state_meta WHERE key >= ? AND key < ?"
-                              " ORDER BY key LIMIT ?", (*prefix_bounds(prefix), SQL_CHUNK_SIZE)).fetchall()
+        sweeps = conn.execute(
+            "SELECT key, CAST(value AS INTEGER) FROM state_meta WHERE key >= ? AND key < ?"
+            " ORDER BY key LIMIT ?", (*prefix_bounds(prefix), SQL_CHUNK_SIZE)).fetchall()
         for key, upto in sweeps:
             ids = [row[0] for row in conn.execute(
                 "SELECT id FROM messages WHERE session_id = ? AND id <= ? ORDER BY id LIMIT ?",
                 (key[len(SWEEP_META_PREFIX):], upto or 0, room))]
             for chunk in chunked(ids):
-                conn.execute(f"DELETE FROM messages WHERE id IN ({placeholders(len(chunk))})", chunk)
+                marks = placeholders(len(chunk))
+                conn.execute(f"DELETE FROM messages WHERE id IN ({marks})", chunk)
             room -= len(ids)
             if room == 0:  # this session may have more: its key stays
                 break
@@ -370,37 +398,42 @@ class SessionMaintenanceMixin:
     # -- reports -------------------------------------------------------------------
 
     def session_lifecycle_statuses(self, session_ids):
-        """{id: 'complete', 'interrupted', 'error'} from each session's last message, 'empty' without messages
-        (or unknown); {} for no ids."""
+        """{id: 'complete', 'interrupted', 'error'} from each session's last message, 'empty'
+        without messages (or unknown); {} for no ids."""
         ids = [sid for sid in session_ids or () if sid]
         statuses = dict.fromkeys(ids, SESSION_STATUS_EMPTY)
         for chunk in chunked(ids):
             rows = self._read_all(
-                "SELECT m.session_id, m.role, m.tool_calls IS NOT NULL, m.finish_reason FROM messages AS m"
+                "SELECT m.session_id, m.role, m.tool_calls IS NOT NULL, m.finish_reason"
+                " FROM messages AS m"
                 " JOIN (SELECT MAX(id) AS last_id FROM messages WHERE session_id IN"
-                f" ({placeholders(len(chunk))}) GROUP BY session_id) AS last ON m.id = last.last_id", chunk)
+                f" ({placeholders(len(chunk))}) GROUP BY session_id) AS last"
+                " ON m.id = last.last_id", chunk)
             statuses.update((row[0], classify_session_status(*row[1:])) for row in rows)
         return statuses
 
     def list_cron_job_runs(self, job_id, limit=20, offset=0):
-        """Runs of cron job `job_id` (ids `cron_<job_id>_...`) as list_sessions_rich rows, newest first;
-        [] if none."""
+        """Runs of cron job `job_id` (ids `cron_<job_id>_...`) as list_sessions_rich rows,
+        newest first; [] if none."""
+        rich = SESSION_RICH_SQL.format(columns="s.*", last_active=LAST_ACTIVE_SQL.format(a="s"))
         return self._resolved(self._read_all(
-            SESSION_RICH_COLUMNS_SQL + " WHERE s.source = 'cron' AND s.id >= ? AND s.id < ?"
+            rich + " WHERE s.source = 'cron' AND s.id >= ? AND s.id < ?"
             " ORDER BY s.started_at DESC, s.id DESC LIMIT ? OFFSET ?",
             (*prefix_bounds(f"cron_{job_id}_"), limit, offset)))
 
     def find_pr_url_messages(self, session_ids):
-        """[{session_id, content}] of their tool results naming '/pull/', oldest first; [] if none."""
+        """[{session_id, content}] of their tool results naming '/pull/',
+        oldest first; [] if none."""
         ids = [sid for sid in session_ids if sid]
         # hermes-agent's chunks of 900, so that more ids than one chunk come back in the same order.
         return [dict(row) for chunk in chunked(ids, 900) for row in self._read_all(
-            f"SELECT session_id, content FROM messages WHERE session_id IN ({placeholders(len(chunk))})"
+            "SELECT session_id, content FROM messages"
+            f" WHERE session_id IN ({placeholders(len(chunk))})"
             " AND role = 'tool' AND content LIKE '%/pull/%' ORDER BY id", chunk)]
 
     def list_skill_scaffolded_sessions(self, limit=200):
-        """[{id, title, content}] of titled sessions whose first user turn (`content`) invoked /skill, newest
-        first; [] if none."""
+        """[{id, title, content}] of titled sessions whose first user turn (`content`) invoked
+        /skill, newest first; [] if none."""
         return [dict(row) for row in self._read_all(
             "SELECT s.id, s.title, m.content FROM sessions AS s JOIN messages AS m ON m.id ="
             " (SELECT f.id FROM messages AS f WHERE f.session_id = s.id AND f.role = 'user'"
@@ -409,9 +442,11 @@ class SessionMaintenanceMixin:
             (SKILL_SCAFFOLD_PREFIX + "%", int(limit)))]
 
     def logical_size_bytes(self):
-        """page_count * page_size: the store's size once its WAL is checkpointed; None if unreadable."""
+        """page_count * page_size: the store's size once its WAL is checkpointed;
+        None if unreadable."""
         try:
-            return int(self._read_value("PRAGMA page_count")) * int(self._read_value("PRAGMA page_size"))
+            pages = int(self._read_value("PRAGMA page_count"))
+            return pages * int(self._read_value("PRAGMA page_size"))
         except Exception as exc:
             logger.debug("could not read the logical size of %s: %s", self.db_path, exc)
             return None
@@ -419,44 +454,50 @@ class SessionMaintenanceMixin:
     # -- one-shot fixes ---------------------------------------------------------------
 
     def backfill_repo_roots(self, cwd_to_root):
-        """Record `cwd_to_root[cwd]` as git_repo_root of sessions in that cwd that have none; returns None."""
+        """Record `cwd_to_root[cwd]` as git_repo_root of sessions in that cwd that have none;
+        returns None."""
         pairs = [(root, cwd) for cwd, root in cwd_to_root.items() if root and cwd]
         if pairs:
             self._execute_write(lambda conn: conn.executemany(
-                "UPDATE sessions SET git_repo_root = ? WHERE cwd = ? AND COALESCE(git_repo_root, '') = ''",
-                pairs))
+                "UPDATE sessions SET git_repo_root = ?"
+                " WHERE cwd = ? AND COALESCE(git_repo_root, '') = ''", pairs))
 
     def retag_kanban_worker_sessions(self, workspaces_root):
-        """How many 'cli' sessions at or under `workspaces_root` became 'kanban'; 0 if that root was done."""
+        """How many 'cli' sessions at or under `workspaces_root` became 'kanban';
+        0 if that root was done."""
         prefix = str(workspaces_root).rstrip("/\\")
         gate = f"kanban_worker_source_retagged:{prefix}"
         if not prefix or self.get_meta(gate) == "1":
             return 0
 
         def write(conn):
-            count = conn.execute("UPDATE sessions SET source = 'kanban' WHERE source = 'cli' AND (cwd = ?"
-                                 " OR cwd LIKE ? ESCAPE '\\')", (prefix, escape_like(prefix) + "/%")).rowcount
+            count = conn.execute(
+                "UPDATE sessions SET source = 'kanban' WHERE source = 'cli' AND (cwd = ?"
+                " OR cwd LIKE ? ESCAPE '\\')", (prefix, escape_like(prefix) + "/%")).rowcount
             write_meta(conn, gate, "1")
             return count
         return self._execute_write(write)
 
     def purge_stale_tool_call_markers(self, *, dry_run=False, backup=True):
-        """{"dry_run", "rows_affected", "row_ids", "backup_path"} after emptying assistant tool-call rows
-        whose content is only a stale "[name]" marker. A dry run writes nothing; with `backup`, the store is
-        first copied (VACUUM INTO) to `<name>.pre-clean-markers-backup-<time>`."""
+        """{"dry_run", "rows_affected", "row_ids", "backup_path"} after emptying assistant tool-call
+        rows whose content is only a stale "[name]" marker. A dry run writes nothing; with `backup`,
+        the store is first copied (VACUUM INTO) to `<name>.pre-clean-markers-backup-<time>`."""
         def affected(rows):
             return [row[0] for row in rows
                     if isinstance(row[1], str) and STALE_MARKER.fullmatch(row[1].strip())]
 
-        ids = affected(self._read_all(_MARKER_CANDIDATES_SQL))
-        report = {"dry_run": bool(dry_run), "rows_affected": len(ids), "row_ids": ids, "backup_path": None}
+        candidates = ("SELECT id, content FROM messages WHERE role = 'assistant'"
+                      " AND tool_calls IS NOT NULL AND tool_calls != ''")
+        ids = affected(self._read_all(candidates))
+        report = {"dry_run": bool(dry_run), "rows_affected": len(ids), "row_ids": ids,
+                  "backup_path": None}
         if dry_run or not ids:
             return report
         if backup:
             report["backup_path"] = str(self._vacuum_into_beside("pre-clean-markers-backup"))
 
         def write(conn):
-            found = affected(conn.execute(_MARKER_CANDIDATES_SQL))
+            found = affected(conn.execute(candidates))
             for chunk in chunked(found):
                 marks = placeholders(len(chunk))
                 conn.execute(f"UPDATE messages SET content = '' WHERE id IN ({marks})", chunk)
@@ -466,7 +507,8 @@ class SessionMaintenanceMixin:
         return report
 
     def _vacuum_into_beside(self, label):
-        """A consistent copy of the store, made by SQLite, as `<name>.<label>-<time>[_n]`, owner-only."""
+        """A consistent copy of the store, made by SQLite, as
+        `<name>.<label>-<time>[_n]`, owner-only."""
         target = claim_file_beside(self.db_path, label)
         self._read_value("VACUUM INTO ?", (str(target),))
         return target
@@ -474,8 +516,8 @@ class SessionMaintenanceMixin:
     # -- vacuum, stats and doctor ----------------------------------------------------
 
     def vacuum(self):
-        """How many search indexes were merged (0 if merging failed) before rewriting the file without free
-        pages and truncating the WAL (unless the replicator checkpoints)."""
+        """How many search indexes were merged (0 if merging failed) before rewriting the file
+        without free pages and truncating the WAL (unless the replicator checkpoints)."""
         self._flush_token_counts()
         try:
             merged = self.optimize_fts()
@@ -487,9 +529,9 @@ class SessionMaintenanceMixin:
                     self.db_path, store_file_bytes(self.db_path) / 1e6)
 
         def run(conn):
-            conn.execute(VACUUM_SQL)
+            conn.execute("VACUUM")
             if self.policy.checkpoint != "external":  # only the replicator checkpoints then
-                conn.execute(CHECKPOINT_TRUNCATE_SQL)
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         self._execute_write(run, transaction=False)
         return merged
 
@@ -500,17 +542,20 @@ class SessionMaintenanceMixin:
     def stats(self):
         """Counts and sizes for `stats`: sessions, messages, sources, file size, versions."""
         self._flush_token_counts()
-        by_source = {row[0]: row[1] for row in self._read_all(SESSIONS_BY_SOURCE_SQL)}
+        by_source = {row[0]: row[1] for row in self._read_all(
+            "SELECT source, COUNT(*) FROM sessions GROUP BY source ORDER BY source")}
         where, size = self._store_location()
         return {"db_path": where, "db_bytes": size,
                 "sessions": sum(by_source.values()), "sessions_by_source": by_source,
-                "messages_active": self._read_value(COUNT_ACTIVE_MESSAGES_SQL),
+                "messages_active": self._read_value(
+                    "SELECT COUNT(*) FROM messages WHERE active = 1"),
                 "messages_total": self._read_value(COUNT_ALL_MESSAGES_SQL),
                 "schema_version": self.schema_version(), "fts_layout": self.fts_layout()}
 
     def _store_location(self):
-        """The store as its user names it, and its bytes: a replica's URL and the pages SQLite reads
-        through the VFS (open_replica has no local file), else the path and the file with its WAL."""
+        """The store as its user names it, and its bytes: a replica's URL and the
+        pages SQLite reads through the VFS (open_replica has no local file), else the
+        path and the file with its WAL."""
         url = getattr(self._connect, "replica_url", None)
         if url is None:
             return str(self.db_path), store_file_bytes(self.db_path)
@@ -518,17 +563,25 @@ class SessionMaintenanceMixin:
         return url, pages * self._read_value("PRAGMA page_size")
 
     def doctor(self):
-        """Integrity, layouts, journal and runtime facts; `ok` is False on damage, `trigger_damage` included.
-        Never raises on a damaged file: a check that cannot run reports why."""
-        integrity = _checked(lambda: [row[0] for row in self._read_all(INTEGRITY_CHECK_SQL)])
+        """Integrity, layouts, journal and runtime facts; `ok` is False on damage, `trigger_damage`
+        included. Never raises on a damaged file: a check that cannot run reports why."""
+        integrity = _checked(
+            lambda: [row[0] for row in self._read_all("PRAGMA integrity_check")])
         report = {
-            "db_path": self._store_location()[0], "integrity_check": integrity, "ok": integrity == ["ok"],
-            "sqlite_version": sqlite3.sqlite_version, "fts5": self.fts_caps.fts5,
-            "trigram": self.fts_caps.trigram, "wal_reset_bug": sqlite_has_wal_reset_bug(),
+            "db_path": self._store_location()[0],
+            "integrity_check": integrity,
+            "ok": integrity == ["ok"],
+            "sqlite_version": sqlite3.sqlite_version,
+            "fts5": self.fts_caps.fts5,
+            "trigram": self.fts_caps.trigram,
+            "wal_reset_bug": sqlite_has_wal_reset_bug(),
             "journal_mode": _checked(lambda: self._read_value(JOURNAL_MODE_SQL)),
-            "journal_policy": self.policy.reason, "checkpoint_mode": _checked(self._checkpoint_mode),
-            "schema_version": _checked(self.schema_version), "schema_version_of_release": SCHEMA_VERSION,
-            "stale_schema": self.stale_schema, "repairs_at_open": self.repairs,
+            "journal_policy": self.policy.reason,
+            "checkpoint_mode": _checked(self._checkpoint_mode),
+            "schema_version": _checked(self.schema_version),
+            "schema_version_of_release": SCHEMA_VERSION,
+            "stale_schema": self.stale_schema,
+            "repairs_at_open": self.repairs,
         }
         search = _checked(self.search_health)
         report.update(search if isinstance(search, dict) else {"search_health": search})
@@ -554,7 +607,8 @@ class SessionMaintenanceMixin:
 
 
 def _prune_where(older_than_days, source, filters):
-    """(" AND ..." conditions, params) of hermes-agent's prune filters; TypeError for an unknown one."""
+    """(" AND ..." conditions, params) of hermes-agent's prune filters;
+    TypeError for an unknown one."""
     unknown = sorted(set(filters) - set(_PRUNE_FILTERS))
     if unknown:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
@@ -568,14 +622,18 @@ def _prune_where(older_than_days, source, filters):
         if kind == "flag":
             where += f" AND s.archived = {int(value)}" if value is True or value is False else ""
         elif value is not None and (value or kind == "bound"):
-            clause, values = cwd_prefix_clause(value) if kind == "cwd" else (sql, [_PRUNE_PARAM[kind](value)])
+            if kind == "cwd":
+                clause, values = cwd_prefix_clause(value)
+            else:
+                clause, values = sql, [_PRUNE_PARAM[kind](value)]
             where += " AND " + clause
             params.extend(values)
     return where, params
 
 
 def _within(stamp, now, seconds):
-    """True if the state_meta time `stamp` is less than `seconds` before `now`; False if absent or garbled."""
+    """True if the state_meta time `stamp` is less than `seconds` before `now`;
+    False if absent or garbled."""
     try:
         return bool(stamp) and now - float(stamp) < seconds
     except (TypeError, ValueError):
@@ -583,9 +641,9 @@ def _within(stamp, now, seconds):
 
 
 def _delegate_descendants(rows, parent_ids):
-    """Ids of the delegate subagents under `parent_ids` at any depth, never the parents; `rows` are (id,
-    parent_session_id, model_config). A delegate's model_config has "_delegate_from": its child is one whose
-    marker names it, or which has a marker and it as parent_session_id."""
+    """Ids of the delegate subagents under `parent_ids` at any depth, never the parents; `rows` are
+    (id, parent_session_id, model_config). A delegate's model_config has "_delegate_from": its child
+    is one whose marker names it, or which has a marker and it as parent_session_id."""
     marked = []
     for session_id, parent, config in rows:
         try:
@@ -603,8 +661,9 @@ def _delegate_descendants(rows, parent_ids):
 
 
 def _remove_transcripts(sessions_dir, session_ids):
-    """Remove each session's `<id>.json`, `<id>.jsonl` and `request_dump_<id>_*.json` from `sessions_dir` as
-    hermes-agent does; a file that will not go stays, an id reaching outside the folder is skipped."""
+    """Remove each session's `<id>.json`, `<id>.jsonl` and `request_dump_<id>_*.json` from
+    `sessions_dir` as hermes-agent does; a file that will not go stays, an id reaching
+    outside the folder is skipped."""
     if sessions_dir is None or not session_ids:
         return
     folder = Path(sessions_dir)

@@ -6,24 +6,29 @@ Owns the `title` and `title_source` columns. Never writes any other column.
 import re
 
 from hermes_state_common import (
-    SELECT_TITLE_OWNER_SQL, TITLE_MAX_LENGTH, TITLE_SOURCE_DERIVED, TITLE_SOURCE_LLM, TITLE_SOURCE_RANK,
-    TITLE_SOURCE_USER, escape_like, normalize_title)
+    SELECT_TITLE_OWNER_SQL, TITLE_MAX_LENGTH, TITLE_SOURCE_DERIVED, TITLE_SOURCE_LLM,
+    TITLE_SOURCE_RANK, TITLE_SOURCE_USER, escape_like, normalize_title)
 
 # A title whose writer is unknown (rows older than title_source) counts as the user's: an automatic
 # title may fill an empty slot but never replace it.
 _UNKNOWN_SOURCE_RANK = TITLE_SOURCE_RANK[TITLE_SOURCE_USER]
-# A row when the second ? is a session the first continues (up the chain of compression-ended parents).
-_IS_COMPRESSION_ANCESTOR_SQL = """
-WITH RECURSIVE chain(id) AS (
-  SELECT ? UNION SELECT parent.id FROM chain JOIN sessions AS child ON child.id = chain.id
-  JOIN sessions AS parent ON parent.id = child.parent_session_id WHERE parent.end_reason = 'compression')
-SELECT 1 FROM chain WHERE id = ? AND id <> ? LIMIT 1"""
+# A row when the second ? is a session the first continues
+# (up the chain of compression-ended parents).
+_IS_COMPRESSION_ANCESTOR_SQL = (
+    "\nWITH RECURSIVE chain(id) AS (\n"
+    "  SELECT ? UNION SELECT parent.id FROM chain JOIN sessions AS child ON child.id = chain.id\n"
+    "  JOIN sessions AS parent ON parent.id = child.parent_session_id"
+    " WHERE parent.end_reason = 'compression')\n"
+    "SELECT 1 FROM chain WHERE id = ? AND id <> ? LIMIT 1")
 _NUMBERED_SUFFIX = re.compile(r"^(.*?) #(\d+)$")
 _ID_BY_TITLE_SQL = "SELECT id FROM sessions WHERE title = ?"
 
 
 class SessionTitlesMixin:
-    """SessionDB's methods for titles."""
+    """SessionDB's methods for titles.
+
+    Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value`, `_update_rows`
+    (SessionDB); `get_session` (sessions mixin)."""
 
     MAX_TITLE_LENGTH = TITLE_MAX_LENGTH
     TITLE_SOURCE_DERIVED = TITLE_SOURCE_DERIVED
@@ -32,21 +37,22 @@ class SessionTitlesMixin:
 
     @staticmethod
     def sanitize_title(title):
-        """The title as it would be stored; None for a falsy or blank title. Raises ValueError "Title too long
-        (N chars, max 100)", TypeError for a non-string."""
+        """The title as it would be stored; None for a falsy or blank title. Raises ValueError
+        "Title too long (N chars, max 100)", TypeError for a non-string."""
         return normalize_title(title)
 
     def set_session_title(self, session_id, title):
         """Set the user's title (None or blank clears it); False for an unknown session.
 
-        Raises ValueError "Title '...' is already in use by session ..." when another session holds it,
-        writing nothing, unless that one is a compression ancestor of this one: the title then moves."""
+        Raises ValueError "Title '...' is already in use by session ..." when another
+        session holds it, writing nothing, unless that one is a compression ancestor of
+        this one: the title then moves."""
         return self._write_title(session_id, title, TITLE_SOURCE_USER)
 
     def set_auto_title(self, session_id, title, *, source):
-        """Set a generated title of `source` ('derived' or 'llm'); False when the session is unknown or
-        holds a title of the same or higher authority. Raises ValueError for another source, and as
-        set_session_title does."""
+        """Set a generated title of `source` ('derived' or 'llm'); False when the session is
+        unknown or holds a title of the same or higher authority. Raises ValueError for another
+        source, and as set_session_title does."""
         if source not in (TITLE_SOURCE_DERIVED, TITLE_SOURCE_LLM):
             raise ValueError(f"invalid automatic title source: {source!r}")
         return self._write_title(session_id, title, source)
@@ -75,14 +81,16 @@ class SessionTitlesMixin:
         return self._execute_write(write)
 
     def _check_title_free(self, conn, title, session_id):
-        """Raise the reference's ValueError when another session holds `title`, unless that is a compression
-        ancestor (ended and unlisted, so nobody can rename it): it gives the title up instead."""
+        """Raise the reference's ValueError when another session holds `title`, unless
+        that is a compression ancestor (ended and unlisted, so nobody can rename it):
+        it gives the title up instead."""
         if title is None:
             return
         owner = conn.execute(SELECT_TITLE_OWNER_SQL, (title, session_id)).fetchone()
         if owner is None:
             return
-        if conn.execute(_IS_COMPRESSION_ANCESTOR_SQL, (session_id, owner[0], session_id)).fetchone():
+        ancestor = conn.execute(_IS_COMPRESSION_ANCESTOR_SQL, (session_id, owner[0], session_id))
+        if ancestor.fetchone():
             conn.execute("UPDATE sessions SET title = NULL WHERE id = ?", (owner[0],))
             return
         raise ValueError(f"Title '{title}' is already in use by session {owner[0]}")
@@ -92,18 +100,19 @@ class SessionTitlesMixin:
         return self._read_value("SELECT title FROM sessions WHERE id = ?", (session_id,))
 
     def get_session_title_source(self, session_id):
-        """Who set the title ('derived', 'llm', 'user'); None for rows older than provenance, or when the
-        session is untitled or unknown."""
+        """Who set the title ('derived', 'llm', 'user'); None for rows older than provenance, or
+        when the session is untitled or unknown."""
         row = self._read_one("SELECT title, title_source FROM sessions WHERE id = ?", (session_id,))
         return None if row is None or row["title"] is None else row["title_source"]
 
     def set_session_title_source(self, session_id, source):
-        """Change who a title counts as set by; False when the session is unknown or untitled. Raises
-        ValueError for an unknown source."""
+        """Change who a title counts as set by; False when the session is unknown or untitled.
+        Raises ValueError for an unknown source."""
         if source not in TITLE_SOURCE_RANK:
             raise ValueError(f"invalid title source: {source!r}")
-        return self._update_rows("UPDATE sessions SET title_source = ? WHERE id = ? AND title IS NOT NULL",
-                                 (source, session_id)) > 0
+        return self._update_rows(
+            "UPDATE sessions SET title_source = ? WHERE id = ? AND title IS NOT NULL",
+            (source, session_id)) > 0
 
     def get_session_by_title(self, title):
         """The session (as get_session returns it) whose title is exactly `title`, or None."""
@@ -111,15 +120,17 @@ class SessionTitlesMixin:
         return None if session_id is None else self.get_session(session_id)
 
     def resolve_session_by_title(self, title):
-        """The id of the newest "<title> #N" continuation, else of the session titled `title`, else None."""
+        """The id of the newest "<title> #N" continuation, else of the
+        session titled `title`, else None."""
         numbered = self._read_value(
-            "SELECT id FROM sessions WHERE title LIKE ? ESCAPE '\\' ORDER BY started_at DESC LIMIT 1",
+            "SELECT id FROM sessions WHERE title LIKE ? ESCAPE '\\'"
+            " ORDER BY started_at DESC LIMIT 1",
             (escape_like(title) + " #%",))
         return numbered if numbered is not None else self._read_value(_ID_BY_TITLE_SQL, (title,))
 
     def get_next_title_in_lineage(self, base_title):
-        """The next free "<base> #N" for `base_title` (its own " #N" dropped first); the base itself when no
-        session uses it or a numbered form."""
+        """The next free "<base> #N" for `base_title` (its own " #N" dropped first); the base itself
+        when no session uses it or a numbered form."""
         match = _NUMBERED_SUFFIX.match(base_title)
         base = match.group(1) if match else base_title
         titles = [row[0] for row in self._read_all(

@@ -1,8 +1,9 @@
 """Tokens and cost: owns the token, cost and billing columns of `sessions`, its activity heartbeat
-(`last_activity_*`), `session_model_usage` (one row per route and task) and the in-memory queue of token
-deltas. A queued delta rides with the next write (SessionDB's write path calls `apply_token_batch` first
-in its transaction), or goes with `flush_token_counts`, close() or interpreter exit. A delta for a missing
-session creates a bare row (source 'unknown'). Never writes messages.
+(`last_activity_*`), `session_model_usage` (one row per route and task) and the in-memory queue of
+token deltas. A queued delta rides with the next write (SessionDB's write path calls
+`apply_token_batch` first in its transaction), or goes with `flush_token_counts`, close() or
+interpreter exit. A delta for a missing session creates a bare row (source 'unknown'). Never writes
+messages.
 """
 
 import inspect
@@ -12,7 +13,8 @@ import sqlite3
 import threading
 import time
 
-from hermes_state_common import DELETE_UNUSED_PROMPTS_SQL, TOKEN_QUEUE_MAX_AGE, UsageValueError, sqlite_keeps
+from hermes_state_common import (
+    DELETE_UNUSED_PROMPTS_SQL, TOKEN_QUEUE_MAX_AGE, UsageValueError, sqlite_keeps)
 
 logger = logging.getLogger("hermes_state")
 
@@ -29,14 +31,16 @@ _ROUTE_COLUMNS = ("model", "billing_provider", "billing_base_url", "billing_mode
 # turn it describes (the next beat retries).
 ACTIVITY_WRITE_PATIENCE = 0.5
 ACTIVITY_DESCRIPTION_MAX = 120
-ACTIVITY_PROVENANCES = ("unknown", "agent.compression", "agent.compression_timeout", "agent.compression_cooldown")
+ACTIVITY_PROVENANCES = ("unknown", "agent.compression", "agent.compression_timeout",
+                        "agent.compression_cooldown")
 
 # SessionDBs holding queued deltas: kept alive so that the exit hook (which holds a weak reference)
 # still finds and closes one its owner dropped unclosed.
 _UNFLUSHED = set()
-_INSERT_BARE_SESSION_SQL = ("INSERT INTO sessions (id, source, model, started_at) VALUES (?, 'unknown', ?, ?)"
-                            " ON CONFLICT (id) DO UPDATE SET model = excluded.model"
-                            " WHERE sessions.model IS NULL AND excluded.model IS NOT NULL")
+_INSERT_BARE_SESSION_SQL = (
+    "INSERT INTO sessions (id, source, model, started_at) VALUES (?, 'unknown', ?, ?)"
+    " ON CONFLICT (id) DO UPDATE SET model = excluded.model"
+    " WHERE sessions.model IS NULL AND excluded.model IS NOT NULL")
 
 
 def _counters_sql(absolute):
@@ -57,34 +61,41 @@ _SET_COUNTERS_SQL = _counters_sql(absolute=True)
 _USAGE_KEY = ("session_id",) + _ROUTE_COLUMNS + ("task",)
 _USAGE_SUMS = ("api_call_count",) + COUNT_FIELDS[:5] + COST_FIELDS
 _ADD_MODEL_USAGE_SQL = (
-    f"INSERT INTO session_model_usage ({', '.join(_USAGE_KEY + _USAGE_SUMS)}, cost_status, cost_source,"
-    f" first_seen, last_seen) VALUES ({', '.join(':' + c for c in _USAGE_KEY + _USAGE_SUMS)}, :cost_status,"
-    f" :cost_source, :now, :now) ON CONFLICT ({', '.join(_USAGE_KEY)}) DO UPDATE SET"
+    f"INSERT INTO session_model_usage ({', '.join(_USAGE_KEY + _USAGE_SUMS)},"
+    " cost_status, cost_source, first_seen, last_seen)"
+    f" VALUES ({', '.join(':' + c for c in _USAGE_KEY + _USAGE_SUMS)},"
+    " :cost_status, :cost_source, :now, :now)"
+    f" ON CONFLICT ({', '.join(_USAGE_KEY)}) DO UPDATE SET"
     f" {', '.join(f'{c} = {c} + excluded.{c}' for c in _USAGE_SUMS)},"
     " cost_status = COALESCE(excluded.cost_status, cost_status),"
     " cost_source = COALESCE(excluded.cost_source, cost_source), last_seen = excluded.last_seen")
 
 
 class SessionUsageMixin:
-    """SessionDB's methods for tokens and cost."""
+    """SessionDB's methods for tokens and cost.
+
+    Relies on: `_execute_write`, `_read_one`, `_closed`, `_tokens` (a TokenQueue), `_write_lock`,
+    `db_path`, `read_only` (SessionDB)."""
 
     def update_token_counts(self, session_id, input_tokens=0, output_tokens=0, model=None,
                             cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=0,
-                            estimated_cost_usd=None, actual_cost_usd=None, cost_status=None, cost_source=None,
-                            pricing_version=None, billing_provider=None, billing_base_url=None,
-                            billing_mode=None, api_call_count=0, absolute=False):
-        """Add one API call's tokens and cost to a session (a missing one is made, source 'unknown') and its
-        route's usage row now, or with `absolute` set the session's totals only; None. cost_status,
-        cost_source and pricing_version keep the last value; model and billing_* fill empty columns, but the
-        first counted call records its own route. Raises UsageValueError (a ValueError) before writing a
-        value that cannot be stored."""
+                            estimated_cost_usd=None, actual_cost_usd=None, cost_status=None,
+                            cost_source=None, pricing_version=None, billing_provider=None,
+                            billing_base_url=None, billing_mode=None, api_call_count=0,
+                            absolute=False):
+        """Add one API call's tokens and cost to a session (a missing one is made, source 'unknown')
+        and its route's usage row now, or with `absolute` set the session's totals only; None.
+        cost_status, cost_source and pricing_version keep the last value; model and billing_* fill
+        empty columns, but the first counted call records its own route. Raises UsageValueError (a
+        ValueError) before writing a value that cannot be stored."""
         delta = _token_delta(session_id, dict(locals()))
         self._execute_write(lambda conn: write_token_delta(conn, session_id, delta, time.time()))
 
     def queue_token_counts(self, session_id, **kwargs):
-        """Queue update_token_counts(session_id, **kwargs) to ride with the next write (or the next call,
-        once the queue is TOKEN_QUEUE_MAX_AGE old); None. Like hermes-agent's background writer it logs and
-        drops a bad delta, never raises; after close() it raises like update_token_counts."""
+        """Queue update_token_counts(session_id, **kwargs) to ride with the next write (or
+        the next call, once the queue is TOKEN_QUEUE_MAX_AGE old); None. Like hermes-agent's
+        background writer it logs and drops a bad delta, never raises; after close() it
+        raises like update_token_counts."""
         if self._closed:
             return self.update_token_counts(session_id, **kwargs)
         try:
@@ -92,7 +103,8 @@ class SessionUsageMixin:
                 raise PermissionError(f"state store {self.db_path} was opened read-only")
             unknown = kwargs.keys() - _UPDATE_DEFAULTS.keys()
             if unknown:
-                raise TypeError(f"update_token_counts() got an unexpected keyword argument {min(unknown)!r}")
+                raise TypeError("update_token_counts() got an unexpected keyword argument "
+                                f"{min(unknown)!r}")
             delta = _token_delta(session_id, {**_UPDATE_DEFAULTS, **kwargs})
         except (TypeError, ValueError, PermissionError) as exc:
             logger.warning("token counts for session %r dropped: %s", session_id, exc)
@@ -103,8 +115,9 @@ class SessionUsageMixin:
             self.flush_token_counts()
 
     def flush_token_counts(self, timeout=5.0):
-        """Apply every queued token delta now; True when none is left queued. False, never raising, when
-        another thread kept the write lock for `timeout` seconds or the write failed (the deltas stay)."""
+        """Apply every queued token delta now; True when none is left queued. False, never
+        raising, when another thread kept the write lock for `timeout` seconds or the
+        write failed (the deltas stay)."""
         if not self._tokens:
             return True
         if self._closed or self.read_only or not self._write_lock.acquire(timeout=max(timeout, 0)):
@@ -113,7 +126,8 @@ class SessionUsageMixin:
             self._execute_write(lambda conn: None)
             return True
         except Exception as exc:  # the contract: a flush reports, it never raises into a turn
-            logger.warning("queued token counts not written yet (%d deltas kept): %s", len(self._tokens), exc)
+            logger.warning("queued token counts not written yet (%d deltas kept): %s",
+                           len(self._tokens), exc)
             return False
         finally:
             self._write_lock.release()
@@ -121,20 +135,23 @@ class SessionUsageMixin:
     _flush_token_counts = flush_token_counts
 
     def record_auxiliary_usage(self, session_id, task, *, model=None, billing_provider=None,
-                               billing_base_url=None, input_tokens=0, output_tokens=0, cache_read_tokens=0,
-                               cache_write_tokens=0, reasoning_tokens=0, estimated_cost_usd=None,
-                               api_call_count=1):
-        """Add an auxiliary call's usage (vision, titles, ...) to the usage row of its model, provider and
-        `task`, not to the session's counters (a missing session gets a bare row); None, nothing for an
-        empty id or task. Raises UsageValueError before writing a value that cannot be stored."""
+                               billing_base_url=None, input_tokens=0, output_tokens=0,
+                               cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=0,
+                               estimated_cost_usd=None, api_call_count=1):
+        """Add an auxiliary call's usage (vision, titles, ...) to the usage row of its
+        model, provider and `task`, not to the session's counters (a missing session gets a
+        bare row); None, nothing for an empty id or task. Raises UsageValueError before
+        writing a value that cannot be stored."""
         if not session_id or not task:
             return
         arguments = dict(locals(), api_call_count=1 if api_call_count is None else api_call_count)
         row = {name: _count(name, arguments[name]) for name in COUNT_FIELDS}
         row.update(session_id=_session_id(session_id), task=_text("task", task),
-                   api_call_count=int(row["api_call_count"]), model=_text("model", model) or "unknown",
+                   api_call_count=int(row["api_call_count"]),
+                   model=_text("model", model) or "unknown",
                    billing_provider=_text("billing_provider", billing_provider) or "",
-                   billing_base_url=_text("billing_base_url", billing_base_url) or "", billing_mode="",
+                   billing_base_url=_text("billing_base_url", billing_base_url) or "",
+                   billing_mode="",
                    estimated_cost_usd=_cost("estimated_cost_usd", estimated_cost_usd) or 0.0,
                    actual_cost_usd=0.0, cost_status=None, cost_source=None)
 
@@ -145,9 +162,11 @@ class SessionUsageMixin:
         self._execute_write(write)
 
     def update_session_billing_route(self, session_id, *, provider, base_url, billing_mode=None):
-        """Overwrite the session's billing route after a model switch (billing_mode when given) and drop
-        its stored system prompt, whose header names the old route; None, also for an unknown id."""
-        route = (_text("provider", provider), _text("base_url", base_url), _text("billing_mode", billing_mode))
+        """Overwrite the session's billing route after a model switch (billing_mode
+        when given) and drop its stored system prompt, whose header names the old
+        route; None, also for an unknown id."""
+        route = (_text("provider", provider), _text("base_url", base_url),
+                 _text("billing_mode", billing_mode))
 
         def write(conn):
             conn.execute("UPDATE sessions SET billing_provider = ?, billing_base_url = ?,"
@@ -157,14 +176,16 @@ class SessionUsageMixin:
         self._execute_write(write)
 
     def touch_session_activity(self, session_id, ts=None, *, description=None, provenance=None):
-        """Stamp the session's last activity (`ts`, default now, never moved back) with a description cut
-        to ACTIVITY_DESCRIPTION_MAX and a known provenance (else 'unknown'); None, nothing for no session."""
+        """Stamp the session's last activity (`ts`, default now, never moved back) with a
+        description cut to ACTIVITY_DESCRIPTION_MAX and a known provenance (else
+        'unknown'); None, nothing for no session."""
         if not session_id:
             return
         when, text = float(time.time() if ts is None else ts), _bounded_description(description)
         params = (when, text, _known_provenance(provenance), session_id, when)
         self._execute_write(lambda conn: conn.execute(
-            "UPDATE sessions SET last_activity_at = ?, last_activity_description = ?, last_activity_provenance = ?"
+            "UPDATE sessions SET last_activity_at = ?, last_activity_description = ?,"
+            " last_activity_provenance = ?"
             " WHERE id = ? AND (last_activity_at IS NULL OR last_activity_at < ?)", params),
             patience_s=ACTIVITY_WRITE_PATIENCE)
 
@@ -173,35 +194,40 @@ class SessionUsageMixin:
         `last_activity_at`; None, and no write when they are already blank."""
         if not session_id:
             return
-        row = self._read_one("SELECT last_activity_description, last_activity_provenance FROM sessions"
-                             " WHERE id = ?", (session_id,))
+        row = self._read_one(
+            "SELECT last_activity_description, last_activity_provenance FROM sessions"
+            " WHERE id = ?", (session_id,))
         if row is not None and not row[0] and row[1] in (None, "", "unknown"):
             return
         self._execute_write(lambda conn: conn.execute(
-            "UPDATE sessions SET last_activity_description = '', last_activity_provenance = 'unknown'"
-            " WHERE id = ?", (session_id,)), patience_s=ACTIVITY_WRITE_PATIENCE)
+            "UPDATE sessions SET last_activity_description = '',"
+            " last_activity_provenance = 'unknown' WHERE id = ?", (session_id,)),
+            patience_s=ACTIVITY_WRITE_PATIENCE)
 
     def get_dominant_session_model_route(self, session_id):
-        """{model, billing_provider, billing_base_url, billing_mode, api_call_count} of the main-loop route
-        that served most calls; None when no counted call names both a model and a provider."""
+        """{model, billing_provider, billing_base_url, billing_mode, api_call_count}
+        of the main-loop route that served most calls; None when no counted call
+        names both a model and a provider."""
         self.flush_token_counts()
         row = self._read_one(
             "SELECT model, billing_provider, billing_base_url, billing_mode, api_call_count"
             " FROM session_model_usage WHERE session_id = ? AND task = '' AND model <> 'unknown'"
             " AND billing_provider <> '' ORDER BY api_call_count DESC, input_tokens + output_tokens"
-            " + cache_read_tokens + cache_write_tokens + reasoning_tokens DESC, last_seen DESC LIMIT 1",
+            " + cache_read_tokens + cache_write_tokens + reasoning_tokens DESC, last_seen DESC"
+            " LIMIT 1",
             (session_id,))
         return None if row is None else dict(row)
 
     def usage_totals(self, *, min_message_count=1, include_archived=False):
-        """{"tokens": input + output, "cost_usd": actual cost where known, else the estimate} summed over
-        root sessions with at least `min_message_count` messages; zeros when none match."""
+        """{"tokens": input + output, "cost_usd": actual cost where known, else the estimate} summed
+        over root sessions with at least `min_message_count` messages; zeros when none match."""
         self.flush_token_counts()
         archived = "" if include_archived else " AND COALESCE(archived, 0) = 0"
         tokens, cost = self._read_one(
             "SELECT COALESCE(SUM(COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0)), 0),"
             " COALESCE(SUM(COALESCE(actual_cost_usd, estimated_cost_usd, 0)), 0) FROM sessions"
-            " WHERE parent_session_id IS NULL AND message_count >= ?" + archived, (min_message_count,))
+            " WHERE parent_session_id IS NULL AND message_count >= ?" + archived,
+            (min_message_count,))
         return {"tokens": int(tokens or 0), "cost_usd": float(cost or 0.0)}
 
     def get_session_activity(self, session_id):
@@ -254,10 +280,14 @@ def _count(name, value):
             value = float(value) if any(c in value for c in ".eE") else int(value)
         except ValueError:
             raise UsageValueError(f"{name} must be a number, not {value!r}") from None
-    storable = math.isfinite(value) if isinstance(value, float) else isinstance(value, int) and sqlite_keeps(value)
+    if isinstance(value, float):
+        storable = math.isfinite(value)
+    else:
+        storable = isinstance(value, int) and sqlite_keeps(value)
     if storable:
         return int(value) if isinstance(value, bool) else value
-    raise UsageValueError(f"{name} must be a finite number within SQLite's integer range, not {value!r}")
+    raise UsageValueError(
+        f"{name} must be a finite number within SQLite's integer range, not {value!r}")
 
 
 def _cost(name, value):
@@ -309,19 +339,23 @@ def write_token_delta(conn, session_id, delta, now):
     counted = any(delta[name] for name in COUNT_FIELDS + COST_FIELDS)
     held = conn.execute("SELECT model, billing_provider, api_call_count FROM sessions WHERE id = ?",
                         (session_id,)).fetchone()
-    # Until a call has been counted the row only holds the route asked for at creation; the first call
-    # that counts usage (after a fallback, maybe another route) names the route the session really ran on.
-    if (counted and not (held["api_call_count"] or 0) and delta["model"] and delta["billing_provider"]
-            and (held["model"], held["billing_provider"]) != (delta["model"], delta["billing_provider"])):
-        conn.execute("UPDATE sessions SET model = ?, billing_provider = ?, billing_base_url = ?, billing_mode = ?"
-                     " WHERE id = ?", (*(delta[c] for c in _ROUTE_COLUMNS), session_id))
+    # Until a call has been counted the row only holds the route asked for at creation;
+    # the first call that counts usage (after a fallback, maybe another route) names the
+    # route the session really ran on.
+    ran = (delta["model"], delta["billing_provider"])
+    first_call = counted and not (held["api_call_count"] or 0)
+    if first_call and all(ran) and (held["model"], held["billing_provider"]) != ran:
+        conn.execute(
+            "UPDATE sessions SET model = ?, billing_provider = ?, billing_base_url = ?,"
+            " billing_mode = ? WHERE id = ?", (*(delta[c] for c in _ROUTE_COLUMNS), session_id))
     params = dict(delta, **{f"fill_{c}": delta[c] if counted else None for c in _ROUTE_COLUMNS})
     conn.execute(_SET_COUNTERS_SQL if delta["absolute"] else _ADD_COUNTERS_SQL, params)
     if delta["absolute"] or not any(delta[name] for name in COUNT_FIELDS + ("estimated_cost_usd",)):
         return
     # The usage row's route: the delta's, else what the session row holds now.
-    route = conn.execute("SELECT model, billing_provider, billing_base_url, billing_mode FROM sessions"
-                         " WHERE id = ?", (session_id,)).fetchone()
+    route = conn.execute(
+        "SELECT model, billing_provider, billing_base_url, billing_mode FROM sessions"
+        " WHERE id = ?", (session_id,)).fetchone()
     conn.execute(_ADD_MODEL_USAGE_SQL, dict(
         params, task="", now=now, model=delta["model"] or route["model"] or "unknown",
         **{c: delta[c] or 0.0 for c in COST_FIELDS},
@@ -329,19 +363,21 @@ def write_token_delta(conn, session_id, delta, now):
 
 
 def apply_token_batch(conn, batch):
-    """Apply queued deltas in order first in the caller's BEGIN IMMEDIATE transaction. One SQLite still
-    refuses (another program's trigger, say) is logged and dropped under its own savepoint, never blocking
-    the write."""
+    """Apply queued deltas in order first in the caller's BEGIN IMMEDIATE transaction. One
+    SQLite still refuses (another program's trigger, say) is logged and dropped under its own
+    savepoint, never blocking the write."""
     now, applied = time.time(), []
     for delta in batch:
         conn.execute("SAVEPOINT token_delta")
         try:
             write_token_delta(conn, delta["session_id"], delta, now)
         except (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError) as exc:
-            logger.warning("queued token counts for session %r dropped: %s", delta["session_id"], exc)
+            logger.warning("queued token counts for session %r dropped: %s",
+                           delta["session_id"], exc)
             if not conn.in_transaction:
-                # RAISE(ROLLBACK) ended the whole transaction, savepoint included; put back, the delta
-                # would fail every later write. It held only the deltas before this one: begin it again.
+                # RAISE(ROLLBACK) ended the whole transaction, savepoint included; put
+                # back, the delta would fail every later write. It held only the deltas
+                # before this one: begin it again.
                 conn.execute("BEGIN IMMEDIATE")
                 for kept in applied:
                     write_token_delta(conn, kept["session_id"], kept, now)

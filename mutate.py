@@ -133,7 +133,7 @@ MUTANTS = [
            "an old state_meta without a primary key gets a sweep key twice, and a second deletion's rows stay",
            ["test_lock_holds.DeletesInChunks"]),
     Mutant("empty-sessions-marked-for-sweep", "hermes_state_maintenance.py",
-           "marked = [sid for sid in session_ids if conn.execute(_HAS_MESSAGES_SQL, (sid,)).fetchone()]",
+           "marked = [sid for sid in session_ids if conn.execute(has_messages, (sid,)).fetchone()]",
            "marked = list(session_ids)",
            "deleting sessions without messages takes a sweep transaction for nothing",
            ["test_lock_holds.DeletesInChunks"]),
@@ -605,8 +605,9 @@ MUTANTS = [
            "close() marks the store closed before applying the queue, so queued token counts are lost",
            ["test_hermes_state_usage.TokenQueue", "test_hermes_state.Sessions"]),
     Mutant("delete-session-leaves-topic-bindings", "hermes_state_maintenance.py",
-           "            if bindings:\n                conn.execute(f\"DELETE FROM telegram_dm_topic_bindings"
-           " WHERE session_id IN ({marks})\", chunk)\n",
+           "            if bindings:\n                conn.execute(\n"
+           "                    f\"DELETE FROM telegram_dm_topic_bindings WHERE session_id IN ({marks})\","
+           " chunk)\n",
            "",
            "delete_session leaves the session's Telegram topic bindings pointing at nothing",
            ["test_hermes_state_maintenance.Deleting"]),
