@@ -21,7 +21,7 @@ from collections import Counter
 from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, LAST_ACTIVE_SQL, SELECT_COMPRESSION_LOCK_SQL,
     _BARE_BILLING_PROVIDERS, _RESET_END_REASONS, classify_persistence_error, has_fork_marker,
-    json_object, json_text, placeholders, require_text)
+    json_object, json_text, require_text)
 
 logger = logging.getLogger("hermes_state")
 
@@ -354,9 +354,9 @@ class SessionGatewayMixin:
         created."""
         if not session_id or not session_key:
             return
-        # The peer's columns in the order both statements below name them.
-        values = (session_key, source, user_id, chat_id, chat_type, thread_id, display_name,
-                  origin_json)
+        peer = {"session_key": session_key, "source": source, "user_id": user_id,
+                "chat_id": chat_id, "chat_type": chat_type, "thread_id": thread_id,
+                "display_name": display_name, "origin_json": origin_json}
 
         def write(conn):
             ids = [session_id]
@@ -371,18 +371,19 @@ class SessionGatewayMixin:
                         or has_fork_marker(link["model_config"])):
                     break
                 ids.append(link["id"])
-            conn.execute("UPDATE sessions SET session_key = ?, source = ?, user_id = ?,"
-                         " chat_id = ?, chat_type = ?, thread_id = ?,"
-                         " display_name = COALESCE(?, display_name),"
-                         " origin_json = COALESCE(?, origin_json)"
-                         f" WHERE id IN ({placeholders(len(ids))})",
-                         (*values, *ids))
+            conn.executemany("UPDATE sessions SET session_key = :session_key, source = :source,"
+                             " user_id = :user_id, chat_id = :chat_id, chat_type = :chat_type,"
+                             " thread_id = :thread_id,"
+                             " display_name = COALESCE(:display_name, display_name),"
+                             " origin_json = COALESCE(:origin_json, origin_json)"
+                             " WHERE id = :id", [dict(peer, id=row_id) for row_id in ids])
             if not include_compression_ancestors and conn.execute(
                     "SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone() is None:
                 conn.execute("INSERT INTO sessions (session_key, source, user_id, chat_id,"
                              " chat_type, thread_id, display_name, origin_json, id, started_at)"
-                             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                             (*values, session_id, time.time()))
+                             " VALUES (:session_key, :source, :user_id, :chat_id, :chat_type,"
+                             " :thread_id, :display_name, :origin_json, :id, :started_at)",
+                             dict(peer, id=session_id, started_at=time.time()))
         self._execute_write(write)
 
     def find_latest_gateway_session_for_peer(self, *, source, user_id=None, session_key=None,

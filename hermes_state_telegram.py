@@ -71,13 +71,15 @@ class SessionTelegramMixin:
         self._update_rows(
             "INSERT INTO telegram_dm_topic_mode (chat_id, user_id, enabled, activated_at,"
             " updated_at, has_topics_enabled, allows_users_to_create_topics,"
-            " capability_checked_at) VALUES (?, ?, 1, ?, ?, ?, ?, ?)"
+            " capability_checked_at) VALUES (:chat_id, :user_id, 1, :now, :now, :has_topics,"
+            " :users_create, :now)"
             " ON CONFLICT(chat_id) DO UPDATE SET user_id = excluded.user_id, enabled = 1,"
             " updated_at = excluded.updated_at, has_topics_enabled = excluded.has_topics_enabled,"
             " allows_users_to_create_topics = excluded.allows_users_to_create_topics,"
             " capability_checked_at = excluded.capability_checked_at",
-            (str(chat_id), str(user_id), now, now, _flag(has_topics_enabled),
-             _flag(allows_users_to_create_topics), now))
+            {"chat_id": str(chat_id), "user_id": str(user_id), "now": now,
+             "has_topics": _flag(has_topics_enabled),
+             "users_create": _flag(allows_users_to_create_topics)})
 
     def disable_telegram_topic_mode(self, *, chat_id, clear_bindings=True):
         """Turn topic mode off for one chat and, with `clear_bindings`, drop its bindings;
@@ -145,12 +147,14 @@ class SessionTelegramMixin:
                 raise ValueError("session is already linked to another Telegram topic")
             conn.execute(
                 "INSERT INTO telegram_dm_topic_bindings (chat_id, thread_id, user_id, session_key,"
-                " session_id, managed_mode, linked_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+                " session_id, managed_mode, linked_at, updated_at) VALUES (:chat_id, :thread_id,"
+                " :user_id, :session_key, :session_id, :managed_mode, :now, :now)"
                 " ON CONFLICT(chat_id, thread_id) DO UPDATE SET user_id = excluded.user_id,"
                 " session_key = excluded.session_key, session_id = excluded.session_id,"
                 " managed_mode = excluded.managed_mode, updated_at = excluded.updated_at",
-                (chat_id, thread_id, str(user_id), str(session_key), session_id, managed_mode,
-                 now, now))
+                {"chat_id": chat_id, "thread_id": thread_id, "user_id": str(user_id),
+                 "session_key": str(session_key), "session_id": session_id,
+                 "managed_mode": managed_mode, "now": now})
         self._execute_write(write)
 
     def delete_telegram_topic_binding(self, *, chat_id, thread_id):

@@ -182,11 +182,12 @@ class SessionUsageMixin:
         if not session_id:
             return
         when, text = float(time.time() if ts is None else ts), _bounded_description(description)
-        params = (when, text, _known_provenance(provenance), session_id, when)
+        params = {"when": when, "text": text, "provenance": _known_provenance(provenance),
+                  "session_id": session_id}
         self._execute_write(lambda conn: conn.execute(
-            "UPDATE sessions SET last_activity_at = ?, last_activity_description = ?,"
-            " last_activity_provenance = ?"
-            " WHERE id = ? AND (last_activity_at IS NULL OR last_activity_at < ?)", params),
+            "UPDATE sessions SET last_activity_at = :when, last_activity_description = :text,"
+            " last_activity_provenance = :provenance WHERE id = :session_id"
+            " AND (last_activity_at IS NULL OR last_activity_at < :when)", params),
             patience_s=ACTIVITY_WRITE_PATIENCE)
 
     def clear_session_activity_labels(self, session_id):
