@@ -573,9 +573,8 @@ MUTANTS = [
            "get_messages_as_conversation loses tool_call_id, which chat APIs require on tool turns",
            ["test_hermes_state_messages.Reading"]),
     Mutant("message-count-skips-rewound", "hermes_state_messages.py",
-           '            return self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ?", (session_id,))\n',
-           '            return self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ? AND active = 1",\n'
-           "                                    (session_id,))\n",
+           '"SELECT COUNT(*) FROM messages WHERE session_id = ?",\n',
+           '"SELECT COUNT(*) FROM messages WHERE session_id = ? AND active = 1",\n',
            "message_count(session_id) leaves out rewound and compacted rows, which hermes-agent counts",
            ["test_hermes_state_messages.SmallReads"]),
     Mutant("lineage-tip-first", "hermes_state_compression.py",
