@@ -148,7 +148,6 @@ MUTANTS = [
            "cycle detection looks only two links up, so a loop of 3+ sessions is attached",
            ["test_hermes_state_portability.ParentLinks"]),
     Mutant("cycle-check-one-hop", "hermes_state_portability.py",
-           "        row = conn.execute(SELECT_LINEAGE_LINK_SQL, (current,)).fetchone()\n"
            "        current = row[0] if row else None\n",
            "        current = None\n",
            "only a self-link counts as a cycle",
@@ -619,8 +618,8 @@ MUTANTS = [
            "request_handoff resets a handoff in flight back to pending, so it can be claimed twice",
            ["test_hermes_state_gateway.Handoffs"]),
     Mutant("export-includes-rewound", "hermes_state_portability.py",
-           '               "WHERE session_id = ? AND active = 1 AND id > ? ORDER BY id LIMIT ?")\n',
-           '               "WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?")\n',
+           '" FROM messages WHERE session_id = ? AND active = 1 AND id > ? ORDER BY id LIMIT ?")\n',
+           '" FROM messages WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?")\n',
            "export_session includes messages a rewind hid",
            ["test_hermes_state_portability.Exports"]),
 ]
