@@ -32,8 +32,8 @@ BINARY_TYPES = (bytes, bytearray, memoryview)
 
 
 def json_default(value):
-    """The `default` hook of json.dumps for every output: bytes as the BYTES_MARKER object, else
-    str()."""
+    """The `default` hook of json.dumps for every output:
+    bytes as the BYTES_MARKER object, else str()."""
     if isinstance(value, BINARY_TYPES):
         return {BYTES_MARKER: base64.b64encode(bytes(value)).decode("ascii")}
     return str(value)
@@ -89,16 +89,16 @@ def decoded_calls(texts, scan=json.JSONDecoder().scan_once):
 
 
 def encoded_calls(column):
-    """A tool_calls column as jsonl_line writes its values: null, or the text as get_messages
-    decodes it."""
+    """A tool_calls column as jsonl_line writes its values:
+    null, or the text as get_messages decodes it."""
     set_texts = [text for text in column if text is not None]
     decoded = map(JSONL_ENCODER.encode, decoded_calls(set_texts))
     return ["null" if text is None else next(decoded) for text in column]
 
 
 def jsonl_session(before, texts, after):
-    """The pieces of jsonl_line({**before, "messages": [texts joined], **after}); texts are a
-    list's items."""
+    """The pieces of jsonl_line({**before, "messages": [texts joined], **after});
+    texts are a list's items."""
     encode = JSONL_ENCODER.encode
     yield encode(before)[:-1] + (', "messages": [' if before else '"messages": [')
     separator = ""
@@ -283,10 +283,10 @@ def html_section(export):
 
 
 def write_export(exports, fmt, out, *, redact_secrets=False):
-    """How many of `exports` (for jsonl, maybe SessionDB.iter_export_jsonl's) went in `fmt` to
-    `out`: a path, a folder for md/qmd, '-' for stdout with jsonl and trace. Files get temporary
-    names until the last session is written: an export that fails part-way leaves no partial file
-    behind."""
+    """How many of `exports` (for jsonl, maybe SessionDB.iter_export_jsonl's) went in `fmt`
+    to `out`: a path, a folder for md/qmd, '-' for stdout with jsonl and trace. Files get
+    temporary names until the last session is written: an export that fails part-way leaves
+    no partial file behind."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {', '.join(EXPORT_FORMATS)}")
     if out == "-" and fmt not in ("jsonl", "trace"):
@@ -322,8 +322,8 @@ FILE_NAME_ID_CHARS = 64
 
 def markdown_file_name(session_id, fmt, taken=()):
     """A file name for one session: its id's safe characters (at most FILE_NAME_ID_CHARS) and the
-    start of its SHA-256 (ids differing in unsafe characters, case or past the cut differ); all of
-    it if that is `taken`."""
+    start of its SHA-256 (ids differing in unsafe characters, case or past the cut differ);
+    all of it if that is `taken`."""
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", session_id)[:FILE_NAME_ID_CHARS]
     readable = readable.strip("._-") or "session"
     digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()

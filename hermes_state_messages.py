@@ -1,6 +1,6 @@
 """The transcript: appends, reads, the chat-API conversation, rewind and restore, the
-turn-lease check of a write, reactions, the windows session_search reads and the recent user turns
-/undo picks from.
+turn-lease check of a write, reactions, the windows session_search reads and the recent
+user turns /undo picks from.
 
 Owns message rows and the session counters that move with them in one transaction. Never edits a
 session's other fields and never takes or releases a lease (the gateway mixin does). Values are
@@ -50,8 +50,8 @@ def is_compaction_summary(content):
 
 
 class UnknownSessionError(ValueError, sqlite3.IntegrityError):
-    """A message aimed at a session that does not exist; hermes-agent's foreign key raises
-    IntegrityError."""
+    """A message aimed at a session that does not exist;
+    hermes-agent's foreign key raises IntegrityError."""
 
     def __init__(self, session_id):
         self.session_id = session_id
@@ -117,10 +117,10 @@ class SessionMessagesMixin:
                               turn_lease_ttl_seconds=300.0):
         """Append message dicts in one transaction and return how many; 0 for none.
 
-        Raises as append_message. Each dict gets its row id as `_row_id`; `message_id` stands for
-        `platform_message_id`, reasoning is kept on assistant rows only, missing timestamps count
-        up from now 1 µs apart. With `chunk_rows`, each chunk of that many rows is its own
-        transaction."""
+        Raises as append_message. Each dict gets its row id as `_row_id`; `message_id` stands
+        for `platform_message_id`, reasoning is kept on assistant rows only, missing
+        timestamps count up from now 1 µs apart. With `chunk_rows`, each chunk of that many
+        rows is its own transaction."""
         if not messages:
             return 0
         if chunk_rows is not None and len(messages) > chunk_rows:
@@ -141,8 +141,8 @@ class SessionMessagesMixin:
         """Make `messages` the session's whole live transcript in one transaction; returns None.
 
         Replaced rows are deleted (the active ones only with `active_only`), or kept inactive
-        with `archive_dropped`. Raises CompressionSessionClosedError or UnknownSessionError as
-        append_message."""
+        with `archive_dropped`. Raises CompressionSessionClosedError or UnknownSessionError
+        as append_message does."""
         if archive_dropped:
             drop = "UPDATE messages SET active = 0 WHERE session_id = ? AND active = 1"
         else:
@@ -157,8 +157,8 @@ class SessionMessagesMixin:
         self._execute_write(write)
 
     def set_latest_user_api_content(self, session_id, content, api_content):
-        """Set api_content of the newest active user message if its content is `content`; rows
-        changed."""
+        """Set api_content of the newest active user message if its content is `content`;
+        rows changed."""
         return self._update_rows(
             "UPDATE messages SET api_content = ? WHERE id = (SELECT id FROM messages"
             " WHERE session_id = ? AND role = 'user' AND active = 1 ORDER BY id DESC LIMIT 1)"
@@ -354,9 +354,9 @@ class SessionMessagesMixin:
                                   repair_alternation, include_row_ids)
 
     def get_ancestor_display_prefix(self, session_id):
-        """The ancestors' part of a resume's display history (get_messages_as_conversation with
-        include_ancestors, less the session's own rows); [] for a branch, a root or an unknown
-        session."""
+        """The ancestors' part of a resume's display history (get_messages_as_conversation
+        with include_ancestors, less the session's own rows); [] for a branch, a root or an
+        unknown session."""
         if self._is_explicit_branch_session(session_id):
             return []
         ancestors = self._session_lineage_root_to_tip(session_id)[:-1]
@@ -364,8 +364,7 @@ class SessionMessagesMixin:
 
     def _conversation(self, session_ids, include_inactive, include_ancestors,
                       repair_alternation=False, include_row_ids=False):
-        """The messages of `session_ids` in id order as get_messages_as_conversation returns
-        them."""
+        """The messages of `session_ids` in id order, as get_messages_as_conversation gives them."""
         visible = "" if include_inactive else " AND active = 1"
         sql = (f"SELECT {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
                f"({placeholders(len(session_ids))}){visible} ORDER BY id")
@@ -420,10 +419,10 @@ class SessionMessagesMixin:
 
     def get_anchored_view(self, session_id, around_message_id, window=5, bookend=3,
                           keep_roles=("user", "assistant")):
-        """get_messages_around's dict, its window cut to `keep_roles` (None keeps all; the anchor
-        stays), plus "bookend_start"/"bookend_end": the session's first and last `bookend`
-        messages with text in `keep_roles` outside the window. All empty when the message is not
-        in the session."""
+        """get_messages_around's dict, its window cut to `keep_roles` (None keeps all; the
+        anchor stays), plus "bookend_start"/"bookend_end": the session's first and last
+        `bookend` messages with text in `keep_roles` outside the window. All empty when the
+        message is not in the session."""
         view = self.get_messages_around(session_id, around_message_id, window=window)
         rows, bookend = view["window"], max(bookend, 0)
         view.update(bookend_start=[], bookend_end=[])
@@ -446,9 +445,9 @@ class SessionMessagesMixin:
 
     def list_recent_user_messages(self, session_id, limit=20, include_inactive=False):
         """The session's newest `limit` user turns, newest first, as {"id", "timestamp",
-        "preview"}; [] when none. Rows with a display_kind and compaction handoffs are not turns;
-        the preview is the text (a /skill turn as typed), whitespace collapsed, cut to 80
-        characters."""
+        "preview"}; [] when none. Rows with a display_kind and compaction handoffs are
+        not turns; the preview is the text (a /skill turn as typed), whitespace
+        collapsed, cut to 80 characters."""
         active = "" if include_inactive else " AND active = 1"
         rows = self._read_all(
             "SELECT id, timestamp, content FROM messages WHERE session_id = ? AND role = 'user'"
@@ -476,8 +475,8 @@ class SessionMessagesMixin:
         return turns
 
     def message_count(self, session_id=None):
-        """Messages of one session, or of the store for an empty `session_id`; rewound and
-        compacted count."""
+        """Messages of one session, or of the store for an empty `session_id`;
+        rewound and compacted count."""
         if session_id:
             return self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ?",
                                     (session_id,))
@@ -516,13 +515,13 @@ class SessionMessagesMixin:
     # -- rewind ----------------------------------------------------------------------
 
     def rewind_to_message(self, session_id, target_message_id):
-        """Withdraw user message `target_message_id` and all after it (kept inactive); returns
-        {"rewound_count", "target_message" (the row, content decoded), "new_head_id" (newest active
-        or None)}.
+        """Withdraw user message `target_message_id` and all after it (kept inactive);
+        returns {"rewound_count", "target_message" (the row, content decoded), "new_head_id"
+        (newest active or None)}.
 
         rewind_count goes up by one per call; message_count stays, as in hermes-agent. Raises
-        ValueError, writing nothing, when the message is not a user message of the session. Undo
-        with restore_rewound."""
+        ValueError, writing nothing, when the message is not a user message of the session.
+        Undo with restore_rewound."""
         target = self._read_one("SELECT * FROM messages WHERE id = ? AND session_id = ?",
                                 (target_message_id, session_id))
         if target is None:
@@ -546,8 +545,8 @@ class SessionMessagesMixin:
         return {"rewound_count": rewound, "target_message": target, "new_head_id": head}
 
     def restore_rewound(self, session_id, since_message_id):
-        """Make the session's inactive messages from `since_message_id` on active again; returns
-        how many."""
+        """Make the session's inactive messages from `since_message_id` on active again;
+        returns how many."""
         return self._update_rows("UPDATE messages SET active = 1 WHERE session_id = ? AND id >= ? "
                                  "AND active = 0", (session_id, since_message_id))
 
@@ -648,8 +647,8 @@ def _check_open_session(conn, session_id, must_exist=True):
 
 
 def _storable(name, value):
-    """`value`, or ValueError naming `name` for a number SQLite cannot keep (NaN, an integer past
-    64 bits)."""
+    """`value`, or ValueError naming `name` for a number SQLite cannot keep (NaN,
+    an integer past 64 bits)."""
     if isinstance(value, (int, float)) and not sqlite_keeps(value):
         raise ValueError(f"{name} must be a number SQLite can store (not NaN, within 64 bits),"
                          f" not {value!r}")
@@ -657,8 +656,8 @@ def _storable(name, value):
 
 
 def _timestamp(value, default):
-    """Seconds since the epoch from a finite number, numeric text or a datetime; `default`
-    otherwise."""
+    """Seconds since the epoch from a finite number, numeric text or a datetime;
+    `default` otherwise."""
     if value is None:
         return default
     try:
@@ -669,8 +668,8 @@ def _timestamp(value, default):
 
 
 def _json_field(value):
-    """A structured reasoning field as stored: text as given (never encoded twice), values as
-    JSON."""
+    """A structured reasoning field as stored:
+    text as given (never encoded twice), values as JSON."""
     if not value:
         return None
     return value if isinstance(value, str) else json.dumps(value)
@@ -681,8 +680,8 @@ def _text_or_none(value):
 
 
 def _display_metadata_text(value):
-    """display_metadata as stored: JSON of an object, from a dict or JSON text; anything else is
-    dropped."""
+    """display_metadata as stored: JSON of an object, from a dict or JSON text;
+    anything else is dropped."""
     if not value:
         return None
     if isinstance(value, str):

@@ -60,8 +60,8 @@ DROPPED_MESSAGE_COLUMNS = (*DERIVED_MESSAGE_COLUMNS, "_compressed_summary")
 
 
 def portable_row(row, dropped=()):
-    """A row dict JSON can hold: BLOB values as BYTES_MARKER objects, the `dropped` keys left
-    out."""
+    """A row dict JSON can hold: BLOB values as BYTES_MARKER objects,
+    the `dropped` keys left out."""
     portable = dict(row)
     for key in dropped:
         portable.pop(key, None)
@@ -242,8 +242,8 @@ def validate_import(sessions, limits):
 
 
 def _check_entry(entry, session_id, seen, totals, limits):
-    """Raise ValueError with the first problem of one entry; count its bytes and messages into
-    `totals`."""
+    """Raise ValueError with the first problem of one entry;
+    count its bytes and messages into `totals`."""
     messages = (entry.get("messages") or []) if isinstance(entry, dict) else []
     # A field's limit counts from its value; an entry adds three levels (entry, messages, message).
     envelope = limits["depth"] + 3
@@ -452,9 +452,9 @@ class SessionPortabilityMixin:
     # -- export ----------------------------------------------------------------
 
     def export_session(self, session_id):
-        """Every `sessions` column (system prompt resolved) and `messages`, the active rows in id
-        order as get_messages gives them; BLOBs portable (see BYTES_MARKER). None for an unknown
-        id."""
+        """Every `sessions` column (system prompt resolved) and `messages`, the active
+        rows in id order as get_messages gives them; BLOBs portable (see BYTES_MARKER).
+        None for an unknown id."""
         session = self.get_session(session_id)
         return None if session is None else next(self._exported(one=portable_row(session)))
 
@@ -481,8 +481,8 @@ class SessionPortabilityMixin:
     def _export_reader(self, cursor, streamed=False):
         """(read, convert, runs): read(session_id) queries a session's messages on `cursor`,
         convert makes rows what portable_message(get_messages(id)) gives, runs(session_id) yields
-        their jsonl a run at a time. The query's last column is each row's flag, one of the ROW_*
-        names."""
+        their jsonl a run at a time. The query's last column is each row's flag: one of the
+        ROW_* names above the class."""
         names = [name for (name,) in
                  cursor.execute("SELECT name FROM pragma_table_info('messages')")]
         kept = [name for name in names if name not in DROPPED_MESSAGE_COLUMNS]
@@ -590,8 +590,8 @@ class SessionPortabilityMixin:
                 gc.enable()
 
     def iter_export_all(self, source=None):
-        """export_all one session at a time (a generator): memory holds the largest session, not
-        the store."""
+        """export_all one session at a time (a generator):
+        memory holds the largest session, not the store."""
         return self._exported(source)
 
     def iter_export_jsonl(self, source=None):
@@ -600,9 +600,9 @@ class SessionPortabilityMixin:
         return self._exported(source, streamed=True)
 
     def _export_sessions(self, source, cursor):
-        """iter_export_all's sessions, portable, without messages, read on a tuple `cursor`. The
-        order is read once, at the start; the rows EXPORT_SESSION_CHUNK at a time, each as
-        get_session gives it."""
+        """iter_export_all's sessions, portable, without messages, read on a tuple `cursor`.
+        The order is read once, at the start; the rows EXPORT_SESSION_CHUNK at a time, each
+        as get_session gives it."""
         where, params = ("WHERE s.source = ?", (source,)) if source else ("", ())
         # export_all's order, hermes-agent's search_sessions': most recently active first
         # (LAST_ACTIVE_SQL), newest start, id.
@@ -673,8 +673,8 @@ class SessionPortabilityMixin:
 
     def _write_import(self, conn, sessions, seconds=None):
         """Inside a write: store these sessions, from the first, taking no further one after
-        `seconds`; (imported ids, skipped ids, parent links, links a skipped session still lacks,
-        unstored fields)."""
+        `seconds`; (imported ids, skipped ids, parent links, links a skipped session still
+        lacks, unstored fields)."""
         with _import_cache(conn):
             held = self._hold_back_index_triggers(conn)
             result = self._write_import_rows(conn, sessions, seconds)
@@ -782,8 +782,8 @@ def _free_title(conn, title, session_id):
 
 
 def _finish_import(conn, found):
-    """Attach an import's parent links in one write; import_sessions' answer for the payload it
-    stored."""
+    """Attach an import's parent links in one write;
+    import_sessions' answer for the payload it stored."""
     imported, skipped, links, relinks, unstored = found
     _attach_parents(conn, relinks)  # left by a run cut short: attached where valid, never counted
     detached = _attach_parents(conn, links)
