@@ -1,13 +1,16 @@
-"""The transcript: appends, reads, the chat-API conversation, rewind and restore, the turn-lease check of a
-write, reactions, the windows session_search reads and the recent user turns /undo picks from.
+"""The transcript: appends, reads, the chat-API conversation, rewind and restore, the
+turn-lease check of a write, reactions, the windows session_search reads and the recent
+user turns /undo picks from.
 
-Owns message rows and the session counters that move with them in one transaction. Never edits a session's
-other fields and never takes or releases a lease (the gateway mixin does). Values are stored as hermes-agent
-stores them, so both programs read each other's rows: what it accepts we accept, what it raises we raise.
+Owns message rows and the session counters that move with them in one transaction. Never edits a
+session's other fields and never takes or releases a lease (the gateway mixin does). Values are
+stored as hermes-agent stores them, so both programs read each other's rows: what it accepts we
+accept, what it raises we raise.
 """
 
 import json
 import math
+import operator
 import re
 import sqlite3
 import time
@@ -15,30 +18,27 @@ import time
 from hermes_state_common import (
     COMPRESSION_END_REASON, CONTENT_JSON_PREFIX, COUNT_ALL_MESSAGES_SQL, MESSAGE_WRITE_COLUMNS,
     LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, STALE_MARKER,
-    CompressionSessionClosedError, SessionTurnLeaseLostError, content_text, decode_content, decode_display_metadata,
-    decode_message, describe_skill_invocation, encode_content, is_fork_child, json_object, loads_or, placeholders,
-    scrub_surrogates, sqlite_keeps)
+    CompressionSessionClosedError, SessionTurnLeaseLostError, content_text, decode_content,
+    decode_display_metadata, decode_message, describe_skill_invocation, encode_content,
+    is_fork_child, json_object, loads_or, placeholders, scrub_surrogates, sqlite_keeps)
 
-# -- Statements only this module runs (moved from hermes_state_common) --
-
+# One message row, its values in MESSAGE_WRITE_COLUMNS order (see _write_row); append_message and
+# _insert_message_rows run it, bench.py too.
 INSERT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
     ", ".join(MESSAGE_WRITE_COLUMNS), ", ".join("?" for _ in MESSAGE_WRITE_COLUMNS))
 
+# (messages added, tool calls added, session id); append_messages_batch runs it.
 BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message_count, 0) + ?,"
                            " tool_call_count = COALESCE(tool_call_count, 0) + ? WHERE id = ?")
-
-BUMP_OPEN_SESSION_COUNTS_SQL = BUMP_MESSAGE_COUNTS_SQL + " AND (ended_at IS NULL OR end_reason IS NOT ?)"
-CONVERSATION_ROW_COLUMNS = (
-    "id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason, "
-    "reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items, "
-    "platform_message_id, observed, timestamp, api_content, display_kind, display_metadata")
-# Every handoff text hermes-agent's compaction has written starts with one of these; a merged handoff
-# carries it after the delimiter.
+# append_message's: the same, and the end reason a compression closes a session with.
+BUMP_OPEN_SESSION_COUNTS_SQL = (BUMP_MESSAGE_COUNTS_SQL
+                                + " AND (ended_at IS NULL OR end_reason IS NOT ?)")
+# Every handoff text hermes-agent's compaction has written starts with one of these; a merged
+# handoff carries it after the delimiter.
 _COMPACTION_SUMMARY_LEADS = (
     "[CONTEXT COMPACTION — REFERENCE ONLY] Earlier turns were compacted into the summary below.",
     "[CONTEXT SUMMARY]:")
 _MERGED_SUMMARY_DELIMITER = "[END OF PRIOR CONTEXT — COMPACTION SUMMARY BELOW]"
-_SET_DISPLAY_METADATA_SQL = "UPDATE messages SET display_metadata = ? WHERE id = ?"
 
 
 def is_compaction_summary(content):
@@ -50,7 +50,8 @@ def is_compaction_summary(content):
 
 
 class UnknownSessionError(ValueError, sqlite3.IntegrityError):
-    """A message aimed at a session that does not exist; hermes-agent's foreign key raises IntegrityError."""
+    """A message aimed at a session that does not exist;
+    hermes-agent's foreign key raises IntegrityError."""
 
     def __init__(self, session_id):
         self.session_id = session_id
@@ -73,7 +74,10 @@ _MEMORY_HINT = re.compile("memory", re.I)  # in every text the three above can m
 
 
 class SessionMessagesMixin:
-    """SessionDB's methods for the transcript."""
+    """SessionDB's methods for the transcript.
+
+    Relies on: `_execute_write`, `_update_rows`, `_read_value`, `_read_one`, `_read_all`,
+    `_with_reader`, `_transcript_patience` (SessionDB, hermes_state.py)."""
 
     # -- writes ------------------------------------------------------------------
 
@@ -86,10 +90,11 @@ class SessionMessagesMixin:
                        turn_lease_ttl_seconds=300.0):
         """Append one message and return its id; the session's counts move in the same transaction.
 
-        Raises CompressionSessionClosedError for a session compression ended, SessionTurnLeaseLostError when
-        `turn_lease_holder` does not hold the turn lease, UnknownSessionError (an IntegrityError) for an
-        unknown session; nothing is written then. `compression_lock_holder` is not checked: as in
-        hermes-agent, appends never wait for a compression, which keeps the rows that arrive meanwhile."""
+        Raises CompressionSessionClosedError for a session compression ended,
+        SessionTurnLeaseLostError when `turn_lease_holder` does not hold the turn lease,
+        UnknownSessionError (an IntegrityError) for an unknown session; nothing is written then.
+        `compression_lock_holder` is not checked: as in hermes-agent, appends never wait for a
+        compression, which keeps the rows that arrive meanwhile."""
         fields = dict(locals())
         for name in ("self", "session_id", "compression_lock_holder", "turn_lease_holder",
                      "turn_lease_ttl_seconds"):
@@ -99,8 +104,8 @@ class SessionMessagesMixin:
         def write(conn):
             if turn_lease_holder:
                 self._check_turn_lease(conn, session_id, turn_lease_holder, turn_lease_ttl_seconds)
-            # The count update admits the write too: it changes no row of a session that is unknown or
-            # closed by compression, and only then is the session read, to say which.
+            # The count update admits the write too: it changes no row of a session that is unknown
+            # or closed by compression, and only then is the session read, to say which.
             bump = (1, calls, session_id, COMPRESSION_END_REASON)
             if not conn.execute(BUMP_OPEN_SESSION_COUNTS_SQL, bump).rowcount:
                 _check_open_session(conn, session_id)  # raises: unknown, or closed by compression
@@ -108,12 +113,14 @@ class SessionMessagesMixin:
         return self._execute_write(write, patience_s=self._transcript_patience())
 
     def append_messages_batch(self, session_id, messages, compression_lock_holder=None,
-                              turn_lease_holder=None, chunk_rows=None, turn_lease_ttl_seconds=300.0):
-        """Append message dicts in one transaction and return how many; 0 for none. Raises as append_message.
+                              turn_lease_holder=None, chunk_rows=None,
+                              turn_lease_ttl_seconds=300.0):
+        """Append message dicts in one transaction and return how many; 0 for none.
 
-        Each dict gets its row id as `_row_id`; `message_id` stands for `platform_message_id`, reasoning is
-        kept on assistant rows only, missing timestamps count up from now 1 µs apart. With `chunk_rows`, each
-        chunk of that many rows is its own transaction."""
+        Raises as append_message. Each dict gets its row id as `_row_id`; `message_id` stands
+        for `platform_message_id`, reasoning is kept on assistant rows only, missing
+        timestamps count up from now 1 µs apart. With `chunk_rows`, each chunk of that many
+        rows is its own transaction."""
         if not messages:
             return 0
         if chunk_rows is not None and len(messages) > chunk_rows:
@@ -123,7 +130,8 @@ class SessionMessagesMixin:
                 for start in range(0, len(messages), chunk_rows))
 
         def write(conn):
-            self._admit_transcript_write(conn, session_id, turn_lease_holder, turn_lease_ttl_seconds)
+            self._admit_transcript_write(conn, session_id, turn_lease_holder,
+                                         turn_lease_ttl_seconds)
             inserted, calls = self._insert_message_rows(conn, session_id, messages)
             conn.execute(BUMP_MESSAGE_COUNTS_SQL, (inserted, calls, session_id))
             return inserted
@@ -132,10 +140,14 @@ class SessionMessagesMixin:
     def replace_messages(self, session_id, messages, active_only=False, archive_dropped=False):
         """Make `messages` the session's whole live transcript in one transaction; returns None.
 
-        Replaced rows are deleted (the active ones only with `active_only`), or kept inactive with
-        `archive_dropped`. Raises CompressionSessionClosedError or UnknownSessionError as append_message."""
-        drop = ("UPDATE messages SET active = 0 WHERE session_id = ? AND active = 1" if archive_dropped
-                else "DELETE FROM messages WHERE session_id = ?" + (" AND active = 1" if active_only else ""))
+        Replaced rows are deleted (the active ones only with `active_only`), or kept inactive
+        with `archive_dropped`. Raises CompressionSessionClosedError or UnknownSessionError
+        as append_message does."""
+        if archive_dropped:
+            drop = "UPDATE messages SET active = 0 WHERE session_id = ? AND active = 1"
+        else:
+            drop = ("DELETE FROM messages WHERE session_id = ?"
+                    + (" AND active = 1" if active_only else ""))
 
         def write(conn):
             _check_open_session(conn, session_id, must_exist=bool(messages))
@@ -145,38 +157,45 @@ class SessionMessagesMixin:
         self._execute_write(write)
 
     def set_latest_user_api_content(self, session_id, content, api_content):
-        """Set api_content of the newest active user message if its content is `content`; rows changed."""
+        """Set api_content of the newest active user message if its content is `content`;
+        rows changed."""
         return self._update_rows(
-            "UPDATE messages SET api_content = ? WHERE id = (SELECT id FROM messages WHERE session_id = ? "
-            "AND role = 'user' AND active = 1 ORDER BY id DESC LIMIT 1) AND content IS ?",
+            "UPDATE messages SET api_content = ? WHERE id = (SELECT id FROM messages"
+            " WHERE session_id = ? AND role = 'user' AND active = 1 ORDER BY id DESC LIMIT 1)"
+            " AND content IS ?",
             (scrub_surrogates(api_content), session_id, encode_content(content)))
 
     def set_latest_matching_message_display_kind(self, session_id, *, role, content, display_kind,
                                                  display_metadata=None):
-        """Set display_kind and display_metadata (None clears it) on the newest active `role` message whose
-        content is `content`; False when there is none or session_id, content or display_kind is empty."""
+        """Set display_kind and display_metadata (None clears it) on the newest active `role`
+        message whose content is `content`; False when there is none or session_id, content or
+        display_kind is empty."""
         if not session_id or not content or not display_kind:
             return False
         return self._update_rows(
-            "UPDATE messages SET display_kind = ?, display_metadata = ? WHERE id = (SELECT id FROM messages "
-            "WHERE session_id = ? AND role = ? AND content = ? AND active = 1 ORDER BY id DESC LIMIT 1)",
-            (scrub_surrogates(display_kind), _display_metadata_text(display_metadata), session_id, role,
-             encode_content(content))) > 0
+            "UPDATE messages SET display_kind = ?, display_metadata = ? WHERE id = (SELECT id"
+            " FROM messages WHERE session_id = ? AND role = ? AND content = ? AND active = 1"
+            " ORDER BY id DESC LIMIT 1)",
+            (scrub_surrogates(display_kind), _display_metadata_text(display_metadata), session_id,
+             role, encode_content(content))) > 0
 
     # -- reactions: kept in a message's display_metadata, so they travel with its row --
 
     REACTIONS_METADATA_KEY = "reactions"
+    # (display_metadata, message id); both reaction writes run it.
+    _SET_DISPLAY_METADATA_SQL = "UPDATE messages SET display_metadata = ? WHERE id = ?"
 
     def set_message_reaction(self, session_id, message_row_id, emoji, *, author="user"):
-        """Give `author` the reaction `emoji` on message `message_row_id` (one per author: the same emoji
-        again, an empty one or None takes it back); returns the message's reactions after the write, None when
-        the message is not in the session."""
+        """Give `author` the reaction `emoji` on message `message_row_id` (one per author: the
+        same emoji again, an empty one or None takes it back); returns the message's reactions
+        after the write, None when the message is not in the session."""
         if not session_id or message_row_id is None:
             return None
 
         def write(conn):
-            row = conn.execute("SELECT display_metadata FROM messages WHERE id = ? AND session_id = ?",
-                               (message_row_id, session_id)).fetchone()
+            row = conn.execute(
+                "SELECT display_metadata FROM messages WHERE id = ? AND session_id = ?",
+                (message_row_id, session_id)).fetchone()
             if row is None:
                 return None
             meta = decode_display_metadata(row[0]) or {}
@@ -184,12 +203,14 @@ class SessionMessagesMixin:
             previous = next((r for r in listed if r.get("author") == author), {})
             reactions = [r for r in listed if r.get("author") != author]
             if emoji and previous.get("emoji") != emoji:
-                reactions.append({"emoji": scrub_surrogates(emoji), "author": author, "at": time.time()})
+                reactions.append(
+                    {"emoji": scrub_surrogates(emoji), "author": author, "at": time.time()})
             if reactions:
                 meta[self.REACTIONS_METADATA_KEY] = reactions
             else:
                 meta.pop(self.REACTIONS_METADATA_KEY, None)
-            conn.execute(_SET_DISPLAY_METADATA_SQL, (_display_metadata_text(meta), message_row_id))
+            conn.execute(self._SET_DISPLAY_METADATA_SQL,
+                         (_display_metadata_text(meta), message_row_id))
             return reactions
         return self._execute_write(write)
 
@@ -197,31 +218,37 @@ class SessionMessagesMixin:
         """The reactions on message `message_row_id` of the session; [] when none."""
         if not session_id or message_row_id is None:
             return []
-        stored = self._read_value("SELECT display_metadata FROM messages WHERE id = ? AND session_id = ?",
-                                  (message_row_id, session_id))
+        stored = self._read_value(
+            "SELECT display_metadata FROM messages WHERE id = ? AND session_id = ?",
+            (message_row_id, session_id))
         return self._reactions(decode_display_metadata(stored))
 
     def take_unseen_reactions(self, session_id, *, author="user"):
-        """`author`'s reactions on active messages not taken before, oldest message first, as {"row_id",
-        "role", "emoji", "text"}; each is marked seen. [] when none."""
+        """`author`'s reactions on active messages not taken before, oldest message first, as
+        {"row_id", "role", "emoji", "text"}; each is marked seen. [] when none."""
         if not session_id:
             return []
 
         def write(conn):
             taken = []
-            for row in conn.execute("SELECT id, role, content, display_metadata FROM messages WHERE "
-                                    "session_id = ? AND active = 1 AND display_metadata IS NOT NULL "
-                                    "ORDER BY id", (session_id,)).fetchall():
+            rows = conn.execute(
+                "SELECT id, role, content, display_metadata FROM messages WHERE session_id = ?"
+                " AND active = 1 AND display_metadata IS NOT NULL ORDER BY id",
+                (session_id,)).fetchall()
+            for row in rows:
                 meta = decode_display_metadata(row["display_metadata"]) or {}
-                fresh = [r for r in self._reactions(meta) if r.get("author") == author and not r.get("seen")]
+                fresh = [r for r in self._reactions(meta)
+                         if r.get("author") == author and not r.get("seen")]
                 if not fresh:
                     continue
                 text = decode_content(row["content"])
                 for reaction in fresh:
                     reaction["seen"] = True
-                    taken.append({"row_id": row["id"], "role": row["role"], "emoji": reaction.get("emoji")
-                                  or "", "text": text if isinstance(text, str) else ""})
-                conn.execute(_SET_DISPLAY_METADATA_SQL, (_display_metadata_text(meta), row["id"]))
+                    taken.append({"row_id": row["id"], "role": row["role"],
+                                  "emoji": reaction.get("emoji") or "",
+                                  "text": text if isinstance(text, str) else ""})
+                conn.execute(self._SET_DISPLAY_METADATA_SQL,
+                             (_display_metadata_text(meta), row["id"]))
             return taken
         return self._execute_write(write)
 
@@ -230,8 +257,8 @@ class SessionMessagesMixin:
         return [r for r in listed if isinstance(r, dict)] if isinstance(listed, list) else []
 
     def _insert_message_rows(self, conn, session_id, messages):
-        """Inside a write: insert message dicts as append_messages_batch reads them, stamping `_row_id`;
-        returns (rows inserted, tool calls). The session's counters are the caller's."""
+        """Inside a write: insert message dicts as append_messages_batch reads them, stamping
+        `_row_id`; returns (rows inserted, tool calls). The session's counters are the caller's."""
         now, inserted, calls = time.time(), 0, 0
         for message in messages:
             row, row_calls, stamp = _message_row(session_id, message, now)
@@ -247,22 +274,25 @@ class SessionMessagesMixin:
         _check_open_session(conn, session_id)
 
     def _check_turn_lease(self, conn, session_id, holder, ttl):
-        """Inside a write: raise SessionTurnLeaseLostError unless `holder` holds the conversation's turn
-        lease. A lapsed lease nobody took over is still the holder's: it is renewed for max(ttl, 0.1) s."""
+        """Inside a write: raise SessionTurnLeaseLostError unless `holder` holds the
+        conversation's turn lease. A lapsed lease nobody took over is still the holder's: it is
+        renewed for max(ttl, 0.1) s."""
         key = self._turn_lease_key(conn, session_id)
-        lease = conn.execute("SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?",
-                             (key,)).fetchone()
+        lease = conn.execute(
+            "SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?",
+            (key,)).fetchone()
         if lease is None or lease["holder"] != holder:
             raise SessionTurnLeaseLostError(
                 f"Session turn lease lost; refusing transcript write for {session_id!r}")
         now = time.time()
         if float(lease["expires_at"]) <= now:
-            conn.execute("UPDATE session_turn_leases SET expires_at = ? WHERE conversation_id = ? AND holder"
-                         " = ?", (now + max(0.1, float(ttl)), key, holder))
+            conn.execute("UPDATE session_turn_leases SET expires_at = ?"
+                         " WHERE conversation_id = ? AND holder = ?",
+                         (now + max(0.1, float(ttl)), key, holder))
 
     def _turn_lease_key(self, conn, session_id):
-        """The id the turn lease is kept under: the root of the compression chain through `session_id`
-        (a branch, delegate or tool child starts its own)."""
+        """The id the turn lease is kept under: the root of the compression chain through
+        `session_id` (a branch, delegate or tool child starts its own)."""
         def lineage_row(sid):
             return conn.execute("SELECT id, parent_session_id, source, model_config, end_reason "
                                 "FROM sessions WHERE id = ?", (sid,)).fetchone()
@@ -284,10 +314,10 @@ class SessionMessagesMixin:
                      offset=0, latest=False, after_id=None):
         """A session's messages in id order as decoded row dicts; [] for an unknown session.
 
-        Active rows by default; `include_compacted` adds the rows compaction kept (each message once, the live
-        copy first), `include_inactive` every row. `limit`/`offset` page from the oldest, or from the newest
-        with `latest`; `after_id` pages by id. Raises ValueError for `after_id` with `latest`, `offset` or
-        `include_compacted`."""
+        Active rows by default; `include_compacted` adds the rows compaction kept (each message
+        once, the live copy first), `include_inactive` every row. `limit`/`offset` page from the
+        oldest, or from the newest with `latest`; `after_id` pages by id. Raises ValueError for
+        `after_id` with `latest`, `offset` or `include_compacted`."""
         if after_id is not None and (latest or offset):
             raise ValueError("after_id is incompatible with latest/offset paging")
         if after_id is not None and include_compacted:
@@ -304,34 +334,37 @@ class SessionMessagesMixin:
                 sql, params = sql + " AND id > ?", params + [after_id]
             sql += " ORDER BY id DESC" if latest else " ORDER BY id"
             if limit is not None or offset:
-                sql, params = sql + " LIMIT ? OFFSET ?", params + [-1 if limit is None else limit, offset]
+                sql += " LIMIT ? OFFSET ?"
+                params += [-1 if limit is None else limit, offset]
             rows = self._read_all(sql, params)
         return [decode_message(row) for row in (rows[::-1] if latest else rows)]
 
-    def get_messages_as_conversation(self, session_id, include_ancestors=False, include_inactive=False,
-                                     repair_alternation=False, include_row_ids=False):
+    def get_messages_as_conversation(self, session_id, include_ancestors=False,
+                                     include_inactive=False, repair_alternation=False,
+                                     include_row_ids=False):
         """The session as chat-API message dicts, oldest first; [] for an unknown session.
 
-        Fields as _conversation_message builds them. `include_ancestors` prepends the parent chain (not for
-        a branch, already a copy) without replayed user turns; `repair_alternation` runs
-        repair_alternation_in_place; `include_row_ids` adds `_row_id`."""
+        Fields as _conversation_message builds them. `include_ancestors` prepends the parent
+        chain (not for a branch, already a copy) without replayed user turns;
+        `repair_alternation` runs repair_alternation_in_place; `include_row_ids` adds `_row_id`."""
         session_ids = [session_id]
         if include_ancestors and not self._is_explicit_branch_session(session_id):
             session_ids = self._session_lineage_root_to_tip(session_id)
-        return self._conversation(session_ids, include_inactive, include_ancestors, repair_alternation,
-                                  include_row_ids)
+        return self._conversation(session_ids, include_inactive, include_ancestors,
+                                  repair_alternation, include_row_ids)
 
     def get_ancestor_display_prefix(self, session_id):
-        """The ancestors' part of a resume's display history (get_messages_as_conversation with
-        include_ancestors, less the session's own rows); [] for a branch, a root or an unknown session."""
+        """The ancestors' part of a resume's display history (get_messages_as_conversation
+        with include_ancestors, less the session's own rows); [] for a branch, a root or an
+        unknown session."""
         if self._is_explicit_branch_session(session_id):
             return []
         ancestors = self._session_lineage_root_to_tip(session_id)[:-1]
         return self._conversation(ancestors, False, True) if ancestors else []
 
-    def _conversation(self, session_ids, include_inactive, include_ancestors, repair_alternation=False,
-                      include_row_ids=False):
-        """The messages of `session_ids` in id order as get_messages_as_conversation returns them."""
+    def _conversation(self, session_ids, include_inactive, include_ancestors,
+                      repair_alternation=False, include_row_ids=False):
+        """The messages of `session_ids` in id order, as get_messages_as_conversation gives them."""
         visible = "" if include_inactive else " AND active = 1"
         sql = (f"SELECT {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
                f"({placeholders(len(session_ids))}){visible} ORDER BY id")
@@ -355,12 +388,13 @@ class SessionMessagesMixin:
         return messages
 
     def _session_lineage_root_to_tip(self, session_id):
-        """`session_id` with every ancestor by parent link, root first (a loop or LINEAGE_MAX_HOPS ends the
-        walk); [session_id] for an unknown id."""
+        """`session_id` with every ancestor by parent link, root first (a loop or
+        LINEAGE_MAX_HOPS ends the walk); [session_id] for an unknown id."""
         chain, current = [], session_id
         while current and current not in chain and len(chain) < LINEAGE_MAX_HOPS:
             chain.append(current)
-            current = self._read_value("SELECT parent_session_id FROM sessions WHERE id = ?", (current,))
+            current = self._read_value("SELECT parent_session_id FROM sessions WHERE id = ?",
+                                       (current,))
         return chain[::-1] or [session_id]
 
     def _is_explicit_branch_session(self, session_id):
@@ -369,24 +403,26 @@ class SessionMessagesMixin:
         return bool(json_object(config).get("_branched_from"))
 
     def get_messages_around(self, session_id, around_message_id, window=5):
-        """{"window", "messages_before", "messages_after"}: message `around_message_id` with up to `window`
-        messages (rewound too) on each side as get_messages rows, and each side's count; empty and 0 when the
-        message is not in the session."""
+        """{"window", "messages_before", "messages_after"}: message `around_message_id` with up
+        to `window` messages (rewound too) on each side as get_messages rows, and each side's
+        count; empty and 0 when the message is not in the session."""
         window = max(window, 0)
         if self._read_one("SELECT 1 FROM messages WHERE id = ? AND session_id = ?",
                           (around_message_id, session_id)) is None:
             return {"window": [], "messages_before": 0, "messages_after": 0}
         sql = "SELECT * FROM messages WHERE session_id = ? AND id {} ? ORDER BY id {} LIMIT ?"
-        before = self._read_all(sql.format("<=", "DESC"), (session_id, around_message_id, window + 1))
+        before = self._read_all(sql.format("<=", "DESC"),
+                                (session_id, around_message_id, window + 1))
         after = self._read_all(sql.format(">", ""), (session_id, around_message_id, window))
         return {"window": [decode_message(row) for row in [*before[::-1], *after]],
                 "messages_before": max(0, len(before) - 1), "messages_after": len(after)}
 
     def get_anchored_view(self, session_id, around_message_id, window=5, bookend=3,
                           keep_roles=("user", "assistant")):
-        """get_messages_around's dict, its window cut to `keep_roles` (None keeps all; the anchor stays), plus
-        "bookend_start"/"bookend_end": the session's first and last `bookend` messages with text in
-        `keep_roles` outside the window. All empty when the message is not in the session."""
+        """get_messages_around's dict, its window cut to `keep_roles` (None keeps all; the
+        anchor stays), plus "bookend_start"/"bookend_end": the session's first and last
+        `bookend` messages with text in `keep_roles` outside the window. All empty when the
+        message is not in the session."""
         view = self.get_messages_around(session_id, around_message_id, window=window)
         rows, bookend = view["window"], max(bookend, 0)
         view.update(bookend_start=[], bookend_end=[])
@@ -394,7 +430,8 @@ class SessionMessagesMixin:
             return view
         if keep_roles is not None:
             kept = set(keep_roles)
-            view["window"] = [m for m in rows if m.get("id") == around_message_id or m.get("role") in kept]
+            view["window"] = [m for m in rows
+                              if m.get("id") == around_message_id or m.get("role") in kept]
         if bookend > 0:
             roles = "" if keep_roles is None else f" AND role IN ({placeholders(len(keep_roles))})"
             sql = (f"SELECT * FROM messages WHERE session_id = ? AND id {{}} ?{roles}"
@@ -407,13 +444,15 @@ class SessionMessagesMixin:
         return view
 
     def list_recent_user_messages(self, session_id, limit=20, include_inactive=False):
-        """The session's newest `limit` user turns, newest first, as {"id", "timestamp", "preview"}; [] when
-        none. Rows with a display_kind and compaction handoffs are not turns; the preview is the text (a
-        /skill turn as typed), whitespace collapsed, cut to 80 characters."""
-        rows = self._read_all("SELECT id, timestamp, content FROM messages WHERE session_id = ? "
-                              f"AND role = 'user'{'' if include_inactive else ' AND active = 1'} AND "
-                              "(display_kind IS NULL OR display_kind = '') ORDER BY id DESC LIMIT ?",
-                              (session_id, int(limit) * 2 + 5))
+        """The session's newest `limit` user turns, newest first, as {"id", "timestamp",
+        "preview"}; [] when none. Rows with a display_kind and compaction handoffs are
+        not turns; the preview is the text (a /skill turn as typed), whitespace
+        collapsed, cut to 80 characters."""
+        active = "" if include_inactive else " AND active = 1"
+        rows = self._read_all(
+            "SELECT id, timestamp, content FROM messages WHERE session_id = ? AND role = 'user'"
+            f"{active} AND (display_kind IS NULL OR display_kind = '') ORDER BY id DESC LIMIT ?",
+            (session_id, int(limit) * 2 + 5))
         turns = []
         for row in rows:
             if len(turns) >= int(limit):
@@ -425,8 +464,10 @@ class SessionMessagesMixin:
                 texts = (part.get("text") for part in content
                          if isinstance(part, dict) and part.get("type") == "text")
                 preview = " ".join(text for text in texts if text).strip() or "[multimodal content]"
+            elif isinstance(content, str):
+                preview = describe_skill_invocation(content) or content
             else:
-                preview = (describe_skill_invocation(content) or content) if isinstance(content, str) else ""
+                preview = ""
             preview = " ".join(preview.split())
             if len(preview) > PREVIEW_CHARS:
                 preview = preview[:PREVIEW_CHARS - 3] + "..."
@@ -434,19 +475,23 @@ class SessionMessagesMixin:
         return turns
 
     def message_count(self, session_id=None):
-        """Messages of one session, or of the store for an empty `session_id`; rewound and compacted count."""
+        """Messages of one session, or of the store for an empty `session_id`;
+        rewound and compacted count."""
         if session_id:
-            return self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ?", (session_id,))
+            return self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ?",
+                                    (session_id,))
         return self._read_value(COUNT_ALL_MESSAGES_SQL)
 
     def latest_message_row_id(self, session_id, *, role="user", offset=0, require_text=True):
-        """Id of the newest active `role` message (`offset` steps back that many); None when there is none, or
-        for a role other than user/assistant or a negative offset. `require_text` skips rows without text."""
+        """Id of the newest active `role` message (`offset` steps back that many); None when
+        there is none, or for a role other than user/assistant or a negative offset.
+        `require_text` skips rows without text."""
         if not session_id or role not in ("user", "assistant") or offset < 0:
             return None
         text = "AND content IS NOT NULL AND TRIM(content) != '' " if require_text else ""
-        return self._read_value("SELECT id FROM messages WHERE session_id = ? AND role = ? AND active = 1 "
-                                f"{text}ORDER BY id DESC LIMIT 1 OFFSET ?", (session_id, role, int(offset)))
+        return self._read_value(
+            "SELECT id FROM messages WHERE session_id = ? AND role = ? AND active = 1 "
+            f"{text}ORDER BY id DESC LIMIT 1 OFFSET ?", (session_id, role, int(offset)))
 
     def latest_user_message_row_id(self, session_id):
         """Id of the newest active user message with text; None when there is none."""
@@ -456,22 +501,27 @@ class SessionMessagesMixin:
         """Role of the active message `row_id` of the session; None when there is none."""
         if not session_id:
             return None
-        return self._read_value("SELECT role FROM messages WHERE id = ? AND session_id = ? AND active = 1",
-                                (int(row_id), session_id))
+        return self._read_value(
+            "SELECT role FROM messages WHERE id = ? AND session_id = ? AND active = 1",
+            (int(row_id), session_id))
 
     def has_platform_message_id(self, session_id, platform_message_id):
         """True if the session has a message (active or not) with this platform message id."""
-        return self._read_one("SELECT 1 FROM messages WHERE session_id = ? AND platform_message_id = ? "
-                              "LIMIT 1", (session_id, platform_message_id)) is not None
+        row = self._read_one(
+            "SELECT 1 FROM messages WHERE session_id = ? AND platform_message_id = ? LIMIT 1",
+            (session_id, platform_message_id))
+        return row is not None
 
     # -- rewind ----------------------------------------------------------------------
 
     def rewind_to_message(self, session_id, target_message_id):
-        """Withdraw user message `target_message_id` and all after it (kept inactive); returns
-        {"rewound_count", "target_message" (the row, content decoded), "new_head_id" (newest active or None)}.
+        """Withdraw user message `target_message_id` and all after it (kept inactive);
+        returns {"rewound_count", "target_message" (the row, content decoded), "new_head_id"
+        (newest active or None)}.
 
-        rewind_count goes up by one per call; message_count stays, as in hermes-agent. Raises ValueError,
-        writing nothing, when the message is not a user message of the session. Undo with restore_rewound."""
+        rewind_count goes up by one per call; message_count stays, as in hermes-agent. Raises
+        ValueError, writing nothing, when the message is not a user message of the session.
+        Undo with restore_rewound."""
         target = self._read_one("SELECT * FROM messages WHERE id = ? AND session_id = ?",
                                 (target_message_id, session_id))
         if target is None:
@@ -485,8 +535,9 @@ class SessionMessagesMixin:
             rewound = conn.execute(
                 "UPDATE messages SET active = 0 WHERE session_id = ? AND id >= ? AND active = 1",
                 (session_id, target_message_id)).rowcount
-            conn.execute("UPDATE sessions SET rewind_count = COALESCE(rewind_count, 0) + 1 WHERE id = ?",
-                         (session_id,))
+            conn.execute(
+                "UPDATE sessions SET rewind_count = COALESCE(rewind_count, 0) + 1 WHERE id = ?",
+                (session_id,))
             return rewound
         rewound = self._execute_write(write)
         head = self._read_value("SELECT MAX(id) FROM messages WHERE session_id = ? AND active = 1",
@@ -494,7 +545,8 @@ class SessionMessagesMixin:
         return {"rewound_count": rewound, "target_message": target, "new_head_id": head}
 
     def restore_rewound(self, session_id, since_message_id):
-        """Make the session's inactive messages from `since_message_id` on active again; returns how many."""
+        """Make the session's inactive messages from `since_message_id` on active again;
+        returns how many."""
         return self._update_rows("UPDATE messages SET active = 1 WHERE session_id = ? AND id >= ? "
                                  "AND active = 0", (session_id, since_message_id))
 
@@ -524,10 +576,13 @@ class SessionMessagesMixin:
 
 # -- encoding rows ---------------------------------------------------------------
 def _message_row(session_id, message, default_time, direct=False):
-    """(row in MESSAGE_WRITE_COLUMNS order, tool calls it counts, its timestamp). `direct` reads the fields as
-    append_message does; else reasoning is kept on assistant rows only and `message_id` is a fallback."""
-    if not hasattr(message, "get"):  # AttributeError, as hermes-agent's .get raises (a dict for the list: its keys)
-        raise AttributeError(f"a message must be a dict, not {type(message).__name__}: {message!r:.60}")
+    """(row in MESSAGE_WRITE_COLUMNS order, tool calls it counts, its timestamp). `direct` reads
+    the fields as append_message does; else reasoning is kept on assistant rows only and
+    `message_id` is a fallback."""
+    # AttributeError, as hermes-agent's .get raises (a dict for the list: its keys).
+    if not hasattr(message, "get"):
+        raise AttributeError(
+            f"a message must be a dict, not {type(message).__name__}: {message!r:.60}")
     get = message.get
     role = get("role", "unknown")
 
@@ -538,20 +593,52 @@ def _message_row(session_id, message, default_time, direct=False):
         tool_calls = loads_or(tool_calls, [])
     calls = 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
     stamp = _timestamp(get("timestamp"), default_time)
-    platform_id = get("platform_message_id") if direct else get("platform_message_id") or get("message_id")
-    row = (session_id, role, encode_content(_storable("content", get("content"))), get("tool_call_id"),
-           json.dumps(tool_calls) if tool_calls else None, scrub_surrogates(get("tool_name")),
-           get("effect_disposition"), stamp, _storable("token_count", get("token_count")), get("finish_reason"),
-           scrub_surrogates(reasoning("reasoning")), scrub_surrogates(reasoning("reasoning_content")),
-           _json_field(reasoning("reasoning_details")), _json_field(reasoning("codex_reasoning_items")),
-           _json_field(reasoning("codex_message_items")), platform_id, 1 if get("observed") else 0, 1,
-           _text_or_none(get("api_content")), _text_or_none(get("display_kind")),
-           _display_metadata_text(get("display_metadata")))
-    return row, calls, stamp
+    platform_id = get("platform_message_id")
+    if not direct:
+        platform_id = platform_id or get("message_id")
+    row = {
+        "session_id": session_id,
+        "role": role,
+        "content": encode_content(_storable("content", get("content"))),
+        "tool_call_id": get("tool_call_id"),
+        "tool_calls": json.dumps(tool_calls) if tool_calls else None,
+        "tool_name": scrub_surrogates(get("tool_name")),
+        "effect_disposition": get("effect_disposition"),
+        "timestamp": stamp,
+        "token_count": _storable("token_count", get("token_count")),
+        "finish_reason": get("finish_reason"),
+        "reasoning": scrub_surrogates(reasoning("reasoning")),
+        "reasoning_content": scrub_surrogates(reasoning("reasoning_content")),
+        "reasoning_details": _json_field(reasoning("reasoning_details")),
+        "codex_reasoning_items": _json_field(reasoning("codex_reasoning_items")),
+        "codex_message_items": _json_field(reasoning("codex_message_items")),
+        "platform_message_id": platform_id,
+        "observed": 1 if get("observed") else 0,
+        "active": 1,  # a new message is live; rewind and compaction clear the flag
+        "api_content": _text_or_none(get("api_content")),
+        "display_kind": _text_or_none(get("display_kind")),
+        "display_metadata": _display_metadata_text(get("display_metadata")),
+    }
+    return _write_row(row), calls, stamp
+
+
+_WRITE_ROW_VALUES = operator.itemgetter(*MESSAGE_WRITE_COLUMNS)
+
+
+def _write_row(row):
+    """INSERT_MESSAGE_SQL's values from `row`, a dict keyed by exactly MESSAGE_WRITE_COLUMNS.
+
+    The one place a message row becomes a tuple: a name missing from `row` raises KeyError, an
+    extra one ValueError, so the order of the values cannot drift from the statement's."""
+    if len(row) != len(MESSAGE_WRITE_COLUMNS):
+        extra = sorted(row.keys() - set(MESSAGE_WRITE_COLUMNS))
+        raise ValueError(f"a message row has columns MESSAGE_WRITE_COLUMNS lacks: {extra}")
+    return _WRITE_ROW_VALUES(row)
 
 
 def _check_open_session(conn, session_id, must_exist=True):
-    row = conn.execute("SELECT ended_at, end_reason FROM sessions WHERE id = ?", (session_id,)).fetchone()
+    row = conn.execute("SELECT ended_at, end_reason FROM sessions WHERE id = ?",
+                       (session_id,)).fetchone()
     if row is None:
         if must_exist:
             raise UnknownSessionError(session_id)
@@ -560,14 +647,17 @@ def _check_open_session(conn, session_id, must_exist=True):
 
 
 def _storable(name, value):
-    """`value`, or ValueError naming `name` for a number SQLite cannot keep (NaN, an integer past 64 bits)."""
+    """`value`, or ValueError naming `name` for a number SQLite cannot keep (NaN,
+    an integer past 64 bits)."""
     if isinstance(value, (int, float)) and not sqlite_keeps(value):
-        raise ValueError(f"{name} must be a number SQLite can store (not NaN, within 64 bits), not {value!r}")
+        raise ValueError(f"{name} must be a number SQLite can store (not NaN, within 64 bits),"
+                         f" not {value!r}")
     return value
 
 
 def _timestamp(value, default):
-    """Seconds since the epoch from a finite number, numeric text or a datetime; `default` otherwise."""
+    """Seconds since the epoch from a finite number, numeric text or a datetime;
+    `default` otherwise."""
     if value is None:
         return default
     try:
@@ -578,7 +668,8 @@ def _timestamp(value, default):
 
 
 def _json_field(value):
-    """A structured reasoning field as stored: text as given (never encoded twice), values as JSON."""
+    """A structured reasoning field as stored:
+    text as given (never encoded twice), values as JSON."""
     if not value:
         return None
     return value if isinstance(value, str) else json.dumps(value)
@@ -589,7 +680,8 @@ def _text_or_none(value):
 
 
 def _display_metadata_text(value):
-    """display_metadata as stored: JSON of an object, from a dict or JSON text; anything else is dropped."""
+    """display_metadata as stored: JSON of an object, from a dict or JSON text;
+    anything else is dropped."""
     if not value:
         return None
     if isinstance(value, str):
@@ -598,8 +690,8 @@ def _display_metadata_text(value):
 
 
 def _one_per_generation(rows):
-    """Compaction copies its kept tail into each generation: one row per message (same role, content, time and
-    tool fields), preferring the live one, then the newest."""
+    """Compaction copies its kept tail into each generation: one row per message (same role,
+    content, time and tool fields), preferring the live one, then the newest."""
     best = {}
     for row in rows:
         key = tuple(row[k] for k in ("role", "content", "timestamp", "tool_call_id", "tool_calls",
@@ -610,6 +702,14 @@ def _one_per_generation(rows):
 
 
 # -- the conversation --------------------------------------------------------------
+
+# The columns _conversation reads, in the order _conversation_message unpacks them.
+CONVERSATION_ROW_COLUMNS = (
+    "id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason, "
+    "reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items, "
+    "platform_message_id, observed, timestamp, api_content, display_kind, display_metadata")
+
+
 def _conversation_message(row, include_row_id):
     """A row (CONVERSATION_ROW_COLUMNS, in order) as a chat-API dict: role, content (memory blocks
     cut), the fields set; on assistant turns the reasoning fields (`reasoning_content` also "")."""
@@ -693,8 +793,8 @@ def _without_review_harness(messages):
 
 def _is_stale_marker(message):
     content = message["content"]
-    return (message["role"] == "assistant" and bool(message.get("tool_calls")) and isinstance(content, str)
-            and STALE_MARKER.fullmatch(content.strip()) is not None)
+    return (message["role"] == "assistant" and bool(message.get("tool_calls"))
+            and isinstance(content, str) and STALE_MARKER.fullmatch(content.strip()) is not None)
 
 
 def _is_codex_interim(message):
@@ -705,9 +805,9 @@ def _is_codex_interim(message):
 def repair_alternation_in_place(messages):
     """hermes-agent's pre-request alternation repair; returns how many repairs it made.
 
-    Back-to-back assistant turns merge (tool calls and text joined; a verification candidate is replaced;
-    Codex interim turns stay), tool results no preceding call asked for go, and back-to-back user turns
-    with text merge with a blank line (their api_content dropped)."""
+    Back-to-back assistant turns merge (tool calls and text joined; a verification candidate is
+    replaced; Codex interim turns stay), tool results no preceding call asked for go, and
+    back-to-back user turns with text merge with a blank line (their api_content dropped)."""
     repairs, collapsed = 0, []
     for message in messages:
         previous = collapsed[-1] if collapsed else None
@@ -726,7 +826,8 @@ def repair_alternation_in_place(messages):
             previous.pop("tool_calls", None)
         first, second = previous.get("content"), message.get("content")
         if isinstance(first, str) and isinstance(second, str):
-            previous["content"] = "\n".join(part for part in (first.strip(), second.strip()) if part)
+            parts = (first.strip(), second.strip())
+            previous["content"] = "\n".join(part for part in parts if part)
         elif not first and second is not None:
             previous["content"] = second
         if not previous.get("reasoning_content") and message.get("reasoning_content"):
@@ -735,7 +836,8 @@ def repair_alternation_in_place(messages):
     for message in collapsed:
         role = message.get("role")
         if role == "assistant":
-            answered = {call.get(key) for call in (message.get("tool_calls") or []) if isinstance(call, dict)
+            asked = [call for call in message.get("tool_calls") or [] if isinstance(call, dict)]
+            answered = {call.get(key) for call in asked
                         for key in ("id", "call_id") if call.get(key)}
         elif role == "tool":
             if message.get("tool_call_id") not in answered:

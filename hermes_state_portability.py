@@ -1,27 +1,22 @@
 """SessionPortabilityMixin: sessions as portable objects, in and out.
 
-Owns the export shapes (one session, a compression chain as one session, the whole store as a list and as
-streams), `import_sessions` (validate everything, then write; history comes back, runtime ownership does not),
-how a BLOB travels in JSON and the export renderers (jsonl, md, qmd, html, trace); write_export masks secrets
-through hermes_state_redact.
-Whole-home backup and restore are hermes_state's. It reads through SessionDB's readers and pooled read
-connections, writes through `_execute_write`, and never imports hermes_state.
+Owns the export shapes (one session, a compression chain as one session, the whole store as a list
+and as streams), `import_sessions` (validate everything, then write; history comes back, runtime
+ownership does not) and how a row's BLOB values are made portable and back. The renderers (jsonl,
+md, qmd, html, trace) and write_export are hermes_state_export_formats'; the names the command
+line and the server take from here are re-exported. Whole-home backup and restore are
+hermes_state's. It reads through SessionDB's readers and pooled read connections, writes through
+`_execute_write`, and never imports hermes_state.
 """
 
 import base64
 import binascii
 import contextlib
 import gc
-import hashlib
-import html
 import itertools
 import json
 import math
-import os
-import re
 import sqlite3
-import sys
-import tempfile
 import time
 
 from hermes_state_common import (
@@ -29,64 +24,49 @@ from hermes_state_common import (
     MESSAGE_WRITE_COLUMNS, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL,
     SET_MESSAGE_COUNTS_SQL, SQLITE_INT_RANGE, TITLE_MAX_LENGTH, decode_message,
     loads_or, normalize_title, placeholders, quote_identifier, scrub_surrogates, sqlite_keeps)
-from hermes_state_redact import redact
+from hermes_state_export_formats import (
+    BINARY_TYPES, EXPORT_RUN_MESSAGES, JSONL_ENCODER, SCALARS_ENCODER, decoded_calls,
+    encoded_calls, json_default, jsonl_session, message_runs)
+# Re-exported: the command line, the server and the tests import these from here.
+from hermes_state_export_formats import (  # noqa: F401
+    EXPORT_FORMATS, markdown_file_name, message_text, write_export)
 from hermes_state_schema import live_columns, pause_between_chunks, prompt_hash
 
-# -- Statements only this module runs (moved from hermes_state_common) --
-
-SELECT_LINEAGE_LINK_SQL = "SELECT parent_session_id, end_reason FROM sessions WHERE id = ?"
-
 ID_MAX_LENGTH = 256
-EXPORT_FORMATS = ("jsonl", "md", "qmd", "html", "trace")
 # hermes-agent's export_all reads at most this many sessions.
 EXPORT_ALL_LIMIT = 100_000
-# Sessions iter_export_all reads a query (a query each cost more than a short one's rows); under SQLite's 999.
+# Sessions iter_export_all reads a query (a query each cost more than a short one's rows); under
+# SQLite's 999.
 EXPORT_SESSION_CHUNK = 200
-# Messages measured, read or encoded at once: memory stays flat in a session of any length, and the encoder's
-# set-up a call does not show.
-EXPORT_RUN_MESSAGES = 256
-# export_all's order, hermes-agent's search_sessions': most recently active first (LAST_ACTIVE_SQL), newest start, id.
-EXPORT_ORDER_SQL = ("SELECT s.id, " + LAST_ACTIVE_SQL.format(a="s") + " AS last_active FROM sessions AS s {where}"
-                    " ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ?")
-SET_ARCHIVED_MESSAGE_SQL = "UPDATE messages SET active = 0, compacted = ? WHERE id = ?"
-INSERT_SESSION_SQL = "INSERT INTO sessions ({columns}) VALUES ({values})"
-SET_PARENT_SQL = "UPDATE sessions SET parent_session_id = ? WHERE id = ?"
 
 
 def count_tool_calls(tool_calls):
-    """How many calls hermes-agent counts in a `tool_calls` value: a list's length, 1 for any other value, 0
-    for None; JSON text is read first (text that is not JSON counts 0)."""
+    """How many calls hermes-agent counts in a `tool_calls` value: a list's length, 1 for any
+    other value, 0 for None; JSON text is read first (text that is not JSON counts 0)."""
     if isinstance(tool_calls, str):
         tool_calls = loads_or(tool_calls, [])
     return 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
 
 
-# -- Portable values: a BLOB in JSON -------------------------------------------------------------------------
+# -- Portable values: a BLOB in JSON ---------------------------------------------------------
 
-# JSON has no bytes: a BLOB value travels as {"__base64__": "<standard base64>"}, and import stores it back as
-# a BLOB (docs/moving-history.md).
-# Message columns hermes-agent 0.22 derives from the row itself (its display dedupe key and order): its
-# get_messages leaves them out, so exports do; it derives them again after import.
+# JSON has no bytes: a BLOB value travels as {"__base64__": "<standard base64>"}
+# (json_default), and import stores it back as a BLOB (docs/moving-history.md).
+
+# Message columns hermes-agent 0.22 derives from the row itself (its display dedupe key and
+# order): its get_messages leaves them out, so exports do; it derives them again after import.
 DERIVED_MESSAGE_COLUMNS = frozenset({"display_identity", "display_order"})
 DROPPED_MESSAGE_COLUMNS = (*DERIVED_MESSAGE_COLUMNS, "_compressed_summary")
 
 
-BINARY_TYPES = (bytes, bytearray, memoryview)
-
-
-def json_default(value):
-    """The `default` hook of json.dumps for every output: bytes as the BYTES_MARKER object, else str()."""
-    if isinstance(value, BINARY_TYPES):
-        return {BYTES_MARKER: base64.b64encode(bytes(value)).decode("ascii")}
-    return str(value)
-
-
 def portable_row(row, dropped=()):
-    """A row dict JSON can hold: BLOB values as BYTES_MARKER objects, the `dropped` keys left out."""
+    """A row dict JSON can hold: BLOB values as BYTES_MARKER objects,
+    the `dropped` keys left out."""
     portable = dict(row)
     for key in dropped:
         portable.pop(key, None)
-    if not any(map(isinstance, portable.values(), itertools.repeat(BINARY_TYPES))):  # (C loops; most: none)
+    # (C loops; most rows hold none)
+    if not any(map(isinstance, portable.values(), itertools.repeat(BINARY_TYPES))):
         return portable
     return {key: json_default(value) if isinstance(value, BINARY_TYPES) else value
             for key, value in portable.items()}
@@ -111,39 +91,40 @@ def from_portable(value):
     return value
 
 
-# -- Import validation (pass 1): pure functions over the payload ---------------------------------------------
+# -- Import validation (pass 1): pure functions over the payload -----------------------------
 
 # Text or null, as hermes-agent checks them ("<field> must be a string").
-SESSION_TEXT_FIELDS = ("source", "user_id", "model", "system_prompt", "end_reason", "cwd", "git_branch",
-                       "git_repo_root", "billing_provider", "billing_base_url", "billing_mode", "cost_status",
-                       "cost_source", "pricing_version", "title")
-MESSAGE_TEXT_FIELDS = ("tool_call_id", "tool_name", "effect_disposition", "finish_reason", "reasoning",
-                       "reasoning_content", "platform_message_id", "message_id")
+SESSION_TEXT_FIELDS = ("source", "user_id", "model", "system_prompt", "end_reason", "cwd",
+                       "git_branch", "git_repo_root", "billing_provider", "billing_base_url",
+                       "billing_mode", "cost_status", "cost_source", "pricing_version", "title")
+MESSAGE_TEXT_FIELDS = ("tool_call_id", "tool_name", "effect_disposition", "finish_reason",
+                       "reasoning", "reasoning_content", "platform_message_id", "message_id")
 # Restored as numbers; a value that is not one degrades (integers to 0, the rest to null).
 SESSION_INT_FIELDS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
                       "reasoning_tokens", "api_call_count")
 SESSION_FLOAT_FIELDS = ("ended_at", "estimated_cost_usd", "actual_cost_usd")
 # Restored as 0/1 by truth, as hermes-agent 0.20 restores `archived` (0.22 keeps all four).
 SESSION_FLAG_FIELDS = ("archived", "auto_archived", "pinned", "hidden")
-# Session fields no import restores (hermes-agent 0.19 to 0.22 reset them all): gateway routing and identity,
-# handoffs, rewinds, activity, compression cooldowns and streaks, per-store bookkeeping, and what an export
-# derives (counts, the prompt's hash, recency, lineage, timings).
+# Session fields no import restores (hermes-agent 0.19 to 0.22 reset them all): gateway routing and
+# identity, handoffs, rewinds, activity, compression cooldowns and streaks, per-store bookkeeping,
+# and what an export derives (counts, the prompt's hash, recency, lineage, timings).
 SESSION_RESET_FIELDS = frozenset({
-    "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json", "expiry_finalized",
-    "handoff_state", "handoff_platform", "handoff_error", "rewind_count", "last_activity_at",
-    "last_activity_description", "last_activity_provenance", "last_read_at", "compression_failure_cooldown_until",
-    "compression_failure_error", "compression_fallback_streak", "compression_ineffective_count",
+    "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json",
+    "expiry_finalized", "handoff_state", "handoff_platform", "handoff_error", "rewind_count",
+    "last_activity_at", "last_activity_description", "last_activity_provenance", "last_read_at",
+    "compression_failure_cooldown_until", "compression_failure_error",
+    "compression_fallback_streak", "compression_ineffective_count",
     "compression_recovery_deadline", "compression_overload_streak", "profile_name", "title_source",
     "git_metadata_generation", "created_source", "transport_profile", "tool_names",
     "id", "parent_session_id", "messages", "message_count", "tool_call_count", "system_prompt_hash",
     "last_active", "preview", "segments", "lineage_session_ids", "timings", })
 # Session fields converted on the way in, whatever their value (none is refused for its size).
-SESSION_CONVERTED_FIELDS = SESSION_RESET_FIELDS | {"started_at", "model_config", *SESSION_TEXT_FIELDS,
-                                                   *SESSION_FLOAT_FIELDS, *SESSION_FLAG_FIELDS}
-# Message fields the import writes its own way: new ids, the importing session, the flags, the `message_id`
-# alias of platform_message_id, and the columns 0.22 derives.
-MESSAGE_RESET_FIELDS = frozenset({"id", "session_id", "message_id", "active", "compacted", "_row_id",
-                                  *DERIVED_MESSAGE_COLUMNS})
+SESSION_CONVERTED_FIELDS = SESSION_RESET_FIELDS | {
+    "started_at", "model_config", *SESSION_TEXT_FIELDS, *SESSION_FLOAT_FIELDS, *SESSION_FLAG_FIELDS}
+# Message fields the import writes its own way: new ids, the importing session, the flags, the
+# `message_id` alias of platform_message_id, and the columns 0.22 derives.
+MESSAGE_RESET_FIELDS = frozenset({"id", "session_id", "message_id", "active", "compacted",
+                                  "_row_id", *DERIVED_MESSAGE_COLUMNS})
 # Message fields with a rule of their own; any other is carried as it is.
 MESSAGE_RULED_FIELDS = MESSAGE_RESET_FIELDS | frozenset(MESSAGE_WRITE_COLUMNS)
 # Structured message fields stored as JSON text; the import reads text in them as JSON first.
@@ -151,11 +132,14 @@ REASONING_JSON_FIELDS = ("reasoning_details", "codex_reasoning_items", "codex_me
 NESTED_MESSAGE_FIELDS = ("tool_calls", "display_metadata", *REASONING_JSON_FIELDS)
 
 
-# NaN and Infinity pass, as in hermes-agent's measure: Python's JSON writes them, so exports hold them.
+# NaN and Infinity pass, as in hermes-agent's measure: Python's JSON writes them, so exports hold
+# them.
 _COMPACT_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-# JSON's value types, exactly (a subclass takes the long way); numbers, null and text under SHORT_TEXT_CHARS
-# are measured together.
-_SHORT_TYPES, _CONTAINER_TYPES, SHORT_TEXT_CHARS = {int, float, bool, type(None)}, {list, dict}, 4096
+# JSON's value types, exactly (a subclass takes the long way); numbers, null and text under
+# SHORT_TEXT_CHARS are measured together.
+_SHORT_TYPES = {int, float, bool, type(None)}
+_CONTAINER_TYPES = {list, dict}
+SHORT_TEXT_CHARS = 4096
 _JSON_TYPES = {str, *_SHORT_TYPES, *_CONTAINER_TYPES}
 
 
@@ -164,8 +148,9 @@ def _utf8_size(text):
 
 
 def _compact_size(value):
-    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit; a run of messages or a long member
-    at a time, the short ones together: no one whole text that a single CJK character makes 4 bytes a character."""
+    """Bytes of `value` as compact UTF-8 JSON, the measure of every size limit; a run of messages
+    or a long member at a time, the short ones together: no one whole text that a single CJK
+    character makes 4 bytes a character."""
     encode = _COMPACT_ENCODER.encode
     if not isinstance(value, dict):
         return _utf8_size(encode(value))
@@ -173,30 +158,31 @@ def _compact_size(value):
     for key, member in value.items():
         if key == "messages" and type(member) is list:
             # Each run is "[...]"; runs joined by commas make one list: one pair of brackets.
-            runs = _message_runs(member)
-            size += _utf8_size(encode(key)) + 1 + sum(_utf8_size(encode(run)) for run in runs) - len(runs) + 1
-        elif type(member) in _SHORT_TYPES or type(member) is str and len(member) < SHORT_TEXT_CHARS:
+            runs = message_runs(member)
+            runs_size = sum(_utf8_size(encode(run)) for run in runs)
+            size += _utf8_size(encode(key)) + 1 + runs_size - len(runs) + 1
+        elif (type(member) in _SHORT_TYPES
+              or type(member) is str and len(member) < SHORT_TEXT_CHARS):
             short[key] = member
         else:
             size += _utf8_size(encode({key: member})) - 2
     return size + _utf8_size(encode(short)) - 1 - len(short) if short else size
 
 
-def _message_runs(messages):
-    """`messages` in lists of EXPORT_RUN_MESSAGES; one empty list for none."""
-    return [messages[i:i + EXPORT_RUN_MESSAGES] for i in range(0, max(1, len(messages)), EXPORT_RUN_MESSAGES)]
-
-
 def _depth(value, limit):
-    """How deep lists and objects nest in `value`; stops counting past `limit`. A level at a time, not recursion,
-    so that any nesting gets an answer; a level's containers are picked out in C loops (most values are text)."""
+    """How deep lists and objects nest in `value`; stops counting past `limit`. A level at a
+    time, not recursion, so that any nesting gets an answer; a level's containers are picked out
+    in C loops (most values are text)."""
     depth, level = 0, [value] if isinstance(value, (list, dict)) else []
     while level and depth <= limit:
         depth += 1
-        children = [*itertools.chain.from_iterable(item.values() if isinstance(item, dict) else item for item in level)]
+        children = [*itertools.chain.from_iterable(
+            item.values() if isinstance(item, dict) else item for item in level)]
         kinds = [*map(type, children)]
-        level = ([*itertools.compress(children, map(_CONTAINER_TYPES.__contains__, kinds))] if {*kinds} <= _JSON_TYPES
-                 else [child for child in children if isinstance(child, (list, dict))])
+        if {*kinds} <= _JSON_TYPES:
+            level = [*itertools.compress(children, map(_CONTAINER_TYPES.__contains__, kinds))]
+        else:
+            level = [child for child in children if isinstance(child, (list, dict))]
     return depth
 
 
@@ -208,7 +194,8 @@ def _check_nesting(field, value, limit):
         try:
             value = json.loads(value)
         except RecursionError:
-            raise ValueError(f"{field} nests lists and objects more than {limit} levels deep") from None
+            raise ValueError(
+                f"{field} nests lists and objects more than {limit} levels deep") from None
         except ValueError:
             return  # text that is not JSON is stored as text
     if _depth(value, limit) > limit:
@@ -232,8 +219,9 @@ def import_id(entry):
 
 
 def validate_import(sessions, limits):
-    """Pass 1: every rejected entry as {"index", "error", "session_id"?}, its first error in hermes-agent's
-    words; `limits` as import_limits() names them. Raises ValueError for a non-list or too many entries."""
+    """Pass 1: every rejected entry as {"index", "error", "session_id"?}, its first error in
+    hermes-agent's words; `limits` as import_limits() names them. Raises ValueError for a
+    non-list or too many entries."""
     if not isinstance(sessions, list):
         raise ValueError("sessions must be a list")
     if len(sessions) > limits["sessions"]:
@@ -244,20 +232,25 @@ def validate_import(sessions, limits):
         try:
             _check_entry(entry, session_id, seen, totals, limits)
         except ValueError as exc:
-            errors.append({"index": index, "error": str(exc), **({"session_id": session_id} if session_id else {})})
+            error = {"index": index, "error": str(exc)}
+            if session_id:
+                error["session_id"] = session_id
+            errors.append(error)
             continue
         seen.add(session_id)
     return errors
 
 
 def _check_entry(entry, session_id, seen, totals, limits):
-    """Raise ValueError with the first problem of one entry; count its bytes and messages into `totals`."""
+    """Raise ValueError with the first problem of one entry;
+    count its bytes and messages into `totals`."""
     messages = (entry.get("messages") or []) if isinstance(entry, dict) else []
     # A field's limit counts from its value; an entry adds three levels (entry, messages, message).
     envelope = limits["depth"] + 3
     for failed, error in (  # in this order, the first failing one
             (lambda: not isinstance(entry, dict), "session must be an object"),
-            (lambda: not session_id, "session id is required"), (lambda: len(session_id) > ID_MAX_LENGTH,
+            (lambda: not session_id, "session id is required"),
+            (lambda: len(session_id) > ID_MAX_LENGTH,
              f"session id is {len(session_id)} characters; the limit is {ID_MAX_LENGTH}"),
             (lambda: session_id in seen, "duplicate session id"),
             (lambda: not isinstance(messages, list), "messages must be a list"),
@@ -269,7 +262,8 @@ def _check_entry(entry, session_id, seen, totals, limits):
              f"session nests lists and objects more than {envelope} levels deep")):
         if failed():
             raise ValueError(error)
-    try:  # `timings` only describes the messages (hermes-agent 0.22 leaves it out of the measure too)
+    # `timings` only describes the messages (hermes-agent 0.22 leaves it out of the measure too).
+    try:
         size = _compact_size({key: value for key, value in entry.items() if key != "timings"})
     except (TypeError, ValueError):
         raise ValueError("session must be JSON serializable") from None
@@ -314,20 +308,22 @@ def _check_message(position, message, depth_limit):
             raise ValueError("token_count must be an integer") from None
         _check_int_range("token_count", count)
     content = message.get("content")
-    if isinstance(content, int):  # (names are formatted only when needed: this runs for every message)
+    # (names are formatted only when needed: this runs for every message)
+    if isinstance(content, int):
         _check_int_range(f"session.messages[{position}].content", content)
-    for field, value in message.items() if not message.keys() <= MESSAGE_RULED_FIELDS else ():  # carried as is
+    carries_fields = not message.keys() <= MESSAGE_RULED_FIELDS
+    for field, value in message.items() if carries_fields else ():  # fields carried as they are
         if field not in MESSAGE_RULED_FIELDS:
             _check_int_range(f"messages[{position}].{field}", value)
-    # Values themselves were measured by the entry's envelope (a message field sits three levels in, so its
-    # limit there is the same); JSON text in them is read here.
+    # Values themselves were measured by the entry's envelope (a message field sits three levels in,
+    # so its limit there is the same); JSON text in them is read here.
     for field in NESTED_MESSAGE_FIELDS:
         value = message.get(field)
         if isinstance(value, str):
             _check_nesting(f"messages[{position}].{field}", value, depth_limit)
 
 
-# -- Import writing (pass 2): rows from a validated entry ----------------------------------------------------
+# -- Import writing (pass 2): rows from a validated entry ------------------------------------
 
 
 def _number(value, kind, default=None):
@@ -390,7 +386,8 @@ def _session_row(entry, session_id, columns, unstored):
     row.update({field: _number(entry.get(field), float) for field in SESSION_FLOAT_FIELDS})
     row.update({field: 1 if entry.get(field) else 0 for field in SESSION_FLAG_FIELDS})
     row["auto_archived"] &= row["archived"]  # only the archive sweep sets it, on rows it archives
-    return _carry(row, entry, SESSION_RESET_FIELDS | {"system_prompt"}, columns, "sessions", unstored)
+    return _carry(row, entry, SESSION_RESET_FIELDS | {"system_prompt"},
+                  columns, "sessions", unstored)
 
 
 def _would_create_cycle(conn, pending, child, parent):
@@ -404,7 +401,8 @@ def _would_create_cycle(conn, pending, child, parent):
         if current in pending:
             current = pending[current]
             continue
-        row = conn.execute(SELECT_LINEAGE_LINK_SQL, (current,)).fetchone()
+        row = conn.execute("SELECT parent_session_id, end_reason FROM sessions WHERE id = ?",
+                           (current,)).fetchone()
         current = row[0] if row else None
     return False
 
@@ -416,413 +414,148 @@ def _attach_parents(conn, links):
     for child, parent in links:
         if conn.execute(SESSION_EXISTS_SQL, (parent,)).fetchone() and \
                 not _would_create_cycle(conn, pending, child, parent):
-            conn.execute(SET_PARENT_SQL, (parent, child))
+            conn.execute("UPDATE sessions SET parent_session_id = ? WHERE id = ?", (parent, child))
         else:
             del pending[child]
             detached += 1
     return detached
 
-# -- Renderers: each takes one export at a time, so exporting streams ----------------------------------------
-
-
-def iso_time(ts):
-    if ts is None:
-        return ""
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1e6):06d}Z"
-
-
-def jsonl_line(export):
-    return json.dumps(export, ensure_ascii=False, default=json_default) + "\n"
-
-
-_JSONL_ENCODER = json.JSONEncoder(ensure_ascii=False, default=json_default)
-# Scalars as _JSONL_ENCODER writes them, NUL between them (no JSON text holds one): a list splits apart.
-_SCALARS_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=("\x00", ": "))
-
-
-def jsonl_pieces(export):
-    """jsonl_line(export) as strings that join to it, a run of messages a piece: text stays narrow (one CJK
-    character anywhere makes a whole joined line two or four bytes a character)."""
-    messages = export.get("messages")
-    if type(messages) is not list or not messages:
-        return [jsonl_line(export)]
-    keys, encode = list(export), _JSONL_ENCODER.encode
-    at = keys.index("messages")
-    texts = (encode(run)[1:-1] for run in _message_runs(messages))
-    return _jsonl_session({k: export[k] for k in keys[:at]}, texts, {k: export[k] for k in keys[at + 1:]})
-
-
-def _decoded_calls(texts, scan=json.JSONDecoder().scan_once):
-    """Set tool_calls texts as get_messages decodes each, loads_or(text, []) ("" kept): one scan of them all
-    as a JSON array when each is one JSON value (the count tells), one by one otherwise."""
-    with contextlib.suppress(StopIteration, TypeError, ValueError):
-        values = scan("[" + ", ".join(texts) + "]", 0)[0]
-        if len(values) == len(texts):
-            return values
-    return [loads_or(text, []) if text else text for text in texts]
-
-
-def _encoded_calls(column):
-    """A tool_calls column as jsonl_line writes its values: null, or the text as get_messages decodes it."""
-    decoded = map(_JSONL_ENCODER.encode, _decoded_calls([text for text in column if text is not None]))
-    return ["null" if text is None else next(decoded) for text in column]
-
-
-def _jsonl_session(before, texts, after):
-    """The pieces of jsonl_line({**before, "messages": [texts joined], **after}); texts are a list's items."""
-    encode = _JSONL_ENCODER.encode
-    yield encode(before)[:-1] + (', "messages": [' if before else '"messages": [')
-    separator = ""
-    for text in texts:
-        yield separator
-        yield text
-        separator = ", "
-    yield "]" + (", " + encode(after)[1:] if after else "}") + "\n"
-
-
-def trace_lines(export):
-    """One JSON event a line: session_start, message, tool_call, tool_result, session_end."""
-    sid = export["id"]
-    events = [{"event": "session_start", "session_id": sid, "timestamp": export.get("started_at"),
-               "source": export.get("source"), "model": export.get("model"), "title": export.get("title"),
-               "parent_session_id": export.get("parent_session_id")}]
-    for message in export["messages"]:
-        base = {"session_id": sid, "message_id": message["id"], "timestamp": message["timestamp"]}
-        if message["role"] == "tool":
-            events.append({"event": "tool_result", **base, "tool_call_id": message.get("tool_call_id"),
-                           "name": message.get("tool_name"), "content": message.get("content")})
-            continue
-        events.append({"event": "message", **base, "role": message["role"], "content": message.get("content"),
-                       "reasoning": message.get("reasoning"), "token_count": message.get("token_count")})
-        for call in message.get("tool_calls") or []:
-            function = call.get("function", {}) if isinstance(call, dict) else {}
-            events.append({"event": "tool_call", **base, "tool_call_id": call.get("id") if isinstance(call, dict)
-                           else None, "name": function.get("name"), "arguments": function.get("arguments")})
-    events.append({"event": "session_end", "session_id": sid, "timestamp": export.get("ended_at"),
-                   "end_reason": export.get("end_reason"), "message_count": export.get("message_count")})
-    return "".join(map(jsonl_line, events))
-
-
-def _md_text(text):
-    """Free text for a Markdown body: HTML in it shows as text, as in the html export."""
-    return html.escape(str(text), quote=False)
-
-
-def _code(text):
-    """`text` as one Markdown code span whatever backticks or line breaks it holds
-    (a code span shows a line break as a space anyway)."""
-    text = " ".join(str(text).splitlines())
-    ticks = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
-    pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{ticks}{pad}{text}{pad}{ticks}"
-
-
-def _md_body(export):
-    parts = [f"# {_md_text(export.get('title') or export['id'])}\n\n", f"Session ID: {_code(export['id'])}\n\n",
-             f"Source: {_code(export.get('source'))}\n\n"]
-    if export.get("lineage_session_ids"):
-        parts.append(f"Lineage: {' -> '.join(_code(s) for s in export['lineage_session_ids'])}\n\n")
-    if export.get("system_prompt"):
-        parts.append(f"## System prompt\n\n{_md_text(export['system_prompt'])}\n\n")
-    parts.append("## Messages\n\n")
-    for message in export["messages"]:
-        label = message["role"].capitalize() + (f" — {message['tool_name']}" if message.get("tool_name") else "")
-        parts.append(f"### {_md_text(label)} — {iso_time(message['timestamp'])}\n\n"
-                     f"{_md_text(message_text(message))}\n\n")
-        if message.get("tool_calls"):
-            calls = json.dumps(message["tool_calls"], ensure_ascii=False, indent=2)
-            # Inside a fence HTML is not rendered; the fence outlasts any backticks in the calls.
-            fence = "`" * max(3, max((len(run) for run in re.findall(r"`+", calls)), default=0) + 1)
-            parts.append(f"#### Tool calls\n\n{fence}json\n{calls}\n{fence}\n\n")
-    return "".join(parts)
-
-
-def _front_matter(export, fmt):
-    fields = {"session_id": export["id"], "title": export.get("title"), "source": export.get("source"),
-              "created_at": iso_time(export.get("started_at")), "ended_at": iso_time(export.get("ended_at")),
-              "model": export.get("model"), "cwd": export.get("cwd"), "archived": bool(export.get("archived")),
-              "message_count": export.get("message_count"), "tool_call_count": export.get("tool_call_count"),
-              "format": fmt, "exported_at": iso_time(time.time()), "exporter": "hermes_state export v1"}
-    # Quarto renders a title as Markdown, so the strings here are escaped like the body.
-    lines = (f"{key}: {json.dumps(_md_text(value) if isinstance(value, str) else value, ensure_ascii=False)}\n"
-             for key, value in fields.items())
-    return "---\n" + "".join(lines) + "---\n\n"
-
-
-def markdown_document(export, fmt="md"):
-    """(text, sha256 of the body) for an md or qmd file. The body is everything
-    between the front matter and the verification block; its SHA-256 is in the block."""
-    body = _md_body(export)
-    digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
-    verification = ("## Export verification\n\n"
-                    f"- Session id: {_code(export['id'])}\n"
-                    f"- Exported messages: `{len(export['messages'])}`\n"
-                    f"- Source DB message count at export: `{export.get('message_count')}`\n"
-                    f"- SHA256 of exported body: `{digest}`\n")
-    return _front_matter(export, fmt) + body + verification, digest
-
-
-HTML_HEAD = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
-<title>{title}</title>
-<style>
-body {{ font: 15px/1.5 system-ui, "Noto Sans CJK SC", "PingFang SC", "Microsoft YaHei", sans-serif; margin: 0 auto; max-width: 60rem; padding: 1rem; color: #0f172a; }}
-.session {{ border-top: 3px solid #cd7f32; margin-top: 2rem; }}
-.meta {{ color: #475569; font-size: 13px; }}
-.message {{ border: 1px solid #e2e8f0; border-radius: 8px; margin: .6rem 0; padding: .5rem .8rem; }}
-.role-user {{ background: #fff; }} .role-assistant {{ background: #f1f5f9; }} .role-tool {{ background: #f0f9ff; }}
-.role {{ font-weight: 600; text-transform: capitalize; }} .time {{ color: #64748b; font-size: 12px; margin-left: .5rem; }}
-pre {{ white-space: pre-wrap; word-break: break-word; margin: .3rem 0;
-       font-family: ui-monospace, "Noto Sans Mono CJK SC", monospace; }}
-.tool-call {{ background: #1e293b; color: #f8fafc; border-radius: 6px; padding: .4rem .6rem; font-size: 13px; }}
-details {{ margin: .3rem 0; }}
-</style></head><body>
-<h1>{title}</h1>
-"""
-
-
-HTML_FOLD_CHARS = 600
-
-
-def message_text(message):
-    """A message's content as text: multimodal parts (a list) and anything else as their JSON."""
-    content = message.get("content")
-    if isinstance(content, str) or content is None:
-        return content or ""
-    return json.dumps(content, ensure_ascii=False, default=json_default)
-
-
-def _html_content(message):
-    """The message text; a long tool output folds away behind its first lines."""
-    text = message_text(message)
-    if message["role"] != "tool" or len(text) <= HTML_FOLD_CHARS:
-        return f"<pre>{html.escape(text)}</pre>"
-    return (f"<details><summary><pre>{html.escape(text[:200])}… ({len(text):,} characters)</pre></summary>"
-            f"<pre>{html.escape(text)}</pre></details>")
-
-
-def html_section(export):
-    """One session as an escaped HTML section: meta, system prompt, messages, tool calls."""
-    e = html.escape
-    lineage = export.get("lineage_session_ids")
-    parts = [f'<section class="session" id="{e(export["id"])}">',
-             f"<h2>{e(export.get('title') or export['id'])}</h2>",
-             f'<p class="meta">ID {e(export["id"])} · source {e(str(export.get("source")))} · model '
-             f'{e(str(export.get("model")))} · started {e(iso_time(export.get("started_at")))} · '
-             f'{len(export["messages"])} messages'
-             + (f" · lineage {e(' → '.join(lineage))}" if lineage else "") + "</p>"]
-    if export.get("system_prompt"):
-        parts.append(f"<details><summary>System prompt</summary><pre>{e(export['system_prompt'])}</pre></details>")
-    for message in export["messages"]:
-        tool = f" · {e(message['tool_name'])}" if message.get("tool_name") else ""
-        parts.append(f'<div class="message role-{e(message["role"])}"><span class="role">{e(message["role"])}'
-                     f'{tool}</span><span class="time">{e(iso_time(message["timestamp"]))}</span>'
-                     + _html_content(message))
-        for call in message.get("tool_calls") or []:
-            function = call.get("function", {}) if isinstance(call, dict) else {}
-            parts.append(f'<div class="tool-call">→ {e(str(function.get("name")))}('
-                         f'{e(str(function.get("arguments", "")))})</div>')
-        parts.append("</div>")
-    parts.append("</section>\n")
-    return "".join(parts)
-
-
-def write_export(exports, fmt, out, *, redact_secrets=False):
-    """How many of `exports` (for jsonl, maybe SessionDB.iter_export_jsonl's) went in `fmt` to `out`: a path,
-    a folder for md/qmd, '-' for stdout with jsonl and trace. Files get temporary names until the last session
-    is written: an export that fails part-way leaves no partial file behind."""
-    if fmt not in EXPORT_FORMATS:
-        raise ValueError(f"format must be one of {', '.join(EXPORT_FORMATS)}")
-    if out == "-" and fmt not in ("jsonl", "trace"):
-        raise ValueError(f"only jsonl and trace can go to stdout; {fmt} needs a path")
-    exports = map(_redacted, exports) if redact_secrets else exports
-    if fmt in ("md", "qmd"):
-        return _write_markdown_folder(exports, fmt, out)
-    with _private_output(out) as handle:
-        if fmt == "html":
-            handle.write(HTML_HEAD.format(title="Hermes sessions"))
-        count = 0
-        for export in exports:
-            if fmt == "jsonl":
-                handle.writelines(jsonl_pieces(export) if isinstance(export, dict) else export)
-            else:
-                handle.write({"trace": trace_lines, "html": html_section}[fmt](export))
-            count += 1
-        if fmt == "html":
-            handle.write("</body></html>\n")
-    return count
-
-
-def _redacted(export):
-    if not isinstance(export, dict):  # jsonl pieces: a secret may be split across them
-        raise ValueError("redact_secrets needs whole exports (iter_export_all's), not iter_export_jsonl's pieces")
-    return redact(export)
-
-
-# The readable part of a Markdown file name; the hash after it keeps names unique.
-FILE_NAME_ID_CHARS = 64
-
-
-def markdown_file_name(session_id, fmt, taken=()):
-    """A file name for one session: its id's safe characters (at most FILE_NAME_ID_CHARS) and the start of its
-    SHA-256 (ids differing in unsafe characters, case or past the cut differ); all of it if that is
-    `taken`."""
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", session_id)[:FILE_NAME_ID_CHARS].strip("._-") or "session"
-    digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
-    name = f"{readable}-{digest[:12]}.{fmt}"
-    return name if name not in taken else f"{readable}-{digest}.{fmt}"
-
-
-def _write_markdown_folder(exports, fmt, folder):
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    pending, names, manifest = [], set(), []  # pending: (temporary path, final path)
-    try:
-        for export in exports:
-            text, digest = markdown_document(export, fmt)
-            name = markdown_file_name(export["id"], fmt, names)
-            names.add(name)
-            pending.append((_write_private_temp(folder, name, text), os.path.join(folder, name)))
-            manifest.append(json.dumps({"session_id": export["id"], "file": name, "body_sha256": digest,
-                                        "messages": len(export["messages"])}, ensure_ascii=False) + "\n")
-        pending.append((_write_private_temp(folder, "manifest.jsonl", "".join(manifest)),
-                        os.path.join(folder, "manifest.jsonl")))
-    except BaseException:
-        for temporary, _final in pending:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-        raise
-    for temporary, final in pending:
-        os.replace(temporary, final)
-    return len(manifest)
-
-
-def _write_private_temp(folder, name, text):
-    """`text` in a new 0600 file of `folder` under a temporary name; returns its path."""
-    fd, temporary = tempfile.mkstemp(prefix=f".{name[:80]}.", suffix=".part", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(text)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-    return temporary
-
-
-@contextlib.contextmanager
-def _private_output(path):
-    """A text file (exports hold prompts and messages) created 0600 under a temporary
-    name and renamed to `path` when the block ends well, removed when it fails; stdout for '-'."""
-    if path == "-":
-        yield sys.stdout
-        return
-    folder, name = os.path.split(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(prefix=f".{name[:80]}.", suffix=".part", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            yield handle
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+# The flag the export query gives each message row (its last column): how much decoding it needs.
+ROW_AS_STORED = 0  # every value goes out as read
+ROW_TOOL_CALLS = 1  # only tool_calls: JSON text to decode
+ROW_DECODED = 2  # the long way (decode_message): encoded content, display_metadata, a summary mark
+ROW_HAS_BLOB = 3  # a BLOB value; not flagged in a streamed export, whose encoder finds it
 
 
 class SessionPortabilityMixin:
-    """Export and import behaviour of SessionDB (see the module docstring)."""
+    """Export and import behaviour of SessionDB (see the module docstring).
+
+    Relies on: `_execute_write`, `_read_all`, `_borrow_reader`, `_return_reader` (SessionDB,
+    hermes_state.py); `get_session`, `_resolved` (sessions mixin); `_flush_token_counts` (usage
+    mixin); `get_compression_lineage` (compression mixin); `_insert_message_rows` (messages
+    mixin); `_hold_back_index_triggers`, `_index_held_back_rows` (search index mixin);
+    `_sweep_deleted_messages` (maintenance mixin)."""
 
     _IMPORT_MAX_SESSIONS = 500
     _IMPORT_MAX_MESSAGES_PER_SESSION = 10_000
     _IMPORT_MAX_TOTAL_MESSAGES = 50_000
     _IMPORT_MAX_SESSION_BYTES = 5 * 1024 * 1024
     _IMPORT_MAX_TOTAL_BYTES = 25 * 1024 * 1024
-    # Lists and objects inside one field; deeper values could not be exported again (json and the renderers
-    # recurse), and no agent writes them.
+    # Lists and objects inside one field; deeper values could not be exported again (json and the
+    # renderers recurse), and no agent writes them.
     _IMPORT_MAX_DEPTH = 100
-    # An import transaction takes no further session once it has run this long (issue 17: no write-lock hold
-    # over 1 s); filling the indexes for its rows afterwards adds as much again (0.3 held 0.7 s at 1M messages
-    # once inserts ran without our triggers).
+    # An import transaction takes no further session once it has run this long (issue 17: no
+    # write-lock hold over 1 s); filling the indexes for its rows afterwards adds as much again (0.3
+    # held 0.7 s at 1M messages once inserts ran without our triggers).
     IMPORT_CHUNK_SECONDS = 0.2
 
     # -- export ----------------------------------------------------------------
 
     def export_session(self, session_id):
-        """Every `sessions` column (system prompt resolved) and `messages`, the active rows in id
-        order as get_messages gives them; BLOBs portable (see BYTES_MARKER). None for an unknown id."""
+        """Every `sessions` column (system prompt resolved) and `messages`, the active
+        rows in id order as get_messages gives them; BLOBs portable (see BYTES_MARKER).
+        None for an unknown id."""
         session = self.get_session(session_id)
         return None if session is None else next(self._exported(one=portable_row(session)))
 
     def _exported(self, source=None, streamed=False, one=None):
-        """Each session of `source` (or `one`) with its messages (a generator): a dict, or `streamed`, jsonl
-        pieces read a run at a time; one pooled read connection, plain tuples (a sqlite3.Row costs more)."""
+        """Each session of `source` (or `one`) with its messages (a generator): a dict, or
+        `streamed`, jsonl pieces read a run at a time; one pooled read connection, plain tuples
+        (a sqlite3.Row costs more)."""
         conn = self._borrow_reader()
         try:
             cursor, sessions = conn.cursor(), conn.cursor()
             cursor.row_factory = sessions.row_factory = None
             read, convert, runs = self._export_reader(cursor, streamed)
             for session in [one] if one else self._export_sessions(source, sessions):
-                yield (_jsonl_session(session, runs(session["id"]), {}) if streamed
+                yield (jsonl_session(session, runs(session["id"]), {}) if streamed
                        else {**session, "messages": convert(read(session["id"]).fetchall())})
-        finally:  # closed, a pieces iterator kept past its session fails loudly instead of reading on a lent reader
-            with contextlib.suppress(sqlite3.ProgrammingError):  # the store was closed first: nothing to release
+        finally:
+            # Closed, a pieces iterator kept past its session fails loudly instead of reading on a
+            # lent reader; ProgrammingError: the store was closed first, nothing to release.
+            with contextlib.suppress(sqlite3.ProgrammingError):
                 cursor.close()
                 sessions.close()
             self._return_reader(conn)
 
     def _export_reader(self, cursor, streamed=False):
-        """(read, convert, runs): read(session_id) queries a session's messages on `cursor`, convert makes rows
-        what portable_message(get_messages(id)) gives, runs(session_id) yields their jsonl a run at a time. The
-        query flags the rows to decode (1: tool_calls; 2: content encoded, display_metadata, ...; 3, unless
-        `streamed`: a BLOB)."""
-        names = [name for (name,) in cursor.execute("SELECT name FROM pragma_table_info('messages')")]
+        """(read, convert, runs): read(session_id) queries a session's messages on `cursor`,
+        convert makes rows what portable_message(get_messages(id)) gives, runs(session_id) yields
+        their jsonl a run at a time. The query's last column is each row's flag: one of the
+        ROW_* names above the class."""
+        names = [name for (name,) in
+                 cursor.execute("SELECT name FROM pragma_table_info('messages')")]
         kept = [name for name in names if name not in DROPPED_MESSAGE_COLUMNS]
         columns = kept + ["_compressed_summary"] * ("_compressed_summary" in names)
-        flags = [f"{n} IS NOT NULL" for n in ("display_metadata", "_compressed_summary") if n in names]
+        # The conditions of ROW_DECODED, each on a column the store has.
+        decoded_when = [f"{name} IS NOT NULL"
+                        for name in ("display_metadata", "_compressed_summary") if name in names]
         params = ()
-        if "content" in names:  # text starting with CONTENT_JSON_PREFIX sorts from it to the next prefix
-            flags.append("(content >= ? AND content < ?)")  # (substr() would stop at its NUL)
-            params = (CONTENT_JSON_PREFIX, CONTENT_JSON_PREFIX[:-1] + chr(ord(CONTENT_JSON_PREFIX[-1]) + 1))
-        calls, at = ("tool_calls IS NOT NULL", kept.index("tool_calls")) if "tool_calls" in kept else ("0", 0)
-        blob = "0" if streamed else " OR ".join(q + " >= X''" for q in map(quote_identifier, columns))  # X'' first
+        if "content" in names:
+            # Text starting with CONTENT_JSON_PREFIX sorts from it to the next prefix (substr()
+            # would stop at its NUL).
+            decoded_when.append("(content >= ? AND content < ?)")
+            next_prefix = CONTENT_JSON_PREFIX[:-1] + chr(ord(CONTENT_JSON_PREFIX[-1]) + 1)
+            params = (CONTENT_JSON_PREFIX, next_prefix)
+        if "tool_calls" in kept:
+            calls_when, at = "tool_calls IS NOT NULL", kept.index("tool_calls")
+        else:
+            calls_when, at = "0", 0
+        if streamed:
+            blob_when = "0"  # encoded() finds a BLOB for free
+        else:  # every BLOB sorts at or after X'', every other value before it
+            blob_when = " OR ".join(f"{name} >= X''" for name in map(quote_identifier, columns))
+        # Each kept column's JSON key, as a %-template's text.
         keys = [json.dumps(name, ensure_ascii=False).replace("%", "%%") + ": " for name in kept]
-        sql = (f"SELECT {', '.join(map(quote_identifier, columns))}, CASE WHEN {blob} THEN 3 WHEN "
-               f"{' OR '.join(flags) or 0} THEN 2 WHEN {calls} THEN 1 ELSE 0 END FROM messages "
-               "WHERE session_id = ? AND active = 1 AND id > ? ORDER BY id LIMIT ?")
+        sql = (f"SELECT {', '.join(map(quote_identifier, columns))},"
+               f" CASE WHEN {blob_when} THEN {ROW_HAS_BLOB}"
+               f" WHEN {' OR '.join(decoded_when) or 0} THEN {ROW_DECODED}"
+               f" WHEN {calls_when} THEN {ROW_TOOL_CALLS} ELSE {ROW_AS_STORED} END"
+               " FROM messages WHERE session_id = ? AND active = 1 AND id > ? ORDER BY id LIMIT ?")
 
-        def convert(rows):  # a dict a row in C loops (zip stops at `kept`), then the flagged rows decoded
+        def convert(rows):
+            # A dict a row in C loops (zip stops at `kept`), then the flagged rows decoded
+            # (ROW_AS_STORED is 0: compress leaves those rows out).
             messages = [*map(dict, map(zip, itertools.repeat(kept), rows))]
             flagged = [*itertools.compress(enumerate(rows), [row[-1] for row in rows])]
-            calls = [(position, row[at]) for position, row in flagged if row[-1] == 1]  # tool_calls alone
-            for (position, _), value in zip(calls, _decoded_calls([text for _, text in calls])):
+            calls = [(position, row[at]) for position, row in flagged
+                     if row[-1] == ROW_TOOL_CALLS]
+            for (position, _), value in zip(calls, decoded_calls([text for _, text in calls])):
                 messages[position]["tool_calls"] = value
             for position, row in flagged:
-                if row[-1] > 1:  # the long way, as get_messages and portable_message take it
+                if row[-1] >= ROW_DECODED:  # the long way of get_messages and portable_message
                     messages[position] = portable_message(decode_message(zip(columns, row)))
             return messages
 
-        def encoded(rows):  # as a list's items, a column at a time: no dicts, a column of nulls written once
+        def encoded(rows):
+            # As a list's items, a column at a time: no dicts, a column of nulls written once.
             columns = list(zip(*rows))
-            if not rows or max(columns[-1]) > 1:
-                return _JSONL_ENCODER.encode(convert(rows))[1:-1] if rows else ""
-            form, values = [], []
+            if not rows or max(columns[-1]) >= ROW_DECODED:
+                return JSONL_ENCODER.encode(convert(rows))[1:-1] if rows else ""
+            members, values = [], []  # values: the texts of each column that holds any
             for key, name, column in zip(keys, kept, columns):
                 if column.count(None) == len(column):
-                    form.append(key + "null")
+                    members.append(key + "null")
                     continue
-                form.append(key + "%s")
+                members.append(key + "%s")
                 try:
-                    values.append(_encoded_calls(column) if name == "tool_calls"
-                                  else _SCALARS_ENCODER.encode(column)[1:-1].split("\x00"))
-                except TypeError:  # a BLOB, found here for free (encoded as convert's rows are): the long way
-                    return _JSONL_ENCODER.encode(convert(rows))[1:-1]
-            return ", ".join(["{%s}" % ", ".join(form)] * len(rows)) % tuple(itertools.chain(*zip(*values)))
+                    if name == "tool_calls":
+                        values.append(encoded_calls(column))
+                    else:
+                        values.append(SCALARS_ENCODER.encode(column)[1:-1].split("\x00"))
+                except TypeError:  # a BLOB, found here for free (encoded as convert's rows are)
+                    return JSONL_ENCODER.encode(convert(rows))[1:-1]
+            template = "{" + ", ".join(members) + "}"  # one row's object, its values to fill in
+            return ", ".join([template % row_values for row_values in zip(*values)])
 
-        def read(session_id, after=-1 << 63, limit=-1):  # the messages past id `after`, `limit` of them (-1: all)
+        def read(session_id, after=-1 << 63, limit=-1):
+            """The messages past id `after`, `limit` of them (-1: all)."""
             return cursor.execute(sql, (*params, session_id, after, limit))
 
-        def runs(session_id):  # each run read whole by its own statement: no read stays open while the consumer
-            after, at = -1 << 63, columns.index("id")  # writes (on a rollback journal it holds off every writer)
+        def runs(session_id):
+            # Each run read whole by its own statement: no read stays open while the consumer
+            # writes (on a rollback journal it holds off every writer).
+            after, at = -1 << 63, columns.index("id")
             while rows := read(session_id, after, EXPORT_RUN_MESSAGES).fetchall():
                 yield encoded(rows)
                 after = rows[-1][at]
@@ -830,12 +563,14 @@ class SessionPortabilityMixin:
         return read, convert, runs
 
     def export_session_lineage(self, session_id):
-        """A compression chain as one session: the tip's export with `segments` (root first), `message_count`,
-        `lineage_session_ids`, every message in order. None for an unknown id."""
-        segments = [*filter(None, map(self.export_session, self.get_compression_lineage(session_id) or []))]
+        """A compression chain as one session: the tip's export with `segments` (root first),
+        `message_count`, `lineage_session_ids`, every message in order. None for an unknown id."""
+        lineage = self.get_compression_lineage(session_id) or []
+        segments = [*filter(None, map(self.export_session, lineage))]
         if not segments:
             return None
-        combined = dict(segments[-1], segments=segments, lineage_session_ids=[s["id"] for s in segments])
+        combined = dict(segments[-1], segments=segments,
+                        lineage_session_ids=[s["id"] for s in segments])
         combined["messages"] = [message for segment in segments for message in segment["messages"]]
         combined["message_count"] = len(combined["messages"])
         return combined
@@ -844,7 +579,8 @@ class SessionPortabilityMixin:
         """A list of every session (of `source` when given) as export_session gives it plus
         `last_active`, most recently active first; [] for none. iter_export_all streams the same.
         Python's cycle collector is paused for the call, in the whole process (gc.disable)."""
-        # The list makes no cycles, but its growth sets off full collections of the whole heap: they wait.
+        # The list makes no cycles, but its growth sets off full collections of the whole heap: they
+        # wait.
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -854,25 +590,36 @@ class SessionPortabilityMixin:
                 gc.enable()
 
     def iter_export_all(self, source=None):
-        """export_all one session at a time (a generator): memory holds the largest session, not the store."""
+        """export_all one session at a time (a generator):
+        memory holds the largest session, not the store."""
         return self._exported(source)
 
     def iter_export_jsonl(self, source=None):
-        """iter_export_all as write_export's jsonl, an iterator of pieces a session: EXPORT_RUN_MESSAGES in memory."""
+        """iter_export_all as write_export's jsonl, an iterator of pieces a session:
+        EXPORT_RUN_MESSAGES in memory."""
         return self._exported(source, streamed=True)
 
     def _export_sessions(self, source, cursor):
-        """iter_export_all's sessions, portable, without messages, read on a tuple `cursor`. The order is read
-        once, at the start; the rows EXPORT_SESSION_CHUNK at a time, each as get_session gives it."""
+        """iter_export_all's sessions, portable, without messages, read on a tuple `cursor`.
+        The order is read once, at the start; the rows EXPORT_SESSION_CHUNK at a time, each
+        as get_session gives it."""
         where, params = ("WHERE s.source = ?", (source,)) if source else ("", ())
-        order = self._read_all(EXPORT_ORDER_SQL.format(where=where), (*params, EXPORT_ALL_LIMIT))
+        # export_all's order, hermes-agent's search_sessions': most recently active first
+        # (LAST_ACTIVE_SQL), newest start, id.
+        order = self._read_all(
+            f"SELECT s.id, {LAST_ACTIVE_SQL.format(a='s')} AS last_active FROM sessions AS s"
+            f" {where} ORDER BY last_active DESC, s.started_at DESC, s.id DESC LIMIT ?",
+            (*params, EXPORT_ALL_LIMIT))
         for start in range(0, len(order), EXPORT_SESSION_CHUNK):
             chunk = order[start:start + EXPORT_SESSION_CHUNK]
             self._flush_token_counts()  # as get_session does: queued counts are part of the row
-            rows = cursor.execute(f"SELECT s.* FROM sessions AS s WHERE s.id IN ({placeholders(len(chunk))})",
-                                  [session_id for session_id, _ in chunk])
-            names = [column[0] for column in rows.description]  # (dict(sqlite3.Row) finds each value by name)
-            sessions = {one["id"]: one for one in self._resolved([dict(zip(names, row)) for row in rows])}
+            rows = cursor.execute(
+                f"SELECT s.* FROM sessions AS s WHERE s.id IN ({placeholders(len(chunk))})",
+                [session_id for session_id, _ in chunk])
+            # (dict(sqlite3.Row) finds each value by name)
+            names = [column[0] for column in rows.description]
+            resolved = self._resolved([dict(zip(names, row)) for row in rows])
+            sessions = {one["id"]: one for one in resolved}
             for session_id, last_active in chunk:
                 session = sessions.pop(session_id, None)
                 if session is not None:  # (None: deleted since the order was read)
@@ -883,30 +630,36 @@ class SessionPortabilityMixin:
 
     def import_limits(self):
         """The limits of one import_sessions call, by name: what validate_import checks."""
-        return {"sessions": self._IMPORT_MAX_SESSIONS, "messages_per_session": self._IMPORT_MAX_MESSAGES_PER_SESSION,
-                "total_messages": self._IMPORT_MAX_TOTAL_MESSAGES, "session_bytes": self._IMPORT_MAX_SESSION_BYTES,
+        return {"sessions": self._IMPORT_MAX_SESSIONS,
+                "messages_per_session": self._IMPORT_MAX_MESSAGES_PER_SESSION,
+                "total_messages": self._IMPORT_MAX_TOTAL_MESSAGES,
+                "session_bytes": self._IMPORT_MAX_SESSION_BYTES,
                 "total_bytes": self._IMPORT_MAX_TOTAL_BYTES, "depth": self._IMPORT_MAX_DEPTH}
 
     def import_sessions(self, sessions, *, limits=None, one_transaction=False):
-        """Add exported sessions (hermes-agent 0.19 to 0.22's exports, or ours) to the store: history, not
-        runtime ownership. Pass 1 checks the whole payload and writes nothing if any entry is wrong: {"ok":
-        False, "imported": 0, "skipped": 0, "detached": 0, "errors": [...]}. Pass 2, whole sessions in
-        transactions of about IMPORT_CHUNK_SECONDS, parent links in a last one: stored ids are skipped, never
-        overwritten (a link a cut-short run left out is attached); messages get fresh ids, rewound ones stay
-        rewound; counts are recomputed; titles follow set_session_title's rules (a taken one gets the id
-        appended); SESSION_RESET_FIELDS are not restored; a field with no rule is restored when the store has
-        its column, else named in `unstored_fields` (a key present only then); a link to an unknown parent or
-        closing a loop is dropped (`detached`). `limits` replaces import_limits() (the command line lifts the
-        totals); `one_transaction` writes all or nothing in one, holding the write lock throughout (the
-        command line says so first). Raises ValueError if `sessions` is not a list or has too many entries."""
+        """Add exported sessions (hermes-agent 0.19 to 0.22's exports, or ours) to the store:
+        history, not runtime ownership. Pass 1 checks the whole payload and writes nothing if any
+        entry is wrong: {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors":
+        [...]}. Pass 2, whole sessions in transactions of about IMPORT_CHUNK_SECONDS, parent
+        links in a last one: stored ids are skipped, never overwritten (a link a cut-short run
+        left out is attached); messages get fresh ids, rewound ones stay rewound; counts are
+        recomputed; titles follow set_session_title's rules (a taken one gets the id appended);
+        SESSION_RESET_FIELDS are not restored; a field with no rule is restored when the store
+        has its column, else named in `unstored_fields` (a key present only then); a link to an
+        unknown parent or closing a loop is dropped (`detached`). `limits` replaces
+        import_limits() (the command line lifts the totals); `one_transaction` writes all or
+        nothing in one, holding the write lock throughout (the command line says so first).
+        Raises ValueError if `sessions` is not a list or has too many entries."""
         errors = validate_import(sessions, limits or self.import_limits())
         if errors:
             return {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": errors}
-        self._sweep_deleted_messages()  # a deleted session's leftovers never join an import of its id
+        # A deleted session's leftovers never join an import of its id.
+        self._sweep_deleted_messages()
         if one_transaction:
-            return self._execute_write(lambda conn: _finish_import(conn, self._write_import(conn, sessions)))
-        # A transaction of about IMPORT_CHUNK_SECONDS at a time, whole sessions, so an import never holds the
-        # write lock for long (issue 17); cut short, a rerun skips what is stored.
+            return self._execute_write(
+                lambda conn: _finish_import(conn, self._write_import(conn, sessions)))
+        # A transaction of about IMPORT_CHUNK_SECONDS at a time, whole sessions, so an import never
+        # holds the write lock for long (issue 17); cut short, a rerun skips what is stored.
         found, done = ([], [], [], [], set()), 0
         while done < len(sessions):
             if done:
@@ -914,12 +667,14 @@ class SessionPortabilityMixin:
             part = self._execute_write(
                 lambda conn: self._write_import(conn, sessions[done:], self.IMPORT_CHUNK_SECONDS))
             done += len(part[0]) + len(part[1])
-            found = tuple(total + new if isinstance(total, list) else total | new for total, new in zip(found, part))
+            found = tuple(total + new if isinstance(total, list) else total | new
+                          for total, new in zip(found, part))
         return self._execute_write(lambda conn: _finish_import(conn, found))
 
     def _write_import(self, conn, sessions, seconds=None):
-        """Inside a write: store these sessions, from the first, taking no further one after `seconds`;
-        (imported ids, skipped ids, parent links, links a skipped session still lacks, unstored fields)."""
+        """Inside a write: store these sessions, from the first, taking no further one after
+        `seconds`; (imported ids, skipped ids, parent links, links a skipped session still
+        lacks, unstored fields)."""
         with _import_cache(conn):
             held = self._hold_back_index_triggers(conn)
             result = self._write_import_rows(conn, sessions, seconds)
@@ -935,7 +690,8 @@ class SessionPortabilityMixin:
                 break
             session_id = import_id(entry)
             parent = str(entry.get("parent_session_id") or "").strip()
-            stored = conn.execute("SELECT parent_session_id FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            stored = conn.execute("SELECT parent_session_id FROM sessions WHERE id = ?",
+                                  (session_id,)).fetchone()
             if stored:
                 skipped.append(session_id)
                 if parent and stored[0] is None:
@@ -947,9 +703,12 @@ class SessionPortabilityMixin:
             if prompt is not None:
                 row["system_prompt_hash"] = prompt_hash(prompt)
                 conn.execute(INSERT_SYSTEM_PROMPT_SQL, (row["system_prompt_hash"], prompt))
-            conn.execute(INSERT_SESSION_SQL.format(columns=", ".join(map(quote_identifier, row)),
-                                                   values=placeholders(len(row))), tuple(row.values()))
-            self._import_messages(conn, session_id, entry.get("messages") or [], columns["messages"], unstored)
+            # The row's names and its values come from the one dict, in its order.
+            names = ", ".join(map(quote_identifier, row))
+            conn.execute(f"INSERT INTO sessions ({names}) VALUES ({placeholders(len(row))})",
+                         tuple(row.values()))
+            self._import_messages(conn, session_id, entry.get("messages") or [],
+                                  columns["messages"], unstored)
             imported.append(session_id)
             if parent:
                 links.append((session_id, parent))
@@ -962,7 +721,8 @@ class SessionPortabilityMixin:
                        token_count=_number(message.get("token_count"), int),
                        timestamp=_number(message.get("timestamp"), float),
                        **{field: loads_or(message[field], message[field])
-                          for field in REASONING_JSON_FIELDS if isinstance(message.get(field), str)})
+                          for field in REASONING_JSON_FIELDS
+                          if isinstance(message.get(field), str)})
                   for message in messages]
         self._insert_message_rows(conn, session_id, copies)
         live = calls = 0
@@ -970,20 +730,22 @@ class SessionPortabilityMixin:
             if _number(message.get("active"), int, 1):
                 live, calls = live + 1, calls + count_tool_calls(message.get("tool_calls"))
             else:
-                conn.execute(SET_ARCHIVED_MESSAGE_SQL, (1 if _number(message.get("compacted"), int, 0) else 0,
-                                                        message["_row_id"]))
+                compacted = 1 if _number(message.get("compacted"), int, 0) else 0
+                conn.execute("UPDATE messages SET active = 0, compacted = ? WHERE id = ?",
+                             (compacted, message["_row_id"]))
             # (the subset test runs in C: most messages carry nothing)
             carried = not message.keys() <= MESSAGE_RULED_FIELDS and _carry(
                 {}, message, MESSAGE_RULED_FIELDS, columns, "messages", unstored)
             if carried:
                 assignments = ", ".join(f"{quote_identifier(column)} = ?" for column in carried)
-                conn.execute(f"UPDATE messages SET {assignments} WHERE id = ?", (*carried.values(), message["_row_id"]))
+                conn.execute(f"UPDATE messages SET {assignments} WHERE id = ?",
+                             (*carried.values(), message["_row_id"]))
         conn.execute(SET_MESSAGE_COUNTS_SQL, (live, calls, session_id))
 
 
-# An import's megabytes of rows and index pages spill from SQLite's default 2 MB page cache to the WAL before
-# the commit, many to be written again: it runs with at least this much, then the connection's own size again
-# (dirty pages stay until the commit).
+# An import's megabytes of rows and index pages spill from SQLite's default 2 MB page cache to the
+# WAL before the commit, many to be written again: it runs with at least this much, then the
+# connection's own size again (dirty pages stay until the commit).
 IMPORT_CACHE_KIB = 64 * 1024
 
 
@@ -1007,9 +769,12 @@ TITLE_SUFFIX_ID_CHARS = 40
 def _free_title(conn, title, session_id):
     """A title no other session holds: `title`, else "title [id]", else "title [id] (2)", (3), ...;
     each cut to fit TITLE_MAX_LENGTH. None stays None."""
-    tag = session_id if len(session_id) <= TITLE_SUFFIX_ID_CHARS else session_id[:TITLE_SUFFIX_ID_CHARS] + "…"
+    tag = session_id
+    if len(session_id) > TITLE_SUFFIX_ID_CHARS:
+        tag = session_id[:TITLE_SUFFIX_ID_CHARS] + "…"
     candidate, number = title, 1
-    while candidate is not None and conn.execute(SELECT_TITLE_OWNER_SQL, (candidate, session_id)).fetchone():
+    while (candidate is not None
+           and conn.execute(SELECT_TITLE_OWNER_SQL, (candidate, session_id)).fetchone()):
         suffix = f" [{tag}]" if number == 1 else f" [{tag}] ({number})"
         candidate = normalize_title(title[:max(0, TITLE_MAX_LENGTH - len(suffix))] + suffix)
         number += 1
@@ -1017,7 +782,8 @@ def _free_title(conn, title, session_id):
 
 
 def _finish_import(conn, found):
-    """Attach an import's parent links in one write; import_sessions' answer for the payload it stored."""
+    """Attach an import's parent links in one write;
+    import_sessions' answer for the payload it stored."""
     imported, skipped, links, relinks, unstored = found
     _attach_parents(conn, relinks)  # left by a run cut short: attached where valid, never counted
     detached = _attach_parents(conn, links)

@@ -148,7 +148,6 @@ MUTANTS = [
            "cycle detection looks only two links up, so a loop of 3+ sessions is attached",
            ["test_hermes_state_portability.ParentLinks"]),
     Mutant("cycle-check-one-hop", "hermes_state_portability.py",
-           "        row = conn.execute(SELECT_LINEAGE_LINK_SQL, (current,)).fetchone()\n"
            "        current = row[0] if row else None\n",
            "        current = None\n",
            "only a self-link counts as a cycle",
@@ -574,9 +573,8 @@ MUTANTS = [
            "get_messages_as_conversation loses tool_call_id, which chat APIs require on tool turns",
            ["test_hermes_state_messages.Reading"]),
     Mutant("message-count-skips-rewound", "hermes_state_messages.py",
-           '            return self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ?", (session_id,))\n',
-           '            return self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ? AND active = 1",\n'
-           "                                    (session_id,))\n",
+           '"SELECT COUNT(*) FROM messages WHERE session_id = ?",\n',
+           '"SELECT COUNT(*) FROM messages WHERE session_id = ? AND active = 1",\n',
            "message_count(session_id) leaves out rewound and compacted rows, which hermes-agent counts",
            ["test_hermes_state_messages.SmallReads"]),
     Mutant("lineage-tip-first", "hermes_state_compression.py",
@@ -622,8 +620,8 @@ MUTANTS = [
            "request_handoff resets a handoff in flight back to pending, so it can be claimed twice",
            ["test_hermes_state_gateway.Handoffs"]),
     Mutant("export-includes-rewound", "hermes_state_portability.py",
-           '               "WHERE session_id = ? AND active = 1 AND id > ? ORDER BY id LIMIT ?")\n',
-           '               "WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?")\n',
+           '" FROM messages WHERE session_id = ? AND active = 1 AND id > ? ORDER BY id LIMIT ?")\n',
+           '" FROM messages WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?")\n',
            "export_session includes messages a rewind hid",
            ["test_hermes_state_portability.Exports"]),
 ]

@@ -15,8 +15,9 @@ import sys
 import zipfile
 
 from hermes_state import SessionDB, restore_home
-from hermes_state_portability import (EXPORT_RUN_MESSAGES, json_default, markdown_document, markdown_file_name,
-                                      portable_message, portable_row, write_export)
+from hermes_state_export_formats import (EXPORT_RUN_MESSAGES, json_default, markdown_document,
+                                         markdown_file_name, write_export)
+from hermes_state_portability import portable_message, portable_row
 from hermes_state_redact import redact, redact_text
 from test_support import (
     REPO, V26_DB, StoreTestCase, TempDirTestCase, drop_triggers_not_runnable_here, dump_hash, fixture_path,
