@@ -25,7 +25,7 @@ FIXED_LAYERS = {
     "hermes_state_replica": 1,  # SessionDB.open_replica's VFS connections; imports none of ours
     "hermes_state_schema": 2,
     "hermes_state_locks": 2,  # the writer lock and our connection registry, below every user of them
-    "hermes_state_redact": 2,  # used by portability's write_export; works on export dicts, never a store
+    "hermes_state_redact": 2,  # used by write_export (hermes_state_export_formats); works on export dicts, never a store
     "hermes_state_export_formats": 2.5,  # the export renderers: import redact (2), never a store
     # 3: every other hermes_state_<concern>.py, a concern mixin
     "hermes_state": 4,
