@@ -884,11 +884,14 @@ def main(argv=None):
     results.sort(key=lambda r: order[r.mutant.name])
     if args.quick:
         print("\n--quick: each mutant met only its own tests; this is not a mutation score")
-        return 1 if any(r.verdict in ("STALE", "BROKEN") for r in results) else 0
-    status = summary(results, time.monotonic() - start, args.min_score)
+        status = 1 if any(r.verdict in ("STALE", "BROKEN") for r in results) else 0
+    else:
+        status = summary(results, time.monotonic() - start, args.min_score)
     if known_failures:
-        print(f"the unmutated suite fails {len(known_failures)} test(s), listed at the top; "
-              "the score leaves them out, and the run fails until they pass")
+        # A mutant whose tests already fail shows as SURVIVED; often a new module git does not
+        # know yet, as the copies hold only the files git knows.
+        print(f"the unmutated copy fails {len(known_failures)} test(s), listed at the top (a file "
+              "git does not know?); they kill nothing, and the run fails until they pass")
         return 1
     return status
 
