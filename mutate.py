@@ -319,9 +319,9 @@ MUTANTS = [
            "token counts queued before a failed write are dropped with it",
            ["test_concurrency.WritePath", "test_hermes_state_usage.TokenQueue"]),
     Mutant("checkpoint-error-reaches-retry", "hermes_state.py",
-           "        try:\n            conn.execute(CHECKPOINT_PASSIVE_SQL)\n"
+           "        try:\n            conn.execute(\"PRAGMA wal_checkpoint(PASSIVE)\")\n"
            "        except sqlite3.Error as exc:\n",
-           "        try:\n            conn.execute(CHECKPOINT_PASSIVE_SQL)\n"
+           "        try:\n            conn.execute(\"PRAGMA wal_checkpoint(PASSIVE)\")\n"
            "        except sqlite3.DatabaseError as exc:\n            raise\n"
            "        except sqlite3.Error as exc:\n",
            "a failing checkpoint after COMMIT reaches the retry loop, which writes the rows twice",
