@@ -426,7 +426,8 @@ MUTANTS = [
            "a private key spanning several lines (every real one) is masked on its first line only",
            ["test_hermes_state_portability.Redaction", "test_redaction.RedactionCorpus"]),
     Mutant("redact-no-jwt", "hermes_state_redact.py",
-           '    ("JSON Web Token", "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJlLWV4YW1wbGU",\n'
+           '    ("JSON Web Token",\n'
+           '     "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJlLWV4YW1wbGU",\n'
            '     ("eyj",),\n'
            '     r"(?<![\\w-])(?P<secret>eyJ[A-Za-z0-9_-]{5,}\\.eyJ[A-Za-z0-9_-]{5,}\\.[A-Za-z0-9_-]*)"),\n',
            "",
