@@ -162,8 +162,8 @@ SECRET_PATTERNS = (
     ("name/value pair with a secret name (JSON environment and header lists)",
      '{"name": "DB_PASSWORD", "value": "hunter2"}',
      ("value",),
-     rf"(?i)(?P<nq>\\?[\"'])(?:name"
-     rf"|key)(?P=nq)[ \t]*:[ \t]*(?P=nq)(?:{SECRET_NAME})(?P=nq)[ \t]*,[ \t]*"
+     rf"(?i)(?P<nq>\\?[\"'])(?:name|key)(?P=nq)[ \t]*:[ \t]*"
+     rf"(?P=nq)(?:{SECRET_NAME})(?P=nq)[ \t]*,[ \t]*"
      rf"(?P=nq)value(?P=nq)[ \t]*:[ \t]*(?:{_QUOTED}|{_TO_WORD_END})"),
     ("name/value pair with a secret name (YAML environment lists)",
      "- name: DB_PASSWORD\n  value: hunter2",
@@ -172,8 +172,8 @@ SECRET_PATTERNS = (
     ("command-line option with a secret name, also in an argument list",
      "mysql --password hunter2 -h db",
      _NAME_WORDS,
-     rf"(?i)(?<![\w.-])--?(?:{SECRET_NAME})(?:[ \t]+|\\?[\"'][ \t]*,[ \t]*)(?!-)(?:{_QUOTED}"
-     rf"|{_TO_WORD_END})"),
+     rf"(?i)(?<![\w.-])--?(?:{SECRET_NAME})(?:[ \t]+|\\?[\"'][ \t]*,[ \t]*)(?!-)"
+     rf"(?:{_QUOTED}|{_TO_WORD_END})"),
     ("curl -u user:password",
      "curl -u admin:hunter2 https://example.com",
      ("-u", "--user"),
@@ -190,13 +190,13 @@ SECRET_PATTERNS = (
     ("password followed by a word with a digit",
      "password Pa55w0rd",
      ("pass", "pwd"),
-     r"(?i)\b(?:pass(?:word|phrase|code)|passwd"
-     r"|pwd)[ \t]+[\"'`]?(?P<secret>(?=[^\s\"'`]*\d)[^\s\"'`]{4,})"),
+     r"(?i)\b(?:pass(?:word|phrase|code)|passwd|pwd)[ \t]+"
+     r"[\"'`]?(?P<secret>(?=[^\s\"'`]*\d)[^\s\"'`]{4,})"),
     ("token, secret or key said in prose, when the value looks like one",
      "my api key is 0123456789abcdef",
      ("secret", "token", "key"),
-     r"(?i)\b(?:secret|token|api[ _-]?key|access[ _-]?key|key)[ \t]+(?:is|was|:|="
-     r"|->)[ \t]+[\"'`]?"
+     r"(?i)\b(?:secret|token|api[ _-]?key|access[ _-]?key|key)"
+     r"[ \t]+(?:is|was|:|=|->)[ \t]+[\"'`]?"
      r"(?P<secret>(?=[^\s\"'`]*\d)[^\s\"'`]{8,}|[^\s\"'`]{16,})"),
     ("bearer token anywhere",
      "curl -H 'Authorization: Bearer abc123def456'",
@@ -269,8 +269,8 @@ def _redact(value, key, exempt, depth):
 
 
 def _redact_string(text, depth):
-    """JSON text walked as JSON, written back only if something was masked; other text through
-    redact_text."""
+    """JSON text walked as JSON, written back only if something was masked; other text
+    through redact_text."""
     if text.lstrip()[:1] in ("{", "["):
         try:
             decoded = json.loads(text)

@@ -250,9 +250,9 @@ def _substring_retry(tree):
 
 
 def hermes_scans(tree, state):
-    """True for a query hermes-agent answers by a LIKE scan (any of its terms, newest first): CJK
-    its trigram index cannot answer (a CJK term of 1-2 letters, no trigram index, tool rows asked
-    for)."""
+    """True for a query hermes-agent answers by a LIKE scan (any of its terms, newest first):
+    CJK its trigram index cannot answer (a CJK term of 1-2 letters, no trigram index, tool rows
+    asked for)."""
     cjk = [term for term in _leaves(tree) if CJK_RE.search(term.text)]
     return bool(cjk) and (any(len(CJK_RE.findall(term.text)) < 3 for term in cjk)
                           or "trigram" not in state.usable
@@ -260,8 +260,8 @@ def hermes_scans(tree, state):
 
 
 def scan_snippet(content, term):
-    """hermes-agent's snippet of a scanned hit: 120 characters from 40 before `term` (or from the
-    start)."""
+    """hermes-agent's snippet of a scanned hit: 120 characters from 40 before `term` (or from
+    the start)."""
     start = max(0, content.find(term.text) - 40) if content and term.text in content else 0
     return None if content is None else content[start:start + 120]
 
@@ -347,9 +347,9 @@ def _leaf_sql(term, index, state, binds):
 
 
 def _matched_alone(term, index, state):
-    """True when `term`'s index alone gives its ids: False for the fallback, a backfill or CJK queue
-    not indexed yet, or a hermes-agent index that may hold tool rows (ours never do but in the word
-    index)."""
+    """True when `term`'s index alone gives its ids: False for the fallback, a backfill or CJK
+    queue not indexed yet, or a hermes-agent index that may hold tool rows (ours never do but in
+    the word index)."""
     return not (index is None or state.high_water is not None
                 or (index == "cjk" and state.cjk_pending)
                 or (index != "word" and state.layout != "current"))
@@ -437,8 +437,8 @@ def context_text(content):
 
 
 def _index_failure(exc):
-    """True for an error that says an index is damaged, not that the store is busy or the input
-    bad."""
+    """True for an error that says an index is damaged, not that the store is busy or the
+    input bad."""
     if isinstance(exc, (sqlite3.IntegrityError, sqlite3.ProgrammingError)):
         return False
     # A busy store, or SQL this runtime cannot take (our bug, which a rebuild would not cure).

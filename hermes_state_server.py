@@ -140,8 +140,8 @@ class StateServer(ThreadingHTTPServer):
         self._connections_lock = threading.Lock()
         self.gate = ReadWriteGate()
         self.log_stream = sys.stderr
-        # `serve` without --writable: no import, no restore, no DDL; `db`: an open store (a
-        # replica's)
+        # `serve` without --writable: no import, no restore, no DDL; `db`: an open store
+        # (a replica's)
         self.db = SessionDB(db_path, read_only=read_only) if db is None else db
         self.read_only = read_only or self.db.read_only
         self.db_path = self.db.db_path
