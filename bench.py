@@ -451,7 +451,7 @@ def job_raw_rare(SessionDB, path, runs=SEARCH_RUNS, **_):
                                       snippet=FTS_SNIPPET_SQL.format(table="hs_fts_words"))
 
     def same_work():
-        rows = conn.execute(ranked, (RARE_WORD, 20, 0)).fetchall()
+        rows = conn.execute(ranked, {"match": RARE_WORD, "limit": 20, "offset": 0}).fetchall()
         params = [value for n, row in enumerate(rows) for value in (n, row[1], row[4], row[0])]
         hits = ", ".join(["(?, ?, ?, ?)"] * len(rows))
         conn.execute(SEARCH_CONTEXT_SQL.format(hits=hits), params).fetchall()

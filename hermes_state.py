@@ -1,10 +1,11 @@
 """SessionDB: an AI agent's sessions and messages in one SQLite file.
 
-Owns the connections (one writer, a pool of readers, and the `_conn`/`_lock` pair hermes-agent runs its own
-SQL through), the journal policy, the write path (BEGIN IMMEDIATE, retried with jitter within a budget),
-why an open failed, self-repair of damaged files at open, close, the meta methods, whole-home backup and
-restore, and the class statement composing the mixins. Holds no session or message logic. Never opens the
-store or its sidecars except through SQLite (docs/design.md, "Locks we never break").
+Owns the connections (one writer, a pool of readers, and the `_conn`/`_lock` pair hermes-agent runs
+its own SQL through), the journal policy, the write path (BEGIN IMMEDIATE, retried with jitter
+within a budget), why an open failed, self-repair of damaged files at open, close, the meta methods,
+whole-home backup and restore, and the class statement composing the mixins. Holds no session or
+message logic. Never opens the store or its sidecars except through SQLite (docs/design.md, "Locks
+we never break").
 """
 
 if __name__ == "__main__":
@@ -58,7 +59,9 @@ from hermes_state_locks import (  # noqa: F401
 from hermes_state_maintenance import SessionMaintenanceMixin
 from hermes_state_messages import SessionMessagesMixin
 from hermes_state_portability import SessionPortabilityMixin
-from hermes_state_schema import SessionSchemaMixin, is_lock_error, pause_between_chunks, runtime_capabilities
+from hermes_state_schema import (
+    SessionSchemaMixin, is_lock_error, pause_between_chunks, runtime_capabilities,
+)
 from hermes_state_search import SessionSearchMixin
 from hermes_state_search_index import SessionSearchIndexMixin
 from hermes_state_sessions import SessionSessionsMixin
@@ -68,14 +71,15 @@ from hermes_state_usage import SessionUsageMixin, TokenQueue, apply_token_batch
 
 # Names hermes-agent imports from this module although they live in another.
 from hermes_state_doctor import (  # noqa: F401
-    _backup_db_file, _db_opens_cleanly, _wal_reset_repair_hint, collect_state_db_stats, count_db_holders,
-    is_sqlite_wal_reset_vulnerable, repair_state_db_schema, sqlite_source_id,
+    _backup_db_file, _db_opens_cleanly, _wal_reset_repair_hint, collect_state_db_stats,
+    count_db_holders, is_sqlite_wal_reset_vulnerable, repair_state_db_schema, sqlite_source_id,
 )
 from hermes_state_common import (  # noqa: F401
-    _BARE_BILLING_PROVIDERS, classify_persistence_error, CompressionSessionBusyError, DEFERRED_INDEX_SQL,
-    FTS_STORAGE_VERSION, CompressionSessionClosedError, format_session_db_unavailable, get_last_init_error,
-    is_disk_full_error, is_malformed_db_error, MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAGES,
-    PERSISTENCE_ERROR_CAUSES, resolved_max_export_messages, resolved_max_resume_messages, SCHEMA_VERSION,
+    _BARE_BILLING_PROVIDERS, classify_persistence_error, CompressionSessionBusyError,
+    DEFERRED_INDEX_SQL, FTS_STORAGE_VERSION, CompressionSessionClosedError,
+    format_session_db_unavailable, get_last_init_error, is_disk_full_error, is_malformed_db_error,
+    MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAGES, PERSISTENCE_ERROR_CAUSES,
+    resolved_max_export_messages, resolved_max_resume_messages, SCHEMA_VERSION,
     SessionCompressionInProgressError, SessionExportTooLargeError, SessionResumeTooLargeError,
     SessionTurnLeaseLostError, _WAL_INCOMPAT_MARKERS, workspace_key,
 )
@@ -88,15 +92,11 @@ from hermes_state_wal import (  # noqa: F401
     resolve_journal_mode,
 )
 
-# -- Statements only this module runs (moved from hermes_state_common) --
-
-CHECKPOINT_PASSIVE_SQL = "PRAGMA wal_checkpoint(PASSIVE)"
-
 logger = logging.getLogger("hermes_state")
 
 STATE_DB_FILENAME = "state.db"
-# hermes-agent's names for the default store: the path as the home was at import, and the function that
-# follows a home changed since (or a re-pointed constant).
+# hermes-agent's names for the default store: the path as the home was at import, and the function
+# that follows a home changed since (or a re-pointed constant).
 DEFAULT_DB_PATH = get_hermes_home() / STATE_DB_FILENAME
 _IMPORTED_DEFAULT_DB_PATH = DEFAULT_DB_PATH
 
@@ -109,38 +109,37 @@ def _default_db_path():
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 
-# The whole-callback retry sleeps briefly while contention is likely brief, longer once it has lasted; random
-# so that writers spread out.
+# The whole-callback retry sleeps briefly while contention is likely brief, longer once it has
+# lasted; random so that writers spread out.
 EARLY_RETRY_WINDOW = 2.0
 EARLY_JITTER = (0.02, 0.15)
 LATE_JITTER = (0.25, 1.0)
 QUARANTINE_LOCK_WAIT = 5.0  # quarantine_zeroed_state_db gives up then, as hermes-agent's does
-# With automatic checkpoints off, a PASSIVE checkpoint runs under the writer lock every this many commits of
-# one connection and after any transaction that changed this many rows: each copies one chunk's pages, and
-# close finds little left (1.4 s after an unchunked 1M prune).
+# With automatic checkpoints off, a PASSIVE checkpoint runs under the writer lock every this many
+# commits of one connection and after any transaction that changed this many rows: each copies one
+# chunk's pages, and close finds little left (1.4 s after an unchunked 1M prune).
 CHECKPOINT_EVERY_COMMITS = 500
 CHECKPOINT_AFTER_CHANGES = 1000
-LITESTREAM_TABLE_SQL = "SELECT 1 FROM sqlite_master WHERE name = '_litestream_seq'"  # made by Litestream
-SET_JOURNAL_MODE_SQL = "PRAGMA journal_mode={mode}"
-SYNCHRONOUS_NORMAL_SQL = "PRAGMA synchronous=NORMAL"
-SET_AUTOCHECKPOINT_SQL = "PRAGMA wal_autocheckpoint={pages}"
-QUICK_CHECK_SQL = "PRAGMA quick_check"
 
 
-# -- journal policy ------------------------------------------------------------------------------------------
+# -- journal policy --------------------------------------------------------------------------------
 
-# Every write of ours takes state.db.lock on every policy (one discipline on every runtime: SessionDB._lock
-# serialises hermes-agent's SQL across processes only if our own writes queue on that lock too); the
-# policy picks the journal and who checkpoints.
+# Every write of ours takes state.db.lock on every policy (one discipline on every runtime:
+# SessionDB._lock serialises hermes-agent's SQL across processes only if our own writes queue on
+# that lock too); the policy picks the journal and who checkpoints.
 JournalPolicy = namedtuple("JournalPolicy", "mode autocheckpoint reason checkpoint")
 
 
 def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, checkpoint=None):
-    """The journal mode, who checkpoints ("locked": we, under state.db.lock; "automatic": SQLite;
-    "external": a replicator, never we; "none": rollback journal) and why (docs/journal-policy.md)."""
+    """The journal mode, who checkpoints and why (docs/journal-policy.md). Who checkpoints is
+    "locked" (we, under state.db.lock), "automatic" (SQLite), "external" (a replicator, never we)
+    or "none" (rollback journal)."""
     env = os.environ.get
-    override = (env("HERMES_STATE_JOURNAL", "") if override is None else override).strip().lower()
-    wanted = (env("HERMES_STATE_CHECKPOINT", "") if checkpoint is None else checkpoint).strip().lower()
+    if override is None:
+        override = env("HERMES_STATE_JOURNAL", "")
+    if checkpoint is None:
+        checkpoint = env("HERMES_STATE_CHECKPOINT", "")
+    override, wanted = override.strip().lower(), checkpoint.strip().lower()
     if wanted not in ("", "auto", "external"):
         raise ValueError(f"HERMES_STATE_CHECKPOINT must be 'auto' or 'external', not {wanted!r}")
     label = "SQLite " + ".".join(map(str, version[:3]))
@@ -148,29 +147,39 @@ def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, ch
         raise ValueError("HERMES_STATE_CHECKPOINT=external keeps WAL; "
                          "it cannot go with HERMES_STATE_JOURNAL=delete")
     if override == "delete":
-        return JournalPolicy("delete", None, "HERMES_STATE_JOURNAL=delete: rollback journal", "none")
+        return JournalPolicy(
+            "delete", None, "HERMES_STATE_JOURNAL=delete: rollback journal", "none")
     if override not in ("", "wal"):
         raise ValueError(f"HERMES_STATE_JOURNAL must be 'wal' or 'delete', not {override!r}")
     if wanted == "external":  # the race's fix is in the checkpointer (docs/across-machines.md)
-        return JournalPolicy("wal", 0, f"HERMES_STATE_CHECKPOINT=external ({label}): WAL, "
-                             "automatic checkpoints off, none of ours: the replicator runs them", "external")
+        return JournalPolicy(
+            "wal", 0,
+            f"HERMES_STATE_CHECKPOINT=external ({label}): WAL, automatic checkpoints off, "
+            "none of ours: the replicator runs them",
+            "external")
     if sqlite_has_wal_reset_bug(version):
-        return JournalPolicy("wal", 0, f"{label} has the WAL-reset race (3.7.0-3.51.2): WAL with every "
-                             "write and checkpoint under state.db.lock, automatic checkpoints off", "locked")
-    return JournalPolicy("wal", None, f"{label} is free of the WAL-reset race: WAL with every write "
-                         "under state.db.lock, automatic checkpoints", "automatic")
+        return JournalPolicy(
+            "wal", 0,
+            f"{label} has the WAL-reset race (3.7.0-3.51.2): WAL with every write and checkpoint "
+            "under state.db.lock, automatic checkpoints off",
+            "locked")
+    return JournalPolicy(
+        "wal", None,
+        f"{label} is free of the WAL-reset race: WAL with every write under state.db.lock, "
+        "automatic checkpoints",
+        "automatic")
 
 
-# -- self-repair of damaged files ----------------------------------------------------------------------------
+# -- self-repair of damaged files ------------------------------------------------------------------
 
 def damage_reason(path, probe_bytes=len(SQLITE_HEADER)):
     """'empty', 'zeroed' or 'notsqlite' for a file SQLite cannot use as a store; None if healthy.
 
-    SQLite judges, `immutable=1`: it reads the first page only, takes no lock and makes no -shm beside a stray
-    WAL, and its descriptor's close waits while our other connections hold locks on the file. Only when it
-    says "not a database" and this process holds no connection to the file is the header read, to tell a
-    zeroed file (its first `probe_bytes`, at least the header, all NUL); otherwise the answer is
-    'notsqlite'.
+    SQLite judges, `immutable=1`: it reads the first page only, takes no lock and makes no -shm
+    beside a stray WAL, and its descriptor's close waits while our other connections hold locks on
+    the file. Only when it says "not a database" and this process holds no connection to the file is
+    the header read, to tell a zeroed file (its first `probe_bytes`, at least the header, all NUL);
+    otherwise the answer is 'notsqlite'.
     """
     if os.stat(path).st_size == 0:
         return "empty"
@@ -179,7 +188,8 @@ def damage_reason(path, probe_bytes=len(SQLITE_HEADER)):
                           "&immutable=1"):
             return None
     except sqlite3.DatabaseError:
-        return None  # unreadable or malformed is not this kind of damage: the writable open meets it
+        # Unreadable or malformed is not this kind of damage: the writable open meets it.
+        return None
     length = max(probe_bytes, len(SQLITE_HEADER))
     header = _raw_store_access(path, os.O_RDONLY, lambda fd: os.read(fd, length))
     return "zeroed" if header and not header.strip(b"\x00") else "notsqlite"
@@ -189,9 +199,10 @@ _set_aside_guard = threading.Lock()
 
 
 def set_aside(path, reason):
-    """Rename a damaged store and its sidecars to `<name>.<reason>-<time>-<pid>[-<n>].bak[-wal|-shm]`;
-    returns the backup path. Deletes nothing and renames onto no existing file (`-<n>` counts up past taken
-    names); sidecars keep their suffix, so SQLite opening the .bak finds its WAL."""
+    """Rename a damaged store and its sidecars to
+    `<name>.<reason>-<time>-<pid>[-<n>].bak[-wal|-shm]`; returns the backup path. Deletes nothing
+    and renames onto no existing file (`-<n>` counts up past taken names); sidecars keep their
+    suffix, so SQLite opening the .bak finds its WAL."""
     path = Path(path)
     suffixes = ("",) + SIDECAR_SUFFIXES
     stem = f"{path.name}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -225,10 +236,11 @@ def _move_without_replacing(source, target):
     except FileExistsError:
         raise
     except (OSError, NotImplementedError):
-        # No hard link possible here (a directory, FAT, some network file systems). POSIX rename replaces
-        # silently, so look first; Windows refuses by itself.
+        # No hard link possible here (a directory, FAT, some network file systems). POSIX rename
+        # replaces silently, so look first; Windows refuses by itself.
         if os.path.lexists(target):
-            raise FileExistsError(errno.EEXIST, "refusing to replace an existing file", str(target)) from None
+            raise FileExistsError(
+                errno.EEXIST, "refusing to replace an existing file", str(target)) from None
         os.rename(source, target)
         return
     os.unlink(source)
@@ -296,10 +308,10 @@ def load_fts5_cjk_extension(conn):
     return False
 
 
-class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMixin, SessionTitlesMixin,
-                SessionUsageMixin, SessionGatewayMixin, SessionTelegramMixin, SessionMaintenanceMixin,
-                SessionSearchMixin, SessionSearchIndexMixin, SessionSchemaMixin,
-                SessionPortabilityMixin):
+class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMixin,
+                SessionTitlesMixin, SessionUsageMixin, SessionGatewayMixin, SessionTelegramMixin,
+                SessionMaintenanceMixin, SessionSearchMixin, SessionSearchIndexMixin,
+                SessionSchemaMixin, SessionPortabilityMixin):
     """The agent's state store. Thread-safe; open one per process.
 
     `db_path` defaults to `<hermes home>/state.db`; a read-only open runs no DDL and no repair.
@@ -314,7 +326,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     # `write_budget` bounds every write.
     _WRITE_PATIENCE_S = WRITE_BUDGET_SECONDS
     _TRANSCRIPT_WRITE_PATIENCE_S = 3 * WRITE_BUDGET_SECONDS
-    _reader_flags = ""  # URI parameters after mode=ro of every read connection (see _open_read_only)
+    # URI parameters after mode=ro of every read connection (see _open_read_only).
+    _reader_flags = ""
 
     def __init__(self, db_path=None, read_only=False, *, connection_factory=None,
                  write_budget=None, journal=None, checkpoint=None):
@@ -341,10 +354,12 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             else:
                 self._open_writable()
         except Exception as exc:
-            _set_last_init_error(f"{type(exc).__name__}: {exc}")  # hermes-agent tells the user why from this
+            # hermes-agent tells the user why from this.
+            _set_last_init_error(f"{type(exc).__name__}: {exc}")
             raise
         ref = weakref.ref(self)  # not self: the exit hook must not keep the store alive
-        self._atexit = lambda: getattr(ref(), "close", lambda: None)()  # ref() is None once it is gone
+        # ref() is None once the store is gone.
+        self._atexit = lambda: getattr(ref(), "close", lambda: None)()
         atexit.register(self._atexit)
 
     # -- opening and closing -------------------------------------------------
@@ -365,7 +380,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         try:
             self.stale_schema = self._stale_schema_report()
         except sqlite3.DatabaseError as exc:
-            # A look, not a repair: a file too damaged to probe still opens, so doctor can report on it.
+            # A look, not a repair: a file too damaged to probe still opens, so doctor can
+            # report on it.
             self.stale_schema = [f"could not run: {exc}"]
         if self.stale_schema:
             logger.info("store %s predates this release (%s); a writable open upgrades it",
@@ -373,14 +389,17 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
 
     def _open_writable(self):
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
-        # Creating, repairing and upgrading run under the writer lock: no opener sees a half-made store.
-        self._file_lock = _take_store_lock(self.db_path, self.write_budget, f"state store {self.db_path} "
-                                           f"stayed locked for {self.write_budget:.0f}s while opening; "
-                                           "nothing was written")
+        # Creating, repairing and upgrading run under the writer lock: no opener sees a
+        # half-made store.
+        self._file_lock = _take_store_lock(
+            self.db_path, self.write_budget,
+            f"state store {self.db_path} stayed locked for {self.write_budget:.0f}s while opening; "
+            "nothing was written")
         try:
             try:
                 self._prepare_file()
-                self._writer = self._new_connection(str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT)
+                self._writer = self._new_connection(
+                    str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT)
                 self._apply_journal_policy()
                 self._init_schema()
                 backfill = self._init_search()
@@ -397,17 +416,21 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         self.stale_schema = []
 
     def _prepare_file(self):
-        """Set a damaged store aside; create a missing one owner-only (SQLite makes -wal/-shm so too)."""
+        """Set a damaged store aside; create a missing one owner-only (SQLite makes -wal and
+        -shm so too)."""
         reason = damage_reason(self.db_path) if self.db_path.exists() else None
         if reason is not None:
             backup = set_aside(self.db_path, reason)
-            message = f"state store {self.db_path} was {reason}; kept it as {backup} and created a fresh store"
+            message = (f"state store {self.db_path} was {reason}; kept it as {backup} "
+                       "and created a fresh store")
             self.repairs.append(message)
             logger.warning(message)
-            if reason != "empty":  # hermes-agent opens an empty file as is, but reports a zeroed one
+            # hermes-agent opens an empty file as is, but reports a zeroed one.
+            if reason != "empty":
                 _set_last_init_error(message)
         try:  # O_EXCL never opens a file that exists, so no lock of ours can be dropped here
-            if _raw_store_access(self.db_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: True):
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+            if _raw_store_access(self.db_path, flags, lambda fd: True):
                 os.chmod(self.db_path, FILE_MODE)
         except FileExistsError:
             pass
@@ -429,31 +452,36 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         conn = self._writer
         mode = conn.execute(JOURNAL_MODE_SQL).fetchone()[0].lower()
         if mode != self.policy.mode:
-            # The switch needs every reader of a rollback-journal store gone: wait for them as a write waits.
+            # The switch needs every reader of a rollback-journal store gone: wait for them as
+            # a write waits.
             _set_busy_timeout(conn, self.write_budget)
             try:
-                switch = SET_JOURNAL_MODE_SQL.format(mode=self.policy.mode)
-                mode = self._retry_on_lock(lambda: conn.execute(switch).fetchone()[0].lower(), time.monotonic(),
-                                           self.write_budget)
+                switch = f"PRAGMA journal_mode={self.policy.mode}"
+                mode = self._retry_on_lock(
+                    lambda: conn.execute(switch).fetchone()[0].lower(), time.monotonic(),
+                    self.write_budget)
             finally:
                 _set_busy_timeout(conn, WRITER_BUSY_TIMEOUT)
             if mode != self.policy.mode:
-                logger.warning("journal mode of %s stays %s (wanted %s: another connection holds it)",
-                               self.db_path, mode, self.policy.mode)
-        conn.execute(SYNCHRONOUS_NORMAL_SQL)
+                logger.warning(
+                    "journal mode of %s stays %s (wanted %s: another connection holds it)",
+                    self.db_path, mode, self.policy.mode)
+        conn.execute("PRAGMA synchronous=NORMAL")
         if self.policy.autocheckpoint is not None:
-            conn.execute(SET_AUTOCHECKPOINT_SQL.format(pages=self.policy.autocheckpoint))
-        if self.policy.checkpoint == "external" and hasattr(sqlite3, "SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE"):
-            # Python 3.12+: our last close leaves the WAL to the replicator as well, instead of checkpointing
-            # it and making Litestream take a new snapshot.
+            conn.execute(f"PRAGMA wal_autocheckpoint={self.policy.autocheckpoint}")
+        if (self.policy.checkpoint == "external"
+                and hasattr(sqlite3, "SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE")):
+            # Python 3.12+: our last close leaves the WAL to the replicator as well, instead of
+            # checkpointing it and making Litestream take a new snapshot.
             conn.setconfig(sqlite3.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, True)
 
     def _checkpoint_mode(self):
-        # doctor's line: our checkpoints on an affected SQLite would race Litestream's unlocked writes (a hint
-        # only: a restored copy carries its tables too).
-        if self.policy.checkpoint == "locked" and self._read_one(LITESTREAM_TABLE_SQL):
-            return ("locked; this store carries Litestream's tables: while Litestream replicates it, "
-                    "set HERMES_STATE_CHECKPOINT=external")
+        # doctor's line: our checkpoints on an affected SQLite would race Litestream's unlocked
+        # writes (a hint only: a restored copy carries its tables too).
+        litestream = "SELECT 1 FROM sqlite_master WHERE name = '_litestream_seq'"  # its table
+        if self.policy.checkpoint == "locked" and self._read_one(litestream):
+            return ("locked; this store carries Litestream's tables: while Litestream replicates "
+                    "it, set HERMES_STATE_CHECKPOINT=external")
         return self.policy.checkpoint
 
     def close(self):
@@ -469,14 +497,16 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             self._close_connections()
 
     def _close_connections(self):
-        # The last connection to close checkpoints the WAL (not with an external policy on Python 3.12+),
-        # under SQLite's exclusive lock and ours. Beside a long-lived one (a gateway) it is not the last: a
-        # store we wrote to gets a PASSIVE checkpoint here, else short-lived writers (cron, the CLI) that never
-        # reach CHECKPOINT_EVERY_COMMITS would grow the WAL for as long as the gateway runs.
-        locked = self._file_lock is not None and self._file_lock.acquire(time.monotonic() + self.write_budget)
+        # The last connection to close checkpoints the WAL (not with an external policy on Python
+        # 3.12+), under SQLite's exclusive lock and ours. Beside a long-lived one (a gateway) it is
+        # not the last: a store we wrote to gets a PASSIVE checkpoint here, else short-lived writers
+        # (cron, the CLI) that never reach CHECKPOINT_EVERY_COMMITS would grow the WAL for as long
+        # as the gateway runs.
+        locked = (self._file_lock is not None
+                  and self._file_lock.acquire(time.monotonic() + self.write_budget))
         try:
-            if locked and self._commits % CHECKPOINT_EVERY_COMMITS and self.policy.checkpoint == "locked" \
-                    and self._writer is not None:
+            if (locked and self._commits % CHECKPOINT_EVERY_COMMITS
+                    and self.policy.checkpoint == "locked" and self._writer is not None):
                 self._checkpoint(self._writer)
             with self._readers_lock:
                 readers, self._readers = self._readers, []
@@ -503,8 +533,9 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
 
     @property
     def _conn(self):
-        """The connection hermes-agent runs its own SQL on (the writer, or a read-only open's own reader; rows
-        are sqlite3.Row); None once closed. Hold `self._lock` around any write through it."""
+        """The connection hermes-agent runs its own SQL on (the writer, or a read-only open's own
+        reader; rows are sqlite3.Row); None once closed. Hold `self._lock` around any write
+        through it."""
         if self._closed:
             return None
         if not self.read_only:
@@ -519,29 +550,32 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     def _execute_write(self, fn, patience_s=None, *, transaction=True):
         """Run `fn(conn)` in one BEGIN IMMEDIATE transaction and return its result.
 
-        Rolls back on any error. On "database is locked"/"busy" the whole callback is retried after a random
-        pause until `patience_s` (default `write_budget`) runs out, then StoreLockedError. Queued token counts
-        ride along. `transaction=False` (VACUUM cannot run in one) takes only the locks. `fn` must not commit.
+        Rolls back on any error. On "database is locked"/"busy" the whole callback is retried after
+        a random pause until `patience_s` (default `write_budget`) runs out, then StoreLockedError.
+        Queued token counts ride along. `transaction=False` (VACUUM cannot run in one) takes only
+        the locks. `fn` must not commit.
         """
         self._check_open()
         budget = self.write_budget if patience_s is None else float(patience_s)
         start = time.monotonic()
         if not self._write_lock.acquire(timeout=budget):
             raise self._locked_error(start, "another thread of this process kept writing", budget)
-        # Queued counts ride in the transaction (VACUUM has none); take() locks, and most writes find none.
+        # Queued counts ride in the transaction (VACUUM has none); take() locks, and most
+        # writes find none.
         batch = self._tokens.take() if transaction and self._tokens else []
 
         def attempt(call, queued):
-            return self._retry_on_lock(lambda: self._write_once(call, queued, start, budget, transaction), start,
-                                       budget)
+            return self._retry_on_lock(
+                lambda: self._write_once(call, queued, start, budget, transaction), start, budget)
         try:
             try:
                 return attempt(fn, batch)
             except sqlite3.OperationalError as exc:
                 if not transaction or not is_capability_gap(exc):
                     raise
-                # A fuller runtime opened the store since ours and put back index triggers this one cannot run
-                # (no FTS5, no tokenizer): set them aside as our open does, then write once more.
+                # A fuller runtime opened the store since ours and put back index triggers this one
+                # cannot run (no FTS5, no tokenizer): set them aside as our open does, then write
+                # once more.
                 attempt(self._apply_search_schema, [])
                 return attempt(fn, batch)
             except sqlite3.DatabaseError as exc:
@@ -559,9 +593,10 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             self._write_lock.release()
 
     def _retry_on_lock(self, call, start, budget):
-        """call() again after a random pause while it fails on "locked"/"busy"; StoreLockedError once the wait
-        begun at `start` would pass `budget`. A busy timeout is not enough: SQLite answers BUSY at once,
-        skipping it, where waiting could deadlock (this connection reading, another holding RESERVED)."""
+        """call() again after a random pause while it fails on "locked"/"busy"; StoreLockedError
+        once the wait begun at `start` would pass `budget`. A busy timeout is not enough: SQLite
+        answers BUSY at once, skipping it, where waiting could deadlock (this connection reading,
+        another holding RESERVED)."""
         while True:
             try:
                 return call()
@@ -569,14 +604,15 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
                 if isinstance(exc, StoreLockedError) or not is_lock_error(exc):
                     raise
                 elapsed = time.monotonic() - start
-                pause = random.uniform(*(EARLY_JITTER if elapsed < EARLY_RETRY_WINDOW else LATE_JITTER))
+                jitter = EARLY_JITTER if elapsed < EARLY_RETRY_WINDOW else LATE_JITTER
+                pause = random.uniform(*jitter)
                 if elapsed + pause >= budget:
                     raise self._locked_error(start, str(exc), budget) from exc
                 time.sleep(pause)
 
     def _take_file_lock(self, start, budget):
-        """True once state.db.lock is held (False: a closed store holds no lock file); StoreLockedError if
-        another process holds it past `start` + `budget`."""
+        """True once state.db.lock is held (False: a closed store holds no lock file);
+        StoreLockedError if another process holds it past `start` + `budget`."""
         use_file_lock = self._file_lock is not None
         if use_file_lock and not self._file_lock.acquire(start + budget):
             raise self._locked_error(start, "another process held state.db.lock", budget)
@@ -585,7 +621,9 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     def _write_once(self, fn, batch, start, budget, transaction):
         locked = self._take_file_lock(start, budget)
         try:
-            return self._in_transaction(self._writer, fn, batch) if transaction else fn(self._writer)
+            if transaction:
+                return self._in_transaction(self._writer, fn, batch)
+            return fn(self._writer)
         finally:
             if locked:
                 self._file_lock.release()
@@ -617,13 +655,14 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     def _checkpoint(self, conn):
         """A PASSIVE checkpoint, under state.db.lock; a failure waits for the next one."""
         try:
-            conn.execute(CHECKPOINT_PASSIVE_SQL)
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
         except sqlite3.Error as exc:
             logger.info("checkpoint of %s deferred to the next one: %s", self.db_path, exc)
 
     def _locked_error(self, start, cause, budget=None):
         budget = self.write_budget if budget is None else budget
-        return StoreLockedError(f"state store {self.db_path} was locked for {time.monotonic() - start:.1f}s "
+        waited = time.monotonic() - start
+        return StoreLockedError(f"state store {self.db_path} was locked for {waited:.1f}s "
                                 f"(budget {budget:.1f}s): {cause}; no data was written")
 
     def _check_open(self, writing=True):
@@ -639,9 +678,10 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
     # -- the read path -------------------------------------------------------
 
     def _with_reader(self, use, pool=None):
-        """`use(conn)` on a pooled read connection: reads never queue behind the writer. Searches read the
-        index from their own `pool` (_idle_index_readers): its pages stay in those connections' caches instead
-        of being pushed out by the rows every other read brings in (a phrase at 100k messages: 10.4 -> 9.9 ms)."""
+        """`use(conn)` on a pooled read connection: reads never queue behind the writer. Searches
+        read the index from their own `pool` (_idle_index_readers): its pages stay in those
+        connections' caches instead of being pushed out by the rows every other read brings in (a
+        phrase at 100k messages: 10.4 -> 9.9 ms)."""
         pool = self._idle_readers if pool is None else pool
         conn = self._borrow_reader(pool)
         try:
@@ -706,12 +746,15 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         return self._read_value(SELECT_META_SQL, (key,))
 
     def set_meta(self, key, value, *, cursor=None):
-        """Store `value` under `key` in state_meta (None stores NULL); returns None. Inside an open write
-        (an `_execute_write` callback) pass its connection as `cursor` to write in that transaction."""
+        """Store `value` under `key` in state_meta (None stores NULL); returns None. Inside an
+        open write (an `_execute_write` callback) pass its connection as `cursor` to write in
+        that transaction."""
         def write(conn):
-            # Update in place, else insert: the row keeps its place, and an old state_meta without a primary
-            # key gets no duplicate.
-            if not conn.execute("UPDATE state_meta SET value = ? WHERE key = ?", (value, key)).rowcount:
+            # Update in place, else insert: the row keeps its place, and an old state_meta without a
+            # primary key gets no duplicate.
+            updated = conn.execute(
+                "UPDATE state_meta SET value = ? WHERE key = ?", (value, key)).rowcount
+            if not updated:
                 conn.execute(INSERT_META_SQL, (key, value))
 
         if cursor is not None:
@@ -720,27 +763,31 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             self._execute_write(write)
 
     def list_meta_prefix(self, prefix):
-        """[(key, value)] of the state_meta keys starting with `prefix` (ASCII letters in any case, as
-        LIKE matches), in stored order; [] for an empty prefix."""
+        """[(key, value)] of the state_meta keys starting with `prefix` (ASCII letters in any case,
+        as LIKE matches), in stored order; [] for an empty prefix."""
         if not prefix:
             return []
-        return [(row[0], row[1]) for row in self._read_all(
-            "SELECT key, value FROM state_meta WHERE key LIKE ? ESCAPE '\\'", (escape_like(prefix) + "%",))]
+        rows = self._read_all("SELECT key, value FROM state_meta WHERE key LIKE ? ESCAPE '\\'",
+                              (escape_like(prefix) + "%",))
+        return [(row[0], row[1]) for row in rows]
 
     def backup(self, out_path):
         """Write a zip of the whole home, created 0600; returns {"archive", "files"}.
 
-        The store and the home's other SQLite files go in as snapshots taken with SQLite's backup API, never
-        as copies of live files, and without sidecars; then every other file, and a manifest of SHA-256s.
+        The store and the home's other SQLite files go in as snapshots taken with SQLite's backup
+        API, never as copies of live files, and without sidecars; then every other file, and a
+        manifest of SHA-256s.
         """
         out_path = Path(out_path).resolve()
         home = self.db_path.parent
         with tempfile.TemporaryDirectory(prefix="hermes-backup-") as scratch:
-            members = [(self._with_reader(lambda conn: _snapshot(conn, Path(scratch) / STATE_DB_FILENAME)),
-                        STATE_DB_FILENAME)]
+            store = Path(scratch) / STATE_DB_FILENAME
+            members = [(self._with_reader(lambda conn: _snapshot(conn, store)), STATE_DB_FILENAME)]
             for path in _home_files(home, self.db_path, out_path):
-                target = Path(scratch) / f"{len(members)}.db"  # None below: no database, a plain copy is safe
-                copy = _may_be_sqlite(path) and _use_read_only(path, lambda conn: _snapshot(conn, target))
+                target = Path(scratch) / f"{len(members)}.db"
+                # None: no database, so a plain copy is safe.
+                copy = _may_be_sqlite(path) and _use_read_only(
+                    path, lambda conn: _snapshot(conn, target))
                 members.append((copy or path, path.relative_to(home).as_posix()))
             return _write_backup_zip(out_path, members)
 
@@ -791,27 +838,29 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             _release(key)
 
 
-# -- whole-home backup and restore (the "ops import"; session import is another entry point) ---------------
+# -- whole-home backup and restore (the "ops import"; session import is another entry point) -------
 
 BACKUP_MANIFEST = "hermes_backup.json"
 BACKUP_MAX_BYTES = 64 * 1024 ** 3
 SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3", ".db3")
 # A restore leaves this much free behind it: a tenth of what it unpacks, at least 64 MiB.
 RESTORE_FREE_MARGIN = 64 * 1024 ** 2
-# Past the floor, a backup may unpack to at most this many times its own size. Deflate tops out near 1032:1;
-# backups of the fixture stores and of 2,000 messages measured 2.3-2.6:1, a fresh empty store 40:1 (250 KB,
-# under the floor), so 100 stops decompression bombs and nothing a home really holds.
+# Past the floor, a backup may unpack to at most this many times its own size. Deflate tops out
+# near 1032:1; backups of the fixture stores and of 2,000 messages measured 2.3-2.6:1, a fresh
+# empty store 40:1 (250 KB, under the floor), so 100 stops decompression bombs and nothing a home
+# really holds.
 RESTORE_MAX_RATIO = 100
 RESTORE_RATIO_FLOOR = 64 * 1024 ** 2
 # What zipfile raises on a damaged archive, beyond BadZipFile.
 _DAMAGED_ARCHIVE = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError)
-# The live store's companions: never archived, and refused in an archive (SQLite would replay a sidecar).
+# The live store's companions: never archived, and refused in an archive (SQLite would replay
+# a sidecar).
 _STORE_COMPANIONS = SIDECAR_SUFFIXES + (".lock",)
 
 
 def _home_files(home, db_path, out_path):
-    """Every regular file of the home except the live store, its sidecars, the sidecars of other SQLite files,
-    and the archive itself."""
+    """Every regular file of the home except the live store, its sidecars, the sidecars of other
+    SQLite files, and the archive itself."""
     skip = {Path(str(db_path) + suffix) for suffix in ("",) + _STORE_COMPANIONS} | {out_path}
     skip_keys = {_file_key(path) for path in skip} - {None}
     for path in sorted(home.rglob("*")):
@@ -830,11 +879,12 @@ def _may_be_sqlite(path):
 
 
 def _snapshot(source, target_path):
-    """Copy the database of connection `source` to `target_path`, as one self-contained file; returns that."""
+    """Copy the database of connection `source` to `target_path`, as one self-contained file;
+    returns that."""
     target = sqlite3.connect(target_path)
     try:
         source.backup(target)
-        target.execute(SET_JOURNAL_MODE_SQL.format(mode="DELETE"))
+        target.execute("PRAGMA journal_mode=DELETE")
     finally:
         target.close()
     return target_path
@@ -854,63 +904,71 @@ def _write_backup_zip(out_path, members):
     with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as archive:
         for path, name in members:
             archive.write(path, name)
-            manifest["files"].append({"name": name, "bytes": path.stat().st_size, "sha256": _sha256_file(path)})
+            manifest["files"].append(
+                {"name": name, "bytes": path.stat().st_size, "sha256": _sha256_file(path)})
         archive.writestr(BACKUP_MANIFEST, json.dumps(manifest, indent=2))
     return {"archive": str(out_path), "files": [f["name"] for f in manifest["files"]]}
 
 
 def _safe_member_name(name):
     parts = Path(name).parts
-    return bool(parts) and not Path(name).is_absolute() and ".." not in parts and ":" not in parts[0] \
-        and not name.startswith(("/", "\\"))
+    return (bool(parts) and not Path(name).is_absolute() and ".." not in parts
+            and ":" not in parts[0] and not name.startswith(("/", "\\")))
 
 
 def _check_archive(archive, archive_path, home):
-    """The archive's manifest, once every member is safely named and listed and the sizes the archive claims
-    (zipfile stops unpacking a member at its claim) fit the disk and are no decompression bomb."""
+    """The archive's manifest, once every member is safely named and listed and the sizes the
+    archive claims (zipfile stops unpacking a member at its claim) fit the disk and are no
+    decompression bomb."""
     try:
         manifest = json.loads(archive.read(BACKUP_MANIFEST))
         files = {entry["name"]: entry for entry in manifest["files"]}
     except (KeyError, ValueError, TypeError) as exc:
-        raise ValueError(f"not a hermes_state backup: no readable {BACKUP_MANIFEST} ({exc})") from None
+        raise ValueError(
+            f"not a hermes_state backup: no readable {BACKUP_MANIFEST} ({exc})") from None
     names = set(archive.namelist()) - {BACKUP_MANIFEST}
     companions = {STATE_DB_FILENAME + suffix for suffix in _STORE_COMPANIONS}
     unsafe = [n for n in names | set(files) if not _safe_member_name(n) or n in companions]
     if unsafe:
         raise ValueError(f"backup refused: unsafe file names {sorted(unsafe)[:5]}")
     if names != set(files) or STATE_DB_FILENAME not in files:
-        raise ValueError("backup refused: its files do not match its manifest, or it has no state.db")
+        raise ValueError(
+            "backup refused: its files do not match its manifest, or it has no state.db")
     total = sum(info.file_size for info in archive.infolist() if info.filename != BACKUP_MANIFEST)
     where = next(parent for parent in (home, *home.parents) if parent.exists())
     free = shutil.disk_usage(where).free
     needed = total + max(total // 10, RESTORE_FREE_MARGIN)
     if needed > free:
-        raise ValueError(f"backup refused: it unpacks to {total} bytes and {where} has {free} bytes free "
-                         f"(a restore needs {needed} with its margin); nothing was written")
+        raise ValueError(
+            f"backup refused: it unpacks to {total} bytes and {where} has {free} bytes free "
+            f"(a restore needs {needed} with its margin); nothing was written")
     packed = os.path.getsize(archive_path)
     if total > max(RESTORE_MAX_RATIO * packed, RESTORE_RATIO_FLOOR):
-        raise ValueError(f"backup refused: it unpacks to {total} bytes, more than {RESTORE_MAX_RATIO} times "
-                         f"its own {packed} bytes; nothing was written")
+        raise ValueError(
+            f"backup refused: it unpacks to {total} bytes, more than {RESTORE_MAX_RATIO} times "
+            f"its own {packed} bytes; nothing was written")
     if total > BACKUP_MAX_BYTES:
-        raise ValueError(f"backup refused: it unpacks to {total} bytes; the limit is {BACKUP_MAX_BYTES}")
+        raise ValueError(
+            f"backup refused: it unpacks to {total} bytes; the limit is {BACKUP_MAX_BYTES}")
     return files
 
 
 def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_BUDGET_SECONDS):
     """Put a whole backup of the home back; returns {"restored", "moved_aside", "db_path"}.
 
-    FileExistsError over an existing store unless `force`; even then nothing is deleted: the old store is set
-    aside as `state.db.pre-restore-<time>-<pid>[-<n>].bak`, other replaced files go to a new
-    `.pre-restore-<time>[-<n>]/`. ValueError, before anything moves, for an archive that is damaged, not ours,
-    too big for the disk or RESTORE_MAX_RATIO, or fails its SHA-256s or SQLite's check. Files keep their
-    archived mode minus group/world write. RuntimeError while this process has the store open (the swap would
-    happen under its connections).
+    FileExistsError over an existing store unless `force`; even then nothing is deleted: the old
+    store is set aside as `state.db.pre-restore-<time>-<pid>[-<n>].bak`, other replaced files go to
+    a new `.pre-restore-<time>[-<n>]/`. ValueError, before anything moves, for an archive that is
+    damaged, not ours, too big for the disk or RESTORE_MAX_RATIO, or fails its SHA-256s or SQLite's
+    check. Files keep their archived mode minus group/world write. RuntimeError while this process
+    has the store open (the swap would happen under its connections).
     """
     db_path = Path(db_path) if db_path is not None else _default_db_path()
     home = db_path.parent
     if _connections_held(db_path):
-        raise RuntimeError(f"restore refused: this process has {db_path} open; close every SessionDB on it "
-                           "first; nothing was written")
+        raise RuntimeError(
+            f"restore refused: this process has {db_path} open; close every SessionDB on it "
+            "first; nothing was written")
     if db_path.exists() and db_path.stat().st_size and not force:
         raise FileExistsError(f"{db_path} exists; restore replaces a whole home only with --force "
                               "(the current store is then kept as a .bak file)")
@@ -931,22 +989,25 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
                 lock.release()
                 lock.close()
     except _DAMAGED_ARCHIVE as exc:
-        raise ValueError(f"backup refused: {archive_path} is damaged ({exc}); nothing was restored") from None
+        raise ValueError(
+            f"backup refused: {archive_path} is damaged ({exc}); nothing was restored") from None
 
 
 def _unpack_verified(archive, files, scratch):
-    """Unpack every member into `scratch`, checked against its SHA-256, and the store against SQLite."""
+    """Unpack every member into `scratch`, checked against its SHA-256, and the store
+    against SQLite."""
     for name, entry in files.items():
         info = archive.getinfo(name)
         path = Path(archive.extract(info, scratch))
         if _sha256_file(path) != entry["sha256"]:
             raise ValueError(f"backup refused: {name} does not match its SHA-256")
-        mode = info.external_attr >> 16  # as archived on Unix (create_system 3), minus group/world write
+        # As archived on Unix (create_system 3), minus group/world write.
+        mode = info.external_attr >> 16
         os.chmod(path, mode & 0o755 if info.create_system == 3 and mode else FILE_MODE)
     store = scratch / STATE_DB_FILENAME
     if damage_reason(store) is not None:
         raise ValueError("backup refused: its state.db is not a SQLite database")
-    verdict = _use_read_only(store, lambda conn: conn.execute(QUICK_CHECK_SQL).fetchone()[0])
+    verdict = _use_read_only(store, lambda conn: conn.execute("PRAGMA quick_check").fetchone()[0])
     if verdict != "ok":
         raise ValueError(f"backup refused: its state.db fails quick_check ({verdict})")
 
@@ -987,8 +1048,11 @@ def _swap_in(scratch, files, db_path):
         _move_without_replacing(path, kept)
         moved.append(str(kept))
 
-    # A folder of the archive that is now a file or a link (never followed out of the home) goes first.
-    for folder in sorted({folder for name in files for folder in (home / name).parents if home in folder.parents}):
+    # A folder of the archive that is now a file or a link (never followed out of the home)
+    # goes first.
+    folders = {folder for name in files for folder in (home / name).parents
+               if home in folder.parents}
+    for folder in sorted(folders):
         if os.path.lexists(folder) and (folder.is_symlink() or not folder.is_dir()):
             keep(folder)
     if os.path.lexists(db_path):
@@ -1004,8 +1068,9 @@ def _swap_in(scratch, files, db_path):
 
 
 class AsyncSessionDB:
-    """A SessionDB for asyncio code: each method call runs in a worker thread and is awaited; other
-    attributes are returned as they are. No method returns a live cursor, so nothing crosses threads."""
+    """A SessionDB for asyncio code: each method call runs in a worker thread and is awaited;
+    other attributes are returned as they are. No method returns a live cursor, so nothing
+    crosses threads."""
 
     def __init__(self, db):
         self._db = db

@@ -140,7 +140,8 @@ def _session_rows(sessions):
 
 
 def query_terms(query):
-    """The words and phrases of a search query a hit contains (no operators, nothing after NOT or -)."""
+    """The words and phrases of a search query a hit contains (no operators, nothing after NOT
+    or -)."""
     terms, skip = [], False
     for match in re.finditer(r'"([^"]*)"|(\S+)', query or ""):
         word = match.group(1) if match.group(1) is not None else match.group(2).strip("()")
@@ -803,11 +804,14 @@ def build_demo_history(db):
     db.set_session_title("demo-refactor-1", "Refactor the config loader")
     call = [{"id": "call_1", "type": "function",
              "function": {"name": "terminal", "arguments": json.dumps({"command": "pytest -q"})}}]
-    db.append_message("demo-refactor-1", "user", "Please refactor my-app.config.ts and run the tests.")
-    db.append_message("demo-refactor-1", "assistant", "Running the test suite first.", tool_calls=call)
+    db.append_message("demo-refactor-1", "user",
+                      "Please refactor my-app.config.ts and run the tests.")
+    db.append_message("demo-refactor-1", "assistant", "Running the test suite first.",
+                      tool_calls=call)
     db.append_message("demo-refactor-1", "tool", "12 passed in 0.41s", tool_name="terminal",
                       tool_call_id="call_1")
-    db.update_token_counts("demo-refactor-1", input_tokens=812, output_tokens=64, model="demo-model")
+    db.update_token_counts("demo-refactor-1", input_tokens=812, output_tokens=64,
+                           model="demo-model")
     db.end_session("demo-refactor-1", COMPRESSION_END_REASON)
     db.create_session("demo-refactor-2", "cli", model="demo-model", system_prompt=prompt,
                       parent_session_id="demo-refactor-1")
@@ -815,7 +819,8 @@ def build_demo_history(db):
     db.append_message("demo-refactor-2", "assistant", "Split into load() and validate().")
     db.create_session("demo-zh", "telegram", model="demo-model", system_prompt=prompt)
     db.set_session_title("demo-zh", "数据库迁移")
-    db.append_message("demo-zh", "user", "帮我检查一下数据库迁移脚本，会话历史不能丢。")
+    db.append_message("demo-zh", "user",
+                      "帮我检查一下数据库迁移脚本，会话历史不能丢。")
     db.append_message("demo-zh", "assistant", "好的，我先备份 state.db，再运行迁移。")
     db.end_session("demo-zh", "user_exit")
 
@@ -946,10 +951,12 @@ def build_parser():
     return parser
 
 
-_COMMANDS = {"list": _cmd_list, "show": _cmd_show, "search": _cmd_search, "optimize": _cmd_optimize,
-             "optimize-storage": _cmd_optimize_storage, "stats": _cmd_stats, "doctor": _cmd_doctor,
-             "export": _cmd_export, "import": _cmd_import, "delete": _cmd_delete, "prune": _cmd_prune,
-             "backup": _cmd_backup}
+_COMMANDS = {
+    "list": _cmd_list, "show": _cmd_show, "search": _cmd_search, "optimize": _cmd_optimize,
+    "optimize-storage": _cmd_optimize_storage, "stats": _cmd_stats, "doctor": _cmd_doctor,
+    "export": _cmd_export, "import": _cmd_import, "delete": _cmd_delete, "prune": _cmd_prune,
+    "backup": _cmd_backup,
+}
 
 
 # The commands that only read: they, and only they, run on a replica (writes stay on the primary).

@@ -20,22 +20,25 @@ from collections import namedtuple
 
 from hermes_state_common import (
     CJK_BLOCK_BITS, CJK_CHAR_CLASS, CONTENT_JSON_PREFIX, CONTEXT_CHARS, QUERY_MAX_CHARS,
-    QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content, escape_like, placeholders,
+    QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content, escape_like,
 )
 # Tests import these from here, where search kept them before the index's life moved out.
 from hermes_state_common import cjk_terms  # noqa: F401
 from hermes_state_schema import fts_layout_of  # noqa: F401
 
-# A page of CJK hits by time walks at most this many hits and block bounds from the top; past that (a store
-# whose ids run against time) it sorts every hit, as a page deeper than half the walk does.
+# A page of CJK hits by time walks at most this many hits and block bounds from the top; past that
+# (a store whose ids run against time) it sorts every hit, as a page deeper than half the walk does.
 CJK_WALK_MAX_HITS = 2000
 CJK_WALK_MAX_CHECKS = 64
-SEARCH_RESULT_FIELDS = ("id", "session_id", "role", "snippet", "timestamp", "tool_name", "source", "model",
-                        "session_started", "context")
+CJK_WALK_MAX_LATE = 16  # late blocks a page takes in; past that the walk goes on
+SEARCH_RESULT_FIELDS = (
+    "id", "session_id", "role", "snippet", "timestamp", "tool_name", "source", "model",
+    "session_started", "context",
+)
 
 CJK_RE = re.compile(f"[{CJK_CHAR_CLASS}]")
-# Characters that part a user's word, as hermes-agent's sanitiser parts it (`\`, `%` and `_` stay: the LIKE
-# routes take them literally).
+# Characters that part a user's word, as hermes-agent's sanitiser parts it (`\`, `%` and `_` stay:
+# the LIKE routes take them literally).
 FTS_SYNTAX_RE = re.compile(r"[\"^*():{}\[\]+~'`@/#&|<>,;!?$=]")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -46,7 +49,22 @@ CONTEXT_CHUNK_HITS = 240
 
 Term = namedtuple("Term", "text prefix")
 
-# -- The search's SQL -----------------------------------------------------------------------------
+
+class _Binds(dict):
+    """One search statement's values by name. The page's are set as keys (`match`, `limit`,
+    `offset`, `progress`, `high_water`, `floor`); `add` files a value of the filters or of one
+    tree term under a new numbered name and returns the placeholder the SQL writes (`:like_3`)."""
+
+    def add(self, stem, value):
+        name = f"{stem}_{len(self)}"
+        self[name] = value
+        return f":{name}"
+
+
+# -- The search's SQL -------------------------------------------------------------------------
+# Every statement of a search binds by name from one _Binds: `:match` is the MATCH expression of
+# the one index that answers the whole query, `:limit` and `:offset` the page.
+
 # A hit's columns; `{snippet}` is the index's own snippet or NULL.
 _SEARCH_COLUMNS_SQL = """SELECT m.id, m.session_id, m.role, m.content, m.timestamp, m.tool_name,
        s.source, s.model, s.started_at AS session_started, {snippet} AS index_snippet"""
@@ -60,7 +78,8 @@ FTS_SNIPPET_SQL = "snippet({table}, -1, '>>>', '<<<', '...', 40)"
 SEARCH_RANKED_SQL = _SEARCH_COLUMNS_SQL + """
 FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid
 CROSS JOIN sessions AS s ON s.id = m.session_id
-WHERE {table} MATCH ?{no_tools} {filters} ORDER BY {table}.rank LIMIT ? OFFSET ?"""
+WHERE {table} MATCH :match{no_tools} {filters}
+ORDER BY {table}.rank LIMIT :limit OFFSET :offset"""
 # By time from an index that ranks, equal times by rank. Ranking every hit costs
 # bm25 at each (24,000 hits of `parser`: 70 -> 110 ms), but only the hits at the
 # page's times need it: the page by time alone gives its first and last time
@@ -70,19 +89,22 @@ _PAGE_BY_RANKED_INDEX_SQL = """WITH
 hits(id, t) AS {materialized} (SELECT m.id, m.timestamp
     FROM {table} CROSS JOIN messages AS m ON m.id = {table}.rowid
     JOIN sessions AS s ON s.id = m.session_id
-    WHERE {table} MATCH ?{no_tools} {filters}),
+    WHERE {table} MATCH :match{no_tools} {filters}),
 edge(lo, hi) AS {materialized} (SELECT min(t), max(t)
-    FROM (SELECT t FROM hits ORDER BY t {direction} LIMIT ? OFFSET ?)),
+    FROM (SELECT t FROM hits ORDER BY t {direction} LIMIT :limit OFFSET :offset)),
 near(id, t) AS {materialized} (SELECT hits.id, hits.t
     FROM edge CROSS JOIN hits WHERE hits.t BETWEEN edge.lo AND edge.hi),
-ranked(id, rank) AS {materialized} (SELECT rowid, rank FROM {table} WHERE {table} MATCH ?
+ranked(id, rank) AS {materialized} (SELECT rowid, rank FROM {table} WHERE {table} MATCH :match
     AND rowid BETWEEN (SELECT min(id) FROM near) AND (SELECT max(id) FROM near)
     AND +rowid IN (SELECT id FROM near))
 SELECT near.id AS hit, ranked.rank AS hit_rank FROM near JOIN ranked ON ranked.id = near.id
 ORDER BY near.t {direction}, ranked.rank, near.id
-LIMIT ? OFFSET ? - (SELECT count(*) FROM edge CROSS JOIN hits WHERE hits.t {before} edge.{first})"""
-_RANKED_PAGE_PARTS = {"newest": {"direction": "DESC", "before": ">", "first": "hi"},
-                      "oldest": {"direction": "ASC", "before": "<", "first": "lo"}}
+LIMIT :limit
+OFFSET :offset - (SELECT count(*) FROM edge CROSS JOIN hits WHERE hits.t {before} edge.{first})"""
+_RANKED_PAGE_PARTS = {
+    "newest": {"direction": "DESC", "before": ">", "first": "hi"},
+    "oldest": {"direction": "ASC", "before": "<", "first": "lo"},
+}
 # Then the page's rows, and their snippets (`{join}` re-opens the index at each of them).
 _PAGE_ROWS_SQL = _SEARCH_COLUMNS_SQL + """
 FROM ({page}) AS page CROSS JOIN messages AS m ON m.id = page.hit{join}
@@ -96,17 +118,16 @@ ORDER BY {order}"""
 _ORDERS = {"newest": "m.timestamp DESC, {rank}m.id ASC",
            "oldest": "m.timestamp ASC, {rank}m.id ASC"}
 # The fallback: NULL reads as '' (NOT never turns NULL); NUL-led text past its NUL (LIKE stops
-# there).
+# there). `{pattern}` is the term's one `:like_N`, which all three columns test.
 _LIKE_CONTENT_SQL = (
     "CASE WHEN m.content >= char(0) || 'json:' AND m.content < char(0) || 'json;' "
     f"THEN CAST(substr(CAST(m.content AS BLOB), {len(CONTENT_JSON_PREFIX) + 1}) AS TEXT) "
     "WHEN m.content >= char(0) AND m.content < char(1) "
     "THEN CAST(substr(CAST(m.content AS BLOB), 2) AS TEXT) ELSE m.content END")
 _LIKE_COLUMNS = (_LIKE_CONTENT_SQL, "m.tool_name", "m.tool_calls")
-_TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE({column}, '') LIKE ? ESCAPE '\\'"
+_TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE({column}, '') LIKE {{pattern}} ESCAPE '\\'"
                                     for column in _LIKE_COLUMNS) + ")"
 _NOT_TOOL_ROW_SQL = "m.role <> 'tool'"
-CJK_WALK_MAX_LATE = 16  # late blocks a page takes in; past that the walk goes on
 # The context of a page of hits, in one statement: each hit's neighbours in its session by
 # (timestamp, id), in any state. Equal timestamps are common (a batch shares one): each neighbour
 # is an index seek, first among rows of the same time by id, then across times. `{hits}` is one
@@ -124,17 +145,23 @@ SELECT near.n, m.role, m.content
 FROM near CROSS JOIN messages AS m ON m.id IN (near.before, near.i, near.after)
 ORDER BY near.n, m.timestamp, m.id"""
 
-# -- Query parsing: user text to an AND/OR/NOT tree of quoted terms --------------------------------------
+
+# -- Query parsing: user text to an AND/OR/NOT tree of quoted terms -------------------------
 
 def _tokens(query):
     """Phrases, words and operators; nothing from the user reaches MATCH unquoted."""
     tokens = []
-    for phrase, word in re.findall(r'"([^"]*)"|(\S+)', CONTROL_RE.sub(" ", query[:QUERY_MAX_CHARS])):
+    text = CONTROL_RE.sub(" ", query[:QUERY_MAX_CHARS])
+    for phrase, word in re.findall(r'"([^"]*)"|(\S+)', text):
         if word in ("AND", "OR", "NOT"):
             tokens.append(word)
             continue
-        # FTS5's syntax characters part a word, as hermes-agent's sanitiser parts it ("user's": user, s).
-        parts = [" ".join(phrase.split())] if phrase else FTS_SYNTAX_RE.sub(" ", word).lstrip("-").split()
+        # FTS5's syntax characters part a word, as hermes-agent's sanitiser parts it
+        # ("user's": user, s).
+        if phrase:
+            parts = [" ".join(phrase.split())]
+        else:
+            parts = FTS_SYNTAX_RE.sub(" ", word).lstrip("-").split()
         tokens += [Term(text, not phrase and word.endswith("*") and n == len(parts) - 1)
                    for n, text in enumerate(parts) if any(ch.isalnum() for ch in text)]
     return tokens
@@ -223,31 +250,37 @@ def _substring_retry(tree):
 
 
 def hermes_scans(tree, state):
-    """True for a query hermes-agent answers by a LIKE scan (any of its terms, newest first): CJK its trigram
-    index cannot answer (a CJK term of 1-2 letters, no trigram index, tool rows asked for)."""
+    """True for a query hermes-agent answers by a LIKE scan (any of its terms, newest first):
+    CJK its trigram index cannot answer (a CJK term of 1-2 letters, no trigram index, tool rows
+    asked for)."""
     cjk = [term for term in _leaves(tree) if CJK_RE.search(term.text)]
-    return bool(cjk) and (any(len(CJK_RE.findall(term.text)) < 3 for term in cjk) or "trigram" not in state.usable
+    return bool(cjk) and (any(len(CJK_RE.findall(term.text)) < 3 for term in cjk)
+                          or "trigram" not in state.usable
                           or state.tool_rows)
 
 
 def scan_snippet(content, term):
-    """hermes-agent's snippet of a scanned hit: 120 characters from 40 before `term` (or from the start)."""
+    """hermes-agent's snippet of a scanned hit: 120 characters from 40 before `term` (or from
+    the start)."""
     start = max(0, content.find(term.text) - 40) if content and term.text in content else 0
     return None if content is None else content[start:start + 120]
 
 
 def _sql_order(value):
-    """`value`'s place in SQLite's ORDER BY: NULL, numbers, text (UTF-8 order is code point order), blobs."""
+    """`value`'s place in SQLite's ORDER BY: NULL, numbers, text (UTF-8 order is code point
+    order), blobs."""
     return (0, 0) if value is None else (1, value) if isinstance(value, (int, float)) else \
         (2 if isinstance(value, str) else 3, value)
 
 
 def _cjk_floor(conn, hits, wanted):
-    """(lowest id, [blocks below it]) holding the newest `wanted` of `hits` (by id from the top), or (0, []).
+    """(lowest id, [blocks below it]) holding the newest `wanted` of `hits` (by id from the top),
+    or (0, []).
 
-    At a block's lower edge, with `wanted` hits seen, t the `wanted`-th newest time among them: a hit below
-    outranking one has a time >= t (an equal time wins by its lower id), so its block's bound is >= t. Blocks
-    later than their neighbours (a row given a new time, a clock once ahead) are few; more end the walk."""
+    At a block's lower edge, with `wanted` hits seen, t the `wanted`-th newest time among them: a
+    hit below outranking one has a time >= t (an equal time wins by its lower id), so its block's
+    bound is >= t. Blocks later than their neighbours (a row given a new time, a clock once ahead)
+    are few; more end the walk."""
     seen, block, checks = [], None, 0
     for number, (message_id, timestamp) in enumerate(hits):
         if message_id >> CJK_BLOCK_BITS != block:
@@ -283,64 +316,70 @@ def _route(term, state):
     return "word" if "word" in state.usable else trigram
 
 
-def _like_sql(term, state):
-    """The fallback for one term. A CJK term (and a substring retry) skips tool rows unless they were asked
-    for, as the trigram and CJK indexes do, so every route gives the same answer."""
-    sql = _TERM_LIKE_SQL
+def _like_sql(term, state, binds):
+    """The fallback for one term. A CJK term (and a substring retry) skips tool rows unless they
+    were asked for, as the trigram and CJK indexes do, so every route gives the same answer."""
+    sql = _TERM_LIKE_SQL.format(pattern=binds.add("like", f"%{escape_like(term.text)}%"))
     if (state.substring or CJK_RE.search(term.text)) and not state.tool_rows:
         sql = f"({_NOT_TOOL_ROW_SQL} AND {sql})"
-    return sql, [f"%{escape_like(term.text)}%"] * len(_LIKE_COLUMNS)
+    return sql
 
 
-def _leaf_sql(term, index, state):
-    like, like_params = _like_sql(term, state)
+def _leaf_sql(term, index, state, binds):
     if index is None:
-        return like, like_params
+        return _like_sql(term, state, binds)
     table = state.tables[index]
-    sql, params = f"m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH ?)", [_fts_string(term)]
+    match = binds.add("term", _fts_string(term))
+    sql = f"m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH {match})"
     if index != "word":
         sql = f"{_NOT_TOOL_ROW_SQL} AND {sql}"
+    unindexed = []  # rows this index does not hold yet, for the fallback to test
     if state.high_water is not None:
         # Rows a backfill has not reached yet are in no index of this layout.
-        sql += f" OR (m.id > ? AND m.id <= ? AND {like})"
-        params += [state.progress, state.high_water] + like_params
+        binds.update(progress=state.progress, high_water=state.high_water)
+        unindexed.append("m.id > :progress AND m.id <= :high_water")
     if index == "cjk" and state.cjk_pending:
-        sql += f" OR (m.id IN (SELECT id FROM hs_fts_cjk_queue) AND {like})"
-        params += like_params
-    return f"({sql})", params
+        unindexed.append("m.id IN (SELECT id FROM hs_fts_cjk_queue)")
+    if unindexed:
+        like = _like_sql(term, state, binds)
+        sql += "".join(f" OR ({rows} AND {like})" for rows in unindexed)
+    return f"({sql})"
 
 
-def _id_set_sql(node, routes, state):
-    """The ids `node` matches as one compound SELECT over its indexes, or None when a term needs a test on the
-    row: the fallback, a backfill or CJK queue not indexed yet, or a hermes-agent index that may hold tool
-    rows (ours never do but in the word index)."""
+def _matched_alone(term, index, state):
+    """True when `term`'s index alone gives its ids: False for the fallback, a backfill or CJK
+    queue not indexed yet, or a hermes-agent index that may hold tool rows (ours never do but in
+    the word index)."""
+    return not (index is None or state.high_water is not None
+                or (index == "cjk" and state.cjk_pending)
+                or (index != "word" and state.layout != "current"))
+
+
+def _id_set_sql(node, routes, state, binds):
+    """The ids `node` matches as one compound SELECT over its indexes (each term _matched_alone)."""
     if node[0] == "term":
-        index = routes[node[1]]
-        if index is None or state.high_water is not None or (index == "cjk" and state.cjk_pending) or \
-                (index != "word" and state.layout != "current"):
-            return None
-        table = state.tables[index]
-        return f"SELECT rowid FROM {table} WHERE {table} MATCH ?", [_fts_string(node[1])]
-    parts = [_id_set_sql(child, routes, state) for child in (node[1] if node[0] in ("and", "or") else node[1:])]
+        table = state.tables[routes[node[1]]]
+        match = binds.add("term", _fts_string(node[1]))
+        return f"SELECT rowid FROM {table} WHERE {table} MATCH {match}"
+    children = node[1] if node[0] in ("and", "or") else node[1:]
     operator = {"and": "INTERSECT", "or": "UNION", "not": "EXCEPT"}[node[0]]
-    return None if None in parts else (f" {operator} ".join(
-        f"SELECT * FROM ({sql})" for sql, _params in parts), [value for _sql, params in parts for value in params])
+    return f" {operator} ".join(f"SELECT * FROM ({_id_set_sql(child, routes, state, binds)})"
+                                for child in children)
 
 
-def _tree_sql(node, routes, state):
-    ids = _id_set_sql(node, routes, state)
-    if ids is not None:
-        return f"m.id IN ({ids[0]})", ids[1]
+def _tree_sql(node, routes, state, binds):
+    """`node` as a condition on a messages row `m`, its values added to `binds`."""
+    if all(_matched_alone(term, routes[term], state) for term in _leaves(node)):
+        return f"m.id IN ({_id_set_sql(node, routes, state, binds)})"
     kind = node[0]
     if kind == "term":
-        return _leaf_sql(node[1], routes[node[1]], state)
+        return _leaf_sql(node[1], routes[node[1]], state, binds)
     if kind == "not":
-        left, lp = _tree_sql(node[1], routes, state)
-        right, rp = _tree_sql(node[2], routes, state)
-        return f"({left} AND NOT {right})", lp + rp
-    parts = [_tree_sql(child, routes, state) for child in node[1]]
+        left = _tree_sql(node[1], routes, state, binds)
+        right = _tree_sql(node[2], routes, state, binds)
+        return f"({left} AND NOT {right})"
     joiner = " AND " if kind == "and" else " OR "
-    return "(" + joiner.join(p[0] for p in parts) + ")", [x for p in parts for x in p[1]]
+    return "(" + joiner.join(_tree_sql(child, routes, state, binds) for child in node[1]) + ")"
 
 
 def _match_string(node):
@@ -362,8 +401,9 @@ def make_snippet(content, terms):
         if at >= 0:
             start = max(0, at - SNIPPET_CHARS // 2)
             end = min(len(content), at + len(term.text) + SNIPPET_CHARS // 2)
-            return ("..." if start else "") + content[start:at] + ">>>" + content[at:at + len(term.text)] \
-                + "<<<" + content[at + len(term.text):end] + ("..." if end < len(content) else "")
+            stop = at + len(term.text)
+            return (("..." if start else "") + content[start:at] + ">>>" + content[at:stop]
+                    + "<<<" + content[stop:end] + ("..." if end < len(content) else ""))
     return content[:SNIPPET_CHARS] + ("..." if len(content) > SNIPPET_CHARS else "")
 
 
@@ -389,38 +429,46 @@ def context_text(content):
     (or '[multimodal content]'), no content as '', at most CONTEXT_CHARS."""
     content = decode_content(content)
     if isinstance(content, list):
-        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        texts = [part.get("text") for part in content
+                 if isinstance(part, dict) and part.get("type") == "text"]
         content = " ".join(text for text in texts if text and isinstance(text, str)).strip() \
             or "[multimodal content]"
     return content[:CONTEXT_CHARS] if isinstance(content, str) else ""
 
 
 def _index_failure(exc):
-    """True for an error that says an index is damaged, not that the store is busy or the input bad."""
+    """True for an error that says an index is damaged, not that the store is busy or the
+    input bad."""
     if isinstance(exc, (sqlite3.IntegrityError, sqlite3.ProgrammingError)):
         return False
     # A busy store, or SQL this runtime cannot take (our bug, which a rebuild would not cure).
-    return not (isinstance(exc, sqlite3.OperationalError) and any(
-        cause in str(exc).lower() for cause in ("locked", "syntax error", "too many sql variables")))
+    causes = ("locked", "syntax error", "too many sql variables")
+    return not (isinstance(exc, sqlite3.OperationalError)
+                and any(cause in str(exc).lower() for cause in causes))
 
 
 class SessionSearchMixin:
-    """Search-side behaviour of SessionDB (see the module docstring)."""
+    """Search-side behaviour of SessionDB (see the module docstring).
+
+    Relies on: `_read_objects`, `_index_state`, `_mark_index_stale` (SessionSearchIndexMixin);
+    `_read_all`, `_read_value`, `_with_reader`, `_idle_index_readers` (SessionDB)."""
 
     # -- search --------------------------------------------------------------
 
     def search_messages(self, query, source_filter=None, exclude_sources=None, role_filter=None,
                         limit=20, offset=0, sort=None, include_inactive=False, fields=None):
-        """Messages matching `query`, best first (bm25) unless `sort` is 'newest' or 'oldest'; [] for no query.
+        """Messages matching `query`, best first (bm25) unless `sort` is 'newest' or 'oldest';
+        [] for no query.
 
-        Each hit has SEARCH_RESULT_FIELDS, or only those `fields` names; its context is the message before it,
-        itself and the one after, each {role, content} cut to CONTEXT_CHARS. Words use the word index; CJK
-        terms of 3+ characters the trigram index, of 1-2 the CJK side index; anything an index cannot answer
-        falls back to LIKE. A query hermes-agent answers by a LIKE scan (a CJK term of 1-2 characters) is
-        answered as that scan: any of its terms, newest first, its plain snippet. Words that match no whole
-        token are retried as substrings. Rewound messages are left out unless `include_inactive`; compacted
-        ones are found. An unknown sort means relevance; `limit` and `offset` go to SQLite as they are (a
-        negative limit is no limit). A string `fields` raises TypeError, an unknown field ValueError."""
+        Each hit has SEARCH_RESULT_FIELDS, or only those `fields` names; its context is the message
+        before it, itself and the one after, each {role, content} cut to CONTEXT_CHARS. Words use
+        the word index; CJK terms of 3+ characters the trigram index, of 1-2 the CJK side index;
+        anything an index cannot answer falls back to LIKE. A query hermes-agent answers by a LIKE
+        scan (a CJK term of 1-2 characters) is answered as that scan: any of its terms, newest
+        first, its plain snippet. Words that match no whole token are retried as substrings.
+        Rewound messages are left out unless `include_inactive`; compacted ones are found. An
+        unknown sort means relevance; `limit` and `offset` go to SQLite as they are (a negative
+        limit is no limit). A string `fields` raises TypeError, an unknown field ValueError."""
         fields = search_fields(fields)
         if not query or not query.strip():
             return []
@@ -429,25 +477,26 @@ class SessionSearchMixin:
             return []
         sort = sort.strip().lower() if isinstance(sort, str) else None
         roles = _as_list(role_filter) or []
-        filters, filter_params = _search_filters(roles, _as_list(source_filter), _as_list(exclude_sources),
-                                                 include_inactive)
+        filters, filter_binds = _search_filters(
+            roles, _as_list(source_filter), _as_list(exclude_sources), include_inactive)
         cookie = self._read_value("PRAGMA schema_version")  # sqlite_master: 0.06 of a 0.6 ms search
         if self.__dict__.get("_objects_at_cookie", (None,))[0] != cookie:  # read when it moves
             self._objects_at_cookie = (cookie, self._read_objects())
         state = self._index_state(self._objects_at_cookie[1])
         if "tool" in roles:
-            state = state._replace(usable=set(), tool_rows=True)  # tool rows are only whole in the fallback
+            # Tool rows are only whole in the fallback.
+            state = state._replace(usable=set(), tool_rows=True)
         scans = hermes_scans(tree, state)
         if scans:
             tree, sort = ("or", [("term", term) for term in _leaves(tree)]), "newest"
-        search = (tree, filters, filter_params, sort, limit, offset)
+        search = (tree, filters, filter_binds, sort, limit, offset)
         try:
             rows = self._run_search(state, *search)
         except sqlite3.DatabaseError as exc:
             if not _index_failure(exc):
                 raise
-            # Another process's VACUUM (rollback journal) fails a fresh reader's FTS tables now and then: this
-            # call is answered by the fallback, but that is no damage to rebuild.
+            # Another process's VACUUM (rollback journal) fails a fresh reader's FTS tables now and
+            # then: this call is answered by the fallback, but that is no damage to rebuild.
             if "vtable constructor failed" not in str(exc):
                 self._mark_index_stale(exc, state)
             state = state._replace(usable=set())
@@ -456,45 +505,48 @@ class SessionSearchMixin:
             rows = self._run_search(state._replace(substring=True), *search)
         terms = _positive_terms(tree)
         contexts = self._contexts(rows) if "context" in fields else [None] * len(rows)
-        return [self._hit(row, terms, fields, scans, context) for row, context in zip(rows, contexts)]
+        return [self._hit(row, terms, fields, scans, context)
+                for row, context in zip(rows, contexts)]
 
-    def _run_search(self, state, tree, filters, filter_params, sort, limit, offset):
+    def _run_search(self, state, tree, filters, filter_binds, sort, limit, offset):
         routes = {term: _route(term, state) for term in _leaves(tree)}
         indexes = set(routes.values())
-        single = len(indexes) == 1 and None not in indexes and state.high_water is None and \
-            not (indexes == {"cjk"} and state.cjk_pending)
+        binds = _Binds(filter_binds, limit=limit, offset=offset)
+        single = (len(indexes) == 1 and None not in indexes and state.high_water is None
+                  and not (indexes == {"cjk"} and state.cjk_pending))
         if not single:
-            where, params = _tree_sql(tree, routes, state)
+            where = _tree_sql(tree, routes, state, binds)
             order = _ORDERS["oldest" if sort == "oldest" else "newest"].format(rank="")
             page = ("SELECT m.id AS hit, NULL AS hit_rank"
                     " FROM messages AS m JOIN sessions AS s ON s.id = m.session_id"
-                    f" WHERE {where} {filters} ORDER BY {order} LIMIT ? OFFSET ?")
-            pool = self._idle_index_readers if indexes != {None} else None  # a scan would churn their caches
+                    f" WHERE {where} {filters} ORDER BY {order} LIMIT :limit OFFSET :offset")
+            # A scan would churn the index readers' caches.
+            pool = self._idle_index_readers if indexes != {None} else None
             rows = _PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order)
-            return self._read_all(rows, params + filter_params + [limit, offset], pool)
+            return self._read_all(rows, binds, pool)
         index = indexes.pop()
         table = state.tables[index]
         # hermes-agent's legacy trigram index still holds tool rows; ours does not.
         no_tools = f" AND {_NOT_TOOL_ROW_SQL}" if index != "word" else ""
         snippet = "NULL" if index == "cjk" else FTS_SNIPPET_SQL.format(table=table)
-        match = _match_string(tree)
+        binds["match"] = _match_string(tree)
         if sort not in _ORDERS:
-            return self._read_all(SEARCH_RANKED_SQL.format(table=table, snippet=snippet, no_tools=no_tools,
-                                                           filters=filters),
-                                  [match] + filter_params + [limit, offset], self._idle_index_readers)
+            ranked = SEARCH_RANKED_SQL.format(
+                table=table, snippet=snippet, no_tools=no_tools, filters=filters)
+            return self._read_all(ranked, binds, self._idle_index_readers)
         if index == "cjk":  # only ever asked by a scan, whose order has no rank
-            return self._cjk_page(state, match, no_tools, filters, filter_params, sort, limit, offset)
-        page = _PAGE_BY_RANKED_INDEX_SQL.format(table=table, no_tools=no_tools, filters=filters,
-                                                materialized=CTE_MATERIALIZED,
-                                                **_RANKED_PAGE_PARTS[sort])
-        join = f" CROSS JOIN {table} ON {table}.rowid = page.hit AND {table} MATCH ?"
+            return self._cjk_page(state, no_tools, filters, binds, sort)
+        page = _PAGE_BY_RANKED_INDEX_SQL.format(
+            table=table, no_tools=no_tools, filters=filters, materialized=CTE_MATERIALIZED,
+            **_RANKED_PAGE_PARTS[sort])
+        join = f" CROSS JOIN {table} ON {table}.rowid = page.hit AND {table} MATCH :match"
         rows = _PAGE_ROWS_SQL.format(page=page, join=join, snippet=snippet,
                                      order=_ORDERS[sort].format(rank="page.hit_rank, "))
-        return self._read_all(rows, [match] + filter_params + [limit, offset, match, limit, offset, match],
-                              self._idle_index_readers)
+        return self._read_all(rows, binds, self._idle_index_readers)
 
-    def _cjk_page(self, state, match, no_tools, filters, filter_params, sort, limit, offset):
-        """A page of CJK index hits by time: only the hits from the floor _cjk_floor finds go to the sorter."""
+    def _cjk_page(self, state, no_tools, filters, binds, sort):
+        """A page of CJK index hits by time: only the hits from the floor _cjk_floor finds go to
+        the sorter."""
         order = _ORDERS[sort].format(rank="")
         table = state.tables["cjk"]
         # One page of hit ids by time: only (timestamp, id) of each hit goes through the sorter, the
@@ -502,26 +554,31 @@ class SessionSearchMixin:
         page = (f"SELECT m.id AS hit, NULL AS hit_rank FROM {table}"
                 f" CROSS JOIN messages AS m ON m.id = {table}.rowid"
                 " JOIN sessions AS s ON s.id = m.session_id"
-                f" WHERE {table} MATCH ?{no_tools} AND (hs_fts_cjk.rowid >= ?{{late}}) {filters}"
-                f" ORDER BY {order} LIMIT ? OFFSET ?")
+                f" WHERE {table} MATCH :match{no_tools}"
+                f" AND (hs_fts_cjk.rowid >= :floor{{late}}) {filters}"
+                f" ORDER BY {order} LIMIT :limit OFFSET :offset")
         page = _PAGE_ROWS_SQL.format(page=page, join="", snippet="NULL", order=order)
-        wanted = limit + offset if type(limit) is int and type(offset) is int and min(limit, offset) >= 0 else 0
+        limit, offset = binds["limit"], binds["offset"]
+        wanted = 0
+        if type(limit) is int and type(offset) is int and min(limit, offset) >= 0:
+            wanted = limit + offset
         if not state.cjk_bounded or sort != "newest" or not 0 < wanted <= CJK_WALK_MAX_HITS // 2:
-            return self._read_all(page.format(late=""), [match, 0] + filter_params + [limit, offset],
+            return self._read_all(page.format(late=""), dict(binds, floor=0),
                                   self._idle_index_readers)
         # Newest first (a CJK index search's only order): hits walked by id from the top.
         walk = ("SELECT m.id, m.timestamp"
                 " FROM hs_fts_cjk CROSS JOIN messages AS m ON m.id = hs_fts_cjk.rowid"
-                f" JOIN sessions AS s ON s.id = m.session_id WHERE hs_fts_cjk MATCH ?{no_tools}"
-                f" {filters} ORDER BY hs_fts_cjk.rowid DESC")
+                " JOIN sessions AS s ON s.id = m.session_id"
+                f" WHERE hs_fts_cjk MATCH :match{no_tools} {filters}"
+                " ORDER BY hs_fts_cjk.rowid DESC")
 
-        def walk_then_page(conn):  # one read transaction: the walk's statement is open while the page is read
-            with contextlib.closing(conn.execute(walk, [match] + filter_params)) as hits:
+        def walk_then_page(conn):
+            # One read transaction: the walk's statement is open while the page is read.
+            with contextlib.closing(conn.execute(walk, binds)) as hits:
                 floor, late = _cjk_floor(conn, hits, wanted)
                 blocks = ", ".join(map(str, late))
                 late = f" OR hs_fts_cjk.rowid >> {CJK_BLOCK_BITS} IN ({blocks})" if late else ""
-                params = [match, floor] + filter_params + [limit, offset]
-                return conn.execute(page.format(late=late), params).fetchall()
+                return conn.execute(page.format(late=late), dict(binds, floor=floor)).fetchall()
         return self._with_reader(walk_then_page, self._idle_index_readers)
 
     def _hit(self, row, terms, fields, scans, context):
@@ -551,8 +608,9 @@ class SessionSearchMixin:
             chunk = hits[start:start + CONTEXT_CHUNK_HITS]
             params = [value for n, hit in enumerate(chunk, start)
                       for value in (n, hit["session_id"], hit["timestamp"], hit["id"])]
-            for n, role, content in self._read_all(
-                    SEARCH_CONTEXT_SQL.format(hits=", ".join(["(?, ?, ?, ?)"] * len(chunk))), params):
+            # Each hit's four values fill one "(?, ?, ?, ?)" row of the VALUES list, in order.
+            sql = SEARCH_CONTEXT_SQL.format(hits=", ".join(["(?, ?, ?, ?)"] * len(chunk)))
+            for n, role, content in self._read_all(sql, params):
                 contexts[n].append({"role": role, "content": context_text(content)})
         return contexts
 
@@ -565,14 +623,15 @@ class SessionSearchMixin:
 
 
 def _search_filters(roles, sources, excluded, include_inactive):
-    """SQL and parameters of the filters, as hermes-agent reads them: an empty source
-    list matches nothing, an empty role or excluded list filters nothing."""
-    clauses, params = [], []
+    """SQL and values of the filters (a _Binds of `:role_N`, `:source_N`, `:excluded_N`), as
+    hermes-agent reads them: an empty source list matches nothing, an empty role or excluded list
+    filters nothing."""
+    clauses, binds = [], _Binds()
     if not include_inactive:
-        clauses.append("(m.active = 1 OR m.compacted = 1)")  # rewound rows are hidden, compacted ones kept
-    for column, values, negate in (("m.role", roles or None, False), ("s.source", sources, False),
-                                   ("s.source", excluded, True)):
+        clauses.append("(m.active = 1 OR m.compacted = 1)")  # rewound rows hidden, compacted kept
+    for test, stem, values in (("m.role IN", "role", roles or None),
+                               ("s.source IN", "source", sources),
+                               ("s.source NOT IN", "excluded", excluded)):
         if values is not None:
-            clauses.append(f"{column} {'NOT ' if negate else ''}IN ({placeholders(len(values))})")
-            params += values
-    return "".join(f" AND {c}" for c in clauses), params
+            clauses.append(f"{test} ({', '.join(binds.add(stem, value) for value in values)})")
+    return "".join(f" AND {clause}" for clause in clauses), binds

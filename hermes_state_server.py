@@ -114,7 +114,8 @@ def loggable(text, limit=1000):
     """`text` fit for one log line: control characters, line breaks and backslashes
     escaped, cut at `limit` characters."""
     text = text[:limit] + ("…" if len(text) > limit else "")
-    return "".join(ch if ch.isprintable() and ch != "\\" else ch.encode("unicode_escape").decode("ascii")
+    return "".join(ch if ch.isprintable() and ch != "\\"
+                   else ch.encode("unicode_escape").decode("ascii")
                    for ch in text)
 
 
@@ -126,8 +127,8 @@ class StateServer(ThreadingHTTPServer):
     def __init__(self, db_path=None, host="127.0.0.1", port=DEFAULT_PORT, token=None,
                  allow_remote=False, read_only=False, db=None):
         if not is_loopback(host) and not allow_remote:
-            raise ValueError(f"refusing to listen on {host}: not a loopback address; pass --allow-remote "
-                             "to expose the store beyond this machine")
+            raise ValueError(f"refusing to listen on {host}: not a loopback address; "
+                             "pass --allow-remote to expose the store beyond this machine")
         if token and len(token) < TOKEN_MIN_CHARS:
             raise ValueError(f"the token (HERMES_STATE_TOKEN) is {len(token)} characters; "
                              f"the minimum is {TOKEN_MIN_CHARS}")
@@ -139,7 +140,8 @@ class StateServer(ThreadingHTTPServer):
         self._connections_lock = threading.Lock()
         self.gate = ReadWriteGate()
         self.log_stream = sys.stderr
-        # `serve` without --writable: no import, no restore, no DDL; `db`: an open store (a replica's)
+        # `serve` without --writable: no import, no restore, no DDL; `db`: an open store
+        # (a replica's)
         self.db = SessionDB(db_path, read_only=read_only) if db is None else db
         self.read_only = read_only or self.db.read_only
         self.db_path = self.db.db_path
@@ -207,10 +209,14 @@ class StateServer(ThreadingHTTPServer):
             self._connections -= 1
 
     def _refuse_busy(self, request):
-        body = json.dumps({"error": f"the server already serves {self.max_connections} connections; "
-                                    "retry in a moment"}).encode("utf-8")
-        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
-                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode("ascii")
+        error = (f"the server already serves {self.max_connections} connections; "
+                 "retry in a moment")
+        body = json.dumps({"error": error}).encode("utf-8")
+        head = ("HTTP/1.1 503 Service Unavailable\r\n"
+                "Content-Type: application/json; charset=utf-8\r\n"
+                f"Content-Length: {len(body)}\r\n"
+                "Retry-After: 1\r\n"
+                "Connection: close\r\n\r\n").encode("ascii")
         self.log_stream.write(f"{time.strftime('%d/%b/%Y %H:%M:%S')} - - 503 (connection limit)\n")
         try:
             request.settimeout(0.2)
@@ -231,7 +237,8 @@ class StateServer(ThreadingHTTPServer):
         to the server's log, not printed to the terminal."""
         error = sys.exc_info()[1]
         if not isinstance(error, (ConnectionError, TimeoutError, socket.timeout)):
-            self.log_stream.write(f"error while serving {client_address[0]}: {traceback.format_exc()}")
+            self.log_stream.write(
+                f"error while serving {client_address[0]}: {traceback.format_exc()}")
 
     def restore(self, archive_path, force):
         """Swap the whole home while no request runs, then reopen the store."""
@@ -320,8 +327,9 @@ class ApiHandler(BaseHTTPRequestHandler):
         # http.server also logs requests it could not parse (a request line over 64 KiB
         # has no path), and the method and path may hold any character.
         path = urlsplit(getattr(self, "path", "") or "").path
-        self.server.log_stream.write(f"{self.log_date_time_string()} {loggable(self.command or '-')} "
-                                     f"{loggable(path or '-')} {getattr(code, 'value', code)}\n")
+        self.server.log_stream.write(
+            f"{self.log_date_time_string()} {loggable(self.command or '-')} "
+            f"{loggable(path or '-')} {getattr(code, 'value', code)}\n")
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (a bad or too long request line, too many headers,
@@ -335,7 +343,8 @@ class ApiHandler(BaseHTTPRequestHandler):
         try:
             if not self.server.host_allowed(self.headers.get("Host")):
                 raise ApiError(HTTPStatus.MISDIRECTED_REQUEST,
-                               f"Host {self.headers.get('Host')!r} is not an address this server listens on")
+                               f"Host {self.headers.get('Host')!r} is not an address "
+                               "this server listens on")
             parts = urlsplit(self.path)
             handler, params = self._route(method, parts.path)
             if handler != "page":
@@ -363,7 +372,8 @@ class ApiHandler(BaseHTTPRequestHandler):
         finally:
             if not self._body_read and (self.headers.get("Content-Length", "0") != "0"
                                         or "Transfer-Encoding" in self.headers):
-                self.close_connection = True  # an unread body must not be taken for the next request
+                # An unread body must not be taken for the next request.
+                self.close_connection = True
 
     def _route(self, method, path):
         allowed = []
@@ -383,7 +393,8 @@ class ApiHandler(BaseHTTPRequestHandler):
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
                                                                  self.server.token.encode()):
-            raise ApiError(HTTPStatus.UNAUTHORIZED, "a valid 'Authorization: Bearer <token>' header is required",
+            raise ApiError(HTTPStatus.UNAUTHORIZED,
+                           "a valid 'Authorization: Bearer <token>' header is required",
                            headers={"WWW-Authenticate": "Bearer"})
 
     def _read_json(self):
@@ -393,7 +404,8 @@ class ApiHandler(BaseHTTPRequestHandler):
             raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
         length = _whole_number(header)
         if length is None:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"Content-Length must be a number of bytes, not {header!r}")
+            raise ApiError(HTTPStatus.BAD_REQUEST,
+                           f"Content-Length must be a number of bytes, not {header!r}")
         if length > MAX_BODY_BYTES:
             self.close_connection = True
             raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
@@ -412,7 +424,8 @@ class ApiHandler(BaseHTTPRequestHandler):
         self._body_read = True
         if len(body) < length:
             self.close_connection = True
-            raise ApiError(HTTPStatus.REQUEST_TIMEOUT, f"the body stopped after {len(body)} of {length} bytes")
+            raise ApiError(HTTPStatus.REQUEST_TIMEOUT,
+                           f"the body stopped after {len(body)} of {length} bytes")
         try:
             return json.loads(body.decode("utf-8"))
         except RecursionError:
@@ -443,16 +456,18 @@ class ApiHandler(BaseHTTPRequestHandler):
         body = PAGE_HTML.replace("{nonce}", nonce).encode("utf-8")
         return Response(HTTPStatus.OK, body, "text/html; charset=utf-8", {
             "Content-Security-Policy": f"default-src 'none'; script-src 'nonce-{nonce}'; "
-                                       "style-src 'unsafe-inline'; connect-src 'self'; base-uri 'none'; "
-                                       "form-action 'none'; frame-ancestors 'none'"})
+                                       "style-src 'unsafe-inline'; connect-src 'self'; "
+                                       "base-uri 'none'; form-action 'none'; "
+                                       "frame-ancestors 'none'"})
 
     def list_sessions(self, query):
         limit = _int_param(query, "limit", 50, PAGE_LIMIT_MAX) or 1
         offset = _int_param(query, "offset", 0, 10 ** 9)
         source = query.get("source", [None])[-1] or None
         db = self.server.db
-        return json_response({"sessions": db.list_sessions_rich(source=source, limit=limit, offset=offset,
-                                                                include_children=True),
+        sessions = db.list_sessions_rich(source=source, limit=limit, offset=offset,
+                                         include_children=True)
+        return json_response({"sessions": sessions,
                               "total": db.session_count(source=source, include_archived=False),
                               "limit": limit, "offset": offset})
 
@@ -499,7 +514,8 @@ class ApiHandler(BaseHTTPRequestHandler):
 
     def ops_import(self, query, body):
         if not isinstance(body, dict) or not isinstance(body.get("archive"), str):
-            raise ApiError(HTTPStatus.BAD_REQUEST, 'the body must be {"archive": "<base64 zip>", "force": false}')
+            raise ApiError(HTTPStatus.BAD_REQUEST,
+                           'the body must be {"archive": "<base64 zip>", "force": false}')
         try:
             archive = base64.b64decode(body["archive"], validate=True)
         except ValueError:
@@ -547,12 +563,14 @@ PAGE_HTML = """<!DOCTYPE html>
 <title>Hermes sessions</title>
 <style>
 * { box-sizing: border-box; }
-body { margin: 0; font: 14px/1.5 system-ui, "Noto Sans CJK SC", "PingFang SC", "Microsoft YaHei", sans-serif;
+body { margin: 0;
+       font: 14px/1.5 system-ui, "Noto Sans CJK SC", "PingFang SC", "Microsoft YaHei", sans-serif;
        color: #0f172a; display: grid; grid-template-columns: 22rem 1fr; height: 100vh; }
 aside { border-right: 1px solid #e2e8f0; display: flex; flex-direction: column; min-height: 0; }
 aside header { padding: .8rem; border-bottom: 1px solid #e2e8f0; }
 aside h1 { font-size: 1.1rem; margin: 0 0 .5rem; }
-input[type=search] { width: 100%; padding: .45rem .6rem; border: 1px solid #cbd5e1; border-radius: 6px; font: inherit; }
+input[type=search] { width: 100%; padding: .45rem .6rem; border: 1px solid #cbd5e1;
+                     border-radius: 6px; font: inherit; }
 #list { overflow-y: auto; flex: 1; }
 .item { padding: .55rem .8rem; border-bottom: 1px solid #f1f5f9; cursor: pointer; }
 .item:hover, .item.active { background: #f8fafc; }
@@ -566,15 +584,20 @@ summary { overflow-wrap: anywhere; cursor: pointer; }
 .meta { color: #475569; font-size: 13px; }
 .message { border: 1px solid #e2e8f0; border-radius: 8px; margin: .6rem 0; padding: .5rem .8rem; }
 .role-assistant { background: #f1f5f9; } .role-tool { background: #f0f9ff; }
-.role { font-weight: 600; text-transform: capitalize; } .time { color: #64748b; font-size: 12px; margin-left: .5rem; }
-pre { white-space: pre-wrap; overflow-wrap: anywhere; margin: .3rem 0; font-family: ui-monospace, monospace; }
-.call { background: #1e293b; color: #f8fafc; border-radius: 6px; padding: .3rem .6rem; font-size: 13px; margin: .3rem 0; }
+.role { font-weight: 600; text-transform: capitalize; }
+.time { color: #64748b; font-size: 12px; margin-left: .5rem; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; margin: .3rem 0;
+      font-family: ui-monospace, monospace; }
+.call { background: #1e293b; color: #f8fafc; border-radius: 6px; padding: .3rem .6rem;
+        font-size: 13px; margin: .3rem 0; }
 .error { color: #b91c1c; padding: .8rem; }
-.segment { margin-top: 1.2rem; padding-top: .4rem; border-top: 2px dashed #cd7f32; color: #92400e; font-size: 12px; }
+.segment { margin-top: 1.2rem; padding-top: .4rem; border-top: 2px dashed #cd7f32; color: #92400e;
+            font-size: 12px; }
 .message.target { outline: 3px solid #f59e0b; }
 .count { color: #475569; font-size: 12px; padding: .4rem .8rem; }
 .pages { display: flex; gap: .5rem; padding: .5rem .8rem; }
-form.token { max-width: 32rem; } form.token input { width: 100%; padding: .45rem .6rem; font: inherit; }
+form.token { max-width: 32rem; }
+form.token input { width: 100%; padding: .45rem .6rem; font: inherit; }
 @media (max-width: 720px) {
   body { display: block; height: auto; }
   aside { border-right: 0; border-bottom: 1px solid #e2e8f0; }
@@ -586,7 +609,8 @@ form.token { max-width: 32rem; } form.token input { width: 100%; padding: .45rem
 <body>
 <aside>
   <header><h1>Hermes sessions</h1>
-  <input type="search" id="q" placeholder="Search messages (words, phrases, 中文)" autocomplete="off"></header>
+  <input type="search" id="q" placeholder="Search messages (words, phrases, 中文)"
+         autocomplete="off"></header>
   <div id="list"></div>
 </aside>
 <main id="view"><p class="meta">Pick a session on the left, or search.</p></main>
@@ -621,8 +645,9 @@ function askForToken() {
   input.autocomplete = "off";
   input.placeholder = "token";
   form.append(el("h2", null, "This page needs its token"),
-              el("p", null, "Paste the token that `python3 -m hermes_state serve` printed (the part after " +
-                            "#token= in the address it showed), or open that address again."),
+              el("p", null, "Paste the token that `python3 -m hermes_state serve` printed " +
+                            "(the part after #token= in the address it showed), " +
+                            "or open that address again."),
               input, el("button", null, "Open"));
   form.onsubmit = (event) => {
     event.preventDefault();
@@ -643,7 +668,10 @@ function queryTerms(text) {
   let skip = false;
   for (const found of text.matchAll(/"([^"]*)"|(\\S+)/g)) {
     const word = found[1] !== undefined ? found[1] : found[2].replace(/^[()]+|[()]+$/g, "");
-    if (found[1] === undefined && /^(AND|OR|NOT)$/i.test(word)) { skip = /^NOT$/i.test(word); continue; }
+    if (found[1] === undefined && /^(AND|OR|NOT)$/i.test(word)) {
+      skip = /^NOT$/i.test(word);
+      continue;
+    }
     if (!skip && word && !word.startsWith("-")) terms.push(word);
     skip = false;
   }
@@ -678,7 +706,8 @@ async function loadSessions(more) {
     for (const s of page.sessions) {
       const item = el("div", "item");
       item.append(el("div", "title", s.title || s.preview || s.id),
-                  el("div", "sub", s.source + " · " + when(s.last_active) + " · " + (s.message_count || 0) + " msgs"));
+                  el("div", "sub", s.source + " · " + when(s.last_active) + " · " +
+                                   (s.message_count || 0) + " msgs"));
       item.onclick = () => showSession(s.id);
       list.append(item);
     }
@@ -695,7 +724,8 @@ async function search(text, from) {
   if (!text.trim()) return loadSessions(false);
   from = from || 0;
   try {
-    const result = await api("/api/search?limit=" + PAGE + "&offset=" + from + "&q=" + encodeURIComponent(text));
+    const result = await api("/api/search?limit=" + PAGE + "&offset=" + from +
+                             "&q=" + encodeURIComponent(text));
     const terms = queryTerms(text);
     list.replaceChildren();
     const last = from + result.hits.length;
@@ -703,7 +733,8 @@ async function search(text, from) {
                    (result.more ? " of more than " + last : " of " + last) : "No messages match."));
     for (const hit of result.hits) {
       const item = el("div", "item");
-      item.append(el("div", "sub", hit.session_id + " · " + hit.role + " · " + when(hit.timestamp)),
+      item.append(el("div", "sub",
+                     hit.session_id + " · " + hit.role + " · " + when(hit.timestamp)),
                   marked(hit.snippet || "", terms));
       item.onclick = () => showSession(hit.session_id, hit.id, terms);
       list.append(item);
@@ -726,10 +757,13 @@ async function search(text, from) {
 function messageNode(m) {
   const node = el("div", "message role-" + m.role);
   node.id = "message-" + m.id;
-  node.append(el("span", "role", m.role + (m.tool_name ? " · " + m.tool_name : "")), el("span", "time", when(m.timestamp)));
+  node.append(el("span", "role", m.role + (m.tool_name ? " · " + m.tool_name : "")),
+              el("span", "time", when(m.timestamp)));
   const text = m.content || "";
   if (m.role === "tool" && text.length > 600) {
-    const fold = el("details"), summary = el("summary", null, text.slice(0, 200) + "… (" + text.length + " characters)");
+    const fold = el("details");
+    const summary = el("summary", null,
+                       text.slice(0, 200) + "… (" + text.length + " characters)");
     fold.append(summary, el("pre", null, text));
     node.append(fold);
   } else {
@@ -747,7 +781,8 @@ async function showSession(id, messageId, terms) {
     const header = el("header");
     const titled = (s.segments || []).find((segment) => segment.title);
     header.append(el("h2", null, s.title || (titled && titled.title) || s.id),
-                  el("p", "meta", [s.source, s.model, when(s.started_at), s.message_count + " messages"].filter(Boolean).join(" · ")));
+                  el("p", "meta", [s.source, s.model, when(s.started_at),
+                                   s.message_count + " messages"].filter(Boolean).join(" · ")));
     if (s.lineage_session_ids && s.lineage_session_ids.length > 1)
       header.append(el("p", "meta", "Compression lineage: " + s.lineage_session_ids.join(" → ")));
     if (s.system_prompt) {
@@ -765,7 +800,11 @@ async function showSession(id, messageId, terms) {
     if (target) {
       target.classList.add("target");
       const text = target.querySelector("pre");
-      if (text && terms && terms.length) { const plain = text.textContent; text.replaceChildren(); highlight(text, plain, terms); }
+      if (text && terms && terms.length) {
+        const plain = text.textContent;
+        text.replaceChildren();
+        highlight(text, plain, terms);
+      }
       target.scrollIntoView({block: "center"});
     }
   } catch (error) { fail(view, error); }

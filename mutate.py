@@ -255,18 +255,18 @@ MUTANTS = [
            "optimize-storage reports a float percent, which hermes-agent's CLI formats with {:3d} and crashes on",
            ["test_hermes_state_search.OptimizeStorage"]),
     Mutant("like-wildcards-unescaped", "hermes_state_search.py",
-           '[f"%{escape_like(term.text)}%"]',
-           '[f"%{term.text}%"]',
+           'binds.add("like", f"%{escape_like(term.text)}%")',
+           'binds.add("like", f"%{term.text}%")',
            "the LIKE fallback takes % and _ of the query as wildcards",
            ["test_hermes_state_search.WildcardsThroughSearch"]),
     Mutant("like-escape-clause-dropped", "hermes_state_search.py",
-           "COALESCE({column}, '') LIKE ? ESCAPE '\\\\'",
-           "COALESCE({column}, '') LIKE ?",
+           "COALESCE({column}, '') LIKE {{pattern}} ESCAPE '\\\\'",
+           "COALESCE({column}, '') LIKE {{pattern}}",
            "the fallback escapes wildcards but SQLite is not told the escape character",
            ["test_hermes_state_search.WildcardsThroughSearch"]),
     Mutant("like-not-null-safe", "hermes_state_search.py",
-           "COALESCE({column}, '') LIKE ? ESCAPE",
-           "{column} LIKE ? ESCAPE",
+           "COALESCE({column}, '') LIKE {{pattern}} ESCAPE",
+           "{column} LIKE {{pattern}} ESCAPE",
            "a NULL column makes NOT (...) NULL in the fallback, dropping rows the index would return",
            ["test_hermes_state_search.DegradedRuntimes"]),
     Mutant("cjk-queue-not-searched", "hermes_state_search.py",
@@ -318,9 +318,9 @@ MUTANTS = [
            "token counts queued before a failed write are dropped with it",
            ["test_concurrency.WritePath", "test_hermes_state_usage.TokenQueue"]),
     Mutant("checkpoint-error-reaches-retry", "hermes_state.py",
-           "        try:\n            conn.execute(CHECKPOINT_PASSIVE_SQL)\n"
+           "        try:\n            conn.execute(\"PRAGMA wal_checkpoint(PASSIVE)\")\n"
            "        except sqlite3.Error as exc:\n",
-           "        try:\n            conn.execute(CHECKPOINT_PASSIVE_SQL)\n"
+           "        try:\n            conn.execute(\"PRAGMA wal_checkpoint(PASSIVE)\")\n"
            "        except sqlite3.DatabaseError as exc:\n            raise\n"
            "        except sqlite3.Error as exc:\n",
            "a failing checkpoint after COMMIT reaches the retry loop, which writes the rows twice",
@@ -425,7 +425,8 @@ MUTANTS = [
            "a private key spanning several lines (every real one) is masked on its first line only",
            ["test_hermes_state_portability.Redaction", "test_redaction.RedactionCorpus"]),
     Mutant("redact-no-jwt", "hermes_state_redact.py",
-           '    ("JSON Web Token", "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJlLWV4YW1wbGU",\n'
+           '    ("JSON Web Token",\n'
+           '     "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.c2lnbmF0dXJlLWV4YW1wbGU",\n'
            '     ("eyj",),\n'
            '     r"(?<![\\w-])(?P<secret>eyJ[A-Za-z0-9_-]{5,}\\.eyJ[A-Za-z0-9_-]{5,}\\.[A-Za-z0-9_-]*)"),\n',
            "",
