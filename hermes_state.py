@@ -198,6 +198,16 @@ def damage_reason(path, probe_bytes=len(SQLITE_HEADER)):
 _set_aside_guard = threading.Lock()
 
 
+def _new_set_aside_guard():
+    """A forked child gets a free guard: a thread of the parent may have held it at the fork."""
+    global _set_aside_guard
+    _set_aside_guard = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_set_aside_guard)
+
+
 def set_aside(path, reason):
     """Rename a damaged store and its sidecars to
     `<name>.<reason>-<time>-<pid>[-<n>].bak[-wal|-shm]`; returns the backup path. Deletes nothing

@@ -199,11 +199,10 @@ def _connections_held(path):
 
 def _forget_after_fork():
     """A forked child holds none of its parent's fcntl locks, connections or lock-file turns."""
-    global _held_files_guard, _lock_files_guard, _set_aside_guard
+    global _held_files_guard, _lock_files_guard
     _held_files.clear()
     _lock_files.clear()
-    _held_files_guard, _lock_files_guard, _set_aside_guard = (threading.RLock(), threading.Lock(),
-                                                               threading.Lock())
+    _held_files_guard, _lock_files_guard = threading.RLock(), threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):

@@ -158,6 +158,33 @@ class Forked:
 
 
 @unittest.skipIf(sys.platform == "win32" or not hasattr(os, "fork"), POSIX_ONLY)
+class SetAsideInAForkedChild(TempDirTestCase):
+
+    def test_a_child_forked_while_a_thread_held_the_set_aside_guard_can_still_set_a_store_aside(self):
+        # The guard once lived in hermes_state_locks' fork reset, which rebound a name there while
+        # set_aside took hermes_state's own lock: the child waited for a thread it does not have.
+        path = self.tmp / "state.db"
+        path.write_bytes(b"not a store")
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            with hermes_state._set_aside_guard:
+                held.set()
+                release.wait(DEADLINE)
+        holder = threading.Thread(target=hold)
+        holder.start()
+        self.addCleanup(holder.join)
+        self.addCleanup(release.set)
+        self.assertTrue(held.wait(DEADLINE))
+        child = Forked(lambda say, _go: say(str(hermes_state.set_aside(path, "damaged"))))
+        self.addCleanup(child.close)
+        backup = child.hear()
+        self.assertEqual(child.exit_code(), 0, backup)
+        self.assertTrue(Path(backup).is_file(), backup)
+        self.assertFalse(path.exists())
+
+
+@unittest.skipIf(sys.platform == "win32" or not hasattr(os, "fork"), POSIX_ONLY)
 class ACallerLockThatGivesUp(TempDirTestCase):
 
     def test_a_caller_refused_the_lock_file_leaves_no_thread_lock_behind_so_later_writes_go_through(self):

@@ -140,6 +140,15 @@ class ImportLayers(unittest.TestCase):
         lengths = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in project_modules().items()}
         self.assertEqual({name: n for name, n in lengths.items() if n > 1200}, {})
 
+    def test_no_product_line_is_over_100_columns(self):
+        # Issue 26: the anchors keep 1% of lines or fewer past 100 columns; we keep none, so a
+        # reader never scrolls sideways (tabs would hide width, and we use none).
+        long = {f"{name}:{number}": len(line)
+                for name, path in project_modules().items()
+                for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                if len(line) > 100 or "\t" in line}
+        self.assertEqual(long, {})
+
     def test_modules_import_only_lower_layers_and_the_standard_library(self):
         modules = project_modules()
         self.assertIn("hermes_state", modules)
