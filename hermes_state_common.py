@@ -693,8 +693,9 @@ def is_capability_gap(exc):
     """True for an error that means this runtime lacks FTS5 or a tokenizer, not that the store is
     damaged."""
     text = str(exc).lower()
-    return ("no such module" in text and "fts5" in text) or "no such tokenizer: trigram" in text \
-        or "no such tokenizer: cjk_unicode61" in text
+    return (("no such module" in text and "fts5" in text)
+            or "no such tokenizer: trigram" in text
+            or "no such tokenizer: cjk_unicode61" in text)
 
 def loads_or(text, fallback):
     """JSON text decoded, or `fallback` when it is not JSON."""

@@ -40,10 +40,10 @@ _RECOVERABLE_END_REASONS_SQL = "('agent_close', 'ws_orphan_reap')"
 _USE_COUNTERS = ("message_count", "tool_call_count", "api_call_count", "input_tokens",
                  "output_tokens", "pinned", "archived")
 _NEVER_ACTIVE_SQL = f"""
-SELECT s.id, s.session_key, s.source, s.chat_id, s.chat_type, s.user_id, s.started_at \
+SELECT s.id, s.session_key, s.source, s.chat_id, s.chat_type, s.user_id, s.started_at
 FROM sessions AS s
-WHERE s.session_key IS NOT NULL AND s.ended_at IS NULL AND s.title IS NULL \
-AND s.last_activity_at IS NULL
+WHERE s.session_key IS NOT NULL AND s.ended_at IS NULL AND s.title IS NULL
+  AND s.last_activity_at IS NULL
   AND {" AND ".join(f"COALESCE(s.{c}, 0) = 0" for c in _USE_COUNTERS)}
   AND s.started_at < ? AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)
 ORDER BY s.started_at"""
@@ -54,14 +54,14 @@ SELECT o.id, o.source, o.user_id, o.started_at, o.parent_session_id, o.model_con
 FROM sessions AS o WHERE o.session_key IS NULL AND COALESCE(o.source, '') != 'tool'
   AND EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = o.id)
 ORDER BY o.started_at"""
-# A gateway row recovery may resume: open, or ended by a cleanup bug. A later reset boundary of the
-# same peer fences it off, so recovery never reaches behind a /new.
 _HAS_MESSAGES_SQL = ("(COALESCE(s.message_count, 0) > 0"
                      " OR EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id))")
+# A gateway row recovery may resume: open, or ended by a cleanup bug. A later reset boundary of the
+# same peer fences it off, so recovery never reaches behind a /new.
 _RECOVERABLE_PEER_SQL = f"""
  WHERE {{match}} AND (s.ended_at IS NULL OR s.end_reason IN {_RECOVERABLE_END_REASONS_SQL})
-  AND NOT EXISTS (SELECT 1 FROM sessions AS b WHERE {{fence}} AND b.source = s.source \
-AND b.ended_at IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM sessions AS b WHERE {{fence}} AND b.source = s.source
+    AND b.ended_at IS NOT NULL
     AND b.end_reason IN ({", ".join("'%s'" % r for r in _RESET_END_REASONS)})
     AND b.ended_at > COALESCE(s.last_activity_at, s.started_at))
 ORDER BY {{order}}COALESCE(s.last_activity_at, s.started_at) DESC LIMIT 1"""
@@ -524,12 +524,12 @@ class SessionGatewayMixin:
                     or (donor["source"] or "") != (orphan["source"] or "")):
                 return False
             # The orphan keeps the identity columns it has; a missing parent becomes the donor.
-            fill = ", ".join(f"{c} = COALESCE({c}, ?)"
+            fill = ", ".join(f"{c} = COALESCE({c}, :{c})"
                              for c in (*_ADOPTED_COLUMNS, "parent_session_id"))
-            conn.execute(f"UPDATE sessions SET session_key = ?, {fill} WHERE id = ?"
-                         " AND session_key IS NULL",
-                         (donor["session_key"], *(donor[c] for c in _ADOPTED_COLUMNS), donor_id,
-                          orphan_id))
+            conn.execute(f"UPDATE sessions SET session_key = :session_key, {fill}"
+                         " WHERE id = :orphan_id AND session_key IS NULL",
+                         {**{c: donor[c] for c in ("session_key", *_ADOPTED_COLUMNS)},
+                          "parent_session_id": donor_id, "orphan_id": orphan_id})
             # Not an end recovery resumes ('agent_close'), or the donor could win the chat back.
             conn.execute("UPDATE sessions SET ended_at = COALESCE(ended_at, ?),"
                          " end_reason = 'superseded_by_repair' WHERE id = ?",

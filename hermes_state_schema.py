@@ -187,8 +187,13 @@ def fts_layout_of(ddl):
     """Whose index a `messages_fts` DDL is: 'none', hermes-agent's 'legacy' (0.19: no tool_name
     column) or 'external' (0.20, 0.22), or 'previous' (ours before layout 1, which used
     hermes-agent's names)."""
-    return "none" if ddl is None else "legacy" if "tool_name" not in ddl else \
-        "previous" if PREVIOUS_LAYOUT_TABLES[HERMES_FTS_TABLES["word"]] in ddl else "external"
+    if ddl is None:
+        return "none"
+    if "tool_name" not in ddl:
+        return "legacy"
+    if PREVIOUS_LAYOUT_TABLES[HERMES_FTS_TABLES["word"]] in ddl:
+        return "previous"
+    return "external"
 
 
 # Between two chunks of a long job (a sweep, a merge, a backfill, an import), the writer lock stays

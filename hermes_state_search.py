@@ -151,8 +151,8 @@ ORDER BY near.n, m.timestamp, m.id"""
 def _tokens(query):
     """Phrases, words and operators; nothing from the user reaches MATCH unquoted."""
     tokens = []
-    text = CONTROL_RE.sub(" ", query[:QUERY_MAX_CHARS])
-    for phrase, word in re.findall(r'"([^"]*)"|(\S+)', text):
+    cleaned = CONTROL_RE.sub(" ", query[:QUERY_MAX_CHARS])
+    for phrase, word in re.findall(r'"([^"]*)"|(\S+)', cleaned):
         if word in ("AND", "OR", "NOT"):
             tokens.append(word)
             continue
@@ -269,8 +269,11 @@ def scan_snippet(content, term):
 def _sql_order(value):
     """`value`'s place in SQLite's ORDER BY: NULL, numbers, text (UTF-8 order is code point
     order), blobs."""
-    return (0, 0) if value is None else (1, value) if isinstance(value, (int, float)) else \
-        (2 if isinstance(value, str) else 3, value)
+    if value is None:
+        return (0, 0)
+    if isinstance(value, (int, float)):
+        return (1, value)
+    return (2 if isinstance(value, str) else 3, value)
 
 
 def _cjk_floor(conn, hits, wanted):
@@ -431,8 +434,8 @@ def context_text(content):
     if isinstance(content, list):
         texts = [part.get("text") for part in content
                  if isinstance(part, dict) and part.get("type") == "text"]
-        content = " ".join(text for text in texts if text and isinstance(text, str)).strip() \
-            or "[multimodal content]"
+        joined = " ".join(text for text in texts if text and isinstance(text, str)).strip()
+        content = joined or "[multimodal content]"
     return content[:CONTEXT_CHARS] if isinstance(content, str) else ""
 
 
@@ -583,8 +586,10 @@ class SessionSearchMixin:
 
     def _hit(self, row, terms, fields, scans, context):
         values = dict(row, context=context)
-        values["snippet"] = scan_snippet(row["content"], terms[0]) if scans else \
-            values.get("index_snippet") or self._fallback_snippet(row, terms)
+        if scans:
+            values["snippet"] = scan_snippet(row["content"], terms[0])
+        else:
+            values["snippet"] = values.get("index_snippet") or self._fallback_snippet(row, terms)
         return {field: values[field] for field in fields}
 
     def _fallback_snippet(self, row, terms):
