@@ -636,6 +636,11 @@ MUTANTS = [
            "f\" OR {quoted})))\")",
            "a marker spelled with \\u escapes is missed: the tally counts a row Python would not",
            ["test_hermes_state_sessions.CountsKeptForChildren"]),
+    Mutant("listing-trigger-of-another-version-kept", "hermes_state_schema.py",
+           'and objects[name][0] in ("trigger", "index") and objects[name][1] != sql]',
+           'and False]',
+           "an open keeps a listing trigger another version made under the same name",
+           ["test_hermes_state_schema.ListingAidsOfAnotherVersion"]),
 ]
 
 
