@@ -75,9 +75,9 @@ def _markers_absent(*names):
 # A root is listed unless a delegate marker says it is a subagent run.
 LISTED_ROOT_SQL = f"({{r}}.parent_session_id IS NULL AND {_markers_absent('_delegate_from')})"
 # A child is listed when its parent `p` ended by a branch before it started, or by a reset on its
-# routing key; else by its own _branched_from or _reset_from marker; never by _delegate_from. The
-# parent's end judged where the listing's comparison could raise or compare otherwise (a start or
-# end that is not a number, a key that is not text) leaves the row to Python.
+# routing key; else by its own _branched_from or _reset_from marker; never by _delegate_from.
+# Where the listing's comparisons could raise or compare otherwise than SQL does (a start or end
+# that is not a number, a key that is not text), the row is left to Python.
 _PARENT_ODD = ("(p.end_reason = 'branched' AND p.ended_at IS NOT NULL"
                " AND (typeof({r}.started_at) NOT IN ('integer', 'real')"
                "  OR typeof(p.ended_at) NOT IN ('integer', 'real')))"
