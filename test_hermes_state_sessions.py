@@ -791,7 +791,7 @@ class CountsKeptForChildren(SessionTestCase):
                  (rng.choice((None, sid)), rng.choice(ids))),
                 ("INSERT OR REPLACE INTO sessions (id, source, started_at, end_reason, ended_at,"
                  " session_key) VALUES (?, 'cli', 1.0, 'branched', 0.5, 'K1')", (sid,)),
-                ("UPDATE sessions SET id = ? WHERE id = ?", (sid + "-moved", sid)),
+                ("UPDATE sessions SET id = ? WHERE id = ?", (f"{sid}-{rng.random()}", sid)),
                 ("UPDATE sessions SET started_at = ?, archived = 1 - IFNULL(archived, 0)"
                  " WHERE id = ?", (rng.random() * 1000, sid)))))
         writes.append(("UPDATE sessions SET end_reason = 'branched', ended_at = 100"
@@ -816,7 +816,8 @@ class CountsKeptForChildren(SessionTestCase):
                 for sid in rng.sample(live, 10):
                     self.db.end_session(sid, rng.choice(("branched", "session_reset")))
                 self.db.reopen_session(live[0])
-                self.db.delete_session(live[1])
+                self.db.delete_session(live[1])  # with its delegate runs
+                live = [row[0] for row in self.db._read_all("SELECT id FROM sessions")]
                 self.db.create_session("new-child", "cli", parent_session_id=live[2],
                                        session_key="K1", model_config={"_reset_from": live[2]})
                 self.db.set_session_archived(live[3], True)
