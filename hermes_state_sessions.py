@@ -704,7 +704,9 @@ def _compact_columns():
 
 
 def _is_listable(row):
-    """A root, branch or reset row that is not a subagent run: what list_sessions_rich shows."""
+    """A root, branch or reset row that is not a subagent run: what list_sessions_rich shows.
+    hermes_state_schema's tally kinds judge these rules in SQL: a change here is a change there,
+    with a new LISTING_VERSION."""
     text = row["model_config"]
     config = json_object(text) if text and "_from" in text else {}
     if config.get("_delegate_from") is not None:
