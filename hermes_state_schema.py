@@ -24,8 +24,8 @@ from hermes_state_common import (
     GATEWAY_ROUTING_SIDE_TABLE, HERMES_FTS_TABLES, INSERT_META_SQL, INSERT_SYSTEM_PROMPT_SQL,
     LAST_ACTIVE_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, PREVIOUS_LAYOUT_TABLES,
     RENAME_TABLE_SQL, SCHEMA_SQL, SCHEMA_VERSION, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME, is_capability_gap, quote_identifier,
-    trigger_writes,
+    SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME, _RESET_END_REASONS, is_capability_gap,
+    quote_identifier, trigger_writes,
 )
 
 logger = logging.getLogger("hermes_state")
@@ -38,19 +38,70 @@ logger = logging.getLogger("hermes_state")
 # instead of computing it for every session; hs_session_tally holds how many sessions each
 # (source, archived, kind of row) has, so session_count reads a few rows. Plain-SQL triggers keep
 # both for any writer, hermes-agent included. They are trusted only while META_LISTING_READY holds
-# LISTING_VERSION: an open that finds any of LISTING_OBJECTS missing makes it again and clears the
-# key, and the open's data pass fills both tables again (LISTING_BACKFILL_ROWS sessions a
-# transaction, resumed from META_LISTING_PROGRESS) before it sets the key.
+# LISTING_VERSION: an open that finds any of LISTING_OBJECTS missing (or made by another version)
+# makes it again and clears the key, and the open's data pass fills both tables again
+# (LISTING_BACKFILL_ROWS sessions a transaction, resumed from META_LISTING_PROGRESS) before it sets
+# the key.
 META_LISTING_READY = "hs_listing_ready"
 META_LISTING_PROGRESS = "hs_listing_progress"
-LISTING_VERSION = "1"
+LISTING_VERSION = "2"
 LISTING_BACKFILL_ROWS = 5000
-# The tally's kinds of row: 0 a child (it has a parent), 1 a plain root (listed without a look at
-# its markers), 2 a root whose model_config names a delegate marker (listed if its value is null).
-TALLY_CHILD, TALLY_PLAIN_ROOT, TALLY_MARKED_ROOT = 0, 1, 2
-_TALLY_KIND_EXPR = ("(CASE WHEN {r}.parent_session_id IS NOT NULL THEN 0"
-                    " WHEN instr(COALESCE({r}.model_config, ''), '_delegate_from') = 0 THEN 1"
-                    " ELSE 2 END)")
+# The tally's kinds of row, as the listing would judge the session (sessions_mixin's
+# _is_listable). Roots: 1 listed (no delegate marker can be in its model_config), 2 judged in
+# Python. Children (a parent_session_id): 3 not listed, 4 listed, 5 judged in Python. A child's
+# kind depends on its parent's end and routing key, so a parent's change re-judges its children.
+TALLY_PLAIN_ROOT, TALLY_MARKED_ROOT = 1, 2
+TALLY_CHILD_UNLISTED, TALLY_CHILD_LISTED, TALLY_CHILD_JUDGED = 3, 4, 5
+TALLY_LISTED_KINDS = (TALLY_PLAIN_ROOT, TALLY_CHILD_LISTED)
+TALLY_JUDGED_KINDS = (TALLY_MARKED_ROOT, TALLY_CHILD_JUDGED)
+# The rows a count reads and judges; the partial index hs_session_activity_judged holds them
+# (this very expression, so that SQLite sees the query's term implies the index's).
+JUDGED_KIND_SQL = f"{{a}}.kind IN ({TALLY_MARKED_ROOT}, {TALLY_CHILD_JUDGED})"
+_RESET_REASONS_SQL = ", ".join(f"'{reason}'" for reason in _RESET_END_REASONS)
+
+
+def _markers_absent(*names):
+    """SQL: true when {r}'s model_config surely holds none of the marker keys `names`, as the
+    listing reads it (json_object, only when "_from" is in the text). Only a \\u escape can spell
+    a letter or an underscore, so without one a key is spelled as itself in quotes and a marker
+    whose quoted name is absent is not there; text with one, or a value that is not text, tells
+    nothing."""
+    quoted = " AND ".join(f"instr({{r}}.model_config, '\"{name}\"') = 0" for name in names)
+    return ("(typeof({r}.model_config) = 'null' OR (typeof({r}.model_config) = 'text'"
+            " AND (instr({r}.model_config, '_from') = 0"
+            f" OR (instr({{r}}.model_config, '\\u') = 0 AND {quoted}))))")
+
+
+# A root is listed unless a delegate marker says it is a subagent run.
+LISTED_ROOT_SQL = f"({{r}}.parent_session_id IS NULL AND {_markers_absent('_delegate_from')})"
+# A child is listed when its parent `p` ended by a branch before it started, or by a reset on its
+# routing key; else by its own _branched_from or _reset_from marker; never by _delegate_from.
+# Where the listing's comparisons could raise or compare otherwise than SQL does (a start or end
+# that is not a number, a key that is not text), the row is left to Python.
+_PARENT_ODD = ("(p.end_reason = 'branched' AND p.ended_at IS NOT NULL"
+               " AND (typeof({r}.started_at) NOT IN ('integer', 'real')"
+               "  OR typeof(p.ended_at) NOT IN ('integer', 'real')))"
+               f" OR (p.end_reason IN ({_RESET_REASONS_SQL})"
+               " AND (typeof({r}.session_key) NOT IN ('null', 'text')"
+               "  OR typeof(p.session_key) NOT IN ('null', 'text')))")
+_PARENT_LISTS = ("(p.end_reason = 'branched' AND p.ended_at IS NOT NULL"
+                 " AND {r}.started_at >= p.ended_at)"
+                 f" OR (p.end_reason IN ({_RESET_REASONS_SQL}) AND {{r}}.session_key <> ''"
+                 " AND {r}.session_key = p.session_key)")
+_OWN_MARKERS_ABSENT = _markers_absent("_branched_from", "_reset_from")
+_CHILD_KIND_WITH_PARENT = (
+    f"CASE WHEN {_PARENT_ODD} THEN {TALLY_CHILD_JUDGED}"
+    f" WHEN {_PARENT_LISTS} THEN (CASE WHEN {_markers_absent('_delegate_from')}"
+    f"  THEN {TALLY_CHILD_LISTED} ELSE {TALLY_CHILD_JUDGED} END)"
+    f" WHEN {_OWN_MARKERS_ABSENT} THEN {TALLY_CHILD_UNLISTED} ELSE {TALLY_CHILD_JUDGED} END")
+_TALLY_KIND_EXPR = (
+    f"(CASE WHEN {{r}}.parent_session_id IS NULL THEN (CASE WHEN {LISTED_ROOT_SQL}"
+    f"  THEN {TALLY_PLAIN_ROOT} ELSE {TALLY_MARKED_ROOT} END)"
+    f" ELSE COALESCE((SELECT {_CHILD_KIND_WITH_PARENT} FROM sessions AS p"
+    "  WHERE p.id = {r}.parent_session_id),"
+    # A parent that is not there lists none of its children.
+    f" CASE WHEN {_OWN_MARKERS_ABSENT} THEN {TALLY_CHILD_UNLISTED} ELSE {TALLY_CHILD_JUDGED} END)"
+    " END)")
 # No statement in these trigger bodies can meet a conflict: the OR clause of the statement that
 # fires a trigger (hermes-agent's INSERT OR IGNORE, another program's OR ABORT) replaces every
 # ON CONFLICT inside it, so an OR REPLACE or OR IGNORE here would turn into that writer's.
@@ -58,25 +109,27 @@ _TALLY_KIND_EXPR = ("(CASE WHEN {r}.parent_session_id IS NOT NULL THEN 0"
 # row): a NULL `archived` counts as -1, which no filter asks for, as no filter matches NULL on the
 # sessions table (`source` is NOT NULL in every schema).
 _TALLY_KEY = "{r}.source, IFNULL({r}.archived, -1), " + _TALLY_KIND_EXPR
-# A session's activity row also keeps the tally key it is counted under: a REPLACE deletes the
-# row it replaces without firing a delete trigger (unless recursive_triggers is on), and the
-# insert trigger finds what to take off the tally there.
+# A session's activity row keeps the tally key it is counted under, and triggers on it keep the
+# tally: every change of a key is a change of an activity row. A REPLACE deletes the row it
+# replaces without firing a delete trigger (unless recursive_triggers is on), so the session
+# triggers delete an activity row before they make it again.
 _ACTIVITY_COLUMNS = "(session_id, active_at, source, archived, kind)"
 _ACTIVITY_OF = (" hs_session_activity " + _ACTIVITY_COLUMNS + " SELECT s.id, "
                 + LAST_ACTIVE_SQL.format(a="s") + ", " + _TALLY_KEY.format(r="s")
                 + " FROM sessions AS s WHERE ")
 _REFRESH_ACTIVITY = ("DELETE FROM hs_session_activity WHERE session_id = {sid};"
                      " INSERT INTO" + _ACTIVITY_OF + "s.id = {sid};")
-_UNCOUNT_REPLACED = ("UPDATE hs_session_tally SET n = n - 1 WHERE EXISTS (SELECT 1 FROM"
-                     " hs_session_activity AS a WHERE a.session_id = new.id"
-                     " AND a.source IS hs_session_tally.source"
-                     " AND a.archived IS hs_session_tally.archived"
-                     " AND a.kind IS hs_session_tally.kind);")
-_TALLY_MATCH = ("source IS {r}.source AND archived IS IFNULL({r}.archived, -1) AND kind IS "
-                + _TALLY_KIND_EXPR)
-_TALLY_ADD = ("INSERT INTO hs_session_tally (source, archived, kind, n) SELECT " + _TALLY_KEY
-              + ", 0 WHERE NOT EXISTS (SELECT 1 FROM hs_session_tally WHERE " + _TALLY_MATCH
-              + "); UPDATE hs_session_tally SET n = n + 1 WHERE " + _TALLY_MATCH + ";")
+# The children of {ids} judged again (their parent was made, changed or deleted).
+_REJUDGE_CHILDREN = ("UPDATE hs_session_activity SET kind = (SELECT "
+                     + _TALLY_KIND_EXPR.format(r="c") + " FROM sessions AS c"
+                     " WHERE c.id = hs_session_activity.session_id)"
+                     " WHERE session_id IN (SELECT c.id FROM sessions AS c"
+                     " WHERE c.parent_session_id IN ({ids}));")
+_TALLY_MATCH = "source IS {r}.source AND archived IS {r}.archived AND kind IS {r}.kind"
+_TALLY_ADD = ("INSERT INTO hs_session_tally (source, archived, kind, n)"
+              " SELECT {r}.source, {r}.archived, {r}.kind, 0"
+              " WHERE NOT EXISTS (SELECT 1 FROM hs_session_tally WHERE " + _TALLY_MATCH + ");"
+              " UPDATE hs_session_tally SET n = n + 1 WHERE " + _TALLY_MATCH + ";")
 _TALLY_DROP = "UPDATE hs_session_tally SET n = n - 1 WHERE " + _TALLY_MATCH + ";"
 LISTING_OBJECTS = {
     # Keys are unique indexes, not primary keys: every object is named hs_*, as the doctor's
@@ -87,34 +140,63 @@ LISTING_OBJECTS = {
                                " ON hs_session_activity(session_id)"),
     "hs_session_activity_order": ("CREATE INDEX hs_session_activity_order"
                                   " ON hs_session_activity(active_at DESC, session_id DESC)"),
+    "hs_session_activity_judged": ("CREATE INDEX hs_session_activity_judged"
+                                   " ON hs_session_activity(kind) WHERE "
+                                   + JUDGED_KIND_SQL.format(a="hs_session_activity")),
     "hs_session_tally": ("CREATE TABLE hs_session_tally (source TEXT, archived INTEGER,"
                          " kind INTEGER, n INTEGER)"),
     "hs_session_tally_key": ("CREATE UNIQUE INDEX hs_session_tally_key"
                              " ON hs_session_tally(source, archived, kind)"),
+    "hs_listing_tally_insert": f"""CREATE TRIGGER hs_listing_tally_insert
+ AFTER INSERT ON hs_session_activity BEGIN
+ {_TALLY_ADD.format(r="new")}
+END""",
+    "hs_listing_tally_delete": f"""CREATE TRIGGER hs_listing_tally_delete
+ AFTER DELETE ON hs_session_activity BEGIN
+ {_TALLY_DROP.format(r="old")}
+END""",
+    "hs_listing_tally_move": f"""CREATE TRIGGER hs_listing_tally_move
+ AFTER UPDATE OF source, archived, kind ON hs_session_activity
+ WHEN old.source IS NOT new.source OR old.archived IS NOT new.archived
+  OR old.kind IS NOT new.kind BEGIN
+ {_TALLY_DROP.format(r="old")}
+ {_TALLY_ADD.format(r="new")}
+END""",
+    # A session made may be the parent some rows already name (made out of order, or a REPLACE).
     "hs_listing_session_insert": f"""CREATE TRIGGER hs_listing_session_insert
  AFTER INSERT ON sessions BEGIN
- {_UNCOUNT_REPLACED}
  {_REFRESH_ACTIVITY.format(sid="new.id")}
- {_TALLY_ADD.format(r="new")}
+ {_REJUDGE_CHILDREN.format(ids="new.id")}
 END""",
     "hs_listing_session_activity": f"""CREATE TRIGGER hs_listing_session_activity
  AFTER UPDATE OF id, started_at, last_activity_at ON sessions BEGIN
  DELETE FROM hs_session_activity WHERE session_id = old.id;
  {_REFRESH_ACTIVITY.format(sid="new.id")}
 END""",
+    # What the row's own kind reads of itself.
     "hs_listing_session_tally": f"""CREATE TRIGGER hs_listing_session_tally
- AFTER UPDATE OF source, archived, parent_session_id, model_config ON sessions
+ AFTER UPDATE OF source, archived, parent_session_id, model_config, started_at, session_key
+ ON sessions
  WHEN old.source IS NOT new.source OR old.archived IS NOT new.archived
-  OR {_TALLY_KIND_EXPR.format(r="old")} IS NOT {_TALLY_KIND_EXPR.format(r="new")} BEGIN
- {_TALLY_DROP.format(r="old")}
- {_TALLY_ADD.format(r="new")}
+  OR old.parent_session_id IS NOT new.parent_session_id
+  OR old.model_config IS NOT new.model_config OR old.started_at IS NOT new.started_at
+  OR old.session_key IS NOT new.session_key BEGIN
  UPDATE hs_session_activity SET (source, archived, kind) = ({_TALLY_KEY.format(r="new")})
   WHERE session_id = new.id;
+END""",
+    # What its children's kinds read of a parent (end_session, reopen, hermes-agent's own UPDATE);
+    # an end of a session nothing names costs one look at the parent index.
+    "hs_listing_parent_change": f"""CREATE TRIGGER hs_listing_parent_change
+ AFTER UPDATE OF id, end_reason, ended_at, session_key ON sessions
+ WHEN (old.id IS NOT new.id OR old.end_reason IS NOT new.end_reason
+   OR old.ended_at IS NOT new.ended_at OR old.session_key IS NOT new.session_key)
+  AND EXISTS (SELECT 1 FROM sessions AS c WHERE c.parent_session_id IN (old.id, new.id)) BEGIN
+ {_REJUDGE_CHILDREN.format(ids="old.id, new.id")}
 END""",
     "hs_listing_session_delete": f"""CREATE TRIGGER hs_listing_session_delete
  AFTER DELETE ON sessions BEGIN
  DELETE FROM hs_session_activity WHERE session_id = old.id;
- {_TALLY_DROP.format(r="old")}
+ {_REJUDGE_CHILDREN.format(ids="old.id")}
 END""",
     # An append only raises the activity, unless it is the start standing in for no activity yet
     # (no other message, no heartbeat): an UPDATE, not a REPLACE with its subqueries (9% of an
@@ -477,7 +559,12 @@ class SessionSchemaMixin:
         for name, sql in LISTING_INDEXES.items():
             if name not in objects:
                 _try_ddl(conn, sql, f"index {name} not built")
-        missing = [name for name in LISTING_OBJECTS if name not in objects]
+        # A trigger or index another version made under the same name is made again.
+        stale = [name for name, sql in LISTING_OBJECTS.items() if name in objects
+                 and objects[name][0] in ("trigger", "index") and objects[name][1] != sql]
+        for name in stale:
+            conn.execute(f"DROP {objects[name][0].upper()} {quote_identifier(name)}")
+        missing = [name for name in LISTING_OBJECTS if name not in objects or name in stale]
         for name in missing:
             conn.execute(LISTING_OBJECTS[name])
         if missing:
@@ -563,10 +650,14 @@ class SessionSchemaMixin:
         filled = self._write_in_chunks(self._backfill_listing_chunk, LISTING_BACKFILL_ROWS)
 
         def finish(conn):
+            # Rows of sessions deleted while a trigger was missing go; the tally is counted from
+            # the rows the triggers keep from now on.
+            conn.execute("DELETE FROM hs_session_activity WHERE NOT EXISTS (SELECT 1"
+                         " FROM sessions AS s WHERE s.id = hs_session_activity.session_id)")
             conn.execute("DELETE FROM hs_session_tally")
-            conn.execute("INSERT INTO hs_session_tally (source, archived, kind, n) SELECT "
-                         + _TALLY_KEY.format(r="s")
-                         + ", COUNT(*) FROM sessions AS s GROUP BY 1, 2, 3")
+            conn.execute("INSERT INTO hs_session_tally (source, archived, kind, n)"
+                         " SELECT source, archived, kind, COUNT(*) FROM hs_session_activity"
+                         " GROUP BY 1, 2, 3")
             conn.execute(DELETE_META_SQL, (META_LISTING_PROGRESS,))
             write_meta(conn, META_LISTING_READY, LISTING_VERSION)
         self._execute_write(finish)

@@ -22,8 +22,9 @@ from hermes_state_common import (
     cwd_prefix_clause, describe_skill_invocation, escape_like, has_fork_marker, json_object,
     loads_or, merge_model_config, placeholders, require_text, sqlite_keeps)
 from hermes_state_schema import (
-    LISTING_OBJECTS, LISTING_VERSION, META_LISTING_READY, SELECT_LISTING_OBJECT_COUNT_SQL,
-    TALLY_CHILD, TALLY_MARKED_ROOT, TALLY_PLAIN_ROOT, declared_columns, prompt_hash)
+    JUDGED_KIND_SQL, LISTED_ROOT_SQL, LISTING_OBJECTS, LISTING_VERSION, META_LISTING_READY,
+    SELECT_LISTING_OBJECT_COUNT_SQL, TALLY_JUDGED_KINDS, TALLY_LISTED_KINDS, declared_columns,
+    prompt_hash)
 
 # What create_session may fill on an existing row: only columns still NULL, so a later bare call
 # (source "unknown", no model) never clobbers a real value.
@@ -50,8 +51,7 @@ _CANDIDATES_SQL = ("SELECT s.id, s.source, s.title, s.model_config, s.started_at
                    " p.ended_at AS parent_ended_at, p.session_key AS parent_key")
 _CANDIDATES_FROM_SQL = " FROM sessions AS s LEFT JOIN sessions AS p ON p.id = s.parent_session_id"
 # Listable without a look at their markers: roots that cannot be subagent runs.
-_PLAIN_ROOT_SQL = ("(s.parent_session_id IS NULL"
-                   " AND instr(COALESCE(s.model_config, ''), '_delegate_from') = 0)")
+_PLAIN_ROOT_SQL = LISTED_ROOT_SQL.format(r="s")
 # What a listed compression root shows of its tip; the root keeps the rest (its start, flags,
 # watermark).
 _PROJECTED_COLUMNS = (
@@ -479,33 +479,23 @@ class SessionSessionsMixin:
         return tally
 
     def _tally_from_aids(self, clauses, params, exclude_children):
-        """_tally_sessions from hs_session_tally. With `exclude_children`, plain roots are counted
-        there; the other rows, only when it holds some, are read and judged as the listing judges
-        them: children through their parent index, past those no marker or parent end could list."""
+        """_tally_sessions from hs_session_tally. With `exclude_children`, the kinds the triggers
+        judged listed are counted there; the rows they left to Python (see JUDGED_KIND_SQL), only
+        when it holds some, are read through their partial index and judged as the listing judges
+        them."""
         sql = ("SELECT COALESCE(NULLIF(s.source, ''), 'cli'), s.kind, SUM(s.n)"
                " FROM hs_session_tally AS s{} GROUP BY 1, 2 HAVING SUM(s.n) > 0")
-        tally, kinds = collections.Counter(), set()
+        tally, judged = collections.Counter(), False
         for source, kind, count in self._read_all(sql.format(_where(clauses)), params):
-            kinds.add(kind)
-            if not exclude_children or kind == TALLY_PLAIN_ROOT:
+            if not exclude_children or kind in TALLY_LISTED_KINDS:
                 tally[source] += count
-        judged = []
-        if exclude_children and TALLY_CHILD in kinds:
-            # Children that may be listable (see _is_listable): a parent end that lists its
-            # children, or a marker that lists the row; a backslash may spell a marker's name in
-            # escapes: that row is judged.
-            maybe_listable = (
-                "(p.end_reason IN ('branched', "
-                + ", ".join(f"'{r}'" for r in _RESET_END_REASONS) + ")"
-                " OR instr(s.model_config, '_branched_from') > 0"
-                " OR instr(s.model_config, '_reset_from') > 0"
-                " OR instr(s.model_config, '\\') > 0)")
-            judged.append(["s.parent_session_id IS NOT NULL", maybe_listable])
-        if exclude_children and TALLY_MARKED_ROOT in kinds:
-            judged.append([f"NOT {_PLAIN_ROOT_SQL}", "s.parent_session_id IS NULL"])
-        for extra in judged:
+            judged = judged or kind in TALLY_JUDGED_KINDS
+        if exclude_children and judged:
             rows = self._read_all(self._listing_sql(
-                _CANDIDATES_SQL + _CANDIDATES_FROM_SQL + _where(clauses + extra)), params)
+                _CANDIDATES_SQL + " FROM hs_session_activity AS a"
+                " CROSS JOIN sessions AS s ON s.id = a.session_id"
+                " LEFT JOIN sessions AS p ON p.id = s.parent_session_id"
+                + _where([JUDGED_KIND_SQL.format(a="a")] + clauses)), params)
             tally.update(row["source"] or "cli" for row in rows if _is_listable(row))
         return tally
 
@@ -714,7 +704,9 @@ def _compact_columns():
 
 
 def _is_listable(row):
-    """A root, branch or reset row that is not a subagent run: what list_sessions_rich shows."""
+    """A root, branch or reset row that is not a subagent run: what list_sessions_rich shows.
+    hermes_state_schema's tally kinds judge these rules in SQL: a change here is a change there,
+    with a new LISTING_VERSION."""
     text = row["model_config"]
     config = json_object(text) if text and "_from" in text else {}
     if config.get("_delegate_from") is not None:

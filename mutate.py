@@ -625,6 +625,22 @@ MUTANTS = [
            '" FROM messages WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?")\n',
            "export_session includes messages a rewind hid",
            ["test_hermes_state_portability.Exports"]),
+    # -- the tally's kinds of children (issue 27) -------------------------------
+    Mutant("parent-end-does-not-rejudge-children", "hermes_state_schema.py",
+           '{_REJUDGE_CHILDREN.format(ids="old.id, new.id")}',
+           '{_REJUDGE_CHILDREN.format(ids="NULL")}',
+           "a parent's end, reopen or new routing key no longer moves its children's counts",
+           ["test_hermes_state_sessions.CountsKeptForChildren"]),
+    Mutant("escaped-marker-counted-unjudged", "hermes_state_schema.py",
+           "f\" OR (instr({{r}}.model_config, '\\\\u') = 0 AND {quoted}))))\")",
+           "f\" OR {quoted})))\")",
+           "a marker spelled with \\u escapes is missed: the tally counts a row Python would not",
+           ["test_hermes_state_sessions.CountsKeptForChildren"]),
+    Mutant("listing-trigger-of-another-version-kept", "hermes_state_schema.py",
+           'and objects[name][0] in ("trigger", "index") and objects[name][1] != sql]',
+           'and False]',
+           "an open keeps a listing trigger another version made under the same name",
+           ["test_hermes_state_schema.ListingAidsOfAnotherVersion"]),
 ]
 
 

@@ -277,3 +277,51 @@ class OldStoresHeal(TempDirTestCase):
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM system_prompts").fetchone()[0], 7)
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM sessions WHERE system_prompt IS NOT NULL")
                          .fetchone()[0], 0)
+
+
+class ListingAidsOfAnotherVersion(TempDirTestCase):
+    """A store whose listing aids another version made (other trigger bodies under the same names,
+    the tally's old kinds) is filled again on open: the triggers made as declared, every child
+    judged again, and the counts those aids answer equal the listing's."""
+
+    def test_an_older_versions_aids_are_made_and_filled_again(self):
+        from hermes_state_schema import LISTING_OBJECTS, LISTING_VERSION
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("p", "telegram", session_key="K")
+            db.create_session("reset", "telegram", session_key="K", parent_session_id="p")
+            db.create_session("run", "cli", parent_session_id="p",
+                              model_config={"_delegate_from": "p"})
+            db.end_session("p", "session_reset")
+            self.assertEqual(db.session_count(exclude_children=True), 2)
+        conn = self.raw(path)
+        with conn:
+            conn.execute("DROP TRIGGER hs_listing_parent_change")
+            conn.execute("DROP TRIGGER hs_listing_session_tally")
+            conn.execute("CREATE TRIGGER hs_listing_session_tally AFTER UPDATE OF source"
+                         " ON sessions BEGIN SELECT 1; END")
+            conn.execute("UPDATE hs_session_activity SET kind = 0 WHERE kind >= 3")
+            conn.execute("DELETE FROM hs_session_tally")
+            conn.execute("INSERT INTO hs_session_tally SELECT source, archived, kind, COUNT(*)"
+                         " FROM hs_session_activity GROUP BY 1, 2, 3")
+            conn.execute("UPDATE state_meta SET value = '1' WHERE key = 'hs_listing_ready'")
+        with SessionDB(path) as db:
+            objects = dict(conn.execute("SELECT name, sql FROM sqlite_master"
+                                        " WHERE name LIKE 'hs\\_%' ESCAPE '\\'"))
+            self.assertEqual({name: objects.get(name) for name in LISTING_OBJECTS},
+                             LISTING_OBJECTS)
+            self.assertTrue(db._listing_ready())
+            self.assertEqual(db._read_value("SELECT value FROM state_meta"
+                                            " WHERE key = 'hs_listing_ready'"), LISTING_VERSION)
+            self.assertEqual([tuple(row) for row in conn.execute(
+                "SELECT session_id, kind FROM hs_session_activity ORDER BY session_id")],
+                [("p", 1), ("reset", 4), ("run", 3)])
+            self.assertEqual(db.session_count(exclude_children=True), 2)
+            db.reopen_session("p")  # the reset child is marked, so it stays listed
+            db.update_session_meta("reset", None)
+            self.assertEqual(db.session_count(exclude_children=True),
+                             len(db.list_sessions_rich(limit=-1)))
+            self.assertEqual(db.session_count(exclude_children=True), 1)
+        before = dump_hash(path)
+        SessionDB(path).close()  # the aids as declared: opening again changes nothing
+        self.assertEqual(dump_hash(path), before)

@@ -1,5 +1,6 @@
 """Session rows with hermes-agent's contract: create and fill in, prompts, ends, flags, model and cwd, counts."""
 
+import collections
 import contextlib
 import json
 import sqlite3
@@ -681,3 +682,196 @@ class ListingAids(SessionTestCase):
             self.reopen()
             self.assertEqual(conn.execute("PRAGMA data_version").fetchone()[0], version)
         self.assert_same_as_oracle()
+
+
+class CountsKeptForChildren(SessionTestCase):
+    """session_count(exclude_children=True) reads which children are listed from the tally: the
+    triggers judge a child again whenever it or its parent changes, whoever writes, and leave to
+    Python only what SQL cannot judge exactly. Every answer equals counting the listing."""
+
+    SOURCES = ("cli", "telegram", "tool", "", "kanban")
+    # The filters the tally answers (source and archived only), as hermes-agent passes them.
+    FILTERS = (dict(), dict(source="telegram"), dict(sources=["cli", "tool"]),
+               dict(exclude_sources=["cli"]), dict(include_archived=True),
+               dict(archived_only=True), dict(source="cli", include_archived=True),
+               dict(exclude_sources=["kanban", "tool"], archived_only=True))
+
+    def raw_write(self, *statements):
+        conn = sqlite3.connect(str(self.path), isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for sql, params in statements:
+                conn.execute(sql, params)
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+
+    def listed(self, include_children=False, **filters):
+        return self.db.list_sessions_rich(limit=-1, include_children=include_children,
+                                          include_hidden=True, project_compression_tips=False,
+                                          compact_rows=True, **filters)
+
+    def mismatches(self):
+        """Every count the tally answers that differs from counting the listing."""
+        self.assertTrue(self.db._listing_ready())
+        wrong = []
+        for filters in self.FILTERS:
+            for exclude in (True, False):
+                got = self.db.session_count(exclude_children=exclude, **filters)
+                want = len(self.listed(include_children=not exclude, **filters))
+                if got != want:
+                    wrong.append((filters, exclude, got, want))
+        for filters in (dict(), dict(include_archived=True), dict(archived_only=True)):
+            for exclude in (True, False):
+                rows = self.listed(include_children=not exclude, **filters)
+                want = collections.Counter(row["source"] or "cli" for row in rows)
+                got = self.db.session_count_by_source(exclude_children=exclude, **filters)
+                if got != dict(want):
+                    wrong.append(("by source", filters, exclude, got, dict(want)))
+        return wrong
+
+    def judged(self):
+        return self.db._read_value("SELECT COUNT(*) FROM hs_session_activity WHERE kind IN (2, 5)")
+
+    @staticmethod
+    def model_config(rng, parent):
+        marker = rng.choice(("_delegate_from", "_branched_from", "_reset_from"))
+        value = rng.choice((parent, parent, parent, None, "", 0))
+        base = {"max_iterations": 5, "reasoning_config": rng.choice((None, {"effort": "low"}))}
+        return rng.choice((
+            None, None, "{}", json.dumps(base), json.dumps(dict(base, **{marker: value})),
+            json.dumps({marker: value}), json.dumps({marker: value, "_delegate_from": parent}),
+            json.dumps({"note": f"see {marker}", "t": "a\nb"}),   # a name only in a value
+            json.dumps({"a": {marker: parent}}),                   # a nested marker
+            json.dumps({"t": "\u00e9", marker: parent}),           # \u escapes: Python judges
+            '{"\\u005fdelegate_from": "x"}', '{"_branched\\u005ffrom": "x"}',
+            f'{{"{marker}": "x"', f'["{marker}"]', f'{{"{marker}": "x", "{marker}": null}}',
+            f'{{"{marker}" : "x"}}'))
+
+    def random_store(self, rng, count):
+        ids = [f"r{i:04d}" for i in range(count)]
+        rows = []
+        for i, sid in enumerate(ids):
+            roll = rng.random()
+            parent = (None if roll < 0.35 else rng.choice(ids[:i] or ids) if roll < 0.85
+                      else rng.choice(ids) if roll < 0.93 else sid if roll < 0.96 else "ghost")
+            started = rng.choice((rng.random() * 1000, float(rng.randint(0, 1000)), 500.0))
+            end = rng.choice((None, None, "branched", "branched", "session_reset", "idle",
+                              "compression", "cli_close"))
+            ended = None if end is None else rng.choice((None, started + rng.random() * 50,
+                                                         rng.random() * 1000))
+            rows.append(("INSERT INTO sessions (id, source, started_at, parent_session_id,"
+                         " model_config, end_reason, ended_at, session_key, archived)"
+                         " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         (sid, rng.choice(self.SOURCES), started, parent,
+                          self.model_config(rng, parent), end, ended,
+                          rng.choice((None, "", "K1", "K1", "K2")), rng.choice((0, 0, 0, 1)))))
+        self.raw_write(*rows)
+        return ids
+
+    def random_writes(self, rng, ids):
+        """hermes-agent's writes by plain sqlite3: ends, reopens, routing keys, deletes of
+        parents, markers, a parent made again by REPLACE, a renamed parent, many rows at once."""
+        parents = [row[0] for row in self.db._read_all(
+            "SELECT DISTINCT parent_session_id FROM sessions WHERE parent_session_id IS NOT NULL")]
+        writes = []
+        for _ in range(25):
+            sid = rng.choice(parents or ids)
+            writes.append(rng.choice((
+                ("UPDATE sessions SET end_reason = ?, ended_at = ? WHERE id = ?",
+                 (rng.choice(("branched", "session_reset", "daily", "compression")),
+                  rng.random() * 1000, sid)),
+                ("UPDATE sessions SET end_reason = NULL, ended_at = NULL WHERE id = ?", (sid,)),
+                ("UPDATE sessions SET session_key = ? WHERE id = ?",
+                 (rng.choice((None, "", "K1", "K2")), sid)),
+                ("DELETE FROM sessions WHERE id = ?", (sid,)),
+                ("UPDATE sessions SET model_config = ? WHERE id = ?",
+                 (self.model_config(rng, sid), rng.choice(ids))),
+                ("UPDATE sessions SET parent_session_id = ? WHERE id = ?",
+                 (rng.choice((None, sid)), rng.choice(ids))),
+                ("INSERT OR REPLACE INTO sessions (id, source, started_at, end_reason, ended_at,"
+                 " session_key) VALUES (?, 'cli', 1.0, 'branched', 0.5, 'K1')", (sid,)),
+                ("UPDATE sessions SET id = ? WHERE id = ?", (f"{sid}-{rng.random()}", sid)),
+                ("UPDATE sessions SET started_at = ?, archived = 1 - IFNULL(archived, 0)"
+                 " WHERE id = ?", (rng.random() * 1000, sid)))))
+        writes.append(("UPDATE sessions SET end_reason = 'branched', ended_at = 100"
+                       " WHERE rowid % 7 = ?", (rng.randint(0, 6),)))
+        self.raw_write(*writes)
+
+    def test_random_stores_and_writes_count_as_the_listing_lists(self):
+        import random
+        for seed in (1, 2, 3):
+            with self.subTest(seed=seed):
+                rng = random.Random(seed)
+                self.raw_write(("DELETE FROM sessions", ()))
+                ids = self.random_store(rng, 250)
+                self.assertEqual(self.mismatches(), [])
+                # some rows are left to Python, most are not
+                self.assertTrue(0 < self.judged() < 125, self.judged())
+                for _ in range(4):
+                    self.random_writes(rng, ids)
+                    self.assertEqual(self.mismatches(), [])
+                # and through our own API
+                live = [row[0] for row in self.db._read_all("SELECT id FROM sessions")]
+                for sid in rng.sample(live, 10):
+                    self.db.end_session(sid, rng.choice(("branched", "session_reset")))
+                self.db.reopen_session(live[0])
+                self.db.delete_session(live[1])  # with its delegate runs
+                live = [row[0] for row in self.db._read_all("SELECT id FROM sessions")]
+                self.db.create_session("new-child", "cli", parent_session_id=live[2],
+                                       session_key="K1", model_config={"_reset_from": live[2]})
+                self.db.set_session_archived(live[3], True)
+                self.assertEqual(self.mismatches(), [])
+
+    def scenario(self):
+        """Writes whose counts each listing trigger keeps, as (label, statements)."""
+        # (a delegate run on its parent's routing key would be left to Python: not here)
+        yield "made", [("INSERT INTO sessions (id, source, started_at, parent_session_id,"
+                        " session_key, model_config) VALUES (?, 'cli', ?, ?, ?, ?)", args)
+                       for args in (("c1", 10.0, "p", "K", None), ("c2", 20.0, "p", "K", None),
+                                    ("d", 3.0, "p", None, '{"_delegate_from": "p"}'),
+                                    ("p", 1.0, None, None, None))]
+        yield "parent reset", [("UPDATE sessions SET end_reason = 'idle', ended_at = 5,"
+                                " session_key = 'K' WHERE id = 'p'", ())]
+        yield "parent reopened", [("UPDATE sessions SET end_reason = NULL, ended_at = NULL"
+                                   " WHERE id = 'p'", ())]
+        yield "parent branched", [("UPDATE sessions SET end_reason = 'branched', ended_at = 15"
+                                   " WHERE id = 'p'", ())]
+        yield "child moved", [("UPDATE sessions SET started_at = 12 WHERE id = 'c1'", ())]
+        yield "child archived", [("UPDATE sessions SET archived = 1 WHERE id = 'c2'", ())]
+        yield "parent deleted", [("DELETE FROM sessions WHERE id = 'p'", ())]
+
+    def run_scenario(self):
+        wrong = []
+        for label, statements in self.scenario():
+            self.raw_write(*statements)
+            wrong += [(label, *miss) for miss in self.mismatches()]
+        return wrong
+
+    def test_the_scenario_needs_no_judging_in_python_and_counts_right(self):
+        for label, statements in self.scenario():
+            self.raw_write(*statements)
+            with self.subTest(label):
+                self.assertEqual(self.mismatches(), [])
+                self.assertEqual(self.judged(), 0)
+        self.assertEqual(self.db.session_count(exclude_children=True), 0)
+
+    def test_each_trigger_that_keeps_the_childrens_counts_is_needed(self):
+        from hermes_state_schema import LISTING_OBJECTS
+        names = ["hs_listing_parent_change", "hs_listing_session_delete",
+                 "hs_listing_session_insert", "hs_listing_session_tally",
+                 "hs_listing_tally_insert", "hs_listing_tally_delete", "hs_listing_tally_move"]
+        self.assertLessEqual(set(names), set(LISTING_OBJECTS))
+        for name in names:
+            with self.subTest(name):
+                self.raw_write(("DELETE FROM sessions", ()))
+                # The same name doing nothing: the aids stay trusted, only that trigger is gone.
+                table = "hs_session_activity" if "tally_" in name else "sessions"
+                self.raw_write((f"DROP TRIGGER {name}", ()),
+                               (f"CREATE TRIGGER {name} AFTER DELETE ON {table} WHEN 0"
+                                " BEGIN SELECT 1; END", ()))
+                self.assertNotEqual(self.run_scenario(), [])
+                self.raw_write((f"DROP TRIGGER {name}", ()), (LISTING_OBJECTS[name], ()))
+                self.raw_write(("DELETE FROM sessions", ()), ("DELETE FROM hs_session_tally", ()),
+                               ("DELETE FROM hs_session_activity", ()))
+                self.assertEqual(self.run_scenario(), [])
