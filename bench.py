@@ -19,6 +19,13 @@ Raw sqlite3 figures (the ranked FTS5 query, inserts with the same triggers) run 
 logs.db beside ours, the reference and raw sqlite3): each peer's worker runs in its own venv, cached
 under `$HERMES_BENCH_CACHE/peers` and made on first use from bench_peers_requirements/.
 
+`BENCH_MIGRATE=1m` (or `100k`, or any message count) runs only the optimize-storage section: a
+hermes-agent 0.19 store of that many messages (the real 0.19.0 fixture's schema, inline indexes and
+triggers, filled with the agent history; made once into `$HERMES_BENCH_CACHE`, keyed by its size
+and MIGRATE_GENERATOR), copied for each side, whose own optimize-storage then runs (VACUUM
+included) while a disk sampler, the lock probe below and a process appending once a second through
+the same side's SessionDB watch it. `BENCH_SCALE=1m` runs that section at 1,000,000 too.
+
 `BENCH_SCALE=1m` adds the 1,000,000-message figures: the store is generated once into
 `$HERMES_BENCH_CACHE` (default ~/.cache/hermes_state_bench) and regenerated when our schema changes;
 the longest write-lock hold is measured from outside by a probe process that keeps trying
@@ -626,7 +633,7 @@ def fill_million(path):
     conn.close()
 
 
-# -- a hermes-agent 0.19 store at scale, for optimize-storage (BENCH_MIGRATE) ------------------------
+# -- a hermes-agent 0.19 store at scale, for optimize-storage (BENCH_MIGRATE) ----------------
 
 MIGRATE_GENERATOR = "1"  # bump when legacy_store's rows or layout change
 LEGACY_FIXTURE = REPO / "fixtures" / "hermes_v22_legacy_fts.db.gz"
@@ -638,8 +645,8 @@ LEGACY_FTS_TEXT = ("COALESCE(content, '') || ' ' || COALESCE(tool_name, '') || '
 
 
 def legacy_store(count):
-    """The cached hermes-agent 0.19 store of `count` messages (made now when missing): the real 0.19.0
-    fixture's schema, both inline indexes and their triggers as 0.19 wrote them, emptied and filled
+    """The cached hermes-agent 0.19 store of `count` messages (made now when missing): the real
+    0.19.0 fixture's schema, both inline indexes and their triggers as 0.19 wrote them, emptied and filled
     with agent_history rows in sessions of SESSION_MESSAGES; WAL journal, as 0.19 leaves it."""
     import gzip
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -668,8 +675,8 @@ def legacy_store(count):
     for number, sid in enumerate(session_ids(sessions, prefix="v19-")):
         size = min(SESSION_MESSAGES, count - number * SESSION_MESSAGES)
         started = now - (sessions - number) * 60
-        conn.execute("INSERT INTO sessions (id, source, started_at, message_count) VALUES (?, ?, ?, ?)",
-                     (sid, "cli", started, size))
+        conn.execute("INSERT INTO sessions (id, source, started_at, message_count)"
+                     " VALUES (?, ?, ?, ?)", (sid, "cli", started, size))
         rows = []
         for i in range(size):
             m = history[(number * SESSION_MESSAGES + i) % len(history)]
@@ -678,7 +685,8 @@ def legacy_store(count):
                          json.dumps(calls) if calls else None, m.get("tool_name"), started + i))
         conn.executemany(LEGACY_MESSAGE_SQL, rows)
     for table in ("messages_fts", "messages_fts_trigram"):
-        conn.execute(f"INSERT INTO {table}(rowid, content) SELECT id, {LEGACY_FTS_TEXT} FROM messages")
+        conn.execute(f"INSERT INTO {table}(rowid, content)"
+                     f" SELECT id, {LEGACY_FTS_TEXT} FROM messages")
     for _name, sql in triggers:
         conn.execute(sql)
     conn.execute("COMMIT")
@@ -1188,7 +1196,8 @@ def migrate_side(runner, side, source, folder):
     ready, stop_file = work.parent / f"{side}.ready", work.parent / f"{side}.stop"
     ctx = multiprocessing.get_context("spawn")
     probe_stop, probe_ready, probe_results = ctx.Event(), ctx.Event(), ctx.Queue()
-    probe = ctx.Process(target=_lock_probe, args=(str(path), probe_stop, probe_ready, probe_results))
+    probe = ctx.Process(target=_lock_probe,
+                        args=(str(path), probe_stop, probe_ready, probe_results))
     probe.start()
     probe_ready.wait(60)
     appender = runner.start(side, "append_each_second", path=str(path), ready=str(ready),
@@ -1248,7 +1257,8 @@ def report_migration(table, figures):
                   f" ({figures['bytes'] / 1e6:,.0f} MB; load {ours['load']:.1f} at the start"
                   + (f", {ref['load']:.1f} at the reference's" if ref else "") + ")")
     table.add("time, open to close (s)", f"{ours['seconds']:.1f}",
-              f"{ref['seconds']:.1f}" if ref else "", speed(ours["seconds"], ref["seconds"]) if ref else "", "faster",
+              f"{ref['seconds']:.1f}" if ref else "",
+              speed(ours["seconds"], ref["seconds"]) if ref else "", "faster",
               ok=ours["seconds"] < ref["seconds"] if ref else None)
     for label, key in (("peak extra disk (MB: the store folder and the VACUUM's temp copy)",
                         "extra_bytes"), ("store after (MB)", "end_bytes")):
@@ -1749,8 +1759,22 @@ def peer_worker_main(spec):
     sys.stdout.write("\n" + json.dumps(peer_job(**args)) + "\n")
 
 
+def migrate_count(text):
+    """BENCH_MIGRATE's message count: `1m`, `100k` or a number."""
+    try:
+        count = int(float(text.lower().replace("m", "e6").replace("k", "e3")))
+    except ValueError:
+        count = 0
+    if count < SESSION_MESSAGES:
+        raise SystemExit(f"BENCH_MIGRATE must be a message count (1m, 100k, 20000), not {text!r}")
+    return count
+
+
 def main():
     scale = os.environ.get("BENCH_SCALE", "")
+    migrate = os.environ.get("BENCH_MIGRATE", "")
+    if migrate:
+        return main_migrate(migrate_count(migrate))
     folder = tempfile.mkdtemp(prefix="hermes-bench-")
     try:
         runner = Runner(folder)
@@ -1767,6 +1791,7 @@ def main():
         report_waits(table, measure_waits(runner, folder))
         if scale == "1m":
             measure_million(runner, folder, table, growth[min(SCALES)])
+            report_migration(table, measure_migration(runner, folder, MILLION))
         elif scale:
             raise SystemExit(f"BENCH_SCALE must be 1m or unset, not {scale!r}")
         peers = measure_peers(runner, folder) if os.environ.get("BENCH_PEERS") == "1" else None
@@ -1774,6 +1799,22 @@ def main():
         table.print()
         if peers:
             report_peers(*peers)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main_migrate(count):
+    """BENCH_MIGRATE alone: the optimize-storage section at `count` messages, nothing else."""
+    folder = tempfile.mkdtemp(prefix="hermes-bench-")
+    try:
+        runner = Runner(folder)
+        print(f"hermes_state bench (BENCH_MIGRATE): Python {sys.version.split()[0]}, SQLite"
+              f" {sqlite3.sqlite_version}, {os.cpu_count()} cores; reference: "
+              + ("hermes-agent 0.20.1.2" if runner.ref_python else "not measured (no venv)"))
+        table = Table()
+        report_migration(table, measure_migration(runner, folder, count))
+        print()
+        table.print()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
