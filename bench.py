@@ -646,8 +646,9 @@ LEGACY_FTS_TEXT = ("COALESCE(content, '') || ' ' || COALESCE(tool_name, '') || '
 
 def legacy_store(count):
     """The cached hermes-agent 0.19 store of `count` messages (made now when missing): the real
-    0.19.0 fixture's schema, both inline indexes and their triggers as 0.19 wrote them, emptied and filled
-    with agent_history rows in sessions of SESSION_MESSAGES; WAL journal, as 0.19 leaves it."""
+    0.19.0 fixture's schema, both inline indexes and their triggers as 0.19 wrote them, emptied
+    and filled with agent_history rows in sessions of SESSION_MESSAGES; WAL journal, as 0.19
+    leaves it."""
     import gzip
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / f"store-v19-{count}-g{MIGRATE_GENERATOR}.db"
