@@ -14,8 +14,8 @@ from unittest import mock
 import hermes_state_search_index
 from hermes_state import SessionDB
 from test_hermes_state_schema import OLD_SESSIONS
-from test_support import (HAS_FTS5, INDEX_TABLES, REPO, V22_DB, TempDirTestCase, require, tracing_factory,
-                          write_statements)
+from test_support import (HAS_FTS5, INDEX_TABLES, REPO, V22_DB, TempDirTestCase, require,
+                          tracing_factory, write_statements)
 
 
 def transactions(statements):
@@ -567,4 +567,5 @@ class OptimizeStorageCheckpoints(LockHoldTestCase):
                 longest = max(longest, since)
         steps = hermes_state_search_index.OPTIMIZE_CHECKPOINT_STEPS
         self.assertGreater(len(touching(statements, "DELETE FROM \"hs_retired")), 4 * steps)
-        self.assertLessEqual(longest, steps + 1)  # (+1: the transaction that sets hermes-agent's aside)
+        # (+1: the transaction that sets hermes-agent's index aside)
+        self.assertLessEqual(longest, steps + 1)
