@@ -1158,6 +1158,11 @@ def measure_million(runner, folder, table, small_growth_mb):
 
 
 MIGRATE_PHASES = ("open", "backfill", "teardown", "vacuum", "close")
+MIGRATE_PHASE_LABELS = {
+    "open": "open (SessionDB of the 0.19 store)", "backfill": "backfill of the new index",
+    "teardown": "teardown of 0.19's index",
+    "vacuum": "vacuum: index merges, then one VACUUM statement and its checkpoint",
+    "close": "close"}
 
 
 def _disk_sampler(folder, worker, stop, peak):
@@ -1264,15 +1269,19 @@ def report_migration(table, figures):
     for label, key in (("peak extra disk (MB: the store folder and the VACUUM's temp copy)",
                         "extra_bytes"), ("store after (MB)", "end_bytes")):
         table.add(label, f"{ours[key] / 1e6:,.0f}", f"{ref[key] / 1e6:,.0f}" if ref else "")
-    held = lambda f: max(max(h.values()) for _, h in f["holds"].values())
+    def held(f, phases=MIGRATE_PHASES):
+        return max(max(f["holds"][phase][1].values()) for phase in phases)
     table.add("longest write-lock hold (s; any phase)", f"{held(ours):.2f}",
               f"{held(ref):.2f}" if ref else "", goal="<= 1 s", ok=held(ours) <= 1)
+    rest = [phase for phase in MIGRATE_PHASES if phase != "vacuum"]
+    table.add("  the longest outside the VACUUM phase (s)", f"{held(ours, rest):.2f}",
+              f"{held(ref, rest):.2f}" if ref else "", goal="<= 1 s", ok=held(ours, rest) <= 1)
     for phase in MIGRATE_PHASES:
         ran, lock = ours["holds"][phase]
         other = f"{max(ref['holds'][phase][1].values()):.2f} (ran {ref['holds'][phase][0]:.1f})" \
             if ref else ""
-        table.add(f"  {phase} (s held; ran)", f"{max(lock.values()):.2f} (ran {ran:.1f})", other,
-                  goal="<= 1 s", ok=max(lock.values()) <= 1)
+        table.add(f"  {MIGRATE_PHASE_LABELS[phase]} (s held; ran s)",
+                  f"{max(lock.values()):.2f} (ran {ran:.1f})", other)
     table.add("another process appending once a second: p50 / p99 / max (s)",
               f"{ours['p50']:.3f} / {ours['p99']:.3f} / {ours['max']:.3f}",
               f"{ref['p50']:.3f} / {ref['p99']:.3f} / {ref['max']:.3f}" if ref else "",
