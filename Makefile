@@ -3,6 +3,8 @@
 # make bench - issue 17's speed goals at 4,000 and 100,000 messages, ours beside hermes-agent 0.20.1.2 (when
 #              the `make compat` venv exists) and raw sqlite3, one table with a ✓/✗ per goal;
 #              BENCH_SCALE=1m adds the 1,000,000-message figures (store cached in ~/.cache/hermes_state_bench)
+#              and optimize-storage of a 1M-message hermes-agent 0.19 store (also cached there);
+#              BENCH_MIGRATE=1m (or 100k) runs only that optimize-storage section
 #              BENCH_PEERS=1 adds the peers table: OpenAI Agents SQLiteSession, LangGraph SqliteSaver
 #              and llm's logs.db beside ours, the reference and raw sqlite3 (each peer in a venv
 #              cached in ~/.cache/hermes_state_bench/peers, made from PyPI on first use, pinned in
@@ -61,7 +63,7 @@ test-all:
 	exit $$status
 
 bench:
-	@BENCH_SCALE=$(BENCH_SCALE) $(PYTHON) bench.py
+	@BENCH_SCALE=$(BENCH_SCALE) BENCH_MIGRATE=$(BENCH_MIGRATE) $(PYTHON) bench.py
 
 demo:
 	@$(PYTHON) -m hermes_state demo

@@ -19,6 +19,13 @@ Raw sqlite3 figures (the ranked FTS5 query, inserts with the same triggers) run 
 logs.db beside ours, the reference and raw sqlite3): each peer's worker runs in its own venv, cached
 under `$HERMES_BENCH_CACHE/peers` and made on first use from bench_peers_requirements/.
 
+`BENCH_MIGRATE=1m` (or `100k`, or any message count) runs only the optimize-storage section: a
+hermes-agent 0.19 store of that many messages (the real 0.19.0 fixture's schema, inline indexes and
+triggers, filled with the agent history; made once into `$HERMES_BENCH_CACHE`, keyed by its size
+and MIGRATE_GENERATOR), copied for each side, whose own optimize-storage then runs (VACUUM
+included) while a disk sampler, the lock probe below and a process appending once a second through
+the same side's SessionDB watch it. `BENCH_SCALE=1m` runs that section at 1,000,000 too.
+
 `BENCH_SCALE=1m` adds the 1,000,000-message figures: the store is generated once into
 `$HERMES_BENCH_CACHE` (default ~/.cache/hermes_state_bench) and regenerated when our schema changes;
 the longest write-lock hold is measured from outside by a probe process that keeps trying
@@ -34,10 +41,12 @@ import random
 import resource
 import shutil
 import sqlite3
+import stat
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -313,6 +322,44 @@ def job_optimize(SessionDB, path, **_):
     return {"seconds": time.perf_counter() - start}
 
 
+def job_optimize_storage(SessionDB, path, **_):
+    """Open a store and run its optimize-storage as `hermes sessions optimize-storage` does (with
+    its VACUUM): when each phase began (time.monotonic, which every process on the machine shares)
+    and its answer."""
+    marks = {"open": time.monotonic()}
+
+    def progress(report):
+        marks.setdefault(report["phase"], time.monotonic())
+    db = SessionDB(Path(path))
+    marks["optimize"] = time.monotonic()
+    answer = db.optimize_fts_storage(progress_cb=progress)
+    marks["close"] = time.monotonic()
+    db.close()
+    marks["end"] = time.monotonic()
+    return {"marks": marks, "answer": answer}
+
+
+def job_append_each_second(SessionDB, path, ready, stop, **_):
+    """Append one message a second through SessionDB until the file `stop` exists (`ready` is
+    made once the store is open): each append's seconds, and the errors."""
+    history = agent_history(400, seed=23)
+    latencies, errors = [], []
+    with contextlib.closing(SessionDB(Path(path))) as db:
+        db.create_session("appender", "cli")
+        Path(ready).touch()
+        number = 0
+        while not os.path.exists(stop):
+            tick = time.monotonic()
+            try:
+                db.append_message("appender", **history[number % len(history)])
+            except Exception as exc:  # a lock wait past its budget counts as a slow append
+                errors.append(f"{type(exc).__name__}: {exc}")
+            latencies.append(time.monotonic() - tick)
+            number += 1
+            time.sleep(max(0.0, tick + 1 - time.monotonic()))
+    return {"latencies": latencies, "errors": errors}
+
+
 def fill_sessions(path, count, seed=5):
     """`count` sessions of two messages each by raw sqlite3 into a store its own SessionDB made (its
     triggers keep what they keep, as for any writer): 60% cli, 20% telegram, 10% tool, 10% kanban;
@@ -501,6 +548,10 @@ class Runner:
         return ("ours", "reference") if self.ref_python else ("ours",)
 
     def run(self, side, job, timeout=3600, **args):
+        return self.result(side, job, self.start(side, job, **args), timeout)
+
+    def start(self, side, job, **args):
+        """The worker of `job` on `side`, started (its output piped); `result` waits for it."""
         if side == "ours":
             cmd, cwd = [sys.executable, str(REPO / "bench.py")], str(REPO)
         else:  # -P: the script's folder (this checkout) is not put on sys.path
@@ -508,11 +559,18 @@ class Runner:
         env = dict(os.environ, HERMES_HOME=self.home, PYTHONDONTWRITEBYTECODE="1")
         env.pop("PYTHONPATH", None)
         spec = json.dumps(dict(args, job=job, **({"side": side} if job == "cli_export" else {})))
-        done = subprocess.run(cmd + ["--worker", spec], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"{side} {job} failed:\n{done.stderr[-3000:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        return subprocess.Popen(cmd + ["--worker", spec], cwd=cwd, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def result(self, side, job, worker, timeout=3600):
+        try:
+            out, err = worker.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            raise
+        if worker.returncode != 0:
+            raise RuntimeError(f"{side} {job} failed:\n{err[-3000:]}")
+        result = json.loads(out.strip().splitlines()[-1])
         if (side == "ours") != (Path(result.pop("module")).resolve().parent == REPO):
             raise RuntimeError(f"the {side} worker imported the other side's hermes_state")
         return result
@@ -573,6 +631,70 @@ def fill_million(path):
     conn.execute("COMMIT")
     conn.execute(f"PRAGMA journal_mode={mode}")
     conn.close()
+
+
+# -- a hermes-agent 0.19 store at scale, for optimize-storage (BENCH_MIGRATE) ----------------
+
+MIGRATE_GENERATOR = "1"  # bump when legacy_store's rows or layout change
+LEGACY_FIXTURE = REPO / "fixtures" / "hermes_v22_legacy_fts.db.gz"
+LEGACY_MESSAGE_SQL = ("INSERT INTO messages (session_id, role, content, tool_call_id, tool_calls,"
+                      " tool_name, timestamp) VALUES (?, ?, ?, ?, ?, ?, ?)")
+# What 0.19's triggers put into both of its indexes for a row.
+LEGACY_FTS_TEXT = ("COALESCE(content, '') || ' ' || COALESCE(tool_name, '') || ' '"
+                   " || COALESCE(tool_calls, '')")
+
+
+def legacy_store(count):
+    """The cached hermes-agent 0.19 store of `count` messages (made now when missing): the real
+    0.19.0 fixture's schema, both inline indexes and their triggers as 0.19 wrote them, emptied
+    and filled with agent_history rows in sessions of SESSION_MESSAGES; WAL journal, as 0.19
+    leaves it."""
+    import gzip
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / f"store-v19-{count}-g{MIGRATE_GENERATOR}.db"
+    if path.exists():
+        return path
+    log(f"generating the hermes-agent 0.19 store of {count:,} messages into {path} (once)")
+    building = Path(f"{path}.building")
+    with gzip.open(LEGACY_FIXTURE) as packed, open(building, "wb") as out:
+        shutil.copyfileobj(packed, out)
+    conn = sqlite3.connect(building, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=DELETE")
+    conn.execute("PRAGMA synchronous=OFF")
+    conn.execute("PRAGMA cache_size=-400000")
+    triggers = conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'"
+                            " AND tbl_name = 'messages'").fetchall()
+    conn.execute("BEGIN")
+    for table in ("messages", "session_model_usage", "gateway_routing", "sessions"):
+        conn.execute(f"DELETE FROM {table}")
+    for name, _sql in triggers:  # (after the DELETE, which they took out of both indexes)
+        conn.execute(f"DROP TRIGGER {name}")  # the bulk fill below indexes every row at once
+    conn.execute("DELETE FROM sqlite_sequence")
+    history = agent_history(4_000, seed=17)
+    now = time.time()
+    sessions = -(-count // SESSION_MESSAGES)
+    for number, sid in enumerate(session_ids(sessions, prefix="v19-")):
+        size = min(SESSION_MESSAGES, count - number * SESSION_MESSAGES)
+        started = now - (sessions - number) * 60
+        conn.execute("INSERT INTO sessions (id, source, started_at, message_count)"
+                     " VALUES (?, ?, ?, ?)", (sid, "cli", started, size))
+        rows = []
+        for i in range(size):
+            m = history[(number * SESSION_MESSAGES + i) % len(history)]
+            calls = m.get("tool_calls")
+            rows.append((sid, m["role"], m["content"], m.get("tool_call_id"),
+                         json.dumps(calls) if calls else None, m.get("tool_name"), started + i))
+        conn.executemany(LEGACY_MESSAGE_SQL, rows)
+    for table in ("messages_fts", "messages_fts_trigram"):
+        conn.execute(f"INSERT INTO {table}(rowid, content)"
+                     f" SELECT id, {LEGACY_FTS_TEXT} FROM messages")
+    for _name, sql in triggers:
+        conn.execute(sql)
+    conn.execute("COMMIT")
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.close()
+    building.rename(path)
+    return path
 
 
 # -- the 1M figures ------------------------------------------------------------------------------
@@ -1033,6 +1155,140 @@ def measure_million(runner, folder, table, small_growth_mb):
               f"{nine['errors']}; {nine['locked']}; {nine['slowest']:.2f}", goal="0; 0",
               ok=nine["errors"] == 0 and nine["locked"] == 0)
     os.unlink(work)
+
+
+MIGRATE_PHASES = ("open", "backfill", "teardown", "vacuum", "close")
+MIGRATE_PHASE_LABELS = {
+    "open": "open (SessionDB of the 0.19 store)", "backfill": "backfill of the new index",
+    "teardown": "teardown of 0.19's index",
+    "vacuum": "vacuum: index merges, then one VACUUM statement and its checkpoint",
+    "close": "close"}
+
+
+def _disk_sampler(folder, worker, stop, peak):
+    """Until `stop` is set, every 50 ms: the bytes on disk (allocated blocks) of every file in
+    `folder` and of every deleted file `worker` holds open (SQLite's VACUUM copy and other temp
+    files, which it unlinks as it opens them); the most seen goes into peak[0]."""
+    fds = Path(f"/proc/{worker.pid}/fd")
+    while not stop.is_set():
+        seen = {}
+        for entry in list(Path(folder).iterdir()) + list(fds.iterdir() if fds.exists() else ()):
+            try:
+                st = entry.stat()
+            except OSError:  # gone between the listing and the stat
+                continue
+            if entry.parent == fds and st.st_nlink:
+                continue  # a file with a name: in `folder` (counted there) or not the store's
+            if stat.S_ISREG(st.st_mode):
+                seen[st.st_dev, st.st_ino] = st.st_blocks * 512
+        peak[0] = max(peak[0], sum(seen.values()))
+        stop.wait(0.05)
+
+
+def _longest_within(stretches, start, end):
+    """The longest of `stretches` ((from, to) pairs) cut to the span [start, end]."""
+    return max((min(e, end) - max(s, start) for s, e in stretches if s < end and e > start),
+               default=0.0)
+
+
+def migrate_side(runner, side, source, folder):
+    """optimize-storage of a copy of the 0.19 store `source` on `side`, with the disk sampler, the
+    lock probe and an appending process of the same side running meanwhile."""
+    work = Path(folder) / f"migrate-{side}"
+    work.mkdir()
+    path = work / "state.db"
+    shutil.copyfile(source, path)
+    # (a 0.19 store at rest has its WAL checkpointed into the file: only the main file to copy)
+    ready, stop_file = work.parent / f"{side}.ready", work.parent / f"{side}.stop"
+    ctx = multiprocessing.get_context("spawn")
+    probe_stop, probe_ready, probe_results = ctx.Event(), ctx.Event(), ctx.Queue()
+    probe = ctx.Process(target=_lock_probe,
+                        args=(str(path), probe_stop, probe_ready, probe_results))
+    probe.start()
+    probe_ready.wait(60)
+    appender = runner.start(side, "append_each_second", path=str(path), ready=str(ready),
+                            stop=str(stop_file))
+    while not ready.exists() and appender.poll() is None:
+        time.sleep(0.05)
+    time.sleep(2)  # a few appends before
+    start_bytes = sum(p.stat().st_blocks * 512 for p in work.iterdir() if p.is_file())
+    load = os.getloadavg()[0]
+    optimizer = runner.start(side, "optimize_storage", path=str(path))
+    sampler_stop, peak = threading.Event(), [start_bytes]
+    sampler = threading.Thread(target=_disk_sampler, args=(work, optimizer, sampler_stop, peak))
+    sampler.start()
+    try:
+        done = runner.result(side, "optimize_storage", optimizer)
+    finally:
+        sampler_stop.set()
+        sampler.join()
+        time.sleep(2)  # a few appends after
+        stop_file.touch()
+        appended = runner.result(side, "append_each_second", appender)
+        probe_stop.set()
+        stretches = probe_results.get(timeout=60)
+        probe.join()
+    marks = done["marks"]
+    bounds = [marks["open"]] + [marks.get(p, marks["close"]) for p in MIGRATE_PHASES[1:]] \
+        + [marks["end"]]
+    holds = {}
+    for phase, start, end in zip(MIGRATE_PHASES, bounds, bounds[1:]):
+        holds[phase] = (end - start, {kind: _longest_within(found, start, end)
+                                      for kind, found in stretches.items()})
+    latencies = sorted(appended["latencies"])
+    figures = {"seconds": marks["end"] - marks["open"], "answer": done["answer"],
+               "start_bytes": start_bytes, "extra_bytes": peak[0] - start_bytes,
+               "end_bytes": sum(p.stat().st_blocks * 512 for p in work.iterdir() if p.is_file()),
+               "holds": holds, "appends": len(latencies), "append_errors": appended["errors"],
+               "p50": statistics.median(latencies),
+               "p99": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+               "max": latencies[-1], "load": load, "load_after": os.getloadavg()[0]}
+    shutil.rmtree(work)
+    return figures
+
+
+def measure_migration(runner, folder, count):
+    """optimize-storage of the cached 0.19 store of `count` messages, each side on its own copy."""
+    source = legacy_store(count)
+    figures = {"count": count, "bytes": source.stat().st_size}
+    for side in runner.sides:
+        log(f"{side}: optimize-storage of the {count:,}-message 0.19 store")
+        figures[side] = migrate_side(runner, side, source, folder)
+    return figures
+
+
+def report_migration(table, figures):
+    ours, ref = figures["ours"], figures.get("reference")
+    table.section(f"optimize-storage of a hermes-agent 0.19 store of {figures['count']:,} messages"
+                  f" ({figures['bytes'] / 1e6:,.0f} MB; load {ours['load']:.1f} at the start"
+                  + (f", {ref['load']:.1f} at the reference's" if ref else "") + ")")
+    table.add("time, open to close (s)", f"{ours['seconds']:.1f}",
+              f"{ref['seconds']:.1f}" if ref else "",
+              speed(ours["seconds"], ref["seconds"]) if ref else "", "faster",
+              ok=ours["seconds"] < ref["seconds"] if ref else None)
+    for label, key in (("peak extra disk (MB: the store folder and the VACUUM's temp copy)",
+                        "extra_bytes"), ("store after (MB)", "end_bytes")):
+        table.add(label, f"{ours[key] / 1e6:,.0f}", f"{ref[key] / 1e6:,.0f}" if ref else "")
+    def held(f, phases=MIGRATE_PHASES):
+        return max(max(f["holds"][phase][1].values()) for phase in phases)
+    table.add("longest write-lock hold (s; any phase)", f"{held(ours):.2f}",
+              f"{held(ref):.2f}" if ref else "", goal="<= 1 s", ok=held(ours) <= 1)
+    rest = [phase for phase in MIGRATE_PHASES if phase != "vacuum"]
+    table.add("  the longest outside the VACUUM phase (s)", f"{held(ours, rest):.2f}",
+              f"{held(ref, rest):.2f}" if ref else "", goal="<= 1 s", ok=held(ours, rest) <= 1)
+    for phase in MIGRATE_PHASES:
+        ran, lock = ours["holds"][phase]
+        other = f"{max(ref['holds'][phase][1].values()):.2f} (ran {ref['holds'][phase][0]:.1f})" \
+            if ref else ""
+        table.add(f"  {MIGRATE_PHASE_LABELS[phase]} (s held; ran s)",
+                  f"{max(lock.values()):.2f} (ran {ran:.1f})", other)
+    table.add("another process appending once a second: p50 / p99 / max (s)",
+              f"{ours['p50']:.3f} / {ours['p99']:.3f} / {ours['max']:.3f}",
+              f"{ref['p50']:.3f} / {ref['p99']:.3f} / {ref['max']:.3f}" if ref else "",
+              goal="p99 < 1 s", ok=ours["p99"] < 1)
+    table.add("  appends; failed", f"{ours['appends']}; {len(ours['append_errors'])}",
+              f"{ref['appends']}; {len(ref['append_errors'])}" if ref else "",
+              goal="0 failed", ok=not ours["append_errors"])
 
 
 # -- peers: the stores people pick instead (BENCH_PEERS=1) ---------------------------------------
@@ -1513,8 +1769,22 @@ def peer_worker_main(spec):
     sys.stdout.write("\n" + json.dumps(peer_job(**args)) + "\n")
 
 
+def migrate_count(text):
+    """BENCH_MIGRATE's message count: `1m`, `100k` or a number."""
+    try:
+        count = int(float(text.lower().replace("m", "e6").replace("k", "e3")))
+    except ValueError:
+        count = 0
+    if count < SESSION_MESSAGES:
+        raise SystemExit(f"BENCH_MIGRATE must be a message count (1m, 100k, 20000), not {text!r}")
+    return count
+
+
 def main():
     scale = os.environ.get("BENCH_SCALE", "")
+    migrate = os.environ.get("BENCH_MIGRATE", "")
+    if migrate:
+        return main_migrate(migrate_count(migrate))
     folder = tempfile.mkdtemp(prefix="hermes-bench-")
     try:
         runner = Runner(folder)
@@ -1531,6 +1801,7 @@ def main():
         report_waits(table, measure_waits(runner, folder))
         if scale == "1m":
             measure_million(runner, folder, table, growth[min(SCALES)])
+            report_migration(table, measure_migration(runner, folder, MILLION))
         elif scale:
             raise SystemExit(f"BENCH_SCALE must be 1m or unset, not {scale!r}")
         peers = measure_peers(runner, folder) if os.environ.get("BENCH_PEERS") == "1" else None
@@ -1538,6 +1809,22 @@ def main():
         table.print()
         if peers:
             report_peers(*peers)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main_migrate(count):
+    """BENCH_MIGRATE alone: the optimize-storage section at `count` messages, nothing else."""
+    folder = tempfile.mkdtemp(prefix="hermes-bench-")
+    try:
+        runner = Runner(folder)
+        print(f"hermes_state bench (BENCH_MIGRATE): Python {sys.version.split()[0]}, SQLite"
+              f" {sqlite3.sqlite_version}, {os.cpu_count()} cores; reference: "
+              + ("hermes-agent 0.20.1.2" if runner.ref_python else "not measured (no venv)"))
+        table = Table()
+        report_migration(table, measure_migration(runner, folder, count))
+        print()
+        table.print()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

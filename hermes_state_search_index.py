@@ -13,7 +13,8 @@ and `_mark_index_stale` here through `self`). It never changes hermes-agent's in
 except to drop the triggers this runtime cannot run (as hermes-agent itself does) and when
 optimize-storage retires its index, and never builds our index over a usable one of hermes-agent's
 on open. It relies on SessionDB for `_execute_write`, `_read_all`/`_read_one`/`_read_value`,
-`_with_fresh_reader`, `_commits`, `_cjk_drained`, `fts_caps`, `read_only` and `db_path`, and on
+`_with_fresh_reader`, `_commits`, `_cjk_drained`, `fts_caps`, `read_only`, `db_path`, `policy` and
+`_checkpoint` (optimize-storage checkpoints between its chunks), and on
 SessionMaintenanceMixin for `vacuum()` (after optimize-storage), all through `self`; it never
 imports another mixin or hermes_state. SessionDB calls `_init_search` at a writable open and
 `_maintain_search` at the end of each write; SessionPortabilityMixin calls
@@ -22,6 +23,7 @@ imports another mixin or hermes_state. SessionDB calls `_init_search` at a writa
 comes before that mixin in SessionDB's bases, so its answer wins).
 """
 import functools
+import itertools
 import logging
 import shutil
 import sqlite3
@@ -68,6 +70,10 @@ CJK_DRAIN_EVERY_COMMITS = 64
 # A high water no message id reaches: our triggers index no row (see _hold_back_index_triggers).
 UNREACHED_HIGH_WATER = str(2 ** 63 - 1)
 BULK_CHANGES = 64
+# optimize-storage checkpoints the WAL itself after every this-many steps: a teardown chunk
+# changes fewer rows than a commit's own checkpoint waits for, so at 1M messages 500 of them left
+# 880 MB of WAL, whose one checkpoint then held our writer lock for 2 s.
+OPTIMIZE_CHECKPOINT_STEPS = 16
 # The indexes a search may use: `tables` names them, `usable` are the whole ones; `substring` is the
 # retry of a query whose words found nothing, inside longer tokens; `cjk_bounded`: every CJK row's
 # block bound holds.
@@ -780,13 +786,14 @@ ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)""", (lowe
         # where it stands, after each chunk that leaves some, closed at 100%; then teardown (with
         # the CJK queue).
         report(_progress("backfill", self.fts_rebuild_status()))
-        while self.fts_rebuild_status() is not None and self.fts_rebuild_step():
+        steps = itertools.count(1)
+        while self.fts_rebuild_status() is not None and self._optimize_step(next(steps)):
             if self.fts_rebuild_status() is not None:
                 report(_progress("backfill", self.fts_rebuild_status()))
             pause_between_chunks()
         report(_progress("backfill", self.fts_rebuild_status()))
         report(_progress("teardown", None))
-        while self.fts_rebuild_step():
+        while self._optimize_step(next(steps)):
             report(_progress("teardown", None))
             pause_between_chunks()
         phase = self._rebuild_phase()
@@ -804,6 +811,14 @@ ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)""", (lowe
                 vacuumed = False
         report(_progress("done", None))
         return {"ok": True, "vacuumed": vacuumed}
+
+    def _optimize_step(self, count):
+        """optimize-storage's `count`th fts_rebuild_step; every OPTIMIZE_CHECKPOINT_STEPS-th is
+        followed by a checkpoint (under our locks, when we checkpoint this store)."""
+        more = self.fts_rebuild_step()
+        if count % OPTIMIZE_CHECKPOINT_STEPS == 0 and self.policy.checkpoint == "locked":
+            self._execute_write(self._checkpoint, transaction=False)
+        return more
 
     def _begin_optimize(self, conn):
         """Set hermes-agent's word and trigram indexes aside (their triggers, views and

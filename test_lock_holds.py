@@ -9,10 +9,13 @@ import sqlite3
 import sys
 import threading
 import unittest
+from unittest import mock
 
+import hermes_state_search_index
 from hermes_state import SessionDB
 from test_hermes_state_schema import OLD_SESSIONS
-from test_support import HAS_FTS5, INDEX_TABLES, REPO, TempDirTestCase, require, tracing_factory, write_statements
+from test_support import (HAS_FTS5, INDEX_TABLES, REPO, V22_DB, TempDirTestCase, require,
+                          tracing_factory, write_statements)
 
 
 def transactions(statements):
@@ -537,3 +540,32 @@ class DataRepairsInChunks(LockHoldTestCase):
             self.assertEqual(7, len(db.get_messages("s")))
         self.assertEqual(3, len(touching(statements, "UPDATE messages SET active = 1")))  # 3 + 3 + 1
         self.assertEqual(0, conn.execute("SELECT COUNT(*) FROM messages WHERE active IS NULL").fetchone()[0])
+
+
+class OptimizeStorageCheckpoints(LockHoldTestCase):
+
+    def test_optimize_storage_checkpoints_between_its_chunks(self):
+        # Each teardown chunk changes too few rows for a commit's own checkpoint: without one of
+        # optimize-storage's own every OPTIMIZE_CHECKPOINT_STEPS steps, the WAL held the whole
+        # teardown (880 MB at 1M messages) until one long checkpoint.
+        if self.db.policy.checkpoint != "locked":
+            self.skipTest("SQLite checkpoints this runtime's WAL itself")
+        if not HAS_FTS5:
+            self.skipTest("optimize-storage is refused without FTS5 (OptimizeStorage checks it)")
+        path = self.copy_fixture(V22_DB)
+        statements = []
+        with mock.patch.object(hermes_state_search_index, "DROP_CHUNK_ROWS", 10), \
+                SessionDB(path, connection_factory=tracing_factory(statements)) as db:
+            statements.clear()
+            self.assertEqual({"ok": True, "vacuumed": None}, db.optimize_fts_storage(vacuum=False))
+        since, longest = 0, 0
+        for statement in statements:
+            if "wal_checkpoint" in statement:
+                since = 0
+            elif statement.lstrip().upper().startswith("BEGIN"):
+                since += 1
+                longest = max(longest, since)
+        steps = hermes_state_search_index.OPTIMIZE_CHECKPOINT_STEPS
+        self.assertGreater(len(touching(statements, "DELETE FROM \"hs_retired")), 4 * steps)
+        # (+1: the transaction that sets hermes-agent's index aside)
+        self.assertLessEqual(longest, steps + 1)
