@@ -219,8 +219,12 @@ def _progress(phase, status):
 
 
 class SessionSearchIndexMixin:
-    """Index-side behaviour of SessionDB (see the module docstring)."""
+    """Index-side behaviour of SessionDB (see the module docstring).
 
+    Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value`, `_with_fresh_reader`,
+    `_checkpoint` and the attributes `db_path`, `policy`, `read_only`, `fts_caps`, `_commits`,
+    `_cjk_drained` (SessionDB); `vacuum` (maintenance mixin).
+    """
 
     # Leaf pages one step of an index merge writes: 500 took up to 0.6 s at 1M messages on a busy
     # 2-core machine, 200 up to 0.8 s with the checkpoint after it; issue 17's bound on a write-lock

@@ -571,8 +571,9 @@ class SessionSessionsMixin:
         after, chunk = [], -1 if want is None else want + 50
         while True:
             keyset = " AND (a.active_at, a.session_id) < (?, ?)" if after else ""
-            batch = self._read_all(self._listing_sql(sql.format(keyset)),
-                                   [*params, *params, *after, chunk])
+            # The filters' values twice (`matched`, then the WHERE), the keyset, the LIMIT.
+            binds = [*params, *params, *after, chunk]
+            batch = self._read_all(self._listing_sql(sql.format(keyset)), binds)
             for row in batch:
                 activity = row["active_at"] or 0
                 if want is not None and len(found) >= want and activity < found[want - 1][0]:
