@@ -641,6 +641,18 @@ MUTANTS = [
            'and False]',
            "an open keeps a listing trigger another version made under the same name",
            ["test_hermes_state_schema.ListingAidsOfAnotherVersion"]),
+    Mutant("start-page-trusts-judged-kinds", "hermes_state_sessions.py",
+           "                if _is_listable(row))\n        return [row for row in batch",
+           "                if True)\n        return [row for row in batch",
+           "the start-order page lists every row the aids left to Python, subagent runs included",
+           ["test_hermes_state_sessions.StartOrderPages"]),
+    Mutant("start-page-one-read", "hermes_state_sessions.py",
+           "            if chunk < 0 or len(batch) < chunk:\n                break\n"
+           "            after, chunk = [batch[-1][\"started_at\"], batch[-1][\"id\"]], chunk * 2\n"
+           "        # As _rich_rows_by_id",
+           "            break\n        # As _rich_rows_by_id",
+           "a start-order page with a row Python hid comes back short instead of reading on",
+           ["test_hermes_state_sessions.StartOrderPages"]),
 ]
 
 

@@ -706,24 +706,26 @@ class CountsKeptForChildren(SessionTestCase):
         finally:
             conn.close()
 
-    def listed(self, include_children=False, **filters):
-        return self.db.list_sessions_rich(limit=-1, include_children=include_children,
-                                          include_hidden=True, project_compression_tips=False,
-                                          compact_rows=True, **filters)
+    def listed(self, db, include_children=False, **filters):
+        return db.list_sessions_rich(limit=-1, include_children=include_children,
+                                     include_hidden=True, project_compression_tips=False,
+                                     compact_rows=True, **filters)
 
     def mismatches(self):
-        """Every count the tally answers that differs from counting the listing."""
+        """Every count the tally answers that differs from counting the listing of a copy that
+        does not trust the aids (the start-order listing reads their kinds when it may)."""
         self.assertTrue(self.db._listing_ready())
+        oracle = ListingAids.oracle(self)
         wrong = []
         for filters in self.FILTERS:
             for exclude in (True, False):
                 got = self.db.session_count(exclude_children=exclude, **filters)
-                want = len(self.listed(include_children=not exclude, **filters))
+                want = len(self.listed(oracle, include_children=not exclude, **filters))
                 if got != want:
                     wrong.append((filters, exclude, got, want))
         for filters in (dict(), dict(include_archived=True), dict(archived_only=True)):
             for exclude in (True, False):
-                rows = self.listed(include_children=not exclude, **filters)
+                rows = self.listed(oracle, include_children=not exclude, **filters)
                 want = collections.Counter(row["source"] or "cli" for row in rows)
                 got = self.db.session_count_by_source(exclude_children=exclude, **filters)
                 if got != dict(want):
@@ -875,3 +877,67 @@ class CountsKeptForChildren(SessionTestCase):
                 self.raw_write(("DELETE FROM sessions", ()), ("DELETE FROM hs_session_tally", ()),
                                ("DELETE FROM hs_session_activity", ()))
                 self.assertEqual(self.run_scenario(), [])
+
+
+class StartOrderPages(SessionTestCase):
+    """A start-order page is read as rich rows in that order, the aids' kinds leaving out the
+    children the listing hides and Python judging the rest: the same page as the candidates then
+    their rich rows (a copy that does not trust the aids) on random stores of children, markers
+    Python must judge, archived, hidden and pinned rows, compression chains and sources."""
+
+    SOURCES = CountsKeptForChildren.SOURCES
+    raw_write = CountsKeptForChildren.raw_write
+    random_store = CountsKeptForChildren.random_store
+    model_config = staticmethod(CountsKeptForChildren.model_config)
+    FILTERS = (dict(), dict(include_children=True), dict(include_archived=True),
+               dict(include_children=True, include_archived=True), dict(archived_only=True),
+               dict(source="telegram"), dict(exclude_sources=["cli"]), dict(sources=["", "tool"]),
+               dict(include_pinned=True), dict(include_hidden=True, include_children=True),
+               dict(project_compression_tips=False), dict(cwd_prefix="/w"),
+               dict(session_key="K1"), dict(min_message_count=1, compact_rows=True))
+    WINDOWS = tuple((limit, offset) for limit in (-1, 0, 1, 50) for offset in (0, 1, 40))
+
+    def decorate(self, rng, ids):
+        """Pins, hidden rows, cwds, heartbeats, read watermarks and first user turns."""
+        writes = []
+        for sid in ids:
+            writes.append(("UPDATE sessions SET pinned = ?, hidden = ?, cwd = ?,"
+                           " last_activity_at = ?, last_read_at = ? WHERE id = ?",
+                           (int(rng.random() < 0.08), int(rng.random() < 0.08),
+                            rng.choice((None, "/w/a", "/x")), rng.choice((None, 2000.0)),
+                            rng.choice((None, 400.0)), sid)))
+            for _ in range(rng.randint(0, 2)):
+                writes.append(("INSERT INTO messages (session_id, role, content, timestamp)"
+                               " VALUES (?, 'user', ?, ?)",
+                               (sid, f"turn {sid} " + "x" * rng.randint(0, 80),
+                                rng.random() * 1500)))
+        writes.append(("UPDATE sessions SET message_count ="
+                       " (SELECT COUNT(*) FROM messages WHERE session_id = sessions.id)", ()))
+        self.raw_write(*writes)
+
+    def test_every_page_equals_the_page_of_the_candidates_read(self):
+        import random
+        for seed in (4, 5):
+            rng = random.Random(seed)
+            self.raw_write(("DELETE FROM sessions", ()))
+            self.decorate(rng, self.random_store(rng, 300))
+            self.assertTrue(self.db._listing_ready())
+            judged = self.db._read_all(
+                "SELECT s.id, s.parent_session_id AS parent, s.model_config, s.started_at,"
+                " s.session_key, p.end_reason AS parent_end_reason,"
+                " p.ended_at AS parent_ended_at, p.session_key AS parent_key"
+                " FROM hs_session_activity AS a JOIN sessions AS s ON s.id = a.session_id"
+                " LEFT JOIN sessions AS p ON p.id = s.parent_session_id WHERE a.kind IN (2, 5)")
+            # Python judges some rows of each answer: some listed, some hidden
+            from hermes_state_sessions import _is_listable
+            self.assertEqual({_is_listable(row) for row in judged}, {True, False})
+            oracle = ListingAids.oracle(self)
+            for kwargs in self.FILTERS:
+                for limit, offset in self.WINDOWS:
+                    window = dict(kwargs, limit=limit, offset=offset)
+                    with self.subTest(seed=seed, **window):
+                        self.assertEqual(self.db.list_sessions_rich(**window),
+                                         oracle.list_sessions_rich(**window))
+            rows = self.db.list_sessions_rich(limit=-1)
+            self.assertTrue(any(row.get("_lineage_root_id") for row in rows))
+            self.assertTrue(any(row["pinned"] for row in rows))
