@@ -554,7 +554,7 @@ class OptimizeStorageCheckpoints(LockHoldTestCase):
             self.skipTest("optimize-storage is refused without FTS5 (OptimizeStorage checks it)")
         path = self.copy_fixture(V22_DB)
         statements = []
-        with mock.patch.object(hermes_state_search_index, "DROP_CHUNK_ROWS", 10), \
+        with mock.patch.object(hermes_state_search_index, "DROP_CHUNK_ROWS", 5), \
                 SessionDB(path, connection_factory=tracing_factory(statements)) as db:
             statements.clear()
             self.assertEqual({"ok": True, "vacuumed": None}, db.optimize_fts_storage(vacuum=False))
