@@ -44,18 +44,19 @@ from pathlib import Path
 
 from hermes_constants import get_hermes_home
 from hermes_state_common import (
-    FILE_MODE, INSERT_META_SQL, JOURNAL_MODE_SQL, SEARCH_OBJECTS,
-    SEARCH_TRIGGERS, SELECT_META_SQL, SIDECAR_SUFFIXES, _set_last_init_error,
-    escape_like, is_capability_gap, sqlite_has_wal_reset_bug,
+    FILE_MODE, INSERT_META_SQL, JOURNAL_MODE_SQL, SEARCH_OBJECTS, SEARCH_TRIGGERS, SELECT_META_SQL,
+    SIDECAR_SUFFIXES, _set_last_init_error, escape_like, sqlite_has_wal_reset_bug,
 )
+from hermes_state_errors import is_capability_gap
 from hermes_state_compression import SessionCompressionMixin
 from hermes_state_gateway import SessionGatewayMixin
 # StoreLockedError and WRITE_BUDGET_SECONDS are imported from here by callers, as before the split.
 from hermes_state_locks import (  # noqa: F401
-    CallerLock, _connections_held, _file_key, _hold, _raw_store_access, _release, _set_busy_timeout,
-    _store_of, StoreLockedError, _take_store_lock, _use_read_only, WRITE_BUDGET_SECONDS,
+    CallerLock, _connections_held, _file_key, _hold, _raw_store_access, _release,
+    _set_busy_timeout, _store_of, _take_store_lock, _use_read_only, WRITE_BUDGET_SECONDS,
     WRITER_BUSY_TIMEOUT,
 )
+from hermes_state_errors import StoreLockedError
 from hermes_state_maintenance import SessionMaintenanceMixin
 from hermes_state_messages import SessionMessagesMixin
 from hermes_state_portability import SessionPortabilityMixin
@@ -75,22 +76,25 @@ from hermes_state_doctor import (  # noqa: F401
     count_db_holders, is_sqlite_wal_reset_vulnerable, repair_state_db_schema, sqlite_source_id,
 )
 from hermes_state_common import (  # noqa: F401
-    _BARE_BILLING_PROVIDERS, classify_persistence_error, CompressionSessionBusyError,
-    DEFERRED_INDEX_SQL, FTS_STORAGE_VERSION, CompressionSessionClosedError,
-    format_session_db_unavailable, get_last_init_error, is_disk_full_error, is_malformed_db_error,
-    MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAGES, PERSISTENCE_ERROR_CAUSES,
-    resolved_max_export_messages, resolved_max_resume_messages, SCHEMA_VERSION,
-    SessionCompressionInProgressError, SessionExportTooLargeError, SessionResumeTooLargeError,
-    SessionTurnLeaseLostError, _WAL_INCOMPAT_MARKERS, workspace_key,
+    _BARE_BILLING_PROVIDERS, DEFERRED_INDEX_SQL, FTS_STORAGE_VERSION,
+    format_session_db_unavailable, get_last_init_error, resolved_max_export_messages,
+    resolved_max_resume_messages, SCHEMA_VERSION, _WAL_INCOMPAT_MARKERS, workspace_key,
+)
+from hermes_state_errors import (  # noqa: F401
+    classify_persistence_error, CompressionSessionBusyError, CompressionSessionClosedError,
+    is_disk_full_error, is_malformed_db_error, MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAGES,
+    PERSISTENCE_ERROR_CAUSES, SessionCompressionInProgressError, SessionExportTooLargeError,
+    SessionResumeTooLargeError, SessionTurnLeaseLostError,
 )
 from hermes_state_maintenance import (  # noqa: F401
     SESSION_STATUS_COMPLETE, SESSION_STATUS_EMPTY, SESSION_STATUS_ERROR, SESSION_STATUS_INTERRUPTED,
     classify_session_status,
 )
 from hermes_state_wal import (  # noqa: F401
-    WalUnsupportedError, apply_database_pragmas, apply_wal_with_fallback, preflight_db_writability,
+    apply_database_pragmas, apply_wal_with_fallback, preflight_db_writability,
     resolve_journal_mode,
 )
+from hermes_state_errors import WalUnsupportedError
 
 logger = logging.getLogger("hermes_state")
 

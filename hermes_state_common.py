@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from hermes_state_errors import MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAGES
+
 # -- Versions and names -------------------------------------------------------
 # Only for data migrations that cannot be declared (backfills, tagging). Columns never need a bump:
 # they come from SCHEMA_SQL on every open.
@@ -624,10 +626,6 @@ TOKEN_QUEUE_MAX_AGE = 1.0
 # Billing providers that name a bucket rather than a route one can resume on.
 _BARE_BILLING_PROVIDERS = frozenset({"auto", "custom"})
 
-class UsageValueError(ValueError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
-    """A token, cost or route value that cannot be stored. Also the sqlite3 classes hermes-agent
-    raises for such values (at insert or bind time), so callers that catch those still catch it."""
-
 # -- Value checks shared by the API: each names the field and the limit -------
 
 def sqlite_keeps(value):
@@ -688,14 +686,6 @@ def decode_content(stored):
         except ValueError:
             pass
     return stored
-
-def is_capability_gap(exc):
-    """True for an error that means this runtime lacks FTS5 or a tokenizer, not that the store is
-    damaged."""
-    text = str(exc).lower()
-    return (("no such module" in text and "fts5" in text)
-            or "no such tokenizer: trigram" in text
-            or "no such tokenizer: cjk_unicode61" in text)
 
 def loads_or(text, fallback):
     """JSON text decoded, or `fallback` when it is not JSON."""
@@ -810,100 +800,18 @@ def normalize_title(title):
         raise ValueError(f"Title too long ({len(title)} chars, max {TITLE_MAX_LENGTH})")
     return title or None
 
-# -- Errors callers catch by class (hermes-agent imports them from hermes_state) --
-
-# Transcript sizes past which resume and in-memory export refuse; 0 in the caller's config turns a
-# guard off.
-MAX_SAFE_RESUME_MESSAGES = 20_000
-MAX_SAFE_EXPORT_MESSAGES = 20_000
-
-class SessionResumeTooLargeError(ValueError):
-    """Resuming would load more active messages than MAX_SAFE_RESUME_MESSAGES."""
-
-    def __init__(self, message_count, limit=MAX_SAFE_RESUME_MESSAGES, scope="across its lineage"):
-        self.message_count, self.limit = message_count, limit
-        super().__init__(f"session has at least {message_count} active messages {scope}; "
-                         f"safe resume limit is {limit}. Export the session instead, or set "
-                         "sessions.max_resume_messages: 0 in config.yaml to disable the guard.")
-
-class SessionExportTooLargeError(ValueError):
-    """An in-memory export would hold more active messages than MAX_SAFE_EXPORT_MESSAGES."""
-
-    def __init__(self, session_id, message_count, limit=MAX_SAFE_EXPORT_MESSAGES):
-        self.session_id, self.message_count, self.limit = session_id, message_count, limit
-        super().__init__(f"session '{session_id}' has at least {message_count} active messages; "
-                         f"safe in-memory export limit is {limit}")
-
-class CompressionSessionClosedError(RuntimeError):
-    """A write aimed at a session that compression has already ended."""
-
-    def __init__(self, session_id):
-        self.session_id = session_id
-        super().__init__(f"Session {session_id!r} is closed by compression; "
-                         "adopt its live continuation before appending messages")
-
-class CompressionSessionBusyError(RuntimeError):
-    """Someone other than the compression-lock holder tried to write the session."""
-
-class SessionCompressionInProgressError(CompressionSessionBusyError):
-    """A live compression lock blocked the write; it is transient, so waiting helps."""
-
-class SessionTurnLeaseLostError(RuntimeError):
-    """A write named a turn-lease holder that no longer holds the lease; never retried."""
-
 # -- Persistence errors ---------------------------------------------------------
 # hermes-agent imports these from hermes_state and shows their texts to users; names, causes and
 # wording are hermes-agent's.
 
-# Every answer classify_persistence_error can give; callers iterate it.
-PERSISTENCE_ERROR_CAUSES = ("locked", "compression", "compression_closed", "turn_lease", "disk",
-                            "unknown")
 # Error texts of filesystems where WAL cannot work (NFS/SMB locking, FUSE, ZFS).
 _WAL_INCOMPAT_MARKERS = ("locking protocol", "not authorized", "disk i/o error")
-MALFORMED_DB_MARKERS = ("malformed database schema", "database disk image is malformed")
-# Plain substrings, so an OSError, SQLITE_FULL and a text passed through RPC all match.
-DISK_FULL_MARKERS = ("no space left on device", "not enough space", "database or disk is full",
-                     "disk full", "full disk", "enospc")
 SESSION_DB_UNAVAILABLE = "Session database not available"
 WAL_INCOMPAT_HINT = (" (state.db may be on NFS/SMB/FUSE/ZFS \u2014"
                      " see https://www.sqlite.org/wal.html)")
 
 _last_init_error = None
 _last_init_error_lock = threading.Lock()
-
-def is_malformed_db_error(exc):
-    """True for SQLite's malformed-schema or malformed-image error; False for anything else."""
-    return isinstance(exc, sqlite3.DatabaseError) and any(m in str(exc).lower()
-                                                          for m in MALFORMED_DB_MARKERS)
-
-def is_disk_full_error(exc):
-    """True when `exc` (an exception or its text) says the disk is full; False for None."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return True
-    return exc is not None and any(marker in str(exc).lower() for marker in DISK_FULL_MARKERS)
-
-def classify_persistence_error(exc_or_str):
-    """The cause of a failed session write, one of PERSISTENCE_ERROR_CAUSES; 'unknown' for None.
-
-    The exception classes decide first, then words of the text (which may have crossed an RPC
-    boundary as a string): a turn lease, a session closed by compression, a compression in progress,
-    lock contention, then disk trouble (full, read-only, permissions)."""
-    if exc_or_str is None:
-        return "unknown"
-    for cls, cause in ((SessionTurnLeaseLostError, "turn_lease"),
-                       (CompressionSessionClosedError, "compression_closed"),
-                       (CompressionSessionBusyError, "compression")):
-        if isinstance(exc_or_str, cls):
-            return cause
-    text = str(exc_or_str).lower()
-    for words, cause in ((("turn lease",), "turn_lease"),
-                         (("closed by compression",), "compression_closed"),
-                         (("being compressed", "compression lease"), "compression"),
-                         (("locked", "busy"), "locked"),
-                         (("disk", "readonly", "read-only"), "disk")):
-        if any(word in text for word in words):
-            return cause
-    return "disk" if is_disk_full_error(exc_or_str) else "unknown"
 
 def _set_last_init_error(message):
     """Remember why opening the store failed (None forgets it). SessionDB sets it and never clears
@@ -928,14 +836,6 @@ def format_session_db_unavailable(prefix=SESSION_DB_UNAVAILABLE):
     return f"{prefix}: {cause}{hint}."
 
 # -- Sessions: bad rows, reset boundaries, resume caps, workspaces ------------
-
-class SessionRowError(ValueError, sqlite3.IntegrityError):
-    """A session row the store refuses: no usable id or source, or a parent that does not exist.
-    hermes-agent's store fails on these with IntegrityError."""
-
-class SessionInputTypeError(ValueError, TypeError, AttributeError):
-    """A value of the wrong type for a session or compaction write (hermes-agent fails on these with
-    TypeError or AttributeError, so callers may catch either)."""
 
 def hermes_agent_config():
     """hermes-agent's `hermes_cli.config` module when we run inside hermes-agent; None elsewhere.

@@ -14,11 +14,14 @@ import time
 
 from hermes_state_common import (
     COMPRESSION_END_REASON, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, LINEAGE_MAX_HOPS,
-    SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL, _RESET_END_REASONS,
-    CompressionSessionBusyError, SessionCompressionInProgressError, SessionExportTooLargeError,
-    SessionInputTypeError, SessionResumeTooLargeError, SessionRowError, cwd_prefix_clause,
+    SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL, _RESET_END_REASONS, cwd_prefix_clause,
     has_fork_marker, is_fork_child, json_object, loads_or, merge_model_config, placeholders,
-    resolved_max_export_messages, resolved_max_resume_messages)
+    resolved_max_export_messages, resolved_max_resume_messages,
+)
+from hermes_state_errors import (
+    CompressionSessionBusyError, SessionCompressionInProgressError, SessionExportTooLargeError,
+    SessionInputTypeError, SessionResumeTooLargeError, SessionRowError,
+)
 from hermes_state_schema import prompt_hash
 
 logger = logging.getLogger("hermes_state")

@@ -29,8 +29,9 @@ from hermes_state_common import (
     META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE,
     META_FTS_STORAGE_VERSION, META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS,
     META_SEARCH_STALE_PREFIX, SEARCH_TABLES, SIDECAR_SUFFIXES, claim_file_beside,
-    hermes_agent_config, is_capability_gap, sqlite_has_wal_reset_bug,
+    hermes_agent_config, sqlite_has_wal_reset_bug,
 )
+from hermes_state_errors import is_capability_gap
 
 logger = logging.getLogger("hermes_state")
 

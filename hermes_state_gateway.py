@@ -20,8 +20,10 @@ from collections import Counter
 
 from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, LAST_ACTIVE_SQL, SELECT_COMPRESSION_LOCK_SQL,
-    _BARE_BILLING_PROVIDERS, _RESET_END_REASONS, classify_persistence_error, has_fork_marker,
-    json_object, json_text, require_text)
+    _BARE_BILLING_PROVIDERS, _RESET_END_REASONS, has_fork_marker, json_object, json_text,
+    require_text,
+)
+from hermes_state_errors import classify_persistence_error
 
 logger = logging.getLogger("hermes_state")
 

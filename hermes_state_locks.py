@@ -21,6 +21,7 @@ import types
 from pathlib import Path
 
 from hermes_state_common import FILE_MODE, SIDECAR_SUFFIXES
+from hermes_state_errors import StoreLockedError
 
 logger = logging.getLogger("hermes_state")
 
@@ -31,10 +32,6 @@ WRITE_BUDGET_SECONDS = 20.0
 # 0.2-2 ms.
 FILE_LOCK_POLL = (0.001, 0.004)
 WRITER_BUSY_TIMEOUT = 0.1
-
-
-class StoreLockedError(sqlite3.OperationalError):
-    """The store stayed locked by another writer for the whole write budget."""
 
 
 def _set_busy_timeout(conn, seconds):

@@ -17,10 +17,14 @@ import time
 
 from hermes_state_common import (
     COMPRESSION_END_REASON, CONTENT_JSON_PREFIX, COUNT_ALL_MESSAGES_SQL, MESSAGE_WRITE_COLUMNS,
-    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, STALE_MARKER,
-    CompressionSessionClosedError, SessionTurnLeaseLostError, content_text, decode_content,
-    decode_display_metadata, decode_message, describe_skill_invocation, encode_content,
-    is_fork_child, json_object, loads_or, placeholders, scrub_surrogates, sqlite_keeps)
+    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, STALE_MARKER, content_text,
+    decode_content, decode_display_metadata, decode_message, describe_skill_invocation,
+    encode_content, is_fork_child, json_object, loads_or, placeholders, scrub_surrogates,
+    sqlite_keeps,
+)
+from hermes_state_errors import (
+    CompressionSessionClosedError, SessionTurnLeaseLostError, UnknownSessionError,
+)
 
 # One message row, its values in MESSAGE_WRITE_COLUMNS order (see _write_row); append_message and
 # _insert_message_rows run it, bench.py too.
@@ -47,15 +51,6 @@ def is_compaction_summary(content):
     if _MERGED_SUMMARY_DELIMITER in text:
         text = text.split(_MERGED_SUMMARY_DELIMITER, 1)[1].lstrip()
     return text.startswith(_COMPACTION_SUMMARY_LEADS)
-
-
-class UnknownSessionError(ValueError, sqlite3.IntegrityError):
-    """A message aimed at a session that does not exist;
-    hermes-agent's foreign key raises IntegrityError."""
-
-    def __init__(self, session_id):
-        self.session_id = session_id
-        super().__init__(f"unknown session_id {session_id!r}; nothing was written")
 
 
 # Assistant turns that a later answer supersedes when alternation is repaired.

@@ -24,9 +24,10 @@ from hermes_state_common import (
     GATEWAY_ROUTING_SIDE_TABLE, HERMES_FTS_TABLES, INSERT_META_SQL, INSERT_SYSTEM_PROMPT_SQL,
     LAST_ACTIVE_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, PREVIOUS_LAYOUT_TABLES,
     RENAME_TABLE_SQL, SCHEMA_SQL, SCHEMA_VERSION, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME, _RESET_END_REASONS, is_capability_gap,
-    quote_identifier, trigger_writes,
+    SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME, _RESET_END_REASONS, quote_identifier,
+    trigger_writes,
 )
+from hermes_state_errors import is_capability_gap
 
 logger = logging.getLogger("hermes_state")
 

@@ -18,9 +18,11 @@ import time
 from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, MESSAGES_LAST_ACTIVE_SQL,
     SELECT_META_SQL, SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL, TABLE_EXISTS_SQL,
-    SKILL_EXCERPT_JOINT, SessionInputTypeError, SessionRowError, _RESET_END_REASONS, chunked,
-    cwd_prefix_clause, describe_skill_invocation, escape_like, has_fork_marker, json_object,
-    loads_or, merge_model_config, placeholders, require_text, sqlite_keeps)
+    SKILL_EXCERPT_JOINT, _RESET_END_REASONS, chunked, cwd_prefix_clause, describe_skill_invocation,
+    escape_like, has_fork_marker, json_object, loads_or, merge_model_config, placeholders,
+    require_text, sqlite_keeps,
+)
+from hermes_state_errors import SessionInputTypeError, SessionRowError
 from hermes_state_schema import (
     JUDGED_KIND_SQL, LISTED_ROOT_SQL, LISTING_OBJECTS, LISTING_VERSION, META_LISTING_READY,
     SELECT_LISTING_OBJECT_COUNT_SQL, TALLY_JUDGED_KINDS, TALLY_LISTED_KINDS, declared_columns,

@@ -13,8 +13,8 @@ import sqlite3
 import threading
 import time
 
-from hermes_state_common import (
-    DELETE_UNUSED_PROMPTS_SQL, TOKEN_QUEUE_MAX_AGE, UsageValueError, sqlite_keeps)
+from hermes_state_common import DELETE_UNUSED_PROMPTS_SQL, TOKEN_QUEUE_MAX_AGE, sqlite_keeps
+from hermes_state_errors import UsageValueError
 
 logger = logging.getLogger("hermes_state")
 

@@ -24,6 +24,7 @@ from hermes_constants import get_hermes_home
 from hermes_state_common import (
     _WAL_INCOMPAT_MARKERS, hermes_agent_config_section, sqlite_has_wal_reset_bug,
 )
+from hermes_state_errors import WalUnsupportedError
 
 logger = logging.getLogger("hermes_state")
 
@@ -39,10 +40,6 @@ MODE_RETRY_PAUSE = 0.05
 
 _warned = set()
 _warned_lock = threading.Lock()
-
-
-class WalUnsupportedError(sqlite3.OperationalError):
-    """WAL was required (`require_wal=True`) and the filesystem refused it."""
 
 
 def resolve_journal_mode():

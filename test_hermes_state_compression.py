@@ -8,12 +8,9 @@ import sys
 import time
 
 import hermes_state
-from hermes_state_common import (
-    CompressionSessionBusyError,
-    SessionCompressionInProgressError,
-    SessionExportTooLargeError,
-    SessionResumeTooLargeError,
-    SessionRowError,
+from hermes_state_errors import (
+    CompressionSessionBusyError, SessionCompressionInProgressError, SessionExportTooLargeError,
+    SessionResumeTooLargeError, SessionRowError,
 )
 from test_support import REPO, StoreTestCase, backdate
 

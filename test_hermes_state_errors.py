@@ -14,12 +14,16 @@ from unittest import mock
 
 import hermes_state
 import hermes_state_common
+import hermes_state_errors
 import hermes_state_doctor
 from hermes_state import SessionDB, StoreLockedError
 from hermes_state_common import (
+    _set_last_init_error, format_session_db_unavailable, get_last_init_error,
+)
+from hermes_state_errors import (
     PERSISTENCE_ERROR_CAUSES, CompressionSessionBusyError, CompressionSessionClosedError,
-    SessionCompressionInProgressError, SessionTurnLeaseLostError, _set_last_init_error, classify_persistence_error,
-    format_session_db_unavailable, get_last_init_error, is_disk_full_error, is_malformed_db_error,
+    SessionCompressionInProgressError, SessionTurnLeaseLostError, classify_persistence_error,
+    is_disk_full_error, is_malformed_db_error,
 )
 from test_support import REPO, StoreTestCase, TempDirTestCase
 
@@ -38,8 +42,11 @@ REFERENCE_HERMES_CONSTANTS_NAMES = {
 class PersistenceErrors(TempDirTestCase):
 
     def test_causes_are_hermes_agents_in_its_order(self):
+        # 0.22's causes, a superset of 0.20's (docs/differences.md: a tuple callers iterate grows).
         self.assertEqual(PERSISTENCE_ERROR_CAUSES,
-                         ("locked", "compression", "compression_closed", "turn_lease", "disk", "unknown"))
+                         ("locked", "compression", "compression_closed", "turn_lease", "corrupt",
+                          "fts_index", "replaced", "deleted_wal", "disk", "session_row_missing",
+                          "unknown"))
 
     def test_exception_classes_decide_before_their_words(self):
         for exc, cause in ((SessionTurnLeaseLostError("database is locked"), "turn_lease"),
@@ -122,12 +129,18 @@ class PersistenceErrors(TempDirTestCase):
         self.assertFalse(is_malformed_db_error(sqlite3.DatabaseError("file is not a database")))
 
     def test_hermes_state_exports_them(self):
-        for name in ("classify_persistence_error", "PERSISTENCE_ERROR_CAUSES", "is_disk_full_error",
-                     "is_malformed_db_error", "format_session_db_unavailable", "get_last_init_error",
-                     "_set_last_init_error", "_WAL_INCOMPAT_MARKERS", "CompressionSessionClosedError",
-                     "CompressionSessionBusyError", "SessionCompressionInProgressError", "SessionTurnLeaseLostError"):
+        for name in ("format_session_db_unavailable", "get_last_init_error",
+                     "_set_last_init_error", "_WAL_INCOMPAT_MARKERS"):
             with self.subTest(name=name):
                 self.assertIs(getattr(hermes_state, name), getattr(hermes_state_common, name))
+        # Each class is defined once, in hermes_state_errors, so an except clause matches whichever
+        # module a caller imported it from.
+        for name in ("classify_persistence_error", "PERSISTENCE_ERROR_CAUSES", "is_disk_full_error",
+                     "is_malformed_db_error", "CompressionSessionClosedError",
+                     "CompressionSessionBusyError", "SessionCompressionInProgressError",
+                     "SessionTurnLeaseLostError"):
+            with self.subTest(name=name):
+                self.assertIs(getattr(hermes_state, name), getattr(hermes_state_errors, name))
 
     def test_hermes_state_exports_what_session_recovery_imports_with_the_references_values(self):
         # hermes_cli.session_recovery: `from hermes_state import FTS_STORAGE_VERSION, SCHEMA_VERSION, ...`

@@ -12,7 +12,7 @@ import time
 import unittest
 
 from hermes_state import SessionDB
-from hermes_state_common import SessionTurnLeaseLostError
+from hermes_state_errors import SessionTurnLeaseLostError
 from test_support import REPO, StoreTestCase, backdate
 
 # Each process opens the store, says it is ready, waits for the go file, then claims.

@@ -7,10 +7,7 @@ import sqlite3
 import time
 
 from hermes_state import SessionDB
-from hermes_state_common import (
-    CompressionSessionClosedError,
-    SessionTurnLeaseLostError,
-)
+from hermes_state_errors import CompressionSessionClosedError, SessionTurnLeaseLostError
 from test_support import StoreTestCase
 
 CALL = [{"id": "call_1", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]

@@ -5,7 +5,7 @@ import contextlib
 import json
 import sqlite3
 
-from hermes_state_common import SessionInputTypeError, SessionRowError
+from hermes_state_errors import SessionInputTypeError, SessionRowError
 from test_support import StoreTestCase, backdate
 
 

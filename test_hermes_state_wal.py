@@ -12,7 +12,8 @@ from unittest import mock
 
 import hermes_state
 import hermes_state_wal
-from hermes_state_wal import WalUnsupportedError, apply_wal_with_fallback
+from hermes_state_wal import apply_wal_with_fallback
+from hermes_state_errors import WalUnsupportedError
 from test_support import REPO, StoreTestCase, TempDirTestCase
 
 # Opens a WAL database, commits a row it keeps in the WAL (no checkpoint), says so,

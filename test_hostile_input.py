@@ -80,7 +80,7 @@ class IntegersPastSqlite(StoreTestCase):
         self.assertTrue(all(before <= stamp <= time.time() for stamp in stamps), stamps)
 
     def test_a_session_field_sqlite_cannot_keep_is_refused_naming_it_and_writes_nothing(self):
-        from hermes_state_common import SessionRowError
+        from hermes_state_errors import SessionRowError
         for kwargs, field in ((dict(user_id=1 << 70), "user_id"), (dict(model=math.nan), "model"),
                               (dict(source=["x"]), "source")):
             with self.subTest(field=field), \

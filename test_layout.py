@@ -21,14 +21,29 @@ from test_support import REPO
 # Each module may import project modules of lower layers only (and the standard library).
 FIXED_LAYERS = {
     "hermes_constants": 0,
+    "hermes_state_errors": 0.5,  # exception classes and failure predicates: the standard library only
+    "hermes_state_ids": 0.5,  # session id minting and recognising
+    "hermes_state_pidns": 0.5,  # the PID namespace a lock or lease holder lives in
     "hermes_state_common": 1,
+    "hermes_state_identity": 1.5,  # message identity columns <-> message dicts; pure functions
+    "hermes_state_health": 1.5,  # per-store health notes (corrupt or ok), in memory
+    "hermes_state_user_copy": 1.5,  # user-facing text for a storage failure
+    "hermes_state_guard": 1.5,  # why the last open failed; the test-isolation guard
+    "hermes_state_holders": 1.7,  # which processes hold the store's files open
+    "hermes_state_lockowners": 1.7,  # who holds SQLite's write lock (/proc/locks)
     "hermes_state_replica": 1,  # SessionDB.open_replica's VFS connections; imports none of ours
     "hermes_state_schema": 2,
     "hermes_state_locks": 2,  # the writer lock and our connection registry, below every user of them
+    "hermes_state_lockguard": 2,  # holds a writer's file locks where a stray close() cannot drop them
+    "hermes_state_readpool": 2,  # read-connection budgets per store file
+    "hermes_state_dbfile": 2.2,  # file-level facts of a store: header, sidecars, stats, holders
+    "hermes_state_repair": 2.4,  # repair, backup and writability checks on a path, never a SessionDB
     "hermes_state_redact": 2,  # used by write_export (hermes_state_export_formats); works on export dicts, never a store
     "hermes_state_export_formats": 2.5,  # the export renderers: import redact (2), never a store
     # 3: every other hermes_state_<concern>.py, a concern mixin
+    "hermes_state_timeline": 3.5,  # a session's prompt index and bounded jumps, over a SessionDB
     "hermes_state": 4,
+    "hermes_state_registry": 4.5,  # one shared SessionDB per store path, reference counted
     "hermes_state_server": 5,
     "hermes_state_cli": 6,  # the command line starts the server (`serve`), never the reverse
 }

@@ -203,7 +203,7 @@ def mixed_worker(path, journal, wid, seed, seconds, out):
     def hot():
         # Ids every worker creates, fills and deletes: deletes sweep big sessions in chunks while another
         # process makes the same id again and appends to it.
-        from hermes_state_messages import UnknownSessionError
+        from hermes_state_errors import UnknownSessionError
         sid, pick = f"hot-{rng.randrange(3)}", rng.random()
         if pick < 0.3:
             db.create_session(sid, "hot")
