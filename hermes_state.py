@@ -51,7 +51,7 @@ from hermes_state_errors import is_capability_gap
 from hermes_state_compression import SessionCompressionMixin
 from hermes_state_gateway import SessionGatewayMixin
 # StoreLockedError and WRITE_BUDGET_SECONDS are imported from here by callers, as before the split.
-from hermes_state_locks import (  # noqa: F401
+from hermes_state_lockguard import (  # noqa: F401
     CallerLock, _connections_held, _file_key, _hold, _raw_store_access, _release,
     _set_busy_timeout, _store_of, _take_store_lock, _use_read_only, WRITE_BUDGET_SECONDS,
     WRITER_BUSY_TIMEOUT,
@@ -64,14 +64,14 @@ from hermes_state_schema import (
     SessionSchemaMixin, is_lock_error, pause_between_chunks, runtime_capabilities,
 )
 from hermes_state_search import SessionSearchMixin
-from hermes_state_search_index import SessionSearchIndexMixin
+from hermes_state_fts import SessionSearchIndexMixin
 from hermes_state_sessions import SessionSessionsMixin
 from hermes_state_telegram import SessionTelegramMixin
 from hermes_state_titles import SessionTitlesMixin
 from hermes_state_usage import SessionUsageMixin, TokenQueue, apply_token_batch
 
 # Names hermes-agent imports from this module although they live in another.
-from hermes_state_doctor import (  # noqa: F401
+from hermes_state_repair import (  # noqa: F401
     _backup_db_file, _db_opens_cleanly, _wal_reset_repair_hint, collect_state_db_stats,
     count_db_holders, is_sqlite_wal_reset_vulnerable, repair_state_db_schema, sqlite_source_id,
 )

@@ -6,7 +6,7 @@ usage rows and Telegram topic bindings (as hermes-agent's foreign keys do), dele
 system prompts no session uses any more, and transcript files in a `sessions_dir`. Relies on
 SessionDB's write and read paths and on other mixins' `set_session_archived`, `_resolved`,
 `optimize_fts`, `search_health`, `fts_layout` and `fts_rebuild_*`. Never repairs the schema: that
-happens at open (hermes_state_schema) or in hermes_state_doctor.
+happens at open (hermes_state_schema) or in hermes_state_repair.
 """
 
 import contextlib

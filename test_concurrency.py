@@ -60,7 +60,7 @@ def run_python(code, *args):
 
 HOLD_WRITER_FILE_LOCK = """
 import sys, time
-from hermes_state_locks import WriterFileLock
+from hermes_state_lockguard import WriterFileLock
 lock = WriterFileLock(sys.argv[1] + ".lock")
 assert lock.acquire(time.monotonic() + 5)
 print("held", flush=True)

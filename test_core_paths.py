@@ -21,7 +21,7 @@ import unittest
 from pathlib import Path
 
 import hermes_state
-import hermes_state_locks
+import hermes_state_lockguard
 from hermes_state import SessionDB, StoreLockedError, restore_home
 from test_support import REPO, TempDirTestCase, require
 
@@ -161,7 +161,7 @@ class Forked:
 class SetAsideInAForkedChild(TempDirTestCase):
 
     def test_a_child_forked_while_a_thread_held_the_set_aside_guard_can_still_set_a_store_aside(self):
-        # The guard once lived in hermes_state_locks' fork reset, which rebound a name there while
+        # The guard once lived in hermes_state_lockguard' fork reset, which rebound a name there while
         # set_aside took hermes_state's own lock: the child waited for a thread it does not have.
         path = self.tmp / "state.db"
         path.write_bytes(b"not a store")
@@ -308,7 +308,7 @@ class AForkedChild(TempDirTestCase):
             say("wrote")
 
         # As if another thread were attaching a lock file at the fork: the child has no such thread to free it.
-        with hermes_state_locks._lock_files_guard:
+        with hermes_state_lockguard._lock_files_guard:
             child = self.fork(child_body)
         self.assertEqual(child.hear(), "wrote")
         self.assertEqual(child.exit_code(), 0)

@@ -15,7 +15,7 @@ from unittest import mock
 import hermes_state
 import hermes_state_common
 import hermes_state_errors
-import hermes_state_doctor
+import hermes_state_repair
 from hermes_state import SessionDB, StoreLockedError
 from hermes_state_common import (
     _set_last_init_error, format_session_db_unavailable, get_last_init_error,
@@ -145,8 +145,8 @@ class PersistenceErrors(TempDirTestCase):
     def test_hermes_state_exports_what_session_recovery_imports_with_the_references_values(self):
         # hermes_cli.session_recovery: `from hermes_state import FTS_STORAGE_VERSION, SCHEMA_VERSION, ...`
         self.assertEqual((hermes_state.FTS_STORAGE_VERSION, hermes_state.SCHEMA_VERSION), (1, 26))
-        # ... and `_db_opens_cleanly`, whose behaviour test_hermes_state_doctor covers.
-        self.assertIs(hermes_state._db_opens_cleanly, hermes_state_doctor._db_opens_cleanly)
+        # ... and `_db_opens_cleanly`, whose behaviour test_hermes_state_repair covers.
+        self.assertIs(hermes_state._db_opens_cleanly, hermes_state_repair._db_opens_cleanly)
 
 
 class LastInitError(TempDirTestCase):

@@ -14,7 +14,7 @@ import time
 from unittest import mock
 
 import hermes_state_search
-import hermes_state_search_index
+import hermes_state_fts
 from hermes_state import SessionDB
 from hermes_state_common import (
     LAYOUT_2_WORD_OBJECTS, SCHEMA_VERSION, SEARCH_LAYOUT_VERSION, SEARCH_TRIGGERS, TOOL_INDEX_PREFIX_CHARS,
@@ -869,7 +869,7 @@ class OptimizeStorage(TempDirTestCase):
         path = self.copy_fixture(V22_DB)
         with SessionDB(path) as db:
             content = dump_hash(path)
-            with mock.patch.object(hermes_state_search_index, "free_disk_bytes", return_value=500_000):
+            with mock.patch.object(hermes_state_fts, "free_disk_bytes", return_value=500_000):
                 result = db.optimize_fts_storage()
             self.assertEqual((result["ok"], result["reason"], result["vacuumed"]), (False, "insufficient_disk", None))
             self.assertRegex(result["detail"], r"needs about \d+\.\d MB free .* only 0\.5 MB are free; "
@@ -881,8 +881,8 @@ class OptimizeStorage(TempDirTestCase):
         if self.refused_here(V22_DB):
             return
         path, before_cjk, before_words, cjk, words = self.baseline(V22_DB)
-        with mock.patch.object(hermes_state_search_index, "BACKFILL_CHUNK_IDS", 40), \
-                mock.patch.object(hermes_state_search_index, "DROP_CHUNK_ROWS", 20):
+        with mock.patch.object(hermes_state_fts, "BACKFILL_CHUNK_IDS", 40), \
+                mock.patch.object(hermes_state_fts, "DROP_CHUNK_ROWS", 20):
             for stop_at in range(1, 200):
                 calls = []
 
@@ -904,7 +904,7 @@ class OptimizeStorage(TempDirTestCase):
         if self.refused_here(V22_DB):
             return
         path, before_cjk, before_words, cjk, words = self.baseline(V22_DB)
-        script = ("import sys, hermes_state_search_index as s; from hermes_state import SessionDB\n"
+        script = ("import sys, hermes_state_fts as s; from hermes_state import SessionDB\n"
                   "s.BACKFILL_CHUNK_IDS, s.DROP_CHUNK_ROWS, s.OPTIMIZE_PAUSE = 30, 15, 0.02\n"
                   "db = SessionDB(sys.argv[1])\n"
                   "db.optimize_fts_storage(progress_cb=lambda p: print(p['phase'], flush=True))\n")
@@ -946,7 +946,7 @@ class OptimizeStorage(TempDirTestCase):
                     time.sleep(0.002)
 
         thread = threading.Thread(target=writer)
-        with mock.patch.object(hermes_state_search_index, "BACKFILL_CHUNK_IDS", 50):
+        with mock.patch.object(hermes_state_fts, "BACKFILL_CHUNK_IDS", 50):
             thread.start()
             with SessionDB(path) as db:
                 db.optimize_fts_storage()
@@ -1248,7 +1248,7 @@ class ForeignWriters(TempDirTestCase):
             return conn.close()
         queued = conn.execute("SELECT COUNT(*) FROM hs_fts_cjk_queue").fetchone()[0]
         self.assertEqual(queued, 12_000)
-        with mock.patch.object(hermes_state_search_index, "CJK_DRAIN_MAX_ROWS", 10_000):
+        with mock.patch.object(hermes_state_fts, "CJK_DRAIN_MAX_ROWS", 10_000):
             with SessionDB(path) as db:
                 self.assertEqual(db._read_value("SELECT COUNT(*) FROM hs_fts_cjk_queue"), 2_000)
                 self.assertEqual(len(hit_ids(db, "外部")), 12_000)
@@ -1346,7 +1346,7 @@ class ChangedByAnotherProgram(TempDirTestCase):
         old = self.make_layout_2(listed)
         self.ids += [self.raw_insert("damson after")]
         statements = []
-        with mock.patch.multiple(hermes_state_search_index, TOOL_LISTS_CHUNK_IDS=chunk_ids, TOOL_LISTS_MAX_ROWS=max_rows), \
+        with mock.patch.multiple(hermes_state_fts, TOOL_LISTS_CHUNK_IDS=chunk_ids, TOOL_LISTS_MAX_ROWS=max_rows), \
                 SessionDB(self.path, connection_factory=tracing_factory(statements)) as db:
             self.assertFalse([s for s in statements if "hs_retired_" in s or "id > 0 AND id <=" in s])
             self.assertGreater(len([s for s in statements if s.startswith("SELECT id FROM messages WHERE id >=")]), 2)

@@ -33,11 +33,10 @@ FIXED_LAYERS = {
     "hermes_state_lockowners": 1.7,  # who holds SQLite's write lock (/proc/locks)
     "hermes_state_replica": 1,  # SessionDB.open_replica's VFS connections; imports none of ours
     "hermes_state_schema": 2,
-    "hermes_state_locks": 2,  # the writer lock and our connection registry, below every user of them
-    "hermes_state_lockguard": 2,  # holds a writer's file locks where a stray close() cannot drop them
+    "hermes_state_lockguard": 2,  # the writer lock and our connection registry, below every user of them
     "hermes_state_readpool": 2,  # read-connection budgets per store file
     "hermes_state_dbfile": 2.2,  # file-level facts of a store: header, sidecars, stats, holders
-    "hermes_state_repair": 2.4,  # repair, backup and writability checks on a path, never a SessionDB
+    "hermes_state_repair": 2.4,  # repair, backup and doctor probes on a path, never a SessionDB
     "hermes_state_redact": 2,  # used by write_export (hermes_state_export_formats); works on export dicts, never a store
     "hermes_state_export_formats": 2.5,  # the export renderers: import redact (2), never a store
     # 3: every other hermes_state_<concern>.py, a concern mixin

@@ -11,7 +11,7 @@ import threading
 import unittest
 from unittest import mock
 
-import hermes_state_search_index
+import hermes_state_fts
 from hermes_state import SessionDB
 from test_hermes_state_schema import OLD_SESSIONS
 from test_support import (HAS_FTS5, INDEX_TABLES, REPO, V22_DB, TempDirTestCase, require,
@@ -554,7 +554,7 @@ class OptimizeStorageCheckpoints(LockHoldTestCase):
             self.skipTest("optimize-storage is refused without FTS5 (OptimizeStorage checks it)")
         path = self.copy_fixture(V22_DB)
         statements = []
-        with mock.patch.object(hermes_state_search_index, "DROP_CHUNK_ROWS", 5), \
+        with mock.patch.object(hermes_state_fts, "DROP_CHUNK_ROWS", 5), \
                 SessionDB(path, connection_factory=tracing_factory(statements)) as db:
             statements.clear()
             self.assertEqual({"ok": True, "vacuumed": None}, db.optimize_fts_storage(vacuum=False))
@@ -565,7 +565,7 @@ class OptimizeStorageCheckpoints(LockHoldTestCase):
             elif statement.lstrip().upper().startswith("BEGIN"):
                 since += 1
                 longest = max(longest, since)
-        steps = hermes_state_search_index.OPTIMIZE_CHECKPOINT_STEPS
+        steps = hermes_state_fts.OPTIMIZE_CHECKPOINT_STEPS
         self.assertGreater(len(touching(statements, "DELETE FROM \"hs_retired")), 4 * steps)
         # (+1: the transaction that sets hermes-agent's index aside)
         self.assertLessEqual(longest, steps + 1)

@@ -26,7 +26,7 @@ from test_support import (
 MARKER_SQL = "SELECT value FROM state_meta WHERE key = 'fts_optimize_available'"
 HOLD_WRITER_LOCK = """
 import sys
-from hermes_state_locks import WriterFileLock
+from hermes_state_lockguard import WriterFileLock
 lock = WriterFileLock(sys.argv[1] + ".lock")
 assert lock.acquire(__import__("time").monotonic() + 5)
 print("held", flush=True)

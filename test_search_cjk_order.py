@@ -6,7 +6,7 @@ import re
 import sqlite3
 from unittest import mock
 
-import hermes_state_search_index
+import hermes_state_fts
 from hermes_state import SessionDB
 from hermes_state_common import SEARCH_LAYOUT_VERSION, SEARCH_TRIGGERS
 from test_support import HAS_FTS5, TempDirTestCase, require, tracing_factory, without_fts5, without_trigram
@@ -191,7 +191,7 @@ class LayoutOneStores(TempDirTestCase):
     def test_its_open_fills_the_bounds_in_chunks_without_rebuilding_an_index(self):
         statements = []
         last = self.conn.execute("SELECT max(id) FROM messages").fetchone()[0]
-        with mock.patch.object(hermes_state_search_index, "CJK_BOUNDS_CHUNK_IDS", 100), \
+        with mock.patch.object(hermes_state_fts, "CJK_BOUNDS_CHUNK_IDS", 100), \
                 SessionDB(self.path, connection_factory=tracing_factory(statements)) as db:
             fills = [s for s in statements if s.startswith("INSERT INTO hs_fts_cjk_bounds")]
             self.assertEqual(len(fills), -(-last // 100))

@@ -13,7 +13,7 @@ import unittest
 from pathlib import Path
 
 import hermes_state
-import hermes_state_doctor
+import hermes_state_repair
 from hermes_state import (
     DEFERRED_INDEX_SQL, SessionDB, _backup_db_file, _db_opens_cleanly, _wal_reset_repair_hint,
     collect_state_db_stats, count_db_holders, is_sqlite_wal_reset_vulnerable, repair_state_db_schema,
@@ -74,12 +74,12 @@ class DoctorTestCase(TempDirTestCase):
         code = textwrap.dedent("""
             import json, resource, signal, sys
             sys.path.insert(0, sys.argv[1])
-            import hermes_state_doctor
-            hermes_state_doctor.REPAIR_LOCK_WAIT = float(sys.argv[3])
+            import hermes_state_repair
+            hermes_state_repair.REPAIR_LOCK_WAIT = float(sys.argv[3])
             if sys.argv[4] != "none":  # files may not grow past this: the disk is full, as the copy sees it
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
                 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[4]), resource.RLIM_INFINITY))
-            print(json.dumps(hermes_state_doctor.repair_state_db_schema(sys.argv[2])), flush=True)
+            print(json.dumps(hermes_state_repair.repair_state_db_schema(sys.argv[2])), flush=True)
         """)
         args = [sys.executable, "-c", code, str(REPO), str(path), str(lock_wait), str(file_size_limit or "none")]
         child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -246,9 +246,9 @@ class RepairWhenTheBackupFails(DoctorTestCase):
 class RepairLock(DoctorTestCase):
 
     def wait_at_most(self, seconds):
-        previous = hermes_state_doctor.REPAIR_LOCK_WAIT
-        hermes_state_doctor.REPAIR_LOCK_WAIT = seconds
-        self.addCleanup(setattr, hermes_state_doctor, "REPAIR_LOCK_WAIT", previous)
+        previous = hermes_state_repair.REPAIR_LOCK_WAIT
+        hermes_state_repair.REPAIR_LOCK_WAIT = seconds
+        self.addCleanup(setattr, hermes_state_repair, "REPAIR_LOCK_WAIT", previous)
 
     def test_a_damaged_store_is_left_alone_while_another_process_keeps_the_repair_lock(self):
         path = self.damaged_store()
@@ -277,7 +277,7 @@ class RepairLock(DoctorTestCase):
         repairs = [self.start_repair(path, 20) for _ in range(2)]
         lock_file = os.path.realpath(f"{path}.repair.lock")
         deadline = time.monotonic() + 30
-        while not all(lock_file in hermes_state_doctor._open_files(child.pid) for child in repairs):
+        while not all(lock_file in hermes_state_repair._open_files(child.pid) for child in repairs):
             self.assertLess(time.monotonic(), deadline, "the repairs never reached the repair lock")
             self.assertTrue(all(child.poll() is None for child in repairs), "a repair ended without the lock")
             time.sleep(0.02)

@@ -202,9 +202,9 @@ class LocksWeNeverBreak(TempDirTestCase):
 # Every plain open in the product, and why it never touches a live store or
 # its sidecars. A new one fails this list until someone writes down why it is safe.
 RAW_OPENS = {
-    ("hermes_state_locks", "_raw_store_access"): "the one raw access to a store file: refuses while this "
+    ("hermes_state_lockguard", "_raw_store_access"): "the one raw access to a store file: refuses while this "
                                            "process holds a SQLite connection to it",
-    ("hermes_state_locks", "_attach_lock_file"): "state.db.lock, one descriptor per process",
+    ("hermes_state_lockguard", "_attach_lock_file"): "state.db.lock, one descriptor per process",
     ("hermes_state", "_sha256_file"): "backup members (never the store or a sidecar) and restore scratch",
     ("hermes_state", "_write_backup_zip"): "the archive being written (its members: snapshots and "
                                            "files SQLite does not hold)",
@@ -213,9 +213,9 @@ RAW_OPENS = {
     ("hermes_state_cli", "main"): "os.devnull",
     ("hermes_state_server", "ApiHandler.ops_export"): "the archive in a scratch folder",
     ("hermes_state_server", "ApiHandler.ops_import"): "the uploaded archive in a scratch folder",
-    ("hermes_state_doctor", "_backup_db_file"): "copies byte for byte only a file SQLite cannot read, and only "
+    ("hermes_state_repair", "_backup_db_file"): "copies byte for byte only a file SQLite cannot read, and only "
                                                 "while /proc/self/fd shows no descriptor of ours on it or a sidecar",
-    ("hermes_state_doctor", "_exclusive"): "state.db.repair.lock, which only repairs lock",
+    ("hermes_state_repair", "_exclusive"): "state.db.repair.lock, which only repairs lock",
     ("hermes_state_common", "claim_file_beside"): "creates a new file (O_EXCL) for a backup or a VACUUM INTO "
                                                  "copy, never opens one that exists",
 }
