@@ -8,9 +8,9 @@
 #              BENCH_PEERS=1 adds the peers table: OpenAI Agents SQLiteSession, LangGraph SqliteSaver
 #              and llm's logs.db beside ours, the reference and raw sqlite3 (each peer in a venv
 #              cached in ~/.cache/hermes_state_bench/peers, made from PyPI on first use, pinned in
-#              bench_peers_requirements/)
+#              bench/peers_requirements/)
 # make demo  - build and show an example store in a temporary home
-# make mutate - mutation testing: each named bug in mutate.py must fail the suite (slow, not in CI)
+# make mutate - mutation testing: each named bug in mutate/mutate.py must fail the suite (slow, not in CI)
 # make compat - hermes-agent 0.20.1.2 on its own state layer vs on ours, and stores passed between ours and
 #               0.19, 0.20 and 0.22 (venvs cached outside the repo, made from PyPI on first use): one
 #               PASS/FAIL line per scenario, then "N passed, N failed"
@@ -63,13 +63,13 @@ test-all:
 	exit $$status
 
 bench:
-	@BENCH_SCALE=$(BENCH_SCALE) BENCH_MIGRATE=$(BENCH_MIGRATE) $(PYTHON) bench.py
+	@BENCH_SCALE=$(BENCH_SCALE) BENCH_MIGRATE=$(BENCH_MIGRATE) $(PYTHON) bench/bench.py
 
 demo:
 	@$(PYTHON) -m hermes_state demo
 
 mutate:
-	@$(PYTHON) mutate.py
+	@$(PYTHON) mutate/mutate.py
 
 compat:
 	@$(PYTHON) compat/run.py

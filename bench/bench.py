@@ -17,7 +17,7 @@ Raw sqlite3 figures (the ranked FTS5 query, inserts with the same triggers) run 
 
 `BENCH_PEERS=1` adds the peers table (OpenAI Agents SDK, LangGraph's SQLite checkpointer, llm's
 logs.db beside ours, the reference and raw sqlite3): each peer's worker runs in its own venv, cached
-under `$HERMES_BENCH_CACHE/peers` and made on first use from bench_peers_requirements/.
+under `$HERMES_BENCH_CACHE/peers` and made on first use from bench/peers_requirements/.
 
 `BENCH_MIGRATE=1m` (or `100k`, or any message count) runs only the optimize-storage section: a
 hermes-agent 0.19 store of that many messages (the real 0.19.0 fixture's schema, inline indexes and
@@ -50,7 +50,8 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
 SCALES = (4_000, 100_000)
 MILLION = 1_000_000
 SESSION_MESSAGES = 40
@@ -535,6 +536,16 @@ def reference_python():
     return path if os.path.exists(path) else None
 
 
+def _worker_command(ours, python, home):
+    """(argv, cwd, env) of a worker: ours imports this checkout's modules (PYTHONPATH); any other
+    python runs with -P from the temp home, so this checkout is never on its path."""
+    env = dict(os.environ, HERMES_HOME=home, PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTHONPATH", None)
+    if ours:
+        return [sys.executable, str(BENCH / "bench.py")], str(REPO), dict(env, PYTHONPATH=str(REPO))
+    return [python, "-P", str(BENCH / "bench.py")], home, env
+
+
 class Runner:
     """Runs jobs on a side: "ours" (this checkout) or "reference" (the compat venv)."""
 
@@ -552,12 +563,7 @@ class Runner:
 
     def start(self, side, job, **args):
         """The worker of `job` on `side`, started (its output piped); `result` waits for it."""
-        if side == "ours":
-            cmd, cwd = [sys.executable, str(REPO / "bench.py")], str(REPO)
-        else:  # -P: the script's folder (this checkout) is not put on sys.path
-            cmd, cwd = [self.ref_python, "-P", str(REPO / "bench.py")], self.home
-        env = dict(os.environ, HERMES_HOME=self.home, PYTHONDONTWRITEBYTECODE="1")
-        env.pop("PYTHONPATH", None)
+        cmd, cwd, env = _worker_command(side == "ours", self.ref_python, self.home)
         spec = json.dumps(dict(args, job=job, **({"side": side} if job == "cli_export" else {})))
         return subprocess.Popen(cmd + ["--worker", spec], cwd=cwd, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -1293,7 +1299,7 @@ def report_migration(table, figures):
 
 # -- peers: the stores people pick instead (BENCH_PEERS=1) ---------------------------------------
 # Each peer runs in a worker of its own venv (cached under CACHE/peers/<name>, made on first use
-# from bench_peers_requirements/<name>.txt, every package pinned by version and hash and installed
+# from bench/peers_requirements/<name>.txt, every package pinned by version and hash and installed
 # with --no-deps so pip resolves nothing); ours and the reference run the same adapter code through SessionDB, raw
 # sqlite3 in this python. Every store gets the same messages.
 
@@ -1652,7 +1658,7 @@ def peer_job(name, job, path, tag=""):
 
 def peer_python(name):
     """The python of peer `name`'s venv, made on first use (or when its requirements change)."""
-    requirements = REPO / "bench_peers_requirements" / f"{name}.txt"
+    requirements = BENCH / "peers_requirements" / f"{name}.txt"
     folder = CACHE / "peers" / name
     stamp = hashlib.sha256(requirements.read_bytes()).hexdigest()
     python = folder / "bin" / "python"
@@ -1674,19 +1680,14 @@ def peer_versions(pythons):
     versions = {}
     for name, python in pythons.items():
         if name in PEERS:
-            pins = (REPO / "bench_peers_requirements" / f"{name}.txt").read_text().split()
+            pins = (BENCH / "peers_requirements" / f"{name}.txt").read_text().split()
             versions[name] = next(p.split("==")[1] for p in pins if p.startswith(name + "=="))
     return versions
 
 
 def run_peer(runner, pythons, name, job, path, tag=""):
     spec = json.dumps({"name": name, "job": job, "path": str(path), "tag": tag})
-    if name == "ours":
-        cmd, cwd = [sys.executable, str(REPO / "bench.py")], str(REPO)
-    else:  # -P: this checkout is not on the path of the reference's or a peer's python
-        cmd, cwd = [pythons[name], "-P", str(REPO / "bench.py")], runner.home
-    env = dict(os.environ, HERMES_HOME=runner.home, PYTHONDONTWRITEBYTECODE="1")
-    env.pop("PYTHONPATH", None)
+    cmd, cwd, env = _worker_command(name == "ours", pythons.get(name), runner.home)
     done = subprocess.run(cmd + ["--peer-worker", spec], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=1200)
     if done.returncode != 0:
@@ -1830,6 +1831,8 @@ def main_migrate(count):
 
 
 if __name__ == "__main__":
+    if not sys.argv[1:2] or sys.argv[1] not in ("--worker", "--peer-worker"):
+        sys.path.insert(0, str(REPO))  # the orchestrator reads this checkout's modules too
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         worker_main(sys.argv[2])
     elif len(sys.argv) == 3 and sys.argv[1] == "--peer-worker":

@@ -11,11 +11,11 @@ A mutant whose old text is not found exactly once is STALE, and one whose
 replacement does not compile is BROKEN: the code moved on and the mutant must
 follow it. Either makes the run fail, so the list cannot rot silently.
 
-    python3 mutate.py                      # every mutant, 2 at a time, then the score
-    python3 mutate.py 'cycle-*' pk-heal-oldest-wins   # some, by name or pattern
-    python3 mutate.py --list | --check     # list them; only check they still apply
-    python3 mutate.py --quick NAME         # only the mutant's own tests (no score)
-    python3 mutate.py --quick NAME --tests test_x.Class.test_y   # does this test kill it?
+    python3 mutate/mutate.py                      # every mutant, 2 at a time, then the score
+    python3 mutate/mutate.py 'cycle-*' pk-heal-oldest-wins   # some, by name or pattern
+    python3 mutate/mutate.py --list | --check     # list them; only check they still apply
+    python3 mutate/mutate.py --quick NAME         # only the mutant's own tests (no score)
+    python3 mutate/mutate.py --quick NAME --tests test_x.Class.test_y   # does this test kill it?
 
 Each mutant names the tests that should kill it; they run first and a failure
 there is a kill. Only when they pass does the whole suite run. Slow (minutes),
@@ -37,7 +37,7 @@ import time
 from collections import namedtuple
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parent.parent
 SUITE = ("-m", "unittest", "discover", "-t", ".", "-s", ".", "-p", "test_*.py")
 DEFAULT_TIMEOUT = 900
 DEFAULT_JOBS = 2
