@@ -79,6 +79,32 @@ def _non_empty(text):
 
 # -- output ------------------------------------------------------------------------------
 
+# Every C0 control, DEL and every C1 control, shown as `\xNN`: a store's text (a source, a title, a
+# tool's output) must never move the cursor, retitle the window, write the clipboard (OSC 52) or
+# hide a row of a confirmation with `\r`. Newlines and tabs stay where text runs over lines.
+_CONTROL_ESCAPES = {code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
+_TEXT_ESCAPES = {code: escape for code, escape in _CONTROL_ESCAPES.items() if code not in (9, 10)}
+
+
+def printable(text):
+    """`text` for one line of a person's terminal: every control character escaped."""
+    return str(text).translate(_CONTROL_ESCAPES)
+
+
+class _PrintableStream:
+    """A stream for human output: what passes through keeps its lines and tabs, loses its
+    controls. JSON, CSV and exported files are data and go to the stream unwrapped."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        return self.stream.write(text.translate(_TEXT_ESCAPES))
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def _print_json(value, out):
     json.dump(value, out, ensure_ascii=False, indent=2, default=json_default)
     out.write("\n")
@@ -114,7 +140,7 @@ def human_value(key, value):
 def _print_fields(mapping, out):
     width = max((len(key) for key in mapping), default=0)
     for key, value in mapping.items():
-        out.write(f"{key:>{width}}: {human_value(key, value)}\n")
+        out.write(f"{key:>{width}}: {printable(human_value(key, value))}\n")
 
 
 def _format_time(ts):
@@ -173,6 +199,7 @@ def _hit_rows(hits, query=None):
 
 
 def _print_table(header, rows, out):
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max([len(header[i])] + [len(row[i]) for row in rows]) for i in range(len(header))]
     right = {i for i, name in enumerate(header) if name in ("messages", "message id")}
 
@@ -310,7 +337,7 @@ def _confirm(args, command, question, listing):
         raise CommandError(f"{command} asks before it changes anything; pass --yes to run it "
                            f"unattended{dry_run}")
     for line in listing:
-        sys.stderr.write(line + "\n")
+        sys.stderr.write(printable(line) + "\n")
     sys.stderr.write(f"{question} [y/N] ")
     sys.stderr.flush()
     if sys.stdin.readline().strip().lower() not in ("y", "yes"):
@@ -442,9 +469,10 @@ def _print_session(export, out):
               "tool_call_count", "input_tokens", "output_tokens")
     _print_fields({key: export.get(key) for key in fields}, out)
     if export.get("lineage_session_ids"):
-        out.write(f"{'lineage':>17}: {' -> '.join(export['lineage_session_ids'])}\n")
+        out.write(f"{'lineage':>17}: {printable(' -> '.join(export['lineage_session_ids']))}\n")
     for number, message in enumerate(export["messages"], 1):
-        label = message["role"] + (f" ({message['tool_name']})" if message.get("tool_name") else "")
+        label = printable(message["role"] + (f" ({message['tool_name']})"
+                                             if message.get("tool_name") else ""))
         out.write(f"\n[{number}] {label} at {_format_time(message['timestamp'])}\n")
         if message.get("content"):
             text = message_text(message)
@@ -452,7 +480,8 @@ def _print_session(export, out):
             out.write(cut + "\n")
         for call in message.get("tool_calls") or []:
             function = call.get("function", {}) if isinstance(call, dict) else {}
-            out.write(f"  -> {function.get('name', '?')}({function.get('arguments', '')})\n")
+            out.write(f"  -> {printable(function.get('name', '?'))}"
+                      f"({printable(function.get('arguments', ''))})\n")
 
 
 def _resolve(db, given):
@@ -695,7 +724,7 @@ def _emit_deleted(args, out, ids, dry_run):
         _print_json({"dry_run": dry_run, "sessions": ids}, out)
     else:
         verb = "would delete" if dry_run else "deleted"
-        out.write("".join(f"{verb} {session_id}\n" for session_id in ids))
+        out.write("".join(f"{verb} {printable(session_id)}\n" for session_id in ids))
 
 
 def _cmd_prune(db, args, out):
@@ -717,7 +746,7 @@ def _cmd_prune(db, args, out):
     else:
         out.write(f"{'would delete' if args.dry_run else 'deleted'} {what}\n")
         for session_id in ids:
-            out.write(f"  {session_id}\n")
+            out.write(f"  {printable(session_id)}\n")
     return 0
 
 
@@ -978,6 +1007,8 @@ def main(argv=None, out=None):
         parser.error(f"--replica goes with {', '.join(REPLICA_COMMANDS)} only, without --db; "
                      f"{args.command} runs on the primary")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
+    if not args.json and getattr(args, "format", "table") == "table" and args.command != "export":
+        out = _PrintableStream(out)
     try:
         return _run(args, out)
     except BrokenPipeError:
@@ -991,7 +1022,7 @@ def main(argv=None, out=None):
         return 1
     except (CommandError, ValueError, OSError, RuntimeError, sqlite3.Error) as exc:
         _end_progress()
-        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.write(f"error: {printable(exc)}\n")
         return 1
 
 
