@@ -126,6 +126,9 @@ class StateServer(ThreadingHTTPServer):
 
     def __init__(self, db_path=None, host="127.0.0.1", port=DEFAULT_PORT, token=None,
                  allow_remote=False, read_only=False, db=None):
+        host = host.strip("[]")  # `--host [::1]`, as a URL writes it, is the address ::1
+        if ":" in host:  # socketserver binds IPv4 unless told
+            self.address_family = socket.AF_INET6
         if not is_loopback(host) and not allow_remote:
             raise ValueError(f"refusing to listen on {host}: not a loopback address; "
                              "pass --allow-remote to expose the store beyond this machine")
@@ -341,6 +344,10 @@ class ApiHandler(BaseHTTPRequestHandler):
     def _dispatch(self, method):
         self._body_read = False
         try:
+            if len(self.headers.get_all("Host") or ()) > 1:
+                # RFC 9112 3.2: a request with more than one Host is answered 400, never
+                # judged by the first (a proxy may route by the other).
+                raise ApiError(HTTPStatus.BAD_REQUEST, "more than one Host header")
             if not self.server.host_allowed(self.headers.get("Host")):
                 raise ApiError(HTTPStatus.MISDIRECTED_REQUEST,
                                f"Host {self.headers.get('Host')!r} is not an address "
