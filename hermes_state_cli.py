@@ -660,10 +660,21 @@ def _read_jsonl(path, progress):
     return sessions
 
 
-def _cmd_import(db, args, out):
+def _read_import(args):
+    """The import file's sessions, read before the store is opened: a missing or unreadable file
+    then leaves no new store behind (nor its lock)."""
     progress = Progress("import")
     progress.phase("reading", "<stdin>" if args.file == "-" else args.file)
-    sessions = _read_jsonl(args.file, progress)
+    try:
+        return _read_jsonl(args.file, progress), progress
+    except OSError as exc:
+        progress.finish()
+        raise CommandError(f"cannot read {args.file}: {exc.strerror or exc}; nothing was "
+                           "imported") from None
+
+
+def _cmd_import(db, args, out):
+    sessions, progress = args.sessions, args.progress
     # The whole file is one import_sessions call, so one transaction: all of it or nothing.
     # Each session keeps its limits; the totals of one API call do not apply to a file.
     limits = dict(db.import_limits(), sessions=len(sessions), total_messages=float("inf"),
@@ -1046,6 +1057,8 @@ def _run(args, out):
         db = open_read_only(path, damaged_ok=args.command == "doctor")
     else:
         check_store(path, may_create=args.command == "import")
+        if args.command == "import":
+            args.sessions, args.progress = _read_import(args)
         db = SessionDB(path)
     with db:
         return _COMMANDS[args.command](db, args, out)

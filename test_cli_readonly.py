@@ -135,6 +135,18 @@ class CommandLineReads(CliTestCase):
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertEqual(result.stdout, "imported 20, skipped 0, detached 0\n")
 
+    def test_a_failed_import_into_an_empty_home_creates_nothing(self):
+        home = self.tmp / "empty-home"
+        home.mkdir()
+        (self.tmp / "notes.txt").write_text("not json\n")
+        for source, said in ((self.tmp / "missing.jsonl", "cannot read"),
+                             (self.tmp / "notes.txt", "notes.txt:1: not JSON")):
+            with self.subTest(source=source.name):
+                result = self.run_cli("--db", home / "state.db", "import", source)
+                self.assertEqual(result.returncode, 1, result.stderr)
+                self.assertIn(said, result.stderr)
+                self.assertEqual(sorted(p.name for p in home.iterdir()), [])
+
 
 class UnprivilegedReads(CliTestCase):
     """A 0444 store in a 0555 folder, read by a user who owns neither (root drops to nobody in the
