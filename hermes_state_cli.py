@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from hermes_constants import get_hermes_home, reset_hermes_home_override, set_hermes_home_override
@@ -31,7 +32,8 @@ from hermes_state_schema import SCHEMA_VERSION
 
 # Commands that only read: opened read-only (no DDL, no repair, no journal switch, no lock file).
 # The others write, to a store that must exist already (import may create one).
-READ_COMMANDS = ("list", "show", "search", "stats", "doctor", "export", "backup", "serve")
+READ_COMMANDS = ("list", "show", "search", "stats", "doctor", "export", "backup", "serve",
+                 "pinned")
 # The largest --offset: SQLite's OFFSET is a signed 64-bit integer, and offset + limit (+ 1 to see
 # whether more match) must stay one.
 OFFSET_MAX = 2 ** 63 - 1 - 2 * LIST_LIMIT_MAX
@@ -108,6 +110,12 @@ class _PrintableStream:
 def _print_json(value, out):
     json.dump(value, out, ensure_ascii=False, indent=2, default=json_default)
     out.write("\n")
+
+
+def _plural(count, noun):
+    """`1 session`, `2 sessions`, `1.5 days`."""
+    shown = f"{count:,}" if isinstance(count, int) else f"{count:g}"
+    return f"{shown} {noun}" + ("" if count == 1 else "s")
 
 
 def human_size(n):
@@ -741,7 +749,8 @@ def _emit_deleted(args, out, ids, dry_run):
 def _cmd_prune(db, args, out):
     rows = db.list_prune_candidates(args.older_than, source=args.source)
     ids = [row["id"] for row in rows]
-    what = f"{len(ids)} ended sessions inactive for more than {args.older_than:g} days"
+    what = (f"{_plural(len(ids), 'ended session')} inactive for more than "
+            f"{_plural(args.older_than, 'day')}")
     if not args.dry_run and ids:
         if not _confirm(args, "prune", f"Delete these {what} from {db.db_path}?",
                         ["will delete:"] + [_describe(row) for row in rows]):
@@ -758,6 +767,81 @@ def _cmd_prune(db, args, out):
         out.write(f"{'would delete' if args.dry_run else 'deleted'} {what}\n")
         for session_id in ids:
             out.write(f"  {printable(session_id)}\n")
+    return 0
+
+
+def _cmd_rename(db, args, out):
+    session_id = _resolve(db, args.session_id)
+    title = " ".join(args.title)
+    if not title.strip():
+        raise CommandError("title: empty; give the session a title of at least one character")
+    if any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in title):
+        raise CommandError("title: holds a control character (a newline, a tab, ...); "
+                           "a title is one line")
+    db.set_session_title(session_id, title)  # ValueError names the limit, or the session holding it
+    stored = db.get_session_title(session_id)
+    if args.json:
+        _print_json({"id": session_id, "title": stored}, out)
+    else:
+        out.write(f"renamed {session_id} to {stored}\n")
+    return 0
+
+
+def _cmd_flag(db, args, out, column, value):
+    """pin, unpin, unarchive: the flag on each session's whole compression chain."""
+    ids = [_resolve(db, given) for given in args.session_ids]  # every id resolves, or none is set
+    setter = db.set_session_pinned if column == "pinned" else db.set_session_archived
+    for session_id in ids:
+        setter(session_id, value)
+    verb = {("pinned", True): "pinned", ("pinned", False): "unpinned",
+            ("archived", False): "unarchived"}[column, value]
+    if args.json:
+        _print_json({verb: ids}, out)
+    else:
+        out.write("".join(f"{verb} {printable(session_id)}\n" for session_id in ids))
+    return 0
+
+
+def _cmd_archive(db, args, out):
+    if bool(args.session_ids) == (args.older_than is not None):
+        raise CommandError("archive takes session ids or --older-than DAYS, not both and not "
+                           "neither")
+    if args.source is not None and args.older_than is None:
+        raise CommandError("archive --source goes with --older-than")
+    if args.session_ids:
+        ids = [_resolve(db, given) for given in args.session_ids]
+    else:
+        # A pin is a keep flag: a bulk archive passes over pinned sessions, as hermes-agent's does.
+        rows = [row for row in db.list_prune_candidates(args.older_than, source=args.source,
+                                                        archived=False)
+                if not (db.get_session(row["id"]) or {}).get("pinned")]
+        ids = [row["id"] for row in rows]
+        what = (f"{_plural(len(ids), 'ended session')} inactive for more than "
+                f"{_plural(args.older_than, 'day')}")
+        if ids and not _confirm(args, "archive", f"Archive these {what}?",
+                                ["will archive:"] + [_describe(row) for row in rows]):
+            return 1
+    for session_id in ids:
+        db.set_session_archived(session_id, True)
+    if args.json:
+        _print_json({"archived": ids}, out)
+    else:
+        out.write("".join(f"archived {printable(session_id)}\n" for session_id in ids)
+                  or "nothing to archive\n")
+    return 0
+
+
+def _cmd_pinned(db, args, out):
+    rows = [row for row in _all_pages(
+        lambda limit, offset: db.list_sessions_rich(limit=limit, offset=offset,
+                                                    include_archived=True), 0)
+            if row.get("pinned")]
+    if args.json:
+        _print_json(rows, out)
+    elif rows:
+        _print_table(*_session_rows(rows), out)
+    else:
+        out.write(f"no pinned sessions; pin one with: {_M} pin ID\n")
     return 0
 
 
@@ -886,6 +970,12 @@ EXAMPLES = {
     "delete": f"{_M} delete 20260301_0915 --dry-run\n  {_M} delete 20260301_0915 --yes",
     "prune": f"{_M} prune --older-than 90 --dry-run\n"
              f"  {_M} prune --older-than 90 --source cron --yes",
+    "rename": f"{_M} rename 20260301_0915 Release checklist",
+    "archive": f"{_M} archive 20260301_0915\n  {_M} archive --older-than 30 --source cron --yes",
+    "unarchive": f"{_M} unarchive 20260301_0915",
+    "pin": f"{_M} pin 20260301_0915 20260302_1100",
+    "unpin": f"{_M} unpin 20260301_0915",
+    "pinned": f"{_M} pinned --json",
     "backup": f"{_M} backup home-2026-03-01.zip",
     "restore": f"{_M} restore home-2026-03-01.zip --force",
     "serve": f"HERMES_STATE_TOKEN=$(openssl rand -hex 24) {_M} serve --port 8765",
@@ -970,6 +1060,23 @@ def build_parser():
     prune.add_argument("--source", help="only sessions from this source")
     prune.add_argument("--dry-run", action="store_true", help="only list what would go")
     prune.add_argument("--yes", action="store_true", help=YES_HELP)
+    rename = command("rename", "set a session's title (its whole compression chain keeps one)")
+    rename.add_argument("session_id", metavar="ID", type=_non_empty, help=SESSION_ID_HELP)
+    rename.add_argument("title", nargs="+", help="the new title (the words are joined by spaces)")
+    archive = command("archive", "hide sessions from listings without deleting them")
+    archive.add_argument("session_ids", metavar="ID", nargs="*", type=_non_empty,
+                         help=SESSION_ID_HELP + "; or --older-than for every old ended session")
+    archive.add_argument("--older-than", type=_days, metavar="DAYS",
+                         help="ended sessions inactive for more than DAYS days (pinned ones stay)")
+    archive.add_argument("--source", help="with --older-than: only sessions from this source")
+    archive.add_argument("--yes", action="store_true", help=YES_HELP)
+    for name, verb in (("unarchive", "list archived sessions again"),
+                       ("pin", "pin sessions: listed first, never archived or pruned in bulk"),
+                       ("unpin", "unpin sessions")):
+        flag = command(name, verb)
+        flag.add_argument("session_ids", metavar="ID", nargs="+", type=_non_empty,
+                          help=SESSION_ID_HELP)
+    command("pinned", "the pinned sessions")
     backup = command("backup", "zip the whole home, store included")
     backup.add_argument("out", metavar="OUT.zip", help="the archive to write")
     restore = command("restore", "put a whole home back from a backup")
@@ -995,12 +1102,15 @@ _COMMANDS = {
     "list": _cmd_list, "show": _cmd_show, "search": _cmd_search, "optimize": _cmd_optimize,
     "optimize-storage": _cmd_optimize_storage, "stats": _cmd_stats, "doctor": _cmd_doctor,
     "export": _cmd_export, "import": _cmd_import, "delete": _cmd_delete, "prune": _cmd_prune,
-    "backup": _cmd_backup,
+    "backup": _cmd_backup, "rename": _cmd_rename, "archive": _cmd_archive,
+    "unarchive": partial(_cmd_flag, column="archived", value=False),
+    "pin": partial(_cmd_flag, column="pinned", value=True),
+    "unpin": partial(_cmd_flag, column="pinned", value=False), "pinned": _cmd_pinned,
 }
 
 
 # The commands that only read: they, and only they, run on a replica (writes stay on the primary).
-REPLICA_COMMANDS = ("list", "show", "search", "stats", "export", "serve")
+REPLICA_COMMANDS = ("list", "show", "search", "stats", "export", "serve", "pinned")
 
 
 def main(argv=None, out=None):

@@ -1,0 +1,83 @@
+"""The session-management commands hermes-agent users type (`rename`, `archive`, `unarchive`,
+`pin`, `unpin`, `pinned`), run as a subprocess on a real store."""
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+
+from hermes_state import SessionDB
+from test_support import REPO, TempDirTestCase, backdate
+
+
+class SessionCommands(TempDirTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.db = self.tmp / "state.db"
+        with SessionDB(self.db) as db:
+            for sid, source in (("alpha-1", "cli"), ("beta-2", "cron"), ("gamma-3", "cron")):
+                db.create_session(sid, source)
+                db.append_message(sid, "user", f"hello from {sid}")
+                db.end_session(sid, "done")
+                backdate(db, sid, 1_000_000)  # long inactive: started and last written then
+            db._execute_write(lambda conn: conn.execute("UPDATE messages SET timestamp = 1000000"))
+
+    def run_cli(self, *args):
+        env = dict(os.environ, HERMES_HOME=str(self.tmp / "home"), PYTHONPATH=str(REPO))
+        return subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.db),
+                               *args], capture_output=True, text=True, env=env, cwd=self.tmp,
+                              timeout=120, stdin=subprocess.DEVNULL)
+
+    def flags(self, sid):
+        with sqlite3.connect(self.db) as conn:
+            return conn.execute("SELECT title, archived, pinned FROM sessions WHERE id = ?",
+                                (sid,)).fetchone()
+
+    def test_rename_sets_the_title_and_refuses_what_hermes_agent_refuses(self):
+        done = self.run_cli("rename", "alpha", "Release", "checklist")
+        self.assertEqual((done.returncode, done.stdout), (0, "renamed alpha-1 to Release checklist\n"),
+                         done.stderr)
+        self.assertEqual(self.flags("alpha-1")[0], "Release checklist")
+        for title, said in (("  ", "title: empty"), ("two\nlines", "title: holds a control"),
+                            ("x" * 101, "100")):
+            with self.subTest(title=title[:10]):
+                refused = self.run_cli("rename", "beta-2", title)
+                self.assertEqual(refused.returncode, 1)
+                self.assertIn(said, refused.stderr)
+                self.assertEqual(len(refused.stderr.strip().splitlines()), 1, refused.stderr)
+                self.assertIsNone(self.flags("beta-2")[0])
+        taken = self.run_cli("rename", "beta-2", "Release checklist")  # another session holds it
+        self.assertEqual(taken.returncode, 1)
+        self.assertIsNone(self.flags("beta-2")[0])
+
+    def test_pin_unpin_pinned(self):
+        self.assertEqual(self.run_cli("pin", "alpha-1", "gamma").returncode, 0)
+        self.assertEqual((self.flags("alpha-1")[2], self.flags("gamma-3")[2]), (1, 1))
+        listed = json.loads(self.run_cli("pinned", "--json").stdout)
+        self.assertEqual(sorted(row["id"] for row in listed), ["alpha-1", "gamma-3"])
+        self.assertEqual(self.run_cli("unpin", "gamma-3").stdout, "unpinned gamma-3\n")
+        self.assertEqual([row["id"] for row in json.loads(self.run_cli("pinned", "--json").stdout)],
+                         ["alpha-1"])
+        # An unknown id sets nothing, not even the ids before it.
+        failed = self.run_cli("pin", "beta-2", "nosuch")
+        self.assertEqual(failed.returncode, 1)
+        self.assertIn("no session matches 'nosuch'", failed.stderr)
+        self.assertEqual(self.flags("beta-2")[2], 0)
+
+    def test_archive_by_id_and_in_bulk_passes_over_pinned_sessions(self):
+        self.assertEqual(self.run_cli("archive", "alpha-1").stdout, "archived alpha-1\n")
+        self.assertEqual(self.flags("alpha-1")[1], 1)
+        self.assertEqual(self.run_cli("unarchive", "alpha-1").stdout, "unarchived alpha-1\n")
+        self.assertEqual(self.flags("alpha-1")[1], 0)
+        self.run_cli("pin", "gamma-3")
+        unasked = self.run_cli("archive", "--older-than", "1")  # no terminal, no --yes: refused
+        self.assertEqual(unasked.returncode, 1)
+        self.assertEqual([self.flags(s)[1] for s in ("alpha-1", "beta-2", "gamma-3")], [0, 0, 0])
+        bulk = self.run_cli("archive", "--older-than", "1", "--source", "cron", "--yes")
+        self.assertEqual((bulk.returncode, bulk.stdout), (0, "archived beta-2\n"), bulk.stderr)
+        self.assertEqual([self.flags(s)[1] for s in ("alpha-1", "beta-2", "gamma-3")], [0, 1, 0])
+        both = self.run_cli("archive", "alpha-1", "--older-than", "1")
+        self.assertEqual(both.returncode, 1)
+        self.assertIn("not both", both.stderr)
