@@ -234,7 +234,7 @@ def _write_records(records, fmt, out, table):
         writer.writerow(fields)
         for record in records:
             writer.writerow([_csv_cell(record.get(key)) for key in fields])
-    else:
+    elif records:  # no rows, no table: stderr says why
         _print_table(*table(records), out)
 
 
@@ -438,12 +438,19 @@ def _all_pages(fetch, limit):
 
 
 def _cmd_list(db, args, out):
+    # As `hermes sessions list`: delegate runs, continuations and tool sessions are the agent's
+    # own bookkeeping, listed only when asked for (--all, or --source naming them).
+    everything = args.all or args.source is not None
+    hidden = None if everything else ["tool"]
+
     def fetch(limit, offset):
-        return db.list_sessions_rich(source=args.source, limit=limit, offset=args.offset + offset,
-                                     include_archived=args.archived, include_children=True)
+        return db.list_sessions_rich(source=args.source, exclude_sources=hidden, limit=limit,
+                                     offset=args.offset + offset, include_archived=args.archived,
+                                     include_children=everything)
     sessions = _all_pages(fetch, args.limit)
     _write_records(sessions, args.format, out, _session_rows)
-    total = db.session_count(source=args.source, include_archived=args.archived)
+    total = db.session_count(source=args.source, exclude_sources=hidden,
+                             include_archived=args.archived, exclude_children=not everything)
     if args.limit and len(sessions) == args.limit and total > args.offset + len(sessions):
         sys.stderr.write(f"showing {len(sessions):,} of {total:,} sessions (-n 0 for all, --offset "
                          f"{args.offset + len(sessions)} for the next page)\n")
@@ -793,8 +800,7 @@ def _cmd_flag(db, args, out, column, value):
     setter = db.set_session_pinned if column == "pinned" else db.set_session_archived
     for session_id in ids:
         setter(session_id, value)
-    verb = {("pinned", True): "pinned", ("pinned", False): "unpinned",
-            ("archived", False): "unarchived"}[column, value]
+    verb = {"pinned": "pinned" if value else "unpinned", "archived": "unarchived"}[column]
     if args.json:
         _print_json({verb: ids}, out)
     else:
@@ -803,11 +809,9 @@ def _cmd_flag(db, args, out, column, value):
 
 
 def _cmd_archive(db, args, out):
-    if bool(args.session_ids) == (args.older_than is not None):
-        raise CommandError("archive takes session ids or --older-than DAYS, not both and not "
-                           "neither")
-    if args.source is not None and args.older_than is None:
-        raise CommandError("archive --source goes with --older-than")
+    if bool(args.session_ids) == (args.older_than is not None) or (
+            args.source is not None and args.older_than is None):
+        raise CommandError("archive takes session ids, or --older-than DAYS [--source S]; not both")
     if args.session_ids:
         ids = [_resolve(db, given) for given in args.session_ids]
     else:
@@ -846,6 +850,8 @@ def _cmd_pinned(db, args, out):
 
 
 def _cmd_backup(db, args, out):
+    if os.path.lexists(args.out) and not args.force:
+        raise CommandError(f"{args.out} exists; pass --force to replace it (nothing was written)")
     progress = Progress("backup")
     progress.phase("snapshotting and zipping", str(db.db_path.parent))
     result = db.backup(args.out)
@@ -983,6 +989,15 @@ EXAMPLES = {
 }
 
 
+# This checkout's release; pyproject.toml reads it from here.
+__version__ = "2026.12.0"
+
+
+def _version_line():
+    return (f"hermes_state {__version__} (schema {SCHEMA_VERSION}, SQLite "
+            f"{sqlite3.sqlite_version}, Python {sys.version.split()[0]})")
+
+
 def build_parser():
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=argparse.SUPPRESS, metavar="PATH",
@@ -990,13 +1005,15 @@ def build_parser():
     common.add_argument("--replica", default=argparse.SUPPRESS, metavar="URL",
                         help="read commands: read this Litestream replica live (s3://, file://)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="print the result as JSON on stdout")
+                        help="print the result as JSON on stdout (list and search: --format "
+                             "json; with another --format it is a usage error)")
     parser = argparse.ArgumentParser(
         prog=_M, parents=[common],
         description="The agent's session store: browse, search, export, maintain.",
         epilog=f"example:\n  {_M} demo\n  {_M} list\n\nexit status: 0 success, 1 failure, 2 usage "
                "error. Data goes to stdout, progress and diagnostics to stderr.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version_line())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name, help_text):
@@ -1013,10 +1030,13 @@ def build_parser():
                          help="table (default), json, jsonl (one object a line) or csv (a header "
                               "row first)")
 
-    listing = command("list", "sessions, most recently active first")
+    listing = command("list", "sessions, the newest started first; as `hermes sessions list`, "
+                              "delegate runs and tool sessions only with --all")
     listing.add_argument("--source", help="only sessions from this source (cli, telegram, ...)")
     paging(listing, "sessions")
     listing.add_argument("--archived", action="store_true", help="include archived sessions")
+    listing.add_argument("--all", action="store_true",
+                         help="include delegate runs, compression continuations, tool sessions")
     show = command("show", "one session with its messages, numbered 1, 2, 3")
     show.add_argument("session_id", metavar="ID", type=_non_empty, help=SESSION_ID_HELP)
     show.add_argument("--lineage", action="store_true",
@@ -1079,6 +1099,7 @@ def build_parser():
     command("pinned", "the pinned sessions")
     backup = command("backup", "zip the whole home, store included")
     backup.add_argument("out", metavar="OUT.zip", help="the archive to write")
+    backup.add_argument("--force", action="store_true", help="replace an existing OUT.zip")
     restore = command("restore", "put a whole home back from a backup")
     restore.add_argument("archive", metavar="ARCHIVE", help="a zip written by backup")
     restore.add_argument("--force", action="store_true",
@@ -1121,6 +1142,9 @@ def main(argv=None, out=None):
     args.json = getattr(args, "json", False)
     if args.json and getattr(args, "format", None) == "table":
         args.format = "json"
+    elif args.json and args.command in ("list", "search") and args.format != "json":
+        parser.error(f"--json prints JSON and --format {args.format} prints {args.format}: "
+                     "give one of them")
     if getattr(args, "lineage", False) and args.command == "export" and not args.session_id:
         parser.error("export --lineage needs --session-id")
     if getattr(args, "replica", None) is not None and (args.command not in REPLICA_COMMANDS

@@ -55,7 +55,7 @@ class SessionCompressionMixin:
     Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value`, `_update_rows`,
     `_closed` (SessionDB); `_flush_token_counts` (usage mixin); `_insert_message_rows`,
     `_session_lineage_root_to_tip`, `get_messages_as_conversation` (messages mixin);
-    `_read_sessions`, `get_session` (sessions mixin)."""
+    `_read_sessions`, `get_session`, `_listing_sql` (sessions mixin)."""
 
     # -- lineage ----------------------------------------------------------------
     def get_conversation_root(self, session_id):
@@ -67,7 +67,8 @@ class SessionCompressionMixin:
         """The newest continuation (never a fork) of `session_id`'s compression chain;
         else the id itself."""
         def best_continuation(parent_id):
-            rows = self._read_all(_TIP_CANDIDATES_SQL, (parent_id,))
+            # Through the listing shim: a read-only 0.19 store has no last_activity_at.
+            rows = self._read_all(self._listing_sql(_TIP_CANDIDATES_SQL), (parent_id,))
             continuations = (row["id"] for row in rows if not has_fork_marker(row["model_config"]))
             return next(continuations, None)
         return self._descend(session_id, best_continuation, LINEAGE_MAX_HOPS)[-1]

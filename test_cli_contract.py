@@ -152,26 +152,26 @@ class OutputContract(CliCase):
         self.assertEqual(len(json.loads(demo.stdout)["sessions"]), 3)
 
     def test_list_formats_paging_and_the_cut_said_on_stderr(self):
-        table = self.run_cli("list")
+        table = self.run_cli("list", "--all")
         lines = table.stdout.splitlines()
         self.assertEqual(lines[0].split(), ["id", "source", "last", "active", "messages", "title"])
         self.assertEqual(len(lines), 2 + 20)
         self.assertEqual(table.stderr, "")
-        cut = self.run_cli("list", "-n", "5")
+        cut = self.run_cli("list", "--all", "-n", "5")
         self.assertEqual(len(cut.stdout.splitlines()), 2 + 5)
         self.assertEqual(cut.stderr,
                          "showing 5 of 20 sessions (-n 0 for all, --offset 5 for the next page)\n")
-        everything = json.loads(self.run_cli("list", "--limit", "0", "--format", "json").stdout)
+        everything = json.loads(self.run_cli("list", "--all", "--limit", "0", "--format", "json").stdout)
         self.assertEqual(len(everything), 20)
-        jsonl = self.run_cli("list", "-n", "3", "--format", "jsonl").stdout.splitlines()
+        jsonl = self.run_cli("list", "--all", "-n", "3", "--format", "jsonl").stdout.splitlines()
         self.assertEqual([json.loads(line)["id"] for line in jsonl],
                          [s["id"] for s in everything[:3]])
-        table = self.run_cli("list", "-n", "0", "--format", "csv").stdout
+        table = self.run_cli("list", "--all", "-n", "0", "--format", "csv").stdout
         rows = list(csv.DictReader(io.StringIO(table)))
         self.assertEqual([r["id"] for r in rows], [s["id"] for s in everything])
         self.assertIn("message_count", rows[0])
         from hermes_state_cli import OFFSET_MAX
-        far = self.run_cli("list", "--offset", str(OFFSET_MAX))
+        far = self.run_cli("list", "--all", "--offset", str(OFFSET_MAX))
         self.assertEqual((far.returncode, far.stderr),
                          (0, f"no sessions past offset {OFFSET_MAX:,} of 20\n"))
         for command in (("list",), ("search", "parser")):
@@ -180,6 +180,18 @@ class OutputContract(CliCase):
             self.assertIn(f"out of range: 0-{OFFSET_MAX:,}", beyond.stderr)
         last = self.run_cli("search", "parser", "--offset", str(OFFSET_MAX))
         self.assertEqual(last.returncode, 0, last.stderr)
+        # Without --all, as `hermes sessions list`: no delegate runs, continuations, tool sessions.
+        with SessionDB(self.db, read_only=True) as db:
+            listable = db.list_sessions_rich(limit=1000, exclude_sources=["tool"])
+            children = {s["id"] for s in everything} - {s["id"] for s in listable}
+        default = json.loads(self.run_cli("list", "-n", "0", "--format", "json").stdout)
+        self.assertEqual([s["id"] for s in default], [s["id"] for s in listable])
+        self.assertTrue(children)
+        self.assertTrue(all(s["parent_session_id"] or s["source"] == "tool"
+                            or s["end_reason"] == "compression"  # its chain shown by its tip
+                            for s in everything if s["id"] in children))
+        none = self.run_cli("list", "--source", "nosuch")
+        self.assertEqual((none.returncode, none.stdout, none.stderr), (0, "", "no sessions\n"))
 
     def test_search_formats_and_paging(self):
         hits = json.loads(self.run_cli("search", "parser", "-n", "0", "--format", "json").stdout)

@@ -183,7 +183,7 @@ class UnprivilegedReads(CliTestCase):
             for _result in self.each_read(name, path):
                 self.assertEqual(folder_state(folder), before)
             self.assertEqual(len((self.tmp / f"{name}-export.jsonl").read_text().splitlines()), 20)
-            listed = json.loads(self.run_cli("--db", path, "list", "-n", "0", "--json").stdout)
+            listed = json.loads(self.run_cli("--db", path, "list", "--all", "-n", "0", "--json").stdout)
             self.assertEqual(len(listed), 20)
 
     def test_writes_fail_with_one_line_naming_the_store(self):

@@ -11,7 +11,8 @@ from hermes_state import SessionDB
 from test_support import REPO, TempDirTestCase, backdate
 
 
-class SessionCommands(TempDirTestCase):
+class StoreOfThree(TempDirTestCase):
+    """Three ended sessions (cli, cron, cron), inactive since 1970."""
 
     def setUp(self):
         super().setUp()
@@ -34,6 +35,10 @@ class SessionCommands(TempDirTestCase):
         with sqlite3.connect(self.db) as conn:
             return conn.execute("SELECT title, archived, pinned FROM sessions WHERE id = ?",
                                 (sid,)).fetchone()
+
+
+
+class SessionCommands(StoreOfThree):
 
     def test_rename_sets_the_title_and_refuses_what_hermes_agent_refuses(self):
         done = self.run_cli("rename", "alpha", "Release", "checklist")
@@ -81,3 +86,34 @@ class SessionCommands(TempDirTestCase):
         both = self.run_cli("archive", "alpha-1", "--older-than", "1")
         self.assertEqual(both.returncode, 1)
         self.assertIn("not both", both.stderr)
+        alone = self.run_cli("archive", "--source", "cron")
+        self.assertEqual(alone.returncode, 1)
+
+
+class SmallPromises(StoreOfThree):
+
+    def test_version_names_release_schema_sqlite_and_python(self):
+        done = self.run_cli("--version")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertRegex(done.stdout, r"^hermes_state \d{4}\.\d+\.\d+ \(schema \d+, SQLite "
+                                      r"[\d.]+, Python [\d.]+\)\n$")
+
+    def test_json_beside_another_format_is_a_usage_error(self):
+        for command in (("list",), ("search", "hello")):
+            with self.subTest(command=command[0]):
+                done = self.run_cli(*command, "--json", "--format", "csv")
+                self.assertEqual((done.returncode, done.stdout), (2, ""))
+                self.assertIn("--json prints JSON and --format csv prints csv", done.stderr)
+                same = self.run_cli(*command, "--json", "--format", "json")
+                self.assertEqual(same.returncode, 0, same.stderr)
+
+    def test_backup_replaces_an_existing_file_only_with_force(self):
+        out = self.tmp / "home.zip"
+        out.write_bytes(b"keep me")
+        refused = self.run_cli("backup", str(out))
+        self.assertEqual(refused.returncode, 1)
+        self.assertIn("exists; pass --force", refused.stderr)
+        self.assertEqual(out.read_bytes(), b"keep me")
+        forced = self.run_cli("backup", str(out), "--force")
+        self.assertEqual(forced.returncode, 0, forced.stderr)
+        self.assertEqual(out.read_bytes()[:2], b"PK")
