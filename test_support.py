@@ -8,6 +8,7 @@ temp folder, read-only, and tests copy it again before opening it writable.
 import atexit
 import gzip
 import hashlib
+import logging
 import re
 import os
 import shutil
@@ -21,6 +22,9 @@ from pathlib import Path
 from hermes_state_schema import sqlite_supports_fts5, sqlite_supports_trigram
 
 REPO = Path(__file__).resolve().parent
+# The store's warnings (a damaged file set aside, an index rebuilt) are what many tests provoke on
+# purpose; they would print between the dots. A test that wants them reads them with assertLogs.
+logging.getLogger("hermes_state").addHandler(logging.NullHandler())
 FIXTURES = REPO / "fixtures"
 V22_DB = "hermes_v22_legacy_fts.db"
 V26_DB = "hermes_v26_split.db"
@@ -122,7 +126,8 @@ class TempDirTestCase(unittest.TestCase):
             if holder.poll() is None:
                 holder.stdin.close()
                 holder.wait(30)
-                holder.stdout.close()
+            for pipe in (holder.stdin, holder.stdout):  # also when the holder ended by itself
+                pipe.close()
         self.addCleanup(release)
         self.assertEqual(holder.stdout.readline().strip(), "held")
         return release
