@@ -27,6 +27,7 @@ from pathlib import Path
 from hermes_constants import get_hermes_home, reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB, damage_reason, restore_home
 from hermes_state_common import COMPRESSION_END_REASON, LIST_LIMIT_MAX, store_file_bytes
+from hermes_state_lockguard import _raw_store_access
 from hermes_state_portability import EXPORT_FORMATS, json_default, message_text, write_export
 from hermes_state_schema import SCHEMA_VERSION
 
@@ -404,13 +405,23 @@ def open_read_only(path, damaged_ok=False):
     return db
 
 
-def agent_open_would(db):
+def journal_in_header(path):
+    """'wal' or 'delete' as the store file's header says (bytes 18-19 are 2 in WAL mode); None
+    when it cannot be read. Read before the store opens: a read through `immutable=1` (a store we
+    may only read, with no sidecars) makes SQLite report 'delete' for any file."""
+    head = _raw_store_access(path, os.O_RDONLY, lambda fd: os.read(fd, 20))
+    if not head or len(head) < 20:
+        return None
+    return "wal" if head[18:20] == b"\x02\x02" else "delete"
+
+
+def agent_open_would(db, header_journal=None):
     """What the agent's writable open would change in this (read-only) store, a phrase each."""
     changes = []
     if db.stale_schema:
         version = _safe(db.schema_version)
         changes.append(f"upgrade its schema from version {version} to {SCHEMA_VERSION}")
-    journal = _safe(lambda: db._read_value("PRAGMA journal_mode"))
+    journal = header_journal or _safe(lambda: db._read_value("PRAGMA journal_mode"))
     if isinstance(journal, str) and journal.lower() != db.policy.mode:
         changes.append(f"switch its journal from {journal.lower()} to {db.policy.mode}")
     return changes
@@ -521,7 +532,7 @@ def _cmd_show(db, args, out):
 
 
 def _cmd_stats(db, args, out):
-    stats = dict(db.stats(), agent_open_would=agent_open_would(db))
+    stats = dict(db.stats(), agent_open_would=agent_open_would(db, getattr(args, 'header_journal', None)))
     if args.json:
         _print_json(stats, out)
     else:
@@ -531,7 +542,7 @@ def _cmd_stats(db, args, out):
 
 def _cmd_doctor(db, args, out):
     """The report of a read-only look (no repair, no DDL), opened by a one-line verdict."""
-    report = dict(db.doctor(), agent_open_would=agent_open_would(db))
+    report = dict(db.doctor(), agent_open_would=agent_open_would(db, getattr(args, 'header_journal', None)))
     if db.open_error:
         report.update(open_error=db.open_error, ok=False)
     if args.json:
@@ -1188,6 +1199,9 @@ def _run(args, out):
     if getattr(args, "replica", None) is not None:
         db = SessionDB.open_replica(args.replica)
     elif args.command in READ_COMMANDS:
+        if args.command in ("stats", "doctor"):
+            check_store(path)
+            args.header_journal = journal_in_header(path)
         db = open_read_only(path, damaged_ok=args.command == "doctor")
     else:
         check_store(path, may_create=args.command == "import")

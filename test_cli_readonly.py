@@ -185,6 +185,11 @@ class UnprivilegedReads(CliTestCase):
             self.assertEqual(len((self.tmp / f"{name}-export.jsonl").read_text().splitlines()), 20)
             listed = json.loads(self.run_cli("--db", path, "list", "--all", "-n", "0", "--json").stdout)
             self.assertEqual(len(listed), 20)
+            # Read through immutable=1, SQLite calls any file's journal 'delete': the header says.
+            stats = json.loads(self.run_cli("--db", path, "stats", "--json").stdout)
+            wal = open(path, "rb").read(20)[18:20] == b"\x02\x02"
+            self.assertEqual(any("switch its journal" in change
+                                 for change in stats["agent_open_would"]), not wal, stats)
 
     def test_writes_fail_with_one_line_naming_the_store(self):
         folder = self.read_only_folder(V31_DB)
