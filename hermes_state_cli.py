@@ -9,26 +9,27 @@ quarantining a damaged file.
 """
 
 import argparse
-import csv
 import json
 import logging
 import math
 import os
-import re
 import shutil
 import sqlite3
 import sys
 import tempfile
-import threading
-import time
 from functools import partial
 from pathlib import Path
 
 from hermes_constants import get_hermes_home, reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB, damage_reason, restore_home
 from hermes_state_common import COMPRESSION_END_REASON, LIST_LIMIT_MAX, store_file_bytes
+from hermes_state_display import (
+    PrintableStream, Progress, counted, end_progress, format_time, hit_rows, human_size, one_line,
+    plural, print_fields, print_json, print_session, print_table, printable, session_rows,
+    write_records,
+)
 from hermes_state_lockguard import _raw_store_access
-from hermes_state_portability import EXPORT_FORMATS, json_default, message_text, write_export
+from hermes_state_portability import EXPORT_FORMATS, write_export
 from hermes_state_schema import SCHEMA_VERSION
 
 # Commands that only read: opened read-only (no DDL, no repair, no journal switch, no lock file).
@@ -39,10 +40,6 @@ READ_COMMANDS = ("list", "show", "search", "stats", "doctor", "export", "backup"
 # whether more match) must stay one.
 OFFSET_MAX = 2 ** 63 - 1 - 2 * LIST_LIMIT_MAX
 LIST_FORMATS = ("table", "json", "jsonl", "csv")
-# A progress line on a terminal is redrawn at most this often; a plain line (stderr not a
-# terminal) is printed at most every PLAIN_PROGRESS_SECONDS.
-TTY_PROGRESS_SECONDS = 0.1
-PLAIN_PROGRESS_SECONDS = 5.0
 _DAMAGE_WORDS = {"empty": "an empty file", "zeroed": "all zero bytes", "notsqlite": "not SQLite"}
 
 
@@ -82,260 +79,6 @@ def _non_empty(text):
 
 # -- output ------------------------------------------------------------------------------
 
-# Every C0 control, DEL and every C1 control, shown as `\xNN`: a store's text (a source, a title, a
-# tool's output) must never move the cursor, retitle the window, write the clipboard (OSC 52) or
-# hide a row of a confirmation with `\r`. Newlines and tabs stay where text runs over lines.
-_CONTROL_ESCAPES = {code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
-_TEXT_ESCAPES = {code: escape for code, escape in _CONTROL_ESCAPES.items() if code not in (9, 10)}
-
-
-def printable(text):
-    """`text` for one line of a person's terminal: every control character escaped."""
-    return str(text).translate(_CONTROL_ESCAPES)
-
-
-class _PrintableStream:
-    """A stream for human output: what passes through keeps its lines and tabs, loses its
-    controls. JSON, CSV and exported files are data and go to the stream unwrapped."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        return self.stream.write(text.translate(_TEXT_ESCAPES))
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-def _print_json(value, out):
-    json.dump(value, out, ensure_ascii=False, indent=2, default=json_default)
-    out.write("\n")
-
-
-def _plural(count, noun):
-    """`1 session`, `2 sessions`, `1.5 days`."""
-    shown = f"{count:,}" if isinstance(count, int) else f"{count:g}"
-    return f"{shown} {noun}" + ("" if count == 1 else "s")
-
-
-def human_size(n):
-    """`1.2 MB` for 1,234,567 bytes (decimal units, as `ls -h --si` prints them)."""
-    if n is None:
-        return "-"
-    for unit in ("bytes", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:,} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1000
-
-
-def human_value(key, value):
-    """A value as a person reads it: `-` for none, yes/no, `cli 2, telegram 1`, sizes in kB/MB."""
-    if value is None or value == "" or value == [] or value == {}:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int) and key.endswith("_bytes"):
-        return human_size(value)
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {human_value(k, v)}" for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return "; ".join(human_value(key, v) for v in value)
-    return str(value)
-
-
-def _print_fields(mapping, out):
-    width = max((len(key) for key in mapping), default=0)
-    for key, value in mapping.items():
-        out.write(f"{key:>{width}}: {printable(human_value(key, value))}\n")
-
-
-def _format_time(ts):
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
-
-
-def _one_line(text, width):
-    """`text` on one line in `width` characters; a long one is cut around its first >>>match<<<."""
-    text = " ".join(str(text or "").split())
-    if len(text) <= width:
-        return text
-    start = max(0, min(text.find(">>>") - width // 4, len(text) - width + 1))
-    head = "…" if start else ""
-    return head + text[start + len(head):start + width - 1] + "…"
-
-
-def _session_rows(sessions):
-    """(header, rows) of `list`'s table."""
-    rows = [(s["id"], s.get("source") or "-", _format_time(s.get("last_active")),
-             f"{s.get('message_count') or 0:,}",
-             _one_line(s.get("title") or s.get("preview") or "-", 60)) for s in sessions]
-    return ("id", "source", "last active", "messages", "title"), rows
-
-
-def query_terms(query):
-    """The words and phrases of a search query a hit contains (no operators, nothing after NOT
-    or -)."""
-    terms, skip = [], False
-    for match in re.finditer(r'"([^"]*)"|(\S+)', query or ""):
-        word = match.group(1) if match.group(1) is not None else match.group(2).strip("()")
-        if word.upper() in ("AND", "OR", "NOT") and match.group(1) is None:
-            skip = word.upper() == "NOT"
-            continue
-        if not skip and word and not word.startswith("-"):
-            terms.append(word)
-        skip = False
-    return terms
-
-
-def mark_terms(snippet, query):
-    """`snippet` with the query's terms in >>> <<<, when the search left it unmarked (hermes-agent's
-    plain snippet of a scanned hit, as for a CJK term of 1 or 2 characters)."""
-    if not snippet or ">>>" in snippet:
-        return snippet
-    terms = sorted(set(query_terms(query)), key=len, reverse=True)
-    if not terms:
-        return snippet
-    pattern = re.compile("|".join(map(re.escape, terms)), re.IGNORECASE)
-    return pattern.sub(lambda found: f">>>{found.group(0)}<<<", snippet)
-
-
-def _hit_rows(hits, query=None):
-    rows = [(h["session_id"], str(h["id"]), h["role"], _format_time(h["timestamp"]),
-             _one_line(mark_terms(h["snippet"], query), 80)) for h in hits]
-    return ("session", "message id", "role", "time", "snippet"), rows
-
-
-def _print_table(header, rows, out):
-    rows = [[printable(cell) for cell in row] for row in rows]
-    widths = [max([len(header[i])] + [len(row[i]) for row in rows]) for i in range(len(header))]
-    right = {i for i, name in enumerate(header) if name in ("messages", "message id")}
-
-    def line(cells):
-        return "  ".join(cell.rjust(w) if i in right else cell.ljust(w)
-                         for i, (cell, w) in enumerate(zip(cells, widths))).rstrip() + "\n"
-    out.write(line(header))
-    out.write(line(["-" * w for w in widths]))
-    for row in rows:
-        out.write(line(row))
-
-
-def _write_records(records, fmt, out, table):
-    """`records` (dicts) as json, jsonl, csv (a header row; nested values as JSON) or the table
-    `table(records)` makes."""
-    if fmt == "json":
-        _print_json(records, out)
-    elif fmt == "jsonl":
-        for record in records:
-            out.write(json.dumps(record, ensure_ascii=False, default=json_default) + "\n")
-    elif fmt == "csv":
-        fields = list(dict.fromkeys(key for record in records for key in record))
-        writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(fields)
-        for record in records:
-            writer.writerow([_csv_cell(record.get(key)) for key in fields])
-    elif records:  # no rows, no table: stderr says why
-        _print_table(*table(records), out)
-
-
-def _csv_cell(value):
-    if value is None:
-        return ""
-    if isinstance(value, (str, int, float)):
-        return value
-    return json.dumps(value, ensure_ascii=False, default=json_default)
-
-
-class Progress:
-    """What a long command is doing, on stderr: one line rewritten in place on a terminal (at most
-    every TTY_PROGRESS_SECONDS), else a plain line when a phase starts and at most every
-    PLAIN_PROGRESS_SECONDS; each with its counts and the time since the command started. A phase
-    that reports nothing for a while (one long SQLite call: an import's transaction, VACUUM, a
-    backup) is kept alive by a ticker thread: the time moves on a terminal, a "still running" line
-    every PLAIN_PROGRESS_SECONDS otherwise."""
-
-    def __init__(self, command, stream=None):
-        self.command, self.stream = command, stream or sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.start = self._shown_at = time.monotonic()
-        self.phase_name, self._open_line, self._last_text = None, False, None
-        self._lock, self._stop, self._ticker = threading.Lock(), threading.Event(), None
-        _RUNNING.append(self)
-
-    def phase(self, name, detail=""):
-        """A new phase, said when it starts."""
-        self.phase_name = name
-        self._show(f"{name}{': ' + detail if detail else ''}", force=True)
-        if self._ticker is None:
-            self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
-            self._ticker.start()
-
-    def update(self, done, total=None, unit=""):
-        counts = f"{done:,}" + (f"/{total:,}" if total else "") + (f" {unit}" if unit else "")
-        percent = f" {100 * done // total:3d}%" if total else ""
-        self._show(f"{self.phase_name}{percent} ({counts})")
-
-    def finish(self, text=None):
-        """End the progress line; `text`, if any, is the command's last diagnostic."""
-        if self in _RUNNING:
-            _RUNNING.remove(self)
-        self._stop.set()
-        if self._ticker is not None:
-            self._ticker.join()
-        with self._lock:
-            if self._open_line:
-                self.stream.write("\n")
-                self._open_line = False
-            if text:
-                self.stream.write(f"{self.command}: {text} in {self._elapsed()}\n")
-            self.stream.flush()
-
-    def _elapsed(self):
-        seconds = time.monotonic() - self.start
-        if seconds < 60:
-            return f"{seconds:.1f}s"
-        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-
-    def _tick(self):
-        interval = 1.0 if self.tty else PLAIN_PROGRESS_SECONDS
-        while not self._stop.wait(interval / 4):
-            if time.monotonic() - self._shown_at >= interval and self._last_text:
-                text = self._last_text if self.tty else f"{self.phase_name} (still running)"
-                self._show(text, force=True, again=True)
-
-    def _show(self, text, force=False, again=False):
-        with self._lock:
-            now = time.monotonic()
-            interval = TTY_PROGRESS_SECONDS if self.tty else PLAIN_PROGRESS_SECONDS
-            if self._stop.is_set() or (text == self._last_text and not again) or (
-                    not force and now - self._shown_at < interval):
-                return
-            self._shown_at = now
-            if not again or self.tty:
-                self._last_text = text
-            line = f"{self.command}: {text}, {self._elapsed()}"
-            if self.tty:
-                self.stream.write(f"\r\033[K{line}")
-                self._open_line = True
-            else:
-                self.stream.write(line + "\n")
-            self.stream.flush()
-
-
-# The Progress lines not finished yet: an error ends them before it is printed.
-_RUNNING = []
-
-
-def _counted(items, progress, total=None, unit="sessions"):
-    """`items`, reporting how many went by."""
-    n = 0
-    for item in items:
-        yield item
-        n += 1
-        progress.update(n, total, unit)
-
-
 def _confirm(args, command, question, listing):
     """True to go ahead: --yes, or "y" typed at the terminal after `listing` (lines) was shown.
     CommandError when stdin is not a terminal and --yes was not given: nothing goes unasked."""
@@ -353,6 +96,8 @@ def _confirm(args, command, question, listing):
         sys.stderr.write("nothing was changed\n")
         return False
     return True
+
+
 
 
 # -- opening a store -----------------------------------------------------------------------
@@ -459,7 +204,7 @@ def _cmd_list(db, args, out):
                                      offset=args.offset + offset, include_archived=args.archived,
                                      include_children=everything)
     sessions = _all_pages(fetch, args.limit)
-    _write_records(sessions, args.format, out, _session_rows)
+    write_records(sessions, args.format, out, session_rows)
     total = db.session_count(source=args.source, exclude_sources=hidden,
                              include_archived=args.archived, exclude_children=not everything)
     if args.limit and len(sessions) == args.limit and total > args.offset + len(sessions):
@@ -481,33 +226,13 @@ def _cmd_search(db, args, out):
     hits = _all_pages(fetch, asked)
     more = bool(args.limit) and len(hits) > args.limit
     hits = hits[:args.limit] if args.limit else hits
-    _write_records(hits, args.format, out, lambda rows: _hit_rows(rows, args.query))
+    write_records(hits, args.format, out, lambda rows: hit_rows(rows, args.query))
     if more:
         sys.stderr.write(f"showing the first {len(hits):,} hits; more match (-n 0 for all, "
                          f"--offset {args.offset + len(hits)} for the next page)\n")
     elif not hits:
         sys.stderr.write("no hits\n")
     return 0
-
-
-def _print_session(export, out):
-    fields = ("id", "source", "model", "title", "parent_session_id", "end_reason", "message_count",
-              "tool_call_count", "input_tokens", "output_tokens")
-    _print_fields({key: export.get(key) for key in fields}, out)
-    if export.get("lineage_session_ids"):
-        out.write(f"{'lineage':>17}: {printable(' -> '.join(export['lineage_session_ids']))}\n")
-    for number, message in enumerate(export["messages"], 1):
-        label = printable(message["role"] + (f" ({message['tool_name']})"
-                                             if message.get("tool_name") else ""))
-        out.write(f"\n[{number}] {label} at {_format_time(message['timestamp'])}\n")
-        if message.get("content"):
-            text = message_text(message)
-            cut = text if len(text) <= 400 else text[:400] + f" ... ({len(text):,} chars)"
-            out.write(cut + "\n")
-        for call in message.get("tool_calls") or []:
-            function = call.get("function", {}) if isinstance(call, dict) else {}
-            out.write(f"  -> {printable(function.get('name', '?'))}"
-                      f"({printable(function.get('arguments', ''))})\n")
 
 
 def _resolve(db, given):
@@ -525,28 +250,30 @@ def _cmd_show(db, args, out):
     session_id = _resolve(db, args.session_id)
     export = _export_one(db, session_id, args.lineage)
     if args.json:
-        _print_json(export, out)
+        print_json(export, out)
     else:
-        _print_session(export, out)
+        print_session(export, out)
     return 0
 
 
 def _cmd_stats(db, args, out):
-    stats = dict(db.stats(), agent_open_would=agent_open_would(db, getattr(args, 'header_journal', None)))
+    would = agent_open_would(db, getattr(args, "header_journal", None))
+    stats = dict(db.stats(), agent_open_would=would)
     if args.json:
-        _print_json(stats, out)
+        print_json(stats, out)
     else:
-        _print_fields(stats, out)
+        print_fields(stats, out)
     return 0
 
 
 def _cmd_doctor(db, args, out):
     """The report of a read-only look (no repair, no DDL), opened by a one-line verdict."""
-    report = dict(db.doctor(), agent_open_would=agent_open_would(db, getattr(args, 'header_journal', None)))
+    would = agent_open_would(db, getattr(args, "header_journal", None))
+    report = dict(db.doctor(), agent_open_would=would)
     if db.open_error:
         report.update(open_error=db.open_error, ok=False)
     if args.json:
-        _print_json(report, out)
+        print_json(report, out)
     else:
         if report["ok"]:
             verdict = f"ok: {db.db_path} is healthy"
@@ -559,14 +286,14 @@ def _cmd_doctor(db, args, out):
         if report["agent_open_would"]:
             verdict += "; the agent's next open will " + " and ".join(report["agent_open_would"])
         out.write(verdict + "\n")
-        _print_fields(report, out)
+        print_fields(report, out)
     return 0 if report["ok"] else 1
 
 
 def _cmd_optimize(db, args, out):
     db.optimize_fts()
     if args.json:
-        _print_json({"db_path": str(db.db_path), "optimized": True}, out)
+        print_json({"db_path": str(db.db_path), "optimized": True}, out)
     else:
         out.write(f"merged the search index segments of {db.db_path}\n")
     return 0
@@ -603,7 +330,7 @@ def _cmd_optimize_storage(db, args, out):
         raise CommandError(f"optimize-storage refused: {result.get('detail') or result['reason']}")
     progress.finish("done")
     if args.json:
-        _print_json(result, out)
+        print_json(result, out)
     else:
         after = human_size(store_file_bytes(db.db_path))
         out.write(f"{db.db_path}: {human_size(before)} -> {after}, layout {db.fts_layout()}\n")
@@ -648,14 +375,14 @@ def _cmd_export(db, args, out):
             else:
                 exports = source.iter_export_all(source=args.source)
         progress.phase(f"writing {args.format}" + (" (redacting secrets)" if args.redact else ""))
-        count = write_export(_counted(exports, progress, total), args.format, args.out,
+        count = write_export(counted(exports, progress, total), args.format, args.out,
                              redact_secrets=args.redact)
     finally:
         cleanup()
     progress.finish(f"exported {count:,} sessions as {args.format} to {args.out}"
                     f"{' (redacted, best effort)' if args.redact else ''}")
     if args.json and args.out != "-":
-        _print_json({"exported": count, "format": args.format, "out": args.out,
+        print_json({"exported": count, "format": args.format, "out": args.out,
                      "redacted": args.redact}, out)
     return 0
 
@@ -726,15 +453,15 @@ def _cmd_import(db, args, out):
                          "imported\n")
     progress.finish("written")
     if args.json:
-        _print_json(totals, out)
+        print_json(totals, out)
     else:
         out.write("imported {imported}, skipped {skipped}, detached {detached}\n".format(**totals))
     return 0
 
 
 def _describe(row):
-    return (f"  {row['id']}  {row.get('source') or '-'}  {_format_time(row.get('last_active'))}  "
-            f"{row.get('message_count') or 0:,} msgs  {_one_line(row.get('title') or '-', 50)}")
+    return (f"  {row['id']}  {row.get('source') or '-'}  {format_time(row.get('last_active'))}  "
+            f"{row.get('message_count') or 0:,} msgs  {one_line(row.get('title') or '-', 50)}")
 
 
 def _cmd_delete(db, args, out):
@@ -758,7 +485,7 @@ def _cmd_delete(db, args, out):
 
 def _emit_deleted(args, out, ids, dry_run):
     if args.json:
-        _print_json({"dry_run": dry_run, "sessions": ids}, out)
+        print_json({"dry_run": dry_run, "sessions": ids}, out)
     else:
         verb = "would delete" if dry_run else "deleted"
         out.write("".join(f"{verb} {printable(session_id)}\n" for session_id in ids))
@@ -767,8 +494,8 @@ def _emit_deleted(args, out, ids, dry_run):
 def _cmd_prune(db, args, out):
     rows = db.list_prune_candidates(args.older_than, source=args.source)
     ids = [row["id"] for row in rows]
-    what = (f"{_plural(len(ids), 'ended session')} inactive for more than "
-            f"{_plural(args.older_than, 'day')}")
+    what = (f"{plural(len(ids), 'ended session')} inactive for more than "
+            f"{plural(args.older_than, 'day')}")
     if not args.dry_run and ids:
         if not _confirm(args, "prune", f"Delete these {what} from {db.db_path}?",
                         ["will delete:"] + [_describe(row) for row in rows]):
@@ -780,7 +507,7 @@ def _cmd_prune(db, args, out):
         db.prune_sessions(args.older_than, source=args.source, session_ids=ids)
         progress.finish("done")
     if args.json:
-        _print_json({"dry_run": args.dry_run, "sessions": ids}, out)
+        print_json({"dry_run": args.dry_run, "sessions": ids}, out)
     else:
         out.write(f"{'would delete' if args.dry_run else 'deleted'} {what}\n")
         for session_id in ids:
@@ -799,7 +526,7 @@ def _cmd_rename(db, args, out):
     db.set_session_title(session_id, title)  # ValueError names the limit, or the session holding it
     stored = db.get_session_title(session_id)
     if args.json:
-        _print_json({"id": session_id, "title": stored}, out)
+        print_json({"id": session_id, "title": stored}, out)
     else:
         out.write(f"renamed {session_id} to {stored}\n")
     return 0
@@ -813,7 +540,7 @@ def _cmd_flag(db, args, out, column, value):
         setter(session_id, value)
     verb = {"pinned": "pinned" if value else "unpinned", "archived": "unarchived"}[column]
     if args.json:
-        _print_json({verb: ids}, out)
+        print_json({verb: ids}, out)
     else:
         out.write("".join(f"{verb} {printable(session_id)}\n" for session_id in ids))
     return 0
@@ -831,15 +558,15 @@ def _cmd_archive(db, args, out):
                                                         archived=False)
                 if not (db.get_session(row["id"]) or {}).get("pinned")]
         ids = [row["id"] for row in rows]
-        what = (f"{_plural(len(ids), 'ended session')} inactive for more than "
-                f"{_plural(args.older_than, 'day')}")
+        what = (f"{plural(len(ids), 'ended session')} inactive for more than "
+                f"{plural(args.older_than, 'day')}")
         if ids and not _confirm(args, "archive", f"Archive these {what}?",
                                 ["will archive:"] + [_describe(row) for row in rows]):
             return 1
     for session_id in ids:
         db.set_session_archived(session_id, True)
     if args.json:
-        _print_json({"archived": ids}, out)
+        print_json({"archived": ids}, out)
     else:
         out.write("".join(f"archived {printable(session_id)}\n" for session_id in ids)
                   or "nothing to archive\n")
@@ -852,9 +579,9 @@ def _cmd_pinned(db, args, out):
                                                     include_archived=True), 0)
             if row.get("pinned")]
     if args.json:
-        _print_json(rows, out)
+        print_json(rows, out)
     elif rows:
-        _print_table(*_session_rows(rows), out)
+        print_table(*session_rows(rows), out)
     else:
         out.write(f"no pinned sessions; pin one with: {_M} pin ID\n")
     return 0
@@ -869,7 +596,7 @@ def _cmd_backup(db, args, out):
     size = human_size(os.path.getsize(result["archive"]))
     progress.finish(f"{len(result['files'])} files, {size}")
     if args.json:
-        _print_json(result, out)
+        print_json(result, out)
     else:
         out.write(f"backed up {len(result['files'])} files of {db.db_path.parent} to "
                   f"{result['archive']}\n")
@@ -884,7 +611,7 @@ def _cmd_restore(args, out):
     for kept in result["moved_aside"]:
         sys.stderr.write(f"kept the replaced file as {kept}\n")
     if args.json:
-        _print_json(result, out)
+        print_json(result, out)
     else:
         home = Path(result["db_path"]).parent
         out.write(f"restored {len(result['restored'])} files into {home}\n")
@@ -918,18 +645,18 @@ def _cmd_demo(args, out):
             build_demo_history(db)
             sessions = db.list_sessions_rich(limit=20, include_children=True)
             if args.json:
-                _print_json({"db_path": str(db.db_path), "sessions": sessions}, out)
+                print_json({"db_path": str(db.db_path), "sessions": sessions}, out)
                 return 0
             out.write("== sessions (python3 -m hermes_state list)\n")
-            _print_table(*_session_rows(sessions), out)
+            print_table(*session_rows(sessions), out)
             tip = db.get_compression_tip("demo-refactor-1")
             out.write(f"\n== the compression chain ending in {tip}, shown as one session\n")
-            _print_session(db.export_session_lineage(tip), out)
+            print_session(db.export_session_lineage(tip), out)
             out.write("\n== one conversation in Chinese\n")
-            _print_session(db.export_session("demo-zh"), out)
+            print_session(db.export_session("demo-zh"), out)
             for query in ("my-app.config.ts", "迁移", "会话历史"):
                 out.write(f"\n== search {query!r} (python3 -m hermes_state search ...)\n")
-                _print_table(*_hit_rows(db.search_messages(query), query), out)
+                print_table(*hit_rows(db.search_messages(query), query), out)
             out.write(f"\nstore: {db.db_path}\n"
                       f"try:   python3 -m hermes_state --db {db.db_path} list\n")
     finally:
@@ -1164,7 +891,7 @@ def main(argv=None, out=None):
                      f"{args.command} runs on the primary")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
     if not args.json and getattr(args, "format", "table") == "table" and args.command != "export":
-        out = _PrintableStream(out)
+        out = PrintableStream(out)
     try:
         return _run(args, out)
     except BrokenPipeError:
@@ -1173,18 +900,13 @@ def main(argv=None, out=None):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except KeyboardInterrupt:
-        _end_progress()
+        end_progress()
         sys.stderr.write("\ninterrupted\n")
         return 1
     except (CommandError, ValueError, OSError, RuntimeError, sqlite3.Error) as exc:
-        _end_progress()
+        end_progress()
         sys.stderr.write(f"error: {printable(exc)}\n")
         return 1
-
-
-def _end_progress():
-    for progress in list(_RUNNING):
-        progress.finish()
 
 
 def _run(args, out):

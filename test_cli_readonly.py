@@ -187,7 +187,7 @@ class UnprivilegedReads(CliTestCase):
             self.assertEqual(len(listed), 20)
             # Read through immutable=1, SQLite calls any file's journal 'delete': the header says.
             stats = json.loads(self.run_cli("--db", path, "stats", "--json").stdout)
-            wal = open(path, "rb").read(20)[18:20] == b"\x02\x02"
+            wal = path.read_bytes()[18:20] == b"\x02\x02"
             self.assertEqual(any("switch its journal" in change
                                  for change in stats["agent_open_would"]), not wal, stats)
 
@@ -256,6 +256,8 @@ class ImmutableReads(TempDirTestCase):
         child = subprocess.Popen([sys.executable, "-c", READER_AS_NOBODY, str(path)], env=env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                  stderr=subprocess.PIPE)
+        for pipe in (child.stdout, child.stderr):
+            self.addCleanup(pipe.close)
         self.addCleanup(child.wait, 30)
         self.addCleanup(child.stdin.close)
 
