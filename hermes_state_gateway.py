@@ -77,8 +77,8 @@ _PEER_SET_COLUMNS = ("session_key", "source", "user_id", "chat_id", "chat_type",
 # An orphan takes what it lacks of its donor's identity, and the donor as its parent.
 _ADOPTED_COLUMNS = ("chat_id", "chat_type", "thread_id", "user_id", "origin_json", "display_name")
 _DELETE_LEASE_SQL = "DELETE FROM session_turn_leases WHERE conversation_id = ? AND holder = ?"
-# Each gateway or serve process's liveness row, made on its first heartbeat. The text is hermes-agent
-# 0.22's (its schema makes the table at open), so sqlite_master reads the same to both.
+# Each gateway or serve process's liveness row, made on its first heartbeat. The text is
+# hermes-agent 0.22's (its schema makes the table at open), so sqlite_master reads the same to both.
 _HEARTBEATS_TABLE_SQL = """CREATE TABLE IF NOT EXISTS gateway_heartbeats (
     backend_id TEXT PRIMARY KEY,
     pid INTEGER NOT NULL,

@@ -4,9 +4,9 @@ per gateway profile.
 Owns `telegram_dm_topic_mode` and `telegram_dm_topic_bindings`, created only when a user opts in
 (`apply_telegram_topic_migration`), never at open, as hermes-agent does; while they are absent every
 read answers as if empty. Both tables lead their key with `profile_name`: bots of several profiles
-share one state.db, and a private chat's id is the user's, the same for every bot. Tables from before
-the profile column are rebuilt under 'default' (on opt-in, or on the first read that needs the
-column). Relies on the sessions mixin's `_rich_rows`; never writes a session or message row.
+share one state.db, and a private chat's id is the user's, the same for every bot. Tables from
+before the profile column are rebuilt under 'default' (on opt-in, or on the first read that needs
+it). Relies on the sessions mixin's `_rich_rows`; never writes a session or message row.
 """
 
 import logging
@@ -156,7 +156,7 @@ class SessionTelegramMixin:
         return self.get_telegram_topic_binding_by_session(session_id=session_id) is not None
 
     def list_telegram_topic_bindings_for_chat(self, *, chat_id, profile_name=DEFAULT_TOPIC_PROFILE):
-        """One profile's bindings in one chat as dicts, most recently updated first; [] when none."""
+        """One profile's bindings in one chat as dicts, newest update first; [] when none."""
         return self._bindings("profile_name = ? AND chat_id = ? ORDER BY updated_at DESC",
                               (topic_profile(profile_name), str(chat_id)))
 
@@ -220,8 +220,8 @@ class SessionTelegramMixin:
                 " WHERE profile_name = ? AND chat_id = ? AND thread_id = ?",
                 (*key, str(thread_id))).rowcount
             if deleted and not conn.execute(
-                    "SELECT 1 FROM telegram_dm_topic_bindings WHERE profile_name = ? AND chat_id = ?"
-                    " LIMIT 1", key).fetchone():
+                    "SELECT 1 FROM telegram_dm_topic_bindings"
+                    " WHERE profile_name = ? AND chat_id = ? LIMIT 1", key).fetchone():
                 conn.execute(_DISABLE_MODE_SQL, (time.time(), *key))
             return deleted
         return self._execute_write(write)
