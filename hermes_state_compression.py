@@ -386,7 +386,7 @@ class SessionCompressionMixin:
             children = conn.execute("SELECT source, model_config, parent_session_id"
                                     " FROM sessions WHERE parent_session_id = ?",
                                     (session_id,)).fetchall()
-            if any(_continues(child) for child in children):
+            if any(_continues(dict(child)) for child in children):
                 return None
             conn.execute("UPDATE sessions SET ended_at = NULL, end_reason = NULL"
                          " WHERE id = ? AND ended_at = ? AND end_reason IS ?",
