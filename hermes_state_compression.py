@@ -50,9 +50,9 @@ _INHERITED_COLUMNS = ("git_branch", "git_repo_root", "user_id", "session_key", "
 # model_config keys of the whole conversation, not of one segment: a continuation takes them from
 # its parent (hermes-agent's onboarding record reads them by this name).
 _CONVERSATION_MODEL_CONFIG_KEYS = ("onboarding_run",)
-# End stamps of hermes-agent's automatic cleanup (shutdown, disconnect, reaps, evictions), as against
-# a deliberate close; and the deliberate conversation boundaries (a reset, CLI /new) that a reopen
-# must never undo. -> hermes_state_common, beside _RESET_END_REASONS
+# End stamps of hermes-agent's automatic cleanup (shutdown, disconnect, reaps, evictions), as
+# against a deliberate close; and the deliberate conversation boundaries (a reset, CLI /new) that a
+# reopen must never undo. -> hermes_state_common, beside _RESET_END_REASONS
 _AUTOMATIC_END_REASONS = frozenset((
     "agent_close", "ws_orphan_reap", "superseded_by_resume", "startup_orphan_reap",
     "tui_shutdown", "ws_disconnect", "idle_timeout", "lru_evict"))
