@@ -14,9 +14,9 @@ import time
 
 from hermes_state_common import (
     COMPRESSION_END_REASON, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, LINEAGE_MAX_HOPS,
-    SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL, _RESET_END_REASONS, cwd_prefix_clause,
-    escape_like, has_fork_marker, is_fork_child, json_object, loads_or, merge_model_config,
-    placeholders, resolved_max_export_messages, resolved_max_resume_messages,
+    SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL, _RESET_END_REASONS, chunked,
+    cwd_prefix_clause, escape_like, has_fork_marker, is_fork_child, json_object, loads_or,
+    merge_model_config, placeholders, resolved_max_export_messages, resolved_max_resume_messages,
 )
 from hermes_state_errors import (
     CompressionSessionBusyError, SessionCompressionInProgressError, SessionExportTooLargeError,
@@ -255,17 +255,28 @@ class SessionCompressionMixin:
             (session_id,))
 
     def archive_and_compact(self, session_id, compacted_messages, model_config_patch=None,
-                            watermark=None, lock_holder=None):
+                            watermark=None, lock_holder=None, tail_count=0,
+                            carried_messages=None, covered_ids=None, unresolved_held=None):
         """Replace the live transcript with `compacted_messages` in one transaction; returns the
-        new active count. The old turns stay, compacted (searchable); messages newer than
-        `watermark` are copied after the new set. Raises SessionCompressionInProgressError when
-        `lock_holder` no longer holds the compression lock, SessionRowError (a ValueError) for an
-        unknown session unless nothing is written."""
+        new active count. Rows the compressor summarised stay, compacted (searchable); a row
+        that lives on after the new set is copied there (a fresh id) and its original rewound
+        (active 0, compacted 0), so search finds it once.
+
+        Which rows were summarised: with `covered_ids` (the row ids the compressor held) and
+        `unresolved_held` (held dicts without one, named by the coverage mixin), exactly those;
+        every other live row is copied after the new set. Without them, or when a held stored
+        row cannot be named, every live row up to `watermark`; rows after it are copied after
+        the new set. The last `tail_count` compacted dicts and `carried_messages` are copies of
+        held rows (by `_row_id`, else a unique identity and timestamp): their originals are
+        rewound. Raises SessionCompressionInProgressError when `lock_holder` no longer holds the
+        compression lock, SessionRowError (a ValueError) for an unknown session unless nothing
+        is written."""
         messages = _message_dicts("compacted_messages", compacted_messages)
         if model_config_patch is not None and not isinstance(model_config_patch, dict):
             raise SessionInputTypeError("model_config_patch must be a dict or None, not "
                                         f"{type(model_config_patch).__name__}")
         watermark = None if watermark is None else int(watermark)
+        tail_count = int(tail_count or 0)
 
         def write(conn):
             if lock_holder is not None and not _holds_lock(conn, session_id, lock_holder):
@@ -279,11 +290,27 @@ class SessionCompressionMixin:
                     raise SessionRowError(
                         f"session {session_id!r} does not exist; nothing was compacted")
                 return 0
-            tail = conn.execute(_TAIL_SQL, (session_id, watermark, None)).fetchall()
+            # (the coverage mixin's, asked only when there is something to name)
+            carried = (self._resolve_carried_row_ids(conn, session_id, carried_messages)
+                       if carried_messages else [])
+            proved = None if covered_ids is None else self._proved_coverage(
+                conn, session_id, covered_ids, unresolved_held, watermark)
+            if proved is None:
+                rewound, copied = self._rows_past_watermark(
+                    conn, session_id, watermark, tail_count, messages)
+            else:
+                rewound, copied = self._rows_not_held(
+                    conn, session_id, set(proved[0]) | set(carried), tail_count, proved[1])
+            rewound = list(dict.fromkeys([*carried, *rewound, *copied]))
+            for chunk in chunked(rewound):
+                conn.execute("UPDATE messages SET active = 0, compacted = 0"
+                             f" WHERE session_id = ? AND id IN ({placeholders(len(chunk))})",
+                             (session_id, *chunk))
             conn.execute(
                 "UPDATE messages SET active = 0, compacted = 1 WHERE session_id = ? AND active = 1",
                 (session_id,))
             count, calls = self._insert_message_rows(conn, session_id, messages)
+            tail = [dict(id=row_id, tool_calls=tool_calls) for row_id, tool_calls in copied.items()]
             count, calls = count + len(tail), calls + _copy_tail(conn, tail, session_id)
             sets, params = "message_count = ?, tool_call_count = ?", [count, calls]
             if model_config_patch is not None:
@@ -292,6 +319,33 @@ class SessionCompressionMixin:
             conn.execute(f"UPDATE sessions SET {sets} WHERE id = ?", (*params, session_id))
             return count
         return self._execute_write(write)
+
+    def _rows_past_watermark(self, conn, session_id, watermark, tail_count, messages):
+        """Inside a compaction without proved coverage: (the originals of the last `tail_count`
+        dicts: the newest live rows at or below the watermark, widened by the rows a merged dict
+        stands for; {id: tool_calls} of the live rows after the watermark, none without one)."""
+        copied = {} if watermark is None else dict(
+            (row["id"], row["tool_calls"])
+            for row in conn.execute(_TAIL_SQL, (session_id, watermark, None)))
+        if tail_count <= 0:
+            return [], copied
+        width = tail_count + self._uncounted_merged_rows(messages[-tail_count:])
+        bound = "" if watermark is None else " AND id <= :watermark"
+        rows = conn.execute(f"SELECT id FROM messages WHERE session_id = :session_id"
+                            f" AND active = 1{bound} ORDER BY id DESC LIMIT :width",
+                            {"session_id": session_id, "watermark": watermark, "width": width})
+        return [row[0] for row in rows], copied
+
+    def _rows_not_held(self, conn, session_id, held, tail_count, merged_away):
+        """Inside a compaction with proved coverage: (the originals of the last `tail_count` dicts
+        among the `held` live rows; {id: tool_calls} of the live rows not held, which live on)."""
+        live = conn.execute("SELECT id, tool_calls FROM messages WHERE session_id = ?"
+                            " AND active = 1 ORDER BY id", (session_id,)).fetchall()
+        covered = [row["id"] for row in live if row["id"] in held]
+        copied = {row["id"]: row["tool_calls"] for row in live if row["id"] not in held}
+        originals = (self._tail_originals(covered, tail_count, merged_away)
+                     if tail_count > 0 else [])
+        return originals, copied
 
     def publish_compression_child(self, *, parent_session_id, child_session_id, source, messages,
                                   model=None, model_config=None, system_prompt=None, cwd=None,
@@ -653,10 +707,11 @@ def _copy_tail(conn, tail, session_id):
         return 0
     columns = ", ".join(row[1] for row in conn.execute("PRAGMA table_info(messages)")
                         if row[1] not in ("id", "session_id", "active", "compacted"))
-    ids = [row["id"] for row in tail]
-    conn.execute(
-        f"INSERT INTO messages ({columns}, session_id, active, compacted)"
-        f" SELECT {columns}, ?, 1, 0"
-        f" FROM messages WHERE id IN ({placeholders(len(ids))}) ORDER BY id", (session_id, *ids))
+    for ids in chunked(sorted(row["id"] for row in tail)):
+        conn.execute(
+            f"INSERT INTO messages ({columns}, session_id, active, compacted)"
+            f" SELECT {columns}, ?, 1, 0"
+            f" FROM messages WHERE id IN ({placeholders(len(ids))}) ORDER BY id",
+            (session_id, *ids))
     parsed = [loads_or(row["tool_calls"], None) for row in tail]
     return sum(len(calls) for calls in parsed if isinstance(calls, list))
