@@ -1,10 +1,13 @@
 """Compression and resume: the lineage of a compacted conversation, and what a resume loads.
 
-Owns compaction, publishing a continuation, lineage reads, where a resume lands, the resume and
-export caps, and the compressor's durable guards. Relies on SessionDB's read/write paths,
-`get_messages_as_conversation`. Never changes a session's fields beyond its counts, model_config and
-end, nor the search indexes or the schema. Fork markers are read in Python, not with JSON1, so every
-SQLite build walks a lineage alike.
+Owns compaction (which rows it summarises is the coverage mixin's answer), publishing a
+continuation, lineage reads, where a resume lands, the resume and export caps, the compressor's
+durable guards, conversation-wide model_config keys, reopening a deliberately closed session, and
+adopting a lineage from another profile's store (through import_sessions, and the donor's own
+end/archive methods). Relies on SessionDB's read/write paths, `get_messages_as_conversation`.
+Never changes a session's fields beyond its counts, model_config and end, nor the search indexes
+or the schema. Fork markers are read in Python, not with JSON1, so every SQLite build walks a
+lineage alike.
 """
 
 import json
@@ -66,8 +69,10 @@ class SessionCompressionMixin:
 
     Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value`, `_update_rows`,
     `_closed` (SessionDB); `_flush_token_counts` (usage mixin); `_insert_message_rows`,
-    `_session_lineage_root_to_tip`, `get_messages_as_conversation` (messages mixin);
-    `_read_sessions`, `get_session` (sessions mixin)."""
+    `_session_lineage_root_to_tip`, `get_messages_as_conversation` (messages mixin); `_read_sessions`, `get_session`, `reopen_session`, `end_session`,
+    `set_session_archived` (sessions mixin); `import_sessions`, `export_session_lineage`
+    (portability mixin); `_resolve_carried_row_ids`, `_proved_coverage`,
+    `_uncounted_merged_rows`, `_tail_originals` (coverage mixin)."""
 
     # -- lineage ----------------------------------------------------------------
     def get_conversation_root(self, session_id):

@@ -1,8 +1,10 @@
 """Who is routed to a session or may work on it: routing entries, compression locks, turn leases,
-CLI-to-gateway handoffs, hygiene failure streaks, and hermes-agent's repairs of gateway sessions.
+CLI-to-gateway handoffs, hygiene failure streaks, backend heartbeats, and hermes-agent's repairs of
+gateway sessions.
 
-Owns those tables, the `handoff_*` columns, and of other session columns only what the repairs
-change (routing identity, a reset's or superseded session's end,
+Owns those tables (`gateway_heartbeats` made on a backend's first heartbeat), the `handoff_*`
+columns, and of other session columns only what the repairs change (routing identity and
+`transport_profile`, a reset's or superseded session's end,
 `model_config.browser_model_lock`). Relies on SessionDB's read/write paths and on the other
 mixins' methods SessionGatewayMixin's docstring names. Never changes a message.
 """
