@@ -69,8 +69,9 @@ class SessionCompressionMixin:
 
     Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value`, `_update_rows`,
     `_closed` (SessionDB); `_flush_token_counts` (usage mixin); `_insert_message_rows`,
-    `_session_lineage_root_to_tip`, `get_messages_as_conversation` (messages mixin); `_read_sessions`, `get_session`, `reopen_session`, `end_session`,
-    `set_session_archived` (sessions mixin); `import_sessions`, `export_session_lineage`
+    `_session_lineage_root_to_tip`, `get_messages_as_conversation` (messages mixin);
+    `_read_sessions`, `get_session`, `reopen_session`, `end_session`, `set_session_archived`
+    (sessions mixin); `import_sessions`, `export_session_lineage`
     (portability mixin); `_resolve_carried_row_ids`, `_proved_coverage`,
     `_uncounted_merged_rows`, `_tail_originals` (coverage mixin)."""
 
