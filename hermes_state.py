@@ -49,6 +49,7 @@ from hermes_state_common import (
 )
 from hermes_state_errors import is_capability_gap
 from hermes_state_compression import SessionCompressionMixin
+from hermes_state_coverage import SessionCoverageMixin
 from hermes_state_gateway import SessionGatewayMixin
 # StoreLockedError and WRITE_BUDGET_SECONDS are imported from here by callers, as before the split.
 from hermes_state_lockguard import (  # noqa: F401
@@ -322,10 +323,10 @@ def load_fts5_cjk_extension(conn):
     return False
 
 
-class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMixin,
-                SessionTitlesMixin, SessionUsageMixin, SessionGatewayMixin, SessionTelegramMixin,
-                SessionMaintenanceMixin, SessionSearchMixin, SessionSearchIndexMixin,
-                SessionSchemaMixin, SessionPortabilityMixin):
+class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMixin,
+                SessionMessagesMixin, SessionTitlesMixin, SessionUsageMixin, SessionGatewayMixin,
+                SessionTelegramMixin, SessionMaintenanceMixin, SessionSearchMixin,
+                SessionSearchIndexMixin, SessionSchemaMixin, SessionPortabilityMixin):
     """The agent's state store. Thread-safe; open one per process.
 
     `db_path` defaults to `<hermes home>/state.db`; a read-only open runs no DDL and no repair.

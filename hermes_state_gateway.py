@@ -1,8 +1,10 @@
 """Who is routed to a session or may work on it: routing entries, compression locks, turn leases,
-CLI-to-gateway handoffs, hygiene failure streaks, and hermes-agent's repairs of gateway sessions.
+CLI-to-gateway handoffs, hygiene failure streaks, backend heartbeats, and hermes-agent's repairs of
+gateway sessions.
 
-Owns those tables, the `handoff_*` columns, and of other session columns only what the repairs
-change (routing identity, a reset's or superseded session's end,
+Owns those tables (`gateway_heartbeats` made on a backend's first heartbeat), the `handoff_*`
+columns, and of other session columns only what the repairs change (routing identity and
+`transport_profile`, a reset's or superseded session's end,
 `model_config.browser_model_lock`). Relies on SessionDB's read/write paths and on the other
 mixins' methods SessionGatewayMixin's docstring names. Never changes a message.
 """
@@ -20,10 +22,11 @@ from collections import Counter
 
 from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, LAST_ACTIVE_SQL, SELECT_COMPRESSION_LOCK_SQL,
-    _BARE_BILLING_PROVIDERS, _RESET_END_REASONS, has_fork_marker, json_object, json_text,
-    require_text,
+    _BARE_BILLING_PROVIDERS, _RESET_END_REASONS, decode_display_metadata, has_fork_marker,
+    json_object, json_text, placeholders, require_text,
 )
 from hermes_state_errors import classify_persistence_error
+from hermes_state_schema import live_columns
 
 logger = logging.getLogger("hermes_state")
 
@@ -71,9 +74,21 @@ _PEER_COLUMNS = ("user_id", "chat_id", "chat_type", "thread_id")
 _SAME_PEER_SQL = " AND ".join(f"COALESCE(b.{c}, '') = COALESCE(s.{c}, '')" for c in _PEER_COLUMNS)
 _PEER_MATCH_SQL = "s.source = ? AND " + " AND ".join(
     f"COALESCE(s.{c}, '') = COALESCE(?, '')" for c in _PEER_COLUMNS)
+# What a routing peer sets on its session rows as given (others keep a stored value over None).
+_PEER_SET_COLUMNS = ("session_key", "source", "user_id", "chat_id", "chat_type", "thread_id")
 # An orphan takes what it lacks of its donor's identity, and the donor as its parent.
 _ADOPTED_COLUMNS = ("chat_id", "chat_type", "thread_id", "user_id", "origin_json", "display_name")
 _DELETE_LEASE_SQL = "DELETE FROM session_turn_leases WHERE conversation_id = ? AND holder = ?"
+# Each gateway or serve process's liveness row, made on its first heartbeat. The text is
+# hermes-agent 0.22's (its schema makes the table at open), so sqlite_master reads the same to both.
+_HEARTBEATS_TABLE_SQL = """CREATE TABLE IF NOT EXISTS gateway_heartbeats (
+    backend_id TEXT PRIMARY KEY,
+    pid INTEGER NOT NULL,
+    started_at REAL NOT NULL,
+    last_heartbeat REAL NOT NULL,
+    profile TEXT NOT NULL DEFAULT '',
+    host TEXT NOT NULL DEFAULT ''
+)"""
 
 
 class SessionGatewayMixin:
@@ -116,6 +131,35 @@ class SessionGatewayMixin:
             conn.execute("DELETE FROM gateway_routing WHERE scope = ?", (scope,))
             conn.executemany(_UPSERT_ROUTING_SQL, rows)
         self._execute_write(write)
+
+    def gateway_routing_entry_for_session(self, session_id):
+        """The routing entry (any scope, decoded) whose `session_id` is this session; None when no
+        entry routes to it."""
+        rows = self._read_all("SELECT entry_json FROM gateway_routing")
+        return next((entry for entry in map(json_object, (row[0] for row in rows))
+                     if entry.get("session_id") == session_id), None)
+
+    # `hermes sessions repair-profiles` moves routing rows between profiles' stores as they are.
+    def list_gateway_routing_rows(self):
+        """Every routing row as {"scope", "session_key", "entry_json", "updated_at"}, by scope and
+        key."""
+        return [dict(row) for row in self._read_all(
+            "SELECT scope, session_key, entry_json, updated_at FROM gateway_routing"
+            " ORDER BY scope, session_key")]
+
+    def delete_gateway_routing_rows(self, rows):
+        """Delete these (scope, session_key) rows; returns how many existed."""
+        wanted = [tuple(row) for row in rows or ()]
+        return self._execute_write(lambda conn: sum(
+            conn.execute(_DELETE_ROUTING_SQL, row).rowcount for row in wanted)) if wanted else 0
+
+    def insert_gateway_routing_rows_if_absent(self, rows):
+        """Add these (scope, session_key, entry_json, updated_at) rows where the key has none;
+        returns how many were added. A row already here wins: it is the one the gateway loads."""
+        wanted = [tuple(row) for row in rows or ()]
+        return self._execute_write(lambda conn: sum(conn.execute(
+            "INSERT OR IGNORE INTO gateway_routing (scope, session_key, entry_json, updated_at)"
+            " VALUES (?, ?, ?, ?)", row).rowcount for row in wanted)) if wanted else 0
 
     def _delete_routing_entries_for_sessions(self, conn, session_ids):
         """Inside a write: drop the entries (any scope) naming one of `session_ids`; returns how
@@ -212,43 +256,56 @@ class SessionGatewayMixin:
     def acquire_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0,
                                    wait_seconds=1800.0, poll_interval_seconds=1.0, on_wait=None,
                                    wait_notice_interval_seconds=15.0, should_abort=None,
-                                   acquire_patience_s=0.5):
+                                   acquire_patience_s=0.5, on_contended=None):
         """True once `holder` has the turn lease, polling up to `wait_seconds` with no lock held
         between tries; False on timeout or when `should_abort()` says so. `on_wait(elapsed)` runs
-        after the first miss, then every `wait_notice_interval_seconds`; callback errors are logged
-        and ignored. A store busy past `acquire_patience_s` is a miss, any other error is raised."""
+        after the first miss to another holder, then every `wait_notice_interval_seconds`. A store
+        busy past the write patience is no holder: `on_contended()` runs instead (the busy writer
+        may be the last holder's final flush) and the next try follows at once, waiting up to a
+        poll interval longer for the write lock. Callback errors are logged and ignored; any
+        other store error is raised."""
         deadline = time.monotonic() + max(0.0, float(wait_seconds))
         notice_every = max(0.0, float(wait_notice_interval_seconds))
-        started = last_notice = None
+        poll = max(0.0, float(poll_interval_seconds))
+        patience, started, last_notice = acquire_patience_s, None, None
         while True:
             if should_abort is not None and _callback_says(should_abort):
                 return False
             try:
                 if self.try_acquire_session_turn_lease(session_id, holder, ttl_seconds=ttl_seconds,
-                                                       patience_s=acquire_patience_s):
+                                                       patience_s=patience):
                     return True
             except sqlite3.Error as exc:
                 if classify_persistence_error(exc) != "locked":
                     raise
-            now = time.monotonic()
+                if on_contended is not None:
+                    _callback_says(on_contended)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                patience = min(acquire_patience_s + poll, max(acquire_patience_s, remaining))
+                continue
+            patience, now = acquire_patience_s, time.monotonic()
             if now >= deadline:
                 return False
             started = now if started is None else started
             if on_wait is not None and (last_notice is None or now - last_notice >= notice_every):
                 _callback_says(on_wait, now - started)
                 last_notice = now
-            time.sleep(min(max(0.01, float(poll_interval_seconds)), deadline - now))
+            time.sleep(min(max(0.01, poll), deadline - now))
 
-    def refresh_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0):
-        """Extend the lease by `ttl_seconds` from now (at least 0.1); False unless `holder` holds
-        it."""
+    def refresh_session_turn_lease(self, session_id, holder, *, ttl_seconds=300.0,
+                                   patience_s=None):
+        """Extend the lease by `ttl_seconds` (at least 0.1) from before the write waits; False
+        unless `holder` holds it. `patience_s` bounds the wait for a busy store."""
         if not session_id or not holder:
             return False
-        ttl = max(0.1, float(ttl_seconds))
+        expires_at = time.time() + max(0.1, float(ttl_seconds))
         return self._execute_write(lambda conn: conn.execute(
             "UPDATE session_turn_leases SET expires_at = ?"
             " WHERE conversation_id = ? AND holder = ?",
-            (time.time() + ttl, self._turn_lease_key(conn, session_id), holder)).rowcount > 0)
+            (expires_at, self._turn_lease_key(conn, session_id), holder)).rowcount > 0,
+            patience_s=patience_s)
 
     def release_session_turn_lease(self, session_id, holder):
         """Give the lease up if `holder` holds it; returns None (releasing twice is no error)."""
@@ -280,11 +337,20 @@ class SessionGatewayMixin:
             "UPDATE sessions SET handoff_state = 'completed', handoff_error = NULL WHERE id = ?",
             (session_id,))
 
-    def fail_handoff(self, session_id, error):
-        """Mark the handoff failed with `error`, cut to HANDOFF_ERROR_MAX_CHARS; returns None."""
-        self._update_rows(
-            "UPDATE sessions SET handoff_state = 'failed', handoff_error = ? WHERE id = ?",
-            (str(error)[:HANDOFF_ERROR_MAX_CHARS], session_id))
+    def fail_handoff(self, session_id, error, *, only_states=None):
+        """Mark the handoff failed with `error`, cut to HANDOFF_ERROR_MAX_CHARS; True when the row
+        changed. `only_states` (e.g. ("pending",)) fails it only from those states: a waiter that
+        gives up must not overwrite a handoff a gateway has claimed and now owns."""
+        states = tuple(only_states or ())
+        among = f" AND handoff_state IN ({placeholders(len(states))})" if states else ""
+        return self._update_rows(
+            "UPDATE sessions SET handoff_state = 'failed', handoff_error = ? WHERE id = ?" + among,
+            (str(error)[:HANDOFF_ERROR_MAX_CHARS], session_id, *states)) > 0
+
+    def has_pending_handoffs(self):
+        """True while any session waits for a gateway to claim its handoff."""
+        return self._read_one(
+            "SELECT 1 FROM sessions WHERE handoff_state = 'pending' LIMIT 1") is not None
 
     def get_handoff_state(self, session_id):
         """{"state", "platform", "error"} of the session's handoff, or None for an unknown
@@ -297,6 +363,51 @@ class SessionGatewayMixin:
         """Every session row with a pending handoff, oldest first, `system_prompt` resolved."""
         return self._resolved(self._read_all(
             "SELECT * FROM sessions WHERE handoff_state = 'pending' ORDER BY started_at"))
+
+    def has_gateway_input_owner(self, session_id, owner):
+        """True when a user message of the session the gateway accepted (live or compacted, not
+        merely observed) carries `owner` as its display_metadata's `gateway_input_owner`."""
+        rows = self._read_all(
+            "SELECT display_metadata FROM messages WHERE session_id = ? AND role = 'user'"
+            " AND observed = 0 AND (active = 1 OR compacted = 1)"
+            " AND display_metadata LIKE '%gateway_input_owner%'", (session_id,))
+        return any((decode_display_metadata(row[0]) or {}).get("gateway_input_owner") == owner
+                   for row in rows)
+
+    # -- backend heartbeats -------------------------------------------------------------
+    # Each gateway or serve process refreshes its row while it runs and clears it at exit, so a
+    # sweep can tell a live backend's sessions from a dead one's.
+    def register_backend_heartbeat(self, *, backend_id, pid, started_at, last_heartbeat=None,
+                                   profile="", host=""):
+        """Store or refresh one backend's liveness row (`last_heartbeat` default now); None, and
+        nothing for an empty id."""
+        if not backend_id:
+            return
+        row = {"backend_id": str(backend_id), "pid": int(pid), "started_at": float(started_at),
+               "beat": time.time() if last_heartbeat is None else float(last_heartbeat),
+               "profile": str(profile), "host": str(host)}
+
+        def write(conn):
+            conn.execute(_HEARTBEATS_TABLE_SQL)
+            conn.execute(
+                "INSERT INTO gateway_heartbeats (backend_id, pid, started_at, last_heartbeat,"
+                " profile, host) VALUES (:backend_id, :pid, :started_at, :beat, :profile, :host)"
+                " ON CONFLICT(backend_id) DO UPDATE SET pid = excluded.pid,"
+                " started_at = excluded.started_at, last_heartbeat = excluded.last_heartbeat,"
+                " profile = excluded.profile, host = excluded.host", row)
+        self._execute_write(write)
+
+    def clear_backend_heartbeat(self, backend_id):
+        """Remove one backend's row; True if it was there (False without the table)."""
+        if not backend_id:
+            return False
+
+        def write(conn):
+            if not live_columns(conn, "gateway_heartbeats"):
+                return False
+            return conn.execute("DELETE FROM gateway_heartbeats WHERE backend_id = ?",
+                                (str(backend_id),)).rowcount > 0
+        return self._execute_write(write)
 
     # -- gateway sessions ------------------------------------------------------------
     # Rows the gateway keys by `session_key`: the end of a reset, rows opened and never used, and
@@ -349,16 +460,18 @@ class SessionGatewayMixin:
     def record_gateway_session_peer(self, session_id, *, source, user_id=None, session_key=None,
                                     chat_id=None, chat_type=None, thread_id=None,
                                     display_name=None, origin_json=None,
-                                    include_compression_ancestors=False):
+                                    include_compression_ancestors=False, transport_profile=None):
         """Give a session the gateway peer it is routed by, creating a missing row so a failed
         create_session never leaves the chat unroutable; None (nothing without an id or key). With
         `include_compression_ancestors` the compression parents it continues get it too; none is
-        created."""
+        created. `display_name`, `origin_json` and `transport_profile` (the profile whose bot
+        carries the chat) left None keep what is stored."""
         if not session_id or not session_key:
             return
         peer = {"session_key": session_key, "source": source, "user_id": user_id,
                 "chat_id": chat_id, "chat_type": chat_type, "thread_id": thread_id,
-                "display_name": display_name, "origin_json": origin_json}
+                "display_name": display_name, "origin_json": origin_json,
+                "transport_profile": transport_profile}
 
         def write(conn):
             ids = [session_id]
@@ -373,19 +486,22 @@ class SessionGatewayMixin:
                         or has_fork_marker(link["model_config"])):
                     break
                 ids.append(link["id"])
-            conn.executemany("UPDATE sessions SET session_key = :session_key, source = :source,"
-                             " user_id = :user_id, chat_id = :chat_id, chat_type = :chat_type,"
-                             " thread_id = :thread_id,"
-                             " display_name = COALESCE(:display_name, display_name),"
-                             " origin_json = COALESCE(:origin_json, origin_json)"
-                             " WHERE id = :id", [dict(peer, id=row_id) for row_id in ids])
+            # Columns of schema 31 a store made before it lacks.
+            columns = set(live_columns(conn, "sessions"))
+            kept = ["display_name", "origin_json"] + [
+                name for name in ("transport_profile",) if name in columns]
+            sets = ", ".join(f"{name} = :{name}" for name in _PEER_SET_COLUMNS) + "".join(
+                f", {name} = COALESCE(:{name}, {name})" for name in kept)
+            conn.executemany(f"UPDATE sessions SET {sets} WHERE id = :id",
+                             [dict(peer, id=row_id) for row_id in ids])
             if not include_compression_ancestors and conn.execute(
                     "SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone() is None:
-                conn.execute("INSERT INTO sessions (session_key, source, user_id, chat_id,"
-                             " chat_type, thread_id, display_name, origin_json, id, started_at)"
-                             " VALUES (:session_key, :source, :user_id, :chat_id, :chat_type,"
-                             " :thread_id, :display_name, :origin_json, :id, :started_at)",
-                             dict(peer, id=session_id, started_at=time.time()))
+                row = dict({name: peer[name] for name in (*_PEER_SET_COLUMNS, *kept)},
+                           id=session_id, started_at=time.time())
+                if "created_source" in columns:
+                    row["created_source"] = source
+                conn.execute(f"INSERT INTO sessions ({', '.join(row)})"
+                             f" VALUES ({', '.join(':' + name for name in row)})", row)
         self._execute_write(write)
 
     def find_latest_gateway_session_for_peer(self, *, source, user_id=None, session_key=None,

@@ -1,5 +1,6 @@
 """Compression and resume with hermes-agent's contract: lineage, where a resume lands, caps, compaction, publication."""
 
+import inspect
 import json
 import os
 import sqlite3
@@ -8,6 +9,7 @@ import sys
 import time
 
 import hermes_state
+import hermes_state_compression
 from hermes_state_errors import (
     CompressionSessionBusyError, SessionCompressionInProgressError, SessionExportTooLargeError,
     SessionResumeTooLargeError, SessionRowError,
@@ -169,6 +171,14 @@ class ResumeCaps(CompressionTestCase):
         with self.assertRaisesRegex(ValueError, "max_messages"):
             self.db.assert_resume_safe("b", max_messages=-1)
 
+    def test_a_tip_only_resume_counts_the_tips_own_active_rows(self):
+        self.assertEqual(self.db.assert_resume_safe("b", max_messages=2, tip_only=True), 2)
+        with self.assertRaisesRegex(SessionResumeTooLargeError, "in its tip segment") as caught:
+            self.db.assert_resume_safe("b", max_messages=1, tip_only=True)
+        self.assertEqual(caught.exception.message_count, 2)
+        with self.assertRaisesRegex(SessionResumeTooLargeError, "across its lineage"):
+            self.db.assert_resume_safe("b", max_messages=2)
+
     def test_the_export_cap_counts_one_session(self):
         self.assertEqual(self.db.assert_export_safe("b", max_messages=2), 2)
         with self.assertRaises(SessionExportTooLargeError) as caught:
@@ -222,8 +232,9 @@ class ArchiveAndCompact(CompressionTestCase):
                                             watermark=self.watermark)
         self.assertEqual(count, 3)
         rows = self.messages("s")
+        # The late row lives on as its copy; its original is rewound, so search finds it once.
         self.assertEqual([(r["content"], r["active"], r["compacted"]) for r in rows], [
-            ("question", 0, 1), ("calling", 0, 1), ("arrived during the summary", 0, 1),
+            ("question", 0, 1), ("calling", 0, 1), ("arrived during the summary", 0, 0),
             ("summary", 1, 0), ('\x00json:[{"type": "text", "text": "parts"}]', 1, 0),
             ("arrived during the summary", 1, 0)])
         self.assertEqual(rows[-1]["tool_calls"], rows[2]["tool_calls"])
@@ -325,6 +336,118 @@ class PublishCompressionChild(CompressionTestCase):
         self.publish(require_compression_lease=False, compression_lock_holder=None)
         with self.assertRaisesRegex(RuntimeError, "already ended"):
             self.publish(child_session_id="c2", require_compression_lease=False)
+
+    def test_a_lease_refresh_at_publication_revives_the_holders_expired_lease_only(self):
+        self.sql("UPDATE compression_locks SET expires_at = ? WHERE session_id = 'p'", (time.time() - 5,))
+        with self.assertRaises(CompressionSessionBusyError):
+            self.publish()
+        with self.assertRaises(CompressionSessionBusyError):
+            self.publish(compression_lock_holder="X", require_lease_refresh=True)
+        self.publish(require_lease_refresh=True, lease_ttl_seconds=60)
+        expires = self.rows("SELECT expires_at FROM compression_locks WHERE session_id = 'p'")[0]["expires_at"]
+        self.assertAlmostEqual(expires, time.time() + 60, delta=10)
+        self.assertEqual(self.db.get_session("p")["end_reason"], "compression")
+
+    def test_the_child_takes_the_conversations_keys_and_a_cleanup_end_is_no_boundary(self):
+        self.sql("UPDATE sessions SET model_config = ? WHERE id = 'p'",
+                 (json.dumps({"onboarding_run": {"step": 2}, "usage_anchor": 7}),))
+        self.db.end_session("p", "tui_shutdown")
+        self.publish(model_config={"a": 1})
+        self.assertEqual(json.loads(self.db.get_session("c")["model_config"]),
+                         {"onboarding_run": {"step": 2}, "a": 1})
+        self.assertEqual(hermes_state_compression._CONVERSATION_MODEL_CONFIG_KEYS, ("onboarding_run",))
+        self.assertEqual(self.db.get_session("p")["end_reason"], "compression")
+
+    def test_a_conversation_key_is_updated_at_the_tip_and_found_by_its_name(self):
+        self.publish()
+        self.assertEqual(self.db.update_conversation_model_config_value("p", "onboarding_run",
+                                                                        lambda now: {"n": (now or {}).get("n", 0) + 1}),
+                         "c")
+        self.db.update_conversation_model_config_value("c", "onboarding_run", lambda now: {"n": now["n"] + 1})
+        self.assertEqual(json.loads(self.db.get_session("c")["model_config"]), {"onboarding_run": {"n": 2}})
+        self.assertIsNone(self.db.get_session("p")["model_config"])
+        self.db.create_session("other", "cli", model_config={"onboarding_run_x": 1, "z": "onboarding_run"})
+        self.assertEqual(self.db.session_ids_with_model_config_key("onboarding_run"), ["c"])
+        self.db.update_conversation_model_config_value("c", "onboarding_run", lambda now: None)
+        self.assertEqual(self.db.session_ids_with_model_config_key("onboarding_run"), [])
+        self.assertIsNone(self.db.update_conversation_model_config_value("ghost", "k", lambda now: 1))
+
+    def test_a_compression_child_continues_a_parent_compression_ended(self):
+        self.publish()
+        child = self.db.get_session("c")
+        self.assertTrue(self.db._is_compression_child_row(child))
+        self.assertFalse(self.db._is_compression_child_row(self.db.get_session("p")))
+        for marker in ("_branched_from", "_delegate_from", "_reset_from"):
+            self.assertFalse(self.db._is_compression_child_row(dict(child, model_config={marker: "p"})))
+        self.assertTrue(self.db._is_compression_child_row(dict(child, model_config={"_reset_from": "elsewhere"})))
+        self.assertFalse(self.db._is_compression_child_row(dict(child, source="tool")))
+        self.assertFalse(self.db._is_compression_child_row({"parent_session_id": "ghost"}))
+
+
+class ExplicitCloseReopen(CompressionTestCase):
+
+    def test_a_deliberate_close_is_cleared_for_a_host_still_routed_to_it(self):
+        self.db.create_session("s", "tui")
+        self.db.end_session("s", "tui_close")
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            self.assertEqual(self.db.reopen_if_explicitly_closed("s", provenance="a prompt arrived"), "tui_close")
+        self.assertIn("a prompt arrived", logs.output[0])
+        self.assertIsNone(self.db.get_session("s")["ended_at"])
+        self.assertIsNone(self.db.reopen_if_explicitly_closed("s", provenance="again"))
+        self.assertIsNone(self.db.reopen_if_explicitly_closed("", provenance="x"))
+        self.assertIsNone(self.db.reopen_if_explicitly_closed("ghost", provenance="x"))
+
+    def test_cleanup_ends_boundaries_compression_and_continued_sessions_stay_ended(self):
+        for sid, reason in (("auto", "ws_disconnect"), ("reset", "session_reset"), ("new", "new_session"),
+                            ("comp", "compression")):
+            self.db.create_session(sid, "tui")
+            self.db.end_session(sid, reason)
+            self.assertIsNone(self.db.reopen_if_explicitly_closed(sid, provenance="x"), reason)
+            self.assertEqual(self.db.get_session(sid)["end_reason"], reason)
+        self.db.create_session("parent", "tui")
+        self.db.create_session("branch", "tui", parent_session_id="parent", model_config={"_branched_from": "parent"})
+        self.db.end_session("parent", "cli_close")
+        with self.assertLogs("hermes_state", "WARNING"):
+            self.assertEqual(self.db.reopen_if_explicitly_closed("parent", provenance="x"), "cli_close")
+        self.db.end_session("parent", "cli_close")
+        self.db.create_session("next", "tui", parent_session_id="parent")
+        self.assertIsNone(self.db.reopen_if_explicitly_closed("parent", provenance="x"))
+
+
+class LineageAdoption(CompressionTestCase):
+
+    def setUp(self):
+        super().setUp()
+        if "include_inactive" not in inspect.signature(hermes_state.SessionDB.export_session_lineage).parameters:
+            self.skipTest("export_session_lineage(include_inactive=) is the portability module's (issue 33)")
+        self.donor = hermes_state.SessionDB(self.tmp / "donor.db")
+        self.addCleanup(self.donor.close)
+        self.donor.create_session("a", "telegram")
+        self.donor.append_message("a", "user", "old turn")
+        self.donor.archive_and_compact("a", [{"role": "user", "content": "summary"}])
+        self.donor.create_session("b", "telegram", parent_session_id="a")
+        self.donor.end_session("a", "compression")
+        self.donor.append_message("b", "user", "latest")
+
+    def test_the_whole_lineage_moves_with_its_archived_rows_and_the_donor_is_retired(self):
+        result = self.db.adopt_session_lineage_from(self.donor, "b")
+        self.assertEqual((result["adopted"], result["donor_retired"]), (True, True))
+        self.assertEqual([m["content"] for m in self.db.get_messages("a", include_inactive=True)],
+                         ["old turn", "summary"])
+        self.assertEqual(self.db.get_compression_lineage("b"), ["a", "b"])
+        for sid in ("a", "b"):
+            donor = self.donor.get_session(sid)
+            self.assertEqual((donor["end_reason"], donor["archived"]), ("adopted_by_profile", 1))
+        again = self.db.adopt_session_lineage_from(self.donor, "b", retire_donor=False)
+        self.assertEqual((again["adopted"], again["imported"]), (True, 0), "already here: skipped")
+        self.assertFalse(self.db.adopt_session_lineage_from(self.donor, "ghost")["adopted"])
+
+    def test_a_donor_that_kept_growing_is_not_retired(self):
+        self.db.adopt_session_lineage_from(self.donor, "b", retire_donor=False)
+        self.donor.append_message("b", "user", "written after the first adoption")
+        result = self.db.adopt_session_lineage_from(self.donor, "b")
+        self.assertEqual((result["adopted"], result["donor_retired"]), (True, False))
+        self.assertIsNone(self.donor.get_session("b")["end_reason"])
 
 
 class OrphanedContinuations(CompressionTestCase):

@@ -177,6 +177,39 @@ class TurnLeases(StoreTestCase):
         self.assertTrue(impatient.acquire_session_turn_lease("s", "a", wait_seconds=30, poll_interval_seconds=0.05))
         self.assertGreaterEqual(time.monotonic() - started, 0.7)
 
+    def test_a_store_busy_past_the_patience_calls_on_contended_not_on_wait(self):
+        blocker = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self.addCleanup(blocker.close)
+        blocker.execute("BEGIN IMMEDIATE")
+        unlock = threading.Timer(0.6, blocker.execute, ("COMMIT",))
+        unlock.start()
+        self.addCleanup(unlock.cancel)
+        contended, notices = [], []
+        self.assertTrue(self.db.acquire_session_turn_lease(
+            "s", "a", wait_seconds=30, poll_interval_seconds=0.05, acquire_patience_s=0.1,
+            on_wait=notices.append, on_contended=lambda: contended.append(1)))
+        self.assertGreaterEqual(len(contended), 1)
+        self.assertEqual(notices, [], "a busy store is no other holder")
+        self.assertEqual(self.lease()[0][:2], ("s", "a"))
+        # A failing callback is logged, not raised; a held lease is a wait, not contention.
+        self.assertFalse(self.db.acquire_session_turn_lease(
+            "s", "b", wait_seconds=0.1, poll_interval_seconds=0.02, on_contended=lambda: 1 / 0,
+            on_wait=notices.append))
+        self.assertEqual(len(notices), 1)
+
+    def test_a_refresh_waits_for_a_busy_store_only_as_long_as_its_patience(self):
+        self.assertTrue(self.db.try_acquire_session_turn_lease("s", "a", ttl_seconds=10))
+        blocker = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self.addCleanup(blocker.close)
+        blocker.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        with self.assertRaises(sqlite3.OperationalError):
+            self.db.refresh_session_turn_lease("s", "a", ttl_seconds=100, patience_s=0.2)
+        self.assertLess(time.monotonic() - started, 3)
+        blocker.execute("COMMIT")
+        self.assertTrue(self.db.refresh_session_turn_lease("s", "a", ttl_seconds=100, patience_s=1))
+        self.assertGreater(self.lease()[0][2], 90)
+
     def test_a_write_of_a_holder_whose_lease_was_taken_over_is_refused(self):
         self.db.create_session("s", "cli")
         self.db.try_acquire_session_turn_lease("s", "a", ttl_seconds=0)
@@ -248,6 +281,43 @@ class Routing(StoreTestCase):
         self.assertIsNone(self.db.delete_gateway_routing_entries(session_keys=[]))
         self.assertEqual(self.db.load_gateway_routing_entries(scope="/sessions"), {})
         self.assertEqual(self.db.load_gateway_routing_entries(scope="/other"), {"a": "1"})
+
+    def test_the_entry_routing_to_a_session_is_found_in_any_scope(self):
+        self.db.save_gateway_routing_entry("k1", '{"session_id": "s1", "n": 1}', scope="/a")
+        self.db.save_gateway_routing_entry("k2", "not json", scope="/b")
+        self.db.save_gateway_routing_entry("k3", '{"session_id": "s2"}', scope="/b")
+        self.assertEqual(self.db.gateway_routing_entry_for_session("s2"), {"session_id": "s2"})
+        self.assertEqual(self.db.gateway_routing_entry_for_session("s1")["n"], 1)
+        self.assertIsNone(self.db.gateway_routing_entry_for_session("s3"))
+
+    def test_rows_moved_in_keep_a_row_already_here_and_deletes_count_what_existed(self):
+        self.db.save_gateway_routing_entry("k1", '{"session_id": "here"}', scope="/a")
+        added = self.db.insert_gateway_routing_rows_if_absent([
+            ("/a", "k1", '{"session_id": "moved"}', 5.0), ("/a", "k2", '{"session_id": "s2"}', 6.0)])
+        self.assertEqual(added, 1)
+        rows = self.db.list_gateway_routing_rows()
+        self.assertEqual([(r["scope"], r["session_key"], json.loads(r["entry_json"])["session_id"]) for r in rows],
+                         [("/a", "k1", "here"), ("/a", "k2", "s2")])
+        self.assertEqual(rows[1]["updated_at"], 6.0)
+        self.assertEqual(self.db.delete_gateway_routing_rows([("/a", "k2"), ("/a", "nope"), ("/b", "k1")]), 1)
+        self.assertEqual([r["session_key"] for r in self.db.list_gateway_routing_rows()], ["k1"])
+        self.assertEqual(self.db.insert_gateway_routing_rows_if_absent([]), 0)
+        self.assertEqual(self.db.delete_gateway_routing_rows([]), 0)
+
+    def test_backend_heartbeats_are_upserted_then_cleared(self):
+        conn = self.raw(self.path)
+        self.assertFalse(self.db.clear_backend_heartbeat("gw@host:1"))
+        self.db.register_backend_heartbeat(backend_id="gw@host:1", pid=1, started_at=10.0, last_heartbeat=11.0,
+                                           profile="work", host="host")
+        self.db.register_backend_heartbeat(backend_id="gw@host:1", pid=2, started_at=12.0)
+        self.db.register_backend_heartbeat(backend_id="", pid=3, started_at=1.0)
+        rows = conn.execute("SELECT backend_id, pid, started_at, profile, host FROM gateway_heartbeats").fetchall()
+        self.assertEqual([tuple(r) for r in rows], [("gw@host:1", 2, 12.0, "", "")])
+        self.assertGreater(conn.execute("SELECT last_heartbeat FROM gateway_heartbeats").fetchone()[0], 1e9)
+        ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'gateway_heartbeats'").fetchone()[0]
+        self.assertTrue(ddl.startswith("CREATE TABLE gateway_heartbeats (\n    backend_id TEXT PRIMARY KEY,"))
+        self.assertTrue(self.db.clear_backend_heartbeat("gw@host:1"))
+        self.assertFalse(self.db.clear_backend_heartbeat("gw@host:1"))
 
 
 class GatewaySessions(StoreTestCase):
@@ -428,6 +498,34 @@ class GatewayPeers(GatewaySessions):
         self.peer("nokey", "")
         self.assertIsNone(self.db.get_session("nokey"))
 
+    def test_the_transport_profile_is_kept_where_the_store_has_its_column(self):
+        self.make("s")
+        self.peer("s", "k", transport_profile="work")  # a store before schema 31: no column, no error
+        conn = self.raw(self.path)
+        conn.execute("ALTER TABLE sessions ADD COLUMN transport_profile TEXT")
+        conn.execute("ALTER TABLE sessions ADD COLUMN created_source TEXT")
+        conn.commit()
+        self.peer("s", "k", transport_profile="work")
+        self.peer("s", "k")
+        self.assertEqual(self.row("s", "transport_profile", "created_source"), ("work", None))
+        self.peer("s", "k", transport_profile="home")
+        self.peer("lost", "k2", transport_profile="work")
+        self.assertEqual(self.row("s", "transport_profile"), ("home",))
+        self.assertEqual(self.row("lost", "transport_profile", "created_source"), ("work", "telegram"))
+
+    def test_the_gateway_input_owner_is_found_on_accepted_user_rows_only(self):
+        self.make("s")
+        owner = {"gateway_input_owner": "run-1"}
+        self.db.append_message("s", "assistant", "a", display_metadata={"gateway_input_owner": "run-2"})
+        self.db.append_message("s", "user", "seen", observed=True, display_metadata={"gateway_input_owner": "run-3"})
+        self.db.append_message("s", "user", "hi", display_metadata=owner)
+        self.assertTrue(self.db.has_gateway_input_owner("s", "run-1"))
+        self.assertFalse(self.db.has_gateway_input_owner("s", "run-2"))
+        self.assertFalse(self.db.has_gateway_input_owner("s", "run-3"))
+        self.assertFalse(self.db.has_gateway_input_owner("other", "run-1"))
+        self.db.archive_and_compact("s", [{"role": "user", "content": "summary"}])
+        self.assertTrue(self.db.has_gateway_input_owner("s", "run-1"), "a compacted row still counts")
+
     def test_recording_with_ancestors_keys_the_compression_parents_but_not_a_branch_or_a_missing_row(self):
         self.make("root")
         self.db.end_session("root", "compression")
@@ -524,6 +622,21 @@ class Handoffs(StoreTestCase):
         self.assertEqual(len(self.state()["error"]), 500)
         self.assertTrue(self.db.request_handoff("s", "telegram"))
         self.assertIsNone(self.state()["error"])
+
+    def test_a_waiter_fails_only_a_handoff_no_gateway_has_claimed(self):
+        self.db.create_session("s", "cli")
+        self.assertFalse(self.db.has_pending_handoffs())
+        self.db.request_handoff("s", "telegram")
+        self.assertTrue(self.db.has_pending_handoffs())
+        self.db.claim_handoff("s")
+        self.assertFalse(self.db.has_pending_handoffs())
+        self.assertFalse(self.db.fail_handoff("s", "timed out", only_states=("pending",)))
+        self.assertEqual(self.state()["state"], "running")
+        self.assertTrue(self.db.fail_handoff("s", "gateway died"))
+        self.assertEqual(self.state(), {"state": "failed", "platform": "telegram", "error": "gateway died"})
+        self.db.request_handoff("s", "telegram")
+        self.assertTrue(self.db.fail_handoff("s", "timed out", only_states=["pending", "running"]))
+        self.assertFalse(self.db.fail_handoff("nope", "x"))
 
     def test_unknown_sessions(self):
         self.assertIsNone(self.db.get_handoff_state("nope"))

@@ -31,7 +31,8 @@ class TopicMode(StoreTestCase):
         row = self.raw(self.path).execute("SELECT * FROM telegram_dm_topic_mode").fetchone()
         self.assertEqual((row["chat_id"], row["has_topics_enabled"], row["allows_users_to_create_topics"]),
                          ("1", 1, None))
-        self.assertEqual(self.db.get_meta("telegram_dm_topic_schema_version"), "2")
+        self.assertEqual(self.db.get_meta("telegram_dm_topic_schema_version"), "3")
+        self.assertEqual(row["profile_name"], "default")
 
     def test_a_session_binds_to_one_thread_only(self):
         for sid in ("s1", "s2"):
@@ -91,10 +92,94 @@ class TopicMode(StoreTestCase):
             managed_mode TEXT NOT NULL DEFAULT 'auto', linked_at REAL NOT NULL, updated_at REAL NOT NULL,
             PRIMARY KEY (chat_id, thread_id))""")
         conn.execute("INSERT INTO telegram_dm_topic_bindings VALUES ('1', '10', '2', 'k', 's1', 'auto', 1, 1)")
+        conn.execute("INSERT INTO telegram_dm_topic_bindings VALUES ('1', '12', '2', 'k', 'gone', 'auto', 1, 1)")
         conn.commit()
         self.db.apply_telegram_topic_migration()
         keys = conn.execute("PRAGMA foreign_key_list(telegram_dm_topic_bindings)").fetchall()
         self.assertEqual([key[6] for key in keys], ["CASCADE"])
-        self.assertEqual(self.db.get_telegram_topic_binding(chat_id="1", thread_id="10")["session_id"], "s1")
+        binding = self.db.get_telegram_topic_binding(chat_id="1", thread_id="10")
+        self.assertEqual((binding["session_id"], binding["profile_name"]), ("s1", "default"))
+        self.assertIsNone(self.db.get_telegram_topic_binding(chat_id="1", thread_id="12"))
         with self.assertRaises(sqlite3.IntegrityError):
-            conn.execute("INSERT INTO telegram_dm_topic_bindings VALUES ('1', '11', '2', 'k', 's1', 'auto', 1, 1)")
+            conn.execute("INSERT INTO telegram_dm_topic_bindings VALUES ('default', '1', '11', '2', 'k', 's1', 'auto', 1, 1)")
+
+
+class TopicProfiles(StoreTestCase):
+    """Bots of several profiles share one store: each profile's topic rows are its own."""
+
+    def setUp(self):
+        super().setUp()
+        for sid, profile in (("a", None), ("b", "work"), ("c", "")):
+            self.db.create_session(sid, "telegram", user_id="2", profile_name=profile)
+
+    def test_one_profiles_mode_and_bindings_do_not_leak_into_another(self):
+        self.db.enable_telegram_topic_mode(chat_id="1", user_id="2", profile_name="work")
+        self.assertTrue(self.db.is_telegram_topic_mode_enabled(chat_id="1", user_id="2", profile_name="work"))
+        self.assertFalse(self.db.is_telegram_topic_mode_enabled(chat_id="1", user_id="2"))
+        self.db.bind_telegram_topic(chat_id=1, thread_id=10, user_id=2, session_key="k", session_id="a",
+                                    profile_name="work")
+        self.db.bind_telegram_topic(chat_id=1, thread_id=10, user_id=2, session_key="k", session_id="b")
+        work = self.db.get_telegram_topic_binding(chat_id="1", thread_id="10", profile_name="work")
+        default = self.db.get_telegram_topic_binding(chat_id="1", thread_id="10", profile_name="  ")
+        self.assertEqual((work["session_id"], default["session_id"]), ("a", "b"))
+        self.assertEqual([r["session_id"] for r in self.db.list_telegram_topic_bindings_for_chat(
+            chat_id=1, profile_name="work")], ["a"])
+        with self.assertRaisesRegex(ValueError, "already linked"):
+            self.db.bind_telegram_topic(chat_id=1, thread_id=10, user_id=2, session_key="k", session_id="a")
+        self.db.disable_telegram_topic_mode(chat_id=1)
+        self.assertTrue(self.db.is_telegram_topic_mode_enabled(chat_id="1", user_id="2", profile_name="work"))
+        self.assertIsNotNone(self.db.get_telegram_topic_binding(chat_id="1", thread_id="10", profile_name="work"))
+        self.assertEqual(self.db.delete_telegram_topic_binding(chat_id=1, thread_id=10), 0)
+        self.assertEqual(self.db.delete_telegram_topic_binding(chat_id=1, thread_id=10, profile_name="work"), 1)
+        self.assertFalse(self.db.is_telegram_topic_mode_enabled(chat_id="1", user_id="2", profile_name="work"))
+
+    def test_unlinked_sessions_are_the_profiles_own(self):
+        self.db.bind_telegram_topic(chat_id=1, thread_id=10, user_id=2, session_key="k", session_id="c")
+        unlinked = self.db.list_unlinked_telegram_sessions_for_user
+        self.assertEqual([r["id"] for r in unlinked(chat_id="1", user_id="2")], ["a"])
+        self.assertEqual([r["id"] for r in unlinked(chat_id="1", user_id="2", profile_name="work")], ["b"])
+
+    def test_a_read_migrates_tables_an_upgrade_left_without_profiles(self):
+        conn = self.raw(self.path)
+        conn.execute("""CREATE TABLE telegram_dm_topic_mode (chat_id TEXT PRIMARY KEY, user_id TEXT NOT NULL,
+            enabled INTEGER NOT NULL DEFAULT 1, activated_at REAL NOT NULL, updated_at REAL NOT NULL,
+            has_topics_enabled INTEGER, allows_users_to_create_topics INTEGER, capability_checked_at REAL,
+            intro_message_id TEXT, pinned_message_id TEXT)""")
+        conn.execute("INSERT INTO telegram_dm_topic_mode (chat_id, user_id, activated_at, updated_at)"
+                     " VALUES ('1', '2', 1, 1)")
+        conn.commit()
+        self.assertTrue(self.db.is_telegram_topic_mode_enabled(chat_id="1", user_id="2"))
+        self.assertEqual(conn.execute("SELECT profile_name FROM telegram_dm_topic_mode").fetchall()[0][0], "default")
+        self.assertEqual(self.db.get_meta("telegram_dm_topic_schema_version"), "3")
+
+    def test_repair_moves_default_rows_to_the_profile_their_key_names(self):
+        self.db.enable_telegram_topic_mode(chat_id="1", user_id="2")
+        self.db.enable_telegram_topic_mode(chat_id="5", user_id="2")
+        self.db.enable_telegram_topic_mode(chat_id="5", user_id="2", profile_name="main")
+        self.db.bind_telegram_topic(chat_id=1, thread_id=10, user_id=2, session_key="agent:work:tg:1",
+                                    session_id="a")
+        self.db.bind_telegram_topic(chat_id=5, thread_id=10, user_id=2, session_key="agent:main~:tg:5",
+                                    session_id="b")
+        self.db.bind_telegram_topic(chat_id=1, thread_id=11, user_id=2, session_key="agent:main:tg:1",
+                                    session_id="c")
+        found = self.db.find_profile_less_telegram_topic_rows()
+        self.assertEqual(found, [
+            {"chat_id": "1", "thread_id": "10", "session_key": "agent:work:tg:1", "key_profile": "work"},
+            {"chat_id": "5", "thread_id": "10", "session_key": "agent:main~:tg:5", "key_profile": "main"}])
+        counts = self.db.relabel_telegram_topic_rows(found)
+        self.assertEqual(counts, {"bindings_relabelled": 2, "bindings_duplicates_removed": 0,
+                                  "mode_rows_relabelled": 1})
+        self.assertEqual(self.db.get_telegram_topic_binding(chat_id=1, thread_id=10, profile_name="work")["session_id"],
+                         "a")
+        self.assertTrue(self.db.is_telegram_topic_mode_enabled(chat_id="1", user_id="2", profile_name="work"))
+        self.assertTrue(self.db.is_telegram_topic_mode_enabled(chat_id="5", user_id="2"))
+        self.assertEqual(self.db.find_profile_less_telegram_topic_rows(), [])
+        self.assertEqual(self.db.relabel_telegram_topic_rows([]), dict.fromkeys(counts, 0))
+
+    def test_repair_drops_a_default_row_the_profile_already_holds(self):
+        self.db.bind_telegram_topic(chat_id=1, thread_id=10, user_id=2, session_key="agent:work:x", session_id="a",
+                                    profile_name="work")
+        self.db.bind_telegram_topic(chat_id=1, thread_id=10, user_id=2, session_key="agent:work:x", session_id="b")
+        counts = self.db.relabel_telegram_topic_rows(self.db.find_profile_less_telegram_topic_rows())
+        self.assertEqual(counts["bindings_duplicates_removed"], 1)
+        self.assertIsNone(self.db.get_telegram_topic_binding(chat_id=1, thread_id=10))
