@@ -28,13 +28,15 @@ _DISK_IO_ERROR_MARKER = "disk i/o error"
 # left out on purpose: a malformed store must surface, not be retried until a timeout.
 _TRANSIENT_MARKERS = (_DISK_IO_ERROR_MARKER, "database is locked", "database table is locked",
                       "busy")
-_LOCK_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+# SQLITE_BUSY and SQLITE_LOCKED; sqlite3 names the codes only from Python 3.11 on.
+_LOCK_CODES = (5, 6)
 # Words of a damaged file. "database disk image is malformed" contains "disk", so the cause
 # classifier tests these before the disk bucket.
 _CORRUPTION_MARKERS = ("malformed", "file is not a database", "not a database",
                        "database corruption")
 # SQLite's code for damage inside a virtual table (sqlite3 names it from Python 3.11 on).
 SQLITE_CORRUPT_VTAB = getattr(sqlite3, "SQLITE_CORRUPT_VTAB", 267)
+_FOREIGN_KEY_CODE = 787  # SQLITE_CONSTRAINT_FOREIGNKEY
 _FTS_OBJECT = re.compile(r"\bmessages_fts\w*")
 
 
@@ -256,8 +258,7 @@ def classify_persistence_error(exc_or_str):
         return "fts_index"
     if _primary_code(exc_or_str) in _LOCK_CODES:
         return "locked"
-    if getattr(exc_or_str, "sqlite_errorcode", None) == getattr(
-            sqlite3, "SQLITE_CONSTRAINT_FOREIGNKEY", 787):
+    if getattr(exc_or_str, "sqlite_errorcode", None) == _FOREIGN_KEY_CODE:
         return "session_row_missing"
     text = str(exc_or_str).lower()
     for words, cause in _CAUSE_OF_WORDS:
