@@ -340,12 +340,14 @@ class HermesConstantsImports(TempDirTestCase):
             self.assertEqual(hermes_state._default_db_path(), self.tmp / "pinned.db")  # hermes-agent's tests do this
 
 
-class ResultCodes(unittest.TestCase):
+class ResultCodes(TempDirTestCase):
 
     def test_the_codes_are_sqlites_on_every_python(self):
         # Named by sqlite3 only from 3.11; the module must import (and agree) before that too.
         names = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_CONSTRAINT_FOREIGNKEY")
         if not all(hasattr(sqlite3, name) for name in names):
             self.skipTest("this Python's sqlite3 names no result codes (before 3.11)")
-        self.assertEqual(hermes_state_errors._LOCK_CODES, (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED))
-        self.assertEqual(hermes_state_errors._FOREIGN_KEY_CODE, sqlite3.SQLITE_CONSTRAINT_FOREIGNKEY)
+        self.assertEqual(hermes_state_errors._LOCK_CODES,
+                         (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED))
+        self.assertEqual(hermes_state_errors._FOREIGN_KEY_CODE,
+                         sqlite3.SQLITE_CONSTRAINT_FOREIGNKEY)
