@@ -447,6 +447,28 @@ def _try_ddl(conn, sql, failure, quiet=None):
         return False
 
 
+def reconcile_state_schema(conn):
+    """Bring the store a raw sqlite3 connection reads to the declared tables, columns and indexes
+    (hermes-agent's entry for a program that opens state.db without a SessionDB). One transaction
+    of its own, or the caller's when one is open; adds only, never removes or rewrites a row."""
+    own = not conn.in_transaction
+    if own:
+        conn.execute("BEGIN IMMEDIATE")
+    try:
+        # The open's own structure steps, which read nothing of a SessionDB.
+        schema = SessionSchemaMixin()
+        objects = {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
+        schema._create_missing_tables(conn, objects)
+        schema._reconcile_columns(conn)
+        schema._ensure_deferred_indexes(conn, objects)
+    except BaseException:
+        if own:
+            conn.rollback()
+        raise
+    if own:
+        conn.commit()
+
+
 class SessionSchemaMixin:
     """Open-time schema work for SessionDB (see the module docstring).
 

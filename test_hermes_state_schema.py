@@ -7,7 +7,7 @@ from hermes_state import SessionDB
 from hermes_state_common import (
     DEFERRED_INDEXES, MIGRATION_CHUNK_SIZE, SCHEMA_SQL, SCHEMA_VERSION, TITLE_INDEX_NAME,
 )
-from hermes_state_schema import declared_columns, schema_read_probe_statements
+from hermes_state_schema import declared_columns, reconcile_state_schema, schema_read_probe_statements
 from test_support import HAS_FTS5, V26_DB, TempDirTestCase, dump_hash, fixture_path, schema_snapshot
 
 # The oldest shape of the two main tables, as an early hermes-agent shipped them.
@@ -325,3 +325,66 @@ class ListingAidsOfAnotherVersion(TempDirTestCase):
         before = dump_hash(path)
         SessionDB(path).close()  # the aids as declared: opening again changes nothing
         self.assertEqual(dump_hash(path), before)
+
+
+class ReconcileStateSchema(TempDirTestCase):
+    """reconcile_state_schema(conn): 0.22's entry for a program that opens state.db by itself
+    (its async-delegation tool), on a raw sqlite3 connection."""
+
+    def shape(self, path):
+        conn = self.raw(path)
+        columns = {t: [r[1] for r in conn.execute(f'PRAGMA table_info("{t}")')] for t in declared_columns()}
+        indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        return columns, indexes
+
+    def test_a_new_file_gets_every_table_column_and_index(self):
+        path = self.tmp / "state.db"
+        conn = sqlite3.connect(path)
+        reconcile_state_schema(conn)
+        self.assertFalse(conn.in_transaction)
+        conn.close()
+        columns, indexes = self.shape(path)
+        self.assertEqual({t: set(c) for t, c in columns.items()},
+                         {t: set(c) for t, c in declared_columns().items()})
+        self.assertLessEqual(set(DEFERRED_INDEXES), indexes)
+        # A SessionDB opens it afterwards and works.
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            db.append_message("s", "user", "hi")
+            self.assertEqual(db.get_messages("s")[0]["content"], "hi")
+
+    def test_an_old_store_gains_its_columns_and_keeps_its_rows(self):
+        path = self.tmp / "state.db"
+        conn = sqlite3.connect(path)
+        conn.executescript(OLD_SESSIONS + "CREATE TABLE async_delegations (delegation_id TEXT PRIMARY KEY,"
+                           " origin_session TEXT NOT NULL, state TEXT NOT NULL, dispatched_at REAL NOT NULL,"
+                           " updated_at REAL NOT NULL);"
+                           "INSERT INTO async_delegations VALUES ('d1', 's', 'running', 1, 1);"
+                           "INSERT INTO sessions (id, source, started_at) VALUES ('old', 'cli', 1);")
+        reconcile_state_schema(conn)
+        reconcile_state_schema(conn)  # again: nothing left to do, nothing fails
+        row = conn.execute("SELECT delegation_id, delivery_state, delivery_attempts, origin_ui_session_id"
+                           " FROM async_delegations").fetchone()
+        self.assertEqual(row, ("d1", "pending", 0, ""))
+        conn.execute("INSERT INTO async_delegations (delegation_id, origin_session, state, dispatched_at,"
+                     " updated_at, task_json) VALUES ('d2', 's', 'running', 2, 2, '{}')")
+        conn.commit()
+        conn.close()
+        columns, indexes = self.shape(path)
+        self.assertEqual(set(columns["sessions"]), set(declared_columns()["sessions"]))
+        self.assertIn("idx_async_delegations_delivery", indexes)
+        self.assertEqual(self.raw(path).execute("SELECT COUNT(*) FROM sessions").fetchone()[0], 1)
+
+    def test_a_callers_open_transaction_is_left_to_the_caller(self):
+        path = self.tmp / "state.db"
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE keep (x)")
+        conn.execute("INSERT INTO keep VALUES (1)")
+        self.assertTrue(conn.in_transaction)
+        reconcile_state_schema(conn)
+        self.assertTrue(conn.in_transaction)
+        conn.rollback()
+        self.assertEqual(conn.execute("SELECT COUNT(*) FROM keep").fetchone()[0], 0)
+        self.assertEqual(conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name = 'sessions'").fetchone()[0],
+                         0)
+        conn.close()
