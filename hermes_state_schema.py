@@ -1,7 +1,8 @@
 """SessionSchemaMixin: bring any store, old or new, to the declared schema.
 
 Owns the open-time schema pass: creating missing tables, adding missing columns (SCHEMA_SQL is the
-only description of them), deferred indexes, table-shape heals, data repairs and data migrations,
+only description of them), deferred indexes (the same three steps for a raw connection:
+reconcile_state_schema), table-shape heals, data repairs and data migrations,
 the probe statements read-only callers use to detect a stale store, the probes of what this SQLite
 can hold (FTS5, its trigram tokenizer) and of whose search index a store holds, hermes-agent's flag
 for an index optimize-storage replaces, and the check of every trigger against the table it writes
