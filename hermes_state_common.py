@@ -10,6 +10,7 @@ none of them imports another.
 import errno
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -786,6 +787,17 @@ def loads_or(text, fallback):
         return json.loads(text)
     except (TypeError, ValueError):
         return fallback
+
+_NOT_JSON = object()
+
+def _json_or(raw, fallback, warning):
+    """loads_or that also logs `warning` when `raw` is not JSON (hermes-agent's name; its
+    message-identity module reads stored uid lists with it)."""
+    value = loads_or(raw, _NOT_JSON)
+    if value is _NOT_JSON:
+        logging.getLogger("hermes_state").warning(warning)
+        return fallback
+    return value
 
 def decode_display_metadata(stored):
     """A stored display_metadata as a dict (twice-encoded rows unwrapped); None when it is not an

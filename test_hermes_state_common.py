@@ -6,7 +6,7 @@ import sqlite3
 import unittest
 
 from hermes_state_common import (
-    QUEUED_PROMPT_METADATA_KEY, SCHEMA_SQL, _BOUNDARY_END_REASONS, _RESET_CHILD_SQL, _id_chunks, _placeholders,
+    QUEUED_PROMPT_METADATA_KEY, SCHEMA_SQL, _BOUNDARY_END_REASONS, _RESET_CHILD_SQL, _id_chunks, _json_or, _placeholders,
     _sql_json_extract, chunked, escape_like, is_automatic_end_reason, prefix_bounds, quote_identifier,
     stat_db_file_identity,
 )
@@ -96,6 +96,14 @@ class HermesAgentsNames(unittest.TestCase):
         got = {row[0] for row in self.conn.execute(
             f"SELECT s.id FROM sessions AS s WHERE {_RESET_CHILD_SQL.format(a='s')}")}
         self.assertEqual(got, {"marked", "legacy"})
+
+    def test_json_or_logs_what_it_could_not_read(self):
+        self.assertEqual(_json_or('["u1", "u2"]', [], "unused"), ["u1", "u2"])
+        self.assertEqual(_json_or("null", {}, "unused"), None)
+        for raw in ("[u1", None, b"\xff"):
+            with self.assertLogs("hermes_state", "WARNING") as logs:
+                self.assertEqual(_json_or(raw, [], "uid list unreadable"), [])
+            self.assertEqual([record.getMessage() for record in logs.records], ["uid list unreadable"])
 
     def test_end_reason_sets(self):
         self.assertEqual(_BOUNDARY_END_REASONS, {"session_reset", "session_switch", "idle", "daily", "suspended",
