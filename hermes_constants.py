@@ -1,10 +1,12 @@
 """Where the Hermes home is, and the well-known paths inside it.
 
 Owns hermes-agent's home-location family with its behaviour: the home (a per-context override,
-then HERMES_HOME, then the platform default), the profile root, legacy-or-new subfolders, the
-display form, the subprocess HOME policy. Never creates a folder (bar `secure_parent_dir`'s chmod)
-nor touches a database. Holds only names hermes-agent's own hermes_constants.py also has, so both
-run side by side.
+then HERMES_HOME, then the platform default), the profile root and the named profiles under it
+(`<root>/profiles/<name>`, a deleted one tombstoned in `<root>/profiles/.deleted/<name>`), the
+process's own home and the pin an embedding host puts on it, legacy-or-new subfolders, the display
+form, the subprocess HOME policy. Creates a folder only in `mkdir_under_hermes_home` (and chmods
+one in `secure_parent_dir`); never touches a database. Holds only names hermes-agent's own
+hermes_constants.py also has, so both run side by side.
 """
 
 import contextlib
@@ -34,24 +36,72 @@ def get_hermes_home_override():
     return _home_override.get() or None
 
 
+def _expand(path):
+    """A home as written (HERMES_HOME, an override, a pin) with `$VARS` and `~` expanded."""
+    return Path(os.path.expanduser(os.path.expandvars(str(path))))
+
+
 def _platform_default_home():
+    # HERMES_DATA_DIR_SUFFIX is appended to the folder name as it is (`~/.hermes-dev`).
+    name = "hermes" if sys.platform == "win32" else ".hermes"
+    name += os.environ.get("HERMES_DATA_DIR_SUFFIX", "")
     if sys.platform == "win32":
         local = os.environ.get("LOCALAPPDATA", "").strip()
-        return (Path(local) if local else Path.home() / "AppData" / "Local") / "hermes"
-    return Path.home() / ".hermes"
+        return (Path(local) if local else Path.home() / "AppData" / "Local") / name
+    return Path.home() / name
+
+
+def sudo_invoker_default_home():
+    """`~/.hermes` of the user who ran `sudo` when this process is root under it, else None: sudo
+    drops HERMES_HOME and sets HOME to root's, yet the profiles operated on are that user's."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return None
+    user = os.environ.get("SUDO_USER", "").strip()
+    if not user or user == "root":
+        return None
+    import pwd
+    try:
+        return Path(pwd.getpwnam(user).pw_dir) / ".hermes"
+    except KeyError:  # a user the passwd file does not know (a chroot, a container)
+        return None
 
 
 def get_process_hermes_home():
     """The home the process was launched with: HERMES_HOME, else the platform default (no
     override)."""
     env = os.environ.get("HERMES_HOME", "").strip()
-    return Path(env) if env else _platform_default_home()
+    return _expand(env) if env else _platform_default_home()
 
 
 def get_hermes_home():
     """The home folder: the context override, else HERMES_HOME, else the platform default."""
     override = get_hermes_home_override()
-    return Path(override) if override else get_process_hermes_home()
+    return _expand(override) if override else get_process_hermes_home()
+
+
+# The home an embedding host serves as the process's own profile while it mirrors each turn's
+# profile into HERMES_HOME for older readers; None: the process's own is HERMES_HOME's.
+_pinned_process_home = None
+
+
+def pin_process_hermes_home(path):
+    """Name the home this process serves as its own profile (None clears the pin), for deciding
+    whether a task runs for another, routed profile. Process-wide, and apart from
+    get_process_hermes_home, which keeps following HERMES_HOME."""
+    global _pinned_process_home
+    _pinned_process_home = None if path is None else str(path)
+
+
+def process_hermes_home_is_pinned():
+    """True while a pin_process_hermes_home pin is set."""
+    return _pinned_process_home is not None
+
+
+def get_routing_process_hermes_home():
+    """The process's own home for routed-profile decisions: the pinned home, else
+    get_process_hermes_home()."""
+    pinned = _pinned_process_home
+    return _expand(pinned) if pinned else get_process_hermes_home()
 
 
 def get_config_path():
@@ -71,19 +121,104 @@ def hermes_home_key(path=None):
     return os.path.normcase(str(candidate.expanduser().resolve(strict=False)))
 
 
-def get_default_hermes_root():
-    """The folder holding every profile: the platform default when HERMES_HOME is unset or under
-    it; `<root>` when HERMES_HOME is `<root>/profiles/<name>` elsewhere (a container); else
-    HERMES_HOME."""
-    native, env = _platform_default_home(), os.environ.get("HERMES_HOME", "")
-    if not env:
+def get_default_hermes_root(*, home=None):
+    """The folder holding every profile, for `home` (default: HERMES_HOME): the platform default
+    when the home is unset or under it; `<root>` when it is `<root>/profiles/<name>` elsewhere (a
+    container); else the home itself."""
+    native = _platform_default_home()
+    given = (str(home) if home is not None else os.environ.get("HERMES_HOME", "")).strip()
+    if not given:
         return native
-    env_path = Path(env)
+    path = _expand(given)
     try:
-        env_path.resolve().relative_to(native.resolve())
+        path.resolve().relative_to(native.resolve())
         return native
     except ValueError:
-        return env_path.parent.parent if env_path.parent.name == "profiles" else env_path
+        return path.parent.parent if path.parent.name == "profiles" else path
+
+
+# -- Named profiles: <root>/profiles/<name> ---------------------------------------
+# Files only a real home holds: a folder that merely has a `profiles` part in its path lacks them.
+_HOME_MARKERS = ("config.yaml", ".env", "state.db")
+# Beside the profiles, not in them: a stray mkdir or rmtree of a profile cannot erase its tombstone.
+_DELETED_DIR = ".deleted"
+
+
+def _is_profiles_root(profiles):
+    """True when the folder `profiles` is surely `<a Hermes home>/profiles`: the classic
+    `.hermes` root, a root holding a home's files, a tombstone folder (only a profile deletion
+    makes one), or the profile root of this process."""
+    root = profiles.parent
+    if root.name == ".hermes":
+        return True
+    with contextlib.suppress(OSError):
+        if (profiles / _DELETED_DIR).is_dir() or any((root / m).exists() for m in _HOME_MARKERS):
+            return True
+    try:
+        return root.resolve(strict=False) == get_default_hermes_root().resolve(strict=False)
+    except OSError:
+        return False
+
+
+def named_profile_home(path):
+    """The `<root>/profiles/<name>` folder that `path` is or lies in, else None (also for a name
+    starting with a dot, and inside a default `.hermes` home)."""
+    current = Path(path)
+    for candidate in (current, *current.parents):
+        if candidate.parent.name == "profiles" and not candidate.name.startswith(".") \
+                and _is_profiles_root(candidate.parent):
+            return candidate
+        if candidate.name == ".hermes":
+            return None
+    return None
+
+
+def profile_name_for_home(path):
+    """The profile owning the home `path`: "default" for the profile root itself, a named
+    profile's name, else None (also for an empty path)."""
+    if path is None or not str(path).strip():
+        return None
+    given = Path(path).expanduser()
+    try:
+        root = get_default_hermes_root()
+        for candidate in (given, given.resolve(strict=False)):
+            if candidate in (root, root.resolve(strict=False)):
+                return "default"
+            named = named_profile_home(candidate)
+            if named is not None:
+                return named.name
+            # A home its owner already resolved names its profile by shape, markers or not.
+            if candidate.parent.name == "profiles" and not candidate.name.startswith("."):
+                return candidate.name
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return None
+
+
+def assert_named_profile_home_live(path):
+    """Raise FileNotFoundError when `path` lies in a named profile that is missing or deleted."""
+    home = named_profile_home(path)
+    if home is not None and ((home.parent / _DELETED_DIR / home.name).exists()
+                             or not home.exists()):
+        raise FileNotFoundError(f"Named profile home does not exist: {home}. "
+                                "Create the profile explicitly before using it.")
+
+
+def mkdir_under_hermes_home(path):
+    """Create the folder `path` (and its parents) and return it as a Path; a path in a missing or
+    deleted named profile raises FileNotFoundError instead of bringing the profile back."""
+    target = Path(path)
+    assert_named_profile_home_live(target)
+    target.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def profile_cli_selector():
+    """`-p <name> ` (trailing space) for the current home's named profile, so that a `hermes ...`
+    command shown to the user reaches the same store; "" for the default profile or a home
+    outside the profile tree."""
+    name = profile_name_for_home(get_hermes_home())
+    return f"-p {name} " if name and name != "default" else ""
 
 
 def _has_content(path):
@@ -109,11 +244,12 @@ def get_hermes_dir(new_subpath, old_name, *, home=None):
     return home / old_name if _has_content(home / old_name) else home / new_subpath
 
 
-def display_hermes_home():
-    """The home for messages to people: `~/...` when it is under the user's home folder."""
-    home = get_hermes_home()
+def display_hermes_home(home=None):
+    """A home (default: the current one) for messages to people: `~/...` with forward slashes
+    when it is under the user's home folder."""
+    home = get_hermes_home() if home is None else Path(home)
     try:
-        return "~/" + str(home.relative_to(Path.home()))
+        return "~/" + home.relative_to(Path.home()).as_posix()
     except ValueError:
         return str(home)
 

@@ -10,6 +10,7 @@ none of them imports another.
 import errno
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -33,6 +34,8 @@ META_FTS_REBUILD_HIGH_WATER = "fts_rebuild_high_water"
 META_FTS_REBUILD_PROGRESS = "fts_rebuild_progress"
 META_FTS_STALE = FTS_STALE_KEY = "fts_stale"  # (FTS_*_KEY: hermes-agent's names)
 META_FTS_CJK_STALE = FTS_CJK_STALE_KEY = "fts_cjk_stale"
+# hermes-agent's note that a rebuild of its stale index was blocked (JSON); its doctor shows it.
+FTS_REBUILD_DEFERRAL_KEY = "fts_rebuild_deferral"
 # The value 0.20 gives that first key for its index layout; hermes_cli.session_recovery imports it
 # from hermes_state to stamp and verify a recovered store. We never write it.
 FTS_STORAGE_VERSION = 1
@@ -45,6 +48,20 @@ COMPRESSION_END_REASON = "compression"
 # continuation.
 _RESET_END_REASONS = ("session_reset", "session_switch", "idle", "daily", "suspended",
                       "resume_pending_expired")
+# The ends a person chose (a reset, or the CLI's /new, which makes no child row): a conversation
+# boundary nothing automatic may undo. hermes-agent's name; its session_search reads it.
+_BOUNDARY_END_REASONS = frozenset(_RESET_END_REASONS) | {"new_session"}
+# Ends that only say some runtime went away (a closed agent, a reaped orphan, a superseded
+# runtime): recovery resumes such a session.
+_RECOVERABLE_END_REASONS = ("agent_close", "ws_orphan_reap", "superseded_by_resume",
+                            "startup_orphan_reap")
+# Those, and the ends the TUI gateway's cleanup writes: a writer that proves the session alive
+# (a compression holding its lease) may clear any of them.
+_AUTOMATIC_END_REASONS = frozenset(_RECOVERABLE_END_REASONS) | {
+    "tui_shutdown", "ws_disconnect", "idle_timeout", "lru_evict"}
+# The display_metadata flag on a user row written when a busy session accepted a queued prompt:
+# a row still flagged was never dispatched (its queue died with the process).
+QUEUED_PROMPT_METADATA_KEY = "_queued_prompt"
 GATEWAY_ROUTING_PK = ["scope", "session_key"]
 
 # -- Limits -------------------------------------------------------------------
@@ -60,15 +77,17 @@ SNIPPET_CHARS = 120
 # A query longer than this is cut (hermes-agent's MAX_FTS5_QUERY_CHARS); more terms are dropped.
 QUERY_MAX_CHARS = MAX_FTS5_QUERY_CHARS = 2048
 QUERY_MAX_TERMS = 32
-# Far below SQLite's default SQLITE_MAX_VARIABLE_NUMBER (999 before 3.32).
+# Far below SQLite's default SQLITE_MAX_VARIABLE_NUMBER (999 before 3.32), which 0.22's
+# _id_chunks default (900) also keeps under.
 SQL_CHUNK_SIZE = 500
 # Sessions migrated per transaction by resumable data migrations.
 MIGRATION_CHUNK_SIZE = 200
 
 # -- Schema -------------------------------------------------------------------
-# The only description of tables and columns (hermes-agent schema 26, the same text). Tables only.
-# Every index lives in DEFERRED_INDEXES, run after the columns are reconciled: an older store may
-# lack a column it names.
+# The only description of tables and columns: hermes-agent schema 31's, in its column order, so a
+# store born here reads as one 0.22 made (a store of 0.19 or 0.20 gains the newer columns at the
+# end, as 0.22's own open adds them). Tables only. Every index lives in DEFERRED_INDEXES, run after
+# the columns are reconciled: an older store may lack a column it names.
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL
@@ -82,6 +101,7 @@ CREATE TABLE IF NOT EXISTS system_prompts (
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
     source TEXT NOT NULL,
+    created_source TEXT,
     user_id TEXT,
     session_key TEXT,
     chat_id TEXT,
@@ -130,12 +150,17 @@ CREATE TABLE IF NOT EXISTS sessions (
     compression_failure_error TEXT,
     compression_fallback_streak INTEGER NOT NULL DEFAULT 0,
     compression_ineffective_count INTEGER NOT NULL DEFAULT 0,
+    compression_recovery_deadline REAL,
+    compression_overload_streak INTEGER NOT NULL DEFAULT 0,
     profile_name TEXT,
+    transport_profile TEXT,
     rewind_count INTEGER NOT NULL DEFAULT 0,
     archived INTEGER NOT NULL DEFAULT 0,
+    auto_archived INTEGER NOT NULL DEFAULT 0,
     pinned INTEGER NOT NULL DEFAULT 0,
     hidden INTEGER NOT NULL DEFAULT 0,
     last_read_at REAL,
+    tool_names TEXT,
     FOREIGN KEY (parent_session_id) REFERENCES sessions(id),
     FOREIGN KEY (system_prompt_hash) REFERENCES system_prompts(hash)
 );
@@ -159,11 +184,18 @@ CREATE TABLE IF NOT EXISTS messages (
     codex_message_items TEXT,
     platform_message_id TEXT,
     observed INTEGER DEFAULT 0,
+    _compressed_summary INTEGER NOT NULL DEFAULT 0,
     active INTEGER NOT NULL DEFAULT 1,
     compacted INTEGER NOT NULL DEFAULT 0,
     api_content TEXT,
     display_kind TEXT,
-    display_metadata TEXT
+    display_metadata TEXT,
+    display_identity BLOB,
+    display_order INTEGER,
+    message_uid TEXT,
+    absorbed_message_uids TEXT,
+    tool_call_uids TEXT,
+    tool_call_uid TEXT
 );
 
 CREATE TABLE IF NOT EXISTS session_model_usage (
@@ -206,6 +238,25 @@ CREATE TABLE IF NOT EXISTS gateway_hygiene_state (
     failure_streak INTEGER NOT NULL DEFAULT 0
 );
 
+-- One row per routing peer, never deleted: the count of conversation boundaries written for it,
+-- so a generation number is never handed out twice even after its sessions are pruned.
+CREATE TABLE IF NOT EXISTS conversation_generations (
+    source TEXT NOT NULL,
+    session_key TEXT NOT NULL,
+    generation INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (source, session_key)
+);
+
+-- Each gateway backend's liveness, refreshed while it runs; hermes-agent's orphan sweep reads it.
+CREATE TABLE IF NOT EXISTS gateway_heartbeats (
+    backend_id TEXT PRIMARY KEY,
+    pid INTEGER NOT NULL,
+    started_at REAL NOT NULL,
+    last_heartbeat REAL NOT NULL,
+    profile TEXT NOT NULL DEFAULT '',
+    host TEXT NOT NULL DEFAULT ''
+);
+
 CREATE TABLE IF NOT EXISTS compression_locks (
     session_id TEXT PRIMARY KEY,
     holder TEXT NOT NULL,
@@ -238,7 +289,8 @@ CREATE TABLE IF NOT EXISTS async_delegations (
     owner_started_at INTEGER,
     task_json TEXT,
     delivery_claim TEXT,
-    delivery_claimed_at REAL
+    delivery_claimed_at REAL,
+    origin_session_id TEXT NOT NULL DEFAULT ''
 );
 """
 
@@ -262,11 +314,22 @@ DEFERRED_INDEXES = {name: f"CREATE INDEX IF NOT EXISTS {name} ON {target}" for n
      "messages(session_id, platform_message_id) WHERE platform_message_id IS NOT NULL"),
     ("idx_messages_session_active", "messages(session_id, active, timestamp)"),
     ("idx_messages_active_null", "messages(active) WHERE active IS NULL"),
+    # 0.22's message identity and display projection (schema 31), for its readers and ours.
+    ("idx_messages_session_uid", "messages(session_id, message_uid) WHERE active = 1"),
+    ("idx_messages_display_page", "messages(session_id, display_order, active DESC, id DESC)"
+     " WHERE active = 1 OR compacted = 1"),
+    ("idx_messages_display_backfill", "messages(session_id) WHERE (display_order IS NULL"
+     " OR display_identity IS NULL) AND (active = 1 OR compacted = 1)"),
+    ("idx_messages_display_identity", "messages(session_id, display_identity, display_order)"
+     " WHERE display_identity IS NOT NULL AND (active = 1 OR compacted = 1)"),
     ("idx_sessions_session_key", "sessions(session_key, started_at DESC)"),
     ("idx_sessions_gateway_peer",
      "sessions(source, user_id, chat_id, chat_type, thread_id, started_at DESC)"),
     ("idx_sessions_handoff_state", "sessions(handoff_state, started_at)"),
     ("idx_sessions_system_prompt_hash", "sessions(system_prompt_hash)"),
+    ("idx_sessions_tool_names", "sessions(tool_names)"),
+    ("idx_sessions_effective_activity",
+     "sessions(COALESCE(last_activity_at, started_at) DESC, started_at DESC)"),
     # Every writable open asks whether inline prompts are left to move: without it, a scan of
     # every session (7 ms at 20,000 sessions, past issue 17's 5 ms budget for opening).
     ("hs_idx_sessions_inline_prompt", "sessions(id) WHERE system_prompt IS NOT NULL"),
@@ -325,7 +388,8 @@ HERMES_FTS_VIEWS = {"word": "messages_fts_src", "trigram": "messages_fts_trigram
 # What describes hermes-agent's index; cleared with the index by optimize-storage, so that its next
 # open finds a store without one and builds it afresh.
 HERMES_INDEX_META = (META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE,
-                     META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE)
+                     META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE,
+                     FTS_REBUILD_DEFERRAL_KEY)
 # Our releases before layout 1 used hermes-agent's table names (each told apart by a word of its
 # DDL) and keys; an open moves such a store to layout 1.
 PREVIOUS_LAYOUT_TABLES = {"messages_fts": "messages_fts_projection", "messages_fts_cjk": "terms",
@@ -575,15 +639,45 @@ def prefix_bounds(prefix):
     `prefix`: case-sensitive, index-friendly, no LIKE."""
     return prefix, prefix + "\U0010ffff"
 
-def chunked(items, size=SQL_CHUNK_SIZE):
-    """Yield lists of at most `size` items, so IN (...) stays under SQLite's variable limit."""
-    items = list(items)
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
+def _id_chunks(ids, size=900):
+    """Yield lists of at most `size` items, so IN (...) stays under SQLite's variable limit
+    (hermes-agent's name and default)."""
+    ids = list(ids)
+    for start in range(0, len(ids), size):
+        yield ids[start:start + size]
 
-def placeholders(count):
-    """`?, ?, ?` for `count` values."""
-    return ", ".join("?" for _ in range(count))
+def chunked(items, size=SQL_CHUNK_SIZE):
+    """_id_chunks with our modules' chunk size."""
+    return _id_chunks(items, size)
+
+def _placeholders(items):
+    """`?, ?, ?`: one per element of `items`, or `items` of them when it is a count
+    (hermes-agent's name)."""
+    return ", ".join("?" for _ in range(items if isinstance(items, int) else len(items)))
+
+placeholders = _placeholders  # our modules' name for it
+
+def _sql_literal(text):
+    return "'" + str(text).replace("'", "''") + "'"
+
+def _sql_json_extract(expression, path):
+    """SQL for json_extract(expression, path) that reads text which is not JSON as an empty
+    object (NULL) instead of failing the whole statement (hermes-agent's name)."""
+    return (f"json_extract(CASE WHEN json_valid({expression}) THEN {expression}"
+            f" ELSE json_object() END, {_sql_literal(path)})")
+
+def is_automatic_end_reason(reason):
+    """True when a session's end_reason is one automatic cleanup wrote, not a person's choice."""
+    return isinstance(reason, str) and reason in _AUTOMATIC_END_REASONS
+
+def stat_db_file_identity(path):
+    """(st_dev, st_ino) of the file at `path`: what tells a store replaced under an open
+    connection; None when it cannot be read or the filesystem gives no inode (0)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if st.st_dev and st.st_ino else None
 
 def store_file_bytes(path):
     """Bytes of a store on disk: the file and its WAL."""
@@ -693,6 +787,17 @@ def loads_or(text, fallback):
         return json.loads(text)
     except (TypeError, ValueError):
         return fallback
+
+_NOT_JSON = object()
+
+def _json_or(raw, fallback, warning):
+    """loads_or that also logs `warning` when `raw` is not JSON (hermes-agent's name; its
+    message-identity module reads stored uid lists with it)."""
+    value = loads_or(raw, _NOT_JSON)
+    if value is _NOT_JSON:
+        logging.getLogger("hermes_state").warning(warning)
+        return fallback
+    return value
 
 def decode_display_metadata(stored):
     """A stored display_metadata as a dict (twice-encoded rows unwrapped); None when it is not an
@@ -893,6 +998,15 @@ def cwd_prefix_clause(prefix, alias="s"):
             [prefix, escaped + "/%", escaped + "\\\\%"])
 
 # -- Lineage: parent links and the markers that tell a fork from a continuation --
+
+# A session `{a}` (a sessions alias) made by a reset: its `_reset_from` marker, or, on rows from
+# before the marker, a parent that ended by a reset on the child's own non-empty routing key
+# (hermes-agent's name and meaning; its session browser lists such children as conversations).
+_RESET_CHILD_SQL = (f"{_sql_json_extract('{a}.model_config', '$._reset_from')} IS NOT NULL"
+                    " OR EXISTS (SELECT 1 FROM sessions AS p WHERE p.id = {a}.parent_session_id"
+                    f" AND p.end_reason IN ({', '.join(map(_sql_literal, _RESET_END_REASONS))})"
+                    " AND {a}.session_key IS NOT NULL AND {a}.session_key <> ''"
+                    " AND {a}.session_key = p.session_key)")
 
 # A walk along parent links stops after this many hops (a loop stops it sooner).
 LINEAGE_MAX_HOPS = 100

@@ -1,7 +1,8 @@
 """SessionSchemaMixin: bring any store, old or new, to the declared schema.
 
 Owns the open-time schema pass: creating missing tables, adding missing columns (SCHEMA_SQL is the
-only description of them), deferred indexes, table-shape heals, data repairs and data migrations,
+only description of them), deferred indexes (the same three steps for a raw connection:
+reconcile_state_schema), table-shape heals, data repairs and data migrations,
 the probe statements read-only callers use to detect a stale store, the probes of what this SQLite
 can hold (FTS5, its trigram tokenizer) and of whose search index a store holds, hermes-agent's flag
 for an index optimize-storage replaces, and the check of every trigger against the table it writes
@@ -445,6 +446,28 @@ def _try_ddl(conn, sql, failure, quiet=None):
         if quiet is None or quiet not in str(exc).lower():
             logger.warning("schema: %s (%s); the open goes on", failure, exc)
         return False
+
+
+def reconcile_state_schema(conn):
+    """Bring the store a raw sqlite3 connection reads to the declared tables, columns and indexes
+    (hermes-agent's entry for a program that opens state.db without a SessionDB). One transaction
+    of its own, or the caller's when one is open; adds only, never removes or rewrites a row."""
+    own = not conn.in_transaction
+    if own:
+        conn.execute("BEGIN IMMEDIATE")
+    try:
+        # The open's own structure steps, which read nothing of a SessionDB.
+        schema = SessionSchemaMixin()
+        objects = {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
+        schema._create_missing_tables(conn, objects)
+        schema._reconcile_columns(conn)
+        schema._ensure_deferred_indexes(conn, objects)
+    except BaseException:
+        if own:
+            conn.rollback()
+        raise
+    if own:
+        conn.commit()
 
 
 class SessionSchemaMixin:
