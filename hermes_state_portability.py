@@ -18,12 +18,16 @@ import json
 import math
 import sqlite3
 import time
+from collections import Counter
+from datetime import datetime, timezone
 
 from hermes_state_common import (
     BYTES_MARKER, CONTENT_JSON_PREFIX, LAST_ACTIVE_SQL, INSERT_SYSTEM_PROMPT_SQL,
     MESSAGE_WRITE_COLUMNS, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL,
     SET_MESSAGE_COUNTS_SQL, SQLITE_INT_RANGE, TITLE_MAX_LENGTH, decode_message,
-    loads_or, normalize_title, placeholders, quote_identifier, scrub_surrogates, sqlite_keeps)
+    loads_or, normalize_title, placeholders, quote_identifier, resolved_max_export_messages,
+    scrub_surrogates, sqlite_keeps)
+from hermes_state_errors import SessionExportTooLargeError
 from hermes_state_export_formats import (
     BINARY_TYPES, EXPORT_RUN_MESSAGES, JSONL_ENCODER, SCALARS_ENCODER, decoded_calls,
     encoded_calls, json_default, jsonl_session, message_runs)
@@ -46,6 +50,60 @@ def count_tool_calls(tool_calls):
     if isinstance(tool_calls, str):
         tool_calls = loads_or(tool_calls, [])
     return 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
+
+
+# -- What an export says about its messages' timing ------------------------------------------
+
+# The span of timestamps hermes-agent 0.22 trusts (hermes_cli.timefmt's EPOCH_MIN/MAX): anything
+# else (text, inf, a value salvaged from a damaged page) counts as missing, never fails the export.
+EPOCH_RANGE = (0.0, 4_200_000_000.0)
+
+
+def _epoch(value):
+    """A stored timestamp as epoch seconds, or None when it is unset or cannot be trusted."""
+    if value is None or value == "":
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return seconds if EPOCH_RANGE[0] <= seconds <= EPOCH_RANGE[1] else None
+
+
+def _iso(seconds):
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
+
+
+def _export_timings(messages, session_id=None):
+    """hermes-agent 0.22's `timings` of an export: ids, roles, counts and gaps between the messages'
+    timestamps, never their text. `complete` is always False (no stopwatch is stored); a timestamp
+    that is not a plausible epoch counts as missing. `session_id` is accepted as 0.22's is (it
+    names the session in its log line); the result does not depend on it."""
+    stamped = [(message, seconds) for message in messages
+               for seconds in [_epoch(message.get("timestamp"))] if seconds is not None]
+    roles = Counter(str(message.get("role") or "unknown") for message in messages)
+    calls = [message.get("tool_calls") for message in messages]
+    intervals = [{"from_message_id": earlier.get("id"), "to_message_id": later.get("id"),
+                  "from_role": earlier.get("role"), "to_role": later.get("role"),
+                  "gap_ms": max(0, round((later_at - earlier_at) * 1000))}
+                 for (earlier, earlier_at), (later, later_at) in zip(stamped, stamped[1:])]
+    first, last = (stamped[0][1], stamped[-1][1]) if stamped else (None, None)
+    return {
+        "source": "message_timestamps",
+        "available": bool(stamped),
+        "complete": False,
+        "unavailable_reason": None if stamped else "no_timestamped_messages",
+        "message_timestamps": {"available": len(stamped), "missing": len(messages) - len(stamped)},
+        "first_message_at": None if first is None else _iso(first),
+        "last_message_at": None if last is None else _iso(last),
+        "wall_clock_ms": None if first is None else max(0, round((last - first) * 1000)),
+        "largest_gap_ms": max(gap["gap_ms"] for gap in intervals) if intervals else None,
+        "role_counts": dict(roles),
+        "tool_result_count": roles.get("tool", 0),
+        "tool_calls_emitted": sum(len(call) if isinstance(call, list) else 1
+                                  for call in calls if call),
+        "intervals": intervals,
+    }
 
 
 # -- Portable values: a BLOB in JSON ---------------------------------------------------------
@@ -451,25 +509,44 @@ class SessionPortabilityMixin:
 
     # -- export ----------------------------------------------------------------
 
-    def export_session(self, session_id):
-        """Every `sessions` column (system prompt resolved) and `messages`, the active
-        rows in id order as get_messages gives them; BLOBs portable (see BYTES_MARKER).
-        None for an unknown id."""
+    def export_session(self, session_id, include_compacted=False, include_inactive=False):
+        """Every `sessions` column (system prompt resolved) and `messages`; BLOBs portable (see
+        BYTES_MARKER). None for an unknown id. The messages are the active rows in id order as
+        get_messages gives them; hermes-agent 0.22's flags choose others, as its get_messages
+        does: `include_inactive` every stored row with its active/compacted flags (what
+        import_sessions restores archived), `include_compacted` the history the user sees, rows
+        compaction archived included (deduped for display: not for import). Either flag also adds
+        0.22's `timings` (_export_timings); without one the export has 0.20's shape."""
         session = self.get_session(session_id)
-        return None if session is None else next(self._exported(one=portable_row(session)))
+        if session is None:
+            return None
+        view = (include_compacted, include_inactive)
+        return next(self._exported(one=portable_row(session), view=view))
 
-    def _exported(self, source=None, streamed=False, one=None):
+    def _exported(self, source=None, streamed=False, one=None, view=(False, False)):
         """Each session of `source` (or `one`) with its messages (a generator): a dict, or
         `streamed`, jsonl pieces read a run at a time; one pooled read connection, plain tuples
-        (a sqlite3.Row costs more)."""
+        (a sqlite3.Row costs more). `view` is export_session's (include_compacted,
+        include_inactive); the display projection of include_compacted is get_messages'."""
+        include_compacted, include_inactive = view
         conn = self._borrow_reader()
         try:
             cursor, sessions = conn.cursor(), conn.cursor()
             cursor.row_factory = sessions.row_factory = None
-            read, convert, runs = self._export_reader(cursor, streamed)
+            read, convert, runs = self._export_reader(cursor, streamed, include_inactive)
             for session in [one] if one else self._export_sessions(source, sessions):
-                yield (jsonl_session(session, runs(session["id"]), {}) if streamed
-                       else {**session, "messages": convert(read(session["id"]).fetchall())})
+                if streamed:
+                    yield jsonl_session(session, runs(session["id"]), {})
+                    continue
+                if include_compacted:
+                    messages = [portable_message(message) for message in self.get_messages(
+                        session["id"], include_inactive=include_inactive, include_compacted=True)]
+                else:
+                    messages = convert(read(session["id"]).fetchall())
+                export = {**session, "messages": messages}
+                if any(view):
+                    export["timings"] = _export_timings(messages, session["id"])
+                yield export
         finally:
             # Closed, a pieces iterator kept past its session fails loudly instead of reading on a
             # lent reader; ProgrammingError: the store was closed first, nothing to release.
@@ -478,11 +555,11 @@ class SessionPortabilityMixin:
                 sessions.close()
             self._return_reader(conn)
 
-    def _export_reader(self, cursor, streamed=False):
-        """(read, convert, runs): read(session_id) queries a session's messages on `cursor`,
-        convert makes rows what portable_message(get_messages(id)) gives, runs(session_id) yields
-        their jsonl a run at a time. The query's last column is each row's flag: one of the
-        ROW_* names above the class."""
+    def _export_reader(self, cursor, streamed=False, every_row=False):
+        """(read, convert, runs): read(session_id) queries a session's messages on `cursor` (the
+        active ones, or `every_row`), convert makes rows what portable_message(get_messages(id))
+        gives, runs(session_id) yields their jsonl a run at a time. The query's last column is
+        each row's flag: one of the ROW_* names above the class."""
         names = [name for (name,) in
                  cursor.execute("SELECT name FROM pragma_table_info('messages')")]
         kept = [name for name in names if name not in DROPPED_MESSAGE_COLUMNS]
@@ -511,7 +588,8 @@ class SessionPortabilityMixin:
                f" CASE WHEN {blob_when} THEN {ROW_HAS_BLOB}"
                f" WHEN {' OR '.join(decoded_when) or 0} THEN {ROW_DECODED}"
                f" WHEN {calls_when} THEN {ROW_TOOL_CALLS} ELSE {ROW_AS_STORED} END"
-               " FROM messages WHERE session_id = ? AND active = 1 AND id > ? ORDER BY id LIMIT ?")
+               f" FROM messages WHERE session_id = ?{'' if every_row else ' AND active = 1'}"
+               " AND id > ? ORDER BY id LIMIT ?")
 
         def convert(rows):
             # A dict a row in C loops (zip stops at `kept`), then the flagged rows decoded
@@ -562,37 +640,61 @@ class SessionPortabilityMixin:
 
         return read, convert, runs
 
-    def export_session_lineage(self, session_id):
+    def export_session_lineage(self, session_id, include_compacted=False, include_inactive=False):
         """A compression chain as one session: the tip's export with `segments` (root first),
-        `message_count`, `lineage_session_ids`, every message in order. None for an unknown id."""
+        `message_count`, `lineage_session_ids`, every message in order; the flags are
+        export_session's (and with one, `timings` of all the messages). None for an unknown id."""
         lineage = self.get_compression_lineage(session_id) or []
-        segments = [*filter(None, map(self.export_session, lineage))]
+        segments = [*filter(None, (self.export_session(segment, include_compacted, include_inactive)
+                                   for segment in lineage))]
         if not segments:
             return None
         combined = dict(segments[-1], segments=segments,
                         lineage_session_ids=[s["id"] for s in segments])
         combined["messages"] = [message for segment in segments for message in segment["messages"]]
         combined["message_count"] = len(combined["messages"])
+        if include_compacted or include_inactive:
+            combined["timings"] = _export_timings(combined["messages"], session_id)
         return combined
 
-    def export_all(self, source=None):
-        """A list of every session (of `source` when given) as export_session gives it plus
-        `last_active`, most recently active first; [] for none. iter_export_all streams the same.
-        Python's cycle collector is paused for the call, in the whole process (gc.disable)."""
+    def export_all(self, source=None, include_compacted=False, include_inactive=False):
+        """A list of every session (of `source` when given) as export_session gives it (the flags
+        are its) plus `last_active`, most recently active first; [] for none. iter_export_all
+        streams the same. Python's cycle collector is paused for the call, in the whole process
+        (gc.disable)."""
         # The list makes no cycles, but its growth sets off full collections of the whole heap: they
         # wait.
         collecting = gc.isenabled()
         gc.disable()
         try:
-            return list(self.iter_export_all(source))
+            return list(self.iter_export_all(source, include_compacted, include_inactive))
         finally:
             if collecting:
                 gc.enable()
 
-    def iter_export_all(self, source=None):
+    def iter_export_all(self, source=None, include_compacted=False, include_inactive=False):
         """export_all one session at a time (a generator):
         memory holds the largest session, not the store."""
-        return self._exported(source)
+        return self._exported(source, view=(include_compacted, include_inactive))
+
+    def assert_exports_safe(self, session_ids, max_messages=None):
+        """Refuse, before any is read, an export whose sessions would each load more than
+        `max_messages` rows (default: config.yaml's sessions.max_export_messages; 0: no limit, no
+        query): SessionExportTooLargeError for the first session past it. Counts every stored
+        row, as the export hermes-agent 0.22 guards with it (include_inactive) loads them all;
+        ValueError for a negative limit."""
+        limit = resolved_max_export_messages() if max_messages is None else max_messages
+        if limit < 0:
+            raise ValueError(f"max_messages must be >= 0, not {limit}")
+        if limit == 0:
+            return
+        for session_id in session_ids:
+            # Counted only to one past the limit: a huge session costs no more than a small one.
+            count = self._read_value(
+                "SELECT COUNT(*) FROM (SELECT 1 FROM messages WHERE session_id = :session_id"
+                " LIMIT :past_limit)", {"session_id": session_id, "past_limit": limit + 1})
+            if count > limit:
+                raise SessionExportTooLargeError(session_id, count, limit)
 
     def iter_export_jsonl(self, source=None):
         """iter_export_all as write_export's jsonl, an iterator of pieces a session:

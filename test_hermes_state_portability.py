@@ -17,7 +17,8 @@ import zipfile
 from hermes_state import SessionDB, restore_home
 from hermes_state_export_formats import (EXPORT_RUN_MESSAGES, json_default, markdown_document,
                                          markdown_file_name, write_export)
-from hermes_state_portability import portable_message, portable_row
+from hermes_state_errors import SessionExportTooLargeError
+from hermes_state_portability import _export_timings, portable_message, portable_row
 from hermes_state_redact import redact, redact_text
 from test_support import (
     REPO, V26_DB, StoreTestCase, TempDirTestCase, drop_triggers_not_runnable_here, dump_hash, fixture_path,
@@ -111,6 +112,85 @@ class Exports(TempDirTestCase):
     def test_jsonl_export_of_the_v26_store_is_hermes_agents_export_byte_for_byte(self):
         self.assertEqual(write_export(self.db.iter_export_all(), "jsonl", self.tmp / "out.jsonl"), 20)
         self.assertEqual((self.tmp / "out.jsonl").read_bytes(), fixture_path(EXPORTS[1]).read_bytes())
+
+
+class ExportViews(StoreTestCase):
+    """hermes-agent 0.22's export flags: which stored rows an export holds, and its timings."""
+
+    def setUp(self):
+        super().setUp()
+        self.db.create_session("s", source="cli")
+        for n, (role, text) in enumerate((("user", "u1"), ("assistant", "a1"), ("user", "u2"))):
+            self.db.append_message("s", role, text, timestamp=100.0 + n)
+        self.db.archive_and_compact("s", [{"role": "user", "content": "summary", "timestamp": 110.0}])
+        undone = self.db.append_message("s", "user", "undone", timestamp=120.0)
+        self.db.rewind_to_message("s", undone)
+
+    def rows(self, export):
+        return [(m["content"], m["active"], m["compacted"]) for m in export["messages"]]
+
+    def test_without_a_flag_the_export_keeps_0_20s_shape_the_live_rows_and_no_timings(self):
+        for export in (self.db.export_session("s"), self.db.export_all()[0],
+                       self.db.export_session("s", include_compacted=False, include_inactive=False)):
+            self.assertEqual(self.rows(export), [("summary", 1, 0)])
+            self.assertNotIn("timings", export)
+
+    def test_include_inactive_holds_every_stored_row_and_imports_back_archived(self):
+        every = [("u1", 0, 1), ("a1", 0, 1), ("u2", 0, 1), ("summary", 1, 0), ("undone", 0, 0)]
+        export = self.db.export_session("s", include_inactive=True)
+        self.assertEqual(self.rows(export), every)
+        self.assertEqual(self.db.export_all(include_inactive=True), [dict(export, last_active=120.0)])
+        target = SessionDB(self.tmp / "target.db")
+        self.addCleanup(target.close)
+        self.assertEqual(target.import_sessions([export])["imported"], 1)
+        self.assertEqual(self.rows(target.export_session("s", include_inactive=True)), every)
+        self.assertEqual(target.get_session("s")["message_count"], 1)  # archived rows stay out of context
+        self.assertEqual([m["content"] for m in target.get_messages("s")], ["summary"])
+
+    def test_include_compacted_is_the_history_the_user_sees(self):
+        seen = [("u1", 0, 1), ("a1", 0, 1), ("u2", 0, 1), ("summary", 1, 0)]
+        self.assertEqual(self.rows(self.db.export_session("s", include_compacted=True)), seen)
+        self.assertEqual(self.rows(self.db.export_all(include_compacted=True)[0]), seen)
+        lineage = self.db.export_session_lineage("s", include_compacted=True)
+        self.assertEqual((self.rows(lineage), lineage["message_count"]), (seen, 4))
+        self.assertEqual(lineage["timings"]["message_timestamps"], {"available": 4, "missing": 0})
+
+    def test_a_flagged_export_carries_0_22s_timings_of_its_own_rows(self):
+        timings = self.db.export_session("s", include_inactive=True)["timings"]
+        ids = [m["id"] for m in self.db.get_messages("s", include_inactive=True)]
+        self.assertEqual(timings["role_counts"], {"user": 4, "assistant": 1})
+        self.assertEqual((timings["wall_clock_ms"], timings["largest_gap_ms"]), (20_000, 10_000))
+        self.assertEqual(timings["intervals"][-1], {"from_message_id": ids[3], "to_message_id": ids[4],
+                                                    "from_role": "user", "to_role": "user", "gap_ms": 10_000})
+        self.assertEqual((timings["first_message_at"], timings["complete"]),
+                         ("1970-01-01T00:01:40+00:00", False))
+
+    def test_export_timings_counts_untrusted_times_as_missing_and_tool_calls_as_emitted(self):
+        messages = [{"id": 1, "role": "assistant", "timestamp": 5.25, "tool_calls": [{}, {}]},
+                    {"id": 2, "role": None, "timestamp": "junk", "tool_calls": {"one": 1}},
+                    {"id": 3, "role": "tool", "timestamp": float("inf")},
+                    {"id": 4, "role": "tool", "timestamp": "6.5"}]
+        timings = _export_timings(messages, "s")
+        self.assertEqual(timings["message_timestamps"], {"available": 2, "missing": 2})
+        self.assertEqual((timings["tool_calls_emitted"], timings["tool_result_count"]), (3, 2))
+        self.assertEqual(timings["role_counts"], {"assistant": 1, "unknown": 1, "tool": 2})
+        self.assertEqual(timings["intervals"], [{"from_message_id": 1, "to_message_id": 4, "from_role": "assistant",
+                                                 "to_role": "tool", "gap_ms": 1250}])
+        empty = _export_timings([])
+        self.assertEqual((empty["available"], empty["unavailable_reason"], empty["wall_clock_ms"]),
+                         (False, "no_timestamped_messages", None))
+
+    def test_assert_exports_safe_counts_every_stored_row_against_the_limit(self):
+        self.db.create_session("small", source="cli")
+        self.db.assert_exports_safe(["small", "s"], max_messages=5)  # five rows, one of them live
+        with self.assertRaises(SessionExportTooLargeError) as raised:
+            self.db.assert_exports_safe(["small", "s", "ghost"], max_messages=4)
+        self.assertEqual((raised.exception.session_id, raised.exception.message_count, raised.exception.limit),
+                         ("s", 5, 4))
+        self.db.assert_exports_safe(["s"], max_messages=0)  # 0: no limit
+        self.assertIsNone(self.db.assert_exports_safe(["s"]))  # config's default (10,000 and up)
+        with self.assertRaisesRegex(ValueError, "max_messages"):
+            self.db.assert_exports_safe(["s"], max_messages=-1)
 
 
 class ImportFixtures(StoreTestCase):
