@@ -20,7 +20,7 @@ from collections import namedtuple
 
 from hermes_state_common import (
     CJK_BLOCK_BITS, CJK_CHAR_CLASS, CONTENT_JSON_PREFIX, CONTEXT_CHARS, QUERY_MAX_CHARS,
-    QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content, escape_like,
+    QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content, escape_like, sqlite_keeps,
 )
 # Tests import these from here, where search kept them before the index's life moved out.
 from hermes_state_common import cjk_terms  # noqa: F401
@@ -459,7 +459,8 @@ class SessionSearchMixin:
     # -- search --------------------------------------------------------------
 
     def search_messages(self, query, source_filter=None, exclude_sources=None, role_filter=None,
-                        limit=20, offset=0, sort=None, include_inactive=False, fields=None):
+                        limit=20, offset=0, sort=None, include_inactive=False, fields=None,
+                        after_ts=None, before_ts=None):
         """Messages matching `query`, best first (bm25) unless `sort` is 'newest' or 'oldest';
         [] for no query.
 
@@ -471,7 +472,10 @@ class SessionSearchMixin:
         first, its plain snippet. Words that match no whole token are retried as substrings.
         Rewound messages are left out unless `include_inactive`; compacted ones are found. An
         unknown sort means relevance; `limit` and `offset` go to SQLite as they are (a negative
-        limit is no limit). A string `fields` raises TypeError, an unknown field ValueError."""
+        limit is no limit). `after_ts` (inclusive) and `before_ts` (exclusive), whole epoch seconds
+        as hermes-agent 0.22 takes them, bound the start of a hit's session on every route, so the
+        page is filled by hits in the window. A string `fields` raises TypeError, an unknown field
+        or a bound that is not a whole number ValueError."""
         fields = search_fields(fields)
         if not query or not query.strip():
             return []
@@ -480,8 +484,9 @@ class SessionSearchMixin:
             return []
         sort = sort.strip().lower() if isinstance(sort, str) else None
         roles = _as_list(role_filter) or []
+        window = (_epoch_bound("after_ts", after_ts), _epoch_bound("before_ts", before_ts))
         filters, filter_binds = _search_filters(
-            roles, _as_list(source_filter), _as_list(exclude_sources), include_inactive)
+            roles, _as_list(source_filter), _as_list(exclude_sources), include_inactive, window)
         cookie = self._read_value("PRAGMA schema_version")  # sqlite_master: 0.06 of a 0.6 ms search
         if self.__dict__.get("_objects_at_cookie", (None,))[0] != cookie:  # read when it moves
             self._objects_at_cookie = (cookie, self._read_objects())
@@ -627,10 +632,25 @@ class SessionSearchMixin:
         return "" if tree is None else _match_string(tree)
 
 
-def _search_filters(roles, sources, excluded, include_inactive):
-    """SQL and values of the filters (a _Binds of `:role_N`, `:source_N`, `:excluded_N`), as
-    hermes-agent reads them: an empty source list matches nothing, an empty role or excluded list
-    filters nothing."""
+def _epoch_bound(name, value):
+    """A search window's bound as the whole seconds hermes-agent 0.22 compares (int(), so 1.9 is
+    1); None stays None."""
+    if value is None:
+        return None
+    try:
+        bound = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be a whole number of epoch seconds, not {value!r}") from None
+    if not sqlite_keeps(bound):
+        raise ValueError(f"{name} is outside SQLite's integer range")
+    return bound
+
+
+def _search_filters(roles, sources, excluded, include_inactive, window=(None, None)):
+    """SQL and values of the filters (a _Binds of `:role_N`, `:source_N`, `:excluded_N`,
+    `:after_N`, `:before_N`), as hermes-agent reads them: an empty source list matches nothing,
+    an empty role or excluded list filters nothing; `window` (after, before) bounds the session's
+    start, after inclusive, before exclusive."""
     clauses, binds = [], _Binds()
     if not include_inactive:
         clauses.append("(m.active = 1 OR m.compacted = 1)")  # rewound rows hidden, compacted kept
@@ -639,4 +659,8 @@ def _search_filters(roles, sources, excluded, include_inactive):
                                ("s.source NOT IN", "excluded", excluded)):
         if values is not None:
             clauses.append(f"{test} ({', '.join(binds.add(stem, value) for value in values)})")
+    for test, stem, bound in (("s.started_at >=", "after", window[0]),
+                              ("s.started_at <", "before", window[1])):
+        if bound is not None:
+            clauses.append(f"{test} {binds.add(stem, bound)}")
     return "".join(f" AND {clause}" for clause in clauses), binds

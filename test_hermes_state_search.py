@@ -268,6 +268,29 @@ class SearchBehaviour(TempDirTestCase):
         self.assertIsNone(db.get_meta("hs_search_stale_word"))  # bad input is not a broken index
         self.assertEqual(db.search_messages("staging", role_filter=[1]), [])
 
+    def test_a_time_window_bounds_the_sessions_start_on_every_route(self):
+        # a started at 1, b at 2; after_ts is inclusive, before_ts exclusive, both whole seconds.
+        ids = self.ids
+        in_a, in_b = {ids["deploy"], ids["reply"]}, {ids["late"]}
+        for window, wanted in ((dict(after_ts=2), in_b), (dict(before_ts=2), in_a),
+                               (dict(after_ts=1, before_ts=2), in_a), (dict(after_ts=1.9), in_a | in_b),
+                               (dict(after_ts=3), set()), (dict(after_ts=None, before_ts=None), in_a | in_b)):
+            with self.subTest(window=window):
+                self.assertEqual(self.ids_for("staging", **window), wanted)  # the word index
+                newest = self.db.search_messages("staging", sort="newest", limit=1, **window)
+                self.assertEqual([hit["id"] for hit in newest], sorted(wanted, reverse=True)[:1])
+        # The trigram or CJK index, the scan of a short CJK term, the LIKE fallback, tool rows.
+        for query, kwargs, hit in (("数据库迁移", {}, ids["zh"]), ("会话", {}, ids["zh"]),
+                                   ("100%", {}, ids["percent"]), ("needle", dict(role_filter=["tool"]), ids["tool"])):
+            with self.subTest(query=query):
+                self.assertIn(hit, self.ids_for(query, after_ts=2, **kwargs))
+                self.assertEqual(self.ids_for(query, before_ts=2, **kwargs), set())
+        # A page is filled by hits inside the window, not cut from the whole list afterwards.
+        self.assertEqual([h["id"] for h in self.db.search_messages("staging", limit=1, after_ts=2)], [ids["late"]])
+        for bad in ("yesterday", [1], 2 ** 64):
+            with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, "after_ts"):
+                self.db.search_messages("staging", after_ts=bad)
+
     def test_rebuild_status_is_hermes_agents_backfill_progress_only(self):
         db = self.db
         self.assertIsNone(db.fts_rebuild_status())
