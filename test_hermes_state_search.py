@@ -25,6 +25,7 @@ from hermes_state_search import (
 from hermes_state_schema import sqlite_supports_fts5, sqlite_supports_trigram
 from test_support import (
     HAS_FTS5, HAS_TRIGRAM, INDEX_TABLES, REPO, SEARCHABLE, V22_DB, V26_DB, TempDirTestCase, backdate, dump_hash,
+    fixture_path,
     require, tracing_factory, without_fts5, without_trigram,
 )
 
@@ -103,6 +104,19 @@ class Probes(TempDirTestCase):
         self.assertFalse(sqlite_supports_fts5(without_fts5))
         self.assertEqual(sqlite_supports_fts5(without_trigram), fts5)
         self.assertFalse(sqlite_supports_trigram(without_trigram))
+
+    def test_the_storage_upgrade_probe_names_the_layouts_hermes_agent_0_22_upgrades(self):
+        for fixture, wanted in (("hermes_v22_legacy_fts.db", True), ("hermes_v26_split.db", True),
+                                ("hermes_v31_store.db", False)):
+            with self.subTest(fixture=fixture):
+                conn = sqlite3.connect(f"file:{fixture_path(fixture)}?mode=ro", uri=True)
+                self.addCleanup(conn.close)
+                self.assertIs(SessionDB._db_needs_fts_storage_upgrade(conn), wanted)
+                self.assertIs(SessionDB._db_needs_fts_storage_upgrade(conn.cursor()), wanted)
+        SessionDB(self.tmp / "ours.db").close()
+        ours = SessionDB(self.tmp / "ours.db", read_only=True)  # as `hermes update` opens it
+        self.addCleanup(ours.close)
+        self.assertIs(ours._db_needs_fts_storage_upgrade(ours._conn), False)
 
     def test_generation_is_read_from_the_ddl(self):
         self.assertEqual(fts_layout_of(None), "none")
