@@ -16,6 +16,7 @@ import gc
 import itertools
 import json
 import math
+import secrets
 import sqlite3
 import time
 from collections import Counter
@@ -773,6 +774,48 @@ class SessionPortabilityMixin:
                           for total, new in zip(found, part))
         return self._execute_write(lambda conn: _finish_import(conn, found))
 
+    # -- another agent's history (hermes-agent 0.22's desktop importer) ---------------------------
+
+    def find_foreign_import(self, origin):
+        """The id of the session an earlier import_foreign_history (or hermes-agent's own
+        `import_foreign_session`) made of `origin`, else None: same tool, and the same foreign
+        session id, or the same file when `origin` has none. Raises ValueError for an `origin`
+        that is not such an object."""
+        _check_origin(origin)
+        return self._with_reader(lambda conn: _foreign_import_of(conn, origin))
+
+    def import_foreign_history(self, origin, messages, *, title, cwd, profile):
+        """Make a session of another agent's transcript (`origin`: {"tool", "path",
+        "foreign_session_id"}, `messages`: role/content dicts), labelled `profile`, in one write
+        transaction, so that two clicks at once make one: {"session_id": the new id,
+        "already_imported": False}, or the earlier import's id and True. The session's source is
+        the tool, its origin_json {"imported_from": origin}; a title another session holds gets
+        " (<id tail>)", as hermes-agent 0.22 names it. The payload is checked as import_sessions
+        checks one; its first error is raised as ValueError, nothing written."""
+        _check_origin(origin)
+        session_id = _new_import_id()
+        entry = {"id": session_id, "source": origin["tool"], "title": title, "cwd": cwd,
+                 "messages": messages}
+        errors = validate_import([entry], self.import_limits())
+        if errors:
+            raise ValueError(errors[0]["error"])
+
+        def write(conn):
+            earlier = _foreign_import_of(conn, origin)
+            if earlier is not None:
+                return {"session_id": earlier, "already_imported": True}
+            wanted = _import_title(title)
+            if wanted is not None and conn.execute(SELECT_TITLE_OWNER_SQL,
+                                                   (wanted, session_id)).fetchone():
+                tail = f" ({session_id[-12:]})"
+                wanted = normalize_title(wanted[:TITLE_MAX_LENGTH - len(tail)] + tail)
+            self._write_import(conn, [dict(entry, title=wanted)])
+            conn.execute("UPDATE sessions SET origin_json = :origin, profile_name = :profile"
+                         " WHERE id = :id", {"origin": json.dumps({"imported_from": origin}),
+                                             "profile": profile, "id": session_id})
+            return {"session_id": session_id, "already_imported": False}
+        return self._execute_write(write)
+
     def _write_import(self, conn, sessions, seconds=None):
         """Inside a write: store these sessions, from the first, taking no further one after
         `seconds`; (imported ids, skipped ids, parent links, links a skipped session still
@@ -843,6 +886,34 @@ class SessionPortabilityMixin:
                 conn.execute(f"UPDATE messages SET {assignments} WHERE id = ?",
                              (*carried.values(), message["_row_id"]))
         conn.execute(SET_MESSAGE_COUNTS_SQL, (live, calls, session_id))
+
+
+def _check_origin(origin):
+    if not isinstance(origin, dict) or not isinstance(origin.get("tool"), str):
+        raise ValueError("origin must be an object with a 'tool' string")
+
+
+def _foreign_import_of(conn, origin):
+    """find_foreign_import on `conn`: the first session of the tool whose origin_json names
+    `origin` (its foreign session id, else its path)."""
+    foreign_id = origin.get("foreign_session_id")
+    rows = conn.execute("SELECT id, origin_json FROM sessions"
+                        " WHERE source = ? AND origin_json IS NOT NULL", (origin["tool"],))
+    for session_id, origin_json in rows:
+        imported = loads_or(origin_json, None)
+        imported = imported.get("imported_from") if isinstance(imported, dict) else None
+        if not isinstance(imported, dict) or imported.get("tool") != origin["tool"]:
+            continue
+        if (imported.get("foreign_session_id") == foreign_id if foreign_id
+                else imported.get("path") == origin.get("path")):
+            return session_id
+    return None
+
+
+def _new_import_id():
+    """A fresh id of hermes-agent's shape, YYYYMMDD_HHMMSS_ and 12 hex digits (imports mint many in
+    one second); hermes_state_ids.new_session_id(hex_len=12) once that module is ours."""
+    return time.strftime("%Y%m%d_%H%M%S_") + secrets.token_hex(6)
 
 
 # An import's megabytes of rows and index pages spill from SQLite's default 2 MB page cache to the

@@ -12,6 +12,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import threading
 import zipfile
 
 from hermes_state import SessionDB, restore_home
@@ -191,6 +192,75 @@ class ExportViews(StoreTestCase):
         self.assertIsNone(self.db.assert_exports_safe(["s"]))  # config's default (10,000 and up)
         with self.assertRaisesRegex(ValueError, "max_messages"):
             self.db.assert_exports_safe(["s"], max_messages=-1)
+
+
+class ForeignHistory(StoreTestCase):
+    """hermes-agent 0.22's desktop importer: another agent's transcript becomes one session, once."""
+
+    ORIGIN = {"tool": "claude-code", "path": "/logs/a.jsonl", "foreign_session_id": "abc"}
+    TURNS = [{"role": "user", "content": "fix the build"}, {"role": "assistant", "content": "done"}]
+
+    def imported(self, origin=None, title="Fix the build", db=None):
+        return (db or self.db).import_foreign_history(origin or self.ORIGIN, self.TURNS, title=title,
+                                                      cwd="/work", profile="work")
+
+    def test_the_history_is_stored_with_its_origin_and_a_second_import_finds_the_first(self):
+        self.assertIsNone(self.db.find_foreign_import(self.ORIGIN))
+        first = self.imported()
+        self.assertFalse(first["already_imported"])
+        self.assertRegex(first["session_id"], r"^\d{8}_\d{6}_[0-9a-f]{12}$")
+        row = self.session_row(first["session_id"])
+        self.assertEqual((row["source"], row["title"], row["cwd"], row["profile_name"], row["message_count"]),
+                         ("claude-code", "Fix the build", "/work", "work", 2))
+        self.assertEqual(json.loads(row["origin_json"]), {"imported_from": self.ORIGIN})
+        self.assertEqual([(m["role"], m["content"]) for m in self.db.get_messages(first["session_id"])],
+                         [("user", "fix the build"), ("assistant", "done")])
+        self.assertEqual(self.imported(), {"session_id": first["session_id"], "already_imported": True})
+        self.assertEqual(self.db.find_foreign_import(dict(self.ORIGIN, path="/moved.jsonl")), first["session_id"])
+        self.assertIsNone(self.db.find_foreign_import(dict(self.ORIGIN, foreign_session_id="other")))
+        self.assertIsNone(self.db.find_foreign_import(dict(self.ORIGIN, tool="codex-cli")))
+        self.assertEqual(self.db.session_count(), 1)
+
+    def test_without_a_foreign_id_the_file_names_the_import_as_hermes_agents_own_import_writes_it(self):
+        origin = {"tool": "codex-cli", "path": "/logs/b.jsonl", "foreign_session_id": None}
+        self.db.create_session("cli-import", source="codex-cli",
+                               origin_json=json.dumps({"imported_from": origin}))
+        self.assertEqual(self.db.find_foreign_import(origin), "cli-import")
+        self.assertEqual(self.imported(origin)["session_id"], "cli-import")
+        self.assertIsNone(self.db.find_foreign_import(dict(origin, path="/logs/c.jsonl")))
+
+    def test_a_taken_title_gets_the_new_ids_tail(self):
+        first = self.imported()["session_id"]
+        second = self.imported(dict(self.ORIGIN, foreign_session_id="def"))["session_id"]
+        self.assertEqual(self.session_row(first)["title"], "Fix the build")
+        self.assertEqual(self.session_row(second)["title"], f"Fix the build ({second[-12:]})")
+
+    def test_two_imports_at_once_from_two_connections_make_one_session(self):
+        other = SessionDB(self.path)
+        self.addCleanup(other.close)
+        start, results = threading.Barrier(2), []
+
+        def click(db):
+            start.wait()
+            results.append(self.imported(db=db))
+        threads = [threading.Thread(target=click, args=(db,)) for db in (self.db, other)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        self.assertEqual(sorted(r["already_imported"] for r in results), [False, True])
+        self.assertEqual(len({r["session_id"] for r in results}), 1)
+        self.assertEqual(self.db.session_count(), 1)
+
+    def test_a_bad_payload_is_refused_whole(self):
+        for origin, turns, error in ((self.ORIGIN, [{"role": ""}], "messages\\[0\\].role"),
+                                     (self.ORIGIN, "text", "messages must be a list"),
+                                     ({"path": "/x"}, self.TURNS, "origin")):
+            with self.subTest(error=error), self.assertRaisesRegex(ValueError, error):
+                self.db.import_foreign_history(origin, turns, title="t", cwd=None, profile=None)
+        with self.assertRaisesRegex(ValueError, "title must be a string"):
+            self.imported(title=5)
+        self.assertEqual(self.db._read_value("SELECT COUNT(*) FROM sessions"), 0)
 
 
 class ImportFixtures(StoreTestCase):
