@@ -5,8 +5,8 @@ index answers a search and how whole it is (`_index_state`), finding and repairi
 program changed in it, moving our older releases' index off hermes-agent's names and our layouts
 forward, backfills and rebuilds, the CJK side index's queue and bounds, holding the triggers back
 for a bulk insert, degrading on runtimes without FTS5 or the trigram tokenizer, `optimize_fts`,
-optimize-storage (the only path from hermes-agent's index to ours) and the search facts `doctor`
-reports.
+optimize-storage (the only path from hermes-agent's index to ours), hermes-agent's own probe of an
+index its optimize-storage would upgrade, and the search facts `doctor` reports.
 
 It never parses or runs a search (SessionSearchMixin does, and calls `_read_objects`, `_index_state`
 and `_mark_index_stale` here through `self`). It never changes hermes-agent's index objects or keys,

@@ -1,8 +1,11 @@
 """SessionPortabilityMixin: sessions as portable objects, in and out.
 
 Owns the export shapes (one session, a compression chain as one session, the whole store as a list
-and as streams), `import_sessions` (validate everything, then write; history comes back, runtime
-ownership does not) and how a row's BLOB values are made portable and back. The renderers (jsonl,
+and as streams; hermes-agent 0.22's views of the stored rows and its `timings`), the export size
+guard `assert_exports_safe`, `import_sessions` (validate everything, then write; history comes
+back, runtime ownership does not), another agent's transcript imported once
+(`import_foreign_history`) and how a row's BLOB values are made portable and back. Moving a session
+between two profiles' stores is the profile repair's. The renderers (jsonl,
 md, qmd, html, trace) and write_export are hermes_state_export_formats'; the names the command
 line and the server take from here are re-exported. Whole-home backup and restore are
 hermes_state's. It reads through SessionDB's readers and pooled read connections, writes through
