@@ -470,12 +470,13 @@ class SessionSearchMixin:
         anything an index cannot answer falls back to LIKE. A query hermes-agent answers by a LIKE
         scan (a CJK term of 1-2 characters) is answered as that scan: any of its terms, newest
         first, its plain snippet. Words that match no whole token are retried as substrings.
-        Rewound messages are left out unless `include_inactive`; compacted ones are found. An
-        unknown sort means relevance; `limit` and `offset` go to SQLite as they are (a negative
-        limit is no limit). `after_ts` (inclusive) and `before_ts` (exclusive), whole epoch seconds
-        as hermes-agent 0.22 takes them, bound the start of a hit's session on every route, so the
-        page is filled by hits in the window. A string `fields` raises TypeError, an unknown field
-        or a bound that is not a whole number ValueError."""
+        Rewound messages are left out unless `include_inactive`, and hidden ones (display_kind
+        'hidden') always; compacted ones are found. An unknown sort means relevance; `limit` and
+        `offset` go to SQLite as they are (a negative limit is no limit). `after_ts` (inclusive)
+        and `before_ts` (exclusive), whole epoch seconds as hermes-agent 0.22 takes them, bound the
+        start of a hit's session on every route, so the page is filled by hits in the window. A
+        string `fields` raises TypeError, an unknown field or a bound that is not a whole number
+        ValueError."""
         fields = search_fields(fields)
         if not query or not query.strip():
             return []
@@ -485,12 +486,16 @@ class SessionSearchMixin:
         sort = sort.strip().lower() if isinstance(sort, str) else None
         roles = _as_list(role_filter) or []
         window = (_epoch_bound("after_ts", after_ts), _epoch_bound("before_ts", before_ts))
-        filters, filter_binds = _search_filters(
-            roles, _as_list(source_filter), _as_list(exclude_sources), include_inactive, window)
         cookie = self._read_value("PRAGMA schema_version")  # sqlite_master: 0.06 of a 0.6 ms search
         if self.__dict__.get("_objects_at_cookie", (None,))[0] != cookie:  # read when it moves
             self._objects_at_cookie = (cookie, self._read_objects())
-        state = self._index_state(self._objects_at_cookie[1])
+        objects = self._objects_at_cookie[1]
+        # A read-only open of a store older than the column (0.19's) has no hidden rows.
+        kinds = "display_kind" in (objects.get("messages", (None, None))[1] or "")
+        filters, filter_binds = _search_filters(
+            roles, _as_list(source_filter), _as_list(exclude_sources), include_inactive, window,
+            kinds)
+        state = self._index_state(objects)
         if "tool" in roles:
             # Tool rows are only whole in the fallback.
             state = state._replace(usable=set(), tool_rows=True)
@@ -646,14 +651,19 @@ def _epoch_bound(name, value):
     return bound
 
 
-def _search_filters(roles, sources, excluded, include_inactive, window=(None, None)):
+def _search_filters(roles, sources, excluded, include_inactive, window=(None, None),
+                    kinds=True):
     """SQL and values of the filters (a _Binds of `:role_N`, `:source_N`, `:excluded_N`,
     `:after_N`, `:before_N`), as hermes-agent reads them: an empty source list matches nothing,
     an empty role or excluded list filters nothing; `window` (after, before) bounds the session's
-    start, after inclusive, before exclusive."""
+    start, after inclusive, before exclusive; rows of display_kind 'hidden' (model-facing
+    scaffolding the user never saw, which 0.22 leaves out) are left out where the store has the
+    column (`kinds`)."""
     clauses, binds = [], _Binds()
     if not include_inactive:
         clauses.append("(m.active = 1 OR m.compacted = 1)")  # rewound rows hidden, compacted kept
+    if kinds:
+        clauses.append("COALESCE(m.display_kind, '') <> 'hidden'")
     for test, stem, values in (("m.role IN", "role", roles or None),
                                ("s.source IN", "source", sources),
                                ("s.source NOT IN", "excluded", excluded)):

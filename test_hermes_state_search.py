@@ -305,6 +305,22 @@ class SearchBehaviour(TempDirTestCase):
             with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, "after_ts"):
                 self.db.search_messages("staging", after_ts=bad)
 
+    def test_hidden_rows_are_never_hits_as_hermes_agent_0_22_leaves_them_out(self):
+        hidden = self.db.append_message("b", "assistant", "staging scaffold 数据库迁移 100% needle",
+                                        display_kind="hidden", timestamp=18)
+        shown = self.db.append_message("b", "assistant", "staging scaffold shown", display_kind="model_switch",
+                                       timestamp=19)
+        for query, kwargs in (("staging", {}), ("scaffold", dict(sort="newest")), ("数据库迁移", {}), ("100%", {}),
+                              ("staging", dict(include_inactive=True)), ("needle", dict(role_filter=["assistant"]))):
+            with self.subTest(query=query, **kwargs):
+                self.assertNotIn(hidden, self.ids_for(query, **kwargs))
+        self.assertIn(shown, self.ids_for("scaffold"))
+        old = self.tmp / "v22.db"
+        old.write_bytes(fixture_path(V22_DB).read_bytes())
+        reader = SessionDB(old, read_only=True)  # a 0.19 store: no display_kind column to filter on
+        self.addCleanup(reader.close)
+        self.assertTrue(reader.search_messages("the", after_ts=0))
+
     def test_rebuild_status_is_hermes_agents_backfill_progress_only(self):
         db = self.db
         self.assertIsNone(db.fts_rebuild_status())
