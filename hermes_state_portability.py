@@ -5,11 +5,11 @@ and as streams; hermes-agent 0.22's views of the stored rows and its `timings`),
 guard `assert_exports_safe`, `import_sessions` (validate everything, then write; history comes
 back, runtime ownership does not), another agent's transcript imported once
 (`import_foreign_history`) and how a row's BLOB values are made portable and back. Moving a session
-between two profiles' stores is the profile repair's. The renderers (jsonl,
-md, qmd, html, trace) and write_export are hermes_state_export_formats'; the names the command
-line and the server take from here are re-exported. Whole-home backup and restore are
-hermes_state's. It reads through SessionDB's readers and pooled read connections, writes through
-`_execute_write`, and never imports hermes_state.
+between two profiles' stores is the profile repair's. The renderers (jsonl, md, qmd, html, trace)
+and write_export are hermes_state_export_formats'; the names the command line and the server take
+from here are re-exported. Whole-home backup and restore are hermes_state's. It reads through
+SessionDB's readers and pooled read connections, writes through `_execute_write`, and never
+imports hermes_state.
 """
 
 import base64
@@ -492,11 +492,12 @@ ROW_HAS_BLOB = 3  # a BLOB value; not flagged in a streamed export, whose encode
 class SessionPortabilityMixin:
     """Export and import behaviour of SessionDB (see the module docstring).
 
-    Relies on: `_execute_write`, `_read_all`, `_borrow_reader`, `_return_reader` (SessionDB,
-    hermes_state.py); `get_session`, `_resolved` (sessions mixin); `_flush_token_counts` (usage
-    mixin); `get_compression_lineage` (compression mixin); `_insert_message_rows` (messages
-    mixin); `_hold_back_index_triggers`, `_index_held_back_rows` (search index mixin);
-    `_sweep_deleted_messages` (maintenance mixin)."""
+    Relies on: `_execute_write`, `_read_all`, `_read_value`, `_with_reader`, `_borrow_reader`,
+    `_return_reader` (SessionDB, hermes_state.py); `get_session`, `_resolved` (sessions mixin);
+    `_flush_token_counts` (usage mixin); `get_compression_lineage` (compression mixin);
+    `_insert_message_rows`, `get_messages` (messages mixin); `_hold_back_index_triggers`,
+    `_index_held_back_rows` (search index mixin); `_sweep_deleted_messages` (maintenance
+    mixin)."""
 
     _IMPORT_MAX_SESSIONS = 500
     _IMPORT_MAX_MESSAGES_PER_SESSION = 10_000

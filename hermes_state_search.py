@@ -651,8 +651,7 @@ def _epoch_bound(name, value):
     return bound
 
 
-def _search_filters(roles, sources, excluded, include_inactive, window=(None, None),
-                    kinds=True):
+def _search_filters(roles, sources, excluded, include_inactive, window, kinds):
     """SQL and values of the filters (a _Binds of `:role_N`, `:source_N`, `:excluded_N`,
     `:after_N`, `:before_N`), as hermes-agent reads them: an empty source list matches nothing,
     an empty role or excluded list filters nothing; `window` (after, before) bounds the session's
