@@ -5,8 +5,8 @@ index answers a search and how whole it is (`_index_state`), finding and repairi
 program changed in it, moving our older releases' index off hermes-agent's names and our layouts
 forward, backfills and rebuilds, the CJK side index's queue and bounds, holding the triggers back
 for a bulk insert, degrading on runtimes without FTS5 or the trigram tokenizer, `optimize_fts`,
-optimize-storage (the only path from hermes-agent's index to ours) and the search facts `doctor`
-reports.
+optimize-storage (the only path from hermes-agent's index to ours), hermes-agent's own probe of an
+index its optimize-storage would upgrade, and the search facts `doctor` reports.
 
 It never parses or runs a search (SessionSearchMixin does, and calls `_read_objects`, `_index_state`
 and `_mark_index_stale` here through `self`). It never changes hermes-agent's index objects or keys,
@@ -493,6 +493,21 @@ class SessionSearchIndexMixin:
         keys = [META_SEARCH_HIGH_WATER] + [_stale_key(index) for index in self._buildable()]
         return SEARCH_TABLES["word"] not in objects or bool(_retired_tables(objects)) \
             or bool(self._hermes_tables_to_retire(objects)) or any(self._read_meta(*keys).values())
+
+    @staticmethod
+    def _db_needs_fts_storage_upgrade(cursor):
+        """hermes-agent 0.22's probe (`hermes update` reads it on a read-only open): True when the
+        store `cursor` (or a connection) reads holds hermes-agent's index in a layout its
+        optimize-storage upgrades: 0.19's inline word index (fts_layout_of 'legacy'), or a trigram
+        index that still indexes tool calls (0.20's). 0.22's own layout, and a store with ours
+        alone, answer False."""
+        ddl = dict(cursor.execute(
+            "SELECT name, sql FROM sqlite_master"
+            " WHERE type = 'table' AND name IN (:word, :trigram)",
+            {"word": HERMES_FTS_TABLES["word"], "trigram": HERMES_FTS_TABLES["trigram"]}))
+        trigram = ddl.get(HERMES_FTS_TABLES["trigram"]) or ""
+        return (fts_layout_of(ddl.get(HERMES_FTS_TABLES["word"])) == "legacy"
+                or "tool_calls" in trigram.lower())
 
     def _hermes_tables_to_retire(self, objects):
         """hermes-agent's word and trigram indexes optimize-storage replaces (a trigram one only

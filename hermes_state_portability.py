@@ -1,12 +1,15 @@
 """SessionPortabilityMixin: sessions as portable objects, in and out.
 
 Owns the export shapes (one session, a compression chain as one session, the whole store as a list
-and as streams), `import_sessions` (validate everything, then write; history comes back, runtime
-ownership does not) and how a row's BLOB values are made portable and back. The renderers (jsonl,
-md, qmd, html, trace) and write_export are hermes_state_export_formats'; the names the command
-line and the server take from here are re-exported. Whole-home backup and restore are
-hermes_state's. It reads through SessionDB's readers and pooled read connections, writes through
-`_execute_write`, and never imports hermes_state.
+and as streams; hermes-agent 0.22's views of the stored rows and its `timings`), the export size
+guard `assert_exports_safe`, `import_sessions` (validate everything, then write; history comes
+back, runtime ownership does not), another agent's transcript imported once
+(`import_foreign_history`) and how a row's BLOB values are made portable and back. Moving a session
+between two profiles' stores is the profile repair's. The renderers (jsonl, md, qmd, html, trace)
+and write_export are hermes_state_export_formats'; the names the command line and the server take
+from here are re-exported. Whole-home backup and restore are hermes_state's. It reads through
+SessionDB's readers and pooled read connections, writes through `_execute_write`, and never
+imports hermes_state.
 """
 
 import base64
@@ -16,14 +19,19 @@ import gc
 import itertools
 import json
 import math
+import secrets
 import sqlite3
 import time
+from collections import Counter
+from datetime import datetime, timezone
 
 from hermes_state_common import (
     BYTES_MARKER, CONTENT_JSON_PREFIX, LAST_ACTIVE_SQL, INSERT_SYSTEM_PROMPT_SQL,
     MESSAGE_WRITE_COLUMNS, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL,
     SET_MESSAGE_COUNTS_SQL, SQLITE_INT_RANGE, TITLE_MAX_LENGTH, decode_message,
-    loads_or, normalize_title, placeholders, quote_identifier, scrub_surrogates, sqlite_keeps)
+    loads_or, normalize_title, placeholders, quote_identifier, resolved_max_export_messages,
+    scrub_surrogates, sqlite_keeps)
+from hermes_state_errors import SessionExportTooLargeError
 from hermes_state_export_formats import (
     BINARY_TYPES, EXPORT_RUN_MESSAGES, JSONL_ENCODER, SCALARS_ENCODER, decoded_calls,
     encoded_calls, json_default, jsonl_session, message_runs)
@@ -46,6 +54,60 @@ def count_tool_calls(tool_calls):
     if isinstance(tool_calls, str):
         tool_calls = loads_or(tool_calls, [])
     return 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
+
+
+# -- What an export says about its messages' timing ------------------------------------------
+
+# The span of timestamps hermes-agent 0.22 trusts (hermes_cli.timefmt's EPOCH_MIN/MAX): anything
+# else (text, inf, a value salvaged from a damaged page) counts as missing, never fails the export.
+EPOCH_RANGE = (0.0, 4_200_000_000.0)
+
+
+def _epoch(value):
+    """A stored timestamp as epoch seconds, or None when it is unset or cannot be trusted."""
+    if value is None or value == "":
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return seconds if EPOCH_RANGE[0] <= seconds <= EPOCH_RANGE[1] else None
+
+
+def _iso(seconds):
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
+
+
+def _export_timings(messages, session_id=None):
+    """hermes-agent 0.22's `timings` of an export: ids, roles, counts and gaps between the messages'
+    timestamps, never their text. `complete` is always False (no stopwatch is stored); a timestamp
+    that is not a plausible epoch counts as missing. `session_id` is accepted as 0.22's is (it
+    names the session in its log line); the result does not depend on it."""
+    stamped = [(message, seconds) for message in messages
+               for seconds in [_epoch(message.get("timestamp"))] if seconds is not None]
+    roles = Counter(str(message.get("role") or "unknown") for message in messages)
+    calls = [message.get("tool_calls") for message in messages]
+    intervals = [{"from_message_id": earlier.get("id"), "to_message_id": later.get("id"),
+                  "from_role": earlier.get("role"), "to_role": later.get("role"),
+                  "gap_ms": max(0, round((later_at - earlier_at) * 1000))}
+                 for (earlier, earlier_at), (later, later_at) in zip(stamped, stamped[1:])]
+    first, last = (stamped[0][1], stamped[-1][1]) if stamped else (None, None)
+    return {
+        "source": "message_timestamps",
+        "available": bool(stamped),
+        "complete": False,
+        "unavailable_reason": None if stamped else "no_timestamped_messages",
+        "message_timestamps": {"available": len(stamped), "missing": len(messages) - len(stamped)},
+        "first_message_at": None if first is None else _iso(first),
+        "last_message_at": None if last is None else _iso(last),
+        "wall_clock_ms": None if first is None else max(0, round((last - first) * 1000)),
+        "largest_gap_ms": max(gap["gap_ms"] for gap in intervals) if intervals else None,
+        "role_counts": dict(roles),
+        "tool_result_count": roles.get("tool", 0),
+        "tool_calls_emitted": sum(len(call) if isinstance(call, list) else 1
+                                  for call in calls if call),
+        "intervals": intervals,
+    }
 
 
 # -- Portable values: a BLOB in JSON ---------------------------------------------------------
@@ -430,11 +492,12 @@ ROW_HAS_BLOB = 3  # a BLOB value; not flagged in a streamed export, whose encode
 class SessionPortabilityMixin:
     """Export and import behaviour of SessionDB (see the module docstring).
 
-    Relies on: `_execute_write`, `_read_all`, `_borrow_reader`, `_return_reader` (SessionDB,
-    hermes_state.py); `get_session`, `_resolved` (sessions mixin); `_flush_token_counts` (usage
-    mixin); `get_compression_lineage` (compression mixin); `_insert_message_rows` (messages
-    mixin); `_hold_back_index_triggers`, `_index_held_back_rows` (search index mixin);
-    `_sweep_deleted_messages` (maintenance mixin)."""
+    Relies on: `_execute_write`, `_read_all`, `_read_value`, `_with_reader`, `_borrow_reader`,
+    `_return_reader` (SessionDB, hermes_state.py); `get_session`, `_resolved` (sessions mixin);
+    `_flush_token_counts` (usage mixin); `get_compression_lineage` (compression mixin);
+    `_insert_message_rows`, `get_messages` (messages mixin); `_hold_back_index_triggers`,
+    `_index_held_back_rows` (search index mixin); `_sweep_deleted_messages` (maintenance
+    mixin)."""
 
     _IMPORT_MAX_SESSIONS = 500
     _IMPORT_MAX_MESSAGES_PER_SESSION = 10_000
@@ -451,25 +514,44 @@ class SessionPortabilityMixin:
 
     # -- export ----------------------------------------------------------------
 
-    def export_session(self, session_id):
-        """Every `sessions` column (system prompt resolved) and `messages`, the active
-        rows in id order as get_messages gives them; BLOBs portable (see BYTES_MARKER).
-        None for an unknown id."""
+    def export_session(self, session_id, include_compacted=False, include_inactive=False):
+        """Every `sessions` column (system prompt resolved) and `messages`; BLOBs portable (see
+        BYTES_MARKER). None for an unknown id. The messages are the active rows in id order as
+        get_messages gives them; hermes-agent 0.22's flags choose others, as its get_messages
+        does: `include_inactive` every stored row with its active/compacted flags (what
+        import_sessions restores archived), `include_compacted` the history the user sees, rows
+        compaction archived included (deduped for display: not for import). Either flag also adds
+        0.22's `timings` (_export_timings); without one the export has 0.20's shape."""
         session = self.get_session(session_id)
-        return None if session is None else next(self._exported(one=portable_row(session)))
+        if session is None:
+            return None
+        view = (include_compacted, include_inactive)
+        return next(self._exported(one=portable_row(session), view=view))
 
-    def _exported(self, source=None, streamed=False, one=None):
+    def _exported(self, source=None, streamed=False, one=None, view=(False, False)):
         """Each session of `source` (or `one`) with its messages (a generator): a dict, or
         `streamed`, jsonl pieces read a run at a time; one pooled read connection, plain tuples
-        (a sqlite3.Row costs more)."""
+        (a sqlite3.Row costs more). `view` is export_session's (include_compacted,
+        include_inactive); the display projection of include_compacted is get_messages'."""
+        include_compacted, include_inactive = view
         conn = self._borrow_reader()
         try:
             cursor, sessions = conn.cursor(), conn.cursor()
             cursor.row_factory = sessions.row_factory = None
-            read, convert, runs = self._export_reader(cursor, streamed)
+            read, convert, runs = self._export_reader(cursor, streamed, include_inactive)
             for session in [one] if one else self._export_sessions(source, sessions):
-                yield (jsonl_session(session, runs(session["id"]), {}) if streamed
-                       else {**session, "messages": convert(read(session["id"]).fetchall())})
+                if streamed:
+                    yield jsonl_session(session, runs(session["id"]), {})
+                    continue
+                if include_compacted:
+                    messages = [portable_message(message) for message in self.get_messages(
+                        session["id"], include_inactive=include_inactive, include_compacted=True)]
+                else:
+                    messages = convert(read(session["id"]).fetchall())
+                export = {**session, "messages": messages}
+                if any(view):
+                    export["timings"] = _export_timings(messages, session["id"])
+                yield export
         finally:
             # Closed, a pieces iterator kept past its session fails loudly instead of reading on a
             # lent reader; ProgrammingError: the store was closed first, nothing to release.
@@ -478,11 +560,11 @@ class SessionPortabilityMixin:
                 sessions.close()
             self._return_reader(conn)
 
-    def _export_reader(self, cursor, streamed=False):
-        """(read, convert, runs): read(session_id) queries a session's messages on `cursor`,
-        convert makes rows what portable_message(get_messages(id)) gives, runs(session_id) yields
-        their jsonl a run at a time. The query's last column is each row's flag: one of the
-        ROW_* names above the class."""
+    def _export_reader(self, cursor, streamed=False, every_row=False):
+        """(read, convert, runs): read(session_id) queries a session's messages on `cursor` (the
+        active ones, or `every_row`), convert makes rows what portable_message(get_messages(id))
+        gives, runs(session_id) yields their jsonl a run at a time. The query's last column is
+        each row's flag: one of the ROW_* names above the class."""
         names = [name for (name,) in
                  cursor.execute("SELECT name FROM pragma_table_info('messages')")]
         kept = [name for name in names if name not in DROPPED_MESSAGE_COLUMNS]
@@ -511,7 +593,8 @@ class SessionPortabilityMixin:
                f" CASE WHEN {blob_when} THEN {ROW_HAS_BLOB}"
                f" WHEN {' OR '.join(decoded_when) or 0} THEN {ROW_DECODED}"
                f" WHEN {calls_when} THEN {ROW_TOOL_CALLS} ELSE {ROW_AS_STORED} END"
-               " FROM messages WHERE session_id = ? AND active = 1 AND id > ? ORDER BY id LIMIT ?")
+               f" FROM messages WHERE session_id = ?{'' if every_row else ' AND active = 1'}"
+               " AND id > ? ORDER BY id LIMIT ?")
 
         def convert(rows):
             # A dict a row in C loops (zip stops at `kept`), then the flagged rows decoded
@@ -562,37 +645,61 @@ class SessionPortabilityMixin:
 
         return read, convert, runs
 
-    def export_session_lineage(self, session_id):
+    def export_session_lineage(self, session_id, include_compacted=False, include_inactive=False):
         """A compression chain as one session: the tip's export with `segments` (root first),
-        `message_count`, `lineage_session_ids`, every message in order. None for an unknown id."""
+        `message_count`, `lineage_session_ids`, every message in order; the flags are
+        export_session's (and with one, `timings` of all the messages). None for an unknown id."""
         lineage = self.get_compression_lineage(session_id) or []
-        segments = [*filter(None, map(self.export_session, lineage))]
+        segments = [*filter(None, (self.export_session(segment, include_compacted, include_inactive)
+                                   for segment in lineage))]
         if not segments:
             return None
         combined = dict(segments[-1], segments=segments,
                         lineage_session_ids=[s["id"] for s in segments])
         combined["messages"] = [message for segment in segments for message in segment["messages"]]
         combined["message_count"] = len(combined["messages"])
+        if include_compacted or include_inactive:
+            combined["timings"] = _export_timings(combined["messages"], session_id)
         return combined
 
-    def export_all(self, source=None):
-        """A list of every session (of `source` when given) as export_session gives it plus
-        `last_active`, most recently active first; [] for none. iter_export_all streams the same.
-        Python's cycle collector is paused for the call, in the whole process (gc.disable)."""
+    def export_all(self, source=None, include_compacted=False, include_inactive=False):
+        """A list of every session (of `source` when given) as export_session gives it (the flags
+        are its) plus `last_active`, most recently active first; [] for none. iter_export_all
+        streams the same. Python's cycle collector is paused for the call, in the whole process
+        (gc.disable)."""
         # The list makes no cycles, but its growth sets off full collections of the whole heap: they
         # wait.
         collecting = gc.isenabled()
         gc.disable()
         try:
-            return list(self.iter_export_all(source))
+            return list(self.iter_export_all(source, include_compacted, include_inactive))
         finally:
             if collecting:
                 gc.enable()
 
-    def iter_export_all(self, source=None):
+    def iter_export_all(self, source=None, include_compacted=False, include_inactive=False):
         """export_all one session at a time (a generator):
         memory holds the largest session, not the store."""
-        return self._exported(source)
+        return self._exported(source, view=(include_compacted, include_inactive))
+
+    def assert_exports_safe(self, session_ids, max_messages=None):
+        """Refuse, before any is read, an export whose sessions would each load more than
+        `max_messages` rows (default: config.yaml's sessions.max_export_messages; 0: no limit, no
+        query): SessionExportTooLargeError for the first session past it. Counts every stored
+        row, as the export hermes-agent 0.22 guards with it (include_inactive) loads them all;
+        ValueError for a negative limit."""
+        limit = resolved_max_export_messages() if max_messages is None else max_messages
+        if limit < 0:
+            raise ValueError(f"max_messages must be >= 0, not {limit}")
+        if limit == 0:
+            return
+        for session_id in session_ids:
+            # Counted only to one past the limit: a huge session costs no more than a small one.
+            count = self._read_value(
+                "SELECT COUNT(*) FROM (SELECT 1 FROM messages WHERE session_id = :session_id"
+                " LIMIT :past_limit)", {"session_id": session_id, "past_limit": limit + 1})
+            if count > limit:
+                raise SessionExportTooLargeError(session_id, count, limit)
 
     def iter_export_jsonl(self, source=None):
         """iter_export_all as write_export's jsonl, an iterator of pieces a session:
@@ -671,6 +778,48 @@ class SessionPortabilityMixin:
                           for total, new in zip(found, part))
         return self._execute_write(lambda conn: _finish_import(conn, found))
 
+    # -- another agent's history (hermes-agent 0.22's desktop importer) ---------------------------
+
+    def find_foreign_import(self, origin):
+        """The id of the session an earlier import_foreign_history (or hermes-agent's own
+        `import_foreign_session`) made of `origin`, else None: same tool, and the same foreign
+        session id, or the same file when `origin` has none. Raises ValueError for an `origin`
+        that is not such an object."""
+        _check_origin(origin)
+        return self._with_reader(lambda conn: _foreign_import_of(conn, origin))
+
+    def import_foreign_history(self, origin, messages, *, title, cwd, profile):
+        """Make a session of another agent's transcript (`origin`: {"tool", "path",
+        "foreign_session_id"}, `messages`: role/content dicts), labelled `profile`, in one write
+        transaction, so that two clicks at once make one: {"session_id": the new id,
+        "already_imported": False}, or the earlier import's id and True. The session's source is
+        the tool, its origin_json {"imported_from": origin}; a title another session holds gets
+        " (<id tail>)", as hermes-agent 0.22 names it. The payload is checked as import_sessions
+        checks one; its first error is raised as ValueError, nothing written."""
+        _check_origin(origin)
+        session_id = _new_import_id()
+        entry = {"id": session_id, "source": origin["tool"], "title": title, "cwd": cwd,
+                 "messages": messages}
+        errors = validate_import([entry], self.import_limits())
+        if errors:
+            raise ValueError(errors[0]["error"])
+
+        def write(conn):
+            earlier = _foreign_import_of(conn, origin)
+            if earlier is not None:
+                return {"session_id": earlier, "already_imported": True}
+            wanted = _import_title(title)
+            if wanted is not None and conn.execute(SELECT_TITLE_OWNER_SQL,
+                                                   (wanted, session_id)).fetchone():
+                tail = f" ({session_id[-12:]})"
+                wanted = normalize_title(wanted[:TITLE_MAX_LENGTH - len(tail)] + tail)
+            self._write_import(conn, [dict(entry, title=wanted)])
+            conn.execute("UPDATE sessions SET origin_json = :origin, profile_name = :profile"
+                         " WHERE id = :id", {"origin": json.dumps({"imported_from": origin}),
+                                             "profile": profile, "id": session_id})
+            return {"session_id": session_id, "already_imported": False}
+        return self._execute_write(write)
+
     def _write_import(self, conn, sessions, seconds=None):
         """Inside a write: store these sessions, from the first, taking no further one after
         `seconds`; (imported ids, skipped ids, parent links, links a skipped session still
@@ -741,6 +890,34 @@ class SessionPortabilityMixin:
                 conn.execute(f"UPDATE messages SET {assignments} WHERE id = ?",
                              (*carried.values(), message["_row_id"]))
         conn.execute(SET_MESSAGE_COUNTS_SQL, (live, calls, session_id))
+
+
+def _check_origin(origin):
+    if not isinstance(origin, dict) or not isinstance(origin.get("tool"), str):
+        raise ValueError("origin must be an object with a 'tool' string")
+
+
+def _foreign_import_of(conn, origin):
+    """find_foreign_import on `conn`: the first session of the tool whose origin_json names
+    `origin` (its foreign session id, else its path)."""
+    foreign_id = origin.get("foreign_session_id")
+    rows = conn.execute("SELECT id, origin_json FROM sessions"
+                        " WHERE source = ? AND origin_json IS NOT NULL", (origin["tool"],))
+    for session_id, origin_json in rows:
+        imported = loads_or(origin_json, None)
+        imported = imported.get("imported_from") if isinstance(imported, dict) else None
+        if not isinstance(imported, dict) or imported.get("tool") != origin["tool"]:
+            continue
+        if (imported.get("foreign_session_id") == foreign_id if foreign_id
+                else imported.get("path") == origin.get("path")):
+            return session_id
+    return None
+
+
+def _new_import_id():
+    """A fresh id of hermes-agent's shape, YYYYMMDD_HHMMSS_ and 12 hex digits (imports mint many in
+    one second); hermes_state_ids.new_session_id(hex_len=12) once that module is ours."""
+    return time.strftime("%Y%m%d_%H%M%S_") + secrets.token_hex(6)
 
 
 # An import's megabytes of rows and index pages spill from SQLite's default 2 MB page cache to the

@@ -20,7 +20,7 @@ from collections import namedtuple
 
 from hermes_state_common import (
     CJK_BLOCK_BITS, CJK_CHAR_CLASS, CONTENT_JSON_PREFIX, CONTEXT_CHARS, QUERY_MAX_CHARS,
-    QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content, escape_like,
+    QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content, escape_like, sqlite_keeps,
 )
 # Tests import these from here, where search kept them before the index's life moved out.
 from hermes_state_common import cjk_terms  # noqa: F401
@@ -459,7 +459,8 @@ class SessionSearchMixin:
     # -- search --------------------------------------------------------------
 
     def search_messages(self, query, source_filter=None, exclude_sources=None, role_filter=None,
-                        limit=20, offset=0, sort=None, include_inactive=False, fields=None):
+                        limit=20, offset=0, sort=None, include_inactive=False, fields=None,
+                        after_ts=None, before_ts=None):
         """Messages matching `query`, best first (bm25) unless `sort` is 'newest' or 'oldest';
         [] for no query.
 
@@ -469,9 +470,13 @@ class SessionSearchMixin:
         anything an index cannot answer falls back to LIKE. A query hermes-agent answers by a LIKE
         scan (a CJK term of 1-2 characters) is answered as that scan: any of its terms, newest
         first, its plain snippet. Words that match no whole token are retried as substrings.
-        Rewound messages are left out unless `include_inactive`; compacted ones are found. An
-        unknown sort means relevance; `limit` and `offset` go to SQLite as they are (a negative
-        limit is no limit). A string `fields` raises TypeError, an unknown field ValueError."""
+        Rewound messages are left out unless `include_inactive`, and hidden ones (display_kind
+        'hidden') always; compacted ones are found. An unknown sort means relevance; `limit` and
+        `offset` go to SQLite as they are (a negative limit is no limit). `after_ts` (inclusive)
+        and `before_ts` (exclusive), whole epoch seconds as hermes-agent 0.22 takes them, bound the
+        start of a hit's session on every route, so the page is filled by hits in the window. A
+        string `fields` raises TypeError, an unknown field or a bound that is not a whole number
+        ValueError."""
         fields = search_fields(fields)
         if not query or not query.strip():
             return []
@@ -480,12 +485,17 @@ class SessionSearchMixin:
             return []
         sort = sort.strip().lower() if isinstance(sort, str) else None
         roles = _as_list(role_filter) or []
-        filters, filter_binds = _search_filters(
-            roles, _as_list(source_filter), _as_list(exclude_sources), include_inactive)
+        window = (_epoch_bound("after_ts", after_ts), _epoch_bound("before_ts", before_ts))
         cookie = self._read_value("PRAGMA schema_version")  # sqlite_master: 0.06 of a 0.6 ms search
         if self.__dict__.get("_objects_at_cookie", (None,))[0] != cookie:  # read when it moves
             self._objects_at_cookie = (cookie, self._read_objects())
-        state = self._index_state(self._objects_at_cookie[1])
+        objects = self._objects_at_cookie[1]
+        # A read-only open of a store older than the column (0.19's) has no hidden rows.
+        kinds = "display_kind" in (objects.get("messages", (None, None))[1] or "")
+        filters, filter_binds = _search_filters(
+            roles, _as_list(source_filter), _as_list(exclude_sources), include_inactive, window,
+            kinds)
+        state = self._index_state(objects)
         if "tool" in roles:
             # Tool rows are only whole in the fallback.
             state = state._replace(usable=set(), tool_rows=True)
@@ -627,16 +637,39 @@ class SessionSearchMixin:
         return "" if tree is None else _match_string(tree)
 
 
-def _search_filters(roles, sources, excluded, include_inactive):
-    """SQL and values of the filters (a _Binds of `:role_N`, `:source_N`, `:excluded_N`), as
-    hermes-agent reads them: an empty source list matches nothing, an empty role or excluded list
-    filters nothing."""
+def _epoch_bound(name, value):
+    """A search window's bound as the whole seconds hermes-agent 0.22 compares (int(), so 1.9 is
+    1); None stays None."""
+    if value is None:
+        return None
+    try:
+        bound = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be a whole number of epoch seconds, not {value!r}") from None
+    if not sqlite_keeps(bound):
+        raise ValueError(f"{name} is outside SQLite's integer range")
+    return bound
+
+
+def _search_filters(roles, sources, excluded, include_inactive, window, kinds):
+    """SQL and values of the filters (a _Binds of `:role_N`, `:source_N`, `:excluded_N`,
+    `:after_N`, `:before_N`), as hermes-agent reads them: an empty source list matches nothing,
+    an empty role or excluded list filters nothing; `window` (after, before) bounds the session's
+    start, after inclusive, before exclusive; rows of display_kind 'hidden' (model-facing
+    scaffolding the user never saw, which 0.22 leaves out) are left out where the store has the
+    column (`kinds`)."""
     clauses, binds = [], _Binds()
     if not include_inactive:
         clauses.append("(m.active = 1 OR m.compacted = 1)")  # rewound rows hidden, compacted kept
+    if kinds:
+        clauses.append("COALESCE(m.display_kind, '') <> 'hidden'")
     for test, stem, values in (("m.role IN", "role", roles or None),
                                ("s.source IN", "source", sources),
                                ("s.source NOT IN", "excluded", excluded)):
         if values is not None:
             clauses.append(f"{test} ({', '.join(binds.add(stem, value) for value in values)})")
+    for test, stem, bound in (("s.started_at >=", "after", window[0]),
+                              ("s.started_at <", "before", window[1])):
+        if bound is not None:
+            clauses.append(f"{test} {binds.add(stem, bound)}")
     return "".join(f" AND {clause}" for clause in clauses), binds

@@ -12,12 +12,14 @@ import re
 import sqlite3
 import subprocess
 import sys
+import threading
 import zipfile
 
 from hermes_state import SessionDB, restore_home
 from hermes_state_export_formats import (EXPORT_RUN_MESSAGES, json_default, markdown_document,
                                          markdown_file_name, write_export)
-from hermes_state_portability import portable_message, portable_row
+from hermes_state_errors import SessionExportTooLargeError
+from hermes_state_portability import _export_timings, portable_message, portable_row
 from hermes_state_redact import redact, redact_text
 from test_support import (
     REPO, V26_DB, StoreTestCase, TempDirTestCase, drop_triggers_not_runnable_here, dump_hash, fixture_path,
@@ -111,6 +113,154 @@ class Exports(TempDirTestCase):
     def test_jsonl_export_of_the_v26_store_is_hermes_agents_export_byte_for_byte(self):
         self.assertEqual(write_export(self.db.iter_export_all(), "jsonl", self.tmp / "out.jsonl"), 20)
         self.assertEqual((self.tmp / "out.jsonl").read_bytes(), fixture_path(EXPORTS[1]).read_bytes())
+
+
+class ExportViews(StoreTestCase):
+    """hermes-agent 0.22's export flags: which stored rows an export holds, and its timings."""
+
+    def setUp(self):
+        super().setUp()
+        self.db.create_session("s", source="cli")
+        for n, (role, text) in enumerate((("user", "u1"), ("assistant", "a1"), ("user", "u2"))):
+            self.db.append_message("s", role, text, timestamp=100.0 + n)
+        self.db.archive_and_compact("s", [{"role": "user", "content": "summary", "timestamp": 110.0}])
+        undone = self.db.append_message("s", "user", "undone", timestamp=120.0)
+        self.db.rewind_to_message("s", undone)
+
+    def rows(self, export):
+        return [(m["content"], m["active"], m["compacted"]) for m in export["messages"]]
+
+    def test_without_a_flag_the_export_keeps_0_20s_shape_the_live_rows_and_no_timings(self):
+        for export in (self.db.export_session("s"), self.db.export_all()[0],
+                       self.db.export_session("s", include_compacted=False, include_inactive=False)):
+            self.assertEqual(self.rows(export), [("summary", 1, 0)])
+            self.assertNotIn("timings", export)
+
+    def test_include_inactive_holds_every_stored_row_and_imports_back_archived(self):
+        every = [("u1", 0, 1), ("a1", 0, 1), ("u2", 0, 1), ("summary", 1, 0), ("undone", 0, 0)]
+        export = self.db.export_session("s", include_inactive=True)
+        self.assertEqual(self.rows(export), every)
+        self.assertEqual(self.db.export_all(include_inactive=True), [dict(export, last_active=120.0)])
+        target = SessionDB(self.tmp / "target.db")
+        self.addCleanup(target.close)
+        self.assertEqual(target.import_sessions([export])["imported"], 1)
+        self.assertEqual(self.rows(target.export_session("s", include_inactive=True)), every)
+        self.assertEqual(target.get_session("s")["message_count"], 1)  # archived rows stay out of context
+        self.assertEqual([m["content"] for m in target.get_messages("s")], ["summary"])
+
+    def test_include_compacted_is_the_history_the_user_sees(self):
+        seen = [("u1", 0, 1), ("a1", 0, 1), ("u2", 0, 1), ("summary", 1, 0)]
+        self.assertEqual(self.rows(self.db.export_session("s", include_compacted=True)), seen)
+        self.assertEqual(self.rows(self.db.export_all(include_compacted=True)[0]), seen)
+        lineage = self.db.export_session_lineage("s", include_compacted=True)
+        self.assertEqual((self.rows(lineage), lineage["message_count"]), (seen, 4))
+        self.assertEqual(lineage["timings"]["message_timestamps"], {"available": 4, "missing": 0})
+
+    def test_a_flagged_export_carries_0_22s_timings_of_its_own_rows(self):
+        timings = self.db.export_session("s", include_inactive=True)["timings"]
+        ids = [m["id"] for m in self.db.get_messages("s", include_inactive=True)]
+        self.assertEqual(timings["role_counts"], {"user": 4, "assistant": 1})
+        self.assertEqual((timings["wall_clock_ms"], timings["largest_gap_ms"]), (20_000, 10_000))
+        self.assertEqual(timings["intervals"][-1], {"from_message_id": ids[3], "to_message_id": ids[4],
+                                                    "from_role": "user", "to_role": "user", "gap_ms": 10_000})
+        self.assertEqual((timings["first_message_at"], timings["complete"]),
+                         ("1970-01-01T00:01:40+00:00", False))
+
+    def test_export_timings_counts_untrusted_times_as_missing_and_tool_calls_as_emitted(self):
+        messages = [{"id": 1, "role": "assistant", "timestamp": 5.25, "tool_calls": [{}, {}]},
+                    {"id": 2, "role": None, "timestamp": "junk", "tool_calls": {"one": 1}},
+                    {"id": 3, "role": "tool", "timestamp": float("inf")},
+                    {"id": 4, "role": "tool", "timestamp": "6.5"}]
+        timings = _export_timings(messages, "s")
+        self.assertEqual(timings["message_timestamps"], {"available": 2, "missing": 2})
+        self.assertEqual((timings["tool_calls_emitted"], timings["tool_result_count"]), (3, 2))
+        self.assertEqual(timings["role_counts"], {"assistant": 1, "unknown": 1, "tool": 2})
+        self.assertEqual(timings["intervals"], [{"from_message_id": 1, "to_message_id": 4, "from_role": "assistant",
+                                                 "to_role": "tool", "gap_ms": 1250}])
+        empty = _export_timings([])
+        self.assertEqual((empty["available"], empty["unavailable_reason"], empty["wall_clock_ms"]),
+                         (False, "no_timestamped_messages", None))
+
+    def test_assert_exports_safe_counts_every_stored_row_against_the_limit(self):
+        self.db.create_session("small", source="cli")
+        self.db.assert_exports_safe(["small", "s"], max_messages=5)  # five rows, one of them live
+        with self.assertRaises(SessionExportTooLargeError) as raised:
+            self.db.assert_exports_safe(["small", "s", "ghost"], max_messages=4)
+        self.assertEqual((raised.exception.session_id, raised.exception.message_count, raised.exception.limit),
+                         ("s", 5, 4))
+        self.db.assert_exports_safe(["s"], max_messages=0)  # 0: no limit
+        self.assertIsNone(self.db.assert_exports_safe(["s"]))  # config's default (10,000 and up)
+        with self.assertRaisesRegex(ValueError, "max_messages"):
+            self.db.assert_exports_safe(["s"], max_messages=-1)
+
+
+class ForeignHistory(StoreTestCase):
+    """hermes-agent 0.22's desktop importer: another agent's transcript becomes one session, once."""
+
+    ORIGIN = {"tool": "claude-code", "path": "/logs/a.jsonl", "foreign_session_id": "abc"}
+    TURNS = [{"role": "user", "content": "fix the build"}, {"role": "assistant", "content": "done"}]
+
+    def imported(self, origin=None, title="Fix the build", db=None):
+        return (db or self.db).import_foreign_history(origin or self.ORIGIN, self.TURNS, title=title,
+                                                      cwd="/work", profile="work")
+
+    def test_the_history_is_stored_with_its_origin_and_a_second_import_finds_the_first(self):
+        self.assertIsNone(self.db.find_foreign_import(self.ORIGIN))
+        first = self.imported()
+        self.assertFalse(first["already_imported"])
+        self.assertRegex(first["session_id"], r"^\d{8}_\d{6}_[0-9a-f]{12}$")
+        row = self.session_row(first["session_id"])
+        self.assertEqual((row["source"], row["title"], row["cwd"], row["profile_name"], row["message_count"]),
+                         ("claude-code", "Fix the build", "/work", "work", 2))
+        self.assertEqual(json.loads(row["origin_json"]), {"imported_from": self.ORIGIN})
+        self.assertEqual([(m["role"], m["content"]) for m in self.db.get_messages(first["session_id"])],
+                         [("user", "fix the build"), ("assistant", "done")])
+        self.assertEqual(self.imported(), {"session_id": first["session_id"], "already_imported": True})
+        self.assertEqual(self.db.find_foreign_import(dict(self.ORIGIN, path="/moved.jsonl")), first["session_id"])
+        self.assertIsNone(self.db.find_foreign_import(dict(self.ORIGIN, foreign_session_id="other")))
+        self.assertIsNone(self.db.find_foreign_import(dict(self.ORIGIN, tool="codex-cli")))
+        self.assertEqual(self.db.session_count(), 1)
+
+    def test_without_a_foreign_id_the_file_names_the_import_as_hermes_agents_own_import_writes_it(self):
+        origin = {"tool": "codex-cli", "path": "/logs/b.jsonl", "foreign_session_id": None}
+        self.db.create_session("cli-import", source="codex-cli",
+                               origin_json=json.dumps({"imported_from": origin}))
+        self.assertEqual(self.db.find_foreign_import(origin), "cli-import")
+        self.assertEqual(self.imported(origin)["session_id"], "cli-import")
+        self.assertIsNone(self.db.find_foreign_import(dict(origin, path="/logs/c.jsonl")))
+
+    def test_a_taken_title_gets_the_new_ids_tail(self):
+        first = self.imported()["session_id"]
+        second = self.imported(dict(self.ORIGIN, foreign_session_id="def"))["session_id"]
+        self.assertEqual(self.session_row(first)["title"], "Fix the build")
+        self.assertEqual(self.session_row(second)["title"], f"Fix the build ({second[-12:]})")
+
+    def test_two_imports_at_once_from_two_connections_make_one_session(self):
+        other = SessionDB(self.path)
+        self.addCleanup(other.close)
+        start, results = threading.Barrier(2), []
+
+        def click(db):
+            start.wait()
+            results.append(self.imported(db=db))
+        threads = [threading.Thread(target=click, args=(db,)) for db in (self.db, other)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        self.assertEqual(sorted(r["already_imported"] for r in results), [False, True])
+        self.assertEqual(len({r["session_id"] for r in results}), 1)
+        self.assertEqual(self.db.session_count(), 1)
+
+    def test_a_bad_payload_is_refused_whole(self):
+        for origin, turns, error in ((self.ORIGIN, [{"role": ""}], "messages\\[0\\].role"),
+                                     (self.ORIGIN, "text", "messages must be a list"),
+                                     ({"path": "/x"}, self.TURNS, "origin")):
+            with self.subTest(error=error), self.assertRaisesRegex(ValueError, error):
+                self.db.import_foreign_history(origin, turns, title="t", cwd=None, profile=None)
+        with self.assertRaisesRegex(ValueError, "title must be a string"):
+            self.imported(title=5)
+        self.assertEqual(self.db._read_value("SELECT COUNT(*) FROM sessions"), 0)
 
 
 class ImportFixtures(StoreTestCase):

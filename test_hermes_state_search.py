@@ -25,6 +25,7 @@ from hermes_state_search import (
 from hermes_state_schema import sqlite_supports_fts5, sqlite_supports_trigram
 from test_support import (
     HAS_FTS5, HAS_TRIGRAM, INDEX_TABLES, REPO, SEARCHABLE, V22_DB, V26_DB, TempDirTestCase, backdate, dump_hash,
+    fixture_path,
     require, tracing_factory, without_fts5, without_trigram,
 )
 
@@ -103,6 +104,19 @@ class Probes(TempDirTestCase):
         self.assertFalse(sqlite_supports_fts5(without_fts5))
         self.assertEqual(sqlite_supports_fts5(without_trigram), fts5)
         self.assertFalse(sqlite_supports_trigram(without_trigram))
+
+    def test_the_storage_upgrade_probe_names_the_layouts_hermes_agent_0_22_upgrades(self):
+        for fixture, wanted in (("hermes_v22_legacy_fts.db", True), ("hermes_v26_split.db", True),
+                                ("hermes_v31_store.db", False)):
+            with self.subTest(fixture=fixture):
+                conn = sqlite3.connect(f"file:{fixture_path(fixture)}?mode=ro", uri=True)
+                self.addCleanup(conn.close)
+                self.assertIs(SessionDB._db_needs_fts_storage_upgrade(conn), wanted)
+                self.assertIs(SessionDB._db_needs_fts_storage_upgrade(conn.cursor()), wanted)
+        SessionDB(self.tmp / "ours.db").close()
+        ours = SessionDB(self.tmp / "ours.db", read_only=True)  # as `hermes update` opens it
+        self.addCleanup(ours.close)
+        self.assertIs(ours._db_needs_fts_storage_upgrade(ours._conn), False)
 
     def test_generation_is_read_from_the_ddl(self):
         self.assertEqual(fts_layout_of(None), "none")
@@ -267,6 +281,45 @@ class SearchBehaviour(TempDirTestCase):
                 db.search_messages("staging", **bad)
         self.assertIsNone(db.get_meta("hs_search_stale_word"))  # bad input is not a broken index
         self.assertEqual(db.search_messages("staging", role_filter=[1]), [])
+
+    def test_a_time_window_bounds_the_sessions_start_on_every_route(self):
+        # a started at 1, b at 2; after_ts is inclusive, before_ts exclusive, both whole seconds.
+        ids = self.ids
+        in_a, in_b = {ids["deploy"], ids["reply"]}, {ids["late"]}
+        for window, wanted in ((dict(after_ts=2), in_b), (dict(before_ts=2), in_a),
+                               (dict(after_ts=1, before_ts=2), in_a), (dict(after_ts=1.9), in_a | in_b),
+                               (dict(after_ts=3), set()), (dict(after_ts=None, before_ts=None), in_a | in_b)):
+            with self.subTest(window=window):
+                self.assertEqual(self.ids_for("staging", **window), wanted)  # the word index
+                newest = self.db.search_messages("staging", sort="newest", limit=1, **window)
+                self.assertEqual([hit["id"] for hit in newest], sorted(wanted, reverse=True)[:1])
+        # The trigram or CJK index, the scan of a short CJK term, the LIKE fallback, tool rows.
+        for query, kwargs, hit in (("数据库迁移", {}, ids["zh"]), ("会话", {}, ids["zh"]),
+                                   ("100%", {}, ids["percent"]), ("needle", dict(role_filter=["tool"]), ids["tool"])):
+            with self.subTest(query=query):
+                self.assertIn(hit, self.ids_for(query, after_ts=2, **kwargs))
+                self.assertEqual(self.ids_for(query, before_ts=2, **kwargs), set())
+        # A page is filled by hits inside the window, not cut from the whole list afterwards.
+        self.assertEqual([h["id"] for h in self.db.search_messages("staging", limit=1, after_ts=2)], [ids["late"]])
+        for bad in ("yesterday", [1], 2 ** 64):
+            with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, "after_ts"):
+                self.db.search_messages("staging", after_ts=bad)
+
+    def test_hidden_rows_are_never_hits_as_hermes_agent_0_22_leaves_them_out(self):
+        hidden = self.db.append_message("b", "assistant", "staging scaffold 数据库迁移 100% needle",
+                                        display_kind="hidden", timestamp=18)
+        shown = self.db.append_message("b", "assistant", "staging scaffold shown", display_kind="model_switch",
+                                       timestamp=19)
+        for query, kwargs in (("staging", {}), ("scaffold", dict(sort="newest")), ("数据库迁移", {}), ("100%", {}),
+                              ("staging", dict(include_inactive=True)), ("needle", dict(role_filter=["assistant"]))):
+            with self.subTest(query=query, **kwargs):
+                self.assertNotIn(hidden, self.ids_for(query, **kwargs))
+        self.assertIn(shown, self.ids_for("scaffold"))
+        old = self.tmp / "v22.db"
+        old.write_bytes(fixture_path(V22_DB).read_bytes())
+        reader = SessionDB(old, read_only=True)  # a 0.19 store: no display_kind column to filter on
+        self.addCleanup(reader.close)
+        self.assertTrue(reader.search_messages("the", after_ts=0))
 
     def test_rebuild_status_is_hermes_agents_backfill_progress_only(self):
         db = self.db

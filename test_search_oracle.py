@@ -113,8 +113,10 @@ def tree_matches(row, node, *args):
     return all(results) if kind == "and" else any(results)
 
 
-def oracle(rows, query, usable, role_filter=None, include_inactive=False, sources=None, excluded=None):
-    """(ids search_messages should return, whether the answer is a newest-first scan, whether it retried)."""
+def oracle(rows, query, usable, role_filter=None, include_inactive=False, sources=None, excluded=None,
+           window=(None, None)):
+    """(ids search_messages should return, whether the answer is a newest-first scan, whether it retried).
+    `window`: whole seconds (after, before) the session's start must fall in, after inclusive."""
     tree = parse_query(query)
     if tree is None:
         return set(), False, False
@@ -128,7 +130,9 @@ def oracle(rows, query, usable, role_filter=None, include_inactive=False, source
         tree = ("or", [("term", t) for t in _leaves(tree)])
     visible = [r for r in rows if (include_inactive or r["active"] == 1 or r["compacted"] == 1)
                and (not roles or r["role"] in roles) and (sources is None or r["source"] in sources)
-               and (not excluded or r["source"] not in excluded)]
+               and (not excluded or r["source"] not in excluded)
+               and (window[0] is None or r["started_at"] >= window[0])
+               and (window[1] is None or r["started_at"] < window[1]) and r["display_kind"] != "hidden"]
     hits = {r["id"] for r in visible if tree_matches(r, tree, usable, False, tool_rows)}
     retried = False
     if not hits and "word" in usable and _substring_retry(tree):
@@ -199,8 +203,8 @@ def stored_rows(path):
     conn.row_factory = sqlite3.Row
     try:
         return [dict(r) for r in conn.execute(
-            "SELECT m.id, m.role, m.content, m.tool_name, m.tool_calls, m.active, m.compacted, m.timestamp, s.source"
-            " FROM messages AS m JOIN sessions AS s ON s.id = m.session_id")]
+            "SELECT m.id, m.role, m.content, m.tool_name, m.tool_calls, m.active, m.compacted, m.timestamp, s.source,"
+            " s.started_at, m.display_kind FROM messages AS m JOIN sessions AS s ON s.id = m.session_id")]
     finally:
         conn.close()
 
@@ -262,6 +266,8 @@ class Workload:
         if self.multimodal and role == "user" and rnd.random() < 0.3:
             msg["content"] = [{"type": "text", "text": self.text()},
                               {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]
+        if role == "assistant" and rnd.random() < 0.05:  # scaffolding no search shows (hermes-agent 0.22)
+            msg["display_kind"] = "hidden"
         if rnd.random() < 0.15:  # an old time: imported-like rows, the CJK bounds' reason to exist
             msg["timestamp"] = time.time() - rnd.randint(10, 10 ** 7)
         self.counter += 1
@@ -282,7 +288,8 @@ class Workload:
         if op < 0.35:
             m = self.message()
             db.append_message(sid, m["role"], m["content"], tool_name=m.get("tool_name"),
-                              tool_calls=m.get("tool_calls"), timestamp=m.get("timestamp"))
+                              tool_calls=m.get("tool_calls"), timestamp=m.get("timestamp"),
+                              display_kind=m.get("display_kind"))
         elif op < 0.55:
             db.append_messages_batch(sid, [self.message() for _ in range(rnd.randint(1, 70))])
         elif op < 0.62:
@@ -408,13 +415,17 @@ class SearchOracle:
         inactive = rnd.random() < 0.2
         sort = rnd.choice([None, "newest", "oldest"])
         sources, excluded = rnd.choice([(None, None)] * 4 + [(["cli"], None), (None, ["cli"]), (["cli", "telegram"], [])])
-        expected, scans, retried = oracle(rows, query, usable, roles, inactive, sources, excluded)
+        # A window on the sessions' start, bounds at and around a start the store holds.
+        start = int(rnd.choice(rows)["started_at"]) if rows else 0
+        window = rnd.choice([(None, None)] * 4 + [(start, None), (None, start), (start, start + 1),
+                                                  (start + 1, None)])
+        expected, scans, retried = oracle(rows, query, usable, roles, inactive, sources, excluded, window)
         limit = rnd.choice([3, 7, 20])
         got, times, offset = [], [], 0
         while True:
             page = db.search_messages(query, source_filter=sources, exclude_sources=excluded, role_filter=roles,
-                                      include_inactive=inactive, sort=sort,
-                                      limit=limit, offset=offset, fields=("id", "timestamp"))
+                                      include_inactive=inactive, sort=sort, after_ts=window[0],
+                                      before_ts=window[1], limit=limit, offset=offset, fields=("id", "timestamp"))
             got += [h["id"] for h in page]
             times.append([h["timestamp"] for h in page])
             offset += limit
@@ -426,7 +437,7 @@ class SearchOracle:
             if offset > 10 * (len(rows) + limit):
                 break
         label = f"seed {self.seed} {self.mode} round {round_no}: {query!r} roles={roles} inactive={inactive} " \
-                f"sources={sources} excluded={excluded} sort={sort} limit={limit}"
+                f"sources={sources} excluded={excluded} window={window} sort={sort} limit={limit}"
         problems = []
         if len(got) != len(set(got)):
             problems.append(f"{label}: a page repeats ids {sorted(i for i in set(got) if got.count(i) > 1)}")
@@ -435,7 +446,8 @@ class SearchOracle:
                             f"{' (substring retry)' if retried else ''}")
         whole = [h["id"] for h in db.search_messages(query, source_filter=sources, exclude_sources=excluded,
                                                       role_filter=roles, include_inactive=inactive, sort=sort,
-                                                      limit=-1, fields=("id",))]
+                                                      after_ts=window[0], before_ts=window[1], limit=-1,
+                                                      fields=("id",))]
         if set(whole) != set(got) and set(got) == expected:
             problems.append(f"{label}: limit=-1 gives {sorted(set(whole) ^ set(got))} unlike the pages")
         if scans and len(whole) == len(got) and whole != got:
