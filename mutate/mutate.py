@@ -507,8 +507,8 @@ MUTANTS = [
            "an ambiguous id prefix resolves to the first match instead of None",
            ["test_hermes_state.Sessions"]),
     Mutant("search-default-limit", "hermes_state_search.py",
-           "                        limit=20, offset=0, sort=None, include_inactive=False, fields=None):\n",
-           "                        limit=50, offset=0, sort=None, include_inactive=False, fields=None):\n",
+           "                        limit=20, offset=0, sort=None, include_inactive=False, fields=None,\n",
+           "                        limit=50, offset=0, sort=None, include_inactive=False, fields=None,\n",
            "search_messages returns 50 hits by default instead of hermes-agent's 20",
            ["test_hermes_state_search.SearchBehaviour"]),
     # -- the drop-in contract: titles ----------------------------------------------
@@ -621,8 +621,8 @@ MUTANTS = [
            "request_handoff resets a handoff in flight back to pending, so it can be claimed twice",
            ["test_hermes_state_gateway.Handoffs"]),
     Mutant("export-includes-rewound", "hermes_state_portability.py",
-           '" FROM messages WHERE session_id = ? AND active = 1 AND id > ? ORDER BY id LIMIT ?")\n',
-           '" FROM messages WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?")\n',
+           "self._export_reader(cursor, streamed, include_inactive)",
+           "self._export_reader(cursor, streamed, True)",
            "export_session includes messages a rewind hid",
            ["test_hermes_state_portability.Exports"]),
     # -- the tally's kinds of children (issue 27) -------------------------------
