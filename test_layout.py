@@ -211,10 +211,11 @@ class ImportLayers(unittest.TestCase):
                          ["json", "hermes_state", "hermes_state_search"])
 
 
-# The *_SQL names hermes-agent 0.20.1.2's hermes_state_common exports (from the drop-in contract's
-# API listing, written out here so that the suite runs from a clone with nothing beside it).
+# The *_SQL names hermes-agent's hermes_state_common exports to its callers, 0.20.1.2's and 0.22's
+# (from the drop-in contract's API listings, written out here so that the suite runs from a clone
+# with nothing beside it).
 REFERENCE_COMMON_SQL = {"DEFERRED_INDEX_SQL", "FTS_SQL", "FTS_TRIGRAM_SQL", "LEGACY_FTS_SQL",
-                        "LEGACY_FTS_TRIGRAM_SQL", "SCHEMA_SQL"}
+                        "LEGACY_FTS_TRIGRAM_SQL", "SCHEMA_SQL", "_RESET_CHILD_SQL"}
 
 
 class StatementPlacement(unittest.TestCase):
