@@ -20,6 +20,7 @@ from hermes_state import (
     sqlite_source_id,
 )
 from hermes_state_common import DEFERRED_INDEXES, SCHEMA_SQL
+from hermes_state_holders import open_descriptors
 from test_support import HAS_FTS5, HAS_TRIGRAM, REPO, TempDirTestCase, require
 
 # A schema entry to duplicate: our word index's, or where SQLite has no FTS5 (no such table) a plain table's.
@@ -277,7 +278,7 @@ class RepairLock(DoctorTestCase):
         repairs = [self.start_repair(path, 20) for _ in range(2)]
         lock_file = os.path.realpath(f"{path}.repair.lock")
         deadline = time.monotonic() + 30
-        while not all(lock_file in hermes_state_repair._open_files(child.pid) for child in repairs):
+        while not all(lock_file in {t for _, t in open_descriptors(child.pid)} for child in repairs):
             self.assertLess(time.monotonic(), deadline, "the repairs never reached the repair lock")
             self.assertTrue(all(child.poll() is None for child in repairs), "a repair ended without the lock")
             time.sleep(0.02)
