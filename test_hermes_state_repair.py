@@ -19,7 +19,7 @@ from hermes_state_common import DEFERRED_INDEX_SQL, DEFERRED_INDEXES, SCHEMA_SQL
 from hermes_state_dbfile import collect_state_db_stats, count_db_holders
 from hermes_state_repair import _backup_db_file, _db_opens_cleanly, repair_state_db_schema
 from hermes_state_holders import open_descriptors
-from test_support import HAS_FTS5, HAS_TRIGRAM, REPO, TempDirTestCase, require
+from test_support import HAS_FTS5, REPO, TempDirTestCase, require
 
 # A schema entry to duplicate: our word index's, or where SQLite has no FTS5 (no such table) a plain table's.
 DUPLICATED = "hs_fts_words" if HAS_FTS5 else "state_meta"
