@@ -387,7 +387,10 @@ def repair_state_db_schema(db_path, *, backup=True):
                 return _skipped(report, "could not acquire exclusive state.db repair ownership;"
                                 " skipped schema surgery to avoid overwriting a concurrent writer."
                                 f" Stop the gateway and retry: {why}")
-            scratch = db_path.with_name(f"{db_path.name}.repair-scratch")
+            try:  # a new owner-only file (SQLite gives its sidecars the same mode), named apart
+                scratch = claim_file_beside(db_path, "repair-scratch")
+            except OSError as exc:
+                return _skipped(report, f"could not copy {db_path} for repair: {exc}")
             try:
                 return _repair_on_scratch(db_path, guard, scratch, report)
             finally:
@@ -399,11 +402,10 @@ def _repair_on_scratch(db_path, guard, scratch, report):
     probe finds healthy is copied back through `guard` in one transaction. So a failed strategy
     changes nothing of the store: a VACUUM of a schema that does not parse drops the tables it
     cannot see."""
-    _remove_with_sidecars(scratch)
     try:
         with contextlib.closing(sqlite3.connect(scratch, isolation_level=None)) as copy:
             guard.backup(copy)
-    except sqlite3.Error as exc:
+    except (OSError, sqlite3.Error) as exc:
         return _skipped(report, f"could not copy {db_path} for repair: {exc}")
     for strategy, surgery in _STRATEGIES:
         try:
@@ -428,8 +430,12 @@ def _repair_on_scratch(db_path, guard, scratch, report):
 
 def _remove_with_sidecars(path):
     for suffix in ("",) + SIDECAR_SUFFIXES:
-        with contextlib.suppress(OSError):  # absent; a stale copy left is overwritten next time
+        try:
             os.unlink(f"{path}{suffix}")
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # the report stands; the copy is ours to clean up by hand
+            logger.warning("could not remove the repair copy %s%s: %s", path, suffix, exc)
 
 
 def _skipped(report, error):
