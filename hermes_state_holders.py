@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-import hermes_constants
+from hermes_constants import get_hermes_home
 from hermes_state_errors import STORAGE_RECOVERY_DOCS_URL
 
 logger = logging.getLogger("hermes_state")
@@ -273,10 +273,12 @@ def held_store_refusal(db_path, *, command, force_hint="--force"):
 
 
 def _profile_selector():
-    """'-p <name> ' for a named profile's home, from hermes-agent's hermes_constants where it has
-    profile_cli_selector (0.22; 0.20 has no such selector, and neither does our file): else ''."""
-    selector = getattr(hermes_constants, "profile_cli_selector", None)
+    """'-p <name> ' when this process runs a named profile's home (`<root>/profiles/<name>`, as
+    hermes-agent 0.22's profile_cli_selector says it), so the advice names the right store; else
+    ''."""
     try:
-        return selector() if selector is not None else ""
-    except Exception:  # a home it cannot classify: the plain command still works there
+        home = Path(get_hermes_home())
+    except Exception:  # no home to name: the plain command still works
         return ""
+    named = home.parent.name == "profiles" and not home.name.startswith(".")
+    return f"-p {home.name} " if named and home.name != "default" else ""

@@ -12,6 +12,7 @@ from hermes_state_holders import (
     _serves_another_home, canonical_sqlite_path, describe_holder_pid, foreign_state_db_holders,
     held_store_refusal, read_only_db_uri,
 )
+from hermes_constants import reset_hermes_home_override, set_hermes_home_override
 from test_support import TempDirTestCase
 
 LINUX_PROC = sys.platform.startswith("linux") and os.path.isdir("/proc/self/fd")
@@ -135,8 +136,15 @@ class ForeignHolders(HolderTestCase):
         self.assertEqual(lines[1], f"  {describe_holder_pid(pid)}: state.db, state.db-shm, state.db-wal")
         self.assertIn("Override with --force if you accept the risk.", lines)
         self.assertTrue(lines[-1].startswith("Recovery guide: https://"))
+        self.assertIn("Stop them first (`hermes gateway stop`, quit the Desktop app, pause cron),"
+                      " then re-run.", lines)
         without = held_store_refusal(path, command="vacuum", force_hint=None)
         self.assertNotIn("Override", without)
+        token = set_hermes_home_override(self.tmp / "root" / "profiles" / "work")
+        try:
+            self.assertIn("`hermes -p work gateway stop`", held_store_refusal(path, command="prune"))
+        finally:
+            reset_hermes_home_override(token)
         release()
         self.assertIsNone(held_store_refusal(path, command="optimize-storage"))
 
