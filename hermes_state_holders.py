@@ -129,9 +129,16 @@ def _looks_like_hermes(argv):
 
 def _serves_another_home(argv, db_path):
     """True when a command line proves its process works on another hermes home than the one
-    holding `db_path`: its --hermes-home / HERMES_HOME= names another, or its path arguments name
-    another home or store and none names this one. Anything less stays a suspect."""
-    home = os.path.normcase(os.path.dirname(os.path.abspath(db_path)))
+    holding `db_path`: it does not name this store, and its --hermes-home / HERMES_HOME= names
+    another home, or its path arguments name another home or store and none names this one.
+    Anything less stays a suspect."""
+    store = os.path.normcase(os.path.abspath(db_path))
+    home = os.path.dirname(store)
+    paths = [os.path.normcase(os.path.normpath(value)) for value in (
+        token.split("=", 1)[1] if token.startswith("-") and "=" in token else token
+        for token in argv[1:]) if value.startswith("/")]  # argv[0] locates the install, not a home
+    if any(path in _store_family(store) for path in paths):
+        return False  # it names this very store
     chosen = None
     for index, token in enumerate(argv):
         if token == "--hermes-home" and index + 1 < len(argv):
@@ -141,14 +148,10 @@ def _serves_another_home(argv, db_path):
     if chosen:
         return os.path.normcase(os.path.normpath(chosen)) != home
     other = False
-    for token in argv[1:]:  # argv[0] locates the install, not the home it serves
-        value = token.split("=", 1)[1] if token.startswith("-") and "=" in token else token
-        if not value.startswith("/"):
-            continue
-        value = os.path.normcase(os.path.normpath(value))
-        if value == home or value.startswith(home + os.sep):
+    for path in paths:
+        if path == home or path.startswith(home + os.sep):
             return False
-        other = other or "/.hermes" in value or os.path.basename(value) in _STORE_FILE_NAMES
+        other = other or "/.hermes" in path or os.path.basename(path) in _STORE_FILE_NAMES
     return other
 
 

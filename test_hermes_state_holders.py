@@ -1,5 +1,6 @@
 """Which other processes hold a store open: real stores held by real processes, read off /proc."""
 
+import json
 import os
 import sqlite3
 import subprocess
@@ -13,7 +14,7 @@ from hermes_state_holders import (
     held_store_refusal, read_only_db_uri,
 )
 from hermes_constants import reset_hermes_home_override, set_hermes_home_override
-from test_support import TempDirTestCase
+from test_support import REPO, TempDirTestCase
 
 LINUX_PROC = sys.platform.startswith("linux") and os.path.isdir("/proc/self/fd")
 
@@ -149,6 +150,55 @@ class ForeignHolders(HolderTestCase):
         self.assertIsNone(held_store_refusal(path, command="optimize-storage"))
 
 
+# Lists, as the unprivileged user `nobody` (who cannot read root's /proc/<pid>/fd), the holders of
+# the store argv[2], with the repo at argv[1]; prints them as JSON.
+SCAN_AS_NOBODY = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from hermes_state_holders import foreign_state_db_holders
+os.setgid(65534)
+os.setuid(65534)
+print(json.dumps(foreign_state_db_holders(sys.argv[2])))
+"""
+
+
+@unittest.skipUnless(LINUX_PROC and hasattr(os, "geteuid") and os.geteuid() == 0,
+                     "needs root, to scan as another user")
+class ProcessesTheScanCannotInspect(HolderTestCase):
+
+    def scan_as_nobody(self, path):
+        os.chmod(self.tmp, 0o755)  # the store's folder, so that nobody can stat the store
+        result = subprocess.run([sys.executable, "-c", SCAN_AS_NOBODY, str(REPO), str(path)],
+                                capture_output=True, text=True, timeout=60, check=True)
+        return json.loads(result.stdout)
+
+    def run_as(self, script_name, path, *args):
+        """A holder of `path` (given to it outside its command line) whose command line is
+        `python <tmp>/<script_name> <args>`."""
+        script = self.tmp / script_name
+        script.write_text("import os, sys\nsys.argv[1:] = [os.environ['STORE']]\n" + HOLD_STORE_OPEN)
+        holder = subprocess.Popen([sys.executable, str(script), *map(str, args)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=dict(os.environ, STORE=str(path)))
+        self.addCleanup(lambda: holder.poll() is None and (holder.stdin.close(), holder.wait(30),
+                                                           holder.stdout.close()))
+        self.assertEqual(holder.stdout.readline().strip(), "held")
+        return holder.pid
+
+    def test_a_hermes_process_it_cannot_inspect_is_a_suspect_and_anything_else_is_not(self):
+        path = self.tmp / "state.db"
+        suspect = self.run_as("run_agent.py", path)
+        self.run_as("tool.py", path)  # not hermes-agent: its descriptors would not be ours to guess
+        found = self.scan_as_nobody(path)
+        self.assertEqual([pid for pid, _ in found], [suspect])
+        self.assertTrue(found[0][1].startswith("uninspectable holder: "), found)
+
+    def test_a_hermes_process_of_another_home_is_not_a_suspect_unless_it_names_this_store(self):
+        path = self.tmp / "state.db"
+        self.run_as("run_agent.py", path, "--hermes-home", "/srv/another/.hermes")
+        self.assertEqual(self.scan_as_nobody(path), [])
+        naming = self.run_as("run_agent.py", path, "--hermes-home", "/srv/another/.hermes", path)
+        self.assertEqual([pid for pid, _ in self.scan_as_nobody(path)], [naming])
+
 class WhereTheScanCannotRun(TempDirTestCase):
 
     def test_without_proc_every_store_counts_as_held_by_an_unknown_process(self):
@@ -205,6 +255,8 @@ class RecognisingHermes(unittest.TestCase):
         self.assertTrue(_serves_another_home(["env", "HERMES_HOME=/srv/h2", "hermes"], store))
         self.assertTrue(_serves_another_home(["hermes", "--db=/home/b/.hermes/state.db"], store))
         self.assertFalse(_serves_another_home(["hermes", "--hermes-home=/home/a/.hermes"], store))
+        self.assertFalse(_serves_another_home(["hermes", "--hermes-home=/srv/b", f"--db={store}-wal"],
+                                              store))
         self.assertFalse(_serves_another_home(["/home/b/.hermes/venv/bin/hermes", "gateway"], store))
         self.assertFalse(_serves_another_home(["hermes", "/home/b/.hermes/x", "/home/a/.hermes/y"],
                                               store))
