@@ -56,12 +56,6 @@ def _db_opens_cleanly(db_path):
         conn = _connect(db_path)
     except sqlite3.Error as exc:
         return str(exc)
-    with contextlib.closing(conn):
-        return _health_problem(conn)
-
-
-def _health_problem(conn):
-    """_db_opens_cleanly's verdict on an open autocommit connection."""
     try:
         conn.execute("PRAGMA journal_mode").fetchone()
         problems = [str(row[0]) for row in conn.execute("PRAGMA integrity_check")
@@ -79,6 +73,8 @@ def _health_problem(conn):
         return _write_probe(conn)
     except sqlite3.DatabaseError as exc:
         return str(exc)
+    finally:
+        conn.close()
 
 
 def _write_probe(conn):
@@ -349,12 +345,13 @@ def repair_state_db_schema(db_path, *, backup=True):
     """{"repaired", "strategy", "backup_path", "error"} after repairing a store whose schema does
     not parse or whose search indexes reject writes; strategy 'already_healthy' for a healthy one.
 
-    Strategies, least destructive first, each followed by the health probe: 'rebuild_fts' (in
-    place), 'reindex_btree', 'dedup_schema' (the first of duplicate sqlite_master entries kept),
+    Strategies, least destructive first, each followed by the health probe: 'rebuild_fts',
+    'reindex_btree', 'dedup_schema' (the first of duplicate sqlite_master entries kept),
     'drop_fts_rebuild' (every search index object dropped, the file vacuumed; the next writable open
     rebuilds them). Refused (an error, nothing touched) while another process holds the store or
-    the scan cannot rule that out; the surgery runs on one connection that keeps every other out
-    (`_exclusive_repair_db_guard`). Unless `backup` is False, nothing is touched before
+    the scan cannot rule that out. The strategies work on a copy, taken and copied back through one
+    connection that keeps every other out meanwhile (`_exclusive_repair_db_guard`), so a repair
+    that fails changes nothing. Unless `backup` is False, nothing is touched before
     `_backup_db_file` succeeded; sessions and messages never are. Serialised across processes by
     hermes-agent's `<name>.repair.lock`; not by our `<name>.lock`, as closing a second descriptor
     of it could drop the lock a SessionDB of this process holds where flock is emulated."""
@@ -439,8 +436,8 @@ def _remove_with_sidecars(path):
 
 
 def _skipped(report, error):
-    """`report` with `error`, logged: a repair that did not start."""
-    logger.error("state.db repair skipped: %s", error)
+    """`report` with `error`, logged: a repair that did not start or could not finish."""
+    logger.error("state.db repair stopped: %s", error)
     return dict(report, error=error)
 
 
