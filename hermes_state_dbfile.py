@@ -1,9 +1,11 @@
 """File-level facts of a store for `hermes doctor` and `hermes backup`: its read-only stats, how
-many processes have it open, and who still holds a deleted generation of its -wal or -shm.
+many processes have it open, and who still holds a deleted generation of its -wal or -shm; and
+`_connect_tracked_db`, the connection hermes-agent opens its own readers of a store with.
 
-Reads a store through a read-only SQLite connection counted as ours (hermes_state_lockguard), and
-/proc; never writes, never opens a store file but through SQLite, never composes SessionDB, so
-it works on a store another program is writing or whose schema SessionDB would repair first.
+Reads a store through read-only SQLite connections counted as ours in hermes_state_lockguard's
+registry, and /proc; never writes, never opens a store file but through SQLite, never composes
+SessionDB, so it works on a store another program is writing or whose schema SessionDB would
+repair first.
 """
 
 import contextlib
@@ -38,6 +40,39 @@ _BACKFILL_MARKS = {True: (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS),
                    False: (META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)}
 
 
+class _TrackedConnection(sqlite3.Connection):
+    """A connection counted in hermes_state_lockguard's registry until its first close()."""
+
+    _tracked_key = None
+    _tracked = False
+
+    def close(self):
+        try:
+            super().close()
+        finally:
+            if self._tracked:
+                self._tracked = False
+                _release(self._tracked_key)
+
+
+def _connect_tracked_db(path, tracking_path=None, **kwargs):
+    """sqlite3.connect(path, **kwargs), counted as one of this process's connections to the store
+    file (`tracking_path`, for when `path` is a `file:` URI) until closed, so that no raw open of
+    the file in this process runs meanwhile and cancels its locks. A connection left unclosed keeps
+    raw opens refused, the safe side. A `factory` given must subclass sqlite3.Connection."""
+    factory = kwargs.pop("factory", sqlite3.Connection)
+    tracked = _TrackedConnection if factory is sqlite3.Connection else type(
+        "Tracked" + factory.__name__, (_TrackedConnection, factory), {})
+    key = _hold(path if tracking_path is None else tracking_path)
+    try:
+        conn = sqlite3.connect(str(path), factory=tracked, **kwargs)
+    except BaseException:
+        _release(key)
+        raise
+    conn._tracked_key, conn._tracked = key, True
+    return conn
+
+
 def collect_state_db_stats(db_path):
     """A read-only snapshot for doctor: page_count, page_size, freelist_count, logical_size_bytes,
     wal_size_bytes (0 without a -wal), journal_mode, messages, sessions, fts_tables (hermes-agent's
@@ -52,12 +87,11 @@ def collect_state_db_stats(db_path):
     wal = Path(str(db_path) + "-wal")
     with contextlib.suppress(OSError):
         stats["wal_size_bytes"] = wal.stat().st_size if wal.exists() else 0
-    key = _hold(db_path)  # counted as ours while open: no raw open may close a descriptor under it
     try:
         # A short timeout keeps doctor quick while a writer holds the store.
-        conn = sqlite3.connect(read_only_db_uri(db_path), uri=True, timeout=2.0)
+        conn = _connect_tracked_db(read_only_db_uri(db_path), tracking_path=db_path, uri=True,
+                                   timeout=2.0)
     except Exception as exc:
-        _release(key)
         logger.debug("collect_state_db_stats: cannot open %s read-only: %s", db_path, exc)
         return stats
 
@@ -96,7 +130,6 @@ def collect_state_db_stats(db_path):
             stats["fts_rebuild_deferral"] = parsed if isinstance(parsed, dict) else None
     finally:
         conn.close()
-        _release(key)
     return stats
 
 

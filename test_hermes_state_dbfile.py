@@ -9,9 +9,11 @@ import unittest
 
 from hermes_state import SessionDB
 from hermes_state_dbfile import (
-    RETIRED_GENERATION_DIR_SUFFIX, collect_state_db_stats, count_db_holders,
+    RETIRED_GENERATION_DIR_SUFFIX, _connect_tracked_db, collect_state_db_stats, count_db_holders,
     iter_deleted_sqlite_sidecar_holders,
 )
+from hermes_state_holders import read_only_db_uri
+from hermes_state_lockguard import _raw_store_access
 from test_support import HAS_FTS5, HAS_TRIGRAM, TempDirTestCase
 
 LINUX_PROC = sys.platform.startswith("linux") and os.path.isdir("/proc/self/fd")
@@ -89,6 +91,41 @@ class Stats(DbFileTestCase):
 
     def test_hermes_agent_s_backup_leaves_out_folders_by_this_suffix(self):
         self.assertEqual(RETIRED_GENERATION_DIR_SUFFIX, ".retired-wal-")
+
+
+class TrackedConnections(DbFileTestCase):
+
+    def raw_read_runs(self, path):
+        """True if a raw read of the store's header may run now (no connection of ours holds it)."""
+        return _raw_store_access(path, os.O_RDONLY, lambda fd: os.read(fd, 16)) is not None
+
+    def test_a_raw_open_waits_for_every_tracked_connection_to_close(self):
+        path = self.store(messages=1)
+        self.assertTrue(self.raw_read_runs(path))
+        first = _connect_tracked_db(path)
+        second = _connect_tracked_db(read_only_db_uri(path), tracking_path=path, uri=True)
+        self.assertEqual(second.execute("SELECT COUNT(*) FROM messages").fetchone(), (1,))
+        first.close()
+        first.close()  # a second close releases nothing more
+        self.assertFalse(self.raw_read_runs(path))
+        second.close()
+        self.assertTrue(self.raw_read_runs(path))
+
+    def test_a_caller_s_connection_class_is_kept(self):
+        class Rows(sqlite3.Connection):
+            pass
+        path = self.store(messages=1)
+        conn = _connect_tracked_db(path, factory=Rows, timeout=1.0)
+        self.assertIsInstance(conn, Rows)
+        self.assertFalse(self.raw_read_runs(path))
+        conn.close()
+        self.assertTrue(self.raw_read_runs(path))
+
+    def test_a_store_that_cannot_be_opened_leaves_nothing_counted(self):
+        path = self.store(messages=1)
+        with self.assertRaises(sqlite3.OperationalError):
+            _connect_tracked_db(self.tmp / "no" / "such.db", tracking_path=path)
+        self.assertTrue(self.raw_read_runs(path))
 
 
 @unittest.skipUnless(LINUX_PROC, "holders are read from /proc on Linux")
