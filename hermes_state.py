@@ -73,8 +73,10 @@ from hermes_state_usage import SessionUsageMixin, TokenQueue, apply_token_batch
 
 # Names hermes-agent imports from this module although they live in another.
 from hermes_state_repair import (  # noqa: F401
-    _backup_db_file, _db_opens_cleanly, _wal_reset_repair_hint, collect_state_db_stats,
-    count_db_holders, is_sqlite_wal_reset_vulnerable, repair_state_db_schema, sqlite_source_id,
+    _backup_db_file, _db_opens_cleanly, repair_state_db_schema,
+)
+from hermes_state_dbfile import (  # noqa: F401
+    _connect_tracked_db, collect_state_db_stats, count_db_holders,
 )
 from hermes_state_common import (  # noqa: F401
     _BARE_BILLING_PROVIDERS, DEFERRED_INDEX_SQL, FTS_STORAGE_VERSION,
@@ -92,8 +94,9 @@ from hermes_state_maintenance import (  # noqa: F401
     classify_session_status,
 )
 from hermes_state_wal import (  # noqa: F401
-    apply_database_pragmas, apply_wal_with_fallback, preflight_db_writability,
-    resolve_journal_mode,
+    _wal_reset_repair_hint, apply_database_pragmas, apply_wal_with_fallback,
+    is_sqlite_wal_reset_vulnerable, preflight_db_writability, resolve_journal_mode,
+    sqlite_source_id,
 )
 from hermes_state_errors import WalUnsupportedError
 

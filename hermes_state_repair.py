@@ -1,18 +1,21 @@
 """Probing and repairing a store from outside SessionDB: the helpers hermes-agent imports from
-hermes_state for `hermes doctor`, `hermes status` and `hermes sessions repair`.
+hermes_state_repair (and from hermes_state) for `hermes doctor` and `hermes sessions repair`.
 
-Owns the health probe, the forensic backup, the escalating schema/index repair, the read-only stats,
-the count of processes holding the file and the SQLite runtime facts, each on a path with
-short-lived SQLite connections (never a SessionDB), so a store whose schema does not parse can still
-be probed and repaired. Never opens the store or a sidecar with anything but SQLite while this
+Owns the health probe, the structural-damage verdict, the proof that no live writer holds a store
+and the exclusion a repair runs under, the forensic backup, the escalating schema/index repair,
+and the write barriers a guest connection to the store takes, each on a path with short-lived
+SQLite connections (never a SessionDB), so a store whose schema does not parse can still be
+probed and repaired. Never opens the store or a sidecar with anything but SQLite while this
 process may hold a connection to it: closing any descriptor of a file drops every POSIX lock the
 process holds on it, SQLite's included. Never deletes a session or message row, nor a backup: a
-repair rebuilds or drops search indexes and duplicate schema entries only.
+repair rebuilds or drops search indexes and duplicate schema entries only, and runs only while no
+other connection has the store open.
 """
 
 import contextlib
 import logging
 import os
+import re
 import shutil
 import sqlite3
 import sys
@@ -29,9 +32,10 @@ from hermes_state_common import (
     META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE,
     META_FTS_STORAGE_VERSION, META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS,
     META_SEARCH_STALE_PREFIX, SEARCH_TABLES, SIDECAR_SUFFIXES, claim_file_beside,
-    hermes_agent_config, sqlite_has_wal_reset_bug,
+    hermes_agent_config_section,
 )
-from hermes_state_errors import is_capability_gap
+from hermes_state_errors import is_capability_gap, is_sqlite_lock_error
+from hermes_state_holders import foreign_state_db_holders, open_descriptors, read_only_db_uri
 
 logger = logging.getLogger("hermes_state")
 
@@ -40,114 +44,6 @@ _FTS_TABLES = tuple(HERMES_FTS_TABLES.values()) + tuple(SEARCH_TABLES.values())
 # How long a repair waits for another process's repair (hermes-agent's lock file and timeout, so its
 # processes and ours take turns).
 REPAIR_LOCK_WAIT = 120.0
-
-
-# -- the SQLite runtime ----------------------------------------------------------
-
-def is_sqlite_wal_reset_vulnerable(version_info=None):
-    """True if this SQLite (or `version_info`, e.g. (3, 45, 1)) has the WAL-reset bug (3.7.0 to
-    3.51.2; fixed in 3.51.3 and the 3.50.7 / 3.44.6 backports)."""
-    if version_info is None:
-        version_info = sqlite3.sqlite_version_info
-    parts = [int(p) for p in version_info][:3]
-    return sqlite_has_wal_reset_bug(tuple(parts + [0] * (3 - len(parts))))
-
-
-def sqlite_source_id():
-    """SQLite's `sqlite_source_id()`: the build date and check-in hash of the library in use."""
-    with contextlib.closing(sqlite3.connect(":memory:")) as conn:
-        return conn.execute("SELECT sqlite_source_id()").fetchone()[0]
-
-
-def _wal_reset_repair_hint():
-    """How to get a SQLite without the WAL-reset bug, for hermes-agent's kind of install if it
-    is one."""
-    config = hermes_agent_config()
-    try:
-        method = config.detect_install_method(config.get_project_root())
-        command = config.recommended_update_command_for_method(method)
-    except Exception:  # outside hermes-agent (config is None) or an older one without these
-        return ("install a Python build bundled with SQLite 3.51.3+ (or backports 3.50.7 / 3.44.6) "
-                "and restart Hermes")
-    if method in ("git", "unknown"):
-        return f"Hermes-managed installs can repair the embedded runtime with `{command}`"
-    if method == "docker":
-        return f"update the container image with `{command}`"
-    return command
-
-
-# -- read-only reports -------------------------------------------------------------
-
-def collect_state_db_stats(db_path):
-    """A read-only snapshot for doctor, with every key below (None if unreadable); never
-    raises or writes."""
-    stats = dict.fromkeys((
-        "page_count", "page_size", "freelist_count", "logical_size_bytes", "wal_size_bytes",
-        "journal_mode", "messages", "sessions", "fts_tables", "fts_storage_version",
-        "fts_rebuild_pending", "fts_rebuild_high_water", "fts_rebuild_progress",
-    ))
-    wal = Path(str(db_path) + "-wal")
-    with contextlib.suppress(OSError):
-        stats["wal_size_bytes"] = wal.stat().st_size if wal.exists() else 0
-    try:
-        conn = _connect(db_path, "ro", timeout=2.0)
-    except Exception as exc:
-        logger.debug("collect_state_db_stats: cannot open %s read-only: %s", db_path, exc)
-        return stats
-
-    def value(sql, params=(), cast=int):
-        with contextlib.suppress(Exception):  # None, as for a missing row
-            row = conn.execute(sql, params).fetchone()
-            return None if row is None or row[0] is None else cast(row[0])
-
-    with contextlib.closing(conn):
-        for key in ("page_count", "page_size", "freelist_count"):
-            stats[key] = value(f"PRAGMA {key}")
-        if stats["page_count"] is not None and stats["page_size"] is not None:
-            stats["logical_size_bytes"] = stats["page_count"] * stats["page_size"]
-        stats["journal_mode"] = value("PRAGMA journal_mode", cast=str)
-        for table in ("messages", "sessions"):
-            stats[table] = value(f"SELECT COUNT(*) FROM {table}")
-        ours = False
-        with contextlib.suppress(Exception):
-            tables = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-            present = {row[0] for row in tables}
-            ours = SEARCH_TABLES["word"] in present
-            # By hermes-agent's names, for the role each index plays: our word and trigram indexes
-            # count as its own (its CJK index needs its tokenizer; ours is apart).
-            stats["fts_tables"] = {
-                table: table in present or (index != "cjk" and SEARCH_TABLES[index] in present)
-                for index, table in HERMES_FTS_TABLES.items()}
-        meta = "SELECT value FROM state_meta WHERE key = ?"
-        stats["fts_storage_version"] = value(meta, (META_FTS_STORAGE_VERSION,))
-        marks = (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS) if ours else (
-            META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)
-        high_water = stats["fts_rebuild_high_water"] = value(meta, (marks[0],))
-        progress = stats["fts_rebuild_progress"] = value(meta, (marks[1],))
-        stats["fts_rebuild_pending"] = high_water is not None and (progress or 0) < high_water
-    return stats
-
-
-def count_db_holders(db_path):
-    """How many processes have `db_path` open, from /proc/*/fd (Linux; a lower bound, other users'
-    are invisible without root); None elsewhere or on error."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        target = os.path.realpath(db_path)
-        return sum(1 for pid in os.listdir("/proc") if pid.isdigit() and target in _open_files(pid))
-    except Exception:
-        return None
-
-
-def _open_files(pid):
-    """The paths process `pid` has open (its /proc fd symlinks); empty if unreadable."""
-    paths, folder = set(), f"/proc/{pid}/fd"
-    with contextlib.suppress(OSError):
-        for name in os.listdir(folder):
-            with contextlib.suppress(OSError):
-                paths.add(os.readlink(f"{folder}/{name}"))
-    return paths
 
 
 # -- the health probe ---------------------------------------------------------------
@@ -172,7 +68,7 @@ def _db_opens_cleanly(db_path):
                 conn.execute(f"SELECT 1 FROM {table} WHERE {table} MATCH '\"\"' LIMIT 1").fetchone()
             except sqlite3.DatabaseError as exc:
                 if not isinstance(exc, sqlite3.OperationalError) \
-                        or not (is_capability_gap(exc) or _not_built(exc)):
+                        or not (is_capability_gap(exc) or _schema_not_built(exc)):
                     return f"fts5 read probe failed on {table}: {exc}"
         return _write_probe(conn)
     except sqlite3.DatabaseError as exc:
@@ -192,7 +88,7 @@ def _write_probe(conn):
         conn.execute("INSERT INTO messages (session_id, role, content, timestamp)"
                      " VALUES (?, 'user', '_fts_health_probe', ?)", (probe, now))
     except sqlite3.OperationalError as exc:
-        if _not_built(exc) or "no such tokenizer: cjk_unicode61" in str(exc).lower():
+        if _schema_not_built(exc) or "no such tokenizer: cjk_unicode61" in str(exc).lower():
             return None
         return str(exc)
     finally:
@@ -201,15 +97,190 @@ def _write_probe(conn):
     return None
 
 
-def _not_built(exc):
+def _schema_not_built(exc):
+    """True for 'no such table' / 'no such column': a store whose tables are not (all) created yet,
+    or one an older release wrote, not a damaged one."""
     text = str(exc).lower()
     return "no such table" in text or "no such column" in text
 
 
-def _connect(db_path, mode="rw", timeout=5.0):
-    """An autocommit connection to an existing store (never creates one)."""
-    return sqlite3.connect(f"{Path(db_path).resolve().as_uri()}?mode={mode}", uri=True,
+def _connect(db_path, timeout=5.0):
+    """An autocommit read-write connection to an existing store (never creates one), with the write
+    barriers taken where the schema lets them."""
+    conn = sqlite3.connect(f"{Path(db_path).resolve().as_uri()}?mode=rw", uri=True,
                            isolation_level=None, timeout=timeout)
+    _write_barriers(conn)
+    return conn
+
+
+# -- structural damage ----------------------------------------------------------------------
+
+# The search index objects, which a repair can rebuild: hermes-agent's FTS5 (and FTS3/4) tables with
+# their shadow tables, and everything of ours named hs_*. Matched whole, so a user's lookalike
+# ("archive_fts_data") is not one.
+_INDEX_OBJECT_RE = re.compile(
+    r"messages_fts(_trigram|_cjk)?(_data|_idx|_content|_docsize|_config|_segdir|_segments)?"
+    r"|hs_\w+")
+_TREE_RE = re.compile(r"\bTree (\d+)\b")
+_MISSING_FROM_INDEX_RE = re.compile(r"missing from index (\S+)")
+
+
+def integrity_damage_is_structural(integrity_lines, master_rows):
+    """True if a damage line of PRAGMA integrity_check names an object outside the search indexes:
+    a 'Tree N' whose root page (`master_rows`: (rootpage, type, name)) is a table or index of the
+    data, a row missing from such an index, or the freelist. Lines naming nothing are not
+    counted."""
+    by_root_page = {int(page): name for page, _, name in master_rows if page}
+    for line in map(str, integrity_lines):
+        if line.startswith("Freelist"):
+            return True
+        tree = _TREE_RE.search(line)
+        name = by_root_page.get(int(tree.group(1)), "") if tree else ""
+        missing = _MISSING_FROM_INDEX_RE.search(line)
+        for damaged in (name, missing.group(1) if missing else ""):
+            if damaged and not _INDEX_OBJECT_RE.fullmatch(damaged):
+                return True
+    return False
+
+
+def state_db_has_structural_damage(db_path):
+    """True if integrity_check finds damage in the store's data (its tables and their indexes, not a
+    search index, which a repair rebuilds; doctor then sends the user to `sessions recover`), or
+    cannot finish its walk for damage; False for a healthy store and for one that cannot be opened
+    or is locked. Read-only."""
+    try:
+        conn = sqlite3.connect(read_only_db_uri(db_path), uri=True, timeout=1.0)
+    except sqlite3.Error:
+        return False
+    try:
+        master_rows = conn.execute(
+            "SELECT rootpage, type, name FROM sqlite_master WHERE rootpage > 0").fetchall()
+        lines = [str(row[0]) for row in conn.execute("PRAGMA integrity_check")]
+    except sqlite3.OperationalError:  # locked, or unreadable for want of a capability
+        return False
+    except sqlite3.DatabaseError:  # the check itself hit a torn page
+        return True
+    finally:
+        conn.close()
+    return integrity_damage_is_structural(
+        [part for line in lines for part in line.splitlines()], master_rows)
+
+
+# -- who else holds the store, and holding it alone ----------------------------------------------
+
+def _live_writer_holds_db(db_path):
+    """True unless this call can prove no one else holds `db_path`: another process has it or a
+    sidecar open (or the scan could not rule that out: hermes_state_holders fails closed), or
+    another connection, of this process too, stops an exclusive write lock. False for a file
+    SQLite cannot read that no process holds. hermes-agent's doctor asks before a checkpoint."""
+    if foreign_state_db_holders(db_path):
+        return True
+    try:
+        probe = _connect(db_path, timeout=0.0)
+    except sqlite3.Error:
+        return False
+    try:
+        _take_alone(probe, "BEGIN IMMEDIATE")
+        return False
+    except sqlite3.OperationalError as exc:
+        return is_sqlite_lock_error(exc)
+    except sqlite3.DatabaseError:  # unreadable, and held by nobody: a repair may run
+        return False
+    finally:
+        _close_unpinned(probe)
+
+
+@contextlib.contextmanager
+def _exclusive_repair_db_guard(db_path):
+    """Yields (connection, None) while that one connection keeps every other connection, of any
+    process, out of the store, or (None, the error) when another holds it or it cannot be opened.
+    The exclusion lasts until the block ends (locking_mode=EXCLUSIVE after a rolled-back BEGIN
+    EXCLUSIVE); nothing waits: a repair under a live writer is refused, never queued."""
+    try:
+        guard = _connect(db_path, timeout=0.0)
+    except sqlite3.Error as exc:
+        yield None, exc
+        return
+    try:
+        _take_alone(guard, "BEGIN EXCLUSIVE")
+    except sqlite3.Error as exc:
+        _close_unpinned(guard)
+        yield None, exc
+        return
+    try:
+        yield guard, None
+    finally:
+        _close_unpinned(guard)
+
+
+def _take_alone(conn, begin):
+    for statement in ("PRAGMA locking_mode=EXCLUSIVE", begin, "ROLLBACK"):
+        conn.execute(statement)
+
+
+def _close_unpinned(conn):
+    """Close, leaving exclusive locking first: a close-time checkpoint then runs as any other."""
+    with contextlib.suppress(sqlite3.Error):
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        conn.execute("PRAGMA locking_mode=NORMAL")
+    conn.close()
+
+
+# -- write barriers ---------------------------------------------------------------------------
+
+# PRAGMA synchronous by name, as config.yaml's `database.synchronous` spells it.
+SYNCHRONOUS_LEVELS = {"OFF": 0, "NORMAL": 1, "FULL": 2, "EXTRA": 3}
+
+
+def apply_durability_barriers(conn):
+    """Give `conn` (a guest connection to the store, which keeps the journal mode its owner set) the
+    write barriers of the store's own connections and config.yaml's `database.synchronous`; True
+    if the barriers took (always, but on macOS), False if the schema refused them."""
+    accepted = _write_barriers(conn)
+    raw = hermes_agent_config_section("database").get("synchronous")
+    if raw is not None:
+        apply_synchronous_setting(conn, raw, db_label="state.db (guest)")
+    return accepted
+
+
+def _write_barriers(conn):
+    """On macOS, checkpoint_fullfsync and synchronous=FULL: its fsync neither orders writes nor
+    reaches the disk unless asked (a shutdown then leaves torn b-tree pages). False if refused."""
+    if sys.platform != "darwin":
+        return True
+    try:
+        conn.execute("PRAGMA checkpoint_fullfsync=1")
+        conn.execute("PRAGMA synchronous=FULL")
+        return True
+    except sqlite3.Error:  # a schema that does not parse refuses pragmas until repaired
+        return False
+
+
+def synchronous_level(raw):
+    """The PRAGMA synchronous level of a config value ('normal', 'FULL', 2, '3', False for off);
+    None for anything else."""
+    if isinstance(raw, bool):  # YAML reads a bare `off` as False; True says nothing
+        return 0 if raw is False else None
+    text = str(raw).strip().upper()
+    if text in SYNCHRONOUS_LEVELS:
+        return SYNCHRONOUS_LEVELS[text]
+    return int(text) if text.isdigit() and int(text) in SYNCHRONOUS_LEVELS.values() else None
+
+
+def apply_synchronous_setting(conn, raw, *, db_label):
+    """PRAGMA synchronous from config value `raw`, never below FULL on macOS; a value that names no
+    level is logged and changes nothing (guessing at durability is worse)."""
+    level = synchronous_level(raw)
+    if level is None:
+        logger.warning("%s: database.synchronous=%r is not OFF, NORMAL, FULL, EXTRA or 0-3;"
+                       " ignored", db_label, raw)
+    elif sys.platform == "darwin" and level < SYNCHRONOUS_LEVELS["FULL"]:
+        logger.warning("%s: database.synchronous=%r is below FULL, which macOS needs for ordered"
+                       " writes; keeping FULL", db_label, raw)
+    else:
+        with contextlib.suppress(sqlite3.OperationalError):
+            conn.execute(f"PRAGMA synchronous={level}")
 
 
 # -- backup ---------------------------------------------------------------------------
@@ -250,7 +321,8 @@ def _backup_db_file(db_path):
 
 
 def _sqlite_copy(db_path, target):
-    with contextlib.closing(_connect(db_path, "ro")) as source, \
+    with contextlib.closing(sqlite3.connect(read_only_db_uri(db_path), uri=True,
+                                            timeout=5.0)) as source, \
             contextlib.closing(sqlite3.connect(target)) as copy:
         source.backup(copy)
         # A copy of a damaged schema keeps its WAL flag.
@@ -264,7 +336,7 @@ def _process_has_open(db_path):
     if not os.path.isdir("/proc/self/fd"):
         return True
     wanted = {os.path.realpath(f"{db_path}{suffix}") for suffix in ("",) + SIDECAR_SUFFIXES}
-    return bool(wanted & _open_files("self"))
+    return bool(wanted & {target for _, target in open_descriptors("self")})
 
 
 # -- repair -----------------------------------------------------------------------------
@@ -273,13 +345,16 @@ def repair_state_db_schema(db_path, *, backup=True):
     """{"repaired", "strategy", "backup_path", "error"} after repairing a store whose schema does
     not parse or whose search indexes reject writes; strategy 'already_healthy' for a healthy one.
 
-    Strategies, least destructive first, each followed by the health probe: 'rebuild_fts' (in
-    place), 'reindex_btree', 'dedup_schema' (the first of duplicate sqlite_master entries kept),
+    Strategies, least destructive first, each followed by the health probe: 'rebuild_fts',
+    'reindex_btree', 'dedup_schema' (the first of duplicate sqlite_master entries kept),
     'drop_fts_rebuild' (every search index object dropped, the file vacuumed; the next writable open
-    rebuilds them). Unless `backup` is False, nothing is touched before `_backup_db_file` succeeded;
-    sessions and messages never are. Serialised across processes by hermes-agent's
-    `<name>.repair.lock`; not by our `<name>.lock`, as closing a second descriptor of it could drop
-    the lock a SessionDB of this process holds where flock is emulated."""
+    rebuilds them). Refused (an error, nothing touched) while another process holds the store or
+    the scan cannot rule that out. The strategies work on a copy, taken and copied back through one
+    connection that keeps every other out meanwhile (`_exclusive_repair_db_guard`), so a repair
+    that fails changes nothing. Unless `backup` is False, nothing is touched before
+    `_backup_db_file` succeeded; sessions and messages never are. Serialised across processes by
+    hermes-agent's `<name>.repair.lock`; not by our `<name>.lock`, as closing a second descriptor
+    of it could drop the lock a SessionDB of this process holds where flock is emulated."""
     report = {"repaired": False, "strategy": None, "backup_path": None, "error": None}
     db_path = Path(db_path)
     if not db_path.exists():
@@ -292,29 +367,78 @@ def repair_state_db_schema(db_path, *, backup=True):
             report["error"] = ("another process holds the state.db repair lock; "
                                "skipped schema surgery to avoid racing it")
             return report
+        if _live_writer_holds_db(db_path):
+            return _skipped(report, "a live writer still holds state.db; skipped schema surgery to"
+                            " avoid tearing b-tree pages under a concurrent writer. Stop the"
+                            " gateway (hermes gateway stop) and retry.")
         if _db_opens_cleanly(db_path) is None:
             return dict(report, repaired=True, strategy="already_healthy")
         if backup:
             copy, why = _backup_db_file(db_path)
             report["backup_path"] = None if copy is None else str(copy)
             if copy is None:
-                report["error"] = ("pre-repair backup refused; aborting schema repair to avoid "
-                                   f"mutating the only copy of the damaged DB: {why}")
-                return report
-        for strategy, surgery in _STRATEGIES:
+                return _skipped(report, "pre-repair backup refused; aborting schema repair to"
+                                f" avoid mutating the only copy of the damaged DB: {why}")
+        with _exclusive_repair_db_guard(db_path) as (guard, why):
+            if guard is None:
+                return _skipped(report, "could not acquire exclusive state.db repair ownership;"
+                                " skipped schema surgery to avoid overwriting a concurrent writer."
+                                f" Stop the gateway and retry: {why}")
+            try:  # a new owner-only file (SQLite gives its sidecars the same mode), named apart
+                scratch = claim_file_beside(db_path, "repair-scratch")
+            except OSError as exc:
+                return _skipped(report, f"could not copy {db_path} for repair: {exc}")
             try:
-                with contextlib.closing(_connect(db_path)) as conn:
-                    surgery(conn)
-                report["error"] = _db_opens_cleanly(db_path)
-            except sqlite3.DatabaseError as exc:
-                report["error"] = str(exc)
-            logger.warning("state.db repair %s on %s: %s",
-                           strategy, db_path, report["error"] or "healthy")
-            if report["error"] is None:
-                return dict(report, repaired=True, strategy=strategy)
-    logger.error("state.db repair could not recover %s (backup: %s)",
+                return _repair_on_scratch(db_path, guard, scratch, report)
+            finally:
+                _remove_with_sidecars(scratch)  # never mistaken for a store later
+
+
+def _repair_on_scratch(db_path, guard, scratch, report):
+    """The strategies on `scratch`, a copy of the store taken through `guard`; the first one the
+    probe finds healthy is copied back through `guard` in one transaction. So a failed strategy
+    changes nothing of the store: a VACUUM of a schema that does not parse drops the tables it
+    cannot see."""
+    try:
+        with contextlib.closing(sqlite3.connect(scratch, isolation_level=None)) as copy:
+            guard.backup(copy)
+    except (OSError, sqlite3.Error) as exc:
+        return _skipped(report, f"could not copy {db_path} for repair: {exc}")
+    for strategy, surgery in _STRATEGIES:
+        try:
+            with contextlib.closing(_connect(scratch)) as conn:
+                surgery(conn)
+            report["error"] = _db_opens_cleanly(scratch)
+        except sqlite3.DatabaseError as exc:
+            report["error"] = str(exc)
+        logger.warning("state.db repair %s on %s: %s",
+                       strategy, db_path, report["error"] or "healthy")
+        if report["error"] is None:
+            try:
+                with contextlib.closing(_connect(scratch)) as repaired:
+                    repaired.backup(guard)
+            except sqlite3.Error as exc:
+                return _skipped(report, f"the repaired copy could not replace {db_path}: {exc}")
+            return dict(report, repaired=True, strategy=strategy)
+    logger.error("state.db repair could not recover %s (nothing of it was changed; backup: %s)",
                  db_path, report["backup_path"])
     return report
+
+
+def _remove_with_sidecars(path):
+    for suffix in ("",) + SIDECAR_SUFFIXES:
+        try:
+            os.unlink(f"{path}{suffix}")
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # the report stands; the copy is ours to clean up by hand
+            logger.warning("could not remove the repair copy %s%s: %s", path, suffix, exc)
+
+
+def _skipped(report, error):
+    """`report` with `error`, logged: a repair that did not start or could not finish."""
+    logger.error("state.db repair stopped: %s", error)
+    return dict(report, error=error)
 
 
 def _rebuild_fts(conn):
@@ -335,23 +459,20 @@ def _rebuild_fts(conn):
 
 
 def _dedup_schema(conn):
-    conn.execute("PRAGMA writable_schema=ON")
-    duplicates = conn.execute("SELECT type, name, MIN(rowid) FROM sqlite_master GROUP BY type, name"
-                              " HAVING COUNT(*) > 1").fetchall()
-    for kind, name, keep in duplicates:
-        conn.execute("DELETE FROM sqlite_master WHERE type IS ? AND name IS ? AND rowid <> ?",
-                     (kind, name, keep))
-    if duplicates:
-        _bump_schema_cookie(conn)
-    conn.execute("PRAGMA writable_schema=OFF")
+    def edit():
+        duplicates = conn.execute("SELECT type, name, MIN(rowid) FROM sqlite_master"
+                                  " GROUP BY type, name HAVING COUNT(*) > 1").fetchall()
+        for kind, name, keep in duplicates:
+            conn.execute("DELETE FROM sqlite_master WHERE type IS ? AND name IS ? AND rowid <> ?",
+                         (kind, name, keep))
+        return bool(duplicates)
+    _edit_schema(conn, edit)
 
 
 def _drop_fts(conn):
-    conn.execute("PRAGMA writable_schema=ON")
-    conn.execute("DELETE FROM sqlite_master"
-                 " WHERE name LIKE 'messages_fts%' OR name LIKE 'hs\\_%' ESCAPE '\\'")
-    _bump_schema_cookie(conn)
-    conn.execute("PRAGMA writable_schema=OFF")
+    _edit_schema(conn, lambda: conn.execute(
+        "DELETE FROM sqlite_master"
+        " WHERE name LIKE 'messages_fts%' OR name LIKE 'hs\\_%' ESCAPE '\\'") or True)
     conn.execute("VACUUM")
     # The markers described indexes that are gone; the next open starts afresh.
     with contextlib.suppress(sqlite3.OperationalError):
@@ -359,6 +480,18 @@ def _drop_fts(conn):
                      META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE,
                      META_FTS_CJK_STALE)
         conn.execute("DELETE FROM state_meta WHERE key LIKE 'hs\\_search\\_%' ESCAPE '\\'")
+
+
+def _edit_schema(conn, edit):
+    """`edit()` on sqlite_master with writable_schema on, and off again whatever happens: left on,
+    it would hide a schema that still does not parse from the health probe. The schema cookie moves
+    if `edit` returns True."""
+    conn.execute("PRAGMA writable_schema=ON")
+    try:
+        if edit():
+            _bump_schema_cookie(conn)
+    finally:
+        conn.execute("PRAGMA writable_schema=OFF")
 
 
 _STRATEGIES = (

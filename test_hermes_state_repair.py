@@ -14,13 +14,12 @@ from pathlib import Path
 
 import hermes_state
 import hermes_state_repair
-from hermes_state import (
-    DEFERRED_INDEX_SQL, SessionDB, _backup_db_file, _db_opens_cleanly, _wal_reset_repair_hint,
-    collect_state_db_stats, count_db_holders, is_sqlite_wal_reset_vulnerable, repair_state_db_schema,
-    sqlite_source_id,
-)
-from hermes_state_common import DEFERRED_INDEXES, SCHEMA_SQL
-from test_support import HAS_FTS5, HAS_TRIGRAM, REPO, TempDirTestCase, require
+from hermes_state import SessionDB
+from hermes_state_common import DEFERRED_INDEX_SQL, DEFERRED_INDEXES, SCHEMA_SQL
+from hermes_state_dbfile import collect_state_db_stats, count_db_holders
+from hermes_state_repair import _backup_db_file, _db_opens_cleanly, repair_state_db_schema
+from hermes_state_holders import open_descriptors
+from test_support import HAS_FTS5, REPO, TempDirTestCase, require
 
 # A schema entry to duplicate: our word index's, or where SQLite has no FTS5 (no such table) a plain table's.
 DUPLICATED = "hs_fts_words" if HAS_FTS5 else "state_meta"
@@ -104,17 +103,6 @@ class DoctorTestCase(TempDirTestCase):
 
 
 class Runtime(unittest.TestCase):
-
-    def test_wal_reset_exposure_by_version(self):
-        cases = {(3, 7, 0): True, (3, 6, 23): False, (3, 45, 1): True, (3, 44, 6): False, (3, 50, 7): False,
-                 (3, 51, 2): True, (3, 51, 3): False, (3, 51): True, (4, 0, 0): False}
-        for version, vulnerable in cases.items():
-            self.assertIs(is_sqlite_wal_reset_vulnerable(version), vulnerable, version)
-        self.assertIs(is_sqlite_wal_reset_vulnerable(), is_sqlite_wal_reset_vulnerable(sqlite3.sqlite_version_info))
-
-    def test_source_id_and_repair_hint_are_text(self):
-        self.assertTrue(sqlite_source_id().startswith("20"))
-        self.assertIn("SQLite 3.51.3", _wal_reset_repair_hint())
 
     def test_deferred_index_sql_is_one_script_of_the_same_indexes(self):
         conn = sqlite3.connect(":memory:")
@@ -277,7 +265,7 @@ class RepairLock(DoctorTestCase):
         repairs = [self.start_repair(path, 20) for _ in range(2)]
         lock_file = os.path.realpath(f"{path}.repair.lock")
         deadline = time.monotonic() + 30
-        while not all(lock_file in hermes_state_repair._open_files(child.pid) for child in repairs):
+        while not all(lock_file in {t for _, t in open_descriptors(child.pid)} for child in repairs):
             self.assertLess(time.monotonic(), deadline, "the repairs never reached the repair lock")
             self.assertTrue(all(child.poll() is None for child in repairs), "a repair ended without the lock")
             time.sleep(0.02)
@@ -340,32 +328,183 @@ class Backup(DoctorTestCase):
 
 class Reports(DoctorTestCase):
 
-    def test_stats_snapshot_of_a_store_and_of_a_missing_one(self):
-        path = self.store()
-        stats = collect_state_db_stats(path)
-        self.assertEqual((stats["messages"], stats["sessions"], stats["journal_mode"]), (30, 1, "wal"))
-        self.assertEqual(stats["logical_size_bytes"], stats["page_count"] * stats["page_size"])
-        # Our word and trigram indexes play the roles of hermes-agent's (where this SQLite keeps them); its
-        # CJK index is not ours.
-        self.assertEqual(stats["fts_tables"], {"messages_fts": HAS_FTS5, "messages_fts_trigram": HAS_TRIGRAM,
-                                               "messages_fts_cjk": False})
-        self.assertEqual((stats["fts_rebuild_pending"], stats["fts_rebuild_high_water"]), (False, None))
-        missing = collect_state_db_stats(self.tmp / "missing.db")
-        self.assertEqual(set(missing), set(stats))
-        self.assertEqual(missing["wal_size_bytes"], 0)
-        self.assertIsNone(missing["sessions"])
-        self.assertFalse((self.tmp / "missing.db").exists())
-
-    @unittest.skipUnless(sys.platform.startswith("linux"), "holders are read from /proc on Linux")
-    def test_holders_are_counted_per_process(self):
-        path = self.store()
-        self.assertEqual(count_db_holders(path), 0)
-        with SessionDB(path) as db:
-            db.create_session("t", "cli")
-            self.assertEqual(count_db_holders(path), 1)
-
     def test_hermes_agent_finds_every_helper_on_hermes_state(self):
         for name in ("_backup_db_file", "_db_opens_cleanly", "_wal_reset_repair_hint", "collect_state_db_stats",
                      "count_db_holders", "is_sqlite_wal_reset_vulnerable", "repair_state_db_schema",
                      "sqlite_source_id", "DEFERRED_INDEX_SQL"):
             self.assertTrue(hasattr(hermes_state, name), name)
+
+
+# Opens the store argv[1] (without reading it: its schema may not parse), prints "held", keeps it
+# open until its stdin closes.
+HOLD_FILE_OPEN = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1])
+print("held", flush=True)
+sys.stdin.readline()
+"""
+# Takes SQLite's write lock on the store argv[1] and keeps it until its stdin closes.
+HOLD_WRITE_LOCK = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+print("held", flush=True)
+sys.stdin.readline()
+"""
+# Exits with "locked" if the store argv[1] refuses a write at once, "wrote" if it takes one.
+TRY_WRITE = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], timeout=0, isolation_level=None)
+try:
+    conn.execute("BEGIN IMMEDIATE")
+except sqlite3.OperationalError as exc:
+    sys.exit("locked" if "locked" in str(exc) else str(exc))
+sys.exit("wrote")
+"""
+
+
+def another_process_writes(path):
+    result = subprocess.run([sys.executable, "-c", TRY_WRITE, str(path)], capture_output=True,
+                            text=True, timeout=60)
+    return result.stderr.strip()
+
+
+class LiveWriter(DoctorTestCase):
+
+    def test_a_quiet_store_is_held_by_no_one(self):
+        self.assertFalse(hermes_state_repair._live_writer_holds_db(self.store()))
+
+    @unittest.skipUnless(HAS_PROC, "holders are read from /proc")
+    def test_another_process_with_the_store_open_is_a_live_writer(self):
+        path = self.store()
+        release = self.held_by_another_process(HOLD_FILE_OPEN, path)
+        self.assertTrue(hermes_state_repair._live_writer_holds_db(path))
+        release()
+        self.assertFalse(hermes_state_repair._live_writer_holds_db(path))
+
+    def test_a_connection_of_this_process_that_holds_the_store_counts_too(self):
+        path = self.store()
+        with SessionDB(path) as db:
+            db.create_session("t", "cli")
+            self.assertTrue(hermes_state_repair._live_writer_holds_db(path))
+
+    def test_a_file_sqlite_cannot_read_and_no_one_holds_is_free_for_repair(self):
+        path = self.tmp / "state.db"
+        path.write_bytes(b"garbage" * 1000)
+        self.assertFalse(hermes_state_repair._live_writer_holds_db(path))
+
+    @unittest.skipUnless(HAS_PROC, "holders are read from /proc")
+    def test_a_repair_under_another_process_touches_nothing(self):
+        path = self.damaged_store()
+        before = path.read_bytes()
+        self.held_by_another_process(HOLD_FILE_OPEN, path)
+        with self.assertLogs("hermes_state", "ERROR"):
+            report = repair_state_db_schema(path)
+        self.assertEqual((report["repaired"], report["backup_path"]), (False, None))
+        self.assertTrue(report["error"].startswith("a live writer still holds state.db"), report["error"])
+        self.assertEqual(path.read_bytes(), before)
+        self.assertEqual(self.backups(), [])
+
+
+class ExclusiveGuard(DoctorTestCase):
+
+    def test_while_the_guard_is_held_no_other_connection_can_write(self):
+        path = self.store()
+        with hermes_state_repair._exclusive_repair_db_guard(path) as (guard, error):
+            self.assertIsNone(error)
+            self.assertEqual(guard.execute("SELECT COUNT(*) FROM messages").fetchone(), (30,))
+            self.assertEqual(another_process_writes(path), "locked")
+            self.assertFalse(guard.in_transaction)
+        self.assertEqual(another_process_writes(path), "wrote")
+
+    def test_a_store_another_process_writes_to_is_not_taken(self):
+        path = self.store()
+        release = self.held_by_another_process(HOLD_WRITE_LOCK, path)
+        with hermes_state_repair._exclusive_repair_db_guard(path) as (guard, error):
+            self.assertIsNone(guard)
+            self.assertIn("locked", str(error))
+        release()
+
+    def test_a_missing_store_is_not_created(self):
+        with hermes_state_repair._exclusive_repair_db_guard(self.tmp / "none.db") as (guard, error):
+            self.assertIsNone(guard)
+            self.assertIsInstance(error, sqlite3.Error)
+        self.assertFalse((self.tmp / "none.db").exists())
+
+
+class RepairOnACopy(DoctorTestCase):
+
+    def test_a_repair_that_fails_changes_nothing_and_leaves_no_scratch_copy(self):
+        path = self.store()
+        conn = sqlite3.connect(path)
+        conn.execute("PRAGMA journal_mode=DELETE")  # every page in the file itself
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'messages'").fetchone()[0]
+        conn.close()
+        with open(path, "r+b") as handle:  # the messages table's root page torn: nothing heals it
+            handle.seek((root - 1) * page_size)
+            handle.write(b"\xff" * 64)
+        before = path.read_bytes()
+        with self.assertLogs("hermes_state", "WARNING"):
+            report = repair_state_db_schema(path)
+        self.assertFalse(report["repaired"])
+        self.assertEqual(path.read_bytes(), before)
+        self.assertEqual(len(self.backups()), 1)
+        self.assertFalse(any("repair-scratch" in name for name in os.listdir(self.tmp)))
+
+
+class StructuralDamage(DoctorTestCase):
+
+    def test_a_healthy_a_missing_and_a_search_index_damaged_store_are_not_structural(self):
+        path = self.store()
+        self.assertFalse(hermes_state_repair.state_db_has_structural_damage(path))
+        self.assertFalse(hermes_state_repair.state_db_has_structural_damage(self.tmp / "none.db"))
+        self.assertFalse((self.tmp / "none.db").exists())
+        if HAS_FTS5:
+            self.break_word_index(path)
+            self.assertIsNotNone(_db_opens_cleanly(path))
+            self.assertFalse(hermes_state_repair.state_db_has_structural_damage(path))
+
+    def test_an_index_of_the_data_out_of_step_with_its_table_is_structural(self):
+        path = self.store()
+        self.damage(path, "UPDATE sqlite_master SET sql = 'CREATE INDEX idx_messages_session"
+                          " ON messages(role, id)' WHERE name = 'idx_messages_session'")
+        self.assertTrue(hermes_state_repair.state_db_has_structural_damage(path))
+
+    def test_which_integrity_lines_name_the_data(self):
+        structural = hermes_state_repair.integrity_damage_is_structural
+        master = [(2, "table", "sessions"), (5, "table", "messages_fts_data"), (7, "table", "messages"),
+                  (9, "table", "hs_fts_words_idx"), (0, "table", "messages_fts")]
+        self.assertTrue(structural(["Tree 7 page 7 cell 0: invalid page number 99"], master))
+        self.assertTrue(structural(["row 3 missing from index idx_messages_session"], master))
+        self.assertTrue(structural(["Freelist: size is 3 but should be 4"], master))
+        self.assertFalse(structural(["Tree 5 page 12: btreeInitPage() returns error code 11",
+                                     "Tree 9 page 9 cell 2: 2nd reference to page 40"], master))
+        self.assertFalse(structural(["row 3 missing from index messages_fts_idx",
+                                     "Page 40 is never used", "Tree 77 page 3: unknown tree"], master))
+        self.assertFalse(structural([], master))
+
+
+class SmallContracts(unittest.TestCase):
+
+    def test_schema_not_built_is_a_missing_table_or_column_only(self):
+        not_built = hermes_state_repair._schema_not_built
+        self.assertTrue(not_built(sqlite3.OperationalError("no such table: messages")))
+        self.assertTrue(not_built(sqlite3.OperationalError("no such column: pinned")))
+        self.assertFalse(not_built(sqlite3.OperationalError("database is locked")))
+        self.assertFalse(not_built(sqlite3.DatabaseError("database disk image is malformed")))
+
+    def test_durability_barriers_and_the_configured_synchronous_level(self):
+        conn = sqlite3.connect(":memory:")
+        self.addCleanup(conn.close)
+        self.assertTrue(hermes_state_repair.apply_durability_barriers(conn))
+        level = hermes_state_repair.synchronous_level
+        self.assertEqual([level(v) for v in ("off", "Normal", "FULL", "extra", 3, "2", False)],
+                         [0, 1, 2, 3, 3, 2, 0])
+        self.assertEqual([level(v) for v in ("fast", 4, "-1", True, None)], [None] * 5)
+        hermes_state_repair.apply_synchronous_setting(conn, "extra", db_label="kanban.db")
+        self.assertEqual(conn.execute("PRAGMA synchronous").fetchone(), (3,))
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            hermes_state_repair.apply_synchronous_setting(conn, "fast", db_label="kanban.db")
+        self.assertIn("kanban.db: database.synchronous='fast'", logs.output[0])
+        self.assertEqual(conn.execute("PRAGMA synchronous").fetchone(), (3,))  # unchanged

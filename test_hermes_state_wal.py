@@ -6,6 +6,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import unittest
 from pathlib import Path
 from unittest import mock
@@ -161,6 +162,103 @@ class JournalModeOfOtherDatabases(TempDirTestCase):
         before = conn.execute("PRAGMA cache_size").fetchone()
         self.assertIsNone(hermes_state_wal.apply_database_pragmas(conn))
         self.assertEqual(conn.execute("PRAGMA cache_size").fetchone(), before)
+
+
+    def test_a_new_database_on_a_cross_vm_mount_gets_a_rollback_journal_or_a_refusal(self):
+        conn = self.connect()
+        with mock.patch.dict(hermes_state_wal._cross_vm_folders, {os.path.realpath(self.tmp): True}), \
+                runtime(False), journal(""):
+            with self.assertRaisesRegex(WalUnsupportedError, "cross-VM filesystem"):
+                apply_wal_with_fallback(conn, require_wal=True)
+            with self.assertLogs("hermes_state", "WARNING") as logs:
+                self.assertEqual(apply_wal_with_fallback(conn, db_label="kanban.db"), "delete")
+            self.assertIn("cross-VM filesystem", logs.output[0])
+        self.assertEqual(self.mode_on_disk(), "delete")
+
+    def test_a_wal_database_on_a_cross_vm_mount_stays_wal_and_the_operator_is_told(self):
+        self.wal_database()
+        conn = self.connect()
+        with mock.patch.dict(hermes_state_wal._cross_vm_folders, {os.path.realpath(self.tmp): True}), \
+                runtime(False), journal(""):
+            with self.assertLogs("hermes_state", "ERROR") as logs:
+                self.assertEqual(apply_wal_with_fallback(conn), "wal")
+            self.assertIn("set-journal-mode delete", logs.output[0])
+        self.assertEqual(self.mode_on_disk(), "wal")
+
+    def test_the_no_wait_switch_fails_at_once_while_another_connection_holds_the_file(self):
+        self.wal_database()
+        switcher = self.connect(timeout=5, isolation_level=None)
+        with self.assertRaisesRegex(sqlite3.OperationalError, "locked"):
+            hermes_state_wal._set_journal_mode_no_wait(switcher, "DELETE")
+        self.assertEqual(switcher.execute("PRAGMA busy_timeout").fetchone(), (5000,))
+        self.assertEqual(self.mode_on_disk(), "wal")
+
+    def test_the_no_wait_switch_changes_a_file_no_one_else_holds(self):
+        conn = self.wal_database()
+        conn.close()
+        alone = self.connect(isolation_level=None)
+        self.assertEqual(hermes_state_wal._set_journal_mode_no_wait(alone, "DELETE"), "delete")
+        alone.close()
+        self.assertEqual(self.mode_on_disk(), "delete")
+
+
+class CrossVmMounts(unittest.TestCase):
+
+    # proc(5)'s mountinfo lines: a bind mount of a host folder through virtiofs (its mount point
+    # with an escaped space), a 9p one, and the root.
+    SAMPLE = (
+        "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+        "36 22 0:45 /Users/me /home/me/shared\\040folder rw,nosuid master:7 - virtiofs mount0 rw\n"
+        "37 22 0:46 / /mnt/host rw - 9p hostshare rw,trans=virtio\n"
+        "38 37 0:47 / /mnt/host/inner rw - tmpfs tmpfs rw\n"
+        "39 22 0:48 / /mnt/fuse rw shared:9 master:3 - fuse.virtiofs share rw\n"
+        "malformed line\n"
+    )
+
+    def test_the_longest_mount_point_above_a_folder_gives_its_filesystem(self):
+        fstype = hermes_state_wal._mount_fstype
+        self.assertEqual(fstype("/home/me/shared folder/.hermes", self.SAMPLE), "virtiofs")
+        self.assertEqual(fstype("/home/me/shared", self.SAMPLE), "ext4")
+        self.assertEqual(fstype("/mnt/host/a", self.SAMPLE), "9p")
+        self.assertEqual(fstype("/mnt/host/inner/a", self.SAMPLE), "tmpfs")
+        self.assertEqual(fstype("/mnt/hostile", self.SAMPLE), "ext4")
+        self.assertEqual(fstype("/mnt/fuse", self.SAMPLE), "fuse.virtiofs")
+        self.assertEqual(fstype("/x", ""), "")
+        cross = {"virtiofs", "9p", "fuse.virtiofs"}
+        self.assertTrue(cross <= hermes_state_wal.CROSS_VM_FSTYPES)
+        self.assertFalse({"ext4", "tmpfs", "nfs", "overlay"} & hermes_state_wal.CROSS_VM_FSTYPES)
+
+    @unittest.skipUnless(os.path.exists("/proc/self/mountinfo"), "mounts are read from /proc")
+    def test_this_machine_s_folders_by_its_own_mount_table(self):
+        # /proc/mounts is a second view of the same table: its longest matching mount point's type.
+        with open("/proc/mounts", encoding="utf-8") as handle:
+            mounts = [line.split() for line in handle if len(line.split()) >= 3]
+        for folder in (os.path.realpath(REPO), os.path.realpath(tempfile.gettempdir()), "/"):
+            points = [(len(p), t) for _, p, t, *_ in mounts
+                      if folder == p or folder.startswith(p.rstrip("/") + "/")]
+            expected = max(points)[1].lower()
+            with open("/proc/self/mountinfo", encoding="utf-8") as handle:
+                self.assertEqual(hermes_state_wal._mount_fstype(folder, handle.read()), expected)
+            on_cross_vm = hermes_state_wal._path_on_cross_vm_fs(os.path.join(folder, "state.db"))
+            self.assertIs(on_cross_vm, expected in hermes_state_wal.CROSS_VM_FSTYPES, folder)
+
+
+class Runtime(unittest.TestCase):
+
+    def test_wal_reset_exposure_by_version(self):
+        cases = {(3, 7, 0): True, (3, 6, 23): False, (3, 45, 1): True, (3, 44, 6): False, (3, 50, 7): False,
+                 (3, 51, 2): True, (3, 51, 3): False, (3, 51): True, (4, 0, 0): False}
+        for version, vulnerable in cases.items():
+            self.assertIs(hermes_state_wal.is_sqlite_wal_reset_vulnerable(version), vulnerable, version)
+        self.assertIs(hermes_state_wal.is_sqlite_wal_reset_vulnerable(),
+                      hermes_state_wal.is_sqlite_wal_reset_vulnerable(sqlite3.sqlite_version_info))
+
+    def test_source_id_and_repair_hint_are_text(self):
+        conn = sqlite3.connect(":memory:")
+        self.addCleanup(conn.close)
+        self.assertEqual(hermes_state_wal.sqlite_source_id(),
+                         conn.execute("SELECT sqlite_source_id()").fetchone()[0])
+        self.assertIn("SQLite 3.51.3", hermes_state_wal._wal_reset_repair_hint())
 
 
 # Runs the preflight checks in a child process (as `nobody` when the tests run as

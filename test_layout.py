@@ -30,7 +30,7 @@ FIXED_LAYERS = {
     "hermes_state_user_copy": 1.5,  # user-facing text for a storage failure
     "hermes_state_guard": 1.5,  # why the last open failed; the test-isolation guard
     "hermes_state_holders": 1.7,  # which processes hold the store's files open
-    "hermes_state_lockowners": 1.7,  # who holds SQLite's write lock (/proc/locks)
+    "hermes_state_lockowners": 1.8,  # who holds SQLite's write lock (/proc/locks)
     "hermes_state_replica": 1,  # SessionDB.open_replica's VFS connections; imports none of ours
     "hermes_state_schema": 2,
     "hermes_state_lockguard": 2,  # the writer lock and our connection registry, below every user of them

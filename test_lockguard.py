@@ -216,6 +216,9 @@ RAW_OPENS = {
     ("hermes_state_repair", "_backup_db_file"): "copies byte for byte only a file SQLite cannot read, and only "
                                                 "while /proc/self/fd shows no descriptor of ours on it or a sidecar",
     ("hermes_state_repair", "_exclusive"): "state.db.repair.lock, which only repairs lock",
+    ("hermes_state_holders", "_proc_argv"): "/proc/<pid>/cmdline, never a store",
+    ("hermes_state_lockowners", "state_db_write_lock_holders"): "/proc/locks, never a store",
+    ("hermes_state_wal", "_path_on_cross_vm_fs"): "/proc/self/mountinfo, never a store",
     ("hermes_state_common", "claim_file_beside"): "creates a new file (O_EXCL) for a backup or a VACUUM INTO "
                                                  "copy, never opens one that exists",
 }
