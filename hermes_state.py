@@ -454,6 +454,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
         except Exception as exc:
             # hermes-agent tells the user why from this.
             _set_last_init_error(f"{type(exc).__name__}: {exc}")
+            note_storage_error(self.db_path, exc)
             raise
         ref = weakref.ref(self)  # not self: the exit hook must not keep the store alive
         # ref() is None once the store is gone. At exit a lent handle closes too.
