@@ -1,11 +1,12 @@
 """SessionDB: an AI agent's sessions and messages in one SQLite file.
 
-Owns the connections (one writer, a pool of readers, and the `_conn`/`_lock` pair hermes-agent runs
-its own SQL through), the journal policy, the write path (BEGIN IMMEDIATE, retried with jitter
-within a budget), why an open failed, self-repair of damaged files at open, close, the meta methods,
-whole-home backup and restore, and the class statement composing the mixins. Holds no session or
-message logic. Never opens the store or its sidecars except through SQLite (docs/design.md, "Locks
-we never break").
+Owns the connections (one writer, and the `_conn`/`_lock` pair hermes-agent runs its own SQL
+through; the readers are hermes_state_readpool's), the journal policy, the write path (BEGIN
+IMMEDIATE, retried with jitter within a budget), self-repair of damaged files at open, close and the
+reopen of a writable handle used after it, the meta methods, whole-home backup and restore, the
+module-level names hermes-agent imports from here, and the class statement composing the mixins.
+Holds no session or message logic. Never opens the store or its sidecars except through SQLite
+(docs/design.md, "Locks we never break").
 """
 
 if __name__ == "__main__":
@@ -20,7 +21,6 @@ if __name__ == "__main__":
 
 import asyncio
 import atexit
-import contextlib
 import contextvars
 import errno
 import functools
@@ -142,11 +142,16 @@ def divert_session_transcript_jsonl(session_id, messages):
     lines = "".join(
         json.dumps(m if isinstance(m, dict) else {"content": str(m)}, ensure_ascii=False,
                    default=str) + "\n"
-        for m in messages if m is not None)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0),
-                 FILE_MODE)
-    with os.fdopen(fd, "a", encoding="utf-8") as handle:
-        handle.write(lines)
+        for m in messages if m is not None).encode("utf-8")
+
+    def append(fd):
+        view = memoryview(lines)
+        while view:
+            view = view[os.write(fd, view):]
+        return True
+    # Our one raw open: refused only where we hold a SQLite connection, which a .jsonl never is.
+    if not _raw_store_access(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, append):
+        raise ValueError(f"{path} is open as a database here; nothing was written")
     return path
 
 
@@ -178,6 +183,15 @@ def _connect_tracked_db(path, tracking_path=None, **kwargs):
     return conn
 
 
+def _create_private_file(path):
+    """Create `path` empty and 0600 when it is missing; an existing file is left as it is."""
+    try:  # O_EXCL opens no file that exists (nor a link), so it drops no lock of ours
+        if _raw_store_access(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: True):
+            os.chmod(path, FILE_MODE)  # whatever the umask took
+    except FileExistsError:
+        pass
+
+
 def _secure_state_db_files(db_path, *, create_main=False):
     """Take group and other access from the store and its sidecars, creating a missing store file
     0600 with `create_main`; None.
@@ -188,10 +202,8 @@ def _secure_state_db_files(db_path, *, create_main=False):
     if os.name == "nt":
         return
     db_path = Path(db_path)
-    if create_main:  # O_EXCL opens no file that exists (nor a link), so drops no lock of ours
-        with contextlib.suppress(FileExistsError, IsADirectoryError):
-            if _raw_store_access(db_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: True):
-                os.chmod(db_path, FILE_MODE)  # whatever the umask took
+    if create_main:
+        _create_private_file(db_path)
     for path in [db_path] + [Path(f"{db_path}{suffix}") for suffix in SIDECAR_SUFFIXES]:
         try:
             mode = os.lstat(path).st_mode
@@ -527,7 +539,9 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionMessagesMi
             # hermes-agent opens an empty file as is, but reports a zeroed one.
             if reason != "empty":
                 _set_last_init_error(message)
-        _secure_state_db_files(self.db_path, create_main=True)
+        # Not _secure_state_db_files: an owner who made the store readable to another user (who
+        # reads it as immutable) keeps it so when the agent starts.
+        _create_private_file(self.db_path)
 
     def _new_connection(self, target, *, uri, timeout):
         """A connection to the store, counted in the registry until _close_connections closes it."""

@@ -59,7 +59,8 @@ class Notes(HealthTestCase):
         self.assertIn("sessions recover --source", logs.output[0])
         self.assertEqual(storage_corrupt_reason(str(self.path)), "first")
         self.assertEqual(storage_state(self.tmp / "other.db"), STORAGE_OK)
-        mark_storage_corrupt(self.tmp / "other.db", "x")
+        with self.assertLogs("hermes_state", "ERROR"):
+            mark_storage_corrupt(self.tmp / "other.db", "x")
         reset_storage_state(self.path)
         self.assertEqual(storage_state(self.path), STORAGE_OK)
         self.assertEqual(storage_state(self.tmp / "other.db"), STORAGE_CORRUPT)
