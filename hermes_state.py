@@ -1,11 +1,12 @@
 """SessionDB: an AI agent's sessions and messages in one SQLite file.
 
-Owns the connections (one writer, a pool of readers, and the `_conn`/`_lock` pair hermes-agent runs
-its own SQL through), the journal policy, the write path (BEGIN IMMEDIATE, retried with jitter
-within a budget), why an open failed, self-repair of damaged files at open, close, the meta methods,
-whole-home backup and restore, and the class statement composing the mixins. Holds no session or
-message logic. Never opens the store or its sidecars except through SQLite (docs/design.md, "Locks
-we never break").
+Owns the connections (one writer, and the `_conn`/`_lock` pair hermes-agent runs its own SQL
+through; the readers are hermes_state_readpool's), the journal policy, the write path (BEGIN
+IMMEDIATE, retried with jitter within a budget), self-repair of damaged files at open, close and the
+reopen of a writable handle used after it, the meta methods, whole-home backup and restore, the
+module-level names hermes-agent imports from here, and the class statement composing the mixins.
+Holds no session or message logic. Never opens the store or its sidecars except through SQLite
+(docs/design.md, "Locks we never break").
 """
 
 if __name__ == "__main__":
@@ -32,6 +33,7 @@ import queue
 import random
 import shutil
 import sqlite3
+import stat
 import sys
 import tempfile
 import threading
@@ -45,9 +47,12 @@ from pathlib import Path
 from hermes_constants import get_hermes_home
 from hermes_state_common import (
     FILE_MODE, INSERT_META_SQL, JOURNAL_MODE_SQL, SEARCH_OBJECTS, SEARCH_TRIGGERS, SELECT_META_SQL,
-    SIDECAR_SUFFIXES, _set_last_init_error, escape_like, sqlite_has_wal_reset_bug,
+    SIDECAR_SUFFIXES, escape_like, sqlite_has_wal_reset_bug,
 )
 from hermes_state_errors import is_capability_gap
+from hermes_state_guard import _set_last_init_error, get_last_init_error
+from hermes_state_health import note_storage_error
+from hermes_state_user_copy import SESSION_DB_UNAVAILABLE, open_failure_sentence
 from hermes_state_compression import SessionCompressionMixin
 from hermes_state_coverage import SessionCoverageMixin
 from hermes_state_gateway import SessionGatewayMixin
@@ -61,6 +66,7 @@ from hermes_state_errors import StoreLockedError
 from hermes_state_maintenance import SessionMaintenanceMixin
 from hermes_state_messages import SessionMessagesMixin
 from hermes_state_portability import SessionPortabilityMixin
+from hermes_state_readpool import SessionReadPoolMixin, _file_signature
 from hermes_state_schema import (
     SessionSchemaMixin, is_lock_error, pause_between_chunks, runtime_capabilities,
 )
@@ -79,15 +85,15 @@ from hermes_state_dbfile import (  # noqa: F401
     _connect_tracked_db, collect_state_db_stats, count_db_holders,
 )
 from hermes_state_common import (  # noqa: F401
-    _BARE_BILLING_PROVIDERS, DEFERRED_INDEX_SQL, FTS_STORAGE_VERSION,
-    format_session_db_unavailable, get_last_init_error, resolved_max_export_messages,
-    resolved_max_resume_messages, SCHEMA_VERSION, _WAL_INCOMPAT_MARKERS, workspace_key,
+    _BARE_BILLING_PROVIDERS, DEFERRED_INDEX_SQL, FTS_STORAGE_VERSION, _WAL_INCOMPAT_MARKERS,
+    resolved_max_export_messages, resolved_max_resume_messages, SCHEMA_VERSION, workspace_key,
 )
 from hermes_state_errors import (  # noqa: F401
     classify_persistence_error, CompressionSessionBusyError, CompressionSessionClosedError,
-    is_disk_full_error, is_malformed_db_error, MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAGES,
-    PERSISTENCE_ERROR_CAUSES, SessionCompressionInProgressError, SessionExportTooLargeError,
-    SessionResumeTooLargeError, SessionTurnLeaseLostError,
+    is_disk_full_error, is_malformed_db_error, is_malformed_schema_error, MAX_SAFE_EXPORT_MESSAGES,
+    MAX_SAFE_RESUME_MESSAGES, PERSISTENCE_ERROR_CAUSES, SessionCompressionInProgressError,
+    SessionExportTooLargeError, SessionResumeTooLargeError, SessionTurnLeaseLostError,
+    StateDbCorruptError, StateDbReplacedError,
 )
 from hermes_state_maintenance import (  # noqa: F401
     SESSION_STATUS_COMPLETE, SESSION_STATUS_EMPTY, SESSION_STATUS_ERROR, SESSION_STATUS_INTERRUPTED,
@@ -113,6 +119,74 @@ def _default_db_path():
     """`<hermes home>/state.db` as of now; DEFAULT_DB_PATH instead if someone re-pointed it."""
     re_pointed = DEFAULT_DB_PATH != _IMPORTED_DEFAULT_DB_PATH
     return DEFAULT_DB_PATH if re_pointed else get_hermes_home() / STATE_DB_FILENAME
+
+
+def format_session_db_unavailable(prefix=SESSION_DB_UNAVAILABLE, *, details=False):
+    """The sentence a user reads when SessionDB() failed, with why the last open of this process
+    failed when one did: hermes_state_user_copy.open_failure_sentence, in the words of the
+    hermes-agent release hosting us (`details` adds the raw cause on a second line)."""
+    return open_failure_sentence(get_last_init_error(), prefix, details=details)
+
+
+def divert_session_transcript_jsonl(session_id, messages):
+    """Append `messages` as JSON lines to <home>/sessions/<session_id>.jsonl (created 0600) and
+    return that path; None when there is no session id or nothing to write.
+
+    Where hermes-agent keeps a turn's messages that a replaced or damaged store refused. A message
+    that is a dict is written as it is, any other as {"content": str(message)}; None is skipped.
+    ValueError for a session id that is not a plain file name, writing nothing."""
+    session_id = str(session_id or "").strip()
+    if not session_id or not messages:
+        return None
+    if session_id in (".", "..") or any(sep in session_id for sep in ("/", "\\", "\x00")):
+        raise ValueError(f"session_id {session_id!r} cannot name a file in sessions/")
+    folder = get_hermes_home() / "sessions"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = folder / f"{session_id}.jsonl"
+    lines = "".join(
+        json.dumps(m if isinstance(m, dict) else {"content": str(m)}, ensure_ascii=False,
+                   default=str) + "\n"
+        for m in messages if m is not None).encode("utf-8")
+
+    def append(fd):
+        view = memoryview(lines)
+        while view:
+            view = view[os.write(fd, view):]
+        return True
+    # Our one raw open: refused only where we hold a SQLite connection, which a .jsonl never is.
+    if not _raw_store_access(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, append):
+        raise ValueError(f"{path} is open as a database here; nothing was written")
+    return path
+
+
+def _create_private_file(path):
+    """Create `path` empty and 0600 when it is missing; an existing file is left as it is."""
+    try:  # O_EXCL opens no file that exists (nor a link), so it drops no lock of ours
+        if _raw_store_access(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: True):
+            os.chmod(path, FILE_MODE)  # whatever the umask took
+    except FileExistsError:
+        pass
+
+
+def _secure_state_db_files(db_path, *, create_main=False):
+    """Take group and other access from the store and its sidecars, creating a missing store file
+    0600 with `create_main`; None.
+
+    Existing files are changed with chmod, never opened (closing a descriptor would drop this
+    process's locks on them), and only lose bits: a read-only file stays read-only. Links and
+    anything but a regular file are left alone. No-op on Windows."""
+    if os.name == "nt":
+        return
+    db_path = Path(db_path)
+    if create_main:
+        _create_private_file(db_path)
+    for path in [db_path] + [Path(f"{db_path}{suffix}") for suffix in SIDECAR_SUFFIXES]:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(mode) and stat.S_IMODE(mode) & ~FILE_MODE:
+            os.chmod(path, stat.S_IMODE(mode) & FILE_MODE)
 
 
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -239,14 +313,6 @@ def set_aside(path, reason):
     return backup
 
 
-def _file_signature(path):
-    """What shows a store file changed, read without opening it: its inode, size and time, and
-    which of its sidecars exist."""
-    st = os.stat(path)
-    return (st.st_ino, st.st_size, st.st_mtime_ns,
-            tuple(os.path.lexists(f"{path}{suffix}") for suffix in SIDECAR_SUFFIXES))
-
-
 def _move_without_replacing(source, target):
     """Rename `source` to `target`; FileExistsError, moving nothing, when `target` exists."""
     try:
@@ -329,7 +395,8 @@ def load_fts5_cjk_extension(conn):
 class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMixin,
                 SessionMessagesMixin, SessionTitlesMixin, SessionUsageMixin, SessionGatewayMixin,
                 SessionTelegramMixin, SessionMaintenanceMixin, SessionSearchMixin,
-                SessionSearchIndexMixin, SessionSchemaMixin, SessionPortabilityMixin):
+                SessionSearchIndexMixin, SessionSchemaMixin, SessionPortabilityMixin,
+                SessionReadPoolMixin):
     """The agent's state store. Thread-safe; open one per process.
 
     `db_path` defaults to `<hermes home>/state.db`; a read-only open runs no DDL and no repair.
@@ -346,6 +413,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
     _TRANSCRIPT_WRITE_PATIENCE_S = 3 * WRITE_BUDGET_SECONDS
     # URI parameters after mode=ro of every read connection (see _open_read_only).
     _reader_flags = ""
+    # hermes_state_registry's release() while it lends this handle: close() gives back a reference.
+    _registry_release = None
 
     def __init__(self, db_path=None, read_only=False, *, connection_factory=None,
                  write_budget=None, journal=None, checkpoint=None):
@@ -374,10 +443,11 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
         except Exception as exc:
             # hermes-agent tells the user why from this.
             _set_last_init_error(f"{type(exc).__name__}: {exc}")
+            note_storage_error(self.db_path, exc)
             raise
         ref = weakref.ref(self)  # not self: the exit hook must not keep the store alive
-        # ref() is None once the store is gone.
-        self._atexit = lambda: getattr(ref(), "close", lambda: None)()
+        # ref() is None once the store is gone. At exit a lent handle closes too.
+        self._atexit = lambda: getattr(ref(), "_close_now", lambda: None)()
         atexit.register(self._atexit)
 
     # -- opening and closing -------------------------------------------------
@@ -446,12 +516,9 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
             # hermes-agent opens an empty file as is, but reports a zeroed one.
             if reason != "empty":
                 _set_last_init_error(message)
-        try:  # O_EXCL never opens a file that exists, so no lock of ours can be dropped here
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-            if _raw_store_access(self.db_path, flags, lambda fd: True):
-                os.chmod(self.db_path, FILE_MODE)
-        except FileExistsError:
-            pass
+        # Not _secure_state_db_files: an owner who made the store readable to another user (who
+        # reads it as immutable) keeps it so when the agent starts.
+        _create_private_file(self.db_path)
 
     def _new_connection(self, target, *, uri, timeout):
         """A connection to the store, counted in the registry until _close_connections closes it."""
@@ -502,17 +569,72 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                     "it, set HERMES_STATE_CHECKPOINT=external")
         return self.policy.checkpoint
 
+    @property
+    def _shared_registry_owned(self):
+        """True while hermes_state_registry lends this handle; hermes-agent's caches drop a handle
+        once the registry has closed it (False)."""
+        return self._registry_release is not None
+
     def close(self):
-        """Apply queued token counts, then close every connection. Safe to call twice."""
+        """Apply queued token counts, then close every connection; safe to call twice. A handle
+        hermes_state_registry lent gives back one reference instead, the last one closing it. A
+        writable handle used after close() opens its writer again (_check_open)."""
+        release = self._registry_release
+        if release is not None:
+            release(self)
+            return
+        self._close_now()
+
+    def _close_now(self):
         if self._closed:
             return
         try:
             if self._writer is not None:
                 self.flush_token_counts(timeout=self.write_budget)
         finally:
-            self._closed = True
-            atexit.unregister(self._atexit)
+            # A write of another thread finishes first (within the budget: an exit must not hang
+            # on a thread that never lets go).
+            writing = self._write_lock.acquire(timeout=self.write_budget)
+            try:
+                self._closed = True
+                atexit.unregister(self._atexit)
+                self._close_connections()
+            finally:
+                if writing:
+                    self._write_lock.release()
+
+    def _reopen(self):
+        """Open the writer again on a writable handle used after close(), as hermes-agent 0.22 does
+        for a worker whose session teardown closed the store under it: loudly, and without
+        reconciling the schema again. ProgrammingError when the store file is gone (a new empty
+        file would have no tables). The caller holds _write_lock."""
+        if not self.db_path.exists():
+            raise sqlite3.ProgrammingError(
+                f"SessionDB for {self.db_path} was closed and the store is gone; nothing was done")
+        logger.warning("state store %s was used after close(); opening its writer again",
+                       self.db_path)
+        self._file_lock = _take_store_lock(
+            self.db_path, self.write_budget,
+            f"state store {self.db_path} stayed locked for {self.write_budget:.0f}s while opening "
+            "it again; nothing was written")
+        try:
+            try:
+                self._writer = self._new_connection(
+                    str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT)
+                self._apply_journal_policy()
+            finally:
+                self._file_lock.release()
+        except BaseException:
             self._close_connections()
+            raise
+        self._closed = False
+        atexit.register(self._atexit)
+
+    def _foreign_state_db_holders(self):
+        """[(pid, description)] of the other processes holding the store or its sidecars open;
+        hermes-agent's gateway skips a search-index rebuild while any does."""
+        from hermes_state_holders import foreign_state_db_holders
+        return foreign_state_db_holders(self.db_path)
 
     def _close_connections(self):
         # The last connection to close checkpoints the WAL (not with an external policy on Python
@@ -530,6 +652,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                 readers, self._readers = self._readers, []
             for conn in readers:
                 conn.close()
+            self._drain_idle_readers()  # a reopened handle must not borrow a closed reader
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
@@ -573,11 +696,15 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
         Queued token counts ride along. `transaction=False` (VACUUM cannot run in one) takes only
         the locks. `fn` must not commit.
         """
-        self._check_open()
         budget = self.write_budget if patience_s is None else float(patience_s)
         start = time.monotonic()
         if not self._write_lock.acquire(timeout=budget):
             raise self._locked_error(start, "another thread of this process kept writing", budget)
+        try:  # under _write_lock: close() cannot run between this check and the write
+            self._check_open()
+        except BaseException:
+            self._write_lock.release()
+            raise
         # Queued counts ride in the transaction (VACUUM has none); take() locks, and most
         # writes find none.
         batch = self._tokens.take() if transaction and self._tokens else []
@@ -604,8 +731,9 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                         or not attempt(self._set_aside_unreadable_indexes, []):
                     raise
                 return attempt(fn, batch)
-        except BaseException:
+        except BaseException as exc:
             self._tokens.put_back(batch)
+            note_storage_error(self.db_path, exc)  # damage: readiness and listings say so
             raise
         finally:
             self._write_lock.release()
@@ -684,78 +812,20 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                                 f"(budget {budget:.1f}s): {cause}; no data was written")
 
     def _check_open(self, writing=True):
-        if self._closed:
+        """Refuse work on a closed read-only handle (ProgrammingError); reopen a closed writable
+        one. PermissionError for a write on a read-only handle."""
+        if self._closed and self.read_only:
             raise sqlite3.ProgrammingError("SessionDB is closed")
+        if self._closed:
+            with self._write_lock:
+                if self._closed:
+                    self._reopen()
         if writing and self.read_only:
             raise PermissionError(f"state store {self.db_path} was opened read-only")
 
     def _update_rows(self, sql, params):
         """One-statement write; returns the number of rows it changed."""
         return self._execute_write(lambda conn: conn.execute(sql, params).rowcount)
-
-    # -- the read path -------------------------------------------------------
-
-    def _with_reader(self, use, pool=None):
-        """`use(conn)` on a pooled read connection: reads never queue behind the writer. Searches
-        read the index from their own `pool` (_idle_index_readers): its pages stay in those
-        connections' caches instead of being pushed out by the rows every other read brings in (a
-        phrase at 100k messages: 10.4 -> 9.9 ms)."""
-        pool = self._idle_readers if pool is None else pool
-        conn = self._borrow_reader(pool)
-        try:
-            return use(conn)
-        except sqlite3.DatabaseError as exc:
-            # A replica's connection (hermes_state_replica) may read once more on a fresh one.
-            if not getattr(conn, "reopen_after", lambda error: False)(exc):
-                raise
-            return use(conn)
-        finally:
-            self._return_reader(conn, pool)
-
-    def _read_all(self, sql, params=(), pool=None):
-        return self._with_reader(lambda conn: conn.execute(sql, params).fetchall(), pool)
-
-    def _read_one(self, sql, params=()):
-        return next(iter(self._read_all(sql, params)), None)
-
-    def _read_value(self, sql, params=()):
-        return next((row[0] for row in self._read_all(sql, params)), None)
-
-    def _borrow_reader(self, pool=None):
-        self._check_open(writing=False)
-        if self._reader_flags and _file_signature(self._immutable_as_seen[0]) != \
-                self._immutable_as_seen[1]:
-            self._stop_reading_immutable()
-        try:
-            return (self._idle_readers if pool is None else pool).get_nowait()
-        except queue.Empty:
-            pass
-        # mode=ro: a read connection can never write, nor checkpoint on close.
-        uri = self.db_path.resolve().as_uri() + "?mode=ro" + self._reader_flags
-        conn = self._new_connection(uri, uri=True, timeout=self.write_budget)
-        if self._reader_flags:
-            self._immutable_readers.add(conn)
-        with self._readers_lock:
-            self._readers.append(conn)
-        return conn
-
-    def _return_reader(self, conn, pool=None):
-        if self._reader_flags or conn not in self._immutable_readers:
-            (self._idle_readers if pool is None else pool).put(conn)
-        else:
-            conn.close()  # an immutable reader of a file that has changed since
-
-    def _stop_reading_immutable(self):
-        """The file an immutable read trusts has changed (another user or mount wrote it): SQLite
-        would read torn pages or miss its WAL, so every reader from now on reads it as any other."""
-        logger.info("store %s changed while read as immutable; reading it normally", self.db_path)
-        self._reader_flags = ""
-        for pool in (self._idle_readers, self._idle_index_readers):
-            while True:
-                try:
-                    pool.get_nowait().close()
-                except queue.Empty:
-                    break
 
     # -- state_meta ------------------------------------------------------------
 

@@ -15,7 +15,6 @@ import math
 import os
 import re
 import sqlite3
-import threading
 import time
 from pathlib import Path
 
@@ -905,40 +904,10 @@ def normalize_title(title):
         raise ValueError(f"Title too long ({len(title)} chars, max {TITLE_MAX_LENGTH})")
     return title or None
 
-# -- Persistence errors ---------------------------------------------------------
-# hermes-agent imports these from hermes_state and shows their texts to users; names, causes and
-# wording are hermes-agent's.
-
-# Error texts of filesystems where WAL cannot work (NFS/SMB locking, FUSE, ZFS).
+# -- Filesystems without WAL ---------------------------------------------------
+# Error texts of filesystems where WAL cannot work (NFS/SMB locking, FUSE, ZFS): the journal falls
+# back on them (hermes_state_wal), and the open-failure sentence names them (hermes_state).
 _WAL_INCOMPAT_MARKERS = ("locking protocol", "not authorized", "disk i/o error")
-SESSION_DB_UNAVAILABLE = "Session database not available"
-WAL_INCOMPAT_HINT = (" (state.db may be on NFS/SMB/FUSE/ZFS \u2014"
-                     " see https://www.sqlite.org/wal.html)")
-
-_last_init_error = None
-_last_init_error_lock = threading.Lock()
-
-def _set_last_init_error(message):
-    """Remember why opening the store failed (None forgets it). SessionDB sets it and never clears
-    it, so another thread's successful open cannot hide the cause from a user."""
-    global _last_init_error
-    with _last_init_error_lock:
-        _last_init_error = message
-
-def get_last_init_error():
-    """Why the last SessionDB() of this process failed to open ('<Class>: <message>'); None if none
-    has."""
-    return _last_init_error
-
-def format_session_db_unavailable(prefix=SESSION_DB_UNAVAILABLE):
-    """The user-facing 'session database not available' sentence, with the cause when one is
-    known."""
-    cause = get_last_init_error()
-    if not cause:
-        return f"{prefix}."
-    incompatible = any(marker in cause.lower() for marker in _WAL_INCOMPAT_MARKERS)
-    hint = WAL_INCOMPAT_HINT if incompatible else ""
-    return f"{prefix}: {cause}{hint}."
 
 # -- Sessions: bad rows, reset boundaries, resume caps, workspaces ------------
 

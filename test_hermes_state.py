@@ -6,9 +6,11 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 import time
 from unittest import mock
 
+import hermes_state
 import hermes_state_usage
 from hermes_constants import reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB
@@ -47,14 +49,63 @@ class Opening(TempDirTestCase):
             SessionDB(self.tmp / "missing.db", read_only=True)
         self.assertFalse((self.tmp / "missing.db").exists())
 
-    def test_closed_store_refuses_work(self):
+    def test_a_writable_store_used_after_close_opens_again_loudly(self):
+        # hermes-agent 0.22: a worker whose session teardown closed the store still lands its write.
+        db = SessionDB(self.tmp / "state.db")
+        db.create_session("s", "cli")
+        db.close()
+        db.close()
+        self.assertIsNone(db._conn)
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            self.assertEqual(db.get_session("s")["source"], "cli")
+        self.assertIn("used after close()", logs.output[0])
+        db.create_session("t", "cli")
+        self.assertIsNotNone(db._conn)
+        db.close()
+        self.assertIsNone(db._conn)
+        with SessionDB(self.tmp / "state.db") as other:
+            self.assertEqual(other.session_count(), 2)
+
+    def test_a_closed_read_only_store_refuses_work(self):
+        SessionDB(self.tmp / "state.db").close()
+        db = SessionDB(self.tmp / "state.db", read_only=True)
+        db.close()
+        with self.assertRaisesRegex(sqlite3.ProgrammingError, "closed"):
+            db.get_session("s")
+
+    def test_a_closed_store_whose_file_is_gone_is_not_made_again(self):
         db = SessionDB(self.tmp / "state.db")
         db.close()
-        db.close()
-        with self.assertRaises(sqlite3.ProgrammingError):
+        for name in ("state.db", "state.db-wal", "state.db-shm"):
+            if (self.tmp / name).exists():
+                (self.tmp / name).unlink()
+        with self.assertRaisesRegex(sqlite3.ProgrammingError, "the store is gone"):
             db.create_session("s", "cli")
-        with self.assertRaises(sqlite3.ProgrammingError):
-            db.get_session("s")
+        self.assertFalse((self.tmp / "state.db").exists())
+
+    def test_close_waits_for_a_write_another_thread_has_begun(self):
+        db = SessionDB(self.tmp / "state.db")
+        db.create_session("s", "cli")
+        inside, finish, order = threading.Event(), threading.Event(), []
+
+        def slow_write(conn):
+            inside.set()
+            finish.wait(10)
+            conn.execute("UPDATE sessions SET title = 'late' WHERE id = 's'")
+            order.append("write")
+
+        writer = threading.Thread(target=db._execute_write, args=(slow_write,))
+        writer.start()
+        inside.wait(10)
+        closer = threading.Thread(target=lambda: (db.close(), order.append("close")))
+        closer.start()
+        time.sleep(0.2)
+        finish.set()
+        writer.join(10)
+        closer.join(10)
+        self.assertEqual(order, ["write", "close"])
+        with SessionDB(self.tmp / "state.db") as other:
+            self.assertEqual(other.get_session("s")["title"], "late")
 
 
 class Sessions(StoreTestCase):
@@ -302,3 +353,100 @@ class AsyncDoor(StoreTestCase):
         messages = asyncio.run(run())
         self.assertEqual([m["content"] for m in messages], ["hi"])
         self.assertEqual(door.db_path, self.db.db_path)
+
+
+class ModuleNames(TempDirTestCase):
+    """Module-level names hermes-agent 0.22 imports from hermes_state."""
+
+    def test_divert_appends_a_refused_turn_to_the_sessions_jsonl(self):
+        token = set_hermes_home_override(self.tmp / "home")
+        self.addCleanup(reset_hermes_home_override, token)
+        messages = [{"role": "user", "content": "héllo", "timestamp": 1.5}, None, "plain"]
+        path = hermes_state.divert_session_transcript_jsonl("s1", messages)
+        self.assertEqual(path, self.tmp / "home" / "sessions" / "s1.jsonl")
+        hermes_state.divert_session_transcript_jsonl("s1", [{"role": "assistant", "at": path}])
+        lines = path.read_text(encoding="utf-8").splitlines()
+        self.assertEqual([json.loads(line) for line in lines],
+                         [{"role": "user", "content": "héllo", "timestamp": 1.5},
+                          {"content": "plain"}, {"role": "assistant", "at": str(path)}])
+        self.assertIn("héllo", lines[0])  # as written, not \\u-escaped
+        if os.name == "posix":
+            self.assertEqual(stat.S_IMODE(os.stat(path).st_mode), 0o600)
+        self.assertIsNone(hermes_state.divert_session_transcript_jsonl("", messages))
+        self.assertIsNone(hermes_state.divert_session_transcript_jsonl("s2", []))
+        self.assertFalse((self.tmp / "home" / "sessions" / "s2.jsonl").exists())
+        for bad in ("../escape", "a/b", ".."):
+            with self.subTest(session_id=bad), self.assertRaisesRegex(ValueError, "session_id"):
+                hermes_state.divert_session_transcript_jsonl(bad, messages)
+        self.assertEqual(sorted(p.name for p in (self.tmp / "home").rglob("*.jsonl")), ["s1.jsonl"])
+
+    def test_a_tracked_connection_keeps_our_raw_reads_off_its_file_until_it_closes(self):
+        path = self.tmp / "kanban.db"
+        sqlite3.connect(path).close()
+        read_header = lambda: hermes_state._raw_store_access(path, os.O_RDONLY, lambda fd: True)
+        conn = hermes_state._connect_tracked_db(path.as_uri() + "?mode=ro", tracking_path=path,
+                                                uri=True, timeout=0.05)
+        self.assertEqual(conn.execute("SELECT 1").fetchone()[0], 1)
+        self.assertIsNone(read_header())  # refused: closing its descriptor would drop our locks
+        conn.close()
+        conn.close()
+        self.assertTrue(read_header())
+        with self.assertRaises(sqlite3.OperationalError):
+            hermes_state._connect_tracked_db(self.tmp / "no" / "such.db")
+        self.assertEqual(hermes_state._connections_held(path), 0)
+
+    def test_securing_store_files_takes_group_and_other_access_and_never_adds(self):
+        if os.name != "posix":
+            self.skipTest("file modes are POSIX")
+        db_path = self.tmp / "state.db"
+        old_umask = os.umask(0o022)
+        self.addCleanup(os.umask, old_umask)
+        hermes_state._secure_state_db_files(db_path)
+        self.assertFalse(db_path.exists())
+        hermes_state._secure_state_db_files(db_path, create_main=True)
+        self.assertEqual(stat.S_IMODE(os.stat(db_path).st_mode), 0o600)
+        os.chmod(db_path, 0o644)
+        (self.tmp / "state.db-wal").write_bytes(b"")
+        os.chmod(self.tmp / "state.db-wal", 0o444)
+        (self.tmp / "elsewhere").write_bytes(b"")
+        os.chmod(self.tmp / "elsewhere", 0o644)
+        os.symlink(self.tmp / "elsewhere", self.tmp / "state.db-shm")
+        hermes_state._secure_state_db_files(db_path, create_main=True)
+        modes = {name: stat.S_IMODE(os.stat(self.tmp / name).st_mode)
+                 for name in ("state.db", "state.db-wal", "elsewhere")}
+        self.assertEqual(modes, {"state.db": 0o600, "state.db-wal": 0o400, "elsewhere": 0o644})
+
+    def test_a_writable_open_keeps_the_mode_an_owner_chose_for_an_existing_store(self):
+        # hermes-agent 0.22 tightens it to 0600 at every open; ours leaves a store its owner shares
+        # with another user's reader as it is (test_cli_readonly.ImmutableReads).
+        if os.name != "posix":
+            self.skipTest("file modes are POSIX")
+        db_path = self.tmp / "state.db"
+        SessionDB(db_path).close()
+        self.assertEqual(stat.S_IMODE(os.stat(db_path).st_mode), 0o600)
+        os.chmod(db_path, 0o644)
+        SessionDB(db_path).close()
+        self.assertEqual(list(self.tmp.glob("*.bak")), [])
+        self.assertEqual(stat.S_IMODE(os.stat(db_path).st_mode), 0o644)
+
+    def test_foreign_holders_are_the_other_processes_holding_the_store(self):
+        try:
+            import hermes_state_holders  # noqa: F401
+        except ImportError:
+            self.skipTest("hermes_state_holders (its own branch) is not here yet")
+        with SessionDB(self.tmp / "state.db") as db:
+            self.assertEqual(db._foreign_state_db_holders(), [])  # this process is not foreign
+            code = ("import sqlite3, sys; c = sqlite3.connect(sys.argv[1]);"
+                    "c.execute('SELECT 1 FROM sessions').fetchall(); print('held', flush=True);"
+                    "sys.stdin.read()")
+            release = self.held_by_another_process(code, db.db_path)
+            holders = db._foreign_state_db_holders()
+            self.assertTrue(holders and all(isinstance(pid, int) and isinstance(text, str)
+                                            for pid, text in holders))
+            release()
+
+    def test_hermes_state_re_exports_the_error_classes_0_22_callers_catch_there(self):
+        import hermes_state_errors
+        for name in ("StateDbCorruptError", "StateDbReplacedError", "is_malformed_schema_error"):
+            with self.subTest(name=name):
+                self.assertIs(getattr(hermes_state, name), getattr(hermes_state_errors, name))

@@ -15,11 +15,11 @@ from unittest import mock
 import hermes_state
 import hermes_state_common
 import hermes_state_errors
+import hermes_state_guard
 import hermes_state_repair
 from hermes_state import SessionDB, StoreLockedError
-from hermes_state_common import (
-    _set_last_init_error, format_session_db_unavailable, get_last_init_error,
-)
+from hermes_state import format_session_db_unavailable
+from hermes_state_guard import _set_last_init_error, get_last_init_error
 from hermes_state_errors import (
     PERSISTENCE_ERROR_CAUSES, CompressionSessionBusyError, CompressionSessionClosedError,
     SessionCompressionInProgressError, SessionTurnLeaseLostError, classify_persistence_error,
@@ -129,10 +129,10 @@ class PersistenceErrors(TempDirTestCase):
         self.assertFalse(is_malformed_db_error(sqlite3.DatabaseError("file is not a database")))
 
     def test_hermes_state_exports_them(self):
-        for name in ("format_session_db_unavailable", "get_last_init_error",
-                     "_set_last_init_error", "_WAL_INCOMPAT_MARKERS"):
+        self.assertIs(hermes_state._WAL_INCOMPAT_MARKERS, hermes_state_common._WAL_INCOMPAT_MARKERS)
+        for name in ("get_last_init_error", "_set_last_init_error"):
             with self.subTest(name=name):
-                self.assertIs(getattr(hermes_state, name), getattr(hermes_state_common, name))
+                self.assertIs(getattr(hermes_state, name), getattr(hermes_state_guard, name))
         # Each class is defined once, in hermes_state_errors, so an except clause matches whichever
         # module a caller imported it from.
         for name in ("classify_persistence_error", "PERSISTENCE_ERROR_CAUSES", "is_disk_full_error",
