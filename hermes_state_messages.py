@@ -8,6 +8,7 @@ stored as hermes-agent stores them, so both programs read each other's rows: wha
 accept, what it raises we raise.
 """
 
+import functools
 import json
 import math
 import operator
@@ -17,19 +18,35 @@ import time
 
 from hermes_state_common import (
     COMPRESSION_END_REASON, CONTENT_JSON_PREFIX, COUNT_ALL_MESSAGES_SQL, MESSAGE_WRITE_COLUMNS,
-    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, STALE_MARKER, content_text,
-    decode_content, decode_display_metadata, decode_message, describe_skill_invocation,
-    encode_content, is_fork_child, json_object, loads_or, placeholders, scrub_surrogates,
-    sqlite_keeps,
+    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL,
+    STALE_MARKER, content_text, decode_content, decode_display_metadata, decode_message,
+    describe_skill_invocation, encode_content, is_fork_child, json_object, loads_or, placeholders,
+    scrub_surrogates, sqlite_keeps,
 )
 from hermes_state_errors import (
-    CompressionSessionClosedError, SessionTurnLeaseLostError, UnknownSessionError,
+    CompressionSessionClosedError, SessionCompressionInProgressError, SessionTurnLeaseLostError,
+    UnknownSessionError,
 )
+from hermes_state_identity import (
+    IDENTITY_COLUMNS, identity_values, restore_identity_columns, stamp_identity, tool_call_key,
+)
+from hermes_state_schema import live_columns
 
-# One message row, its values in MESSAGE_WRITE_COLUMNS order (see _write_row); append_message and
-# _insert_message_rows run it, bench.py too.
-INSERT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
-    ", ".join(MESSAGE_WRITE_COLUMNS), ", ".join("?" for _ in MESSAGE_WRITE_COLUMNS))
+
+def _insert_sql(columns):
+    return "INSERT INTO messages ({}) VALUES ({})".format(", ".join(columns),
+                                                          placeholders(len(columns)))
+
+
+# One message row of a schema-26 store, its values in MESSAGE_WRITE_COLUMNS order (see _write_row);
+# bench.py runs it.
+INSERT_MESSAGE_SQL = _insert_sql(MESSAGE_WRITE_COLUMNS)
+# Columns hermes-agent 0.22 (schema 31) adds to a message write. Each is written where the store
+# has it (_write_columns); a schema-26 store keeps none of them.
+OPTIONAL_WRITE_COLUMNS = ("_compressed_summary",) + IDENTITY_COLUMNS
+# Every column a message write names on a store that has them all (agent/transcript_repair.py
+# derives the columns a row rewrite may change from it).
+_MESSAGE_WRITE_COLUMNS = MESSAGE_WRITE_COLUMNS + OPTIONAL_WRITE_COLUMNS
 
 # (messages added, tool calls added, session id); append_messages_batch runs it.
 BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message_count, 0) + ?,"
@@ -74,16 +91,23 @@ class SessionMessagesMixin:
     Relies on: `_execute_write`, `_update_rows`, `_read_value`, `_read_one`, `_read_all`,
     `_with_reader`, `_transcript_patience` (SessionDB, hermes_state.py)."""
 
+    # The columns _write_columns found, once per SessionDB.
+    _message_columns = None
+
     # -- writes ------------------------------------------------------------------
 
     def append_message(self, session_id, role, content=None, tool_name=None, tool_calls=None,
                        tool_call_id=None, token_count=None, finish_reason=None, reasoning=None,
                        reasoning_content=None, reasoning_details=None, codex_reasoning_items=None,
                        codex_message_items=None, platform_message_id=None, observed=False,
-                       effect_disposition=None, timestamp=None, api_content=None, display_kind=None,
-                       display_metadata=None, compression_lock_holder=None, turn_lease_holder=None,
-                       turn_lease_ttl_seconds=300.0):
+                       effect_disposition=None, *later, **named):
         """Append one message and return its id; the session's counts move in the same transaction.
+
+        After `effect_disposition` it takes, by keyword or position, 0.20's `timestamp`,
+        `api_content`, `display_kind`, `display_metadata`, `compression_lock_holder`,
+        `turn_lease_holder`, `turn_lease_ttl_seconds` (300.0) and 0.22's `_compressed_summary`
+        (False) and `message_uid`; positions follow _APPEND_LATER_ORDERS. `_compressed_summary`
+        marks a compaction handoff and `message_uid` names the message where the store keeps them.
 
         Raises CompressionSessionClosedError for a session compression ended,
         SessionTurnLeaseLostError when `turn_lease_holder` does not hold the turn lease,
@@ -91,20 +115,60 @@ class SessionMessagesMixin:
         `compression_lock_holder` is not checked: as in hermes-agent, appends never wait for a
         compression, which keeps the rows that arrive meanwhile."""
         fields = dict(locals())
-        for name in ("self", "session_id", "compression_lock_holder", "turn_lease_holder",
-                     "turn_lease_ttl_seconds"):
+        for name in ("self", "session_id", "later", "named"):
             del fields[name]
-        row, calls, _ = _message_row(session_id, fields, time.time(), direct=True)
+        fields.update(_append_later_fields(later, named))
+        lease_holder = fields.pop("turn_lease_holder")
+        lease_ttl = fields.pop("turn_lease_ttl_seconds")
+        del fields["compression_lock_holder"]
+        columns = self._write_columns()
+        row, calls, _ = _message_row(session_id, fields, time.time(), columns, direct=True)
 
         def write(conn):
-            if turn_lease_holder:
-                self._check_turn_lease(conn, session_id, turn_lease_holder, turn_lease_ttl_seconds)
+            if lease_holder:
+                self._check_turn_lease(conn, session_id, lease_holder, lease_ttl)
             # The count update admits the write too: it changes no row of a session that is unknown
             # or closed by compression, and only then is the session read, to say which.
             bump = (1, calls, session_id, COMPRESSION_END_REASON)
             if not conn.execute(BUMP_OPEN_SESSION_COUNTS_SQL, bump).rowcount:
                 _check_open_session(conn, session_id)  # raises: unknown, or closed by compression
-            return conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
+            return conn.execute(_insert_sql(columns), row).lastrowid
+        return self._execute_write(write, patience_s=self._transcript_patience())
+
+    def append_delegation_delivery(self, session_id, content, metadata):
+        """Record a detached delegation's result as a user row once, and return its id: a row of the
+        compression chain with the same `delegation_id` and `delivery_notice` is returned instead.
+
+        The row's display_kind is "async_delegation_complete" ("hidden" with
+        `presentation_suppressed`), its display_metadata `metadata`. Raises ValueError without a
+        `delegation_id`, SessionTurnLeaseLostError while a turn holds the lease, and as
+        append_message; the check and the insert share one transaction."""
+        delegation_id = metadata.get("delegation_id")
+        if not delegation_id:
+            raise ValueError("a delegation delivery needs metadata['delegation_id']")
+        kind = "hidden" if metadata.get("presentation_suppressed") else "async_delegation_complete"
+        message = {"role": "user", "content": content, "display_kind": kind,
+                   "display_metadata": metadata}
+        columns = self._write_columns()
+        row, _, _ = _message_row(session_id, message, time.time(), columns)
+        notice = metadata.get("delivery_notice", "")
+
+        def write(conn):
+            chain = self._compression_chain(conn, session_id)
+            earlier = conn.execute(
+                f"SELECT id, display_metadata FROM messages WHERE session_id IN"
+                f" ({placeholders(len(chain))}) AND display_kind IN"
+                " ('async_delegation_complete', 'hidden') ORDER BY id", chain).fetchall()
+            for found in earlier:
+                meta = decode_display_metadata(found["display_metadata"]) or {}
+                if meta.get("delegation_id") == delegation_id \
+                        and (meta.get("delivery_notice") or "") == (notice or ""):
+                    return found["id"]
+            self._refuse_active_turn_lease(conn, session_id)
+            _check_open_session(conn, session_id)
+            row_id = conn.execute(_insert_sql(columns), row).lastrowid
+            conn.execute(BUMP_MESSAGE_COUNTS_SQL, (1, 0, session_id))
+            return row_id
         return self._execute_write(write, patience_s=self._transcript_patience())
 
     def append_messages_batch(self, session_id, messages, compression_lock_holder=None,
@@ -255,9 +319,12 @@ class SessionMessagesMixin:
         """Inside a write: insert message dicts as append_messages_batch reads them, stamping
         `_row_id`; returns (rows inserted, tool calls). The session's counters are the caller's."""
         now, inserted, calls = time.time(), 0, 0
+        columns, calls_seen = self._write_columns(conn), {}
+        insert = _insert_sql(columns)
         for message in messages:
-            row, row_calls, stamp = _message_row(session_id, message, now)
-            row_id = conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
+            row, row_calls, stamp = _message_row(session_id, message, now, columns,
+                                                 calls_seen=calls_seen)
+            row_id = conn.execute(insert, row).lastrowid
             if isinstance(message, dict):
                 message["_row_id"] = row_id
             inserted, calls, now = inserted + 1, calls + row_calls, max(now + 1e-6, stamp + 1e-6)
@@ -288,20 +355,61 @@ class SessionMessagesMixin:
     def _turn_lease_key(self, conn, session_id):
         """The id the turn lease is kept under: the root of the compression chain through
         `session_id` (a branch, delegate or tool child starts its own)."""
+        root = self._compression_chain(conn, session_id)[0]
+        return str(root) if root else session_id
+
+    def _compression_chain(self, conn, session_id):
+        """`session_id` and the sessions it continues, root first: each step goes to a parent that
+        compression ended, from a child that is no branch, delegate or tool child (0.22's
+        _resume_lineage_ids); [session_id] for anything else or an unknown id."""
         def lineage_row(sid):
             return conn.execute("SELECT id, parent_session_id, source, model_config, end_reason "
                                 "FROM sessions WHERE id = ?", (sid,)).fetchone()
-        current, seen = (lineage_row(session_id) if session_id else None), {session_id}
-        while current is not None:
+        chain, current = [session_id], (lineage_row(session_id) if session_id else None)
+        while current is not None and len(chain) < LINEAGE_MAX_HOPS:
             parent_id = current["parent_session_id"]
-            if not parent_id or parent_id in seen or is_fork_child(current):
+            if not parent_id or parent_id in chain or is_fork_child(current):
                 break
             parent = lineage_row(parent_id)
             if parent is None or parent["end_reason"] != COMPRESSION_END_REASON:
                 break
-            seen.add(parent_id)
+            chain.append(parent_id)
             current = parent
-        return str(current["id"] or session_id) if current is not None else session_id
+        return chain[::-1]
+
+    def _write_columns(self, conn=None):
+        """The columns a message write names here: MESSAGE_WRITE_COLUMNS and those of
+        OPTIONAL_WRITE_COLUMNS the store's messages table has. Read once per SessionDB, from
+        `conn` or a reader (SessionDB brings the schema up to date when it opens the store)."""
+        if self._message_columns is None:
+            found = live_columns(conn, "messages") if conn is not None else self._with_reader(
+                lambda reader: live_columns(reader, "messages"))
+            self._message_columns = MESSAGE_WRITE_COLUMNS + tuple(
+                name for name in OPTIONAL_WRITE_COLUMNS if name in found)
+        return self._message_columns
+
+    def _refuse_active_turn_lease(self, conn, session_id):
+        """Inside a write: SessionTurnLeaseLostError while a turn holds the conversation's lease
+        or SessionCompressionInProgressError while a compression holds the session's lock, as
+        0.22 refuses a user's rewrite of the transcript; an expired lease or lock is removed."""
+        now = time.time()
+        key = self._turn_lease_key(conn, session_id)
+        lease = conn.execute("SELECT holder, expires_at FROM session_turn_leases"
+                             " WHERE conversation_id = ?", (key,)).fetchone()
+        if lease is not None:
+            if float(lease["expires_at"]) > now:
+                raise SessionTurnLeaseLostError(
+                    f"Session has an active turn lease; refusing transcript mutation for"
+                    f" {session_id!r}")
+            conn.execute("DELETE FROM session_turn_leases WHERE conversation_id = ? AND holder = ?",
+                         (key, lease["holder"]))
+        lock = conn.execute(SELECT_COMPRESSION_LOCK_SQL, (session_id,)).fetchone()
+        if lock is not None:
+            if float(lock["expires_at"]) > now:
+                raise SessionCompressionInProgressError(
+                    f"Session {session_id!r} is being compressed by another writer")
+            conn.execute("DELETE FROM compression_locks WHERE session_id = ? AND holder = ?",
+                         (session_id, lock["holder"]))
 
     # -- reads ---------------------------------------------------------------------
 
@@ -569,11 +677,46 @@ class SessionMessagesMixin:
         return text if isinstance(text, str) else ""
 
 
+# -- append_message's later parameters ----------------------------------------------
+# 0.20 and 0.22 disagree on the positions after `effect_disposition`: 0.22 put `_compressed_summary`
+# first and `message_uid` last. No caller of either passes that far by position, but both shapes
+# stay callable: a bool in the first later position is 0.22's `_compressed_summary` (a timestamp
+# is never a bool), anything else 0.20's `timestamp`.
+_APPEND_LATER_ORDERS = {
+    "0.20": ("timestamp", "api_content", "display_kind", "display_metadata",
+             "compression_lock_holder", "turn_lease_holder", "turn_lease_ttl_seconds"),
+    "0.22": ("_compressed_summary", "timestamp", "api_content", "display_kind",
+             "display_metadata", "compression_lock_holder", "turn_lease_holder",
+             "turn_lease_ttl_seconds", "message_uid"),
+}
+_APPEND_LATER_DEFAULTS = {name: None for name in _APPEND_LATER_ORDERS["0.22"]}
+_APPEND_LATER_DEFAULTS.update(_compressed_summary=False, turn_lease_ttl_seconds=300.0)
+
+
+def _append_later_fields(positional, named):
+    """append_message's parameters after `effect_disposition`, from its `*later` and `**named`,
+    with their defaults; TypeError as Python gives for a bad call."""
+    order = _APPEND_LATER_ORDERS["0.22" if positional and isinstance(positional[0], bool)
+                                 else "0.20"]
+    if len(positional) > len(order):
+        raise TypeError(f"append_message() takes at most {16 + len(order)} positional arguments"
+                        f" after self ({16 + len(positional)} given)")
+    fields = dict(zip(order, positional))
+    for name, value in named.items():
+        if name not in _APPEND_LATER_DEFAULTS:
+            raise TypeError(f"append_message() got an unexpected keyword argument {name!r}")
+        if name in fields:
+            raise TypeError(f"append_message() got multiple values for argument {name!r}")
+        fields[name] = value
+    return {**_APPEND_LATER_DEFAULTS, **fields}
+
+
 # -- encoding rows ---------------------------------------------------------------
-def _message_row(session_id, message, default_time, direct=False):
-    """(row in MESSAGE_WRITE_COLUMNS order, tool calls it counts, its timestamp). `direct` reads
+def _message_row(session_id, message, default_time, columns, direct=False, calls_seen=None):
+    """(values of `columns` for INSERT, tool calls it counts, its timestamp). `direct` reads
     the fields as append_message does; else reasoning is kept on assistant rows only and
-    `message_id` is a fallback."""
+    `message_id` is a fallback. Where the store keeps message identity, a dict message gets its
+    uids minted (see stamp_identity; `calls_seen` pairs a batch's tool results with its calls)."""
     # AttributeError, as hermes-agent's .get raises (a dict for the list: its keys).
     if not hasattr(message, "get"):
         raise AttributeError(
@@ -614,21 +757,29 @@ def _message_row(session_id, message, default_time, direct=False):
         "display_kind": _text_or_none(get("display_kind")),
         "display_metadata": _display_metadata_text(get("display_metadata")),
     }
-    return _write_row(row), calls, stamp
+    if len(columns) > len(MESSAGE_WRITE_COLUMNS):
+        optional = {"_compressed_summary": 1 if get("_compressed_summary") else 0}
+        if "message_uid" in columns and isinstance(message, dict):
+            stamp_identity(message, tool_calls, {} if calls_seen is None else calls_seen)
+            optional.update(identity_values(message))
+        row.update((name, optional.get(name)) for name in columns[len(MESSAGE_WRITE_COLUMNS):])
+    return _write_row(row, columns), calls, stamp
 
 
-_WRITE_ROW_VALUES = operator.itemgetter(*MESSAGE_WRITE_COLUMNS)
+@functools.lru_cache(maxsize=None)
+def _values_getter(columns):
+    return operator.itemgetter(*columns)
 
 
-def _write_row(row):
-    """INSERT_MESSAGE_SQL's values from `row`, a dict keyed by exactly MESSAGE_WRITE_COLUMNS.
+def _write_row(row, columns):
+    """INSERT's values from `row`, a dict keyed by exactly `columns`.
 
     The one place a message row becomes a tuple: a name missing from `row` raises KeyError, an
     extra one ValueError, so the order of the values cannot drift from the statement's."""
-    if len(row) != len(MESSAGE_WRITE_COLUMNS):
-        extra = sorted(row.keys() - set(MESSAGE_WRITE_COLUMNS))
-        raise ValueError(f"a message row has columns MESSAGE_WRITE_COLUMNS lacks: {extra}")
-    return _WRITE_ROW_VALUES(row)
+    if len(row) != len(columns):
+        extra = sorted(row.keys() - set(columns))
+        raise ValueError(f"a message row has columns the statement lacks: {extra}")
+    return _values_getter(columns)(row)
 
 
 def _check_open_session(conn, session_id, must_exist=True):
