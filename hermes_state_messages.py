@@ -28,7 +28,7 @@ from hermes_state_errors import (
     UnknownSessionError,
 )
 from hermes_state_identity import (
-    IDENTITY_COLUMNS, identity_values, restore_identity_columns, stamp_identity, tool_call_key,
+    IDENTITY_COLUMNS, MESSAGE_UID, identity_values, restore_identity_columns, stamp_identity, tool_call_key,
 )
 from hermes_state_schema import live_columns
 
@@ -70,6 +70,86 @@ def is_compaction_summary(content):
     return text.startswith(_COMPACTION_SUMMARY_LEADS)
 
 
+# -- what of a user row a person typed -----------------------------------------------
+# The line that ends a compaction summary; a carrier row holds the live ask after it.
+_SUMMARY_END_MARKER = ("--- END OF CONTEXT SUMMARY — respond to the message below, not the summary"
+                       " above ---")
+_MERGED_PRIOR_CONTEXT_HEADER = "[PRIOR CONTEXT — for reference only; not a new message]"
+# The one display_kind a typed user turn has (a /steer); every other marks a synthetic row.
+STEER_DISPLAY_KIND = "steer"
+# Keys of a user row that describe the row, not the person's turn.
+_TURN_ROW_KEYS = ("_compressed_summary", "_compressed_summary_has_user_turn",
+                  "_micro_compact_marker", "_db_persisted", "display_kind", "display_metadata",
+                  "api_content")
+
+
+def split_user_turn(message):
+    """(handoff, turn) of a user message dict, either None, both new dicts (0.22's
+    split_user_originated_turn). A compaction summary's handoff is the summary alone, hidden and
+    marked `_compressed_summary`; the turn is what a person typed: a plain or /steer user row,
+    or the ask a summary carries after its end marker (merged: the prior turn before the
+    delimiter), without row markers (reactions stay). No turn for other roles, other
+    display_kinds or blank text."""
+    if not isinstance(message, dict) or message.get("role") != "user":
+        return None, None
+    content, kind = message.get("content"), message.get("display_kind")
+    summary = bool(message.get("_compressed_summary")) or is_compaction_summary(content)
+    handoff = None
+    if summary:
+        handoff = {"role": "user", "content": _handoff_only(content), "_compressed_summary": True,
+                   "display_kind": "hidden"}
+        if message.get("timestamp") is not None:
+            handoff["timestamp"] = message["timestamp"]
+        live = _carried_ask(content) if not kind or kind == "hidden" else None
+        if live is None:
+            return handoff, None
+        turn = dict(message, content=live)
+        turn.pop("_row_id", None)  # the row is the carrier, not the turn
+    elif kind and kind != STEER_DISPLAY_KIND:
+        return None, None
+    else:
+        turn = dict(message)
+    for key in _TURN_ROW_KEYS:
+        turn.pop(key, None)
+    meta = message.get("display_metadata")
+    if isinstance(meta, dict) and "reactions" in meta:
+        turn["display_metadata"] = {"reactions": json.loads(json.dumps(meta["reactions"]))}
+    if not content_text(turn["content"]).strip() and not _has_media(turn["content"]):
+        return handoff, None
+    return handoff, turn
+
+
+def _handoff_only(content):
+    """A summary's text through its end marker, without a merged prior turn."""
+    if not isinstance(content, str):
+        return content
+    if _MERGED_SUMMARY_DELIMITER in content:
+        content = content.split(_MERGED_SUMMARY_DELIMITER, 1)[1].lstrip()
+    end = content.find(_SUMMARY_END_MARKER)
+    return content[:end + len(_SUMMARY_END_MARKER)] if end >= 0 else content
+
+
+def _carried_ask(content):
+    """The person's text a summary row carries, or None."""
+    if not isinstance(content, str):
+        return None
+    if _MERGED_SUMMARY_DELIMITER in content:
+        prior = content.split(_MERGED_SUMMARY_DELIMITER, 1)[0].strip()
+        if prior.startswith(_MERGED_PRIOR_CONTEXT_HEADER):
+            prior = prior[len(_MERGED_PRIOR_CONTEXT_HEADER):].lstrip()
+    elif _SUMMARY_END_MARKER in content:
+        prior = content.split(_SUMMARY_END_MARKER, 1)[1].lstrip()
+    else:
+        prior = ""
+    return prior or None
+
+
+def _has_media(content):
+    return isinstance(content, list) and any(
+        not (isinstance(part, str) or (isinstance(part, dict)
+                                       and part.get("type") in ("text", "input_text")))
+        for part in content)
+
 # Assistant turns that a later answer supersedes when alternation is repaired.
 _VERIFICATION_FINISHES = ("verification_required", "verify_hook_continue")
 # Prompts of hermes-agent's background skill/memory review that old builds wrote into the user's
@@ -85,6 +165,16 @@ _MEMORY_TAG = re.compile(r"</?\s*memory-context\s*>", re.I)
 _MEMORY_HINT = re.compile("memory", re.I)  # in every text the three above can match
 
 
+def _loaded_view_content(role, content):
+    """Decoded content as a conversation read gives it: user and assistant text without
+    recalled-memory blocks, stripped."""
+    if role in ("user", "assistant") and isinstance(content, str):
+        if _MEMORY_HINT.search(content):  # one scan for the word all three patterns need
+            content = _MEMORY_TAG.sub("", _MEMORY_NOTE.sub("", _MEMORY_BLOCK.sub("", content)))
+        content = content.strip()
+    return content
+
+
 class SessionMessagesMixin:
     """SessionDB's methods for the transcript.
 
@@ -93,6 +183,9 @@ class SessionMessagesMixin:
 
     # The columns _write_columns found, once per SessionDB.
     _message_columns = None
+    # For the rewind mixin, which may not import this module.
+    _split_user_turn = staticmethod(split_user_turn)
+    _loaded_view_content = staticmethod(_loaded_view_content)
 
     # -- writes ------------------------------------------------------------------
 
@@ -196,23 +289,38 @@ class SessionMessagesMixin:
             return inserted
         return self._execute_write(write, patience_s=self._transcript_patience())
 
-    def replace_messages(self, session_id, messages, active_only=False, archive_dropped=False):
+    def replace_messages(self, session_id, messages, active_only=False, archive_dropped=False,
+                         reject_active_turn_lease=False):
         """Make `messages` the session's whole live transcript in one transaction; returns None.
 
-        Replaced rows are deleted (the active ones only with `active_only`), or kept inactive
-        with `archive_dropped`. Raises CompressionSessionClosedError or UnknownSessionError
-        as append_message does."""
-        if archive_dropped:
-            drop = "UPDATE messages SET active = 0 WHERE session_id = ? AND active = 1"
-        else:
-            drop = ("DELETE FROM messages WHERE session_id = ?"
-                    + (" AND active = 1" if active_only else ""))
-
+        Replaced rows are deleted (the active ones only with `active_only`), or with
+        `archive_dropped` kept inactive, as a rewind keeps them: then the live rows that already
+        hold the head of `messages` (role, content as read back, tool fields) stay with their ids,
+        which their dicts get as `_row_id`, and only the rest is archived and inserted.
+        `reject_active_turn_lease` refuses while a turn holds the lease or a compression the lock
+        (see _refuse_active_turn_lease). Raises CompressionSessionClosedError or
+        UnknownSessionError as append_message does."""
         def write(conn):
+            if reject_active_turn_lease:
+                self._refuse_active_turn_lease(conn, session_id)
             _check_open_session(conn, session_id, must_exist=bool(messages))
-            conn.execute(drop, (session_id,))
-            count, calls = self._insert_message_rows(conn, session_id, messages)
-            conn.execute(SET_MESSAGE_COUNTS_SQL, (count, calls, session_id))
+            kept = kept_calls = 0
+            if archive_dropped:
+                live = conn.execute(
+                    "SELECT id, role, content, tool_call_id, tool_calls FROM messages"
+                    " WHERE session_id = ? AND active = 1 ORDER BY id LIMIT ?",
+                    (session_id, len(messages) + 1)).fetchall()
+                kept = _kept_live_prefix(live, messages)
+                kept_calls = sum(_call_count(loads_or(row["tool_calls"], None))
+                                 for row in live[:kept] if row["tool_calls"])
+                if kept < len(live):
+                    conn.execute("UPDATE messages SET active = 0 WHERE session_id = ? AND active = 1"
+                                 " AND id >= ?", (session_id, live[kept]["id"]))
+            else:
+                conn.execute("DELETE FROM messages WHERE session_id = ?"
+                             + (" AND active = 1" if active_only else ""), (session_id,))
+            count, calls = self._insert_message_rows(conn, session_id, messages[kept:])
+            conn.execute(SET_MESSAGE_COUNTS_SQL, (kept + count, kept_calls + calls, session_id))
         self._execute_write(write)
 
     def set_latest_user_api_content(self, session_id, content, api_content):
@@ -223,6 +331,63 @@ class SessionMessagesMixin:
             " WHERE session_id = ? AND role = 'user' AND active = 1 ORDER BY id DESC LIMIT 1)"
             " AND content IS ?",
             (scrub_surrogates(api_content), session_id, encode_content(content)))
+
+    # -- row-addressed edits: each changes at most the named row of the session; 0 for a bad
+    # session id or row id (not a positive int), as in hermes-agent --
+
+    def set_message_api_content(self, session_id, row_id, content, api_content):
+        """Set api_content of the active user message `row_id` if its content is still `content`;
+        rows changed."""
+        if not session_id or not _is_row_id(row_id):
+            return 0
+        return self._update_rows(
+            "UPDATE messages SET api_content = :api WHERE id = :id AND session_id = :sid"
+            " AND role = 'user' AND active = 1 AND content IS :content",
+            {"api": scrub_surrogates(api_content), "id": row_id, "sid": session_id,
+             "content": encode_content(content)})
+
+    def set_user_message_content(self, session_id, row_id, content):
+        """Replace the content of the active user message `row_id` (a prompt rewritten after it
+        was stored); rows changed."""
+        if not session_id or not _is_row_id(row_id):
+            return 0
+        return self._update_rows(
+            "UPDATE messages SET content = ? WHERE id = ? AND session_id = ? AND role = 'user'"
+            " AND active = 1", (encode_content(content), row_id, session_id))
+
+    def deactivate_message(self, session_id, row_id):
+        """Make message `row_id` inactive (kept, as a rewind keeps it); rows changed."""
+        if not session_id or not _is_row_id(row_id):
+            return 0
+        return self._update_rows("UPDATE messages SET active = 0 WHERE id = ? AND session_id = ?",
+                                 (row_id, session_id))
+
+    def deactivate_messages_by_display_kind(self, session_id, display_kind):
+        """Make every active message with this display_kind inactive; rows changed (0 for an
+        empty kind)."""
+        if not session_id or not display_kind:
+            return 0
+        return self._update_rows(
+            "UPDATE messages SET active = 0 WHERE session_id = ? AND display_kind = ?"
+            " AND active = 1", (session_id, scrub_surrogates(display_kind)))
+
+    def resolve_active_row_id(self, session_id, row_id):
+        """The active row holding message `row_id`: itself while active, else the one live copy
+        an in-place compaction made of it (same role, content and time, a higher id); None when
+        there is none, or more than one."""
+        if not session_id or not _is_row_id(row_id):
+            return None
+        active = self._read_value("SELECT active FROM messages WHERE id = ? AND session_id = ?",
+                                  (row_id, session_id))
+        if active is None:
+            return None
+        if active:
+            return row_id
+        copies = self._read_all(
+            "SELECT c.id FROM messages c JOIN messages o ON o.id = :id WHERE c.session_id = :sid"
+            " AND c.active = 1 AND c.id > o.id AND c.role = o.role AND c.content IS o.content"
+            " AND c.timestamp = o.timestamp LIMIT 2", {"id": row_id, "sid": session_id})
+        return copies[0][0] if len(copies) == 1 else None
 
     def set_latest_matching_message_display_kind(self, session_id, *, role, content, display_kind,
                                                  display_metadata=None):
@@ -414,25 +579,31 @@ class SessionMessagesMixin:
     # -- reads ---------------------------------------------------------------------
 
     def get_messages(self, session_id, include_inactive=False, include_compacted=False, limit=None,
-                     offset=0, latest=False, after_id=None):
+                     offset=0, latest=False, after_id=None, include_ancestors=False):
         """A session's messages in id order as decoded row dicts; [] for an unknown session.
 
         Active rows by default; `include_compacted` adds the rows compaction kept (each message
-        once, the live copy first), `include_inactive` every row. `limit`/`offset` page from the
-        oldest, or from the newest with `latest`; `after_id` pages by id. Raises ValueError for
-        `after_id` with `latest`, `offset` or `include_compacted`."""
+        once, see _one_per_generation), `include_inactive` every row. `include_ancestors` reads
+        the compression chain the session continues (root first, a branch stands alone), each
+        message once. `limit`/`offset` page from the oldest, or from the newest with `latest`;
+        `after_id` pages by id. Raises ValueError for `after_id` with `latest`, `offset`,
+        `include_compacted` or `include_ancestors`."""
         if after_id is not None and (latest or offset):
             raise ValueError("after_id is incompatible with latest/offset paging")
         if after_id is not None and include_compacted:
             raise ValueError("after_id is incompatible with include_compacted (it pages by offset)")
-        visible = " AND (active = 1 OR compacted = 1)" if include_compacted else " AND active = 1"
-        sql = "SELECT * FROM messages WHERE session_id = ?" + ("" if include_inactive else visible)
-        if include_compacted:
-            rows = _one_per_generation(self._read_all(sql + " ORDER BY id", (session_id,)))
+        if after_id is not None and include_ancestors:
+            raise ValueError("after_id is incompatible with include_ancestors (it pages by offset)")
+        session_ids = self._resume_chain(session_id) if include_ancestors else [session_id]
+        sql = (f"SELECT * FROM messages WHERE session_id IN ({placeholders(len(session_ids))})"
+               + _visible_rows(include_inactive, include_compacted))
+        if include_compacted or len(session_ids) > 1:
+            rows = _one_per_generation(self._read_all(sql + " ORDER BY id", session_ids),
+                                       operator.getitem)
             rows = rows[::-1] if latest else rows
             rows = rows[offset:] if limit is None else rows[offset:][:limit]
         else:
-            params = [session_id]
+            params = list(session_ids)
             if after_id is not None:
                 sql, params = sql + " AND id > ?", params + [after_id]
             sql += " ORDER BY id DESC" if latest else " ORDER BY id"
@@ -444,42 +615,59 @@ class SessionMessagesMixin:
 
     def get_messages_as_conversation(self, session_id, include_ancestors=False,
                                      include_inactive=False, repair_alternation=False,
-                                     include_row_ids=False):
+                                     include_row_ids=False, include_compacted=False):
         """The session as chat-API message dicts, oldest first; [] for an unknown session.
 
-        Fields as _conversation_message builds them. `include_ancestors` prepends the parent
-        chain (not for a branch, already a copy) without replayed user turns;
-        `repair_alternation` runs repair_alternation_in_place; `include_row_ids` adds `_row_id`."""
-        session_ids = [session_id]
-        if include_ancestors and not self._is_explicit_branch_session(session_id):
-            session_ids = self._session_lineage_root_to_tip(session_id)
+        Fields as _conversation_message builds them. `include_ancestors` prepends the compression
+        chain the session continues (a branch stands alone) without replayed user turns;
+        `include_compacted` adds the rows compaction kept, each message once (for display: the
+        model's context stays what compaction left); `repair_alternation` runs
+        repair_alternation_in_place; `include_row_ids` adds `_row_id`."""
+        session_ids = self._resume_chain(session_id) if include_ancestors else [session_id]
         return self._conversation(session_ids, include_inactive, include_ancestors,
-                                  repair_alternation, include_row_ids)
+                                  repair_alternation, include_row_ids, include_compacted)
 
     def get_ancestor_display_prefix(self, session_id):
-        """The ancestors' part of a resume's display history (get_messages_as_conversation
-        with include_ancestors, less the session's own rows); [] for a branch, a root or an
-        unknown session."""
-        if self._is_explicit_branch_session(session_id):
+        """The ancestors' part of a resume's display history (the compression chain's messages,
+        compacted ones included, each once, less the session's own rows); [] for a branch, a root
+        or an unknown session."""
+        ancestors = self._resume_chain(session_id)[:-1]
+        if not ancestors:
             return []
-        ancestors = self._session_lineage_root_to_tip(session_id)[:-1]
-        return self._conversation(ancestors, False, True) if ancestors else []
+        theirs = {row[0] for row in self._read_all(
+            f"SELECT id FROM messages WHERE session_id IN ({placeholders(len(ancestors))})",
+            ancestors)}
+        lineage = self._conversation(ancestors + [session_id], False, True,
+                                     include_row_ids=True, include_compacted=True)
+        return [{key: value for key, value in message.items() if key != "_row_id"}
+                for message in lineage if message.get("_row_id") in theirs]
+
+    def _resume_chain(self, session_id):
+        """_compression_chain on a reader."""
+        return self._with_reader(lambda conn: self._compression_chain(conn, session_id))
 
     def _conversation(self, session_ids, include_inactive, include_ancestors,
-                      repair_alternation=False, include_row_ids=False):
+                      repair_alternation=False, include_row_ids=False, include_compacted=False):
         """The messages of `session_ids` in id order, as get_messages_as_conversation gives them."""
-        visible = "" if include_inactive else " AND active = 1"
-        sql = (f"SELECT {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
-               f"({placeholders(len(session_ids))}){visible} ORDER BY id")
+        extras = self._write_columns()[len(MESSAGE_WRITE_COLUMNS):]
+        sql = (f"SELECT {CONVERSATION_ROW_COLUMNS}, active{''.join(', ' + c for c in extras)}"
+               f" FROM messages WHERE session_id IN ({placeholders(len(session_ids))})"
+               f"{_visible_rows(include_inactive, include_compacted)} ORDER BY id")
 
         def read(conn):  # plain tuples: sqlite3.Row objects read by name cost a third of the call
             cursor = conn.cursor()
             cursor.row_factory = None
             return cursor.execute(sql, session_ids).fetchall()
         rows = self._with_reader(read)
+        if include_compacted:
+            rows = _one_per_generation(rows, _conversation_field)
+        width = len(_CONVERSATION_FIELDS)  # the base columns and `active`
         messages = []
         for row in rows:
-            message = _conversation_message(row, include_row_ids)
+            extra = dict(zip(extras, row[width:])) if extras else None
+            message = _conversation_message(row[:width - 1], include_row_ids, extra)
+            if not repair_alternation:
+                message.pop("_compressed_summary", None)  # only a live replay keeps the marker
             if not (include_ancestors and _is_replayed_user_turn(messages, message)):
                 messages.append(message)
         messages = _without_review_harness(messages)
@@ -489,21 +677,6 @@ class SessionMessagesMixin:
         if repair_alternation:
             repair_alternation_in_place(messages)
         return messages
-
-    def _session_lineage_root_to_tip(self, session_id):
-        """`session_id` with every ancestor by parent link, root first (a loop or
-        LINEAGE_MAX_HOPS ends the walk); [session_id] for an unknown id."""
-        chain, current = [], session_id
-        while current and current not in chain and len(chain) < LINEAGE_MAX_HOPS:
-            chain.append(current)
-            current = self._read_value("SELECT parent_session_id FROM sessions WHERE id = ?",
-                                       (current,))
-        return chain[::-1] or [session_id]
-
-    def _is_explicit_branch_session(self, session_id):
-        """True for a /branch copy (model_config names `_branched_from`)."""
-        config = self._read_value("SELECT model_config FROM sessions WHERE id = ?", (session_id,))
-        return bool(json_object(config).get("_branched_from"))
 
     def get_messages_around(self, session_id, around_message_id, window=5):
         """{"window", "messages_before", "messages_after"}: message `around_message_id` with up
@@ -585,6 +758,33 @@ class SessionMessagesMixin:
                                     (session_id,))
         return self._read_value(COUNT_ALL_MESSAGES_SQL)
 
+    def count_messages_all(self, session_id):
+        """Every message row of the session, rewound and compacted ones too; 0 for none."""
+        return self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ?",
+                                (session_id,))
+
+    def display_message_count(self, session_id):
+        """How many messages a display read of the session shows: get_messages with
+        include_compacted, counted; 0 for an unknown session."""
+        rows = self._read_all(
+            "SELECT id, role, content, timestamp, tool_call_id, tool_calls, tool_name, active,"
+            " display_metadata FROM messages WHERE session_id = ? AND (active = 1 OR compacted = 1)"
+            " ORDER BY id", (session_id,))
+        return len(_one_per_generation(rows, operator.getitem))
+
+    def latest_conversation_role(self, session_id):
+        """Role of the newest active message that is not bookkeeping (session_meta, system);
+        None when there is none."""
+        return self._read_value(
+            "SELECT role FROM messages WHERE session_id = ? AND active = 1"
+            " AND role NOT IN ('session_meta', 'system') ORDER BY id DESC LIMIT 1", (session_id,))
+
+    def get_active_message_ids(self, session_id):
+        """Ids of the session's active messages, oldest first ([] for none)."""
+        return [row[0] for row in self._read_all(
+            "SELECT id FROM messages WHERE session_id = ? AND active = 1 ORDER BY id",
+            (session_id,))]
+
     def latest_message_row_id(self, session_id, *, role="user", offset=0, require_text=True):
         """Id of the newest active `role` message (`offset` steps back that many); None when
         there is none, or for a role other than user/assistant or a negative offset.
@@ -617,35 +817,59 @@ class SessionMessagesMixin:
 
     # -- rewind ----------------------------------------------------------------------
 
-    def rewind_to_message(self, session_id, target_message_id):
+    def rewind_to_message(self, session_id, target_message_id, *, preserve_compaction_handoff=False,
+                          expected_active_ids=None, expected_target_content=None):
         """Withdraw user message `target_message_id` and all after it (kept inactive);
         returns {"rewound_count", "target_message" (the row, content decoded), "new_head_id"
         (newest active or None)}.
 
-        rewind_count goes up by one per call; message_count stays, as in hermes-agent. Raises
-        ValueError, writing nothing, when the message is not a user message of the session.
-        Undo with restore_rewound."""
-        target = self._read_one("SELECT * FROM messages WHERE id = ? AND session_id = ?",
-                                (target_message_id, session_id))
-        if target is None:
-            raise ValueError(f"message {target_message_id!r} is not in session {session_id!r}")
-        if target["role"] != "user":
-            raise ValueError(f"rewind target must be a 'user' message, not {target['role']!r} "
-                             f"(message {target_message_id!r})")
-        target = dict(target, content=decode_content(target["content"]))
+        rewind_count goes up by one per call; message_count stays, as in hermes-agent 0.20.
+        0.22's keywords: `expected_active_ids` (the session's active ids, oldest first) and
+        `expected_target_content` (the target's turn as split_user_turn reads it) must still
+        hold, else RuntimeError; `preserve_compaction_handoff` needs a compaction carrier as the
+        target and stores its handoff as the new head (the result adds
+        "replacement_message_id" and "replacement_message_uid"). With any of them, a live turn
+        lease or compression lock refuses the rewind as _refuse_active_turn_lease says.
+        Raises ValueError when the message is not a user message of the session (or not a
+        turn, or no carrier, where a keyword asks). Nothing is written when it raises. Undo with
+        restore_rewound."""
+        checked = (preserve_compaction_handoff or expected_active_ids is not None
+                   or expected_target_content is not None)
 
         def write(conn):
+            if checked:
+                self._refuse_active_turn_lease(conn, session_id)
+            if expected_active_ids is not None and [row[0] for row in conn.execute(
+                    "SELECT id FROM messages WHERE session_id = ? AND active = 1 ORDER BY id",
+                    (session_id,))] != list(expected_active_ids):
+                raise RuntimeError("active transcript changed before the rewind could be persisted")
+            target = conn.execute("SELECT * FROM messages WHERE id = ? AND session_id = ?",
+                                  (target_message_id, session_id)).fetchone()
+            if target is None:
+                raise ValueError(
+                    f"message {target_message_id!r} is not in session {session_id!r}")
+            if target["role"] != "user":
+                raise ValueError(f"rewind target must be a 'user' message, not {target['role']!r}"
+                                 f" (message {target_message_id!r})")
+            target = dict(target, content=decode_content(target["content"]))
+            handoff = _rewind_handoff(target, expected_target_content,
+                                      preserve_compaction_handoff) if checked else None
             rewound = conn.execute(
                 "UPDATE messages SET active = 0 WHERE session_id = ? AND id >= ? AND active = 1",
                 (session_id, target_message_id)).rowcount
+            if handoff is not None:
+                self._insert_message_rows(conn, session_id, [handoff])  # stamps _row_id
             conn.execute(
                 "UPDATE sessions SET rewind_count = COALESCE(rewind_count, 0) + 1 WHERE id = ?",
                 (session_id,))
-            return rewound
-        rewound = self._execute_write(write)
-        head = self._read_value("SELECT MAX(id) FROM messages WHERE session_id = ? AND active = 1",
-                                (session_id,))
-        return {"rewound_count": rewound, "target_message": target, "new_head_id": head}
+            head = conn.execute("SELECT MAX(id) FROM messages WHERE session_id = ? AND active = 1",
+                                (session_id,)).fetchone()[0]
+            result = {"rewound_count": rewound, "target_message": target, "new_head_id": head}
+            if preserve_compaction_handoff:
+                result.update(replacement_message_id=handoff["_row_id"],
+                              replacement_message_uid=handoff.get(MESSAGE_UID))
+            return result
+        return self._execute_write(write)
 
     def restore_rewound(self, session_id, since_message_id):
         """Make the session's inactive messages from `since_message_id` on active again;
@@ -729,7 +953,7 @@ def _message_row(session_id, message, default_time, columns, direct=False, calls
     tool_calls = get("tool_calls")
     if isinstance(tool_calls, str):
         tool_calls = loads_or(tool_calls, [])
-    calls = 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
+    calls = _call_count(tool_calls)
     stamp = _timestamp(get("timestamp"), default_time)
     platform_id = get("platform_message_id")
     if not direct:
@@ -780,6 +1004,60 @@ def _write_row(row, columns):
         extra = sorted(row.keys() - set(columns))
         raise ValueError(f"a message row has columns the statement lacks: {extra}")
     return _values_getter(columns)(row)
+
+
+def _call_count(tool_calls):
+    """Tool calls a row counts: a list's length, 1 for another value, 0 for none."""
+    return 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
+
+
+def _replay_identity(role, content, tool_call_id, tool_calls):
+    """What replace_messages compares to keep a live row: content as a read gives it back."""
+    if isinstance(tool_calls, str):
+        tool_calls = loads_or(tool_calls, [])
+    return (role, encode_content(_loaded_view_content(role, content)), tool_call_id,
+            json.dumps(tool_calls) if tool_calls else None)
+
+
+def _kept_live_prefix(live, messages):
+    """How many of `live` rows (id, role, content, tool_call_id, tool_calls) hold the head of
+    `messages` in order; each such dict gets its row's `_row_id`."""
+    kept = 0
+    for row, message in zip(live, messages):
+        if not isinstance(message, dict):
+            break
+        role = message.get("role", "unknown")
+        if row["role"] != role or row["tool_call_id"] != message.get("tool_call_id"):
+            break
+        ours = _replay_identity(role, message.get("content"), message.get("tool_call_id"),
+                                message.get("tool_calls"))
+        if ours != _replay_identity(row["role"], decode_content(row["content"]),
+                                    row["tool_call_id"], row["tool_calls"]):
+            break
+        message["_row_id"] = row["id"]
+        kept += 1
+    return kept
+
+
+def _is_row_id(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _rewind_handoff(target, expected_content, keep_handoff):
+    """rewind_to_message's checks of its target row (content decoded): the handoff to store in
+    its place with `keep_handoff`, else None."""
+    if not target["active"]:
+        raise ValueError("rewind target is not active")
+    meta = decode_display_metadata(target["display_metadata"])
+    handoff, live = split_user_turn(dict(target, display_metadata=meta))
+    if live is None:
+        raise ValueError("rewind target is not a user-originated turn")
+    if expected_content is not None \
+            and _loaded_view_content("user", live["content"]) != expected_content:
+        raise RuntimeError("rewind target changed before it could be persisted")
+    if keep_handoff and handoff is None:
+        raise ValueError("preserve_compaction_handoff requires an active composite carrier")
+    return handoff if keep_handoff else None
 
 
 def _check_open_session(conn, session_id, must_exist=True):
@@ -835,16 +1113,43 @@ def _display_metadata_text(value):
     return json.dumps(value) if isinstance(value, dict) else None
 
 
-def _one_per_generation(rows):
+def _visible_rows(include_inactive, include_compacted):
+    """The WHERE clause of a read: every row, live and compacted ones, or live ones only."""
+    if include_inactive:
+        return ""
+    return " AND (active = 1 OR compacted = 1)" if include_compacted else " AND active = 1"
+
+
+def _one_per_generation(rows, field):
     """Compaction copies its kept tail into each generation: one row per message (same role,
-    content, time and tool fields), preferring the live one, then the newest."""
-    best = {}
+    content, time and tool fields; an assistant's tool calls by their ids), preferring the live
+    one, then the newest, in the order of each message's first row. Rows only the model reads
+    (display_metadata `model_only`) are left out. `rows` come in id order; `field(row, name)`
+    reads a column (0.22's _dedupe_display_generations)."""
+    best, first = {}, {}
     for row in rows:
-        key = tuple(row[k] for k in ("role", "content", "timestamp", "tool_call_id", "tool_calls",
-                                     "tool_name"))
-        if key not in best or (row["active"], row["id"]) > (best[key]["active"], best[key]["id"]):
+        meta = field(row, "display_metadata")
+        if meta and "model_only" in meta and (decode_display_metadata(meta) or {}).get("model_only"):
+            continue
+        key = _generation_key(row, field)
+        rank = (field(row, "active"), field(row, "id"))
+        if key not in best or rank > (field(best[key], "active"), field(best[key], "id")):
             best[key] = row
-    return sorted(best.values(), key=lambda row: row["id"])
+        first.setdefault(key, field(row, "id"))
+    return [best[key] for key in sorted(best, key=first.__getitem__)]
+
+
+def _generation_key(row, field):
+    """What makes two rows one message across generations. A pruned copy of a tool-calling
+    assistant turn has other arguments but the same call ids, so those stand for its calls."""
+    values = [field(row, name) for name in ("role", "content", "timestamp", "tool_call_id",
+                                            "tool_calls", "tool_name")]
+    if values[0] == "assistant" and values[4]:
+        calls = loads_or(values[4], None)
+        ids = tuple(tool_call_key(call) for call in calls) if isinstance(calls, list) else ()
+        if ids and all(ids):
+            values[1], values[4] = None, ids
+    return tuple(values)
 
 
 # -- the conversation --------------------------------------------------------------
@@ -854,24 +1159,34 @@ CONVERSATION_ROW_COLUMNS = (
     "id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason, "
     "reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items, "
     "platform_message_id, observed, timestamp, api_content, display_kind, display_metadata")
+_CONVERSATION_FIELDS = {name: index for index, name
+                        in enumerate(CONVERSATION_ROW_COLUMNS.split(", ") + ["active"])}
 
 
-def _conversation_message(row, include_row_id):
+def _conversation_field(row, name):
+    """A column of a _conversation row (a plain tuple) by name."""
+    return row[_CONVERSATION_FIELDS[name]]
+
+
+
+def _conversation_message(row, include_row_id, extra=None):
     """A row (CONVERSATION_ROW_COLUMNS, in order) as a chat-API dict: role, content (memory blocks
-    cut), the fields set; on assistant turns the reasoning fields (`reasoning_content` also "")."""
+    cut), the fields set; on assistant turns the reasoning fields (`reasoning_content` also "").
+    `extra`, {column: value} of the identity columns a store has, adds the dict's identity keys
+    (and `_compressed_summary` when it holds that column, for a replay that keeps the marker)."""
     (row_id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason,
      reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items,
      platform_message_id, observed, timestamp, api_content, display_kind, display_metadata) = row
     if isinstance(content, str) and content.startswith(CONTENT_JSON_PREFIX):
         content = decode_content(content)
-    if role in ("user", "assistant") and isinstance(content, str):
-        if _MEMORY_HINT.search(content):  # one scan for the word all three patterns need
-            content = _MEMORY_TAG.sub("", _MEMORY_NOTE.sub("", _MEMORY_BLOCK.sub("", content)))
-        content = content.strip()
     # Most of a row's columns are NULL: each is tested once, in the order the dict's keys keep.
-    message = {"role": role, "content": content}
+    message = {"role": role, "content": _loaded_view_content(role, content)}
     if include_row_id and row_id is not None:
         message["_row_id"] = row_id
+    if extra:
+        restore_identity_columns(extra, message)
+        if extra.get("_compressed_summary"):
+            message["_compressed_summary"] = True
     if api_content:
         message["api_content"] = api_content
     if display_kind:
