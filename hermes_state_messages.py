@@ -583,7 +583,7 @@ class SessionMessagesMixin:
         """A session's messages in id order as decoded row dicts; [] for an unknown session.
 
         Active rows by default; `include_compacted` adds the rows compaction kept (each message
-        once, see _one_per_generation), `include_inactive` every row. `include_ancestors` reads
+        once, see one_per_generation), `include_inactive` every row. `include_ancestors` reads
         the compression chain the session continues (root first, a branch stands alone), each
         message once. `limit`/`offset` page from the oldest, or from the newest with `latest`;
         `after_id` pages by id. Raises ValueError for `after_id` with `latest`, `offset`,
@@ -598,7 +598,7 @@ class SessionMessagesMixin:
         sql = (f"SELECT * FROM messages WHERE session_id IN ({placeholders(len(session_ids))})"
                + _visible_rows(include_inactive, include_compacted))
         if include_compacted or len(session_ids) > 1:
-            rows = _one_per_generation(self._read_all(sql + " ORDER BY id", session_ids),
+            rows = one_per_generation(self._read_all(sql + " ORDER BY id", session_ids),
                                        operator.getitem)
             rows = rows[::-1] if latest else rows
             rows = rows[offset:] if limit is None else rows[offset:][:limit]
@@ -660,7 +660,7 @@ class SessionMessagesMixin:
             return cursor.execute(sql, session_ids).fetchall()
         rows = self._with_reader(read)
         if include_compacted:
-            rows = _one_per_generation(rows, _conversation_field)
+            rows = one_per_generation(rows, _conversation_field)
         width = len(_CONVERSATION_FIELDS)  # the base columns and `active`
         messages = []
         for row in rows:
@@ -770,7 +770,7 @@ class SessionMessagesMixin:
             "SELECT id, role, content, timestamp, tool_call_id, tool_calls, tool_name, active,"
             " display_metadata FROM messages WHERE session_id = ? AND (active = 1 OR compacted = 1)"
             " ORDER BY id", (session_id,))
-        return len(_one_per_generation(rows, operator.getitem))
+        return len(one_per_generation(rows, operator.getitem))
 
     def latest_conversation_role(self, session_id):
         """Role of the newest active message that is not bookkeeping (session_meta, system);
@@ -1120,12 +1120,13 @@ def _visible_rows(include_inactive, include_compacted):
     return " AND (active = 1 OR compacted = 1)" if include_compacted else " AND active = 1"
 
 
-def _one_per_generation(rows, field):
+def one_per_generation(rows, field, first_ids=None):
     """Compaction copies its kept tail into each generation: one row per message (same role,
     content, time and tool fields; an assistant's tool calls by their ids), preferring the live
     one, then the newest, in the order of each message's first row. Rows only the model reads
     (display_metadata `model_only`) are left out. `rows` come in id order; `field(row, name)`
-    reads a column (0.22's _dedupe_display_generations)."""
+    reads a column (0.22's _dedupe_display_generations). `first_ids`, a dict, gets {id of a row
+    kept: id of its message's first row}."""
     best, first = {}, {}
     for row in rows:
         meta = field(row, "display_metadata")
@@ -1136,6 +1137,8 @@ def _one_per_generation(rows, field):
         if key not in best or rank > (field(best[key], "active"), field(best[key], "id")):
             best[key] = row
         first.setdefault(key, field(row, "id"))
+    if first_ids is not None:
+        first_ids.update((field(best[key], "id"), first[key]) for key in best)
     return [best[key] for key in sorted(best, key=first.__getitem__)]
 
 
