@@ -8,27 +8,25 @@ stored as hermes-agent stores them, so both programs read each other's rows: wha
 accept, what it raises we raise.
 """
 
-import functools
 import json
-import math
 import operator
-import re
-import sqlite3
 import time
 
 from hermes_state_common import (
     COMPRESSION_END_REASON, CONTENT_JSON_PREFIX, COUNT_ALL_MESSAGES_SQL, MESSAGE_WRITE_COLUMNS,
     LINEAGE_MAX_HOPS, PREVIEW_CHARS, SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL,
-    STALE_MARKER, content_text, decode_content, decode_display_metadata, decode_message,
-    describe_skill_invocation, encode_content, is_fork_child, json_object, loads_or, placeholders,
-    scrub_surrogates, sqlite_keeps,
+    STALE_MARKER, decode_content, decode_display_metadata, decode_message,
+    describe_skill_invocation, encode_content, is_fork_child, loads_or, placeholders,
+    scrub_surrogates,
 )
 from hermes_state_errors import (
     CompressionSessionClosedError, SessionCompressionInProgressError, SessionTurnLeaseLostError,
     UnknownSessionError,
 )
 from hermes_state_identity import (
-    IDENTITY_COLUMNS, MESSAGE_UID, identity_values, restore_identity_columns, stamp_identity, tool_call_key,
+    IDENTITY_COLUMNS, MESSAGE_UID, STEER_DISPLAY_KIND, call_count, display_metadata_text,
+    is_compaction_summary, loaded_view_content, message_row, restore_identity_columns,
+    split_user_turn, tool_call_key,
 )
 from hermes_state_schema import live_columns
 
@@ -54,127 +52,12 @@ BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message
 # append_message's: the same, and the end reason a compression closes a session with.
 BUMP_OPEN_SESSION_COUNTS_SQL = (BUMP_MESSAGE_COUNTS_SQL
                                 + " AND (ended_at IS NULL OR end_reason IS NOT ?)")
-# Every handoff text hermes-agent's compaction has written starts with one of these; a merged
-# handoff carries it after the delimiter.
-_COMPACTION_SUMMARY_LEADS = (
-    "[CONTEXT COMPACTION — REFERENCE ONLY] Earlier turns were compacted into the summary below.",
-    "[CONTEXT SUMMARY]:")
-_MERGED_SUMMARY_DELIMITER = "[END OF PRIOR CONTEXT — COMPACTION SUMMARY BELOW]"
-
-
-def is_compaction_summary(content):
-    """True for a compaction handoff, alone or merged after earlier turns' text."""
-    text = content_text(content).lstrip()
-    if _MERGED_SUMMARY_DELIMITER in text:
-        text = text.split(_MERGED_SUMMARY_DELIMITER, 1)[1].lstrip()
-    return text.startswith(_COMPACTION_SUMMARY_LEADS)
-
-
-# -- what of a user row a person typed -----------------------------------------------
-# The line that ends a compaction summary; a carrier row holds the live ask after it.
-_SUMMARY_END_MARKER = ("--- END OF CONTEXT SUMMARY — respond to the message below, not the summary"
-                       " above ---")
-_MERGED_PRIOR_CONTEXT_HEADER = "[PRIOR CONTEXT — for reference only; not a new message]"
-# The one display_kind a typed user turn has (a /steer); every other marks a synthetic row.
-STEER_DISPLAY_KIND = "steer"
-# Keys of a user row that describe the row, not the person's turn.
-_TURN_ROW_KEYS = ("_compressed_summary", "_compressed_summary_has_user_turn",
-                  "_micro_compact_marker", "_db_persisted", "display_kind", "display_metadata",
-                  "api_content")
-
-
-def split_user_turn(message):
-    """(handoff, turn) of a user message dict, either None, both new dicts (0.22's
-    split_user_originated_turn). A compaction summary's handoff is the summary alone, hidden and
-    marked `_compressed_summary`; the turn is what a person typed: a plain or /steer user row,
-    or the ask a summary carries after its end marker (merged: the prior turn before the
-    delimiter), without row markers (reactions stay). No turn for other roles, other
-    display_kinds or blank text."""
-    if not isinstance(message, dict) or message.get("role") != "user":
-        return None, None
-    content, kind = message.get("content"), message.get("display_kind")
-    summary = bool(message.get("_compressed_summary")) or is_compaction_summary(content)
-    handoff = None
-    if summary:
-        handoff = {"role": "user", "content": _handoff_only(content), "_compressed_summary": True,
-                   "display_kind": "hidden"}
-        if message.get("timestamp") is not None:
-            handoff["timestamp"] = message["timestamp"]
-        live = _carried_ask(content) if not kind or kind == "hidden" else None
-        if live is None:
-            return handoff, None
-        turn = dict(message, content=live)
-        turn.pop("_row_id", None)  # the row is the carrier, not the turn
-    elif kind and kind != STEER_DISPLAY_KIND:
-        return None, None
-    else:
-        turn = dict(message)
-    for key in _TURN_ROW_KEYS:
-        turn.pop(key, None)
-    meta = message.get("display_metadata")
-    if isinstance(meta, dict) and "reactions" in meta:
-        turn["display_metadata"] = {"reactions": json.loads(json.dumps(meta["reactions"]))}
-    if not content_text(turn["content"]).strip() and not _has_media(turn["content"]):
-        return handoff, None
-    return handoff, turn
-
-
-def _handoff_only(content):
-    """A summary's text through its end marker, without a merged prior turn."""
-    if not isinstance(content, str):
-        return content
-    if _MERGED_SUMMARY_DELIMITER in content:
-        content = content.split(_MERGED_SUMMARY_DELIMITER, 1)[1].lstrip()
-    end = content.find(_SUMMARY_END_MARKER)
-    return content[:end + len(_SUMMARY_END_MARKER)] if end >= 0 else content
-
-
-def _carried_ask(content):
-    """The person's text a summary row carries, or None."""
-    if not isinstance(content, str):
-        return None
-    if _MERGED_SUMMARY_DELIMITER in content:
-        prior = content.split(_MERGED_SUMMARY_DELIMITER, 1)[0].strip()
-        if prior.startswith(_MERGED_PRIOR_CONTEXT_HEADER):
-            prior = prior[len(_MERGED_PRIOR_CONTEXT_HEADER):].lstrip()
-    elif _SUMMARY_END_MARKER in content:
-        prior = content.split(_SUMMARY_END_MARKER, 1)[1].lstrip()
-    else:
-        prior = ""
-    return prior or None
-
-
-def _has_media(content):
-    return isinstance(content, list) and any(
-        not (isinstance(part, str) or (isinstance(part, dict)
-                                       and part.get("type") in ("text", "input_text")))
-        for part in content)
-
 # Assistant turns that a later answer supersedes when alternation is repaired.
 _VERIFICATION_FINISHES = ("verification_required", "verify_hook_continue")
 # Prompts of hermes-agent's background skill/memory review that old builds wrote into the user's
 # session; replayed, they turn the agent into the curator.
 _REVIEW_HARNESS_PREFIXES = ("Review the conversation above and update the skill library",
                             "Review the conversation above and consider saving to memory")
-# Recalled-memory blocks hermes-agent injects into prompts; never replayed.
-_MEMORY_BLOCK = re.compile(r"<\s*memory-context\s*>[\s\S]*?</\s*memory-context\s*>", re.I)
-_MEMORY_NOTE = re.compile(
-    r"\[System note:\s*The following is recalled memory context,\s*NOT new user input\.\s*Treat as "
-    r"(?:informational background data|authoritative reference data[^\]]*)\.\]\s*", re.I)
-_MEMORY_TAG = re.compile(r"</?\s*memory-context\s*>", re.I)
-_MEMORY_HINT = re.compile("memory", re.I)  # in every text the three above can match
-
-
-def _loaded_view_content(role, content):
-    """Decoded content as a conversation read gives it: user and assistant text without
-    recalled-memory blocks, stripped."""
-    if role in ("user", "assistant") and isinstance(content, str):
-        if _MEMORY_HINT.search(content):  # one scan for the word all three patterns need
-            content = _MEMORY_TAG.sub("", _MEMORY_NOTE.sub("", _MEMORY_BLOCK.sub("", content)))
-        content = content.strip()
-    return content
-
-
 class SessionMessagesMixin:
     """SessionDB's methods for the transcript.
 
@@ -183,9 +66,6 @@ class SessionMessagesMixin:
 
     # The columns _write_columns found, once per SessionDB.
     _message_columns = None
-    # For the rewind mixin, which may not import this module.
-    _split_user_turn = staticmethod(split_user_turn)
-    _loaded_view_content = staticmethod(_loaded_view_content)
 
     # -- writes ------------------------------------------------------------------
 
@@ -215,7 +95,7 @@ class SessionMessagesMixin:
         lease_ttl = fields.pop("turn_lease_ttl_seconds")
         del fields["compression_lock_holder"]
         columns = self._write_columns()
-        row, calls, _ = _message_row(session_id, fields, time.time(), columns, direct=True)
+        row, calls, _ = message_row(session_id, fields, time.time(), columns, direct=True)
 
         def write(conn):
             if lease_holder:
@@ -243,7 +123,7 @@ class SessionMessagesMixin:
         message = {"role": "user", "content": content, "display_kind": kind,
                    "display_metadata": metadata}
         columns = self._write_columns()
-        row, _, _ = _message_row(session_id, message, time.time(), columns)
+        row, _, _ = message_row(session_id, message, time.time(), columns)
         notice = metadata.get("delivery_notice", "")
 
         def write(conn):
@@ -311,11 +191,11 @@ class SessionMessagesMixin:
                     " WHERE session_id = ? AND active = 1 ORDER BY id LIMIT ?",
                     (session_id, len(messages) + 1)).fetchall()
                 kept = _kept_live_prefix(live, messages)
-                kept_calls = sum(_call_count(loads_or(row["tool_calls"], None))
+                kept_calls = sum(call_count(loads_or(row["tool_calls"], None))
                                  for row in live[:kept] if row["tool_calls"])
                 if kept < len(live):
-                    conn.execute("UPDATE messages SET active = 0 WHERE session_id = ? AND active = 1"
-                                 " AND id >= ?", (session_id, live[kept]["id"]))
+                    conn.execute("UPDATE messages SET active = 0 WHERE session_id = ?"
+                                 " AND active = 1 AND id >= ?", (session_id, live[kept]["id"]))
             else:
                 conn.execute("DELETE FROM messages WHERE session_id = ?"
                              + (" AND active = 1" if active_only else ""), (session_id,))
@@ -400,7 +280,7 @@ class SessionMessagesMixin:
             "UPDATE messages SET display_kind = ?, display_metadata = ? WHERE id = (SELECT id"
             " FROM messages WHERE session_id = ? AND role = ? AND content = ? AND active = 1"
             " ORDER BY id DESC LIMIT 1)",
-            (scrub_surrogates(display_kind), _display_metadata_text(display_metadata), session_id,
+            (scrub_surrogates(display_kind), display_metadata_text(display_metadata), session_id,
              role, encode_content(content))) > 0
 
     # -- reactions: kept in a message's display_metadata, so they travel with its row --
@@ -434,7 +314,7 @@ class SessionMessagesMixin:
             else:
                 meta.pop(self.REACTIONS_METADATA_KEY, None)
             conn.execute(self._SET_DISPLAY_METADATA_SQL,
-                         (_display_metadata_text(meta), message_row_id))
+                         (display_metadata_text(meta), message_row_id))
             return reactions
         return self._execute_write(write)
 
@@ -472,7 +352,7 @@ class SessionMessagesMixin:
                                   "emoji": reaction.get("emoji") or "",
                                   "text": text if isinstance(text, str) else ""})
                 conn.execute(self._SET_DISPLAY_METADATA_SQL,
-                             (_display_metadata_text(meta), row["id"]))
+                             (display_metadata_text(meta), row["id"]))
             return taken
         return self._execute_write(write)
 
@@ -487,7 +367,7 @@ class SessionMessagesMixin:
         columns, calls_seen = self._write_columns(conn), {}
         insert = _insert_sql(columns)
         for message in messages:
-            row, row_calls, stamp = _message_row(session_id, message, now, columns,
+            row, row_calls, stamp = message_row(session_id, message, now, columns,
                                                  calls_seen=calls_seen)
             row_id = conn.execute(insert, row).lastrowid
             if isinstance(message, dict):
@@ -759,9 +639,9 @@ class SessionMessagesMixin:
         return self._read_value(COUNT_ALL_MESSAGES_SQL)
 
     def count_messages_all(self, session_id):
-        """Every message row of the session, rewound and compacted ones too; 0 for none."""
-        return self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ?",
-                                (session_id,))
+        """Every message row of the session, rewound and compacted ones too; 0 for none (and for
+        an empty id, where message_count counts the store)."""
+        return self.message_count(session_id) if session_id else 0
 
     def display_message_count(self, session_id):
         """How many messages a display read of the session shows: get_messages with
@@ -935,87 +815,11 @@ def _append_later_fields(positional, named):
     return {**_APPEND_LATER_DEFAULTS, **fields}
 
 
-# -- encoding rows ---------------------------------------------------------------
-def _message_row(session_id, message, default_time, columns, direct=False, calls_seen=None):
-    """(values of `columns` for INSERT, tool calls it counts, its timestamp). `direct` reads
-    the fields as append_message does; else reasoning is kept on assistant rows only and
-    `message_id` is a fallback. Where the store keeps message identity, a dict message gets its
-    uids minted (see stamp_identity; `calls_seen` pairs a batch's tool results with its calls)."""
-    # AttributeError, as hermes-agent's .get raises (a dict for the list: its keys).
-    if not hasattr(message, "get"):
-        raise AttributeError(
-            f"a message must be a dict, not {type(message).__name__}: {message!r:.60}")
-    get = message.get
-    role = get("role", "unknown")
-
-    def reasoning(key):
-        return get(key) if direct or role == "assistant" else None
-    tool_calls = get("tool_calls")
-    if isinstance(tool_calls, str):
-        tool_calls = loads_or(tool_calls, [])
-    calls = _call_count(tool_calls)
-    stamp = _timestamp(get("timestamp"), default_time)
-    platform_id = get("platform_message_id")
-    if not direct:
-        platform_id = platform_id or get("message_id")
-    row = {
-        "session_id": session_id,
-        "role": role,
-        "content": encode_content(_storable("content", get("content"))),
-        "tool_call_id": get("tool_call_id"),
-        "tool_calls": json.dumps(tool_calls) if tool_calls else None,
-        "tool_name": scrub_surrogates(get("tool_name")),
-        "effect_disposition": get("effect_disposition"),
-        "timestamp": stamp,
-        "token_count": _storable("token_count", get("token_count")),
-        "finish_reason": get("finish_reason"),
-        "reasoning": scrub_surrogates(reasoning("reasoning")),
-        "reasoning_content": scrub_surrogates(reasoning("reasoning_content")),
-        "reasoning_details": _json_field(reasoning("reasoning_details")),
-        "codex_reasoning_items": _json_field(reasoning("codex_reasoning_items")),
-        "codex_message_items": _json_field(reasoning("codex_message_items")),
-        "platform_message_id": platform_id,
-        "observed": 1 if get("observed") else 0,
-        "active": 1,  # a new message is live; rewind and compaction clear the flag
-        "api_content": _text_or_none(get("api_content")),
-        "display_kind": _text_or_none(get("display_kind")),
-        "display_metadata": _display_metadata_text(get("display_metadata")),
-    }
-    if len(columns) > len(MESSAGE_WRITE_COLUMNS):
-        optional = {"_compressed_summary": 1 if get("_compressed_summary") else 0}
-        if "message_uid" in columns and isinstance(message, dict):
-            stamp_identity(message, tool_calls, {} if calls_seen is None else calls_seen)
-            optional.update(identity_values(message))
-        row.update((name, optional.get(name)) for name in columns[len(MESSAGE_WRITE_COLUMNS):])
-    return _write_row(row, columns), calls, stamp
-
-
-@functools.lru_cache(maxsize=None)
-def _values_getter(columns):
-    return operator.itemgetter(*columns)
-
-
-def _write_row(row, columns):
-    """INSERT's values from `row`, a dict keyed by exactly `columns`.
-
-    The one place a message row becomes a tuple: a name missing from `row` raises KeyError, an
-    extra one ValueError, so the order of the values cannot drift from the statement's."""
-    if len(row) != len(columns):
-        extra = sorted(row.keys() - set(columns))
-        raise ValueError(f"a message row has columns the statement lacks: {extra}")
-    return _values_getter(columns)(row)
-
-
-def _call_count(tool_calls):
-    """Tool calls a row counts: a list's length, 1 for another value, 0 for none."""
-    return 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
-
-
 def _replay_identity(role, content, tool_call_id, tool_calls):
     """What replace_messages compares to keep a live row: content as a read gives it back."""
     if isinstance(tool_calls, str):
         tool_calls = loads_or(tool_calls, [])
-    return (role, encode_content(_loaded_view_content(role, content)), tool_call_id,
+    return (role, encode_content(loaded_view_content(role, content)), tool_call_id,
             json.dumps(tool_calls) if tool_calls else None)
 
 
@@ -1053,7 +857,7 @@ def _rewind_handoff(target, expected_content, keep_handoff):
     if live is None:
         raise ValueError("rewind target is not a user-originated turn")
     if expected_content is not None \
-            and _loaded_view_content("user", live["content"]) != expected_content:
+            and loaded_view_content("user", live["content"]) != expected_content:
         raise RuntimeError("rewind target changed before it could be persisted")
     if keep_handoff and handoff is None:
         raise ValueError("preserve_compaction_handoff requires an active composite carrier")
@@ -1068,49 +872,6 @@ def _check_open_session(conn, session_id, must_exist=True):
             raise UnknownSessionError(session_id)
     elif row["ended_at"] is not None and row["end_reason"] == COMPRESSION_END_REASON:
         raise CompressionSessionClosedError(session_id)
-
-
-def _storable(name, value):
-    """`value`, or ValueError naming `name` for a number SQLite cannot keep (NaN,
-    an integer past 64 bits)."""
-    if isinstance(value, (int, float)) and not sqlite_keeps(value):
-        raise ValueError(f"{name} must be a number SQLite can store (not NaN, within 64 bits),"
-                         f" not {value!r}")
-    return value
-
-
-def _timestamp(value, default):
-    """Seconds since the epoch from a finite number, numeric text or a datetime;
-    `default` otherwise."""
-    if value is None:
-        return default
-    try:
-        stamp = float(value.timestamp()) if hasattr(value, "timestamp") else float(value)
-    except (TypeError, ValueError, OverflowError):
-        return default
-    return stamp if math.isfinite(stamp) else default
-
-
-def _json_field(value):
-    """A structured reasoning field as stored:
-    text as given (never encoded twice), values as JSON."""
-    if not value:
-        return None
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-def _text_or_none(value):
-    return scrub_surrogates(value) if isinstance(value, str) else None
-
-
-def _display_metadata_text(value):
-    """display_metadata as stored: JSON of an object, from a dict or JSON text;
-    anything else is dropped."""
-    if not value:
-        return None
-    if isinstance(value, str):
-        value = loads_or(value, None)
-    return json.dumps(value) if isinstance(value, dict) else None
 
 
 def _visible_rows(include_inactive, include_compacted):
@@ -1130,7 +891,8 @@ def one_per_generation(rows, field, first_ids=None):
     best, first = {}, {}
     for row in rows:
         meta = field(row, "display_metadata")
-        if meta and "model_only" in meta and (decode_display_metadata(meta) or {}).get("model_only"):
+        if meta and "model_only" in meta \
+                and (decode_display_metadata(meta) or {}).get("model_only"):
             continue
         key = _generation_key(row, field)
         rank = (field(row, "active"), field(row, "id"))
@@ -1183,7 +945,7 @@ def _conversation_message(row, include_row_id, extra=None):
     if isinstance(content, str) and content.startswith(CONTENT_JSON_PREFIX):
         content = decode_content(content)
     # Most of a row's columns are NULL: each is tested once, in the order the dict's keys keep.
-    message = {"role": role, "content": _loaded_view_content(role, content)}
+    message = {"role": role, "content": loaded_view_content(role, content)}
     if include_row_id and row_id is not None:
         message["_row_id"] = row_id
     if extra:
@@ -1271,7 +1033,8 @@ def repair_alternation_in_place(messages):
 
     Back-to-back assistant turns merge (tool calls and text joined; a verification candidate is
     replaced; Codex interim turns stay), tool results no preceding call asked for go, and
-    back-to-back user turns with text merge with a blank line (their api_content dropped)."""
+    back-to-back user turns with text merge with a blank line (their api_content dropped), but
+    never into a /steer row or a compaction summary."""
     repairs, collapsed = 0, []
     for message in messages:
         previous = collapsed[-1] if collapsed else None
@@ -1315,8 +1078,11 @@ def repair_alternation_in_place(messages):
     for message in kept:
         previous = merged[-1] if merged else None
         first, second = (previous or {}).get("content", ""), message.get("content", "")
+        # 0.22 never merges into a /steer row or a compaction summary: both stay as stored.
         if previous is not None and message.get("role") == previous.get("role") == "user" \
-                and isinstance(first, str) and isinstance(second, str):
+                and isinstance(first, str) and isinstance(second, str) \
+                and previous.get("display_kind") != STEER_DISPLAY_KIND \
+                and split_user_turn(previous)[0] is None:
             previous["content"] = first + "\n\n" + second if first and second else first or second
             previous.pop("api_content", None)
             repairs += 1

@@ -2,11 +2,13 @@
 into a rewind of the stored transcript, checked against the history a program holds in memory.
 
 Owns rewind_user_turn and its result. The stored transcript is the authority; nothing here writes
-but rewind_to_message. Relies on `get_active_message_ids`, `get_messages_as_conversation`,
-`rewind_to_message`, `_split_user_turn` and `_loaded_view_content` (messages mixin).
+but rewind_to_message. Relies on `get_active_message_ids`, `get_messages_as_conversation` and
+`rewind_to_message` (messages mixin).
 """
 
 from dataclasses import dataclass
+
+from hermes_state_identity import loaded_view_content, split_user_turn
 
 _HISTORY_CHANGED = "session history changed before the rewind could be persisted"
 # Flags of the recovery turns hermes-agent keeps in memory only; never counted as history.
@@ -50,7 +52,7 @@ class SessionRewindMixin:
         gives a matching warm prefix the stored rows' `_row_id` and message_uid. Raises
         RewindTargetUnavailableError for a missing or wrong target; nothing is written then, nor
         when the transcript changed meanwhile (RuntimeError)."""
-        split = self._split_user_turn
+        split = split_user_turn
         expected_ids = self.get_active_message_ids(session_id)
         stored = self.get_messages_as_conversation(session_id, include_row_ids=True)
         durable = self.get_messages_as_conversation(session_id, include_row_ids=True,
@@ -59,7 +61,8 @@ class SessionRewindMixin:
         if user_ordinal < 0:
             user_ordinal = max(len(turns) + user_ordinal, 0)
         if user_ordinal >= len(turns):
-            raise RewindTargetUnavailableError("target user message is no longer in session history")
+            raise RewindTargetUnavailableError(
+                "target user message is no longer in session history")
         target = durable[turns[user_ordinal]]
         durable_prefix, live_view, handoff = _before_turn(durable, turns[user_ordinal], split)
         if require_composite and handoff is None:
@@ -93,7 +96,8 @@ class SessionRewindMixin:
             if result.get("replacement_message_uid"):
                 durable_prefix[-1]["message_uid"] = result["replacement_message_uid"]
             prefix[-1] = durable_prefix[-1]
-        if adopt_row_ids and prefix is not durable_prefix and self._same_rows(prefix, durable_prefix):
+        if adopt_row_ids and prefix is not durable_prefix \
+                and self._same_rows(prefix, durable_prefix):
             for warm_message, row in zip(prefix, durable_prefix):
                 if isinstance(row.get("_row_id"), int):
                     warm_message["_row_id"] = row["_row_id"]
@@ -107,7 +111,7 @@ class SessionRewindMixin:
 
     def _comparable(self, message):
         """A message's content as its stored row reads back, so a warm dict and its row compare."""
-        return self._loaded_view_content(message.get("role"), _stored_projection(
+        return loaded_view_content(message.get("role"), _stored_projection(
             message.get("content")))
 
     def _same_rows(self, warm, durable):

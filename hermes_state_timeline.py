@@ -11,7 +11,8 @@ import operator
 import re
 
 from hermes_state_common import decode_content, decode_message
-from hermes_state_messages import one_per_generation, split_user_turn
+from hermes_state_identity import split_user_turn
+from hermes_state_messages import one_per_generation
 
 # A preview is cut to this many characters, the last an ellipsis.
 PREVIEW_CHARS = 120
