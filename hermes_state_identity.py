@@ -211,8 +211,12 @@ def message_row(session_id, message, default_time, columns, direct=False, calls_
     if len(columns) > len(MESSAGE_WRITE_COLUMNS):
         optional = {"_compressed_summary": 1 if get("_compressed_summary") else 0}
         if "message_uid" in columns and isinstance(message, dict):
-            stamp_identity(message, tool_calls, {} if calls_seen is None else calls_seen)
-            optional.update(identity_values(message))
+            # The caller's dict keeps its message_uid (a later write of it names the same
+            # message); the tool call uids stay on a copy, as an import's dict has no key for them.
+            stamped = dict(message)
+            stamp_identity(stamped, tool_calls, {} if calls_seen is None else calls_seen)
+            message[MESSAGE_UID] = stamped[MESSAGE_UID]
+            optional.update(identity_values(stamped))
         row.update((name, optional.get(name)) for name in columns[len(MESSAGE_WRITE_COLUMNS):])
     return _write_row(row, columns), calls, stamp
 

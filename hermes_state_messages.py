@@ -558,6 +558,16 @@ class SessionMessagesMixin:
             repair_alternation_in_place(messages)
         return messages
 
+    def _session_lineage_root_to_tip(self, session_id):
+        """`session_id` with every ancestor by parent link, root first (a loop or
+        LINEAGE_MAX_HOPS ends the walk); [session_id] for an unknown id."""
+        chain, current = [], session_id
+        while current and current not in chain and len(chain) < LINEAGE_MAX_HOPS:
+            chain.append(current)
+            current = self._read_value("SELECT parent_session_id FROM sessions WHERE id = ?",
+                                       (current,))
+        return chain[::-1] or [session_id]
+
     def get_messages_around(self, session_id, around_message_id, window=5):
         """{"window", "messages_before", "messages_after"}: message `around_message_id` with up
         to `window` messages (rewound too) on each side as get_messages rows, and each side's
