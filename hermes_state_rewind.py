@@ -129,7 +129,7 @@ def _before_turn(messages, index, split):
     """(copies of the messages before turn `index` plus its handoff if it is a carrier, the
     turn as typed, the handoff or None)."""
     handoff, turn = split(messages[index])
-    prefix = [message.copy() for message in messages[:index]]
+    prefix = [dict(message) for message in messages[:index]]
     return prefix + ([handoff] if handoff is not None else []), turn, handoff
 
 
