@@ -491,7 +491,7 @@ class SessionMessagesMixin:
                 sql += " LIMIT ? OFFSET ?"
                 params += [-1 if limit is None else limit, offset]
             rows = self._read_all(sql, params)
-        return [decode_message(row) for row in (rows[::-1] if latest else rows)]
+        return [message_dict(row) for row in (rows[::-1] if latest else rows)]
 
     def get_messages_as_conversation(self, session_id, include_ancestors=False,
                                      include_inactive=False, repair_alternation=False,
@@ -882,6 +882,18 @@ def _check_open_session(conn, session_id, must_exist=True):
             raise UnknownSessionError(session_id)
     elif row["ended_at"] is not None and row["end_reason"] == COMPRESSION_END_REASON:
         raise CompressionSessionClosedError(session_id)
+
+
+def message_dict(row):
+    """A `SELECT *` row as get_messages gives it: decode_message's dict without schema 31's display
+    index (`display_identity` is bytes, which a JSON reply cannot hold), `_compressed_summary`
+    only when set (as True)."""
+    message = decode_message(row)
+    for key in ("display_identity", "display_order"):
+        message.pop(key, None)
+    if message.pop("_compressed_summary", 0):
+        message["_compressed_summary"] = True
+    return message
 
 
 def _visible_rows(include_inactive, include_compacted):

@@ -10,9 +10,9 @@ message once (never rewound rows), ordered by each message's first row, whose id
 import operator
 import re
 
-from hermes_state_common import decode_content, decode_message
+from hermes_state_common import decode_content
 from hermes_state_identity import split_user_turn
-from hermes_state_messages import one_per_generation
+from hermes_state_messages import message_dict, one_per_generation
 
 # A preview is cut to this many characters, the last an ellipsis.
 PREVIEW_CHARS = 120
@@ -49,7 +49,7 @@ def get_session_messages_around(db, session_id, row_id, *, limit=120):
     if found is None:
         return None
     rows, offset, total = found
-    messages = [_page_message(row) for row in rows]
+    messages = [message_dict(row) for row in rows]
     return {"messages": messages, "pagination": {
         "row_id": row_id, "limit": limit, "returned": len(messages), "order": "oldest",
         "offset": offset, "total": total, "has_older": offset > 0,
@@ -122,15 +122,3 @@ def _preview(row):
     if not text or _SYNTHETIC_PROMPT.match(text):
         return ""
     return text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS - 1].rstrip() + "…"
-
-
-def _page_message(row):
-    """A page's row as get_messages gives it, `_compressed_summary` only when set, without the
-    display index columns."""
-    message = decode_message(row)
-    for key in ("display_identity", "display_order"):
-        message.pop(key, None)
-    if not message.pop("_compressed_summary", 0):
-        return message
-    message["_compressed_summary"] = True
-    return message

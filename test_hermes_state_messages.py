@@ -739,7 +739,9 @@ class SchemaThirtyOneColumns(MessageTestCase):
 
     def test_the_summary_flag_is_stored_and_only_a_live_replay_keeps_it(self):
         self.db.append_message("s", "user", "[CONTEXT SUMMARY]: before", _compressed_summary=True)
-        self.assertEqual(self.stored()[0]["_compressed_summary"], 1)
+        self.db.append_message("s", "user", "plain")
+        self.assertEqual([row["_compressed_summary"] for row in self.stored()], [1, 0])
+        self.assertEqual([m.get("_compressed_summary") for m in self.db.get_messages("s")], [True, None])
         self.assertNotIn("_compressed_summary", self.db.get_messages_as_conversation("s")[0])
         replay = self.db.get_messages_as_conversation("s", repair_alternation=True)
         self.assertIs(replay[0]["_compressed_summary"], True)
