@@ -958,7 +958,7 @@ def _conversation_field(row, name):
 
 def _conversation_message(row, include_row_id, extra=None):
     """A row (CONVERSATION_ROW_COLUMNS, in order) as a chat-API dict: role, content (memory blocks
-    cut), the fields set; on assistant turns the reasoning fields (`reasoning_content` also "").
+    cut), `_db_persisted`, the fields set; on assistant turns the reasoning fields (`reasoning_content` also "").
     `extra`, {column: value} of the identity columns a store has, adds the dict's identity keys
     (and `_compressed_summary` when it holds that column, for a replay that keeps the marker)."""
     (row_id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason,
@@ -967,7 +967,9 @@ def _conversation_message(row, include_row_id, extra=None):
     if isinstance(content, str) and content.startswith(CONTENT_JSON_PREFIX):
         content = decode_content(content)
     # Most of a row's columns are NULL: each is tested once, in the order the dict's keys keep.
-    message = {"role": role, "content": loaded_view_content(role, content)}
+    # Born durable: hermes-agent's flush skips a dict with this marker, so a loaded transcript
+    # is never written twice (0.22 stamps it on every row it loads; 0.20 reads it the same way).
+    message = {"role": role, "content": loaded_view_content(role, content), "_db_persisted": True}
     if include_row_id and row_id is not None:
         message["_row_id"] = row_id
     if extra:

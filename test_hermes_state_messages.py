@@ -273,17 +273,29 @@ class Reading(MessageTestCase):
         user, assistant, tool = self.db.get_messages_as_conversation("s", include_row_ids=True)
         stamps = [row[0] for row in self.stored(column="timestamp")]
         ids = [row[0] for row in self.stored(column="id")]
-        self.assertEqual(user, {"role": "user", "content": "hi", "_row_id": ids[0], "api_content": "hi + memory",
+        self.assertEqual(user, {"role": "user", "content": "hi", "_db_persisted": True, "_row_id": ids[0],
+                                "api_content": "hi + memory",
                                 "display_kind": "synthetic", "display_metadata": {"k": 1}, "timestamp": stamps[0],
                                 "message_id": "pm1", "observed": True})
-        self.assertEqual(assistant, {"role": "assistant", "content": "calling", "_row_id": ids[1],
+        self.assertEqual(assistant, {"role": "assistant", "content": "calling", "_db_persisted": True,
+                                     "_row_id": ids[1],
                                      "timestamp": stamps[1], "tool_calls": CALL, "finish_reason": "tool_calls",
                                      "reasoning": "think", "reasoning_content": "",
                                      "reasoning_details": [{"type": "r"}], "codex_reasoning_items": [{"id": "rs"}],
                                      "codex_message_items": None})
-        self.assertEqual(tool, {"role": "tool", "content": "ok", "_row_id": ids[2], "timestamp": stamps[2],
+        self.assertEqual(tool, {"role": "tool", "content": "ok", "_db_persisted": True, "_row_id": ids[2],
+                                "timestamp": stamps[2],
                                 "tool_call_id": "call_1", "tool_name": "terminal", "effect_disposition": "applied"})
         self.assertNotIn("_row_id", self.db.get_messages_as_conversation("s")[0])
+
+    def test_every_loaded_message_is_marked_durable_so_a_flush_never_writes_it_again(self):
+        self.db.append_message("s", "user", "q")
+        self.db.append_message("s", "assistant", "a")
+        for kwargs in ({}, {"repair_alternation": True}, {"include_compacted": True},
+                       {"include_ancestors": True}):
+            with self.subTest(**kwargs):
+                self.assertEqual([m["_db_persisted"] for m in self.db.get_messages_as_conversation(
+                    "s", **kwargs)], [True, True])
 
     def test_the_conversation_leaves_out_recalled_memory_review_prompts_and_stale_markers(self):
         self.db.append_message("s", "user", "<memory-context>secret</memory-context>hello [System note: The "
@@ -334,7 +346,7 @@ class Reading(MessageTestCase):
         ]
         for role, content, extra in sequence:
             self.db.append_message("s", role, content, **extra)
-        repaired = [{k: v for k, v in m.items() if k != "timestamp"}
+        repaired = [{k: v for k, v in m.items() if k not in ("timestamp", "_db_persisted")}
                     for m in self.db.get_messages_as_conversation("s", repair_alternation=True)]
         self.assertEqual(repaired, [
             {"role": "user", "content": "a\n\nb"},
@@ -357,7 +369,7 @@ class Reading(MessageTestCase):
                                      ("user", "q2"), ("assistant", ""), ("assistant", parts))]
         with self.raw(self.path) as conn:
             conn.execute("UPDATE messages SET tool_calls = '[]' WHERE id = ?", (ids[1],))
-        repaired = [{k: v for k, v in m.items() if k != "timestamp"}
+        repaired = [{k: v for k, v in m.items() if k not in ("timestamp", "_db_persisted")}
                     for m in self.db.get_messages_as_conversation("t", repair_alternation=True)]
         self.assertEqual(repaired, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "first\nsecond"},
                                     {"role": "user", "content": "q2"}, {"role": "assistant", "content": parts}])
@@ -752,7 +764,7 @@ class SchemaThirtyOneColumns(MessageTestCase):
             db.create_session("s", "cli")
             db.append_message("s", "user", "q", _compressed_summary=True, message_uid="u")
             self.assertEqual(db.get_messages_as_conversation("s", repair_alternation=True)[0],
-                             {"role": "user", "content": "q",
+                             {"role": "user", "content": "q", "_db_persisted": True,
                               "timestamp": db.get_messages("s")[0]["timestamp"]})
 
 
