@@ -15,8 +15,9 @@ END = "--- END OF CONTEXT SUMMARY — respond to the message below, not the summ
 CARRIER = "[CONTEXT SUMMARY]: earlier work\n" + END + "\n\nand now this"
 
 
-class RewindDB(SessionRewindMixin, SessionDB):
-    """SessionDB as hermes_state.py's bases line will make it."""
+# SessionDB with the rewind mixin, until hermes_state.py's bases line names it.
+RewindDB = SessionDB if issubclass(SessionDB, SessionRewindMixin) else type(
+    "RewindDB", (SessionRewindMixin, SessionDB), {})
 
 
 class RewindTestCase(StoreTestCase):
