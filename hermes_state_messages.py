@@ -969,7 +969,8 @@ def _conversation_message(row, include_row_id, extra=None):
     # Most of a row's columns are NULL: each is tested once, in the order the dict's keys keep.
     # Born durable: hermes-agent's flush skips a dict with this marker, so a loaded transcript
     # is never written twice (0.22 stamps it on every row it loads; 0.20 reads it the same way).
-    message = {"role": role, "content": loaded_view_content(role, content), "_db_persisted": True}
+    message = {"role": role, "content": loaded_view_content(role, content),
+               "_db_persisted": True}
     if include_row_id and row_id is not None:
         message["_row_id"] = row_id
     if extra:
