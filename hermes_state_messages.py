@@ -958,7 +958,8 @@ def _conversation_field(row, name):
 
 def _conversation_message(row, include_row_id, extra=None):
     """A row (CONVERSATION_ROW_COLUMNS, in order) as a chat-API dict: role, content (memory blocks
-    cut), `_db_persisted`, the fields set; on assistant turns the reasoning fields (`reasoning_content` also "").
+    cut), `_db_persisted`, the fields set; on assistant turns the reasoning fields
+    (`reasoning_content` also "").
     `extra`, {column: value} of the identity columns a store has, adds the dict's identity keys
     (and `_compressed_summary` when it holds that column, for a replay that keeps the marker)."""
     (row_id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason,
