@@ -8,6 +8,7 @@ stored as hermes-agent stores them, so both programs read each other's rows: wha
 accept, what it raises we raise.
 """
 
+import functools
 import json
 import operator
 import time
@@ -31,6 +32,7 @@ from hermes_state_identity import (
 from hermes_state_schema import live_columns
 
 
+@functools.lru_cache(maxsize=None)
 def _insert_sql(columns):
     return "INSERT INTO messages ({}) VALUES ({})".format(", ".join(columns),
                                                           placeholders(len(columns)))

@@ -7,7 +7,9 @@ import sqlite3
 import time
 
 from hermes_state import SessionDB
-from hermes_state_errors import CompressionSessionClosedError, SessionTurnLeaseLostError
+from hermes_state_errors import (
+    CompressionSessionClosedError, SessionCompressionInProgressError, SessionTurnLeaseLostError,
+)
 from test_support import StoreTestCase
 
 CALL = [{"id": "call_1", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]
@@ -850,9 +852,19 @@ class TranscriptEdits022(MessageTestCase):
         self.assertEqual(len(self.stored()), 1)
         self.db.replace_messages("s", [{"role": "user", "content": "new"}])  # no check asked
         self.lease("s", "turn-holder", expires_in=-1)  # lapsed: removed, not refused
+        conn = self.raw(self.path)
+        conn.execute("INSERT INTO compression_locks VALUES ('s', 'compressor', ?, ?)",
+                     (time.time(), time.time() + 60))
+        conn.commit()
+        with self.assertRaises(SessionCompressionInProgressError):
+            self.db.replace_messages("s", [], reject_active_turn_lease=True)
+        self.assertEqual(len(self.db.get_messages("s")), 1)
+        conn.execute("UPDATE compression_locks SET expires_at = 0")
+        conn.commit()
         self.db.replace_messages("s", [], reject_active_turn_lease=True)
-        self.assertEqual(self.raw(self.path).execute(
-            "SELECT COUNT(*) FROM session_turn_leases").fetchone()[0], 0)
+        self.assertEqual(self.db.get_messages("s"), [])
+        self.assertEqual([conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+                          for table in ("session_turn_leases", "compression_locks")], [0, 0])
 
     def test_archive_dropped_keeps_the_matching_live_head_with_its_ids(self):
         ids = [self.db.append_message("s", role, content, tool_calls=calls)
