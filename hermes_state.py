@@ -66,6 +66,7 @@ from hermes_state_errors import StoreLockedError
 from hermes_state_maintenance import SessionMaintenanceMixin
 from hermes_state_messages import SessionMessagesMixin
 from hermes_state_portability import SessionPortabilityMixin
+from hermes_state_rewind import SessionRewindMixin
 from hermes_state_readpool import SessionReadPoolMixin, _file_signature
 from hermes_state_schema import (
     SessionSchemaMixin, is_lock_error, pause_between_chunks, runtime_capabilities,
@@ -393,10 +394,10 @@ def load_fts5_cjk_extension(conn):
 
 
 class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMixin,
-                SessionMessagesMixin, SessionTitlesMixin, SessionUsageMixin, SessionGatewayMixin,
-                SessionTelegramMixin, SessionMaintenanceMixin, SessionSearchMixin,
-                SessionSearchIndexMixin, SessionSchemaMixin, SessionPortabilityMixin,
-                SessionReadPoolMixin):
+                SessionMessagesMixin, SessionRewindMixin, SessionTitlesMixin, SessionUsageMixin,
+                SessionGatewayMixin, SessionTelegramMixin, SessionMaintenanceMixin,
+                SessionSearchMixin, SessionSearchIndexMixin, SessionSchemaMixin,
+                SessionPortabilityMixin, SessionReadPoolMixin):
     """The agent's state store. Thread-safe; open one per process.
 
     `db_path` defaults to `<hermes home>/state.db`; a read-only open runs no DDL and no repair.

@@ -8,28 +8,45 @@ stored as hermes-agent stores them, so both programs read each other's rows: wha
 accept, what it raises we raise.
 """
 
+import functools
 import json
-import math
 import operator
-import re
-import sqlite3
 import time
 
 from hermes_state_common import (
     COMPRESSION_END_REASON, CONTENT_JSON_PREFIX, COUNT_ALL_MESSAGES_SQL, MESSAGE_WRITE_COLUMNS,
-    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SET_MESSAGE_COUNTS_SQL, STALE_MARKER, content_text,
-    decode_content, decode_display_metadata, decode_message, describe_skill_invocation,
-    encode_content, is_fork_child, json_object, loads_or, placeholders, scrub_surrogates,
-    sqlite_keeps,
+    LINEAGE_MAX_HOPS, PREVIEW_CHARS, SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL,
+    STALE_MARKER, decode_content, decode_display_metadata, decode_message,
+    describe_skill_invocation, encode_content, is_fork_child, loads_or, placeholders,
+    scrub_surrogates,
 )
 from hermes_state_errors import (
-    CompressionSessionClosedError, SessionTurnLeaseLostError, UnknownSessionError,
+    CompressionSessionClosedError, SessionCompressionInProgressError, SessionTurnLeaseLostError,
+    UnknownSessionError,
 )
+from hermes_state_identity import (
+    IDENTITY_COLUMNS, MESSAGE_UID, STEER_DISPLAY_KIND, call_count, display_metadata_text,
+    is_compaction_summary, loaded_view_content, message_row, restore_identity_columns,
+    split_user_turn, tool_call_key,
+)
+from hermes_state_schema import live_columns
 
-# One message row, its values in MESSAGE_WRITE_COLUMNS order (see _write_row); append_message and
-# _insert_message_rows run it, bench.py too.
-INSERT_MESSAGE_SQL = "INSERT INTO messages ({}) VALUES ({})".format(
-    ", ".join(MESSAGE_WRITE_COLUMNS), ", ".join("?" for _ in MESSAGE_WRITE_COLUMNS))
+
+@functools.lru_cache(maxsize=None)
+def _insert_sql(columns):
+    return "INSERT INTO messages ({}) VALUES ({})".format(", ".join(columns),
+                                                          placeholders(len(columns)))
+
+
+# One message row of a schema-26 store, its values in MESSAGE_WRITE_COLUMNS order (see _write_row);
+# bench.py runs it.
+INSERT_MESSAGE_SQL = _insert_sql(MESSAGE_WRITE_COLUMNS)
+# Columns hermes-agent 0.22 (schema 31) adds to a message write. Each is written where the store
+# has it (_write_columns); a schema-26 store keeps none of them.
+OPTIONAL_WRITE_COLUMNS = ("_compressed_summary",) + IDENTITY_COLUMNS
+# Every column a message write names on a store that has them all (agent/transcript_repair.py
+# derives the columns a row rewrite may change from it).
+_MESSAGE_WRITE_COLUMNS = MESSAGE_WRITE_COLUMNS + OPTIONAL_WRITE_COLUMNS
 
 # (messages added, tool calls added, session id); append_messages_batch runs it.
 BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message_count, 0) + ?,"
@@ -37,42 +54,20 @@ BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message
 # append_message's: the same, and the end reason a compression closes a session with.
 BUMP_OPEN_SESSION_COUNTS_SQL = (BUMP_MESSAGE_COUNTS_SQL
                                 + " AND (ended_at IS NULL OR end_reason IS NOT ?)")
-# Every handoff text hermes-agent's compaction has written starts with one of these; a merged
-# handoff carries it after the delimiter.
-_COMPACTION_SUMMARY_LEADS = (
-    "[CONTEXT COMPACTION — REFERENCE ONLY] Earlier turns were compacted into the summary below.",
-    "[CONTEXT SUMMARY]:")
-_MERGED_SUMMARY_DELIMITER = "[END OF PRIOR CONTEXT — COMPACTION SUMMARY BELOW]"
-
-
-def is_compaction_summary(content):
-    """True for a compaction handoff, alone or merged after earlier turns' text."""
-    text = content_text(content).lstrip()
-    if _MERGED_SUMMARY_DELIMITER in text:
-        text = text.split(_MERGED_SUMMARY_DELIMITER, 1)[1].lstrip()
-    return text.startswith(_COMPACTION_SUMMARY_LEADS)
-
-
 # Assistant turns that a later answer supersedes when alternation is repaired.
 _VERIFICATION_FINISHES = ("verification_required", "verify_hook_continue")
 # Prompts of hermes-agent's background skill/memory review that old builds wrote into the user's
 # session; replayed, they turn the agent into the curator.
 _REVIEW_HARNESS_PREFIXES = ("Review the conversation above and update the skill library",
                             "Review the conversation above and consider saving to memory")
-# Recalled-memory blocks hermes-agent injects into prompts; never replayed.
-_MEMORY_BLOCK = re.compile(r"<\s*memory-context\s*>[\s\S]*?</\s*memory-context\s*>", re.I)
-_MEMORY_NOTE = re.compile(
-    r"\[System note:\s*The following is recalled memory context,\s*NOT new user input\.\s*Treat as "
-    r"(?:informational background data|authoritative reference data[^\]]*)\.\]\s*", re.I)
-_MEMORY_TAG = re.compile(r"</?\s*memory-context\s*>", re.I)
-_MEMORY_HINT = re.compile("memory", re.I)  # in every text the three above can match
-
-
 class SessionMessagesMixin:
     """SessionDB's methods for the transcript.
 
     Relies on: `_execute_write`, `_update_rows`, `_read_value`, `_read_one`, `_read_all`,
     `_with_reader`, `_transcript_patience` (SessionDB, hermes_state.py)."""
+
+    # The columns _write_columns found, once per SessionDB.
+    _message_columns = None
 
     # -- writes ------------------------------------------------------------------
 
@@ -80,10 +75,14 @@ class SessionMessagesMixin:
                        tool_call_id=None, token_count=None, finish_reason=None, reasoning=None,
                        reasoning_content=None, reasoning_details=None, codex_reasoning_items=None,
                        codex_message_items=None, platform_message_id=None, observed=False,
-                       effect_disposition=None, timestamp=None, api_content=None, display_kind=None,
-                       display_metadata=None, compression_lock_holder=None, turn_lease_holder=None,
-                       turn_lease_ttl_seconds=300.0):
+                       effect_disposition=None, *later, **named):
         """Append one message and return its id; the session's counts move in the same transaction.
+
+        After `effect_disposition` it takes, by keyword or position, 0.20's `timestamp`,
+        `api_content`, `display_kind`, `display_metadata`, `compression_lock_holder`,
+        `turn_lease_holder`, `turn_lease_ttl_seconds` (300.0) and 0.22's `_compressed_summary`
+        (False) and `message_uid`; positions follow _APPEND_LATER_ORDERS. `_compressed_summary`
+        marks a compaction handoff and `message_uid` names the message where the store keeps them.
 
         Raises CompressionSessionClosedError for a session compression ended,
         SessionTurnLeaseLostError when `turn_lease_holder` does not hold the turn lease,
@@ -91,20 +90,60 @@ class SessionMessagesMixin:
         `compression_lock_holder` is not checked: as in hermes-agent, appends never wait for a
         compression, which keeps the rows that arrive meanwhile."""
         fields = dict(locals())
-        for name in ("self", "session_id", "compression_lock_holder", "turn_lease_holder",
-                     "turn_lease_ttl_seconds"):
+        for name in ("self", "session_id", "later", "named"):
             del fields[name]
-        row, calls, _ = _message_row(session_id, fields, time.time(), direct=True)
+        fields.update(_append_later_fields(later, named))
+        lease_holder = fields.pop("turn_lease_holder")
+        lease_ttl = fields.pop("turn_lease_ttl_seconds")
+        del fields["compression_lock_holder"]
+        columns = self._write_columns()
+        row, calls, _ = message_row(session_id, fields, time.time(), columns, direct=True)
 
         def write(conn):
-            if turn_lease_holder:
-                self._check_turn_lease(conn, session_id, turn_lease_holder, turn_lease_ttl_seconds)
+            if lease_holder:
+                self._check_turn_lease(conn, session_id, lease_holder, lease_ttl)
             # The count update admits the write too: it changes no row of a session that is unknown
             # or closed by compression, and only then is the session read, to say which.
             bump = (1, calls, session_id, COMPRESSION_END_REASON)
             if not conn.execute(BUMP_OPEN_SESSION_COUNTS_SQL, bump).rowcount:
                 _check_open_session(conn, session_id)  # raises: unknown, or closed by compression
-            return conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
+            return conn.execute(_insert_sql(columns), row).lastrowid
+        return self._execute_write(write, patience_s=self._transcript_patience())
+
+    def append_delegation_delivery(self, session_id, content, metadata):
+        """Record a detached delegation's result as a user row once, and return its id: a row of the
+        compression chain with the same `delegation_id` and `delivery_notice` is returned instead.
+
+        The row's display_kind is "async_delegation_complete" ("hidden" with
+        `presentation_suppressed`), its display_metadata `metadata`. Raises ValueError without a
+        `delegation_id`, SessionTurnLeaseLostError while a turn holds the lease, and as
+        append_message; the check and the insert share one transaction."""
+        delegation_id = metadata.get("delegation_id")
+        if not delegation_id:
+            raise ValueError("a delegation delivery needs metadata['delegation_id']")
+        kind = "hidden" if metadata.get("presentation_suppressed") else "async_delegation_complete"
+        message = {"role": "user", "content": content, "display_kind": kind,
+                   "display_metadata": metadata}
+        columns = self._write_columns()
+        row, _, _ = message_row(session_id, message, time.time(), columns)
+        notice = metadata.get("delivery_notice", "")
+
+        def write(conn):
+            chain = self._compression_chain(conn, session_id)
+            earlier = conn.execute(
+                f"SELECT id, display_metadata FROM messages WHERE session_id IN"
+                f" ({placeholders(len(chain))}) AND display_kind IN"
+                " ('async_delegation_complete', 'hidden') ORDER BY id", chain).fetchall()
+            for found in earlier:
+                meta = decode_display_metadata(found["display_metadata"]) or {}
+                if meta.get("delegation_id") == delegation_id \
+                        and (meta.get("delivery_notice") or "") == (notice or ""):
+                    return found["id"]
+            self._refuse_active_turn_lease(conn, session_id)
+            _check_open_session(conn, session_id)
+            row_id = conn.execute(_insert_sql(columns), row).lastrowid
+            conn.execute(BUMP_MESSAGE_COUNTS_SQL, (1, 0, session_id))
+            return row_id
         return self._execute_write(write, patience_s=self._transcript_patience())
 
     def append_messages_batch(self, session_id, messages, compression_lock_holder=None,
@@ -132,23 +171,38 @@ class SessionMessagesMixin:
             return inserted
         return self._execute_write(write, patience_s=self._transcript_patience())
 
-    def replace_messages(self, session_id, messages, active_only=False, archive_dropped=False):
+    def replace_messages(self, session_id, messages, active_only=False, archive_dropped=False,
+                         reject_active_turn_lease=False):
         """Make `messages` the session's whole live transcript in one transaction; returns None.
 
-        Replaced rows are deleted (the active ones only with `active_only`), or kept inactive
-        with `archive_dropped`. Raises CompressionSessionClosedError or UnknownSessionError
-        as append_message does."""
-        if archive_dropped:
-            drop = "UPDATE messages SET active = 0 WHERE session_id = ? AND active = 1"
-        else:
-            drop = ("DELETE FROM messages WHERE session_id = ?"
-                    + (" AND active = 1" if active_only else ""))
-
+        Replaced rows are deleted (the active ones only with `active_only`), or with
+        `archive_dropped` kept inactive, as a rewind keeps them: then the live rows that already
+        hold the head of `messages` (role, content as read back, tool fields) stay with their ids,
+        which their dicts get as `_row_id`, and only the rest is archived and inserted.
+        `reject_active_turn_lease` refuses while a turn holds the lease or a compression the lock
+        (see _refuse_active_turn_lease). Raises CompressionSessionClosedError or
+        UnknownSessionError as append_message does."""
         def write(conn):
+            if reject_active_turn_lease:
+                self._refuse_active_turn_lease(conn, session_id)
             _check_open_session(conn, session_id, must_exist=bool(messages))
-            conn.execute(drop, (session_id,))
-            count, calls = self._insert_message_rows(conn, session_id, messages)
-            conn.execute(SET_MESSAGE_COUNTS_SQL, (count, calls, session_id))
+            kept = kept_calls = 0
+            if archive_dropped:
+                live = conn.execute(
+                    "SELECT id, role, content, tool_call_id, tool_calls FROM messages"
+                    " WHERE session_id = ? AND active = 1 ORDER BY id LIMIT ?",
+                    (session_id, len(messages) + 1)).fetchall()
+                kept = _kept_live_prefix(live, messages)
+                kept_calls = sum(call_count(loads_or(row["tool_calls"], None))
+                                 for row in live[:kept] if row["tool_calls"])
+                if kept < len(live):
+                    conn.execute("UPDATE messages SET active = 0 WHERE session_id = ?"
+                                 " AND active = 1 AND id >= ?", (session_id, live[kept]["id"]))
+            else:
+                conn.execute("DELETE FROM messages WHERE session_id = ?"
+                             + (" AND active = 1" if active_only else ""), (session_id,))
+            count, calls = self._insert_message_rows(conn, session_id, messages[kept:])
+            conn.execute(SET_MESSAGE_COUNTS_SQL, (kept + count, kept_calls + calls, session_id))
         self._execute_write(write)
 
     def set_latest_user_api_content(self, session_id, content, api_content):
@@ -159,6 +213,63 @@ class SessionMessagesMixin:
             " WHERE session_id = ? AND role = 'user' AND active = 1 ORDER BY id DESC LIMIT 1)"
             " AND content IS ?",
             (scrub_surrogates(api_content), session_id, encode_content(content)))
+
+    # -- row-addressed edits: each changes at most the named row of the session; 0 for a bad
+    # session id or row id (not a positive int), as in hermes-agent --
+
+    def set_message_api_content(self, session_id, row_id, content, api_content):
+        """Set api_content of the active user message `row_id` if its content is still `content`;
+        rows changed."""
+        if not session_id or not _is_row_id(row_id):
+            return 0
+        return self._update_rows(
+            "UPDATE messages SET api_content = :api WHERE id = :id AND session_id = :sid"
+            " AND role = 'user' AND active = 1 AND content IS :content",
+            {"api": scrub_surrogates(api_content), "id": row_id, "sid": session_id,
+             "content": encode_content(content)})
+
+    def set_user_message_content(self, session_id, row_id, content):
+        """Replace the content of the active user message `row_id` (a prompt rewritten after it
+        was stored); rows changed."""
+        if not session_id or not _is_row_id(row_id):
+            return 0
+        return self._update_rows(
+            "UPDATE messages SET content = ? WHERE id = ? AND session_id = ? AND role = 'user'"
+            " AND active = 1", (encode_content(content), row_id, session_id))
+
+    def deactivate_message(self, session_id, row_id):
+        """Make message `row_id` inactive (kept, as a rewind keeps it); rows changed."""
+        if not session_id or not _is_row_id(row_id):
+            return 0
+        return self._update_rows("UPDATE messages SET active = 0 WHERE id = ? AND session_id = ?",
+                                 (row_id, session_id))
+
+    def deactivate_messages_by_display_kind(self, session_id, display_kind):
+        """Make every active message with this display_kind inactive; rows changed (0 for an
+        empty kind)."""
+        if not session_id or not display_kind:
+            return 0
+        return self._update_rows(
+            "UPDATE messages SET active = 0 WHERE session_id = ? AND display_kind = ?"
+            " AND active = 1", (session_id, scrub_surrogates(display_kind)))
+
+    def resolve_active_row_id(self, session_id, row_id):
+        """The active row holding message `row_id`: itself while active, else the one live copy
+        an in-place compaction made of it (same role, content and time, a higher id); None when
+        there is none, or more than one."""
+        if not session_id or not _is_row_id(row_id):
+            return None
+        active = self._read_value("SELECT active FROM messages WHERE id = ? AND session_id = ?",
+                                  (row_id, session_id))
+        if active is None:
+            return None
+        if active:
+            return row_id
+        copies = self._read_all(
+            "SELECT c.id FROM messages c JOIN messages o ON o.id = :id WHERE c.session_id = :sid"
+            " AND c.active = 1 AND c.id > o.id AND c.role = o.role AND c.content IS o.content"
+            " AND c.timestamp = o.timestamp LIMIT 2", {"id": row_id, "sid": session_id})
+        return copies[0][0] if len(copies) == 1 else None
 
     def set_latest_matching_message_display_kind(self, session_id, *, role, content, display_kind,
                                                  display_metadata=None):
@@ -171,7 +282,7 @@ class SessionMessagesMixin:
             "UPDATE messages SET display_kind = ?, display_metadata = ? WHERE id = (SELECT id"
             " FROM messages WHERE session_id = ? AND role = ? AND content = ? AND active = 1"
             " ORDER BY id DESC LIMIT 1)",
-            (scrub_surrogates(display_kind), _display_metadata_text(display_metadata), session_id,
+            (scrub_surrogates(display_kind), display_metadata_text(display_metadata), session_id,
              role, encode_content(content))) > 0
 
     # -- reactions: kept in a message's display_metadata, so they travel with its row --
@@ -205,7 +316,7 @@ class SessionMessagesMixin:
             else:
                 meta.pop(self.REACTIONS_METADATA_KEY, None)
             conn.execute(self._SET_DISPLAY_METADATA_SQL,
-                         (_display_metadata_text(meta), message_row_id))
+                         (display_metadata_text(meta), message_row_id))
             return reactions
         return self._execute_write(write)
 
@@ -243,7 +354,7 @@ class SessionMessagesMixin:
                                   "emoji": reaction.get("emoji") or "",
                                   "text": text if isinstance(text, str) else ""})
                 conn.execute(self._SET_DISPLAY_METADATA_SQL,
-                             (_display_metadata_text(meta), row["id"]))
+                             (display_metadata_text(meta), row["id"]))
             return taken
         return self._execute_write(write)
 
@@ -255,9 +366,12 @@ class SessionMessagesMixin:
         """Inside a write: insert message dicts as append_messages_batch reads them, stamping
         `_row_id`; returns (rows inserted, tool calls). The session's counters are the caller's."""
         now, inserted, calls = time.time(), 0, 0
+        columns, calls_seen = self._write_columns(conn), {}
+        insert = _insert_sql(columns)
         for message in messages:
-            row, row_calls, stamp = _message_row(session_id, message, now)
-            row_id = conn.execute(INSERT_MESSAGE_SQL, row).lastrowid
+            row, row_calls, stamp = message_row(session_id, message, now, columns,
+                                                 calls_seen=calls_seen)
+            row_id = conn.execute(insert, row).lastrowid
             if isinstance(message, dict):
                 message["_row_id"] = row_id
             inserted, calls, now = inserted + 1, calls + row_calls, max(now + 1e-6, stamp + 1e-6)
@@ -288,43 +402,90 @@ class SessionMessagesMixin:
     def _turn_lease_key(self, conn, session_id):
         """The id the turn lease is kept under: the root of the compression chain through
         `session_id` (a branch, delegate or tool child starts its own)."""
+        root = self._compression_chain(conn, session_id)[0]
+        return str(root) if root else session_id
+
+    def _compression_chain(self, conn, session_id):
+        """`session_id` and the sessions it continues, root first: each step goes to a parent that
+        compression ended, from a child that is no branch, delegate or tool child (0.22's
+        _resume_lineage_ids); [session_id] for anything else or an unknown id."""
         def lineage_row(sid):
             return conn.execute("SELECT id, parent_session_id, source, model_config, end_reason "
                                 "FROM sessions WHERE id = ?", (sid,)).fetchone()
-        current, seen = (lineage_row(session_id) if session_id else None), {session_id}
-        while current is not None:
+        chain, current = [session_id], (lineage_row(session_id) if session_id else None)
+        while current is not None and len(chain) < LINEAGE_MAX_HOPS:
             parent_id = current["parent_session_id"]
-            if not parent_id or parent_id in seen or is_fork_child(current):
+            if not parent_id or parent_id in chain or is_fork_child(current):
                 break
             parent = lineage_row(parent_id)
             if parent is None or parent["end_reason"] != COMPRESSION_END_REASON:
                 break
-            seen.add(parent_id)
+            chain.append(parent_id)
             current = parent
-        return str(current["id"] or session_id) if current is not None else session_id
+        return chain[::-1]
+
+    def _write_columns(self, conn=None):
+        """The columns a message write names here: MESSAGE_WRITE_COLUMNS and those of
+        OPTIONAL_WRITE_COLUMNS the store's messages table has. Read once per SessionDB, from
+        `conn` or a reader (SessionDB brings the schema up to date when it opens the store)."""
+        if self._message_columns is None:
+            found = live_columns(conn, "messages") if conn is not None else self._with_reader(
+                lambda reader: live_columns(reader, "messages"))
+            self._message_columns = MESSAGE_WRITE_COLUMNS + tuple(
+                name for name in OPTIONAL_WRITE_COLUMNS if name in found)
+        return self._message_columns
+
+    def _refuse_active_turn_lease(self, conn, session_id):
+        """Inside a write: SessionTurnLeaseLostError while a turn holds the conversation's lease
+        or SessionCompressionInProgressError while a compression holds the session's lock, as
+        0.22 refuses a user's rewrite of the transcript; an expired lease or lock is removed."""
+        now = time.time()
+        key = self._turn_lease_key(conn, session_id)
+        lease = conn.execute("SELECT holder, expires_at FROM session_turn_leases"
+                             " WHERE conversation_id = ?", (key,)).fetchone()
+        if lease is not None:
+            if float(lease["expires_at"]) > now:
+                raise SessionTurnLeaseLostError(
+                    f"Session has an active turn lease; refusing transcript mutation for"
+                    f" {session_id!r}")
+            conn.execute("DELETE FROM session_turn_leases WHERE conversation_id = ? AND holder = ?",
+                         (key, lease["holder"]))
+        lock = conn.execute(SELECT_COMPRESSION_LOCK_SQL, (session_id,)).fetchone()
+        if lock is not None:
+            if float(lock["expires_at"]) > now:
+                raise SessionCompressionInProgressError(
+                    f"Session {session_id!r} is being compressed by another writer")
+            conn.execute("DELETE FROM compression_locks WHERE session_id = ? AND holder = ?",
+                         (session_id, lock["holder"]))
 
     # -- reads ---------------------------------------------------------------------
 
     def get_messages(self, session_id, include_inactive=False, include_compacted=False, limit=None,
-                     offset=0, latest=False, after_id=None):
+                     offset=0, latest=False, after_id=None, include_ancestors=False):
         """A session's messages in id order as decoded row dicts; [] for an unknown session.
 
         Active rows by default; `include_compacted` adds the rows compaction kept (each message
-        once, the live copy first), `include_inactive` every row. `limit`/`offset` page from the
-        oldest, or from the newest with `latest`; `after_id` pages by id. Raises ValueError for
-        `after_id` with `latest`, `offset` or `include_compacted`."""
+        once, see one_per_generation), `include_inactive` every row. `include_ancestors` reads
+        the compression chain the session continues (root first, a branch stands alone), each
+        message once. `limit`/`offset` page from the oldest, or from the newest with `latest`;
+        `after_id` pages by id. Raises ValueError for `after_id` with `latest`, `offset`,
+        `include_compacted` or `include_ancestors`."""
         if after_id is not None and (latest or offset):
             raise ValueError("after_id is incompatible with latest/offset paging")
         if after_id is not None and include_compacted:
             raise ValueError("after_id is incompatible with include_compacted (it pages by offset)")
-        visible = " AND (active = 1 OR compacted = 1)" if include_compacted else " AND active = 1"
-        sql = "SELECT * FROM messages WHERE session_id = ?" + ("" if include_inactive else visible)
-        if include_compacted:
-            rows = _one_per_generation(self._read_all(sql + " ORDER BY id", (session_id,)))
+        if after_id is not None and include_ancestors:
+            raise ValueError("after_id is incompatible with include_ancestors (it pages by offset)")
+        session_ids = self._resume_chain(session_id) if include_ancestors else [session_id]
+        sql = (f"SELECT * FROM messages WHERE session_id IN ({placeholders(len(session_ids))})"
+               + _visible_rows(include_inactive, include_compacted))
+        if include_compacted or len(session_ids) > 1:
+            rows = one_per_generation(self._read_all(sql + " ORDER BY id", session_ids),
+                                       operator.getitem)
             rows = rows[::-1] if latest else rows
             rows = rows[offset:] if limit is None else rows[offset:][:limit]
         else:
-            params = [session_id]
+            params = list(session_ids)
             if after_id is not None:
                 sql, params = sql + " AND id > ?", params + [after_id]
             sql += " ORDER BY id DESC" if latest else " ORDER BY id"
@@ -332,46 +493,63 @@ class SessionMessagesMixin:
                 sql += " LIMIT ? OFFSET ?"
                 params += [-1 if limit is None else limit, offset]
             rows = self._read_all(sql, params)
-        return [decode_message(row) for row in (rows[::-1] if latest else rows)]
+        return [message_dict(row) for row in (rows[::-1] if latest else rows)]
 
     def get_messages_as_conversation(self, session_id, include_ancestors=False,
                                      include_inactive=False, repair_alternation=False,
-                                     include_row_ids=False):
+                                     include_row_ids=False, include_compacted=False):
         """The session as chat-API message dicts, oldest first; [] for an unknown session.
 
-        Fields as _conversation_message builds them. `include_ancestors` prepends the parent
-        chain (not for a branch, already a copy) without replayed user turns;
-        `repair_alternation` runs repair_alternation_in_place; `include_row_ids` adds `_row_id`."""
-        session_ids = [session_id]
-        if include_ancestors and not self._is_explicit_branch_session(session_id):
-            session_ids = self._session_lineage_root_to_tip(session_id)
+        Fields as _conversation_message builds them. `include_ancestors` prepends the compression
+        chain the session continues (a branch stands alone) without replayed user turns;
+        `include_compacted` adds the rows compaction kept, each message once (for display: the
+        model's context stays what compaction left); `repair_alternation` runs
+        repair_alternation_in_place; `include_row_ids` adds `_row_id`."""
+        session_ids = self._resume_chain(session_id) if include_ancestors else [session_id]
         return self._conversation(session_ids, include_inactive, include_ancestors,
-                                  repair_alternation, include_row_ids)
+                                  repair_alternation, include_row_ids, include_compacted)
 
     def get_ancestor_display_prefix(self, session_id):
-        """The ancestors' part of a resume's display history (get_messages_as_conversation
-        with include_ancestors, less the session's own rows); [] for a branch, a root or an
-        unknown session."""
-        if self._is_explicit_branch_session(session_id):
+        """The ancestors' part of a resume's display history (the compression chain's messages,
+        compacted ones included, each once, less the session's own rows); [] for a branch, a root
+        or an unknown session."""
+        ancestors = self._resume_chain(session_id)[:-1]
+        if not ancestors:
             return []
-        ancestors = self._session_lineage_root_to_tip(session_id)[:-1]
-        return self._conversation(ancestors, False, True) if ancestors else []
+        theirs = {row[0] for row in self._read_all(
+            f"SELECT id FROM messages WHERE session_id IN ({placeholders(len(ancestors))})",
+            ancestors)}
+        lineage = self._conversation(ancestors + [session_id], False, True,
+                                     include_row_ids=True, include_compacted=True)
+        return [{key: value for key, value in message.items() if key != "_row_id"}
+                for message in lineage if message.get("_row_id") in theirs]
+
+    def _resume_chain(self, session_id):
+        """_compression_chain on a reader."""
+        return self._with_reader(lambda conn: self._compression_chain(conn, session_id))
 
     def _conversation(self, session_ids, include_inactive, include_ancestors,
-                      repair_alternation=False, include_row_ids=False):
+                      repair_alternation=False, include_row_ids=False, include_compacted=False):
         """The messages of `session_ids` in id order, as get_messages_as_conversation gives them."""
-        visible = "" if include_inactive else " AND active = 1"
-        sql = (f"SELECT {CONVERSATION_ROW_COLUMNS} FROM messages WHERE session_id IN "
-               f"({placeholders(len(session_ids))}){visible} ORDER BY id")
+        extras = self._write_columns()[len(MESSAGE_WRITE_COLUMNS):]
+        sql = (f"SELECT {CONVERSATION_ROW_COLUMNS}, active{''.join(', ' + c for c in extras)}"
+               f" FROM messages WHERE session_id IN ({placeholders(len(session_ids))})"
+               f"{_visible_rows(include_inactive, include_compacted)} ORDER BY id")
 
         def read(conn):  # plain tuples: sqlite3.Row objects read by name cost a third of the call
             cursor = conn.cursor()
             cursor.row_factory = None
             return cursor.execute(sql, session_ids).fetchall()
         rows = self._with_reader(read)
+        if include_compacted:
+            rows = one_per_generation(rows, _conversation_field)
+        width = len(_CONVERSATION_FIELDS)  # the base columns and `active`
         messages = []
         for row in rows:
-            message = _conversation_message(row, include_row_ids)
+            extra = dict(zip(extras, row[width:])) if extras else None
+            message = _conversation_message(row[:width - 1], include_row_ids, extra)
+            if not repair_alternation:
+                message.pop("_compressed_summary", None)  # only a live replay keeps the marker
             if not (include_ancestors and _is_replayed_user_turn(messages, message)):
                 messages.append(message)
         messages = _without_review_harness(messages)
@@ -391,11 +569,6 @@ class SessionMessagesMixin:
             current = self._read_value("SELECT parent_session_id FROM sessions WHERE id = ?",
                                        (current,))
         return chain[::-1] or [session_id]
-
-    def _is_explicit_branch_session(self, session_id):
-        """True for a /branch copy (model_config names `_branched_from`)."""
-        config = self._read_value("SELECT model_config FROM sessions WHERE id = ?", (session_id,))
-        return bool(json_object(config).get("_branched_from"))
 
     def get_messages_around(self, session_id, around_message_id, window=5):
         """{"window", "messages_before", "messages_after"}: message `around_message_id` with up
@@ -477,6 +650,33 @@ class SessionMessagesMixin:
                                     (session_id,))
         return self._read_value(COUNT_ALL_MESSAGES_SQL)
 
+    def count_messages_all(self, session_id):
+        """Every message row of the session, rewound and compacted ones too; 0 for none (and for
+        an empty id, where message_count counts the store)."""
+        return self.message_count(session_id) if session_id else 0
+
+    def display_message_count(self, session_id):
+        """How many messages a display read of the session shows: get_messages with
+        include_compacted, counted; 0 for an unknown session."""
+        rows = self._read_all(
+            "SELECT id, role, content, timestamp, tool_call_id, tool_calls, tool_name, active,"
+            " display_metadata FROM messages WHERE session_id = ? AND (active = 1 OR compacted = 1)"
+            " ORDER BY id", (session_id,))
+        return len(one_per_generation(rows, operator.getitem))
+
+    def latest_conversation_role(self, session_id):
+        """Role of the newest active message that is not bookkeeping (session_meta, system);
+        None when there is none."""
+        return self._read_value(
+            "SELECT role FROM messages WHERE session_id = ? AND active = 1"
+            " AND role NOT IN ('session_meta', 'system') ORDER BY id DESC LIMIT 1", (session_id,))
+
+    def get_active_message_ids(self, session_id):
+        """Ids of the session's active messages, oldest first ([] for none)."""
+        return [row[0] for row in self._read_all(
+            "SELECT id FROM messages WHERE session_id = ? AND active = 1 ORDER BY id",
+            (session_id,))]
+
     def latest_message_row_id(self, session_id, *, role="user", offset=0, require_text=True):
         """Id of the newest active `role` message (`offset` steps back that many); None when
         there is none, or for a role other than user/assistant or a negative offset.
@@ -509,35 +709,59 @@ class SessionMessagesMixin:
 
     # -- rewind ----------------------------------------------------------------------
 
-    def rewind_to_message(self, session_id, target_message_id):
+    def rewind_to_message(self, session_id, target_message_id, *, preserve_compaction_handoff=False,
+                          expected_active_ids=None, expected_target_content=None):
         """Withdraw user message `target_message_id` and all after it (kept inactive);
         returns {"rewound_count", "target_message" (the row, content decoded), "new_head_id"
         (newest active or None)}.
 
-        rewind_count goes up by one per call; message_count stays, as in hermes-agent. Raises
-        ValueError, writing nothing, when the message is not a user message of the session.
-        Undo with restore_rewound."""
-        target = self._read_one("SELECT * FROM messages WHERE id = ? AND session_id = ?",
-                                (target_message_id, session_id))
-        if target is None:
-            raise ValueError(f"message {target_message_id!r} is not in session {session_id!r}")
-        if target["role"] != "user":
-            raise ValueError(f"rewind target must be a 'user' message, not {target['role']!r} "
-                             f"(message {target_message_id!r})")
-        target = dict(target, content=decode_content(target["content"]))
+        rewind_count goes up by one per call; message_count stays, as in hermes-agent 0.20.
+        0.22's keywords: `expected_active_ids` (the session's active ids, oldest first) and
+        `expected_target_content` (the target's turn as split_user_turn reads it) must still
+        hold, else RuntimeError; `preserve_compaction_handoff` needs a compaction carrier as the
+        target and stores its handoff as the new head (the result adds
+        "replacement_message_id" and "replacement_message_uid"). With any of them, a live turn
+        lease or compression lock refuses the rewind as _refuse_active_turn_lease says.
+        Raises ValueError when the message is not a user message of the session (or not a
+        turn, or no carrier, where a keyword asks). Nothing is written when it raises. Undo with
+        restore_rewound."""
+        checked = (preserve_compaction_handoff or expected_active_ids is not None
+                   or expected_target_content is not None)
 
         def write(conn):
+            if checked:
+                self._refuse_active_turn_lease(conn, session_id)
+            if expected_active_ids is not None and [row[0] for row in conn.execute(
+                    "SELECT id FROM messages WHERE session_id = ? AND active = 1 ORDER BY id",
+                    (session_id,))] != list(expected_active_ids):
+                raise RuntimeError("active transcript changed before the rewind could be persisted")
+            target = conn.execute("SELECT * FROM messages WHERE id = ? AND session_id = ?",
+                                  (target_message_id, session_id)).fetchone()
+            if target is None:
+                raise ValueError(
+                    f"message {target_message_id!r} is not in session {session_id!r}")
+            if target["role"] != "user":
+                raise ValueError(f"rewind target must be a 'user' message, not {target['role']!r}"
+                                 f" (message {target_message_id!r})")
+            target = dict(target, content=decode_content(target["content"]))
+            handoff = _rewind_handoff(target, expected_target_content,
+                                      preserve_compaction_handoff) if checked else None
             rewound = conn.execute(
                 "UPDATE messages SET active = 0 WHERE session_id = ? AND id >= ? AND active = 1",
                 (session_id, target_message_id)).rowcount
+            if handoff is not None:
+                self._insert_message_rows(conn, session_id, [handoff])  # stamps _row_id
             conn.execute(
                 "UPDATE sessions SET rewind_count = COALESCE(rewind_count, 0) + 1 WHERE id = ?",
                 (session_id,))
-            return rewound
-        rewound = self._execute_write(write)
-        head = self._read_value("SELECT MAX(id) FROM messages WHERE session_id = ? AND active = 1",
-                                (session_id,))
-        return {"rewound_count": rewound, "target_message": target, "new_head_id": head}
+            head = conn.execute("SELECT MAX(id) FROM messages WHERE session_id = ? AND active = 1",
+                                (session_id,)).fetchone()[0]
+            result = {"rewound_count": rewound, "target_message": target, "new_head_id": head}
+            if preserve_compaction_handoff:
+                result.update(replacement_message_id=handoff["_row_id"],
+                              replacement_message_uid=handoff.get(MESSAGE_UID))
+            return result
+        return self._execute_write(write)
 
     def restore_rewound(self, session_id, since_message_id):
         """Make the session's inactive messages from `since_message_id` on active again;
@@ -569,66 +793,87 @@ class SessionMessagesMixin:
         return text if isinstance(text, str) else ""
 
 
-# -- encoding rows ---------------------------------------------------------------
-def _message_row(session_id, message, default_time, direct=False):
-    """(row in MESSAGE_WRITE_COLUMNS order, tool calls it counts, its timestamp). `direct` reads
-    the fields as append_message does; else reasoning is kept on assistant rows only and
-    `message_id` is a fallback."""
-    # AttributeError, as hermes-agent's .get raises (a dict for the list: its keys).
-    if not hasattr(message, "get"):
-        raise AttributeError(
-            f"a message must be a dict, not {type(message).__name__}: {message!r:.60}")
-    get = message.get
-    role = get("role", "unknown")
+# -- append_message's later parameters ----------------------------------------------
+# 0.20 and 0.22 disagree on the positions after `effect_disposition`: 0.22 put `_compressed_summary`
+# first and `message_uid` last. No caller of either passes that far by position, but both shapes
+# stay callable: a bool in the first later position is 0.22's `_compressed_summary` (a timestamp
+# is never a bool), anything else 0.20's `timestamp`.
+_APPEND_LATER_ORDERS = {
+    "0.20": ("timestamp", "api_content", "display_kind", "display_metadata",
+             "compression_lock_holder", "turn_lease_holder", "turn_lease_ttl_seconds"),
+    "0.22": ("_compressed_summary", "timestamp", "api_content", "display_kind",
+             "display_metadata", "compression_lock_holder", "turn_lease_holder",
+             "turn_lease_ttl_seconds", "message_uid"),
+}
+_APPEND_LATER_DEFAULTS = {name: None for name in _APPEND_LATER_ORDERS["0.22"]}
+_APPEND_LATER_DEFAULTS.update(_compressed_summary=False, turn_lease_ttl_seconds=300.0)
 
-    def reasoning(key):
-        return get(key) if direct or role == "assistant" else None
-    tool_calls = get("tool_calls")
+
+def _append_later_fields(positional, named):
+    """append_message's parameters after `effect_disposition`, from its `*later` and `**named`,
+    with their defaults; TypeError as Python gives for a bad call."""
+    order = _APPEND_LATER_ORDERS["0.22" if positional and isinstance(positional[0], bool)
+                                 else "0.20"]
+    if len(positional) > len(order):
+        raise TypeError(f"append_message() takes at most {16 + len(order)} positional arguments"
+                        f" after self ({16 + len(positional)} given)")
+    fields = dict(zip(order, positional))
+    for name, value in named.items():
+        if name not in _APPEND_LATER_DEFAULTS:
+            raise TypeError(f"append_message() got an unexpected keyword argument {name!r}")
+        if name in fields:
+            raise TypeError(f"append_message() got multiple values for argument {name!r}")
+        fields[name] = value
+    return {**_APPEND_LATER_DEFAULTS, **fields}
+
+
+def _replay_identity(role, content, tool_call_id, tool_calls):
+    """What replace_messages compares to keep a live row: content as a read gives it back."""
     if isinstance(tool_calls, str):
         tool_calls = loads_or(tool_calls, [])
-    calls = 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
-    stamp = _timestamp(get("timestamp"), default_time)
-    platform_id = get("platform_message_id")
-    if not direct:
-        platform_id = platform_id or get("message_id")
-    row = {
-        "session_id": session_id,
-        "role": role,
-        "content": encode_content(_storable("content", get("content"))),
-        "tool_call_id": get("tool_call_id"),
-        "tool_calls": json.dumps(tool_calls) if tool_calls else None,
-        "tool_name": scrub_surrogates(get("tool_name")),
-        "effect_disposition": get("effect_disposition"),
-        "timestamp": stamp,
-        "token_count": _storable("token_count", get("token_count")),
-        "finish_reason": get("finish_reason"),
-        "reasoning": scrub_surrogates(reasoning("reasoning")),
-        "reasoning_content": scrub_surrogates(reasoning("reasoning_content")),
-        "reasoning_details": _json_field(reasoning("reasoning_details")),
-        "codex_reasoning_items": _json_field(reasoning("codex_reasoning_items")),
-        "codex_message_items": _json_field(reasoning("codex_message_items")),
-        "platform_message_id": platform_id,
-        "observed": 1 if get("observed") else 0,
-        "active": 1,  # a new message is live; rewind and compaction clear the flag
-        "api_content": _text_or_none(get("api_content")),
-        "display_kind": _text_or_none(get("display_kind")),
-        "display_metadata": _display_metadata_text(get("display_metadata")),
-    }
-    return _write_row(row), calls, stamp
+    return (role, encode_content(loaded_view_content(role, content)), tool_call_id,
+            json.dumps(tool_calls) if tool_calls else None)
 
 
-_WRITE_ROW_VALUES = operator.itemgetter(*MESSAGE_WRITE_COLUMNS)
+def _kept_live_prefix(live, messages):
+    """How many of `live` rows (id, role, content, tool_call_id, tool_calls) hold the head of
+    `messages` in order; each such dict gets its row's `_row_id`."""
+    kept = 0
+    for row, message in zip(live, messages):
+        if not isinstance(message, dict):
+            break
+        role = message.get("role", "unknown")
+        if row["role"] != role or row["tool_call_id"] != message.get("tool_call_id"):
+            break
+        ours = _replay_identity(role, message.get("content"), message.get("tool_call_id"),
+                                message.get("tool_calls"))
+        if ours != _replay_identity(row["role"], decode_content(row["content"]),
+                                    row["tool_call_id"], row["tool_calls"]):
+            break
+        message["_row_id"] = row["id"]
+        kept += 1
+    return kept
 
 
-def _write_row(row):
-    """INSERT_MESSAGE_SQL's values from `row`, a dict keyed by exactly MESSAGE_WRITE_COLUMNS.
+def _is_row_id(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
-    The one place a message row becomes a tuple: a name missing from `row` raises KeyError, an
-    extra one ValueError, so the order of the values cannot drift from the statement's."""
-    if len(row) != len(MESSAGE_WRITE_COLUMNS):
-        extra = sorted(row.keys() - set(MESSAGE_WRITE_COLUMNS))
-        raise ValueError(f"a message row has columns MESSAGE_WRITE_COLUMNS lacks: {extra}")
-    return _WRITE_ROW_VALUES(row)
+
+def _rewind_handoff(target, expected_content, keep_handoff):
+    """rewind_to_message's checks of its target row (content decoded): the handoff to store in
+    its place with `keep_handoff`, else None."""
+    if not target["active"]:
+        raise ValueError("rewind target is not active")
+    meta = decode_display_metadata(target["display_metadata"])
+    handoff, live = split_user_turn(dict(target, display_metadata=meta))
+    if live is None:
+        raise ValueError("rewind target is not a user-originated turn")
+    if expected_content is not None \
+            and loaded_view_content("user", live["content"]) != expected_content:
+        raise RuntimeError("rewind target changed before it could be persisted")
+    if keep_handoff and handoff is None:
+        raise ValueError("preserve_compaction_handoff requires an active composite carrier")
+    return handoff if keep_handoff else None
 
 
 def _check_open_session(conn, session_id, must_exist=True):
@@ -641,59 +886,59 @@ def _check_open_session(conn, session_id, must_exist=True):
         raise CompressionSessionClosedError(session_id)
 
 
-def _storable(name, value):
-    """`value`, or ValueError naming `name` for a number SQLite cannot keep (NaN,
-    an integer past 64 bits)."""
-    if isinstance(value, (int, float)) and not sqlite_keeps(value):
-        raise ValueError(f"{name} must be a number SQLite can store (not NaN, within 64 bits),"
-                         f" not {value!r}")
-    return value
+def message_dict(row):
+    """A `SELECT *` row as get_messages gives it: decode_message's dict without schema 31's display
+    index (`display_identity` is bytes, which a JSON reply cannot hold), `_compressed_summary`
+    only when set (as True)."""
+    message = decode_message(row)
+    for key in ("display_identity", "display_order"):
+        message.pop(key, None)
+    if message.pop("_compressed_summary", 0):
+        message["_compressed_summary"] = True
+    return message
 
 
-def _timestamp(value, default):
-    """Seconds since the epoch from a finite number, numeric text or a datetime;
-    `default` otherwise."""
-    if value is None:
-        return default
-    try:
-        stamp = float(value.timestamp()) if hasattr(value, "timestamp") else float(value)
-    except (TypeError, ValueError, OverflowError):
-        return default
-    return stamp if math.isfinite(stamp) else default
+def _visible_rows(include_inactive, include_compacted):
+    """The WHERE clause of a read: every row, live and compacted ones, or live ones only."""
+    if include_inactive:
+        return ""
+    return " AND (active = 1 OR compacted = 1)" if include_compacted else " AND active = 1"
 
 
-def _json_field(value):
-    """A structured reasoning field as stored:
-    text as given (never encoded twice), values as JSON."""
-    if not value:
-        return None
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-def _text_or_none(value):
-    return scrub_surrogates(value) if isinstance(value, str) else None
-
-
-def _display_metadata_text(value):
-    """display_metadata as stored: JSON of an object, from a dict or JSON text;
-    anything else is dropped."""
-    if not value:
-        return None
-    if isinstance(value, str):
-        value = loads_or(value, None)
-    return json.dumps(value) if isinstance(value, dict) else None
-
-
-def _one_per_generation(rows):
+def one_per_generation(rows, field, first_ids=None):
     """Compaction copies its kept tail into each generation: one row per message (same role,
-    content, time and tool fields), preferring the live one, then the newest."""
-    best = {}
+    content, time and tool fields; an assistant's tool calls by their ids), preferring the live
+    one, then the newest, in the order of each message's first row. Rows only the model reads
+    (display_metadata `model_only`) are left out. `rows` come in id order; `field(row, name)`
+    reads a column (0.22's _dedupe_display_generations). `first_ids`, a dict, gets {id of a row
+    kept: id of its message's first row}."""
+    best, first = {}, {}
     for row in rows:
-        key = tuple(row[k] for k in ("role", "content", "timestamp", "tool_call_id", "tool_calls",
-                                     "tool_name"))
-        if key not in best or (row["active"], row["id"]) > (best[key]["active"], best[key]["id"]):
+        meta = field(row, "display_metadata")
+        if meta and "model_only" in meta \
+                and (decode_display_metadata(meta) or {}).get("model_only"):
+            continue
+        key = _generation_key(row, field)
+        rank = (field(row, "active"), field(row, "id"))
+        if key not in best or rank > (field(best[key], "active"), field(best[key], "id")):
             best[key] = row
-    return sorted(best.values(), key=lambda row: row["id"])
+        first.setdefault(key, field(row, "id"))
+    if first_ids is not None:
+        first_ids.update((field(best[key], "id"), first[key]) for key in best)
+    return [best[key] for key in sorted(best, key=first.__getitem__)]
+
+
+def _generation_key(row, field):
+    """What makes two rows one message across generations. A pruned copy of a tool-calling
+    assistant turn has other arguments but the same call ids, so those stand for its calls."""
+    values = [field(row, name) for name in ("role", "content", "timestamp", "tool_call_id",
+                                            "tool_calls", "tool_name")]
+    if values[0] == "assistant" and values[4]:
+        calls = loads_or(values[4], None)
+        ids = tuple(tool_call_key(call) for call in calls) if isinstance(calls, list) else ()
+        if ids and all(ids):
+            values[1], values[4] = None, ids
+    return tuple(values)
 
 
 # -- the conversation --------------------------------------------------------------
@@ -703,24 +948,38 @@ CONVERSATION_ROW_COLUMNS = (
     "id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason, "
     "reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items, "
     "platform_message_id, observed, timestamp, api_content, display_kind, display_metadata")
+_CONVERSATION_FIELDS = {name: index for index, name
+                        in enumerate(CONVERSATION_ROW_COLUMNS.split(", ") + ["active"])}
 
 
-def _conversation_message(row, include_row_id):
+def _conversation_field(row, name):
+    """A column of a _conversation row (a plain tuple) by name."""
+    return row[_CONVERSATION_FIELDS[name]]
+
+
+
+def _conversation_message(row, include_row_id, extra=None):
     """A row (CONVERSATION_ROW_COLUMNS, in order) as a chat-API dict: role, content (memory blocks
-    cut), the fields set; on assistant turns the reasoning fields (`reasoning_content` also "")."""
+    cut), `_db_persisted`, the fields set; on assistant turns the reasoning fields
+    (`reasoning_content` also "").
+    `extra`, {column: value} of the identity columns a store has, adds the dict's identity keys
+    (and `_compressed_summary` when it holds that column, for a replay that keeps the marker)."""
     (row_id, role, content, tool_call_id, tool_calls, tool_name, effect_disposition, finish_reason,
      reasoning, reasoning_content, reasoning_details, codex_reasoning_items, codex_message_items,
      platform_message_id, observed, timestamp, api_content, display_kind, display_metadata) = row
     if isinstance(content, str) and content.startswith(CONTENT_JSON_PREFIX):
         content = decode_content(content)
-    if role in ("user", "assistant") and isinstance(content, str):
-        if _MEMORY_HINT.search(content):  # one scan for the word all three patterns need
-            content = _MEMORY_TAG.sub("", _MEMORY_NOTE.sub("", _MEMORY_BLOCK.sub("", content)))
-        content = content.strip()
     # Most of a row's columns are NULL: each is tested once, in the order the dict's keys keep.
-    message = {"role": role, "content": content}
+    # Born durable: hermes-agent's flush skips a dict with this marker, so a loaded transcript
+    # is never written twice (0.22 stamps it on every row it loads; 0.20 reads it the same way).
+    message = {"role": role, "content": loaded_view_content(role, content),
+               "_db_persisted": True}
     if include_row_id and row_id is not None:
         message["_row_id"] = row_id
+    if extra:
+        restore_identity_columns(extra, message)
+        if extra.get("_compressed_summary"):
+            message["_compressed_summary"] = True
     if api_content:
         message["api_content"] = api_content
     if display_kind:
@@ -802,7 +1061,8 @@ def repair_alternation_in_place(messages):
 
     Back-to-back assistant turns merge (tool calls and text joined; a verification candidate is
     replaced; Codex interim turns stay), tool results no preceding call asked for go, and
-    back-to-back user turns with text merge with a blank line (their api_content dropped)."""
+    back-to-back user turns with text merge with a blank line (their api_content dropped), but
+    never into a /steer row or a compaction summary."""
     repairs, collapsed = 0, []
     for message in messages:
         previous = collapsed[-1] if collapsed else None
@@ -846,8 +1106,11 @@ def repair_alternation_in_place(messages):
     for message in kept:
         previous = merged[-1] if merged else None
         first, second = (previous or {}).get("content", ""), message.get("content", "")
+        # 0.22 never merges into a /steer row or a compaction summary: both stay as stored.
         if previous is not None and message.get("role") == previous.get("role") == "user" \
-                and isinstance(first, str) and isinstance(second, str):
+                and isinstance(first, str) and isinstance(second, str) \
+                and previous.get("display_kind") != STEER_DISPLAY_KIND \
+                and split_user_turn(previous)[0] is None:
             previous["content"] = first + "\n\n" + second if first and second else first or second
             previous.pop("api_content", None)
             repairs += 1

@@ -7,7 +7,9 @@ import sqlite3
 import time
 
 from hermes_state import SessionDB
-from hermes_state_errors import CompressionSessionClosedError, SessionTurnLeaseLostError
+from hermes_state_errors import (
+    CompressionSessionClosedError, SessionCompressionInProgressError, SessionTurnLeaseLostError,
+)
 from test_support import StoreTestCase
 
 CALL = [{"id": "call_1", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]
@@ -273,17 +275,29 @@ class Reading(MessageTestCase):
         user, assistant, tool = self.db.get_messages_as_conversation("s", include_row_ids=True)
         stamps = [row[0] for row in self.stored(column="timestamp")]
         ids = [row[0] for row in self.stored(column="id")]
-        self.assertEqual(user, {"role": "user", "content": "hi", "_row_id": ids[0], "api_content": "hi + memory",
+        self.assertEqual(user, {"role": "user", "content": "hi", "_db_persisted": True, "_row_id": ids[0],
+                                "api_content": "hi + memory",
                                 "display_kind": "synthetic", "display_metadata": {"k": 1}, "timestamp": stamps[0],
                                 "message_id": "pm1", "observed": True})
-        self.assertEqual(assistant, {"role": "assistant", "content": "calling", "_row_id": ids[1],
+        self.assertEqual(assistant, {"role": "assistant", "content": "calling", "_db_persisted": True,
+                                     "_row_id": ids[1],
                                      "timestamp": stamps[1], "tool_calls": CALL, "finish_reason": "tool_calls",
                                      "reasoning": "think", "reasoning_content": "",
                                      "reasoning_details": [{"type": "r"}], "codex_reasoning_items": [{"id": "rs"}],
                                      "codex_message_items": None})
-        self.assertEqual(tool, {"role": "tool", "content": "ok", "_row_id": ids[2], "timestamp": stamps[2],
+        self.assertEqual(tool, {"role": "tool", "content": "ok", "_db_persisted": True, "_row_id": ids[2],
+                                "timestamp": stamps[2],
                                 "tool_call_id": "call_1", "tool_name": "terminal", "effect_disposition": "applied"})
         self.assertNotIn("_row_id", self.db.get_messages_as_conversation("s")[0])
+
+    def test_every_loaded_message_is_marked_durable_so_a_flush_never_writes_it_again(self):
+        self.db.append_message("s", "user", "q")
+        self.db.append_message("s", "assistant", "a")
+        for kwargs in ({}, {"repair_alternation": True}, {"include_compacted": True},
+                       {"include_ancestors": True}):
+            with self.subTest(**kwargs):
+                self.assertEqual([m["_db_persisted"] for m in self.db.get_messages_as_conversation(
+                    "s", **kwargs)], [True, True])
 
     def test_the_conversation_leaves_out_recalled_memory_review_prompts_and_stale_markers(self):
         self.db.append_message("s", "user", "<memory-context>secret</memory-context>hello [System note: The "
@@ -334,7 +348,7 @@ class Reading(MessageTestCase):
         ]
         for role, content, extra in sequence:
             self.db.append_message("s", role, content, **extra)
-        repaired = [{k: v for k, v in m.items() if k != "timestamp"}
+        repaired = [{k: v for k, v in m.items() if k not in ("timestamp", "_db_persisted")}
                     for m in self.db.get_messages_as_conversation("s", repair_alternation=True)]
         self.assertEqual(repaired, [
             {"role": "user", "content": "a\n\nb"},
@@ -357,7 +371,7 @@ class Reading(MessageTestCase):
                                      ("user", "q2"), ("assistant", ""), ("assistant", parts))]
         with self.raw(self.path) as conn:
             conn.execute("UPDATE messages SET tool_calls = '[]' WHERE id = ?", (ids[1],))
-        repaired = [{k: v for k, v in m.items() if k != "timestamp"}
+        repaired = [{k: v for k, v in m.items() if k not in ("timestamp", "_db_persisted")}
                     for m in self.db.get_messages_as_conversation("t", repair_alternation=True)]
         self.assertEqual(repaired, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "first\nsecond"},
                                     {"role": "user", "content": "q2"}, {"role": "assistant", "content": parts}])
@@ -663,3 +677,262 @@ class MessageText(MessageTestCase):
                          ["/work — fix the leak", "/clean /work — do both", "/plan", "/work — fix"])
         self.assertEqual(describe_skill_invocation(bundle, separator=" "), "/clean /work do both")
         self.assertEqual([describe_skill_invocation(x) for x in ("plain", None, ["x"])], [None, None, None])
+
+
+# The columns hermes-agent 0.22 (schema 31) adds to messages, as it declares them.
+SCHEMA_31_MESSAGE_COLUMNS = ("_compressed_summary INTEGER DEFAULT 0", "message_uid TEXT",
+                             "absorbed_message_uids TEXT", "tool_call_uids TEXT", "tool_call_uid TEXT")
+
+
+def add_schema_31_message_columns(path):
+    conn = sqlite3.connect(path)
+    for column in SCHEMA_31_MESSAGE_COLUMNS:
+        conn.execute("ALTER TABLE messages ADD COLUMN " + column)
+    conn.commit()
+    conn.close()
+
+
+class BothReleasesCallShapes(MessageTestCase):
+    """append_message's positions after effect_disposition differ between 0.20 and 0.22."""
+
+    HEAD = ("s", "user", "text", None, None, None, None, None, None, None, None, None, None,
+            None, False, None)  # session_id .. effect_disposition, positions 0-15
+
+    def test_a_020_positional_call_stores_timestamp_api_content_and_display_kind(self):
+        row_id = self.db.append_message(*self.HEAD, 12.5, "as sent", "note")
+        row = self.stored()[0]
+        self.assertEqual((row["id"], row["timestamp"], row["api_content"], row["display_kind"]),
+                         (row_id, 12.5, "as sent", "note"))
+
+    def test_a_022_positional_call_shifts_them_by_its_summary_flag(self):
+        add_schema_31_message_columns(self.path)
+        with SessionDB(self.path) as db:
+            db.append_message(*self.HEAD, True, 12.5, "as sent", "note", None, None, None, 300.0,
+                              "uid-1")
+        row = self.stored()[0]
+        self.assertEqual((row["_compressed_summary"], row["timestamp"], row["api_content"],
+                          row["display_kind"], row["message_uid"]), (1, 12.5, "as sent", "note", "uid-1"))
+
+    def test_keywords_of_both_releases_are_taken_and_others_refused(self):
+        self.db.append_message("s", "user", "k", timestamp=7.0, _compressed_summary=True,
+                               message_uid="kept only where stored", turn_lease_ttl_seconds=5)
+        self.assertEqual(self.stored()[0]["timestamp"], 7.0)
+        for call in (lambda: self.db.append_message("s", "user", timestamp=1.0, stamp=2),
+                     lambda: self.db.append_message(*self.HEAD, 1.0, timestamp=2.0),
+                     lambda: self.db.append_message(*self.HEAD, *([None] * 10))):
+            with self.assertRaises(TypeError):
+                call()
+        self.assertEqual(len(self.stored()), 1)
+
+
+class SchemaThirtyOneColumns(MessageTestCase):
+    """Where the store has 0.22's identity columns, writes fill them and reads give them back."""
+
+    def setUp(self):
+        super().setUp()
+        self.db.close()
+        add_schema_31_message_columns(self.path)
+        self.db = SessionDB(self.path)
+        self.addCleanup(self.db.close)
+
+    def test_every_write_mints_a_message_uid_and_pairs_tool_calls_with_results(self):
+        self.db.append_message("s", "user", "q", message_uid="given")
+        batch = [{"role": "assistant", "content": None, "tool_calls": CALL},
+                 {"role": "tool", "content": "r", "tool_call_id": "call_1"}]
+        self.db.append_messages_batch("s", batch)
+        rows = self.stored()
+        self.assertEqual(rows[0]["message_uid"], "given")
+        self.assertEqual(len({row["message_uid"] for row in rows}), 3)
+        call_uid = json.loads(rows[1]["tool_call_uids"])["call_1"]
+        self.assertEqual(rows[2]["tool_call_uid"], call_uid)
+        self.assertEqual(batch[0]["message_uid"], rows[1]["message_uid"])  # stamped on the dict
+        conversation = self.db.get_messages_as_conversation("s")
+        self.assertEqual([m["message_uid"] for m in conversation], [row["message_uid"] for row in rows])
+        self.assertEqual(conversation[1]["_tool_call_uids"], {"call_1": call_uid})
+        self.assertEqual(conversation[2]["_tool_call_uid"], call_uid)
+
+    def test_the_summary_flag_is_stored_and_only_a_live_replay_keeps_it(self):
+        self.db.append_message("s", "user", "[CONTEXT SUMMARY]: before", _compressed_summary=True)
+        self.db.append_message("s", "user", "plain")
+        self.assertEqual([row["_compressed_summary"] for row in self.stored()], [1, 0])
+        self.assertEqual([m.get("_compressed_summary") for m in self.db.get_messages("s")], [True, None])
+        self.assertNotIn("_compressed_summary", self.db.get_messages_as_conversation("s")[0])
+        replay = self.db.get_messages_as_conversation("s", repair_alternation=True)
+        self.assertIs(replay[0]["_compressed_summary"], True)
+
+    def test_a_schema_26_store_keeps_none_and_reads_without_them(self):
+        path = self.tmp / "26.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            db.append_message("s", "user", "q", _compressed_summary=True, message_uid="u")
+            self.assertEqual(db.get_messages_as_conversation("s", repair_alternation=True)[0],
+                             {"role": "user", "content": "q", "_db_persisted": True,
+                              "timestamp": db.get_messages("s")[0]["timestamp"]})
+
+
+class TranscriptEdits022(MessageTestCase):
+
+    def test_row_addressed_edits_touch_only_the_named_live_user_row(self):
+        first = self.db.append_message("s", "user", "@file")
+        answer = self.db.append_message("s", "assistant", "a")
+        self.assertEqual(self.db.set_user_message_content("s", first, [{"type": "text", "text": "x"}]), 1)
+        self.assertEqual(self.db.set_user_message_content("s", answer, "no"), 0)  # not a user row
+        self.assertEqual(self.db.set_message_api_content("s", first, "stale", "sent"), 0)
+        self.assertEqual(self.db.set_message_api_content("s", first, [{"type": "text", "text": "x"}],
+                                                         "sent"), 1)
+        for bad in (True, 0, -1, "1", None):
+            with self.subTest(row_id=bad):
+                self.assertEqual(self.db.set_user_message_content("s", bad, "y"), 0)
+                self.assertEqual(self.db.deactivate_message("s", bad), 0)
+                self.assertIsNone(self.db.resolve_active_row_id("s", bad))
+        row = self.stored()[0]
+        self.assertEqual((row["api_content"], self.db.get_messages("s")[0]["content"]),
+                         ("sent", [{"type": "text", "text": "x"}]))
+        self.assertEqual(self.db.deactivate_message("s", first), 1)
+        self.assertEqual(self.db.deactivate_message("other", answer), 0)
+        self.assertEqual([m["id"] for m in self.db.get_messages("s")], [answer])
+
+    def test_a_display_kind_is_withdrawn_from_every_live_row(self):
+        for kind in ("pivot", "pivot", "note"):
+            self.db.append_message("s", "user", kind, display_kind=kind)
+        self.assertEqual(self.db.deactivate_messages_by_display_kind("s", "pivot"), 2)
+        self.assertEqual(self.db.deactivate_messages_by_display_kind("s", "pivot"), 0)
+        self.assertEqual(self.db.deactivate_messages_by_display_kind("s", ""), 0)
+        self.assertEqual([m["display_kind"] for m in self.db.get_messages("s")], ["note"])
+        self.assertEqual(self.db.count_messages_all("s"), 3)
+        self.assertEqual(self.db.count_messages_all("ghost"), 0)
+
+    def test_a_withdrawn_row_resolves_to_its_one_live_compacted_copy(self):
+        original = self.db.append_message("s", "user", "queued", timestamp=5.0)
+        self.assertEqual(self.db.resolve_active_row_id("s", original), original)
+        self.db.deactivate_message("s", original)
+        self.assertIsNone(self.db.resolve_active_row_id("s", original))
+        copy = self.db.append_message("s", "user", "queued", timestamp=5.0)
+        self.assertEqual(self.db.resolve_active_row_id("s", original), copy)
+        self.db.append_message("s", "user", "queued", timestamp=5.0)
+        self.assertIsNone(self.db.resolve_active_row_id("s", original))  # ambiguous
+        self.assertIsNone(self.db.resolve_active_row_id("ghost", original))
+
+    def test_the_latest_conversation_role_skips_bookkeeping_rows(self):
+        self.assertIsNone(self.db.latest_conversation_role("s"))
+        self.db.append_message("s", "user", "q")
+        self.db.append_message("s", "session_meta", "{}")
+        self.db.append_message("s", "system", "note")
+        self.assertEqual(self.db.latest_conversation_role("s"), "user")
+        rewound = self.db.append_message("s", "tool", "t")
+        self.assertEqual(self.db.latest_conversation_role("s"), "tool")
+        self.db.deactivate_message("s", rewound)
+        self.assertEqual(self.db.latest_conversation_role("s"), "user")
+
+    def test_a_delegation_delivery_is_recorded_once_across_the_compression_chain(self):
+        meta = {"delegation_id": "d1", "delivery_notice": "done"}
+        first = self.db.append_delegation_delivery("s", "result", meta)
+        self.assertEqual(self.db.append_delegation_delivery("s", "result again", meta), first)
+        self.db.end_session("s", "compression")
+        self.db.create_session("tip", "cli", parent_session_id="s")
+        self.assertEqual(self.db.append_delegation_delivery("tip", "result", meta), first)
+        other = self.db.append_delegation_delivery("tip", "x", {"delegation_id": "d1",
+                                                                "presentation_suppressed": True})
+        self.assertNotEqual(other, first)
+        row = self.stored("tip")[0]
+        self.assertEqual((row["role"], row["display_kind"]), ("user", "hidden"))
+        self.assertEqual(self.counts("tip"), (1, 0))
+        with self.assertRaises(ValueError):
+            self.db.append_delegation_delivery("tip", "x", {})
+        self.lease("s", "turn-holder")  # the chain's lease is kept under its root
+        with self.assertRaises(SessionTurnLeaseLostError):
+            self.db.append_delegation_delivery("tip", "x", {"delegation_id": "d2"})
+        self.assertEqual(len(self.stored("tip")), 1)
+
+    def test_replace_messages_can_refuse_while_a_turn_holds_the_lease(self):
+        self.db.append_message("s", "user", "keep me")
+        self.lease("s", "turn-holder")
+        with self.assertRaises(SessionTurnLeaseLostError):
+            self.db.replace_messages("s", [], reject_active_turn_lease=True)
+        self.assertEqual(len(self.stored()), 1)
+        self.db.replace_messages("s", [{"role": "user", "content": "new"}])  # no check asked
+        self.lease("s", "turn-holder", expires_in=-1)  # lapsed: removed, not refused
+        conn = self.raw(self.path)
+        conn.execute("INSERT INTO compression_locks VALUES ('s', 'compressor', ?, ?)",
+                     (time.time(), time.time() + 60))
+        conn.commit()
+        with self.assertRaises(SessionCompressionInProgressError):
+            self.db.replace_messages("s", [], reject_active_turn_lease=True)
+        self.assertEqual(len(self.db.get_messages("s")), 1)
+        conn.execute("UPDATE compression_locks SET expires_at = 0")
+        conn.commit()
+        self.db.replace_messages("s", [], reject_active_turn_lease=True)
+        self.assertEqual(self.db.get_messages("s"), [])
+        self.assertEqual([conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+                          for table in ("session_turn_leases", "compression_locks")], [0, 0])
+
+    def test_archive_dropped_keeps_the_matching_live_head_with_its_ids(self):
+        ids = [self.db.append_message("s", role, content, tool_calls=calls)
+               for role, content, calls in (("user", "q", None), ("assistant", " a ", CALL),
+                                            ("user", "old", None))]
+        replacement = [{"role": "user", "content": "q"},
+                       {"role": "assistant", "content": "a", "tool_calls": CALL},
+                       {"role": "user", "content": "new"}]
+        self.db.replace_messages("s", replacement, archive_dropped=True)
+        live = self.db.get_messages("s")
+        self.assertEqual([m["id"] for m in live[:2]], ids[:2])
+        self.assertEqual([m["_row_id"] for m in replacement[:2]], ids[:2])
+        self.assertEqual(live[2]["content"], "new")
+        self.assertEqual([(r["id"], r["active"]) for r in self.stored() if not r["active"]], [(ids[2], 0)])
+        self.assertEqual(self.counts(), (3, 1))
+
+
+class Ancestors022(MessageTestCase):
+
+    def setUp(self):
+        super().setUp()
+        for role, content in (("user", "q1"), ("assistant", "a1"), ("user", "q2")):
+            self.db.append_message("s", role, content, timestamp={"q1": 1, "a1": 2, "q2": 3}[content])
+        self.db.end_session("s", "compression")
+        self.db.create_session("tip", "cli", parent_session_id="s")
+        self.db.append_message("tip", "user", "q2", timestamp=3)  # carried into the continuation
+        self.db.append_message("tip", "assistant", "a2", timestamp=4)
+
+    def test_get_messages_reads_the_chain_before_the_session_each_message_once(self):
+        self.assertEqual([m["content"] for m in self.db.get_messages("tip")], ["q2", "a2"])
+        chain = self.db.get_messages("tip", include_ancestors=True)
+        self.assertEqual([(m["session_id"], m["content"]) for m in chain],
+                         [("s", "q1"), ("s", "a1"), ("tip", "q2"), ("tip", "a2")])
+        self.assertEqual([m["content"] for m in self.db.get_messages(
+            "tip", include_ancestors=True, limit=2, latest=True)], ["q2", "a2"])
+        self.assertEqual([m["content"] for m in self.db.get_messages("s", include_ancestors=True)],
+                         ["q1", "a1", "q2"])
+        with self.assertRaises(ValueError):
+            self.db.get_messages("tip", include_ancestors=True, after_id=1)
+
+    def test_a_delegate_or_branch_child_stands_alone(self):
+        for name, marker in (("delegate", "_delegate_from"), ("branch", "_branched_from")):
+            self.db.create_session(name, "cli", parent_session_id="s", model_config={marker: "s"})
+            self.db.append_message(name, "user", "own")
+            with self.subTest(child=name):
+                self.assertEqual([m["content"] for m in self.db.get_messages(name, include_ancestors=True)],
+                                 ["own"])
+                self.assertEqual([m["content"] for m in self.db.get_messages_as_conversation(
+                    name, include_ancestors=True)], ["own"])
+
+
+class CompactedConversation(MessageTestCase):
+
+    def test_include_compacted_shows_compacted_rows_once_and_never_rewound_or_model_only_ones(self):
+        for content, stamp in (("q1", 1), ("a1", 2)):
+            self.db.append_message("s", "user" if content[0] == "q" else "assistant", content,
+                                   timestamp=stamp)
+        conn = self.raw(self.path)
+        conn.execute("UPDATE messages SET active = 0, compacted = 1")  # an in-place compaction
+        conn.commit()
+        self.db.append_message("s", "user", "[CONTEXT SUMMARY]: q1 a1")
+        self.db.append_message("s", "assistant", "a1", timestamp=2)  # the kept tail, copied
+        rewound = self.db.append_message("s", "user", "take back")
+        self.db.rewind_to_message("s", rewound)
+        self.db.append_message("s", "user", "merged", display_metadata={"model_only": True})
+        model = [m["content"] for m in self.db.get_messages_as_conversation("s")]
+        self.assertEqual(model, ["[CONTEXT SUMMARY]: q1 a1", "a1", "merged"])
+        display = [m["content"] for m in self.db.get_messages_as_conversation("s", include_compacted=True)]
+        self.assertEqual(display, ["q1", "a1", "[CONTEXT SUMMARY]: q1 a1"])
+        self.assertEqual(self.db.display_message_count("s"), 3)
+        self.assertEqual(self.db.display_message_count("ghost"), 0)

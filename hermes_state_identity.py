@@ -1,0 +1,402 @@
+"""What a message is, apart from any store: a message dict as the values of the messages columns a
+write names; the identity keys hermes-agent 0.22 (schema 31) keeps in `message_uid`,
+`absorbed_message_uids`, `tool_call_uids` and `tool_call_uid`, both ways; and which part of a user
+row a person typed (a compaction summary may carry the ask), which rewind and the timeline count.
+
+Pure functions over dicts and rows; never opens a store or runs SQL (the transcript mixin does).
+A row of a store without the identity columns (schema 26) has no identity, and nothing here fails
+on it. The live keys are hermes-agent's (agent.message_metadata), so dicts pass between its code
+and ours unchanged.
+"""
+
+import functools
+import json
+import math
+import operator
+import re
+import uuid
+
+from hermes_state_common import (
+    MESSAGE_WRITE_COLUMNS, content_text, encode_content, loads_or, scrub_surrogates, sqlite_keeps,
+)
+
+# A message dict's identity keys, as hermes-agent names them.
+MESSAGE_UID = "message_uid"
+ABSORBED_MESSAGE_UIDS = "_absorbed_message_uids"
+TOOL_CALL_UIDS = "_tool_call_uids"
+TOOL_CALL_UID = "_tool_call_uid"
+# The columns they are stored in, in the order a message write names them.
+IDENTITY_COLUMNS = ("message_uid", "absorbed_message_uids", "tool_call_uids", "tool_call_uid")
+
+
+def mint_uid():
+    """A fresh durable id: random, never derived from content (two messages may share it all)."""
+    return uuid.uuid4().hex
+
+
+def _column(row, name):
+    """`row[name]`, or None where the row (a sqlite3.Row or a dict) has no such column."""
+    keys = row.keys()
+    return row[name] if name in keys else None
+
+
+def _live_or_column(message, live_key, column):
+    # Live dicts carry hermes-agent's key; exported rows and import payloads the column name.
+    return message.get(live_key) if live_key in message else message.get(column)
+
+
+def uid_list(value):
+    """The unique non-empty string uids of a list (or of its JSON text), in order; else []."""
+    if isinstance(value, str):
+        value = loads_or(value, [])
+    if not isinstance(value, list):
+        return []
+    return list(dict.fromkeys(uid for uid in value if isinstance(uid, str) and uid))
+
+
+def uid_map(value):
+    """{tool call id: uid} from a dict (or its JSON text): a uid is a non-empty string, or a list of
+    them when one provider id repeats inside a row; other entries are dropped, a non-map is {}."""
+    if isinstance(value, str):
+        value = loads_or(value, {})
+    if not isinstance(value, dict):
+        return {}
+
+    def is_uid(uid):
+        return isinstance(uid, str) and uid != ""
+    return {key: uid for key, uid in value.items() if isinstance(key, str) and key and (
+        is_uid(uid) or (isinstance(uid, list) and uid and all(map(is_uid, uid))))}
+
+
+def tool_call_key(call):
+    """A tool call's pairing id: `call_id` before `id` (Codex), the part before a `|`;
+    '' for none."""
+    for name in ("call_id", "id"):
+        raw = call.get(name) if isinstance(call, dict) else getattr(call, name, None)
+        value = raw.strip() if isinstance(raw, str) else ""
+        if value:
+            return value.split("|", 1)[0].strip() or value
+    return ""
+
+
+def stamp_identity(message, tool_calls, calls_seen):
+    """Before an insert: mint the dict's message_uid when it has none, and a uid for each of an
+    assistant's tool calls without one; a tool result takes the uid its call got earlier in the
+    same write (`calls_seen`, {call id: uid}, which a user turn empties)."""
+    if not (isinstance(message.get(MESSAGE_UID), str) and message[MESSAGE_UID]):
+        message[MESSAGE_UID] = mint_uid()
+    role = message.get("role")
+    if role == "assistant" and isinstance(tool_calls, list) and tool_calls:
+        uids = uid_map(_live_or_column(message, TOOL_CALL_UIDS, "tool_call_uids"))
+        for call in tool_calls:
+            key = tool_call_key(call)
+            if key and key not in uids:
+                uids[key] = mint_uid()  # a repeat of one id in a response shares it
+        if uids:
+            message[TOOL_CALL_UIDS] = uids
+            calls_seen.update({key: uid if isinstance(uid, str) else uid[-1]
+                               for key, uid in uids.items()})
+    elif role == "user":
+        calls_seen.clear()  # a result never pairs across a user turn
+    elif role == "tool" and not _live_or_column(message, TOOL_CALL_UID, "tool_call_uid"):
+        uid = calls_seen.get(message.get("tool_call_id"))
+        if uid:
+            message[TOOL_CALL_UID] = uid
+
+
+def identity_values(message):
+    """{column: stored value} of IDENTITY_COLUMNS for a message dict; None where it has none."""
+    uid = message.get(MESSAGE_UID)
+    absorbed = uid_list(_live_or_column(message, ABSORBED_MESSAGE_UIDS, "absorbed_message_uids"))
+    calls = uid_map(_live_or_column(message, TOOL_CALL_UIDS, "tool_call_uids"))
+    call_uid = _live_or_column(message, TOOL_CALL_UID, "tool_call_uid")
+    return {
+        "message_uid": uid if isinstance(uid, str) and uid else None,
+        "absorbed_message_uids": json.dumps(absorbed) if absorbed else None,
+        "tool_call_uids": json.dumps(calls, sort_keys=True) if calls else None,
+        "tool_call_uid": call_uid if isinstance(call_uid, str) and call_uid else None,
+    }
+
+
+def _fill_missing_tool_call_uids(row, msg):
+    """Before a row is rewritten from `msg`: the stored uid of each call `msg` still names but
+    lost the uid of (a copy), so the rewrite keeps it; a call `msg` dropped keeps none."""
+    stored = uid_map(_column(row, "tool_call_uids"))
+    calls = msg.get("tool_calls")
+    if not stored or not isinstance(calls, list):
+        return
+    live = msg.get(TOOL_CALL_UIDS)
+    live = live if isinstance(live, dict) else {}
+    named = {tool_call_key(call) for call in calls}
+    missing = {key: uid for key, uid in stored.items() if key in named and key not in live}
+    if missing:
+        msg[TOOL_CALL_UIDS] = {**live, **missing}
+
+
+def _restore_row_identity(row, msg):
+    """A stored row's message_uid and tool call uids onto its dict; the stored value wins, except
+    a live per-occurrence list that starts with the stored uids (a merge not yet written)."""
+    uid = _column(row, "message_uid")
+    if uid:
+        msg[MESSAGE_UID] = uid
+    stored = uid_map(_column(row, "tool_call_uids"))
+    if stored:
+        live = msg.get(TOOL_CALL_UIDS)
+        live = live if isinstance(live, dict) else {}
+
+        def extends(live_uid, stored_uid):
+            head = stored_uid if isinstance(stored_uid, list) else [stored_uid]
+            return isinstance(live_uid, list) and live_uid[:len(head)] == head
+        msg[TOOL_CALL_UIDS] = {**live, **{key: uid for key, uid in stored.items()
+                                          if not extends(live.get(key), uid)}}
+    call_uid = _column(row, "tool_call_uid")
+    if call_uid:
+        msg[TOOL_CALL_UID] = call_uid
+
+
+def restore_identity_columns(row, msg):
+    """_restore_row_identity, and the uids of the rows a merged turn absorbed."""
+    _restore_row_identity(row, msg)
+    absorbed = uid_list(_column(row, "absorbed_message_uids"))
+    if absorbed:
+        msg[ABSORBED_MESSAGE_UIDS] = absorbed
+
+
+# -- a message dict as row values ------------------------------------------------
+def message_row(session_id, message, default_time, columns, direct=False, calls_seen=None):
+    """(values of `columns` for INSERT, tool calls it counts, its timestamp). `direct` reads
+    the fields as append_message does; else reasoning is kept on assistant rows only and
+    `message_id` is a fallback. Where the store keeps message identity, a dict message gets its
+    uids minted (see stamp_identity; `calls_seen` pairs a batch's tool results with its calls)."""
+    # AttributeError, as hermes-agent's .get raises (a dict for the list: its keys).
+    if not hasattr(message, "get"):
+        raise AttributeError(
+            f"a message must be a dict, not {type(message).__name__}: {message!r:.60}")
+    get = message.get
+    role = get("role", "unknown")
+
+    def reasoning(key):
+        return get(key) if direct or role == "assistant" else None
+    tool_calls = get("tool_calls")
+    if isinstance(tool_calls, str):
+        tool_calls = loads_or(tool_calls, [])
+    calls = call_count(tool_calls)
+    stamp = _timestamp(get("timestamp"), default_time)
+    platform_id = get("platform_message_id")
+    if not direct:
+        platform_id = platform_id or get("message_id")
+    row = {
+        "session_id": session_id,
+        "role": role,
+        "content": encode_content(_storable("content", get("content"))),
+        "tool_call_id": get("tool_call_id"),
+        "tool_calls": json.dumps(tool_calls) if tool_calls else None,
+        "tool_name": scrub_surrogates(get("tool_name")),
+        "effect_disposition": get("effect_disposition"),
+        "timestamp": stamp,
+        "token_count": _storable("token_count", get("token_count")),
+        "finish_reason": get("finish_reason"),
+        "reasoning": scrub_surrogates(reasoning("reasoning")),
+        "reasoning_content": scrub_surrogates(reasoning("reasoning_content")),
+        "reasoning_details": _json_field(reasoning("reasoning_details")),
+        "codex_reasoning_items": _json_field(reasoning("codex_reasoning_items")),
+        "codex_message_items": _json_field(reasoning("codex_message_items")),
+        "platform_message_id": platform_id,
+        "observed": 1 if get("observed") else 0,
+        "active": 1,  # a new message is live; rewind and compaction clear the flag
+        "api_content": _text_or_none(get("api_content")),
+        "display_kind": _text_or_none(get("display_kind")),
+        "display_metadata": display_metadata_text(get("display_metadata")),
+    }
+    if len(columns) > len(MESSAGE_WRITE_COLUMNS):
+        optional = {"_compressed_summary": 1 if get("_compressed_summary") else 0}
+        if "message_uid" in columns and isinstance(message, dict):
+            # The caller's dict keeps its message_uid (a later write of it names the same
+            # message); the tool call uids stay on a copy, as an import's dict has no key for them.
+            stamped = dict(message)
+            stamp_identity(stamped, tool_calls, {} if calls_seen is None else calls_seen)
+            message[MESSAGE_UID] = stamped[MESSAGE_UID]
+            optional.update(identity_values(stamped))
+        row.update((name, optional.get(name)) for name in columns[len(MESSAGE_WRITE_COLUMNS):])
+    return _write_row(row, columns), calls, stamp
+
+
+@functools.lru_cache(maxsize=None)
+def _values_getter(columns):
+    return operator.itemgetter(*columns)
+
+
+def _write_row(row, columns):
+    """INSERT's values from `row`, a dict keyed by exactly `columns`.
+
+    The one place a message row becomes a tuple: a name missing from `row` raises KeyError, an
+    extra one ValueError, so the order of the values cannot drift from the statement's."""
+    if len(row) != len(columns):
+        extra = sorted(row.keys() - set(columns))
+        raise ValueError(f"a message row has columns the statement lacks: {extra}")
+    return _values_getter(columns)(row)
+
+
+def call_count(tool_calls):
+    """Tool calls a row counts: a list's length, 1 for another value, 0 for none."""
+    return 0 if tool_calls is None else len(tool_calls) if isinstance(tool_calls, list) else 1
+
+
+def _storable(name, value):
+    """`value`, or ValueError naming `name` for a number SQLite cannot keep (NaN,
+    an integer past 64 bits)."""
+    if isinstance(value, (int, float)) and not sqlite_keeps(value):
+        raise ValueError(f"{name} must be a number SQLite can store (not NaN, within 64 bits),"
+                         f" not {value!r}")
+    return value
+
+
+def _timestamp(value, default):
+    """Seconds since the epoch from a finite number, numeric text or a datetime;
+    `default` otherwise."""
+    if value is None:
+        return default
+    try:
+        stamp = float(value.timestamp()) if hasattr(value, "timestamp") else float(value)
+    except (TypeError, ValueError, OverflowError):
+        return default
+    return stamp if math.isfinite(stamp) else default
+
+
+def _json_field(value):
+    """A structured reasoning field as stored:
+    text as given (never encoded twice), values as JSON."""
+    if not value:
+        return None
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _text_or_none(value):
+    return scrub_surrogates(value) if isinstance(value, str) else None
+
+
+def display_metadata_text(value):
+    """display_metadata as stored: JSON of an object, from a dict or JSON text;
+    anything else is dropped."""
+    if not value:
+        return None
+    if isinstance(value, str):
+        value = loads_or(value, None)
+    return json.dumps(value) if isinstance(value, dict) else None
+
+
+# -- what of a user row a person typed --------------------------------------------
+# Every handoff text hermes-agent's compaction has written starts with one of these; a merged
+# handoff carries it after the delimiter.
+_COMPACTION_SUMMARY_LEADS = (
+    "[CONTEXT COMPACTION — REFERENCE ONLY] Earlier turns were compacted into the summary below.",
+    "[CONTEXT SUMMARY]:")
+_MERGED_SUMMARY_DELIMITER = "[END OF PRIOR CONTEXT — COMPACTION SUMMARY BELOW]"
+
+
+def is_compaction_summary(content):
+    """True for a compaction handoff, alone or merged after earlier turns' text."""
+    text = content_text(content).lstrip()
+    if _MERGED_SUMMARY_DELIMITER in text:
+        text = text.split(_MERGED_SUMMARY_DELIMITER, 1)[1].lstrip()
+    return text.startswith(_COMPACTION_SUMMARY_LEADS)
+
+
+# -- what of a user row a person typed -----------------------------------------------
+# The line that ends a compaction summary; a carrier row holds the live ask after it.
+_SUMMARY_END_MARKER = ("--- END OF CONTEXT SUMMARY — respond to the message below, not the summary"
+                       " above ---")
+_MERGED_PRIOR_CONTEXT_HEADER = "[PRIOR CONTEXT — for reference only; not a new message]"
+# The one display_kind a typed user turn has (a /steer); every other marks a synthetic row.
+STEER_DISPLAY_KIND = "steer"
+# Keys of a user row that describe the row, not the person's turn.
+_TURN_ROW_KEYS = ("_compressed_summary", "_compressed_summary_has_user_turn",
+                  "_micro_compact_marker", "_db_persisted", "display_kind", "display_metadata",
+                  "api_content")
+
+
+def split_user_turn(message):
+    """(handoff, turn) of a user message dict, either None, both new dicts (0.22's
+    split_user_originated_turn). A compaction summary's handoff is the summary alone, hidden and
+    marked `_compressed_summary`; the turn is what a person typed: a plain or /steer user row,
+    or the ask a summary carries after its end marker (merged: the prior turn before the
+    delimiter), without row markers (reactions stay). No turn for other roles, other
+    display_kinds or blank text."""
+    if not isinstance(message, dict) or message.get("role") != "user":
+        return None, None
+    content, kind = message.get("content"), message.get("display_kind")
+    summary = bool(message.get("_compressed_summary")) or is_compaction_summary(content)
+    handoff = None
+    if summary:
+        handoff = {"role": "user", "content": _handoff_only(content), "_compressed_summary": True,
+                   "display_kind": "hidden"}
+        if message.get("timestamp") is not None:
+            handoff["timestamp"] = message["timestamp"]
+        live = _carried_ask(content) if not kind or kind == "hidden" else None
+        if live is None:
+            return handoff, None
+        turn = dict(message, content=live)
+        turn.pop("_row_id", None)  # the row is the carrier, not the turn
+    elif kind and kind != STEER_DISPLAY_KIND:
+        return None, None
+    else:
+        turn = dict(message)
+    for key in _TURN_ROW_KEYS:
+        turn.pop(key, None)
+    meta = message.get("display_metadata")
+    if isinstance(meta, dict) and "reactions" in meta:
+        turn["display_metadata"] = {"reactions": json.loads(json.dumps(meta["reactions"]))}
+    if not content_text(turn["content"]).strip() and not _has_media(turn["content"]):
+        return handoff, None
+    return handoff, turn
+
+
+def _handoff_only(content):
+    """A summary's text through its end marker, without a merged prior turn."""
+    if not isinstance(content, str):
+        return content
+    if _MERGED_SUMMARY_DELIMITER in content:
+        content = content.split(_MERGED_SUMMARY_DELIMITER, 1)[1].lstrip()
+    end = content.find(_SUMMARY_END_MARKER)
+    return content[:end + len(_SUMMARY_END_MARKER)] if end >= 0 else content
+
+
+def _carried_ask(content):
+    """The person's text a summary row carries, or None."""
+    if not isinstance(content, str):
+        return None
+    if _MERGED_SUMMARY_DELIMITER in content:
+        prior = content.split(_MERGED_SUMMARY_DELIMITER, 1)[0].strip()
+        if prior.startswith(_MERGED_PRIOR_CONTEXT_HEADER):
+            prior = prior[len(_MERGED_PRIOR_CONTEXT_HEADER):].lstrip()
+    elif _SUMMARY_END_MARKER in content:
+        prior = content.split(_SUMMARY_END_MARKER, 1)[1].lstrip()
+    else:
+        prior = ""
+    return prior or None
+
+
+def _has_media(content):
+    return isinstance(content, list) and any(
+        not (isinstance(part, str) or (isinstance(part, dict)
+                                       and part.get("type") in ("text", "input_text")))
+        for part in content)
+
+
+# Recalled-memory blocks hermes-agent injects into prompts; never replayed.
+_MEMORY_BLOCK = re.compile(r"<\s*memory-context\s*>[\s\S]*?</\s*memory-context\s*>", re.I)
+_MEMORY_NOTE = re.compile(
+    r"\[System note:\s*The following is recalled memory context,\s*NOT new user input\.\s*Treat as "
+    r"(?:informational background data|authoritative reference data[^\]]*)\.\]\s*", re.I)
+_MEMORY_TAG = re.compile(r"</?\s*memory-context\s*>", re.I)
+_MEMORY_HINT = re.compile("memory", re.I)  # in every text the three above can match
+
+
+def loaded_view_content(role, content):
+    """Decoded content as a conversation read gives it: user and assistant text without
+    recalled-memory blocks, stripped."""
+    if role in ("user", "assistant") and isinstance(content, str):
+        if _MEMORY_HINT.search(content):  # one scan for the word all three patterns need
+            content = _MEMORY_TAG.sub("", _MEMORY_NOTE.sub("", _MEMORY_BLOCK.sub("", content)))
+        content = content.strip()
+    return content
