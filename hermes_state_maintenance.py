@@ -198,7 +198,8 @@ class SessionMaintenanceMixin:
             if respect_gateway_heartbeats and conn.execute(
                     TABLE_EXISTS_SQL, ("gateway_heartbeats",)).fetchone():
                 owned = ["NOT EXISTS (SELECT 1 FROM gateway_heartbeats AS h"
-                         " WHERE h.last_heartbeat >= :fresh AND h.started_at <= s.started_at + :grace)"]
+                         " WHERE h.last_heartbeat >= :fresh"
+                         " AND h.started_at <= s.started_at + :grace)"]
             found = [row[0] for row in conn.execute(
                 f"SELECT s.id FROM sessions AS s WHERE {' AND '.join(clauses + owned)}", binds)]
             candidates = [sid for sid in found if sid not in spared]
