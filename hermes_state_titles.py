@@ -6,7 +6,7 @@ Owns the `title` and `title_source` columns. Never writes any other column.
 import re
 
 from hermes_state_common import (
-    TITLE_MAX_LENGTH, TITLE_SOURCE_DERIVED, TITLE_SOURCE_LLM,
+    SELECT_TITLE_OWNER_SQL, TITLE_MAX_LENGTH, TITLE_SOURCE_DERIVED, TITLE_SOURCE_LLM,
     TITLE_SOURCE_RANK, TITLE_SOURCE_USER, escape_like, normalize_title)
 
 # A title whose writer is unknown (rows older than title_source) counts as the user's: an automatic
@@ -90,14 +90,14 @@ class SessionTitlesMixin:
         compression ancestor (ended and unlisted, so nobody can rename it), an ended empty visible
         session (an abandoned new chat the listings leave out), or a retired Bot Chat (archived
         and hidden); hermes-agent's API server calls this around its own INSERT."""
+        owner = conn.execute(SELECT_TITLE_OWNER_SQL, (title, session_id)).fetchone()
+        if owner is None:
+            return
         owner = conn.execute(
             "SELECT s.id, s.archived, s.hidden, s.message_count = 0 AND s.ended_at IS NOT NULL"
             " AND s.archived = 0 AND NOT EXISTS (SELECT 1 FROM messages AS m"
-            " WHERE m.session_id = s.id) AS ghost FROM sessions AS s"
-            " WHERE s.title = ? AND s.id <> ?",
-            (title, session_id)).fetchone()
-        if owner is None:
-            return
+            " WHERE m.session_id = s.id) AS ghost FROM sessions AS s WHERE s.id = ?",
+            (owner[0],)).fetchone()
         if conn.execute(_IS_COMPRESSION_ANCESTOR_SQL,
                         (session_id, owner["id"], session_id)).fetchone():
             conn.execute("UPDATE sessions SET title = NULL WHERE id = ?", (owner["id"],))
