@@ -1,12 +1,14 @@
 """Keeping the store healthy: prune, archive and delete sessions; vacuum, stats, doctor; the small
 reports and one-shot fixes hermes-agent's commands run.
 
-Owns which sessions a prune, archive or delete selects, and what a delete takes with it: messages,
-usage rows and Telegram topic bindings (as hermes-agent's foreign keys do), delegate subagents,
-system prompts no session uses any more, and transcript files in a `sessions_dir`. Relies on
-SessionDB's write and read paths and on other mixins' `set_session_archived`, `_resolved`,
-`optimize_fts`, `search_health`, `fts_layout` and `fts_rebuild_*`. Never repairs the schema: that
-happens at open (hermes_state_schema) or in hermes_state_repair.
+Owns which sessions a prune, archive or delete selects (pinned ones spared), what a delete takes
+with it: messages, usage rows and Telegram topic bindings (as hermes-agent's foreign keys do),
+delegate subagents, the compression chain when asked, system prompts no session uses any more, and
+transcript files in a `sessions_dir`; and what refuses one: a live turn lease or compression lock,
+a transcript changed since an export read it. Also the sweep that ends sessions a dead process
+left open. Relies on SessionDB's write and read paths and on other mixins' methods (the class
+docstring lists them). Never repairs the schema: that happens at open (hermes_state_schema) or in
+hermes_state_repair.
 """
 
 import collections
@@ -101,11 +103,12 @@ ORPHAN_END_REASON = "startup_orphan_reap"
 class SessionMaintenanceMixin:
     """SessionDB's methods for pruning, archiving, deleting and reporting on the store.
 
-    Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value`, `get_meta`, `set_meta`,
-    `_connect`, `_checkpoint_mode`, `db_path`, `fts_caps`, `policy`, `repairs`, `stale_schema`
-    (SessionDB); `_flush_token_counts` (usage mixin); `_resolved`, `set_session_archived` (sessions
-    mixin); `fts_layout`, `fts_rebuild_status`, `fts_rebuild_step`, `optimize_fts`,
-    `search_health` (search index mixin)."""
+    Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value`, `_with_reader`,
+    `get_meta`, `set_meta`, `_connect`, `_checkpoint_mode`, `db_path`, `fts_caps`, `policy`,
+    `repairs`, `stale_schema` (SessionDB); `_flush_token_counts` (usage mixin); `_resolved`,
+    `set_session_archived` (sessions mixin); `_turn_lease_key`, `get_messages` (messages mixin);
+    `fts_layout`, `fts_rebuild_status`, `fts_rebuild_step`, `optimize_fts`, `search_health`
+    (search index mixin)."""
 
     # Messages a delete removes per transaction: each costs up to 0.9 ms with our three indexes at
     # 1M messages on a busy 2-core machine (2,000 held the lock for up to 1.8 s).
@@ -264,13 +267,6 @@ class SessionMaintenanceMixin:
             if not (vacuum and result["pruned"]) or _within(self.get_meta("last_vacuum"), now,
                                                              min_vacuum_interval_days * 86400):
                 return
-            pages, free = (self._read_value(f"PRAGMA {name}")
-                           for name in ("page_count", "freelist_count"))
-            result["freelist_ratio"] = ratio = free / pages if pages else 0.0
-            if ratio <= min_vacuum_freelist_ratio:
-                logger.debug("state.db: no VACUUM, %.0f%% of pages free (threshold %.0f%%)",
-                             ratio * 100, min_vacuum_freelist_ratio * 100)
-                return
             size = store_file_bytes(self.db_path)
             if size > self.AUTO_VACUUM_MAX_BYTES:
                 # VACUUM rewrites the file under the write lock, about 1 s per 50 MB here: past this
@@ -279,6 +275,13 @@ class SessionMaintenanceMixin:
                     "state.db is %.0f MB: no automatic VACUUM (it would hold the write lock for "
                     "seconds); `python -m hermes_state optimize-storage` reclaims the space",
                     size / 1e6)
+                return
+            pages, free = (self._read_value(f"PRAGMA {name}")
+                           for name in ("page_count", "freelist_count"))
+            result["freelist_ratio"] = ratio = free / pages if pages else 0.0
+            if ratio <= min_vacuum_freelist_ratio:
+                logger.debug("state.db: no VACUUM, %.0f%% of pages free (threshold %.0f%%)",
+                             ratio * 100, min_vacuum_freelist_ratio * 100)
                 return
             try:
                 self.vacuum()
