@@ -15,6 +15,9 @@ import re
 import sqlite3
 import string
 import time
+from pathlib import Path
+
+from hermes_constants import get_default_hermes_root
 
 from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, MESSAGES_LAST_ACTIVE_SQL,
@@ -42,15 +45,22 @@ RECOVERABLE_END_REASONS = (
 
 # What create_session may fill on an existing row: only columns still NULL, so a later bare call
 # (source "unknown", no model) never clobbers a real value.
+# transport_profile only where the store has the column (hermes-agent 0.22's schema).
 _FILLABLE_COLUMNS = (
     "model", "model_config", "user_id", "session_key", "chat_id", "chat_type", "thread_id",
-    "parent_session_id", "cwd", "profile_name", "git_repo_root", "origin_json", "display_name")
-# Taken from the parent a child names, so a fork never drops out of its project.
+    "parent_session_id", "cwd", "profile_name", "git_repo_root", "origin_json", "display_name",
+    "transport_profile")
+# Taken from the parent a child names, so a fork never drops out of its project; profile_name only
+# when the two are not keyed under different gateway namespaces (`agent:<ns>:`).
 _INHERITED_COLUMNS = ("cwd", "git_repo_root", "git_branch", "profile_name")
-# Taken from a parent compression ended: the gateway's routing, so a continuation stays reachable
-# if the gateway dies before re-recording it.
+# Taken from a parent compression ended by its continuation (not by a branch or delegate run of
+# it): the gateway's routing, so a continuation stays reachable if the gateway dies before
+# re-recording it.
 _ROUTING_COLUMNS = (
-    "user_id", "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json")
+    "user_id", "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json",
+    "transport_profile")
+# A profile's folder name, as hermes-agent names profiles.
+_PROFILE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 # The compression chain through ? (both directions); the flag setters change it as one conversation.
 _LINEAGE_IDS_SQL = """
 WITH RECURSIVE
@@ -88,11 +98,14 @@ class SessionSessionsMixin:
     RECOVERABLE_END_REASONS = RECOVERABLE_END_REASONS
 
     def create_session(self, session_id, source, **kwargs):
-        """Create the session, or fill the still-empty fields (not source) of an existing one;
-        returns its id.
+        """Create the session, or fill the still-empty fields of an existing one (its source only
+        when that is the bare 'unknown'); returns its id.
 
-        Keywords are _insert_session_row's (model_config a dict). A child inherits the parent's
-        cwd, git and profile, and its gateway routing if compression ended the parent. Raises,
+        Keywords are _insert_session_row's (model_config a dict; transport_profile kept where the
+        store has the column). Without a profile_name the row gets the store's own
+        (_own_profile_name). A child inherits the parent's cwd, git and profile (not across two
+        gateway namespaces), and its gateway routing if it continues a parent compression ended.
+        Raises,
         writing nothing, TypeError for an unknown keyword, SessionRowError (a ValueError and
         IntegrityError) for a missing id or source or an unknown parent, SessionInputTypeError for
         a non-text prompt."""
@@ -108,7 +121,7 @@ class SessionSessionsMixin:
                             system_prompt=None, user_id=None, session_key=None, chat_id=None,
                             chat_type=None, thread_id=None, parent_session_id=None, cwd=None,
                             profile_name=None, git_repo_root=None, origin_json=None,
-                            display_name=None):
+                            display_name=None, transport_profile=None):
         try:
             require_text("session_id", session_id, max_length=SESSION_ID_MAX_LENGTH)
         except ValueError as exc:
@@ -116,9 +129,12 @@ class SessionSessionsMixin:
         if source is None:
             raise SessionRowError("source must be given, not None; no session was written")
         digest = _prompt_digest(system_prompt)
+        if not (profile_name or "").strip():
+            profile_name = self._own_profile_name()
         values = dict(zip(_FILLABLE_COLUMNS, (
             model, _config_json(model_config), user_id, session_key, chat_id, chat_type, thread_id,
-            parent_session_id, cwd, profile_name, git_repo_root, origin_json, display_name)))
+            parent_session_id, cwd, profile_name, git_repo_root, origin_json, display_name,
+            transport_profile)))
         for name, value in (("source", source), *values.items()):
             if not sqlite_keeps(value):
                 raise SessionRowError(f"{name} must be text or a number SQLite can store, "
@@ -129,7 +145,8 @@ class SessionSessionsMixin:
             if digest:
                 conn.execute(INSERT_SYSTEM_PROMPT_SQL, (digest, system_prompt))
             row = conn.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
-            changes = _fill_values(row, values, digest)
+            live = set(live_columns(conn, "sessions"))
+            changes = _fill_values(row, {c: v for c, v in values.items() if c in live}, digest)
             parent = changes.get("parent_session_id")
             if (parent and parent != session_id
                     and not conn.execute(SESSION_EXISTS_SQL, (parent,)).fetchone()):
@@ -137,10 +154,15 @@ class SessionSessionsMixin:
                                       "no session was written")
             if row is None:
                 changes.update(id=session_id, source=source, started_at=time.time())
+                if "created_source" in live:  # the first surface, kept for good
+                    changes["created_source"] = source
                 conn.execute(f"INSERT INTO sessions ({', '.join(changes)})"
                              f" VALUES ({placeholders(len(changes))})",
                              tuple(changes.values()))
-            elif changes:
+            elif row["source"] == "unknown" and source != "unknown":
+                # A bare row made for token counts: the real surface names it.
+                changes["source"] = source
+            if row is not None and changes:
                 conn.execute(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in changes)}"
                              " WHERE id = ?",
                              (*changes.values(), session_id))
@@ -149,6 +171,20 @@ class SessionSessionsMixin:
             if parent_session_id:
                 _inherit_from_parent(conn, session_id)
         self._execute_write(write, patience_s=self._transcript_patience())
+
+    def _own_profile_name(self):
+        """The profile this store belongs to, from its path: 'default' for `<root>/state.db`, the
+        name for `<root>/profiles/<name>/state.db`; None anywhere else (never a guess)."""
+        try:
+            root = get_default_hermes_root().resolve()
+            folder = Path(self.db_path).resolve().parent
+        except (OSError, RuntimeError):
+            return None
+        if folder == root:
+            return "default"
+        if folder.parent == root / "profiles" and _PROFILE_NAME_RE.fullmatch(folder.name):
+            return folder.name
+        return None
 
     def update_system_prompt(self, session_id, system_prompt):
         """Store the session's full system prompt (None clears it); nothing for an unknown session.
@@ -975,9 +1011,23 @@ def _inherit_from_parent(conn, session_id):
                           (row["parent_session_id"],)).fetchone()
     if parent is None:
         return
-    columns = _INHERITED_COLUMNS + (
-        _ROUTING_COLUMNS if parent["end_reason"] == "compression" else ())
-    changes = {c: parent[c] for c in columns if row[c] is None and parent[c] is not None}
+    columns = [c for c in _INHERITED_COLUMNS if c != "profile_name"
+               or _key_namespace(row["session_key"]) in (None, _key_namespace(parent["session_key"]))
+               or _key_namespace(parent["session_key"]) is None]
+    config = json_object(row["model_config"])
+    if parent["end_reason"] == "compression" and parent["id"] not in (
+            config.get("_delegate_from"), config.get("_branched_from")):
+        columns += _ROUTING_COLUMNS
+    changes = {c: parent[c] for c in columns
+               if c in row.keys() and row[c] is None and parent[c] is not None}
     if changes:
         conn.execute(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in changes)} WHERE id = ?",
                      (*changes.values(), session_id))
+
+
+def _key_namespace(session_key):
+    """A gateway key's `agent:<ns>:` (up to its second colon, as hermes-agent compares it); None
+    for no key."""
+    if not session_key or not isinstance(session_key, str):
+        return None
+    return session_key[:session_key[6:].find(":") + 7]

@@ -416,6 +416,67 @@ class RowsOf022(SessionTestCase):
         self.assertFalse(self.db.unarchive_recoverable_session("root"))  # not archived any more
 
 
+class OwnersAndSurfaces(SessionTestCase):
+    """0.22's create_session: the store's own profile, the namespace fence, transport_profile,
+    created_source and the bare 'unknown' row."""
+
+    def store_at(self, folder):
+        from hermes_state import SessionDB
+        folder.mkdir(parents=True, exist_ok=True)
+        db = SessionDB(folder / "state.db")
+        self.addCleanup(db.close)
+        return db
+
+    def test_a_row_without_a_profile_gets_the_stores_own(self):
+        import os
+        from unittest import mock
+        root = self.tmp / "home"
+        with mock.patch.dict(os.environ, {"HERMES_HOME": str(root)}):
+            for folder, owner in ((root, "default"), (root / "profiles" / "work", "work"),
+                                  (root / "profiles" / "Bad Name", None), (self.tmp / "elsewhere", None)):
+                db = self.store_at(folder)
+                db.create_session("s", "cli")
+                db.create_session("given", "cli", profile_name="ops")
+                self.assertEqual(db.get_session("s")["profile_name"], owner, folder)
+                self.assertEqual(db.get_session("given")["profile_name"], "ops")
+        self.db.create_session("here", "cli", profile_name="  ")
+        self.assertIsNone(self.row("here")["profile_name"])  # a test store is in no profile's home
+
+    def test_a_child_takes_the_parents_profile_only_within_one_gateway_namespace(self):
+        self.db.create_session("p", "telegram", session_key="agent:work:tg:dm:1", profile_name="work")
+        self.db.create_session("same", "telegram", session_key="agent:work:tg:dm:2", parent_session_id="p")
+        self.db.create_session("other", "telegram", session_key="agent:main:tg:dm:3", parent_session_id="p")
+        self.db.create_session("keyless", "cli", parent_session_id="p")
+        self.assertEqual([self.row(s)["profile_name"] for s in ("same", "other", "keyless")],
+                         ["work", None, "work"])
+
+    def test_a_fork_of_a_compressed_parent_does_not_take_its_routing(self):
+        self.db.create_session("p", "telegram", session_key="K", chat_id="c", user_id="u")
+        self.db.end_session("p", "compression")
+        self.db.create_session("cont", "telegram", parent_session_id="p")
+        self.db.create_session("run", "cli", parent_session_id="p", model_config={"_delegate_from": "p"})
+        self.db.create_session("branch", "cli", parent_session_id="p", model_config={"_branched_from": "p"})
+        self.assertEqual([self.row(s)["session_key"] for s in ("cont", "run", "branch")], ["K", None, None])
+
+    def test_transport_profile_and_created_source_where_the_store_has_them(self):
+        self.db.create_session("old_schema", "telegram", transport_profile="bot2")
+        self.assertNotIn("transport_profile", self.row("old_schema"))
+        self.sql("ALTER TABLE sessions ADD COLUMN transport_profile TEXT")
+        self.sql("ALTER TABLE sessions ADD COLUMN created_source TEXT")
+        self.db.create_session("p", "telegram", transport_profile="bot2", session_key="K")
+        self.db.end_session("p", "compression")
+        self.db.create_session("cont", "cli", parent_session_id="p")
+        self.assertEqual((self.row("p")["transport_profile"], self.row("cont")["transport_profile"]), ("bot2", "bot2"))
+        self.assertEqual((self.row("p")["created_source"], self.row("cont")["created_source"]), ("telegram", "cli"))
+
+    def test_a_bare_token_row_takes_the_real_surface_once(self):
+        self.db.update_token_counts("s", input_tokens=1)
+        self.assertEqual(self.row("s")["source"], "unknown")
+        self.db.create_session("s", "telegram")
+        self.db.create_session("s", "cli")
+        self.assertEqual(self.row("s")["source"], "telegram")
+
+
 class Listing(SessionTestCase):
     """list_sessions_rich and its kin, with hermes-agent's rows: one entry per conversation."""
 
