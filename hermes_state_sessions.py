@@ -1011,9 +1011,9 @@ def _inherit_from_parent(conn, session_id):
                           (row["parent_session_id"],)).fetchone()
     if parent is None:
         return
-    columns = [c for c in _INHERITED_COLUMNS if c != "profile_name"
-               or _key_namespace(row["session_key"]) in (None, _key_namespace(parent["session_key"]))
-               or _key_namespace(parent["session_key"]) is None]
+    mine, theirs = _key_namespace(row["session_key"]), _key_namespace(parent["session_key"])
+    columns = [c for c in _INHERITED_COLUMNS
+               if c != "profile_name" or None in (mine, theirs) or mine == theirs]
     config = json_object(row["model_config"])
     if parent["end_reason"] == "compression" and parent["id"] not in (
             config.get("_delegate_from"), config.get("_branched_from")):
