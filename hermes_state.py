@@ -66,6 +66,7 @@ from hermes_state_errors import StoreLockedError
 from hermes_state_maintenance import SessionMaintenanceMixin
 from hermes_state_messages import SessionMessagesMixin
 from hermes_state_portability import SessionPortabilityMixin
+from hermes_state_profile_repair import SessionProfileRepairMixin
 from hermes_state_rewind import SessionRewindMixin
 from hermes_state_readpool import SessionReadPoolMixin, _file_signature
 from hermes_state_schema import (
@@ -397,7 +398,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                 SessionMessagesMixin, SessionRewindMixin, SessionTitlesMixin, SessionUsageMixin,
                 SessionGatewayMixin, SessionTelegramMixin, SessionMaintenanceMixin,
                 SessionSearchMixin, SessionSearchIndexMixin, SessionSchemaMixin,
-                SessionPortabilityMixin, SessionReadPoolMixin):
+                SessionPortabilityMixin, SessionReadPoolMixin, SessionProfileRepairMixin):
     """The agent's state store. Thread-safe; open one per process.
 
     `db_path` defaults to `<hermes home>/state.db`; a read-only open runs no DDL and no repair.

@@ -1,16 +1,20 @@
 """Keeping the store healthy: prune, archive and delete sessions; vacuum, stats, doctor; the small
 reports and one-shot fixes hermes-agent's commands run.
 
-Owns which sessions a prune, archive or delete selects, and what a delete takes with it: messages,
-usage rows and Telegram topic bindings (as hermes-agent's foreign keys do), delegate subagents,
-system prompts no session uses any more, and transcript files in a `sessions_dir`. Relies on
-SessionDB's write and read paths and on other mixins' `set_session_archived`, `_resolved`,
-`optimize_fts`, `search_health`, `fts_layout` and `fts_rebuild_*`. Never repairs the schema: that
-happens at open (hermes_state_schema) or in hermes_state_repair.
+Owns which sessions a prune, archive or delete selects (pinned ones spared), what a delete takes
+with it: messages, usage rows and Telegram topic bindings (as hermes-agent's foreign keys do),
+delegate subagents, the compression chain when asked, system prompts no session uses any more, and
+transcript files in a `sessions_dir`; and what refuses one: a live turn lease or compression lock,
+a transcript changed since an export read it. Also the sweep that ends sessions a dead process
+left open. Relies on SessionDB's write and read paths and on other mixins' methods (the class
+docstring lists them). Never repairs the schema: that happens at open (hermes_state_schema) or in
+hermes_state_repair.
 """
 
+import collections
 import contextlib
 import glob
+import hashlib
 import json
 import logging
 import sqlite3
@@ -21,9 +25,11 @@ from hermes_state_common import (
     COUNT_ALL_MESSAGES_SQL, DELETE_META_SQL,
     DELETE_UNUSED_PROMPTS_SQL, JOURNAL_MODE_SQL, LAST_ACTIVE_SQL,
     MESSAGES_LAST_ACTIVE_SQL, SCHEMA_VERSION, SELECT_SCHEMA_VERSION_SQL, SESSION_EXISTS_SQL,
-    SESSION_RICH_SQL, SKILL_SCAFFOLD_PREFIX, SQL_CHUNK_SIZE, STALE_MARKER,
-    TABLE_EXISTS_SQL, chunked, cwd_prefix_clause, escape_like, claim_file_beside, placeholders,
-    prefix_bounds, sqlite_has_wal_reset_bug, store_file_bytes)
+    SELECT_COMPRESSION_LOCK_SQL, SESSION_RICH_SQL, SKILL_SCAFFOLD_PREFIX, SQL_CHUNK_SIZE,
+    STALE_MARKER, TABLE_EXISTS_SQL, chunked, cwd_prefix_clause, escape_like, claim_file_beside,
+    is_fork_child, json_object, placeholders, prefix_bounds, sqlite_has_wal_reset_bug,
+    store_file_bytes)
+from hermes_state_errors import SessionActiveWriteGuardError
 from hermes_state_schema import pause_between_chunks, write_meta
 
 logger = logging.getLogger("hermes_state")
@@ -80,16 +86,29 @@ SWEEP_META_PREFIX = "hs_sweep_messages:"
 # process that may still be at them.
 SWEEP_BEAT_META = "hs_sweep_beat"
 _SWEEP_PENDING_SQL = "SELECT 1 FROM state_meta WHERE key >= ? AND key < ? LIMIT 1"
+# Every child of a session compression ended: the links a chain may take (see _compression_chains).
+_CONTINUATION_LINKS_SQL = (
+    "SELECT c.id, c.parent_session_id, c.source, c.model_config FROM sessions AS c"
+    " JOIN sessions AS p ON p.id = c.parent_session_id WHERE p.end_reason = 'compression'")
+_TURN_LEASE_SQL = "SELECT holder, expires_at FROM session_turn_leases WHERE conversation_id = ?"
+# The open sessions of sources whose lifecycle the store owns (their process never ends them when it
+# dies): automatic maintenance closes them once idle past the retention, as hermes-agent 0.22 does.
+AUTO_PRUNE_STALE_OPEN_SOURCES = (
+    "cli", "cron", "kanban", "acp", "api_server", "subagent", "tool", "recovered")
+# The share of free pages under which an automatic VACUUM is not worth rewriting the file.
+AUTO_VACUUM_MIN_FREELIST_RATIO = 0.25
+ORPHAN_END_REASON = "startup_orphan_reap"
 
 
 class SessionMaintenanceMixin:
     """SessionDB's methods for pruning, archiving, deleting and reporting on the store.
 
-    Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value`, `get_meta`, `set_meta`,
-    `_connect`, `_checkpoint_mode`, `db_path`, `fts_caps`, `policy`, `repairs`, `stale_schema`
-    (SessionDB); `_flush_token_counts` (usage mixin); `_resolved`, `set_session_archived` (sessions
-    mixin); `fts_layout`, `fts_rebuild_status`, `fts_rebuild_step`, `optimize_fts`,
-    `search_health` (search index mixin)."""
+    Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value`, `_with_reader`,
+    `get_meta`, `set_meta`, `_connect`, `_checkpoint_mode`, `db_path`, `fts_caps`, `policy`,
+    `repairs`, `stale_schema` (SessionDB); `_flush_token_counts` (usage mixin); `_resolved`,
+    `set_session_archived` (sessions mixin); `_turn_lease_key`, `get_messages` (messages mixin);
+    `fts_layout`, `fts_rebuild_status`, `fts_rebuild_step`, `optimize_fts`, `search_health`
+    (search index mixin)."""
 
     # Messages a delete removes per transaction: each costs up to 0.9 ms with our three indexes at
     # 1M messages on a busy 2-core machine (2,000 held the lock for up to 1.8 s).
@@ -123,16 +142,77 @@ class SessionMaintenanceMixin:
         return int(self._read_value(
             f"SELECT COUNT(*) FROM sessions AS s WHERE s.ended_at IS NULL{where}", params))
 
-    def prune_sessions(self, older_than_days=90, source=None, sessions_dir=None, **filters):
+    def prune_sessions(self, older_than_days=90, source=None, sessions_dir=None,
+                       exclude_active_write_guards=False, **filters):
         """Delete the ended sessions list_prune_candidates selects (children become roots),
-        and their files in `sessions_dir`; returns how many. Ours, not hermes-agent's:
+        and their files in `sessions_dir`; returns how many. `exclude_active_write_guards`
+        spares those under a live turn lease or compression lock. Ours, not hermes-agent's:
         `session_ids=[...]` deletes only those of them (the CLI's prune deletes no session
         it did not list when it asked)."""
         only = filters.pop("session_ids", None)
         where, params = _prune_where(older_than_days, source, filters)
         return self._delete_selected(
             f"SELECT s.id FROM sessions AS s WHERE {_ENDED}{where}", params, sessions_dir,
-            only=None if only is None else set(only))
+            only=None if only is None else set(only), spare_guarded=exclude_active_write_guards)
+
+    def count_prune_matches(self, older_than_days=None, source=None, *, pinned_only=False,
+                            **filters):
+        """How many sessions list_prune_candidates selects; with `pinned_only`, how many pinned
+        ones match the other filters (what a prune spares unless `include_pinned`)."""
+        if pinned_only:
+            filters["include_pinned"] = True
+        where, params = _prune_where(older_than_days, source, filters)
+        pinned = " AND COALESCE(s.pinned, 0) = 1" if pinned_only else ""
+        return int(self._read_value(
+            f"SELECT COUNT(*) FROM sessions AS s WHERE {_ENDED}{where}{pinned}", params))
+
+    def sweep_orphaned_sessions(self, *, max_idle_seconds, sources=("tui", "desktop", "subagent"),
+                                exclude_ids=(), exclude_pinned=False,
+                                heartbeat_staleness_seconds=None,
+                                heartbeat_ownership_grace_seconds=None,
+                                respect_gateway_heartbeats=True):
+        """End (ORPHAN_END_REASON) the open sessions of `sources` whose start and last activity
+        are both older than `max_idle_seconds`, left open by a process that died; returns their
+        ids. Spared: `exclude_ids`, pinned ones with `exclude_pinned`, any under a live turn lease
+        or compression lock, and with `respect_gateway_heartbeats` any a backend with a heartbeat
+        newer than `heartbeat_staleness_seconds` (default twice the idle time) could own: one
+        started no later than the session plus `heartbeat_ownership_grace_seconds` (default the
+        staleness). Messages stay; the session can be resumed."""
+        wanted = [source for source in sources if source]
+        if max_idle_seconds <= 0 or not wanted:
+            return []
+        staleness = heartbeat_staleness_seconds
+        if not (staleness and staleness > 0):
+            staleness = max_idle_seconds * 2
+        grace = heartbeat_ownership_grace_seconds
+        if grace is None or grace < 0:
+            grace = staleness
+        now = time.time()
+        spared = {str(sid) for sid in exclude_ids if sid}
+        binds = {f"source{n}": source for n, source in enumerate(wanted)}
+        binds.update(cutoff=now - max_idle_seconds, fresh=now - staleness, grace=grace)
+        clauses = [f"s.source IN ({', '.join(':source%d' % n for n in range(len(wanted)))})",
+                   "s.ended_at IS NULL", "s.started_at < :cutoff",
+                   f"{LAST_ACTIVE_SQL.format(a='s')} < :cutoff"]
+        clauses += ["COALESCE(s.pinned, 0) = 0"] if exclude_pinned else []
+
+        def write(conn):
+            owned = []
+            if respect_gateway_heartbeats and conn.execute(
+                    TABLE_EXISTS_SQL, ("gateway_heartbeats",)).fetchone():
+                owned = ["NOT EXISTS (SELECT 1 FROM gateway_heartbeats AS h"
+                         " WHERE h.last_heartbeat >= :fresh"
+                         " AND h.started_at <= s.started_at + :grace)"]
+            found = [row[0] for row in conn.execute(
+                f"SELECT s.id FROM sessions AS s WHERE {' AND '.join(clauses + owned)}", binds)]
+            candidates = [sid for sid in found if sid not in spared]
+            victims = [sid for sid in candidates if sid not in self._guarded_ids(conn, [sid])]
+            for chunk in chunked(victims):
+                conn.execute(f"UPDATE sessions SET ended_at = ?, end_reason = ?"
+                             f" WHERE id IN ({placeholders(len(chunk))}) AND ended_at IS NULL",
+                             (time.time(), ORPHAN_END_REASON, *chunk))
+            return victims
+        return self._execute_write(write)
 
     def archive_sessions(self, older_than_days=None, source=None, **filters):
         """Archive every session list_prune_candidates selects (only unarchived ones unless
@@ -160,16 +240,30 @@ class SessionMaintenanceMixin:
         return len(ids)
 
     def maybe_auto_prune_and_vacuum(self, retention_days=90, min_interval_hours=24, vacuum=True,
-                                    sessions_dir=None, min_vacuum_interval_days=30):
-        """Prune sessions inactive `retention_days`, at most once per `min_interval_hours`;
-        returns {"skipped", "pruned", "vacuumed"}, plus "error" instead of raising. VACUUMs after
-        a prune that deleted something, at most once per `min_vacuum_interval_days`, a store of
-        at most AUTO_VACUUM_MAX_BYTES."""
-        result = {"skipped": False, "pruned": 0, "vacuumed": False}
+                                    sessions_dir=None, min_vacuum_interval_days=30,
+                                    min_vacuum_freelist_ratio=AUTO_VACUUM_MIN_FREELIST_RATIO):
+        """Prune sessions inactive `retention_days` (none under a live turn lease or compression
+        lock), then close the open sessions of AUTO_PRUNE_STALE_OPEN_SOURCES idle that long, at
+        most once per `min_interval_hours`; returns {"skipped", "pruned", "closed", "vacuumed"},
+        plus "error" instead of raising. A retention of None or below 0 skips. VACUUMs after a
+        prune that deleted something, at most once per `min_vacuum_interval_days`, a store of at
+        most AUTO_VACUUM_MAX_BYTES whose free pages are more than `min_vacuum_freelist_ratio` of
+        it ("freelist_ratio" says how many were)."""
+        result = {"skipped": False, "pruned": 0, "closed": 0, "vacuumed": False}
+        if retention_days is None or retention_days < 0:
+            logger.warning("state.db auto-maintenance skipped: retention_days=%r is below 0;"
+                           " auto_prune: false is the switch that turns pruning off",
+                           retention_days)
+            return dict(result, skipped=True)
 
         def step(now):
             result["pruned"] = self.prune_sessions(
-                older_than_days=retention_days, sessions_dir=sessions_dir)
+                older_than_days=retention_days, sessions_dir=sessions_dir,
+                exclude_active_write_guards=True)
+            result["closed"] = len(self.sweep_orphaned_sessions(
+                max_idle_seconds=float(retention_days) * 86400,
+                sources=AUTO_PRUNE_STALE_OPEN_SOURCES, exclude_pinned=True,
+                respect_gateway_heartbeats=False))
             if not (vacuum and result["pruned"]) or _within(self.get_meta("last_vacuum"), now,
                                                              min_vacuum_interval_days * 86400):
                 return
@@ -181,6 +275,13 @@ class SessionMaintenanceMixin:
                     "state.db is %.0f MB: no automatic VACUUM (it would hold the write lock for "
                     "seconds); `python -m hermes_state optimize-storage` reclaims the space",
                     size / 1e6)
+                return
+            pages, free = (self._read_value(f"PRAGMA {name}")
+                           for name in ("page_count", "freelist_count"))
+            result["freelist_ratio"] = ratio = free / pages if pages else 0.0
+            if ratio <= min_vacuum_freelist_ratio:
+                logger.debug("state.db: no VACUUM, %.0f%% of pages free (threshold %.0f%%)",
+                             ratio * 100, min_vacuum_freelist_ratio * 100)
                 return
             try:
                 self.vacuum()
@@ -226,42 +327,109 @@ class SessionMaintenanceMixin:
         delegates = _delegate_descendants(self._read_all(_DELEGATE_ROWS_SQL), [session_id])
         return [session_id] + sorted(delegates)
 
-    def delete_session(self, session_id, sessions_dir=None, expected_delete_ids=None):
+    def delete_session(self, session_id, sessions_dir=None, expected_delete_ids=None,
+                       expected_display_messages=None, exclude_active_write_guards=False,
+                       include_compression_chain=False):
         """Delete a session with its delegate subagents (other children become roots);
-        False if unknown.
+        False if unknown. Their files in `sessions_dir` go after the commit.
 
-        With `expected_delete_ids`, deletes nothing (False) unless those are exactly the session and
-        its delegates when the write starts. Their files in `sessions_dir` go after the commit."""
+        Deletes nothing (False) when, as the write starts, `expected_delete_ids` are not exactly
+        the session and its delegates, or a session of `expected_display_messages` ({id: the
+        messages an export read, compacted ones included}) no longer reads so. With
+        `exclude_active_write_guards`, raises SessionActiveWriteGuardError if a live turn lease
+        or compression lock holds the session or a delegate. `include_compression_chain` deletes
+        its whole compression chain as delete_sessions does."""
+        if include_compression_chain:
+            return self.delete_sessions(
+                [session_id], sessions_dir, exclude_active_write_guards=exclude_active_write_guards,
+                include_compression_chain=True) > 0
         expected = None if expected_delete_ids is None else set(expected_delete_ids)
+        seen = self._transcripts_as_read(expected_display_messages or {})
 
         def write(conn):
             if not conn.execute(SESSION_EXISTS_SQL, (session_id,)).fetchone():
                 return None
             delegates = _delegate_descendants(conn.execute(_DELEGATE_ROWS_SQL), [session_id])
+            ids = sorted(delegates) + [session_id]
+            if exclude_active_write_guards and self._guarded_ids(conn, ids):
+                raise SessionActiveWriteGuardError(
+                    f"session '{session_id}' (or a delegate child) has an active turn lease or"
+                    " compression lock")
             if expected is not None and expected != delegates | {session_id}:
                 return None
-            ids = sorted(delegates) + [session_id]
+            if seen is None or any(_transcript_fingerprint(conn, sid) != fingerprint
+                                   for sid, fingerprint in seen.items()):
+                return None
             self._delete_sessions_in(conn, ids)
             return ids
         return self._delete_committed(write, sessions_dir) is not None
 
-    def delete_sessions(self, session_ids, sessions_dir=None):
+    def delete_sessions(self, session_ids, sessions_dir=None, exclude_active_write_guards=False,
+                        skipped_ids=None, include_compression_chain=False):
         """Delete the given sessions that exist, with their delegates, in one transaction; returns
-        how many existed (non-text values are skipped)."""
+        how many of the given ones existed (non-text values are skipped).
+
+        `include_compression_chain` takes each one's whole compression chain with it (a listing
+        shows a chain as its tip). `exclude_active_write_guards` keeps every given session that
+        a live turn lease or compression lock holds, on it, its chain (with
+        `include_compression_chain`) or a delegate, and adds its id to `skipped_ids`."""
         wanted = list({sid for sid in session_ids or () if isinstance(sid, str) and sid})
 
         def write(conn):
             existing = [row[0] for chunk in chunked(wanted) for row in conn.execute(
                 f"SELECT id FROM sessions WHERE id IN ({placeholders(len(chunk))})", chunk)]
-            delegates = set()
-            if existing:
-                delegates = _delegate_descendants(conn.execute(_DELEGATE_ROWS_SQL), existing)
-            self._delete_sessions_in(conn, sorted(delegates) + existing)
-            return sorted(delegates), existing
-        delegates, existing = self._execute_write(write) if wanted else ([], [])
+            chains = (_compression_chains(conn, existing) if include_compression_chain
+                      else {sid: {sid} for sid in existing})
+            delegate_rows = conn.execute(_DELEGATE_ROWS_SQL).fetchall() if existing else []
+            doomed = {sid: chains[sid] | _delegate_descendants(delegate_rows, chains[sid])
+                      for sid in existing}
+            if exclude_active_write_guards:
+                guarded = self._guarded_ids(conn, set().union(*doomed.values()))
+                kept = sorted(sid for sid in existing if doomed[sid] & guarded)
+                if skipped_ids is not None:
+                    skipped_ids.extend(kept)
+                existing = [sid for sid in existing if sid not in kept]
+            ids = sorted(set().union(*(doomed[sid] for sid in existing)))
+            self._delete_sessions_in(conn, ids)
+            return ids, existing
+        removed, existing = self._execute_write(write) if wanted else ([], [])
         self._sweep_deleted_messages()
-        _remove_transcripts(sessions_dir, delegates + existing)
+        _remove_transcripts(sessions_dir, removed)
         return len(existing)
+
+    def _guarded_ids(self, conn, session_ids):
+        """Inside a write: the ids of `session_ids` a live compression lock, or a live turn lease
+        of their conversation, protects. An expired one found on the way is deleted, so that its
+        late holder finds it gone, as hermes-agent reclaims it."""
+        now, guarded = time.time(), set()
+        for session_id in session_ids:
+            key = self._turn_lease_key(conn, session_id)
+            for table, column, name, sql in (
+                    ("compression_locks", "session_id", session_id, SELECT_COMPRESSION_LOCK_SQL),
+                    ("session_turn_leases", "conversation_id", key, _TURN_LEASE_SQL)):
+                row = conn.execute(sql, (name,)).fetchone()
+                if row is None:
+                    continue
+                if float(row["expires_at"] or 0) > now:
+                    guarded.add(session_id)
+                else:
+                    conn.execute(f"DELETE FROM {table} WHERE {column} = ? AND holder IS ?",
+                                 (name, row["holder"]))
+        return guarded
+
+    def _transcripts_as_read(self, expected):
+        """{session id: _transcript_fingerprint} of each session of `expected` ({id: messages})
+        whose messages (compacted ones included) read as given, unchanged while read; None if
+        one does not."""
+        seen = {}
+        for session_id, messages in expected.items():
+            before = self._with_reader(lambda conn: _transcript_fingerprint(conn, session_id))
+            if before is None or self.get_messages(session_id, include_compacted=True) != messages:
+                return None
+            if self._with_reader(lambda conn: _transcript_fingerprint(conn, session_id)) != before:
+                return None
+            seen[session_id] = before
+        return seen
 
     def delete_session_if_empty(self, session_id, sessions_dir=None):
         """Delete a session that has no title, no messages and no children; False otherwise."""
@@ -298,11 +466,16 @@ class SessionMaintenanceMixin:
             " AND NOT EXISTS (SELECT 1 FROM messages AS m WHERE m.session_id = s.id)",
             (time.time() - 86400,), sessions_dir, refuse_parents=True)
 
-    def _delete_selected(self, sql, params, sessions_dir, refuse_parents=False, only=None):
-        """How many sessions `sql` selected (of `only`, when given) and _delete_committed deleted;
+    def _delete_selected(self, sql, params, sessions_dir, refuse_parents=False, only=None,
+                         spare_guarded=False):
+        """How many sessions `sql` selected (of `only`, when given; without those a live turn
+        lease or compression lock holds, with `spare_guarded`) and _delete_committed deleted;
         with `refuse_parents`, sqlite3.IntegrityError and nothing deleted if one has children."""
         def write(conn):
             ids = [row[0] for row in conn.execute(sql, params) if only is None or row[0] in only]
+            if spare_guarded:
+                guarded = self._guarded_ids(conn, ids)
+                ids = [sid for sid in ids if sid not in guarded]
             if refuse_parents and any(conn.execute(
                     "SELECT 1 FROM sessions"
                     f" WHERE parent_session_id IN ({placeholders(len(chunk))}) LIMIT 1",
@@ -607,12 +780,14 @@ class SessionMaintenanceMixin:
 
 
 def _prune_where(older_than_days, source, filters):
-    """(" AND ..." conditions, params) of hermes-agent's prune filters;
-    TypeError for an unknown one."""
-    unknown = sorted(set(filters) - set(_PRUNE_FILTERS))
+    """(" AND ..." conditions, params) of hermes-agent's prune filters; pinned sessions are
+    left out unless `include_pinned` (a pin is a keep, as in 0.22). TypeError for an unknown
+    filter."""
+    unknown = sorted(set(filters) - set(_PRUNE_FILTERS) - {"include_pinned"})
     if unknown:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
     filters = dict(filters, source=source)
+    include_pinned = filters.pop("include_pinned", False)
     if older_than_days is not None and filters.get("last_active_before") is None \
             and filters.get("started_before") is None:
         filters["last_active_before"] = time.time() - older_than_days * 86400
@@ -628,7 +803,7 @@ def _prune_where(older_than_days, source, filters):
                 clause, values = sql, [_PRUNE_PARAM[kind](value)]
             where += " AND " + clause
             params.extend(values)
-    return where, params
+    return where + ("" if include_pinned else " AND COALESCE(s.pinned, 0) = 0"), params
 
 
 def _within(stamp, now, seconds):
@@ -638,6 +813,32 @@ def _within(stamp, now, seconds):
         return bool(stamp) and now - float(stamp) < seconds
     except (TypeError, ValueError):
         return False
+
+
+def _compression_chains(conn, session_ids):
+    """{id: the ids of its compression chain, both ways and every continuation, itself included}
+    for each of `session_ids`. A fork (branch, delegate, tool or reset child) is no link."""
+    links = collections.defaultdict(set)
+    for row in conn.execute(_CONTINUATION_LINKS_SQL):
+        if not is_fork_child(row) and json_object(row["model_config"]).get("_reset_from") is None:
+            links[row["id"]].add(row["parent_session_id"])
+            links[row["parent_session_id"]].add(row["id"])
+    chains = {}
+    for session_id in session_ids:
+        chain, frontier = {session_id}, [session_id]
+        while frontier:
+            frontier = [linked for node in frontier for linked in links[node] - chain]
+            chain.update(frontier)
+        chains[session_id] = chain
+    return chains
+
+
+def _transcript_fingerprint(conn, session_id):
+    """A digest of every message row of the session, every column; None for an unknown session."""
+    if not conn.execute(SESSION_EXISTS_SQL, (session_id,)).fetchone():
+        return None
+    rows = conn.execute("SELECT * FROM messages WHERE session_id = ? ORDER BY id", (session_id,))
+    return hashlib.sha256(repr([tuple(row) for row in rows]).encode()).hexdigest()
 
 
 def _delegate_descendants(rows, parent_ids):

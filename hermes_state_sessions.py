@@ -10,35 +10,57 @@ hermes_state_titles, compression and resume in hermes_state_compression.
 import collections
 import functools
 import json
+import logging
 import re
 import sqlite3
 import string
 import time
+from pathlib import Path
+
+from hermes_constants import get_default_hermes_root
 
 from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, MESSAGES_LAST_ACTIVE_SQL,
     SELECT_META_SQL, SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL, TABLE_EXISTS_SQL,
     SKILL_EXCERPT_JOINT, _RESET_END_REASONS, chunked, cwd_prefix_clause, describe_skill_invocation,
-    escape_like, has_fork_marker, json_object, loads_or, merge_model_config, placeholders,
-    require_text, sqlite_keeps,
+    escape_like, has_fork_marker, is_fork_child, json_object, loads_or, merge_model_config,
+    placeholders, require_text, sqlite_keeps,
+    workspace_key,  # noqa: F401 (hermes-agent imports it from this module)
 )
 from hermes_state_errors import SessionInputTypeError, SessionRowError
 from hermes_state_schema import (
     JUDGED_KIND_SQL, LISTED_ROOT_SQL, LISTING_OBJECTS, LISTING_VERSION, META_LISTING_READY,
     SELECT_LISTING_OBJECT_COUNT_SQL, TALLY_JUDGED_KINDS, TALLY_LISTED_KINDS, declared_columns,
-    prompt_hash)
+    live_columns, prompt_hash)
+
+logger = logging.getLogger("hermes_state")
+
+# Sources whose sessions are no human conversation (kanban workers, tool integrations, one-shot
+# runs): hermes-agent's session pickers leave them out.
+INTERNAL_LISTING_SOURCES = ("kanban", "tool", "oneshot")
+# Ends that were accidents (a reaper, a closed client, a resume elsewhere), not the user's
+# choice: unarchive_recoverable_session brings such a session back.
+RECOVERABLE_END_REASONS = (
+    "agent_close", "ws_orphan_reap", "superseded_by_resume", "startup_orphan_reap")
 
 # What create_session may fill on an existing row: only columns still NULL, so a later bare call
 # (source "unknown", no model) never clobbers a real value.
+# transport_profile only where the store has the column (hermes-agent 0.22's schema).
 _FILLABLE_COLUMNS = (
     "model", "model_config", "user_id", "session_key", "chat_id", "chat_type", "thread_id",
-    "parent_session_id", "cwd", "profile_name", "git_repo_root", "origin_json", "display_name")
-# Taken from the parent a child names, so a fork never drops out of its project.
+    "parent_session_id", "cwd", "profile_name", "git_repo_root", "origin_json", "display_name",
+    "transport_profile")
+# Taken from the parent a child names, so a fork never drops out of its project; profile_name only
+# when the two are not keyed under different gateway namespaces (`agent:<ns>:`).
 _INHERITED_COLUMNS = ("cwd", "git_repo_root", "git_branch", "profile_name")
-# Taken from a parent compression ended: the gateway's routing, so a continuation stays reachable
-# if the gateway dies before re-recording it.
+# Taken from a parent compression ended by its continuation (not by a branch or delegate run of
+# it): the gateway's routing, so a continuation stays reachable if the gateway dies before
+# re-recording it.
 _ROUTING_COLUMNS = (
-    "user_id", "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json")
+    "user_id", "session_key", "chat_id", "chat_type", "thread_id", "display_name", "origin_json",
+    "transport_profile")
+# A profile's folder name, as hermes-agent names profiles.
+_PROFILE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 # The compression chain through ? (both directions); the flag setters change it as one conversation.
 _LINEAGE_IDS_SQL = """
 WITH RECURSIVE
@@ -71,14 +93,19 @@ class SessionSessionsMixin:
     Relies on: `_execute_write`, `_update_rows`, `_read_all`, `_read_one`, `_read_value`,
     `_with_reader`, `_transcript_patience`, `read_only`, `stale_schema` (SessionDB);
     `_sweep_before_reuse` (maintenance mixin); `_flush_token_counts` (usage mixin);
-    `get_compression_tip` (compression mixin)."""
+    `get_compression_tip`, `get_compression_lineage` (compression mixin)."""
+
+    RECOVERABLE_END_REASONS = RECOVERABLE_END_REASONS
 
     def create_session(self, session_id, source, **kwargs):
-        """Create the session, or fill the still-empty fields (not source) of an existing one;
-        returns its id.
+        """Create the session, or fill the still-empty fields of an existing one (its source only
+        when that is the bare 'unknown'); returns its id.
 
-        Keywords are _insert_session_row's (model_config a dict). A child inherits the parent's
-        cwd, git and profile, and its gateway routing if compression ended the parent. Raises,
+        Keywords are _insert_session_row's (model_config a dict; transport_profile kept where the
+        store has the column). Without a profile_name the row gets the store's own
+        (_own_profile_name). A child inherits the parent's cwd, git and profile (not across two
+        gateway namespaces), and its gateway routing if it continues a parent compression ended.
+        Raises,
         writing nothing, TypeError for an unknown keyword, SessionRowError (a ValueError and
         IntegrityError) for a missing id or source or an unknown parent, SessionInputTypeError for
         a non-text prompt."""
@@ -94,7 +121,7 @@ class SessionSessionsMixin:
                             system_prompt=None, user_id=None, session_key=None, chat_id=None,
                             chat_type=None, thread_id=None, parent_session_id=None, cwd=None,
                             profile_name=None, git_repo_root=None, origin_json=None,
-                            display_name=None):
+                            display_name=None, transport_profile=None):
         try:
             require_text("session_id", session_id, max_length=SESSION_ID_MAX_LENGTH)
         except ValueError as exc:
@@ -102,9 +129,12 @@ class SessionSessionsMixin:
         if source is None:
             raise SessionRowError("source must be given, not None; no session was written")
         digest = _prompt_digest(system_prompt)
+        if not (profile_name or "").strip():
+            profile_name = self._own_profile_name()
         values = dict(zip(_FILLABLE_COLUMNS, (
             model, _config_json(model_config), user_id, session_key, chat_id, chat_type, thread_id,
-            parent_session_id, cwd, profile_name, git_repo_root, origin_json, display_name)))
+            parent_session_id, cwd, profile_name, git_repo_root, origin_json, display_name,
+            transport_profile)))
         for name, value in (("source", source), *values.items()):
             if not sqlite_keeps(value):
                 raise SessionRowError(f"{name} must be text or a number SQLite can store, "
@@ -115,7 +145,8 @@ class SessionSessionsMixin:
             if digest:
                 conn.execute(INSERT_SYSTEM_PROMPT_SQL, (digest, system_prompt))
             row = conn.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
-            changes = _fill_values(row, values, digest)
+            live = set(live_columns(conn, "sessions"))
+            changes = _fill_values(row, {c: v for c, v in values.items() if c in live}, digest)
             parent = changes.get("parent_session_id")
             if (parent and parent != session_id
                     and not conn.execute(SESSION_EXISTS_SQL, (parent,)).fetchone()):
@@ -123,10 +154,15 @@ class SessionSessionsMixin:
                                       "no session was written")
             if row is None:
                 changes.update(id=session_id, source=source, started_at=time.time())
+                if "created_source" in live:  # the first surface, kept for good
+                    changes["created_source"] = source
                 conn.execute(f"INSERT INTO sessions ({', '.join(changes)})"
                              f" VALUES ({placeholders(len(changes))})",
                              tuple(changes.values()))
-            elif changes:
+            elif row["source"] == "unknown" and source != "unknown":
+                # A bare row made for token counts: the real surface names it.
+                changes["source"] = source
+            if row is not None and changes:
                 conn.execute(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in changes)}"
                              " WHERE id = ?",
                              (*changes.values(), session_id))
@@ -135,6 +171,20 @@ class SessionSessionsMixin:
             if parent_session_id:
                 _inherit_from_parent(conn, session_id)
         self._execute_write(write, patience_s=self._transcript_patience())
+
+    def _own_profile_name(self):
+        """The profile this store belongs to, from its path: 'default' for `<root>/state.db`, the
+        name for `<root>/profiles/<name>/state.db`; None anywhere else (never a guess)."""
+        try:
+            root = get_default_hermes_root().resolve()
+            folder = Path(self.db_path).resolve().parent
+        except (OSError, RuntimeError):
+            return None
+        if folder == root:
+            return "default"
+        if folder.parent == root / "profiles" and _PROFILE_NAME_RE.fullmatch(folder.name):
+            return folder.name
+        return None
 
     def update_system_prompt(self, session_id, system_prompt):
         """Store the session's full system prompt (None clears it); nothing for an unknown session.
@@ -162,16 +212,20 @@ class SessionSessionsMixin:
             self._read_all(f"SELECT s.*{columns} FROM sessions AS s" + tail, params))
 
     def _resolved(self, rows):
-        """`rows` as dicts, `system_prompt` read from its hash (each stored prompt once) and a rich
-        row's `_preview_raw` shaped into `preview`."""
+        """`rows` as dicts, `system_prompt` read from its hash and `tool_names` from the hash it
+        holds (a legacy inline list stays; each stored text read once), and a rich row's
+        `_preview_raw` shaped into `preview`."""
         prompts, sessions = {}, [row if type(row) is dict else dict(row) for row in rows]
         for session in sessions:
-            digest = session.get("system_prompt_hash")
-            if digest and digest not in prompts:
-                prompts[digest] = self._read_value(
-                    "SELECT prompt FROM system_prompts WHERE hash = ?", (digest,))
-            if digest and prompts[digest] is not None:
-                session["system_prompt"] = prompts[digest]
+            for column, digest in (("system_prompt", session.get("system_prompt_hash")),
+                                   ("tool_names", session.get("tool_names"))):
+                if not isinstance(digest, str) or not digest:
+                    continue
+                if digest not in prompts:
+                    prompts[digest] = self._read_value(
+                        "SELECT prompt FROM system_prompts WHERE hash = ?", (digest,))
+                if prompts[digest] is not None:
+                    session[column] = prompts[digest]
             if "_preview_raw" in session:
                 session["preview"] = _shape_preview(session.pop("_preview_raw"))
         return sessions
@@ -216,6 +270,75 @@ class SessionSessionsMixin:
                          (session_id,))
         self._execute_write(write)
 
+    def backfill_null_session_profiles(self, profile_name):
+        """Stamp `profile_name` on every session without one (NULL or blank); never replaces an
+        owner. Returns how many rows changed (0 for a blank name)."""
+        stamp = (profile_name or "").strip()
+        if not stamp:
+            return 0
+        return self._update_rows(
+            "UPDATE sessions SET profile_name = ?"
+            " WHERE profile_name IS NULL OR TRIM(profile_name) = ''", (stamp,))
+
+    def backfill_acp_session_cwd(self):
+        """Fill the cwd of ACP sessions that have none from their model_config's `cwd`, which the
+        ACP adapter wrote; returns how many rows changed. A cwd already set always wins."""
+        def write(conn):
+            rows = conn.execute(
+                "SELECT id, model_config FROM sessions WHERE source = 'acp'"
+                " AND COALESCE(cwd, '') = '' AND instr(model_config, 'cwd') > 0").fetchall()
+            changed = 0
+            for row in rows:
+                cwd = json_object(row["model_config"]).get("cwd")
+                if isinstance(cwd, str) and cwd:
+                    changed += conn.execute("UPDATE sessions SET cwd = ? WHERE id = ?",
+                                            (cwd, row["id"])).rowcount
+            return changed
+        return self._execute_write(write)
+
+    def is_explicit_fork_child(self, session_id):
+        """True when the session is a branch, delegate run or tool child of its parent, not a
+        compression continuation; False for an unknown id."""
+        row = self._read_one("SELECT source, model_config, parent_session_id FROM sessions"
+                             " WHERE id = ?", (session_id,))
+        return row is not None and is_fork_child(row)
+
+    def is_kanban_owned_session(self, session_id):
+        """True when the session, or a compression ancestor a resume would load with it, was made
+        by the Kanban dispatcher (source or, where the store keeps it, created_source 'kanban')."""
+        lineage = self.get_compression_lineage(session_id)
+        if not lineage:
+            return False
+        loaded = lineage[:lineage.index(session_id) + 1] if session_id in lineage else lineage
+
+        def read(conn):
+            created = (" OR created_source = 'kanban'"
+                       if "created_source" in live_columns(conn, "sessions") else "")
+            return any(conn.execute(
+                f"SELECT 1 FROM sessions WHERE id IN ({placeholders(len(chunk))})"
+                f" AND (source = 'kanban'{created}) LIMIT 1", chunk).fetchone()
+                for chunk in chunked(loaded))
+        return self._with_reader(read)
+
+    def unarchive_recoverable_session(self, session_id):
+        """Unarchive the session's compression chain when its tip ended by accident (one of
+        RECOVERABLE_END_REASONS), clearing that end so a later deliberate archive stays; True
+        when it did, False for anything else (not archived, archived on purpose, unknown)."""
+        if not session_id:
+            return False
+        row = self._read_one("SELECT archived FROM sessions WHERE id = ?", (session_id,))
+        if row is None or not row["archived"]:
+            return False
+        tip = self.get_compression_tip(session_id)
+        reason = self._read_value("SELECT end_reason FROM sessions WHERE id = ?", (tip,))
+        if reason not in self.RECOVERABLE_END_REASONS:
+            return False
+        if not self.set_session_archived(session_id, False):
+            return False
+        self._update_rows("UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE id = ?",
+                          (tip,))
+        return True
+
     def set_session_archived(self, session_id, archived):
         """Archive or unarchive the session's whole compression chain; False if no row matched."""
         return self._set_lineage_column(session_id, "archived", 1 if archived else 0)
@@ -256,13 +379,23 @@ class SessionSessionsMixin:
         unreadable, so a resume never turns the bypass on by accident."""
         return bool(json_object((session_meta or {}).get("model_config")).get("yolo_mode"))
 
-    def update_session_model(self, session_id, model, provider=None):
+    def update_session_model(self, session_id, model, provider=None, *, base_url=None,
+                             api_mode=None):
         """Switch the session's model (and provider, if given), dropping the stored system prompt
-        and any browser model lock; returns None, nothing for an unknown session."""
+        and any browser model lock; returns None, nothing for an unknown session.
+
+        A provider with a `base_url` or `api_mode` (hermes-agent 0.22's callers) writes the whole
+        route, top level and as `gateway_runtime`, the one not given removed, so a resume never
+        sends the new model to the old host; without them the provider alone is written, as
+        0.20 stores it (docs/differences.md)."""
         self._flush_token_counts()
         patch = {"browser_model_lock": None}
         patch.update((key, value) for key, value in (("model", model), ("provider", provider))
                      if value)
+        if provider and (base_url or api_mode):
+            route = {"provider": provider, "base_url": base_url or None,
+                     "api_mode": api_mode or None}
+            patch.update(route, gateway_runtime=route)
 
         def write(conn):
             if _merge_config(conn, session_id, patch):
@@ -270,6 +403,26 @@ class SessionSessionsMixin:
                              " system_prompt_hash = NULL WHERE id = ?",
                              (model, session_id))
                 conn.execute(DELETE_UNUSED_PROMPTS_SQL)
+        self._execute_write(write)
+
+    def update_session_tool_names(self, session_id, pin):
+        """Store the session's tools pin (JSON-serialisable; None clears it) as hermes-agent does:
+        the JSON text once in system_prompts, its hash in sessions.tool_names. Returns None.
+        Raises SessionInputTypeError for a pin JSON cannot hold, sqlite3.OperationalError on a
+        store without that column."""
+        try:
+            payload = None if pin is None else json.dumps(pin)
+        except (TypeError, ValueError) as exc:
+            raise SessionInputTypeError(f"tools pin is not JSON-serialisable: {exc}") from None
+        digest = None if payload is None else prompt_hash(payload)
+
+        def write(conn):
+            if "tool_names" not in live_columns(conn, "sessions"):
+                raise sqlite3.OperationalError(
+                    "sessions.tool_names is missing: this store predates the tools pin")
+            if digest:
+                conn.execute(INSERT_SYSTEM_PROMPT_SQL, (digest, payload))
+            conn.execute("UPDATE sessions SET tool_names = ? WHERE id = ?", (digest, session_id))
         self._execute_write(write)
 
     def update_session_meta(self, session_id, model_config_json, model=None):
@@ -334,7 +487,7 @@ class SessionSessionsMixin:
                            project_compression_tips=True, order_by_last_active=False,
                            include_archived=False, archived_only=False, id_query=None,
                            search_query=None, compact_rows=False, include_pinned=False,
-                           session_key=None, include_hidden=False):
+                           session_key=None, include_hidden=False, include_subagents=False):
         """A page of sessions as rich rows (all columns, `preview`, `last_active`, `unread`); [] if
         none match.
 
@@ -342,8 +495,9 @@ class SessionSessionsMixin:
         (`order_by_last_active`, which alone applies `id_query` and `search_query`: title or id,
         also without punctuation). Unarchived, unhidden roots, branches and resets unless
         `include_children`; a compression root shows as its tip (`_lineage_root_id` names the root)
-        unless `project_compression_tips` is False. `include_pinned` adds the pinned rows the page
-        left out; `compact_rows` drops the prompt columns. `limit` and `offset` are read as SQLite
+        unless `project_compression_tips` is False; `include_subagents` lists subagent runs too (not
+        continuations). `include_pinned` adds the pinned rows the page left out; `compact_rows`
+        drops the prompt columns. `limit` and `offset` are read as SQLite
         reads them (negative: no limit, from 0)."""
         limit, offset = _window_bound(limit), max(_window_bound(offset), 0)
         self._flush_token_counts()
@@ -353,26 +507,25 @@ class SessionSessionsMixin:
         end = None if limit < 0 else offset + limit
         id_needle = (id_query or "").strip().lower()
         search_needle = (search_query or "").strip().lower()
-        if not order_by_last_active and self._listing_ready():
-            sessions = self._rich_by_start(clauses, params, include_children, offset, limit,
-                                           compact_rows)
+        keep = _listing_rule(not include_children, include_subagents)
+        # The listing aids' kinds judge the default rule only.
+        aided = keep in (None, _is_listable) and self._listing_ready()
+        if not order_by_last_active and aided:
+            sessions = self._rich_by_start(clauses, params, keep, offset, limit, compact_rows)
             page = [session["id"] for session in sessions]
         else:
-            if order_by_last_active and not id_needle and not search_needle \
-                    and self._listing_ready():
-                rows = self._list_by_activity(clauses, params, include_children, end)
+            if order_by_last_active and not id_needle and not search_needle and aided:
+                rows = self._list_by_activity(clauses, params, keep, end)
             elif order_by_last_active:
                 rows = self._by_chain_activity(
-                    self._list_candidates(clauses, params, include_children, True),
-                    id_needle, search_needle)
+                    self._list_candidates(clauses, params, keep, True), id_needle, search_needle)
             else:
-                rows = self._list_candidates(clauses, params, include_children, False, want=end)
+                rows = self._list_candidates(clauses, params, keep, False, want=end)
             page = [row["id"] for row in rows[offset:end]]
             sessions = self._rich_rows_by_id(page, compact_rows)
         if include_pinned:
             # As hermes-agent back-fills them: start order, last_active from messages only.
-            pinned = self._list_candidates(clauses + ["s.pinned = 1"], params, include_children,
-                                           False)
+            pinned = self._list_candidates(clauses + ["s.pinned = 1"], params, keep, False)
             listed = set(page)
             missing = [row["id"] for row in pinned if row["id"] not in listed]
             sessions += self._rich_rows_by_id(missing, compact_rows, MESSAGES_LAST_ACTIVE_SQL)
@@ -449,14 +602,15 @@ class SessionSessionsMixin:
 
     def session_count(self, source=None, sources=None, cwd_prefix=None, min_message_count=0,
                       include_archived=False, archived_only=False, exclude_children=False,
-                      exclude_sources=None):
+                      exclude_sources=None, include_subagents=False):
         """How many sessions match; unarchived ones unless `include_archived` or `archived_only`,
-        and with `exclude_children` only what list_sessions_rich lists (no subagent runs or
-        continuations)."""
+        and with `exclude_children` only what list_sessions_rich lists (no subagent runs, unless
+        `include_subagents`, or continuations)."""
         clauses, params = _filter_clauses(source, sources, exclude_sources, cwd_prefix,
                                           min_message_count, include_archived, archived_only)
         tallied = not cwd_prefix and not min_message_count > 0
-        return sum(self._tally_sessions(clauses, params, exclude_children, tallied).values())
+        keep = _listing_rule(exclude_children, include_subagents)
+        return sum(self._tally_sessions(clauses, params, keep, tallied).values())
 
     def session_count_by_source(self, *, include_archived=False, archived_only=False,
                                 exclude_children=False):
@@ -464,26 +618,28 @@ class SessionSessionsMixin:
         store."""
         clauses, params = _filter_clauses(None, None, None, None, 0, include_archived,
                                           archived_only)
-        tally = self._tally_sessions(clauses, params, exclude_children, tallied=True)
+        tally = self._tally_sessions(clauses, params, _listing_rule(exclude_children, False),
+                                     tallied=True)
         return dict(sorted(tally.items(), key=lambda item: (-item[1], item[0])))
 
     def session_count_ge(self, n=1):
         """True when the store holds at least `n` sessions, archived ones included."""
         return len(self._read_all("SELECT 1 FROM sessions LIMIT ?", (n,))) >= n
 
-    def _tally_sessions(self, clauses, params, exclude_children, tallied=False):
-        """Counter {source (empty: 'cli'): sessions matching}, only listable ones with
-        `exclude_children`. `tallied`: the clauses filter on source and archived only, so
+    def _tally_sessions(self, clauses, params, keep, tallied=False):
+        """Counter {source (empty: 'cli'): sessions matching}, only those `keep` keeps (None:
+        all; see _listing_rule). `tallied`: the clauses filter on source and archived only, so
         hs_session_tally can answer."""
-        if tallied and self._listing_ready():
-            return self._tally_from_aids(clauses, params, exclude_children)
+        if tallied and keep in (None, _is_listable) and self._listing_ready():
+            return self._tally_from_aids(clauses, params, keep is not None)
         sql = ("SELECT COALESCE(NULLIF(s.source, ''), 'cli'), COUNT(*)"
                " FROM sessions AS s{} GROUP BY 1")
-        roots = clauses + [_PLAIN_ROOT_SQL] if exclude_children else clauses
+        # Plain roots are listed by every rule; the rest are judged in Python.
+        roots = clauses + [_PLAIN_ROOT_SQL] if keep else clauses
         tally = collections.Counter(dict(self._read_all(sql.format(_where(roots)), params)))
-        if exclude_children:
+        if keep:
             tally.update(row["source"] or "cli" for row in self._list_candidates(
-                clauses + [f"NOT {_PLAIN_ROOT_SQL}"], params, False, False))
+                clauses + [f"NOT {_PLAIN_ROOT_SQL}"], params, keep, False))
         return tally
 
     def _tally_from_aids(self, clauses, params, exclude_children):
@@ -507,10 +663,9 @@ class SessionSessionsMixin:
             tally.update(row["source"] or "cli" for row in rows if _is_listable(row))
         return tally
 
-    def _list_candidates(self, clauses, params, include_children, with_activity, want=None):
+    def _list_candidates(self, clauses, params, keep, with_activity, want=None):
         """The matching sessions, newest start first, as the listing rules' inputs (markers are read
-        in Python, so no JSON1): only listable ones unless `include_children`, at most `want` of
-        them."""
+        in Python, so no JSON1): only those `keep` keeps (None: all), at most `want` of them."""
         activity = f", {self._activity_sql('s')} AS last_active" if with_activity else ""
         sql = (f"{_CANDIDATES_SQL}{activity}{_CANDIDATES_FROM_SQL}{{}}"
                " ORDER BY s.started_at DESC, s.id DESC")
@@ -522,7 +677,7 @@ class SessionSessionsMixin:
             batch = self._read_all(
                 self._listing_sql(sql.format(_where(clauses + keyset)) + " LIMIT ?"),
                 [*params, *after, chunk])
-            rows += batch if include_children else [row for row in batch if _is_listable(row)]
+            rows += batch if keep is None else [row for row in batch if keep(row)]
             if chunk < 0 or len(batch) < chunk:
                 break
             after, chunk = [batch[-1]["started_at"], batch[-1]["id"]], chunk * 2
@@ -562,7 +717,7 @@ class SessionSessionsMixin:
         ranked.sort(key=lambda item: item[:3], reverse=True)
         return [item[3] for item in ranked]
 
-    def _list_by_activity(self, clauses, params, include_children, want):
+    def _list_by_activity(self, clauses, params, keep, want):
         """The first `want` rows (all with None) of what _by_chain_activity orders without needles,
         read from hs_session_activity newest own activity first. A session's chain activity is the
         newest own activity along its forward compression chain, so it is the own activity of the
@@ -589,7 +744,7 @@ class SessionSessionsMixin:
                 node = row
                 while node is not None and node["id"] not in reached:
                     reached.add(node["id"])
-                    if node["matched"] and (include_children or _is_listable(node)):
+                    if node["matched"] and (keep is None or keep(node)):
                         found.append((activity, node["started_at"] or 0, node["id"], node))
                     links_up = (node["parent_end_reason"] == "compression"
                                 and (node["source"] or "") != "tool"
@@ -672,7 +827,7 @@ class SessionSessionsMixin:
             self._sessions_shim = shim
         return shim + sql
 
-    def _rich_by_start(self, clauses, params, include_children, offset, limit, compact_rows):
+    def _rich_by_start(self, clauses, params, keep, offset, limit, compact_rows):
         """list_sessions_rich's page in start order, read as rich rows in that order while the
         listing aids are trusted: one statement a page instead of the candidates, then their rich
         rows (a page of 50 at 54,000 sessions: 0.79 -> 0.55 ms). hs_session_activity's kinds leave
@@ -680,12 +835,12 @@ class SessionSessionsMixin:
         _list_candidates judges it. The rows before `offset` are read as candidates only."""
         after = []
         if offset and limit:
-            skipped = self._list_candidates(clauses, params, include_children, False, want=offset)
+            skipped = self._list_candidates(clauses, params, keep, False, want=offset)
             if len(skipped) < offset:
                 return []
             after = [skipped[-1]["started_at"], skipped[-1]["id"]]
         join, kinds, judged = "", [], ""
-        if not include_children:
+        if keep is not None:
             join = " CROSS JOIN hs_session_activity AS a ON a.session_id = s.id"
             shown = ", ".join(str(kind) for kind in TALLY_LISTED_KINDS + TALLY_JUDGED_KINDS)
             kinds = [f"a.kind IN ({shown})"]
@@ -698,7 +853,7 @@ class SessionSessionsMixin:
             batch = self._rich_rows(
                 f"{join}{_where(clauses + kinds + keyset)} ORDER BY s.started_at DESC, s.id DESC"
                 " LIMIT ?", [*params, *after, chunk], compact_rows, extra=judged)
-            rows += batch if include_children else self._judged_listable(batch)
+            rows += batch if keep is None else self._judged_listable(batch)
             if chunk < 0 or len(batch) < chunk:
                 break
             after, chunk = [batch[-1]["started_at"], batch[-1]["id"]], chunk * 2
@@ -764,14 +919,26 @@ def _compact_columns():
                      if name not in _COMPACT_LEFT_OUT)
 
 
-def _is_listable(row):
-    """A root, branch or reset row that is not a subagent run: what list_sessions_rich shows.
-    hermes_state_schema's tally kinds judge these rules in SQL: a change here is a change there,
-    with a new LISTING_VERSION."""
+def _listing_rule(listable_only, include_subagents):
+    """Which rows a listing keeps: None (all of them), _is_listable, or with `include_subagents`
+    (hermes-agent's sessions.show_subagents) also the subagent runs."""
+    if not listable_only:
+        return None
+    return _is_listable_or_subagent if include_subagents else _is_listable
+
+
+def _is_listable_or_subagent(row):
+    return _is_listable(row, subagents=True)
+
+
+def _is_listable(row, subagents=False):
+    """A root, branch or reset row that is not a subagent run (a run marked `_delegate_from`:
+    `subagents` says): what list_sessions_rich shows. hermes_state_schema's tally kinds judge the
+    default rules in SQL: a change here is a change there, with a new LISTING_VERSION."""
     text = row["model_config"]
     config = json_object(text) if text and "_from" in text else {}
     if config.get("_delegate_from") is not None:
-        return False
+        return subagents
     return (row["parent"] is None or config.get("_branched_from") is not None
             or config.get("_reset_from") is not None
             or (row["parent_end_reason"] == "branched" and row["parent_ended_at"] is not None
@@ -844,9 +1011,23 @@ def _inherit_from_parent(conn, session_id):
                           (row["parent_session_id"],)).fetchone()
     if parent is None:
         return
-    columns = _INHERITED_COLUMNS + (
-        _ROUTING_COLUMNS if parent["end_reason"] == "compression" else ())
-    changes = {c: parent[c] for c in columns if row[c] is None and parent[c] is not None}
+    mine, theirs = _key_namespace(row["session_key"]), _key_namespace(parent["session_key"])
+    columns = [c for c in _INHERITED_COLUMNS
+               if c != "profile_name" or None in (mine, theirs) or mine == theirs]
+    config = json_object(row["model_config"])
+    if parent["end_reason"] == "compression" and parent["id"] not in (
+            config.get("_delegate_from"), config.get("_branched_from")):
+        columns += _ROUTING_COLUMNS
+    changes = {c: parent[c] for c in columns
+               if c in row.keys() and row[c] is None and parent[c] is not None}
     if changes:
         conn.execute(f"UPDATE sessions SET {', '.join(f'{c} = ?' for c in changes)} WHERE id = ?",
                      (*changes.values(), session_id))
+
+
+def _key_namespace(session_key):
+    """A gateway key's `agent:<ns>:` (up to its second colon, as hermes-agent compares it); None
+    for no key."""
+    if not session_key or not isinstance(session_key, str):
+        return None
+    return session_key[:session_key[6:].find(":") + 7]

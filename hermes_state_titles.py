@@ -21,6 +21,8 @@ _IS_COMPRESSION_ANCESTOR_SQL = (
     " WHERE parent.end_reason = 'compression')\n"
     "SELECT 1 FROM chain WHERE id = ? AND id <> ? LIMIT 1")
 _NUMBERED_SUFFIX = re.compile(r"^(.*?) #(\d+)$")
+# The title of Bot Mode's chat, which finds it by that title.
+CANONICAL_BOT_CHAT_TITLE = "Bot Chat"
 _ID_BY_TITLE_SQL = "SELECT id FROM sessions WHERE title = ?"
 
 
@@ -31,6 +33,7 @@ class SessionTitlesMixin:
     (SessionDB); `get_session` (sessions mixin)."""
 
     MAX_TITLE_LENGTH = TITLE_MAX_LENGTH
+    CANONICAL_BOT_CHAT_TITLE = CANONICAL_BOT_CHAT_TITLE
     TITLE_SOURCE_DERIVED = TITLE_SOURCE_DERIVED
     TITLE_SOURCE_LLM = TITLE_SOURCE_LLM
     TITLE_SOURCE_USER = TITLE_SOURCE_USER
@@ -74,26 +77,36 @@ class SessionTitlesMixin:
                     if current["title_source"] is not None else _UNKNOWN_SOURCE_RANK
                 if held >= TITLE_SOURCE_RANK[source]:
                     return False
-            self._check_title_free(conn, title, session_id)
+            if title is not None:
+                self._resolve_title_conflict(conn, session_id, title)
             conn.execute("UPDATE sessions SET title = ?, title_source = ? WHERE id = ?",
                          (title, source if title else None, session_id))
             return True
         return self._execute_write(write)
 
-    def _check_title_free(self, conn, title, session_id):
-        """Raise the reference's ValueError when another session holds `title`, unless
-        that is a compression ancestor (ended and unlisted, so nobody can rename it):
-        it gives the title up instead."""
-        if title is None:
-            return
+    def _resolve_title_conflict(self, conn, session_id, title):
+        """Inside the caller's write: free `title` for `session_id`, or raise the reference's
+        ValueError when another session rightly holds it. It gives the title up when it is a
+        compression ancestor (ended and unlisted, so nobody can rename it), an ended empty visible
+        session (an abandoned new chat the listings leave out), or a retired Bot Chat (archived
+        and hidden); hermes-agent's API server calls this around its own INSERT."""
         owner = conn.execute(SELECT_TITLE_OWNER_SQL, (title, session_id)).fetchone()
         if owner is None:
             return
-        ancestor = conn.execute(_IS_COMPRESSION_ANCESTOR_SQL, (session_id, owner[0], session_id))
-        if ancestor.fetchone():
-            conn.execute("UPDATE sessions SET title = NULL WHERE id = ?", (owner[0],))
-            return
-        raise ValueError(f"Title '{title}' is already in use by session {owner[0]}")
+        owner = conn.execute(
+            "SELECT s.id, s.archived, s.hidden, s.message_count = 0 AND s.ended_at IS NOT NULL"
+            " AND s.archived = 0 AND NOT EXISTS (SELECT 1 FROM messages AS m"
+            " WHERE m.session_id = s.id) AS ghost FROM sessions AS s WHERE s.id = ?",
+            (owner[0],)).fetchone()
+        if conn.execute(_IS_COMPRESSION_ANCESTOR_SQL,
+                        (session_id, owner["id"], session_id)).fetchone():
+            conn.execute("UPDATE sessions SET title = NULL WHERE id = ?", (owner["id"],))
+        elif (owner["ghost"] and not owner["hidden"]) or (
+                title == CANONICAL_BOT_CHAT_TITLE and owner["archived"] and owner["hidden"]):
+            conn.execute("UPDATE sessions SET title = NULL, title_source = NULL WHERE id = ?",
+                         (owner["id"],))
+        else:
+            raise ValueError(f"Title '{title}' is already in use by session {owner['id']}")
 
     def get_session_title(self, session_id):
         """The session's title; None when it has none or does not exist."""

@@ -13,7 +13,8 @@ import sqlite3
 import threading
 import time
 
-from hermes_state_common import DELETE_UNUSED_PROMPTS_SQL, TOKEN_QUEUE_MAX_AGE, sqlite_keeps
+from hermes_state_common import (
+    DELETE_UNUSED_PROMPTS_SQL, TOKEN_QUEUE_MAX_AGE, placeholders, sqlite_keeps)
 from hermes_state_errors import UsageValueError
 
 logger = logging.getLogger("hermes_state")
@@ -74,8 +75,9 @@ _ADD_MODEL_USAGE_SQL = (
 class SessionUsageMixin:
     """SessionDB's methods for tokens and cost.
 
-    Relies on: `_execute_write`, `_read_one`, `_closed`, `_tokens` (a TokenQueue), `_write_lock`,
-    `db_path`, `read_only` (SessionDB)."""
+    Relies on: `_execute_write`, `_read_one`, `_read_all`, `_closed`, `_tokens` (a TokenQueue),
+    `_write_lock`, `db_path`, `read_only` (SessionDB); `_session_lineage_root_to_tip`,
+    `_is_explicit_branch_session` (messages mixin)."""
 
     def update_token_counts(self, session_id, input_tokens=0, output_tokens=0, model=None,
                             cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=0,
@@ -218,6 +220,39 @@ class SessionUsageMixin:
             " LIMIT 1",
             (session_id,))
         return None if row is None else dict(row)
+
+    def get_recent_session_model_route(self, session_id):
+        """The same dict for the main-loop route used last (the newest `last_seen`, the later
+        row on a tie): a route retired long ago may still hold the most calls. None when no counted
+        call names both a model and a provider."""
+        self.flush_token_counts()
+        row = self._read_one(
+            "SELECT model, billing_provider, billing_base_url, billing_mode, api_call_count"
+            " FROM session_model_usage WHERE session_id = ? AND task = '' AND model <> 'unknown'"
+            " AND billing_provider <> '' ORDER BY last_seen DESC, rowid DESC LIMIT 1",
+            (session_id,))
+        return None if row is None else dict(row)
+
+    def auxiliary_usage_by_task(self, session_id):
+        """{task: {api_calls, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
+        reasoning_tokens, estimated_cost_usd}} of the auxiliary calls (task not '') billed to the
+        session and its ancestors, up to the nearest /branch copy (which owns its spend): a turn's
+        auxiliary calls bill to the id it started with, compression mints another. {} if none."""
+        if not session_id:
+            return {}
+        self.flush_token_counts()
+        chain = self._session_lineage_root_to_tip(session_id)
+        branches = [n for n, sid in enumerate(chain) if self._is_explicit_branch_session(sid)]
+        chain = chain[branches[-1]:] if branches else chain
+        sums = ", ".join(f"COALESCE(SUM({column}), 0) AS {name}" for name, column in (
+            ("api_calls", "api_call_count"), *((c, c) for c in COUNT_FIELDS[:5]),
+            ("estimated_cost_usd", "estimated_cost_usd")))
+        rows = self._read_all(
+            f"SELECT task, {sums} FROM session_model_usage"
+            f" WHERE session_id IN ({placeholders(len(chain))}) AND task <> '' GROUP BY task",
+            chain)
+        return {row["task"]: {name: row[name] for name in row.keys() if name != "task"}
+                for row in rows}
 
     def usage_totals(self, *, min_message_count=1, include_archived=False):
         """{"tokens": input + output, "cost_usd": actual cost where known, else the estimate} summed

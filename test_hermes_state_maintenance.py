@@ -211,6 +211,137 @@ class Deleting(MaintenanceTestCase):
         self.assertIsNotNone(self.db.get_session("other_ghost"))
 
 
+class GuardedAndChainDeletes(MaintenanceTestCase):
+    """hermes-agent 0.22's delete keywords: live write guards, whole compression chains, and the
+    transcript an export read."""
+
+    def chain(self):
+        """root -> mid -> tip by compression, a stale sibling continuation of root, a branch of
+        mid and a delegate run under tip."""
+        self.db.create_session("root", "cli")
+        self.db.end_session("root", "compression")
+        self.db.create_session("mid", "cli", parent_session_id="root")
+        self.db.create_session("stale", "cli", parent_session_id="root")
+        self.db.end_session("mid", "compression")
+        self.db.create_session("tip", "cli", parent_session_id="mid")
+        self.db.create_session("branch", "cli", parent_session_id="mid", model_config={"_branched_from": "mid"})
+        self.db.create_session("run", "cli", parent_session_id="tip", model_config={"_delegate_from": "tip"})
+
+    def left(self):
+        return sorted(row[0] for row in self.raw(self.path).execute("SELECT id FROM sessions"))
+
+    def test_a_live_turn_lease_or_compression_lock_refuses_only_when_asked(self):
+        from hermes_state_errors import SessionActiveWriteGuardError
+        for sid in ("leased", "locked", "free"):
+            self.db.create_session(sid, "cli")
+        self.db.create_session("run", "cli", parent_session_id="free", model_config={"_delegate_from": "free"})
+        self.assertTrue(self.db.try_acquire_session_turn_lease("leased", "turn", ttl_seconds=60))
+        self.assertTrue(self.db.try_acquire_compression_lock("locked", "compressor", ttl_seconds=60))
+        self.assertTrue(self.db.try_acquire_session_turn_lease("run", "sub", ttl_seconds=60))
+        for sid in ("leased", "locked", "free"):
+            with self.assertRaisesRegex(SessionActiveWriteGuardError, "active turn lease or compression lock"):
+                self.db.delete_session(sid, exclude_active_write_guards=True)
+        self.assertEqual(self.left(), ["free", "leased", "locked", "run"])
+        self.assertTrue(self.db.delete_session("leased"))  # no guard check unless asked, as in 0.22
+
+    def test_an_expired_guard_is_reclaimed_and_deletes(self):
+        self.db.create_session("s", "cli")
+        self.assertTrue(self.db.try_acquire_session_turn_lease("s", "gone", ttl_seconds=0.1))
+        time.sleep(0.2)
+        self.assertTrue(self.db.delete_session("s", exclude_active_write_guards=True))
+        self.assertEqual(self.count("session_turn_leases"), 0)
+
+    def test_bulk_delete_skips_guarded_ids_and_reports_them(self):
+        for sid in ("a", "b", "c"):
+            self.db.create_session(sid, "cli")
+        self.assertTrue(self.db.try_acquire_compression_lock("b", "h", ttl_seconds=60))
+        skipped = []
+        self.assertEqual(self.db.delete_sessions(["a", "b", "nope"], exclude_active_write_guards=True,
+                                                 skipped_ids=skipped), 1)
+        self.assertEqual((skipped, self.left()), (["b"], ["b", "c"]))
+        self.assertEqual(self.db.delete_sessions(["b"], exclude_active_write_guards=True), 0)
+
+    def test_the_compression_chain_goes_whole_and_forks_stay(self):
+        self.chain()
+        self.assertTrue(self.db.delete_session("tip", include_compression_chain=True))
+        self.assertEqual(self.left(), ["branch"])
+        self.assertIsNone(self.db.get_session("branch")["parent_session_id"])
+
+    def test_a_guard_anywhere_on_the_chain_keeps_the_selected_row(self):
+        self.chain()
+        self.assertTrue(self.db.try_acquire_compression_lock("root", "h", ttl_seconds=60))
+        skipped = []
+        self.assertEqual(self.db.delete_sessions(["tip"], exclude_active_write_guards=True, skipped_ids=skipped,
+                                                 include_compression_chain=True), 0)
+        self.assertEqual(skipped, ["tip"])
+        self.assertEqual(self.db.delete_sessions(["tip"], include_compression_chain=True), 1)  # counts the given id
+        self.assertEqual(self.left(), ["branch"])
+
+    def test_without_the_chain_only_the_row_goes(self):
+        self.chain()
+        self.assertTrue(self.db.delete_session("tip"))
+        self.assertEqual(self.left(), ["branch", "mid", "root", "stale"])
+
+    def test_the_transcript_an_export_read_fences_the_delete(self):
+        self.db.create_session("s", "cli")
+        self.db.append_message("s", "user", "keep me?")
+        snapshot = {"s": self.db.get_messages("s", include_compacted=True)}
+        self.db.append_message("s", "assistant", "written after the export")
+        self.assertFalse(self.db.delete_session("s", expected_display_messages=snapshot))
+        self.assertFalse(self.db.delete_session("s", expected_display_messages={"nope": []}))
+        self.assertEqual(self.left(), ["s"])
+        snapshot = {"s": self.db.get_messages("s", include_compacted=True)}
+        self.assertTrue(self.db.delete_session("s", expected_display_messages=snapshot))
+
+
+class SweepAndPins(MaintenanceTestCase):
+
+    def test_orphan_sweep_ends_idle_open_rows_of_the_given_sources_only(self):
+        self.session("tui_old", days_ago=2, ended=False, source="tui")
+        self.session("tui_kept", days_ago=2, ended=False, source="tui")
+        self.session("tui_pinned", days_ago=2, ended=False, source="tui", pinned=1)
+        self.session("tui_talked", days_ago=2, ended=False, source="tui", message_days_ago=0)
+        self.session("tui_fresh", days_ago=0, ended=False, source="tui")
+        self.session("tg_old", days_ago=2, ended=False, source="telegram")
+        self.session("tui_ended", days_ago=2, source="tui")
+        swept = self.db.sweep_orphaned_sessions(max_idle_seconds=DAY, exclude_ids=("tui_kept",),
+                                                exclude_pinned=True)
+        self.assertEqual(swept, ["tui_old"])
+        row = self.db.get_session("tui_old")
+        self.assertEqual(row["end_reason"], "startup_orphan_reap")
+        self.assertEqual(self.db.sweep_orphaned_sessions(max_idle_seconds=DAY, sources=()), [])
+        self.assertEqual(self.db.sweep_orphaned_sessions(max_idle_seconds=0), [])
+        self.assertEqual(sorted(self.db.sweep_orphaned_sessions(max_idle_seconds=DAY)), ["tui_kept", "tui_pinned"])
+        self.assertEqual(self.db.get_session("tui_ended")["end_reason"], "user_exit")  # the first end wins
+
+    def test_a_live_backend_heartbeat_owns_the_rows_it_could_have_started(self):
+        self.session("old", days_ago=2, ended=False, source="tui")
+        self.sql("CREATE TABLE IF NOT EXISTS gateway_heartbeats (pid INTEGER, started_at REAL, last_heartbeat REAL)")
+        self.sql("INSERT INTO gateway_heartbeats VALUES (1, ?, ?)", (time.time() - 3 * DAY, time.time()))
+        self.assertEqual(self.db.sweep_orphaned_sessions(max_idle_seconds=DAY), [])
+        self.assertEqual(self.db.sweep_orphaned_sessions(max_idle_seconds=DAY, respect_gateway_heartbeats=False),
+                         ["old"])
+
+    def test_prune_spares_pinned_sessions_unless_asked_and_counts_them(self):
+        self.session("old", days_ago=100)
+        self.session("pinned", days_ago=100, pinned=1)
+        self.assertEqual(self.db.count_prune_matches(90), 1)
+        self.assertEqual(self.db.count_prune_matches(90, pinned_only=True), 1)
+        self.assertEqual(self.db.count_prune_matches(90, source="tui", pinned_only=True), 0)
+        self.assertEqual(self.ids(self.db.list_prune_candidates(90)), ["old"])
+        self.assertEqual(self.db.prune_sessions(90), 1)
+        self.assertEqual(self.db.prune_sessions(90, include_pinned=True), 1)
+        self.assertEqual(self.count("sessions"), 0)
+        with self.assertRaises(TypeError):
+            self.db.count_prune_matches(90, nonsense=1)
+
+    def test_prune_spares_a_guarded_session_when_asked(self):
+        self.session("old", days_ago=100)
+        self.assertTrue(self.db.try_acquire_compression_lock("old", "h", ttl_seconds=60))
+        self.assertEqual(self.db.prune_sessions(90, exclude_active_write_guards=True), 0)
+        self.assertEqual(self.db.prune_sessions(90), 1)
+
+
 class PruneAndArchive(MaintenanceTestCase):
 
     def test_prune_deletes_the_candidates_and_their_files(self):
@@ -252,16 +383,50 @@ class PruneAndArchive(MaintenanceTestCase):
         self.assertEqual(sorted(archived), ["idle", "open"])
         self.assertEqual(self.db.archive_stale_sessions(5, exclude_pinned=False), 1)
 
-    def test_auto_prune_runs_once_per_interval_and_vacuums_only_after_a_prune(self):
-        self.session("old", days_ago=100)
+    def big_old_session(self, session_id):
+        """An old ended session whose messages fill most of the file: pruning it frees most pages."""
+        self.session(session_id, days_ago=100, message_days_ago=100)
+        for _ in range(8):
+            self.db.append_message(session_id, "assistant", os.urandom(30000).hex())
+        self.sql("UPDATE messages SET timestamp = ? WHERE session_id = ?", (time.time() - 100 * DAY, session_id))
+
+    def test_auto_prune_runs_once_per_interval_and_vacuums_only_after_a_prune_that_freed_pages(self):
+        self.big_old_session("old")
         first = self.db.maybe_auto_prune_and_vacuum(retention_days=90)
-        self.assertEqual(first, {"skipped": False, "pruned": 1, "vacuumed": True})
-        self.assertEqual(self.db.maybe_auto_prune_and_vacuum(), {"skipped": True, "pruned": 0, "vacuumed": False})
-        self.session("old2", days_ago=100)
+        self.assertGreater(first.pop("freelist_ratio"), 0.25)
+        self.assertEqual(first, {"skipped": False, "pruned": 1, "closed": 0, "vacuumed": True})
+        self.assertEqual(self.db.maybe_auto_prune_and_vacuum(),
+                         {"skipped": True, "pruned": 0, "closed": 0, "vacuumed": False})
+        self.big_old_session("old2")
         again = self.db.maybe_auto_prune_and_vacuum(min_interval_hours=0)
-        self.assertEqual(again, {"skipped": False, "pruned": 1, "vacuumed": False})  # vacuumed < 30 days ago
+        self.assertEqual(again, {"skipped": False, "pruned": 1, "closed": 0, "vacuumed": False})  # < 30 days ago
         self.db.set_meta("last_auto_prune", "garbled")
         self.assertFalse(self.db.maybe_auto_prune_and_vacuum(vacuum=False)["skipped"])
+
+    def test_auto_vacuum_waits_for_enough_free_pages(self):
+        self.big_old_session("old")
+        result = self.db.maybe_auto_prune_and_vacuum(min_vacuum_freelist_ratio=0.99)
+        self.assertLess(result["freelist_ratio"], 0.99)
+        self.assertEqual((result["pruned"], result["vacuumed"]), (1, False))
+        self.assertIsNone(self.db.get_meta("last_vacuum"))
+
+    def test_auto_prune_closes_stale_open_sessions_it_owns_and_spares_leased_ones(self):
+        self.session("cron_old", days_ago=100, ended=False, source="cron")
+        self.session("cron_leased", days_ago=100, ended=False, source="cron")
+        self.session("tg_old", days_ago=100, ended=False, source="telegram")
+        self.session("cron_new", days_ago=1, ended=False, source="cron")
+        self.assertTrue(self.db.try_acquire_session_turn_lease("cron_leased", "me", ttl_seconds=60))
+        result = self.db.maybe_auto_prune_and_vacuum(retention_days=90)
+        self.assertEqual((result["pruned"], result["closed"]), (0, 1))
+        ends = dict(self.raw(self.path).execute("SELECT id, end_reason FROM sessions").fetchall())
+        self.assertEqual(ends, {"cron_old": "startup_orphan_reap", "cron_leased": None, "tg_old": None,
+                                "cron_new": None})
+
+    def test_a_negative_retention_skips_auto_prune(self):
+        self.session("old", days_ago=100)
+        with self.assertLogs("hermes_state", "WARNING"):
+            self.assertTrue(self.db.maybe_auto_prune_and_vacuum(retention_days=-1)["skipped"])
+        self.assertEqual(self.count("sessions"), 1)
 
     def test_auto_archive_runs_once_per_interval_and_never_raises(self):
         self.session("idle", days_ago=10)

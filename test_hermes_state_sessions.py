@@ -327,6 +327,156 @@ SKILL_TURN = ('[IMPORTANT: The user has invoked the "work" skill, indicating the
               "The user has provided the following instruction alongside the skill invocation: fix the leak")
 
 
+class RowsOf022(SessionTestCase):
+    """The session-row methods hermes-agent 0.22 added."""
+
+    def test_a_model_switch_with_an_endpoint_writes_the_whole_route(self):
+        self.db.create_session("s", "telegram", model_config={"base_url": "https://old", "api_mode": "chat",
+                                                               "_branched_from": "q"})
+        self.db.update_session_model("s", "m2", provider="p2", base_url="https://new")
+        config = json.loads(self.row("s")["model_config"])
+        route = {"provider": "p2", "base_url": "https://new", "api_mode": None}
+        self.assertEqual(config, {"_branched_from": "q", "model": "m2", "provider": "p2",
+                                  "base_url": "https://new", "gateway_runtime": route})
+        self.db.update_session_model("s", "m3", api_mode="responses")  # no provider: the route stays
+        self.assertEqual(json.loads(self.row("s")["model_config"])["gateway_runtime"], route)
+        self.assertEqual(self.row("s")["model"], "m3")
+        self.db.update_session_model("nope", "m", provider="p", base_url="u")
+        self.assertIsNone(self.row("nope"))
+
+    def test_the_tools_pin_is_stored_once_by_hash_where_the_store_has_the_column(self):
+        self.db.create_session("s", "cli")
+        with self.assertRaisesRegex(sqlite3.OperationalError, "sessions.tool_names"):
+            self.db.update_session_tool_names("s", {"tools": []})
+        self.sql("ALTER TABLE sessions ADD COLUMN tool_names TEXT")
+        pin = {"version": "1", "tools": [{"name": "memory"}]}
+        self.db.create_session("t", "cli")
+        self.db.update_session_tool_names("s", pin)
+        self.db.update_session_tool_names("t", pin)
+        self.assertEqual(len(self.row("s")["tool_names"]), 64)
+        self.assertEqual(self.row("s")["tool_names"], self.row("t")["tool_names"])
+        self.assertEqual(json.loads(self.db.get_session("s")["tool_names"]), pin)
+        self.assertEqual(self.prompts().count(json.dumps(pin)), 1)
+        self.sql("UPDATE sessions SET tool_names = '[\"legacy\"]' WHERE id = 't'")
+        self.assertEqual(self.db.get_session("t")["tool_names"], '["legacy"]')
+        self.db.update_session_tool_names("s", None)
+        self.assertIsNone(self.row("s")["tool_names"])
+        with self.assertRaises(SessionInputTypeError):
+            self.db.update_session_tool_names("s", {"bad": object()})
+
+    def test_backfills_fill_only_what_is_empty(self):
+        self.db.create_session("none", "cli")
+        self.db.create_session("blank", "cli", profile_name="  ")
+        self.db.create_session("owned", "cli", profile_name="work")
+        self.assertEqual(self.db.backfill_null_session_profiles(" default "), 2)
+        self.assertEqual([self.row(s)["profile_name"] for s in ("none", "blank", "owned")],
+                         ["default", "default", "work"])
+        self.assertEqual(self.db.backfill_null_session_profiles(""), 0)
+        self.db.create_session("acp", "acp", model_config={"cwd": "/proj"})
+        self.db.create_session("acp_set", "acp", cwd="/mine", model_config={"cwd": "/proj"})
+        self.db.create_session("acp_bad", "acp", model_config={"cwd": 7})
+        self.db.create_session("cli", "cli", model_config={"cwd": "/proj"})
+        self.assertEqual(self.db.backfill_acp_session_cwd(), 1)
+        self.assertEqual([self.row(s)["cwd"] for s in ("acp", "acp_set", "acp_bad", "cli")],
+                         ["/proj", "/mine", None, None])
+        self.assertEqual(self.db.backfill_acp_session_cwd(), 0)
+
+    def test_fork_and_kanban_ownership_follow_the_compression_chain(self):
+        self.db.create_session("worker", "kanban")
+        self.db.end_session("worker", "compression")
+        self.db.create_session("cont", "cli", parent_session_id="worker")
+        self.db.create_session("run", "cli", parent_session_id="cont", model_config={"_delegate_from": "cont"})
+        self.db.create_session("tool", "tool", parent_session_id="cont")
+        self.db.create_session("human", "cli")
+        self.assertEqual([self.db.is_kanban_owned_session(s) for s in ("worker", "cont", "run", "human", "nope")],
+                         [True, True, False, False, False])
+        self.assertEqual([self.db.is_explicit_fork_child(s) for s in ("cont", "run", "tool", "human", "nope")],
+                         [False, True, True, False, False])
+        self.sql("ALTER TABLE sessions ADD COLUMN created_source TEXT")
+        self.sql("UPDATE sessions SET created_source = 'kanban' WHERE id = 'human'")
+        self.assertTrue(self.db.is_kanban_owned_session("human"))
+
+    def test_only_an_accidental_end_is_unarchived(self):
+        self.db.create_session("root", "tui")
+        self.db.end_session("root", "compression")
+        self.db.create_session("tip", "tui", parent_session_id="root")
+        self.db.end_session("tip", "ws_orphan_reap")
+        self.db.set_session_archived("tip", True)
+        for sid, reason in (("mine", "user_exit"), ("plain", None)):
+            self.db.create_session(sid, "tui")
+            if reason:
+                self.db.end_session(sid, reason)
+            self.db.set_session_archived(sid, True)
+        self.assertIn("startup_orphan_reap", self.db.RECOVERABLE_END_REASONS)
+        self.assertEqual([self.db.unarchive_recoverable_session(s) for s in ("mine", "plain", "nope", "")],
+                         [False, False, False, False])
+        self.assertTrue(self.db.unarchive_recoverable_session("root"))
+        self.assertEqual([(self.row(s)["archived"], self.row(s)["end_reason"]) for s in ("root", "tip")],
+                         [(0, "compression"), (0, None)])
+        self.assertFalse(self.db.unarchive_recoverable_session("root"))  # not archived any more
+
+
+class OwnersAndSurfaces(SessionTestCase):
+    """0.22's create_session: the store's own profile, the namespace fence, transport_profile,
+    created_source and the bare 'unknown' row."""
+
+    def store_at(self, folder):
+        from hermes_state import SessionDB
+        folder.mkdir(parents=True, exist_ok=True)
+        db = SessionDB(folder / "state.db")
+        self.addCleanup(db.close)
+        return db
+
+    def test_a_row_without_a_profile_gets_the_stores_own(self):
+        import os
+        from unittest import mock
+        root = self.tmp / "home"
+        with mock.patch.dict(os.environ, {"HERMES_HOME": str(root)}):
+            for folder, owner in ((root, "default"), (root / "profiles" / "work", "work"),
+                                  (root / "profiles" / "Bad Name", None), (self.tmp / "elsewhere", None)):
+                db = self.store_at(folder)
+                db.create_session("s", "cli")
+                db.create_session("given", "cli", profile_name="ops")
+                self.assertEqual(db.get_session("s")["profile_name"], owner, folder)
+                self.assertEqual(db.get_session("given")["profile_name"], "ops")
+        self.db.create_session("here", "cli", profile_name="  ")
+        self.assertIsNone(self.row("here")["profile_name"])  # a test store is in no profile's home
+
+    def test_a_child_takes_the_parents_profile_only_within_one_gateway_namespace(self):
+        self.db.create_session("p", "telegram", session_key="agent:work:tg:dm:1", profile_name="work")
+        self.db.create_session("same", "telegram", session_key="agent:work:tg:dm:2", parent_session_id="p")
+        self.db.create_session("other", "telegram", session_key="agent:main:tg:dm:3", parent_session_id="p")
+        self.db.create_session("keyless", "cli", parent_session_id="p")
+        self.assertEqual([self.row(s)["profile_name"] for s in ("same", "other", "keyless")],
+                         ["work", None, "work"])
+
+    def test_a_fork_of_a_compressed_parent_does_not_take_its_routing(self):
+        self.db.create_session("p", "telegram", session_key="K", chat_id="c", user_id="u")
+        self.db.end_session("p", "compression")
+        self.db.create_session("cont", "telegram", parent_session_id="p")
+        self.db.create_session("run", "cli", parent_session_id="p", model_config={"_delegate_from": "p"})
+        self.db.create_session("branch", "cli", parent_session_id="p", model_config={"_branched_from": "p"})
+        self.assertEqual([self.row(s)["session_key"] for s in ("cont", "run", "branch")], ["K", None, None])
+
+    def test_transport_profile_and_created_source_where_the_store_has_them(self):
+        self.db.create_session("old_schema", "telegram", transport_profile="bot2")
+        self.assertNotIn("transport_profile", self.row("old_schema"))
+        self.sql("ALTER TABLE sessions ADD COLUMN transport_profile TEXT")
+        self.sql("ALTER TABLE sessions ADD COLUMN created_source TEXT")
+        self.db.create_session("p", "telegram", transport_profile="bot2", session_key="K")
+        self.db.end_session("p", "compression")
+        self.db.create_session("cont", "cli", parent_session_id="p")
+        self.assertEqual((self.row("p")["transport_profile"], self.row("cont")["transport_profile"]), ("bot2", "bot2"))
+        self.assertEqual((self.row("p")["created_source"], self.row("cont")["created_source"]), ("telegram", "cli"))
+
+    def test_a_bare_token_row_takes_the_real_surface_once(self):
+        self.db.update_token_counts("s", input_tokens=1)
+        self.assertEqual(self.row("s")["source"], "unknown")
+        self.db.create_session("s", "telegram")
+        self.db.create_session("s", "cli")
+        self.assertEqual(self.row("s")["source"], "telegram")
+
+
 class Listing(SessionTestCase):
     """list_sessions_rich and its kin, with hermes-agent's rows: one entry per conversation."""
 
@@ -420,6 +570,26 @@ class Listing(SessionTestCase):
                          ["reset"])
         self.assertEqual(self.db.list_gateway_sessions(platform="discord"), [])
 
+    def test_subagent_runs_are_listed_and_counted_only_when_asked(self):
+        with_runs = [("lone", None), ("sub", None), ("branch", None), ("marked", None), ("reset", None),
+                     ("gw", None), ("tip", "root")]
+        self.assertEqual(self.ids(include_subagents=True), with_runs)
+        self.assertEqual(self.ids(include_subagents=True, limit=2, offset=1), with_runs[1:3])
+        self.assertEqual(sorted(self.ids(include_subagents=True, order_by_last_active=True)), sorted(with_runs))
+        self.assertEqual(self.ids(include_subagents=True, include_children=True), self.ids(include_children=True))
+        self.assertEqual(self.db.session_count(exclude_children=True, include_subagents=True), 7)
+        self.assertEqual(self.db.session_count(exclude_children=True), 6)
+        self.assertEqual(self.db.session_count(include_subagents=True), 10)  # every row: nothing to re-admit
+
+    def test_internal_sources_and_the_workspace_key_live_here_as_in_hermes_agent(self):
+        from hermes_state_sessions import INTERNAL_LISTING_SOURCES, workspace_key
+        self.assertEqual(INTERNAL_LISTING_SOURCES, ("kanban", "tool", "oneshot"))
+        self.assertEqual(self.ids(exclude_sources=list(INTERNAL_LISTING_SOURCES), include_children=True,
+                                  limit=-1)[-1], ("root", None))
+        self.assertNotIn("tool", [i for i, _ in self.ids(exclude_sources=list(INTERNAL_LISTING_SOURCES),
+                                                          include_children=True)])
+        self.assertEqual(workspace_key({"git_repo_root": " ", "cwd": "/w/app"}), "/w/app")
+
     def test_a_page_reads_past_any_run_of_hidden_children(self):
         self.db.create_session("parent", "cli")
         for index in range(130):
@@ -444,14 +614,15 @@ class ListingAids(SessionTestCase):
                 dict(include_children=True, include_archived=True), dict(sources=["cli", "tool"]),
                 dict(include_pinned=True), dict(project_compression_tips=False),
                 dict(include_hidden=True), dict(cwd_prefix="/w"), dict(session_key="K3"),
-                dict(id_query="S01"), dict(search_query="c1"))
+                dict(id_query="S01"), dict(search_query="c1"), dict(include_subagents=True),
+                dict(include_subagents=True, order_by_last_active=True))
     WINDOWS = ((50, 0), (7, 31), (1, 0), (200, 150), (-1, 0))
     COUNTS = (dict(), dict(source="telegram"), dict(include_archived=True),
               dict(archived_only=True),
               dict(exclude_children=True, exclude_sources=["kanban", "tool"]),
               dict(exclude_children=True), dict(min_message_count=2), dict(exclude_sources=["cli"]),
               dict(sources=["cli", "tool"], exclude_children=True, include_archived=True),
-              dict(cwd_prefix="/w"))
+              dict(cwd_prefix="/w"), dict(exclude_children=True, include_subagents=True))
 
     def setUp(self):
         super().setUp()
@@ -563,6 +734,17 @@ class ListingAids(SessionTestCase):
         self.assertNotEqual([s["id"] for s in page],  # the activity order is not the start order
                             [s["id"] for s in self.db.list_sessions_rich(limit=50)])
         self.assert_same_as_oracle()
+
+    def test_the_subagent_view_adds_exactly_the_delegate_runs(self):
+        every = dict(limit=-1, project_compression_tips=False, include_hidden=True)  # as counts count
+        full = self.db.list_sessions_rich(include_subagents=True, **every)
+        plain = self.db.list_sessions_rich(**every)
+        extra = [s for s in full if s["id"] not in {p["id"] for p in plain}]
+        self.assertTrue(extra)
+        self.assertTrue(all(json.loads(s["model_config"]).get("_delegate_from") for s in extra))
+        self.assertEqual([s["id"] for s in full if s not in extra], [p["id"] for p in plain])
+        self.assertEqual(self.db.session_count(exclude_children=True, include_subagents=True), len(full))
+        self.assertEqual(self.db.session_count(exclude_children=True), len(plain))
 
     def test_changes_behind_our_back_keep_the_aids_true(self):
         def change(conn):

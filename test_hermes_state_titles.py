@@ -148,3 +148,64 @@ class TitleLookups(StoreTestCase):
         self.assertEqual(session, self.db.get_session("p2"))
         self.assertIsNone(self.db.get_session_by_title(" proj #2 "))
         self.assertIsNone(self.db.get_session_by_title("PROJ"))
+
+
+class TitleConflicts(StoreTestCase):
+    """The one uniqueness rule (_resolve_title_conflict), as renames and 0.22's API server use it."""
+
+    def test_an_abandoned_empty_chat_gives_its_title_up_and_a_live_one_does_not(self):
+        self.db.create_session("ghost", "cli")
+        self.db.set_session_title("ghost", "Plan")
+        self.db.end_session("ghost", "user_exit")
+        self.db.create_session("live", "cli")
+        self.db.set_session_title("live", "Talk")
+        self.db.append_message("live", "user", "x")
+        self.db.end_session("live", "user_exit")
+        self.db.create_session("new", "cli")
+        self.assertTrue(self.db.set_session_title("new", "Plan"))
+        self.assertEqual(self.db.get_session_title("ghost"), None)
+        self.assertEqual(self.db.get_session_title_source("ghost"), None)
+        with self.assertRaisesRegex(ValueError, "already in use by session live"):
+            self.db.set_session_title("new", "Talk")
+
+    def test_a_hidden_or_open_empty_session_keeps_its_title(self):
+        for sid in ("hidden", "open"):
+            self.db.create_session(sid, "cli")
+            self.db.set_session_title(sid, sid.title())
+        self.db.end_session("hidden", "user_exit")
+        self.db.set_session_hidden("hidden", True)
+        self.db.create_session("new", "cli")
+        for title in ("Hidden", "Open"):
+            with self.assertRaises(ValueError):
+                self.db.set_session_title("new", title)
+
+    def test_a_retired_bot_chat_releases_its_name(self):
+        self.db.create_session("old_bot", "api_server")
+        self.db.set_session_title("old_bot", "Bot Chat")
+        self.db.append_message("old_bot", "user", "hello")
+        self.db.set_session_hidden("old_bot", True)
+        self.db.create_session("new_bot", "api_server")
+        with self.assertRaises(ValueError):
+            self.db.set_session_title("new_bot", "Bot Chat")
+        self.db.set_session_archived("old_bot", True)
+        self.assertTrue(self.db.set_session_title("new_bot", "Bot Chat"))
+        self.assertIsNone(self.db.get_session_title("old_bot"))
+
+    def test_the_api_servers_insert_then_check_in_one_write(self):
+        self.db.create_session("held", "cli")
+        self.db.set_session_title("held", "Taken")
+        self.db.append_message("held", "user", "x")
+
+        def create(conn, session_id, title):
+            conn.execute("INSERT INTO sessions (id, source, started_at) VALUES (?, 'api_server', 0)", (session_id,))
+            try:
+                self.db._resolve_title_conflict(conn, session_id, self.db.sanitize_title(title))
+            except ValueError as exc:
+                conn.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+                return str(exc)
+            conn.execute("UPDATE sessions SET title = ? WHERE id = ?", (title, session_id))
+            return None
+        self.assertIn("already in use", self.db._execute_write(lambda conn: create(conn, "a", "Taken")))
+        self.assertIsNone(self.db.get_session("a"))
+        self.assertIsNone(self.db._execute_write(lambda conn: create(conn, "b", "Free")))
+        self.assertEqual(self.db.get_session_title("b"), "Free")

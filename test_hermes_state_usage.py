@@ -453,3 +453,37 @@ class SessionActivity(UsageTestCase):
         with self.assertRaises(ValueError):
             self.db.touch_session_activity("s", "soon")
         self.assertEqual(self.activity(), (None, None, None))
+
+
+class RoutesAndAuxiliaryTasks(UsageTestCase):
+
+    def test_the_recent_route_is_the_one_used_last_not_the_most(self):
+        for _ in range(3):
+            self.db.update_token_counts("s", input_tokens=1, model="old", billing_provider="p1",
+                                        api_call_count=1)
+        self.db.update_token_counts("s", input_tokens=1, model="new", billing_provider="p2",
+                                    billing_base_url="https://p2", api_call_count=1)
+        self.db.record_auxiliary_usage("s", "vision", model="aux", billing_provider="p3")
+        self.assertEqual(self.db.get_dominant_session_model_route("s")["model"], "old")
+        recent = self.db.get_recent_session_model_route("s")
+        self.assertEqual(recent, {"model": "new", "billing_provider": "p2", "billing_base_url": "https://p2",
+                                  "billing_mode": recent["billing_mode"], "api_call_count": 1})
+        self.assertIsNone(self.db.get_recent_session_model_route("nope"))
+
+    def test_auxiliary_usage_sums_per_task_along_the_lineage_up_to_a_branch(self):
+        self.db.create_session("root", "cli")
+        self.db.create_session("branch", "cli", parent_session_id="root", model_config={"_branched_from": "root"})
+        self.db.create_session("tip", "cli", parent_session_id="branch")
+        self.db.record_auxiliary_usage("root", "vision", model="v", input_tokens=100)
+        self.db.record_auxiliary_usage("branch", "vision", model="v", input_tokens=10, estimated_cost_usd=0.5)
+        self.db.record_auxiliary_usage("tip", "vision", model="v", input_tokens=1, api_call_count=2)
+        self.db.record_auxiliary_usage("tip", "title_generation", model="t", output_tokens=4)
+        self.db.update_token_counts("tip", input_tokens=1000, model="main")
+        by_task = self.db.auxiliary_usage_by_task("tip")
+        self.assertEqual(sorted(by_task), ["title_generation", "vision"])
+        self.assertEqual(by_task["vision"]["api_calls"], 3)
+        self.assertEqual(by_task["vision"]["input_tokens"], 11)
+        self.assertEqual(by_task["vision"]["estimated_cost_usd"], 0.5)
+        self.assertEqual(by_task["title_generation"]["output_tokens"], 4)
+        self.assertEqual(self.db.auxiliary_usage_by_task("root")["vision"]["input_tokens"], 100)
+        self.assertEqual(self.db.auxiliary_usage_by_task(""), {})

@@ -313,8 +313,8 @@ MUTANTS = [
            "a failing callback leaves its transaction open and half-written",
            ["test_concurrency.WritePath"]),
     Mutant("queued-tokens-lost-on-failure", "hermes_state.py",
-           "        except BaseException:\n            self._tokens.put_back(batch)\n            raise\n",
-           "        except BaseException:\n            raise\n",
+           "        except BaseException as exc:\n            self._tokens.put_back(batch)\n",
+           "        except BaseException as exc:\n",
            "token counts queued before a failed write are dropped with it",
            ["test_concurrency.WritePath", "test_hermes_state_usage.TokenQueue"]),
     Mutant("checkpoint-error-reaches-retry", "hermes_state.py",
@@ -492,8 +492,8 @@ MUTANTS = [
            "ensure_session's default source is not hermes-agent's 'unknown'",
            ["test_hermes_state_sessions.CreateSession"]),
     Mutant("routing-inherited-by-every-child", "hermes_state_sessions.py",
-           '        _ROUTING_COLUMNS if parent["end_reason"] == "compression" else ())\n',
-           "        _ROUTING_COLUMNS)\n",
+           '    if parent["end_reason"] == "compression" and parent["id"] not in (\n',
+           '    if parent["id"] not in (\n',
            "a branch or delegate child takes its parent's gateway routing, not only a compression continuation",
            ["test_hermes_state_sessions.CreateSession"]),
     Mutant("end-session-last-end-wins", "hermes_state_sessions.py",
@@ -548,7 +548,7 @@ MUTANTS = [
            "a write naming a turn-lease holder goes through when another holder has the lease",
            ["test_hermes_state_messages.Appending", "test_hermes_state_gateway.TurnLeases"]),
     Mutant("turn-lease-kept-per-session", "hermes_state_messages.py",
-           '        return str(current["id"] or session_id) if current is not None else session_id\n',
+           "        return str(root) if root else session_id\n",
            "        return session_id\n",
            "the turn lease is kept per session, so a compression continuation and its root run turns at once",
            ["test_hermes_state_gateway.TurnLeases", "test_hermes_state_messages.Appending"]),
@@ -595,12 +595,9 @@ MUTANTS = [
            ["test_hermes_state_compression.ArchiveAndCompact"]),
     # -- the drop-in contract: token counts, deletes, handoffs, exports ---------------
     Mutant("tokens-lost-on-close", "hermes_state.py",
-           "        try:\n            if self._writer is not None:\n"
-           "                self.flush_token_counts(timeout=self.write_budget)\n"
-           "        finally:\n            self._closed = True\n",
-           "        self._closed = True\n        try:\n            if self._writer is not None:\n"
-           "                self.flush_token_counts(timeout=self.write_budget)\n"
-           "        finally:\n",
+           "    def _close_now(self):\n        if self._closed:\n            return\n        try:\n",
+           "    def _close_now(self):\n        if self._closed:\n            return\n"
+           "        self._closed = True\n        try:\n",
            "close() marks the store closed before applying the queue, so queued token counts are lost",
            ["test_hermes_state_usage.TokenQueue", "test_hermes_state.Sessions"]),
     Mutant("delete-session-leaves-topic-bindings", "hermes_state_maintenance.py",
