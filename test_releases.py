@@ -195,8 +195,8 @@ class OurNames(TempDirTestCase):
             conn = sqlite3.connect(f"file:{fixture_path(fixture)}?mode=ro", uri=True)
             theirs |= {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
             their_keys |= {row[0] for row in conn.execute("SELECT key FROM state_meta")}
-            if release in ("0.20", "0.22"):  # the references' schemas: tables and indexes we share on purpose
-                schema |= {row[0] for row in conn.execute(
+            if release == "0.20":  # the reference's schema: tables and indexes we share on purpose
+                schema = {row[0] for row in conn.execute(
                     "SELECT name FROM sqlite_master WHERE name NOT LIKE 'messages_fts%'")}
             conn.close()
         path = self.tmp / "state.db"
