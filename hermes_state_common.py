@@ -7,7 +7,6 @@ must not open or touch a connection: the mixins and SessionDB do that, and impor
 none of them imports another.
 """
 
-import errno
 import itertools
 import json
 import logging
@@ -965,3 +964,28 @@ def merge_model_config(text, patch):
         else:
             config[key] = value
     return json.dumps(config) if config else None
+
+
+# -- Profiles in gateway keys -----------------------------------------------------------------
+# A gateway session key is `agent:<namespace>:...`: the profile `default` writes `main`, and a
+# profile really named `main` writes `main~`.
+_DEFAULT_NAMESPACE, _MARKED_MAIN = "main", "main~"
+
+
+def session_key_profile(session_key):
+    """The profile an `agent:<namespace>:...` gateway key names ('default' for `main`, 'main'
+    for `main~`); None for a key of any other shape, or none."""
+    if not isinstance(session_key, str):
+        return None
+    parts = session_key.split(":")
+    if len(parts) < 3 or parts[0] != "agent" or not parts[1]:
+        return None
+    return {_DEFAULT_NAMESPACE: "default", _MARKED_MAIN: "main"}.get(parts[1], parts[1])
+
+
+def profile_key_prefix(profile):
+    """The `agent:<namespace>:` a profile's gateway keys start with (session_key_profile's
+    inverse)."""
+    if not profile or profile == "default":
+        return f"agent:{_DEFAULT_NAMESPACE}:"
+    return f"agent:{_MARKED_MAIN if profile == 'main' else profile}:"

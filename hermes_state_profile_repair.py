@@ -14,33 +14,15 @@ next run settles, never a loss. Never touches the schema or the search index.
 import json
 import time
 
-from hermes_state_common import (
-    INSERT_SYSTEM_PROMPT_SQL, TABLE_EXISTS_SQL, TITLE_MAX_LENGTH, chunked, placeholders)
+from hermes_state_common import (  # session_key_profile: 0.22's callers import it from here
+    INSERT_SYSTEM_PROMPT_SQL, TABLE_EXISTS_SQL, TITLE_MAX_LENGTH, chunked, placeholders,
+    profile_key_prefix, session_key_profile,
+)
 from hermes_state_schema import live_columns, prompt_hash
 
 # A moved message gets the target's own id; its display order named a row of this store, so it
 # is left for the target's trigger to work out again.
 _MESSAGE_COLUMNS_NOT_MOVED = frozenset({"id", "display_order"})
-_DEFAULT_NAMESPACE, _MARKED_MAIN = "main", "main~"
-
-
-def session_key_profile(session_key):
-    """The profile an `agent:<namespace>:...` gateway key names ('default' for `main`, 'main'
-    for `main~`); None for a key of any other shape, or none."""
-    if not isinstance(session_key, str):
-        return None
-    parts = session_key.split(":")
-    if len(parts) < 3 or parts[0] != "agent" or not parts[1]:
-        return None
-    return {_DEFAULT_NAMESPACE: "default", _MARKED_MAIN: "main"}.get(parts[1], parts[1])
-
-
-def profile_key_prefix(profile):
-    """The `agent:<namespace>:` a profile's gateway keys start with (session_key_profile's
-    inverse)."""
-    if not profile or profile == "default":
-        return f"agent:{_DEFAULT_NAMESPACE}:"
-    return f"agent:{_MARKED_MAIN if profile == 'main' else profile}:"
 
 
 def _label(value):
@@ -107,31 +89,6 @@ class SessionProfileRepairMixin:
                     "parent_session_id": row["parent_session_id"], "parent_profile": parent})
         return found
 
-    def list_gateway_routing_rows(self):
-        """Every gateway_routing row as a dict, by scope and key."""
-        return [dict(row) for row in self._read_all(
-            "SELECT scope, session_key, entry_json, updated_at FROM gateway_routing"
-            " ORDER BY scope, session_key")]
-
-    def find_profile_less_telegram_topic_rows(self):
-        """The Telegram topic bindings labelled 'default' whose key names another profile, each
-        with `key_profile`; [] on a store whose bindings keep no profile."""
-        def read(conn):
-            if "profile_name" not in _columns_of(conn, ["telegram_dm_topic_bindings"]).get(
-                    "telegram_dm_topic_bindings", ()):
-                return []
-            return conn.execute(
-                "SELECT chat_id, thread_id, session_key FROM telegram_dm_topic_bindings"
-                " WHERE profile_name = 'default' ORDER BY chat_id, thread_id").fetchall()
-        rows = [dict(row, key_profile=session_key_profile(row["session_key"]))
-                for row in self._with_reader(read)]
-        return [row for row in rows if row["key_profile"] not in (None, "default")]
-
-    def count_messages_all(self, session_id):
-        """How many message rows the session has, inactive and compacted ones included."""
-        return int(self._read_value("SELECT COUNT(*) FROM messages WHERE session_id = ?",
-                                    (session_id,)) or 0)
-
     def key_profiles_for_chat(self, platform, chat_id):
         """The profiles whose keyed sessions of `platform` hold `chat_id` here."""
         rows = self._read_all("SELECT DISTINCT session_key FROM sessions WHERE source = ?"
@@ -189,62 +146,6 @@ class SessionProfileRepairMixin:
                            f"{select} WHERE s.id IN ({placeholders(len(chunk))})",
                            chunk).fetchall())
         return self._execute_write(write) if wanted else 0
-
-    def delete_gateway_routing_rows(self, rows):
-        """Delete the gateway_routing rows named by (scope, session_key); returns how many."""
-        wanted = list(rows)
-        return self._execute_write(lambda conn: sum(conn.execute(
-            "DELETE FROM gateway_routing WHERE scope = ? AND session_key = ?", row).rowcount
-            for row in wanted)) if wanted else 0
-
-    def insert_gateway_routing_rows_if_absent(self, rows):
-        """Adopt (scope, session_key, entry_json, updated_at) rows another store held for this
-        one; a key already here keeps its row. Returns how many were added."""
-        wanted = list(rows)
-        return self._execute_write(lambda conn: sum(conn.execute(
-            "INSERT OR IGNORE INTO gateway_routing (scope, session_key, entry_json, updated_at)"
-            " VALUES (?, ?, ?, ?)", row).rowcount for row in wanted)) if wanted else 0
-
-    def relabel_telegram_topic_rows(self, rows):
-        """Give each 'default' topic binding of `rows` (find_profile_less_telegram_topic_rows'
-        dicts) the profile its key names, and the chat's mode row when that profile has none; a
-        binding the profile already has makes the default one a stale duplicate, deleted.
-        Returns {"bindings_relabelled", "bindings_duplicates_removed", "mode_rows_relabelled"}."""
-        wanted = list(rows)
-        counts = dict.fromkeys(
-            ("bindings_relabelled", "bindings_duplicates_removed", "mode_rows_relabelled"), 0)
-
-        def write(conn):
-            mode_has_profile = "profile_name" in _columns_of(
-                conn, ["telegram_dm_topic_mode"]).get("telegram_dm_topic_mode", ())
-            for row in wanted:
-                profile = session_key_profile(row["session_key"])
-                if profile in (None, "default"):
-                    continue
-                binds = {"profile": profile, "chat": row["chat_id"], "thread": row["thread_id"]}
-                taken = conn.execute(
-                    "SELECT 1 FROM telegram_dm_topic_bindings WHERE profile_name = :profile"
-                    " AND chat_id = :chat AND thread_id = :thread", binds).fetchone()
-                where = (" WHERE profile_name = 'default' AND chat_id = :chat"
-                         " AND thread_id = :thread")
-                if taken:
-                    counts["bindings_duplicates_removed"] += conn.execute(
-                        "DELETE FROM telegram_dm_topic_bindings" + where, binds).rowcount
-                else:
-                    counts["bindings_relabelled"] += conn.execute(
-                        "UPDATE telegram_dm_topic_bindings SET profile_name = :profile" + where,
-                        binds).rowcount
-                if mode_has_profile and not conn.execute(
-                        "SELECT 1 FROM telegram_dm_topic_mode WHERE profile_name = :profile"
-                        " AND chat_id = :chat", binds).fetchone():
-                    counts["mode_rows_relabelled"] += conn.execute(
-                        "UPDATE telegram_dm_topic_mode SET profile_name = :profile"
-                        " WHERE profile_name = 'default' AND chat_id = :chat", binds).rowcount
-        if wanted:
-            self._execute_write(write)
-        return counts
-
-    # -- moving a session to its profile's store -----------------------------------------------
 
     def export_session_for_move(self, session_id):
         """What another store needs to hold the session as its own: {"session" (every column),

@@ -13,6 +13,7 @@ import logging
 import sqlite3
 import time
 
+from hermes_state_common import session_key_profile
 from hermes_state_schema import live_columns, write_meta
 
 logger = logging.getLogger("hermes_state")
@@ -70,15 +71,6 @@ _MISSING_PROFILE_COLUMN = "no such column: profile_name"
 def topic_profile(profile_name):
     """The profile a topic row is kept under: the name given, 'default' when blank."""
     return str(profile_name or "").strip() or DEFAULT_TOPIC_PROFILE
-
-
-def session_key_profile(session_key):
-    """The profile an `agent:<namespace>:...` gateway key names ('default' for `main`, 'main' for
-    the marked `main~`); None for any other key."""
-    parts = session_key.split(":") if isinstance(session_key, str) else []
-    if len(parts) < 3 or parts[0] != "agent" or not parts[1]:
-        return None
-    return {"main": DEFAULT_TOPIC_PROFILE, "main~": "main"}.get(parts[1], parts[1])
 
 
 class SessionTelegramMixin:

@@ -14,7 +14,7 @@ import threading
 import time
 
 from hermes_state_common import (
-    DELETE_UNUSED_PROMPTS_SQL, TOKEN_QUEUE_MAX_AGE, placeholders, sqlite_keeps)
+    DELETE_UNUSED_PROMPTS_SQL, TOKEN_QUEUE_MAX_AGE, json_object, placeholders, sqlite_keeps)
 from hermes_state_errors import UsageValueError
 
 logger = logging.getLogger("hermes_state")
@@ -76,8 +76,8 @@ class SessionUsageMixin:
     """SessionDB's methods for tokens and cost.
 
     Relies on: `_execute_write`, `_read_one`, `_read_all`, `_closed`, `_tokens` (a TokenQueue),
-    `_write_lock`, `db_path`, `read_only` (SessionDB); `_session_lineage_root_to_tip`,
-    `_is_explicit_branch_session` (messages mixin)."""
+    `_write_lock`, `db_path`, `read_only` (SessionDB); `_session_lineage_root_to_tip`
+    (messages mixin)."""
 
     def update_token_counts(self, session_id, input_tokens=0, output_tokens=0, model=None,
                             cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=0,
@@ -242,7 +242,13 @@ class SessionUsageMixin:
             return {}
         self.flush_token_counts()
         chain = self._session_lineage_root_to_tip(session_id)
-        branches = [n for n, sid in enumerate(chain) if self._is_explicit_branch_session(sid)]
+        # A /branch copy names `_branched_from` in its model_config.
+        configs = self._read_all(
+            f"SELECT id, model_config FROM sessions WHERE id IN ({placeholders(len(chain))})",
+            chain)
+        branched = {row["id"] for row in configs
+                    if json_object(row["model_config"]).get("_branched_from")}
+        branches = [n for n, sid in enumerate(chain) if sid in branched]
         chain = chain[branches[-1]:] if branches else chain
         sums = ", ".join(f"COALESCE(SUM({column}), 0) AS {name}" for name, column in (
             ("api_calls", "api_call_count"), *((c, c) for c in COUNT_FIELDS[:5]),

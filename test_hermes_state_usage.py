@@ -324,8 +324,14 @@ class TokenQueue(UsageTestCase):
         self.db.close()
         self.assertEqual(self.input_tokens("s"), 6)
         self.assertTrue(self.db.flush_token_counts())
+        # Used after close(), a writable handle reopens as 0.22's does: the counts land.
+        self.db.queue_token_counts("s", input_tokens=1)
+        self.db.close()
+        self.assertEqual(self.input_tokens("s"), 7)
+        closed = SessionDB(self.path, read_only=True)
+        closed.close()
         with self.assertRaises(sqlite3.ProgrammingError):
-            self.db.queue_token_counts("s", input_tokens=1)
+            closed.get_session("s")
 
     def run_and_exit_without_close(self, body):
         code = ("import sys; sys.path.insert(0, sys.argv[1]); from hermes_state import SessionDB\n"

@@ -436,7 +436,7 @@ class NoLongHoldUnannounced(LockHoldTestCase):
         self.statements.clear()
         with self.assertLogs("hermes_state", "INFO") as logs:
             result = self.db.maybe_auto_prune_and_vacuum(retention_days=90)
-        self.assertEqual({"skipped": False, "pruned": 1, "vacuumed": False}, result)
+        self.assertEqual({"skipped": False, "pruned": 1, "closed": 0, "vacuumed": False}, result)
         self.assertFalse([s for s in self.statements if s.strip().upper().startswith("VACUUM")])
         self.assertTrue(any("optimize-storage" in line for line in logs.output))
 
