@@ -30,6 +30,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fake_llm  # noqa: E402  (the folder is a tool box, not a package)
 import normalise  # noqa: E402
+import venvs  # noqa: E402
+
+HOSTCHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostcheck")
 
 # A step of the reference takes seconds; these bound a hang in ours so `make compat` still reports.
 STEP_TIMEOUT = 60
@@ -189,9 +192,43 @@ DAMAGED_STEPS = [
     ("sessions-list", ["sessions", "list", "--limit", "50"], {}),
     ("sessions-stats", ["sessions", "stats"], {}),
 ]
+# 0.22's own `sessions` subcommands (hermes_cli/subcommands/sessions.py of 0.22.2.post1), on the fresh
+# home after the common steps: A is the opening plain turn, B the tool turn (renamed "Renamed notes session").
+V22_STEPS = [
+    ("sessions-pin", ["sessions", "pin", "{A}", "{B}"], {}),
+    ("sessions-pinned", ["sessions", "pinned"], {}),
+    ("sessions-pinned-json", ["sessions", "pinned", "--json"], {}),
+    ("sessions-list-pinned", ["sessions", "list"], {}),
+    ("sessions-prune-pinned-dry-run", ["sessions", "prune", "--source", "cli", "--dry-run"], {}),
+    ("sessions-prune-include-pinned-dry-run",
+     ["sessions", "prune", "--source", "cli", "--include-pinned", "--dry-run"], {}),
+    ("sessions-unpin", ["sessions", "unpin", "{B}"], {}),
+    ("sessions-pinned-after-unpin", ["sessions", "pinned"], {}),
+    ("sessions-list-workspace", ["sessions", "list", "--workspace", "work"], {}),
+    ("sessions-list-workspace-none", ["sessions", "list", "--workspace", "no-such-project"], {}),
+    ("sessions-export-qmd", ["sessions", "export", "--format", "qmd", "--session-id", "{A}", "{root}/export-qmd"],
+     {"files": "{root}/export-qmd"}),
+    ("sessions-export-qmd-lineage", ["sessions", "export", "--format", "qmd", "--lineage", "logical",
+                                     "--session-id", "{A}", "{root}/export-qmd-lineage"],
+     {"files": "{root}/export-qmd-lineage"}),
+    ("sessions-export-trace", ["sessions", "export", "--format", "trace", "--session-id", "{A}",
+                               "{root}/a-trace.jsonl"], {"files": "{root}/a-trace.jsonl"}),
+    ("sessions-export-user-prompts", ["sessions", "export", "-", "--only", "user-prompts", "--session-id", "{A}"],
+     {}),
+    ("sessions-repair-prompts", ["sessions", "repair-prompts"], {}),
+    ("sessions-repair-prompts-json", ["sessions", "repair-prompts", "--json"], {}),
+    ("sessions-repair-profiles", ["sessions", "repair-profiles"], {}),
+    ("sessions-repair-profiles-json", ["sessions", "repair-profiles", "--json"], {}),
+    ("sessions-retitle-skills", ["sessions", "retitle-skills"], {}),
+    ("sessions-recover-inspect", ["sessions", "recover", "--source", "{home}/state.db", "--inspect-only"], {}),
+    ("sessions-set-journal-mode-delete", ["sessions", "set-journal-mode", "delete"], {}),
+    ("sessions-stats-delete-mode", ["sessions", "stats"], {}),
+    ("sessions-set-journal-mode-wal", ["sessions", "set-journal-mode", "wal"], {}),
+    ("turn-after-journal-modes", ["chat", "-Q", "--resume", "{A}", "-q", "Still here after the modes"], {}),
+    ("sessions-prune-never-active-dry-run", ["sessions", "prune", "--never-active", "--dry-run"], {}),
+]
 # (prefix of the step names, fixture file or None for a fresh home, steps, what to do to the store first)
-SEQUENCES = [
-    ("", None, STEPS + [
+FRESH_TAIL = [
         ("sessions-list-source", ["sessions", "list", "--source", "cli"], {}),
         ("sessions-export-all", ["sessions", "export", "{root}/fresh-all.jsonl"], {"files": "{root}/fresh-all.jsonl"}),
         ("sessions-export-source", ["sessions", "export", "{root}/fresh-cli.jsonl", "--source", "cli"],
@@ -214,11 +251,21 @@ SEQUENCES = [
          {"home": "foreign"}),
         ("resume-imported", ["chat", "-Q", "--resume", "{I}", "-q", "Carry on from the import"], {"home": "foreign"}),
         ("foreign-sessions-list", ["sessions", "list"], {"home": "foreign"}),
-    ], None),
+]
+SEQUENCES = [
+    ("", None, STEPS + FRESH_TAIL, None),
     ("v22/", "hermes_v22_legacy_fts.db.gz", FIXTURE_STEPS, seed_fixture),
     ("v26/", "hermes_v26_split.db.gz", FIXTURE_STEPS, seed_fixture),
     ("v26-damaged/", "hermes_v26_split.db.gz", DAMAGED_STEPS, duplicate_schema_entry),
 ]
+
+def sequences(release):
+    """Return the sequences one release runs: 0.22 adds its own session commands to the fresh home."""
+    if release == venvs.REFERENCE_VERSION:
+        return SEQUENCES
+    return [("", None, STEPS + V22_STEPS + FRESH_TAIL, None)] + SEQUENCES[1:]
+
+
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 
 CONFIG = """\
@@ -385,7 +432,22 @@ def make_home(home, port, fixture=None):
             shutil.copyfileobj(source, out)
 
 
-def run(kind, venv, overlay, out_path):
+def host_check(hostcheck_log, requests):
+    """Return the 0.20 host check's findings of one step: message dicts the state layer gave a
+    `message_uid` (compat/hostcheck/sitecustomize.py) and requests that carried one to the model."""
+    found = set()
+    if os.path.exists(hostcheck_log):
+        with open(hostcheck_log, encoding="utf-8") as fh:
+            found.update(line.strip() for line in fh if line.strip())
+        os.remove(hostcheck_log)
+    for entry in requests:
+        body = entry.get("body") if isinstance(entry.get("body"), dict) else {}
+        if any(isinstance(m, dict) and "message_uid" in m for m in body.get("messages") or []):
+            found.add("a chat request sent message_uid to the model")
+    return sorted(found)
+
+
+def run(kind, venv, overlay, out_path, release=venvs.REFERENCE_VERSION):
     root = tempfile.mkdtemp(prefix="hermes-compat-e2e-%s-" % kind)
     user_home, work = (os.path.join(root, n) for n in ("user", "work"))
     for folder in (user_home, work):
@@ -399,8 +461,11 @@ def run(kind, venv, overlay, out_path):
     server = fake_llm.start(log_path)
     port = server.server_address[1]
 
-    import venvs  # noqa: E402  (same folder)
     base_env = venvs.target_env(kind, overlay)
+    hostcheck_log = os.path.join(root, "hostcheck.log")
+    if release == venvs.REFERENCE_VERSION:
+        # The host check: on both sides, after the overlay (it holds no hermes_state module of its own).
+        base_env["PYTHONPATH"] = os.pathsep.join(p for p in (base_env.get("PYTHONPATH"), HOSTCHECK) if p)
     base_env.update({
         "HOME": user_home, "HERMES_DISABLE_LAZY_INSTALLS": "1",
         "TERM": "dumb", "NO_COLOR": "1", "COLUMNS": "160", "LINES": "50", "PYTHONUNBUFFERED": "1",
@@ -411,7 +476,9 @@ def run(kind, venv, overlay, out_path):
         if key.endswith("_API_KEY") or key.startswith(("HERMES_", "OPENAI_", "ANTHROPIC_", "OPENROUTER_")):
             if key != "HERMES_DISABLE_LAZY_INSTALLS":
                 base_env.pop(key)
-    hermes = os.path.join(venv, "bin", "hermesx")
+    if release == venvs.REFERENCE_VERSION:
+        base_env["COMPAT_HOSTCHECK_LOG"] = hostcheck_log
+    hermes = os.path.join(venv, "bin", venvs.SIDES[release]["program"])
     norm = normalise.Normaliser({
         root: "<root>", venvs.site_packages(venv): "<site>", overlay or "\0": "<site>", venv: "<venv>",
     }, port)
@@ -419,7 +486,7 @@ def run(kind, venv, overlay, out_path):
     offset = 0
     run_started = time.monotonic()
     wanted = [w for w in os.environ.get("COMPAT_E2E_SEQUENCES", "").split(",") if w]
-    for prefix, fixture, sequence, prepare in SEQUENCES:
+    for prefix, fixture, sequence, prepare in sequences(release):
         seq = prefix.rstrip("/") or "fresh"
         if wanted and seq not in wanted:
             continue
@@ -427,7 +494,7 @@ def run(kind, venv, overlay, out_path):
         make_home(main_home, port, fixture)
         if prepare:
             prepare(os.path.join(main_home, "state.db"))
-        captured = {"root": root, "seq": seq}
+        captured = {"root": root, "seq": seq, "home": main_home}
         for name, template, options in sequence:
             home = main_home
             if options.get("home"):
@@ -477,6 +544,8 @@ def run(kind, venv, overlay, out_path):
                                    key=lambda r: json.dumps(r, sort_keys=True)),
                 "store": norm.store(store),
             }
+            if release == venvs.REFERENCE_VERSION:
+                record["hostcheck"] = [norm.text(line) for line in host_check(hostcheck_log, requests)]
             if options.get("files"):
                 record["files"] = {norm.text(k): norm.lines_json(v) if k.endswith(".jsonl") else norm.lines(v)
                                    for k, v in export_files(options["files"].format(**captured)).items()}
@@ -497,8 +566,9 @@ def main(argv=None):
     parser.add_argument("--venv", required=True)
     parser.add_argument("--overlay")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--release", choices=sorted(venvs.SIDES), default=venvs.REFERENCE_VERSION)
     args = parser.parse_args(argv)
-    run(args.kind, args.venv, args.overlay, args.out)
+    run(args.kind, args.venv, args.overlay, args.out, args.release)
     return 0
 
 

@@ -32,6 +32,8 @@ TEXT_RULES = [
     (re.compile(r"\b\d+(\.\d+)?\s?(ms|s|sec|secs|seconds?|minutes?)\b"), "<dur>"),
     (re.compile(r"\b\d[\d,]*(\.\d+)?\s?(B|KB|MB|GB|KiB|MiB|GiB|bytes)\b"), "<size>"),
     (re.compile(r"\b(pid|PID)[ =:]+\d+"), r"\1 <pid>"),
+    # Byte counts and file times in a JSON report (0.22's `sessions recover --inspect-only`): the disk's.
+    (re.compile(r'("\w*(?:_bytes|_ns)"\s*:\s*)\d+'), r"\1<size>"),
     (re.compile(r"[─━═]+"), "─"),
     (re.compile(r"[ \t]+"), " "),
 ]
