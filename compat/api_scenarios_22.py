@@ -53,7 +53,7 @@ SCENARIOS = [
     ("ids", [
         c("new_session_id", {"$datetime": "2026-01-02T03:04:05"}, on="hermes_state_ids", save="id6"),
         c("is_known_session_id", "@id6", on="hermes_state_ids"),
-        c("new_session_id", hex_len=8, on="hermes_state_ids", save="id8"),
+        c("new_session_id", hex_len=8, on="hermes_state_ids", save="id8", shape=True),
         c("fullmatch", r"\d{8}_\d{6}_[0-9a-f]{8}", "@id8", on="re"),
         c("is_known_session_id", "@id8", on="hermes_state_ids"),
         c("is_known_session_id", "not-an-id", on="hermes_state_ids"),

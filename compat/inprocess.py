@@ -349,10 +349,8 @@ def hermes_modules():
     found, skipped = set(), []
     for top in top_level():
         spec = importlib.util.find_spec(top)
-        if spec is None:
-            skipped.append((top, "not installed"))
-            continue
-        if not spec.submodule_search_locations:
+        if spec is None or not spec.submodule_search_locations:
+            # A root module, or one not here (a state module ours lacks): its import says which.
             found.add(top)
             continue
         base = list(spec.submodule_search_locations)[0]

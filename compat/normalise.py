@@ -111,6 +111,12 @@ class Normaliser:
             return self.text(obj)
         if isinstance(obj, bool) or obj is None:
             return obj
+        if isinstance(obj, bytes):
+            # A blob is its text when UTF-8, else hex (a random digest becomes <hash>).
+            try:
+                return self.text(obj.decode("utf-8"))
+            except UnicodeDecodeError:
+                return self.text(obj.hex())
         if isinstance(obj, (int, float)):
             return "<ts>" if TIMESTAMP_RANGE[0] <= obj <= TIMESTAMP_RANGE[1] else obj
         if isinstance(obj, dict):

@@ -34,7 +34,7 @@ import xport  # noqa: E402
 
 OUT = os.path.join(HERE, "out")
 DELIBERATE = os.path.join(HERE, "deliberate.txt")
-E2E_TIMEOUT = 900
+E2E_TIMEOUT = 1800  # from when run.py starts waiting; e2e.py's own budget stops it first
 API_TIMEOUT = 300
 INPROCESS_TIMEOUT = 900
 

@@ -6,7 +6,8 @@ them as live rows); 0.20's host never expects the key and may send the dict on t
 this file at start-up when its folder is on PYTHONPATH (`e2e.py` puts it there, ref and swap alike, on
 the 0.20 side) and `COMPAT_HOSTCHECK_LOG` names a file: every public or private method of
 `hermes_state.SessionDB` is wrapped so that, after an outermost call, a dict argument (or one inside a
-list argument) that gained `message_uid` is written to that file, one line each.
+list argument) that gained `message_uid` is written to that file, one line each; `<file>.armed` says
+the wrapping happened.
 
 Owns: nothing but that log. Must not touch: the values passed or returned (the wrapper only looks).
 """
@@ -67,6 +68,8 @@ def _watch(module):
                 continue
             done.add(name)
             setattr(cls, name, _wrap(name, value))
+    # Proof the check ran in this process: e2e.py fails an agent turn that leaves no such file.
+    open(LOG + ".armed", "w").close()
 
 
 class _Finder(importlib.abc.MetaPathFinder):
