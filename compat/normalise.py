@@ -34,6 +34,10 @@ TEXT_RULES = [
     (re.compile(r"\b(pid|PID)[ =:]+\d+"), r"\1 <pid>"),
     # Byte counts and file times in a JSON report (0.22's `sessions recover --inspect-only`): the disk's.
     (re.compile(r'("\w*(?:_bytes|_ns)"\s*:\s*)\d+'), r"\1<size>"),
+    # Wall-clock milliseconds in 0.22's JSONL export (`timings.wall_clock_ms = 86092`, or as JSON text).
+    (re.compile(r'(\b\w+_ms"?\s*[:=]\s*)\d+(\.\d+)?'), r"\1<dur>"),
+    # Rounded durations (`insights`: "Active time: ~4m").
+    (re.compile(r"~\d+(\.\d+)?\s?[smhd](\s\d+(\.\d+)?\s?[smhd])*\b"), "~<dur>"),
     (re.compile(r"[─━═]+"), "─"),
     (re.compile(r"[ \t]+"), " "),
 ]
