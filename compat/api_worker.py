@@ -73,6 +73,8 @@ def resolve(arg, saved):
     """Replace '@name' / '@name.key.0' references and {'$exc': [...]} constructors in a step's arguments."""
     if isinstance(arg, str) and arg.startswith("@"):
         name, *path = arg[1:].split(".")
+        if name not in saved:
+            raise LookupError("@%s: the step that saves it did not return" % name)
         value = saved[name]
         for key in path:
             value = value[int(key)] if isinstance(value, (list, tuple)) else value[key]

@@ -124,7 +124,9 @@ class Normaliser:
         if isinstance(obj, (int, float)):
             return "<ts>" if TIMESTAMP_RANGE[0] <= obj <= TIMESTAMP_RANGE[1] else obj
         if isinstance(obj, dict):
-            return {self.value(k) if isinstance(k, str) else k: self.value(v) for k, v in obj.items()}
+            # A `*_ms` number is a wall-clock duration (0.22's JSONL export: `timings.gap_ms`).
+            return {self.value(k) if isinstance(k, str) else k:
+                    "<dur>" if _is_duration(k, v) else self.value(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
             return [self.value(v) for v in obj]
         return self.text(repr(obj))
@@ -162,6 +164,11 @@ class Normaliser:
                 rows.append({k: self.value(v) for k, v in row.items()})
             out[table] = rows
         return out
+
+
+def _is_duration(key, value):
+    return (isinstance(key, str) and key.endswith("_ms") and isinstance(value, (int, float))
+            and not isinstance(value, bool))
 
 
 def flatten(obj, path=""):
