@@ -8,11 +8,12 @@ stored rows, so a scenario need not say what it expects.
 A step is `c(method, *args, **kwargs)`; `save=` keeps its return under a name, and '@name' (or
 '@name.key', '@name.0') in a later argument stands for it. `on=` calls a module-level name instead of
 a SessionDB method ('hermes_state', 'hermes_state_common', or 'SessionDB' for the class); `attr=True`
-reads an attribute instead of calling it. {'$exc': ['sqlite3.OperationalError', 'text']} builds an
+reads an attribute instead of calling it; `shape=True` records only the return's type and length (a
+value random by design, such as a fresh session id). {'$exc': ['sqlite3.OperationalError', 'text']} builds an
 exception argument.
 """
 
-CONTROL = {"save", "on", "attr"}
+CONTROL = {"save", "on", "attr", "shape"}
 
 
 def c(call, *args, **kwargs):

@@ -5,11 +5,14 @@ return value (as JSON) or the exception (class names along its MRO, message), an
 after the step. Must not touch: anything outside its temp folder. It compares nothing: `run.py` runs
 it once in the reference venv and once in the swap venv and compares the two records.
 
-Usage: python api_worker.py OUT.json   (prints nothing on success; a scenario that cannot start is
-recorded as such, so one missing name never hides the rest)
+Usage: python api_worker.py OUT.json [--release 0.22.2.post1]   (prints nothing on success; a scenario
+that cannot start is recorded as such, so one missing name never hides the rest). With `--release`,
+the scenarios of that release's own names (`api_scenarios_22.py`) run instead of 0.20's.
 """
 
+import dataclasses
 import datetime
+import importlib
 import json
 import os
 import pathlib
@@ -20,7 +23,11 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import api_scenarios  # noqa: E402  (same folder)
+import api_scenarios_22  # noqa: E402
 
+# Taken before any hermes module runs: 0.22 points tempfile at a scratch folder inside HERMES_HOME, which
+# goes with each scenario's temp folder.
+TMP = tempfile.gettempdir()
 TABLES = (("sessions", "started_at, id"), ("messages", "id"), ("session_model_usage", "rowid"))
 
 
@@ -41,18 +48,33 @@ def jsonable(value, depth=0):
     if isinstance(value, (set, frozenset)):
         return {"<set>": sorted(jsonable(v, depth + 1) for v in value)}
     if isinstance(value, bytes):
-        return {"<bytes>": value.decode("utf-8", "replace")}
+        return {"<bytes>": bytes_text(value)}
     if isinstance(value, BaseException):
         return {"<exception>": describe_exception(value)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # 0.22 returns a few records as dataclasses (RewindOutcome, StorageFailure): compared field by field.
+        return {"<%s>" % type(value).__name__: jsonable(
+            {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, depth + 1)}
     if isinstance(value, (pathlib.PurePath, datetime.date)):
         return {"<%s>" % type(value).__name__: str(value)}
     return {"<object>": type(value).__name__}
+
+
+def bytes_text(value):
+    """Return a blob as its text when it is UTF-8, else as hex (0.22's `display_identity` is a random
+    digest per message: the normaliser's hash rule then reads it as <hash>)."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.hex()
 
 
 def resolve(arg, saved):
     """Replace '@name' / '@name.key.0' references and {'$exc': [...]} constructors in a step's arguments."""
     if isinstance(arg, str) and arg.startswith("@"):
         name, *path = arg[1:].split(".")
+        if name not in saved:
+            raise LookupError("@%s: the step that saves it did not return" % name)
         value = saved[name]
         for key in path:
             value = value[int(key)] if isinstance(value, (list, tuple)) else value[key]
@@ -62,6 +84,11 @@ def resolve(arg, saved):
         return getattr(__import__(module or "builtins"), cls)(*arg["$exc"][1:])
     if isinstance(arg, dict) and set(arg) == {"$path"}:
         return pathlib.Path(saved["<root>"]) / arg["$path"]
+    if isinstance(arg, dict) and set(arg) == {"$class"}:
+        module, _, cls = arg["$class"].rpartition(".")
+        return getattr(importlib.import_module(module), cls)
+    if isinstance(arg, dict) and set(arg) == {"$datetime"}:
+        return datetime.datetime.fromisoformat(arg["$datetime"])
     if isinstance(arg, dict):
         return {k: resolve(v, saved) for k, v in arg.items()}
     if isinstance(arg, list):
@@ -71,7 +98,7 @@ def resolve(arg, saved):
 
 def dump_rows(db_file):
     """Return {table: {columns, rows}} read from a copy of the store, or {table: {error}}."""
-    scratch = tempfile.mkdtemp(prefix="hermes-compat-rows-")
+    scratch = tempfile.mkdtemp(prefix="hermes-compat-rows-", dir=TMP)
     out = {}
     try:
         for suffix in ("", "-wal", "-shm", "-journal"):
@@ -106,7 +133,13 @@ def describe_exception(exc):
 
 def run_step(step, db, modules, saved):
     kind = step.get("on", "db")
-    target = db if kind == "db" else modules[kind]
+    if kind == "db":
+        target = db
+    elif kind.startswith("@"):
+        target = resolve(kind, saved)  # a method of an object an earlier step returned (a registry's SessionDB)
+    else:
+        # Imported at the step, so a module ours lacks fails that step, not the scenario.
+        target = modules.get(kind) or importlib.import_module(kind)
     obj = getattr(target, step["call"])
     if step.get("attr"):
         return obj
@@ -116,7 +149,7 @@ def run_step(step, db, modules, saved):
 
 
 def run_scenario(name, steps):
-    root = tempfile.mkdtemp(prefix="hermes-compat-api-")
+    root = tempfile.mkdtemp(prefix="hermes-compat-api-", dir=TMP)
     os.environ["HERMES_HOME"] = os.path.join(root, "home")
     os.makedirs(os.environ["HERMES_HOME"])
     db_file = os.path.join(root, "state.db")
@@ -137,7 +170,8 @@ def run_scenario(name, steps):
         entry = {"call": api_scenarios.describe(step)}
         try:
             value = run_step(step, db, modules, saved)
-            entry["returns"] = jsonable(value)
+            entry["returns"] = jsonable(value) if not step.get("shape") else {
+                "<shape>": type(value).__name__, "len": len(value) if hasattr(value, "__len__") else None}
             if step.get("save"):
                 saved[step["save"]] = value
         except Exception as exc:
@@ -154,7 +188,9 @@ def run_scenario(name, steps):
 
 def main(argv):
     results = []
-    for name, steps in api_scenarios.SCENARIOS:
+    release = argv[argv.index("--release") + 1] if "--release" in argv else None
+    scenarios = {None: api_scenarios.SCENARIOS, "0.22.2.post1": api_scenarios_22.SCENARIOS}[release]
+    for name, steps in scenarios:
         results.append(run_scenario(name, steps))
     with open(argv[0], "w") as fh:
         json.dump({"python": sys.version.split()[0], "scenarios": results}, fh, indent=1, sort_keys=True)

@@ -30,12 +30,18 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fake_llm  # noqa: E402  (the folder is a tool box, not a package)
 import normalise  # noqa: E402
+import venvs  # noqa: E402
+
+HOSTCHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostcheck")
 
 # A step of the reference takes seconds; these bound a hang in ours so `make compat` still reports.
-STEP_TIMEOUT = 60
-RUN_BUDGET = 780
-# The fake server titles a session "Title " + its first four words (see fake_llm.plan_reply).
-TITLE_OF_TOOL_TURN = "Title Please TOOL read file"
+# Both sides' four runs share the machine with the rest of `make compat`: the bounds leave room for a
+# loaded one (a 0.22 turn took 30 s with eight jobs on two cores), they are no targets.
+STEP_TIMEOUT = 120
+RUN_BUDGET = 1500
+# The fake server titles a session "Title " + its first four words (see fake_llm.plan_reply); 0.22 keeps
+# its instant title, the opening message's first line (CONFIG_22 says why).
+TITLE_OF_TOOL_TURN = {"0.20.1.2": "Title Please TOOL read file", "0.22.2.post1": "Please TOOL:read_file notes.txt"}
 
 
 def q(prompt):
@@ -61,7 +67,7 @@ STEPS = [
     ("oneshot-z", ["-z", "Oneshot about apples"], {}),
     ("resume-id", ["chat", "-Q", "--resume", "{A}", "-q", "Tell me more about banana"], {}),
     ("continue-latest", ["chat", "-Q", "--continue", "-q", "Continue with cherries"], {}),
-    ("continue-title", ["chat", "-Q", "-c", TITLE_OF_TOOL_TURN, "-q", "Back to the notes"], {}),
+    ("continue-title", ["chat", "-Q", "-c", "{tool_title}", "-q", "Back to the notes"], {}),
     ("turn-session_search", q("Find it TOOL:session_search banana"), {"capture": "C"}),
     ("sessions-list", ["sessions", "list"], {}),
     ("sessions-stats", ["sessions", "stats"], {}),
@@ -189,9 +195,43 @@ DAMAGED_STEPS = [
     ("sessions-list", ["sessions", "list", "--limit", "50"], {}),
     ("sessions-stats", ["sessions", "stats"], {}),
 ]
+# 0.22's own `sessions` subcommands (hermes_cli/subcommands/sessions.py of 0.22.2.post1), on the fresh
+# home after the common steps: A is the opening plain turn, B the tool turn (renamed "Renamed notes session").
+V22_STEPS = [
+    ("sessions-pin", ["sessions", "pin", "{A}", "{B}"], {}),
+    ("sessions-pinned", ["sessions", "pinned"], {}),
+    ("sessions-pinned-json", ["sessions", "pinned", "--json"], {}),
+    ("sessions-list-pinned", ["sessions", "list"], {}),
+    ("sessions-prune-pinned-dry-run", ["sessions", "prune", "--source", "cli", "--dry-run"], {}),
+    ("sessions-prune-include-pinned-dry-run",
+     ["sessions", "prune", "--source", "cli", "--include-pinned", "--dry-run"], {}),
+    ("sessions-unpin", ["sessions", "unpin", "{B}"], {}),
+    ("sessions-pinned-after-unpin", ["sessions", "pinned"], {}),
+    ("sessions-list-workspace", ["sessions", "list", "--workspace", "work"], {}),
+    ("sessions-list-workspace-none", ["sessions", "list", "--workspace", "no-such-project"], {}),
+    ("sessions-export-qmd", ["sessions", "export", "--format", "qmd", "--session-id", "{A}", "{root}/export-qmd"],
+     {"files": "{root}/export-qmd"}),
+    ("sessions-export-qmd-lineage", ["sessions", "export", "--format", "qmd", "--lineage", "logical",
+                                     "--session-id", "{A}", "{root}/export-qmd-lineage"],
+     {"files": "{root}/export-qmd-lineage"}),
+    ("sessions-export-trace", ["sessions", "export", "--format", "trace", "--session-id", "{A}",
+                               "{root}/a-trace.jsonl"], {"files": "{root}/a-trace.jsonl"}),
+    ("sessions-export-user-prompts", ["sessions", "export", "-", "--only", "user-prompts", "--session-id", "{A}"],
+     {}),
+    ("sessions-repair-prompts", ["sessions", "repair-prompts"], {}),
+    ("sessions-repair-prompts-json", ["sessions", "repair-prompts", "--json"], {}),
+    ("sessions-repair-profiles", ["sessions", "repair-profiles"], {}),
+    ("sessions-repair-profiles-json", ["sessions", "repair-profiles", "--json"], {}),
+    ("sessions-retitle-skills", ["sessions", "retitle-skills"], {}),
+    ("sessions-recover-inspect", ["sessions", "recover", "--source", "{home}/state.db", "--inspect-only"], {}),
+    ("sessions-set-journal-mode-delete", ["sessions", "set-journal-mode", "delete"], {}),
+    ("sessions-stats-delete-mode", ["sessions", "stats"], {}),
+    ("sessions-set-journal-mode-wal", ["sessions", "set-journal-mode", "wal"], {}),
+    ("turn-after-journal-modes", ["chat", "-Q", "--resume", "{A}", "-q", "Still here after the modes"], {}),
+    ("sessions-prune-never-active-dry-run", ["sessions", "prune", "--never-active", "--dry-run"], {}),
+]
 # (prefix of the step names, fixture file or None for a fresh home, steps, what to do to the store first)
-SEQUENCES = [
-    ("", None, STEPS + [
+FRESH_TAIL = [
         ("sessions-list-source", ["sessions", "list", "--source", "cli"], {}),
         ("sessions-export-all", ["sessions", "export", "{root}/fresh-all.jsonl"], {"files": "{root}/fresh-all.jsonl"}),
         ("sessions-export-source", ["sessions", "export", "{root}/fresh-cli.jsonl", "--source", "cli"],
@@ -214,11 +254,21 @@ SEQUENCES = [
          {"home": "foreign"}),
         ("resume-imported", ["chat", "-Q", "--resume", "{I}", "-q", "Carry on from the import"], {"home": "foreign"}),
         ("foreign-sessions-list", ["sessions", "list"], {"home": "foreign"}),
-    ], None),
+]
+SEQUENCES = [
+    ("", None, STEPS + FRESH_TAIL, None),
     ("v22/", "hermes_v22_legacy_fts.db.gz", FIXTURE_STEPS, seed_fixture),
     ("v26/", "hermes_v26_split.db.gz", FIXTURE_STEPS, seed_fixture),
     ("v26-damaged/", "hermes_v26_split.db.gz", DAMAGED_STEPS, duplicate_schema_entry),
 ]
+
+def sequences(release):
+    """Return the sequences one release runs: 0.22 adds its own session commands to the fresh home."""
+    if release == venvs.REFERENCE_VERSION:
+        return SEQUENCES
+    return [("", None, STEPS + V22_STEPS + FRESH_TAIL, None)] + SEQUENCES[1:]
+
+
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 
 CONFIG = """\
@@ -237,6 +287,18 @@ model_catalog:
   enabled: false
 models_dev:
   url: http://127.0.0.1:{port}/models-dev.json
+"""
+# 0.22 only. With a self-hosted provider (`custom`) 0.22 asks for the model title after the turn's
+# reply, from a thread a one-shot process does not wait for: whether the title lands is a race, and
+# the next turns re-ask while it has not. Its instant title (the opening line, stored as `derived`)
+# is deterministic. The keyless web-search probe picks a backend by timing: off, doctor names the
+# default one on both sides.
+CONFIG_22 = """\
+auxiliary:
+  title_generation:
+    model_upgrade_enabled: false
+web:
+  keyless_fallback: false
 """
 
 
@@ -374,18 +436,40 @@ def write_foreign_sessions(folder):
             fh.writelines(json.dumps(line) + "\n" for line in lines)
 
 
-def make_home(home, port, fixture=None):
+def make_home(home, port, fixture=None, release=venvs.REFERENCE_VERSION):
     """Make a HERMES_HOME with our config.yaml and, when given, a copy of a fixture store as its state.db."""
     os.makedirs(home)
     with open(os.path.join(home, "config.yaml"), "w") as fh:
         fh.write(CONFIG.format(model=fake_llm.MODEL, port=port))
+        if release != venvs.REFERENCE_VERSION:
+            fh.write(CONFIG_22)
     if fixture:
         with gzip.open(os.path.join(FIXTURES, fixture), "rb") as source, \
                 open(os.path.join(home, "state.db"), "wb") as out:
             shutil.copyfileobj(source, out)
 
 
-def run(kind, venv, overlay, out_path):
+def host_check(hostcheck_log, requests, turn):
+    """Return the 0.20 host check's findings of one step: message dicts the state layer gave a
+    `message_uid` (compat/hostcheck/sitecustomize.py) and requests that carried one to the model;
+    for an agent turn (`turn`), also a check that never armed."""
+    found = set()
+    if os.path.exists(hostcheck_log + ".armed"):
+        os.remove(hostcheck_log + ".armed")
+    elif turn:
+        found.add("the host check never armed: no SessionDB was watched in this turn")
+    if os.path.exists(hostcheck_log):
+        with open(hostcheck_log, encoding="utf-8") as fh:
+            found.update(line.strip() for line in fh if line.strip())
+        os.remove(hostcheck_log)
+    for entry in requests:
+        body = entry.get("body") if isinstance(entry.get("body"), dict) else {}
+        if any(isinstance(m, dict) and "message_uid" in m for m in body.get("messages") or []):
+            found.add("a chat request sent message_uid to the model")
+    return sorted(found)
+
+
+def run(kind, venv, overlay, out_path, release=venvs.REFERENCE_VERSION):
     root = tempfile.mkdtemp(prefix="hermes-compat-e2e-%s-" % kind)
     user_home, work = (os.path.join(root, n) for n in ("user", "work"))
     for folder in (user_home, work):
@@ -396,11 +480,15 @@ def run(kind, venv, overlay, out_path):
         fh.writelines("line %d of the big file about bananas, cherries and other fruit\n" % n for n in range(400))
     write_foreign_sessions(work)
     log_path = os.path.join(root, "requests.jsonl")
-    server = fake_llm.start(log_path)
+    # 0.22 asks for no model title (CONFIG_22): its opening turns have none to wait for.
+    server = fake_llm.start(log_path, title_gate=release == venvs.REFERENCE_VERSION)
     port = server.server_address[1]
 
-    import venvs  # noqa: E402  (same folder)
     base_env = venvs.target_env(kind, overlay)
+    hostcheck_log = os.path.join(root, "hostcheck.log")
+    if release == venvs.REFERENCE_VERSION:
+        # The host check: on both sides, after the overlay (it holds no hermes_state module of its own).
+        base_env["PYTHONPATH"] = os.pathsep.join(p for p in (base_env.get("PYTHONPATH"), HOSTCHECK) if p)
     base_env.update({
         "HOME": user_home, "HERMES_DISABLE_LAZY_INSTALLS": "1",
         "TERM": "dumb", "NO_COLOR": "1", "COLUMNS": "160", "LINES": "50", "PYTHONUNBUFFERED": "1",
@@ -411,7 +499,9 @@ def run(kind, venv, overlay, out_path):
         if key.endswith("_API_KEY") or key.startswith(("HERMES_", "OPENAI_", "ANTHROPIC_", "OPENROUTER_")):
             if key != "HERMES_DISABLE_LAZY_INSTALLS":
                 base_env.pop(key)
-    hermes = os.path.join(venv, "bin", "hermesx")
+    if release == venvs.REFERENCE_VERSION:
+        base_env["COMPAT_HOSTCHECK_LOG"] = hostcheck_log
+    hermes = os.path.join(venv, "bin", venvs.SIDES[release]["program"])
     norm = normalise.Normaliser({
         root: "<root>", venvs.site_packages(venv): "<site>", overlay or "\0": "<site>", venv: "<venv>",
     }, port)
@@ -419,15 +509,15 @@ def run(kind, venv, overlay, out_path):
     offset = 0
     run_started = time.monotonic()
     wanted = [w for w in os.environ.get("COMPAT_E2E_SEQUENCES", "").split(",") if w]
-    for prefix, fixture, sequence, prepare in SEQUENCES:
+    for prefix, fixture, sequence, prepare in sequences(release):
         seq = prefix.rstrip("/") or "fresh"
         if wanted and seq not in wanted:
             continue
         main_home = os.path.join(root, "home" if seq == "fresh" else seq + "-home")
-        make_home(main_home, port, fixture)
+        make_home(main_home, port, fixture, release)
         if prepare:
             prepare(os.path.join(main_home, "state.db"))
-        captured = {"root": root, "seq": seq}
+        captured = {"root": root, "seq": seq, "home": main_home, "tool_title": TITLE_OF_TOOL_TURN[release]}
         for name, template, options in sequence:
             home = main_home
             if options.get("home"):
@@ -436,7 +526,7 @@ def run(kind, venv, overlay, out_path):
                     if options.get("bare"):
                         os.makedirs(home)
                     else:
-                        make_home(home, port)
+                        make_home(home, port, release=release)
             if options.get("config"):
                 with open(os.path.join(home, "config.yaml"), "a") as fh:
                     fh.write(options["config"])
@@ -477,6 +567,9 @@ def run(kind, venv, overlay, out_path):
                                    key=lambda r: json.dumps(r, sort_keys=True)),
                 "store": norm.store(store),
             }
+            if release == venvs.REFERENCE_VERSION:
+                record["hostcheck"] = [norm.text(line) for line in host_check(
+                    hostcheck_log, requests, rc != "not run" and argv[0] in ("chat", "-z"))]
             if options.get("files"):
                 record["files"] = {norm.text(k): norm.lines_json(v) if k.endswith(".jsonl") else norm.lines(v)
                                    for k, v in export_files(options["files"].format(**captured)).items()}
@@ -497,8 +590,9 @@ def main(argv=None):
     parser.add_argument("--venv", required=True)
     parser.add_argument("--overlay")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--release", choices=sorted(venvs.SIDES), default=venvs.REFERENCE_VERSION)
     args = parser.parse_args(argv)
-    run(args.kind, args.venv, args.overlay, args.out)
+    run(args.kind, args.venv, args.overlay, args.out, args.release)
     return 0
 
 

@@ -176,7 +176,7 @@ class Handler(BaseHTTPRequestHandler):
             self._whole(body, text, reasoning, tool_call, usage)
             self.server.titles.served(key)
             return
-        if _is_opening_turn(body):
+        if _is_opening_turn(body) and self.server.titles is not None:
             self.server.titles.await_title(key)
         if body.get("stream"):
             self._stream(body, text, reasoning, tool_call, usage)
@@ -264,13 +264,14 @@ class TitleGate:
             time.sleep(TITLE_GRACE)
 
 
-def start(log_path=None):
-    """Return a running server on 127.0.0.1 at a free port (its `.server_address[1]`); stop it with `.shutdown()`."""
+def start(log_path=None, title_gate=True):
+    """Return a running server on 127.0.0.1 at a free port (its `.server_address[1]`); stop it with `.shutdown()`.
+    Without `title_gate`, an opening turn's reply waits for no title (a client that asks for none)."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     server.request_log = open(log_path, "a", encoding="utf-8") if log_path else None
     server.log_lock = threading.Lock()
-    server.titles = TitleGate()
+    server.titles = TitleGate() if title_gate else None
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 

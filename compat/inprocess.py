@@ -3,9 +3,11 @@
 Owns: driving, in a temp HERMES_HOME, the gateway's `SessionStore` (create, transcript append and
 read, reset, routing reload by a second store on the same home), the ACP adapter's `SessionManager`
 (store, restore in a fresh manager, list), `mcp_serve`'s index and transcript read, and the
-`session_search` tool; recording per step the return value or exception and the stored rows in the
+`session_search` tool, and on 0.22 its shared SessionDB registry (`hermes_state_registry`) as its
+callers borrow it; recording per step the return value or exception and the stored rows in the
 record shape of `api_worker.py`, so `run.py` compares them the same way. Also the import walk: every
-module of the installed hermes-agent imported one by one. Must not touch: anything outside its temp
+module of the installed hermes-agent (the packages and root modules of its top_level.txt) imported
+one by one. COMPAT_RELEASE (set by run.py) names the side. Must not touch: anything outside its temp
 folders; it compares nothing (`run.py` runs it in the reference venv and in the swap venv).
 
 Usage: python inprocess.py OUT.json                 (all scenarios, each in its own child process)
@@ -35,12 +37,17 @@ from api_worker import describe_exception, dump_rows, jsonable  # noqa: E402  (s
 SCENARIO_TIMEOUT = 120
 IMPORT_TIMEOUT = 60
 IDS = re.compile(r"\b\d{8}_\d{6}_[0-9a-f]{8}\b|\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
-# Packages and root modules of hermes-agent 0.20.1.2 (its top_level.txt); the walk takes every .py below them.
-TOP_LEVEL = ("acp_adapter", "agent", "cron", "gateway", "hermes_cli", "tools", "tui_gateway", "plugins",
-             "providers", "batch_runner", "cli", "hermes_bootstrap", "hermes_constants", "hermes_logging",
-             "hermes_state", "hermes_state_common", "hermes_state_portability", "hermes_state_schema",
-             "hermes_state_search", "hermes_time", "mcp_serve", "model_tools", "registration_lifecycle",
-             "run_agent", "toolset_distributions", "toolsets", "trajectory_compressor", "utils")
+RELEASE = os.environ.get("COMPAT_RELEASE", "0.20.1.2")  # the side run.py started this for
+
+
+def top_level():
+    """Return the packages and root modules of the installed hermes-agent (its top_level.txt, which still
+    names the state modules the swap venv lost: the walk imports ours in their place)."""
+    import importlib.metadata
+    for dist in importlib.metadata.distributions():
+        if (dist.metadata["Name"] or "").lower().replace("_", "-").startswith("hermes-agent"):
+            return tuple(sorted(set((dist.read_text("top_level.txt") or "").split())))
+    raise SystemExit("inprocess.py: no hermes-agent distribution installed here")
 
 
 class Warnings(logging.Handler):
@@ -259,12 +266,43 @@ def session_search_tool(rec, root):
     db.close()
 
 
+def registry_in_process(rec, root):
+    """0.22's shared SessionDB registry as its callers use it: the default store borrowed twice, the
+    session_search tool borrowing it too (db=None), a live-handle sweep, closing everything under the
+    home (what a profile switch does) and a handle used after that."""
+    from hermes_state_registry import acquire, borrow_live_shared_session_dbs, close_all_under, release_or_close
+    search = __import__("tools.session_search_tool", fromlist=["session_search"]).session_search
+    db = rec.step("acquire()", acquire)
+    second = acquire()
+    rec.step("acquire() twice: one instance", lambda: db is second)
+    rec.step("write through the shared handle", lambda: [
+        db.create_session("reg-1", "cli", model="model-a"),
+        db.append_message("reg-1", "user", "registry banana question"),
+        db.append_message("reg-1", "assistant", "registry banana answer"),
+    ])
+    rec.step("session_search(db=None) borrows the same store", lambda: json.loads(search(query="banana")))
+    rec.step("borrow_live_shared_session_dbs", lambda: _borrow_count(borrow_live_shared_session_dbs))
+    rec.step("release_or_close once", lambda: release_or_close(second))
+    rec.step("still open for the other borrower", lambda: db.message_count("reg-1"))
+    rec.step("close_all_under(HERMES_HOME)", lambda: close_all_under(os.environ["HERMES_HOME"]))
+    rec.step("the handle after the sweep", lambda: db.get_session("reg-1") is not None)
+    rec.step("acquire() after the sweep: a new instance", lambda: acquire() is not db)
+    rec.step("release_or_close of a swept handle", lambda: release_or_close(db))
+
+
+def _borrow_count(borrow):
+    with borrow() as dbs:
+        return len(dbs)
+
+
 SCENARIOS = {
     "gateway-session-store": gateway_session_store,
     "acp-sessions": acp_sessions,
     "mcp-serve-read": mcp_serve_read,
     "session-search-tool": session_search_tool,
 }
+if RELEASE != "0.20.1.2":
+    SCENARIOS["registry-in-process"] = registry_in_process
 
 
 def run_scenario(name):
@@ -309,12 +347,10 @@ def hermes_modules():
     """Return the dotted names of every .py module of the installed hermes-agent, sorted; and the skipped."""
     import importlib.util
     found, skipped = set(), []
-    for top in TOP_LEVEL:
+    for top in top_level():
         spec = importlib.util.find_spec(top)
-        if spec is None:
-            skipped.append((top, "not installed"))
-            continue
-        if not spec.submodule_search_locations:
+        if spec is None or not spec.submodule_search_locations:
+            # A root module, or one not here (a state module ours lacks): its import says which.
             found.add(top)
             continue
         base = list(spec.submodule_search_locations)[0]

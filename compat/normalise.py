@@ -32,6 +32,12 @@ TEXT_RULES = [
     (re.compile(r"\b\d+(\.\d+)?\s?(ms|s|sec|secs|seconds?|minutes?)\b"), "<dur>"),
     (re.compile(r"\b\d[\d,]*(\.\d+)?\s?(B|KB|MB|GB|KiB|MiB|GiB|bytes)\b"), "<size>"),
     (re.compile(r"\b(pid|PID)[ =:]+\d+"), r"\1 <pid>"),
+    # Byte counts and file times in a JSON report (0.22's `sessions recover --inspect-only`): the disk's.
+    (re.compile(r'("\w*(?:_bytes|_ns)"\s*:\s*)\d+'), r"\1<size>"),
+    # Wall-clock milliseconds in 0.22's JSONL export (`timings.wall_clock_ms = 86092`, or as JSON text).
+    (re.compile(r'(\b\w+_ms"?\s*[:=]\s*)\d+(\.\d+)?'), r"\1<dur>"),
+    # Rounded durations (`insights`: "Active time: ~4m").
+    (re.compile(r"~\d+(\.\d+)?\s?[smhd](\s\d+(\.\d+)?\s?[smhd])*\b"), "~<dur>"),
     (re.compile(r"[─━═]+"), "─"),
     (re.compile(r"[ \t]+"), " "),
 ]
@@ -109,10 +115,18 @@ class Normaliser:
             return self.text(obj)
         if isinstance(obj, bool) or obj is None:
             return obj
+        if isinstance(obj, bytes):
+            # A blob is its text when UTF-8, else hex (a random digest becomes <hash>).
+            try:
+                return self.text(obj.decode("utf-8"))
+            except UnicodeDecodeError:
+                return self.text(obj.hex())
         if isinstance(obj, (int, float)):
             return "<ts>" if TIMESTAMP_RANGE[0] <= obj <= TIMESTAMP_RANGE[1] else obj
         if isinstance(obj, dict):
-            return {self.value(k) if isinstance(k, str) else k: self.value(v) for k, v in obj.items()}
+            # A `*_ms` number is a wall-clock duration (0.22's JSONL export: `timings.gap_ms`).
+            return {self.value(k) if isinstance(k, str) else k:
+                    "<dur>" if _is_duration(k, v) else self.value(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
             return [self.value(v) for v in obj]
         return self.text(repr(obj))
@@ -150,6 +164,11 @@ class Normaliser:
                 rows.append({k: self.value(v) for k, v in row.items()})
             out[table] = rows
         return out
+
+
+def _is_duration(key, value):
+    return (isinstance(key, str) and key.endswith("_ms") and isinstance(value, (int, float))
+            and not isinstance(value, bool))
 
 
 def flatten(obj, path=""):

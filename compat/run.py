@@ -1,5 +1,5 @@
-"""`make compat`: run hermes-agent 0.20.1.2 on its own state layer and on ours, compare, report; pass
-stores between ours and the releases 0.19, 0.20 and 0.22.
+"""`make compat`: run hermes-agent 0.20.1.2 and 0.22.2.post1 each on its own state layer and on ours,
+compare, report; pass stores between ours and the releases 0.19, 0.20 and 0.22.
 
 Owns: the order of the run (venvs, overlay, API scenarios, in-process checks, end-to-end run, store
 round trips (`releases.py`), JSONL exports passed each way (`xport.py`)), the comparison of the
@@ -8,9 +8,10 @@ per scenario, the differences under each failure, and a closing `N passed, N fai
 code is non-zero on any failure. Must not touch: the repo's product modules (they are copied, never
 edited), any network but 127.0.0.1 during the end-to-end run.
 
-Usage: python3 compat/run.py [--only api|inprocess|e2e|releases|xport|fuzz] [--details N]
+Usage: python3 compat/run.py [--only api|inprocess|e2e|releases|xport|fuzz] [--side 0.20|0.22] [--details N]
 Environment: HERMES_COMPAT_CACHE (venv cache), COMPAT_PYTHON (the CPython that builds the venvs),
-COMPAT_KEEP=1 (keep the e2e temp homes), COMPAT_OUR_CONSTANTS=1 (diagnostic only, see docs/testing.md).
+COMPAT_KEEP=1 (keep the e2e temp homes), COMPAT_MODULES_FROM=DIR (run another checkout's state modules
+on the swap side), COMPAT_OUR_CONSTANTS=1 (diagnostic only, see docs/testing.md).
 """
 
 import argparse
@@ -33,7 +34,7 @@ import xport  # noqa: E402
 
 OUT = os.path.join(HERE, "out")
 DELIBERATE = os.path.join(HERE, "deliberate.txt")
-E2E_TIMEOUT = 900
+E2E_TIMEOUT = 1800  # from when run.py starts waiting; e2e.py's own budget stops it first
 API_TIMEOUT = 300
 INPROCESS_TIMEOUT = 900
 
@@ -199,15 +200,16 @@ def compare_api_scenario(ref, ours, paths):
 
 # ---- the in-process checks --------------------------------------------------------------------------
 
-def run_inprocess(kind, venv, overlay, self_check, mode):
+def run_inprocess(kind, venv, overlay, self_check, mode, out=OUT, release=venvs.REFERENCE_VERSION):
     """Start inprocess.py in one venv (`mode` '' for the scenarios, '--imports' for the import walk);
     return (Popen, out_file, log_file)."""
     name = "inprocess%s-%s" % (mode.replace("--", "-"), kind)
-    out_file, log_file = os.path.join(OUT, name + ".json"), os.path.join(OUT, name + ".log")
+    out_file, log_file = os.path.join(out, name + ".json"), os.path.join(out, name + ".log")
     env = venvs.target_env("ref" if self_check else kind, overlay)
+    env["COMPAT_RELEASE"] = release
     log = open(log_file, "w")
     cmd = [venvs.venv_python(venv), os.path.join(HERE, "inprocess.py")] + ([mode] if mode else []) + [out_file]
-    return subprocess.Popen(cmd, env=env, cwd=OUT, stdin=subprocess.DEVNULL, stdout=log, stderr=log), out_file, log_file
+    return subprocess.Popen(cmd, env=env, cwd=out, stdin=subprocess.DEVNULL, stdout=log, stderr=log), out_file, log_file
 
 
 def finish_inprocess(started):
@@ -225,17 +227,18 @@ def finish_inprocess(started):
     return out
 
 
-def compare_imports(ref, ours):
+def compare_imports(ref, ours, paths=None):
     """Return (differences, notes): a module the reference imports and ours does not is a difference; a
     module failing on both (an optional dependency hermes-agent lacks here) is a note."""
     if "died" in ours:
         return ["the import walk died in ours: " + ours["died"]], []
     diffs, notes = [], []
+    norm = normalise.Normaliser(paths)
     for name, why in sorted(ref["modules"].items()):
         if name not in ours["modules"]:
             diffs.append("%s: not walked in ours" % name)
         elif why is None and ours["modules"][name] is not None:
-            diffs.append("%s: ref imports it, ours fails: %s" % (name, ours["modules"][name]))
+            diffs.append("%s: ref imports it, ours fails: %s" % (name, norm.text(ours["modules"][name])))
         elif why is not None:
             notes.append("%s: fails on both (ref: %s)" % (name, why))
     return diffs, notes
@@ -255,7 +258,9 @@ def crash(lines):
 
 
 def compare_e2e_step(ref, ours, seen_rows):
-    out = []
+    # The 0.20 host check is no comparison: a message dict handed back with message_uid fails on either side.
+    out = ["host-check: %s: %s" % (side, line) for side, record in (("ref", ref), ("ours", ours))
+           for line in record.get("hostcheck", [])]
     ref_crash, our_crash = crash(ref["stderr"] + ref["stdout"]), crash(ours["stderr"] + ours["stdout"])
     if our_crash != ref_crash:
         # First, so the cause shows above the traceback's lines.
@@ -281,17 +286,23 @@ def compare_e2e_step(ref, ours, seen_rows):
     return out
 
 
-def run_api_worker(kind, venv, overlay, self_check):
-    """Return the API record of one venv, or {'died': why} when its worker crashed or hung."""
-    out_file, log_file = os.path.join(OUT, "api-%s.json" % kind), os.path.join(OUT, "api-%s.log" % kind)
+def start_api_worker(kind, venv, overlay, self_check, out=OUT, release=venvs.REFERENCE_VERSION):
+    """Start api_worker.py in one venv; return (Popen, out_file, log_file)."""
+    out_file, log_file = os.path.join(out, "api-%s.json" % kind), os.path.join(out, "api-%s.log" % kind)
     env = venvs.target_env("ref" if self_check else kind, overlay)
-    with open(log_file, "w") as log:
-        try:
-            status = subprocess.run([venvs.venv_python(venv), os.path.join(HERE, "api_worker.py"), out_file],
-                                    env=env, cwd=OUT, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    timeout=API_TIMEOUT).returncode
-        except subprocess.TimeoutExpired:
-            return {"died": "the API worker ran over %d s (a hang?)" % API_TIMEOUT}
+    cmd = [venvs.venv_python(venv), os.path.join(HERE, "api_worker.py"), out_file]
+    if release != venvs.REFERENCE_VERSION:
+        cmd += ["--release", release]
+    log = open(log_file, "w")
+    return subprocess.Popen(cmd, env=env, cwd=out, stdin=subprocess.DEVNULL, stdout=log, stderr=log), out_file, log_file
+
+
+def finish_api_worker(started):
+    """Return the API record of a started worker, or {'died': why} when it crashed or hung."""
+    proc, out_file, log_file = started
+    status = venvs.wait_or_kill(proc, API_TIMEOUT)
+    if status < 0:
+        return {"died": "the API worker ran over %d s (a hang?)" % API_TIMEOUT}
     if status != 0 or not os.path.exists(out_file):
         with open(log_file) as fh:
             last = (fh.read().strip().splitlines() or [""])[-1]
@@ -300,9 +311,10 @@ def run_api_worker(kind, venv, overlay, self_check):
         return json.load(fh)
 
 
-def run_e2e(kind, venv, overlay, out_file, log_file):
+def run_e2e(kind, venv, overlay, out_file, log_file, release=venvs.REFERENCE_VERSION):
     """Start e2e.py for one venv (in a private network namespace when possible); return the Popen."""
-    cmd = [sys.executable, os.path.join(HERE, "e2e.py"), "--kind", kind, "--venv", venv, "--out", out_file]
+    cmd = [sys.executable, os.path.join(HERE, "e2e.py"), "--kind", kind, "--venv", venv, "--out", out_file,
+           "--release", release]
     if overlay:
         cmd += ["--overlay", overlay]
     if shutil.which("unshare") and shutil.which("ip") and subprocess.run(
@@ -318,9 +330,63 @@ def run_e2e(kind, venv, overlay, out_file, log_file):
 
 # ---- report -----------------------------------------------------------------------------------------
 
+V22 = "0.22.2.post1"
+
+
+def side_prefix(release):
+    """Return the prefix of a side's scenario names: none for 0.20 (as before there were two), '0.22/'."""
+    return "" if release == venvs.REFERENCE_VERSION else release[:4] + "/"
+
+
+def side_of(name):
+    """Return the release a scenario name belongs to."""
+    return next((r for r in venvs.SIDES if side_prefix(r) and name.startswith(side_prefix(r))),
+                venvs.REFERENCE_VERSION)
+
+
+def side_out(release):
+    """Return (and make) the folder of a side's raw records: compat/out for 0.20, compat/out/0.22."""
+    folder = os.path.join(OUT, side_prefix(release).rstrip("/"))
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def compare_api_records(ref_api, our_api, paths, prefix, kind="api"):
+    """Return [(scenario, differences)] of two API-shaped records (the API worker's, inprocess.py's)."""
+    out = []
+    ours_by_name = {s["name"]: s for s in our_api.get("scenarios", [])}
+    for scenario in ref_api["scenarios"]:
+        ours = ours_by_name.get(scenario["name"])
+        if ours is None:
+            diffs = ["not run in ours: " + normalise.Normaliser(paths).text(our_api.get("died", "missing"))]
+        else:
+            diffs = compare_api_scenario(scenario, ours, paths)
+        out.append(("%s%s/%s" % (prefix, kind, scenario["name"]), diffs))
+    return out
+
+
+# Lines by which hermes-agent reports its own failure without a traceback: 0.22's FTS5 write probe
+# (an FTS5 'flush' command SQLite 3.40.1 rejects) and its read-only commands on a store it has not
+# migrated yet.
+REFERENCE_FAILURE_LINES = re.compile(r"fts5 write probe failed|session database needs migration")
+
+
+def reference_failures(ref_e2e):
+    """Return {step name: crash line} of the e2e steps where the reference itself failed."""
+    out = {}
+    for step in ref_e2e["steps"]:
+        lines = step["stderr"] + step["stdout"]
+        line = crash(lines) or next((l for l in lines if REFERENCE_FAILURE_LINES.search(l)), None)
+        if line or step["exit"] == "timeout":
+            out[step["name"]] = line or "timeout"
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("api", "inprocess", "e2e", "releases", "xport", "fuzz"))
+    parser.add_argument("--side", choices=("0.20", "0.22"),
+                        help="run one release's side only (releases and xport belong to the 0.20 side)")
     parser.add_argument("--details", type=int, default=12, help="differences printed per failed scenario")
     parser.add_argument("--self-check", action="store_true",
                         help="run the reference on both sides: any difference is noise in the harness itself")
@@ -328,13 +394,17 @@ def main(argv=None):
     started = time.monotonic()
     deliberate = load_deliberate()
     python = venvs.find_python()
-    ref_venv = venvs.ensure_venv("ref", python)
-    swap_venv = venvs.ensure_venv("swap", python)
+    sides = [release for release in venvs.SIDES if not args.side or release.startswith(args.side + ".")]
+    pairs = {}  # release -> (ref venv, swap venv)
+    for release in sides:
+        ref_venv = venvs.ensure_venv("ref", python, version=release)
+        swap_venv = venvs.ensure_venv("swap", python, version=release)
+        pairs[release] = (ref_venv, ref_venv if args.self_check else swap_venv)
     setup_seconds = time.monotonic() - started
-    if args.self_check:
-        swap_venv = ref_venv
     overlay = venvs.make_overlay()
-    paths = {venvs.site_packages(ref_venv): "<site>", venvs.site_packages(swap_venv): "<site>", overlay: "<site>"}
+    paths = {overlay: "<site>"}
+    for ref_venv, swap_venv in pairs.values():
+        paths.update({venvs.site_packages(ref_venv): "<site>", venvs.site_packages(swap_venv): "<site>"})
     diagnostic = os.environ.get("COMPAT_OUR_CONSTANTS") == "1"
     if diagnostic:
         shutil.copy2(os.path.join(venvs.REPO, "hermes_constants.py"), overlay)
@@ -344,75 +414,95 @@ def main(argv=None):
     os.makedirs(OUT)
     results = []  # (scenario, [differences])
     import_notes = []
+    ref_failures = {}  # scenario -> the reference's own crash line
+    timings = {}
+    e2e_procs = {}
     try:
-        timings = {}
+        # The end-to-end runs take longest and wait on their model server between steps: they start
+        # first and run beside the rest.
+        if args.only in (None, "e2e"):
+            e2e_started = time.monotonic()
+            for release, (ref_venv, swap_venv) in pairs.items():
+                for kind, venv in (("ref", ref_venv), ("swap", swap_venv)):
+                    files = [os.path.join(side_out(release), "e2e-%s.%s" % (kind, ext)) for ext in ("json", "log")]
+                    e2e_procs[(release, kind)] = run_e2e(
+                        kind, venv, overlay if kind == "swap" and not args.self_check else None,
+                        files[0], files[1], release)
         if args.only in (None, "api"):
             t0 = time.monotonic()
-            ref_api = run_api_worker("ref", ref_venv, overlay, args.self_check)
-            our_api = run_api_worker("swap", swap_venv, overlay, args.self_check)
-            if "died" in ref_api:
-                raise SystemExit("compat: the API scenarios failed on the reference itself: " + ref_api["died"])
-            ours_by_name = {s["name"]: s for s in our_api.get("scenarios", [])}
-            for scenario in ref_api["scenarios"]:
-                ours = ours_by_name.get(scenario["name"])
-                if ours is None:
-                    diffs = ["not run in ours: " + normalise.Normaliser(paths).text(our_api.get("died", "missing"))]
-                else:
-                    diffs = compare_api_scenario(scenario, ours, paths)
-                results.append(("api/" + scenario["name"], diffs))
+            started_api = {(release, kind): start_api_worker(kind, venv, overlay, args.self_check,
+                                                             side_out(release), release)
+                           for release, pair in pairs.items() for kind, venv in zip(("ref", "swap"), pair)}
+            for release in pairs:
+                ref_api = finish_api_worker(started_api[(release, "ref")])
+                our_api = finish_api_worker(started_api[(release, "swap")])
+                if "died" in ref_api:
+                    raise SystemExit("compat: the API scenarios failed on the reference %s itself: %s"
+                                     % (release, ref_api["died"]))
+                results.extend(compare_api_records(ref_api, our_api, paths, side_prefix(release)))
             timings["api"] = time.monotonic() - t0
         if args.only in (None, "inprocess"):
             t0 = time.monotonic()
-            started = {(kind, mode): run_inprocess(kind, venv, overlay, args.self_check, mode)
-                       for mode in ("", "--imports") for kind, venv in (("ref", ref_venv), ("swap", swap_venv))}
-            done = finish_inprocess(started)
-            for mode in ("", "--imports"):
-                if "died" in done[("ref", mode)]:
-                    raise SystemExit("compat: the in-process checks failed on the reference itself: "
-                                     + done[("ref", mode)]["died"])
-            ours_by_name = {s["name"]: s for s in done[("swap", "")].get("scenarios", [])}
-            for scenario in done[("ref", "")]["scenarios"]:
-                ours = ours_by_name.get(scenario["name"])
-                diffs = (compare_api_scenario(scenario, ours, paths) if ours is not None else
-                         ["not run in ours: " + done[("swap", "")].get("died", "missing")])
-                results.append(("inprocess/" + scenario["name"], diffs))
-            diffs, import_notes = compare_imports(done[("ref", "--imports")], done[("swap", "--imports")])
-            results.append(("inprocess/import-every-module", diffs))
+            for release, pair in pairs.items():
+                started_in = {(kind, mode): run_inprocess(kind, venv, overlay, args.self_check, mode,
+                                                          side_out(release), release)
+                              for mode in ("", "--imports") for kind, venv in zip(("ref", "swap"), pair)}
+                done = finish_inprocess(started_in)
+                for mode in ("", "--imports"):
+                    if "died" in done[("ref", mode)]:
+                        raise SystemExit("compat: the in-process checks failed on the reference %s itself: %s"
+                                         % (release, done[("ref", mode)]["died"]))
+                prefix = side_prefix(release)
+                results.extend(compare_api_records(done[("ref", "")], done[("swap", "")], paths, prefix,
+                                                   "inprocess"))
+                diffs, notes = compare_imports(done[("ref", "--imports")], done[("swap", "--imports")], paths)
+                results.append((prefix + "inprocess/import-every-module", diffs))
+                import_notes.extend(prefix + note for note in notes)
             timings["inprocess"] = time.monotonic() - t0
-        if args.only in (None, "e2e"):
-            t0 = time.monotonic()
-            procs = {kind: run_e2e(kind, venv, overlay if kind == "swap" and not args.self_check else None,
-                                   os.path.join(OUT, "e2e-%s.json" % kind), os.path.join(OUT, "e2e-%s.log" % kind))
-                     for kind, venv in (("ref", ref_venv), ("swap", swap_venv))}
-            for kind, proc in procs.items():
-                venvs.wait_or_kill(proc, E2E_TIMEOUT)
-                if proc.returncode != 0:
-                    with open(os.path.join(OUT, "e2e-%s.log" % kind)) as fh:
-                        tail = fh.read()[-3000:]
-                    raise SystemExit("compat: the e2e run on %s failed (exit %s):\n%s" % (kind, proc.returncode, tail))
-            with open(os.path.join(OUT, "e2e-ref.json")) as fh:
-                ref_e2e = json.load(fh)
-            with open(os.path.join(OUT, "e2e-swap.json")) as fh:
-                our_e2e = json.load(fh)
-            seen_rows = {}  # per HERMES_HOME of the run: a home's stored rows are its own
-            for ref_step, our_step in zip(ref_e2e["steps"], our_e2e["steps"]):
-                results.append(("e2e/" + ref_step["name"], compare_e2e_step(
-                    ref_step, our_step, seen_rows.setdefault(ref_step.get("home", ""), set()))))
-            timings["e2e"] = time.monotonic() - t0
-        if args.only in (None, "releases") and not args.self_check:
+        if args.only in (None, "releases") and not args.self_check and venvs.REFERENCE_VERSION in pairs:
             t0 = time.monotonic()
             results.extend(releases.run_all(python, overlay))
             timings["releases"] = time.monotonic() - t0
-        if args.only in (None, "xport"):
+        if args.only in (None, "xport") and venvs.REFERENCE_VERSION in pairs:
             t0 = time.monotonic()
+            ref_venv, swap_venv = pairs[venvs.REFERENCE_VERSION]
             results.extend(xport.run_all(ref_venv, swap_venv, None if args.self_check else overlay))
             timings["xport"] = time.monotonic() - t0
-        if args.only == "fuzz":  # not in the default run yet: see docs/testing.md, "Randomized and adversarial tests"
+        if args.only == "fuzz" and venvs.REFERENCE_VERSION in pairs:
+            # not in the default run yet: see docs/testing.md, "Randomized and adversarial tests"
             t0 = time.monotonic()
             import fuzz
+            ref_venv, swap_venv = pairs[venvs.REFERENCE_VERSION]
             results.extend(fuzz.run_all(ref_venv, swap_venv, None if args.self_check else overlay))
             timings["fuzz"] = time.monotonic() - t0
+        for release in pairs if e2e_procs else ():
+            for kind in ("ref", "swap"):
+                proc = e2e_procs[(release, kind)]
+                venvs.wait_or_kill(proc, E2E_TIMEOUT)
+                if proc.returncode != 0:
+                    with open(os.path.join(side_out(release), "e2e-%s.log" % kind)) as fh:
+                        tail = fh.read()[-3000:]
+                    raise SystemExit("compat: the e2e run of %s on %s failed (exit %s):\n%s"
+                                     % (release, kind, proc.returncode, tail))
+            records = {}
+            for kind in ("ref", "swap"):
+                with open(os.path.join(side_out(release), "e2e-%s.json" % kind)) as fh:
+                    records[kind] = json.load(fh)
+            prefix = side_prefix(release)
+            seen_rows = {}  # per HERMES_HOME of the run: a home's stored rows are its own
+            failing = reference_failures(records["ref"])
+            for ref_step, our_step in zip(records["ref"]["steps"], records["swap"]["steps"]):
+                name = prefix + "e2e/" + ref_step["name"]
+                if ref_step["name"] in failing:
+                    ref_failures[name] = failing[ref_step["name"]]
+                results.append((name, compare_e2e_step(
+                    ref_step, our_step, seen_rows.setdefault(ref_step.get("home", ""), set()))))
+        if e2e_procs:
+            timings["e2e"] = time.monotonic() - e2e_started
     finally:
+        for proc in e2e_procs.values():
+            if proc.poll() is None:
+                proc.kill()
         shutil.rmtree(overlay, ignore_errors=True)
 
     used = set()
@@ -428,6 +518,8 @@ def main(argv=None):
         else:
             passed += 1
         note = " (%d deliberate)" % excused if excused else ""
+        if name in ref_failures:
+            note += " (the reference itself fails: %s)" % ref_failures[name][:120]
         lines.append("%-*s  %s%s" % (width, name, "FAIL" if open_diffs else "PASS", note))
         if open_diffs:
             report.append((name, open_diffs))
@@ -436,6 +528,10 @@ def main(argv=None):
         full.append("")
         full.append("%s: %d difference(s)" % (name, len(open_diffs)))
         full.extend("  " + d for d in open_diffs)
+    if ref_failures:
+        full.append("")
+        full.append("%d end-to-end step(s) where the reference itself fails:" % len(ref_failures))
+        full.extend("  %s: %s" % item for item in sorted(ref_failures.items()))
     if import_notes:
         full.append("")
         full.append("inprocess/import-every-module: %d module(s) fail on the reference too:" % len(import_notes))
@@ -455,7 +551,7 @@ def main(argv=None):
               % len(import_notes))
         for note in import_notes[:args.details]:
             print("  " + (note if len(note) <= 220 else note[:217] + "..."))
-    stale = [p for p, _ in deliberate if p not in used]
+    stale = [p for p, _ in deliberate if p not in used] if not (args.only or args.side) else []
     if stale:
         print("\ncompat: deliberate entries that matched nothing (remove them when the gap is closed):")
         for pattern in stale:
@@ -467,6 +563,14 @@ def main(argv=None):
         print("compat: SELF-CHECK: the reference ran on both sides; a difference is the harness's own noise")
     if diagnostic:
         print("compat: DIAGNOSTIC RUN: our hermes_constants.py was copied too; this is not the drop-in test")
+    if ref_failures:
+        print("compat: %d end-to-end step(s) where the reference itself fails (marked above, listed in the report)"
+              % len(ref_failures))
+    failed_names = {name for name, _ in report}
+    for release in pairs:
+        mine = [name for name, _ in results if side_of(name) == release]
+        bad = sum(1 for name in mine if name in failed_names)
+        print("compat: %s side: %d passed, %d failed" % (release, len(mine) - bad, bad))
     print("%d passed, %d failed" % (passed, failed))
     return 1 if failed or diagnostic else 0
 

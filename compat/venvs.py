@@ -1,17 +1,20 @@
 """The Python environments `make compat` runs hermes-agent in, kept in a cache outside the repo.
 
-Owns: making, checking and describing the reference venv (`ref-<version>`: hermes-agent installed from
-PyPI, unmodified), the swap venv (`swap-<version>`: the same pinned install with the reference's
-five `hermes_state*.py` removed), the venvs of the other releases the store round trips share a store
-with (`release-<version>`: 0.22 and 0.19, unmodified, each from its own pinned requirements file), and
-the per-run overlay folder holding this checkout's `hermes_state*.py`. Must not touch: the repo's
+Owns: making, checking and describing, for each side (0.20.1.2 and 0.22.2.post1), the reference venv
+(hermes-agent installed from PyPI, unmodified: `ref-0.20.1.2`, and for 0.22 its `release-` venv) and
+the swap venv (`swap-<version>`: the same pinned install with every `hermes_state*.py` of the release
+removed, 5 for 0.20 and 33 for 0.22), the venvs of the other releases the store round trips share a
+store with (`release-<version>`: 0.22 and 0.19, unmodified, each from its own pinned requirements
+file), and the per-run overlay folder holding this checkout's `hermes_state*.py` (or those of
+`$COMPAT_MODULES_FROM`, another checkout). Must not touch: the repo's
 product modules (it only copies them), anything in the cache besides its own folders.
 
 Why an overlay instead of copying into the swap venv's site-packages: helpers and CI may run
 `make compat` from several checkouts at once on one machine; each run puts its own copies in a fresh
-temp folder first on PYTHONPATH, so runs never see each other's modules. With the reference's five
-deleted from the swap venv, a module we lack fails to import instead of silently falling back to the
-reference's. hermes-agent's own `hermes_constants.py` stays (DROP-IN.md): ours is never copied.
+temp folder first on PYTHONPATH, so runs never see each other's modules. With the release's own
+state modules deleted from the swap venv, a module we lack fails to import instead of silently
+falling back to the reference's. hermes-agent's own `hermes_constants.py` stays (DROP-IN.md): ours
+is never copied.
 
 The cache is `$HERMES_COMPAT_CACHE`, else `~/.cache/hermes_state_compat`. A venv is rebuilt when its
 stamp (requirements hash, Python version, kind) does not match; building holds a file lock, so two
@@ -32,20 +35,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 REQUIREMENTS = os.path.join(HERE, "requirements.txt")
 REFERENCE_VERSION = "0.20.1.2"
+# The releases `make compat` runs on their own state layer and on ours (a side each): version -> the
+# pinned requirements, the program's name and how many `hermes_state*.py` the release ships. The swap
+# venv of a side has exactly that many removed; a count that differs means the pin moved.
+SIDES = {
+    REFERENCE_VERSION: {"requirements": REQUIREMENTS, "program": "hermesx", "state_modules": 5},
+    "0.22.2.post1": {"requirements": os.path.join(HERE, "requirements-0.22.txt"), "program": "hermes",
+                     "state_modules": 33},
+}
 # The other releases that share stores with ours: version -> its pinned requirements (the reference
-# itself runs from the `ref` venv).
+# itself runs from the `ref` venv). 0.22's `release` venv is also its side's `ref` venv: both are the
+# unmodified pinned install.
 OTHER_RELEASES = {
-    "0.22.2.post1": os.path.join(HERE, "requirements-0.22.txt"),
+    "0.22.2.post1": SIDES["0.22.2.post1"]["requirements"],
     "0.19.0": os.path.join(HERE, "requirements-0.19.txt"),
 }
-# The reference's state layer: exactly these are removed from the swap venv.
-REFERENCE_STATE_MODULES = (
-    "hermes_state.py",
-    "hermes_state_common.py",
-    "hermes_state_portability.py",
-    "hermes_state_schema.py",
-    "hermes_state_search.py",
-)
 SUPPORTED_PYTHONS = ((3, 11), (3, 12), (3, 13))  # hermes-agent 0.20.1.2 requires >=3.11,<3.14
 
 
@@ -116,13 +120,20 @@ def _pip_install(path, log, requirements=REQUIREMENTS):
         raise SystemExit("compat: pip install failed (log %s):\n%s" % (log, tail))
 
 
-def _remove_reference_state(path):
+def host_state_modules(path):
+    """Return the `hermes_state*.py` the venv at `path` holds in site-packages (its host's state layer)."""
+    return sorted(glob.glob(os.path.join(site_packages(path), "hermes_state*.py")))
+
+
+def _remove_reference_state(path, version):
     site = site_packages(path)
-    for name in REFERENCE_STATE_MODULES:
-        target = os.path.join(site, name)
-        if os.path.exists(target):
-            os.remove(target)
-        stem = name[:-3]
+    found = host_state_modules(path)
+    if len(found) != SIDES[version]["state_modules"]:
+        raise SystemExit("compat: %s ships %d hermes_state*.py, not the %d expected (did the pin move?)"
+                         % (version, len(found), SIDES[version]["state_modules"]))
+    for target in found:
+        os.remove(target)
+        stem = os.path.basename(target)[:-3]
         for cached in glob.glob(os.path.join(site, "__pycache__", stem + ".*.pyc")):
             os.remove(cached)
 
@@ -131,9 +142,11 @@ def ensure_venv(kind, python, say=print, version=REFERENCE_VERSION):
     """Return the path of the `kind` ('ref', 'swap' or 'release' of `version`) venv, building it first
     when missing or stale."""
     root = cache_root()
-    requirements = REQUIREMENTS if kind != "release" else OTHER_RELEASES[version]
+    if kind == "ref" and version != REFERENCE_VERSION:
+        kind = "release"  # the same unmodified install: one venv serves both
+    requirements = OTHER_RELEASES[version] if kind == "release" else SIDES[version]["requirements"]
     path = os.path.join(root, "%s-%s" % (kind, version))
-    name = kind if kind != "release" else "release-" + version
+    name = os.path.basename(path)
     stamp_file = os.path.join(path, ".compat-stamp")
     want = _stamp(kind, python, requirements)
     with open(os.path.join(root, ".lock-" + name), "w") as lock:
@@ -141,6 +154,9 @@ def ensure_venv(kind, python, say=print, version=REFERENCE_VERSION):
         try:
             with open(stamp_file) as fh:
                 if fh.read() == want:
+                    if kind == "swap" and host_state_modules(path):
+                        raise SystemExit("compat: %s holds hermes_state*.py again: remove the folder to rebuild"
+                                         % path)
                     return path
         except OSError:
             pass
@@ -150,7 +166,7 @@ def ensure_venv(kind, python, say=print, version=REFERENCE_VERSION):
         subprocess.run([python, "-m", "venv", path], check=True)
         _pip_install(path, os.path.join(root, "pip-%s.log" % name), requirements)
         if kind == "swap":
-            _remove_reference_state(path)
+            _remove_reference_state(path, version)
         with open(stamp_file, "w") as fh:
             fh.write(want)
         say("compat: %s venv ready in %.0f s" % (kind, time.monotonic() - started))
@@ -166,13 +182,19 @@ def wait_or_kill(proc, timeout):
         return proc.wait()
 
 
-def our_state_modules(repo=REPO):
+def modules_source():
+    """Return the checkout whose state modules the swap side runs: this one, or $COMPAT_MODULES_FROM (another
+    worktree's root, to try the harness on newer modules without merging them)."""
+    return os.path.abspath(os.environ.get("COMPAT_MODULES_FROM") or REPO)
+
+
+def our_state_modules(repo=None):
     """Return the checkout's product state modules (hermes_state*.py, tests excluded), sorted."""
-    return sorted(p for p in glob.glob(os.path.join(repo, "hermes_state*.py")))
+    return sorted(glob.glob(os.path.join(repo or modules_source(), "hermes_state*.py")))
 
 
-def make_overlay(repo=REPO):
-    """Return a new temp folder holding copies of this checkout's hermes_state*.py (caller removes it)."""
+def make_overlay(repo=None):
+    """Return a new temp folder holding copies of the checkout's hermes_state*.py (caller removes it)."""
     overlay = tempfile.mkdtemp(prefix="hermes-compat-overlay-")
     for module in our_state_modules(repo):
         shutil.copy2(module, overlay)
@@ -192,7 +214,8 @@ def target_env(kind, overlay, base=None):
 
 if __name__ == "__main__":
     chosen = find_python()
-    for which in ("ref", "swap"):
-        print(ensure_venv(which, chosen))
+    for side in SIDES:
+        for which in ("ref", "swap"):
+            print(ensure_venv(which, chosen, version=side))
     for release in OTHER_RELEASES:
         print(ensure_venv("release", chosen, version=release))
