@@ -779,15 +779,42 @@ class SessionMaintenanceMixin:
         return self.fts_cjk_rebuild_status() is not None
 
 
+# The compression ancestors of every session a prune's filters leave: a compressed-away segment
+# ages with its conversation, so while a later segment stays it stays too (0.22's whole_lineages).
+_KEPT_ANCESTORS_SQL = """WITH RECURSIVE kept(id) AS (
+SELECT p.id FROM sessions AS c JOIN sessions AS p ON p.id = c.parent_session_id
+WHERE p.end_reason = 'compression'
+  AND NOT EXISTS (SELECT 1 FROM sessions AS s WHERE s.id = c.id AND {selected})
+UNION
+SELECT p.id FROM kept AS k JOIN sessions AS c ON c.id = k.id
+JOIN sessions AS p ON p.id = c.parent_session_id WHERE p.end_reason = 'compression')
+SELECT id FROM kept"""
+# hermes-agent 0.22's keywords beside the filters: `include_pinned` (a pin is a keep unless
+# asked), `lineage_tips_only` (a bulk archive matches a chain by its tip, never an old
+# ancestor on its own), `whole_lineages` (see _KEPT_ANCESTORS_SQL).
+_PRUNE_SCOPES = ("include_pinned", "lineage_tips_only", "whole_lineages")
+
+
 def _prune_where(older_than_days, source, filters):
     """(" AND ..." conditions, params) of hermes-agent's prune filters; pinned sessions are
     left out unless `include_pinned` (a pin is a keep, as in 0.22). TypeError for an unknown
     filter."""
-    unknown = sorted(set(filters) - set(_PRUNE_FILTERS) - {"include_pinned"})
+    unknown = sorted(set(filters) - set(_PRUNE_FILTERS) - set(_PRUNE_SCOPES))
     if unknown:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
     filters = dict(filters, source=source)
-    include_pinned = filters.pop("include_pinned", False)
+    include_pinned, tips_only, whole = (filters.pop(name, False) for name in _PRUNE_SCOPES)
+    where, params = _filter_where(older_than_days, filters)
+    where += "" if include_pinned else " AND COALESCE(s.pinned, 0) = 0"
+    where += " AND COALESCE(s.end_reason, '') <> 'compression'" if tips_only else ""
+    if whole:
+        kept = _KEPT_ANCESTORS_SQL.format(selected=_ENDED + where)
+        return f"{where} AND s.id NOT IN ({kept})", [*params, *params]
+    return where, params
+
+
+def _filter_where(older_than_days, filters):
+    """The conditions of the filters themselves (and the age `older_than_days` stands for)."""
     if older_than_days is not None and filters.get("last_active_before") is None \
             and filters.get("started_before") is None:
         filters["last_active_before"] = time.time() - older_than_days * 86400
@@ -803,7 +830,7 @@ def _prune_where(older_than_days, source, filters):
                 clause, values = sql, [_PRUNE_PARAM[kind](value)]
             where += " AND " + clause
             params.extend(values)
-    return where + ("" if include_pinned else " AND COALESCE(s.pinned, 0) = 0"), params
+    return where, params
 
 
 def _within(stamp, now, seconds):

@@ -345,6 +345,32 @@ class SweepAndPins(MaintenanceTestCase):
 
 class PruneAndArchive(MaintenanceTestCase):
 
+    def old_root_young_tip(self):
+        """An old compressed-away segment whose continuation is still young, and an old chain."""
+        self.session("root", days_ago=100, message_days_ago=100)
+        self.session("tip", days_ago=1, message_days_ago=1, parent_session_id="root")
+        self.session("old-root", days_ago=100, message_days_ago=100)
+        self.session("old-tip", days_ago=90, message_days_ago=90, parent_session_id="old-root")
+        self.sql("UPDATE sessions SET end_reason = 'compression' WHERE id IN ('root', 'old-root')")
+
+    def candidates(self, **filters):
+        return sorted(row["id"] for row in self.db.list_prune_candidates(30, **filters))
+
+    def test_whole_lineages_keeps_an_ancestor_while_its_continuation_stays(self):
+        # 0.22's prune: a compressed-away segment ages with its conversation.
+        self.old_root_young_tip()
+        self.assertEqual(self.candidates(), ["old-root", "old-tip", "root"])
+        self.assertEqual(self.candidates(whole_lineages=True), ["old-root", "old-tip"])
+        self.assertEqual(self.db.count_prune_matches(30, whole_lineages=True), 2)
+
+    def test_lineage_tips_only_matches_a_chain_by_its_tip(self):
+        # 0.22's bulk archive: an old ancestor never matches on its own age.
+        self.old_root_young_tip()
+        self.assertEqual(self.candidates(lineage_tips_only=True), ["old-tip"])
+        self.assertEqual(self.db.archive_sessions(30, lineage_tips_only=True), 1)
+        archived = self.raw(self.path).execute("SELECT id FROM sessions WHERE archived = 1")
+        self.assertEqual({row[0] for row in archived}, {"old-root", "old-tip"})  # with its tip
+
     def test_prune_deletes_the_candidates_and_their_files(self):
         self.session("old", days_ago=100, message_days_ago=100)
         self.session("old_open", days_ago=100, ended=False)
