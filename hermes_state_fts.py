@@ -41,6 +41,7 @@ from hermes_state_common import (
     SELECT_SCHEMA_OBJECTS_SQL, TABLE_EXISTS_SQL, TOOL_INDEX_PREFIX_CHARS, cjk_terms, placeholders,
     quote_identifier, store_file_bytes, trigger_writes,
 )
+from hermes_state_errors import is_fts_scoped_corruption_error
 from hermes_state_schema import (
     fts_layout_of, pause_between_chunks, read_meta, trigger_damage, write_meta)
 
@@ -225,6 +226,10 @@ class SessionSearchIndexMixin:
     `_checkpoint` and the attributes `db_path`, `policy`, `read_only`, `fts_caps`, `_commits`,
     `_cjk_drained` (SessionDB); `vacuum` (maintenance mixin).
     """
+
+    # hermes-agent 0.22's gateway asks the class whether a failed transcript write met damage in
+    # the search index only (one retry then), or in the store.
+    _is_fts_write_corruption_error = staticmethod(is_fts_scoped_corruption_error)
 
     # Leaf pages one step of an index merge writes: 500 took up to 0.6 s at 1M messages on a busy
     # 2-core machine, 200 up to 0.8 s with the checkpoint after it; issue 17's bound on a write-lock

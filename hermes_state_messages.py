@@ -68,6 +68,9 @@ class SessionMessagesMixin:
 
     # The columns _write_columns found, once per SessionDB.
     _message_columns = None
+    # hermes-agent 0.22's agent decodes a stored content through the class (a multimodal turn
+    # that re-entered its history as the stored string).
+    _decode_content = staticmethod(decode_content)
 
     # -- writes ------------------------------------------------------------------
 

@@ -351,3 +351,18 @@ class ResultCodes(TempDirTestCase):
                          (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED))
         self.assertEqual(hermes_state_errors._FOREIGN_KEY_CODE,
                          sqlite3.SQLITE_CONSTRAINT_FOREIGNKEY)
+
+
+class ClassLevelNames(TempDirTestCase):
+    """What hermes-agent 0.22's agent and gateway call on the SessionDB class itself."""
+
+    def test_decode_content_and_the_fts_corruption_rule(self):
+        from hermes_state_common import encode_content
+        parts = [{"type": "text", "text": "hi"}]
+        self.assertEqual(SessionDB._decode_content(encode_content(parts)), parts)
+        self.assertEqual(SessionDB._decode_content("plain"), "plain")
+        index = sqlite3.DatabaseError("fts5: corruption found reading blob 9 from table "
+                                      "messages_fts")
+        self.assertTrue(SessionDB._is_fts_write_corruption_error(index))
+        self.assertFalse(SessionDB._is_fts_write_corruption_error(
+            sqlite3.DatabaseError("database disk image is malformed")))
