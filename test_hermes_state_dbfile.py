@@ -3,7 +3,6 @@ generations, on real stores held by real processes."""
 
 import os
 import sqlite3
-import subprocess
 import sys
 import unittest
 
@@ -44,17 +43,8 @@ class DbFileTestCase(TempDirTestCase):
         return path
 
     def hold_open(self, path):
-        holder = subprocess.Popen([sys.executable, "-c", HOLD_WAL_OPEN, str(path)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-        def release():
-            if holder.poll() is None:
-                holder.stdin.close()
-                holder.wait(30)
-                holder.stdout.close()
-        self.addCleanup(release)
-        self.assertEqual(holder.stdout.readline().strip(), "held")
-        return holder.pid, release
+        release = self.held_by_another_process(HOLD_WAL_OPEN, path)
+        return release.pid, release
 
 
 class Stats(DbFileTestCase):

