@@ -21,6 +21,7 @@ if __name__ == "__main__":
 
 import asyncio
 import atexit
+import contextlib
 import contextvars
 import errno
 import functools
@@ -868,7 +869,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
         API, never as copies of live files, and without sidecars; then every other file, and a
         manifest of SHA-256s.
         """
-        out_path = Path(out_path).resolve()
+        # Not resolved: a link at OUT is replaced by the archive, never followed to its target.
+        out_path = Path(os.path.abspath(out_path))
         home = self.db_path.parent
         with tempfile.TemporaryDirectory(prefix="hermes-backup-") as scratch:
             store = Path(scratch) / STATE_DB_FILENAME
@@ -989,14 +991,24 @@ def _sha256_file(path):
 
 
 def _write_backup_zip(out_path, members):
+    """The archive, written to a new 0600 file beside `out_path` and then renamed over it: an
+    existing file's mode is not kept (a 0644 file would leave the home's secrets readable), a link
+    there is replaced, not followed, and a failure leaves no partial archive."""
     manifest = {"format": "hermes_state backup v1", "created_at": time.time(), "files": []}
-    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as archive:
-        for path, name in members:
-            archive.write(path, name)
-            manifest["files"].append(
-                {"name": name, "bytes": path.stat().st_size, "sha256": _sha256_file(path)})
-        archive.writestr(BACKUP_MANIFEST, json.dumps(manifest, indent=2))
+    fd, temporary = tempfile.mkstemp(prefix=f".{out_path.name[:80]}.", suffix=".part",
+                                     dir=out_path.parent)
+    try:
+        with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as archive:
+            for path, name in members:
+                archive.write(path, name)
+                manifest["files"].append(
+                    {"name": name, "bytes": path.stat().st_size, "sha256": _sha256_file(path)})
+            archive.writestr(BACKUP_MANIFEST, json.dumps(manifest, indent=2))
+        os.replace(temporary, out_path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
     return {"archive": str(out_path), "files": [f["name"] for f in manifest["files"]]}
 
 

@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import stat
 import subprocess
 import sys
 
@@ -117,3 +118,21 @@ class SmallPromises(StoreOfThree):
         forced = self.run_cli("backup", str(out), "--force")
         self.assertEqual(forced.returncode, 0, forced.stderr)
         self.assertEqual(out.read_bytes()[:2], b"PK")
+
+    def test_backup_never_follows_a_link_nor_keeps_a_files_mode(self):
+        planted = self.tmp / "bashrc"
+        planted.write_text("export PATH=/usr/bin\n")
+        link = self.tmp / "linked.zip"
+        link.symlink_to(planted)
+        loose = self.tmp / "loose.zip"
+        loose.write_bytes(b"old")
+        os.chmod(loose, 0o644)
+        for out in (link, loose):
+            with self.subTest(out=out.name):
+                done = self.run_cli("backup", str(out), "--force")
+                self.assertEqual(done.returncode, 0, done.stderr)
+                self.assertFalse(out.is_symlink())
+                self.assertEqual(stat.S_IMODE(os.lstat(out).st_mode), 0o600)
+                self.assertEqual(out.read_bytes()[:2], b"PK")
+        self.assertEqual(planted.read_text(), "export PATH=/usr/bin\n")
+        self.assertEqual(sorted(p.name for p in self.tmp.iterdir() if p.name.endswith(".part")), [])
