@@ -17,6 +17,7 @@ import math
 import re
 
 from hermes_state_common import decode_content, encode_content, loads_or
+from hermes_state_identity import loaded_view_content
 
 # Keys hermes-agent's compressor puts on a held dict.
 ABSORBED_ROW_IDS = "_absorbed_row_ids"  # row ids a repair merged into this dict
@@ -136,16 +137,9 @@ def _epoch(value):
         return None
     try:
         stamp = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer past a float
         return None
     return stamp if math.isfinite(stamp) else None
-
-
-def _loaded_view(role, content):
-    """Content as a conversation read hands it over: user and assistant text stripped."""
-    if role in ("user", "assistant") and isinstance(content, str):
-        return content.strip()
-    return content
 
 
 def _calls(value):
@@ -156,7 +150,7 @@ def _calls(value):
 def _identity(message):
     """(role, stored content, tool_call_id, tool calls) of a message dict, as its row holds them."""
     role = message.get("role", "unknown")
-    return (role, encode_content(_loaded_view(role, message.get("content"))),
+    return (role, encode_content(loaded_view_content(role, message.get("content"))),
             message.get("tool_call_id"), _calls(message.get("tool_calls")))
 
 
@@ -170,7 +164,7 @@ def _same_content_ids(conn, session_id, message):
     content = message.get("content")
     if not isinstance(content, str):
         return []
-    stored = encode_content(_loaded_view(message.get("role", "unknown"), content))
+    stored = encode_content(loaded_view_content(message.get("role", "unknown"), content))
     return [row[0] for row in conn.execute(
         "SELECT id FROM messages WHERE session_id = ? AND active = 1 AND role = ? AND content = ?",
         (session_id, message.get("role"), stored))]
@@ -192,7 +186,7 @@ def _retired_matches(conn, session_id, retired, watermark):
     want_calls = list(retired.get("tool_call_ids") or ())
     matches = []
     for row in _live_rows(conn, session_id, watermark, role):
-        content = _loaded_view(role, decode_content(row["content"]))
+        content = loaded_view_content(role, decode_content(row["content"]))
         calls = loads_or(row["tool_calls"], None) if row["tool_calls"] else None
         call_ids = ([call.get("id") for call in calls if isinstance(call, dict)]
                     if isinstance(calls, list) else [])
@@ -223,7 +217,7 @@ def _merged_user_run(conn, session_id, message, watermark):
         if len(matches) != 1:
             return None
         skipped.update(matches)
-    rows = [(row["id"], row["role"], _loaded_view(row["role"], decode_content(row["content"])))
+    rows = [(row["id"], row["role"], loaded_view_content(row["role"], decode_content(row["content"])))
             for row in _live_rows(conn, session_id, watermark) if row["id"] not in skipped]
     runs = []
     for start in range(len(rows)):

@@ -26,6 +26,7 @@ from hermes_state_common import (
     json_object, json_text, placeholders, require_text,
 )
 from hermes_state_errors import classify_persistence_error
+from hermes_state_pidns import holder_pid_checkable
 from hermes_state_schema import live_columns
 
 logger = logging.getLogger("hermes_state")
@@ -669,6 +670,11 @@ def holder_is_alive(holder):
     match = _HOLDER_PID.search(text)
     parts = text.split(":")
     if match:
+        if ":pidns=" in text and not holder_pid_checkable(text):
+            # Stamped by a process of another PID namespace (a container on a shared volume):
+            # that pid is not ours to probe, so its expiry decides. An unstamped holder (0.20
+            # writes none) is probed as before.
+            return True
         pid = int(match.group(1))
     elif len(parts) >= 2 and parts[0] == socket.gethostname() and parts[1].isdigit():
         pid = int(parts[1])

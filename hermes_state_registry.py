@@ -48,6 +48,19 @@ _opening = set()  # paths whose handle is being opened
 _closing = {}   # path -> how many real closes of its handles are running
 
 
+def _forget_after_fork():
+    """A forked child starts with no shared handles: the parent's connections are not the
+    child's to use, and a lock another thread held at the fork would never be released."""
+    global _changed
+    _changed = threading.Condition(threading.Lock())
+    for table in (_lent, _current, _opening, _closing):
+        table.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def _resolved(path):
     path = Path(path).expanduser()
     try:

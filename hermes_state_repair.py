@@ -35,6 +35,7 @@ from hermes_state_common import (
     hermes_agent_config_section,
 )
 from hermes_state_errors import is_capability_gap, is_sqlite_lock_error
+from hermes_state_dbfile import _connect_tracked_db
 from hermes_state_holders import foreign_state_db_holders, open_descriptors, read_only_db_uri
 
 logger = logging.getLogger("hermes_state")
@@ -106,9 +107,12 @@ def _schema_not_built(exc):
 
 def _connect(db_path, timeout=5.0):
     """An autocommit read-write connection to an existing store (never creates one), with the write
-    barriers taken where the schema lets them."""
-    conn = sqlite3.connect(f"{Path(db_path).resolve().as_uri()}?mode=rw", uri=True,
-                           isolation_level=None, timeout=timeout)
+    barriers taken where the schema lets them. Counted as ours until closed: while the repair
+    guard holds the store through it, no raw open of this process may close a descriptor of the
+    file and drop its locks."""
+    conn = _connect_tracked_db(f"{Path(db_path).resolve().as_uri()}?mode=rw",
+                               tracking_path=db_path, uri=True, isolation_level=None,
+                               timeout=timeout)
     _write_barriers(conn)
     return conn
 

@@ -74,6 +74,18 @@ class ArchiveHeldRows(CoverageTestCase):
             "suffix": [(0, 0), (1, 0)], "[older turns pruned]": [(1, 0)]})
         self.assertNotEqual(kept[3]["_row_id"], suffix, "the carried dict got its new row's id")
 
+    def test_a_carried_row_is_matched_as_a_read_shows_it_recalled_memory_left_out(self):
+        recalled = "ask <memory-context>recalled notes</memory-context>"
+        self.add("user", recalled, timestamp=10.0)
+        self.add("assistant", "summarised away", timestamp=11.0)
+        kept = self.db.get_messages_as_conversation("s", include_row_ids=True)
+        carried = {k: v for k, v in kept[0].items() if k != "_row_id"}
+        self.assertEqual(carried["content"], "ask")  # what the compressor holds
+        marker = {"role": "assistant", "content": "[older turns pruned]"}
+        self.db.archive_and_compact("s", [carried, marker], carried_messages=[carried])
+        # The original is rewound, not left compacted beside its live copy (found twice).
+        self.assertEqual(self.states()[recalled], [(0, 0)])
+
     def test_an_ambiguous_or_changed_carried_dict_stays_summarised(self):
         self.add("user", "same", timestamp=5.0)
         self.add("user", "same", timestamp=5.0)

@@ -262,6 +262,17 @@ class TurnLeases(StoreTestCase):
         proc.wait(timeout=30)
         self.assertTrue(self.db.try_acquire_session_turn_lease("s", "next"))
 
+    def test_a_holder_stamped_by_another_pid_namespace_waits_for_its_expiry(self):
+        # Its pid means another process there: probing it here could end a live turn.
+        foreign = f"pid={dead_pid()}:pidns=1:turn=x"
+        self.assertTrue(self.db.try_acquire_session_turn_lease("s", foreign, ttl_seconds=600))
+        self.assertFalse(self.db.try_acquire_session_turn_lease("s", "next"))
+        from hermes_state_pidns import holder_namespace_token
+        if holder_namespace_token():  # ours: stamped with this namespace, so probed
+            local = f"pid={dead_pid()}{holder_namespace_token()}:turn=y"
+            self.assertTrue(self.db.try_acquire_compression_lock("t", local, ttl_seconds=600))
+            self.assertTrue(self.db.try_acquire_compression_lock("t", "next"))
+
     def test_a_compression_lock_of_a_dead_pid_holder_is_taken_over(self):
         self.assertTrue(self.db.try_acquire_compression_lock("s", f"pid={dead_pid()}:compress", ttl_seconds=600))
         self.assertTrue(self.db.try_acquire_compression_lock("s", "pid=1:compress"))

@@ -5,6 +5,8 @@ import os
 import shutil
 import sqlite3
 import threading
+import time
+import unittest
 
 import hermes_state_registry as registry
 from hermes_constants import reset_hermes_home_override, set_hermes_home_override
@@ -214,3 +216,41 @@ class Threads(RegistryTestCase):
         self.assertEqual(registry.stats()["live_generations"], 0)
         with SessionDB(self.path) as db:
             self.assertEqual(db.session_count(), 90)
+
+
+class Fork(RegistryTestCase):
+
+    @unittest.skipUnless(hasattr(os, "fork"), "os.fork")
+    def test_a_child_forked_while_another_thread_held_the_registry_starts_clean(self):
+        parent = registry.acquire(self.tmp / "state.db")
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            with registry._changed:
+                held.set()
+                release.wait(30)
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(30)
+        pid = os.fork()
+        if pid == 0:  # the child: must neither hang on the lock nor lend the parent's handle
+            try:
+                child = registry.acquire(self.tmp / "state.db")
+                os._exit(0 if child is not parent and registry.stats()["total_refcounts"] == 1 else 2)
+            except BaseException:
+                os._exit(3)
+        release.set()
+        holder.join(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            self.fail("the forked child hung on the registry's lock")
+        self.assertEqual(os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode")
+                         else status >> 8, 0)
+        registry.release_or_close(parent)

@@ -206,8 +206,6 @@ RAW_OPENS = {
                                            "process holds a SQLite connection to it",
     ("hermes_state_lockguard", "_attach_lock_file"): "state.db.lock, one descriptor per process",
     ("hermes_state", "_sha256_file"): "backup members (never the store or a sidecar) and restore scratch",
-    ("hermes_state", "_write_backup_zip"): "the archive being written (its members: snapshots and "
-                                           "files SQLite does not hold)",
     ("hermes_constants", "_in_container"): "/proc files, never a store",
     ("hermes_state_cli", "_read_jsonl"): "the jsonl file being imported",
     ("hermes_state_cli", "main"): "os.devnull",
