@@ -1,0 +1,407 @@
+"""`make test-faults`: real power cuts, a full disk, I/O errors and a virtiofs-typed mount under
+this checkout's SessionDB.
+
+Owns: the cached fusepy venv (~/.cache/hermes_state_faults, HERMES_FAULTS_CACHE; made on first use
+from faults/requirements.txt, Debian's libfuse2 installed by apt when missing), the mounts it makes
+under a scratch folder (faultfs.py FUSE mounts, a 4 MB tmpfs) and their removal, and the report:
+one PASS/FAIL/SKIP line a scenario with its figure, then "N passed, N failed, N skipped". Must not
+touch: the product modules (workers are worker.py processes importing this checkout), any mount or
+process it did not make. Skips with the reason where mounts are not permitted (not root, no
+/dev/fuse, no libfuse2).
+
+Environment: FAULTS_POINTS (power-cut points per synchronous level, default 150),
+FAULTS_ONLY (comma-separated scenario name prefixes).
+"""
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKER = HERE / "worker.py"
+CACHE = Path(os.environ.get("HERMES_FAULTS_CACHE") or Path.home() / ".cache" / "hermes_state_faults")
+POINTS = int(os.environ.get("FAULTS_POINTS", "150"))
+ONLY = [p for p in os.environ.get("FAULTS_ONLY", "").split(",") if p]
+STEP_TIMEOUT = 120
+ENV = dict(os.environ, PYTHONPATH=str(REPO), HERMES_HOME="/nonexistent-hermes-home")
+RESULTS = []
+sys.path[:0] = [str(REPO), str(HERE)]  # worker.py's control client, over this checkout
+# Error texts that say what happened: a full disk, an I/O error, a read-only filesystem.
+DISK_FULL_WORDS = ("disk is full", "no space left", "disk full")
+IO_WORDS = ("i/o error", "input/output error")
+RO_WORDS = ("read-only", "readonly")
+
+
+def report(name, ok, figure, skipped=False):
+    word = "SKIP" if skipped else ("PASS" if ok else "FAIL")
+    RESULTS.append((name, word, figure))
+    print(f"{word} {name}: {figure}", flush=True)
+
+
+def wanted(name):
+    return not ONLY or any(name.startswith(p) for p in ONLY)
+
+
+# ---- setup ----------------------------------------------------------------------------------
+
+def why_not_mountable():
+    if os.geteuid() != 0:
+        return "not root: mounts are not permitted"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    return None
+
+
+def fuse_python():
+    """The venv's python with fusepy, after libfuse2 is present; None and a reason if not."""
+    if not any(Path(d).glob("libfuse.so.2*") for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib",
+                                                        "/lib/x86_64-linux-gnu")):
+        apt = subprocess.run(["apt-get", "install", "-y", "-qq", "libfuse2"],
+                             capture_output=True, text=True, timeout=600)
+        if apt.returncode:
+            return None, f"libfuse2 could not be installed: {apt.stderr.strip()[-200:]}"
+    venv = CACHE / "venv"
+    stamp = venv / "stamp"
+    want = (HERE / "requirements.txt").read_text()
+    if not (stamp.exists() and stamp.read_text() == want):
+        shutil.rmtree(venv, ignore_errors=True)
+        print(f"faults: building {venv} (once; pip from PyPI)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-input",
+                        "--disable-pip-version-check", "--require-hashes", "-r",
+                        str(HERE / "requirements.txt")], check=True, timeout=600)
+        stamp.write_text(want)
+    return str(venv / "bin" / "python"), None
+
+
+class Mount:
+    """A faultfs mount (subtype `subtype`) and its control socket."""
+
+    def __init__(self, python, root, subtype="faultfs"):
+        self.path = Path(tempfile.mkdtemp(dir=root, prefix=f"{subtype}-"))
+        self.sock = str(self.path) + ".sock"
+        self.proc = subprocess.Popen([python, str(HERE / "faultfs.py"), str(self.path), self.sock,
+                                      subtype], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 20
+        while not (os.path.ismount(self.path) and os.path.exists(self.sock)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"faultfs did not mount: {self.proc.stderr.read()[-300:]}")
+            time.sleep(0.05)
+        from worker import control
+        self.ask = control(self.sock)
+
+    def close(self):
+        subprocess.run(["umount", "-l", str(self.path)], capture_output=True, timeout=60)
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def work(*args, timeout=STEP_TIMEOUT):
+    try:
+        done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True,
+                              text=True, timeout=timeout, env=ENV, cwd=str(REPO))
+    except subprocess.TimeoutExpired:
+        return 124, f"hung: no answer in {timeout}s"
+    return done.returncode, (done.stdout.strip() or done.stderr.strip())
+
+
+def check(db, acks_file, k):
+    code, text = work("check", str(db), str(acks_file), str(k))
+    try:
+        return json.loads(text.splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"k": k, "opened": False, "error": f"checker died: {text[-300:]}", "lost": [],
+                "integrity": None, "fts": None, "ro_error": None}
+
+
+def store_whole(result):
+    return (result.get("opened") and result.get("integrity") == "ok"
+            and result.get("fts") == "ok" and not result.get("error"))
+
+
+# ---- power loss -----------------------------------------------------------------------------
+
+def power_loss(python, root, sync):
+    mount = Mount(python, root)
+    try:
+        db = mount.path / "home" / "state.db"
+        mount.ask("reset")
+        os.mkdir(mount.path / "home")
+        started = time.monotonic()
+        code, text = work("agent", str(db), mount.sock, sync, timeout=600)
+        if code:
+            return report(f"power-loss-{sync}", False, f"the agent run failed: {text[-300:]}")
+        run_s = time.monotonic() - started
+        kinds = mount.ask("kinds")
+        acks = mount.ask("acks")
+        syncs = [i + 1 for i, k in enumerate(kinds) if k == "fsync"]
+        points = sorted(set(p for s in syncs for p in (s - 1, s) if p > 0))
+        rest = [i for i in range(1, len(kinds) + 1) if i not in set(points)]
+        room = max(POINTS - len(points), 0)
+        if len(points) > POINTS:  # every sync boundary when they fit, else evenly sampled
+            points = points[::max(1, len(points) // (POINTS // 2))]
+            room = POINTS - len(points)
+        if room and rest:
+            points += rest[::max(1, len(rest) // room)][:room]
+        points = sorted(set(points))
+        acks_file = Path(root) / f"acks-{sync}.json"
+        acks_file.write_text(json.dumps(acks))
+        corrupt, lost, ro_errors, not_one_line = [], [], {}, 0
+        for k in points:
+            mount.ask("restore", k)
+            result = check(db, acks_file, k)
+            if not store_whole(result):
+                corrupt.append(f"k={k}: {result.get('error') or result.get('integrity')} "
+                               f"{result.get('fts')}")
+            lost.append(len(result.get("lost") or []))
+            if result.get("ro_error"):
+                ro_errors[result["ro_error"][:90]] = ro_errors.get(result["ro_error"][:90], 0) + 1
+        calls = sum(1 for spec, _ in acks if spec[0] != "closed")
+        figure = (f"{len(points)} cuts over {len(kinds)} boundaries ({len(syncs)} syncs) of "
+                  f"{calls} API calls (run {run_s:.1f}s); stores corrupted {len(corrupt)}; "
+                  f"acknowledged calls lost: max {max(lost)}, median "
+                  f"{statistics.median(lost):g}, cuts losing any {sum(1 for n in lost if n)}")
+        if ro_errors:
+            figure += "; read-only open failed: " + "; ".join(
+                f"{n}x {text}" for text, n in ro_errors.items())
+        if corrupt:
+            figure += "; first corrupt: " + corrupt[0]
+        report(f"power-loss-synchronous-{sync}", not corrupt and max(lost) == 0, figure)
+    finally:
+        mount.close()
+
+
+# ---- disk full --------------------------------------------------------------------------------
+
+ENOSPC_OPS = ("append", "batch", "import", "export", "backup", "restore", "optimize", "vacuum",
+              "checkpoint")
+
+
+def fill(folder):
+    """Write a filler file until the filesystem refuses: a real ENOSPC for whatever comes next."""
+    filler = Path(folder) / "filler"
+    with open(filler, "wb") as out:
+        try:
+            while True:
+                out.write(b"\0" * 4096)
+                out.flush()
+        except OSError:
+            pass
+    return filler
+
+
+def disk_full(root, base_home, archive):
+    tmpfs = Path(tempfile.mkdtemp(dir=root, prefix="tmpfs-"))
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(tmpfs)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        for op in ENOSPC_OPS:
+            report(f"disk-full-{op}", False, f"tmpfs not mounted: {mounted.stderr.strip()}", True)
+        return
+    try:
+        for op in ENOSPC_OPS:
+            if not wanted(f"disk-full-{op}"):
+                continue
+            shutil.rmtree(tmpfs / "home", ignore_errors=True)
+            for leftover in tmpfs.iterdir():
+                shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+            shutil.copytree(base_home, tmpfs / "home")
+            db = tmpfs / "home" / "state.db"
+            out = {"export": tmpfs / "export.json", "backup": tmpfs / "backup.zip",
+                   "restore": archive}.get(op, "")
+            filler = fill(tmpfs)
+            code, text = work("op", op, str(db), str(out))
+            lines = text.splitlines()
+            clear = code != 0 and len(lines) == 1 and any(w in text.lower() for w in DISK_FULL_WORDS)
+            half = op in ("export", "backup") and Path(out).exists() and Path(out).stat().st_size
+            whole = check(db, tmpfs / "no-acks.json", 0) if (tmpfs / "no-acks.json").write_text(
+                "[]") else None
+            filler.unlink()
+            again, again_text = work("op", op, str(db), str(out))
+            ok = clear and not half and store_whole(whole) and again == 0
+            figure = (f"while full: {'failed' if code else 'SUCCEEDED'} with "
+                      f"{text[:160]!r}{' (not one clear disk-full line)' if code and not clear else ''}"
+                      f"; half-written output: {'yes' if half else 'no'}; store afterwards: "
+                      f"{'whole' if store_whole(whole) else whole}; after freeing space: "
+                      f"{'OK' if again == 0 else again_text[:160]}")
+            report(f"disk-full-{op}", ok, figure)
+    finally:
+        subprocess.run(["umount", "-l", str(tmpfs)], capture_output=True)
+
+
+# ---- I/O errors -------------------------------------------------------------------------------
+
+EIO_OPS = ("append", "batch", "import", "export", "backup", "optimize", "vacuum", "read")
+EIO_SWEEP = 5  # values of n per kind (read, write), spread over the operation's own count
+
+
+def io_errors(python, root, base_home):
+    mount = Mount(python, root)
+    try:
+        files = {f"/home/{p.name}": p.read_bytes() for p in Path(base_home).iterdir()}
+        os.mkdir(mount.path / "home")
+        for op in EIO_OPS:
+            if not wanted(f"io-error-{op}"):
+                continue
+            db = mount.path / "home" / "state.db"
+            out = mount.path / "out.bin"
+            mount.ask("reset")
+            os.makedirs(mount.path / "home", exist_ok=True)
+            for name, content in files.items():
+                (mount.path / name.lstrip("/")).write_bytes(content)
+            mount.ask("mark")
+            before = mount.ask("counts")
+            code, text = work("op", op, str(db), str(out))
+            after = mount.ask("counts")
+            if code:
+                report(f"io-error-{op}", False, f"fails with no fault: {text[:200]}")
+                continue
+            trials, corrupt, unclear, swallowed, hung = 0, [], [], 0, 0
+            for kind, total in (("read", after[0] - before[0]), ("write", after[1] - before[1])):
+                for n in sorted(set(max(1, total * i // EIO_SWEEP) for i in range(1, EIO_SWEEP + 1))):
+                    mount.ask("revert")
+                    if out.exists():
+                        out.unlink()
+                    mount.ask("eio", kind, n)
+                    code, text = work("op", op, str(db), str(out), timeout=60)
+                    mount.ask("eio", kind, None)
+                    trials += 1
+                    hung += code == 124
+                    if code == 0:
+                        swallowed += 1
+                    elif len(text.splitlines()) != 1 or not any(
+                            w in text.lower() for w in IO_WORDS) or "malformed" in text.lower():
+                        unclear.append(f"{kind} #{n}: {text.splitlines()[0][:110]}")
+                    result = check(db, mount.path / "no-acks.json", 0) if (
+                        mount.path / "no-acks.json").write_text("[]") else None
+                    if not store_whole(result):
+                        corrupt.append(f"{kind} #{n}: {result.get('error') or result.get('integrity')}")
+            figure = (f"{trials} faults (n swept over {after[0] - before[0]} reads, "
+                      f"{after[1] - before[1]} writes): corrupted {len(corrupt)}, hung {hung}, "
+                      f"absorbed (call succeeded) {swallowed}, errors not one clear I/O line "
+                      f"{len(unclear)}")
+            if unclear:
+                figure += f"; e.g. {unclear[0]!r}"
+            if corrupt:
+                figure += f"; e.g. {corrupt[0]!r}"
+            report(f"io-error-{op}", not corrupt and not unclear and not hung, figure)
+    finally:
+        mount.close()
+
+
+# ---- read-only and virtiofs ---------------------------------------------------------------------
+
+def read_only(python, root, base_home):
+    mount = Mount(python, root)
+    try:
+        shutil.copytree(base_home, mount.path / "home")
+        code, text = work("rofs", str(mount.path / "home" / "state.db"), mount.sock)
+        try:
+            result = json.loads(text.splitlines()[-1])
+        except (ValueError, IndexError):
+            return report("read-only-under-writer", False, f"worker died: {text[-300:]}")
+        error = result.get("write_error") or ""
+        says = any(w in error.lower() for w in RO_WORDS)
+        report("read-only-under-writer", bool(error) and says and result.get("read_ok"),
+               f"write: {error[:150] or 'SUCCEEDED'}{'' if says else ' (does not say read-only)'}; "
+               f"reads go on: {'yes' if result.get('read_ok') else result.get('read_error')}")
+    finally:
+        mount.close()
+    # A real remount while the writer holds the file open, for the record.
+    tmpfs = Path(tempfile.mkdtemp(dir=root, prefix="tmpfs-ro-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(tmpfs)], check=True)
+    try:
+        with open(tmpfs / "held", "w"):
+            remount = subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)],
+                                     capture_output=True, text=True)
+        report("read-only-remount-tmpfs", True, "the kernel refuses a read-only remount while a "
+               f"file is open for writing ({' '.join(remount.stderr.split())[:90] or 'it allowed it'}); "
+               "the fault above is faultfs answering EROFS, as ext4's errors=remount-ro does",
+               skipped=remount.returncode != 0)
+    finally:
+        subprocess.run(["umount", "-l", str(tmpfs)], capture_output=True)
+
+
+def cross_vm(python, root):
+    for subtype in ("virtiofs",):  # 0.22 refuses fuse.virtiofs; a FUSE "9p" is no 9p
+        mount = Mount(python, root, subtype)
+        try:
+            fstype = next((line.split()[2] for line in open("/proc/mounts")
+                           if line.split()[1] == str(mount.path)), "?")
+            db = mount.path / "home" / "state.db"
+            code, text = work("op", "make", str(db), "5")
+            import sqlite3
+            mode = sqlite3.connect(str(db)).execute("PRAGMA journal_mode").fetchone()[0] \
+                if code == 0 else text[:150]
+            probe = subprocess.run(
+                [sys.executable, "-c", "import hermes_state_wal as w, sys; "
+                 "f = getattr(w, '_path_on_cross_vm_fs', None); "
+                 "print('missing' if f is None else f(sys.argv[1]))", str(db)],
+                capture_output=True, text=True, env=ENV, cwd=str(REPO))
+            detected = probe.stdout.strip() or probe.stderr.strip()[-120:]
+            report(f"cross-vm-{fstype}", mode != "wal" and detected == "True",
+                   f"mount type {fstype}: a new store's journal mode is {mode}; "
+                   f"hermes_state_wal._path_on_cross_vm_fs says {detected}")
+        finally:
+            mount.close()
+    report("cross-vm-kernel-virtiofs-9p-nfs-smb", True, "the kernel's virtiofs, 9p, NFS and SMB "
+           "need a host or server this machine does not have", skipped=True)
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def main():
+    started = time.monotonic()
+    reason = why_not_mountable()
+    python = None
+    if reason is None:
+        python, reason = fuse_python()
+    if reason is not None:
+        report("all", True, reason, skipped=True)
+    else:
+        root = tempfile.mkdtemp(prefix="hermes-faults-")
+        try:
+            base = Path(root) / "base" / "home"
+            base.mkdir(parents=True)
+            code, text = work("op", "make", str(base / "state.db"), "600")
+            if code:
+                raise SystemExit(f"faults: could not make the base store: {text}")
+            for extra in base.iterdir():
+                if extra.name != "state.db":
+                    extra.unlink()
+            archive = Path(root) / "base-backup.zip"
+            code, text = work("op", "backup", str(base / "state.db"), str(archive))
+            for sync in ("NORMAL", "FULL"):
+                if wanted(f"power-loss-synchronous-{sync}"):
+                    power_loss(python, root, sync)
+            if any(wanted(f"disk-full-{op}") for op in ENOSPC_OPS):
+                disk_full(root, base, archive)
+            if any(wanted(f"io-error-{op}") for op in EIO_OPS):
+                io_errors(python, root, base)
+            if wanted("read-only"):
+                read_only(python, root, base)
+            if wanted("cross-vm"):
+                cross_vm(python, root)
+        finally:
+            for line in open("/proc/mounts"):
+                if line.split()[1].startswith(root):
+                    subprocess.run(["umount", "-l", line.split()[1]], capture_output=True)
+            shutil.rmtree(root, ignore_errors=True)
+    counts = {w: sum(1 for r in RESULTS if r[1] == w) for w in ("PASS", "FAIL", "SKIP")}
+    print(f"({time.monotonic() - started:.0f}s on {os.cpu_count()} cores)")
+    print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    sys.exit(1 if counts["FAIL"] else 0)
+
+
+if __name__ == "__main__":
+    main()
