@@ -51,6 +51,7 @@ class FaultFS(Operations):
         self.eio = None  # (kind, count-at-which-to-fail)
         self.rofs = False
         self.saved = None
+        self.recorded = None  # the run a power cut is chosen in, kept while restores change files
 
     # -- the model --------------------------------------------------------------------------
     def _record(self, *entry):
@@ -60,8 +61,13 @@ class FaultFS(Operations):
     def image(self, k):
         """{path: bytes} a power cut after the first k logged operations leaves (folders kept)."""
         data, durable, names, durable_names = {}, {}, {}, {}
-        for entry in self.log[:k]:
+        for entry in self.recorded[:k]:
             op = entry[0]
+            if op in ("write", "truncate", "fsync") and entry[2] is not None \
+                    and entry[2] not in data:
+                continue  # a -shm file's, under a name it was not created with
+            if op == "rename" and entry[1] not in names:
+                continue
             if op == "create":
                 _, path, ino = entry
                 names[path] = ino
@@ -270,6 +276,8 @@ class FaultFS(Operations):
             if op == "counts":
                 return [self.reads, self.writes]
             if op == "restore":
+                if self.recorded is None:
+                    self.recorded = list(self.log)
                 self.load(self.image(cmd[1]))
                 return True
             if op == "reset":
@@ -300,7 +308,11 @@ def serve(fs, sock_path):
     def client(conn):
         with conn, conn.makefile("rw") as stream:
             for line in stream:
-                stream.write(json.dumps(fs.control(json.loads(line))) + "\n")
+                try:
+                    answer = fs.control(json.loads(line))
+                except Exception as exc:  # noqa: BLE001 (the runner shows it)
+                    answer = f"faultfs error: {type(exc).__name__}: {exc!r}"
+                stream.write(json.dumps(answer) + "\n")
                 stream.flush()
 
     while True:
@@ -315,7 +327,7 @@ def main():
     threading.Thread(target=serve, args=(fs, sock_path), daemon=True).start()
     FUSE(fs, mount, foreground=True, raw_fi=True, nothreads=False, allow_other=True,
          subtype=subtype, fsname="faultfs", attr_timeout=0, entry_timeout=0,
-         negative_timeout=0, use_ino=True)
+         negative_timeout=0, use_ino=True, hard_remove=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ touch: the product modules (workers are worker.py processes importing this check
 process it did not make. Skips with the reason where mounts are not permitted (not root, no
 /dev/fuse, no libfuse2).
 
-Environment: FAULTS_POINTS (power-cut points per synchronous level, default 150),
+Environment: FAULTS_POINTS (power-cut points per synchronous level, default 100),
 FAULTS_ONLY (comma-separated scenario name prefixes).
 """
 
@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORKER = HERE / "worker.py"
 CACHE = Path(os.environ.get("HERMES_FAULTS_CACHE") or Path.home() / ".cache" / "hermes_state_faults")
-POINTS = int(os.environ.get("FAULTS_POINTS", "150"))
+POINTS = int(os.environ.get("FAULTS_POINTS", "100"))
 ONLY = [p for p in os.environ.get("FAULTS_ONLY", "").split(",") if p]
 STEP_TIMEOUT = 120
 ENV = dict(os.environ, PYTHONPATH=str(REPO), HERMES_HOME="/nonexistent-hermes-home")
@@ -158,12 +158,16 @@ def power_loss(python, root, sync):
         acks_file.write_text(json.dumps(acks))
         corrupt, lost, ro_errors, not_one_line = [], [], {}, 0
         for k in points:
-            mount.ask("restore", k)
+            answer = mount.ask("restore", k)
+            if answer is not True:
+                raise RuntimeError(f"faultfs could not restore boundary {k}: {answer}")
             result = check(db, acks_file, k)
             if not store_whole(result):
                 corrupt.append(f"k={k}: {result.get('error') or result.get('integrity')} "
                                f"{result.get('fts')}")
             lost.append(len(result.get("lost") or []))
+            if lost[-1] == max(lost):
+                worst = (k, sum(1 for _, at in acks if at <= k), (result.get("lost") or [""])[0])
             if result.get("ro_error"):
                 ro_errors[result["ro_error"][:90]] = ro_errors.get(result["ro_error"][:90], 0) + 1
         calls = sum(1 for spec, _ in acks if spec[0] != "closed")
@@ -171,6 +175,7 @@ def power_loss(python, root, sync):
                   f"{calls} API calls (run {run_s:.1f}s); stores corrupted {len(corrupt)}; "
                   f"acknowledged calls lost: max {max(lost)}, median "
                   f"{statistics.median(lost):g}, cuts losing any {sum(1 for n in lost if n)}")
+        figure += "; worst cut at boundary {} ({} calls acknowledged; lost e.g. {!r})".format(*worst)
         if ro_errors:
             figure += "; read-only open failed: " + "; ".join(
                 f"{n}x {text}" for text, n in ro_errors.items())

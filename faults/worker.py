@@ -124,11 +124,11 @@ def check(db_path, acks_path, k):
             kind = spec[0]
             if kind == "msg" or kind == "batch":
                 texts = [spec[2]] if kind == "msg" else spec[2]
-                for text in texts:
-                    n = conn.execute("SELECT count(*) FROM messages WHERE session_id = ? AND "
-                                     "content = ?", (spec[1], text)).fetchone()[0]
-                    if not n:
-                        out["lost"].append(f"{kind} {text[:30]}")
+                missing = [t for t in texts if not conn.execute(
+                    "SELECT 1 FROM messages WHERE session_id = ? AND content = ?",
+                    (spec[1], t)).fetchone()]
+                if missing:  # one lost call, however many of its rows
+                    out["lost"].append(f"{kind} {missing[0][:30]}")
             elif kind in ("session", "import"):
                 if not conn.execute("SELECT 1 FROM sessions WHERE id = ?", (spec[1],)).fetchone():
                     if not any(s[0] == "gone" and s[1] == spec[1] for s, _ in acks):
