@@ -34,7 +34,7 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO), HERMES_HOME="/nonexistent-hermes-ho
 RESULTS = []
 sys.path[:0] = [str(REPO), str(HERE)]  # worker.py's control client, over this checkout
 # Error texts that say what happened: a full disk, an I/O error, a read-only filesystem.
-DISK_FULL_WORDS = ("disk is full", "no space left", "disk full")
+DISK_FULL_WORDS = ("disk is full", "no space left", "disk full", " bytes free")
 IO_WORDS = ("i/o error", "input/output error")
 RO_WORDS = ("read-only", "readonly")
 
@@ -192,31 +192,43 @@ ENOSPC_OPS = ("append", "batch", "import", "export", "backup", "restore", "optim
               "checkpoint")
 
 
-def fill(folder):
-    """Write a filler file until the filesystem refuses: a real ENOSPC for whatever comes next."""
+def fill(folder, leave=0):
+    """Write a filler file until the filesystem refuses, then give back `leave` bytes: a real
+    ENOSPC for whatever needs more than that (the store's open needs its -shm's 32 KiB)."""
     filler = Path(folder) / "filler"
-    with open(filler, "wb") as out:
-        try:
-            while True:
-                out.write(b"\0" * 4096)
-                out.flush()
-        except OSError:
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, b"\0" * 4096):
             pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    if leave:
+        os.truncate(filler, max(0, filler.stat().st_size - leave))
     return filler
 
 
 def disk_full(root, base_home, archive):
+    no_acks = Path(root) / "no-acks.json"
+    no_acks.write_text("[]")
+    for op in ENOSPC_OPS:
+        if wanted(f"disk-full-{op}"):
+            for leave in (0, 40 * 1024):
+                disk_full_op(root, base_home, archive, no_acks, op, leave)
+
+
+def disk_full_op(root, base_home, archive, no_acks, op, leave):
+    # restore_home wants the WAL size limit (64 MiB) free beside the files before it starts.
+    size = "80m" if op == "restore" else "4m"
+    name = f"disk-full-{op}" + ("-at-open" if not leave else "")
     tmpfs = Path(tempfile.mkdtemp(dir=root, prefix="tmpfs-"))
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(tmpfs)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(tmpfs)],
                              capture_output=True, text=True)
     if mounted.returncode:
-        for op in ENOSPC_OPS:
-            report(f"disk-full-{op}", False, f"tmpfs not mounted: {mounted.stderr.strip()}", True)
-        return
+        return report(name, False, f"tmpfs not mounted: {mounted.stderr.strip()}", True)
     try:
-        for op in ENOSPC_OPS:
-            if not wanted(f"disk-full-{op}"):
-                continue
+        if True:
             shutil.rmtree(tmpfs / "home", ignore_errors=True)
             for leftover in tmpfs.iterdir():
                 shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
@@ -224,14 +236,13 @@ def disk_full(root, base_home, archive):
             db = tmpfs / "home" / "state.db"
             out = {"export": tmpfs / "export.json", "backup": tmpfs / "backup.zip",
                    "restore": archive}.get(op, "")
-            filler = fill(tmpfs)
+            filler = fill(tmpfs, leave)
             code, text = work("op", op, str(db), str(out))
             lines = text.splitlines()
             clear = code != 0 and len(lines) == 1 and any(w in text.lower() for w in DISK_FULL_WORDS)
             half = op in ("export", "backup") and Path(out).exists() and Path(out).stat().st_size
-            whole = check(db, tmpfs / "no-acks.json", 0) if (tmpfs / "no-acks.json").write_text(
-                "[]") else None
-            filler.unlink()
+            filler.unlink()  # the checker's own open may need a page
+            whole = check(db, no_acks, 0)
             again, again_text = work("op", op, str(db), str(out))
             ok = clear and not half and store_whole(whole) and again == 0
             figure = (f"while full: {'failed' if code else 'SUCCEEDED'} with "
@@ -239,7 +250,7 @@ def disk_full(root, base_home, archive):
                       f"; half-written output: {'yes' if half else 'no'}; store afterwards: "
                       f"{'whole' if store_whole(whole) else whole}; after freeing space: "
                       f"{'OK' if again == 0 else again_text[:160]}")
-            report(f"disk-full-{op}", ok, figure)
+            report(name, ok, figure)
     finally:
         subprocess.run(["umount", "-l", str(tmpfs)], capture_output=True)
 
@@ -251,6 +262,8 @@ EIO_SWEEP = 5  # values of n per kind (read, write), spread over the operation's
 
 
 def io_errors(python, root, base_home):
+    no_acks = Path(root) / "no-acks.json"
+    no_acks.write_text("[]")
     mount = Mount(python, root)
     try:
         files = {f"/home/{p.name}": p.read_bytes() for p in Path(base_home).iterdir()}
@@ -287,8 +300,7 @@ def io_errors(python, root, base_home):
                     elif len(text.splitlines()) != 1 or not any(
                             w in text.lower() for w in IO_WORDS) or "malformed" in text.lower():
                         unclear.append(f"{kind} #{n}: {text.splitlines()[0][:110]}")
-                    result = check(db, mount.path / "no-acks.json", 0) if (
-                        mount.path / "no-acks.json").write_text("[]") else None
+                    result = check(db, no_acks, 0)
                     if not store_whole(result):
                         corrupt.append(f"{kind} #{n}: {result.get('error') or result.get('integrity')}")
             figure = (f"{trials} faults (n swept over {after[0] - before[0]} reads, "
@@ -378,7 +390,7 @@ def main():
         try:
             base = Path(root) / "base" / "home"
             base.mkdir(parents=True)
-            code, text = work("op", "make", str(base / "state.db"), "600")
+            code, text = work("op", "make", str(base / "state.db"), "300")
             if code:
                 raise SystemExit(f"faults: could not make the base store: {text}")
             for extra in base.iterdir():
