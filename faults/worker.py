@@ -9,6 +9,8 @@ Owns nothing on disk but what it is told to write. Modes:
   op NAME DB ARG      one operation; prints "OK" or the error's lines; exit 0 / 1
 """
 
+import contextlib
+import io
 import json
 import socket
 import sqlite3
@@ -165,8 +167,13 @@ def operation(name, db_path, arg):
             if not result.get("ok", True):
                 raise RuntimeError(f"import refused: {result.get('errors')}")
         elif name == "export":
-            with open(arg, "w") as out:
-                json.dump(db.export_all(), out)
+            db.close()  # the command line's export writes the file: it owns a half-written one
+            from hermes_state_cli import main as cli
+            said = io.StringIO()  # its progress lines are no error: the error is its last line
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                code = cli(["export", "--db", db_path, arg])
+            if code:
+                raise RuntimeError(f"export exited {code}: {said.getvalue().splitlines()[-1]}")
         elif name == "backup":
             db.backup(arg)
         elif name == "optimize":
