@@ -1,8 +1,9 @@
 """One process of `make test-faults`: drives this checkout's SessionDB on a faulty mount.
 
 Owns nothing on disk but what it is told to write. Modes:
-  agent DB SOCK SYNC  agent-like work; after each call returns, its acknowledgement (what must
-                      now survive) goes to faultfs's control socket, outside the mount
+  agent DB SOCK SYNC  agent-like work at PRAGMA synchronous=SYNC ('default': SessionDB's own);
+                      after each call returns, its acknowledgement (what must now survive)
+                      goes to faultfs's control socket, outside the mount
   check DB ACKS K     a fresh process after a cut at boundary K: opens, both integrity checks,
                       every acknowledged commit present; prints one JSON line
   rofs DB SOCK        the filesystem goes read-only under an open writer
@@ -34,9 +35,9 @@ def control(sock_path):
     return ask
 
 
-def open_store(db_path, sync=None):
+def open_store(db_path, sync):
     db = SessionDB(db_path)
-    if sync:
+    if sync != "default":
         # SessionDB sets NORMAL on its writer (hermes_state._apply_journal_policy); the level
         # under test replaces it on the same connection, the one every write goes through.
         db._writer.execute(f"PRAGMA synchronous={sync}")
@@ -46,6 +47,8 @@ def open_store(db_path, sync=None):
 def agent(db_path, sock_path, sync, turns=200):
     ask = control(sock_path)
     db = open_store(db_path, sync)
+    level = db._writer.execute("PRAGMA synchronous").fetchone()[0]
+    ask("ack", ["level", {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}.get(level, level)])
 
     def ack(spec):
         ask("ack", spec)
