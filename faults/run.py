@@ -168,7 +168,8 @@ def power_loss(python, root, sync):
                                f"{result.get('fts')}")
             lost.append(len(result.get("lost") or []))
             if lost[-1] == max(lost):
-                worst = (k, sum(1 for spec, at in acks if at <= k and spec[0] != "level"), (result.get("lost") or [""])[0])
+                acked = sum(1 for spec, at in acks if at <= k and spec[0] != "level")
+                worst = (k, acked, (result.get("lost") or [""])[0])
             if result.get("ro_error"):
                 ro_errors[result["ro_error"][:90]] = ro_errors.get(result["ro_error"][:90], 0) + 1
         level = next(spec[1] for spec, _ in acks if spec[0] == "level")
