@@ -21,6 +21,7 @@
 # make test-runtimes - the suite on real SQLite builds (3.53.2 with and without FTS5, 3.31.1, built
 #               with gcc from the pinned amalgamation, cached outside the repo) and a store carried
 #               across them: one line per runtime, then the total
+# make test-faults - power cuts (FUSE), a full tmpfs, EIO, read-only, virtiofs: docs/faults.md
 SHELL := /bin/bash
 PYTHON ?= python3
 
@@ -90,3 +91,7 @@ package-test:
 	  && grep -q '^store: ' "$$d/demo.txt" || failed=1; \
 	rm -rf build *.egg-info; \
 	echo "$$((1 - failed)) passed, $$failed failed"; exit $$failed
+
+.PHONY: test-faults
+test-faults:
+	@$(PYTHON) faults/run.py

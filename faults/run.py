@@ -1,0 +1,431 @@
+"""`make test-faults`: real power cuts, a full disk, I/O errors and a virtiofs-typed mount under
+this checkout's SessionDB.
+
+Owns: the cached fusepy venv (~/.cache/hermes_state_faults, HERMES_FAULTS_CACHE; made on first use
+from faults/requirements.txt, Debian's libfuse2 installed by apt when missing), the mounts it makes
+under a scratch folder (faultfs.py FUSE mounts, a 4 MB tmpfs) and their removal, and the report:
+one PASS/FAIL/SKIP line a scenario with its figure, then "N passed, N failed, N skipped". Must not
+touch: the product modules (workers are worker.py processes importing this checkout), any mount or
+process it did not make. Skips with the reason where mounts are not permitted (not root, no
+/dev/fuse, no libfuse2).
+
+Environment: FAULTS_POINTS (power-cut points per synchronous level, default 100),
+FAULTS_ONLY (comma-separated scenario name prefixes).
+"""
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKER = HERE / "worker.py"
+CACHE = Path(os.environ.get("HERMES_FAULTS_CACHE")
+             or Path.home() / ".cache" / "hermes_state_faults")
+POINTS = int(os.environ.get("FAULTS_POINTS", "100"))
+ONLY = [p for p in os.environ.get("FAULTS_ONLY", "").split(",") if p]
+STEP_TIMEOUT = 120
+ENV = dict(os.environ, PYTHONPATH=str(REPO), HERMES_HOME="/nonexistent-hermes-home")
+RESULTS = []
+sys.path[:0] = [str(REPO), str(HERE)]  # worker.py's control client, over this checkout
+# Error texts that say what happened: a full disk, an I/O error, a read-only filesystem.
+DISK_FULL_WORDS = ("disk is full", "no space left", "disk full", " bytes free")
+IO_WORDS = ("i/o error", "input/output error")
+RO_WORDS = ("read-only", "readonly")
+
+
+def report(name, ok, figure, skipped=False):
+    word = "SKIP" if skipped else ("PASS" if ok else "FAIL")
+    RESULTS.append((name, word, figure))
+    print(f"{word} {name}: {figure}", flush=True)
+
+
+def wanted(name):
+    return not ONLY or any(name.startswith(p) for p in ONLY)
+
+
+# ---- setup ----------------------------------------------------------------------------------
+
+def why_not_mountable():
+    if os.geteuid() != 0:
+        return "not root: mounts are not permitted"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    return None
+
+
+def fuse_python():
+    """The venv's python with fusepy, after libfuse2 is present; None and a reason if not."""
+    if not any(Path(d).glob("libfuse.so.2*") for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib",
+                                                        "/lib/x86_64-linux-gnu")):
+        apt = subprocess.run(["apt-get", "install", "-y", "-qq", "libfuse2"],
+                             capture_output=True, text=True, timeout=600)
+        if apt.returncode:
+            return None, f"libfuse2 could not be installed: {apt.stderr.strip()[-200:]}"
+    venv = CACHE / "venv"
+    stamp = venv / "stamp"
+    want = (HERE / "requirements.txt").read_text()
+    if not (stamp.exists() and stamp.read_text() == want):
+        shutil.rmtree(venv, ignore_errors=True)
+        print(f"faults: building {venv} (once; pip from PyPI)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-input",
+                        "--disable-pip-version-check", "--require-hashes", "-r",
+                        str(HERE / "requirements.txt")], check=True, timeout=600)
+        stamp.write_text(want)
+    return str(venv / "bin" / "python"), None
+
+
+class Mount:
+    """A faultfs mount (subtype `subtype`) and its control socket."""
+
+    def __init__(self, python, root, subtype="faultfs"):
+        self.path = Path(tempfile.mkdtemp(dir=root, prefix=f"{subtype}-"))
+        self.sock = str(self.path) + ".sock"
+        self.proc = subprocess.Popen([python, str(HERE / "faultfs.py"), str(self.path), self.sock,
+                                      subtype], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 20
+        while not (os.path.ismount(self.path) and os.path.exists(self.sock)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"faultfs did not mount: {self.proc.stderr.read()[-300:]}")
+            time.sleep(0.05)
+        from worker import control
+        self.ask = control(self.sock)
+
+    def close(self):
+        subprocess.run(["umount", "-l", str(self.path)], capture_output=True, timeout=60)
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def work(*args, timeout=STEP_TIMEOUT):
+    try:
+        done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True,
+                              text=True, timeout=timeout, env=ENV, cwd=str(REPO))
+    except subprocess.TimeoutExpired:
+        return 124, f"hung: no answer in {timeout}s"
+    return done.returncode, (done.stdout.strip() or done.stderr.strip())
+
+
+def check(db, acks_file, k):
+    code, text = work("check", str(db), str(acks_file), str(k))
+    try:
+        return json.loads(text.splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"k": k, "opened": False, "error": f"checker died: {text[-300:]}", "lost": [],
+                "integrity": None, "fts": None, "ro_error": None}
+
+
+def store_whole(result):
+    return (result.get("opened") and result.get("integrity") == "ok"
+            and result.get("fts") == "ok" and not result.get("error"))
+
+
+# ---- power loss -----------------------------------------------------------------------------
+
+def power_loss(python, root, sync):
+    mount = Mount(python, root)
+    try:
+        db = mount.path / "home" / "state.db"
+        mount.ask("reset")
+        os.mkdir(mount.path / "home")
+        started = time.monotonic()
+        code, text = work("agent", str(db), mount.sock, sync, timeout=600)
+        if code:
+            return report(f"power-loss-{sync}", False, f"the agent run failed: {text[-300:]}")
+        run_s = time.monotonic() - started
+        kinds = mount.ask("kinds")
+        acks = mount.ask("acks")
+        syncs = [i + 1 for i, k in enumerate(kinds) if k == "fsync"]
+        points = sorted(set(p for s in syncs for p in (s - 1, s) if p > 0))
+        rest = [i for i in range(1, len(kinds) + 1) if i not in set(points)]
+        room = max(POINTS - len(points), 0)
+        if len(points) > POINTS:  # every sync boundary when they fit, else evenly sampled
+            points = points[::max(1, len(points) // (POINTS // 2))]
+            room = POINTS - len(points)
+        if room and rest:
+            points += rest[::max(1, len(rest) // room)][:room]
+        points = sorted(set(points))
+        acks_file = Path(root) / f"acks-{sync}.json"
+        acks_file.write_text(json.dumps(acks))
+        corrupt, lost, ro_errors = [], [], {}
+        for k in points:
+            answer = mount.ask("restore", k)
+            if answer is not True:
+                raise RuntimeError(f"faultfs could not restore boundary {k}: {answer}")
+            result = check(db, acks_file, k)
+            if not store_whole(result):
+                corrupt.append(f"k={k}: {result.get('error') or result.get('integrity')} "
+                               f"{result.get('fts')}")
+            lost.append(len(result.get("lost") or []))
+            if lost[-1] == max(lost):
+                acked = sum(1 for spec, at in acks if at <= k and spec[0] != "level")
+                worst = (k, acked, (result.get("lost") or [""])[0])
+            if result.get("ro_error"):
+                ro_errors[result["ro_error"][:90]] = ro_errors.get(result["ro_error"][:90], 0) + 1
+        level = next(spec[1] for spec, _ in acks if spec[0] == "level")
+        calls = sum(1 for spec, _ in acks if spec[0] not in ("closed", "level"))
+        figure = (f"{len(points)} cuts over {len(kinds)} boundaries ({len(syncs)} syncs) of "
+                  f"{calls} API calls (run {run_s:.1f}s); stores corrupted {len(corrupt)}; "
+                  f"acknowledged calls lost: max {max(lost)}, median "
+                  f"{statistics.median(lost):g}, cuts losing any {sum(1 for n in lost if n)}")
+        figure += "; worst cut at boundary {} ({} calls acknowledged; lost e.g. {!r})".format(
+            *worst)
+        if ro_errors:
+            figure += "; read-only open failed: " + "; ".join(
+                f"{n}x {text}" for text, n in ro_errors.items())
+        if corrupt:
+            figure += "; first corrupt: " + corrupt[0]
+        name = "power-loss-product-default" if sync == "default" else f"power-loss-{sync}"
+        report(name, not corrupt and max(lost) == 0, f"synchronous={level}: {figure}")
+    finally:
+        mount.close()
+
+
+# ---- disk full --------------------------------------------------------------------------------
+
+ENOSPC_OPS = ("append", "batch", "import", "export", "backup", "restore", "optimize", "vacuum",
+              "checkpoint")
+
+
+def fill(folder, leave=0):
+    """Write a filler file until the filesystem refuses, then give back `leave` bytes: a real
+    ENOSPC for whatever needs more than that (the store's open needs its -shm's 32 KiB)."""
+    filler = Path(folder) / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    if leave:
+        os.truncate(filler, max(0, filler.stat().st_size - leave))
+    return filler
+
+
+def disk_full(root, base_home, archive):
+    no_acks = Path(root) / "no-acks.json"
+    no_acks.write_text("[]")
+    for op in ENOSPC_OPS:
+        if wanted(f"disk-full-{op}"):
+            for leave in (0, 40 * 1024):
+                disk_full_op(root, base_home, archive, no_acks, op, leave)
+
+
+def disk_full_op(root, base_home, archive, no_acks, op, leave):
+    # restore_home wants the WAL size limit (64 MiB) free beside the files before it starts.
+    size = "80m" if op == "restore" else "4m"
+    name = f"disk-full-{op}" + ("-at-open" if not leave else "")
+    tmpfs = Path(tempfile.mkdtemp(dir=root, prefix="tmpfs-"))
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(tmpfs)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        return report(name, False, f"tmpfs not mounted: {mounted.stderr.strip()}", True)
+    try:
+        shutil.copytree(base_home, tmpfs / "home")  # a fresh tmpfs for each case
+        db = tmpfs / "home" / "state.db"
+        out = {"export": tmpfs / "export.json", "backup": tmpfs / "backup.zip",
+               "restore": archive}.get(op, "")
+        filler = fill(tmpfs, leave)
+        code, text = work("op", op, str(db), str(out))
+        clear = code != 0 and len(text.splitlines()) == 1 and any(
+            w in text.lower() for w in DISK_FULL_WORDS)
+        half = op in ("export", "backup") and Path(out).exists() and Path(out).stat().st_size
+        filler.unlink()  # the checker's own open may need a page
+        whole = check(db, no_acks, 0)
+        again, again_text = work("op", op, str(db), str(out))
+        ok = clear and not half and store_whole(whole) and again == 0
+        if code == 0 and ok is False and leave and not half and store_whole(whole):
+            return report(name, True, f"needed no more than the {leave // 1024} KiB left: no "
+                          "ENOSPC reached (the -at-open case covers it)", skipped=True)
+        unclear = " (not one clear disk-full line)" if code and not clear else ""
+        figure = (f"while full: {'failed' if code else 'SUCCEEDED'} with {text[:160]!r}{unclear}"
+                  f"; half-written output: {'yes' if half else 'no'}; store afterwards: "
+                  f"{'whole' if store_whole(whole) else whole}; after freeing space: "
+                  f"{'OK' if again == 0 else again_text[:160]}")
+        report(name, ok, figure)
+    finally:
+        subprocess.run(["umount", "-l", str(tmpfs)], capture_output=True)
+
+
+# ---- I/O errors -------------------------------------------------------------------------------
+
+EIO_OPS = ("append", "batch", "import", "export", "backup", "optimize", "vacuum", "read")
+EIO_SWEEP = 5  # values of n per kind (read, write), spread over the operation's own count
+
+
+def io_errors(python, root, base_home):
+    no_acks = Path(root) / "no-acks.json"
+    no_acks.write_text("[]")
+    mount = Mount(python, root)
+    try:
+        files = {f"/home/{p.name}": p.read_bytes() for p in Path(base_home).iterdir()}
+        os.mkdir(mount.path / "home")
+        for op in EIO_OPS:
+            if not wanted(f"io-error-{op}"):
+                continue
+            db = mount.path / "home" / "state.db"
+            out = mount.path / "out.bin"
+            mount.ask("reset")
+            os.makedirs(mount.path / "home", exist_ok=True)
+            for name, content in files.items():
+                (mount.path / name.lstrip("/")).write_bytes(content)
+            mount.ask("mark")
+            before = mount.ask("counts")
+            code, text = work("op", op, str(db), str(out))
+            after = mount.ask("counts")
+            if code:
+                report(f"io-error-{op}", False, f"fails with no fault: {text[:200]}")
+                continue
+            trials, corrupt, unclear, swallowed, hung = 0, [], [], 0, 0
+            for kind, total in (("read", after[0] - before[0]), ("write", after[1] - before[1])):
+                sweep = set(max(1, total * i // EIO_SWEEP) for i in range(1, EIO_SWEEP + 1))
+                for n in sorted(sweep):
+                    mount.ask("revert")
+                    if out.exists():
+                        out.unlink()
+                    mount.ask("eio", kind, n)
+                    code, text = work("op", op, str(db), str(out), timeout=60)
+                    mount.ask("eio", kind, None)
+                    trials += 1
+                    hung += code == 124
+                    if code == 0:
+                        swallowed += 1
+                    elif len(text.splitlines()) != 1 or not any(
+                            w in text.lower() for w in IO_WORDS) or "malformed" in text.lower():
+                        unclear.append(f"{kind} #{n}: {text.splitlines()[0][:110]}")
+                    result = check(db, no_acks, 0)
+                    if not store_whole(result):
+                        what = result.get("error") or result.get("integrity")
+                        corrupt.append(f"{kind} #{n}: {what}")
+            figure = (f"{trials} faults (n swept over {after[0] - before[0]} reads, "
+                      f"{after[1] - before[1]} writes): corrupted {len(corrupt)}, hung {hung}, "
+                      f"absorbed (call succeeded) {swallowed}, errors not one clear I/O line "
+                      f"{len(unclear)}")
+            if unclear:
+                figure += f"; e.g. {unclear[0]!r}"
+            if corrupt:
+                figure += f"; e.g. {corrupt[0]!r}"
+            report(f"io-error-{op}", not corrupt and not unclear and not hung, figure)
+    finally:
+        mount.close()
+
+
+# ---- read-only and virtiofs ---------------------------------------------------------------------
+
+def read_only(python, root, base_home):
+    mount = Mount(python, root)
+    try:
+        shutil.copytree(base_home, mount.path / "home")
+        code, text = work("rofs", str(mount.path / "home" / "state.db"), mount.sock)
+        try:
+            result = json.loads(text.splitlines()[-1])
+        except (ValueError, IndexError):
+            return report("read-only-under-writer", False, f"worker died: {text[-300:]}")
+        error = result.get("write_error") or ""
+        says = any(w in error.lower() for w in RO_WORDS)
+        report("read-only-under-writer", bool(error) and says and result.get("read_ok"),
+               f"write: {error[:150] or 'SUCCEEDED'}{'' if says else ' (does not say read-only)'}; "
+               f"reads go on: {'yes' if result.get('read_ok') else result.get('read_error')}")
+    finally:
+        mount.close()
+    # A real remount while the writer holds the file open, for the record.
+    tmpfs = Path(tempfile.mkdtemp(dir=root, prefix="tmpfs-ro-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(tmpfs)], check=True)
+    try:
+        with open(tmpfs / "held", "w"):
+            remount = subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)],
+                                     capture_output=True, text=True)
+        report("read-only-remount-tmpfs", True, "the kernel refuses a read-only remount while a "
+               f"file is open for writing ({' '.join(remount.stderr.split())[:90] or 'allowed'}); "
+               "the fault above is faultfs answering EROFS, as ext4's errors=remount-ro does",
+               skipped=remount.returncode != 0)
+    finally:
+        subprocess.run(["umount", "-l", str(tmpfs)], capture_output=True)
+
+
+def cross_vm(python, root):
+    for subtype in ("virtiofs",):  # 0.22 refuses fuse.virtiofs; a FUSE "9p" is no 9p
+        mount = Mount(python, root, subtype)
+        try:
+            fstype = next((line.split()[2] for line in open("/proc/mounts")
+                           if line.split()[1] == str(mount.path)), "?")
+            db = mount.path / "home" / "state.db"
+            code, text = work("op", "make", str(db), "5")
+            import sqlite3
+            mode = sqlite3.connect(str(db)).execute("PRAGMA journal_mode").fetchone()[0] \
+                if code == 0 else text[:150]
+            probe = subprocess.run(
+                [sys.executable, "-c", "import hermes_state_wal as w, sys; "
+                 "f = getattr(w, '_path_on_cross_vm_fs', None); "
+                 "print('missing' if f is None else f(sys.argv[1]))", str(db)],
+                capture_output=True, text=True, env=ENV, cwd=str(REPO))
+            detected = probe.stdout.strip() or probe.stderr.strip()[-120:]
+            report(f"cross-vm-{fstype}", mode != "wal" and detected == "True",
+                   f"mount type {fstype}: a new store's journal mode is {mode}; "
+                   f"hermes_state_wal._path_on_cross_vm_fs says {detected}")
+        finally:
+            mount.close()
+    report("cross-vm-kernel-virtiofs-9p-nfs-smb", True, "the kernel's virtiofs, 9p, NFS and SMB "
+           "need a host or server this machine does not have", skipped=True)
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def main():
+    started = time.monotonic()
+    reason = why_not_mountable()
+    python = None
+    if reason is None:
+        python, reason = fuse_python()
+    if reason is not None:
+        report("all", True, reason, skipped=True)
+    else:
+        root = tempfile.mkdtemp(prefix="hermes-faults-")
+        try:
+            base = Path(root) / "base" / "home"
+            base.mkdir(parents=True)
+            code, text = work("op", "make", str(base / "state.db"), "300")
+            if code:
+                raise SystemExit(f"faults: could not make the base store: {text}")
+            for extra in base.iterdir():
+                if extra.name != "state.db":
+                    extra.unlink()
+            archive = Path(root) / "base-backup.zip"
+            code, text = work("op", "backup", str(base / "state.db"), str(archive))
+            # The product's own level is the gate; FULL beside it is the figure to choose by.
+            for sync in ("default", "FULL"):
+                if wanted("power-loss"):
+                    power_loss(python, root, sync)
+            if any(wanted(f"disk-full-{op}") for op in ENOSPC_OPS):
+                disk_full(root, base, archive)
+            if any(wanted(f"io-error-{op}") for op in EIO_OPS):
+                io_errors(python, root, base)
+            if wanted("read-only"):
+                read_only(python, root, base)
+            if wanted("cross-vm"):
+                cross_vm(python, root)
+        finally:
+            for line in open("/proc/mounts"):
+                if line.split()[1].startswith(root):
+                    subprocess.run(["umount", "-l", line.split()[1]], capture_output=True)
+            shutil.rmtree(root, ignore_errors=True)
+    counts = {w: sum(1 for r in RESULTS if r[1] == w) for w in ("PASS", "FAIL", "SKIP")}
+    print(f"({time.monotonic() - started:.0f}s on {os.cpu_count()} cores)")
+    print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    sys.exit(1 if counts["FAIL"] else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""One process of `make test-faults`: drives this checkout's SessionDB on a faulty mount.
+
+Owns nothing on disk but what it is told to write. Modes:
+  agent DB SOCK SYNC  agent-like work at PRAGMA synchronous=SYNC ('default': SessionDB's own);
+                      after each call returns, its acknowledgement (what must now survive)
+                      goes to faultfs's control socket, outside the mount
+  check DB ACKS K     a fresh process after a cut at boundary K: opens, both integrity checks,
+                      every acknowledged commit present; prints one JSON line
+  rofs DB SOCK        the filesystem goes read-only under an open writer
+  op NAME DB ARG      one operation; prints "OK" or the error's lines; exit 0 / 1
+"""
+
+import contextlib
+import io
+import json
+import socket
+import sqlite3
+import sys
+import traceback
+from pathlib import Path
+
+import hermes_state
+from hermes_state import SessionDB
+
+
+def control(sock_path):
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(sock_path)
+    stream = conn.makefile("rw")
+
+    def ask(*cmd):
+        stream.write(json.dumps(cmd) + "\n")
+        stream.flush()
+        return json.loads(stream.readline())
+    return ask
+
+
+def open_store(db_path, sync):
+    db = SessionDB(db_path)
+    if sync != "default":
+        # SessionDB sets NORMAL on its writer (hermes_state._apply_journal_policy); the level
+        # under test replaces it on the same connection, the one every write goes through.
+        db._writer.execute(f"PRAGMA synchronous={sync}")
+    return db
+
+
+def agent(db_path, sock_path, sync, turns=200):
+    ask = control(sock_path)
+    db = open_store(db_path, sync)
+    level = db._writer.execute("PRAGMA synchronous").fetchone()[0]
+    ask("ack", ["level", {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}.get(level, level)])
+
+    def ack(spec):
+        ask("ack", spec)
+
+    db.create_session("main", "cli")
+    ack(["session", "main"])
+    titles = 0
+    for turn in range(turns):
+        text = f"turn {turn} user asks about fault {turn * 7 % 13}"
+        db.append_message("main", "user", text)
+        ack(["msg", "main", text])
+        text = f"turn {turn} assistant answers with detail " + "x" * (turn % 50)
+        db.append_message("main", "assistant", text)
+        ack(["msg", "main", text])
+        if turn % 3 == 0:
+            batch = [{"role": "tool", "content": f"turn {turn} tool result {i}",
+                      "tool_call_id": f"c{turn}-{i}"} for i in range(3)]
+            db.append_messages_batch("main", batch)
+            ack(["batch", "main", [m["content"] for m in batch]])
+        if turn % 40 == 5:
+            titles += 1
+            title = f"Fault study {titles}"
+            db.set_session_title("main", title)
+            ack(["title", "main", title])
+        if turn % 50 == 10:
+            sid = f"scratch-{turn}"
+            db.create_session(sid, "cli")
+            db.append_message(sid, "user", f"scratch {turn}")
+            ack(["session", sid])
+            db.delete_session(sid)
+            ack(["gone", sid])
+        if turn % 60 == 15:
+            exported = db.export_session("main")
+            exported = dict(exported, id=f"imported-{turn}", title=None)
+            result = db.import_sessions([exported])
+            ack(["import", f"imported-{turn}"] if result.get("ok", True) else ["none"])
+        if turn == 100:
+            db.optimize_fts_storage()
+            ack(["none"])
+    db.close()
+    ack(["closed"])
+
+
+def check(db_path, acks_path, k):
+    acks = json.loads(Path(acks_path).read_text())
+    out = {"k": k, "opened": False, "ro_error": None, "integrity": None, "fts": None,
+           "lost": [], "error": None}
+    try:
+        ro = SessionDB(db_path, read_only=True)
+        ro.get_session("main")
+        ro.close()
+    except Exception as exc:  # noqa: BLE001 (its text is the figure)
+        out["ro_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        db = SessionDB(db_path)
+        out["opened"] = True
+        db.close()
+        conn = sqlite3.connect(db_path)
+        out["integrity"] = conn.execute("PRAGMA integrity_check").fetchone()[0]
+        fts = [r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND sql LIKE '%USING fts5%'")]
+        bad = []
+        for name in fts:
+            try:
+                conn.execute(f"INSERT INTO \"{name}\"(\"{name}\") VALUES ('integrity-check')")
+            except sqlite3.Error as exc:
+                bad.append(f"{name}: {exc}")
+        out["fts"] = bad or "ok"
+        titles_after = {}
+        for spec, _ in acks:
+            if spec[0] == "title":
+                for prior in titles_after.values():
+                    prior.add(spec[2])
+                titles_after[spec[2]] = {spec[2]}
+        for spec, at in acks:
+            if at > k:
+                break
+            kind = spec[0]
+            if kind == "msg" or kind == "batch":
+                texts = [spec[2]] if kind == "msg" else spec[2]
+                missing = [t for t in texts if not conn.execute(
+                    "SELECT 1 FROM messages WHERE session_id = ? AND content = ?",
+                    (spec[1], t)).fetchone()]
+                if missing:  # one lost call, however many of its rows
+                    out["lost"].append(f"{kind} {missing[0][:30]}")
+            elif kind in ("session", "import"):
+                if not conn.execute("SELECT 1 FROM sessions WHERE id = ?", (spec[1],)).fetchone():
+                    if not any(s[0] == "gone" and s[1] == spec[1] for s, _ in acks):
+                        out["lost"].append(f"{kind} {spec[1]}")
+            elif kind == "gone":
+                if conn.execute("SELECT 1 FROM sessions WHERE id = ?", (spec[1],)).fetchone():
+                    out["lost"].append(f"delete {spec[1]}")
+            elif kind == "title":
+                row = conn.execute("SELECT title FROM sessions WHERE id = ?",
+                                   (spec[1],)).fetchone()
+                if not row or row[0] not in titles_after[spec[2]]:
+                    out["lost"].append(f"title {spec[2]}")
+        conn.close()
+    except Exception as exc:  # noqa: BLE001
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(out))
+
+
+def operation(name, db_path, arg):
+    """One call of the product on a store made by `make_store`; `arg` is an output path."""
+    if name == "restore":
+        hermes_state.restore_home(arg, db_path, force=True)
+        return
+    db = SessionDB(db_path)
+    try:
+        if name == "append":
+            db.append_message("main", "user", "one more line " * 200)
+        elif name == "batch":
+            db.append_messages_batch("main", [{"role": "tool", "content": "r" * 3000,
+                                               "tool_call_id": f"b{i}"} for i in range(40)])
+        elif name == "import":
+            exported = db.export_session("main")
+            result = db.import_sessions([dict(exported, id="imported-op", title=None)])
+            if not result.get("ok", True):
+                raise RuntimeError(f"import refused: {result.get('errors')}")
+        elif name == "export":
+            db.close()  # the command line's export writes the file: it owns a half-written one
+            from hermes_state_cli import main as cli
+            said = io.StringIO()  # its progress lines are no error: the error is its last line
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                code = cli(["export", "--db", db_path, arg])
+            if code:
+                raise RuntimeError(f"export exited {code}: {said.getvalue().splitlines()[-1]}")
+        elif name == "backup":
+            db.backup(arg)
+        elif name == "optimize":
+            db.optimize_fts_storage()
+        elif name == "vacuum":
+            db.vacuum()
+        elif name == "checkpoint":
+            db.append_message("main", "user", "before the checkpoint " * 100)
+            busy, _, _ = db._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            if busy:
+                raise RuntimeError("checkpoint could not finish")
+        elif name == "read":
+            if len(db.get_messages("main")) < 1:
+                raise RuntimeError("the transcript read back empty")
+        elif name == "make":
+            db.create_session("main", "cli")
+            db.set_session_title("main", "A store to break")
+            for i in range(int(arg)):
+                db.append_message("main", "user" if i % 2 else "assistant",
+                                  f"line {i} of the transcript " + "y" * 400)
+        else:
+            raise SystemExit(f"unknown operation {name}")
+    finally:
+        db.close()
+
+
+def read_only_under_writer(db_path, sock_path):
+    """The filesystem turns read-only while this writer has the store open: a write must fail
+    saying read-only, a read must go on. Prints one JSON line."""
+    ask = control(sock_path)
+    db = SessionDB(db_path)
+    db.append_message("main", "user", "written before the filesystem went read-only")
+    ask("rofs", True)
+    out = {"write_error": None, "read_ok": False}
+    try:
+        db.append_message("main", "user", "written after " * 300)
+    except Exception as exc:  # noqa: BLE001
+        out["write_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        out["read_ok"] = len(db.get_messages("main")) > 0
+    except Exception as exc:  # noqa: BLE001
+        out["read_error"] = f"{type(exc).__name__}: {exc}"
+    ask("rofs", False)
+    db.close()
+    print(json.dumps(out))
+
+
+def main():
+    mode = sys.argv[1]
+    if mode == "rofs":
+        read_only_under_writer(sys.argv[2], sys.argv[3])
+        return
+    if mode == "agent":
+        agent(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif mode == "check":
+        check(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif mode == "op":
+        try:
+            operation(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")
+        except Exception as exc:  # noqa: BLE001 (the runner judges the text)
+            text = f"{type(exc).__name__}: {exc}"
+            print(text)
+            if "--trace" in sys.argv:
+                traceback.print_exc()
+            sys.exit(1)
+        print("OK")
+
+
+if __name__ == "__main__":
+    main()
