@@ -17,8 +17,8 @@ from hermes_state_common import (
     COMPRESSION_END_REASON, CONTENT_JSON_PREFIX, COUNT_ALL_MESSAGES_SQL, MESSAGE_WRITE_COLUMNS,
     LINEAGE_MAX_HOPS, PREVIEW_CHARS, SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL,
     STALE_MARKER, decode_content, decode_display_metadata, decode_message,
-    describe_skill_invocation, encode_content, host_is_020, is_fork_child, loads_or, placeholders,
-    scrub_surrogates,
+    describe_skill_invocation, encode_content, host_is_020, is_fork_child, json_object, loads_or,
+    placeholders, scrub_surrogates,
 )
 from hermes_state_errors import (
     CompressionSessionClosedError, SessionCompressionInProgressError, SessionTurnLeaseLostError,
@@ -479,7 +479,7 @@ class SessionMessagesMixin:
             raise ValueError("after_id is incompatible with include_compacted (it pages by offset)")
         if after_id is not None and include_ancestors:
             raise ValueError("after_id is incompatible with include_ancestors (it pages by offset)")
-        session_ids = self._resume_chain(session_id) if include_ancestors else [session_id]
+        session_ids = self._ancestor_chain(session_id) if include_ancestors else [session_id]
         sql = (f"SELECT * FROM messages WHERE session_id IN ({placeholders(len(session_ids))})"
                + _visible_rows(include_inactive, include_compacted))
         if include_compacted or len(session_ids) > 1:
@@ -508,7 +508,7 @@ class SessionMessagesMixin:
         `include_compacted` adds the rows compaction kept, each message once (for display: the
         model's context stays what compaction left); `repair_alternation` runs
         repair_alternation_in_place; `include_row_ids` adds `_row_id`."""
-        session_ids = self._resume_chain(session_id) if include_ancestors else [session_id]
+        session_ids = self._ancestor_chain(session_id) if include_ancestors else [session_id]
         return self._conversation(session_ids, include_inactive, include_ancestors,
                                   repair_alternation, include_row_ids, include_compacted)
 
@@ -530,6 +530,17 @@ class SessionMessagesMixin:
     def _resume_chain(self, session_id):
         """_compression_chain on a reader."""
         return self._with_reader(lambda conn: self._compression_chain(conn, session_id))
+
+    def _ancestor_chain(self, session_id):
+        """The sessions whose rows `include_ancestors` reads, root first: 0.22's verified
+        compression chain; inside hermes-agent 0.20, as 0.20 reads it, every parent link up to
+        the root unless the session is a /branch copy (docs/differences.md, rule 6)."""
+        if not host_is_020():
+            return self._resume_chain(session_id)
+        config = self._read_value("SELECT model_config FROM sessions WHERE id = ?", (session_id,))
+        if json_object(config).get("_branched_from"):
+            return [session_id]
+        return self._session_lineage_root_to_tip(session_id)
 
     def _conversation(self, session_ids, include_inactive, include_ancestors,
                       repair_alternation=False, include_row_ids=False, include_compacted=False):

