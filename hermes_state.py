@@ -144,7 +144,7 @@ def divert_session_transcript_jsonl(session_id, messages):
     if session_id in (".", "..") or any(sep in session_id for sep in ("/", "\\", "\x00")):
         raise ValueError(f"session_id {session_id!r} cannot name a file in sessions/")
     folder = get_hermes_home() / "sessions"
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _private_dirs(folder)
     path = folder / f"{session_id}.jsonl"
     lines = "".join(
         json.dumps(m if isinstance(m, dict) else {"content": str(m)}, ensure_ascii=False,
@@ -479,7 +479,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                         self.db_path, "; ".join(self.stale_schema))
 
     def _open_writable(self):
-        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        _private_dirs(self.db_path.parent)
         # Creating, repairing and upgrading run under the writer lock: no opener sees a
         # half-made store.
         self._file_lock = _take_store_lock(
@@ -1079,8 +1079,7 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
     try:
         with zipfile.ZipFile(archive_path) as archive:
             files = _check_archive(archive, archive_path, home)
-            home.parent.mkdir(parents=True, exist_ok=True)
-            _private_dirs(home, home.parent)  # a new home is created 0700
+            _private_dirs(home)  # a new home and its missing parents are created 0700
             refusal = f"state store {db_path} is being written; restore waited {write_budget:.0f}s"
             lock = _take_store_lock(db_path, write_budget, refusal)
             try:
@@ -1114,10 +1113,12 @@ def _unpack_verified(archive, files, scratch):
         raise ValueError(f"backup refused: its state.db fails quick_check ({verdict})")
 
 
-def _private_dirs(path, top):
-    """Create `path` and its missing parents below `top`, each 0700."""
+def _private_dirs(path, top=None):
+    """Create `path` and its missing parents (below `top`), each 0700 whatever the umask: a folder
+    others may write lets them rename or replace the store in it."""
     missing = []
-    while path != top and not path.exists():
+    path = Path(path)
+    while path != top and path != path.parent and not path.exists():
         missing.append(path)
         path = path.parent
     for folder in reversed(missing):

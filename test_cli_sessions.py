@@ -136,3 +136,12 @@ class SmallPromises(StoreOfThree):
                 self.assertEqual(out.read_bytes()[:2], b"PK")
         self.assertEqual(planted.read_text(), "export PATH=/usr/bin\n")
         self.assertEqual(sorted(p.name for p in self.tmp.iterdir() if p.name.endswith(".part")), [])
+
+    def test_folders_we_create_are_0700_whatever_the_umask(self):
+        home = self.tmp / "a" / "b" / "home"
+        code = ("import os, sys; os.umask(0); sys.path.insert(0, sys.argv[1]);"
+                "from hermes_state import SessionDB; SessionDB(sys.argv[2]).close()")
+        subprocess.run([sys.executable, "-c", code, str(REPO), str(home / "state.db")], check=True,
+                       timeout=60)
+        for folder in (self.tmp / "a", self.tmp / "a" / "b", home):
+            self.assertEqual(stat.S_IMODE(os.stat(folder).st_mode), 0o700, folder)
