@@ -217,7 +217,8 @@ def _merged_user_run(conn, session_id, message, watermark):
         if len(matches) != 1:
             return None
         skipped.update(matches)
-    rows = [(row["id"], row["role"], loaded_view_content(row["role"], decode_content(row["content"])))
+    rows = [(row["id"], row["role"],
+             loaded_view_content(row["role"], decode_content(row["content"])))
             for row in _live_rows(conn, session_id, watermark) if row["id"] not in skipped]
     runs = []
     for start in range(len(rows)):
