@@ -337,6 +337,10 @@ TABLE_INFO_SQL = "PRAGMA table_info({table})"
 
 
 def _table_info(conn, table):
+    # A SELECT first: it checks the schema cookie and reloads a schema another connection changed;
+    # SQLite before 3.3x answers PRAGMA table_info from a stale cached schema (a reader opened
+    # before a table was made saw no columns).
+    conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
     return conn.execute(TABLE_INFO_SQL.format(table=quote_identifier(table))).fetchall()
 
 
