@@ -413,17 +413,17 @@ class PruneAndArchive(MaintenanceTestCase):
     def big_old_session(self, session_id):
         """An old ended session whose messages fill most of the file: pruning it frees most pages."""
         self.session(session_id, days_ago=100, message_days_ago=100)
-        for _ in range(24):
+        for _ in range(8):
             self.db.append_message(session_id, "assistant", os.urandom(30000).hex())
         self.sql("UPDATE messages SET timestamp = ? WHERE session_id = ?", (time.time() - 100 * DAY, session_id))
 
     def test_auto_prune_runs_once_per_interval_and_vacuums_only_after_a_prune_that_freed_pages(self):
         self.big_old_session("old")
-        first = self.db.maybe_auto_prune_and_vacuum(retention_days=90)
-        # Over the gate: the pruned pages are free (with 8 such messages only 0.21 of the file on
-        # SQLite 3.31.1, whose store keeps other pages; 24 make the prune the bulk of it).
-        from hermes_state_maintenance import AUTO_VACUUM_MIN_FREELIST_RATIO
-        self.assertGreater(first.pop("freelist_ratio"), AUTO_VACUUM_MIN_FREELIST_RATIO)
+        # The freed share of the file differs by SQLite build (0.21 on 3.31.1, 0.23-0.3 later):
+        # a gate of 0.1 is met on each, and the gate's own value is tested below.
+        first = self.db.maybe_auto_prune_and_vacuum(retention_days=90,
+                                                    min_vacuum_freelist_ratio=0.1)
+        self.assertGreater(first.pop("freelist_ratio"), 0.1)
         self.assertEqual(first, {"skipped": False, "pruned": 1, "closed": 0, "vacuumed": True})
         self.assertEqual(self.db.maybe_auto_prune_and_vacuum(),
                          {"skipped": True, "pruned": 0, "closed": 0, "vacuumed": False})
