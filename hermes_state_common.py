@@ -1067,7 +1067,9 @@ def host_is_020():
     return release is not None and release < (0, 21)
 
 
-# The columns schema 31 (hermes-agent 0.22) added to tables 0.20 reads with `SELECT *`.
+# The tables schema 31 (hermes-agent 0.22) added, and the columns it added to tables 0.20 reads
+# with `SELECT *`.
+SCHEMA_31_TABLES = frozenset({"conversation_generations", "gateway_heartbeats"})
 SCHEMA_31_COLUMNS = {
     "sessions": frozenset({"created_source", "compression_recovery_deadline",
                            "compression_overload_streak", "transport_profile", "auto_archived",
@@ -1075,6 +1077,7 @@ SCHEMA_31_COLUMNS = {
     "messages": frozenset({"_compressed_summary", "display_identity", "display_order",
                            "message_uid", "absorbed_message_uids", "tool_call_uids",
                            "tool_call_uid"}),
+    "async_delegations": frozenset({"origin_session_id"}),
 }
 
 

@@ -173,7 +173,7 @@ def display_identity(row):
     fields. Equal to 0.22's digest for the same row, so either release groups the other's copies."""
     content = row["content"]
     calls = loads_or(row["tool_calls"] or "[]", []) if row["role"] == "assistant" else None
-    call_ids = tuple(tool_call_key(call) for call in calls or ())
+    call_ids = tuple(tool_call_key(call) for call in calls) if isinstance(calls, list) else ()
     if call_ids and all(call_ids):
         key = ("assistant", None, row["timestamp"], row["tool_call_id"], call_ids, row["tool_name"])
     else:

@@ -27,9 +27,9 @@ from hermes_state_common import (
     DEFERRED_INDEX_SQL, DEFERRED_INDEXES, DELETE_META_SQL, DROP_TABLE_SQL, GATEWAY_ROUTING_PK,
     GATEWAY_ROUTING_SIDE_TABLE, HERMES_FTS_TABLES, INSERT_META_SQL, INSERT_SYSTEM_PROMPT_SQL,
     LAST_ACTIVE_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, PREVIOUS_LAYOUT_TABLES,
-    RENAME_TABLE_SQL, SCHEMA_SQL, SCHEMA_VERSION, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME, _RESET_END_REASONS, quote_identifier,
-    trigger_writes,
+    RENAME_TABLE_SQL, SCHEMA_31_COLUMNS, SCHEMA_31_TABLES, SCHEMA_SQL, SCHEMA_VERSION,
+    SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL, SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME,
+    _RESET_END_REASONS, quote_identifier, trigger_writes,
 )
 from hermes_state_errors import is_capability_gap
 
@@ -471,10 +471,15 @@ def schema_read_probe_statements(sql=SCHEMA_SQL):
     """One `SELECT "t"."c", ... FROM "t" LIMIT 0` per declared table, for a read-only caller to
     learn whether the store lacks a table or column. Columns are table-qualified: a bare
     double-quoted name that does not resolve silently becomes a string literal and would hide the
-    gap."""
+    gap. What schema 31 added is left out: every reader of ours reads a store 0.20 left (schema
+    26) as it is, so a read-only command needs no upgraded copy of one."""
     q = quote_identifier
-    return [f"SELECT {', '.join(q(table) + '.' + q(c) for c in columns)} FROM {q(table)} LIMIT 0"
-            for table, columns in declared_columns(sql).items()]
+    statements = []
+    for table, columns in declared_columns(sql).items():
+        probed = [q(table) + "." + q(c) for c in columns if c not in SCHEMA_31_COLUMNS.get(table, ())]
+        if table not in SCHEMA_31_TABLES:
+            statements.append(f"SELECT {', '.join(probed)} FROM {q(table)} LIMIT 0")
+    return statements
 
 
 def trigger_damage(objects, read_all):

@@ -57,7 +57,9 @@ class DeclaredSchema(TempDirTestCase):
 
     def test_probe_statements_qualify_every_column(self):
         statements = schema_read_probe_statements()
-        self.assertEqual(len(statements), len(declared_columns()))
+        # (schema 31's two tables are not probed: a store 0.20 left reads as it is)
+        self.assertEqual(len(statements), len(declared_columns()) - 2)
+        self.assertFalse([s for s in statements if "message_uid" in s or "gateway_heartbeats" in s])
         sessions_probe = next(s for s in statements if s.endswith('FROM "sessions" LIMIT 0'))
         self.assertIn('"sessions"."title"', sessions_probe)
         conn = sqlite3.connect(":memory:")
