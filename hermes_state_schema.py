@@ -476,7 +476,8 @@ def schema_read_probe_statements(sql=SCHEMA_SQL):
     q = quote_identifier
     statements = []
     for table, columns in declared_columns(sql).items():
-        probed = [q(table) + "." + q(c) for c in columns if c not in SCHEMA_31_COLUMNS.get(table, ())]
+        newer = SCHEMA_31_COLUMNS.get(table, ())
+        probed = [q(table) + "." + q(c) for c in columns if c not in newer]
         if table not in SCHEMA_31_TABLES:
             statements.append(f"SELECT {', '.join(probed)} FROM {q(table)} LIMIT 0")
     return statements
