@@ -316,13 +316,13 @@ META_STORE_CREATED = "store_created_at_utc"
 META_DB_FILE_GENERATION = "db_file_generation"
 META_UID_BACKFILL_DONE = "message_uid_backfill"
 META_UID_BACKFILL_CURSOR = "message_uid_backfill_id"
-# The backfill's budget: each chunk a transaction of its own that stays under the issue's 100 ms
+# The backfill's budget: each chunk a transaction of its own that stays well under 100 ms of lock
 # (the chunk's id span halves after a slow one and doubles after a quick one: an old store's
 # per-row update triggers make rows cost ten times more), and an open spends at most
 # UID_BACKFILL_BUDGET_S on it, as 0.22's does; the next open resumes.
 UID_BACKFILL_FIRST_SPAN = 2000
 UID_BACKFILL_MAX_SPAN = 50000
-UID_BACKFILL_CHUNK_TARGET_S = 0.04
+UID_BACKFILL_CHUNK_TARGET_S = 0.025
 UID_BACKFILL_BUDGET_S = 1.0
 
 
@@ -829,14 +829,15 @@ class SessionSchemaMixin:
             write_meta(conn, META_LISTING_PROGRESS, ids[-1])
         return len(ids)
 
-    def _backfill_message_uids(self, budget_s=UID_BACKFILL_BUDGET_S):
+    def _backfill_message_uids(self, budget_s=None):
         """Mint a message_uid for each row written before the store had the column, in id order:
         a chunk a transaction (see UID_BACKFILL_CHUNK_TARGET_S), the last id done kept in
         META_UID_BACKFILL_CURSOR in the same transaction, so a kill loses no work and repeats none;
-        at most `budget_s` an open. A row without one reads as a message without identity."""
+        at most `budget_s` (UID_BACKFILL_BUDGET_S) an open. A row without one reads as a message
+        without identity."""
         if self._read_value(SELECT_META_SQL, (META_UID_BACKFILL_DONE,)) is not None:
             return
-        deadline = time.monotonic() + budget_s
+        deadline = time.monotonic() + (UID_BACKFILL_BUDGET_S if budget_s is None else budget_s)
         span, done = UID_BACKFILL_FIRST_SPAN, 0
 
         def chunk(conn):
