@@ -770,7 +770,8 @@ class SessionMessagesMixin:
                 (session_id,))
             head = conn.execute("SELECT MAX(id) FROM messages WHERE session_id = ? AND active = 1",
                                 (session_id,)).fetchone()[0]
-            result = {"rewound_count": rewound, "target_message": target, "new_head_id": head}
+            result = {"rewound_count": rewound, "new_head_id": head,
+                      "target_message": host_view(dict(target), "messages")}
             if preserve_compaction_handoff:
                 result.update(replacement_message_id=handoff["_row_id"],
                               replacement_message_uid=handoff.get(MESSAGE_UID))
