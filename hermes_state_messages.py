@@ -62,8 +62,9 @@ _SNAPSHOT_COLUMNS = tuple(column for column in _MESSAGE_WRITE_COLUMNS if column 
 
 
 def row_snapshot(stored):
-    """The ownership version of a row ({column: stored value} of _SNAPSHOT_COLUMNS): 16 bytes of
-    BLAKE2b, hex, over each value tagged by its SQLite type and length-prefixed, as 0.22 makes it."""
+    """The ownership version of a row ({column: stored value} of _SNAPSHOT_COLUMNS): 16 bytes
+    of BLAKE2b, hex, over each value tagged by its SQLite type and length-prefixed, as 0.22
+    makes it."""
     digest = hashlib.blake2b(digest_size=16)
     for column in _SNAPSHOT_COLUMNS:
         value = stored.get(column)  # (a store 0.20 left, read as it is, lacks schema 31's)
