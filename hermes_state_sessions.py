@@ -232,6 +232,8 @@ class SessionSessionsMixin:
             if "_preview_raw" in session:
                 session["preview"] = _shape_preview(session.pop("_preview_raw"))
             host_view(session, "sessions")
+            if not host_is_020():
+                _lift_fork_markers(session)
         return sessions
 
     def resolve_session_id(self, session_id_or_prefix):
@@ -978,6 +980,18 @@ def _is_listable(row, subagents=False):
                 and row["started_at"] >= row["parent_ended_at"])
             or (row["parent_end_reason"] in _RESET_END_REASONS and bool(row["session_key"])
                 and row["session_key"] == row["parent_key"]))
+
+
+def _lift_fork_markers(session):
+    """0.22's session dicts: a /new reset's and a /branch fork's markers (`_reset_from`,
+    `_branched_from`) lifted out of model_config, so a listing that drops that heavy field still
+    tells a reset sibling from a fork."""
+    config = session.get("model_config")
+    config = config if isinstance(config, dict) else json_object(config)
+    for marker in ("_reset_from", "_branched_from"):
+        value = config.get(marker)
+        if not session.get(marker) and isinstance(value, str) and value.strip():
+            session[marker] = value.strip()
 
 
 def _shape_preview(raw):

