@@ -243,10 +243,11 @@ def markdown_document(export, fmt="md"):
     between the front matter and the verification block; its SHA-256 is in the block."""
     body = _md_body(export)
     digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
+    stored = _md_count(export.get("message_count"))
     verification = ("## Export verification\n\n"
                     f"- Session id: {markdown_text(export['id'], one_line=True)}\n"
                     f"- Exported messages: `{len(export['messages'])}`\n"
-                    f"- Source DB message count at export: {_md_count(export.get('message_count'))}\n"
+                    f"- Source DB message count at export: {stored}\n"
                     f"- SHA256 of exported body: `{digest}`\n")
     return _front_matter(export, fmt) + body + verification, digest
 
