@@ -325,7 +325,11 @@ def _move_without_replacing(source, target):
                 errno.EEXIST, "refusing to replace an existing file", str(target)) from None
         os.rename(source, target)
         return
-    os.unlink(source)
+    try:
+        os.unlink(source)
+    except BaseException:
+        os.unlink(target)  # (an immutable folder refuses the unlink): the source stays, whole
+        raise
 
 
 def is_zeroed_state_db(path, *, probe_bytes=100, force=False):
@@ -960,16 +964,18 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
         with open_archive(archive_path) as archive:
             files = check_archive(archive, archive_path, home, STATE_DB_FILENAME)
             created = _private_dirs(home)  # a new home and its missing parents are created 0700
-            refusal = f"state store {db_path} is being written; restore waited {write_budget:.0f}s"
-            lock = _take_store_lock(db_path, write_budget, refusal)
-            try:
-                with tempfile.TemporaryDirectory(prefix=".restore-", dir=home) as scratch:
-                    unpack_verified(archive, files, Path(scratch))
-                    _check_unpacked_store(Path(scratch) / STATE_DB_FILENAME, refused)
+            with tempfile.TemporaryDirectory(prefix=".restore-", dir=home) as scratch:
+                unpack_verified(archive, files, Path(scratch))
+                _check_unpacked_store(Path(scratch) / STATE_DB_FILENAME, refused)
+                # Only the swap waits for writers: a refusal leaves no lock file in a new home.
+                refusal = (f"state store {db_path} is being written; "
+                           f"restore waited {write_budget:.0f}s")
+                lock = _take_store_lock(db_path, write_budget, refusal)
+                try:
                     return _swap_in(Path(scratch), files, db_path)
-            finally:
-                lock.release()
-                lock.close()
+                finally:
+                    lock.release()
+                    lock.close()
     except BaseException as exc:
         for folder in reversed(created):  # a restore that failed leaves no new folder either
             with contextlib.suppress(OSError):

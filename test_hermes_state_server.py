@@ -15,11 +15,13 @@ import time
 import types
 import urllib.error
 import urllib.request
+import zipfile
 from unittest import mock
 
 import hermes_state_server
 from hermes_state import SessionDB
 from hermes_state_server import MAX_BODY_BYTES, StateServer, is_loopback
+from test_restore import rebuild
 from test_support import REPO, TempDirTestCase, fixture_path
 
 TOKEN = "t0ken-for-tests-" + "x" * 20
@@ -274,6 +276,35 @@ class OpsBackupRestore(ServerCase):
         self.assertEqual((self.tmp / "other" / "notes.txt").read_text(), "keep me")
         self.assertEqual(self.call("/api/sessions", server=other)[1]["total"], 20)
         self.assertEqual(len(self.call("/api/search?q=" + urllib.request.quote("会话"), server=other)[1]["hits"]), 3)
+
+    def test_after_a_failed_restore_the_server_keeps_serving_its_store(self):
+        self.call("/api/sessions/import", "POST", {"sessions": fixture_sessions()})
+        home = self.tmp / "home"
+        (home / "notes.txt").write_text("keep me")
+        status, archive = self.call("/api/ops/export", raw=True)
+        (self.tmp / "good.zip").write_bytes(archive)
+        (home / "notes.txt").write_text("newer notes")
+        with zipfile.ZipFile(self.tmp / "good.zip") as good:
+            store = good.read("state.db")
+        twice = rebuild(self.tmp / "good.zip", self.tmp / "twice.zip", [("./state.db", store)])
+        cases = [("./state.db beside state.db", twice, "unsafe file names")]
+        if shutil.which("chattr") and subprocess.run(["chattr", "+i", str(home / "notes.txt")],
+                                                     capture_output=True).returncode == 0:
+            # notes.txt cannot be moved aside: the swap fails after the store was set aside.
+            self.addCleanup(subprocess.run, ["chattr", "-i", str(home / "notes.txt")])
+            cases.append(("a swap that fails part-way", self.tmp / "good.zip", "put back"))
+        for case, path, said in cases:
+            with self.subTest(case):
+                body = {"archive": base64.b64encode(path.read_bytes()).decode(), "force": True}
+                status, refusal = self.call("/api/ops/import", "POST", body)
+                self.assertEqual(status, 400, refusal)
+                self.assertIn(said, refusal["error"])
+                self.assertTrue(refusal["error"].endswith("nothing was restored"), refusal)
+                status, listing = self.call("/api/sessions")
+                self.assertEqual((status, listing["total"]), (200, 20))
+                self.assertEqual(self.call("/api/sessions/bench_000003")[1]["id"], "bench_000003")
+                self.assertEqual((home / "notes.txt").read_text(), "newer notes")
+                self.assertEqual(sorted(p.name for p in home.glob("*.bak")), [])
 
     def test_a_hostile_archive_is_refused(self):
         status, body = self.call("/api/ops/import", "POST", {"archive": base64.b64encode(b"PK not a zip").decode(),
