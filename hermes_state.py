@@ -958,7 +958,8 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
             "first; nothing was restored")
     if db_path.exists() and db_path.stat().st_size and not force:
         raise FileExistsError(f"{db_path} exists; restore replaces a whole home only with --force "
-                              "(the current store is then kept as a .bak file)")
+                              "(the current store is then kept as a .bak file); nothing was "
+                              "restored")
     created = []
     try:
         with open_archive(archive_path) as archive:
