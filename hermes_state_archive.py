@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 import shutil
 import sqlite3
 import stat
@@ -97,6 +98,10 @@ def write_backup_zip(out_path, members):
     `out_path` and then renamed over it: an existing file's mode is not kept (a 0644 file would
     leave the home's secrets readable), a link there is replaced, not followed, and a failure
     leaves no partial archive. Returns {"archive", "files"}."""
+    for _path, name in members:
+        if name_problem(name):  # a restore would refuse the whole archive for it
+            raise ValueError(f"backup refused: a restore cannot put back {name!r} "
+                             f"({name_problem(name)}); nothing was written")
     manifest = {"format": BACKUP_FORMAT, "created_at": time.time(), "files": []}
     fd, temporary = tempfile.mkstemp(prefix=f".{out_path.name[:80]}.", suffix=".part",
                                      dir=out_path.parent)
@@ -124,13 +129,19 @@ def open_archive(archive_path):
     return zipfile.ZipFile(archive_path)
 
 
+# A Windows drive ("C:x" is relative to C:'s current folder there); elsewhere ':' is a plain
+# character of a file name (notes:2024.txt).
+DRIVE = re.compile(r"[A-Za-z]:")
+
+
 def name_problem(name):
     """Why `name` may not be a member of a backup, or None. A member unpacks to exactly its name
     under the home: relative, '/'-separated, in its normal form (no '.', '..' or empty part),
     which is how backup writes every name."""
     if not isinstance(name, str) or not name:
         return "an empty name"
-    if name.startswith("/") or ":" in name.split("/")[0] or (os.sep == "\\" and "\\" in name):
+    if name.startswith("/") or DRIVE.match(name) or (os.name == "nt" and ("\\" in name
+                                                                           or ":" in name)):
         return "an absolute path"
     if any(part in ("", ".", "..") for part in name.split("/")):
         return "a '.', '..' or empty part"

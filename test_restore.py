@@ -160,6 +160,20 @@ class HostileArchives(RestoreCase):
         for name in ("", ".", "..", "./x", "x/.", "a//b", "a/", "/a", "a/../b", "C:x", "x/./y"):
             self.assertIsNotNone(name_problem(name), name)
 
+    def test_a_colon_in_a_name_round_trips_and_a_drive_name_is_refused_by_backup(self):
+        (self.home / "notes:2024.txt").write_text("colon")
+        with SessionDB(self.home / "state.db", read_only=True) as db:
+            archive = Path(db.backup(self.tmp / "colon.zip")["archive"])
+        (self.home / "notes:2024.txt").unlink()
+        self.assertEqual(self.restore(archive).returncode, 0)
+        self.assertEqual((self.home / "notes:2024.txt").read_text(), "colon")
+        (self.home / "C:x").write_text("a Windows drive's relative path")
+        with SessionDB(self.home / "state.db", read_only=True) as db:
+            with self.assertRaisesRegex(ValueError, r"a restore cannot put back 'C:x' \(an "
+                                                    r"absolute path\); nothing was written"):
+                db.backup(self.tmp / "drive.zip")
+        self.assertFalse((self.tmp / "drive.zip").exists())
+
     def test_a_good_backup_still_restores_and_keeps_the_replaced_files(self):
         result = self.restore(self.backup)
         self.assertEqual(result.returncode, 0, result.stderr)
