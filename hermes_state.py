@@ -328,7 +328,8 @@ def _move_without_replacing(source, target):
     try:
         os.unlink(source)
     except BaseException:
-        os.unlink(target)  # (an immutable folder refuses the unlink): the source stays, whole
+        if os.path.lexists(source):  # (an immutable folder refuses the unlink): it stays, whole
+            os.unlink(target)
         raise
 
 
