@@ -9,6 +9,7 @@ files, and a real `quarto render` runs where quarto is installed. Debian's pando
 installed by the setup when missing and this user may; each test says why it skipped otherwise.
 """
 
+import concurrent.futures
 import html.parser
 import http.server
 import json
@@ -166,7 +167,11 @@ async function inspect(page) {
 }
 (async () => {
   const results = {};
-  for (const page of pages) results[page] = await inspect(page);
+  for (let at = 0; at < pages.length; at += 8) {  // eight frames at a time
+    const batch = pages.slice(at, at + 8);
+    const seen = await Promise.all(batch.map(inspect));
+    batch.forEach((page, i) => { results[page] = seen[i]; });
+  }
   await fetch("/results", {method: "POST", body: JSON.stringify(results)});
 })();
 </script></body></html>
@@ -283,17 +288,21 @@ class RenderedExports(unittest.TestCase):
         listing = "".join(f'<p class="front">{key}: ${key}$</p>\n' for key in keys)
         (cls.tmp / "template.html5").write_text(template.replace("$body$", listing + "$body$"),
                                                 encoding="utf-8")
-        pages = {}
+        pages = {(fmt, index, reader): (source, cls.tmp / "pages" / f"{fmt}-{index}-{reader}.html")
+                 for (fmt, index), (_export, source) in cls.sessions.items()
+                 for reader in READERS[fmt]}
         (cls.tmp / "pages").mkdir()
-        for (fmt, index), (_export, source) in cls.sessions.items():
-            for reader in READERS[fmt]:
-                page = cls.tmp / "pages" / f"{fmt}-{index}-{reader}.html"
-                subprocess.run(["pandoc", "-s", "-f", reader, "-t", "html5",
-                                "--template", cls.tmp / "template.html5",
-                                "--metadata", "pagetitle=export", source, "-o", page],
-                               check=True, capture_output=True, timeout=120)
-                pages[fmt, index, reader] = page
-        return pages
+
+        def render(key):
+            source, page = pages[key]
+            subprocess.run(["pandoc", "-s", "-f", key[2], "-t", "html5",
+                            "--template", cls.tmp / "template.html5",
+                            "--metadata", "pagetitle=export", source, "-o", page],
+                           check=True, capture_output=True, timeout=120)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # 160 runs of pandoc
+            list(pool.map(render, pages))
+        return {key: page for key, (_source, page) in pages.items()}
 
     def require_pandoc(self):
         if self.pandoc_missing:
