@@ -32,6 +32,7 @@ from hermes_state_common import (
     _RESET_END_REASONS, quote_identifier, trigger_writes,
 )
 from hermes_state_errors import is_capability_gap
+from hermes_state_identity import display_identity
 
 logger = logging.getLogger("hermes_state")
 
@@ -324,6 +325,37 @@ UID_BACKFILL_FIRST_SPAN = 2000
 UID_BACKFILL_MAX_SPAN = 50000
 UID_BACKFILL_CHUNK_TARGET_S = 0.025
 UID_BACKFILL_BUDGET_S = 1.0
+
+
+# The display backfill: a session with a visible row lacking its display identity or order (the
+# partial index idx_messages_display_backfill holds exactly those), and a session's visible rows
+# in id order, a chunk at a time.
+DISPLAY_BACKFILL_ROWS = 1000
+_DISPLAY_BACKFILL_NEXT_SQL = (
+    "SELECT session_id FROM messages INDEXED BY idx_messages_display_backfill"
+    f" WHERE (display_order IS NULL OR display_identity IS NULL) AND {_VISIBLE} LIMIT 1")
+_DISPLAY_ROWS_SQL = (
+    "SELECT id, role, content, timestamp, tool_call_id, tool_calls, tool_name, display_kind,"
+    " display_metadata, display_order, display_identity FROM messages"
+    f" WHERE session_id = :session AND id > :after AND {_VISIBLE} ORDER BY id LIMIT :rows")
+
+
+def _fold_display_rows(conn, session_id, after, first_ids):
+    """Inside a write: one chunk of a session's visible rows after id `after`, each given its
+    display identity and the first id of its identity (`first_ids`, carried across chunks);
+    (the last id read, or None when the session is done; rows written)."""
+    rows = conn.execute(_DISPLAY_ROWS_SQL, {"session": session_id, "after": after,
+                                            "rows": DISPLAY_BACKFILL_ROWS}).fetchall()
+    changed = []
+    for row in rows:
+        identity = display_identity(row)
+        order = first_ids.setdefault(identity, row["id"])
+        if (order, identity) != (row["display_order"], row["display_identity"]):
+            changed.append({"order": order, "identity": identity, "id": row["id"]})
+    conn.executemany("UPDATE messages SET display_order = :order, display_identity = :identity"
+                     " WHERE id = :id", changed)
+    last = rows[-1]["id"] if len(rows) == DISPLAY_BACKFILL_ROWS else None
+    return last, len(changed)
 
 
 def _probe(connect, ddl):
@@ -753,6 +785,7 @@ class SessionSchemaMixin:
         self._migrate_inline_system_prompts()
         self._backfill_listing()
         self._backfill_message_uids()
+        self._backfill_display_index()
 
     def _write_in_chunks(self, chunk, size):
         """Run the write `chunk` (returns the rows it did, at most `size`) until one does fewer; the
@@ -867,6 +900,28 @@ class SessionSchemaMixin:
             pause_between_chunks()
         if done:
             logger.info("schema: minted a message_uid for %d older messages", done)
+
+    def _backfill_display_index(self, budget_s=None):
+        """Give visible rows without one their display identity and order, as 0.22's next display
+        read of their session would (rows 0.20 wrote, rows an edit cleared): session by session,
+        DISPLAY_BACKFILL_ROWS rows a transaction, at most `budget_s` (UID_BACKFILL_BUDGET_S) an
+        open. Each row's order is the id of the first visible row of its session with the same
+        identity; only rows that differ are written. The rows still without one are the work
+        left, so a cut-short run resumes."""
+        deadline = time.monotonic() + (UID_BACKFILL_BUDGET_S if budget_s is None else budget_s)
+        done = 0
+        while time.monotonic() < deadline:
+            session_id = self._read_value(_DISPLAY_BACKFILL_NEXT_SQL)
+            if session_id is None:
+                break
+            first_ids, after = {}, 0
+            while after is not None:
+                after, fixed = self._execute_write(
+                    lambda conn: _fold_display_rows(conn, session_id, after, first_ids))
+                done += fixed
+                pause_between_chunks()
+        if done:
+            logger.info("schema: gave %d older messages their display identity", done)
 
     # -- read-only callers ---------------------------------------------------
 
