@@ -772,7 +772,9 @@ class SessionMessagesMixin:
         returns {"rewound_count", "target_message" (the row, content decoded), "new_head_id"
         (newest active or None)}.
 
-        rewind_count goes up by one per call; message_count stays, as in hermes-agent 0.20.
+        rewind_count goes up by one per call; message_count and tool_call_count count the live
+        rows left (0.22), but stay as they were inside hermes-agent 0.20 unless a 0.22 keyword
+        is given.
         0.22's keywords: `expected_active_ids` (the session's active ids, oldest first) and
         `expected_target_content` (the target's turn as split_user_turn reads it) must still
         hold, else RuntimeError; `preserve_compaction_handoff` needs a compaction carrier as the
@@ -811,6 +813,12 @@ class SessionMessagesMixin:
             conn.execute(
                 "UPDATE sessions SET rewind_count = COALESCE(rewind_count, 0) + 1 WHERE id = ?",
                 (session_id,))
+            if checked or not host_is_020():  # 0.22 counts what stays live; 0.20 left the counts
+                live = [row[0] for row in conn.execute(
+                    "SELECT tool_calls FROM messages WHERE session_id = ? AND active = 1",
+                    (session_id,))]
+                calls = sum(call_count(loads_or(text, None)) for text in live if text)
+                conn.execute(SET_MESSAGE_COUNTS_SQL, (len(live), calls, session_id))
             head = conn.execute("SELECT MAX(id) FROM messages WHERE session_id = ? AND active = 1",
                                 (session_id,)).fetchone()[0]
             result = {"rewound_count": rewound, "new_head_id": head,
