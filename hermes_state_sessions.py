@@ -578,6 +578,16 @@ class SessionSessionsMixin:
             session["unread"] = self.session_unread(session)
         return sessions
 
+    def list_recent_sessions_bounded(self, *, limit=20, exclude_sources=None, timeout_seconds=3.0,
+                                     candidate_limit=None, lineage_limit=None):
+        """0.22's session_search browse: the `limit` most recently active conversations (a
+        compression chain as one row, delegate runs and archived or hidden sessions left out),
+        as list_sessions_rich rows without the prompt columns. 0.22 bounds its walk of every
+        chain with a deadline (`timeout_seconds`) and candidate caps; ours reads the activity
+        table newest first, so its work is bounded by `limit` already and those are not needed."""
+        return self.list_sessions_rich(limit=max(1, int(limit)), exclude_sources=exclude_sources,
+                                       order_by_last_active=True, compact_rows=True)
+
     @staticmethod
     def session_unread(session_row):
         """True when the row's last activity is newer than its read watermark; False when never

@@ -502,6 +502,21 @@ class OwnersAndSurfaces(SessionTestCase):
 class Listing(SessionTestCase):
     """list_sessions_rich and its kin, with hermes-agent's rows: one entry per conversation."""
 
+    def test_the_bounded_browse_lists_conversations_by_activity_as_0_22s_tool_reads_them(self):
+        for n, source in enumerate(("cli", "cron", "telegram")):
+            self.db.create_session(f"s{n}", source)
+            self.db.append_message(f"s{n}", "user", f"hello {n}")
+        self.db.end_session("s0", "compression")
+        self.db.create_session("s0-tip", "cli", parent_session_id="s0")
+        self.db.append_message("s0-tip", "user", "latest of all")
+        self.db.create_session("run", "cli", parent_session_id="s2", model_config={"_delegate_from": "s2"})
+        rows = self.db.list_recent_sessions_bounded(limit=5, exclude_sources=["cron"], timeout_seconds=1)
+        self.assertEqual([row["id"] for row in rows][:2], ["s0-tip", "s2"])
+        self.assertFalse({"s0", "s1", "run"} & {row["id"] for row in rows})
+        self.assertEqual(rows[0]["_lineage_root_id"], "s0")
+        self.assertNotIn("system_prompt", rows[0])
+        self.assertEqual(len(self.db.list_recent_sessions_bounded(limit=0)), 1)
+
     def setUp(self):
         super().setUp()
         create = self.db.create_session
