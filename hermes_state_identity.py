@@ -187,7 +187,8 @@ def display_identity(row):
     if call_ids and all(call_ids):
         key = ("assistant", None, row["timestamp"], row["tool_call_id"], call_ids, row["tool_name"])
     else:
-        if row["role"] == "user":
+        # (split_user_turn finds an ask only in a compaction summary: test that first, cheaply)
+        if row["role"] == "user" and is_compaction_summary(decode_content(content)):
             handoff, turn = split_user_turn({
                 "role": "user", "content": decode_content(content),
                 "display_kind": row["display_kind"],
