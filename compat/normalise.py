@@ -52,7 +52,6 @@ class Normaliser:
         self.paths = sorted(((p, r) for p, r in (paths or {}).items() if p), key=lambda pr: -len(pr[0]))
         self.port = port
         self.labels = {}
-        self.uid_labels = {}
 
     def label_session(self, session_id):
         """Return the label of a session id, giving it the next one at first sight."""
@@ -132,33 +131,52 @@ class Normaliser:
             return [self.value(v) for v in obj]
         return self.text(repr(obj))
 
-    def label_uid(self, uid, kind="U"):
-        """A message or tool call uid (random hex) as U1, U2, ... (C1, C2, ... for calls) in order
-        of first sight, so that a copy that keeps its original's uid reads the same on both sides."""
-        if not isinstance(uid, str) or not uid:
-            return uid
-        if (kind, uid) not in self.uid_labels:
-            count = sum(k == kind for k, _ in self.uid_labels)
-            self.uid_labels[(kind, uid)] = "%s%d" % (kind, count + 1)
-        return self.uid_labels[(kind, uid)]
+    @staticmethod
+    def uid_labels(messages, message_labels):
+        """{uid: label} of a store's message rows (columns, rows): a message uid reads as the
+        message label of the first row that has it (`U@M3`), a tool call uid as the first row
+        that names it (`C@M3`); random hex otherwise, a copy that keeps its original's uid reads
+        the same on both sides, and a difference stays on the rows it is about."""
+        labels = {}
+        index = {name: i for i, name in enumerate(messages["columns"])}
+        for row in messages["rows"]:
+            label = message_labels.get(row[index["id"]])
+            uid = row[index["message_uid"]] if "message_uid" in index else None
+            if isinstance(uid, str) and uid:
+                labels.setdefault(uid, "U@%s" % label)
+            calls = row[index["tool_call_uids"]] if "tool_call_uids" in index else None
+            try:
+                calls = json.loads(calls) if isinstance(calls, str) else {}
+            except ValueError:
+                calls = {}
+            for value in (calls.values() if isinstance(calls, dict) else ()):
+                for uid in (value if isinstance(value, list) else [value]):
+                    if isinstance(uid, str):
+                        labels.setdefault(uid, "C@%s" % label)
+        return labels
 
-    def _label_identity(self, row, message_labels):
-        """Schema 31's identity columns of a message row, labelled: uids as label_uid gives them,
+    @staticmethod
+    def _label_identity(row, message_labels, uid_labels):
+        """Schema 31's identity columns of a message row, labelled: uids as uid_labels gives them,
         display_order as the message label of the row it names."""
+        def relabel(value):
+            if isinstance(value, str):
+                return uid_labels.get(value, value)
+            if isinstance(value, list):
+                return [relabel(item) for item in value]
+            if isinstance(value, dict):
+                return {key: relabel(item) for key, item in value.items()}
+            return value
         if "display_order" in row:
             row["display_order"] = message_labels.get(row["display_order"], row["display_order"])
-        if "message_uid" in row:
-            row["message_uid"] = self.label_uid(row["message_uid"])
-        if "tool_call_uid" in row:
-            row["tool_call_uid"] = self.label_uid(row["tool_call_uid"], "C")
-        for column, relabel in (("absorbed_message_uids", lambda v: [self.label_uid(u) for u in v]),
-                                ("tool_call_uids", lambda v: {k: self.label_uid(u, "C") if isinstance(
-                                    u, str) else [self.label_uid(x, "C") for x in u]
-                                    for k, u in v.items()})):
+        for column in ("message_uid", "tool_call_uid"):
+            if column in row:
+                row[column] = relabel(row[column])
+        for column in ("absorbed_message_uids", "tool_call_uids"):
             if isinstance(row.get(column), str):
                 try:
                     row[column] = json.dumps(relabel(json.loads(row[column])), sort_keys=True)
-                except (ValueError, AttributeError, TypeError):
+                except ValueError:
                     pass
 
     def store(self, store):
@@ -171,12 +189,13 @@ class Normaliser:
             return store
         out = {}
         prompts = store.get("system_prompts_by_hash") or {}
-        message_labels = {}
+        message_labels, uid_labels = {}, {}
         messages = store.get("messages") or {}
         if "rows" in messages:
             index = messages["columns"].index("id")
             for n, row in enumerate(messages["rows"], 1):
                 message_labels[row[index]] = "M%d" % n
+            uid_labels = self.uid_labels(messages, message_labels)
         for table in ("sessions", "messages", "session_model_usage"):
             dumped = store.get(table) or {}
             if "rows" not in dumped:
@@ -191,7 +210,7 @@ class Normaliser:
                         row.get("system_prompt_hash"))
                 if table == "messages":
                     row["id"] = message_labels.get(row["id"], row["id"])
-                    self._label_identity(row, message_labels)
+                    self._label_identity(row, message_labels, uid_labels)
                 rows.append({k: self.value(v) for k, v in row.items()})
             out[table] = rows
         return out
