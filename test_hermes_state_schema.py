@@ -91,6 +91,16 @@ class DeclaredSchema(TempDirTestCase):
         names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
         self.assertTrue(set(DEFERRED_INDEXES) | {TITLE_INDEX_NAME} <= names)
         self.assertLessEqual(self.index_names(fixture_path(V31_DB)), names)
+        # 0.22's identity and display triggers, and the state_meta keys its fresh store holds.
+        v31 = self.raw(fixture_path(V31_DB))
+        their_triggers = {r[0] for r in v31.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'"
+                                                    " AND name NOT LIKE 'messages_fts%'")}
+        self.assertEqual(len(their_triggers), 5)
+        self.assertLessEqual(their_triggers, {r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'trigger'")})
+        self.assertLessEqual({r[0] for r in v31.execute("SELECT key FROM state_meta")},
+                             {r[0] for r in conn.execute("SELECT key FROM state_meta")})
+        self.assertNotEqual(conn.execute("PRAGMA application_id").fetchone()[0], 0)
         # (Without FTS5 the version is held back, README "Degraded runtimes": a new store has none yet.)
         self.assertEqual([tuple(row) for row in conn.execute("SELECT version FROM schema_version")],
                          [(SCHEMA_VERSION,)] if HAS_FTS5 else [])
