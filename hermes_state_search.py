@@ -19,8 +19,8 @@ import unicodedata
 from collections import namedtuple
 
 from hermes_state_common import (
-    CJK_BLOCK_BITS, CJK_CHAR_CLASS, CONTENT_JSON_PREFIX, CONTEXT_CHARS, QUERY_MAX_CHARS,
-    QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content, escape_like, sqlite_keeps,
+    CJK_BLOCK_BITS, CJK_CHAR_CLASS, CONTENT_JSON_PREFIX, CONTEXT_CHARS,
+    FTS_TRIGRAM_EXCLUDED_SOURCES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content, escape_like, sqlite_keeps,
 )
 # Tests import these from here, where search kept them before the index's life moved out.
 from hermes_state_common import cjk_terms  # noqa: F401
@@ -52,7 +52,7 @@ Term = namedtuple("Term", "text prefix")
 
 class _Binds(dict):
     """One search statement's values by name. The page's are set as keys (`match`, `limit`,
-    `offset`, `progress`, `high_water`, `floor`); `add` files a value of the filters or of one
+    `offset`, `floor`); `add` files a value of the filters or of one
     tree term under a new numbered name and returns the placeholder the SQL writes (`:like_3`)."""
 
     def add(self, stem, value):
@@ -337,10 +337,11 @@ def _leaf_sql(term, index, state, binds):
     if index != "word":
         sql = f"{_NOT_TOOL_ROW_SQL} AND {sql}"
     unindexed = []  # rows this index does not hold yet, for the fallback to test
-    if state.high_water is not None:
-        # Rows a backfill has not reached yet are in no index of this layout.
-        binds.update(progress=state.progress, high_water=state.high_water)
-        unindexed.append("m.id > :progress AND m.id <= :high_water")
+    if index in state.gaps:
+        # Rows its backfill has not reached yet.
+        progress, high_water = state.gaps[index]
+        unindexed.append(f"m.id > {binds.add('progress', progress)}"
+                         f" AND m.id <= {binds.add('high_water', high_water)}")
     if index == "cjk" and state.cjk_pending:
         unindexed.append("m.id IN (SELECT id FROM hs_fts_cjk_queue)")
     if unindexed:
@@ -353,7 +354,7 @@ def _matched_alone(term, index, state):
     """True when `term`'s index alone gives its ids: False for the fallback, a backfill or CJK
     queue not indexed yet, or a hermes-agent index that may hold tool rows (ours never do but in
     the word index)."""
-    return not (index is None or state.high_water is not None
+    return not (index is None or index in state.gaps
                 or (index == "cjk" and state.cjk_pending)
                 or (index != "word" and state.layout != "current"))
 
@@ -499,6 +500,9 @@ class SessionSearchMixin:
         if "tool" in roles:
             # Tool rows are only whole in the fallback.
             state = state._replace(usable=set(), tool_rows=True)
+        elif set(_as_list(source_filter) or ()) & set(FTS_TRIGRAM_EXCLUDED_SOURCES):
+            # Sessions the trigram index leaves out, asked for: their CJK by the fallback (0.22).
+            state = state._replace(usable=state.usable - {"trigram"})
         scans = hermes_scans(tree, state)
         if scans:
             tree, sort = ("or", [("term", term) for term in _leaves(tree)]), "newest"
@@ -525,7 +529,7 @@ class SessionSearchMixin:
         routes = {term: _route(term, state) for term in _leaves(tree)}
         indexes = set(routes.values())
         binds = _Binds(filter_binds, limit=limit, offset=offset)
-        single = (len(indexes) == 1 and None not in indexes and state.high_water is None
+        single = (len(indexes) == 1 and None not in indexes and not indexes & set(state.gaps)
                   and not (indexes == {"cjk"} and state.cjk_pending))
         if not single:
             where = _tree_sql(tree, routes, state, binds)
