@@ -485,6 +485,7 @@ SEARCH_OBJECTS = {
                                      " ON hs_fts_cjk_bounds(newest)"),
     },
 }
+ORPHAN_TRIGGER = "hs_trigram_orphan_delete"
 # The rows the CJK index holds: no tool row, a text with a CJK letter.
 _CJK_NEW = f"new.role <> 'tool' AND new.content GLOB {CJK_GLOB}"
 _CJK_OLD = f"old.role <> 'tool' AND old.content GLOB {CJK_GLOB}"
@@ -493,10 +494,21 @@ SEARCH_TRIGGERS = {
         "messages_fts", "content, tool_name, tool_calls",
         lambda row: f"{row}.id, {_word_text(row)}, {row}.tool_name, {row}.tool_calls",
         ("content", "tool_name", "tool_calls", "role")),
-    "trigram": _hermes_triggers(
+    "trigram": {**_hermes_triggers(
         "messages_fts_trigram", "content, tool_name",
         lambda row: f"{row}.id, {row}.content, {row}.tool_name",
         ("content", "tool_name", "role"), _trigram_row),
+        # Ours: 0.22's delete trigger asks the session's row, which a session delete removes
+        # before its messages go (ours sweeps them later in chunks); such a row leaves the index
+        # here, if it is in it (its docsize row), as any program deletes it.
+        ORPHAN_TRIGGER: f"""CREATE TRIGGER {ORPHAN_TRIGGER}
+AFTER DELETE ON messages
+WHEN NOT EXISTS (SELECT 1 FROM sessions WHERE id = old.session_id)
+BEGIN
+    INSERT INTO messages_fts_trigram(messages_fts_trigram, rowid, content, tool_name)
+    SELECT 'delete', old.id, old.content, old.tool_name
+    WHERE EXISTS (SELECT 1 FROM messages_fts_trigram_docsize WHERE id = old.id);
+END"""},
     "cjk": {
         "hs_fts_cjk_insert": f"""CREATE TRIGGER hs_fts_cjk_insert AFTER INSERT ON messages
 WHEN {_CJK_NEW} AND {_NEW_INDEXED}

@@ -31,15 +31,15 @@ import sqlite3
 from collections import namedtuple
 
 from hermes_state_common import (
-    CJK_BLOCK_BITS, CJK_BOUNDS_OBJECTS, CJK_GLOB, CJK_QUEUE_TABLE, DROP_TABLE_SQL, FTS5_SHADOW_SUFFIXES,
-    FTS_STORAGE_VERSION, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_INDEX_META,
-    META_FTS_CJK_STALE, META_FTS_STALE, META_FTS_STORAGE_VERSION, META_SEARCH_CJK_BOUNDS_PROGRESS,
-    META_SEARCH_HERMES_FAILED, META_SEARCH_LAYOUT, META_SEARCH_STALE_PREFIX,
-    META_SEARCH_TOOL_JSON_FROM, OLD_SEARCH_OBJECTS, PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META,
-    PREVIOUS_LAYOUT_TABLES, RENAME_TABLE_SQL, RETIRED_PREFIX, SEARCH_LAYOUT_VERSION, SEARCH_MARKS,
-    SEARCH_OBJECTS, SEARCH_TABLES, SEARCH_TRIGGERS, SELECT_SCHEMA_OBJECTS_SQL, TABLE_EXISTS_SQL,
-    TOOL_INDEX_PREFIX_CHARS, cjk_terms, placeholders, quote_identifier, same_ddl,
-    store_file_bytes, trigger_writes,
+    CJK_BLOCK_BITS, CJK_BOUNDS_OBJECTS, CJK_GLOB, CJK_QUEUE_TABLE, DROP_TABLE_SQL,
+    FTS5_SHADOW_SUFFIXES, FTS_STORAGE_VERSION, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS,
+    HERMES_INDEX_META, META_FTS_CJK_STALE, META_FTS_STALE, META_FTS_STORAGE_VERSION,
+    META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_HERMES_FAILED, META_SEARCH_LAYOUT,
+    META_SEARCH_STALE_PREFIX, META_SEARCH_TOOL_JSON_FROM, OLD_SEARCH_OBJECTS, ORPHAN_TRIGGER,
+    PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES, RENAME_TABLE_SQL,
+    RETIRED_PREFIX, SEARCH_LAYOUT_VERSION, SEARCH_MARKS, SEARCH_OBJECTS, SEARCH_TABLES,
+    SEARCH_TRIGGERS, SELECT_SCHEMA_OBJECTS_SQL, TABLE_EXISTS_SQL, TOOL_INDEX_PREFIX_CHARS,
+    cjk_terms, placeholders, quote_identifier, same_ddl, store_file_bytes, trigger_writes,
 )
 from hermes_state_errors import is_fts_scoped_corruption_error
 from hermes_state_schema import (
@@ -468,7 +468,11 @@ class SessionSearchIndexMixin:
                     if shadow in objects:
                         _drop(conn, "table", shadow)
             conn.execute(ddl)
-            changed.append(name)
+            if name == ORPHAN_TRIGGER and kind is None:
+                # hermes-agent's store has none; its own deletes take the rows out first.
+                logger.info("search: added %s to %s", name, self.db_path)
+            else:
+                changed.append(name)
         if changed:
             logger.log(logging.INFO if expected else logging.WARNING,
                        "search: restored %s of our index in %s",
