@@ -188,6 +188,20 @@ def _empty_unreadable_structure(conn, table, db_path):
         return True
 
 
+def _create(conn, objects, name, ddl, db_path):
+    """Run `ddl`, which makes `name`: an FTS5 table's shadow tables a recovery kept without their
+    table (they would block the CREATE) are dropped first."""
+    if ddl.startswith("CREATE VIRTUAL"):
+        shadows = [f"{name}_{suffix}" for suffix in FTS5_SHADOW_SUFFIXES
+                   if f"{name}_{suffix}" in objects]
+        for shadow in shadows:
+            _drop(conn, "table", shadow)
+        if shadows:
+            logger.warning("search: dropped %s of %s, kept without their table %s",
+                           ", ".join(shadows), db_path, name)
+    conn.execute(ddl)
+
+
 def drain_cjk_queue(conn, limit=CJK_DRAIN_CHUNK):
     """Index up to `limit` queued rows into our CJK index and raise their blocks' bounds; returns
     how many."""
@@ -356,16 +370,16 @@ class SessionSearchIndexMixin:
     def _create_search_index(self, conn, indexes):
         """Make what is missing of `indexes` (those this runtime can keep), with every existing row
         pending their chunked backfill; True if rows wait for it."""
-        indexes = [index for index in self._buildable() if index in indexes]
         objects = _schema_objects(conn)
+        indexes = [index for index in self._buildable()
+                   if index in indexes and SEARCH_TABLES[index] not in objects]
         for index in indexes:
             for name, ddl in (*SEARCH_OBJECTS[index].items(), *SEARCH_TRIGGERS[index].items()):
                 kind, sql = objects.get(name, (None, None))
-                if kind == "table" or same_ddl(sql, ddl):
-                    continue  # (a table of another shape is the repair's)
-                if kind is not None:
-                    _drop(conn, kind, name)  # a view or trigger of another layout
-                conn.execute(ddl)
+                if not same_ddl(sql, ddl):
+                    if kind is not None:
+                        _drop(conn, kind, name)  # a view or trigger of another layout
+                    _create(conn, objects, name, ddl, self.db_path)
             write_meta(conn, _stale_key(index), None)
         write_meta(conn, META_SEARCH_HERMES_FAILED, None)
         write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
@@ -428,7 +442,9 @@ class SessionSearchIndexMixin:
             if changed:
                 # Rows written while it was not kept are missing from it.
                 write_meta(conn, _stale_key(index), "1")
-        filling = read_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS) is not None
+        # A fill another open began (and did not finish) goes on from where it stopped.
+        filling = any(read_meta(conn, key) is not None for key in
+                      (META_SEARCH_CJK_BOUNDS_PROGRESS, *[high for high, _ in _MARK_PAIRS]))
         started = self._rebuild_stale_indexes(conn)
         if self.fts_caps.fts5 and _ours(_schema_objects(conn), "word"):
             self._stamp_storage_version(conn)
@@ -462,12 +478,7 @@ class SessionSearchIndexMixin:
                 continue
             if kind is not None:
                 _drop(conn, kind, name)
-            elif ddl.startswith("CREATE VIRTUAL"):
-                # Shadow tables a recovery kept without their table would block the CREATE.
-                for shadow in (f"{name}_{suffix}" for suffix in FTS5_SHADOW_SUFFIXES):
-                    if shadow in objects:
-                        _drop(conn, "table", shadow)
-            conn.execute(ddl)
+            _create(conn, objects, name, ddl, self.db_path)
             if name == ORPHAN_TRIGGER and kind is None:
                 # hermes-agent's store has none; its own deletes take the rows out first.
                 logger.info("search: added %s to %s", name, self.db_path)

@@ -133,7 +133,7 @@ class ImportedRowsAreIndexed(StoreTestCase):
             return self.raw(self.path).execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger' "
                                                "ORDER BY name").fetchall()
         before = triggers()
-        self.assertEqual("hs_fts_words_insert" in dict(before), "word" in INDEX_TABLES)
+        self.assertEqual("messages_fts_insert" in dict(before), "word" in INDEX_TABLES)
         self.import_ok(payload(3))
         self.assertEqual(triggers(), before)
 
@@ -169,14 +169,14 @@ class ImportedRowsAreIndexed(StoreTestCase):
         # the text our view gives (SQLite 3.31's integrity-check compares the index with that view).
         with conn:
             conn.execute("CREATE TABLE seen (id INTEGER)")
-            conn.execute("DROP TRIGGER hs_fts_words_insert")
-            conn.execute("CREATE TRIGGER hs_fts_words_insert AFTER INSERT ON messages BEGIN "
-                         "INSERT INTO hs_fts_words(rowid, content, tool_name, tool_calls) "
-                         "SELECT id, content, tool_name, tool_calls FROM hs_fts_words_src WHERE id = new.id; "
+            conn.execute("DROP TRIGGER messages_fts_insert")
+            conn.execute("CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN "
+                         "INSERT INTO messages_fts(rowid, content, tool_name, tool_calls) "
+                         "SELECT id, content, tool_name, tool_calls FROM messages_fts_src WHERE id = new.id; "
                          "INSERT INTO seen VALUES (new.id); END")
         self.import_ok(payload(2))
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM seen").fetchone()[0], 2 * len(PAYLOAD_MESSAGES))
-        self.assertEqual(indexed_row_total(self.path, "hs_fts_words"), 2 * len(PAYLOAD_MESSAGES))  # each once
+        self.assertEqual(indexed_row_total(self.path, "messages_fts"), 2 * len(PAYLOAD_MESSAGES))  # each once
         self.assertEqual(index_contents(self.path)["marks"], [])
         integrity_check(self.path)
 

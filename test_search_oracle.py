@@ -26,7 +26,7 @@ from test_support import REPO, SEARCHABLE, TempDirTestCase, backdate, without_ft
 MODES = {"full": (None, set(SEARCHABLE)),
          "without_trigram": (without_trigram, {"word", "cjk"} & set(SEARCHABLE)),
          "without_fts5": (without_fts5, set())}
-INDEX_TABLES = ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk")
+INDEX_TABLES = ("messages_fts", "messages_fts_trigram", "hs_fts_cjk")
 
 WORDS = ["alpha", "Beta", "gamma", "delta", "schema", "schemas", "parser", "config", "my-app.config.ts", "foo",
          "foobar", "barfoo", "deploy", "Deployment", "server", "serverless", "x1", "omega", "tea"]
