@@ -42,8 +42,9 @@ def index_contents(path):
         if "cjk" in INDEX_TABLES:
             contents["cjk"] = sorted(conn.execute("SELECT rowid, terms FROM hs_fts_cjk").fetchall() + [
                 (id_, None) for (id_,) in conn.execute("SELECT id FROM hs_fts_cjk_queue")])
-        contents["marks"] = conn.execute("SELECT key, value FROM state_meta WHERE key IN "
-                                         "('hs_search_high_water', 'hs_search_progress') ORDER BY key").fetchall()
+        contents["marks"] = conn.execute(
+            "SELECT key, value FROM state_meta WHERE key IN ('hs_search_high_water', 'hs_search_progress',"
+            " 'fts_rebuild_high_water', 'fts_rebuild_progress') ORDER BY key").fetchall()
         return contents
     finally:
         conn.close()
@@ -148,12 +149,13 @@ class ImportedRowsAreIndexed(StoreTestCase):
                 conn.execute(f"INSERT INTO {table}({table}) VALUES ('delete-all')")
             conn.execute("DELETE FROM hs_fts_cjk")
             conn.execute("DELETE FROM hs_fts_cjk_queue")
-            conn.executemany("INSERT OR REPLACE INTO state_meta(key, value) VALUES (?, ?)",
-                             [("hs_search_high_water", str(last)), ("hs_search_progress", "0")])
+            marks = [(pair + "_high_water", str(last)) for pair in ("fts_rebuild", "hs_search")] + [
+                (pair + "_progress", "0") for pair in ("fts_rebuild", "hs_search")]
+            conn.executemany("INSERT OR REPLACE INTO state_meta(key, value) VALUES (?, ?)", marks)
         sessions = payload(2)
         self.import_ok(sessions)
         during = index_contents(self.path)
-        self.assertEqual(during["marks"], [("hs_search_high_water", str(last)), ("hs_search_progress", "0")])
+        self.assertEqual(during["marks"], sorted(marks))
         self.assertTrue(during["word"])
         self.assertTrue(all(id_ > last for index in INDEX_TABLES for id_, _ in during[index]))
         self.assert_each_query_finds_each_session(sessions, others=["old"])
