@@ -300,11 +300,11 @@ TITLE_INDEX_NAME = "idx_sessions_title_unique"
 # -- Full-text search ---------------------------------------------------------
 # The store's index is hermes-agent 0.22's layout 3 (fts_storage_version 3), under its names, with
 # its views, triggers and keys, so that a program reading `messages_fts` or `messages_fts_trigram`
-# with plain SQL gets the answers 0.22's own store gives: `messages_fts` (unicode61) holds every row,
-# a tool row by its first FTS_TOOL_CONTENT_PREFIX_CHARS characters; `messages_fts_trigram` no tool
-# row and no row of a session FTS_TRIGRAM_EXCLUDED_SOURCES names or a delegate started. Both tell a
-# row indexed while a backfill runs by hermes-agent's pair: id <= fts_rebuild_progress OR id >
-# fts_rebuild_high_water. What is ours beyond it keeps `hs_` names and its own pair (hs_search_*):
+# with plain SQL gets the answers 0.22's own store gives: `messages_fts` (unicode61) holds every
+# row, a tool row by its first FTS_TOOL_CONTENT_PREFIX_CHARS characters; `messages_fts_trigram` no
+# tool row and no row of a session FTS_TRIGRAM_EXCLUDED_SOURCES names or a delegate started. Both
+# tell a row indexed while a backfill runs by hermes-agent's pair: id <= fts_rebuild_progress OR id
+# > fts_rebuild_high_water. What is ours beyond it keeps `hs_` names and its own pair (hs_search_*):
 # hs_fts_cjk holds 1-2 letter CJK terms, written by Python from hs_fts_cjk_queue, which plain-SQL
 # triggers fill for any writer; those triggers (and the drain, for rows a backfill queued) raise the
 # row's block bound in hs_fts_cjk_bounds, so a process of an older release still running keeps them

@@ -13,15 +13,16 @@ own probe of an index its optimize-storage would upgrade, and the search facts `
 It never parses or runs a search (SessionSearchMixin does, and calls `_read_objects`, `_index_state`
 and `_mark_index_stale` here through `self`). It never changes hermes-agent 0.19's inline index on
 open (0.22 keeps it too, until optimize-storage), except to drop the triggers this runtime cannot
-run (as hermes-agent itself does). It relies on SessionDB for `_execute_write`, `_read_all`/`_read_one`/`_read_value`,
+run (as hermes-agent itself does).
+
+It relies on SessionDB for `_execute_write`, `_read_all`/`_read_one`/`_read_value`,
 `_with_fresh_reader`, `_commits`, `_cjk_drained`, `fts_caps`, `read_only`, `db_path`, `policy` and
-`_checkpoint` (optimize-storage checkpoints between its chunks), and on
-SessionMaintenanceMixin for `vacuum()` (after optimize-storage), all through `self`; it never
-imports another mixin or hermes_state. SessionDB calls `_init_search` at a writable open and
-`_maintain_search` at the end of each write; SessionPortabilityMixin calls
-`_hold_back_index_triggers` and `_index_held_back_rows` around a bulk import;
-`_schema_version_held_back` is the named hook SessionSchemaMixin's version stamp asks (this class
-comes before that mixin in SessionDB's bases, so its answer wins).
+`_checkpoint` (optimize-storage checkpoints between its chunks), and on SessionMaintenanceMixin for
+`vacuum()` (after optimize-storage), all through `self`; it never imports another mixin or
+hermes_state. SessionDB calls `_init_search` at a writable open and `_maintain_search` at the end of
+each write; SessionPortabilityMixin calls `_hold_back_index_triggers` and `_index_held_back_rows`
+around a bulk import; `_schema_version_held_back` is the named hook SessionSchemaMixin's version
+stamp asks (this class comes before that mixin in SessionDB's bases, so its answer wins).
 """
 import functools
 import itertools
@@ -590,14 +591,16 @@ class SessionSearchIndexMixin:
                                META_FTS_STALE, META_SEARCH_HERMES_FAILED,
                                META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_LAYOUT, *stale)
         if _ours(objects, "word"):
-            layout, tables, triggers, marks = "current", SEARCH_TABLES, SEARCH_TRIGGERS, SEARCH_MARKS
+            layout, tables, triggers = "current", SEARCH_TABLES, SEARCH_TRIGGERS
+            marks = SEARCH_MARKS
             blocked = {index: meta[_stale_key(index)] for index in SEARCH_TABLES}
             for index in ("word", "trigram"):
                 blocked[index] = blocked[index] or meta[META_FTS_STALE]
         else:
             layout = fts_layout_of(objects.get(HERMES_FTS_TABLES["word"], (None, None))[1])
             tables = {index: HERMES_FTS_TABLES[index] for index in ("word", "trigram")}
-            triggers, marks = HERMES_FTS_TRIGGERS, SEARCH_MARKS
+            triggers = HERMES_FTS_TRIGGERS
+            marks = SEARCH_MARKS  # (its triggers read hermes-agent's pair, as ours do)
             blocked = dict.fromkeys(tables, meta[META_FTS_STALE] or meta[META_SEARCH_HERMES_FAILED])
         usable = {index for index, table in tables.items()
                   if table in objects and not blocked[index]

@@ -20,7 +20,8 @@ from collections import namedtuple
 
 from hermes_state_common import (
     CJK_BLOCK_BITS, CJK_CHAR_CLASS, CONTENT_JSON_PREFIX, CONTEXT_CHARS,
-    FTS_TRIGRAM_EXCLUDED_SOURCES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content, escape_like, sqlite_keeps,
+    FTS_TRIGRAM_EXCLUDED_SOURCES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content,
+    escape_like, sqlite_keeps,
 )
 # Tests import these from here, where search kept them before the index's life moved out.
 from hermes_state_common import cjk_terms  # noqa: F401

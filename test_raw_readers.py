@@ -11,14 +11,15 @@ from hermes_state_common import SEARCH_OBJECTS, SEARCH_TRIGGERS, same_ddl
 from hermes_state_fts import SessionSearchIndexMixin
 from test_support import FIXTURES, TempDirTestCase, fixture_path, require
 
-_SPEC = importlib.util.spec_from_file_location("raw_readers_calls",
-                                              FIXTURES / "raw_readers_calls.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "raw_readers_calls", FIXTURES / "raw_readers_calls.py")
 CALLS = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(CALLS)
 
-WORD_TERMS = ["segfault", "parser", "pytest", "head", "lorem", "tailneedle", "terminal", "web_search",
-              "fts5", '"node.js"', "pars*", "segfault NOT parser", "segfault OR report",
-              "tool_name:terminal", "tool_calls:bm25", "content:delegate", '"NULL deref"', "会话"]
+WORD_TERMS = ["segfault", "parser", "pytest", "head", "lorem", "tailneedle", "terminal",
+              "web_search", "fts5", '"node.js"', "pars*", "segfault NOT parser",
+              "segfault OR report", "tool_name:terminal", "tool_calls:bm25", "content:delegate",
+              '"NULL deref"', "会话"]
 TRIGRAM_TERMS = ["数据库迁移", "会话", "segfault", "parser", "ログを見", "迁移 schema", "terminal",
                  "pytest"]
 # What raw readers run: matches, ranks, bm25 and snippets, joins to messages and sessions.
@@ -90,12 +91,14 @@ class RawReadersTest(TempDirTestCase):
         for table in ("messages_fts", "messages_fts_trigram"):
             for sql in WHOLE_TABLE:
                 self.assert_same(sql.format(t=table))
-        # Tool output past 8,192 characters, cron, subagent and delegate sessions: as 0.22 leaves them.
+        # Tool output past 8,192 characters, cron, subagent and delegate sessions: as 0.22 leaves
+        # them out.
         self.assertEqual(self.assert_same(
             "SELECT count(*) FROM messages_fts WHERE messages_fts MATCH 'tailneedle'"), [(0,)])
         sources = self.assert_same(
-            "SELECT DISTINCT s.source FROM messages_fts_trigram AS t JOIN messages AS m ON m.id = t.rowid"
-            " JOIN sessions AS s ON s.id = m.session_id ORDER BY 1")
+            "SELECT DISTINCT s.source FROM messages_fts_trigram AS t"
+            " JOIN messages AS m ON m.id = t.rowid JOIN sessions AS s ON s.id = m.session_id"
+            " ORDER BY 1")
         self.assertEqual(sources, [("cli",), ("telegram",)])
 
     def test_the_index_objects_and_keys_are_hermes_agents(self):
@@ -123,8 +126,8 @@ class RawReadersTest(TempDirTestCase):
             " ('messages_fts_insert', 'messages_fts_delete', 'messages_fts_update',"
             " 'messages_fts_trigram_insert', 'messages_fts_trigram_delete',"
             " 'messages_fts_trigram_update') AND sql LIKE '%AFTER %'").fetchone()[0], 6)
-        self.assertEqual(conn.execute("SELECT value FROM state_meta WHERE key = 'fts_storage_version'"
-                                      ).fetchone()[0], "3")
+        self.assertEqual(conn.execute(
+            "SELECT value FROM state_meta WHERE key = 'fts_storage_version'").fetchone()[0], "3")
         self.assertIsNone(conn.execute("SELECT 1 FROM state_meta WHERE key IN"
                                        " ('fts_rebuild_high_water', 'fts_stale')").fetchone())
         writer = sqlite3.connect(self.ours, isolation_level=None)
