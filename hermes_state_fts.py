@@ -29,6 +29,7 @@ import itertools
 import logging
 import shutil
 import sqlite3
+import time
 from collections import namedtuple
 
 from hermes_state_common import (
@@ -48,9 +49,12 @@ from hermes_state_schema import (
 
 logger = logging.getLogger("hermes_state")
 
-# Ids one chunk of a backfill covers (layout 3's two indexes fill from their views; a tool row
-# gives up to 8,192 characters).
+# Ids the first chunk of a backfill covers; later chunks are sized to take about
+# BACKFILL_CHUNK_SECONDS each (halved when one took over twice that, doubled when one took under half),
+# between 16 and 4 times this: a tool row gives layout 3's word index up to 8,192 characters, so 500
+# ids took 20-350 ms at 100,000 messages, as the rows ran.
 BACKFILL_CHUNK_IDS = 500
+BACKFILL_CHUNK_SECONDS = 0.04
 DROP_CHUNK_ROWS = 500
 CJK_DRAIN_CHUNK = 500
 # Ids a chunk of the CJK bounds' fill covers (layout 1 to 2): 50,000, a quarter CJK, held 30-80 ms
@@ -755,13 +759,21 @@ ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)""", (lowe
         return False
 
     def _backfill_chunk(self, conn, indexes, pair):
-        """The next BACKFILL_CHUNK_IDS ids into `indexes`, which test the marks `pair`."""
+        """The next chunk of ids into `indexes`, which test the marks `pair`."""
         high_key, progress_key = pair
         high_water = int(read_meta(conn, high_key))
         progress = int(read_meta(conn, progress_key) or 0)
-        upper = min(progress + BACKFILL_CHUNK_IDS, high_water)
+        size = self.__dict__.get("_backfill_ids", BACKFILL_CHUNK_IDS)
+        upper = min(progress + size, high_water)
+        start = time.monotonic()
         for index in indexes:
             conn.execute(_BACKFILL_SQL[index], (progress, upper))
+        took = time.monotonic() - start
+        if took > 2 * BACKFILL_CHUNK_SECONDS:
+            size = max(16, size // 2)
+        elif took < BACKFILL_CHUNK_SECONDS / 2:
+            size = min(4 * BACKFILL_CHUNK_IDS, size * 2)
+        self._backfill_ids = size
         if upper >= high_water:
             write_meta(conn, high_key, None)
         write_meta(conn, progress_key, None if upper >= high_water else str(upper))

@@ -1425,7 +1425,7 @@ class ChangedByAnotherProgram(TempDirTestCase):
             self.assertEqual(len(hit_ids(db, "damson")), 40)
             self.assertEqual(hit_ids(db, "数据库迁移"), {1, 6})  # cron, subagent, delegate: not in it
         chunks = [s for s in statements if s.startswith("INSERT INTO messages_fts(rowid")]
-        self.assertGreaterEqual(len(chunks), 7)  # 55 ids, 8 a transaction
+        self.assertGreaterEqual(len(chunks), 3)  # 55 ids: 8 in the first transaction, at most twice that next
         conn = sqlite3.connect(path)
         names = {name for (name,) in conn.execute("SELECT name FROM sqlite_master")}
         self.assertFalse({name for name in names if name.startswith(("hs_fts_words", "hs_fts_trigram",
