@@ -21,9 +21,10 @@ from pathlib import Path
 from hermes_state_errors import MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAGES
 
 # -- Versions and names -------------------------------------------------------
-# Only for data migrations that cannot be declared (backfills, tagging). Columns never need a bump:
-# they come from SCHEMA_SQL on every open.
-SCHEMA_VERSION = 26
+# hermes-agent 0.22's schema, which every store we open reaches (docs/differences.md, rule 17);
+# session recovery checks a store's version against it. Columns never need a bump: they come from
+# SCHEMA_SQL on every open; a bump is for data migrations that cannot be declared (backfills).
+SCHEMA_VERSION = 31
 
 # hermes-agent's keys describing its search index. Its layout 3 is the store's own index now
 # (SEARCH_TABLES "word" and "trigram"): we write them as 0.22 does for that layout, and read them
@@ -85,9 +86,10 @@ SQL_CHUNK_SIZE = 500
 MIGRATION_CHUNK_SIZE = 200
 
 # -- Schema -------------------------------------------------------------------
-# The only description of tables and columns (hermes-agent schema 26, the same text). Tables only.
-# Every index lives in DEFERRED_INDEXES, run after the columns are reconciled: an older store may
-# lack a column it names.
+# The only description of tables and columns: hermes-agent schema 31's, in its column order, so a
+# store born here reads as one 0.22 made (a store of 0.19 or 0.20 gains the newer columns at the
+# end, as 0.22's own open adds them). Tables only. Every index lives in DEFERRED_INDEXES, run after
+# the columns are reconciled: an older store may lack a column it names.
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL
@@ -101,6 +103,7 @@ CREATE TABLE IF NOT EXISTS system_prompts (
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
     source TEXT NOT NULL,
+    created_source TEXT,
     user_id TEXT,
     session_key TEXT,
     chat_id TEXT,
@@ -149,12 +152,17 @@ CREATE TABLE IF NOT EXISTS sessions (
     compression_failure_error TEXT,
     compression_fallback_streak INTEGER NOT NULL DEFAULT 0,
     compression_ineffective_count INTEGER NOT NULL DEFAULT 0,
+    compression_recovery_deadline REAL,
+    compression_overload_streak INTEGER NOT NULL DEFAULT 0,
     profile_name TEXT,
+    transport_profile TEXT,
     rewind_count INTEGER NOT NULL DEFAULT 0,
     archived INTEGER NOT NULL DEFAULT 0,
+    auto_archived INTEGER NOT NULL DEFAULT 0,
     pinned INTEGER NOT NULL DEFAULT 0,
     hidden INTEGER NOT NULL DEFAULT 0,
     last_read_at REAL,
+    tool_names TEXT,
     FOREIGN KEY (parent_session_id) REFERENCES sessions(id),
     FOREIGN KEY (system_prompt_hash) REFERENCES system_prompts(hash)
 );
@@ -178,11 +186,18 @@ CREATE TABLE IF NOT EXISTS messages (
     codex_message_items TEXT,
     platform_message_id TEXT,
     observed INTEGER DEFAULT 0,
+    _compressed_summary INTEGER NOT NULL DEFAULT 0,
     active INTEGER NOT NULL DEFAULT 1,
     compacted INTEGER NOT NULL DEFAULT 0,
     api_content TEXT,
     display_kind TEXT,
-    display_metadata TEXT
+    display_metadata TEXT,
+    display_identity BLOB,
+    display_order INTEGER,
+    message_uid TEXT,
+    absorbed_message_uids TEXT,
+    tool_call_uids TEXT,
+    tool_call_uid TEXT
 );
 
 CREATE TABLE IF NOT EXISTS session_model_usage (
@@ -225,6 +240,25 @@ CREATE TABLE IF NOT EXISTS gateway_hygiene_state (
     failure_streak INTEGER NOT NULL DEFAULT 0
 );
 
+-- One row per routing peer, never deleted: the count of conversation boundaries written for it,
+-- so a generation number is never handed out twice even after its sessions are pruned.
+CREATE TABLE IF NOT EXISTS conversation_generations (
+    source TEXT NOT NULL,
+    session_key TEXT NOT NULL,
+    generation INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (source, session_key)
+);
+
+-- Each gateway backend's liveness, refreshed while it runs; hermes-agent's orphan sweep reads it.
+CREATE TABLE IF NOT EXISTS gateway_heartbeats (
+    backend_id TEXT PRIMARY KEY,
+    pid INTEGER NOT NULL,
+    started_at REAL NOT NULL,
+    last_heartbeat REAL NOT NULL,
+    profile TEXT NOT NULL DEFAULT '',
+    host TEXT NOT NULL DEFAULT ''
+);
+
 CREATE TABLE IF NOT EXISTS compression_locks (
     session_id TEXT PRIMARY KEY,
     holder TEXT NOT NULL,
@@ -257,7 +291,8 @@ CREATE TABLE IF NOT EXISTS async_delegations (
     owner_started_at INTEGER,
     task_json TEXT,
     delivery_claim TEXT,
-    delivery_claimed_at REAL
+    delivery_claimed_at REAL,
+    origin_session_id TEXT NOT NULL DEFAULT ''
 );
 """
 
@@ -281,11 +316,22 @@ DEFERRED_INDEXES = {name: f"CREATE INDEX IF NOT EXISTS {name} ON {target}" for n
      "messages(session_id, platform_message_id) WHERE platform_message_id IS NOT NULL"),
     ("idx_messages_session_active", "messages(session_id, active, timestamp)"),
     ("idx_messages_active_null", "messages(active) WHERE active IS NULL"),
+    # 0.22's message identity and display projection (schema 31), for its readers and ours.
+    ("idx_messages_session_uid", "messages(session_id, message_uid) WHERE active = 1"),
+    ("idx_messages_display_page", "messages(session_id, display_order, active DESC, id DESC)"
+     " WHERE active = 1 OR compacted = 1"),
+    ("idx_messages_display_backfill", "messages(session_id) WHERE (display_order IS NULL"
+     " OR display_identity IS NULL) AND (active = 1 OR compacted = 1)"),
+    ("idx_messages_display_identity", "messages(session_id, display_identity, display_order)"
+     " WHERE display_identity IS NOT NULL AND (active = 1 OR compacted = 1)"),
     ("idx_sessions_session_key", "sessions(session_key, started_at DESC)"),
     ("idx_sessions_gateway_peer",
      "sessions(source, user_id, chat_id, chat_type, thread_id, started_at DESC)"),
     ("idx_sessions_handoff_state", "sessions(handoff_state, started_at)"),
     ("idx_sessions_system_prompt_hash", "sessions(system_prompt_hash)"),
+    ("idx_sessions_tool_names", "sessions(tool_names)"),
+    ("idx_sessions_effective_activity",
+     "sessions(COALESCE(last_activity_at, started_at) DESC, started_at DESC)"),
     # Every writable open asks whether inline prompts are left to move: without it, a scan of
     # every session (7 ms at 20,000 sessions, past issue 17's 5 ms budget for opening).
     ("hs_idx_sessions_inline_prompt", "sessions(id) WHERE system_prompt IS NOT NULL"),
@@ -1067,3 +1113,27 @@ def host_is_020():
     model requests carry a dict's keys as they are."""
     release = host_release()
     return release is not None and release < (0, 21)
+
+
+# The tables schema 31 (hermes-agent 0.22) added, and the columns it added to tables 0.20 reads
+# with `SELECT *`.
+SCHEMA_31_TABLES = frozenset({"conversation_generations", "gateway_heartbeats"})
+SCHEMA_31_COLUMNS = {
+    "sessions": frozenset({"created_source", "compression_recovery_deadline",
+                           "compression_overload_streak", "transport_profile", "auto_archived",
+                           "tool_names"}),
+    "messages": frozenset({"_compressed_summary", "display_identity", "display_order",
+                           "message_uid", "absorbed_message_uids", "tool_call_uids",
+                           "tool_call_uid"}),
+    "async_delegations": frozenset({"origin_session_id"}),
+}
+
+
+def host_view(row, table):
+    """`row` (a dict, changed in place) as the installed hermes-agent reads `table`: inside 0.20
+    without schema 31's columns, which its code never knows (a key of a message dict would even
+    reach a model request); elsewhere as stored."""
+    if host_is_020():
+        for column in SCHEMA_31_COLUMNS[table].intersection(row):
+            del row[column]
+    return row

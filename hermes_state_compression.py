@@ -647,6 +647,53 @@ class SessionCompressionMixin:
         None, also for an unknown session."""
         self._set_guard_count("compression_ineffective_count", session_id, count)
 
+    def get_compression_overload_streak(self, session_id):
+        """How many compactions in a row were aborted by a provider's sustained overload; 0 when
+        unknown."""
+        return self._guard_count("compression_overload_streak", session_id)
+
+    def set_compression_overload_streak(self, session_id, streak):
+        """Store the overload streak (negative stored as 0); None, also for an unknown session."""
+        self._set_guard_count("compression_overload_streak", session_id, streak)
+
+    def increment_compression_overload_streak(self, session_id):
+        """Add one to the overload streak in one write (concurrent agents lose no strike); the
+        new value, None for an unknown session."""
+        if not session_id:
+            return None
+
+        def write(conn):
+            if not conn.execute("UPDATE sessions SET compression_overload_streak ="
+                                " COALESCE(compression_overload_streak, 0) + 1 WHERE id = ?",
+                                (session_id,)).rowcount:
+                return None
+            return int(conn.execute("SELECT compression_overload_streak FROM sessions"
+                                    " WHERE id = ?", (session_id,)).fetchone()[0])
+        return self._execute_write(write)
+
+    def get_compression_recovery_deadline(self, session_id):
+        """When a session tripped by repeated failures may try compaction again (epoch seconds);
+        0.0 when none is set. Stored, since the gateway builds its compressor anew every turn."""
+        if not session_id or self._closed:
+            return 0.0
+        try:
+            value = self._read_value("SELECT compression_recovery_deadline FROM sessions"
+                                     " WHERE id = ?", (session_id,))
+            return max(0.0, float(value or 0.0))
+        except (TypeError, ValueError, sqlite3.OperationalError):
+            return 0.0
+
+    def set_compression_recovery_deadline(self, session_id, deadline):
+        """Store the recovery deadline; 0, None or a value that is not a number clears it."""
+        if not session_id:
+            return
+        try:
+            value = max(0.0, float(deadline or 0.0))
+        except (TypeError, ValueError):
+            value = 0.0
+        self._update_rows("UPDATE sessions SET compression_recovery_deadline = ? WHERE id = ?",
+                          (value or None, session_id))
+
     def _guard_count(self, column, session_id):
         if not session_id or self._closed:
             return 0
@@ -709,11 +756,14 @@ def _message_dicts(name, messages):
 
 def _copy_tail(conn, tail, session_id):
     """Copy messages (rows of _TAIL_SQL) as live rows of `session_id`, every column but the id kept
-    byte for byte; returns the tool calls they hold."""
+    byte for byte (message_uid included: a copy is the same message), except display_order, which
+    names a row of the source and which the insert trigger sets again; returns the tool calls they
+    hold."""
     if not tail:
         return 0
     columns = ", ".join(row[1] for row in conn.execute("PRAGMA table_info(messages)")
-                        if row[1] not in ("id", "session_id", "active", "compacted"))
+                        if row[1] not in ("id", "session_id", "active", "compacted",
+                                          "display_order"))
     for ids in chunked(sorted(row["id"] for row in tail)):
         conn.execute(
             f"INSERT INTO messages ({columns}, session_id, active, compacted)"

@@ -82,16 +82,6 @@ _ADOPTED_COLUMNS = ("chat_id", "chat_type", "thread_id", "user_id", "origin_json
 _DELETE_LEASE_SQL = "DELETE FROM session_turn_leases WHERE conversation_id = ? AND holder = ?"
 # Each gateway or serve process's liveness row, made on its first heartbeat. The text is
 # hermes-agent 0.22's (its schema makes the table at open), so sqlite_master reads the same to both.
-_HEARTBEATS_TABLE_SQL = """CREATE TABLE IF NOT EXISTS gateway_heartbeats (
-    backend_id TEXT PRIMARY KEY,
-    pid INTEGER NOT NULL,
-    started_at REAL NOT NULL,
-    last_heartbeat REAL NOT NULL,
-    profile TEXT NOT NULL DEFAULT '',
-    host TEXT NOT NULL DEFAULT ''
-)"""
-
-
 class SessionGatewayMixin:
     """SessionDB's methods for gateway routing, compression locks, turn leases, handoffs and
     gateway sessions.
@@ -389,7 +379,6 @@ class SessionGatewayMixin:
                "profile": str(profile), "host": str(host)}
 
         def write(conn):
-            conn.execute(_HEARTBEATS_TABLE_SQL)
             conn.execute(
                 "INSERT INTO gateway_heartbeats (backend_id, pid, started_at, last_heartbeat,"
                 " profile, host) VALUES (:backend_id, :pid, :started_at, :beat, :profile, :host)"
@@ -403,12 +392,32 @@ class SessionGatewayMixin:
         if not backend_id:
             return False
 
+        return self._update_rows("DELETE FROM gateway_heartbeats WHERE backend_id = ?",
+                                 (str(backend_id),)) > 0
+
+    def prune_stale_heartbeats(self, *, max_age_seconds):
+        """Remove the rows of backends silent for over `max_age_seconds`; their ids ([] for a
+        window of 0 or less). Rows of live backends are never touched, so any process may run it."""
+        if max_age_seconds <= 0:
+            return []
+        cutoff = time.time() - max_age_seconds
+
         def write(conn):
-            if not live_columns(conn, "gateway_heartbeats"):
-                return False
-            return conn.execute("DELETE FROM gateway_heartbeats WHERE backend_id = ?",
-                                (str(backend_id),)).rowcount > 0
+            stale = [row[0] for row in conn.execute(
+                "SELECT backend_id FROM gateway_heartbeats WHERE last_heartbeat < ?", (cutoff,))]
+            conn.execute("DELETE FROM gateway_heartbeats WHERE last_heartbeat < ?", (cutoff,))
+            return stale
         return self._execute_write(write)
+
+    def list_backend_heartbeats(self):
+        """Every backend's heartbeat row as a dict, the most recent first ([] on a read-only
+        store 0.22 never opened)."""
+        try:
+            return [dict(row) for row in self._read_all(
+                "SELECT backend_id, pid, started_at, last_heartbeat, profile, host"
+                " FROM gateway_heartbeats ORDER BY last_heartbeat DESC")]
+        except sqlite3.OperationalError:
+            return []
 
     # -- gateway sessions ------------------------------------------------------------
     # Rows the gateway keys by `session_key`: the end of a reset, rows opened and never used, and
@@ -575,10 +584,10 @@ class SessionGatewayMixin:
         if not session_id:
             return False
         try:
-            return self._update_rows(
-                f"UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ?"
-                f" AND (ended_at IS NULL OR end_reason IN {_RECOVERABLE_END_REASONS_SQL})",
-                (time.time(), reason, session_id)) > 0
+            return self._execute_write(lambda conn: self._end_at_boundary(
+                conn, "UPDATE sessions SET ended_at = :now, end_reason = :reason WHERE id = :id"
+                      f" AND (ended_at IS NULL OR end_reason IN {_RECOVERABLE_END_REASONS_SQL})",
+                session_id, reason)) > 0
         except Exception:  # as in hermes-agent: a reset boundary never raises into the gateway
             logger.warning("could not mark session %r as reset", session_id, exc_info=True)
             return False

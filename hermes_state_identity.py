@@ -10,6 +10,7 @@ and ours unchanged.
 """
 
 import functools
+import hashlib
 import json
 import math
 import operator
@@ -17,8 +18,8 @@ import re
 import uuid
 
 from hermes_state_common import (
-    MESSAGE_WRITE_COLUMNS, content_text, encode_content, host_is_020, loads_or, scrub_surrogates,
-    sqlite_keeps,
+    MESSAGE_WRITE_COLUMNS, content_text, decode_content, decode_display_metadata, encode_content,
+    host_is_020, loads_or, scrub_surrogates, sqlite_keeps,
 )
 
 # A message dict's identity keys, as hermes-agent names them.
@@ -100,7 +101,8 @@ def stamp_identity(message, tool_calls, calls_seen):
     elif role == "user":
         calls_seen.clear()  # a result never pairs across a user turn
     elif role == "tool" and not _live_or_column(message, TOOL_CALL_UID, "tool_call_uid"):
-        uid = calls_seen.get(message.get("tool_call_id"))
+        call_id = message.get("tool_call_id")  # (not text: the insert refuses it)
+        uid = calls_seen.get(call_id) if isinstance(call_id, str) else None
         if uid:
             message[TOOL_CALL_UID] = uid
 
@@ -163,6 +165,30 @@ def restore_identity_columns(row, msg):
         msg[ABSORBED_MESSAGE_UIDS] = absorbed
 
 
+def display_identity(row):
+    """0.22's display identity of a stored row (a dict of its column values): the SHA-256 of its
+    dedupe key, the key one_per_generation folds copies by. An assistant row whose every tool call
+    has an id is keyed by those ids (a pruned copy keeps them, not its arguments); a user row that
+    carries a compaction summary by the ask it carries; any other by role, content, time and tool
+    fields. Equal to 0.22's digest for the same row, so either release groups the other's copies."""
+    content = row["content"]
+    calls = loads_or(row["tool_calls"] or "[]", []) if row["role"] == "assistant" else None
+    call_ids = tuple(tool_call_key(call) for call in calls) if isinstance(calls, list) else ()
+    if call_ids and all(call_ids):
+        key = ("assistant", None, row["timestamp"], row["tool_call_id"], call_ids, row["tool_name"])
+    else:
+        if row["role"] == "user":
+            handoff, turn = split_user_turn({
+                "role": "user", "content": decode_content(content),
+                "display_kind": row["display_kind"],
+                "display_metadata": decode_display_metadata(row["display_metadata"])})
+            if handoff is not None and turn is not None:
+                content = encode_content(turn.get("content"))
+        key = (row["role"], content, row["timestamp"], row["tool_call_id"], row["tool_calls"],
+               row["tool_name"])
+    return hashlib.sha256(repr(key).encode("utf-8", "surrogatepass")).digest()
+
+
 # -- a message dict as row values ------------------------------------------------
 def message_row(session_id, message, default_time, columns, direct=False, calls_seen=None):
     """(values of `columns` for INSERT, tool calls it counts, its timestamp). `direct` reads
@@ -219,6 +245,8 @@ def message_row(session_id, message, default_time, columns, direct=False, calls_
             if not host_is_020():  # its dicts go to the model as they are (docs/differences.md)
                 message[MESSAGE_UID] = stamped[MESSAGE_UID]
             optional.update(identity_values(stamped))
+        if "display_identity" in columns:
+            optional["display_identity"] = display_identity(row)
         row.update((name, optional.get(name)) for name in columns[len(MESSAGE_WRITE_COLUMNS):])
     return _write_row(row, columns), calls, stamp
 

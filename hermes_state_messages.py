@@ -17,8 +17,8 @@ from hermes_state_common import (
     COMPRESSION_END_REASON, CONTENT_JSON_PREFIX, COUNT_ALL_MESSAGES_SQL, MESSAGE_WRITE_COLUMNS,
     LINEAGE_MAX_HOPS, PREVIEW_CHARS, SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL,
     STALE_MARKER, decode_content, decode_display_metadata, decode_message,
-    describe_skill_invocation, encode_content, host_is_020, is_fork_child, json_object, loads_or,
-    placeholders, scrub_surrogates,
+    describe_skill_invocation, encode_content, host_is_020, host_view, is_fork_child, json_object,
+    loads_or, placeholders, scrub_surrogates,
 )
 from hermes_state_errors import (
     CompressionSessionClosedError, SessionCompressionInProgressError, SessionTurnLeaseLostError,
@@ -43,7 +43,7 @@ def _insert_sql(columns):
 INSERT_MESSAGE_SQL = _insert_sql(MESSAGE_WRITE_COLUMNS)
 # Columns hermes-agent 0.22 (schema 31) adds to a message write. Each is written where the store
 # has it (_write_columns); a schema-26 store keeps none of them.
-OPTIONAL_WRITE_COLUMNS = ("_compressed_summary",) + IDENTITY_COLUMNS
+OPTIONAL_WRITE_COLUMNS = ("_compressed_summary", "display_identity") + IDENTITY_COLUMNS
 # Every column a message write names on a store that has them all (agent/transcript_repair.py
 # derives the columns a row rewrite may change from it).
 _MESSAGE_WRITE_COLUMNS = MESSAGE_WRITE_COLUMNS + OPTIONAL_WRITE_COLUMNS
@@ -903,13 +903,13 @@ def _check_open_session(conn, session_id, must_exist=True):
 def message_dict(row):
     """A `SELECT *` row as get_messages gives it: decode_message's dict without schema 31's display
     index (`display_identity` is bytes, which a JSON reply cannot hold), `_compressed_summary`
-    only when set (as True)."""
+    only when set (as True), and inside 0.20 without any of schema 31's columns (host_view)."""
     message = decode_message(row)
     for key in ("display_identity", "display_order"):
         message.pop(key, None)
     if message.pop("_compressed_summary", 0):
         message["_compressed_summary"] = True
-    return message
+    return host_view(message, "messages")
 
 
 def _visible_rows(include_inactive, include_compacted):

@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from hermes_state_common import (
     BYTES_MARKER, CONTENT_JSON_PREFIX, LAST_ACTIVE_SQL, INSERT_SYSTEM_PROMPT_SQL,
     MESSAGE_WRITE_COLUMNS, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL,
-    SET_MESSAGE_COUNTS_SQL, SQLITE_INT_RANGE, TITLE_MAX_LENGTH, decode_message,
+    SET_MESSAGE_COUNTS_SQL, SQLITE_INT_RANGE, TITLE_MAX_LENGTH, decode_message, host_view,
     loads_or, normalize_title, placeholders, quote_identifier, resolved_max_export_messages,
     scrub_surrogates, sqlite_keeps)
 from hermes_state_errors import SessionExportTooLargeError
@@ -607,7 +607,8 @@ class SessionPortabilityMixin:
                 messages[position]["tool_calls"] = value
             for position, row in flagged:
                 if row[-1] >= ROW_DECODED:  # the long way of get_messages and portable_message
-                    messages[position] = portable_message(decode_message(zip(columns, row)))
+                    messages[position] = portable_message(host_view(
+                        decode_message(zip(columns, row)), "messages"))
             return messages
 
         def encoded(rows):

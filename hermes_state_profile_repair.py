@@ -18,11 +18,13 @@ from hermes_state_common import (  # session_key_profile: 0.22's callers import 
     INSERT_SYSTEM_PROMPT_SQL, TABLE_EXISTS_SQL, TITLE_MAX_LENGTH, chunked, placeholders,
     profile_key_prefix, session_key_profile,
 )
+from hermes_state_identity import display_identity
 from hermes_state_schema import live_columns, prompt_hash
 
 # A moved message gets the target's own id; its display order named a row of this store, so it
-# is left for the target's trigger to work out again.
-_MESSAGE_COLUMNS_NOT_MOVED = frozenset({"id", "display_order"})
+# is left for the target's trigger to work out again, and its display identity (bytes, which the
+# payload as plain data cannot hold) is worked out again from the row.
+_MESSAGE_COLUMNS_NOT_MOVED = frozenset({"id", "display_order", "display_identity"})
 
 
 def _label(value):
@@ -161,12 +163,14 @@ class SessionProfileRepairMixin:
                 row = digest and conn.execute("SELECT prompt FROM system_prompts WHERE hash = ?",
                                               (digest,)).fetchone()
                 return row[0] if row else None
-            rows = {table: [dict(row) for row in conn.execute(
-                f"SELECT * FROM {table} WHERE session_id = ?{order}", (session_id,))]
-                for table, order in (("messages", " ORDER BY id"), ("session_model_usage", ""))}
+            def rows(table, order="", skipped=()):
+                found = conn.execute(f"SELECT * FROM {table} WHERE session_id = ?{order}",
+                                     (session_id,))
+                return [{k: v for k, v in dict(row).items() if k not in skipped} for row in found]
             return {"session": session, "system_prompt": stored(session["system_prompt_hash"]),
-                    "tool_pin": stored(session.get("tool_names")), "messages": rows["messages"],
-                    "usage": rows["session_model_usage"]}
+                    "tool_pin": stored(session.get("tool_names")),
+                    "messages": rows("messages", " ORDER BY id", _MESSAGE_COLUMNS_NOT_MOVED - {"id"}),
+                    "usage": rows("session_model_usage")}
         return self._with_reader(read)
 
     def import_moved_session(self, payload, *, profile_name):
@@ -198,8 +202,10 @@ class SessionProfileRepairMixin:
                 session["tool_names"] = _store_text(conn, payload.get("tool_pin"))
             _insert_known(conn, "sessions", session)
             for message in payload.get("messages") or ():
-                _insert_known(conn, "messages", dict(message, session_id=session_id),
-                              _MESSAGE_COLUMNS_NOT_MOVED)
+                message = dict(message, session_id=session_id)
+                message = dict(message, display_identity=display_identity(message))
+                _insert_known(conn, "messages", message, _MESSAGE_COLUMNS_NOT_MOVED - {
+                    "display_identity"})
             for usage in payload.get("usage") or ():
                 _insert_known(conn, "session_model_usage", dict(usage, session_id=session_id))
             return "imported"

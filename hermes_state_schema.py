@@ -12,11 +12,14 @@ transaction, retried on lock); it never imports hermes_state.
 """
 
 import contextlib
+import datetime
 import functools
 import hashlib
 import logging
+import re
 import sqlite3
 import time
+import uuid
 from collections import namedtuple
 
 # DEFERRED_INDEX_SQL is re-exported: hermes-agent's name.
@@ -24,9 +27,9 @@ from hermes_state_common import (
     DEFERRED_INDEX_SQL, DEFERRED_INDEXES, DELETE_META_SQL, DROP_TABLE_SQL, GATEWAY_ROUTING_PK,
     GATEWAY_ROUTING_SIDE_TABLE, HERMES_FTS_TABLES, INSERT_META_SQL, INSERT_SYSTEM_PROMPT_SQL,
     LAST_ACTIVE_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, PREVIOUS_LAYOUT_TABLES,
-    RENAME_TABLE_SQL, SCHEMA_SQL, SCHEMA_VERSION, SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL,
-    SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME, _RESET_END_REASONS, quote_identifier,
-    trigger_writes,
+    RENAME_TABLE_SQL, SCHEMA_31_COLUMNS, SCHEMA_31_TABLES, SCHEMA_SQL, SCHEMA_VERSION,
+    SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL, SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME,
+    _RESET_END_REASONS, quote_identifier, trigger_writes,
 )
 from hermes_state_errors import is_capability_gap
 
@@ -246,6 +249,83 @@ LISTING_INDEXES = {
 Capabilities = namedtuple("Capabilities", "fts5 trigram")
 
 
+# -- Message identity and display index: hermes-agent 0.22's (schema 31) -----------------------
+
+# Its triggers, under its names and with its effect, so that a row any program writes gets a
+# message_uid and a display_order, and a rewritten row loses the display identity its old content
+# had (0.22's next read computes it again). A trigger of one of these names that another release
+# made is kept as it is: two texts of one rule would otherwise replace each other on every open.
+# "Visible" is 0.22's display set: live or compacted rows.
+_VISIBLE = "(active = 1 OR compacted = 1)"
+_PEER_ORDER = ("(SELECT display_order FROM messages WHERE session_id = new.session_id"
+               f" AND id <> new.id AND {_VISIBLE} AND display_identity = new.display_identity"
+               " AND display_order IS NOT NULL ORDER BY display_order LIMIT 1)")
+_FIRST_PEER_OF_OLD = ("(SELECT MIN(peer.id) FROM messages AS peer WHERE peer.session_id ="
+                      " old.session_id AND (peer.active = 1 OR peer.compacted = 1)"
+                      " AND peer.display_identity = old.display_identity)")
+IDENTITY_TRIGGERS = {
+    # Programs that predate the column insert NULL; the store mints the uid for them.
+    "messages_message_uid_insert": """CREATE TRIGGER messages_message_uid_insert
+ AFTER INSERT ON messages WHEN new.message_uid IS NULL BEGIN
+  UPDATE messages SET message_uid = lower(hex(randomblob(16))) WHERE id = new.id;
+ END""",
+    # A new row joins the display group of an earlier copy of the same message, else starts one.
+    "messages_display_order_insert": f"""CREATE TRIGGER messages_display_order_insert
+ AFTER INSERT ON messages WHEN new.display_order IS NULL BEGIN
+  UPDATE messages SET display_order = COALESCE({_PEER_ORDER}, new.id) WHERE id = new.id;
+ END""",
+    # A row entering the visible set takes (and gives) its group's order; one leaving it hands
+    # the group to the first visible row left.
+    "messages_display_visibility_update": f"""CREATE TRIGGER messages_display_visibility_update
+ AFTER UPDATE OF active, compacted ON messages
+ WHEN (new.active = 1 OR new.compacted = 1) <> (old.active = 1 OR old.compacted = 1) BEGIN
+  UPDATE messages SET display_order = MIN(new.id, COALESCE({_PEER_ORDER}, new.id))
+   WHERE id = new.id AND (new.active = 1 OR new.compacted = 1);
+  UPDATE messages SET display_order = (SELECT display_order FROM messages WHERE id = new.id)
+   WHERE session_id = new.session_id AND id <> new.id AND {_VISIBLE}
+    AND display_identity = new.display_identity AND (new.active = 1 OR new.compacted = 1);
+  UPDATE messages SET display_order = {_FIRST_PEER_OF_OLD}
+   WHERE session_id = old.session_id AND {_VISIBLE} AND display_identity = old.display_identity
+    AND NOT (new.active = 1 OR new.compacted = 1);
+ END""",
+    # Content rewritten: the row and its old group lose identity and order until a read
+    # recomputes them.
+    "messages_display_identity_update": f"""CREATE TRIGGER messages_display_identity_update
+ AFTER UPDATE OF role, content, timestamp, tool_call_id, tool_calls, tool_name, display_kind
+ ON messages WHEN new.role IS NOT old.role OR new.content IS NOT old.content
+  OR new.timestamp IS NOT old.timestamp OR new.tool_call_id IS NOT old.tool_call_id
+  OR new.tool_calls IS NOT old.tool_calls OR new.tool_name IS NOT old.tool_name
+  OR new.display_kind IS NOT old.display_kind BEGIN
+  UPDATE messages SET display_identity = NULL, display_order = NULL WHERE id = new.id
+   OR (session_id = old.session_id AND display_identity = old.display_identity AND {_VISIBLE});
+ END""",
+    "messages_display_identity_delete": f"""CREATE TRIGGER messages_display_identity_delete
+ AFTER DELETE ON messages WHEN old.active = 1 OR old.compacted = 1 BEGIN
+  UPDATE messages SET display_order = {_FIRST_PEER_OF_OLD}
+   WHERE session_id = old.session_id AND {_VISIBLE} AND display_identity = old.display_identity;
+ END""",
+}
+# An update trigger without a column list, and the columns hermes-agent's index triggers read.
+_BROAD_UPDATE = re.compile(r"\bAFTER\s+UPDATE\s+ON\s+messages\b", re.I)
+_INDEXED_COLUMNS_UPDATE = "AFTER UPDATE OF content, tool_name, tool_calls, role ON messages"
+# 0.22's state_meta keys: who the store is (minted when it is born), which file it is (minted
+# once per file: a copy keeps it, a store made anew gets another), and how far the uid backfill
+# of rows written before schema 31 got ("1" when done; else the last id done).
+META_STORE_INSTANCE = "store_instance_id"
+META_STORE_CREATED = "store_created_at_utc"
+META_DB_FILE_GENERATION = "db_file_generation"
+META_UID_BACKFILL_DONE = "message_uid_backfill"
+META_UID_BACKFILL_CURSOR = "message_uid_backfill_id"
+# The backfill's budget: each chunk a transaction of its own that stays under the issue's 100 ms
+# (the chunk's id span halves after a slow one and doubles after a quick one: an old store's
+# per-row update triggers make rows cost ten times more), and an open spends at most
+# UID_BACKFILL_BUDGET_S on it, as 0.22's does; the next open resumes.
+UID_BACKFILL_FIRST_SPAN = 2000
+UID_BACKFILL_MAX_SPAN = 50000
+UID_BACKFILL_CHUNK_TARGET_S = 0.04
+UID_BACKFILL_BUDGET_S = 1.0
+
+
 def _probe(connect, ddl):
     try:
         with contextlib.closing(connect(":memory:")) as conn:
@@ -391,10 +471,15 @@ def schema_read_probe_statements(sql=SCHEMA_SQL):
     """One `SELECT "t"."c", ... FROM "t" LIMIT 0` per declared table, for a read-only caller to
     learn whether the store lacks a table or column. Columns are table-qualified: a bare
     double-quoted name that does not resolve silently becomes a string literal and would hide the
-    gap."""
+    gap. What schema 31 added is left out: every reader of ours reads a store 0.20 left (schema
+    26) as it is, so a read-only command needs no upgraded copy of one."""
     q = quote_identifier
-    return [f"SELECT {', '.join(q(table) + '.' + q(c) for c in columns)} FROM {q(table)} LIMIT 0"
-            for table, columns in declared_columns(sql).items()]
+    statements = []
+    for table, columns in declared_columns(sql).items():
+        probed = [q(table) + "." + q(c) for c in columns if c not in SCHEMA_31_COLUMNS.get(table, ())]
+        if table not in SCHEMA_31_TABLES:
+            statements.append(f"SELECT {', '.join(probed)} FROM {q(table)} LIMIT 0")
+    return statements
 
 
 def trigger_damage(objects, read_all):
@@ -499,6 +584,8 @@ class SessionSchemaMixin:
         self._ensure_title_index(conn, objects)
         self._stamp_schema_version(conn)
         self._ensure_listing_objects(conn, objects)
+        self._ensure_identity_triggers(conn, objects)
+        self._stamp_store_identity(conn, born="sessions" not in objects)
         if self.fts_caps.fts5 and self._db_has_legacy_inline_fts(conn):
             # hermes-agent's flag for that index, written as its open writes it (its tools read it).
             write_meta(conn, META_FTS_OPTIMIZE_AVAILABLE, "1")
@@ -603,6 +690,41 @@ class SessionSchemaMixin:
             conn.execute(DELETE_META_SQL, (META_LISTING_READY,))
             conn.execute(DELETE_META_SQL, (META_LISTING_PROGRESS,))
 
+    def _ensure_identity_triggers(self, conn, objects):
+        self._narrow_broad_index_triggers(conn, objects)
+        for name, sql in IDENTITY_TRIGGERS.items():
+            if name not in objects:
+                conn.execute(sql)
+
+    @staticmethod
+    def _narrow_broad_index_triggers(conn, objects):
+        """hermes-agent 0.19's index triggers fire on an update of any column and re-add the row:
+        fired by the display triggers' own updates inside an insert, before the insert's trigger,
+        the row then went in twice and the insert failed. Each is made again to fire on the
+        columns it indexes only (as 0.22 does; its rows need no rebuild)."""
+        for name, (kind, sql) in objects.items():
+            if kind == "trigger" and name.startswith("messages_fts") and sql and \
+                    _BROAD_UPDATE.search(sql):
+                conn.execute(f"DROP TRIGGER {quote_identifier(name)}")
+                conn.execute(_BROAD_UPDATE.sub(_INDEXED_COLUMNS_UPDATE, sql, count=1))
+                logger.info("schema: trigger %s now fires on the columns it indexes", name)
+
+    def _stamp_store_identity(self, conn, born):
+        """0.22's provenance keys: a store born in this transaction gets its instance id and birth
+        time (and has no row for the uid backfill to do); every file gets its generation once,
+        which also goes into the header's application_id while that is 0."""
+        if born and read_meta(conn, META_STORE_INSTANCE) is None:
+            write_meta(conn, META_STORE_INSTANCE, str(uuid.uuid4()))
+            write_meta(conn, META_STORE_CREATED,
+                       datetime.datetime.now(datetime.timezone.utc).isoformat())
+            write_meta(conn, META_UID_BACKFILL_DONE, "1")
+        generation = read_meta(conn, META_DB_FILE_GENERATION)
+        if not generation:
+            generation = uuid.uuid4().hex
+            write_meta(conn, META_DB_FILE_GENERATION, generation)
+        if conn.execute("PRAGMA application_id").fetchone()[0] == 0:
+            conn.execute(f"PRAGMA application_id = {(int(generation[:8], 16) & 0x7FFFFFFF) or 1}")
+
     def _stamp_schema_version(self, conn):
         if self._schema_version_held_back(conn):
             return
@@ -629,6 +751,7 @@ class SessionSchemaMixin:
         self._repair_null_active()
         self._migrate_inline_system_prompts()
         self._backfill_listing()
+        self._backfill_message_uids()
 
     def _write_in_chunks(self, chunk, size):
         """Run the write `chunk` (returns the rows it did, at most `size`) until one does fewer; the
@@ -704,6 +827,44 @@ class SessionSchemaMixin:
                          (ids[0], ids[-1]))
             write_meta(conn, META_LISTING_PROGRESS, ids[-1])
         return len(ids)
+
+    def _backfill_message_uids(self, budget_s=UID_BACKFILL_BUDGET_S):
+        """Mint a message_uid for each row written before the store had the column, in id order:
+        a chunk a transaction (see UID_BACKFILL_CHUNK_TARGET_S), the last id done kept in
+        META_UID_BACKFILL_CURSOR in the same transaction, so a kill loses no work and repeats none;
+        at most `budget_s` an open. A row without one reads as a message without identity."""
+        if self._read_value(SELECT_META_SQL, (META_UID_BACKFILL_DONE,)) is not None:
+            return
+        deadline = time.monotonic() + budget_s
+        span, done = UID_BACKFILL_FIRST_SPAN, 0
+
+        def chunk(conn):
+            after = int(read_meta(conn, META_UID_BACKFILL_CURSOR) or 0)
+            last = conn.execute("SELECT MAX(id) FROM messages").fetchone()[0] or 0
+            if after >= last:
+                write_meta(conn, META_UID_BACKFILL_CURSOR, None)
+                write_meta(conn, META_UID_BACKFILL_DONE, "1")
+                return None
+            upper = min(after + span, last)
+            minted = conn.execute("UPDATE messages SET message_uid = lower(hex(randomblob(16)))"
+                                  " WHERE id > :after AND id <= :upper AND message_uid IS NULL",
+                                  {"after": after, "upper": upper}).rowcount
+            write_meta(conn, META_UID_BACKFILL_CURSOR, str(upper))
+            return minted
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            minted = self._execute_write(chunk)
+            if minted is None:
+                break
+            done += minted
+            took = time.monotonic() - started
+            if took > UID_BACKFILL_CHUNK_TARGET_S:
+                span = max(span // 2, 1)
+            elif took < UID_BACKFILL_CHUNK_TARGET_S / 4:
+                span = min(span * 2, UID_BACKFILL_MAX_SPAN)
+            pause_between_chunks()
+        if done:
+            logger.info("schema: minted a message_uid for %d older messages", done)
 
     # -- read-only callers ---------------------------------------------------
 

@@ -23,7 +23,7 @@ from hermes_state_common import (
     DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL, LAST_ACTIVE_SQL, MESSAGES_LAST_ACTIVE_SQL,
     SELECT_META_SQL, SESSION_EXISTS_SQL, SESSION_ID_MAX_LENGTH, SESSION_RICH_SQL, TABLE_EXISTS_SQL,
     SKILL_EXCERPT_JOINT, _RESET_END_REASONS, chunked, cwd_prefix_clause, describe_skill_invocation,
-    escape_like, has_fork_marker, host_is_020, is_fork_child, json_object, loads_or,
+    escape_like, has_fork_marker, host_is_020, host_view, is_fork_child, json_object, loads_or,
     merge_model_config, placeholders, require_text, sqlite_keeps,
     workspace_key,  # noqa: F401 (hermes-agent imports it from this module)
 )
@@ -231,6 +231,7 @@ class SessionSessionsMixin:
                     session[column] = prompts[digest]
             if "_preview_raw" in session:
                 session["preview"] = _shape_preview(session.pop("_preview_raw"))
+            host_view(session, "sessions")
         return sessions
 
     def resolve_session_id(self, session_id_or_prefix):
@@ -247,9 +248,38 @@ class SessionSessionsMixin:
     def end_session(self, session_id, end_reason):
         """Mark a session ended now with `end_reason`; returns None. The first end wins (reopen to
         re-end)."""
-        self._update_rows(
-            "UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ? AND ended_at IS NULL",
-            (time.time(), end_reason, session_id))
+        self._execute_write(lambda conn: self._end_at_boundary(
+            conn, "UPDATE sessions SET ended_at = :now, end_reason = :reason"
+                  " WHERE id = :id AND ended_at IS NULL", session_id, end_reason))
+
+    def _end_at_boundary(self, conn, update, session_id, reason):
+        """Inside a write: run `update` (binds :now, :reason, :id) and, when it ended the session
+        with a reset reason (a conversation boundary), count the boundary for its routing peer in
+        conversation_generations (0.22's; never derived from session rows, which prunes delete,
+        so a generation is never handed out twice). The rows it changed."""
+        changed = conn.execute(update, {"now": time.time(), "reason": reason,
+                                        "id": session_id}).rowcount
+        if changed and reason in _RESET_END_REASONS:
+            conn.execute(
+                "INSERT INTO conversation_generations (source, session_key, generation)"
+                " SELECT TRIM(source), TRIM(session_key), 1 FROM sessions WHERE id = :id"
+                " AND TRIM(COALESCE(source, '')) <> '' AND TRIM(COALESCE(session_key, '')) <> ''"
+                " ON CONFLICT (source, session_key) DO UPDATE SET generation = generation + 1",
+                {"id": session_id})
+        return changed
+
+    def latest_conversation_boundary(self, session_key, source):
+        """How many conversation boundaries (resets) the peer (`session_key`, `source`) has
+        crossed; None when none, or for an empty key or source."""
+        if not session_key or not source:
+            return None
+        try:
+            generation = self._read_value("SELECT generation FROM conversation_generations"
+                                          " WHERE source = ? AND session_key = ?",
+                                          (source, session_key))
+        except sqlite3.OperationalError:  # a read-only store 0.22 never opened: none counted
+            return None
+        return int(generation) if generation else None
 
     def reopen_session(self, session_id):
         """Clear a session's end so it can be resumed; returns None. Children that continued it

@@ -506,6 +506,31 @@ class CompressorGuards(CompressionTestCase):
             with self.subTest(session_id=session_id), self.assertRaises(RuntimeError):
                 self.db.restore_compression_failure_cooldown_row(session_id, snap)
 
+    def test_the_overload_streak_counts_every_strike_of_concurrent_agents(self):
+        self.assertEqual(self.db.get_compression_overload_streak("s"), 0)
+        paths = [str(self.path)] * 4
+        script = ("import sys; from hermes_state import SessionDB\n"
+                  "db = SessionDB(sys.argv[1])\n"
+                  "[db.increment_compression_overload_streak('s') for _ in range(25)]\ndb.close()")
+        procs = [subprocess.Popen([sys.executable, "-c", script, p], cwd=REPO) for p in paths]
+        self.assertEqual([proc.wait(120) for proc in procs], [0] * 4)
+        self.assertEqual(self.db.get_compression_overload_streak("s"), 100)
+        self.assertIsNone(self.db.increment_compression_overload_streak("gone"))
+        self.db.set_compression_overload_streak("s", -2)
+        self.assertEqual(self.db.get_compression_overload_streak("s"), 0)
+
+    def test_the_recovery_deadline_is_stored_and_cleared_by_nothing_or_junk(self):
+        self.assertEqual(self.db.get_compression_recovery_deadline("s"), 0.0)
+        self.db.set_compression_recovery_deadline("s", 1800000000.5)
+        with hermes_state.SessionDB(self.path) as other:  # another process's compressor reads it back
+            self.assertEqual(other.get_compression_recovery_deadline("s"), 1800000000.5)
+        for cleared in (0, None, "junk", -5):
+            self.db.set_compression_recovery_deadline("s", 99.0)
+            self.db.set_compression_recovery_deadline("s", cleared)
+            self.assertEqual(self.rows("SELECT compression_recovery_deadline AS d FROM sessions"),
+                             [{"d": None}], cleared)
+        self.assertEqual(self.db.get_compression_recovery_deadline("gone"), 0.0)
+
     def test_the_streak_and_the_ineffective_count_are_stored_as_non_negative_integers(self):
         self.db.set_compression_fallback_streak("s", 3)
         self.db.set_compression_ineffective_count("s", 2.7)

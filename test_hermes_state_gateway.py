@@ -330,6 +330,33 @@ class Routing(StoreTestCase):
         self.assertTrue(self.db.clear_backend_heartbeat("gw@host:1"))
         self.assertFalse(self.db.clear_backend_heartbeat("gw@host:1"))
 
+    def test_stale_heartbeats_are_pruned_and_live_ones_listed_newest_first(self):
+        now = time.time()
+        for backend, beat in (("dead", now - 600), ("old", now - 90), ("live", now)):
+            self.db.register_backend_heartbeat(backend_id=backend, pid=7, started_at=1.0,
+                                               last_heartbeat=beat, host="h")
+        self.assertEqual(self.db.prune_stale_heartbeats(max_age_seconds=0), [])
+        self.assertEqual(self.db.prune_stale_heartbeats(max_age_seconds=300), ["dead"])
+        listed = self.db.list_backend_heartbeats()
+        self.assertEqual([row["backend_id"] for row in listed], ["live", "old"])
+        self.assertEqual(set(listed[0]), {"backend_id", "pid", "started_at", "last_heartbeat",
+                                          "profile", "host"})
+
+    def test_a_reset_counts_a_conversation_boundary_for_its_peer_once(self):
+        self.assertIsNone(self.db.latest_conversation_boundary("k", "telegram"))
+        for n, reason in enumerate(("session_reset", "compression", "idle", "session_reset")):
+            self.db.create_session(f"s{n}", "telegram", session_key="k")
+            self.db.end_session(f"s{n}", reason)
+            self.db.end_session(f"s{n}", "session_reset")  # already ended: no boundary
+        self.assertEqual(self.db.latest_conversation_boundary("k", "telegram"), 3)
+        self.db.create_session("p", "telegram", session_key="k")
+        self.assertTrue(self.db.promote_to_session_reset("p"))
+        self.assertEqual(self.db.latest_conversation_boundary("k", "telegram"), 4)
+        self.db.delete_session("s0")  # a prune never hands a generation out again
+        self.assertEqual(self.db.latest_conversation_boundary("k", "telegram"), 4)
+        self.assertIsNone(self.db.latest_conversation_boundary("k", "discord"))
+        self.assertIsNone(self.db.latest_conversation_boundary("", "telegram"))
+
 
 class GatewaySessions(StoreTestCase):
 
@@ -509,16 +536,11 @@ class GatewayPeers(GatewaySessions):
         self.peer("nokey", "")
         self.assertIsNone(self.db.get_session("nokey"))
 
-    def test_the_transport_profile_is_kept_where_the_store_has_its_column(self):
+    def test_the_transport_profile_is_kept_and_a_peer_row_takes_its_source(self):
         self.make("s")
-        self.peer("s", "k", transport_profile="work")  # a store before schema 31: no column, no error
-        conn = self.raw(self.path)
-        conn.execute("ALTER TABLE sessions ADD COLUMN transport_profile TEXT")
-        conn.execute("ALTER TABLE sessions ADD COLUMN created_source TEXT")
-        conn.commit()
         self.peer("s", "k", transport_profile="work")
         self.peer("s", "k")
-        self.assertEqual(self.row("s", "transport_profile", "created_source"), ("work", None))
+        self.assertEqual(self.row("s", "transport_profile", "created_source"), ("work", "telegram"))
         self.peer("s", "k", transport_profile="home")
         self.peer("lost", "k2", transport_profile="work")
         self.assertEqual(self.row("s", "transport_profile"), ("home",))

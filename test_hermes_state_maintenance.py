@@ -317,8 +317,8 @@ class SweepAndPins(MaintenanceTestCase):
 
     def test_a_live_backend_heartbeat_owns_the_rows_it_could_have_started(self):
         self.session("old", days_ago=2, ended=False, source="tui")
-        self.sql("CREATE TABLE IF NOT EXISTS gateway_heartbeats (pid INTEGER, started_at REAL, last_heartbeat REAL)")
-        self.sql("INSERT INTO gateway_heartbeats VALUES (1, ?, ?)", (time.time() - 3 * DAY, time.time()))
+        self.sql("INSERT INTO gateway_heartbeats (backend_id, pid, started_at, last_heartbeat)"
+                 " VALUES ('b', 1, ?, ?)", (time.time() - 3 * DAY, time.time()))
         self.assertEqual(self.db.sweep_orphaned_sessions(max_idle_seconds=DAY), [])
         self.assertEqual(self.db.sweep_orphaned_sessions(max_idle_seconds=DAY, respect_gateway_heartbeats=False),
                          ["old"])

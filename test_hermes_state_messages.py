@@ -10,8 +10,11 @@ from hermes_state import SessionDB
 from hermes_state_errors import (
     CompressionSessionClosedError, SessionCompressionInProgressError, SessionTurnLeaseLostError,
 )
-from test_support import StoreTestCase
+from test_support import V26_DB, StoreTestCase
 
+# Keys a loaded message carries besides its fields: when, that it is stored, who it is (0.22).
+LOADED_MARKERS = ("timestamp", "_db_persisted", "message_uid", "_tool_call_uids", "_tool_call_uid",
+                  "_absorbed_message_uids")
 CALL = [{"id": "call_1", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]
 # Binding an unsupported type: ProgrammingError since Python 3.11, InterfaceError before.
 BIND_ERRORS = (sqlite3.ProgrammingError, sqlite3.InterfaceError)
@@ -243,7 +246,9 @@ class Reading(MessageTestCase):
                 self.db.get_messages("s", after_id=ids[0], **kwargs)
         self.assertEqual(self.db.get_messages("ghost"), [])
         columns = [row[1] for row in self.raw(self.path).execute("PRAGMA table_info(messages)")]
-        self.assertEqual(list(self.db.get_messages("s")[0]), columns)
+        derived = ("display_identity", "display_order", "_compressed_summary")  # (0.22's get_messages)
+        self.assertEqual(list(self.db.get_messages("s")[0]),
+                         [column for column in columns if column not in derived])
 
     def test_include_compacted_shows_each_compacted_message_once_and_never_rewound_ones(self):
         for i in range(3):
@@ -275,6 +280,10 @@ class Reading(MessageTestCase):
         user, assistant, tool = self.db.get_messages_as_conversation("s", include_row_ids=True)
         stamps = [row[0] for row in self.stored(column="timestamp")]
         ids = [row[0] for row in self.stored(column="id")]
+        self.assertEqual([m.pop("message_uid") for m in (user, assistant, tool)],
+                         [row[0] for row in self.stored(column="message_uid")])
+        # (a result written by a later call is paired by hermes-agent's flush, not by the store)
+        self.assertEqual(list(assistant.pop("_tool_call_uids")), ["call_1"])
         self.assertEqual(user, {"role": "user", "content": "hi", "_db_persisted": True, "_row_id": ids[0],
                                 "api_content": "hi + memory",
                                 "display_kind": "synthetic", "display_metadata": {"k": 1}, "timestamp": stamps[0],
@@ -348,7 +357,7 @@ class Reading(MessageTestCase):
         ]
         for role, content, extra in sequence:
             self.db.append_message("s", role, content, **extra)
-        repaired = [{k: v for k, v in m.items() if k not in ("timestamp", "_db_persisted")}
+        repaired = [{k: v for k, v in m.items() if k not in LOADED_MARKERS}
                     for m in self.db.get_messages_as_conversation("s", repair_alternation=True)]
         self.assertEqual(repaired, [
             {"role": "user", "content": "a\n\nb"},
@@ -371,7 +380,7 @@ class Reading(MessageTestCase):
                                      ("user", "q2"), ("assistant", ""), ("assistant", parts))]
         with self.raw(self.path) as conn:
             conn.execute("UPDATE messages SET tool_calls = '[]' WHERE id = ?", (ids[1],))
-        repaired = [{k: v for k, v in m.items() if k not in ("timestamp", "_db_persisted")}
+        repaired = [{k: v for k, v in m.items() if k not in LOADED_MARKERS}
                     for m in self.db.get_messages_as_conversation("t", repair_alternation=True)]
         self.assertEqual(repaired, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "first\nsecond"},
                                     {"role": "user", "content": "q2"}, {"role": "assistant", "content": parts}])
@@ -679,19 +688,6 @@ class MessageText(MessageTestCase):
         self.assertEqual([describe_skill_invocation(x) for x in ("plain", None, ["x"])], [None, None, None])
 
 
-# The columns hermes-agent 0.22 (schema 31) adds to messages, as it declares them.
-SCHEMA_31_MESSAGE_COLUMNS = ("_compressed_summary INTEGER DEFAULT 0", "message_uid TEXT",
-                             "absorbed_message_uids TEXT", "tool_call_uids TEXT", "tool_call_uid TEXT")
-
-
-def add_schema_31_message_columns(path):
-    conn = sqlite3.connect(path)
-    for column in SCHEMA_31_MESSAGE_COLUMNS:
-        conn.execute("ALTER TABLE messages ADD COLUMN " + column)
-    conn.commit()
-    conn.close()
-
-
 class BothReleasesCallShapes(MessageTestCase):
     """append_message's positions after effect_disposition differ between 0.20 and 0.22."""
 
@@ -705,7 +701,6 @@ class BothReleasesCallShapes(MessageTestCase):
                          (row_id, 12.5, "as sent", "note"))
 
     def test_a_022_positional_call_shifts_them_by_its_summary_flag(self):
-        add_schema_31_message_columns(self.path)
         with SessionDB(self.path) as db:
             db.append_message(*self.HEAD, True, 12.5, "as sent", "note", None, None, None, 300.0,
                               "uid-1")
@@ -725,19 +720,8 @@ class BothReleasesCallShapes(MessageTestCase):
         self.assertEqual(len(self.stored()), 1)
 
 
-class Schema31Case(MessageTestCase):
-    """A store with 0.22's identity columns (as 0.22 leaves it)."""
-
-    def setUp(self):
-        super().setUp()
-        self.db.close()
-        add_schema_31_message_columns(self.path)
-        self.db = SessionDB(self.path)
-        self.addCleanup(self.db.close)
-
-
-class SchemaThirtyOneColumns(Schema31Case):
-    """Where the store has 0.22's identity columns, writes fill them and reads give them back."""
+class SchemaThirtyOneColumns(MessageTestCase):
+    """Every store has 0.22's identity columns: writes fill them and reads give them back."""
 
     def test_every_write_mints_a_message_uid_and_pairs_tool_calls_with_results(self):
         self.db.append_message("s", "user", "q", message_uid="given")
@@ -764,14 +748,17 @@ class SchemaThirtyOneColumns(Schema31Case):
         replay = self.db.get_messages_as_conversation("s", repair_alternation=True)
         self.assertIs(replay[0]["_compressed_summary"], True)
 
-    def test_a_schema_26_store_keeps_none_and_reads_without_them(self):
-        path = self.tmp / "26.db"
+    def test_a_schema_26_store_gains_them_and_its_rows_get_uids_once(self):
+        path = self.copy_fixture(V26_DB)
         with SessionDB(path) as db:
-            db.create_session("s", "cli")
-            db.append_message("s", "user", "q", _compressed_summary=True, message_uid="u")
-            self.assertEqual(db.get_messages_as_conversation("s", repair_alternation=True)[0],
-                             {"role": "user", "content": "q", "_db_persisted": True,
-                              "timestamp": db.get_messages("s")[0]["timestamp"]})
+            uids = [m["message_uid"] for m in db.get_messages("bench_000001")]
+            db.append_message("bench_000001", "user", "q", _compressed_summary=True,
+                              message_uid="u")
+            self.assertEqual(db.get_messages_as_conversation("bench_000001")[-1]["message_uid"], "u")
+        self.assertEqual(len(uids), 16)
+        self.assertTrue(all(isinstance(uid, str) and len(uid) == 32 for uid in uids))
+        with SessionDB(path) as db:  # minted once: the next open keeps them
+            self.assertEqual([m["message_uid"] for m in db.get_messages("bench_000001")][:16], uids)
 
 
 class TranscriptEdits022(MessageTestCase):
@@ -942,7 +929,7 @@ class CompactedConversation(MessageTestCase):
         self.assertEqual(self.db.display_message_count("ghost"), 0)
 
 
-class HostedByHermesAgent020(Schema31Case):
+class HostedByHermesAgent020(MessageTestCase):
     """Inside hermes-agent 0.20 no message dict gets a message_uid, written or read: 0.20's model
     requests carry a dict's keys as they are. The uid is still stored, for 0.22."""
 

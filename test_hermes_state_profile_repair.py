@@ -13,7 +13,6 @@ TOPIC_TABLES = """
 CREATE TABLE IF NOT EXISTS telegram_dm_topic_mode (profile_name TEXT, chat_id TEXT, enabled INTEGER);
 CREATE TABLE IF NOT EXISTS telegram_dm_topic_bindings (profile_name TEXT, chat_id TEXT, thread_id TEXT,
     session_key TEXT, session_id TEXT);
-CREATE TABLE IF NOT EXISTS gateway_heartbeats (pid INTEGER, profile TEXT, started_at REAL, last_heartbeat REAL);
 CREATE TABLE IF NOT EXISTS delivery_obligations (id INTEGER PRIMARY KEY, session_key TEXT, adapter_profile TEXT,
     state TEXT, updated_at REAL);
 """
@@ -162,6 +161,10 @@ class Moving(ProfileStoreTestCase):
                          ("work", None, "be brief"))
         self.assertEqual(moved["title"], "Trip (s)")
         self.assertEqual([m["content"] for m in target.get_messages("s")], ["hello", "hi"])
+        identity = "SELECT message_uid, display_identity FROM messages WHERE session_id = 's' ORDER BY id"
+        # The same messages (uids) with the display identities they had, worked out again there.
+        self.assertEqual([tuple(r) for r in self.raw(target.db_path).execute(identity)],
+                         [tuple(r) for r in self.raw(self.db.db_path).execute(identity)])
         self.assertEqual(target.count_messages_all("s"), self.db.count_messages_all("s"))
         self.assertEqual(len(target.search_messages("hello")), 1)
         self.assertTrue(self.db.delete_moved_session("s"))
@@ -179,7 +182,8 @@ class RenameAndPurge(ProfileStoreTestCase):
         self.keyed("t", "agent:oldest:tg:dm:1", "oldest")
         self.db.save_gateway_routing_entry(
             "agent:old:tg:dm:1", json.dumps({"session_key": "agent:old:tg:dm:1", "origin": {"profile": "old"}}))
-        self.sql("INSERT INTO gateway_heartbeats VALUES (1, 'old', 0, 0)")
+        self.sql("INSERT INTO gateway_heartbeats (backend_id, pid, profile, started_at, last_heartbeat)"
+                 " VALUES ('b', 1, 'old', 0, 0)")
         self.sql("INSERT INTO delivery_obligations (session_key, adapter_profile, state, updated_at) VALUES"
                  " ('agent:old:tg:dm:1', NULL, 'pending', 0), ('agent:old:tg:dm:1', NULL, 'delivered', 0)")
         self.sql("INSERT INTO telegram_dm_topic_bindings VALUES ('old', '1', '10', 'agent:old:x', 's')")

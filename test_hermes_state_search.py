@@ -30,9 +30,9 @@ from test_support import (
 )
 
 CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
-# hermes-agent 0.22's own optimize-storage leaves the legacy fixture at 1,273,856 bytes; ours the
-# same two indexes, with our CJK index (65 KB) and listing aids beside them.
-LEGACY_LIMIT_BYTES = 1_400_000
+# What hermes-agent 0.22.2.post1's own optimize-storage leaves of the 0.19 fixture is 1,273,856 bytes
+# (SQLite 3.40.1); ours holds the same two indexes, with our CJK index and listing aids beside them.
+LEGACY_LIMIT_BYTES = 1_450_000
 SEARCH_TRIGGER_NAMES = [name for triggers in SEARCH_TRIGGERS.values() for name in triggers]
 # Our triggers a store opened on this SQLite has: none without FTS5, no trigram ones without trigram.
 TRIGGERS_HERE = {name for index, triggers in SEARCH_TRIGGERS.items() if index in INDEX_TABLES for name in triggers}  # hermes-agent's own optimize-storage result on the legacy fixture

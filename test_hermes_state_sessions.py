@@ -344,11 +344,8 @@ class RowsOf022(SessionTestCase):
         self.db.update_session_model("nope", "m", provider="p", base_url="u")
         self.assertIsNone(self.row("nope"))
 
-    def test_the_tools_pin_is_stored_once_by_hash_where_the_store_has_the_column(self):
+    def test_the_tools_pin_is_stored_once_by_hash(self):
         self.db.create_session("s", "cli")
-        with self.assertRaisesRegex(sqlite3.OperationalError, "sessions.tool_names"):
-            self.db.update_session_tool_names("s", {"tools": []})
-        self.sql("ALTER TABLE sessions ADD COLUMN tool_names TEXT")
         pin = {"version": "1", "tools": [{"name": "memory"}]}
         self.db.create_session("t", "cli")
         self.db.update_session_tool_names("s", pin)
@@ -392,7 +389,6 @@ class RowsOf022(SessionTestCase):
                          [True, True, False, False, False])
         self.assertEqual([self.db.is_explicit_fork_child(s) for s in ("cont", "run", "tool", "human", "nope")],
                          [False, True, True, False, False])
-        self.sql("ALTER TABLE sessions ADD COLUMN created_source TEXT")
         self.sql("UPDATE sessions SET created_source = 'kanban' WHERE id = 'human'")
         self.assertTrue(self.db.is_kanban_owned_session("human"))
 
@@ -476,11 +472,7 @@ class OwnersAndSurfaces(SessionTestCase):
         self.db.create_session("branch", "cli", parent_session_id="p", model_config={"_branched_from": "p"})
         self.assertEqual([self.row(s)["session_key"] for s in ("cont", "run", "branch")], ["K", None, None])
 
-    def test_transport_profile_and_created_source_where_the_store_has_them(self):
-        self.db.create_session("old_schema", "telegram", transport_profile="bot2")
-        self.assertNotIn("transport_profile", self.row("old_schema"))
-        self.sql("ALTER TABLE sessions ADD COLUMN transport_profile TEXT")
-        self.sql("ALTER TABLE sessions ADD COLUMN created_source TEXT")
+    def test_transport_profile_and_created_source_are_kept_and_inherited(self):
         self.db.create_session("p", "telegram", transport_profile="bot2", session_key="K")
         self.db.end_session("p", "compression")
         self.db.create_session("cont", "cli", parent_session_id="p")

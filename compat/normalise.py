@@ -52,6 +52,7 @@ class Normaliser:
         self.paths = sorted(((p, r) for p, r in (paths or {}).items() if p), key=lambda pr: -len(pr[0]))
         self.port = port
         self.labels = {}
+        self.uid_labels = {}
 
     def label_session(self, session_id):
         """Return the label of a session id, giving it the next one at first sight."""
@@ -131,6 +132,35 @@ class Normaliser:
             return [self.value(v) for v in obj]
         return self.text(repr(obj))
 
+    def label_uid(self, uid, kind="U"):
+        """A message or tool call uid (random hex) as U1, U2, ... (C1, C2, ... for calls) in order
+        of first sight, so that a copy that keeps its original's uid reads the same on both sides."""
+        if not isinstance(uid, str) or not uid:
+            return uid
+        if (kind, uid) not in self.uid_labels:
+            count = sum(k == kind for k, _ in self.uid_labels)
+            self.uid_labels[(kind, uid)] = "%s%d" % (kind, count + 1)
+        return self.uid_labels[(kind, uid)]
+
+    def _label_identity(self, row, message_labels):
+        """Schema 31's identity columns of a message row, labelled: uids as label_uid gives them,
+        display_order as the message label of the row it names."""
+        if "display_order" in row:
+            row["display_order"] = message_labels.get(row["display_order"], row["display_order"])
+        if "message_uid" in row:
+            row["message_uid"] = self.label_uid(row["message_uid"])
+        if "tool_call_uid" in row:
+            row["tool_call_uid"] = self.label_uid(row["tool_call_uid"], "C")
+        for column, relabel in (("absorbed_message_uids", lambda v: [self.label_uid(u) for u in v]),
+                                ("tool_call_uids", lambda v: {k: self.label_uid(u, "C") if isinstance(
+                                    u, str) else [self.label_uid(x, "C") for x in u]
+                                    for k, u in v.items()})):
+            if isinstance(row.get(column), str):
+                try:
+                    row[column] = json.dumps(relabel(json.loads(row[column])), sort_keys=True)
+                except (ValueError, AttributeError, TypeError):
+                    pass
+
     def store(self, store):
         """Return the dumped store as {table: [row dicts]} with message ids as M1, M2, ... in id order."""
         if isinstance(store, dict) and set(store) == {"error"}:
@@ -161,6 +191,7 @@ class Normaliser:
                         row.get("system_prompt_hash"))
                 if table == "messages":
                     row["id"] = message_labels.get(row["id"], row["id"])
+                    self._label_identity(row, message_labels)
                 rows.append({k: self.value(v) for k, v in row.items()})
             out[table] = rows
         return out
