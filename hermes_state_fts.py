@@ -50,9 +50,9 @@ from hermes_state_schema import (
 logger = logging.getLogger("hermes_state")
 
 # Ids the first chunk of a backfill covers; later chunks are sized to take about
-# BACKFILL_CHUNK_SECONDS each (halved when one took over twice that, doubled when one took under half),
-# between 16 and 4 times this: a tool row gives layout 3's word index up to 8,192 characters, so 500
-# ids took 20-350 ms at 100,000 messages, as the rows ran.
+# BACKFILL_CHUNK_SECONDS each (halved when one took over twice that, doubled when one took under
+# half), between 16 and 4 times this: a tool row gives layout 3's word index up to 8,192
+# characters, so 500 ids took 20-350 ms at 100,000 messages, as the rows ran.
 BACKFILL_CHUNK_IDS = 500
 BACKFILL_CHUNK_SECONDS = 0.04
 DROP_CHUNK_ROWS = 500

@@ -37,6 +37,10 @@ SEARCH_RESULT_FIELDS = (
     "session_started", "context",
 )
 
+# How search_messages reads a query: hermes-agent's way (a query holding CJK it scans means any of
+# its terms, operators aside), or as written for every term.
+GRAMMAR_HERMES, GRAMMAR_BOOLEAN = "hermes-agent", "boolean"
+
 CJK_RE = re.compile(f"[{CJK_CHAR_CLASS}]")
 # Characters that part a user's word, as hermes-agent's sanitiser parts it (`\`, `%` and `_` stay:
 # the LIKE routes take them literally).
@@ -462,7 +466,7 @@ class SessionSearchMixin:
 
     def search_messages(self, query, source_filter=None, exclude_sources=None, role_filter=None,
                         limit=20, offset=0, sort=None, include_inactive=False, fields=None,
-                        after_ts=None, before_ts=None):
+                        after_ts=None, before_ts=None, *, grammar=GRAMMAR_HERMES):
         """Messages matching `query`, best first (bm25) unless `sort` is 'newest' or 'oldest';
         [] for no query.
 
@@ -476,10 +480,15 @@ class SessionSearchMixin:
         'hidden') always; compacted ones are found. An unknown sort means relevance; `limit` and
         `offset` go to SQLite as they are (a negative limit is no limit). `after_ts` (inclusive)
         and `before_ts` (exclusive), whole epoch seconds as hermes-agent 0.22 takes them, bound the
-        start of a hit's session on every route, so the page is filled by hits in the window. A
-        string `fields` raises TypeError, an unknown field or a bound that is not a whole number
-        ValueError."""
+        start of a hit's session on every route, so the page is filled by hits in the window.
+        `grammar` GRAMMAR_BOOLEAN reads every query as written, whatever the script of its terms
+        (implicit AND, OR, NOT, phrases, prefixes): no scan's any-term reading, so a NOT never adds
+        a hit. A string `fields` raises TypeError, an unknown field, grammar or a bound that is not
+        a whole number ValueError."""
         fields = search_fields(fields)
+        if grammar not in (GRAMMAR_HERMES, GRAMMAR_BOOLEAN):
+            raise ValueError(f"grammar must be {GRAMMAR_HERMES!r} or {GRAMMAR_BOOLEAN!r},"
+                             f" not {grammar!r}")
         if not query or not query.strip():
             return []
         tree = parse_query(query)
@@ -504,7 +513,7 @@ class SessionSearchMixin:
         elif set(_as_list(source_filter) or ()) & set(FTS_TRIGRAM_EXCLUDED_SOURCES):
             # Sessions the trigram index leaves out, asked for: their CJK by the fallback (0.22).
             state = state._replace(usable=state.usable - {"trigram"})
-        scans = hermes_scans(tree, state)
+        scans = grammar == GRAMMAR_HERMES and hermes_scans(tree, state)
         if scans:
             tree, sort = ("or", [("term", term) for term in _leaves(tree)]), "newest"
         search = (tree, filters, filter_binds, sort, limit, offset)
