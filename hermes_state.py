@@ -25,14 +25,12 @@ import contextlib
 import contextvars
 import errno
 import functools
-import hashlib
 import itertools
 import json
 import logging
 import os
 import queue
 import random
-import shutil
 import sqlite3
 import stat
 import sys
@@ -40,8 +38,6 @@ import tempfile
 import threading
 import time
 import weakref
-import zipfile
-import zlib
 from collections import namedtuple
 from pathlib import Path
 
@@ -59,9 +55,8 @@ from hermes_state_coverage import SessionCoverageMixin
 from hermes_state_gateway import SessionGatewayMixin
 # StoreLockedError and WRITE_BUDGET_SECONDS are imported from here by callers, as before the split.
 from hermes_state_lockguard import (  # noqa: F401
-    CallerLock, _connections_held, _file_key, _hold, _raw_store_access, _release,
-    _set_busy_timeout, _store_of, _take_store_lock, _use_read_only, WRITE_BUDGET_SECONDS,
-    WRITER_BUSY_TIMEOUT,
+    CallerLock, _connections_held, _hold, _raw_store_access, _release, _set_busy_timeout,
+    _take_store_lock, _use_read_only, WRITE_BUDGET_SECONDS, WRITER_BUSY_TIMEOUT,
 )
 from hermes_state_errors import StoreLockedError
 from hermes_state_maintenance import SessionMaintenanceMixin
@@ -330,7 +325,12 @@ def _move_without_replacing(source, target):
                 errno.EEXIST, "refusing to replace an existing file", str(target)) from None
         os.rename(source, target)
         return
-    os.unlink(source)
+    try:
+        os.unlink(source)
+    except BaseException:
+        if os.path.lexists(source):  # (an immutable folder refuses the unlink): it stays, whole
+            os.unlink(target)
+        raise
 
 
 def is_zeroed_state_db(path, *, probe_bytes=100, force=False):
@@ -867,21 +867,22 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
 
         The store and the home's other SQLite files go in as snapshots taken with SQLite's backup
         API, never as copies of live files, and without sidecars; then every other file, and a
-        manifest of SHA-256s.
+        manifest of SHA-256s (hermes_state_archive).
         """
+        from hermes_state_archive import home_files, may_be_sqlite, snapshot, write_backup_zip
         # Not resolved: a link at OUT is replaced by the archive, never followed to its target.
         out_path = Path(os.path.abspath(out_path))
         home = self.db_path.parent
         with tempfile.TemporaryDirectory(prefix="hermes-backup-") as scratch:
             store = Path(scratch) / STATE_DB_FILENAME
-            members = [(self._with_reader(lambda conn: _snapshot(conn, store)), STATE_DB_FILENAME)]
-            for path in _home_files(home, self.db_path, out_path):
+            members = [(self._with_reader(lambda conn: snapshot(conn, store)), STATE_DB_FILENAME)]
+            for path in home_files(home, self.db_path, out_path):
                 target = Path(scratch) / f"{len(members)}.db"
                 # None: no database, so a plain copy is safe.
-                copy = _may_be_sqlite(path) and _use_read_only(
-                    path, lambda conn: _snapshot(conn, target))
+                copy = may_be_sqlite(path) and _use_read_only(
+                    path, lambda conn: snapshot(conn, target))
                 members.append((copy or path, path.relative_to(home).as_posix()))
-            return _write_backup_zip(out_path, members)
+            return write_backup_zip(out_path, members)
 
     # -- write patience ----------------------------------------------------------
 
@@ -930,129 +931,9 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
             _release(key)
 
 
-# -- whole-home backup and restore (the "ops import"; session import is another entry point) -------
-
-BACKUP_MANIFEST = "hermes_backup.json"
-BACKUP_MAX_BYTES = 64 * 1024 ** 3
-SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3", ".db3")
-# A restore leaves this much free behind it: a tenth of what it unpacks, at least 64 MiB.
-RESTORE_FREE_MARGIN = 64 * 1024 ** 2
-# Past the floor, a backup may unpack to at most this many times its own size. Deflate tops out
-# near 1032:1; backups of the fixture stores and of 2,000 messages measured 2.3-2.6:1, a fresh
-# empty store 40:1 (250 KB, under the floor), so 100 stops decompression bombs and nothing a home
-# really holds.
-RESTORE_MAX_RATIO = 100
-RESTORE_RATIO_FLOOR = 64 * 1024 ** 2
-# What zipfile raises on a damaged archive, beyond BadZipFile.
-_DAMAGED_ARCHIVE = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError)
-# The live store's companions: never archived, and refused in an archive (SQLite would replay
-# a sidecar).
-_STORE_COMPANIONS = SIDECAR_SUFFIXES + (".lock",)
-
-
-def _home_files(home, db_path, out_path):
-    """Every regular file of the home except the live store, its sidecars, the sidecars of other
-    SQLite files, and the archive itself."""
-    skip = {Path(str(db_path) + suffix) for suffix in ("",) + _STORE_COMPANIONS} | {out_path}
-    skip_keys = {_file_key(path) for path in skip} - {None}
-    for path in sorted(home.rglob("*")):
-        if not path.is_file() or path.is_symlink() or path in skip or path.resolve() in skip \
-                or _file_key(path) in skip_keys:
-            continue
-        store = Path(_store_of(path))
-        if store != path and _may_be_sqlite(store):
-            continue  # its store goes in as a snapshot; a copy of a live sidecar is worse than none
-        yield path
-
-
-def _may_be_sqlite(path):
-    """Backed up through SQLite: our connections hold it, or its name says it is a database."""
-    return path.suffix.lower() in SQLITE_SUFFIXES or _connections_held(path) > 0
-
-
-def _snapshot(source, target_path):
-    """Copy the database of connection `source` to `target_path`, as one self-contained file;
-    returns that."""
-    target = sqlite3.connect(target_path)
-    try:
-        source.backup(target)
-        target.execute("PRAGMA journal_mode=DELETE")
-    finally:
-        target.close()
-    return target_path
-
-
-def _sha256_file(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _write_backup_zip(out_path, members):
-    """The archive, written to a new 0600 file beside `out_path` and then renamed over it: an
-    existing file's mode is not kept (a 0644 file would leave the home's secrets readable), a link
-    there is replaced, not followed, and a failure leaves no partial archive."""
-    manifest = {"format": "hermes_state backup v1", "created_at": time.time(), "files": []}
-    fd, temporary = tempfile.mkstemp(prefix=f".{out_path.name[:80]}.", suffix=".part",
-                                     dir=out_path.parent)
-    try:
-        with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as archive:
-            for path, name in members:
-                archive.write(path, name)
-                manifest["files"].append(
-                    {"name": name, "bytes": path.stat().st_size, "sha256": _sha256_file(path)})
-            archive.writestr(BACKUP_MANIFEST, json.dumps(manifest, indent=2))
-        os.replace(temporary, out_path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-    return {"archive": str(out_path), "files": [f["name"] for f in manifest["files"]]}
-
-
-def _safe_member_name(name):
-    parts = Path(name).parts
-    return (bool(parts) and not Path(name).is_absolute() and ".." not in parts
-            and ":" not in parts[0] and not name.startswith(("/", "\\")))
-
-
-def _check_archive(archive, archive_path, home):
-    """The archive's manifest, once every member is safely named and listed and the sizes the
-    archive claims (zipfile stops unpacking a member at its claim) fit the disk and are no
-    decompression bomb."""
-    try:
-        manifest = json.loads(archive.read(BACKUP_MANIFEST))
-        files = {entry["name"]: entry for entry in manifest["files"]}
-    except (KeyError, ValueError, TypeError) as exc:
-        raise ValueError(
-            f"not a hermes_state backup: no readable {BACKUP_MANIFEST} ({exc})") from None
-    names = set(archive.namelist()) - {BACKUP_MANIFEST}
-    companions = {STATE_DB_FILENAME + suffix for suffix in _STORE_COMPANIONS}
-    unsafe = [n for n in names | set(files) if not _safe_member_name(n) or n in companions]
-    if unsafe:
-        raise ValueError(f"backup refused: unsafe file names {sorted(unsafe)[:5]}")
-    if names != set(files) or STATE_DB_FILENAME not in files:
-        raise ValueError(
-            "backup refused: its files do not match its manifest, or it has no state.db")
-    total = sum(info.file_size for info in archive.infolist() if info.filename != BACKUP_MANIFEST)
-    where = next(parent for parent in (home, *home.parents) if parent.exists())
-    free = shutil.disk_usage(where).free
-    needed = total + max(total // 10, RESTORE_FREE_MARGIN)
-    if needed > free:
-        raise ValueError(
-            f"backup refused: it unpacks to {total} bytes and {where} has {free} bytes free "
-            f"(a restore needs {needed} with its margin); nothing was written")
-    packed = os.path.getsize(archive_path)
-    if total > max(RESTORE_MAX_RATIO * packed, RESTORE_RATIO_FLOOR):
-        raise ValueError(
-            f"backup refused: it unpacks to {total} bytes, more than {RESTORE_MAX_RATIO} times "
-            f"its own {packed} bytes; nothing was written")
-    if total > BACKUP_MAX_BYTES:
-        raise ValueError(
-            f"backup refused: it unpacks to {total} bytes; the limit is {BACKUP_MAX_BYTES}")
-    return files
+# -- whole-home restore (the "ops import"; session import is another entry point) -----------------
+# The archive's format and checks are hermes_state_archive's, imported when a backup or restore
+# runs; this part holds the lock, checks the unpacked store and swaps the files in.
 
 
 def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_BUDGET_SECONDS):
@@ -1061,62 +942,64 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
     FileExistsError over an existing store unless `force`; even then nothing is deleted: the old
     store is set aside as `state.db.pre-restore-<time>-<pid>[-<n>].bak`, other replaced files go to
     a new `.pre-restore-<time>[-<n>]/`. ValueError, before anything moves, for an archive that is
-    damaged, not ours, too big for the disk or RESTORE_MAX_RATIO, or fails its SHA-256s or SQLite's
-    check. Files keep their archived mode minus group/world write. RuntimeError while this process
-    has the store open (the swap would happen under its connections).
+    damaged, not ours, names a file twice or not in its normal form, holds a link or a folder
+    entry, is too big for the disk or RESTORE_MAX_RATIO, or fails its SHA-256s or SQLite's check.
+    OSError when the swap fails part-way: every move is undone first, so the home is as it was.
+    Files keep their archived mode minus group/world write. RuntimeError while this process has
+    the store open (the swap would happen under its connections).
     """
+    from hermes_state_archive import (
+        DAMAGED_ARCHIVE, check_archive, open_archive, refused, unpack_verified,
+    )
     db_path = Path(db_path) if db_path is not None else _default_db_path()
     home = db_path.parent
     if _connections_held(db_path):
         raise RuntimeError(
             f"restore refused: this process has {db_path} open; close every SessionDB on it "
-            "first; nothing was written")
+            "first; nothing was restored")
     if db_path.exists() and db_path.stat().st_size and not force:
         raise FileExistsError(f"{db_path} exists; restore replaces a whole home only with --force "
-                              "(the current store is then kept as a .bak file)")
-    if not zipfile.is_zipfile(archive_path):
-        raise ValueError(f"backup refused: {archive_path} is not a zip archive")
+                              "(the current store is then kept as a .bak file); nothing was "
+                              "restored")
+    created = []
     try:
-        with zipfile.ZipFile(archive_path) as archive:
-            files = _check_archive(archive, archive_path, home)
-            _private_dirs(home)  # a new home and its missing parents are created 0700
-            refusal = f"state store {db_path} is being written; restore waited {write_budget:.0f}s"
-            lock = _take_store_lock(db_path, write_budget, refusal)
-            try:
-                with tempfile.TemporaryDirectory(prefix=".restore-", dir=home) as scratch:
-                    _unpack_verified(archive, files, Path(scratch))
+        with open_archive(archive_path) as archive:
+            files = check_archive(archive, archive_path, home, STATE_DB_FILENAME)
+            created = _private_dirs(home)  # a new home and its missing parents are created 0700
+            with tempfile.TemporaryDirectory(prefix=".restore-", dir=home) as scratch:
+                unpack_verified(archive, files, Path(scratch))
+                _check_unpacked_store(Path(scratch) / STATE_DB_FILENAME, refused)
+                # Only the swap waits for writers: a refusal leaves no lock file in a new home.
+                refusal = (f"state store {db_path} is being written; "
+                           f"restore waited {write_budget:.0f}s")
+                lock = _take_store_lock(db_path, write_budget, refusal)
+                try:
                     return _swap_in(Path(scratch), files, db_path)
-            finally:
-                lock.release()
-                lock.close()
-    except _DAMAGED_ARCHIVE as exc:
-        raise ValueError(
-            f"backup refused: {archive_path} is damaged ({exc}); nothing was restored") from None
+                finally:
+                    lock.release()
+                    lock.close()
+    except BaseException as exc:
+        for folder in reversed(created):  # a restore that failed leaves no new folder either
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        if isinstance(exc, DAMAGED_ARCHIVE):
+            raise refused(f"{archive_path} is damaged ({exc})") from None
+        raise
 
 
-def _unpack_verified(archive, files, scratch):
-    """Unpack every member into `scratch`, checked against its SHA-256, and the store
-    against SQLite."""
-    for name, entry in files.items():
-        info = archive.getinfo(name)
-        path = Path(archive.extract(info, scratch))
-        if _sha256_file(path) != entry["sha256"]:
-            raise ValueError(f"backup refused: {name} does not match its SHA-256")
-        # As archived on Unix (create_system 3), minus group/world write.
-        mode = info.external_attr >> 16
-        os.chmod(path, mode & 0o755 if info.create_system == 3 and mode else FILE_MODE)
-    store = scratch / STATE_DB_FILENAME
+def _check_unpacked_store(store, refused):
     if damage_reason(store) is not None:
-        raise ValueError("backup refused: its state.db is not a SQLite database")
+        raise refused("its state.db is not a SQLite database")
     verdict = _use_read_only(store, lambda conn: conn.execute("PRAGMA quick_check").fetchone()[0])
     if verdict != "ok":
-        raise ValueError(f"backup refused: its state.db fails quick_check ({verdict})")
+        raise refused(f"its state.db fails quick_check ({verdict})")
 
 
 def _private_dirs(path, top=None):
     """Create `path` and its missing parents (below `top`), each 0700 whatever the umask: a folder
-    others may write lets them rename or replace the store in it."""
-    missing = []
+    others may write lets them rename or replace the store in it. Returns the folders it made,
+    outermost first."""
+    missing, created = [], []
     path = Path(path)
     while path != top and path != path.parent and not path.exists():
         missing.append(path)
@@ -1124,8 +1007,10 @@ def _private_dirs(path, top=None):
     for folder in reversed(missing):
         try:
             os.mkdir(folder, 0o700)
+            created.append(folder)
         except FileExistsError:
             pass
+    return created
 
 
 def _new_private_dir(parent, stem):
@@ -1140,34 +1025,73 @@ def _new_private_dir(parent, stem):
 
 
 def _swap_in(scratch, files, db_path):
-    home, moved, kept_dir = db_path.parent, [], None
+    """Move the unpacked files over the home, all or nothing: every rename and folder made is
+    noted, and on any error undone newest first before the error goes on."""
+    home, moved, undo, kept_dir = db_path.parent, [], [], None
+
+    def move(source, target, top):
+        undo.extend(("rmdir", folder) for folder in _private_dirs(target.parent, top))
+        _move_without_replacing(source, target)
+        undo.append(("move", target, source))
 
     def keep(path):  # what is in the way, moved as it is under .pre-restore-<time>/
         nonlocal kept_dir
         if kept_dir is None:
             kept_dir = _new_private_dir(home, f".pre-restore-{time.strftime('%Y%m%d-%H%M%S')}")
+            undo.append(("rmdir", kept_dir))
         kept = kept_dir / path.relative_to(home)
-        _private_dirs(kept.parent, kept_dir)
-        _move_without_replacing(path, kept)
+        move(path, kept, kept_dir)
         moved.append(str(kept))
 
-    # A folder of the archive that is now a file or a link (never followed out of the home)
-    # goes first.
-    folders = {folder for name in files for folder in (home / name).parents
-               if home in folder.parents}
-    for folder in sorted(folders):
-        if os.path.lexists(folder) and (folder.is_symlink() or not folder.is_dir()):
-            keep(folder)
-    if os.path.lexists(db_path):
-        moved.append(str(set_aside(db_path, "pre-restore")))
-    for name in files:
-        target = db_path if name == STATE_DB_FILENAME else home / name
-        if name != STATE_DB_FILENAME and os.path.lexists(target):
-            keep(target)
-        _private_dirs(target.parent, home)
-        _move_without_replacing(scratch / name, target)
-    os.chmod(db_path, FILE_MODE)
+    try:
+        # A folder of the archive that is now a file or a link (never followed out of the home)
+        # goes first.
+        folders = {folder for name in files for folder in (home / name).parents
+                   if home in folder.parents}
+        for folder in sorted(folders):
+            if os.path.lexists(folder) and (folder.is_symlink() or not folder.is_dir()):
+                keep(folder)
+        if os.path.lexists(db_path):
+            backup = set_aside(db_path, "pre-restore")
+            undo.append(("store", backup, db_path))
+            moved.append(str(backup))
+        for name in files:
+            target = db_path if name == STATE_DB_FILENAME else home / name
+            if name != STATE_DB_FILENAME and os.path.lexists(target):
+                keep(target)
+            move(scratch / name, target, home)
+        os.chmod(db_path, FILE_MODE)
+    except BaseException as exc:
+        stuck = _undo_swap(undo)
+        if not isinstance(exc, Exception):
+            raise
+        if stuck:
+            raise OSError(f"restore failed part-way in {home} ({exc}) and could not put back "
+                          f"{', '.join(stuck)}; the old store is kept as a .pre-restore .bak "
+                          "file") from exc
+        raise OSError(f"restore failed part-way in {home} ({exc}); every file was put back as "
+                      "it was, nothing was restored") from exc
     return {"restored": sorted(files), "moved_aside": moved, "db_path": str(db_path)}
+
+
+def _undo_swap(undo):
+    """Undo _swap_in's steps, newest first; returns the paths it could not put back."""
+    stuck = []
+    for step in reversed(undo):
+        try:
+            if step[0] == "rmdir":
+                os.rmdir(step[1])
+            elif step[0] == "move":
+                _move_without_replacing(step[1], step[2])
+            else:  # the old store and its sidecars, back from their .bak names
+                for suffix in ("",) + SIDECAR_SUFFIXES:
+                    if os.path.lexists(f"{step[1]}{suffix}"):
+                        _move_without_replacing(Path(f"{step[1]}{suffix}"),
+                                                Path(f"{step[2]}{suffix}"))
+        except OSError:
+            if step[0] != "rmdir":
+                stuck.append(str(step[2]))
+    return stuck
 
 
 class AsyncSessionDB:

@@ -86,15 +86,23 @@ class SessionCompressionMixin:
         else the id itself."""
         return self._with_reader(lambda conn: self._compression_tip_on(conn, session_id))
 
+    def get_compression_chain(self, session_id):
+        """`session_id` and the continuations compression made of it, in order, through the tip
+        get_compression_tip names; [session_id] when there is none."""
+        return self._with_reader(lambda conn: self._compression_path_on(conn, session_id))
+
     def _compression_tip_on(self, conn, session_id):
         """get_compression_tip read on `conn`: inside a write, no rotation can publish between
         finding the tip and writing to it."""
+        return self._compression_path_on(conn, session_id)[-1]
+
+    def _compression_path_on(self, conn, session_id):
         def best_continuation(parent_id):
             # Through the listing shim: a read-only 0.19 store has no last_activity_at.
             rows = conn.execute(self._listing_sql(_TIP_CANDIDATES_SQL), (parent_id,)).fetchall()
             continuations = (row["id"] for row in rows if not has_fork_marker(row["model_config"]))
             return next(continuations, None)
-        return self._descend(session_id, best_continuation, LINEAGE_MAX_HOPS)[-1]
+        return self._descend(session_id, best_continuation, LINEAGE_MAX_HOPS)
 
     def _is_compression_child_row(self, child):
         """True when a session row (a dict) continues a parent that compression ended, rather than

@@ -9,6 +9,7 @@ opens a store or reads a row (hermes_state_portability does, and imports this mo
 
 import base64
 import contextlib
+import functools
 import hashlib
 import html
 import json
@@ -136,43 +137,79 @@ def trace_lines(export):
     return "".join(map(jsonl_line, events))
 
 
-def _md_text(text):
-    """Free text for a Markdown body: HTML in it shows as text, as in the html export."""
-    return html.escape(str(text), quote=False)
+# Markdown text that renders as itself. CommonMark and pandoc both read a backslash before any
+# ASCII punctuation character as that character, so every one that starts a construct in either
+# (emphasis, links and images, raw HTML, attributes `{...}`, math, lists, tables, fenced divs, a
+# YAML block, smart quotes and dashes, citations, shortcodes `{{< >}}`) is escaped; `, ; ? / ! %`
+# start none once `[`, `&` and `<` are escaped. A backtick becomes `&#96;`: Quarto and knitr find
+# inline code (`r x`, `{python} x`) and cells by scanning the raw text, where `\`` still reads as
+# a backtick. What YAML or HTML cannot hold raw (C0 and C1 controls, DEL, U+2028/9, BOM and the
+# two non-characters) goes as a numeric character reference.
+MARKDOWN_ESCAPES = {ord(c): "\\" + c for c in "\\*_{}[]<>()#+-.'\":|&$^~=@"}
+MARKDOWN_ESCAPES.update({code: f"&#x{code:X};" for code in (
+    *range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), *range(0x7F, 0xA0),
+    0x2028, 0x2029, 0xFEFF, 0xFFFE, 0xFFFF)})
+MARKDOWN_ESCAPES[ord("`")] = "&#96;"
+# Markdown's line endings (a lone CR is one); str.splitlines knows more, which Markdown does not.
+MARKDOWN_LINE_END = re.compile(r"\r\n|\r|\n")
+# Four leading spaces would make an indented code block, where escapes show as backslashes.
+LEADING_BLANKS = re.compile(r"^[ \t]+")
 
 
-def _code(text):
-    """`text` as one Markdown code span whatever backticks or line breaks it holds
-    (a code span shows a line break as a space anyway)."""
-    text = " ".join(str(text).splitlines())
-    ticks = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
-    pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{ticks}{pad}{text}{pad}{ticks}"
+def markdown_text(text, *, one_line=False):
+    """`text` as Markdown that CommonMark, pandoc and Quarto render as this text: no markup, link,
+    raw HTML, attribute, math or code of it takes effect. Its lines stay lines (hard breaks; a
+    blank line a paragraph break); `one_line` joins them with spaces (a heading, a YAML value)."""
+    lines = MARKDOWN_LINE_END.split(str(text))
+    if one_line:
+        lines = [" ".join(lines)]
+    lines = [LEADING_BLANKS.sub(lambda m: m.group().replace(" ", "&#32;").replace("\t", "&#9;"),
+                                line.translate(MARKDOWN_ESCAPES)) for line in lines]
+    # A backslash ending a line that another line follows is a hard break; before a blank line or
+    # at the end it would show.
+    return "\n".join(line + "\\" if line and following else line
+                     for line, following in zip(lines, lines[1:] + [""]))
+
+
+def _md_count(value):
+    """A count in a code span when it is one; a store may hold anything in the column."""
+    return f"`{value}`" if type(value) is int else markdown_text(value, one_line=True)
+
+
+# Tool calls go in a fence as JSON, which shows them as written; inside JSON strings these are
+# written as \\u escapes, so that no backtick (Quarto's and knitr's inline code, the fence's end)
+# and no `{{<` (a Quarto shortcode) is in the file. Outside strings JSON has none of them.
+JSON_FENCE_ESCAPES = {ord("`"): "\\u0060", ord("<"): "\\u003c", ord(">"): "\\u003e"}
 
 
 def _md_body(export):
-    parts = [f"# {_md_text(export.get('title') or export['id'])}\n\n",
-             f"Session ID: {_code(export['id'])}\n\n",
-             f"Source: {_code(export.get('source'))}\n\n"]
+    line = functools.partial(markdown_text, one_line=True)
+    parts = [f"# {line(export.get('title') or export['id'])}\n\n",
+             f"Session ID: {line(export['id'])}\n\n",
+             f"Source: {line(export.get('source'))}\n\n"]
     if export.get("lineage_session_ids"):
-        lineage = " -> ".join(_code(s) for s in export["lineage_session_ids"])
+        lineage = " → ".join(line(s) for s in export["lineage_session_ids"])
         parts.append(f"Lineage: {lineage}\n\n")
     if export.get("system_prompt"):
-        parts.append(f"## System prompt\n\n{_md_text(export['system_prompt'])}\n\n")
+        parts.append(f"## System prompt\n\n{markdown_text(export['system_prompt'])}\n\n")
     parts.append("## Messages\n\n")
     for message in export["messages"]:
-        label = message["role"].capitalize()
+        label = line(str(message["role"]).capitalize())
         if message.get("tool_name"):
-            label += f" — {message['tool_name']}"
-        parts.append(f"### {_md_text(label)} — {iso_time(message['timestamp'])}\n\n"
-                     f"{_md_text(message_text(message))}\n\n")
+            label += f" — {line(message['tool_name'])}"
+        parts.append(f"### {label} — {iso_time(message['timestamp'])}\n\n"
+                     f"{markdown_text(message_text(message))}\n\n")
         if message.get("tool_calls"):
-            calls = json.dumps(message["tool_calls"], ensure_ascii=False, indent=2)
-            # Inside a fence HTML is not rendered; the fence outlasts any backticks in the calls.
-            longest = max((len(run) for run in re.findall(r"`+", calls)), default=0)
-            fence = "`" * max(3, longest + 1)
-            parts.append(f"#### Tool calls\n\n{fence}json\n{calls}\n{fence}\n\n")
+            calls = json.dumps(message["tool_calls"], ensure_ascii=False, indent=2,
+                               default=json_default).translate(JSON_FENCE_ESCAPES)
+            parts.append(f"#### Tool calls\n\n```json\n{calls}\n```\n\n")
     return "".join(parts)
+
+
+# qmd only: Quarto runs no engine and executes nothing, whatever a later edit adds.
+QMD_NO_EXECUTION = "engine: markdown\nexecute:\n  enabled: false\n"
+# Front matter values we write (times, names of ours), where Markdown means nothing.
+OUR_FIELDS = {"created_at", "ended_at", "export_format", "exported_at", "exporter"}
 
 
 def _front_matter(export, fmt):
@@ -181,14 +218,24 @@ def _front_matter(export, fmt):
               "ended_at": iso_time(export.get("ended_at")), "model": export.get("model"),
               "cwd": export.get("cwd"), "archived": bool(export.get("archived")),
               "message_count": export.get("message_count"),
-              "tool_call_count": export.get("tool_call_count"), "format": fmt,
-              "exported_at": iso_time(time.time()), "exporter": "hermes_state export v1"}
-    # Quarto renders a title as Markdown, so the strings here are escaped like the body.
+              "tool_call_count": export.get("tool_call_count"), "export_format": fmt,
+              "exported_at": iso_time(time.time()), "exporter": "hermes_state export v2"}
+    # pandoc and Quarto read a YAML string as Markdown: escaped as the body is, on one line, in a
+    # single-quoted scalar (backslashes stay as they are; markdown_text leaves nothing YAML may not
+    # hold raw). Quarto's own `format` key would name the output format, so ours is export_format.
     lines = []
     for key, value in fields.items():
-        shown = _md_text(value) if isinstance(value, str) else value
-        lines.append(f"{key}: {json.dumps(shown, ensure_ascii=False)}\n")
-    return "---\n" + "".join(lines) + "---\n\n"
+        if value is None or type(value) in (bool, int, float):
+            shown = json.dumps(value)
+        else:
+            if not isinstance(value, str):
+                value = json.dumps(value, default=json_default)
+            if key not in OUR_FIELDS:
+                value = markdown_text(value, one_line=True)
+            shown = "'" + value.replace("'", "''") + "'"
+        lines.append(f"{key}: {shown}\n")
+    extra = QMD_NO_EXECUTION if fmt == "qmd" else ""
+    return "---\n" + "".join(lines) + extra + "---\n\n"
 
 
 def markdown_document(export, fmt="md"):
@@ -196,10 +243,11 @@ def markdown_document(export, fmt="md"):
     between the front matter and the verification block; its SHA-256 is in the block."""
     body = _md_body(export)
     digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
+    stored = _md_count(export.get("message_count"))
     verification = ("## Export verification\n\n"
-                    f"- Session id: {_code(export['id'])}\n"
+                    f"- Session id: {markdown_text(export['id'], one_line=True)}\n"
                     f"- Exported messages: `{len(export['messages'])}`\n"
-                    f"- Source DB message count at export: `{export.get('message_count')}`\n"
+                    f"- Source DB message count at export: {stored}\n"
                     f"- SHA256 of exported body: `{digest}`\n")
     return _front_matter(export, fmt) + body + verification, digest
 

@@ -87,8 +87,7 @@ def stamp_identity(message, tool_calls, calls_seen):
     same write (`calls_seen`, {call id: uid}, which a user turn empties)."""
     if not (isinstance(message.get(MESSAGE_UID), str) and message[MESSAGE_UID]):
         message[MESSAGE_UID] = mint_uid()
-    role = message.get("role")
-    if role == "assistant" and isinstance(tool_calls, list) and tool_calls:
+    if message.get("role") == "assistant" and isinstance(tool_calls, list) and tool_calls:
         uids = uid_map(_live_or_column(message, TOOL_CALL_UIDS, "tool_call_uids"))
         for call in tool_calls:
             key = tool_call_key(call)
@@ -96,13 +95,24 @@ def stamp_identity(message, tool_calls, calls_seen):
                 uids[key] = mint_uid()  # a repeat of one id in a response shares it
         if uids:
             message[TOOL_CALL_UIDS] = uids
-            calls_seen.update({key: uid if isinstance(uid, str) else uid[-1]
-                               for key, uid in uids.items()})
+    pair_tool_result(message, calls_seen)
+
+
+def pair_tool_result(message, calls_seen):
+    """Messages in order, one at a time: an assistant's tool call uids go into `calls_seen`
+    ({call id: uid}; a later call of the same id shadows an earlier one), a user turn empties
+    it, and a tool result without a uid takes its call's (a write pairs a batch so, a read the
+    results an older build or a lone append stored unpaired)."""
+    role = message.get("role")
+    if role == "assistant":
+        uids = uid_map(_live_or_column(message, TOOL_CALL_UIDS, "tool_call_uids"))
+        calls_seen.update({key: uid if isinstance(uid, str) else uid[-1]
+                           for key, uid in uids.items()})
     elif role == "user":
         calls_seen.clear()  # a result never pairs across a user turn
     elif role == "tool" and not _live_or_column(message, TOOL_CALL_UID, "tool_call_uid"):
         call_id = message.get("tool_call_id")  # (not text: the insert refuses it)
-        uid = calls_seen.get(call_id) if isinstance(call_id, str) else None
+        uid = calls_seen.get(tool_call_key({"id": call_id})) if isinstance(call_id, str) else None
         if uid:
             message[TOOL_CALL_UID] = uid
 

@@ -9,6 +9,7 @@ accept, what it raises we raise.
 """
 
 import functools
+import hashlib
 import json
 import operator
 import time
@@ -26,8 +27,8 @@ from hermes_state_errors import (
 )
 from hermes_state_identity import (
     IDENTITY_COLUMNS, MESSAGE_UID, STEER_DISPLAY_KIND, call_count, display_metadata_text,
-    is_compaction_summary, loaded_view_content, message_row, restore_identity_columns,
-    split_user_turn, tool_call_key,
+    is_compaction_summary, loaded_view_content, message_row, pair_tool_result,
+    restore_identity_columns, split_user_turn, tool_call_key,
 )
 from hermes_state_schema import live_columns
 
@@ -44,9 +45,40 @@ INSERT_MESSAGE_SQL = _insert_sql(MESSAGE_WRITE_COLUMNS)
 # Columns hermes-agent 0.22 (schema 31) adds to a message write. Each is written where the store
 # has it (_write_columns); a schema-26 store keeps none of them.
 OPTIONAL_WRITE_COLUMNS = ("_compressed_summary", "display_identity") + IDENTITY_COLUMNS
-# Every column a message write names on a store that has them all (agent/transcript_repair.py
-# derives the columns a row rewrite may change from it).
-_MESSAGE_WRITE_COLUMNS = MESSAGE_WRITE_COLUMNS + OPTIONAL_WRITE_COLUMNS
+# Every column a message write names on a store that has them all, in 0.22's order
+# (agent/transcript_repair.py derives the columns a row rewrite may change from it).
+_MESSAGE_WRITE_COLUMNS = (MESSAGE_WRITE_COLUMNS[:MESSAGE_WRITE_COLUMNS.index("active")]
+                          + ("_compressed_summary",)
+                          + MESSAGE_WRITE_COLUMNS[MESSAGE_WRITE_COLUMNS.index("active"):]
+                          + OPTIONAL_WRITE_COLUMNS[1:])
+# 0.22's ownership version of a stored row, which its flush (agent.transcript_repair) compares with
+# the row it finds before it rewrites one: a digest of the payload columns a rewrite may change,
+# leaving out identity, time and place (they never change on a rewrite) and what other writers of
+# the same process update after a flush (reactions, display stamps, api_content, platform ids).
+_SNAPSHOT_COLUMNS = tuple(column for column in _MESSAGE_WRITE_COLUMNS if column not in {
+    "session_id", "role", "timestamp", "active", "display_identity", "message_uid", "tool_call_uid",
+    "display_kind", "display_metadata", "api_content", "codex_reasoning_items",
+    "platform_message_id"})
+
+
+def row_snapshot(stored):
+    """The ownership version of a row ({column: stored value} of _SNAPSHOT_COLUMNS): 16 bytes
+    of BLAKE2b, hex, over each value tagged by its SQLite type and length-prefixed, as 0.22
+    makes it."""
+    digest = hashlib.blake2b(digest_size=16)
+    for column in _SNAPSHOT_COLUMNS:
+        value = stored.get(column)  # (a store 0.20 left, read as it is, lacks schema 31's)
+        if value is None:
+            digest.update(b"N")
+            continue
+        if isinstance(value, str):
+            kind, data = b"S", value.encode("utf-8", "surrogatepass")
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            kind, data = b"B", bytes(value)
+        else:
+            kind, data = b"F" if isinstance(value, float) else b"I", repr(value).encode("ascii")
+        digest.update(kind + len(data).to_bytes(8, "big") + data)
+    return digest.hexdigest()
 
 # (messages added, tool calls added, session id); append_messages_batch runs it.
 BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message_count, 0) + ?,"
@@ -544,8 +576,14 @@ class SessionMessagesMixin:
 
     def _conversation(self, session_ids, include_inactive, include_ancestors,
                       repair_alternation=False, include_row_ids=False, include_compacted=False):
-        """The messages of `session_ids` in id order, as get_messages_as_conversation gives them."""
-        extras = self._write_columns()[len(MESSAGE_WRITE_COLUMNS):]
+        """The messages of `session_ids` in id order, as get_messages_as_conversation gives them.
+        Outside 0.20: a tool result stored without its call's uid gets it (pair_tool_result), and
+        a replay without row ids carries each row's ownership version (`_db_row_snapshot`) for
+        0.22's flush."""
+        hosted_by_020 = host_is_020()
+        snapshot = repair_alternation and not include_row_ids and not hosted_by_020
+        extras = self._write_columns()[len(MESSAGE_WRITE_COLUMNS):] + (
+            ("token_count",) if snapshot else ())
         sql = (f"SELECT {CONVERSATION_ROW_COLUMNS}, active{''.join(', ' + c for c in extras)}"
                f" FROM messages WHERE session_id IN ({placeholders(len(session_ids))})"
                f"{_visible_rows(include_inactive, include_compacted)} ORDER BY id")
@@ -558,10 +596,15 @@ class SessionMessagesMixin:
         if include_compacted:
             rows = one_per_generation(rows, _conversation_field)
         width = len(_CONVERSATION_FIELDS)  # the base columns and `active`
-        messages = []
+        messages, calls_seen = [], {}
         for row in rows:
             extra = dict(zip(extras, row[width:])) if extras else None
             message = _conversation_message(row[:width - 1], include_row_ids, extra)
+            if not hosted_by_020:
+                pair_tool_result(message, calls_seen)
+            if snapshot:
+                stored = dict(zip(_CONVERSATION_FIELDS, row), **extra)
+                message["_db_row_snapshot"] = row_snapshot(stored)
             if not repair_alternation:
                 message.pop("_compressed_summary", None)  # only a live replay keeps the marker
             if not (include_ancestors and _is_replayed_user_turn(messages, message)):
@@ -729,7 +772,9 @@ class SessionMessagesMixin:
         returns {"rewound_count", "target_message" (the row, content decoded), "new_head_id"
         (newest active or None)}.
 
-        rewind_count goes up by one per call; message_count stays, as in hermes-agent 0.20.
+        rewind_count goes up by one per call; message_count and tool_call_count count the live
+        rows left (0.22), but stay as they were inside hermes-agent 0.20 unless a 0.22 keyword
+        is given.
         0.22's keywords: `expected_active_ids` (the session's active ids, oldest first) and
         `expected_target_content` (the target's turn as split_user_turn reads it) must still
         hold, else RuntimeError; `preserve_compaction_handoff` needs a compaction carrier as the
@@ -768,9 +813,16 @@ class SessionMessagesMixin:
             conn.execute(
                 "UPDATE sessions SET rewind_count = COALESCE(rewind_count, 0) + 1 WHERE id = ?",
                 (session_id,))
+            if checked or not host_is_020():  # 0.22 counts what stays live; 0.20 left the counts
+                live = [row[0] for row in conn.execute(
+                    "SELECT tool_calls FROM messages WHERE session_id = ? AND active = 1",
+                    (session_id,))]
+                calls = sum(call_count(loads_or(text, None)) for text in live if text)
+                conn.execute(SET_MESSAGE_COUNTS_SQL, (len(live), calls, session_id))
             head = conn.execute("SELECT MAX(id) FROM messages WHERE session_id = ? AND active = 1",
                                 (session_id,)).fetchone()[0]
-            result = {"rewound_count": rewound, "target_message": target, "new_head_id": head}
+            result = {"rewound_count": rewound, "new_head_id": head,
+                      "target_message": host_view(dict(target), "messages")}
             if preserve_compaction_handoff:
                 result.update(replacement_message_id=handoff["_row_id"],
                               replacement_message_uid=handoff.get(MESSAGE_UID))

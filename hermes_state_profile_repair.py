@@ -169,7 +169,8 @@ class SessionProfileRepairMixin:
                 return [{k: v for k, v in dict(row).items() if k not in skipped} for row in found]
             return {"session": session, "system_prompt": stored(session["system_prompt_hash"]),
                     "tool_pin": stored(session.get("tool_names")),
-                    "messages": rows("messages", " ORDER BY id", _MESSAGE_COLUMNS_NOT_MOVED - {"id"}),
+                    "messages": rows("messages", " ORDER BY id",
+                                     _MESSAGE_COLUMNS_NOT_MOVED - {"id"}),
                     "usage": rows("session_model_usage")}
         return self._with_reader(read)
 

@@ -32,6 +32,7 @@ from hermes_state_common import (
     _RESET_END_REASONS, quote_identifier, trigger_writes,
 )
 from hermes_state_errors import is_capability_gap
+from hermes_state_identity import display_identity
 
 logger = logging.getLogger("hermes_state")
 
@@ -316,14 +317,45 @@ META_STORE_CREATED = "store_created_at_utc"
 META_DB_FILE_GENERATION = "db_file_generation"
 META_UID_BACKFILL_DONE = "message_uid_backfill"
 META_UID_BACKFILL_CURSOR = "message_uid_backfill_id"
-# The backfill's budget: each chunk a transaction of its own that stays under the issue's 100 ms
+# The backfill's budget: each chunk a transaction of its own that stays well under 100 ms of lock
 # (the chunk's id span halves after a slow one and doubles after a quick one: an old store's
 # per-row update triggers make rows cost ten times more), and an open spends at most
 # UID_BACKFILL_BUDGET_S on it, as 0.22's does; the next open resumes.
 UID_BACKFILL_FIRST_SPAN = 2000
 UID_BACKFILL_MAX_SPAN = 50000
-UID_BACKFILL_CHUNK_TARGET_S = 0.04
+UID_BACKFILL_CHUNK_TARGET_S = 0.025
 UID_BACKFILL_BUDGET_S = 1.0
+
+
+# The display backfill: a session with a visible row lacking its display identity or order (the
+# partial index idx_messages_display_backfill holds exactly those), and a session's visible rows
+# in id order, a chunk at a time.
+DISPLAY_BACKFILL_ROWS = 1000
+_DISPLAY_BACKFILL_NEXT_SQL = (
+    "SELECT session_id FROM messages INDEXED BY idx_messages_display_backfill"
+    f" WHERE (display_order IS NULL OR display_identity IS NULL) AND {_VISIBLE} LIMIT 1")
+_DISPLAY_ROWS_SQL = (
+    "SELECT id, role, content, timestamp, tool_call_id, tool_calls, tool_name, display_kind,"
+    " display_metadata, display_order, display_identity FROM messages"
+    f" WHERE session_id = :session AND id > :after AND {_VISIBLE} ORDER BY id LIMIT :rows")
+
+
+def _fold_display_rows(conn, session_id, after, first_ids):
+    """Inside a write: one chunk of a session's visible rows after id `after`, each given its
+    display identity and the first id of its identity (`first_ids`, carried across chunks);
+    (the last id read, or None when the session is done; rows written)."""
+    rows = conn.execute(_DISPLAY_ROWS_SQL, {"session": session_id, "after": after,
+                                            "rows": DISPLAY_BACKFILL_ROWS}).fetchall()
+    changed = []
+    for row in rows:
+        identity = display_identity(row)
+        order = first_ids.setdefault(identity, row["id"])
+        if (order, identity) != (row["display_order"], row["display_identity"]):
+            changed.append({"order": order, "identity": identity, "id": row["id"]})
+    conn.executemany("UPDATE messages SET display_order = :order, display_identity = :identity"
+                     " WHERE id = :id", changed)
+    last = rows[-1]["id"] if len(rows) == DISPLAY_BACKFILL_ROWS else None
+    return last, len(changed)
 
 
 def _probe(connect, ddl):
@@ -476,7 +508,8 @@ def schema_read_probe_statements(sql=SCHEMA_SQL):
     q = quote_identifier
     statements = []
     for table, columns in declared_columns(sql).items():
-        probed = [q(table) + "." + q(c) for c in columns if c not in SCHEMA_31_COLUMNS.get(table, ())]
+        newer = SCHEMA_31_COLUMNS.get(table, ())
+        probed = [q(table) + "." + q(c) for c in columns if c not in newer]
         if table not in SCHEMA_31_TABLES:
             statements.append(f"SELECT {', '.join(probed)} FROM {q(table)} LIMIT 0")
     return statements
@@ -752,6 +785,7 @@ class SessionSchemaMixin:
         self._migrate_inline_system_prompts()
         self._backfill_listing()
         self._backfill_message_uids()
+        self._backfill_display_index()
 
     def _write_in_chunks(self, chunk, size):
         """Run the write `chunk` (returns the rows it did, at most `size`) until one does fewer; the
@@ -828,14 +862,15 @@ class SessionSchemaMixin:
             write_meta(conn, META_LISTING_PROGRESS, ids[-1])
         return len(ids)
 
-    def _backfill_message_uids(self, budget_s=UID_BACKFILL_BUDGET_S):
+    def _backfill_message_uids(self, budget_s=None):
         """Mint a message_uid for each row written before the store had the column, in id order:
         a chunk a transaction (see UID_BACKFILL_CHUNK_TARGET_S), the last id done kept in
         META_UID_BACKFILL_CURSOR in the same transaction, so a kill loses no work and repeats none;
-        at most `budget_s` an open. A row without one reads as a message without identity."""
+        at most `budget_s` (UID_BACKFILL_BUDGET_S) an open. A row without one reads as a message
+        without identity."""
         if self._read_value(SELECT_META_SQL, (META_UID_BACKFILL_DONE,)) is not None:
             return
-        deadline = time.monotonic() + budget_s
+        deadline = time.monotonic() + (UID_BACKFILL_BUDGET_S if budget_s is None else budget_s)
         span, done = UID_BACKFILL_FIRST_SPAN, 0
 
         def chunk(conn):
@@ -865,6 +900,28 @@ class SessionSchemaMixin:
             pause_between_chunks()
         if done:
             logger.info("schema: minted a message_uid for %d older messages", done)
+
+    def _backfill_display_index(self, budget_s=None):
+        """Give visible rows without one their display identity and order, as 0.22's next display
+        read of their session would (rows 0.20 wrote, rows an edit cleared): session by session,
+        DISPLAY_BACKFILL_ROWS rows a transaction, at most `budget_s` (UID_BACKFILL_BUDGET_S) an
+        open. Each row's order is the id of the first visible row of its session with the same
+        identity; only rows that differ are written. The rows still without one are the work
+        left, so a cut-short run resumes."""
+        deadline = time.monotonic() + (UID_BACKFILL_BUDGET_S if budget_s is None else budget_s)
+        done = 0
+        while time.monotonic() < deadline:
+            session_id = self._read_value(_DISPLAY_BACKFILL_NEXT_SQL)
+            if session_id is None:
+                break
+            first_ids, after = {}, 0
+            while after is not None:
+                after, fixed = self._execute_write(
+                    lambda conn: _fold_display_rows(conn, session_id, after, first_ids))
+                done += fixed
+                pause_between_chunks()
+        if done:
+            logger.info("schema: gave %d older messages their display identity", done)
 
     # -- read-only callers ---------------------------------------------------
 

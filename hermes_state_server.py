@@ -601,14 +601,17 @@ pre { white-space: pre-wrap; overflow-wrap: anywhere; margin: .3rem 0;
 .segment { margin-top: 1.2rem; padding-top: .4rem; border-top: 2px dashed #cd7f32; color: #92400e;
             font-size: 12px; }
 .message.target { outline: 3px solid #f59e0b; }
-.count { color: #475569; font-size: 12px; padding: .4rem .8rem; }
-.pages { display: flex; gap: .5rem; padding: .5rem .8rem; }
+.count { color: #475569; font-size: 12px; padding: .4rem 0; }
+.pages { display: flex; gap: .5rem; padding: .5rem 0; }
+main .item { padding: .55rem 0; }
+button.back { margin-bottom: .6rem; }
 form.token { max-width: 32rem; }
 form.token input { width: 100%; padding: .45rem .6rem; font: inherit; }
 @media (max-width: 720px) {
   body { display: block; height: auto; }
   aside { border-right: 0; border-bottom: 1px solid #e2e8f0; }
   #list { max-height: 45vh; }
+  body.searching #list { display: none; }
   main { padding: .8rem; }
   .item .title { white-space: normal; }
 }
@@ -620,7 +623,7 @@ form.token input { width: 100%; padding: .45rem .6rem; font: inherit; }
          autocomplete="off"></header>
   <div id="list"></div>
 </aside>
-<main id="view"><p class="meta">Pick a session on the left, or search.</p></main>
+<main id="view"></main>
 <script nonce="{nonce}">
 "use strict";
 const fragment = new URLSearchParams(location.hash.slice(1));
@@ -636,7 +639,29 @@ function el(tag, cls, text) {
   if (text !== undefined && text !== null) node.textContent = String(text);
   return node;
 }
-function when(ts) { return ts ? new Date(ts * 1000).toLocaleString() : ""; }
+// As the command line prints a time: local, YYYY-MM-DD HH:MM.
+function when(ts) {
+  if (!ts) return "";
+  const d = new Date(ts * 1000), two = (n) => String(n).padStart(2, "0");
+  return d.getFullYear() + "-" + two(d.getMonth() + 1) + "-" + two(d.getDate()) + " " +
+         two(d.getHours()) + ":" + two(d.getMinutes());
+}
+const narrow = window.matchMedia("(max-width: 720px)");
+function hint() {
+  // The list is beside the view on a wide screen, above it on a narrow one.
+  return el("p", "meta", "Pick a session " + (narrow.matches ? "above" : "on the left") +
+                         ", or search.");
+}
+// The search cuts a snippet by characters and marks a cut with "...": a word cut in two is
+// dropped, and the cut shows as an ellipsis. Text without spaces (CJK) has no word to drop.
+const CUT_HEAD = /^[A-Za-z0-9_\\u00C0-\\u024F'\\u2019-]+\\s+/;
+const CUT_TAIL = /\\s+[A-Za-z0-9_\\u00C0-\\u024F'\\u2019-]+$/;
+function tidySnippet(snippet) {
+  let text = snippet, head = "", tail = "";
+  if (text.startsWith("...")) { text = text.slice(3).replace(CUT_HEAD, ""); head = "… "; }
+  if (text.endsWith("...")) { text = text.slice(0, -3).replace(CUT_TAIL, ""); tail = " …"; }
+  return head + text + tail;
+}
 class NeedsToken extends Error {}
 async function api(path) {
   if (!token) throw new NeedsToken();
@@ -696,6 +721,7 @@ function highlight(node, text, terms) {
 }
 function marked(snippet, terms) {
   const span = el("span", "snippet");
+  snippet = tidySnippet(snippet);
   if (!snippet.includes(">>>")) { highlight(span, snippet, terms || []); return span; }
   snippet.split(/(>>>|<<<)/).reduce((inside, part) => {
     if (part === ">>>") return true;
@@ -727,24 +753,26 @@ async function loadSessions(more) {
   } catch (error) { fail(list, error); }
 }
 const PAGE = 50;
+let results = null;  // the search shown, so that a session opened from it can go back
 async function search(text, from) {
-  if (!text.trim()) return loadSessions(false);
+  document.body.classList.toggle("searching", Boolean(text.trim()));
+  if (!text.trim()) { results = null; view.replaceChildren(hint()); return loadSessions(false); }
   from = from || 0;
   try {
     const result = await api("/api/search?limit=" + PAGE + "&offset=" + from +
                              "&q=" + encodeURIComponent(text));
     const terms = queryTerms(text);
-    list.replaceChildren();
     const last = from + result.hits.length;
-    list.append(el("div", "count", result.hits.length ? "hits " + (from + 1) + "–" + last +
-                   (result.more ? " of more than " + last : " of " + last) : "No messages match."));
+    const shown = [el("div", "count", result.hits.length ? "hits " + (from + 1) + "–" + last +
+                      (result.more ? " of more than " + last : " of " + last) :
+                      "No messages match.")];
     for (const hit of result.hits) {
       const item = el("div", "item");
       item.append(el("div", "sub",
                      hit.session_id + " · " + hit.role + " · " + when(hit.timestamp)),
                   marked(hit.snippet || "", terms));
       item.onclick = () => showSession(hit.session_id, hit.id, terms);
-      list.append(item);
+      shown.push(item);
     }
     const pages = el("div", "pages");
     if (from > 0) {
@@ -757,9 +785,11 @@ async function search(text, from) {
       next.onclick = () => search(text, last);
       pages.append(next);
     }
-    if (pages.childElementCount) list.append(pages);
-    list.scrollTop = 0;
-  } catch (error) { fail(list, error); }
+    if (pages.childElementCount) shown.push(pages);
+    results = {text: text, from: from, count: result.hits.length};
+    view.replaceChildren(...shown);
+    view.scrollTop = 0;
+  } catch (error) { fail(view, error); }
 }
 function messageNode(m) {
   const node = el("div", "message role-" + m.role);
@@ -798,6 +828,11 @@ async function showSession(id, messageId, terms) {
       header.append(prompt);
     }
     const body = [header];
+    if (results) {
+      const shown = results, back = el("button", "back", "← Back to the search");
+      back.onclick = () => search(shown.text, shown.from);
+      body.unshift(back);
+    }
     for (const segment of s.segments) {
       if (s.segments.length > 1) body.push(el("div", "segment", "Segment " + segment.id));
       for (const m of segment.messages) body.push(messageNode(m));
@@ -813,6 +848,10 @@ async function showSession(id, messageId, terms) {
         highlight(text, plain, terms);
       }
       target.scrollIntoView({block: "center"});
+    } else if (narrow.matches) {
+      view.scrollIntoView({block: "start"});  // below the list: bring the session into sight
+    } else {
+      view.scrollTop = 0;
     }
   } catch (error) { fail(view, error); }
 }
@@ -822,12 +861,11 @@ document.getElementById("q").addEventListener("input", (event) => {
   pending = setTimeout(() => search(event.target.value), 250);
 });
 function start() {
-  view.replaceChildren(el("p", "meta", "Pick a session on the left, or search."));
+  view.replaceChildren(hint());
+  loadSessions(false);
   if (fragment.get("q")) {
     document.getElementById("q").value = fragment.get("q");
     search(fragment.get("q"));
-  } else {
-    loadSessions(false);
   }
   if (fragment.get("session")) showSession(fragment.get("session"));
 }

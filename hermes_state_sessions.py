@@ -232,6 +232,8 @@ class SessionSessionsMixin:
             if "_preview_raw" in session:
                 session["preview"] = _shape_preview(session.pop("_preview_raw"))
             host_view(session, "sessions")
+            if not host_is_020():
+                _lift_fork_markers(session)
         return sessions
 
     def resolve_session_id(self, session_id_or_prefix):
@@ -575,6 +577,16 @@ class SessionSessionsMixin:
                     "_lineage_root_id": session["id"]}
             session["unread"] = self.session_unread(session)
         return sessions
+
+    def list_recent_sessions_bounded(self, *, limit=20, exclude_sources=None, timeout_seconds=3.0,
+                                     candidate_limit=None, lineage_limit=None):
+        """0.22's session_search browse: the `limit` most recently active conversations (a
+        compression chain as one row, delegate runs and archived or hidden sessions left out),
+        as list_sessions_rich rows without the prompt columns. 0.22 bounds its walk of every
+        chain with a deadline (`timeout_seconds`) and candidate caps; ours reads the activity
+        table newest first, so its work is bounded by `limit` already and those are not needed."""
+        return self.list_sessions_rich(limit=max(1, int(limit)), exclude_sources=exclude_sources,
+                                       order_by_last_active=True, compact_rows=True)
 
     @staticmethod
     def session_unread(session_row):
@@ -978,6 +990,18 @@ def _is_listable(row, subagents=False):
                 and row["started_at"] >= row["parent_ended_at"])
             or (row["parent_end_reason"] in _RESET_END_REASONS and bool(row["session_key"])
                 and row["session_key"] == row["parent_key"]))
+
+
+def _lift_fork_markers(session):
+    """0.22's session dicts: a /new reset's and a /branch fork's markers (`_reset_from`,
+    `_branched_from`) lifted out of model_config, so a listing that drops that heavy field still
+    tells a reset sibling from a fork."""
+    config = session.get("model_config")
+    config = config if isinstance(config, dict) else json_object(config)
+    for marker in ("_reset_from", "_branched_from"):
+        value = config.get(marker)
+        if not session.get(marker) and isinstance(value, str) and value.strip():
+            session[marker] = value.strip()
 
 
 def _shape_preview(raw):

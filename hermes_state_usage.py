@@ -38,10 +38,14 @@ ACTIVITY_PROVENANCES = ("unknown", "agent.compression", "agent.compression_timeo
 # SessionDBs holding queued deltas: kept alive so that the exit hook (which holds a weak reference)
 # still finds and closes one its owner dropped unclosed.
 _UNFLUSHED = set()
+# A missing session is made with the caller's surface (else 'unknown'); an existing one keeps
+# its row, but takes a model where it has none, and its real surface where it only had 'unknown'.
 _INSERT_BARE_SESSION_SQL = (
-    "INSERT INTO sessions (id, source, model, started_at) VALUES (?, 'unknown', ?, ?)"
-    " ON CONFLICT (id) DO UPDATE SET model = excluded.model"
-    " WHERE sessions.model IS NULL AND excluded.model IS NOT NULL")
+    "INSERT INTO sessions (id, source, model, started_at) VALUES (:id, :source, :model, :now)"
+    " ON CONFLICT (id) DO UPDATE SET model = COALESCE(sessions.model, excluded.model),"
+    " source = CASE WHEN sessions.source = 'unknown' THEN excluded.source ELSE sessions.source END"
+    " WHERE (sessions.model IS NULL AND excluded.model IS NOT NULL)"
+    " OR (sessions.source = 'unknown' AND excluded.source <> 'unknown')")
 
 
 def _counters_sql(absolute):
@@ -84,12 +88,14 @@ class SessionUsageMixin:
                             estimated_cost_usd=None, actual_cost_usd=None, cost_status=None,
                             cost_source=None, pricing_version=None, billing_provider=None,
                             billing_base_url=None, billing_mode=None, api_call_count=0,
-                            absolute=False):
-        """Add one API call's tokens and cost to a session (a missing one is made, source 'unknown')
-        and its route's usage row now, or with `absolute` set the session's totals only; None.
-        cost_status, cost_source and pricing_version keep the last value; model and billing_* fill
-        empty columns, but the first counted call records its own route. Raises UsageValueError (a
-        ValueError) before writing a value that cannot be stored."""
+                            absolute=False, source=None, task=""):
+        """Add one API call's tokens and cost to a session (a missing one is made with `source`,
+        else 'unknown') and its route's usage row now, or with `absolute` set the session's totals
+        only; None. cost_status, cost_source and pricing_version keep the last value; model and
+        billing_* fill empty columns, but the first counted call records its own route. A `task`
+        (a per-turn route, 0.22's `voice_chat`) counts in the totals and gets its own usage row,
+        but never becomes the session's route. Raises UsageValueError (a ValueError) before
+        writing a value that cannot be stored."""
         delta = _token_delta(session_id, dict(locals()))
         self._execute_write(lambda conn: write_token_delta(conn, session_id, delta, time.time()))
 
@@ -159,7 +165,8 @@ class SessionUsageMixin:
 
         def write(conn):
             row["now"] = time.time()
-            conn.execute(_INSERT_BARE_SESSION_SQL, (row["session_id"], None, row["now"]))
+            conn.execute(_INSERT_BARE_SESSION_SQL, {"id": row["session_id"], "source": "unknown",
+                                                    "model": None, "now": row["now"]})
             conn.execute(_ADD_MODEL_USAGE_SQL, row)
         self._execute_write(write)
 
@@ -303,7 +310,9 @@ def _token_delta(session_id, arguments):
     delta = {name: _count(name, arguments[name]) for name in COUNT_FIELDS}
     delta.update({name: _cost(name, arguments[name]) for name in COST_FIELDS})
     delta.update({name: _text(name, arguments[name]) for name in ROUTE_FIELDS})
-    delta.update(absolute=bool(arguments["absolute"]), session_id=_session_id(session_id))
+    delta.update(absolute=bool(arguments["absolute"]), session_id=_session_id(session_id),
+                 source=_text("source", arguments["source"]) or "unknown",
+                 task=_text("task", arguments["task"]) or "")
     return delta
 
 
@@ -377,31 +386,33 @@ def _known_provenance(provenance):
 
 def write_token_delta(conn, session_id, delta, now):
     """Apply one checked delta inside the caller's transaction."""
-    conn.execute(_INSERT_BARE_SESSION_SQL, (session_id, delta["model"], now))
+    conn.execute(_INSERT_BARE_SESSION_SQL, {"id": session_id, "source": delta["source"],
+                                            "model": delta["model"], "now": now})
     counted = any(delta[name] for name in COUNT_FIELDS + COST_FIELDS)
+    routed = counted and not delta["task"]  # a task's route is never the session's
     held = conn.execute("SELECT model, billing_provider, api_call_count FROM sessions WHERE id = ?",
                         (session_id,)).fetchone()
     # Until a call has been counted the row only holds the route asked for at creation;
     # the first call that counts usage (after a fallback, maybe another route) names the
     # route the session really ran on.
     ran = (delta["model"], delta["billing_provider"])
-    first_call = counted and not (held["api_call_count"] or 0)
+    first_call = routed and not (held["api_call_count"] or 0)
     if first_call and all(ran) and (held["model"], held["billing_provider"]) != ran:
         conn.execute(
             "UPDATE sessions SET model = ?, billing_provider = ?, billing_base_url = ?,"
             " billing_mode = ? WHERE id = ?", (*(delta[c] for c in _ROUTE_COLUMNS), session_id))
-    params = dict(delta, **{f"fill_{c}": delta[c] if counted else None for c in _ROUTE_COLUMNS})
+    params = dict(delta, **{f"fill_{c}": delta[c] if routed else None for c in _ROUTE_COLUMNS})
     conn.execute(_SET_COUNTERS_SQL if delta["absolute"] else _ADD_COUNTERS_SQL, params)
     if delta["absolute"] or not any(delta[name] for name in COUNT_FIELDS + ("estimated_cost_usd",)):
         return
-    # The usage row's route: the delta's, else what the session row holds now.
-    route = conn.execute(
+    # The usage row's route: the delta's, else (for the main loop) what the session row holds.
+    route = {} if delta["task"] else dict(conn.execute(
         "SELECT model, billing_provider, billing_base_url, billing_mode FROM sessions"
-        " WHERE id = ?", (session_id,)).fetchone()
+        " WHERE id = ?", (session_id,)).fetchone())
     conn.execute(_ADD_MODEL_USAGE_SQL, dict(
-        params, task="", now=now, model=delta["model"] or route["model"] or "unknown",
+        params, now=now, model=delta["model"] or route.get("model") or "unknown",
         **{c: delta[c] or 0.0 for c in COST_FIELDS},
-        **{c: delta[c] or route[c] or "" for c in _ROUTE_COLUMNS[1:]}))
+        **{c: delta[c] or route.get(c) or "" for c in _ROUTE_COLUMNS[1:]}))
 
 
 def apply_token_batch(conn, batch):

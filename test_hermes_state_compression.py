@@ -54,6 +54,10 @@ class Lineage(CompressionTestCase):
         self.db.end_session("b", "compression")
         self.db.create_session("c", "cli", parent_session_id="b")
         self.assertEqual(self.db.get_compression_tip("a"), "c")
+        # The chain forward from any member, through that same tip.
+        self.assertEqual(self.db.get_compression_chain("a"), ["a", "b", "c"])
+        self.assertEqual(self.db.get_compression_chain("b"), ["b", "c"])
+        self.assertEqual(self.db.get_compression_chain("stale"), ["stale"])
 
     def test_the_tip_never_follows_a_fork_and_an_unknown_id_is_its_own_tip(self):
         self.chain("a", "b")

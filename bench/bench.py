@@ -851,6 +851,64 @@ def bench_lock_holds(path, payload, hermes_copy=None):
     return holds
 
 
+UID_BACKFILL_KILLS = 6
+# A child that opens the store with the uid backfill's per-open budget lifted, so that it runs
+# until it is done or killed.
+UID_BACKFILL_CHILD = """
+import sys, hermes_state_schema
+hermes_state_schema.UID_BACKFILL_BUDGET_S = float("inf")
+from hermes_state import SessionDB
+SessionDB(sys.argv[1]).close()
+"""
+
+
+def _uid_sample(path):
+    """{id: message_uid} of every 997th message ({} before the store has the column)."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return dict(conn.execute("SELECT id, message_uid FROM messages WHERE id % 997 = 0"))
+    except sqlite3.OperationalError:
+        return {}
+    finally:
+        conn.close()
+
+
+def bench_uid_backfill(path, seed=11):
+    """Schema 31's message_uid backfill on `path`, a 1M-message store written before it (the
+    reference's): SIGKILLed at UID_BACKFILL_KILLS random moments, each time checked (every uid
+    minted before stays, the file is sound), then run to the end under watch_lock. The figures."""
+    rng = random.Random(seed)
+    before, cut_short, changed, sound = {}, 0, 0, True
+    for _ in range(UID_BACKFILL_KILLS):
+        child = subprocess.Popen([sys.executable, "-c", UID_BACKFILL_CHILD, str(path)], cwd=REPO)
+        time.sleep(rng.uniform(2.0, 12.0))
+        child.kill()
+        child.wait()
+        now = _uid_sample(path)
+        changed += sum(1 for key, uid in before.items() if uid and now.get(key) != uid)
+        cut_short += None in now.values() and any(now.values())
+        conn = sqlite3.connect(path)
+        sound &= conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+        conn.close()
+        before = now
+    from hermes_state import SessionDB
+    import hermes_state_schema
+    hermes_state_schema.UID_BACKFILL_BUDGET_S = float("inf")
+    try:
+        holds = watch_lock(path, [("open: the rest of the uid backfill", lambda: SessionDB(path).close())])
+    finally:
+        hermes_state_schema.UID_BACKFILL_BUDGET_S = 1.0
+    conn = sqlite3.connect(path)
+    total, distinct, missing = conn.execute(
+        "SELECT COUNT(*), COUNT(DISTINCT message_uid), COUNT(*) - COUNT(message_uid) FROM messages").fetchone()
+    conn.close()
+    after = _uid_sample(path)
+    changed += sum(1 for key, uid in before.items() if uid and after.get(key) != uid)
+    (ran, held), = holds.values()
+    return {"kills": UID_BACKFILL_KILLS, "cut_short": cut_short, "changed": changed, "sound": sound,
+            "messages": total, "distinct": distinct, "missing": missing, "ran": ran, "held": held}
+
+
 def _mixed_worker(path, name, count, start_at, results):
     from hermes_state import SessionDB, StoreLockedError
     history = agent_history(count, seed=len(name))
@@ -1140,6 +1198,21 @@ def measure_million(runner, folder, table, small_growth_mb):
     os.unlink(f"{folder}/million.jsonl")
     for session in payload:
         session["id"] = "imp-" + session["id"]
+    if hermes_copy:
+        log("1M: the uid backfill of the reference's store, killed and resumed")
+        backfill_copy = Path(folder) / "million-backfill.db"
+        shutil.copyfile(hermes_copy, backfill_copy)
+        backfill = bench_uid_backfill(backfill_copy)
+        os.unlink(backfill_copy)
+        table.add(f"uid backfill of 0.20's 1M store: {backfill['kills']} SIGKILLs ({backfill['cut_short']} mid-way),"
+                  " uids changed after a kill; file sound", f"{backfill['changed']}; {backfill['sound']}",
+                  goal="0; True", ok=not backfill["changed"] and backfill["sound"])
+        table.add(f"  then to the end (ran {backfill['ran']:.1f} s): rows without a uid; duplicate uids",
+                  f"{backfill['missing']}; {backfill['messages'] - backfill['distinct']}", goal="0; 0",
+                  ok=not backfill["missing"] and backfill["messages"] == backfill["distinct"])
+        table.add("  its longest write-lock hold (s; SQLite's lock, our file lock)",
+                  f"{backfill['held']['sqlite']:.3f}, {backfill['held']['file']:.3f}", goal="<= 0.1 s",
+                  ok=max(backfill["held"].values()) <= 0.1)
     log("1M: lock holds")
     holds = bench_lock_holds(work, payload, hermes_copy)
     del payload

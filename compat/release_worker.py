@@ -5,10 +5,12 @@ Owns: opening the store as that program does and doing one thing to it, reported
 stdout. Must not touch: anything but the store it is given. It compares nothing: `releases.py` runs it
 in turn in each program's Python and judges the records.
 
-Usage: python release_worker.py write|read|check STORE TAG
+Usage: python release_worker.py write|read|check|export|import STORE TAG
   write  open, start session TAG and append the TEXTS (and a tool row) one by one, read them back
   read   open, read every session's messages back and search
   check  (ours) every FTS5 index's integrity-check, our CJK search complete, doctor's trigger check
+  export write export_all() as JSON lines to the file TAG; the uids of what it wrote
+  import import_sessions() the JSON lines of the file TAG; the result and the uids now stored
 """
 
 import json
@@ -79,13 +81,34 @@ def check(store):
             "layout": health.get("fts_layout"), "trigger_damage": health.get("trigger_damage")}
 
 
+def uids_of(sessions):
+    """[[session id, [message_uid of each message, in order]]] of export entries."""
+    return [[entry["id"], [m.get("message_uid") for m in entry.get("messages") or ()]]
+            for entry in sorted(sessions, key=lambda entry: entry["id"])]
+
+
+def export(db, out):
+    sessions = db.export_all()
+    with open(out, "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(entry, ensure_ascii=False) + "\n" for entry in sessions)
+    return {"uids": uids_of(sessions)}
+
+
+def import_(db, source):
+    with open(source, encoding="utf-8") as handle:
+        sessions = [json.loads(line) for line in handle if line.strip()]
+    result = db.import_sessions(sessions)
+    return {"ok": result.get("ok"), "imported": result.get("imported"), "uids": uids_of(db.export_all())}
+
+
 def main(action, store, tag):
     if action == "check":
         return check(store)
     from hermes_state import SessionDB
     db = SessionDB(pathlib.Path(store))
     try:
-        return write(db, tag) if action == "write" else read(db, store)
+        return {"write": lambda: write(db, tag), "read": lambda: read(db, store),
+                "export": lambda: export(db, tag), "import": lambda: import_(db, tag)}[action]()
     finally:
         db.close()
 

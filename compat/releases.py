@@ -3,7 +3,7 @@
 Owns: the scenarios (a store passes from one program to the next, each opening it as it does and
 writing), running each step in that program's Python (`release_worker.py`), and judging the records:
 every append succeeds, every row stays, FTS5 integrity-check holds on every index, our CJK search is
-complete. Also hermes-agent's own `sessions optimize-storage --yes` on our modules (the swap venv) on
+complete, no program changes a message_uid a row has, and after the last step every row has one. Also hermes-agent's own `sessions optimize-storage --yes` on our modules (the swap venv) on
 copies of the 0.19 and 0.20 fixture stores. Must not touch: anything outside its temp folders.
 
 The same round trips run without the releases in test_releases.py; this is the evidence they are real.
@@ -64,6 +64,36 @@ def count_messages(store):
         return conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
     finally:
         conn.close()
+
+
+def message_uids(store):
+    """{message id: message_uid} ({} before the store has the column)."""
+    import sqlite3
+    if not os.path.exists(store):
+        return {}
+    conn = sqlite3.connect(store)
+    try:
+        return dict(conn.execute("SELECT id, message_uid FROM messages"))
+    except sqlite3.OperationalError:
+        return {}
+    finally:
+        conn.close()
+
+
+def judge_uids(step, before, after, final):
+    """Schema 31's identity across a step: no program changes a uid a row has; after our last
+    step every row has one, no two the same."""
+    out = []
+    changed = sorted(key for key, uid in before.items() if uid and after.get(key) != uid)
+    if changed:
+        out.append("%s: changed or lost the message_uid of rows %s" % (step, changed[:10]))
+    if final:
+        missing = sorted(key for key, uid in after.items() if not uid)
+        if missing or not after:
+            out.append("%s: rows without a message_uid: %s" % (step, missing[:10] or "every row"))
+        if len(set(after.values())) != len(after):
+            out.append("%s: two rows share a message_uid" % step)
+    return out
 
 
 class Programs:
@@ -130,7 +160,7 @@ def run_scenario(programs, name, start, steps):
         # Ours builds its index where a store has none (or ours of old); on a release's store it uses theirs.
         layout = "current" if (start or "").startswith("hermes_state_") or (not start and steps[0][0] == "ours") \
             else None
-        problems = []
+        problems, uids = [], message_uids(store)
         for number, (program, action) in enumerate(steps, 1):
             step = "%d %s %s" % (number, program, action)
             record = programs.run(program, action, store, "%s-%d" % (program, number))
@@ -138,6 +168,38 @@ def run_scenario(programs, name, start, steps):
                 expected += ROWS_PER_WRITE
             record["messages"] = count_messages(store)
             problems += judge(step, record, expected, layout)
+            now = message_uids(store)
+            problems += judge_uids(step, uids, now, final=number == len(steps))
+            uids = now
+        return problems
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_export_round_trip(programs, release):
+    """A history ours wrote, exported by ours, imported and exported again by `release`, and
+    imported by ours: every message keeps its message_uid the whole way."""
+    folder = tempfile.mkdtemp(prefix="hermes-compat-xuid-")
+    try:
+        stores = [os.path.join(folder, "%s.db" % name) for name in ("a", "b", "c")]
+        files = [os.path.join(folder, "%s.jsonl" % name) for name in ("a", "b")]
+        steps = [("ours", "write", stores[0], "first"), ("ours", "write", stores[0], "second"),
+                 ("ours", "export", stores[0], files[0]), (release, "import", stores[1], files[0]),
+                 (release, "export", stores[1], files[1]), ("ours", "import", stores[2], files[1])]
+        problems, seen = [], []
+        for number, (program, action, store, tag) in enumerate(steps, 1):
+            step = "%d %s %s" % (number, program, action)
+            record = programs.run(program, action, store, tag)
+            if "died" in record or record.get("ok") is False:
+                problems.append("%s: %s" % (step, record.get("died") or record))
+            elif "uids" in record:
+                seen.append((step, record["uids"]))
+        if not problems:
+            first_step, first = seen[0]
+            if not first or not all(uid for _, uids in first for uid in uids):
+                problems.append("%s: messages without a message_uid: %s" % (first_step, first))
+            problems += ["%s: the uids differ from %s's: %s" % (step, first_step, uids)
+                         for step, uids in seen[1:] if uids != first]
         return problems
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -173,6 +235,8 @@ def run_all(python, overlay):
         programs = Programs(python, home)
         results = [("releases/" + name, run_scenario(programs, name, start, steps))
                    for name, (start, steps) in SCENARIOS.items()]
+        results.append(("releases/export-uids-ours-0.22-ours",
+                        run_export_round_trip(programs, "0.22")))
         for fixture in OPTIMIZE_FIXTURES:
             results.append(("releases/optimize-storage-" + fixture.split("_")[1],
                             run_optimize(programs, python, overlay, fixture)))
