@@ -26,8 +26,9 @@ from hermes_state_errors import MAX_SAFE_EXPORT_MESSAGES, MAX_SAFE_RESUME_MESSAG
 # SCHEMA_SQL on every open; a bump is for data migrations that cannot be declared (backfills).
 SCHEMA_VERSION = 31
 
-# hermes-agent's keys describing its own search index. We read them (to use its index on a store it
-# indexed) and never store a value of ours under them.
+# hermes-agent's keys describing its search index. Its layout 3 is the store's own index now
+# (SEARCH_TABLES "word" and "trigram"): we write them as 0.22 does for that layout, and read them
+# on a store whose index is another release's.
 META_FTS_STORAGE_VERSION = "fts_storage_version"
 META_FTS_OPTIMIZE_AVAILABLE = "fts_optimize_available"
 META_FTS_REBUILD_HIGH_WATER = "fts_rebuild_high_water"
@@ -36,9 +37,10 @@ META_FTS_STALE = FTS_STALE_KEY = "fts_stale"  # (FTS_*_KEY: hermes-agent's names
 META_FTS_CJK_STALE = FTS_CJK_STALE_KEY = "fts_cjk_stale"
 # hermes-agent's note that a rebuild of its stale index was blocked (JSON); its doctor shows it.
 FTS_REBUILD_DEFERRAL_KEY = "fts_rebuild_deferral"
-# The value 0.20 gives that first key for its index layout; hermes_cli.session_recovery imports it
-# from hermes_state to stamp and verify a recovered store. We never write it.
-FTS_STORAGE_VERSION = 1
+# hermes-agent 0.22's number for the index layout we keep (0.20's was 1): the value of
+# fts_storage_version on a whole index; hermes_cli's session recovery stamps and checks it, 0.22's
+# doctor compares a store's value with it.
+FTS_STORAGE_VERSION = 3
 
 COMPRESSION_END_REASON = "compression"
 # End reasons of a session that a reset replaced with an empty one (gateway /new and /reset, idle
@@ -342,22 +344,24 @@ DEFERRED_INDEX_SQL = "".join(sql + ";\n" for sql in DEFERRED_INDEXES.values())
 TITLE_INDEX_NAME = "idx_sessions_title_unique"
 
 # -- Full-text search ---------------------------------------------------------
-# Ours ("current"): three FTS5 indexes under our own names, kept by our own triggers and described
-# by our own state_meta keys, so that no hermes-agent release (0.19, 0.20, 0.22: every name checked)
-# takes them for its own. hs_fts_words reads every row (a tool row by a bounded prefix),
-# hs_fts_trigram no tool rows; hs_fts_cjk holds 1-2 letter CJK terms, written by Python from
-# hs_fts_cjk_queue, which plain-SQL triggers fill for any writer; those triggers (and the drain, for
-# rows a backfill queued) raise the row's block bound in hs_fts_cjk_bounds, so a process of an older
-# release still running keeps them too. Each trigger of ours first tests our backfill predicate: a
-# row is indexed iff id <= progress OR id > high water. hermes-agent's index (messages_fts*, its
-# views, triggers and fts_* keys: 'legacy' 0.19 inline, 'external' 0.20/0.22) is its own: searched
-# while a store has none of ours, never rewritten, retired only by optimize-storage.
+# The store's index is hermes-agent 0.22's layout 3 (fts_storage_version 3), under its names, with
+# its views, triggers and keys, so that a program reading `messages_fts` or `messages_fts_trigram`
+# with plain SQL gets the answers 0.22's own store gives: `messages_fts` (unicode61) holds every
+# row, a tool row by its first FTS_TOOL_CONTENT_PREFIX_CHARS characters; `messages_fts_trigram` no
+# tool row and no row of a session FTS_TRIGRAM_EXCLUDED_SOURCES names or a delegate started. Both
+# tell a row indexed while a backfill runs by hermes-agent's pair: id <= fts_rebuild_progress OR id
+# > fts_rebuild_high_water. What is ours beyond it keeps `hs_` names and its own pair (hs_search_*):
+# hs_fts_cjk holds 1-2 letter CJK terms, written by Python from hs_fts_cjk_queue, which plain-SQL
+# triggers fill for any writer; those triggers (and the drain, for rows a backfill queued) raise the
+# row's block bound in hs_fts_cjk_bounds, so a process of an older release still running keeps them
+# too. hermes-agent 0.19's inline index ('legacy') stays its own until optimize-storage; any other
+# `messages_fts` (0.20's, ours before layout 1) and our word and trigram indexes of layouts 1-3
+# (OLD_SEARCH_OBJECTS) are set aside at open and layout 3 is filled in chunks.
 
 # 2 added the CJK bounds (CJK_BOUNDS_OBJECTS: their table and index, the triggers that raise them);
-# a layout 1 store gets them filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS). 3 indexes a tool
-# row's list content (_TOOL_PREFIX); a layout 2 store's rows are indexed again in chunks
-# (META_SEARCH_TOOL_JSON_FROM).
-SEARCH_LAYOUT_VERSION = 3
+# a layout 1 store gets them filled in chunks (META_SEARCH_CJK_BOUNDS_PROGRESS). 3 indexed a tool
+# row's list content in hs_fts_words. 4 is hermes-agent's layout 3 beside our CJK index.
+SEARCH_LAYOUT_VERSION = 4
 CJK_BOUNDS_OBJECTS = ("hs_fts_cjk_bounds", "hs_fts_cjk_bounds_newest", "hs_fts_cjk_insert",
                       "hs_fts_cjk_update")
 META_SEARCH_LAYOUT = "hs_search_layout"
@@ -366,18 +370,25 @@ META_SEARCH_PROGRESS = "hs_search_progress"
 # Message ids up to this one have their CJK bounds; absent when all have (searches by time may rely
 # on them).
 META_SEARCH_CJK_BOUNDS_PROGRESS = "hs_search_cjk_bounds_progress"
-# The first id whose tool list content the word index holds (absent: 0); set when a layout 2 store
-# moves to 3.
+# Layout 3's first id whose tool list content hs_fts_words held; cleared when that index goes.
 META_SEARCH_TOOL_JSON_FROM = "hs_search_tool_json_from"
-# + an index name: that index of ours is not whole; rebuilt at the next open.
+# + an index name: that index is not whole; rebuilt at the next open.
 META_SEARCH_STALE_PREFIX = "hs_search_stale_"
-# A query on hermes-agent's index failed here: build ours at the next open.
+# A query on hermes-agent 0.19's index failed here: build ours at the next open.
 META_SEARCH_HERMES_FAILED = "hs_search_hermes_index_failed"
-SEARCH_TABLES = {"word": "hs_fts_words", "trigram": "hs_fts_trigram", "cjk": "hs_fts_cjk"}
+SEARCH_TABLES = {"word": "messages_fts", "trigram": "messages_fts_trigram", "cjk": "hs_fts_cjk"}
+# The backfill pair (high water, progress) each index's triggers test.
+SEARCH_MARKS = {"word": (META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS),
+                "trigram": (META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS),
+                "cjk": (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS)}
 CJK_QUEUE_TABLE = "hs_fts_cjk_queue"
-# Index tables set aside (optimize-storage, our old names), dropped in chunks later.
+# Index tables set aside (a layout moved, optimize-storage), dropped in chunks later.
 RETIRED_PREFIX = "hs_retired_"
 FTS5_SHADOW_SUFFIXES = ("data", "idx", "content", "docsize", "config")
+# Our word and trigram indexes of layouts 1-3, each with its view and triggers.
+OLD_SEARCH_OBJECTS = {table: (f"{table}_src",) + tuple(f"{table}_{op}" for op in
+                                                       ("insert", "delete", "update"))
+                      for table in ("hs_fts_words", "hs_fts_trigram")}
 
 HERMES_FTS_TABLES = {"word": "messages_fts", "trigram": "messages_fts_trigram",
                      "cjk": "messages_fts_cjk"}
@@ -385,22 +396,25 @@ HERMES_FTS_TRIGGERS = {index: tuple(f"{table}_{op}" for op in ("insert", "delete
                        for index, table in HERMES_FTS_TABLES.items()}
 HERMES_FTS_VIEWS = {"word": "messages_fts_src", "trigram": "messages_fts_trigram_src",
                     "cjk": "messages_fts_cjk_src"}
-# What describes hermes-agent's index; cleared with the index by optimize-storage, so that its next
-# open finds a store without one and builds it afresh.
+# What describes hermes-agent's index; cleared with an index of another layout when it is set
+# aside, so that no program reads them as the new one's.
 HERMES_INDEX_META = (META_FTS_STORAGE_VERSION, META_FTS_OPTIMIZE_AVAILABLE,
                      META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS, META_FTS_STALE,
                      FTS_REBUILD_DEFERRAL_KEY)
 # Our releases before layout 1 used hermes-agent's table names (each told apart by a word of its
-# DDL) and keys; an open moves such a store to layout 1.
+# DDL) and keys; an open sets such an index aside.
 PREVIOUS_LAYOUT_TABLES = {"messages_fts": "messages_fts_projection", "messages_fts_cjk": "terms",
                           "messages_fts_trigram": "messages_fts_trigram_projection"}
 PREVIOUS_LAYOUT_LEFTOVERS = {"messages_cjk_pending": "TABLE", "messages_fts_projection": "VIEW",
                              "messages_fts_trigram_projection": "VIEW"}
 PREVIOUS_LAYOUT_META = HERMES_INDEX_META + (META_FTS_CJK_STALE,)
 
-# Tool output (base64, file dumps) is most of the bytes; the word index keeps this much of each tool
-# row. A role filter including "tool" searches the rest.
-TOOL_INDEX_PREFIX_CHARS = 2048
+# Tool output (base64, file dumps) is most of the bytes: messages_fts keeps this much of each tool
+# row, as 0.22 does (its name). A role filter including "tool" searches the rest.
+FTS_TOOL_CONTENT_PREFIX_CHARS = TOOL_INDEX_PREFIX_CHARS = 8192
+# Sessions whose rows messages_fts_trigram leaves out (hermes-agent's name and values); so does it
+# every session a delegate started (`_delegate_from` in its model_config).
+FTS_TRIGRAM_EXCLUDED_SOURCES = ("cron", "subagent")
 # CJK letters: kana, CJK extension A, unified ideographs, hangul, compatibility ideographs.
 CJK_CHAR_CLASS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 CJK_GLOB = f"'*[{CJK_CHAR_CLASS}]*'"
@@ -423,45 +437,89 @@ _RAISE_CJK_BOUND = ("INSERT INTO hs_fts_cjk_bounds(block, newest)"
                     " WHERE new.timestamp IS NOT NULL{only}\n"
                     "    ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest);")
 
-_INDEXED = """(({row}.id > COALESCE((SELECT CAST(value AS INTEGER) FROM state_meta
-                            WHERE key = 'hs_search_high_water'), -1)
-   OR {row}.id <= COALESCE((SELECT CAST(value AS INTEGER) FROM state_meta
-                            WHERE key = 'hs_search_progress'), -1)))"""
-_NEW_INDEXED = _INDEXED.format(row="new")
-_OLD_INDEXED = _INDEXED.format(row="old")
-# A tool row's text as the word index holds it. substr() counts characters up to the first NUL, so a
-# text that starts with one (list content: CONTENT_JSON_PREFIX + JSON) is cut past it; layout 2 cut
-# it to '', and its rows below META_SEARCH_TOOL_JSON_FROM keep that cut: a delete must give the text
-# the insert gave.
-_TOOL_PREFIX_2 = ("CASE WHEN {row}.role = 'tool' THEN substr({row}.content, 1, %d)"
-                  " ELSE {row}.content END" % TOOL_INDEX_PREFIX_CHARS)
-# Layout 3 reads a tool row's list content (ids from META_SEARCH_TOOL_JSON_FROM on) past its NUL:
-# the NUL, then the text after it, TOOL_INDEX_PREFIX_CHARS characters in all as for any tool text.
-_TOOL_JSON_FROM = ("(SELECT CAST(value AS INTEGER) FROM state_meta"
-                   f" WHERE key = '{META_SEARCH_TOOL_JSON_FROM}')")
-_TOOL_JSON_HEAD = ("substr(CAST(substr(CAST({row}.content AS BLOB), 2) AS TEXT), 1,"
-                   f" {TOOL_INDEX_PREFIX_CHARS - 1})")
-_TOOL_PREFIX = f"""CASE WHEN {{row}}.role = 'tool' THEN CASE
-    WHEN {{row}}.content >= char(0) AND {{row}}.content < char(1) AND {{row}}.id >= COALESCE(
-        {_TOOL_JSON_FROM}, 0)
-    THEN char(0) || {_TOOL_JSON_HEAD}
-    ELSE substr({{row}}.content, 1, {TOOL_INDEX_PREFIX_CHARS}) END ELSE {{row}}.content END"""
-_WORDS_VIEW = """CREATE VIEW hs_fts_words_src AS
-SELECT id, {prefix} AS content, tool_name, tool_calls FROM messages"""
+
+def _indexed(row, marks, indent=""):
+    """The backfill predicate of a trigger: `row` (new, old) is in the index its pair `marks`
+    describes. `indent` lines the second half up under the first (the text 0.22 stores)."""
+    high_water, progress = marks
+    return (f"({row}.id > COALESCE((SELECT CAST(value AS INTEGER) FROM state_meta\n"
+            f"{indent}                         WHERE key = '{high_water}'), -1)\n"
+            f"{indent}   OR {row}.id <= COALESCE((SELECT CAST(value AS INTEGER) FROM state_meta\n"
+            f"{indent}                          WHERE key = '{progress}'), -1))")
+
+
+_HERMES_MARKS = SEARCH_MARKS["word"]
+_NEW_INDEXED = "(" + _indexed("new", SEARCH_MARKS["cjk"], "  ") + ")"
+_OLD_INDEXED = "(" + _indexed("old", SEARCH_MARKS["cjk"], "  ") + ")"
+
+
+def _word_text(row):
+    """What messages_fts holds of a row's content: a tool row's first characters (0.22's cut)."""
+    column = f"{row}." if row else ""
+    return (f"CASE WHEN {column}role = 'tool' THEN substr(COALESCE({column}content, ''), 1,"
+            f" {FTS_TOOL_CONTENT_PREFIX_CHARS}) ELSE {column}content END")
+
+
+def _trigram_session(alias):
+    """A `sessions` row (columns behind `alias`) whose messages messages_fts_trigram holds."""
+    config = f"{alias}model_config"
+    sources = ", ".join(f"'{source}'" for source in FTS_TRIGRAM_EXCLUDED_SOURCES)
+    return (f"{alias}source NOT IN ({sources}) AND json_extract((CASE WHEN json_valid({config})"
+            f" THEN {config} ELSE json_object() END), '$._delegate_from') IS NULL")
+
+
+def _trigram_row(row):
+    return (f"{row}.role <> 'tool' AND EXISTS (SELECT 1 FROM sessions"
+            f" WHERE id = {row}.session_id AND {_trigram_session('')})")
+
+
+def _hermes_triggers(table, columns, values, watched, only=None):
+    """Insert, delete and update triggers of one of hermes-agent's two indexes, as 0.22 stores
+    them (token for token; an open compares them): `values(row)` fills `columns`, `watched` are the
+    message columns it reads, `only(row)` says which rows it holds (None: every row)."""
+    def when(row):
+        return (f"{only(row)}\n   AND {_indexed(row, _HERMES_MARKS, '  ')}" if only
+                else _indexed(row, _HERMES_MARKS))
+
+    def write(row, delete, keep):
+        command = f"{table}({table}, rowid, {columns})" if delete else f"{table}(rowid, {columns})"
+        first = "'delete', " if delete else ""
+        if keep and only:
+            return (f"INSERT INTO {command} SELECT {first}{values(row)}"
+                    f" WHERE {only(row)};")
+        return f"INSERT INTO {command} VALUES ({first}{values(row)});"
+
+    changed = " OR ".join(f"old.{c} IS NOT new.{c}" for c in watched)
+    return {
+        f"{table}_insert": f"CREATE TRIGGER {table}_insert AFTER INSERT ON messages\n"
+                           f"WHEN {when('new')}\nBEGIN\n    {write('new', False, False)}\nEND",
+        f"{table}_delete": f"CREATE TRIGGER {table}_delete AFTER DELETE ON messages\n"
+                           f"WHEN {when('old')}\nBEGIN\n    {write('old', True, False)}\nEND",
+        f"{table}_update": f"CREATE TRIGGER {table}_update\n"
+                           f"AFTER UPDATE OF {', '.join(watched)} ON messages\n"
+                           f"WHEN ({changed})\n   AND {_indexed('old', _HERMES_MARKS, '  ')}\n"
+                           f"BEGIN\n    {write('old', True, True)}\n    {write('new', False, True)}"
+                           "\nEND",
+    }
+
 
 # Per index: its views and tables (CJK: with its bounds' index) in creation order, exactly as
 # sqlite_master keeps them (an open compares and repairs), then its triggers.
 SEARCH_OBJECTS = {
     "word": {
-        "hs_fts_words_src": _WORDS_VIEW.format(prefix=_TOOL_PREFIX.format(row="messages")),
-        "hs_fts_words": """CREATE VIRTUAL TABLE hs_fts_words USING fts5(
-    content, tool_name, tool_calls, content='hs_fts_words_src', content_rowid='id')""",
+        "messages_fts_src": f"CREATE VIEW messages_fts_src AS SELECT id, {_word_text('')} AS"
+                            " content, tool_name, tool_calls FROM messages",
+        "messages_fts": "CREATE VIRTUAL TABLE messages_fts USING fts5(content, tool_name,"
+                        " tool_calls, content='messages_fts_src', content_rowid='id')",
     },
     "trigram": {
-        "hs_fts_trigram_src": ("CREATE VIEW hs_fts_trigram_src AS SELECT id, content FROM messages"
-                               " WHERE role <> 'tool'"),
-        "hs_fts_trigram": """CREATE VIRTUAL TABLE hs_fts_trigram USING fts5(
-    content, content='hs_fts_trigram_src', content_rowid='id', tokenize='trigram')""",
+        "messages_fts_trigram_src": "CREATE VIEW messages_fts_trigram_src AS SELECT m.id, m.role,"
+                                    " m.content, m.tool_name FROM messages AS m JOIN sessions AS s"
+                                    " ON s.id = m.session_id WHERE m.role <> 'tool' AND"
+                                    f" {_trigram_session('s.')}",
+        "messages_fts_trigram": "CREATE VIRTUAL TABLE messages_fts_trigram USING fts5(content,"
+                                " tool_name, content='messages_fts_trigram_src',"
+                                " content_rowid='id', tokenize='trigram')",
     },
     "cjk": {
         "hs_fts_cjk": ("CREATE VIRTUAL TABLE hs_fts_cjk"
@@ -473,52 +531,30 @@ SEARCH_OBJECTS = {
                                      " ON hs_fts_cjk_bounds(newest)"),
     },
 }
-
-def _external_triggers(table, columns, values, watched, only="1"):
-    """Insert, delete and update triggers of an external-content index of ours: `values` fills
-    `columns` from a {row} (new or old), `watched` are the message columns it depends on, `only`
-    says which rows it holds."""
-    new, old = values.format(row="new"), values.format(row="old")
-    keep_new, keep_old = only.format(row="new"), only.format(row="old")
-    changed = " OR ".join(f"old.{c} IS NOT new.{c}" for c in watched)
-    of = ", ".join(watched)
-    return {
-        f"{table}_insert": f"""CREATE TRIGGER {table}_insert AFTER INSERT ON messages
-WHEN {keep_new} AND {_NEW_INDEXED}
-BEGIN
-    INSERT INTO {table}(rowid, {columns}) VALUES ({new});
-END""",
-        f"{table}_delete": f"""CREATE TRIGGER {table}_delete AFTER DELETE ON messages
-WHEN {keep_old} AND {_OLD_INDEXED}
-BEGIN
-    INSERT INTO {table}({table}, rowid, {columns}) VALUES ('delete', {old});
-END""",
-        f"{table}_update": f"""CREATE TRIGGER {table}_update AFTER UPDATE OF {of} ON messages
-WHEN ({changed}) AND {_OLD_INDEXED}
-BEGIN
-    INSERT INTO {table}({table}, rowid, {columns}) SELECT 'delete', {old} WHERE {keep_old};
-    INSERT INTO {table}(rowid, {columns}) SELECT {new} WHERE {keep_new};
-END""",
-    }
-
-def _word_triggers(prefix):
-    return _external_triggers("hs_fts_words", "content, tool_name, tool_calls",
-                              "{row}.id, " + prefix + ", {row}.tool_name, {row}.tool_calls",
-                              ("content", "tool_name", "tool_calls", "role"))
-
-# The word index's view and triggers as layout 2 made them: a layout 2 store's are replaced without
-# a rebuild.
-LAYOUT_2_WORD_OBJECTS = {
-    "hs_fts_words_src": _WORDS_VIEW.format(prefix=_TOOL_PREFIX_2.format(row="messages")),
-    **_word_triggers(_TOOL_PREFIX_2),
-}
+ORPHAN_TRIGGER = "hs_trigram_orphan_delete"
 # The rows the CJK index holds: no tool row, a text with a CJK letter.
 _CJK_NEW = f"new.role <> 'tool' AND new.content GLOB {CJK_GLOB}"
 _CJK_OLD = f"old.role <> 'tool' AND old.content GLOB {CJK_GLOB}"
 SEARCH_TRIGGERS = {
-    "word": _word_triggers(_TOOL_PREFIX),
-    "trigram": _external_triggers("hs_fts_trigram", "content", "{row}.id, {row}.content",
-                                  ("content", "role"), "{row}.role <> 'tool'"),
+    "word": _hermes_triggers(
+        "messages_fts", "content, tool_name, tool_calls",
+        lambda row: f"{row}.id, {_word_text(row)}, {row}.tool_name, {row}.tool_calls",
+        ("content", "tool_name", "tool_calls", "role")),
+    "trigram": {**_hermes_triggers(
+        "messages_fts_trigram", "content, tool_name",
+        lambda row: f"{row}.id, {row}.content, {row}.tool_name",
+        ("content", "tool_name", "role"), _trigram_row),
+        # Ours: 0.22's delete trigger asks the session's row, which a session delete removes
+        # before its messages go (ours sweeps them later in chunks); such a row leaves the index
+        # here, if it is in it (its docsize row), as any program deletes it.
+        ORPHAN_TRIGGER: f"""CREATE TRIGGER {ORPHAN_TRIGGER}
+AFTER DELETE ON messages
+WHEN NOT EXISTS (SELECT 1 FROM sessions WHERE id = old.session_id)
+BEGIN
+    INSERT INTO messages_fts_trigram(messages_fts_trigram, rowid, content, tool_name)
+    SELECT 'delete', old.id, old.content, old.tool_name
+    WHERE EXISTS (SELECT 1 FROM messages_fts_trigram_docsize WHERE id = old.id);
+END"""},
     "cjk": {
         "hs_fts_cjk_insert": f"""CREATE TRIGGER hs_fts_cjk_insert AFTER INSERT ON messages
 WHEN {_CJK_NEW} AND {_NEW_INDEXED}
@@ -563,14 +599,26 @@ def trigger_writes(sql):
             if table.upper() not in ("SET", "VALUES", "SELECT")]
 
 TABLE_EXISTS_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+_SPACED_PUNCTUATION_RE = re.compile(r"\s*([(),;])\s*")
+
+
+def same_ddl(stored, wanted):
+    """True if `stored` (sqlite_master's text, or None) is the statement `wanted`, whatever the
+    spacing: 0.22 spreads its index DDL over lines, ours is compact."""
+    def tokens(sql):
+        return _SPACED_PUNCTUATION_RE.sub(r"\1", " ".join(sql.split()))
+    return stored is not None and tokens(stored) == tokens(wanted)
+
 
 # Structured content (a multimodal list of parts, a dict) is stored as this prefix plus JSON, as
 # hermes-agent stores it; NUL never starts real text.
 CONTENT_JSON_PREFIX = "\x00json:"
-# hermes-agent's index DDL names answer for ours (docs/differences.md): our word and trigram
-# indexes; hermes-agent 0.19's inline ones (LEGACY_*), which ours searches and never makes.
-FTS_SQL, FTS_TRIGRAM_SQL = ("".join(f"{ddl};\n" for part in (SEARCH_OBJECTS, SEARCH_TRIGGERS)
-                                    for ddl in part[i].values()) for i in ("word", "trigram"))
+# hermes-agent's names for the DDL of its two indexes, as a script (views, tables, triggers); its
+# 0.19 inline ones (LEGACY_*), which ours searches and never makes.
+FTS_SQL, FTS_TRIGRAM_SQL = ("".join(
+    re.sub(r"^CREATE (VIEW|VIRTUAL TABLE|TRIGGER) ", r"CREATE \1 IF NOT EXISTS ", ddl) + ";\n"
+    for part in (SEARCH_OBJECTS, SEARCH_TRIGGERS) for ddl in part[index].values())
+    for index in ("word", "trigram"))
 _INLINE_INDEX = """CREATE VIRTUAL TABLE IF NOT EXISTS {t} USING fts5(content{k});
 CREATE TRIGGER IF NOT EXISTS {t}_insert AFTER INSERT ON messages BEGIN {i} END;
 CREATE TRIGGER IF NOT EXISTS {t}_delete AFTER DELETE ON messages BEGIN {d} END;

@@ -1,45 +1,47 @@
 """SessionSearchIndexMixin: the life of the search index, from creation to retirement.
 
-Owns: our index (its tables, views, triggers and `hs_search_*` keys, see hermes_state_common), which
-index answers a search and how whole it is (`_index_state`), finding and repairing what another
-program changed in it, moving our older releases' index off hermes-agent's names and our layouts
-forward, backfills and rebuilds, the CJK side index's queue and bounds, holding the triggers back
-for a bulk insert, degrading on runtimes without FTS5 or the trigram tokenizer, `optimize_fts`,
-optimize-storage (the only path from hermes-agent's index to ours), hermes-agent's own probe of an
-index its optimize-storage would upgrade, and the search facts `doctor` reports.
+Owns: the store's index (hermes-agent 0.22's layout 3, `messages_fts` and `messages_fts_trigram`
+with their views, triggers and `fts_*` keys, and our CJK side index under `hs_` names and
+`hs_search_*` keys; see hermes_state_common), which index answers a search and how whole it is
+(`_index_state`), finding and repairing what another program changed in it, moving every other
+layout (ours of layouts 1-3, hermes-agent 0.20's, ours before layout 1) to it at open in chunks,
+backfills and rebuilds, the CJK side index's queue and bounds, holding the triggers back for a bulk
+insert, degrading on runtimes without FTS5 or the trigram tokenizer, `optimize_fts`,
+optimize-storage (the only path from hermes-agent 0.19's inline index to layout 3), hermes-agent's
+own probe of an index its optimize-storage would upgrade, and the search facts `doctor` reports.
 
 It never parses or runs a search (SessionSearchMixin does, and calls `_read_objects`, `_index_state`
-and `_mark_index_stale` here through `self`). It never changes hermes-agent's index objects or keys,
-except to drop the triggers this runtime cannot run (as hermes-agent itself does) and when
-optimize-storage retires its index, and never builds our index over a usable one of hermes-agent's
-on open. It relies on SessionDB for `_execute_write`, `_read_all`/`_read_one`/`_read_value`,
+and `_mark_index_stale` here through `self`). It never changes hermes-agent 0.19's inline index on
+open (0.22 keeps it too, until optimize-storage), except to drop the triggers this runtime cannot
+run (as hermes-agent itself does).
+
+It relies on SessionDB for `_execute_write`, `_read_all`/`_read_one`/`_read_value`,
 `_with_fresh_reader`, `_commits`, `_cjk_drained`, `fts_caps`, `read_only`, `db_path`, `policy` and
-`_checkpoint` (optimize-storage checkpoints between its chunks), and on
-SessionMaintenanceMixin for `vacuum()` (after optimize-storage), all through `self`; it never
-imports another mixin or hermes_state. SessionDB calls `_init_search` at a writable open and
-`_maintain_search` at the end of each write; SessionPortabilityMixin calls
-`_hold_back_index_triggers` and `_index_held_back_rows` around a bulk import;
-`_schema_version_held_back` is the named hook SessionSchemaMixin's version stamp asks (this class
-comes before that mixin in SessionDB's bases, so its answer wins).
+`_checkpoint` (optimize-storage checkpoints between its chunks), and on SessionMaintenanceMixin for
+`vacuum()` (after optimize-storage), all through `self`; it never imports another mixin or
+hermes_state. SessionDB calls `_init_search` at a writable open and `_maintain_search` at the end of
+each write; SessionPortabilityMixin calls `_hold_back_index_triggers` and `_index_held_back_rows`
+around a bulk import; `_schema_version_held_back` is the named hook SessionSchemaMixin's version
+stamp asks (this class comes before that mixin in SessionDB's bases, so its answer wins).
 """
 import functools
 import itertools
 import logging
 import shutil
 import sqlite3
+import time
 from collections import namedtuple
 
 from hermes_state_common import (
     CJK_BLOCK_BITS, CJK_BOUNDS_OBJECTS, CJK_GLOB, CJK_QUEUE_TABLE, DROP_TABLE_SQL,
-    FTS5_SHADOW_SUFFIXES, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS, HERMES_FTS_VIEWS,
-    HERMES_INDEX_META, LAYOUT_2_WORD_OBJECTS, META_FTS_CJK_STALE, META_FTS_REBUILD_HIGH_WATER,
-    META_FTS_REBUILD_PROGRESS, META_FTS_STALE, META_SEARCH_CJK_BOUNDS_PROGRESS,
-    META_SEARCH_HERMES_FAILED, META_SEARCH_HIGH_WATER, META_SEARCH_LAYOUT, META_SEARCH_PROGRESS,
-    META_SEARCH_STALE_PREFIX, META_SEARCH_TOOL_JSON_FROM, PREVIOUS_LAYOUT_LEFTOVERS,
-    PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES, RENAME_TABLE_SQL, RETIRED_PREFIX,
-    SEARCH_LAYOUT_VERSION, SEARCH_OBJECTS, SEARCH_TABLES, SEARCH_TRIGGERS,
-    SELECT_SCHEMA_OBJECTS_SQL, TABLE_EXISTS_SQL, TOOL_INDEX_PREFIX_CHARS, cjk_terms, placeholders,
-    quote_identifier, store_file_bytes, trigger_writes,
+    FTS5_SHADOW_SUFFIXES, FTS_STORAGE_VERSION, HERMES_FTS_TABLES, HERMES_FTS_TRIGGERS,
+    HERMES_INDEX_META, META_FTS_CJK_STALE, META_FTS_STALE, META_FTS_STORAGE_VERSION,
+    META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_HERMES_FAILED, META_SEARCH_LAYOUT,
+    META_SEARCH_STALE_PREFIX, META_SEARCH_TOOL_JSON_FROM, OLD_SEARCH_OBJECTS, ORPHAN_TRIGGER,
+    PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES, RENAME_TABLE_SQL,
+    RETIRED_PREFIX, SEARCH_LAYOUT_VERSION, SEARCH_MARKS, SEARCH_OBJECTS, SEARCH_TABLES,
+    SEARCH_TRIGGERS, SELECT_SCHEMA_OBJECTS_SQL, TABLE_EXISTS_SQL, TOOL_INDEX_PREFIX_CHARS,
+    cjk_terms, placeholders, quote_identifier, same_ddl, store_file_bytes, trigger_writes,
 )
 from hermes_state_errors import is_fts_scoped_corruption_error
 from hermes_state_schema import (
@@ -47,17 +49,17 @@ from hermes_state_schema import (
 
 logger = logging.getLogger("hermes_state")
 
-BACKFILL_CHUNK_IDS = 1000
+# Ids the first chunk of a backfill covers; later chunks are sized to take about
+# BACKFILL_CHUNK_SECONDS each (halved when one took over twice that, doubled when one took under
+# half), between 16 and 4 times this: a tool row gives layout 3's word index up to 8,192
+# characters, so 500 ids took 20-350 ms at 100,000 messages, as the rows ran.
+BACKFILL_CHUNK_IDS = 500
+BACKFILL_CHUNK_SECONDS = 0.04
 DROP_CHUNK_ROWS = 500
 CJK_DRAIN_CHUNK = 500
 # Ids a chunk of the CJK bounds' fill covers (layout 1 to 2): 50,000, a quarter CJK, held 30-80 ms
 # at 1M messages.
 CJK_BOUNDS_CHUNK_IDS = 25_000
-# A chunk of layout 2 to 3's reindex of tool rows with list content: the ids it reads (each tool
-# row's content: 8 ms at 1M messages, a quarter tool) and the rows it indexes again (25,000 of 3 KB
-# held the lock for 1.4 s).
-TOOL_LISTS_CHUNK_IDS = 25_000
-TOOL_LISTS_MAX_ROWS = 500
 # At most this many queued CJK rows are indexed in one transaction (open or maintenance), so a
 # foreign writer's backlog never means one long write lock (10,000 held it for 1.9 s on a busy
 # 2-core machine); the rest stays answerable through the queue and goes with later writes.
@@ -75,10 +77,11 @@ BULK_CHANGES = 64
 # changes fewer rows than a commit's own checkpoint waits for, so at 1M messages 500 of them left
 # 880 MB of WAL, whose one checkpoint then held our writer lock for 2 s.
 OPTIMIZE_CHECKPOINT_STEPS = 16
-# The indexes a search may use: `tables` names them, `usable` are the whole ones; `substring` is the
+# The indexes a search may use: `tables` names them, `usable` are the whole ones but for `gaps`
+# ({index: (progress, high water)}: the ids in between wait for a backfill); `substring` is the
 # retry of a query whose words found nothing, inside longer tokens; `cjk_bounded`: every CJK row's
 # block bound holds.
-IndexState = namedtuple("IndexState", "layout tables usable high_water progress cjk_pending"
+IndexState = namedtuple("IndexState", "layout tables usable gaps cjk_pending"
                                       " tool_rows substring cjk_bounded")
 
 # -- The index's SQL ------------------------------------------------------------------------------
@@ -87,20 +90,21 @@ _MAX_MESSAGE_ID_SQL = "SELECT COALESCE(MAX(id), 0) FROM messages"
 _FTS_COMMAND_SQL = "INSERT INTO {table}({table}) VALUES ('{command}')"
 # Backfill of our index, one id range (lo, hi] at a time.
 _BACKFILL_SQL = {
-    "word": "INSERT INTO hs_fts_words(rowid, content, tool_name, tool_calls)"
-            " SELECT id, content, tool_name, tool_calls FROM hs_fts_words_src"
+    "word": "INSERT INTO messages_fts(rowid, content, tool_name, tool_calls)"
+            " SELECT id, content, tool_name, tool_calls FROM messages_fts_src"
             " WHERE id > ? AND id <= ?",
-    "trigram": "INSERT INTO hs_fts_trigram(rowid, content)"
-               " SELECT id, content FROM hs_fts_trigram_src WHERE id > ? AND id <= ?",
+    "trigram": "INSERT INTO messages_fts_trigram(rowid, content, tool_name)"
+               " SELECT id, content, tool_name FROM messages_fts_trigram_src"
+               " WHERE id > ? AND id <= ?",
     "cjk": "INSERT OR IGNORE INTO hs_fts_cjk_queue(id) SELECT id FROM messages"
            f" WHERE id > ? AND id <= ? AND role <> 'tool' AND content GLOB {CJK_GLOB}",
 }
 # Emptying one index of ours before it is filled again.
 _RESET_INDEX_SQL = {
-    "word": ("INSERT INTO hs_fts_words(hs_fts_words) VALUES ('delete-all')",),
-    "trigram": ("INSERT INTO hs_fts_trigram(hs_fts_trigram) VALUES ('delete-all')",),
     "cjk": ("DELETE FROM hs_fts_cjk", "DELETE FROM hs_fts_cjk_queue"),
 }
+# The backfill pairs, hermes-agent's (word, trigram) first.
+_MARK_PAIRS = tuple(dict.fromkeys(SEARCH_MARKS.values()))
 
 
 
@@ -115,13 +119,10 @@ def _schema_objects(conn):
     return {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
 
 
-def _same_sql(stored, wanted):
-    return stored is not None and stored.split() == wanted.split()
-
-
-def _has_ours(objects):
-    """True if any table or view of our index is there (the rest, if missing, is repaired)."""
-    return any(name in objects for index in SEARCH_OBJECTS for name in SEARCH_OBJECTS[index])
+def _ours(objects, index):
+    """True if the table of `index` is there as this layout makes it."""
+    table = SEARCH_TABLES[index]
+    return same_ddl(objects.get(table, (None, None))[1], SEARCH_OBJECTS[index][table])
 
 
 def _stale_key(index):
@@ -192,6 +193,20 @@ def _empty_unreadable_structure(conn, table, db_path):
         return True
 
 
+def _create(conn, objects, name, ddl, db_path):
+    """Run `ddl`, which makes `name`: an FTS5 table's shadow tables a recovery kept without their
+    table (they would block the CREATE) are dropped first."""
+    if ddl.startswith("CREATE VIRTUAL"):
+        shadows = [f"{name}_{suffix}" for suffix in FTS5_SHADOW_SUFFIXES
+                   if f"{name}_{suffix}" in objects]
+        for shadow in shadows:
+            _drop(conn, "table", shadow)
+        if shadows:
+            logger.warning("search: dropped %s of %s, kept without their table %s",
+                           ", ".join(shadows), db_path, name)
+    conn.execute(ddl)
+
+
 def drain_cjk_queue(conn, limit=CJK_DRAIN_CHUNK):
     """Index up to `limit` queued rows into our CJK index and raise their blocks' bounds; returns
     how many."""
@@ -248,16 +263,24 @@ class SessionSearchIndexMixin:
         """Without FTS5 the store keeps its schema version (docs/search.md, "Degraded runtimes")."""
         return not self.fts_caps.fts5
 
-    def _apply_search_schema(self, conn):
+    def _apply_search_schema(self, conn, optimize=False):
         objects = _schema_objects(conn)
         moved = self.fts_caps.fts5 and self._move_previous_layout(conn, objects)
         self._drop_hermes_triggers_not_runnable(conn, _schema_objects(conn))
         objects = _schema_objects(conn)
         started = False
-        if not _has_ours(objects):
-            if not self.fts_caps.fts5 or (not moved and self._hermes_index_serves(conn, objects)):
+        foreign = self._foreign_tables(objects)
+        if foreign or SEARCH_TABLES["word"] not in objects:
+            if not self.fts_caps.fts5:
+                _drop_writers(conn, objects, set(OLD_SEARCH_OBJECTS))  # they would fail every write
                 return False
-            started = self._create_search_index(conn)
+            if not (moved or optimize) and self._keeps_hermes_index(conn, objects):
+                return False
+            started = self._move_to_layout(conn, objects, foreign)
+            objects = _schema_objects(conn)
+        if self.fts_caps.fts5 and SEARCH_TABLES["cjk"] not in objects:
+            # A store hermes-agent indexed: its two indexes stay, ours is added beside them.
+            started = self._create_search_index(conn, ["cjk"]) or started
             objects = _schema_objects(conn)
         return self._repair_search_index(conn, objects) or started or moved
 
@@ -310,43 +333,103 @@ class SessionSearchIndexMixin:
                         " (this runtime cannot run them)",
                         index, self.db_path)
 
-    def _hermes_index_serves(self, conn, objects):
-        """True if hermes-agent's word index is whole enough to answer searches here."""
-        return HERMES_FTS_TABLES["word"] in objects \
+    def _keeps_hermes_index(self, conn, objects):
+        """True if the store keeps hermes-agent 0.19's inline index (0.22 keeps it until its
+        optimize-storage too): whole enough to answer searches, and no index of ours to move."""
+        return fts_layout_of(objects.get(HERMES_FTS_TABLES["word"], (None, None))[1]) == "legacy" \
             and all(n in objects for n in HERMES_FTS_TRIGGERS["word"]) \
             and not read_meta(conn, META_FTS_STALE) \
-            and not read_meta(conn, META_SEARCH_HERMES_FAILED)
+            and not read_meta(conn, META_SEARCH_HERMES_FAILED) \
+            and not any(table in objects for table in OLD_SEARCH_OBJECTS)
 
-    def _create_search_index(self, conn):
-        """Our index, empty, with every existing row pending a chunked backfill."""
-        for index in self._buildable():
-            for ddl in (*SEARCH_OBJECTS[index].values(), *SEARCH_TRIGGERS[index].values()):
-                conn.execute(ddl)
-        for key in [_stale_key(index) for index in SEARCH_TABLES] + [META_SEARCH_HERMES_FAILED]:
-            write_meta(conn, key, None)
+    def _foreign_tables(self, objects):
+        """The word and trigram index tables here that are not this layout's (ours of layouts 1-3,
+        hermes-agent's older ones): set aside by a move. A trigram table only where its tokenizer
+        is here (SQLite needs it to rename the table)."""
+        found = []
+        for index, old in (("word", "hs_fts_words"), ("trigram", "hs_fts_trigram")):
+            if index == "trigram" and not self.fts_caps.trigram:
+                continue
+            table = SEARCH_TABLES[index]
+            found += [old] if old in objects else []
+            found += [table] if table in objects and not _ours(objects, index) else []
+        return found
+
+    def _move_to_layout(self, conn, objects, foreign):
+        """Set `foreign` aside (with every trigger writing to them and our old views), make this
+        layout's word and trigram indexes and start their backfill in chunks (fts_rebuild_step);
+        True if rows wait for it. Searches meanwhile read the rows not yet indexed by the
+        fallback."""
+        if foreign:
+            _retire(conn, objects, foreign)
+            for table, (view, *_triggers) in OLD_SEARCH_OBJECTS.items():
+                if view in objects:
+                    _drop(conn, "view", view)
+            # The keys described the index set aside; the new one's are written as it fills.
+            for key in HERMES_INDEX_META + (META_SEARCH_TOOL_JSON_FROM,):
+                write_meta(conn, key, None)
+            logger.info("search: set aside the index of %s (%s); filling hermes-agent's layout %d"
+                        " in its place", self.db_path, ", ".join(foreign), FTS_STORAGE_VERSION)
+        return self._create_search_index(conn, ["word", "trigram"])
+
+    def _create_search_index(self, conn, indexes):
+        """Make what is missing of `indexes` (those this runtime can keep), with every existing row
+        pending their chunked backfill; True if rows wait for it."""
+        objects = _schema_objects(conn)
+        indexes = [index for index in self._buildable()
+                   if index in indexes and SEARCH_TABLES[index] not in objects]
+        for index in indexes:
+            for name, ddl in (*SEARCH_OBJECTS[index].items(), *SEARCH_TRIGGERS[index].items()):
+                kind, sql = objects.get(name, (None, None))
+                if not same_ddl(sql, ddl):
+                    if kind is not None:
+                        _drop(conn, kind, name)  # a view or trigger of another layout
+                    _create(conn, objects, name, ddl, self.db_path)
+            write_meta(conn, _stale_key(index), None)
+        write_meta(conn, META_SEARCH_HERMES_FAILED, None)
         write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
+        return self._start_backfill(conn, indexes)
+
+    def _start_backfill(self, conn, indexes):
+        """Every row now pending the backfill of `indexes` (each pair of marks they test); True if
+        there are rows."""
         high_water = conn.execute(_MAX_MESSAGE_ID_SQL).fetchone()[0]
-        if high_water:
-            write_meta(conn, META_SEARCH_HIGH_WATER, str(high_water))
-            write_meta(conn, META_SEARCH_PROGRESS, "0")
+        if "cjk" in indexes:
+            conn.execute(_RESET_INDEX_SQL["cjk"][1])  # the queue: every row is refilled
+        for high_key, progress_key in {SEARCH_MARKS[index] for index in indexes}:
+            write_meta(conn, high_key, str(high_water) if high_water else None)
+            write_meta(conn, progress_key, "0" if high_water else None)
+        if set(indexes) & {"word", "trigram"}:
+            self._stamp_storage_version(conn)
         return bool(high_water)
 
+    def _stamp_storage_version(self, conn):
+        """hermes-agent's fts_storage_version of a whole layout 3 index (0.22 stamps it when its
+        backfill is done; 0.20 writes 1 over it, harmlessly); written only when it changes."""
+        if read_meta(conn, SEARCH_MARKS["word"][0]) is None \
+                and read_meta(conn, META_FTS_STORAGE_VERSION) != str(FTS_STORAGE_VERSION):
+            write_meta(conn, META_FTS_STORAGE_VERSION, str(FTS_STORAGE_VERSION))
+
     def _repair_search_index(self, conn, objects):
-        """Put back what someone else changed in our index (stamp, objects), drop the triggers of an
-        index this runtime cannot keep, rebuild every one not whole; True if a backfill, the CJK
-        bounds' fill or the reindex of layout 2's tool rows is due."""
+        """Put back what someone else changed in the index (stamp, objects), drop the triggers of an
+        index this runtime cannot keep, rebuild every one not whole; True if a backfill or the CJK
+        bounds' fill is due."""
         layout = read_meta(conn, META_SEARCH_LAYOUT)
         if layout == "1" and self._add_cjk_bounds(conn, objects):
             objects = _schema_objects(conn)
-        if layout in ("1", "2"):
-            self._move_word_index_to_layout_3(conn, objects)
-            objects = _schema_objects(conn)
+        if layout in ("1", "2", "3") or (layout is None and SEARCH_TABLES["cjk"] not in objects):
+            # Older layouts' word and trigram indexes were moved (_move_to_layout); a store
+            # hermes-agent indexed has no stamp of ours yet.
+            write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
         if read_meta(conn, META_SEARCH_LAYOUT) != str(SEARCH_LAYOUT_VERSION):
             logger.warning("search: the layout stamp of our index in %s was changed;"
                            " rebuilding the index",
                            self.db_path)
             write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
             for index in SEARCH_TABLES:
+                write_meta(conn, _stale_key(index), "1")
+        if read_meta(conn, META_FTS_STALE):  # hermes-agent detached its two (corruption)
+            for index in ("word", "trigram"):
                 write_meta(conn, _stale_key(index), "1")
         buildable = self._buildable()
         for index in SEARCH_TABLES:
@@ -364,9 +447,13 @@ class SessionSearchIndexMixin:
             if changed:
                 # Rows written while it was not kept are missing from it.
                 write_meta(conn, _stale_key(index), "1")
-        filling = any(read_meta(conn, key) is not None
-                      for key in (META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_TOOL_JSON_FROM))
-        return self._rebuild_stale_indexes(conn) or filling
+        # A fill another open began (and did not finish) goes on from where it stopped.
+        filling = any(read_meta(conn, key) is not None for key in
+                      (META_SEARCH_CJK_BOUNDS_PROGRESS, *[high for high, _ in _MARK_PAIRS]))
+        started = self._rebuild_stale_indexes(conn)
+        if self.fts_caps.fts5 and _ours(_schema_objects(conn), "word"):
+            self._stamp_storage_version(conn)
+        return started or filling
 
     def _add_cjk_bounds(self, conn, objects):
         """Layout 1 to 2 without a rebuild: the CJK bounds and the triggers that raise them, filled
@@ -378,51 +465,30 @@ class SessionSearchIndexMixin:
         ddl = {**SEARCH_OBJECTS["cjk"], **SEARCH_TRIGGERS["cjk"]}
         for name in CJK_BOUNDS_OBJECTS:  # layout 1's triggers raise no bound
             kind, sql = _schema_objects(conn).get(name, (None, None))
-            if kind and not _same_sql(sql, ddl[name]):
+            if kind and not same_ddl(sql, ddl[name]):
                 _drop(conn, kind, name)
-            if not _same_sql(sql, ddl[name]):
+            if not same_ddl(sql, ddl[name]):
                 conn.execute(ddl[name])
         write_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS, "0")
         logger.info("search: adding the CJK bounds of layout %d to %s", SEARCH_LAYOUT_VERSION,
                     self.db_path)
         return True
 
-    def _move_word_index_to_layout_3(self, conn, objects):
-        """Layout 2 to 3 without a rebuild: the word index's view and triggers as layout 2 made them
-        are replaced; tool rows written from now on have their list content indexed, the older ones
-        keep the empty text layout 2 gave them (as a delete must) until _reindex_tool_lists reaches
-        them."""
-        write_meta(conn, META_SEARCH_LAYOUT, str(SEARCH_LAYOUT_VERSION))
-        old = [name for name, ddl in LAYOUT_2_WORD_OBJECTS.items()
-               if _same_sql(objects.get(name, (None, None))[1], ddl)]
-        if "word" not in self._buildable() or SEARCH_TABLES["word"] not in objects or not old:
-            return  # the repair rebuilds or drops it
-        next_id = conn.execute(_MAX_MESSAGE_ID_SQL).fetchone()[0] + 1
-        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, str(next_id))
-        ddl = {**SEARCH_OBJECTS["word"], **SEARCH_TRIGGERS["word"]}
-        for name in old:
-            _drop(conn, objects[name][0], name)
-            conn.execute(ddl[name])
-        logger.info("search: the word index of %s holds tool rows' list content from message %d on"
-                    " (layout %d)",
-                    self.db_path, next_id, SEARCH_LAYOUT_VERSION)
-
     def _restore_objects(self, conn, index, objects, expected):
         """Create each object of `index` that is missing or differs from ours; their names."""
         changed = []
         for name, ddl in (*SEARCH_OBJECTS[index].items(), *SEARCH_TRIGGERS[index].items()):
             kind, sql = objects.get(name, (None, None))
-            if _same_sql(sql, ddl):
+            if same_ddl(sql, ddl):
                 continue
             if kind is not None:
                 _drop(conn, kind, name)
-            elif ddl.startswith("CREATE VIRTUAL"):
-                # Shadow tables a recovery kept without their table would block the CREATE.
-                for shadow in (f"{name}_{suffix}" for suffix in FTS5_SHADOW_SUFFIXES):
-                    if shadow in objects:
-                        _drop(conn, "table", shadow)
-            conn.execute(ddl)
-            changed.append(name)
+            _create(conn, objects, name, ddl, self.db_path)
+            if name == ORPHAN_TRIGGER and kind is None:
+                # hermes-agent's store has none; its own deletes take the rows out first.
+                logger.info("search: added %s to %s", name, self.db_path)
+            else:
+                changed.append(name)
         if changed:
             logger.log(logging.INFO if expected else logging.WARNING,
                        "search: restored %s of our index in %s",
@@ -430,16 +496,17 @@ class SessionSearchIndexMixin:
         return changed
 
     def _rebuild_stale_indexes(self, conn):
-        """Refill every index from the start when one is not whole; True if that started a backfill.
+        """Refill an index from the start when it is not whole; True if that started a backfill.
 
-        Every index shares the backfill's predicate, so all are refilled, in chunks
+        Indexes sharing a backfill pair (hermes-agent's two) are refilled together, in chunks
         (fts_rebuild_step). Emptying a filled index in place rewrites every page of it in this one
         transaction (3-5 s at 1M messages): it is set aside instead, and dropped in chunks once the
         backfill is done."""
         stale = [index for index in self._buildable() if read_meta(conn, _stale_key(index))]
         if not stale:
             return False
-        indexes = list(self._buildable())
+        pairs = {SEARCH_MARKS[index] for index in stale}
+        indexes = [index for index in self._buildable() if SEARCH_MARKS[index] in pairs]
         objects = _schema_objects(conn)
         _retire(conn, objects,
                 [SEARCH_TABLES[index] for index in indexes if SEARCH_TABLES[index] in objects])
@@ -448,14 +515,11 @@ class SessionSearchIndexMixin:
             for name, ddl in (*SEARCH_OBJECTS[index].items(), *SEARCH_TRIGGERS[index].items()):
                 if name not in objects:
                     conn.execute(ddl)
-        conn.execute(_RESET_INDEX_SQL["cjk"][1])  # the queue: every row is refilled
-        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, None)  # and each with this layout's cut
-        high_water = conn.execute(_MAX_MESSAGE_ID_SQL).fetchone()[0]
-        write_meta(conn, META_SEARCH_HIGH_WATER, str(high_water or 0))
-        write_meta(conn, META_SEARCH_PROGRESS, "0")
-        for index in stale:
             write_meta(conn, _stale_key(index), None)
+        if "word" in indexes:
+            write_meta(conn, META_FTS_STALE, None)  # hermes-agent's note: rebuilt now
         logger.info("search: rebuilding the %s index of %s", "/".join(stale), self.db_path)
+        self._start_backfill(conn, indexes)
         return True
 
     def _rebuild_index(self, conn, index):
@@ -466,9 +530,6 @@ class SessionSearchIndexMixin:
             while drain_cjk_queue(conn):
                 pass
         else:
-            if index == "word":
-                # every row afresh, with this layout's cut
-                write_meta(conn, META_SEARCH_TOOL_JSON_FROM, None)
             conn.execute(_FTS_COMMAND_SQL.format(table=SEARCH_TABLES[index], command="rebuild"))
 
     def _maintain_search(self, conn, changes):
@@ -490,14 +551,15 @@ class SessionSearchIndexMixin:
         return self._index_state().layout
 
     def fts_optimize_available(self):
-        """True when optimize-storage has work: hermes-agent's index to replace by ours, or ours
-        unfinished."""
+        """True when optimize-storage has work: an index of another layout to replace (0.19's
+        inline one), or ours unfinished."""
         if not self.fts_caps.fts5 or self.read_only:
             return False
         objects = self._read_objects()
-        keys = [META_SEARCH_HIGH_WATER] + [_stale_key(index) for index in self._buildable()]
-        return SEARCH_TABLES["word"] not in objects or bool(_retired_tables(objects)) \
-            or bool(self._hermes_tables_to_retire(objects)) or any(self._read_meta(*keys).values())
+        keys = [high for high, _progress in _MARK_PAIRS] \
+            + [_stale_key(index) for index in self._buildable()]
+        return not _ours(objects, "word") or bool(_retired_tables(objects)) \
+            or bool(self._foreign_tables(objects)) or any(self._read_meta(*keys).values())
 
     @staticmethod
     def _db_needs_fts_storage_upgrade(cursor):
@@ -514,13 +576,6 @@ class SessionSearchIndexMixin:
         return (fts_layout_of(ddl.get(HERMES_FTS_TABLES["word"])) == "legacy"
                 or "tool_calls" in trigram.lower())
 
-    def _hermes_tables_to_retire(self, objects):
-        """hermes-agent's word and trigram indexes optimize-storage replaces (a trigram one only
-        where its tokenizer is here: SQLite needs it to rename or drop the table)."""
-        return [index for index in ("word", "trigram")
-                if HERMES_FTS_TABLES[index] in objects
-                and (index == "word" or self.fts_caps.trigram)]
-
     def _read_objects(self):
         """{name: (type, sql)} of sqlite_master, through a read connection."""
         return {name: (kind, sql) for kind, name, sql in self._read_all(SELECT_SCHEMA_OBJECTS_SQL)}
@@ -532,45 +587,49 @@ class SessionSearchIndexMixin:
         return {key: found.get(key) for key in keys}
 
     def _index_state(self, objects=None):
-        """Which indexes answer a search: ours when the store has it, else hermes-agent's."""
+        """Which indexes answer a search: layout 3's and ours when the store has them, else
+        hermes-agent 0.19's (or, on a read-only open, any other release's)."""
         objects = self._read_objects() if objects is None else objects
         stale = [_stale_key(index) for index in SEARCH_TABLES]
-        meta = self._read_meta(META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS,
-                               META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS,
+        meta = self._read_meta(*[key for pair in _MARK_PAIRS for key in pair],
                                META_FTS_STALE, META_SEARCH_HERMES_FAILED,
                                META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_LAYOUT, *stale)
-        if SEARCH_TABLES["word"] in objects:
+        if _ours(objects, "word"):
             layout, tables, triggers = "current", SEARCH_TABLES, SEARCH_TRIGGERS
-            marks = (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS)
+            marks = SEARCH_MARKS
             blocked = {index: meta[_stale_key(index)] for index in SEARCH_TABLES}
+            for index in ("word", "trigram"):
+                blocked[index] = blocked[index] or meta[META_FTS_STALE]
         else:
             layout = fts_layout_of(objects.get(HERMES_FTS_TABLES["word"], (None, None))[1])
             tables = {index: HERMES_FTS_TABLES[index] for index in ("word", "trigram")}
             triggers = HERMES_FTS_TRIGGERS
-            marks = (META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)
+            marks = SEARCH_MARKS  # (its triggers read hermes-agent's pair, as ours do)
             blocked = dict.fromkeys(tables, meta[META_FTS_STALE] or meta[META_SEARCH_HERMES_FAILED])
         usable = {index for index, table in tables.items()
                   if table in objects and not blocked[index]
                   and all(name in objects for name in triggers[index])
                   and self.fts_caps.fts5 and (index != "trigram" or self.fts_caps.trigram)}
-        high_water = meta[marks[0]]
+        gaps = {index: (int(meta[marks[index][1]] or 0), int(meta[marks[index][0]]))
+                for index in usable if meta[marks[index][0]]}
         pending = "cjk" in usable \
             and self._read_one("SELECT 1 FROM hs_fts_cjk_queue LIMIT 1") is not None
         # Bounds an older release left behind (its layout stamp) may miss rows it indexed since.
         bounded = layout == "current" \
-            and meta[META_SEARCH_LAYOUT] in ("2", str(SEARCH_LAYOUT_VERSION)) \
+            and meta[META_SEARCH_LAYOUT] in ("2", "3", str(SEARCH_LAYOUT_VERSION)) \
             and "hs_fts_cjk_bounds" in objects and not meta[META_SEARCH_CJK_BOUNDS_PROGRESS]
-        return IndexState(layout, tables, usable, int(high_water) if high_water else None,
-                          int(meta[marks[1]] or 0), pending, False, False, bounded)
+        return IndexState(layout, tables, usable, gaps, pending, False, False, bounded)
 
     def fts_rebuild_status(self):
-        """{pending: True, total, indexed, percent (whole, 0-100)} while the index searches use is
-        being backfilled; None otherwise."""
+        """{pending: True, total, indexed, percent (whole, 0-100)} while an index searches use is
+        being backfilled (hermes-agent's two first); None otherwise."""
         state = self._index_state()
-        if not state.high_water:
+        gap = next((state.gaps[index] for index in SEARCH_TABLES if index in state.gaps), None)
+        if gap is None:
             return None
-        return {"pending": True, "total": state.high_water, "indexed": state.progress,
-                "percent": min(100, 100 * state.progress // state.high_water)}
+        progress, high_water = gap
+        return {"pending": True, "total": high_water, "indexed": progress,
+                "percent": min(100, 100 * progress // high_water)}
 
     def _rebuild_phase(self):
         """What a backfill or an optimize still has to do, or None when nothing is pending."""
@@ -594,8 +653,7 @@ class SessionSearchIndexMixin:
             "fts_triggers_complete": {index: all(name in objects for name in triggers[index])
                                       for index, table in state.tables.items() if table in objects},
             "search_meta": self._read_meta(
-                META_SEARCH_LAYOUT, META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS,
-                META_SEARCH_CJK_BOUNDS_PROGRESS, META_SEARCH_TOOL_JSON_FROM,
+                META_SEARCH_LAYOUT, *SEARCH_MARKS["cjk"], META_SEARCH_CJK_BOUNDS_PROGRESS,
                 META_SEARCH_HERMES_FAILED, *[_stale_key(i) for i in SEARCH_TABLES]),
             "hermes_agent_meta": self._read_meta(*HERMES_INDEX_META, META_FTS_CJK_STALE),
             "fts_rebuild": self._rebuild_phase(),
@@ -605,8 +663,9 @@ class SessionSearchIndexMixin:
         }
 
     def _mark_index_stale(self, exc, state):
-        """Answer by the fallback; rebuild ours (or build ours beside hermes-agent's) at the next
-        open."""
+        """Answer by the fallback; rebuild the index (or build layout 3 beside hermes-agent 0.19's)
+        at the next open. hermes-agent's `fts_stale` says so to its releases too: they search by
+        LIKE meanwhile."""
         logger.warning("search: the index of %s failed (%s); answering by the fallback until"
                        " the next open",
                        self.db_path, exc)
@@ -614,41 +673,45 @@ class SessionSearchIndexMixin:
             return
         keys = [_stale_key(index) for index in state.usable] if state.layout == "current" \
             else [META_SEARCH_HERMES_FAILED]
+        if state.layout == "current" and state.usable & {"word", "trigram"}:
+            keys.append(META_FTS_STALE)
         self._execute_write(lambda conn: [write_meta(conn, key, "1") for key in keys])
 
     # -- bulk inserts ----------------------------------------------------------
 
     def _hold_back_index_triggers(self, conn):
-        """Inside a write, before a bulk insert of new messages (an import): hold our triggers back
-        so that _index_held_back_rows puts its rows into our indexes with one statement an index,
-        and return what it needs; None when the triggers index as usual: none of ours, an insert
-        trigger of ours not as we make it, a backfill under way. Our triggers test "id > high water
-        OR id <= progress", false for every row under a high water no id reaches; the insert
-        triggers, whose test costs twice the row's insert, are dropped. Mark and drops live only
-        inside this transaction: no other writer sees them, a rollback undoes them."""
+        """Inside a write, before a bulk insert of new messages (an import): hold the index triggers
+        back so that _index_held_back_rows puts its rows into the indexes with one statement an
+        index, and return what it needs; None when the triggers index as usual: none of this
+        layout, an insert trigger not as we make it, a backfill under way. The triggers test "id >
+        high water OR id <= progress", false for every row under a high water no id reaches; the
+        insert triggers, whose test costs twice the row's insert, are dropped. Marks and drops live
+        only inside this transaction: no other writer sees them, a rollback undoes them."""
         objects = _schema_objects(conn)
         inserts = {f"{SEARCH_TABLES[index]}_insert": index for index in SEARCH_TRIGGERS}
         held = [(index, name, objects[name][1])
                 for name, index in inserts.items() if name in objects]
+        pairs = {SEARCH_MARKS[index] for index, _name, _sql in held}
         if not held \
-                or not all(_same_sql(sql, SEARCH_TRIGGERS[index][name])
+                or not all(same_ddl(sql, SEARCH_TRIGGERS[index][name])
                            for index, name, sql in held) \
-                or read_meta(conn, META_SEARCH_HIGH_WATER) is not None \
-                or read_meta(conn, META_SEARCH_PROGRESS) is not None:
+                or any(read_meta(conn, key) is not None for pair in pairs for key in pair):
             return None
-        write_meta(conn, META_SEARCH_HIGH_WATER, UNREACHED_HIGH_WATER)
+        for high_key, _progress_key in pairs:
+            write_meta(conn, high_key, UNREACHED_HIGH_WATER)
         for _index, name, _sql in held:
             conn.execute(f"DROP TRIGGER {name}")
         return held, conn.execute(_MAX_MESSAGE_ID_SQL).fetchone()[0]
 
     def _index_held_back_rows(self, conn, held):
-        """Inside the same write, after the bulk insert: take the mark back, make the triggers again
-        (stored text) and put every row past the insert's first id into their indexes, as they would
-        have (CJK: by its queue)."""
+        """Inside the same write, after the bulk insert: take the marks back, make the triggers
+        again (stored text) and put every row past the insert's first id into their indexes, as
+        they would have (CJK: by its queue)."""
         if held is None:
             return
         triggers, after = held
-        write_meta(conn, META_SEARCH_HIGH_WATER, None)
+        for index, _name, _sql in triggers:
+            write_meta(conn, SEARCH_MARKS[index][0], None)
         last = conn.execute(_MAX_MESSAGE_ID_SQL).fetchone()[0]
         for index, _name, sql in triggers:
             conn.execute(sql)
@@ -657,15 +720,18 @@ class SessionSearchIndexMixin:
     # -- maintenance -----------------------------------------------------------
 
     def fts_rebuild_step(self):
-        """Do one short transaction of pending index work (backfill, CJK bounds, layout 2's tool
-        rows, CJK queue, teardown); True while more remains."""
+        """Do one short transaction of pending index work (a backfill, CJK bounds, CJK queue,
+        teardown); True while more remains."""
         return self._execute_write(self._rebuild_step)
 
     def _rebuild_step(self, conn):
         objects = _schema_objects(conn)
-        if SEARCH_TABLES["word"] in objects and read_meta(conn, META_SEARCH_HIGH_WATER) is not None:
-            self._backfill_chunk(conn, objects)
-            return True
+        for pair in _MARK_PAIRS:
+            indexes = [index for index in self._buildable()
+                       if SEARCH_MARKS[index] == pair and _ours(objects, index)]
+            if indexes and read_meta(conn, pair[0]) is not None:
+                self._backfill_chunk(conn, indexes, pair)
+                return True
         bounded = read_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS)
         if bounded is not None:
             lower, upper = int(bounded), int(bounded) + CJK_BOUNDS_CHUNK_IDS
@@ -683,10 +749,6 @@ WHERE c.rowid > ? AND c.rowid <= ? AND m.timestamp IS NOT NULL GROUP BY 1
 ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)""", (lower, upper))
             write_meta(conn, META_SEARCH_CJK_BOUNDS_PROGRESS, str(upper) if more else None)
             return True
-        listed = read_meta(conn, META_SEARCH_TOOL_JSON_FROM)
-        if listed is not None and "word" in self._buildable() and SEARCH_TABLES["word"] in objects:
-            self._reindex_tool_lists(conn, int(listed))
-            return True
         if CJK_QUEUE_TABLE in objects and self.fts_caps.fts5 and drain_cjk_queue(conn):
             self._cjk_drained = True  # this transaction's share: _maintain_search adds none
             return True
@@ -696,37 +758,27 @@ ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)""", (lowe
             return True
         return False
 
-    def _reindex_tool_lists(self, conn, below):
-        """Layout 2 to 3, one chunk under `below` (META_SEARCH_TOOL_JSON_FROM): the newest
-        TOOL_LISTS_MAX_ROWS tool rows with list content of TOOL_LISTS_CHUNK_IDS ids go into the word
-        index with it; the key comes down past them (it goes below the first id)."""
-        top = conn.execute("SELECT MAX(id) FROM messages WHERE id < ?", (below,)).fetchone()[0]
-        lower = max(0, top + 1 - TOOL_LISTS_CHUNK_IDS) if top is not None else 0
-        tool_lists = ("SELECT id FROM messages WHERE id >= ? AND id < ? AND role = 'tool'"
-                      " AND content >= char(0) AND content < char(1) ORDER BY id DESC LIMIT ?")
-        ids = [found for (found,) in conn.execute(tool_lists, (lower, below, TOOL_LISTS_MAX_ROWS))]
-        listed = placeholders(len(ids))
-        if ids:  # each out of the word index with the '' layout 2 gave it
-            conn.execute("INSERT INTO hs_fts_words(hs_fts_words, rowid, content, tool_name,"
-                         " tool_calls) SELECT 'delete', id, '', tool_name, tool_calls FROM messages"
-                         f" WHERE id IN ({listed})", ids)
-        done = ids[-1] if len(ids) == TOOL_LISTS_MAX_ROWS else lower
-        write_meta(conn, META_SEARCH_TOOL_JSON_FROM, str(done) if done else None)
-        if ids:  # the view now gives them their content
-            conn.execute("INSERT INTO hs_fts_words(rowid, content, tool_name, tool_calls)"
-                         " SELECT id, content, tool_name, tool_calls FROM hs_fts_words_src"
-                         f" WHERE id IN ({listed})", ids)
-
-    def _backfill_chunk(self, conn, objects):
-        high_water = int(read_meta(conn, META_SEARCH_HIGH_WATER))
-        progress = int(read_meta(conn, META_SEARCH_PROGRESS) or 0)
-        upper = min(progress + BACKFILL_CHUNK_IDS, high_water)
-        for index in self._buildable():
-            if SEARCH_TABLES[index] in objects:
-                conn.execute(_BACKFILL_SQL[index], (progress, upper))
+    def _backfill_chunk(self, conn, indexes, pair):
+        """The next chunk of ids into `indexes`, which test the marks `pair`."""
+        high_key, progress_key = pair
+        high_water = int(read_meta(conn, high_key))
+        progress = int(read_meta(conn, progress_key) or 0)
+        size = self.__dict__.get("_backfill_ids", BACKFILL_CHUNK_IDS)
+        upper = min(progress + size, high_water)
+        start = time.monotonic()
+        for index in indexes:
+            conn.execute(_BACKFILL_SQL[index], (progress, upper))
+        took = time.monotonic() - start
+        if took > 2 * BACKFILL_CHUNK_SECONDS:
+            size = max(16, size // 2)
+        elif took < BACKFILL_CHUNK_SECONDS / 2:
+            size = min(4 * BACKFILL_CHUNK_IDS, size * 2)
+        self._backfill_ids = size
         if upper >= high_water:
-            write_meta(conn, META_SEARCH_HIGH_WATER, None)
-        write_meta(conn, META_SEARCH_PROGRESS, None if upper >= high_water else str(upper))
+            write_meta(conn, high_key, None)
+        write_meta(conn, progress_key, None if upper >= high_water else str(upper))
+        if upper >= high_water and "word" in indexes:
+            self._stamp_storage_version(conn)
 
     def rebuild_fts(self):
         """Rebuild the indexes searches use (ours, else hermes-agent's) from the messages; returns
@@ -749,15 +801,16 @@ ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)""", (lowe
             if state.layout == "current":
                 for index in indexes:
                     self._rebuild_index(conn, index)
-                for key in (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS,
-                            *map(_stale_key, SEARCH_TABLES)):
+                # A whole index has no backfill left (its triggers read the marks).
+                for key in (*[key for index in indexes for key in SEARCH_MARKS[index]],
+                            *map(_stale_key, indexes), META_FTS_STALE):
                     write_meta(conn, key, None)
+                self._stamp_storage_version(conn)
                 return
             for index in indexes:
                 conn.execute(_FTS_COMMAND_SQL.format(table=state.tables[index], command="rebuild"))
-            # A whole index has no backfill left; hermes-agent's triggers read these markers.
-            write_meta(conn, META_FTS_REBUILD_HIGH_WATER, None)
-            write_meta(conn, META_FTS_REBUILD_PROGRESS, None)
+            for key in SEARCH_MARKS["word"]:  # hermes-agent's triggers read them
+                write_meta(conn, key, None)
         self._execute_write(rebuild)
         return len(indexes)
 
@@ -845,26 +898,9 @@ ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)""", (lowe
         return more
 
     def _begin_optimize(self, conn):
-        """Set hermes-agent's word and trigram indexes aside (their triggers, views and
-        keys with them), then make ours whole, in one transaction."""
-        objects = _schema_objects(conn)
-        theirs = self._hermes_tables_to_retire(objects)
-        for index in theirs:
-            for name in HERMES_FTS_TRIGGERS[index] + (HERMES_FTS_VIEWS[index],):
-                if name in objects and objects[name][0] != "table":
-                    _drop(conn, objects[name][0], name)
-        if theirs:
-            theirs = [HERMES_FTS_TABLES[index] for index in theirs]
-            _retire(conn, _schema_objects(conn), theirs)
-            for key in HERMES_INDEX_META:
-                write_meta(conn, key, None)
-            logger.info("search: optimize-storage set hermes-agent's index of %s aside (%s)",
-                        self.db_path, ", ".join(theirs))
-        objects = _schema_objects(conn)
-        if not _has_ours(objects):
-            self._create_search_index(conn)
-            objects = _schema_objects(conn)
-        self._repair_search_index(conn, objects)
+        """Set every index of another layout aside, hermes-agent 0.19's included, and start
+        filling layout 3's (and ours), in one transaction."""
+        self._apply_search_schema(conn, optimize=True)
 
     def _disk_shortfall(self, vacuum):
         """Why the disk is too small for optimize-storage, or None."""

@@ -19,8 +19,9 @@ import unicodedata
 from collections import namedtuple
 
 from hermes_state_common import (
-    CJK_BLOCK_BITS, CJK_CHAR_CLASS, CONTENT_JSON_PREFIX, CONTEXT_CHARS, QUERY_MAX_CHARS,
-    QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content, escape_like, sqlite_keeps,
+    CJK_BLOCK_BITS, CJK_CHAR_CLASS, CONTENT_JSON_PREFIX, CONTEXT_CHARS,
+    FTS_TRIGRAM_EXCLUDED_SOURCES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content,
+    escape_like, sqlite_keeps,
 )
 # Tests import these from here, where search kept them before the index's life moved out.
 from hermes_state_common import cjk_terms  # noqa: F401
@@ -35,6 +36,10 @@ SEARCH_RESULT_FIELDS = (
     "id", "session_id", "role", "snippet", "timestamp", "tool_name", "source", "model",
     "session_started", "context",
 )
+
+# How search_messages reads a query: hermes-agent's way (a query holding CJK it scans means any of
+# its terms, operators aside), or as written for every term.
+GRAMMAR_HERMES, GRAMMAR_BOOLEAN = "hermes-agent", "boolean"
 
 CJK_RE = re.compile(f"[{CJK_CHAR_CLASS}]")
 # Characters that part a user's word, as hermes-agent's sanitiser parts it (`\`, `%` and `_` stay:
@@ -52,7 +57,7 @@ Term = namedtuple("Term", "text prefix")
 
 class _Binds(dict):
     """One search statement's values by name. The page's are set as keys (`match`, `limit`,
-    `offset`, `progress`, `high_water`, `floor`); `add` files a value of the filters or of one
+    `offset`, `floor`); `add` files a value of the filters or of one
     tree term under a new numbered name and returns the placeholder the SQL writes (`:like_3`)."""
 
     def add(self, stem, value):
@@ -337,10 +342,11 @@ def _leaf_sql(term, index, state, binds):
     if index != "word":
         sql = f"{_NOT_TOOL_ROW_SQL} AND {sql}"
     unindexed = []  # rows this index does not hold yet, for the fallback to test
-    if state.high_water is not None:
-        # Rows a backfill has not reached yet are in no index of this layout.
-        binds.update(progress=state.progress, high_water=state.high_water)
-        unindexed.append("m.id > :progress AND m.id <= :high_water")
+    if index in state.gaps:
+        # Rows its backfill has not reached yet.
+        progress, high_water = state.gaps[index]
+        unindexed.append(f"m.id > {binds.add('progress', progress)}"
+                         f" AND m.id <= {binds.add('high_water', high_water)}")
     if index == "cjk" and state.cjk_pending:
         unindexed.append("m.id IN (SELECT id FROM hs_fts_cjk_queue)")
     if unindexed:
@@ -353,7 +359,7 @@ def _matched_alone(term, index, state):
     """True when `term`'s index alone gives its ids: False for the fallback, a backfill or CJK
     queue not indexed yet, or a hermes-agent index that may hold tool rows (ours never do but in
     the word index)."""
-    return not (index is None or state.high_water is not None
+    return not (index is None or index in state.gaps
                 or (index == "cjk" and state.cjk_pending)
                 or (index != "word" and state.layout != "current"))
 
@@ -460,7 +466,7 @@ class SessionSearchMixin:
 
     def search_messages(self, query, source_filter=None, exclude_sources=None, role_filter=None,
                         limit=20, offset=0, sort=None, include_inactive=False, fields=None,
-                        after_ts=None, before_ts=None):
+                        after_ts=None, before_ts=None, *, grammar=GRAMMAR_HERMES):
         """Messages matching `query`, best first (bm25) unless `sort` is 'newest' or 'oldest';
         [] for no query.
 
@@ -474,10 +480,15 @@ class SessionSearchMixin:
         'hidden') always; compacted ones are found. An unknown sort means relevance; `limit` and
         `offset` go to SQLite as they are (a negative limit is no limit). `after_ts` (inclusive)
         and `before_ts` (exclusive), whole epoch seconds as hermes-agent 0.22 takes them, bound the
-        start of a hit's session on every route, so the page is filled by hits in the window. A
-        string `fields` raises TypeError, an unknown field or a bound that is not a whole number
-        ValueError."""
+        start of a hit's session on every route, so the page is filled by hits in the window.
+        `grammar` GRAMMAR_BOOLEAN reads every query as written, whatever the script of its terms
+        (implicit AND, OR, NOT, phrases, prefixes): no scan's any-term reading, so a NOT never adds
+        a hit. A string `fields` raises TypeError, an unknown field, grammar or a bound that is not
+        a whole number ValueError."""
         fields = search_fields(fields)
+        if grammar not in (GRAMMAR_HERMES, GRAMMAR_BOOLEAN):
+            raise ValueError(f"grammar must be {GRAMMAR_HERMES!r} or {GRAMMAR_BOOLEAN!r},"
+                             f" not {grammar!r}")
         if not query or not query.strip():
             return []
         tree = parse_query(query)
@@ -499,7 +510,10 @@ class SessionSearchMixin:
         if "tool" in roles:
             # Tool rows are only whole in the fallback.
             state = state._replace(usable=set(), tool_rows=True)
-        scans = hermes_scans(tree, state)
+        elif set(_as_list(source_filter) or ()) & set(FTS_TRIGRAM_EXCLUDED_SOURCES):
+            # Sessions the trigram index leaves out, asked for: their CJK by the fallback (0.22).
+            state = state._replace(usable=state.usable - {"trigram"})
+        scans = grammar == GRAMMAR_HERMES and hermes_scans(tree, state)
         if scans:
             tree, sort = ("or", [("term", term) for term in _leaves(tree)]), "newest"
         search = (tree, filters, filter_binds, sort, limit, offset)
@@ -525,7 +539,7 @@ class SessionSearchMixin:
         routes = {term: _route(term, state) for term in _leaves(tree)}
         indexes = set(routes.values())
         binds = _Binds(filter_binds, limit=limit, offset=offset)
-        single = (len(indexes) == 1 and None not in indexes and state.high_water is None
+        single = (len(indexes) == 1 and None not in indexes and not indexes & set(state.gaps)
                   and not (indexes == {"cjk"} and state.cjk_pending))
         if not single:
             where = _tree_sql(tree, routes, state, binds)

@@ -386,10 +386,10 @@ class ASchemaChangedBehindAnOpenStore(TempDirTestCase):
             other = sqlite3.connect(str(path))
             triggers = [name for (name,) in other.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'trigger'"
-                " AND name LIKE 'hs_fts_words%'")]
+                " AND name LIKE 'messages_fts%'")]
             for name in triggers:
                 other.execute(f"DROP TRIGGER {name}")
-            other.execute("DROP TABLE hs_fts_words")
+            other.execute("DROP TABLE messages_fts")
             other.commit()
             other.close()
             self.assertEqual([hit["session_id"] for hit in db.search_messages("quokka")], ["s"])

@@ -42,8 +42,9 @@ def index_contents(path):
         if "cjk" in INDEX_TABLES:
             contents["cjk"] = sorted(conn.execute("SELECT rowid, terms FROM hs_fts_cjk").fetchall() + [
                 (id_, None) for (id_,) in conn.execute("SELECT id FROM hs_fts_cjk_queue")])
-        contents["marks"] = conn.execute("SELECT key, value FROM state_meta WHERE key IN "
-                                         "('hs_search_high_water', 'hs_search_progress') ORDER BY key").fetchall()
+        contents["marks"] = conn.execute(
+            "SELECT key, value FROM state_meta WHERE key IN ('hs_search_high_water', 'hs_search_progress',"
+            " 'fts_rebuild_high_water', 'fts_rebuild_progress') ORDER BY key").fetchall()
         return contents
     finally:
         conn.close()
@@ -133,7 +134,7 @@ class ImportedRowsAreIndexed(StoreTestCase):
             return self.raw(self.path).execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger' "
                                                "ORDER BY name").fetchall()
         before = triggers()
-        self.assertEqual("hs_fts_words_insert" in dict(before), "word" in INDEX_TABLES)
+        self.assertEqual("messages_fts_insert" in dict(before), "word" in INDEX_TABLES)
         self.import_ok(payload(3))
         self.assertEqual(triggers(), before)
 
@@ -148,12 +149,13 @@ class ImportedRowsAreIndexed(StoreTestCase):
                 conn.execute(f"INSERT INTO {table}({table}) VALUES ('delete-all')")
             conn.execute("DELETE FROM hs_fts_cjk")
             conn.execute("DELETE FROM hs_fts_cjk_queue")
-            conn.executemany("INSERT OR REPLACE INTO state_meta(key, value) VALUES (?, ?)",
-                             [("hs_search_high_water", str(last)), ("hs_search_progress", "0")])
+            marks = [(pair + "_high_water", str(last)) for pair in ("fts_rebuild", "hs_search")] + [
+                (pair + "_progress", "0") for pair in ("fts_rebuild", "hs_search")]
+            conn.executemany("INSERT OR REPLACE INTO state_meta(key, value) VALUES (?, ?)", marks)
         sessions = payload(2)
         self.import_ok(sessions)
         during = index_contents(self.path)
-        self.assertEqual(during["marks"], [("hs_search_high_water", str(last)), ("hs_search_progress", "0")])
+        self.assertEqual(during["marks"], sorted(marks))
         self.assertTrue(during["word"])
         self.assertTrue(all(id_ > last for index in INDEX_TABLES for id_, _ in during[index]))
         self.assert_each_query_finds_each_session(sessions, others=["old"])
@@ -169,14 +171,14 @@ class ImportedRowsAreIndexed(StoreTestCase):
         # the text our view gives (SQLite 3.31's integrity-check compares the index with that view).
         with conn:
             conn.execute("CREATE TABLE seen (id INTEGER)")
-            conn.execute("DROP TRIGGER hs_fts_words_insert")
-            conn.execute("CREATE TRIGGER hs_fts_words_insert AFTER INSERT ON messages BEGIN "
-                         "INSERT INTO hs_fts_words(rowid, content, tool_name, tool_calls) "
-                         "SELECT id, content, tool_name, tool_calls FROM hs_fts_words_src WHERE id = new.id; "
+            conn.execute("DROP TRIGGER messages_fts_insert")
+            conn.execute("CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN "
+                         "INSERT INTO messages_fts(rowid, content, tool_name, tool_calls) "
+                         "SELECT id, content, tool_name, tool_calls FROM messages_fts_src WHERE id = new.id; "
                          "INSERT INTO seen VALUES (new.id); END")
         self.import_ok(payload(2))
         self.assertEqual(conn.execute("SELECT COUNT(*) FROM seen").fetchone()[0], 2 * len(PAYLOAD_MESSAGES))
-        self.assertEqual(indexed_row_total(self.path, "hs_fts_words"), 2 * len(PAYLOAD_MESSAGES))  # each once
+        self.assertEqual(indexed_row_total(self.path, "messages_fts"), 2 * len(PAYLOAD_MESSAGES))  # each once
         self.assertEqual(index_contents(self.path)["marks"], [])
         integrity_check(self.path)
 

@@ -22,7 +22,7 @@ from hermes_state_holders import open_descriptors
 from test_support import HAS_FTS5, REPO, TempDirTestCase, require
 
 # A schema entry to duplicate: our word index's, or where SQLite has no FTS5 (no such table) a plain table's.
-DUPLICATED = "hs_fts_words" if HAS_FTS5 else "state_meta"
+DUPLICATED = "messages_fts" if HAS_FTS5 else "state_meta"
 
 HAS_PROC = os.path.isdir("/proc/self/fd")
 
@@ -48,9 +48,9 @@ class DoctorTestCase(TempDirTestCase):
     def break_word_index(self, path):
         """Damage the word index's structure record so that FTS5 refuses it. SQLite 3.53 reads a zeroed
         record as an empty index (no damage at all), so a record of no valid length is written there."""
-        self.damage(path, "UPDATE hs_fts_words_data SET block = X'0000' WHERE id = 10")
+        self.damage(path, "UPDATE messages_fts_data SET block = X'0000' WHERE id = 10")
         if _db_opens_cleanly(path) is None:
-            self.damage(path, "UPDATE hs_fts_words_data SET block = X'00000000ffff' WHERE id = 10")
+            self.damage(path, "UPDATE messages_fts_data SET block = X'00000000ffff' WHERE id = 10")
 
     def message_count(self, path):
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
@@ -175,8 +175,8 @@ class Repair(DoctorTestCase):
     def test_an_unparsable_search_table_is_dropped_and_built_again_at_the_next_open(self):
         require(self, "fts5", "it breaks an FTS5 table's DDL")
         path = self.store()
-        self.damage(path, "UPDATE sqlite_master SET sql = 'CREATE VIRTUAL TABLE hs_fts_words USING fts5(' "
-                          "WHERE name = 'hs_fts_words'")
+        self.damage(path, "UPDATE sqlite_master SET sql = 'CREATE VIRTUAL TABLE messages_fts USING fts5(' "
+                          "WHERE name = 'messages_fts'")
         with self.assertLogs("hermes_state", "WARNING") as logs:
             report = repair_state_db_schema(path)
         self.assertEqual((report["repaired"], report["strategy"]), (True, "drop_fts_rebuild"))
@@ -474,7 +474,7 @@ class StructuralDamage(DoctorTestCase):
     def test_which_integrity_lines_name_the_data(self):
         structural = hermes_state_repair.integrity_damage_is_structural
         master = [(2, "table", "sessions"), (5, "table", "messages_fts_data"), (7, "table", "messages"),
-                  (9, "table", "hs_fts_words_idx"), (0, "table", "messages_fts")]
+                  (9, "table", "messages_fts_idx"), (0, "table", "messages_fts")]
         self.assertTrue(structural(["Tree 7 page 7 cell 0: invalid page number 99"], master))
         self.assertTrue(structural(["row 3 missing from index idx_messages_session"], master))
         self.assertTrue(structural(["Freelist: size is 3 but should be 4"], master))

@@ -287,16 +287,16 @@ class IndexMergesInSteps(LockHoldTestCase):
             for i in range(3000):
                 written.append(self.db.append_message("s", "user", f"kiwi {i}"))
                 try:
-                    raw.execute("INSERT INTO hs_fts_words(hs_fts_words, rank) VALUES ('merge', -1)")
+                    raw.execute("INSERT INTO messages_fts(messages_fts, rank) VALUES ('merge', -1)")
                 except sqlite3.DatabaseError as exc:  # (constructor: once it was set aside, DDL)
                     self.assertRegex(str(exc), "malformed|vtable constructor failed")
                     break
-            if not any("hs_fts_words" in line for line in logs.output):
+            if not any("messages_fts" in line for line in logs.output):
                 # SQLite 3.53 keeps that index readable: its structure record broken by hand instead
                 self.assertGreaterEqual(sqlite3.sqlite_version_info, (3, 44))
-                raw.execute("UPDATE hs_fts_words_data SET block = X'00000000ffff' WHERE id = 10")
+                raw.execute("UPDATE messages_fts_data SET block = X'00000000ffff' WHERE id = 10")
             written.append(self.db.append_message("s", "user", "kiwi kept"))  # not refused
-        self.assertIn("hs_fts_words", "\n".join(logs.output))
+        self.assertIn("messages_fts", "\n".join(logs.output))
         self.assertNotIn("word", self.db.search_health()["searchable_by_index"])
         self.assertEqual(sorted(written), sorted(hit["id"] for hit in self.db.search_messages("kiwi", limit=10 ** 6)))
         self.db.close()
@@ -316,9 +316,9 @@ class IndexMergesInSteps(LockHoldTestCase):
         written = [self.db.append_message("s", "user", f"kiwi {i}") for i in range(20)]
         self.db.close()
         with self.raw(self.path) as raw:
-            raw.execute("UPDATE hs_fts_words_data SET block = X'00000000ffff' WHERE id = 10")
+            raw.execute("UPDATE messages_fts_data SET block = X'00000000ffff' WHERE id = 10")
         with self.assertLogs("hermes_state", "WARNING") as logs, SessionDB(self.path) as db:
-            self.assertIn("hs_fts_words", "\n".join(logs.output))  # at the open, before any write
+            self.assertIn("messages_fts", "\n".join(logs.output))  # at the open, before any write
             self.assertIn("word", db.search_health()["searchable_by_index"])  # refilled by that open
             written.append(db.append_message("s", "user", "kiwi after"))
             self.assertEqual(sorted(written), sorted(hit["id"] for hit in db.search_messages("kiwi", limit=100)))
@@ -363,7 +363,7 @@ class RepairsAtOpen(LockHoldTestCase):
         if not HAS_FTS5:  # no index to refill: the fallback answered above, and none was made
             self.assertEqual([], [name for name in names if name.startswith("hs_fts")])
             return
-        self.assertTrue(touching(statements, "DELETE FROM \"hs_retired_hs_fts_words_data\""))
+        self.assertTrue(touching(statements, "DELETE FROM \"hs_retired_messages_fts_data\""))
         self.assertFalse([name for name in names if name.startswith("hs_retired_")])
         for table in INDEX_TABLES.values():
             conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
@@ -475,7 +475,7 @@ class ImportInChunks(LockHoldTestCase):
         self.statements.clear()
         result = self.db.import_sessions(exported)
         self.assertEqual((4, 0, 0), (result["imported"], result["skipped"], result["detached"]))
-        self.assertEqual(3, len(touching(self.statements, "INSERT INTO messages")))  # a | b | c | child (none)
+        self.assertEqual(3, len(touching(self.statements, "INSERT INTO messages ")))  # a | b | c | child (none)
         self.assertEqual(5, len([t for t in transactions(self.statements) if t]))  # and the links
         self.assertEqual("a", self.db.get_session("child")["parent_session_id"])
         again = self.db.import_sessions(exported)  # what a rerun after an interruption does

@@ -244,7 +244,7 @@ class SanitizedQuery(StoreTestCase):
                       "wor*", "hello AND AND there"):
             expression = SessionDB._sanitize_fts5_query(query)
             ids = sorted(r[0] for r in conn.execute(
-                "SELECT rowid FROM hs_fts_words WHERE hs_fts_words MATCH ?", (expression,)))
+                "SELECT rowid FROM messages_fts WHERE messages_fts MATCH ?", (expression,)))
             self.assertEqual(ids, sorted(hit["id"] for hit in self.db.search_messages(query)), query)
             self.assertTrue(ids, query)
 

@@ -101,7 +101,7 @@ class StoresSharedWithReleases(TempDirTestCase):
             tables = [row[0] for row in conn.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'table' AND sql LIKE 'CREATE VIRTUAL%'"
                 + ("" if HAS_TRIGRAM else " AND sql NOT LIKE '%trigram%'"))]  # (one this SQLite cannot open)
-            self.assertEqual("hs_fts_words" in tables, HAS_FTS5)
+            self.assertEqual("messages_fts" in tables, HAS_FTS5)
             for table in tables:
                 try:
                     conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
@@ -157,12 +157,16 @@ class StoresSharedWithReleases(TempDirTestCase):
                     for table in ("messages_fts", "messages_fts_trigram")[:2 if HAS_TRIGRAM else int(HAS_FTS5)]:
                         conn.execute(f"INSERT INTO {table}({table}) VALUES ('integrity-check')")
                     count = conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
-                    self.assertEqual(conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'hs\\_fts\\_%' "
-                                                  "ESCAPE '\\'").fetchone()[0], 0)  # its index serves; no second one
+                    # 0.19's inline index serves as it is (as 0.22 keeps it); 0.20's moved to layout 3 with
+                    # our CJK index beside it; 0.22's is layout 3, ours added beside.
+                    ours = conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'hs\\_fts\\_%' "
+                                        "ESCAPE '\\'").fetchone()[0]
+                    self.assertEqual(bool(ours), release != "0.19" and HAS_FTS5)
                 finally:
                     conn.close()
                 with SessionDB(path) as db:
-                    self.assertEqual(db.fts_layout(), "legacy" if release == "0.19" else "external")
+                    self.assertEqual(db.fts_layout(), "legacy" if release == "0.19" else
+                                     "current" if HAS_FTS5 else "external")
                     self.assertEqual(len({h["id"] for h in db.search_messages("会话", limit=1000)}),
                                      3 + 2 * 2)  # the fixture's three, and ours and theirs (not the tool rows)
                     self.assertEqual(db.message_count(), count)
@@ -204,11 +208,13 @@ class OurNames(TempDirTestCase):
         with SessionDB(path) as db:
             db.set_meta("hs_search_stale_word", "1")  # every key our index writes, once
         conn = connect(path)
-        ours = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")} - schema
-        keys = {row[0] for row in conn.execute("SELECT key FROM state_meta")}
+        # hermes-agent's index (layout 3) and its stamp are the store's own, under its names on purpose.
+        ours = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")
+                if not row[0].startswith("messages_fts")} - schema
+        keys = {row[0] for row in conn.execute("SELECT key FROM state_meta")} - {"fts_storage_version"}
         conn.close()
         # hs_session_* and hs_listing_*: the listing aids (issue 27), tables and their triggers.
-        ours_prefixes = ("hs_fts_", "hs_idx_", "hs_session_", "hs_listing_")
+        ours_prefixes = ("hs_fts_", "hs_trigram_", "hs_idx_", "hs_session_", "hs_listing_")
         self.assertTrue(ours and all(name.startswith(ours_prefixes) for name in ours), ours)
         self.assertFalse(ours & theirs)
         # Beside ours, only schema 31's keys of who the store is and how far its uid backfill got,
@@ -245,8 +251,7 @@ class OurPreviousLayout(TempDirTestCase):
                 names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
                 meta = dict(conn.execute("SELECT key, value FROM state_meta"))
                 conn.close()
-                gone = {"messages_fts_projection", "messages_fts_trigram_projection", "messages_cjk_pending",
-                        "messages_fts_trigram"}
+                gone = {"messages_fts_projection", "messages_fts_trigram_projection", "messages_cjk_pending"}
                 stuck = set()
                 if not HAS_TRIGRAM:  # SQLite cannot rename it without its tokenizer: it stays, nothing writes it
                     stuck = {name for name in names if name.startswith("messages_fts_trigram")} - {
@@ -259,14 +264,10 @@ class OurPreviousLayout(TempDirTestCase):
                 self.assertFalse([name for name in names if name.startswith("hs_retired_")])
                 self.assertTrue(set(name for index, triggers in SEARCH_TRIGGERS.items() for name in triggers
                                     if HAS_TRIGRAM or index != "trigram") <= names)
-                if fixture.endswith("after_v22.db"):
-                    # 0.22 rebuilt messages_fts as its own: its table, triggers and stamp stay as it left them.
-                    self.assertTrue({"messages_fts", "messages_fts_insert", "messages_fts_src"} <= names)
-                    self.assertEqual(meta["fts_storage_version"], "3")
-                else:  # a view 0.20 made for its own trigram index stays: it is its name, and harmless
-                    self.assertEqual([n for n in names if n.startswith("messages_fts")],
-                                     ["messages_fts_trigram_src"] if "v20" in fixture else [])
-                    self.assertFalse([key for key in meta if key.startswith("fts_")])
+                # Every store ends on hermes-agent's layout 3, its stamp written once it is whole.
+                self.assertTrue({"messages_fts", "messages_fts_insert", "messages_fts_src"} <= names)
+                self.assertEqual(meta["fts_storage_version"], "3")
+                self.assertFalse([key for key in meta if key.startswith(("fts_rebuild_", "fts_stale"))])
                 self.assert_moved_store_is_whole(path, count + 1)
 
     def assert_moved_store_is_whole(self, path, messages):

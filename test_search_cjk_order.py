@@ -172,7 +172,7 @@ class LayoutOneStores(TempDirTestCase):
                                 "WHERE key = 'hs_search_layout';" + "".join(
                                     f"{sql};" for sql in LAYOUT_1_TRIGGERS.values()))
         self.conn.commit()
-        self.words_before = self.conn.execute("SELECT count(*), sum(length(block)) FROM hs_fts_words_data").fetchone()
+        self.words_before = self.conn.execute("SELECT count(*), sum(length(block)) FROM messages_fts_data").fetchone()
 
     def assert_layout_2(self, db):
         self.assertEqual(db.get_meta("hs_search_layout"), str(SEARCH_LAYOUT_VERSION))
@@ -195,9 +195,9 @@ class LayoutOneStores(TempDirTestCase):
                 SessionDB(self.path, connection_factory=tracing_factory(statements)) as db:
             fills = [s for s in statements if s.startswith("INSERT INTO hs_fts_cjk_bounds")]
             self.assertEqual(len(fills), -(-last // 100))
-            self.assertFalse([s for s in statements if "INSERT INTO hs_fts_words" in s or "hs_retired_" in s])
+            self.assertFalse([s for s in statements if "INSERT INTO messages_fts" in s or "hs_retired_" in s])
             self.assert_layout_2(db)
-        self.assertEqual(self.conn.execute("SELECT count(*), sum(length(block)) FROM hs_fts_words_data").fetchone(),
+        self.assertEqual(self.conn.execute("SELECT count(*), sum(length(block)) FROM messages_fts_data").fetchone(),
                          self.words_before)
 
     def test_bounds_a_layout_1_writer_left_stale_are_not_trusted_until_the_next_writable_open(self):

@@ -17,8 +17,9 @@ import unicodedata
 import unittest
 
 from hermes_state import SessionDB
-from hermes_state_common import CJK_BLOCK_BITS, TOOL_INDEX_PREFIX_CHARS
-from hermes_state_search import CJK_RE, _leaves, _substring_retry, cjk_terms, parse_query
+from hermes_state_common import CJK_BLOCK_BITS, FTS_TRIGRAM_EXCLUDED_SOURCES, TOOL_INDEX_PREFIX_CHARS
+from hermes_state_search import (
+    CJK_RE, GRAMMAR_BOOLEAN, GRAMMAR_HERMES, _leaves, _substring_retry, cjk_terms, parse_query)
 from test_support import REPO, SEARCHABLE, TempDirTestCase, backdate, without_fts5, without_trigram
 
 # Which of our indexes each way of opening the store can use (docs/search.md, "Degraded runtimes").
@@ -26,7 +27,7 @@ from test_support import REPO, SEARCHABLE, TempDirTestCase, backdate, without_ft
 MODES = {"full": (None, set(SEARCHABLE)),
          "without_trigram": (without_trigram, {"word", "cjk"} & set(SEARCHABLE)),
          "without_fts5": (without_fts5, set())}
-INDEX_TABLES = ("hs_fts_words", "hs_fts_trigram", "hs_fts_cjk")
+INDEX_TABLES = ("messages_fts", "messages_fts_trigram", "hs_fts_cjk")
 
 WORDS = ["alpha", "Beta", "gamma", "delta", "schema", "schemas", "parser", "config", "my-app.config.ts", "foo",
          "foobar", "barfoo", "deploy", "Deployment", "server", "serverless", "x1", "omega", "tea"]
@@ -94,8 +95,9 @@ def term_matches(row, term, usable, substring, tool_rows):
         phrase = tokens(term.text)
         return any(_phrase_in(tokens(column), phrase, term.prefix)
                    for column in (words, row["tool_name"], row["tool_calls"]))
-    if index == "trigram":
-        return not is_tool and content is not None and term.text.lower() in content.lower()
+    if index == "trigram":  # hermes-agent 0.22's index: no tool rows, no cron or subagent session's
+        return not is_tool and content is not None and term.text.lower() in content.lower() \
+            and row["source"] not in FTS_TRIGRAM_EXCLUDED_SOURCES
     if index == "cjk":
         return not is_tool and content is not None and term.text in content
     if (substring or CJK_RE.search(term.text)) and not tool_rows and is_tool:
@@ -114,7 +116,7 @@ def tree_matches(row, node, *args):
 
 
 def oracle(rows, query, usable, role_filter=None, include_inactive=False, sources=None, excluded=None,
-           window=(None, None)):
+           window=(None, None), grammar=GRAMMAR_HERMES):
     """(ids search_messages should return, whether the answer is a newest-first scan, whether it retried).
     `window`: whole seconds (after, before) the session's start must fall in, after inclusive."""
     tree = parse_query(query)
@@ -125,7 +127,8 @@ def oracle(rows, query, usable, role_filter=None, include_inactive=False, source
     if tool_rows:
         usable = set()
     cjk = [t for t in _leaves(tree) if CJK_RE.search(t.text)]
-    scans = bool(cjk) and (any(len(CJK_RE.findall(t.text)) < 3 for t in cjk) or "trigram" not in usable or tool_rows)
+    scans = grammar == GRAMMAR_HERMES and bool(cjk) and (
+        any(len(CJK_RE.findall(t.text)) < 3 for t in cjk) or "trigram" not in usable or tool_rows)
     if scans:
         tree = ("or", [("term", t) for t in _leaves(tree)])
     visible = [r for r in rows if (include_inactive or r["active"] == 1 or r["compacted"] == 1)
@@ -150,7 +153,8 @@ def index_drift(path):
     try:
         tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         stale = {key for (key,) in conn.execute("SELECT key FROM state_meta WHERE key LIKE 'hs_search_stale_%'")}
-        backfilling = conn.execute("SELECT 1 FROM state_meta WHERE key = 'hs_search_high_water'").fetchone()
+        backfilling = conn.execute("SELECT 1 FROM state_meta WHERE key IN ('hs_search_high_water',"
+                                   " 'fts_rebuild_high_water')").fetchone()
         for index, table in zip(("word", "trigram", "cjk"), INDEX_TABLES):
             # An index marked stale (a runtime that cannot keep it wrote meanwhile) serves no search until rebuilt.
             if table in tables and "hs_search_stale_" + index not in stale:
@@ -484,6 +488,61 @@ class SearchAgreesWithTheOracle(TempDirTestCase):
 
     def test_without_fts5_the_like_fallback_answers_as_the_oracle(self):
         self.assert_no_mismatch("without_fts5", 13)
+
+
+# The grammar table (issue 40): English, CJK of 1, 2 and 4 letters and mixed queries, with every operator.
+GRAMMAR_LINES = [("cli", "user", "the parser reads the schema"), ("cli", "assistant", "迁移 done, schema kept"),
+                 ("cli", "user", "迁移 alone here"), ("telegram", "user", "数据库服务端 restarted, parser ok"),
+                 ("telegram", "assistant", "京都 and 大阪 trip"), ("cli", "user", "京 only 京"),
+                 ("cron", "user", "nightly 数据库服务端 parser report"), ("cli", "tool", "parser 迁移 tool output"),
+                 ("cli", "user", "schemas and parsers, not the word itself"), ("telegram", "user", "修改youer服务端")]
+GRAMMAR_QUERIES = ["parser", "parser schema", "parser AND schema", "parser OR 大阪", "parser NOT schema",
+                   '"the parser"', "pars*", "迁", "迁移", "数据库服务", "迁移 schema", "迁移 NOT schema",
+                   "schema NOT 迁移", "迁移 OR 京都", "京 NOT 京都", "数据库服务 parser", "数据库服务 NOT parser",
+                   "京都 大阪", '"京都 and"', "parser NOT 迁移 NOT 数据库服务", "youer", "服务端 OR schema"]
+
+
+class SearchGrammarIsOneLanguage(TempDirTestCase):
+    """With grammar='boolean', every query means what it says whatever the script of its terms, checked
+    against a scan of the same rows; a NOT never adds a hit. The default keeps hermes-agent's reading."""
+
+    def store(self, mode):
+        path = self.tmp / f"{mode}.db"
+        factory = MODES[mode][0]
+        db = SessionDB(path, connection_factory=factory) if factory else SessionDB(path)
+        self.addCleanup(db.close)
+        for source in ("cli", "telegram", "cron"):
+            db.create_session(source, source)
+        for number, (source, role, text) in enumerate(GRAMMAR_LINES):
+            db.append_message(source, role, text, tool_name="terminal" if role == "tool" else None,
+                              timestamp=1000 + number)
+        return db, stored_rows(path)
+
+    def test_every_query_of_the_table_is_answered_as_a_scan_of_the_rows_reads_it(self):
+        for mode in MODES:
+            db, rows = self.store(mode)
+            for query in GRAMMAR_QUERIES:
+                for grammar in (GRAMMAR_BOOLEAN, GRAMMAR_HERMES):
+                    with self.subTest(mode=mode, query=query, grammar=grammar):
+                        wanted, _scans, _retried = oracle(rows, query, MODES[mode][1], grammar=grammar)
+                        found = {hit["id"] for hit in db.search_messages(query, limit=100, grammar=grammar)}
+                        self.assertEqual(found, wanted)
+
+    def test_a_not_never_adds_a_hit(self):
+        db, _rows = self.store("full")
+        for query in [q for q in GRAMMAR_QUERIES if " NOT " in q]:
+            with self.subTest(query=query):
+                left = query.split(" NOT ")[0]
+                hits = {hit["id"] for hit in db.search_messages(query, limit=100, grammar=GRAMMAR_BOOLEAN)}
+                self.assertLessEqual(hits, {hit["id"] for hit in db.search_messages(
+                    left, limit=100, grammar=GRAMMAR_BOOLEAN)})
+        # hermes-agent's own reading of a query it scans: any term (issue 40's finding, kept by default).
+        self.assertEqual({hit["id"] for hit in db.search_messages("迁移 NOT schema")}, {1, 2, 3})
+
+    def test_an_unknown_grammar_names_the_field(self):
+        db, _rows = self.store("full")
+        with self.assertRaisesRegex(ValueError, "grammar must be 'hermes-agent' or 'boolean', not 'sql'"):
+            db.search_messages("parser", grammar="sql")
 
 
 class SearchFindingsOfTheOracle(TempDirTestCase):

@@ -41,9 +41,9 @@ HAS_TRIGRAM = HAS_FTS5 and sqlite_supports_trigram()
 # The indexes a new store searches by here (doctor's `searchable_by_index`).
 SEARCHABLE = ["cjk", "trigram", "word"] if HAS_TRIGRAM else ["cjk", "word"] if HAS_FTS5 else []
 
-# Our index tables a new store has here: none without FTS5, no trigram table without its tokenizer.
+# The index tables a new store has here: none without FTS5, no trigram table without its tokenizer.
 INDEX_TABLES = {index: table for index, table in (
-    ("word", "hs_fts_words"), ("trigram", "hs_fts_trigram"), ("cjk", "hs_fts_cjk"))
+    ("word", "messages_fts"), ("trigram", "messages_fts_trigram"), ("cjk", "hs_fts_cjk"))
     if index in SEARCHABLE}
 RANKED_TABLES = [table for index, table in INDEX_TABLES.items() if index != "cjk"]
 
