@@ -141,10 +141,13 @@ def one_line(text, width):
     found = start = max(text.find(">>>"), 0)
     while start and cells(text[start - 1:found]) <= width // 4:  # a quarter before the match
         start -= 1
-    while start and cells(text[start:]) < width:  # a match near the end: the end shown whole
+    while start and cells(text[start - 1:]) < width:  # a match near the end: the end shown whole
         start -= 1
     head = "…" if start else ""
-    return head + _cut(text[start:], width - 1 - len(head)) + "…"
+    rest = text[start:]
+    if cells(rest) <= width - len(head):
+        return head + rest
+    return head + _cut(rest, width - 1 - len(head)) + "…"
 
 
 def session_rows(sessions, title_width=60):
