@@ -923,8 +923,11 @@ def build_parser():
     parser.add_argument("--version", action="version", version=_version_line())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name, help_text):
-        return commands.add_parser(name, parents=[common], help=help_text, description=help_text,
+    def command(name, help_text, more=""):
+        """A subcommand: `help_text` in the command list, `more` (lines) after it in its own
+        --help."""
+        return commands.add_parser(name, parents=[common], help=help_text,
+                                   description=help_text + (".\n" + more if more else ""),
                                    epilog="example:\n  " + EXAMPLES[name],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
@@ -945,10 +948,10 @@ def build_parser():
         sub.add_argument("--no-headers", action="store_true",
                          help="table, csv, tsv: no header row")
 
-    listing = command("list", "sessions, newest start first (a compression chain at its first "
-                              "segment's start, shown by its tip); as `hermes sessions list`, "
-                              "delegate runs and tool sessions only with --all. A title in "
-                              "“quotes” is the first message of a session without one")
+    listing = command("list", "sessions, newest start first",
+                      "As `hermes sessions list`: a compression chain is one row, shown by its tip\n"
+                      "at its first segment's start; delegate runs and tool sessions only with\n"
+                      "--all. A title in “quotes” is the first message of a session without one.")
     listing.add_argument("--source", help="only sessions from this source (cli, telegram, ...)")
     paging(listing, "list", "sessions")
     listing.add_argument("--archived", action="store_true", help="include archived sessions")
@@ -961,8 +964,8 @@ def build_parser():
     show.add_argument("--full", action="store_true",
                       help=f"every message whole (else a text past "
                            f"{SHOWN_TEXT_CHARS} characters is cut)")
-    search = command("search", "full-text search over messages (words, phrases, CJK); each hit "
-                               "names its session and `#`, its number in `show SESSION`")
+    search = command("search", "full-text search over messages (words, phrases, CJK)",
+                     "Each hit names its session and `#`, the message's number in `show SESSION`.")
     search.add_argument("query", help="words, \"a phrase\", or CJK text of any length")
     search.add_argument("--source", action="append", help="only this source (repeatable)")
     search.add_argument("--role", action="append",
