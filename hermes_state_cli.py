@@ -949,8 +949,8 @@ def build_parser():
                          help="table, csv, tsv: no header row")
 
     listing = command("list", "sessions, newest start first",
-                      "As `hermes sessions list`: a compression chain is one row, shown by its tip\n"
-                      "at its first segment's start; delegate runs and tool sessions only with\n"
+                      "As `hermes sessions list`: a compression chain is one row, shown by its\n"
+                      "tip at its first segment's start; delegate runs and tool sessions only with\n"
                       "--all. A title in “quotes” is the first message of a session without one.")
     listing.add_argument("--source", help="only sessions from this source (cli, telegram, ...)")
     paging(listing, "list", "sessions")
