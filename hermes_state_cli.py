@@ -950,8 +950,9 @@ def build_parser():
 
     listing = command("list", "sessions, newest start first",
                       "As `hermes sessions list`: a compression chain is one row, shown by its\n"
-                      "tip at its first segment's start; delegate runs and tool sessions only with\n"
-                      "--all. A title in “quotes” is the first message of a session without one.")
+                      "tip at its first segment's start; delegate runs and tool sessions only\n"
+                      "with --all. A title in “quotes” is the first message of a session without\n"
+                      "one.")
     listing.add_argument("--source", help="only sessions from this source (cli, telegram, ...)")
     paging(listing, "list", "sessions")
     listing.add_argument("--archived", action="store_true", help="include archived sessions")
