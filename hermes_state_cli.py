@@ -498,11 +498,17 @@ def _export_source(db, args):
 @contextlib.contextmanager
 def _writing(target):
     """An OSError while `target` is written, as one line naming `target` (not the temporary
-    file beside it the write goes through)."""
+    file beside it the write goes through). A `target` that is a device, a FIFO or a socket is
+    refused first: the write renames a new file over it (as root, over /dev/full itself)."""
+    if target != "-" and os.path.exists(target) and not (
+            os.path.isfile(target) or os.path.isdir(target)):
+        raise CommandError(f"{target} is not a regular file (a device, a FIFO or a socket); "
+                           "nothing was written: give a file, or '-' for standard output")
     try:
         yield
     except OSError as exc:
-        raise CommandError(f"cannot write {target}: {os_error_text(exc, with_name=False)}; "
+        where = "standard output" if target == "-" else target
+        raise CommandError(f"cannot write {where}: {os_error_text(exc, with_name=False)}; "
                            "nothing was written") from None
 
 

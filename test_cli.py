@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sqlite3
 import subprocess
 import sys
@@ -20,12 +21,15 @@ from hermes_state import SessionDB
 from test_support import REPO, V22_DB, TempDirTestCase
 
 
-class CommandLine(TempDirTestCase):
+class CliCase(TempDirTestCase):
 
     def run_cli(self, *args):
         env = dict(os.environ, HERMES_HOME=str(self.tmp / "home"), PYTHONPATH=str(REPO))
         return subprocess.run([sys.executable, "-m", "hermes_state", *args], capture_output=True,
                               text=True, env=env, cwd=self.tmp, timeout=120)
+
+
+class CommandLine(CliCase):
 
     def test_demo_builds_and_shows_an_example_store(self):
         result = self.run_cli("demo")
@@ -130,7 +134,7 @@ def utc(ts):
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class ReadingRealStores(CommandLine):
+class ReadingRealStores(CliCase):
     """What a person reads from stores hermes-agent 0.19 (schema 22), 0.20 (26) and 0.22 (31)
     wrote: each command run as a subprocess on a copy."""
 
@@ -308,7 +312,7 @@ class ReadingRealStores(CommandLine):
         self.assertIsNone(json.loads(again.stdout)["schema_upgraded"])
 
 
-class ErrorsInOneLine(CommandLine):
+class ErrorsInOneLine(CliCase):
 
     def assert_one_error(self, done, text):
         self.assertEqual(done.returncode, 1, done.stderr)
@@ -341,3 +345,19 @@ class ErrorsInOneLine(CommandLine):
         self.assert_one_error(self.run_cli("--db", db, "backup", str(out.with_suffix(".zip"))),
                               f"cannot write {out.with_suffix('.zip')}: no such file or directory; "
                               "nothing was written")
+
+    def test_a_device_or_fifo_is_never_replaced_by_an_export_or_a_backup(self):
+        # The write renames a new file over OUT: over a FIFO (or, as root, /dev/full) that
+        # replaced the special file itself.
+        if not hasattr(os, "mkfifo"):
+            self.skipTest("no FIFOs on this platform")
+        db = str(self.copy_fixture(V26_DB))
+        fifo = self.tmp / "pipe"
+        os.mkfifo(fifo)
+        for command in (("export", str(fifo)), ("backup", str(fifo), "--force")):
+            with self.subTest(command=command[0]):
+                self.assert_one_error(self.run_cli("--db", db, *command),
+                                      f"{fifo} is not a regular file (a device, a FIFO or a "
+                                      "socket); nothing was written: give a file, or '-' for "
+                                      "standard output")
+                self.assertTrue(stat.S_ISFIFO(os.lstat(fifo).st_mode))
