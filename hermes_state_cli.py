@@ -9,6 +9,8 @@ quarantining a damaged file.
 """
 
 import argparse
+import contextlib
+import errno
 import json
 import logging
 import math
@@ -24,9 +26,9 @@ from hermes_constants import get_hermes_home, reset_hermes_home_override, set_he
 from hermes_state import SessionDB, damage_reason, restore_home
 from hermes_state_common import COMPRESSION_END_REASON, LIST_LIMIT_MAX, store_file_bytes
 from hermes_state_display import (
-    PrintableStream, Progress, counted, end_progress, format_time, hit_rows, human_size, one_line,
-    plural, print_fields, print_json, print_session, print_table, printable, session_rows,
-    write_records,
+    SHOWN_TEXT_CHARS, PrintableStream, Progress, counted, end_progress, fit_table, format_time,
+    hit_rows, human_size, one_line, plural, print_fields, print_json, print_session, print_table,
+    printable, session_cost, session_rows, utc_iso, write_records,
 )
 from hermes_state_lockguard import _raw_store_access
 from hermes_state_portability import EXPORT_FORMATS, write_export
@@ -39,12 +41,29 @@ READ_COMMANDS = ("list", "show", "search", "stats", "doctor", "export", "backup"
 # The largest --offset: SQLite's OFFSET is a signed 64-bit integer, and offset + limit (+ 1 to see
 # whether more match) must stay one.
 OFFSET_MAX = 2 ** 63 - 1 - 2 * LIST_LIMIT_MAX
-LIST_FORMATS = ("table", "json", "jsonl", "csv")
+LIST_FORMATS = ("table", "json", "jsonl", "csv", "tsv")
+# What csv and tsv carry unless -c names others (a session row has some 65 columns).
+CSV_COLUMNS = {
+    "list": ("id", "source", "title", "preview", "started_at", "started_at_utc", "last_active",
+             "last_active_utc", "ended_at", "ended_at_utc", "end_reason", "message_count",
+             "tool_call_count", "input_tokens", "output_tokens", "model", "parent_session_id"),
+    "search": ("session_id", "number", "id", "role", "tool_name", "timestamp", "timestamp_utc",
+               "source", "snippet"),
+}
+# The cells a table's last column (a title, a snippet) gets when stdout is not a terminal and
+# COLUMNS is not set.
+LAST_COLUMN_CELLS = {"list": 60, "search": 80}
+# How many candidates an ambiguous id prefix lists.
+CANDIDATES_SHOWN = 10
 _DAMAGE_WORDS = {"empty": "an empty file", "zeroed": "all zero bytes", "notsqlite": "not SQLite"}
 
 
 class CommandError(Exception):
-    """A failure the command explains in one line; exit 1."""
+    """A failure the command explains in one line, with `details` (lines) after it; exit 1."""
+
+    def __init__(self, message, details=()):
+        super().__init__(message)
+        self.details = list(details)
 
 
 # -- argument types: argparse makes an ArgumentTypeError a usage error (exit 2) ---------------
@@ -172,6 +191,16 @@ def agent_open_would(db, header_journal=None):
     return changes
 
 
+def os_error_text(exc, with_name=True):
+    """An OSError as one phrase: `/x/y: no such file or directory`, without Python's
+    `[Errno 2]`."""
+    reason = exc.strerror or str(exc)
+    reason = reason[:1].lower() + reason[1:]
+    if with_name and exc.filename is not None:
+        return f"{exc.filename}: {reason}"
+    return reason
+
+
 def _safe(fn):
     try:
         return fn()
@@ -193,6 +222,30 @@ def _all_pages(fetch, limit):
             return rows
 
 
+def terminal_width():
+    """$COLUMNS, else the width of the terminal stdout is; 0 for neither (a pipe, a file)."""
+    return shutil.get_terminal_size((0, 0)).columns
+
+
+def _columns(args):
+    """The record keys to print: -c's names (comma-separated or repeated; '*' for all), else the
+    command's CSV_COLUMNS for csv and tsv; None for every key."""
+    names = [name.strip() for given in args.columns or () for name in given.split(",")
+             if name.strip()]
+    if names == ["*"]:
+        return None
+    if names:
+        return names
+    return CSV_COLUMNS[args.command] if args.format in ("csv", "tsv") else None
+
+
+def _write_listing(records, args, out, make):
+    """list's and search's records in args.format; `make(cells)` is the table with its last
+    column cut to that many cells (fitted to the terminal's width)."""
+    table = partial(fit_table, make, terminal_width(), LAST_COLUMN_CELLS[args.command])
+    write_records(records, args.format, out, table, _columns(args), not args.no_headers)
+
+
 def _cmd_list(db, args, out):
     # As `hermes sessions list`: delegate runs, continuations and tool sessions are the agent's
     # own bookkeeping, listed only when asked for (--all, or --source naming them).
@@ -204,7 +257,7 @@ def _cmd_list(db, args, out):
                                      offset=args.offset + offset, include_archived=args.archived,
                                      include_children=everything)
     sessions = _all_pages(fetch, args.limit)
-    write_records(sessions, args.format, out, session_rows)
+    _write_listing(sessions, args, out, partial(session_rows, sessions))
     total = db.session_count(source=args.source, exclude_sources=hidden,
                              include_archived=args.archived, exclude_children=not everything)
     if args.limit and len(sessions) == args.limit and total > args.offset + len(sessions):
@@ -216,6 +269,21 @@ def _cmd_list(db, args, out):
     return 0
 
 
+def _numbered(db, hits):
+    """Each hit with `number`: its place in `show SESSION` (None for a message show leaves out,
+    one rewound)."""
+    places = {}
+    numbered = []
+    for hit in hits:
+        session_id = hit["session_id"]
+        if session_id not in places:
+            places[session_id] = {message_id: number for number, message_id in
+                                  enumerate(db.get_active_message_ids(session_id), 1)}
+        numbered.append({"id": hit["id"], "session_id": session_id,
+                         "number": places[session_id].get(hit["id"]), **hit})
+    return numbered
+
+
 def _cmd_search(db, args, out):
     def fetch(limit, offset):
         return db.search_messages(args.query, source_filter=args.source, role_filter=args.role,
@@ -225,8 +293,8 @@ def _cmd_search(db, args, out):
     asked = args.limit + 1 if args.limit and args.limit < LIST_LIMIT_MAX else args.limit
     hits = _all_pages(fetch, asked)
     more = bool(args.limit) and len(hits) > args.limit
-    hits = hits[:args.limit] if args.limit else hits
-    write_records(hits, args.format, out, lambda rows: hit_rows(rows, args.query))
+    hits = _numbered(db, hits[:args.limit] if args.limit else hits)
+    _write_listing(hits, args, out, partial(hit_rows, hits, args.query))
     if more:
         sys.stderr.write(f"showing the first {len(hits):,} hits; more match (-n 0 for all, "
                          f"--offset {args.offset + len(hits)} for the next page)\n")
@@ -236,10 +304,23 @@ def _cmd_search(db, args, out):
 
 
 def _resolve(db, given):
+    """The session `given` names (an id, or a prefix of exactly one); CommandError naming the
+    candidates (as git does) when the prefix starts several."""
     session_id = db.resolve_session_id(given)
-    if session_id is None:
-        raise CommandError(f"no session matches {given!r} (unknown or ambiguous)")
-    return session_id
+    if session_id is not None:
+        return session_id
+    rows = [row for row in _all_pages(lambda limit, offset: db.list_sessions_rich(
+        limit=limit, offset=offset, include_children=True, include_archived=True,
+        include_hidden=True, order_by_last_active=True, id_query=given, compact_rows=True), 0)
+        if row["id"].lower().startswith(given.lower())]
+    if len(rows) < 2:
+        raise CommandError(f"no session matches {given!r}")
+    rows.sort(key=lambda row: row["id"])
+    more = len(rows) - CANDIDATES_SHOWN
+    listing = [_describe(row) for row in rows[:CANDIDATES_SHOWN]]
+    listing += [f"  ... and {more:,} more"] if more > 0 else []
+    raise CommandError(f"{given!r} is ambiguous: {len(rows):,} sessions start with it; the "
+                       "candidates are:", listing)
 
 
 def _export_one(db, session_id, lineage):
@@ -252,16 +333,48 @@ def _cmd_show(db, args, out):
     if args.json:
         print_json(export, out)
     else:
-        print_session(export, out)
+        print_session(export, out, full=args.full)
     return 0
+
+
+# The token counters a session row carries, summed by `stats`.
+TOKEN_COLUMNS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
+                 "reasoning_tokens")
+
+
+def _usage(db):
+    """Token and cost totals over every session (delegates and archived ones included: each
+    counts its own calls), with the first and last activity: stats' additions."""
+    rows = _all_pages(lambda limit, offset: db.list_sessions_rich(
+        limit=limit, offset=offset, include_children=True, include_archived=True,
+        include_hidden=True, compact_rows=True), 0)
+    tokens = {key[:-len("_tokens")]: sum(row.get(key) or 0 for row in rows)
+              for key in TOKEN_COLUMNS}
+    known = [row for row in rows if row.get("actual_cost_usd") is not None
+             or row.get("estimated_cost_usd") is not None]
+    starts = [row["started_at"] for row in rows if row.get("started_at")]
+    ends = [row.get("last_active") or row.get("started_at") for row in rows]
+    return {"tokens": tokens,
+            "cost_usd": None if not known else sum(
+                row["actual_cost_usd"] if row.get("actual_cost_usd") is not None
+                else row["estimated_cost_usd"] for row in known),
+            "cost": session_cost(known),
+            "first_activity": min(starts, default=None),
+            "last_activity": max(filter(None, ends), default=None)}
 
 
 def _cmd_stats(db, args, out):
     would = agent_open_would(db, getattr(args, "header_journal", None))
-    stats = dict(db.stats(), agent_open_would=would)
+    stats = dict(db.stats(), **_usage(db), agent_open_would=would)
     if args.json:
+        del stats["cost"]  # cost_usd is the number
+        for key in ("first_activity", "last_activity"):
+            stats[key + "_utc"] = stats[key] and utc_iso(stats[key])
         print_json(stats, out)
     else:
+        del stats["cost_usd"]
+        for key in ("first_activity", "last_activity"):
+            stats[key] = stats[key] and format_time(stats[key])
         print_fields(stats, out)
     return 0
 
@@ -272,6 +385,12 @@ def _cmd_doctor(db, args, out):
     report = dict(db.doctor(), agent_open_would=would)
     if db.open_error:
         report.update(open_error=db.open_error, ok=False)
+    for key in ("search_meta", "hermes_agent_meta"):  # only the keys this store has set
+        if isinstance(report.get(key), dict):
+            report[key] = {k: v for k, v in report[key].items() if v is not None}
+    hint = _optimize_hint(report)
+    if hint:
+        report["hint"] = hint
     if args.json:
         print_json(report, out)
     else:
@@ -290,11 +409,27 @@ def _cmd_doctor(db, args, out):
     return 0 if report["ok"] else 1
 
 
+def _optimize_hint(report):
+    """What doctor suggests for a store whose search index is not yet ours in this release's
+    layout: the layout as the store reports it (`fts_layout`, from its layout records, whatever
+    its tables are called); None when there is nothing to move or no FTS5 to move it with."""
+    layout = report.get("fts_layout")
+    if report.get("fts5") and layout in ("legacy", "external", "previous"):
+        return (f"its search index is in the {layout} layout; `{_M} optimize-storage` moves it "
+                "to the current one (smaller, CJK of any length)")
+    return None
+
+
 def _cmd_optimize(db, args, out):
     db.optimize_fts()
+    upgraded = getattr(args, "schema_upgraded", None)
     if args.json:
-        print_json({"db_path": str(db.db_path), "optimized": True}, out)
+        print_json({"db_path": str(db.db_path), "optimized": True,
+                    "schema_upgraded": upgraded and dict(zip(("from", "to"), upgraded))}, out)
     else:
+        if upgraded:
+            out.write(f"upgraded the schema of {db.db_path} from version {upgraded[0]} to "
+                      f"{upgraded[1]}\n")
         out.write(f"merged the search index segments of {db.db_path}\n")
     return 0
 
@@ -360,6 +495,23 @@ def _export_source(db, args):
     return copy, cleanup
 
 
+@contextlib.contextmanager
+def _writing(target):
+    """An OSError while `target` is written, as one line naming `target` (not the temporary
+    file beside it the write goes through). A `target` that is a device, a FIFO or a socket is
+    refused first: the write renames a new file over it (as root, over /dev/full itself)."""
+    if target != "-" and os.path.exists(target) and not (
+            os.path.isfile(target) or os.path.isdir(target)):
+        raise CommandError(f"{target} is not a regular file (a device, a FIFO or a socket); "
+                           "nothing was written: give a file, or '-' for standard output")
+    try:
+        yield
+    except OSError as exc:
+        where = "standard output" if target == "-" else target
+        raise CommandError(f"cannot write {where}: {os_error_text(exc, with_name=False)}; "
+                           "nothing was written") from None
+
+
 def _cmd_export(db, args, out):
     progress = Progress("export")
     source, cleanup = _export_source(db, args)
@@ -375,8 +527,9 @@ def _cmd_export(db, args, out):
             else:
                 exports = source.iter_export_all(source=args.source)
         progress.phase(f"writing {args.format}" + (" (redacting secrets)" if args.redact else ""))
-        count = write_export(counted(exports, progress, total), args.format, args.out,
-                             redact_secrets=args.redact)
+        with _writing(args.out):
+            count = write_export(counted(exports, progress, total), args.format, args.out,
+                                 redact_secrets=args.redact)
     finally:
         cleanup()
     progress.finish(f"exported {count:,} sessions as {args.format} to {args.out}"
@@ -438,7 +591,7 @@ def _cmd_import(db, args, out):
         result = db.import_sessions(sessions, limits=limits, one_transaction=True)
     except sqlite3.Error as exc:
         progress.finish()
-        raise CommandError(f"{exc}\nthe import was rolled back; nothing was written") from None
+        raise CommandError(str(exc), ["the import was rolled back; nothing was written"]) from None
     progress.finish()
     if not result["ok"]:
         for error in result["errors"]:
@@ -581,7 +734,8 @@ def _cmd_pinned(db, args, out):
     if args.json:
         print_json(rows, out)
     elif rows:
-        print_table(*session_rows(rows), out)
+        print_table(*fit_table(partial(session_rows, rows), terminal_width(),
+                               LAST_COLUMN_CELLS["list"]), out)
     else:
         out.write(f"no pinned sessions; pin one with: {_M} pin ID\n")
     return 0
@@ -592,7 +746,8 @@ def _cmd_backup(db, args, out):
         raise CommandError(f"{args.out} exists; pass --force to replace it (nothing was written)")
     progress = Progress("backup")
     progress.phase("snapshotting and zipping", str(db.db_path.parent))
-    result = db.backup(args.out)
+    with _writing(args.out):
+        result = db.backup(args.out)
     size = human_size(os.path.getsize(result["archive"]))
     progress.finish(f"{len(result['files'])} files, {size}")
     if args.json:
@@ -604,9 +759,18 @@ def _cmd_backup(db, args, out):
 
 
 def _cmd_restore(args, out):
+    if not os.path.isfile(args.archive):
+        what = "is a folder" if os.path.isdir(args.archive) else "does not exist"
+        raise CommandError(f"restore: {args.archive} {what}; give the zip `backup` wrote")
     progress = Progress("restore")
     progress.phase("checking and unpacking", args.archive)
-    result = restore_home(args.archive, getattr(args, "db", None), force=args.force)
+    try:
+        result = restore_home(args.archive, getattr(args, "db", None), force=args.force)
+    except ValueError as exc:
+        # The archive's checks name it "backup refused"; here it is the restore that refuses.
+        reason = str(exc)
+        reason = reason[len(_ARCHIVE_REFUSED):] if reason.startswith(_ARCHIVE_REFUSED) else reason
+        raise CommandError(f"restore refused: {reason}") from None
     progress.finish(f"{len(result['restored'])} files")
     for kept in result["moved_aside"]:
         sys.stderr.write(f"kept the replaced file as {kept}\n")
@@ -616,6 +780,10 @@ def _cmd_restore(args, out):
         home = Path(result["db_path"]).parent
         out.write(f"restored {len(result['restored'])} files into {home}\n")
     return 0
+
+
+# How restore_home's archive checks begin their message.
+_ARCHIVE_REFUSED = "backup refused: "
 
 
 def _cmd_serve(args, out):
@@ -635,6 +803,13 @@ def _cmd_serve(args, out):
     except ValueError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
+    except OSError as exc:
+        if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            taken = "; another program listens there (--port picks another)" \
+                if exc.errno == errno.EADDRINUSE else ""
+            raise CommandError(f"cannot listen on {args.host}:{args.port}: "
+                               f"{os_error_text(exc, with_name=False)}{taken}") from None
+        raise
 
 
 def _cmd_demo(args, out):
@@ -656,7 +831,7 @@ def _cmd_demo(args, out):
             print_session(db.export_session("demo-zh"), out)
             for query in ("my-app.config.ts", "迁移", "会话历史"):
                 out.write(f"\n== search {query!r} (python3 -m hermes_state search ...)\n")
-                print_table(*hit_rows(db.search_messages(query), query), out)
+                print_table(*hit_rows(_numbered(db, db.search_messages(query)), query), out)
             out.write(f"\nstore: {db.db_path}\n"
                       f"try:   python3 -m hermes_state --db {db.db_path} list\n")
     finally:
@@ -754,37 +929,55 @@ def build_parser():
     parser.add_argument("--version", action="version", version=_version_line())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name, help_text):
-        return commands.add_parser(name, parents=[common], help=help_text, description=help_text,
+    def command(name, help_text, more=""):
+        """A subcommand: `help_text` in the command list, `more` (lines) after it in its own
+        --help."""
+        return commands.add_parser(name, parents=[common], help=help_text,
+                                   description=help_text + (".\n" + more if more else ""),
                                    epilog="example:\n  " + EXAMPLES[name],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def paging(sub, what):
+    def paging(sub, name, what):
         sub.add_argument("-n", "--limit", type=_int_range(0, LIST_LIMIT_MAX), default=20,
                          metavar="N", help=f"at most N {what} (default 20; 0 for all)")
         sub.add_argument("--offset", type=_int_range(0, OFFSET_MAX), default=0, metavar="N",
                          help=f"skip the first N {what}")
         sub.add_argument("--format", choices=LIST_FORMATS, default="table",
-                         help="table (default), json, jsonl (one object a line) or csv (a header "
-                              "row first)")
+                         help="table (default; fitted to the terminal's width or $COLUMNS), json, "
+                              "jsonl (one object a line), csv or tsv; each time in the data "
+                              "formats has <name>_utc (ISO 8601) beside it")
+        sub.add_argument("--tsv", action="store_true", help="the same as --format tsv")
+        sub.add_argument("-c", "--column", dest="columns", action="append", metavar="NAME",
+                         help="csv, tsv, json, jsonl: only these columns, in this order "
+                              "(repeatable or comma-separated; '*' for all). csv and tsv print "
+                              f"these unless asked: {', '.join(CSV_COLUMNS[name])}")
+        sub.add_argument("--no-headers", action="store_true",
+                         help="table, csv, tsv: no header row")
 
-    listing = command("list", "sessions, the newest started first; as `hermes sessions list`, "
-                              "delegate runs and tool sessions only with --all")
+    listing = command("list", "sessions, newest start first",
+                      "As `hermes sessions list`: a compression chain is one row, shown by its\n"
+                      "tip at its first segment's start; delegate runs and tool sessions only\n"
+                      "with --all. A title in “quotes” is the first message of a session without\n"
+                      "one.")
     listing.add_argument("--source", help="only sessions from this source (cli, telegram, ...)")
-    paging(listing, "sessions")
+    paging(listing, "list", "sessions")
     listing.add_argument("--archived", action="store_true", help="include archived sessions")
     listing.add_argument("--all", action="store_true",
                          help="include delegate runs, compression continuations, tool sessions")
-    show = command("show", "one session with its messages, numbered 1, 2, 3")
+    show = command("show", "one session with its messages, numbered 1, 2, 3 (search's `#`)")
     show.add_argument("session_id", metavar="ID", type=_non_empty, help=SESSION_ID_HELP)
     show.add_argument("--lineage", action="store_true",
-                      help="the whole compression chain as one session")
-    search = command("search", "full-text search over messages (words, phrases, CJK)")
+                      help="the whole compression chain as one session (headed by its totals)")
+    show.add_argument("--full", action="store_true",
+                      help=f"every message whole (else a text past "
+                           f"{SHOWN_TEXT_CHARS} characters is cut)")
+    search = command("search", "full-text search over messages (words, phrases, CJK)",
+                     "Each hit names its session and `#`, the message's number in `show SESSION`.")
     search.add_argument("query", help="words, \"a phrase\", or CJK text of any length")
     search.add_argument("--source", action="append", help="only this source (repeatable)")
     search.add_argument("--role", action="append",
                         help="only this role (repeatable); 'tool' searches tool output")
-    paging(search, "hits")
+    paging(search, "search", "hits")
     search.add_argument("--sort", choices=["relevance", "newest", "oldest"],
                         help="relevance (default: best match first), newest or oldest")
     search.add_argument("--include-inactive", action="store_true", help="include rewound messages")
@@ -829,7 +1022,8 @@ def build_parser():
     archive.add_argument("--source", help="with --older-than: only sessions from this source")
     archive.add_argument("--yes", action="store_true", help=YES_HELP)
     for name, verb in (("unarchive", "list archived sessions again"),
-                       ("pin", "pin sessions: listed first, never archived or pruned in bulk"),
+                       ("pin", "pin sessions: never archived or pruned in bulk; `pinned` lists "
+                               "them"),
                        ("unpin", "unpin sessions")):
         flag = command(name, verb)
         flag.add_argument("session_ids", metavar="ID", nargs="+", type=_non_empty,
@@ -872,17 +1066,32 @@ _COMMANDS = {
 REPLICA_COMMANDS = ("list", "show", "search", "stats", "export", "serve", "pinned")
 
 
+def _check_listing_options(parser, args):
+    """One format for list and search: --json and --tsv name one each (beside another --format,
+    a usage error), and -c and --no-headers only where they mean something."""
+    for flag, name in (("json", "JSON"), ("tsv", "tsv")):
+        if getattr(args, flag) and args.format not in ("table", flag):
+            parser.error(f"--{flag} prints {name} and --format {args.format} prints "
+                         f"{args.format}: give one of them")
+        if getattr(args, flag):
+            if args.json and args.tsv:
+                parser.error("--json prints JSON and --tsv prints tsv: give one of them")
+            args.format = flag
+    if args.columns and args.format == "table":
+        parser.error("-c/--column chooses the columns of csv, tsv, json and jsonl, not of the "
+                     "table")
+    if args.no_headers and args.format in ("json", "jsonl"):
+        parser.error(f"--no-headers goes with table, csv and tsv; {args.format} has no header row")
+
+
 def main(argv=None, out=None):
     """Entry point of `python -m hermes_state`; returns the exit status."""
     out = out or sys.stdout
     parser = build_parser()
     args = parser.parse_args(argv)
     args.json = getattr(args, "json", False)
-    if args.json and getattr(args, "format", None) == "table":
-        args.format = "json"
-    elif args.json and args.command in ("list", "search") and args.format != "json":
-        parser.error(f"--json prints JSON and --format {args.format} prints {args.format}: "
-                     "give one of them")
+    if args.command in ("list", "search"):
+        _check_listing_options(parser, args)
     if getattr(args, "lineage", False) and args.command == "export" and not args.session_id:
         parser.error("export --lineage needs --session-id")
     if getattr(args, "replica", None) is not None and (args.command not in REPLICA_COMMANDS
@@ -905,7 +1114,11 @@ def main(argv=None, out=None):
         return 1
     except (CommandError, ValueError, OSError, RuntimeError, sqlite3.Error) as exc:
         end_progress()
-        sys.stderr.write(f"error: {printable(exc)}\n")
+        text = os_error_text(exc) if type(exc) is not CommandError and isinstance(exc, OSError) \
+            else str(exc)
+        sys.stderr.write(f"error: {printable(text)}\n")
+        for line in getattr(exc, "details", ()):
+            sys.stderr.write(printable(line) + "\n")
         return 1
 
 
@@ -929,6 +1142,24 @@ def _run(args, out):
         check_store(path, may_create=args.command == "import")
         if args.command == "import":
             args.sessions, args.progress = _read_import(args)
+        before = _stale_version(path)
         db = SessionDB(path)
+        if before is not None:
+            args.schema_upgraded = (before, db.schema_version())
+            sys.stderr.write(f"{args.command}: upgraded the schema of {path} from version "
+                             f"{before} to {args.schema_upgraded[1]}, as the agent's next open "
+                             "would\n")
     with db:
         return _COMMANDS[args.command](db, args, out)
+
+
+def _stale_version(path):
+    """The schema version of an existing store a writable open will upgrade; None for a
+    current one, a missing one, or one that cannot be read (the open says why)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with SessionDB(path, read_only=True) as peek:
+            return peek.schema_version() if peek.stale_schema else None
+    except (OSError, sqlite3.Error):
+        return None

@@ -10,6 +10,8 @@ import re
 import sys
 import threading
 import time
+import unicodedata
+from datetime import datetime, timezone
 
 from hermes_state_portability import json_default, message_text
 
@@ -92,21 +94,73 @@ def format_time(ts):
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
 
 
+def utc_iso(ts):
+    """`2026-03-01T09:15:02Z` for an epoch value (whole seconds, UTC)."""
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _is_time(key, value):
+    # Every epoch column of a session row or a hit: *_at, last_active, timestamp, session_started.
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and (key.endswith("_at") or key in ("last_active", "timestamp", "session_started")))
+
+
+def with_utc(record):
+    """`record` with `<key>_utc` (ISO 8601, UTC) beside each epoch value, for the data formats."""
+    out = {}
+    for key, value in record.items():
+        out[key] = value
+        if _is_time(key, value):
+            out[key + "_utc"] = utc_iso(value)
+    return out
+
+
+def cells(text):
+    """The terminal cells `text` takes: 2 for a wide or full-width character (CJK), 0 for a
+    combining mark, else 1."""
+    return sum(0 if unicodedata.combining(ch) else
+               2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+
+
+def _cut(text, width):
+    """The longest head of `text` that fits in `width` cells."""
+    used = 0
+    for index, ch in enumerate(text):
+        used += cells(ch)
+        if used > width:
+            return text[:index]
+    return text
+
+
 def one_line(text, width):
-    """`text` on one line in `width` characters; a long one is cut around its first >>>match<<<."""
+    """`text` on one line in `width` terminal cells; a long one is cut around its first
+    >>>match<<<, an ellipsis where it was cut."""
     text = " ".join(str(text or "").split())
-    if len(text) <= width:
+    if cells(text) <= width:
         return text
-    start = max(0, min(text.find(">>>") - width // 4, len(text) - width + 1))
+    found = start = max(text.find(">>>"), 0)
+    while start and cells(text[start - 1:found]) <= width // 4:  # a quarter before the match
+        start -= 1
+    while start and cells(text[start - 1:]) < width:  # a match near the end: the end shown whole
+        start -= 1
     head = "…" if start else ""
-    return head + text[start + len(head):start + width - 1] + "…"
+    rest = text[start:]
+    if cells(rest) <= width - len(head):
+        return head + rest
+    return head + _cut(rest, width - 1 - len(head)) + "…"
 
 
-def session_rows(sessions):
-    """(header, rows) of `list`'s table."""
+def session_rows(sessions, title_width=60):
+    """(header, rows) of `list`'s table. A session without a title shows its first message in
+    quotes: “like this”."""
+    def title(s):
+        if s.get("title"):
+            return one_line(s["title"], title_width)
+        if s.get("preview"):
+            return "“" + one_line(s["preview"], title_width - 2) + "”"
+        return "-"
     rows = [(s["id"], s.get("source") or "-", format_time(s.get("last_active")),
-             f"{s.get('message_count') or 0:,}",
-             one_line(s.get("title") or s.get("preview") or "-", 60)) for s in sessions]
+             f"{s.get('message_count') or 0:,}", title(s)) for s in sessions]
     return ("id", "source", "last active", "messages", "title"), rows
 
 
@@ -137,42 +191,76 @@ def mark_terms(snippet, query):
     return pattern.sub(lambda found: f">>>{found.group(0)}<<<", snippet)
 
 
-def hit_rows(hits, query=None):
-    rows = [(h["session_id"], str(h["id"]), h["role"], format_time(h["timestamp"]),
-             one_line(mark_terms(h["snippet"], query), 80)) for h in hits]
-    return ("session", "message id", "role", "time", "snippet"), rows
+def hit_rows(hits, query=None, snippet_width=80):
+    """(header, rows) of `search`'s table; `#` is the message's number in `show SESSION`."""
+    rows = [(h["session_id"], "-" if h.get("number") is None else str(h["number"]), h["role"],
+             format_time(h["timestamp"]), one_line(mark_terms(h["snippet"], query), snippet_width))
+            for h in hits]
+    return ("session", "#", "role", "time", "snippet"), rows
 
 
-def print_table(header, rows, out):
+def fit_table(make, width, default):
+    """(header, rows) of `make(last)`, the last column cut to `last` cells: `default` when
+    `width` is 0 (not a terminal), else what fits a terminal of `width` cells (at least 10)."""
+    header, rows = make(default)
+    if not width:
+        return header, rows
+    widths = _widths(header, rows)
+    return make(max(width - sum(widths[:-1]) - 2 * (len(widths) - 1), 10))
+
+
+def print_table(header, rows, out, headers=True):
+    """`rows` under `header` (and a rule; neither when `headers` is False), every cell escaped,
+    columns padded in terminal cells (a CJK character takes two)."""
     rows = [[printable(cell) for cell in row] for row in rows]
-    widths = [max([len(header[i])] + [len(row[i]) for row in rows]) for i in range(len(header))]
-    right = {i for i, name in enumerate(header) if name in ("messages", "message id")}
+    widths = _widths(header, rows)
+    right = {i for i, name in enumerate(header) if name in ("messages", "#")}
 
-    def line(cells):
-        return "  ".join(cell.rjust(w) if i in right else cell.ljust(w)
-                         for i, (cell, w) in enumerate(zip(cells, widths))).rstrip() + "\n"
-    out.write(line(header))
-    out.write(line(["-" * w for w in widths]))
+    def line(row):
+        return "  ".join(" " * (w - cells(cell)) + cell if i in right
+                         else cell + " " * (w - cells(cell))
+                         for i, (cell, w) in enumerate(zip(row, widths))).rstrip() + "\n"
+    if headers:
+        out.write(line(header))
+        out.write(line(["-" * w for w in widths]))
     for row in rows:
         out.write(line(row))
 
 
-def write_records(records, fmt, out, table):
-    """`records` (dicts) as json, jsonl, csv (a header row; nested values as JSON) or the table
-    `table(records)` makes."""
+def _widths(header, rows):
+    return [max([len(header[i])] + [cells(printable(row[i])) for row in rows])
+            for i in range(len(header))]
+
+
+def write_records(records, fmt, out, table, columns=None, headers=True):
+    """`records` (dicts) as json, jsonl, csv or tsv (nested values as JSON), each epoch time with
+    its `<key>_utc` beside it; or the table `table()` makes. `columns` (names) keeps those keys in
+    that order, ValueError for a name no record has; `headers` False drops the header row (the
+    table's header and rule too)."""
+    if fmt == "table":
+        if records:  # no rows, no table: stderr says why
+            header, rows = table()
+            print_table(header, rows, out, headers)
+        return
+    records = [with_utc(record) for record in records]
+    known = list(dict.fromkeys(key for record in records for key in record))
+    unknown = [name for name in columns or () if records and name not in known]
+    if unknown:
+        raise ValueError(f"no column {unknown[0]!r}; the columns are: {', '.join(known)}")
+    fields = list(columns) if columns else known
+    if columns:
+        records = [{key: record.get(key) for key in fields} for record in records]
     if fmt == "json":
         print_json(records, out)
     elif fmt == "jsonl":
         for record in records:
             out.write(json.dumps(record, ensure_ascii=False, default=json_default) + "\n")
-    elif fmt == "csv":
-        fields = list(dict.fromkeys(key for record in records for key in record))
-        writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(fields)
+    else:
+        writer = csv.writer(out, lineterminator="\n", delimiter="\t" if fmt == "tsv" else ",")
+        if headers:
+            writer.writerow(fields)
         for record in records:
             writer.writerow([_csv_cell(record.get(key)) for key in fields])
-    elif records:  # no rows, no table: stderr says why
-        print_table(*table(records), out)
 
 
 def _csv_cell(value):
@@ -278,20 +366,54 @@ def counted(items, progress, total=None, unit="sessions"):
         progress.update(n, total, unit)
 
 
-def print_session(export, out):
-    fields = ("id", "source", "model", "title", "parent_session_id", "end_reason", "message_count",
-              "tool_call_count", "input_tokens", "output_tokens")
-    print_fields({key: export.get(key) for key in fields}, out)
+# A message's text longer than this is cut in `show` unless --full.
+SHOWN_TEXT_CHARS = 400
+
+
+def session_cost(sessions):
+    """`$0.0233 (actual)`: each session's actual cost where known, else its estimate, summed; None
+    when no session has either."""
+    known = [(s.get("actual_cost_usd"), s.get("estimated_cost_usd")) for s in sessions]
+    known = [(actual, estimate) for actual, estimate in known
+             if actual is not None or estimate is not None]
+    if not known:
+        return None
+    kinds = {"actual" if actual is not None else "estimated" for actual, _ in known}
+    total = sum(actual if actual is not None else estimate for actual, estimate in known)
+    return f"${total:.4f} ({' and '.join(sorted(kinds))})"
+
+
+def session_header(export):
+    """The fields `show` heads a session with. A compression chain (an export with `segments`)
+    is headed by the chain's totals: its first start, its tip's end, every segment's counters."""
+    segments = export.get("segments") or [export]
+    fields = {key: export.get(key) for key in ("id", "source", "model", "title",
+                                                "parent_session_id")}
     if export.get("lineage_session_ids"):
-        out.write(f"{'lineage':>17}: {printable(' -> '.join(export['lineage_session_ids']))}\n")
+        fields["lineage"] = " -> ".join(export["lineage_session_ids"])
+    fields.update(started=format_time(segments[0].get("started_at")),
+                  ended=format_time(export.get("ended_at")), end_reason=export.get("end_reason"),
+                  message_count=len(export["messages"]))
+    for key in ("tool_call_count", "input_tokens", "output_tokens"):
+        fields[key] = sum(segment.get(key) or 0 for segment in segments)
+    fields["cost"] = session_cost(segments)
+    return fields
+
+
+def print_session(export, out, full=False):
+    """A session's header, then its messages numbered 1, 2, 3; a long text is cut unless
+    `full`."""
+    print_fields(session_header(export), out)
     for number, message in enumerate(export["messages"], 1):
         label = printable(message["role"] + (f" ({message['tool_name']})"
                                              if message.get("tool_name") else ""))
         out.write(f"\n[{number}] {label} at {format_time(message['timestamp'])}\n")
         if message.get("content"):
             text = message_text(message)
-            cut = text if len(text) <= 400 else text[:400] + f" ... ({len(text):,} chars)"
-            out.write(cut + "\n")
+            if not full and len(text) > SHOWN_TEXT_CHARS:
+                text = (text[:SHOWN_TEXT_CHARS]
+                        + f" ... ({len(text):,} chars; show --full prints them all)")
+            out.write(text + "\n")
         for call in message.get("tool_calls") or []:
             function = call.get("function", {}) if isinstance(call, dict) else {}
             out.write(f"  -> {printable(function.get('name', '?'))}"

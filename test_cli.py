@@ -1,23 +1,35 @@
 """`python -m hermes_state`: exit codes, stdout data, stderr diagnostics."""
 
+import contextlib
+import csv
+import datetime
+import io
 import json
 import os
+import re
 import shutil
+import socket
+import stat
 import sqlite3
 import subprocess
 import sys
+import time
+import unicodedata
 from pathlib import Path
 
 from hermes_state import SessionDB
 from test_support import REPO, V22_DB, TempDirTestCase
 
 
-class CommandLine(TempDirTestCase):
+class CliCase(TempDirTestCase):
 
     def run_cli(self, *args):
         env = dict(os.environ, HERMES_HOME=str(self.tmp / "home"), PYTHONPATH=str(REPO))
         return subprocess.run([sys.executable, "-m", "hermes_state", *args], capture_output=True,
                               text=True, env=env, cwd=self.tmp, timeout=120)
+
+
+class CommandLine(CliCase):
 
     def test_demo_builds_and_shows_an_example_store(self):
         result = self.run_cli("demo")
@@ -107,3 +119,245 @@ class CommandLine(TempDirTestCase):
                 self.assertNotEqual(report["integrity_check"], ["ok"])
                 self.assertEqual(path.read_bytes(), before)  # a read-only look: nothing repaired
         self.assertEqual([p.name for p in self.tmp.iterdir() if ".bak" in p.name], [])  # diagnosed, not moved
+
+
+V26_DB, V31_DB = "hermes_v26_split.db", "hermes_v31_store.db"
+
+
+def terminal_cells(text):
+    """Cells a terminal gives `text`: two for a wide or full-width character (counted here, apart
+    from the product's own count)."""
+    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+
+
+def utc(ts):
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ReadingRealStores(CliCase):
+    """What a person reads from stores hermes-agent 0.19 (schema 22), 0.20 (26) and 0.22 (31)
+    wrote: each command run as a subprocess on a copy."""
+
+    def cli_json(self, *args):
+        done = self.run_cli(*args)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        return json.loads(done.stdout)
+
+    def test_a_search_hit_names_its_number_in_show(self):
+        for fixture in (V22_DB, V26_DB, V31_DB):
+            with self.subTest(fixture=fixture):
+                db = str(self.copy_fixture(fixture))
+                hits = self.cli_json("--db", db, "search", "parser", "-n", "6", "--json")
+                self.assertEqual(len(hits), 6)
+                for hit in hits:
+                    shown = self.cli_json("--db", db, "show", hit["session_id"], "--json")
+                    self.assertEqual(shown["messages"][hit["number"] - 1]["id"], hit["id"], hit)
+                table = self.run_cli("--db", db, "search", "parser", "-n", "6").stdout.splitlines()
+                self.assertEqual(table[0].split()[:3], ["session", "#", "role"])
+                self.assertEqual([line.split()[:2] for line in table[2:]],
+                                 [[hit["session_id"], str(hit["number"])] for hit in hits])
+
+    def test_show_heads_a_session_with_its_times_and_cost_and_full_prints_it_whole(self):
+        db = str(self.copy_fixture(V31_DB))
+        with contextlib.closing(sqlite3.connect(db)) as conn:
+            started, ended = conn.execute("SELECT started_at, ended_at FROM sessions"
+                                          " WHERE id = 'bench_000003'").fetchone()
+            tool = conn.execute("SELECT content FROM messages WHERE session_id = 'bench_000003'"
+                                " AND role = 'tool' ORDER BY length(content) DESC").fetchone()[0]
+        shown = self.run_cli("--db", db, "show", "bench_000003")
+        self.assertEqual(shown.returncode, 0, shown.stderr)
+        local = lambda ts: time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+        self.assertIn(f"started: {local(started)}\n", shown.stdout)
+        self.assertIn(f"ended: {local(ended)}\n", shown.stdout)
+        self.assertIn("cost: $0.0110 (actual)\n", shown.stdout)  # the actual cost, not the estimate
+        self.assertGreater(len(tool), 400)
+        self.assertNotIn(tool, shown.stdout)
+        self.assertIn(f"({len(tool):,} chars; show --full prints them all)", shown.stdout)
+        whole = self.run_cli("--db", db, "show", "bench_000003", "--full")
+        self.assertIn(tool, whole.stdout)
+        self.assertNotIn("--full prints", whole.stdout)
+
+    def test_a_chain_is_headed_by_its_totals(self):
+        db = str(self.copy_fixture(V31_DB))
+        with contextlib.closing(sqlite3.connect(db)) as conn:
+            totals = conn.execute(
+                "SELECT SUM(tool_call_count), SUM(input_tokens), SUM(output_tokens) FROM sessions"
+                " WHERE id IN ('bench_000000', 'bench_000001')").fetchone()
+            tip = conn.execute("SELECT tool_call_count, input_tokens FROM sessions"
+                               " WHERE id = 'bench_000001'").fetchone()
+        self.assertEqual(tip[1], 0)  # the tip alone counted no tokens: its root did
+        chain = self.run_cli("--db", db, "show", "bench_000001", "--lineage").stdout
+        header = dict(line.strip().split(": ", 1) for line in chain.split("\n\n")[0].splitlines())
+        self.assertEqual((header["message_count"], header["tool_call_count"],
+                          header["input_tokens"], header["output_tokens"]),
+                         ("32", str(totals[0]), f"{totals[1]:,}", f"{totals[2]:,}"))
+        self.assertEqual(chain.count("-> terminal("), totals[0])
+        alone = self.run_cli("--db", db, "show", "bench_000001").stdout
+        self.assertIn(f"tool_call_count: {tip[0]}\n", alone)
+
+    def test_an_ambiguous_prefix_lists_its_candidates_as_git_does(self):
+        db = str(self.copy_fixture(V26_DB))
+        done = self.run_cli("--db", db, "show", "BENCH_00001")
+        self.assertEqual((done.returncode, done.stdout), (1, ""))
+        lines = done.stderr.splitlines()
+        self.assertEqual(lines[0], "error: 'BENCH_00001' is ambiguous: 10 sessions start with it; "
+                                   "the candidates are:")
+        self.assertEqual([line.split()[0] for line in lines[1:]],
+                         [f"bench_0000{n}" for n in range(10, 20)])
+        wide = self.run_cli("--db", db, "show", "bench_0000")
+        self.assertEqual(wide.stderr.splitlines()[-1], "  ... and 10 more")
+        self.assertIn("no session matches 'zzz'", self.run_cli("--db", db, "show", "zzz").stderr)
+
+    def test_list_fits_the_terminal_counting_a_cjk_character_as_two_cells(self):
+        db = str(self.copy_fixture(V31_DB))
+        for columns in (64, 80, 132):  # from 62 cells: the title keeps at least 10
+            with self.subTest(columns=columns):
+                env = dict(os.environ, COLUMNS=str(columns), PYTHONPATH=str(REPO))
+                done = subprocess.run([sys.executable, "-m", "hermes_state", "--db", db, "list",
+                                       "-n", "0"], capture_output=True, text=True, env=env,
+                                      timeout=120)
+                lines = done.stdout.splitlines()
+                self.assertEqual(len(lines), 2 + 16, done.stderr)
+                self.assertLessEqual(max(map(terminal_cells, lines)), columns, done.stdout)
+                # The title column starts at one cell in every row, CJK titles included.
+                start = lines[0].index("title")
+                self.assertEqual({terminal_cells(line.split("  16  ")[0]) + 6 for line in lines[2:]},
+                                 {start})
+                self.assertTrue(any(re.search(r"[\u4e00-\u9fff]", line) for line in lines[2:]))
+
+    def test_a_title_that_is_the_first_message_is_marked(self):
+        db = str(self.copy_fixture(V26_DB))
+        rows = {line.split()[0]: line for line in self.run_cli("--db", db, "list", "-n", "0")
+                .stdout.splitlines()[2:]}
+        self.assertTrue(rows["bench_000014"].endswith("  会话 14 title"), rows["bench_000014"])
+        self.assertRegex(rows["bench_000013"], r"  “[^”]+”$")
+
+    def test_list_and_search_data_carry_utc_times_and_csv_its_chosen_columns(self):
+        db = str(self.copy_fixture(V26_DB))
+        for session in self.cli_json("--db", db, "list", "-n", "0", "--json"):
+            self.assertEqual(session["started_at_utc"], utc(session["started_at"]))
+            self.assertEqual(session["last_active_utc"], utc(session["last_active"]))
+            self.assertEqual(session["ended_at_utc"], utc(session["ended_at"]))
+        for hit in self.cli_json("--db", db, "search", "会话", "--json"):
+            self.assertEqual(hit["timestamp_utc"], utc(hit["timestamp"]))
+        rows = list(csv.reader(io.StringIO(self.run_cli("--db", db, "list", "-n", "3",
+                                                        "--format", "csv").stdout)))
+        self.assertEqual(len(rows), 4)
+        self.assertEqual(rows[0][:6], ["id", "source", "title", "preview", "started_at",
+                                       "started_at_utc"])
+        self.assertLess(len(rows[0]), 20)
+        every = next(csv.reader(io.StringIO(self.run_cli("--db", db, "list", "-n", "1",
+                                                         "--format", "csv", "-c", "*").stdout)))
+        self.assertGreater(len(every), 60)
+        chosen = self.run_cli("--db", db, "list", "-n", "2", "--tsv", "-c", "id,started_at_utc",
+                              "--no-headers")
+        self.assertEqual(chosen.stdout.splitlines()[0].split("\t")[0], "bench_000019")
+        self.assertEqual([len(line.split("\t")) for line in chosen.stdout.splitlines()], [2, 2])
+        typo = self.run_cli("--db", db, "list", "--format", "csv", "-c", "titel")
+        self.assertEqual((typo.returncode, typo.stdout), (1, ""))
+        self.assertIn("no column 'titel'", typo.stderr)
+        for refused in (("--tsv", "--format", "csv"), ("-c", "id"), ("--json", "--no-headers")):
+            with self.subTest(refused=refused):
+                self.assertEqual(self.run_cli("--db", db, "list", *refused).returncode, 2)
+
+    def test_list_help_names_the_order_it_lists_in(self):
+        db = str(self.copy_fixture(V26_DB))
+        self.assertIn("newest start first", " ".join(self.run_cli("list", "--help").stdout.split()))
+        starts = [s["started_at"] for s in self.cli_json("--db", db, "list", "-n", "0", "--all",
+                                                         "--json")]
+        self.assertEqual(starts, sorted(starts, reverse=True))
+
+    def test_stats_totals_tokens_cost_and_activity(self):
+        db = str(self.copy_fixture(V31_DB))
+        with contextlib.closing(sqlite3.connect(db)) as conn:
+            tokens = conn.execute("SELECT SUM(input_tokens), SUM(output_tokens),"
+                                  " SUM(cache_read_tokens), SUM(reasoning_tokens),"
+                                  " SUM(COALESCE(actual_cost_usd, estimated_cost_usd)),"
+                                  " MIN(started_at) FROM sessions").fetchone()
+            last = conn.execute("SELECT MAX(t) FROM (SELECT MAX(timestamp) AS t FROM messages"
+                                " UNION ALL SELECT MAX(started_at) FROM sessions"
+                                " UNION ALL SELECT MAX(last_activity_at) FROM sessions)").fetchone()[0]
+        self.assertEqual(tokens[:2], (1123, 245))
+        stats = self.cli_json("--db", db, "stats", "--json")
+        self.assertEqual((stats["tokens"]["input"], stats["tokens"]["output"],
+                          stats["tokens"]["cache_read"], stats["tokens"]["reasoning"]), tokens[:4])
+        self.assertAlmostEqual(stats["cost_usd"], tokens[4])
+        self.assertEqual((stats["first_activity"], stats["last_activity"]), (tokens[5], last))
+        self.assertEqual(stats["first_activity_utc"], utc(tokens[5]))
+        text = self.run_cli("--db", db, "stats").stdout
+        self.assertIn("tokens: input 1,123, output 245,", text)
+        self.assertIn(f"first_activity: {time.strftime('%Y-%m-%d %H:%M', time.localtime(tokens[5]))}",
+                      text)
+
+    def test_doctor_hints_optimize_storage_until_the_index_is_ours(self):
+        db = str(self.copy_fixture(V22_DB))
+        report = self.cli_json("--db", db, "doctor", "--json")
+        self.assertIn("optimize-storage", report["hint"])
+        self.assertNotIn(None, report["search_meta"].values())
+        self.assertIn("optimize-storage", self.run_cli("--db", db, "doctor").stdout)
+        moved = self.run_cli("--db", db, "optimize-storage", "--yes", "--no-vacuum")
+        self.assertEqual(moved.returncode, 0, moved.stderr)
+        report = self.cli_json("--db", db, "doctor", "--json")
+        self.assertNotIn("hint", report)
+        self.assertTrue(report["search_meta"])
+        self.assertNotIn(None, report["search_meta"].values())
+
+    def test_optimize_says_it_upgraded_a_019_stores_schema(self):
+        db = str(self.copy_fixture(V22_DB))
+        first = self.run_cli("--db", db, "optimize")
+        self.assertEqual(first.returncode, 0, first.stderr)
+        self.assertRegex(first.stdout, rf"^upgraded the schema of {re.escape(db)} from version 22 "
+                                       r"to \d+\n")
+        again = self.run_cli("--db", db, "optimize", "--json")
+        self.assertIsNone(json.loads(again.stdout)["schema_upgraded"])
+
+
+class ErrorsInOneLine(CliCase):
+
+    def assert_one_error(self, done, text):
+        self.assertEqual(done.returncode, 1, done.stderr)
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        self.assertEqual(errors, [f"error: {text}"], done.stderr)
+        self.assertNotIn("Traceback", done.stderr)
+        self.assertNotIn("[Errno", done.stderr)
+
+    def test_a_bad_archive_is_refused_by_restore(self):
+        bad = self.tmp / "notes.zip"
+        bad.write_text("not a zip")
+        self.assert_one_error(self.run_cli("restore", str(bad)),
+                              f"restore refused: {bad} is not a zip archive")
+        self.assert_one_error(self.run_cli("restore", str(self.tmp / "none.zip")),
+                              f"restore: {self.tmp / 'none.zip'} does not exist; give the zip "
+                              "`backup` wrote")
+
+    def test_an_address_in_use_and_an_unwritable_path_are_one_sentence(self):
+        db = str(self.copy_fixture(V26_DB))
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+            port = taken.getsockname()[1]
+            done = self.run_cli("--db", db, "serve", "--port", str(port))
+        self.assert_one_error(done, f"cannot listen on 127.0.0.1:{port}: address already in use; "
+                                    "another program listens there (--port picks another)")
+        out = self.tmp / "missing" / "x.jsonl"
+        self.assert_one_error(self.run_cli("--db", db, "export", str(out)),
+                              f"cannot write {out}: no such file or directory; nothing was written")
+        self.assert_one_error(self.run_cli("--db", db, "backup", str(out.with_suffix(".zip"))),
+                              f"cannot write {out.with_suffix('.zip')}: no such file or directory; "
+                              "nothing was written")
+
+    def test_a_device_or_fifo_is_never_replaced_by_an_export_or_a_backup(self):
+        # The write renames a new file over OUT: over a FIFO (or, as root, /dev/full) that
+        # replaced the special file itself.
+        if not hasattr(os, "mkfifo"):
+            self.skipTest("no FIFOs on this platform")
+        db = str(self.copy_fixture(V26_DB))
+        fifo = self.tmp / "pipe"
+        os.mkfifo(fifo)
+        for command in (("export", str(fifo)), ("backup", str(fifo), "--force")):
+            with self.subTest(command=command[0]):
+                self.assert_one_error(self.run_cli("--db", db, *command),
+                                      f"{fifo} is not a regular file (a device, a FIFO or a "
+                                      "socket); nothing was written: give a file, or '-' for "
+                                      "standard output")
+                self.assertTrue(stat.S_ISFIFO(os.lstat(fifo).st_mode))

@@ -23,7 +23,7 @@ from pathlib import Path
 import hermes_state
 import hermes_state_lockguard
 from hermes_state import SessionDB, StoreLockedError, restore_home
-from test_support import REPO, TempDirTestCase, require
+from test_support import REPO, TempDirTestCase, fork, require
 
 POSIX_ONLY = "needs fcntl.flock and os.fork (POSIX)"
 DEADLINE = 20.0  # seconds a healthy step gets before the test calls it hung; a pass takes far less
@@ -108,7 +108,7 @@ class Forked:
     def __init__(self, body):
         to_parent, from_child = os.pipe()[::-1]
         to_child_read, to_child_write = os.pipe()
-        pid = os.fork()
+        pid = fork()
         if pid == 0:
             code = 1
             try:

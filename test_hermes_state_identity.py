@@ -15,9 +15,12 @@ from hermes_state_identity import (
 def row(**columns):
     """A sqlite3.Row with these columns, as a `SELECT *` gives it."""
     conn = sqlite3.connect(":memory:")
-    conn.row_factory = sqlite3.Row
-    names = ", ".join(f"? AS {name}" for name in columns) or "1 AS id"
-    return conn.execute(f"SELECT {names}", tuple(columns.values())).fetchone()
+    try:
+        conn.row_factory = sqlite3.Row
+        names = ", ".join(f"? AS {name}" for name in columns) or "1 AS id"
+        return conn.execute(f"SELECT {names}", tuple(columns.values())).fetchone()
+    finally:
+        conn.close()  # a fetched Row keeps its values
 
 
 class Codec(unittest.TestCase):

@@ -2,6 +2,7 @@
 
 import base64
 import collections
+import contextlib
 import copy
 import functools
 import hashlib
@@ -708,11 +709,13 @@ class SchemaV31(TempDirTestCase):
 
     def test_0_22s_export_imports_into_a_schema_31_store_with_its_columns_too(self):
         path = self.tmp / "emptied.db"
-        with sqlite3.connect(fixture_path(V31_DB)) as source, sqlite3.connect(path) as target:
+        with contextlib.closing(sqlite3.connect(fixture_path(V31_DB))) as source, \
+                contextlib.closing(sqlite3.connect(path)) as target:
             source.backup(target)
             drop_triggers_not_runnable_here(target)  # (0.22 made it on a SQLite with FTS5 and trigram)
             for table in ("session_model_usage", "messages", "sessions", "system_prompts"):
                 target.execute(f"DELETE FROM {table}")
+            target.commit()
         with SessionDB(path) as db:
             result = db.import_sessions(load_export(V31_EXPORT))
             self.assertEqual((result["ok"], result["imported"]), (True, 20), result["errors"])

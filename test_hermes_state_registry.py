@@ -11,7 +11,7 @@ import unittest
 import hermes_state_registry as registry
 from hermes_constants import reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB
-from test_support import TempDirTestCase
+from test_support import TempDirTestCase, fork
 
 
 class RegistryTestCase(TempDirTestCase):
@@ -232,7 +232,7 @@ class Fork(RegistryTestCase):
         holder = threading.Thread(target=hold)
         holder.start()
         held.wait(30)
-        pid = os.fork()
+        pid = fork()
         if pid == 0:  # the child: must neither hang on the lock nor lend the parent's handle
             try:
                 child = registry.acquire(self.tmp / "state.db")

@@ -106,6 +106,7 @@ class Runtime(unittest.TestCase):
 
     def test_deferred_index_sql_is_one_script_of_the_same_indexes(self):
         conn = sqlite3.connect(":memory:")
+        self.addCleanup(conn.close)
         conn.executescript(SCHEMA_SQL)
         conn.executescript(DEFERRED_INDEX_SQL)
         names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}

@@ -5,6 +5,7 @@ each refusal runs in a real process of a real Python (this one, or another found
 and must be one line on stderr, exit 1 (2 for a usage error), and leave no file behind.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -142,7 +143,7 @@ class TornReads(TempDirTestCase):
                                            for i in range(300)])
         torn = self.tmp / "torn.db"
         shutil.copyfile(good, torn)
-        with sqlite3.connect(good) as conn:
+        with contextlib.closing(sqlite3.connect(good)) as conn:
             root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'messages'"
                                 ).fetchone()[0]
             page_size = conn.execute("PRAGMA page_size").fetchone()[0]

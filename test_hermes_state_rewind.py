@@ -27,7 +27,7 @@ class RewindTestCase(StoreTestCase):
         return [(m["role"], m["content"]) for m in self.db.get_messages("s")]
 
     def active_flags(self):
-        return [row[0] for row in sqlite3.connect(self.path).execute(
+        return [row[0] for row in self.raw(self.path).execute(
             "SELECT active FROM messages WHERE session_id = 's' ORDER BY id")]
 
 

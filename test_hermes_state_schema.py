@@ -63,6 +63,7 @@ class DeclaredSchema(TempDirTestCase):
         sessions_probe = next(s for s in statements if s.endswith('FROM "sessions" LIMIT 0'))
         self.assertIn('"sessions"."title"', sessions_probe)
         conn = sqlite3.connect(":memory:")
+        self.addCleanup(conn.close)
         conn.executescript(SCHEMA_SQL)
         for statement in statements:
             conn.execute(statement)

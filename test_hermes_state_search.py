@@ -1,5 +1,6 @@
 """Search: query parsing, routing, the CJK side index, degraded runtimes, optimize-storage."""
 
+import contextlib
 import itertools
 import json
 import os
@@ -100,7 +101,8 @@ class Probes(TempDirTestCase):
 
     def test_probes_see_the_runtime(self):
         # What this build says of itself: FTS5 compiled in; the trigram tokenizer came with 3.34.
-        options = [row[0] for row in sqlite3.connect(":memory:").execute("PRAGMA compile_options")]
+        with contextlib.closing(sqlite3.connect(":memory:")) as conn:
+            options = [row[0] for row in conn.execute("PRAGMA compile_options")]
         fts5 = "ENABLE_FTS5" in options
         self.assertEqual(sqlite_supports_fts5(), fts5)
         self.assertEqual(sqlite_supports_trigram(), fts5 and sqlite3.sqlite_version_info >= (3, 34))

@@ -64,18 +64,7 @@ def layer_of(name):
 
 
 def _is_main_block(node):
-    """`class Packaging(unittest.TestCase):
-
-    def test_pyproject_installs_every_product_module(self):
-        # `pip install .` takes exactly the py-modules listed: a module missing there would be
-        # missing from the installed command, and fail only at its first import.
-        text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
-        listed = re.search(r"^py-modules = \[(.*?)\]", text, re.S | re.M).group(1)
-        self.assertEqual(sorted(re.findall(r'"([a-z_]+)"', listed)), sorted(project_modules()))
-        self.assertIn('version = {attr = "hermes_state_cli.__version__"}', text)
-
-
-if __name__ == "__main__":` at module level."""
+    """`if __name__ == "__main__":` at module level."""
     test = node.test if isinstance(node, ast.If) else None
     return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
             and len(test.comparators) == 1 and getattr(test.comparators[0], "value", None) == "__main__")

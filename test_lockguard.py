@@ -423,7 +423,7 @@ class RestoreSafety(TempDirTestCase):
                 self.assertFalse((home / "state.db").exists())
                 result = self.run_cli("--db", str(self.tmp / ("cli-" + name) / "state.db"), "restore", str(archive))
                 self.assertEqual(result.returncode, 1, result.stderr)
-                self.assertRegex(result.stderr, r"(?m)^error: backup refused: .* is damaged")
+                self.assertRegex(result.stderr, r"(?m)^error: restore refused: .* is damaged")
                 self.assertNotIn("Traceback", result.stderr)
 
     def test_restore_refuses_while_this_process_has_the_store_open(self):

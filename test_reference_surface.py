@@ -5,6 +5,7 @@ Where the reference keeps a mechanism ours replaced (its CJK tokenizer extension
 names answer for our layout: these tests hold them to that answer.
 """
 
+import contextlib
 import gzip
 import os
 import sqlite3
@@ -36,7 +37,7 @@ sys.stdin.read()
 
 def objects_of(path, names):
     """{name: sql} of these schema objects of the store at `path`."""
-    with sqlite3.connect(path) as conn:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
         rows = conn.execute(f"SELECT name, sql FROM sqlite_master WHERE name IN ({', '.join('?' * len(names))})",
                             list(names)).fetchall()
     return dict(rows)

@@ -235,14 +235,14 @@ class OurPreviousLayout(TempDirTestCase):
         for fixture in LAYOUT2:
             with self.subTest(fixture=fixture):
                 path = self.copy_fixture(fixture)
-                count = connect(path).execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+                count = self.raw(path).execute("SELECT COUNT(*) FROM messages").fetchone()[0]
                 if not HAS_FTS5:  # the move waits for FTS5; writes go on, the fallback answers
                     with SessionDB(path) as db:
                         # (0.22 rebuilt messages_fts as its own external index there)
                         self.assertEqual(db.fts_layout(), "external" if fixture.endswith("v22.db") else "previous")
                         new = db.append_message("prev_0", "user", "after the open 会话")
                         self.assertIn(new, {hit["id"] for hit in db.search_messages("会话", limit=1000)})
-                    self.assertEqual(connect(path).execute("SELECT COUNT(*) FROM messages").fetchone()[0], count + 1)
+                    self.assertEqual(self.raw(path).execute("SELECT COUNT(*) FROM messages").fetchone()[0], count + 1)
                     continue
                 with SessionDB(path) as db:
                     self.assertEqual(db.fts_layout(), "current")
@@ -257,7 +257,7 @@ class OurPreviousLayout(TempDirTestCase):
                     stuck = {name for name in names if name.startswith("messages_fts_trigram")} - {
                         "messages_fts_trigram_src"}
                     self.assertIn("messages_fts_trigram", stuck)
-                    self.assertFalse(any("messages_fts_trigram" in (sql or "") for (sql,) in connect(path).execute(
+                    self.assertFalse(any("messages_fts_trigram" in (sql or "") for (sql,) in self.raw(path).execute(
                         "SELECT sql FROM sqlite_master WHERE type = 'trigger'")))
                     names -= stuck
                 self.assertFalse(gone & names)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
+import warnings
 from pathlib import Path
 
 from hermes_state_schema import sqlite_supports_fts5, sqlite_supports_trigram
@@ -84,6 +85,15 @@ def fixture_path(name):
         os.chmod(scratch, 0o444)
         os.replace(scratch, path)
     return path
+
+
+def fork():
+    """os.fork() without Python 3.12's DeprecationWarning that the process has threads: the tests
+    that call it fork a threaded process on purpose, and the child only runs what they check,
+    then leaves through os._exit."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"This process .* is multi-threaded", DeprecationWarning)
+        return os.fork()
 
 
 def backdate(db, session_id, started_at):
