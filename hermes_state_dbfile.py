@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hermes_state_common import (
     HERMES_FTS_TABLES, META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS,
-    META_FTS_STORAGE_VERSION, META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS, SEARCH_TABLES,
+    META_FTS_STORAGE_VERSION,
 )
 from hermes_state_holders import (
     _gone, canonical_sqlite_path, open_descriptors, read_only_db_uri,
@@ -36,10 +36,6 @@ RETIRED_GENERATION_DIR_SUFFIX = ".retired-wal-"
 _FTS_REBUILD_DEFERRAL = "fts_rebuild_deferral"
 # The state_meta markers of a search-index backfill: ours when our index tables are there, else
 # hermes-agent's.
-_BACKFILL_MARKS = {True: (META_SEARCH_HIGH_WATER, META_SEARCH_PROGRESS),
-                   False: (META_FTS_REBUILD_HIGH_WATER, META_FTS_REBUILD_PROGRESS)}
-
-
 class _TrackedConnection(sqlite3.Connection):
     """A connection counted in hermes_state_lockguard's registry until its first close()."""
 
@@ -108,21 +104,16 @@ def collect_state_db_stats(db_path):
         stats["journal_mode"] = value("PRAGMA journal_mode", cast=str)
         for table in ("messages", "sessions"):
             stats[table] = value(f"SELECT COUNT(*) FROM {table}")
-        ours = False
-        # Presence read off sqlite_master: a damaged index must not fail the snapshot.
+        # Presence read off sqlite_master: a damaged index must not fail the snapshot. (Our word
+        # and trigram indexes are hermes-agent's layout 3; its CJK index needs its tokenizer.)
         with contextlib.suppress(Exception):
             tables = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
             present = {row[0] for row in tables}
-            ours = SEARCH_TABLES["word"] in present
-            # By hermes-agent's names, for the role each index plays: our word and trigram indexes
-            # count as its own (its CJK index needs its tokenizer; ours is apart).
-            stats["fts_tables"] = {
-                table: table in present or (index != "cjk" and SEARCH_TABLES[index] in present)
-                for index, table in HERMES_FTS_TABLES.items()}
+            stats["fts_tables"] = {table: table in present for table in HERMES_FTS_TABLES.values()}
         meta = "SELECT value FROM state_meta WHERE key = ?"
         stats["fts_storage_version"] = value(meta, (META_FTS_STORAGE_VERSION,))
-        high_water = stats["fts_rebuild_high_water"] = value(meta, (_BACKFILL_MARKS[ours][0],))
-        progress = stats["fts_rebuild_progress"] = value(meta, (_BACKFILL_MARKS[ours][1],))
+        high_water = stats["fts_rebuild_high_water"] = value(meta, (META_FTS_REBUILD_HIGH_WATER,))
+        progress = stats["fts_rebuild_progress"] = value(meta, (META_FTS_REBUILD_PROGRESS,))
         stats["fts_rebuild_pending"] = high_water is not None and (progress or 0) < high_water
         deferral = value(meta, (_FTS_REBUILD_DEFERRAL,), cast=str)
         with contextlib.suppress(ValueError, TypeError):

@@ -230,16 +230,11 @@ def job_import(SessionDB, path, source, **_):
     return {"seconds": seconds, "messages": sum(len(s["messages"]) for s in payload)}
 
 
-def _word_table(conn):
-    names = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    return next(t for t in ("hs_fts_words", "messages_fts") if t in names)
-
-
 def job_raw_search(SessionDB, path, queries, runs=SEARCH_RUNS, **_):
-    """The raw ranked FTS5 query on the store's word index, no API around it."""
+    """The raw ranked FTS5 query on the store's word index (hermes-agent's messages_fts, every
+    side's), no API around it."""
     conn = sqlite3.connect(path)
-    table = _word_table(conn)
-    sql = f"SELECT rowid FROM {table} WHERE {table} MATCH ? ORDER BY rank LIMIT 20"
+    sql = "SELECT rowid FROM messages_fts WHERE messages_fts MATCH ? ORDER BY rank LIMIT 20"
     out = {label: {"ms": _median_ms(lambda: conn.execute(sql, (query,)).fetchall(), runs)} for label, query in queries}
     conn.close()
     return out
@@ -493,10 +488,10 @@ def job_raw_rare(SessionDB, path, runs=SEARCH_RUNS, **_):
     work (the ranked rows with their snippet, then each hit's neighbours)."""
     from hermes_state_search import FTS_SNIPPET_SQL, SEARCH_CONTEXT_SQL, SEARCH_RANKED_SQL
     conn = sqlite3.connect(path)
-    rowids = "SELECT rowid FROM hs_fts_words WHERE hs_fts_words MATCH ? ORDER BY rank LIMIT 20"
-    ranked = SEARCH_RANKED_SQL.format(table="hs_fts_words", no_tools="",  # search_messages' filter:
+    rowids = "SELECT rowid FROM messages_fts WHERE messages_fts MATCH ? ORDER BY rank LIMIT 20"
+    ranked = SEARCH_RANKED_SQL.format(table="messages_fts", no_tools="",  # search_messages' filter:
                                       filters=" AND (m.active = 1 OR m.compacted = 1)",
-                                      snippet=FTS_SNIPPET_SQL.format(table="hs_fts_words"))
+                                      snippet=FTS_SNIPPET_SQL.format(table="messages_fts"))
 
     def same_work():
         rows = conn.execute(ranked, {"match": RARE_WORD, "limit": 20, "offset": 0}).fetchall()

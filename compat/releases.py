@@ -218,7 +218,9 @@ def run_optimize(programs, python, overlay, fixture):
                               env=env, cwd=folder, capture_output=True, text=True, timeout=600,
                               stdin=subprocess.DEVNULL)
         problems = []
-        if done.returncode != 0 or "Search index optimized" not in done.stdout or "Error" in done.stdout:
+        # (a 0.20 store's index is layout 3 once our open moved it: then there is nothing to do)
+        finished = "Search index optimized" in done.stdout or "nothing to do" in done.stdout
+        if done.returncode != 0 or not finished or "Error" in done.stdout:
             tail = (done.stdout.strip().splitlines() + done.stderr.strip().splitlines())[-3:]
             problems.append("exit %s: %s" % (done.returncode, " | ".join(tail)))
         record = programs.run("ours", "check", store, "check")
