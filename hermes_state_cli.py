@@ -33,6 +33,7 @@ from hermes_state_display import (
 from hermes_state_lockguard import _raw_store_access
 from hermes_state_portability import EXPORT_FORMATS, write_export
 from hermes_state_schema import SCHEMA_VERSION
+from hermes_state_search import GRAMMAR_BOOLEAN, GRAMMAR_HERMES
 
 # Commands that only read: opened read-only (no DDL, no repair, no journal switch, no lock file).
 # The others write, to a store that must exist already (import may create one).
@@ -288,7 +289,7 @@ def _cmd_search(db, args, out):
     def fetch(limit, offset):
         return db.search_messages(args.query, source_filter=args.source, role_filter=args.role,
                                   limit=limit, offset=args.offset + offset, sort=args.sort,
-                                  include_inactive=args.include_inactive)
+                                  include_inactive=args.include_inactive, grammar=args.grammar)
     # One more than asked, to know whether there are more.
     asked = args.limit + 1 if args.limit and args.limit < LIST_LIMIT_MAX else args.limit
     hits = _all_pages(fetch, asked)
@@ -831,7 +832,8 @@ def _cmd_demo(args, out):
             print_session(db.export_session("demo-zh"), out)
             for query in ("my-app.config.ts", "迁移", "会话历史"):
                 out.write(f"\n== search {query!r} (python3 -m hermes_state search ...)\n")
-                print_table(*hit_rows(_numbered(db, db.search_messages(query)), query), out)
+                hits = db.search_messages(query, grammar=GRAMMAR_BOOLEAN)
+                print_table(*hit_rows(_numbered(db, hits), query), out)
             out.write(f"\nstore: {db.db_path}\n"
                       f"try:   python3 -m hermes_state --db {db.db_path} list\n")
     finally:
@@ -981,6 +983,11 @@ def build_parser():
     search.add_argument("--sort", choices=["relevance", "newest", "oldest"],
                         help="relevance (default: best match first), newest or oldest")
     search.add_argument("--include-inactive", action="store_true", help="include rewound messages")
+    search.add_argument("--grammar", choices=[GRAMMAR_BOOLEAN, GRAMMAR_HERMES],
+                        default=GRAMMAR_BOOLEAN,
+                        help="boolean (default): terms are ANDed, with OR, NOT, \"phrases\" and "
+                             "prefix* meaning what they say in any script; hermes-agent: its "
+                             "reading (a query with a 1-2 character CJK term matches any term)")
     command("optimize", "merge the search index segments (quick)")
     storage = command("optimize-storage",
                       "move an old search index layout to the current one, then VACUUM")

@@ -29,6 +29,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from hermes_state import SessionDB, restore_home
 from hermes_state_portability import json_default
+from hermes_state_search import GRAMMAR_BOOLEAN
 
 MAX_BODY_BYTES = 25 * 1024 * 1024
 DEFAULT_PORT = 8765
@@ -493,7 +494,8 @@ class ApiHandler(BaseHTTPRequestHandler):
         try:  # one hit more than asked says whether another page follows
             hits = self.server.db.search_messages(
                 text, limit=limit + 1, offset=offset, role_filter=query.get("role") or None,
-                source_filter=query.get("source") or None)
+                source_filter=query.get("source") or None,
+                grammar=query.get("grammar", [GRAMMAR_BOOLEAN])[-1])
         except ValueError as exc:
             raise ApiError(HTTPStatus.BAD_REQUEST, str(exc)) from None
         return json_response({"query": text, "hits": hits[:limit], "limit": limit, "offset": offset,

@@ -157,6 +157,21 @@ class ReadingRealStores(CliCase):
                 self.assertEqual([line.split()[:2] for line in table[2:]],
                                  [[hit["session_id"], str(hit["number"])] for hit in hits])
 
+    def test_search_means_what_the_user_typed_unless_asked_for_hermes_agents_reading(self):
+        db = str(self.copy_fixture(V26_DB))
+
+        def ids(query, *grammar):
+            return {hit["id"] for hit in self.cli_json("--db", db, "search", query, "-n", "0",
+                                                       "--json", *grammar)}
+        cjk, word = ids("迁移"), ids("schema")
+        self.assertEqual(ids("迁移 schema"), cjk & word)
+        self.assertEqual(ids("迁移 NOT schema"), cjk - word)  # a NOT never adds a hit
+        self.assertEqual(ids("迁移 OR schema"), cjk | word)
+        # hermes-agent's reading: a 1-2 character CJK term makes every term an alternative.
+        self.assertEqual(ids("迁移 NOT schema", "--grammar", "hermes-agent"), cjk | word)
+        refused = self.run_cli("--db", db, "search", "x", "--grammar", "any")
+        self.assertEqual(refused.returncode, 2)
+
     def test_show_heads_a_session_with_its_times_and_cost_and_full_prints_it_whole(self):
         db = str(self.copy_fixture(V31_DB))
         with contextlib.closing(sqlite3.connect(db)) as conn:

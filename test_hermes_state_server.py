@@ -90,6 +90,12 @@ class Endpoints(ServerCase):
         status, found = self.call("/api/search?q=migration&role=user&limit=3")
         self.assertEqual(status, 200)
         self.assertTrue(found["hits"] and all(h["role"] == "user" for h in found["hits"]))
+        # What the user typed (all terms); hermes-agent's reading (any term) on request; a bad one: 400.
+        both = urllib.request.quote("会话 migration")  # (no message holds both)
+        plain = {h["id"] for h in self.call("/api/search?limit=100&q=" + both)[1]["hits"]}
+        hermes = {h["id"] for h in self.call("/api/search?limit=100&grammar=hermes-agent&q=" + both)[1]["hits"]}
+        self.assertLess(len(plain), len(hermes))
+        self.assertEqual(self.call("/api/search?grammar=nope&q=x")[0], 400)
 
     def test_an_import_is_then_found_by_search(self):
         entry = {"id": "fresh", "source": "api", "messages": [{"role": "user", "content": "quokka 袋鼠岛", "timestamp": 5}]}
