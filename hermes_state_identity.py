@@ -105,7 +105,8 @@ def pair_tool_result(message, calls_seen):
     results an older build or a lone append stored unpaired)."""
     role = message.get("role")
     if role == "assistant":
-        uids = uid_map(_live_or_column(message, TOOL_CALL_UIDS, "tool_call_uids"))
+        held = _live_or_column(message, TOOL_CALL_UIDS, "tool_call_uids")
+        uids = uid_map(held) if held else {}
         calls_seen.update({key: uid if isinstance(uid, str) else uid[-1]
                            for key, uid in uids.items()})
     elif role == "user":
@@ -165,6 +166,24 @@ def _restore_row_identity(row, msg):
     call_uid = _column(row, "tool_call_uid")
     if call_uid:
         msg[TOOL_CALL_UID] = call_uid
+
+
+def identity_keys(stored):
+    """The identity keys of a message dict made afresh from a stored row ({column: value} of
+    IDENTITY_COLUMNS, missing ones None): restore_identity_columns' result on an empty dict,
+    without its merging (a loaded transcript reads thousands of rows)."""
+    keys = {}
+    if stored.get("message_uid"):
+        keys[MESSAGE_UID] = stored["message_uid"]
+    calls = uid_map(stored.get("tool_call_uids")) if stored.get("tool_call_uids") else None
+    if calls:
+        keys[TOOL_CALL_UIDS] = calls
+    if stored.get("tool_call_uid"):
+        keys[TOOL_CALL_UID] = stored["tool_call_uid"]
+    absorbed = uid_list(stored.get("absorbed_message_uids") or [])
+    if absorbed:
+        keys[ABSORBED_MESSAGE_UIDS] = absorbed
+    return keys
 
 
 def restore_identity_columns(row, msg):

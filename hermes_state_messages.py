@@ -27,8 +27,8 @@ from hermes_state_errors import (
 )
 from hermes_state_identity import (
     IDENTITY_COLUMNS, MESSAGE_UID, STEER_DISPLAY_KIND, call_count, display_metadata_text,
-    is_compaction_summary, loaded_view_content, message_row, pair_tool_result,
-    restore_identity_columns, split_user_turn, tool_call_key,
+    identity_keys, is_compaction_summary, loaded_view_content, message_row, pair_tool_result,
+    split_user_turn, tool_call_key,
 )
 from hermes_state_schema import live_columns
 
@@ -1044,7 +1044,7 @@ def _conversation_message(row, include_row_id, extra=None):
     if include_row_id and row_id is not None:
         message["_row_id"] = row_id
     if extra and not host_is_020():  # 0.20 sends a loaded dict's keys to the model as they are
-        restore_identity_columns(extra, message)
+        message.update(identity_keys(extra))
         if extra.get("_compressed_summary"):
             message["_compressed_summary"] = True
     if api_content:
