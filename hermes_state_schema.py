@@ -320,11 +320,11 @@ META_UID_BACKFILL_CURSOR = "message_uid_backfill_id"
 # The backfill's budget: each chunk a transaction of its own that stays well under 100 ms of lock
 # (the chunk's id span halves after a slow one and doubles after a quick one: an old store's
 # per-row update triggers make rows cost ten times more), and an open spends at most
-# UID_BACKFILL_BUDGET_S on it, as 0.22's does; the next open resumes.
+# OPEN_BACKFILL_BUDGET_S on it, as 0.22's does; the next open resumes.
 UID_BACKFILL_FIRST_SPAN = 2000
 UID_BACKFILL_MAX_SPAN = 50000
 UID_BACKFILL_CHUNK_TARGET_S = 0.025
-UID_BACKFILL_BUDGET_S = 1.0
+OPEN_BACKFILL_BUDGET_S = 1.0
 
 
 # The display backfill: a session with a visible row lacking its display identity or order (the
@@ -340,22 +340,34 @@ _DISPLAY_ROWS_SQL = (
     f" WHERE session_id = :session AND id > :after AND {_VISIBLE} ORDER BY id LIMIT :rows")
 
 
-def _fold_display_rows(conn, session_id, after, first_ids):
-    """Inside a write: one chunk of a session's visible rows after id `after`, each given its
-    display identity and the first id of its identity (`first_ids`, carried across chunks);
-    (the last id read, or None when the session is done; rows written)."""
-    rows = conn.execute(_DISPLAY_ROWS_SQL, {"session": session_id, "after": after,
-                                            "rows": DISPLAY_BACKFILL_ROWS}).fetchall()
-    changed = []
-    for row in rows:
-        identity = display_identity(row)
-        order = first_ids.setdefault(identity, row["id"])
-        if (order, identity) != (row["display_order"], row["display_identity"]):
-            changed.append({"order": order, "identity": identity, "id": row["id"]})
-    conn.executemany("UPDATE messages SET display_order = :order, display_identity = :identity"
-                     " WHERE id = :id", changed)
-    last = rows[-1]["id"] if len(rows) == DISPLAY_BACKFILL_ROWS else None
-    return last, len(changed)
+def _fold_display_chunk(conn, place):
+    """Inside a write: fold about DISPLAY_BACKFILL_ROWS visible rows, from `place` (a session begun
+    in an earlier chunk, or None) on to the next sessions needing it; (where to go on: a place,
+    None for the next session, False when none is left; rows written). Returns a new place, never
+    changes the one given: a write retried on a lock starts from the same one."""
+    budget, fixed = DISPLAY_BACKFILL_ROWS, 0
+    while budget > 0:
+        if place is None:
+            found = conn.execute(_DISPLAY_BACKFILL_NEXT_SQL).fetchone()
+            if found is None:
+                return False, fixed
+            place = (found[0], 0, {})
+        session_id, after, first_ids = place[0], place[1], dict(place[2])
+        limit = budget
+        rows = conn.execute(_DISPLAY_ROWS_SQL, {"session": session_id, "after": after,
+                                                "rows": limit}).fetchall()
+        changed = []
+        for row in rows:
+            identity = display_identity(row)
+            order = first_ids.setdefault(identity, row["id"])
+            if (order, identity) != (row["display_order"], row["display_identity"]):
+                changed.append({"order": order, "identity": identity, "id": row["id"]})
+        conn.executemany("UPDATE messages SET display_order = :order,"
+                         " display_identity = :identity WHERE id = :id", changed)
+        fixed, budget = fixed + len(changed), budget - max(len(rows), 1)
+        # A full read may have left rows of the session: go on there; else it is done.
+        place = (session_id, rows[-1]["id"], first_ids) if len(rows) == limit else None
+    return place, fixed
 
 
 def _probe(connect, ddl):
@@ -866,11 +878,11 @@ class SessionSchemaMixin:
         """Mint a message_uid for each row written before the store had the column, in id order:
         a chunk a transaction (see UID_BACKFILL_CHUNK_TARGET_S), the last id done kept in
         META_UID_BACKFILL_CURSOR in the same transaction, so a kill loses no work and repeats none;
-        at most `budget_s` (UID_BACKFILL_BUDGET_S) an open. A row without one reads as a message
+        at most `budget_s` (OPEN_BACKFILL_BUDGET_S) an open. A row without one reads as a message
         without identity."""
         if self._read_value(SELECT_META_SQL, (META_UID_BACKFILL_DONE,)) is not None:
             return
-        deadline = time.monotonic() + (UID_BACKFILL_BUDGET_S if budget_s is None else budget_s)
+        deadline = time.monotonic() + (OPEN_BACKFILL_BUDGET_S if budget_s is None else budget_s)
         span, done = UID_BACKFILL_FIRST_SPAN, 0
 
         def chunk(conn):
@@ -903,23 +915,19 @@ class SessionSchemaMixin:
 
     def _backfill_display_index(self, budget_s=None):
         """Give visible rows without one their display identity and order, as 0.22's next display
-        read of their session would (rows 0.20 wrote, rows an edit cleared): session by session,
-        DISPLAY_BACKFILL_ROWS rows a transaction, at most `budget_s` (UID_BACKFILL_BUDGET_S) an
-        open. Each row's order is the id of the first visible row of its session with the same
-        identity; only rows that differ are written. The rows still without one are the work
-        left, so a cut-short run resumes."""
-        deadline = time.monotonic() + (UID_BACKFILL_BUDGET_S if budget_s is None else budget_s)
-        done = 0
+        read of their session would (rows 0.20 wrote, rows an edit cleared): about
+        DISPLAY_BACKFILL_ROWS rows a transaction across sessions, at most `budget_s`
+        (OPEN_BACKFILL_BUDGET_S) an open. Each row's order is the id of the first visible row of
+        its session with the same identity; only rows that differ are written. The rows still
+        without one are the work left, so a cut-short run resumes."""
+        deadline = time.monotonic() + (OPEN_BACKFILL_BUDGET_S if budget_s is None else budget_s)
+        place, done = None, 0  # (session, last id folded, {identity: first id}) of a session begun
         while time.monotonic() < deadline:
-            session_id = self._read_value(_DISPLAY_BACKFILL_NEXT_SQL)
-            if session_id is None:
+            place, fixed = self._execute_write(lambda conn: _fold_display_chunk(conn, place))
+            done += fixed
+            if place is False:
                 break
-            first_ids, after = {}, 0
-            while after is not None:
-                after, fixed = self._execute_write(
-                    lambda conn: _fold_display_rows(conn, session_id, after, first_ids))
-                done += fixed
-                pause_between_chunks()
+            pause_between_chunks()
         if done:
             logger.info("schema: gave %d older messages their display identity", done)
 

@@ -857,12 +857,13 @@ class SessionSessionsMixin:
         return self._resolved(self._with_reader(read))
 
     def _listing_sql(self, sql):
-        """`sql`, led on a read-only store that predates some session columns by a `sessions` CTE
-        giving them their declared defaults, so the listings read old stores too."""
+        """`sql`, led on a read-only store that predates some session columns (0.20's lacks
+        schema 31's) by a `sessions` CTE giving them their declared defaults, so the listings read
+        old stores too."""
         shim = self.__dict__.get("_sessions_shim")
         if shim is None:
             shim = ""
-            if self.read_only and self.stale_schema:
+            if self.read_only:
                 live = {row[1] for row in self._read_all('PRAGMA table_info("sessions")')}
                 added = [f"{(_DEFAULT_RE.findall(expr) or ['NULL'])[0]} AS {name}"
                          for name, expr in declared_columns()["sessions"].items()

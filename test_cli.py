@@ -340,7 +340,7 @@ class ErrorsInOneLine(CliCase):
         bad = self.tmp / "notes.zip"
         bad.write_text("not a zip")
         self.assert_one_error(self.run_cli("restore", str(bad)),
-                              f"restore refused: {bad} is not a zip archive")
+                              f"restore refused: {bad} is not a zip archive; nothing was restored")
         self.assert_one_error(self.run_cli("restore", str(self.tmp / "none.zip")),
                               f"restore: {self.tmp / 'none.zip'} does not exist; give the zip "
                               "`backup` wrote")

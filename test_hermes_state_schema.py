@@ -485,7 +485,7 @@ class Schema31Objects(TempDirTestCase):
 BACKFILL_CHILD = """
 import sys, hermes_state_schema as schema
 schema.UID_BACKFILL_FIRST_SPAN = schema.UID_BACKFILL_MAX_SPAN = 300
-schema.UID_BACKFILL_BUDGET_S = 3600
+schema.OPEN_BACKFILL_BUDGET_S = 3600
 from hermes_state import SessionDB
 SessionDB(sys.argv[1]).close()
 """
