@@ -422,6 +422,10 @@ def _private_output(path):
     if path == "-":
         yield sys.stdout
         return
+    if os.path.exists(path) and not os.path.isfile(path):
+        # The rename would replace a device, a FIFO or a socket (as root, /dev/full itself).
+        raise ValueError(f"{path} is not a regular file (a device, a FIFO, a socket or a folder);"
+                         " nothing was written")
     folder, name = os.path.split(os.path.abspath(path))
     fd, temporary = tempfile.mkstemp(prefix=f".{name[:80]}.", suffix=".part", dir=folder)
     try:

@@ -11,9 +11,11 @@ import os
 import random
 import re
 import sqlite3
+import stat
 import subprocess
 import sys
 import threading
+import unittest
 import zipfile
 
 from hermes_state import SessionDB, restore_home
@@ -918,6 +920,16 @@ class Renderers(StoreTestCase):
                                "function": {"name": "terminal", "arguments": "{\"command\": \"ls </tmp>\"}"}}])
         self.db.append_message("r1", "tool", "out " * 400, tool_name="terminal", tool_call_id="c1")
 
+
+    @unittest.skipUnless(hasattr(os, "mkfifo"), "no FIFOs on this platform")
+    def test_a_fifo_or_a_folder_at_the_path_is_refused_and_left_as_it_is(self):
+        fifo = self.tmp / "out.jsonl"
+        os.mkfifo(fifo)
+        for fmt in ("jsonl", "html", "trace"):
+            with self.subTest(fmt=fmt), self.assertRaisesRegex(ValueError, "not a regular file"):
+                write_export(self.db.export_all(), fmt, str(fifo))
+        self.assertTrue(stat.S_ISFIFO(os.stat(fifo).st_mode))
+        self.assertEqual([p.name for p in self.tmp.iterdir() if p.name.endswith(".part")], [])
     def test_md_and_qmd_carry_a_verifiable_body_hash_and_a_manifest(self):
         for fmt in ("md", "qmd"):
             folder = self.tmp / fmt
