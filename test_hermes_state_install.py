@@ -100,17 +100,18 @@ def run_cli(*args, cwd=REPO, prefix=()):
 
 
 # Run install in a child that SIGKILLs itself right after its Nth call of os.replace (a backup or
-# module put in place) or os.unlink (a host file removed): killed between two files.
+# module put in place) or os.unlink (a host file removed) inside the host: killed between two files.
 KILLED_INSTALL = r"""
 import os, signal, sys
 import hermes_state_install as install
 calls = {"n": 0}
 def killing(real):
-    def call(*args):
-        real(*args)
-        calls["n"] += 1
-        if calls["n"] == int(sys.argv[2]):
-            os.kill(os.getpid(), signal.SIGKILL)
+    def call(*args, **kwargs):
+        real(*args, **kwargs)
+        if str(args[0]).startswith(sys.argv[1]):
+            calls["n"] += 1
+            if calls["n"] == int(sys.argv[2]):
+                os.kill(os.getpid(), signal.SIGKILL)
     return call
 os.replace, os.unlink = killing(os.replace), killing(os.unlink)
 install.install(install.locate(sys.argv[1]))
@@ -118,14 +119,15 @@ install.install(install.locate(sys.argv[1]))
 
 
 class HostTestCase(unittest.TestCase):
+    """A fresh copy of the release's venv for each test."""
     release = "0.22"
 
     def setUp(self):
-        venv = venv_of(self.release)
+        self.cache = venv_of(self.release)
         self.tmp = tempfile.mkdtemp(prefix="hermes-install-test-")
         self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
         self.venv = os.path.join(self.tmp, "venv")
-        self.site = make_host(venv, self.venv)
+        self.site = make_host(self.cache, self.venv)
         self.before = snapshot(self.venv)
 
     def assertUnchanged(self):
@@ -141,7 +143,29 @@ class HostTestCase(unittest.TestCase):
 
 
 class Refusals(HostTestCase):
-    """Each refusal: one line, exit 1, the host byte for byte as it was."""
+    """Each refusal: one line, exit 1, the host byte for byte as it was.
+
+    One copy of the venv serves the class (a copy takes seconds on a busy machine); a test that
+    changes a file of it puts the cache's file back when it ends.
+    """
+
+    @classmethod
+    def setUpClass(cls):
+        host = HostTestCase("setUp")
+        host.setUp()
+        cls.addClassCleanup(host.doCleanups)
+        cls.cache, cls.tmp, cls.venv, cls.site, cls.before = (
+            host.cache, host.tmp, host.venv, host.site, host.before)
+
+    def setUp(self):
+        self.assertUnchanged()
+
+    def change(self, name, edit):
+        """Apply `edit` to the host's file `name`; the cache's copy goes back after the test."""
+        self.addCleanup(shutil.copy2, os.path.join(glob.glob(os.path.join(
+            self.cache, "lib", "python3*", "site-packages"))[0], name), self.site)
+        edit(os.path.join(self.site, name))
+        self.before = snapshot(self.venv)
 
     def test_check_tells_the_release_and_changes_nothing(self):
         for path in (self.venv, self.site):
@@ -152,23 +176,32 @@ class Refusals(HostTestCase):
                           run.stdout)
         self.assertUnchanged()
 
+    def test_check_without_path_finds_the_hermes_on_path(self):
+        path = os.path.join(self.venv, "bin") + os.pathsep + os.environ.get("PATH", "")
+        run = subprocess.run([sys.executable, "-m", "hermes_state", "install", "--check"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, PATH=path))
+        self.assertEqual(run.returncode, 0, run.stderr)
+        self.assertIn(f"hermes-agent 0.22 at {os.path.realpath(self.site)} (python "
+                      f"{os.path.join(self.venv, 'bin', 'python')})", run.stdout)
+        self.assertUnchanged()
+
     def test_a_hand_edited_state_module_is_named_and_refused(self):
-        with open(os.path.join(self.site, "hermes_state_search.py"), "a") as handle:
-            handle.write("# a local fix\n")
-        self.before = snapshot(self.venv)
+        def edit(path):
+            with open(path, "a") as handle:
+                handle.write("# a local fix\n")
+        self.change("hermes_state_search.py", edit)
         for args in (("install", self.venv), ("install", "--check", self.venv)):
             self.assertRefused(run_cli(*args), "hermes_state_search.py match no hermes-agent 0.22",
                                "nothing was changed")
 
     def test_an_unknown_release_is_refused_with_its_metadata_version(self):
-        os.unlink(os.path.join(self.site, "hermes_state_wal.py"))
-        self.before = snapshot(self.venv)
+        self.change("hermes_state_wal.py", os.unlink)
         self.assertRefused(run_cli("install", self.venv), "unknown hermes-agent release",
                            "metadata says 0.22.2.post1", "32 of them as in 0.22's 33")
 
     def test_a_path_that_is_not_hermes_agent_is_refused(self):
-        os.unlink(os.path.join(self.site, "run_agent.py"))
-        self.before = snapshot(self.venv)
+        self.change("run_agent.py", os.unlink)
         self.assertRefused(run_cli("install", self.site), "is not hermes-agent: no run_agent.py")
         self.assertRefused(run_cli("install", self.tmp), "is not hermes-agent")
         self.assertRefused(run_cli("install", str(REPO)), "is not hermes-agent")
@@ -184,9 +217,8 @@ class Refusals(HostTestCase):
                 self.skipTest("running as root without setpriv to drop to another user")
         else:
             prefix = []
+            self.addCleanup(os.chmod, self.site, os.stat(self.site).st_mode)
             os.chmod(self.site, 0o555)
-            self.addCleanup(os.chmod, self.site, 0o755)
-            self.before = snapshot(self.venv)
         run = run_cli("install", path, prefix=prefix)
         self.assertRefused(run, "is read-only to this user; nothing was changed")
 
@@ -210,8 +242,12 @@ class KilledInstall(HostTestCase):
 
     def test_an_install_killed_between_files_is_put_back_by_uninstall(self):
         # 1: the manifest written, the backup not yet in place; 2: the backup in place; 9: seven
-        # of our modules placed; 45: our 40 placed and a host file removed.
-        for step in (1, 2, 9, 45):
+        # of our modules placed; the last: all of ours placed and the host's compiled
+        # hermes_state.cpython-*.pyc removed, the verification not begun.
+        last = 2 + len(glob.glob(str(REPO / "hermes_state*.py"))) + len(glob.glob(
+            os.path.join(self.site, "__pycache__", "hermes_state*.pyc")))
+        self.assertGreater(last, 2 + 40)
+        for step in (1, 2, 9, last):
             with self.subTest(step=step):
                 run = subprocess.run([sys.executable, "-c", KILLED_INSTALL, self.venv, str(step)],
                                      cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -252,6 +288,40 @@ class FailedVerification(HostTestCase):
         self.assertUnchanged()
 
 
+class GitCheckout(HostTestCase):
+    release = "0.19"
+
+    def setUp(self):
+        if not FULL:
+            self.skipTest(FULL_REASON)
+        super().setUp()
+
+    def test_a_checkout_with_its_venv_inside_installs_and_uninstalls(self):
+        # hermes-agent's own files at the root of a git work tree, its venv in `venv/` beside them
+        checkout = os.path.join(self.tmp, "hermes-agent")
+        with open(glob.glob(os.path.join(self.site, "hermes_agent*.dist-info",
+                                         "top_level.txt"))[0], encoding="utf-8") as handle:
+            own = handle.read().split()
+        os.makedirs(checkout)
+        for name in own:
+            for source in glob.glob(os.path.join(self.site, name + ".py")):
+                shutil.copy2(source, checkout)
+            if os.path.isdir(os.path.join(self.site, name)):
+                shutil.copytree(os.path.join(self.site, name), os.path.join(checkout, name),
+                                copy_function=os.link)
+        subprocess.run(["git", "init", "-q", checkout], check=True, timeout=60)
+        os.rename(self.venv, os.path.join(checkout, "venv"))
+        before = snapshot(checkout)
+        run = run_cli("install", checkout)
+        self.assertEqual(run.returncode, 0, run.stderr)
+        self.assertIn(f"hermes-agent 0.19 at {checkout} (python {checkout}/venv/bin/python)",
+                      run.stdout)
+        self.assertIn("verified with its python", run.stdout)
+        run = run_cli("uninstall", checkout)
+        self.assertEqual(run.returncode, 0, run.stderr)
+        self.assertEqual(snapshot(checkout), before)
+
+
 class InstallVerifyUninstall(unittest.TestCase):
     """Each release: install, the agent's own command on our modules, twice is a no-op, uninstall
     gives back every file byte for byte."""
@@ -280,14 +350,24 @@ class InstallVerifyUninstall(unittest.TestCase):
         after = snapshot(host.venv)
         self.assertEqual(after[os.path.relpath(os.path.join(host.site, "hermes_constants.py"),
                                                host.venv)], constants)
+        # A session written by the installed modules, listed by the agent's own command.
         home = os.path.join(host.tmp, "home")
         os.makedirs(home)
+        env = dict(os.environ, HERMES_HOME=home)
+        written = subprocess.run(
+            [os.path.join(host.venv, "bin", "python"), "-c",
+             "import hermes_state as s; print(s.__file__); db = s.SessionDB(); "
+             "db.create_session('20261203_installed', source='cli'); "
+             "db.append_message('20261203_installed', role='user', content='hello'); db.close()"],
+            capture_output=True, text=True, env=env, timeout=300)
+        self.assertEqual(written.returncode, 0, written.stderr)
+        self.assertEqual(written.stdout.strip(), os.path.join(host.site, "hermes_state.py"))
         program = glob.glob(os.path.join(host.venv, "bin", "hermes")) or \
             glob.glob(os.path.join(host.venv, "bin", "hermesx"))
         listed = subprocess.run([program[0], "sessions", "list"], capture_output=True, text=True,
-                                env=dict(os.environ, HERMES_HOME=home), timeout=300)
+                                env=env, timeout=300)
         self.assertEqual(listed.returncode, 0, listed.stderr)
-        self.assertTrue(os.path.exists(os.path.join(home, "state.db")))
+        self.assertIn("20261203_installed", listed.stdout)
         again = run_cli("install", host.venv)
         self.assertEqual((again.returncode, again.stdout.split(":")[0]),
                          (0, f"already installed in hermes-agent {release} at {host.site}"))
