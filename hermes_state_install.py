@@ -158,6 +158,10 @@ class Host:
     def path(self, *names):
         return os.path.join(self.folder, *names)
 
+    def glob(self, *pattern):
+        """Paths in the host matching `pattern` (the folder's own name taken literally)."""
+        return glob.glob(os.path.join(glob.escape(self.folder), *pattern))
+
 
 def locate(path=None, python=None):
     """The Host at `path` (a checkout, venv or site-packages), else of the `hermes` on $PATH."""
@@ -270,9 +274,9 @@ def our_modules():
 
 def host_files(host):
     """Relative names of the host's state modules and their compiled copies."""
-    names = sorted(os.path.basename(p) for p in glob.glob(host.path("hermes_state*.py")))
+    names = sorted(os.path.basename(p) for p in host.glob("hermes_state*.py"))
     return names + sorted(os.path.join("__pycache__", os.path.basename(p))
-                          for p in glob.glob(host.path("__pycache__", "hermes_state*.pyc")))
+                          for p in host.glob("__pycache__", "hermes_state*.pyc"))
 
 
 # -- the backup and its manifest -------------------------------------------------------------
@@ -328,8 +332,7 @@ def _restore(host, manifest):
             _refuse(f"the backup's {entry['name']} differs from its manifest; nothing was changed")
     for entry in manifest["ours"]:
         stem = entry["name"][:-3]
-        for path in [host.path(entry["name"])] + glob.glob(host.path("__pycache__",
-                                                                       stem + ".*.pyc")):
+        for path in [host.path(entry["name"])] + host.glob("__pycache__", stem + ".*.pyc"):
             if os.path.exists(path):
                 os.unlink(path)
     for entry in manifest["host"]:
@@ -343,7 +346,7 @@ def _restore(host, manifest):
 def state_importers(host):
     """Dotted names of the host's own modules that import the state layer."""
     tops = None
-    for listing in glob.glob(host.path("*.dist-info", "top_level.txt")):
+    for listing in host.glob("*.dist-info", "top_level.txt"):
         names = open(listing, encoding="utf-8").read().split()
         if "hermes_state" in names:
             tops = names
@@ -446,8 +449,8 @@ def install(host, check=False, out=None):
             _refuse(f"an install into {host.folder} stopped after {_journal_steps(host)} steps: "
                     f"run `python3 -m hermes_state uninstall {host.folder}` to put it back")
         if not _installed_matches(host, manifest):
-            _refuse(f"{host.folder} runs modules of ours other than this checkout's: run "
-                    f"uninstall, then install")
+            _refuse(f"{host.folder} runs modules of ours other than this checkout's (installed "
+                    f"from {manifest['from']}): run uninstall, then install")
         out.write(f"already installed in hermes-agent {manifest['release']} at {host.folder}: "
                   "nothing to do\n")
         return 0
@@ -462,6 +465,8 @@ def install(host, check=False, out=None):
                   f"in {host.backup} with a manifest\n")
         return 0
     modules = state_importers(host)
+    sys.stderr.write(f"importing its {len(modules)} modules that use the state layer with its "
+                     "python, before and after the swap...\n")
     source, failed_before = import_failures(host, modules)
     if source is None:
         _refuse(f"{host.python} could not run hermes-agent's modules: "
@@ -482,7 +487,11 @@ def install(host, check=False, out=None):
             if name not in ours and os.path.exists(host.path(name)):
                 os.unlink(host.path(name))
                 done(f"removed {name}")
-    failure = verify(host, modules, failed_before)
+    try:
+        failure = verify(host, modules, failed_before)
+    except BaseException:  # Ctrl-C during the check: the host goes back as it was
+        _restore(host, read_manifest(host))
+        raise
     if failure is not None:
         _restore(host, read_manifest(host))
         _refuse(f"verification failed, the host was put back as it was: {failure}")

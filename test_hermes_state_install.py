@@ -311,7 +311,11 @@ class GitCheckout(HostTestCase):
                                 copy_function=os.link)
         subprocess.run(["git", "init", "-q", checkout], check=True, timeout=60)
         os.rename(self.venv, os.path.join(checkout, "venv"))
-        before = snapshot(checkout)
+        # hermes-agent's update check runs `git fetch` in its own work tree when imported.
+        def files():
+            return {name: facts for name, facts in snapshot(checkout).items()
+                    if not name.startswith(".git" + os.sep)}
+        before = files()
         run = run_cli("install", checkout)
         self.assertEqual(run.returncode, 0, run.stderr)
         self.assertIn(f"hermes-agent 0.19 at {checkout} (python {checkout}/venv/bin/python)",
@@ -319,7 +323,7 @@ class GitCheckout(HostTestCase):
         self.assertIn("verified with its python", run.stdout)
         run = run_cli("uninstall", checkout)
         self.assertEqual(run.returncode, 0, run.stderr)
-        self.assertEqual(snapshot(checkout), before)
+        self.assertEqual(files(), before)
 
 
 class InstallVerifyUninstall(unittest.TestCase):
@@ -359,7 +363,7 @@ class InstallVerifyUninstall(unittest.TestCase):
              "import hermes_state as s; print(s.__file__); db = s.SessionDB(); "
              "db.create_session('20261203_installed', source='cli'); "
              "db.append_message('20261203_installed', role='user', content='hello'); db.close()"],
-            capture_output=True, text=True, env=env, timeout=300)
+            cwd=home, capture_output=True, text=True, env=env, timeout=300)
         self.assertEqual(written.returncode, 0, written.stderr)
         self.assertEqual(written.stdout.strip(), os.path.join(host.site, "hermes_state.py"))
         program = glob.glob(os.path.join(host.venv, "bin", "hermes")) or \
