@@ -368,10 +368,25 @@ class InstallVerifyUninstall(unittest.TestCase):
         self.assertEqual(written.stdout.strip(), os.path.join(host.site, "hermes_state.py"))
         program = glob.glob(os.path.join(host.venv, "bin", "hermes")) or \
             glob.glob(os.path.join(host.venv, "bin", "hermesx"))
+        # An agent turn on our modules, against make compat's fake model server and its config.
+        sys.path.insert(0, str(REPO / "compat"))
+        self.addCleanup(sys.path.remove, str(REPO / "compat"))
+        import e2e
+        import fake_llm
+        server = fake_llm.start()
+        self.addCleanup(server.shutdown)
+        with open(os.path.join(home, "config.yaml"), "w", encoding="utf-8") as handle:
+            handle.write(e2e.CONFIG.format(model=fake_llm.MODEL, port=server.server_address[1])
+                         + (e2e.CONFIG_22 if release != "0.20" else ""))
+        turn = subprocess.run([program[0]] + e2e.q("Hello from the installed agent"), cwd=home,
+                              capture_output=True, text=True, env=env, timeout=600)
+        self.assertEqual(turn.returncode, 0, turn.stderr)
+        self.assertIn("Reply to: Hello from the installed agent", turn.stdout)
         listed = subprocess.run([program[0], "sessions", "list"], capture_output=True, text=True,
                                 env=env, timeout=300)
         self.assertEqual(listed.returncode, 0, listed.stderr)
         self.assertIn("20261203_installed", listed.stdout)
+        self.assertIn("Hello from the installed agent", listed.stdout)
         again = run_cli("install", host.venv)
         self.assertEqual((again.returncode, again.stdout.split(":")[0]),
                          (0, f"already installed in hermes-agent {release} at {host.site}"))
