@@ -107,7 +107,7 @@ from hermes_cli.main import main
 sys.exit(main())
 """
 PROBE_SESSION = "20261203_hermes_state_install_check"
-PROBE_TIMEOUT = 600  # seconds; 0.22's 94 importers take about 25 s on a busy 2-core machine
+PROBE_TIMEOUT = 600  # seconds; 0.22's 93 importers take about 25 s on a busy 2-core machine
 _IMPORTS_STATE = re.compile(r"^\s*(from|import)\s+hermes_state", re.M)
 
 
@@ -187,11 +187,14 @@ def locate(path=None, python=None):
 
 
 def _shebang_python(script):
+    """The python on the script's #! line (`/usr/bin/env python3` looked up on $PATH)."""
     with open(script, "rb") as handle:
-        first = handle.readline().decode("utf-8", "replace").strip()
-    if not first.startswith("#!") or not first[2:].strip():
-        _refuse(f"{script} has no #! line naming its python: give --python")
-    return first[2:].split()[0]
+        words = handle.readline().decode("utf-8", "replace")[2:].split()
+    if words[:1] and os.path.basename(words[0]) == "env" and len(words) > 1:
+        words = [shutil.which(words[1]) or words[1]]
+    if not words or "python" not in os.path.basename(words[0]):
+        _refuse(f"{script} names no python on its #! line: give --python")
+    return words[0]
 
 
 def _state_folder(python, where):
@@ -264,9 +267,11 @@ def identify(folder):
 def our_modules():
     """File names of the modules we install: every hermes_state*.py of this checkout.
 
-    The host imports the state layer's 33 names; the rest (cli, display, server, install and the
-    export helpers) are standard library only and make `python -m hermes_state`, run by the
-    host's python, work on the agent's own store and undo the install from there.
+    hermes-agent imports 33 of them at most (0.22's set); our state layer also needs the export
+    helpers and replica (portability and SessionDB import them), and cli, display, server and
+    install, which hermes-agent never imports, are standard library only: with them `python -m
+    hermes_state` run by the host's python works on the agent's own store and can undo the
+    install from there.
     """
     return sorted(os.path.basename(path)
                   for path in glob.glob(os.path.join(glob.escape(HERE), "hermes_state*.py")))

@@ -8,11 +8,13 @@ state layer (25 to 60 s for 0.22 on a busy 2-core machine), run with HERMES_STAT
 `make test-install`.
 """
 
+import contextlib
 import glob
 import hashlib
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -374,6 +376,7 @@ class InstallVerifyUninstall(unittest.TestCase):
         import e2e
         import fake_llm
         server = fake_llm.start()
+        self.addCleanup(server.server_close)
         self.addCleanup(server.shutdown)
         with open(os.path.join(home, "config.yaml"), "w", encoding="utf-8") as handle:
             handle.write(e2e.CONFIG.format(model=fake_llm.MODEL, port=server.server_address[1])
@@ -385,8 +388,15 @@ class InstallVerifyUninstall(unittest.TestCase):
         listed = subprocess.run([program[0], "sessions", "list"], capture_output=True, text=True,
                                 env=env, timeout=300)
         self.assertEqual(listed.returncode, 0, listed.stderr)
-        self.assertIn("20261203_installed", listed.stdout)
-        self.assertIn("Hello from the installed agent", listed.stdout)
+        with contextlib.closing(sqlite3.connect(os.path.join(home, "state.db"))) as conn:
+            ids = [row[0] for row in conn.execute("SELECT id FROM sessions ORDER BY id")]
+            said = conn.execute("SELECT role, content FROM messages WHERE session_id = ? ORDER BY"
+                                " id", (ids[0],)).fetchall()
+        self.assertEqual(len(ids), 2)
+        self.assertEqual([role for role, _text in said], ["user", "assistant"])
+        self.assertIn("Reply to: Hello from the installed agent", said[1][1])
+        for session_id in ids:
+            self.assertIn(session_id, listed.stdout)
         again = run_cli("install", host.venv)
         self.assertEqual((again.returncode, again.stdout.split(":")[0]),
                          (0, f"already installed in hermes-agent {release} at {host.site}"))
