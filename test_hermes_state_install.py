@@ -390,8 +390,8 @@ class InstallVerifyUninstall(unittest.TestCase):
         self.assertEqual(listed.returncode, 0, listed.stderr)
         with contextlib.closing(sqlite3.connect(os.path.join(home, "state.db"))) as conn:
             ids = [row[0] for row in conn.execute("SELECT id FROM sessions ORDER BY id")]
-            said = conn.execute("SELECT role, content FROM messages WHERE session_id = ? ORDER BY"
-                                " id", (ids[0],)).fetchall()
+            said = conn.execute("SELECT role, content FROM messages WHERE session_id != ? ORDER BY"
+                                " id", ("20261203_installed",)).fetchall()
         self.assertEqual(len(ids), 2)
         self.assertEqual([role for role, _text in said], ["user", "assistant"])
         self.assertIn("Reply to: Hello from the installed agent", said[1][1])
