@@ -504,8 +504,9 @@ def install(host, check=False, out=None):
     manifest["complete"] = True
     _write_json(os.path.join(host.backup, MANIFEST), manifest)
     out.write(f"installed our {len(ours)} modules in place of its {kept} (its hermes_constants.py "
-              f"kept); its files are in {host.backup}\nverified with its python: the {len(modules)} modules that import "
-              f"the state layer import as before, `hermes sessions list` runs\n"
+              f"kept); its files are in {host.backup}\n"
+              f"verified with its python: the {len(modules)} modules that import the state layer "
+              "import as before, `hermes sessions list` runs\n"
               f"undo: python3 -m hermes_state uninstall {host.folder}\n")
     return 0
 
