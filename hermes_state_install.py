@@ -120,6 +120,8 @@ def _refuse(message):
     raise InstallRefused(message)
 
 
+# -- the only places that open a file: never a store, only modules, the backup and its manifest --
+
 def sha256_of(path):
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -128,12 +130,25 @@ def sha256_of(path):
     return digest.hexdigest()
 
 
+def _read(path):
+    """The text of a file (a module, a manifest, a journal, a #! script, package metadata)."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        return handle.read()
+
+
 def _fsync(path):
+    """Flush a file or a folder's entries to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _copy(source, target):
+    """A copy with the source's bytes, mode and times, on disk before it is renamed anywhere."""
+    shutil.copy2(source, target)
+    _fsync(target)
 
 
 def _write_json(path, data):
@@ -143,6 +158,14 @@ def _write_json(path, data):
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(path + ".tmp", path)
+
+
+def _append_line(path, line):
+    """Add one line to the journal, on disk before the next step starts."""
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(line + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 # -- finding the host --------------------------------------------------------------------
@@ -188,8 +211,7 @@ def locate(path=None, python=None):
 
 def _shebang_python(script):
     """The python on the script's #! line (`/usr/bin/env python3` looked up on $PATH)."""
-    with open(script, "rb") as handle:
-        words = handle.readline().decode("utf-8", "replace")[2:].split()
+    words = _read(script).split("\n", 1)[0][2:].split()
     if words[:1] and os.path.basename(words[0]) == "env" and len(words) > 1:
         words = [shutil.which(words[1]) or words[1]]
     if not words or "python" not in os.path.basename(words[0]):
@@ -256,8 +278,7 @@ def identify(folder):
     version = None
     for metadata in glob.glob(os.path.join(glob.escape(folder), "hermes_agent*.dist-info",
                                            "METADATA")):
-        with open(metadata, encoding="utf-8") as handle:
-            version = re.search(r"^Version: (\S+)", handle.read(), re.M)
+        version = re.search(r"^Version: (\S+)", _read(metadata), re.M)
     _refuse(f"{folder}: unknown hermes-agent release"
             + (f" (its metadata says {version.group(1)})" if version else "")
             + f": {len(found)} state modules, {len(same[closest])} of them as in {closest}'s "
@@ -289,16 +310,14 @@ def host_files(host):
 def read_manifest(host):
     """The manifest of the install at `host`, or None when there is none."""
     try:
-        with open(os.path.join(host.backup, MANIFEST), encoding="utf-8") as handle:
-            return json.load(handle)
+        return json.loads(_read(os.path.join(host.backup, MANIFEST)))
     except FileNotFoundError:
         return None
 
 
 def _journal_steps(host):
     try:
-        with open(os.path.join(host.backup, JOURNAL), encoding="utf-8") as handle:
-            return len(handle.read().splitlines())
+        return len(_read(os.path.join(host.backup, JOURNAL)).splitlines())
     except FileNotFoundError:
         return 0
 
@@ -307,7 +326,7 @@ def _place(host, source, name):
     """Put a copy of `source` at the host's `name` in one rename (a kill leaves the old file)."""
     incoming = os.path.join(host.backup, "incoming", name)
     os.makedirs(os.path.dirname(incoming), exist_ok=True)
-    shutil.copy2(source, incoming)
+    _copy(source, incoming)
     os.replace(incoming, host.path(name))
 
 
@@ -319,8 +338,7 @@ def _write_backup(host, release, originals, ours):
     entries = []
     for name in originals:
         copy = os.path.join(partial, "files", name)
-        shutil.copy2(host.path(name), copy)
-        _fsync(copy)
+        _copy(host.path(name), copy)
         entries.append({"name": name, "sha256": sha256_of(copy)})
     _write_json(os.path.join(partial, MANIFEST), {
         "format": 1, "release": release, "from": HERE, "complete": False, "host": entries,
@@ -352,7 +370,7 @@ def state_importers(host):
     """Dotted names of the host's own modules that import the state layer."""
     tops = None
     for listing in host.glob("*.dist-info", "top_level.txt"):
-        names = open(listing, encoding="utf-8").read().split()
+        names = _read(listing).split()
         if "hermes_state" in names:
             tops = names
     if tops is None:  # a checkout: its root modules and packages
@@ -367,9 +385,8 @@ def state_importers(host):
             dirs[:] = [d for d in dirs if d.isidentifier() and d != "tests"]
             paths += [os.path.join(root, name) for name in files if name.endswith(".py")]
         for path in paths:
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                if not _IMPORTS_STATE.search(handle.read()):
-                    continue
+            if not _IMPORTS_STATE.search(_read(path)):
+                continue
             dotted = os.path.relpath(path, host.folder)[:-3].replace(os.sep, ".")
             found.append(dotted[:-len(".__init__")] if dotted.endswith(".__init__") else dotted)
     return sorted(found)
@@ -391,8 +408,7 @@ def import_failures(host, modules):
     result = os.path.join(home, "probe.json")
     try:
         run = _run_probe(host, _IMPORT_PROBE, [result] + modules, home)
-        with open(result, encoding="utf-8") as handle:
-            found = json.load(handle)
+        found = json.loads(_read(result))
     except (OSError, ValueError):
         return None, {"hermes_state": (run.stderr.strip().splitlines() or ["no output"])[-1]}
     finally:
@@ -480,18 +496,14 @@ def install(host, check=False, out=None):
         _refuse(f"{host.python} imports hermes_state from {source}, not {host.folder}: give "
                 "--python; nothing was changed")
     _write_backup(host, release, originals, ours)
-    with open(os.path.join(host.backup, JOURNAL), "a", encoding="utf-8") as journal:
-        def done(step):
-            journal.write(step + "\n")
-            journal.flush()
-            os.fsync(journal.fileno())
-        for name in ours:
-            _place(host, os.path.join(HERE, name), name)
-            done(f"placed {name}")
-        for name in originals:
-            if name not in ours and os.path.exists(host.path(name)):
-                os.unlink(host.path(name))
-                done(f"removed {name}")
+    journal = os.path.join(host.backup, JOURNAL)
+    for name in ours:
+        _place(host, os.path.join(HERE, name), name)
+        _append_line(journal, f"placed {name}")
+    for name in originals:
+        if name not in ours and os.path.exists(host.path(name)):
+            os.unlink(host.path(name))
+            _append_line(journal, f"removed {name}")
     try:
         failure = verify(host, modules, failed_before)
     except BaseException:  # Ctrl-C during the check: the host goes back as it was
