@@ -23,14 +23,18 @@
 #               with gcc from the pinned amalgamation, cached outside the repo) and a store carried
 #               across them: one line per runtime, then the total
 # make test-faults - power cuts (FUSE), a full tmpfs, EIO, read-only, virtiofs: docs/faults.md
+# make test-install - `install`/`uninstall` on copies of `make compat`'s hermes-agent 0.19, 0.20 and
+#               0.22 venvs (skipped without them): installed, verified, a killed install and a failed
+#               verification put back, every file compared; "N passed, N failed, N skipped"
 SHELL := /bin/bash
 PYTHON ?= python3
+TEST_PATTERN ?= test_*.py
 
 .PHONY: test test-all bench demo mutate compat replicate-test test-runtimes package-test
 
 test:
 	@log=$$(mktemp); \
-	$(PYTHON) -m unittest discover -t . -s . -p 'test_*.py' 2>&1 | tee "$$log"; \
+	$(PYTHON) -m unittest discover -t . -s . -p '$(TEST_PATTERN)' 2>&1 | tee "$$log"; \
 	status=$${PIPESTATUS[0]}; \
 	awk -v status="$$status" ' \
 	  /^Ran [0-9]+ test/ { ran = $$2 } \
@@ -96,3 +100,8 @@ package-test:
 .PHONY: test-faults
 test-faults:
 	@$(PYTHON) faults/run.py
+
+.PHONY: test-install
+test-install:
+	@HERMES_STATE_INSTALL_TESTS=1 $(MAKE) --no-print-directory test \
+	  PYTHON="$(PYTHON)" TEST_PATTERN='test_hermes_state_install.py'

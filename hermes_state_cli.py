@@ -30,6 +30,7 @@ from hermes_state_display import (
     hit_rows, human_size, one_line, plural, print_fields, print_json, print_session, print_table,
     printable, session_cost, session_rows, utc_iso, write_records,
 )
+from hermes_state_install import INSTALL_COMMANDS, add_install_parsers, run_install_command
 from hermes_state_lockguard import _raw_store_access
 from hermes_state_portability import EXPORT_FORMATS, write_export
 from hermes_state_schema import SCHEMA_VERSION
@@ -1055,6 +1056,7 @@ def build_parser():
     command("stats", "counts and sizes")
     command("doctor", "a verdict, then integrity, layouts, journal, runtime")
     command("demo", "build and show an example store in a temp home")
+    add_install_parsers(commands)
     return parser
 
 
@@ -1133,6 +1135,8 @@ def _run(args, out):
     """The command, on a store opened the way it needs (read-only for a read)."""
     if args.command == "demo":
         return _cmd_demo(args, out)
+    if args.command in INSTALL_COMMANDS:
+        return run_install_command(args, out)
     if args.command == "restore":
         return _cmd_restore(args, out)
     if args.command == "serve":

@@ -46,6 +46,7 @@ FIXED_LAYERS = {
     "hermes_state_registry": 4.5,  # one shared SessionDB per store path, reference counted
     "hermes_state_server": 5,
     "hermes_state_display": 5.5,  # the command line's tables, fields, progress lines and escapes
+    "hermes_state_install": 5.8,  # install/uninstall into a hermes-agent: the standard library only
     "hermes_state_cli": 6,  # the command line starts the server (`serve`), never the reverse
 }
 MIXIN_LAYER = 3

@@ -217,6 +217,13 @@ RAW_OPENS = {
     ("hermes_state_holders", "_proc_argv"): "/proc/<pid>/cmdline, never a store",
     ("hermes_state_lockowners", "state_db_write_lock_holders"): "/proc/locks, never a store",
     ("hermes_state_wal", "_path_on_cross_vm_fs"): "/proc/self/mountinfo, never a store",
+    ("hermes_state_install", "_read"): "hermes-agent's modules, metadata and #! scripts, our manifest "
+                                       "and journal: never a store",
+    ("hermes_state_install", "sha256_of"): "state modules and their backups, never a store",
+    ("hermes_state_install", "_copy"): "state modules into and out of the backup, never a store",
+    ("hermes_state_install", "_fsync"): "a copied module or the folder holding the modules",
+    ("hermes_state_install", "_write_json"): "the install's manifest in its backup folder",
+    ("hermes_state_install", "_append_line"): "the install's journal in its backup folder",
     ("hermes_state_common", "claim_file_beside"): "creates a new file (O_EXCL) for a backup or a VACUUM INTO "
                                                  "copy, never opens one that exists",
 }
