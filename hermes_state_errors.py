@@ -212,6 +212,10 @@ class WalUnsupportedError(sqlite3.OperationalError):
     """WAL was required (`require_wal=True`) and the filesystem refused it."""
 
 
+class InstallRefused(RuntimeError):
+    """`install` or `uninstall` stopped with the host as it was; the message is one line."""
+
+
 # -- What a failed write means to the user ---------------------------------------------------------
 
 # Where hermes-agent's user-facing storage errors send a reader.

@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from hermes_state_errors import InstallRefused
+
 HERE = os.path.dirname(os.path.realpath(__file__))
 BACKUP = ".hermes_state_backup"
 MANIFEST = "manifest.json"
@@ -109,11 +111,6 @@ sys.exit(main())
 PROBE_SESSION = "20261203_hermes_state_install_check"
 PROBE_TIMEOUT = 600  # seconds; 0.22's 93 importers take about 25 s on a busy 2-core machine
 _IMPORTS_STATE = re.compile(r"^\s*(from|import)\s+hermes_state", re.M)
-
-
-# -> hermes_state_errors
-class InstallRefused(RuntimeError):
-    """Install or uninstall stopped with the host as it was; the message is one line."""
 
 
 def _refuse(message):
