@@ -323,14 +323,14 @@ META_UID_BACKFILL_CURSOR = "message_uid_backfill_id"
 # OPEN_BACKFILL_BUDGET_S on it, as 0.22's does; the next open resumes.
 UID_BACKFILL_FIRST_SPAN = 2000
 UID_BACKFILL_MAX_SPAN = 50000
-UID_BACKFILL_CHUNK_TARGET_S = 0.025
+BACKFILL_CHUNK_TARGET_S = 0.025
 OPEN_BACKFILL_BUDGET_S = 1.0
 
 
 # The display backfill: a session with a visible row lacking its display identity or order (the
 # partial index idx_messages_display_backfill holds exactly those), and a session's visible rows
 # in id order, a chunk at a time.
-DISPLAY_BACKFILL_ROWS = 1000
+DISPLAY_BACKFILL_ROWS, DISPLAY_BACKFILL_MAX_ROWS = 500, 4000
 _DISPLAY_BACKFILL_NEXT_SQL = (
     "SELECT session_id FROM messages INDEXED BY idx_messages_display_backfill"
     f" WHERE (display_order IS NULL OR display_identity IS NULL) AND {_VISIBLE} LIMIT 1")
@@ -340,12 +340,20 @@ _DISPLAY_ROWS_SQL = (
     f" WHERE session_id = :session AND id > :after AND {_VISIBLE} ORDER BY id LIMIT :rows")
 
 
-def _fold_display_chunk(conn, place):
-    """Inside a write: fold about DISPLAY_BACKFILL_ROWS visible rows, from `place` (a session begun
-    in an earlier chunk, or None) on to the next sessions needing it; (where to go on: a place,
-    None for the next session, False when none is left; rows written). Returns a new place, never
-    changes the one given: a write retried on a lock starts from the same one."""
-    budget, fixed = DISPLAY_BACKFILL_ROWS, 0
+def _next_chunk_size(size, took, largest):
+    """A backfill's next chunk: half after one slower than BACKFILL_CHUNK_TARGET_S, twice after
+    one under a quarter of it (up to `largest`), else the same."""
+    if took > BACKFILL_CHUNK_TARGET_S:
+        return max(size // 2, 1)
+    return min(size * 2, largest) if took < BACKFILL_CHUNK_TARGET_S / 4 else size
+
+
+def _fold_display_chunk(conn, place, rows):
+    """Inside a write: fold about `rows` visible rows, from `place` (a session begun in an
+    earlier chunk, or None) on to the next sessions needing it; (where to go on: a place, None for
+    the next session, False when none is left; rows written). Returns a new place, never changes
+    the one given: a write retried on a lock starts from the same one."""
+    budget, fixed = rows, 0
     while budget > 0:
         if place is None:
             found = conn.execute(_DISPLAY_BACKFILL_NEXT_SQL).fetchone()
@@ -876,7 +884,7 @@ class SessionSchemaMixin:
 
     def _backfill_message_uids(self, budget_s=None):
         """Mint a message_uid for each row written before the store had the column, in id order:
-        a chunk a transaction (see UID_BACKFILL_CHUNK_TARGET_S), the last id done kept in
+        a chunk a transaction (see BACKFILL_CHUNK_TARGET_S), the last id done kept in
         META_UID_BACKFILL_CURSOR in the same transaction, so a kill loses no work and repeats none;
         at most `budget_s` (OPEN_BACKFILL_BUDGET_S) an open. A row without one reads as a message
         without identity."""
@@ -904,29 +912,28 @@ class SessionSchemaMixin:
             if minted is None:
                 break
             done += minted
-            took = time.monotonic() - started
-            if took > UID_BACKFILL_CHUNK_TARGET_S:
-                span = max(span // 2, 1)
-            elif took < UID_BACKFILL_CHUNK_TARGET_S / 4:
-                span = min(span * 2, UID_BACKFILL_MAX_SPAN)
+            span = _next_chunk_size(span, time.monotonic() - started, UID_BACKFILL_MAX_SPAN)
             pause_between_chunks()
         if done:
             logger.info("schema: minted a message_uid for %d older messages", done)
 
     def _backfill_display_index(self, budget_s=None):
         """Give visible rows without one their display identity and order, as 0.22's next display
-        read of their session would (rows 0.20 wrote, rows an edit cleared): about
-        DISPLAY_BACKFILL_ROWS rows a transaction across sessions, at most `budget_s`
+        read of their session would (rows 0.20 wrote, rows an edit cleared): chunks of rows
+        across sessions sized to BACKFILL_CHUNK_TARGET_S a transaction, at most `budget_s`
         (OPEN_BACKFILL_BUDGET_S) an open. Each row's order is the id of the first visible row of
         its session with the same identity; only rows that differ are written. The rows still
         without one are the work left, so a cut-short run resumes."""
         deadline = time.monotonic() + (OPEN_BACKFILL_BUDGET_S if budget_s is None else budget_s)
         place, done = None, 0  # (session, last id folded, {identity: first id}) of a session begun
+        rows = DISPLAY_BACKFILL_ROWS
         while time.monotonic() < deadline:
-            place, fixed = self._execute_write(lambda conn: _fold_display_chunk(conn, place))
+            started = time.monotonic()
+            place, fixed = self._execute_write(lambda conn: _fold_display_chunk(conn, place, rows))
             done += fixed
             if place is False:
                 break
+            rows = _next_chunk_size(rows, time.monotonic() - started, DISPLAY_BACKFILL_MAX_ROWS)
             pause_between_chunks()
         if done:
             logger.info("schema: gave %d older messages their display identity", done)
