@@ -21,7 +21,7 @@ from collections import namedtuple
 from hermes_state_common import (
     CJK_BLOCK_BITS, CJK_CHAR_CLASS, CONTENT_JSON_PREFIX, CONTEXT_CHARS,
     FTS_TRIGRAM_EXCLUDED_SOURCES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content,
-    escape_like, sqlite_keeps,
+    escape_like, host_is_020, sqlite_keeps,
 )
 # Tests import these from here, where search kept them before the index's life moved out.
 from hermes_state_common import cjk_terms  # noqa: F401
@@ -252,6 +252,15 @@ def _substring_retry(tree):
     """True when words that found nothing should be tried inside longer tokens
     ('youer' in '修改youer服务端'), as hermes-agent does: no CJK, every term 3+ characters."""
     return all(len(term.text) >= 3 and not CJK_RE.search(term.text) for term in _leaves(tree))
+
+
+def _any_term(tree):
+    """0.22's retry of an all-words query that found nothing: the same terms, any of them
+    (phrases stay whole); None where it does not retry (one term, an explicit OR or NOT, CJK)."""
+    if tree[0] != "and" or any(child[0] != "term" or CJK_RE.search(child[1].text)
+                               for child in tree[1]):
+        return None
+    return ("or", tree[1])
 
 
 def hermes_scans(tree, state):
@@ -530,6 +539,9 @@ class SessionSearchMixin:
             rows = self._run_search(state, *search)
         if not rows and "word" in state.usable and _substring_retry(tree):
             rows = self._run_search(state._replace(substring=True), *search)
+        relaxed = not rows and grammar == GRAMMAR_HERMES and not host_is_020() and _any_term(tree)
+        if relaxed:  # (0.20 answered such a query with nothing: rule 14)
+            rows = self._run_search(state, relaxed, *search[1:])
         terms = _positive_terms(tree)
         contexts = self._contexts(rows) if "context" in fields else [None] * len(rows)
         return [self._hit(row, terms, fields, scans, context)

