@@ -268,12 +268,14 @@ def message_row(session_id, message, default_time, columns, direct=False, calls_
     if len(columns) > len(MESSAGE_WRITE_COLUMNS):
         optional = {"_compressed_summary": 1 if get("_compressed_summary") else 0}
         if "message_uid" in columns and isinstance(message, dict):
-            # The caller's dict keeps its message_uid (a later write of it names the same
-            # message); the tool call uids stay on a copy, as an import's dict has no key for them.
+            # The caller's dict keeps the uids its row got (a later write of it names the same
+            # message, and 0.22's flush pairs a result written later with its call's uid read
+            # off the assistant's dict); inside 0.20 they stay on a copy.
             stamped = dict(message)
             stamp_identity(stamped, tool_calls, {} if calls_seen is None else calls_seen)
             if not host_is_020():  # its dicts go to the model as they are (docs/differences.md)
-                message[MESSAGE_UID] = stamped[MESSAGE_UID]
+                message.update((key, stamped[key]) for key in (MESSAGE_UID, TOOL_CALL_UIDS,
+                                                               TOOL_CALL_UID) if key in stamped)
             optional.update(identity_values(stamped))
         if "display_identity" in columns:
             optional["display_identity"] = display_identity(row)

@@ -32,6 +32,7 @@ from hermes_state_common import (
     loads_or, normalize_title, placeholders, quote_identifier, resolved_max_export_messages,
     scrub_surrogates, sqlite_keeps)
 from hermes_state_errors import SessionExportTooLargeError
+from hermes_state_identity import ABSORBED_MESSAGE_UIDS, TOOL_CALL_UID, TOOL_CALL_UIDS
 from hermes_state_export_formats import (
     BINARY_TYPES, EXPORT_RUN_MESSAGES, JSONL_ENCODER, SCALARS_ENCODER, decoded_calls,
     encoded_calls, json_default, jsonl_session, message_runs)
@@ -184,9 +185,11 @@ SESSION_RESET_FIELDS = frozenset({
 SESSION_CONVERTED_FIELDS = SESSION_RESET_FIELDS | {
     "started_at", "model_config", *SESSION_TEXT_FIELDS, *SESSION_FLOAT_FIELDS, *SESSION_FLAG_FIELDS}
 # Message fields the import writes its own way: new ids, the importing session, the flags, the
-# `message_id` alias of platform_message_id, and the columns 0.22 derives.
+# `message_id` alias of platform_message_id, the columns 0.22 derives, and the live identity keys
+# the write puts on its copies of the entries (their columns come in as exported).
 MESSAGE_RESET_FIELDS = frozenset({"id", "session_id", "message_id", "active", "compacted",
-                                  "_row_id", *DERIVED_MESSAGE_COLUMNS})
+                                  "_row_id", *DERIVED_MESSAGE_COLUMNS, TOOL_CALL_UIDS,
+                                  TOOL_CALL_UID, ABSORBED_MESSAGE_UIDS})
 # Message fields with a rule of their own; any other is carried as it is.
 MESSAGE_RULED_FIELDS = MESSAGE_RESET_FIELDS | frozenset(MESSAGE_WRITE_COLUMNS)
 # Structured message fields stored as JSON text; the import reads text in them as JSON first.

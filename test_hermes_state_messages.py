@@ -735,6 +735,9 @@ class SchemaThirtyOneColumns(MessageTestCase):
         call_uid = json.loads(rows[1]["tool_call_uids"])["call_1"]
         self.assertEqual(rows[2]["tool_call_uid"], call_uid)
         self.assertEqual(batch[0]["message_uid"], rows[1]["message_uid"])  # stamped on the dict
+        # ... with its calls' uids, which 0.22's flush reads to pair a result it writes later
+        self.assertEqual((batch[0]["_tool_call_uids"], batch[1]["_tool_call_uid"]),
+                         ({"call_1": call_uid}, call_uid))
         conversation = self.db.get_messages_as_conversation("s")
         self.assertEqual([m["message_uid"] for m in conversation], [row["message_uid"] for row in rows])
         self.assertEqual(conversation[1]["_tool_call_uids"], {"call_1": call_uid})
