@@ -159,12 +159,14 @@ class SessionCompressionMixin:
     # -- resume -----------------------------------------------------------------
     def search_sessions(self, source=None, limit=20, offset=0, workspace_key=None):
         """Sessions most recently active first, with `last_active` and `system_prompt`; []
-        when none match. `workspace_key` keeps one workspace's: a git repo root, or a cwd
-        under it for sessions without one."""
+        when none match. `source` is one source or several (0.22: the CLI family's); a
+        `workspace_key` keeps one workspace's: a git repo root, or a cwd under it for sessions
+        without one."""
         clauses, params = [], []
         if source:
-            clauses.append("s.source = ?")
-            params.append(source)
+            sources = [source] if isinstance(source, str) else list(source)
+            clauses.append(f"s.source IN ({placeholders(len(sources))})")
+            params += sources
         if workspace_key:
             prefix = workspace_key.rstrip("/\\") or workspace_key
             clause, clause_params = cwd_prefix_clause(prefix)

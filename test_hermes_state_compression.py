@@ -148,6 +148,9 @@ class SearchSessions(CompressionTestCase):
         self.assertNotIn("resolved_prompt", rows[0])
         self.assertEqual(self.ids(source="cli", limit=2, offset=1), ["sib", "lit"])
         self.assertEqual(len(self.ids(limit=-1)), 5)
+        # 0.22's `hermes -c` asks for the CLI family's sources at once.
+        self.assertEqual(self.ids(source=["telegram", "cli"], limit=3), ["old", "sib", "lit"])
+        self.assertEqual(self.ids(source=("telegram",)), ["tg"])
 
     def test_a_workspace_is_a_git_root_or_a_cwd_at_or_under_it(self):
         self.assertEqual(self.ids(workspace_key="/repo/"), ["old", "tg", "git"])
