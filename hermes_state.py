@@ -103,9 +103,9 @@ from hermes_state_maintenance import (  # noqa: F401
     classify_session_status,
 )
 from hermes_state_wal import (  # noqa: F401
-    _wal_reset_repair_hint, apply_database_pragmas, apply_wal_with_fallback,
-    is_sqlite_wal_reset_vulnerable, preflight_db_writability, resolve_journal_mode,
-    sqlite_source_id,
+    _path_on_cross_vm_fs, _set_journal_mode_no_wait, _wal_reset_repair_hint,
+    apply_database_pragmas, apply_wal_with_fallback, is_sqlite_wal_reset_vulnerable,
+    preflight_db_writability, resolve_journal_mode, sqlite_source_id,
 )
 from hermes_state_errors import WalUnsupportedError
 
@@ -200,11 +200,15 @@ EARLY_RETRY_WINDOW = 2.0
 EARLY_JITTER = (0.02, 0.15)
 LATE_JITTER = (0.25, 1.0)
 QUARANTINE_LOCK_WAIT = 5.0  # quarantine_zeroed_state_db gives up then, as hermes-agent's does
-# With automatic checkpoints off, a PASSIVE checkpoint runs under the writer lock every this many
-# commits of one connection and after any transaction that changed this many rows: each copies one
-# chunk's pages, and close finds little left (1.4 s after an unchunked 1M prune).
-CHECKPOINT_EVERY_COMMITS = 500
+# In WAL, a PASSIVE checkpoint of ours runs under the writer lock every this many commits of one
+# connection (hermes-agent 0.22's _CHECKPOINT_EVERY_N_WRITES), after any transaction that changed
+# this many rows (each copies one chunk's pages, and close finds little left: 1.4 s after an
+# unchunked 1M prune), once the writer has been quiet for IDLE_CHECKPOINT_DELAY s, and at close:
+# a reader of the main file alone (immutable=1, a copy of state.db without its -wal) then sees
+# every commit of an idle writer.
+CHECKPOINT_EVERY_COMMITS = 50
 CHECKPOINT_AFTER_CHANGES = 1000
+IDLE_CHECKPOINT_DELAY = 1.0
 
 
 # -- journal policy --------------------------------------------------------------------------------
@@ -213,12 +217,16 @@ CHECKPOINT_AFTER_CHANGES = 1000
 # SessionDB._lock serialises hermes-agent's SQL across processes only if our own writes queue on
 # that lock too); the policy picks the journal and who checkpoints.
 JournalPolicy = namedtuple("JournalPolicy", "mode autocheckpoint reason checkpoint")
+_CROSS_VM = "a cross-VM filesystem (virtiofs/9p), where WAL corrupts silently"
 
 
-def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, checkpoint=None):
-    """The journal mode, who checkpoints and why (docs/journal-policy.md). Who checkpoints is
-    "locked" (we, under state.db.lock), "automatic" (SQLite), "external" (a replicator, never we)
-    or "none" (rollback journal)."""
+def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, checkpoint=None,
+                          cross_vm=False):
+    """The journal mode, who checkpoints and why (docs/journal-policy.md), as hermes-agent 0.22
+    chooses: a rollback journal on a runtime with the WAL-reset bug and on a cross-VM filesystem
+    (`cross_vm`), else WAL. Who checkpoints is "locked" (only we, under state.db.lock), "automatic"
+    (SQLite, and we under the lock), "external" (a replicator, never we) or "none" (rollback
+    journal). ValueError names the variable for a bad or impossible override."""
     env = os.environ.get
     if override is None:
         override = env("HERMES_STATE_JOURNAL", "")
@@ -227,32 +235,55 @@ def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, ch
     override, wanted = override.strip().lower(), checkpoint.strip().lower()
     if wanted not in ("", "auto", "external"):
         raise ValueError(f"HERMES_STATE_CHECKPOINT must be 'auto' or 'external', not {wanted!r}")
+    if override not in ("", "wal", "delete"):
+        raise ValueError(f"HERMES_STATE_JOURNAL must be 'wal' or 'delete', not {override!r}")
     label = "SQLite " + ".".join(map(str, version[:3]))
-    if override == "delete" and wanted == "external":
-        raise ValueError("HERMES_STATE_CHECKPOINT=external keeps WAL; "
-                         "it cannot go with HERMES_STATE_JOURNAL=delete")
+    if wanted == "external" and (override == "delete" or cross_vm):
+        raise ValueError("HERMES_STATE_CHECKPOINT=external keeps WAL; it cannot go with "
+                         + ("HERMES_STATE_JOURNAL=delete" if override == "delete" else
+                            f"a store on {_CROSS_VM}"))
     if override == "delete":
         return JournalPolicy(
             "delete", None, "HERMES_STATE_JOURNAL=delete: rollback journal", "none")
-    if override not in ("", "wal"):
-        raise ValueError(f"HERMES_STATE_JOURNAL must be 'wal' or 'delete', not {override!r}")
+    if cross_vm:  # an asked-for WAL too, as hermes-agent 0.22 refuses it there
+        return JournalPolicy("delete", None, f"the store is on {_CROSS_VM}: rollback journal",
+                             "none")
     if wanted == "external":  # the race's fix is in the checkpointer (docs/across-machines.md)
         return JournalPolicy(
             "wal", 0,
             f"HERMES_STATE_CHECKPOINT=external ({label}): WAL, automatic checkpoints off, "
             "none of ours: the replicator runs them",
             "external")
+    if sqlite_has_wal_reset_bug(version) and override != "wal":
+        return JournalPolicy(
+            "delete", None,
+            f"{label} has the WAL-reset race (3.7.0-3.51.2): rollback journal, as hermes-agent",
+            "none")
+    return _wal_policy(version, "HERMES_STATE_JOURNAL=wal: " if override else "")
+
+
+def _wal_policy(version, why=""):
+    """WAL on `version`'s SQLite: on one with the WAL-reset race only our checkpoints, each under
+    state.db.lock; elsewhere SQLite's automatic ones too. `why` opens the reason."""
+    label = "SQLite " + ".".join(map(str, version[:3]))
     if sqlite_has_wal_reset_bug(version):
         return JournalPolicy(
             "wal", 0,
-            f"{label} has the WAL-reset race (3.7.0-3.51.2): WAL with every write and checkpoint "
-            "under state.db.lock, automatic checkpoints off",
+            f"{why}{label} has the WAL-reset race (3.7.0-3.51.2): WAL with every write and "
+            "checkpoint under state.db.lock, automatic checkpoints off",
             "locked")
     return JournalPolicy(
         "wal", None,
-        f"{label} is free of the WAL-reset race: WAL with every write under state.db.lock, "
-        "automatic checkpoints",
+        f"{why}{label} is free of the WAL-reset race: WAL with every write under state.db.lock, "
+        "automatic checkpoints and ours",
         "automatic")
+
+
+def _idle_checkpoint(ref):
+    """The idle timer's target: the store's _idle_checkpoint, unless it is gone."""
+    db = ref()
+    if db is not None:
+        db._idle_checkpoint()
 
 
 # -- self-repair of damaged files ------------------------------------------------------------------
@@ -433,12 +464,17 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
         self._lock = CallerLock(self)
         self._writer = self._direct_reader = self._file_lock = None
         self._commits = 0
+        # The idle checkpoint's state (_after_commit): a commit since our last whole checkpoint,
+        # when the last commit was, and the timer that will look.
+        self._uncheckpointed, self._last_commit, self._idle_timer = False, 0.0, None
         self._cjk_drained = False  # an index step drained CJK rows in this transaction
         self.fts_caps = runtime_capabilities(self._connect)
         self._tokens = TokenQueue()
         self._closed = False
         try:
-            self.policy = choose_journal_policy(override=journal, checkpoint=checkpoint)
+            self.policy = choose_journal_policy(
+                override=journal, checkpoint=checkpoint,
+                cross_vm=_path_on_cross_vm_fs(str(self.db_path)))
             if read_only:
                 self._open_read_only()
             else:
@@ -494,6 +530,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                 self._apply_journal_policy()
                 self._init_schema()
                 backfill = self._init_search()
+                if self._checkpoints_ours():  # the schema in the main file, not only the WAL
+                    self._checkpoint(self._writer)
             finally:
                 self._file_lock.release()
             # Resumable data work: each chunk takes the writer lock for itself (issue 17).
@@ -537,11 +575,31 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
         return conn
 
     def _apply_journal_policy(self):
+        """Put the store in the policy's journal mode, or say why it stays and adopt the policy of
+        the mode it keeps."""
         conn = self._writer
+        # A read first: in WAL it holds the shared lock a switch out of WAL must get past.
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
         mode = conn.execute(JOURNAL_MODE_SQL).fetchone()[0].lower()
-        if mode != self.policy.mode:
-            # The switch needs every reader of a rollback-journal store gone: wait for them as
-            # a write waits.
+        if mode == "wal" and self.policy.mode != "wal":
+            # Leaving WAL needs every other connection to the file gone (SQLite refuses it while
+            # one is open, as it would lose its view of the WAL): try once, never wait one out
+            # (hermes-agent 0.22's _set_journal_mode_no_wait; it leaves a WAL store as it is).
+            try:
+                mode = _set_journal_mode_no_wait(conn, self.policy.mode) or mode
+            except sqlite3.OperationalError as exc:
+                if not is_lock_error(exc):
+                    raise
+            if mode == "wal":
+                self.policy = _wal_policy(
+                    sqlite3.sqlite_version_info,
+                    "the store is in WAL and another connection holds it (an open that finds it"
+                    f" alone switches it to {self.policy.mode}): ")
+                logger.warning("journal mode of %s stays wal: %s", self.db_path,
+                               self.policy.reason)
+        elif mode != self.policy.mode:
+            # The switch into WAL needs every reader of a rollback-journal store gone: wait for
+            # them as a write waits.
             _set_busy_timeout(conn, self.write_budget)
             try:
                 switch = f"PRAGMA journal_mode={self.policy.mode}"
@@ -550,10 +608,10 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                     self.write_budget)
             finally:
                 _set_busy_timeout(conn, WRITER_BUSY_TIMEOUT)
-            if mode != self.policy.mode:
-                logger.warning(
-                    "journal mode of %s stays %s (wanted %s: another connection holds it)",
-                    self.db_path, mode, self.policy.mode)
+            if mode != self.policy.mode:  # a filesystem that refuses WAL keeps its journal
+                self.policy = JournalPolicy(
+                    mode, None, f"WAL was refused, the journal stays {mode}", "none")
+                logger.warning("journal mode of %s: %s", self.db_path, self.policy.reason)
         conn.execute("PRAGMA synchronous=NORMAL")
         if self.policy.autocheckpoint is not None:
             conn.execute(f"PRAGMA wal_autocheckpoint={self.policy.autocheckpoint}")
@@ -642,14 +700,16 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
     def _close_connections(self):
         # The last connection to close checkpoints the WAL (not with an external policy on Python
         # 3.12+), under SQLite's exclusive lock and ours. Beside a long-lived one (a gateway) it is
-        # not the last: a store we wrote to gets a PASSIVE checkpoint here, else short-lived writers
-        # (cron, the CLI) that never reach CHECKPOINT_EVERY_COMMITS would grow the WAL for as long
-        # as the gateway runs.
+        # not the last: a store we wrote to since our last whole checkpoint gets a PASSIVE one here
+        # (as hermes-agent 0.22's close), else short-lived writers (cron, the CLI) would leave
+        # their commits in the WAL for as long as the gateway runs.
         locked = (self._file_lock is not None
                   and self._file_lock.acquire(time.monotonic() + self.write_budget))
         try:
-            if (locked and self._commits % CHECKPOINT_EVERY_COMMITS
-                    and self.policy.checkpoint == "locked" and self._writer is not None):
+            timer, self._idle_timer = self._idle_timer, None
+            if timer is not None:
+                timer.cancel()
+            if locked and self._uncheckpointed and self._writer is not None:
                 self._checkpoint(self._writer)
             with self._readers_lock:
                 readers, self._readers = self._readers, []
@@ -794,19 +854,71 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
         return result
 
     def _after_commit(self, conn, changes):
-        """Checkpoint now and then, and after a big transaction. The data is committed:
-        nothing here may raise into the retry loop, which would run the callback a second time."""
+        """Checkpoint now and then, after a big transaction, and once the writer goes quiet. The
+        data is committed: nothing here may raise into the retry loop, which would run the
+        callback a second time."""
         self._commits += 1
-        due = self._commits % CHECKPOINT_EVERY_COMMITS == 0 or changes >= CHECKPOINT_AFTER_CHANGES
-        if self.policy.checkpoint == "locked" and due:
+        if not self._checkpoints_ours():
+            return
+        self._uncheckpointed = True
+        if self._commits % CHECKPOINT_EVERY_COMMITS == 0 or changes >= CHECKPOINT_AFTER_CHANGES:
             self._checkpoint(conn)
+        self._last_commit = time.monotonic()
+        if self._idle_timer is None:
+            self._start_idle_timer(IDLE_CHECKPOINT_DELAY)
+
+    def _checkpoints_ours(self):
+        """True if we checkpoint this store (in WAL, no replicator doing it)."""
+        return self.policy.checkpoint in ("locked", "automatic")
 
     def _checkpoint(self, conn):
-        """A PASSIVE checkpoint, under state.db.lock; a failure waits for the next one."""
+        """A PASSIVE checkpoint, under state.db.lock; True if it copied the whole WAL. A failure
+        waits for the next one."""
         try:
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         except sqlite3.Error as exc:
             logger.info("checkpoint of %s deferred to the next one: %s", self.db_path, exc)
+            return False
+        whole = not busy and copied == frames
+        if whole and conn is self._writer:
+            self._uncheckpointed = False
+        return whole
+
+    def _start_idle_timer(self, delay):
+        # A daemon thread that holds the store only weakly: an idle store still closes at exit
+        # and is still collected.
+        timer = threading.Timer(delay, _idle_checkpoint, (weakref.ref(self),))
+        timer.daemon = True
+        self._idle_timer = timer
+        timer.start()
+
+    def _idle_checkpoint(self):
+        """The idle timer's turn: checkpoint once the writer has been quiet IDLE_CHECKPOINT_DELAY
+        s, else (a write under way, the lock held elsewhere, a reader in the way) look again."""
+        if not self._write_lock.acquire(blocking=False):
+            self._start_idle_timer(IDLE_CHECKPOINT_DELAY)
+            return
+        try:
+            self._idle_timer = None
+            if self._closed or self._writer is None or not self._uncheckpointed:
+                return
+            quiet = time.monotonic() - self._last_commit
+            if quiet < IDLE_CHECKPOINT_DELAY:
+                self._start_idle_timer(IDLE_CHECKPOINT_DELAY - quiet)
+            elif not self._take_idle_file_lock():
+                self._start_idle_timer(IDLE_CHECKPOINT_DELAY)
+            else:
+                try:
+                    if not self._checkpoint(self._writer):
+                        self._start_idle_timer(IDLE_CHECKPOINT_DELAY)
+                finally:
+                    self._file_lock.release()
+        finally:
+            self._write_lock.release()
+
+    def _take_idle_file_lock(self):
+        """state.db.lock if free now (another process writing will look again)."""
+        return self._file_lock is not None and self._file_lock.acquire(time.monotonic())
 
     def _locked_error(self, start, cause, budget=None):
         budget = self.write_budget if budget is None else budget
