@@ -374,7 +374,8 @@ class JournalPolicy(TempDirTestCase):
             self.assertFalse(sqlite_has_wal_reset_bug(version), version)
 
     def test_policy_choice_and_override(self):
-        self.assertEqual(choose_journal_policy((3, 40, 1), "").autocheckpoint, 0)
+        self.assertEqual(choose_journal_policy((3, 40, 1), "").mode, "delete")
+        self.assertEqual(choose_journal_policy((3, 40, 1), "wal").autocheckpoint, 0)
         self.assertEqual(choose_journal_policy((3, 51, 3), "").autocheckpoint, None)
         self.assertEqual(choose_journal_policy((3, 51, 3), "delete").mode, "delete")
         with self.assertRaisesRegex(ValueError, "HERMES_STATE_JOURNAL must be 'wal' or 'delete'"):
@@ -383,7 +384,7 @@ class JournalPolicy(TempDirTestCase):
     def test_the_store_follows_the_policy(self):
         with SessionDB(self.tmp / "delete.db", journal="delete") as db:
             self.assertEqual(db.doctor()["journal_mode"], "delete")
-        with SessionDB(self.tmp / "wal.db") as db:
+        with SessionDB(self.tmp / "wal.db", journal="wal") as db:
             report = db.doctor()
             self.assertEqual(report["journal_mode"], "wal")
             self.assertEqual(report["journal_policy"], db.policy.reason)
@@ -409,7 +410,7 @@ class JournalPolicy(TempDirTestCase):
         thread.start()
         self.addCleanup(thread.join, 10)
         self.assertTrue(reading.wait(10))
-        with SessionDB(self.tmp / "state.db") as db:
+        with SessionDB(self.tmp / "state.db", journal="wal") as db:
             self.assertTrue(done.is_set(), "the switch waited for the reader")
             self.assertEqual((db.doctor()["journal_mode"], db.message_count("s")), ("wal", 1))
 
@@ -434,7 +435,7 @@ class JournalPolicy(TempDirTestCase):
         thread.start()
         try:
             time.sleep(0.05)
-            with SessionDB(self.tmp / "state.db") as db:
+            with SessionDB(self.tmp / "state.db", journal="wal") as db:
                 self.assertEqual(db.doctor()["journal_mode"], "wal")
         finally:
             stop.set()
@@ -442,8 +443,9 @@ class JournalPolicy(TempDirTestCase):
 
     def test_checkpoints_run_under_the_lock_when_automatic_ones_are_off(self):
         statements = []
-        with SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements),
-                       journal="wal") as db:
+        with mock.patch("hermes_state.IDLE_CHECKPOINT_DELAY", 3600), \
+                SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements),
+                          journal="wal") as db:
             if db.policy.autocheckpoint != 0:
                 self.skipTest("this runtime keeps automatic checkpoints")
             self.assertEqual(db._writer.execute("PRAGMA wal_autocheckpoint").fetchone()[0], 0)
@@ -451,8 +453,9 @@ class JournalPolicy(TempDirTestCase):
             db.append_messages_batch("s", [{"role": "user", "content": "x"}] * 3)
             for _ in range(2 * CHECKPOINT_EVERY_COMMITS):
                 db.append_message("s", "user", "x")
-        # Two at the cadence, one at close for the commits since (a gateway may keep the store open).
-        self.assertEqual(sum("wal_checkpoint" in s for s in statements), 3)
+        # One after the open's schema, two at the cadence, one at close for the commits since (a gateway may
+        # keep the store open).
+        self.assertEqual(sum("wal_checkpoint" in s for s in statements), 4)
 
 
 class ReaderPool(TempDirTestCase):
