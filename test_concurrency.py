@@ -133,7 +133,14 @@ class ManyWriters(TempDirTestCase):
             self.assertEqual(db.message_count(), 3 * CALLER_BUMPS)
 
     def test_one_writer_and_three_reader_threads(self):
-        db = SessionDB(self.tmp / "state.db")
+        # In a rollback journal a commit waits for the readers' shared locks (SQLite 3.31.1 on this machine: 81
+        # appends in the 2.5 s against 100+ in WAL).
+        for journal, least in (("wal", 100), ("delete", 30)):
+            with self.subTest(journal=journal):
+                self.one_writer_and_three_reader_threads(journal, least)
+
+    def one_writer_and_three_reader_threads(self, journal, least):
+        db = SessionDB(self.tmp / f"{journal}.db", journal=journal)
         self.addCleanup(db.close)
         db.create_session("s", "cli")
         errors, stop = [], threading.Event()
@@ -168,7 +175,7 @@ class ManyWriters(TempDirTestCase):
             thread.join(30)
         self.assertEqual(errors, [])
         written = db.message_count("s")
-        self.assertGreater(written, 100)
+        self.assertGreater(written, least)
         self.assertEqual(db.get_session("s")["input_tokens"], written)
 
 

@@ -7,11 +7,12 @@ file as current as an idle writer's commits, for readers of the main file alone 
 state.db). Real files, real processes; run it under `make test-runtimes`' builds for the other side.
 """
 
+import gc
 import os
 import shutil
 import sqlite3
-import threading
 import time
+import weakref
 from unittest import mock
 
 import hermes_state_wal
@@ -131,33 +132,44 @@ class TheStoreOnThisRuntime(TempDirTestCase):
         path = self.tmp / "state.db"
         with mock.patch("hermes_state.IDLE_CHECKPOINT_DELAY", 3600), SessionDB(path, journal="wal") as db:
             db.create_session("first", "cli")
-            db._idle_timer.cancel()
-            time.sleep(0.3)
+            time.sleep(0.5)
             self.assertEqual(immutable_sessions(path), [])
 
     def test_the_commit_cadence_checkpoints_a_busy_writer(self):
+        # Idle never comes here; with the WAL-reset race the writer checkpoints at once, else the checkpointer
+        # thread beside it.
         path = self.tmp / "state.db"
         with mock.patch("hermes_state.IDLE_CHECKPOINT_DELAY", 3600), SessionDB(path, journal="wal") as db:
             db.create_session("s", "cli")
             for i in range(CHECKPOINT_EVERY_COMMITS - 1):  # with create_session, the 50th commit
                 db.append_message("s", "user", f"m{i}")
-            self.assertEqual(immutable_sessions(path), ["s"])
+            self.wait_for_idle_checkpoint(path, ["s"])
 
-    def test_close_stops_the_idle_timer_and_the_timer_does_not_keep_the_store_alive(self):
+    def test_close_ends_the_checkpointer_thread(self):
         path = self.tmp / "state.db"
         db = SessionDB(path, journal="wal")
         db.create_session("s", "cli")
-        timer = db._idle_timer
-        self.assertIsInstance(timer, threading.Thread)
+        thread = db._checkpointer._thread
+        self.assertTrue(thread.is_alive())
         db.close()
-        timer.join(5)
-        self.assertFalse(timer.is_alive())
+        thread.join(5)
+        self.assertFalse(thread.is_alive())
         self.assertEqual(immutable_sessions(path), ["s"])
 
-    def test_a_rollback_journal_store_starts_no_timer(self):
+    def test_the_checkpointer_thread_does_not_keep_a_dropped_store_alive(self):
+        db = SessionDB(self.tmp / "state.db", journal="wal")
+        db.create_session("s", "cli")
+        thread, ref = db._checkpointer._thread, weakref.ref(db)
+        del db
+        gc.collect()
+        self.assertIsNone(ref())
+        thread.join(IDLE_CHECKPOINT_DELAY + 20)
+        self.assertFalse(thread.is_alive())
+
+    def test_a_rollback_journal_store_starts_no_checkpointer(self):
         with SessionDB(self.tmp / "state.db", journal="delete") as db:
             db.create_session("s", "cli")
-            self.assertIsNone(db._idle_timer)
+            self.assertIsNone(db._checkpointer._thread)
 
 
 class AStoreFoundInWal(TempDirTestCase):

@@ -28,6 +28,10 @@ sys.path.insert(0, str(BENCH))
 import bench  # noqa: E402  (the jobs and workload, read from this folder)
 
 ROUNDS = int(os.environ.get("JOURNAL_BENCH_ROUNDS", "3"))
+# JOURNAL_BENCH_ONLY=append times the appends alone (an A/B of small differences wants many rounds);
+# JOURNAL_BENCH_SIDES=ours,before,0.22 (words in the labels) runs only those sides.
+ONLY_APPEND = os.environ.get("JOURNAL_BENCH_ONLY") == "append"
+WANTED_SIDES = [word for word in os.environ.get("JOURNAL_BENCH_SIDES", "").split(",") if word]
 STORE_MESSAGES = 4_000  # the store the appends go into
 APPEND_COUNT = 400  # one message a transaction, as an agent appends a turn
 LISTING_SESSIONS = 10_000
@@ -49,7 +53,7 @@ def sides():
         python = COMPAT / venv / "bin" / "python"
         if python.exists():
             out.append((label, [str(python), "-P", str(BENCH / "bench.py")], {}, None))
-    return out
+    return [side for side in out if not WANTED_SIDES or any(word in side[0] for word in WANTED_SIDES)]
 
 
 def run(side, home, job, **args):
@@ -88,6 +92,10 @@ def main():
     print("|---|---|---:|---:|---:|" + "---:|" * len(LISTED))
     for label, row in table.items():
         cells = [f"{statistics.median(row['append']):,.0f}"]
+        if ONLY_APPEND:
+            print(f"| {label} | {row['journal']} | {cells[0]} | " + ", ".join(
+                f"{rate:,.0f}" for rate in row["append"]) + " |")
+            continue
         cells += [f"{statistics.median(row[size]):.1f}" for size in ("2000", "20000")]
         cells += [f"{statistics.median(row[name]):.2f}" for name in LISTED]
         print(f"| {label} | {row['journal']} | " + " | ".join(cells) + " |")
@@ -101,8 +109,9 @@ def measure(folder):
         home.mkdir()
         base, talk, listing = (str(home / name) for name in ("base.db", "talk.db", "listing.db"))
         run(side, str(home), "build", path=base, messages=STORE_MESSAGES)
-        run(side, str(home), "conversations", path=talk)
-        run(side, str(home), "sessions", path=listing, count=LISTING_SESSIONS)
+        if not ONLY_APPEND:
+            run(side, str(home), "conversations", path=talk)
+            run(side, str(home), "sessions", path=listing, count=LISTING_SESSIONS)
         table[side[0]] = {"journal": journal_of(base), "append": [], "2000": [], "20000": [],
                           **{name: [] for name in LISTED}}
         prepared.append((side, str(home), base, talk, listing))
@@ -112,6 +121,8 @@ def measure(folder):
             copy = f"{home}/append-{round_number}.db"
             shutil.copyfile(base, copy)  # closed: no -wal or journal beside it
             row["append"].append(run(side, home, "append", path=copy, count=APPEND_COUNT)["rate"])
+            if ONLY_APPEND:
+                continue
             for size, figure in run(side, home, "conversation", path=talk, runs=5).items():
                 row[size].append(figure["ms"])
             listed = run(side, home, "listing", path=listing, runs=5)
