@@ -14,7 +14,8 @@ import sys
 import time
 from unittest import mock
 
-from hermes_state import CHECKPOINT_EVERY_COMMITS, SessionDB, choose_journal_policy, sqlite_has_wal_reset_bug
+from hermes_state import CHECKPOINT_EVERY_COMMITS, SessionDB, choose_journal_policy
+from hermes_state_common import sqlite_has_wal_reset_bug
 from test_support import REPO, TempDirTestCase, tracing_factory
 
 AFFECTED, FIXED = (3, 40, 1), (3, 51, 3)
@@ -89,7 +90,7 @@ class ExternalMeansNoCheckpointOfOurs(TempDirTestCase):
 
     def test_our_wal_policies_checkpoint_where_external_does_not(self):
         statements = []
-        with mock.patch("hermes_state.IDLE_CHECKPOINT_DELAY", 3600), \
+        with mock.patch("hermes_state_wal.IDLE_CHECKPOINT_DELAY", 3600), \
                 SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements), journal="wal") as db:
             db.create_session("s", "cli")
             for i in range(CHECKPOINT_EVERY_COMMITS):

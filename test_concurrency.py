@@ -11,8 +11,9 @@ import time
 from unittest import mock
 
 from hermes_state import (
-    CHECKPOINT_EVERY_COMMITS, SessionDB, StoreLockedError, choose_journal_policy, sqlite_has_wal_reset_bug,
+    CHECKPOINT_EVERY_COMMITS, SessionDB, StoreLockedError, choose_journal_policy,
 )
+from hermes_state_common import sqlite_has_wal_reset_bug
 from test_support import HOLD_SQLITE_LOCK, REPO, WRITE_VERBS, TempDirTestCase, tracing_factory
 
 CALL = [{"id": "c", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]
@@ -450,7 +451,7 @@ class JournalPolicy(TempDirTestCase):
 
     def test_checkpoints_run_under_the_lock_when_automatic_ones_are_off(self):
         statements = []
-        with mock.patch("hermes_state.IDLE_CHECKPOINT_DELAY", 3600), \
+        with mock.patch("hermes_state_wal.IDLE_CHECKPOINT_DELAY", 3600), \
                 SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements),
                           journal="wal") as db:
             if db.policy.autocheckpoint != 0:

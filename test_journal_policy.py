@@ -16,9 +16,9 @@ import weakref
 from unittest import mock
 
 import hermes_state_wal
-from hermes_state import (
-    CHECKPOINT_EVERY_COMMITS, IDLE_CHECKPOINT_DELAY, SessionDB, choose_journal_policy, sqlite_has_wal_reset_bug,
-)
+from hermes_state import SessionDB, choose_journal_policy
+from hermes_state_common import sqlite_has_wal_reset_bug
+from hermes_state_wal import CHECKPOINT_EVERY_COMMITS, IDLE_CHECKPOINT_DELAY
 from test_support import TempDirTestCase
 
 AFFECTED, FIXED = (3, 40, 1), (3, 53, 2)
@@ -130,7 +130,7 @@ class TheStoreOnThisRuntime(TempDirTestCase):
     def test_without_the_idle_checkpoint_a_few_commits_stay_in_the_wal(self):
         # The control for the test above: the same writes, and the main file waits for a checkpoint.
         path = self.tmp / "state.db"
-        with mock.patch("hermes_state.IDLE_CHECKPOINT_DELAY", 3600), SessionDB(path, journal="wal") as db:
+        with mock.patch("hermes_state_wal.IDLE_CHECKPOINT_DELAY", 3600), SessionDB(path, journal="wal") as db:
             db.create_session("first", "cli")
             time.sleep(0.5)
             self.assertEqual(immutable_sessions(path), [])
@@ -139,7 +139,7 @@ class TheStoreOnThisRuntime(TempDirTestCase):
         # Idle never comes here; with the WAL-reset race the writer checkpoints at once, else the checkpointer
         # thread beside it.
         path = self.tmp / "state.db"
-        with mock.patch("hermes_state.IDLE_CHECKPOINT_DELAY", 3600), SessionDB(path, journal="wal") as db:
+        with mock.patch("hermes_state_wal.IDLE_CHECKPOINT_DELAY", 3600), SessionDB(path, journal="wal") as db:
             db.create_session("s", "cli")
             for i in range(CHECKPOINT_EVERY_COMMITS - 1):  # with create_session, the 50th commit
                 db.append_message("s", "user", f"m{i}")
