@@ -1,10 +1,11 @@
 """SessionDB: an AI agent's sessions and messages in one SQLite file.
 
 Owns the connections (one writer, and the `_conn`/`_lock` pair hermes-agent runs its own SQL
-through; the readers are hermes_state_readpool's), the journal policy, the write path (BEGIN
-IMMEDIATE, retried with jitter within a budget), self-repair of damaged files at open, close and the
-reopen of a writable handle used after it, the meta methods, whole-home backup and restore, the
-module-level names hermes-agent imports from here, and the class statement composing the mixins.
+through; the readers are hermes_state_readpool's, the journal policy and checkpoints
+hermes_state_wal's), the write path (BEGIN IMMEDIATE, retried with jitter within a budget),
+self-repair of damaged files at open, close and the reopen of a writable handle used after it,
+the meta methods, whole-home backup and restore, the module-level names hermes-agent imports from
+here, and the class statement composing the mixins.
 Holds no session or message logic. Never opens the store or its sidecars except through SQLite
 (docs/design.md, "Locks we never break").
 """
