@@ -567,7 +567,10 @@ class SessionJournalMixin:
                 self.policy = JournalPolicy(
                     mode, None, f"WAL was refused, the journal stays {mode}", "none")
                 logger.warning("journal mode of %s: %s", self.db_path, self.policy.reason)
-        conn.execute("PRAGMA synchronous=NORMAL")
+        # WAL: NORMAL loses at most the last commits to a power cut, never the file. A rollback
+        # journal: FULL (SQLite's default, what hermes-agent runs), as NORMAL there may corrupt the
+        # file on a power cut on some filesystems (sqlite.org/pragma.html#pragma_synchronous).
+        conn.execute(f"PRAGMA synchronous={'NORMAL' if mode == 'wal' else 'FULL'}")
         if self.policy.autocheckpoint is not None:
             conn.execute(f"PRAGMA wal_autocheckpoint={self.policy.autocheckpoint}")
         if (self.policy.checkpoint == "external"

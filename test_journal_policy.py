@@ -85,6 +85,12 @@ class ChoosingThePolicy(TempDirTestCase):
         with self.assertRaisesRegex(ValueError, "HERMES_STATE_JOURNAL must be 'wal' or 'delete', not 'memory'"):
             choose_journal_policy(FIXED, "memory", "")
 
+    def test_a_rollback_journal_syncs_fully_and_wal_normally(self):
+        # NORMAL in a rollback journal may corrupt the file on a power cut; in WAL it loses at most the last commits.
+        for journal, level in (("delete", 2), ("wal", 1)):
+            with SessionDB(self.tmp / f"{journal}.db", journal=journal) as db:
+                self.assertEqual(db._writer.execute("PRAGMA synchronous").fetchone()[0], level, journal)
+
     def test_the_journal_is_read_from_the_environment_and_the_argument_wins(self):
         with mock.patch.dict(os.environ, {"HERMES_STATE_JOURNAL": "delete"}):
             with SessionDB(self.tmp / "env.db") as db:
