@@ -533,9 +533,13 @@ class SessionJournalMixin:
         """Put the store in the policy's journal mode, or say why it stays and adopt the policy of
         the mode it keeps."""
         conn = self._writer
-        # A read first: in WAL it holds the shared lock a switch out of WAL must get past.
-        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        mode = conn.execute(JOURNAL_MODE_SQL).fetchone()[0].lower()
+
+        def read_mode():
+            # A read first: in WAL it holds the shared lock a switch out of WAL must get past. In a
+            # rollback journal it waits out other writers' commits, as a write would.
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return conn.execute(JOURNAL_MODE_SQL).fetchone()[0].lower()
+        mode = self._retry_on_lock(read_mode, time.monotonic(), self.write_budget)
         if mode == "wal" and self.policy.mode != "wal":
             # Leaving WAL needs every other connection to the file gone (SQLite refuses it while
             # one is open, as it would lose its view of the WAL): try once, never wait one out
