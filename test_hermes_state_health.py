@@ -87,7 +87,8 @@ class SessionDBNotes(HealthTestCase):
         self.assertIn("malformed", storage_corrupt_reason(self.path))
 
     def test_a_write_that_meets_damage_notes_the_store_corrupt(self):
-        with SessionDB(self.path) as db:
+        # WAL: the TRUNCATE checkpoint below is what makes the writer read the damaged page again.
+        with SessionDB(self.path, journal="wal") as db:
             db.create_session("s", "cli")
             for i in range(200):
                 db.append_message("s", "user", f"message {i} " * 20)
