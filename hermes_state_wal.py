@@ -635,8 +635,12 @@ class SessionJournalMixin:
             if self._closed:
                 return True
             if self._checkpoint_conn is None:
-                self._checkpoint_conn = self._new_connection(
-                    str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT)
+                try:
+                    self._checkpoint_conn = self._new_connection(
+                        str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT)
+                except sqlite3.Error as exc:  # the thread must not die of it: the next look
+                    logger.info("checkpoint of %s deferred: %s", self.db_path, exc)
+                    return False
             return self._checkpoint(self._checkpoint_conn)
         if not self._write_lock.acquire(blocking=False):
             return False
