@@ -1,10 +1,11 @@
 """SessionDB: an AI agent's sessions and messages in one SQLite file.
 
 Owns the connections (one writer, and the `_conn`/`_lock` pair hermes-agent runs its own SQL
-through; the readers are hermes_state_readpool's), the journal policy, the write path (BEGIN
-IMMEDIATE, retried with jitter within a budget), self-repair of damaged files at open, close and the
-reopen of a writable handle used after it, the meta methods, whole-home backup and restore, the
-module-level names hermes-agent imports from here, and the class statement composing the mixins.
+through; the readers are hermes_state_readpool's, the journal policy and checkpoints
+hermes_state_wal's), the write path (BEGIN IMMEDIATE, retried with jitter within a budget),
+self-repair of damaged files at open, close and the reopen of a writable handle used after it,
+the meta methods, whole-home backup and restore, the module-level names hermes-agent imports from
+here, and the class statement composing the mixins.
 Holds no session or message logic. Never opens the store or its sidecars except through SQLite
 (docs/design.md, "Locks we never break").
 """
@@ -38,13 +39,12 @@ import tempfile
 import threading
 import time
 import weakref
-from collections import namedtuple
 from pathlib import Path
 
 from hermes_constants import get_hermes_home
 from hermes_state_common import (
-    FILE_MODE, INSERT_META_SQL, JOURNAL_MODE_SQL, SEARCH_OBJECTS, SEARCH_TRIGGERS, SELECT_META_SQL,
-    SIDECAR_SUFFIXES, escape_like, sqlite_has_wal_reset_bug,
+    FILE_MODE, INSERT_META_SQL, SEARCH_OBJECTS, SEARCH_TRIGGERS, SELECT_META_SQL, SIDECAR_SUFFIXES,
+    escape_like,
 )
 from hermes_state_errors import is_capability_gap
 from hermes_state_guard import _set_last_init_error, get_last_init_error
@@ -55,8 +55,8 @@ from hermes_state_coverage import SessionCoverageMixin
 from hermes_state_gateway import SessionGatewayMixin
 # StoreLockedError and WRITE_BUDGET_SECONDS are imported from here by callers, as before the split.
 from hermes_state_lockguard import (  # noqa: F401
-    CallerLock, _connections_held, _hold, _raw_store_access, _release, _set_busy_timeout,
-    _take_store_lock, _use_read_only, WRITE_BUDGET_SECONDS, WRITER_BUSY_TIMEOUT,
+    CallerLock, _connections_held, _hold, _raw_store_access, _release, _take_store_lock,
+    _use_read_only, WRITE_BUDGET_SECONDS, WRITER_BUSY_TIMEOUT,
 )
 from hermes_state_errors import StoreLockedError
 from hermes_state_maintenance import SessionMaintenanceMixin
@@ -97,10 +97,12 @@ from hermes_state_maintenance import (  # noqa: F401
     SESSION_STATUS_COMPLETE, SESSION_STATUS_EMPTY, SESSION_STATUS_ERROR, SESSION_STATUS_INTERRUPTED,
     classify_session_status,
 )
+# choose_journal_policy and CHECKPOINT_EVERY_COMMITS are imported from here, as before their move.
 from hermes_state_wal import (  # noqa: F401
+    CHECKPOINT_EVERY_COMMITS, BackgroundCheckpointer, SessionJournalMixin, _path_on_cross_vm_fs,
     _wal_reset_repair_hint, apply_database_pragmas, apply_wal_with_fallback,
-    is_sqlite_wal_reset_vulnerable, preflight_db_writability, resolve_journal_mode,
-    sqlite_source_id,
+    choose_journal_policy, is_sqlite_wal_reset_vulnerable, preflight_db_writability,
+    resolve_journal_mode, sqlite_source_id,
 )
 from hermes_state_errors import WalUnsupportedError
 
@@ -195,59 +197,6 @@ EARLY_RETRY_WINDOW = 2.0
 EARLY_JITTER = (0.02, 0.15)
 LATE_JITTER = (0.25, 1.0)
 QUARANTINE_LOCK_WAIT = 5.0  # quarantine_zeroed_state_db gives up then, as hermes-agent's does
-# With automatic checkpoints off, a PASSIVE checkpoint runs under the writer lock every this many
-# commits of one connection and after any transaction that changed this many rows: each copies one
-# chunk's pages, and close finds little left (1.4 s after an unchunked 1M prune).
-CHECKPOINT_EVERY_COMMITS = 500
-CHECKPOINT_AFTER_CHANGES = 1000
-
-
-# -- journal policy --------------------------------------------------------------------------------
-
-# Every write of ours takes state.db.lock on every policy (one discipline on every runtime:
-# SessionDB._lock serialises hermes-agent's SQL across processes only if our own writes queue on
-# that lock too); the policy picks the journal and who checkpoints.
-JournalPolicy = namedtuple("JournalPolicy", "mode autocheckpoint reason checkpoint")
-
-
-def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, checkpoint=None):
-    """The journal mode, who checkpoints and why (docs/journal-policy.md). Who checkpoints is
-    "locked" (we, under state.db.lock), "automatic" (SQLite), "external" (a replicator, never we)
-    or "none" (rollback journal)."""
-    env = os.environ.get
-    if override is None:
-        override = env("HERMES_STATE_JOURNAL", "")
-    if checkpoint is None:
-        checkpoint = env("HERMES_STATE_CHECKPOINT", "")
-    override, wanted = override.strip().lower(), checkpoint.strip().lower()
-    if wanted not in ("", "auto", "external"):
-        raise ValueError(f"HERMES_STATE_CHECKPOINT must be 'auto' or 'external', not {wanted!r}")
-    label = "SQLite " + ".".join(map(str, version[:3]))
-    if override == "delete" and wanted == "external":
-        raise ValueError("HERMES_STATE_CHECKPOINT=external keeps WAL; "
-                         "it cannot go with HERMES_STATE_JOURNAL=delete")
-    if override == "delete":
-        return JournalPolicy(
-            "delete", None, "HERMES_STATE_JOURNAL=delete: rollback journal", "none")
-    if override not in ("", "wal"):
-        raise ValueError(f"HERMES_STATE_JOURNAL must be 'wal' or 'delete', not {override!r}")
-    if wanted == "external":  # the race's fix is in the checkpointer (docs/across-machines.md)
-        return JournalPolicy(
-            "wal", 0,
-            f"HERMES_STATE_CHECKPOINT=external ({label}): WAL, automatic checkpoints off, "
-            "none of ours: the replicator runs them",
-            "external")
-    if sqlite_has_wal_reset_bug(version):
-        return JournalPolicy(
-            "wal", 0,
-            f"{label} has the WAL-reset race (3.7.0-3.51.2): WAL with every write and checkpoint "
-            "under state.db.lock, automatic checkpoints off",
-            "locked")
-    return JournalPolicy(
-        "wal", None,
-        f"{label} is free of the WAL-reset race: WAL with every write under state.db.lock, "
-        "automatic checkpoints",
-        "automatic")
 
 
 # -- self-repair of damaged files ------------------------------------------------------------------
@@ -399,7 +348,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                 SessionMessagesMixin, SessionRewindMixin, SessionTitlesMixin, SessionUsageMixin,
                 SessionGatewayMixin, SessionTelegramMixin, SessionMaintenanceMixin,
                 SessionSearchMixin, SessionSearchIndexMixin, SessionSchemaMixin,
-                SessionPortabilityMixin, SessionReadPoolMixin, SessionProfileRepairMixin):
+                SessionPortabilityMixin, SessionReadPoolMixin, SessionProfileRepairMixin,
+                SessionJournalMixin):
     """The agent's state store. Thread-safe; open one per process.
 
     `db_path` defaults to `<hermes home>/state.db`; a read-only open runs no DDL and no repair.
@@ -433,12 +383,18 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
         self._lock = CallerLock(self)
         self._writer = self._direct_reader = self._file_lock = None
         self._commits = 0
+        # A commit since the writer's last whole checkpoint; the thread checkpointing off the write
+        # path, and on a SQLite free of the WAL-reset race the connection it checkpoints with.
+        self._uncheckpointed, self._checkpoint_conn = False, None
+        self._checkpointer = BackgroundCheckpointer(self)
         self._cjk_drained = False  # an index step drained CJK rows in this transaction
         self.fts_caps = runtime_capabilities(self._connect)
         self._tokens = TokenQueue()
         self._closed = False
         try:
-            self.policy = choose_journal_policy(override=journal, checkpoint=checkpoint)
+            self.policy = choose_journal_policy(
+                override=journal, checkpoint=checkpoint,
+                cross_vm=_path_on_cross_vm_fs(str(self.db_path)))
             if read_only:
                 self._open_read_only()
             else:
@@ -494,6 +450,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                 self._apply_journal_policy()
                 self._init_schema()
                 backfill = self._init_search()
+                if self._checkpoints_ours():  # the schema in the main file, not only the WAL
+                    self._checkpoint(self._writer)
             finally:
                 self._file_lock.release()
             # Resumable data work: each chunk takes the writer lock for itself (issue 17).
@@ -535,42 +493,6 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
         self._held_keys.append(key)
         conn.row_factory = sqlite3.Row
         return conn
-
-    def _apply_journal_policy(self):
-        conn = self._writer
-        mode = conn.execute(JOURNAL_MODE_SQL).fetchone()[0].lower()
-        if mode != self.policy.mode:
-            # The switch needs every reader of a rollback-journal store gone: wait for them as
-            # a write waits.
-            _set_busy_timeout(conn, self.write_budget)
-            try:
-                switch = f"PRAGMA journal_mode={self.policy.mode}"
-                mode = self._retry_on_lock(
-                    lambda: conn.execute(switch).fetchone()[0].lower(), time.monotonic(),
-                    self.write_budget)
-            finally:
-                _set_busy_timeout(conn, WRITER_BUSY_TIMEOUT)
-            if mode != self.policy.mode:
-                logger.warning(
-                    "journal mode of %s stays %s (wanted %s: another connection holds it)",
-                    self.db_path, mode, self.policy.mode)
-        conn.execute("PRAGMA synchronous=NORMAL")
-        if self.policy.autocheckpoint is not None:
-            conn.execute(f"PRAGMA wal_autocheckpoint={self.policy.autocheckpoint}")
-        if (self.policy.checkpoint == "external"
-                and hasattr(sqlite3, "SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE")):
-            # Python 3.12+: our last close leaves the WAL to the replicator as well, instead of
-            # checkpointing it and making Litestream take a new snapshot.
-            conn.setconfig(sqlite3.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, True)
-
-    def _checkpoint_mode(self):
-        # doctor's line: our checkpoints on an affected SQLite would race Litestream's unlocked
-        # writes (a hint only: a restored copy carries its tables too).
-        litestream = "SELECT 1 FROM sqlite_master WHERE name = '_litestream_seq'"  # its table
-        if self.policy.checkpoint == "locked" and self._read_one(litestream):
-            return ("locked; this store carries Litestream's tables: while Litestream replicates "
-                    "it, set HERMES_STATE_CHECKPOINT=external")
-        return self.policy.checkpoint
 
     @property
     def _shared_registry_owned(self):
@@ -642,14 +564,17 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
     def _close_connections(self):
         # The last connection to close checkpoints the WAL (not with an external policy on Python
         # 3.12+), under SQLite's exclusive lock and ours. Beside a long-lived one (a gateway) it is
-        # not the last: a store we wrote to gets a PASSIVE checkpoint here, else short-lived writers
-        # (cron, the CLI) that never reach CHECKPOINT_EVERY_COMMITS would grow the WAL for as long
-        # as the gateway runs.
+        # not the last: a store we wrote to since our last whole checkpoint gets a PASSIVE one here
+        # (as hermes-agent 0.22's close), else short-lived writers (cron, the CLI) would leave
+        # their commits in the WAL for as long as the gateway runs.
         locked = (self._file_lock is not None
                   and self._file_lock.acquire(time.monotonic() + self.write_budget))
         try:
-            if (locked and self._commits % CHECKPOINT_EVERY_COMMITS
-                    and self.policy.checkpoint == "locked" and self._writer is not None):
+            self._checkpointer.stop(self.write_budget)
+            if self._checkpoint_conn is not None:
+                self._checkpoint_conn.close()
+                self._checkpoint_conn = None
+            if locked and self._uncheckpointed and self._writer is not None:
                 self._checkpoint(self._writer)
             with self._readers_lock:
                 readers, self._readers = self._readers, []
@@ -792,21 +717,6 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
             raise
         self._after_commit(conn, conn.total_changes - changes)
         return result
-
-    def _after_commit(self, conn, changes):
-        """Checkpoint now and then, and after a big transaction. The data is committed:
-        nothing here may raise into the retry loop, which would run the callback a second time."""
-        self._commits += 1
-        due = self._commits % CHECKPOINT_EVERY_COMMITS == 0 or changes >= CHECKPOINT_AFTER_CHANGES
-        if self.policy.checkpoint == "locked" and due:
-            self._checkpoint(conn)
-
-    def _checkpoint(self, conn):
-        """A PASSIVE checkpoint, under state.db.lock; a failure waits for the next one."""
-        try:
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        except sqlite3.Error as exc:
-            logger.info("checkpoint of %s deferred to the next one: %s", self.db_path, exc)
 
     def _locked_error(self, start, cause, budget=None):
         budget = self.write_budget if budget is None else budget

@@ -1,13 +1,21 @@
-"""Journal mode and file checks for hermes-agent's other SQLite databases.
+"""Journal modes: SessionDB's policy and checkpoints, and hermes-agent's other SQLite databases.
+
+SessionDB's journal follows hermes-agent 0.22's rule (`choose_journal_policy`,
+docs/journal-policy.md): a rollback journal on a SQLite with the WAL-reset race and on a cross-VM
+filesystem, WAL elsewhere; `SessionJournalMixin` applies it at open, switching a store out of WAL
+only when no other connection holds it, and runs our checkpoints (after commits, on the
+`BackgroundCheckpointer` thread once the writer is quiet, at open and close) so the main file alone
+is current. It never opens a connection of its own but the checkpointer's, and takes our locks
+only as the write path does.
 
 hermes-agent opens kanban.db, the cron, response and memory stores and its own tables in state.db
 with plain sqlite3 connections and asks here for their journal mode (`apply_wal_with_fallback`),
 tuning pragmas (`apply_database_pragmas`) and whether their files are writable
 (`preflight_db_writability`). Those connections never take our writer lock, so with SQLite's
 WAL-reset bug a file not yet in WAL stays out of it; one in WAL is never switched back, as other
-processes may hold it open (docs/journal-policy.md). Owns no table and no connection: sets pragmas
-on the connection it is handed, and only stats and chmods files (never opens one, see "Locks we
-never break"). SessionDB's own policy is in hermes_state. Also owns the facts `hermes doctor`
+processes may hold it open (docs/journal-policy.md). For them it owns no table and no connection:
+sets pragmas on the connection it is handed, and only stats and chmods files (never opens one, see
+"Locks we never break"). Also owns the facts `hermes doctor`
 prints about the SQLite runtime (its WAL-reset bug, its source id, how to get a fixed one) and
 whether a folder is on a cross-VM filesystem, where WAL is refused.
 """
@@ -21,15 +29,19 @@ import stat
 import sys
 import threading
 import time
+import weakref
+from collections import namedtuple
 from pathlib import Path
 
 from hermes_constants import get_hermes_home
 from hermes_state_common import (
-    _WAL_INCOMPAT_MARKERS, hermes_agent_config, hermes_agent_config_section,
+    _WAL_INCOMPAT_MARKERS, JOURNAL_MODE_SQL, hermes_agent_config, hermes_agent_config_section,
     sqlite_has_wal_reset_bug,
 )
 from hermes_state_errors import WalUnsupportedError
+from hermes_state_lockguard import WRITER_BUSY_TIMEOUT, _set_busy_timeout
 from hermes_state_repair import _write_barriers, apply_synchronous_setting
+from hermes_state_schema import is_lock_error
 
 logger = logging.getLogger("hermes_state")
 
@@ -361,3 +373,285 @@ def _inside(path, home):
         resolved = path.resolve()
         return resolved == home or home in resolved.parents
     return False
+
+
+# -- SessionDB's journal policy and checkpoints ----------------------------------------------------
+
+# In WAL, a PASSIVE checkpoint of ours runs every this many commits of one connection (hermes-agent
+# 0.22's _CHECKPOINT_EVERY_N_WRITES), after any transaction that changed this many rows (each copies
+# one chunk's pages, and close finds little left: 1.4 s after an unchunked 1M prune), once the
+# writer has been quiet for IDLE_CHECKPOINT_DELAY s, after the open and at close: a reader of the
+# main file alone (immutable=1, a copy of state.db without its -wal) then sees every commit of an
+# idle writer. The checkpointer thread retires after CHECKPOINTER_RETIRE_AFTER s with nothing to do.
+CHECKPOINT_EVERY_COMMITS = 50
+CHECKPOINT_AFTER_CHANGES = 1000
+IDLE_CHECKPOINT_DELAY = 1.0
+CHECKPOINTER_RETIRE_AFTER = 30.0
+
+# Every write of ours takes state.db.lock on every policy (one discipline on every runtime:
+# SessionDB._lock serialises hermes-agent's SQL across processes only if our own writes queue on
+# that lock too); the policy picks the journal and who checkpoints.
+JournalPolicy = namedtuple("JournalPolicy", "mode autocheckpoint reason checkpoint")
+_CROSS_VM = "a cross-VM filesystem (virtiofs/9p), where WAL corrupts silently"
+
+
+def choose_journal_policy(version=sqlite3.sqlite_version_info, override=None, checkpoint=None,
+                          cross_vm=False):
+    """The journal mode, who checkpoints and why (docs/journal-policy.md), as hermes-agent 0.22
+    chooses: a rollback journal on a runtime with the WAL-reset bug and on a cross-VM filesystem
+    (`cross_vm`), else WAL. Who checkpoints is "locked" (only we, under state.db.lock), "automatic"
+    (SQLite, and we under the lock), "external" (a replicator, never we) or "none" (rollback
+    journal). ValueError names the variable for a bad or impossible override."""
+    env = os.environ.get
+    if override is None:
+        override = env("HERMES_STATE_JOURNAL", "")
+    if checkpoint is None:
+        checkpoint = env("HERMES_STATE_CHECKPOINT", "")
+    override, wanted = override.strip().lower(), checkpoint.strip().lower()
+    if wanted not in ("", "auto", "external"):
+        raise ValueError(f"HERMES_STATE_CHECKPOINT must be 'auto' or 'external', not {wanted!r}")
+    if override not in ("", "wal", "delete"):
+        raise ValueError(f"HERMES_STATE_JOURNAL must be 'wal' or 'delete', not {override!r}")
+    label = "SQLite " + ".".join(map(str, version[:3]))
+    if wanted == "external" and (override == "delete" or cross_vm):
+        raise ValueError("HERMES_STATE_CHECKPOINT=external keeps WAL; it cannot go with "
+                         + ("HERMES_STATE_JOURNAL=delete" if override == "delete" else
+                            f"a store on {_CROSS_VM}"))
+    if override == "delete":
+        return JournalPolicy(
+            "delete", None, "HERMES_STATE_JOURNAL=delete: rollback journal", "none")
+    if cross_vm:  # an asked-for WAL too, as hermes-agent 0.22 refuses it there
+        return JournalPolicy("delete", None, f"the store is on {_CROSS_VM}: rollback journal",
+                             "none")
+    if wanted == "external":  # the race's fix is in the checkpointer (docs/across-machines.md)
+        return JournalPolicy(
+            "wal", 0,
+            f"HERMES_STATE_CHECKPOINT=external ({label}): WAL, automatic checkpoints off, "
+            "none of ours: the replicator runs them",
+            "external")
+    if sqlite_has_wal_reset_bug(version) and override != "wal":
+        return JournalPolicy(
+            "delete", None,
+            f"{label} has the WAL-reset race (3.7.0-3.51.2): rollback journal, as hermes-agent",
+            "none")
+    return _wal_policy(version, "HERMES_STATE_JOURNAL=wal: " if override else "")
+
+
+def _wal_policy(version, why=""):
+    """WAL on `version`'s SQLite: on one with the WAL-reset race only our checkpoints, each under
+    state.db.lock; elsewhere SQLite's automatic ones too. `why` opens the reason."""
+    label = "SQLite " + ".".join(map(str, version[:3]))
+    if sqlite_has_wal_reset_bug(version):
+        return JournalPolicy(
+            "wal", 0,
+            f"{why}{label} has the WAL-reset race (3.7.0-3.51.2): WAL with every write and "
+            "checkpoint under state.db.lock, automatic checkpoints off",
+            "locked")
+    return JournalPolicy(
+        "wal", None,
+        f"{why}{label} is free of the WAL-reset race: WAL with every write under state.db.lock, "
+        "automatic checkpoints and ours",
+        "automatic")
+
+
+class BackgroundCheckpointer:
+    """The thread that checkpoints a WAL store off the write path: once the writer has been quiet
+    IDLE_CHECKPOINT_DELAY s, and when a commit asks (`committed(due=True)`). It holds the store
+    weakly (an idle store still closes at exit and is collected), starts at a commit, and ends at
+    stop(), once the store is gone, or after CHECKPOINTER_RETIRE_AFTER s with nothing to do."""
+
+    def __init__(self, db):
+        self._db = weakref.ref(db)
+        self._cond = threading.Condition()
+        self._thread = None
+        self._last = 0.0
+        self._pending = self._due = self._stopped = False
+
+    def committed(self, due=False):
+        """A commit happened (`due`: checkpoint now, not only once quiet)."""
+        with self._cond:
+            was_pending, self._pending, self._last = self._pending, True, time.monotonic()
+            self._due = self._due or due
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"hermes_state checkpointer {id(self):x}", daemon=True)
+                self._thread.start()
+            elif due or not was_pending:  # not at every commit: the thread would wake at each
+                self._cond.notify()
+
+    def stop(self, timeout):
+        """End the thread (waiting up to `timeout` s for a checkpoint under way); it may start
+        again at the next commit (a store reopened after close)."""
+        with self._cond:
+            thread, self._stopped = self._thread, True
+            self._cond.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        with self._cond:
+            self._pending = self._due = self._stopped = False
+
+    def _run(self):
+        while self._wait_for_work():
+            db = self._db()
+            if db is None:
+                return
+            done = db._background_checkpoint()
+            del db  # not held while waiting
+            if not done:  # a write, the lock held elsewhere, a reader in the way: look again
+                with self._cond:
+                    if not self._pending:
+                        self._pending, self._last = True, time.monotonic()
+
+    def _wait_for_work(self):
+        """True when a checkpoint is due; False (the thread ends) when stopped or retired."""
+        with self._cond:
+            while not self._stopped:
+                if self._due:
+                    break
+                if self._pending:
+                    quiet_in = self._last + IDLE_CHECKPOINT_DELAY - time.monotonic()
+                    if quiet_in <= 0:
+                        break
+                    self._cond.wait(quiet_in)
+                elif not self._cond.wait(CHECKPOINTER_RETIRE_AFTER) and not self._pending:
+                    break
+            work = not self._stopped and (self._due or self._pending)
+            self._due = self._pending = False
+            if not work:
+                self._thread = None
+            return work
+
+
+class SessionJournalMixin:
+    """SessionDB's journal mode and checkpoints: applies `self.policy` (choose_journal_policy) at
+    open, checkpoints after commits (`_after_commit`, the write path's), and on the checkpointer
+    thread. Relies on SessionDB's `_writer`, `_file_lock`, `_write_lock`, `_closed`, `_commits`,
+    `_uncheckpointed`, `_checkpoint_conn`, `_checkpointer`, `db_path`, `write_budget`,
+    `_retry_on_lock`, `_new_connection` and `_read_one`."""
+
+    def _apply_journal_policy(self):
+        """Put the store in the policy's journal mode, or say why it stays and adopt the policy of
+        the mode it keeps."""
+        conn = self._writer
+
+        def read_mode():
+            # A read first: in WAL it holds the shared lock a switch out of WAL must get past. In a
+            # rollback journal it waits out other writers' commits, as a write would.
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return conn.execute(JOURNAL_MODE_SQL).fetchone()[0].lower()
+        mode = self._retry_on_lock(read_mode, time.monotonic(), self.write_budget)
+        if mode == "wal" and self.policy.mode != "wal":
+            # Leaving WAL needs every other connection to the file gone (SQLite refuses it while
+            # one is open, as it would lose its view of the WAL): try once, never wait one out
+            # (hermes-agent 0.22's _set_journal_mode_no_wait; it leaves a WAL store as it is).
+            try:
+                mode = _set_journal_mode_no_wait(conn, self.policy.mode) or mode
+            except sqlite3.OperationalError as exc:
+                if not is_lock_error(exc):
+                    raise
+            if mode == "wal":
+                self.policy = _wal_policy(
+                    sqlite3.sqlite_version_info,
+                    "the store is in WAL and another connection holds it (an open that finds it"
+                    f" alone switches it to {self.policy.mode}): ")
+                logger.warning("journal mode of %s stays wal: %s", self.db_path,
+                               self.policy.reason)
+        elif mode != self.policy.mode:
+            # The switch into WAL needs every reader of a rollback-journal store gone: wait for
+            # them as a write waits.
+            _set_busy_timeout(conn, self.write_budget)
+            try:
+                switch = f"PRAGMA journal_mode={self.policy.mode}"
+                mode = self._retry_on_lock(
+                    lambda: conn.execute(switch).fetchone()[0].lower(), time.monotonic(),
+                    self.write_budget)
+            finally:
+                _set_busy_timeout(conn, WRITER_BUSY_TIMEOUT)
+            if mode != self.policy.mode:  # a filesystem that refuses WAL keeps its journal
+                self.policy = JournalPolicy(
+                    mode, None, f"WAL was refused, the journal stays {mode}", "none")
+                logger.warning("journal mode of %s: %s", self.db_path, self.policy.reason)
+        # WAL: NORMAL loses at most the last commits to a power cut, never the file. A rollback
+        # journal: FULL (SQLite's default, what hermes-agent runs), as NORMAL there may corrupt the
+        # file on a power cut on some filesystems (sqlite.org/pragma.html#pragma_synchronous).
+        conn.execute(f"PRAGMA synchronous={'NORMAL' if mode == 'wal' else 'FULL'}")
+        if self.policy.autocheckpoint is not None:
+            conn.execute(f"PRAGMA wal_autocheckpoint={self.policy.autocheckpoint}")
+        if (self.policy.checkpoint == "external"
+                and hasattr(sqlite3, "SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE")):
+            # Python 3.12+: our last close leaves the WAL to the replicator as well, instead of
+            # checkpointing it and making Litestream take a new snapshot.
+            conn.setconfig(sqlite3.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, True)
+
+    def _checkpoint_mode(self):
+        # doctor's line: our checkpoints on an affected SQLite would race Litestream's unlocked
+        # writes (a hint only: a restored copy carries its tables too).
+        litestream = "SELECT 1 FROM sqlite_master WHERE name = '_litestream_seq'"  # its table
+        if self.policy.checkpoint == "locked" and self._read_one(litestream):
+            return ("locked; this store carries Litestream's tables: while Litestream replicates "
+                    "it, set HERMES_STATE_CHECKPOINT=external")
+        return self.policy.checkpoint
+
+    def _after_commit(self, conn, changes):
+        """Checkpoint now and then, after a big transaction, and once the writer goes quiet. The
+        data is committed: nothing here may raise into the retry loop, which would run the
+        callback a second time."""
+        self._commits += 1
+        if not self._checkpoints_ours():
+            return
+        self._uncheckpointed = True
+        due = self._commits % CHECKPOINT_EVERY_COMMITS == 0 or changes >= CHECKPOINT_AFTER_CHANGES
+        # With the WAL-reset race only the writer checkpoints, under our lock (held here); else the
+        # checkpointer thread does it beside our writes (it measured 20-30% of a one-message
+        # append here, 3.53.2 on a loaded 2-core machine).
+        locked_now = due and self.policy.checkpoint == "locked"
+        if locked_now:
+            self._checkpoint(conn)
+        self._checkpointer.committed(due=due and not locked_now)
+
+    def _checkpoints_ours(self):
+        """True if we checkpoint this store (in WAL, no replicator doing it)."""
+        return self.policy.checkpoint in ("locked", "automatic")
+
+    def _checkpoint(self, conn):
+        """A PASSIVE checkpoint; True if it copied the whole WAL. On the writer it runs under
+        state.db.lock. A failure waits for the next one."""
+        try:
+            busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error as exc:
+            logger.info("checkpoint of %s deferred to the next one: %s", self.db_path, exc)
+            return False
+        whole = not busy and copied == frames
+        if whole and conn is self._writer:
+            self._uncheckpointed = False
+        return whole
+
+    def _background_checkpoint(self):
+        """The checkpointer thread's checkpoint; False when it should look again later. On a SQLite
+        free of the WAL-reset race it runs on a connection of its own, beside our writes (the fix
+        is in the checkpointer); with the race, on the writer under both our locks, taken only if
+        free now."""
+        if self.policy.checkpoint == "automatic":
+            if self._closed:
+                return True
+            if self._checkpoint_conn is None:
+                try:
+                    self._checkpoint_conn = self._new_connection(
+                        str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT)
+                except sqlite3.Error as exc:  # the thread must not die of it: the next look
+                    logger.info("checkpoint of %s deferred: %s", self.db_path, exc)
+                    return False
+            return self._checkpoint(self._checkpoint_conn)
+        if not self._write_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._closed or self._writer is None:
+                return True
+            if self._file_lock is None or not self._file_lock.acquire(time.monotonic()):
+                return False
+            try:
+                return self._checkpoint(self._writer)
+            finally:
+                self._file_lock.release()
+        finally:
+            self._write_lock.release()

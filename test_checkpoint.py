@@ -14,7 +14,8 @@ import sys
 import time
 from unittest import mock
 
-from hermes_state import CHECKPOINT_EVERY_COMMITS, SessionDB, choose_journal_policy, sqlite_has_wal_reset_bug
+from hermes_state import CHECKPOINT_EVERY_COMMITS, SessionDB, choose_journal_policy
+from hermes_state_common import sqlite_has_wal_reset_bug
 from test_support import REPO, TempDirTestCase, tracing_factory
 
 AFFECTED, FIXED = (3, 40, 1), (3, 51, 3)
@@ -46,7 +47,8 @@ class ChoosingTheCheckpointMode(TempDirTestCase):
 
     def test_the_default_and_auto_leave_the_journal_policy_as_it_was(self):
         for wanted in ("", "auto", " AUTO "):
-            self.assertEqual(choose_journal_policy(AFFECTED, "", wanted).checkpoint, "locked")
+            self.assertEqual(choose_journal_policy(AFFECTED, "", wanted).checkpoint, "none")
+            self.assertEqual(choose_journal_policy(AFFECTED, "wal", wanted).checkpoint, "locked")
             self.assertEqual(choose_journal_policy(FIXED, "", wanted).checkpoint, "automatic")
         self.assertEqual(choose_journal_policy(AFFECTED, "delete", "").checkpoint, "none")
 
@@ -86,16 +88,16 @@ class ExternalMeansNoCheckpointOfOurs(TempDirTestCase):
             self.assertEqual(sorted(set(sizes)), sizes, "the WAL was reset, so something checkpointed it")
         self.assertEqual([s for s in statements if "wal_checkpoint" in s], [])
 
-    def test_the_locked_policy_checkpoints_where_external_does_not(self):
-        if not sqlite_has_wal_reset_bug():
-            self.skipTest("this SQLite is fixed: its default policy has automatic checkpoints")
+    def test_our_wal_policies_checkpoint_where_external_does_not(self):
         statements = []
-        with SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements)) as db:
+        with mock.patch("hermes_state_wal.IDLE_CHECKPOINT_DELAY", 3600), \
+                SessionDB(self.tmp / "state.db", connection_factory=tracing_factory(statements), journal="wal") as db:
             db.create_session("s", "cli")
             for i in range(CHECKPOINT_EVERY_COMMITS):
                 db.append_message("s", "user", f"message {i}")
-        # One at the cadence, one at close for the commits since (a gateway may keep the store open).
-        self.assertEqual(sum("wal_checkpoint(PASSIVE)" in s for s in statements), 2)
+        # One after the open's schema, one at the cadence, one at close for the commits since (a gateway may
+        # keep the store open).
+        self.assertEqual(sum("wal_checkpoint(PASSIVE)" in s for s in statements), 3)
 
     def test_vacuum_leaves_the_wal_to_the_replicator_and_loses_nothing(self):
         path = self.tmp / "state.db"
@@ -112,7 +114,7 @@ class ExternalMeansNoCheckpointOfOurs(TempDirTestCase):
 
     def test_vacuum_truncates_the_wal_when_we_own_the_checkpoints(self):
         path = self.tmp / "state.db"
-        with SessionDB(path) as db:
+        with SessionDB(path, journal="wal") as db:
             db.create_session("s", "cli")
             db.append_message("s", "user", "x")
             db.vacuum()
@@ -131,7 +133,7 @@ class ExternalMeansNoCheckpointOfOurs(TempDirTestCase):
 
     def test_the_last_close_checkpoints_when_we_own_the_checkpoints(self):
         path = self.tmp / "state.db"
-        with SessionDB(path) as db:
+        with SessionDB(path, journal="wal") as db:
             db.create_session("s", "cli")
             db.append_message("s", "user", "x")
         self.assertFalse(os.path.exists(f"{path}-wal"))
@@ -157,12 +159,12 @@ class BesideAReplicator(TempDirTestCase):
         if not sqlite_has_wal_reset_bug():
             self.skipTest("this SQLite is fixed: our checkpoints cannot race Litestream's writes")
         path = self.tmp / "state.db"
-        SessionDB(path).close()
+        SessionDB(path, journal="wal").close()
         raw = sqlite3.connect(path)
         raw.execute("CREATE TABLE _litestream_seq (id INTEGER PRIMARY KEY, seq INTEGER)")
         raw.commit()
         raw.close()
-        with SessionDB(path) as db:
+        with SessionDB(path, journal="wal") as db:
             self.assertRegex(db.doctor()["checkpoint_mode"],
                              "^locked; this store carries Litestream's tables: .* set HERMES_STATE_CHECKPOINT=external")
         with SessionDB(path, checkpoint="external") as db:
@@ -178,6 +180,10 @@ class DoctorShowsTheMode(TempDirTestCase):
         with SessionDB(self.tmp / "del.db", journal="delete") as db:
             self.assertEqual(db.doctor()["checkpoint_mode"], "none")
         with SessionDB(self.tmp / "own.db") as db:
+            expected = ("delete", "none") if sqlite_has_wal_reset_bug() else ("wal", "automatic")
+            report = db.doctor()
+            self.assertEqual((report["journal_mode"], report["checkpoint_mode"]), expected)
+        with SessionDB(self.tmp / "wal.db", journal="wal") as db:
             expected = "locked" if sqlite_has_wal_reset_bug() else "automatic"
             self.assertEqual(db.doctor()["checkpoint_mode"], expected)
 

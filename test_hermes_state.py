@@ -35,7 +35,7 @@ class Opening(TempDirTestCase):
             self.skipTest("file modes are POSIX")
         old_umask = os.umask(0o022)
         try:
-            with SessionDB(self.tmp / "state.db") as db:
+            with SessionDB(self.tmp / "state.db", journal="wal") as db:
                 db.create_session("s", "cli")
                 names = ["state.db", "state.db-wal", "state.db-shm", "state.db.lock"]
                 for name in names:

@@ -2,6 +2,7 @@
 hermes-agent's readiness probe, on real damaged files."""
 
 import sqlite3
+import time
 
 import hermes_state_health as health
 from hermes_state import SessionDB
@@ -87,13 +88,16 @@ class SessionDBNotes(HealthTestCase):
         self.assertIn("malformed", storage_corrupt_reason(self.path))
 
     def test_a_write_that_meets_damage_notes_the_store_corrupt(self):
-        with SessionDB(self.path) as db:
+        # WAL: the TRUNCATE checkpoint below is what makes the writer read the damaged page again.
+        with SessionDB(self.path, journal="wal") as db:
             db.create_session("s", "cli")
             for i in range(200):
                 db.append_message("s", "user", f"message {i} " * 20)
             other = sqlite3.connect(self.path, isolation_level=None)
             self.addCleanup(other.close)
-            other.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # every page in the main file
+            # Every page in the main file: again while our checkpointer thread's own checkpoint holds it off.
+            while other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:
+                time.sleep(0.01)
             damage_messages_table(self.path)
             other.execute("UPDATE state_meta SET value = value")  # the writer drops its page cache
             with self.assertLogs("hermes_state", "ERROR"), self.assertRaises(sqlite3.DatabaseError):

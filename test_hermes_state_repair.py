@@ -385,7 +385,8 @@ class LiveWriter(DoctorTestCase):
 
     def test_a_connection_of_this_process_that_holds_the_store_counts_too(self):
         path = self.store()
-        with SessionDB(path) as db:
+        # In WAL a connection holds the file between its transactions; a rollback journal's does not.
+        with SessionDB(path, journal="wal") as db:
             db.create_session("t", "cli")
             self.assertTrue(hermes_state_repair._live_writer_holds_db(path))
 

@@ -133,7 +133,7 @@ class JournalModeOfOtherDatabases(TempDirTestCase):
     def test_hermes_agents_tables_inside_our_store_leave_it_in_wal(self):
         from hermes_state import SessionDB
         path = self.tmp / "state.db"
-        with SessionDB(path) as db:
+        with SessionDB(path, journal="wal") as db:
             db.create_session("s", "cli")
             ledger = sqlite3.connect(str(path), timeout=10)
             self.addCleanup(ledger.close)

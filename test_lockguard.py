@@ -146,10 +146,10 @@ class LocksWeNeverBreak(TempDirTestCase):
 
     def test_a_second_open_keeps_the_wal_of_the_first_when_another_process_comes_and_goes(self):
         path = self.make_store()
-        first = SessionDB(path)
+        first = SessionDB(path, journal="wal")
         self.addCleanup(first.close)
         first.append_message("s", "user", "before the second open")
-        second = SessionDB(path)
+        second = SessionDB(path, journal="wal")
         self.addCleanup(second.close)
         visitor = subprocess.run([sys.executable, "-c", OPEN_WRITE_CLOSE, str(path)], cwd=REPO,
                                  capture_output=True, text=True, timeout=60)

@@ -445,8 +445,8 @@ class SeveralProcessesShareOneStore(TempDirTestCase):
         self.assertEqual(left, ["state.db", "state.db.lock"], "temp, journal or WAL files were left behind")
         self.assertTrue(all(r.get("ops") for r in records), "a worker did nothing")
 
-    def test_the_default_wal_policy_loses_nothing_and_counts_exactly(self):
-        self.check_run(None)
+    def test_the_wal_policy_loses_nothing_and_counts_exactly(self):
+        self.check_run("wal")
 
     def test_a_rollback_journal_loses_nothing_and_counts_exactly(self):
         self.check_run("delete")
@@ -459,12 +459,12 @@ class ShortLivedWritersBesideALongLivedOne(TempDirTestCase):
         # is the last connection, so no close checkpoints, and the cadence counts each SessionDB's own commits.
         from hermes_state import CHECKPOINT_EVERY_COMMITS, SessionDB
         path = self.tmp / "state.db"
-        gateway = SessionDB(path)
+        gateway = SessionDB(path, journal="wal")
         self.addCleanup(gateway.close)
         gateway.create_session("gw", "gateway")
         empty_size = path.stat().st_size
         for run in range(CHECKPOINT_EVERY_COMMITS // 20 + 5):
-            with SessionDB(path) as cron:
+            with SessionDB(path, journal="wal") as cron:
                 for i in range(20):
                     cron.append_message("gw", "user", f"cron run {run} line {i}")
         wal = Path(str(path) + "-wal").stat().st_size
