@@ -296,10 +296,10 @@ MUTANTS = [
            "        except BaseException as exc:\n",
            "token counts queued before a failed write are dropped with it",
            ["test_concurrency.WritePath", "test_hermes_state_usage.TokenQueue"]),
-    Mutant("checkpoint-error-reaches-retry", "hermes_state.py",
-           "        try:\n            conn.execute(\"PRAGMA wal_checkpoint(PASSIVE)\")\n"
+    Mutant("checkpoint-error-reaches-retry", "hermes_state_wal.py",
+           "            busy, frames, copied = conn.execute(\"PRAGMA wal_checkpoint(PASSIVE)\").fetchone()\n"
            "        except sqlite3.Error as exc:\n",
-           "        try:\n            conn.execute(\"PRAGMA wal_checkpoint(PASSIVE)\")\n"
+           "            busy, frames, copied = conn.execute(\"PRAGMA wal_checkpoint(PASSIVE)\").fetchone()\n"
            "        except sqlite3.DatabaseError as exc:\n            raise\n"
            "        except sqlite3.Error as exc:\n",
            "a failing checkpoint after COMMIT reaches the retry loop, which writes the rows twice",
