@@ -640,8 +640,10 @@ GATEWAY_ROUTING_SIDE_TABLE = "gateway_routing_pk_heal"
 INSERT_SYSTEM_PROMPT_SQL = "INSERT OR IGNORE INTO system_prompts (hash, prompt) VALUES (?, ?)"
 SELECT_COMPRESSION_LOCK_SQL = ("SELECT holder, expires_at FROM compression_locks"
                                " WHERE session_id = ?")
+# A stored text no session names, as its prompt or (schema 31) as its tools pin.
 DELETE_UNUSED_PROMPTS_SQL = ("DELETE FROM system_prompts WHERE NOT EXISTS (SELECT 1 FROM sessions"
-                             " WHERE sessions.system_prompt_hash = system_prompts.hash)")
+                             " WHERE sessions.system_prompt_hash = system_prompts.hash"
+                             " OR sessions.tool_names = system_prompts.hash)")
 
 # -- Session SQL --------------------------------------------------------------
 SESSION_EXISTS_SQL = "SELECT 1 FROM sessions WHERE id = ?"

@@ -354,6 +354,10 @@ class RowsOf022(SessionTestCase):
         self.assertEqual(self.row("s")["tool_names"], self.row("t")["tool_names"])
         self.assertEqual(json.loads(self.db.get_session("s")["tool_names"]), pin)
         self.assertEqual(self.prompts().count(json.dumps(pin)), 1)
+        # A cleanup of unused prompts (a session deleted) keeps a text only a pin names.
+        self.db.create_session("gone", "cli", system_prompt="once")
+        self.db.delete_session("gone")
+        self.assertEqual(json.loads(self.db.get_session("t")["tool_names"]), pin)
         self.sql("UPDATE sessions SET tool_names = '[\"legacy\"]' WHERE id = 't'")
         self.assertEqual(self.db.get_session("t")["tool_names"], '["legacy"]')
         self.db.update_session_tool_names("s", None)
