@@ -518,6 +518,12 @@ class Listing(SessionTestCase):
         self.assertEqual([row["id"] for row in rows][:2], ["s0-tip", "s2"])
         self.assertFalse({"s0", "s1", "run"} & {row["id"] for row in rows})
         self.assertEqual(rows[0]["_lineage_root_id"], "s0")
+        # An untitled tip shows its root's title (0.22); a titled one its own.
+        self.db.set_session_title("s0", "the chain")
+        rows = self.db.list_recent_sessions_bounded(limit=5, exclude_sources=["cron"])
+        self.assertEqual((rows[0]["id"], rows[0]["title"]), ("s0-tip", "the chain"))
+        self.db.set_session_title("s0-tip", "its own")
+        self.assertEqual(self.db.list_recent_sessions_bounded(limit=1)[0]["title"], "its own")
         self.assertNotIn("system_prompt", rows[0])
         self.assertEqual(len(self.db.list_recent_sessions_bounded(limit=0)), 1)
 
