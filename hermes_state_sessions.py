@@ -572,12 +572,12 @@ class SessionSessionsMixin:
         for index, session in enumerate(sessions):
             tip = found.get(tips.get(session["id"]))
             if tip:
-                # A tip without a title shows the root's (a rotation cut off before the title
-                # moved to the tip left it there, as 0.22 reads it).
+                # Outside 0.20 a tip without a title shows the root's (a rotation cut off before
+                # the title moved to the tip left it there, as 0.22 reads it).
+                title = tip.get("title") or (None if host_is_020() else session.get("title"))
                 sessions[index] = session = {
                     **session, **{k: tip[k] for k in _PROJECTED_COLUMNS if k in tip},
-                    "title": tip.get("title") or session.get("title"),
-                    "_lineage_root_id": session["id"]}
+                    "title": title, "_lineage_root_id": session["id"]}
             session["unread"] = self.session_unread(session)
         return sessions
 

