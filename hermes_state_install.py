@@ -15,7 +15,6 @@ host's `hermes_constants.py` (ours defines the home-location family only, and he
 
 import argparse
 import glob
-import hashlib
 import json
 import os
 import re
@@ -24,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 
+from hermes_state_archive import sha256_file
 from hermes_state_errors import InstallRefused
 
 HERE = os.path.dirname(os.path.realpath(__file__))
@@ -118,14 +118,6 @@ def _refuse(message):
 
 
 # -- the only places that open a file: never a store, only modules, the backup and its manifest --
-
-def sha256_of(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
 
 def _read(path):
     """The text of a file (a module, a manifest, a journal, a #! script, package metadata)."""
@@ -248,7 +240,7 @@ def _python_for(folder):
 
 def state_modules(folder):
     """{name after `hermes_state`: sha256} of every hermes_state*.py in `folder`."""
-    return {os.path.basename(path)[len("hermes_state"):-3]: sha256_of(path)
+    return {os.path.basename(path)[len("hermes_state"):-3]: sha256_file(path)
             for path in glob.glob(os.path.join(glob.escape(folder), "hermes_state*.py"))}
 
 
@@ -336,10 +328,10 @@ def _write_backup(host, release, originals, ours):
     for name in originals:
         copy = os.path.join(partial, "files", name)
         _copy(host.path(name), copy)
-        entries.append({"name": name, "sha256": sha256_of(copy)})
+        entries.append({"name": name, "sha256": sha256_file(copy)})
     _write_json(os.path.join(partial, MANIFEST), {
         "format": 1, "release": release, "from": HERE, "complete": False, "host": entries,
-        "ours": [{"name": name, "sha256": sha256_of(os.path.join(HERE, name))} for name in ours]})
+        "ours": [{"name": name, "sha256": sha256_file(os.path.join(HERE, name))} for name in ours]})
     os.replace(partial, host.backup)
     _fsync(host.folder)
 
@@ -348,7 +340,7 @@ def _restore(host, manifest):
     """Put the host's files back from the backup, whatever step an install stopped at."""
     for entry in manifest["host"]:
         copy = os.path.join(host.backup, "files", entry["name"])
-        if sha256_of(copy) != entry["sha256"]:
+        if sha256_file(copy) != entry["sha256"]:
             _refuse(f"the backup's {entry['name']} differs from its manifest; nothing was changed")
     for entry in manifest["ours"]:
         stem = entry["name"][:-3]
@@ -441,8 +433,8 @@ def _installed_matches(host, manifest):
     """True when the host holds exactly the modules of this checkout that the manifest lists."""
     listed = {entry["name"]: entry["sha256"] for entry in manifest["ours"]}
     return (set(listed) == set(our_modules())
-            and all(sha256_of(os.path.join(HERE, name)) == digest
-                    and os.path.isfile(host.path(name)) and sha256_of(host.path(name)) == digest
+            and all(sha256_file(os.path.join(HERE, name)) == digest
+                    and os.path.isfile(host.path(name)) and sha256_file(host.path(name)) == digest
                     for name, digest in listed.items()))
 
 

@@ -219,7 +219,6 @@ RAW_OPENS = {
     ("hermes_state_wal", "_path_on_cross_vm_fs"): "/proc/self/mountinfo, never a store",
     ("hermes_state_install", "_read"): "hermes-agent's modules, metadata and #! scripts, our manifest "
                                        "and journal: never a store",
-    ("hermes_state_install", "sha256_of"): "state modules and their backups, never a store",
     ("hermes_state_install", "_copy"): "state modules into and out of the backup, never a store",
     ("hermes_state_install", "_fsync"): "a copied module or the folder holding the modules",
     ("hermes_state_install", "_write_json"): "the install's manifest in its backup folder",
