@@ -542,65 +542,60 @@ def _cmd_export(db, args, out):
     return 0
 
 
-def _read_jsonl(path, progress):
-    """The file's sessions, one JSON value a line ('-' is stdin); ValueError names a line that
-    cannot be read."""
-    sessions = []
-    name = "<stdin>" if path == "-" else path
-    handle = sys.stdin.buffer if path == "-" else open(path, "rb")
-    try:  # decoded a line at a time, so a bad byte is named by its line too
-        for number, raw in enumerate(handle, 1):
-            try:
-                line = raw.decode("utf-8")
-                if line.strip():
-                    sessions.append(json.loads(line))
-                    progress.update(len(sessions), unit="sessions")
-            except RecursionError:
-                raise ValueError(f"{name}:{number}: JSON nested too deep to read") from None
-            except UnicodeDecodeError as exc:
-                where = f"{exc.reason} at byte {exc.start + 1}"
-                raise ValueError(f"{name}:{number}: not UTF-8 ({where})") from None
-            except ValueError as exc:
-                raise ValueError(f"{name}:{number}: not JSON ({exc})") from None
-    finally:
-        if path != "-":
-            handle.close()
-    return sessions
+def _read_jsonl(path):
+    """The import file open for binary reads, and where its lines are copied as they are checked
+    (None, or for '-' an unnamed temporary file: standard input is read once, the writes read the
+    copy)."""
+    if path == "-":
+        return sys.stdin.buffer, tempfile.TemporaryFile(prefix="hermes-import-")
+    return open(path, "rb"), None
 
 
 def _read_import(args):
-    """The import file's sessions, read before the store is opened: a missing or unreadable file
-    then leaves no new store behind (nor its lock)."""
+    """Pass 1, before the store is opened: every line of the file read and checked, so that a
+    file that cannot be read or holds a bad entry writes nothing, not even a new store (nor its
+    lock). (the checked file, its Progress); CommandError lists the first rejected entries."""
     progress = Progress("import")
-    progress.phase("reading", "<stdin>" if args.file == "-" else args.file)
+    name = "<stdin>" if args.file == "-" else args.file
+    progress.phase("checking", f"{name}, every line before anything is written")
     try:
-        return _read_jsonl(args.file, progress), progress
+        handle, copy = _read_jsonl(args.file)
     except OSError as exc:
         progress.finish()
         raise CommandError(f"cannot read {args.file}: {exc.strerror or exc}; nothing was "
                            "imported") from None
+    # (imported here, not at the top: the checks are the import command's alone)
+    from hermes_state_portability import IMPORT_ERRORS_SHOWN, check_import_file
+    reader = copy or handle  # what the writes read again
+    try:
+        digest, sessions, errors = check_import_file(handle, name, SessionDB.import_limits(),
+                                                     copy)
+        if errors:
+            lines = [f"{name}:{error['line']}: " + (f"session {error['session_id']!r}: "
+                     if "session_id" in error else "") + error["error"] for error in errors]
+            more = [] if len(errors) < IMPORT_ERRORS_SHOWN else [
+                f"(the check stops at {IMPORT_ERRORS_SHOWN} rejected entries)"]
+            raise CommandError(lines[0], [f"error: {line}" for line in lines[1:]] + more + [
+                "the import was rejected; nothing was written"])
+    except BaseException:
+        reader.close()
+        progress.finish()
+        raise
+    reader.seek(0)
+    progress.phase("checked", f"{sessions:,} sessions, every line valid")
+    return (reader, name, digest), progress
 
 
 def _cmd_import(db, args, out):
-    sessions, progress = args.sessions, args.progress
-    # The whole file is one import_sessions call, so one transaction: all of it or nothing.
-    # Each session keeps its limits; the totals of one API call do not apply to a file.
-    limits = dict(db.import_limits(), sessions=len(sessions), total_messages=float("inf"),
-                  total_bytes=float("inf"))
-    progress.phase("writing", f"{len(sessions):,} sessions in one transaction (all or nothing); "
-                   "the write lock is held until it ends, other processes' writes wait")
+    (reader, name, digest), progress = args.sessions, args.progress  # _read_import's (_run)
     try:
-        result = db.import_sessions(sessions, limits=limits, one_transaction=True)
+        result = db.import_checked_file(reader, name, digest, progress=progress)
     except sqlite3.Error as exc:
         progress.finish()
-        raise CommandError(str(exc), ["the import was rolled back; nothing was written"]) from None
-    progress.finish()
-    if not result["ok"]:
-        for error in result["errors"]:
-            who = f" ({error['session_id']})" if "session_id" in error else ""
-            sys.stderr.write(f"error: session {error['index']}{who}: {error['error']}\n")
-        sys.stderr.write("the import was rejected; nothing was written\n")
-        return 1
+        raise CommandError(str(exc), ["none of the import is visible; run it again to resume"]
+                           ) from None
+    finally:
+        reader.close()
     totals = {key: result[key] for key in ("imported", "skipped", "detached")}
     if result.get("unstored_fields"):
         fields = ", ".join(result["unstored_fields"])

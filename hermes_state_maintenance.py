@@ -509,6 +509,14 @@ class SessionMaintenanceMixin:
                 f" WHERE parent_session_id IN ({marks})", chunk)
             conn.execute(f"DELETE FROM session_model_usage WHERE session_id IN ({marks})", chunk)
             deleted += conn.execute(f"DELETE FROM sessions WHERE id IN ({marks})", chunk).rowcount
+        self._sweep_later(conn, session_ids)
+        if deleted:
+            conn.execute(DELETE_UNUSED_PROMPTS_SQL)
+        return deleted
+
+    def _sweep_later(self, conn, session_ids):
+        """Inside a write: mark the messages these ids have now for _sweep_deleted_messages (run
+        after commit): a deleted session's, a discarded import's."""
         upto = conn.execute("SELECT MAX(id) FROM messages").fetchone()[0]
         # No key for a session without messages: its delete then takes no sweep transaction.
         has_messages = "SELECT 1 FROM messages WHERE session_id = ? LIMIT 1"
@@ -517,9 +525,6 @@ class SessionMaintenanceMixin:
             write_meta(conn, SWEEP_META_PREFIX + session_id, str(upto))
         if marked:
             write_meta(conn, SWEEP_BEAT_META, str(time.time()))
-        if deleted:
-            conn.execute(DELETE_UNUSED_PROMPTS_SQL)
-        return deleted
 
     def _sweep_deleted_messages(self, prefix=SWEEP_META_PREFIX):
         """How many messages of deleted sessions (sweep key under `prefix`, this

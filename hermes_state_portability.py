@@ -16,6 +16,7 @@ import base64
 import binascii
 import contextlib
 import gc
+import hashlib
 import itertools
 import json
 import math
@@ -24,13 +25,14 @@ import sqlite3
 import time
 from collections import Counter
 from datetime import datetime, timezone
+from pathlib import Path
 
 from hermes_state_common import (
-    BYTES_MARKER, CONTENT_JSON_PREFIX, LAST_ACTIVE_SQL, INSERT_SYSTEM_PROMPT_SQL,
-    MESSAGE_WRITE_COLUMNS, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL,
-    SET_MESSAGE_COUNTS_SQL, SQLITE_INT_RANGE, TITLE_MAX_LENGTH, decode_message, host_view,
-    loads_or, normalize_title, placeholders, quote_identifier, resolved_max_export_messages,
-    scrub_surrogates, sqlite_keeps)
+    BYTES_MARKER, CONTENT_JSON_PREFIX, DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL,
+    LAST_ACTIVE_SQL, MESSAGE_WRITE_COLUMNS, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL,
+    SQL_CHUNK_SIZE, SQLITE_INT_RANGE, TABLE_EXISTS_SQL, TITLE_MAX_LENGTH, decode_message,
+    host_view, loads_or, normalize_title, placeholders, quote_identifier,
+    resolved_max_export_messages, scrub_surrogates, sqlite_keeps)
 from hermes_state_errors import SessionExportTooLargeError
 from hermes_state_identity import ABSORBED_MESSAGE_UIDS, TOOL_CALL_UID, TOOL_CALL_UIDS
 from hermes_state_export_formats import (
@@ -39,7 +41,9 @@ from hermes_state_export_formats import (
 # Re-exported: the command line, the server and the tests import these from here.
 from hermes_state_export_formats import (  # noqa: F401
     EXPORT_FORMATS, markdown_file_name, message_text, write_export)
-from hermes_state_schema import live_columns, pause_between_chunks, prompt_hash
+from hermes_state_repair import _exclusive
+from hermes_state_schema import (
+    live_columns, pause_between_chunks, prompt_hash, read_meta, write_meta)
 
 ID_MAX_LENGTH = 256
 # hermes-agent's export_all reads at most this many sessions.
@@ -291,19 +295,24 @@ def validate_import(sessions, limits):
         raise ValueError("sessions must be a list")
     if len(sessions) > limits["sessions"]:
         raise ValueError(f"sessions must contain at most {limits['sessions']} entries")
-    errors, seen, totals = [], set(), {"messages": 0, "bytes": 0}
-    for index, entry in enumerate(sessions):
+    return list(entry_errors(enumerate(sessions), limits, set(), "index"))
+
+
+def entry_errors(numbered, limits, seen, where):
+    """Each rejected entry of (number, entry) pairs as {where: number, "error", "session_id"?};
+    the ids of accepted ones go into `seen` (one pass, so a stream is checked as it is read)."""
+    totals = {"messages": 0, "bytes": 0}
+    for number, entry in numbered:
         session_id = import_id(entry)
         try:
             _check_entry(entry, session_id, seen, totals, limits)
         except ValueError as exc:
-            error = {"index": index, "error": str(exc)}
+            error = {where: number, "error": str(exc)}
             if session_id:
                 error["session_id"] = session_id
-            errors.append(error)
+            yield error
             continue
         seen.add(session_id)
-    return errors
 
 
 def _check_entry(entry, session_id, seen, totals, limits):
@@ -499,8 +508,8 @@ class SessionPortabilityMixin:
     `_return_reader` (SessionDB, hermes_state.py); `get_session`, `_resolved` (sessions mixin);
     `_flush_token_counts` (usage mixin); `get_compression_lineage` (compression mixin);
     `_insert_message_rows`, `get_messages` (messages mixin); `_hold_back_index_triggers`,
-    `_index_held_back_rows` (search index mixin); `_sweep_deleted_messages` (maintenance
-    mixin)."""
+    `_index_held_back_rows` (search index mixin); `_sweep_deleted_messages`, `_sweep_later`
+    (maintenance mixin)."""
 
     _IMPORT_MAX_SESSIONS = 500
     _IMPORT_MAX_MESSAGES_PER_SESSION = 10_000
@@ -739,15 +748,17 @@ class SessionPortabilityMixin:
 
     # -- import ----------------------------------------------------------------
 
-    def import_limits(self):
-        """The limits of one import_sessions call, by name: what validate_import checks."""
-        return {"sessions": self._IMPORT_MAX_SESSIONS,
-                "messages_per_session": self._IMPORT_MAX_MESSAGES_PER_SESSION,
-                "total_messages": self._IMPORT_MAX_TOTAL_MESSAGES,
-                "session_bytes": self._IMPORT_MAX_SESSION_BYTES,
-                "total_bytes": self._IMPORT_MAX_TOTAL_BYTES, "depth": self._IMPORT_MAX_DEPTH}
+    @classmethod
+    def import_limits(cls):
+        """The limits of one import_sessions call, by name: what validate_import checks (a class
+        method: the command line checks a file before it opens the store)."""
+        return {"sessions": cls._IMPORT_MAX_SESSIONS,
+                "messages_per_session": cls._IMPORT_MAX_MESSAGES_PER_SESSION,
+                "total_messages": cls._IMPORT_MAX_TOTAL_MESSAGES,
+                "session_bytes": cls._IMPORT_MAX_SESSION_BYTES,
+                "total_bytes": cls._IMPORT_MAX_TOTAL_BYTES, "depth": cls._IMPORT_MAX_DEPTH}
 
-    def import_sessions(self, sessions, *, limits=None, one_transaction=False):
+    def import_sessions(self, sessions, *, limits=None):
         """Add exported sessions (hermes-agent 0.19 to 0.22's exports, or ours) to the store:
         history, not runtime ownership. Pass 1 checks the whole payload and writes nothing if any
         entry is wrong: {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors":
@@ -758,17 +769,13 @@ class SessionPortabilityMixin:
         SESSION_RESET_FIELDS are not restored; a field with no rule is restored when the store
         has its column, else named in `unstored_fields` (a key present only then); a link to an
         unknown parent or closing a loop is dropped (`detached`). `limits` replaces
-        import_limits() (the command line lifts the totals); `one_transaction` writes all or
-        nothing in one, holding the write lock throughout (the command line says so first).
+        import_limits(). A file of any size goes through import_checked_file instead.
         Raises ValueError if `sessions` is not a list or has too many entries."""
         errors = validate_import(sessions, limits or self.import_limits())
         if errors:
             return {"ok": False, "imported": 0, "skipped": 0, "detached": 0, "errors": errors}
         # A deleted session's leftovers never join an import of its id.
         self._sweep_deleted_messages()
-        if one_transaction:
-            return self._execute_write(
-                lambda conn: _finish_import(conn, self._write_import(conn, sessions)))
         # A transaction of about IMPORT_CHUNK_SECONDS at a time, whole sessions, so an import never
         # holds the write lock for long (issue 17); cut short, a rerun skips what is stored.
         found, done = ([], [], [], [], set()), 0
@@ -781,6 +788,104 @@ class SessionPortabilityMixin:
             found = tuple(total + new if isinstance(total, list) else total | new
                           for total, new in zip(found, part))
         return self._execute_write(lambda conn: _finish_import(conn, found))
+
+    # -- a file of any size: checked, staged out of sight, shown at once ---------------------------
+
+    def import_checked_file(self, handle, name, digest, *, progress=None):
+        """Store the sessions of a jsonl file check_import_file accepted (`handle` read again
+        from its start, `digest` as it returned): import_sessions' answer, without the id lists.
+
+        Sessions and their messages are written IMPORT_CHUNK_SECONDS at a time, session rows into
+        IMPORT_STAGING_TABLE, where no reader looks (messages without a session row are what
+        get_messages of an unknown id, and a raw count, see); one last transaction moves the rows
+        into `sessions` and attaches the parent links, so a reader sees none of the file, then all
+        of it. A run cut short leaves its staging: a rerun of the same file resumes it, another
+        file's import discards it first (its messages swept in chunks). One file import at a time
+        per store: RuntimeError while another holds the import lock, nothing written. `progress`
+        (phase(name, detail), update(done, total, unit)) hears of each step."""
+        with _exclusive(Path(f"{self.db_path}.import.lock"), 0) as held:
+            if not held:
+                raise RuntimeError(f"another import into {self.db_path} is running; nothing was "
+                                   "written")
+            self._sweep_deleted_messages()  # a deleted session's leftovers never join an import
+            resumed = self._execute_write(lambda conn: _open_staging(conn, digest))
+            if resumed is None:
+                if progress:
+                    progress.phase("discarding", "the staged rows of an unfinished import of "
+                                   "another file")
+                while self._execute_write(self._discard_staging_chunk):
+                    pause_between_chunks()
+                self._sweep_deleted_messages()
+                resumed = self._execute_write(lambda conn: _open_staging(conn, digest))
+            if progress:
+                progress.phase("staging", "unseen by readers until the last step" + (
+                    f"; resuming after {resumed:,} sessions staged before" if resumed else ""))
+            staged = 0
+            for batch in _batches(jsonl_entries(handle, name)):
+                staged += self._stage_batch(batch, digest)
+                if progress:
+                    progress.update(staged, unit="sessions")
+            if progress:
+                progress.phase("publishing", "one transaction makes every session visible")
+            return self._execute_write(lambda conn: self._publish_staging(conn, digest))
+
+    def _stage_batch(self, entries, digest):
+        """Stage `entries` in transactions of IMPORT_CHUNK_SECONDS (each retried whole, so it
+        reads only this list); how many there were."""
+        done = 0
+        while done < len(entries):
+            if done:
+                pause_between_chunks()
+            done += self._execute_write(lambda conn: _stage_chunk(
+                conn, digest, lambda: self._write_import(
+                    conn, entries[done:], self.IMPORT_CHUNK_SECONDS, staged=True)))
+        return done
+
+    def _publish_staging(self, conn, digest):
+        """Inside the last write: the staged sessions into `sessions` (a title taken meanwhile gets
+        the id appended; an id made meanwhile is skipped), parent links attached, the staging
+        dropped; import_sessions' answer."""
+        _check_staging(conn, digest)
+        table = IMPORT_STAGING_TABLE
+        taken = conn.execute(f"SELECT st.id, st.title FROM {table} AS st JOIN sessions AS s"
+                             " ON s.title = st.title WHERE st.hs_skipped = 0").fetchall()
+        for session_id, title in taken:
+            conn.execute(f"UPDATE {table} SET title = :title WHERE id = :id",
+                         {"title": _free_title(conn, title, session_id, True), "id": session_id})
+        conn.execute(f"UPDATE {table} SET hs_skipped = 1 WHERE hs_skipped = 0"
+                     " AND id IN (SELECT id FROM sessions)")
+        staged = set(live_columns(conn, table))
+        names = ", ".join(quote_identifier(column) for column in live_columns(conn, "sessions")
+                          if column in staged and column != "parent_session_id")
+        imported = conn.execute(f"INSERT INTO sessions ({names}) SELECT {names} FROM {table}"
+                                " WHERE hs_skipped = 0 ORDER BY rowid").rowcount
+        links = conn.execute(f"SELECT id, hs_parent, hs_skipped FROM {table}"
+                             " WHERE hs_parent IS NOT NULL ORDER BY rowid").fetchall()
+        _attach_parents(conn, [(child, parent) for child, parent, skip in links if skip])
+        detached = _attach_parents(conn, [(child, parent) for child, parent, skip in links
+                                          if not skip])
+        skipped = conn.execute(f"SELECT COUNT(*) FROM {table} WHERE hs_skipped = 1").fetchone()[0]
+        unstored = json.loads(read_meta(conn, META_IMPORT_UNSTORED) or "[]")
+        _drop_staging(conn)
+        result = {"ok": True, "imported": imported, "skipped": skipped, "detached": detached,
+                  "errors": []}
+        if unstored:
+            result["unstored_fields"] = unstored
+        return result
+
+    def _discard_staging_chunk(self, conn):
+        """Inside a write: hand SQL_CHUNK_SIZE staged sessions' messages to the deleted-message
+        sweep and forget them; False once the staging is gone."""
+        rows = conn.execute(f"SELECT id, hs_skipped FROM {IMPORT_STAGING_TABLE} LIMIT :n",
+                            {"n": SQL_CHUNK_SIZE}).fetchall()
+        if not rows:
+            _drop_staging(conn)
+            conn.execute(DELETE_UNUSED_PROMPTS_SQL)
+            return False
+        self._sweep_later(conn, [session_id for session_id, skipped in rows if not skipped])
+        conn.execute(f"DELETE FROM {IMPORT_STAGING_TABLE} WHERE id IN"
+                     f" ({placeholders(len(rows))})", [row[0] for row in rows])
+        return True
 
     # -- another agent's history (hermes-agent 0.22's desktop importer) ---------------------------
 
@@ -824,52 +929,69 @@ class SessionPortabilityMixin:
             return {"session_id": session_id, "already_imported": False}
         return self._execute_write(write)
 
-    def _write_import(self, conn, sessions, seconds=None):
+    def _write_import(self, conn, sessions, seconds=None, staged=False):
         """Inside a write: store these sessions, from the first, taking no further one after
         `seconds`; (imported ids, skipped ids, parent links, links a skipped session still
-        lacks, unstored fields)."""
-        with _import_cache(conn):
+        lacks, unstored fields). `staged` (a file import) puts the session rows into the staging
+        table instead, skipped ids as marks, and passes over ids staged already (as skipped)."""
+        cache = contextlib.nullcontext() if staged else _import_cache(conn)  # chunks stay small
+        with cache:
             held = self._hold_back_index_triggers(conn)
-            result = self._write_import_rows(conn, sessions, seconds)
+            result = self._write_import_rows(conn, sessions, seconds, staged)
             self._index_held_back_rows(conn, held)
             return result
 
-    def _write_import_rows(self, conn, sessions, seconds):
+    def _write_import_rows(self, conn, sessions, seconds, staged):
         columns = {table: set(live_columns(conn, table)) for table in ("sessions", "messages")}
         imported, skipped, links, relinks, unstored = [], [], [], [], set()
+        target = IMPORT_STAGING_TABLE if staged else "sessions"
         started = time.monotonic()
         for entry in sessions:
             if seconds is not None and imported + skipped and time.monotonic() - started > seconds:
                 break
             session_id = import_id(entry)
             parent = str(entry.get("parent_session_id") or "").strip()
+            if staged and conn.execute(f"SELECT 1 FROM {target} WHERE id = ?",
+                                       (session_id,)).fetchone():
+                skipped.append(session_id)  # staged by an earlier run of this file
+                continue
             stored = conn.execute("SELECT parent_session_id FROM sessions WHERE id = ?",
                                   (session_id,)).fetchone()
             if stored:
                 skipped.append(session_id)
                 if parent and stored[0] is None:
                     relinks.append((session_id, parent))
+                if staged:
+                    conn.execute(f"INSERT INTO {target} (id, hs_parent, hs_skipped)"
+                                 " VALUES (:id, :parent, 1)",
+                                 {"id": session_id, "parent": parent if stored[0] is None
+                                  else None})
                 continue
             row = _session_row(entry, session_id, columns["sessions"], unstored)
-            row["title"] = _free_title(conn, row["title"], session_id)
+            row["title"] = _free_title(conn, row["title"], session_id, staged)
             prompt = entry.get("system_prompt")
             if prompt is not None:
                 row["system_prompt_hash"] = prompt_hash(prompt)
                 conn.execute(INSERT_SYSTEM_PROMPT_SQL, (row["system_prompt_hash"], prompt))
+            # Messages first: the row then carries their counts (and a staged one has its
+            # messages stored with it, in the same transaction).
+            row["message_count"], row["tool_call_count"] = self._import_messages(
+                conn, entry.get("messages") or [], session_id, columns["messages"], unstored)
+            if staged:
+                row.update(hs_parent=parent or None, hs_skipped=0)
             # The row's names and its values come from the one dict, in its order.
             names = ", ".join(map(quote_identifier, row))
-            conn.execute(f"INSERT INTO sessions ({names}) VALUES ({placeholders(len(row))})",
+            conn.execute(f"INSERT INTO {target} ({names}) VALUES ({placeholders(len(row))})",
                          tuple(row.values()))
-            self._import_messages(conn, session_id, entry.get("messages") or [],
-                                  columns["messages"], unstored)
             imported.append(session_id)
             if parent:
                 links.append((session_id, parent))
         return imported, skipped, links, relinks, unstored
 
-    def _import_messages(self, conn, session_id, messages, columns, unstored):
+    def _import_messages(self, conn, messages, session_id, columns, unstored):
         """Insert a validated entry's messages as append_messages_batch writes them, then put
-        back what it does not write: rewound rows, and carried columns; set the counters."""
+        back what it does not write: rewound rows, and carried columns; returns the session's
+        (message_count, tool_call_count)."""
         copies = [dict(message, content=from_portable(message.get("content")),
                        token_count=_number(message.get("token_count"), int),
                        timestamp=_number(message.get("timestamp"), float),
@@ -893,7 +1015,126 @@ class SessionPortabilityMixin:
                 assignments = ", ".join(f"{quote_identifier(column)} = ?" for column in carried)
                 conn.execute(f"UPDATE messages SET {assignments} WHERE id = ?",
                              (*carried.values(), message["_row_id"]))
-        conn.execute(SET_MESSAGE_COUNTS_SQL, (live, calls, session_id))
+        return live, calls
+
+
+# -- a file import's two passes and its staging ----------------------------------------------
+
+# The session rows of a file import being written, out of every reader's sight (an `hs_` name no
+# hermes-agent release uses): the columns of `sessions`, and hs_parent (the link to attach at the
+# end) and hs_skipped (an id the store had: counted, its missing link attached).
+IMPORT_STAGING_TABLE = "hs_import_sessions"
+META_IMPORT_FILE = "hs_import_file"  # the digest of the file staged
+META_IMPORT_UNSTORED = "hs_import_unstored"  # fields it had no column for, as a JSON list
+# A line is read at most this long: a session is at most _IMPORT_MAX_SESSION_BYTES of compact JSON,
+# and escapes (\u0001 for one byte) can make its line six times that.
+IMPORT_LINE_BYTES = 6 * 5 * 1024 * 1024 + 1024
+# Lines parsed ahead of the writes, at most: what pass 2 holds in memory beside SQLite's cache.
+IMPORT_BATCH_BYTES = 4 * 1024 * 1024
+# A rejected file: the errors listed before the check stops reading.
+IMPORT_ERRORS_SHOWN = 20
+
+
+def jsonl_entries(handle, name, on_line=None):
+    """(line number, value, bytes) of each non-blank line of a binary stream, one JSON value a
+    line; `on_line(raw)` sees every line first. ValueError names the line (`name`:N) that is not
+    UTF-8, not JSON, nested past Python's reach or longer than IMPORT_LINE_BYTES."""
+    for number in itertools.count(1):
+        raw = handle.readline(IMPORT_LINE_BYTES + 1)
+        if not raw:
+            return
+        if len(raw) > IMPORT_LINE_BYTES and not raw.endswith(b"\n"):
+            raise ValueError(f"{name}:{number}: the line is longer than {IMPORT_LINE_BYTES:,} "
+                             "bytes; one session is at most 5 MB")
+        if on_line is not None:
+            on_line(raw)
+        try:  # decoded a line at a time, so a bad byte is named by its line too
+            line = raw.decode("utf-8")
+            if line.strip():
+                yield number, json.loads(line), len(raw)
+        except RecursionError:
+            raise ValueError(f"{name}:{number}: JSON nested too deep to read") from None
+        except UnicodeDecodeError as exc:
+            where = f"{exc.reason} at byte {exc.start + 1}"
+            raise ValueError(f"{name}:{number}: not UTF-8 ({where})") from None
+        except ValueError as exc:
+            raise ValueError(f"{name}:{number}: not JSON ({exc})") from None
+
+
+def check_import_file(handle, name, limits, copy=None):
+    """Pass 1 of a file import, reading `handle` once (each line also to `copy`, when given):
+    (digest of its bytes, sessions, the first IMPORT_ERRORS_SHOWN rejected entries as
+    {"line", "error", "session_id"?}); `limits` as import_limits() names them, their totals
+    not applied. Holds one line and the ids at a time. ValueError for a line that cannot be
+    read (jsonl_entries)."""
+    digest = hashlib.blake2b(digest_size=16)
+
+    def seen_line(raw):
+        digest.update(raw)
+        if copy is not None:
+            copy.write(raw)
+    limits = dict(limits, total_messages=float("inf"), total_bytes=float("inf"))
+    numbered = ((number, entry) for number, entry, _size in jsonl_entries(handle, name, seen_line))
+    seen = set()
+    errors = list(itertools.islice(entry_errors(numbered, limits, seen, "line"),
+                                   IMPORT_ERRORS_SHOWN))
+    return digest.hexdigest(), len(seen), errors
+
+
+def _batches(entries):
+    """Lists of entries of about IMPORT_BATCH_BYTES of lines each."""
+    batch, size = [], 0
+    for _number, entry, length in entries:
+        batch.append(entry)
+        size += length
+        if size >= IMPORT_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _open_staging(conn, digest):
+    """Inside a write: how many sessions an earlier run of the file `digest` staged (0 for a new
+    staging, made now); None while another file's staging is there."""
+    if conn.execute(TABLE_EXISTS_SQL, (IMPORT_STAGING_TABLE,)).fetchone():
+        if read_meta(conn, META_IMPORT_FILE) != digest:
+            return None
+        return conn.execute(f"SELECT COUNT(*) FROM {IMPORT_STAGING_TABLE}").fetchone()[0]
+    table = IMPORT_STAGING_TABLE
+    # The columns of `sessions` with their types and defaults (a staged row gets what an insert
+    # into `sessions` would), without its constraints.
+    columns = [f"{quote_identifier(name)} {kind}" + ("" if default is None else f" DEFAULT {default}")
+               for _cid, name, kind, _notnull, default, _pk in conn.execute(
+                   "SELECT * FROM pragma_table_info('sessions')")]
+    conn.execute(f"CREATE TABLE {table} ({', '.join(columns)}, hs_parent TEXT, hs_skipped INTEGER)")
+    conn.execute(f"CREATE UNIQUE INDEX {table}_id ON {table}(id)")
+    conn.execute(f"CREATE INDEX {table}_title ON {table}(title)")
+    write_meta(conn, META_IMPORT_FILE, digest)
+    return 0
+
+
+def _check_staging(conn, digest):
+    if conn.execute(TABLE_EXISTS_SQL, (IMPORT_STAGING_TABLE,)).fetchone() is None \
+            or read_meta(conn, META_IMPORT_FILE) != digest:
+        raise RuntimeError("this import's staged rows are gone (a repair, or another program, "
+                           "dropped them); run the import again")
+
+
+def _stage_chunk(conn, digest, write):
+    """Inside a write: `write()`'s sessions staged; how many entries it took."""
+    _check_staging(conn, digest)
+    imported, skipped, _links, _relinks, unstored = write()
+    if unstored:
+        known = set(json.loads(read_meta(conn, META_IMPORT_UNSTORED) or "[]"))
+        write_meta(conn, META_IMPORT_UNSTORED, json.dumps(sorted(known | unstored)))
+    return len(imported) + len(skipped)
+
+
+def _drop_staging(conn):
+    conn.execute(f"DROP TABLE {IMPORT_STAGING_TABLE}")
+    write_meta(conn, META_IMPORT_FILE, None)
+    write_meta(conn, META_IMPORT_UNSTORED, None)
 
 
 def _check_origin(origin):
@@ -947,19 +1188,25 @@ def _import_cache(conn):
 TITLE_SUFFIX_ID_CHARS = 40
 
 
-def _free_title(conn, title, session_id):
-    """A title no other session holds: `title`, else "title [id]", else "title [id] (2)", (3), ...;
-    each cut to fit TITLE_MAX_LENGTH. None stays None."""
+def _free_title(conn, title, session_id, staged=False):
+    """A title no other session holds (nor, `staged`, a staged one): `title`, else "title [id]",
+    else "title [id] (2)", (3), ...; each cut to fit TITLE_MAX_LENGTH. None stays None."""
     tag = session_id
     if len(session_id) > TITLE_SUFFIX_ID_CHARS:
         tag = session_id[:TITLE_SUFFIX_ID_CHARS] + "…"
     candidate, number = title, 1
-    while (candidate is not None
-           and conn.execute(SELECT_TITLE_OWNER_SQL, (candidate, session_id)).fetchone()):
+    while candidate is not None and _title_taken(conn, candidate, session_id, staged):
         suffix = f" [{tag}]" if number == 1 else f" [{tag}] ({number})"
         candidate = normalize_title(title[:max(0, TITLE_MAX_LENGTH - len(suffix))] + suffix)
         number += 1
     return candidate
+
+
+def _title_taken(conn, title, session_id, staged):
+    binds = {"title": title, "id": session_id}
+    return conn.execute(SELECT_TITLE_OWNER_SQL, (title, session_id)).fetchone() or staged and \
+        conn.execute(f"SELECT 1 FROM {IMPORT_STAGING_TABLE} WHERE title = :title AND id <> :id",
+                     binds).fetchone()
 
 
 def _finish_import(conn, found):

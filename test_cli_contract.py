@@ -372,7 +372,7 @@ class AllOrNothingImport(CliCase):
         result = self.run_cli("import", source)
         self.assertEqual(result.returncode, 1, result.stderr)
         self.assertIn("the store refuses bulk_01499", result.stderr)
-        self.assertIn("the import was rolled back; nothing was written", result.stderr)
+        self.assertIn("none of the import is visible; run it again to resume", result.stderr)
         self.assertEqual(len(self.session_ids()), 20)
         conn = sqlite3.connect(self.db)
         bulk = conn.execute("SELECT COUNT(*) FROM sessions WHERE id LIKE 'bulk_%'").fetchone()[0]

@@ -1282,7 +1282,8 @@ class CommandLine(TempDirTestCase):
         entries[-1]["title"] = 5
         result = self.run_cli("import", str(self.write_jsonl("chunks.jsonl", entries)))
         self.assertEqual(result.returncode, 1)
-        self.assertIn(f"error: session {IMPORT_CHUNK} (s{IMPORT_CHUNK:04d}): title must be a string", result.stderr)
+        self.assertIn(f"chunks.jsonl:{IMPORT_CHUNK + 1}: session 's{IMPORT_CHUNK:04d}': title must be a string",
+                      result.stderr)
         self.assertIn("the import was rejected; nothing was written", result.stderr)
         self.assertEqual(result.stdout, "")
         self.assertEqual(self.stored_sessions(), 0)
@@ -1318,8 +1319,8 @@ class CommandLine(TempDirTestCase):
         bad.write_text("\n".join(lines) + "\n")
         result = self.run_cli("import", str(bad))
         self.assertEqual(result.returncode, 1)
-        self.assertIn("session 1: session id is required", result.stderr)
-        self.assertIn("session 2 (t): title must be a string", result.stderr)
+        self.assertIn("bad.jsonl:2: session id is required", result.stderr)
+        self.assertIn("bad.jsonl:3: session 't': title must be a string", result.stderr)
         self.assertIn("nothing was written", result.stderr)
         self.assertEqual(json.loads(self.run_cli("stats", "--json").stdout)["sessions"], 0)
         bad.write_text(lines[0] + "\n{not json\n")
@@ -1331,7 +1332,7 @@ class CommandLine(TempDirTestCase):
         self.assertEqual((binary.returncode, binary.stderr.splitlines()[-1]),
                          (1, f"error: {bad}:3: not UTF-8 (invalid start byte at byte 9)"))
 
-    def test_import_of_a_file_is_one_transaction_past_500_sessions(self):
+    def test_import_of_a_file_is_shown_by_one_transaction_past_500_sessions(self):
         sessions = self.tmp / "many.jsonl"
         sessions.write_text("".join(json.dumps(session(f"s{i:04d}")) + "\n" for i in range(600)))
         store = self.tmp / "refusing.db"
@@ -1345,7 +1346,7 @@ class CommandLine(TempDirTestCase):
         refused = self.run_cli("--db", str(store), "import", str(sessions))
         self.assertEqual(refused.returncode, 1)
         self.assertIn("refused by a test trigger", refused.stderr)
-        self.assertIn("nothing was written", refused.stderr)
+        self.assertIn("none of the import is visible", refused.stderr)
         self.assertNotIn("Traceback", refused.stderr)
         self.assertEqual(json.loads(self.run_cli("--db", str(store), "stats", "--json").stdout)["sessions"], 0)
         whole = self.run_cli("import", str(sessions))
@@ -1360,8 +1361,8 @@ class CommandLine(TempDirTestCase):
         result = self.run_cli("import", str(bad))
         self.assertEqual(result.returncode, 1, result.stderr)
         self.assertNotIn("Traceback", result.stderr)
-        self.assertIn("session 1 (big): input_tokens is outside SQLite's integer range", result.stderr)
-        self.assertIn("session 2 (deep): model_config nests lists and objects more than 100 levels deep",
+        self.assertIn("bad.jsonl:2: session 'big': input_tokens is outside SQLite's integer range", result.stderr)
+        self.assertIn("bad.jsonl:3: session 'deep': model_config nests lists and objects more than 100 levels deep",
                       result.stderr)
         self.assertEqual(json.loads(self.run_cli("stats", "--json").stdout)["sessions"], 0)
         bad.write_text("".join(json.dumps(entry) + "\n" for entry in (entries[0], *entries[3:])))
