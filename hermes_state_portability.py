@@ -1061,18 +1061,21 @@ def jsonl_entries(handle, name, on_line=None):
             raise ValueError(f"{name}:{number}: not JSON ({exc})") from None
 
 
-def check_import_file(handle, name, limits, copy=None):
+def check_import_file(handle, name, limits, copy=None, on_bytes=None):
     """Pass 1 of a file import, reading `handle` once (each line also to `copy`, when given):
     (digest of its bytes, sessions, the first IMPORT_ERRORS_SHOWN rejected entries as
     {"line", "error", "session_id"?}); `limits` as import_limits() names them, their totals
-    not applied. Holds one line and the ids at a time. ValueError for a line that cannot be
-    read (jsonl_entries)."""
-    digest = hashlib.blake2b(digest_size=16)
+    not applied; `on_bytes(bytes read so far)` after each line. Holds one line and the ids at a
+    time. ValueError for a line that cannot be read (jsonl_entries)."""
+    digest, read = hashlib.blake2b(digest_size=16), [0]
 
     def seen_line(raw):
         digest.update(raw)
         if copy is not None:
             copy.write(raw)
+        if on_bytes is not None:
+            read[0] += len(raw)
+            on_bytes(read[0])
     limits = dict(limits, total_messages=float("inf"), total_bytes=float("inf"))
     numbered = ((number, entry) for number, entry, _size in jsonl_entries(handle, name, seen_line))
     seen = set()

@@ -10,11 +10,13 @@ import json
 import os
 import random
 import re
+import signal
 import sqlite3
 import stat
 import subprocess
 import sys
 import threading
+import time
 import unittest
 import zipfile
 
@@ -1373,3 +1375,142 @@ class CommandLine(TempDirTestCase):
         self.assertEqual(deep.returncode, 1)
         self.assertIn("bad.jsonl:2: JSON nested too deep to read", deep.stderr)
         self.assertNotIn("Traceback", deep.stderr)
+
+
+# Runs the command line with one session per import transaction and small batches, so that a kill
+# lands between many commits: argv[1] is the store, argv[2] the file.
+SLOW_IMPORT = ("import sys\n"
+               "import hermes_state_portability as portability\n"
+               "portability.SessionPortabilityMixin.IMPORT_CHUNK_SECONDS = 0\n"
+               "portability.IMPORT_BATCH_BYTES = 2048\n"
+               "from hermes_state_cli import main\n"
+               "sys.exit(main(['--db', sys.argv[1], 'import', sys.argv[2]]))\n")
+
+
+class FileImportStaging(TempDirTestCase):
+    """A file import is staged out of sight and shown by one transaction: killed anywhere, a reader
+    sees none of it or all of it, and a rerun finishes it."""
+
+    COUNT = 40
+
+    def setUp(self):
+        super().setUp()
+        self.store = self.tmp / "state.db"
+        with SessionDB(self.store) as db:
+            db.create_session("k0005", "cli")  # an id the file has: skipped, never overwritten
+            db.set_session_title("k0005", "taken title")
+        entries = [session(f"k{i:04d}", parent=f"k{i - 1:04d}" if i % 4 == 3 else None, messages=3)
+                   for i in range(self.COUNT)]
+        entries[7]["title"] = "taken title"  # the store has it: the import's copy gets its id
+        self.source = self.write_file("export.jsonl", entries)
+
+    def write_file(self, name, entries):
+        path = self.tmp / name
+        path.write_text("".join(json.dumps(entry) + "\n" for entry in entries), encoding="utf-8")
+        return path
+
+    def start(self, source):
+        env = dict(os.environ, PYTHONPATH=str(REPO), HERMES_HOME=str(self.tmp / "home"))
+        return subprocess.Popen([sys.executable, "-c", SLOW_IMPORT, str(self.store), str(source)],
+                                stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def raw_count(self, sql):
+        conn = sqlite3.connect(f"file:{self.store}?mode=ro", uri=True, timeout=30)
+        try:
+            return conn.execute(sql).fetchone()[0]
+        except sqlite3.OperationalError:  # the staging table is not there (yet, or any more)
+            return 0
+        finally:
+            conn.close()
+
+    def visible(self):
+        """The file's sessions a reader sees (k0005 was there before)."""
+        with SessionDB(self.store, read_only=True) as db:
+            return {row["id"] for row in db.list_sessions_rich(limit=1000, include_children=True)
+                    if row["id"].startswith("k") and row["id"] != "k0005"}
+
+    def written(self, sessions):
+        """Ready once the file's messages of `sessions` sessions are in the messages table."""
+        return lambda process: self.raw_count(
+            "SELECT COUNT(*) FROM messages WHERE session_id LIKE 'k%'") >= 3 * sessions
+
+    def kill_when(self, process, ready):
+        """SIGKILL `process` once `ready(process)`; True if it was still running then."""
+        while process.poll() is None and not ready(process):
+            time.sleep(0.005)
+        process.kill()
+        process.wait()
+        process.stdout.close()
+        process.stderr.close()
+        return process.returncode == -signal.SIGKILL
+
+    def assert_none_or_all_then_rerun_completes(self, point):
+        seen = self.visible()
+        self.assertIn(len(seen), (0, self.COUNT - 1), point)
+        rerun = self.start(self.source)
+        out, err = rerun.communicate(timeout=300)
+        self.assertEqual(rerun.returncode, 0, err)
+        if not seen:
+            self.assertIn("imported 39, skipped 1, detached 0", out, point)
+        self.assertEqual(len(self.visible()), self.COUNT - 1, point)
+        with SessionDB(self.store, read_only=True) as db:
+            for i in range(self.COUNT):
+                if i != 5:
+                    self.assertEqual(len(db.get_messages(f"k{i:04d}")), 3, (point, i))
+            self.assertEqual(db.get_session("k0011")["parent_session_id"], "k0010")
+            self.assertEqual(db.get_session("k0007")["title"], "taken title [k0007]")
+            self.assertEqual(db.get_session("k0005")["message_count"], 0)
+        self.assertEqual(self.raw_count("SELECT COUNT(*) FROM messages WHERE session_id LIKE 'k%'"),
+                         3 * (self.COUNT - 1), point)  # nothing twice
+        self.assertEqual(self.raw_count("SELECT COUNT(*) FROM hs_import_sessions"), 0, point)
+
+    def test_a_kill_at_any_point_shows_none_or_all_and_a_rerun_completes(self):
+        pristine = self.store.read_bytes()
+
+        def phase(name):
+            return lambda process: process.stderr.readline().startswith(f"import: {name}")
+
+        points = {"checking": phase("checking"), "first written": self.written(1),
+                  "half written": self.written(self.COUNT // 2),
+                  "publishing": phase("publishing")}
+        for point, ready in points.items():
+            with self.subTest(point=point):
+                self.store.write_bytes(pristine)
+                for sidecar in self.tmp.glob("state.db-*"):
+                    sidecar.unlink()
+                killed = self.kill_when(self.start(self.source), ready)
+                self.assertTrue(killed or point == "publishing", point)
+                self.assert_none_or_all_then_rerun_completes(point)
+
+    def test_a_reader_sees_nothing_while_sessions_are_staged(self):
+        self.assertTrue(self.kill_when(self.start(self.source), self.written(self.COUNT // 2)))
+        self.assertEqual(self.visible(), set())
+        with SessionDB(self.store, read_only=True) as db:
+            self.assertEqual(db.session_count(), 1)
+            self.assertEqual(db.search_messages("k0001"), [])
+        self.assertGreater(self.raw_count("SELECT COUNT(*) FROM messages"), 0)  # staged, unseen
+
+    def test_another_file_discards_an_unfinished_staging_first(self):
+        self.assertTrue(self.kill_when(self.start(self.source), self.written(5)))
+        other = self.write_file("other.jsonl", [session("other", messages=2)])
+        result = self.start(other)
+        out, err = result.communicate(timeout=300)
+        self.assertEqual((result.returncode, out), (0, "imported 1, skipped 0, detached 0\n"), err)
+        self.assertIn("discarding", err)
+        self.assertEqual(self.visible(), set())
+        self.assertEqual(self.raw_count("SELECT COUNT(*) FROM messages WHERE session_id LIKE 'k%'"), 0)
+        self.assertEqual(self.raw_count("SELECT COUNT(*) FROM messages WHERE session_id = 'other'"), 2)
+
+    def test_a_second_import_at_once_is_refused_and_writes_nothing(self):
+        sys.path.insert(0, str(REPO))
+        from hermes_state_repair import _exclusive
+        before = self.raw_count("SELECT COUNT(*) FROM messages")
+        with _exclusive(self.tmp / "state.db.import.lock", 0) as held:
+            self.assertTrue(held)
+            result = self.start(self.source)
+            out, err = result.communicate(timeout=300)
+        self.assertEqual(result.returncode, 1)
+        self.assertIn("another import into", err)
+        self.assertIn("nothing was written", err)
+        self.assertEqual(self.raw_count("SELECT COUNT(*) FROM messages"), before)
+        self.assertEqual(self.visible(), set())
