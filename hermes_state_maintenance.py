@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -108,7 +109,7 @@ class SessionMaintenanceMixin:
     `repairs`, `stale_schema` (SessionDB); `_flush_token_counts` (usage mixin); `_resolved`,
     `set_session_archived` (sessions mixin); `_turn_lease_key`, `get_messages` (messages mixin);
     `fts_layout`, `fts_rebuild_status`, `fts_rebuild_step`, `optimize_fts`, `search_health`
-    (search index mixin)."""
+    (search index mixin); `staged_import` (portability mixin)."""
 
     # Messages a delete removes per transaction: each costs up to 0.9 ms with our three indexes at
     # 1M messages on a busy 2-core machine (2,000 held the lock for up to 1.8 s).
@@ -748,12 +749,17 @@ class SessionMaintenanceMixin:
         third of the time), or with `full` its integrity_check, which also matches every index
         entry to its row; `check` names the one that ran."""
         check = "integrity_check" if full else "quick_check"
-        integrity = _checked(lambda: [row[0] for row in self._read_all(f"PRAGMA {check}")])
+        # The check reads every page; the rest is read on another connection meanwhile (SQLite
+        # lets go of the GIL), so the whole takes about as long as the check alone.
+        found = []
+        checking = threading.Thread(target=lambda: found.append(_checked(
+            lambda: [row[0] for row in self._read_all(f"PRAGMA {check}")])), name="doctor")
+        checking.start()
         report = {
             "db_path": self._store_location()[0],
             "check": check,
-            "integrity_check": integrity,
-            "ok": integrity == ["ok"],
+            "integrity_check": None,  # (the check's answer, in its place when it is in)
+            "ok": None,
             "sqlite_version": sqlite3.sqlite_version,
             "fts5": self.fts_caps.fts5,
             "trigram": self.fts_caps.trigram,
@@ -768,7 +774,10 @@ class SessionMaintenanceMixin:
         }
         search = _checked(self.search_health)
         report.update(search if isinstance(search, dict) else {"search_health": search})
-        report["ok"] = report["ok"] and not report.get("trigger_damage")
+        report["staged_import"] = _checked(self.staged_import)
+        checking.join()
+        report["integrity_check"] = found[0]
+        report["ok"] = found[0] == ["ok"] and not report.get("trigger_damage")
         return report
 
     # -- hermes-agent's CJK index names, answering for our CJK side index ---------

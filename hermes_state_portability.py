@@ -829,6 +829,17 @@ class SessionPortabilityMixin:
                 progress.phase("publishing", "one transaction makes every session visible")
             return self._execute_write(lambda conn: self._publish_staging(conn, digest))
 
+    def staged_import(self):
+        """{"sessions": staged, "file_digest": ...} of a file import not finished (running, or
+        cut short: a rerun of the file resumes it); None when there is none."""
+        def read(conn):
+            if conn.execute(TABLE_EXISTS_SQL, (IMPORT_STAGING_TABLE,)).fetchone() is None:
+                return None
+            return {"sessions": conn.execute(
+                        f"SELECT COUNT(*) FROM {IMPORT_STAGING_TABLE}").fetchone()[0],
+                    "file_digest": read_meta(conn, META_IMPORT_FILE)}
+        return self._with_reader(read)
+
     def _stage_batch(self, entries, digest):
         """Stage `entries` in transactions of IMPORT_CHUNK_SECONDS (each retried whole, so it
         reads only this list); how many there were."""

@@ -121,6 +121,43 @@ class CommandLine(CliCase):
         self.assertEqual([p.name for p in self.tmp.iterdir() if ".bak" in p.name], [])  # diagnosed, not moved
 
 
+    def test_doctor_runs_quick_check_and_full_runs_integrity_check(self):
+        # An index whose entries no longer match its rows: its b-tree is sound, so quick_check
+        # (pages and records) passes it, and only integrity_check (every entry against its row)
+        # finds it.
+        path = self.tmp / "stale_index.db"
+        with SessionDB(path, journal="delete") as db:
+            for i in range(20):
+                db.create_session(f"s{i:02d}", "cli")
+                db.set_session_title(f"s{i:02d}", f"title {19 - i:02d}")
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE INDEX test_by_source ON sessions(source)")
+        conn.execute("PRAGMA writable_schema = ON")
+        conn.execute("UPDATE sqlite_master SET sql = 'CREATE INDEX test_by_source ON sessions(title)'"
+                     " WHERE name = 'test_by_source'")
+        conn.commit()
+        conn.close()
+        quick = self.run_cli("--db", str(path), "doctor")
+        self.assertEqual(quick.returncode, 0, quick.stdout + quick.stderr)
+        self.assertTrue(quick.stdout.startswith(
+            f"ok: {path} is healthy (quick_check; --full also runs integrity_check)"), quick.stdout)
+        full = self.run_cli("--db", str(path), "doctor", "--full", "--json")
+        self.assertEqual(full.returncode, 1, full.stderr)
+        report = json.loads(full.stdout)
+        self.assertEqual((report["check"], report["ok"]), ("integrity_check", False))
+        self.assertTrue(any("test_by_source" in line for line in report["integrity_check"]),
+                        report["integrity_check"])
+        verdict = self.run_cli("--db", str(path), "doctor", "--full").stdout.splitlines()[0]
+        self.assertEqual(verdict, f"PROBLEM: {path}: integrity_check failed")
+
+    def test_doctor_s_quick_default_finds_a_damaged_page(self):
+        path = self.damage_page_of("state_meta")
+        result = self.run_cli("--db", str(path), "doctor")
+        self.assertEqual(result.returncode, 1, result.stderr)
+        self.assertTrue(result.stdout.startswith(f"PROBLEM: {path}: quick_check failed"),
+                        result.stdout)
+
+
 V26_DB, V31_DB = "hermes_v26_split.db", "hermes_v31_store.db"
 
 

@@ -95,7 +95,8 @@ class CommandLineReads(CliTestCase):
         doctor = self.run_cli("--db", path, "doctor")
         self.assertEqual(doctor.returncode, 0, doctor.stderr)
         verdict = doctor.stdout.splitlines()[0]
-        expected = f"ok: {path} is healthy; the agent's next open will upgrade"
+        expected = (f"ok: {path} is healthy (quick_check; --full also runs integrity_check); the "
+                    "agent's next open will upgrade")
         self.assertTrue(verdict.startswith(expected), verdict)
         with SessionDB(path):
             pass
