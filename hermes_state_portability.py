@@ -25,7 +25,6 @@ import sqlite3
 import time
 from collections import Counter
 from datetime import datetime, timezone
-from pathlib import Path
 
 from hermes_state_common import (
     BYTES_MARKER, CONTENT_JSON_PREFIX, DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL,
@@ -792,18 +791,14 @@ class SessionPortabilityMixin:
     # -- a file of any size: checked, staged out of sight, shown at once ---------------------------
 
     def import_checked_file(self, handle, name, digest, *, progress=None):
-        """Store the sessions of a jsonl file check_import_file accepted (`handle` read again
-        from its start, `digest` as it returned): import_sessions' answer, without the id lists.
-
-        Sessions and their messages are written IMPORT_CHUNK_SECONDS at a time, session rows into
-        IMPORT_STAGING_TABLE, where no reader looks (messages without a session row are what
-        get_messages of an unknown id, and a raw count, see); one last transaction moves the rows
-        into `sessions` and attaches the parent links, so a reader sees none of the file, then all
-        of it. A run cut short leaves its staging: a rerun of the same file resumes it, another
-        file's import discards it first (its messages swept in chunks). One file import at a time
-        per store: RuntimeError while another holds the import lock, nothing written. `progress`
-        (phase(name, detail), update(done, total, unit)) hears of each step."""
-        with _exclusive(Path(f"{self.db_path}.import.lock"), 0) as held:
+        """Store a jsonl file check_import_file accepted (`handle` at its start, `digest` as it
+        returned); import_sessions' answer without the id lists. Sessions are written
+        IMPORT_CHUNK_SECONDS at a time, their rows into IMPORT_STAGING_TABLE (no reader looks
+        there; get_messages of an id not yet stored, and raw counts, see the messages); one last
+        transaction moves them into `sessions`. A run cut short is resumed by the same file's,
+        discarded by another's. RuntimeError while another file import runs, nothing written.
+        `progress` (phase(name, detail), update(done, total, unit)) hears of each step."""
+        with _exclusive(f"{self.db_path}.import.lock", 0) as held:
             if not held:
                 raise RuntimeError(f"another import into {self.db_path} is running; nothing was "
                                    "written")
@@ -811,8 +806,7 @@ class SessionPortabilityMixin:
             resumed = self._execute_write(lambda conn: _open_staging(conn, digest))
             if resumed is None:
                 if progress:
-                    progress.phase("discarding", "the staged rows of an unfinished import of "
-                                   "another file")
+                    progress.phase("discarding", "the staged rows of another file's import")
                 while self._execute_write(self._discard_staging_chunk):
                     pause_between_chunks()
                 self._sweep_deleted_messages()
@@ -820,11 +814,13 @@ class SessionPortabilityMixin:
             if progress:
                 progress.phase("staging", "unseen by readers until the last step" + (
                     f"; resuming after {resumed:,} sessions staged before" if resumed else ""))
-            staged = 0
-            for batch in _batches(jsonl_entries(handle, name)):
-                staged += self._stage_batch(batch, digest)
-                if progress:
-                    progress.update(staged, unit="sessions")
+            staged, batch, size = 0, [], 0
+            for _number, entry, length in jsonl_entries(handle, name):
+                batch.append(entry)
+                size += length
+                if size >= IMPORT_BATCH_BYTES:  # what is parsed ahead of the writes, at most
+                    staged, batch, size = self._stage_batch(batch, digest, staged, progress), [], 0
+            self._stage_batch(batch, digest, staged, progress)
             if progress:
                 progress.phase("publishing", "one transaction makes every session visible")
             return self._execute_write(lambda conn: self._publish_staging(conn, digest))
@@ -832,17 +828,14 @@ class SessionPortabilityMixin:
     def staged_import(self):
         """{"sessions": staged, "file_digest": ...} of a file import not finished (running, or
         cut short: a rerun of the file resumes it); None when there is none."""
-        def read(conn):
-            if conn.execute(TABLE_EXISTS_SQL, (IMPORT_STAGING_TABLE,)).fetchone() is None:
-                return None
-            return {"sessions": conn.execute(
-                        f"SELECT COUNT(*) FROM {IMPORT_STAGING_TABLE}").fetchone()[0],
-                    "file_digest": read_meta(conn, META_IMPORT_FILE)}
-        return self._with_reader(read)
+        if self._read_one(TABLE_EXISTS_SQL, (IMPORT_STAGING_TABLE,)) is None:
+            return None
+        return {"sessions": self._read_value(f"SELECT COUNT(*) FROM {IMPORT_STAGING_TABLE}"),
+                "file_digest": self.get_meta(META_IMPORT_FILE)}
 
-    def _stage_batch(self, entries, digest):
+    def _stage_batch(self, entries, digest, staged, progress):
         """Stage `entries` in transactions of IMPORT_CHUNK_SECONDS (each retried whole, so it
-        reads only this list); how many there were."""
+        reads only this list); `staged` plus how many there were, said to `progress`."""
         done = 0
         while done < len(entries):
             if done:
@@ -850,12 +843,13 @@ class SessionPortabilityMixin:
             done += self._execute_write(lambda conn: _stage_chunk(
                 conn, digest, lambda: self._write_import(
                     conn, entries[done:], self.IMPORT_CHUNK_SECONDS, staged=True)))
-        return done
+        if progress:
+            progress.update(staged + done, unit="sessions")
+        return staged + done
 
     def _publish_staging(self, conn, digest):
-        """Inside the last write: the staged sessions into `sessions` (a title taken meanwhile gets
-        the id appended; an id made meanwhile is skipped), parent links attached, the staging
-        dropped; import_sessions' answer."""
+        """Inside the last write: the staged sessions into `sessions` (a title or an id taken
+        meanwhile as import_sessions takes them), links attached; import_sessions' answer."""
         _check_staging(conn, digest)
         table = IMPORT_STAGING_TABLE
         taken = conn.execute(f"SELECT st.id, st.title FROM {table} AS st JOIN sessions AS s"
@@ -878,15 +872,12 @@ class SessionPortabilityMixin:
         skipped = conn.execute(f"SELECT COUNT(*) FROM {table} WHERE hs_skipped = 1").fetchone()[0]
         unstored = json.loads(read_meta(conn, META_IMPORT_UNSTORED) or "[]")
         _drop_staging(conn)
-        result = {"ok": True, "imported": imported, "skipped": skipped, "detached": detached,
-                  "errors": []}
-        if unstored:
-            result["unstored_fields"] = unstored
-        return result
+        return dict({"ok": True, "imported": imported, "skipped": skipped, "detached": detached,
+                     "errors": []}, **({"unstored_fields": unstored} if unstored else {}))
 
     def _discard_staging_chunk(self, conn):
-        """Inside a write: hand SQL_CHUNK_SIZE staged sessions' messages to the deleted-message
-        sweep and forget them; False once the staging is gone."""
+        """Inside a write: SQL_CHUNK_SIZE staged sessions' messages handed to the deleted-message
+        sweep, the sessions forgotten; False once the staging is gone."""
         rows = conn.execute(f"SELECT id, hs_skipped FROM {IMPORT_STAGING_TABLE} LIMIT :n",
                             {"n": SQL_CHUNK_SIZE}).fetchall()
         if not rows:
@@ -943,10 +934,9 @@ class SessionPortabilityMixin:
     def _write_import(self, conn, sessions, seconds=None, staged=False):
         """Inside a write: store these sessions, from the first, taking no further one after
         `seconds`; (imported ids, skipped ids, parent links, links a skipped session still
-        lacks, unstored fields). `staged` (a file import) puts the session rows into the staging
-        table instead, skipped ids as marks, and passes over ids staged already (as skipped)."""
-        cache = contextlib.nullcontext() if staged else _import_cache(conn)  # chunks stay small
-        with cache:
+        lacks, unstored fields). `staged`: the rows go to IMPORT_STAGING_TABLE (a skipped id as a
+        mark; one staged already counts as skipped), in chunks small enough for the usual cache."""
+        with contextlib.nullcontext() if staged else _import_cache(conn):
             held = self._hold_back_index_triggers(conn)
             result = self._write_import_rows(conn, sessions, seconds, staged)
             self._index_held_back_rows(conn, held)
@@ -972,11 +962,10 @@ class SessionPortabilityMixin:
                 skipped.append(session_id)
                 if parent and stored[0] is None:
                     relinks.append((session_id, parent))
-                if staged:
-                    conn.execute(f"INSERT INTO {target} (id, hs_parent, hs_skipped)"
-                                 " VALUES (:id, :parent, 1)",
-                                 {"id": session_id, "parent": parent if stored[0] is None
-                                  else None})
+                if staged:  # counted, and its missing link attached, at the end
+                    conn.execute(f"INSERT INTO {target} (id, hs_parent, hs_skipped) VALUES (:id,"
+                                 " :parent, 1)", {"id": session_id, "parent": stored[0] is None
+                                                  and parent or None})
                 continue
             row = _session_row(entry, session_id, columns["sessions"], unstored)
             row["title"] = _free_title(conn, row["title"], session_id, staged)
@@ -1031,14 +1020,12 @@ class SessionPortabilityMixin:
 
 # -- a file import's two passes and its staging ----------------------------------------------
 
-# The session rows of a file import being written, out of every reader's sight (an `hs_` name no
-# hermes-agent release uses): the columns of `sessions`, and hs_parent (the link to attach at the
-# end) and hs_skipped (an id the store had: counted, its missing link attached).
+# A file import's session rows while it runs, out of every reader's sight: the columns of
+# `sessions`, hs_parent (the link to attach) and hs_skipped (an id the store had).
 IMPORT_STAGING_TABLE = "hs_import_sessions"
 META_IMPORT_FILE = "hs_import_file"  # the digest of the file staged
 META_IMPORT_UNSTORED = "hs_import_unstored"  # fields it had no column for, as a JSON list
-# A line is read at most this long: a session is at most _IMPORT_MAX_SESSION_BYTES of compact JSON,
-# and escapes (\u0001 for one byte) can make its line six times that.
+# The longest line read: 5 MB of compact JSON a session, six times that in escapes (\u0001).
 IMPORT_LINE_BYTES = 6 * 5 * 1024 * 1024 + 1024
 # Lines parsed ahead of the writes, at most: what pass 2 holds in memory beside SQLite's cache.
 IMPORT_BATCH_BYTES = 4 * 1024 * 1024
@@ -1047,9 +1034,8 @@ IMPORT_ERRORS_SHOWN = 20
 
 
 def jsonl_entries(handle, name, on_line=None):
-    """(line number, value, bytes) of each non-blank line of a binary stream, one JSON value a
-    line; `on_line(raw)` sees every line first. ValueError names the line (`name`:N) that is not
-    UTF-8, not JSON, nested past Python's reach or longer than IMPORT_LINE_BYTES."""
+    """(line number, value, bytes) of each non-blank line of a binary stream; `on_line(raw)` sees
+    every line first. ValueError names a line (`name`:N) that cannot be read."""
     for number in itertools.count(1):
         raw = handle.readline(IMPORT_LINE_BYTES + 1)
         if not raw:
@@ -1073,20 +1059,16 @@ def jsonl_entries(handle, name, on_line=None):
 
 
 def check_import_file(handle, name, limits, copy=None, on_bytes=None):
-    """Pass 1 of a file import, reading `handle` once (each line also to `copy`, when given):
-    (digest of its bytes, sessions, the first IMPORT_ERRORS_SHOWN rejected entries as
-    {"line", "error", "session_id"?}); `limits` as import_limits() names them, their totals
-    not applied; `on_bytes(bytes read so far)` after each line. Holds one line and the ids at a
-    time. ValueError for a line that cannot be read (jsonl_entries)."""
+    """Pass 1 of a file import, reading `handle` once (also into `copy`), holding one line and
+    the ids: (digest, sessions, the first IMPORT_ERRORS_SHOWN rejected entries as {"line",
+    "error", "session_id"?}) by import_limits() but its totals; `on_bytes(bytes read)` after
+    each line. ValueError for a line that cannot be read (jsonl_entries)."""
     digest, read = hashlib.blake2b(digest_size=16), [0]
 
     def seen_line(raw):
         digest.update(raw)
-        if copy is not None:
-            copy.write(raw)
-        if on_bytes is not None:
-            read[0] += len(raw)
-            on_bytes(read[0])
+        read[0] += copy.write(raw) if copy is not None else len(raw)
+        return on_bytes and on_bytes(read[0])
     limits = dict(limits, total_messages=float("inf"), total_bytes=float("inf"))
     numbered = ((number, entry) for number, entry, _size in jsonl_entries(handle, name, seen_line))
     seen = set()
@@ -1095,30 +1077,15 @@ def check_import_file(handle, name, limits, copy=None, on_bytes=None):
     return digest.hexdigest(), len(seen), errors
 
 
-def _batches(entries):
-    """Lists of entries of about IMPORT_BATCH_BYTES of lines each."""
-    batch, size = [], 0
-    for _number, entry, length in entries:
-        batch.append(entry)
-        size += length
-        if size >= IMPORT_BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
 def _open_staging(conn, digest):
     """Inside a write: how many sessions an earlier run of the file `digest` staged (0 for a new
     staging, made now); None while another file's staging is there."""
-    if conn.execute(TABLE_EXISTS_SQL, (IMPORT_STAGING_TABLE,)).fetchone():
-        if read_meta(conn, META_IMPORT_FILE) != digest:
-            return None
-        return conn.execute(f"SELECT COUNT(*) FROM {IMPORT_STAGING_TABLE}").fetchone()[0]
     table = IMPORT_STAGING_TABLE
-    # The columns of `sessions` with their types and defaults (a staged row gets what an insert
-    # into `sessions` would), without its constraints.
-    columns = [f"{quote_identifier(name)} {kind}" + ("" if default is None else f" DEFAULT {default}")
+    if conn.execute(TABLE_EXISTS_SQL, (table,)).fetchone():
+        found = read_meta(conn, META_IMPORT_FILE) == digest
+        return conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] if found else None
+    # The columns of `sessions` with their types and defaults, without its constraints.
+    columns = [f"{quote_identifier(name)} {kind}" + (f" DEFAULT {default}" if default else "")
                for _cid, name, kind, _notnull, default, _pk in conn.execute(
                    "SELECT * FROM pragma_table_info('sessions')")]
     conn.execute(f"CREATE TABLE {table} ({', '.join(columns)}, hs_parent TEXT, hs_skipped INTEGER)")
@@ -1129,10 +1096,9 @@ def _open_staging(conn, digest):
 
 
 def _check_staging(conn, digest):
-    if conn.execute(TABLE_EXISTS_SQL, (IMPORT_STAGING_TABLE,)).fetchone() is None \
-            or read_meta(conn, META_IMPORT_FILE) != digest:
-        raise RuntimeError("this import's staged rows are gone (a repair, or another program, "
-                           "dropped them); run the import again")
+    if read_meta(conn, META_IMPORT_FILE) != digest:  # (the key goes with the table)
+        raise RuntimeError("this import's staged rows are gone (another program dropped them); "
+                           "run the import again")
 
 
 def _stage_chunk(conn, digest, write):
@@ -1209,18 +1175,16 @@ def _free_title(conn, title, session_id, staged=False):
     if len(session_id) > TITLE_SUFFIX_ID_CHARS:
         tag = session_id[:TITLE_SUFFIX_ID_CHARS] + "…"
     candidate, number = title, 1
-    while candidate is not None and _title_taken(conn, candidate, session_id, staged):
+    binds = {"id": session_id}
+    while candidate is not None and (
+            conn.execute(SELECT_TITLE_OWNER_SQL, (candidate, session_id)).fetchone()
+            or staged and conn.execute(f"SELECT 1 FROM {IMPORT_STAGING_TABLE} WHERE title ="
+                                       " :title AND id <> :id", dict(binds, title=candidate))
+            .fetchone()):
         suffix = f" [{tag}]" if number == 1 else f" [{tag}] ({number})"
         candidate = normalize_title(title[:max(0, TITLE_MAX_LENGTH - len(suffix))] + suffix)
         number += 1
     return candidate
-
-
-def _title_taken(conn, title, session_id, staged):
-    binds = {"title": title, "id": session_id}
-    return conn.execute(SELECT_TITLE_OWNER_SQL, (title, session_id)).fetchone() or staged and \
-        conn.execute(f"SELECT 1 FROM {IMPORT_STAGING_TABLE} WHERE title = :title AND id <> :id",
-                     binds).fetchone()
 
 
 def _finish_import(conn, found):
