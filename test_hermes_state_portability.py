@@ -1501,6 +1501,24 @@ class FileImportStaging(TempDirTestCase):
         self.assertEqual(self.raw_count("SELECT COUNT(*) FROM messages WHERE session_id LIKE 'k%'"), 0)
         self.assertEqual(self.raw_count("SELECT COUNT(*) FROM messages WHERE session_id = 'other'"), 2)
 
+    def test_a_file_keeps_each_session_s_limits_but_not_the_api_s_totals(self):
+        env = dict(os.environ, PYTHONPATH=str(REPO), HERMES_HOME=str(self.tmp / "home"))
+        capped = SLOW_IMPORT.replace(
+            "from hermes_state_cli", "portability.SessionPortabilityMixin._IMPORT_MAX_SESSIONS = 5\n"
+            "portability.SessionPortabilityMixin._IMPORT_MAX_TOTAL_MESSAGES = 10\n"
+            "portability.SessionPortabilityMixin._IMPORT_MAX_MESSAGES_PER_SESSION = 2\n"
+            "from hermes_state_cli")
+        result = subprocess.run([sys.executable, "-c", capped, str(self.store), str(self.source)],
+                                capture_output=True, text=True, env=env, timeout=300)
+        self.assertEqual(result.returncode, 1)  # 3 messages a session, over the cap of 2
+        self.assertIn("export.jsonl:1: session 'k0000': messages exceeds the per-session import "
+                      "limit", result.stderr)
+        capped = capped.replace("_MESSAGES_PER_SESSION = 2", "_MESSAGES_PER_SESSION = 3")
+        result = subprocess.run([sys.executable, "-c", capped, str(self.store), str(self.source)],
+                                capture_output=True, text=True, env=env, timeout=300)
+        self.assertEqual((result.returncode, result.stdout),
+                         (0, "imported 39, skipped 1, detached 0\n"), result.stderr)
+
     def test_a_second_import_at_once_is_refused_and_writes_nothing(self):
         sys.path.insert(0, str(REPO))
         from hermes_state_repair import _exclusive
