@@ -545,12 +545,11 @@ def _cmd_export(db, args, out):
 
 
 def _read_jsonl(path):
-    """The import file open for binary reads, and where its lines are copied as they are checked
-    (None, or for '-' an unnamed temporary file: standard input is read once, the writes read the
-    copy)."""
-    if path == "-":
-        return sys.stdin.buffer, tempfile.TemporaryFile(prefix="hermes-import-")
-    return open(path, "rb"), None
+    """The import file open for binary reads ('-': standard input), and where its lines are
+    copied as they are checked: None, or for a pipe, read only once, an unnamed temporary file
+    the writes read again."""
+    handle = sys.stdin.buffer if path == "-" else open(path, "rb")
+    return handle, None if handle.seekable() else tempfile.TemporaryFile(prefix="hermes-import-")
 
 
 def _read_import(args):
