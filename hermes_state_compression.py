@@ -327,7 +327,8 @@ class SessionCompressionMixin:
             conn.execute(
                 "UPDATE messages SET active = 0, compacted = 1 WHERE session_id = ? AND active = 1",
                 (session_id,))
-            count, calls = self._insert_message_rows(conn, session_id, messages)
+            count, calls = self._insert_message_rows(conn, session_id, messages,
+                                                     callers=True)
             tail = [dict(id=row_id, tool_calls=tool_calls) for row_id, tool_calls in copied.items()]
             count, calls = count + len(tail), calls + _copy_tail(conn, tail, session_id)
             sets, params = "message_count = ?, tool_call_count = ?", [count, calls]
@@ -428,7 +429,8 @@ class SessionCompressionMixin:
             conn.execute(
                 f"INSERT INTO sessions ({', '.join(row)}) VALUES ({placeholders(len(row))})",
                 tuple(row.values()))
-            count, calls = self._insert_message_rows(conn, child_session_id, handoff)
+            count, calls = self._insert_message_rows(conn, child_session_id, handoff,
+                                                     callers=True)
             tail = conn.execute(_TAIL_SQL, (parent_session_id, low, high)).fetchall()
             count, calls = count + len(tail), calls + _copy_tail(conn, tail, child_session_id)
             conn.execute(SET_MESSAGE_COUNTS_SQL, (count, calls, child_session_id))

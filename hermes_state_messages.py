@@ -167,7 +167,8 @@ class SessionMessagesMixin:
         def write(conn):
             self._admit_transcript_write(conn, session_id, turn_lease_holder,
                                          turn_lease_ttl_seconds)
-            inserted, calls = self._insert_message_rows(conn, session_id, messages)
+            inserted, calls = self._insert_message_rows(conn, session_id, messages,
+                                                        callers=True)
             conn.execute(BUMP_MESSAGE_COUNTS_SQL, (inserted, calls, session_id))
             return inserted
         return self._execute_transcript_write(write, messages,
@@ -203,7 +204,8 @@ class SessionMessagesMixin:
             else:
                 conn.execute("DELETE FROM messages WHERE session_id = ?"
                              + (" AND active = 1" if active_only else ""), (session_id,))
-            count, calls = self._insert_message_rows(conn, session_id, messages[kept:])
+            count, calls = self._insert_message_rows(conn, session_id, messages[kept:],
+                                                     callers=True)
             conn.execute(SET_MESSAGE_COUNTS_SQL, (kept + count, kept_calls + calls, session_id))
         self._execute_transcript_write(write, messages)
 
@@ -364,18 +366,20 @@ class SessionMessagesMixin:
         listed = (meta or {}).get(self.REACTIONS_METADATA_KEY)
         return [r for r in listed if isinstance(r, dict)] if isinstance(listed, list) else []
 
-    def _insert_message_rows(self, conn, session_id, messages):
+    def _insert_message_rows(self, conn, session_id, messages, *, callers=False):
         """Inside a write: insert message dicts as append_messages_batch reads them; returns
         (rows inserted, tool calls). The session's counters are the caller's.
 
-        Each dict gets its row id as `_row_id`; outside 0.20 also the timestamp its row got and
+        Each dict gets its row id as `_row_id`. With `callers` (the dicts are a caller's, written
+        through _execute_transcript_write) and outside 0.20, also the timestamp its row got and
         the stored row's ownership version (`_db_row_snapshot`), as 0.22's inserters stamp them:
         a dict written again then names the same message, and 0.22's next flush of it rewrites
-        its row instead of adding one. Inside 0.20 the dict goes to the model as it is."""
+        its row instead of adding one. Inside 0.20 the dict goes to the model as it is; our own
+        copies (an import's, a rewind's handoff) need neither."""
         now, inserted, calls = time.time(), 0, 0
         columns, calls_seen = self._write_columns(conn), {}
         insert = _insert_sql(columns)
-        stamp_dicts = not host_is_020()
+        stamp_dicts = callers and not host_is_020()
         stamped = {}  # row id -> the caller's dict
         for message in messages:
             row, row_calls, stamp = message_row(session_id, message, now, columns,
