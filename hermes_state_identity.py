@@ -1,7 +1,9 @@
 """What a message is, apart from any store: a message dict as the values of the messages columns a
 write names; the identity keys hermes-agent 0.22 (schema 31) keeps in `message_uid`,
-`absorbed_message_uids`, `tool_call_uids` and `tool_call_uid`, both ways; and which part of a user
-row a person typed (a compaction summary may carry the ask), which rewind and the timeline count.
+`absorbed_message_uids`, `tool_call_uids` and `tool_call_uid`, both ways; a stored row's ownership
+version (`row_snapshot`, 0.22's `_db_row_snapshot`); which part of a user row a person typed (a
+compaction summary may carry the ask), which rewind and the timeline count; and the repair of a
+conversation's turn alternation before it goes to a model (`repair_alternation_in_place`).
 
 Pure functions over dicts and rows; never opens a store or runs SQL (the transcript mixin does).
 A row of a store without the identity columns (schema 26) has no identity, and nothing here fails
@@ -29,6 +31,41 @@ TOOL_CALL_UIDS = "_tool_call_uids"
 TOOL_CALL_UID = "_tool_call_uid"
 # The columns they are stored in, in the order a message write names them.
 IDENTITY_COLUMNS = ("message_uid", "absorbed_message_uids", "tool_call_uids", "tool_call_uid")
+
+
+# Every column a message write names on a store that has them all (schema 31), in 0.22's order.
+ROW_WRITE_COLUMNS = (MESSAGE_WRITE_COLUMNS[:MESSAGE_WRITE_COLUMNS.index("active")]
+                     + ("_compressed_summary",)
+                     + MESSAGE_WRITE_COLUMNS[MESSAGE_WRITE_COLUMNS.index("active"):]
+                     + ("display_identity",) + IDENTITY_COLUMNS)
+# 0.22's ownership version of a stored row, which its flush (agent.transcript_repair) compares with
+# the row it finds before it rewrites one: a digest of the payload columns a rewrite may change,
+# leaving out identity, time and place (they never change on a rewrite) and what other writers of
+# the same process update after a flush (reactions, display stamps, api_content, platform ids).
+SNAPSHOT_COLUMNS = tuple(column for column in ROW_WRITE_COLUMNS if column not in {
+    "session_id", "role", "timestamp", "active", "display_identity", "message_uid", "tool_call_uid",
+    "display_kind", "display_metadata", "api_content", "codex_reasoning_items",
+    "platform_message_id"})
+
+
+def row_snapshot(stored):
+    """The ownership version of a row ({column: stored value} of SNAPSHOT_COLUMNS): 16 bytes
+    of BLAKE2b, hex, over each value tagged by its SQLite type and length-prefixed, as 0.22
+    makes it."""
+    digest = hashlib.blake2b(digest_size=16)
+    for column in SNAPSHOT_COLUMNS:
+        value = stored.get(column)  # (a store 0.20 left, read as it is, lacks schema 31's)
+        if value is None:
+            digest.update(b"N")
+            continue
+        if isinstance(value, str):
+            kind, data = b"S", value.encode("utf-8", "surrogatepass")
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            kind, data = b"B", bytes(value)
+        else:
+            kind, data = b"F" if isinstance(value, float) else b"I", repr(value).encode("ascii")
+        digest.update(kind + len(data).to_bytes(8, "big") + data)
+    return digest.hexdigest()
 
 
 def mint_uid():
@@ -462,3 +499,79 @@ def loaded_view_content(role, content):
             content = _MEMORY_TAG.sub("", _MEMORY_NOTE.sub("", _MEMORY_BLOCK.sub("", content)))
         content = content.strip()
     return content
+
+
+# -- the chat-API conversation ------------------------------------------------------------
+
+# Assistant turns that a later answer supersedes when alternation is repaired.
+_VERIFICATION_FINISHES = ("verification_required", "verify_hook_continue")
+
+
+def _is_codex_interim(message):
+    return bool(message.get("codex_reasoning_items") or message.get("codex_message_items")
+                or message.get("finish_reason") == "incomplete")
+
+
+def repair_alternation_in_place(messages):
+    """hermes-agent's pre-request alternation repair; returns how many repairs it made.
+
+    Back-to-back assistant turns merge (tool calls and text joined; a verification candidate is
+    replaced; Codex interim turns stay), tool results no preceding call asked for go, and
+    back-to-back user turns with text merge with a blank line (their api_content dropped), but
+    never into a /steer row or a compaction summary."""
+    repairs, collapsed = 0, []
+    for message in messages:
+        previous = collapsed[-1] if collapsed else None
+        if previous is None or not message.get("role") == previous.get("role") == "assistant" \
+                or _is_codex_interim(message) or _is_codex_interim(previous):
+            collapsed.append(message)
+            continue
+        repairs += 1
+        if previous.get("finish_reason") in _VERIFICATION_FINISHES:
+            collapsed[-1] = message
+            continue
+        calls = list(previous.get("tool_calls") or []) + list(message.get("tool_calls") or [])
+        if calls:
+            previous["tool_calls"] = calls
+        else:
+            previous.pop("tool_calls", None)
+        first, second = previous.get("content"), message.get("content")
+        if isinstance(first, str) and isinstance(second, str):
+            parts = (first.strip(), second.strip())
+            previous["content"] = "\n".join(part for part in parts if part)
+        elif not first and second is not None:
+            previous["content"] = second
+        if not previous.get("reasoning_content") and message.get("reasoning_content"):
+            previous["reasoning_content"] = message["reasoning_content"]
+    answered, kept = set(), []
+    for message in collapsed:
+        role = message.get("role")
+        if role == "assistant":
+            asked = [call for call in message.get("tool_calls") or [] if isinstance(call, dict)]
+            answered = {call.get(key) for call in asked
+                        for key in ("id", "call_id") if call.get(key)}
+        elif role == "tool":
+            if message.get("tool_call_id") not in answered:
+                repairs += 1
+                continue
+            answered.discard(message.get("tool_call_id"))
+        elif role == "user":
+            answered = set()
+        kept.append(message)
+    merged = []
+    for message in kept:
+        previous = merged[-1] if merged else None
+        first, second = (previous or {}).get("content", ""), message.get("content", "")
+        # 0.22 never merges into a /steer row or a compaction summary: both stay as stored.
+        if previous is not None and message.get("role") == previous.get("role") == "user" \
+                and isinstance(first, str) and isinstance(second, str) \
+                and previous.get("display_kind") != STEER_DISPLAY_KIND \
+                and split_user_turn(previous)[0] is None:
+            previous["content"] = first + "\n\n" + second if first and second else first or second
+            previous.pop("api_content", None)
+            repairs += 1
+            continue
+        merged.append(message)
+    if repairs:
+        messages[:] = merged
+    return repairs

@@ -9,7 +9,6 @@ accept, what it raises we raise.
 """
 
 import functools
-import hashlib
 import json
 import operator
 import time
@@ -17,7 +16,7 @@ import time
 from hermes_state_common import (
     COMPRESSION_END_REASON, CONTENT_JSON_PREFIX, COUNT_ALL_MESSAGES_SQL, MESSAGE_WRITE_COLUMNS,
     LINEAGE_MAX_HOPS, PREVIEW_CHARS, SELECT_COMPRESSION_LOCK_SQL, SET_MESSAGE_COUNTS_SQL,
-    STALE_MARKER, decode_content, decode_display_metadata, decode_message,
+    STALE_MARKER, chunked, decode_content, decode_display_metadata, decode_message,
     describe_skill_invocation, encode_content, host_is_020, host_view, is_fork_child, json_object,
     loads_or, placeholders, scrub_surrogates,
 )
@@ -26,9 +25,9 @@ from hermes_state_errors import (
     UnknownSessionError,
 )
 from hermes_state_identity import (
-    IDENTITY_COLUMNS, MESSAGE_UID, STEER_DISPLAY_KIND, call_count, display_metadata_text,
-    identity_keys, is_compaction_summary, loaded_view_content, message_row, pair_tool_result,
-    split_user_turn, tool_call_key,
+    IDENTITY_COLUMNS, MESSAGE_UID, ROW_WRITE_COLUMNS, SNAPSHOT_COLUMNS, call_count,
+    display_metadata_text, identity_keys, is_compaction_summary, loaded_view_content, message_row,
+    pair_tool_result, repair_alternation_in_place, row_snapshot, split_user_turn, tool_call_key,
 )
 from hermes_state_schema import live_columns
 
@@ -46,48 +45,14 @@ INSERT_MESSAGE_SQL = _insert_sql(MESSAGE_WRITE_COLUMNS)
 # has it (_write_columns); a schema-26 store keeps none of them.
 OPTIONAL_WRITE_COLUMNS = ("_compressed_summary", "display_identity") + IDENTITY_COLUMNS
 # Every column a message write names on a store that has them all, in 0.22's order
-# (agent/transcript_repair.py derives the columns a row rewrite may change from it).
-_MESSAGE_WRITE_COLUMNS = (MESSAGE_WRITE_COLUMNS[:MESSAGE_WRITE_COLUMNS.index("active")]
-                          + ("_compressed_summary",)
-                          + MESSAGE_WRITE_COLUMNS[MESSAGE_WRITE_COLUMNS.index("active"):]
-                          + OPTIONAL_WRITE_COLUMNS[1:])
-# 0.22's ownership version of a stored row, which its flush (agent.transcript_repair) compares with
-# the row it finds before it rewrites one: a digest of the payload columns a rewrite may change,
-# leaving out identity, time and place (they never change on a rewrite) and what other writers of
-# the same process update after a flush (reactions, display stamps, api_content, platform ids).
-_SNAPSHOT_COLUMNS = tuple(column for column in _MESSAGE_WRITE_COLUMNS if column not in {
-    "session_id", "role", "timestamp", "active", "display_identity", "message_uid", "tool_call_uid",
-    "display_kind", "display_metadata", "api_content", "codex_reasoning_items",
-    "platform_message_id"})
-
-
-def row_snapshot(stored):
-    """The ownership version of a row ({column: stored value} of _SNAPSHOT_COLUMNS): 16 bytes
-    of BLAKE2b, hex, over each value tagged by its SQLite type and length-prefixed, as 0.22
-    makes it."""
-    digest = hashlib.blake2b(digest_size=16)
-    for column in _SNAPSHOT_COLUMNS:
-        value = stored.get(column)  # (a store 0.20 left, read as it is, lacks schema 31's)
-        if value is None:
-            digest.update(b"N")
-            continue
-        if isinstance(value, str):
-            kind, data = b"S", value.encode("utf-8", "surrogatepass")
-        elif isinstance(value, (bytes, bytearray, memoryview)):
-            kind, data = b"B", bytes(value)
-        else:
-            kind, data = b"F" if isinstance(value, float) else b"I", repr(value).encode("ascii")
-        digest.update(kind + len(data).to_bytes(8, "big") + data)
-    return digest.hexdigest()
-
+# (agent/transcript_repair.py imports it under this name).
+_MESSAGE_WRITE_COLUMNS = ROW_WRITE_COLUMNS
 # (messages added, tool calls added, session id); append_messages_batch runs it.
 BUMP_MESSAGE_COUNTS_SQL = ("UPDATE sessions SET message_count = COALESCE(message_count, 0) + ?,"
                            " tool_call_count = COALESCE(tool_call_count, 0) + ? WHERE id = ?")
 # append_message's: the same, and the end reason a compression closes a session with.
 BUMP_OPEN_SESSION_COUNTS_SQL = (BUMP_MESSAGE_COUNTS_SQL
                                 + " AND (ended_at IS NULL OR end_reason IS NOT ?)")
-# Assistant turns that a later answer supersedes when alternation is repaired.
-_VERIFICATION_FINISHES = ("verification_required", "verify_hook_continue")
 # Prompts of hermes-agent's background skill/memory review that old builds wrote into the user's
 # session; replayed, they turn the agent into the curator.
 _REVIEW_HARNESS_PREFIXES = ("Review the conversation above and update the skill library",
@@ -186,10 +151,11 @@ class SessionMessagesMixin:
                               turn_lease_ttl_seconds=300.0):
         """Append message dicts in one transaction and return how many; 0 for none.
 
-        Raises as append_message. Each dict gets its row id as `_row_id`; `message_id` stands
-        for `platform_message_id`, reasoning is kept on assistant rows only, missing
-        timestamps count up from now 1 µs apart. With `chunk_rows`, each chunk of that many
-        rows is its own transaction."""
+        Raises as append_message. Each dict gets its row state (_insert_message_rows), and a
+        failed write leaves the dicts as they were; `message_id` stands for
+        `platform_message_id`, reasoning is kept on assistant rows only, missing timestamps
+        count up from now 1 µs apart. With `chunk_rows`, each chunk of that many rows is its
+        own transaction."""
         if not messages:
             return 0
         if chunk_rows is not None and len(messages) > chunk_rows:
@@ -201,10 +167,12 @@ class SessionMessagesMixin:
         def write(conn):
             self._admit_transcript_write(conn, session_id, turn_lease_holder,
                                          turn_lease_ttl_seconds)
-            inserted, calls = self._insert_message_rows(conn, session_id, messages)
+            inserted, calls = self._insert_message_rows(conn, session_id, messages,
+                                                        callers=True)
             conn.execute(BUMP_MESSAGE_COUNTS_SQL, (inserted, calls, session_id))
             return inserted
-        return self._execute_write(write, patience_s=self._transcript_patience())
+        return self._execute_transcript_write(write, messages,
+                                              patience_s=self._transcript_patience())
 
     def replace_messages(self, session_id, messages, active_only=False, archive_dropped=False,
                          reject_active_turn_lease=False):
@@ -236,9 +204,10 @@ class SessionMessagesMixin:
             else:
                 conn.execute("DELETE FROM messages WHERE session_id = ?"
                              + (" AND active = 1" if active_only else ""), (session_id,))
-            count, calls = self._insert_message_rows(conn, session_id, messages[kept:])
+            count, calls = self._insert_message_rows(conn, session_id, messages[kept:],
+                                                     callers=True)
             conn.execute(SET_MESSAGE_COUNTS_SQL, (kept + count, kept_calls + calls, session_id))
-        self._execute_write(write)
+        self._execute_transcript_write(write, messages)
 
     def set_latest_user_api_content(self, session_id, content, api_content):
         """Set api_content of the newest active user message if its content is `content`;
@@ -397,20 +366,70 @@ class SessionMessagesMixin:
         listed = (meta or {}).get(self.REACTIONS_METADATA_KEY)
         return [r for r in listed if isinstance(r, dict)] if isinstance(listed, list) else []
 
-    def _insert_message_rows(self, conn, session_id, messages):
-        """Inside a write: insert message dicts as append_messages_batch reads them, stamping
-        `_row_id`; returns (rows inserted, tool calls). The session's counters are the caller's."""
+    def _insert_message_rows(self, conn, session_id, messages, *, callers=False):
+        """Inside a write: insert message dicts as append_messages_batch reads them; returns
+        (rows inserted, tool calls). The session's counters are the caller's.
+
+        Each dict gets its row id as `_row_id`. With `callers` (the dicts are a caller's, written
+        through _execute_transcript_write) and outside 0.20, also the timestamp its row got and
+        the stored row's ownership version (`_db_row_snapshot`), as 0.22's inserters stamp them:
+        a dict written again then names the same message, and 0.22's next flush of it rewrites
+        its row instead of adding one. Inside 0.20 the dict goes to the model as it is; our own
+        copies (an import's, a rewind's handoff) need neither."""
         now, inserted, calls = time.time(), 0, 0
         columns, calls_seen = self._write_columns(conn), {}
         insert = _insert_sql(columns)
+        stamp_dicts = callers and not host_is_020()
+        stamped = {}  # row id -> the caller's dict
         for message in messages:
             row, row_calls, stamp = message_row(session_id, message, now, columns,
                                                  calls_seen=calls_seen)
             row_id = conn.execute(insert, row).lastrowid
             if isinstance(message, dict):
                 message["_row_id"] = row_id
+                if stamp_dicts:
+                    message["timestamp"] = stamp
+                    stamped[row_id] = message
             inserted, calls, now = inserted + 1, calls + row_calls, max(now + 1e-6, stamp + 1e-6)
+        # The digest is of the stored values: column affinity changes what was bound (a float
+        # token count stored as an integer), and 0.22 compares what it reads back.
+        wanted = [column for column in SNAPSHOT_COLUMNS if column in columns]
+        for chunk in chunked(stamped):
+            for row in conn.execute(
+                    f"SELECT id, {', '.join(wanted)} FROM messages"
+                    f" WHERE id IN ({placeholders(len(chunk))})", chunk):
+                stamped[row[0]]["_db_row_snapshot"] = row_snapshot(dict(zip(wanted, row[1:])))
         return inserted, calls
+
+    # What _insert_message_rows stamps on a caller's dicts.
+    _ROW_STATE_KEYS = ("_row_id", "_db_row_snapshot", "timestamp")
+
+    def _execute_transcript_write(self, fn, messages, **kwargs):
+        """_execute_write(fn) for a write that inserts the caller's `messages`: each attempt
+        starts from, and a failure leaves, the row state the dicts came with. A rolled-back
+        insert's row id is SQLite's to give again, so a stale `_row_id` would name another
+        message's row."""
+        absent = object()
+        dicts = [message for message in messages if isinstance(message, dict)]
+        before = [tuple(message.get(key, absent) for key in self._ROW_STATE_KEYS)
+                  for message in dicts]
+
+        def restore():
+            for message, state in zip(dicts, before):
+                for key, value in zip(self._ROW_STATE_KEYS, state):
+                    if value is absent:
+                        message.pop(key, None)
+                    else:
+                        message[key] = value
+
+        def attempt(conn):
+            restore()
+            return fn(conn)
+        try:
+            return self._execute_write(attempt, **kwargs)
+        except BaseException:
+            restore()
+            raise
 
     def _admit_transcript_write(self, conn, session_id, lease_holder, lease_ttl):
         if lease_holder:
@@ -1116,73 +1135,3 @@ def _is_stale_marker(message):
     content = message["content"]
     return (message["role"] == "assistant" and bool(message.get("tool_calls"))
             and isinstance(content, str) and STALE_MARKER.fullmatch(content.strip()) is not None)
-
-
-def _is_codex_interim(message):
-    return bool(message.get("codex_reasoning_items") or message.get("codex_message_items")
-                or message.get("finish_reason") == "incomplete")
-
-
-def repair_alternation_in_place(messages):
-    """hermes-agent's pre-request alternation repair; returns how many repairs it made.
-
-    Back-to-back assistant turns merge (tool calls and text joined; a verification candidate is
-    replaced; Codex interim turns stay), tool results no preceding call asked for go, and
-    back-to-back user turns with text merge with a blank line (their api_content dropped), but
-    never into a /steer row or a compaction summary."""
-    repairs, collapsed = 0, []
-    for message in messages:
-        previous = collapsed[-1] if collapsed else None
-        if previous is None or not message.get("role") == previous.get("role") == "assistant" \
-                or _is_codex_interim(message) or _is_codex_interim(previous):
-            collapsed.append(message)
-            continue
-        repairs += 1
-        if previous.get("finish_reason") in _VERIFICATION_FINISHES:
-            collapsed[-1] = message
-            continue
-        calls = list(previous.get("tool_calls") or []) + list(message.get("tool_calls") or [])
-        if calls:
-            previous["tool_calls"] = calls
-        else:
-            previous.pop("tool_calls", None)
-        first, second = previous.get("content"), message.get("content")
-        if isinstance(first, str) and isinstance(second, str):
-            parts = (first.strip(), second.strip())
-            previous["content"] = "\n".join(part for part in parts if part)
-        elif not first and second is not None:
-            previous["content"] = second
-        if not previous.get("reasoning_content") and message.get("reasoning_content"):
-            previous["reasoning_content"] = message["reasoning_content"]
-    answered, kept = set(), []
-    for message in collapsed:
-        role = message.get("role")
-        if role == "assistant":
-            asked = [call for call in message.get("tool_calls") or [] if isinstance(call, dict)]
-            answered = {call.get(key) for call in asked
-                        for key in ("id", "call_id") if call.get(key)}
-        elif role == "tool":
-            if message.get("tool_call_id") not in answered:
-                repairs += 1
-                continue
-            answered.discard(message.get("tool_call_id"))
-        elif role == "user":
-            answered = set()
-        kept.append(message)
-    merged = []
-    for message in kept:
-        previous = merged[-1] if merged else None
-        first, second = (previous or {}).get("content", ""), message.get("content", "")
-        # 0.22 never merges into a /steer row or a compaction summary: both stay as stored.
-        if previous is not None and message.get("role") == previous.get("role") == "user" \
-                and isinstance(first, str) and isinstance(second, str) \
-                and previous.get("display_kind") != STEER_DISPLAY_KIND \
-                and split_user_turn(previous)[0] is None:
-            previous["content"] = first + "\n\n" + second if first and second else first or second
-            previous.pop("api_content", None)
-            repairs += 1
-            continue
-        merged.append(message)
-    if repairs:
-        messages[:] = merged
-    return repairs

@@ -24,46 +24,49 @@ class StorageFailure:
     gloss: str
     action: str
 
-_DOCTOR_FIX = "Run `hermes {p}doctor --fix`: it finds the problem and repairs what it can."
-# cause -> (code, gloss, action); "{p}" becomes the profile's `-p <name> `. The codes are
-# hermes-agent's (GUIs match them), the words ours. A full disk is "disk" split out at lookup.
+_DOCTOR_FIX = "Run `hermes {p}doctor --fix` to diagnose and repair."
+# cause -> (code, gloss, action); "{p}" becomes the profile's `-p <name> `. Codes and words are
+# hermes-agent 0.22's: GUIs key on the codes, and what a user reads is output `make compat`
+# compares. A full disk is "disk" split out at lookup.
 _FAILURES = {
-    "locked": ("storage_locked", "another Hermes process is holding the session database",
-               "Try again in a moment. If it keeps happening, stop the other process "
+    "locked": ("storage_locked", "the session database is locked by another Hermes process",
+               "Wait a moment and try again; if it persists, stop the other Hermes process "
                "(`hermes {p}gateway stop`)."),
-    "disk_full": ("disk_full", "there is no space left on the disk",
-                  "Make room on the disk, then try again."),
-    "disk": ("storage_readonly",
-             "the session database cannot be written (a read-only file or folder)", _DOCTOR_FIX),
+    "disk_full": ("disk_full", "the disk is full", "Free some disk space, then try again."),
+    "disk": ("storage_readonly", "the session database file is read-only or not writable",
+             _DOCTOR_FIX),
     "corrupt": ("storage_corrupt", "the session database file is damaged",
-                _DOCTOR_FIX + " To recover its sessions: "
+                _DOCTOR_FIX + " Recovery: "
                 "`hermes {p}sessions recover --source <state.db> --inspect-only`."),
     "session_row_missing": (
         "storage_session_missing",
-        "this chat's session was deleted while it was open and could not be created again",
-        "Try again; if it keeps failing, run `hermes {p}doctor`."),
+        "this session's database row was deleted while the chat was still open and could not "
+        "be recreated",
+        "Try again; if it persists, run `hermes {p}doctor`."),
     "fts_index": ("storage_index_corrupt",
-                  "the search index of your sessions is damaged; the messages are intact",
-                  "Rebuild it with `hermes {p}doctor --fix` (or `hermes {p}sessions repair`)."),
-    "replaced": ("storage_replaced", "the session database file was swapped while Hermes ran",
-                 "Stop Hermes (`hermes {p}gateway stop`), run `hermes {p}doctor`, then start "
-                 "Hermes again."),
+                  "the session search index is damaged (the messages themselves are intact)",
+                  "Run `hermes {p}doctor --fix` (or `hermes {p}sessions repair`) to rebuild it."),
+    "replaced": ("storage_replaced",
+                 "the session database file was replaced while Hermes was running",
+                 "Stop Hermes (`hermes {p}gateway stop`), run `hermes {p}doctor`, then start it "
+                 "again."),
     # GUIs know this one as storage_replaced too; the remedy differs: every writer must stop.
     "deleted_wal": ("storage_replaced",
-                    "another Hermes process still holds an old write-ahead log of the session "
-                    "database, so Hermes stopped writing to keep the file intact",
-                    "Nothing is lost. Stop every Hermes process of this profile (the desktop app, "
-                    "`hermes {p}gateway stop`, the dashboard, cron), run `hermes {p}doctor` to "
-                    "see which process still holds the log, then start Hermes again. Do not run "
-                    "`doctor --fix` or delete state.db files meanwhile. More: "
+                    "another Hermes process still holds an old copy of the session database's "
+                    "write-ahead log, so Hermes stopped writing to keep the file safe",
+                    "Nothing is lost. Quit every Hermes process on this profile (Desktop app, "
+                    "`hermes {p}gateway stop`, dashboard, cron), run `hermes {p}doctor` \u2014 it "
+                    "names any process still holding the log \u2014 then start Hermes again. Do "
+                    "not run `doctor --fix` or delete any state.db files while they run. Guide: "
                     + STORAGE_RECOVERY_DOCS_URL),
     "compression": ("storage_busy", "another process is compressing this session",
-                    "Send the message again when compression is done."),
+                    "Send your message again once compression finishes."),
     "compression_closed": ("storage_session_rotated",
-                           "context compression moved this chat to a new session",
-                           "Refresh (or start a new turn) and send the message again."),
-    "turn_lease": ("storage_busy", "another Hermes process has taken over this session",
-                   "Send the message again once it has finished."),
+                           "this session was rotated by context compression",
+                           "Refresh the client (or start a new turn) and send your message "
+                           "again."),
+    "turn_lease": ("storage_busy", "another Hermes process took over this session",
+                   "Wait for it to finish, then send your message again."),
     "unknown": ("storage_unavailable", "the session database could not be opened", _DOCTOR_FIX),
 }
 
@@ -111,9 +114,9 @@ SESSION_DB_UNAVAILABLE = "Session database not available"  # 0.20's default pref
 SESSION_HISTORY_UNAVAILABLE = "Hermes can't open its session history right now"  # the 0.22 line's
 WAL_INCOMPAT_HINT = (" (state.db may be on NFS/SMB/FUSE/ZFS \u2014"
                      " see https://www.sqlite.org/wal.html)")
-_NOT_SAVED = "Sessions are not being saved until this is fixed."
+_NOT_SAVED = "Sessions will not be saved until this is fixed."
 # A network filesystem cannot carry SQLite's write-ahead log, and no doctor repairs a mount.
-_NETWORK_DRIVE_HINT = " If the store is on a network drive, move it to a local disk."
+_NETWORK_DRIVE_HINT = " If the database lives on a network drive, move it to a local disk."
 _NETWORK_DRIVE_GLOSS = ("the session database could not be opened; it may be on a network or "
                         "unsupported drive")
 _NETWORK_DRIVE_ACTION = ("Move it to a local disk (`hermes {p}doctor` shows where it is), then "
@@ -137,7 +140,8 @@ def open_failure_sentence(cause, prefix=SESSION_DB_UNAVAILABLE, *, details=False
         prefix = SESSION_HISTORY_UNAVAILABLE
     profile_arg = profile_cli_arg()
     if not cause:
-        return f"{prefix}. {_NOT_SAVED} Run `hermes {profile_arg}doctor` to see where it is."
+        return (f"{prefix}. {_NOT_SAVED} Run `hermes {profile_arg}doctor` to check the storage "
+                "location.")
     failure = describe_storage_failure(cause)
     gloss, action, hint = failure.gloss, failure.action, ""
     if on_network_drive and failure.cause == "unknown":

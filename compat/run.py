@@ -5,8 +5,9 @@ Owns: the order of the run (venvs, overlay, API scenarios, in-process checks, en
 round trips (`releases.py`), JSONL exports passed each way (`xport.py`)), the comparison of the
 reference's record with ours, the deliberate-differences list, and the report: one PASS/FAIL line
 per scenario, the differences under each failure, a line per side, and a closing `N passed, N failed`
-line over the sides that gate (GATED_SIDES); the exit code is non-zero on any failure there. Must not touch: the repo's product modules (they are copied, never
-edited), any network but 127.0.0.1 during the end-to-end run.
+line over every side run; the exit code is non-zero on any failure. Must not touch: the repo's
+product modules (they are copied, never edited), any network but 127.0.0.1 during the end-to-end
+run.
 
 Usage: python3 compat/run.py [--only api|inprocess|e2e|releases|xport|fuzz] [--side 0.20|0.22] [--details N]
 Environment: HERMES_COMPAT_CACHE (venv cache), COMPAT_PYTHON (the CPython that builds the venvs),
@@ -382,12 +383,6 @@ def reference_failures(ref_e2e):
     return out
 
 
-# The sides whose failures fail `make compat` (and CI). 0.22's joins when our modules pass its
-# steps: its schema 31 and message identity are issue 34, its index under its names issue 35.
-GATED_SIDES = {"0.20.1.2"}
-NOT_YET_GATED = "issue 33 is open; issues 34 and 35 bring its schema and index"
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("api", "inprocess", "e2e", "releases", "xport", "fuzz"))
@@ -573,17 +568,14 @@ def main(argv=None):
         print("compat: %d end-to-end step(s) where the reference itself fails (marked above, listed in the report)"
               % len(ref_failures))
     failed_names = {name for name, _ in report}
-    # A side gates the run (the exit status, the closing line) once our modules pass there; until
-    # then it is reported only. `--side` or COMPAT_GATE_ALL=1 gates whatever runs.
-    gating = set(pairs) if args.side or os.environ.get("COMPAT_GATE_ALL") == "1" else GATED_SIDES
+    # Every side gates the run: 0.22's since every step it passes on its own modules passes on ours
+    # (a step it fails on its own is excused line by line in the deliberate list).
     passed = failed = 0
     for release in pairs:
         mine = [name for name, _ in results if side_of(name) == release]
         bad = sum(1 for name in mine if name in failed_names)
-        note = "" if release in gating else " (reported, not yet a gate: %s)" % NOT_YET_GATED
-        print("compat: %s side%s: %d passed, %d failed" % (release, note, len(mine) - bad, bad))
-        if release in gating:
-            passed, failed = passed + len(mine) - bad, failed + bad
+        print("compat: %s side: %d passed, %d failed" % (release, len(mine) - bad, bad))
+        passed, failed = passed + len(mine) - bad, failed + bad
     print("%d passed, %d failed" % (passed, failed))
     return 1 if failed or diagnostic else 0
 
