@@ -388,6 +388,17 @@ CHECKPOINT_AFTER_CHANGES = 1000
 IDLE_CHECKPOINT_DELAY = 1.0
 CHECKPOINTER_RETIRE_AFTER = 30.0
 
+def writer_synchronous(mode):
+    """The `PRAGMA synchronous` level of SessionDB's writer in journal `mode`: FULL in WAL, EXTRA
+    in a rollback journal. Chosen by `make test-faults`' power cuts (docs/faults.md): in WAL,
+    NORMAL syncs the WAL only at a checkpoint, and a cut lost up to 182 calls the API had
+    acknowledged, FULL none; in a rollback journal the commit is the -journal's unlink, which
+    FULL leaves unsynced (a cut lost the last commit in 46 of 100 cuts) and EXTRA syncs with its
+    folder (none lost). NORMAL would risk the file itself there (sqlite.org/pragma.html). The
+    price, per transcript write on this disk (faults/sync_cost.py): see docs/faults.md."""
+    return "FULL" if mode == "wal" else "EXTRA"
+
+
 # Every write of ours takes state.db.lock on every policy (one discipline on every runtime:
 # SessionDB._lock serialises hermes-agent's SQL across processes only if our own writes queue on
 # that lock too); the policy picks the journal and who checkpoints.
@@ -571,10 +582,7 @@ class SessionJournalMixin:
                 self.policy = JournalPolicy(
                     mode, None, f"WAL was refused, the journal stays {mode}", "none")
                 logger.warning("journal mode of %s: %s", self.db_path, self.policy.reason)
-        # WAL: NORMAL loses at most the last commits to a power cut, never the file. A rollback
-        # journal: FULL (SQLite's default, what hermes-agent runs), as NORMAL there may corrupt the
-        # file on a power cut on some filesystems (sqlite.org/pragma.html#pragma_synchronous).
-        conn.execute(f"PRAGMA synchronous={'NORMAL' if mode == 'wal' else 'FULL'}")
+        conn.execute(f"PRAGMA synchronous={writer_synchronous(mode)}")
         if self.policy.autocheckpoint is not None:
             conn.execute(f"PRAGMA wal_autocheckpoint={self.policy.autocheckpoint}")
         if (self.policy.checkpoint == "external"

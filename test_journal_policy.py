@@ -86,9 +86,10 @@ class ChoosingThePolicy(TempDirTestCase):
         with self.assertRaisesRegex(ValueError, "HERMES_STATE_JOURNAL must be 'wal' or 'delete', not 'memory'"):
             choose_journal_policy(FIXED, "memory", "")
 
-    def test_a_rollback_journal_syncs_fully_and_wal_normally(self):
-        # NORMAL in a rollback journal may corrupt the file on a power cut; in WAL it loses at most the last commits.
-        for journal, level in (("delete", 2), ("wal", 1)):
+    def test_every_commit_is_synced_before_it_is_acknowledged_in_either_journal(self):
+        # make test-faults' power cuts: WAL at NORMAL lost every commit since the last checkpoint, a
+        # rollback journal at FULL its last commit (the -journal's unlink was not synced).
+        for journal, level in (("delete", 3), ("wal", 2)):
             with SessionDB(self.tmp / f"{journal}.db", journal=journal) as db:
                 self.assertEqual(db._writer.execute("PRAGMA synchronous").fetchone()[0], level, journal)
 

@@ -52,6 +52,7 @@ class FaultFS(Operations):
         self.rofs = False
         self.saved = None
         self.recorded = None  # the run a power cut is chosen in, kept while restores change files
+        self.replayed = None  # (k, data, durable, names, durable_names) of the last cut replayed
 
     # -- the model --------------------------------------------------------------------------
     def _record(self, *entry):
@@ -59,9 +60,12 @@ class FaultFS(Operations):
             self.log.append(entry)
 
     def image(self, k):
-        """{path: bytes} a power cut after the first k logged operations leaves (folders kept)."""
-        data, durable, names, durable_names = {}, {}, {}, {}
-        for entry in self.recorded[:k]:
+        """{path: bytes} a power cut after the first k logged operations leaves (folders kept).
+        Cuts asked in rising order go on from the last one's replay instead of from the start."""
+        if self.replayed is None or self.replayed[0] > k:
+            self.replayed = (0, {}, {}, {}, {})
+        done, data, durable, names, durable_names = self.replayed
+        for entry in self.recorded[done:k]:
             op = entry[0]
             if op in ("write", "truncate", "fsync") and entry[2] is not None \
                     and entry[2] not in data:
@@ -93,6 +97,7 @@ class FaultFS(Operations):
             elif op == "rename":
                 _, old, new = entry
                 names[new] = names.pop(old)
+        self.replayed = (k, data, durable, names, durable_names)
         return {p: durable[i] for p, i in durable_names.items()}
 
     def load(self, files):
