@@ -60,6 +60,17 @@ MODE_RETRY_PAUSE = 0.05
 # starts (hermes-agent 0.22's _CROSS_VM_FSTYPES).
 CROSS_VM_FSTYPES = frozenset({"virtiofs", "fuse.virtiofs", "9p", "9p2000", "9p2000.l", "9p2000.u"})
 
+# What a store on such a filesystem is told once per process (SessionDB's open, and a connection
+# hermes-agent hands apply_wal_with_fallback): hermes-agent 0.22's refusal, in our words.
+CROSS_VM_REFUSAL = (
+    "the database folder is on a cross-VM filesystem (virtiofs/9p, as Docker Desktop, OrbStack and"
+    " Podman share host folders), where WAL's shared memory is not coherent across the VM boundary"
+    " and can corrupt the database silently; journal_mode=DELETE is used instead. Move the"
+    " database to a native volume (e.g. a named Docker volume) to get WAL back")
+# What a filesystem that refuses WAL (NFS, SMB/CIFS, some FUSE) gets instead, logged once.
+WAL_REFUSED = ("WAL is not supported on this filesystem ({}); falling back to journal_mode=DELETE,"
+               " a rollback journal that works on NFS/SMB/FUSE but lets a write block readers")
+
 _warned = set()
 _warned_lock = threading.Lock()
 # resolved folder -> on a cross-VM filesystem; kept, as kanban.db opens a connection per operation
@@ -98,10 +109,7 @@ def apply_wal_with_fallback(conn, *, db_label="state.db", require_wal=False):
         if require_wal:
             raise WalUnsupportedError("journal_mode=WAL refused: the database is on a cross-VM"
                                       " filesystem (virtiofs/9p), where WAL corrupts silently")
-        _warn_once(db_label, "cross-vm", logging.WARNING,
-                   "the database folder is on a cross-VM filesystem (virtiofs/9p: a Docker Desktop,"
-                   " OrbStack or Podman bind mount), where WAL can corrupt it silently; using a"
-                   " rollback journal. A native volume gets WAL back")
+        _warn_once(db_label, "cross-vm", logging.WARNING, CROSS_VM_REFUSAL)
         return _set_journal_mode_no_wait(conn, "DELETE") or "delete"
     try:
         mode = _journal_mode(conn, "WAL") or ""
@@ -111,9 +119,7 @@ def apply_wal_with_fallback(conn, *, db_label="state.db", require_wal=False):
             raise
         if require_wal:
             raise WalUnsupportedError(str(exc)) from exc
-        _warn_once(db_label, "wal-refused", logging.ERROR,
-                   f"WAL is not supported on this filesystem ({exc}); using a rollback "
-                   "journal, which works there but lets a write block readers")
+        _warn_once(db_label, "wal-refused", logging.ERROR, WAL_REFUSED.format(exc))
         _set_journal_mode_no_wait(conn, "DELETE")
         return "delete"
     if mode == "wal":
@@ -576,12 +582,22 @@ class SessionJournalMixin:
                 mode = self._retry_on_lock(
                     lambda: conn.execute(switch).fetchone()[0].lower(), time.monotonic(),
                     self.write_budget)
+            except sqlite3.OperationalError as exc:
+                # NFS, SMB and some FUSE filesystems fail WAL's shared memory or locks outright.
+                if self.policy.mode != "wal" or not any(
+                        marker in str(exc).lower() for marker in _WAL_INCOMPAT_MARKERS):
+                    raise
+                mode = _set_journal_mode_no_wait(conn, "DELETE") or mode
+                refused = WAL_REFUSED.format(exc)
+            else:
+                refused = WAL_REFUSED.format(f"the journal stayed {mode}")
             finally:
                 _set_busy_timeout(conn, WRITER_BUSY_TIMEOUT)
             if mode != self.policy.mode:  # a filesystem that refuses WAL keeps its journal
-                self.policy = JournalPolicy(
-                    mode, None, f"WAL was refused, the journal stays {mode}", "none")
-                logger.warning("journal mode of %s: %s", self.db_path, self.policy.reason)
+                self.policy = JournalPolicy(mode, None, refused, "none")
+                _warn_once((str(self.db_path),), "wal-refused", logging.ERROR, refused)
+        if mode != "wal" and _path_on_cross_vm_fs(str(self.db_path)):
+            _warn_once((str(self.db_path),), "cross-vm", logging.WARNING, CROSS_VM_REFUSAL)
         conn.execute(f"PRAGMA synchronous={writer_synchronous(mode)}")
         if self.policy.autocheckpoint is not None:
             conn.execute(f"PRAGMA wal_autocheckpoint={self.policy.autocheckpoint}")

@@ -14,7 +14,8 @@ Control (one JSON line in, one out, on the unix socket): ["ack", label] -> the l
 power cut after the first k logged operations leaves; ["reset"] -> empty, log cleared;
 ["mark"] / ["revert"] -> save and put back the live files; ["eio", "read"|"write", n] -> the
 n-th read or write from now fails with EIO (once); ["rofs", bool] -> writes fail with EROFS.
-Usage: faultfs.py MOUNTPOINT SOCKET [SUBTYPE]
+Usage: faultfs.py MOUNTPOINT SOCKET [SUBTYPE [noshm]]; `noshm`: a -shm file cannot be mapped
+(as on NFS or SMB, WAL's shared memory is not to be had: SQLite's WAL open fails).
 """
 
 import errno
@@ -39,7 +40,8 @@ class Node:
 
 
 class FaultFS(Operations):
-    def __init__(self):
+    def __init__(self, shm_mappable=True):
+        self.shm_mappable = shm_mappable
         self.reset()
 
     def reset(self):
@@ -184,7 +186,9 @@ class FaultFS(Operations):
         self.next_fh += 1
         self.handles[fh] = node
         fi.fh = fh
-        fi.direct_io = 0 if self._is_shm(node) else 1  # every read and write reaches us
+        # Every read and write reaches us; a direct-I/O file cannot be mapped shared, so a -shm
+        # file is not direct unless it must not be mapped.
+        fi.direct_io = 0 if self._is_shm(node) and self.shm_mappable else 1
         return 0
 
     def _is_shm(self, node):
@@ -328,7 +332,7 @@ def serve(fs, sock_path):
 def main():
     mount, sock_path = sys.argv[1], sys.argv[2]
     subtype = sys.argv[3] if len(sys.argv) > 3 else "faultfs"
-    fs = FaultFS()
+    fs = FaultFS(shm_mappable="noshm" not in sys.argv[4:])
     threading.Thread(target=serve, args=(fs, sock_path), daemon=True).start()
     FUSE(fs, mount, foreground=True, raw_fi=True, nothreads=False, allow_other=True,
          subtype=subtype, fsname="faultfs", attr_timeout=0, entry_timeout=0,

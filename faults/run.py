@@ -36,7 +36,8 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO), HERMES_HOME="/nonexistent-hermes-ho
 RESULTS = []
 sys.path[:0] = [str(REPO), str(HERE)]  # worker.py's control client, over this checkout
 # Error texts that say what happened: a full disk, an I/O error, a read-only filesystem.
-DISK_FULL_WORDS = ("disk is full", "no space left", "disk full", " bytes free")
+DISK_FULL_WORDS = ("disk is full", "no space left", "disk full", " bytes free",
+                   "insufficient_disk")
 IO_WORDS = ("i/o error", "input/output error")
 RO_WORDS = ("read-only", "readonly")
 
@@ -86,11 +87,12 @@ def fuse_python():
 class Mount:
     """A faultfs mount (subtype `subtype`) and its control socket."""
 
-    def __init__(self, python, root, subtype="faultfs"):
+    def __init__(self, python, root, subtype="faultfs", *flags):
         self.path = Path(tempfile.mkdtemp(dir=root, prefix=f"{subtype}-"))
         self.sock = str(self.path) + ".sock"
         self.proc = subprocess.Popen([python, str(HERE / "faultfs.py"), str(self.path), self.sock,
-                                      subtype], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                      subtype, *flags],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 20
         while not (os.path.ismount(self.path) and os.path.exists(self.sock)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -108,10 +110,11 @@ class Mount:
             self.proc.kill()
 
 
-def work(*args, timeout=STEP_TIMEOUT):
+def work(*args, timeout=STEP_TIMEOUT, extra_env=None):
     try:
         done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True,
-                              text=True, timeout=timeout, env=ENV, cwd=str(REPO))
+                              text=True, timeout=timeout, env=dict(ENV, **(extra_env or {})),
+                              cwd=str(REPO))
     except subprocess.TimeoutExpired:
         return 124, f"hung: no answer in {timeout}s"
     return done.returncode, (done.stdout.strip() or done.stderr.strip())
@@ -266,9 +269,15 @@ def disk_full_op(root, base_home, archive, no_acks, op, leave):
                "restore": archive}.get(op, "")
         filler = fill(tmpfs, leave)
         code, text = work("op", op, str(db), str(out))
+        # One line that says the disk is full and names the folder (or a file in it).
         clear = code != 0 and len(text.splitlines()) == 1 and any(
-            w in text.lower() for w in DISK_FULL_WORDS)
+            w in text.lower() for w in DISK_FULL_WORDS) and str(tmpfs) in text
         half = op in ("export", "backup") and Path(out).exists() and Path(out).stat().st_size
+        # Nothing else left behind either: a temporary archive, a probe file of the store's.
+        kept = {"filler", "home", Path(out).name} | {p.name for p in Path(base_home).iterdir()}
+        litter = sorted(p.name for p in tmpfs.rglob("*") if p.name not in kept
+                        and not p.name.endswith(("-wal", "-shm", "-journal", ".lock")))
+        half = half or litter
         filler.unlink()  # the checker's own open may need a page
         whole = check(db, no_acks, 0)
         again, again_text = work("op", op, str(db), str(out))
@@ -276,10 +285,11 @@ def disk_full_op(root, base_home, archive, no_acks, op, leave):
         if code == 0 and ok is False and leave and not half and store_whole(whole):
             return report(name, True, f"needed no more than the {leave // 1024} KiB left: no "
                           "ENOSPC reached (the -at-open case covers it)", skipped=True)
-        unclear = " (not one clear disk-full line)" if code and not clear else ""
+        unclear = (" (not one clear disk-full line naming the folder)"
+                   if code and not clear else "")
         figure = (f"while full: {'failed' if code else 'SUCCEEDED'} with {text[:160]!r}{unclear}"
-                  f"; half-written output: {'yes' if half else 'no'}; store afterwards: "
-                  f"{'whole' if store_whole(whole) else whole}; after freeing space: "
+                  f"; half-written output: {litter or ('yes' if half else 'no')}; store "
+                  f"afterwards: {'whole' if store_whole(whole) else whole}; after freeing space: "
                   f"{'OK' if again == 0 else again_text[:160]}")
         report(name, ok, figure)
     finally:
@@ -382,28 +392,69 @@ def read_only(python, root, base_home):
         subprocess.run(["umount", "-l", str(tmpfs)], capture_output=True)
 
 
+def healthy_sqlite():
+    """LD_LIBRARY_PATH of a SQLite free of the WAL-reset bug that `make test-runtimes` built
+    (CPython's _sqlite3 loads it), or None: on a runtime with the bug every new store gets a
+    rollback journal anyway, so only the forced-WAL case tests the refusal there."""
+    cache = Path(os.environ.get("HERMES_RUNTIMES_CACHE")
+                 or Path.home() / ".cache" / "hermes_state_runtimes")
+    found = sorted(cache.glob("lib/3.5[3-9]*-fts5/libsqlite3.so.0"))
+    return str(found[-1].parent) if found else None
+
+
+def journal_on(mount, name, extra_env):
+    """The worker's `journal` answer for a new store on `mount`, under `extra_env`."""
+    db = mount.path / name / "state.db"
+    code, text = work("journal", str(db), extra_env=extra_env)
+    try:
+        return json.loads(text.splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": text[-300:]}
+
+
 def cross_vm(python, root):
-    for subtype in ("virtiofs",):  # 0.22 refuses fuse.virtiofs; a FUSE "9p" is no 9p
-        mount = Mount(python, root, subtype)
-        try:
-            fstype = next((line.split()[2] for line in open("/proc/mounts")
-                           if line.split()[1] == str(mount.path)), "?")
-            db = mount.path / "home" / "state.db"
-            code, text = work("op", "make", str(db), "5")
-            import sqlite3
-            mode = sqlite3.connect(str(db)).execute("PRAGMA journal_mode").fetchone()[0] \
-                if code == 0 else text[:150]
-            probe = subprocess.run(
-                [sys.executable, "-c", "import hermes_state_wal as w, sys; "
-                 "f = getattr(w, '_path_on_cross_vm_fs', None); "
-                 "print('missing' if f is None else f(sys.argv[1]))", str(db)],
-                capture_output=True, text=True, env=ENV, cwd=str(REPO))
-            detected = probe.stdout.strip() or probe.stderr.strip()[-120:]
-            report(f"cross-vm-{fstype}", mode != "wal" and detected == "True",
-                   f"mount type {fstype}: a new store's journal mode is {mode}; "
-                   f"hermes_state_wal._path_on_cross_vm_fs says {detected}")
-        finally:
-            mount.close()
+    """A store on a mount whose type says virtiofs never gets WAL, asked for or not, on this
+    SQLite and on a healthy one; SessionDB and a plain connection (hermes-agent's kanban.db) say
+    why in 0.22's terms. A FUSE "9p" would be no 9p: the kernel's are not to be had here."""
+    mount = Mount(python, root, "virtiofs")
+    try:
+        fstype = next((line.split()[2] for line in open("/proc/mounts")
+                       if line.split()[1] == str(mount.path)), "?")
+        cases = [("this SQLite, WAL asked for", {"HERMES_STATE_JOURNAL": "wal"})]
+        lib = healthy_sqlite()
+        if lib:
+            cases.append(("SQLite without the WAL-reset bug", {"LD_LIBRARY_PATH": lib}))
+        said, ok = [], fstype == "fuse.virtiofs"
+        for i, (what, extra) in enumerate(cases):
+            answer = journal_on(mount, f"case{i}", extra)
+            modes = (answer.get("store"), answer.get("plain"))
+            told = all(any("cross-VM filesystem" in line and "journal_mode=DELETE" in line
+                           for line in answer.get(f"{who}_logs", ())) for who in ("store", "plain"))
+            # On a runtime with the bug a plain connection gets a rollback journal for that reason.
+            told = told or (not lib and any("cross-VM filesystem" in line
+                                            for line in answer.get("store_logs", ())))
+            ok = ok and "error" not in answer and "wal" not in modes and told
+            said.append(f"{what} ({answer.get('sqlite')}): SessionDB {modes[0]}, plain connection "
+                        f"{modes[1]}, refusal logged {'yes' if told else 'NO'}"
+                        + (f", {answer['error'][:150]}" if "error" in answer else ""))
+        if not lib:
+            said.append("no SQLite without the bug cached (make test-runtimes builds one)")
+        report(f"cross-vm-{fstype}", ok, f"mount type {fstype}: " + "; ".join(said))
+    finally:
+        mount.close()
+    # A filesystem without WAL's shared memory (NFS, SMB): -shm cannot be mapped.
+    mount = Mount(python, root, "faultfs", "noshm")
+    try:
+        answer = journal_on(mount, "nfs-like", {"HERMES_STATE_JOURNAL": "wal"})
+        told = any("WAL is not supported on this filesystem" in line
+                   for line in answer.get("store_logs", ()))
+        report("wal-refused-no-shared-memory", "error" not in answer and told
+               and answer.get("store") not in ("wal", None),
+               f"a FUSE mount whose -shm cannot be mapped, WAL asked for: SessionDB "
+               f"{answer.get('store')}, WAL refusal logged {'yes' if told else 'NO'}"
+               + (f", {answer['error'][:200]}" if "error" in answer else ""))
+    finally:
+        mount.close()
     report("cross-vm-kernel-virtiofs-9p-nfs-smb", True, "the kernel's virtiofs, 9p, NFS and SMB "
            "need a host or server this machine does not have", skipped=True)
 

@@ -12,6 +12,9 @@ Owns nothing on disk but what it is told to write. Modes:
                       for each K: faultfs restores the cut at K, then a child forked from this
                       process (which has imported SessionDB but opened nothing) runs `check`
   rofs DB SOCK        the filesystem goes read-only under an open writer
+  journal DB          a new store's journal mode through SessionDB, and DB's sibling `plain.db`'s
+                      through apply_wal_with_fallback (hermes-agent's other databases), with
+                      what each logged; one JSON line
   op NAME DB ARG      one operation; prints "OK" or the error's lines; exit 0 / 1
 """
 
@@ -252,8 +255,37 @@ def read_only_under_writer(db_path, sock_path):
     print(json.dumps(out))
 
 
+def journal(db_path):
+    import logging
+    from hermes_state_wal import apply_wal_with_fallback
+    out = {"sqlite": sqlite3.sqlite_version}
+    for who in ("store", "plain"):
+        seen = []
+        handler = logging.Handler()
+        handler.emit = lambda record: seen.append(record.getMessage())
+        logging.getLogger("hermes_state").addHandler(handler)
+        try:
+            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+            if who == "store":
+                with SessionDB(db_path) as db:
+                    out[who] = db._writer.execute("PRAGMA journal_mode").fetchone()[0]
+            else:
+                with contextlib.closing(sqlite3.connect(str(Path(db_path).parent / "plain.db"))) \
+                        as conn:
+                    out[who] = apply_wal_with_fallback(conn, db_label="plain.db")
+        except Exception as exc:  # noqa: BLE001 (the runner shows it)
+            out["error"] = f"{who}: {type(exc).__name__}: {exc}"
+        finally:
+            logging.getLogger("hermes_state").removeHandler(handler)
+        out[f"{who}_logs"] = seen
+    print(json.dumps(out))
+
+
 def main():
     mode = sys.argv[1]
+    if mode == "journal":
+        journal(sys.argv[2])
+        return
     if mode == "rofs":
         read_only_under_writer(sys.argv[2], sys.argv[3])
         return
