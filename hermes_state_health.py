@@ -18,6 +18,7 @@ check is the only time it opens a store; it never writes one.
 import errno
 import logging
 import os
+import shutil
 import sqlite3
 import tempfile
 import threading
@@ -114,10 +115,9 @@ _NEARLY_FULL_BYTES = 64 * 1024
 def free_bytes(folder):
     """Bytes an unprivileged writer may still use in `folder`'s filesystem; -1 if unknown."""
     try:
-        st = os.statvfs(folder)
+        return shutil.disk_usage(folder).free
     except OSError:
         return -1
-    return st.f_bavail * st.f_frsize
 
 
 def disk_full_error(folder, what):
@@ -167,10 +167,11 @@ def disk_fault(db_path, exc, *, writing):
 
 
 def _statvfs_errno(folder):
-    """EROFS or ENOSPC when statvfs says `folder`'s filesystem is read-only or full, else 0."""
+    """EROFS or ENOSPC when statvfs says `folder`'s filesystem is read-only or full, else 0 (and
+    where there is no statvfs)."""
     try:
         st = os.statvfs(folder)
-    except OSError:
+    except (OSError, AttributeError):
         return 0
     if st.f_flag & os.ST_RDONLY:
         return errno.EROFS

@@ -39,7 +39,7 @@ from hermes_state_common import (
     sqlite_has_wal_reset_bug,
 )
 from hermes_state_errors import WalUnsupportedError
-from hermes_state_lockguard import WRITER_BUSY_TIMEOUT, _set_busy_timeout
+from hermes_state_lockguard import WRITER_BUSY_TIMEOUT, _release, _set_busy_timeout
 from hermes_state_repair import _write_barriers, apply_synchronous_setting
 from hermes_state_schema import is_lock_error
 
@@ -544,7 +544,7 @@ class SessionJournalMixin:
     open, checkpoints after commits (`_after_commit`, the write path's), and on the checkpointer
     thread. Relies on SessionDB's `_writer`, `_file_lock`, `_write_lock`, `_closed`, `_commits`,
     `_uncheckpointed`, `_checkpoint_conn`, `_checkpointer`, `db_path`, `write_budget`,
-    `_retry_on_lock`, `_new_connection` and `_read_one`."""
+    `_retry_on_lock`, `_connect`, `_new_connection`, `_held_keys` and `_read_one`."""
 
     def _apply_journal_policy(self):
         """Put the store in the policy's journal mode, or say why it stays and adopt the policy of
@@ -582,12 +582,18 @@ class SessionJournalMixin:
                 mode = self._retry_on_lock(
                     lambda: conn.execute(switch).fetchone()[0].lower(), time.monotonic(),
                     self.write_budget)
+                if mode == "wal":  # WAL's shared memory is mapped at the first read
+                    conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
             except sqlite3.OperationalError as exc:
-                # NFS, SMB and some FUSE filesystems fail WAL's shared memory or locks outright.
+                # NFS, SMB and some FUSE filesystems fail WAL's shared memory or locks.
                 if self.policy.mode != "wal" or not any(
                         marker in str(exc).lower() for marker in _WAL_INCOMPAT_MARKERS):
                     raise
-                mode = _set_journal_mode_no_wait(conn, "DELETE") or mode
+                if mode == "wal":
+                    conn = self._writer = self._out_of_unusable_wal(conn)
+                    mode = "delete"
+                else:
+                    mode = _set_journal_mode_no_wait(conn, "DELETE") or mode
                 refused = WAL_REFUSED.format(exc)
             else:
                 refused = WAL_REFUSED.format(f"the journal stayed {mode}")
@@ -606,6 +612,21 @@ class SessionJournalMixin:
             # Python 3.12+: our last close leaves the WAL to the replicator as well, instead of
             # checkpointing it and making Litestream take a new snapshot.
             conn.setconfig(sqlite3.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, True)
+
+    def _out_of_unusable_wal(self, conn):
+        """A new writer, the store switched back out of a WAL whose shared memory this filesystem
+        cannot map: `conn` is closed (its failed WAL read holds a lock), and a connection in
+        exclusive locking mode, which keeps the WAL index in its own memory, switches it."""
+        conn.close()
+        _release(self._held_keys.pop())
+        fix = self._connect(str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT,
+                            isolation_level=None, check_same_thread=False)
+        try:
+            fix.execute("PRAGMA locking_mode=EXCLUSIVE")
+            fix.execute("PRAGMA journal_mode=DELETE").fetchone()
+        finally:
+            fix.close()
+        return self._new_connection(str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT)
 
     def _checkpoint_mode(self):
         # doctor's line: our checkpoints on an affected SQLite would race Litestream's unlocked

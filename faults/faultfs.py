@@ -13,7 +13,9 @@ Control (one JSON line in, one out, on the unix socket): ["ack", label] -> the l
 ["acks"] ; ["len"] ; ["counts"] -> reads, writes; ["restore", k] -> the live files become what a
 power cut after the first k logged operations leaves; ["reset"] -> empty, log cleared;
 ["mark"] / ["revert"] -> save and put back the live files; ["eio", "read"|"write", n] -> the
-n-th read or write from now fails with EIO (once); ["rofs", bool] -> writes fail with EROFS.
+n-th read or write from now fails with EIO (once); ["rofs", bool] -> writes fail with EROFS;
+["bad", path, start, end] -> every read of those bytes of that file fails with EIO (a bad
+sector; ["bad", null] heals it).
 Usage: faultfs.py MOUNTPOINT SOCKET [SUBTYPE [noshm]]; `noshm`: a -shm file cannot be mapped
 (as on NFS or SMB, WAL's shared memory is not to be had: SQLite's WAL open fails).
 """
@@ -52,6 +54,7 @@ class FaultFS(Operations):
         self.reads = self.writes = 0
         self.eio = None  # (kind, count-at-which-to-fail)
         self.rofs = False
+        self.bad = None  # (path, start, end): a bad sector, failing every read of it
         self.saved = None
         self.recorded = None  # the run a power cut is chosen in, kept while restores change files
         self.replayed = None  # (k, data, durable, names, durable_names) of the last cut replayed
@@ -218,6 +221,9 @@ class FaultFS(Operations):
     def read(self, path, size, offset, fi):
         with LOCK:
             self._fault("read")
+            if self.bad and path == self.bad[0] and offset < self.bad[2] \
+                    and offset + size > self.bad[1]:
+                raise FuseOSError(errno.EIO)
             node = self.handles.get(fi.fh) or self._node(path)
             return bytes(node.data[offset:offset + size])
 
@@ -302,6 +308,9 @@ class FaultFS(Operations):
             if op == "eio":
                 base = self.reads if cmd[1] == "read" else self.writes
                 self.eio = None if cmd[2] is None else (cmd[1], base + cmd[2])
+                return True
+            if op == "bad":
+                self.bad = tuple(cmd[1:4]) if cmd[1] else None
                 return True
             if op == "rofs":
                 self.rofs = bool(cmd[1])

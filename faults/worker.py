@@ -16,11 +16,13 @@ Owns nothing on disk but what it is told to write. Modes:
                       through apply_wal_with_fallback (hermes-agent's other databases), with
                       what each logged; one JSON line
   op NAME DB ARG      one operation; prints "OK" or the error's lines; exit 0 / 1
+  doctor DB           the command line's doctor on DB; its output and exit code
 """
 
 import contextlib
 import io
 import json
+import logging
 import os
 import socket
 import sqlite3
@@ -206,12 +208,22 @@ def operation(name, db_path, arg):
         elif name == "backup":
             db.backup(arg)
         elif name == "optimize":
-            result = db.optimize_fts_storage()
-            if not result.get("ok"):  # hermes-agent's contract: a refusal is a result, not raised
+            # hermes-agent's contract: a refusal is a result, and a failed VACUUM after the work
+            # only a warning in the log; either is this call's error.
+            logged = []
+            handler = logging.Handler(logging.WARNING)
+            handler.emit = lambda record: logged.append(record.getMessage())
+            logging.getLogger("hermes_state").addHandler(handler)
+            try:
+                result = db.optimize_fts_storage()
+            finally:
+                logging.getLogger("hermes_state").removeHandler(handler)
+            if not result.get("ok"):
                 raise RuntimeError(f"optimize-storage refused ({result.get('reason')}): "
                                    f"{result.get('detail')}")
             if result.get("vacuumed") is False:
-                raise RuntimeError("optimize-storage finished but its VACUUM failed (logged only)")
+                raise RuntimeError("optimize-storage finished but its VACUUM failed: "
+                                   + " ".join(line for line in logged if "VACUUM" in line))
         elif name == "vacuum":
             db.vacuum()
         elif name == "checkpoint":
@@ -256,7 +268,6 @@ def read_only_under_writer(db_path, sock_path):
 
 
 def journal(db_path):
-    import logging
     from hermes_state_wal import apply_wal_with_fallback
     out = {"sqlite": sqlite3.sqlite_version}
     for who in ("store", "plain"):
@@ -286,6 +297,9 @@ def main():
     if mode == "journal":
         journal(sys.argv[2])
         return
+    if mode == "doctor":
+        from hermes_state_cli import main as cli
+        sys.exit(cli(["doctor", "--db", sys.argv[2]]))
     if mode == "rofs":
         read_only_under_writer(sys.argv[2], sys.argv[3])
         return
@@ -302,7 +316,7 @@ def main():
             text = f"{type(exc).__name__}: {exc}"
             print(text)
             if "--trace" in sys.argv:
-                traceback.print_exc()
+                traceback.print_exc(file=sys.stdout)
             sys.exit(1)
         print("OK")
 
