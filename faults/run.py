@@ -9,8 +9,9 @@ touch: the product modules (workers are worker.py processes importing this check
 process it did not make. Skips with the reason where mounts are not permitted (not root, no
 /dev/fuse, no libfuse2).
 
-Environment: FAULTS_POINTS (power cuts of each gating run, a third of it for the others; default 60),
-FAULTS_ONLY (comma-separated scenario name prefixes).
+Environment: FAULTS_POINTS (power cuts of each gating run, a third as many for the others;
+default 60, which keeps a run under 10 minutes here), FAULTS_ONLY (comma-separated scenario
+name prefixes).
 """
 
 import contextlib
