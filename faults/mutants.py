@@ -42,7 +42,8 @@ MUTANTS = {
         ("hermes_state.py", "note_storage_error(self.db_path, exc, writing=True)", "None",
          "disk-full-optimize")],
     "no-cross-vm-refusal-of-sessiondb": (
-        "hermes_state_wal.py", "if cross_vm:  # an asked-for WAL too", "if False:",
+        "hermes_state_wal.py", "if cross_vm:  # an asked-for WAL too",
+        "if False:  # an asked-for WAL too",
         "cross-vm"),
     "no-cross-vm-refusal-of-other-databases": (
         "hermes_state_wal.py", "    if cross_vm:\n        if require_wal:",
@@ -84,8 +85,11 @@ def main():
                        FAULTS_POINTS=os.environ.get("FAULTS_POINTS", "40"))
             done = subprocess.run([sys.executable, str(scratch / "faults" / "run.py")],
                                   capture_output=True, text=True, env=env, cwd=str(scratch))
-            failed = re.findall(r"^FAIL (\S+): (.{0,160})", done.stdout, re.M)
-            if failed:
+            failed = re.findall(r"^FAIL (\S+): (.{0,400})", done.stdout, re.M)
+            if not re.search(r"^\d+ passed, \d+ failed", done.stdout, re.M):
+                missed += 1
+                print(f"BROKEN {name}: the run did not finish: {done.stderr.strip()[-300:]}")
+            elif failed:
                 print(f"CAUGHT {name}: " + "; ".join(f"{s} ({why})" for s, why in failed))
             else:
                 missed += 1
