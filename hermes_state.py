@@ -425,6 +425,22 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
             self._reader_flags = "&immutable=1"
             self._immutable_as_seen = (real, _file_signature(real))
         try:
+            tables = self._read_value("SELECT count(*) FROM sqlite_master")
+        except sqlite3.DatabaseError as exc:
+            # A crash's unfinished write (a hot -journal, a WAL to recover) needs a write to undo or
+            # replay it, which mode=ro may not do; other damage still opens, for doctor.
+            if local and "readonly database" in str(exc) and any(
+                    os.path.isfile(f"{real}{s}") and os.path.getsize(f"{real}{s}")
+                    for s in ("-journal", "-wal")):
+                raise sqlite3.OperationalError(
+                    f"state store {self.db_path} holds an unfinished write a crash left (in its "
+                    "-journal or -wal) that only a writable open can recover; open it read-write "
+                    "once, then read it") from exc
+            tables = None
+        if local and tables == 0:  # a new store cut off before its tables reached the disk
+            raise FileNotFoundError(f"no state store at {self.db_path} yet: the file holds no "
+                                    "tables (a writable open creates them)")
+        try:
             self.stale_schema = self._stale_schema_report()
         except sqlite3.DatabaseError as exc:
             # A look, not a repair: a file too damaged to probe still opens, so doctor can
@@ -459,9 +475,13 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
             self._finish_abandoned_sweeps()  # messages a delete that died left (a read when none)
             while backfill and self.fts_rebuild_step():
                 pause_between_chunks()
-        except BaseException:
+        except BaseException as exc:
             self._close_connections()
-            raise
+            from hermes_state_health import disk_fault  # only a failed open needs it
+            clearer = disk_fault(self.db_path, exc, writing=True)
+            if clearer is None:
+                raise
+            raise clearer from exc
         self.stale_schema = []
 
     def _prepare_file(self):
@@ -661,7 +681,9 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                 return attempt(fn, batch)
         except BaseException as exc:
             self._tokens.put_back(batch)
-            note_storage_error(self.db_path, exc)  # damage: readiness and listings say so
+            # Damage: readiness and listings say so. A full, read-only or failing disk: raises
+            # what the disk did instead.
+            note_storage_error(self.db_path, exc, writing=True)
             raise
         finally:
             self._write_lock.release()
@@ -780,19 +802,31 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
         manifest of SHA-256s (hermes_state_archive).
         """
         from hermes_state_archive import home_files, may_be_sqlite, snapshot, write_backup_zip
+        from hermes_state_health import disk_full_error
         # Not resolved: a link at OUT is replaced by the archive, never followed to its target.
         out_path = Path(os.path.abspath(out_path))
         home = self.db_path.parent
         with tempfile.TemporaryDirectory(prefix="hermes-backup-") as scratch:
             store = Path(scratch) / STATE_DB_FILENAME
-            members = [(self._with_reader(lambda conn: snapshot(conn, store)), STATE_DB_FILENAME)]
-            for path in home_files(home, self.db_path, out_path):
-                target = Path(scratch) / f"{len(members)}.db"
-                # None: no database, so a plain copy is safe.
-                copy = may_be_sqlite(path) and _use_read_only(
-                    path, lambda conn: snapshot(conn, target))
-                members.append((copy or path, path.relative_to(home).as_posix()))
-            return write_backup_zip(out_path, members)
+            try:  # the snapshots fill the scratch folder's disk, the archive OUT's
+                members = [(self._with_reader(lambda conn: snapshot(conn, store)),
+                            STATE_DB_FILENAME)]
+                for path in home_files(home, self.db_path, out_path):
+                    target = Path(scratch) / f"{len(members)}.db"
+                    # None: no database, so a plain copy is safe.
+                    copy = may_be_sqlite(path) and _use_read_only(
+                        path, lambda conn: snapshot(conn, target))
+                    members.append((copy or path, path.relative_to(home).as_posix()))
+            except (OSError, sqlite3.Error) as exc:
+                if not is_disk_full_error(exc):
+                    raise
+                raise disk_full_error(scratch, f"the snapshots for backup {out_path}") from exc
+            try:
+                return write_backup_zip(out_path, members)
+            except OSError as exc:
+                if not is_disk_full_error(exc):
+                    raise
+                raise disk_full_error(out_path.parent, f"backup {out_path}") from exc
 
     # -- write patience ----------------------------------------------------------
 

@@ -106,12 +106,15 @@ def write_backup_zip(out_path, members):
     fd, temporary = tempfile.mkstemp(prefix=f".{out_path.name[:80]}.", suffix=".part",
                                      dir=out_path.parent)
     try:
-        with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as archive:
-            for path, name in members:
-                archive.write(path, name)
-                manifest["files"].append(
-                    {"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)})
-            archive.writestr(BACKUP_MANIFEST, json.dumps(manifest, indent=2))
+        with os.fdopen(fd, "wb") as raw:
+            with zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as archive:
+                for path, name in members:
+                    archive.write(path, name)
+                    manifest["files"].append(
+                        {"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+                archive.writestr(BACKUP_MANIFEST, json.dumps(manifest, indent=2))
+            raw.flush()
+            os.fsync(raw.fileno())  # whole on disk before the name: a power cut leaves no torn zip
         os.replace(temporary, out_path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

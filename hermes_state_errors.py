@@ -208,6 +208,12 @@ class StoreLockedError(sqlite3.OperationalError):
     """The store stayed locked by another writer for the whole write budget."""
 
 
+class StoreDiskError(sqlite3.OperationalError):
+    """The disk under the store failed, not the store: it is full, read-only, or returned an I/O
+    error. The text says which and names the folder (hermes_state_health.disk_fault); an
+    OperationalError, as SQLite's own words for these are."""
+
+
 class WalUnsupportedError(sqlite3.OperationalError):
     """WAL was required (`require_wal=True`) and the filesystem refused it."""
 

@@ -39,7 +39,7 @@ from hermes_state_common import (
     sqlite_has_wal_reset_bug,
 )
 from hermes_state_errors import WalUnsupportedError
-from hermes_state_lockguard import WRITER_BUSY_TIMEOUT, _set_busy_timeout
+from hermes_state_lockguard import WRITER_BUSY_TIMEOUT, _release, _set_busy_timeout
 from hermes_state_repair import _write_barriers, apply_synchronous_setting
 from hermes_state_schema import is_lock_error
 
@@ -59,6 +59,17 @@ MODE_RETRY_PAUSE = 0.05
 # the damage WAL then takes is silent (zero-filled pages), so WAL is refused there before it
 # starts (hermes-agent 0.22's _CROSS_VM_FSTYPES).
 CROSS_VM_FSTYPES = frozenset({"virtiofs", "fuse.virtiofs", "9p", "9p2000", "9p2000.l", "9p2000.u"})
+
+# What a store on such a filesystem is told once per process (SessionDB's open, and a connection
+# hermes-agent hands apply_wal_with_fallback): hermes-agent 0.22's refusal, in our words.
+CROSS_VM_REFUSAL = (
+    "the database folder is on a cross-VM filesystem (virtiofs/9p, as Docker Desktop, OrbStack and"
+    " Podman share host folders), where WAL's shared memory is not coherent across the VM boundary"
+    " and can corrupt the database silently; journal_mode=DELETE is used instead. Move the"
+    " database to a native volume (e.g. a named Docker volume) to get WAL back")
+# What a filesystem that refuses WAL (NFS, SMB/CIFS, some FUSE) gets instead, logged once.
+WAL_REFUSED = ("WAL is not supported on this filesystem ({}); falling back to journal_mode=DELETE,"
+               " a rollback journal that works on NFS/SMB/FUSE but lets a write block readers")
 
 _warned = set()
 _warned_lock = threading.Lock()
@@ -98,10 +109,7 @@ def apply_wal_with_fallback(conn, *, db_label="state.db", require_wal=False):
         if require_wal:
             raise WalUnsupportedError("journal_mode=WAL refused: the database is on a cross-VM"
                                       " filesystem (virtiofs/9p), where WAL corrupts silently")
-        _warn_once(db_label, "cross-vm", logging.WARNING,
-                   "the database folder is on a cross-VM filesystem (virtiofs/9p: a Docker Desktop,"
-                   " OrbStack or Podman bind mount), where WAL can corrupt it silently; using a"
-                   " rollback journal. A native volume gets WAL back")
+        _warn_once(db_label, "cross-vm", logging.WARNING, CROSS_VM_REFUSAL)
         return _set_journal_mode_no_wait(conn, "DELETE") or "delete"
     try:
         mode = _journal_mode(conn, "WAL") or ""
@@ -111,9 +119,7 @@ def apply_wal_with_fallback(conn, *, db_label="state.db", require_wal=False):
             raise
         if require_wal:
             raise WalUnsupportedError(str(exc)) from exc
-        _warn_once(db_label, "wal-refused", logging.ERROR,
-                   f"WAL is not supported on this filesystem ({exc}); using a rollback "
-                   "journal, which works there but lets a write block readers")
+        _warn_once(db_label, "wal-refused", logging.ERROR, WAL_REFUSED.format(exc))
         _set_journal_mode_no_wait(conn, "DELETE")
         return "delete"
     if mode == "wal":
@@ -388,6 +394,17 @@ CHECKPOINT_AFTER_CHANGES = 1000
 IDLE_CHECKPOINT_DELAY = 1.0
 CHECKPOINTER_RETIRE_AFTER = 30.0
 
+def writer_synchronous(mode):
+    """The `PRAGMA synchronous` level of SessionDB's writer in journal `mode`: FULL in WAL, EXTRA
+    in a rollback journal. Chosen by `make test-faults`' power cuts (docs/faults.md): in WAL,
+    NORMAL syncs the WAL only at a checkpoint, and a cut lost up to 182 calls the API had
+    acknowledged, FULL none; in a rollback journal the commit is the -journal's unlink, which
+    FULL leaves unsynced (a cut lost the last commit in 46 of 100 cuts) and EXTRA syncs with its
+    folder (none lost). NORMAL would risk the file itself there (sqlite.org/pragma.html). The
+    price, per transcript write on this disk (faults/sync_cost.py): see docs/faults.md."""
+    return "FULL" if mode == "wal" else "EXTRA"
+
+
 # Every write of ours takes state.db.lock on every policy (one discipline on every runtime:
 # SessionDB._lock serialises hermes-agent's SQL across processes only if our own writes queue on
 # that lock too); the policy picks the journal and who checkpoints.
@@ -527,7 +544,7 @@ class SessionJournalMixin:
     open, checkpoints after commits (`_after_commit`, the write path's), and on the checkpointer
     thread. Relies on SessionDB's `_writer`, `_file_lock`, `_write_lock`, `_closed`, `_commits`,
     `_uncheckpointed`, `_checkpoint_conn`, `_checkpointer`, `db_path`, `write_budget`,
-    `_retry_on_lock`, `_new_connection` and `_read_one`."""
+    `_retry_on_lock`, `_connect`, `_new_connection`, `_held_keys` and `_read_one`."""
 
     def _apply_journal_policy(self):
         """Put the store in the policy's journal mode, or say why it stays and adopt the policy of
@@ -565,16 +582,29 @@ class SessionJournalMixin:
                 mode = self._retry_on_lock(
                     lambda: conn.execute(switch).fetchone()[0].lower(), time.monotonic(),
                     self.write_budget)
+                if mode == "wal":  # WAL's shared memory is mapped at the first read
+                    conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            except sqlite3.OperationalError as exc:
+                # NFS, SMB and some FUSE filesystems fail WAL's shared memory or locks.
+                if self.policy.mode != "wal" or not any(
+                        marker in str(exc).lower() for marker in _WAL_INCOMPAT_MARKERS):
+                    raise
+                if mode == "wal":
+                    conn = self._writer = self._out_of_unusable_wal(conn)
+                    mode = "delete"
+                else:
+                    mode = _set_journal_mode_no_wait(conn, "DELETE") or mode
+                refused = WAL_REFUSED.format(exc)
+            else:
+                refused = WAL_REFUSED.format(f"the journal stayed {mode}")
             finally:
                 _set_busy_timeout(conn, WRITER_BUSY_TIMEOUT)
             if mode != self.policy.mode:  # a filesystem that refuses WAL keeps its journal
-                self.policy = JournalPolicy(
-                    mode, None, f"WAL was refused, the journal stays {mode}", "none")
-                logger.warning("journal mode of %s: %s", self.db_path, self.policy.reason)
-        # WAL: NORMAL loses at most the last commits to a power cut, never the file. A rollback
-        # journal: FULL (SQLite's default, what hermes-agent runs), as NORMAL there may corrupt the
-        # file on a power cut on some filesystems (sqlite.org/pragma.html#pragma_synchronous).
-        conn.execute(f"PRAGMA synchronous={'NORMAL' if mode == 'wal' else 'FULL'}")
+                self.policy = JournalPolicy(mode, None, refused, "none")
+                _warn_once((str(self.db_path),), "wal-refused", logging.ERROR, refused)
+        if mode != "wal" and _path_on_cross_vm_fs(str(self.db_path)):
+            _warn_once((str(self.db_path),), "cross-vm", logging.WARNING, CROSS_VM_REFUSAL)
+        conn.execute(f"PRAGMA synchronous={writer_synchronous(mode)}")
         if self.policy.autocheckpoint is not None:
             conn.execute(f"PRAGMA wal_autocheckpoint={self.policy.autocheckpoint}")
         if (self.policy.checkpoint == "external"
@@ -582,6 +612,21 @@ class SessionJournalMixin:
             # Python 3.12+: our last close leaves the WAL to the replicator as well, instead of
             # checkpointing it and making Litestream take a new snapshot.
             conn.setconfig(sqlite3.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, True)
+
+    def _out_of_unusable_wal(self, conn):
+        """A new writer, the store switched back out of a WAL whose shared memory this filesystem
+        cannot map: `conn` is closed (its failed WAL read holds a lock), and a connection in
+        exclusive locking mode, which keeps the WAL index in its own memory, switches it."""
+        conn.close()
+        _release(self._held_keys.pop())
+        fix = self._connect(str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT,
+                            isolation_level=None, check_same_thread=False)
+        try:
+            fix.execute("PRAGMA locking_mode=EXCLUSIVE")
+            fix.execute("PRAGMA journal_mode=DELETE").fetchone()
+        finally:
+            fix.close()
+        return self._new_connection(str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT)
 
     def _checkpoint_mode(self):
         # doctor's line: our checkpoints on an affected SQLite would race Litestream's unlocked

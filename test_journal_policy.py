@@ -86,9 +86,10 @@ class ChoosingThePolicy(TempDirTestCase):
         with self.assertRaisesRegex(ValueError, "HERMES_STATE_JOURNAL must be 'wal' or 'delete', not 'memory'"):
             choose_journal_policy(FIXED, "memory", "")
 
-    def test_a_rollback_journal_syncs_fully_and_wal_normally(self):
-        # NORMAL in a rollback journal may corrupt the file on a power cut; in WAL it loses at most the last commits.
-        for journal, level in (("delete", 2), ("wal", 1)):
+    def test_every_commit_is_synced_before_it_is_acknowledged_in_either_journal(self):
+        # make test-faults' power cuts: WAL at NORMAL lost every commit since the last checkpoint, a
+        # rollback journal at FULL its last commit (the -journal's unlink was not synced).
+        for journal, level in (("delete", 3), ("wal", 2)):
             with SessionDB(self.tmp / f"{journal}.db", journal=journal) as db:
                 self.assertEqual(db._writer.execute("PRAGMA synchronous").fetchone()[0], level, journal)
 
@@ -246,10 +247,55 @@ class OnACrossVmFilesystem(TempDirTestCase):
             db.create_session("s", "cli")
         self.assertEqual(header_mode(self.tmp / "new.db"), "delete")
 
+    def test_the_open_says_why_in_hermes_agents_terms_once(self):
+        with self.assertLogs("hermes_state", "WARNING") as logs:
+            SessionDB(self.tmp / "told.db", journal="wal").close()
+            SessionDB(self.tmp / "told.db", journal="wal").close()
+        told = [line for line in logs.output if "cross-VM filesystem" in line]
+        self.assertEqual(len(told), 1, logs.output)
+        for words in ("virtiofs/9p", "journal_mode=DELETE", "native volume", "told.db"):
+            self.assertIn(words, told[0])
+
     def test_external_checkpoints_are_refused_before_any_file_is_touched(self):
         with self.assertRaisesRegex(ValueError, "cross-VM"):
             SessionDB(self.tmp / "other.db", checkpoint="external")
         self.assertFalse((self.tmp / "other.db").exists())
+
+
+class RefusingConnection(sqlite3.Connection):
+    """A filesystem without WAL's shared memory (NFS, SMB): SQLite's WAL switch fails there with
+    one of these errors (make test-faults meets it on a real FUSE mount)."""
+    refusal = "disk I/O error"
+
+    def execute(self, sql, *args):
+        if sql.strip().lower() == "pragma journal_mode=wal":
+            raise sqlite3.OperationalError(self.refusal)
+        return super().execute(sql, *args)
+
+
+class OnAFilesystemThatRefusesWal(TempDirTestCase):
+
+    def test_a_refused_wal_falls_back_to_a_rollback_journal_saying_so(self):
+        for refusal in ("disk I/O error", "locking protocol"):
+            RefusingConnection.refusal = refusal
+            path = self.tmp / f"{refusal[:4]}.db"
+            with self.assertLogs("hermes_state", "ERROR") as logs, SessionDB(
+                    path, journal="wal",
+                    connection_factory=lambda *a, **k: sqlite3.connect(
+                        *a, factory=RefusingConnection, **k)) as db:
+                db.create_session("s", "cli")
+                self.assertEqual(db.policy.mode, "delete")
+                self.assertEqual(db._writer.execute("PRAGMA synchronous").fetchone()[0], 3)
+            self.assertIn(f"WAL is not supported on this filesystem ({refusal})", logs.output[0])
+            self.assertIn(str(path), logs.output[0])
+            self.assertEqual(header_mode(path), "delete")
+
+    def test_another_error_of_the_switch_still_fails_the_open(self):
+        RefusingConnection.refusal = "no such table: sessions"
+        with self.assertRaisesRegex(sqlite3.OperationalError, "no such table"):
+            SessionDB(self.tmp / "x.db", journal="wal",
+                      connection_factory=lambda *a, **k: sqlite3.connect(
+                          *a, factory=RefusingConnection, **k))
 
 
 class OnAFixedRuntime(TempDirTestCase):

@@ -13,8 +13,11 @@ Control (one JSON line in, one out, on the unix socket): ["ack", label] -> the l
 ["acks"] ; ["len"] ; ["counts"] -> reads, writes; ["restore", k] -> the live files become what a
 power cut after the first k logged operations leaves; ["reset"] -> empty, log cleared;
 ["mark"] / ["revert"] -> save and put back the live files; ["eio", "read"|"write", n] -> the
-n-th read or write from now fails with EIO (once); ["rofs", bool] -> writes fail with EROFS.
-Usage: faultfs.py MOUNTPOINT SOCKET [SUBTYPE]
+n-th read or write from now fails with EIO (once); ["rofs", bool] -> writes fail with EROFS;
+["bad", path, start, end] -> every read of those bytes of that file fails with EIO (a bad
+sector; ["bad", null] heals it).
+Usage: faultfs.py MOUNTPOINT SOCKET [SUBTYPE [noshm]]; `noshm`: a -shm file cannot be mapped
+(as on NFS or SMB, WAL's shared memory is not to be had: SQLite's WAL open fails).
 """
 
 import errno
@@ -39,7 +42,8 @@ class Node:
 
 
 class FaultFS(Operations):
-    def __init__(self):
+    def __init__(self, shm_mappable=True):
+        self.shm_mappable = shm_mappable
         self.reset()
 
     def reset(self):
@@ -50,8 +54,10 @@ class FaultFS(Operations):
         self.reads = self.writes = 0
         self.eio = None  # (kind, count-at-which-to-fail)
         self.rofs = False
+        self.bad = None  # (path, start, end): a bad sector, failing every read of it
         self.saved = None
         self.recorded = None  # the run a power cut is chosen in, kept while restores change files
+        self.replayed = None  # (k, data, durable, names, durable_names) of the last cut replayed
 
     # -- the model --------------------------------------------------------------------------
     def _record(self, *entry):
@@ -59,9 +65,12 @@ class FaultFS(Operations):
             self.log.append(entry)
 
     def image(self, k):
-        """{path: bytes} a power cut after the first k logged operations leaves (folders kept)."""
-        data, durable, names, durable_names = {}, {}, {}, {}
-        for entry in self.recorded[:k]:
+        """{path: bytes} a power cut after the first k logged operations leaves (folders kept).
+        Cuts asked in rising order go on from the last one's replay instead of from the start."""
+        if self.replayed is None or self.replayed[0] > k:
+            self.replayed = (0, {}, {}, {}, {})
+        done, data, durable, names, durable_names = self.replayed
+        for entry in self.recorded[done:k]:
             op = entry[0]
             if op in ("write", "truncate", "fsync") and entry[2] is not None \
                     and entry[2] not in data:
@@ -93,6 +102,7 @@ class FaultFS(Operations):
             elif op == "rename":
                 _, old, new = entry
                 names[new] = names.pop(old)
+        self.replayed = (k, data, durable, names, durable_names)
         return {p: durable[i] for p, i in durable_names.items()}
 
     def load(self, files):
@@ -179,7 +189,9 @@ class FaultFS(Operations):
         self.next_fh += 1
         self.handles[fh] = node
         fi.fh = fh
-        fi.direct_io = 0 if self._is_shm(node) else 1  # every read and write reaches us
+        # Every read and write reaches us; a direct-I/O file cannot be mapped shared, so a -shm
+        # file is not direct unless it must not be mapped.
+        fi.direct_io = 0 if self._is_shm(node) and self.shm_mappable else 1
         return 0
 
     def _is_shm(self, node):
@@ -209,6 +221,9 @@ class FaultFS(Operations):
     def read(self, path, size, offset, fi):
         with LOCK:
             self._fault("read")
+            if self.bad and path == self.bad[0] and offset < self.bad[2] \
+                    and offset + size > self.bad[1]:
+                raise FuseOSError(errno.EIO)
             node = self.handles.get(fi.fh) or self._node(path)
             return bytes(node.data[offset:offset + size])
 
@@ -294,6 +309,9 @@ class FaultFS(Operations):
                 base = self.reads if cmd[1] == "read" else self.writes
                 self.eio = None if cmd[2] is None else (cmd[1], base + cmd[2])
                 return True
+            if op == "bad":
+                self.bad = tuple(cmd[1:4]) if cmd[1] else None
+                return True
             if op == "rofs":
                 self.rofs = bool(cmd[1])
                 return True
@@ -323,7 +341,7 @@ def serve(fs, sock_path):
 def main():
     mount, sock_path = sys.argv[1], sys.argv[2]
     subtype = sys.argv[3] if len(sys.argv) > 3 else "faultfs"
-    fs = FaultFS()
+    fs = FaultFS(shm_mappable="noshm" not in sys.argv[4:])
     threading.Thread(target=serve, args=(fs, sock_path), daemon=True).start()
     FUSE(fs, mount, foreground=True, raw_fi=True, nothreads=False, allow_other=True,
          subtype=subtype, fsname="faultfs", attr_timeout=0, entry_timeout=0,

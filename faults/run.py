@@ -9,10 +9,12 @@ touch: the product modules (workers are worker.py processes importing this check
 process it did not make. Skips with the reason where mounts are not permitted (not root, no
 /dev/fuse, no libfuse2).
 
-Environment: FAULTS_POINTS (power-cut points per synchronous level, default 100),
-FAULTS_ONLY (comma-separated scenario name prefixes).
+Environment: FAULTS_POINTS (power cuts of each gating run, a third as many for the others;
+default 60, which keeps a run under 10 minutes here), FAULTS_ONLY (comma-separated scenario
+name prefixes).
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -28,14 +30,15 @@ REPO = HERE.parent
 WORKER = HERE / "worker.py"
 CACHE = Path(os.environ.get("HERMES_FAULTS_CACHE")
              or Path.home() / ".cache" / "hermes_state_faults")
-POINTS = int(os.environ.get("FAULTS_POINTS", "100"))
+POINTS = int(os.environ.get("FAULTS_POINTS", "60"))
 ONLY = [p for p in os.environ.get("FAULTS_ONLY", "").split(",") if p]
 STEP_TIMEOUT = 120
 ENV = dict(os.environ, PYTHONPATH=str(REPO), HERMES_HOME="/nonexistent-hermes-home")
 RESULTS = []
 sys.path[:0] = [str(REPO), str(HERE)]  # worker.py's control client, over this checkout
 # Error texts that say what happened: a full disk, an I/O error, a read-only filesystem.
-DISK_FULL_WORDS = ("disk is full", "no space left", "disk full", " bytes free")
+DISK_FULL_WORDS = ("disk is full", "no space left", "disk full", " bytes free",
+                   "insufficient_disk")
 IO_WORDS = ("i/o error", "input/output error")
 RO_WORDS = ("read-only", "readonly")
 
@@ -85,11 +88,12 @@ def fuse_python():
 class Mount:
     """A faultfs mount (subtype `subtype`) and its control socket."""
 
-    def __init__(self, python, root, subtype="faultfs"):
+    def __init__(self, python, root, subtype="faultfs", *flags):
         self.path = Path(tempfile.mkdtemp(dir=root, prefix=f"{subtype}-"))
         self.sock = str(self.path) + ".sock"
         self.proc = subprocess.Popen([python, str(HERE / "faultfs.py"), str(self.path), self.sock,
-                                      subtype], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                      subtype, *flags],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 20
         while not (os.path.ismount(self.path) and os.path.exists(self.sock)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -107,10 +111,11 @@ class Mount:
             self.proc.kill()
 
 
-def work(*args, timeout=STEP_TIMEOUT):
+def work(*args, timeout=STEP_TIMEOUT, extra_env=None):
     try:
         done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True,
-                              text=True, timeout=timeout, env=ENV, cwd=str(REPO))
+                              text=True, timeout=timeout, env=dict(ENV, **(extra_env or {})),
+                              cwd=str(REPO))
     except subprocess.TimeoutExpired:
         return 124, f"hung: no answer in {timeout}s"
     return done.returncode, (done.stdout.strip() or done.stderr.strip())
@@ -132,61 +137,87 @@ def store_whole(result):
 
 # ---- power loss -----------------------------------------------------------------------------
 
-def power_loss(python, root, sync):
+# (journal, synchronous): the product's level in each journal gates (no loss allowed); the level
+# each would have without our choice (WAL at NORMAL, a rollback journal at SQLite's FULL) is run
+# for the figure of what it loses (hermes_state_wal.writer_synchronous), and gates on corruption.
+POWER_RUNS = (("wal", "default"), ("delete", "default"), ("wal", "NORMAL"), ("delete", "FULL"))
+
+
+def ro_error_clear(text):
+    """A read-only open after a cut may fail, saying there is no store yet or that a writable
+    open must recover it; anything else is not a clear line."""
+    return text.startswith("FileNotFoundError: no state store") or "writable open" in text
+
+
+def power_loss(python, root, journal, sync):
+    gate = sync == "default"
+    name = f"power-loss-{journal}" + ("" if gate else f"-{sync}")
     mount = Mount(python, root)
     try:
         db = mount.path / "home" / "state.db"
         mount.ask("reset")
         os.mkdir(mount.path / "home")
         started = time.monotonic()
-        code, text = work("agent", str(db), mount.sock, sync, timeout=600)
+        code, text = work("agent", str(db), mount.sock, journal, sync, timeout=600)
         if code:
-            return report(f"power-loss-{sync}", False, f"the agent run failed: {text[-300:]}")
+            return report(name, False, f"the agent run failed: {text[-300:]}")
         run_s = time.monotonic() - started
         kinds = mount.ask("kinds")
         acks = mount.ask("acks")
         syncs = [i + 1 for i, k in enumerate(kinds) if k == "fsync"]
+        budget = POINTS if gate else max(POINTS // 3, 10)
         points = sorted(set(p for s in syncs for p in (s - 1, s) if p > 0))
         rest = [i for i in range(1, len(kinds) + 1) if i not in set(points)]
-        room = max(POINTS - len(points), 0)
-        if len(points) > POINTS:  # every sync boundary when they fit, else evenly sampled
-            points = points[::max(1, len(points) // (POINTS // 2))]
-            room = POINTS - len(points)
+        room = max(budget - len(points), 0)
+        if len(points) > budget:  # every sync boundary when they fit, else evenly sampled
+            points = points[::max(1, len(points) // (budget // 2))]
+            room = budget - len(points)
         if room and rest:
             points += rest[::max(1, len(rest) // room)][:room]
         points = sorted(set(points))
-        acks_file = Path(root) / f"acks-{sync}.json"
+        acks_file = Path(root) / f"acks-{journal}-{sync}.json"
         acks_file.write_text(json.dumps(acks))
-        corrupt, lost, ro_errors = [], [], {}
+        code, text = work("checks", str(db), str(acks_file), mount.sock,
+                          ",".join(map(str, points)), timeout=1200)
+        results = {}
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError):
+                result = json.loads(line)
+                results[result["k"]] = result
+        corrupt, lost, ro_errors, unclear = [], [], {}, 0
+        worst = None
         for k in points:
-            answer = mount.ask("restore", k)
-            if answer is not True:
-                raise RuntimeError(f"faultfs could not restore boundary {k}: {answer}")
-            result = check(db, acks_file, k)
+            result = results.get(k) or {"k": k, "opened": False, "lost": [],
+                                        "error": f"no answer from the checker: {text[-200:]}"}
             if not store_whole(result):
                 corrupt.append(f"k={k}: {result.get('error') or result.get('integrity')} "
                                f"{result.get('fts')}")
             lost.append(len(result.get("lost") or []))
-            if lost[-1] == max(lost):
+            if lost[-1] and lost[-1] == max(lost):
                 acked = sum(1 for spec, at in acks if at <= k and spec[0] != "level")
                 worst = (k, acked, (result.get("lost") or [""])[0])
-            if result.get("ro_error"):
-                ro_errors[result["ro_error"][:90]] = ro_errors.get(result["ro_error"][:90], 0) + 1
-        level = next(spec[1] for spec, _ in acks if spec[0] == "level")
+            said = result.get("ro_error")
+            if said:
+                key = said.replace(str(mount.path), "MOUNT")[:100]
+                ro_errors[key] = ro_errors.get(key, 0) + 1
+                unclear += not ro_error_clear(said)
+        level, mode = next(spec[1:3] for spec, _ in acks if spec[0] == "level")
         calls = sum(1 for spec, _ in acks if spec[0] not in ("closed", "level"))
         figure = (f"{len(points)} cuts over {len(kinds)} boundaries ({len(syncs)} syncs) of "
                   f"{calls} API calls (run {run_s:.1f}s); stores corrupted {len(corrupt)}; "
                   f"acknowledged calls lost: max {max(lost)}, median "
-                  f"{statistics.median(lost):g}, cuts losing any {sum(1 for n in lost if n)}")
-        figure += "; worst cut at boundary {} ({} calls acknowledged; lost e.g. {!r})".format(
-            *worst)
+                  f"{statistics.median(lost):g}, cuts losing any {sum(1 for n in lost if n)}; "
+                  f"read-only opens not one clear line {unclear}")
+        if worst:
+            figure += "; worst cut at boundary {} ({} calls acknowledged; lost e.g. {!r})".format(
+                *worst)
         if ro_errors:
-            figure += "; read-only open failed: " + "; ".join(
-                f"{n}x {text}" for text, n in ro_errors.items())
+            figure += "; read-only open said: " + "; ".join(
+                f"{n}x {said}" for said, n in sorted(ro_errors.items(), key=lambda i: -i[1]))
         if corrupt:
             figure += "; first corrupt: " + corrupt[0]
-        name = "power-loss-product-default" if sync == "default" else f"power-loss-{sync}"
-        report(name, not corrupt and max(lost) == 0, f"synchronous={level}: {figure}")
+        ok = not corrupt and not unclear and (max(lost) == 0 or not gate)
+        report(name, ok, f"journal {mode}, synchronous={level}: {figure}")
     finally:
         mount.close()
 
@@ -239,9 +270,15 @@ def disk_full_op(root, base_home, archive, no_acks, op, leave):
                "restore": archive}.get(op, "")
         filler = fill(tmpfs, leave)
         code, text = work("op", op, str(db), str(out))
+        # One line that says the disk is full and names the folder (or a file in it).
         clear = code != 0 and len(text.splitlines()) == 1 and any(
-            w in text.lower() for w in DISK_FULL_WORDS)
+            w in text.lower() for w in DISK_FULL_WORDS) and str(tmpfs) in text
         half = op in ("export", "backup") and Path(out).exists() and Path(out).stat().st_size
+        # Nothing else left behind either: a temporary archive, a probe file of the store's.
+        kept = {"filler", "home", Path(out).name} | {p.name for p in Path(base_home).iterdir()}
+        litter = sorted(p.name for p in tmpfs.rglob("*") if p.name not in kept
+                        and not p.name.endswith(("-wal", "-shm", "-journal", ".lock")))
+        half = half or litter
         filler.unlink()  # the checker's own open may need a page
         whole = check(db, no_acks, 0)
         again, again_text = work("op", op, str(db), str(out))
@@ -249,10 +286,11 @@ def disk_full_op(root, base_home, archive, no_acks, op, leave):
         if code == 0 and ok is False and leave and not half and store_whole(whole):
             return report(name, True, f"needed no more than the {leave // 1024} KiB left: no "
                           "ENOSPC reached (the -at-open case covers it)", skipped=True)
-        unclear = " (not one clear disk-full line)" if code and not clear else ""
+        unclear = (" (not one clear disk-full line naming the folder)"
+                   if code and not clear else "")
         figure = (f"while full: {'failed' if code else 'SUCCEEDED'} with {text[:160]!r}{unclear}"
-                  f"; half-written output: {'yes' if half else 'no'}; store afterwards: "
-                  f"{'whole' if store_whole(whole) else whole}; after freeing space: "
+                  f"; half-written output: {litter or ('yes' if half else 'no')}; store "
+                  f"afterwards: {'whole' if store_whole(whole) else whole}; after freeing space: "
                   f"{'OK' if again == 0 else again_text[:160]}")
         report(name, ok, figure)
     finally:
@@ -261,7 +299,8 @@ def disk_full_op(root, base_home, archive, no_acks, op, leave):
 
 # ---- I/O errors -------------------------------------------------------------------------------
 
-EIO_OPS = ("append", "batch", "import", "export", "backup", "optimize", "vacuum", "read")
+EIO_OPS = ("append", "batch", "import", "export", "backup", "optimize", "vacuum", "read",
+           "bad-sector")
 EIO_SWEEP = 5  # values of n per kind (read, write), spread over the operation's own count
 
 
@@ -272,7 +311,7 @@ def io_errors(python, root, base_home):
     try:
         files = {f"/home/{p.name}": p.read_bytes() for p in Path(base_home).iterdir()}
         os.mkdir(mount.path / "home")
-        for op in EIO_OPS:
+        for op in EIO_OPS[:-1]:
             if not wanted(f"io-error-{op}"):
                 continue
             db = mount.path / "home" / "state.db"
@@ -318,8 +357,30 @@ def io_errors(python, root, base_home):
             if corrupt:
                 figure += f"; e.g. {corrupt[0]!r}"
             report(f"io-error-{op}", not corrupt and not unclear and not hung, figure)
+        if wanted("io-error-bad-sector"):
+            bad_sector(mount, files)
     finally:
         mount.close()
+
+
+def bad_sector(mount, files):
+    """A page of the transcript that never reads again: reads fail (never an empty answer) and
+    doctor reports the store, read-only, as it finds it."""
+    mount.ask("reset")
+    os.makedirs(mount.path / "home", exist_ok=True)
+    for name, content in files.items():
+        (mount.path / name.lstrip("/")).write_bytes(content)
+    db = mount.path / "home" / "state.db"
+    middle = len(files["/home/state.db"]) // 2 // 4096 * 4096
+    mount.ask("bad", "/home/state.db", middle, middle + 4096)
+    code, text = work("op", "read", str(db), "")
+    read_ok = code != 0 and len(text.splitlines()) == 1
+    code_doctor, said = work("doctor", str(db))
+    mount.ask("bad", None)
+    doctor_ok = code_doctor == 1 and "PROBLEM" in said
+    report("io-error-bad-sector", read_ok and doctor_ok,
+           f"page at byte {middle} fails every read: read {'FAILED' if code else 'SERVED'} with "
+           f"{text[:140]!r}; doctor exit {code_doctor}: {said.splitlines()[0][:160]!r}")
 
 
 # ---- read-only and virtiofs ---------------------------------------------------------------------
@@ -355,28 +416,71 @@ def read_only(python, root, base_home):
         subprocess.run(["umount", "-l", str(tmpfs)], capture_output=True)
 
 
+def healthy_sqlite():
+    """LD_LIBRARY_PATH of a SQLite free of the WAL-reset bug that `make test-runtimes` built
+    (CPython's _sqlite3 loads it), or None: on a runtime with the bug every new store gets a
+    rollback journal anyway, so only the forced-WAL case tests the refusal there."""
+    cache = Path(os.environ.get("HERMES_RUNTIMES_CACHE")
+                 or Path.home() / ".cache" / "hermes_state_runtimes")
+    found = sorted(cache.glob("lib/3.5[3-9]*-fts5/libsqlite3.so.0"))
+    return str(found[-1].parent) if found else None
+
+
+def journal_on(mount, name, extra_env):
+    """The worker's `journal` answer for a new store on `mount`, under `extra_env`."""
+    db = mount.path / name / "state.db"
+    code, text = work("journal", str(db), extra_env=extra_env)
+    try:
+        return json.loads(text.splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": text[-300:]}
+
+
 def cross_vm(python, root):
-    for subtype in ("virtiofs",):  # 0.22 refuses fuse.virtiofs; a FUSE "9p" is no 9p
-        mount = Mount(python, root, subtype)
-        try:
-            fstype = next((line.split()[2] for line in open("/proc/mounts")
-                           if line.split()[1] == str(mount.path)), "?")
-            db = mount.path / "home" / "state.db"
-            code, text = work("op", "make", str(db), "5")
-            import sqlite3
-            mode = sqlite3.connect(str(db)).execute("PRAGMA journal_mode").fetchone()[0] \
-                if code == 0 else text[:150]
-            probe = subprocess.run(
-                [sys.executable, "-c", "import hermes_state_wal as w, sys; "
-                 "f = getattr(w, '_path_on_cross_vm_fs', None); "
-                 "print('missing' if f is None else f(sys.argv[1]))", str(db)],
-                capture_output=True, text=True, env=ENV, cwd=str(REPO))
-            detected = probe.stdout.strip() or probe.stderr.strip()[-120:]
-            report(f"cross-vm-{fstype}", mode != "wal" and detected == "True",
-                   f"mount type {fstype}: a new store's journal mode is {mode}; "
-                   f"hermes_state_wal._path_on_cross_vm_fs says {detected}")
-        finally:
-            mount.close()
+    """A store on a mount whose type says virtiofs never gets WAL, asked for or not, on this
+    SQLite and on a healthy one; SessionDB and a plain connection (hermes-agent's kanban.db) say
+    why in 0.22's terms. A FUSE "9p" would be no 9p: the kernel's are not to be had here."""
+    mount = Mount(python, root, "virtiofs")
+    try:
+        fstype = next((line.split()[2] for line in open("/proc/mounts")
+                       if line.split()[1] == str(mount.path)), "?")
+        cases = [("this SQLite, WAL asked for", {"HERMES_STATE_JOURNAL": "wal"})]
+        lib = healthy_sqlite()
+        if lib:
+            cases.append(("SQLite without the WAL-reset bug", {"LD_LIBRARY_PATH": lib}))
+        said, ok = [], fstype == "fuse.virtiofs"
+        for i, (what, extra) in enumerate(cases):
+            answer = journal_on(mount, f"case{i}", extra)
+            modes = (answer.get("store"), answer.get("plain"))
+            # With the WAL-reset bug a plain connection gets a rollback journal for that reason.
+            who = ("store",) if "LD_LIBRARY_PATH" not in extra else ("store", "plain")
+            told = all(any("cross-VM filesystem" in line and "journal_mode=DELETE" in line
+                           for line in answer.get(f"{w}_logs", ())) for w in who)
+            ok = ok and "error" not in answer and "wal" not in modes and told
+            said.append(f"{what} ({answer.get('sqlite')}): SessionDB {modes[0]}, plain connection "
+                        f"{modes[1]}, refusal logged {'yes' if told else 'NO'}"
+                        + (f", {answer['error'][:150]}" if "error" in answer else ""))
+        if not lib:
+            said.append("no SQLite without the bug cached (make test-runtimes builds one)")
+        report(f"cross-vm-{fstype}", ok, f"mount type {fstype}: " + "; ".join(said))
+    finally:
+        mount.close()
+    # A filesystem without WAL's shared memory (NFS, SMB): -shm cannot be mapped.
+    mount = Mount(python, root, "faultfs", "noshm")
+    try:
+        said, ok = [], True
+        for i, (what, extra) in enumerate(cases):
+            answer = journal_on(mount, f"nfs-like{i}", extra)
+            told = any("WAL is not supported on this filesystem" in line
+                       for line in answer.get("store_logs", ()))
+            ok = ok and "error" not in answer and told and answer.get("store") == "delete"
+            said.append(f"{what}: SessionDB {answer.get('store')}, refusal logged "
+                        f"{'yes' if told else 'NO'}"
+                        + (f", {answer['error'][:200]}" if "error" in answer else ""))
+        report("wal-refused-no-shared-memory", ok,
+               "a FUSE mount whose -shm cannot be mapped (as NFS/SMB): " + "; ".join(said))
+    finally:
+        mount.close()
     report("cross-vm-kernel-virtiofs-9p-nfs-smb", True, "the kernel's virtiofs, 9p, NFS and SMB "
            "need a host or server this machine does not have", skipped=True)
 
@@ -404,10 +508,9 @@ def main():
                     extra.unlink()
             archive = Path(root) / "base-backup.zip"
             code, text = work("op", "backup", str(base / "state.db"), str(archive))
-            # The product's own level is the gate; FULL beside it is the figure to choose by.
-            for sync in ("default", "FULL"):
-                if wanted("power-loss"):
-                    power_loss(python, root, sync)
+            for journal, sync in POWER_RUNS:
+                if wanted(f"power-loss-{journal}" + ("" if sync == "default" else f"-{sync}")):
+                    power_loss(python, root, journal, sync)
             if any(wanted(f"disk-full-{op}") for op in ENOSPC_OPS):
                 disk_full(root, base, archive)
             if any(wanted(f"io-error-{op}") for op in EIO_OPS):

@@ -1,18 +1,29 @@
 """One process of `make test-faults`: drives this checkout's SessionDB on a faulty mount.
 
 Owns nothing on disk but what it is told to write. Modes:
-  agent DB SOCK SYNC  agent-like work at PRAGMA synchronous=SYNC ('default': SessionDB's own);
+  agent DB SOCK JOURNAL SYNC
+                      agent-like work in journal JOURNAL ('wal', 'delete'; 'default': the
+                      product's choice) at PRAGMA synchronous=SYNC ('default': SessionDB's own);
                       after each call returns, its acknowledgement (what must now survive)
                       goes to faultfs's control socket, outside the mount
   check DB ACKS K     a fresh process after a cut at boundary K: opens, both integrity checks,
                       every acknowledged commit present; prints one JSON line
+  checks DB ACKS SOCK K,K,...
+                      for each K: faultfs restores the cut at K, then a child forked from this
+                      process (which has imported SessionDB but opened nothing) runs `check`
   rofs DB SOCK        the filesystem goes read-only under an open writer
+  journal DB          a new store's journal mode through SessionDB, and DB's sibling `plain.db`'s
+                      through apply_wal_with_fallback (hermes-agent's other databases), with
+                      what each logged; one JSON line
   op NAME DB ARG      one operation; prints "OK" or the error's lines; exit 0 / 1
+  doctor DB           the command line's doctor on DB; its output and exit code
 """
 
 import contextlib
 import io
 import json
+import logging
+import os
 import socket
 import sqlite3
 import sys
@@ -35,20 +46,21 @@ def control(sock_path):
     return ask
 
 
-def open_store(db_path, sync):
-    db = SessionDB(db_path)
+def open_store(db_path, journal, sync):
+    db = SessionDB(db_path, journal=None if journal == "default" else journal)
     if sync != "default":
-        # SessionDB sets NORMAL on its writer (hermes_state._apply_journal_policy); the level
-        # under test replaces it on the same connection, the one every write goes through.
+        # SessionDB sets its level on its writer (hermes_state_wal.writer_synchronous); the
+        # level under test replaces it on the same connection, the one every write goes through.
         db._writer.execute(f"PRAGMA synchronous={sync}")
     return db
 
 
-def agent(db_path, sock_path, sync, turns=200):
+def agent(db_path, sock_path, journal, sync, turns=200):
     ask = control(sock_path)
-    db = open_store(db_path, sync)
+    db = open_store(db_path, journal, sync)
     level = db._writer.execute("PRAGMA synchronous").fetchone()[0]
-    ask("ack", ["level", {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}.get(level, level)])
+    mode = db._writer.execute("PRAGMA journal_mode").fetchone()[0]
+    ask("ack", ["level", {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}.get(level, level), mode])
 
     def ack(spec):
         ask("ack", spec)
@@ -149,7 +161,23 @@ def check(db_path, acks_path, k):
         conn.close()
     except Exception as exc:  # noqa: BLE001
         out["error"] = f"{type(exc).__name__}: {exc}"
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
+
+
+def checks(db_path, acks_path, sock_path, cuts):
+    """`check` after each cut in `cuts`, each in a child forked after faultfs restored it."""
+    ask = control(sock_path)
+    for k in cuts:
+        answer = ask("restore", k)
+        if answer is not True:
+            raise SystemExit(f"faultfs could not restore boundary {k}: {answer}")
+        child = os.fork()
+        if child == 0:
+            try:
+                check(db_path, acks_path, k)
+            finally:
+                os._exit(0)
+        os.waitpid(child, 0)
 
 
 def operation(name, db_path, arg):
@@ -180,7 +208,22 @@ def operation(name, db_path, arg):
         elif name == "backup":
             db.backup(arg)
         elif name == "optimize":
-            db.optimize_fts_storage()
+            # hermes-agent's contract: a refusal is a result, and a failed VACUUM after the work
+            # only a warning in the log; either is this call's error.
+            logged = []
+            handler = logging.Handler(logging.WARNING)
+            handler.emit = lambda record: logged.append(record.getMessage())
+            logging.getLogger("hermes_state").addHandler(handler)
+            try:
+                result = db.optimize_fts_storage()
+            finally:
+                logging.getLogger("hermes_state").removeHandler(handler)
+            if not result.get("ok"):
+                raise RuntimeError(f"optimize-storage refused ({result.get('reason')}): "
+                                   f"{result.get('detail')}")
+            if result.get("vacuumed") is False:
+                raise RuntimeError("optimize-storage finished but its VACUUM failed: "
+                                   + " ".join(line for line in logged if "VACUUM" in line))
         elif name == "vacuum":
             db.vacuum()
         elif name == "checkpoint":
@@ -224,15 +267,48 @@ def read_only_under_writer(db_path, sock_path):
     print(json.dumps(out))
 
 
+def journal(db_path):
+    from hermes_state_wal import apply_wal_with_fallback
+    out = {"sqlite": sqlite3.sqlite_version}
+    for who in ("store", "plain"):
+        seen = []
+        handler = logging.Handler()
+        handler.emit = lambda record: seen.append(record.getMessage())
+        logging.getLogger("hermes_state").addHandler(handler)
+        try:
+            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+            if who == "store":
+                with SessionDB(db_path) as db:
+                    out[who] = db._writer.execute("PRAGMA journal_mode").fetchone()[0]
+            else:
+                with contextlib.closing(sqlite3.connect(str(Path(db_path).parent / "plain.db"))) \
+                        as conn:
+                    out[who] = apply_wal_with_fallback(conn, db_label="plain.db")
+        except Exception as exc:  # noqa: BLE001 (the runner shows it)
+            out["error"] = f"{who}: {type(exc).__name__}: {exc}"
+        finally:
+            logging.getLogger("hermes_state").removeHandler(handler)
+        out[f"{who}_logs"] = seen
+    print(json.dumps(out))
+
+
 def main():
     mode = sys.argv[1]
+    if mode == "journal":
+        journal(sys.argv[2])
+        return
+    if mode == "doctor":
+        from hermes_state_cli import main as cli
+        sys.exit(cli(["doctor", "--db", sys.argv[2]]))
     if mode == "rofs":
         read_only_under_writer(sys.argv[2], sys.argv[3])
         return
     if mode == "agent":
-        agent(sys.argv[2], sys.argv[3], sys.argv[4])
+        agent(*sys.argv[2:6])
     elif mode == "check":
         check(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif mode == "checks":
+        checks(sys.argv[2], sys.argv[3], sys.argv[4], [int(k) for k in sys.argv[5].split(",")])
     elif mode == "op":
         try:
             operation(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")
@@ -240,7 +316,7 @@ def main():
             text = f"{type(exc).__name__}: {exc}"
             print(text)
             if "--trace" in sys.argv:
-                traceback.print_exc()
+                traceback.print_exc(file=sys.stdout)
             sys.exit(1)
         print("OK")
 
