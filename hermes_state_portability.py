@@ -33,6 +33,7 @@ from hermes_state_common import (
     host_view, loads_or, normalize_title, placeholders, quote_identifier,
     resolved_max_export_messages, scrub_surrogates, sqlite_keeps)
 from hermes_state_errors import SessionExportTooLargeError
+from hermes_state_health import note_storage_error
 from hermes_state_identity import ABSORBED_MESSAGE_UIDS, TOOL_CALL_UID, TOOL_CALL_UIDS
 from hermes_state_export_formats import (
     BINARY_TYPES, EXPORT_RUN_MESSAGES, JSONL_ENCODER, SCALARS_ENCODER, decoded_calls,
@@ -563,6 +564,10 @@ class SessionPortabilityMixin:
                 if any(view):
                     export["timings"] = _export_timings(messages, session["id"])
                 yield export
+        except sqlite3.DatabaseError as exc:
+            # Read on a reader of its own, past the pool's translation: a failing disk is said so
+            note_storage_error(self.db_path, exc)
+            raise
         finally:
             # Closed, a pieces iterator kept past its session fails loudly instead of reading on a
             # lent reader; ProgrammingError: the store was closed first, nothing to release.
