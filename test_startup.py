@@ -13,6 +13,7 @@ import sys
 import unittest
 
 from hermes_state import SessionDB
+from hermes_state_common import host_release, installed_version
 from test_support import REPO, TempDirTestCase
 
 # A fresh interpreter without site (whose .pth files may load anything): the modules
@@ -26,6 +27,8 @@ print(json.dumps({
     "loaded": sorted(set(sys.modules) - before),
     "redaction_compiled": bool(redact and redact.compiled_patterns.cache_info().currsize),
     "async_door": hermes_state.AsyncSessionDB.__name__,
+    "host_release": sys.modules["hermes_state_common"].host_release(),
+    "metadata_loaded": "importlib.metadata" in sys.modules,
 }))
 """
 # Loaded by what needs them: the server and AsyncSessionDB's calls (asyncio, ssl), backup and
@@ -53,12 +56,42 @@ class ImportLoadsOnlyWhatTheStoreNeeds(unittest.TestCase):
             self.assertNotIn(name, found["loaded"])
         self.assertFalse(found["redaction_compiled"])
         self.assertEqual(found["async_door"], "AsyncSessionDB")
+        # Which hermes-agent hosts us (none here) is known without importlib.metadata.
+        self.assertIsNone(found["host_release"])
+        self.assertFalse(found["metadata_loaded"])
 
     def test_the_probe_sees_a_module_and_a_table_loaded_after_the_import(self):
         found = probe_import("import asyncio, hermes_state_redact\n"
                              "hermes_state_redact.redact_text('x')\n")
         self.assertIn("asyncio", found["loaded"])
         self.assertTrue(found["redaction_compiled"])
+
+
+class TheHostReleaseIsReadWithoutImportlibMetadata(TempDirTestCase):
+
+    def site_with(self, folder, version_line):
+        site = self.tmp / "site"
+        (site / folder).mkdir(parents=True)
+        name = "PKG-INFO" if folder.endswith(".egg-info") else "METADATA"
+        (site / folder / name).write_text(
+            f"Metadata-Version: 2.1\nName: hermes-agent\n{version_line}\n", encoding="utf-8")
+        sys.path.insert(0, str(site))
+        self.addCleanup(sys.path.remove, str(site))
+        host_release.cache_clear()
+        self.addCleanup(host_release.cache_clear)
+
+    def test_a_wheels_version_is_its_dist_info_folders(self):
+        self.site_with("Hermes_Agent-0.20.1.2.dist-info", "Version: 0.20.1.2")
+        self.assertEqual(installed_version("hermes-agent"), "0.20.1.2")
+        self.assertEqual(host_release(), (0, 20))
+
+    def test_an_egg_info_is_read_by_importlib_metadata(self):
+        self.site_with("hermes_agent.egg-info", "Version: 0.22.2")
+        self.assertEqual(installed_version("hermes-agent"), "0.22.2")
+        self.assertEqual(host_release(), (0, 22))
+
+    def test_no_install_is_none(self):
+        self.assertIsNone(installed_version("hermes-agent-that-nobody-made"))
 
 
 def counting_factory(opened):
