@@ -671,19 +671,26 @@ class SessionSchemaMixin:
     def _reconcile_columns(self, conn):
         """ADD COLUMN every declared column the live table lacks, whatever schema_version says; the
         count."""
-        added, declared_tables = 0, declared_columns()
-        # Every declared table's columns in one statement (a statement a table was a third of a
-        # settled store's open). Declared tables are plain: pragma_table_info of an FTS5 table
-        # would fail on a runtime without FTS5.
+        added, declared = 0, _declared_schema(SCHEMA_SQL)
+        names = tuple(declared)
+        ours = f"m.type = 'table' AND m.name IN ({placeholders(len(names))})"
+        stored = dict(conn.execute(f"SELECT m.name, m.sql FROM sqlite_master AS m WHERE {ours}",
+                                   names))
+        # A table whose CREATE text is the declared one has the declared columns; the others
+        # (another release's, or grown by ADD COLUMN) are read, in one statement: a statement a
+        # table was a third of a settled store's open. Declared tables are plain:
+        # pragma_table_info of an FTS5 table would fail on a runtime without FTS5.
+        others = tuple(table for table in names if stored.get(table) != declared[table][0])
         live_of = {}
-        for table, column in conn.execute(
-                "SELECT m.name, p.name FROM sqlite_master AS m, pragma_table_info(m.name) AS p"
-                f" WHERE m.type = 'table' AND m.name IN ({placeholders(len(declared_tables))})",
-                tuple(declared_tables)):
-            live_of.setdefault(table, set()).add(column)
-        for table, declared in declared_tables.items():
-            live = live_of.get(table, set())
-            for column, type_expr in declared.items():
+        if others:
+            for table, column in conn.execute(
+                    "SELECT m.name, p.name FROM sqlite_master AS m, pragma_table_info(m.name) AS p"
+                    f" WHERE m.type = 'table' AND m.name IN ({placeholders(len(others))})",
+                    others):
+                live_of.setdefault(table, set()).add(column)
+        for table, (_create_sql, columns) in declared.items():
+            live = live_of.get(table, set()) if table in others else columns
+            for column, type_expr in columns.items():
                 if column not in live and self._add_column(conn, table, column, type_expr):
                     added += 1
         return added
