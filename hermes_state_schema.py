@@ -400,9 +400,9 @@ def sqlite_supports_trigram(connect=sqlite3.connect):
 
 def runtime_capabilities(connect=sqlite3.connect):
     """Capabilities(fts5, trigram) of connections made by `connect`: probed once a process for
-    sqlite3.connect, whose library cannot change under a running process (two probe connections
-    were a third of a settled store's open), at each call for any other factory (a replica's VFS,
-    a test's runtime without FTS5)."""
+    sqlite3.connect, whose library cannot change under a running process (its two probe
+    connections were 8% of each open), at each call for any other factory (a replica's VFS, a
+    test's runtime without FTS5)."""
     if connect is sqlite3.connect:
         return _sqlite3_capabilities(connect)
     return _probe_capabilities(connect)
@@ -455,7 +455,7 @@ def prompt_hash(prompt):
 def _default_clause(default):
     """`DEFAULT x`, parenthesised when x is an expression: table_info drops the parentheses of
     `DEFAULT (1 + 2)`, and ALTER TABLE needs them back. Cached: the schema's 43 defaults are 4
-    texts, and a probe creating a table each was 40% of a first open."""
+    texts, and a probe creating a table for each was a sixth of a process's first open."""
     scratch = sqlite3.connect(":memory:")
     try:
         scratch.execute(f"CREATE TABLE default_probe (x DEFAULT {default})")
@@ -677,9 +677,9 @@ class SessionSchemaMixin:
         stored = dict(conn.execute(f"SELECT m.name, m.sql FROM sqlite_master AS m WHERE {ours}",
                                    names))
         # A table whose CREATE text is the declared one has the declared columns; the others
-        # (another release's, or grown by ADD COLUMN) are read, in one statement: a statement a
-        # table was a third of a settled store's open. Declared tables are plain:
-        # pragma_table_info of an FTS5 table would fail on a runtime without FTS5.
+        # (another release's, or grown by ADD COLUMN) are read, in one statement (reading every
+        # table's was a sixth of an open). Declared tables are plain: pragma_table_info of an
+        # FTS5 table would fail on a runtime without FTS5.
         others = tuple(table for table in names if stored.get(table) != declared[table][0])
         live_of = {}
         if others:
