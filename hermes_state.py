@@ -20,7 +20,6 @@ if __name__ == "__main__":
 
     sys.exit(main())
 
-import asyncio
 import atexit
 import contextlib
 import contextvars
@@ -391,6 +390,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
         self.fts_caps = runtime_capabilities(self._connect)
         self._tokens = TokenQueue()
         self._closed = False
+        self._opening = True  # the open's reads go through the writer (_borrow_reader)
         try:
             self.policy = choose_journal_policy(
                 override=journal, checkpoint=checkpoint,
@@ -404,6 +404,8 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
             _set_last_init_error(f"{type(exc).__name__}: {exc}")
             note_storage_error(self.db_path, exc)
             raise
+        finally:
+            self._opening = False
         ref = weakref.ref(self)  # not self: the exit hook must not keep the store alive
         # ref() is None once the store is gone. At exit a lent handle closes too.
         self._atexit = lambda: getattr(ref(), "_close_now", lambda: None)()
@@ -1052,6 +1054,10 @@ class AsyncSessionDB:
             return attr
 
         async def in_thread(*args, **kwargs):
+            # Imported here, where a running loop has loaded it: at the top it was half of
+            # `import hermes_state` for every caller, most never async.
+            import asyncio
+
             # The caller's context (a per-task home override) goes along, as asyncio.to_thread does.
             call = functools.partial(contextvars.copy_context().run, attr, *args, **kwargs)
             return await asyncio.get_running_loop().run_in_executor(None, call)

@@ -11,7 +11,6 @@ import base64
 import contextlib
 import functools
 import hashlib
-import html
 import json
 import os
 import re
@@ -292,18 +291,21 @@ def message_text(message):
     return json.dumps(content, ensure_ascii=False, default=json_default)
 
 
-def _html_content(message):
-    """The message text; a long tool output folds away behind its first lines."""
+def _html_content(message, e):
+    """The message text escaped by `e`; a long tool output folds away behind its first lines."""
     text = message_text(message)
     if message["role"] != "tool" or len(text) <= HTML_FOLD_CHARS:
-        return f"<pre>{html.escape(text)}</pre>"
-    return (f"<details><summary><pre>{html.escape(text[:200])}… ({len(text):,} characters)"
-            f"</pre></summary><pre>{html.escape(text)}</pre></details>")
+        return f"<pre>{e(text)}</pre>"
+    return (f"<details><summary><pre>{e(text[:200])}… ({len(text):,} characters)"
+            f"</pre></summary><pre>{e(text)}</pre></details>")
 
 
 def html_section(export):
     """One session as an escaped HTML section: meta, system prompt, messages, tool calls."""
-    e = html.escape
+    # Imported by the one renderer that needs it, not by every `import hermes_state` (its
+    # entity table is most of what html loads).
+    from html import escape as e
+
     lineage = export.get("lineage_session_ids")
     parts = [f'<section class="session" id="{e(export["id"])}">',
              f"<h2>{e(export.get('title') or export['id'])}</h2>",
@@ -320,7 +322,7 @@ def html_section(export):
         tool = f" · {e(message['tool_name'])}" if message.get("tool_name") else ""
         parts.append(f'<div class="message role-{role}"><span class="role">{role}{tool}</span>'
                      f'<span class="time">{e(iso_time(message["timestamp"]))}</span>'
-                     + _html_content(message))
+                     + _html_content(message, e))
         for call in message.get("tool_calls") or []:
             function = call.get("function", {}) if isinstance(call, dict) else {}
             parts.append(f'<div class="tool-call">→ {e(str(function.get("name")))}('

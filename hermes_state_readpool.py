@@ -10,7 +10,7 @@ this name; ours bounds readers per handle by the threads that read at once, and 
 
 Relies on (SessionDB): `_check_open`, `_new_connection`, `_idle_readers`, `_idle_index_readers`,
 `_readers`, `_readers_lock`, `_immutable_readers`, `_immutable_as_seen`, `_reader_flags`,
-`write_budget`, `db_path`.
+`write_budget`, `db_path`, and `_opening`, `_writer` and `_write_lock` for the open's reads.
 """
 
 import logging
@@ -64,6 +64,15 @@ class SessionReadPoolMixin:
 
     def _borrow_reader(self, pool=None):
         self._check_open(writing=False)
+        if self._opening and self._writer is not None:
+            self._write_lock.acquire()  # (the background checkpointer may be running already)
+            if not self._writer.in_transaction:
+                # The open's own reads (its data gates, a sweep left to finish) go through the
+                # writer: no other thread has the handle yet, and a reader made for them cost
+                # every open a connection and a parse of the whole schema. Readers are made when
+                # first used. Inside a transaction a read must not see its uncommitted rows.
+                return self._writer
+            self._write_lock.release()
         if self._reader_flags and _file_signature(self._immutable_as_seen[0]) != \
                 self._immutable_as_seen[1]:
             self._stop_reading_immutable()
@@ -81,6 +90,9 @@ class SessionReadPoolMixin:
         return conn
 
     def _return_reader(self, conn, pool=None):
+        if conn is self._writer:  # lent by an open (_borrow_reader)
+            self._write_lock.release()
+            return
         with self._readers_lock:
             if conn not in self._readers:
                 return  # close() closed it while it was lent

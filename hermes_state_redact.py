@@ -6,6 +6,7 @@ only (write_export calls it before rendering), and masks nothing under ID_KEYS, 
 still imports. Best effort, not a guarantee; see docs/moving-history.md on what --redact covers.
 """
 
+import functools
 import json
 import re
 
@@ -203,10 +204,22 @@ SECRET_PATTERNS = (
      ("bearer",),
      r"(?i)\bbearer[ \t]+(?P<secret>(?=[A-Za-z0-9._~+/=-]*\d)[A-Za-z0-9._~+/=-]{8,})"),
 )
-_COMPILED_PATTERNS = tuple((needs, re.compile(pattern))
-                           for _name, _example, needs, pattern in SECRET_PATTERNS)
-_SECRET_NAME_RE = re.compile(SECRET_NAME, re.I)
-_SECRET_OPTION_RE = re.compile(rf"--?(?:{SECRET_NAME})", re.I)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_patterns():
+    """SECRET_PATTERNS as ((needs, regex), ...), compiled at the first redaction, not at import:
+    compiling them took longer than the rest of `import hermes_state`, which every agent start
+    pays and few runs redact."""
+    return tuple((needs, re.compile(pattern))
+                 for _name, _example, needs, pattern in SECRET_PATTERNS)
+
+
+@functools.lru_cache(maxsize=None)
+def _secret_name_regex(option=False):
+    """SECRET_NAME compiled, any case; `option`: as a command-line option (-name, --name)."""
+    return re.compile(rf"--?(?:{SECRET_NAME})" if option else SECRET_NAME, re.I)
+
 
 # Keys of an export whose values identify something (ids, roles, models, sources): never masked,
 # wherever they sit in the export. JSON inside a string has no such keys.
@@ -232,7 +245,7 @@ def redact_text(text):
     """`text` with every secret SECRET_PATTERNS recognises replaced by [REDACTED].
     Best effort, not a guarantee; see docs/moving-history.md on what --redact covers."""
     lowered = text.lower()
-    for needs, pattern in _COMPILED_PATTERNS:
+    for needs, pattern in compiled_patterns():
         if any(need in lowered for need in needs):
             text = pattern.sub(_mask, text)
     return text
@@ -257,7 +270,7 @@ def _redact(value, key, exempt, depth):
         return value
     if depth > REDACT_MAX_DEPTH:
         return REDACTED
-    if isinstance(key, str) and _is_secret_value(value) and _SECRET_NAME_RE.fullmatch(key):
+    if isinstance(key, str) and _is_secret_value(value) and _secret_name_regex().fullmatch(key):
         return REDACTED
     if isinstance(value, str):
         return _redact_string(value, depth)
@@ -286,7 +299,7 @@ def _redact_mapping(mapping, exempt, depth):
     """Each value under its own key; in a {"name": <secret name>, "value": ...} pair
     (environment lists, header lists) the value is masked too."""
     label = mapping.get("name", mapping.get("key"))
-    paired = isinstance(label, str) and _SECRET_NAME_RE.fullmatch(label) is not None
+    paired = isinstance(label, str) and _secret_name_regex().fullmatch(label) is not None
     return {key: REDACTED if paired and key == "value" and _is_secret_value(value)
             else _redact(value, key, exempt, depth) for key, value in mapping.items()}
 
@@ -299,5 +312,6 @@ def _redact_list(items, key, exempt, depth):
             cleaned.append(REDACTED)
         else:
             cleaned.append(_redact(item, key, exempt, depth))
-        after_option = isinstance(item, str) and _SECRET_OPTION_RE.fullmatch(item) is not None
+        after_option = (isinstance(item, str)
+                        and _secret_name_regex(option=True).fullmatch(item) is not None)
     return cleaned

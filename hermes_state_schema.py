@@ -29,7 +29,7 @@ from hermes_state_common import (
     LAST_ACTIVE_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, PREVIOUS_LAYOUT_TABLES,
     RENAME_TABLE_SQL, SCHEMA_31_COLUMNS, SCHEMA_31_TABLES, SCHEMA_SQL, SCHEMA_VERSION,
     SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL, SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME,
-    _RESET_END_REASONS, quote_identifier, trigger_writes,
+    _RESET_END_REASONS, placeholders, quote_identifier, trigger_writes,
 )
 from hermes_state_errors import is_capability_gap
 from hermes_state_identity import display_identity
@@ -399,8 +399,21 @@ def sqlite_supports_trigram(connect=sqlite3.connect):
 
 
 def runtime_capabilities(connect=sqlite3.connect):
+    """Capabilities(fts5, trigram) of connections made by `connect`: probed once a process for
+    sqlite3.connect, whose library cannot change under a running process (its two probe
+    connections were 8% of each open), at each call for any other factory (a replica's VFS, a
+    test's runtime without FTS5)."""
+    if connect is sqlite3.connect:
+        return _sqlite3_capabilities(connect)
+    return _probe_capabilities(connect)
+
+
+def _probe_capabilities(connect):
     fts5 = sqlite_supports_fts5(connect)
     return Capabilities(fts5, fts5 and sqlite_supports_trigram(connect))
+
+
+_sqlite3_capabilities = functools.lru_cache(maxsize=1)(_probe_capabilities)
 
 
 def fts_layout_of(ddl):
@@ -438,15 +451,19 @@ def prompt_hash(prompt):
     return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
 
 
-def _default_clause(scratch, default):
+@functools.lru_cache(maxsize=None)
+def _default_clause(default):
     """`DEFAULT x`, parenthesised when x is an expression: table_info drops the parentheses of
-    `DEFAULT (1 + 2)`, and ALTER TABLE needs them back."""
+    `DEFAULT (1 + 2)`, and ALTER TABLE needs them back. Cached: the schema's 43 defaults are 4
+    texts, and a probe creating a table for each was a sixth of a process's first open."""
+    scratch = sqlite3.connect(":memory:")
     try:
-        scratch.execute(f"CREATE TEMP TABLE default_probe (x DEFAULT {default})")
-        scratch.execute("DROP TABLE temp.default_probe")
+        scratch.execute(f"CREATE TABLE default_probe (x DEFAULT {default})")
         return f"DEFAULT {default}"
     except sqlite3.OperationalError:
         return f"DEFAULT ({default})"
+    finally:
+        scratch.close()
 
 
 def read_meta(conn, key):
@@ -476,12 +493,12 @@ def _table_info(conn, table):
     return conn.execute(TABLE_INFO_SQL.format(table=quote_identifier(table))).fetchall()
 
 
-def _column_type_expr(scratch, col_type, notnull, default, in_pk):
+def _column_type_expr(col_type, notnull, default, in_pk):
     parts = [col_type] if col_type else []
     if notnull and not in_pk:
         parts.append("NOT NULL")
     if default is not None:
-        parts.append(_default_clause(scratch, default))
+        parts.append(_default_clause(default))
     return " ".join(parts)
 
 
@@ -496,7 +513,7 @@ def _declared_schema(sql):
         tables = scratch.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'"
                                  " AND name NOT LIKE 'sqlite_%'").fetchall()
         return {name: (create_sql,
-                       {col: _column_type_expr(scratch, kind, notnull, default, pk > 0)
+                       {col: _column_type_expr(kind, notnull, default, pk > 0)
                         for _, col, kind, notnull, default, pk in _table_info(scratch, name)})
                 for name, create_sql in tables}
     finally:
@@ -654,10 +671,26 @@ class SessionSchemaMixin:
     def _reconcile_columns(self, conn):
         """ADD COLUMN every declared column the live table lacks, whatever schema_version says; the
         count."""
-        added = 0
-        for table, declared in declared_columns().items():
-            live = set(live_columns(conn, table))
-            for column, type_expr in declared.items():
+        added, declared = 0, _declared_schema(SCHEMA_SQL)
+        names = tuple(declared)
+        ours = f"m.type = 'table' AND m.name IN ({placeholders(len(names))})"
+        stored = dict(conn.execute(f"SELECT m.name, m.sql FROM sqlite_master AS m WHERE {ours}",
+                                   names))
+        # A table whose CREATE text is the declared one has the declared columns; the others
+        # (another release's, or grown by ADD COLUMN) are read, in one statement (reading every
+        # table's was a sixth of an open). Declared tables are plain: pragma_table_info of an
+        # FTS5 table would fail on a runtime without FTS5.
+        others = tuple(table for table in names if stored.get(table) != declared[table][0])
+        live_of = {}
+        if others:
+            for table, column in conn.execute(
+                    "SELECT m.name, p.name FROM sqlite_master AS m, pragma_table_info(m.name) AS p"
+                    f" WHERE m.type = 'table' AND m.name IN ({placeholders(len(others))})",
+                    others):
+                live_of.setdefault(table, set()).add(column)
+        for table, (_create_sql, columns) in declared.items():
+            live = live_of.get(table, set()) if table in others else columns
+            for column, type_expr in columns.items():
                 if column not in live and self._add_column(conn, table, column, type_expr):
                     added += 1
         return added
@@ -924,6 +957,8 @@ class SessionSchemaMixin:
         (OPEN_BACKFILL_BUDGET_S) an open. Each row's order is the id of the first visible row of
         its session with the same identity; only rows that differ are written. The rows still
         without one are the work left, so a cut-short run resumes."""
+        if self._read_one(_DISPLAY_BACKFILL_NEXT_SQL) is None:
+            return  # a settled store: no write lock taken (every open asks)
         deadline = time.monotonic() + (OPEN_BACKFILL_BUDGET_S if budget_s is None else budget_s)
         place, done = None, 0  # (session, last id folded, {identity: first id}) of a session begun
         rows = DISPLAY_BACKFILL_ROWS
