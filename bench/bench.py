@@ -1,35 +1,47 @@
-"""`make bench`: the speed goals of issues 17 and 27 measured in one run, standard library only.
+"""`make bench`: the speed goals of issues 17, 27 and 38 measured in one run, standard library only.
 
-Issue 27's section ("where users wait") adds a store of LISTING_SESSIONS sessions (listing pages,
-counts) and sessions of CONVERSATION_SIZES messages (the gateway's restore read), whose jobs the
-sides run in turns (INTERLEAVED_ROUNDS), and a rare word's search at each scale; append is held
-against raw sqlite3 doing the same inserts with the same triggers, not against the reference.
+Sides: "ours" (this checkout), "0.20" and "0.22" (hermes-agent 0.20.1.2's and 0.22.2.post1's own
+state layer, from the venvs `make compat` caches: RELEASE_VENVS; a side whose venv is missing is left
+out) and a floor (raw sqlite3, or a bare interpreter, doing the same work on our own stores). Every
+section makes its stores once, then runs its jobs in ROUNDS interleaved rounds (`interleave`: each
+round every side once, the order rotated), so a slow spell of a busy machine falls on all sides;
+a figure is the median of its rounds, "± ours" half the spread of ours over them, and a goal is
+judged in each round: ✓ met in all, ✗ in none, ≈ in some (within noise, which a second run could
+flip). Each section's title gives the load average at its start and end.
+
+Sections (BENCH_ONLY=name,name picks some): `scales` (4,000 and 100,000 messages: append, word, CJK
+and rare-word search, export, import, size), `waits` (a store of LISTING_SESSIONS sessions: listing
+pages and counts; the gateway's restore of sessions of CONVERSATION_SIZES messages), `startup` (the
+import, the CLI's list and show and doctor as whole processes, SessionDB() open), `import` (the CLI's
+import of an export, its peak RSS, an agent appending once a second meanwhile) and `synchronous`
+(our appends under synchronous=FULL and NORMAL, WAL and rollback journal). BENCH_QUICK=1: a smoke
+run at small sizes in 2 rounds. BENCH_ROUNDS=N sets the rounds.
 
 Owns: the workload (a deterministic agent history), the worker that runs it through a store's public
-`SessionDB` API, the 1M-message store cache, and the table. Must not touch: the product modules (it
-only calls them) and the compat venvs (it only runs their python).
+`SessionDB` API (and the CLI), the cached stores and exports, and the table. Must not touch: the
+product modules (it only calls them) and the compat venvs (it only runs their python).
 
-Every timed figure comes from a worker subprocess running `bench.py --worker JOB`: for "ours" this
-checkout's `hermes_state`, for "reference" hermes-agent 0.20.1.2's own `hermes_state`, imported by the
-python of the venv `make compat` caches (compat/venvs.py); with `-P` its path never sees this checkout.
-Both sides run the same job code on their own stores. Without that venv the reference column is empty.
-Raw sqlite3 figures (the ranked FTS5 query, inserts with the same triggers) run on our own stores.
+Every timed figure of a store comes from a worker subprocess running `bench.py --worker JOB`: for
+ours this checkout's `hermes_state`, for a release its own, imported by its venv's python with `-P`
+(its path never sees this checkout). Start-up figures time whole processes, .pyc files present on
+every side (written under the run's temp folder).
 
 `BENCH_PEERS=1` adds the peers table (OpenAI Agents SDK, LangGraph's SQLite checkpointer, llm's
-logs.db beside ours, the reference and raw sqlite3): each peer's worker runs in its own venv, cached
+logs.db beside ours, 0.20, 0.22 and raw sqlite3): each peer's worker runs in its own venv, cached
 under `$HERMES_BENCH_CACHE/peers` and made on first use from bench/peers_requirements/.
 
-`BENCH_MIGRATE=1m` (or `100k`, or any message count) runs only the optimize-storage section: a
+`BENCH_MIGRATE=1m` (or `100k`, or any message count) runs only two sections at that size: the CLI's
+import of an export of that many messages (`import`) and optimize-storage (`migrate`) of a
 hermes-agent 0.19 store of that many messages (the real 0.19.0 fixture's schema, inline indexes and
 triggers, filled with the agent history; made once into `$HERMES_BENCH_CACHE`, keyed by its size
 and MIGRATE_GENERATOR), copied for each side, whose own optimize-storage then runs (VACUUM
 included) while a disk sampler, the lock probe below and a process appending once a second through
-the same side's SessionDB watch it. `BENCH_SCALE=1m` runs that section at 1,000,000 too.
+the same side's SessionDB watch it (`run_watched`, which the import uses too).
 
-`BENCH_SCALE=1m` adds the 1,000,000-message figures: the store is generated once into
-`$HERMES_BENCH_CACHE` (default ~/.cache/hermes_state_bench) and regenerated when our schema changes;
-the longest write-lock hold is measured from outside by a probe process that keeps trying
-`BEGIN IMMEDIATE` with a short busy timeout while our operations run one by one.
+`BENCH_SCALE=1m` adds the 1,000,000-message figures and optimize-storage at 1M: each side's store is
+generated once into `$HERMES_BENCH_CACHE` (default ~/.cache/hermes_state_bench) and regenerated when
+its schema changes; the longest write-lock hold is measured from outside by a probe process that
+keeps trying `BEGIN IMMEDIATE` with a short busy timeout while our operations run one by one.
 """
 
 import contextlib
