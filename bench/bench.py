@@ -1,20 +1,20 @@
 """`make bench`: the speed goals of issues 17, 27 and 38 measured in one run, standard library only.
 
 Sides: "ours" (this checkout), "0.20" and "0.22" (hermes-agent 0.20.1.2's and 0.22.2.post1's own
-state layer, from the venvs `make compat` caches: RELEASE_VENVS; a side whose venv is missing is left
-out) and a floor (raw sqlite3, or a bare interpreter, doing the same work on our own stores). Every
-section makes its stores once, then runs its jobs in ROUNDS interleaved rounds (`interleave`: each
-round every side once, the order rotated), so a slow spell of a busy machine falls on all sides;
-a figure is the median of its rounds, "± ours" half the spread of ours over them, and a goal is
-judged in each round: ✓ met in all, ✗ in none, ≈ in some (within noise, which a second run could
-flip). Each section's title gives the load average at its start and end.
+state layer, from the venvs `make compat` caches: RELEASE_VENVS; a side whose venv is missing is
+left out) and a floor (raw sqlite3, or a bare interpreter, doing the same work on our own
+stores). Every section makes its stores once, then runs its jobs in ROUNDS interleaved rounds
+(`interleave`: each round every side once, the order rotated), so a slow spell of a busy machine
+falls on all sides; a figure is the median of its rounds, "± ours" half the spread of ours over them, and a goal is
+judged in each round: ✓ met in all, ✗ in none, ≈ in some (within noise, which a second run
+could flip). Each section's title gives the load average at its start and end.
 
 Sections (BENCH_ONLY=name,name picks some): `scales` (4,000 and 100,000 messages: append, word, CJK
 and rare-word search, export, import, size), `waits` (a store of LISTING_SESSIONS sessions: listing
-pages and counts; the gateway's restore of sessions of CONVERSATION_SIZES messages), `startup` (the
-import, the CLI's list and show and doctor as whole processes, SessionDB() open), `import` (the CLI's
-import of an export, its peak RSS, an agent appending once a second meanwhile) and `synchronous`
-(our appends under synchronous=FULL and NORMAL, WAL and rollback journal). BENCH_QUICK=1: a smoke
+pages and counts; the gateway's restore of sessions of CONVERSATION_SIZES messages), `startup`
+(the import, the CLI's list and show and doctor as whole processes, SessionDB() open), `import` (the
+CLI's import of an export, its peak RSS, an agent appending once a second meanwhile) and
+`synchronous` (our appends under synchronous=FULL and NORMAL, WAL and rollback journal). BENCH_QUICK=1: a smoke
 run at small sizes in 2 rounds. BENCH_ROUNDS=N sets the rounds.
 
 Owns: the workload (a deterministic agent history), the worker that runs it through a store's public
@@ -583,8 +583,8 @@ def job_cli_import(SessionDB, path, source, **_):
     seconds = time.perf_counter() - start
     if done.returncode:
         raise RuntimeError(f"import failed ({done.returncode}): {done.stderr[-2000:]}")
-    return {"seconds": seconds, "peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
-            "said": done.stdout.strip()[-200:]}
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {"seconds": seconds, "peak_mb": peak, "said": done.stdout.strip()[-200:]}
 
 
 def job_api_import_streamed(SessionDB, path, source, **_):
@@ -616,7 +616,8 @@ def worker_main(spec):
 
 def release_pythons():
     """{side: python} of the release venvs `make compat` made (RELEASE_VENVS), those that exist."""
-    root = Path(os.environ.get("HERMES_COMPAT_CACHE") or Path.home() / ".cache" / "hermes_state_compat")
+    root = Path(os.environ.get("HERMES_COMPAT_CACHE")
+                or Path.home() / ".cache" / "hermes_state_compat")
     found = {side: root / venv / "bin" / "python" for side, venv in RELEASE_VENVS.items()}
     return {side: str(python) for side, python in found.items() if python.exists()}
 
@@ -673,7 +674,7 @@ class Runner:
 
     def describe(self):
         return ", ".join(f"hermes-agent {RELEASE_NAMES[side]} ({self.pythons[side]})"
-                         for side in self.releases) or "no release measured (no `make compat` venvs)"
+                         for side in self.releases) or "no release (no `make compat` venvs)"
 
 
 # -- interleaved rounds: how every section measures ------------------------------------------------
@@ -1152,8 +1153,8 @@ class Table:
         for r in self.rows:
             print(line(r))
         marks = [r[-1] for r in self.rows if r[-1]]
-        print(f"\n{marks.count('✓')} goals met in every round, {marks.count('✗')} missed in every"
-              f" round, {marks.count('≈')} within noise (met in some rounds only)")
+        print(f"\n{marks.count('✓')} goals met in every round, {marks.count('✗')} missed in"
+              f" every round, {marks.count('≈')} within noise (met in some rounds only)")
 
 
 def speed(ours, ref, words=("faster", "slower")):
@@ -1351,11 +1352,13 @@ def report_waits(runner, table, measured):
                          fmt="{:.2f}")
             continue
         table.figure(f"{label} (ms)", values, goal="<= 2 ms, >= 2x faster than 0.20",
-                     check=lambda r: r["ours"] <= 2 and ("0.20" not in r or r["0.20"] >= 2 * r["ours"]),
+                     check=lambda r: r["ours"] <= 2
+                     and ("0.20" not in r or r["0.20"] >= 2 * r["ours"]),
                      fmt="{:.2f}")
     for side in runner.releases:
-        same = sum(results[("listing", "ours")][0][label]["answer"]
-                   == results[("listing", side)][0][label]["answer"] for label, _, _ in LISTING_CALLS)
+        answers = [results[("listing", who)][0] for who in ("ours", side)]
+        same = sum(answers[0][label]["answer"] == answers[1][label]["answer"]
+                   for label, _, _ in LISTING_CALLS)
         table.add(f"  calls answering as {side} does (ids in order, counts)",
                   ours=f"{same} of {len(LISTING_CALLS)}")
     for size in map(str, CONVERSATION_SIZES):
@@ -1447,7 +1450,8 @@ def measure_startup(runner, folder, homes):
     tasks += [
         ("floor", "floor_import", lambda r: _process_ms(
             python + ["-c", IMPORT_TIMER.format(modules="sqlite3, json")], cwd, env, printed=True)),
-        ("floor", "floor_list", lambda r: _process_ms(python + ["-c", FLOOR_LIST, store], cwd, env)),
+        ("floor", "floor_list", lambda r: _process_ms(python + ["-c", FLOOR_LIST, store], cwd,
+                                                      env)),
         ("floor", "floor_show", lambda r: _process_ms(
             python + ["-c", FLOOR_SHOW, store, SHOWN_SESSION], cwd, env)),
         ("floor", "floor_check", lambda r: _process_ms(python + ["-c", FLOOR_CHECK, store], cwd,
@@ -1498,16 +1502,16 @@ def measure_million(runner, folder, table, small_growth_mb):
     tasks += [(side, ("append", side), lambda r, side=side: _on_copy(
         runner, side, "append", stores[side], f"{folder}/million-{side}-append.db",
         count=APPEND_MESSAGES)) for side in runner.sides]
-    tasks += [("raw", "raw_search", lambda r: runner.run("ours", "raw_search", path=str(work["ours"]),
-                                                         queries=WORD_QUERIES)),
+    tasks += [("raw", "raw_search", lambda r: runner.run(
+                  "ours", "raw_search", path=str(work["ours"]), queries=WORD_QUERIES)),
               ("raw", "raw_append", lambda r: _on_copy(runner, "ours", "raw_append", stores["ours"],
                                                        f"{folder}/million-raw-append.db",
                                                        count=APPEND_MESSAGES))]
     results, load = interleave(tasks)
     table.section(f"{MILLION:,} messages ({_store_bytes(path) / 1e6:.0f} MB store; "
-                  + ", ".join(f"{side}: " + (f"generated in {made[side]:.0f} s" if made[side] else "cached")
-                              for side in runner.sides) + f"; medians of {ROUNDS} interleaved rounds)",
-                  load)
+                  + ", ".join(f"{side}: " + (f"generated in {made[side]:.0f} s" if made[side]
+                                             else "cached") for side in runner.sides)
+                  + f"; medians of {ROUNDS} interleaved rounds)", load)
     for label, _ in queries:
         values = _sides(runner, results, "search", label, "ms")
         found = results[("search", "ours")][0][label]
@@ -1515,8 +1519,8 @@ def measure_million(runner, folder, table, small_growth_mb):
             table.figure(f"search {label}, top 20 (ms; {hits(found)})", values, goal="< 5 ms",
                          check=lambda r: r["ours"] < 5)
         else:
-            table.figure(f"search {label}, top 20 (ms; {hits(found)}); floor: raw ranked FTS5 rowids",
-                         values, series(results, "raw_search", label, "ms"),
+            table.figure(f"search {label}, top 20 (ms; {hits(found)}); floor: raw ranked FTS5"
+                         " rowids", values, series(results, "raw_search", label, "ms"),
                          "<= 1.15x floor, not slower than 0.20 (+0.05 ms)",
                          lambda r: r["ours"] <= 1.15 * r["floor"]
                          and ("0.20" not in r or r["ours"] <= r["0.20"] + 0.05))
@@ -1539,8 +1543,10 @@ def measure_million(runner, folder, table, small_growth_mb):
     log("1M: CLI export (streaming memory)")
     exported = runner.run("ours", "cli_export", path=str(work), out=f"{folder}/million.jsonl")
     growth = exported["peak_mb"] - exported["base_mb"]
-    table.add("CLI jsonl export (s); its peak RSS (MB)", ours=f"{exported['seconds']:.0f}; {exported['peak_mb']:.0f} "
-              f"(start {exported['base_mb']:.0f})", goal=f"flat: growth <= {min(SCALES):,}'s + 50 MB",
+    table.add("CLI jsonl export (s); its peak RSS (MB)",
+              ours=f"{exported['seconds']:.0f}; {exported['peak_mb']:.0f}"
+              f" (start {exported['base_mb']:.0f})",
+              goal=f"flat: growth <= {min(SCALES):,}'s + 50 MB",
               ok=growth <= small_growth_mb + 50)
     payload = _read_jsonl(f"{folder}/million.jsonl", IMPORT_MAX_SESSIONS)  # the most recently active ones
     os.unlink(f"{folder}/million.jsonl")
@@ -1724,7 +1730,8 @@ def export_file(count):
 
 def measure_import(runner, folder, source):
     """Our CLI's import of the export `source` into a new store, watched (run_watched), beside
-    every side's import_sessions of it streamed (IMPORT_CALL_SESSIONS sessions a call), interleaved."""
+    every side's import_sessions of it streamed (IMPORT_CALL_SESSIONS sessions a call),
+    interleaved."""
     tasks = [("ours-cli", ("cli", "ours"), lambda r: _watched_import(runner, folder, source))]
     for side in runner.sides:
         tasks.append((side, ("api", side), lambda r, side=side: _into_new(
@@ -1787,9 +1794,11 @@ def measure_synchronous(runner, folder):
         runner.run("ours", "build", path=base, messages=min(SCALES),
                    env={"HERMES_STATE_JOURNAL": journal})
         for level in ("NORMAL", "FULL"):
-            tasks.append((f"{journal}-{level}", (journal, level), lambda r, j=journal, l=level, b=base: _on_copy(
-                runner, "ours", "append_synchronous", b, f"{folder}/sync-{j}-{l}-copy.db",
-                count=APPEND_MESSAGES, synchronous=l, env={"HERMES_STATE_JOURNAL": j})))
+            tasks.append((f"{journal}-{level}", (journal, level),
+                          lambda r, j=journal, l=level, b=base: _on_copy(
+                              runner, "ours", "append_synchronous", b,
+                              f"{folder}/sync-{j}-{l}-copy.db", count=APPEND_MESSAGES,
+                              synchronous=l, env={"HERMES_STATE_JOURNAL": j})))
     return interleave(tasks)
 
 
@@ -1847,7 +1856,8 @@ def report_migration(runner, table, figures):
         table.add(f"  {MIGRATE_PHASE_LABELS[phase]} (s held; ran s)", **cells(
             lambda f: f"{max(f['holds'][phase][1].values()):.2f} (ran {f['holds'][phase][0]:.1f})"))
     table.add("another process appending once a second: p50 / p99 / max (s)", goal="p99 < 1 s",
-              ok=ours["p99"] < 1, **cells(lambda f: f"{f['p50']:.3f} / {f['p99']:.3f} / {f['max']:.3f}"))
+              ok=ours["p99"] < 1,
+              **cells(lambda f: f"{f['p50']:.3f} / {f['p99']:.3f} / {f['max']:.3f}"))
     table.add("  appends; failed", goal="0 failed", ok=not ours["append_errors"],
               **cells(lambda f: f"{f['appends']}; {len(f['append_errors'])}"))
 
@@ -2343,14 +2353,15 @@ def wanted_sections(known):
     named = [word.strip() for word in os.environ.get("BENCH_ONLY", "").split(",") if word.strip()]
     unknown = [word for word in named if word not in known]
     if unknown:
-        raise SystemExit(f"BENCH_ONLY names sections of {', '.join(known)}, not {', '.join(unknown)}")
+        raise SystemExit(f"BENCH_ONLY names sections of {', '.join(known)},"
+                         f" not {', '.join(unknown)}")
     return named or list(known)
 
 
 def _headline(runner, what):
-    print(f"hermes_state bench{what}: Python {sys.version.split()[0]}, SQLite {sqlite3.sqlite_version},"
-          f" {os.cpu_count()} cores; {ROUNDS} rounds{' (BENCH_QUICK)' if QUICK else ''}; beside"
-          f" ours: {runner.describe()}; load average at the start {os.getloadavg()[0]:.1f}")
+    print(f"hermes_state bench{what}: Python {sys.version.split()[0]}, SQLite"
+          f" {sqlite3.sqlite_version}, {os.cpu_count()} cores; {ROUNDS} rounds"
+          f"{' (BENCH_QUICK)' if QUICK else ''}; beside ours: {runner.describe()}; load average at the start {os.getloadavg()[0]:.1f}")
 
 
 def main():
@@ -2372,7 +2383,8 @@ def main():
                 measured = measure_scale(runner, folder, n)
                 report_scale(runner, table, n, measured)
                 if n == min(SCALES):
-                    growth = [r["peak_mb"] - r["base_mb"] for r in measured[0][("cli_export", "ours")]]
+                    growth = [r["peak_mb"] - r["base_mb"]
+                              for r in measured[0][("cli_export", "ours")]]
         if "waits" in sections or "startup" in sections:
             homes = make_wait_stores(runner, folder)
             if "waits" in sections:
