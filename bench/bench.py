@@ -5,8 +5,8 @@ state layer, from the venvs `make compat` caches: RELEASE_VENVS; a side whose ve
 left out) and a floor (raw sqlite3, or a bare interpreter, doing the same work on our own
 stores). Every section makes its stores once, then runs its jobs in ROUNDS interleaved rounds
 (`interleave`: each round every side once, the order rotated), so a slow spell of a busy machine
-falls on all sides; a figure is the median of its rounds, "± ours" half the spread of ours over them, and a goal is
-judged in each round: ✓ met in all, ✗ in none, ≈ in some (within noise, which a second run
+falls on all sides; a figure is the median of its rounds, "± ours" half the spread of ours over
+them, and a goal is judged in each round: ✓ met in all, ✗ in none, ≈ in some (within noise, which a second run
 could flip). Each section's title gives the load average at its start and end.
 
 Sections (BENCH_ONLY=name,name picks some): `scales` (4,000 and 100,000 messages: append, word, CJK
@@ -14,8 +14,8 @@ and rare-word search, export, import, size), `waits` (a store of LISTING_SESSION
 pages and counts; the gateway's restore of sessions of CONVERSATION_SIZES messages), `startup`
 (the import, the CLI's list and show and doctor as whole processes, SessionDB() open), `import` (the
 CLI's import of an export, its peak RSS, an agent appending once a second meanwhile) and
-`synchronous` (our appends under synchronous=FULL and NORMAL, WAL and rollback journal). BENCH_QUICK=1: a smoke
-run at small sizes in 2 rounds. BENCH_ROUNDS=N sets the rounds.
+`synchronous` (our appends under synchronous=FULL and NORMAL, WAL and rollback journal).
+BENCH_QUICK=1: a smoke run at small sizes in 2 rounds. BENCH_ROUNDS=N sets the rounds.
 
 Owns: the workload (a deterministic agent history), the worker that runs it through a store's public
 `SessionDB` API (and the CLI), the cached stores and exports, and the table. Must not touch: the
@@ -2361,7 +2361,8 @@ def wanted_sections(known):
 def _headline(runner, what):
     print(f"hermes_state bench{what}: Python {sys.version.split()[0]}, SQLite"
           f" {sqlite3.sqlite_version}, {os.cpu_count()} cores; {ROUNDS} rounds"
-          f"{' (BENCH_QUICK)' if QUICK else ''}; beside ours: {runner.describe()}; load average at the start {os.getloadavg()[0]:.1f}")
+          f"{' (BENCH_QUICK)' if QUICK else ''}; beside ours: {runner.describe()};"
+          f" load average at the start {os.getloadavg()[0]:.1f}")
 
 
 def main():
