@@ -6,8 +6,8 @@ left out) and a floor (raw sqlite3, or a bare interpreter, doing the same work o
 stores). Every section makes its stores once, then runs its jobs in ROUNDS interleaved rounds
 (`interleave`: each round every side once, the order rotated), so a slow spell of a busy machine
 falls on all sides; a figure is the median of its rounds, "± ours" half the spread of ours over
-them, and a goal is judged in each round: ✓ met in all, ✗ in none, ≈ in some (within noise, which a second run
-could flip). Each section's title gives the load average at its start and end.
+them, and a goal is judged in each round: ✓ met in all, ✗ in none, ≈ in some (within noise,
+which a second run could flip). Each section's title gives the load average at its start and end.
 
 Sections (BENCH_ONLY=name,name picks some): `scales` (4,000 and 100,000 messages: append, word, CJK
 and rare-word search, export, import, size), `waits` (a store of LISTING_SESSIONS sessions: listing
