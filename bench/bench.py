@@ -1473,7 +1473,7 @@ def report_startup(runner, table, measured):
     table.figure("CLI list -n 20, whole process (ms; 0.20, 0.22: `hermes sessions list`); floor:"
                  " python, sqlite3 and the query", _sides(runner, results, "list", "ms"),
                  floor("floor_list"), "<= 35 ms", lambda r: r["ours"] <= 35, fmt="{:.0f}")
-    table.figure(f"CLI show ID, whole process (ms; no such command in 0.20, 0.22); floor: python,"
+    table.figure("CLI show ID, whole process (ms; no such command in 0.20, 0.22); floor: python,"
                  " sqlite3, the session and its messages", _sides(runner, results, "show", "ms"),
                  floor("floor_show"), "<= 35 ms", lambda r: r["ours"] <= 35, fmt="{:.0f}")
     table.figure("SessionDB() open of the settled store (ms); floor: connect, read the schema and"
