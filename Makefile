@@ -1,12 +1,16 @@
 # make test  - the whole suite (python3 -m unittest), closing with "N passed, N failed, N skipped"
 # make test-all - the suite once per CPython found (pyenv's 3.8+, else python3), then a total line
-# make bench - issue 17's speed goals at 4,000 and 100,000 messages, ours beside hermes-agent 0.20.1.2 (when
-#              the `make compat` venv exists) and raw sqlite3, one table with a ✓/✗ per goal;
+# make bench - the speed goals of issues 17, 27 and 38: ours beside hermes-agent 0.20.1.2 and 0.22.2.post1
+#              (when the `make compat` venvs exist) and a raw sqlite3 floor, every section in interleaved
+#              rounds (medians, spreads, load averages), one table with ✓/✗/≈ (within noise) per goal;
+#              BENCH_ONLY=scales,waits,startup,import,synchronous runs some sections; BENCH_QUICK=1 a
+#              smoke run at small sizes; BENCH_ROUNDS=N the rounds (3)
 #              BENCH_SCALE=1m adds the 1,000,000-message figures (store cached in ~/.cache/hermes_state_bench)
 #              and optimize-storage of a 1M-message hermes-agent 0.19 store (also cached there);
-#              BENCH_MIGRATE=1m (or 100k) runs only that optimize-storage section
+#              BENCH_MIGRATE=1m (or 100k) runs only that optimize-storage and the CLI's import of a
+#              1M-message export (BENCH_ONLY=migrate or import picks one)
 #              BENCH_PEERS=1 adds the peers table: OpenAI Agents SQLiteSession, LangGraph SqliteSaver
-#              and llm's logs.db beside ours, the reference and raw sqlite3 (each peer in a venv
+#              and llm's logs.db beside ours, 0.20, 0.22 and raw sqlite3 (each peer in a venv
 #              cached in ~/.cache/hermes_state_bench/peers, made from PyPI on first use, pinned in
 #              bench/peers_requirements/)
 # make demo  - build and show an example store in a temporary home
@@ -71,7 +75,8 @@ test-all:
 	exit $$status
 
 bench:
-	@BENCH_SCALE=$(BENCH_SCALE) BENCH_MIGRATE=$(BENCH_MIGRATE) $(PYTHON) bench/bench.py
+	@BENCH_SCALE=$(BENCH_SCALE) BENCH_MIGRATE=$(BENCH_MIGRATE) BENCH_ONLY=$(BENCH_ONLY) \
+		BENCH_QUICK=$(BENCH_QUICK) BENCH_ROUNDS=$(BENCH_ROUNDS) $(PYTHON) bench/bench.py
 
 demo:
 	@$(PYTHON) -m hermes_state demo
