@@ -41,7 +41,8 @@ from hermes_state_common import (
     PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES, RENAME_TABLE_SQL,
     RETIRED_PREFIX, SEARCH_LAYOUT_VERSION, SEARCH_MARKS, SEARCH_OBJECTS, SEARCH_TABLES,
     SEARCH_TRIGGERS, SELECT_SCHEMA_OBJECTS_SQL, TABLE_EXISTS_SQL, TOOL_INDEX_PREFIX_CHARS,
-    cjk_terms, placeholders, quote_identifier, same_ddl, store_file_bytes, trigger_writes,
+    _trigram_session, cjk_terms, placeholders, quote_identifier, same_ddl, store_file_bytes,
+    trigger_writes,
 )
 from hermes_state_errors import is_fts_scoped_corruption_error
 from hermes_state_schema import (
@@ -716,6 +717,17 @@ class SessionSearchIndexMixin:
         for index, _name, sql in triggers:
             conn.execute(sql)
             conn.execute(_BACKFILL_SQL[index], (after, last))
+
+    def _index_staged_trigram_rows(self, conn, staging, after):
+        """Inside the write that staged them: put the messages past id `after` whose session row
+        waits in the table `staging` (a file import's) into messages_fts_trigram. Its trigger and
+        backfill ask `sessions` for the row, where a staged one is not yet; the word and CJK
+        indexes ask nothing of it. A discarded staging's rows leave by ORPHAN_TRIGGER."""
+        if f"{SEARCH_TABLES['trigram']}_insert" not in _schema_objects(conn):
+            return  # no trigram index maintained here (none, or hermes-agent 0.19's inline one)
+        conn.execute(f"""INSERT INTO {SEARCH_TABLES['trigram']}(rowid, content, tool_name)
+SELECT m.id, m.content, m.tool_name FROM messages AS m JOIN {staging} AS s ON s.id = m.session_id
+WHERE m.id > :after AND m.role <> 'tool' AND {_trigram_session('s.')}""", {"after": after})
 
     # -- maintenance -----------------------------------------------------------
 

@@ -15,12 +15,12 @@ imports hermes_state.
 import base64
 import binascii
 import contextlib
+import functools
 import gc
 import hashlib
 import itertools
 import json
 import math
-import secrets
 import sqlite3
 import time
 from collections import Counter
@@ -29,11 +29,12 @@ from datetime import datetime, timezone
 from hermes_state_common import (
     BYTES_MARKER, CONTENT_JSON_PREFIX, DELETE_UNUSED_PROMPTS_SQL, INSERT_SYSTEM_PROMPT_SQL,
     LAST_ACTIVE_SQL, MESSAGE_WRITE_COLUMNS, SELECT_TITLE_OWNER_SQL, SESSION_EXISTS_SQL,
-    SQL_CHUNK_SIZE, SQLITE_INT_RANGE, TABLE_EXISTS_SQL, TITLE_MAX_LENGTH, decode_message,
-    host_view, loads_or, normalize_title, placeholders, quote_identifier,
+    SET_MESSAGE_COUNTS_SQL, SQL_CHUNK_SIZE, SQLITE_INT_RANGE, TABLE_EXISTS_SQL, TITLE_MAX_LENGTH,
+    decode_message, host_view, loads_or, normalize_title, placeholders, quote_identifier,
     resolved_max_export_messages, scrub_surrogates, sqlite_keeps)
 from hermes_state_errors import SessionExportTooLargeError
 from hermes_state_health import note_storage_error
+from hermes_state_ids import new_session_id
 from hermes_state_identity import ABSORBED_MESSAGE_UIDS, TOOL_CALL_UID, TOOL_CALL_UIDS
 from hermes_state_export_formats import (
     BINARY_TYPES, EXPORT_RUN_MESSAGES, JSONL_ENCODER, SCALARS_ENCODER, decoded_calls,
@@ -913,7 +914,7 @@ class SessionPortabilityMixin:
         " (<id tail>)", as hermes-agent 0.22 names it. The payload is checked as import_sessions
         checks one; its first error is raised as ValueError, nothing written."""
         _check_origin(origin)
-        session_id = _new_import_id()
+        session_id = new_session_id(hex_len=12)  # imports mint many a second
         entry = {"id": session_id, "source": origin["tool"], "title": title, "cwd": cwd,
                  "messages": messages}
         errors = validate_import([entry], self.import_limits())
@@ -943,8 +944,11 @@ class SessionPortabilityMixin:
         mark; one staged already counts as skipped), in chunks small enough for the usual cache."""
         with contextlib.nullcontext() if staged else _import_cache(conn):
             held = self._hold_back_index_triggers(conn)
+            after = conn.execute("SELECT MAX(id) FROM messages").fetchone()[0] or 0
             result = self._write_import_rows(conn, sessions, seconds, staged)
             self._index_held_back_rows(conn, held)
+            if staged:
+                self._index_staged_trigram_rows(conn, IMPORT_STAGING_TABLE, after)
             return result
 
     def _write_import_rows(self, conn, sessions, seconds, staged):
@@ -978,25 +982,25 @@ class SessionPortabilityMixin:
             if prompt is not None:
                 row["system_prompt_hash"] = prompt_hash(prompt)
                 conn.execute(INSERT_SYSTEM_PROMPT_SQL, (row["system_prompt_hash"], prompt))
-            # Messages first: the row then carries their counts (and a staged one has its
-            # messages stored with it, in the same transaction).
-            row["message_count"], row["tool_call_count"] = self._import_messages(
-                conn, entry.get("messages") or [], session_id, columns["messages"], unstored)
-            if staged:
+            messages = functools.partial(self._import_messages, conn, entry.get("messages")
+                                         or [], session_id, columns["messages"], unstored)
+            if staged:  # a staged row carries its messages' counts (the trigram rows: below)
+                row["message_count"], row["tool_call_count"] = messages()
                 row.update(hs_parent=parent or None, hs_skipped=0)
             # The row's names and its values come from the one dict, in its order.
             names = ", ".join(map(quote_identifier, row))
             conn.execute(f"INSERT INTO {target} ({names}) VALUES ({placeholders(len(row))})",
                          tuple(row.values()))
+            if not staged:  # after the session's row, which the trigram index's trigger asks
+                conn.execute(SET_MESSAGE_COUNTS_SQL, (*messages(), session_id))
             imported.append(session_id)
             if parent:
                 links.append((session_id, parent))
         return imported, skipped, links, relinks, unstored
 
     def _import_messages(self, conn, messages, session_id, columns, unstored):
-        """Insert a validated entry's messages as append_messages_batch writes them, then put
-        back what it does not write: rewound rows, and carried columns; returns the session's
-        (message_count, tool_call_count)."""
+        """Insert a validated entry's messages as append_messages_batch does, put back what it
+        does not write (rewound rows, carried columns); (message_count, tool_call_count)."""
         copies = [dict(message, content=from_portable(message.get("content")),
                        token_count=_number(message.get("token_count"), int),
                        timestamp=_number(message.get("timestamp"), float),
@@ -1025,9 +1029,8 @@ class SessionPortabilityMixin:
 
 # -- a file import's two passes and its staging ----------------------------------------------
 
-# A file import's session rows while it runs, out of every reader's sight: the columns of
-# `sessions`, hs_parent (the link to attach) and hs_skipped (an id the store had).
-IMPORT_STAGING_TABLE = "hs_import_sessions"
+# A file import's session rows while it runs, out of every reader's sight: `sessions`' columns,
+IMPORT_STAGING_TABLE = "hs_import_sessions"  # hs_parent (a link to attach), hs_skipped (an id had)
 META_IMPORT_FILE = "hs_import_file"  # the digest of the file staged
 META_IMPORT_UNSTORED = "hs_import_unstored"  # fields it had no column for, as a JSON list
 # The longest line read: 5 MB of compact JSON a session, six times that in escapes (\u0001).
@@ -1144,12 +1147,6 @@ def _foreign_import_of(conn, origin):
     return None
 
 
-def _new_import_id():
-    """A fresh id of hermes-agent's shape, YYYYMMDD_HHMMSS_ and 12 hex digits (imports mint many in
-    one second); hermes_state_ids.new_session_id(hex_len=12) once that module is ours."""
-    return time.strftime("%Y%m%d_%H%M%S_") + secrets.token_hex(6)
-
-
 # An import's megabytes of rows and index pages spill from SQLite's default 2 MB page cache to the
 # WAL before the commit, many to be written again: it runs with at least this much, then the
 # connection's own size again (dirty pages stay until the commit).
@@ -1180,12 +1177,11 @@ def _free_title(conn, title, session_id, staged=False):
     if len(session_id) > TITLE_SUFFIX_ID_CHARS:
         tag = session_id[:TITLE_SUFFIX_ID_CHARS] + "…"
     candidate, number = title, 1
-    binds = {"id": session_id}
     while candidate is not None and (
             conn.execute(SELECT_TITLE_OWNER_SQL, (candidate, session_id)).fetchone()
-            or staged and conn.execute(f"SELECT 1 FROM {IMPORT_STAGING_TABLE} WHERE title ="
-                                       " :title AND id <> :id", dict(binds, title=candidate))
-            .fetchone()):
+            or staged and conn.execute(
+                f"SELECT 1 FROM {IMPORT_STAGING_TABLE} WHERE title = :title AND id <> :id",
+                {"id": session_id, "title": candidate}).fetchone()):
         suffix = f" [{tag}]" if number == 1 else f" [{tag}] ({number})"
         candidate = normalize_title(title[:max(0, TITLE_MAX_LENGTH - len(suffix))] + suffix)
         number += 1
@@ -1193,8 +1189,7 @@ def _free_title(conn, title, session_id, staged=False):
 
 
 def _finish_import(conn, found):
-    """Attach an import's parent links in one write;
-    import_sessions' answer for the payload it stored."""
+    """Attach an import's parent links in one write; import_sessions' answer for what it stored."""
     imported, skipped, links, relinks, unstored = found
     _attach_parents(conn, relinks)  # left by a run cut short: attached where valid, never counted
     detached = _attach_parents(conn, links)

@@ -28,6 +28,7 @@ from hermes_state_portability import _export_timings, portable_message, portable
 from hermes_state_redact import redact, redact_text
 from test_support import (
     REPO, V26_DB, StoreTestCase, TempDirTestCase, drop_triggers_not_runnable_here, dump_hash, fixture_path,
+    require,
 )
 
 EXPORTS = ("hermes_v22_export.jsonl", "hermes_v26_export.jsonl")
@@ -1518,6 +1519,23 @@ class FileImportStaging(TempDirTestCase):
                                 capture_output=True, text=True, env=env, timeout=300)
         self.assertEqual((result.returncode, result.stdout),
                          (0, "imported 39, skipped 1, detached 0\n"), result.stderr)
+
+    def test_every_index_holds_the_staged_rows_as_a_reader_of_hermes_agent_s_tables_asks(self):
+        require(self, "fts5", "the indexes")
+        entry = session("cjk1")
+        entry["messages"][0]["content"] = "a quokka reads 日本語の本"
+        source = self.write_file("cjk.jsonl", [entry])
+        result = subprocess.run([sys.executable, "-m", "hermes_state", "--db", str(self.store),
+                                 "import", str(source)], capture_output=True, text=True,
+                                cwd=REPO, timeout=300)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        with SessionDB(self.store, read_only=True) as db:
+            for query in ("quokka", "日本語", "日本"):  # the word, trigram and CJK indexes
+                found = [hit["session_id"] for hit in db.search_messages(query)]
+                self.assertEqual(found, ["cjk1"], query)
+        # The trigram index's trigger asks `sessions` for the row, which waited in the staging.
+        self.assertEqual(self.raw_count("SELECT COUNT(*) FROM messages_fts_trigram WHERE"
+                                        " messages_fts_trigram MATCH '日本語'"), 1)
 
     def test_a_second_import_at_once_is_refused_and_writes_nothing(self):
         sys.path.insert(0, str(REPO))
