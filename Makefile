@@ -1,4 +1,5 @@
-# make test  - the whole suite (python3 -m unittest), closing with "N passed, N failed, N skipped"
+# make test  - the whole suite, a `python -m unittest MODULE` process per test module, TEST_JOBS
+#              (default: the cores) at once (suite/run.py), closing with "N passed, N failed, N skipped"
 # make test-all - the suite once per CPython found (pyenv's 3.8+, else python3), then a total line
 # make bench - the speed goals of issues 17, 27 and 38: ours beside hermes-agent 0.20.1.2 and 0.22.2.post1
 #              (when the `make compat` venvs exist) and a raw sqlite3 floor, every section in interleaved
@@ -37,17 +38,7 @@ TEST_PATTERN ?= test_*.py
 .PHONY: test test-all bench demo mutate compat replicate-test test-runtimes package-test
 
 test:
-	@log=$$(mktemp); \
-	$(PYTHON) -m unittest discover -t . -s . -p '$(TEST_PATTERN)' 2>&1 | tee "$$log"; \
-	status=$${PIPESTATUS[0]}; \
-	awk -v status="$$status" ' \
-	  /^Ran [0-9]+ test/ { ran = $$2 } \
-	  /^(FAILED|OK)/ { while (match($$0, /(failures|errors|skipped)=[0-9]+/)) { \
-	      split(substr($$0, RSTART, RLENGTH), kv, "="); n[kv[1]] = kv[2]; $$0 = substr($$0, RSTART + RLENGTH) } } \
-	  END { failed = n["failures"] + n["errors"]; if (status != 0 && failed == 0) failed = 1; \
-	        printf "%d passed, %d failed, %d skipped\n", ran - failed - n["skipped"], failed, n["skipped"] }' "$$log"; \
-	rm -f "$$log"; \
-	exit $$status
+	@$(PYTHON) suite/run.py '$(TEST_PATTERN)'
 
 # One "N passed, N failed, N skipped" line per interpreter, the sum last in the same form.
 test-all:
