@@ -10,7 +10,8 @@ this name; ours bounds readers per handle by the threads that read at once, and 
 
 Relies on (SessionDB): `_check_open`, `_new_connection`, `_idle_readers`, `_idle_index_readers`,
 `_readers`, `_readers_lock`, `_immutable_readers`, `_immutable_as_seen`, `_reader_flags`,
-`write_budget`, `db_path`, and `_opening`, `_writer` and `_write_lock` for the open's reads.
+`write_budget`, `db_path`, and `_opening`, `_writer` and `_write_lock` for the open's reads
+(and sets `_writer_busy_ms` while it lends the writer).
 """
 
 import logging
@@ -71,6 +72,10 @@ class SessionReadPoolMixin:
                 # writer: no other thread has the handle yet, and a reader made for them cost
                 # every open a connection and a parse of the whole schema. Readers are made when
                 # first used. Inside a transaction a read must not see its uncommitted rows.
+                # Lent, it waits for a lock as a reader does: its own short wait is for writes,
+                # which the write path retries (in a rollback journal a read waits for commits).
+                self._writer_busy_ms = self._writer.execute("PRAGMA busy_timeout").fetchone()[0]
+                self._writer.execute(f"PRAGMA busy_timeout = {int(self.write_budget * 1000)}")
                 return self._writer
             self._write_lock.release()
         if self._reader_flags and _file_signature(self._immutable_as_seen[0]) != \
@@ -91,7 +96,10 @@ class SessionReadPoolMixin:
 
     def _return_reader(self, conn, pool=None):
         if conn is self._writer:  # lent by an open (_borrow_reader)
-            self._write_lock.release()
+            try:
+                conn.execute(f"PRAGMA busy_timeout = {self._writer_busy_ms}")
+            finally:
+                self._write_lock.release()
             return
         with self._readers_lock:
             if conn not in self._readers:

@@ -10,6 +10,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+import threading
 import unittest
 
 from hermes_state import SessionDB
@@ -151,6 +152,34 @@ class OpeningASettledStore(TempDirTestCase):
                               " OR display_identity IS NULL").fetchone()[0]
         raw.close()
         self.assertEqual(missing, 0)
+
+    def test_a_read_of_the_open_waits_for_another_program_s_commit_as_any_read_does(self):
+        # In a rollback journal a read waits while another connection commits. The open's reads
+        # borrow the writer, whose own wait is 0.1 s (writes are retried): lent, it must wait as
+        # long as a reader. Here another program takes the lock just as the open's first read
+        # after its two write passes starts, and holds it for half a second.
+        path = self.tmp / "state.db"
+        with SessionDB(path, journal="delete") as db:
+            db.create_session("s1", "cli")
+        other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.addCleanup(other.close)
+        seen, held = {"COMMIT": 0}, threading.Event()
+
+        def trace(statement):
+            seen["COMMIT"] += statement == "COMMIT"
+            if seen["COMMIT"] >= 2 and statement.startswith("SELECT") and not held.is_set():
+                held.set()
+                other.execute("BEGIN EXCLUSIVE")
+                threading.Timer(0.5, other.execute, ("COMMIT",)).start()
+
+        def connect(target, *args, **kwargs):
+            conn = sqlite3.connect(target, *args, **kwargs)
+            if target == str(path):
+                conn.set_trace_callback(trace)
+            return conn
+        with SessionDB(path, journal="delete", connection_factory=connect) as db:
+            self.assertTrue(held.is_set())
+            self.assertEqual(db.get_session("s1")["id"], "s1")
 
 
 if __name__ == "__main__":
