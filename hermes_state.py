@@ -400,6 +400,9 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
             else:
                 self._open_writable()
         except Exception as exc:
+            # A failed open keeps no connection: one left counted would stop this process reading
+            # any file that later gets its inode (damage_reason would call a zeroed file notsqlite).
+            self._close_connections()
             # hermes-agent tells the user why from this.
             _set_last_init_error(f"{type(exc).__name__}: {exc}")
             note_storage_error(self.db_path, exc)

@@ -24,6 +24,7 @@ import hermes_state_health
 import hermes_state_repair
 from hermes_state import SessionDB, StoreLockedError
 from hermes_state import format_session_db_unavailable
+from hermes_state_lockguard import _connections_held
 from hermes_state_guard import _set_last_init_error, get_last_init_error
 from hermes_state_errors import (
     PERSISTENCE_ERROR_CAUSES, CompressionSessionBusyError, CompressionSessionClosedError,
@@ -400,6 +401,7 @@ class DiskFaults(TempDirTestCase):
         for path in (self.path, header_only):
             with self.assertRaisesRegex(FileNotFoundError, f"no state store at {path} yet"):
                 SessionDB(path, read_only=True)
+            self.assertEqual(_connections_held(path), 0)  # the failed open kept no connection
             SessionDB(path).close()  # a writable open makes the store
             with SessionDB(path, read_only=True) as db:
                 self.assertEqual(db.list_sessions_rich(), [])
