@@ -9,6 +9,7 @@ its time bounds against the rows), and one test for each finding of the oracle.
 It must not touch product code; it reads the store through plain sqlite3 connections only to build the oracle.
 """
 import random
+import re
 import sqlite3
 import subprocess
 import sys
@@ -17,11 +18,14 @@ import unicodedata
 import unittest
 
 from hermes_state import SessionDB
-from hermes_state_common import CJK_BLOCK_BITS, FTS_TRIGRAM_EXCLUDED_SOURCES, TOOL_INDEX_PREFIX_CHARS
+from hermes_state_common import (
+    CJK_BLOCK_BITS, CJK_CHAR_CLASS, FTS_TRIGRAM_EXCLUDED_SOURCES, TOOL_INDEX_PREFIX_CHARS)
 from hermes_state_search import (
-    CJK_RE, GRAMMAR_BOOLEAN, GRAMMAR_HERMES, _any_term, _leaves, _substring_retry, cjk_terms,
+    GRAMMAR_BOOLEAN, GRAMMAR_HERMES, _any_term, _leaves, _substring_retry, cjk_terms,
     parse_query)
 from test_support import REPO, SEARCHABLE, TempDirTestCase, backdate, without_fts5, without_trigram
+
+CJK_RE = re.compile(f"[{CJK_CHAR_CLASS}]")  # the oracle's own, beside the product's
 
 # Which of our indexes each way of opening the store can use (docs/search.md, "Degraded runtimes").
 # "full" is all this SQLite can keep (make test-runtimes runs the suite on builds without trigram or FTS5).
