@@ -12,6 +12,7 @@ Usage: run.py PATTERN (a glob of test files at the root, as unittest's -p takes 
 import fnmatch
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -78,14 +79,18 @@ def main(pattern="test_*.py"):
                     print(output, flush=True)
 
     threads = [threading.Thread(target=work, daemon=True) for _ in range(jobs)]
+    # Stopped (Ctrl-C, or CI's kill), the modules running stop too, not left to run on their own.
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     try:
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-    except KeyboardInterrupt:
-        for child in children:
-            child.kill()
+    except BaseException:
+        with lock:
+            queue.clear()
+            for child in children:
+                child.kill()
         raise
     ran, failed, skipped = totals
     print(f"Ran {ran} tests in {time.monotonic() - started:.1f}s with {jobs} at once")
