@@ -47,7 +47,7 @@ from hermes_state_common import (
 )
 from hermes_state_errors import is_capability_gap
 from hermes_state_guard import _set_last_init_error, get_last_init_error
-from hermes_state_health import note_storage_error
+from hermes_state_health import note_store_failure
 from hermes_state_user_copy import SESSION_DB_UNAVAILABLE, open_failure_sentence
 from hermes_state_compression import SessionCompressionMixin
 from hermes_state_coverage import SessionCoverageMixin
@@ -405,7 +405,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
             self._close_connections()
             # hermes-agent tells the user why from this.
             _set_last_init_error(f"{type(exc).__name__}: {exc}")
-            note_storage_error(self.db_path, exc)
+            note_store_failure(self.db_path, exc)
             raise
         finally:
             self._opening = False
@@ -688,7 +688,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
             self._tokens.put_back(batch)
             # Damage: readiness and listings say so. A full, read-only or failing disk: raises
             # what the disk did instead.
-            note_storage_error(self.db_path, exc, writing=True)
+            note_store_failure(self.db_path, exc, writing=True)
             raise
         finally:
             self._write_lock.release()

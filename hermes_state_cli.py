@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hermes_constants import get_hermes_home, reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB, damage_reason, restore_home
-from hermes_state_health import note_storage_error
+from hermes_state_health import note_store_failure
 from hermes_state_common import COMPRESSION_END_REASON, LIST_LIMIT_MAX, store_file_bytes
 from hermes_state_display import (
     SHOWN_TEXT_CHARS, PrintableStream, Progress, counted, end_progress, fit_table, format_time,
@@ -538,7 +538,7 @@ def _cmd_export(db, args, out):
     except sqlite3.DatabaseError as exc:
         # The messages stream on as the file is written, past the export's own reader: a failing
         # disk is said so here (SQLite calls a short read "malformed" while the store is whole).
-        note_storage_error(source.db_path, exc)
+        note_store_failure(source.db_path, exc)
         raise
     finally:
         cleanup()

@@ -65,18 +65,24 @@ def mark_storage_corrupt(db_path, reason):
                  db_path, reason, db_path)
 
 
-def note_storage_error(db_path, exc, *, writing=False):
+def note_storage_error(db_path, exc):
     """Note `db_path` as corrupt when `exc` is structural damage; True when it was, False (noting
-    nothing) otherwise. When the disk failed instead (disk_fault; `writing`: `exc` came from a
-    write), raises that StoreDiskError from `exc`: every caller is handling `exc` to re-raise it,
-    so it re-raises the clearer one, and a failed read of a whole store is never noted corrupt."""
-    clearer = disk_fault(db_path, exc, writing=writing)
-    if clearer is not None:
-        raise clearer from exc
+    nothing) otherwise: hermes-agent 0.22's contract, for its callers."""
     if not is_structural_corruption_error(exc):
         return False
     mark_storage_corrupt(db_path, exc)
     return True
+
+
+def note_store_failure(db_path, exc, *, writing=False):
+    """Ours, where a store read or write failed with `exc` and is about to re-raise it: when the
+    disk failed instead (disk_fault; `writing`: `exc` came from a write), raises that clearer
+    StoreDiskError from `exc`, and a failed read of a whole store is never noted corrupt; else
+    note_storage_error."""
+    clearer = disk_fault(db_path, exc, writing=writing)
+    if clearer is not None:
+        raise clearer from exc
+    return note_storage_error(db_path, exc)
 
 
 def storage_state(db_path):

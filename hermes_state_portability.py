@@ -33,7 +33,7 @@ from hermes_state_common import (
     decode_message, host_view, loads_or, normalize_title, placeholders, quote_identifier,
     resolved_max_export_messages, scrub_surrogates, sqlite_keeps)
 from hermes_state_errors import SessionExportTooLargeError
-from hermes_state_health import note_storage_error
+from hermes_state_health import note_store_failure
 from hermes_state_ids import new_session_id
 from hermes_state_identity import ABSORBED_MESSAGE_UIDS, TOOL_CALL_UID, TOOL_CALL_UIDS
 from hermes_state_export_formats import (
@@ -567,7 +567,7 @@ class SessionPortabilityMixin:
                 yield export
         except sqlite3.DatabaseError as exc:
             # Read on a reader of its own, past the pool's translation: a failing disk is said so
-            note_storage_error(self.db_path, exc)
+            note_store_failure(self.db_path, exc)
             raise
         finally:
             # Closed, a pieces iterator kept past its session fails loudly instead of reading on a

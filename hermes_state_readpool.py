@@ -20,7 +20,7 @@ import queue
 import sqlite3
 
 from hermes_state_common import SIDECAR_SUFFIXES
-from hermes_state_health import note_storage_error
+from hermes_state_health import note_store_failure
 
 logger = logging.getLogger("hermes_state")
 
@@ -48,7 +48,7 @@ class SessionReadPoolMixin:
         except sqlite3.DatabaseError as exc:
             # A replica's connection (hermes_state_replica) may read once more on a fresh one.
             if not getattr(conn, "reopen_after", lambda error: False)(exc):
-                note_storage_error(self.db_path, exc)
+                note_store_failure(self.db_path, exc)
                 raise
             return use(conn)
         finally:

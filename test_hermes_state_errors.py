@@ -432,11 +432,13 @@ class DiskFaults(TempDirTestCase):
         self.make_store(messages=20)
         said = sqlite3.DatabaseError("database disk image is malformed")
         with self.assertRaises(StoreDiskError) as caught:
-            hermes_state_health.note_storage_error(self.path, said)
+            hermes_state_health.note_store_failure(self.path, said)
         self.assertIn(f"disk I/O error reading state store {self.path}", str(caught.exception))
         self.assertIn("checks whole", str(caught.exception))
         self.assertNotIn("malformed", str(caught.exception))
         self.assertEqual(hermes_state_health.storage_state(self.path), "ok")
+        # hermes-agent's own name keeps its contract: noted (0.22 reads the text as damage)
+        self.assertTrue(hermes_state_health.note_storage_error(self.path, said))
 
     def test_a_store_that_really_is_damaged_is_noted_damaged_and_still_opens_for_doctor(self):
         self.make_store(messages=60)
@@ -444,7 +446,7 @@ class DiskFaults(TempDirTestCase):
             handle.seek(4096 * 3)
             handle.write(b"\xa5" * 4096 * 4)
         said = sqlite3.DatabaseError("database disk image is malformed")
-        self.assertTrue(hermes_state_health.note_storage_error(self.path, said))
+        self.assertTrue(hermes_state_health.note_store_failure(self.path, said))
         self.assertEqual(hermes_state_health.storage_state(self.path), "corrupt")
         SessionDB(self.path, read_only=True).close()
 

@@ -32,14 +32,14 @@ MUTANTS = {
         "hermes_state_wal.py", 'return "FULL" if mode == "wal" else "EXTRA"',
         'return "FULL"', "power-loss-delete"),
     "no-enospc-mapping-of-a-write": (
-        "hermes_state.py", "note_storage_error(self.db_path, exc, writing=True)", "None",
+        "hermes_state.py", "note_store_failure(self.db_path, exc, writing=True)", "None",
         "disk-full-import,disk-full-append,disk-full-batch"),
     # Its preflight refuses a disk without room; past it (a disk another program fills) the
     # write path's mapping says so: each alone keeps the scenario passing, so both go.
     "no-enospc-handling-of-optimize-storage": [
         ("hermes_state_fts.py", "        if shortfall:\n", "        if False:\n",
          "disk-full-optimize"),
-        ("hermes_state.py", "note_storage_error(self.db_path, exc, writing=True)", "None",
+        ("hermes_state.py", "note_store_failure(self.db_path, exc, writing=True)", "None",
          "disk-full-optimize")],
     "no-cross-vm-refusal-of-sessiondb": (
         "hermes_state_wal.py", "if cross_vm:  # an asked-for WAL too",
