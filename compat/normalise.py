@@ -38,6 +38,9 @@ TEXT_RULES = [
     (re.compile(r'(\b\w+_ms"?\s*[:=]\s*)\d+(\.\d+)?'), r"\1<dur>"),
     # Rounded durations (`insights`: "Active time: ~4m").
     (re.compile(r"~\d+(\.\d+)?\s?[smhd](\s\d+(\.\d+)?\s?[smhd])*\b"), "~<dur>"),
+    # A session's wall-clock length as the run took it (`insights`: "Longest session 1m"): under
+    # load one side's run takes longer.
+    (re.compile(r"(Longest session )\d+[smhd](\s\d+[smhd])*\b"), r"\1<dur>"),
     (re.compile(r"[─━═]+"), "─"),
     (re.compile(r"[ \t]+"), " "),
 ]
