@@ -39,8 +39,9 @@ def outcome(output, returncode):
     """(ran, failed, skipped) from one module's unittest output; a module that died or printed
     no summary counts as one failure."""
     ran = RAN.search(output)
-    last = output.strip().splitlines()[-1] if output.strip() else ""
-    counts = {key: int(value) for key, value in COUNTS.findall(last)}
+    # The verdict line, wherever it is (a warning at the interpreter's exit may follow it).
+    verdicts = [line for line in output.splitlines() if line.startswith(("OK", "FAILED"))]
+    counts = {key: int(value) for key, value in COUNTS.findall(verdicts[-1] if verdicts else "")}
     failed = counts.get("failures", 0) + counts.get("errors", 0)
     if ran is None or (returncode != 0 and failed == 0):
         return (int(ran.group(1)) if ran else 0), max(failed, 1), counts.get("skipped", 0)
