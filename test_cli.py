@@ -148,7 +148,8 @@ class CommandLine(CliCase):
         self.assertTrue(any("test_by_source" in line for line in report["integrity_check"]),
                         report["integrity_check"])
         verdict = self.run_cli("--db", str(path), "doctor", "--full").stdout.splitlines()[0]
-        self.assertEqual(verdict, f"PROBLEM: {path}: integrity_check failed")
+        # (on a SQLite free of the WAL-reset bug it goes on: the next open's journal switch)
+        self.assertTrue(verdict.startswith(f"PROBLEM: {path}: integrity_check failed"), verdict)
 
     def test_doctor_s_quick_default_finds_a_damaged_page(self):
         path = self.damage_page_of("state_meta")
