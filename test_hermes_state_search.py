@@ -681,7 +681,10 @@ class FastPathsGiveThePlainQuerysAnswer(TempDirTestCase):
         # hermes-agent scans it (any term, operators aside, newest first).
         scanned = {"parser 数据库": words("parser") + " OR (" + not_tool + "m.content LIKE '%数据库%')",
                    "parser NOT 数据库迁移": words("parser") + " OR (" + not_tool +
-                   "m.content LIKE '%数据库迁移%')"}
+                   "m.content LIKE '%数据库迁移%')",
+                   # (a scan reads every row: no trigram index leaves cron or subagent rows out)
+                   "gateway OR 会话历史": words("gateway") + " OR (" + not_tool +
+                   "m.content LIKE '%会话历史%')"}
         for query, where in (("会话", not_tool + "m.content LIKE '%会话%'"),
                              ("数据库 OR 会话", not_tool + "(m.content LIKE '%数据库%' OR m.content LIKE '%会话%')"),
                              ("parser 数据库", not_tool + words("parser") + " AND m.content LIKE '%数据库%'"
