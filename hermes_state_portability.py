@@ -944,7 +944,7 @@ class SessionPortabilityMixin:
         mark; one staged already counts as skipped), in chunks small enough for the usual cache."""
         with contextlib.nullcontext() if staged else _import_cache(conn):
             held = self._hold_back_index_triggers(conn)
-            after = conn.execute("SELECT MAX(id) FROM messages").fetchone()[0] or 0
+            after = staged and conn.execute("SELECT MAX(id) FROM messages").fetchone()[0] or 0
             result = self._write_import_rows(conn, sessions, seconds, staged)
             self._index_held_back_rows(conn, held)
             if staged:
