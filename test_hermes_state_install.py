@@ -96,9 +96,23 @@ def snapshot(root):
     return found
 
 
-def run_cli(*args, cwd=REPO, prefix=()):
-    return subprocess.run(list(prefix) + [sys.executable, "-m", "hermes_state"] + list(args),
+def run_cli(*args, cwd=REPO, prefix=(), python=sys.executable):
+    return subprocess.run(list(prefix) + [python, "-m", "hermes_state"] + list(args),
                           cwd=cwd, capture_output=True, text=True, timeout=900)
+
+
+def python_for(prefix):
+    """An interpreter the user of `prefix` can start: ours, else the system's, else None.
+
+    pyenv's shared builds find libpython through a runpath under root's home, which another user
+    cannot read; our modules need only the standard library, so any CPython 3.8+ will do.
+    """
+    for python in (sys.executable, shutil.which("python3", path="/usr/bin:/bin")):
+        if python and subprocess.run(
+                list(prefix) + [python, "-c", "import sys; assert sys.version_info >= (3, 8)"],
+                capture_output=True, timeout=60).returncode == 0:
+            return python
+    return None
 
 
 # Run install in a child that SIGKILLs itself right after its Nth call of os.replace (a backup or
@@ -217,6 +231,9 @@ class Refusals(HostTestCase):
             prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
             if shutil.which("setpriv") is None:
                 self.skipTest("running as root without setpriv to drop to another user")
+            python = python_for(prefix)
+            if python is None:
+                self.skipTest("no Python 3.8+ that user nobody can start")
             # CI's clone sits in a 0700 mktemp folder nobody cannot enter: run a copy of ours
             cwd = tempfile.mkdtemp(prefix="ours-", dir=self.tmp)
             self.addCleanup(shutil.rmtree, cwd, ignore_errors=True)
@@ -224,10 +241,10 @@ class Refusals(HostTestCase):
             for module in glob.glob(os.path.join(REPO, "hermes_*.py")):
                 shutil.copy(module, cwd)
         else:
-            prefix, cwd = [], REPO
+            prefix, cwd, python = [], REPO, sys.executable
             self.addCleanup(os.chmod, self.site, os.stat(self.site).st_mode)
             os.chmod(self.site, 0o555)
-        run = run_cli("install", path, cwd=cwd, prefix=prefix)
+        run = run_cli("install", path, cwd=cwd, prefix=prefix, python=python)
         self.assertRefused(run, "is read-only to this user; nothing was changed")
 
     def test_db_is_a_usage_mistake_for_install(self):
