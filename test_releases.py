@@ -165,8 +165,9 @@ class StoresSharedWithReleases(TempDirTestCase):
                 finally:
                     conn.close()
                 with SessionDB(path) as db:
+                    # (0.22's own index is layout 3, which is ours: no FTS5 needed to say so)
                     self.assertEqual(db.fts_layout(), "legacy" if release == "0.19" else
-                                     "current" if HAS_FTS5 else "external")
+                                     "current" if HAS_FTS5 or release == "0.22" else "external")
                     self.assertEqual(len({h["id"] for h in db.search_messages("会话", limit=1000)}),
                                      3 + 2 * 2)  # the fixture's three, and ours and theirs (not the tool rows)
                     self.assertEqual(db.message_count(), count)
@@ -238,8 +239,8 @@ class OurPreviousLayout(TempDirTestCase):
                 count = self.raw(path).execute("SELECT COUNT(*) FROM messages").fetchone()[0]
                 if not HAS_FTS5:  # the move waits for FTS5; writes go on, the fallback answers
                     with SessionDB(path) as db:
-                        # (0.22 rebuilt messages_fts as its own external index there)
-                        self.assertEqual(db.fts_layout(), "external" if fixture.endswith("v22.db") else "previous")
+                        # (0.22 rebuilt messages_fts there as its layout 3, which is ours)
+                        self.assertEqual(db.fts_layout(), "current" if fixture.endswith("v22.db") else "previous")
                         new = db.append_message("prev_0", "user", "after the open 会话")
                         self.assertIn(new, {hit["id"] for hit in db.search_messages("会话", limit=1000)})
                     self.assertEqual(self.raw(path).execute("SELECT COUNT(*) FROM messages").fetchone()[0], count + 1)

@@ -545,7 +545,9 @@ class SearchGrammarIsOneLanguage(TempDirTestCase):
                 self.assertLessEqual(hits, {hit["id"] for hit in db.search_messages(
                     left, limit=100, grammar=GRAMMAR_BOOLEAN)})
         # hermes-agent's own reading of a query it scans: any term (issue 40's finding, kept by default).
-        self.assertEqual({hit["id"] for hit in db.search_messages("迁移 NOT schema")}, {1, 2, 3})
+        # Where SQLite has no FTS5, 'schema' is scanned too and row 9's 'schemas' holds it.
+        self.assertEqual({hit["id"] for hit in db.search_messages("迁移 NOT schema")},
+                         {1, 2, 3} if "word" in SEARCHABLE else {1, 2, 3, 9})
 
     def test_an_unknown_grammar_names_the_field(self):
         db, _rows = self.store("full")

@@ -52,7 +52,9 @@ SOURCES = {
 # What a distribution's build carries (Debian's and Ubuntu's flags, less what nothing here reads).
 COMMON = ["-DSQLITE_ENABLE_COLUMN_METADATA", "-DSQLITE_ENABLE_DBSTAT_VTAB",
           "-DSQLITE_ENABLE_UNLOCK_NOTIFY", "-DSQLITE_SECURE_DELETE", "-DSQLITE_ENABLE_RTREE",
-          "-DSQLITE_MAX_VARIABLE_NUMBER=250000", "-DSQLITE_THREADSAFE=1"]
+          "-DSQLITE_MAX_VARIABLE_NUMBER=250000", "-DSQLITE_THREADSAFE=1",
+          # configure's builds define it; without it SQLite's busy handler sleeps whole seconds
+          "-DHAVE_USLEEP=1"]
 
 RUNTIMES = [
     {"name": "3.53.2 fts5", "version": "3.53.2", "fts5": True,
