@@ -906,14 +906,15 @@ def restore_home(archive_path, db_path=None, *, force=False, write_budget=WRITE_
         raise RuntimeError(
             f"restore refused: this process has {db_path} open; close every SessionDB on it "
             "first; nothing was restored")
-    if db_path.exists() and db_path.stat().st_size and not force:
-        raise FileExistsError(f"{db_path} exists; restore replaces a whole home only with --force "
-                              "(the current store is then kept as a .bak file); nothing was "
-                              "restored")
     created = []
     try:
         with open_archive(archive_path) as archive:
             files = check_archive(archive, archive_path, home, STATE_DB_FILENAME)
+            # After the archive's check: a file that is no backup is said so, --force or not.
+            if db_path.exists() and db_path.stat().st_size and not force:
+                raise FileExistsError(
+                    f"{db_path} exists; restore replaces a whole home only with --force (the "
+                    "current store is then kept as a .bak file); nothing was restored")
             created = _private_dirs(home)  # a new home and its missing parents are created 0700
             with tempfile.TemporaryDirectory(prefix=".restore-", dir=home) as scratch:
                 unpack_verified(archive, files, Path(scratch))

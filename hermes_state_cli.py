@@ -142,7 +142,7 @@ def check_store(path, *, may_create=False):
     try:
         reason = damage_reason(path)
     except OSError as exc:
-        raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
+        raise CommandError(f"cannot read {path}: {os_error_text(exc, with_name=False)}") from None
     if reason is not None:
         what = _DAMAGE_WORDS.get(reason, reason)
         raise CommandError(f"{path} is not a SQLite store ({what}); it was left as it is")
@@ -185,13 +185,22 @@ def journal_in_header(path):
 def agent_open_would(db, header_journal=None):
     """What the agent's writable open would change in this (read-only) store, a phrase each."""
     changes = []
-    if db.stale_schema:
-        version = _safe(db.schema_version)
+    version = schema_behind(db)
+    if version is not None:
         changes.append(f"upgrade its schema from version {version} to {SCHEMA_VERSION}")
     journal = header_journal or _safe(lambda: db._read_value("PRAGMA journal_mode"))
     if isinstance(journal, str) and journal.lower() != db.policy.mode:
         changes.append(f"switch its journal from {journal.lower()} to {db.policy.mode}")
     return changes
+
+
+def schema_behind(db):
+    """The schema version a writable open would upgrade this (read-only) store from, or None.
+    Reads serve a 0.20 store's tables as they are, so its version says more than what reads miss;
+    without FTS5 the open holds the version back (docs/search.md, "Degraded runtimes")."""
+    version = _safe(db.schema_version)
+    behind = isinstance(version, int) and version < SCHEMA_VERSION and db.fts_caps.fts5
+    return version if db.stale_schema or behind else None
 
 
 def os_error_text(exc, with_name=True):
@@ -264,8 +273,8 @@ def _cmd_list(db, args, out):
     total = db.session_count(source=args.source, exclude_sources=hidden,
                              include_archived=args.archived, exclude_children=not everything)
     if args.limit and len(sessions) == args.limit and total > args.offset + len(sessions):
-        sys.stderr.write(f"showing {len(sessions):,} of {total:,} sessions (-n 0 for all, --offset "
-                         f"{args.offset + len(sessions)} for the next page)\n")
+        sys.stderr.write(f"showing {len(sessions):,} of {plural(total, 'session')} (-n 0 for all, "
+                         f"--offset {args.offset + len(sessions)} for the next page)\n")
     elif not sessions:
         sys.stderr.write(f"no sessions past offset {args.offset:,} of {total:,}\n" if total
                          else "no sessions\n")
@@ -299,7 +308,7 @@ def _cmd_search(db, args, out):
     hits = _numbered(db, hits[:args.limit] if args.limit else hits)
     _write_listing(hits, args, out, partial(hit_rows, hits, args.query))
     if more:
-        sys.stderr.write(f"showing the first {len(hits):,} hits; more match (-n 0 for all, "
+        sys.stderr.write(f"showing the first {plural(len(hits), 'hit')}; more match (-n 0 for all, "
                          f"--offset {args.offset + len(hits)} for the next page)\n")
     elif not hits:
         sys.stderr.write("no hits\n")
@@ -458,7 +467,6 @@ def _cmd_optimize_storage(db, args, out):
             progress.phase(step["phase"], detail)
         elif step["total"]:
             progress.update(step["indexed"], step["total"], "rows")
-    before = store_file_bytes(db.db_path)
     try:
         result = db.optimize_fts_storage(progress_cb=report, vacuum=not args.no_vacuum)
     except KeyboardInterrupt:
@@ -473,7 +481,8 @@ def _cmd_optimize_storage(db, args, out):
         print_json(result, out)
     else:
         after = human_size(store_file_bytes(db.db_path))
-        out.write(f"{db.db_path}: {human_size(before)} -> {after}, layout {db.fts_layout()}\n")
+        out.write(f"{db.db_path}: {human_size(args.bytes_before)} -> {after}, layout "
+                  f"{db.fts_layout()}\n")
     return 0
 
 
@@ -542,7 +551,7 @@ def _cmd_export(db, args, out):
         raise
     finally:
         cleanup()
-    progress.finish(f"exported {count:,} sessions as {args.format} to {args.out}"
+    progress.finish(f"exported {plural(count, 'session')} as {args.format} to {args.out}"
                     f"{' (redacted, best effort)' if args.redact else ''}")
     if args.json and args.out != "-":
         print_json({"exported": count, "format": args.format, "out": args.out,
@@ -569,8 +578,8 @@ def _read_import(args):
         handle, copy = _read_jsonl(args.file)
     except OSError as exc:
         progress.finish()
-        raise CommandError(f"cannot read {args.file}: {exc.strerror or exc}; nothing was "
-                           "imported") from None
+        raise CommandError(f"cannot read {args.file}: {os_error_text(exc, with_name=False)}; "
+                           "nothing was imported") from None
     # (imported here, not at the top: the checks are the import command's alone)
     from hermes_state_portability import IMPORT_ERRORS_SHOWN, check_import_file
     reader = copy or handle  # what the writes read again
@@ -591,7 +600,7 @@ def _read_import(args):
         progress.finish()
         raise
     reader.seek(0)
-    progress.phase("checked", f"{sessions:,} sessions, every line valid")
+    progress.phase("checked", f"{plural(sessions, 'session')}, every line valid")
     return (reader, name, digest), progress
 
 
@@ -755,11 +764,11 @@ def _cmd_backup(db, args, out):
     with _writing(args.out):
         result = db.backup(args.out)
     size = human_size(os.path.getsize(result["archive"]))
-    progress.finish(f"{len(result['files'])} files, {size}")
+    progress.finish(f"{plural(len(result['files']), 'file')}, {size}")
     if args.json:
         print_json(result, out)
     else:
-        out.write(f"backed up {len(result['files'])} files of {db.db_path.parent} to "
+        out.write(f"backed up {plural(len(result['files']), 'file')} of {db.db_path.parent} to "
                   f"{result['archive']}\n")
     return 0
 
@@ -777,14 +786,14 @@ def _cmd_restore(args, out):
         reason = str(exc)
         reason = reason[len(_ARCHIVE_REFUSED):] if reason.startswith(_ARCHIVE_REFUSED) else reason
         raise CommandError(f"restore refused: {reason}") from None
-    progress.finish(f"{len(result['restored'])} files")
+    progress.finish(plural(len(result['restored']), 'file'))
     for kept in result["moved_aside"]:
         sys.stderr.write(f"kept the replaced file as {kept}\n")
     if args.json:
         print_json(result, out)
     else:
         home = Path(result["db_path"]).parent
-        out.write(f"restored {len(result['restored'])} files into {home}\n")
+        out.write(f"restored {plural(len(result['restored']), 'file')} into {home}\n")
     return 0
 
 
@@ -1161,8 +1170,10 @@ def _run(args, out):
         if args.command == "import":
             args.sessions, args.progress = _read_import(args)
         before = _stale_version(path)
+        # the file as stats saw it, before the open's upgrade grows it (optimize-storage's "from")
+        args.bytes_before = store_file_bytes(path) if os.path.exists(path) else 0
         db = SessionDB(path)
-        if before is not None:
+        if before is not None and before != db.schema_version():
             args.schema_upgraded = (before, db.schema_version())
             sys.stderr.write(f"{args.command}: upgraded the schema of {path} from version "
                              f"{before} to {args.schema_upgraded[1]}, as the agent's next open "
@@ -1178,6 +1189,6 @@ def _stale_version(path):
         return None
     try:
         with SessionDB(path, read_only=True) as peek:
-            return peek.schema_version() if peek.stale_schema else None
+            return schema_behind(peek)
     except (OSError, sqlite3.Error):
         return None

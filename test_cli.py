@@ -18,6 +18,7 @@ import unicodedata
 from pathlib import Path
 
 from hermes_state import SessionDB
+from hermes_state_schema import SCHEMA_VERSION
 from test_support import HAS_FTS5, REPO, V22_DB, TempDirTestCase
 
 
@@ -359,14 +360,43 @@ class ReadingRealStores(CliCase):
         self.assertTrue(report["search_meta"])
         self.assertNotIn(None, report["search_meta"].values())
 
-    def test_optimize_says_it_upgraded_a_019_stores_schema(self):
-        db = str(self.copy_fixture(V22_DB))
-        first = self.run_cli("--db", db, "optimize")
-        self.assertEqual(first.returncode, 0, first.stderr)
-        self.assertRegex(first.stdout, rf"^upgraded the schema of {re.escape(db)} from version 22 "
-                                       r"to \d+\n")
-        again = self.run_cli("--db", db, "optimize", "--json")
-        self.assertIsNone(json.loads(again.stdout)["schema_upgraded"])
+    def test_one_of_a_thing_is_said_in_the_singular(self):
+        home = self.tmp / "home"
+        home.mkdir()
+        shutil.copy(self.copy_fixture(V31_DB), home / "state.db")
+        said = {args: self.run_cli(*args) for args in (
+            ("search", "-n", "1", "session"), ("list", "-n", "1"),
+            ("export", "--session-id", self.cli_json("list", "-n", "1", "--json")[0]["id"],
+             str(self.tmp / "one.jsonl")),
+            ("backup", str(self.tmp / "one.zip")))}
+        for args, done in said.items():
+            self.assertEqual(done.returncode, 0, (args, done.stderr))
+            self.assertNotRegex(done.stdout + done.stderr, r"\b1 (hits|sessions|files)\b", args)
+        self.assertIn("showing the first 1 hit; more match", said[("search", "-n", "1", "session")].stderr)
+        self.assertRegex(said[("backup", str(self.tmp / "one.zip"))].stdout, r"^backed up 1 file of ")
+        self.assertIn("exported 1 session as jsonl", "".join(
+            done.stderr for args, done in said.items() if args[0] == "export"))
+        lines = self.run_cli("import", str(self.tmp / "one.jsonl")).stderr
+        self.assertIn("checked: 1 session, every line valid", lines)
+
+    def test_optimize_says_it_upgraded_a_019_or_020_stores_schema_and_stats_said_it_would(self):
+        for fixture, version in ((V22_DB, 22), (V26_DB, 26)):
+            with self.subTest(fixture=fixture):
+                db = str(self.copy_fixture(fixture))
+                would = self.cli_json("--db", db, "stats", "--json")["agent_open_would"]
+                first = self.run_cli("--db", db, "optimize")
+                self.assertEqual(first.returncode, 0, first.stderr)
+                again = self.run_cli("--db", db, "optimize", "--json")
+                self.assertIsNone(json.loads(again.stdout)["schema_upgraded"])
+                self.assertEqual(self.cli_json("--db", db, "stats", "--json")["agent_open_would"],
+                                 [])
+                if not HAS_FTS5:  # the open holds the version back there: nothing to say
+                    self.assertNotIn("upgraded the schema", first.stdout + first.stderr)
+                    continue
+                upgrade = f"upgrade its schema from version {version} to {SCHEMA_VERSION}"
+                self.assertIn(upgrade, would)
+                self.assertRegex(first.stdout, rf"^upgraded the schema of {re.escape(db)} from "
+                                               rf"version {version} to {SCHEMA_VERSION}\n")
 
 
 class ErrorsInOneLine(CliCase):
@@ -378,11 +408,26 @@ class ErrorsInOneLine(CliCase):
         self.assertNotIn("Traceback", done.stderr)
         self.assertNotIn("[Errno", done.stderr)
 
+    def test_a_missing_import_file_is_said_in_lower_case_and_nothing_is_made(self):
+        missing = self.tmp / "none.jsonl"
+        self.assert_one_error(self.run_cli("import", str(missing)),
+                              f"cannot read {missing}: no such file or directory; nothing was "
+                              "imported")
+        self.assertFalse((self.tmp / "home").exists())
+
     def test_a_bad_archive_is_refused_by_restore(self):
         bad = self.tmp / "notes.zip"
         bad.write_text("not a zip")
         self.assert_one_error(self.run_cli("restore", str(bad)),
                               f"restore refused: {bad} is not a zip archive; nothing was restored")
+        # With a store in place the archive is still looked at first: --force would not help.
+        store = self.tmp / "home" / "state.db"
+        store.parent.mkdir()
+        shutil.copy(self.copy_fixture(V26_DB), store)
+        before = store.read_bytes()
+        self.assert_one_error(self.run_cli("restore", str(bad)),
+                              f"restore refused: {bad} is not a zip archive; nothing was restored")
+        self.assertEqual(store.read_bytes(), before)
         self.assert_one_error(self.run_cli("restore", str(self.tmp / "none.zip")),
                               f"restore: {self.tmp / 'none.zip'} does not exist; give the zip "
                               "`backup` wrote")
