@@ -360,6 +360,13 @@ class ReadingRealStores(CliCase):
         self.assertTrue(report["search_meta"])
         self.assertNotIn(None, report["search_meta"].values())
 
+    def test_list_hides_a_delegate_run_as_hermes_agent_lists_and_all_shows_it(self):
+        db = str(self.copy_fixture("hermes_v31_raw_readers.db"))
+        shown = [row["id"] for row in self.cli_json("--db", db, "list", "--json")]
+        everything = [row["id"] for row in self.cli_json("--db", db, "list", "--all", "--json")]
+        self.assertNotIn("deleg_1", shown)
+        self.assertEqual(sorted(everything), sorted(shown + ["deleg_1"]))
+
     def test_one_of_a_thing_is_said_in_the_singular(self):
         home = self.tmp / "home"
         home.mkdir()
