@@ -518,10 +518,12 @@ class SearchOracle:
             got += [h["id"] for h in page]
             times.append([h["timestamp"] for h in page])
             offset += limit
-            # A page past the last whole-word hit is retried as substrings (as hermes-agent does; test below):
-            # stop at a short page, and skip the empty page after an exact multiple when a retry could apply.
-            if len(page) < limit or (len(got) == len(expected) and _substring_retry(parse_query(query, grammar) or
-                                                                                    ("and", []))):
+            # A page past the last whole-word hit is retried as substrings (as hermes-agent does; test below),
+            # and by hermes-agent's reading with any of its words: stop at a short page, and skip the empty
+            # page after an exact multiple when a retry could apply.
+            tree = parse_query(query, grammar) or ("and", [])
+            if len(page) < limit or (len(got) == len(expected) and (
+                    _substring_retry(tree) or (grammar == GRAMMAR_HERMES and _any_term(tree)))):
                 break
             if offset > 10 * (len(rows) + limit):
                 break
