@@ -198,11 +198,15 @@ def _normalise(tokens):
     return cleaned
 
 
-def parse_query(query):
+def parse_query(query, grammar=GRAMMAR_HERMES):
     """A tree of ('term', Term) / ('and'|'or', [nodes]) / ('not', left, right), or None.
 
-    OR binds loosest, then AND (also implicit between terms), then the binary
-    NOT ("a NOT b" is a and not b). Parentheses are not syntax here."""
+    OR binds loosest, then AND (also implicit between terms), then the binary NOT ("a NOT b" is
+    a and not b). hermes-agent's reading drops what it cannot read (parentheses, dangling
+    operators, terms past the cap); the boolean one (_parse_boolean) reads parentheses and `-`
+    and raises QuerySyntaxError for the rest."""
+    if grammar == GRAMMAR_BOOLEAN:
+        return _parse_boolean(query)
     tokens = _normalise(_tokens(query))
     if not tokens:
         return None
@@ -237,6 +241,124 @@ def parse_query(query):
     while take("OR"):
         nodes.append(and_expr())
     return nodes[0] if len(nodes) == 1 else ("or", nodes)
+
+
+class QuerySyntaxError(ValueError):  # -> hermes_state_errors
+    """A query the boolean grammar cannot read as written; its one line names the query."""
+
+
+# A boolean query's pieces: dashes (a NOT) before a phrase, a '(' or a word; or a ')'. A '"'
+# without its pair is dropped, as hermes-agent's sanitiser drops it.
+_BOOLEAN_TOKEN_RE = re.compile(r'(-*)(?:"([^"]*)"|(\()|([^\s()"]+))|(\))')
+# FTS5's column filter (`content:x`, `{content tool_name}:x`), outside phrases; only the names of
+# the columns count (`key:value` and `12:30` stay words).
+_COLUMN_FILTER_RE = re.compile(
+    r"(?<![\w-])-?(?:\{\s*(?:(?:content|tool_name|tool_calls)\s*)+\}|content|tool_name"
+    r"|tool_calls)\s*:", re.IGNORECASE)
+_GROUP_DEPTH_MAX = 32
+_NOT_SPELLINGS = {"NOT": "NOT", "-": "'-' (NOT)"}
+
+
+def _boolean_tokens(query, fail):
+    """Terms, "(", ")", "AND", "OR", "NOT" and "-" (a NOT typed as a leading dash); `AND NOT`
+    is a NOT."""
+    if len(query) > QUERY_MAX_CHARS:
+        fail(f"a query is at most {QUERY_MAX_CHARS:,} characters")
+    cleaned = CONTROL_RE.sub(" ", query)
+    if _COLUMN_FILTER_RE.search(re.sub(r'"[^"]*"', " ", cleaned)):
+        fail("column filters (content:...) are not supported; search the words alone")
+    tokens = []
+    for dashes, phrase, group, word, close in _BOOLEAN_TOKEN_RE.findall(cleaned):
+        if word in ("AND", "OR", "NOT") and not dashes:
+            pieces = [word]
+        elif group or close:
+            pieces = [group or close]
+        else:
+            parts = [" ".join(phrase.split())] if phrase is not None and word == "" else \
+                FTS_SYNTAX_RE.sub(" ", word).lstrip("-").split()
+            pieces = [Term(text, bool(word) and word.endswith("*") and n == len(parts) - 1)
+                      for n, text in enumerate(parts) if any(ch.isalnum() for ch in text)]
+        if dashes and pieces:
+            pieces.insert(0, "-")
+        for piece in pieces:
+            if piece in ("NOT", "-") and tokens and tokens[-1] == "AND":
+                tokens[-1] = piece
+            else:
+                tokens.append(piece)
+    if sum(isinstance(token, Term) for token in tokens) > QUERY_MAX_TERMS:
+        fail(f"a query holds at most {QUERY_MAX_TERMS} terms")
+    return tokens
+
+
+def _parse_boolean(query):
+    """`query` read as written: terms, phrases, prefix*, AND (or nothing), OR, NOT (or a leading
+    `-`), parentheses. A NOT with no term before it in its group, an operator with no term after
+    it, an unbalanced parenthesis, an empty group or a column filter raise QuerySyntaxError."""
+    shown = query if len(query) <= 80 else query[:77] + "..."
+
+    def fail(problem):
+        raise QuerySyntaxError(f"{problem}: {shown!r}")
+    tokens = _boolean_tokens(query, fail)
+    if not any(isinstance(token, Term) for token in tokens):
+        return None
+    position, depth = 0, 0
+
+    def peek():
+        return tokens[position] if position < len(tokens) else None
+
+    def take():
+        nonlocal position
+        position += 1
+        return tokens[position - 1] if position <= len(tokens) else None
+
+    def operand(after):
+        """A term or a group; `after` the operator typed before it (None at a group's start)."""
+        nonlocal depth
+        token = take()
+        if isinstance(token, Term):
+            return ("term", token)
+        if token == "(":
+            depth += 1
+            if depth > _GROUP_DEPTH_MAX:
+                fail(f"parentheses nest at most {_GROUP_DEPTH_MAX} deep")
+            if peek() == ")":
+                fail("a group '( )' holds no term")
+            node = or_expr()
+            if take() != ")":
+                fail("a '(' has no ')'")
+            depth -= 1
+            return node
+        if token in _NOT_SPELLINGS:
+            fail(f"{_NOT_SPELLINGS[token]} needs a term before it")
+        if after is not None:
+            fail(f"{after} needs a term after it")
+        if token == ")":
+            fail("a ')' has no '('")
+        fail(f"{token} needs a term before it")
+
+    def not_expr(after):
+        node = operand(after)
+        while peek() in _NOT_SPELLINGS:
+            node = ("not", node, operand(_NOT_SPELLINGS[take()]))
+        return node
+
+    def and_expr(after):
+        nodes = [not_expr(after)]
+        while peek() not in (None, ")", "OR"):
+            nodes.append(not_expr(take() if peek() == "AND" else None))
+        return nodes[0] if len(nodes) == 1 else ("and", nodes)
+
+    def or_expr():
+        nodes = [and_expr(None)]
+        while peek() == "OR":
+            take()
+            nodes.append(and_expr("OR"))
+        return nodes[0] if len(nodes) == 1 else ("or", nodes)
+
+    tree = or_expr()
+    if position < len(tokens):
+        fail("a ')' has no '('")
+    return tree
 
 
 def _leaves(node):
@@ -508,7 +630,7 @@ class SessionSearchMixin:
                              f" not {grammar!r}")
         if not query or not query.strip():
             return []
-        tree = parse_query(query)
+        tree = parse_query(query, grammar)
         if tree is None:
             return []
         sort = sort.strip().lower() if isinstance(sort, str) else None

@@ -8,6 +8,8 @@ the same time), the drift checks of our three indexes (FTS5 'integrity-check', t
 its time bounds against the rows), and one test for each finding of the oracle.
 It must not touch product code; it reads the store through plain sqlite3 connections only to build the oracle.
 """
+import json
+import os
 import random
 import re
 import sqlite3
@@ -16,14 +18,17 @@ import sys
 import time
 import unicodedata
 import unittest
+from collections import namedtuple
 
 from hermes_state import SessionDB
 from hermes_state_common import (
-    CJK_BLOCK_BITS, CJK_CHAR_CLASS, FTS_TRIGRAM_EXCLUDED_SOURCES, TOOL_INDEX_PREFIX_CHARS)
+    CJK_BLOCK_BITS, CJK_CHAR_CLASS, FTS_TRIGRAM_EXCLUDED_SOURCES, QUERY_MAX_CHARS, QUERY_MAX_TERMS,
+    TOOL_INDEX_PREFIX_CHARS)
 from hermes_state_search import (
     GRAMMAR_BOOLEAN, GRAMMAR_HERMES, _any_term, _leaves, _substring_retry, cjk_terms,
     parse_query)
-from test_support import REPO, SEARCHABLE, TempDirTestCase, backdate, without_fts5, without_trigram
+from test_support import (
+    REPO, SEARCHABLE, V26_DB, TempDirTestCase, backdate, without_fts5, without_trigram)
 
 CJK_RE = re.compile(f"[{CJK_CHAR_CLASS}]")  # the oracle's own, beside the product's
 
@@ -120,32 +125,92 @@ def tree_matches(row, node, *args):
     return all(results) if kind == "and" else any(results)
 
 
+# The oracle's own reading of a boolean query (docs/search.md, "Query language"), apart from the product's parser:
+# the query becomes a Python expression over t(n), its n-th term, and Python's precedence (not, and, or) is the
+# documented one: `a NOT b` is `a and not b`, words side by side are ANDed, `-word` is `NOT word`, `AND NOT` is
+# NOT. What Python cannot compile (a leading NOT, a dangling operator, an unbalanced parenthesis) the product
+# must refuse, as an empty group and a column filter.
+OracleTerm = namedtuple("OracleTerm", "text prefix")
+ORACLE_PIECE_RE = re.compile(r'(-*)("[^"]*"|\(|\)|[^\s()"]+)')
+OPERATORS = {"AND": "and", "OR": "or", "NOT": "and not"}
+
+
+def boolean_reading(query):
+    """(terms, compiled expression over t(n)); (None, None) for a query holding no term; ValueError for a query
+    the product must refuse."""
+    terms, python = [], []
+    for dashes, piece in ORACLE_PIECE_RE.findall(query):
+        if re.match(r"\{?(content|tool_name|tool_calls)\b[^:]*:", piece, re.IGNORECASE):
+            raise ValueError(f"column filter {piece!r}")
+        if piece in OPERATORS and not dashes:
+            if piece == "NOT" and python[-1:] == ["and"]:
+                python.pop()
+            python.append(OPERATORS[piece])
+            continue
+        if dashes:
+            python.append("and not")
+        elif python and (python[-1] == ")" or python[-1].startswith("t(")) and piece != ")":
+            python.append("and")  # side by side
+        if piece in "()":
+            python.append(piece)
+            continue
+        prefix = piece.endswith("*") and not piece.startswith('"')
+        terms.append(OracleTerm(" ".join(piece.strip('"*').split()), prefix))
+        python.append(f"t({len(terms) - 1})")
+    if len(query) > QUERY_MAX_CHARS or len(terms) > QUERY_MAX_TERMS:
+        raise ValueError(f"{query[:20]!r}... is past the limits")
+    if not terms:
+        return None, None
+    expression = " ".join(python)
+    if re.search(r"\(\s*\)", expression):
+        raise ValueError(f"an empty group in {query!r}")
+    try:
+        return terms, compile(expression, "<query>", "eval")
+    except SyntaxError:
+        raise ValueError(f"{query!r} is not a boolean query") from None
+
+
 def oracle(rows, query, usable, role_filter=None, include_inactive=False, sources=None, excluded=None,
            window=(None, None), grammar=GRAMMAR_HERMES):
     """(ids search_messages should return, whether the answer is a newest-first scan, whether it retried).
-    `window`: whole seconds (after, before) the session's start must fall in, after inclusive."""
-    tree = parse_query(query)
-    if tree is None:
-        return set(), False, False
+    `window`: whole seconds (after, before) the session's start must fall in, after inclusive. A boolean query
+    the product must refuse raises ValueError."""
     roles = [role_filter] if isinstance(role_filter, str) else list(role_filter or [])
     tool_rows = "tool" in roles
     if tool_rows:
         usable = set()
-    cjk = [t for t in _leaves(tree) if CJK_RE.search(t.text)]
-    scans = grammar == GRAMMAR_HERMES and bool(cjk) and (
-        any(len(CJK_RE.findall(t.text)) < 3 for t in cjk) or "trigram" not in usable or tool_rows)
-    if scans:
-        tree = ("or", [("term", t) for t in _leaves(tree)])
+    if grammar == GRAMMAR_BOOLEAN:
+        terms, expression = boolean_reading(query)
+        if terms is None:
+            return set(), False, False
+        scans = False
+        retries = all(len(t.text) >= 3 and not CJK_RE.search(t.text) for t in terms)
+
+        def matches(row, substring):
+            return eval(expression, {"t": lambda n: term_matches(row, terms[n], usable, substring, tool_rows)})
+    else:
+        tree = parse_query(query)
+        if tree is None:
+            return set(), False, False
+        cjk = [t for t in _leaves(tree) if CJK_RE.search(t.text)]
+        scans = bool(cjk) and (
+            any(len(CJK_RE.findall(t.text)) < 3 for t in cjk) or "trigram" not in usable or tool_rows)
+        if scans:
+            tree = ("or", [("term", t) for t in _leaves(tree)])
+        retries = _substring_retry(tree)
+
+        def matches(row, substring):
+            return tree_matches(row, tree, usable, substring, tool_rows)
     visible = [r for r in rows if (include_inactive or r["active"] == 1 or r["compacted"] == 1)
                and (not roles or r["role"] in roles) and (sources is None or r["source"] in sources)
                and (not excluded or r["source"] not in excluded)
                and (window[0] is None or r["started_at"] >= window[0])
                and (window[1] is None or r["started_at"] < window[1]) and r["display_kind"] != "hidden"]
-    hits = {r["id"] for r in visible if tree_matches(r, tree, usable, False, tool_rows)}
+    hits = {r["id"] for r in visible if matches(r, False)}
     retried = False
-    if not hits and "word" in usable and _substring_retry(tree):
+    if not hits and "word" in usable and retries:
         retried = True
-        hits = {r["id"] for r in visible if tree_matches(r, tree, usable, True, tool_rows)}
+        hits = {r["id"] for r in visible if matches(r, True)}
     relaxed = _any_term(tree) if grammar == GRAMMAR_HERMES and not hits else None
     if relaxed:  # 0.22's retry of an all-words query that found nothing: any of its words
         hits = {r["id"] for r in visible if tree_matches(r, relaxed, usable, False, tool_rows)}
@@ -360,12 +425,12 @@ class Workload:
         return subprocess.Popen([sys.executable, "-c", code, str(REPO), str(self.path), str(count), self.mode])
 
     def queries(self, rows, count):
-        """Sampled queries: words, pairs, phrases, prefixes, CJK of 1-4 letters, mixed, operators."""
+        """Sampled queries: words, pairs, phrases, prefixes, CJK of 1-4 letters, mixed, operators, groups."""
         rnd = self.rnd
         texts = [r["content"] for r in rows if r["content"] and not r["content"].startswith("\x00")] or ["alpha"]
         out = []
         for _ in range(count):
-            kind = rnd.randrange(9)
+            kind = rnd.randrange(10)
             source = rnd.choice(texts)
             cjk_runs = [run for run in CJK_RE.findall(source)] or [rnd.choice(CJK)]
             run = "".join(CJK_RE.findall(source)) or CJK
@@ -387,8 +452,12 @@ class Workload:
                 out.append(f"{rnd.choice(cjk_runs)[:rnd.randint(1, 4)]} {rnd.choice(WORDS)}")
             elif kind == 7:
                 out.append(f"{rnd.choice(WORDS)} {rnd.choice(['OR', 'NOT', 'AND'])} {rnd.choice(WORDS)}")
-            else:
+            elif kind == 8:
                 out.append(rnd.choice(["oob", "erv", "chem", "ploy", "onfi"]))  # substring retry
+            else:  # groups and `-` (hermes-agent's reading drops both)
+                a, b, c = (rnd.choice([rnd.choice(WORDS), rnd.choice(cjk_runs)[:rnd.randint(1, 4)]])
+                           for _ in range(3))
+                out.append(rnd.choice([f"({a} OR {b}) {c}", f"{a} -{b}", f"{a} NOT ({b} OR {c})"]))
         return out
 
 
@@ -431,25 +500,35 @@ class SearchOracle:
         start = int(rnd.choice(rows)["started_at"]) if rows else 0
         window = rnd.choice([(None, None)] * 4 + [(start, None), (None, start), (start, start + 1),
                                                   (start + 1, None)])
-        expected, scans, retried = oracle(rows, query, usable, roles, inactive, sources, excluded, window)
+        grammar = rnd.choice([GRAMMAR_HERMES, GRAMMAR_HERMES, GRAMMAR_BOOLEAN])
+        try:
+            expected, scans, retried = oracle(rows, query, usable, roles, inactive, sources, excluded, window,
+                                              grammar)
+        except ValueError:  # one the boolean reading refuses (a phrase cut from a long row: past the limit)
+            with self.case.assertRaises(ValueError, msg=query):
+                db.search_messages(query, grammar=grammar)
+            return []
         limit = rnd.choice([3, 7, 20])
         got, times, offset = [], [], 0
         while True:
             page = db.search_messages(query, source_filter=sources, exclude_sources=excluded, role_filter=roles,
                                       include_inactive=inactive, sort=sort, after_ts=window[0],
-                                      before_ts=window[1], limit=limit, offset=offset, fields=("id", "timestamp"))
+                                      before_ts=window[1], limit=limit, offset=offset, fields=("id", "timestamp"),
+                                      grammar=grammar)
             got += [h["id"] for h in page]
             times.append([h["timestamp"] for h in page])
             offset += limit
-            # A page past the last whole-word hit is retried as substrings (as hermes-agent does; test below):
-            # stop at a short page, and skip the empty page after an exact multiple when a retry could apply.
-            if len(page) < limit or (len(got) == len(expected) and _substring_retry(parse_query(query) or
-                                                                                    ("and", []))):
+            # A page past the last whole-word hit is retried as substrings (as hermes-agent does; test below),
+            # and by hermes-agent's reading with any of its words: stop at a short page, and skip the empty
+            # page after an exact multiple when a retry could apply.
+            tree = parse_query(query, grammar) or ("and", [])
+            if len(page) < limit or (len(got) == len(expected) and (
+                    _substring_retry(tree) or (grammar == GRAMMAR_HERMES and _any_term(tree)))):
                 break
             if offset > 10 * (len(rows) + limit):
                 break
         label = f"seed {self.seed} {self.mode} round {round_no}: {query!r} roles={roles} inactive={inactive} " \
-                f"sources={sources} excluded={excluded} window={window} sort={sort} limit={limit}"
+                f"sources={sources} excluded={excluded} window={window} sort={sort} limit={limit} {grammar}"
         problems = []
         if len(got) != len(set(got)):
             problems.append(f"{label}: a page repeats ids {sorted(i for i in set(got) if got.count(i) > 1)}")
@@ -459,7 +538,7 @@ class SearchOracle:
         whole = [h["id"] for h in db.search_messages(query, source_filter=sources, exclude_sources=excluded,
                                                       role_filter=roles, include_inactive=inactive, sort=sort,
                                                       after_ts=window[0], before_ts=window[1], limit=-1,
-                                                      fields=("id",))]
+                                                      fields=("id",), grammar=grammar)]
         if set(whole) != set(got) and set(got) == expected:
             problems.append(f"{label}: limit=-1 gives {sorted(set(whole) ^ set(got))} unlike the pages")
         if scans and len(whole) == len(got) and whole != got:
@@ -498,21 +577,36 @@ class SearchAgreesWithTheOracle(TempDirTestCase):
         self.assert_no_mismatch("without_fts5", 13)
 
 
-# The grammar table (issue 40): English, CJK of 1, 2 and 4 letters and mixed queries, with every operator.
+# The grammar table (issue 40): English, CJK of 1, 2 and 4 letters and mixed queries, with every operator,
+# parentheses, `-`, and the queries the boolean reading refuses (REFUSED: a leading NOT or `-`, a dangling
+# operator, an unbalanced or empty group, a column filter).
 GRAMMAR_LINES = [("cli", "user", "the parser reads the schema"), ("cli", "assistant", "迁移 done, schema kept"),
                  ("cli", "user", "迁移 alone here"), ("telegram", "user", "数据库服务端 restarted, parser ok"),
                  ("telegram", "assistant", "京都 and 大阪 trip"), ("cli", "user", "京 only 京"),
                  ("cron", "user", "nightly 数据库服务端 parser report"), ("cli", "tool", "parser 迁移 tool output"),
-                 ("cli", "user", "schemas and parsers, not the word itself"), ("telegram", "user", "修改youer服务端")]
+                 ("cli", "user", "schemas and parsers, not the word itself"), ("telegram", "user", "修改youer服务端"),
+                 ("cli", "user", "会话历史 kept with the schema"), ("telegram", "assistant", "会话历史 and 数据库迁移"),
+                 ("cli", "assistant", "会话 only, no history"), ("cron", "user", "数据库迁移 parser nightly")]
 GRAMMAR_QUERIES = ["parser", "parser schema", "parser AND schema", "parser OR 大阪", "parser NOT schema",
                    '"the parser"', "pars*", "迁", "迁移", "数据库服务", "迁移 schema", "迁移 NOT schema",
                    "schema NOT 迁移", "迁移 OR 京都", "京 NOT 京都", "数据库服务 parser", "数据库服务 NOT parser",
-                   "京都 大阪", '"京都 and"', "parser NOT 迁移 NOT 数据库服务", "youer", "服务端 OR schema"]
+                   "京都 大阪", '"京都 and"', "parser NOT 迁移 NOT 数据库服务", "youer", "服务端 OR schema",
+                   "会话历史", "会话历史 schema", "会话历史 OR 京都", "数据库迁移 NOT 会话历史", "会话 NOT 会话历史",
+                   "数据库迁移 parser", "(迁移 OR 会话) schema", "迁移 OR 会话 schema", "迁移 -schema",
+                   "迁移 AND NOT schema", "(京 OR parser) NOT (schema OR 大阪)", "parser (schema OR 会话历史)",
+                   '"the parser" -schema', "(会话 -会话历史) OR (京 -京都)", "((数据库迁移))"]
+REFUSED = ["NOT 迁移", "NOT schema", "-schema 迁移", "迁移 NOT", "会话 OR", "AND 京都", "迁移 OR NOT schema",
+           "(迁移 OR 会话", "迁移)", "会话历史 ()", "content:schema", "{content tool_name}:迁移"]
+
+
+def found(db, query, grammar=GRAMMAR_BOOLEAN):
+    return {hit["id"] for hit in db.search_messages(query, limit=-1, fields=("id",), grammar=grammar)}
 
 
 class SearchGrammarIsOneLanguage(TempDirTestCase):
     """With grammar='boolean', every query means what it says whatever the script of its terms, checked
-    against a scan of the same rows; a NOT never adds a hit. The default keeps hermes-agent's reading."""
+    against the oracle's own reading and scan of the same rows; a NOT never adds a hit. The default keeps
+    hermes-agent's reading."""
 
     def store(self, mode):
         path = self.tmp / f"{mode}.db"
@@ -533,26 +627,77 @@ class SearchGrammarIsOneLanguage(TempDirTestCase):
                 for grammar in (GRAMMAR_BOOLEAN, GRAMMAR_HERMES):
                     with self.subTest(mode=mode, query=query, grammar=grammar):
                         wanted, _scans, _retried = oracle(rows, query, MODES[mode][1], grammar=grammar)
-                        found = {hit["id"] for hit in db.search_messages(query, limit=100, grammar=grammar)}
-                        self.assertEqual(found, wanted)
+                        self.assertEqual(found(db, query, grammar), wanted)
+
+    def test_the_table_holds_cjk_terms_of_1_2_and_4_letters_and_its_groups_change_answers(self):
+        lengths = {len(t.text) for q in GRAMMAR_QUERIES for t in boolean_reading(q)[0] if CJK_RE.search(t.text)}
+        self.assertLessEqual({1, 2, 4}, lengths)
+        db, rows = self.store("full")
+        # The group typed holds; without it OR binds loosest: 迁移 OR (会话 AND schema). (The tool row's 迁移, 8, is
+        # left out as the trigram and CJK indexes leave tool rows out.)
+        self.assertEqual((found(db, "(迁移 OR 会话) schema"), found(db, "迁移 OR 会话 schema")),
+                         ({2, 11}, {2, 3, 11, 12, 14}))
+
+    def test_a_query_the_boolean_reading_cannot_read_is_refused_in_one_line_naming_it(self):
+        db, rows = self.store("full")
+        for query in REFUSED:
+            with self.subTest(query=query):
+                self.assertRaises(ValueError, oracle, rows, query, MODES["full"][1], grammar=GRAMMAR_BOOLEAN)
+                with self.assertRaisesRegex(ValueError, "^[^\\n]*: " + re.escape(repr(query)) + "$"):
+                    found(db, query)
+                # hermes-agent's reading drops what it cannot read, as hermes-agent does.
+                self.assertEqual(found(db, query, GRAMMAR_HERMES),
+                                 oracle(rows, query, MODES["full"][1])[0])
+        with self.assertRaisesRegex(ValueError, "NOT needs a term before it: 'NOT 迁移'"):
+            found(db, "NOT 迁移")
+        with self.assertRaisesRegex(ValueError, "column filters .* are not supported"):
+            found(db, "content:schema")
+        self.assertEqual(found(db, "key:value 12:30"), set())  # not column names: words
 
     def test_a_not_never_adds_a_hit(self):
         db, _rows = self.store("full")
-        for query in [q for q in GRAMMAR_QUERIES if " NOT " in q]:
-            with self.subTest(query=query):
-                left = query.split(" NOT ")[0]
-                hits = {hit["id"] for hit in db.search_messages(query, limit=100, grammar=GRAMMAR_BOOLEAN)}
-                self.assertLessEqual(hits, {hit["id"] for hit in db.search_messages(
-                    left, limit=100, grammar=GRAMMAR_BOOLEAN)})
+        for query in GRAMMAR_QUERIES:
+            left = re.split(r" (?:AND )?NOT | -", query)[0]
+            if left != query and left.count("(") == left.count(")"):
+                with self.subTest(query=query):
+                    self.assertLessEqual(found(db, query), found(db, left))
         # hermes-agent's own reading of a query it scans: any term (issue 40's finding, kept by default).
         # Where SQLite has no FTS5, 'schema' is scanned too and row 9's 'schemas' holds it.
-        self.assertEqual({hit["id"] for hit in db.search_messages("迁移 NOT schema")},
-                         {1, 2, 3} if "word" in SEARCHABLE else {1, 2, 3, 9})
+        self.assertEqual(found(db, "迁移 NOT schema", GRAMMAR_HERMES),
+                         {1, 2, 3, 11, 12, 14} if "word" in SEARCHABLE else {1, 2, 3, 9, 11, 12, 14})
 
     def test_an_unknown_grammar_names_the_field(self):
         db, _rows = self.store("full")
         with self.assertRaisesRegex(ValueError, "grammar must be 'hermes-agent' or 'boolean', not 'sql'"):
             db.search_messages("parser", grammar="sql")
+
+
+class SearchCommandAgreesWithTheScan(TempDirTestCase):
+    """`python3 -m hermes_state search QUERY --json` on a copy of a real 0.20 store (schema 26), against the
+    oracle's reading and scan of its rows."""
+
+    QUERIES = ["迁移", "schema", "迁移 schema", "迁移 NOT schema", "(迁移 OR 会话) schema", "迁移 -schema",
+               "关词话件", "关词话件 OR 分移本迁", "parser NOT (migration OR 迁移)", "版 OR 谱机缩文"]
+
+    def search(self, db, query):
+        env = dict(os.environ, HERMES_HOME=str(self.tmp / "home"), PYTHONPATH=str(REPO))
+        return subprocess.run([sys.executable, "-m", "hermes_state", "--db", db, "search", query, "-n", "0",
+                               "--json"], capture_output=True, text=True, env=env, cwd=self.tmp, timeout=120)
+
+    def test_the_command_answers_each_query_as_the_scan_and_refuses_a_leading_not(self):
+        db = str(self.copy_fixture(V26_DB))
+        rows = stored_rows(db)
+        for query in self.QUERIES:
+            with self.subTest(query=query):
+                wanted = oracle(rows, query, MODES["full"][1], grammar=GRAMMAR_BOOLEAN)[0]
+                run = self.search(db, query)
+                self.assertEqual(run.returncode, 0, run.stderr)
+                self.assertEqual({hit["id"] for hit in json.loads(run.stdout)}, wanted)
+        for query in ("NOT 迁移", "content:schema"):
+            with self.subTest(query=query):
+                run = self.search(db, query)
+                self.assertEqual((run.returncode, run.stdout, run.stderr.count("\n")), (1, "", 1), run.stderr)
+                self.assertIn(repr(query), run.stderr)
 
 
 class SearchFindingsOfTheOracle(TempDirTestCase):
