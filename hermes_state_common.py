@@ -686,6 +686,21 @@ JOURNAL_MODE_SQL = "PRAGMA journal_mode"
 
 # -- Small pure helpers -------------------------------------------------------
 
+class LazyModule:
+    """A standard module imported at its first attribute use (`import hermes_state` skips it)."""
+    def __init__(self, name):
+        self._name = name
+    def __getattr__(self, attr):
+        return getattr(__import__(self._name), attr)
+
+@functools.lru_cache(maxsize=None)
+def record_class(module, name, fields, *, frozen=False, doc=None):
+    """The dataclass `name` of `module` with `fields` ((name, type) pairs), made once when first
+    used, as dataclasses loads inspect, ast and dis (the module's PEP 562 __getattr__ gives it)."""
+    from dataclasses import make_dataclass
+    return make_dataclass(name, fields, frozen=frozen,
+                          namespace={"__doc__": doc, "__module__": module})
+
 def quote_identifier(name):
     """`name` as a double-quoted SQL identifier, embedded quotes doubled."""
     return '"' + str(name).replace('"', '""') + '"'

@@ -14,12 +14,10 @@ transaction, retried on lock); it never imports hermes_state.
 import contextlib
 import datetime
 import functools
-import hashlib
 import logging
 import re
 import sqlite3
 import time
-import uuid
 from collections import namedtuple
 
 # DEFERRED_INDEX_SQL is re-exported: hermes-agent's name.
@@ -27,7 +25,7 @@ from hermes_state_common import (
     DEFERRED_INDEX_SQL, DEFERRED_INDEXES, DELETE_META_SQL, DROP_TABLE_SQL, GATEWAY_ROUTING_PK,
     GATEWAY_ROUTING_SIDE_TABLE, HERMES_FTS_TABLES, INSERT_META_SQL, INSERT_SYSTEM_PROMPT_SQL,
     LAST_ACTIVE_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, PREVIOUS_LAYOUT_TABLES,
-    RENAME_TABLE_SQL, SCHEMA_31_COLUMNS, SCHEMA_31_TABLES, SCHEMA_SQL, SCHEMA_VERSION,
+    LazyModule, RENAME_TABLE_SQL, SCHEMA_31_COLUMNS, SCHEMA_31_TABLES, SCHEMA_SQL, SCHEMA_VERSION,
     SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL, SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME,
     _RESET_END_REASONS, placeholders, quote_identifier, trigger_writes,
 )
@@ -35,6 +33,7 @@ from hermes_state_errors import is_capability_gap
 from hermes_state_identity import display_identity
 
 logger = logging.getLogger("hermes_state")
+uuid = LazyModule("uuid")  # (it loads platform; only a store's first stamps need it)
 
 
 # -- Listing aids: read by the sessions mixin, made and filled here ---------------------------
@@ -448,6 +447,7 @@ def is_lock_error(exc):
 
 def prompt_hash(prompt):
     """The key of a system prompt in `system_prompts`: hex SHA-256 of its UTF-8 text."""
+    import hashlib  # here, not at import: only a write with a prompt needs it
     return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
 
 

@@ -35,6 +35,12 @@ print(json.dumps({
 # Loaded by what needs them: the server and AsyncSessionDB's calls (asyncio, ssl), backup and
 # restore (zipfile).
 NOT_AT_IMPORT = ("asyncio", "ssl", "zipfile", "hermes_state_server", "hermes_state_archive")
+# Loaded where the code that needs them runs (issue 38, each a few ms of start-up): dataclasses'
+# inspect, ast and dis (two records made at first use), hashlib's OpenSSL, uuid's platform, socket
+# (a lock holder's host name), base64, secrets, tempfile, random, glob, the redaction table's module.
+LOADED_WHEN_USED = ("dataclasses", "inspect", "ast", "dis", "hashlib", "_hashlib", "uuid",
+                    "platform", "socket", "base64", "secrets", "tempfile", "random", "glob",
+                    "hermes_state_redact")
 
 
 def probe_import(first=""):
@@ -53,13 +59,33 @@ class ImportLoadsOnlyWhatTheStoreNeeds(unittest.TestCase):
     def test_import_hermes_state_loads_no_asyncio_ssl_zipfile_and_compiles_no_redaction(self):
         found = probe_import()
         self.assertIn("sqlite3", found["loaded"])  # the probe sees what the import loads
-        for name in NOT_AT_IMPORT:
+        for name in NOT_AT_IMPORT + LOADED_WHEN_USED:
             self.assertNotIn(name, found["loaded"])
         self.assertFalse(found["redaction_compiled"])
         self.assertEqual(found["async_door"], "AsyncSessionDB")
         # Which hermes-agent hosts us (none here) is known without importlib.metadata.
         self.assertIsNone(found["host_release"])
         self.assertFalse(found["metadata_loaded"])
+
+    def test_the_records_made_at_first_use_are_dataclasses_as_0_22_s(self):
+        # hermes-agent 0.22's StorageFailure (frozen) and RewindOutcome, importable by name.
+        from dataclasses import FrozenInstanceError, fields, is_dataclass
+
+        from hermes_state_rewind import RewindOutcome
+        from hermes_state_user_copy import StorageFailure, describe_storage_failure
+        failure = describe_storage_failure("database is locked")
+        self.assertIs(type(failure), StorageFailure)
+        self.assertTrue(is_dataclass(failure))
+        self.assertEqual([f.name for f in fields(StorageFailure)],
+                         ["cause", "code", "gloss", "action"])
+        with self.assertRaises(FrozenInstanceError):
+            failure.cause = "x"
+        self.assertEqual(repr(RewindOutcome([], {}, "hi", 1, 1)), "RewindOutcome(prefix=[],"
+                         " live_view={}, live_text='hi', rewound_count=1, turns_undone=1)")
+        self.assertEqual(RewindOutcome.__module__, "hermes_state_rewind")
+        import hermes_state_rewind
+        with self.assertRaises(AttributeError):
+            hermes_state_rewind.NoSuchName
 
     def test_the_probe_sees_a_module_and_a_table_loaded_after_the_import(self):
         found = probe_import("import asyncio, hermes_state_redact\n"
