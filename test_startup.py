@@ -121,6 +121,40 @@ class TheHostReleaseIsReadWithoutImportlibMetadata(TempDirTestCase):
         self.assertIsNone(installed_version("hermes-agent-that-nobody-made"))
 
 
+# The command line's `list` in a fresh interpreter: its exit status and every module it loaded.
+CLI_PROBE = """
+import io, json, sys
+import hermes_state_cli
+code = hermes_state_cli.main(sys.argv[1:], out=io.StringIO())
+print(json.dumps({"code": code, "loaded": sorted(sys.modules)}))
+"""
+
+
+class TheCommandLineLoadsWhatItsCommandNeeds(TempDirTestCase):
+
+    def test_list_loads_no_install_module(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s1", "cli")
+        done = subprocess.run([sys.executable, "-S", "-c", CLI_PROBE, "list", "--db", str(path)],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        found = json.loads(done.stdout.splitlines()[-1])
+        self.assertEqual(found["code"], 0, done.stderr)
+        self.assertIn("hermes_state_cli", found["loaded"])
+        self.assertNotIn("hermes_state_install", found["loaded"])
+
+    def test_a_command_line_makes_the_parser_of_its_command_only(self):
+        from hermes_state_cli import build_parser
+        from hermes_state_display import ParserPlan
+        parser = build_parser()
+        self.assertEqual(parser.parse_args(["list", "-n", "5"]).limit, 5)
+        commands = next(a for a in parser._actions if a.dest == "command").choices
+        self.assertEqual([name for name, sub in dict.items(commands)
+                          if not isinstance(sub, ParserPlan)], ["list"])
+        self.assertEqual(len(commands), 23)  # every command is still there to list and to name
+        self.assertIn("--check", commands["install"].format_help())  # made when looked up
+
+
 def counting_factory(opened):
     """sqlite3.connect, noting each target and the statements run on it."""
     def connect(target, *args, **kwargs):
