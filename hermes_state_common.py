@@ -695,11 +695,11 @@ class LazyModule:
 
 @functools.lru_cache(maxsize=None)
 def record_class(module, name, fields, *, frozen=False, doc=None):
-    """The dataclass `name` of `module` with `fields` ((name, type) pairs), made once when first
-    used, as dataclasses loads inspect, ast and dis (the module's PEP 562 __getattr__ gives it)."""
-    from dataclasses import make_dataclass
-    return make_dataclass(name, fields, frozen=frozen,
-                          namespace={"__doc__": doc, "__module__": module})
+    """The dataclass `name` of `module` with `fields` ((name, type) pairs), made once, when used."""
+    from dataclasses import make_dataclass  # here: it loads inspect, ast and dis
+    made = make_dataclass(name, fields, frozen=frozen, namespace={"__doc__": doc})
+    made.__module__ = module  # (set after: 3.12+ would name the module that called, this one)
+    return made
 
 def quote_identifier(name):
     """`name` as a double-quoted SQL identifier, embedded quotes doubled."""

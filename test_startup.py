@@ -37,9 +37,10 @@ print(json.dumps({
 NOT_AT_IMPORT = ("asyncio", "ssl", "zipfile", "hermes_state_server", "hermes_state_archive")
 # Loaded where the code that needs them runs (issue 38, each a few ms of start-up): dataclasses'
 # inspect, ast and dis (two records made at first use), hashlib's OpenSSL, uuid's platform, socket
-# (a lock holder's host name), base64, secrets, tempfile, random, glob, the redaction table's module.
+# (a lock holder's host name), base64, secrets, tempfile, random, the redaction table's module.
+# (glob too, but 3.13's pathlib loads it.)
 LOADED_WHEN_USED = ("dataclasses", "inspect", "ast", "dis", "hashlib", "_hashlib", "uuid",
-                    "platform", "socket", "base64", "secrets", "tempfile", "random", "glob",
+                    "platform", "socket", "base64", "secrets", "tempfile", "random",
                     "hermes_state_redact")
 
 
