@@ -30,11 +30,9 @@ import json
 import logging
 import os
 import queue
-import random
 import sqlite3
 import stat
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -43,7 +41,7 @@ from pathlib import Path
 from hermes_constants import get_hermes_home
 from hermes_state_common import (
     FILE_MODE, INSERT_META_SQL, SEARCH_OBJECTS, SEARCH_TRIGGERS, SELECT_META_SQL, SIDECAR_SUFFIXES,
-    escape_like,
+    LazyModule, escape_like,
 )
 from hermes_state_errors import is_capability_gap
 from hermes_state_guard import _set_last_init_error, get_last_init_error
@@ -106,6 +104,7 @@ from hermes_state_wal import (  # noqa: F401
 from hermes_state_errors import WalUnsupportedError
 
 logger = logging.getLogger("hermes_state")
+tempfile = LazyModule("tempfile")  # (backup and restore only)
 
 STATE_DB_FILENAME = "state.db"
 # hermes-agent's names for the default store: the path as the home was at import, and the function
@@ -706,6 +705,7 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                     raise
                 elapsed = time.monotonic() - start
                 jitter = EARLY_JITTER if elapsed < EARLY_RETRY_WINDOW else LATE_JITTER
+                import random  # here, not at import: only a write that met a lock waits
                 pause = random.uniform(*jitter)
                 if elapsed + pause >= budget:
                     raise self._locked_error(start, str(exc), budget) from exc

@@ -18,24 +18,24 @@ import os
 import shutil
 import sqlite3
 import sys
-import tempfile
 from functools import partial
 from pathlib import Path
 
 from hermes_constants import get_hermes_home, reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB, damage_reason, restore_home
 from hermes_state_health import note_store_failure
-from hermes_state_common import COMPRESSION_END_REASON, LIST_LIMIT_MAX, store_file_bytes
+from hermes_state_common import COMPRESSION_END_REASON, LIST_LIMIT_MAX, LazyModule, store_file_bytes
 from hermes_state_display import (
-    SHOWN_TEXT_CHARS, PrintableStream, Progress, counted, end_progress, fit_table, format_time,
-    hit_rows, human_size, one_line, plural, print_fields, print_json, print_session, print_table,
-    printable, session_cost, session_rows, utc_iso, write_records,
+    SHOWN_TEXT_CHARS, ParserPlan, PrintableStream, Progress, Subcommands, counted, end_progress,
+    fit_table, format_time, hit_rows, human_size, one_line, plural, print_fields, print_json,
+    print_session, print_table, printable, session_cost, session_rows, utc_iso, write_records,
 )
-from hermes_state_install import INSTALL_COMMANDS, add_install_parsers, run_install_command
 from hermes_state_lockguard import _raw_store_access
 from hermes_state_portability import EXPORT_FORMATS, write_export
 from hermes_state_schema import SCHEMA_VERSION
 from hermes_state_search import GRAMMAR_BOOLEAN, GRAMMAR_HERMES
+
+tempfile = LazyModule("tempfile")  # (export, import and demo only)
 
 # Commands that only read: opened read-only (no DDL, no repair, no journal switch, no lock file).
 # The others write, to a store that must exist already (import may create one).
@@ -915,7 +915,12 @@ EXAMPLES = {
     "restore": f"{_M} restore home-2026-03-01.zip --force",
     "serve": f"HERMES_STATE_TOKEN=$(openssl rand -hex 24) {_M} serve --port 8765",
     "demo": f"{_M} demo",
+    "install": f"{_M} install ~/.hermes/hermes-agent/venv\n  {_M} install --check",
+    "uninstall": f"{_M} uninstall ~/.hermes/hermes-agent/venv",
 }
+INSTALL_COMMANDS = ("install", "uninstall")  # hermes_state_install's, loaded when one runs
+_PATH_HELP = ("a hermes-agent git checkout, venv or site-packages folder (default: where the "
+              "`hermes` on $PATH runs from)")
 
 
 # This checkout's release; pyproject.toml reads it from here.
@@ -943,12 +948,13 @@ def build_parser():
                "error. Data goes to stdout, progress and diagnostics to stderr.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_version_line())
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     action=Subcommands, parser_class=ParserPlan)
 
-    def command(name, help_text, more=""):
+    def command(name, help_text, more="", parents=(common,)):
         """A subcommand: `help_text` in the command list, `more` (lines) after it in its own
         --help."""
-        return commands.add_parser(name, parents=[common], help=help_text,
+        return commands.add_parser(name, parents=list(parents), help=help_text,
                                    description=help_text + (".\n" + more if more else ""),
                                    epilog="example:\n  " + EXAMPLES[name],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1073,7 +1079,17 @@ def build_parser():
                         help="run integrity_check (every index entry against its row) instead "
                         "of quick_check; about 2.5x as long")
     command("demo", "build and show an example store in a temp home")
-    add_install_parsers(commands)
+    for name, text in (("install", "put our state modules into a hermes-agent install, verified, "
+                                   "undoable"),
+                       ("uninstall", "put a hermes-agent install back as it was before install")):
+        sub = command(name, text, parents=())  # a hermes-agent PATH, none of the store's options
+        sub.add_argument("path", metavar="PATH", nargs="?", help=_PATH_HELP)
+        sub.add_argument("--python", metavar="EXE",
+                         help="the python that runs hermes-agent (default: its venv's)")
+        if name == "install":
+            sub.add_argument("--check", action="store_true",
+                             help="say what install would do and whether the host is supported; "
+                                  "change nothing")
     return parser
 
 
@@ -1153,6 +1169,7 @@ def _run(args, out):
     if args.command == "demo":
         return _cmd_demo(args, out)
     if args.command in INSTALL_COMMANDS:
+        from hermes_state_install import run_install_command
         return run_install_command(args, out)
     if args.command == "restore":
         return _cmd_restore(args, out)

@@ -686,6 +686,21 @@ JOURNAL_MODE_SQL = "PRAGMA journal_mode"
 
 # -- Small pure helpers -------------------------------------------------------
 
+class LazyModule:
+    """A standard module imported at its first attribute use (`import hermes_state` skips it)."""
+    def __init__(self, name):
+        self._name = name
+    def __getattr__(self, attr):
+        return getattr(__import__(self._name), attr)
+
+@functools.lru_cache(maxsize=None)
+def record_class(module, name, fields, *, frozen=False, doc=None):
+    """The dataclass `name` of `module` with `fields` ((name, type) pairs), made once, when used."""
+    from dataclasses import make_dataclass  # here: it loads inspect, ast and dis
+    made = make_dataclass(name, fields, frozen=frozen, namespace={"__doc__": doc})
+    made.__module__ = module  # (set after: 3.12+ would name the module that called, this one)
+    return made
+
 def quote_identifier(name):
     """`name` as a double-quoted SQL identifier, embedded quotes doubled."""
     return '"' + str(name).replace('"', '""') + '"'

@@ -1,9 +1,11 @@
 """What a person reads on a terminal: the command line's tables, fields and values, a session
-shown with its messages, progress lines on stderr, and the escaping of every control character a
-store's text may hold. Pure formatting over rows and export dicts: it never opens a store, and the
-data formats (JSON, CSV, exports) pass through it unescaped.
+shown with its messages, progress lines on stderr, the escaping of every control character a
+store's text may hold, and the subcommand parsers whose help it shows (made when named). Pure
+formatting over rows and export dicts: it never opens a store, and the data formats (JSON, CSV,
+exports) pass through it unescaped.
 """
 
+import argparse
 import csv
 import json
 import re
@@ -418,3 +420,45 @@ def print_session(export, out, full=False):
             function = call.get("function", {}) if isinstance(call, dict) else {}
             out.write(f"  -> {printable(function.get('name', '?'))}"
                       f"({printable(function.get('arguments', ''))})\n")
+
+
+# -- the command line's subcommand parsers -------------------------------------------------------
+
+class ParserPlan:
+    """A subcommand's parser as the command line describes it: its arguments are kept, and the
+    ArgumentParser is made with them when the command line (or a reader of `choices`) names it.
+    Making all 23 up front cost a `list` run more than its query does (issue 38)."""
+
+    def __init__(self, **kwargs):
+        self._kwargs, self._arguments = kwargs, []
+
+    def add_argument(self, *args, **kwargs):
+        self._arguments.append((args, kwargs))
+
+    def make(self):
+        parser = argparse.ArgumentParser(**self._kwargs)
+        for args, kwargs in self._arguments:
+            parser.add_argument(*args, **kwargs)
+        return parser
+
+
+class Subcommands(argparse._SubParsersAction):
+    """add_subparsers' action with parser_class=ParserPlan: each parser is made at its first
+    lookup; what the command list, its help and its errors show is argparse's own."""
+
+    class _Parsers(dict):
+        def __getitem__(self, name):
+            parser = dict.__getitem__(self, name)
+            if isinstance(parser, ParserPlan):
+                parser = self[name] = parser.make()
+            return parser
+
+        def items(self):
+            return [(name, self[name]) for name in self]
+
+        def values(self):
+            return [self[name] for name in self]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._name_parser_map = self.choices = self._Parsers()

@@ -7,19 +7,18 @@ write_export masks secrets through hermes_state_redact. Pure functions over expo
 opens a store or reads a row (hermes_state_portability does, and imports this module).
 """
 
-import base64
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import re
 import sys
-import tempfile
 import time
 
-from hermes_state_common import BYTES_MARKER, loads_or
-from hermes_state_redact import redact
+from hermes_state_common import BYTES_MARKER, LazyModule, loads_or
+
+# Loaded by the exports that use them, not by `import hermes_state`.
+hashlib, tempfile = LazyModule("hashlib"), LazyModule("tempfile")
 
 EXPORT_FORMATS = ("jsonl", "md", "qmd", "html", "trace")
 # Messages measured, read or encoded at once: memory stays flat in a session of any length, and
@@ -35,6 +34,7 @@ def json_default(value):
     """The `default` hook of json.dumps for every output:
     bytes as the BYTES_MARKER object, else str()."""
     if isinstance(value, BINARY_TYPES):
+        import base64  # here, not at import: only a BLOB value needs it
         return {BYTES_MARKER: base64.b64encode(bytes(value)).decode("ascii")}
     return str(value)
 
@@ -363,6 +363,7 @@ def _redacted(export):
     if not isinstance(export, dict):  # jsonl pieces: a secret may be split across them
         raise ValueError("redact_secrets needs whole exports (iter_export_all's),"
                          " not iter_export_jsonl's pieces")
+    from hermes_state_redact import redact  # here: only a redacted export needs the table
     return redact(export)
 
 

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import re
-import socket
 import sqlite3
 import sys
 import threading
@@ -21,7 +20,7 @@ import time
 from collections import Counter
 
 from hermes_state_common import (
-    DELETE_UNUSED_PROMPTS_SQL, LAST_ACTIVE_SQL, SELECT_COMPRESSION_LOCK_SQL,
+    DELETE_UNUSED_PROMPTS_SQL, LAST_ACTIVE_SQL, SELECT_COMPRESSION_LOCK_SQL, LazyModule,
     _BARE_BILLING_PROVIDERS, _RESET_END_REASONS, decode_display_metadata, has_fork_marker,
     json_object, json_text, placeholders, require_text,
 )
@@ -30,6 +29,7 @@ from hermes_state_pidns import holder_pid_checkable
 from hermes_state_schema import live_columns
 
 logger = logging.getLogger("hermes_state")
+socket = LazyModule("socket")  # (for the host name of a compression lock's holder only)
 
 _UPSERT_ROUTING_SQL = ("INSERT INTO gateway_routing (scope, session_key, entry_json, updated_at)"
                        " VALUES (?, ?, ?, ?) ON CONFLICT (scope, session_key) DO UPDATE SET"

@@ -18,9 +18,7 @@ check is the only time it opens a store; it never writes one.
 import errno
 import logging
 import os
-import shutil
 import sqlite3
-import tempfile
 import threading
 from pathlib import Path
 
@@ -120,6 +118,7 @@ _NEARLY_FULL_BYTES = 64 * 1024
 
 def free_bytes(folder):
     """Bytes an unprivileged writer may still use in `folder`'s filesystem; -1 if unknown."""
+    import shutil  # here, not at import: only a failure's diagnosis asks
     try:
         return shutil.disk_usage(folder).free
     except OSError:
@@ -191,6 +190,7 @@ def _write_errno(folder):
     cause = _statvfs_errno(folder)
     if cause:
         return cause
+    import tempfile  # here, not at import: only a failure's diagnosis probes
     try:
         fd, probe = tempfile.mkstemp(prefix=".hermes-disk-probe-", dir=folder)
     except OSError as exc:

@@ -12,17 +12,17 @@ and ours unchanged.
 """
 
 import functools
-import hashlib
 import json
 import math
 import operator
 import re
-import uuid
 
 from hermes_state_common import (
-    MESSAGE_WRITE_COLUMNS, content_text, decode_content, decode_display_metadata, encode_content,
-    host_is_020, loads_or, scrub_surrogates, sqlite_keeps,
+    MESSAGE_WRITE_COLUMNS, LazyModule, content_text, decode_content, decode_display_metadata,
+    encode_content, host_is_020, loads_or, scrub_surrogates, sqlite_keeps,
 )
+
+hashlib = LazyModule("hashlib")  # (its OpenSSL start-up is the dearest of an import's modules)
 
 # A message dict's identity keys, as hermes-agent names them.
 MESSAGE_UID = "message_uid"
@@ -70,6 +70,7 @@ def row_snapshot(stored):
 
 def mint_uid():
     """A fresh durable id: random, never derived from content (two messages may share it all)."""
+    import uuid  # here, not at import: uuid loads platform, which only a write needs
     return uuid.uuid4().hex
 
 

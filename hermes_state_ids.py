@@ -6,8 +6,8 @@ any other cell with is_known_session_id, so a shape added to hermes-agent's mint
 _KNOWN_SHAPES too.
 """
 
+import os
 import re
-import secrets
 from datetime import datetime
 
 # Interactive surfaces use 6 hex digits (the desktop app's id pattern expects 6), the gateway 8,
@@ -34,7 +34,8 @@ def new_session_id(now=None, *, hex_len=DEFAULT_HEX_LEN):
     if isinstance(hex_len, bool) or not isinstance(hex_len, int) or hex_len < 1:
         raise ValueError(f"hex_len must be a whole number of at least 1, not {hex_len!r}")
     stamp = (now or datetime.now()).strftime("%Y%m%d_%H%M%S")
-    return f"{stamp}_{secrets.token_hex((hex_len + 1) // 2)[:hex_len]}"
+    # os.urandom, as secrets.token_hex reads it (secrets loads hashlib's OpenSSL, hmac, random).
+    return f"{stamp}_{os.urandom((hex_len + 1) // 2).hex()[:hex_len]}"
 
 
 def is_known_session_id(value):

@@ -13,7 +13,6 @@ host's `hermes_constants.py` (ours defines the home-location family only, and he
 29 more names from its own, so ours is never copied); any store.
 """
 
-import argparse
 import glob
 import json
 import os
@@ -527,34 +526,10 @@ def uninstall(host, out=None):
     return 0
 
 
-# -- the command line (registered by hermes_state_cli) ----------------------------------------
-
-INSTALL_COMMANDS = ("install", "uninstall")
-_PATH_HELP = ("a hermes-agent git checkout, venv or site-packages folder (default: where the "
-              "`hermes` on $PATH runs from)")
-
-
-def add_install_parsers(commands):
-    """Add `install` and `uninstall` to the CLI's subcommands."""
-    for name, text, example in (
-            ("install", "put our state modules into a hermes-agent install, verified, undoable",
-             "install ~/.hermes/hermes-agent/venv\n  python3 -m hermes_state install --check"),
-            ("uninstall", "put a hermes-agent install back as it was before install",
-             "uninstall ~/.hermes/hermes-agent/venv")):
-        sub = commands.add_parser(name, help=text, description=text,
-                                  epilog="example:\n  python3 -m hermes_state " + example,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-        sub.add_argument("path", metavar="PATH", nargs="?", help=_PATH_HELP)
-        sub.add_argument("--python", metavar="EXE",
-                         help="the python that runs hermes-agent (default: its venv's)")
-        if name == "install":
-            sub.add_argument("--check", action="store_true",
-                             help="say what install would do and whether the host is supported; "
-                                  "change nothing")
-
+# -- the command line (its arguments are hermes_state_cli's) ----------------------------------
 
 def run_install_command(args, out):
-    """`install` or `uninstall` as parsed by add_install_parsers; the exit status."""
+    """`install` or `uninstall` as hermes_state_cli parsed them; the exit status."""
     if any(getattr(args, flag, None) not in (None, False) for flag in ("db", "replica", "json")):
         _refuse(f"{args.command} takes a hermes-agent PATH, not --db, --replica or --json")
     path = os.path.abspath(os.path.expanduser(args.path)) if args.path else None

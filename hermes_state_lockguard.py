@@ -12,7 +12,6 @@ the backup, restore and repair code beside SessionDB all lean on.
 
 import logging
 import os
-import random
 import sqlite3
 import sys
 import threading
@@ -95,6 +94,7 @@ class WriterFileLock:
             if remaining <= 0:
                 self._file.turn.release()
                 return False
+            import random  # here, not at import: only a wait for the lock needs it
             time.sleep(min(remaining, random.uniform(*FILE_LOCK_POLL)))
         self._depth = 1
         return True

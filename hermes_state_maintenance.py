@@ -13,8 +13,6 @@ hermes_state_repair.
 
 import collections
 import contextlib
-import glob
-import hashlib
 import json
 import logging
 import sqlite3
@@ -884,6 +882,7 @@ def _transcript_fingerprint(conn, session_id):
     if not conn.execute(SESSION_EXISTS_SQL, (session_id,)).fetchone():
         return None
     rows = conn.execute("SELECT * FROM messages WHERE session_id = ? ORDER BY id", (session_id,))
+    import hashlib  # here, not at import: OpenSSL's start-up, for a rare check
     return hashlib.sha256(repr([tuple(row) for row in rows]).encode()).hexdigest()
 
 
@@ -913,6 +912,7 @@ def _remove_transcripts(sessions_dir, session_ids):
     outside the folder is skipped."""
     if sessions_dir is None or not session_ids:
         return
+    import glob  # here, not at import: only a delete with a sessions folder escapes names
     folder = Path(sessions_dir)
     for session_id in map(str, session_ids):
         if Path(session_id).is_absolute() or ".." in Path(session_id).parts:

@@ -12,12 +12,10 @@ SessionDB's readers and pooled read connections, writes through `_execute_write`
 imports hermes_state.
 """
 
-import base64
 import binascii
 import contextlib
 import functools
 import gc
-import hashlib
 import itertools
 import json
 import math
@@ -152,6 +150,7 @@ def portable_message(message):
 def from_portable(value):
     """A BYTES_MARKER object back as bytes; any other value as it is."""
     if isinstance(value, dict) and len(value) == 1 and isinstance(value.get(BYTES_MARKER), str):
+        import base64  # here, not at import: only an import of BLOB values decodes them
         try:
             return base64.b64decode(value[BYTES_MARKER], validate=True)
         except (binascii.Error, ValueError):
@@ -1071,6 +1070,7 @@ def check_import_file(handle, name, limits, copy=None, on_bytes=None):
     the ids: (digest, sessions, the first IMPORT_ERRORS_SHOWN rejected entries as {"line",
     "error", "session_id"?}) by import_limits() but its totals; `on_bytes(bytes read)` after
     each line. ValueError for a line that cannot be read (jsonl_entries)."""
+    import hashlib  # here, not at import: OpenSSL's start-up, for a file import only
     digest, read = hashlib.blake2b(digest_size=16), [0]
 
     def seen_line(raw):

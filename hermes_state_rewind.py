@@ -6,8 +6,7 @@ but rewind_to_message. Relies on `get_active_message_ids`, `get_messages_as_conv
 `rewind_to_message` (messages mixin).
 """
 
-from dataclasses import dataclass
-
+from hermes_state_common import record_class
 from hermes_state_identity import loaded_view_content, split_user_turn
 
 _HISTORY_CHANGED = "session history changed before the rewind could be persisted"
@@ -24,16 +23,18 @@ class RewindTargetUnavailableError(ValueError):
     person's turn, or it is no compaction carrier where one was required."""
 
 
-@dataclass
-class RewindOutcome:
-    """What rewind_user_turn did. `prefix`: the history to keep (the in-memory one when given);
-    `live_view`: the withdrawn turn as the person typed it; `live_text`: its text (exact, for a
-    retry); `rewound_count`: rows withdrawn; `turns_undone`: user turns withdrawn."""
-    prefix: list
-    live_view: dict
-    live_text: str
-    rewound_count: int
-    turns_undone: int
+# What rewind_user_turn did, a dataclass as 0.22's, made at its first use (record_class).
+_REWIND_OUTCOME = ("RewindOutcome", (("prefix", list), ("live_view", dict), ("live_text", str),
+                                     ("rewound_count", int), ("turns_undone", int)))
+_REWIND_OUTCOME_DOC = """What rewind_user_turn did. `prefix`: the history to keep (the in-memory one
+    when given); `live_view`: the withdrawn turn as the person typed it; `live_text`: its text
+    (exact, for a retry); `rewound_count`: rows withdrawn; `turns_undone`: user turns withdrawn."""
+
+
+def __getattr__(name):  # (PEP 562: RewindOutcome made at its first use)
+    if name == _REWIND_OUTCOME[0]:
+        return record_class(__name__, *_REWIND_OUTCOME, doc=_REWIND_OUTCOME_DOC)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class SessionRewindMixin:
@@ -103,7 +104,7 @@ class SessionRewindMixin:
                     warm_message["_row_id"] = row["_row_id"]
                 if isinstance(row.get("message_uid"), str) and row["message_uid"]:
                     warm_message["message_uid"] = row["message_uid"]
-        return RewindOutcome(
+        return record_class(__name__, *_REWIND_OUTCOME, doc=_REWIND_OUTCOME_DOC)(
             prefix=prefix, live_view=live_view,
             live_text=live_text if live_text is not None else _flat_text(live_view.get("content")),
             rewound_count=int(result.get("rewound_count", 0)),

@@ -14,12 +14,10 @@ transaction, retried on lock); it never imports hermes_state.
 import contextlib
 import datetime
 import functools
-import hashlib
 import logging
 import re
 import sqlite3
 import time
-import uuid
 from collections import namedtuple
 
 # DEFERRED_INDEX_SQL is re-exported: hermes-agent's name.
@@ -27,7 +25,7 @@ from hermes_state_common import (
     DEFERRED_INDEX_SQL, DEFERRED_INDEXES, DELETE_META_SQL, DROP_TABLE_SQL, GATEWAY_ROUTING_PK,
     GATEWAY_ROUTING_SIDE_TABLE, HERMES_FTS_TABLES, INSERT_META_SQL, INSERT_SYSTEM_PROMPT_SQL,
     LAST_ACTIVE_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, PREVIOUS_LAYOUT_TABLES,
-    RENAME_TABLE_SQL, SCHEMA_31_COLUMNS, SCHEMA_31_TABLES, SCHEMA_SQL, SCHEMA_VERSION,
+    LazyModule, RENAME_TABLE_SQL, SCHEMA_31_COLUMNS, SCHEMA_31_TABLES, SCHEMA_SQL, SCHEMA_VERSION,
     SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL, SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME,
     _RESET_END_REASONS, placeholders, quote_identifier, trigger_writes,
 )
@@ -35,6 +33,7 @@ from hermes_state_errors import is_capability_gap
 from hermes_state_identity import display_identity
 
 logger = logging.getLogger("hermes_state")
+uuid = LazyModule("uuid")  # (it loads platform; only a store's first stamps need it)
 
 
 # -- Listing aids: read by the sessions mixin, made and filled here ---------------------------
@@ -448,6 +447,7 @@ def is_lock_error(exc):
 
 def prompt_hash(prompt):
     """The key of a system prompt in `system_prompts`: hex SHA-256 of its UTF-8 text."""
+    import hashlib  # here, not at import: only a write with a prompt needs it
     return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
 
 
@@ -619,7 +619,7 @@ def reconcile_state_schema(conn):
         schema = SessionSchemaMixin()
         objects = {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
         schema._create_missing_tables(conn, objects)
-        schema._reconcile_columns(conn)
+        schema._reconcile_columns(conn, objects)
         schema._ensure_deferred_indexes(conn, objects)
     except BaseException:
         if own:
@@ -646,17 +646,21 @@ class SessionSchemaMixin:
         self._execute_write(self._apply_schema)
 
     def _apply_schema(self, conn):
+        # sqlite_master is read once: each step is handed what it held (a table made since is not
+        # in it, and a step that needs to know more reads that table itself).
         objects = {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
         self._create_missing_tables(conn, objects)
-        self._reconcile_columns(conn)
-        self._heal_gateway_routing_pk(conn)
+        self._reconcile_columns(conn, objects)
+        self._heal_gateway_routing_pk(conn, objects)
         self._ensure_deferred_indexes(conn, objects)
         self._ensure_title_index(conn, objects)
         self._stamp_schema_version(conn)
         self._ensure_listing_objects(conn, objects)
         self._ensure_identity_triggers(conn, objects)
         self._stamp_store_identity(conn, born="sessions" not in objects)
-        if self.fts_caps.fts5 and self._db_has_legacy_inline_fts(conn):
+        # _db_has_legacy_inline_fts, answered from `objects` (pass 1 leaves the index as it is).
+        word_index = objects.get(HERMES_FTS_TABLES["word"], (None, None))[1]
+        if self.fts_caps.fts5 and fts_layout_of(word_index) == "legacy":
             # hermes-agent's flag for that index, written as its open writes it (its tools read it).
             write_meta(conn, META_FTS_OPTIMIZE_AVAILABLE, "1")
 
@@ -668,14 +672,12 @@ class SessionSchemaMixin:
                 conn.execute(create_sql)
                 logger.info("schema: created table %s", table)
 
-    def _reconcile_columns(self, conn):
+    def _reconcile_columns(self, conn, objects):
         """ADD COLUMN every declared column the live table lacks, whatever schema_version says; the
-        count."""
+        count. `objects`: sqlite_master's {name: (type, sql)}, read in this transaction."""
         added, declared = 0, _declared_schema(SCHEMA_SQL)
         names = tuple(declared)
-        ours = f"m.type = 'table' AND m.name IN ({placeholders(len(names))})"
-        stored = dict(conn.execute(f"SELECT m.name, m.sql FROM sqlite_master AS m WHERE {ours}",
-                                   names))
+        stored = {name: sql for name, (kind, sql) in objects.items() if kind == "table"}
         # A table whose CREATE text is the declared one has the declared columns; the others
         # (another release's, or grown by ADD COLUMN) are read, in one statement (reading every
         # table's was a sixth of an open). Declared tables are plain: pragma_table_info of an
@@ -708,11 +710,13 @@ class SessionSchemaMixin:
             logger.info("schema: added column %s.%s %s", table, column, type_expr)
         return added
 
-    def _heal_gateway_routing_pk(self, conn):
+    def _heal_gateway_routing_pk(self, conn, objects):
         """Rebuild gateway_routing keyed on (scope, session_key) if an old store keys it otherwise.
         Rows are copied oldest first with INSERT OR REPLACE (newest wins); the losers stay in a kept
-        side table."""
-        if not live_columns(conn, "gateway_routing") or \
+        side table. `objects` as for _reconcile_columns: a table stored as declared is keyed so."""
+        stored = objects.get("gateway_routing", (None, None))[1]
+        if stored == _declared_schema(SCHEMA_SQL)["gateway_routing"][0] or \
+                not live_columns(conn, "gateway_routing") or \
                 live_primary_key(conn, "gateway_routing") == GATEWAY_ROUTING_PK:
             return
         side = quote_identifier(f"{GATEWAY_ROUTING_SIDE_TABLE}_{time.strftime('%Y%m%d_%H%M%S')}")

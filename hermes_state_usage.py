@@ -6,7 +6,6 @@ interpreter exit. A delta for a missing session creates a bare row (source 'unkn
 messages.
 """
 
-import inspect
 import logging
 import math
 import sqlite3
@@ -299,10 +298,16 @@ class SessionUsageMixin:
                 "provenance": source}
 
 
+def _defaults(function):
+    """{parameter: default} of `function`'s parameters that have one, read from the function
+    itself: inspect.signature would load inspect (and ast, dis) with hermes_state."""
+    code, values = function.__code__, function.__defaults__ or ()
+    named = code.co_varnames[code.co_argcount - len(values):code.co_argcount]
+    return dict(zip(named, values), **(function.__kwdefaults__ or {}))
+
+
 # queue_token_counts' keywords bind to these, as update_token_counts' would.
-_UPDATE_DEFAULTS = {name: parameter.default for name, parameter in
-                    inspect.signature(SessionUsageMixin.update_token_counts).parameters.items()
-                    if parameter.default is not inspect.Parameter.empty}
+_UPDATE_DEFAULTS = _defaults(SessionUsageMixin.update_token_counts)
 
 
 def _token_delta(session_id, arguments):

@@ -7,22 +7,22 @@ releases word the open failure differently (hermes_state.format_session_db_unava
 comes from hermes_state_errors.classify_persistence_error; this module never opens a store.
 """
 
-from dataclasses import dataclass
-
 from hermes_constants import get_default_hermes_root, get_hermes_home
-from hermes_state_common import _WAL_INCOMPAT_MARKERS, host_release
+from hermes_state_common import _WAL_INCOMPAT_MARKERS, host_release, record_class
 from hermes_state_errors import (
     STORAGE_RECOVERY_DOCS_URL, classify_persistence_error, is_disk_full_error,
 )
 
 # hermes-agent's shape: callers read .cause (classify_persistence_error's answer), .code (stable,
 # for GUIs), .gloss (what happened: a clause, lower case) and .action (what to do: sentences).
-@dataclass(frozen=True)
-class StorageFailure:
-    cause: str
-    code: str
-    gloss: str
-    action: str
+_STORAGE_FAILURE = ("StorageFailure", (("cause", str), ("code", str), ("gloss", str),
+                                       ("action", str)))
+
+
+def __getattr__(name):  # (PEP 562: StorageFailure, a frozen dataclass, made at its first use)
+    if name == _STORAGE_FAILURE[0]:
+        return record_class(__name__, *_STORAGE_FAILURE, frozen=True)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _DOCTOR_FIX = "Run `hermes {p}doctor --fix` to diagnose and repair."
 # cause -> (code, gloss, action); "{p}" becomes the profile's `-p <name> `. Codes and words are
@@ -89,7 +89,8 @@ def describe_storage_failure(exc_or_str):
     cause = classify_persistence_error(exc_or_str)
     key = "disk_full" if cause == "disk" and is_disk_full_error(exc_or_str) else cause
     code, gloss, action = _FAILURES.get(key, _FAILURES["unknown"])
-    return StorageFailure(cause, code, gloss, action.replace("{p}", profile_cli_arg()))
+    made = record_class(__name__, *_STORAGE_FAILURE, frozen=True)
+    return made(cause, code, gloss, action.replace("{p}", profile_cli_arg()))
 
 
 def storage_failure_details(exc_or_str, limit=200):

@@ -31,11 +31,13 @@ def folder_state(folder):
 
 
 # Root runs the CLI as user nobody: it loads the modules first (this Python may live where nobody
-# cannot read, as pyenv's under /root does; textwrap is what argparse's help loads late, and
-# importlib.metadata what the first read loads to learn the host release), then drops to nobody
-# before the command touches any file.
+# cannot read, as pyenv's under /root does; textwrap is what argparse's help loads late,
+# importlib.metadata what the first read loads to learn the host release, and the rest what the
+# store loads where it uses it: an export's upgraded copy stamps a uuid in a temporary folder),
+# then drops to nobody before the command touches any file.
 AS_NOBODY = ("import os, sys\n"
              "import hermes_state_cli, hermes_state_server, textwrap, importlib.metadata\n"
+             "import base64, hashlib, random, tempfile, uuid\n"
              "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
              "sys.exit(hermes_state_cli.main(sys.argv[1:]))\n")
 

@@ -35,6 +35,13 @@ print(json.dumps({
 # Loaded by what needs them: the server and AsyncSessionDB's calls (asyncio, ssl), backup and
 # restore (zipfile).
 NOT_AT_IMPORT = ("asyncio", "ssl", "zipfile", "hermes_state_server", "hermes_state_archive")
+# Loaded where the code that needs them runs (issue 38, each a few ms of start-up): dataclasses'
+# inspect, ast and dis (two records made at first use), hashlib's OpenSSL, uuid's platform, socket
+# (a lock holder's host name), base64, secrets, tempfile, random, the redaction table's module.
+# (glob too, but 3.13's pathlib loads it.)
+LOADED_WHEN_USED = ("dataclasses", "inspect", "ast", "dis", "hashlib", "_hashlib", "uuid",
+                    "platform", "socket", "base64", "secrets", "tempfile", "random",
+                    "hermes_state_redact")
 
 
 def probe_import(first=""):
@@ -53,13 +60,33 @@ class ImportLoadsOnlyWhatTheStoreNeeds(unittest.TestCase):
     def test_import_hermes_state_loads_no_asyncio_ssl_zipfile_and_compiles_no_redaction(self):
         found = probe_import()
         self.assertIn("sqlite3", found["loaded"])  # the probe sees what the import loads
-        for name in NOT_AT_IMPORT:
+        for name in NOT_AT_IMPORT + LOADED_WHEN_USED:
             self.assertNotIn(name, found["loaded"])
         self.assertFalse(found["redaction_compiled"])
         self.assertEqual(found["async_door"], "AsyncSessionDB")
         # Which hermes-agent hosts us (none here) is known without importlib.metadata.
         self.assertIsNone(found["host_release"])
         self.assertFalse(found["metadata_loaded"])
+
+    def test_the_records_made_at_first_use_are_dataclasses_as_0_22_s(self):
+        # hermes-agent 0.22's StorageFailure (frozen) and RewindOutcome, importable by name.
+        from dataclasses import FrozenInstanceError, fields, is_dataclass
+
+        from hermes_state_rewind import RewindOutcome
+        from hermes_state_user_copy import StorageFailure, describe_storage_failure
+        failure = describe_storage_failure("database is locked")
+        self.assertIs(type(failure), StorageFailure)
+        self.assertTrue(is_dataclass(failure))
+        self.assertEqual([f.name for f in fields(StorageFailure)],
+                         ["cause", "code", "gloss", "action"])
+        with self.assertRaises(FrozenInstanceError):
+            failure.cause = "x"
+        self.assertEqual(repr(RewindOutcome([], {}, "hi", 1, 1)), "RewindOutcome(prefix=[],"
+                         " live_view={}, live_text='hi', rewound_count=1, turns_undone=1)")
+        self.assertEqual(RewindOutcome.__module__, "hermes_state_rewind")
+        import hermes_state_rewind
+        with self.assertRaises(AttributeError):
+            hermes_state_rewind.NoSuchName
 
     def test_the_probe_sees_a_module_and_a_table_loaded_after_the_import(self):
         found = probe_import("import asyncio, hermes_state_redact\n"
@@ -93,6 +120,40 @@ class TheHostReleaseIsReadWithoutImportlibMetadata(TempDirTestCase):
 
     def test_no_install_is_none(self):
         self.assertIsNone(installed_version("hermes-agent-that-nobody-made"))
+
+
+# The command line's `list` in a fresh interpreter: its exit status and every module it loaded.
+CLI_PROBE = """
+import io, json, sys
+import hermes_state_cli
+code = hermes_state_cli.main(sys.argv[1:], out=io.StringIO())
+print(json.dumps({"code": code, "loaded": sorted(sys.modules)}))
+"""
+
+
+class TheCommandLineLoadsWhatItsCommandNeeds(TempDirTestCase):
+
+    def test_list_loads_no_install_module(self):
+        path = self.tmp / "state.db"
+        with SessionDB(path) as db:
+            db.create_session("s1", "cli")
+        done = subprocess.run([sys.executable, "-S", "-c", CLI_PROBE, "list", "--db", str(path)],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        found = json.loads(done.stdout.splitlines()[-1])
+        self.assertEqual(found["code"], 0, done.stderr)
+        self.assertIn("hermes_state_cli", found["loaded"])
+        self.assertNotIn("hermes_state_install", found["loaded"])
+
+    def test_a_command_line_makes_the_parser_of_its_command_only(self):
+        from hermes_state_cli import build_parser
+        from hermes_state_display import ParserPlan
+        parser = build_parser()
+        self.assertEqual(parser.parse_args(["list", "-n", "5"]).limit, 5)
+        commands = next(a for a in parser._actions if a.dest == "command").choices
+        self.assertEqual([name for name, sub in dict.items(commands)
+                          if not isinstance(sub, ParserPlan)], ["list"])
+        self.assertEqual(len(commands), 23)  # every command is still there to list and to name
+        self.assertIn("--check", commands["install"].format_help())  # made when looked up
 
 
 def counting_factory(opened):
