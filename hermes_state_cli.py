@@ -11,7 +11,6 @@ quarantining a damaged file.
 import argparse
 import contextlib
 import errno
-import json
 import logging
 import math
 import os
@@ -24,7 +23,7 @@ from pathlib import Path
 from hermes_constants import get_hermes_home, reset_hermes_home_override, set_hermes_home_override
 from hermes_state import SessionDB, damage_reason, restore_home
 from hermes_state_health import note_store_failure
-from hermes_state_common import COMPRESSION_END_REASON, LIST_LIMIT_MAX, LazyModule, store_file_bytes
+from hermes_state_common import LIST_LIMIT_MAX, LazyModule, store_file_bytes
 from hermes_state_display import (
     SHOWN_TEXT_CHARS, ParserPlan, PrintableStream, Progress, Subcommands, counted, end_progress,
     fit_table, format_time, hit_rows, human_size, one_line, plural, print_fields, print_json,
@@ -828,6 +827,7 @@ def _cmd_serve(args, out):
 
 
 def _cmd_demo(args, out):
+    from hermes_state_demo import build_demo_history  # (the demo's alone)
     home = Path(tempfile.mkdtemp(prefix="hermes-demo-"))
     token = set_hermes_home_override(home)
     try:
@@ -853,35 +853,6 @@ def _cmd_demo(args, out):
     finally:
         reset_hermes_home_override(token)
     return 0
-
-
-def build_demo_history(db):
-    """A small agent history: English and Chinese, tool calls, a compression chain."""
-    prompt = "You are a helpful coding agent. 你是一个编程助手。"
-    db.create_session("demo-refactor-1", "cli", model="demo-model", system_prompt=prompt,
-                      cwd="/home/demo/app")
-    db.set_session_title("demo-refactor-1", "Refactor the config loader")
-    call = [{"id": "call_1", "type": "function",
-             "function": {"name": "terminal", "arguments": json.dumps({"command": "pytest -q"})}}]
-    db.append_message("demo-refactor-1", "user",
-                      "Please refactor my-app.config.ts and run the tests.")
-    db.append_message("demo-refactor-1", "assistant", "Running the test suite first.",
-                      tool_calls=call)
-    db.append_message("demo-refactor-1", "tool", "12 passed in 0.41s", tool_name="terminal",
-                      tool_call_id="call_1")
-    db.update_token_counts("demo-refactor-1", input_tokens=812, output_tokens=64,
-                           model="demo-model")
-    db.end_session("demo-refactor-1", COMPRESSION_END_REASON)
-    db.create_session("demo-refactor-2", "cli", model="demo-model", system_prompt=prompt,
-                      parent_session_id="demo-refactor-1")
-    db.append_message("demo-refactor-2", "user", "[summary] Tests pass; now split the loader.")
-    db.append_message("demo-refactor-2", "assistant", "Split into load() and validate().")
-    db.create_session("demo-zh", "telegram", model="demo-model", system_prompt=prompt)
-    db.set_session_title("demo-zh", "数据库迁移")
-    db.append_message("demo-zh", "user",
-                      "帮我检查一下数据库迁移脚本，会话历史不能丢。")
-    db.append_message("demo-zh", "assistant", "好的，我先备份 state.db，再运行迁移。")
-    db.end_session("demo-zh", "user_exit")
 
 
 # -- the parser ----------------------------------------------------------------------------

@@ -144,6 +144,10 @@ MAX_SAFE_RESUME_MESSAGES = 20_000
 MAX_SAFE_EXPORT_MESSAGES = 20_000
 
 
+class QuerySyntaxError(ValueError):
+    """A search query the boolean grammar cannot read as written; its one line names the query."""
+
+
 class SessionResumeTooLargeError(ValueError):
     """Resuming would load more active messages than MAX_SAFE_RESUME_MESSAGES."""
 

@@ -24,6 +24,7 @@ from hermes_state_common import (
     FTS_TRIGRAM_EXCLUDED_SOURCES, QUERY_MAX_CHARS, QUERY_MAX_TERMS, SNIPPET_CHARS, decode_content,
     escape_like, host_is_020, sqlite_keeps,
 )
+from hermes_state_errors import QuerySyntaxError
 # Tests import these from here, where search kept them before the index's life moved out.
 from hermes_state_common import cjk_terms  # noqa: F401
 from hermes_state_schema import fts_layout_of  # noqa: F401
@@ -241,10 +242,6 @@ def parse_query(query, grammar=GRAMMAR_HERMES):
     while take("OR"):
         nodes.append(and_expr())
     return nodes[0] if len(nodes) == 1 else ("or", nodes)
-
-
-class QuerySyntaxError(ValueError):  # -> hermes_state_errors
-    """A query the boolean grammar cannot read as written; its one line names the query."""
 
 
 # A boolean query's pieces: dashes (a NOT) before a phrase, a '(' or a word; or a ')'. A '"'

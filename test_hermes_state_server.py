@@ -357,7 +357,7 @@ class Concurrency(ServerCase):
         stop.set()
         for thread in threads:
             thread.join(30)
-        self.assertEqual(errors, [])
+        self.assertEqual(errors, [], self.server.log_stream.getvalue())
         self.assertGreater(len(imported), 10)
         with SessionDB(self.tmp / "home" / "state.db", read_only=True) as db:
             stored = {s["id"] for s in db.list_sessions_rich(limit=10_000)}

@@ -28,6 +28,7 @@ FIXED_LAYERS = {
     "hermes_state_identity": 1.5,  # message identity columns <-> message dicts; pure functions
     "hermes_state_health": 1.5,  # per-store health notes (corrupt or ok), in memory
     "hermes_state_user_copy": 1.5,  # user-facing text for a storage failure
+    "hermes_state_demo": 1.5,  # the demo's history, written through the SessionDB it is given
     "hermes_state_guard": 1.5,  # why the last open failed; the test-isolation guard
     "hermes_state_holders": 1.7,  # which processes hold the store's files open
     "hermes_state_lockowners": 1.8,  # who holds SQLite's write lock (/proc/locks)

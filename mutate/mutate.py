@@ -48,16 +48,16 @@ Mutant = namedtuple("Mutant", "name module old new behaviour tests")
 MUTANTS = [
     # -- schema reconcile ------------------------------------------------------
     Mutant("reconcile-trusts-schema-version", "hermes_state_schema.py",
-           "        self._reconcile_columns(conn)\n        self._heal_gateway_routing_pk(conn)\n",
+           "        self._reconcile_columns(conn, objects)\n        self._heal_gateway_routing_pk(conn, objects)\n",
            "        if (conn.execute(SELECT_SCHEMA_VERSION_SQL).fetchone()[0] or 0) < SCHEMA_VERSION:\n"
-           "            self._reconcile_columns(conn)\n        self._heal_gateway_routing_pk(conn)\n",
+           "            self._reconcile_columns(conn, objects)\n        self._heal_gateway_routing_pk(conn, objects)\n",
            "columns are added only when schema_version is behind, not whenever one is missing",
            ["test_hermes_state_schema"]),
     Mutant("indexes-before-reconcile", "hermes_state_schema.py",
-           "        self._reconcile_columns(conn)\n        self._heal_gateway_routing_pk(conn)\n"
+           "        self._reconcile_columns(conn, objects)\n        self._heal_gateway_routing_pk(conn, objects)\n"
            "        self._ensure_deferred_indexes(conn, objects)\n",
-           "        self._ensure_deferred_indexes(conn, objects)\n        self._reconcile_columns(conn)\n"
-           "        self._heal_gateway_routing_pk(conn)\n",
+           "        self._ensure_deferred_indexes(conn, objects)\n        self._reconcile_columns(conn, objects)\n"
+           "        self._heal_gateway_routing_pk(conn, objects)\n",
            "deferred indexes are built before the columns they name exist",
            ["test_hermes_state_schema"]),
     Mutant("not-null-added-as-declared", "hermes_state_schema.py",
