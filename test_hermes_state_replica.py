@@ -168,3 +168,22 @@ class TornReads(TempDirTestCase):
                 self.assertEqual(len(db.get_messages("s")), 300)
         self.assertEqual(opened[:2], [torn, good])
         self.assertIn("torn page set", "\n".join(logs.output))
+
+    def test_a_bare_sql_logic_error_reopens_and_a_named_fault_does_not(self):
+        import sqlite3
+
+        from hermes_state_replica import FollowingConnection
+        opened = []
+
+        def open_connection():
+            opened.append(sqlite3.connect(":memory:"))
+            return opened[-1]
+        conn = FollowingConnection(open_connection)
+        self.addCleanup(lambda: [c.close() for c in opened])
+        with self.assertLogs("hermes_state", "INFO"):  # (the VFS's read failing with no word)
+            self.assertTrue(conn.reopen_after(sqlite3.OperationalError("SQL logic error")))
+        self.assertEqual(len(opened), 2)
+        with self.assertRaises(sqlite3.OperationalError) as bad_sql:
+            conn.execute("SELECT * FROM nosuch")
+        self.assertFalse(conn.reopen_after(bad_sql.exception))  # bad SQL names its fault
+        self.assertEqual(len(opened), 2)
