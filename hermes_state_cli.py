@@ -1162,10 +1162,11 @@ def _run(args, out):
         # the file as stats saw it, before the open's upgrade grows it (optimize-storage's "from")
         args.bytes_before = store_file_bytes(path) if os.path.exists(path) else 0
         db = SessionDB(path)
-        if before is not None and before != db.schema_version():
-            args.schema_upgraded = (before, db.schema_version())
+        after = db.schema_version() if before is not None else None
+        if after not in (None, before):
+            args.schema_upgraded = (before, after)
             sys.stderr.write(f"{args.command}: upgraded the schema of {path} from version "
-                             f"{before} to {args.schema_upgraded[1]}, as the agent's next open "
+                             f"{before} to {after}, as the agent's next open "
                              "would\n")
     with db:
         return _COMMANDS[args.command](db, args, out)
