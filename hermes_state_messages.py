@@ -27,7 +27,8 @@ from hermes_state_errors import (
 from hermes_state_identity import (
     IDENTITY_COLUMNS, MESSAGE_UID, ROW_WRITE_COLUMNS, SNAPSHOT_COLUMNS, call_count,
     display_metadata_text, identity_keys, is_compaction_summary, loaded_view_content, message_row,
-    pair_tool_result, repair_alternation_in_place, row_snapshot, split_user_turn, tool_call_key,
+    pair_tool_result, repair_alternation_in_place, row_snapshot, snapshot_of, split_user_turn,
+    tool_call_key,
 )
 from hermes_state_schema import live_columns
 
@@ -615,6 +616,9 @@ class SessionMessagesMixin:
         if include_compacted:
             rows = one_per_generation(rows, _conversation_field)
         width = len(_CONVERSATION_FIELDS)  # the base columns and `active`
+        if snapshot:  # where each snapshot column sits in a row (None: the store lacks it)
+            read = {name: index for index, name in enumerate((*_CONVERSATION_FIELDS, *extras))}
+            places = [read.get(column) for column in SNAPSHOT_COLUMNS]
         messages, calls_seen = [], {}
         for row in rows:
             extra = dict(zip(extras, row[width:])) if extras else None
@@ -622,8 +626,8 @@ class SessionMessagesMixin:
             if not hosted_by_020:
                 pair_tool_result(message, calls_seen)
             if snapshot:
-                stored = dict(zip(_CONVERSATION_FIELDS, row), **extra)
-                message["_db_row_snapshot"] = row_snapshot(stored)
+                message["_db_row_snapshot"] = snapshot_of(
+                    [None if place is None else row[place] for place in places])
             if not repair_alternation:
                 message.pop("_compressed_summary", None)  # only a live replay keeps the marker
             if not (include_ancestors and _is_replayed_user_turn(messages, message)):
