@@ -648,7 +648,7 @@ def scenario_live_replica(binary, work):
 
 SCENARIOS = [
     ("1 two writers under litestream replicate, restore", scenario_two_writers),
-    ("litestream and 2 writers SIGKILLed, litestream restarted, a writer, restore", scenario_killed),
+    ("2 litestream and 2 writers SIGKILLed, litestream restarted, a writer, restore", scenario_killed),
     ("3 optimize-storage (VACUUM) and whole-home restore while replicating", scenario_optimize_and_restore),
     ("4 restored store as a second home: append, search, export", scenario_other_machine),
     ("5 a reader on the VFS follows a live writer: lag, equal answers, checkpoints, restart",
