@@ -65,12 +65,15 @@ def why_not_mountable():
 
 def fuse_python():
     """The venv's python with fusepy, after libfuse2 is present; None and a reason if not."""
-    if not any(Path(d).glob("libfuse.so.2*") for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib",
-                                                        "/lib/x86_64-linux-gnu")):
+    import ctypes.util  # fusepy finds the library so: a file ldconfig does not list is not found
+    if not ctypes.util.find_library("fuse"):
         apt = subprocess.run(["apt-get", "install", "-y", "-qq", "libfuse2"],
                              capture_output=True, text=True, timeout=600)
         if apt.returncode:
             return None, f"libfuse2 could not be installed: {apt.stderr.strip()[-200:]}"
+        if not ctypes.util.find_library("fuse"):  # (a CI run met apt exiting 0 with none)
+            return None, ("no libfuse after `apt-get install libfuse2` exited 0: "
+                          f"{(apt.stdout + apt.stderr).strip()[-200:] or 'it printed nothing'}")
     venv = CACHE / "venv"
     stamp = venv / "stamp"
     want = (HERE / "requirements.txt").read_text()
