@@ -1041,7 +1041,8 @@ def bench_uid_backfill(path, seed=11):
         holds = watch_lock(watched, [
             ("open, backfills left for later", lambda: state.update(db=SessionDB(watched))),
             ("the uid backfill", lambda: state["db"]._backfill_message_uids(float("inf"))),
-            ("the display index backfill", lambda: state["db"]._backfill_display_index(float("inf"))),
+            ("the display index backfill",
+             lambda: state["db"]._backfill_display_index(float("inf"))),
         ])
     finally:
         hermes_state_schema.OPEN_BACKFILL_BUDGET_S = 1.0
@@ -1199,8 +1200,8 @@ class Table:
             print(line(r))
         marks = [r[-1] for r in self.rows if r[-1]]
         print(f"\n{marks.count('✓')} goals met in every round, {marks.count('✗')} missed in"
-              f" every round, {marks.count('≈')} within noise (met in some rounds only, or by less than"
-              " the spread)")
+              f" every round, {marks.count('≈')} within noise (met in some rounds only, or by"
+              " less than the spread)")
 
 
 def speed(ours, ref, words=("faster", "slower")):

@@ -284,10 +284,10 @@ def assert_same_rows(source, restored):
         if want[table] != got[table]:
             missing = len(set(want[table]) - set(got[table]))
             extra = len(set(got[table]) - set(want[table]))
-            raise AssertionError(f"table {table}: {len(want[table])} rows in the source, {len(got[table])} "
-                                 f"restored ({missing} missing or changed, {extra} not in the source); "
-                                 f"messages: {len(want['messages'])} in the source, "
-                                 f"{len(got['messages'])} restored")
+            raise AssertionError(
+                f"table {table}: {len(want[table])} rows in the source, {len(got[table])} restored"
+                f" ({missing} missing or changed, {extra} not in the source); messages:"
+                f" {len(want['messages'])} in the source, {len(got['messages'])} restored")
     return len(want["sessions"]), len(want["messages"])
 
 
@@ -648,7 +648,8 @@ def scenario_live_replica(binary, work):
 
 SCENARIOS = [
     ("1 two writers under litestream replicate, restore", scenario_two_writers),
-    ("2 litestream and 2 writers SIGKILLed, litestream restarted, a writer, restore", scenario_killed),
+    ("2 litestream and 2 writers SIGKILLed, litestream restarted, a writer, restore",
+     scenario_killed),
     ("3 optimize-storage (VACUUM) and whole-home restore while replicating", scenario_optimize_and_restore),
     ("4 restored store as a second home: append, search, export", scenario_other_machine),
     ("5 a reader on the VFS follows a live writer: lag, equal answers, checkpoints, restart",
