@@ -71,7 +71,7 @@ def fuse_python():
                              capture_output=True, text=True, timeout=600)
         if apt.returncode:
             return None, f"libfuse2 could not be installed: {apt.stderr.strip()[-200:]}"
-        if not ctypes.util.find_library("fuse"):  # (a CI run met apt exiting 0 with none)
+        if not ctypes.util.find_library("fuse"):
             return None, ("no libfuse after `apt-get install libfuse2` exited 0: "
                           f"{(apt.stdout + apt.stderr).strip()[-200:] or 'it printed nothing'}")
     venv = CACHE / "venv"
