@@ -6,9 +6,9 @@ import sqlite3
 import unittest
 
 from hermes_state_identity import (
-    ABSORBED_MESSAGE_UIDS, MESSAGE_UID, TOOL_CALL_UID, TOOL_CALL_UIDS, _fill_missing_tool_call_uids,
-    _restore_row_identity, identity_values, restore_identity_columns, stamp_identity, tool_call_key,
-    uid_list, uid_map,
+    ABSORBED_MESSAGE_UIDS, MESSAGE_UID, SNAPSHOT_COLUMNS, TOOL_CALL_UID, TOOL_CALL_UIDS,
+    _fill_missing_tool_call_uids, _restore_row_identity, identity_values, restore_identity_columns,
+    row_snapshot, snapshot_of, stamp_identity, tool_call_key, uid_list, uid_map,
 )
 
 
@@ -24,6 +24,19 @@ def row(**columns):
 
 
 class Codec(unittest.TestCase):
+
+    def test_a_rows_ownership_version_is_0_22s_digest(self):
+        # The digests hermes-agent 0.22.2.post1's agent.transcript_repair.transcript_row_snapshot
+        # gives these rows (every other column None): its flush compares them with ours.
+        rows = {"e8ff173a9182d54f78b5d85848fb966d": {"content": "数据 q\ud800", "token_count": 3,
+                                                      "reasoning": "r"},
+                "b2bbb17293aaf13aba948fd0b1377dc3": {"tool_call_uids": '{"c": "u1"}',
+                                                      "token_count": 2.5,
+                                                      "finish_reason": b"\x00\x01"},
+                "c238460d76034704aab948f807ecd008": {}}
+        for digest, stored in rows.items():
+            self.assertEqual(row_snapshot(stored), digest)
+            self.assertEqual(snapshot_of([stored.get(c) for c in SNAPSHOT_COLUMNS]), digest)
 
     def test_uid_lists_and_maps_keep_only_uids(self):
         self.assertEqual(uid_list(["a", "", 3, "a", "b"]), ["a", "b"])
