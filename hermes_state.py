@@ -468,14 +468,14 @@ class SessionDB(SessionSessionsMixin, SessionCompressionMixin, SessionCoverageMi
                 self._writer = self._new_connection(
                     str(self.db_path), uri=False, timeout=WRITER_BUSY_TIMEOUT)
                 self._apply_journal_policy()
-                self._init_schema()
+                indexes_left = self._init_schema()
                 backfill = self._init_search()
                 if self._checkpoints_ours():  # the schema in the main file, not only the WAL
                     self._checkpoint(self._writer)
             finally:
                 self._file_lock.release()
             # Resumable data work: each chunk takes the writer lock for itself (issue 17).
-            self._migrate_data()
+            self._migrate_data(indexes_left)
             self._finish_abandoned_sweeps()  # messages a delete that died left (a read when none)
             while backfill and self.fts_rebuild_step():
                 pause_between_chunks()

@@ -324,6 +324,13 @@ UID_BACKFILL_FIRST_SPAN = 2000
 UID_BACKFILL_MAX_SPAN = 50000
 BACKFILL_CHUNK_TARGET_S = 0.025
 OPEN_BACKFILL_BUDGET_S = 1.0
+# Schema 31's indexes on messages, which a store written before it lacks: at 1M messages each
+# takes 0.3-0.8 s to build, and the four in the schema pass held the write lock 2.2 s. A store
+# with messages gets them after the pass, a transaction each, before the backfills that use them.
+# No reader pins them (INDEXED BY) but the display backfill, which runs after them; hermes-agent's
+# open builds any that is missing.
+INDEXES_BUILT_AFTER_THE_PASS = ("idx_messages_session_uid", "idx_messages_display_page",
+                                "idx_messages_display_backfill", "idx_messages_display_identity")
 
 
 # The display backfill: a session with a visible row lacking its display identity or order (the
@@ -642,8 +649,9 @@ class SessionSchemaMixin:
 
     def _init_schema(self):
         """The writable open's schema pass, in one transaction (the data migrations follow, a chunk
-        each). Every step reads before it writes: opening a current store changes nothing."""
-        self._execute_write(self._apply_schema)
+        each). Every step reads before it writes: opening a current store changes nothing. Returns
+        the indexes left for _migrate_data to build (INDEXES_BUILT_AFTER_THE_PASS)."""
+        return self._execute_write(self._apply_schema)
 
     def _apply_schema(self, conn):
         # sqlite_master is read once: each step is handed what it held (a table made since is not
@@ -652,7 +660,9 @@ class SessionSchemaMixin:
         self._create_missing_tables(conn, objects)
         self._reconcile_columns(conn, objects)
         self._heal_gateway_routing_pk(conn, objects)
-        self._ensure_deferred_indexes(conn, objects)
+        # A store that has messages gets schema 31's message indexes after the pass, each alone.
+        later = INDEXES_BUILT_AFTER_THE_PASS if "messages" in objects else ()
+        left = self._ensure_deferred_indexes(conn, objects, later)
         self._ensure_title_index(conn, objects)
         self._stamp_schema_version(conn)
         self._ensure_listing_objects(conn, objects)
@@ -663,6 +673,7 @@ class SessionSchemaMixin:
         if self.fts_caps.fts5 and fts_layout_of(word_index) == "legacy":
             # hermes-agent's flag for that index, written as its open writes it (its tools read it).
             write_meta(conn, META_FTS_OPTIMIZE_AVAILABLE, "1")
+        return left
 
     # -- structure --------------------------------------------------------
 
@@ -737,10 +748,18 @@ class SessionSchemaMixin:
                            " colliding rows were superseded and are kept in table %s",
                            copied - kept, side)
 
-    def _ensure_deferred_indexes(self, conn, objects):
+    def _ensure_deferred_indexes(self, conn, objects, later=()):
+        """Build each declared index the store lacks, but those named in `later`: the list of them
+        it lacks, for _build_indexes_left."""
+        left = []
         for name, sql in DEFERRED_INDEXES.items():
-            if name not in objects:
+            if name in objects:
+                continue
+            if name in later:
+                left.append(name)
+            else:
                 _try_ddl(conn, sql, f"index {name} not built")
+        return left
 
     def _ensure_title_index(self, conn, objects):
         """Titles are unique when not NULL; on duplicates the newest row keeps the title."""
@@ -834,10 +853,15 @@ class SessionSchemaMixin:
 
     # -- data repairs and migrations (resumable, one chunk per transaction) ---
 
-    def _migrate_data(self):
-        """The open's data repairs and migrations, after the structure. Each is gated on the data,
-        never on schema_version: the rows still to fix are the work left, so an interrupted run
-        resumes."""
+    def _migrate_data(self, indexes_left=()):
+        """The open's data repairs and migrations, after the structure and the indexes it left
+        (`indexes_left`). Each is gated on the data, never on schema_version: the rows still to
+        fix are the work left, so an interrupted run resumes."""
+        for name in indexes_left:
+            # IF NOT EXISTS: another opener may have built it since.
+            self._execute_write(
+                lambda conn: _try_ddl(conn, DEFERRED_INDEXES[name], f"index {name} not built"))
+            pause_between_chunks()
         self._repair_null_active()
         self._migrate_inline_system_prompts()
         self._backfill_listing()

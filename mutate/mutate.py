@@ -55,9 +55,12 @@ MUTANTS = [
            ["test_hermes_state_schema"]),
     Mutant("indexes-before-reconcile", "hermes_state_schema.py",
            "        self._reconcile_columns(conn, objects)\n        self._heal_gateway_routing_pk(conn, objects)\n"
-           "        self._ensure_deferred_indexes(conn, objects)\n",
-           "        self._ensure_deferred_indexes(conn, objects)\n        self._reconcile_columns(conn, objects)\n"
-           "        self._heal_gateway_routing_pk(conn, objects)\n",
+           "        # A store that has messages gets schema 31's message indexes after the pass, each alone.\n"
+           "        later = INDEXES_BUILT_AFTER_THE_PASS if \"messages\" in objects else ()\n"
+           "        left = self._ensure_deferred_indexes(conn, objects, later)\n",
+           "        later = INDEXES_BUILT_AFTER_THE_PASS if \"messages\" in objects else ()\n"
+           "        left = self._ensure_deferred_indexes(conn, objects, later)\n"
+           "        self._reconcile_columns(conn, objects)\n        self._heal_gateway_routing_pk(conn, objects)\n",
            "deferred indexes are built before the columns they name exist",
            ["test_hermes_state_schema"]),
     Mutant("not-null-added-as-declared", "hermes_state_schema.py",
