@@ -977,9 +977,10 @@ def build_parser():
     search.add_argument("--grammar", choices=[GRAMMAR_BOOLEAN, GRAMMAR_HERMES],
                         default=GRAMMAR_BOOLEAN,
                         help="boolean (default): terms are ANDed, with OR, NOT (or -word), "
-                             "(groups), \"phrases\" and prefix* meaning what they say in any "
-                             "script; hermes-agent: its reading (a query with a 1-2 character CJK "
-                             "term matches any term)")
+                             "(groups), \"phrases\", prefix* and column filters (content:, "
+                             "tool_name:, tool_calls:, {content tool_name}:) meaning what they say "
+                             "in any script; hermes-agent: its reading (a query with a 1-2 "
+                             "character CJK term matches any term)")
     command("optimize", "merge the search index segments (quick)")
     storage = command("optimize-storage",
                       "move an old search index layout to the current one, then VACUUM")

@@ -60,7 +60,9 @@ CTE_MATERIALIZED = "MATERIALIZED" if sqlite3.sqlite_version_info >= (3, 35) else
 # Hits per context statement: four parameters each, within SQLite's 999 before 3.32.
 CONTEXT_CHUNK_HITS = 240
 
-Term = namedtuple("Term", "text prefix")
+# `columns`: the messages columns a column filter (boolean reading) limits the term to, in
+# SEARCH_COLUMNS' order; None for all of them.
+Term = namedtuple("Term", "text prefix columns", defaults=(None,))
 
 
 class _Binds(dict):
@@ -137,9 +139,10 @@ _LIKE_CONTENT_SQL = (
     f"THEN CAST(substr(CAST(m.content AS BLOB), {len(CONTENT_JSON_PREFIX) + 1}) AS TEXT) "
     "WHEN m.content >= char(0) AND m.content < char(1) "
     "THEN CAST(substr(CAST(m.content AS BLOB), 2) AS TEXT) ELSE m.content END")
-_LIKE_COLUMNS = (_LIKE_CONTENT_SQL, "m.tool_name", "m.tool_calls")
-_TERM_LIKE_SQL = "(" + " OR ".join(f"COALESCE({column}, '') LIKE {{pattern}} ESCAPE '\\'"
-                                    for column in _LIKE_COLUMNS) + ")"
+# The columns a term is looked for in: messages_fts's, which a column filter names.
+_LIKE_COLUMNS = {"content": _LIKE_CONTENT_SQL, "tool_name": "m.tool_name",
+                 "tool_calls": "m.tool_calls"}
+SEARCH_COLUMNS = tuple(_LIKE_COLUMNS)
 _NOT_TOOL_ROW_SQL = "m.role <> 'tool'"
 # The context of a page of hits, in one statement: each hit's neighbours in its session by
 # (timestamp, id), in any state. Equal timestamps are common (a batch shares one): each neighbour
@@ -244,14 +247,14 @@ def parse_query(query, grammar=GRAMMAR_HERMES):
     return nodes[0] if len(nodes) == 1 else ("or", nodes)
 
 
-# A boolean query's pieces: dashes (a NOT) before a phrase, a '(' or a word; or a ')'. A '"'
-# without its pair is dropped, as hermes-agent's sanitiser drops it.
-_BOOLEAN_TOKEN_RE = re.compile(r'(-*)(?:"([^"]*)"|(\()|([^\s()"]+))|(\))')
-# FTS5's column filter (`content:x`, `{content tool_name}:x`), outside phrases; only the names of
-# the columns count (`key:value` and `12:30` stay words).
-_COLUMN_FILTER_RE = re.compile(
-    r"(?<![\w-])-?(?:\{\s*(?:(?:content|tool_name|tool_calls)\s*)+\}|content|tool_name"
-    r"|tool_calls)\s*:", re.IGNORECASE)
+# A boolean query's pieces: dashes (a NOT) and a column filter (FTS5's `content:`,
+# `{content tool_name}:`) before a phrase, a '(' or a word; or a ')'. A '"' without its pair is
+# dropped, as hermes-agent's sanitiser drops it. Only SEARCH_COLUMNS' names make a bare filter
+# (`key:value` and `12:30` stay words); braces name columns and nothing else.
+_BOOLEAN_TOKEN_RE = re.compile(
+    r'(-*)(?:(\{[^{}]*\}|(?<![^\s(-])(?:content|tool_name|tool_calls))\s*:\s*)?'
+    r'(?:"([^"]*)"|(\()|([^\s()"]+))|(\))', re.IGNORECASE)
+_DANGLING_FILTER_RE = re.compile(r"-*(?:\{[^{}]*\}|content|tool_name|tool_calls)\s*:", re.I)
 _GROUP_DEPTH_MAX = 32
 _NOT_SPELLINGS = {"NOT": "NOT", "-": "'-' (NOT)"}
 
@@ -262,19 +265,26 @@ def _boolean_tokens(query, fail):
     if len(query) > QUERY_MAX_CHARS:
         fail(f"a query is at most {QUERY_MAX_CHARS:,} characters")
     cleaned = CONTROL_RE.sub(" ", query)
-    if _COLUMN_FILTER_RE.search(re.sub(r'"[^"]*"', " ", cleaned)):
-        fail("column filters (content:...) are not supported; search the words alone")
     tokens = []
-    for dashes, phrase, group, word, close in _BOOLEAN_TOKEN_RE.findall(cleaned):
-        if word in ("AND", "OR", "NOT") and not dashes:
+    for found in _BOOLEAN_TOKEN_RE.finditer(cleaned):
+        dashes, named, phrase, group, word, close = found.groups()
+        columns = None if named is None else _filter_columns(named, fail)
+        if word in ("AND", "OR", "NOT") and not dashes and columns is None:
             pieces = [word]
         elif group or close:
-            pieces = [group or close]
+            # A filter before a group holds for every term in it, as in FTS5.
+            pieces = [group or close] if columns is None else [columns, group]
         else:
-            parts = [" ".join(phrase.split())] if phrase is not None and word == "" else \
+            parts = [" ".join(phrase.split())] if phrase is not None else \
                 FTS_SYNTAX_RE.sub(" ", word).lstrip("-").split()
-            pieces = [Term(text, bool(word) and word.endswith("*") and n == len(parts) - 1)
+            pieces = [Term(text, word is not None and word.endswith("*") and n == len(parts) - 1,
+                           columns)
                       for n, text in enumerate(parts) if any(ch.isalnum() for ch in text)]
+            # (`content:` at the end reads as a word the filter's regex left alone)
+            dangling = not pieces if columns is not None else \
+                _DANGLING_FILTER_RE.fullmatch(word or "")
+            if dangling:
+                fail("a column filter needs a term after it")
         if dashes and pieces:
             pieces.insert(0, "-")
         for piece in pieces:
@@ -287,10 +297,35 @@ def _boolean_tokens(query, fail):
     return tokens
 
 
+def _filter_columns(named, fail):
+    """The columns a filter (`content`, `{tool_name tool_calls}`) names, in SEARCH_COLUMNS'
+    order."""
+    names = named.strip("{}").lower().split()
+    unknown = [name for name in names if name not in SEARCH_COLUMNS]
+    if unknown or not names:
+        fail(f"a column filter names {', '.join(SEARCH_COLUMNS)}, not {named!r}")
+    return tuple(column for column in SEARCH_COLUMNS if column in names)
+
+
+def _within(node, columns, fail):
+    """`node` with every term's columns narrowed to `columns` (a filter before a group)."""
+    if node[0] == "term":
+        term = node[1]
+        narrowed = columns if term.columns is None else \
+            tuple(column for column in term.columns if column in columns)
+        if not narrowed:
+            fail("nested column filters share no column")
+        return ("term", term._replace(columns=narrowed))
+    if node[0] == "not":
+        return ("not", _within(node[1], columns, fail), _within(node[2], columns, fail))
+    return (node[0], [_within(child, columns, fail) for child in node[1]])
+
+
 def _parse_boolean(query):
     """`query` read as written: terms, phrases, prefix*, AND (or nothing), OR, NOT (or a leading
-    `-`), parentheses. A NOT with no term before it in its group, an operator with no term after
-    it, an unbalanced parenthesis, an empty group or a column filter raise QuerySyntaxError."""
+    `-`), parentheses, column filters (`content:x`, `{tool_name tool_calls}:(a OR b)`). A NOT with
+    no term before it in its group, an operator with no term after it, an unbalanced parenthesis,
+    an empty group or a filter naming another column raise QuerySyntaxError."""
     shown = query if len(query) <= 80 else query[:77] + "..."
 
     def fail(problem):
@@ -314,6 +349,8 @@ def _parse_boolean(query):
         token = take()
         if isinstance(token, Term):
             return ("term", token)
+        if isinstance(token, tuple):  # a column filter before a group
+            return _within(operand(after), token, fail)
         if token == "(":
             depth += 1
             if depth > _GROUP_DEPTH_MAX:
@@ -443,27 +480,43 @@ def _cjk_floor(conn, hits, wanted):
     return 0, []
 
 
-def _fts_string(term):
-    return '"' + term.text.replace('"', '""') + '"' + ("*" if term.prefix else "")
+def _fts_string(term, index):
+    """`term` as FTS5 reads it in `index`, with its column filter (the CJK index holds content
+    alone, in a column of its own name)."""
+    quoted = '"' + term.text.replace('"', '""') + '"' + ("*" if term.prefix else "")
+    if term.columns is None or index == "cjk":
+        return quoted
+    return "{" + " ".join(term.columns) + "}: " + quoted
 
 
 def _route(term, state):
     """The index that answers `term`, or None for the LIKE fallback."""
-    trigram = "trigram" if len(term.text) >= 3 and "trigram" in state.usable else None
+    index = _index_for(term.text, state)
+    if index in (None, "word") or term.columns in (None, ("content",)):
+        return index
+    # The trigram and CJK indexes are read for content: a filter naming another column is LIKE's.
+    return None
+
+
+def _index_for(text, state):
+    trigram = "trigram" if len(text) >= 3 and "trigram" in state.usable else None
     if state.substring:
         return trigram
     # (a mark the CJK index splits on, as ・, is for LIKE to match)
-    if cjk_letter().search(term.text):
-        cjk = len(term.text) <= 2 and "cjk" in state.usable and all(
-            cjk_letter().match(ch) and unicodedata.category(ch)[0] in "LN" for ch in term.text)
+    if cjk_letter().search(text):
+        cjk = len(text) <= 2 and "cjk" in state.usable and all(
+            cjk_letter().match(ch) and unicodedata.category(ch)[0] in "LN" for ch in text)
         return trigram or ("cjk" if cjk else None)
     return "word" if "word" in state.usable else trigram
 
 
 def _like_sql(term, state, binds):
-    """The fallback for one term. A CJK term (and a substring retry) skips tool rows unless they
-    were asked for, as the trigram and CJK indexes do, so every route gives the same answer."""
-    sql = _TERM_LIKE_SQL.format(pattern=binds.add("like", f"%{escape_like(term.text)}%"))
+    """The fallback for one term, in its filter's columns. A CJK term (and a substring retry)
+    skips tool rows unless they were asked for, as the trigram and CJK indexes do, so every route
+    gives the same answer."""
+    pattern = binds.add("like", f"%{escape_like(term.text)}%")
+    sql = "(" + " OR ".join(f"COALESCE({_LIKE_COLUMNS[column]}, '') LIKE {pattern} ESCAPE '\\'"
+                            for column in term.columns or SEARCH_COLUMNS) + ")"
     if (state.substring or cjk_letter().search(term.text)) and not state.tool_rows:
         sql = f"({_NOT_TOOL_ROW_SQL} AND {sql})"
     return sql
@@ -473,7 +526,7 @@ def _leaf_sql(term, index, state, binds):
     if index is None:
         return _like_sql(term, state, binds)
     table = state.tables[index]
-    match = binds.add("term", _fts_string(term))
+    match = binds.add("term", _fts_string(term, index))
     sql = f"m.id IN (SELECT rowid FROM {table} WHERE {table} MATCH {match})"
     if index != "word":
         sql = f"{_NOT_TOOL_ROW_SQL} AND {sql}"
@@ -504,7 +557,7 @@ def _id_set_sql(node, routes, state, binds):
     """The ids `node` matches as one compound SELECT over its indexes (each term _matched_alone)."""
     if node[0] == "term":
         table = state.tables[routes[node[1]]]
-        match = binds.add("term", _fts_string(node[1]))
+        match = binds.add("term", _fts_string(node[1], routes[node[1]]))
         return f"SELECT rowid FROM {table} WHERE {table} MATCH {match}"
     children = node[1] if node[0] in ("and", "or") else node[1:]
     operator = {"and": "INTERSECT", "or": "UNION", "not": "EXCEPT"}[node[0]]
@@ -527,14 +580,14 @@ def _tree_sql(node, routes, state, binds):
     return "(" + joiner.join(_tree_sql(child, routes, state, binds) for child in node[1]) + ")"
 
 
-def _match_string(node):
+def _match_string(node, index):
     kind = node[0]
     if kind == "term":
-        return _fts_string(node[1])
+        return _fts_string(node[1], index)
     if kind == "not":
-        return f"({_match_string(node[1])} NOT {_match_string(node[2])})"
+        return f"({_match_string(node[1], index)} NOT {_match_string(node[2], index)})"
     joiner = " AND " if kind == "and" else " OR "
-    return "(" + joiner.join(_match_string(child) for child in node[1]) + ")"
+    return "(" + joiner.join(_match_string(child, index) for child in node[1]) + ")"
 
 
 def make_snippet(content, terms):
@@ -695,7 +748,7 @@ class SessionSearchMixin:
         # hermes-agent's legacy trigram index still holds tool rows; ours does not.
         no_tools = f" AND {_NOT_TOOL_ROW_SQL}" if index != "word" else ""
         snippet = "NULL" if index == "cjk" else FTS_SNIPPET_SQL.format(table=table)
-        binds["match"] = _match_string(tree)
+        binds["match"] = _match_string(tree, index)
         if sort not in _ORDERS:
             ranked = SEARCH_RANKED_SQL.format(
                 table=table, snippet=snippet, no_tools=no_tools, filters=filters)
@@ -787,7 +840,7 @@ class SessionSearchMixin:
         """hermes-agent's name: the MATCH expression a search for `query` runs on one index (every
         term quoted, AND/OR/NOT as parse_query reads them); '' when nothing searchable is left."""
         tree = parse_query(query or "")
-        return "" if tree is None else _match_string(tree)
+        return "" if tree is None else _match_string(tree, "word")
 
 
 def _epoch_bound(name, value):

@@ -99,12 +99,17 @@ def _route(text, usable, substring):
 
 def term_matches(row, term, usable, substring, tool_rows):
     index = _route(term.text, usable, substring)
+    columns = getattr(term, "columns", None)  # (hermes-agent's reading has no column filter)
+    if columns not in (None, ("content",)) and index in ("trigram", "cjk"):
+        index = None  # those indexes are read for content alone
+    columns = columns or COLUMNS
     content, is_tool = row["content"], row["role"] == "tool"
     if index == "word":
         words = content[:TOOL_INDEX_PREFIX_CHARS] if is_tool and content else content
         phrase = tokens(term.text)
-        return any(_phrase_in(tokens(column), phrase, term.prefix)
-                   for column in (words, row["tool_name"], row["tool_calls"]))
+        return any(_phrase_in(tokens(value), phrase, term.prefix)
+                   for column, value in zip(COLUMNS, (words, row["tool_name"], row["tool_calls"]))
+                   if column in columns)
     if index == "trigram":  # hermes-agent 0.22's index: no tool rows, no cron or subagent session's
         return not is_tool and content is not None and term.text.lower() in content.lower() \
             and row["source"] not in FTS_TRIGRAM_EXCLUDED_SOURCES
@@ -112,7 +117,7 @@ def term_matches(row, term, usable, substring, tool_rows):
         return not is_tool and content is not None and term.text in content
     if (substring or CJK_RE.search(term.text)) and not tool_rows and is_tool:
         return False
-    return any(_like(column, term.text) for column in (content, row["tool_name"], row["tool_calls"]))
+    return any(_like(row[column], term.text) for column in columns)
 
 
 def tree_matches(row, node, *args):
@@ -128,21 +133,38 @@ def tree_matches(row, node, *args):
 # The oracle's own reading of a boolean query (docs/search.md, "Query language"), apart from the product's parser:
 # the query becomes a Python expression over t(n), its n-th term, and Python's precedence (not, and, or) is the
 # documented one: `a NOT b` is `a and not b`, words side by side are ANDed, `-word` is `NOT word`, `AND NOT` is
-# NOT. What Python cannot compile (a leading NOT, a dangling operator, an unbalanced parenthesis) the product
-# must refuse, as an empty group and a column filter.
-OracleTerm = namedtuple("OracleTerm", "text prefix")
-ORACLE_PIECE_RE = re.compile(r'(-*)("[^"]*"|\(|\)|[^\s()"]+)')
+# NOT. A column filter (`content:x`, `{tool_name tool_calls}:(a OR b)`) limits its term, or every term of its
+# group, to those columns, nested ones to the columns they share. What Python cannot compile (a leading NOT, a
+# dangling operator, an unbalanced parenthesis) the product must refuse, as an empty group, a filter naming
+# another column or one with no term after it.
+COLUMNS = ("content", "tool_name", "tool_calls")
+OracleTerm = namedtuple("OracleTerm", "text prefix columns")
+ORACLE_PIECE_RE = re.compile(r'(-*)(?:(\{[^}]*\}|content|tool_name|tool_calls)\s*:\s*)?("[^"]*"|\(|\)|[^\s()"]+)',
+                             re.IGNORECASE)
 OPERATORS = {"AND": "and", "OR": "or", "NOT": "and not"}
+
+
+def _narrowed(columns, named):
+    """`columns` (None: all) narrowed by a filter's text, e.g. '{content tool_name}'; ValueError for a bad one."""
+    names = named.strip("{}").lower().split()
+    if not names or set(names) - set(COLUMNS):
+        raise ValueError(f"column filter {named!r}")
+    kept = tuple(column for column in columns or COLUMNS if column in names)
+    if not kept:
+        raise ValueError(f"column filters share no column: {named!r}")
+    return kept
 
 
 def boolean_reading(query):
     """(terms, compiled expression over t(n)); (None, None) for a query holding no term; ValueError for a query
     the product must refuse."""
-    terms, python = [], []
-    for dashes, piece in ORACLE_PIECE_RE.findall(query):
-        if re.match(r"\{?(content|tool_name|tool_calls)\b[^:]*:", piece, re.IGNORECASE):
-            raise ValueError(f"column filter {piece!r}")
-        if piece in OPERATORS and not dashes:
+    terms, python, groups = [], [], [None]  # groups: the columns of each open parenthesis
+    for dashes, named, piece in ORACLE_PIECE_RE.findall(query):
+        if re.fullmatch(r"(\{[^}]*\}|content|tool_name|tool_calls)\s*:", piece, re.IGNORECASE) or \
+                named and piece in ('""', ")"):
+            raise ValueError(f"a column filter with no term after it in {query!r}")
+        columns = _narrowed(groups[-1], named) if named else groups[-1]
+        if piece in OPERATORS and not dashes and not named:
             if piece == "NOT" and python[-1:] == ["and"]:
                 python.pop()
             python.append(OPERATORS[piece])
@@ -152,10 +174,14 @@ def boolean_reading(query):
         elif python and (python[-1] == ")" or python[-1].startswith("t(")) and piece != ")":
             python.append("and")  # side by side
         if piece in "()":
+            if piece == "(":
+                groups.append(columns)
+            elif len(groups) > 1:
+                groups.pop()
             python.append(piece)
             continue
         prefix = piece.endswith("*") and not piece.startswith('"')
-        terms.append(OracleTerm(" ".join(piece.strip('"*').split()), prefix))
+        terms.append(OracleTerm(" ".join(piece.strip('"*').split()), prefix, columns))
         python.append(f"t({len(terms) - 1})")
     if len(query) > QUERY_MAX_CHARS or len(terms) > QUERY_MAX_TERMS:
         raise ValueError(f"{query[:20]!r}... is past the limits")
@@ -578,15 +604,20 @@ class SearchAgreesWithTheOracle(TempDirTestCase):
 
 
 # The grammar table (issue 40): English, CJK of 1, 2 and 4 letters and mixed queries, with every operator,
-# parentheses, `-`, and the queries the boolean reading refuses (REFUSED: a leading NOT or `-`, a dangling
-# operator, an unbalanced or empty group, a column filter).
+# parentheses, `-`, column filters, and the queries the boolean reading refuses (REFUSED: a leading NOT or `-`,
+# a dangling operator, an unbalanced or empty group, a filter naming another column, sharing none with the one
+# around it, or with no term after it).
 GRAMMAR_LINES = [("cli", "user", "the parser reads the schema"), ("cli", "assistant", "迁移 done, schema kept"),
                  ("cli", "user", "迁移 alone here"), ("telegram", "user", "数据库服务端 restarted, parser ok"),
                  ("telegram", "assistant", "京都 and 大阪 trip"), ("cli", "user", "京 only 京"),
                  ("cron", "user", "nightly 数据库服务端 parser report"), ("cli", "tool", "parser 迁移 tool output"),
                  ("cli", "user", "schemas and parsers, not the word itself"), ("telegram", "user", "修改youer服务端"),
                  ("cli", "user", "会话历史 kept with the schema"), ("telegram", "assistant", "会话历史 and 数据库迁移"),
-                 ("cli", "assistant", "会话 only, no history"), ("cron", "user", "数据库迁移 parser nightly")]
+                 ("cli", "assistant", "会话 only, no history"), ("cron", "user", "数据库迁移 parser nightly"),
+                 ("cli", "assistant", "calling the tool")]
+# The last line's tool call, searched in the tool_calls column.
+GRAMMAR_TOOL_CALLS = [{"id": "call_1", "type": "function",
+                       "function": {"name": "terminal", "arguments": '{"cmd": "grep parser 京都"}'}}]
 GRAMMAR_QUERIES = ["parser", "parser schema", "parser AND schema", "parser OR 大阪", "parser NOT schema",
                    '"the parser"', "pars*", "迁", "迁移", "数据库服务", "迁移 schema", "迁移 NOT schema",
                    "schema NOT 迁移", "迁移 OR 京都", "京 NOT 京都", "数据库服务 parser", "数据库服务 NOT parser",
@@ -594,9 +625,15 @@ GRAMMAR_QUERIES = ["parser", "parser schema", "parser AND schema", "parser OR �
                    "会话历史", "会话历史 schema", "会话历史 OR 京都", "数据库迁移 NOT 会话历史", "会话 NOT 会话历史",
                    "数据库迁移 parser", "(迁移 OR 会话) schema", "迁移 OR 会话 schema", "迁移 -schema",
                    "迁移 AND NOT schema", "(京 OR parser) NOT (schema OR 大阪)", "parser (schema OR 会话历史)",
-                   '"the parser" -schema', "(会话 -会话历史) OR (京 -京都)", "((数据库迁移))"]
+                   '"the parser" -schema', "(会话 -会话历史) OR (京 -京都)", "((数据库迁移))",
+                   "content:parser", "tool_name:terminal", "tool_calls:parser", "tool_name:terminal parser",
+                   "parser -tool_name:terminal", "parser -tool_calls:grep", "content:迁移", "tool_calls:京都",
+                   "{content tool_calls}:京都", "{content tool_name}:迁移", "{tool_name tool_calls}:(terminal OR 京)",
+                   "content:(迁移 OR 京都) -schema", 'content:"the parser"', "content:pars*", "CONTENT:数据库服务",
+                   "{tool_name tool_calls}:({content tool_calls}:grep)", "parser -content:schema"]
 REFUSED = ["NOT 迁移", "NOT schema", "-schema 迁移", "迁移 NOT", "会话 OR", "AND 京都", "迁移 OR NOT schema",
-           "(迁移 OR 会话", "迁移)", "会话历史 ()", "content:schema", "{content tool_name}:迁移"]
+           "(迁移 OR 会话", "迁移)", "会话历史 ()", "{content role}:schema", "{}:迁移", "schema content:",
+           "迁移 -{tool_name}:", "{content}:(tool_name:迁移)", "-content:schema"]
 
 
 def found(db, query, grammar=GRAMMAR_BOOLEAN):
@@ -608,24 +645,42 @@ class SearchGrammarIsOneLanguage(TempDirTestCase):
     against the oracle's own reading and scan of the same rows; a NOT never adds a hit. The default keeps
     hermes-agent's reading."""
 
-    def store(self, mode):
-        path = self.tmp / f"{mode}.db"
+    def store(self, mode, queued=True):
+        """The table's rows written in `mode`; with `queued`, the CJK rows wait in the CJK index's queue (15
+        single appends), else the store is reopened, which indexes them."""
+        path = self.tmp / f"{mode}-{queued}.db"
         factory = MODES[mode][0]
-        db = SessionDB(path, connection_factory=factory) if factory else SessionDB(path)
-        self.addCleanup(db.close)
+
+        def open_store():
+            db = SessionDB(path, connection_factory=factory) if factory else SessionDB(path)
+            self.addCleanup(db.close)
+            return db
+        db = open_store()
         for source in ("cli", "telegram", "cron"):
             db.create_session(source, source)
         for number, (source, role, text) in enumerate(GRAMMAR_LINES):
             db.append_message(source, role, text, tool_name="terminal" if role == "tool" else None,
+                              tool_calls=GRAMMAR_TOOL_CALLS if number == len(GRAMMAR_LINES) - 1 else None,
                               timestamp=1000 + number)
+        if not queued:
+            db.close()
+            db = open_store()
         return db, stored_rows(path)
 
-    def test_every_query_of_the_table_is_answered_as_a_scan_of_the_rows_reads_it(self):
+    def stores(self):
+        """(mode, queued, db, rows) of every runtime mode, with the CJK queue full and drained."""
         for mode in MODES:
-            db, rows = self.store(mode)
+            for queued in (True, False):
+                yield (mode, queued) + self.store(mode, queued)
+
+    def test_every_query_of_the_table_is_answered_as_a_scan_of_the_rows_reads_it(self):
+        for mode, queued, db, rows in self.stores():
+            if "cjk" in MODES[mode][1]:  # the two states the table is read in
+                waiting = self.raw(db.db_path).execute("SELECT COUNT(*) FROM hs_fts_cjk_queue").fetchone()[0]
+                self.assertEqual(bool(waiting), queued)
             for query in GRAMMAR_QUERIES:
                 for grammar in (GRAMMAR_BOOLEAN, GRAMMAR_HERMES):
-                    with self.subTest(mode=mode, query=query, grammar=grammar):
+                    with self.subTest(mode=mode, queued=queued, query=query, grammar=grammar):
                         wanted, _scans, _retried = oracle(rows, query, MODES[mode][1], grammar=grammar)
                         self.assertEqual(found(db, query, grammar), wanted)
 
@@ -637,6 +692,20 @@ class SearchGrammarIsOneLanguage(TempDirTestCase):
         # left out as the trigram and CJK indexes leave tool rows out.)
         self.assertEqual((found(db, "(迁移 OR 会话) schema"), found(db, "迁移 OR 会话 schema")),
                          ({2, 11}, {2, 3, 11, 12, 14}))
+
+    def test_a_column_filter_keeps_its_terms_to_its_columns_on_every_runtime(self):
+        for mode, queued, db, _rows in self.stores():
+            with self.subTest(mode=mode, queued=queued):
+                # parser: in row 8's tool output, row 15's tool call and content elsewhere.
+                self.assertEqual(found(db, "tool_calls:parser"), {15})
+                self.assertEqual(found(db, "parser") - found(db, "content:parser"), {15})
+                self.assertEqual(found(db, "tool_name:terminal"), {8})
+                # A CJK term filtered to other columns than content is looked for in them by LIKE (its indexes
+                # hold content); tool calls are stored as JSON, whose CJK is \\u-escaped.
+                self.assertEqual(found(db, "{content tool_calls}:京都"), {5})
+                self.assertEqual((found(db, "tool_name:迁移"), found(db, "tool_calls:京都")), (set(), set()))
+                self.assertEqual(found(db, "{tool_name tool_calls}:(terminal OR grep)"), {8, 15})
+                self.assertEqual(found(db, "parser -tool_calls:grep"), found(db, "parser") - {15})
 
     def test_a_query_the_boolean_reading_cannot_read_is_refused_in_one_line_naming_it(self):
         db, rows = self.store("full")
@@ -650,8 +719,9 @@ class SearchGrammarIsOneLanguage(TempDirTestCase):
                                  oracle(rows, query, MODES["full"][1])[0])
         with self.assertRaisesRegex(ValueError, "NOT needs a term before it: 'NOT 迁移'"):
             found(db, "NOT 迁移")
-        with self.assertRaisesRegex(ValueError, "column filters .* are not supported"):
-            found(db, "content:schema")
+        with self.assertRaisesRegex(ValueError, "a column filter names content, tool_name, tool_calls, not"
+                                                " '{content role}'"):
+            found(db, "{content role}:schema")
         self.assertEqual(found(db, "key:value 12:30"), set())  # not column names: words
 
     def test_a_not_never_adds_a_hit(self):
@@ -677,7 +747,8 @@ class SearchCommandAgreesWithTheScan(TempDirTestCase):
     oracle's reading and scan of its rows."""
 
     QUERIES = ["迁移", "schema", "迁移 schema", "迁移 NOT schema", "(迁移 OR 会话) schema", "迁移 -schema",
-               "关词话件", "关词话件 OR 分移本迁", "parser NOT (migration OR 迁移)", "版 OR 谱机缩文"]
+               "关词话件", "关词话件 OR 分移本迁", "parser NOT (migration OR 迁移)", "版 OR 谱机缩文",
+               "tool_name:terminal", "content:schema", "tool_calls:schema", "{content tool_calls}:(迁移 OR schema)"]
 
     def search(self, db, query):
         env = dict(os.environ, HERMES_HOME=str(self.tmp / "home"), PYTHONPATH=str(REPO))
@@ -693,7 +764,7 @@ class SearchCommandAgreesWithTheScan(TempDirTestCase):
                 run = self.search(db, query)
                 self.assertEqual(run.returncode, 0, run.stderr)
                 self.assertEqual({hit["id"] for hit in json.loads(run.stdout)}, wanted)
-        for query in ("NOT 迁移", "content:schema"):
+        for query in ("NOT 迁移", "{content role}:schema"):
             with self.subTest(query=query):
                 run = self.search(db, query)
                 self.assertEqual((run.returncode, run.stdout, run.stderr.count("\n")), (1, "", 1), run.stderr)
