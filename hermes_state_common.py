@@ -642,7 +642,6 @@ LEGACY_FTS_SQL, LEGACY_FTS_TRIGRAM_SQL = (_INLINE_INDEX.format(t=t, k=k) for t, 
 
 # -- Schema maintenance SQL ---------------------------------------------------
 
-SELECT_SCHEMA_OBJECTS_SQL = "SELECT type, name, sql FROM sqlite_master"
 # The gateway_routing key heal, over a side table named by the caller.
 RENAME_TABLE_SQL = "ALTER TABLE {table} RENAME TO {new_name}"
 DROP_TABLE_SQL = "DROP TABLE {table}"

@@ -40,13 +40,14 @@ from hermes_state_common import (
     META_SEARCH_STALE_PREFIX, META_SEARCH_TOOL_JSON_FROM, OLD_SEARCH_OBJECTS, ORPHAN_TRIGGER,
     PREVIOUS_LAYOUT_LEFTOVERS, PREVIOUS_LAYOUT_META, PREVIOUS_LAYOUT_TABLES, RENAME_TABLE_SQL,
     RETIRED_PREFIX, SEARCH_LAYOUT_VERSION, SEARCH_MARKS, SEARCH_OBJECTS, SEARCH_TABLES,
-    SEARCH_TRIGGERS, SELECT_SCHEMA_OBJECTS_SQL, TABLE_EXISTS_SQL, TOOL_INDEX_PREFIX_CHARS,
+    SEARCH_TRIGGERS, TABLE_EXISTS_SQL, TOOL_INDEX_PREFIX_CHARS,
     _trigram_session, cjk_terms, placeholders, quote_identifier, same_ddl, store_file_bytes,
     trigger_writes,
 )
 from hermes_state_errors import is_fts_scoped_corruption_error
 from hermes_state_schema import (
-    fts_layout_of, pause_between_chunks, read_meta, trigger_damage, write_meta)
+    SELECT_SCHEMA_OBJECTS_SQL, fts_layout_of, pause_between_chunks, read_meta, schema_objects,
+    trigger_damage, write_meta)
 
 logger = logging.getLogger("hermes_state")
 
@@ -108,16 +109,12 @@ _RESET_INDEX_SQL = {
 _MARK_PAIRS = tuple(dict.fromkeys(SEARCH_MARKS.values()))
 
 
-
 def free_disk_bytes(path):
     """Free bytes on the filesystem holding `path` (the optimize-storage pre-check)."""
     return shutil.disk_usage(path).free
 
 
 # -- What is on disk ------------------------------------------------------------------------------
-
-def _schema_objects(conn):
-    return {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
 
 
 def _ours(objects, index):
@@ -265,10 +262,11 @@ class SessionSearchIndexMixin:
         return not self.fts_caps.fts5
 
     def _apply_search_schema(self, conn, optimize=False):
-        objects = _schema_objects(conn)
+        objects = schema_objects(conn)
         moved = self.fts_caps.fts5 and self._move_previous_layout(conn, objects)
-        self._drop_hermes_triggers_not_runnable(conn, _schema_objects(conn))
-        objects = _schema_objects(conn)
+        objects = schema_objects(conn, objects)
+        self._drop_hermes_triggers_not_runnable(conn, objects)
+        objects = schema_objects(conn, objects)
         started = False
         foreign = self._foreign_tables(objects)
         if foreign or SEARCH_TABLES["word"] not in objects:
@@ -278,11 +276,11 @@ class SessionSearchIndexMixin:
             if not (moved or optimize) and self._keeps_hermes_index(conn, objects):
                 return False
             started = self._move_to_layout(conn, objects, foreign)
-            objects = _schema_objects(conn)
+            objects = schema_objects(conn, objects)
         if self.fts_caps.fts5 and SEARCH_TABLES["cjk"] not in objects:
             # A store hermes-agent indexed: its two indexes stay, ours is added beside them.
             started = self._create_search_index(conn, ["cjk"]) or started
-            objects = _schema_objects(conn)
+            objects = schema_objects(conn, objects)
         return self._repair_search_index(conn, objects) or started or moved
 
     def _buildable(self):
@@ -376,7 +374,7 @@ class SessionSearchIndexMixin:
     def _create_search_index(self, conn, indexes):
         """Make what is missing of `indexes` (those this runtime can keep), with every existing row
         pending their chunked backfill; True if rows wait for it."""
-        objects = _schema_objects(conn)
+        objects = schema_objects(conn)
         indexes = [index for index in self._buildable()
                    if index in indexes and SEARCH_TABLES[index] not in objects]
         for index in indexes:
@@ -417,7 +415,7 @@ class SessionSearchIndexMixin:
         bounds' fill is due."""
         layout = read_meta(conn, META_SEARCH_LAYOUT)
         if layout == "1" and self._add_cjk_bounds(conn, objects):
-            objects = _schema_objects(conn)
+            objects = schema_objects(conn, objects)
         if layout in ("1", "2", "3") or (layout is None and SEARCH_TABLES["cjk"] not in objects):
             # Older layouts' word and trigram indexes were moved (_move_to_layout); a store
             # hermes-agent indexed has no stamp of ours yet.
@@ -452,7 +450,7 @@ class SessionSearchIndexMixin:
         filling = any(read_meta(conn, key) is not None for key in
                       (META_SEARCH_CJK_BOUNDS_PROGRESS, *[high for high, _ in _MARK_PAIRS]))
         started = self._rebuild_stale_indexes(conn)
-        if self.fts_caps.fts5 and _ours(_schema_objects(conn), "word"):
+        if self.fts_caps.fts5 and _ours(schema_objects(conn, objects), "word"):
             self._stamp_storage_version(conn)
         return started or filling
 
@@ -465,7 +463,7 @@ class SessionSearchIndexMixin:
             return False  # the repair rebuilds or drops it
         ddl = {**SEARCH_OBJECTS["cjk"], **SEARCH_TRIGGERS["cjk"]}
         for name in CJK_BOUNDS_OBJECTS:  # layout 1's triggers raise no bound
-            kind, sql = _schema_objects(conn).get(name, (None, None))
+            kind, sql = schema_objects(conn).get(name, (None, None))
             if kind and not same_ddl(sql, ddl[name]):
                 _drop(conn, kind, name)
             if not same_ddl(sql, ddl[name]):
@@ -508,10 +506,10 @@ class SessionSearchIndexMixin:
             return False
         pairs = {SEARCH_MARKS[index] for index in stale}
         indexes = [index for index in self._buildable() if SEARCH_MARKS[index] in pairs]
-        objects = _schema_objects(conn)
+        objects = schema_objects(conn)
         _retire(conn, objects,
                 [SEARCH_TABLES[index] for index in indexes if SEARCH_TABLES[index] in objects])
-        objects = _schema_objects(conn)
+        objects = schema_objects(conn)
         for index in indexes:
             for name, ddl in (*SEARCH_OBJECTS[index].items(), *SEARCH_TRIGGERS[index].items()):
                 if name not in objects:
@@ -688,7 +686,7 @@ class SessionSearchIndexMixin:
         high water OR id <= progress", false for every row under a high water no id reaches; the
         insert triggers, whose test costs twice the row's insert, are dropped. Marks and drops live
         only inside this transaction: no other writer sees them, a rollback undoes them."""
-        objects = _schema_objects(conn)
+        objects = schema_objects(conn)
         inserts = {f"{SEARCH_TABLES[index]}_insert": index for index in SEARCH_TRIGGERS}
         held = [(index, name, objects[name][1])
                 for name, index in inserts.items() if name in objects]
@@ -723,7 +721,7 @@ class SessionSearchIndexMixin:
         waits in the table `staging` (a file import's) into messages_fts_trigram. Its trigger and
         backfill ask `sessions` for the row, where a staged one is not yet; the word and CJK
         indexes ask nothing of it. A discarded staging's rows leave by ORPHAN_TRIGGER."""
-        if f"{SEARCH_TABLES['trigram']}_insert" not in _schema_objects(conn):
+        if f"{SEARCH_TABLES['trigram']}_insert" not in schema_objects(conn):
             return  # no trigram index maintained here (none, or hermes-agent 0.19's inline one)
         conn.execute(f"""INSERT INTO {SEARCH_TABLES['trigram']}(rowid, content, tool_name)
 SELECT m.id, m.content, m.tool_name FROM messages AS m JOIN {staging} AS s ON s.id = m.session_id
@@ -737,7 +735,7 @@ WHERE m.id > :after AND m.role <> 'tool' AND {_trigram_session('s.')}""", {"afte
         return self._execute_write(self._rebuild_step)
 
     def _rebuild_step(self, conn):
-        objects = _schema_objects(conn)
+        objects = schema_objects(conn)
         for pair in _MARK_PAIRS:
             indexes = [index for index in self._buildable()
                        if SEARCH_MARKS[index] == pair and _ours(objects, index)]
@@ -949,7 +947,7 @@ FROM messages
                 return False
             except sqlite3.DatabaseError:
                 return True
-        objects = _schema_objects(conn)
+        objects = schema_objects(conn)
         tables = {index: SEARCH_TABLES[index] for index in self._buildable()
                   if SEARCH_TABLES[index] in objects}
         broken = self._with_fresh_reader(

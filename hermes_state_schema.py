@@ -26,8 +26,8 @@ from hermes_state_common import (
     GATEWAY_ROUTING_SIDE_TABLE, HERMES_FTS_TABLES, INSERT_META_SQL, INSERT_SYSTEM_PROMPT_SQL,
     LAST_ACTIVE_SQL, META_FTS_OPTIMIZE_AVAILABLE, MIGRATION_CHUNK_SIZE, PREVIOUS_LAYOUT_TABLES,
     LazyModule, RENAME_TABLE_SQL, SCHEMA_31_COLUMNS, SCHEMA_31_TABLES, SCHEMA_SQL, SCHEMA_VERSION,
-    SELECT_META_SQL, SELECT_SCHEMA_OBJECTS_SQL, SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME,
-    _RESET_END_REASONS, placeholders, quote_identifier, trigger_writes,
+    SELECT_META_SQL, SELECT_SCHEMA_VERSION_SQL, TITLE_INDEX_NAME, _RESET_END_REASONS,
+    placeholders, quote_identifier, trigger_writes,
 )
 from hermes_state_errors import is_capability_gap
 from hermes_state_identity import display_identity
@@ -473,6 +473,27 @@ def _default_clause(default):
         scratch.close()
 
 
+SELECT_SCHEMA_OBJECTS_SQL = "SELECT type, name, sql FROM sqlite_master"
+
+
+class _SchemaObjects(dict):
+    """sqlite_master's {name: (type, sql)}, with the schema cookie it was read at."""
+    cookie = None
+
+
+def schema_objects(conn, known=None):
+    """sqlite_master as `conn` sees it; `known` (an earlier reading) again when the schema cookie
+    is unchanged since: every DDL bumps it, even within a transaction, and a settled store's
+    open reread an unchanged sqlite_master five times (a tenth of the open)."""
+    cookie = conn.execute("PRAGMA schema_version").fetchone()[0]
+    if known is not None and known.cookie == cookie:
+        return known
+    objects = _SchemaObjects((name, (kind, sql))
+                             for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL))
+    objects.cookie = cookie
+    return objects
+
+
 def read_meta(conn, key):
     """A state_meta value read inside a write, or None."""
     row = conn.execute(SELECT_META_SQL, (key,)).fetchone()
@@ -624,7 +645,7 @@ def reconcile_state_schema(conn):
     try:
         # The open's own structure steps, which read nothing of a SessionDB.
         schema = SessionSchemaMixin()
-        objects = {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
+        objects = schema_objects(conn)
         schema._create_missing_tables(conn, objects)
         schema._reconcile_columns(conn, objects)
         schema._ensure_deferred_indexes(conn, objects)
@@ -656,7 +677,7 @@ class SessionSchemaMixin:
     def _apply_schema(self, conn):
         # sqlite_master is read once: each step is handed what it held (a table made since is not
         # in it, and a step that needs to know more reads that table itself).
-        objects = {name: (kind, sql) for kind, name, sql in conn.execute(SELECT_SCHEMA_OBJECTS_SQL)}
+        objects = schema_objects(conn)
         self._create_missing_tables(conn, objects)
         self._reconcile_columns(conn, objects)
         self._heal_gateway_routing_pk(conn, objects)
