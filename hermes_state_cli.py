@@ -106,7 +106,9 @@ def _confirm(args, command, question, listing):
     if getattr(args, "yes", False):
         return True
     if not sys.stdin or not sys.stdin.isatty():
-        dry_run = " (--dry-run lists what it would delete)" if command != "optimize-storage" else ""
+        # (only the commands that delete have a --dry-run)
+        dry_run = (" (--dry-run lists what it would delete)" if command in ("delete", "prune")
+                   else "")
         raise CommandError(f"{command} asks before it changes anything; pass --yes to run it "
                            f"unattended{dry_run}")
     for line in listing:

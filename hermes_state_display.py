@@ -103,17 +103,18 @@ def utc_iso(ts):
 
 def _is_time(key, value):
     # Every epoch column of a session row or a hit: *_at, last_active, timestamp, session_started.
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and (key.endswith("_at") or key in ("last_active", "timestamp", "session_started")))
+    return (value is None or isinstance(value, (int, float)) and not isinstance(value, bool)) \
+        and (key.endswith("_at") or key in ("last_active", "timestamp", "session_started"))
 
 
 def with_utc(record):
-    """`record` with `<key>_utc` (ISO 8601, UTC) beside each epoch value, for the data formats."""
+    """`record` with `<key>_utc` (ISO 8601, UTC) beside each epoch value, None beside a time not
+    set (an open session's `ended_at`): every record has the same keys, whatever was set."""
     out = {}
     for key, value in record.items():
         out[key] = value
         if _is_time(key, value):
-            out[key + "_utc"] = utc_iso(value)
+            out[key + "_utc"] = None if value is None else utc_iso(value)
     return out
 
 

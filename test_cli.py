@@ -307,6 +307,17 @@ class ReadingRealStores(CliCase):
                               "--no-headers")
         self.assertEqual(chosen.stdout.splitlines()[0].split("\t")[0], "bench_000019")
         self.assertEqual([len(line.split("\t")) for line in chosen.stdout.splitlines()], [2, 2])
+        # No listed session ended: its default columns still hold ended_at_utc, empty.
+        fresh = self.tmp / "open-sessions.db"
+        with SessionDB(fresh) as store:
+            store.create_session("open", "cli")
+            store.append_message("open", "user", "hi")
+        for fmt in ("csv", "tsv"):
+            run = self.run_cli("--db", str(fresh), "list", "--format", fmt)
+            self.assertEqual((run.returncode, run.stderr), (0, ""))
+            header, row = list(csv.reader(io.StringIO(run.stdout),
+                                          delimiter="," if fmt == "csv" else "\t"))
+            self.assertEqual(row[header.index("ended_at_utc")], "")
         typo = self.run_cli("--db", db, "list", "--format", "csv", "-c", "titel")
         self.assertEqual((typo.returncode, typo.stdout), (1, ""))
         self.assertIn("no column 'titel'", typo.stderr)

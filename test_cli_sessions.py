@@ -80,6 +80,8 @@ class SessionCommands(StoreOfThree):
         self.run_cli("pin", "gamma-3")
         unasked = self.run_cli("archive", "--older-than", "1")  # no terminal, no --yes: refused
         self.assertEqual(unasked.returncode, 1)
+        self.assertIn("pass --yes", unasked.stderr)
+        self.assertNotIn("--dry-run", unasked.stderr)  # archive has none to offer
         self.assertEqual([self.flags(s)[1] for s in ("alpha-1", "beta-2", "gamma-3")], [0, 0, 0])
         bulk = self.run_cli("archive", "--older-than", "1", "--source", "cron", "--yes")
         self.assertEqual((bulk.returncode, bulk.stdout), (0, "archived beta-2\n"), bulk.stderr)
