@@ -116,7 +116,6 @@ def free_disk_bytes(path):
 
 # -- What is on disk ------------------------------------------------------------------------------
 
-
 def _ours(objects, index):
     """True if the table of `index` is there as this layout makes it."""
     table = SEARCH_TABLES[index]

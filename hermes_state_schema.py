@@ -635,6 +635,11 @@ def _try_ddl(conn, sql, failure, quiet=None):
         return False
 
 
+def _build_index(conn, name):
+    """Build the declared index `name` if it is missing; a refusal is logged, the open goes on."""
+    return _try_ddl(conn, DEFERRED_INDEXES[name], f"index {name} not built")
+
+
 def reconcile_state_schema(conn):
     """Bring the store a raw sqlite3 connection reads to the declared tables, columns and indexes
     (hermes-agent's entry for a program that opens state.db without a SessionDB). One transaction
@@ -771,15 +776,15 @@ class SessionSchemaMixin:
 
     def _ensure_deferred_indexes(self, conn, objects, later=()):
         """Build each declared index the store lacks, but those named in `later`: the list of them
-        it lacks, for _build_indexes_left."""
+        it lacks, for _migrate_data."""
         left = []
-        for name, sql in DEFERRED_INDEXES.items():
+        for name in DEFERRED_INDEXES:
             if name in objects:
                 continue
             if name in later:
                 left.append(name)
             else:
-                _try_ddl(conn, sql, f"index {name} not built")
+                _build_index(conn, name)
         return left
 
     def _ensure_title_index(self, conn, objects):
@@ -879,9 +884,8 @@ class SessionSchemaMixin:
         (`indexes_left`). Each is gated on the data, never on schema_version: the rows still to
         fix are the work left, so an interrupted run resumes."""
         for name in indexes_left:
-            # IF NOT EXISTS: another opener may have built it since.
-            self._execute_write(
-                lambda conn: _try_ddl(conn, DEFERRED_INDEXES[name], f"index {name} not built"))
+            # (IF NOT EXISTS: another opener may have built it since)
+            self._execute_write(lambda conn: _build_index(conn, name))
             pause_between_chunks()
         self._repair_null_active()
         self._migrate_inline_system_prompts()

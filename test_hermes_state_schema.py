@@ -10,7 +10,8 @@ from hermes_state import SessionDB
 from hermes_state_common import (
     DEFERRED_INDEXES, MIGRATION_CHUNK_SIZE, SCHEMA_SQL, SCHEMA_VERSION, TITLE_INDEX_NAME,
 )
-from hermes_state_schema import declared_columns, reconcile_state_schema, schema_read_probe_statements
+from hermes_state_schema import (
+    declared_columns, reconcile_state_schema, schema_objects, schema_read_probe_statements)
 from test_support import (
     HAS_FTS5, REPO, V22_DB, V26_DB, TempDirTestCase, drop_triggers_not_runnable_here, dump_hash,
     fixture_path, schema_snapshot,
@@ -106,6 +107,23 @@ class DeclaredSchema(TempDirTestCase):
         # (Without FTS5 the version is held back, README "Degraded runtimes": a new store has none yet.)
         self.assertEqual([tuple(row) for row in conn.execute("SELECT version FROM schema_version")],
                          [(SCHEMA_VERSION,)] if HAS_FTS5 else [])
+
+
+class SchemaObjectsReading(TempDirTestCase):
+
+    def test_an_earlier_reading_is_given_back_until_a_ddl_changes_the_schema(self):
+        conn = sqlite3.connect(":memory:", isolation_level=None)
+        conn.execute("CREATE TABLE a (x)")
+        first = schema_objects(conn)
+        self.assertIs(schema_objects(conn, first), first)
+        conn.execute("BEGIN IMMEDIATE")  # inside a transaction too, as the open's passes run
+        conn.execute("CREATE INDEX a_x ON a(x)")
+        second = schema_objects(conn, first)
+        self.assertIsNot(second, first)
+        self.assertEqual(second["a_x"][0], "index")
+        conn.execute("DROP INDEX a_x")
+        self.assertNotIn("a_x", schema_objects(conn, second))
+        conn.execute("COMMIT")
 
 
 class OldStoresHeal(TempDirTestCase):

@@ -560,6 +560,17 @@ class DataRepairsInChunks(LockHoldTestCase):
             self.assertGreater(number, schema_pass, name)
             self.assertEqual(1, len(alone), name)
 
+    def test_an_open_cut_short_before_them_leaves_them_to_the_next_open(self):
+        self.session_with("s", 3)
+        self.db.close()
+        with self.raw(self.path) as conn:  # as a kill after the pass leaves the store
+            for name in INDEXES_BUILT_AFTER_THE_PASS:
+                conn.execute(f"DROP INDEX {name}")
+        SessionDB(self.path).close()
+        names = {row[0] for row in self.raw(self.path).execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index'")}
+        self.assertLessEqual(set(INDEXES_BUILT_AFTER_THE_PASS), names)
+
     def test_a_new_store_builds_them_in_its_one_schema_pass(self):
         self.assertFalse([t for t in transactions(self.statements)
                           if len(t) == 1 and "CREATE INDEX" in t[0]])
